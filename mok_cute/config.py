@@ -1,0 +1,335 @@
+"""Layer configuration (`MoKConfig`) and the argument checks shared by the public entry points.
+
+Every check raises `TypeError` (wrong kind of object) or `ValueError` (right kind, wrong value)
+with a message of the form ``"<argument>: expected <what>, got <what was given>"``, so a caller
+can tell which argument to fix without reading the source.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "MoKConfig",
+    "MoEDims",
+    "check_bool",
+    "check_int",
+    "check_tensor",
+    "check_moe_inputs",
+    "check_expert_ids",
+    "describe",
+]
+
+BACKENDS = ("auto", "kernel", "reference")
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def describe(value: object) -> str:
+    """Short description of a value for error messages (tensors by shape/dtype/device)."""
+    if isinstance(value, torch.Tensor):
+        return (
+            f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}"
+            f"{'' if value.is_contiguous() else ', non-contiguous'})"
+        )
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def check_int(
+    name: str,
+    value: object,
+    *,
+    min_value: int | None = None,
+    max_value: int | None = None,
+    allow_none: bool = False,
+) -> None:
+    """`value` must be an int (bool rejected) within [min_value, max_value]."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        expected = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name}: expected {expected}, got {describe(value)}")
+    if min_value is not None and value < min_value:
+        raise ValueError(f"{name}: expected an int >= {min_value}, got {value}")
+    if max_value is not None and value > max_value:
+        raise ValueError(f"{name}: expected an int <= {max_value}, got {value}")
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {describe(value)}")
+
+
+def _shape_text(shape: Sequence[object]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    shape: Sequence[object] | None = None,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    device: torch.device | str | None = None,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Check one tensor argument and return it.
+
+    `shape` is a sequence whose entries are ints (must match), None (any extent) or strings
+    (symbolic names, only used in the message: a string entry matches anything; pair it with
+    an int when the extent is known). Example: ``shape=("T", 4096)``.
+    `dtype` is one dtype or a sequence of accepted dtypes.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {describe(t)}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(
+            not isinstance(want, int) or isinstance(want, bool) or got == want
+            for got, want in zip(t.shape, shape)
+        )
+        if not ok:
+            raise ValueError(
+                f"{name}: expected shape {_shape_text(shape)}, got {_shape_text(tuple(t.shape))}"
+            )
+    if dtype is not None:
+        accepted = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in accepted:
+            want = " or ".join(str(d) for d in accepted)
+            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name}: expected a tensor on device {device}, got one on {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())} "
+            f"for shape {tuple(t.shape)} (call .contiguous())"
+        )
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# MoKConfig
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoKConfig:
+    """Static configuration of one MoE layer call.
+
+    tile_m            GEMM tile height; also the padding granule of each expert's row segment
+                      in the receive schedule.
+    num_comm_sms      SMs given to communication in the megakernel; None -> tuned or heuristic.
+    minibatch_tokens  tokens per dispatch minibatch; None -> tuned or heuristic.
+    ring_tokens       rows of the reusable ring buffers; None -> tuned or heuristic.
+    timeline          compile-time flag: the in-kernel timeline recorder is on.
+    timeline_capacity records in the timeline buffer.
+    timeout_ms        spin-wait timeout in the megakernel, after which it raises.
+    backend           "auto": GPU kernel when available, else the PyTorch reference;
+                      "kernel": GPU kernel, error if it cannot run;
+                      "reference": always the PyTorch reference.
+    """
+
+    tile_m: int = 128
+    num_comm_sms: int | None = None
+    minibatch_tokens: int | None = None
+    ring_tokens: int | None = None
+    timeline: bool = False
+    timeline_capacity: int = 1 << 16
+    timeout_ms: float = 10_000.0
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_int("MoKConfig.tile_m", self.tile_m, min_value=1)
+        check_int("MoKConfig.num_comm_sms", self.num_comm_sms, min_value=1, allow_none=True)
+        check_int(
+            "MoKConfig.minibatch_tokens", self.minibatch_tokens, min_value=1, allow_none=True
+        )
+        check_int("MoKConfig.ring_tokens", self.ring_tokens, min_value=1, allow_none=True)
+        check_bool("MoKConfig.timeline", self.timeline)
+        check_int("MoKConfig.timeline_capacity", self.timeline_capacity, min_value=1)
+        if isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, (int, float)):
+            raise TypeError(
+                f"MoKConfig.timeout_ms: expected a float (milliseconds), got {describe(self.timeout_ms)}"
+            )
+        if not (math.isfinite(self.timeout_ms) and self.timeout_ms > 0):
+            raise ValueError(
+                f"MoKConfig.timeout_ms: expected a finite number > 0, got {self.timeout_ms}"
+            )
+        if not isinstance(self.backend, str):
+            raise TypeError(
+                f"MoKConfig.backend: expected one of {BACKENDS}, got {describe(self.backend)}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MoKConfig.backend: expected one of {BACKENDS}, got {self.backend!r}")
+
+
+def resolve_config(config: object) -> MoKConfig:
+    """`None` -> defaults; otherwise `config` must be a MoKConfig."""
+    if config is None:
+        return MoKConfig()
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config: expected a mok_cute.MoKConfig or None, got {describe(config)}")
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE layer arguments (DESIGN §1-§2)
+# ---------------------------------------------------------------------------------------------
+
+
+class MoEDims(NamedTuple):
+    """Extents of one (possibly stacked) layer call."""
+
+    num_ranks: int  # R (leading dim of the virtual call; group size for a real EP call; else 1)
+    tokens: int  # T
+    hidden: int  # H
+    top_k: int  # K
+    local_experts: int  # E_loc
+    intermediate: int  # I
+    shared_intermediate: int  # Is (0 without a shared expert)
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_ranks * self.local_experts
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_moe_inputs(
+    x: object,
+    topk_idx: object,
+    topk_weights: object,
+    w_gate: object,
+    w_up: object,
+    w_down: object,
+    shared: object = None,
+    *,
+    num_ranks: int = 1,
+    stacked: bool = False,
+    strict_dtypes: bool = True,
+    contiguous: bool = True,
+    x_name: str = "x",
+) -> MoEDims:
+    """Validate the arguments of one layer call and return its extents.
+
+    stacked=False: the shapes of DESIGN §1 (`x [T,H]`, `w_gate [E_loc,I,H]`, ...), with
+    `num_ranks` = EP group size (global expert ids are in [0, num_ranks * E_loc)).
+    stacked=True: the `moe_forward_virtual` shapes, every tensor with a leading R
+    (R is read from `x`; `num_ranks` is ignored).
+    strict_dtypes=True: the contract dtypes (bf16 activations and weights; int32/int64 ids;
+    fp32 or bf16 routing weights). False (the reference oracle): any floating dtype.
+    Expert ids are not range-checked here (that needs a device read): see `check_expert_ids`.
+    """
+    act_dtypes = (torch.bfloat16,) if strict_dtypes else _FLOAT_DTYPES
+    route_dtypes = (torch.float32, torch.bfloat16) if strict_dtypes else _FLOAT_DTYPES
+    lead = 1 if stacked else 0
+
+    x = check_tensor(x_name, x, dtype=act_dtypes, contiguous=contiguous)
+    if x.dim() != 2 + lead:
+        want = "[R, T, H]" if stacked else "[T, H]"
+        raise ValueError(f"{x_name}: expected a {2 + lead}-D tensor {want}, got shape {_shape_text(tuple(x.shape))}")
+    device = x.device
+    R = x.shape[0] if stacked else num_ranks
+    if stacked and R < 1:
+        raise ValueError(f"{x_name}: expected R >= 1 ranks on dim 0, got shape {_shape_text(tuple(x.shape))}")
+    T, H = x.shape[lead], x.shape[lead + 1]
+    if H < 1:
+        raise ValueError(f"{x_name}: expected hidden size H >= 1, got shape {_shape_text(tuple(x.shape))}")
+    pre_n: tuple[object, ...] = (R,) if stacked else ()
+
+    topk_idx = check_tensor("topk_idx", topk_idx, dtype=_INDEX_DTYPES, device=device, contiguous=contiguous)
+    if topk_idx.dim() != 2 + lead or tuple(topk_idx.shape[: 1 + lead]) != tuple(x.shape[: 1 + lead]):
+        raise ValueError(
+            f"topk_idx: expected shape {_shape_text(pre_n + (T, 'K'))} (same leading dims as {x_name}), "
+            f"got {_shape_text(tuple(topk_idx.shape))}"
+        )
+    K = topk_idx.shape[lead + 1]
+    if K < 1:
+        raise ValueError(f"topk_idx: expected top-k K >= 1 columns, got shape {_shape_text(tuple(topk_idx.shape))}")
+
+    check_tensor(
+        "topk_weights",
+        topk_weights,
+        shape=pre_n + (T, K),
+        dtype=route_dtypes,
+        device=device,
+        contiguous=contiguous,
+    )
+
+    w_gate = check_tensor("w_gate", w_gate, dtype=act_dtypes, device=device, contiguous=contiguous)
+    if w_gate.dim() != 3 + lead or (stacked and w_gate.shape[0] != R) or w_gate.shape[-1] != H:
+        raise ValueError(
+            f"w_gate: expected shape {_shape_text(pre_n + ('E_loc', 'I', H))}, "
+            f"got {_shape_text(tuple(w_gate.shape))}"
+        )
+    E_loc, I = w_gate.shape[lead], w_gate.shape[lead + 1]
+    if E_loc < 1 or I < 1:
+        raise ValueError(
+            f"w_gate: expected E_loc >= 1 experts and I >= 1, got shape {_shape_text(tuple(w_gate.shape))}"
+        )
+    check_tensor("w_up", w_up, shape=pre_n + (E_loc, I, H), dtype=act_dtypes, device=device, contiguous=contiguous)
+    check_tensor(
+        "w_down", w_down, shape=pre_n + (E_loc, H, I), dtype=act_dtypes, device=device, contiguous=contiguous
+    )
+
+    E = R * E_loc
+    if K > E:
+        raise ValueError(
+            f"topk_idx: expected top-k K <= number of experts E = {E} "
+            f"({R} rank(s) x {E_loc} local experts), got K = {K}"
+        )
+
+    Is = 0
+    if shared is not None:
+        if not isinstance(shared, (tuple, list)) or len(shared) != 3:
+            raise TypeError(
+                "shared: expected None or a 3-tuple (ws_gate, ws_up, ws_down), "
+                f"got {describe(shared)}"
+            )
+        ws_gate, ws_up, ws_down = shared
+        ws_gate = check_tensor("shared[0] (ws_gate)", ws_gate, dtype=act_dtypes, device=device, contiguous=contiguous)
+        if ws_gate.dim() != 2 + lead or (stacked and ws_gate.shape[0] != R) or ws_gate.shape[-1] != H:
+            raise ValueError(
+                f"shared[0] (ws_gate): expected shape {_shape_text(pre_n + ('Is', H))}, "
+                f"got {_shape_text(tuple(ws_gate.shape))}"
+            )
+        Is = ws_gate.shape[lead]
+        if Is < 1:
+            raise ValueError(f"shared[0] (ws_gate): expected Is >= 1 rows, got shape {_shape_text(tuple(ws_gate.shape))}")
+        check_tensor(
+            "shared[1] (ws_up)", ws_up, shape=pre_n + (Is, H), dtype=act_dtypes, device=device, contiguous=contiguous
+        )
+        check_tensor(
+            "shared[2] (ws_down)", ws_down, shape=pre_n + (H, Is), dtype=act_dtypes, device=device, contiguous=contiguous
+        )
+
+    return MoEDims(R, T, H, K, E_loc, I, Is)
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> None:
+    """Every id must be in [0, num_experts).
+
+    On CUDA this reads two scalars back to the host: one synchronisation, done with a single
+    `aminmax` reduction (the only host sync of the argument checks).
+    """
+    if topk_idx.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
+    if lo < 0 or hi >= num_experts:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"{name}: expected global expert ids in [0, {num_experts}), got id {bad} "
+            f"(ids span [{lo}, {hi}])"
+        )

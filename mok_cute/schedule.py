@@ -1,0 +1,195 @@
+"""Receive schedule: which (peer, token, k) rows each local expert of this rank pulls, where.
+
+For rank `rank` of an EP group of R ranks with E_loc experts each, the all-gathered routing
+`topk_idx_all [R, T, K]` (global expert ids) determines, for every local expert e, the rows
+routed to global expert `rank * E_loc + e`. They are laid out in one padded row buffer:
+
+    expert 0 rows | pad | expert 1 rows | pad | ...        each segment padded to tile_m
+
+so every M-tile of the grouped GEMM belongs to exactly one expert. Inside a segment rows are
+interleaved round-robin over peers: the j-th row of peer 0, the j-th row of peer 1, ...
+(skipping peers with fewer than j+1 rows), then j+1; a peer's own rows are in ascending
+(token, k) order. Consecutive rows therefore come from different GPUs during dispatch.
+
+Everything is built with sort / cumsum / searchsorted / gather on the device of
+`topk_idx_all`: no host synchronisation, no Python loop over rows, and a capacity computed
+from shapes alone (every (peer, token, k) could land on this rank), so the kernels compile
+once per shape and never recompile when counts change. Keys are unique, so the result is
+deterministic and identical on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import check_int, check_tensor
+
+__all__ = [
+    "ReceiveSchedule",
+    "build_receive_schedule",
+    "schedule_capacity",
+    "slot_of_rows",
+    "row_of_slot",
+]
+
+
+@dataclass
+class ReceiveSchedule:
+    """One rank's receive schedule. All tensors are int32 on the device of topk_idx_all."""
+
+    rank: int
+    num_ranks: int
+    num_local_experts: int
+    tile_m: int
+    capacity: int  # static bound on padded rows, from shapes only (multiple of tile_m)
+    row_peer: torch.Tensor  # [capacity] source rank of each padded row, -1 for padding rows
+    row_token: torch.Tensor  # [capacity] token index on that peer, -1 for padding
+    row_k: torch.Tensor  # [capacity] k slot, -1 for padding
+    expert_counts: torch.Tensor  # [E_loc] real rows per local expert
+    expert_offsets: torch.Tensor  # [E_loc + 1] padded segment starts; [-1] = total padded rows
+    tile_expert: torch.Tensor  # [capacity // tile_m] local expert of each M-tile, -1 past the end
+    num_tiles: torch.Tensor  # [1] number of valid M-tiles (device scalar)
+
+
+def schedule_capacity(num_ranks: int, tokens: int, top_k: int, num_local_experts: int, tile_m: int) -> int:
+    """Padded-row bound: all R*T*K rows on this rank plus < tile_m padding per expert."""
+    rows = num_ranks * tokens * top_k + num_local_experts * (tile_m - 1)
+    return -(-rows // tile_m) * tile_m
+
+
+def build_receive_schedule(
+    topk_idx_all: torch.Tensor,
+    rank: int,
+    num_local_experts: int,
+    tile_m: int = 128,
+    *,
+    validate: bool = True,
+) -> ReceiveSchedule:
+    """Build rank `rank`'s receive schedule from the all-gathered `topk_idx_all [R, T, K]`.
+
+    validate=True also checks that every id is in [0, R * num_local_experts); on CUDA that is
+    one device->host read. Callers that already validated (the kernel path) pass False to keep
+    the build free of host synchronisation.
+    """
+    check_tensor("topk_idx_all", topk_idx_all, dtype=(torch.int32, torch.int64), contiguous=False)
+    if topk_idx_all.dim() != 3:
+        raise ValueError(
+            f"topk_idx_all: expected shape [R, T, K], got {list(topk_idx_all.shape)}"
+        )
+    R, T, K = topk_idx_all.shape
+    if R < 1 or K < 1:
+        raise ValueError(f"topk_idx_all: expected R >= 1 and K >= 1, got shape {list(topk_idx_all.shape)}")
+    check_int("rank", rank, min_value=0, max_value=R - 1)
+    check_int("num_local_experts", num_local_experts, min_value=1)
+    check_int("tile_m", tile_m, min_value=1)
+    E_loc = num_local_experts
+    if validate and topk_idx_all.numel():
+        lo, hi = torch.stack(torch.aminmax(topk_idx_all)).tolist()
+        if lo < 0 or hi >= R * E_loc:
+            raise ValueError(
+                f"topk_idx_all: expected global expert ids in [0, {R * E_loc}) "
+                f"({R} ranks x {E_loc} local experts), got ids spanning [{lo}, {hi}]"
+            )
+
+    device = topk_idx_all.device
+    TK = T * K
+    N = R * TK  # candidate rows: every (peer, slot)
+    capacity = schedule_capacity(R, T, K, E_loc, tile_m)
+    i64 = dict(dtype=torch.int64, device=device)
+
+    # Per candidate row: local expert (E_loc = "not mine"), peer and slot = token * K + k.
+    local = topk_idx_all.reshape(R, TK).to(torch.int64) - rank * E_loc
+    mine = (local >= 0) & (local < E_loc)
+    expert = torch.where(mine, local, torch.full_like(local, E_loc)).reshape(N)
+    peer = torch.arange(R, **i64).repeat_interleave(TK)
+    slot = torch.arange(TK, **i64).repeat(R)
+
+    # j = position of a row among the rows of its own (peer, expert) pair, in slot order.
+    # Candidates are enumerated peer-major, slot ascending, so a stable sort on
+    # (peer, expert) keeps slot order inside each pair.
+    pair_key = peer * (E_loc + 1) + expert
+    pair_sorted, pair_order = torch.sort(pair_key, stable=True)
+    pair_start = torch.searchsorted(pair_sorted, pair_sorted, right=False)
+    j = torch.empty(N, **i64)
+    j[pair_order] = torch.arange(N, **i64) - pair_start
+
+    # Final order: (expert, j, peer); unique key for my rows, "not mine" rows sort last.
+    row_key = (expert * max(TK, 1) + j) * R + peer
+    row_sorted, row_order = torch.sort(row_key, stable=True)
+    row_expert = torch.div(row_sorted, max(TK, 1) * R, rounding_mode="floor")  # E_loc past mine
+
+    # Counts and padded offsets per local expert (rows of expert e are contiguous in row_order).
+    expert_ids = torch.arange(E_loc + 1, **i64)
+    real_start = torch.searchsorted(row_expert, expert_ids, right=False)  # [E_loc + 1]
+    counts = real_start[1:] - real_start[:-1]
+    padded = torch.div(counts + (tile_m - 1), tile_m, rounding_mode="floor") * tile_m
+    offsets = torch.cat([torch.zeros(1, **i64), torch.cumsum(padded, 0)])
+
+    # Fill the padded buffer by gathering: padded row -> (expert, index inside segment).
+    pos = torch.arange(capacity, **i64)
+    pos_expert = torch.searchsorted(offsets[1:], pos, right=True).clamp_(max=E_loc - 1)
+    in_segment = pos - offsets[pos_expert]
+    valid = (in_segment < counts[pos_expert]) & (pos < offsets[-1])
+    if N:
+        source = row_order[(real_start[pos_expert] + in_segment).clamp_(0, N - 1)]
+        minus1 = torch.full_like(pos, -1)
+        row_peer = torch.where(valid, peer[source], minus1)
+        row_slot = torch.where(valid, slot[source], minus1)
+        row_token = torch.where(valid, torch.div(row_slot, K, rounding_mode="floor"), minus1)
+        row_k = torch.where(valid, row_slot % K, minus1)
+    else:
+        row_peer = row_token = row_k = torch.full((capacity,), -1, **i64)
+
+    # Expert of each M-tile; -1 past the last valid tile.
+    num_tiles_cap = capacity // tile_m
+    tile_start = torch.arange(num_tiles_cap, **i64) * tile_m
+    tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)
+    tile_expert = torch.where(tile_start < offsets[-1], tile_expert, torch.full_like(tile_expert, -1))
+    num_tiles = torch.div(offsets[-1:], tile_m, rounding_mode="floor")
+
+    i32 = torch.int32
+    return ReceiveSchedule(
+        rank=rank,
+        num_ranks=R,
+        num_local_experts=E_loc,
+        tile_m=tile_m,
+        capacity=capacity,
+        row_peer=row_peer.to(i32),
+        row_token=row_token.to(i32),
+        row_k=row_k.to(i32),
+        expert_counts=counts.to(i32),
+        expert_offsets=offsets.to(i32),
+        tile_expert=tile_expert.to(i32),
+        num_tiles=num_tiles.to(i32),
+    )
+
+
+def slot_of_rows(schedule: ReceiveSchedule, K: int) -> torch.Tensor:
+    """[capacity] int32: `row_token * K + row_k` (the row's slot on its source peer), -1 on padding."""
+    check_int("K", K, min_value=1)
+    token = schedule.row_token.to(torch.int64)
+    slot = token * K + schedule.row_k.to(torch.int64)
+    return torch.where(token >= 0, slot, torch.full_like(slot, -1)).to(torch.int32)
+
+
+def row_of_slot(schedule: ReceiveSchedule, T: int, K: int, peer: int = 0) -> torch.Tensor:
+    """[T * K] int32: padded row that peer `peer`'s slot (token * K + k) went to, -1 if none.
+
+    With R == 1 (peer 0) every slot has a row: this is the inverse of `slot_of_rows`.
+    T and K must be the extents the schedule was built with.
+    """
+    check_int("T", T, min_value=0)
+    check_int("K", K, min_value=1)
+    check_int("peer", peer, min_value=0, max_value=schedule.num_ranks - 1)
+    slots = slot_of_rows(schedule, K).to(torch.int64)
+    hit = (slots >= 0) & (schedule.row_peer.to(torch.int64) == peer)
+    device = slots.device
+    # Scatter into a buffer with one extra dummy entry for non-hits; every dummy write stores
+    # the same value (-1), so the result does not depend on write order.
+    out = torch.full((T * K + 1,), -1, dtype=torch.int64, device=device)
+    index = torch.where(hit, slots, torch.full_like(slots, T * K))
+    value = torch.where(hit, torch.arange(slots.numel(), dtype=torch.int64, device=device), torch.full_like(slots, -1))
+    out.scatter_(0, index, value)
+    return out[: T * K].to(torch.int32)
