@@ -1,0 +1,405 @@
+"""Persistent, warp-specialised grouped GEMM for MoE experts on Hopper (sm_90a).
+
+    C[rows of M-tile m, n-tile] = epilogue( A[rows of m, :] @ B[expert(m), n-tile, :]^T )
+
+- A ``(M_cap, K)`` bf16, K-major: the expert-sorted, tile-padded activation rows (the
+  receive schedule pads every expert segment to ``tile_m`` rows, so each M-tile belongs to
+  exactly one expert).
+- B ``(E, N, K)`` bf16, K-major: the expert weights in nn.Linear layout, one TMA descriptor
+  over all experts; the expert of an M-tile is read at run time from ``tile_expert``.
+- ``num_m_tiles`` is a one-element device tensor: the token histogram never causes a
+  recompile or a host sync; tiles past it are simply not scheduled.
+
+Epilogues (compile-time):
+- ``"store"``:  C = bf16(acc)                                 (FC2: down projection, y rows)
+- ``"swiglu"``: C[:, j] = bf16(silu(acc[:, g(j)]) * acc[:, u(j)])  (FC1: gate and up in one
+  pass). The packed FC1 weight holds, for every block of ``tile_n/2`` output columns, the
+  ``tile_n/2`` gate rows followed by the matching ``tile_n/2`` up rows, so one N-tile holds
+  matching gate and up columns and every thread owns both halves of its pairs: no shuffles.
+  ``pack_gate_up`` builds that layout.
+
+Roles (384 threads): warpgroup 0 is the producer (warp 0 issues TMA loads into a
+``num_stages``-deep mbarrier ring, registers lowered with setmaxnreg); warpgroups 1-2 are
+the consumers (each owns 64 rows of the 128-row tile, wgmma with fp32 accumulators,
+registers raised with setmaxnreg), then run the epilogue through shared memory and TMA
+stores. The K loop runs in a fixed order and there is no split-K, so results are bitwise
+reproducible.
+
+Tile order: persistent CTAs walk a linear tile index with a grid stride. The index is
+rasterised in groups of ``group_m`` M-tiles: inside a group the M index moves fastest,
+so CTAs running at the same time share B tiles (one expert's weight slice) and the A
+rows of the group stay hot in L2.
+
+Constraints: bf16 in/out, fp32 accumulation; K % 64 == 0; N % tile_n == 0
+(FC1: I % (tile_n/2) == 0); tile_m = 128; tile_n in {64, 128, 256}.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Tuple
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32, Float32, const_expr
+
+from mok_cute.kernels import common
+
+TILE_M = 128
+TILE_K = 64
+EPILOGUES = ("store", "swiglu")
+LOG2_E = 1.4426950408889634
+
+
+class GroupedGemmSm90:
+    """Grouped (per-expert) GEMM with a run-time tile -> expert table.
+
+    :param tile_n: CTA tile width in N (64, 128 or 256; swiglu needs >= 128).
+    :param epilogue: ``"store"`` or ``"swiglu"``.
+    :param group_m: M-tiles per rasterisation group (L2 reuse of B).
+    :param num_sms: persistent grid size (132 on H100/H200).
+    """
+
+    def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
+                 num_sms: int = 132):
+        if tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
+        if epilogue == "swiglu" and tile_n < 128:
+            raise ValueError(f"the swiglu epilogue needs tile_n >= 128, got {tile_n}")
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        if group_m < 1:
+            raise ValueError(f"group_m must be >= 1, got {group_m}")
+        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
+        self.epilogue = epilogue
+        self.group_m = group_m
+        self.num_sms = num_sms
+        self.acc_dtype = Float32
+        # Output tile: SwiGLU halves the N width of the stored tile.
+        self.out_tile_n = tile_n // 2 if epilogue == "swiglu" else tile_n
+        # Two consumer warpgroups split the 128 rows (64 each); one producer warpgroup.
+        self.atom_layout_mnk = (2, 1, 1)
+        self.num_mma_warpgroups = 2
+        self.threads_per_warpgroup = 128
+        self.threads_per_cta = (1 + self.num_mma_warpgroups) * self.threads_per_warpgroup
+        self.num_mma_threads = self.num_mma_warpgroups * self.threads_per_warpgroup
+        self.load_warp = 0
+        self.epi_store_warp = 4  # first warp of the first consumer warpgroup
+        self.producer_regs = 40
+        self.consumer_regs = 232
+        self.epi_tile = (TILE_M, 32)
+        self.epi_stages = 4
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        self.buffer_align_bytes = 1024
+        self.epilogue_barrier = pipeline.NamedBarrier(
+            barrier_id=int(common.NamedBarriers.EPILOGUE), num_threads=self.num_mma_threads)
+        # Derived in _setup_attributes once dtypes are known.
+        self.tiled_mma = None
+        self.ab_stages = None
+        self.a_smem_layout_staged = None
+        self.b_smem_layout_staged = None
+        self.epi_smem_layout_staged = None
+
+    # ------------------------------------------------------------------ derived attributes
+    def _setup_attributes(self):
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype,
+            cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]),
+        )
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        ab_bytes_per_stage = (tile_m + tile_n) * tile_k * self.a_dtype.width // 8
+        epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_stages
+        reserved = 1024  # mbarriers and alignment slack
+        self.ab_stages = (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage
+        self.a_smem_layout_staged = self._staged_kmajor_layout(
+            self.a_dtype, (tile_m, tile_k), self.ab_stages)
+        self.b_smem_layout_staged = self._staged_kmajor_layout(
+            self.b_dtype, (tile_n, tile_k), self.ab_stages)
+        epi_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.c_dtype,
+                                            self.epi_tile[1]),
+            self.c_dtype)
+        self.epi_smem_layout_staged = cute.tile_to_shape(
+            epi_atom, cute.append(self.epi_tile, self.epi_stages), order=(0, 1, 2))
+
+    @staticmethod
+    def _staged_kmajor_layout(dtype, tile_mk, stages):
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, tile_mk[1]),
+            dtype)
+        return cute.tile_to_shape(atom, cute.append(tile_mk, stages), order=(0, 1, 2))
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+                 mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor, stream: cuda.CUstream):
+        """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1): all K- / N-major."""
+        self.a_dtype = mA.element_type
+        self.b_dtype = mB.element_type
+        self.c_dtype = mC.element_type
+        if const_expr(self.a_dtype != self.b_dtype):
+            raise TypeError(f"A and B dtypes differ: {self.a_dtype} vs {self.b_dtype}")
+        self._setup_attributes()
+
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
+        tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mB, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (tile_n, tile_k))
+        tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
+            cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout_staged)],
+                self.buffer_align_bytes]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged)],
+                self.buffer_align_bytes]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
+                self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
+            mTileExpert, mNumMTiles, self.tiled_mma,
+            self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
+        ).launch(
+            grid=[self.num_sms, 1, 1],
+            block=[self.threads_per_cta, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
+               tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
+               tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
+               mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
+               tiled_mma: cute.TiledMma,
+               a_smem_layout_staged: cute.ComposedLayout,
+               b_smem_layout_staged: cute.ComposedLayout,
+               epi_smem_layout_staged: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+
+        if warp_idx == self.load_warp:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0)))
+                     + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0))))
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_full_empty.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # one arrive per consumer warp
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.num_mma_threads // 32),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+
+        # (bM, bK, RestM, RestK, RestL) / (bN, bK, RestN, RestK, RestE) / (bM, bNout, RestM, RestN, 1)
+        gA_mkl = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
+        gB_nkl = cute.local_tile(mB_nkl, (tile_n, tile_k), (None, None, None))
+        gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
+        single_cta = cute.make_layout(1)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, single_cta, cute.group_modes(sB, 0, 2), cute.group_modes(gB_nkl, 0, 2))
+
+        k_tile_cnt = cute.size(gA_mkl, mode=[3])
+        num_n_tiles = cute.size(gB_nkl, mode=[2])
+        num_m_tiles = mNumMTiles[0]
+        num_tiles = num_m_tiles * num_n_tiles
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warpgroup_idx == 0:
+            # ---------------- producer warpgroup: warp 0 streams A and B tiles with TMA
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == self.load_warp:
+                producer_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.ab_stages)
+                tile_idx = cute.arch.block_idx()[0]
+                while tile_idx < num_tiles:
+                    m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+                    expert = mTileExpert[m_tile]
+                    tAgA_k = tAgA[(None, m_tile, None, 0)]
+                    tBgB_k = tBgB[(None, n_tile, None, expert)]
+                    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                        ab_pipeline.producer_acquire(producer_state)
+                        barrier = ab_pipeline.producer_get_barrier(producer_state)
+                        cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
+                                  tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
+                                  tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        ab_pipeline.producer_commit(producer_state)
+                        producer_state.advance()
+                    tile_idx += cute.arch.grid_dim()[0]
+                ab_pipeline.producer_tail(producer_state)
+        else:
+            # ---------------- consumer warpgroups: wgmma mainloop + epilogue
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            mma_tidx = tidx - self.threads_per_warpgroup
+            thr_mma = tiled_mma.get_slice(
+                cute.make_layout(self.num_mma_warpgroups, stride=self.threads_per_warpgroup)(
+                    warpgroup_idx - 1))
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), self.acc_dtype)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            # Epilogue partitions: registers -> smem (stmatrix) -> gmem (TMA store).
+            stmatrix = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
+            tiled_copy_r2s = cute.make_tiled_copy_S(
+                sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR,
+                                                  elem_ty_d=self.c_dtype,
+                                                  elem_ty_acc=self.acc_dtype),
+                cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+            tRS_sC = thr_copy_r2s.partition_D(sC)
+            tRS_rAcc = tiled_copy_r2s.retile(acc)
+            frag_shape = cute.shape(thr_copy_r2s.partition_S(sC))[:3]
+            tRS_rOut = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
+            tRS_rOut_c = cute.make_rmem_tensor(frag_shape, self.c_dtype)
+            frag_size = cute.size(tRS_rOut)
+            num_out_subtiles = self.out_tile_n // self.epi_tile[1]
+            tma_store_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_threads))
+
+            read_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.ab_stages)
+            subtiles_done = Int32(0)
+            tile_idx = cute.arch.block_idx()[0]
+            while tile_idx < num_tiles:
+                m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+
+                # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                    ab_pipeline.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
+                                  tCrB[(None, None, kb, read_state.index)], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    if k_tile > 0:
+                        ab_pipeline.consumer_release(release_state)
+                        release_state.advance()
+                    read_state.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+
+                # ---- epilogue: subtiles of (128, 32) through smem, TMA-stored by one warp
+                gC = cute.zipped_divide(gC_mnl[(None, None, m_tile, n_tile, 0)], self.epi_tile)
+                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_c, 0, single_cta, cute.group_modes(sC, 0, 2), gC)
+                for sub in cutlass.range_constexpr(num_out_subtiles):
+                    if const_expr(self.epilogue == "swiglu"):
+                        for v in cutlass.range_constexpr(frag_size):
+                            gate = tRS_rAcc[sub * frag_size + v]
+                            up = tRS_rAcc[(sub + num_out_subtiles) * frag_size + v]
+                            tRS_rOut[v] = common.silu(gate) * up
+                    else:
+                        for v in cutlass.range_constexpr(frag_size):
+                            tRS_rOut[v] = tRS_rAcc[sub * frag_size + v]
+                    tRS_rOut_c.store(tRS_rOut.load().to(self.c_dtype))
+                    epi_buffer = (subtiles_done + sub) % self.epi_stages
+                    cute.copy(tiled_copy_r2s, tRS_rOut_c, tRS_sC[(None, None, None, epi_buffer)])
+                    # stmatrix writes are generic-proxy; TMA reads through the async proxy
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epilogue_barrier.arrive_and_wait()
+                    if warp_idx == self.epi_store_warp:
+                        cute.copy(tma_atom_c, bSG_sC[(None, epi_buffer)], bSG_gC[(None, (0, sub))])
+                        tma_store_pipeline.producer_commit()
+                        tma_store_pipeline.producer_acquire()
+                    self.epilogue_barrier.arrive_and_wait()
+                subtiles_done += num_out_subtiles
+                tile_idx += cute.arch.grid_dim()[0]
+            tma_store_pipeline.producer_tail()
+
+
+# ---------------------------------------------------------------------- host helpers
+def pack_gate_up(w_gate, w_up, tile_n: int = 256):
+    """[E, I, H] gate and up -> [E, 2I, H] with blocks of tile_n/2 gate rows then up rows."""
+    half = tile_n // 2
+    e, i, h = w_gate.shape
+    if i % half:
+        raise ValueError(f"intermediate size {i} must be a multiple of tile_n/2 = {half}")
+    g = w_gate.reshape(e, i // half, half, h)
+    u = w_up.reshape(e, i // half, half, h)
+    import torch
+    return torch.stack((g, u), dim=2).reshape(e, 2 * i, h).contiguous()
+
+
+def choose_tile_n(n_out: int, epilogue: str) -> int:
+    """Widest tile whose output width divides the output columns."""
+    for tile_n in (256, 128, 64):
+        out = tile_n // 2 if epilogue == "swiglu" else tile_n
+        if n_out % out == 0 and (epilogue != "swiglu" or tile_n >= 128):
+            return tile_n
+    raise ValueError(f"output width {n_out} must be a multiple of 64 ({epilogue})")
+
+
+def _fake_operands(tile_n: int, out_tile_n: int):
+    """Fake (M_cap, K, 1) A, (N, K, E) B, (M_cap, N_out, 1) C with run-time extents."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    m = cute.sym_int32()
+    k = cute.sym_int32(divisibility=TILE_K)
+    n = cute.sym_int32(divisibility=tile_n)
+    n_out = cute.sym_int32(divisibility=out_tile_n)
+    num_experts = cute.sym_int32()
+    bf16 = cutlass.BFloat16
+    a = make_fake_compact_tensor(bf16, (m, k, 1), stride_order=(1, 0, 2), assumed_align=16)
+    b = make_fake_compact_tensor(bf16, (n, k, num_experts), stride_order=(1, 0, 2), assumed_align=16)
+    c = make_fake_compact_tensor(bf16, (m, n_out, 1), stride_order=(1, 0, 2), assumed_align=16)
+    tile_expert = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
+    num_m_tiles = make_fake_compact_tensor(Int32, (1,), assumed_align=4)
+    return a, b, c, tile_expert, num_m_tiles
+
+
+def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
+                         num_sms: int = 132, arch: str = "sm_90a", options: str = ""):
+    """Compile one static configuration on fake tensors (no GPU needed).
+
+    M, N, K and the expert count are run-time extents: one compile serves every shape
+    with K % 64 == 0 and N % tile_n == 0.
+    """
+    gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms)
+    args = _fake_operands(tile_n, gemm.out_tile_n)
+    stream = cutlass.runtime.make_fake_stream()
+    return cute.compile(gemm, *args, stream, options=f"--gpu-arch {arch} {options}".strip())

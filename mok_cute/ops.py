@@ -1,0 +1,167 @@
+"""The one-GPU kernel path: torch tensors in, mok_cute kernels launched, torch tensors out.
+
+    x --gather_rows--> x_sorted --FC1 (swiglu)--> h --FC2 (store)--> y --k-sum--> out
+                                   shared expert: x --FC1--> hs --FC2--> s ---^
+
+Every step runs on the stream of the current torch device with no host sync: the receive
+schedule (torch ops) keeps counts in device memory and the GEMMs read the M-tile count and
+tile -> expert table from there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mok_cute.config import MoKConfig
+
+TILE_M = 128
+
+
+# ---------------------------------------------------------------------- availability
+@functools.lru_cache(maxsize=None)
+def _dsl_import_error() -> str | None:
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return f"nvidia-cutlass-dsl not importable: {exc}"
+    return None
+
+
+def kernel_path_status(device=None) -> tuple[bool, str]:
+    """(available, reason): whether moe_forward can run on mok_cute kernels on ``device``."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda":
+        return False, f"tensors are on {dev.type}, kernels need a CUDA device"
+    major, minor = torch.cuda.get_device_capability(dev)
+    if (major, minor) != (9, 0):
+        return False, f"compute capability {major}.{minor}: kernels are built for sm_90a (Hopper)"
+    err = _dsl_import_error()
+    if err:
+        return False, err
+    return True, f"mok_cute sm_90a kernels on {torch.cuda.get_device_name(dev)}"
+
+
+# ---------------------------------------------------------------------- torch <-> cute
+def _as_cute(t: torch.Tensor):
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=1)
+
+
+def _as_cute_vec(t: torch.Tensor):
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t, assumed_align=4).mark_layout_dynamic()
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_gemm(epilogue: str, tile_n: int, group_m: int, num_sms: int):
+    from mok_cute.kernels.gemm_sm90 import compile_grouped_gemm
+    return compile_grouped_gemm(epilogue=epilogue, tile_n=tile_n, group_m=group_m, num_sms=num_sms)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
+                 num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
+                 group_m: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
+    """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
+
+    a: [M, K] bf16; w: [E, N, K] bf16 (for "swiglu", packed by ``pack_gate_up``);
+    tile_expert: [>= ceil(M/128)] int32; num_m_tiles: [1] int32 (device).
+    Returns [M, N] ("store") or [M, N/2] ("swiglu"). Rows past num_m_tiles*128 are untouched.
+    """
+    from mok_cute.kernels.gemm_sm90 import choose_tile_n
+    m, k = a.shape
+    e, n, k_w = w.shape
+    if k_w != k:
+        raise ValueError(f"w: expected K={k} (from a), got {k_w}")
+    n_out = n // 2 if epilogue == "swiglu" else n
+    tile_n = tile_n or choose_tile_n(n_out, epilogue)
+    if out is None:
+        out = torch.empty(m, n_out, dtype=a.dtype, device=a.device)
+    compiled = _compiled_gemm(epilogue, tile_n, group_m, _num_sms(a.device.index or 0))
+    compiled(
+        _as_cute(a.unsqueeze(0).permute(1, 2, 0)),
+        _as_cute(w.permute(1, 2, 0)),
+        _as_cute(out.unsqueeze(0).permute(1, 2, 0)),
+        _as_cute_vec(tile_expert), _as_cute_vec(num_m_tiles), _stream(),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------- weight packing
+class _PackedGateUp:
+    """Caches the FC1 weight packing (gate/up blocks interleaved) per weight version."""
+
+    def __init__(self, max_entries: int = 8):
+        self._entries: dict = {}
+        self._max = max_entries
+
+    def get(self, w_gate: torch.Tensor, w_up: torch.Tensor, tile_n: int) -> torch.Tensor:
+        from mok_cute.kernels.gemm_sm90 import pack_gate_up
+        key = (w_gate.data_ptr(), w_gate._version, w_up.data_ptr(), w_up._version,
+               tuple(w_gate.shape), tile_n)
+        hit = self._entries.get(key)
+        if hit is None:
+            if len(self._entries) >= self._max:
+                self._entries.pop(next(iter(self._entries)))
+            hit = pack_gate_up(w_gate, w_up, tile_n)
+            self._entries[key] = hit
+        return hit
+
+
+_packed_gate_up = _PackedGateUp()
+
+
+def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles):
+    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert."""
+    from mok_cute.kernels.gemm_sm90 import choose_tile_n
+    inter = w_gate.shape[1]
+    tile_n1 = choose_tile_n(inter, "swiglu")
+    w13 = _packed_gate_up.get(w_gate, w_up, tile_n1)
+    h = grouped_gemm(x_rows, w13, tile_expert, num_m_tiles, "swiglu", tile_n=tile_n1)
+    return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store")
+
+
+# ---------------------------------------------------------------------- the layer
+def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
+                       config: MoKConfig | None = None) -> torch.Tensor:
+    """One-GPU MoE forward on mok_cute kernels. Inputs are already validated by api.py."""
+    from mok_cute import schedule as sched_mod
+    from mok_cute.kernels import token_ops
+
+    config = config or MoKConfig()
+    num_tokens, top_k = topk_idx.shape
+    num_experts = w_gate.shape[0]
+    sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
+                                             tile_m=TILE_M)
+    x_rows = token_ops.gather_rows(x, sched.row_token)
+    y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles)
+
+    shared_rows = None
+    if shared is not None:
+        ws_gate, ws_up, ws_down = shared
+        n_tiles = (num_tokens + TILE_M - 1) // TILE_M
+        zeros = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
+        count = torch.full((1,), n_tiles, dtype=torch.int32, device=x.device)
+        shared_rows = expert_mlp(x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0),
+                                 ws_down.unsqueeze(0), zeros, count)
+
+    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
+    y_slots = token_ops.gather_rows(y, row_of_slot)
+    weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights
+    return token_ops.weighted_ksum(y_slots, weights.contiguous(), shared_rows)

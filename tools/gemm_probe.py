@@ -1,0 +1,104 @@
+"""Time the grouped GEMM alone (FC1 swiglu / FC2 store) against torch._grouped_mm and a
+dense cuBLAS GEMM of the same FLOPs, for variants of tile_n and group_m.
+
+    python tools/gemm_probe.py --shapes dsv3_ep8_rank,qwen3_30b [--json out.json]
+
+A probe for tuning, not the benchmark of record (that is tools/bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+SHAPES = {  # T, H, I, E, K
+    "dsv3_ep8_rank": (4096, 7168, 2048, 32, 8),
+    "qwen3_30b": (16384, 2048, 768, 128, 8),
+    "sonic_120b": (32768, 4096, 2048, 64, 4),
+    "mixtral": (8192, 4096, 14336, 8, 2),
+    "gptoss_120b": (8192, 2880, 2880, 128, 4),
+}
+
+
+def bench_ms(fn, iters=20, warmup=5):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main(argv=None):
+    from mok_cute import ops
+    from mok_cute.kernels.gemm_sm90 import choose_tile_n
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="dsv3_ep8_rank")
+    p.add_argument("--variants", default="256:8,256:4,256:16,128:8")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    dev = "cuda"
+    rows = []
+    for name in args.shapes.split(","):
+        T, H, I, E, K = SHAPES[name]
+        per_expert = T * K // E
+        counts = [per_expert] * E
+        tiles = [(c + 127) // 128 for c in counts]
+        tile_expert = torch.tensor([e for e, t in enumerate(tiles) for _ in range(t)],
+                                   dtype=torch.int32, device=dev)
+        num_tiles = torch.tensor([sum(tiles)], dtype=torch.int32, device=dev)
+        M = sum(tiles) * 128
+        x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) / H ** 0.5
+        w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) / I ** 0.5
+        h = torch.randn(M, I, device=dev, dtype=torch.bfloat16)
+        offs = torch.cumsum(torch.tensor([t * 128 for t in tiles], device=dev), 0).to(torch.int32)
+        for stage, a, w, epi in (("fc1", x, w13, "swiglu"), ("fc2", h, w2, "store")):
+            n = w.shape[1]
+            flops = 2 * M * n * a.shape[1]
+            for var in args.variants.split(","):
+                tn, gm = (int(v) for v in var.split(":"))
+                n_out = n // 2 if epi == "swiglu" else n
+                try:
+                    if choose_tile_n(n_out, epi) < tn:
+                        continue
+                    ms = bench_ms(lambda: ops.grouped_gemm(a, w, tile_expert, num_tiles, epi,
+                                                           tile_n=tn, group_m=gm))
+                    rows.append(dict(shape=name, stage=stage, impl=f"mok tile_n={tn} group_m={gm}",
+                                     ms=ms, tflops=flops / ms / 1e9))
+                except Exception as exc:  # record and continue with the other variants
+                    rows.append(dict(shape=name, stage=stage, impl=f"mok {var}", error=repr(exc)[:300]))
+            try:
+                wt = w.transpose(1, 2)
+                ms = bench_ms(lambda: torch._grouped_mm(a, wt, offs=offs))
+                rows.append(dict(shape=name, stage=stage, impl="torch._grouped_mm", ms=ms,
+                                 tflops=flops / ms / 1e9))
+            except Exception as exc:
+                rows.append(dict(shape=name, stage=stage, impl="torch._grouped_mm", error=repr(exc)[:300]))
+            dense_b = w[0]
+            ms = bench_ms(lambda: a @ dense_b.T)
+            rows.append(dict(shape=name, stage=stage, impl="cublas dense (one weight)", ms=ms,
+                             tflops=flops / ms / 1e9))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} ERROR {r['error']}")
+        else:
+            print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
