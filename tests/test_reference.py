@@ -1,0 +1,286 @@
+"""The PyTorch reference: numerics of each stage, the layer, the virtual EP form, autograd."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mok_cute import reference as ref
+
+
+def make_inputs(seed, T, H, I, E, K, Is=0, R=None, dtype=torch.bfloat16):
+    """Random layer inputs; R=None -> one rank ([T, H], ...), else stacked [R, ...]."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = () if R is None else (R,)
+    E_loc = E if R is None else E // R
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    x = randn(*lead, T, H)
+    scores = torch.rand(*lead, T, E, generator=gen)
+    topk_idx = scores.topk(K, dim=-1).indices
+    topk_weights = torch.rand(*lead, T, K, generator=gen) + 0.05
+    w_gate = randn(*lead, E_loc, I, H, scale=H**-0.5)
+    w_up = randn(*lead, E_loc, I, H, scale=H**-0.5)
+    w_down = randn(*lead, E_loc, H, I, scale=I**-0.5)
+    shared = None
+    if Is:
+        shared = (randn(*lead, Is, H, scale=H**-0.5), randn(*lead, Is, H, scale=H**-0.5), randn(*lead, H, Is, scale=Is**-0.5))
+    return x, topk_idx, topk_weights, w_gate, w_up, w_down, shared
+
+
+def naive_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None):
+    """Token by token, k by k, straight from DESIGN §1 (float64 matmuls, bf16 roundings)."""
+    T, H = x.shape
+    out = torch.empty(T, H, dtype=torch.bfloat16)
+
+    def expert(v, wg, wu, wd):
+        v = v.double()
+        h = (F.silu(wg.double() @ v) * (wu.double() @ v)).to(torch.bfloat16)
+        return (wd.double() @ h.double()).to(torch.bfloat16)
+
+    for t in range(T):
+        acc = torch.zeros(H, dtype=torch.float32)
+        if shared is not None:
+            acc = expert(x[t], *shared).float()
+        for k in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, k])
+            acc = acc + topk_weights[t, k].float() * expert(x[t], w_gate[e], w_up[e], w_down[e]).float()
+        out[t] = acc.to(torch.bfloat16)
+    return out
+
+
+def assert_bf16_close(got, want):
+    # bf16 rounding of the hidden/expert rows may land on the other side of a tie when the
+    # fp32 and float64 matmuls differ in their last bits: a few bf16 ulps at most.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert (got.float() - want.float()).abs().mean() < 2e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# Stages
+# ------------------------------------------------------------------------------------------------
+
+
+def test_weighted_k_sum_order_and_rounding_exact():
+    """Against numpy float32 elementwise arithmetic: start from shared, ascending k, two roundings."""
+    gen = torch.Generator().manual_seed(1)
+    T, K, H = 64, 8, 96
+    y = (torch.randn(T, K, H, generator=gen) * 3).bfloat16()
+    w = torch.rand(T, K, generator=gen)
+    s = torch.randn(T, H, generator=gen).bfloat16()
+
+    got = ref.weighted_k_sum(y, w, s)
+    assert got.dtype == torch.bfloat16 and got.shape == (T, H)
+
+    y32, w32 = y.float().numpy(), w.numpy()
+    acc = s.float().numpy().copy()
+    for k in range(K):
+        acc = (acc + (w32[:, k : k + 1] * y32[:, k]).astype(np.float32)).astype(np.float32)
+    want = torch.from_numpy(acc).bfloat16()
+    assert torch.equal(got, want)
+
+    # The order is observable: summing from the last k gives different bits somewhere.
+    rev = s.float().numpy().copy()
+    for k in reversed(range(K)):
+        rev = (rev + (w32[:, k : k + 1] * y32[:, k]).astype(np.float32)).astype(np.float32)
+    assert not np.array_equal(rev, acc)
+
+    no_shared = ref.weighted_k_sum(y, w, None)
+    acc0 = np.zeros((T, H), np.float32)
+    for k in range(K):
+        acc0 = (acc0 + (w32[:, k : k + 1] * y32[:, k]).astype(np.float32)).astype(np.float32)
+    assert torch.equal(no_shared, torch.from_numpy(acc0).bfloat16())
+
+
+def test_weighted_k_sum_bf16_weights_are_upcast():
+    gen = torch.Generator().manual_seed(2)
+    y = torch.randn(5, 3, 16, generator=gen).bfloat16()
+    w = torch.rand(5, 3, generator=gen).bfloat16()
+    assert torch.equal(ref.weighted_k_sum(y, w), ref.weighted_k_sum(y, w.float()))
+
+
+def test_expert_mlp_matches_float64_and_rounds_h():
+    gen = torch.Generator().manual_seed(3)
+    N, H, I = 33, 64, 48
+    v = torch.randn(N, H, generator=gen).bfloat16()
+    wg = (torch.randn(I, H, generator=gen) / 8).bfloat16()
+    wu = (torch.randn(I, H, generator=gen) / 8).bfloat16()
+    wd = (torch.randn(H, I, generator=gen) / 7).bfloat16()
+
+    h = ref.swiglu_hidden(v, wg, wu)
+    y = ref.expert_mlp(v, wg, wu, wd)
+    assert h.dtype == y.dtype == torch.bfloat16
+    assert h.shape == (N, I) and y.shape == (N, H)
+
+    h64 = F.silu(v.double() @ wg.double().t()) * (v.double() @ wu.double().t())
+    assert_bf16_close(h, h64.to(torch.bfloat16))
+    # y is computed from the bf16-rounded h, not from the exact one: exact given h.
+    assert torch.equal(y, (h.float() @ wd.float().t()).to(torch.bfloat16))
+    y_from_exact_h = (h64 @ wd.double().t()).to(torch.bfloat16)
+    assert_bf16_close(y, y_from_exact_h)
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("Is", [0, 24])
+@pytest.mark.parametrize("T,H,I,E,K", [(19, 64, 32, 8, 2), (1, 32, 16, 4, 4), (40, 48, 40, 16, 6)])
+def test_moe_forward_matches_naive(T, H, I, E, K, Is):
+    args = make_inputs(10 * T + K, T, H, I, E, K, Is)
+    out = ref.moe_forward(*args[:6], shared=args[6])
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    assert_bf16_close(out, naive_forward(*args))
+
+
+def test_moe_forward_is_its_stages():
+    """moe_forward == weighted_k_sum(routed_expert_outputs, shared rows), bitwise."""
+    x, idx, w, wg, wu, wd, shared = make_inputs(4, 23, 32, 16, 6, 3, Is=8)
+    y_slots = ref.routed_expert_outputs(x, idx, wg, wu, wd)
+    assert y_slots.shape == (23, 3, 32) and y_slots.dtype == torch.bfloat16
+    # Each slot equals its expert applied to the rows batched by expert in (token, k) order.
+    for e in range(6):
+        t, k = torch.nonzero(idx == e, as_tuple=True)
+        if t.numel():
+            assert torch.equal(y_slots[t, k], ref.expert_mlp(x[t], wg[e], wu[e], wd[e]))
+    want = ref.weighted_k_sum(y_slots, w, ref.expert_mlp(x, *shared))
+    assert torch.equal(ref.moe_forward(x, idx, w, wg, wu, wd, shared), want)
+
+
+def test_repeated_expert_in_one_token():
+    x, idx, w, wg, wu, wd, _ = make_inputs(5, 6, 32, 16, 4, 2)
+    idx = torch.tensor([[1, 1], [0, 3], [2, 2], [3, 0], [1, 2], [3, 3]])
+    out = ref.moe_forward(x, idx, w, wg, wu, wd)
+    assert_bf16_close(out, naive_forward(x, idx, w, wg, wu, wd))
+    y = ref.expert_mlp(x[0:1], wg[1], wu[1], wd[1])[0].float()
+    want0 = (torch.zeros_like(y) + w[0, 0] * y + w[0, 1] * y).bfloat16()
+    assert torch.equal(out[0], want0)
+
+
+def test_zero_tokens_and_float32_inputs():
+    x, idx, w, wg, wu, wd, shared = make_inputs(6, 0, 32, 16, 4, 2, Is=8)
+    out = ref.moe_forward(x, idx, w, wg, wu, wd, shared)
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+    # The oracle accepts fp32 storage too (rounding steps unchanged): close to the bf16 run.
+    x, idx, w, wg, wu, wd, _ = make_inputs(6, 9, 32, 16, 4, 2)
+    out_bf16 = ref.moe_forward(x, idx, w, wg, wu, wd)
+    out_fp32 = ref.moe_forward(x.float(), idx, w, wg.float(), wu.float(), wd.float())
+    assert torch.equal(out_bf16, out_fp32)  # fp32 copies of bf16 values: identical arithmetic
+
+
+def test_reference_checks_arguments():
+    x, idx, w, wg, wu, wd, _ = make_inputs(7, 5, 32, 16, 4, 2)
+    with pytest.raises(ValueError, match=r"topk_idx: expected global expert ids in \[0, 4\), got id \d+"):
+        ref.moe_forward(x, idx + 3, w, wg, wu, wd)
+    with pytest.raises(ValueError, match="w_down: expected shape"):
+        ref.moe_forward(x, idx, w, wg, wu, wd.transpose(1, 2))
+    with pytest.raises(TypeError, match="config: expected a mok_cute.MoKConfig"):
+        ref.moe_forward(x, idx, w, wg, wu, wd, config={"tile_m": 64})
+
+
+# ------------------------------------------------------------------------------------------------
+# Virtual EP
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("R,E_loc,Is", [(1, 4, 0), (3, 2, 16), (8, 1, 0)])
+def test_virtual_equals_each_rank_with_gathered_weights(R, E_loc, Is):
+    T, H, I, K = 13, 32, 24, min(3, R * E_loc)
+    xs, idx, w, wg, wu, wd, shared = make_inputs(R, T, H, I, R * E_loc, K, Is=Is, R=R)
+    outs = ref.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared)
+    assert outs.shape == (R, T, H) and outs.dtype == torch.bfloat16
+    g_gate, g_up, g_down = (t.reshape(R * E_loc, *t.shape[2:]) for t in (wg, wu, wd))
+    for r in range(R):
+        shared_r = None if shared is None else tuple(s[r] for s in shared)
+        want = ref.moe_forward(xs[r], idx[r], w[r], g_gate, g_up, g_down, shared_r)
+        assert torch.equal(outs[r], want)
+        # and the global expert e really is w_*[e // E_loc, e % E_loc]
+        e = int(idx[r, 0, 0])
+        assert torch.equal(g_gate[e], wg[e // E_loc, e % E_loc])
+    assert_bf16_close(outs[R - 1], naive_forward(xs[R - 1], idx[R - 1], w[R - 1], g_gate, g_up, g_down, None if shared is None else tuple(s[R - 1] for s in shared)))
+
+
+def test_virtual_checks_leading_dim():
+    xs, idx, w, wg, wu, wd, _ = make_inputs(8, 4, 16, 8, 4, 2, R=2)
+    with pytest.raises(ValueError, match=r"w_up: expected shape \[2, 2, 8, 16\]"):
+        ref.moe_forward_virtual(xs, idx, w, wg, wu[:1], wd)
+    with pytest.raises(ValueError, match=r"topk_idx: expected global expert ids in \[0, 4\)"):
+        ref.moe_forward_virtual(xs, idx + 2, w, wg, wu, wd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Autograd
+# ------------------------------------------------------------------------------------------------
+
+
+def test_backward_runs_with_finite_grads_of_right_shape():
+    x, idx, w, wg, wu, wd, shared = make_inputs(9, 17, 32, 16, 6, 2, Is=8)
+    idx[:, :] = torch.tensor([0, 2])  # experts 1, 3, 4, 5 unused: their grads must be zero
+    idx[5] = torch.tensor([3, 0])
+    leaves = [t.clone().requires_grad_() for t in (x, w, wg, wu, wd, *shared)]
+    xg, wg_, wgg, wug, wdg, *sh = leaves
+    out = ref.moe_forward(xg, idx, wg_, wgg, wug, wdg, tuple(sh))
+    gen = torch.Generator().manual_seed(0)
+    out.float().mul(torch.randn(out.shape, generator=gen)).sum().backward()
+    for leaf in leaves:
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
+        assert torch.isfinite(leaf.grad.float()).all()
+    assert wg_.grad.dtype == torch.float32  # d_topk_weights in fp32
+    used = torch.zeros(6, dtype=torch.bool)
+    used[[0, 2, 3]] = True
+    for grad in (wgg.grad, wug.grad, wdg.grad):
+        assert (grad[~used] == 0).all()
+        assert (grad[used].flatten(1) != 0).any(dim=1).all()
+
+
+def test_gradcheck_exact_float64():
+    """With the bf16 roundings disabled, gradients equal finite differences (float64)."""
+    x, idx, w, wg, wu, wd, shared = make_inputs(11, 5, 6, 4, 3, 2, Is=3, dtype=torch.float64)
+    w = w.double()
+    inputs = [t.clone().requires_grad_() for t in (x, w, wg, wu, wd, *shared)]
+
+    def f(x, w, wg, wu, wd, sg, su, sd):
+        return ref.moe_forward(x, idx, w, wg, wu, wd, (sg, su, sd))
+
+    with ref._exact_numerics():
+        assert f(*inputs).dtype == torch.float64
+        assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6)
+    # outside the block the roundings are back
+    assert f(*inputs).dtype == torch.bfloat16
+
+
+def test_gradcheck_exact_float64_virtual():
+    xs, idx, w, wg, wu, wd, _ = make_inputs(12, 3, 4, 3, 4, 2, R=2, dtype=torch.float64)
+    inputs = [t.clone().requires_grad_() for t in (xs, w.double(), wg, wu, wd)]
+
+    def f(xs, w, wg, wu, wd):
+        return ref.moe_forward_virtual(xs, idx, w, wg, wu, wd)
+
+    with ref._exact_numerics():
+        assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6)
+
+
+def test_bf16_gradients_track_exact_gradients():
+    """The rounding casts pass gradients straight through: bf16-path grads ~ float64 grads."""
+    x, idx, w, wg, wu, wd, _ = make_inputs(13, 24, 32, 16, 4, 2)
+    gen = torch.Generator().manual_seed(1)
+    cot = torch.randn(24, 32, generator=gen)
+
+    def grads(dtype, exact):
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (x, wg, wu, wd)] + [w.detach().clone().to(torch.float64 if exact else torch.float32).requires_grad_()]
+        xx, gg, uu, dd, ww = leaves
+        if exact:
+            with ref._exact_numerics():
+                out = ref.moe_forward(xx, idx, ww, gg, uu, dd)
+        else:
+            out = ref.moe_forward(xx, idx, ww, gg, uu, dd)
+        (out.double() * cot.double()).sum().backward()
+        return [leaf.grad.double() for leaf in leaves]
+
+    for got, want in zip(grads(torch.bfloat16, False), grads(torch.float64, True)):
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
