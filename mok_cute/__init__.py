@@ -1,0 +1,23 @@
+"""mok_cute: an expert-parallel Mixture-of-Experts layer as CuTe DSL GPU kernels.
+
+Public API (DESIGN §2): `MoKConfig`, `moe_forward`, `moe_forward_virtual`, `MoELayer`,
+`forward_path`, and the modules `reference` (PyTorch oracle) and `schedule` (receive schedule).
+Importing the package does not import the CuTe DSL; the kernel path loads it on first use.
+"""
+
+from . import reference, schedule
+from .api import MoELayer, forward_path, moe_forward, moe_forward_virtual
+from .config import MoKConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MoKConfig",
+    "MoELayer",
+    "forward_path",
+    "moe_forward",
+    "moe_forward_virtual",
+    "reference",
+    "schedule",
+    "__version__",
+]

@@ -1,0 +1,303 @@
+"""Public entry points: argument checks, then the GPU kernel path or the PyTorch reference.
+
+Path selection (`forward_path()` prints the outcome for a device):
+- `config.backend == "reference"`                      -> reference
+- `moe_forward(..., group=...)`, `moe_forward_virtual`  -> reference (the EP megakernel is not
+  built yet; the reference runs the real all_to_all_single exchange for `group`)
+- inputs not on a CUDA device, `mok_cute.ops` not importable, or
+  `mok_cute.ops.kernel_path_status(device)` says no      -> reference ("auto") / error ("kernel")
+- otherwise                                             -> `mok_cute.ops.moe_forward_kernel`
+
+Argument checks follow DESIGN §2 "Bad input": a TypeError or ValueError naming the argument,
+what was expected and what was given. Checking that expert ids are in range reads two scalars
+back from the device (one `aminmax` reduction): the only host synchronisation of the checks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import reference
+from .config import (
+    MoKConfig,
+    check_bool,
+    check_expert_ids,
+    check_int,
+    check_moe_inputs,
+    describe,
+    resolve_config,
+)
+
+__all__ = ["moe_forward", "moe_forward_virtual", "MoELayer", "forward_path", "PathChoice", "choose_path"]
+
+_EP_REASON = "the expert-parallel megakernel is not built yet"
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    path: str  # "kernel" or "reference"
+    reason: str
+
+
+def _kernel_status(device: torch.device) -> tuple[bool, str]:
+    """Can `mok_cute.ops.moe_forward_kernel` run on `device`? (ok, reason)"""
+    if not torch.cuda.is_available():
+        why = "torch sees no CUDA device" if torch.version.cuda else f"torch {torch.__version__} is a CPU-only build"
+        if device.type != "cuda":
+            why = f"device {device} is not a CUDA device and {why}"
+        return False, why
+    if device.type != "cuda":
+        return False, f"device {device} is not a CUDA device; the kernels run on CUDA tensors"
+    try:
+        from . import ops  # imported lazily: it pulls in the CuTe DSL
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no kernel path"
+        return False, f"mok_cute.ops failed to import ({type(exc).__name__}: {exc})"
+    status = getattr(ops, "kernel_path_status", None)
+    if status is None or not hasattr(ops, "moe_forward_kernel"):
+        return False, "mok_cute.ops has no kernel_path_status / moe_forward_kernel"
+    try:
+        ok, why = status(device)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"mok_cute.ops.kernel_path_status raised {type(exc).__name__}: {exc}"
+    return bool(ok), str(why)
+
+
+def choose_path(
+    device: torch.device | str | int | None = None,
+    config: MoKConfig | None = None,
+    *,
+    distributed: bool = False,
+    virtual: bool = False,
+) -> PathChoice:
+    """Which path a call takes on `device` (default: the current CUDA device, else CPU).
+
+    Raises RuntimeError / ValueError when `config.backend == "kernel"` and no kernel can run.
+    """
+    config = resolve_config(config)
+    device = _resolve_device(device)
+    if config.backend == "reference":
+        return PathChoice("reference", "config.backend is 'reference'")
+    if distributed or virtual:
+        what = "moe_forward_virtual" if virtual else "moe_forward with group="
+        if config.backend == "kernel":
+            raise ValueError(
+                f"config.backend: expected 'auto' or 'reference' for {what} ({_EP_REASON}), got 'kernel'"
+            )
+        return PathChoice("reference", f"{what} runs on the reference: {_EP_REASON}")
+    ok, why = _kernel_status(device)
+    if ok:
+        return PathChoice("kernel", why)
+    if config.backend == "kernel":
+        raise RuntimeError(f"config.backend is 'kernel' but the kernel path cannot run on {device}: {why}")
+    return PathChoice("reference", why)
+
+
+def _resolve_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", device)
+    if isinstance(device, (str, torch.device)):
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+    raise TypeError(f"device: expected a torch.device, str, int or None, got {describe(device)}")
+
+
+def forward_path(device: torch.device | str | int | None = None, config: MoKConfig | None = None) -> str:
+    """One line saying which path `moe_forward` takes on `device`, and why.
+
+    Starts with "kernel:" or "reference:" (or "error:" when config.backend='kernel' cannot be
+    honoured), followed by the reason and the path of the expert-parallel entry points.
+    """
+    config = resolve_config(config)
+    dev = _resolve_device(device)
+    try:
+        choice = choose_path(dev, config)
+        head = f"{choice.path}: {choice.reason}"
+    except (RuntimeError, ValueError) as exc:
+        head = f"error: {exc}"
+    ep = "reference" if config.backend != "reference" else "reference (config.backend)"
+    return f"{head} [device {dev}; moe_forward(group=...) and moe_forward_virtual: {ep}, {_EP_REASON}]"
+
+
+def _normalise_shared(shared: object) -> object:
+    return tuple(shared) if isinstance(shared, list) else shared
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: Sequence[torch.Tensor] | None = None,
+    group: object = None,
+    config: MoKConfig | None = None,
+) -> torch.Tensor:
+    """MoE layer forward on one GPU, or on one rank of the EP `group` -> out [T, H] bf16.
+
+    x [T, H] bf16; topk_idx [T, K] int32/int64 global expert ids in [0, R * E_loc);
+    topk_weights [T, K] fp32 or bf16; w_gate, w_up [E_loc, I, H] bf16; w_down [E_loc, H, I]
+    bf16; shared None or (ws_gate [Is, H], ws_up [Is, H], ws_down [H, Is]) bf16. All on one
+    device and contiguous. Numerics: see `mok_cute.reference`. With `group`, every rank of the
+    group must call together, T == 0 included.
+    """
+    config = resolve_config(config)
+    shared = _normalise_shared(shared)
+    num_ranks = 1 if group is None else reference._group_size(group)
+    dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, num_ranks=num_ranks)
+    if dims.tokens == 0 and group is None:
+        return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
+    check_expert_ids(topk_idx, dims.num_experts)
+    choice = choose_path(x.device, config, distributed=group is not None)
+    if choice.path == "kernel":
+        from . import ops
+
+        return ops.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
+    return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+
+
+def moe_forward_virtual(
+    xs: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: Sequence[torch.Tensor] | None = None,
+    config: MoKConfig | None = None,
+) -> torch.Tensor:
+    """R expert-parallel ranks emulated on one device -> outs [R, T, H] bf16.
+
+    Same tensors as `moe_forward` with a leading R on each (xs [R, T, H], topk_idx [R, T, K],
+    w_gate [R, E_loc, I, H], ..., shared tensors [R, ...]); ids are global, in [0, R * E_loc).
+    """
+    config = resolve_config(config)
+    shared = _normalise_shared(shared)
+    dims = check_moe_inputs(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, stacked=True, x_name="xs")
+    if dims.tokens == 0:
+        return torch.empty(dims.num_ranks, 0, dims.hidden, dtype=torch.bfloat16, device=xs.device)
+    check_expert_ids(topk_idx, dims.num_experts)
+    choose_path(xs.device, config, virtual=True)  # reference for now; raises for backend="kernel"
+    return reference._forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
+
+
+class MoELayer(nn.Module):
+    """A MoE layer: softmax top-k router + `num_experts` SwiGLU experts (+ optional shared expert).
+
+    Routing: `probs = softmax(x @ router.weight^T)` over all experts in fp32, `topk_idx, w =
+    topk(probs, top_k)`; with `renormalize=True` (default, Mixtral/Qwen3 style) the k weights
+    are divided by their sum, otherwise they are the raw softmax probabilities (DeepSeek-V2
+    style). Ties go to torch.topk.
+
+    Parameters (bf16 unless noted): `router.weight` [num_experts, hidden] fp32;
+    `w_gate`, `w_up` [E_loc, intermediate, hidden]; `w_down` [E_loc, hidden, intermediate];
+    with shared_intermediate > 0, `ws_gate`, `ws_up` [Is, hidden], `ws_down` [hidden, Is].
+    With `group` of size R, this rank holds E_loc = num_experts // R experts (global ids
+    [rank*E_loc, (rank+1)*E_loc)); the router and shared expert are replicated, so initialise
+    them identically on every rank (same seed, or broadcast).
+
+    forward(x [..., hidden] bf16) -> [..., hidden] bf16.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        shared_intermediate: int = 0,
+        group: object = None,
+        config: MoKConfig | None = None,
+        *,
+        renormalize: bool = True,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        check_int("hidden", hidden, min_value=1)
+        check_int("intermediate", intermediate, min_value=1)
+        check_int("num_experts", num_experts, min_value=1)
+        check_int("top_k", top_k, min_value=1, max_value=num_experts)
+        check_int("shared_intermediate", shared_intermediate, min_value=0)
+        check_bool("renormalize", renormalize)
+        self.config = resolve_config(config)
+        num_ranks = 1 if group is None else reference._group_size(group)
+        if num_experts % num_ranks:
+            raise ValueError(
+                f"num_experts: expected a multiple of the group size {num_ranks}, got {num_experts}"
+            )
+        self.hidden, self.intermediate = hidden, intermediate
+        self.num_experts, self.top_k = num_experts, top_k
+        self.shared_intermediate = shared_intermediate
+        self.group, self.num_ranks = group, num_ranks
+        self.num_local_experts = num_experts // num_ranks
+        self.renormalize = renormalize
+
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        E_loc, I, H = self.num_local_experts, intermediate, hidden
+        self.router = nn.Linear(H, num_experts, bias=False, device=device, dtype=torch.float32)
+        self.w_gate = nn.Parameter(torch.empty(E_loc, I, H, **bf16))
+        self.w_up = nn.Parameter(torch.empty(E_loc, I, H, **bf16))
+        self.w_down = nn.Parameter(torch.empty(E_loc, H, I, **bf16))
+        if shared_intermediate:
+            Is = shared_intermediate
+            self.ws_gate = nn.Parameter(torch.empty(Is, H, **bf16))
+            self.ws_up = nn.Parameter(torch.empty(Is, H, **bf16))
+            self.ws_down = nn.Parameter(torch.empty(H, Is, **bf16))
+        else:
+            self.ws_gate = self.ws_up = self.ws_down = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for every projection."""
+        self.router.reset_parameters()
+        with torch.no_grad():
+            for w in (self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up, self.ws_down):
+                if w is not None:
+                    bound = 1.0 / math.sqrt(w.shape[-1])
+                    w.uniform_(-bound, bound)
+
+    @property
+    def shared(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if self.ws_gate is None:
+            return None
+        return (self.ws_gate, self.ws_up, self.ws_down)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (topk_idx [T, top_k] int64, topk_weights [T, top_k] fp32)."""
+        probs = F.softmax(self.router(x.float()), dim=-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return idx, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor [..., {self.hidden}], got {describe(x)}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden:
+            raise ValueError(f"x: expected shape [..., {self.hidden}], got {list(x.shape)}")
+        x2d = x.reshape(-1, self.hidden).contiguous()
+        topk_idx, topk_weights = self.route(x2d)
+        out = moe_forward(
+            x2d, topk_idx, topk_weights, self.w_gate, self.w_up, self.w_down,
+            shared=self.shared, group=self.group, config=self.config,
+        )
+        return out.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        text = (
+            f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
+            f"top_k={self.top_k}, local_experts={self.num_local_experts}, renormalize={self.renormalize}"
+        )
+        if self.shared_intermediate:
+            text += f", shared_intermediate={self.shared_intermediate}"
+        return text

@@ -1,0 +1,425 @@
+"""Public API: MoKConfig, argument checks (DESIGN §2 "Bad input"), path selection, MoELayer."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+
+import mok_cute as mok
+from mok_cute import api, reference as ref
+from mok_cute.config import MoKConfig, check_tensor
+
+
+def make_inputs(seed=0, T=12, H=32, I=16, E=4, K=2, Is=0, R=None):
+    gen = torch.Generator().manual_seed(seed)
+    lead = () if R is None else (R,)
+    E_loc = E if R is None else E // R
+    bf = lambda *s: (torch.randn(*s, generator=gen) * 0.2).bfloat16()  # noqa: E731
+    x = bf(*lead, T, H)
+    idx = torch.rand(*lead, T, E, generator=gen).topk(K, dim=-1).indices
+    w = torch.rand(*lead, T, K, generator=gen) + 0.05
+    args = [x, idx, w, bf(*lead, E_loc, I, H), bf(*lead, E_loc, I, H), bf(*lead, E_loc, H, I)]
+    shared = (bf(*lead, Is, H), bf(*lead, Is, H), bf(*lead, H, Is)) if Is else None
+    return args, shared
+
+
+# ------------------------------------------------------------------------------------------------
+# Package surface
+# ------------------------------------------------------------------------------------------------
+
+
+def test_package_exports():
+    assert mok.__version__ == "0.1.0"
+    for name in ("MoKConfig", "moe_forward", "moe_forward_virtual", "MoELayer", "forward_path"):
+        assert callable(getattr(mok, name)), name
+    assert mok.reference.moe_forward is ref.moe_forward
+    assert callable(mok.schedule.build_receive_schedule)
+
+
+def test_import_does_not_load_the_dsl():
+    import subprocess
+
+    code = "import sys, mok_cute; print('cutlass' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------------------
+# MoKConfig
+# ------------------------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_frozen():
+    cfg = MoKConfig()
+    assert (cfg.tile_m, cfg.num_comm_sms, cfg.minibatch_tokens, cfg.ring_tokens) == (128, None, None, None)
+    assert (cfg.timeline, cfg.timeline_capacity, cfg.timeout_ms, cfg.backend) == (False, 1 << 16, 10_000.0, "auto")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tile_m = 64  # type: ignore[misc]
+    assert MoKConfig(tile_m=64, num_comm_sms=8, backend="reference").tile_m == 64
+
+
+@pytest.mark.parametrize(
+    "field,value,exc,pattern",
+    [
+        ("tile_m", 0, ValueError, r"MoKConfig.tile_m: expected an int >= 1, got 0"),
+        ("tile_m", 64.0, TypeError, r"MoKConfig.tile_m: expected an int, got float"),
+        ("tile_m", True, TypeError, r"MoKConfig.tile_m: expected an int, got bool"),
+        ("num_comm_sms", 0, ValueError, r"MoKConfig.num_comm_sms: expected an int >= 1, got 0"),
+        ("num_comm_sms", "8", TypeError, r"MoKConfig.num_comm_sms: expected an int or None, got str"),
+        ("minibatch_tokens", -4, ValueError, r"MoKConfig.minibatch_tokens: expected an int >= 1, got -4"),
+        ("ring_tokens", 0, ValueError, r"MoKConfig.ring_tokens: expected an int >= 1, got 0"),
+        ("timeline", 1, TypeError, r"MoKConfig.timeline: expected a bool, got int"),
+        ("timeline_capacity", 0, ValueError, r"MoKConfig.timeline_capacity: expected an int >= 1, got 0"),
+        ("timeout_ms", 0.0, ValueError, r"MoKConfig.timeout_ms: expected a finite number > 0, got 0.0"),
+        ("timeout_ms", float("inf"), ValueError, r"MoKConfig.timeout_ms: expected a finite number > 0, got inf"),
+        ("timeout_ms", "10", TypeError, r"MoKConfig.timeout_ms: expected a float"),
+        ("backend", "cuda", ValueError, r"MoKConfig.backend: expected one of \('auto', 'kernel', 'reference'\), got 'cuda'"),
+        ("backend", None, TypeError, r"MoKConfig.backend: expected one of"),
+    ],
+)
+def test_config_rejects_bad_fields(field, value, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        MoKConfig(**{field: value})
+
+
+def test_check_tensor_helper():
+    t = torch.randn(3, 4)
+    assert check_tensor("a", t, shape=("T", 4), dtype=torch.float32, device="cpu") is t
+    with pytest.raises(ValueError, match=r"a: expected shape \[T, 5\], got \[3, 4\]"):
+        check_tensor("a", t, shape=("T", 5))
+    with pytest.raises(TypeError, match=r"a: expected dtype torch.bfloat16 or torch.float16, got torch.float32"):
+        check_tensor("a", t, dtype=(torch.bfloat16, torch.float16))
+    with pytest.raises(ValueError, match=r"a: expected a tensor on device meta, got one on cpu"):
+        check_tensor("a", t, device="meta")
+    with pytest.raises(ValueError, match=r"a: expected a contiguous tensor"):
+        check_tensor("a", t.t())
+    assert check_tensor("a", t.t(), contiguous=False) is not None
+    with pytest.raises(TypeError, match=r"a: expected a torch.Tensor, got list"):
+        check_tensor("a", [1, 2])
+
+
+# ------------------------------------------------------------------------------------------------
+# moe_forward: results and bad input
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("Is", [0, 8])
+def test_moe_forward_equals_reference(Is):
+    args, shared = make_inputs(1, Is=Is)
+    out = mok.moe_forward(*args, shared=shared)
+    assert out.dtype == torch.bfloat16 and out.shape == (12, 32)
+    assert torch.equal(out, ref.moe_forward(*args, shared=shared))
+    # int32 ids, bf16 routing weights and a list for `shared` are accepted too
+    args32 = [args[0], args[1].to(torch.int32), args[2].bfloat16(), *args[3:]]
+    assert torch.equal(
+        mok.moe_forward(*args32, shared=None if shared is None else list(shared)),
+        ref.moe_forward(*args32, shared=shared),
+    )
+    assert torch.equal(mok.moe_forward(*args, shared=shared, config=MoKConfig(backend="reference")), out)
+
+
+def test_zero_tokens_returns_empty_bf16():
+    args, shared = make_inputs(2, T=0, Is=8)
+    out = mok.moe_forward(*args, shared=shared)
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+    xs_args, _ = make_inputs(2, T=0, R=2)
+    outs = mok.moe_forward_virtual(*xs_args)
+    assert outs.shape == (2, 0, 32) and outs.dtype == torch.bfloat16
+
+
+def _replace(args, i, value):
+    args = list(args)
+    args[i] = value
+    return args
+
+
+# (description, how to corrupt the arguments, exception, regex the message must match)
+BAD_CASES = [
+    ("x 1-D", lambda a, s: (_replace(a, 0, a[0][0]), s), ValueError, r"x: expected a 2-D tensor \[T, H\], got shape \[32\]"),
+    ("x fp32", lambda a, s: (_replace(a, 0, a[0].float()), s), TypeError, r"x: expected dtype torch.bfloat16, got torch.float32"),
+    ("x not a tensor", lambda a, s: (_replace(a, 0, a[0].tolist()), s), TypeError, r"x: expected a torch.Tensor, got list"),
+    ("x non-contiguous", lambda a, s: (_replace(a, 0, a[0].t().contiguous().t()), s), ValueError, r"x: expected a contiguous tensor"),
+    ("topk_idx float", lambda a, s: (_replace(a, 1, a[1].float()), s), TypeError, r"topk_idx: expected dtype torch.int32 or torch.int64, got torch.float32"),
+    ("topk_idx wrong T", lambda a, s: (_replace(a, 1, a[1][:5]), s), ValueError, r"topk_idx: expected shape \[12, K\]"),
+    ("topk_idx on meta", lambda a, s: (_replace(a, 1, a[1].to("meta")), s), ValueError, r"topk_idx: expected a tensor on device cpu, got one on meta"),
+    ("topk_idx non-contiguous", lambda a, s: (_replace(a, 1, a[1].t().contiguous().t()), s), ValueError, r"topk_idx: expected a contiguous tensor"),
+    ("expert id too large", lambda a, s: (_replace(a, 1, torch.where(a[1] == 0, 4, a[1])), s), ValueError, r"topk_idx: expected global expert ids in \[0, 4\), got id 4"),
+    ("expert id negative", lambda a, s: (_replace(a, 1, torch.where(a[1] == 0, -1, a[1])), s), ValueError, r"topk_idx: expected global expert ids in \[0, 4\), got id -1"),
+    ("K > E", lambda a, s: (_replace(_replace(a, 1, a[1].repeat(1, 3)), 2, a[2].repeat(1, 3)), s), ValueError, r"topk_idx: expected top-k K <= number of experts E = 4 .*got K = 6"),
+    ("K == 0", lambda a, s: (_replace(_replace(a, 1, a[1][:, :0]), 2, a[2][:, :0]), s), ValueError, r"topk_idx: expected top-k K >= 1"),
+    ("topk_weights shape", lambda a, s: (_replace(a, 2, a[2][:, :1].contiguous()), s), ValueError, r"topk_weights: expected shape \[12, 2\], got \[12, 1\]"),
+    ("topk_weights fp16", lambda a, s: (_replace(a, 2, a[2].half()), s), TypeError, r"topk_weights: expected dtype torch.float32 or torch.bfloat16, got torch.float16"),
+    ("topk_weights int", lambda a, s: (_replace(a, 2, a[1]), s), TypeError, r"topk_weights: expected dtype torch.float32 or torch.bfloat16, got torch.int64"),
+    ("w_gate wrong H", lambda a, s: (_replace(a, 3, a[3][..., :16].contiguous()), s), ValueError, r"w_gate: expected shape \[E_loc, I, 32\], got \[4, 16, 16\]"),
+    ("w_gate 2-D", lambda a, s: (_replace(a, 3, a[3][0]), s), ValueError, r"w_gate: expected shape \[E_loc, I, 32\]"),
+    ("w_gate fp32", lambda a, s: (_replace(a, 3, a[3].float()), s), TypeError, r"w_gate: expected dtype torch.bfloat16, got torch.float32"),
+    ("w_up wrong E", lambda a, s: (_replace(a, 4, a[4][:3]), s), ValueError, r"w_up: expected shape \[4, 16, 32\], got \[3, 16, 32\]"),
+    ("w_up on meta", lambda a, s: (_replace(a, 4, a[4].to("meta")), s), ValueError, r"w_up: expected a tensor on device cpu"),
+    ("w_down transposed", lambda a, s: (_replace(a, 5, a[5].transpose(1, 2)), s), ValueError, r"w_down: expected shape \[4, 32, 16\], got \[4, 16, 32\]"),
+    ("w_down non-contiguous", lambda a, s: (_replace(a, 5, a[5].transpose(1, 2).contiguous().transpose(1, 2)), s), ValueError, r"w_down: expected a contiguous tensor"),
+    ("w_down fp16", lambda a, s: (_replace(a, 5, a[5].half()), s), TypeError, r"w_down: expected dtype torch.bfloat16, got torch.float16"),
+    ("shared not a tuple", lambda a, s: (a, s[0]), TypeError, r"shared: expected None or a 3-tuple \(ws_gate, ws_up, ws_down\), got Tensor"),
+    ("shared 2 items", lambda a, s: (a, s[:2]), TypeError, r"shared: expected None or a 3-tuple"),
+    ("shared gate wrong H", lambda a, s: (a, (s[0][:, :8].contiguous(), s[1], s[2])), ValueError, r"shared\[0\] \(ws_gate\): expected shape \[Is, 32\], got \[8, 8\]"),
+    ("shared up wrong Is", lambda a, s: (a, (s[0], s[1][:4], s[2])), ValueError, r"shared\[1\] \(ws_up\): expected shape \[8, 32\], got \[4, 32\]"),
+    ("shared down transposed", lambda a, s: (a, (s[0], s[1], s[2].t().contiguous())), ValueError, r"shared\[2\] \(ws_down\): expected shape \[32, 8\], got \[8, 32\]"),
+    ("shared fp32", lambda a, s: (a, (s[0], s[1].float(), s[2])), TypeError, r"shared\[1\] \(ws_up\): expected dtype torch.bfloat16, got torch.float32"),
+    ("shared on meta", lambda a, s: (a, (s[0], s[1], s[2].to("meta"))), ValueError, r"shared\[2\] \(ws_down\): expected a tensor on device cpu"),
+]
+
+
+@pytest.mark.parametrize("name,corrupt,exc,pattern", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_moe_forward_bad_input(name, corrupt, exc, pattern):
+    args, shared = make_inputs(3, Is=8)
+    bad_args, bad_shared = corrupt(args, shared)
+    with pytest.raises(exc, match=pattern):
+        mok.moe_forward(*bad_args, shared=bad_shared)
+
+
+def test_moe_forward_bad_config():
+    args, _ = make_inputs(4)
+    with pytest.raises(TypeError, match=r"config: expected a mok_cute.MoKConfig or None, got dict"):
+        mok.moe_forward(*args, config={"backend": "reference"})
+
+
+def test_backend_kernel_without_kernel_path_raises():
+    args, _ = make_inputs(5)
+    with pytest.raises(RuntimeError, match=r"config.backend is 'kernel' but the kernel path cannot run on cpu"):
+        mok.moe_forward(*args, config=MoKConfig(backend="kernel"))
+
+
+def test_moe_forward_is_differentiable():
+    args, shared = make_inputs(6, Is=8)
+    leaves = [t.clone().requires_grad_() for t in (args[0], args[2], *args[3:], *shared)]
+    out = mok.moe_forward(leaves[0], args[1], *leaves[1:5], shared=tuple(leaves[5:]))
+    gen = torch.Generator().manual_seed(0)
+    (out.float() * torch.randn(out.shape, generator=gen)).sum().backward()
+    for leaf in leaves:
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape and torch.isfinite(leaf.grad.float()).all()
+        assert (leaf.grad != 0).any()
+
+
+# ------------------------------------------------------------------------------------------------
+# moe_forward_virtual
+# ------------------------------------------------------------------------------------------------
+
+
+def test_virtual_equals_reference():
+    args, shared = make_inputs(7, R=3, E=6, K=3, Is=8)
+    outs = mok.moe_forward_virtual(*args, shared=shared)
+    assert outs.shape == (3, 12, 32) and outs.dtype == torch.bfloat16
+    assert torch.equal(outs, ref.moe_forward_virtual(*args, shared=shared))
+
+
+VIRTUAL_BAD = [
+    ("xs 2-D", lambda a, s: (_replace(a, 0, a[0][0]), s), ValueError, r"xs: expected a 3-D tensor \[R, T, H\], got shape \[12, 32\]"),
+    ("xs fp32", lambda a, s: (_replace(a, 0, a[0].float()), s), TypeError, r"xs: expected dtype torch.bfloat16"),
+    ("topk_idx wrong R", lambda a, s: (_replace(a, 1, a[1][:1]), s), ValueError, r"topk_idx: expected shape \[2, 12, K\]"),
+    ("topk_weights wrong R", lambda a, s: (_replace(a, 2, a[2][:1]), s), ValueError, r"topk_weights: expected shape \[2, 12, 2\], got \[1, 12, 2\]"),
+    ("w_gate no leading R", lambda a, s: (_replace(a, 3, a[3][0]), s), ValueError, r"w_gate: expected shape \[2, E_loc, I, 32\]"),
+    ("w_gate wrong R", lambda a, s: (_replace(a, 3, torch.cat([a[3], a[3]])), s), ValueError, r"w_gate: expected shape \[2, E_loc, I, 32\], got \[4, 2, 16, 32\]"),
+    ("w_down wrong I", lambda a, s: (_replace(a, 5, a[5][..., :8].contiguous()), s), ValueError, r"w_down: expected shape \[2, 2, 32, 16\]"),
+    ("id >= R*E_loc", lambda a, s: (_replace(a, 1, a[1] + 1), s), ValueError, r"topk_idx: expected global expert ids in \[0, 4\), got id 4"),
+    ("K > E", lambda a, s: (_replace(_replace(a, 1, a[1].repeat(1, 1, 3)), 2, a[2].repeat(1, 1, 3)), s), ValueError, r"topk_idx: expected top-k K <= number of experts E = 4"),
+    ("shared no leading R", lambda a, s: (a, (s[0][0], s[1], s[2])), ValueError, r"shared\[0\] \(ws_gate\): expected shape \[2, Is, 32\]"),
+    ("shared down wrong", lambda a, s: (a, (s[0], s[1], s[2][:, :, :4].contiguous())), ValueError, r"shared\[2\] \(ws_down\): expected shape \[2, 32, 8\]"),
+]
+
+
+@pytest.mark.parametrize("name,corrupt,exc,pattern", VIRTUAL_BAD, ids=[c[0] for c in VIRTUAL_BAD])
+def test_virtual_bad_input(name, corrupt, exc, pattern):
+    args, shared = make_inputs(8, R=2, E=4, Is=8)
+    bad_args, bad_shared = corrupt(args, shared)
+    with pytest.raises(exc, match=pattern):
+        mok.moe_forward_virtual(*bad_args, shared=bad_shared)
+
+
+def test_virtual_backend_kernel_is_refused():
+    args, _ = make_inputs(9, R=2, E=4)
+    with pytest.raises(ValueError, match=r"config.backend: expected 'auto' or 'reference' for moe_forward_virtual"):
+        mok.moe_forward_virtual(*args, config=MoKConfig(backend="kernel"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Path selection
+# ------------------------------------------------------------------------------------------------
+
+
+def test_forward_path_on_this_machine():
+    text = mok.forward_path("cpu")
+    assert text.startswith("reference: device cpu is not a CUDA device")
+    assert "moe_forward_virtual: reference" in text
+    assert mok.forward_path(config=MoKConfig(backend="reference")).startswith("reference: config.backend is 'reference'")
+    assert mok.forward_path("cpu", MoKConfig(backend="kernel")).startswith("error: config.backend is 'kernel'")
+    with pytest.raises(TypeError, match="device: expected a torch.device, str, int or None, got float"):
+        mok.forward_path(1.5)
+
+
+def _fake_ops(ok, why, calls):
+    fake = types.ModuleType("mok_cute.ops")
+    fake.kernel_path_status = lambda device: (ok, why)
+
+    def moe_forward_kernel(*args):
+        calls.append(args)
+        return "kernel result"
+
+    fake.moe_forward_kernel = moe_forward_kernel
+    return fake
+
+
+@pytest.fixture
+def cuda_visible(monkeypatch):
+    """Pretend a CUDA device exists (path selection only; nothing is allocated on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_choose_path_uses_ops_status(monkeypatch, cuda_visible):
+    import mok_cute
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "mok_cute.ops", _fake_ops(True, "sm_90a kernels ready", calls))
+    monkeypatch.setattr(mok_cute, "ops", sys.modules["mok_cute.ops"], raising=False)
+    dev = torch.device("cuda", 0)
+    assert api.choose_path(dev) == api.PathChoice("kernel", "sm_90a kernels ready")
+    assert mok.forward_path(dev).startswith("kernel: sm_90a kernels ready [device cuda:0;")
+    assert mok.forward_path().startswith("kernel: ")  # default device = current CUDA device
+    assert api.choose_path(dev, MoKConfig(backend="reference")).path == "reference"
+    ep = api.choose_path(dev, distributed=True)
+    assert ep.path == "reference" and "megakernel is not built yet" in ep.reason
+    assert api.choose_path(torch.device("cpu")).path == "reference"  # CPU tensors never take the kernel
+
+    monkeypatch.setitem(sys.modules, "mok_cute.ops", _fake_ops(False, "compute capability 8.0 < 9.0", calls))
+    monkeypatch.setattr(mok_cute, "ops", sys.modules["mok_cute.ops"], raising=False)
+    assert api.choose_path(dev) == api.PathChoice("reference", "compute capability 8.0 < 9.0")
+    with pytest.raises(RuntimeError, match="compute capability 8.0 < 9.0"):
+        api.choose_path(dev, MoKConfig(backend="kernel"))
+    assert calls == []
+
+
+def test_choose_path_when_ops_fails_to_import(monkeypatch, cuda_visible):
+    import mok_cute
+
+    monkeypatch.delattr(mok_cute, "ops", raising=False)
+    monkeypatch.setitem(sys.modules, "mok_cute.ops", None)  # makes `from . import ops` raise ImportError
+    choice = api.choose_path(torch.device("cuda", 0))
+    assert choice.path == "reference"
+    assert choice.reason.startswith("mok_cute.ops failed to import (ModuleNotFoundError")
+    assert mok.forward_path("cuda:0").startswith("reference: mok_cute.ops failed to import")
+
+
+# ------------------------------------------------------------------------------------------------
+# MoELayer
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_layer_forward_equals_reference_with_its_routing(renormalize):
+    torch.manual_seed(0)
+    layer = mok.MoELayer(32, 16, 8, 3, shared_intermediate=12, renormalize=renormalize)
+    assert layer.w_gate.shape == (8, 16, 32) and layer.w_down.shape == (8, 32, 16)
+    assert layer.ws_gate.shape == (12, 32) and layer.ws_down.shape == (32, 12)
+    assert layer.router.weight.dtype == torch.float32 and layer.w_up.dtype == torch.bfloat16
+    x = torch.randn(2, 7, 32).bfloat16()
+    out = layer(x)
+    assert out.shape == (2, 7, 32) and out.dtype == torch.bfloat16
+
+    x2d = x.reshape(14, 32)
+    idx, w = layer.route(x2d)
+    probs = torch.softmax(x2d.float() @ layer.router.weight.t(), dim=-1)
+    assert torch.equal(idx, probs.topk(3, dim=-1).indices)
+    if renormalize:
+        torch.testing.assert_close(w.sum(-1), torch.ones(14))
+    else:
+        torch.testing.assert_close(w, probs.gather(1, idx))
+    want = ref.moe_forward(x2d, idx, w, layer.w_gate, layer.w_up, layer.w_down, layer.shared)
+    assert torch.equal(out.reshape(14, 32), want)
+
+
+def test_layer_backward_reaches_every_parameter():
+    torch.manual_seed(1)
+    layer = mok.MoELayer(16, 8, 4, 2, shared_intermediate=8)
+    x = torch.randn(20, 16).bfloat16().requires_grad_()
+    out = layer(x)
+    (out.float() * torch.randn(out.shape)).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad.float()).all(), name
+        assert (p.grad != 0).any(), name
+
+
+def test_layer_without_shared_expert_and_repr():
+    layer = mok.MoELayer(16, 8, 4, 1)
+    assert layer.shared is None and len(list(layer.parameters())) == 4
+    assert "num_experts=4" in repr(layer) and "top_k=1" in repr(layer)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,pattern",
+    [
+        (dict(hidden=0), ValueError, r"hidden: expected an int >= 1, got 0"),
+        (dict(intermediate=2.5), TypeError, r"intermediate: expected an int, got float"),
+        (dict(num_experts=0), ValueError, r"num_experts: expected an int >= 1, got 0"),
+        (dict(top_k=5), ValueError, r"top_k: expected an int <= 4, got 5"),
+        (dict(top_k=0), ValueError, r"top_k: expected an int >= 1, got 0"),
+        (dict(shared_intermediate=-1), ValueError, r"shared_intermediate: expected an int >= 0, got -1"),
+        (dict(renormalize="yes"), TypeError, r"renormalize: expected a bool, got str"),
+        (dict(config="fast"), TypeError, r"config: expected a mok_cute.MoKConfig or None, got str"),
+    ],
+)
+def test_layer_bad_arguments(kwargs, exc, pattern):
+    base = dict(hidden=16, intermediate=8, num_experts=4, top_k=2)
+    base.update(kwargs)
+    with pytest.raises(exc, match=pattern):
+        mok.MoELayer(**base)
+
+
+def test_layer_bad_input():
+    layer = mok.MoELayer(16, 8, 4, 2)
+    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., 16\], got \[3, 8\]"):
+        layer(torch.randn(3, 8).bfloat16())
+    with pytest.raises(TypeError, match=r"x: expected dtype torch.bfloat16, got torch.float32"):
+        layer(torch.randn(3, 16))
+    with pytest.raises(TypeError, match=r"x: expected a torch.Tensor"):
+        layer([[0.0] * 16])
+
+
+def test_group_without_init_process_group():
+    args, _ = make_inputs(10)
+    with pytest.raises(ValueError, match=r"group: expected a torch.distributed ProcessGroup"):
+        mok.moe_forward(*args, group=object())
+    with pytest.raises(ValueError, match=r"group: expected a torch.distributed ProcessGroup"):
+        mok.MoELayer(16, 8, 4, 2, group=object())
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU (run on the H200: pytest -m gpu)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_forward_matches_reference_on_cpu():
+    print(mok.forward_path("cuda"))
+    args, shared = make_inputs(11, T=300, H=256, I=128, E=8, K=2, Is=64)
+    out = mok.moe_forward(*(a.cuda() for a in args), shared=tuple(s.cuda() for s in shared))
+    want = ref.moe_forward(*args, shared=shared)
+    assert out.dtype == torch.bfloat16 and out.shape == want.shape
+    torch.testing.assert_close(out.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+    ref_cuda = mok.moe_forward(*(a.cuda() for a in args), shared=tuple(s.cuda() for s in shared), config=MoKConfig(backend="reference"))
+    torch.testing.assert_close(ref_cuda.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+    again = mok.moe_forward(*(a.cuda() for a in args), shared=tuple(s.cuda() for s in shared))
+    assert torch.equal(out, again)  # bitwise reproducible run to run
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bad_device_mix():
+    args, _ = make_inputs(12)
+    cuda_args = [a.cuda() for a in args]
+    with pytest.raises(ValueError, match=r"w_gate: expected a tensor on device cuda:0, got one on cpu"):
+        mok.moe_forward(*_replace(cuda_args, 3, args[3]))
