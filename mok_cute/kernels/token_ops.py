@@ -1,0 +1,443 @@
+"""Token-row kernels of the one-GPU MoE path: row gather and the fixed-order weighted k-sum.
+
+Both kernels are memory bound. They move rows of bf16 as 16-byte vectors (8 elements, one
+``ld.global.v4.b32`` / ``st.global.v4.b32`` each), use one warp per row, a small block of rows
+per CTA, and no atomics, so every output element is written by exactly one thread.
+
+``GatherRows``
+    ``dst[i, :] = src[index[i], :]`` for ``i`` in ``[0, num_rows)``. Rows whose index is
+    outside ``[0, src_rows)`` (the schedule marks padding rows with ``-1``) are written as
+    zeros. ``num_rows`` is the static capacity from shapes; the index is read on the device,
+    so there is no host sync. Used to permute ``x`` into expert-sorted, tile-padded order.
+
+``WeightedKSum``
+    ``out[t, :] = bf16(acc)`` with ``acc = fp32(shared[t, :])`` (or ``0``) and then, for
+    ``k = 0 .. K-1`` in ascending order, ``acc = acc + fp32(w[t, k]) * fp32(y[t*K + k, :])``.
+    The product and the sum are two separately rounded fp32 operations (``mul.rn.f32`` then
+    ``add.rn.f32`` in inline PTX, which ptxas never contracts into an FMA), exactly what the
+    PyTorch reference computes, so the result matches the reference bitwise and is
+    deterministic run to run.
+
+Constraints: bf16 rows, ``H % 8 == 0``, 16-byte aligned base pointers, contiguous row-major
+tensors; ``K`` is a compile-time constant in ``[1, 16]``.
+
+Each kernel has a tensor-free compile function built on placeholder pointers
+(``compile_gather_rows``, ``compile_weighted_ksum``; no GPU needed, registered in
+``mok_cute.jit.KERNELS``), a torch-tensor entry point (``gather_rows``, ``weighted_ksum``)
+that launches the cached compiled kernel on the current stream, and a PyTorch reference
+beside it (``gather_rows_ref``, ``weighted_ksum_ref``).
+
+Run on a GPU host::
+
+    python3 -c "import torch, mok_cute.kernels.token_ops as t; \\
+        y = torch.randn(8, 64, device='cuda', dtype=torch.bfloat16); \\
+        w = torch.rand(2, 4, device='cuda'); print(t.weighted_ksum(y, w))"
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda_driver
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from mok_cute import jit
+
+# 16 bytes of bf16: the widest global load/store a thread can issue.
+VEC_ELEMS = 8
+VEC_BITS = 128
+MAX_K = 16
+
+
+@dsl_user_op
+def _mul_then_add_rn(acc: Float32, w: Float32, y: Float32, *, loc=None, ip=None) -> Float32:
+    """``acc + w * y`` as two separately rounded fp32 ops. Written in PTX with explicit
+    ``.rn`` so neither NVVM nor ptxas fuses them into an FMA (the reference rounds the
+    product before the add)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [
+                Float32(acc).ir_value(loc=loc, ip=ip),
+                Float32(w).ir_value(loc=loc, ip=ip),
+                Float32(y).ir_value(loc=loc, ip=ip),
+            ],
+            "{\n.reg .f32 prod;\nmul.rn.f32 prod, $2, $3;\nadd.rn.f32 $0, $1, prod;\n}",
+            "=f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def _row_vectors(ptr: cute.Pointer, h_vecs: Int32, num_rows: Int32) -> cute.Tensor:
+    """View a row-major ``[num_rows, 8 * h_vecs]`` bf16 buffer as ``(8, h_vecs, num_rows)``.
+
+    The row stride is a 64-bit ``8 * h_vecs`` marked divisible by 8, so every
+    ``(None, v, row)`` slice is a 16-byte aligned vector the copy atom can move in one
+    instruction, and buffers above 2**31 elements index correctly."""
+    row_stride = cute.assume(Int64(h_vecs) * VEC_ELEMS, divby=VEC_ELEMS)
+    return cute.make_tensor(
+        ptr, cute.make_layout((VEC_ELEMS, h_vecs, num_rows), stride=(1, VEC_ELEMS, row_stride))
+    )
+
+
+def _vector_copy_atom() -> cute.CopyAtom:
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=VEC_BITS)
+
+
+class GatherRows:
+    """``dst[i] = src[index[i]]`` (zero row for an index outside ``[0, src_rows)``).
+
+    One warp per destination row; each lane moves ``unroll`` 16-byte vectors per step,
+    all loads of a step issued before its stores so several are in flight."""
+
+    def __init__(self, num_warps: int = 4, rows_per_warp: int = 2, unroll: int = 4):
+        self.num_warps = num_warps
+        self.rows_per_warp = rows_per_warp
+        self.unroll = unroll
+        self.num_threads = None
+        self.rows_per_cta = None
+
+    def _setup_attributes(self):
+        self.num_threads = 32 * self.num_warps
+        self.rows_per_cta = self.num_warps * self.rows_per_warp
+
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Pointer,
+        index: cute.Pointer,
+        dst: cute.Pointer,
+        src_rows: Int32,
+        num_rows: Int32,
+        h_vecs: Int32,
+        stream: cuda_driver.CUstream,
+    ):
+        self._setup_attributes()
+        mSrc = _row_vectors(src, h_vecs, src_rows)
+        mDst = _row_vectors(dst, h_vecs, num_rows)
+        mIdx = cute.make_tensor(index, cute.make_layout(num_rows))
+        grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
+        self.kernel(mSrc, mIdx, mDst, src_rows, num_rows, h_vecs).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mSrc: cute.Tensor,
+        mIdx: cute.Tensor,
+        mDst: cute.Tensor,
+        src_rows: Int32,
+        num_rows: Int32,
+        h_vecs: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        atom = _vector_copy_atom()
+        for r in cutlass.range_constexpr(self.rows_per_warp):
+            row = bidx * self.rows_per_cta + r * self.num_warps + warp
+            if row < num_rows:
+                src_row = mIdx[row]
+                valid = src_row >= 0 and src_row < src_rows
+                step = 32 * self.unroll
+                for v0 in cutlass.range(lane, h_vecs, step):
+                    frag = cute.make_rmem_tensor((VEC_ELEMS, self.unroll), BFloat16)
+                    if valid:
+                        for u in cutlass.range_constexpr(self.unroll):
+                            if v0 + 32 * u < h_vecs:
+                                cute.copy(atom, mSrc[None, v0 + 32 * u, src_row], frag[None, u])
+                    else:
+                        frag.fill(0.0)
+                    for u in cutlass.range_constexpr(self.unroll):
+                        if v0 + 32 * u < h_vecs:
+                            cute.copy(atom, frag[None, u], mDst[None, v0 + 32 * u, row])
+
+
+class WeightedKSum:
+    """``out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(y[t*K+k]))``, ascending k.
+
+    One warp per token. Each lane loads the ``K * unroll`` source vectors of one step
+    before accumulating them in fixed k order."""
+
+    def __init__(self, K: int, has_shared: bool, num_warps: int = 4):
+        if not isinstance(K, int) or not 1 <= K <= MAX_K:
+            raise ValueError(f"K must be an int in [1, {MAX_K}], got {K!r}")
+        self.K = K
+        self.has_shared = bool(has_shared)
+        self.num_warps = num_warps
+        self.unroll = None
+        self.num_threads = None
+
+    def _setup_attributes(self):
+        self.num_threads = 32 * self.num_warps
+        # Keep about 8 vectors (128 B) in flight per lane without growing past ~100 registers.
+        self.unroll = max(1, 8 // self.K)
+
+    @cute.jit
+    def __call__(
+        self,
+        y: cute.Pointer,
+        w: cute.Pointer,
+        shared: cute.Pointer,
+        out: cute.Pointer,
+        num_tokens: Int32,
+        h_vecs: Int32,
+        stream: cuda_driver.CUstream,
+    ):
+        self._setup_attributes()
+        mY = _row_vectors(y, h_vecs, num_tokens * self.K)
+        mOut = _row_vectors(out, h_vecs, num_tokens)
+        mShared = _row_vectors(shared, h_vecs, num_tokens)
+        mW = cute.make_tensor(w, cute.make_layout((self.K, num_tokens), stride=(1, self.K)))
+        grid_x = (num_tokens + self.num_warps - 1) // self.num_warps
+        self.kernel(mY, mW, mShared, mOut, num_tokens, h_vecs).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mY: cute.Tensor,
+        mW: cute.Tensor,
+        mShared: cute.Tensor,
+        mOut: cute.Tensor,
+        num_tokens: Int32,
+        h_vecs: Int32,
+    ):
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        atom = _vector_copy_atom()
+        token = bidx * self.num_warps + warp
+        if token < num_tokens:
+            weights = cute.make_rmem_tensor((self.K,), Float32)
+            for k in cutlass.range_constexpr(self.K):
+                weights[k] = mW[k, token]
+            step = 32 * self.unroll
+            for v0 in cutlass.range(lane, h_vecs, step):
+                ys = cute.make_rmem_tensor((VEC_ELEMS, self.unroll, self.K), BFloat16)
+                base = cute.make_rmem_tensor((VEC_ELEMS, self.unroll), BFloat16)
+                for u in cutlass.range_constexpr(self.unroll):
+                    if v0 + 32 * u < h_vecs:
+                        for k in cutlass.range_constexpr(self.K):
+                            cute.copy(atom, mY[None, v0 + 32 * u, token * self.K + k], ys[None, u, k])
+                        if const_expr(self.has_shared):
+                            cute.copy(atom, mShared[None, v0 + 32 * u, token], base[None, u])
+                for u in cutlass.range_constexpr(self.unroll):
+                    if v0 + 32 * u < h_vecs:
+                        acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+                        if const_expr(self.has_shared):
+                            acc.store(base[None, u].load().to(Float32))
+                        else:
+                            acc.fill(0.0)
+                        for k in cutlass.range_constexpr(self.K):
+                            yk = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+                            yk.store(ys[None, u, k].load().to(Float32))
+                            for e in cutlass.range_constexpr(VEC_ELEMS):
+                                acc[e] = _mul_then_add_rn(acc[e], weights[k], yk[e])
+                        res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                        res.store(acc.load().to(BFloat16))
+                        cute.copy(atom, res, mOut[None, v0 + 32 * u, token])
+
+
+# ----------------------------------------------------------------------------------------
+# Tensor-free compile functions (registered in mok_cute.jit.KERNELS)
+# ----------------------------------------------------------------------------------------
+
+
+def _placeholder_ptr(dtype, align: int) -> cute.Pointer:
+    # Compilation only needs the pointer's type (dtype, address space, alignment).
+    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_gather_rows(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4,
+                        rows_per_warp: int = 2, unroll: int = 4):
+    """Compile ``GatherRows`` for ``arch`` without a GPU or tensors."""
+    op = GatherRows(num_warps=num_warps, rows_per_warp=rows_per_warp, unroll=unroll)
+    return cute.compile(
+        op,
+        _placeholder_ptr(BFloat16, 16),
+        _placeholder_ptr(Int32, 4),
+        _placeholder_ptr(BFloat16, 16),
+        Int32(1),
+        Int32(1),
+        Int32(1),
+        cute.runtime.make_fake_stream(),
+        options=jit.compile_options(arch, options),
+    )
+
+
+def compile_weighted_ksum(arch: str = "sm_90a", *, options: str = "", K: int = 8,
+                          has_shared: bool = False, num_warps: int = 4):
+    """Compile ``WeightedKSum`` for ``arch`` and a static ``K`` without a GPU or tensors."""
+    op = WeightedKSum(K=K, has_shared=has_shared, num_warps=num_warps)
+    return cute.compile(
+        op,
+        _placeholder_ptr(BFloat16, 16),
+        _placeholder_ptr(Float32, 4),
+        _placeholder_ptr(BFloat16, 16),
+        _placeholder_ptr(BFloat16, 16),
+        Int32(1),
+        Int32(1),
+        cute.runtime.make_fake_stream(),
+        options=jit.compile_options(arch, options),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Torch entry points and references
+# ----------------------------------------------------------------------------------------
+
+
+def _check_rows(name: str, t, rows: int | None = None, cols: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, H], got shape {tuple(t.shape)}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name} must have {rows} rows, got shape {tuple(t.shape)}")
+    if cols is not None and t.shape[1] != cols:
+        raise ValueError(f"{name} must have {cols} columns (H), got shape {tuple(t.shape)}")
+    if t.shape[1] % VEC_ELEMS != 0:
+        raise ValueError(f"{name}: H must be a multiple of {VEC_ELEMS}, got H={t.shape[1]}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major), got strides {t.stride()}")
+
+
+def _check_device(name: str, t, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor for the kernel path, got {t.device}")
+    if t.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} must be 16-byte aligned, got address 0x{t.data_ptr():x}")
+
+
+def _ptr(t: torch.Tensor, dtype, align: int) -> cute.Pointer:
+    return cute.runtime.make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _stream(device: torch.device):
+    return cuda_driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def gather_rows_ref(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """PyTorch reference of ``gather_rows``: out-of-range indices (``-1``) give zero rows."""
+    index = index.long()
+    valid = (index >= 0) & (index < src.shape[0])
+    out = src.new_zeros((index.shape[0], src.shape[1]))
+    out[valid] = src[index[valid]]
+    return out
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = src[index[i]]`` on the GPU; a zero row where ``index[i]`` is outside
+    ``[0, src.shape[0])``. ``index`` is int32 (int64 is converted on the device), and its
+    length is the number of output rows. No host sync."""
+    _check_rows("src", src)
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
+    if index.dim() != 1:
+        raise ValueError(f"index must be 1-D [num_rows], got shape {tuple(index.shape)}")
+    if index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"index must be int32 or int64, got {index.dtype}")
+    device = src.device
+    _check_device("src", src, device)
+    if index.device != device:
+        raise ValueError(f"index must be on {device} like src, got {index.device}")
+    index = index.to(torch.int32).contiguous()
+    num_rows, hidden = index.shape[0], src.shape[1]
+    if out is None:
+        out = torch.empty((num_rows, hidden), dtype=src.dtype, device=device)
+    else:
+        _check_rows("out", out, rows=num_rows, cols=hidden)
+        _check_device("out", out, device)
+    if num_rows == 0 or hidden == 0:
+        return out
+    compiled = jit.compile_kernel("gather_rows", arch=jit.device_arch(device))
+    compiled(
+        _ptr(src, BFloat16, 16),
+        _ptr(index, Int32, 4),
+        _ptr(out, BFloat16, 16),
+        Int32(src.shape[0]),
+        Int32(num_rows),
+        Int32(hidden // VEC_ELEMS),
+        _stream(device),
+    )
+    return out
+
+
+def weighted_ksum_ref(y: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of ``weighted_ksum``: fp32, ascending k, product rounded before the add."""
+    num_tokens, k_slots = w.shape
+    rows = y.view(num_tokens, k_slots, y.shape[1]).float()
+    w32 = w.float()
+    if shared is not None:
+        acc = shared.float()
+    else:
+        acc = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
+    for k in range(k_slots):
+        acc = acc + w32[:, k : k + 1] * rows[:, k]
+    return acc.to(torch.bfloat16)
+
+
+def weighted_ksum(
+    y: torch.Tensor,
+    w: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[t] = bf16(fp32(shared[t]) + sum_{k ascending} fp32(w[t,k]) * fp32(y[t*K+k]))``.
+
+    ``y`` is ``[T*K, H]`` bf16, ``w`` is ``[T, K]`` fp32 (bf16 is upcast exactly), ``shared``
+    an optional ``[T, H]`` bf16; returns ``[T, H]`` bf16. Bitwise equal to
+    ``weighted_ksum_ref`` and deterministic run to run."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [T, K], got shape {tuple(w.shape)}")
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"w must be float32 (or bfloat16), got {w.dtype}")
+    num_tokens, k_slots = w.shape
+    if not 1 <= k_slots <= MAX_K:
+        raise ValueError(f"w: K must be in [1, {MAX_K}], got K={k_slots}")
+    _check_rows("y", y, rows=num_tokens * k_slots)
+    hidden = y.shape[1]
+    device = y.device
+    _check_device("y", y, device)
+    if w.device != device:
+        raise ValueError(f"w must be on {device} like y, got {w.device}")
+    w32 = w.to(torch.float32).contiguous()
+    if shared is not None:
+        _check_rows("shared", shared, rows=num_tokens, cols=hidden)
+        _check_device("shared", shared, device)
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
+    else:
+        _check_rows("out", out, rows=num_tokens, cols=hidden)
+        _check_device("out", out, device)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    compiled = jit.compile_kernel(
+        "weighted_ksum", arch=jit.device_arch(device), K=k_slots, has_shared=shared is not None
+    )
+    compiled(
+        _ptr(y, BFloat16, 16),
+        _ptr(w32, Float32, 4),
+        _ptr(shared if shared is not None else out, BFloat16, 16),  # unread when has_shared=False
+        _ptr(out, BFloat16, 16),
+        Int32(num_tokens),
+        Int32(hidden // VEC_ELEMS),
+        _stream(device),
+    )
+    return out
