@@ -358,20 +358,34 @@ class BenchContext:
 Runner = Callable[[Inputs], torch.Tensor]
 
 
-def forward_path_of(mok_module: Any) -> str:
-    """``mok_cute.forward_path()`` as a string ("unknown: ..." when it cannot be asked)."""
+def forward_path_of(mok_module: Any, device: Any = None, config: Any = None) -> str:
+    """``mok_cute.forward_path(device, config)`` as a string ("unknown: ..." when it cannot be asked)."""
     fn = getattr(mok_module, "forward_path", None)
     if fn is None:
         return "unknown: mok_cute.forward_path does not exist"
     try:
-        return str(fn())
-    except Exception as exc:  # an odd signature must not stop the benchmark
+        return str(fn(device, config))
+    except TypeError:
+        try:
+            return str(fn())
+        except Exception as exc:  # an odd signature must not stop the benchmark
+            return f"unknown: forward_path() raised {type(exc).__name__}: {exc}"
+    except Exception as exc:
         return f"unknown: forward_path() raised {type(exc).__name__}: {exc}"
 
 
 def is_kernel_path(path: str) -> bool:
-    low = path.lower()
-    return not (low.startswith("unknown") or "reference" in low or "fallback" in low)
+    """forward_path() starts with "kernel:" on the kernel path ("reference:" / "error:" otherwise)."""
+    return path.strip().lower().startswith("kernel")
+
+
+def virtual_path_of(mok_module: Any, device: Any, config: Any) -> tuple[bool, str]:
+    """Does moe_forward_virtual run the kernels? (yes, why) from mok_cute.api.choose_path."""
+    try:
+        choice = mok_module.api.choose_path(device, config, virtual=True)
+    except Exception as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+    return choice.path == "kernel", f"{choice.path}: {choice.reason}"
 
 
 def parse_config_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -409,10 +423,10 @@ def _mok_config(ctx: BenchContext, **extra: Any):
 def _prepare_mok_cute(problem: Problem, ctx: BenchContext, timeline: bool = False) -> tuple[Runner, dict[str, Any]]:
     import mok_cute
 
-    path = forward_path_of(mok_cute)
+    cfg = _mok_config(ctx, timeline=True) if timeline else _mok_config(ctx)
+    path = forward_path_of(mok_cute, problem.inputs.x.device, cfg)
     if not is_kernel_path(path):
         raise SkipContender(f"mok_cute.forward_path() = {path!r}: not the kernel path, so not timed as mok_cute")
-    cfg = _mok_config(ctx, timeline=True) if timeline else _mok_config(ctx)
     wg, wu, wd, sh = problem.w_gate, problem.w_up, problem.w_down, problem.shared
 
     def run(inp: Inputs) -> torch.Tensor:
@@ -424,11 +438,11 @@ def _prepare_mok_cute(problem: Problem, ctx: BenchContext, timeline: bool = Fals
 def _prepare_mok_cute_virtual(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
     import mok_cute
 
-    path = forward_path_of(mok_cute)
-    if not is_kernel_path(path):
-        raise SkipContender(f"mok_cute.forward_path() = {path!r}: not the kernel path, so not timed as mok_cute")
     ranks = ctx.ep_ranks
     cfg = _mok_config(ctx)
+    on_kernel, path = virtual_path_of(mok_cute, problem.inputs.x.device, cfg)
+    if not on_kernel:
+        raise SkipContender(f"moe_forward_virtual does not run the kernels ({path}), so not timed as mok_cute")
     template = problem.virtual(ranks)  # replicates the shared expert once, outside the timed region
 
     def run(inp: Inputs) -> torch.Tensor:
@@ -814,7 +828,7 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike, title: 
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(shapes) * max(1, len(names)) / 3 + 3), 5))
     width = 0.8 / max(1, len(names))
     cmap = matplotlib.colormaps["tab10"]
-    top = max([r["tflops"] or 0 for r in results] + [1.0])
+    top = max((r["tflops"] or 0 for r in results), default=0.0) or 1.0
     for j, name in enumerate(names):
         for s_i, shape in enumerate(shapes):
             r = next((r for r in layer if r["shape"] == shape and r["contender"] == name), None)
@@ -877,6 +891,18 @@ def print_results(results: list[dict[str, Any]], console: Any = None, title: str
     console.print(table)
 
 
+def command_line() -> str:
+    """The command that started this process, as a user would type it again."""
+    prog = sys.argv[0] if sys.argv and sys.argv[0] else "mok-cute"
+    if prog.endswith(os.path.join("mok_cute", "benchmark.py")):
+        head = ["python", "-m", "mok_cute.benchmark"]
+    elif prog.endswith(".py"):
+        head = ["python", os.path.relpath(prog) if not os.path.relpath(prog).startswith("..") else prog]
+    else:
+        head = [Path(prog).name]
+    return shlex.join([*head, *sys.argv[1:]])
+
+
 def write_results(
     results: list[dict[str, Any]], out_dir: Path, tag: str, device: torch.device, argv: Sequence[str], extra: dict[str, Any] | None = None
 ) -> tuple[Path, Path]:
@@ -885,7 +911,7 @@ def write_results(
     doc = {
         "gpu": gpu,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", now),
-        "command": shlex.join([Path(sys.argv[0]).name or "mok-cute", *sys.argv[1:]]),
+        "command": command_line(),
         "argv": list(argv),
         "versions": versions(),
         **(extra or {}),
@@ -929,7 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rich.console import Console
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=180)
     if args.list:
         for name, s in SHAPES.items():
             console.print(f"{name:14s} T={s.tokens}{'/rank' if s.per_rank_tokens else ''} H={s.hidden} I={s.intermediate} E={s.experts} K={s.top_k}{' +shared' if s.shared else ''}")

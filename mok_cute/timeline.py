@@ -146,14 +146,20 @@ class Timeline:
         out.sort(key=lambda lane: (order.get(lane[2], 3), lane[0], lane[1]))
         return out
 
-    def check(self, expected_task_ids: Iterable[tuple[int, int]] | None = None) -> list[str]:
+    def check(
+        self,
+        expected_task_ids: Iterable[tuple[int, int]] | None = None,
+        unique_types: Iterable[int] = GEMM_TASK_TYPES,
+    ) -> list[str]:
         """Sanity problems of a recording (empty list = none):
 
+        * records were dropped;
         * a record ends before it starts;
-        * a comm CTA records a compute task or a compute CTA a comm task;
+        * a comm CTA records a compute task, or a compute CTA a dispatch / combine;
         * on one CTA, non-WAIT tasks overlap (times must be monotone per CTA);
-        * with ``expected_task_ids`` (pairs of (task_type, task_id)): a task recorded more than
-          once per rank, or never.
+        * a task of ``unique_types`` (default: the GEMM tiles) is recorded twice on one rank;
+        * with ``expected_task_ids`` (pairs of (task_type, task_id)): an expected task recorded
+          more than once per rank, or never.
         """
         problems: list[str] = []
         rec = self.records
@@ -162,31 +168,34 @@ class Timeline:
         bad = np.nonzero(rec["end_ns"] < rec["start_ns"])[0]
         for i in bad[:10]:
             problems.append(f"record {int(i)} ({task_name(rec['task_type'][i])}) ends before it starts")
-        for i in range(len(rec)):
-            tt, role = int(rec["task_type"][i]), int(rec["role"][i])
-            if role == Role.COMM and tt in COMPUTE_TASK_TYPES:
-                problems.append(f"comm CTA {int(rec['cta_id'][i])} ran compute task {task_name(tt)}")
-            if role == Role.COMPUTE and tt in (TaskType.DISPATCH, TaskType.COMBINE):
-                problems.append(f"compute CTA {int(rec['cta_id'][i])} ran comm task {task_name(tt)}")
+        comm_runs_compute = (rec["role"] == Role.COMM) & np.isin(rec["task_type"], [int(t) for t in COMPUTE_TASK_TYPES])
+        compute_runs_comm = (rec["role"] == Role.COMPUTE) & np.isin(rec["task_type"], [TaskType.DISPATCH, TaskType.COMBINE])
+        for i in np.nonzero(comm_runs_compute | compute_runs_comm)[0][:10]:
+            problems.append(
+                f"rank {int(rec['rank'][i])} {role_name(rec['role'][i])} CTA {int(rec['cta_id'][i])} "
+                f"ran {task_name(rec['task_type'][i])} task {int(rec['task_id'][i])}"
+            )
         work = rec[rec["task_type"] != TaskType.WAIT]
         for key in sorted({(int(r), int(c)) for r, c in zip(work["rank"], work["cta_id"])}):
             mine = work[(work["rank"] == key[0]) & (work["cta_id"] == key[1])]
             mine = mine[np.argsort(mine["start_ns"], kind="stable")]
             if np.any(mine["start_ns"][1:] < mine["end_ns"][:-1]):
                 problems.append(f"rank {key[0]} CTA {key[1]}: tasks overlap (times not monotone)")
-        if expected_task_ids is not None:
-            expected = {(int(t), int(i)) for t, i in expected_task_ids}
-            for rank in sorted({int(r) for r in rec["rank"]}):
-                mine = work[work["rank"] == rank]
-                seen: dict[tuple[int, int], int] = {}
-                for t, i in zip(mine["task_type"], mine["task_id"]):
-                    seen[(int(t), int(i))] = seen.get((int(t), int(i)), 0) + 1
-                twice = [k for k, n in seen.items() if n > 1 and k in expected]
-                missing = expected - set(seen)
-                if twice:
-                    problems.append(f"rank {rank}: {len(twice)} tasks recorded more than once, e.g. {twice[:3]}")
+        expected = None if expected_task_ids is None else {(int(t), int(i)) for t, i in expected_task_ids}
+        unique = {int(t) for t in unique_types}
+        for rank in sorted({int(r) for r in work["rank"]}):
+            mine = work[work["rank"] == rank]
+            seen: dict[tuple[int, int], int] = {}
+            for t, i in zip(mine["task_type"].tolist(), mine["task_id"].tolist()):
+                seen[(t, i)] = seen.get((t, i), 0) + 1
+            must_be_once = (lambda k: k in expected) if expected is not None else (lambda k: k[0] in unique)
+            twice = sorted(k for k, n in seen.items() if n > 1 and (must_be_once(k) or k[0] in unique))
+            if twice:
+                problems.append(f"rank {rank}: {len(twice)} tasks recorded more than once, e.g. {twice[:3]}")
+            if expected is not None:
+                missing = sorted(expected - set(seen))
                 if missing:
-                    problems.append(f"rank {rank}: {len(missing)} tasks never recorded, e.g. {sorted(missing)[:3]}")
+                    problems.append(f"rank {rank}: {len(missing)} expected tasks never recorded, e.g. {missing[:3]}")
         return problems
 
 
@@ -749,17 +758,22 @@ def _record_on_gpu(args: argparse.Namespace, console: Any) -> tuple[Timeline | N
 
     shape = benchmark.resolve_shape(args.shape)
     problem = benchmark.make_problem(shape, device="cuda", seed=args.seed, t_scale=args.t_scale, ranks=args.ranks)
-    path = benchmark.forward_path_of(mok_cute)
     cfg_fields = benchmark.parse_config_overrides(args.mok_config)
     config = mok_cute.MoKConfig(timeline=True, timeline_capacity=args.capacity, **cfg_fields)
+    if args.ranks > 1:
+        _, path = benchmark.virtual_path_of(mok_cute, problem.inputs.x.device, config)
+    else:
+        path = benchmark.forward_path_of(mok_cute, problem.inputs.x.device, config)
+    inp = problem.inputs
+    virtual = problem.virtual(args.ranks) if args.ranks > 1 else None
     set_last(None)
     for _ in range(args.warmup + 1):
-        if args.ranks > 1:
-            v = problem.virtual(args.ranks)
+        if virtual is not None:
+            v = virtual
             mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=config)
         else:
             mok_cute.moe_forward(
-                problem.x, problem.topk_idx, problem.topk_weights, problem.w_gate, problem.w_up, problem.w_down,
+                inp.x, inp.topk_idx, inp.topk_weights, problem.w_gate, problem.w_up, problem.w_down,
                 shared=problem.shared, config=config,
             )
     torch.cuda.synchronize()
@@ -816,7 +830,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         tl.meta["synthetic"] = True
         title = "SYNTHETIC timeline (made-up durations, not a measurement)"
     else:
-        tl, reason, recorded_sizes = _record_on_gpu(args, console)
+        try:
+            tl, reason, recorded_sizes = _record_on_gpu(args, console)
+        except Exception as exc:  # a failed launch must say what failed, not dump a trace only
+            tl, reason, recorded_sizes = None, f"the recorded run failed: {type(exc).__name__}: {exc}", {}
         if tl is None:
             console.print(f"[red]No timeline recorded: {reason}.[/red]")
             console.print("Use --from FILE.npy to decode a saved buffer, or --synthetic for a demo of the views.")
