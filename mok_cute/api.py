@@ -4,8 +4,10 @@ Path selection (`forward_path()` prints the outcome for a device):
 - `config.backend == "reference"`                      -> reference
 - `moe_forward(..., group=...)`, `moe_forward_virtual`  -> reference (the EP megakernel is not
   built yet; the reference runs the real all_to_all_single exchange for `group`)
-- inputs not on a CUDA device, `mok_cute.ops` not importable, or
-  `mok_cute.ops.kernel_path_status(device)` says no      -> reference ("auto") / error ("kernel")
+- inputs not on a CUDA device, `mok_cute.ops` not importable,
+  `mok_cute.ops.kernel_path_status(device)` says no, or
+  inputs require grad and `mok_cute.ops.SUPPORTS_BACKWARD` is not true
+                                                        -> reference ("auto") / error ("kernel")
 - otherwise                                             -> `mok_cute.ops.moe_forward_kernel`
 
 Argument checks follow DESIGN §2 "Bad input": a TypeError or ValueError naming the argument,
@@ -68,15 +70,25 @@ def _kernel_status(device: torch.device) -> tuple[bool, str]:
     return bool(ok), str(why)
 
 
+def _kernel_supports_backward() -> bool:
+    from . import ops
+
+    return bool(getattr(ops, "SUPPORTS_BACKWARD", False))
+
+
 def choose_path(
     device: torch.device | str | int | None = None,
     config: MoKConfig | None = None,
     *,
     distributed: bool = False,
     virtual: bool = False,
+    needs_grad: bool = False,
 ) -> PathChoice:
     """Which path a call takes on `device` (default: the current CUDA device, else CPU).
 
+    needs_grad: some input requires grad with grad mode on. The kernel path is only taken
+    then if `mok_cute.ops.SUPPORTS_BACKWARD` is true (its output would otherwise have no
+    gradient); until then such calls run on the (differentiable) reference.
     Raises RuntimeError / ValueError when `config.backend == "kernel"` and no kernel can run.
     """
     config = resolve_config(config)
@@ -91,6 +103,8 @@ def choose_path(
             )
         return PathChoice("reference", f"{what} runs on the reference: {_EP_REASON}")
     ok, why = _kernel_status(device)
+    if ok and needs_grad and not _kernel_supports_backward():
+        ok, why = False, f"inputs require grad and the kernel path has no backward yet ({why})"
     if ok:
         return PathChoice("kernel", why)
     if config.backend == "kernel":
@@ -124,6 +138,8 @@ def forward_path(device: torch.device | str | int | None = None, config: MoKConf
         head = f"{choice.path}: {choice.reason}"
     except (RuntimeError, ValueError) as exc:
         head = f"error: {exc}"
+    if head.startswith("kernel:") and not _kernel_supports_backward():
+        head += " (calls whose inputs require grad run on the reference: no backward kernels yet)"
     ep = "reference" if config.backend != "reference" else "reference (config.backend)"
     return f"{head} [device {dev}; moe_forward(group=...) and moe_forward_virtual: {ep}, {_EP_REASON}]"
 
@@ -158,7 +174,10 @@ def moe_forward(
     if dims.tokens == 0 and group is None:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
     check_expert_ids(topk_idx, dims.num_experts)
-    choice = choose_path(x.device, config, distributed=group is not None)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ()))
+    )
+    choice = choose_path(x.device, config, distributed=group is not None, needs_grad=needs_grad)
     if choice.path == "kernel":
         from . import ops
 

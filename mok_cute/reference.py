@@ -12,6 +12,9 @@ Numerics (DESIGN §1; the kernels follow the same order):
              acc = acc + fp32(topk_weights[t, k]) * fp32(y[t, k])
              (the product is rounded to fp32, then the sum: two roundings, no FMA)
 
+TF32: every matmul input is a bf16 value (x, weights, the rounded h), which TF32 represents
+exactly, so the result does not depend on torch's fp32 matmul precision setting.
+
 Batch invariance: every expert matmul runs on the rows of ONE source rank routed to that
 expert, in ascending (token, k) order. So `moe_forward` on one rank, `moe_forward_virtual`
 and the real expert-parallel path (`group=`) feed identical matrices to the same matmuls and

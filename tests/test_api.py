@@ -286,12 +286,21 @@ def test_choose_path_uses_ops_status(monkeypatch, cuda_visible):
     monkeypatch.setattr(mok_cute, "ops", sys.modules["mok_cute.ops"], raising=False)
     dev = torch.device("cuda", 0)
     assert api.choose_path(dev) == api.PathChoice("kernel", "sm_90a kernels ready")
-    assert mok.forward_path(dev).startswith("kernel: sm_90a kernels ready [device cuda:0;")
+    assert mok.forward_path(dev).startswith("kernel: sm_90a kernels ready (calls whose inputs require grad")
     assert mok.forward_path().startswith("kernel: ")  # default device = current CUDA device
     assert api.choose_path(dev, MoKConfig(backend="reference")).path == "reference"
     ep = api.choose_path(dev, distributed=True)
     assert ep.path == "reference" and "megakernel is not built yet" in ep.reason
     assert api.choose_path(torch.device("cpu")).path == "reference"  # CPU tensors never take the kernel
+    # No backward kernels: calls that need gradients stay on the reference ...
+    grad_choice = api.choose_path(dev, needs_grad=True)
+    assert grad_choice.path == "reference" and "no backward yet" in grad_choice.reason
+    assert "calls whose inputs require grad run on the reference" in mok.forward_path(dev)
+    with pytest.raises(RuntimeError, match="inputs require grad"):
+        api.choose_path(dev, MoKConfig(backend="kernel"), needs_grad=True)
+    # ... until ops says it has them.
+    monkeypatch.setattr(sys.modules["mok_cute.ops"], "SUPPORTS_BACKWARD", True, raising=False)
+    assert api.choose_path(dev, needs_grad=True).path == "kernel"
 
     monkeypatch.setitem(sys.modules, "mok_cute.ops", _fake_ops(False, "compute capability 8.0 < 9.0", calls))
     monkeypatch.setattr(mok_cute, "ops", sys.modules["mok_cute.ops"], raising=False)
