@@ -99,26 +99,24 @@ def build_receive_schedule(
     capacity = schedule_capacity(R, T, K, E_loc, tile_m)
     i64 = dict(dtype=torch.int64, device=device)
 
-    # Per candidate row: local expert (E_loc = "not mine"), peer and slot = token * K + k.
-    local = topk_idx_all.reshape(R, TK).to(torch.int64) - rank * E_loc
-    mine = (local >= 0) & (local < E_loc)
-    expert = torch.where(mine, local, torch.full_like(local, E_loc)).reshape(N)
-    peer = torch.arange(R, **i64).repeat_interleave(TK)
-    slot = torch.arange(TK, **i64).repeat(R)
+    # Candidate c = peer * T*K + slot (slot = token * K + k); its local expert, E_loc = "not mine".
+    local = topk_idx_all.reshape(N).to(torch.int64) - rank * E_loc
+    expert = torch.where((local >= 0) & (local < E_loc), local, torch.full_like(local, E_loc))
+    candidate = torch.arange(N, **i64)
+    TK1 = max(TK, 1)
 
     # j = position of a row among the rows of its own (peer, expert) pair, in slot order.
     # Candidates are enumerated peer-major, slot ascending, so a stable sort on
     # (peer, expert) keeps slot order inside each pair.
-    pair_key = peer * (E_loc + 1) + expert
-    pair_sorted, pair_order = torch.sort(pair_key, stable=True)
-    pair_start = torch.searchsorted(pair_sorted, pair_sorted, right=False)
-    j = torch.empty(N, **i64)
-    j[pair_order] = torch.arange(N, **i64) - pair_start
+    pair_sorted, pair_order = torch.sort(torch.div(candidate, TK1, rounding_mode="floor") * (E_loc + 1) + expert, stable=True)
+    j = candidate - torch.searchsorted(pair_sorted, pair_sorted, right=False)
+    pair_expert = pair_sorted % (E_loc + 1)
+    pair_peer = torch.div(pair_sorted, E_loc + 1, rounding_mode="floor")
 
-    # Final order: (expert, j, peer); unique key for my rows, "not mine" rows sort last.
-    row_key = (expert * max(TK, 1) + j) * R + peer
-    row_sorted, row_order = torch.sort(row_key, stable=True)
-    row_expert = torch.div(row_sorted, max(TK, 1) * R, rounding_mode="floor")  # E_loc past mine
+    # Final order: (expert, j, peer), a unique key; "not mine" rows (expert E_loc) sort last.
+    row_sorted, order_in_pairs = torch.sort((pair_expert * TK1 + j) * R + pair_peer, stable=True)
+    row_order = pair_order[order_in_pairs]  # candidate index of each row, in final order
+    row_expert = torch.div(row_sorted, TK1 * R, rounding_mode="floor")  # E_loc past my rows
 
     # Counts and padded offsets per local expert (rows of expert e are contiguous in row_order).
     expert_ids = torch.arange(E_loc + 1, **i64)
@@ -135,8 +133,8 @@ def build_receive_schedule(
     if N:
         source = row_order[(real_start[pos_expert] + in_segment).clamp_(0, N - 1)]
         minus1 = torch.full_like(pos, -1)
-        row_peer = torch.where(valid, peer[source], minus1)
-        row_slot = torch.where(valid, slot[source], minus1)
+        row_peer = torch.where(valid, torch.div(source, TK1, rounding_mode="floor"), minus1)
+        row_slot = torch.where(valid, source % TK1, minus1)
         row_token = torch.where(valid, torch.div(row_slot, K, rounding_mode="floor"), minus1)
         row_k = torch.where(valid, row_slot % K, minus1)
     else:
@@ -186,10 +184,14 @@ def row_of_slot(schedule: ReceiveSchedule, T: int, K: int, peer: int = 0) -> tor
     slots = slot_of_rows(schedule, K).to(torch.int64)
     hit = (slots >= 0) & (schedule.row_peer.to(torch.int64) == peer)
     device = slots.device
-    # Scatter into a buffer with one extra dummy entry for non-hits; every dummy write stores
-    # the same value (-1), so the result does not depend on write order.
-    out = torch.full((T * K + 1,), -1, dtype=torch.int64, device=device)
-    index = torch.where(hit, slots, torch.full_like(slots, T * K))
-    value = torch.where(hit, torch.arange(slots.numel(), dtype=torch.int64, device=device), torch.full_like(slots, -1))
-    out.scatter_(0, index, value)
-    return out[: T * K].to(torch.int32)
+    # Sort rows by their slot (non-hits last) and look every slot up: gathers only, no scatter,
+    # so the result is deterministic on every device and in torch's deterministic mode.
+    TK = T * K
+    key = torch.where(hit, slots, torch.full_like(slots, TK))
+    if key.numel() == 0:
+        return torch.full((TK,), -1, dtype=torch.int32, device=device)
+    key_sorted, row = torch.sort(key, stable=True)
+    wanted = torch.arange(TK, dtype=torch.int64, device=device)
+    at = torch.searchsorted(key_sorted, wanted).clamp_(max=key_sorted.numel() - 1)
+    found = key_sorted[at] == wanted
+    return torch.where(found, row[at], torch.full_like(wanted, -1)).to(torch.int32)

@@ -152,6 +152,17 @@ def test_single_token_single_expert():
     assert sched.num_tiles.tolist() == [1]
 
 
+@pytest.mark.parametrize("tile_m", [1, 3, 8])
+def test_small_and_odd_tile_heights(tile_m):
+    gen = torch.Generator().manual_seed(tile_m)
+    idx = random_routing(gen, 3, 11, 2, 6, distinct=False)
+    for rank in range(3):
+        assert_matches_oracle(idx, rank, 2, tile_m)
+    empty = assert_matches_oracle(torch.empty(1, 0, 2, dtype=torch.int64), 0, 3, tile_m)
+    assert empty.capacity == schedule_capacity(1, 0, 2, 3, tile_m)
+    assert row_of_slot(empty, 0, 2).numel() == 0
+
+
 def test_zero_tokens():
     idx = torch.empty(3, 0, 4, dtype=torch.int64)
     sched = assert_matches_oracle(idx, 2, 5, 64)
