@@ -1,0 +1,310 @@
+"""Benchmark harness: FLOP formula, shapes, torch contenders against the reference, failure
+recording, result JSON schema and bar chart (CPU); the full protocol on a GPU."""
+
+import json
+
+import pytest
+import torch
+
+import mok_cute
+from mok_cute import benchmark as bm
+
+
+def _grouped_mm_runs_here(device: str) -> bool:
+    try:
+        a = torch.randn(16, 16, device=device).to(torch.bfloat16)
+        b = torch.randn(2, 16, 16, device=device).to(torch.bfloat16)
+        torch._grouped_mm(a, b, offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
+        return True
+    except Exception:
+        return False
+
+
+GROUPED_MM_ON_CPU = hasattr(torch, "_grouped_mm") and _grouped_mm_runs_here("cpu")
+
+
+def rel(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# --------------------------------------------------------------------------------------------
+# formula and shapes
+# --------------------------------------------------------------------------------------------
+
+
+def test_flop_formula_is_moks():
+    # 6 * (T*K + T*[shared]) * H * I
+    assert bm.moe_flops(4096, 7168, 2048, 8) == 6 * 4096 * 8 * 7168 * 2048 == 2_886_218_022_912
+    assert bm.moe_flops(2048, 7168, 2048, 8, shared=True) == 6 * (2048 * 8 + 2048) * 7168 * 2048
+    assert bm.moe_flops(1, 1, 1, 1) == 6
+
+
+def test_named_shapes_are_designs_tables():
+    single = {n: (s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.shared) for n, s in bm.SINGLE_GPU_SHAPES.items()}
+    assert single == {
+        "dsv3_ep8_rank": (4096, 7168, 2048, 32, 8, False),
+        "qwen3_30b": (16384, 2048, 768, 128, 8, False),
+        "sonic_120b": (32768, 4096, 2048, 64, 4, False),
+        "mixtral": (8192, 4096, 14336, 8, 2, False),
+        "gptoss_120b": (8192, 2880, 2880, 128, 4, False),
+    }
+    ep = {n: (s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.shared) for n, s in bm.EP_SHAPES.items()}
+    assert ep == {
+        "kimi_k2.7": (2048, 7168, 2048, 384, 8, True),
+        "glm_5.2": (2048, 6144, 2048, 256, 8, True),
+        "qwen3.5_397b": (2048, 4096, 1024, 512, 10, True),
+        "dsv4_pro": (2048, 7168, 3072, 384, 6, True),
+    }
+    # EP shapes hold R ranks' tokens; single-GPU shapes scale only with --t-scale.
+    assert bm.EP_SHAPES["kimi_k2.7"].total_tokens(1.0, ranks=8) == 8 * 2048
+    assert bm.SINGLE_GPU_SHAPES["mixtral"].total_tokens(0.25, ranks=8) == 2048
+
+
+def test_shape_specs_resolve_and_bad_ones_name_the_argument():
+    assert [s.name for s in bm.resolve_shapes("single")] == list(bm.SINGLE_GPU_SHAPES)
+    assert [s.name for s in bm.resolve_shapes("ep")] == list(bm.EP_SHAPES)
+    shapes = bm.resolve_shapes("mixtral,custom:64,32,16,4,2,1,qwen3_30b")
+    assert [s.name for s in shapes] == ["mixtral", "custom:64,32,16,4,2,1", "qwen3_30b"]
+    custom = shapes[1]
+    assert (custom.tokens, custom.hidden, custom.intermediate, custom.experts, custom.top_k, custom.shared) == (64, 32, 16, 4, 2, True)
+    for bad in ("nope", "custom:1,2,3", "custom:8,8,8,2,3", "custom:a,b,c,d,e"):
+        with pytest.raises(ValueError, match="shape"):
+            bm.resolve_shape(bad)
+
+
+def test_config_overrides_parse_types():
+    got = bm.parse_config_overrides(["num_comm_sms=16,timeline=true", "timeout_ms=5.5", "backend=auto", "ring_tokens=None"])
+    assert got == {"num_comm_sms": 16, "timeline": True, "timeout_ms": 5.5, "backend": "auto", "ring_tokens": None}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        bm.parse_config_overrides(["num_comm_sms"])
+    mok_cute.MoKConfig(**{k: v for k, v in got.items() if k != "backend"})  # the keys are real fields
+
+
+# --------------------------------------------------------------------------------------------
+# problems and the torch contenders against mok_cute.reference
+# --------------------------------------------------------------------------------------------
+
+
+def test_problem_is_random_normal_never_zeros_and_fresh_inputs_differ():
+    p = bm.make_problem(bm.resolve_shape("custom:64,32,16,8,2,1"), device="cpu", seed=1)
+    for t in (p.inputs.x, p.w_gate, p.w_up, p.w_down, *p.shared):
+        assert t.dtype == torch.bfloat16 and t.float().abs().min() >= 0 and t.float().std() > 0
+        assert (t == 0).float().mean() < 0.01
+    assert p.inputs.topk_idx.dtype == torch.int32
+    assert all(len(set(row)) == 2 for row in p.inputs.topk_idx.tolist())  # K distinct experts
+    torch.testing.assert_close(p.inputs.topk_weights.sum(1), torch.ones(64))
+    q = p.with_fresh_inputs(32, seed=2)
+    assert q.tokens == 32 and q.w_gate is p.w_gate and not torch.equal(q.inputs.x[:32], p.inputs.x[:32])
+    assert p.flops == bm.moe_flops(64, 32, 16, 2, shared=True)
+
+
+@pytest.mark.skipif(not GROUPED_MM_ON_CPU, reason="torch._grouped_mm does not run on the CPU here; see the gpu test")
+@pytest.mark.parametrize("spec", ["custom:96,64,32,8,2", "custom:80,128,64,16,4,1", "custom:1,64,32,4,4"])
+def test_torch_grouped_mm_pipeline_matches_the_reference_on_cpu(spec):
+    p = bm.make_problem(bm.resolve_shape(spec), device="cpu", seed=3)
+    i = p.inputs
+    ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
+    gu, down = bm.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down)
+    out = bm.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, gu, down, bm._fused_shared(p))
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert rel(out, ref) <= 1e-2
+
+
+@pytest.mark.skipif(not GROUPED_MM_ON_CPU, reason="torch._grouped_mm does not run on the CPU here; see the gpu test")
+def test_torch_grouped_mm_pipeline_with_an_empty_expert():
+    p = bm.make_problem(bm.resolve_shape("custom:64,64,32,8,2"), device="cpu", seed=4)
+    idx = p.inputs.topk_idx.clone()
+    idx[idx == 5] = 6  # expert 5 gets no rows (and tokens routed to 5 and 6 now hit 6 twice)
+    i = p.inputs
+    ref = mok_cute.reference.moe_forward(i.x, idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
+    out = bm.torch_grouped_mm_moe(i.x, idx, i.topk_weights, *bm.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down))
+    assert rel(out, ref) <= 1e-2
+
+
+def test_per_expert_loop_matches_the_reference_on_cpu():
+    p = bm.make_problem(bm.resolve_shape("custom:96,64,32,8,3,1"), device="cpu", seed=5)
+    i = p.inputs
+    ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
+    out = bm.per_expert_loop_moe(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, bm._fused_shared(p))
+    assert rel(out, ref) <= 1e-2
+
+
+def test_virtual_split_is_the_same_work_as_the_whole_problem():
+    """mok_cute_virtual times R ranks of the problem the single-GPU contenders run: the
+    reference agrees bitwise between the split and the whole."""
+    shape = bm.resolve_shape("custom:32,64,32,8,2,1")
+    p = bm.make_problem(shape, device="cpu", seed=6)
+    v = p.virtual(4)
+    assert v.x.shape == (4, 8, 64) and v.w_gate.shape == (4, 2, 32, 64) and v.shared[0].shape == (4, 32, 64)
+    i = p.inputs
+    whole = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
+    split = mok_cute.reference.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared)
+    assert torch.equal(split.reshape(32, 64), whole)
+    with pytest.raises(ValueError, match="ranks"):
+        p.virtual(3)
+
+
+# --------------------------------------------------------------------------------------------
+# the protocol: check, record failures, time
+# --------------------------------------------------------------------------------------------
+
+
+def _ctx(tmp_path, **kw):
+    return bm.BenchContext(device=torch.device("cpu"), out_dir=tmp_path, **kw)
+
+
+def test_bench_shape_records_crashes_and_failed_checks_and_times_the_rest(tmp_path, monkeypatch):
+    def crashing(problem, ctx):
+        raise RuntimeError("compile failed: no kernel image")
+
+    def wrong(problem, ctx):
+        good, _ = bm._prepare_per_expert_loop(problem, ctx)
+        return (lambda inp: good(inp) * 1.1), {}
+
+    monkeypatch.setitem(bm.CONTENDERS, "crashes", crashing)
+    monkeypatch.setitem(bm.CONTENDERS, "wrong", wrong)
+    shape = bm.resolve_shape("custom:64,64,32,8,2")
+    timer = bm.Timer(torch.device("cpu"), iters=2, warmup=1)
+    results = bm.bench_shape(shape, ["crashes", "wrong", "per_expert_loop", "mok_cute"], _ctx(tmp_path), timer, check_tokens=32, log=lambda m: None)
+    by = {r["contender"]: r for r in results}
+    assert by["crashes"]["status"] == "error" and "compile failed" in by["crashes"]["error"] and by["crashes"]["ms"] is None
+    assert by["wrong"]["status"] == "check_failed" and by["wrong"]["ms"] is None and by["wrong"]["rel_err"] > 0.05
+    ok = by["per_expert_loop"]
+    assert ok["status"] == "ok" and ok["rel_err"] <= 1e-2 and ok["ms"] > 0
+    assert ok["tflops"] == pytest.approx(bm.moe_flops(64, 64, 32, 2) / (ok["ms"] * 1e-3) / 1e12)
+    assert (ok["T"], ok["H"], ok["I"], ok["E"], ok["K"]) == (64, 64, 32, 8, 2)
+    if not torch.cuda.is_available():  # the reference fallback is never timed as mok_cute
+        assert by["mok_cute"]["status"] == "skipped" and by["mok_cute"]["ms"] is None
+        assert "not the kernel path" in by["mok_cute"]["error"]
+
+
+def test_ratios_are_against_torch_and_cublas_of_the_same_run():
+    results = [
+        {"shape": "matmul_8192", "contender": "cublas_8192", "tflops": 600.0},
+        {"shape": "a", "contender": "torch_grouped_mm", "tflops": 100.0},
+        {"shape": "a", "contender": "mok_cute", "tflops": 150.0},
+        {"shape": "b", "contender": "mok_cute", "tflops": 300.0},
+        {"shape": "b", "contender": "sonicmoe", "tflops": None},
+    ]
+    bm.add_ratios(results)
+    assert results[2]["ratio_vs_torch"] == 1.5 and results[2]["frac_cublas"] == 0.25
+    assert results[3]["ratio_vs_torch"] is None and results[3]["frac_cublas"] == 0.5
+    assert "ratio_vs_torch" not in results[4]
+
+
+def test_timer_on_cpu_returns_the_median():
+    calls = []
+    timer = bm.Timer(torch.device("cpu"), iters=5, warmup=2)
+    assert timer(lambda: calls.append(1)) > 0 and len(calls) == 7
+    with pytest.raises(ValueError, match="iters"):
+        bm.Timer(torch.device("cpu"), iters=0)
+
+
+def test_result_files_are_never_overwritten(tmp_path):
+    first = bm.result_path(tmp_path, "NVIDIA H200", "fwd", "2026-11-29")
+    assert first.name == "2026-11-29_h200_fwd.json"
+    first.write_text("{}")
+    assert bm.result_path(tmp_path, "NVIDIA H200", "fwd", "2026-11-29").name == "2026-11-29_h200_fwd_2.json"
+
+
+# DESIGN §5 schema, written out here independently of bm.RESULT_SCHEMA.
+DESIGN_SCHEMA = {
+    "type": "object",
+    "required": ["gpu", "date", "command", "versions", "results"],
+    "properties": {
+        "gpu": {"type": "string"},
+        "date": {"type": "string"},
+        "command": {"type": "string"},
+        "versions": {"type": "object"},
+        "results": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["shape", "contender", "pass", "ms", "tflops"],
+                "properties": {"pass": {"enum": ["fwd", "bwd"]}, "shape": {"type": "string"}, "contender": {"type": "string"}},
+            },
+        },
+    },
+}
+
+
+def test_main_on_cpu_writes_schema_valid_json_and_a_png(tmp_path, capsys):
+    import jsonschema
+    import matplotlib.image
+
+    argv = ["--shapes", "custom:64,64,32,8,2,1", "--contenders", "torch_grouped_mm,per_expert_loop,sonicmoe,cublas_8192,mok_cute",
+            "--iters", "2", "--warmup", "1", "--check-tokens", "32", "--out", str(tmp_path), "--tag", "cpu-smoke", "--device", "cpu"]
+    assert bm.main(argv) == 0
+    files = sorted(tmp_path.glob("*_cpu-smoke.json"))
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    jsonschema.validate(doc, DESIGN_SCHEMA)
+    jsonschema.validate(doc, bm.RESULT_SCHEMA)
+    assert "--shapes custom:64,64,32,8,2,1" in doc["command"] and doc["argv"] == argv
+    assert doc["versions"]["torch"] and doc["versions"]["python"]
+    by = {r["contender"]: r for r in doc["results"]}
+    assert by["per_expert_loop"]["status"] == "ok"
+    if GROUPED_MM_ON_CPU:
+        assert by["torch_grouped_mm"]["status"] == "ok" and by["per_expert_loop"]["ratio_vs_torch"] > 0
+    assert by["cublas_8192"]["status"] == "skipped"  # no CUDA here: recorded, not run
+    assert by["sonicmoe"]["status"] == "skipped"
+    img = matplotlib.image.imread(files[0].with_suffix(".png"))
+    assert img.shape[0] > 300 and img.shape[1] > 500
+    assert "per_expert_loop" in capsys.readouterr().out
+
+
+def test_main_rejects_unknown_contenders_and_shapes(tmp_path):
+    assert bm.main(["--contenders", "magic", "--out", str(tmp_path)]) == 2
+    assert bm.main(["--shapes", "nope", "--out", str(tmp_path)]) == 2
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_bar_chart_from_a_synthetic_result_list(tmp_path):
+    import matplotlib.image
+
+    results = [{"shape": "matmul_8192", "contender": "cublas_8192", "pass": "fwd", "ms": 1.5, "tflops": 723.0, "status": "ok"}]
+    for shape, base in (("dsv3_ep8_rank", 411.0), ("sonic_120b", 390.0), ("qwen3_30b", 236.0)):
+        results += [
+            {"shape": shape, "contender": "torch_grouped_mm", "pass": "fwd", "ms": 1.0, "tflops": base, "status": "ok"},
+            {"shape": shape, "contender": "sonicmoe", "pass": "fwd", "ms": 0.7, "tflops": base * 1.4, "status": "ok"},
+            {"shape": shape, "contender": "mok_cute", "pass": "fwd", "ms": None, "tflops": None, "status": "error"},
+        ]
+    bm.add_ratios(results)
+    path = bm.plot_results(results, tmp_path / "bars.png", title="synthetic")
+    img = matplotlib.image.imread(path)
+    assert img.shape[:2] == (550, round(max(7.0, 1.6 * 3 * 3 / 3 + 3) * 110))
+    assert img[..., :3].std() > 0.05  # bars drawn, not a blank canvas
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_torch_grouped_mm_pipeline_matches_the_reference_on_gpu():
+    p = bm.make_problem(bm.resolve_shape("custom:1000,512,256,16,4,1"), device="cuda", seed=7)
+    i = p.inputs
+    ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
+    out = bm.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, *bm.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down), bm._fused_shared(p))
+    assert rel(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_full_protocol_on_the_gpu(tmp_path):
+    """Every contender on a reduced shape, one process: cuBLAS and the torch pipeline must time;
+    the others are recorded whatever happens to them (mok_cute is timed only on the kernel path)."""
+    argv = ["--shapes", "dsv3_ep8_rank", "--t-scale", "0.125", "--iters", "5", "--warmup", "2",
+            "--out", str(tmp_path), "--tag", "gpu-test", "--contenders", ",".join(bm.ALL_CONTENDERS)]
+    assert bm.main(argv) == 0
+    doc = json.loads(next(tmp_path.glob("*_gpu-test.json")).read_text())
+    by = {r["contender"]: r for r in doc["results"]}
+    assert set(by) == set(bm.ALL_CONTENDERS)
+    assert by["cublas_8192"]["status"] == "ok" and by["cublas_8192"]["tflops"] > 100
+    assert by["torch_grouped_mm"]["status"] == "ok" and by["torch_grouped_mm"]["rel_err"] <= 1e-2
+    for r in doc["results"]:
+        assert r["status"] in ("ok", "check_failed", "skipped", "error")
+        assert (r["status"] == "ok") == (r["ms"] is not None)
+    if by["mok_cute"]["status"] == "ok":
+        assert by["mok_cute"]["path"].startswith("kernel")
