@@ -891,16 +891,22 @@ def print_results(results: list[dict[str, Any]], console: Any = None, title: str
     console.print(table)
 
 
-def command_line() -> str:
-    """The command that started this process, as a user would type it again."""
-    prog = sys.argv[0] if sys.argv and sys.argv[0] else "mok-cute"
+def command_line(argv: Sequence[str]) -> str:
+    """The command that ran this benchmark, as a user would type it again: the process's own
+    command line when it ends with ``argv``, else ``mok-cute bench <argv>`` (a call from Python)."""
+    argv = list(argv)
+    process = list(sys.argv)
+    if not process or process[len(process) - len(argv) :] != argv:
+        return shlex.join(["mok-cute", "bench", *argv])
+    prog = process[0] or "mok-cute"
     if prog.endswith(os.path.join("mok_cute", "benchmark.py")):
         head = ["python", "-m", "mok_cute.benchmark"]
     elif prog.endswith(".py"):
-        head = ["python", os.path.relpath(prog) if not os.path.relpath(prog).startswith("..") else prog]
+        relative = os.path.relpath(prog)
+        head = ["python", prog if relative.startswith("..") else relative]
     else:
         head = [Path(prog).name]
-    return shlex.join([*head, *sys.argv[1:]])
+    return shlex.join([*head, *process[1:]])
 
 
 def write_results(
@@ -911,7 +917,7 @@ def write_results(
     doc = {
         "gpu": gpu,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", now),
-        "command": command_line(),
+        "command": command_line(argv),
         "argv": list(argv),
         "versions": versions(),
         **(extra or {}),
