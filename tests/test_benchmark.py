@@ -185,11 +185,14 @@ def test_ratios_are_against_torch_and_cublas_of_the_same_run():
         {"shape": "a", "contender": "mok_cute", "tflops": 150.0},
         {"shape": "b", "contender": "mok_cute", "tflops": 300.0},
         {"shape": "b", "contender": "sonicmoe", "tflops": None},
+        {"shape": "a", "contender": "mok_cute_timeline", "tflops": 120.0, "ms": 2.5},
     ]
+    results[2]["ms"] = 2.0
     bm.add_ratios(results)
     assert results[2]["ratio_vs_torch"] == 1.5 and results[2]["frac_cublas"] == 0.25
     assert results[3]["ratio_vs_torch"] is None and results[3]["frac_cublas"] == 0.5
     assert "ratio_vs_torch" not in results[4]
+    assert results[5]["timeline_overhead"] == 0.25
 
 
 def test_timer_on_cpu_returns_the_median():
