@@ -513,11 +513,11 @@ def to_chrome_trace(tl: Timeline) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     lanes = tl.lanes()
     for rank in sorted({lane[0] for lane in lanes}):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        events.append({"name": "process_name", "ph": "M", "ts": 0, "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "ts": 0, "pid": rank, "tid": 0, "args": {"sort_index": rank}})
     for index, (rank, sm, role) in enumerate(lanes):
-        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": sm, "args": {"name": f"SM {sm} ({role})"}})
-        events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": sm, "args": {"sort_index": index}})
+        events.append({"name": "thread_name", "ph": "M", "ts": 0, "pid": rank, "tid": sm, "args": {"name": f"SM {sm} ({role})"}})
+        events.append({"name": "thread_sort_index", "ph": "M", "ts": 0, "pid": rank, "tid": sm, "args": {"sort_index": index}})
     for i in range(len(rec)):
         start, end = int(rec["start_ns"][i]), int(rec["end_ns"][i])
         task_type = int(rec["task_type"][i])

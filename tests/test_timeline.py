@@ -215,7 +215,7 @@ TRACE_EVENT_SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["name", "ph", "pid", "tid"],
+                "required": ["name", "ph", "ts", "pid", "tid"],
                 "properties": {
                     "name": {"type": "string", "minLength": 1},
                     "ph": {"enum": ["X", "M"]},
@@ -229,7 +229,7 @@ TRACE_EVENT_SCHEMA = {
                     {
                         "if": {"properties": {"ph": {"const": "X"}}},
                         "then": {
-                            "required": ["ts", "dur"],
+                            "required": ["dur"],
                             "properties": {"dur": {"type": "number", "minimum": 0}},
                         },
                     },
