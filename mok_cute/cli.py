@@ -49,6 +49,13 @@ def _e(value: Any) -> str:
     return escape(str(value))
 
 
+def _short(warning: str, keep: int = 48) -> str:
+    """A ptxas warning with the mangled kernel name cut short."""
+    import re
+
+    return re.sub(r"in function '([^']{%d})[^']+'" % keep, r"in function '\1...'", warning)
+
+
 def _terminal_width() -> int:
     try:
         return os.get_terminal_size().columns
@@ -242,7 +249,7 @@ def _demo_compile(con: Any, arch: str, outdir: str | None) -> bool:
         for name, rep in reports:
             if not isinstance(rep, str):
                 for w in rep.warnings:
-                    con.print(f"  [yellow]{name}: {_e(w[:240])}[/]")
+                    con.print(f"  [yellow]{name}: {_e(_short(w))}[/]")
     return ok
 
 
@@ -291,7 +298,7 @@ def _print_report(con: Any, rep: Any, show_all: bool) -> None:
     con.print(mix)
     if rep.warnings:
         for w in rep.warnings:
-            con.print(f"[yellow]ptxas: {_e(w)}[/]")
+            con.print(f"[yellow]ptxas: {_e(_short(w))}[/]")
     else:
         con.print("ptxas: no warnings")
 
@@ -326,12 +333,14 @@ def cmd_ptx(args: argparse.Namespace) -> int:
         other_arch = jit.normalize_arch(str(other.pop("arch", arch)))
         rep_b = jit.inspect_kernel(args.name, other_arch, args.out, **{**base, **other})
         rows = jit.diff_reports(rep, rep_b)
-        table = Table(title=_e(f"diff: A = {args.name} {arch} {base or 'defaults'}  ->  B = {other_arch} with {other}"))
+        con.print(_e(f"diff of {args.name}: A = {arch} {base or '(registered defaults)'}, "
+                     f"B = {other_arch} with {other}"))
+        table = Table(title="A -> B")
         for col in ("field", "A", "B", "B - A"):
             table.add_column(col, justify="right" if col != "field" else "left")
         for row in rows:
             delta = row.delta
-            table.add_row(_e(row.field), _e(str(row.a)[:120]), _e(str(row.b)[:120]),
+            table.add_row(_e(row.field), _e(_short(str(row.a))), _e(_short(str(row.b))),
                           "" if delta is None else f"{delta:+d}")
         if not rows:
             table.add_row("(no difference)", "", "", "")

@@ -585,7 +585,8 @@ class DiffRow:
 
     @property
     def delta(self) -> Any:
-        if isinstance(self.a, int) and isinstance(self.b, int):
+        numbers = all(isinstance(v, int) and not isinstance(v, bool) for v in (self.a, self.b))
+        if numbers:
             return self.b - self.a
         return None
 
@@ -603,10 +604,9 @@ def diff_reports(a: PtxReport, b: PtxReport) -> list[DiffRow]:
     for key in list(sa) + [k for k in sb if k not in sa]:
         if sa.get(key, 0) != sb.get(key, 0):
             rows.append(DiffRow(key, sa.get(key, 0), sb.get(key, 0)))
-    for w in a.warnings:
-        if w not in b.warnings:
-            rows.append(DiffRow("warning", w, None))
-    for w in b.warnings:
-        if w not in a.warnings:
-            rows.append(DiffRow("warning", None, w))
+    # The same warning at another PTX line is the same warning.
+    key = lambda w: re.sub(r"line \d+", "line N", w)  # noqa: E731
+    keys_a, keys_b = {key(w) for w in a.warnings}, {key(w) for w in b.warnings}
+    rows += [DiffRow("warning", w, None) for w in a.warnings if key(w) not in keys_b]
+    rows += [DiffRow("warning", None, w) for w in b.warnings if key(w) not in keys_a]
     return rows

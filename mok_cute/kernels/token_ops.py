@@ -413,14 +413,15 @@ def weighted_ksum(
         raise ValueError(f"w: K must be in [1, {MAX_K}], got K={k_slots}")
     _check_rows("y", y, rows=num_tokens * k_slots)
     hidden = y.shape[1]
+    if shared is not None:
+        _check_rows("shared", shared, rows=num_tokens, cols=hidden)
     device = y.device
     _check_device("y", y, device)
     if w.device != device:
         raise ValueError(f"w must be on {device} like y, got {w.device}")
-    w32 = w.to(torch.float32).contiguous()
     if shared is not None:
-        _check_rows("shared", shared, rows=num_tokens, cols=hidden)
         _check_device("shared", shared, device)
+    w32 = w.to(torch.float32).contiguous()
     if out is None:
         out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=device)
     else:
