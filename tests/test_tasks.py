@@ -1,0 +1,446 @@
+"""CPU tests of the megakernel task list (mok_cute.tasks)."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import pytest
+
+from mok_cute import tasks as T
+from mok_cute.tasks import CounterGroup as CG
+from mok_cute.tasks import Role, TaskType
+
+SMALL = dict(hidden=512, intermediate=192, num_tokens=300, top_k=2, tile_m=64, fc1_tile_n=128,
+             fc2_tile_n=192)
+
+
+def _build(counts, **kw):
+    args = dict(SMALL, minibatch_tokens=128, ring_tokens=256, shared_intermediate=128)
+    args.update(kw)
+    return T.build_from_expert_counts(counts, **args)
+
+
+CONFIGS = [
+    dict(),
+    dict(shared_intermediate=0),
+    dict(finish=False),
+    dict(dispatch_wait="minibatch"),
+    dict(comm_task_rows=16),
+    dict(minibatch_tokens=64, ring_tokens=64),  # ring = one minibatch: tightest legal ring
+    dict(minibatch_tokens=192, ring_tokens=320),  # ring not a multiple of the minibatch
+    dict(ring_tokens=4096),  # ring larger than every routed row: no reuse
+    dict(dispatch_lookahead_tokens=0),
+]
+COUNTS = [
+    [300, 0, 129, 64, 1, 77, 0, 250],  # empty experts, partial tiles
+    [0, 0, 900, 0],  # one expert takes everything
+    [5],
+]
+
+
+def _wait_tasks(tl, group, first, count):
+    """Tasks that signal a counter in [first, first+count) of group."""
+    m = (tl.signal_group == int(group)) & (tl.signal_index >= first) & (
+        tl.signal_index < first + count)
+    return set(np.flatnonzero(m).tolist())
+
+
+# ------------------------------------------------------------------------------------------
+# structure
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("counts", COUNTS)
+def test_every_dependency_points_to_a_lower_index(counts, cfg):
+    tl = _build(counts, **cfg)
+    off, deps = tl.deps_csr()
+    owner = np.repeat(np.arange(len(tl)), np.diff(off))
+    assert deps.size > 0
+    assert np.all(deps < owner)
+    # the queues are the list restricted to one role, so each is increasing
+    for r in Role:
+        assert np.all(np.diff(tl.queue(r)) > 0)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_wait_targets_equal_the_number_of_signalling_tasks(cfg):
+    tl = _build(COUNTS[0], **cfg)
+    sig = tl.counter_offsets[tl.signal_group] + tl.signal_index
+    signals = np.bincount(sig, minlength=int(tl.counter_offsets[-1]))
+    nwaits = 0
+    for i in range(len(tl)):
+        for g, first, count, target in tl.waits[i]:
+            if g < 0:
+                continue
+            base = tl.counter_offsets[g] + first
+            assert np.all(signals[base:base + count] == target), (i, g, first, count, target)
+            nwaits += 1
+    assert nwaits > len(tl) // 2
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("counts", COUNTS)
+def test_every_row_and_tile_is_covered_exactly_once(counts, cfg):
+    tl = _build(counts, **cfg)
+    p = tl.params
+    nt = tl.num_m_tiles
+    expected_tiles = T.tile_rows_from_expert_counts(counts, p.tile_m)
+    assert nt == len(expected_tiles)
+    assert tl.tile_rows.sum() == sum(counts)
+    for ttype in (TaskType.DISPATCH, TaskType.COMBINE):
+        idx = np.flatnonzero(tl.type == ttype)
+        cover = np.zeros(nt * p.tile_m, dtype=np.int64)
+        for i in idx:
+            cover[tl.row_begin[i]:tl.row_end[i]] += 1
+        assert np.all(cover == 1), ttype  # no padded row dropped or moved twice
+        # payload bytes count only the real rows
+        assert tl.bytes[idx].sum() == sum(counts) * p.hidden * 2
+    for ttype, n in ((TaskType.FC1, tl.fc1_n_tiles), (TaskType.FC2, tl.fc2_n_tiles)):
+        idx = np.flatnonzero(tl.type == ttype)
+        pairs = set(zip(tl.m_tile_begin[idx].tolist(), tl.n_tile[idx].tolist()))
+        assert pairs == {(j, k) for j in range(nt) for k in range(n)}
+        assert len(idx) == nt * n
+    # FLOPs of FC1 + FC2 over all N-tiles = 2*tile_m*(2I*H + H*I) per M-tile
+    fl = tl.flops[(tl.type == TaskType.FC1) | (tl.type == TaskType.FC2)].sum()
+    assert fl == nt * 2 * p.tile_m * 3 * p.intermediate * p.hidden
+    shared = np.flatnonzero(tl.type == TaskType.SHARED_FC1)
+    if p.shared_intermediate:
+        assert tl.flops[shared].sum() == 2 * p.tile_m * -(-p.num_tokens // p.tile_m) * (
+            2 * p.shared_intermediate) * p.hidden
+    else:
+        assert shared.size == 0
+    assert (tl.type == TaskType.BARRIER).sum() == (1 if p.finish else 0)
+    assert (tl.type == TaskType.KSUM).sum() == (-(-p.num_tokens // p.tile_m) if p.finish else 0)
+
+
+def test_dependencies_follow_the_dataflow():
+    tl = _build(COUNTS[0], minibatch_tokens=128, ring_tokens=192)
+    rt = tl.ring_tiles
+    fc1 = {(t.m_tile_begin, t.n_tile): t.index for t in tl if t.type == TaskType.FC1}
+    fc2 = {(t.m_tile_begin, t.n_tile): t.index for t in tl if t.type == TaskType.FC2}
+    disp = {t.m_tile_begin: t.index for t in tl if t.type == TaskType.DISPATCH}
+    comb = {t.m_tile_begin: t.index for t in tl if t.type == TaskType.COMBINE}
+    n1, n2 = tl.fc1_n_tiles, tl.fc2_n_tiles
+    for (j, n), i in fc2.items():
+        want = {fc1[(j, k)] for k in range(n1)}  # FC2 needs the full h row
+        if j >= rt:
+            want.add(comb[j - rt])  # ring reuse of the y rows
+        assert set(tl.deps(i).tolist()) == want
+    for (j, n), i in fc1.items():
+        want = {disp[j]}
+        if j >= rt:
+            want |= {fc2[(j - rt, k)] for k in range(n2)}
+        assert set(tl.deps(i).tolist()) == want
+    for j, i in disp.items():
+        want = {fc1[(j - rt, k)] for k in range(n1)} if j >= rt else set()
+        assert set(tl.deps(i).tolist()) == want
+    for j, i in comb.items():
+        assert set(tl.deps(i).tolist()) == {fc2[(j, k)] for k in range(n2)}
+    barrier = int(np.flatnonzero(tl.type == TaskType.BARRIER)[0])
+    assert set(tl.deps(barrier).tolist()) == set(comb.values())
+    # minibatch-granular dispatch wait: every FC1 of a minibatch waits on all its dispatches
+    tlm = _build(COUNTS[0], dispatch_wait="minibatch")
+    for t in tlm:
+        if t.type == TaskType.FC1:
+            tiles = range(t.minibatch * tlm.tiles_per_minibatch,
+                          min((t.minibatch + 1) * tlm.tiles_per_minibatch, tlm.num_m_tiles))
+            d = {u.index for u in tlm if u.type == TaskType.DISPATCH and u.m_tile_begin in tiles}
+            assert d <= set(t.deps)
+
+
+def test_shared_expert_is_first_and_ksum_last_in_the_compute_queue():
+    tl = _build(COUNTS[0])
+    q = tl.queue(Role.COMPUTE)
+    types = tl.type[q]
+    n_shared = int(((types == TaskType.SHARED_FC1) | (types == TaskType.SHARED_FC2)).sum())
+    assert set(types[:n_shared].tolist()) == {TaskType.SHARED_FC1, TaskType.SHARED_FC2}
+    n_ksum = int((types == TaskType.KSUM).sum())
+    assert np.all(types[-n_ksum:] == TaskType.KSUM)
+    assert tl.type[tl.queue(Role.COMM)[-1]] == TaskType.BARRIER
+    # minibatches appear in order in the compute queue
+    mb = tl.minibatch[q]
+    mb = mb[mb >= 0]
+    assert np.all(np.diff(mb) >= 0)
+
+
+# ------------------------------------------------------------------------------------------
+# errors
+
+
+def test_ring_smaller_than_a_minibatch_is_an_error():
+    with pytest.raises(ValueError, match="ring_tokens"):
+        _build(COUNTS[0], minibatch_tokens=256, ring_tokens=192)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(ring_tokens=200), "ring_tokens"),
+    (dict(minibatch_tokens=100), "minibatch_tokens"),
+    (dict(comm_task_rows=48), "comm_task_rows"),
+    (dict(dispatch_wait="expert"), "dispatch_wait"),
+    (dict(hidden=0), "hidden"),
+    (dict(rank=3, num_ranks=2), "rank"),
+    (dict(fc1_tile_n=3), "fc1_tile_n"),
+])
+def test_bad_arguments_are_named(kw, name):
+    with pytest.raises(ValueError, match=name):
+        _build(COUNTS[0], **kw)
+
+
+def test_bad_types_and_rows():
+    with pytest.raises(TypeError, match="hidden"):
+        _build(COUNTS[0], hidden=512.0)
+    with pytest.raises(ValueError, match="tile_rows"):
+        T.build_task_list([65], **dict(SMALL, minibatch_tokens=64, ring_tokens=64))
+    with pytest.raises(ValueError, match="expert_counts"):
+        T.tile_rows_from_expert_counts([3, -1], 64)
+    with pytest.raises(ValueError, match="capacity"):
+        T.build_static(100, **dict(SMALL, minibatch_tokens=64, ring_tokens=64))
+
+
+# ------------------------------------------------------------------------------------------
+# encoding
+
+
+def test_encode_is_int32_and_round_trips():
+    tl = _build(COUNTS[0], comm_task_rows=32)
+    enc = T.encode(tl)
+    assert enc.dtype.is_floating_point is False and str(enc.dtype) == "torch.int32"
+    assert tuple(enc.shape) == (len(tl), T.TASK_WORDS)
+    rows = T.decode(enc)
+    for t, r in zip(tl, rows):
+        assert r["type"] == t.type and r["role"] == t.role and r["minibatch"] == t.minibatch
+        assert (r["m_tile_begin"], r["m_tile_end"], r["n_tile"]) == (
+            t.m_tile_begin, t.m_tile_end, t.n_tile)
+        assert (r["row_begin"], r["row_end"], r["ring_row_begin"]) == (
+            t.row_begin, t.row_end, t.ring_row_begin)
+        assert r["signal"] == t.signal
+        assert tuple(r["waits"]) == t.waits
+    # ring rows: routed tasks map padded rows into the ring, never across its end
+    p = tl.params
+    routed = tl.minibatch >= 0
+    assert np.all(tl.ring_row_begin[routed] == tl.row_begin[routed] % p.ring_tokens)
+    assert np.all(tl.ring_row_begin[routed] + (tl.row_end - tl.row_begin)[routed]
+                  <= p.ring_tokens)
+
+
+def test_build_is_deterministic():
+    a = T.encode(_build(COUNTS[0]))
+    b = T.encode(_build(list(COUNTS[0])))
+    assert bool((a == b).all())
+    s1 = T.encode_device(T.build_static(1024, **dict(SMALL, minibatch_tokens=128,
+                                                           ring_tokens=256)))
+    s2 = T.encode_device(T.build_static(1024, **dict(SMALL, minibatch_tokens=128,
+                                                           ring_tokens=256)))
+    for x, y in zip(s1, s2):
+        if hasattr(x, "shape"):
+            assert bool((x == y).all())
+        else:
+            assert x == y
+
+
+# ------------------------------------------------------------------------------------------
+# execution: a host model of the kernel protocol with random task durations
+
+
+def _execute(tl, n_comm, n_comp, seed, num_tiles=None):
+    """Run the list the way the megakernel does: CTAs of each role take tickets, walk the
+    queue through the live-prefix table, skip dead tasks, spin on (clipped) waits, run for a
+    random time and signal. Returns {index: (start, end)} of the tasks that ran (no-ops
+    included). Fails on a deadlock."""
+    rng = np.random.default_rng(seed)
+    dev = T.encode_device(tl)
+    nt_static = tl.num_m_tiles
+    if num_tiles is None:
+        num_tiles = nt_static
+    live = T.live_minibatches(num_tiles, tl.tiles_per_minibatch)
+    live_tile_end = min(live * tl.tiles_per_minibatch, nt_static)
+    off = tl.counter_offsets
+    counters = np.zeros(int(off[-1]), dtype=np.int64)
+    ticket = [0, 0]
+    qlen = dev.queue_len.tolist()
+    live_len = [int(dev.queue_live_len[r, live]) for r in (0, 1)]
+    tail = dev.queue_tail_begin.tolist()
+    queues = dev.queues.tolist()
+
+    def fetch(role):
+        while True:
+            q = ticket[role]
+            ticket[role] += 1
+            pos = q if q < live_len[role] else tail[role] + (q - live_len[role])
+            if pos >= qlen[role]:
+                return None
+            i = queues[role][pos]
+            if tl.minibatch[i] >= live:
+                continue  # dead: skipped without signalling
+            return i
+
+    def satisfied(i):
+        for g, first, count, target in tl.waits[i]:
+            if g < 0:
+                continue
+            end = first + count
+            if g in [int(x) for x in T._TILE_GROUPS]:
+                end = min(end, live_tile_end)
+            elif g in [int(x) for x in T._MINIBATCH_GROUPS]:
+                end = min(end, live)
+            if end > first and counters[off[g] + first: off[g] + end].min() < target:
+                return False
+        return True
+
+    ctas = [[r, None] for r in [0] * n_comm + [1] * n_comp]
+    running = []  # heap of (end, cta index, task)
+    spans = {}
+    now = 0.0
+    for c in ctas:
+        c[1] = fetch(c[0])
+    while True:
+        for k, c in enumerate(ctas):
+            i = c[1]
+            if i is not None and i not in spans and satisfied(i):
+                dur = rng.exponential(1.0) + 0.01
+                spans[i] = (now, now + dur)
+                heapq.heappush(running, (now + dur, k, i))
+        if not running:
+            pending = [c[1] for c in ctas if c[1] is not None]
+            assert not pending, f"deadlock: CTAs stuck on tasks {pending}"
+            return spans, dict(live=live, live_tile_end=live_tile_end, num_tiles=num_tiles)
+        now, k, i = heapq.heappop(running)
+        counters[off[tl.signal_group[i]] + tl.signal_index[i]] += 1
+        ctas[k][1] = fetch(ctas[k][0])
+
+
+def _ring_lifetimes_are_disjoint(tl, spans):
+    """Per ring tile slot and per buffer (x: DISPATCH->FC1, h: FC1->FC2, y: FC2->COMBINE),
+    the lifetime [first write start, last read end] of successive occupants never overlaps."""
+    rt = tl.ring_tiles
+    writers = {"x": TaskType.DISPATCH, "h": TaskType.FC1, "y": TaskType.FC2}
+    readers = {"x": TaskType.FC1, "h": TaskType.FC2, "y": TaskType.COMBINE}
+    checked = 0
+    for buf in "xhy":
+        life = {}
+        for i, (s, e) in spans.items():
+            if tl.minibatch[i] < 0:
+                continue
+            j = int(tl.m_tile_begin[i])
+            lo, hi = life.get(j, (np.inf, -np.inf))
+            if tl.type[i] == writers[buf]:
+                lo = min(lo, s)
+            if tl.type[i] == readers[buf]:
+                hi = max(hi, e)
+            life[j] = (lo, hi)
+        for j in sorted(life):
+            if j - rt in life:
+                prev_end = life[j - rt][1]
+                assert prev_end <= life[j][0], (buf, j, life[j - rt], life[j])
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("counts", COUNTS[:2])
+def test_random_execution_never_deadlocks_and_ring_rows_never_overlap(counts, cfg):
+    tl = _build(counts, **cfg)
+    wraps = tl.num_m_tiles > tl.ring_tiles
+    for seed in range(3):
+        spans, _ = _execute(tl, n_comm=1 + seed, n_comp=2 + 3 * seed, seed=seed)
+        assert len(spans) == len(tl)
+        for i, (s, e) in spans.items():  # every dependency finished before the task started
+            for d in tl.deps(i):
+                assert spans[int(d)][1] <= s
+        checked = _ring_lifetimes_are_disjoint(tl, spans)
+        assert (checked > 0) == wraps
+
+
+def test_wrap_path_with_a_ring_much_smaller_than_the_routed_rows():
+    counts = [1500, 700, 0, 333]
+    tl = _build(counts, minibatch_tokens=128, ring_tokens=192)
+    assert tl.num_m_tiles * tl.params.tile_m > 5 * tl.params.ring_tokens
+    # each ring slot is reused many times
+    slots = np.bincount(tl.ring_row_begin[tl.type == TaskType.DISPATCH] // tl.params.tile_m)
+    assert slots.min() >= 5
+    for seed in range(4):
+        spans, _ = _execute(tl, n_comm=2, n_comp=7, seed=10 + seed)
+        assert _ring_lifetimes_are_disjoint(tl, spans) == 3 * (tl.num_m_tiles - tl.ring_tiles)
+
+
+def test_happens_before_is_structural_for_ring_reuse():
+    """Independent of timing: the previous occupant's last readers are ancestors of the next
+    occupant's writers in the dependency DAG."""
+    tl = _build([700, 90, 300], minibatch_tokens=128, ring_tokens=192)
+    off, deps = tl.deps_csr()
+    anc = [0] * len(tl)  # ancestor bitsets
+    for i in range(len(tl)):
+        a = 0
+        for d in deps[off[i]:off[i + 1]]:
+            a |= anc[int(d)] | (1 << int(d))
+        anc[i] = a
+    by = {}
+    for t in tl:
+        if t.minibatch >= 0:
+            by.setdefault((t.type, t.m_tile_begin), []).append(t.index)
+    rt = tl.ring_tiles
+    pairs = [(TaskType.FC1, TaskType.DISPATCH), (TaskType.FC2, TaskType.FC1),
+             (TaskType.COMBINE, TaskType.FC2)]
+    n = 0
+    for j in range(rt, tl.num_m_tiles):
+        for reader, writer in pairs:
+            for r in by[(reader, j - rt)]:
+                for w in by[(writer, j)]:
+                    assert anc[w] >> r & 1, (reader.name, j - rt, writer.name, j)
+                    n += 1
+    assert n > 0
+
+
+# ------------------------------------------------------------------------------------------
+# static capacity: the list the kernel gets, with run-time live tiles
+
+
+@pytest.mark.parametrize("num_tiles", [0, 1, 2, 5, 6, 11, 16])
+def test_static_list_with_fewer_live_tiles_runs_exactly_the_live_work(num_tiles):
+    kw = dict(SMALL, minibatch_tokens=128, ring_tokens=256, shared_intermediate=128)
+    static = T.build_static(16 * 64, **kw)
+    assert static.num_m_tiles == 16
+    actual = T.build_task_list(np.full(num_tiles, 64), **kw)
+    run = T.simulate_live_run(static, num_tiles)
+
+    def key(tl, i):
+        return (int(tl.type[i]), int(tl.m_tile_begin[i]), int(tl.n_tile[i]))
+
+    ran = run[Role.COMM]["ran"] + run[Role.COMPUTE]["ran"]
+    assert sorted(key(static, i) for i in ran) == sorted(key(actual, i) for i in range(len(actual)))
+    live = T.live_minibatches(num_tiles, static.tiles_per_minibatch)
+    for r in Role:
+        f = run[r]["fetched"]
+        assert len(set(f)) == len(f)  # a task is fetched at most once
+        # every task of a live minibatch (and every shared / finish task) is fetched
+        want = {int(i) for i in static.queue(r) if static.minibatch[i] < live}
+        assert want <= set(f)
+        # dead tasks fetched before the last live one are bounded by the dispatch lookahead
+        look_tiles = static.params.dispatch_lookahead_tokens // static.params.tile_m
+        assert len(run[r]["skipped"]) <= look_tiles * static.comm_chunks_per_tile
+    # and the protocol (clipped waits, no-op signalling, dead skipping) never deadlocks
+    spans, info = _execute(static, n_comm=2, n_comp=5, seed=num_tiles, num_tiles=num_tiles)
+    assert info["live"] == live
+    fetched = set(run[Role.COMM]["fetched"] + run[Role.COMPUTE]["fetched"])
+    assert set(spans) == fetched - set(run[Role.COMM]["skipped"] + run[Role.COMPUTE]["skipped"])
+
+
+def test_static_list_size_for_a_realistic_capacity_builds_quickly():
+    import time
+
+    t0 = time.perf_counter()
+    tl = T.build_static(1072 * 128, hidden=7168, intermediate=2048, num_tokens=2048, top_k=8,
+                        minibatch_tokens=4096, ring_tokens=32768, shared_intermediate=2048)
+    assert len(tl) > 40_000
+    assert time.perf_counter() - t0 < 10.0
+    enc = T.encode(tl)
+    assert enc.shape[0] == len(tl)
+
+
+def test_task_types_match_the_timeline_enum():
+    timeline = pytest.importorskip("mok_cute.timeline")
+    for t in TaskType:
+        assert int(getattr(timeline.TaskType, t.name)) == int(t)
+    for r in Role:
+        assert int(getattr(timeline.Role, r.name)) == int(r)
