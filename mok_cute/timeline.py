@@ -816,7 +816,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from rich.console import Console
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=140)
     sizes: dict[str, Any] = {"flops": args.flops, "dispatch_bytes": args.bytes, "combine_bytes": args.bytes}
     if args.from_file:
         try:
