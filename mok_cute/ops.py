@@ -48,22 +48,6 @@ def kernel_path_status(device=None) -> tuple[bool, str]:
     return True, f"mok_cute sm_90a kernels on {torch.cuda.get_device_name(dev)}"
 
 
-# ---------------------------------------------------------------------- torch <-> cute
-def _as_cute(t: torch.Tensor):
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=1)
-
-
-def _as_cute_vec(t: torch.Tensor):
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t, assumed_align=4).mark_layout_dynamic()
-
-
-def _stream():
-    import cuda.bindings.driver as cuda
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -94,12 +78,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     if out is None:
         out = torch.empty(m, n_out, dtype=a.dtype, device=a.device)
     compiled = _compiled_gemm(epilogue, tile_n, group_m, _num_sms(a.device.index or 0))
-    compiled(
-        _as_cute(a.unsqueeze(0).permute(1, 2, 0)),
-        _as_cute(w.permute(1, 2, 0)),
-        _as_cute(out.unsqueeze(0).permute(1, 2, 0)),
-        _as_cute_vec(tile_expert), _as_cute_vec(num_m_tiles), _stream(),
-    )
+    compiled(a.unsqueeze(2), w.permute(1, 2, 0), out.unsqueeze(2), tile_expert, num_m_tiles)
     return out
 
 

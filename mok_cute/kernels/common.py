@@ -6,6 +6,9 @@ One place per concept:
 - math helpers used in epilogues (``silu``).
 - sync helpers: acquire/release counters, bounded spin waits with nanosleep backoff.
 - timers and the timeline recorder (``%globaltimer`` spans into a bounded device buffer).
+- host-side compile helpers: fake tensors with run-time extents and strides, the fake
+  stream and the option string, so every kernel compiles the same way (TVM-FFI calling
+  convention: compiled kernels take torch tensors and run on torch's current stream).
 """
 
 from __future__ import annotations
@@ -44,3 +47,25 @@ def grouped_raster(tile_idx: Int32, num_m_tiles: Int32, num_n_tiles: Int32,
 def silu(x: Float32) -> Float32:
     """x * sigmoid(x) in fp32 (ex2.approx + rcp.approx; deterministic, not IEEE-exact)."""
     return x * cute.arch.rcp_approx(1.0 + cute.math.exp2(-x * LOG2_E, fastmath=True))
+
+
+# ---------------------------------------------------------------------- compile helpers
+def fake_kmajor_tensor(dtype, shape, align_bytes: int = 16):
+    """Fake tensor whose mode 1 is contiguous and whose other strides are run-time values."""
+    div = align_bytes * 8 // dtype.width
+    stride = tuple(1 if i == 1 else cute.sym_int64(divisibility=div) for i in range(len(shape)))
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align_bytes)
+
+
+def fake_vector(dtype, length=None, align_bytes: int = 4):
+    """Fake contiguous 1-D tensor (run-time length unless given)."""
+    n = cute.sym_int32() if length is None else length
+    return cute.runtime.make_fake_tensor(dtype, (n,), stride=(1,), assumed_align=align_bytes)
+
+
+def fake_stream():
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_options(arch: str = "sm_90a", extra: str = "") -> str:
+    return f"--gpu-arch {arch} --enable-tvm-ffi {extra}".strip()

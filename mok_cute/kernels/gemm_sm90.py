@@ -252,7 +252,7 @@ class GroupedGemmSm90:
                     expert = mTileExpert[m_tile]
                     tAgA_k = tAgA[(None, m_tile, None, 0)]
                     tBgB_k = tBgB[(None, n_tile, None, expert)]
-                    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                    for k_tile in range(k_tile_cnt):
                         ab_pipeline.producer_acquire(producer_state)
                         barrier = ab_pipeline.producer_get_barrier(producer_state)
                         cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
@@ -305,20 +305,20 @@ class GroupedGemmSm90:
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
 
-                # ---- mainloop: keep one wgmma batch in flight, release the stage behind it
+                # ---- mainloop: one wgmma batch stays in flight; a stage is released once
+                # the batch that read it has retired. Plain `range` lets the compiler unroll.
                 acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
-                for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                ab_pipeline.consumer_wait(read_state)
+                self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
+                read_state.advance()
+                for k_tile in range(1, k_tile_cnt):
                     ab_pipeline.consumer_wait(read_state)
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read_state.index)],
-                                  tCrB[(None, None, kb, read_state.index)], acc)
-                    cute.nvgpu.warpgroup.commit_group()
+                    self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
-                    if k_tile > 0:
-                        ab_pipeline.consumer_release(release_state)
-                        release_state.advance()
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
                     read_state.advance()
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release_state)
@@ -353,6 +353,14 @@ class GroupedGemmSm90:
             tma_store_pipeline.producer_tail()
 
 
+    @cute.jit
+    def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
+        """Issue the wgmmas of one K-tile (num_k_blocks x k16) from smem stage ``stage``."""
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+
 # ---------------------------------------------------------------------- host helpers
 def pack_gate_up(w_gate, w_up, tile_n: int = 256):
     """[E, I, H] gate and up -> [E, 2I, H] with blocks of tile_n/2 gate rows then up rows."""
@@ -376,19 +384,18 @@ def choose_tile_n(n_out: int, epilogue: str) -> int:
 
 
 def _fake_operands(tile_n: int, out_tile_n: int):
-    """Fake (M_cap, K, 1) A, (N, K, E) B, (M_cap, N_out, 1) C with run-time extents."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
-    m = cute.sym_int32()
+    """Fake (M, K, 1) A, (N, K, E) B, (M, N_out, 1) C and int32 vectors with run-time
+    extents and strides (what a strided torch view passes through TVM-FFI)."""
+    bf16 = cutlass.BFloat16
+    m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=TILE_K)
     n = cute.sym_int32(divisibility=tile_n)
     n_out = cute.sym_int32(divisibility=out_tile_n)
-    num_experts = cute.sym_int32()
-    bf16 = cutlass.BFloat16
-    a = make_fake_compact_tensor(bf16, (m, k, 1), stride_order=(1, 0, 2), assumed_align=16)
-    b = make_fake_compact_tensor(bf16, (n, k, num_experts), stride_order=(1, 0, 2), assumed_align=16)
-    c = make_fake_compact_tensor(bf16, (m, n_out, 1), stride_order=(1, 0, 2), assumed_align=16)
-    tile_expert = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
-    num_m_tiles = make_fake_compact_tensor(Int32, (1,), assumed_align=4)
+    a = common.fake_kmajor_tensor(bf16, (m, k, 1))
+    b = common.fake_kmajor_tensor(bf16, (n, k, num_experts))
+    c = common.fake_kmajor_tensor(bf16, (m, n_out, 1))
+    tile_expert = common.fake_vector(Int32)
+    num_m_tiles = common.fake_vector(Int32)
     return a, b, c, tile_expert, num_m_tiles
 
 
@@ -397,9 +404,11 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
-    with K % 64 == 0 and N % tile_n == 0.
+    with K % 64 == 0 and N % tile_n == 0. The result takes torch tensors directly
+    (TVM-FFI): ``A (M,K,1)``, ``B (N,K,E)``, ``C (M,N_out,1)`` strided views, the int32
+    tile -> expert table and the one-element M-tile count; it runs on torch's current stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms)
     args = _fake_operands(tile_n, gemm.out_tile_n)
-    stream = cutlass.runtime.make_fake_stream()
-    return cute.compile(gemm, *args, stream, options=f"--gpu-arch {arch} {options}".strip())
+    return cute.compile(gemm, *args, common.fake_stream(),
+                        options=common.compile_options(arch, options))
