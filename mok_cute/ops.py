@@ -11,8 +11,7 @@ tile -> expert table from there.
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
+import warnings
 
 import torch
 
@@ -54,19 +53,24 @@ def _num_sms(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_gemm(epilogue: str, tile_n: int, group_m: int, num_sms: int):
+def _compiled_gemm(epilogue: str, tile_n: int, group_m: int, num_sms: int, timeline: bool,
+                   task_type: int | None):
     from mok_cute.kernels.gemm_sm90 import compile_grouped_gemm
-    return compile_grouped_gemm(epilogue=epilogue, tile_n=tile_n, group_m=group_m, num_sms=num_sms)
+    return compile_grouped_gemm(epilogue=epilogue, tile_n=tile_n, group_m=group_m,
+                                num_sms=num_sms, timeline=timeline, task_type=task_type)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
-                 group_m: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
+                 group_m: int = 8, out: torch.Tensor | None = None,
+                 timeline: torch.Tensor | None = None, task_type: int | None = None) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16 (for "swiglu", packed by ``pack_gate_up``);
     tile_expert: [>= ceil(M/128)] int32; num_m_tiles: [1] int32 (device).
     Returns [M, N] ("store") or [M, N/2] ("swiglu"). Rows past num_m_tiles*128 are untouched.
+    timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
+    one span per tile with ``task_type``; None compiles the variant without the recorder.
     """
     from mok_cute.kernels.gemm_sm90 import choose_tile_n
     m, k = a.shape
@@ -77,8 +81,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     tile_n = tile_n or choose_tile_n(n_out, epilogue)
     if out is None:
         out = torch.empty(m, n_out, dtype=a.dtype, device=a.device)
-    compiled = _compiled_gemm(epilogue, tile_n, group_m, _num_sms(a.device.index or 0))
-    compiled(a.unsqueeze(2), w.permute(1, 2, 0), out.unsqueeze(2), tile_expert, num_m_tiles)
+    compiled = _compiled_gemm(epilogue, tile_n, group_m, _num_sms(a.device.index or 0),
+                              timeline is not None, task_type if timeline is not None else None)
+    compiled(a.unsqueeze(2), w.permute(1, 2, 0), out.unsqueeze(2), tile_expert, num_m_tiles,
+             timeline)
     return out
 
 
@@ -106,17 +112,38 @@ class _PackedGateUp:
 _packed_gate_up = _PackedGateUp()
 
 
-def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles):
+def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
+               timeline: torch.Tensor | None = None, shared: bool = False):
     """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert."""
     from mok_cute.kernels.gemm_sm90 import choose_tile_n
+    from mok_cute.timeline import TaskType
     inter = w_gate.shape[1]
     tile_n1 = choose_tile_n(inter, "swiglu")
     w13 = _packed_gate_up.get(w_gate, w_up, tile_n1)
-    h = grouped_gemm(x_rows, w13, tile_expert, num_m_tiles, "swiglu", tile_n=tile_n1)
-    return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store")
+    fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
+    h = grouped_gemm(x_rows, w13, tile_expert, num_m_tiles, "swiglu", tile_n=tile_n1,
+                     timeline=timeline, task_type=int(fc1))
+    return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
+                        timeline=timeline, task_type=int(fc2))
 
 
 # ---------------------------------------------------------------------- the layer
+MAX_TOP_K = 16  # WeightedKSum unrolls K at compile time
+
+
+def unsupported_shape_reason(hidden: int, inter: int, top_k: int, shared_inter: int | None) -> str:
+    """Why the kernels cannot take these sizes ("" when they can)."""
+    if hidden % 64:
+        return f"x: hidden size must be a multiple of 64 for the kernels, got {hidden}"
+    if inter % 64:
+        return f"w_gate: intermediate size must be a multiple of 64 for the kernels, got {inter}"
+    if shared_inter is not None and shared_inter % 64:
+        return f"shared: intermediate size must be a multiple of 64 for the kernels, got {shared_inter}"
+    if top_k > MAX_TOP_K:
+        return f"topk_idx: K must be <= {MAX_TOP_K} for the kernels, got {top_k}"
+    return ""
+
+
 def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
                        config: MoKConfig | None = None) -> torch.Tensor:
     """One-GPU MoE forward on mok_cute kernels. Inputs are already validated by api.py."""
@@ -124,12 +151,26 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     from mok_cute.kernels import token_ops
 
     config = config or MoKConfig()
+    unsupported = unsupported_shape_reason(x.shape[1], w_gate.shape[1], topk_idx.shape[1],
+                                           None if shared is None else shared[0].shape[0])
+    if unsupported:
+        if config.backend == "kernel":
+            raise ValueError(f"config.backend='kernel': {unsupported}")
+        warnings.warn(f"mok_cute: running the PyTorch reference because {unsupported}",
+                      stacklevel=3)
+        from mok_cute import reference
+        return reference.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
+    recorder = None
+    if config.timeline:
+        from mok_cute.timeline import TimelineBuffer
+        recorder = TimelineBuffer(config.timeline_capacity, device=x.device)
+    timeline = recorder.tensor if recorder is not None else None
     num_tokens, top_k = topk_idx.shape
     num_experts = w_gate.shape[0]
     sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
                                              tile_m=TILE_M)
     x_rows = token_ops.gather_rows(x, sched.row_token)
-    y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles)
+    y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
 
     shared_rows = None
     if shared is not None:
@@ -138,9 +179,13 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         zeros = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
         count = torch.full((1,), n_tiles, dtype=torch.int32, device=x.device)
         shared_rows = expert_mlp(x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0),
-                                 ws_down.unsqueeze(0), zeros, count)
+                                 ws_down.unsqueeze(0), zeros, count, timeline, shared=True)
 
     row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
     y_slots = token_ops.gather_rows(y, row_of_slot)
     weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights
-    return token_ops.weighted_ksum(y_slots, weights.contiguous(), shared_rows)
+    out = token_ops.weighted_ksum(y_slots, weights.contiguous(), shared_rows)
+    if recorder is not None:
+        from mok_cute.timeline import set_last
+        set_last(recorder)
+    return out

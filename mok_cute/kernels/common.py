@@ -69,3 +69,40 @@ def fake_stream():
 
 def compile_options(arch: str = "sm_90a", extra: str = "") -> str:
     return f"--gpu-arch {arch} --enable-tvm-ffi {extra}".strip()
+
+
+# ---------------------------------------------------------------------- timeline recorder
+# Layout (decoded by mok_cute.timeline): int64 buf[8 + 4 * capacity]; buf[0] capacity,
+# buf[1] ticket counter (may pass capacity: the excess is the dropped count), buf[2] start
+# ns (first writer wins). Record i = buf[8 + 4i : 8 + 4i + 4]:
+#   word0 role | type << 8 | rank << 16 | sm << 32 | cta << 48, word1 task id, word2/3 ns.
+TIMELINE_HEADER_WORDS = 8
+TIMELINE_RECORD_WORDS = 4
+
+
+@cute.jit
+def timeline_now() -> Int64:
+    return cute.arch.globaltimer()
+
+
+@cute.jit
+def timeline_mark_start(buf: cute.Tensor, t_ns: Int64):
+    """Stamp the layer start once: only the first caller's time sticks."""
+    cute.arch.atomic_cas((buf.iterator + 2).llvm_ptr, cmp=Int64(0), val=t_ns)
+
+
+@cute.jit
+def timeline_record(buf: cute.Tensor, role: int, task_type: int, task_id, rank,
+                    t_start: Int64, t_end: Int64):
+    """Append one span with a ticket; spans past the capacity are only counted."""
+    ticket = cute.arch.atomic_add((buf.iterator + 1).llvm_ptr, Int64(1))
+    if ticket < buf[0]:
+        base = TIMELINE_HEADER_WORDS + ticket * TIMELINE_RECORD_WORDS
+        sm = Int64(cute.arch.smid())
+        cta = Int64(cute.arch.block_idx()[0])
+        word0 = (Int64(role) | (Int64(task_type) << 8) | (Int64(rank) << 16)
+                 | (sm << 32) | (cta << 48))
+        buf[base] = word0
+        buf[base + 1] = Int64(task_id)
+        buf[base + 2] = t_start
+        buf[base + 3] = t_end

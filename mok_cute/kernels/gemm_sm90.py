@@ -37,7 +37,7 @@ Constraints: bf16 in/out, fp32 accumulation; K % 64 == 0; N % tile_n == 0
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -46,7 +46,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32, Float32, const_expr
+from cutlass import Int32, Int64, Float32, const_expr
 
 from mok_cute.kernels import common
 
@@ -63,10 +63,12 @@ class GroupedGemmSm90:
     :param epilogue: ``"store"`` or ``"swiglu"``.
     :param group_m: M-tiles per rasterisation group (L2 reuse of B).
     :param num_sms: persistent grid size (132 on H100/H200).
+    :param timeline: record one (start, end) span per tile (``mok_cute.timeline`` format).
+    :param task_type: ``mok_cute.timeline.TaskType`` value written in the records.
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
-                 num_sms: int = 132):
+                 num_sms: int = 132, timeline: bool = False, task_type: int | None = None):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -79,6 +81,10 @@ class GroupedGemmSm90:
         self.epilogue = epilogue
         self.group_m = group_m
         self.num_sms = num_sms
+        # Timeline: one span per output tile into a bounded buffer (compile-time flag, so
+        # nothing is emitted when off). Task type defaults to FC1 for swiglu, FC2 otherwise.
+        self.timeline = timeline
+        self.task_type = task_type if task_type is not None else (1 if epilogue == "swiglu" else 2)
         self.acc_dtype = Float32
         # Output tile: SwiGLU halves the N width of the stored tile.
         self.out_tile_n = tile_n // 2 if epilogue == "swiglu" else tile_n
@@ -138,8 +144,10 @@ class GroupedGemmSm90:
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
-                 mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor, stream: cuda.CUstream):
-        """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1): all K- / N-major."""
+                 mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
+                 mTimeline: Optional[cute.Tensor], stream: cuda.CUstream):
+        """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1): all K- / N-major.
+        mTimeline: int64 recorder buffer, or None when the timeline flag is off."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -173,7 +181,7 @@ class GroupedGemmSm90:
         self.shared_storage = SharedStorage
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
-            mTileExpert, mNumMTiles, self.tiled_mma,
+            mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
         ).launch(
             grid=[self.num_sms, 1, 1],
@@ -188,7 +196,7 @@ class GroupedGemmSm90:
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
                tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
                mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
-               tiled_mma: cute.TiledMma,
+               mTimeline: Optional[cute.Tensor], tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout):
@@ -197,6 +205,9 @@ class GroupedGemmSm90:
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
         tile_m, tile_n, tile_k = self.tile_shape_mnk
 
+        if const_expr(self.timeline):
+            if tidx == 0 and cute.arch.block_idx()[0] == 0:
+                common.timeline_mark_start(mTimeline, common.timeline_now())
         if warp_idx == self.load_warp:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
@@ -304,6 +315,9 @@ class GroupedGemmSm90:
             tile_idx = cute.arch.block_idx()[0]
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+                t_start = Int64(0)
+                if const_expr(self.timeline):
+                    t_start = common.timeline_now()
 
                 # ---- mainloop: one wgmma batch stays in flight; a stage is released once
                 # the batch that read it has retired. Plain `range` lets the compiler unroll.
@@ -349,6 +363,10 @@ class GroupedGemmSm90:
                         tma_store_pipeline.producer_acquire()
                     self.epilogue_barrier.arrive_and_wait()
                 subtiles_done += num_out_subtiles
+                if const_expr(self.timeline):
+                    if mma_tidx == 0:
+                        common.timeline_record(mTimeline, 1, self.task_type, tile_idx, 0,
+                                               t_start, common.timeline_now())
                 tile_idx += cute.arch.grid_dim()[0]
             tma_store_pipeline.producer_tail()
 
@@ -383,7 +401,7 @@ def choose_tile_n(n_out: int, epilogue: str) -> int:
     raise ValueError(f"output width {n_out} must be a multiple of 64 ({epilogue})")
 
 
-def _fake_operands(tile_n: int, out_tile_n: int):
+def _fake_operands(tile_n: int, out_tile_n: int, timeline: bool):
     """Fake (M, K, 1) A, (N, K, E) B, (M, N_out, 1) C and int32 vectors with run-time
     extents and strides (what a strided torch view passes through TVM-FFI)."""
     bf16 = cutlass.BFloat16
@@ -396,19 +414,23 @@ def _fake_operands(tile_n: int, out_tile_n: int):
     c = common.fake_kmajor_tensor(bf16, (m, n_out, 1))
     tile_expert = common.fake_vector(Int32)
     num_m_tiles = common.fake_vector(Int32)
-    return a, b, c, tile_expert, num_m_tiles
+    timeline = common.fake_vector(Int64, align_bytes=8) if timeline else None
+    return a, b, c, tile_expert, num_m_tiles, timeline
 
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
-                         num_sms: int = 132, arch: str = "sm_90a", options: str = ""):
+                         num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
+                         arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
     with K % 64 == 0 and N % tile_n == 0. The result takes torch tensors directly
     (TVM-FFI): ``A (M,K,1)``, ``B (N,K,E)``, ``C (M,N_out,1)`` strided views, the int32
-    tile -> expert table and the one-element M-tile count; it runs on torch's current stream.
+    tile -> expert table, the one-element M-tile count and the int64 timeline buffer (None
+    when ``timeline`` is off); it runs on torch's current stream.
     """
-    gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms)
-    args = _fake_operands(tile_n, gemm.out_tile_n)
+    gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
+                           timeline=timeline, task_type=task_type)
+    args = _fake_operands(tile_n, gemm.out_tile_n, timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=common.compile_options(arch, options))
