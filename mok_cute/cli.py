@@ -303,6 +303,21 @@ def _print_report(con: Any, rep: Any, show_all: bool) -> None:
         con.print("ptxas: no warnings")
 
 
+def _inspect_or_report(con: Any, name: str, arch: str, outdir: str, static: dict[str, Any]) -> Any:
+    """inspect_kernel, or None after printing why the compile failed (bad static arguments
+    stay ValueError / TypeError for main to report)."""
+    from mok_cute import jit
+
+    try:
+        return jit.inspect_kernel(name, arch, outdir, **static)
+    except (ValueError, TypeError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a DSL compile error is the answer, not a crash
+        con.print(f"[red]{_e(name)} does not compile for {arch} with {_e(static or 'the registered defaults')}:[/]")
+        con.print(_e(str(exc).strip()))
+        return None
+
+
 def cmd_ptx(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -326,12 +341,16 @@ def cmd_ptx(args: argparse.Namespace) -> int:
         con.print(f"[red]unknown kernel {_e(repr(args.name))}; registered: {', '.join(jit.KERNELS)}[/]")
         return 2
     base = _parse_assignments(args.set or [], "--set")
-    rep = jit.inspect_kernel(args.name, arch, args.out, **base)
+    rep = _inspect_or_report(con, args.name, arch, args.out, base)
+    if rep is None:
+        return 1
     _print_report(con, rep, args.all)
     if args.diff:
         other = _parse_assignments(args.diff, "--diff")
         other_arch = jit.normalize_arch(str(other.pop("arch", arch)))
-        rep_b = jit.inspect_kernel(args.name, other_arch, args.out, **{**base, **other})
+        rep_b = _inspect_or_report(con, args.name, other_arch, args.out, {**base, **other})
+        if rep_b is None:
+            return 1
         rows = jit.diff_reports(rep, rep_b)
         con.print(_e(f"diff of {args.name}: A = {arch} {base or '(registered defaults)'}, "
                      f"B = {other_arch} with {other}"))

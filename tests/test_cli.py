@@ -70,6 +70,14 @@ def test_ptx_bad_arguments(capsys):
     assert rc == 2 and "arch must look like" in out
 
 
+def test_ptx_reports_a_kernel_that_does_not_compile_for_an_arch(capsys, tmp_path):
+    if "gemm_fc1" not in jit.KERNELS or jit.kernel_status("gemm_fc1") is not None:
+        pytest.skip("gemm_fc1 is not available")
+    rc, out = run(capsys, "ptx", "gemm_fc1", "--arch", "sm_100a", "--out", str(tmp_path))
+    assert rc == 1  # a Hopper wgmma kernel has no sm_100a build: reported, not a traceback
+    assert "gemm_fc1 does not compile for sm_100a" in out
+
+
 def test_demo_on_cpu_checks_reference_and_prints_ptx_mix(capsys, tmp_path):
     rc, out = run(capsys, "demo", "--cpu", "-T", "96", "--hidden", "256", "--intermediate", "128",
                   "--experts", "4", "--topk", "2", "--out", str(tmp_path))
