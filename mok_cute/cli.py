@@ -214,6 +214,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     table.add_column("detail")
     for name, ok, detail in checks:
         table.add_row(name, "[green]pass[/]" if ok else "[red]FAIL[/]", detail)
+    table.add_row("path taken", "", _e(mok.forward_path(device).split(":", 1)[0]))
     table.add_row("first call (incl. compile)", "", f"{t_first * 1e3:.1f} ms")
     con.print(table)
     ok_all = all(ok for _, ok, _ in checks)

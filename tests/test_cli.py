@@ -125,3 +125,13 @@ def test_module_entry_point_runs_in_a_fresh_process():
     assert proc.returncode == 0, proc.stderr
     if not torch.cuda.is_available():
         assert "sm_90a" in proc.stdout
+
+
+def test_tools_ptx_wrapper_lists_kernels():
+    env = {**os.environ}
+    if not torch.cuda.is_available():
+        env.pop("CUTE_DSL_ARCH", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ptx.py"), "--list"], capture_output=True,
+                          text=True, env=env, cwd="/", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "gather_rows" in proc.stdout and "weighted_ksum" in proc.stdout
