@@ -46,10 +46,12 @@ def _worker(rank, world, init_file, case):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        {"equal_tokens": _check_equal_tokens, "uneven_tokens": _check_uneven_tokens}[case](rank, world)
-    finally:
-        dist.destroy_process_group()
+    {"equal_tokens": _check_equal_tokens, "uneven_tokens": _check_uneven_tokens}[case](rank, world)
+    # Tear down only when every rank is done: gloo aborts the process if a peer's group goes
+    # away while its last sends are still in flight. (A failing rank raises above and the
+    # spawn harness terminates the others.)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _check_equal_tokens(rank, R):
@@ -103,6 +105,20 @@ def _check_uneven_tokens(rank, R):
         assert leaf.grad is not None and leaf.grad.shape == leaf.shape
     if rank == R - 1:
         assert all((t.grad == 0).all() for t in (g, u, d))
+
+    # MoELayer over the group: this rank holds E_loc experts; router and shared expert are
+    # replicated (same seed on every rank).
+    torch.manual_seed(1234)
+    layer = mok.MoELayer(H, I, R * E_loc, K, shared_intermediate=8, group=dist.group.WORLD)
+    assert layer.num_local_experts == E_loc and layer.w_gate.shape == (E_loc, I, H)
+    with torch.no_grad():
+        for name, stacked in (("w_gate", wg), ("w_up", wu), ("w_down", wd)):
+            getattr(layer, name).copy_(stacked[rank])
+    x_layer = xs[rank].reshape(-1, H)
+    out = layer(x_layer)
+    routed_idx, routed_w = layer.route(x_layer)
+    want = ref.moe_forward(x_layer, routed_idx, routed_w, g_gate, g_up, g_down, layer.shared)
+    assert torch.equal(out, want), f"rank {rank}: MoELayer differs"
 
 
 def _spawn(world, case, tmp_path):
