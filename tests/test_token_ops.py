@@ -89,6 +89,43 @@ def test_kernel_config_errors():
         token_ops.WeightedKSum(K=17, has_shared=False)
 
 
+# ------------------------------------------------------------------ launch arguments (CPU)
+def _marshalled(compiled, args):
+    """The values the compiled kernel's launcher receives, read back as (u64, i32) pairs."""
+    import ctypes
+
+    import cuda.bindings.driver as cuda_driver
+
+    exe, _ = compiled.generate_execution_args(*args, cuda_driver.CUstream(0))
+
+    def read(p, ctype):
+        return ctypes.cast(p, ctypes.POINTER(ctype)).contents.value
+
+    return [read(p, ctypes.c_uint64) for p in exe], [read(p, ctypes.c_int32) for p in exe]
+
+
+def test_gather_rows_hands_the_kernel_addresses_and_extents(gen):
+    """Without a GPU: the compiled launcher gets the tensors' addresses, the row counts and H/8."""
+    from mok_cute import jit
+
+    src, index, out = _randn(gen, 12, 64), torch.zeros(5, dtype=torch.int32), torch.empty(5, 64, dtype=bf16)
+    compiled = jit.compile_kernel("gather_rows", "sm_90a")
+    u64, i32 = _marshalled(compiled, token_ops._gather_rows_args(src, index, out))
+    assert u64[:3] == [src.data_ptr(), index.data_ptr(), out.data_ptr()]
+    assert i32[3:6] == [12, 5, 64 // 8]
+
+
+def test_weighted_ksum_hands_the_kernel_addresses_and_extents(gen):
+    from mok_cute import jit
+
+    y, w, s = _randn(gen, 21, 32), torch.rand(7, 3, generator=gen), _randn(gen, 7, 32)
+    out = torch.empty(7, 32, dtype=bf16)
+    compiled = jit.compile_kernel("weighted_ksum", "sm_90a", K=3, has_shared=True)
+    u64, i32 = _marshalled(compiled, token_ops._weighted_ksum_args(y, w, s, out))
+    assert u64[:4] == [y.data_ptr(), w.data_ptr(), s.data_ptr(), out.data_ptr()]
+    assert i32[4:6] == [7, 32 // 8]
+
+
 # ------------------------------------------------------------------ kernels (GPU)
 def _poisoned(shape, device):
     return torch.full(shape, float("nan"), dtype=bf16, device=device)

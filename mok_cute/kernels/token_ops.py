@@ -365,16 +365,20 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
     if num_rows == 0 or hidden == 0:
         return out
     compiled = jit.compile_kernel("gather_rows", arch=jit.device_arch(device))
-    compiled(
+    compiled(*_gather_rows_args(src, index, out), _stream(device))
+    return out
+
+
+def _gather_rows_args(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> tuple:
+    """``GatherRows.__call__`` arguments (all but the stream) for checked tensors."""
+    return (
         _ptr(src, BFloat16, 16),
         _ptr(index, Int32, 4),
         _ptr(out, BFloat16, 16),
         Int32(src.shape[0]),
-        Int32(num_rows),
-        Int32(hidden // VEC_ELEMS),
-        _stream(device),
+        Int32(index.shape[0]),
+        Int32(src.shape[1] // VEC_ELEMS),
     )
-    return out
 
 
 def weighted_ksum_ref(y: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
@@ -432,13 +436,18 @@ def weighted_ksum(
     compiled = jit.compile_kernel(
         "weighted_ksum", arch=jit.device_arch(device), K=k_slots, has_shared=shared is not None
     )
-    compiled(
+    compiled(*_weighted_ksum_args(y, w32, shared, out), _stream(device))
+    return out
+
+
+def _weighted_ksum_args(y: torch.Tensor, w32: torch.Tensor, shared: torch.Tensor | None,
+                        out: torch.Tensor) -> tuple:
+    """``WeightedKSum.__call__`` arguments (all but the stream) for checked tensors."""
+    return (
         _ptr(y, BFloat16, 16),
         _ptr(w32, Float32, 4),
         _ptr(shared if shared is not None else out, BFloat16, 16),  # unread when has_shared=False
         _ptr(out, BFloat16, 16),
-        Int32(num_tokens),
-        Int32(hidden // VEC_ELEMS),
-        _stream(device),
+        Int32(w32.shape[0]),
+        Int32(y.shape[1] // VEC_ELEMS),
     )
-    return out
