@@ -8,6 +8,7 @@ computed in the same process. A failing assertion in a worker fails the test thr
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import pytest
@@ -45,7 +46,10 @@ def _problem(R, T_per_rank, H, I, E_loc, K, Is, seed=0):
 def _worker(rank, world, init_file, case):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),  # a hang becomes an error, not a stuck test
+    )
     {"equal_tokens": _check_equal_tokens, "uneven_tokens": _check_uneven_tokens}[case](rank, world)
     # Tear down only when every rank is done: gloo aborts the process if a peer's group goes
     # away while its last sends are still in flight. (A failing rank raises above and the
