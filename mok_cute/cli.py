@@ -179,7 +179,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     _prepare_arch_env(None)
     import mok_cute as mok
-    from mok_cute import jit
 
     con = _console()
     on_gpu = torch.cuda.is_available() and not args.cpu

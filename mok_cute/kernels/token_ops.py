@@ -137,7 +137,6 @@ class GatherRows:
         num_rows: Int32,
         h_vecs: Int32,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
