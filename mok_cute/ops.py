@@ -131,8 +131,11 @@ def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_ti
 MAX_TOP_K = 16  # WeightedKSum unrolls K at compile time
 
 
-def unsupported_shape_reason(hidden: int, inter: int, top_k: int, shared_inter: int | None) -> str:
+def unsupported_shape_reason(hidden: int, inter: int, top_k: int, shared_inter: int | None,
+                             tile_m: int = TILE_M) -> str:
     """Why the kernels cannot take these sizes ("" when they can)."""
+    if tile_m != TILE_M:
+        return f"config.tile_m: the sm_90a GEMMs use {TILE_M}-row tiles, got {tile_m}"
     if hidden % 64:
         return f"x: hidden size must be a multiple of 64 for the kernels, got {hidden}"
     if inter % 64:
@@ -152,7 +155,8 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
 
     config = config or MoKConfig()
     unsupported = unsupported_shape_reason(x.shape[1], w_gate.shape[1], topk_idx.shape[1],
-                                           None if shared is None else shared[0].shape[0])
+                                           None if shared is None else shared[0].shape[0],
+                                           config.tile_m)
     if unsupported:
         if config.backend == "kernel":
             raise ValueError(f"config.backend='kernel': {unsupported}")
@@ -167,8 +171,9 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     timeline = recorder.tensor if recorder is not None else None
     num_tokens, top_k = topk_idx.shape
     num_experts = w_gate.shape[0]
+    # ids were checked by api.py: skip the schedule's own host read
     sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
-                                             tile_m=TILE_M)
+                                             tile_m=TILE_M, validate=False)
     x_rows = token_ops.gather_rows(x, sched.row_token)
     y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
 
