@@ -173,7 +173,8 @@ def moe_forward(
     dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, num_ranks=num_ranks)
     if dims.tokens == 0 and group is None:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
-    check_expert_ids(topk_idx, dims.num_experts)
+    if config.check_ids:
+        check_expert_ids(topk_idx, dims.num_experts)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ()))
     )
@@ -205,7 +206,8 @@ def moe_forward_virtual(
     dims = check_moe_inputs(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, stacked=True, x_name="xs")
     if dims.tokens == 0:
         return torch.empty(dims.num_ranks, 0, dims.hidden, dtype=torch.bfloat16, device=xs.device)
-    check_expert_ids(topk_idx, dims.num_experts)
+    if config.check_ids:
+        check_expert_ids(topk_idx, dims.num_experts)
     choose_path(xs.device, config, virtual=True)  # reference for now; raises for backend="kernel"
     return reference._forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
 

@@ -137,6 +137,11 @@ class MoKConfig:
     backend           "auto": GPU kernel when available, else the PyTorch reference;
                       "kernel": GPU kernel, error if it cannot run;
                       "reference": always the PyTorch reference.
+    check_ids         range-check the expert ids before launch (raises ValueError). On CUDA
+                      this is the call's one device->host read. False skips it (no host sync,
+                      e.g. for CUDA-graph capture); the caller then guarantees ids in range:
+                      an out-of-range id on the kernel path matches no expert and that
+                      (token, k) contributes zero. It never faults.
     """
 
     tile_m: int = 128
@@ -147,6 +152,7 @@ class MoKConfig:
     timeline_capacity: int = 1 << 16
     timeout_ms: float = 10_000.0
     backend: str = "auto"
+    check_ids: bool = True
 
     def __post_init__(self) -> None:
         check_int("MoKConfig.tile_m", self.tile_m, min_value=1)
@@ -156,6 +162,7 @@ class MoKConfig:
         )
         check_int("MoKConfig.ring_tokens", self.ring_tokens, min_value=1, allow_none=True)
         check_bool("MoKConfig.timeline", self.timeline)
+        check_bool("MoKConfig.check_ids", self.check_ids)
         check_int("MoKConfig.timeline_capacity", self.timeline_capacity, min_value=1)
         if isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, (int, float)):
             raise TypeError(

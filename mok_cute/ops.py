@@ -63,12 +63,14 @@ def _compiled_gemm(epilogue: str, tile_n: int, group_m: int, num_sms: int, timel
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
                  group_m: int = 8, out: torch.Tensor | None = None,
-                 timeline: torch.Tensor | None = None, task_type: int | None = None) -> torch.Tensor:
+                 timeline: torch.Tensor | None = None, task_type: int | None = None,
+                 w_up: torch.Tensor | None = None) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
-    a: [M, K] bf16; w: [E, N, K] bf16 (for "swiglu", packed by ``pack_gate_up``);
-    tile_expert: [>= ceil(M/128)] int32; num_m_tiles: [1] int32 (device).
-    Returns [M, N] ("store") or [M, N/2] ("swiglu"). Rows past num_m_tiles*128 are untouched.
+    a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
+    num_m_tiles: [1] int32 (device). "store" returns [M, N]; "swiglu" takes w = W_gate and
+    w_up = W_up (both [E, I, K]) and returns silu(A Wg^T) * (A Wu^T), [M, I].
+    Rows past num_m_tiles*128 are untouched.
     timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
     one span per tile with ``task_type``; None compiles the variant without the recorder.
     """
@@ -77,51 +79,29 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     e, n, k_w = w.shape
     if k_w != k:
         raise ValueError(f"w: expected K={k} (from a), got {k_w}")
-    n_out = n // 2 if epilogue == "swiglu" else n
+    if (epilogue == "swiglu") != (w_up is not None):
+        raise ValueError(f"w_up: expected a tensor exactly for the swiglu epilogue, got "
+                         f"{type(w_up).__name__} with epilogue={epilogue!r}")
+    if w_up is not None and w_up.shape != w.shape:
+        raise ValueError(f"w_up: expected shape {tuple(w.shape)} like w, got {tuple(w_up.shape)}")
+    n_out = n
     tile_n = tile_n or choose_tile_n(n_out, epilogue)
     if out is None:
         out = torch.empty(m, n_out, dtype=a.dtype, device=a.device)
     compiled = _compiled_gemm(epilogue, tile_n, group_m, _num_sms(a.device.index or 0),
                               timeline is not None, task_type if timeline is not None else None)
-    compiled(a.unsqueeze(2), w.permute(1, 2, 0), out.unsqueeze(2), tile_expert, num_m_tiles,
-             timeline)
+    compiled(a.unsqueeze(2), w.permute(1, 2, 0),
+             None if w_up is None else w_up.permute(1, 2, 0),
+             out.unsqueeze(2), tile_expert, num_m_tiles, timeline)
     return out
-
-
-# ---------------------------------------------------------------------- weight packing
-class _PackedGateUp:
-    """Caches the FC1 weight packing (gate/up blocks interleaved) per weight version."""
-
-    def __init__(self, max_entries: int = 8):
-        self._entries: dict = {}
-        self._max = max_entries
-
-    def get(self, w_gate: torch.Tensor, w_up: torch.Tensor, tile_n: int) -> torch.Tensor:
-        from mok_cute.kernels.gemm_sm90 import pack_gate_up
-        key = (w_gate.data_ptr(), w_gate._version, w_up.data_ptr(), w_up._version,
-               tuple(w_gate.shape), tile_n)
-        hit = self._entries.get(key)
-        if hit is None:
-            if len(self._entries) >= self._max:
-                self._entries.pop(next(iter(self._entries)))
-            hit = pack_gate_up(w_gate, w_up, tile_n)
-            self._entries[key] = hit
-        return hit
-
-
-_packed_gate_up = _PackedGateUp()
 
 
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
                timeline: torch.Tensor | None = None, shared: bool = False):
     """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert."""
-    from mok_cute.kernels.gemm_sm90 import choose_tile_n
     from mok_cute.timeline import TaskType
-    inter = w_gate.shape[1]
-    tile_n1 = choose_tile_n(inter, "swiglu")
-    w13 = _packed_gate_up.get(w_gate, w_up, tile_n1)
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
-    h = grouped_gemm(x_rows, w13, tile_expert, num_m_tiles, "swiglu", tile_n=tile_n1,
+    h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
                      timeline=timeline, task_type=int(fc1))
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
                         timeline=timeline, task_type=int(fc2))
@@ -186,10 +166,11 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         shared_rows = expert_mlp(x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0),
                                  ws_down.unsqueeze(0), zeros, count, timeline, shared=True)
 
-    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
-    y_slots = token_ops.gather_rows(y, row_of_slot)
+    # the k-sum reads each (token, k) expert row where FC2 left it: no permuted copy of y
+    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k).to(torch.int32)
     weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights
-    out = token_ops.weighted_ksum(y_slots, weights.contiguous(), shared_rows)
+    out = token_ops.weighted_ksum(y, weights.contiguous(), shared_rows,
+                                  row_index=row_of_slot.contiguous())
     if recorder is not None:
         from mok_cute.timeline import set_last
         set_last(recorder)

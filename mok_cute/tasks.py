@@ -18,7 +18,9 @@ Task types (``TaskType``, the same values as ``mok_cute.timeline.TaskType``)::
     FC2        (j, n)  compute  down GEMM of M-tile j, N-tile n over [H]
     COMBINE    (j, c)  comm     push the y rows of M-tile j (chunk c) to their source ranks
     BARRIER            comm     group barrier after this rank's last combine (unicast flags)
-    KSUM       (s)     compute  fixed-order weighted k-sum (+ shared row) of local tokens tile s
+    KSUM       (s, c)  compute  fixed-order weighted k-sum (+ shared row) of local tokens
+                                [s*tile_m + c*ksum_rows, ...) (ksum_rows divides tile_m, so
+                                the k-sum uses every compute SM, not one per 128 tokens)
 
 Rows. M-tile ``j`` covers padded receive-schedule rows ``[j*tile_m, (j+1)*tile_m)`` (the
 schedule pads every expert segment to ``tile_m``, so a tile belongs to one expert). Minibatch
@@ -41,7 +43,7 @@ ring rows of tile j is tile ``j - Rt``; waiting on it transitively covers every 
     COMBINE(j)   <- FC2 of tile j, all n
     SHARED_FC2(s, n) <- SHARED_FC1 of tile s, all n
     BARRIER      <- every COMBINE
-    KSUM(s)      <- BARRIER (all peers have combined into us), SHARED_FC2 of tile s, all n
+    KSUM(s, c)   <- BARRIER (all peers have combined into us), SHARED_FC2 of tile s, all n
 
 Order. The compute queue is: all shared-expert tiles (so the shared expert overlaps the first
 dispatch), then per minibatch its FC1 tiles (tile-major, N-tiles inner, so a tile can start as
@@ -100,7 +102,7 @@ Device encoding (``encode``): int32 ``[num_tasks, TASK_WORDS]``, row ``i`` = tas
 
     0 type      1 role        2 minibatch (-1: shared expert / finish)
     3 m_tile_begin            4 m_tile_end (exclusive; shared and KSUM: local token tiles)
-    5 n_tile (FC N-tile, or comm chunk index, else 0)
+    5 n_tile (FC N-tile, comm chunk index, KSUM chunk index, else 0)
     6 row_begin 7 row_end     padded schedule rows (shared / KSUM: local token rows)
     8 ring_row_begin          row_begin % ring_tokens (routed tasks), else -1
     9 signal_group            10 signal_index (within the group)
@@ -227,6 +229,7 @@ class TaskListParams:
     comm_task_rows: int
     dispatch_lookahead_tokens: int
     finish: bool
+    ksum_rows: int
     static: bool
 
 
@@ -394,6 +397,7 @@ def build_task_list(
     comm_task_rows: int | None = None,
     dispatch_lookahead_tokens: int | None = None,
     finish: bool = True,
+    ksum_rows: int | None = None,
     static: bool = False,
 ) -> TaskList:
     """Build one rank's ordered task list.
@@ -403,7 +407,8 @@ def build_task_list(
     local tokens and routing fan-out (shared expert and k-sum work). ``shared_intermediate``
     0 means no shared expert. ``comm_task_rows`` (default ``tile_m``) splits each dispatch /
     combine of an M-tile into ``tile_m // comm_task_rows`` chunks. ``finish`` adds the BARRIER
-    and KSUM tasks.
+    and KSUM tasks; each KSUM covers ``ksum_rows`` local tokens (default ``tile_m // 8``, must
+    divide ``tile_m``).
     """
     hidden = _check_int("hidden", hidden, 1)
     intermediate = _check_int("intermediate", intermediate, 1)
@@ -438,6 +443,10 @@ def build_task_list(
         "dispatch_lookahead_tokens", dispatch_lookahead_tokens, 0)
     _check_multiple("dispatch_lookahead_tokens", dispatch_lookahead_tokens, "tile_m", tile_m)
 
+    ksum_rows = max(1, tile_m // 8) if ksum_rows is None else _check_int("ksum_rows", ksum_rows, 1)
+    if tile_m % ksum_rows:
+        raise ValueError(f"ksum_rows must divide tile_m={tile_m}, got {ksum_rows}")
+
     rows = np.asarray(_as_numpy(tile_rows), dtype=np.int64).reshape(-1)
     if rows.size and (rows.min() < 0 or rows.max() > tile_m):
         raise ValueError(
@@ -450,7 +459,7 @@ def build_task_list(
         shared_intermediate=shared_intermediate, rank=rank, num_ranks=num_ranks,
         dispatch_wait=dispatch_wait, comm_task_rows=comm_task_rows,
         dispatch_lookahead_tokens=dispatch_lookahead_tokens, finish=bool(finish),
-        static=bool(static),
+        ksum_rows=ksum_rows, static=bool(static),
     )
     return _Builder(params, rows).build()
 
@@ -602,18 +611,21 @@ class _Builder:
 
         # --- finish: KSUM (tail of the compute queue) ---
         if p.finish:
-            k_tiles = np.arange(self.st)
-            rb = k_tiles * tm
-            re = np.minimum(rb + tm, p.num_tokens)
+            per_tile = tm // p.ksum_rows
+            rb = np.arange(0, p.num_tokens, p.ksum_rows, dtype=np.int64)
+            re = np.minimum(rb + p.ksum_rows, p.num_tokens)
+            k_tiles = rb // tm
+            k_chunk = (rb % tm) // p.ksum_rows
             # read K combined rows + the shared row, write the output row (bf16 each)
             by = (re - rb) * p.hidden * _BF16 * (p.top_k + (1 if self.shared else 0) + 1)
             specs = [(cg.BARRIER_DONE, 0, 1, 1, None)]
             if self.shared:
                 specs.append((cg.SHARED_FC2_DONE, k_tiles, 1, n2, None))
-            compute_blocks.append(self._block(
-                TaskType.KSUM, k_tiles, np.zeros_like(k_tiles), rb, re, by,
-                np.zeros_like(k_tiles), cg.KSUM_DONE, np.zeros_like(k_tiles),
-                self._waits(len(k_tiles), *specs), -1))
+            blk = self._block(
+                TaskType.KSUM, k_tiles, k_chunk, rb, re, by, np.zeros_like(k_tiles),
+                cg.KSUM_DONE, np.zeros_like(k_tiles), self._waits(len(k_tiles), *specs), -1)
+            assert per_tile >= 1
+            compute_blocks.append(blk)
 
         compute = _concat_blocks(compute_blocks)
         ncomp = len(compute["type"])

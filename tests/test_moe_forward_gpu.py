@@ -126,3 +126,27 @@ def test_timeline_records_every_tile_once():
             mine = rec[(rec["cta_id"] == cta) & (rec["task_type"] == ttype)]
             starts = sorted(zip(mine["start_ns"].tolist(), mine["end_ns"].tolist()))
             assert all(a[1] <= b[0] for a, b in zip(starts, starts[1:]))
+
+
+def test_check_ids_off_runs_without_host_sync_and_never_faults():
+    x, idx, w, wg, wu, wd, _ = _problem(300, 512, 256, 8, 4, seed=21)
+    cfg = mok.MoKConfig(backend="kernel", check_ids=False)
+    with torch.no_grad():
+        checked = mok.moe_forward(x, idx, w, wg, wu, wd, config=mok.MoKConfig(backend="kernel"))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            unchecked = mok.moe_forward(x, idx, w, wg, wu, wd, config=cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        assert torch.equal(checked, unchecked)
+        # an out-of-range id (caller broke the contract) matches no expert: that slot adds 0
+        bad = idx.clone()
+        bad[5, 1] = 1000
+        out = mok.moe_forward(x, bad, w, wg, wu, wd, config=cfg)
+        torch.cuda.synchronize()
+        w_zeroed = w.clone()
+        w_zeroed[5, 1] = 0.0
+        expected = mok.moe_forward(x, idx, w_zeroed, wg, wu, wd, config=mok.MoKConfig(backend="kernel"))
+        assert torch.equal(out, expected)

@@ -111,7 +111,14 @@ def test_every_row_and_tile_is_covered_exactly_once(counts, cfg):
     else:
         assert shared.size == 0
     assert (tl.type == TaskType.BARRIER).sum() == (1 if p.finish else 0)
-    assert (tl.type == TaskType.KSUM).sum() == (-(-p.num_tokens // p.tile_m) if p.finish else 0)
+    ksum = np.flatnonzero(tl.type == TaskType.KSUM)
+    assert ksum.size == (-(-p.num_tokens // p.ksum_rows) if p.finish else 0)
+    if p.finish:  # every local token is k-summed exactly once
+        cover = np.zeros(p.num_tokens, dtype=np.int64)
+        for i in ksum:
+            cover[tl.row_begin[i]:tl.row_end[i]] += 1
+            assert tl.m_tile_begin[i] == tl.row_begin[i] // p.tile_m
+        assert np.all(cover == 1)
 
 
 def test_dependencies_follow_the_dataflow():
@@ -181,6 +188,7 @@ def test_ring_smaller_than_a_minibatch_is_an_error():
     (dict(hidden=0), "hidden"),
     (dict(rank=3, num_ranks=2), "rank"),
     (dict(fc1_tile_n=3), "fc1_tile_n"),
+    (dict(ksum_rows=48), "ksum_rows"),
 ])
 def test_bad_arguments_are_named(kw, name):
     with pytest.raises(ValueError, match=name):

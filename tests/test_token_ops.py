@@ -123,7 +123,19 @@ def test_weighted_ksum_hands_the_kernel_addresses_and_extents(gen):
     compiled = jit.compile_kernel("weighted_ksum", "sm_90a", K=3, has_shared=True)
     u64, i32 = _marshalled(compiled, token_ops._weighted_ksum_args(y, w, s, out))
     assert u64[:4] == [y.data_ptr(), w.data_ptr(), s.data_ptr(), out.data_ptr()]
-    assert i32[4:6] == [7, 32 // 8]
+    assert i32[5:8] == [7, 21, 32 // 8]
+
+
+def test_weighted_ksum_gather_hands_the_kernel_the_row_index(gen):
+    from mok_cute import jit
+
+    y, w = _randn(gen, 50, 32), torch.rand(7, 3, generator=gen)
+    index = torch.randint(0, 50, (21,), dtype=torch.int32, generator=gen)
+    out = torch.empty(7, 32, dtype=bf16)
+    compiled = jit.compile_kernel("weighted_ksum", "sm_90a", K=3, has_shared=False, gather=True)
+    u64, i32 = _marshalled(compiled, token_ops._weighted_ksum_args(y, w, None, out, index))
+    assert u64[:2] == [y.data_ptr(), w.data_ptr()] and u64[3:5] == [out.data_ptr(), index.data_ptr()]
+    assert i32[5:8] == [7, 50, 32 // 8]
 
 
 # ------------------------------------------------------------------ kernels (GPU)
@@ -213,3 +225,19 @@ def test_empty_inputs_launch_nothing():
     out = token_ops.weighted_ksum(torch.zeros(0, 64, dtype=bf16, device="cuda"),
                                   torch.zeros(0, 4, device="cuda"))
     assert out.shape == (0, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,K", [(1, 1), (77, 8), (1000, 10)])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_weighted_ksum_gather_matches_reference(gen, T, K, with_shared):
+    """Rows read through row_index give the k-sum of the permuted rows, bitwise."""
+    dev, H = "cuda", 1032
+    y = _randn(gen, T * K + 300, H, device=dev)
+    index = torch.randperm(y.shape[0], generator=gen)[: T * K].to(torch.int32).to(dev)
+    w = torch.rand(T, K, generator=gen).to(dev)
+    shared = _randn(gen, T, H, device=dev) if with_shared else None
+    out = _poisoned((T, H), dev)
+    token_ops.weighted_ksum(y, w, shared, out=out, row_index=index)
+    expected = token_ops.weighted_ksum_ref(y[index.long()], w, shared)
+    assert torch.equal(out, expected)

@@ -12,11 +12,11 @@
 
 Epilogues (compile-time):
 - ``"store"``:  C = bf16(acc)                                 (FC2: down projection, y rows)
-- ``"swiglu"``: C[:, j] = bf16(silu(acc[:, g(j)]) * acc[:, u(j)])  (FC1: gate and up in one
-  pass). The packed FC1 weight holds, for every block of ``tile_n/2`` output columns, the
-  ``tile_n/2`` gate rows followed by the matching ``tile_n/2`` up rows, so one N-tile holds
-  matching gate and up columns and every thread owns both halves of its pairs: no shuffles.
-  ``pack_gate_up`` builds that layout.
+- ``"swiglu"``: C = bf16(silu(A @ Wg^T) * (A @ Wu^T))  (FC1: gate and up in one pass).
+  Two TMA descriptors fill the two halves of one B stage: rows [0, tile_n/2) from W_gate
+  and rows [tile_n/2, tile_n) from the matching rows of W_up. One wgmma N-tile therefore
+  holds matching gate and up columns, every thread owns both halves of its pairs (no
+  shuffles), and the weights are used as given: no packed copy.
 
 Roles (384 threads): warpgroup 0 is the producer (warp 0 issues TMA loads into a
 ``num_stages``-deep mbarrier ring, registers lowered with setmaxnreg); warpgroups 1-2 are
@@ -88,6 +88,8 @@ class GroupedGemmSm90:
         self.acc_dtype = Float32
         # Output tile: SwiGLU halves the N width of the stored tile.
         self.out_tile_n = tile_n // 2 if epilogue == "swiglu" else tile_n
+        # SwiGLU loads each B stage as two boxes (gate rows, then the matching up rows).
+        self.b_rows_per_load = self.out_tile_n
         # Two consumer warpgroups split the 128 rows (64 each); one producer warpgroup.
         self.atom_layout_mnk = (2, 1, 1)
         self.num_mma_warpgroups = 2
@@ -143,10 +145,12 @@ class GroupedGemmSm90:
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor,
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB_up: Optional[cute.Tensor],
+                 mC: cute.Tensor,
                  mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
                  mTimeline: Optional[cute.Tensor], stream: cuda.CUstream):
         """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1): all K- / N-major.
+        swiglu: mB is W_gate and mB_up is W_up, both (I, K, E); store: mB_up is None.
         mTimeline: int64 recorder buffer, or None when the timeline flag is off."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
@@ -159,8 +163,14 @@ class GroupedGemmSm90:
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
-        tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, mB, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (tile_n, tile_k))
+        # B rows per TMA box: the whole tile, or each gate / up half of it.
+        b_box = (self.b_rows_per_load, tile_k)
+        b_box_layout = cute.slice_(self._staged_kmajor_layout(self.b_dtype, b_box, 1), (None, None, 0))
+        tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mB, b_box_layout, b_box)
+        tma_atom_b_up, tma_tensor_b_up = None, None
+        if const_expr(self.epilogue == "swiglu"):
+            tma_atom_b_up, tma_tensor_b_up = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mB_up, b_box_layout, b_box)
         tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
             cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
@@ -180,7 +190,8 @@ class GroupedGemmSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
+            tma_atom_c, tma_tensor_c,
             mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
         ).launch(
@@ -194,6 +205,7 @@ class GroupedGemmSm90:
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
+               tma_atom_b_up: Optional[cute.CopyAtom], mBup_nkl: Optional[cute.Tensor],
                tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
                mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
                mTimeline: Optional[cute.Tensor], tiled_mma: cute.TiledMma,
@@ -211,6 +223,8 @@ class GroupedGemmSm90:
         if warp_idx == self.load_warp:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            if const_expr(self.epilogue == "swiglu"):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_up)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
         smem = cutlass.utils.SmemAllocator()
@@ -236,13 +250,23 @@ class GroupedGemmSm90:
 
         # (bM, bK, RestM, RestK, RestL) / (bN, bK, RestN, RestK, RestE) / (bM, bNout, RestM, RestN, 1)
         gA_mkl = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
-        gB_nkl = cute.local_tile(mB_nkl, (tile_n, tile_k), (None, None, None))
+        gB_nkl = cute.local_tile(mB_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
         gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
         single_cta = cute.make_layout(1)
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
+        # (rows, bK, halves, 1, stages): the gate half and the up half of every B stage
+        sB_halves = cute.flat_divide(sB, (self.b_rows_per_load, tile_k))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, single_cta, cute.group_modes(sB, 0, 2), cute.group_modes(gB_nkl, 0, 2))
+            tma_atom_b, 0, single_cta, cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2),
+            cute.group_modes(gB_nkl, 0, 2))
+        tBsB_up, tBgB_up = None, None
+        if const_expr(self.epilogue == "swiglu"):
+            gBup_nkl = cute.local_tile(mBup_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
+            tBsB_up, tBgB_up = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_b_up, 0, single_cta,
+                cute.group_modes(sB_halves[(None, None, 1, 0, None)], 0, 2),
+                cute.group_modes(gBup_nkl, 0, 2))
 
         k_tile_cnt = cute.size(gA_mkl, mode=[3])
         num_n_tiles = cute.size(gB_nkl, mode=[2])
@@ -270,6 +294,9 @@ class GroupedGemmSm90:
                                   tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
                         cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
                                   tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        if const_expr(self.epilogue == "swiglu"):
+                            cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                                      tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
                         ab_pipeline.producer_commit(producer_state)
                         producer_state.advance()
                     tile_idx += cute.arch.grid_dim()[0]
@@ -380,18 +407,6 @@ class GroupedGemmSm90:
 
 
 # ---------------------------------------------------------------------- host helpers
-def pack_gate_up(w_gate, w_up, tile_n: int = 256):
-    """[E, I, H] gate and up -> [E, 2I, H] with blocks of tile_n/2 gate rows then up rows."""
-    half = tile_n // 2
-    e, i, h = w_gate.shape
-    if i % half:
-        raise ValueError(f"intermediate size {i} must be a multiple of tile_n/2 = {half}")
-    g = w_gate.reshape(e, i // half, half, h)
-    u = w_up.reshape(e, i // half, half, h)
-    import torch
-    return torch.stack((g, u), dim=2).reshape(e, 2 * i, h).contiguous()
-
-
 def choose_tile_n(n_out: int, epilogue: str) -> int:
     """Widest tile whose output width divides the output columns."""
     for tile_n in (256, 128, 64):
@@ -401,21 +416,23 @@ def choose_tile_n(n_out: int, epilogue: str) -> int:
     raise ValueError(f"output width {n_out} must be a multiple of 64 ({epilogue})")
 
 
-def _fake_operands(tile_n: int, out_tile_n: int, timeline: bool):
-    """Fake (M, K, 1) A, (N, K, E) B, (M, N_out, 1) C and int32 vectors with run-time
-    extents and strides (what a strided torch view passes through TVM-FFI)."""
+def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
+    """Fake (M, K, 1) A, (N, K, E) B (two of them for swiglu: gate and up, N = I),
+    (M, N_out, 1) C and int32 vectors with run-time extents and strides (what a strided
+    torch view passes through TVM-FFI)."""
     bf16 = cutlass.BFloat16
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=TILE_K)
-    n = cute.sym_int32(divisibility=tile_n)
+    n = cute.sym_int32(divisibility=out_tile_n if swiglu else tile_n)
     n_out = cute.sym_int32(divisibility=out_tile_n)
     a = common.fake_kmajor_tensor(bf16, (m, k, 1))
     b = common.fake_kmajor_tensor(bf16, (n, k, num_experts))
+    b_up = common.fake_kmajor_tensor(bf16, (n, k, num_experts)) if swiglu else None
     c = common.fake_kmajor_tensor(bf16, (m, n_out, 1))
     tile_expert = common.fake_vector(Int32)
     num_m_tiles = common.fake_vector(Int32)
     timeline = common.fake_vector(Int64, align_bytes=8) if timeline else None
-    return a, b, c, tile_expert, num_m_tiles, timeline
+    return a, b, b_up, c, tile_expert, num_m_tiles, timeline
 
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
@@ -425,12 +442,13 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
     with K % 64 == 0 and N % tile_n == 0. The result takes torch tensors directly
-    (TVM-FFI): ``A (M,K,1)``, ``B (N,K,E)``, ``C (M,N_out,1)`` strided views, the int32
+    (TVM-FFI): ``A (M,K,1)``, ``B (N,K,E)``, ``B_up`` (swiglu) or None, ``C (M,N_out,1)``
+    strided views, the int32
     tile -> expert table, the one-element M-tile count and the int64 timeline buffer (None
     when ``timeline`` is off); it runs on torch's current stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type)
-    args = _fake_operands(tile_n, gemm.out_tile_n, timeline)
+    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=common.compile_options(arch, options))

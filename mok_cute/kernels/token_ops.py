@@ -166,11 +166,14 @@ class WeightedKSum:
     One warp per token. Each lane loads the ``K * unroll`` source vectors of one step
     before accumulating them in fixed k order."""
 
-    def __init__(self, K: int, has_shared: bool, num_warps: int = 4):
+    def __init__(self, K: int, has_shared: bool, num_warps: int = 4, gather: bool = False):
         if not isinstance(K, int) or not 1 <= K <= MAX_K:
             raise ValueError(f"K must be an int in [1, {MAX_K}], got {K!r}")
         self.K = K
         self.has_shared = bool(has_shared)
+        # gather: y rows are read through an index (row of slot t*K+k), so the expert
+        # outputs can stay in expert-sorted order and no permuted copy is made.
+        self.gather = bool(gather)
         self.num_warps = num_warps
         self.unroll = None
         self.num_threads = None
@@ -187,17 +190,20 @@ class WeightedKSum:
         w: cute.Pointer,
         shared: cute.Pointer,
         out: cute.Pointer,
+        row_index: cute.Pointer,
         num_tokens: Int32,
+        y_rows: Int32,
         h_vecs: Int32,
         stream: cuda_driver.CUstream,
     ):
         self._setup_attributes()
-        mY = _row_vectors(y, h_vecs, num_tokens * self.K)
+        mY = _row_vectors(y, h_vecs, y_rows)
+        mIdx = cute.make_tensor(row_index, cute.make_layout(num_tokens * self.K))
         mOut = _row_vectors(out, h_vecs, num_tokens)
         mShared = _row_vectors(shared, h_vecs, num_tokens)
         mW = cute.make_tensor(w, cute.make_layout((self.K, num_tokens), stride=(1, self.K)))
         grid_x = (num_tokens + self.num_warps - 1) // self.num_warps
-        self.kernel(mY, mW, mShared, mOut, num_tokens, h_vecs).launch(
+        self.kernel(mY, mW, mShared, mOut, mIdx, num_tokens, h_vecs).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -208,6 +214,7 @@ class WeightedKSum:
         mW: cute.Tensor,
         mShared: cute.Tensor,
         mOut: cute.Tensor,
+        mIdx: cute.Tensor,
         num_tokens: Int32,
         h_vecs: Int32,
     ):
@@ -218,8 +225,13 @@ class WeightedKSum:
         token = bidx * self.num_warps + warp
         if token < num_tokens:
             weights = cute.make_rmem_tensor((self.K,), Float32)
+            y_row = cute.make_rmem_tensor((self.K,), Int32)
             for k in cutlass.range_constexpr(self.K):
                 weights[k] = mW[k, token]
+                if const_expr(self.gather):
+                    y_row[k] = mIdx[token * self.K + k]
+                else:
+                    y_row[k] = token * self.K + k
             step = 32 * self.unroll
             for v0 in cutlass.range(lane, h_vecs, step):
                 ys = cute.make_rmem_tensor((VEC_ELEMS, self.unroll, self.K), BFloat16)
@@ -227,7 +239,14 @@ class WeightedKSum:
                 for u in cutlass.range_constexpr(self.unroll):
                     if v0 + 32 * u < h_vecs:
                         for k in cutlass.range_constexpr(self.K):
-                            cute.copy(atom, mY[None, v0 + 32 * u, token * self.K + k], ys[None, u, k])
+                            if const_expr(self.gather):
+                                # a slot with no expert row (index -1) contributes zero
+                                if y_row[k] >= 0:
+                                    cute.copy(atom, mY[None, v0 + 32 * u, y_row[k]], ys[None, u, k])
+                                else:
+                                    ys[None, u, k].fill(0.0)
+                            else:
+                                cute.copy(atom, mY[None, v0 + 32 * u, y_row[k]], ys[None, u, k])
                         if const_expr(self.has_shared):
                             cute.copy(atom, mShared[None, v0 + 32 * u, token], base[None, u])
                 for u in cutlass.range_constexpr(self.unroll):
@@ -275,15 +294,17 @@ def compile_gather_rows(arch: str = "sm_90a", *, options: str = "", num_warps: i
 
 
 def compile_weighted_ksum(arch: str = "sm_90a", *, options: str = "", K: int = 8,
-                          has_shared: bool = False, num_warps: int = 4):
+                          has_shared: bool = False, num_warps: int = 4, gather: bool = False):
     """Compile ``WeightedKSum`` for ``arch`` and a static ``K`` without a GPU or tensors."""
-    op = WeightedKSum(K=K, has_shared=has_shared, num_warps=num_warps)
+    op = WeightedKSum(K=K, has_shared=has_shared, num_warps=num_warps, gather=gather)
     return cute.compile(
         op,
         _placeholder_ptr(BFloat16, 16),
         _placeholder_ptr(Float32, 4),
         _placeholder_ptr(BFloat16, 16),
         _placeholder_ptr(BFloat16, 16),
+        _placeholder_ptr(Int32, 4),
+        Int32(1),
         Int32(1),
         Int32(1),
         cute.runtime.make_fake_stream(),
@@ -399,8 +420,14 @@ def weighted_ksum(
     w: torch.Tensor,
     shared: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[t] = bf16(fp32(shared[t]) + sum_{k ascending} fp32(w[t,k]) * fp32(y[t*K+k]))``.
+    """``out[t] = bf16(fp32(shared[t]) + sum_{k ascending} fp32(w[t,k]) * fp32(y[r(t,k)]))``.
+
+    ``r(t,k) = t*K+k``, or ``row_index[t*K+k]`` when ``row_index`` (int32 ``[T*K]`` or
+    ``[T, K]``) is given: then ``y`` may have any number of rows (e.g. expert outputs in
+    expert-sorted order) and is read through the index, with no permuted copy. An index
+    of -1 (a slot the schedule gave no row) contributes zero.
 
     ``y`` is ``[T*K, H]`` bf16, ``w`` is ``[T, K]`` fp32 (bf16 is upcast exactly), ``shared``
     an optional ``[T, H]`` bf16; returns ``[T, H]`` bf16. Bitwise equal to
@@ -414,7 +441,18 @@ def weighted_ksum(
     num_tokens, k_slots = w.shape
     if not 1 <= k_slots <= MAX_K:
         raise ValueError(f"w: K must be in [1, {MAX_K}], got K={k_slots}")
-    _check_rows("y", y, rows=num_tokens * k_slots)
+    if row_index is None:
+        _check_rows("y", y, rows=num_tokens * k_slots)
+    else:
+        _check_rows("y", y)
+        if not isinstance(row_index, torch.Tensor) or row_index.dtype != torch.int32:
+            raise TypeError(f"row_index must be an int32 torch.Tensor, got "
+                            f"{getattr(row_index, 'dtype', type(row_index).__name__)}")
+        if row_index.numel() != num_tokens * k_slots or not row_index.is_contiguous():
+            raise ValueError(f"row_index must be contiguous with T*K = {num_tokens * k_slots} "
+                             f"elements, got shape {tuple(row_index.shape)}")
+        if row_index.device != y.device:
+            raise ValueError(f"row_index must be on {y.device} like y, got {row_index.device}")
     hidden = y.shape[1]
     if shared is not None:
         _check_rows("shared", shared, rows=num_tokens, cols=hidden)
@@ -433,20 +471,23 @@ def weighted_ksum(
     if num_tokens == 0 or hidden == 0:
         return out
     compiled = jit.compile_kernel(
-        "weighted_ksum", arch=jit.device_arch(device), K=k_slots, has_shared=shared is not None
+        "weighted_ksum", arch=jit.device_arch(device), K=k_slots, has_shared=shared is not None,
+        gather=row_index is not None,
     )
-    compiled(*_weighted_ksum_args(y, w32, shared, out), _stream(device))
+    compiled(*_weighted_ksum_args(y, w32, shared, out, row_index), _stream(device))
     return out
 
 
 def _weighted_ksum_args(y: torch.Tensor, w32: torch.Tensor, shared: torch.Tensor | None,
-                        out: torch.Tensor) -> tuple:
+                        out: torch.Tensor, row_index: torch.Tensor | None = None) -> tuple:
     """``WeightedKSum.__call__`` arguments (all but the stream) for checked tensors."""
     return (
         _ptr(y, BFloat16, 16),
         _ptr(w32, Float32, 4),
         _ptr(shared if shared is not None else out, BFloat16, 16),  # unread when has_shared=False
         _ptr(out, BFloat16, 16),
+        _ptr(row_index if row_index is not None else w32, Int32, 4),  # unread without gather
         Int32(w32.shape[0]),
+        Int32(y.shape[0]),
         Int32(y.shape[1] // VEC_ELEMS),
     )

@@ -1,0 +1,308 @@
+"""Discrete-event execution of a task graph (model.Graph) on a hardware profile.
+
+Execution follows the megakernel protocol exactly:
+
+- each rank has ``num_comm_sms`` comm SMs and ``num_sms - num_comm_sms`` compute SMs;
+- an SM that becomes free takes the next ticket of its role's queue on its rank and holds the
+  task until it is done; if the task's counters are not complete yet, the SM spins (a WAIT span
+  in the records) and starts the task the moment the last counter completes;
+- a compute task runs for its modelled duration;
+- a comm task runs a fixed overhead, then a flow of its payload bytes through the fabric.
+
+Fabric: every GPU has one egress and one ingress port (``link_bytes_per_s`` each). Active
+flows are grouped in classes whose members share the same per-member rate: pull dispatches of
+one receiver, combines of one rank, pushes of one (sender, receiver) pair. A member's use of
+each port per byte moved is its class row (pull: fraction of its rows from each source peer on
+that peer's egress, the non-local fraction on its own ingress). Rates are the weighted max-min
+fair allocation (progressive filling) under the port capacities, each member capped at the
+per-SM copy rate. Rates are recomputed whenever a flow starts or ends (events at the same
+instant are batched); between those instants every member progresses linearly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+
+import numpy as np
+
+from ..tasks import Role, TaskType
+from .hardware import HardwareProfile
+from .model import Graph
+
+__all__ = ["SimRecords", "run_graph", "max_min_rates"]
+
+_INF = math.inf
+
+
+@dataclasses.dataclass
+class SimRecords:
+    take: np.ndarray  # [N] time the SM took the ticket (s)
+    start: np.ndarray  # [N] time its counters were complete and work began (s)
+    end: np.ndarray  # [N] (s)
+    sm: np.ndarray  # [N] SM id on its rank (comm SMs first)
+    waited_for: np.ndarray  # [N] global id of the task whose signal ended the wait, -1 if none
+    rate_updates: int = 0
+
+
+def max_min_rates(A: np.ndarray, cap: float, capacity: np.ndarray,
+                  pair_src: np.ndarray | None = None, pair_dst: np.ndarray | None = None,
+                  pair_n: np.ndarray | None = None, num_ranks: int = 0):
+    """Per-member rates under weighted max-min fairness (progressive filling).
+
+    Two families of classes share the ports. Spread classes: ``A[c, p]`` = bytes on port ``p``
+    per byte moved, summed over class ``c``'s members. Pair classes (push from ``pair_src`` to
+    ``pair_dst`` with ``pair_n`` members): one unit on egress ``src`` and on ingress
+    ``num_ranks + dst`` per member (nothing when ``src == dst``: a local copy). All members of
+    a class move at the same rate ``<= cap``; port loads stay ``<= capacity``. Raise every
+    unfrozen class together; when a port saturates, freeze the classes that use it.
+    Returns ``x`` (spread) or ``(x, x_pair)`` when pair classes are given."""
+    k, P = A.shape
+    x = np.full(k, float(cap))
+    uses = A > 1e-15
+    frozen = ~uses.any(axis=1)  # classes touching no port only hit the per-SM cap
+    have_pairs = pair_src is not None
+    if have_pairs:
+        kp = pair_src.size
+        xp = np.full(kp, float(cap))
+        remote = pair_src != pair_dst
+        frozen_p = ~remote
+        eg = pair_src
+        ing = num_ranks + pair_dst
+        npairs = pair_n.astype(np.float64)
+    used = np.zeros(P)
+    while True:
+        unf = ~frozen
+        any_unf = bool(unf.any())
+        if have_pairs:
+            unf_p = ~frozen_p
+            any_unf = any_unf or bool(unf_p.any())
+        if not any_unf:
+            break
+        denom = A[unf].sum(axis=0) if unf.any() else np.zeros(P)
+        if have_pairs and unf_p.any():
+            w = npairs[unf_p]
+            denom = denom + np.bincount(eg[unf_p], w, P) + np.bincount(ing[unf_p], w, P)
+        rem = capacity - used
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lam_p = np.where(denom > 1e-15, rem / denom, _INF)
+        lam = float(lam_p.min())
+        if lam >= cap:
+            x[unf] = cap
+            if have_pairs:
+                xp[unf_p] = cap
+            break
+        lam = max(lam, 0.0)
+        bott = lam_p <= lam * (1.0 + 1e-9) + 1e-300
+        hit = unf & uses[:, bott].any(axis=1)
+        x[hit] = lam
+        frozen |= hit
+        add = A[hit].sum(axis=0) if hit.any() else np.zeros(P)
+        if have_pairs:
+            hit_p = unf_p & (bott[eg] | bott[ing])
+            xp[hit_p] = lam
+            frozen_p |= hit_p
+            w = npairs[hit_p]
+            add = add + np.bincount(eg[hit_p], w, P) + np.bincount(ing[hit_p], w, P)
+        used += lam * add
+    return (x, xp) if have_pairs else x
+
+
+def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:
+    N = len(g)
+    R_sim = 1 if g.symmetric else g.num_ranks
+    n_comm, n_comp = g.num_comm_sms, g.num_compute_sms
+    nports = g.comm_coef.shape[1] if g.comm_coef.size else (2 if g.symmetric else 2 * g.num_ranks)
+    capacity = np.full(nports, hw.link_bytes_per_s)
+    cap = hw.sm_copy_bytes_per_s
+
+    dur = g.duration.tolist()
+    role = g.role.tolist()
+    rank = g.rank.tolist()
+    cbytes = g.comm_bytes.tolist()
+    ccls = g.comm_class.tolist()
+    crow = g.comm_row.tolist()
+    signal = g.signal.tolist()
+    woff = g.wait_off.tolist()
+    widx = g.wait_idx.tolist()
+    nsig = g.num_signallers.tolist()
+    ncnt = len(nsig)
+    count = [0] * ncnt
+    reach = [0.0] * ncnt
+    last_sig = [-1] * ncnt
+    waiters: dict[int, list[int]] = {}
+
+    nan = math.nan
+    take = [nan] * N
+    start = [nan] * N
+    end = [nan] * N
+    smid = [-1] * N
+    waited = [-1] * N
+
+    queues = [[list(map(int, q)) for q in g.queues[r]] for r in range(R_sim)]
+    ticket = [[0, 0] for _ in range(R_sim)]
+    heap: list = []
+    seq = 0
+
+    # fluid state: one member slot per comm SM of the group
+    nslots = R_sim * n_comm
+    slot_task = np.full(nslots, -1, dtype=np.int64)
+    slot_rem = np.zeros(nslots)
+    slot_cls = np.zeros(nslots, dtype=np.int64)
+    slot_rate = np.zeros(nslots)
+    active = np.zeros(nslots, dtype=bool)
+    ncls = max(g.num_classes, 1)
+    n_spread = g.num_spread_classes
+    R = g.num_ranks
+    A = np.zeros((max(n_spread, 1), nports))
+    members = np.zeros(ncls, dtype=np.int64)
+    coef = g.comm_coef
+    state = dict(t_last=0.0, t_next=_INF, dirty=False, updates=0)
+
+    EV_COMPUTE_END, EV_FLOW_START, EV_COMM_END = 0, 1, 2
+
+    def push(t, kind, task):
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, task))
+        seq += 1
+
+    def try_start(t, now):
+        """The SM holding t checks its counters; start now or register as a waiter."""
+        ready = take[t]
+        lastc = -1
+        for c in widx[woff[t]:woff[t + 1]]:
+            if count[c] < nsig[c]:
+                waiters.setdefault(c, []).append(t)
+                return
+            if reach[c] > ready:
+                ready = reach[c]
+                lastc = c
+        if lastc >= 0:
+            waited[t] = last_sig[lastc]
+        s = now if now > ready else ready
+        start[t] = s
+        if role[t] == Role.COMPUTE:
+            push(s + dur[t], EV_COMPUTE_END, t)
+        elif cbytes[t] > 0.0:
+            push(s + dur[t], EV_FLOW_START, t)
+        else:
+            push(s + dur[t], EV_COMM_END, t)
+
+    def take_next(r, ro, sm, now):
+        q = queues[r][ro]
+        k = ticket[r][ro]
+        if k >= len(q):
+            return
+        ticket[r][ro] = k + 1
+        t = q[k]
+        take[t] = now
+        smid[t] = sm
+        try_start(t, now)
+
+    def finish(t, now):
+        end[t] = now
+        c = signal[t]
+        count[c] += 1
+        if now > reach[c]:
+            reach[c] = now
+        if count[c] == nsig[c]:
+            last_sig[c] = t
+            for w in waiters.pop(c, ()):
+                try_start(w, now)
+        r = rank[t] if not g.symmetric else 0
+        take_next(r, role[t], smid[t], now)
+
+    def advance(now):
+        dt = now - state["t_last"]
+        if dt > 0.0 and active.any():
+            slot_rem[active] -= slot_rate[active] * dt
+        state["t_last"] = now
+
+    def recompute(now):
+        act = np.flatnonzero(members[:n_spread] > 0)
+        actp = np.flatnonzero(members[n_spread:] > 0)
+        if act.size == 0 and actp.size == 0:
+            state["t_next"] = _INF
+            return
+        rate_cls = np.zeros(ncls)
+        if actp.size:
+            x, xp = max_min_rates(A[act], cap, capacity, actp // R, actp % R,
+                                  members[n_spread + actp], R)
+            rate_cls[n_spread + actp] = xp
+        else:
+            x = max_min_rates(A[act], cap, capacity)
+        rate_cls[act] = x
+        slot_rate[:] = 0.0
+        idx = np.flatnonzero(active)
+        slot_rate[idx] = rate_cls[slot_cls[idx]]
+        with np.errstate(divide="ignore"):
+            tt = np.where(slot_rate[idx] > 0, slot_rem[idx] / slot_rate[idx], _INF)
+        state["t_next"] = now + max(float(tt.min()), 0.0)
+        state["updates"] += 1
+
+    # t = 0: every SM takes its first ticket
+    for r in range(R_sim):
+        for sm in range(n_comm):
+            take_next(r, Role.COMM, sm, 0.0)
+        for sm in range(n_comp):
+            take_next(r, Role.COMPUTE, n_comm + sm, 0.0)
+
+    while True:
+        th = heap[0][0] if heap else _INF
+        tf = state["t_next"]
+        if th == _INF and tf == _INF:
+            break
+        if tf <= th:
+            now = tf
+            advance(now)
+            idx = np.flatnonzero(active)
+            done = idx[slot_rem[idx] <= slot_rate[idx] * 1e-12 + 1e-6]
+            if done.size == 0:  # numerical: finish the closest one
+                done = idx[[int(np.argmin(slot_rem[idx] / np.maximum(slot_rate[idx], 1e-30)))]]
+            for s in done.tolist():
+                t = int(slot_task[s])
+                cl = int(slot_cls[s])
+                members[cl] -= 1
+                if cl < n_spread:
+                    A[cl] -= coef[crow[t]]
+                    if members[cl] == 0:
+                        A[cl] = 0.0
+                active[s] = False
+                slot_task[s] = -1
+                slot_rate[s] = 0.0
+                state["dirty"] = True
+                finish(t, now)
+        else:
+            now = th
+        while heap and heap[0][0] <= now:
+            _, _, kind, t = heapq.heappop(heap)
+            if kind == EV_COMPUTE_END or kind == EV_COMM_END:
+                finish(t, now)
+            else:  # EV_FLOW_START
+                advance(now)
+                r = rank[t] if not g.symmetric else 0
+                s = r * n_comm + smid[t]
+                slot_task[s] = t
+                slot_rem[s] = cbytes[t]
+                cl = ccls[t]
+                slot_cls[s] = cl
+                active[s] = True
+                if cl < n_spread:
+                    A[cl] += coef[crow[t]]
+                members[cl] += 1
+                state["dirty"] = True
+        if state["dirty"]:
+            advance(now)
+            recompute(now)
+            state["dirty"] = False
+
+    undone = [i for i in range(N) if end[i] != end[i]]
+    if undone:
+        stuck = sorted({(rank[i], role[i]) for i in undone})[:6]
+        raise RuntimeError(
+            f"simulation deadlocked: {len(undone)} of {N} tasks never ran (first (rank, role) "
+            f"queues stuck: {stuck}); the task graph or queue orders form a cycle")
+    return SimRecords(take=np.asarray(take), start=np.asarray(start), end=np.asarray(end),
+                      sm=np.asarray(smid), waited_for=np.asarray(waited),
+                      rate_updates=state["updates"])

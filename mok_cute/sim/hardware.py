@@ -1,0 +1,163 @@
+"""Hardware profiles for the simulator. Every rate names its source.
+
+A profile is one GPU of an NVLink domain plus the domain size. The fabric model is an NVSwitch
+fabric: non-blocking inside, so the only shared link resources are each GPU's port, one
+capacity for egress and one for ingress (``link_bytes_per_s`` each, per direction). Transfers
+share a port max-min fairly (per SM); each comm SM moves at most ``sm_copy_bytes_per_s``.
+
+Source tags used below:
+- ``anchors``: /work/shared/notes/anchors.md (measured on our H200s, or a datasheet line there);
+- ``datasheet``: the vendor's published figure, as quoted;
+- ``assumption``: no measurement yet; the study docs list what measurement would replace it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+
+__all__ = ["HardwareProfile", "PROFILES", "get_profile", "RATE_FIELDS"]
+
+# Fields that are rates or costs and must carry a source.
+RATE_FIELDS = (
+    "num_gpus",
+    "num_sms",
+    "sm_tensor_flops",
+    "hbm_bytes_per_s",
+    "link_bytes_per_s",
+    "link_peak_bytes_per_s",
+    "sm_copy_bytes_per_s",
+    "gemm_task_overhead_s",
+    "comm_task_overhead_s",
+    "barrier_latency_s",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    num_gpus: int  # GPUs in one NVLink domain
+    num_sms: int  # SMs per GPU
+    sm_tensor_flops: float  # achievable dense bf16 FLOP/s of one SM's tensor cores
+    hbm_bytes_per_s: float  # achievable HBM bandwidth per GPU
+    link_bytes_per_s: float  # achievable NVLink bandwidth per GPU per direction (port capacity)
+    link_peak_bytes_per_s: float  # datasheet NVLink bandwidth per GPU per direction
+    sm_copy_bytes_per_s: float  # how fast one comm SM moves data (pull or push)
+    gemm_task_overhead_s: float  # fixed cost of one GEMM tile task (pipeline fill, epilogue)
+    comm_task_overhead_s: float  # fixed cost of one comm task (counter wait, flag, latency)
+    barrier_latency_s: float  # cross-rank flag round trip of the group barrier
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+        for f in RATE_FIELDS:
+            v = getattr(self, f)
+            if not v > 0:
+                raise ValueError(f"HardwareProfile.{f} must be > 0, got {v!r}")
+
+    @property
+    def gpu_tensor_flops(self) -> float:
+        return self.sm_tensor_flops * self.num_sms
+
+    def replace(self, *, source: str | None = None, **changes) -> HardwareProfile:
+        """A copy with some fields changed; ``source`` names where the new values come from
+        (required for rate fields, e.g. "calibrated: benchmarks/results/x.json")."""
+        rates = [k for k in changes if k in RATE_FIELDS]
+        if rates and not source:
+            raise ValueError(f"source must name where the new {rates} come from")
+        sources = dict(self.sources)
+        for k in rates:
+            sources[k] = source
+        return dataclasses.replace(self, sources=sources, **changes)
+
+    def describe_sources(self) -> list[tuple[str, object, str]]:
+        return [(f, getattr(self, f), self.sources.get(f, "")) for f in RATE_FIELDS]
+
+
+_H200_DATASHEET_BF16 = 989e12  # anchors: "The datasheet dense bf16 figure is 989 TFLOP/s"
+_H200_CUBLAS_BF16 = 723e12  # anchors: "cuBLAS bf16 8192^3 | 723 TFLOP/s" (measured H200)
+_ACHIEVED_FRACTION = _H200_CUBLAS_BF16 / _H200_DATASHEET_BF16  # 0.731
+_H200_LINK_FRACTION = 395e9 / 450e9  # measured peer copy over datasheet NVLink4, 0.878
+_H200_HBM_FRACTION = 4.22e12 / 4.8e12  # measured device copy over datasheet HBM3e, 0.879
+
+H200_HGX = HardwareProfile(
+    name="h200_hgx",
+    description="HGX H200: 8 GPUs on NVSwitch (NVLink 4), 132 SMs each",
+    num_gpus=8,
+    num_sms=132,
+    sm_tensor_flops=_H200_CUBLAS_BF16 / 132,
+    hbm_bytes_per_s=4.22e12,
+    link_bytes_per_s=395e9,
+    link_peak_bytes_per_s=450e9,
+    sm_copy_bytes_per_s=40e9,
+    gemm_task_overhead_s=1.5e-6,
+    comm_task_overhead_s=2.0e-6,
+    barrier_latency_s=5.0e-6,
+    sources={
+        "num_gpus": "datasheet: HGX H200 8-GPU board, one NVSwitch domain",
+        "num_sms": "anchors: Physical limits, H200 SMs 132",
+        "sm_tensor_flops": "anchors: cuBLAS bf16 8192^3 723 TFLOP/s measured on one H200, / 132 SMs",
+        "hbm_bytes_per_s": "anchors: device copy (read + write) 4.22 TB/s measured on one H200 "
+                           "(datasheet HBM 4.8 TB/s)",
+        "link_bytes_per_s": "anchors: copy-engine peer copy 395 GB/s each direction measured on "
+                            "2x H200 (datasheet NVLink4 450 GB/s)",
+        "link_peak_bytes_per_s": "anchors: Physical limits, NVLink 4 450 GB/s each way per GPU",
+        "sm_copy_bytes_per_s": "assumption: 40 GB/s per comm SM; bounded below by DeepEP H800 "
+                               "(153 GB/s, link-bound) and in line with HybridEP's 46 GB/s/SM on "
+                               "B200 (anchors); calibrate from virtual-mode megakernel DISPATCH "
+                               "records (mok_cute.sim.calibrate.fit_copy_rate)",
+        "gemm_task_overhead_s": "assumption: 1.5 us per tile (pipeline fill + epilogue store); "
+                                "fit by mok_cute.sim.calibrate.fit_gemm",
+        "comm_task_overhead_s": "assumption: 2 us per comm task (counter acquire, NVLink latency, "
+                                "release); calibrate from megakernel timelines",
+        "barrier_latency_s": "assumption: 5 us unicast-flag round trip over NVLink",
+    },
+)
+
+GB300_NVL72 = HardwareProfile(
+    name="gb300_nvl72",
+    description="GB300 NVL72: 72 Blackwell Ultra GPUs on one NVLink 5 switch domain",
+    num_gpus=72,
+    num_sms=148,
+    sm_tensor_flops=2.5e15 * _ACHIEVED_FRACTION / 148,
+    hbm_bytes_per_s=8e12 * _H200_HBM_FRACTION,
+    link_bytes_per_s=900e9 * _H200_LINK_FRACTION,
+    link_peak_bytes_per_s=900e9,
+    sm_copy_bytes_per_s=46e9,
+    gemm_task_overhead_s=1.5e-6,
+    comm_task_overhead_s=2.0e-6,
+    barrier_latency_s=8.0e-6,
+    sources={
+        "num_gpus": "anchors: GB300 NVL72, 72 GPUs in one NVLink domain",
+        "num_sms": "148 as CUDA reports on a B300 SKU (public B300 benchmark write-up found by "
+                   "code search: 'CUDA reports 148 SMs on this B300 SKU'); the full Blackwell "
+                   "Ultra die has 160 (NVIDIA, Hot Chips 2025); the GB300 count is unverified",
+        "sm_tensor_flops": "anchors: GB300 dense BF16 2.5 PFLOP/s (datasheet) x 0.731, the "
+                           "measured/datasheet ratio of the H200 (723/989), / 148 SMs",
+        "hbm_bytes_per_s": "datasheet: GB300 HBM3e 8 TB/s x 0.879, the H200 measured/datasheet "
+                           "copy ratio (4.22/4.8)",
+        "link_bytes_per_s": "anchors: NVLink 5 900 GB/s each way per GPU x 0.878, the H200 "
+                            "measured/datasheet peer-copy ratio (395/450)",
+        "link_peak_bytes_per_s": "anchors: Physical limits, NVLink 5 900 GB/s each way",
+        "sm_copy_bytes_per_s": "anchors: HybridEP BF16 dispatch 735 GB/s with 16 SMs on B200 "
+                               "= 46 GB/s per SM (a lower bound: that run may be link-bound)",
+        "gemm_task_overhead_s": "assumption: as h200_hgx",
+        "comm_task_overhead_s": "assumption: as h200_hgx",
+        "barrier_latency_s": "assumption: 8 us unicast-flag round trip across NVL72 trays",
+    },
+)
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H200_HGX, GB300_NVL72)}
+
+
+def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if not isinstance(profile, str):
+        raise TypeError(f"profile must be a name or a HardwareProfile, got "
+                        f"{type(profile).__name__}")
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
+    return PROFILES[profile]
