@@ -42,7 +42,9 @@ def test_choose_tile_n():
     assert gemm_sm90.choose_tile_n(2048, "swiglu") == 256
     assert gemm_sm90.choose_tile_n(320, "swiglu") == 128
     assert gemm_sm90.choose_tile_n(7168, "store") == 256
-    assert gemm_sm90.choose_tile_n(320, "store") == 64
+    assert gemm_sm90.choose_tile_n(320, "store") == 128  # 2.5 tiles: TMA clips the last
+    assert gemm_sm90.choose_tile_n(2880, "store") == 256
+    assert gemm_sm90.choose_tile_n(2880, "swiglu") == 256
     with pytest.raises(ValueError):
         gemm_sm90.choose_tile_n(100, "store")
 
@@ -80,6 +82,7 @@ def _expected(a, w, tile_expert, w_up=None):
     ([1000], 256, 512),                       # one expert takes everything
     ([130, 5, 64, 129], 320, 320),            # N, K multiples of 64, not of 256
     ([513, 700, 1], 1024, 1024),
+    ([300, 200], 448, 192),                   # partial last N-tile (448 = 1.75 x 256)
 ])
 def test_grouped_gemm_matches_torch(epilogue, counts, n, k):
     from mok_cute import ops

@@ -30,8 +30,9 @@ rasterised in groups of ``group_m`` M-tiles: inside a group the M index moves fa
 so CTAs running at the same time share B tiles (one expert's weight slice) and the A
 rows of the group stay hot in L2.
 
-Constraints: bf16 in/out, fp32 accumulation; K % 64 == 0; N % tile_n == 0
-(FC1: I % (tile_n/2) == 0); tile_m = 128; tile_n in {64, 128, 256}.
+Constraints: bf16 in/out, fp32 accumulation; K % 64 == 0; N % 8 == 0 (a partial last
+N-tile is zero-filled on load and clipped on store by TMA); tile_m = 128;
+tile_n in {64, 128, 256} (swiglu: 128 or 256).
 """
 
 from __future__ import annotations
@@ -407,13 +408,25 @@ class GroupedGemmSm90:
 
 
 # ---------------------------------------------------------------------- host helpers
+# Relative cost per output column of narrower tiles (less wgmma work per smem byte),
+# from the tile_n sweep in tools/gemm_probe.py on the H200.
+_TILE_COST = {256: 1.0, 128: 1.15, 64: 1.5}
+
+
 def choose_tile_n(n_out: int, epilogue: str) -> int:
-    """Widest tile whose output width divides the output columns."""
-    for tile_n in (256, 128, 64):
+    """Tile width with the least padded work for ``n_out`` output columns.
+
+    A partial last N-tile is fine (TMA zero-fills loads past N and clips stores), so any
+    ``n_out % 8 == 0`` works; narrower tiles only win when they cut much padding.
+    """
+    if n_out <= 0 or n_out % 8:
+        raise ValueError(f"output width must be a positive multiple of 8, got {n_out}")
+    options = (256, 128) if epilogue == "swiglu" else (256, 128, 64)
+
+    def cost(tile_n):
         out = tile_n // 2 if epilogue == "swiglu" else tile_n
-        if n_out % out == 0 and (epilogue != "swiglu" or tile_n >= 128):
-            return tile_n
-    raise ValueError(f"output width {n_out} must be a multiple of 64 ({epilogue})")
+        return -(-n_out // out) * out * _TILE_COST[out if epilogue != "swiglu" else tile_n]
+    return min(options, key=lambda t: (cost(t), -t))
 
 
 def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
@@ -423,8 +436,8 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
     bf16 = cutlass.BFloat16
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=TILE_K)
-    n = cute.sym_int32(divisibility=out_tile_n if swiglu else tile_n)
-    n_out = cute.sym_int32(divisibility=out_tile_n)
+    n = cute.sym_int32(divisibility=8)  # partial last N-tiles are handled by TMA bounds
+    n_out = cute.sym_int32(divisibility=8)
     a = common.fake_kmajor_tensor(bf16, (m, k, 1))
     b = common.fake_kmajor_tensor(bf16, (n, k, num_experts))
     b_up = common.fake_kmajor_tensor(bf16, (n, k, num_experts)) if swiglu else None
