@@ -54,17 +54,18 @@ def _num_sms(device_index: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _compiled_gemm(epilogue: str, tile_n: int, group_m: int, num_sms: int, timeline: bool,
-                   task_type: int | None):
+                   task_type: int | None, pingpong: bool):
     from mok_cute.kernels.gemm_sm90 import compile_grouped_gemm
     return compile_grouped_gemm(epilogue=epilogue, tile_n=tile_n, group_m=group_m,
-                                num_sms=num_sms, timeline=timeline, task_type=task_type)
+                                num_sms=num_sms, timeline=timeline, task_type=task_type,
+                                pingpong=pingpong)
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
                  group_m: int = 8, out: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None, task_type: int | None = None,
-                 w_up: torch.Tensor | None = None) -> torch.Tensor:
+                 w_up: torch.Tensor | None = None, pingpong: bool = False) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
@@ -89,7 +90,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     if out is None:
         out = torch.empty(m, n_out, dtype=a.dtype, device=a.device)
     compiled = _compiled_gemm(epilogue, tile_n, group_m, _num_sms(a.device.index or 0),
-                              timeline is not None, task_type if timeline is not None else None)
+                              timeline is not None, task_type if timeline is not None else None,
+                              pingpong)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline)

@@ -11,13 +11,14 @@ TILE_M = gemm_sm90.TILE_M
 
 
 # ---------------------------------------------------------------------- compile-only (CI)
-@pytest.mark.parametrize("epilogue,tile_n", [("swiglu", 256), ("swiglu", 128), ("store", 256),
-                                             ("store", 128), ("store", 64)])
-def test_compiles_for_sm90a_with_wgmma_tma_setmaxnreg(epilogue, tile_n, tmp_path):
-    compiled = gemm_sm90.compile_grouped_gemm(epilogue, tile_n,
+@pytest.mark.parametrize("epilogue,tile_n,pingpong", [
+    ("swiglu", 256, False), ("swiglu", 128, False), ("store", 256, False), ("store", 128, False),
+    ("store", 64, False), ("swiglu", 128, True), ("store", 128, True)])
+def test_compiles_for_sm90a_with_wgmma_tma_setmaxnreg(epilogue, tile_n, pingpong, tmp_path):
+    compiled = gemm_sm90.compile_grouped_gemm(epilogue, tile_n, pingpong=pingpong,
                                               options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = compiled.__ptx__
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx)
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k16\.f32\.bf16\.bf16", ptx)
     # TMA loads of A and B into smem, completing on an mbarrier; TMA store of C
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.tile\.mbarrier", ptx)
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
@@ -76,6 +77,7 @@ def _expected(a, w, tile_expert, w_up=None):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("epilogue", ["store", "swiglu"])
 @pytest.mark.parametrize("counts,n,k", [
     ([77, 0, 300, 128, 1], 512, 256),       # empty expert, partial tiles
@@ -84,7 +86,7 @@ def _expected(a, w, tile_expert, w_up=None):
     ([513, 700, 1], 1024, 1024),
     ([300, 200], 448, 192),                   # partial last N-tile (448 = 1.75 x 256)
 ])
-def test_grouped_gemm_matches_torch(epilogue, counts, n, k):
+def test_grouped_gemm_matches_torch(epilogue, counts, n, k, pingpong):
     from mok_cute import ops
     torch.manual_seed(len(counts) * 7 + n + k)
     dev = "cuda"
@@ -98,7 +100,9 @@ def test_grouped_gemm_matches_torch(epilogue, counts, n, k):
     # extra M-tile past num_tiles must stay untouched
     a_pad = torch.cat([a, torch.randn(TILE_M, k, device=dev, dtype=torch.bfloat16)])
     te = torch.cat([tile_expert, torch.zeros(1, dtype=torch.int32, device=dev)])
-    ops.grouped_gemm(a_pad, w, te, num_tiles, epilogue, out=out, w_up=w_up)
+    tile_n = 128 if pingpong else None
+    ops.grouped_gemm(a_pad, w, te, num_tiles, epilogue, out=out, w_up=w_up, tile_n=tile_n,
+                     pingpong=pingpong)
     ref = _expected(a, w, tile_expert, w_up)
     got = out[:m].float()
     assert torch.isfinite(got).all(), "some output rows were not written"
@@ -106,5 +110,6 @@ def test_grouped_gemm_matches_torch(epilogue, counts, n, k):
     assert rel < 1e-2, f"relative error {rel:.3e}"
     assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
     again = torch.full_like(out, float("nan"))
-    ops.grouped_gemm(a_pad, w, te, num_tiles, epilogue, out=again, w_up=w_up)
+    ops.grouped_gemm(a_pad, w, te, num_tiles, epilogue, out=again, w_up=w_up, tile_n=tile_n,
+                     pingpong=pingpong)
     assert torch.equal(out[:m], again[:m]), "not bitwise reproducible"

@@ -41,11 +41,11 @@ def bench_ms(fn, iters=20, warmup=5):
 
 def main(argv=None):
     from mok_cute import ops
-    from mok_cute.kernels.gemm_sm90 import choose_tile_n
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="dsv3_ep8_rank")
-    p.add_argument("--variants", default="256:8,256:4,256:16,128:8")
+    p.add_argument("--variants", default="256:8,256:16,128:8,128p:8",
+                   help="tile_n:group_m, 'p' after tile_n = pingpong")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dev = "cuda"
@@ -60,33 +60,35 @@ def main(argv=None):
         num_tiles = torch.tensor([sum(tiles)], dtype=torch.int32, device=dev)
         M = sum(tiles) * 128
         x = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
-        w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) / H ** 0.5
+        wg = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16) / H ** 0.5
+        wu = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16) / H ** 0.5
         w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) / I ** 0.5
         h = torch.randn(M, I, device=dev, dtype=torch.bfloat16)
         offs = torch.cumsum(torch.tensor([t * 128 for t in tiles], device=dev), 0).to(torch.int32)
-        for stage, a, w, epi in (("fc1", x, w13, "swiglu"), ("fc2", h, w2, "store")):
-            n = w.shape[1]
+        for stage, a, w, w_up, epi in (("fc1", x, wg, wu, "swiglu"), ("fc2", h, w2, None, "store")):
+            n = w.shape[1] * (2 if epi == "swiglu" else 1)
             flops = 2 * M * n * a.shape[1]
             for var in args.variants.split(","):
-                tn, gm = (int(v) for v in var.split(":"))
-                n_out = n // 2 if epi == "swiglu" else n
+                tn_s, gm_s = var.split(":")
+                pp = tn_s.endswith("p")
+                tn, gm = int(tn_s.rstrip("p")), int(gm_s)
                 try:
-                    if choose_tile_n(n_out, epi) < tn:
-                        continue
                     ms = bench_ms(lambda: ops.grouped_gemm(a, w, tile_expert, num_tiles, epi,
-                                                           tile_n=tn, group_m=gm))
-                    rows.append(dict(shape=name, stage=stage, impl=f"mok tile_n={tn} group_m={gm}",
+                                                           tile_n=tn, group_m=gm, w_up=w_up,
+                                                           pingpong=pp))
+                    rows.append(dict(shape=name, stage=stage,
+                                     impl=f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}",
                                      ms=ms, tflops=flops / ms / 1e9))
                 except Exception as exc:  # record and continue with the other variants
                     rows.append(dict(shape=name, stage=stage, impl=f"mok {var}", error=repr(exc)[:300]))
             try:
-                wt = w.transpose(1, 2)
+                wt = (torch.cat([w, w_up], 1) if w_up is not None else w).transpose(1, 2)
                 ms = bench_ms(lambda: torch._grouped_mm(a, wt, offs=offs))
                 rows.append(dict(shape=name, stage=stage, impl="torch._grouped_mm", ms=ms,
                                  tflops=flops / ms / 1e9))
             except Exception as exc:
                 rows.append(dict(shape=name, stage=stage, impl="torch._grouped_mm", error=repr(exc)[:300]))
-            dense_b = w[0]
+            dense_b = torch.cat([w[0], w_up[0]]) if w_up is not None else w[0]
             ms = bench_ms(lambda: a @ dense_b.T)
             rows.append(dict(shape=name, stage=stage, impl="cublas dense (one weight)", ms=ms,
                              tflops=flops / ms / 1e9))

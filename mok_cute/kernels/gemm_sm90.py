@@ -66,10 +66,13 @@ class GroupedGemmSm90:
     :param num_sms: persistent grid size (132 on H100/H200).
     :param timeline: record one (start, end) span per tile (``mok_cute.timeline`` format).
     :param task_type: ``mok_cute.timeline.TaskType`` value written in the records.
+    :param pingpong: the two consumer warpgroups take alternate whole tiles (one runs its
+        epilogue while the other runs its mainloop) instead of sharing each tile.
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
-                 num_sms: int = 132, timeline: bool = False, task_type: int | None = None):
+                 num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
+                 pingpong: bool = False):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -78,6 +81,9 @@ class GroupedGemmSm90:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if group_m < 1:
             raise ValueError(f"group_m must be >= 1, got {group_m}")
+        if pingpong and tile_n > 128:
+            raise ValueError(f"pingpong keeps a whole 128 x tile_n accumulator per warpgroup: "
+                             f"tile_n must be <= 128, got {tile_n}")
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
         self.epilogue = epilogue
         self.group_m = group_m
@@ -91,22 +97,26 @@ class GroupedGemmSm90:
         self.out_tile_n = tile_n // 2 if epilogue == "swiglu" else tile_n
         # SwiGLU loads each B stage as two boxes (gate rows, then the matching up rows).
         self.b_rows_per_load = self.out_tile_n
-        # Two consumer warpgroups split the 128 rows (64 each); one producer warpgroup.
-        self.atom_layout_mnk = (2, 1, 1)
+        # One producer warpgroup and two consumer warpgroups. Cooperative: the consumers
+        # split each tile's 128 rows (64 each) and store it together. Pingpong: each
+        # consumer owns whole tiles (two m64 wgmmas per k-block) and the two alternate.
+        self.pingpong = pingpong
+        self.atom_layout_mnk = (1, 1, 1) if pingpong else (2, 1, 1)
         self.num_mma_warpgroups = 2
         self.threads_per_warpgroup = 128
         self.threads_per_cta = (1 + self.num_mma_warpgroups) * self.threads_per_warpgroup
         self.num_mma_threads = self.num_mma_warpgroups * self.threads_per_warpgroup
+        # threads that work on one tile, arrive on its stages and sync its epilogue
+        self.threads_per_tile = self.threads_per_warpgroup if pingpong else self.num_mma_threads
         self.load_warp = 0
-        self.epi_store_warp = 4  # first warp of the first consumer warpgroup
         self.producer_regs = 40
         self.consumer_regs = 232
-        self.epi_tile = (TILE_M, 32)
+        self.epi_tile = (64, 32) if pingpong else (TILE_M, 32)
         self.epi_stages = 4
+        # pingpong: each consumer warpgroup has its own epilogue buffers
+        self.epi_buffers = self.epi_stages * (2 if pingpong else 1)
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         self.buffer_align_bytes = 1024
-        self.epilogue_barrier = pipeline.NamedBarrier(
-            barrier_id=int(common.NamedBarriers.EPILOGUE), num_threads=self.num_mma_threads)
         # Derived in _setup_attributes once dtypes are known.
         self.tiled_mma = None
         self.ab_stages = None
@@ -123,7 +133,7 @@ class GroupedGemmSm90:
         )
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         ab_bytes_per_stage = (tile_m + tile_n) * tile_k * self.a_dtype.width // 8
-        epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_stages
+        epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_buffers
         reserved = 1024  # mbarriers and alignment slack
         self.ab_stages = (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage
         self.a_smem_layout_staged = self._staged_kmajor_layout(
@@ -135,7 +145,7 @@ class GroupedGemmSm90:
                                             self.epi_tile[1]),
             self.c_dtype)
         self.epi_smem_layout_staged = cute.tile_to_shape(
-            epi_atom, cute.append(self.epi_tile, self.epi_stages), order=(0, 1, 2))
+            epi_atom, cute.append(self.epi_tile, self.epi_buffers), order=(0, 1, 2))
 
     @staticmethod
     def _staged_kmajor_layout(dtype, tile_mk, stages):
@@ -236,9 +246,9 @@ class GroupedGemmSm90:
             barrier_storage=storage.ab_full_empty.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # one arrive per consumer warp
+            # one arrive per warp that consumes the stage
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.num_mma_threads // 32),
+                                                     self.threads_per_tile // 32),
             tx_count=tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
@@ -305,10 +315,13 @@ class GroupedGemmSm90:
         else:
             # ---------------- consumer warpgroups: wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            mma_tidx = tidx - self.threads_per_warpgroup
-            thr_mma = tiled_mma.get_slice(
-                cute.make_layout(self.num_mma_warpgroups, stride=self.threads_per_warpgroup)(
-                    warpgroup_idx - 1))
+            consumer = warpgroup_idx - 1  # 0 or 1
+            # pingpong: each warpgroup is a whole single-warpgroup MMA; cooperative: the two
+            # warpgroups are the two row halves of one MMA.
+            tile_tidx = tidx % self.threads_per_warpgroup if const_expr(self.pingpong) \
+                else tidx - self.threads_per_warpgroup
+            mma_slice = 0 if const_expr(self.pingpong) else consumer * self.threads_per_warpgroup
+            thr_mma = tiled_mma.get_slice(mma_slice)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), self.acc_dtype)
@@ -322,25 +335,39 @@ class GroupedGemmSm90:
                                                   elem_ty_d=self.c_dtype,
                                                   elem_ty_acc=self.acc_dtype),
                 cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-            thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+            thr_copy_r2s = tiled_copy_r2s.get_slice(tile_tidx)
             tRS_sC = thr_copy_r2s.partition_D(sC)
             tRS_rAcc = tiled_copy_r2s.retile(acc)
             frag_shape = cute.shape(thr_copy_r2s.partition_S(sC))[:3]
             tRS_rOut = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
             tRS_rOut_c = cute.make_rmem_tensor(frag_shape, self.c_dtype)
             frag_size = cute.size(tRS_rOut)
-            num_out_subtiles = self.out_tile_n // self.epi_tile[1]
+            # Accumulator subtiles run row-major over (epi_m, acc_n) epilogue tiles.
+            epi_m = tile_m // self.epi_tile[0]
+            acc_n = tile_n // self.epi_tile[1]
+            out_n = self.out_tile_n // self.epi_tile[1]
             tma_store_pipeline = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.num_mma_threads))
+                                                         self.threads_per_tile))
+            epilogue_barrier = pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.EPILOGUE) + (consumer if const_expr(self.pingpong) else 0),
+                num_threads=self.threads_per_tile)
+            is_store_warp = warp_idx == 4 * warpgroup_idx if const_expr(self.pingpong) else warp_idx == 4
+            epi_base = consumer * self.epi_stages if const_expr(self.pingpong) else 0
 
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages)
-            release_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.ab_stages)
-            subtiles_done = Int32(0)
+            tile_stride = cute.arch.grid_dim()[0]
             tile_idx = cute.arch.block_idx()[0]
+            if const_expr(self.pingpong):
+                # warpgroup 1 takes this CTA's odd tiles: skip the stages of the first one
+                tile_stride = tile_stride * 2
+                if consumer == 1:
+                    read_state.advance(k_tile_cnt)
+                    tile_idx += cute.arch.grid_dim()[0]
+            release_state = read_state.clone()
+            subtiles_done = Int32(0)
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 t_start = Int64(0)
@@ -365,39 +392,44 @@ class GroupedGemmSm90:
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
+                if const_expr(self.pingpong):
+                    # the other warpgroup's tile owns the next k_tile_cnt stages
+                    read_state.advance(k_tile_cnt)
+                    release_state.advance(k_tile_cnt)
 
-                # ---- epilogue: subtiles of (128, 32) through smem, TMA-stored by one warp
+                # ---- epilogue: subtiles through smem, TMA-stored by one warp
                 gC = cute.zipped_divide(gC_mnl[(None, None, m_tile, n_tile, 0)], self.epi_tile)
                 bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
                     tma_atom_c, 0, single_cta, cute.group_modes(sC, 0, 2), gC)
-                for sub in cutlass.range_constexpr(num_out_subtiles):
-                    if const_expr(self.epilogue == "swiglu"):
-                        for v in cutlass.range_constexpr(frag_size):
-                            gate = tRS_rAcc[sub * frag_size + v]
-                            up = tRS_rAcc[(sub + num_out_subtiles) * frag_size + v]
-                            tRS_rOut[v] = common.silu(gate) * up
-                    else:
-                        for v in cutlass.range_constexpr(frag_size):
-                            tRS_rOut[v] = tRS_rAcc[sub * frag_size + v]
-                    tRS_rOut_c.store(tRS_rOut.load().to(self.c_dtype))
-                    epi_buffer = (subtiles_done + sub) % self.epi_stages
-                    cute.copy(tiled_copy_r2s, tRS_rOut_c, tRS_sC[(None, None, None, epi_buffer)])
-                    # stmatrix writes are generic-proxy; TMA reads through the async proxy
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epilogue_barrier.arrive_and_wait()
-                    if warp_idx == self.epi_store_warp:
-                        cute.copy(tma_atom_c, bSG_sC[(None, epi_buffer)], bSG_gC[(None, (0, sub))])
-                        tma_store_pipeline.producer_commit()
-                        tma_store_pipeline.producer_acquire()
-                    self.epilogue_barrier.arrive_and_wait()
-                subtiles_done += num_out_subtiles
+                for sm in cutlass.range_constexpr(epi_m):
+                    for sn in cutlass.range_constexpr(out_n):
+                        first = (sm * acc_n + sn) * frag_size
+                        if const_expr(self.epilogue == "swiglu"):
+                            for v in cutlass.range_constexpr(frag_size):
+                                gate = tRS_rAcc[first + v]
+                                up = tRS_rAcc[first + out_n * frag_size + v]
+                                tRS_rOut[v] = common.silu(gate) * up
+                        else:
+                            for v in cutlass.range_constexpr(frag_size):
+                                tRS_rOut[v] = tRS_rAcc[first + v]
+                        tRS_rOut_c.store(tRS_rOut.load().to(self.c_dtype))
+                        epi_buffer = epi_base + (subtiles_done + sm * out_n + sn) % self.epi_stages
+                        cute.copy(tiled_copy_r2s, tRS_rOut_c, tRS_sC[(None, None, None, epi_buffer)])
+                        # stmatrix writes are generic-proxy; TMA reads through the async proxy
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        epilogue_barrier.arrive_and_wait()
+                        if is_store_warp:
+                            cute.copy(tma_atom_c, bSG_sC[(None, epi_buffer)], bSG_gC[(None, (sm, sn))])
+                            tma_store_pipeline.producer_commit()
+                            tma_store_pipeline.producer_acquire()
+                        epilogue_barrier.arrive_and_wait()
+                subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
-                    if mma_tidx == 0:
+                    if tile_tidx == 0:
                         common.timeline_record(mTimeline, 1, self.task_type, tile_idx, 0,
                                                t_start, common.timeline_now())
-                tile_idx += cute.arch.grid_dim()[0]
+                tile_idx += tile_stride
             tma_store_pipeline.producer_tail()
-
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
@@ -450,7 +482,7 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                         arch: str = "sm_90a", options: str = ""):
+                         pingpong: bool = False, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -461,7 +493,7 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     when ``timeline`` is off); it runs on torch's current stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                           timeline=timeline, task_type=task_type)
+                           timeline=timeline, task_type=task_type, pingpong=pingpong)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=common.compile_options(arch, options))
