@@ -48,7 +48,7 @@ class SimRecords:
 
 def max_min_rates(A: np.ndarray, cap: float, capacity: np.ndarray,
                   pair_src: np.ndarray | None = None, pair_dst: np.ndarray | None = None,
-                  pair_n: np.ndarray | None = None, num_ranks: int = 0):
+                  pair_n: np.ndarray | None = None, num_ranks: int = 0, rtol: float = 5e-3):
     """Per-member rates under weighted max-min fairness (progressive filling).
 
     Two families of classes share the ports. Spread classes: ``A[c, p]`` = bytes on port ``p``
@@ -56,57 +56,51 @@ def max_min_rates(A: np.ndarray, cap: float, capacity: np.ndarray,
     ``pair_dst`` with ``pair_n`` members): one unit on egress ``src`` and on ingress
     ``num_ranks + dst`` per member (nothing when ``src == dst``: a local copy). All members of
     a class move at the same rate ``<= cap``; port loads stay ``<= capacity``. Raise every
-    unfrozen class together; when a port saturates, freeze the classes that use it.
+    unfrozen class together; when a port saturates, freeze the classes that use it. Ports
+    saturating within ``rtol`` of the lowest level are frozen in the same step (at that level),
+    so rates may be up to ``rtol`` below the exact allocation; loads never exceed capacity.
     Returns ``x`` (spread) or ``(x, x_pair)`` when pair classes are given."""
     k, P = A.shape
     x = np.full(k, float(cap))
     uses = A > 1e-15
     frozen = ~uses.any(axis=1)  # classes touching no port only hit the per-SM cap
-    have_pairs = pair_src is not None
+    denom = A[~frozen].sum(axis=0) if k else np.zeros(P)
+    have_pairs = pair_src is not None and pair_src.size > 0
     if have_pairs:
-        kp = pair_src.size
-        xp = np.full(kp, float(cap))
-        remote = pair_src != pair_dst
-        frozen_p = ~remote
+        xp = np.full(pair_src.size, float(cap))
+        frozen_p = pair_src == pair_dst
         eg = pair_src
         ing = num_ranks + pair_dst
-        npairs = pair_n.astype(np.float64)
+        w = pair_n.astype(np.float64)
+        wl = np.where(frozen_p, 0.0, w)
+        denom = denom + np.bincount(eg, wl, P) + np.bincount(ing, wl, P)
     used = np.zeros(P)
-    while True:
-        unf = ~frozen
-        any_unf = bool(unf.any())
-        if have_pairs:
-            unf_p = ~frozen_p
-            any_unf = any_unf or bool(unf_p.any())
-        if not any_unf:
-            break
-        denom = A[unf].sum(axis=0) if unf.any() else np.zeros(P)
-        if have_pairs and unf_p.any():
-            w = npairs[unf_p]
-            denom = denom + np.bincount(eg[unf_p], w, P) + np.bincount(ing[unf_p], w, P)
-        rem = capacity - used
-        with np.errstate(divide="ignore", invalid="ignore"):
-            lam_p = np.where(denom > 1e-15, rem / denom, _INF)
+    live = denom > 1e-12
+    while live.any():
+        lam_p = np.full(P, _INF)
+        lam_p[live] = (capacity[live] - used[live]) / denom[live]
         lam = float(lam_p.min())
         if lam >= cap:
-            x[unf] = cap
-            if have_pairs:
-                xp[unf_p] = cap
             break
         lam = max(lam, 0.0)
-        bott = lam_p <= lam * (1.0 + 1e-9) + 1e-300
-        hit = unf & uses[:, bott].any(axis=1)
-        x[hit] = lam
-        frozen |= hit
-        add = A[hit].sum(axis=0) if hit.any() else np.zeros(P)
+        bott = lam_p <= lam * (1.0 + rtol) + 1e-300
+        hit = ~frozen & uses[:, bott].any(axis=1) if k else np.zeros(0, dtype=bool)
+        add = np.zeros(P)
+        if hit.any():
+            x[hit] = lam
+            frozen |= hit
+            add += A[hit].sum(axis=0)
         if have_pairs:
-            hit_p = unf_p & (bott[eg] | bott[ing])
-            xp[hit_p] = lam
-            frozen_p |= hit_p
-            w = npairs[hit_p]
-            add = add + np.bincount(eg[hit_p], w, P) + np.bincount(ing[hit_p], w, P)
+            hit_p = ~frozen_p & (bott[eg] | bott[ing])
+            if hit_p.any():
+                xp[hit_p] = lam
+                frozen_p |= hit_p
+                wh = w[hit_p]
+                add += np.bincount(eg[hit_p], wh, P) + np.bincount(ing[hit_p], wh, P)
         used += lam * add
-    return (x, xp) if have_pairs else x
+        denom -= add
+        live = (denom > 1e-9 * np.maximum(add.max(initial=0.0), 1.0)) & ~bott & (denom > 1e-12)
+    return (x, xp) if pair_src is not None else x
 
 
 def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:

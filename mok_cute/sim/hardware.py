@@ -48,14 +48,16 @@ class HardwareProfile:
     gemm_task_overhead_s: float  # fixed cost of one GEMM tile task (pipeline fill, epilogue)
     comm_task_overhead_s: float  # fixed cost of one comm task (counter wait, flag, latency)
     barrier_latency_s: float  # cross-rank flag round trip of the group barrier
-    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
         for f in RATE_FIELDS:
             v = getattr(self, f)
-            if not v > 0:
-                raise ValueError(f"HardwareProfile.{f} must be > 0, got {v!r}")
+            ok = v >= 0 if f.endswith("_s") else v > 0  # costs may be 0, rates may not
+            if not ok:
+                raise ValueError(f"HardwareProfile.{f} must be {'>=' if f.endswith('_s') else '>'}"
+                                 f" 0, got {v!r}")
 
     @property
     def gpu_tensor_flops(self) -> float:

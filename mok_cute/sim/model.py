@@ -137,19 +137,19 @@ class SimConfig:
             raise ValueError(f"SimConfig.num_comm_sms must be >= 1, got {self.num_comm_sms}")
 
 
-def _distinct_uniform(rng, n, k, low_excl, e_avail):
+def _distinct_uniform(rng, n, k, e_avail):
     """n rows of k distinct ints from range(e_avail) (rejection on duplicate rows)."""
+    if k > e_avail:
+        raise ValueError(f"cannot pick {k} distinct experts out of {e_avail}")
+    if 2 * k > e_avail:  # dense regime: random permutations
+        return np.argsort(rng.random((n, e_avail)), axis=1)[:, :k]
     out = rng.integers(0, e_avail, size=(n, k))
-    if k > 1:
-        for _ in range(1000):
-            s = np.sort(out, axis=1)
-            dup = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
-            if dup.size == 0:
-                break
-            out[dup] = rng.integers(0, e_avail, size=(dup.size, k))
-        else:  # dense regime (k close to e_avail): permutations
-            for i in dup:
-                out[i] = rng.permutation(e_avail)[:k]
+    while k > 1:
+        s = np.sort(out, axis=1)
+        dup = np.flatnonzero((s[:, 1:] == s[:, :-1]).any(axis=1))
+        if dup.size == 0:
+            break
+        out[dup] = rng.integers(0, e_avail, size=(dup.size, k))
     return out
 
 
@@ -159,18 +159,29 @@ def route(shape: SimShape, num_ranks: int, routing: Routing = Routing()) -> np.n
     R, Tk, K, E = num_ranks, shape.tokens_per_rank, shape.top_k, shape.num_experts
     n = R * Tk
     if routing.kind == "uniform" or routing.hot_fraction == 0.0:
-        ids = _distinct_uniform(rng, n, K, 0, E)
+        ids = _distinct_uniform(rng, n, K, E)
     else:
         h = routing.hot_expert
         if not 0 <= h < E:
             raise ValueError(f"Routing.hot_expert must be in [0, {E}), got {h}")
         hot = rng.random(n) < routing.hot_fraction
-        ids = _distinct_uniform(rng, n, K, 0, E - 1)  # over the E-1 other experts
-        ids = ids + (ids >= h)
-        # hot tokens: replace one random slot by the hot expert
-        slot = rng.integers(0, K, size=n)
+        ids = np.empty((n, K), dtype=np.int64)
         rows = np.flatnonzero(hot)
-        ids[rows, slot[rows]] = h
+        # hot tokens: the hot expert in a random slot plus K-1 others
+        others = _distinct_uniform(rng, rows.size, K - 1, E - 1) if K > 1 else \
+            np.zeros((rows.size, 0), dtype=np.int64)
+        others = others + (others >= h)
+        slot = rng.integers(0, K, size=rows.size)
+        full = np.insert(others, 0, h, axis=1) if K > 1 else np.full((rows.size, 1), h)
+        perm = (np.arange(K)[None, :] + slot[:, None]) % K  # rotate h into its slot
+        ids[rows] = np.take_along_axis(full, np.argsort(perm, axis=1), axis=1)
+        # the other tokens avoid the hot expert (unless K == E leaves no choice)
+        cold = np.flatnonzero(~hot)
+        if K <= E - 1:
+            c = _distinct_uniform(rng, cold.size, K, E - 1)
+            ids[cold] = c + (c >= h)
+        else:
+            ids[cold] = _distinct_uniform(rng, cold.size, K, E)
     return ids.reshape(R, Tk, K).astype(np.int32)
 
 
@@ -404,21 +415,13 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
                                 hw.comm_task_overhead_s)
         coff = b.add_counters(tl.counter_sizes, tl.counter_offsets)
         sig = coff + tl.counter_offsets[tl.signal_group] + tl.signal_index
-        # expand waits to single counters
-        waits = []
-        for i in range(n):
-            wl = []
-            for g, first, count, _ in tl.waits[i]:
-                if g < 0 or count == 0:
-                    continue
-                if dispatch_only:
-                    continue
-                if push and g in (T.CounterGroup.DISPATCHED_MB, T.CounterGroup.DISPATCHED):
-                    wl.append(("push", r, int(first)))  # resolved below
-                    continue
-                base = coff + int(tl.counter_offsets[g]) + int(first)
-                wl.extend(range(base, base + int(count)))
-            waits.append(wl)
+        # waits, expanded to single counters (CSR); in push mode the FC1 waits on the
+        # receiver's dispatch counters become placeholders for the push counters
+        drop = [] if symmetric else [T.CounterGroup.BARRIER_DONE]  # re-added group-wide
+        wlens, wflat = _expand_waits(
+            tl, keep, coff, rank=r, skip_all=dispatch_only, drop_groups=drop,
+            placeholder_groups=(T.CounterGroup.DISPATCHED, T.CounterGroup.DISPATCHED_MB)
+            if push else ())
         # comm payloads
         comm_bytes = np.zeros(n)
         coef_rows = np.full(n, -1, dtype=np.int64)
@@ -455,7 +458,7 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
             rank=np.full(keep.sum(), r), role=tl.role[keep], type=tl.type[keep],
             local_id=np.flatnonzero(keep), tile=np.where(tl.minibatch >= 0, tl.m_tile_begin,
                                                          tl.m_tile_begin)[keep],
-            signal=sig[keep], waits=[w for w, k in zip(waits, keep) if k],
+            signal=sig[keep], waits=(wlens, wflat),
             duration=dur[keep], comm_bytes=comm_bytes[keep], comm_class=cls[keep],
             comm_row=coef_rows[keep], link_bytes=link[keep], flops=tl.flops[keep],
             minibatch=tl.minibatch[keep],
@@ -468,13 +471,11 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
             ksum_tasks.append((base, ks, np.flatnonzero(keep)))
 
     # every rank's KSUM waits on every rank's BARRIER (the group barrier)
-    if not symmetric:
+    if not symmetric and barrier_counters:
+        bc = np.asarray(barrier_counters, dtype=np.int64)
         for base, ks, kept in ksum_tasks:
-            pos = np.searchsorted(kept, ks)
-            for p in pos:
-                gid = base + int(p)
-                b.waits[gid] = [c for c in b.waits[gid] if c not in barrier_counters] + list(
-                    barrier_counters)
+            gids = base + np.searchsorted(kept, ks)
+            b.extra_waits.append((np.repeat(gids, bc.size), np.tile(bc, gids.size)))
 
     if push:
         _add_push_dispatch(b, shape, cfg, hw, layouts, lists, R, row_bytes,
@@ -484,6 +485,33 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
     g.meta.update(shape=shape, routing=routing, cfg=cfg, hw=hw, layouts=layouts,
                   dispatch_only=dispatch_only, lists=lists)
     return g
+
+
+_PLACEHOLDER_STRIDE = 1 << 24
+
+
+def _expand_waits(tl, keep, coff, *, rank, skip_all, drop_groups, placeholder_groups):
+    """CSR (lens, flat) of the single counters each kept task waits on."""
+    w = tl.waits[keep]
+    n = w.shape[0]
+    if skip_all or n == 0:
+        return np.zeros(n, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    g, first, cnt = w[:, :, 0], w[:, :, 1], w[:, :, 2]
+    valid = (g >= 0) & (cnt > 0)
+    for dg in drop_groups:
+        valid &= g != int(dg)
+    ph = np.zeros_like(valid)
+    for pg in placeholder_groups:
+        ph |= g == int(pg)
+    ph &= valid
+    c = np.where(valid, np.where(ph, 1, cnt), 0)
+    base = np.where(ph, -(1 + rank * _PLACEHOLDER_STRIDE + first),
+                    coff + tl.counter_offsets[np.maximum(g, 0)] + first)
+    cf, bf, pf = c.ravel(), base.ravel(), ph.ravel()
+    total = int(cf.sum())
+    within = np.arange(total) - np.repeat(np.cumsum(cf) - cf, cf)
+    flat = np.repeat(bf, cf) + np.where(np.repeat(pf, cf), 0, within)
+    return c.sum(axis=1), flat
 
 
 def _add_push_dispatch(b, shape, cfg, hw, layouts, lists, R, row_bytes, hol):
@@ -526,17 +554,8 @@ def _add_push_dispatch(b, shape, cfg, hw, layouts, lists, R, row_bytes, hol):
                 for k in range(-(-rows // tm)):
                     nrows = min(tm, rows - k * tm)
                     push_tasks.append((s, key, (d - s) % R, d, m, nrows, c, sorted(ring)))
-    # resolve the receivers' FC1 waits on their dispatch counters
-    for gid, wl in enumerate(b.waits):
-        if any(isinstance(w, tuple) for w in wl):
-            new = []
-            for w in wl:
-                if isinstance(w, tuple):
-                    _, d, m = w
-                    new.append(push_counter[(d, m)])
-                else:
-                    new.append(w)
-            b.waits[gid] = new
+    # resolve the receivers' FC1 waits on their dispatch counters (placeholders)
+    b.placeholders = {_PLACEHOLDER_STRIDE * d + m: c for (d, m), c in push_counter.items()}
     # add the push tasks, and merge them into each sender's comm queue by estimated time
     push_tasks.sort(key=lambda x: (x[0], x[1], x[2]))
     for s in range(R):
@@ -550,7 +569,8 @@ def _add_push_dispatch(b, shape, cfg, hw, layouts, lists, R, row_bytes, hol):
             gid = b.add_tasks(
                 rank=np.array([s]), role=np.array([T.Role.COMM]),
                 type=np.array([T.TaskType.DISPATCH]), local_id=np.array([-1]),
-                tile=np.array([m]), signal=np.array([c]), waits=[list(ring)],
+                tile=np.array([m]), signal=np.array([c]),
+                waits=(np.array([len(ring)]), np.asarray(ring, dtype=np.int64)),
                 duration=np.array([hw.comm_task_overhead_s]),
                 comm_bytes=np.array([nrows * row_bytes]),
                 comm_class=np.array([2 * R + s if hol else 3 * R + s * R + d]),
@@ -570,7 +590,9 @@ class _GraphBuilder:
         self.cols = {k: [] for k in ("rank", "role", "type", "local_id", "tile", "signal",
                                      "duration", "comm_bytes", "comm_class", "comm_row",
                                      "link_bytes", "flops", "minibatch", "receiver")}
-        self.waits = []
+        self.waits = []  # CSR parts (lens, flat) per add_tasks call
+        self.extra_waits = []  # (owners, counters) appended in finish()
+        self.placeholders = {}
         self.coef = []
         self.ncoef = 0
         self.ncount = 0
@@ -603,8 +625,9 @@ class _GraphBuilder:
         base = self.n
         for k, v in cols.items():
             self.cols[k].append(np.asarray(v))
-        self.waits.extend(waits)
-        self.n += len(waits)
+        lens, flat = waits
+        self.waits.append((np.asarray(lens, dtype=np.int64), np.asarray(flat, dtype=np.int64)))
+        self.n += len(lens)
         return base
 
     def finish(self, n_comm, n_compute) -> Graph:
@@ -612,9 +635,19 @@ class _GraphBuilder:
         n = self.n
         signal = c["signal"].astype(np.int64)
         nsig = np.bincount(signal, minlength=self.ncount)
-        lens = np.array([len(w) for w in self.waits], dtype=np.int64)
-        wait_off = np.concatenate([[0], np.cumsum(lens)])
-        wait_idx = np.array([x for w in self.waits for x in w], dtype=np.int64)
+        lens = np.concatenate([l for l, _ in self.waits]) if self.waits else np.zeros(0, int)
+        flat = np.concatenate([f for _, f in self.waits]) if self.waits else np.zeros(0, int)
+        owners = np.repeat(np.arange(n), lens)
+        if self.extra_waits:
+            owners = np.concatenate([owners] + [o for o, _ in self.extra_waits])
+            flat = np.concatenate([flat] + [c for _, c in self.extra_waits])
+        neg = flat < 0
+        if neg.any():
+            keys = -(flat[neg] + 1)
+            flat[neg] = [self.placeholders[int(k)] for k in keys]
+        order = np.argsort(owners, kind="stable")
+        wait_idx = flat[order]
+        wait_off = np.concatenate([[0], np.cumsum(np.bincount(owners, minlength=n))])
         rank = c["rank"].astype(np.int64)
         role = c["role"].astype(np.int64)
         queues = []

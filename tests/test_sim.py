@@ -1,0 +1,355 @@
+"""CPU tests of the simulator (mok_cute.sim)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from mok_cute import sim
+from mok_cute import tasks as T
+from mok_cute.sim import calibrate, tune
+from mok_cute.sim.engine import max_min_rates
+from mok_cute.sim.hardware import RATE_FIELDS
+
+SMALL = sim.SimShape("small", tokens_per_rank=512, hidden=1024, intermediate=512,
+                     num_experts=32, top_k=4, shared_intermediate=512)
+CFG = sim.SimConfig(num_comm_sms=8, minibatch_tokens=512, ring_tokens=1024)
+
+
+# ------------------------------------------------------------------------------------------
+# profiles
+
+
+@pytest.mark.parametrize("name", sorted(sim.PROFILES))
+def test_every_rate_names_its_source(name):
+    p = sim.get_profile(name)
+    for field, value, source in p.describe_sources():
+        assert value > 0
+        assert len(source) > 10, f"{name}.{field} has no source"
+        assert source.split(":")[0] in ("anchors", "datasheet", "assumption") or "anchors" in \
+            source or "datasheet" in source or "CUDA" in source, (field, source)
+    with pytest.raises(ValueError, match="source"):
+        p.replace(sm_copy_bytes_per_s=1e9)
+    q = p.replace(sm_copy_bytes_per_s=1e9, source="test")
+    assert q.sources["sm_copy_bytes_per_s"] == "test" and q.sm_copy_bytes_per_s == 1e9
+    assert set(RATE_FIELDS) <= set(p.sources)
+
+
+def test_profile_numbers_follow_their_sources():
+    h = sim.get_profile("h200_hgx")
+    assert h.gpu_tensor_flops == pytest.approx(723e12)
+    assert (h.num_gpus, h.num_sms, h.link_bytes_per_s) == (8, 132, 395e9)
+    b = sim.get_profile("gb300_nvl72")
+    assert b.num_gpus == 72 and b.link_peak_bytes_per_s == 900e9
+    assert b.gpu_tensor_flops == pytest.approx(2.5e15 * 723 / 989)
+    with pytest.raises(ValueError, match="profile"):
+        sim.get_profile("a100")
+
+
+# ------------------------------------------------------------------------------------------
+# max-min fair sharing
+
+
+def test_max_min_single_port_is_shared_equally_per_member():
+    A = np.array([[1.0, 0.0], [3.0, 0.0]])  # class 0: 1 member, class 1: 3 members on port 0
+    x = max_min_rates(A, 100.0, np.array([8.0, 8.0]))
+    assert np.allclose(x, [2.0, 2.0])  # 4 members share 8 equally
+    assert np.allclose(max_min_rates(A, 1.5, np.array([8.0, 8.0])), [1.5, 1.5])  # SM cap
+
+
+def test_max_min_classic_two_bottlenecks():
+    # port 0 (cap 10): a and b; port 1 (cap 3): b and c. b, c bottleneck at 1.5; a gets 8.5
+    A = np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
+    x = max_min_rates(A, 100.0, np.array([10.0, 3.0]))
+    assert np.allclose(x, [8.5, 1.5, 1.5], rtol=1e-2)
+    load = A.T @ x
+    assert np.all(load <= np.array([10.0, 3.0]) * (1 + 1e-9))
+
+
+def test_max_min_pairs_and_local_copies():
+    # R = 2 ranks; ports: egress 0,1 then ingress 0,1. Pairs: 0->1 (2 members), 1->1 local.
+    x, xp = max_min_rates(np.zeros((0, 4)), 100.0, np.full(4, 10.0), np.array([0, 1]),
+                          np.array([1, 1]), np.array([2, 1]), 2)
+    assert np.allclose(xp, [5.0, 100.0])
+    # a spread class pulling into rank 1 from rank 0 shares ingress 1 with the pair class
+    A = np.array([[1.0, 0.0, 0.0, 1.0]])
+    x, xp = max_min_rates(A, 100.0, np.full(4, 9.0), np.array([0]), np.array([1]),
+                          np.array([2]), 2)
+    assert np.allclose([x[0], xp[0]], [3.0, 3.0])
+
+
+# ------------------------------------------------------------------------------------------
+# routing and receive layouts
+
+
+def test_routing_is_distinct_per_token_and_skew_hits_its_fraction():
+    shape = sim.SimShape.named("kimi_k2.7")
+    ids = sim.route(shape, 4, sim.Routing(seed=3))
+    assert ids.shape == (4, 2048, 8)
+    s = np.sort(ids.reshape(-1, 8), axis=1)
+    assert not (s[:, 1:] == s[:, :-1]).any()
+    assert np.array_equal(ids, sim.route(shape, 4, sim.Routing(seed=3)))
+    sk = sim.route(shape, 4, sim.Routing("skew", 0.5, hot_expert=7, seed=1))
+    frac = (sk == 7).any(axis=2).mean()
+    assert abs(frac - 0.5) < 0.02
+    s = np.sort(sk.reshape(-1, 8), axis=1)
+    assert not (s[:, 1:] == s[:, :-1]).any()
+
+
+@pytest.mark.parametrize("R, E, K, tile_m", [(3, 6, 2, 8), (4, 8, 3, 16), (1, 4, 4, 8)])
+def test_receive_layout_matches_mok_cute_schedule(R, E, K, tile_m):
+    torch = pytest.importorskip("torch")
+    from mok_cute.schedule import build_receive_schedule
+
+    shape = sim.SimShape("t", tokens_per_rank=37, hidden=64, intermediate=32, num_experts=E,
+                         top_k=K)
+    ids = sim.route(shape, R, sim.Routing("skew", 0.3, hot_expert=1, seed=2))
+    lays = sim.receive_layouts(ids, E, tile_m, comm_task_rows=tile_m // 2, keep_rows=True)
+    for r, lay in enumerate(lays):
+        sch = build_receive_schedule(torch.from_numpy(ids), r, E // R, tile_m)
+        nrows = int(sch.expert_offsets[-1])
+        assert lay.num_tiles * tile_m == nrows
+        assert np.array_equal(lay.row_peer, sch.row_peer[:nrows].numpy())
+        assert np.array_equal(lay.expert_counts, sch.expert_counts.numpy())
+        # the comm chunks' per-peer rows add up to the schedule's rows
+        peers = sch.row_peer[:nrows].numpy()
+        for c in range(lay.chunk_peer_rows.shape[0]):
+            seg = peers[c * tile_m // 2:(c + 1) * tile_m // 2]
+            assert np.array_equal(lay.chunk_peer_rows[c], np.bincount(seg[seg >= 0],
+                                                                      minlength=R))
+
+
+def test_experts_not_divisible_by_ranks_are_balanced():
+    owner = sim.expert_owner(384, 72)
+    counts = np.bincount(owner)
+    assert counts.size == 72 and set(counts.tolist()) == {5, 6}
+    assert np.all(np.diff(owner) >= 0)
+    assert np.array_equal(sim.expert_owner(384, 8), np.arange(384) // 48)
+
+
+# ------------------------------------------------------------------------------------------
+# engine semantics
+
+
+def _check_protocol(res):
+    g, rec = res.graph, res.records
+    assert np.all(np.isfinite(rec.end))
+    assert np.all(rec.take <= rec.start + 1e-15) and np.all(rec.start <= rec.end)
+    # a task starts only after every signaller of every counter it waits on has finished
+    sig_end = np.zeros(g.num_signallers.size)
+    np.maximum.at(sig_end, g.signal, rec.end)
+    for i in range(len(g)):
+        w = g.wait_idx[g.wait_off[i]:g.wait_off[i + 1]]
+        if w.size:
+            assert rec.start[i] >= sig_end[w].max() - 1e-12, i
+    R = 1 if g.symmetric else g.num_ranks
+    for r in range(R):
+        for role, q in enumerate(g.queues[r]):
+            # tickets are taken in queue order; comm SMs run comm tasks only
+            assert np.all(np.diff(rec.take[q]) >= -1e-15)
+            sms = rec.sm[q]
+            if role == T.Role.COMM:
+                assert np.all(sms < g.num_comm_sms)
+            else:
+                assert np.all(sms >= g.num_comm_sms)
+            for s in np.unique(sms):  # one task at a time per SM
+                m = q[sms == s]
+                o = np.argsort(rec.take[m])
+                assert np.all(rec.take[m][o][1:] >= rec.end[m][o][:-1] - 1e-12)
+
+
+@pytest.mark.parametrize("dispatch", ["pull", "push", "push_hol"])
+@pytest.mark.parametrize("routing", [sim.Routing(seed=1), sim.Routing("skew", 0.5, seed=1)])
+def test_engine_follows_the_megakernel_protocol(dispatch, routing):
+    cfg = sim.SimConfig(num_comm_sms=6, minibatch_tokens=256, ring_tokens=512,
+                        dispatch=dispatch)
+    res = sim.simulate(SMALL, 4, cfg, "h200_hgx", routing)
+    _check_protocol(res)
+    s = res.summary()
+    assert 0 < s["layer_time_us"] < 1e5
+    assert abs(s["comm_busy_pct"] + s["comm_wait_pct"] + s["comm_idle_pct"] - 100) < 1e-6
+    # every routed row is dispatched exactly once and combined exactly once
+    g = res.graph
+    rows = 4 * SMALL.tokens_per_rank * SMALL.top_k * SMALL.hidden * 2
+    assert g.comm_bytes[g.type == T.TaskType.DISPATCH].sum() == pytest.approx(rows)
+    assert g.comm_bytes[g.type == T.TaskType.COMBINE].sum() == pytest.approx(rows)
+
+
+def test_pull_engine_runs_the_megakernel_task_lists():
+    res = sim.simulate(SMALL, 4, CFG, "h200_hgx", sim.Routing(seed=5))
+    g = res.graph
+    for r, lay in enumerate(g.meta["layouts"]):
+        tl = g.meta["lists"][r]
+        mine = np.flatnonzero(g.rank == r)
+        assert np.array_equal(g.local_id[mine], np.arange(len(tl)))
+        assert np.array_equal(g.type[mine], tl.type)
+        for role in (T.Role.COMM, T.Role.COMPUTE):
+            assert np.array_equal(g.local_id[g.queues[r][role]], tl.queue(role))
+        assert tl.num_m_tiles == lay.num_tiles
+
+
+def test_dispatch_bandwidth_hits_the_right_limit():
+    shape = sim.SimShape("d", tokens_per_rank=4096, hidden=4096, intermediate=512,
+                         num_experts=64, top_k=8)
+    hw = sim.get_profile("h200_hgx")
+    R = 8
+    # many comm SMs: ingress-bound at the link rate (uniform routing)
+    res = sim.simulate(shape, R, sim.SimConfig(num_comm_sms=32, minibatch_tokens=4096,
+                                               ring_tokens=8192), hw, dispatch_only=True)
+    d = res.dispatch_stats()
+    assert 0.85 * hw.link_bytes_per_s / 1e9 < d["link_gbps_per_gpu"] <= hw.link_bytes_per_s / 1e9
+    # two comm SMs: bound by the per-SM copy rate (7/8 of each SM's bytes cross the link)
+    res2 = sim.simulate(shape, R, sim.SimConfig(num_comm_sms=2, minibatch_tokens=4096,
+                                                ring_tokens=8192), hw, dispatch_only=True)
+    d2 = res2.dispatch_stats()
+    bound = 2 * hw.sm_copy_bytes_per_s * 7 / 8 / 1e9
+    assert 0.85 * bound < d2["link_gbps_per_gpu"] <= bound * 1.001
+
+
+def test_skew_makes_the_hot_rank_the_critical_path():
+    shape = sim.SimShape.named("qwen3.5_397b")
+    cfg = sim.SimConfig(num_comm_sms=16, minibatch_tokens=4096, ring_tokens=16384)
+    res = sim.simulate(shape, 8, cfg, "h200_hgx", sim.Routing("skew", 0.5, hot_expert=0))
+    rows = np.array([lay.tile_rows.sum() for lay in res.graph.meta["layouts"]])
+    assert int(np.argmax(rows)) == 0
+    # every rank waits at the group barrier for the hot one, whose extra rows set the time
+    uni = sim.simulate(shape, 8, cfg, "h200_hgx", sim.Routing())
+    assert res.layer_time > 1.2 * uni.layer_time
+    ratio = rows[0] / rows[1:].mean()
+    assert res.layer_time / uni.layer_time < ratio
+
+
+def test_hol_push_slows_cold_receivers_under_skew():
+    """Study (a)'s mechanism: with FIFO egress (push_hol) the senders' stores to cold
+    receivers wait behind the hot receiver; pull keeps each receiver on its own ingress."""
+    shape = sim.SimShape.named("kimi_k2.7")
+    out = {}
+    for mode in ("pull", "push_hol"):
+        cfg = sim.SimConfig(num_comm_sms=16, minibatch_tokens=4096, ring_tokens=32768,
+                            dispatch=mode)
+        out[mode] = sim.simulate(shape, 8, cfg, "h200_hgx", sim.Routing("skew", 0.5),
+                                 dispatch_only=True).dispatch_stats()
+    assert out["pull"]["mean_receiver_gbps"] > 1.15 * out["push_hol"]["mean_receiver_gbps"]
+
+
+def test_symmetric_mode_tracks_the_full_simulation_under_uniform_routing():
+    shape = sim.SimShape.named("qwen3.5_397b")
+    cfg = sim.SimConfig(num_comm_sms=16, minibatch_tokens=4096, ring_tokens=16384)
+    full = sim.simulate(shape, 8, cfg, "h200_hgx")
+    sym = sim.simulate(shape, 8, cfg, "h200_hgx", symmetric=True)
+    assert sym.layer_time == pytest.approx(full.layer_time, rel=0.05)
+
+
+def test_more_minibatches_in_the_ring_than_rows_and_tiny_ring_both_finish():
+    for ring in (256, 8192):
+        cfg = sim.SimConfig(num_comm_sms=4, minibatch_tokens=256, ring_tokens=ring)
+        res = sim.simulate(SMALL, 2, cfg, "h200_hgx", sim.Routing("skew", 0.5))
+        _check_protocol(res)
+
+
+def test_bad_simulation_arguments():
+    with pytest.raises(ValueError, match="num_ranks"):
+        sim.simulate(SMALL, 9, CFG, "h200_hgx")
+    with pytest.raises(ValueError, match="num_comm_sms"):
+        sim.simulate(SMALL, 2, sim.SimConfig(num_comm_sms=132, minibatch_tokens=512,
+                                             ring_tokens=512), "h200_hgx")
+    with pytest.raises(ValueError, match="dispatch"):
+        sim.SimConfig(num_comm_sms=8, minibatch_tokens=512, ring_tokens=512, dispatch="mail")
+    with pytest.raises(ValueError, match="ring_tokens"):
+        sim.simulate(SMALL, 2, sim.SimConfig(num_comm_sms=8, minibatch_tokens=512,
+                                             ring_tokens=256), "h200_hgx")
+
+
+def test_seventy_two_gpu_simulation_is_fast():
+    t0 = time.perf_counter()
+    cfg = sim.SimConfig(num_comm_sms=32, minibatch_tokens=4096, ring_tokens=32768)
+    res = sim.simulate("dsv4_pro", 72, cfg, "gb300_nvl72", sim.Routing("skew", 0.2))
+    wall = time.perf_counter() - t0
+    assert wall < 30.0, wall
+    assert res.num_ranks == 72 and len(res.rank_times) == 72
+    assert res.tflops_per_gpu > 0
+
+
+# ------------------------------------------------------------------------------------------
+# outputs
+
+
+def test_trace_png_and_summary_use_the_timeline_record_format(tmp_path):
+    tlmod = pytest.importorskip("mok_cute.timeline")
+    res = sim.simulate(SMALL, 2, CFG, "h200_hgx", sim.Routing("skew", 0.4))
+    tl = res.timeline([0, 1])
+    assert tl.check() == []  # comm CTAs run comm tasks only, monotone per CTA, GEMMs once
+    assert set(np.unique(tl.records["rank"]).tolist()) == {0, 1}
+    assert (tl.records["task_type"] == T.TaskType.WAIT).any()
+    p = res.write_trace(tmp_path / "t.json", ranks=[0, 1])
+    trace = json.loads(p.read_text())
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1}
+    png = res.write_png(tmp_path / "t.png", rank=0)
+    assert png.stat().st_size > 10_000
+    # the timeline's own summary of one rank agrees with the simulator's layer time
+    s = tlmod.summarize(res.timeline([0]))
+    assert s["span_ns"] == pytest.approx(res.rank_times[0] * 1e9, rel=1e-6)
+
+
+def test_summary_numbers_are_consistent():
+    res = sim.simulate(SMALL, 4, CFG, "h200_hgx")
+    s = res.summary()
+    assert s["tflops_per_gpu"] == pytest.approx(
+        SMALL.layer_flops() / (s["layer_time_us"] * 1e-6) / 1e12)
+    hw = res.hw
+    assert s["dispatch_link_gbps"] <= hw.link_bytes_per_s / 1e9 * 1.001
+    assert s["gemm_tflops"] <= hw.gpu_tensor_flops / 1e12
+    assert 0 <= s["exposed_comm_pct"] <= 100
+
+
+# ------------------------------------------------------------------------------------------
+# calibration and tuning
+
+
+def test_gemm_calibration_recovers_known_parameters():
+    hw = sim.get_profile("h200_hgx")
+    truth = hw.replace(sm_tensor_flops=hw.sm_tensor_flops * 0.8, gemm_task_overhead_s=4e-6,
+                       source="test truth")
+    shapes = ["dsv3_ep8_rank", "qwen3_30b", "mixtral", "gptoss_120b"]
+    rows = [dict(shape=s, contender="mok_cute", **{"pass": "fwd"},
+                 ms=calibrate.predict_gemm_ms(s, truth) * (1.0 + 0.01 * (i % 2)))
+            for i, s in enumerate(shapes)]
+    fit = calibrate.fit_gemm(rows, hw, train=shapes[:3], contender="mok_cute")
+    assert fit.profile.sm_tensor_flops == pytest.approx(truth.sm_tensor_flops, rel=0.05)
+    assert fit.profile.gemm_task_overhead_s == pytest.approx(4e-6, rel=0.35)
+    assert abs(fit.errors["gptoss_120b"]) < 0.05  # held out
+    assert "calibrated" in fit.profile.sources["sm_tensor_flops"]
+
+
+def test_copy_rate_fit_from_dispatch_records():
+    hw = sim.get_profile("h200_hgx")
+    res = sim.simulate(SMALL, 2, sim.SimConfig(num_comm_sms=2, minibatch_tokens=512,
+                                               ring_tokens=4096), hw, dispatch_only=True)
+    fit = calibrate.fit_copy_rate(res.timeline([0, 1]), res.graph, hw)
+    # 2 comm SMs never saturate the link: the fit recovers the per-SM copy rate
+    assert fit.sm_copy_bytes_per_s == pytest.approx(hw.sm_copy_bytes_per_s, rel=0.15)
+
+
+def test_tune_returns_a_valid_config_and_resolve_fills_only_none_fields():
+    from mok_cute.config import MoKConfig
+
+    shape = sim.SimShape.named("qwen3.5_397b")
+    n, mb, ring = tune.tune(shape, 8, "h200_hgx", quick=True)
+    assert 1 <= n < 132 and mb % 128 == 0 and ring % 128 == 0 and ring >= mb
+    cfg = tune.resolve_config(MoKConfig(num_comm_sms=12), shape, 8, "h200_hgx", quick=True)
+    assert cfg.num_comm_sms == 12
+    assert cfg.minibatch_tokens is not None and cfg.ring_tokens >= cfg.minibatch_tokens
+    full = MoKConfig(num_comm_sms=5, minibatch_tokens=256, ring_tokens=1024)
+    assert tune.resolve_config(full, shape, 8, "h200_hgx") == full
+
+
+def test_tune_cli_prints_json(capsys):
+    rc = tune.main(["--shape", "qwen3.5_397b", "--ranks", "8", "--profile", "h200_hgx",
+                    "--quick", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"num_comm_sms", "minibatch_tokens", "ring_tokens", "predicted_us"}
