@@ -68,6 +68,9 @@ class GroupedGemmSm90:
     :param task_type: ``mok_cute.timeline.TaskType`` value written in the records.
     :param pingpong: the two consumer warpgroups take alternate whole tiles (one runs its
         epilogue while the other runs its mainloop) instead of sharing each tile.
+        EXPERIMENTAL: compiles (0 spills), but its first H200 run hung (2026-11-29). The
+        suspected cause (a pipeline-state advance inside a run-time branch) is fixed and
+        not yet re-run; ``mok_cute.ops`` never selects it.
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
@@ -361,11 +364,12 @@ class GroupedGemmSm90:
             tile_stride = cute.arch.grid_dim()[0]
             tile_idx = cute.arch.block_idx()[0]
             if const_expr(self.pingpong):
-                # warpgroup 1 takes this CTA's odd tiles: skip the stages of the first one
+                # warpgroup 1 takes this CTA's odd tiles and skips the stages of the first.
+                # Branch-free on purpose: state mutated inside a run-time `if` may not be
+                # carried out of it (suspected cause of the hang seen on 2026-11-29).
+                read_state.advance(consumer * k_tile_cnt)
+                tile_idx += consumer * tile_stride
                 tile_stride = tile_stride * 2
-                if consumer == 1:
-                    read_state.advance(k_tile_cnt)
-                    tile_idx += cute.arch.grid_dim()[0]
             release_state = read_state.clone()
             subtiles_done = Int32(0)
             while tile_idx < num_tiles:
