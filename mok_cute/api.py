@@ -29,6 +29,7 @@ from . import reference
 from .config import (
     MoKConfig,
     check_bool,
+    PendingIdCheck,
     check_expert_ids,
     check_int,
     check_moe_inputs,
@@ -173,8 +174,6 @@ def moe_forward(
     dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, num_ranks=num_ranks)
     if dims.tokens == 0 and group is None:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
-    if config.check_ids:
-        check_expert_ids(topk_idx, dims.num_experts)
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ()))
     )
@@ -182,7 +181,15 @@ def moe_forward(
     if choice.path == "kernel":
         from . import ops
 
-        return ops.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
+        # The kernels never fault on bad ids, so the check's device read is waited for
+        # after they are enqueued: the error is the same, the stream never drains idle.
+        pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
+        out = ops.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
+        if pending is not None:
+            pending.finish()
+        return out
+    if config.check_ids:
+        check_expert_ids(topk_idx, dims.num_experts)
     return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
 
 

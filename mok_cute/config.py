@@ -22,6 +22,7 @@ __all__ = [
     "check_tensor",
     "check_moe_inputs",
     "check_expert_ids",
+    "PendingIdCheck",
     "describe",
 ]
 
@@ -137,11 +138,12 @@ class MoKConfig:
     backend           "auto": GPU kernel when available, else the PyTorch reference;
                       "kernel": GPU kernel, error if it cannot run;
                       "reference": always the PyTorch reference.
-    check_ids         range-check the expert ids before launch (raises ValueError). On CUDA
-                      this is the call's one device->host read. False skips it (no host sync,
-                      e.g. for CUDA-graph capture); the caller then guarantees ids in range:
-                      an out-of-range id on the kernel path matches no expert and that
-                      (token, k) contributes zero. It never faults.
+    check_ids         range-check the expert ids (raises ValueError). On the CUDA kernel path
+                      this is the call's one device->host read, waited for after the kernels
+                      are enqueued. False skips it (no host sync, e.g. for CUDA-graph
+                      capture); the caller then guarantees ids in range: an out-of-range id
+                      on the kernel path matches no expert and that (token, k) contributes
+                      zero. It never faults.
     """
 
     tile_m: int = 128
@@ -325,6 +327,43 @@ def check_moe_inputs(
     return MoEDims(R, T, H, K, E_loc, I, Is)
 
 
+class PendingIdCheck:
+    """An expert-id range check whose device->host read is waited for later.
+
+    ``start`` enqueues the `aminmax` and a non-blocking copy into pinned memory; the caller
+    then launches its kernels (which never fault on bad ids) and calls ``finish``, which
+    waits for the copy and raises the same ValueError as `check_expert_ids`. The wait then
+    overlaps the host work of this call with the GPU work already queued, instead of
+    draining the stream before any of it is enqueued.
+    """
+
+    def __init__(self, topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx"):
+        self.num_experts, self.name = num_experts, name
+        self._host = None
+        if topk_idx.numel() == 0:
+            return
+        lo_hi = torch.stack(torch.aminmax(topk_idx)).to(torch.int64)
+        self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        self._host.copy_(lo_hi, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def finish(self) -> None:
+        if self._host is None:
+            return
+        self._done.synchronize()
+        _raise_if_out_of_range(*self._host.tolist(), self.num_experts, self.name)
+
+
+def _raise_if_out_of_range(lo: int, hi: int, num_experts: int, name: str) -> None:
+    if lo < 0 or hi >= num_experts:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"{name}: expected global expert ids in [0, {num_experts}), got id {bad} "
+            f"(ids span [{lo}, {hi}])"
+        )
+
+
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> None:
     """Every id must be in [0, num_experts).
 
@@ -334,9 +373,4 @@ def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, name: str = "topk
     if topk_idx.numel() == 0:
         return
     lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
-    if lo < 0 or hi >= num_experts:
-        bad = lo if lo < 0 else hi
-        raise ValueError(
-            f"{name}: expected global expert ids in [0, {num_experts}), got id {bad} "
-            f"(ids span [{lo}, {hi}])"
-        )
+    _raise_if_out_of_range(lo, hi, num_experts, name)

@@ -150,3 +150,14 @@ def test_check_ids_off_runs_without_host_sync_and_never_faults():
         w_zeroed[5, 1] = 0.0
         expected = mok.moe_forward(x, idx, w_zeroed, wg, wu, wd, config=mok.MoKConfig(backend="kernel"))
         assert torch.equal(out, expected)
+
+
+def test_out_of_range_id_raises_on_the_kernel_path():
+    x, idx, w, wg, wu, wd, _ = _problem(64, 256, 128, 8, 2, seed=4)
+    bad = idx.clone()
+    bad[3, 0] = 8  # E = 8: one past the last expert
+    with pytest.raises(ValueError, match="topk_idx"):
+        mok.moe_forward(x, bad, w, wg, wu, wd, config=mok.MoKConfig(backend="kernel"))
+    bad[3, 0] = -1
+    with pytest.raises(ValueError, match="topk_idx"):
+        mok.moe_forward(x, bad, w, wg, wu, wd, config=mok.MoKConfig(backend="kernel"))
