@@ -47,6 +47,10 @@ def test_profile_numbers_follow_their_sources():
     assert b.gpu_tensor_flops == pytest.approx(2.5e15 * 723 / 989)
     with pytest.raises(ValueError, match="profile"):
         sim.get_profile("a100")
+    assert sim.profile_for_device("NVIDIA H200") is h
+    assert sim.profile_for_device("NVIDIA GB300") is b
+    with pytest.raises(ValueError, match="device_name"):
+        sim.profile_for_device("NVIDIA A100-SXM4-80GB")
 
 
 # ------------------------------------------------------------------------------------------

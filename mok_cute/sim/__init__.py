@@ -12,13 +12,13 @@ what is calibrated.
 """
 
 from .engine import SimRecords, max_min_rates, run_graph
-from .hardware import PROFILES, HardwareProfile, get_profile
+from .hardware import PROFILES, HardwareProfile, get_profile, profile_for_device
 from .model import (MOK_SHAPES, Graph, RankLayout, Routing, SimConfig, SimShape, build_graph,
                     expert_owner, receive_layouts, route)
 from .run import SimResult, simulate
 
 __all__ = [
-    "PROFILES", "HardwareProfile", "get_profile", "MOK_SHAPES", "Graph", "RankLayout",
+    "PROFILES", "HardwareProfile", "get_profile", "profile_for_device", "MOK_SHAPES", "Graph", "RankLayout",
     "Routing", "SimConfig", "SimShape", "build_graph", "expert_owner", "receive_layouts",
     "route", "SimRecords", "max_min_rates", "run_graph", "SimResult", "simulate",
 ]

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = ["HardwareProfile", "PROFILES", "get_profile", "RATE_FIELDS"]
+__all__ = ["HardwareProfile", "PROFILES", "get_profile", "profile_for_device", "RATE_FIELDS"]
 
 # Fields that are rates or costs and must carry a source.
 RATE_FIELDS = (
@@ -163,3 +163,15 @@ def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     return PROFILES[profile]
+
+
+def profile_for_device(device_name: str) -> HardwareProfile:
+    """The profile for a ``torch.cuda.get_device_name()`` string (for resolving a MoKConfig on
+    the GPU it runs on): H100/H200 -> h200_hgx, B300/GB300 -> gb300_nvl72."""
+    n = device_name.upper()
+    if "H200" in n or "H100" in n or "H800" in n:
+        return H200_HGX
+    if "B300" in n or "GB300" in n:
+        return GB300_NVL72
+    raise ValueError(f"device_name: no simulator profile for {device_name!r}; expected an "
+                     f"H100/H200 or B300/GB300 (profiles: {sorted(PROFILES)})")
