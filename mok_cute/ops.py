@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from mok_cute import jit
 from mok_cute.config import MoKConfig
 
 TILE_M = 128
@@ -52,15 +53,6 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_gemm(epilogue: str, tile_n: int, group_m: int, num_sms: int, timeline: bool,
-                   task_type: int | None, pingpong: bool):
-    from mok_cute.kernels.gemm_sm90 import compile_grouped_gemm
-    return compile_grouped_gemm(epilogue=epilogue, tile_n=tile_n, group_m=group_m,
-                                num_sms=num_sms, timeline=timeline, task_type=task_type,
-                                pingpong=pingpong)
-
-
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
                  group_m: int = 8, out: torch.Tensor | None = None,
@@ -89,9 +81,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     tile_n = tile_n or choose_tile_n(n_out, epilogue)
     if out is None:
         out = torch.empty(m, n_out, dtype=a.dtype, device=a.device)
-    compiled = _compiled_gemm(epilogue, tile_n, group_m, _num_sms(a.device.index or 0),
-                              timeline is not None, task_type if timeline is not None else None,
-                              pingpong)
+    compiled = jit.compile_kernel(
+        "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
+        tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
+        timeline=timeline is not None, task_type=task_type if timeline is not None else None,
+        pingpong=pingpong)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline)

@@ -6,9 +6,9 @@ One place per concept:
 - math helpers used in epilogues (``silu``).
 - sync helpers: acquire/release counters, bounded spin waits with nanosleep backoff.
 - timers and the timeline recorder (``%globaltimer`` spans into a bounded device buffer).
-- host-side compile helpers: fake tensors with run-time extents and strides, the fake
-  stream and the option string, so every kernel compiles the same way (TVM-FFI calling
-  convention: compiled kernels take torch tensors and run on torch's current stream).
+- host-side compile helpers: fake tensors with run-time extents and strides and the fake
+  stream of the TVM-FFI calling convention (compiled kernels take torch tensors and run on
+  torch's current stream); the option string is ``mok_cute.jit.compile_options``.
 """
 
 from __future__ import annotations
@@ -66,10 +66,6 @@ def fake_vector(dtype, length=None, align_bytes: int = 4):
 
 def fake_stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-
-
-def compile_options(arch: str = "sm_90a", extra: str = "") -> str:
-    return f"--gpu-arch {arch} --enable-tvm-ffi {extra}".strip()
 
 
 # ---------------------------------------------------------------------- timeline recorder

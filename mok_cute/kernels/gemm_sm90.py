@@ -49,6 +49,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64, Float32, const_expr
 
+from mok_cute import jit
 from mok_cute.kernels import common
 
 TILE_M = 128
@@ -500,4 +501,4 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
                            timeline=timeline, task_type=task_type, pingpong=pingpong)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
-                        options=common.compile_options(arch, options))
+                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
