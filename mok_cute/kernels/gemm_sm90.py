@@ -55,7 +55,6 @@ from mok_cute.kernels import common
 TILE_M = 128
 TILE_K = 64
 EPILOGUES = ("store", "swiglu")
-LOG2_E = 1.4426950408889634
 
 
 class GroupedGemmSm90:
