@@ -118,3 +118,15 @@ def test_grouped_gemm_matches_torch(epilogue, counts, n, k, pingpong):
     ops.grouped_gemm(a_pad, w, te, num_tiles, epilogue, out=again, w_up=w_up, tile_n=tile_n,
                      pingpong=pingpong)
     assert torch.equal(out[:m], again[:m]), "not bitwise reproducible"
+
+
+def test_timeline_flag_off_emits_no_recorder_instruction(tmp_path):
+    """The recorder is a compile-time flag: off, no timer read and no atomic in the PTX."""
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    off = gemm_sm90.compile_grouped_gemm("swiglu", 256, timeline=False, options=opts).__ptx__
+    on = gemm_sm90.compile_grouped_gemm("swiglu", 256, timeline=True, options=opts).__ptx__
+    for marker in ("%globaltimer", "atom.global", "%smid"):
+        assert marker not in off
+        assert marker in on
+    # one ticket per tile owner, reserved before the tile loop: a single atom.add
+    assert len(re.findall(r"atom\.global\.add", on)) == 1

@@ -88,12 +88,20 @@ def timeline_mark_start(buf: cute.Tensor, t_ns: Int64):
 
 
 @cute.jit
-def timeline_record(buf: cute.Tensor, role: int, task_type: int, task_id, rank,
-                    t_start: Int64, t_end: Int64):
-    """Append one span with a ticket; spans past the capacity are only counted."""
-    ticket = cute.arch.atomic_add((buf.iterator + 1).llvm_ptr, Int64(1))
-    if ticket < buf[0]:
-        base = TIMELINE_HEADER_WORDS + ticket * TIMELINE_RECORD_WORDS
+def timeline_reserve(buf: cute.Tensor, count) -> Int64:
+    """Take ``count`` consecutive record slots with one ticket; returns the first slot.
+
+    A CTA that knows how many spans it will write reserves them all up front, so its
+    records are plain stores and no warp waits for an atomic's reply between tasks."""
+    return cute.arch.atomic_add((buf.iterator + 1).llvm_ptr, Int64(count))
+
+
+@cute.jit
+def timeline_write(buf: cute.Tensor, slot: Int64, role: int, task_type: int, task_id, rank,
+                   t_start: Int64, t_end: Int64):
+    """Write one span into a reserved slot; slots past the capacity are only counted."""
+    if slot < buf[0]:
+        base = TIMELINE_HEADER_WORDS + slot * TIMELINE_RECORD_WORDS
         sm = Int64(cute.arch.smid())
         cta = Int64(cute.arch.block_idx()[0])
         word0 = (Int64(role) | (Int64(task_type) << 8) | (Int64(rank) << 16)
@@ -102,3 +110,10 @@ def timeline_record(buf: cute.Tensor, role: int, task_type: int, task_id, rank,
         buf[base + 1] = Int64(task_id)
         buf[base + 2] = t_start
         buf[base + 3] = t_end
+
+
+@cute.jit
+def timeline_record(buf: cute.Tensor, role: int, task_type: int, task_id, rank,
+                    t_start: Int64, t_end: Int64):
+    """Append one span with its own ticket (for tasks whose count is not known ahead)."""
+    timeline_write(buf, timeline_reserve(buf, 1), role, task_type, task_id, rank, t_start, t_end)

@@ -372,6 +372,12 @@ class GroupedGemmSm90:
                 tile_stride = tile_stride * 2
             release_state = read_state.clone()
             subtiles_done = Int32(0)
+            record_slot = Int64(0)
+            if const_expr(self.timeline):
+                # one ticket for all the tiles this tile owner will run (known up front)
+                if tile_tidx == 0:
+                    my_tiles = cutlass.max(num_tiles - tile_idx + tile_stride - 1, 0) // tile_stride
+                    record_slot = common.timeline_reserve(mTimeline, my_tiles)
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 t_start = Int64(0)
@@ -430,8 +436,9 @@ class GroupedGemmSm90:
                 subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
-                        common.timeline_record(mTimeline, 1, self.task_type, tile_idx, 0,
-                                               t_start, common.timeline_now())
+                        common.timeline_write(mTimeline, record_slot, 1, self.task_type,
+                                              tile_idx, 0, t_start, common.timeline_now())
+                    record_slot += 1
                 tile_idx += tile_stride
             tma_store_pipeline.producer_tail()
 
