@@ -15,7 +15,6 @@ import os
 import struct
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from mok_cute.comm import (
     BARRIER_FIELD,
     BarrierSpec,
     IpcPeers,
-    PeerTable,
     SymmetricLayout,
     VirtualPeers,
     moe_symmetric_layout,
