@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One call on the GPU host that checks everything GPU-side, each step under its own time limit
+# so a hung kernel costs minutes, not the whole lease. Logs and JSON go to $OUT (or ./out).
+#
+#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|all]
+#
+#   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
+#   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
+#          the recorder, the torch pipeline, cuBLAS; plus a recorded dsv3 timeline
+#   sonic  the same bench with SonicMoE on dsv3_ep8_rank and sonic_120b (2-3 min autotune each)
+set -u
+out="${OUT:-out}"
+mkdir -p "$out"
+what="${1:-tests}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+run_tests() {
+  local t0=$SECONDS
+  for f in tests/test_*.py; do
+    name=$(basename "$f" .py)
+    timeout -s KILL 300 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore \
+      -o timeout=120 --tb=short "$f" > "$out/$name.log" 2>&1
+    rc=$?
+    summary=$(grep -E "passed|failed|skipped|deselected|error" "$out/$name.log" | tail -1)
+    printf '%-32s rc=%-3s %s\n' "$name" "$rc" "${summary:-killed (no summary: see $name.log)}"
+  done
+  echo "tests took $((SECONDS - t0)) s"
+}
+
+run_bench() {
+  timeout -s KILL 240 python3 -m mok_cute.cli bench --shapes single \
+    --contenders mok_cute,mok_cute_timeline,torch_grouped_mm,cublas_8192 \
+    --iters 20 --warmup 5 --out "$out" --tag expert_kernels 2>&1 | tail -20
+  timeout -s KILL 240 python3 -m mok_cute.cli bench --shapes single \
+    --contenders mok_cute,torch_grouped_mm,cublas_8192 --mok-config check_ids=False \
+    --iters 20 --warmup 5 --out "$out" --tag expert_kernels_nocheck 2>&1 | tail -12
+  timeout -s KILL 60 python3 -m mok_cute.cli timeline --shape dsv3_ep8_rank --t-scale 0.5 \
+    --out "$out/timeline" 2>&1 | tail -12
+}
+
+run_sonic() {
+  timeout -s KILL 560 python3 -m mok_cute.cli bench --shapes dsv3_ep8_rank,sonic_120b \
+    --contenders mok_cute,torch_grouped_mm,sonicmoe,cublas_8192 --mok-config check_ids=False \
+    --iters 20 --warmup 5 --out "$out" --tag vs_sonicmoe 2>&1 | tail -14
+}
+
+case "$what" in
+  tests) run_tests ;;
+  bench) run_bench ;;
+  sonic) run_sonic ;;
+  all) run_tests; run_bench ;;
+  *) echo "usage: $0 [tests|bench|sonic|all]" >&2; exit 2 ;;
+esac
