@@ -4,7 +4,8 @@ One place per concept:
 - ``NamedBarriers``: named-barrier ids (0 is reserved for __syncthreads).
 - ``grouped_raster``: linear tile index -> (m_tile, n_tile), grouped for L2 reuse.
 - math helpers used in epilogues (``silu``).
-- sync helpers: acquire/release counters, bounded spin waits with nanosleep backoff.
+- sync helpers: release-published / acquire-loaded counters, bounded spin waits with
+  nanosleep backoff that record (task, peer) in an error word instead of hanging.
 - timers and the timeline recorder (``%globaltimer`` spans into a bounded device buffer).
 - host-side compile helpers: fake tensors with run-time extents and strides and the fake
   stream of the TVM-FFI calling convention (compiled kernels take torch tensors and run on
@@ -47,6 +48,84 @@ def grouped_raster(tile_idx: Int32, num_m_tiles: Int32, num_n_tiles: Int32,
 def silu(x: Float32) -> Float32:
     """x * sigmoid(x) in fp32 (ex2.approx + rcp.approx; deterministic, not IEEE-exact)."""
     return x * cute.arch.rcp_approx(1.0 + cute.math.exp2(-x * LOG2_E, fastmath=True))
+
+
+# ---------------------------------------------------------------------- sync helpers
+# Integer counters in global memory order the tasks of a persistent launch: a producer
+# publishes with release semantics, a consumer spins with acquire loads until the counter
+# reaches its target. A wait is bounded: past its deadline it records who it was waiting
+# for in an error word and gives up, so a stalled peer becomes a host-side exception, not a
+# hang. Error word layout (int64): 0 = no error, else (task_id + 1) | peer << 32 | code << 48.
+WAIT_TIMEOUT = 1  # error code: a wait passed its deadline
+SPIN_SLEEP_MIN_NS = 32
+SPIN_SLEEP_MAX_NS = 2048
+
+
+@cute.jit
+def counter_publish(counter: cute.Tensor, index, value, scope: cutlass.Constexpr[str] = "gpu"):
+    """counter[index] += value, release: every write before it is visible to an acquirer."""
+    cute.arch.red((counter.iterator + index).llvm_ptr, Int32(value), op="add", dtype="s32",
+                  sem="release", scope=scope)
+
+
+@cute.jit
+def counter_load(counter: cute.Tensor, index, scope: cutlass.Constexpr[str] = "gpu") -> Int32:
+    """Acquire load of counter[index]: later reads see what was published before it."""
+    return cute.arch.load((counter.iterator + index).llvm_ptr, Int32, sem="acquire", scope=scope)
+
+
+@cute.jit
+def nanosleep(ns: Int32):
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(ns)])
+
+
+@cute.jit
+def wait_counter(counter: cute.Tensor, index, target, deadline_ns: Int64, error: cute.Tensor,
+                 task_id, peer, scope: cutlass.Constexpr[str] = "gpu") -> cutlass.Boolean:
+    """Spin (nanosleep, doubling backoff) until counter[index] >= target or the deadline.
+
+    Returns True when the target was reached. On timeout the first failing waiter's
+    (task, peer) is stored in ``error[0]`` (compare-and-swap from 0) and False is returned;
+    an error already recorded by anyone also ends the wait, so one stall stops every waiter.
+    """
+    reached = counter_load(counter, index, scope) >= target
+    sleep_ns = Int32(SPIN_SLEEP_MIN_NS)
+    while not reached:
+        nanosleep(sleep_ns)
+        sleep_ns = cutlass.min(sleep_ns * 2, SPIN_SLEEP_MAX_NS)
+        reached = counter_load(counter, index, scope) >= target
+        if not reached:
+            if cute.arch.globaltimer() > deadline_ns:
+                code = (Int64(task_id) + 1) | (Int64(peer) << 32) | (Int64(WAIT_TIMEOUT) << 48)
+                cute.arch.atomic_cas(error.iterator.llvm_ptr, cmp=Int64(0), val=code)
+                reached = True  # leave the loop; the caller sees the error word
+            elif cute.arch.load(error.iterator.llvm_ptr, Int64, sem="relaxed", scope="gpu") != 0:
+                reached = True
+    return counter_load(counter, index, scope) >= target
+
+
+class PeerTimeoutError(RuntimeError):
+    """A bounded wait inside a kernel passed its deadline: names the task and the peer."""
+
+    def __init__(self, task_id: int, peer: int, code: int):
+        self.task_id, self.peer, self.code = task_id, peer, code
+        super().__init__(f"task {task_id} timed out waiting for peer {peer} (error code {code}): "
+                         f"that peer stopped publishing its counters")
+
+
+def decode_wait_error(word: int) -> tuple[int, int, int] | None:
+    """(task_id, peer, code) from an error word written by ``wait_counter``; None if 0."""
+    word = int(word)
+    if word == 0:
+        return None
+    return (word & 0xFFFFFFFF) - 1, (word >> 32) & 0xFFFF, (word >> 48) & 0xFFFF
+
+
+def raise_on_wait_error(word: int) -> None:
+    """Turn a non-zero error word into a PeerTimeoutError (host side, after the launch)."""
+    decoded = decode_wait_error(word)
+    if decoded is not None:
+        raise PeerTimeoutError(*decoded)
 
 
 # ---------------------------------------------------------------------- compile helpers
