@@ -1,0 +1,349 @@
+"""The simulator studies of docs/sim.md (run by tools/sim_studies.py).
+
+(a) ``study_pull_push``: pull vs push dispatch under uniform and skewed routing at R=8 (H200
+    HGX) and R=72 (GB300 NVL72), dispatch alone and the whole layer.
+(b) ``study_sweep``: num_comm_sms x minibatch_tokens for MoK's four shapes on both profiles,
+    plus the num_comm_sms sweep again with half the assumed per-SM copy rate.
+(c) ``study_mok``: predicted TFLOP/s per GPU on GB300 NVL72 (MoK's formula) at EP 8..64 with
+    the best point of a sweep, against MoK's published DSV4-Pro BF16 forward number.
+``calibration``: fit the GEMM model to benchmark rows (or, until ours land, to the anchors'
+    torch grouped-GEMM numbers) with leave-one-out errors.
+
+Every function returns plain dicts (written as JSON next to a PNG); nothing here is measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import calibrate
+from .hardware import get_profile
+from .model import MOK_SHAPES, Routing, SimConfig, SimShape
+from .run import simulate
+
+__all__ = ["study_pull_push", "study_sweep", "study_mok", "study_calibration", "MOK_GB300"]
+
+# anchors.md: "DSV4-Pro BF16 fwd: about 1029 TFLOP/s per GB300" (MoK, 2048 tokens per rank).
+MOK_GB300 = {"dsv4_pro": 1029.0}
+# benchmarks/sim/calibration.json "fit_all": the GEMM tile model fitted to the anchors' five
+# torch._grouped_mm rates on one H200 scales the per-SM tensor rate by 0.907 and puts 5.5 us of
+# fixed cost on each tile. Study (c) applies the same correction to GB300 as a sensitivity.
+GEMM_FIT_H200 = (0.907, 5.5e-6)
+
+
+def _pool_map(fn, items, workers):
+    if workers <= 1 or len(items) <= 1:
+        return [fn(i) for i in items]
+    ctx = mp.get_context("fork")
+    with ctx.Pool(workers) as pool:
+        return pool.map(fn, items, chunksize=1)
+
+
+def _workers():
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+# ------------------------------------------------------------------------------------------
+# (a) pull vs push
+
+
+def _pp_point(args):
+    shape, R, prof, routing, mode, ncomm, only = args
+    cfg = SimConfig(num_comm_sms=ncomm, minibatch_tokens=4096, ring_tokens=32768, dispatch=mode)
+    t = time.perf_counter()
+    res = simulate(shape, R, cfg, prof, routing, dispatch_only=only)
+    row = dict(shape=shape, num_ranks=R, profile=prof, routing=routing.label, dispatch=mode,
+               num_comm_sms=ncomm, dispatch_only=only, wall_s=round(time.perf_counter() - t, 2))
+    if only:
+        row.update(res.dispatch_stats())
+    else:
+        s = res.summary()
+        row.update(layer_time_us=s["layer_time_us"], tflops_per_gpu=s["tflops_per_gpu"],
+                   exposed_comm_pct=s["exposed_comm_pct"],
+                   exposed_comm_pct_max=s["exposed_comm_pct_max"])
+    return row
+
+
+def study_pull_push(shape: str = "kimi_k2.7", *, workers: int | None = None,
+                    skews=(0.25, 0.5), full_layer: bool = True,
+                    scarce_shape: str = "qwen3.5_397b") -> dict:
+    """Dispatch alone (``shape``) with ample and with scarce comm SMs, and whole layers:
+    ``shape`` with ample comm SMs, ``scarce_shape`` (comm-heavier: K=10, small I) with 8 and 16
+    comm SMs. Per-pair push at R=72 is simulated for dispatch alone only (it is slow)."""
+    points = []
+    for R, prof, ample in ((8, "h200_hgx", 16), (72, "gb300_nvl72", 32)):
+        for ncomm in (ample, 8):
+            for routing in [Routing()] + [Routing("skew", s) for s in skews]:
+                for mode in ("pull", "push", "push_hol"):
+                    points.append((shape, R, prof, routing, mode, ncomm, True))
+                    if full_layer and ncomm == ample and not (R == 72 and mode == "push"):
+                        points.append((shape, R, prof, routing, mode, ncomm, False))
+        if full_layer:
+            for ncomm in (8, 16):
+                for routing in (Routing(), Routing("skew", skews[0])):
+                    for mode in ("pull", "push", "push_hol"):
+                        if not (R == 72 and mode == "push"):
+                            points.append((scarce_shape, R, prof, routing, mode, ncomm, False))
+    rows = _pool_map(_pp_point, points, workers or _workers())
+    return dict(study="a: pull vs push dispatch", shape=shape, scarce_shape=scarce_shape,
+                rows=rows)
+
+
+# ------------------------------------------------------------------------------------------
+# (b) sweep
+
+
+SWEEP_COMM = (4, 8, 12, 16, 24, 32, 40, 48, 64)
+SWEEP_MB = (1024, 2048, 4096, 8192)
+
+
+def _sweep_point(args):
+    shape, R, prof, ncomm, mb, copy_scale = args
+    hw = get_profile(prof)
+    if copy_scale != 1.0:
+        hw = hw.replace(sm_copy_bytes_per_s=hw.sm_copy_bytes_per_s * copy_scale,
+                        source=f"sensitivity: {copy_scale} x the profile's assumption")
+    ring = max(4 * mb, 32768)
+    cfg = SimConfig(num_comm_sms=ncomm, minibatch_tokens=mb, ring_tokens=ring)
+    res = simulate(shape, R, cfg, hw)
+    s = res.summary()
+    return dict(shape=shape, num_ranks=R, profile=prof, num_comm_sms=ncomm, minibatch_tokens=mb,
+                ring_tokens=ring, copy_scale=copy_scale, layer_time_us=s["layer_time_us"],
+                tflops_per_gpu=s["tflops_per_gpu"], exposed_comm_pct=s["exposed_comm_pct"],
+                comm_busy_pct=s["comm_busy_pct"], compute_busy_pct=s["compute_busy_pct"],
+                dispatch_link_gbps=s["dispatch_link_gbps"])
+
+
+def study_sweep(*, workers: int | None = None, shapes=MOK_SHAPES, comm=SWEEP_COMM,
+                minibatches=SWEEP_MB, setups=((8, "h200_hgx"), (64, "gb300_nvl72"))) -> dict:
+    points = [(s, R, p, n, mb, 1.0) for R, p in setups for s in shapes for n in comm
+              for mb in minibatches]
+    # sensitivity of the comm-SM optimum to the (uncalibrated) per-SM copy rate
+    points += [(s, R, p, n, 4096, 0.5) for R, p in setups for s in shapes for n in comm]
+    rows = _pool_map(_sweep_point, points, workers or _workers())
+    best = {}
+    for r in rows:
+        k = f"{r['shape']}|{r['profile']}|{r['num_ranks']}|copy{r['copy_scale']}"
+        if k not in best or r["layer_time_us"] < best[k]["layer_time_us"]:
+            best[k] = r
+    return dict(study="b: num_comm_sms x minibatch sweep", rows=rows, best=best)
+
+
+# ------------------------------------------------------------------------------------------
+# (c) against MoK's published numbers
+
+
+def _mok_point(args):
+    shape, R, variant, ncomm, mb = args
+    hw = get_profile("gb300_nvl72")
+    if variant == "gemm_as_torch_fit":
+        scale, overhead = GEMM_FIT_H200
+        hw = hw.replace(sm_tensor_flops=hw.sm_tensor_flops * scale,
+                        gemm_task_overhead_s=overhead,
+                        source="sensitivity: H200 torch grouped-GEMM fit applied to GB300")
+    elif variant == "copy_half":
+        hw = hw.replace(sm_copy_bytes_per_s=hw.sm_copy_bytes_per_s / 2,
+                        source="sensitivity: half the assumed per-SM copy rate")
+    cfg = SimConfig(num_comm_sms=ncomm, minibatch_tokens=mb, ring_tokens=max(4 * mb, 32768))
+    res = simulate(shape, R, cfg, hw)
+    return dict(shape=shape, num_ranks=R, variant=variant, num_comm_sms=ncomm,
+                minibatch_tokens=mb, tflops_per_gpu=res.tflops_per_gpu,
+                layer_time_us=res.layer_time * 1e6)
+
+
+def study_mok(*, workers: int | None = None, ranks=(8, 16, 32, 64), shapes=MOK_SHAPES,
+              comm=(8, 16, 24, 32, 40), minibatches=(2048, 4096),
+              variants=("profile", "gemm_as_torch_fit", "copy_half")) -> dict:
+    points = [(s, R, v, n, mb) for v in variants for s in shapes for R in ranks for n in comm
+              for mb in minibatches]
+    rows = _pool_map(_mok_point, points, workers or _workers())
+    best = {}
+    for r in rows:
+        k = (r["shape"], r["num_ranks"], r["variant"])
+        if k not in best or r["tflops_per_gpu"] > best[k]["tflops_per_gpu"]:
+            best[k] = r
+    table = sorted(best.values(), key=lambda r: (r["variant"], r["shape"], r["num_ranks"]))
+    # MoK's own setting (40 comm SMs, 4096-token minibatches) at EP 64, for comparison
+    mok_setting = _pool_map(_mok_point, [(s, 64, v, 40, 4096) for v in variants
+                                         for s in shapes], workers or _workers())
+    return dict(study="c: predicted TFLOP/s per GPU on GB300 vs MoK", published=MOK_GB300,
+                best=table, mok_setting=mok_setting, rows=rows)
+
+
+# ------------------------------------------------------------------------------------------
+# calibration
+
+
+def study_calibration(results_dir: str | Path | None = None) -> dict:
+    """Leave-one-out fits of the GEMM model. Uses our benchmark JSON rows of contender
+    'mok_cute' (single-GPU shapes) when ``results_dir`` holds some, else the anchors'
+    torch._grouped_mm 'two GEMMs alone' numbers."""
+    rows, contender, source = [], "torch_grouped_gemm_anchor", "anchors.md torch._grouped_mm"
+    if results_dir is not None:
+        files = sorted(Path(results_dir).glob("*.json"))
+        ours = [r for r in calibrate.load_results(files) if r.get("contender") == "mok_cute"]
+        from ..benchmark import SINGLE_GPU_SHAPES
+
+        ours = [r for r in ours if r.get("shape") in SINGLE_GPU_SHAPES]
+        if len({r["shape"] for r in ours}) >= 3:
+            rows, contender, source = ours, "mok_cute", ", ".join(str(f) for f in files)
+    if not rows:
+        rows = calibrate.anchor_rows()
+    shapes = sorted({r["shape"] for r in rows if r.get("contender") == contender})
+    folds = []
+    for held in shapes:
+        fit = calibrate.fit_gemm(rows, "h200_hgx", train=[s for s in shapes if s != held],
+                                 contender=contender, source=f"calibrated on {source}")
+        folds.append(dict(held_out=held, error=fit.errors[held],
+                          sm_tensor_flops=fit.profile.sm_tensor_flops,
+                          gpu_tflops=fit.profile.gpu_tensor_flops / 1e12,
+                          gemm_task_overhead_us=fit.profile.gemm_task_overhead_s * 1e6,
+                          report=fit.report()))
+    allfit = calibrate.fit_gemm(rows, "h200_hgx", train=shapes, contender=contender,
+                                source=f"calibrated on {source}")
+    uncal = {s: (calibrate.predict_gemm_ms(s, "h200_hgx") - allfit.measured_ms[s])
+             / allfit.measured_ms[s] for s in shapes}
+    return dict(study="calibration of the GEMM tile model (H200)", source=source,
+                contender=contender, folds=folds,
+                mean_abs_held_out_error=float(np.mean([abs(f["error"]) for f in folds])),
+                fit_all=dict(gpu_tflops=allfit.profile.gpu_tensor_flops / 1e12,
+                             scale=allfit.profile.sm_tensor_flops
+                             / get_profile("h200_hgx").sm_tensor_flops,
+                             gemm_task_overhead_us=allfit.profile.gemm_task_overhead_s * 1e6,
+                             errors=allfit.errors),
+                uncalibrated_errors=uncal)
+
+
+# ------------------------------------------------------------------------------------------
+# plots
+
+
+def plot_pull_push(data: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if r["dispatch_only"]]
+    panels = list(dict.fromkeys((r["num_ranks"], r["profile"], r["num_comm_sms"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    modes = ("pull", "push", "push_hol")
+    for ax, (R, prof, nc) in zip(np.atleast_1d(axes), panels):
+        sub = [r for r in rows if (r["num_ranks"], r["profile"], r["num_comm_sms"]) == (R, prof, nc)]
+        routings = list(dict.fromkeys(r["routing"] for r in sub))
+        x = np.arange(len(routings))
+        for k, mode in enumerate(modes):
+            vals = [next((r["mean_receiver_gbps"] for r in sub if r["routing"] == rt
+                          and r["dispatch"] == mode), np.nan) for rt in routings]
+            ax.bar(x + (k - 1) * 0.27, vals, 0.27, label=mode)
+        ax.set_xticks(x, routings, fontsize=8)
+        ax.set_title(f"R={R} {prof}, {nc} comm SMs", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    np.atleast_1d(axes)[0].set_ylabel("dispatch ingress GB/s\n(mean over receivers)")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    fig.suptitle("SIMULATED: pull vs push dispatch alone, Kimi K2.7 rows (study a)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_sweep(data: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["rows"] if r["copy_scale"] == 1.0]
+    setups = list(dict.fromkeys((r["profile"], r["num_ranks"]) for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(len(setups), len(shapes), figsize=(3.1 * len(shapes),
+                                                                 2.6 * len(setups)))
+    axes = np.atleast_2d(axes)
+    for i, (prof, R) in enumerate(setups):
+        for j, shape in enumerate(shapes):
+            sub = [r for r in rows if r["profile"] == prof and r["num_ranks"] == R
+                   and r["shape"] == shape]
+            comm = sorted({r["num_comm_sms"] for r in sub})
+            mbs = sorted({r["minibatch_tokens"] for r in sub})
+            z = np.full((len(mbs), len(comm)), np.nan)
+            for r in sub:
+                z[mbs.index(r["minibatch_tokens"]), comm.index(r["num_comm_sms"])] = \
+                    r["tflops_per_gpu"]
+            ax = axes[i, j]
+            im = ax.imshow(z, aspect="auto", origin="lower", cmap="viridis")
+            bi = np.unravel_index(np.nanargmax(z), z.shape)
+            ax.plot(bi[1], bi[0], "r*", ms=10)
+            ax.set_xticks(range(len(comm)), comm, fontsize=7)
+            ax.set_yticks(range(len(mbs)), mbs, fontsize=7)
+            ax.set_title(f"{shape} {prof} R={R}\nbest {np.nanmax(z):.0f} TFLOP/s", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("minibatch tokens", fontsize=8)
+            if i == len(setups) - 1:
+                ax.set_xlabel("num_comm_sms", fontsize=8)
+            fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle("SIMULATED TFLOP/s per GPU (MoK formula), uniform routing (study b)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_mok(data: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["best"]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    ranks = sorted({r["num_ranks"] for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.2 * len(shapes), 3.2), sharey=True)
+    for ax, shape in zip(np.atleast_1d(axes), shapes):
+        x = np.arange(len(ranks))
+        for k, v in enumerate(variants):
+            vals = [next((r["tflops_per_gpu"] for r in rows if r["shape"] == shape
+                          and r["variant"] == v and r["num_ranks"] == R), np.nan) for R in ranks]
+            ax.bar(x + (k - (len(variants) - 1) / 2) * 0.8 / len(variants), vals,
+                   0.8 / len(variants), label=v)
+        if shape in data["published"]:
+            ax.axhline(data["published"][shape], color="red", ls="--", label="MoK published")
+        ax.set_xticks(x, [f"EP{R}" for R in ranks], fontsize=8)
+        ax.set_title(shape, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    np.atleast_1d(axes)[0].set_ylabel("TFLOP/s per GPU")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    fig.suptitle("SIMULATED GB300 NVL72, best of a sweep, vs MoK's published DSV4-Pro BF16 fwd "
+                 "(study c)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_json(data: dict, path: str | Path, command: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def clean(o):
+        if isinstance(o, dict):
+            return {str(k): clean(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [clean(v) for v in o]
+        if isinstance(o, (np.floating, float)):
+            return round(float(o), 4)
+        if isinstance(o, np.integer):
+            return int(o)
+        return o
+
+    path.write_text(json.dumps(dict(command=command, simulated=True, **clean(data)), indent=1))
+    return path

@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Run the simulator studies of docs/sim.md and write their JSON + PNG into benchmarks/sim/.
+
+    python tools/sim_studies.py a            # pull vs push dispatch (R=8 H200, R=72 GB300)
+    python tools/sim_studies.py b            # num_comm_sms x minibatch sweep, MoK's shapes
+    python tools/sim_studies.py c            # predicted TFLOP/s on GB300 vs MoK's numbers
+    python tools/sim_studies.py calibrate [--results benchmarks/results]
+    python tools/sim_studies.py swimlane     # one simulated timeline PNG
+    python tools/sim_studies.py all
+
+Everything here is simulated on the CPU (mok_cute.sim), never measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from mok_cute.sim import studies
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("study", choices=["a", "b", "c", "calibrate", "swimlane", "all"])
+    ap.add_argument("--out", default="benchmarks/sim", help="output folder")
+    ap.add_argument("--results", default="benchmarks/results",
+                    help="benchmark JSON folder for 'calibrate' (falls back to the anchors)")
+    ap.add_argument("--workers", type=int, default=None, help="processes (default: 2)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python tools/sim_studies.py " + " ".join(shlex.quote(a) for a in (
+        argv if argv is not None else sys.argv[1:]))
+    todo = ["calibrate", "a", "b", "c", "swimlane"] if args.study == "all" else [args.study]
+    for st in todo:
+        t0 = time.perf_counter()
+        if st == "a":
+            data = studies.study_pull_push(workers=args.workers)
+            studies.write_json(data, out / "study_a_pull_push.json", command)
+            studies.plot_pull_push(data, out / "study_a_pull_push.png")
+        elif st == "b":
+            data = studies.study_sweep(workers=args.workers)
+            studies.write_json(data, out / "study_b_sweep.json", command)
+            studies.plot_sweep(data, out / "study_b_sweep.png")
+        elif st == "c":
+            data = studies.study_mok(workers=args.workers)
+            studies.write_json(data, out / "study_c_mok.json", command)
+            studies.plot_mok(data, out / "study_c_mok.png")
+        elif st == "calibrate":
+            res = Path(args.results)
+            data = studies.study_calibration(res if res.is_dir() else None)
+            studies.write_json(data, out / "calibration.json", command)
+            for f in data["folds"]:
+                print(f["report"])
+            print(f"mean |held-out error| = {100 * data['mean_abs_held_out_error']:.1f}% "
+                  f"(source: {data['source']})")
+        elif st == "swimlane":
+            from mok_cute import sim
+
+            cfg = sim.SimConfig(num_comm_sms=16, minibatch_tokens=4096, ring_tokens=32768)
+            r = sim.simulate("kimi_k2.7", 8, cfg, "h200_hgx", sim.Routing("skew", 0.25))
+            r.write_png(out / "swimlane_kimi_h200x8_skew0.25.png", rank=0)
+        print(f"study {st}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
