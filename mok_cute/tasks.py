@@ -116,7 +116,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 

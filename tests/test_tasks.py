@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from mok_cute import tasks as T
-from mok_cute.tasks import CounterGroup as CG
 from mok_cute.tasks import Role, TaskType
 
 SMALL = dict(hidden=512, intermediate=192, num_tokens=300, top_k=2, tile_m=64, fc1_tile_n=128,
@@ -452,3 +451,30 @@ def test_task_types_match_the_timeline_enum():
         assert int(getattr(timeline.TaskType, t.name)) == int(t)
     for r in Role:
         assert int(getattr(timeline.Role, r.name)) == int(r)
+
+
+def test_build_for_a_receive_schedule_static_and_actual():
+    torch = pytest.importorskip("torch")
+    from mok_cute.schedule import build_receive_schedule
+
+    g = torch.Generator().manual_seed(0)
+    R, Tk, K, E_loc = 3, 50, 2, 4
+    topk = torch.stack([torch.randperm(R * E_loc, generator=g)[:K] for _ in range(R * Tk)])
+    sch = build_receive_schedule(topk.reshape(R, Tk, K), 1, E_loc, tile_m=64)
+    kw = dict(hidden=256, intermediate=128, num_tokens=Tk, top_k=K, minibatch_tokens=128,
+              ring_tokens=256, fc1_tile_n=128, fc2_tile_n=128)
+    static = T.build_for_schedule(sch, static=True, **kw)
+    actual = T.build_for_schedule(sch, static=False, **kw)
+    assert static.num_m_tiles == sch.capacity // 64 and static.params.static
+    assert actual.num_m_tiles == int(sch.num_tiles) < static.num_m_tiles
+    assert actual.params.rank == 1 and actual.params.num_ranks == R
+    assert actual.tile_rows.sum() == int(sch.expert_counts.sum())
+    # the static list run with the device's num_tiles does exactly the actual list's work
+    run = T.simulate_live_run(static, int(sch.num_tiles))
+    ran = sorted((int(static.type[i]), int(static.m_tile_begin[i]), int(static.n_tile[i]))
+                 for r in Role for i in run[r]["ran"])
+    want = sorted((int(actual.type[i]), int(actual.m_tile_begin[i]), int(actual.n_tile[i]))
+                  for i in range(len(actual)))
+    assert ran == want
+    with pytest.raises(ValueError, match="tile_m"):
+        T.build_for_schedule(sch, tile_m=128, **kw)

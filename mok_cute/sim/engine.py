@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from ..tasks import Role, TaskType
+from ..tasks import Role
 from .hardware import HardwareProfile
 from .model import Graph
 

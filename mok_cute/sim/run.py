@@ -47,20 +47,8 @@ def simulate(shape: SimShape | str, num_ranks: int, config: SimConfig,
 
 
 def _union_length(s: np.ndarray, e: np.ndarray) -> float:
-    if s.size == 0:
-        return 0.0
-    o = np.argsort(s, kind="stable")
-    s, e = s[o], e[o]
-    run_end = np.maximum.accumulate(e)
-    gap_start = np.concatenate([[False], s[1:] > run_end[:-1]])
-    seg = np.cumsum(gap_start)
-    seg_s = np.zeros(seg[-1] + 1)
-    seg_e = np.zeros(seg[-1] + 1)
-    np.minimum.at(seg_s, seg, 0)  # placeholder for shape
-    seg_s = np.full(seg[-1] + 1, np.inf)
-    np.minimum.at(seg_s, seg, s)
-    np.maximum.at(seg_e, seg, e)
-    return float((seg_e - seg_s).sum())
+    u = _intervals_union(s, e)
+    return float((u[:, 1] - u[:, 0]).sum()) if u.size else 0.0
 
 
 def _intervals_union(s, e):

@@ -14,7 +14,6 @@ Every function returns plain dicts (written as JSON next to a PNG); nothing here
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -25,7 +24,7 @@ import numpy as np
 
 from . import calibrate
 from .hardware import get_profile
-from .model import MOK_SHAPES, Routing, SimConfig, SimShape
+from .model import MOK_SHAPES, Routing, SimConfig
 from .run import simulate
 
 __all__ = ["study_pull_push", "study_sweep", "study_mok", "study_calibration", "MOK_GB300"]

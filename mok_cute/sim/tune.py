@@ -20,7 +20,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-import numpy as np
 
 from .hardware import HardwareProfile, get_profile
 from .model import Routing, SimConfig, SimShape
