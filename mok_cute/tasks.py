@@ -121,6 +121,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+# One definition of the roles and task types: the timeline records carry the same values.
+from mok_cute.timeline import Role, TaskType  # noqa: E402  (re-exported)
+
 __all__ = [
     "Role",
     "TaskType",
@@ -139,25 +142,6 @@ __all__ = [
     "encode_device",
     "decode",
 ]
-
-
-class Role(enum.IntEnum):
-    COMM = 0
-    COMPUTE = 1
-
-
-class TaskType(enum.IntEnum):
-    # Same values as mok_cute.timeline.TaskType (the timeline records use them).
-    DISPATCH = 0
-    FC1 = 1
-    FC2 = 2
-    COMBINE = 3
-    SHARED_FC1 = 4
-    SHARED_FC2 = 5
-    KSUM = 6
-    BARRIER = 7
-    WAIT = 8
-    GATHER = 9
 
 
 class CounterGroup(enum.IntEnum):
