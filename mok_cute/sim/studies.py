@@ -180,19 +180,29 @@ def study_mok(*, workers: int | None = None, ranks=(8, 16, 32, 64), shapes=MOK_S
 # calibration
 
 
+def _recorded_date(path: Path) -> str:
+    """The run time a benchmark JSON records (ISO 8601, sorts as text); '' if none."""
+    try:
+        return str(json.loads(path.read_text()).get("date", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 def study_calibration(results_dir: str | Path | None = None) -> dict:
     """Leave-one-out fits of the GEMM model. Uses our benchmark JSON rows of contender
     'mok_cute' (single-GPU shapes) when ``results_dir`` holds some, else the anchors'
     torch._grouped_mm 'two GEMMs alone' numbers."""
     rows, contender, source = [], "torch_grouped_gemm_anchor", "anchors.md torch._grouped_mm"
     if results_dir is not None:
-        files = sorted(Path(results_dir).glob("*.json"))
+        # oldest run first, so a shape measured again takes the newest run's time
+        files = sorted(Path(results_dir).glob("*.json"), key=_recorded_date)
         ours = [r for r in calibrate.load_results(files) if r.get("contender") == "mok_cute"]
         from ..benchmark import SINGLE_GPU_SHAPES
 
         ours = [r for r in ours if r.get("shape") in SINGLE_GPU_SHAPES]
         if len({r["shape"] for r in ours}) >= 3:
-            rows, contender, source = ours, "mok_cute", ", ".join(str(f) for f in files)
+            used = list(dict.fromkeys(r["_file"] for r in ours))
+            rows, contender, source = ours, "mok_cute", ", ".join(used)
     if not rows:
         rows = calibrate.anchor_rows()
     shapes = sorted({r["shape"] for r in rows if r.get("contender") == contender})
