@@ -73,6 +73,9 @@ KERNELS: dict[str, KernelSpec] = {
     "gemm_fc2": KernelSpec(
         "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm", {"epilogue": "store", "tile_n": 256},
         "grouped GEMM FC2: down projection (TMA + wgmma, persistent)"),
+    "pull_dispatch": KernelSpec(
+        "mok_cute.kernels.dispatch_sm90", "compile_pull_dispatch", {},
+        "megakernel comm task: pull scheduled x rows from peer buffers into the ring (not yet run on a GPU)"),
 }
 
 
