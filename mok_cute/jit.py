@@ -74,8 +74,11 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm", {"epilogue": "store", "tile_n": 256},
         "grouped GEMM FC2: down projection (TMA + wgmma, persistent)"),
     "pull_dispatch": KernelSpec(
-        "mok_cute.kernels.dispatch_sm90", "compile_pull_dispatch", {},
+        "mok_cute.kernels.comm_sm90", "compile_pull_dispatch", {},
         "megakernel comm task: pull scheduled x rows from peer buffers into the ring (not yet run on a GPU)"),
+    "push_combine": KernelSpec(
+        "mok_cute.kernels.comm_sm90", "compile_push_combine", {},
+        "megakernel comm task: push y rows to the source ranks' combine buffers (not yet run on a GPU)"),
 }
 
 

@@ -1,0 +1,203 @@
+"""The comm-CTA tasks of the megakernel as standalone kernels: pull dispatch, push combine.
+
+``PullDispatch``: for every receiving rank ``r`` and every live M-tile of its receive
+schedule, copy the tile's 128 rows ``x[row_peer, row_token]`` from the symmetric buffer of
+the rank that owns each token (its base address read from the peer table at run time) into
+rank r's ring, in schedule order; padding rows (peer -1) become zeros. Then thread 0
+publishes ``dispatched[r, tile] += 1`` (release): what the tile's FC1 tasks wait on.
+
+``PushCombine``: for every live M-tile of rank r, store each expert output row ``y`` of the
+ring into the combine buffer of the rank the token came from, at slot ``token * K + k``,
+then publish ``combined[r, tile] += 1``. The source rank's fixed-order k-sum then reads its
+own ``[T * K, H]`` combine buffer.
+
+- Virtual backend: every rank's CTAs are in this one launch (``(rank, tile)`` tasks walked
+  with a grid stride) and ``peer_bases`` is the [R, R] table of ``VirtualPeers``; with the
+  IPC backend the same kernels run per process with one receiving rank (and ``scope="sys"``
+  for counters that a peer GPU reads).
+- Rows move as 16-byte vectors, one warp per row; token counts and the hidden size are
+  run-time values; no host sync.
+
+Status: both compile for sm_90a (PTX checked in CI). NOT yet run on a GPU: their GPU tests
+(tests/test_comm_kernels.py) are the first megakernel steps of docs/megakernel_plan.md.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Int32, Int64
+
+from mok_cute import jit
+from mok_cute.kernels import common
+
+VEC_ELEMS = 8  # bf16 per 16-byte vector
+TILE_M = 128
+
+
+def _bf16_row(addr: Int64, hidden: Int32) -> cute.Tensor:
+    """A bf16 row of ``hidden`` elements at a run-time (peer) address, 16-byte aligned."""
+    return cute.make_tensor(
+        cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16),
+        cute.make_layout(hidden))
+
+
+@cute.jit
+def _copy_row(src: cute.Tensor, dst: cute.Tensor, h_vecs: Int32, lane: Int32):
+    """One warp copies a row as 16-byte vectors (lane-strided, coalesced)."""
+    vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    for v in cutlass.range(lane, h_vecs, 32, unroll=1):
+        frag = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+        cute.copy(vec, cute.local_tile(src, (VEC_ELEMS,), (v,)), frag)
+        cute.copy(vec, frag, cute.local_tile(dst, (VEC_ELEMS,), (v,)))
+
+
+@cute.jit
+def _zero_row(dst: cute.Tensor, h_vecs: Int32, lane: Int32):
+    vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+    zeros.fill(0.0)
+    for v in cutlass.range(lane, h_vecs, 32, unroll=1):
+        cute.copy(vec, zeros, cute.local_tile(dst, (VEC_ELEMS,), (v,)))
+
+
+@cute.jit
+def _publish_tile(counters: cute.Tensor, index, scope: cutlass.Constexpr[str]):
+    """Every row of the tile is written (CTA barrier) before thread 0 publishes it."""
+    cute.arch.barrier()
+    if cute.arch.thread_idx()[0] == 0:
+        if cutlass.const_expr(scope == "sys"):
+            cute.arch.fence_acq_rel_sys()
+        else:
+            cute.arch.fence_acq_rel_gpu()
+        common.counter_publish(counters, index, 1, scope)
+
+
+class _TileWalker:
+    """Shared launch shape: a persistent grid walks (rank, M-tile) tasks, one warp per row."""
+
+    def __init__(self, num_warps: int = 8, num_ctas: int = 132, scope: str = "gpu"):
+        if num_warps < 1 or num_ctas < 1:
+            raise ValueError(f"num_warps and num_ctas must be >= 1, got {num_warps}, {num_ctas}")
+        if scope not in ("gpu", "sys"):
+            raise ValueError(f"scope must be 'gpu' or 'sys', got {scope!r}")
+        self.num_warps = num_warps
+        self.num_ctas = num_ctas
+        self.scope = scope
+
+
+class PullDispatch(_TileWalker):
+    """Copy schedule rows from the owning ranks' ``x`` into each rank's ring."""
+
+    @cute.jit
+    def __call__(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
+                 ring: cute.Tensor, num_tiles: cute.Tensor, dispatched: cute.Tensor,
+                 x_offset_bytes: Int64):
+        """peer_bases int64 (R, P): base address of peer p's buffer as seen by rank r;
+        row_peer / row_token int32 (R, capacity); ring bf16 (R, capacity, H);
+        num_tiles int32 (R,); dispatched int32 (R, capacity / 128); x lives at
+        ``x_offset_bytes`` inside every peer buffer as a row-major [T_max, H] bf16 array."""
+        self.kernel(peer_bases, row_peer, row_token, ring, num_tiles, dispatched,
+                    x_offset_bytes).launch(grid=[self.num_ctas, 1, 1],
+                                           block=[32 * self.num_warps, 1, 1])
+
+    @cute.kernel
+    def kernel(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
+               ring: cute.Tensor, num_tiles: cute.Tensor, dispatched: cute.Tensor,
+               x_offset_bytes: Int64):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        num_ranks = cute.size(ring, mode=[0])
+        hidden = cute.size(ring, mode=[2])
+        h_vecs = hidden // VEC_ELEMS
+        tiles_cap = cute.size(dispatched, mode=[1])
+        task = cute.arch.block_idx()[0]
+        while task < num_ranks * tiles_cap:
+            rank = task // tiles_cap
+            tile = task - rank * tiles_cap
+            if tile < num_tiles[rank]:
+                for r in cutlass.range(warp, TILE_M, self.num_warps, unroll=1):
+                    row = tile * TILE_M + r
+                    peer = row_peer[rank, row]
+                    if peer >= 0:
+                        src = _bf16_row(peer_bases[rank, peer] + x_offset_bytes
+                                        + Int64(row_token[rank, row]) * Int64(hidden) * 2, hidden)
+                        _copy_row(src, ring[rank, row, None], h_vecs, lane)
+                    else:
+                        _zero_row(ring[rank, row, None], h_vecs, lane)
+                _publish_tile(dispatched, rank * tiles_cap + tile, self.scope)
+            task += cute.arch.grid_dim()[0]
+
+
+class PushCombine(_TileWalker):
+    """Store each expert output row to its source rank's combine buffer at (token, k)."""
+
+    @cute.jit
+    def __call__(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
+                 row_k: cute.Tensor, ring_y: cute.Tensor, num_tiles: cute.Tensor,
+                 combined: cute.Tensor, combine_offset_bytes: Int64, top_k: Int32):
+        """As PullDispatch, plus row_k int32 (R, capacity) and ring_y bf16 (R, capacity, H);
+        the combine buffer lives at ``combine_offset_bytes`` in every peer buffer as a
+        row-major [T_max * top_k, H] bf16 array."""
+        self.kernel(peer_bases, row_peer, row_token, row_k, ring_y, num_tiles, combined,
+                    combine_offset_bytes, top_k).launch(grid=[self.num_ctas, 1, 1],
+                                                        block=[32 * self.num_warps, 1, 1])
+
+    @cute.kernel
+    def kernel(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
+               row_k: cute.Tensor, ring_y: cute.Tensor, num_tiles: cute.Tensor,
+               combined: cute.Tensor, combine_offset_bytes: Int64, top_k: Int32):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        num_ranks = cute.size(ring_y, mode=[0])
+        hidden = cute.size(ring_y, mode=[2])
+        h_vecs = hidden // VEC_ELEMS
+        tiles_cap = cute.size(combined, mode=[1])
+        task = cute.arch.block_idx()[0]
+        while task < num_ranks * tiles_cap:
+            rank = task // tiles_cap
+            tile = task - rank * tiles_cap
+            if tile < num_tiles[rank]:
+                for r in cutlass.range(warp, TILE_M, self.num_warps, unroll=1):
+                    row = tile * TILE_M + r
+                    peer = row_peer[rank, row]
+                    if peer >= 0:
+                        slot = Int64(row_token[rank, row]) * Int64(top_k) + Int64(row_k[rank, row])
+                        dst = _bf16_row(peer_bases[rank, peer] + combine_offset_bytes
+                                        + slot * Int64(hidden) * 2, hidden)
+                        _copy_row(ring_y[rank, row, None], dst, h_vecs, lane)
+                _publish_tile(combined, rank * tiles_cap + tile, self.scope)
+            task += cute.arch.grid_dim()[0]
+
+
+def _fake_rowmajor(dtype, shape, align):
+    """Fake row-major tensor with run-time extents and strides."""
+    div = VEC_ELEMS if dtype is BFloat16 else 1
+    stride = tuple(1 if i == len(shape) - 1 else cute.sym_int64(divisibility=div)
+                   for i in range(len(shape)))
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def _fake_schedule_args(extra_row_arrays: int):
+    ranks, peers, cap = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(divisibility=TILE_M)
+    hidden, tiles = cute.sym_int32(divisibility=VEC_ELEMS), cute.sym_int32()
+    rows = [_fake_rowmajor(Int32, (ranks, cap), 4) for _ in range(2 + extra_row_arrays)]
+    return (_fake_rowmajor(Int64, (ranks, peers), 8), *rows,
+            _fake_rowmajor(BFloat16, (ranks, cap, hidden), 16), common.fake_vector(Int32),
+            _fake_rowmajor(Int32, (ranks, tiles), 4))
+
+
+def compile_pull_dispatch(arch: str = "sm_90a", *, options: str = "", num_warps: int = 8,
+                          num_ctas: int = 132, scope: str = "gpu"):
+    """Compile on fake tensors (no GPU): every extent is a run-time value."""
+    op = PullDispatch(num_warps=num_warps, num_ctas=num_ctas, scope=scope)
+    return cute.compile(op, *_fake_schedule_args(0), Int64(0),
+                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
+
+
+def compile_push_combine(arch: str = "sm_90a", *, options: str = "", num_warps: int = 8,
+                         num_ctas: int = 132, scope: str = "gpu"):
+    """Compile on fake tensors (no GPU): every extent is a run-time value."""
+    op = PushCombine(num_warps=num_warps, num_ctas=num_ctas, scope=scope)
+    return cute.compile(op, *_fake_schedule_args(1), Int64(0), Int32(1),
+                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
