@@ -77,10 +77,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                          f"{type(w_up).__name__} with epilogue={epilogue!r}")
     if w_up is not None and w_up.shape != w.shape:
         raise ValueError(f"w_up: expected shape {tuple(w.shape)} like w, got {tuple(w_up.shape)}")
-    n_out = n
-    tile_n = tile_n or choose_tile_n(n_out, epilogue)
+    tile_n = tile_n or choose_tile_n(n, epilogue)
     if out is None:
-        out = torch.empty(m, n_out, dtype=a.dtype, device=a.device)
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     compiled = jit.compile_kernel(
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
@@ -147,7 +146,8 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     timeline = recorder.tensor if recorder is not None else None
     num_tokens, top_k = topk_idx.shape
     num_experts = w_gate.shape[0]
-    # ids were checked by api.py: skip the schedule's own host read
+    # api.py checks the ids (its device read is waited for after these launches) or the
+    # caller vouches for them (check_ids=False): the schedule skips its own host read
     sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
                                              tile_m=TILE_M, validate=False)
     x_rows = token_ops.gather_rows(x, sched.row_token)
@@ -163,10 +163,8 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
                                  ws_down.unsqueeze(0), zeros, count, timeline, shared=True)
 
     # the k-sum reads each (token, k) expert row where FC2 left it: no permuted copy of y
-    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k).to(torch.int32)
-    weights = topk_weights.float() if topk_weights.dtype != torch.float32 else topk_weights
-    out = token_ops.weighted_ksum(y, weights.contiguous(), shared_rows,
-                                  row_index=row_of_slot.contiguous())
+    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
+    out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
     if recorder is not None:
         from mok_cute.timeline import set_last
         set_last(recorder)
