@@ -73,8 +73,12 @@ def _publish_tile(counters: cute.Tensor, index, scope: cutlass.Constexpr[str]):
         common.counter_publish(counters, index, 1, scope)
 
 
-class _TileWalker:
-    """Shared launch shape: a persistent grid walks (rank, M-tile) tasks, one warp per row."""
+class _RowExchange:
+    """Shared body of both comm tasks: a persistent grid walks (rank, M-tile) tasks, one warp
+    per row; ``pull`` copies peer x rows into the ring, push copies ring rows to the peers'
+    combine slots. Each finished tile is release-published in ``counters``."""
+
+    pull: bool = True
 
     def __init__(self, num_warps: int = 8, num_ctas: int = 132, scope: str = "gpu"):
         if num_warps < 1 or num_ctas < 1:
@@ -85,9 +89,54 @@ class _TileWalker:
         self.num_ctas = num_ctas
         self.scope = scope
 
+    @cute.jit
+    def _launch(self, peer_bases, row_peer, row_token, row_k, ring, num_tiles, counters,
+                offset_bytes: Int64, top_k: Int32):
+        self.kernel(peer_bases, row_peer, row_token, row_k, ring, num_tiles, counters,
+                    offset_bytes, top_k).launch(grid=[self.num_ctas, 1, 1],
+                                                block=[32 * self.num_warps, 1, 1])
 
-class PullDispatch(_TileWalker):
+    @cute.kernel
+    def kernel(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
+               row_k: cute.Tensor, ring: cute.Tensor, num_tiles: cute.Tensor,
+               counters: cute.Tensor, offset_bytes: Int64, top_k: Int32):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        num_ranks = cute.size(ring, mode=[0])
+        hidden = cute.size(ring, mode=[2])
+        h_vecs = hidden // VEC_ELEMS
+        row_bytes = Int64(hidden) * 2
+        tiles_cap = cute.size(counters, mode=[1])
+        task = cute.arch.block_idx()[0]
+        while task < num_ranks * tiles_cap:
+            rank = task // tiles_cap
+            tile = task - rank * tiles_cap
+            if tile < num_tiles[rank]:
+                for r in cutlass.range(warp, TILE_M, self.num_warps, unroll=1):
+                    row = tile * TILE_M + r
+                    peer = row_peer[rank, row]
+                    local = ring[rank, row, None]
+                    if peer >= 0:
+                        # pull: x row `token` of the peer; push: combine slot token*K + k
+                        index = Int64(row_token[rank, row])
+                        if cutlass.const_expr(not self.pull):
+                            index = index * Int64(top_k) + Int64(row_k[rank, row])
+                        remote = _bf16_row(peer_bases[rank, peer] + offset_bytes + index * row_bytes,
+                                           hidden)
+                        if cutlass.const_expr(self.pull):
+                            _copy_row(remote, local, h_vecs, lane)
+                        else:
+                            _copy_row(local, remote, h_vecs, lane)
+                    elif cutlass.const_expr(self.pull):
+                        _zero_row(local, h_vecs, lane)  # padding rows of the ring read as zeros
+                _publish_tile(counters, rank * tiles_cap + tile, self.scope)
+            task += cute.arch.grid_dim()[0]
+
+
+class PullDispatch(_RowExchange):
     """Copy schedule rows from the owning ranks' ``x`` into each rank's ring."""
+
+    pull = True
 
     @cute.jit
     def __call__(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
@@ -97,40 +146,14 @@ class PullDispatch(_TileWalker):
         row_peer / row_token int32 (R, capacity); ring bf16 (R, capacity, H);
         num_tiles int32 (R,); dispatched int32 (R, capacity / 128); x lives at
         ``x_offset_bytes`` inside every peer buffer as a row-major [T_max, H] bf16 array."""
-        self.kernel(peer_bases, row_peer, row_token, ring, num_tiles, dispatched,
-                    x_offset_bytes).launch(grid=[self.num_ctas, 1, 1],
-                                           block=[32 * self.num_warps, 1, 1])
-
-    @cute.kernel
-    def kernel(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
-               ring: cute.Tensor, num_tiles: cute.Tensor, dispatched: cute.Tensor,
-               x_offset_bytes: Int64):
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        num_ranks = cute.size(ring, mode=[0])
-        hidden = cute.size(ring, mode=[2])
-        h_vecs = hidden // VEC_ELEMS
-        tiles_cap = cute.size(dispatched, mode=[1])
-        task = cute.arch.block_idx()[0]
-        while task < num_ranks * tiles_cap:
-            rank = task // tiles_cap
-            tile = task - rank * tiles_cap
-            if tile < num_tiles[rank]:
-                for r in cutlass.range(warp, TILE_M, self.num_warps, unroll=1):
-                    row = tile * TILE_M + r
-                    peer = row_peer[rank, row]
-                    if peer >= 0:
-                        src = _bf16_row(peer_bases[rank, peer] + x_offset_bytes
-                                        + Int64(row_token[rank, row]) * Int64(hidden) * 2, hidden)
-                        _copy_row(src, ring[rank, row, None], h_vecs, lane)
-                    else:
-                        _zero_row(ring[rank, row, None], h_vecs, lane)
-                _publish_tile(dispatched, rank * tiles_cap + tile, self.scope)
-            task += cute.arch.grid_dim()[0]
+        self._launch(peer_bases, row_peer, row_token, row_token, ring, num_tiles, dispatched,
+                     x_offset_bytes, Int32(1))
 
 
-class PushCombine(_TileWalker):
+class PushCombine(_RowExchange):
     """Store each expert output row to its source rank's combine buffer at (token, k)."""
+
+    pull = False
 
     @cute.jit
     def __call__(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
@@ -139,35 +162,8 @@ class PushCombine(_TileWalker):
         """As PullDispatch, plus row_k int32 (R, capacity) and ring_y bf16 (R, capacity, H);
         the combine buffer lives at ``combine_offset_bytes`` in every peer buffer as a
         row-major [T_max * top_k, H] bf16 array."""
-        self.kernel(peer_bases, row_peer, row_token, row_k, ring_y, num_tiles, combined,
-                    combine_offset_bytes, top_k).launch(grid=[self.num_ctas, 1, 1],
-                                                        block=[32 * self.num_warps, 1, 1])
-
-    @cute.kernel
-    def kernel(self, peer_bases: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
-               row_k: cute.Tensor, ring_y: cute.Tensor, num_tiles: cute.Tensor,
-               combined: cute.Tensor, combine_offset_bytes: Int64, top_k: Int32):
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        num_ranks = cute.size(ring_y, mode=[0])
-        hidden = cute.size(ring_y, mode=[2])
-        h_vecs = hidden // VEC_ELEMS
-        tiles_cap = cute.size(combined, mode=[1])
-        task = cute.arch.block_idx()[0]
-        while task < num_ranks * tiles_cap:
-            rank = task // tiles_cap
-            tile = task - rank * tiles_cap
-            if tile < num_tiles[rank]:
-                for r in cutlass.range(warp, TILE_M, self.num_warps, unroll=1):
-                    row = tile * TILE_M + r
-                    peer = row_peer[rank, row]
-                    if peer >= 0:
-                        slot = Int64(row_token[rank, row]) * Int64(top_k) + Int64(row_k[rank, row])
-                        dst = _bf16_row(peer_bases[rank, peer] + combine_offset_bytes
-                                        + slot * Int64(hidden) * 2, hidden)
-                        _copy_row(ring_y[rank, row, None], dst, h_vecs, lane)
-                _publish_tile(combined, rank * tiles_cap + tile, self.scope)
-            task += cute.arch.grid_dim()[0]
+        self._launch(peer_bases, row_peer, row_token, row_k, ring_y, num_tiles, combined,
+                     combine_offset_bytes, top_k)
 
 
 def _fake_rowmajor(dtype, shape, align):
