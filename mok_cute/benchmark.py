@@ -939,6 +939,10 @@ def write_results(
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--ep" in argv:  # expert parallelism across torchrun ranks: its own harness
+        from . import ep_bench
+
+        return ep_bench.main(argv)
     parser = argparse.ArgumentParser(
         prog="mok-cute bench",
         description="Time the MoE layer forward of mok_cute against the torch._grouped_mm pipeline, a per-expert "

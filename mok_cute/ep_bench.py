@@ -1,0 +1,814 @@
+"""Expert-parallel benchmark across real ranks (``mok-cute bench --ep``; issue 7, DESIGN §5).
+
+Run under torchrun, one process per GPU (backend nccl on CUDA, gloo on CPU):
+
+    torchrun --nproc-per-node 8 -m mok_cute.ep_bench --shapes ep --tokens 2048,8192
+    torchrun --nproc-per-node 8 -m mok_cute.cli bench --ep --shapes kimi_k2 --skew 0.5
+
+Without torchrun it runs as a group of one process. For every EP shape (MoK's four models:
+routed experts split evenly over the ranks, one shared expert of size I, ``--tokens`` per rank)
+it times, in one run:
+
+  mok_cute      ``mok_cute.moe_forward(..., group=pg)``. The row's ``path`` says which path that
+                call takes (``mok_cute.api.choose_path(distributed=True)``): today it is the
+                PyTorch reference with a real ``all_to_all_single`` exchange, NOT the megakernel;
+                ``megakernel`` is false and the chart labels it "[reference path]".
+  nccl_torch    the baseline: counts exchanged with ``all_to_all_single``, token rows sent to
+                the expert owners with ``all_to_all_single``, the ``torch._grouped_mm`` pipeline
+                of ``mok_cute.benchmark`` on the local experts (a per-expert loop on the CPU),
+                rows sent back with ``all_to_all_single``, fp32 weighted k-sum + shared expert.
+  nccl_dispatch / nccl_combine
+                the two row exchanges of the baseline alone, for bandwidth in two metrics:
+                ``link_gbps`` = bytes this rank sends to OTHER ranks / time (what crosses NVLink),
+                ``deepep_gbps`` = DeepEP's metric: dispatch counts the bytes a rank receives,
+                combine the bytes it sends back, both including its local share.
+                A row is one routed (token, k) pair here, as in MoK's pull schedule (DeepEP
+                sends a token once per destination rank, so its byte count can be smaller).
+                Both are averaged over ranks and divided by the max-over-ranks time.
+
+Routing is random (``torch.rand(...).topk``) from one CPU generator seeded identically on every
+rank, so every rank knows the whole routing; ``--skew f`` sends exactly ``round(f*T)`` tokens of
+each rank to expert ``--hot-expert`` (and no other token goes there). Expert weights are drawn
+per rank; the shared expert is the same on every rank.
+
+Correctness first: before timing, each layer contender runs on fresh inputs of
+``--check-tokens`` tokens per rank; inputs, weights and outputs are gathered to rank 0 and
+compared with ``mok_cute.reference.moe_forward_virtual`` (relative Frobenius error <= ``--tol``).
+A failed check is recorded and not timed. Timing: a warm-up, then per iteration the ranks are
+aligned (a one-element all_reduce and a device sync) and the call is timed with CUDA events (host
+clock on the CPU); the median per rank, then the max over ranks (all_reduce MAX) is ``ms``.
+TFLOP/s per GPU = 6 * (T*K + T) * H * I / ms with T the tokens per rank.
+
+Rank 0 writes ``<out>/<date>_<gpu>_<tag>.json`` (DESIGN §5 schema plus ``ranks``, ``link_gbps``,
+``deepep_gbps``, ``path``, ``status`` and per-rank details) and a PNG bar chart of the layer rows.
+NVLink multicast stays off: this module sets NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 when it is imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+# NVLink multicast stays off on shared hosts: set before NCCL or symmetric memory initialise.
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(NVLS_OFF)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from . import benchmark as bm  # noqa: E402
+
+LAYER_CONTENDERS = ["mok_cute", "nccl_torch"]
+COMM_CONTENDERS = ["nccl_dispatch", "nccl_combine"]
+ALL_CONTENDERS = LAYER_CONTENDERS + COMM_CONTENDERS
+BASELINE = "nccl_torch"
+ELEM_BYTES = 2  # bf16 token rows
+
+
+# --------------------------------------------------------------------------------------------
+# Process group
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Dist:
+    group: Any
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+    owns_group: bool  # this module initialised the process group and tears it down
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> Dist:
+    """The default group: the existing one, torchrun's (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*),
+    or a group of one process on 127.0.0.1. nccl on CUDA, gloo on the CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: expected cpu on a machine without CUDA, got {device!r}")
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            kwargs: dict[str, Any] = {"device_id": dev} if use_cuda else {}
+            dist.init_process_group(backend, timeout=timeout, **kwargs)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timeout)
+        owns = True
+    group = dist.group.WORLD
+    return Dist(group, dist.get_rank(group), dist.get_world_size(group), dev, dist.get_backend(group), owns)
+
+
+def _align(d: Dist) -> None:
+    """Start the ranks together: a one-element all_reduce, then wait for it on this device."""
+    t = torch.ones(1, device=d.device)
+    dist.all_reduce(t, group=d.group)
+    bm._sync(d.device)
+
+
+def all_max(d: Dist, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=d.group)
+    return float(t.item())
+
+
+def all_values(d: Dist, value: float) -> list[float]:
+    t = torch.tensor([value], dtype=torch.float64, device=d.device)
+    out = [torch.empty_like(t) for _ in range(d.world)]
+    dist.all_gather(out, t, group=d.group)
+    return [float(v.item()) for v in out]
+
+
+def gather_stacked(d: Dist, t: torch.Tensor) -> torch.Tensor | None:
+    """[R, *t.shape] on rank 0 (None elsewhere); every rank's ``t`` has the same shape."""
+    t = t.contiguous()
+    if d.world == 1:
+        return t.unsqueeze(0)
+    dst = dist.get_global_rank(d.group, 0)
+    if d.rank == 0:
+        out = torch.empty((d.world, *t.shape), dtype=t.dtype, device=t.device)
+        dist.gather(t, gather_list=list(out.unbind(0)), dst=dst, group=d.group)
+        return out
+    dist.gather(t, gather_list=None, dst=dst, group=d.group)
+    return None
+
+
+def broadcast_float(d: Dist, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=d.device)
+    dist.broadcast(t, src=dist.get_global_rank(d.group, 0), group=d.group)
+    return float(t.item())
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes, routing and the per-rank problem
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_ep_shape(spec: str) -> bm.Shape:
+    """An EP shape name of ``mok_cute.benchmark.EP_SHAPES``, a unique prefix of one ("kimi_k2"),
+    or ``custom:T,H,I,E,K[,shared]`` (T per rank, E routed experts of the whole group)."""
+    spec = spec.strip()
+    if spec in bm.EP_SHAPES:
+        return bm.EP_SHAPES[spec]
+    if spec.startswith("custom:"):
+        return bm.resolve_shape(spec)
+    matches = [n for n in bm.EP_SHAPES if n.startswith(spec)]
+    if len(matches) == 1:
+        return bm.EP_SHAPES[matches[0]]
+    raise ValueError(f"shapes: expected one of {sorted(bm.EP_SHAPES)} (or a unique prefix, or custom:T,H,I,E,K[,shared]), got {spec!r}")
+
+
+def resolve_ep_shapes(spec: str) -> list[bm.Shape]:
+    import re
+
+    out: list[bm.Shape] = []
+    for part in [p.strip() for p in re.split(r",(?![0-9])", spec) if p.strip()]:
+        out.extend(bm.EP_SHAPES.values() if part == "ep" else [resolve_ep_shape(part)])
+    return out
+
+
+def make_routing(
+    ranks: int, tokens: int, experts: int, top_k: int, seed: int, skew: float | None = None, hot_expert: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing of every rank -> (topk_idx [R, T, K] int64, topk_weights [R, T, K] fp32), on the CPU.
+
+    Depends only on the arguments, so every rank computes the same tensors. Uniform: K distinct
+    experts per token at random. With ``skew`` = f: on each rank exactly round(f*T) tokens (a random
+    subset) route one of their K slots to ``hot_expert`` and no other token does.
+    """
+    if top_k > experts:
+        raise ValueError(f"top_k: expected <= experts ({experts}), got {top_k}")
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(ranks, tokens, experts, generator=gen)
+    if skew is not None:
+        if not 0.0 <= skew <= 1.0:
+            raise ValueError(f"skew: expected a fraction in [0, 1], got {skew}")
+        if not 0 <= hot_expert < experts:
+            raise ValueError(f"hot_expert: expected an expert id in [0, {experts}), got {hot_expert}")
+        if top_k >= experts:
+            raise ValueError(f"skew: needs top_k < experts so the other tokens can avoid the hot expert, got K={top_k}, E={experts}")
+        hot_tokens = round(skew * tokens)
+        scores[:, :, hot_expert] = -1.0  # never picked ...
+        for r in range(ranks):
+            chosen = torch.randperm(tokens, generator=gen)[:hot_tokens]
+            scores[r, chosen, hot_expert] = 2.0  # ... except by the chosen tokens, always
+    topk_idx = scores.topk(top_k, dim=-1).indices
+    topk_weights = torch.softmax(torch.randn(ranks, tokens, top_k, generator=gen), dim=-1)
+    return topk_idx.contiguous(), topk_weights.contiguous()
+
+
+def exchange_rows(topk_idx_all: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """rows[src, dst]: routed (token, k) rows rank ``src`` sends to rank ``dst`` in the dispatch."""
+    ranks = topk_idx_all.shape[0]
+    owner = topk_idx_all.reshape(ranks, -1).long() // num_local_experts
+    return torch.stack([torch.bincount(owner[r], minlength=ranks) for r in range(ranks)])
+
+
+@dataclass
+class RankWeights:
+    w_gate: torch.Tensor  # [E_loc, I, H]
+    w_up: torch.Tensor
+    w_down: torch.Tensor  # [E_loc, H, I]
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # the same on every rank
+
+
+def make_rank_weights(shape: bm.Shape, ranks: int, rank: int, device: torch.device, seed: int) -> RankWeights:
+    """This rank's experts (drawn from a per-rank seed) and the shared expert (one seed for all)."""
+    if shape.experts % ranks:
+        raise ValueError(f"ranks: expected a divisor of the {shape.experts} routed experts of {shape.name}, got {ranks}")
+    e_loc, h, i = shape.experts // ranks, shape.hidden, shape.intermediate
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * (rank + 1))
+    w_gate = bm._randn_weight((e_loc, i, h), h, device, gen)
+    w_up = bm._randn_weight((e_loc, i, h), h, device, gen)
+    w_down = bm._randn_weight((e_loc, h, i), i, device, gen)
+    shared = None
+    if shape.shared:
+        sgen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 17)
+        shared = (bm._randn_weight((i, h), h, device, sgen), bm._randn_weight((i, h), h, device, sgen), bm._randn_weight((h, i), i, device, sgen))
+    return RankWeights(w_gate, w_up, w_down, shared)
+
+
+def make_rank_inputs(
+    routing: tuple[torch.Tensor, torch.Tensor], hidden: int, rank: int, device: torch.device, seed: int
+) -> bm.Inputs:
+    """This rank's tokens (a per-rank seed) and its slice of the shared routing."""
+    tokens = routing[0].shape[1]
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 104729 * (rank + 1) + 3)
+    x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+    return bm.Inputs(x.contiguous(), routing[0][rank].to(device).contiguous(), routing[1][rank].to(device).contiguous())
+
+
+# --------------------------------------------------------------------------------------------
+# The NCCL + torch baseline
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExchangePlan:
+    """One rank's side of the all_to_all exchange of routed rows."""
+
+    order: torch.Tensor  # [T*K] this rank's (token, k) rows sorted by global expert id
+    send_splits: list[int]  # rows sent to each rank (dispatch)
+    recv_splits: list[int]  # rows received from each rank
+    local_counts: torch.Tensor  # [E_loc] received rows per local expert (device)
+    local_ids: torch.Tensor  # [sum(recv_splits)] local expert of each received row, peer-major order
+
+
+def plan_exchange(topk_idx: torch.Tensor, num_local_experts: int, group: Any) -> ExchangePlan:
+    """Counts per (owner rank, local expert) exchanged with all_to_all_single; the splits are read
+    back to the host (the one sync of the baseline, as in every all_to_all MoE)."""
+    ranks = dist.get_world_size(group)
+    flat = topk_idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    send_counts = torch.bincount(flat, minlength=ranks * num_local_experts)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits = send_counts.view(ranks, num_local_experts).sum(1).tolist()
+    recv_2d = recv_counts.view(ranks, num_local_experts)
+    recv_splits = recv_2d.sum(1).tolist()
+    local_ids = torch.repeat_interleave(
+        torch.arange(num_local_experts, device=flat.device).repeat(ranks), recv_counts, output_size=sum(recv_splits)
+    )
+    return ExchangePlan(order, send_splits, recv_splits, recv_2d.sum(0), local_ids)
+
+
+def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class NcclTorchMoE:
+    """all_to_all dispatch -> local experts -> all_to_all combine -> fp32 weighted k-sum + shared.
+
+    The local experts run the ``torch._grouped_mm`` pipeline of ``mok_cute.benchmark`` (argsort
+    permute, grouped GEMM gate+up, SwiGLU, grouped GEMM down) on CUDA, a per-expert F.linear
+    loop elsewhere (``grouped_mm=False``)."""
+
+    def __init__(self, weights: RankWeights, group: Any, grouped_mm: bool):
+        self.group, self.grouped_mm = group, grouped_mm
+        self.num_local_experts = weights.w_gate.shape[0]
+        self.hidden = weights.w_down.shape[1]
+        self.w_gate, self.w_up, self.w_down = weights.w_gate, weights.w_up, weights.w_down
+        if grouped_mm:
+            self.w_gate_up_t, self.w_down_t = bm.pack_grouped_mm_weights(weights.w_gate, weights.w_up, weights.w_down)
+        self.shared = None
+        if weights.shared is not None:
+            ws_gate, ws_up, ws_down = weights.shared
+            self.shared = (torch.cat([ws_gate, ws_up], dim=0), ws_down)
+
+    @property
+    def path(self) -> str:
+        local = "torch._grouped_mm pipeline" if self.grouped_mm else "per-expert F.linear loop"
+        return f"{dist.get_backend(self.group)} all_to_all_single dispatch + {local} + all_to_all_single combine + fp32 k-sum"
+
+    def experts(self, rows: torch.Tensor, plan: ExchangePlan) -> torch.Tensor:
+        """Expert outputs of the received rows, in the order received."""
+        n = rows.shape[0]
+        if n == 0:
+            return rows.new_empty((0, self.hidden))
+        sorted_ids, perm = torch.sort(plan.local_ids, stable=True)
+        xs = rows.index_select(0, perm)
+        if self.grouped_mm:
+            offs = torch.cumsum(plan.local_counts, 0).to(torch.int32)
+            gu = torch._grouped_mm(xs, self.w_gate_up_t, offs=offs)
+            i = gu.shape[1] // 2
+            y_sorted = torch._grouped_mm(bm._swiglu_bf16(gu[:, :i], gu[:, i:]), self.w_down_t, offs=offs)
+        else:
+            pieces = []
+            for e, xe in enumerate(torch.split(xs, plan.local_counts.tolist())):
+                if xe.shape[0]:
+                    h = bm._swiglu_bf16(F.linear(xe, self.w_gate[e]), F.linear(xe, self.w_up[e]))
+                    pieces.append(F.linear(h, self.w_down[e]))
+            y_sorted = torch.cat(pieces)
+        y = torch.empty_like(y_sorted)
+        y.index_copy_(0, perm, y_sorted)
+        return y
+
+    def __call__(self, inp: bm.Inputs) -> torch.Tensor:
+        tokens, top_k = inp.topk_idx.shape
+        plan = plan_exchange(inp.topk_idx, self.num_local_experts, self.group)
+        x_send = inp.x.index_select(0, plan.order // top_k)
+        x_recv = exchange(x_send, plan.recv_splits, plan.send_splits, self.group)
+        y_recv = self.experts(x_recv, plan)
+        y_back = exchange(y_recv, plan.send_splits, plan.recv_splits, self.group)
+        base = bm.shared_expert(inp.x, *self.shared) if self.shared is not None else None
+        return bm._weighted_scatter_sum(y_back, plan.order, top_k, inp.topk_weights, tokens, base)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+def time_per_rank(d: Dist, fn: Callable[[], Any], iters: int, warmup: int) -> float:
+    """Median ms of ``fn`` on this rank. Every rank runs the same number of iterations (a
+    collective inside ``fn`` must match), each started together with the others."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"iters/warmup: expected iters >= 1 and warmup >= 0, got {iters}/{warmup}")
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    if d.device.type == "cuda":
+        flush = torch.empty(256 << 20, dtype=torch.int8, device=d.device)  # L2 flush between iterations
+        pairs = []
+        for _ in range(iters):
+            flush.zero_()
+            _align(d)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            pairs.append((s, e))
+        torch.cuda.synchronize(d.device)
+        times = [s.elapsed_time(e) for s, e in pairs]
+    else:
+        for _ in range(iters):
+            _align(d)
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def timed_over_ranks(d: Dist, fn: Callable[[], Any], iters: int, warmup: int) -> tuple[float, list[float]]:
+    """(max over ranks of the per-rank median via all_reduce MAX, every rank's median)."""
+    mine = time_per_rank(d, fn, iters, warmup)
+    return all_max(d, mine), all_values(d, mine)
+
+
+# --------------------------------------------------------------------------------------------
+# One shape
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EpOptions:
+    iters: int = 30
+    warmup: int = 5
+    check_tokens: int = 256
+    tol: float = 1e-2
+    seed: int = 0
+    skew: float | None = None
+    hot_expert: int = 0
+    mok_config: dict[str, Any] | None = None
+    grouped_mm: bool | None = None  # None: on CUDA only
+
+
+def _agree_error(d: Dist, error: str | None) -> str | None:
+    """Every rank learns whether any rank failed (and the first rank's message)."""
+    flags: list[Any] = [None] * d.world
+    dist.all_gather_object(flags, error, group=d.group)
+    failed = [(r, e) for r, e in enumerate(flags) if e]
+    return None if not failed else f"rank {failed[0][0]}: {failed[0][1]}"
+
+
+def _mok_runner(weights: RankWeights, d: Dist, opts: EpOptions) -> tuple[Callable[[bm.Inputs], torch.Tensor], dict[str, Any]]:
+    import mok_cute
+
+    cfg = mok_cute.MoKConfig(**(opts.mok_config or {}))
+    info: dict[str, Any] = {"forward_path": bm.forward_path_of(mok_cute, d.device, cfg)}
+    try:
+        choice = mok_cute.api.choose_path(d.device, cfg, distributed=True)
+        info["path"] = f"{choice.path}: {choice.reason}"
+    except Exception as exc:  # backend="kernel" with group=: the call would raise the same
+        info["path"] = f"error: {type(exc).__name__}: {exc}"
+    # The megakernel reports a path other than "reference:"; never label the reference as it.
+    info["megakernel"] = not info["path"].startswith(("reference", "error"))
+
+    def run(inp: bm.Inputs) -> torch.Tensor:
+        return mok_cute.moe_forward(
+            inp.x, inp.topk_idx, inp.topk_weights, weights.w_gate, weights.w_up, weights.w_down,
+            shared=weights.shared, group=d.group, config=cfg,
+        )
+
+    return run, info
+
+
+def _reference_on_rank0(d: Dist, weights: RankWeights, check: bm.Inputs) -> torch.Tensor | None:
+    """moe_forward_virtual on the stacked inputs and weights of every rank, gathered to rank 0."""
+    from . import reference
+
+    xs, idx, wts = (gather_stacked(d, t) for t in (check.x, check.topk_idx, check.topk_weights))
+    wg, wu, wd = (gather_stacked(d, t) for t in (weights.w_gate, weights.w_up, weights.w_down))
+    if d.rank != 0:
+        return None
+    shared = None
+    if weights.shared is not None:  # replicated: rank 0's copy stands for every rank's
+        shared = tuple(s.unsqueeze(0).expand(d.world, *s.shape) for s in weights.shared)
+    out = reference.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared)
+    del wg, wu, wd
+    return out
+
+
+def bench_ep_shape(
+    shape: bm.Shape,
+    tokens: int,
+    d: Dist,
+    opts: EpOptions,
+    contenders: Sequence[str] = ALL_CONTENDERS,
+    weights: RankWeights | None = None,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Check, then time, every contender on one shape at ``tokens`` per rank; every rank calls
+    this together and gets the same rows. ``routing`` ([R, T, K] ids, weights) overrides the
+    random routing of the timed problem (tests build exact byte counts with it)."""
+    ranks = d.world
+    base: dict[str, Any] = {
+        "shape": shape.name, "pass": "fwd", "ms": None, "tflops": None, "ranks": ranks,
+        "T": tokens, "tokens_per_rank": tokens, "H": shape.hidden, "I": shape.intermediate,
+        "E": shape.experts, "K": shape.top_k, "shared": shape.shared, "skew": opts.skew,
+        "flops": bm.moe_flops(tokens, shape.hidden, shape.intermediate, shape.top_k, shape.shared),
+        "link_gbps": None, "deepep_gbps": None,
+    }
+    rows = {c: {**base, "contender": c} for c in contenders}
+    grouped_mm = d.device.type == "cuda" if opts.grouped_mm is None else opts.grouped_mm
+    error = None
+    try:
+        if weights is None:
+            weights = make_rank_weights(shape, ranks, d.rank, d.device, opts.seed)
+        if routing is None:
+            routing = make_routing(ranks, tokens, shape.experts, shape.top_k, opts.seed + 1, opts.skew, opts.hot_expert)
+        if tuple(routing[0].shape) != (ranks, tokens, shape.top_k):
+            raise ValueError(f"routing: expected topk_idx of shape {[ranks, tokens, shape.top_k]}, got {list(routing[0].shape)}")
+        inputs = make_rank_inputs(routing, shape.hidden, d.rank, d.device, opts.seed + 2)
+        check_routing = make_routing(ranks, max(1, opts.check_tokens), shape.experts, shape.top_k, opts.seed + 3, opts.skew, opts.hot_expert)
+        check = make_rank_inputs(check_routing, shape.hidden, d.rank, d.device, opts.seed + 4)
+    except Exception as exc:
+        error = bm._error_text(exc)
+    error = _agree_error(d, error)
+    if error:
+        log(f"{shape.name} T={tokens}: setup failed: {error[:300]}")
+        return [{**r, "status": "error", "error": f"setup: {error}", "path": ""} for r in rows.values()]
+
+    # 1. Every layer contender on the check inputs.
+    runners: dict[str, Callable[[bm.Inputs], torch.Tensor]] = {}
+    outs: dict[str, torch.Tensor] = {}
+    for name in [c for c in contenders if c in LAYER_CONTENDERS]:
+        error = None
+        try:
+            if name == "mok_cute":
+                run, info = _mok_runner(weights, d, opts)
+            else:
+                baseline = NcclTorchMoE(weights, d.group, grouped_mm)
+                run, info = baseline, {"path": baseline.path}
+            rows[name].update(info)
+            outs[name] = run(check)
+            bm._sync(d.device)
+            runners[name] = run
+        except Exception as exc:
+            error = bm._error_text(exc)
+        error = _agree_error(d, error)
+        if error:
+            rows[name].update(status="error", error=error)
+            runners.pop(name, None)
+            outs.pop(name, None)
+
+    # 2. Against the reference on rank 0; the verdict goes to every rank.
+    if outs:
+        error = None
+        ref = None
+        try:
+            ref = _reference_on_rank0(d, weights, check)
+        except Exception as exc:
+            error = bm._error_text(exc)
+        error = _agree_error(d, error)
+        for name in list(outs):
+            if error:
+                rows[name].update(status="error", error=f"reference check: {error}")
+                runners.pop(name)
+                continue
+            gathered = gather_stacked(d, outs[name])
+            err = bm.rel_err(gathered, ref) if d.rank == 0 else 0.0
+            err = broadcast_float(d, err)
+            rows[name]["rel_err"] = err
+            if not err <= opts.tol:
+                rows[name].update(status="check_failed", error=f"rel err {err:.3g} > {opts.tol} vs mok_cute.reference.moe_forward_virtual (T={check.x.shape[0]} per rank)")
+                runners.pop(name)
+        del ref, outs
+        bm._free(d.device)
+
+    # 3. Time the layer contenders that passed.
+    for name, run in runners.items():
+        error = None
+        try:
+            ms, per_rank = timed_over_ranks(d, lambda: run(inputs), opts.iters, opts.warmup)
+        except Exception as exc:
+            error = bm._error_text(exc)
+        error = _agree_error(d, error)
+        if error:
+            rows[name].update(status="error", error=error)
+        else:
+            rows[name].update(ms=ms, ms_per_rank=per_rank, tflops=base["flops"] / (ms * 1e-3) / 1e12, status="ok")
+    runners.clear()
+    bm._free(d.device)
+
+    # 4. The two exchanges alone, with the splits of the timed routing.
+    comm = [c for c in contenders if c in COMM_CONTENDERS]
+    if comm:
+        _bench_exchanges(shape, tokens, d, opts, inputs, weights, routing, {c: rows[c] for c in comm})
+
+    results = [rows[c] for c in contenders]
+    for r in results:
+        r.setdefault("path", "")
+        log(
+            f"{shape.name} T={tokens} {r['contender']}: {r.get('status')}"
+            + (f" {r['ms']:.3f} ms" if r.get("ms") else f" ({(r.get('error') or '')[:200]})")
+            + (f" {r['tflops']:.1f} TFLOP/s" if r.get("tflops") else "")
+            + (f" link {r['link_gbps']:.1f} GB/s, DeepEP {r['deepep_gbps']:.1f} GB/s" if r.get("link_gbps") is not None else "")
+        )
+    return results
+
+
+def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: bm.Inputs, weights: RankWeights, routing, rows: dict[str, dict[str, Any]]) -> None:
+    """nccl_dispatch / nccl_combine rows: bytes from the splits actually exchanged."""
+    error = None
+    try:
+        e_loc = weights.w_gate.shape[0]
+        plan = plan_exchange(inputs.topk_idx, e_loc, d.group)
+        x_send = inputs.x.index_select(0, plan.order // shape.top_k)
+        x_recv = exchange(x_send, plan.recv_splits, plan.send_splits, d.group)
+        y_recv = torch.empty_like(x_recv)  # combine moves rows of the same size back
+        row_bytes = shape.hidden * ELEM_BYTES
+        me = d.rank
+        # dispatch: this rank sends send_splits, receives recv_splits; combine: the reverse.
+        sent_remote = sum(n for p, n in enumerate(plan.send_splits) if p != me) * row_bytes
+        recv_all = sum(plan.recv_splits) * row_bytes
+        back_remote = sum(n for p, n in enumerate(plan.recv_splits) if p != me) * row_bytes
+        path = f"{d.backend} all_to_all_single of bf16 rows [{shape.hidden}]"
+        fns = {
+            "nccl_dispatch": (lambda: exchange(x_send, plan.recv_splits, plan.send_splits, d.group), sent_remote, recv_all),
+            "nccl_combine": (lambda: exchange(y_recv, plan.send_splits, plan.recv_splits, d.group), back_remote, recv_all),
+        }
+    except Exception as exc:
+        error = bm._error_text(exc)
+    error = _agree_error(d, error)
+    if error:
+        for r in rows.values():
+            r.update(status="error", error=error, path="")
+        return
+    for name, row in rows.items():
+        fn, link_bytes, deepep_bytes = fns[name]
+        error = None
+        try:
+            ms, per_rank = timed_over_ranks(d, fn, opts.iters, opts.warmup)
+            link_all = all_values(d, float(link_bytes))
+            deepep_all = all_values(d, float(deepep_bytes))
+        except Exception as exc:
+            error = bm._error_text(exc)
+        error = _agree_error(d, error)
+        if error:
+            row.update(status="error", error=error, path=path)
+            continue
+        seconds = ms * 1e-3
+        row.update(
+            status="ok", path=path, ms=ms, ms_per_rank=per_rank,
+            link_bytes_per_rank=[int(b) for b in link_all], deepep_bytes_per_rank=[int(b) for b in deepep_all],
+            link_gbps=statistics.fmean(link_all) / seconds / 1e9, deepep_gbps=statistics.fmean(deepep_all) / seconds / 1e9,
+            check="rows and splits are those of nccl_torch, whose output is checked against the reference",
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """``ratio_vs_torch``: TFLOP/s over the nccl_torch baseline's on the same shape and T."""
+    base = {(r["shape"], r["T"]): r["tflops"] for r in results if r["contender"] == BASELINE and r.get("tflops")}
+    for r in results:
+        if r.get("tflops") and (r["shape"], r["T"]) in base:
+            r["ratio_vs_torch"] = r["tflops"] / base[(r["shape"], r["T"])]
+
+
+def chart_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Layer rows relabelled for the bar chart: shape@T, and mok_cute marked when it is not
+    the megakernel."""
+    out = []
+    for r in results:
+        if r["contender"] not in LAYER_CONTENDERS:
+            continue
+        name = r["contender"]
+        if name == "mok_cute" and not r.get("megakernel", False):
+            name = "mok_cute [reference path]"
+        out.append({**r, "shape": f"{r['shape']}@{r['T']}", "contender": name})
+    return out
+
+
+def command_line(argv: Sequence[str], d: Dist) -> str:
+    argv = list(argv)
+    if "LOCAL_WORLD_SIZE" in os.environ:  # under torchrun
+        head = ["torchrun", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"]]
+        nodes = d.world // max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+        if nodes > 1:
+            head += ["--nnodes", str(nodes)]
+        return shlex.join([*head, "-m", "mok_cute.ep_bench", *[a for a in argv if a != "--ep"]])
+    return shlex.join(["mok-cute", "bench", *(argv if "--ep" in argv else ["--ep", *argv])])
+
+
+def write_results(results: list[dict[str, Any]], out_dir: Path, tag: str, d: Dist, argv: Sequence[str], extra: dict[str, Any]) -> tuple[Path, Path]:
+    gpu = bm.gpu_name(d.device)
+    now = time.localtime()
+    doc = {
+        "gpu": gpu,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", now),
+        "command": command_line(argv, d),
+        "argv": list(argv),
+        "versions": bm.versions(),
+        **extra,
+        "results": results,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = bm.result_path(out_dir, gpu, tag, time.strftime("%Y-%m-%d", now))
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    title = f"EP MoE forward, {d.world} x {gpu}, {doc['date'][:10]} ({tag}); TFLOP/s per GPU"
+    png_path = bm.plot_results(chart_rows(results), json_path.with_suffix(".png"), title=title)
+    return json_path, png_path
+
+
+def print_results(results: list[dict[str, Any]], console: Any, title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("shape", "T/rank", "contender", "status", "rel err", "ms (max)", "TFLOP/s/GPU", "x nccl_torch", "link GB/s", "DeepEP GB/s", "path / error"):
+        table.add_column(col)
+
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for r in results:
+        note = r.get("path", "") if r.get("status") == "ok" else r.get("error", "")
+        table.add_row(
+            r["shape"], str(r["T"]), r["contender"], r.get("status", ""), num(r.get("rel_err"), ".2e"), num(r.get("ms"), ".3f"),
+            num(r.get("tflops"), ".1f"), num(r.get("ratio_vs_torch"), ".2f"), num(r.get("link_gbps"), ".1f"),
+            num(r.get("deepep_gbps"), ".1f"), (note or "")[:60],
+            style={"ok": "", "skipped": "dim"}.get(r.get("status", ""), "red"),
+        )
+    console.print(table)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mok-cute bench --ep",
+        description="Expert-parallel MoE layer across torchrun ranks: mok_cute.moe_forward(group=...) against "
+        "all_to_all_single + torch._grouped_mm, plus dispatch/combine bandwidth (issue 7, DESIGN §5).",
+    )
+    p.add_argument("--ep", action="store_true", help="accepted for `mok-cute bench --ep` (this is always the EP benchmark)")
+    p.add_argument("--shapes", default="ep", help=f"comma list of {list(bm.EP_SHAPES)} (or unique prefixes), 'ep' for all, or custom:T,H,I,E,K[,shared]")
+    p.add_argument("--tokens", default=None, help="tokens per rank, comma list (default: the shape's, 2048 for MoK's); e.g. 2048,8192")
+    p.add_argument("--contenders", default=",".join(ALL_CONTENDERS), help=f"comma list of {ALL_CONTENDERS}")
+    p.add_argument("--skew", type=float, default=None, help="fraction of each rank's tokens sent to --hot-expert (no other token goes there)")
+    p.add_argument("--hot-expert", type=int, default=0)
+    p.add_argument("--iters", type=int, default=30, help="timed iterations per rank (median)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--check-tokens", type=int, default=256, help="tokens per rank of the check against the reference")
+    p.add_argument("--tol", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE", help="MoKConfig field for mok_cute, repeatable")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu (gloo, host clock)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default=None, help="file name tag (default ep<R>)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="process group timeout: a stuck collective becomes an error")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    from rich.console import Console
+
+    try:
+        shapes = resolve_ep_shapes(args.shapes)
+        tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else None
+        if tokens_list is not None and min(tokens_list) < 1:
+            raise ValueError(f"--tokens: expected positive integers, got {args.tokens!r}")
+        contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+        unknown = [c for c in contenders if c not in ALL_CONTENDERS]
+        if unknown:
+            raise ValueError(f"--contenders: expected names from {ALL_CONTENDERS}, got {unknown}")
+        if args.check_tokens < 1:
+            raise ValueError(f"--check-tokens: expected >= 1, got {args.check_tokens}")
+        mok_config = bm.parse_config_overrides(args.mok_config)
+    except ValueError as exc:
+        print(f"mok-cute bench --ep: {exc}", file=sys.stderr)
+        return 2
+    d = init_distributed(args.device, args.timeout_s)
+    console = Console(width=200) if d.rank == 0 else None
+    log = (lambda msg: console.print(msg, markup=False, highlight=False)) if console else (lambda msg: None)  # noqa: E731
+    try:
+        bad = [s.name for s in shapes if s.experts % d.world]
+        if bad:
+            if d.rank == 0:
+                print(f"mok-cute bench --ep: --shapes: the routed experts of {bad} do not split over {d.world} ranks", file=sys.stderr)
+            return 2
+        opts = EpOptions(
+            iters=args.iters, warmup=args.warmup, check_tokens=args.check_tokens, tol=args.tol, seed=args.seed,
+            skew=args.skew, hot_expert=args.hot_expert, mok_config=mok_config,
+        )
+        log(f"{d.world} ranks, backend {d.backend}, device {bm.gpu_name(d.device)}; NVLS off: {NVLS_OFF}")
+        results: list[dict[str, Any]] = []
+        for shape in shapes:
+            weights = None
+            try:
+                weights = make_rank_weights(shape, d.world, d.rank, d.device, opts.seed)
+            except Exception:  # recorded by bench_ep_shape, which retries and agrees across ranks
+                weights = None
+            for tokens in tokens_list or [shape.tokens]:
+                results.extend(bench_ep_shape(shape, tokens, d, opts, contenders, weights=weights, log=log))
+            del weights
+            bm._free(d.device)
+        add_ratios(results)
+        if d.rank == 0:
+            extra = {
+                "ranks": d.world, "backend": d.backend, "nvls_env": dict(NVLS_OFF),
+                "timing": "per iteration: ranks aligned, CUDA events (host clock on CPU); median per rank, max over ranks",
+                "iters": args.iters, "warmup": args.warmup, "skew": args.skew, "hot_expert": args.hot_expert,
+                "bytes": "link = rows sent to other ranks; deepep = dispatch: rows received incl. local, combine: rows sent back incl. local; "
+                "one row per routed (token, k), bf16 [H]; GB/s = mean bytes over ranks / max-over-ranks time",
+            }
+            json_path, png_path = write_results(results, Path(args.out), args.tag or f"ep{d.world}", d, argv, extra)
+            print_results(results, console, f"EP MoE forward, {d.world} ranks, {bm.gpu_name(d.device)}")
+            console.print(f"json {json_path}\npng  {png_path}")
+        dist.barrier(group=d.group)
+        return 0
+    finally:
+        if d.owns_group:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
