@@ -1,0 +1,252 @@
+"""The expert-parallel benchmark (`mok_cute.ep_bench`, `mok-cute bench --ep`) on CPU processes.
+
+Ranks are gloo processes on 127.0.0.1 started with torch.multiprocessing.spawn; a failing
+assertion in a worker fails the test. One spawn per world size runs every multi-rank scenario
+(process start-up dominates on a 2-core machine). Shapes are tiny: T=16 tokens per rank, H=64,
+I=32, 4 experts per rank, K=2, one shared expert.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mok_cute as mok
+from mok_cute import benchmark as bm
+from mok_cute import ep_bench as ep
+from mok_cute import reference
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
+)
+
+T, H, I, E_LOC, K = 16, 64, 32, 4, 2
+
+
+def _shape(world: int) -> bm.Shape:
+    return ep.resolve_ep_shape(f"custom:{T},{H},{I},{E_LOC * world},{K},1")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# --------------------------------------------------------------------------------------------
+# Scenarios run inside every rank
+# --------------------------------------------------------------------------------------------
+
+
+def _baseline_equals_reference_and_group_path(d: ep.Dist, out_dir: Path) -> None:
+    """nccl_torch == reference.moe_forward_virtual (gathered) ~= moe_forward(group=...)."""
+    shape = _shape(d.world)
+    weights = ep.make_rank_weights(shape, d.world, d.rank, d.device, seed=5)
+    routing = ep.make_routing(d.world, T, shape.experts, K, seed=6)
+    inp = ep.make_rank_inputs(routing, H, d.rank, d.device, seed=7)
+    base = ep.NcclTorchMoE(weights, d.group, grouped_mm=False)(inp)
+    group_out = mok.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, weights.w_gate, weights.w_up, weights.w_down,
+                                shared=weights.shared, group=d.group)
+    assert base.shape == group_out.shape == (T, H) and base.dtype == torch.bfloat16
+    assert _rel(base, group_out) <= 1e-2
+    ref = ep._reference_on_rank0(d, weights, inp)
+    gathered_base, gathered_group = ep.gather_stacked(d, base), ep.gather_stacked(d, group_out)
+    if d.rank == 0:
+        assert ref.shape == (d.world, T, H)
+        assert _rel(gathered_base, ref) <= 1e-2
+        # The group path runs the reference today: bitwise the virtual reference on one device.
+        assert torch.equal(gathered_group, ref)
+
+
+def _exact_bytes_and_max_timing(d: ep.Dist, out_dir: Path) -> None:
+    """Every token of every rank goes to rank 0's experts: exact byte counts per rank."""
+    shape = _shape(d.world)
+    R = d.world
+    idx = (torch.arange(T)[:, None] + torch.arange(K)[None, :]) % E_LOC  # K distinct experts of rank 0
+    routing = (idx.expand(R, T, K).contiguous(), torch.full((R, T, K), 1.0 / K))
+    opts = ep.EpOptions(iters=3, warmup=1, check_tokens=8, seed=1)
+    rows = ep.bench_ep_shape(shape, T, d, opts, routing=routing, log=lambda m: None)
+    by = {r["contender"]: r for r in rows}
+    assert list(by) == ep.ALL_CONTENDERS
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["ranks"] == R and "link_gbps" in r and "deepep_gbps" in r and isinstance(r["path"], str)
+        assert r["ms"] == max(r["ms_per_rank"]) and len(r["ms_per_rank"]) == R
+    row_bytes = H * 2
+    all_rows = R * T * K * row_bytes
+    disp, comb = by["nccl_dispatch"], by["nccl_combine"]
+    assert disp["link_bytes_per_rank"] == [0] + [T * K * row_bytes] * (R - 1)  # rank 0 keeps its rows
+    assert disp["deepep_bytes_per_rank"] == [all_rows] + [0] * (R - 1)  # rank 0 receives everything
+    assert comb["link_bytes_per_rank"] == [(R - 1) * T * K * row_bytes] + [0] * (R - 1)
+    assert comb["deepep_bytes_per_rank"] == [all_rows] + [0] * (R - 1)
+    mean_link = (R - 1) * T * K * row_bytes / R
+    assert disp["link_gbps"] == pytest.approx(mean_link / (disp["ms"] * 1e-3) / 1e9)
+    assert disp["deepep_gbps"] == pytest.approx(all_rows / R / (disp["ms"] * 1e-3) / 1e9)
+    # The layer rows: checked, timed, the mok_cute row says it is not the megakernel.
+    for name in ep.LAYER_CONTENDERS:
+        assert by[name]["rel_err"] <= 1e-2 and by[name]["tflops"] > 0
+    assert by["mok_cute"]["path"].startswith("reference") and by["mok_cute"]["megakernel"] is False
+    assert by["mok_cute"]["tflops"] == pytest.approx(6 * (T * K + T) * H * I / (by["mok_cute"]["ms"] * 1e-3) / 1e12)
+    doc = {"gpu": "cpu", "date": "x", "command": "x", "versions": {}, "results": rows}
+    import jsonschema
+
+    jsonschema.validate(json.loads(json.dumps(doc)), bm.RESULT_SCHEMA)
+
+    # The max over ranks is the slowest rank's median: the last rank sleeps 30 ms per call.
+    sleep_s = 0.03 if d.rank == R - 1 else 0.0
+    ms, per_rank = ep.timed_over_ranks(d, lambda: time.sleep(sleep_s), iters=3, warmup=0)
+    assert ms == max(per_rank) == per_rank[-1] and ms >= 30.0 and per_rank[0] < 30.0
+
+
+def _failed_check_is_recorded_not_timed(d: ep.Dist, out_dir: Path) -> None:
+    shape = _shape(d.world)
+    original = ep.NcclTorchMoE.experts
+    ep.NcclTorchMoE.experts = lambda self, rows, plan: torch.zeros_like(original(self, rows, plan))
+    try:
+        rows = ep.bench_ep_shape(shape, T, d, ep.EpOptions(iters=2, warmup=0, check_tokens=8), contenders=["nccl_torch"], log=lambda m: None)
+    finally:
+        ep.NcclTorchMoE.experts = original
+    (row,) = rows
+    assert row["status"] == "check_failed" and row["ms"] is None and row["rel_err"] > 1e-2, row
+
+
+def _cli_hook_end_to_end(d: ep.Dist, out_dir: Path) -> None:
+    """`mok-cute bench --ep` (benchmark.main) runs the EP harness across the ranks."""
+    argv = ["--ep", "--shapes", f"custom:{T},{H},{I},{E_LOC * d.world},{K},1", "--iters", "2", "--warmup", "1",
+            "--check-tokens", "8", "--skew", "0.5", "--out", str(out_dir / "results"), "--tag", "test"]
+    assert bm.main(argv) == 0
+
+
+SCENARIOS = {
+    "baseline": _baseline_equals_reference_and_group_path,
+    "bytes": _exact_bytes_and_max_timing,
+    "failed_check": _failed_check_is_recorded_not_timed,
+    "cli": _cli_hook_end_to_end,
+}
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, scenarios: list[str]) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # a hang becomes an error
+    try:
+        d = ep.init_distributed("cpu")
+        assert not d.owns_group and (d.rank, d.world, d.backend) == (rank, world, "gloo")
+        for name in scenarios:
+            SCENARIOS[name](d, Path(out_dir))
+        dist.barrier()  # tear down only when every rank is done
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, scenarios: list[str], tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(world, ep.free_port(), str(tmp_path), scenarios), nprocs=world, join=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------
+
+
+def test_two_ranks_baseline_bytes_timing_failed_check_and_cli(tmp_path):
+    _spawn(2, list(SCENARIOS), tmp_path)
+    (json_path,) = (tmp_path / "results").glob("*.json")
+    doc = json.loads(json_path.read_text())
+    import jsonschema
+
+    jsonschema.validate(doc, bm.RESULT_SCHEMA)
+    assert doc["ranks"] == 2 and doc["skew"] == 0.5 and doc["nvls_env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert doc["command"].startswith("mok-cute bench --ep")
+    assert [r["contender"] for r in doc["results"]] == ep.ALL_CONTENDERS
+    assert all(r["status"] == "ok" for r in doc["results"]), doc["results"]
+    assert json_path.with_suffix(".png").stat().st_size > 0
+
+
+def test_three_ranks_baseline_and_bytes(tmp_path):
+    _spawn(3, ["baseline", "bytes"], tmp_path)
+
+
+@pytest.mark.parametrize("skew", [0.0, 0.25, 0.5, 1.0])
+def test_skew_routes_exactly_the_requested_fraction_to_the_hot_expert(skew):
+    R, tokens, E, k, hot = 3, 40, 12, 3, 5
+    idx, wts = ep.make_routing(R, tokens, E, k, seed=2, skew=skew, hot_expert=hot)
+    assert idx.shape == wts.shape == (R, tokens, k)
+    for r in range(R):
+        assert int((idx[r] == hot).any(dim=1).sum()) == round(skew * tokens)
+        assert all(len(set(row.tolist())) == k for row in idx[r])  # K distinct experts per token
+    assert torch.allclose(wts.sum(-1), torch.ones(R, tokens))
+    again = ep.make_routing(R, tokens, E, k, seed=2, skew=skew, hot_expert=hot)
+    assert torch.equal(idx, again[0]) and torch.equal(wts, again[1])  # the same on every rank
+
+
+def test_uniform_routing_and_exchange_rows():
+    idx, _ = ep.make_routing(2, 64, 8, 2, seed=0)
+    rows = ep.exchange_rows(idx, num_local_experts=4)
+    assert rows.sum(1).tolist() == [64 * 2, 64 * 2]
+    assert int((idx[0] < 4).sum()) == int(rows[0, 0])
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="skew"):
+        ep.make_routing(1, 4, 4, 2, seed=0, skew=1.5)
+    with pytest.raises(ValueError, match="hot_expert"):
+        ep.make_routing(1, 4, 4, 2, seed=0, skew=0.5, hot_expert=9)
+    with pytest.raises(ValueError, match="shapes"):
+        ep.resolve_ep_shape("nonsense")
+    with pytest.raises(ValueError, match="ranks"):
+        ep.make_rank_weights(_shape(1), 3, 0, torch.device("cpu"), seed=0)
+    assert ep.main(["--contenders", "nope"]) == 2
+
+
+def test_named_shapes_and_prefixes():
+    assert ep.resolve_ep_shape("kimi_k2").name == "kimi_k2.7"
+    assert [s.name for s in ep.resolve_ep_shapes("ep")] == list(bm.EP_SHAPES)
+    s = ep.resolve_ep_shape("kimi_k2.7")
+    assert (s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.shared) == (2048, 7168, 2048, 384, 8, True)
+
+
+def test_bench_hook_reaches_ep_bench_main(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ep, "main", lambda argv: seen.append(list(argv)) or 7)
+    assert bm.main(["--ep", "--shapes", "kimi_k2"]) == 7
+    assert seen == [["--ep", "--shapes", "kimi_k2"]]
+
+
+def test_import_turns_nvlink_multicast_off():
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+def test_single_process_run_without_torchrun(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--shapes", f"custom:{T},{H},{I},{E_LOC},{K},0", "--iters", "2", "--warmup", "0", "--check-tokens", "8",
+            "--device", "cpu", "--out", str(tmp_path)]
+    assert ep.main(argv) == 0
+    assert not dist.is_initialized()  # the group it made is gone
+    (json_path,) = tmp_path.glob("*.json")
+    doc = json.loads(json_path.read_text())
+    assert doc["ranks"] == 1 and all(r["status"] == "ok" for r in doc["results"])
+    assert doc["command"] == "mok-cute bench --ep " + " ".join(argv)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_baseline_matches_the_reference_on_one_gpu(tmp_path, monkeypatch):
+    """One rank on the GPU: the torch._grouped_mm baseline and the mok_cute group path pass the check."""
+    argv = ["--shapes", "custom:256,512,256,16,4,1", "--iters", "3", "--warmup", "1", "--check-tokens", "64",
+            "--device", "cuda", "--out", str(tmp_path)]
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert ep.main(argv) == 0
+    (json_path,) = tmp_path.glob("*.json")
+    rows = json.loads(json_path.read_text())["results"]
+    assert all(r["status"] == "ok" for r in rows), rows
+    assert next(r for r in rows if r["contender"] == "nccl_torch")["path"].startswith("nccl all_to_all_single dispatch + torch._grouped_mm")
