@@ -628,6 +628,7 @@ def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: bm.Inputs,
             row.update(status="error", error=error, path=path)
             continue
         seconds = ms * 1e-3
+        row.pop("flops", None)  # an exchange does no math
         row.update(
             status="ok", path=path, ms=ms, ms_per_rank=per_rank,
             link_bytes_per_rank=[int(b) for b in link_all], deepep_bytes_per_rank=[int(b) for b in deepep_all],

@@ -22,7 +22,6 @@ import torch.multiprocessing as mp
 import mok_cute as mok
 from mok_cute import benchmark as bm
 from mok_cute import ep_bench as ep
-from mok_cute import reference
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
@@ -250,3 +249,18 @@ def test_grouped_mm_baseline_matches_the_reference_on_one_gpu(tmp_path, monkeypa
     rows = json.loads(json_path.read_text())["results"]
     assert all(r["status"] == "ok" for r in rows), rows
     assert next(r for r in rows if r["contender"] == "nccl_torch")["path"].startswith("nccl all_to_all_single dispatch + torch._grouped_mm")
+
+
+def test_example_script_under_torchrun_on_cpu():
+    """examples/ep_torchrun.py: 2 gloo ranks, MoELayer(group=...), the check passes, times printed."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(ep.free_port()), str(root / "examples" / "ep_torchrun.py"), "--device", "cpu",
+           "--shape", f"custom:{T},{H},{I},{2 * E_LOC},{K},1", "--iters", "2", "--warmup", "1", "--check-tokens", "16"]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "-> PASS" in proc.stdout and "rank 1: forward" in proc.stdout and "max over ranks" in proc.stdout

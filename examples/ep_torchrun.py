@@ -1,0 +1,138 @@
+"""An expert-parallel MoE layer across GPUs: one `mok_cute.MoELayer(..., group=...)` per rank.
+
+    torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape kimi_k2
+    torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape dsv4_pro --tokens 8192 --iters 20
+    torchrun --nproc-per-node 2 examples/ep_torchrun.py --shape custom:512,1024,512,16,4,1
+    torchrun --nproc-per-node 2 examples/ep_torchrun.py --device cpu --shape custom:16,64,32,8,2,1  # gloo
+
+Shapes are MoK's EP models (`mok_cute.benchmark.EP_SHAPES`, a unique prefix is enough) with the
+routed experts split evenly over the ranks and one shared expert of size I, or
+`custom:T,H,I,E,K[,shared]` (T tokens per rank, E routed experts in all).
+
+Every rank
+1. builds the layer: router and shared expert drawn from one seed (the same on every rank), its
+   own experts from a per-rank seed;
+2. runs one forward pass on `--tokens` random tokens;
+3. checks the layer against `mok_cute.reference.moe_forward_virtual` on `--check-tokens` tokens
+   per rank: inputs, routing, expert weights and outputs are gathered to rank 0;
+4. times the forward pass (median of `--iters` after `--warmup`, the ranks started together
+   each iteration) and rank 0 prints every rank's time and the max.
+
+It prints which path `moe_forward(group=...)` takes: until the expert-parallel megakernel exists
+that is the PyTorch reference with a real all_to_all_single exchange. Exit status 1 when the
+check fails. NVLink multicast stays off (the three variables below are set before torch loads).
+"""
+
+import os
+
+os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import mok_cute  # noqa: E402
+from mok_cute import benchmark as bm  # noqa: E402
+from mok_cute import ep_bench as ep  # noqa: E402
+from mok_cute import reference  # noqa: E402
+
+
+def build_layer(shape: bm.Shape, d: ep.Dist, seed: int) -> mok_cute.MoELayer:
+    torch.manual_seed(seed)  # router and shared expert: identical on every rank
+    layer = mok_cute.MoELayer(
+        shape.hidden, shape.intermediate, shape.experts, shape.top_k,
+        shared_intermediate=shape.intermediate if shape.shared else 0, group=d.group, device=d.device,
+    )
+    # The experts of each rank are its own: redraw them (nn.Linear's bound) from a per-rank seed,
+    # one expert at a time so no big temporary is made.
+    gen = torch.Generator(device=d.device).manual_seed(seed * 1_000_003 + d.rank + 1)
+    with torch.no_grad():
+        for w in (layer.w_gate, layer.w_up, layer.w_down):
+            bound = 1.0 / math.sqrt(w.shape[-1])
+            for e in range(w.shape[0]):
+                w[e].uniform_(-bound, bound, generator=gen)
+    return layer.eval()
+
+
+def check_against_reference(layer: mok_cute.MoELayer, d: ep.Dist, tokens: int, seed: int) -> tuple[float, bool]:
+    """(relative error, bitwise equal) of the gathered outputs against moe_forward_virtual."""
+    gen = torch.Generator(device=d.device).manual_seed(seed * 7919 + d.rank)
+    x = torch.randn(tokens, layer.hidden, device=d.device, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        topk_idx, topk_weights = layer.route(x)  # what layer(x) routes by (deterministic)
+        out = layer(x)
+    stacked = [ep.gather_stacked(d, t.detach()) for t in (x, topk_idx, topk_weights, out, layer.w_gate, layer.w_up, layer.w_down)]
+    rel, same = 0.0, 0.0
+    if d.rank == 0:
+        xs, idx, wts, outs, wg, wu, wd = stacked
+        shared = None
+        if layer.shared is not None:  # replicated: rank 0's copy stands for every rank's
+            shared = tuple(s.detach().unsqueeze(0).expand(d.world, *s.shape) for s in layer.shared)
+        with torch.no_grad():
+            ref = reference.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared)
+        rel, same = bm.rel_err(outs, ref), float(torch.equal(outs, ref))
+    return ep.broadcast_float(d, rel), bool(ep.broadcast_float(d, same))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="kimi_k2", help=f"one of {list(bm.EP_SHAPES)} (a unique prefix is enough) or custom:T,H,I,E,K[,shared]")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the shape's, 2048 for MoK's)")
+    parser.add_argument("--check-tokens", type=int, default=128, help="tokens per rank of the reference check")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--tol", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cuda (default when available; nccl) or cpu (gloo)")
+    args = parser.parse_args()
+
+    d = ep.init_distributed(args.device)
+    try:
+        shape = ep.resolve_ep_shape(args.shape)
+        if shape.experts % d.world:
+            raise ValueError(f"--shape: {shape.experts} routed experts do not split over {d.world} ranks")
+        tokens = args.tokens or shape.tokens
+        layer = build_layer(shape, d, args.seed)
+        choice = mok_cute.api.choose_path(d.device, layer.config, distributed=True)
+        if d.rank == 0:
+            print(f"{d.world} ranks ({d.backend}, {bm.gpu_name(d.device)}); {shape.name}: T={tokens}/rank H={shape.hidden} "
+                  f"I={shape.intermediate} E={shape.experts} ({layer.num_local_experts}/rank) K={shape.top_k}"
+                  f"{' +shared' if shape.shared else ''}")
+            print(f"moe_forward(group=...) path: {choice.path}: {choice.reason}")
+
+        gen = torch.Generator(device=d.device).manual_seed(args.seed * 104729 + d.rank)
+        x = torch.randn(tokens, shape.hidden, device=d.device, generator=gen).to(torch.bfloat16)
+        with torch.no_grad():
+            out = layer(x)
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+
+        rel, bitwise = check_against_reference(layer, d, args.check_tokens, args.seed + 1)
+        ok = rel <= args.tol
+        if d.rank == 0:
+            print(f"check vs reference.moe_forward_virtual (T={args.check_tokens}/rank, gathered to rank 0): "
+                  f"rel err {rel:.3e} {'<=' if ok else '>'} {args.tol}, bitwise equal: {bitwise} -> {'PASS' if ok else 'FAIL'}")
+
+        def forward() -> torch.Tensor:
+            with torch.no_grad():
+                return layer(x)
+
+        per_rank = ep.all_values(d, ep.time_per_rank(d, forward, args.iters, args.warmup))
+        if d.rank == 0:
+            flops = bm.moe_flops(tokens, shape.hidden, shape.intermediate, shape.top_k, shape.shared)
+            for r, ms in enumerate(per_rank):
+                print(f"rank {r}: forward {ms:.3f} ms (median of {args.iters})")
+            worst = max(per_rank)
+            print(f"max over ranks: {worst:.3f} ms, {flops / (worst * 1e-3) / 1e12:.1f} TFLOP/s per GPU "
+                  f"(6 (T K + T) H I / t, path {choice.path})")
+        dist.barrier(group=d.group)
+        return 0 if ok else 1
+    finally:
+        if d.owns_group:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
