@@ -130,3 +130,13 @@ def test_timeline_flag_off_emits_no_recorder_instruction(tmp_path):
         assert marker in on
     # one ticket per tile owner, reserved before the tile loop: a single atom.add
     assert len(re.findall(r"atom\.global\.add", on)) == 1
+
+
+def test_unsupported_sizes_are_named_before_launch():
+    from mok_cute import ops
+    assert ops.unsupported_shape_reason(7168, 2048, 8, None) == ""
+    assert "x: hidden size" in ops.unsupported_shape_reason(100, 2048, 8, None)
+    assert "w_gate: intermediate size" in ops.unsupported_shape_reason(1024, 100, 8, None)
+    assert "shared: intermediate size" in ops.unsupported_shape_reason(1024, 256, 8, 100)
+    assert "topk_idx: K must be <= 16" in ops.unsupported_shape_reason(1024, 256, 17, None)
+    assert "config.tile_m" in ops.unsupported_shape_reason(1024, 256, 8, None, tile_m=64)
