@@ -16,7 +16,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 run_tests() {
   local t0=$SECONDS
-  for f in tests/test_*.py; do
+  for f in $(grep -lE "mark\.gpu" tests/test_*.py); do  # files with GPU tests only
     name=$(basename "$f" .py)
     timeout -s KILL 300 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore \
       -o timeout=120 --tb=short "$f" > "$out/$name.log" 2>&1
