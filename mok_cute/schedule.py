@@ -146,12 +146,7 @@ def build_receive_schedule(
     else:
         row_peer = row_token = row_k = torch.full((capacity,), -1, **i64)
 
-    # Expert of each M-tile; -1 past the last valid tile.
-    num_tiles_cap = capacity // tile_m
-    tile_start = torch.arange(num_tiles_cap, **i64) * tile_m
-    tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)
-    tile_expert = torch.where(tile_start < offsets[-1], tile_expert, torch.full_like(tile_expert, -1))
-    num_tiles = torch.div(offsets[-1:], tile_m, rounding_mode="floor")
+    tile_expert, num_tiles = _tile_table(offsets, capacity, tile_m)
 
     i32 = torch.int32
     return ReceiveSchedule(
@@ -168,6 +163,14 @@ def build_receive_schedule(
         tile_expert=tile_expert.to(i32),
         num_tiles=num_tiles.to(i32),
     )
+
+
+def _tile_table(offsets: torch.Tensor, capacity: int, tile_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert of each M-tile, -1 past the last valid tile; number of valid M-tiles)."""
+    tile_start = torch.arange(capacity // tile_m, dtype=torch.int64, device=offsets.device) * tile_m
+    tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)
+    tile_expert = torch.where(tile_start < offsets[-1], tile_expert, torch.full_like(tile_expert, -1))
+    return tile_expert, torch.div(offsets[-1:], tile_m, rounding_mode="floor")
 
 
 def _build_single_rank(topk_idx: torch.Tensor, E: int, tile_m: int) -> ReceiveSchedule:
@@ -203,17 +206,14 @@ def _build_single_rank(topk_idx: torch.Tensor, E: int, tile_m: int) -> ReceiveSc
     slot_rows = torch.empty(TK, **i64)
     slot_rows.scatter_(0, slot_order, torch.where(mine, pos, torch.full_like(pos, -1)))
 
-    num_tiles_cap = capacity // tile_m
-    tile_start = torch.arange(num_tiles_cap, **i64) * tile_m
-    tile_expert = torch.searchsorted(offsets[1:], tile_start, right=True)
-    tile_expert = torch.where(tile_start < offsets[-1], tile_expert, torch.full_like(tile_expert, -1))
+    tile_expert, num_tiles = _tile_table(offsets, capacity, tile_m)
     i32 = torch.int32
     return ReceiveSchedule(
         rank=0, num_ranks=1, num_local_experts=E, tile_m=tile_m, capacity=capacity,
         row_peer=row_peer.to(i32), row_token=row_token.to(i32), row_k=row_k.to(i32),
         expert_counts=counts.to(i32), expert_offsets=offsets.to(i32),
         tile_expert=tile_expert.to(i32),
-        num_tiles=torch.div(offsets[-1:], tile_m, rounding_mode="floor").to(i32),
+        num_tiles=num_tiles.to(i32),
         slot_rows=slot_rows.to(i32),
     )
 

@@ -166,21 +166,14 @@ class PushCombine(_RowExchange):
                      combine_offset_bytes, top_k)
 
 
-def _fake_rowmajor(dtype, shape, align):
-    """Fake row-major tensor with run-time extents and strides."""
-    div = VEC_ELEMS if dtype is BFloat16 else 1
-    stride = tuple(1 if i == len(shape) - 1 else cute.sym_int64(divisibility=div)
-                   for i in range(len(shape)))
-    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
-
-
 def _fake_schedule_args(extra_row_arrays: int):
     ranks, peers, cap = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(divisibility=TILE_M)
     hidden, tiles = cute.sym_int32(divisibility=VEC_ELEMS), cute.sym_int32()
-    rows = [_fake_rowmajor(Int32, (ranks, cap), 4) for _ in range(2 + extra_row_arrays)]
-    return (_fake_rowmajor(Int64, (ranks, peers), 8), *rows,
-            _fake_rowmajor(BFloat16, (ranks, cap, hidden), 16), common.fake_vector(Int32),
-            _fake_rowmajor(Int32, (ranks, tiles), 4))
+    fake = common.fake_strided_tensor
+    rows = [fake(Int32, (ranks, cap), align_bytes=4) for _ in range(2 + extra_row_arrays)]
+    return (fake(Int64, (ranks, peers), align_bytes=8), *rows,
+            fake(BFloat16, (ranks, cap, hidden), align_bytes=16), common.fake_vector(Int32),
+            fake(Int32, (ranks, tiles), align_bytes=4))
 
 
 def compile_pull_dispatch(arch: str = "sm_90a", *, options: str = "", num_warps: int = 8,

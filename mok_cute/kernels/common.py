@@ -129,11 +129,19 @@ def raise_on_wait_error(word: int) -> None:
 
 
 # ---------------------------------------------------------------------- compile helpers
-def fake_kmajor_tensor(dtype, shape, align_bytes: int = 16):
-    """Fake tensor whose mode 1 is contiguous and whose other strides are run-time values."""
-    div = align_bytes * 8 // dtype.width
-    stride = tuple(1 if i == 1 else cute.sym_int64(divisibility=div) for i in range(len(shape)))
+def fake_strided_tensor(dtype, shape, contiguous_mode: int = -1, align_bytes: int = 16):
+    """Fake tensor with one stride-1 mode; the other strides are run-time values divisible
+    so that every row stays ``align_bytes`` aligned."""
+    contiguous_mode %= len(shape)
+    div = max(1, align_bytes * 8 // dtype.width)
+    stride = tuple(1 if i == contiguous_mode else cute.sym_int64(divisibility=div)
+                   for i in range(len(shape)))
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align_bytes)
+
+
+def fake_kmajor_tensor(dtype, shape, align_bytes: int = 16):
+    """Fake (rows, K, batch) GEMM operand: mode 1 (K) is contiguous."""
+    return fake_strided_tensor(dtype, shape, contiguous_mode=1, align_bytes=align_bytes)
 
 
 def fake_vector(dtype, length=None, align_bytes: int = 4):
@@ -190,9 +198,3 @@ def timeline_write(buf: cute.Tensor, slot: Int64, role: int, task_type: int, tas
         buf[base + 2] = t_start
         buf[base + 3] = t_end
 
-
-@cute.jit
-def timeline_record(buf: cute.Tensor, role: int, task_type: int, task_id, rank,
-                    t_start: Int64, t_end: Int64):
-    """Append one span with its own ticket (for tasks whose count is not known ahead)."""
-    timeline_write(buf, timeline_reserve(buf, 1), role, task_type, task_id, rank, t_start, t_end)
