@@ -29,8 +29,9 @@ def test_every_rank_pulls_exactly_its_scheduled_rows(R, T, E_loc, K):
     H = 1024
     gen = torch.Generator(device="cuda").manual_seed(R * 100 + T)
     peers = VirtualPeers(R, moe_symmetric_layout(T, H, K, R), device="cuda")
-    xs = torch.stack([peers.view(r, "x") for r in range(R)])
-    xs.copy_(torch.randn(R, T, H, device="cuda", generator=gen).to(torch.bfloat16))
+    xs = torch.randn(R, T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    for r in range(R):  # torch.stack of the views would copy: write each rank's own buffer
+        peers.view(r, "x").copy_(xs[r])
     topk_all = torch.rand(R, T, R * E_loc, device="cuda", generator=gen).topk(K, dim=2).indices
     scheds = [sched_mod.build_receive_schedule(topk_all, r, E_loc, validate=False) for r in range(R)]
     cap = scheds[0].capacity
@@ -69,8 +70,9 @@ def test_dispatch_gemms_combine_ksum_reproduce_the_virtual_reference(R):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
 
     peers = VirtualPeers(R, moe_symmetric_layout(T, H, K, R), device="cuda")
-    xs = torch.stack([peers.view(r, "x") for r in range(R)])
-    xs.copy_(rnd(R, T, H))
+    xs = rnd(R, T, H)
+    for r in range(R):
+        peers.view(r, "x").copy_(xs[r])
     topk_all = torch.rand(R, T, R * E_loc, device="cuda", generator=gen).topk(K, dim=2).indices
     topk_w = torch.softmax(torch.randn(R, T, K, device="cuda", generator=gen), dim=2)
     wg, wu = rnd(R, E_loc, I, H, scale=H ** -0.5), rnd(R, E_loc, I, H, scale=H ** -0.5)

@@ -35,7 +35,7 @@ VEC_ELEMS = 8  # bf16 per 16-byte vector
 TILE_M = 128
 
 
-def _bf16_row(addr: Int64, hidden: Int32) -> cute.Tensor:
+def bf16_row(addr: Int64, hidden: Int32) -> cute.Tensor:
     """A bf16 row of ``hidden`` elements at a run-time (peer) address, 16-byte aligned."""
     return cute.make_tensor(
         cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16),
@@ -43,17 +43,24 @@ def _bf16_row(addr: Int64, hidden: Int32) -> cute.Tensor:
 
 
 @cute.jit
-def _copy_row(src: cute.Tensor, dst: cute.Tensor, h_vecs: Int32, lane: Int32):
-    """One warp copies a row as 16-byte vectors (lane-strided, coalesced)."""
+def copy_row(src: cute.Tensor, dst: cute.Tensor, h_vecs: Int32, lane: Int32,
+             unroll: cutlass.Constexpr[int] = 1):
+    """One warp copies a row as 16-byte vectors (lane-strided, coalesced); each lane issues
+    ``unroll`` loads before their stores, so several vectors per lane are in flight (what
+    hides the latency of a peer read)."""
     vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-    for v in cutlass.range(lane, h_vecs, 32, unroll=1):
-        frag = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-        cute.copy(vec, cute.local_tile(src, (VEC_ELEMS,), (v,)), frag)
-        cute.copy(vec, frag, cute.local_tile(dst, (VEC_ELEMS,), (v,)))
+    for v0 in cutlass.range(lane, h_vecs, 32 * unroll, unroll=1):
+        frag = cute.make_rmem_tensor((VEC_ELEMS, unroll), BFloat16)
+        for u in cutlass.range_constexpr(unroll):
+            if v0 + 32 * u < h_vecs:
+                cute.copy(vec, cute.local_tile(src, (VEC_ELEMS,), (v0 + 32 * u,)), frag[None, u])
+        for u in cutlass.range_constexpr(unroll):
+            if v0 + 32 * u < h_vecs:
+                cute.copy(vec, frag[None, u], cute.local_tile(dst, (VEC_ELEMS,), (v0 + 32 * u,)))
 
 
 @cute.jit
-def _zero_row(dst: cute.Tensor, h_vecs: Int32, lane: Int32):
+def zero_row(dst: cute.Tensor, h_vecs: Int32, lane: Int32):
     vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
     zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
     zeros.fill(0.0)
@@ -121,14 +128,14 @@ class _RowExchange:
                         index = Int64(row_token[rank, row])
                         if cutlass.const_expr(not self.pull):
                             index = index * Int64(top_k) + Int64(row_k[rank, row])
-                        remote = _bf16_row(peer_bases[rank, peer] + offset_bytes + index * row_bytes,
+                        remote = bf16_row(peer_bases[rank, peer] + offset_bytes + index * row_bytes,
                                            hidden)
                         if cutlass.const_expr(self.pull):
-                            _copy_row(remote, local, h_vecs, lane)
+                            copy_row(remote, local, h_vecs, lane)
                         else:
-                            _copy_row(local, remote, h_vecs, lane)
+                            copy_row(local, remote, h_vecs, lane)
                     elif cutlass.const_expr(self.pull):
-                        _zero_row(local, h_vecs, lane)  # padding rows of the ring read as zeros
+                        zero_row(local, h_vecs, lane)  # padding rows of the ring read as zeros
                 _publish_tile(counters, rank * tiles_cap + tile, self.scope)
             task += cute.arch.grid_dim()[0]
 

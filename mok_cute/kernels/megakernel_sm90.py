@@ -1,0 +1,825 @@
+"""The MoK megakernel for Hopper (sm_90a): one persistent launch per MoE layer call.
+
+    comm CTAs     DISPATCH (pull x rows from their owner's symmetric buffer into the ring)
+                  COMBINE  (push y rows to the source rank's combine buffer, slot token*K+k)
+                  BARRIER  (after this rank's last combine: a unicast flag to every peer)
+    compute CTAs  SHARED_FC1 / FC1  (gate+up GEMM, SwiGLU epilogue -> h)
+                  SHARED_FC2 / FC2  (down GEMM, store epilogue -> y)
+                  KSUM     (out[t] = bf16(shared[t] + sum_k w[t,k] * combine[t*K+k]), fixed k order)
+
+The work is the ordered task list of ``mok_cute.tasks`` (its docstring defines the task
+rows, counters and waits); this kernel is its executor. CTA ``b < num_comm_ctas`` walks the
+COMM queue, the others the COMPUTE queue, each with a static stride over tickets. With
+``R`` virtual ranks in one launch (``comm.virtual``), ticket ``q`` is task position
+``q // R`` of rank ``q % R``: every rank's list is built from the same static capacity, so
+their positions line up and every wait still points to a lower (position, rank) ticket.
+With the IPC backend ``R = 1`` and the peers are other processes' launches.
+
+Why it cannot deadlock: every CTA is resident (cooperative launch, one CTA per SM), each
+takes its tickets in increasing order, and every wait points to a lower ticket. The lowest
+unfinished ticket therefore waits on nothing unfinished and its CTA is running it. The only
+cross-rank waits are KSUM's (every peer's BARRIER flag), which are lower tickets too.
+
+Inside a compute CTA the roles are those of ``gemm_sm90.GroupedGemmSm90``: warp 0 waits on a
+task's counters, then TMA-loads A and B into a 4-stage mbarrier ring; two consumer
+warpgroups run wgmma and the task's epilogue through smem and TMA stores. A GEMM task
+publishes its counter after its TMA stores have completed (``cp.async.bulk.wait_group 0``).
+KSUM runs on the consumer warps. The FC1 stage (A 128x64, gate 128x64, up 128x64) and the FC2
+stage (A 128x64, W_down 256x64) have the same byte count, so one ring serves both.
+
+Ordering rules (docs/megakernel_plan.md): a reader of rows another CTA wrote acquires the
+counter, and a TMA reader then issues ``fence.proxy.async.global``; a TMA writer waits for
+its stores, fences the async proxy, then publishes with release. Every wait is bounded: the
+first timeout writes (task, peer) into the error word and ends all other waits; the host
+raises ``PeerTimeoutError``.
+
+Cross-rank flags (the symmetric ``barrier_flags[R]`` of every rank; flag ``s`` is written
+only by rank ``s``, so it only grows): at launch start rank ``s`` stores ``2*epoch - 1``
+into every peer's flag ``s`` ("my x is ready and my previous call is over"), and its BARRIER
+stores ``2*epoch`` ("my combines into you are done"). DISPATCH from peer p and COMBINE into
+peer p wait for flag p >= 2*epoch - 1; KSUM waits for every flag >= 2*epoch. No counter
+that a peer writes ever needs a reset, and no NVLink multicast is used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from mok_cute import jit
+from mok_cute.kernels import common
+from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row, zero_row
+from mok_cute.kernels.gemm_sm90 import TILE_K, TILE_M, GroupedGemmSm90
+from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, _mul_then_add_rn
+from mok_cute.tasks import CounterGroup, TASK_WORDS
+from mok_cute.timeline import Role, TaskType
+
+# Task row words (mok_cute.tasks.encode).
+W_TYPE, W_ROLE, W_MINIBATCH, W_MTILE, W_MTILE_END, W_NTILE = 0, 1, 2, 3, 4, 5
+W_ROW_BEGIN, W_ROW_END, W_RING_ROW, W_SIGNAL_GROUP, W_SIGNAL_INDEX, W_NUM_WAITS = 6, 7, 8, 9, 10, 11
+W_WAITS = 12
+
+FC1_TILE_N = 256  # 128 gate + 128 up columns per tile -> 128 h columns
+FC2_TILE_N = 256
+COPY_UNROLL = 4  # 16-byte vectors in flight per lane per row copy
+
+
+class MegakernelSm90:
+    """One persistent launch: dispatch, expert GEMMs, combine, barrier and k-sum.
+
+    :param num_ranks: virtual ranks in this launch (1 with the IPC backend).
+    :param num_ctas: grid size (<= SMs; every CTA must be resident).
+    :param num_comm_ctas: CTAs ``0 .. num_comm_ctas - 1`` run the comm queue.
+    :param top_k: K (the k-sum is unrolled over it).
+    :param has_shared: the shared expert's tasks are in the list.
+    :param scope: "gpu" (virtual ranks) or "sys" (peers on other GPUs) for flags and counters.
+    :param timeline: record one span per task (``mok_cute.timeline`` format).
+    """
+
+    def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
+                 has_shared: bool, scope: str = "gpu", timeline: bool = False):
+        if not 1 <= num_comm_ctas < num_ctas:
+            raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
+        if not 1 <= top_k <= MAX_K_SUM:
+            raise ValueError(f"top_k must be in [1, {MAX_K_SUM}], got {top_k}")
+        if scope not in ("gpu", "sys"):
+            raise ValueError(f"scope must be 'gpu' or 'sys', got {scope!r}")
+        self.num_ranks = num_ranks
+        self.num_ctas = num_ctas
+        self.num_comm_ctas = num_comm_ctas
+        self.num_compute_ctas = num_ctas - num_comm_ctas
+        self.top_k = top_k
+        self.has_shared = has_shared
+        self.scope = scope
+        self.timeline = timeline
+        # The GEMM roles and layouts are GroupedGemmSm90's (cooperative, 128 x 256 x 64).
+        self.gemm = GroupedGemmSm90(tile_n=FC2_TILE_N, epilogue="store")
+        self.tile_shape_mnk = self.gemm.tile_shape_mnk
+        self.threads_per_cta = self.gemm.threads_per_cta
+        self.num_warps = self.threads_per_cta // 32
+        self.epi_tile = self.gemm.epi_tile
+        self.epi_stages = self.gemm.epi_stages
+        self.half_n = FC1_TILE_N // 2
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, tasks: cute.Tensor, queues: cute.Tensor, queue_len: cute.Tensor,
+                 queue_live_len: cute.Tensor, queue_tail_begin: cute.Tensor,
+                 counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
+                 num_tiles: cute.Tensor, tile_expert: cute.Tensor, row_peer: cute.Tensor,
+                 row_token: cute.Tensor, row_k: cute.Tensor, peer_bases: cute.Tensor,
+                 ring_x: cute.Tensor, ring_h: cute.Tensor, ring_y: cute.Tensor,
+                 w_gate: cute.Tensor, w_up: cute.Tensor, w_down: cute.Tensor,
+                 x_all: Optional[cute.Tensor], ws_gate: Optional[cute.Tensor],
+                 ws_up: Optional[cute.Tensor], ws_down: Optional[cute.Tensor],
+                 shared_h: Optional[cute.Tensor], shared_y: Optional[cute.Tensor],
+                 topk_weights: cute.Tensor, out: cute.Tensor, timeline_buf: Optional[cute.Tensor],
+                 scalars: cute.Tensor, stream: cuda.CUstream):
+        """Shapes (R ranks, P peers, E = R * E_loc experts, C ring rows, T tokens):
+        tasks int32 (N, TASK_WORDS); queues int32 (2, Q); queue_len int32 (2,);
+        queue_live_len int32 (2, MB + 1); queue_tail_begin int32 (2,); counter_offsets
+        int32 (G + 1,); counters int32 (R, num_counters), zero at launch; error int64 (1,);
+        num_tiles int32 (R,); tile_expert int32 (R, tiles); row_peer / row_token / row_k
+        int32 (R, capacity); peer_bases int64 (R, P); ring_x / ring_y bf16 (C, H, R);
+        ring_h bf16 (C, I, R); w_gate / w_up (I, H, E); w_down (H, I, E); shared: x_all
+        (T, H, R) (a view of the symmetric x), ws_gate / ws_up (Is, H, R), ws_down (H, Is, R),
+        shared_h (T, Is, R), shared_y (T, H, R); topk_weights fp32 (R, T, K); out bf16
+        (R, T, H); scalars int64 (9,): epoch, rank of the first virtual rank, tiles per
+        minibatch, x / combine / flags byte offsets, timeout ns, local experts, static M-tiles."""
+        self.a_dtype = BFloat16
+        self.c_dtype = BFloat16
+        self.gemm.a_dtype = self.gemm.b_dtype = self.gemm.c_dtype = BFloat16
+        self.gemm._setup_attributes()
+        g = self.gemm
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        a_box = cute.slice_(g.a_smem_layout_staged, (None, None, 0))
+        half_box = (self.half_n, tile_k)
+        half_layout = cute.slice_(g._staged_kmajor_layout(BFloat16, half_box, 1), (None, None, 0))
+        full_layout = cute.slice_(g.b_smem_layout_staged, (None, None, 0))
+        epi_layout = cute.slice_(g.epi_smem_layout_staged, (None, None, 0))
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        mk = cute.nvgpu.cpasync.make_tiled_tma_atom
+        # Routed FC1: A = ring x, B = gate / up halves, C = ring h. FC2: A = ring h, B = down.
+        tma_a_x, t_a_x = mk(g2s, ring_x, a_box, (tile_m, tile_k))
+        tma_a_h, t_a_h = mk(g2s, ring_h, a_box, (tile_m, tile_k))
+        tma_wg, t_wg = mk(g2s, w_gate, half_layout, half_box)
+        tma_wu, t_wu = mk(g2s, w_up, half_layout, half_box)
+        tma_wd, t_wd = mk(g2s, w_down, full_layout, (tile_n, tile_k))
+        tma_st_h, t_st_h = mk(s2g, ring_h, epi_layout, self.epi_tile)
+        tma_st_y, t_st_y = mk(s2g, ring_y, epi_layout, self.epi_tile)
+        shared_atoms = (None,) * 14
+        if const_expr(self.has_shared):
+            s_a_x = mk(g2s, x_all, a_box, (tile_m, tile_k))
+            s_a_h = mk(g2s, shared_h, a_box, (tile_m, tile_k))
+            s_wg = mk(g2s, ws_gate, half_layout, half_box)
+            s_wu = mk(g2s, ws_up, half_layout, half_box)
+            s_wd = mk(g2s, ws_down, full_layout, (tile_n, tile_k))
+            s_st_h = mk(s2g, shared_h, epi_layout, self.epi_tile)
+            s_st_y = mk(s2g, shared_y, epi_layout, self.epi_tile)
+            shared_atoms = (*s_a_x, *s_a_h, *s_wg, *s_wu, *s_wd, *s_st_h, *s_st_y)
+
+        @cute.struct
+        class SharedStorage:
+            ab_full_empty: cute.struct.MemRange[cutlass.Int64, g.ab_stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[BFloat16, cute.cosize(g.a_smem_layout_staged)],
+                g.buffer_align_bytes]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[BFloat16, cute.cosize(g.b_smem_layout_staged)],
+                g.buffer_align_bytes]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[BFloat16, cute.cosize(g.epi_smem_layout_staged)],
+                g.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tasks, queues, queue_len, queue_live_len, queue_tail_begin, counter_offsets,
+            counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
+            ring_x, ring_y, topk_weights, out, shared_y, timeline_buf, scalars,
+            tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
+            tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
+            g.tiled_mma, g.a_smem_layout_staged, g.b_smem_layout_staged, g.epi_smem_layout_staged,
+        ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
+                 min_blocks_per_mp=1, cooperative=True, stream=stream)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tasks: cute.Tensor, queues: cute.Tensor, queue_len: cute.Tensor,
+               queue_live_len: cute.Tensor, queue_tail_begin: cute.Tensor,
+               counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
+               num_tiles: cute.Tensor, tile_expert: cute.Tensor, row_peer: cute.Tensor,
+               row_token: cute.Tensor, row_k: cute.Tensor, peer_bases: cute.Tensor,
+               ring_x: cute.Tensor, ring_y: cute.Tensor, topk_weights: cute.Tensor,
+               out: cute.Tensor, shared_y: Optional[cute.Tensor],
+               timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor,
+               tma_a_x: cute.CopyAtom, t_a_x: cute.Tensor, tma_a_h: cute.CopyAtom, t_a_h: cute.Tensor,
+               tma_wg: cute.CopyAtom, t_wg: cute.Tensor, tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
+               tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
+               tma_st_h: cute.CopyAtom, t_st_h: cute.Tensor, tma_st_y: cute.CopyAtom, t_st_y: cute.Tensor,
+               s_tma_a_x: Optional[cute.CopyAtom], s_t_a_x: Optional[cute.Tensor],
+               s_tma_a_h: Optional[cute.CopyAtom], s_t_a_h: Optional[cute.Tensor],
+               s_tma_wg: Optional[cute.CopyAtom], s_t_wg: Optional[cute.Tensor],
+               s_tma_wu: Optional[cute.CopyAtom], s_t_wu: Optional[cute.Tensor],
+               s_tma_wd: Optional[cute.CopyAtom], s_t_wd: Optional[cute.Tensor],
+               s_tma_st_h: Optional[cute.CopyAtom], s_t_st_h: Optional[cute.Tensor],
+               s_tma_st_y: Optional[cute.CopyAtom], s_t_st_y: Optional[cute.Tensor],
+               tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
+               b_smem_layout_staged: cute.ComposedLayout,
+               epi_smem_layout_staged: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        g = self.gemm
+        ctx = _Context(scalars, cute.arch.globaltimer())
+
+        if const_expr(self.timeline):
+            if tidx == 0 and bidx == 0:
+                common.timeline_mark_start(timeline_buf, common.timeline_now())
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tma_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem_layout_staged, (None, None, 0)))
+                     + cute.size_in_bytes(BFloat16, cute.slice_(b_smem_layout_staged, (None, None, 0))))
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=g.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, g.num_mma_threads // 32),
+            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if bidx < self.num_comm_ctas:
+            self._announce_start(ctx, peer_bases, tidx)
+            self._comm_loop(ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                            counter_offsets, counters, error, num_tiles, row_peer, row_token,
+                            row_k, peer_bases, ring_x, ring_y, timeline_buf, tidx, bidx, warp_idx)
+        else:
+            sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+            sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+            sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+            warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
+            compute_cta = bidx - self.num_comm_ctas
+            if warpgroup_idx == 0:
+                cute.arch.setmaxregister_decrease(g.producer_regs)
+                if warp_idx == g.load_warp:
+                    for atom in (tma_a_x, tma_a_h, tma_wg, tma_wu, tma_wd):
+                        cute.nvgpu.cpasync.prefetch_descriptor(atom)
+                    self._producer_loop(
+                        ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                        counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
+                        sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
+                        tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
+                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta)
+            else:
+                cute.arch.setmaxregister_increase(g.consumer_regs)
+                self._consumer_loop(
+                    ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                    counter_offsets, counters, error, num_tiles, peer_bases, topk_weights, out,
+                    shared_y, timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC,
+                    tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y,
+                    s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta)
+
+    # ------------------------------------------------------------------ task walking
+    @cute.jit
+    def _live_prefix(self, ctx, queue_live_len, num_tiles, role: cutlass.Constexpr[int]) -> Int32:
+        """Queue positions below the largest live prefix of any rank are walked in order;
+        past it the dead middle of every rank's queue is jumped over (read once per CTA:
+        the tile counts do not change during the launch)."""
+        live_prefix = Int32(0)
+        for r in cutlass.range(self.num_ranks, unroll=1):
+            live = ctx.live_minibatches(num_tiles[r])
+            live_prefix = cutlass.max(live_prefix, queue_live_len[role, live])
+        return live_prefix
+
+    @cute.jit
+    def _ticket(self, queues, queue_len, queue_tail_begin, live_prefix: Int32,
+                role: cutlass.Constexpr[int], q: Int32):
+        """Ticket -> (list index, or -1 once the role's queue is exhausted; rank)."""
+        rank = q % self.num_ranks
+        pos = q // self.num_ranks
+        if pos >= live_prefix:
+            pos = queue_tail_begin[role] + (pos - live_prefix)
+        index = Int32(-1)
+        if pos < queue_len[role]:
+            index = queues[role, pos]
+        return index, rank
+
+    @cute.jit
+    def _task_state(self, ctx, tasks, num_tiles, index: Int32, rank: Int32):
+        """(run, noop) of a task on ``rank``: a dead minibatch is skipped (run False);
+        a tile past the live count signals without work (noop True)."""
+        minibatch = tasks[index, W_MINIBATCH]
+        tiles = num_tiles[rank]
+        run = minibatch < ctx.live_minibatches(tiles)
+        noop = minibatch >= 0 and tasks[index, W_MTILE] >= tiles
+        return run, noop
+
+    @cute.jit
+    def _wait_task(self, ctx, tasks, counter_offsets, counters, error, num_tiles,
+                   index: Int32, rank: Int32):
+        """Spin until every wait of the task holds (waits on tiles past the live ones are
+        clipped away). Called by one thread or by a whole warp (each lane waits)."""
+        tiles = num_tiles[rank]
+        live_mb = ctx.live_minibatches(tiles)
+        live_tile_end = cutlass.min(live_mb * ctx.tiles_per_minibatch, ctx.static_tiles)
+        rank_counters = counters[rank, None]
+        for w in cutlass.range(tasks[index, W_NUM_WAITS], unroll=1):
+            group = tasks[index, W_WAITS + 4 * w]
+            first = tasks[index, W_WAITS + 4 * w + 1]
+            end = first + tasks[index, W_WAITS + 4 * w + 2]
+            target = tasks[index, W_WAITS + 4 * w + 3]
+            if group == int(CounterGroup.DISPATCHED_MB):
+                end = cutlass.min(end, live_mb)
+            elif group <= int(CounterGroup.COMBINED):
+                end = cutlass.min(end, live_tile_end)  # per-tile groups (0, 2, 3, 4)
+            base = counter_offsets[group]
+            for i in cutlass.range(first, end, unroll=1):
+                common.wait_counter(rank_counters, base + i, target, ctx.deadline, error,
+                                    index, ctx.rank_base + rank, self.scope)
+
+    @cute.jit
+    def _signal_task(self, tasks, counter_offsets, counters, index: Int32, rank: Int32):
+        """Release-publish the task's counter (caller has made its writes visible)."""
+        group = tasks[index, W_SIGNAL_GROUP]
+        slot = counter_offsets[group] + tasks[index, W_SIGNAL_INDEX]
+        common.counter_publish(counters[rank, None], slot, 1, self.scope)
+
+    @cute.jit
+    def _flag_tensor(self, ctx, peer_bases, rank: Int32, peer: Int32):
+        """The barrier_flags array inside peer ``peer``'s symmetric buffer (seen from rank)."""
+        addr = peer_bases[rank, peer] + ctx.flags_offset
+        return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                                cute.make_layout(cute.size(peer_bases, mode=[1])))
+
+    @cute.jit
+    def _store_flag(self, ctx, peer_bases, rank: Int32, peer: Int32, value: Int32):
+        flags = self._flag_tensor(ctx, peer_bases, rank, peer)
+        cute.arch.store((flags.iterator + (ctx.rank_base + rank)).llvm_ptr, value,
+                        sem="release", scope=self.scope)
+
+    @cute.jit
+    def _wait_flag(self, ctx, peer_bases, error, rank: Int32, peer: Int32, target: Int32,
+                   index: Int32):
+        """Wait until ``peer`` has stored >= target into this rank's flag ``peer``."""
+        me = ctx.rank_base + rank
+        own = self._flag_tensor(ctx, peer_bases, rank, me)
+        common.wait_counter(own, peer, target, ctx.deadline, error, index, peer, self.scope)
+
+    @cute.jit
+    def _announce_start(self, ctx, peer_bases, tidx: Int32):
+        """Comm CTA 0: each rank's start flag (2*epoch - 1) into every peer's buffer."""
+        if cute.arch.block_idx()[0] == 0:
+            num_peers = cute.size(peer_bases, mode=[1])
+            for i in cutlass.range(tidx, self.num_ranks * num_peers, self.threads_per_cta, unroll=1):
+                rank = i // num_peers
+                self._store_flag(ctx, peer_bases, rank, i - rank * num_peers, 2 * ctx.epoch - 1)
+
+    # ------------------------------------------------------------------ comm role
+    @cute.jit
+    def _comm_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                   counter_offsets, counters, error, num_tiles, row_peer, row_token, row_k,
+                   peer_bases, ring_x, ring_y, timeline_buf, tidx, bidx, warp_idx):
+        lane = cute.arch.lane_idx()
+        hidden = cute.size(ring_x, mode=[1])
+        h_vecs = hidden // VEC_ELEMS
+        row_bytes = Int64(hidden) * 2
+        num_peers = cute.size(peer_bases, mode=[1])
+        peers_started = Int32(0)  # every peer's start flag seen (checked once per CTA)
+        live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMM))
+        q = bidx
+        index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
+                                   int(Role.COMM), q)
+        while index >= 0:
+            run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
+            if run:
+                t_start = common.timeline_now()
+                ttype = tasks[index, W_TYPE]
+                if tidx == 0:
+                    self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
+                    if ttype == int(TaskType.BARRIER):
+                        # this rank's combines are all done: tell every peer (unicast flags)
+                        self._fence()
+                        for p in cutlass.range(num_peers, unroll=1):
+                            self._store_flag(ctx, peer_bases, rank, p, 2 * ctx.epoch)
+                    elif peers_started == 0:
+                        # pulling from / pushing to a peer needs its start flag for this epoch
+                        for r in cutlass.range(self.num_ranks, unroll=1):
+                            for p in cutlass.range(num_peers, unroll=1):
+                                self._wait_flag(ctx, peer_bases, error, r, p, 2 * ctx.epoch - 1, index)
+                        peers_started = Int32(1)
+                cute.arch.barrier()
+                if not noop:
+                    row_begin = tasks[index, W_ROW_BEGIN]
+                    ring_begin = tasks[index, W_RING_ROW]
+                    num_rows = tasks[index, W_ROW_END] - row_begin
+                    if ttype == int(TaskType.DISPATCH):
+                        for r in cutlass.range(warp_idx, num_rows, self.num_warps, unroll=1):
+                            row = row_begin + r
+                            peer = row_peer[rank, row]
+                            local = ring_x[ring_begin + r, None, rank]
+                            if peer >= 0:
+                                addr = (peer_bases[rank, peer] + ctx.x_offset
+                                        + Int64(row_token[rank, row]) * row_bytes)
+                                copy_row(bf16_row(addr, hidden), local, h_vecs, lane, COPY_UNROLL)
+                            else:
+                                zero_row(local, h_vecs, lane)  # padding rows of the ring are zeros
+                    elif ttype == int(TaskType.COMBINE):
+                        for r in cutlass.range(warp_idx, num_rows, self.num_warps, unroll=1):
+                            row = row_begin + r
+                            peer = row_peer[rank, row]
+                            if peer >= 0:
+                                slot = (Int64(row_token[rank, row]) * Int64(self.top_k)
+                                        + Int64(row_k[rank, row]))
+                                addr = peer_bases[rank, peer] + ctx.combine_offset + slot * row_bytes
+                                copy_row(ring_y[ring_begin + r, None, rank], bf16_row(addr, hidden),
+                                         h_vecs, lane, COPY_UNROLL)
+                cute.arch.barrier()
+                if tidx == 0:
+                    self._fence()
+                    self._signal_task(tasks, counter_offsets, counters, index, rank)
+                    if const_expr(self.timeline):
+                        slot = common.timeline_reserve(timeline_buf, 1)
+                        common.timeline_write(timeline_buf, slot, int(Role.COMM), ttype, index,
+                                              ctx.rank_base + rank, t_start, common.timeline_now())
+            q += self.num_comm_ctas
+            index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
+                                       int(Role.COMM), q)
+
+    @cute.jit
+    def _fence(self):
+        """Make this CTA's writes (seen through its barrier) visible before a release."""
+        if const_expr(self.scope == "sys"):
+            cute.arch.fence_acq_rel_sys()
+        else:
+            cute.arch.fence_acq_rel_gpu()
+
+    # ------------------------------------------------------------------ compute: producer
+    @cute.jit
+    def _producer_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                       counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
+                       sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
+                       tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
+                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta):
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        one = cute.make_layout(1)
+        sB_halves = cute.flat_divide(sB, (self.half_n, tile_k))
+        sB_gate = cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2)
+        sB_up = cute.group_modes(sB_halves[(None, None, 1, 0, None)], 0, 2)
+        sA_g = cute.group_modes(sA, 0, 2)
+        sB_g = cute.group_modes(sB, 0, 2)
+
+        def part(atom, tensor, s, box):
+            return cute.nvgpu.cpasync.tma_partition(
+                atom, 0, one, s, cute.group_modes(cute.local_tile(tensor, box, (None, None, None)), 0, 2))
+
+        a_box, half_box, b_box = (tile_m, tile_k), (self.half_n, tile_k), (tile_n, tile_k)
+        sAx, gAx = part(tma_a_x, t_a_x, sA_g, a_box)
+        sAh, gAh = part(tma_a_h, t_a_h, sA_g, a_box)
+        sBg, gBg = part(tma_wg, t_wg, sB_gate, half_box)
+        sBu, gBu = part(tma_wu, t_wu, sB_up, half_box)
+        sBd, gBd = part(tma_wd, t_wd, sB_g, b_box)
+        s_sAx, s_gAx, s_sAh, s_gAh = None, None, None, None
+        s_sBg, s_gBg, s_sBu, s_gBu, s_sBd, s_gBd = None, None, None, None, None, None
+        if const_expr(self.has_shared):
+            s_sAx, s_gAx = part(s_tma_a_x, s_t_a_x, sA_g, a_box)
+            s_sAh, s_gAh = part(s_tma_a_h, s_t_a_h, sA_g, a_box)
+            s_sBg, s_gBg = part(s_tma_wg, s_t_wg, sB_gate, half_box)
+            s_sBu, s_gBu = part(s_tma_wu, s_t_wu, sB_up, half_box)
+            s_sBd, s_gBd = part(s_tma_wd, s_t_wd, sB_g, b_box)
+        e_loc = ctx.local_experts
+
+        loads = Int32(0)  # k-tiles issued so far: the pipeline state is derived from it
+        live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
+        q = compute_cta
+        index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
+                                   int(Role.COMPUTE), q)
+        while index >= 0:
+            run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
+            ttype = tasks[index, W_TYPE]
+            k_tiles = self._k_tiles(ttype, t_a_x, t_a_h, s_t_a_h)
+            if run and not noop and ttype != int(TaskType.KSUM):
+                self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
+                # rows written by other CTAs (generic or TMA stores) are read through TMA next
+                cute.arch.fence_proxy("async.global")
+                m_tile = tasks[index, W_MTILE]
+                n_tile = tasks[index, W_NTILE]
+                ring_tile = tasks[index, W_RING_ROW] // tile_m
+                expert = rank * e_loc + tile_expert[rank, cutlass.max(m_tile, 0)]
+                state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
+                for k in range(k_tiles):
+                    ab_pipeline.producer_acquire(state)
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    stage = state.index
+                    if ttype == int(TaskType.FC1):
+                        cute.copy(tma_a_x, gAx[(None, ring_tile, k, rank)], sAx[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_wg, gBg[(None, n_tile, k, expert)], sBg[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_wu, gBu[(None, n_tile, k, expert)], sBu[(None, stage)], tma_bar_ptr=bar)
+                    elif ttype == int(TaskType.FC2):
+                        cute.copy(tma_a_h, gAh[(None, ring_tile, k, rank)], sAh[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_wd, gBd[(None, n_tile, k, expert)], sBd[(None, stage)], tma_bar_ptr=bar)
+                    if const_expr(self.has_shared):
+                        if ttype == int(TaskType.SHARED_FC1):
+                            cute.copy(s_tma_a_x, s_gAx[(None, m_tile, k, rank)], s_sAx[(None, stage)], tma_bar_ptr=bar)
+                            cute.copy(s_tma_wg, s_gBg[(None, n_tile, k, rank)], s_sBg[(None, stage)], tma_bar_ptr=bar)
+                            cute.copy(s_tma_wu, s_gBu[(None, n_tile, k, rank)], s_sBu[(None, stage)], tma_bar_ptr=bar)
+                        elif ttype == int(TaskType.SHARED_FC2):
+                            cute.copy(s_tma_a_h, s_gAh[(None, m_tile, k, rank)], s_sAh[(None, stage)], tma_bar_ptr=bar)
+                            cute.copy(s_tma_wd, s_gBd[(None, n_tile, k, rank)], s_sBd[(None, stage)], tma_bar_ptr=bar)
+                    ab_pipeline.producer_commit(state)
+                    state.advance()
+            loads += self._loads_of(run, noop, ttype, k_tiles)
+            q += self.num_compute_ctas
+            index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
+                                       int(Role.COMPUTE), q)
+        tail = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
+        ab_pipeline.producer_tail(tail)
+
+    @cute.jit
+    def _k_tiles(self, ttype: Int32, t_a_x, t_a_h, s_t_a_h) -> Int32:
+        """K-tiles of a GEMM task: H / 64 for the gate/up GEMMs, I (or Is) / 64 for down."""
+        k_tiles = cute.size(t_a_x, mode=[1]) // TILE_K
+        if ttype == int(TaskType.FC2):
+            k_tiles = cute.size(t_a_h, mode=[1]) // TILE_K
+        if const_expr(self.has_shared):
+            if ttype == int(TaskType.SHARED_FC2):
+                k_tiles = cute.size(s_t_a_h, mode=[1]) // TILE_K
+        return k_tiles
+
+    @cute.jit
+    def _loads_of(self, run, noop, ttype: Int32, k_tiles: Int32) -> Int32:
+        """Pipeline stages a task consumes: its k-tiles if it is a GEMM that runs, else 0."""
+        loads = Int32(0)
+        if run and not noop and ttype != int(TaskType.KSUM):
+            loads = k_tiles
+        return loads
+
+    # ------------------------------------------------------------------ compute: consumers
+    @cute.jit
+    def _consumer_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                       counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
+                       out, shared_y, timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC,
+                       tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y,
+                       s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta):
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        consumer_tidx = tidx - 128
+        thr_mma = tiled_mma.get_slice((warpgroup_idx - 1) * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), Float32)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        tiled_copy_r2s = cute.make_tiled_copy_S(
+            sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, elem_ty_d=BFloat16,
+                                              elem_ty_acc=Float32),
+            cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(consumer_tidx)
+        epi = _Epilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC), tiled_copy_r2s.retile(acc),
+                        cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
+        tma_store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.gemm.num_mma_threads))
+        barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE),
+                                        num_threads=self.gemm.num_mma_threads)
+        is_store_warp = warp_idx == 4
+
+        loads = Int32(0)
+        subtiles = Int32(0)
+        live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
+        q = compute_cta
+        index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
+                                   int(Role.COMPUTE), q)
+        while index >= 0:
+            run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
+            ttype = tasks[index, W_TYPE]
+            k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
+            t_start = common.timeline_now()
+            if run and not noop and ttype != int(TaskType.KSUM):
+                read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
+                release = read.clone()
+                acc.fill(0.0)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                ab_pipeline.consumer_wait(read)
+                self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
+                read.advance()
+                for k in range(1, k_tiles):
+                    ab_pipeline.consumer_wait(read)
+                    self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ab_pipeline.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release)
+
+                m_tile = tasks[index, W_MTILE]
+                n_tile = tasks[index, W_NTILE]
+                ring_tile = tasks[index, W_RING_ROW] // tile_m
+                if ttype == int(TaskType.FC1):
+                    self._epilogue(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
+                                   barrier, tma_store_pipeline, is_store_warp)
+                elif ttype == int(TaskType.FC2):
+                    self._epilogue(epi, tma_st_y, t_st_y, ring_tile, n_tile, rank, False, subtiles,
+                                   barrier, tma_store_pipeline, is_store_warp)
+                if const_expr(self.has_shared):
+                    if ttype == int(TaskType.SHARED_FC1):
+                        self._epilogue(epi, s_tma_st_h, s_t_st_h, m_tile, n_tile, rank, True,
+                                       subtiles, barrier, tma_store_pipeline, is_store_warp)
+                    elif ttype == int(TaskType.SHARED_FC2):
+                        self._epilogue(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
+                                       subtiles, barrier, tma_store_pipeline, is_store_warp)
+                subtiles += self._epi_subtiles(ttype)
+                if is_store_warp:
+                    # the tile's TMA stores must have landed before anyone is told
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_proxy("async.global")
+            elif run and not noop:
+                self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
+                           topk_weights, out, shared_y, index, rank, consumer_tidx, barrier)
+            if run:
+                barrier.arrive_and_wait()
+                if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
+                    self._fence()
+                    self._signal_task(tasks, counter_offsets, counters, index, rank)
+                    if const_expr(self.timeline):
+                        slot = common.timeline_reserve(timeline_buf, 1)
+                        common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
+                                              ctx.rank_base + rank, t_start, common.timeline_now())
+            loads += self._loads_of(run, noop, ttype, k_tiles)
+            q += self.num_compute_ctas
+            index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
+                                       int(Role.COMPUTE), q)
+        tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def _epi_subtiles(self, ttype: Int32) -> Int32:
+        acc_n = FC2_TILE_N // self.epi_tile[1]
+        n = Int32(acc_n)
+        if ttype == int(TaskType.FC1) or ttype == int(TaskType.SHARED_FC1):
+            n = Int32(acc_n // 2)
+        return n * (TILE_M // self.epi_tile[0])
+
+    @cute.jit
+    def _epilogue(self, epi, tma_atom, t_out, m_tile: Int32, n_tile: Int32, rank: Int32,
+                  swiglu: cutlass.Constexpr[bool], subtiles: Int32, barrier, store_pipeline,
+                  is_store_warp):
+        """Accumulator -> bf16 (SwiGLU: silu(gate) * up) -> smem (stmatrix) -> TMA store."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        out_tile_n = tile_n // 2 if const_expr(swiglu) else tile_n
+        one = cute.make_layout(1)
+        g_out = cute.local_tile(t_out, (tile_m, out_tile_n), (None, None, None))
+        gC = cute.zipped_divide(g_out[(None, None, m_tile, n_tile, rank)], self.epi_tile)
+        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+            tma_atom, 0, one, cute.group_modes(epi.sC, 0, 2), gC)
+        frag_size = cute.size(epi.frag_shape)
+        r_out = cute.make_rmem_tensor(epi.frag_shape, Float32)
+        r_out_c = cute.make_rmem_tensor(epi.frag_shape, BFloat16)
+        epi_m = tile_m // self.epi_tile[0]
+        acc_n = tile_n // self.epi_tile[1]
+        out_n = out_tile_n // self.epi_tile[1]
+        for sm in cutlass.range_constexpr(epi_m):
+            for sn in cutlass.range_constexpr(out_n):
+                first = (sm * acc_n + sn) * frag_size
+                if const_expr(swiglu):
+                    for v in cutlass.range_constexpr(frag_size):
+                        r_out[v] = common.silu(epi.acc[first + v]) * epi.acc[first + out_n * frag_size + v]
+                else:
+                    for v in cutlass.range_constexpr(frag_size):
+                        r_out[v] = epi.acc[first + v]
+                r_out_c.store(r_out.load().to(BFloat16))
+                buf = (subtiles + sm * out_n + sn) % self.epi_stages
+                cute.copy(epi.tiled_copy, r_out_c, epi.tRS_sC[(None, None, None, buf)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                barrier.arrive_and_wait()
+                if is_store_warp:
+                    cute.copy(tma_atom, bSG_sC[(None, buf)], bSG_gC[(None, (sm, sn))])
+                    store_pipeline.producer_commit()
+                    store_pipeline.producer_acquire()
+                barrier.arrive_and_wait()
+
+    # ------------------------------------------------------------------ compute: k-sum
+    @cute.jit
+    def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
+              topk_weights, out, shared_y, index: Int32, rank: Int32, consumer_tidx: Int32,
+              barrier):
+        """out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(combine[t*K+k])),
+        ascending k, product and sum rounded separately (the reference's order)."""
+        if consumer_tidx == 0:
+            self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
+            for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
+                self._wait_flag(ctx, peer_bases, error, rank, p, 2 * ctx.epoch, index)
+        barrier.arrive_and_wait()
+        hidden = cute.size(out, mode=[2])
+        h_vecs = hidden // VEC_ELEMS
+        lane = cute.arch.lane_idx()
+        warp = consumer_tidx // 32
+        vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        combine_base = peer_bases[rank, ctx.rank_base + rank] + ctx.combine_offset
+        row_bytes = Int64(hidden) * 2
+        row_begin = tasks[index, W_ROW_BEGIN]
+        for t in cutlass.range(row_begin + warp, tasks[index, W_ROW_END], 8, unroll=1):
+            weights = cute.make_rmem_tensor((self.top_k,), Float32)
+            for k in cutlass.range_constexpr(self.top_k):
+                weights[k] = topk_weights[rank, t, k]
+            out_row = out[rank, t, None]
+            for v in cutlass.range(lane, h_vecs, 32, unroll=1):
+                acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+                if const_expr(self.has_shared):
+                    base = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                    cute.copy(vec, cute.local_tile(shared_y[t, None, rank], (VEC_ELEMS,), (v,)), base)
+                    acc.store(base.load().to(Float32))
+                else:
+                    acc.fill(0.0)
+                for k in cutlass.range_constexpr(self.top_k):
+                    src = bf16_row(combine_base + (Int64(t) * self.top_k + k) * row_bytes, hidden)
+                    yk = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                    cute.copy(vec, cute.local_tile(src, (VEC_ELEMS,), (v,)), yk)
+                    yf = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+                    yf.store(yk.load().to(Float32))
+                    for e in cutlass.range_constexpr(VEC_ELEMS):
+                        acc[e] = _mul_then_add_rn(acc[e], weights[k], yf[e])
+                res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                res.store(acc.load().to(BFloat16))
+                cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v,)))
+
+
+def g_stages(mk: MegakernelSm90) -> int:
+    return mk.gemm.ab_stages
+
+
+@cute.jit
+def _pipeline_state(kind: cutlass.Constexpr, stages: cutlass.Constexpr[int], count: Int32):
+    """The pipeline state after ``count`` stages, built fresh (never carried through a
+    run-time branch: see AGENTS.md)."""
+    phase = (count // stages) % 2
+    if const_expr(kind == pipeline.PipelineUserType.Producer):
+        phase = phase ^ 1
+    return pipeline.PipelineState(stages, count, count % stages, phase)
+
+
+class _Context:
+    """Per-launch run-time scalars, read once per thread. Carried through run-time loops as
+    DSL values (the two ``__*_mlir_values__`` methods)."""
+
+    _FIELDS = ("epoch", "rank_base", "tiles_per_minibatch", "x_offset", "combine_offset",
+               "flags_offset", "deadline", "local_experts", "static_tiles")
+    _TYPES = (Int32, Int32, Int32, Int64, Int64, Int64, Int64, Int32, Int32)
+
+    def __init__(self, scalars: cute.Tensor = None, now: Int64 = None, values=None):
+        if values is None:
+            words = [scalars[i] for i in range(SCALARS)]
+            words[6] = now + words[6]  # timeout ns -> deadline
+            values = [t(w) for t, w in zip(self._TYPES, words)]
+        for name, v in zip(self._FIELDS, values):
+            setattr(self, name, v)
+
+    def __extract_mlir_values__(self):
+        return [getattr(self, n).ir_value() for n in self._FIELDS]
+
+    def __new_from_mlir_values__(self, values):
+        return _Context(values=[t(v) for t, v in zip(self._TYPES, values)])
+
+    def live_minibatches(self, tiles):
+        return (tiles + self.tiles_per_minibatch - 1) // self.tiles_per_minibatch
+
+
+class _Epilogue:
+    """The consumer's epilogue partitions (built once per CTA)."""
+
+    def __init__(self, tiled_copy, tRS_sC, acc, frag_shape, sC):
+        self.tiled_copy, self.tRS_sC, self.acc, self.frag_shape, self.sC = (
+            tiled_copy, tRS_sC, acc, frag_shape, sC)
+
+
+# ---------------------------------------------------------------------- compile
+SCALARS = 9
+
+
+def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: int = 16,
+                       top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
+                       timeline: bool = False, arch: str = "sm_90a", options: str = ""):
+    """Compile one static configuration on fake tensors (no GPU needed); every extent is a
+    run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
+    mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline)
+    f = common.fake_strided_tensor
+    kmaj = common.fake_kmajor_tensor
+    sym = cute.sym_int32
+    i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
+    ranks, peers, cap, tiles = sym(), sym(), sym(divisibility=TILE_M), sym()
+    ring, tokens = sym(divisibility=TILE_M), sym()
+    hidden, inter = sym(divisibility=TILE_K), sym(divisibility=TILE_K)
+    experts = sym()
+    bf16 = BFloat16
+    args = [
+        i32(sym(), TASK_WORDS), i32(2, sym()), common.fake_vector(Int32, 2),
+        i32(2, sym()), common.fake_vector(Int32, 2), common.fake_vector(Int32),
+        i32(ranks, sym()), common.fake_vector(Int64, 1, align_bytes=8),
+        common.fake_vector(Int32), i32(ranks, tiles), i32(ranks, cap), i32(ranks, cap),
+        i32(ranks, cap), f(Int64, (ranks, peers), align_bytes=8),
+        kmaj(bf16, (ring, hidden, ranks)), kmaj(bf16, (ring, inter, ranks)),
+        kmaj(bf16, (ring, hidden, ranks)),
+        kmaj(bf16, (inter, hidden, experts)), kmaj(bf16, (inter, hidden, experts)),
+        kmaj(bf16, (hidden, inter, experts)),
+    ]
+    if has_shared:
+        s_inter = sym(divisibility=TILE_K)
+        args += [kmaj(bf16, (tokens, hidden, ranks)), kmaj(bf16, (s_inter, hidden, ranks)),
+                 kmaj(bf16, (s_inter, hidden, ranks)), kmaj(bf16, (hidden, s_inter, ranks)),
+                 kmaj(bf16, (tokens, s_inter, ranks)), kmaj(bf16, (tokens, hidden, ranks))]
+    else:
+        args += [None] * 6
+    args += [f(Float32, (ranks, tokens, top_k), align_bytes=4),
+             f(bf16, (ranks, tokens, hidden), align_bytes=16),
+             common.fake_vector(Int64, align_bytes=8) if timeline else None,
+             common.fake_vector(Int64, SCALARS, align_bytes=8), common.fake_stream()]
+    return cute.compile(mk, *args, options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

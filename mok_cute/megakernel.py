@@ -1,0 +1,239 @@
+"""Host side of the megakernel: buffers, schedules, the task list and one launch per call.
+
+    moe_forward_virtual (R ranks on one GPU)  -> VirtualPlan   (comm.virtual peers)
+    moe_forward (one GPU, group=None)         -> VirtualPlan with R = 1
+
+A plan is built once per (shapes, config, device) and reused: the symmetric peer buffers,
+the ring buffers, the encoded task list and the compiled kernel. A call then copies x into
+the symmetric buffers, builds the receive schedules on the device (no host sync), bumps the
+epoch on the device, zeroes the counters and launches the kernel once.
+
+The kernel's error word (a bounded wait timed out) is read back without a sync: it is copied
+into pinned memory after the launch and checked when the call's id check is waited for, or
+at the start of the next call on the same plan (``check_ids=False``), or by
+``raise_pending_errors()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+
+import torch
+
+from mok_cute import jit, tasks as tasks_mod
+from mok_cute.config import MoKConfig
+
+TILE_M = 128
+DEFAULT_COMM_CTAS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanKey:
+    num_ranks: int
+    tokens: int
+    hidden: int
+    intermediate: int
+    local_experts: int
+    top_k: int
+    shared_intermediate: int
+    num_ctas: int
+    num_comm_ctas: int
+    minibatch_tokens: int
+    ring_tokens: int
+    timeline: bool
+    timeline_capacity: int
+    device: int
+
+
+def default_num_comm_ctas(num_ranks: int, hidden: int, top_k: int, num_sms: int) -> int:
+    """A starting point until the tuner is calibrated on megakernel timelines: enough comm
+    CTAs to move every routed row twice (dispatch + combine) while the GEMMs run."""
+    return max(2, min(num_sms // 8, DEFAULT_COMM_CTAS * (2 if num_ranks > 1 else 1)))
+
+
+def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, int]:
+    """(minibatch_tokens, ring_tokens): explicit values are checked, None picks defaults
+    (minibatch of 8 tiles; a ring that holds every row, so nothing wraps)."""
+    tile = config.tile_m
+    minibatch = config.minibatch_tokens or min(capacity, 8 * tile)
+    ring = config.ring_tokens or capacity
+    for name, value in (("minibatch_tokens", minibatch), ("ring_tokens", ring)):
+        if value % tile:
+            raise ValueError(f"MoKConfig.{name} must be a multiple of tile_m={tile}, got {value}")
+    if ring < minibatch:
+        raise ValueError(f"MoKConfig.ring_tokens must be >= minibatch_tokens={minibatch}, got {ring}")
+    return minibatch, min(ring, capacity)
+
+
+class VirtualPlan:
+    """Everything one shape needs for ``R`` virtual ranks in one launch."""
+
+    def __init__(self, key: PlanKey):
+        from mok_cute.comm import VirtualPeers, moe_symmetric_layout
+        from mok_cute.schedule import schedule_capacity
+
+        self.key = k = key
+        dev = torch.device("cuda", k.device)
+        self.capacity = schedule_capacity(k.num_ranks, k.tokens, k.top_k, k.local_experts, TILE_M)
+        self.peers = VirtualPeers(k.num_ranks, moe_symmetric_layout(k.tokens, k.hidden, k.top_k,
+                                                                    k.num_ranks), device=dev)
+        layout = self.peers.layout
+        elem = self.peers.nbytes // 2
+        bf16 = self.peers.buffer.view(torch.bfloat16)
+        # x of every rank as one (R, T, H) view of the symmetric buffer
+        self.x_all = bf16.as_strided((k.num_ranks, k.tokens, k.hidden),
+                                     (elem, k.hidden, 1), layout.offset("x") // 2)
+        self.task_list = tasks_mod.build_static(
+            self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
+            top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
+            shared_intermediate=k.shared_intermediate, num_ranks=k.num_ranks,
+            fc1_tile_n=256, fc2_tile_n=256)
+        self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
+        R, C = k.num_ranks, k.ring_tokens
+        self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
+        self.ring_h = torch.empty(R, C, k.intermediate, dtype=torch.bfloat16, device=dev)
+        self.ring_y = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
+        self.shared_h = self.shared_y = None
+        if k.shared_intermediate:
+            self.shared_h = torch.empty(R, k.tokens, k.shared_intermediate, dtype=torch.bfloat16, device=dev)
+            self.shared_y = torch.empty(R, k.tokens, k.hidden, dtype=torch.bfloat16, device=dev)
+        self.peer_bases = self.peers.bases_matrix()
+        self.counters = torch.zeros(R, self.device_tasks.num_counters, dtype=torch.int32, device=dev)
+        self.error = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._error_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._error_event = None
+        self.timeline_buf = None
+        if k.timeline:
+            from mok_cute.timeline import TimelineBuffer
+            self.timeline = TimelineBuffer(k.timeline_capacity, device=dev)
+            self.timeline_buf = self.timeline.tensor
+        # epoch (bumped on the device each call), first rank, tiles per minibatch, offsets,
+        # timeout, local experts, static M-tiles
+        self.scalars = torch.tensor(
+            [0, 0, k.minibatch_tokens // TILE_M, layout.offset("x"), layout.offset("combine"),
+             layout.offset("barrier_flags"), 0, k.local_experts, self.capacity // TILE_M],
+            dtype=torch.int64, device=dev)
+        self.kernel = jit.compile_kernel(
+            "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas, num_comm_ctas=k.num_comm_ctas,
+            top_k=k.top_k, has_shared=bool(k.shared_intermediate), scope="gpu",
+            timeline=k.timeline)
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------ one call
+    def run(self, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, timeout_ms: float,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """xs (R, T, H) bf16, topk_idx (R, T, K) global ids, topk_weights (R, T, K),
+        w_* (R, E_loc, ., .), shared: None or (gate, up, down) with a leading R."""
+        from mok_cute.schedule import build_receive_schedule
+
+        k = self.key
+        self.raise_pending_errors()
+        R = k.num_ranks
+        self.x_all.copy_(xs)
+        ids = topk_idx.to(torch.int32)
+        scheds = [build_receive_schedule(ids, r, k.local_experts, TILE_M, validate=False)
+                  for r in range(R)]
+        stack = lambda name: torch.stack([getattr(s, name) for s in scheds])  # noqa: E731
+        num_tiles = torch.cat([s.num_tiles for s in scheds])
+        self.scalars[0].add_(1)
+        self.scalars[6].fill_(int(timeout_ms * 1e6))
+        self.counters.zero_()
+        self.error.zero_()
+        if self.timeline_buf is not None:
+            self.timeline.reset()
+        if out is None:
+            out = torch.empty(R, k.tokens, k.hidden, dtype=torch.bfloat16, device=xs.device)
+        E = R * k.local_experts
+        kmajor = lambda t: t.permute(1, 2, 0)  # (L, rows, K) -> (rows, K, L)  # noqa: E731
+        flat = lambda w: w.reshape(E, *w.shape[2:])  # noqa: E731
+        s_args = [None] * 6
+        if shared is not None:
+            s_args = [kmajor(self.x_all), kmajor(shared[0]), kmajor(shared[1]), kmajor(shared[2]),
+                      kmajor(self.shared_h), kmajor(self.shared_y)]
+        d = self.device_tasks
+        self.kernel(
+            d.tasks, d.queues, d.queue_len, d.queue_live_len, d.queue_tail_begin,
+            d.counter_offsets, self.counters, self.error, num_tiles, stack("tile_expert"),
+            stack("row_peer"), stack("row_token"), stack("row_k"), self.peer_bases,
+            kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
+            kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)), *s_args,
+            topk_weights.to(torch.float32), out, self.timeline_buf, self.scalars)
+        self._error_host.copy_(self.error, non_blocking=True)
+        self._error_event = torch.cuda.Event()
+        self._error_event.record()
+        return out
+
+    def raise_pending_errors(self) -> None:
+        """Raise PeerTimeoutError if the last launch recorded a timed-out wait (waits for
+        that launch's error-word copy, which is already queued)."""
+        from mok_cute.kernels.common import raise_on_wait_error
+
+        event, self._error_event = self._error_event, None
+        if event is not None:
+            event.synchronize()
+            raise_on_wait_error(int(self._error_host[0]))
+
+
+_PLANS: dict[PlanKey, VirtualPlan] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig) -> VirtualPlan:
+    from mok_cute.schedule import schedule_capacity
+
+    R, T, H = xs.shape
+    E_loc, I = w_gate.shape[1], w_gate.shape[2]
+    K = topk_idx.shape[-1]
+    if H % 64 or I % 64:
+        raise ValueError(f"the megakernel needs hidden and intermediate sizes that are multiples "
+                         f"of 64, got H={H}, I={I}")
+    Is = shared[0].shape[-2] if shared is not None else 0
+    if Is % 64:
+        raise ValueError(f"shared expert intermediate size must be a multiple of 64, got {Is}")
+    device = xs.device.index if xs.device.index is not None else torch.cuda.current_device()
+    num_sms = _num_sms(device)
+    num_comm = config.num_comm_sms or default_num_comm_ctas(R, H, K, num_sms)
+    if num_comm >= num_sms:
+        raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
+    capacity = schedule_capacity(R, T, K, E_loc, TILE_M)
+    minibatch, ring = resolve_sizes(config, capacity, T)
+    key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
+                  config.timeline, config.timeline_capacity, device)
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _PLANS[key] = VirtualPlan(key)
+    return plan
+
+
+def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
+                        config: MoKConfig | None = None) -> torch.Tensor:
+    """The megakernel on R virtual ranks (inputs already validated by ``mok_cute.api``)."""
+    config = config or MoKConfig()
+    plan = plan_for(xs, w_gate, w_down, shared, topk_idx, config)
+    with plan.lock:
+        return plan.run(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                        config.timeout_ms)
+
+
+def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
+                config: MoKConfig | None = None) -> torch.Tensor:
+    """One GPU: the megakernel with one rank (its dispatch is the local gather)."""
+    sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
+    out = moe_forward_virtual(x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
+                              w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0), sh,
+                              config)
+    return out[0]
+
+
+def raise_pending_errors() -> None:
+    """Check every plan's last launch for a timed-out wait (PeerTimeoutError)."""
+    for plan in list(_PLANS.values()):
+        plan.raise_pending_errors()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
