@@ -27,6 +27,7 @@ from mok_cute.config import MoKConfig
 
 TILE_M = 128
 DEFAULT_COMM_CTAS = 8
+TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +101,9 @@ class VirtualPlan:
             self.shared_h = torch.empty(R, k.tokens, k.shared_intermediate, dtype=torch.bfloat16, device=dev)
             self.shared_y = torch.empty(R, k.tokens, k.hidden, dtype=torch.bfloat16, device=dev)
         self.peer_bases = self.peers.bases_matrix()
-        self.counters = torch.zeros(R, self.device_tasks.num_counters, dtype=torch.int32, device=dev)
+        # per-rank task counters, then (row 0 only) the comm / compute ticket counters
+        self.counters = torch.zeros(R, self.device_tasks.num_counters + TICKETS, dtype=torch.int32,
+                                    device=dev)
         self.error = torch.zeros(1, dtype=torch.int64, device=dev)
         self._error_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._error_event = None

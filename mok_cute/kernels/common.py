@@ -26,6 +26,7 @@ LOG2_E = 1.4426950408889634
 class NamedBarriers(enum.IntEnum):
     RESERVED = 0  # bar.sync 0 is __syncthreads
     EPILOGUE = 1  # consumer warpgroups of a GEMM tile (pingpong: EPILOGUE + warpgroup, 1 and 2)
+    COMM = 3  # the comm workers of a megakernel comm CTA
 
 
 @cute.jit

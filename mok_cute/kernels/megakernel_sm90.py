@@ -54,10 +54,11 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute import jit
 from mok_cute.kernels import common
-from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row, zero_row
+from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row
 from mok_cute.kernels.gemm_sm90 import TILE_K, TILE_M, GroupedGemmSm90
 from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, _mul_then_add_rn
 from mok_cute.tasks import CounterGroup, TASK_WORDS
@@ -70,7 +71,10 @@ W_WAITS = 12
 
 FC1_TILE_N = 256  # 128 gate + 128 up columns per tile -> 128 h columns
 FC2_TILE_N = 256
-COPY_UNROLL = 4  # 16-byte vectors in flight per lane per row copy
+MAX_ROW_SLOTS = 32  # comm rows staged in smem at once (bounded by the 128 KB B-stage region)
+STORES_IN_FLIGHT = 4  # row stores whose smem may still be unread when a slot is reloaded
+COMM_THREADS = TILE_M  # comm CTA threads: one per row of a task computes its addresses
+TICKETS = 2  # extra int32 words after the counters of rank 0: the comm / compute ticket counters
 
 
 class MegakernelSm90:
@@ -171,6 +175,10 @@ class MegakernelSm90:
         @cute.struct
         class SharedStorage:
             ab_full_empty: cute.struct.MemRange[cutlass.Int64, g.ab_stages * 2]
+            row_full: cute.struct.MemRange[cutlass.Int64, MAX_ROW_SLOTS]
+            row_src: cute.struct.MemRange[cutlass.Int64, TILE_M]
+            row_dst: cute.struct.MemRange[cutlass.Int64, TILE_M]
+            comm_words: cute.struct.MemRange[Int32, 4]
             sA: cute.struct.Align[
                 cute.struct.MemRange[BFloat16, cute.cosize(g.a_smem_layout_staged)],
                 g.buffer_align_bytes]
@@ -240,9 +248,10 @@ class MegakernelSm90:
 
         if bidx < self.num_comm_ctas:
             self._announce_start(ctx, peer_bases, tidx)
-            self._comm_loop(ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
-                            counter_offsets, counters, error, num_tiles, row_peer, row_token,
-                            row_k, peer_bases, ring_x, ring_y, timeline_buf, tidx, bidx, warp_idx)
+            if tidx < COMM_THREADS:
+                self._comm_loop(ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                                counter_offsets, counters, error, num_tiles, row_peer, row_token,
+                                row_k, peer_bases, ring_x, ring_y, timeline_buf, storage, tidx)
         else:
             sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
             sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
@@ -368,15 +377,34 @@ class MegakernelSm90:
     @cute.jit
     def _comm_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
                    counter_offsets, counters, error, num_tiles, row_peer, row_token, row_k,
-                   peer_bases, ring_x, ring_y, timeline_buf, tidx, bidx, warp_idx):
-        lane = cute.arch.lane_idx()
+                   peer_bases, ring_x, ring_y, timeline_buf, storage, tidx):
+        """``COMM_THREADS`` threads per comm CTA. Tickets come from an atomic counter (a CTA
+        blocked on a COMBINE's wait holds no later task hostage). Per task, thread ``t``
+        resolves the source and destination address of row ``t`` into smem; thread 0 then
+        moves the rows with bulk copies through smem: ``cp.async.bulk`` global -> smem
+        (completing on the slot's mbarrier), then smem -> global, many rows in flight (the
+        staging area is the GEMM's B-stage region, unused by comm CTAs)."""
         hidden = cute.size(ring_x, mode=[1])
-        h_vecs = hidden // VEC_ELEMS
-        row_bytes = Int64(hidden) * 2
+        row_bytes = hidden * 2
+        staging_bytes = self.gemm.ab_stages * FC2_TILE_N * TILE_K * 2  # the B stages
+        slots = cutlass.min(MAX_ROW_SLOTS, staging_bytes // row_bytes)
         num_peers = cute.size(peer_bases, mode=[1])
+        row_full = storage.row_full.data_ptr()
+        staging = storage.sB.data_ptr()
+        row_src = storage.row_src.get_tensor(cute.make_layout(TILE_M))
+        row_dst = storage.row_dst.get_tensor(cute.make_layout(TILE_M))
+        words = storage.comm_words.get_tensor(cute.make_layout(4))  # ticket, real rows
+        sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
+                                     num_threads=COMM_THREADS)
+        if tidx == 0:
+            for i in cutlass.range(MAX_ROW_SLOTS, unroll=1):
+                cute.arch.mbarrier_init(row_full + i, 1)
+            cute.arch.mbarrier_init_fence()
+        phases = Int32(0)  # bit s: parity the next wait on slot s expects (thread 0)
         peers_started = Int32(0)  # every peer's start flag seen (checked once per CTA)
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMM))
-        q = bidx
+        ticket_slot = cute.size(counters, mode=[1]) - TICKETS
+        q = self._shared_ticket(counters, ticket_slot, words, sync, tidx)
         index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
                                    int(Role.COMM), q)
         while index >= 0:
@@ -384,6 +412,7 @@ class MegakernelSm90:
             if run:
                 t_start = common.timeline_now()
                 ttype = tasks[index, W_TYPE]
+                moves = not noop and ttype != int(TaskType.BARRIER)
                 if tidx == 0:
                     self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
                     if ttype == int(TaskType.BARRIER):
@@ -397,51 +426,117 @@ class MegakernelSm90:
                             for p in cutlass.range(num_peers, unroll=1):
                                 self._wait_flag(ctx, peer_bases, error, r, p, 2 * ctx.epoch - 1, index)
                         peers_started = Int32(1)
-                cute.arch.barrier()
-                if not noop:
-                    row_begin = tasks[index, W_ROW_BEGIN]
-                    ring_begin = tasks[index, W_RING_ROW]
-                    num_rows = tasks[index, W_ROW_END] - row_begin
-                    if ttype == int(TaskType.DISPATCH):
-                        for r in cutlass.range(warp_idx, num_rows, self.num_warps, unroll=1):
-                            row = row_begin + r
-                            peer = row_peer[rank, row]
-                            local = ring_x[ring_begin + r, None, rank]
-                            if peer >= 0:
-                                addr = (peer_bases[rank, peer] + ctx.x_offset
-                                        + Int64(row_token[rank, row]) * row_bytes)
-                                copy_row(bf16_row(addr, hidden), local, h_vecs, lane, COPY_UNROLL)
-                            else:
-                                zero_row(local, h_vecs, lane)  # padding rows of the ring are zeros
-                    elif ttype == int(TaskType.COMBINE):
-                        for r in cutlass.range(warp_idx, num_rows, self.num_warps, unroll=1):
-                            row = row_begin + r
-                            peer = row_peer[rank, row]
-                            if peer >= 0:
-                                slot = (Int64(row_token[rank, row]) * Int64(self.top_k)
-                                        + Int64(row_k[rank, row]))
-                                addr = peer_bases[rank, peer] + ctx.combine_offset + slot * row_bytes
-                                copy_row(ring_y[ring_begin + r, None, rank], bf16_row(addr, hidden),
-                                         h_vecs, lane, COPY_UNROLL)
-                cute.arch.barrier()
+                    words[1] = 0
+                sync.arrive_and_wait()
+                if moves:
+                    self._resolve_row(ctx, tasks, index, rank, ttype, row_peer, row_token, row_k,
+                                      peer_bases, ring_x, ring_y, row_bytes, row_src, row_dst,
+                                      words, tidx)
+                sync.arrive_and_wait()
                 if tidx == 0:
+                    if moves:
+                        phases = self._move_rows(words[1], row_src, row_dst, row_full, staging,
+                                                 slots, row_bytes, phases)
                     self._fence()
                     self._signal_task(tasks, counter_offsets, counters, index, rank)
                     if const_expr(self.timeline):
                         slot = common.timeline_reserve(timeline_buf, 1)
                         common.timeline_write(timeline_buf, slot, int(Role.COMM), ttype, index,
                                               ctx.rank_base + rank, t_start, common.timeline_now())
-            q += self.num_comm_ctas
+            q = self._shared_ticket(counters, ticket_slot, words, sync, tidx)
             index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
                                        int(Role.COMM), q)
 
     @cute.jit
+    def _shared_ticket(self, counters, slot: Int32, words, sync, tidx) -> Int32:
+        """Thread 0 takes the next ticket; every comm thread of the CTA gets it."""
+        if tidx == 0:
+            words[0] = self._take_ticket(counters, slot)
+        sync.arrive_and_wait()
+        q = words[0]
+        sync.arrive_and_wait()  # read before thread 0 may overwrite it
+        return q
+
+    @cute.jit
+    def _resolve_row(self, ctx, tasks, index, rank, ttype, row_peer, row_token, row_k,
+                     peer_bases, ring_x, ring_y, row_bytes, row_src, row_dst, words, tidx):
+        """Thread t: the addresses of the task's row t. DISPATCH: the owner's x row -> the
+        ring x row. COMBINE: the ring y row -> slot ``token * K + k`` of the source rank's
+        combine buffer. Padding rows (peer -1) are skipped: a GEMM row depends only on its
+        own input row and padding outputs are never combined. A tile lies in one expert
+        segment, whose padding is at its end, so the real rows are a prefix; the thread at
+        its end writes its length."""
+        row_begin = tasks[index, W_ROW_BEGIN]
+        num_rows = tasks[index, W_ROW_END] - row_begin
+        if tidx < num_rows:
+            row = row_begin + tidx
+            ring_row = tasks[index, W_RING_ROW] + tidx
+            peer = row_peer[rank, row]
+            if peer >= 0:
+                token = Int64(row_token[rank, row])
+                base = peer_bases[rank, peer]
+                if ttype == int(TaskType.DISPATCH):
+                    row_src[tidx] = base + ctx.x_offset + token * Int64(row_bytes)
+                    row_dst[tidx] = ring_x[ring_row, None, rank].iterator.toint()
+                else:
+                    slot = token * Int64(self.top_k) + Int64(row_k[rank, row])
+                    row_src[tidx] = ring_y[ring_row, None, rank].iterator.toint()
+                    row_dst[tidx] = base + ctx.combine_offset + slot * Int64(row_bytes)
+                last = tidx + 1 == num_rows
+                if not last:
+                    last = row_peer[rank, row + 1] < 0
+                if last:
+                    words[1] = tidx + 1
+
+    @cute.jit
     def _fence(self):
-        """Make this CTA's writes (seen through its barrier) visible before a release."""
+        """Make what this thread has seen and written visible before a release."""
         if const_expr(self.scope == "sys"):
             cute.arch.fence_acq_rel_sys()
         else:
             cute.arch.fence_acq_rel_gpu()
+
+    @cute.jit
+    def _take_ticket(self, counters, slot: Int32) -> Int32:
+        return cute.arch.atomic_add((counters.iterator + slot).llvm_ptr, Int32(1),
+                                    sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def _move_rows(self, num_rows, row_src, row_dst, row_full, staging, slots, row_bytes,
+                   phases):
+        """One thread moves ``num_rows`` rows (addresses in smem) with bulk copies through
+        smem staging slots. Returns the updated slot parities; every store has landed when
+        it returns (the caller then publishes)."""
+        row_elems = row_bytes // 2
+        # Slot s is reloaded `slots` rows after its last load; by then the rows loaded in
+        # between are either in flight (lag) or stored; at most STORES_IN_FLIGHT of those
+        # stores may still be reading smem. Small slot counts (huge rows) wait for every store.
+        deep = slots > STORES_IN_FLIGHT + 1
+        lag = slots - 1
+        if deep:
+            lag = slots - 1 - STORES_IN_FLIGHT
+        for i in cutlass.range(num_rows + lag, unroll=1):
+            if i < num_rows:
+                slot = i % slots
+                # the slot's previous row (i - slots) must be read out of smem first
+                if deep:
+                    cute.arch.cp_async_bulk_wait_group(STORES_IN_FLIGHT, read=True)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.mbarrier_arrive_and_expect_tx(row_full + slot, row_bytes)
+                src = cute.make_ptr(BFloat16, row_src[i], cute.AddressSpace.gmem, assumed_align=16)
+                nvvm.cp_async_bulk_shared_cluster_global(staging + slot * row_elems, src,
+                                                         row_full + slot, row_bytes)
+            j = i - lag
+            if j >= 0:
+                slot = j % slots
+                cute.arch.mbarrier_wait(row_full + slot, (phases >> slot) & 1)
+                phases = phases ^ (1 << slot)
+                dst = cute.make_ptr(BFloat16, row_dst[j], cute.AddressSpace.gmem, assumed_align=16)
+                nvvm.cp_async_bulk_global_shared_cta(dst, staging + slot * row_elems, row_bytes)
+                cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        return phases
 
     # ------------------------------------------------------------------ compute: producer
     @cute.jit
