@@ -2,8 +2,10 @@
 
 Path selection (`forward_path()` prints the outcome for a device):
 - `config.backend == "reference"`                      -> reference
-- `moe_forward(..., group=...)`, `moe_forward_virtual`  -> reference (the EP megakernel is not
-  built yet; the reference runs the real all_to_all_single exchange for `group`)
+- `moe_forward(..., group=...)`                         -> reference (the megakernel's IPC
+  launch is not wired yet; the reference runs the real all_to_all_single exchange)
+- `moe_forward_virtual` on a GPU that can run kernels   -> `mok_cute.megakernel` (one launch)
+- `moe_forward` with `config.backend == "megakernel"`   -> `mok_cute.megakernel` with R = 1
 - inputs not on a CUDA device, `mok_cute.ops` not importable,
   `mok_cute.ops.kernel_path_status(device)` says no, or
   inputs require grad and `mok_cute.ops.SUPPORTS_BACKWARD` is not true
@@ -39,7 +41,7 @@ from .config import (
 
 __all__ = ["moe_forward", "moe_forward_virtual", "MoELayer", "forward_path", "PathChoice", "choose_path"]
 
-_EP_REASON = "the expert-parallel megakernel is not built yet"
+_EP_REASON = "the megakernel's IPC launch across processes is not wired into moe_forward yet"
 
 
 @dataclass(frozen=True)
@@ -96,20 +98,21 @@ def choose_path(
     device = _resolve_device(device)
     if config.backend == "reference":
         return PathChoice("reference", "config.backend is 'reference'")
-    if distributed or virtual:
-        what = "moe_forward_virtual" if virtual else "moe_forward with group="
-        if config.backend == "kernel":
+    if distributed:
+        if config.backend in ("kernel", "megakernel"):
             raise ValueError(
-                f"config.backend: expected 'auto' or 'reference' for {what} ({_EP_REASON}), got 'kernel'"
-            )
-        return PathChoice("reference", f"{what} runs on the reference: {_EP_REASON}")
+                f"config.backend: expected 'auto' or 'reference' for moe_forward with group= "
+                f"({_EP_REASON}), got {config.backend!r}")
+        return PathChoice("reference", f"moe_forward with group= runs on the reference: {_EP_REASON}")
     ok, why = _kernel_status(device)
     if ok and needs_grad and not _kernel_supports_backward():
         ok, why = False, f"inputs require grad and the kernel path has no backward yet ({why})"
     if ok:
+        if virtual or config.backend == "megakernel":
+            return PathChoice("megakernel", why)
         return PathChoice("kernel", why)
-    if config.backend == "kernel":
-        raise RuntimeError(f"config.backend is 'kernel' but the kernel path cannot run on {device}: {why}")
+    if config.backend in ("kernel", "megakernel"):
+        raise RuntimeError(f"config.backend is {config.backend!r} but the kernel path cannot run on {device}: {why}")
     return PathChoice("reference", why)
 
 
@@ -141,8 +144,12 @@ def forward_path(device: torch.device | str | int | None = None, config: MoKConf
         head = f"error: {exc}"
     if head.startswith("kernel:") and not _kernel_supports_backward():
         head += " (calls whose inputs require grad run on the reference: no backward kernels yet)"
-    ep = "reference" if config.backend != "reference" else "reference (config.backend)"
-    return f"{head} [device {dev}; moe_forward(group=...) and moe_forward_virtual: {ep}, {_EP_REASON}]"
+    try:
+        virtual = choose_path(dev, config, virtual=True).path
+    except (RuntimeError, ValueError) as exc:
+        virtual = f"error: {exc}"
+    return (f"{head} [device {dev}; moe_forward_virtual: {virtual}; moe_forward(group=...): "
+            f"reference, {_EP_REASON}]")
 
 
 def _normalise_shared(shared: object) -> object:
@@ -178,15 +185,20 @@ def moe_forward(
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ()))
     )
     choice = choose_path(x.device, config, distributed=group is not None, needs_grad=needs_grad)
-    if choice.path == "kernel":
-        from . import ops
+    if choice.path in ("kernel", "megakernel"):
+        from . import megakernel, ops
 
         # The kernels never fault on bad ids, so the check's device read is waited for
         # after they are enqueued: the error is the same, the stream never drains idle.
         pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
-        out = ops.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
+        if choice.path == "kernel":
+            out = ops.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
+        else:
+            out = megakernel.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
         if pending is not None:
             pending.finish()
+            if choice.path == "megakernel":
+                megakernel.raise_pending_errors()  # the same sync point: no extra wait
         return out
     if config.check_ids:
         check_expert_ids(topk_idx, dims.num_experts)
@@ -213,9 +225,22 @@ def moe_forward_virtual(
     dims = check_moe_inputs(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, stacked=True, x_name="xs")
     if dims.tokens == 0:
         return torch.empty(dims.num_ranks, 0, dims.hidden, dtype=torch.bfloat16, device=xs.device)
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (xs, topk_weights, w_gate, w_up, w_down, *(shared or ()))
+    )
+    choice = choose_path(xs.device, config, virtual=True, needs_grad=needs_grad)
+    if choice.path == "megakernel":
+        from . import megakernel
+
+        pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
+        out = megakernel.moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down,
+                                             shared, config)
+        if pending is not None:
+            pending.finish()
+            megakernel.raise_pending_errors()
+        return out
     if config.check_ids:
         check_expert_ids(topk_idx, dims.num_experts)
-    choose_path(xs.device, config, virtual=True)  # reference for now; raises for backend="kernel"
     return reference._forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
 
 

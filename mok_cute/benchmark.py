@@ -17,6 +17,8 @@ Contenders:
   mok_cute           mok_cute.moe_forward on the kernel path (a reference fallback is never timed)
   mok_cute_timeline  the same with MoKConfig(timeline=True): the recorder's overhead
   mok_cute_virtual   mok_cute.moe_forward_virtual with --ep-ranks ranks emulated on one GPU
+                     (the megakernel, R ranks in one launch)
+  mok_megakernel     mok_cute.moe_forward with backend="megakernel": the megakernel at R = 1
   torch_grouped_mm   argsort permute, torch._grouped_mm (gate+up), SwiGLU, torch._grouped_mm
                      (down), weighted scatter-sum in fp32
   per_expert_loop    one F.linear chain per expert
@@ -385,7 +387,7 @@ def virtual_path_of(mok_module: Any, device: Any, config: Any) -> tuple[bool, st
         choice = mok_module.api.choose_path(device, config, virtual=True)
     except Exception as exc:
         return False, f"{type(exc).__name__}: {exc}"
-    return choice.path == "kernel", f"{choice.path}: {choice.reason}"
+    return choice.path in ("kernel", "megakernel"), f"{choice.path}: {choice.reason}"
 
 
 def parse_config_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -433,6 +435,21 @@ def _prepare_mok_cute(problem: Problem, ctx: BenchContext, timeline: bool = Fals
         return mok_cute.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, wg, wu, wd, shared=sh, config=cfg)
 
     return run, {"path": path, "config": repr(cfg)}
+
+
+def _prepare_mok_megakernel(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
+    import dataclasses
+
+    import mok_cute
+
+    cfg = dataclasses.replace(_mok_config(ctx), backend="megakernel")
+    choice = mok_cute.api.choose_path(problem.inputs.x.device, cfg)
+    wg, wu, wd, sh = problem.w_gate, problem.w_up, problem.w_down, problem.shared
+
+    def run(inp: Inputs) -> torch.Tensor:
+        return mok_cute.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, wg, wu, wd, shared=sh, config=cfg)
+
+    return run, {"path": f"{choice.path}: {choice.reason}", "config": repr(cfg)}
 
 
 def _prepare_mok_cute_virtual(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
@@ -536,6 +553,7 @@ CONTENDERS: dict[str, Callable[[Problem, BenchContext], tuple[Runner, dict[str, 
     "mok_cute": _prepare_mok_cute,
     "mok_cute_timeline": lambda p, c: _prepare_mok_cute(p, c, timeline=True),
     "mok_cute_virtual": _prepare_mok_cute_virtual,
+    "mok_megakernel": _prepare_mok_megakernel,
     "torch_grouped_mm": _prepare_torch_grouped_mm,
     "per_expert_loop": _prepare_per_expert_loop,
     "sonicmoe": _prepare_sonicmoe,

@@ -26,7 +26,7 @@ __all__ = [
     "describe",
 ]
 
-BACKENDS = ("auto", "kernel", "reference")
+BACKENDS = ("auto", "kernel", "megakernel", "reference")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,9 +135,13 @@ class MoKConfig:
     timeline          compile-time flag: the in-kernel timeline recorder is on.
     timeline_capacity records in the timeline buffer.
     timeout_ms        spin-wait timeout in the megakernel, after which it raises.
-    backend           "auto": GPU kernel when available, else the PyTorch reference;
-                      "kernel": GPU kernel, error if it cannot run;
+    backend           "auto": GPU kernels when available, else the PyTorch reference;
+                      "kernel": GPU kernels, error if they cannot run;
+                      "megakernel": the one-launch megakernel, also for one GPU (where
+                      "auto" / "kernel" take the expert-kernel path, faster there today);
                       "reference": always the PyTorch reference.
+                      moe_forward_virtual runs the megakernel under "auto", "kernel" and
+                      "megakernel".
     check_ids         range-check the expert ids (raises ValueError). On the CUDA kernel path
                       this is the call's one device->host read, waited for after the kernels
                       are enqueued. False skips it (no host sync, e.g. for CUDA-graph

@@ -26,7 +26,10 @@ from mok_cute import jit, tasks as tasks_mod
 from mok_cute.config import MoKConfig
 
 TILE_M = 128
-DEFAULT_COMM_CTAS = 8
+DEFAULT_COMM_CTAS = 12
+# How comm CTAs move rows (kernels.megakernel_sm90.COPY_MODES); a module setting so tools
+# can time both in one process.
+COMM_COPY = "vector"
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
 
@@ -46,12 +49,15 @@ class PlanKey:
     timeline: bool
     timeline_capacity: int
     device: int
+    copy: str = "vector"
 
 
 def default_num_comm_ctas(num_ranks: int, hidden: int, top_k: int, num_sms: int) -> int:
-    """A starting point until the tuner is calibrated on megakernel timelines: enough comm
-    CTAs to move every routed row twice (dispatch + combine) while the GEMMs run."""
-    return max(2, min(num_sms // 8, DEFAULT_COMM_CTAS * (2 if num_ranks > 1 else 1)))
+    """Until the tuner is calibrated on megakernel timelines: the best point of the H200 sweep
+    {4, 6, 8, 12, 16} on dsv3_ep8_rank and sonic_120b at R = 1 (docs/gpu_runs.md, run 13).
+    A comm CTA moves about 30 GB/s of rows, so every routed row crossing it twice (dispatch,
+    combine) needs about a tenth of the SMs."""
+    return max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
 
 
 def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, int]:
@@ -113,22 +119,24 @@ class VirtualPlan:
             self.timeline = TimelineBuffer(k.timeline_capacity, device=dev)
             self.timeline_buf = self.timeline.tensor
         # epoch (bumped on the device each call), first rank, tiles per minibatch, offsets,
-        # timeout, local experts, static M-tiles
+        # timeout, local experts, static M-tiles, silent rank (test hook, see run())
         self.scalars = torch.tensor(
             [0, 0, k.minibatch_tokens // TILE_M, layout.offset("x"), layout.offset("combine"),
-             layout.offset("barrier_flags"), 0, k.local_experts, self.capacity // TILE_M],
+             layout.offset("barrier_flags"), 0, k.local_experts, self.capacity // TILE_M, -1],
             dtype=torch.int64, device=dev)
         self.kernel = jit.compile_kernel(
             "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas, num_comm_ctas=k.num_comm_ctas,
             top_k=k.top_k, has_shared=bool(k.shared_intermediate), scope="gpu",
-            timeline=k.timeline)
+            timeline=k.timeline, copy=k.copy)
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ one call
     def run(self, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, timeout_ms: float,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, silent_rank: int = -1) -> torch.Tensor:
         """xs (R, T, H) bf16, topk_idx (R, T, K) global ids, topk_weights (R, T, K),
-        w_* (R, E_loc, ., .), shared: None or (gate, up, down) with a leading R."""
+        w_* (R, E_loc, ., .), shared: None or (gate, up, down) with a leading R.
+        ``silent_rank`` (tests only): that rank never announces its start, so every wait on
+        it times out, as if its process had died."""
         from mok_cute.schedule import build_receive_schedule
 
         k = self.key
@@ -142,6 +150,7 @@ class VirtualPlan:
         num_tiles = torch.cat([s.num_tiles for s in scheds])
         self.scalars[0].add_(1)
         self.scalars[6].fill_(int(timeout_ms * 1e6))
+        self.scalars[9].fill_(silent_rank)
         self.counters.zero_()
         self.error.zero_()
         if self.timeline_buf is not None:
@@ -162,7 +171,7 @@ class VirtualPlan:
             stack("row_peer"), stack("row_token"), stack("row_k"), self.peer_bases,
             kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
             kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)), *s_args,
-            topk_weights.to(torch.float32), out, self.timeline_buf, self.scalars)
+            topk_weights.to(torch.float32), ids, out, self.timeline_buf, self.scalars)
         self._error_host.copy_(self.error, non_blocking=True)
         self._error_event = torch.cuda.Event()
         self._error_event.record()
@@ -203,7 +212,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig) -> Virtual
     capacity = schedule_capacity(R, T, K, E_loc, TILE_M)
     minibatch, ring = resolve_sizes(config, capacity, T)
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
-                  config.timeline, config.timeline_capacity, device)
+                  config.timeline, config.timeline_capacity, device, COMM_COPY)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

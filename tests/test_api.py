@@ -77,7 +77,7 @@ def test_config_defaults_and_frozen():
         ("timeout_ms", 0.0, ValueError, r"MoKConfig.timeout_ms: expected a finite number > 0, got 0.0"),
         ("timeout_ms", float("inf"), ValueError, r"MoKConfig.timeout_ms: expected a finite number > 0, got inf"),
         ("timeout_ms", "10", TypeError, r"MoKConfig.timeout_ms: expected a float"),
-        ("backend", "cuda", ValueError, r"MoKConfig.backend: expected one of \('auto', 'kernel', 'reference'\), got 'cuda'"),
+        ("backend", "cuda", ValueError, r"MoKConfig.backend: expected one of \('auto', 'kernel', 'megakernel', 'reference'\), got 'cuda'"),
         ("backend", None, TypeError, r"MoKConfig.backend: expected one of"),
     ],
 )
@@ -238,10 +238,16 @@ def test_virtual_bad_input(name, corrupt, exc, pattern):
         mok.moe_forward_virtual(*bad_args, shared=bad_shared)
 
 
-def test_virtual_backend_kernel_is_refused():
+def test_virtual_backend_kernel_without_a_gpu_raises():
     args, _ = make_inputs(9, R=2, E=4)
-    with pytest.raises(ValueError, match=r"config.backend: expected 'auto' or 'reference' for moe_forward_virtual"):
-        mok.moe_forward_virtual(*args, config=MoKConfig(backend="kernel"))
+    for backend in ("kernel", "megakernel"):
+        with pytest.raises(RuntimeError, match=f"config.backend is '{backend}' but the kernel path cannot run on cpu"):
+            mok.moe_forward_virtual(*args, config=MoKConfig(backend=backend))
+
+
+def test_distributed_backend_kernel_is_refused():
+    with pytest.raises(ValueError, match=r"config.backend: expected 'auto' or 'reference' for moe_forward with group="):
+        mok.api.choose_path("cpu", MoKConfig(backend="megakernel"), distributed=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,7 +296,10 @@ def test_choose_path_uses_ops_status(monkeypatch, cuda_visible):
     assert mok.forward_path().startswith("kernel: ")  # default device = current CUDA device
     assert api.choose_path(dev, MoKConfig(backend="reference")).path == "reference"
     ep = api.choose_path(dev, distributed=True)
-    assert ep.path == "reference" and "megakernel is not built yet" in ep.reason
+    assert ep.path == "reference" and "IPC launch" in ep.reason
+    assert api.choose_path(dev, virtual=True).path == "megakernel"
+    assert api.choose_path(dev, MoKConfig(backend="megakernel")).path == "megakernel"
+    assert "moe_forward_virtual: megakernel" in mok.forward_path(dev)
     assert api.choose_path(torch.device("cpu")).path == "reference"  # CPU tensors never take the kernel
     # No backward kernels: calls that need gradients stay on the reference ...
     grad_choice = api.choose_path(dev, needs_grad=True)

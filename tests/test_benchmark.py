@@ -298,12 +298,14 @@ def test_torch_grouped_mm_pipeline_matches_the_reference_on_gpu():
 def test_full_protocol_on_the_gpu(tmp_path):
     """Every contender on a reduced shape, one process: cuBLAS and the torch pipeline must time;
     the others are recorded whatever happens to them (mok_cute is timed only on the kernel path)."""
+    # SonicMoE autotunes for minutes on a new shape: it has its own call (gpu_check.sh sonic)
+    contenders = [c for c in bm.ALL_CONTENDERS if not c.startswith("sonicmoe")]
     argv = ["--shapes", "dsv3_ep8_rank", "--t-scale", "0.125", "--iters", "5", "--warmup", "2",
-            "--out", str(tmp_path), "--tag", "gpu-test", "--contenders", ",".join(bm.ALL_CONTENDERS)]
+            "--out", str(tmp_path), "--tag", "gpu-test", "--contenders", ",".join(contenders)]
     assert bm.main(argv) == 0
     doc = json.loads(next(tmp_path.glob("*_gpu-test.json")).read_text())
     by = {r["contender"]: r for r in doc["results"]}
-    assert set(by) == set(bm.ALL_CONTENDERS)
+    assert set(by) == set(contenders)
     assert by["cublas_8192"]["status"] == "ok" and by["cublas_8192"]["tflops"] > 100
     assert by["torch_grouped_mm"]["status"] == "ok" and by["torch_grouped_mm"]["rel_err"] <= 1e-2
     for r in doc["results"]:

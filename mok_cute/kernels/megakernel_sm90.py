@@ -58,7 +58,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute import jit
 from mok_cute.kernels import common
-from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row
+from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row
 from mok_cute.kernels.gemm_sm90 import TILE_K, TILE_M, GroupedGemmSm90
 from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, _mul_then_add_rn
 from mok_cute.tasks import CounterGroup, TASK_WORDS
@@ -73,7 +73,9 @@ FC1_TILE_N = 256  # 128 gate + 128 up columns per tile -> 128 h columns
 FC2_TILE_N = 256
 MAX_ROW_SLOTS = 32  # comm rows staged in smem at once (bounded by the 128 KB B-stage region)
 STORES_IN_FLIGHT = 4  # row stores whose smem may still be unread when a slot is reloaded
-COMM_THREADS = TILE_M  # comm CTA threads: one per row of a task computes its addresses
+COMM_THREADS = 384  # comm CTA threads (the first TILE_M resolve one row address each)
+COPY_UNROLL = 16  # 16-byte vectors in flight per lane in the vector row copy
+COPY_MODES = ("vector", "bulk")
 TICKETS = 2  # extra int32 words after the counters of rank 0: the comm / compute ticket counters
 
 
@@ -90,13 +92,20 @@ class MegakernelSm90:
     """
 
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
-                 has_shared: bool, scope: str = "gpu", timeline: bool = False):
+                 has_shared: bool, scope: str = "gpu", timeline: bool = False,
+                 copy: str = "vector"):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
             raise ValueError(f"top_k must be in [1, {MAX_K_SUM}], got {top_k}")
         if scope not in ("gpu", "sys"):
             raise ValueError(f"scope must be 'gpu' or 'sys', got {scope!r}")
+        if copy not in COPY_MODES:
+            raise ValueError(f"copy must be one of {COPY_MODES}, got {copy!r}")
+        # How comm CTAs move rows: "vector" = every warp copies rows with 16-byte loads and
+        # stores, COPY_UNROLL in flight per lane; "bulk" = one thread issues cp.async.bulk
+        # copies through smem staging slots.
+        self.copy = copy
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -126,8 +135,8 @@ class MegakernelSm90:
                  x_all: Optional[cute.Tensor], ws_gate: Optional[cute.Tensor],
                  ws_up: Optional[cute.Tensor], ws_down: Optional[cute.Tensor],
                  shared_h: Optional[cute.Tensor], shared_y: Optional[cute.Tensor],
-                 topk_weights: cute.Tensor, out: cute.Tensor, timeline_buf: Optional[cute.Tensor],
-                 scalars: cute.Tensor, stream: cuda.CUstream):
+                 topk_weights: cute.Tensor, topk_idx: cute.Tensor, out: cute.Tensor,
+                 timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor, stream: cuda.CUstream):
         """Shapes (R ranks, P peers, E = R * E_loc experts, C ring rows, T tokens):
         tasks int32 (N, TASK_WORDS); queues int32 (2, Q); queue_len int32 (2,);
         queue_live_len int32 (2, MB + 1); queue_tail_begin int32 (2,); counter_offsets
@@ -136,9 +145,12 @@ class MegakernelSm90:
         int32 (R, capacity); peer_bases int64 (R, P); ring_x / ring_y bf16 (C, H, R);
         ring_h bf16 (C, I, R); w_gate / w_up (I, H, E); w_down (H, I, E); shared: x_all
         (T, H, R) (a view of the symmetric x), ws_gate / ws_up (Is, H, R), ws_down (H, Is, R),
-        shared_h (T, Is, R), shared_y (T, H, R); topk_weights fp32 (R, T, K); out bf16
-        (R, T, H); scalars int64 (9,): epoch, rank of the first virtual rank, tiles per
-        minibatch, x / combine / flags byte offsets, timeout ns, local experts, static M-tiles."""
+        shared_h (T, Is, R), shared_y (T, H, R); topk_weights fp32 (R, T, K); topk_idx int32
+        (R, T, K) (a (token, k) whose id is out of range contributes zero); out bf16
+        (R, T, H); scalars int64 (10,): epoch, rank of the first virtual rank, tiles per
+        minibatch, x / combine / flags byte offsets, timeout ns, local experts, static M-tiles,
+        silent rank (a test hook: that virtual rank never announces its start, like a peer
+        whose process died; -1 in normal use)."""
         self.a_dtype = BFloat16
         self.c_dtype = BFloat16
         self.gemm.a_dtype = self.gemm.b_dtype = self.gemm.c_dtype = BFloat16
@@ -193,7 +205,7 @@ class MegakernelSm90:
         self.kernel(
             tasks, queues, queue_len, queue_live_len, queue_tail_begin, counter_offsets,
             counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
-            ring_x, ring_y, topk_weights, out, shared_y, timeline_buf, scalars,
+            ring_x, ring_y, topk_weights, topk_idx, out, shared_y, timeline_buf, scalars,
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
             tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
             g.tiled_mma, g.a_smem_layout_staged, g.b_smem_layout_staged, g.epi_smem_layout_staged,
@@ -208,7 +220,7 @@ class MegakernelSm90:
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, row_peer: cute.Tensor,
                row_token: cute.Tensor, row_k: cute.Tensor, peer_bases: cute.Tensor,
                ring_x: cute.Tensor, ring_y: cute.Tensor, topk_weights: cute.Tensor,
-               out: cute.Tensor, shared_y: Optional[cute.Tensor],
+               topk_idx: cute.Tensor, out: cute.Tensor, shared_y: Optional[cute.Tensor],
                timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor,
                tma_a_x: cute.CopyAtom, t_a_x: cute.Tensor, tma_a_h: cute.CopyAtom, t_a_h: cute.Tensor,
                tma_wg: cute.CopyAtom, t_wg: cute.Tensor, tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
@@ -273,8 +285,8 @@ class MegakernelSm90:
                 cute.arch.setmaxregister_increase(g.consumer_regs)
                 self._consumer_loop(
                     ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
-                    counter_offsets, counters, error, num_tiles, peer_bases, topk_weights, out,
-                    shared_y, timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC,
+                    counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
+                    topk_idx, out, shared_y, timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC,
                     tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y,
                     s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta)
 
@@ -371,7 +383,8 @@ class MegakernelSm90:
             num_peers = cute.size(peer_bases, mode=[1])
             for i in cutlass.range(tidx, self.num_ranks * num_peers, self.threads_per_cta, unroll=1):
                 rank = i // num_peers
-                self._store_flag(ctx, peer_bases, rank, i - rank * num_peers, 2 * ctx.epoch - 1)
+                if rank != ctx.silent_rank:
+                    self._store_flag(ctx, peer_bases, rank, i - rank * num_peers, 2 * ctx.epoch - 1)
 
     # ------------------------------------------------------------------ comm role
     @cute.jit
@@ -433,10 +446,17 @@ class MegakernelSm90:
                                       peer_bases, ring_x, ring_y, row_bytes, row_src, row_dst,
                                       words, tidx)
                 sync.arrive_and_wait()
-                if tidx == 0:
+                if const_expr(self.copy == "vector"):
                     if moves:
-                        phases = self._move_rows(words[1], row_src, row_dst, row_full, staging,
-                                                 slots, row_bytes, phases)
+                        for r in cutlass.range(tidx // 32, words[1], COMM_THREADS // 32, unroll=1):
+                            copy_row(bf16_row(row_src[r], hidden), bf16_row(row_dst[r], hidden),
+                                     hidden // VEC_ELEMS, cute.arch.lane_idx(), COPY_UNROLL)
+                    sync.arrive_and_wait()
+                if tidx == 0:
+                    if const_expr(self.copy == "bulk"):
+                        if moves:
+                            phases = self._move_rows(words[1], row_src, row_dst, row_full, staging,
+                                                     slots, row_bytes, phases)
                     self._fence()
                     self._signal_task(tasks, counter_offsets, counters, index, rank)
                     if const_expr(self.timeline):
@@ -468,7 +488,7 @@ class MegakernelSm90:
         its end writes its length."""
         row_begin = tasks[index, W_ROW_BEGIN]
         num_rows = tasks[index, W_ROW_END] - row_begin
-        if tidx < num_rows:
+        if tidx < cutlass.min(num_rows, TILE_M):
             row = row_begin + tidx
             ring_row = tasks[index, W_RING_ROW] + tidx
             peer = row_peer[rank, row]
@@ -642,7 +662,7 @@ class MegakernelSm90:
     @cute.jit
     def _consumer_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
                        counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
-                       out, shared_y, timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC,
+                       topk_idx, out, shared_y, timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC,
                        tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y,
                        s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -720,7 +740,8 @@ class MegakernelSm90:
                     cute.arch.fence_proxy("async.global")
             elif run and not noop:
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
-                           topk_weights, out, shared_y, index, rank, consumer_tidx, barrier)
+                           topk_weights, topk_idx, out, shared_y, index, rank, consumer_tidx,
+                           barrier)
             if run:
                 barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
@@ -785,10 +806,11 @@ class MegakernelSm90:
     # ------------------------------------------------------------------ compute: k-sum
     @cute.jit
     def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
-              topk_weights, out, shared_y, index: Int32, rank: Int32, consumer_tidx: Int32,
-              barrier):
+              topk_weights, topk_idx, out, shared_y, index: Int32, rank: Int32,
+              consumer_tidx: Int32, barrier):
         """out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(combine[t*K+k])),
-        ascending k, product and sum rounded separately (the reference's order)."""
+        ascending k, product and sum rounded separately (the reference's order). A (t, k)
+        whose expert id is out of range was routed nowhere: it contributes zero."""
         if consumer_tidx == 0:
             self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
             for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
@@ -802,12 +824,20 @@ class MegakernelSm90:
         combine_base = peer_bases[rank, ctx.rank_base + rank] + ctx.combine_offset
         row_bytes = Int64(hidden) * 2
         row_begin = tasks[index, W_ROW_BEGIN]
+        num_experts = cute.size(peer_bases, mode=[1]) * ctx.local_experts
         for t in cutlass.range(row_begin + warp, tasks[index, W_ROW_END], 8, unroll=1):
             weights = cute.make_rmem_tensor((self.top_k,), Float32)
+            routed = cute.make_rmem_tensor((self.top_k,), Int32)
             for k in cutlass.range_constexpr(self.top_k):
                 weights[k] = topk_weights[rank, t, k]
+                expert = topk_idx[rank, t, k]
+                routed[k] = 0
+                if expert >= 0 and expert < num_experts:
+                    routed[k] = 1
+                else:
+                    weights[k] = Float32(0.0)
             out_row = out[rank, t, None]
-            for v in cutlass.range(lane, h_vecs, 32, unroll=1):
+            for v in cutlass.range(lane, h_vecs, 32, unroll=2):
                 acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
                 if const_expr(self.has_shared):
                     base = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
@@ -818,7 +848,10 @@ class MegakernelSm90:
                 for k in cutlass.range_constexpr(self.top_k):
                     src = bf16_row(combine_base + (Int64(t) * self.top_k + k) * row_bytes, hidden)
                     yk = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                    cute.copy(vec, cute.local_tile(src, (VEC_ELEMS,), (v,)), yk)
+                    if routed[k] != 0:
+                        cute.copy(vec, cute.local_tile(src, (VEC_ELEMS,), (v,)), yk)
+                    else:
+                        yk.fill(0.0)
                     yf = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
                     yf.store(yk.load().to(Float32))
                     for e in cutlass.range_constexpr(VEC_ELEMS):
@@ -847,8 +880,8 @@ class _Context:
     DSL values (the two ``__*_mlir_values__`` methods)."""
 
     _FIELDS = ("epoch", "rank_base", "tiles_per_minibatch", "x_offset", "combine_offset",
-               "flags_offset", "deadline", "local_experts", "static_tiles")
-    _TYPES = (Int32, Int32, Int32, Int64, Int64, Int64, Int64, Int32, Int32)
+               "flags_offset", "deadline", "local_experts", "static_tiles", "silent_rank")
+    _TYPES = (Int32, Int32, Int32, Int64, Int64, Int64, Int64, Int32, Int32, Int32)
 
     def __init__(self, scalars: cute.Tensor = None, now: Int64 = None, values=None):
         if values is None:
@@ -877,15 +910,16 @@ class _Epilogue:
 
 
 # ---------------------------------------------------------------------- compile
-SCALARS = 9
+SCALARS = 10
 
 
 def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: int = 16,
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
-                       timeline: bool = False, arch: str = "sm_90a", options: str = ""):
+                       timeline: bool = False, copy: str = "vector", arch: str = "sm_90a",
+                       options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline)
+    mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
@@ -914,6 +948,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
     else:
         args += [None] * 6
     args += [f(Float32, (ranks, tokens, top_k), align_bytes=4),
+             f(Int32, (ranks, tokens, top_k), align_bytes=4),
              f(bf16, (ranks, tokens, hidden), align_bytes=16),
              common.fake_vector(Int64, align_bytes=8) if timeline else None,
              common.fake_vector(Int64, SCALARS, align_bytes=8), common.fake_stream()]

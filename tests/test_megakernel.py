@@ -1,0 +1,176 @@
+"""The megakernel (kernels/megakernel_sm90.py, mok_cute/megakernel.py).
+
+CI: compile-only sm_90a checks of the PTX. H200 (marked gpu): moe_forward_virtual on the
+megakernel against the reference for R in {1, 2, 3, 4, 8, 16, 72} under uniform and skewed
+routing, an empty expert, a rank that receives nothing, a ring smaller than the routed rows and
+with / without the shared expert; bitwise identity across runs and across num_comm_sms,
+minibatch and ring sizes; a silent peer raises PeerTimeoutError; out-of-range ids with
+check_ids=False contribute zero."""
+
+import re
+
+import pytest
+import torch
+
+import mok_cute
+from mok_cute import reference
+from mok_cute.kernels.common import PeerTimeoutError
+
+
+@pytest.mark.parametrize("has_shared", [False, True])
+def test_compiles_to_wgmma_tma_bulk_copies_and_bounded_waits(has_shared, tmp_path):
+    from mok_cute.kernels import megakernel_sm90
+
+    compiled = megakernel_sm90.compile_megakernel(
+        num_ranks=2, top_k=4, has_shared=has_shared,
+        options=f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = compiled.__ptx__
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads and stores of the GEMM tiles
+    assert "setmaxnreg" in ptx
+    assert re.search(r"red\.release\.gpu\.global\.add\.s32", ptx)  # counter publish
+    assert re.search(r"ld\.acquire\.gpu", ptx)  # counter wait
+    assert "nanosleep" in ptx and "globaltimer" in ptx  # bounded spin waits
+    assert "multimem" not in ptx  # never NVLink multicast
+
+
+def test_bulk_copy_variant_compiles(tmp_path):
+    from mok_cute.kernels import megakernel_sm90
+
+    ptx = megakernel_sm90.compile_megakernel(
+        copy="bulk", options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "cp.async.bulk.global.shared::cta.bulk_group" in ptx
+
+
+def test_bad_comm_split_is_refused():
+    from mok_cute.kernels import megakernel_sm90
+
+    with pytest.raises(ValueError, match="num_comm_ctas"):
+        megakernel_sm90.MegakernelSm90(1, num_ctas=8, num_comm_ctas=8, top_k=2, has_shared=False)
+    with pytest.raises(ValueError, match="copy"):
+        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, copy="dma")
+
+
+# ---------------------------------------------------------------------- H200
+def _problem(R, T, H, I, E_loc, K, Is=0, seed=0, skew=False, empty_expert=None,
+             silent_receiver=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*s, scale=1.0):
+        return (torch.randn(*s, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    E = R * E_loc
+    scores = torch.rand(R, T, E, device="cuda", generator=g)
+    if skew:  # expert 0 takes about half of all tokens
+        scores[..., 0] += 2.0 * (torch.rand(R, T, device="cuda", generator=g) < 0.5)
+    if empty_expert is not None:
+        scores[..., empty_expert] = -1.0
+    if silent_receiver is not None:  # no token routes to that rank's experts
+        scores[..., silent_receiver * E_loc:(silent_receiver + 1) * E_loc] = -1.0
+    idx = scores.topk(K, dim=2).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(R, T, K, device="cuda", generator=g), dim=2)
+    xs = rnd(R, T, H)
+    wg, wu = rnd(R, E_loc, I, H, scale=H ** -0.5), rnd(R, E_loc, I, H, scale=H ** -0.5)
+    wd = rnd(R, E_loc, H, I, scale=I ** -0.5)
+    sh = None
+    if Is:
+        sh = (rnd(R, Is, H, scale=H ** -0.5), rnd(R, Is, H, scale=H ** -0.5),
+              rnd(R, H, Is, scale=Is ** -0.5))
+    return xs, idx, w, wg, wu, wd, sh
+
+
+def _run(args, **cfg):
+    """Poison the allocator's next blocks, then run on the megakernel."""
+    xs = args[0]
+    torch.full((2, *xs.shape), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+    config = mok_cute.MoKConfig(timeout_ms=5000.0, **cfg)
+    out = mok_cute.moe_forward_virtual(*args[:6], shared=args[6], config=config)
+    torch.cuda.synchronize()
+    return out
+
+
+def _rel(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+CASES = {
+    # name: (R, T, H, I, E_loc, K, Is, problem kwargs, config kwargs)
+    "R1": (1, 300, 512, 256, 8, 4, 0, {}, {}),
+    "R1_shared_T77_K10": (1, 77, 256, 128, 16, 10, 128, {}, {}),
+    "R2_shared_skew": (2, 160, 512, 256, 4, 4, 256, {"skew": True}, {}),
+    "R3_empty_expert": (3, 100, 512, 320, 4, 2, 0, {"empty_expert": 5}, {}),
+    "R4_silent_receiver": (4, 96, 256, 192, 4, 2, 64, {"silent_receiver": 2}, {}),
+    "R8_ring_wrap": (8, 128, 512, 256, 2, 4, 0, {}, {"ring_tokens": 256, "minibatch_tokens": 128}),
+    "R16": (16, 32, 256, 128, 2, 2, 0, {}, {}),
+    "R72_shared": (72, 16, 256, 128, 1, 2, 64, {}, {}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_virtual_megakernel_matches_the_reference(name):
+    R, T, H, I, E_loc, K, Is, pkw, ckw = CASES[name]
+    args = _problem(R, T, H, I, E_loc, K, Is, **pkw)
+    out = _run(args, **ckw)
+    assert mok_cute.api.choose_path(args[0].device, mok_cute.MoKConfig(), virtual=True).path == "megakernel"
+    ref = reference.moe_forward_virtual(*args[:6], shared=args[6])
+    assert not torch.isnan(out.float()).any()
+    assert _rel(out, ref) < 1e-2
+    again = _run(args, **ckw)
+    assert torch.equal(out, again), "not bitwise reproducible across two runs"
+
+
+@pytest.mark.gpu
+def test_bitwise_identical_across_comm_sms_minibatch_and_ring():
+    args = _problem(4, 256, 512, 256, 4, 4, 128, seed=3, skew=True)
+    base = _run(args)
+    for cfg in ({"num_comm_sms": 2}, {"num_comm_sms": 8}, {"num_comm_sms": 16},
+                {"num_comm_sms": 32}, {"minibatch_tokens": 128}, {"minibatch_tokens": 512},
+                {"ring_tokens": 512, "minibatch_tokens": 256},
+                {"ring_tokens": 256, "minibatch_tokens": 128, "num_comm_sms": 3}):
+        assert torch.equal(_run(args, **cfg), base), f"output changed with {cfg}"
+
+
+@pytest.mark.gpu
+def test_one_gpu_megakernel_equals_the_expert_kernel_path_bitwise():
+    args = _problem(1, 500, 512, 384, 8, 4, 128, seed=5)
+    x, idx, w, wg, wu, wd = (a[0] for a in args[:6])
+    shared = tuple(t[0] for t in args[6])
+    mega = mok_cute.moe_forward(x, idx, w, wg, wu, wd, shared=shared,
+                                config=mok_cute.MoKConfig(backend="megakernel"))
+    experts = mok_cute.moe_forward(x, idx, w, wg, wu, wd, shared=shared,
+                                   config=mok_cute.MoKConfig(backend="kernel"))
+    assert torch.equal(mega, experts)
+
+
+@pytest.mark.gpu
+def test_a_silent_peer_raises_peer_timeout_naming_it():
+    from mok_cute import megakernel
+
+    xs, idx, w, wg, wu, wd, sh = _problem(4, 64, 256, 128, 2, 2, seed=9)
+    config = mok_cute.MoKConfig(timeout_ms=50.0)
+    plan = megakernel.plan_for(xs, wg, wd, sh, idx, config)
+    plan.run(xs, idx, w, wg, wu, wd, sh, config.timeout_ms, silent_rank=2)
+    with pytest.raises(PeerTimeoutError, match="peer 2"):
+        plan.raise_pending_errors()
+    # the plan is usable again afterwards
+    out = plan.run(xs, idx, w, wg, wu, wd, sh, 5000.0)
+    plan.raise_pending_errors()
+    assert _rel(out, reference.moe_forward_virtual(xs, idx, w, wg, wu, wd)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_out_of_range_ids_contribute_zero_without_the_check():
+    xs, idx, w, wg, wu, wd, sh = _problem(2, 64, 256, 128, 4, 4, seed=11)
+    bad = idx.clone()
+    bad[0, 3, 1] = 1000
+    bad[1, 7, 0] = -5
+    out = _run((xs, bad, w, wg, wu, wd, sh), check_ids=False)
+    w_zeroed = w.clone()
+    w_zeroed[0, 3, 1] = 0.0
+    w_zeroed[1, 7, 0] = 0.0
+    ref = reference.moe_forward_virtual(xs, idx, w_zeroed, wg, wu, wd)
+    assert _rel(out, ref) < 1e-2
+    with pytest.raises(ValueError, match="topk_idx"):
+        _run((xs, bad, w, wg, wu, wd, sh))
