@@ -2,12 +2,16 @@
 # One call on the GPU host that checks everything GPU-side, each step under its own time limit
 # so a hung kernel costs minutes, not the whole lease. Logs and JSON go to $OUT (or ./out).
 #
-#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|all]
+#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|all]
 #
 #   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
 #   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
 #          the recorder, the torch pipeline, cuBLAS; plus a recorded dsv3 timeline
-#   sonic  the same bench with SonicMoE on dsv3_ep8_rank and sonic_120b (2-3 min autotune each)
+#   sonic  the same bench with SonicMoE on dsv3_ep8_rank and sonic_120b (2-3 min autotune each),
+#          with the megakernel at R = 1 beside it
+#   mega   the megakernel: its GPU tests, then tools/megakernel_probe.py (comm-CTA sweep, bitwise
+#          against the expert path, one recorded timeline) and moe_forward_virtual at R = 8
+#          against R = 1 on MoK's four shapes
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -40,14 +44,25 @@ run_bench() {
 
 run_sonic() {
   timeout -s KILL 560 python3 -m mok_cute.cli bench --shapes dsv3_ep8_rank,sonic_120b \
-    --contenders mok_cute,torch_grouped_mm,sonicmoe,cublas_8192 --mok-config check_ids=False \
-    --iters 20 --warmup 5 --out "$out" --tag vs_sonicmoe 2>&1 | tail -14
+    --contenders mok_cute,mok_megakernel,mok_cute_timeline,torch_grouped_mm,sonicmoe,cublas_8192 \
+    --mok-config check_ids=False --iters 20 --warmup 5 --out "$out" --tag vs_sonicmoe 2>&1 | tail -16
+}
+
+run_mega() {
+  timeout -s KILL 200 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
+    tests/test_megakernel.py 2>&1 | tail -4
+  timeout -s KILL 200 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b \
+    --comm 8,12,16,12b --timeline 12 --out "$out" --json "$out/megakernel_probe.json" 2>&1 | tail -12
+  timeout -s KILL 200 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
+    --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
+    --iters 10 --warmup 3 --out "$out" --tag virtual_r8 2>&1 | tail -14
 }
 
 case "$what" in
   tests) run_tests ;;
   bench) run_bench ;;
   sonic) run_sonic ;;
+  mega) run_mega ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|all]" >&2; exit 2 ;;
 esac

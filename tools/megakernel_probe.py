@@ -1,0 +1,107 @@
+"""Megakernel against the expert-kernel path at R = 1, and a sweep of its comm split.
+
+    python tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b --comm 6,8,12,8b \
+        [--timeline 8 --out DIR] [--json out.json]
+
+Each ``--comm`` entry is a number of comm CTAs; a trailing ``b`` selects the bulk-copy comm
+variant (``cp.async.bulk`` through smem) instead of the vector one. Every megakernel output
+is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
+records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
+Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
+record (that is ``mok-cute bench --contenders mok_cute,mok_megakernel,...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+import mok_cute  # noqa: E402
+from mok_cute import benchmark as bm, megakernel  # noqa: E402
+from mok_cute.config import MoKConfig  # noqa: E402
+
+
+def gpu_ms(fn, iters=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def layer_flops(p) -> float:
+    T, K = p.inputs.topk_idx.shape
+    _, I, H = p.w_gate.shape
+    shared = p.shared[0].shape[0] if p.shared is not None else 0
+    return 6.0 * (T * K * I + T * shared) * H
+
+
+def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str) -> dict:
+    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
+    i, flops = p.inputs, layer_flops(p)
+    args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
+    base = MoKConfig(check_ids=False)
+    expert = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
+    rows = [{"variant": "expert_kernels", "ms": gpu_ms(lambda: mok_cute.moe_forward(
+        *args, shared=p.shared, config=base))}]
+    for spec in comms:
+        megakernel.COMM_COPY = "bulk" if spec.endswith("b") else "vector"
+        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("b")), backend="megakernel")
+        run = lambda: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
+        t0 = time.time()
+        out = run().clone()
+        torch.cuda.synchronize()
+        megakernel.raise_pending_errors()
+        rows.append({"variant": f"megakernel_{megakernel.COMM_COPY}", "comm_ctas": cfg.num_comm_sms,
+                     "first_call_s": time.time() - t0, "ms": gpu_ms(run),
+                     "bitwise_equal_expert_path": bool(torch.equal(out, expert))})
+        megakernel.raise_pending_errors()
+    megakernel.COMM_COPY = "vector"
+    for r in rows:
+        r["tflops"] = flops / r["ms"] / 1e9
+        print(f"{name}: {r}", flush=True)
+    if timeline:
+        cfg = MoKConfig(check_ids=False, num_comm_sms=timeline, timeline=True,
+                        timeline_capacity=1 << 18, backend="megakernel")
+        mok_cute.moe_forward(*args, shared=p.shared, config=cfg)
+        torch.cuda.synchronize()
+        plan = next(pl for k, pl in megakernel._PLANS.items() if k.timeline)
+        path = plan.timeline.save(os.path.join(out_dir, f"{name}_megakernel_timeline.npy"))
+        print(f"{name}: timeline of one call with {timeline} comm CTAs -> {path}", flush=True)
+    megakernel._PLANS.clear()
+    torch.cuda.empty_cache()
+    return {"shape": name, "flops": flops, "results": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="dsv3_ep8_rank,sonic_120b")
+    ap.add_argument("--comm", default="6,8,12,16", help="comm CTA counts; suffix b = bulk copies")
+    ap.add_argument("--timeline", type=int, default=None, metavar="COMM_CTAS")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    doc = {"command": " ".join(["python", "tools/megakernel_probe.py", *(argv or sys.argv[1:])]),
+           "gpu": torch.cuda.get_device_name(),
+           "shapes": [probe_shape(s, a.comm.split(","), a.timeline, a.out)
+                      for s in a.shapes.split(",")]}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
