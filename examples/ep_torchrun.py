@@ -40,11 +40,12 @@ from mok_cute import ep_bench as ep  # noqa: E402
 from mok_cute import reference  # noqa: E402
 
 
-def build_layer(shape: bm.Shape, d: ep.Dist, seed: int) -> mok_cute.MoELayer:
+def build_layer(shape: bm.Shape, d: ep.Dist, seed: int, backend: str = "auto") -> mok_cute.MoELayer:
     torch.manual_seed(seed)  # router and shared expert: identical on every rank
     layer = mok_cute.MoELayer(
         shape.hidden, shape.intermediate, shape.experts, shape.top_k,
         shared_intermediate=shape.intermediate if shape.shared else 0, group=d.group, device=d.device,
+        config=mok_cute.MoKConfig(backend=backend),
     )
     # The experts of each rank are its own: redraw them (nn.Linear's bound) from a per-rank seed,
     # one expert at a time so no big temporary is made.
@@ -87,6 +88,8 @@ def main() -> int:
     parser.add_argument("--tol", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cuda (default when available; nccl) or cpu (gloo)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "megakernel", "reference"],
+                        help="MoKConfig.backend: megakernel = the IPC megakernel (one launch per rank)")
     args = parser.parse_args()
 
     d = ep.init_distributed(args.device)
@@ -95,7 +98,7 @@ def main() -> int:
         if shape.experts % d.world:
             raise ValueError(f"--shape: {shape.experts} routed experts do not split over {d.world} ranks")
         tokens = args.tokens or shape.tokens
-        layer = build_layer(shape, d, args.seed)
+        layer = build_layer(shape, d, args.seed, args.backend)
         choice = mok_cute.api.choose_path(d.device, layer.config, distributed=True)
         if d.rank == 0:
             print(f"{d.world} ranks ({d.backend}, {bm.gpu_name(d.device)}); {shape.name}: T={tokens}/rank H={shape.hidden} "

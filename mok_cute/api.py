@@ -2,8 +2,9 @@
 
 Path selection (`forward_path()` prints the outcome for a device):
 - `config.backend == "reference"`                      -> reference
-- `moe_forward(..., group=...)`                         -> reference (the megakernel's IPC
-  launch is not wired yet; the reference runs the real all_to_all_single exchange)
+- `moe_forward(..., group=...)`                         -> reference (the real
+  all_to_all_single exchange); with `config.backend == "megakernel"` the megakernel's IPC
+  launch (opt-in until it has run on GPUs)
 - `moe_forward_virtual` on a GPU that can run kernels   -> `mok_cute.megakernel` (one launch)
 - `moe_forward` with `config.backend == "megakernel"`   -> `mok_cute.megakernel` with R = 1
 - inputs not on a CUDA device, `mok_cute.ops` not importable,
@@ -19,6 +20,7 @@ back from the device (one `aminmax` reduction): the only host synchronisation of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -41,7 +43,8 @@ from .config import (
 
 __all__ = ["moe_forward", "moe_forward_virtual", "MoELayer", "forward_path", "PathChoice", "choose_path"]
 
-_EP_REASON = "the megakernel's IPC launch across processes is not wired into moe_forward yet"
+_EP_REASON = ("the megakernel's IPC launch has not run on GPUs yet, so it is opt-in "
+              "(MoKConfig(backend='megakernel'))")
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,16 @@ def choose_path(
     if config.backend == "reference":
         return PathChoice("reference", "config.backend is 'reference'")
     if distributed:
-        if config.backend in ("kernel", "megakernel"):
+        if config.backend == "megakernel":  # opt-in: the IPC launch has not run on GPUs yet
+            ok, why = _kernel_status(device)
+            if ok and not needs_grad:
+                return PathChoice("megakernel", f"{why}; peers over IPC (opt-in, not yet run on GPUs)")
+            raise RuntimeError(f"config.backend is 'megakernel' but it cannot run on {device}: "
+                               f"{why if not ok else 'inputs require grad'}")
+        if config.backend == "kernel":
             raise ValueError(
-                f"config.backend: expected 'auto' or 'reference' for moe_forward with group= "
-                f"({_EP_REASON}), got {config.backend!r}")
+                f"config.backend: expected 'auto', 'megakernel' or 'reference' for moe_forward "
+                f"with group= ({_EP_REASON}), got 'kernel'")
         return PathChoice("reference", f"moe_forward with group= runs on the reference: {_EP_REASON}")
     ok, why = _kernel_status(device)
     if ok and needs_grad and not _kernel_supports_backward():
@@ -181,6 +190,8 @@ def moe_forward(
     dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, num_ranks=num_ranks)
     if dims.tokens == 0 and group is None:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
+    if dims.tokens == 0 and config.backend == "megakernel":
+        config = dataclasses.replace(config, backend="auto")  # nothing to launch: the reference path
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ()))
     )
@@ -194,7 +205,8 @@ def moe_forward(
         if choice.path == "kernel":
             out = ops.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
         else:
-            out = megakernel.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
+            out = megakernel.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                         config, group=group)
         if pending is not None:
             pending.finish()
             if choice.path == "megakernel":

@@ -1,7 +1,9 @@
 """Host side of the megakernel: buffers, schedules, the task list and one launch per call.
 
-    moe_forward_virtual (R ranks on one GPU)  -> VirtualPlan   (comm.virtual peers)
-    moe_forward (one GPU, group=None)         -> VirtualPlan with R = 1
+    moe_forward_virtual (R ranks on one GPU)   -> Plan(_VirtualSide)  R ranks in one launch
+    moe_forward (one GPU, group=None)          -> the same with R = 1
+    moe_forward (group=..., one process/GPU)   -> Plan(_IpcSide)      this rank's launch; peers'
+                                                  buffers mapped through comm.ipc (not yet run)
 
 A plan is built once per (shapes, config, device) and reused: the symmetric peer buffers,
 the ring buffers, the encoded task list and the compiled kernel. A call then copies x into
@@ -50,6 +52,7 @@ class PlanKey:
     timeline_capacity: int
     device: int
     copy: str = "vector"
+    group: tuple | None = None  # (id(process group), handle type) for the IPC backend
 
 
 def default_num_comm_ctas(num_ranks: int, hidden: int, top_k: int, num_sms: int) -> int:
@@ -74,31 +77,89 @@ def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, i
     return minibatch, min(ring, capacity)
 
 
-class VirtualPlan:
-    """Everything one shape needs for ``R`` virtual ranks in one launch."""
+class _VirtualSide:
+    """R virtual ranks in one launch (``comm.virtual``): one allocation, the [R, R] table."""
 
-    def __init__(self, key: PlanKey):
+    scope = "gpu"
+
+    def __init__(self, k: PlanKey, dev: torch.device):
         from mok_cute.comm import VirtualPeers, moe_symmetric_layout
+
+        self.peers = VirtualPeers(k.num_ranks, moe_symmetric_layout(k.tokens, k.hidden, k.top_k,
+                                                                    k.num_ranks), device=dev)
+        self.layout = self.peers.layout
+        self.launch_ranks = self.num_peers = k.num_ranks
+        self.rank_base = 0
+        self.peer_bases = self.peers.bases_matrix()
+        bf16 = self.peers.buffer.view(torch.bfloat16)
+        # x of every rank as one (R, T, H) view of the symmetric buffer
+        self.x = bf16.as_strided((k.num_ranks, k.tokens, k.hidden),
+                                 (self.peers.nbytes // 2, k.hidden, 1), self.layout.offset("x") // 2)
+        self.local_experts = k.local_experts
+
+    def schedules(self, ids: torch.Tensor) -> list:
+        from mok_cute.schedule import build_receive_schedule
+
+        return [build_receive_schedule(ids, r, self.local_experts, TILE_M, validate=False)
+                for r in range(self.launch_ranks)]
+
+
+class _IpcSide:
+    """One rank of a process group (``comm.ipc``): this process's launch covers its own rank;
+    the peers' buffers are mapped into it and their flags are read at system scope."""
+
+    scope = "sys"
+
+    def __init__(self, k: PlanKey, dev: torch.device, group, handle_type: str):
+        import torch.distributed as dist
+
+        from mok_cute.comm import IpcPeers, moe_symmetric_layout
+
+        self.group = group
+        self.num_peers = dist.get_world_size(group)
+        self.peers = IpcPeers(group, moe_symmetric_layout(k.tokens, k.hidden, k.top_k,
+                                                          self.num_peers),
+                              handle_type, device=dev)
+        self.layout = self.peers.layout
+        self.launch_ranks = 1
+        self.rank_base = self.peers.rank
+        self.peer_bases = self.peers.table.bases.unsqueeze(0).contiguous()
+        self.x = self.peers.view("x").unsqueeze(0)
+        self.local_experts = k.local_experts
+
+    def schedules(self, ids: torch.Tensor) -> list:
+        """All-gather the routing (an NCCL collective on the stream: no host sync), then this
+        rank's receive schedule."""
+        import torch.distributed as dist
+
+        from mok_cute.schedule import build_receive_schedule
+
+        gathered = [torch.empty_like(ids[0]) for _ in range(self.num_peers)]
+        dist.all_gather(gathered, ids[0].contiguous(), group=self.group)
+        return [build_receive_schedule(torch.stack(gathered), self.rank_base, self.local_experts,
+                                       TILE_M, validate=False)]
+
+
+class Plan:
+    """Everything one shape needs: peer buffers (virtual or IPC), rings, the encoded task list
+    and the compiled kernel. ``R`` below is the number of ranks in this launch."""
+
+    def __init__(self, key: PlanKey, side):
         from mok_cute.schedule import schedule_capacity
 
         self.key = k = key
+        self.side = side
         dev = torch.device("cuda", k.device)
-        self.capacity = schedule_capacity(k.num_ranks, k.tokens, k.top_k, k.local_experts, TILE_M)
-        self.peers = VirtualPeers(k.num_ranks, moe_symmetric_layout(k.tokens, k.hidden, k.top_k,
-                                                                    k.num_ranks), device=dev)
-        layout = self.peers.layout
-        elem = self.peers.nbytes // 2
-        bf16 = self.peers.buffer.view(torch.bfloat16)
-        # x of every rank as one (R, T, H) view of the symmetric buffer
-        self.x_all = bf16.as_strided((k.num_ranks, k.tokens, k.hidden),
-                                     (elem, k.hidden, 1), layout.offset("x") // 2)
+        self.capacity = schedule_capacity(side.num_peers, k.tokens, k.top_k, k.local_experts, TILE_M)
+        layout = side.layout
+        self.x_all = side.x
         self.task_list = tasks_mod.build_static(
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
-            shared_intermediate=k.shared_intermediate, num_ranks=k.num_ranks,
+            shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
             fc1_tile_n=256, fc2_tile_n=256)
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
-        R, C = k.num_ranks, k.ring_tokens
+        R, C = side.launch_ranks, k.ring_tokens
         self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
         self.ring_h = torch.empty(R, C, k.intermediate, dtype=torch.bfloat16, device=dev)
         self.ring_y = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
@@ -106,7 +167,7 @@ class VirtualPlan:
         if k.shared_intermediate:
             self.shared_h = torch.empty(R, k.tokens, k.shared_intermediate, dtype=torch.bfloat16, device=dev)
             self.shared_y = torch.empty(R, k.tokens, k.hidden, dtype=torch.bfloat16, device=dev)
-        self.peer_bases = self.peers.bases_matrix()
+        self.peer_bases = side.peer_bases
         # per-rank task counters, then (row 0 only) the comm / compute ticket counters
         self.counters = torch.zeros(R, self.device_tasks.num_counters + TICKETS, dtype=torch.int32,
                                     device=dev)
@@ -121,31 +182,29 @@ class VirtualPlan:
         # epoch (bumped on the device each call), first rank, tiles per minibatch, offsets,
         # timeout, local experts, static M-tiles, silent rank (test hook, see run())
         self.scalars = torch.tensor(
-            [0, 0, k.minibatch_tokens // TILE_M, layout.offset("x"), layout.offset("combine"),
-             layout.offset("barrier_flags"), 0, k.local_experts, self.capacity // TILE_M, -1],
-            dtype=torch.int64, device=dev)
+            [0, side.rank_base, k.minibatch_tokens // TILE_M, layout.offset("x"),
+             layout.offset("combine"), layout.offset("barrier_flags"), 0, k.local_experts,
+             self.capacity // TILE_M, -1], dtype=torch.int64, device=dev)
         self.kernel = jit.compile_kernel(
-            "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas, num_comm_ctas=k.num_comm_ctas,
-            top_k=k.top_k, has_shared=bool(k.shared_intermediate), scope="gpu",
-            timeline=k.timeline, copy=k.copy)
+            "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas,
+            num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
+            scope=side.scope, timeline=k.timeline, copy=k.copy)
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ one call
     def run(self, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, timeout_ms: float,
             out: torch.Tensor | None = None, silent_rank: int = -1) -> torch.Tensor:
         """xs (R, T, H) bf16, topk_idx (R, T, K) global ids, topk_weights (R, T, K),
-        w_* (R, E_loc, ., .), shared: None or (gate, up, down) with a leading R.
+        w_* (R, E_loc, ., .), shared: None or (gate, up, down) with a leading R (R = the ranks
+        of this launch: all virtual ranks, or 1 for this process's rank of a group).
         ``silent_rank`` (tests only): that rank never announces its start, so every wait on
         it times out, as if its process had died."""
-        from mok_cute.schedule import build_receive_schedule
-
         k = self.key
         self.raise_pending_errors()
-        R = k.num_ranks
+        R = self.side.launch_ranks
         self.x_all.copy_(xs)
         ids = topk_idx.to(torch.int32)
-        scheds = [build_receive_schedule(ids, r, k.local_experts, TILE_M, validate=False)
-                  for r in range(R)]
+        scheds = self.side.schedules(ids)
         stack = lambda name: torch.stack([getattr(s, name) for s in scheds])  # noqa: E731
         num_tiles = torch.cat([s.num_tiles for s in scheds])
         self.scalars[0].add_(1)
@@ -188,11 +247,14 @@ class VirtualPlan:
             raise_on_wait_error(int(self._error_host[0]))
 
 
-_PLANS: dict[PlanKey, VirtualPlan] = {}
+_PLANS: dict[PlanKey, Plan] = {}
 _PLANS_LOCK = threading.Lock()
 
 
-def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig) -> VirtualPlan:
+def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None,
+             handle_type: str = "posix_fd") -> Plan:
+    """The cached plan for these shapes: R virtual ranks (``group=None``, xs [R, T, H]) or this
+    process's rank of ``group`` (xs [1, T, H], peers over IPC)."""
     from mok_cute.schedule import schedule_capacity
 
     R, T, H = xs.shape
@@ -209,14 +271,22 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig) -> Virtual
     num_comm = config.num_comm_sms or default_num_comm_ctas(R, H, K, num_sms)
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
-    capacity = schedule_capacity(R, T, K, E_loc, TILE_M)
+    peers = R
+    if group is not None:
+        import torch.distributed as dist
+
+        peers = dist.get_world_size(group)
+    capacity = schedule_capacity(peers, T, K, E_loc, TILE_M)
     minibatch, ring = resolve_sizes(config, capacity, T)
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
-                  config.timeline, config.timeline_capacity, device, COMM_COPY)
+                  config.timeline, config.timeline_capacity, device, COMM_COPY,
+                  None if group is None else (id(group), handle_type))
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = VirtualPlan(key)
+            dev = torch.device("cuda", device)
+            side = _VirtualSide(key, dev) if group is None else _IpcSide(key, dev, group, handle_type)
+            plan = _PLANS[key] = Plan(key, side)
     return plan
 
 
@@ -231,13 +301,21 @@ def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared
 
 
 def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
-                config: MoKConfig | None = None) -> torch.Tensor:
-    """One GPU: the megakernel with one rank (its dispatch is the local gather)."""
+                config: MoKConfig | None = None, group=None,
+                handle_type: str = "posix_fd") -> torch.Tensor:
+    """One GPU (``group=None``): the megakernel with one rank. With ``group``: this process's
+    rank of an expert-parallel group, peers reached through IPC-mapped symmetric buffers
+    (every rank of the group calls together, with the same T). The IPC launch has not run on
+    a GPU yet (docs/gpu_runs.md)."""
+    config = config or MoKConfig()
     sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
-    out = moe_forward_virtual(x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
-                              w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0), sh,
-                              config)
-    return out[0]
+    args = (x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
+            w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0))
+    if group is None:
+        return moe_forward_virtual(*args, sh, config)[0]
+    plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type)
+    with plan.lock:
+        return plan.run(*args, sh, config.timeout_ms)[0]
 
 
 def raise_pending_errors() -> None:

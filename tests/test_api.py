@@ -245,9 +245,12 @@ def test_virtual_backend_kernel_without_a_gpu_raises():
             mok.moe_forward_virtual(*args, config=MoKConfig(backend=backend))
 
 
-def test_distributed_backend_kernel_is_refused():
-    with pytest.raises(ValueError, match=r"config.backend: expected 'auto' or 'reference' for moe_forward with group="):
+def test_distributed_backend_choices():
+    with pytest.raises(ValueError, match=r"config.backend: expected 'auto', 'megakernel' or 'reference' for moe_forward with group="):
+        mok.api.choose_path("cpu", MoKConfig(backend="kernel"), distributed=True)
+    with pytest.raises(RuntimeError, match=r"config.backend is 'megakernel' but it cannot run on cpu"):
         mok.api.choose_path("cpu", MoKConfig(backend="megakernel"), distributed=True)
+    assert mok.api.choose_path("cpu", MoKConfig(), distributed=True).path == "reference"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -297,6 +300,7 @@ def test_choose_path_uses_ops_status(monkeypatch, cuda_visible):
     assert api.choose_path(dev, MoKConfig(backend="reference")).path == "reference"
     ep = api.choose_path(dev, distributed=True)
     assert ep.path == "reference" and "IPC launch" in ep.reason
+    assert api.choose_path(dev, MoKConfig(backend="megakernel"), distributed=True).path == "megakernel"
     assert api.choose_path(dev, virtual=True).path == "megakernel"
     assert api.choose_path(dev, MoKConfig(backend="megakernel")).path == "megakernel"
     assert "moe_forward_virtual: megakernel" in mok.forward_path(dev)

@@ -12,6 +12,8 @@
 #   mega   the megakernel: its GPU tests, then tools/megakernel_probe.py (comm-CTA sweep, bitwise
 #          against the expert path, one recorded timeline) and moe_forward_virtual at R = 8
 #          against R = 1 on MoK's four shapes
+#   ep N   on an N-GPU machine: the IPC megakernel under torchrun (examples/ep_torchrun.py
+#          --backend megakernel, checked against the reference), then mok-cute bench --ep
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -58,11 +60,22 @@ run_mega() {
     --iters 10 --warmup 3 --out "$out" --tag virtual_r8 2>&1 | tail -14
 }
 
+run_ep() {
+  local n="$1"
+  for backend in megakernel reference; do
+    timeout -s KILL 240 torchrun --nproc-per-node "$n" examples/ep_torchrun.py --shape kimi \
+      --tokens 2048 --backend "$backend" 2>&1 | tail -8
+  done
+  timeout -s KILL 300 torchrun --nproc-per-node "$n" -m mok_cute.cli bench --ep --shapes ep \
+    --tokens 2048 --mok-config backend=megakernel --out "$out" 2>&1 | tail -16
+}
+
 case "$what" in
   tests) run_tests ;;
   bench) run_bench ;;
   sonic) run_sonic ;;
   mega) run_mega ;;
+  ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|ep N|all]" >&2; exit 2 ;;
 esac
