@@ -34,6 +34,18 @@ def test_compiles_to_wgmma_tma_bulk_copies_and_bounded_waits(has_shared, tmp_pat
     assert "multimem" not in ptx  # never NVLink multicast
 
 
+def test_recorder_flag_off_emits_no_recorder_instruction(tmp_path):
+    """Off: no %smid read and fewer %globaltimer reads (the waits' deadlines keep one per
+    wait loop); on: the recorder's reads, tickets and stores are there."""
+    from mok_cute.kernels import megakernel_sm90
+
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    off = megakernel_sm90.compile_megakernel(timeline=False, options=opts).__ptx__
+    on = megakernel_sm90.compile_megakernel(timeline=True, options=opts).__ptx__
+    assert "%smid" not in off and "%smid" in on
+    assert on.count("%globaltimer") > off.count("%globaltimer")
+
+
 def test_bulk_copy_variant_compiles(tmp_path):
     from mok_cute.kernels import megakernel_sm90
 
@@ -174,3 +186,41 @@ def test_out_of_range_ids_contribute_zero_without_the_check():
     assert _rel(out, ref) < 1e-2
     with pytest.raises(ValueError, match="topk_idx"):
         _run((xs, bad, w, wg, wu, wd, sh))
+
+
+@pytest.mark.gpu
+def test_recorded_megakernel_timeline_is_sane():
+    """Every task that runs is recorded once; comm CTAs record only comm tasks; each CTA's
+    task spans follow one another (WAIT spans, written by the waiting thread, may overlap
+    the work of the CTA's other warps)."""
+    import numpy as np
+
+    from mok_cute import megakernel, tasks
+    from mok_cute.timeline import Role, TaskType
+
+    xs, idx, w, wg, wu, wd, sh = _problem(2, 256, 512, 256, 4, 4, 128, seed=13, skew=True)
+    config = mok_cute.MoKConfig(timeline=True, num_comm_sms=4)
+    mok_cute.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared=sh, config=config)
+    torch.cuda.synchronize()
+    plan = next(p for k, p in megakernel._PLANS.items() if k.timeline)
+    tl = plan.timeline.decode()
+    assert tl.dropped == 0
+    rec = tl.records
+    work = rec[rec["task_type"] != int(TaskType.WAIT)]
+    expected = set()
+    for rank, sched in enumerate(plan.side.schedules(idx.to(torch.int32))):
+        live = tasks.simulate_live_run(plan.task_list, int(sched.num_tiles.item()))
+        for role in (Role.COMM, Role.COMPUTE):
+            expected |= {(rank, i) for i in live[role]["ran"] + live[role]["noop"]}
+    got = list(zip(work["rank"].tolist(), work["task_id"].tolist()))
+    assert len(got) == len(set(got)), "a task was recorded twice"
+    assert set(got) == expected
+    comm = work["cta_id"] < config.num_comm_sms
+    assert np.isin(work["task_type"][comm], [int(TaskType.DISPATCH), int(TaskType.COMBINE),
+                                             int(TaskType.BARRIER)]).all()
+    assert (work["role"][comm] == int(Role.COMM)).all() and (work["role"][~comm] == int(Role.COMPUTE)).all()
+    for cta in np.unique(work["cta_id"]):
+        spans = work[work["cta_id"] == cta]
+        spans = spans[np.argsort(spans["start_ns"], kind="stable")]
+        assert (spans["start_ns"] <= spans["end_ns"]).all()
+        assert (spans["end_ns"][:-1] <= spans["start_ns"][1:]).all(), f"CTA {cta}: spans overlap"

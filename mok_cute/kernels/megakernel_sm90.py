@@ -76,6 +76,7 @@ STORES_IN_FLIGHT = 4  # row stores whose smem may still be unread when a slot is
 COMM_THREADS = 384  # comm CTA threads (the first TILE_M resolve one row address each)
 COPY_UNROLL = 16  # 16-byte vectors in flight per lane in the vector row copy
 COPY_MODES = ("vector", "bulk")
+WAIT_RECORD_MIN_NS = 1000  # shorter dependency waits are not recorded as WAIT spans
 TICKETS = 2  # extra int32 words after the counters of rank 0: the comm / compute ticket counters
 
 
@@ -280,7 +281,7 @@ class MegakernelSm90:
                         counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                         sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta)
+                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf)
             else:
                 cute.arch.setmaxregister_increase(g.consumer_regs)
                 self._consumer_loop(
@@ -347,6 +348,29 @@ class MegakernelSm90:
             for i in cutlass.range(first, end, unroll=1):
                 common.wait_counter(rank_counters, base + i, target, ctx.deadline, error,
                                     index, ctx.rank_base + rank, self.scope)
+
+    @cute.jit
+    def _wait_task_recorded(self, ctx, tasks, counter_offsets, counters, error, num_tiles,
+                            index: Int32, rank: Int32, timeline_buf, role: cutlass.Constexpr[int],
+                            leader):
+        """``_wait_task``; with the recorder on, a wait longer than WAIT_RECORD_MIN_NS also
+        becomes a WAIT span (written by ``leader``), so the timeline shows waits apart from work."""
+        t0 = self._now_if_recording()
+        self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
+        if const_expr(self.timeline):
+            t1 = common.timeline_now()
+            if leader and t1 - t0 > WAIT_RECORD_MIN_NS:
+                slot = common.timeline_reserve(timeline_buf, 1)
+                common.timeline_write(timeline_buf, slot, role, int(TaskType.WAIT), index,
+                                      ctx.rank_base + rank, t0, t1)
+
+    @cute.jit
+    def _now_if_recording(self) -> Int64:
+        """%globaltimer with the recorder on; nothing is emitted with it off."""
+        t = Int64(0)
+        if const_expr(self.timeline):
+            t = common.timeline_now()
+        return t
 
     @cute.jit
     def _signal_task(self, tasks, counter_offsets, counters, index: Int32, rank: Int32):
@@ -423,11 +447,13 @@ class MegakernelSm90:
         while index >= 0:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             if run:
-                t_start = common.timeline_now()
+                t_start = self._now_if_recording()
                 ttype = tasks[index, W_TYPE]
                 moves = not noop and ttype != int(TaskType.BARRIER)
                 if tidx == 0:
-                    self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
+                    self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error,
+                                             num_tiles, index, rank, timeline_buf,
+                                             int(Role.COMM), True)
                     if ttype == int(TaskType.BARRIER):
                         # this rank's combines are all done: tell every peer (unicast flags)
                         self._fence()
@@ -564,7 +590,7 @@ class MegakernelSm90:
                        counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                        sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                        tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta):
+                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         one = cute.make_layout(1)
         sB_halves = cute.flat_divide(sB, (self.half_n, tile_k))
@@ -603,7 +629,9 @@ class MegakernelSm90:
             ttype = tasks[index, W_TYPE]
             k_tiles = self._k_tiles(ttype, t_a_x, t_a_h, s_t_a_h)
             if run and not noop and ttype != int(TaskType.KSUM):
-                self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
+                self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
+                                         index, rank, timeline_buf, int(Role.COMPUTE),
+                                         cute.arch.lane_idx() == 0)
                 # rows written by other CTAs (generic or TMA stores) are read through TMA next
                 cute.arch.fence_proxy("async.global")
                 m_tile = tasks[index, W_MTILE]
@@ -697,7 +725,7 @@ class MegakernelSm90:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             ttype = tasks[index, W_TYPE]
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
-            t_start = common.timeline_now()
+            t_start = self._now_if_recording()
             if run and not noop and ttype != int(TaskType.KSUM):
                 read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
                 release = read.clone()
@@ -740,8 +768,8 @@ class MegakernelSm90:
                     cute.arch.fence_proxy("async.global")
             elif run and not noop:
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
-                           topk_weights, topk_idx, out, shared_y, index, rank, consumer_tidx,
-                           barrier)
+                           topk_weights, topk_idx, out, shared_y, timeline_buf, index, rank,
+                           consumer_tidx, barrier)
             if run:
                 barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
@@ -806,13 +834,14 @@ class MegakernelSm90:
     # ------------------------------------------------------------------ compute: k-sum
     @cute.jit
     def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
-              topk_weights, topk_idx, out, shared_y, index: Int32, rank: Int32,
+              topk_weights, topk_idx, out, shared_y, timeline_buf, index: Int32, rank: Int32,
               consumer_tidx: Int32, barrier):
         """out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(combine[t*K+k])),
         ascending k, product and sum rounded separately (the reference's order). A (t, k)
         whose expert id is out of range was routed nowhere: it contributes zero."""
         if consumer_tidx == 0:
-            self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
+            self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
+                                     index, rank, timeline_buf, int(Role.COMPUTE), True)
             for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
                 self._wait_flag(ctx, peer_bases, error, rank, p, 2 * ctx.epoch, index)
         barrier.arrive_and_wait()
