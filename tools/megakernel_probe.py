@@ -25,19 +25,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 import mok_cute  # noqa: E402
 from mok_cute import benchmark as bm, megakernel  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
-
-
-def gpu_ms(fn, iters=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from layer_profile import gpu_ms  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def layer_flops(p) -> float:
