@@ -32,6 +32,9 @@ DEFAULT_COMM_CTAS = 12
 # How comm CTAs move rows (kernels.megakernel_sm90.COPY_MODES); a module setting so tools
 # can time both in one process.
 COMM_COPY = "vector"
+# Rows a rank routes to its own experts stay in the ring: no COMBINE copy, the k-sum reads
+# them there (when the ring never wraps). Off until it has run on the H200.
+LOCAL_DIRECT = False
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
 
@@ -53,6 +56,7 @@ class PlanKey:
     device: int
     copy: str = "vector"
     group: tuple | None = None  # (id(process group), handle type) for the IPC backend
+    local_direct: bool = False
 
 
 def default_num_comm_ctas(num_ranks: int, hidden: int, top_k: int, num_sms: int) -> int:
@@ -188,7 +192,8 @@ class Plan:
         self.kernel = jit.compile_kernel(
             "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas,
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
-            scope=side.scope, timeline=k.timeline, copy=k.copy)
+            scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct)
+        self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ one call
@@ -206,6 +211,12 @@ class Plan:
         ids = topk_idx.to(torch.int32)
         scheds = self.side.schedules(ids)
         stack = lambda name: torch.stack([getattr(s, name) for s in scheds])  # noqa: E731
+        slot_rows = self._no_slot_rows
+        if k.local_direct:
+            from mok_cute.schedule import row_of_slot
+
+            slot_rows = torch.stack([row_of_slot(sc, k.tokens, k.top_k, self.side.rank_base + r)
+                                     for r, sc in enumerate(scheds)])
         num_tiles = torch.cat([s.num_tiles for s in scheds])
         self.scalars[0].add_(1)
         self.scalars[6].fill_(int(timeout_ms * 1e6))
@@ -230,7 +241,7 @@ class Plan:
             stack("row_peer"), stack("row_token"), stack("row_k"), self.peer_bases,
             kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
             kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)), *s_args,
-            topk_weights.to(torch.float32), ids, out, self.timeline_buf, self.scalars)
+            topk_weights.to(torch.float32), ids, slot_rows, out, self.timeline_buf, self.scalars)
         self._error_host.copy_(self.error, non_blocking=True)
         self._error_event = torch.cuda.Event()
         self._error_event.record()
@@ -280,7 +291,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     minibatch, ring = resolve_sizes(config, capacity, T)
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
-                  None if group is None else (id(group), handle_type))
+                  None if group is None else (id(group), handle_type),
+                  LOCAL_DIRECT and COMM_COPY == "vector" and ring >= capacity)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -62,6 +62,16 @@ def test_bad_comm_split_is_refused():
         megakernel_sm90.MegakernelSm90(1, num_ctas=8, num_comm_ctas=8, top_k=2, has_shared=False)
     with pytest.raises(ValueError, match="copy"):
         megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, copy="dma")
+    with pytest.raises(ValueError, match="local_direct needs copy='vector'"):
+        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, copy="bulk", local_direct=True)
+
+
+def test_local_direct_variant_compiles(tmp_path):
+    from mok_cute.kernels import megakernel_sm90
+
+    ptx = megakernel_sm90.compile_megakernel(
+        num_ranks=4, local_direct=True, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    assert "wgmma.mma_async" in ptx and "multimem" not in ptx
 
 
 # ---------------------------------------------------------------------- H200
@@ -142,6 +152,23 @@ def test_bitwise_identical_across_comm_sms_minibatch_and_ring():
                 {"ring_tokens": 512, "minibatch_tokens": 256},
                 {"ring_tokens": 256, "minibatch_tokens": 128, "num_comm_sms": 3}):
         assert torch.equal(_run(args, **cfg), base), f"output changed with {cfg}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 4])
+def test_local_rows_left_in_the_ring_give_the_same_bits(R, monkeypatch):
+    """megakernel.LOCAL_DIRECT: a rank's own rows skip the combine copy and its k-sum reads
+    them from the ring; the output must not change by a bit."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 200, 512, 256, 4, 4, 128, seed=17, skew=True)
+    base = _run(args)
+    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", True)
+    direct = _run(args)
+    assert any(k.local_direct for k in megakernel._PLANS)
+    assert torch.equal(direct, base)
+    wrapped = _run(args, ring_tokens=256, minibatch_tokens=128)  # wraps: falls back to combining
+    assert torch.equal(wrapped, base)
 
 
 @pytest.mark.gpu

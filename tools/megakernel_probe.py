@@ -4,7 +4,8 @@
         [--timeline 8 --out DIR] [--json out.json]
 
 Each ``--comm`` entry is a number of comm CTAs; a trailing ``b`` selects the bulk-copy comm
-variant (``cp.async.bulk`` through smem) instead of the vector one. Every megakernel output
+variant (``cp.async.bulk`` through smem) instead of the vector one, a trailing ``l`` the
+vector one with ``megakernel.LOCAL_DIRECT`` (local rows stay in the ring, no combine copy). Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -45,17 +46,19 @@ def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str)
         *args, shared=p.shared, config=base))}]
     for spec in comms:
         megakernel.COMM_COPY = "bulk" if spec.endswith("b") else "vector"
-        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("b")), backend="megakernel")
+        megakernel.LOCAL_DIRECT = spec.endswith("l")
+        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("bl")), backend="megakernel")
         run = lambda: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
         t0 = time.time()
         out = run().clone()
         torch.cuda.synchronize()
         megakernel.raise_pending_errors()
-        rows.append({"variant": f"megakernel_{megakernel.COMM_COPY}", "comm_ctas": cfg.num_comm_sms,
+        variant = f"megakernel_{megakernel.COMM_COPY}" + ("_local_direct" if megakernel.LOCAL_DIRECT else "")
+        rows.append({"variant": variant, "comm_ctas": cfg.num_comm_sms,
                      "first_call_s": time.time() - t0, "ms": gpu_ms(run),
                      "bitwise_equal_expert_path": bool(torch.equal(out, expert))})
         megakernel.raise_pending_errors()
-    megakernel.COMM_COPY = "vector"
+    megakernel.COMM_COPY, megakernel.LOCAL_DIRECT = "vector", False
     for r in rows:
         r["tflops"] = flops / r["ms"] / 1e9
         print(f"{name}: {r}", flush=True)

@@ -94,7 +94,7 @@ class MegakernelSm90:
 
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
-                 copy: str = "vector"):
+                 copy: str = "vector", local_direct: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -107,6 +107,12 @@ class MegakernelSm90:
         # stores, COPY_UNROLL in flight per lane; "bulk" = one thread issues cp.async.bulk
         # copies through smem staging slots.
         self.copy = copy
+        # local_direct: rows a rank sends to itself are not combined; its k-sum reads them from
+        # the ring through `slot_rows` instead. Needs a ring that never wraps (the host's
+        # promise) and the vector copy (skipped rows break the bulk copy's row prefix).
+        if local_direct and copy != "vector":
+            raise ValueError("local_direct needs copy='vector'")
+        self.local_direct = local_direct
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -136,8 +142,9 @@ class MegakernelSm90:
                  x_all: Optional[cute.Tensor], ws_gate: Optional[cute.Tensor],
                  ws_up: Optional[cute.Tensor], ws_down: Optional[cute.Tensor],
                  shared_h: Optional[cute.Tensor], shared_y: Optional[cute.Tensor],
-                 topk_weights: cute.Tensor, topk_idx: cute.Tensor, out: cute.Tensor,
-                 timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor, stream: cuda.CUstream):
+                 topk_weights: cute.Tensor, topk_idx: cute.Tensor, slot_rows: cute.Tensor,
+                 out: cute.Tensor, timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor,
+                 stream: cuda.CUstream):
         """Shapes (R ranks, P peers, E = R * E_loc experts, C ring rows, T tokens):
         tasks int32 (N, TASK_WORDS); queues int32 (2, Q); queue_len int32 (2,);
         queue_live_len int32 (2, MB + 1); queue_tail_begin int32 (2,); counter_offsets
@@ -147,7 +154,9 @@ class MegakernelSm90:
         ring_h bf16 (C, I, R); w_gate / w_up (I, H, E); w_down (H, I, E); shared: x_all
         (T, H, R) (a view of the symmetric x), ws_gate / ws_up (Is, H, R), ws_down (H, Is, R),
         shared_h (T, Is, R), shared_y (T, H, R); topk_weights fp32 (R, T, K); topk_idx int32
-        (R, T, K) (a (token, k) whose id is out of range contributes zero); out bf16
+        (R, T, K) (a (token, k) whose id is out of range contributes zero); slot_rows int32
+        (R, T * K): the ring row of rank r's own slot (token, k) when its expert is r's, else
+        -1 (read only with local_direct); out bf16
         (R, T, H); scalars int64 (10,): epoch, rank of the first virtual rank, tiles per
         minibatch, x / combine / flags byte offsets, timeout ns, local experts, static M-tiles,
         silent rank (a test hook: that virtual rank never announces its start, like a peer
@@ -206,7 +215,8 @@ class MegakernelSm90:
         self.kernel(
             tasks, queues, queue_len, queue_live_len, queue_tail_begin, counter_offsets,
             counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
-            ring_x, ring_y, topk_weights, topk_idx, out, shared_y, timeline_buf, scalars,
+            ring_x, ring_y, topk_weights, topk_idx, slot_rows, out, shared_y, timeline_buf,
+            scalars,
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
             tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
             g.tiled_mma, g.a_smem_layout_staged, g.b_smem_layout_staged, g.epi_smem_layout_staged,
@@ -221,7 +231,8 @@ class MegakernelSm90:
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, row_peer: cute.Tensor,
                row_token: cute.Tensor, row_k: cute.Tensor, peer_bases: cute.Tensor,
                ring_x: cute.Tensor, ring_y: cute.Tensor, topk_weights: cute.Tensor,
-               topk_idx: cute.Tensor, out: cute.Tensor, shared_y: Optional[cute.Tensor],
+               topk_idx: cute.Tensor, slot_rows: cute.Tensor, out: cute.Tensor,
+               shared_y: Optional[cute.Tensor],
                timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor,
                tma_a_x: cute.CopyAtom, t_a_x: cute.Tensor, tma_a_h: cute.CopyAtom, t_a_h: cute.Tensor,
                tma_wg: cute.CopyAtom, t_wg: cute.Tensor, tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
@@ -287,9 +298,9 @@ class MegakernelSm90:
                 self._consumer_loop(
                     ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
                     counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
-                    topk_idx, out, shared_y, timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC,
-                    tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y,
-                    s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta)
+                    topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
+                    tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
+                    s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta)
 
     # ------------------------------------------------------------------ task walking
     @cute.jit
@@ -475,8 +486,9 @@ class MegakernelSm90:
                 if const_expr(self.copy == "vector"):
                     if moves:
                         for r in cutlass.range(tidx // 32, words[1], COMM_THREADS // 32, unroll=1):
-                            copy_row(bf16_row(row_src[r], hidden), bf16_row(row_dst[r], hidden),
-                                     hidden // VEC_ELEMS, cute.arch.lane_idx(), COPY_UNROLL)
+                            if row_src[r] != 0:  # 0: a local row left in the ring (local_direct)
+                                copy_row(bf16_row(row_src[r], hidden), bf16_row(row_dst[r], hidden),
+                                         hidden // VEC_ELEMS, cute.arch.lane_idx(), COPY_UNROLL)
                     sync.arrive_and_wait()
                 if tidx == 0:
                     if const_expr(self.copy == "bulk"):
@@ -528,6 +540,9 @@ class MegakernelSm90:
                     slot = token * Int64(self.top_k) + Int64(row_k[rank, row])
                     row_src[tidx] = ring_y[ring_row, None, rank].iterator.toint()
                     row_dst[tidx] = base + ctx.combine_offset + slot * Int64(row_bytes)
+                    if const_expr(self.local_direct):
+                        if peer == ctx.rank_base + rank:
+                            row_src[tidx] = Int64(0)  # read from the ring by this rank's k-sum
                 last = tidx + 1 == num_rows
                 if not last:
                     last = row_peer[rank, row + 1] < 0
@@ -690,9 +705,10 @@ class MegakernelSm90:
     @cute.jit
     def _consumer_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
                        counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
-                       topk_idx, out, shared_y, timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC,
-                       tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y,
-                       s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta):
+                       topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
+                       tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
+                       s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
+                       compute_cta):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice((warpgroup_idx - 1) * 128)
@@ -768,8 +784,8 @@ class MegakernelSm90:
                     cute.arch.fence_proxy("async.global")
             elif run and not noop:
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
-                           topk_weights, topk_idx, out, shared_y, timeline_buf, index, rank,
-                           consumer_tidx, barrier)
+                           topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
+                           timeline_buf, index, rank, consumer_tidx, barrier)
             if run:
                 barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
@@ -834,8 +850,8 @@ class MegakernelSm90:
     # ------------------------------------------------------------------ compute: k-sum
     @cute.jit
     def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
-              topk_weights, topk_idx, out, shared_y, timeline_buf, index: Int32, rank: Int32,
-              consumer_tidx: Int32, barrier):
+              topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
+              index: Int32, rank: Int32, consumer_tidx: Int32, barrier):
         """out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(combine[t*K+k])),
         ascending k, product and sum rounded separately (the reference's order). A (t, k)
         whose expert id is out of range was routed nowhere: it contributes zero."""
@@ -875,7 +891,8 @@ class MegakernelSm90:
                 else:
                     acc.fill(0.0)
                 for k in cutlass.range_constexpr(self.top_k):
-                    src = bf16_row(combine_base + (Int64(t) * self.top_k + k) * row_bytes, hidden)
+                    src = bf16_row(self._ksum_row(combine_base, slot_rows, ring_y, rank, t, k,
+                                                  row_bytes), hidden)
                     yk = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
                     if routed[k] != 0:
                         cute.copy(vec, cute.local_tile(src, (VEC_ELEMS,), (v,)), yk)
@@ -888,6 +905,19 @@ class MegakernelSm90:
                 res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
                 res.store(acc.load().to(BFloat16))
                 cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v,)))
+
+
+    @cute.jit
+    def _ksum_row(self, combine_base: Int64, slot_rows, ring_y, rank: Int32, t, k: int,
+                  row_bytes: Int64) -> Int64:
+        """Address of the y row of slot (t, k): the combine buffer, or with local_direct the
+        ring row itself when the slot's expert is this rank's."""
+        addr = combine_base + (Int64(t) * self.top_k + k) * row_bytes
+        if const_expr(self.local_direct):
+            row = slot_rows[rank, t * self.top_k + k]
+            if row >= 0:
+                addr = ring_y[row, None, rank].iterator.toint()
+        return addr
 
 
 def g_stages(mk: MegakernelSm90) -> int:
@@ -944,11 +974,12 @@ SCALARS = 10
 
 def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: int = 16,
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
-                       timeline: bool = False, copy: str = "vector", arch: str = "sm_90a",
-                       options: str = ""):
+                       timeline: bool = False, copy: str = "vector", local_direct: bool = False,
+                       arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy)
+    mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
+                        local_direct)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
@@ -977,7 +1008,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
     else:
         args += [None] * 6
     args += [f(Float32, (ranks, tokens, top_k), align_bytes=4),
-             f(Int32, (ranks, tokens, top_k), align_bytes=4),
+             f(Int32, (ranks, tokens, top_k), align_bytes=4), i32(ranks, sym()),
              f(bf16, (ranks, tokens, hidden), align_bytes=16),
              common.fake_vector(Int64, align_bytes=8) if timeline else None,
              common.fake_vector(Int64, SCALARS, align_bytes=8), common.fake_stream()]
