@@ -5,6 +5,8 @@
     python tools/sim_studies.py b            # num_comm_sms x minibatch sweep, MoK's shapes
     python tools/sim_studies.py c            # predicted TFLOP/s on GB300 vs MoK's numbers
     python tools/sim_studies.py calibrate [--results benchmarks/results]
+                                             # GEMM fit, comm copy-rate fit from the
+                                             # megakernel's records, R = 1 held-out check
     python tools/sim_studies.py swimlane     # one simulated timeline PNG
     python tools/sim_studies.py all
 
@@ -58,6 +60,19 @@ def main(argv=None) -> int:
                 print(f["report"])
             print(f"mean |held-out error| = {100 * data['mean_abs_held_out_error']:.1f}% "
                   f"(source: {data['source']})")
+            for run, c in data["comm"].items():
+                print(f"comm {run}: {c['sm_copy_gbps']:.1f} GB/s per comm SM, overhead "
+                      f"{c['comm_task_overhead_us']:.1f} us ({c['fit_note']})")
+            mk = data["megakernel_r1"]
+            for r in mk["rows"]:
+                print(f"  megakernel R=1 {r['shape']:14s} comm {r['num_comm_sms']:2d}: measured "
+                      f"{r['measured_ms']:6.2f} ms, simulated {r['predicted_ms']:6.2f} "
+                      f"({100 * r['error']:+.1f}%), + per-call offset "
+                      f"{r['predicted_plus_offset_ms']:6.2f} "
+                      f"({100 * r['error_plus_offset']:+.1f}%)")
+            for t in mk["tuner"]:
+                print(f"  {t['call']} -> {t['picked']} in {t['wall_s']:.1f} s; within 5% of the "
+                      f"measured best: {t['within_5pct']}")
         elif st == "swimlane":
             from mok_cute import sim
 

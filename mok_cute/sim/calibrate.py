@@ -5,6 +5,10 @@
   "pass", "ms", "tflops"}``), fitted on some shapes and checked on the held-out rest.
 - ``fit_copy_rate``: per-SM copy rate (and per-task overhead) of comm SMs from the DISPATCH
   records of a timeline (the megakernel in virtual mode, recorded with ``timeline=True``).
+- ``fit_megakernel_comm``: ``fit_copy_rate`` on the committed comm records of the real
+  megakernel at R = 1 on one H200 (``MEGAKERNEL_COMM_RECORDS``), with the bytes of each task
+  taken from the megakernel's own static task list; the H200 profile's copy rate and comm task
+  overhead come from this fit.
 
 The prediction a GEMM row is compared with (``predict_gemm_ms``) is the two grouped GEMMs of
 the expert-kernel path on one GPU: every FC1 tile of the padded schedule on all SMs, then every
@@ -25,8 +29,9 @@ import numpy as np
 from .hardware import HardwareProfile, get_profile
 from .model import Routing, SimShape, receive_layouts, route
 
-__all__ = ["predict_gemm_ms", "fit_gemm", "GemmFit", "fit_copy_rate", "CopyFit",
-           "load_results", "ANCHOR_TORCH_GROUPED_GEMM"]
+__all__ = ["predict_gemm_ms", "fit_gemm", "GemmFit", "fit_copy_rate", "fit_copy_rate_samples",
+           "CopyFit", "fit_megakernel_comm", "CommCalibration", "megakernel_dispatch_samples",
+           "MEGAKERNEL_COMM_RECORDS", "load_results", "ANCHOR_TORCH_GROUPED_GEMM"]
 
 _BF16 = 2
 
@@ -227,18 +232,45 @@ class CopyFit:
     comm_task_overhead_s: float
     tasks: int
     note: str
+    residual_rms_s: float = 0.0  # rms of (measured - fitted) task duration
 
 
-def fit_copy_rate(timeline, graph_or_bytes, hw: HardwareProfile | str = "h200_hgx") -> CopyFit:
-    """Per-SM copy rate from DISPATCH records: least squares of ``duration = overhead + bytes /
-    rate`` over the tasks (falls back to the profile's overhead when the task sizes do not
-    vary). ``graph_or_bytes`` is a simulator ``Graph`` or a mapping ``(rank, task_id) ->
-    bytes`` (for the megakernel: the task list's DISPATCH bytes of the real rows). Record with
-    few comm SMs (2-4) so that the NVLink port is not the limit, else this measures the link."""
+def fit_copy_rate_samples(nbytes, durations, hw: HardwareProfile | str = "h200_hgx") -> CopyFit:
+    """Least squares of ``duration = overhead + bytes / rate`` over tasks (bytes, seconds).
+
+    When the task sizes do not vary the overhead cannot be separated from the rate: the
+    profile's overhead is kept. When the least-squares overhead is negative, the constrained
+    optimum (overhead >= 0) is the fit through the origin."""
+    hw = get_profile(hw)
+    by = np.asarray(nbytes, dtype=np.float64)
+    dur = np.asarray(durations, dtype=np.float64)
+    keep = by > 0
+    by, dur = by[keep], dur[keep]
+    if by.size < 2:
+        raise ValueError(f"need at least 2 DISPATCH records with bytes, got {by.size}")
+
+    def done(rate, ov, note):
+        rms = float(np.sqrt(np.mean((dur - ov - by / rate) ** 2)))
+        return CopyFit(float(rate), float(ov), int(by.size), note, rms)
+
+    if by.std() > 0.05 * by.mean():
+        slope, intercept = np.polyfit(by, dur, 1)
+        if slope > 0 and intercept >= 0:
+            return done(1.0 / slope, intercept, "least squares")
+        if slope > 0:
+            return done(float((by * by).sum() / (by * dur).sum()), 0.0,
+                        f"least squares through the origin (free intercept was "
+                        f"{intercept * 1e6:.1f} us < 0)")
+    ov = hw.comm_task_overhead_s
+    rate = by.sum() / max((dur - ov).sum(), 1e-12)
+    return done(rate, ov, "fixed overhead (task sizes do not vary)")
+
+
+def _dispatch_samples(timeline, graph_or_bytes):
+    """(bytes, seconds) of the DISPATCH records of a Timeline (or a raw record array)."""
     from ..tasks import TaskType
 
-    hw = get_profile(hw)
-    rec = timeline.records
+    rec = getattr(timeline, "records", timeline)
     m = rec["task_type"] == int(TaskType.DISPATCH)
     ranks, ids = rec["rank"][m], rec["task_id"][m]
     dur = (rec["end_ns"][m] - rec["start_ns"][m]) * 1e-9
@@ -247,15 +279,177 @@ def fit_copy_rate(timeline, graph_or_bytes, hw: HardwareProfile | str = "h200_hg
         lookup = {(int(r), int(l)): float(b) for r, l, b in zip(g.rank, g.local_id, g.comm_bytes)}
     else:
         lookup = {(int(k[0]), int(k[1])): float(v) for k, v in dict(graph_or_bytes).items()}
-    by = np.array([lookup[(int(r), int(i))] for r, i in zip(ranks, ids)])
-    keep = by > 0
-    by, dur = by[keep], dur[keep]
-    if by.size < 2:
-        raise ValueError(f"timeline must hold at least 2 DISPATCH records with bytes, got {by.size}")
-    if by.std() > 0.05 * by.mean():
-        slope, intercept = np.polyfit(by, dur, 1)
-        if slope > 0 and intercept >= 0:
-            return CopyFit(1.0 / slope, float(intercept), int(by.size), "least squares")
-    ov = hw.comm_task_overhead_s
-    rate = by.sum() / max((dur - ov).sum(), 1e-12)
-    return CopyFit(float(rate), ov, int(by.size), "fixed overhead (task sizes do not vary)")
+    by = np.array([lookup.get((int(r), int(i)), 0.0) for r, i in zip(ranks, ids)])
+    return by, dur
+
+
+def fit_copy_rate(timeline, graph_or_bytes=None, hw: HardwareProfile | str = "h200_hgx") -> CopyFit:
+    """Per-SM copy rate from DISPATCH records: least squares of ``duration = overhead + bytes /
+    rate`` over the tasks (see ``fit_copy_rate_samples``). ``timeline`` is a
+    ``mok_cute.timeline.Timeline`` or its record array; ``graph_or_bytes`` is a simulator
+    ``Graph`` or a mapping ``(rank, task_id) -> bytes`` (for the megakernel: the task list's
+    DISPATCH bytes of the real rows; records without bytes are left out). To pool several
+    recordings (e.g. two shapes, whose task sizes differ), pass a list of ``(timeline,
+    graph_or_bytes)`` pairs as ``timeline``. Record with few comm SMs (2-4) so that the NVLink
+    port is not the limit, else this measures the link."""
+    pairs = timeline if graph_or_bytes is None else [(timeline, graph_or_bytes)]
+    parts = [_dispatch_samples(t, b) for t, b in pairs]
+    if not parts:
+        raise ValueError("timeline must hold at least one (timeline, bytes) pair")
+    return fit_copy_rate_samples(np.concatenate([p[0] for p in parts]),
+                                 np.concatenate([p[1] for p in parts]), hw)
+
+
+# ------------------------------------------------------------------------------------------
+# the real megakernel's comm records (one H200, R = 1)
+
+_REPO = Path(__file__).resolve().parents[2]
+MEGAKERNEL_COMM_RECORDS = _REPO / "benchmarks" / "results" / \
+    "2026-11-29_h200_megakernel_comm_records.npz"
+# the megakernel's parameters in those recordings (mok_cute/megakernel.py defaults at R = 1)
+_MK_PARAMS = dict(minibatch_tokens=1024, tile_m=128, fc1_tile_n=256, fc2_tile_n=256)
+_NOOP_MAX_S = 3e-6  # a no-op task (tile past num_tiles) takes 1.1-2.5 us in the records
+
+
+def megakernel_dispatch_samples(records: np.ndarray, shape: str, *, minibatch_tokens: int = 1024,
+                                tile_m: int = 128, fc1_tile_n: int = 256,
+                                fc2_tile_n: int = 256) -> dict:
+    """The DISPATCH tasks of one recorded megakernel call at R = 1 (one virtual rank) of a
+    single-GPU shape, with their bytes.
+
+    ``task_id`` indexes the megakernel's static task list (``tasks.build_static(capacity)``,
+    ring = capacity), which gives each record its M-tile. Tiles past the device's
+    ``num_tiles`` are no-ops (they only signal): they are the trailing tiles of the last live
+    minibatch whose records are shorter than 3 us, which gives ``num_tiles``. The real rows of
+    one call are exactly ``T*K`` at R = 1, so every real tile is given the mean,
+    ``T*K / num_tiles`` rows of ``H*2`` bytes: the total is exact, the split between full
+    tiles and each expert's partial last tile is not recorded (about 6-12 % of the tiles are
+    partial). A least-squares fit over tasks of equal bytes fits the per-shape means, so the
+    fit is unbiased by the partial tiles as long as duration is linear in bytes."""
+    from .. import tasks as T
+    from ..benchmark import SINGLE_GPU_SHAPES
+    from ..schedule import schedule_capacity
+
+    if shape not in SINGLE_GPU_SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SINGLE_GPU_SHAPES)}, got {shape!r}")
+    s = SINGLE_GPU_SHAPES[shape]
+    cap = schedule_capacity(1, s.tokens, s.top_k, s.experts, tile_m)
+    tl = T.build_static(cap, hidden=s.hidden, intermediate=s.intermediate, num_tokens=s.tokens,
+                        top_k=s.top_k, minibatch_tokens=minibatch_tokens, ring_tokens=cap,
+                        tile_m=tile_m, fc1_tile_n=fc1_tile_n, fc2_tile_n=fc2_tile_n)
+    if np.unique(records["rank"]).size != 1:
+        raise ValueError("records must be of one rank (R = 1)")
+    m = records["task_type"] == int(T.TaskType.DISPATCH)
+    ids = records["task_id"][m].astype(np.int64)
+    if ids.size == 0 or ids.max() >= len(tl) or (tl.type[ids] != T.TaskType.DISPATCH).any():
+        raise ValueError(f"records' DISPATCH task ids do not index DISPATCH tasks of the "
+                         f"static list of {shape} (capacity {cap}, minibatch "
+                         f"{minibatch_tokens}): other megakernel parameters?")
+    tiles = tl.m_tile_begin[ids]
+    dur = (records["end_ns"][m] - records["start_ns"][m]).astype(np.float64) * 1e-9
+    o = np.argsort(tiles)
+    tiles, dur = tiles[o], dur[o]
+    tpm = minibatch_tokens // tile_m
+    last_mb = (int(tiles.max()) // tpm) * tpm
+    num_tiles = int(tiles.max()) + 1
+    while num_tiles - 1 >= last_mb and dur[np.searchsorted(tiles, num_tiles - 1)] < _NOOP_MAX_S:
+        num_tiles -= 1
+    lo = -(-s.tokens * s.top_k // tile_m)
+    if not lo <= num_tiles <= cap // tile_m:
+        raise ValueError(f"{shape}: inferred num_tiles={num_tiles} outside [{lo}, "
+                         f"{cap // tile_m}]")
+    real = tiles < num_tiles
+    row_bytes = s.hidden * _BF16
+    mean_rows = s.tokens * s.top_k / num_tiles
+    # per comm CTA: the gap between the end of one task and the start of the next (ticket
+    # fetch, record write): a per-task cost outside the records' durations
+    gaps = []
+    for c in np.unique(records["cta_id"]):
+        mc = records["cta_id"] == c
+        st = np.sort(records["start_ns"][mc])
+        en = records["end_ns"][mc][np.argsort(records["start_ns"][mc])]
+        gaps.append((st[1:] - en[:-1]) * 1e-9)
+    gaps = np.concatenate(gaps) if gaps else np.zeros(0)
+    return dict(shape=shape, capacity=cap, num_tiles=num_tiles, tasks=int(real.sum()),
+                noop_tasks=int((~real).sum()), row_bytes=row_bytes, mean_rows=mean_rows,
+                bytes=np.full(int(real.sum()), mean_rows * row_bytes), durations=dur[real],
+                noop_durations=dur[~real], gaps=gaps,
+                comm_ctas=int(np.unique(records["cta_id"]).size))
+
+
+@dataclasses.dataclass
+class CommCalibration:
+    """``fit_megakernel_comm``'s result: the fit over both shapes, and per shape the measured
+    and fitted DISPATCH durations."""
+    run: str
+    path: str
+    fit: CopyFit
+    gap_s: float  # median gap between consecutive tasks of a comm CTA (ticket, record)
+    shapes: dict
+
+    @property
+    def sm_copy_bytes_per_s(self) -> float:
+        return self.fit.sm_copy_bytes_per_s
+
+    @property
+    def comm_task_overhead_s(self) -> float:
+        """The fit's intercept plus the gap between tasks: what one task costs besides its
+        bytes, which is what the simulator's ``comm_task_overhead_s`` stands for."""
+        return self.fit.comm_task_overhead_s + self.gap_s
+
+    def as_dict(self) -> dict:
+        return dict(run=self.run, path=self.path, fit_note=self.fit.note, tasks=self.fit.tasks,
+                    sm_copy_gbps=self.fit.sm_copy_bytes_per_s / 1e9,
+                    intercept_us=self.fit.comm_task_overhead_s * 1e6,
+                    gap_us=self.gap_s * 1e6,
+                    comm_task_overhead_us=self.comm_task_overhead_s * 1e6,
+                    residual_rms_us=self.fit.residual_rms_s * 1e6, shapes=self.shapes)
+
+    def report(self) -> str:
+        lines = [f"{self.run}: sm_copy_bytes_per_s = {self.fit.sm_copy_bytes_per_s / 1e9:.1f} "
+                 f"GB/s, intercept {self.fit.comm_task_overhead_s * 1e6:.1f} us + gap "
+                 f"{self.gap_s * 1e6:.1f} us = comm_task_overhead "
+                 f"{self.comm_task_overhead_s * 1e6:.1f} us ({self.fit.note}, {self.fit.tasks} tasks, rms residual "
+                 f"{self.fit.residual_rms_s * 1e6:.1f} us)"]
+        for name, d in self.shapes.items():
+            lines.append(f"  {name:14s} {d['tasks']:5d} tasks of {d['mean_bytes'] / 1e6:.3f} MB "
+                         f"(num_tiles {d['num_tiles']}): measured mean {d['mean_us']:.1f} us "
+                         f"(median {d['median_us']:.1f}), fitted {d['fitted_us']:.1f} us; "
+                         f"effective {d['effective_gbps']:.1f} GB/s per comm CTA; no-op task "
+                         f"{d['noop_us']:.1f} us")
+        return "\n".join(lines)
+
+
+def fit_megakernel_comm(run: str = "run16_bulk", path: str | Path = MEGAKERNEL_COMM_RECORDS,
+                        shapes: Sequence[str] | None = None,
+                        hw: HardwareProfile | str = "h200_hgx") -> CommCalibration:
+    """Fit the per-comm-SM copy rate and per-task overhead to the DISPATCH records of one run
+    of ``path`` (keys ``{run}__{shape}``, records of one megakernel call at R = 1), pooled over
+    its shapes. DISPATCH only: at R = 1 a dispatch waits on nothing at its start (the ring
+    holds every row), while a COMBINE's duration includes its wait for the tile's FC2."""
+    path = Path(path)
+    data = np.load(path)
+    keys = [k for k in data.files if k.startswith(run + "__")]
+    if shapes is not None:
+        keys = [k for k in keys if k.split("__", 1)[1] in shapes]
+    if not keys:
+        raise ValueError(f"run must name records in {path.name} (keys {data.files}), got {run!r}")
+    samples = [megakernel_dispatch_samples(data[k], k.split("__", 1)[1], **_MK_PARAMS)
+               for k in keys]
+    fit = fit_copy_rate_samples(np.concatenate([s["bytes"] for s in samples]),
+                                np.concatenate([s["durations"] for s in samples]), hw)
+    gap = float(np.median(np.concatenate([s["gaps"] for s in samples])))
+    per = {}
+    for s in samples:
+        mb = float(s["bytes"][0])
+        per[s["shape"]] = dict(
+            tasks=s["tasks"], num_tiles=s["num_tiles"], comm_ctas=s["comm_ctas"],
+            mean_rows=s["mean_rows"], mean_bytes=mb,
+            mean_us=float(s["durations"].mean() * 1e6),
+            median_us=float(np.median(s["durations"]) * 1e6),
+            fitted_us=(fit.comm_task_overhead_s + mb / fit.sm_copy_bytes_per_s) * 1e6,
+            effective_gbps=mb / s["durations"].mean() / 1e9,
+            noop_us=float(np.median(s["noop_durations"]) * 1e6) if s["noop_tasks"] else None,
+            gap_us=float(np.median(s["gaps"]) * 1e6))
+    return CommCalibration(run=run, path=str(path.relative_to(_REPO)) if path.is_relative_to(
+        _REPO) else str(path), fit=fit, gap_s=gap, shapes=per)

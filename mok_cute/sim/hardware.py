@@ -8,7 +8,9 @@ share a port max-min fairly (per SM); each comm SM moves at most ``sm_copy_bytes
 Source tags used below:
 - ``anchors``: /work/shared/notes/anchors.md (measured on our H200s, or a datasheet line there);
 - ``datasheet``: the vendor's published figure, as quoted;
-- ``assumption``: no measurement yet; the study docs list what measurement would replace it.
+- ``assumption``: no measurement yet; the study docs list what measurement would replace it;
+- ``measured``: fitted by ``mok_cute.sim.calibrate`` to records of our own kernels committed in
+  ``benchmarks/results/`` (the source names the file, the runs and the fit; a test refits it).
 """
 
 from __future__ import annotations
@@ -93,9 +95,10 @@ H200_HGX = HardwareProfile(
     hbm_bytes_per_s=4.22e12,
     link_bytes_per_s=395e9,
     link_peak_bytes_per_s=450e9,
-    sm_copy_bytes_per_s=40e9,
+    # calibrate.fit_megakernel_comm("run16_bulk"): 87.86 GB/s, 31.92 us + 1.70 us gap
+    sm_copy_bytes_per_s=87.9e9,
     gemm_task_overhead_s=1.5e-6,
-    comm_task_overhead_s=2.0e-6,
+    comm_task_overhead_s=33.6e-6,
     barrier_latency_s=5.0e-6,
     sources={
         "num_gpus": "datasheet: HGX H200 8-GPU board, one NVSwitch domain",
@@ -106,14 +109,25 @@ H200_HGX = HardwareProfile(
         "link_bytes_per_s": "anchors: copy-engine peer copy 395 GB/s each direction measured on "
                             "2x H200 (datasheet NVLink4 450 GB/s)",
         "link_peak_bytes_per_s": "anchors: Physical limits, NVLink 4 450 GB/s each way per GPU",
-        "sm_copy_bytes_per_s": "assumption: 40 GB/s per comm SM; bounded below by DeepEP H800 "
-                               "(153 GB/s, link-bound) and in line with HybridEP's 46 GB/s/SM on "
-                               "B200 (anchors); calibrate from virtual-mode megakernel DISPATCH "
-                               "records (mok_cute.sim.calibrate.fit_copy_rate)",
+        "sm_copy_bytes_per_s": "measured: mok_cute.sim.calibrate.fit_megakernel_comm('run16_bulk')"
+                               " on benchmarks/results/2026-11-29_h200_megakernel_comm_records.npz"
+                               ", run 16 of docs/gpu_runs.md (the real megakernel on one H200 at "
+                               "R = 1, 8 comm CTAs, cp.async.bulk copies, dynamic tickets): least "
+                               "squares duration = overhead + bytes / rate over the 1330 DISPATCH "
+                               "records of dsv3_ep8_rank (1.72 MB per task) and sonic_120b (1.02 "
+                               "MB) gives 87.9 GB/s per comm SM plus 31.9 us per 128-row task "
+                               "(effective 33 and 23 GB/s per task). A LOCAL HBM-to-HBM copy: "
+                               "peer (NVLink) reads may be slower per SM (not measured). Run 13 "
+                               "(vector copies, 4 x 16 B in flight per lane) fits 20.5 GB/s with "
+                               "no intercept. Was: assumption 40 GB/s",
         "gemm_task_overhead_s": "assumption: 1.5 us per tile (pipeline fill + epilogue store); "
                                 "fit by mok_cute.sim.calibrate.fit_gemm",
-        "comm_task_overhead_s": "assumption: 2 us per comm task (counter acquire, NVLink latency, "
-                                "release); calibrate from megakernel timelines",
+        "comm_task_overhead_s": "measured: the same fit (run 16 records): intercept 31.9 us per "
+                                "128-row task + 1.7 us median gap between a comm CTA's tasks "
+                                "(ticket, record write; outside the records' spans). A no-op task "
+                                "takes 1.7 us, so the intercept is mostly per-row latency (about "
+                                "0.25 us per row): valid for tasks of tile_m = 128 rows, the "
+                                "megakernel's only comm task size. Was: assumption 2 us",
         "barrier_latency_s": "assumption: 5 us unicast-flag round trip over NVLink",
     },
 )
@@ -146,7 +160,9 @@ GB300_NVL72 = HardwareProfile(
         "sm_copy_bytes_per_s": "anchors: HybridEP BF16 dispatch 735 GB/s with 16 SMs on B200 "
                                "= 46 GB/s per SM (a lower bound: that run may be link-bound)",
         "gemm_task_overhead_s": "assumption: as h200_hgx",
-        "comm_task_overhead_s": "assumption: as h200_hgx",
+        "comm_task_overhead_s": "assumption: 2 us per comm task (the H200's measured 33.6 us is "
+                                "per-row latency of one copy method at 128 rows per task; it is "
+                                "not carried over to the effective 46 GB/s above)",
         "barrier_latency_s": "assumption: 8 us unicast-flag round trip across NVL72 trays",
     },
 )

@@ -7,7 +7,9 @@
 (c) ``study_mok``: predicted TFLOP/s per GPU on GB300 NVL72 (MoK's formula) at EP 8..64 with
     the best point of a sweep, against MoK's published DSV4-Pro BF16 forward number.
 ``calibration``: fit the GEMM model to benchmark rows (or, until ours land, to the anchors'
-    torch grouped-GEMM numbers) with leave-one-out errors.
+    torch grouped-GEMM numbers) with leave-one-out errors; fit the comm copy rate to the real
+    megakernel's DISPATCH records (``calibrate.fit_megakernel_comm``) and check the simulated
+    megakernel at R = 1 against its measured layer times (``study_megakernel_r1``).
 
 Every function returns plain dicts (written as JSON next to a PNG); nothing here is measured.
 """
@@ -27,7 +29,8 @@ from .hardware import get_profile
 from .model import MOK_SHAPES, Routing, SimConfig
 from .run import simulate
 
-__all__ = ["study_pull_push", "study_sweep", "study_mok", "study_calibration", "MOK_GB300"]
+__all__ = ["study_pull_push", "study_sweep", "study_mok", "study_calibration",
+           "study_megakernel_r1", "MOK_GB300", "MEGAKERNEL_R1_MEASURED"]
 
 # anchors.md: "DSV4-Pro BF16 fwd: about 1029 TFLOP/s per GB300" (MoK, 2048 tokens per rank).
 MOK_GB300 = {"dsv4_pro": 1029.0}
@@ -188,10 +191,11 @@ def _recorded_date(path: Path) -> str:
         return ""
 
 
-def study_calibration(results_dir: str | Path | None = None) -> dict:
+def study_calibration(results_dir: str | Path | None = None, *, comm: bool = True) -> dict:
     """Leave-one-out fits of the GEMM model. Uses our benchmark JSON rows of contender
     'mok_cute' (single-GPU shapes) when ``results_dir`` holds some, else the anchors'
-    torch._grouped_mm 'two GEMMs alone' numbers."""
+    torch._grouped_mm 'two GEMMs alone' numbers. ``comm``: also the comm copy-rate fits of
+    runs 16 and 13 (``calibrate.fit_megakernel_comm``) and ``study_megakernel_r1``."""
     rows, contender, source = [], "torch_grouped_gemm_anchor", "anchors.md torch._grouped_mm"
     if results_dir is not None:
         # oldest run first, so a shape measured again takes the newest run's time
@@ -219,8 +223,14 @@ def study_calibration(results_dir: str | Path | None = None) -> dict:
                                 source=f"calibrated on {source}")
     uncal = {s: (calibrate.predict_gemm_ms(s, "h200_hgx") - allfit.measured_ms[s])
              / allfit.measured_ms[s] for s in shapes}
-    return dict(study="calibration of the GEMM tile model (H200)", source=source,
-                contender=contender, folds=folds,
+    extra = {}
+    if comm:
+        extra["comm"] = {run: calibrate.fit_megakernel_comm(run).as_dict()
+                         for run in ("run16_bulk", "run13_vector4")}
+        extra["megakernel_r1"] = study_megakernel_r1()
+    return dict(study="calibration of the H200 profile: GEMM tile model (leave-one-out), comm "
+                      "copy rate (megakernel DISPATCH records), megakernel at R = 1 (held out)",
+                source=source, contender=contender, **extra, folds=folds,
                 mean_abs_held_out_error=float(np.mean([abs(f["error"]) for f in folds])),
                 fit_all=dict(gpu_tflops=allfit.profile.gpu_tensor_flops / 1e12,
                              scale=allfit.profile.sm_tensor_flops
@@ -228,6 +238,140 @@ def study_calibration(results_dir: str | Path | None = None) -> dict:
                              gemm_task_overhead_us=allfit.profile.gemm_task_overhead_s * 1e6,
                              errors=allfit.errors),
                 uncalibrated_errors=uncal)
+
+
+# ------------------------------------------------------------------------------------------
+# the megakernel at R = 1 on one H200: simulated against measured (held out)
+
+# Layer time (ms, CUDA-event mean of back-to-back calls, MoKConfig(check_ids=False)) of the real
+# megakernel at R = 1 on one H200, by number of comm CTAs: run 17 of docs/gpu_runs.md (vector
+# copies, 16 x 16 B in flight per lane; minibatch 1024, ring = capacity) for 6, 8, 12; the
+# 16-CTA points come from another run (runs 13-16). None of these has a timeline.
+MEGAKERNEL_R1_MEASURED = {
+    "dsv3_ep8_rank": {6: 8.35, 8: 7.00, 12: 6.62, 16: 7.3},
+    "sonic_120b": {6: 17.5, 8: 14.2, 12: 13.4, 16: 13.5},
+}
+# run 17, bulk copies (cp.async.bulk, the run-16 design) with 8 comm CTAs, and the expert path
+MEGAKERNEL_R1_BULK8 = {"dsv3_ep8_rank": 6.68, "sonic_120b": 14.4}
+EXPERT_PATH_MS = {"dsv3_ep8_rank": 4.69, "sonic_120b": 10.53}
+# the profile before the comm calibration (docs/sim.md history)
+_H200_COMM_ASSUMED = dict(sm_copy_bytes_per_s=40e9, comm_task_overhead_s=2e-6)
+
+
+def _r1_config(shape, n_comm):
+    from ..schedule import schedule_capacity
+
+    cap = schedule_capacity(1, shape.tokens_per_rank, shape.top_k, shape.num_experts, 128)
+    return SimConfig(num_comm_sms=n_comm, minibatch_tokens=1024, ring_tokens=cap)
+
+
+def _r1_point(shape, n_comm, hw):
+    from ..tasks import TaskType
+
+    res = simulate(shape, 1, _r1_config(shape, n_comm), hw)
+    g, rec = res.graph, res.records
+    comb = g.type == TaskType.COMBINE
+    s = res.summary()
+    return dict(layer_ms=res.layer_time * 1e3,
+                last_combine_end_ms=float(rec.end[comb].max()) * 1e3,
+                ksum_tail_ms=(res.layer_time - float(rec.end[g.type == TaskType.BARRIER].max()))
+                * 1e3,
+                combine_held_median_us=float(np.median(rec.end[comb] - rec.take[comb])) * 1e6,
+                comm_busy_pct=s["comm_busy_pct"], comm_wait_pct=s["comm_wait_pct"])
+
+
+def study_megakernel_r1(profile="h200_hgx", comm=(6, 8, 12, 16), *, tuner: bool = True) -> dict:
+    """The simulated megakernel at R = 1 (one virtual rank) for dsv3_ep8_rank and sonic_120b
+    against the measured layer times (``MEGAKERNEL_R1_MEASURED``, not used by any fit).
+
+    - ``rows``: per (shape, comm SMs) the simulated kernel time with ``profile`` (the comm copy
+      rate fitted to run 16) and with the comm values assumed before (40 GB/s, 2 us), and the
+      errors against the measured time, raw and after adding ``per_call_offset_ms``.
+    - ``records_check``: the simulated kernel at 8 comm SMs with each recorded run's own fit
+      against that recording (last COMBINE end, COMBINE hold time incl. its FC2 wait).
+    - ``per_call_offset_ms``: time per call outside the kernel (not simulated): measured bulk
+      8-CTA time (run 17) minus run 16's recorded kernel (last comm record end + the simulated
+      KSUM tail after it). An estimate: two runs, and the recording carries recorder overhead.
+    - ``tuner``: ``tune.tune(shape, 1, profile)`` with its wall time, and with the minibatch
+      held at the measured 1024.
+    """
+    import time
+
+    from ..tasks import TaskType
+    from .model import SimShape
+    from .tune import tune_report
+
+    hw = get_profile(profile)
+    before = hw.replace(source="assumption before the comm calibration", **_H200_COMM_ASSUMED)
+    fits = {run: calibrate.fit_megakernel_comm(run) for run in ("run16_bulk", "run13_vector4")}
+    recs = np.load(calibrate.MEGAKERNEL_COMM_RECORDS)
+    out = dict(profile=hw.name, sm_copy_gbps=hw.sm_copy_bytes_per_s / 1e9,
+               comm_task_overhead_us=hw.comm_task_overhead_s * 1e6, measured_source=(
+                   "docs/gpu_runs.md run 17 (vector copies, 16 x 16 B per lane) for 6/8/12 comm "
+                   "CTAs; 16 from another run (13-16); bulk 8 from run 17"),
+               rows=[], records_check=[], per_call_offset_ms={}, tuner=[])
+    for name, meas in MEGAKERNEL_R1_MEASURED.items():
+        shape = SimShape.named(name)
+        # recorded kernels vs the simulation fed each run's own DISPATCH fit
+        for run, fit in fits.items():
+            a = recs[f"{run}__{name}"]
+            t0 = int(a["start_ns"].min())
+            comb = a["task_type"] == int(TaskType.COMBINE)
+            hw_run = hw.replace(sm_copy_bytes_per_s=fit.sm_copy_bytes_per_s,
+                                comm_task_overhead_s=fit.comm_task_overhead_s,
+                                source=f"fit_megakernel_comm({run!r})")
+            sim8 = _r1_point(shape, int(np.unique(a["cta_id"]).size), hw_run)
+            rec_end = (int(a["end_ns"].max()) - t0) * 1e-6
+            rec_comb = (int(a["end_ns"][comb].max()) - t0) * 1e-6
+            out["records_check"].append(dict(
+                shape=name, run=run, comm_ctas=int(np.unique(a["cta_id"]).size),
+                recorded_last_combine_end_ms=rec_comb, recorded_last_record_end_ms=rec_end,
+                simulated_last_combine_end_ms=sim8["last_combine_end_ms"],
+                error=(sim8["last_combine_end_ms"] - rec_comb) / rec_comb,
+                recorded_combine_held_median_us=float(np.median(
+                    a["end_ns"][comb] - a["start_ns"][comb])) * 1e-3,
+                simulated_combine_held_median_us=sim8["combine_held_median_us"],
+                simulated_ksum_tail_ms=sim8["ksum_tail_ms"]))
+            if run == "run16_bulk":
+                out["per_call_offset_ms"][name] = MEGAKERNEL_R1_BULK8[name] - (
+                    rec_end + sim8["ksum_tail_ms"])
+        off = out["per_call_offset_ms"][name]
+        f13 = fits["run13_vector4"]
+        vec4 = hw.replace(sm_copy_bytes_per_s=f13.sm_copy_bytes_per_s,
+                          comm_task_overhead_s=f13.comm_task_overhead_s,
+                          source="fit_megakernel_comm('run13_vector4')")
+        for n in comm:
+            p = _r1_point(shape, n, hw)
+            b = _r1_point(shape, n, before)
+            v = _r1_point(shape, n, vec4)
+            m = meas.get(n)
+            out["rows"].append(dict(
+                shape=name, num_comm_sms=n, measured_ms=m, predicted_ms=p["layer_ms"],
+                error=(p["layer_ms"] - m) / m if m else None,
+                predicted_plus_offset_ms=p["layer_ms"] + off,
+                error_plus_offset=(p["layer_ms"] + off - m) / m if m else None,
+                predicted_before_ms=b["layer_ms"],
+                error_before=(b["layer_ms"] - m) / m if m else None,
+                predicted_run13_fit_plus_offset_ms=v["layer_ms"] + off,
+                error_run13_fit_plus_offset=(v["layer_ms"] + off - m) / m if m else None,
+                comm_busy_pct=p["comm_busy_pct"], comm_wait_pct=p["comm_wait_pct"]))
+        if tuner:
+            for fixed_mb, quick in ((None, False), (1024, False), (None, True)):
+                t = time.perf_counter()
+                rep = tune_report(shape, 1, hw, minibatch_tokens=fixed_mb, quick=quick)
+                wall = time.perf_counter() - t
+                n = rep["num_comm_sms"]
+                best_n = min(meas, key=meas.get)
+                out["tuner"].append(dict(
+                    shape=name, call=f"tune({name!r}, 1, 'h200_hgx'"
+                    + (f", minibatch_tokens={fixed_mb}" if fixed_mb else "")
+                    + (", quick=True" if quick else "") + ")",
+                    picked=[n, rep["minibatch_tokens"], rep["ring_tokens"]],
+                    predicted_us=rep["predicted_us"], wall_s=wall, points=len(rep["table"]),
+                    measured_best_comm=best_n, measured_at_pick_ms=meas.get(n),
+                    measured_best_ms=meas[best_n],
+                    within_5pct=(meas[n] <= 1.05 * meas[best_n]) if n in meas else None))
+    return out
 
 
 # ------------------------------------------------------------------------------------------
