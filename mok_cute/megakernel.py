@@ -11,13 +11,16 @@ the symmetric buffers, builds the receive schedules on the device (no host sync)
 epoch on the device, zeroes the counters and launches the kernel once.
 
 The kernel's error word (a bounded wait timed out) is read back without a sync: it is copied
-into pinned memory after the launch and checked when the call's id check is waited for, or
-at the start of the next call on the same plan (``check_ids=False``), or by
-``raise_pending_errors()``.
+into one of a few pinned words after the launch; each call polls the earlier copies without
+waiting (``Event.query``) and raises for the first that holds an error; the call's id check
+(``check_ids``) and ``raise_pending_errors()`` wait for all of them. Waiting for the previous
+launch at the start of a call would idle the GPU for the host work of every call (about 1 ms
+on dsv3, `docs/sim.md`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -35,6 +38,7 @@ COMM_COPY = "vector"
 # Rows a rank routes to its own experts stay in the ring: no COMBINE copy, the k-sum reads
 # them there (when the ring never wraps). Off until it has run on the H200.
 LOCAL_DIRECT = False
+ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
 
@@ -176,8 +180,10 @@ class Plan:
         self.counters = torch.zeros(R, self.device_tasks.num_counters + TICKETS, dtype=torch.int32,
                                     device=dev)
         self.error = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._error_host = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        self._error_event = None
+        self._error_words = [torch.zeros(1, dtype=torch.int64, pin_memory=True)
+                             for _ in range(ERROR_SLOTS)]
+        self._pending_errors = collections.deque()  # (event, pinned word) per launch in flight
+        self._next_error_word = 0
         self.timeline_buf = None
         if k.timeline:
             from mok_cute.timeline import TimelineBuffer
@@ -205,7 +211,7 @@ class Plan:
         ``silent_rank`` (tests only): that rank never announces its start, so every wait on
         it times out, as if its process had died."""
         k = self.key
-        self.raise_pending_errors()
+        self._check_errors(block=False)
         R = self.side.launch_ranks
         self.x_all.copy_(xs)
         ids = topk_idx.to(torch.int32)
@@ -242,20 +248,32 @@ class Plan:
             kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
             kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)), *s_args,
             topk_weights.to(torch.float32), ids, slot_rows, out, self.timeline_buf, self.scalars)
-        self._error_host.copy_(self.error, non_blocking=True)
-        self._error_event = torch.cuda.Event()
-        self._error_event.record()
+        word = self._error_words[self._next_error_word]
+        self._next_error_word = (self._next_error_word + 1) % ERROR_SLOTS
+        word.copy_(self.error, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending_errors.append((event, word))
         return out
 
     def raise_pending_errors(self) -> None:
-        """Raise PeerTimeoutError if the last launch recorded a timed-out wait (waits for
-        that launch's error-word copy, which is already queued)."""
+        """Wait for every launch's error-word copy; raise PeerTimeoutError for the first
+        launch whose bounded wait timed out."""
+        self._check_errors(block=True)
+
+    def _check_errors(self, block: bool) -> None:
+        """Check the finished launches (all of them with ``block``; otherwise only those done,
+        and the oldest also when every pinned word is in use)."""
         from mok_cute.kernels.common import raise_on_wait_error
 
-        event, self._error_event = self._error_event, None
-        if event is not None:
+        pending = self._pending_errors
+        while pending:
+            event, word = pending[0]
+            if not (block or len(pending) >= ERROR_SLOTS or event.query()):
+                break
             event.synchronize()
-            raise_on_wait_error(int(self._error_host[0]))
+            pending.popleft()
+            raise_on_wait_error(int(word[0]))
 
 
 _PLANS: dict[PlanKey, Plan] = {}
