@@ -18,7 +18,7 @@ import enum
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Float32
+from cutlass import Int32, Int64, Float32, const_expr
 
 LOG2_E = 1.4426950408889634
 
@@ -185,10 +185,21 @@ def timeline_reserve(buf: cute.Tensor, count) -> Int64:
 
 
 @cute.jit
+def timeline_capacity(buf: cute.Tensor) -> Int64:
+    """The buffer's record capacity: read it once, before a task loop, and pass it to
+    ``timeline_write`` so no record waits for a global load."""
+    return buf[0]
+
+
+@cute.jit
 def timeline_write(buf: cute.Tensor, slot: Int64, role: int, task_type: int, task_id, rank,
-                   t_start: Int64, t_end: Int64):
-    """Write one span into a reserved slot; slots past the capacity are only counted."""
-    if slot < buf[0]:
+                   t_start: Int64, t_end: Int64, capacity: Int64 = None):
+    """Write one span into a reserved slot; slots past the capacity are only counted.
+    ``capacity``: from ``timeline_capacity`` (else ``buf[0]`` is loaded here, on the
+    writer's critical path)."""
+    if const_expr(capacity is None):
+        capacity = buf[0]
+    if slot < capacity:
         base = TIMELINE_HEADER_WORDS + slot * TIMELINE_RECORD_WORDS
         sm = Int64(cute.arch.smid())
         cta = Int64(cute.arch.block_idx()[0])

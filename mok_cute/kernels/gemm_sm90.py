@@ -373,11 +373,14 @@ class GroupedGemmSm90:
             release_state = read_state.clone()
             subtiles_done = Int32(0)
             record_slot = Int64(0)
+            record_capacity = Int64(0)
             if const_expr(self.timeline):
-                # one ticket for all the tiles this tile owner will run (known up front)
+                # one ticket for all the tiles this tile owner will run (known up front), and
+                # the capacity read once: a record then costs no load on the store warp
                 if tile_tidx == 0:
                     my_tiles = cutlass.max(num_tiles - tile_idx + tile_stride - 1, 0) // tile_stride
                     record_slot = common.timeline_reserve(mTimeline, my_tiles)
+                    record_capacity = common.timeline_capacity(mTimeline)
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 t_start = Int64(0)
@@ -437,7 +440,8 @@ class GroupedGemmSm90:
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
                         common.timeline_write(mTimeline, record_slot, 1, self.task_type,
-                                              tile_idx, 0, t_start, common.timeline_now())
+                                              tile_idx, 0, t_start, common.timeline_now(),
+                                              record_capacity)
                     record_slot += 1
                 tile_idx += tile_stride
             tma_store_pipeline.producer_tail()
