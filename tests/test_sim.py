@@ -17,14 +17,11 @@ from mok_cute.sim.hardware import RATE_FIELDS
 SMALL = sim.SimShape("small", tokens_per_rank=512, hidden=1024, intermediate=512,
                      num_experts=32, top_k=4, shared_intermediate=512)
 CFG = sim.SimConfig(num_comm_sms=8, minibatch_tokens=512, ring_tokens=1024)
-# Mechanism tests below pin the comm values the H200 profile had before its calibration
-# (40 GB/s per comm SM, 2 us per task): their thresholds test the engine, not the profile. With
-# the calibrated 33.6 us per task (a serial phase before each flow in the engine), comm SMs that
-# start together stay in lockstep and a link-bound dispatch-only run idles the link during
-# every overhead phase (docs/sim.md, "Calibration").
-H200_ASSUMED_COMM = sim.get_profile("h200_hgx").replace(
-    sm_copy_bytes_per_s=40e9, comm_task_overhead_s=2e-6,
-    source="assumption: the H200 profile before the comm calibration (tests of mechanisms)")
+# The mechanism tests below used to pin the pre-calibration comm values (40 GB/s, 2 us): with
+# the calibrated 33.6 us run as a serial pause before each flow, comm SMs that started together
+# idled the link in lockstep. The engine now spends the per-row latency during the flow (a
+# per-task rate cap, hardware.HardwareProfile.comm_task_serial_s), so they use the profile.
+H200 = sim.get_profile("h200_hgx")
 
 
 # ------------------------------------------------------------------------------------------
@@ -206,7 +203,7 @@ def test_pull_engine_runs_the_megakernel_task_lists():
 def test_dispatch_bandwidth_hits_the_right_limit():
     shape = sim.SimShape("d", tokens_per_rank=4096, hidden=4096, intermediate=512,
                          num_experts=64, top_k=8)
-    hw = H200_ASSUMED_COMM
+    hw = H200
     R = 8
     # many comm SMs: ingress-bound at the link rate (uniform routing)
     res = sim.simulate(shape, R, sim.SimConfig(num_comm_sms=32, minibatch_tokens=4096,
@@ -217,14 +214,62 @@ def test_dispatch_bandwidth_hits_the_right_limit():
     res2 = sim.simulate(shape, R, sim.SimConfig(num_comm_sms=2, minibatch_tokens=4096,
                                                 ring_tokens=8192), hw, dispatch_only=True)
     d2 = res2.dispatch_stats()
-    bound = 2 * hw.sm_copy_bytes_per_s * 7 / 8 / 1e9
+    # (each SM's rate is its task's cap: the copy rate with the per-task latency spread over a
+    # full 128-row task; partial tiles and the serial 1.7 us per task take the rest)
+    bound = 2 * hw.comm_flow_cap(128 * shape.hidden * 2) * 7 / 8 / 1e9
     assert 0.85 * bound < d2["link_gbps_per_gpu"] <= bound * 1.001
+
+
+@pytest.mark.parametrize("name", ["dsv3_ep8_rank", "sonic_120b"])
+@pytest.mark.parametrize("R", [1, 8])
+def test_isolated_comm_task_takes_the_fitted_time(name, R):
+    """The run-16 fit (duration = 31.9 us + bytes / 87.9 GB/s per task, plus the 1.7 us gap
+    between tasks) holds for a task that has the link to itself: the engine spends the 31.9 us
+    during the flow (a rate cap) instead of as a pause, and must not change its length."""
+    hw = H200
+    fit = calibrate.fit_megakernel_comm("run16_bulk")
+    assert hw.comm_serial_s == pytest.approx(fit.gap_s, abs=0.05e-6)
+    assert hw.comm_latency_s + hw.comm_serial_s == pytest.approx(fit.comm_task_overhead_s,
+                                                                 abs=0.05e-6)
+    want_us = {"dsv3_ep8_rank": 51.5, "sonic_120b": 43.5}[name]
+    d = fit.shapes[name]
+    assert d["fitted_us"] == pytest.approx(want_us, abs=0.1)
+    mb = d["mean_bytes"]
+    assert mb / hw.comm_flow_cap(mb) * 1e6 == pytest.approx(want_us, abs=0.15)
+    # in the engine: one comm SM per rank, so every DISPATCH runs alone (at R = 8 it reads
+    # from the peers; 8 flows of 1/8 on each egress stay far below the port)
+    shape = sim.SimShape.named(name)
+    res = sim.simulate(shape, R, sim.SimConfig(num_comm_sms=1, minibatch_tokens=1024,
+                                               ring_tokens=65536), hw, dispatch_only=True)
+    g, rec = res.graph, res.records
+    m = (g.type == T.TaskType.DISPATCH) & (g.comm_bytes > 0)
+    held = rec.end[m] - rec.start[m]
+    np.testing.assert_allclose(held, hw.comm_task_overhead_s + g.comm_bytes[m]
+                               / hw.sm_copy_bytes_per_s, rtol=1e-6, atol=1e-9)
+    full = np.isclose(g.comm_bytes[m], mb, rtol=0.1)
+    assert full.any()
+    flow_us = (held[full] - hw.comm_serial_s
+               - (g.comm_bytes[m][full] - mb) / hw.sm_copy_bytes_per_s) * 1e6
+    np.testing.assert_allclose(flow_us, want_us, atol=0.15)
+
+
+def test_comm_latency_overlaps_the_flow_at_r8():
+    """Kimi dispatch alone at R = 8 with 16 comm SMs: the per-task latency no longer idles the
+    ingress port in lockstep (318 GB/s per receiver with the serial 33.6 us, 368 with the
+    pre-calibration 40 GB/s and 2 us)."""
+    cfg = sim.SimConfig(num_comm_sms=16, minibatch_tokens=4096, ring_tokens=32768)
+    d = sim.simulate("kimi_k2.7", 8, cfg, H200, dispatch_only=True).dispatch_stats()
+    assert 0.88 * H200.link_bytes_per_s / 1e9 < d["mean_receiver_gbps"] <= \
+        H200.link_bytes_per_s / 1e9 * 8 / 7 * 1.001
+    serial = H200.replace(comm_task_serial_s=None, source="test: all of the overhead serial")
+    d0 = sim.simulate("kimi_k2.7", 8, cfg, serial, dispatch_only=True).dispatch_stats()
+    assert d["mean_receiver_gbps"] > 1.1 * d0["mean_receiver_gbps"]
 
 
 def test_skew_makes_the_hot_rank_the_critical_path():
     shape = sim.SimShape.named("qwen3.5_397b")
     cfg = sim.SimConfig(num_comm_sms=16, minibatch_tokens=4096, ring_tokens=16384)
-    hw = H200_ASSUMED_COMM  # with the calibrated profile the hot rank is comm-bound: ratio ~ rows
+    hw = H200
     res = sim.simulate(shape, 8, cfg, hw, sim.Routing("skew", 0.5, hot_expert=0))
     rows = np.array([lay.tile_rows.sum() for lay in res.graph.meta["layouts"]])
     assert int(np.argmax(rows)) == 0

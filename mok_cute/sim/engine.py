@@ -7,7 +7,12 @@ Execution follows the megakernel protocol exactly:
   task until it is done; if the task's counters are not complete yet, the SM spins (a WAIT span
   in the records) and starts the task the moment the last counter completes;
 - a compute task runs for its modelled duration;
-- a comm task runs a fixed overhead, then a flow of its payload bytes through the fabric.
+- a comm task runs its serial overhead (``hw.comm_serial_s``), then a flow of its payload bytes
+  through the fabric. The rest of the per-task cost (``hw.comm_latency_s``, per-row latency
+  that a copy overlaps with its transfers) is spent during the flow: the task's per-SM rate is
+  capped at ``bytes / (bytes / sm_copy_bytes_per_s + latency)``, so an isolated task takes
+  ``serial + latency + bytes / sm_copy_bytes_per_s``, while under contention the link share,
+  not a pause, sets its time.
 
 Fabric: every GPU has one egress and one ingress port (``link_bytes_per_s`` each). Active
 flows are grouped in classes whose members share the same per-member rate: pull dispatches of
@@ -15,7 +20,9 @@ one receiver, combines of one rank, pushes of one (sender, receiver) pair. A mem
 each port per byte moved is its class row (pull: fraction of its rows from each source peer on
 that peer's egress, the non-local fraction on its own ingress). Rates are the weighted max-min
 fair allocation (progressive filling) under the port capacities, each member capped at the
-per-SM copy rate. Rates are recomputed whenever a flow starts or ends (events at the same
+per-SM copy rate. A member whose own cap (above) is below its class's rate moves at its cap,
+and the port capacity it leaves is filled again by the others (iterated water-filling; exact
+when no class is both capped and port-bound, otherwise within a few %). Rates are recomputed whenever a flow starts or ends (events at the same
 instant are batched); between those instants every member progresses linearly.
 """
 
@@ -110,6 +117,7 @@ def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:
     nports = g.comm_coef.shape[1] if g.comm_coef.size else (2 if g.symmetric else 2 * g.num_ranks)
     capacity = np.full(nports, hw.link_bytes_per_s)
     cap = hw.sm_copy_bytes_per_s
+    lat = hw.comm_latency_s
 
     dur = g.duration.tolist()
     role = g.role.tolist()
@@ -145,6 +153,7 @@ def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:
     slot_rem = np.zeros(nslots)
     slot_cls = np.zeros(nslots, dtype=np.int64)
     slot_rate = np.zeros(nslots)
+    slot_cap = np.full(nslots, float(cap))  # per-task rate cap (latency spread over the flow)
     active = np.zeros(nslots, dtype=bool)
     ncls = max(g.num_classes, 1)
     n_spread = g.num_spread_classes
@@ -213,25 +222,73 @@ def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:
             slot_rem[active] -= slot_rate[active] * dt
         state["t_last"] = now
 
-    def recompute(now):
-        act = np.flatnonzero(members[:n_spread] > 0)
-        actp = np.flatnonzero(members[n_spread:] > 0)
-        if act.size == 0 and actp.size == 0:
-            state["t_next"] = _INF
-            return
+    def solve(Aeff, mem, capv):
+        """Per-class rates for the classes with members in ``mem``."""
+        act = np.flatnonzero(mem[:n_spread] > 0)
+        actp = np.flatnonzero(mem[n_spread:] > 0)
         rate_cls = np.zeros(ncls)
         if actp.size:
-            x, xp = max_min_rates(A[act], cap, capacity, actp // R, actp % R,
-                                  members[n_spread + actp], R)
+            x, xp = max_min_rates(Aeff[act], cap, capv, actp // R, actp % R,
+                                  mem[n_spread + actp], R)
             rate_cls[n_spread + actp] = xp
+        elif act.size:
+            x = max_min_rates(Aeff[act], cap, capv)
         else:
-            x = max_min_rates(A[act], cap, capacity)
+            return rate_cls
         rate_cls[act] = x
-        slot_rate[:] = 0.0
+        return rate_cls
+
+    def capped_rates(idx, cls_i, r):
+        """Members whose own cap is below their class's rate move at the cap; the port
+        capacity they leave goes to the others (re-solved without them, until no new member
+        is capped)."""
+        scap = slot_cap[idx]
+        fixed = scap < r
+        if not fixed.any():
+            return r
+        r = np.where(fixed, scap, r)
+        for _ in range(8):
+            if fixed.all() or not (r[~fixed] < cap * (1.0 - 1e-9)).any():
+                break  # nobody left who is port-bound: the freed capacity changes nothing
+            A2 = A.copy()
+            mem2 = members - np.bincount(cls_i[fixed], minlength=ncls)
+            capv = capacity.copy()
+            f_cls, f_cap = cls_i[fixed], scap[fixed]
+            sp = f_cls < n_spread
+            if sp.any():
+                rows = coef[np.asarray([crow[int(t)] for t in slot_task[idx[fixed][sp]]])]
+                capv -= (f_cap[sp, None] * rows).sum(axis=0)
+                np.add.at(A2, f_cls[sp], -rows)
+            if (~sp).any():
+                pc = f_cls[~sp] - n_spread
+                src, dst = pc // R, pc % R
+                far = src != dst
+                np.subtract.at(capv, src[far], f_cap[~sp][far])
+                np.subtract.at(capv, R + dst[far], f_cap[~sp][far])
+            A2[:n_spread][mem2[:n_spread] <= 0] = 0.0
+            np.maximum(capv, 0.0, out=capv)
+            r_un = solve(A2, mem2, capv)[cls_i]
+            new = ~fixed & (scap < r_un)
+            fixed |= new
+            r = np.where(fixed, scap, r_un)
+            if not new.any():
+                break
+        return r
+
+    def recompute(now):
         idx = np.flatnonzero(active)
-        slot_rate[idx] = rate_cls[slot_cls[idx]]
+        if idx.size == 0:
+            state["t_next"] = _INF
+            return
+        rate_cls = solve(A, members, capacity)
+        cls_i = slot_cls[idx]
+        r = rate_cls[cls_i]
+        if lat > 0.0:
+            r = capped_rates(idx, cls_i, r)
+        slot_rate[:] = 0.0
+        slot_rate[idx] = r
         with np.errstate(divide="ignore"):
-            tt = np.where(slot_rate[idx] > 0, slot_rem[idx] / slot_rate[idx], _INF)
+            tt = np.where(r > 0, slot_rem[idx] / r, _INF)
         state["t_next"] = now + max(float(tt.min()), 0.0)
         state["updates"] += 1
 
@@ -279,6 +336,7 @@ def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:
                 s = r * n_comm + smid[t]
                 slot_task[s] = t
                 slot_rem[s] = cbytes[t]
+                slot_cap[s] = hw.comm_flow_cap(cbytes[t])
                 cl = ccls[t]
                 slot_cls[s] = cl
                 active[s] = True

@@ -34,6 +34,9 @@ RATE_FIELDS = (
     "comm_task_overhead_s",
     "barrier_latency_s",
 )
+# Optional cost fields: may be None (see HardwareProfile.comm_task_serial_s); carry a source
+# when set.
+OPTIONAL_FIELDS = ("comm_task_serial_s",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,14 @@ class HardwareProfile:
     gemm_task_overhead_s: float  # fixed cost of one GEMM tile task (pipeline fill, epilogue)
     comm_task_overhead_s: float  # fixed cost of one comm task (counter wait, flag, latency)
     barrier_latency_s: float  # cross-rank flag round trip of the group barrier
+    # The part of ``comm_task_overhead_s`` spent before the task's flow starts (ticket,
+    # counter check, record write). The rest, ``comm_latency_s``, is per-row latency that a
+    # copy overlaps with its transfers: the engine spends it *during* the flow by capping the
+    # task's per-SM rate at ``bytes / (bytes / sm_copy_bytes_per_s + comm_latency_s)``, so an
+    # isolated task still takes ``comm_task_overhead_s + bytes / sm_copy_bytes_per_s`` but
+    # the link is not idle while many comm SMs sit in their latency. None: all of the
+    # overhead is serial (the engine's behaviour before this field).
+    comm_task_serial_s: float | None = None
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -60,6 +71,29 @@ class HardwareProfile:
             if not ok:
                 raise ValueError(f"HardwareProfile.{f} must be {'>=' if f.endswith('_s') else '>'}"
                                  f" 0, got {v!r}")
+        if self.comm_task_serial_s is not None and not self.comm_task_serial_s >= 0:
+            raise ValueError(f"HardwareProfile.comm_task_serial_s must be None or >= 0, got "
+                             f"{self.comm_task_serial_s!r}")
+
+    @property
+    def comm_serial_s(self) -> float:
+        """Serial part of a comm task's fixed cost (before its flow): ``comm_task_serial_s``
+        clipped to ``comm_task_overhead_s``, or all of it when that is None."""
+        ov = self.comm_task_overhead_s
+        return ov if self.comm_task_serial_s is None else min(self.comm_task_serial_s, ov)
+
+    @property
+    def comm_latency_s(self) -> float:
+        """Part of a comm task's fixed cost overlapped with its flow (per-row latency)."""
+        return self.comm_task_overhead_s - self.comm_serial_s
+
+    def comm_flow_cap(self, nbytes: float) -> float:
+        """Per-SM rate cap of a comm flow of ``nbytes``: the copy rate with the task's
+        latency spread over its bytes (Little's law: the rows in flight cover the latency)."""
+        lat = self.comm_latency_s
+        if lat <= 0.0 or nbytes <= 0.0:
+            return self.sm_copy_bytes_per_s
+        return nbytes / (nbytes / self.sm_copy_bytes_per_s + lat)
 
     @property
     def gpu_tensor_flops(self) -> float:
@@ -68,7 +102,7 @@ class HardwareProfile:
     def replace(self, *, source: str | None = None, **changes) -> HardwareProfile:
         """A copy with some fields changed; ``source`` names where the new values come from
         (required for rate fields, e.g. "calibrated: benchmarks/results/x.json")."""
-        rates = [k for k in changes if k in RATE_FIELDS]
+        rates = [k for k in changes if k in RATE_FIELDS or k in OPTIONAL_FIELDS]
         if rates and not source:
             raise ValueError(f"source must name where the new {rates} come from")
         sources = dict(self.sources)
@@ -77,7 +111,9 @@ class HardwareProfile:
         return dataclasses.replace(self, sources=sources, **changes)
 
     def describe_sources(self) -> list[tuple[str, object, str]]:
-        return [(f, getattr(self, f), self.sources.get(f, "")) for f in RATE_FIELDS]
+        return [(f, getattr(self, f), self.sources.get(f, "")) for f in RATE_FIELDS] + [
+            (f, getattr(self, f), self.sources.get(f, "")) for f in OPTIONAL_FIELDS
+            if getattr(self, f) is not None]
 
 
 _H200_DATASHEET_BF16 = 989e12  # anchors: "The datasheet dense bf16 figure is 989 TFLOP/s"
@@ -100,6 +136,7 @@ H200_HGX = HardwareProfile(
     gemm_task_overhead_s=1.5e-6,
     comm_task_overhead_s=33.6e-6,
     barrier_latency_s=5.0e-6,
+    comm_task_serial_s=1.7e-6,
     sources={
         "num_gpus": "datasheet: HGX H200 8-GPU board, one NVSwitch domain",
         "num_sms": "anchors: Physical limits, H200 SMs 132",
@@ -128,6 +165,10 @@ H200_HGX = HardwareProfile(
                                 "takes 1.7 us, so the intercept is mostly per-row latency (about "
                                 "0.25 us per row): valid for tasks of tile_m = 128 rows, the "
                                 "megakernel's only comm task size. Was: assumption 2 us",
+        "comm_task_serial_s": "measured: the same records: the 1.7 us median gap between a comm "
+                              "CTA's tasks (a no-op task also takes 1.7 us) is serial; the "
+                              "31.9 us intercept is per-row latency, spent during the flow as a "
+                              "per-SM rate cap (an isolated task keeps the fitted time)",
         "barrier_latency_s": "assumption: 5 us unicast-flag round trip over NVLink",
     },
 )

@@ -411,7 +411,7 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
         dur = _gemm_durations(tl, lay, shape, cfg, hw, n_compute)
         is_comm = tl.role == T.Role.COMM
         dur[is_comm] = np.where(tl.type[is_comm] == T.TaskType.BARRIER, hw.barrier_latency_s,
-                                hw.comm_task_overhead_s)
+                                hw.comm_serial_s)
         coff = b.add_counters(tl.counter_sizes, tl.counter_offsets)
         sig = coff + tl.counter_offsets[tl.signal_group] + tl.signal_index
         # waits, expanded to single counters (CSR); in push mode the FC1 waits on the
@@ -570,7 +570,7 @@ def _add_push_dispatch(b, shape, cfg, hw, layouts, lists, R, row_bytes, hol):
                 type=np.array([T.TaskType.DISPATCH]), local_id=np.array([-1]),
                 tile=np.array([m]), signal=np.array([c]),
                 waits=(np.array([len(ring)]), np.asarray(ring, dtype=np.int64)),
-                duration=np.array([hw.comm_task_overhead_s]),
+                duration=np.array([hw.comm_serial_s]),
                 comm_bytes=np.array([nrows * row_bytes]),
                 comm_class=np.array([2 * R + s if hol else 3 * R + s * R + d]),
                 comm_row=np.array([b.add_coef(coef)[0]]), receiver=np.array([d]),

@@ -255,7 +255,8 @@ MEGAKERNEL_R1_MEASURED = {
 MEGAKERNEL_R1_BULK8 = {"dsv3_ep8_rank": 6.68, "sonic_120b": 14.4}
 EXPERT_PATH_MS = {"dsv3_ep8_rank": 4.69, "sonic_120b": 10.53}
 # the profile before the comm calibration (docs/sim.md history)
-_H200_COMM_ASSUMED = dict(sm_copy_bytes_per_s=40e9, comm_task_overhead_s=2e-6)
+_H200_COMM_ASSUMED = dict(sm_copy_bytes_per_s=40e9, comm_task_overhead_s=2e-6,
+                          comm_task_serial_s=None)
 
 
 def _r1_config(shape, n_comm):
@@ -319,6 +320,7 @@ def study_megakernel_r1(profile="h200_hgx", comm=(6, 8, 12, 16), *, tuner: bool 
             comb = a["task_type"] == int(TaskType.COMBINE)
             hw_run = hw.replace(sm_copy_bytes_per_s=fit.sm_copy_bytes_per_s,
                                 comm_task_overhead_s=fit.comm_task_overhead_s,
+                                comm_task_serial_s=fit.gap_s,
                                 source=f"fit_megakernel_comm({run!r})")
             sim8 = _r1_point(shape, int(np.unique(a["cta_id"]).size), hw_run)
             rec_end = (int(a["end_ns"].max()) - t0) * 1e-6
@@ -339,6 +341,7 @@ def study_megakernel_r1(profile="h200_hgx", comm=(6, 8, 12, 16), *, tuner: bool 
         f13 = fits["run13_vector4"]
         vec4 = hw.replace(sm_copy_bytes_per_s=f13.sm_copy_bytes_per_s,
                           comm_task_overhead_s=f13.comm_task_overhead_s,
+                          comm_task_serial_s=f13.gap_s,
                           source="fit_megakernel_comm('run13_vector4')")
         for n in comm:
             p = _r1_point(shape, n, hw)
