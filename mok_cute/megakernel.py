@@ -276,6 +276,42 @@ class Plan:
             raise_on_wait_error(int(word[0]))
 
 
+def walk_tickets(device_tasks, num_tiles: list[int], role: int) -> list[tuple[int, int, str]]:
+    """Python model of how the kernel's CTAs of one role walk their tickets with
+    ``len(num_tiles)`` virtual ranks (``MegakernelSm90._live_prefix``, ``_ticket``,
+    ``_task_state``): ticket q is queue position q // R of rank q % R; positions past the
+    largest live prefix of any rank jump to the queue's tail. Returns, in ticket order,
+    (rank, list index, "run" | "noop" | "skip") for every ticket that names a task. Used by the
+    CPU tests to check the walk against ``tasks.simulate_live_run`` per rank."""
+    R = len(num_tiles)
+    tpm = device_tasks.tiles_per_minibatch
+    tasks_np = device_tasks.tasks.cpu().numpy()
+    queues = device_tasks.queues.cpu().numpy()
+    qlen = int(device_tasks.queue_len[role])
+    tail = int(device_tasks.queue_tail_begin[role])
+    live_len = device_tasks.queue_live_len.cpu().numpy()
+    live_of = [-(-int(t) // tpm) for t in num_tiles]
+    live_prefix = max(int(live_len[role, live]) for live in live_of)
+    out, q = [], 0
+    while True:
+        rank, pos = q % R, q // R
+        if pos >= live_prefix:
+            pos = tail + (pos - live_prefix)
+        if pos >= qlen:
+            break
+        index = int(queues[role, pos])
+        minibatch, m_tile = int(tasks_np[index, 2]), int(tasks_np[index, 3])
+        if minibatch >= live_of[rank]:
+            state = "skip"
+        elif minibatch >= 0 and m_tile >= num_tiles[rank]:
+            state = "noop"
+        else:
+            state = "run"
+        out.append((rank, index, state))
+        q += 1
+    return out
+
+
 _PLANS: dict[PlanKey, Plan] = {}
 _PLANS_LOCK = threading.Lock()
 

@@ -74,6 +74,57 @@ def test_local_direct_variant_compiles(tmp_path):
     assert "wgmma.mma_async" in ptx and "multimem" not in ptx
 
 
+# ---------------------------------------------------------------------- CPU: the ticket walk
+@pytest.mark.parametrize("R,num_tiles_seed", [(1, 0), (2, 1), (3, 2), (8, 3), (72, 4)])
+def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed):
+    """Model of the kernel's walk (megakernel.walk_tickets) against tasks.simulate_live_run:
+    with R ranks of different tile counts, each rank's tasks that run (or signal as no-ops) are
+    visited exactly once, in list order, and nothing dead runs."""
+    import numpy as np
+
+    from mok_cute import megakernel, tasks
+    from mok_cute.timeline import Role
+
+    rng = np.random.default_rng(num_tiles_seed)
+    capacity = 128 * 24
+    tl = tasks.build_static(capacity, hidden=512, intermediate=256, num_tokens=200, top_k=4,
+                            minibatch_tokens=512, ring_tokens=1024, shared_intermediate=128,
+                            num_ranks=R)
+    dev = tasks.encode_device(tl)
+    num_tiles = [int(t) for t in rng.integers(0, 25, size=R)]
+    for role in (Role.COMM, Role.COMPUTE):
+        walk = megakernel.walk_tickets(dev, num_tiles, int(role))
+        for rank in range(R):
+            expected = tasks.simulate_live_run(tl, num_tiles[rank])[role]
+            ran = [i for r, i, st in walk if r == rank and st == "run"]
+            noop = [i for r, i, st in walk if r == rank and st == "noop"]
+            assert ran == expected["ran"]
+            assert noop == expected["noop"]
+
+
+def test_virtual_ranks_wait_only_on_lower_tickets():
+    """Why R virtual ranks in one launch cannot deadlock: every wait points to a lower list
+    index of the same rank, every role queue is in list order, and KSUM (the only task that
+    waits on other ranks, through their BARRIER flags) comes after BARRIER in every list."""
+    import numpy as np
+
+    from mok_cute import tasks
+    from mok_cute.timeline import Role, TaskType
+
+    tl = tasks.build_static(128 * 16, hidden=512, intermediate=256, num_tokens=300, top_k=4,
+                            minibatch_tokens=256, ring_tokens=512, shared_intermediate=128,
+                            num_ranks=8)
+    offsets, deps = tl.deps_csr()
+    for i in range(len(tl)):
+        assert (deps[offsets[i]:offsets[i + 1]] < i).all()
+    for role in (Role.COMM, Role.COMPUTE):
+        q = tl.queue(role)
+        assert (np.diff(q) > 0).all()
+    barrier = np.flatnonzero(tl.type == int(TaskType.BARRIER))
+    ksum = np.flatnonzero(tl.type == int(TaskType.KSUM))
+    assert barrier.size == 1 and ksum.size and barrier[0] < ksum.min()
+
+
 # ---------------------------------------------------------------------- H200
 def _problem(R, T, H, I, E_loc, K, Is=0, seed=0, skew=False, empty_expert=None,
              silent_receiver=None):
