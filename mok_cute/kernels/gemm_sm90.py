@@ -339,15 +339,10 @@ class GroupedGemmSm90:
                                                   elem_ty_acc=self.acc_dtype),
                 cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
             thr_copy_r2s = tiled_copy_r2s.get_slice(tile_tidx)
-            tRS_sC = thr_copy_r2s.partition_D(sC)
-            tRS_rAcc = tiled_copy_r2s.retile(acc)
-            frag_shape = cute.shape(thr_copy_r2s.partition_S(sC))[:3]
-            tRS_rOut = cute.make_rmem_tensor(frag_shape, self.acc_dtype)
-            tRS_rOut_c = cute.make_rmem_tensor(frag_shape, self.c_dtype)
-            frag_size = cute.size(tRS_rOut)
-            # Accumulator subtiles run row-major over (epi_m, acc_n) epilogue tiles.
+            epi = TileEpilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC),
+                               tiled_copy_r2s.retile(acc),
+                               cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
             epi_m = tile_m // self.epi_tile[0]
-            acc_n = tile_n // self.epi_tile[1]
             out_n = self.out_tile_n // self.epi_tile[1]
             tma_store_pipeline = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
@@ -411,31 +406,10 @@ class GroupedGemmSm90:
                     release_state.advance(k_tile_cnt)
 
                 # ---- epilogue: subtiles through smem, TMA-stored by one warp
-                gC = cute.zipped_divide(gC_mnl[(None, None, m_tile, n_tile, 0)], self.epi_tile)
-                bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-                    tma_atom_c, 0, single_cta, cute.group_modes(sC, 0, 2), gC)
-                for sm in cutlass.range_constexpr(epi_m):
-                    for sn in cutlass.range_constexpr(out_n):
-                        first = (sm * acc_n + sn) * frag_size
-                        if const_expr(self.epilogue == "swiglu"):
-                            for v in cutlass.range_constexpr(frag_size):
-                                gate = tRS_rAcc[first + v]
-                                up = tRS_rAcc[first + out_n * frag_size + v]
-                                tRS_rOut[v] = common.silu(gate) * up
-                        else:
-                            for v in cutlass.range_constexpr(frag_size):
-                                tRS_rOut[v] = tRS_rAcc[first + v]
-                        tRS_rOut_c.store(tRS_rOut.load().to(self.c_dtype))
-                        epi_buffer = epi_base + (subtiles_done + sm * out_n + sn) % self.epi_stages
-                        cute.copy(tiled_copy_r2s, tRS_rOut_c, tRS_sC[(None, None, None, epi_buffer)])
-                        # stmatrix writes are generic-proxy; TMA reads through the async proxy
-                        cute.arch.fence_proxy("async.shared", space="cta")
-                        epilogue_barrier.arrive_and_wait()
-                        if is_store_warp:
-                            cute.copy(tma_atom_c, bSG_sC[(None, epi_buffer)], bSG_gC[(None, (sm, sn))])
-                            tma_store_pipeline.producer_commit()
-                            tma_store_pipeline.producer_acquire()
-                        epilogue_barrier.arrive_and_wait()
+                store_tile_epilogue(epi, tma_atom_c, gC_mnl[(None, None, m_tile, n_tile, 0)],
+                                    self.epi_tile, self.epi_stages, tile_n,
+                                    self.epilogue == "swiglu", epi_base, subtiles_done,
+                                    epilogue_barrier, tma_store_pipeline, is_store_warp)
                 subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
@@ -452,6 +426,58 @@ class GroupedGemmSm90:
         for kb in cutlass.range_constexpr(num_k_blocks):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
         cute.nvgpu.warpgroup.commit_group()
+
+
+class TileEpilogue:
+    """A consumer thread's epilogue partitions, built once per CTA: the register -> smem
+    (stmatrix) copy, its smem destination, the accumulator as that copy sees it, the
+    per-subtile fragment shape, and the staged epilogue smem."""
+
+    def __init__(self, tiled_copy, tRS_sC, acc, frag_shape, sC):
+        self.tiled_copy, self.tRS_sC, self.acc, self.frag_shape, self.sC = (
+            tiled_copy, tRS_sC, acc, frag_shape, sC)
+
+
+@cute.jit
+def store_tile_epilogue(epi: TileEpilogue, tma_atom: cute.CopyAtom, g_tile: cute.Tensor,
+                        epi_tile: cutlass.Constexpr, epi_stages: cutlass.Constexpr[int],
+                        acc_tile_n: cutlass.Constexpr[int], swiglu: cutlass.Constexpr[bool],
+                        buf_base, subtiles_done, barrier, store_pipeline, is_store_warp):
+    """One output tile: accumulator -> bf16 (SwiGLU: silu(gate) * up, the gate and up halves
+    of the accumulator side by side) -> smem subtiles (stmatrix) -> TMA stores by the store
+    warp, through ``epi_stages`` rotating buffers from ``buf_base``. ``g_tile`` is the tile's
+    (TILE_M rows, output columns) view of the TMA store tensor. Shared by the grouped GEMM and
+    the megakernel's GEMM tasks."""
+    out_tile_n = acc_tile_n // 2 if const_expr(swiglu) else acc_tile_n
+    gC = cute.zipped_divide(g_tile, epi_tile)
+    bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.sC, 0, 2), gC)
+    r_out = cute.make_rmem_tensor(epi.frag_shape, Float32)
+    r_out_c = cute.make_rmem_tensor(epi.frag_shape, cutlass.BFloat16)
+    frag_size = cute.size(r_out)
+    epi_m = TILE_M // epi_tile[0]
+    acc_n = acc_tile_n // epi_tile[1]  # accumulator subtiles run row-major over (epi_m, acc_n)
+    out_n = out_tile_n // epi_tile[1]
+    for sm in cutlass.range_constexpr(epi_m):
+        for sn in cutlass.range_constexpr(out_n):
+            first = (sm * acc_n + sn) * frag_size
+            if const_expr(swiglu):
+                for v in cutlass.range_constexpr(frag_size):
+                    r_out[v] = common.silu(epi.acc[first + v]) * epi.acc[first + out_n * frag_size + v]
+            else:
+                for v in cutlass.range_constexpr(frag_size):
+                    r_out[v] = epi.acc[first + v]
+            r_out_c.store(r_out.load().to(cutlass.BFloat16))
+            buf = buf_base + (subtiles_done + sm * out_n + sn) % epi_stages
+            cute.copy(epi.tiled_copy, r_out_c, epi.tRS_sC[(None, None, None, buf)])
+            # stmatrix writes are generic-proxy; TMA reads through the async proxy
+            cute.arch.fence_proxy("async.shared", space="cta")
+            barrier.arrive_and_wait()
+            if is_store_warp:
+                cute.copy(tma_atom, bSG_sC[(None, buf)], bSG_gC[(None, (sm, sn))])
+                store_pipeline.producer_commit()
+                store_pipeline.producer_acquire()
+            barrier.arrive_and_wait()
 
 
 # ---------------------------------------------------------------------- host helpers

@@ -59,7 +59,8 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 from mok_cute import jit
 from mok_cute.kernels import common
 from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row
-from mok_cute.kernels.gemm_sm90 import TILE_K, TILE_M, GroupedGemmSm90
+from mok_cute.kernels.gemm_sm90 import (TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
+                                       store_tile_epilogue)
 from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, _mul_then_add_rn
 from mok_cute.tasks import CounterGroup, TASK_WORDS
 from mok_cute.timeline import Role, TaskType
@@ -722,8 +723,9 @@ class MegakernelSm90:
                                               elem_ty_acc=Float32),
             cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
         thr_copy_r2s = tiled_copy_r2s.get_slice(consumer_tidx)
-        epi = _Epilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC), tiled_copy_r2s.retile(acc),
-                        cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
+        epi = TileEpilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC),
+                           tiled_copy_r2s.retile(acc),
+                           cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.gemm.num_mma_threads))
@@ -765,17 +767,17 @@ class MegakernelSm90:
                 n_tile = tasks[index, W_NTILE]
                 ring_tile = tasks[index, W_RING_ROW] // tile_m
                 if ttype == int(TaskType.FC1):
-                    self._epilogue(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
+                    self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
                                    barrier, tma_store_pipeline, is_store_warp)
                 elif ttype == int(TaskType.FC2):
-                    self._epilogue(epi, tma_st_y, t_st_y, ring_tile, n_tile, rank, False, subtiles,
+                    self._store_tile(epi, tma_st_y, t_st_y, ring_tile, n_tile, rank, False, subtiles,
                                    barrier, tma_store_pipeline, is_store_warp)
                 if const_expr(self.has_shared):
                     if ttype == int(TaskType.SHARED_FC1):
-                        self._epilogue(epi, s_tma_st_h, s_t_st_h, m_tile, n_tile, rank, True,
+                        self._store_tile(epi, s_tma_st_h, s_t_st_h, m_tile, n_tile, rank, True,
                                        subtiles, barrier, tma_store_pipeline, is_store_warp)
                     elif ttype == int(TaskType.SHARED_FC2):
-                        self._epilogue(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
+                        self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
                                        subtiles, barrier, tma_store_pipeline, is_store_warp)
                 subtiles += self._epi_subtiles(ttype)
                 if is_store_warp:
@@ -810,42 +812,17 @@ class MegakernelSm90:
         return n * (TILE_M // self.epi_tile[0])
 
     @cute.jit
-    def _epilogue(self, epi, tma_atom, t_out, m_tile: Int32, n_tile: Int32, rank: Int32,
-                  swiglu: cutlass.Constexpr[bool], subtiles: Int32, barrier, store_pipeline,
-                  is_store_warp):
-        """Accumulator -> bf16 (SwiGLU: silu(gate) * up) -> smem (stmatrix) -> TMA store."""
+    def _store_tile(self, epi, tma_atom, t_out, m_tile: Int32, n_tile: Int32, rank: Int32,
+                    swiglu: cutlass.Constexpr[bool], subtiles: Int32, barrier, store_pipeline,
+                    is_store_warp):
+        """The task's output tile of ``t_out`` (rows, columns, rank) through the GEMM's
+        epilogue (``gemm_sm90.store_tile_epilogue``)."""
         tile_m, tile_n, _ = self.tile_shape_mnk
         out_tile_n = tile_n // 2 if const_expr(swiglu) else tile_n
-        one = cute.make_layout(1)
         g_out = cute.local_tile(t_out, (tile_m, out_tile_n), (None, None, None))
-        gC = cute.zipped_divide(g_out[(None, None, m_tile, n_tile, rank)], self.epi_tile)
-        bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-            tma_atom, 0, one, cute.group_modes(epi.sC, 0, 2), gC)
-        frag_size = cute.size(epi.frag_shape)
-        r_out = cute.make_rmem_tensor(epi.frag_shape, Float32)
-        r_out_c = cute.make_rmem_tensor(epi.frag_shape, BFloat16)
-        epi_m = tile_m // self.epi_tile[0]
-        acc_n = tile_n // self.epi_tile[1]
-        out_n = out_tile_n // self.epi_tile[1]
-        for sm in cutlass.range_constexpr(epi_m):
-            for sn in cutlass.range_constexpr(out_n):
-                first = (sm * acc_n + sn) * frag_size
-                if const_expr(swiglu):
-                    for v in cutlass.range_constexpr(frag_size):
-                        r_out[v] = common.silu(epi.acc[first + v]) * epi.acc[first + out_n * frag_size + v]
-                else:
-                    for v in cutlass.range_constexpr(frag_size):
-                        r_out[v] = epi.acc[first + v]
-                r_out_c.store(r_out.load().to(BFloat16))
-                buf = (subtiles + sm * out_n + sn) % self.epi_stages
-                cute.copy(epi.tiled_copy, r_out_c, epi.tRS_sC[(None, None, None, buf)])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                barrier.arrive_and_wait()
-                if is_store_warp:
-                    cute.copy(tma_atom, bSG_sC[(None, buf)], bSG_gC[(None, (sm, sn))])
-                    store_pipeline.producer_commit()
-                    store_pipeline.producer_acquire()
-                barrier.arrive_and_wait()
+        store_tile_epilogue(epi, tma_atom, g_out[(None, None, m_tile, n_tile, rank)], self.epi_tile,
+                            self.epi_stages, tile_n, swiglu, 0, subtiles, barrier, store_pipeline,
+                            is_store_warp)
 
     # ------------------------------------------------------------------ compute: k-sum
     @cute.jit
@@ -958,14 +935,6 @@ class _Context:
 
     def live_minibatches(self, tiles):
         return (tiles + self.tiles_per_minibatch - 1) // self.tiles_per_minibatch
-
-
-class _Epilogue:
-    """The consumer's epilogue partitions (built once per CTA)."""
-
-    def __init__(self, tiled_copy, tRS_sC, acc, frag_shape, sC):
-        self.tiled_copy, self.tRS_sC, self.acc, self.frag_shape, self.sC = (
-            tiled_copy, tRS_sC, acc, frag_shape, sC)
 
 
 # ---------------------------------------------------------------------- compile
