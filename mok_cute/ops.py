@@ -19,6 +19,9 @@ from mok_cute import jit
 from mok_cute.config import MoKConfig
 
 TILE_M = 128
+# FC1 gathers x rows itself (GroupedGemmSm90(a_gather=True)) instead of a separate gather
+# kernel: predicted -0.25 ms on dsv3_ep8_rank. Off until it has run on the H200.
+GATHER_IN_FC1 = False
 
 
 # ---------------------------------------------------------------------- availability
@@ -57,18 +60,23 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
                  group_m: int = 8, out: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None, task_type: int | None = None,
-                 w_up: torch.Tensor | None = None, pingpong: bool = False) -> torch.Tensor:
+                 w_up: torch.Tensor | None = None, pingpong: bool = False,
+                 a_rows: torch.Tensor | None = None) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
     num_m_tiles: [1] int32 (device). "store" returns [M, N]; "swiglu" takes w = W_gate and
     w_up = W_up (both [E, I, K]) and returns silu(A Wg^T) * (A Wu^T), [M, I].
     Rows past num_m_tiles*128 are untouched.
+    a_rows: int32 [M] (the a_gather variant, experimental): row i of A is ``a[a_rows[i]]``
+    (-1: a padding row); the output then has len(a_rows) rows.
     timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
     one span per tile with ``task_type``; None compiles the variant without the recorder.
     """
     from mok_cute.kernels.gemm_sm90 import choose_tile_n
     m, k = a.shape
+    if a_rows is not None:
+        m = a_rows.numel()
     e, n, k_w = w.shape
     if k_w != k:
         raise ValueError(f"w: expected K={k} (from a), got {k_w}")
@@ -84,20 +92,22 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong)
+        pingpong=pingpong, a_gather=a_rows is not None)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
-             out.unsqueeze(2), tile_expert, num_m_tiles, timeline)
+             out.unsqueeze(2), tile_expert, num_m_tiles, timeline, a_rows)
     return out
 
 
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
-               timeline: torch.Tensor | None = None, shared: bool = False):
-    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert."""
+               timeline: torch.Tensor | None = None, shared: bool = False,
+               row_index: torch.Tensor | None = None):
+    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert. With
+    ``row_index`` FC1 gathers its rows ``x_rows[row_index]`` itself (the a_gather GEMM)."""
     from mok_cute.timeline import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
-                     timeline=timeline, task_type=int(fc1))
+                     timeline=timeline, task_type=int(fc1), a_rows=row_index)
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
                         timeline=timeline, task_type=int(fc2))
 
@@ -150,8 +160,12 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     # caller vouches for them (check_ids=False): the schedule skips its own host read
     sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
                                              tile_m=TILE_M, validate=False)
-    x_rows = token_ops.gather_rows(x, sched.row_token)
-    y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
+    if GATHER_IN_FC1:
+        y = expert_mlp(x, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline,
+                       row_index=sched.row_token)
+    else:
+        x_rows = token_ops.gather_rows(x, sched.row_token)
+        y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
 
     shared_rows = None
     if shared is not None:

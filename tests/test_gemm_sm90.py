@@ -140,3 +140,63 @@ def test_unsupported_sizes_are_named_before_launch():
     assert "shared: intermediate size" in ops.unsupported_shape_reason(1024, 256, 8, 100)
     assert "topk_idx: K must be <= 16" in ops.unsupported_shape_reason(1024, 256, 17, None)
     assert "config.tile_m" in ops.unsupported_shape_reason(1024, 256, 8, None, tile_m=64)
+
+
+# ---------------------------------------------------------------------- a_gather (experimental)
+@pytest.mark.parametrize("epilogue", ["swiglu", "store"])
+def test_a_gather_variant_compiles_to_cp_async_rows(epilogue, capfd, tmp_path):
+    """The a_gather producer: 8 cp.async.cg of 16 B per row and k-tile, one noinc arrival per
+    thread, a proxy fence before wgmma reads the stage; 0 spills, setmaxnreg honoured. The
+    default variant has none of it (its PTX was compared byte for byte when this was added)."""
+    opts = f"--keep-ptx --dump-dir {tmp_path} remarks{{ptx}}"
+    ptx = gemm_sm90.compile_grouped_gemm(epilogue, 256, a_gather=True, options=opts).__ptx__
+    text = "".join(capfd.readouterr())
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.tile\.mbarrier", ptx)  # B
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
+    assert "C7508" not in text
+    default = gemm_sm90.compile_grouped_gemm(epilogue, 256, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    assert "cp.async.cg" not in default and "noinc" not in default
+    with pytest.raises(ValueError, match="a_gather"):
+        gemm_sm90.GroupedGemmSm90(128, epilogue, pingpong=True, a_gather=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["swiglu", "store"])
+def test_a_gather_equals_the_sorted_copy_bitwise(epilogue):
+    """FC1 gathering x rows itself gives the same bits as FC1 on the gathered copy."""
+    from mok_cute import ops
+    from mok_cute.kernels import token_ops
+    torch.manual_seed(5)
+    dev = "cuda"
+    counts, n, k, T = [77, 0, 300, 128, 1], 512, 256, 700
+    tile_expert, num_tiles, row_valid = _segments(counts, dev)
+    m = row_valid.numel()
+    x = torch.randn(T, k, device=dev, dtype=torch.bfloat16)
+    rows = torch.randint(0, T, (m,), device=dev, dtype=torch.int32)
+    rows[~row_valid] = -1
+    w = torch.randn(len(counts), n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    w_up = torch.randn_like(w) if epilogue == "swiglu" else None
+    sorted_rows = token_ops.gather_rows(x, rows)
+    base = ops.grouped_gemm(sorted_rows, w, tile_expert, num_tiles, epilogue, w_up=w_up)
+    got = ops.grouped_gemm(x, w, tile_expert, num_tiles, epilogue, w_up=w_up, a_rows=rows)
+    assert torch.equal(got[row_valid], base[row_valid])
+
+
+@pytest.mark.gpu
+def test_layer_with_the_gather_in_fc1_gives_the_same_bits(monkeypatch):
+    import mok_cute
+    from mok_cute import ops
+    torch.manual_seed(9)
+    T, H, I, E, K = 500, 512, 384, 8, 4
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(K, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, K, device="cuda"), dim=1)
+    wg, wu = (torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5 for _ in range(2))
+    wd = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
+    cfg = mok_cute.MoKConfig(backend="kernel")
+    base = mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg)
+    monkeypatch.setattr(ops, "GATHER_IN_FC1", True)
+    assert torch.equal(mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg), base)

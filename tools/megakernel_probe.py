@@ -1,4 +1,5 @@
-"""Megakernel against the expert-kernel path at R = 1, and a sweep of its comm split.
+"""Megakernel against the expert-kernel path at R = 1, and a sweep of its comm split
+(plus the expert path with FC1 gathering its rows itself, ``ops.GATHER_IN_FC1``).
 
     python tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b --comm 6,8,12,8b \
         [--timeline 8 --out DIR] [--json out.json]
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 import mok_cute  # noqa: E402
-from mok_cute import benchmark as bm, megakernel  # noqa: E402
+from mok_cute import benchmark as bm, megakernel, ops  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from layer_profile import gpu_ms  # noqa: E402  (tools/ is on sys.path when run as a script)
 
@@ -44,6 +45,15 @@ def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str)
     expert = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
     rows = [{"variant": "expert_kernels", "ms": gpu_ms(lambda: mok_cute.moe_forward(
         *args, shared=p.shared, config=base))}]
+    # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1, experimental)
+    ops.GATHER_IN_FC1 = True
+    try:
+        gathered = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
+        rows.append({"variant": "expert_kernels_gather_in_fc1",
+                     "ms": gpu_ms(lambda: mok_cute.moe_forward(*args, shared=p.shared, config=base)),
+                     "bitwise_equal_expert_path": bool(torch.equal(gathered, expert))})
+    finally:
+        ops.GATHER_IN_FC1 = False
     for spec in comms:
         megakernel.COMM_COPY = "bulk" if spec.endswith("b") else "vector"
         megakernel.LOCAL_DIRECT = spec.endswith("l")

@@ -48,6 +48,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64, Float32, const_expr
+from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute import jit
 from mok_cute.kernels import common
@@ -71,11 +72,16 @@ class GroupedGemmSm90:
         EXPERIMENTAL: compiles (0 spills), but its first H200 run hung (2026-11-29). The
         suspected cause (a pipeline-state advance inside a run-time branch) is fixed and
         not yet re-run; ``mok_cute.ops`` never selects it.
+    :param a_gather: A rows are gathered from an unsorted matrix through a row table
+        (``mARows``): the whole producer warpgroup loads one row each with ``cp.async``
+        straight into the swizzled A stage, so no sorted copy of the activations is made
+        (FC1 reads x directly). B still comes by TMA. EXPERIMENTAL: compiles, never run on a
+        GPU (2026-11-29); ``mok_cute.ops`` selects it only with ``ops.GATHER_IN_FC1``.
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                 pingpong: bool = False):
+                 pingpong: bool = False, a_gather: bool = False):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -87,7 +93,10 @@ class GroupedGemmSm90:
         if pingpong and tile_n > 128:
             raise ValueError(f"pingpong keeps a whole 128 x tile_n accumulator per warpgroup: "
                              f"tile_n must be <= 128, got {tile_n}")
+        if a_gather and pingpong:
+            raise ValueError("a_gather is written for the cooperative schedule, not pingpong")
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
+        self.a_gather = a_gather
         self.epilogue = epilogue
         self.group_m = group_m
         self.num_sms = num_sms
@@ -162,10 +171,13 @@ class GroupedGemmSm90:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB_up: Optional[cute.Tensor],
                  mC: cute.Tensor,
                  mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
-                 mTimeline: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mTimeline: Optional[cute.Tensor], mARows: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1): all K- / N-major.
         swiglu: mB is W_gate and mB_up is W_up, both (I, K, E); store: mB_up is None.
-        mTimeline: int64 recorder buffer, or None when the timeline flag is off."""
+        mTimeline: int64 recorder buffer, or None when the timeline flag is off.
+        a_gather: mA is the unsorted (T, K, 1) matrix and mARows int32 (M_cap,) names the
+        row of mA for each row of A (-1: a padding row, any content); else mARows is None."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -175,8 +187,10 @@ class GroupedGemmSm90:
 
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
+        tma_atom_a, tma_tensor_a = None, mA
+        if const_expr(not self.a_gather):
+            tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
         # B rows per TMA box: the whole tile, or each gate / up half of it.
         b_box = (self.b_rows_per_load, tile_k)
         b_box_layout = cute.slice_(self._staged_kmajor_layout(self.b_dtype, b_box, 1), (None, None, 0))
@@ -206,7 +220,7 @@ class GroupedGemmSm90:
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c,
-            mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,
+            mTileExpert, mNumMTiles, mTimeline, mARows, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
         ).launch(
             grid=[self.num_sms, 1, 1],
@@ -217,12 +231,13 @@ class GroupedGemmSm90:
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
-    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
+    def kernel(self, tma_atom_a: Optional[cute.CopyAtom], mA_mkl: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
                tma_atom_b_up: Optional[cute.CopyAtom], mBup_nkl: Optional[cute.Tensor],
                tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
                mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
-               mTimeline: Optional[cute.Tensor], tiled_mma: cute.TiledMma,
+               mTimeline: Optional[cute.Tensor], mARows: Optional[cute.Tensor],
+               tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout):
@@ -235,7 +250,8 @@ class GroupedGemmSm90:
             if tidx == 0 and cute.arch.block_idx()[0] == 0:
                 common.timeline_mark_start(mTimeline, common.timeline_now())
         if warp_idx == self.load_warp:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            if const_expr(not self.a_gather):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             if const_expr(self.epilogue == "swiglu"):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_up)
@@ -245,10 +261,16 @@ class GroupedGemmSm90:
         storage = smem.allocate(self.shared_storage)
         tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0)))
                      + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0))))
+        producer_arrivals = 1
+        if const_expr(self.a_gather):
+            # A arrives by cp.async: TMA brings only B's bytes, and each of the 128 producer
+            # threads adds one arrival (cp.async.mbarrier.arrive.noinc) when its row landed
+            tma_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0)))
+            producer_arrivals = 1 + self.threads_per_warpgroup
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_full_empty.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
             # one arrive per warp that consumes the stage
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      self.threads_per_tile // 32),
@@ -267,8 +289,10 @@ class GroupedGemmSm90:
         gB_nkl = cute.local_tile(mB_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
         gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
         single_cta = cute.make_layout(1)
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
+        tAsA, tAgA = None, None
+        if const_expr(not self.a_gather):
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
         # (rows, bK, halves, 1, stages): the gate half and the up half of every B stage
         sB_halves = cute.flat_divide(sB, (self.b_rows_per_load, tile_k))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
@@ -290,31 +314,38 @@ class GroupedGemmSm90:
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warpgroup_idx == 0:
-            # ---------------- producer warpgroup: warp 0 streams A and B tiles with TMA
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == self.load_warp:
-                producer_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.ab_stages)
-                tile_idx = cute.arch.block_idx()[0]
-                while tile_idx < num_tiles:
-                    m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-                    expert = mTileExpert[m_tile]
-                    tAgA_k = tAgA[(None, m_tile, None, 0)]
-                    tBgB_k = tBgB[(None, n_tile, None, expert)]
-                    for k_tile in range(k_tile_cnt):
-                        ab_pipeline.producer_acquire(producer_state)
-                        barrier = ab_pipeline.producer_get_barrier(producer_state)
-                        cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
-                                  tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
-                                  tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        if const_expr(self.epilogue == "swiglu"):
-                            cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                      tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        ab_pipeline.producer_commit(producer_state)
-                        producer_state.advance()
-                    tile_idx += cute.arch.grid_dim()[0]
-                ab_pipeline.producer_tail(producer_state)
+            if const_expr(self.a_gather):
+                # ---------------- producer warpgroup: 128 threads gather A rows, warp 0 TMAs B
+                self._gather_producer(ab_pipeline, mA_mkl, mARows, storage.sA.data_ptr(), tBgB,
+                                      tBsB, tBgB_up, tBsB_up, tma_atom_b, tma_atom_b_up,
+                                      mTileExpert, num_m_tiles, num_n_tiles, num_tiles,
+                                      k_tile_cnt, tidx, warp_idx)
+            else:
+                # ---------------- producer warpgroup: warp 0 streams A and B tiles with TMA
+                if warp_idx == self.load_warp:
+                    producer_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.ab_stages)
+                    tile_idx = cute.arch.block_idx()[0]
+                    while tile_idx < num_tiles:
+                        m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+                        expert = mTileExpert[m_tile]
+                        tAgA_k = tAgA[(None, m_tile, None, 0)]
+                        tBgB_k = tBgB[(None, n_tile, None, expert)]
+                        for k_tile in range(k_tile_cnt):
+                            ab_pipeline.producer_acquire(producer_state)
+                            barrier = ab_pipeline.producer_get_barrier(producer_state)
+                            cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
+                                      tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
+                            cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
+                                      tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                            if const_expr(self.epilogue == "swiglu"):
+                                cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                                          tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
+                            ab_pipeline.producer_commit(producer_state)
+                            producer_state.advance()
+                        tile_idx += cute.arch.grid_dim()[0]
+                    ab_pipeline.producer_tail(producer_state)
         else:
             # ---------------- consumer warpgroups: wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -388,10 +419,12 @@ class GroupedGemmSm90:
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read_state)
+                self._a_visible_to_wgmma()
                 self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                 read_state.advance()
                 for k_tile in range(1, k_tile_cnt):
                     ab_pipeline.consumer_wait(read_state)
+                    self._a_visible_to_wgmma()
                     self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release_state)
@@ -419,6 +452,54 @@ class GroupedGemmSm90:
                     record_slot += 1
                 tile_idx += tile_stride
             tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def _a_visible_to_wgmma(self):
+        """a_gather: A was written by cp.async (generic proxy); wgmma reads smem through the
+        async proxy. Nothing is emitted otherwise (TMA writes are async-proxy already)."""
+        if const_expr(self.a_gather):
+            cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def _gather_producer(self, ab_pipeline, mA, mARows, sA_base, tBgB, tBsB, tBgB_up, tBsB_up,
+                         tma_atom_b, tma_atom_b_up, mTileExpert, num_m_tiles, num_n_tiles,
+                         num_tiles, k_tile_cnt, tidx, warp_idx):
+        """Producer of the a_gather variant: thread t loads row t of every A tile, 8 x 16 B per
+        k-tile with cp.async.cg into the 128B-swizzled stage (byte r*128 + ((j ^ (r & 7)) * 16),
+        the SW128 K-major atom's placement), then arrives on the stage's full barrier when its
+        copies land. Warp 0 also arms the barrier with B's bytes and issues B's TMA loads."""
+        row = tidx  # 0..127: this thread's row of every tile
+        stage_elems = TILE_M * TILE_K
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        tile_idx = cute.arch.block_idx()[0]
+        while tile_idx < num_tiles:
+            m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+            expert = mTileExpert[m_tile]
+            src_row = cutlass.max(mARows[m_tile * TILE_M + row], 0)  # padding rows: any row
+            src = mA[(src_row, None, 0)].iterator.toint()
+            tBgB_k = tBgB[(None, n_tile, None, expert)]
+            for k_tile in range(k_tile_cnt):
+                if warp_idx == self.load_warp:
+                    ab_pipeline.producer_acquire(state)  # empty wait + arm with B's bytes
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    cute.copy(tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    if const_expr(self.epilogue == "swiglu"):
+                        cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                                  tBsB_up[(None, state.index)], tma_bar_ptr=bar)
+                else:
+                    ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+                dst_row = sA_base + state.index * stage_elems + row * TILE_K
+                for j in cutlass.range_constexpr(TILE_K // 8):
+                    chunk = cute.make_ptr(cutlass.BFloat16, src + (k_tile * TILE_K + j * 8) * 2,
+                                          cute.AddressSpace.gmem, assumed_align=16)
+                    nvvm.cp_async_shared_global(dst_row + ((j ^ (row & 7)) * 8), chunk, 16, "cg")
+                cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
+                state.advance()
+            tile_idx += cute.arch.grid_dim()[0]
+        cute.arch.cp_async_wait_group(0)
+        if warp_idx == self.load_warp:
+            ab_pipeline.producer_tail(state)
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
@@ -502,7 +583,8 @@ def choose_tile_n(n_out: int, epilogue: str) -> int:
     return min(options, key=lambda t: (cost(t), -t))
 
 
-def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
+def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool,
+                   a_gather: bool = False):
     """Fake (M, K, 1) A, (N, K, E) B (two of them for swiglu: gate and up, N = I),
     (M, N_out, 1) C and int32 vectors with run-time extents and strides (what a strided
     torch view passes through TVM-FFI)."""
@@ -518,23 +600,29 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
     tile_expert = common.fake_vector(Int32)
     num_m_tiles = common.fake_vector(Int32)
     timeline = common.fake_vector(Int64, align_bytes=8) if timeline else None
-    return a, b, b_up, c, tile_expert, num_m_tiles, timeline
+    a_rows = common.fake_vector(Int32) if a_gather else None
+    if a_gather:  # A is the unsorted (T, K, 1) matrix: its row count is not M's
+        a = common.fake_kmajor_tensor(bf16, (cute.sym_int32(), k, 1))
+    return a, b, b_up, c, tile_expert, num_m_tiles, timeline, a_rows
 
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                         pingpong: bool = False, arch: str = "sm_90a", options: str = ""):
+                         pingpong: bool = False, a_gather: bool = False, arch: str = "sm_90a",
+                         options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
     with K % 64 == 0 and N % tile_n == 0. The result takes torch tensors directly
     (TVM-FFI): ``A (M,K,1)``, ``B (N,K,E)``, ``B_up`` (swiglu) or None, ``C (M,N_out,1)``
     strided views, the int32
-    tile -> expert table, the one-element M-tile count and the int64 timeline buffer (None
-    when ``timeline`` is off); it runs on torch's current stream.
+    tile -> expert table, the one-element M-tile count, the int64 timeline buffer (None
+    when ``timeline`` is off) and, with ``a_gather``, the int32 row table of A (else None);
+    it runs on torch's current stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                           timeline=timeline, task_type=task_type, pingpong=pingpong)
-    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
+                           timeline=timeline, task_type=task_type, pingpong=pingpong,
+                           a_gather=a_gather)
+    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, a_gather)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
