@@ -248,6 +248,9 @@ class Plan:
             kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
             kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)), *s_args,
             topk_weights.to(torch.float32), ids, slot_rows, out, self.timeline_buf, self.scalars)
+        if self.timeline_buf is not None:
+            from mok_cute.timeline import set_last
+            set_last(self.timeline)  # what `mok-cute timeline` decodes after the call
         word = self._error_words[self._next_error_word]
         self._next_error_word = (self._next_error_word + 1) % ERROR_SLOTS
         word.copy_(self.error, non_blocking=True)
