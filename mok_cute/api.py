@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -161,6 +162,21 @@ def forward_path(device: torch.device | str | int | None = None, config: MoKConf
             f"reference, {_EP_REASON}]")
 
 
+def _megakernel_fallback(dims, config: MoKConfig) -> bool:
+    """True when the megakernel cannot take these sizes and ``backend="auto"`` should run the
+    reference instead (with a warning); raises ValueError for an explicit kernel backend."""
+    from .ops import unsupported_shape_reason
+
+    why = unsupported_shape_reason(dims.hidden, dims.intermediate, dims.top_k,
+                                   dims.shared_intermediate or None, config.tile_m)
+    if not why:
+        return False
+    if config.backend != "auto":
+        raise ValueError(f"config.backend={config.backend!r}: {why}")
+    warnings.warn(f"mok_cute: running the PyTorch reference because {why}", stacklevel=3)
+    return True
+
+
 def _normalise_shared(shared: object) -> object:
     return tuple(shared) if isinstance(shared, list) else shared
 
@@ -196,6 +212,8 @@ def moe_forward(
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ()))
     )
     choice = choose_path(x.device, config, distributed=group is not None, needs_grad=needs_grad)
+    if choice.path == "megakernel" and _megakernel_fallback(dims, config):
+        choice = PathChoice("reference", "sizes the megakernel cannot take")
     if choice.path in ("kernel", "megakernel"):
         from . import megakernel, ops
 
@@ -241,6 +259,8 @@ def moe_forward_virtual(
         t.requires_grad for t in (xs, topk_weights, w_gate, w_up, w_down, *(shared or ()))
     )
     choice = choose_path(xs.device, config, virtual=True, needs_grad=needs_grad)
+    if choice.path == "megakernel" and _megakernel_fallback(dims, config):
+        choice = PathChoice("reference", "sizes the megakernel cannot take")
     if choice.path == "megakernel":
         from . import megakernel
 

@@ -445,3 +445,19 @@ def test_cuda_bad_device_mix():
     cuda_args = [a.cuda() for a in args]
     with pytest.raises(ValueError, match=r"w_gate: expected a tensor on device cuda:0, got one on cpu"):
         mok.moe_forward(*_replace(cuda_args, 3, args[3]))
+
+
+def test_megakernel_sizes_it_cannot_take_fall_back_or_raise():
+    from mok_cute.config import MoEDims
+
+    ok = MoEDims(num_ranks=2, tokens=8, hidden=512, top_k=4, local_experts=4, intermediate=256,
+                 shared_intermediate=0)
+    assert api._megakernel_fallback(ok, MoKConfig()) is False
+    odd = ok._replace(hidden=100)
+    with pytest.warns(UserWarning, match="x: hidden size must be a multiple of 64"):
+        assert api._megakernel_fallback(odd, MoKConfig()) is True
+    for backend in ("kernel", "megakernel"):
+        with pytest.raises(ValueError, match=f"config.backend='{backend}': x: hidden size"):
+            api._megakernel_fallback(odd, MoKConfig(backend=backend))
+    with pytest.raises(ValueError, match="shared: intermediate size"):
+        api._megakernel_fallback(ok._replace(shared_intermediate=100), MoKConfig(backend="megakernel"))
