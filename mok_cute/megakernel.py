@@ -64,10 +64,10 @@ class PlanKey:
 
 
 def default_num_comm_ctas(num_ranks: int, hidden: int, top_k: int, num_sms: int) -> int:
-    """Until the tuner is calibrated on megakernel timelines: the best point of the H200 sweep
-    {4, 6, 8, 12, 16} on dsv3_ep8_rank and sonic_120b at R = 1 (docs/gpu_runs.md, run 13).
-    A comm CTA moves about 30 GB/s of rows, so every routed row crossing it twice (dispatch,
-    combine) needs about a tenth of the SMs."""
+    """The best point of the H200 sweeps on dsv3_ep8_rank and sonic_120b at R = 1 (runs 13–17
+    of docs/gpu_runs.md: 4, 6, 8, 12 and 16 comm CTAs; 12 was best on both). A comm CTA moves
+    about 30 GB/s of rows, and at R = 1 every routed row crosses the comm CTAs twice. The
+    simulator's tuner is not used yet: it picks 8 on dsv3, measured 5.7 % slower (docs/sim.md)."""
     return max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
 
 
