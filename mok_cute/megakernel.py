@@ -35,8 +35,9 @@ DEFAULT_COMM_CTAS = 12
 # How comm CTAs move rows (kernels.megakernel_sm90.COPY_MODES); a module setting so tools
 # can time both in one process.
 COMM_COPY = "vector"
-# Rows a rank routes to its own experts stay in the ring: no COMBINE copy, the k-sum reads
-# them there (when the ring never wraps). Off until it has run on the H200.
+# Rows a rank routes to its own experts are never copied: FC1's producer warpgroup reads them
+# from x (no DISPATCH copy) and the k-sum reads their y from the ring (no COMBINE copy); needs
+# a ring that never wraps. At R = 1 that removes all comm traffic. Off until it has run.
 LOCAL_DIRECT = False
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)

@@ -72,6 +72,12 @@ def test_local_direct_variant_compiles(tmp_path):
     ptx = megakernel_sm90.compile_megakernel(
         num_ranks=4, local_direct=True, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
     assert "wgmma.mma_async" in ptx and "multimem" not in ptx
+    # FC1's local A rows come by cp.async from x, landing on the stage's full barrier
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx
+    default = megakernel_sm90.compile_megakernel(
+        num_ranks=4, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    assert "cp.async.cg" not in default
 
 
 # ---------------------------------------------------------------------- CPU: the ticket walk
@@ -208,8 +214,8 @@ def test_bitwise_identical_across_comm_sms_minibatch_and_ring():
 @pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 4])
 def test_local_rows_left_in_the_ring_give_the_same_bits(R, monkeypatch):
-    """megakernel.LOCAL_DIRECT: a rank's own rows skip the combine copy and its k-sum reads
-    them from the ring; the output must not change by a bit."""
+    """megakernel.LOCAL_DIRECT: a rank's own rows are never copied (FC1 reads them from x,
+    the k-sum reads their y from the ring); the output must not change by a bit."""
     from mok_cute import megakernel
 
     args = _problem(R, 200, 512, 256, 4, 4, 128, seed=17, skew=True)

@@ -27,6 +27,7 @@ class NamedBarriers(enum.IntEnum):
     RESERVED = 0  # bar.sync 0 is __syncthreads
     EPILOGUE = 1  # consumer warpgroups of a GEMM tile (pingpong: EPILOGUE + warpgroup, 1 and 2)
     COMM = 3  # the comm workers of a megakernel comm CTA
+    PRODUCER = 4  # the producer warpgroup of a megakernel compute CTA (local_direct)
 
 
 @cute.jit

@@ -108,9 +108,11 @@ class MegakernelSm90:
         # stores, COPY_UNROLL in flight per lane; "bulk" = one thread issues cp.async.bulk
         # copies through smem staging slots.
         self.copy = copy
-        # local_direct: rows a rank sends to itself are not combined; its k-sum reads them from
-        # the ring through `slot_rows` instead. Needs a ring that never wraps (the host's
-        # promise) and the vector copy (skipped rows break the bulk copy's row prefix).
+        # local_direct: rows a rank routes to its own experts are never copied. FC1's producer
+        # warpgroup reads them from the rank's x with cp.async (dispatch skips them), and the
+        # k-sum reads their y from the ring through `slot_rows` (combine skips them). Needs a
+        # ring that never wraps (the host's promise) and the vector copy (skipped rows break
+        # the bulk copy's row prefix).
         if local_direct and copy != "vector":
             raise ValueError("local_direct needs copy='vector'")
         self.local_direct = local_direct
@@ -265,7 +267,9 @@ class MegakernelSm90:
                      + cute.size_in_bytes(BFloat16, cute.slice_(b_smem_layout_staged, (None, None, 0))))
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=g.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # local_direct: FC1's A rows arrive by cp.async from the 128 producer threads
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 1 + (128 if const_expr(self.local_direct) else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, g.num_mma_threads // 32),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
@@ -285,7 +289,17 @@ class MegakernelSm90:
             compute_cta = bidx - self.num_comm_ctas
             if warpgroup_idx == 0:
                 cute.arch.setmaxregister_decrease(g.producer_regs)
-                if warp_idx == g.load_warp:
+                if const_expr(self.local_direct):
+                    # all four producer warps: they gather FC1's local A rows themselves
+                    self._producer_loop(
+                        ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                        counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
+                        sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
+                        tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
+                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf,
+                        _DirectA(row_peer, row_token, peer_bases, ring_x,
+                                 storage.sA.data_ptr(), tidx, warp_idx))
+                elif warp_idx == g.load_warp:
                     for atom in (tma_a_x, tma_a_h, tma_wg, tma_wu, tma_wd):
                         cute.nvgpu.cpasync.prefetch_descriptor(atom)
                     self._producer_loop(
@@ -293,7 +307,7 @@ class MegakernelSm90:
                         counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                         sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf)
+                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf, None)
             else:
                 cute.arch.setmaxregister_increase(g.consumer_regs)
                 self._consumer_loop(
@@ -537,6 +551,9 @@ class MegakernelSm90:
                 if ttype == int(TaskType.DISPATCH):
                     row_src[tidx] = base + ctx.x_offset + token * Int64(row_bytes)
                     row_dst[tidx] = ring_x[ring_row, None, rank].iterator.toint()
+                    if const_expr(self.local_direct):
+                        if peer == ctx.rank_base + rank:
+                            row_src[tidx] = Int64(0)  # FC1 reads this row from x itself
                 else:
                     slot = token * Int64(self.top_k) + Int64(row_k[rank, row])
                     row_src[tidx] = ring_y[ring_row, None, rank].iterator.toint()
@@ -606,7 +623,11 @@ class MegakernelSm90:
                        counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                        sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                        tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf):
+                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf, direct):
+        """Warp 0 (or, with local_direct, the whole producer warpgroup with ``direct``: a
+        ``_DirectA``) walks the compute tickets, waits on each GEMM task's counters and fills
+        the stages: A and B by TMA; with local_direct, FC1's A rows by cp.async, each row from
+        this rank's own x when the row is local (never dispatched) or from the ring."""
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         one = cute.make_layout(1)
         sB_halves = cute.flat_divide(sB, (self.half_n, tile_k))
@@ -634,6 +655,15 @@ class MegakernelSm90:
             s_sBu, s_gBu = part(s_tma_wu, s_t_wu, sB_up, half_box)
             s_sBd, s_gBd = part(s_tma_wd, s_t_wd, sB_g, b_box)
         e_loc = ctx.local_experts
+        # local_direct: the _DirectA fields as plain locals (an object used in the task loop
+        # would have to be carried through it)
+        d_row_peer, d_row_token, d_peer_bases, d_ring_x = None, None, None, None
+        d_sA_base, d_tidx, d_warp, d_sync = None, None, None, None
+        if const_expr(self.local_direct):
+            d_row_peer, d_row_token, d_peer_bases, d_ring_x = (
+                direct.row_peer, direct.row_token, direct.peer_bases, direct.ring_x)
+            d_sA_base, d_tidx, d_warp, d_sync = (direct.sA_base, direct.tidx, direct.warp_idx,
+                                                 direct.sync)
 
         loads = Int32(0)  # k-tiles issued so far: the pipeline state is derived from it
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
@@ -645,43 +675,130 @@ class MegakernelSm90:
             ttype = tasks[index, W_TYPE]
             k_tiles = self._k_tiles(ttype, t_a_x, t_a_h, s_t_a_h)
             if run and not noop and ttype != int(TaskType.KSUM):
-                self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
-                                         index, rank, timeline_buf, int(Role.COMPUTE),
-                                         cute.arch.lane_idx() == 0)
-                # rows written by other CTAs (generic or TMA stores) are read through TMA next
-                cute.arch.fence_proxy("async.global")
+                if const_expr(self.local_direct):
+                    if d_warp == self.gemm.load_warp:
+                        self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error,
+                                                 num_tiles, index, rank, timeline_buf,
+                                                 int(Role.COMPUTE), cute.arch.lane_idx() == 0)
+                        cute.arch.fence_proxy("async.global")
+                    d_sync.arrive_and_wait()  # the task's inputs are there for all 4 warps
+                else:
+                    self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
+                                             index, rank, timeline_buf, int(Role.COMPUTE),
+                                             cute.arch.lane_idx() == 0)
+                    # rows written by other CTAs (generic or TMA stores) are read through TMA next
+                    cute.arch.fence_proxy("async.global")
                 m_tile = tasks[index, W_MTILE]
                 n_tile = tasks[index, W_NTILE]
                 ring_tile = tasks[index, W_RING_ROW] // tile_m
                 expert = rank * e_loc + tile_expert[rank, cutlass.max(m_tile, 0)]
                 state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
-                for k in range(k_tiles):
-                    ab_pipeline.producer_acquire(state)
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    stage = state.index
-                    if ttype == int(TaskType.FC1):
-                        cute.copy(tma_a_x, gAx[(None, ring_tile, k, rank)], sAx[(None, stage)], tma_bar_ptr=bar)
-                        cute.copy(tma_wg, gBg[(None, n_tile, k, expert)], sBg[(None, stage)], tma_bar_ptr=bar)
-                        cute.copy(tma_wu, gBu[(None, n_tile, k, expert)], sBu[(None, stage)], tma_bar_ptr=bar)
-                    elif ttype == int(TaskType.FC2):
-                        cute.copy(tma_a_h, gAh[(None, ring_tile, k, rank)], sAh[(None, stage)], tma_bar_ptr=bar)
-                        cute.copy(tma_wd, gBd[(None, n_tile, k, expert)], sBd[(None, stage)], tma_bar_ptr=bar)
-                    if const_expr(self.has_shared):
-                        if ttype == int(TaskType.SHARED_FC1):
-                            cute.copy(s_tma_a_x, s_gAx[(None, m_tile, k, rank)], s_sAx[(None, stage)], tma_bar_ptr=bar)
-                            cute.copy(s_tma_wg, s_gBg[(None, n_tile, k, rank)], s_sBg[(None, stage)], tma_bar_ptr=bar)
-                            cute.copy(s_tma_wu, s_gBu[(None, n_tile, k, rank)], s_sBu[(None, stage)], tma_bar_ptr=bar)
-                        elif ttype == int(TaskType.SHARED_FC2):
-                            cute.copy(s_tma_a_h, s_gAh[(None, m_tile, k, rank)], s_sAh[(None, stage)], tma_bar_ptr=bar)
-                            cute.copy(s_tma_wd, s_gBd[(None, n_tile, k, rank)], s_sBd[(None, stage)], tma_bar_ptr=bar)
-                    ab_pipeline.producer_commit(state)
-                    state.advance()
+                if const_expr(self.local_direct):
+                    self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
+                                             ab_pipeline, d_row_peer, d_row_token, d_peer_bases,
+                                             d_ring_x, d_sA_base, d_tidx, d_warp, m_tile, n_tile,
+                                             ring_tile,
+                                             expert, tma_a_h, gAh, sAh, tma_wg, gBg, sBg, tma_wu,
+                                             gBu, sBu, tma_wd, gBd, sBd, s_tma_a_x, s_gAx, s_sAx,
+                                             s_tma_a_h, s_gAh, s_sAh, s_tma_wg, s_gBg, s_sBg,
+                                             s_tma_wu, s_gBu, s_sBu, s_tma_wd, s_gBd, s_sBd)
+                if const_expr(not self.local_direct):
+                    for k in range(k_tiles):
+                        ab_pipeline.producer_acquire(state)
+                        bar = ab_pipeline.producer_get_barrier(state)
+                        stage = state.index
+                        if ttype == int(TaskType.FC1):
+                            cute.copy(tma_a_x, gAx[(None, ring_tile, k, rank)], sAx[(None, stage)], tma_bar_ptr=bar)
+                            cute.copy(tma_wg, gBg[(None, n_tile, k, expert)], sBg[(None, stage)], tma_bar_ptr=bar)
+                            cute.copy(tma_wu, gBu[(None, n_tile, k, expert)], sBu[(None, stage)], tma_bar_ptr=bar)
+                        elif ttype == int(TaskType.FC2):
+                            cute.copy(tma_a_h, gAh[(None, ring_tile, k, rank)], sAh[(None, stage)], tma_bar_ptr=bar)
+                            cute.copy(tma_wd, gBd[(None, n_tile, k, expert)], sBd[(None, stage)], tma_bar_ptr=bar)
+                        if const_expr(self.has_shared):
+                            if ttype == int(TaskType.SHARED_FC1):
+                                cute.copy(s_tma_a_x, s_gAx[(None, m_tile, k, rank)], s_sAx[(None, stage)], tma_bar_ptr=bar)
+                                cute.copy(s_tma_wg, s_gBg[(None, n_tile, k, rank)], s_sBg[(None, stage)], tma_bar_ptr=bar)
+                                cute.copy(s_tma_wu, s_gBu[(None, n_tile, k, rank)], s_sBu[(None, stage)], tma_bar_ptr=bar)
+                            elif ttype == int(TaskType.SHARED_FC2):
+                                cute.copy(s_tma_a_h, s_gAh[(None, m_tile, k, rank)], s_sAh[(None, stage)], tma_bar_ptr=bar)
+                                cute.copy(s_tma_wd, s_gBd[(None, n_tile, k, rank)], s_sBd[(None, stage)], tma_bar_ptr=bar)
+                        ab_pipeline.producer_commit(state)
+                        state.advance()
             loads += self._loads_of(run, noop, ttype, k_tiles)
             q += self.num_compute_ctas
             index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
                                        int(Role.COMPUTE), q)
         tail = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
-        ab_pipeline.producer_tail(tail)
+        if const_expr(self.local_direct):
+            cute.arch.cp_async_wait_group(0)
+            if d_warp == self.gemm.load_warp:
+                ab_pipeline.producer_tail(tail)
+        else:
+            ab_pipeline.producer_tail(tail)
+
+    @cute.jit
+    def _fill_stages_direct(self, ctx, tasks, index, rank, ttype, k_tiles, state, ab_pipeline,
+                            row_peer, row_token, peer_bases, ring_x, sA_base, row_t, warp_idx,
+                            m_tile, n_tile, ring_tile, expert, tma_a_h, gAh, sAh, tma_wg,
+                            gBg, sBg, tma_wu, gBu, sBu, tma_wd, gBd, sBd, s_tma_a_x, s_gAx, s_sAx,
+                            s_tma_a_h, s_gAh, s_sAh, s_tma_wg, s_gBg, s_sBg, s_tma_wu, s_gBu,
+                            s_sBu, s_tma_wd, s_gBd, s_sBd):
+        """local_direct: one GEMM task's k-tiles, by the whole producer warpgroup. Every stage
+        takes 1 + 128 arrivals: warp 0 arms it with the TMA bytes (B only for FC1, A and B
+        otherwise) and issues the TMA loads; each thread then either lands its FC1 A row with
+        cp.async (8 x 16 B into the 128B-swizzled stage, arrival when they land) or arrives
+        at once."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk  # row_t: this thread's row of the tile
+        b_bytes = tile_n * tile_k * 2
+        a_src = Int64(0)
+        if ttype == int(TaskType.FC1):
+            row = tasks[index, W_ROW_BEGIN] + row_t
+            peer = row_peer[rank, row]
+            a_src = ring_x[ring_tile * tile_m + row_t, None, rank].iterator.toint()
+            if peer == ctx.rank_base + rank:  # a local row: it was never copied into the ring
+                a_src = (peer_bases[rank, peer] + ctx.x_offset
+                         + Int64(row_token[rank, row]) * Int64(cute.size(ring_x, mode=[1]) * 2))
+        for k in range(k_tiles):
+            ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+            bar = ab_pipeline.producer_get_barrier(state)
+            stage = state.index
+            if warp_idx == self.gemm.load_warp:
+                tx = b_bytes + tile_m * tile_k * 2
+                if ttype == int(TaskType.FC1):
+                    tx = b_bytes
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, tx)
+                if ttype == int(TaskType.FC1):
+                    cute.copy(tma_wg, gBg[(None, n_tile, k, expert)], sBg[(None, stage)], tma_bar_ptr=bar)
+                    cute.copy(tma_wu, gBu[(None, n_tile, k, expert)], sBu[(None, stage)], tma_bar_ptr=bar)
+                elif ttype == int(TaskType.FC2):
+                    cute.copy(tma_a_h, gAh[(None, ring_tile, k, rank)], sAh[(None, stage)], tma_bar_ptr=bar)
+                    cute.copy(tma_wd, gBd[(None, n_tile, k, expert)], sBd[(None, stage)], tma_bar_ptr=bar)
+                if const_expr(self.has_shared):
+                    if ttype == int(TaskType.SHARED_FC1):
+                        cute.copy(s_tma_a_x, s_gAx[(None, m_tile, k, rank)], s_sAx[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(s_tma_wg, s_gBg[(None, n_tile, k, rank)], s_sBg[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(s_tma_wu, s_gBu[(None, n_tile, k, rank)], s_sBu[(None, stage)], tma_bar_ptr=bar)
+                    elif ttype == int(TaskType.SHARED_FC2):
+                        cute.copy(s_tma_a_h, s_gAh[(None, m_tile, k, rank)], s_sAh[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(s_tma_wd, s_gBd[(None, n_tile, k, rank)], s_sBd[(None, stage)], tma_bar_ptr=bar)
+            if ttype == int(TaskType.FC1):
+                dst_row = sA_base + stage * (tile_m * tile_k) + row_t * tile_k
+                for j in cutlass.range_constexpr(tile_k // 8):
+                    chunk = cute.make_ptr(BFloat16, a_src + (k * tile_k + j * 8) * 2,
+                                          cute.AddressSpace.gmem, assumed_align=16)
+                    nvvm.cp_async_shared_global(dst_row + ((j ^ (row_t & 7)) * 8), chunk, 16, "cg")
+                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+            else:
+                cute.arch.mbarrier_arrive(bar)
+            state.advance()
+
+    @cute.jit
+    def _a_visible_to_wgmma(self):
+        """local_direct: FC1's A rows were written by cp.async (generic proxy) and wgmma reads
+        smem through the async proxy; nothing is emitted otherwise."""
+        if const_expr(self.local_direct):
+            cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def _k_tiles(self, ttype: Int32, t_a_x, t_a_h, s_t_a_h) -> Int32:
@@ -751,10 +868,12 @@ class MegakernelSm90:
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read)
+                self._a_visible_to_wgmma()
                 self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
                 read.advance()
                 for k in range(1, k_tiles):
                     ab_pipeline.consumer_wait(read)
+                    self._a_visible_to_wgmma()
                     self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release)
@@ -909,6 +1028,17 @@ def _pipeline_state(kind: cutlass.Constexpr, stages: cutlass.Constexpr[int], cou
     if const_expr(kind == pipeline.PipelineUserType.Producer):
         phase = phase ^ 1
     return pipeline.PipelineState(stages, count, count % stages, phase)
+
+
+class _DirectA:
+    """What the local_direct producer threads need besides the TMA partitions."""
+
+    def __init__(self, row_peer, row_token, peer_bases, ring_x, sA_base, tidx, warp_idx):
+        self.row_peer, self.row_token, self.peer_bases, self.ring_x = (
+            row_peer, row_token, peer_bases, ring_x)
+        self.sA_base, self.tidx, self.warp_idx = sA_base, tidx, warp_idx
+        self.sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.PRODUCER),
+                                          num_threads=128)
 
 
 class _Context:
