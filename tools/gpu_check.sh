@@ -54,7 +54,7 @@ run_mega() {
   timeout -s KILL 200 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
     tests/test_megakernel.py 2>&1 | tail -4
   timeout -s KILL 200 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b \
-    --comm 8,12,16,12b,6l,8l,12l --timeline 12 --out "$out" --json "$out/megakernel_probe.json" 2>&1 | tail -12
+    --comm 8,12,16,12b,2l,4l,8l,12l --timeline 12 --out "$out" --json "$out/megakernel_probe.json" 2>&1 | tail -12
   timeout -s KILL 90 python3 -m mok_cute.cli timeline --shape dsv3_ep8_rank --mok-config backend=megakernel \
     --out "$out/megakernel_timeline" 2>&1 | tail -8
   timeout -s KILL 200 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
