@@ -654,6 +654,9 @@ class MegakernelSm90:
             s_sBg, s_gBg = part(s_tma_wg, s_t_wg, sB_gate, half_box)
             s_sBu, s_gBu = part(s_tma_wu, s_t_wu, sB_up, half_box)
             s_sBd, s_gBd = part(s_tma_wd, s_t_wd, sB_g, b_box)
+        tma = _TmaLoads(tma_a_x, gAx, sAx, tma_a_h, gAh, sAh, tma_wg, gBg, sBg, tma_wu, gBu, sBu,
+                        tma_wd, gBd, sBd, s_tma_a_x, s_gAx, s_sAx, s_tma_a_h, s_gAh, s_sAh,
+                        s_tma_wg, s_gBg, s_sBg, s_tma_wu, s_gBu, s_sBu, s_tma_wd, s_gBd, s_sBd)
         e_loc = ctx.local_experts
         # local_direct: the _DirectA fields as plain locals (an object used in the task loop
         # would have to be carried through it)
@@ -697,31 +700,13 @@ class MegakernelSm90:
                     self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
                                              ab_pipeline, d_row_peer, d_row_token, d_peer_bases,
                                              d_ring_x, d_sA_base, d_tidx, d_warp, m_tile, n_tile,
-                                             ring_tile,
-                                             expert, tma_a_h, gAh, sAh, tma_wg, gBg, sBg, tma_wu,
-                                             gBu, sBu, tma_wd, gBd, sBd, s_tma_a_x, s_gAx, s_sAx,
-                                             s_tma_a_h, s_gAh, s_sAh, s_tma_wg, s_gBg, s_sBg,
-                                             s_tma_wu, s_gBu, s_sBu, s_tma_wd, s_gBd, s_sBd)
+                                             ring_tile, expert, tma)
                 if const_expr(not self.local_direct):
                     for k in range(k_tiles):
                         ab_pipeline.producer_acquire(state)
                         bar = ab_pipeline.producer_get_barrier(state)
-                        stage = state.index
-                        if ttype == int(TaskType.FC1):
-                            cute.copy(tma_a_x, gAx[(None, ring_tile, k, rank)], sAx[(None, stage)], tma_bar_ptr=bar)
-                            cute.copy(tma_wg, gBg[(None, n_tile, k, expert)], sBg[(None, stage)], tma_bar_ptr=bar)
-                            cute.copy(tma_wu, gBu[(None, n_tile, k, expert)], sBu[(None, stage)], tma_bar_ptr=bar)
-                        elif ttype == int(TaskType.FC2):
-                            cute.copy(tma_a_h, gAh[(None, ring_tile, k, rank)], sAh[(None, stage)], tma_bar_ptr=bar)
-                            cute.copy(tma_wd, gBd[(None, n_tile, k, expert)], sBd[(None, stage)], tma_bar_ptr=bar)
-                        if const_expr(self.has_shared):
-                            if ttype == int(TaskType.SHARED_FC1):
-                                cute.copy(s_tma_a_x, s_gAx[(None, m_tile, k, rank)], s_sAx[(None, stage)], tma_bar_ptr=bar)
-                                cute.copy(s_tma_wg, s_gBg[(None, n_tile, k, rank)], s_sBg[(None, stage)], tma_bar_ptr=bar)
-                                cute.copy(s_tma_wu, s_gBu[(None, n_tile, k, rank)], s_sBu[(None, stage)], tma_bar_ptr=bar)
-                            elif ttype == int(TaskType.SHARED_FC2):
-                                cute.copy(s_tma_a_h, s_gAh[(None, m_tile, k, rank)], s_sAh[(None, stage)], tma_bar_ptr=bar)
-                                cute.copy(s_tma_wd, s_gBd[(None, n_tile, k, rank)], s_sBd[(None, stage)], tma_bar_ptr=bar)
+                        self._issue_tma_loads(tma, ttype, k, state.index, bar, m_tile, n_tile,
+                                              ring_tile, expert, rank, True)
                         ab_pipeline.producer_commit(state)
                         state.advance()
             loads += self._loads_of(run, noop, ttype, k_tiles)
@@ -737,12 +722,31 @@ class MegakernelSm90:
             ab_pipeline.producer_tail(tail)
 
     @cute.jit
+    def _issue_tma_loads(self, tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile, expert,
+                         rank, fc1_a: cutlass.Constexpr[bool]):
+        """The TMA loads of k-tile ``k`` of a GEMM task into ``stage``: FC1 x rows (when
+        ``fc1_a``) and the gate / up halves, FC2 h rows and W_down, or the shared expert's."""
+        if ttype == int(TaskType.FC1):
+            if const_expr(fc1_a):
+                cute.copy(tma.a_x, tma.g_a_x[(None, ring_tile, k, rank)], tma.s_a_x[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(tma.wg, tma.g_wg[(None, n_tile, k, expert)], tma.s_wg[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(tma.wu, tma.g_wu[(None, n_tile, k, expert)], tma.s_wu[(None, stage)], tma_bar_ptr=bar)
+        elif ttype == int(TaskType.FC2):
+            cute.copy(tma.a_h, tma.g_a_h[(None, ring_tile, k, rank)], tma.s_a_h[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(tma.wd, tma.g_wd[(None, n_tile, k, expert)], tma.s_wd[(None, stage)], tma_bar_ptr=bar)
+        if const_expr(self.has_shared):
+            if ttype == int(TaskType.SHARED_FC1):
+                cute.copy(tma.sh_a_x, tma.g_sh_a_x[(None, m_tile, k, rank)], tma.s_sh_a_x[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(tma.sh_wg, tma.g_sh_wg[(None, n_tile, k, rank)], tma.s_sh_wg[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(tma.sh_wu, tma.g_sh_wu[(None, n_tile, k, rank)], tma.s_sh_wu[(None, stage)], tma_bar_ptr=bar)
+            elif ttype == int(TaskType.SHARED_FC2):
+                cute.copy(tma.sh_a_h, tma.g_sh_a_h[(None, m_tile, k, rank)], tma.s_sh_a_h[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(tma.sh_wd, tma.g_sh_wd[(None, n_tile, k, rank)], tma.s_sh_wd[(None, stage)], tma_bar_ptr=bar)
+
+    @cute.jit
     def _fill_stages_direct(self, ctx, tasks, index, rank, ttype, k_tiles, state, ab_pipeline,
                             row_peer, row_token, peer_bases, ring_x, sA_base, row_t, warp_idx,
-                            m_tile, n_tile, ring_tile, expert, tma_a_h, gAh, sAh, tma_wg,
-                            gBg, sBg, tma_wu, gBu, sBu, tma_wd, gBd, sBd, s_tma_a_x, s_gAx, s_sAx,
-                            s_tma_a_h, s_gAh, s_sAh, s_tma_wg, s_gBg, s_sBg, s_tma_wu, s_gBu,
-                            s_sBu, s_tma_wd, s_gBd, s_sBd):
+                            m_tile, n_tile, ring_tile, expert, tma):
         """local_direct: one GEMM task's k-tiles, by the whole producer warpgroup. Every stage
         takes 1 + 128 arrivals: warp 0 arms it with the TMA bytes (B only for FC1, A and B
         otherwise) and issues the TMA loads; each thread then either lands its FC1 A row with
@@ -768,20 +772,9 @@ class MegakernelSm90:
                     tx = b_bytes
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bar, tx)
-                if ttype == int(TaskType.FC1):
-                    cute.copy(tma_wg, gBg[(None, n_tile, k, expert)], sBg[(None, stage)], tma_bar_ptr=bar)
-                    cute.copy(tma_wu, gBu[(None, n_tile, k, expert)], sBu[(None, stage)], tma_bar_ptr=bar)
-                elif ttype == int(TaskType.FC2):
-                    cute.copy(tma_a_h, gAh[(None, ring_tile, k, rank)], sAh[(None, stage)], tma_bar_ptr=bar)
-                    cute.copy(tma_wd, gBd[(None, n_tile, k, expert)], sBd[(None, stage)], tma_bar_ptr=bar)
-                if const_expr(self.has_shared):
-                    if ttype == int(TaskType.SHARED_FC1):
-                        cute.copy(s_tma_a_x, s_gAx[(None, m_tile, k, rank)], s_sAx[(None, stage)], tma_bar_ptr=bar)
-                        cute.copy(s_tma_wg, s_gBg[(None, n_tile, k, rank)], s_sBg[(None, stage)], tma_bar_ptr=bar)
-                        cute.copy(s_tma_wu, s_gBu[(None, n_tile, k, rank)], s_sBu[(None, stage)], tma_bar_ptr=bar)
-                    elif ttype == int(TaskType.SHARED_FC2):
-                        cute.copy(s_tma_a_h, s_gAh[(None, m_tile, k, rank)], s_sAh[(None, stage)], tma_bar_ptr=bar)
-                        cute.copy(s_tma_wd, s_gBd[(None, n_tile, k, rank)], s_sBd[(None, stage)], tma_bar_ptr=bar)
+                # FC1's A rows come by cp.async below, not by TMA
+                self._issue_tma_loads(tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile,
+                                      expert, rank, False)
             if ttype == int(TaskType.FC1):
                 dst_row = sA_base + stage * (tile_m * tile_k) + row_t * tile_k
                 for j in cutlass.range_constexpr(tile_k // 8):
@@ -1028,6 +1021,21 @@ def _pipeline_state(kind: cutlass.Constexpr, stages: cutlass.Constexpr[int], cou
     if const_expr(kind == pipeline.PipelineUserType.Producer):
         phase = phase ^ 1
     return pipeline.PipelineState(stages, count, count % stages, phase)
+
+
+class _TmaLoads:
+    """The compute producer's TMA atoms with their (global, smem) partitions, built once per
+    CTA: routed x / h rows and gate / up / down weights, then the shared expert's (None
+    without one)."""
+
+    _NAMES = ("a_x", "a_h", "wg", "wu", "wd", "sh_a_x", "sh_a_h", "sh_wg", "sh_wu", "sh_wd")
+
+    def __init__(self, *triples):
+        for i, name in enumerate(self._NAMES):
+            atom, g, s = triples[3 * i: 3 * i + 3]
+            setattr(self, name, atom)
+            setattr(self, f"g_{name}", g)
+            setattr(self, f"s_{name}", s)
 
 
 class _DirectA:
