@@ -196,6 +196,7 @@ class Plan:
             [0, side.rank_base, k.minibatch_tokens // TILE_M, layout.offset("x"),
              layout.offset("combine"), layout.offset("barrier_flags"), 0, k.local_experts,
              self.capacity // TILE_M, -1], dtype=torch.int64, device=dev)
+        self._waits = (0, -1)  # (timeout ns, silent rank) as held in scalars[6] and [9]
         self.kernel = jit.compile_kernel(
             "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas,
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
@@ -226,8 +227,11 @@ class Plan:
                                      for r, sc in enumerate(scheds)])
         num_tiles = torch.cat([s.num_tiles for s in scheds])
         self.scalars[0].add_(1)
-        self.scalars[6].fill_(int(timeout_ms * 1e6))
-        self.scalars[9].fill_(silent_rank)
+        waits = (int(timeout_ms * 1e6), silent_rank)
+        if waits != self._waits:  # rewritten only when they change: no launches per call
+            self._waits = waits
+            self.scalars[6].fill_(waits[0])
+            self.scalars[9].fill_(waits[1])
         self.counters.zero_()
         self.error.zero_()
         if self.timeline_buf is not None:
