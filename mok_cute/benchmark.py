@@ -672,6 +672,9 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _free(device: torch.device) -> None:
+    from mok_cute import megakernel
+
+    megakernel.release_plans()  # a plan holds rings sized for its shape
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

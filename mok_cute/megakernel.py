@@ -37,8 +37,12 @@ DEFAULT_COMM_CTAS = 12
 COMM_COPY = "vector"
 # Rows a rank routes to its own experts are never copied: FC1's producer warpgroup reads them
 # from x (no DISPATCH copy) and the k-sum reads their y from the ring (no COMBINE copy); needs
-# a ring that never wraps. At R = 1 that removes all comm traffic. Off until it has run.
-LOCAL_DIRECT = False
+# a ring that never wraps. At R = 1 that removes all comm traffic: dsv3_ep8_rank 6.26 -> 5.35
+# ms, sonic_120b 12.96 -> 12.31 ms, bitwise equal (H200, docs/gpu_runs.md run 20).
+LOCAL_DIRECT = True
+# Comm CTAs when no rank's rows cross them (one rank, local_direct): they run only the barrier.
+# Run 20: 1, 2, 4 comm CTAs: dsv3 5.43 / 5.46 / 5.35 ms, sonic_120b 13.08 / 12.31 / 12.65 ms.
+LOCAL_ONLY_COMM_CTAS = 2
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -64,11 +68,15 @@ class PlanKey:
     local_direct: bool = False
 
 
-def default_num_comm_ctas(num_ranks: int, hidden: int, top_k: int, num_sms: int) -> int:
-    """The best point of the H200 sweeps on dsv3_ep8_rank and sonic_120b at R = 1 (runs 13–17
-    of docs/gpu_runs.md: 4, 6, 8, 12 and 16 comm CTAs; 12 was best on both). A comm CTA moves
-    about 30 GB/s of rows, and at R = 1 every routed row crosses the comm CTAs twice. The
-    simulator's tuner is not used yet: it picks 8 on dsv3, measured 5.7 % slower (docs/sim.md)."""
+def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
+                          local_direct: bool = False) -> int:
+    """With one peer and local_direct no row crosses a comm CTA: LOCAL_ONLY_COMM_CTAS.
+    Otherwise the best point of the H200 sweeps on dsv3_ep8_rank and sonic_120b with every row
+    copied (runs 13–17 of docs/gpu_runs.md: 4, 6, 8, 12 and 16 comm CTAs; 12 was best on both).
+    A comm CTA moves about 30 GB/s of rows. The simulator's tuner is not used yet: it picks 8
+    on dsv3, measured 5.7 % slower (docs/sim.md)."""
+    if local_direct and num_peers == 1:
+        return LOCAL_ONLY_COMM_CTAS
     return max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
 
 
@@ -324,6 +332,13 @@ _PLANS: dict[PlanKey, Plan] = {}
 _PLANS_LOCK = threading.Lock()
 
 
+def release_plans() -> None:
+    """Drop every cached plan (its rings, counters and symmetric buffers go with it once no
+    call holds them): benchmarks call it between shapes."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+
+
 def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None,
              handle_type: str = "posix_fd") -> Plan:
     """The cached plan for these shapes: R virtual ranks (``group=None``, xs [R, T, H]) or this
@@ -341,9 +356,6 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         raise ValueError(f"shared expert intermediate size must be a multiple of 64, got {Is}")
     device = xs.device.index if xs.device.index is not None else torch.cuda.current_device()
     num_sms = _num_sms(device)
-    num_comm = config.num_comm_sms or default_num_comm_ctas(R, H, K, num_sms)
-    if num_comm >= num_sms:
-        raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     peers = R
     if group is not None:
         import torch.distributed as dist
@@ -351,10 +363,13 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         peers = dist.get_world_size(group)
     capacity = schedule_capacity(peers, T, K, E_loc, TILE_M)
     minibatch, ring = resolve_sizes(config, capacity, T)
+    local_direct = LOCAL_DIRECT and COMM_COPY == "vector" and ring >= capacity
+    num_comm = config.num_comm_sms or default_num_comm_ctas(peers, H, K, num_sms, local_direct)
+    if num_comm >= num_sms:
+        raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
-                  None if group is None else (id(group), handle_type),
-                  LOCAL_DIRECT and COMM_COPY == "vector" and ring >= capacity)
+                  None if group is None else (id(group), handle_type), local_direct)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -219,10 +219,12 @@ def test_local_rows_left_in_the_ring_give_the_same_bits(R, monkeypatch):
     from mok_cute import megakernel
 
     args = _problem(R, 200, 512, 256, 4, 4, 128, seed=17, skew=True)
-    base = _run(args)
+    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", False)
+    base = _run(args)  # every row copied by the comm CTAs
     monkeypatch.setattr(megakernel, "LOCAL_DIRECT", True)
     direct = _run(args)
     assert any(k.local_direct for k in megakernel._PLANS)
+    assert any(not k.local_direct for k in megakernel._PLANS)
     assert torch.equal(direct, base)
     wrapped = _run(args, ring_tokens=256, minibatch_tokens=128)  # wraps: falls back to combining
     assert torch.equal(wrapped, base)

@@ -50,7 +50,7 @@ def test_counters_and_waits_compile_to_release_acquire_and_nanosleep(tmp_path):
     assert re.search(r"ld\.acquire\.gpu(\.global)?\.(b|s|u)32", ptx)
     assert "nanosleep.u32" in ptx
     assert "%globaltimer" in ptx
-    assert re.search(r"atom(\.relaxed\.gpu)?\.global\.cas\.b64", ptx)
+    assert re.search(r"atom(\.relaxed\.gpu)?\.global\.max\.s64", ptx)  # the error word
 
 
 def test_error_word_round_trip_names_task_and_peer():
@@ -60,6 +60,16 @@ def test_error_word_round_trip_names_task_and_peer():
     common.raise_on_wait_error(0)
     with pytest.raises(common.PeerTimeoutError, match="task 41 timed out waiting for peer 3"):
         common.raise_on_wait_error(word)
+
+
+def test_a_peer_that_never_started_outranks_the_peers_stalled_behind_it():
+    """Waiters record with an atomic max: the word of a wait on a peer that never announced
+    its start is larger than any WAIT_TIMEOUT word, whatever its task and peer."""
+    stalled_behind = (4000 + 1) | (71 << 32) | (common.WAIT_TIMEOUT << 48)
+    never_started = (0 + 1) | (2 << 32) | (common.PEER_NEVER_STARTED << 48)
+    assert max(stalled_behind, never_started) == never_started
+    with pytest.raises(common.PeerTimeoutError, match="peer 2 .*never announced its start"):
+        common.raise_on_wait_error(never_started)
 
 
 @pytest.mark.gpu

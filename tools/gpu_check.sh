@@ -51,12 +51,15 @@ run_sonic() {
 }
 
 run_mega() {
-  timeout -s KILL 200 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
-    tests/test_megakernel.py 2>&1 | tail -4
-  timeout -s KILL 200 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b \
-    --comm 8,12,16,12b,2l,4l,8l,12l --timeline 12 --out "$out" --json "$out/megakernel_probe.json" 2>&1 | tail -12
+  timeout -s KILL 240 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
+    --tb=short tests/test_megakernel.py tests/test_sync.py tests/test_gemm_sm90.py -k "megakernel or sync or gather or peer or ring or local" \
+    > "$out/test_megakernel.log" 2>&1; tail -30 "$out/test_megakernel.log" | grep -E "FAILED|Error|passed|failed" | tail -12
+  timeout -s KILL 240 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b \
+    --comm 12,2l,2ln,4l,4ln --timeline 2l --out "$out" --json "$out/megakernel_probe.json" 2>&1 | grep -v Warn | tail -16
   timeout -s KILL 90 python3 -m mok_cute.cli timeline --shape dsv3_ep8_rank --mok-config backend=megakernel \
     --out "$out/megakernel_timeline" 2>&1 | tail -8
+  timeout -s KILL 120 python3 -m mok_cute.cli timeline --shape kimi_k2.7 --ranks 8 --capacity 262144 \
+    --mok-config check_ids=False --out "$out/virtual_r8_timeline" 2>&1 | grep -E "busy|wait|idle|GB/s|TFLOP|exposed|tasks" | tail -10
   timeout -s KILL 200 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
     --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
     --iters 10 --warmup 3 --out "$out" --tag virtual_r8 2>&1 | tail -14

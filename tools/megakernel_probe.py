@@ -6,7 +6,9 @@
 
 Each ``--comm`` entry is a number of comm CTAs; a trailing ``b`` selects the bulk-copy comm
 variant (``cp.async.bulk`` through smem) instead of the vector one, a trailing ``l`` the
-vector one with ``megakernel.LOCAL_DIRECT`` (local rows stay in the ring, no combine copy). Every megakernel output
+vector one with ``megakernel.LOCAL_DIRECT`` (local rows stay in the ring, no combine copy), a
+trailing ``n`` (with ``l``) the same without the consumers' proxy fence on gathered A stages
+(``gemm_sm90.FENCE_GATHERED_A = False``). Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -25,7 +27,8 @@ import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 import mok_cute  # noqa: E402
-from mok_cute import benchmark as bm, megakernel, ops  # noqa: E402
+from mok_cute import benchmark as bm, jit, megakernel, ops  # noqa: E402
+from mok_cute.kernels import gemm_sm90  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from layer_profile import gpu_ms  # noqa: E402  (tools/ is on sys.path when run as a script)
 
@@ -37,6 +40,15 @@ def layer_flops(p) -> float:
     return 6.0 * (T * K * I + T * shared) * H
 
 
+def set_gathered_a_fence(on: bool) -> None:
+    """gemm_sm90.FENCE_GATHERED_A is read when a kernel is traced: drop compiled kernels (and
+    megakernel plans, which hold theirs) when it changes."""
+    if gemm_sm90.FENCE_GATHERED_A != on:
+        gemm_sm90.FENCE_GATHERED_A = on
+        jit.clear_cache()
+        megakernel.release_plans()
+
+
 def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str) -> dict:
     p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
     i, flops = p.inputs, layer_flops(p)
@@ -45,42 +57,52 @@ def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str)
     expert = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
     rows = [{"variant": "expert_kernels", "ms": gpu_ms(lambda: mok_cute.moe_forward(
         *args, shared=p.shared, config=base))}]
-    # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1, experimental)
+    # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1, experimental), with and
+    # without the consumers' proxy fence on the gathered stages
     ops.GATHER_IN_FC1 = True
     try:
-        gathered = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
-        rows.append({"variant": "expert_kernels_gather_in_fc1",
-                     "ms": gpu_ms(lambda: mok_cute.moe_forward(*args, shared=p.shared, config=base)),
-                     "bitwise_equal_expert_path": bool(torch.equal(gathered, expert))})
+        for fence in (True, False):
+            set_gathered_a_fence(fence)
+            gathered = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
+            rows.append({"variant": "expert_kernels_gather_in_fc1" + ("" if fence else "_nofence"),
+                         "ms": gpu_ms(lambda: mok_cute.moe_forward(*args, shared=p.shared, config=base)),
+                         "bitwise_equal_expert_path": bool(torch.equal(gathered, expert))})
     finally:
         ops.GATHER_IN_FC1 = False
+        set_gathered_a_fence(True)
+    defaults = megakernel.COMM_COPY, megakernel.LOCAL_DIRECT
     for spec in comms:
-        megakernel.COMM_COPY = "bulk" if spec.endswith("b") else "vector"
-        megakernel.LOCAL_DIRECT = spec.endswith("l")
-        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("bl")), backend="megakernel")
+        megakernel.COMM_COPY = "bulk" if "b" in spec else "vector"
+        megakernel.LOCAL_DIRECT = "l" in spec
+        set_gathered_a_fence("n" not in spec)
+        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("bln")), backend="megakernel")
         run = lambda: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
         t0 = time.time()
         out = run().clone()
         torch.cuda.synchronize()
         megakernel.raise_pending_errors()
-        variant = f"megakernel_{megakernel.COMM_COPY}" + ("_local_direct" if megakernel.LOCAL_DIRECT else "")
+        variant = (f"megakernel_{megakernel.COMM_COPY}" + ("_local_direct" if megakernel.LOCAL_DIRECT else "")
+                   + ("" if gemm_sm90.FENCE_GATHERED_A else "_nofence"))
         rows.append({"variant": variant, "comm_ctas": cfg.num_comm_sms,
                      "first_call_s": time.time() - t0, "ms": gpu_ms(run),
                      "bitwise_equal_expert_path": bool(torch.equal(out, expert))})
         megakernel.raise_pending_errors()
-    megakernel.COMM_COPY, megakernel.LOCAL_DIRECT = "vector", False
+    megakernel.COMM_COPY, megakernel.LOCAL_DIRECT = defaults
+    set_gathered_a_fence(True)
     for r in rows:
         r["tflops"] = flops / r["ms"] / 1e9
         print(f"{name}: {r}", flush=True)
     if timeline:
-        cfg = MoKConfig(check_ids=False, num_comm_sms=timeline, timeline=True,
+        megakernel.LOCAL_DIRECT = "l" in timeline
+        cfg = MoKConfig(check_ids=False, num_comm_sms=int(timeline.rstrip("l")), timeline=True,
                         timeline_capacity=1 << 18, backend="megakernel")
         mok_cute.moe_forward(*args, shared=p.shared, config=cfg)
         torch.cuda.synchronize()
         plan = next(pl for k, pl in megakernel._PLANS.items() if k.timeline)
+        megakernel.LOCAL_DIRECT = defaults[1]
         path = plan.timeline.save(os.path.join(out_dir, f"{name}_megakernel_timeline.npy"))
         print(f"{name}: timeline of one call with {timeline} comm CTAs -> {path}", flush=True)
-    megakernel._PLANS.clear()
+    megakernel.release_plans()
     torch.cuda.empty_cache()
     return {"shape": name, "flops": flops, "results": rows}
 
@@ -89,7 +111,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="dsv3_ep8_rank,sonic_120b")
     ap.add_argument("--comm", default="6,8,12,16", help="comm CTA counts; suffix b = bulk copies")
-    ap.add_argument("--timeline", type=int, default=None, metavar="COMM_CTAS")
+    ap.add_argument("--timeline", default=None, metavar="COMM_CTAS",
+                    help="comm CTAs of the recorded call; a trailing l: with LOCAL_DIRECT")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)

@@ -58,7 +58,10 @@ def silu(x: Float32) -> Float32:
 # reaches its target. A wait is bounded: past its deadline it records who it was waiting
 # for in an error word and gives up, so a stalled peer becomes a host-side exception, not a
 # hang. Error word layout (int64): 0 = no error, else (task_id + 1) | peer << 32 | code << 48.
-WAIT_TIMEOUT = 1  # error code: a wait passed its deadline
+# Every waiter that gives up records its word with an atomic max, so the highest code wins:
+# the peer that never started outranks the peers stalled behind it.
+WAIT_TIMEOUT = 1  # error code: a wait passed its deadline (the peer had started this launch)
+PEER_NEVER_STARTED = 2  # error code: ... and the peer never announced its start
 SPIN_SLEEP_MIN_NS = 32
 SPIN_SLEEP_MAX_NS = 2048
 
@@ -83,26 +86,32 @@ def nanosleep(ns: Int32):
 
 @cute.jit
 def wait_counter(counter: cute.Tensor, index, target, deadline_ns: Int64, error: cute.Tensor,
-                 task_id, peer, scope: cutlass.Constexpr[str] = "gpu") -> cutlass.Boolean:
+                 task_id, peer, scope: cutlass.Constexpr[str] = "gpu",
+                 started_at=0) -> cutlass.Boolean:
     """Spin (nanosleep, doubling backoff) until counter[index] >= target or the deadline.
 
-    Returns True when the target was reached. On timeout the first failing waiter's
-    (task, peer) is stored in ``error[0]`` (compare-and-swap from 0) and False is returned;
-    an error already recorded by anyone also ends the wait, so one stall stops every waiter.
+    Returns True when the target was reached. A waiter gives up at its deadline, or as soon
+    as anyone has recorded an error (one stall stops every waiter), and records its (task,
+    peer) into ``error[0]`` with an atomic max: code PEER_NEVER_STARTED when the counter is
+    still below ``started_at`` (a peer's flag before its start announcement), WAIT_TIMEOUT
+    otherwise. Returns False then.
     """
-    reached = counter_load(counter, index, scope) >= target
+    value = counter_load(counter, index, scope)
+    reached = value >= target
     sleep_ns = Int32(SPIN_SLEEP_MIN_NS)
     while not reached:
         nanosleep(sleep_ns)
         sleep_ns = cutlass.min(sleep_ns * 2, SPIN_SLEEP_MAX_NS)
-        reached = counter_load(counter, index, scope) >= target
+        value = counter_load(counter, index, scope)
+        reached = value >= target
         if not reached:
-            if cute.arch.globaltimer() > deadline_ns:
-                code = (Int64(task_id) + 1) | (Int64(peer) << 32) | (Int64(WAIT_TIMEOUT) << 48)
-                cute.arch.atomic_cas(error.iterator.llvm_ptr, cmp=Int64(0), val=code)
+            if (cute.arch.globaltimer() > deadline_ns
+                    or cute.arch.load(error.iterator.llvm_ptr, Int64, sem="relaxed", scope="gpu") != 0):
+                code = Int64(cutlass.select_(value < started_at, Int64(PEER_NEVER_STARTED),
+                                             Int64(WAIT_TIMEOUT)))
+                word = (Int64(task_id) + 1) | (Int64(peer) << 32) | (code << 48)
+                cute.arch.atomic_max(error.iterator.llvm_ptr, word)
                 reached = True  # leave the loop; the caller sees the error word
-            elif cute.arch.load(error.iterator.llvm_ptr, Int64, sem="relaxed", scope="gpu") != 0:
-                reached = True
     return counter_load(counter, index, scope) >= target
 
 
@@ -111,8 +120,9 @@ class PeerTimeoutError(RuntimeError):
 
     def __init__(self, task_id: int, peer: int, code: int):
         self.task_id, self.peer, self.code = task_id, peer, code
-        super().__init__(f"task {task_id} timed out waiting for peer {peer} (error code {code}): "
-                         f"that peer stopped publishing its counters")
+        why = ("that peer never announced its start (its process died or never launched)"
+               if code == PEER_NEVER_STARTED else "that peer stopped publishing its counters")
+        super().__init__(f"task {task_id} timed out waiting for peer {peer} (error code {code}): {why}")
 
 
 def decode_wait_error(word: int) -> tuple[int, int, int] | None:

@@ -73,8 +73,8 @@ class GroupedGemmSm90:
         suspected cause (a pipeline-state advance inside a run-time branch) is fixed and
         not yet re-run; ``mok_cute.ops`` never selects it.
     :param a_gather: A rows are gathered from an unsorted matrix through a row table
-        (``mARows``): the whole producer warpgroup loads one row each with ``cp.async``
-        straight into the swizzled A stage, so no sorted copy of the activations is made
+        (``mARows``): the whole producer warpgroup loads them with ``cp.async``
+        (``cp_async_a_rows``) straight into the swizzled A stage, so no sorted copy of the activations is made
         (FC1 reads x directly). B still comes by TMA. EXPERIMENTAL: compiles, never run on a
         GPU (2026-11-29); ``mok_cute.ops`` selects it only with ``ops.GATHER_IN_FC1``.
     """
@@ -419,12 +419,12 @@ class GroupedGemmSm90:
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read_state)
-                self._a_visible_to_wgmma()
+                a_visible_to_wgmma(self.a_gather)
                 self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                 read_state.advance()
                 for k_tile in range(1, k_tile_cnt):
                     ab_pipeline.consumer_wait(read_state)
-                    self._a_visible_to_wgmma()
+                    a_visible_to_wgmma(self.a_gather)
                     self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release_state)
@@ -454,29 +454,21 @@ class GroupedGemmSm90:
             tma_store_pipeline.producer_tail()
 
     @cute.jit
-    def _a_visible_to_wgmma(self):
-        """a_gather: A was written by cp.async (generic proxy); wgmma reads smem through the
-        async proxy. Nothing is emitted otherwise (TMA writes are async-proxy already)."""
-        if const_expr(self.a_gather):
-            cute.arch.fence_proxy("async.shared", space="cta")
-
-    @cute.jit
     def _gather_producer(self, ab_pipeline, mA, mARows, sA_base, tBgB, tBsB, tBgB_up, tBsB_up,
                          tma_atom_b, tma_atom_b_up, mTileExpert, num_m_tiles, num_n_tiles,
                          num_tiles, k_tile_cnt, tidx, warp_idx):
-        """Producer of the a_gather variant: thread t loads row t of every A tile, 8 x 16 B per
-        k-tile with cp.async.cg into the 128B-swizzled stage (byte r*128 + ((j ^ (r & 7)) * 16),
-        the SW128 K-major atom's placement), then arrives on the stage's full barrier when its
-        copies land. Warp 0 also arms the barrier with B's bytes and issues B's TMA loads."""
-        row = tidx  # 0..127: this thread's row of every tile
+        """Producer of the a_gather variant: the warpgroup lands every A k-tile with cp.async
+        (``cp_async_a_rows``: thread t owns 16-B chunk t % 8 of rows t // 8 + 16 i), then each
+        thread arrives on the stage's full barrier when its copies land. Warp 0 also arms the
+        barrier with B's bytes and issues B's TMA loads."""
+        rows = gathered_rows_of(tidx)
         stage_elems = TILE_M * TILE_K
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < num_tiles:
             m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
             expert = mTileExpert[m_tile]
-            src_row = cutlass.max(mARows[m_tile * TILE_M + row], 0)  # padding rows: any row
-            src = mA[(src_row, None, 0)].iterator.toint()
+            srcs = _table_row_addresses(mA, mARows, m_tile * TILE_M, rows)
             tBgB_k = tBgB[(None, n_tile, None, expert)]
             for k_tile in range(k_tile_cnt):
                 if warp_idx == self.load_warp:
@@ -489,11 +481,7 @@ class GroupedGemmSm90:
                                   tBsB_up[(None, state.index)], tma_bar_ptr=bar)
                 else:
                     ab_pipeline.sync_object_empty.wait(state.index, state.phase)
-                dst_row = sA_base + state.index * stage_elems + row * TILE_K
-                for j in cutlass.range_constexpr(TILE_K // 8):
-                    chunk = cute.make_ptr(cutlass.BFloat16, src + (k_tile * TILE_K + j * 8) * 2,
-                                          cute.AddressSpace.gmem, assumed_align=16)
-                    nvvm.cp_async_shared_global(dst_row + ((j ^ (row & 7)) * 8), chunk, 16, "cg")
+                cp_async_a_rows(sA_base + state.index * stage_elems, srcs, rows, k_tile, tidx)
                 cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
                 state.advance()
             tile_idx += cute.arch.grid_dim()[0]
@@ -507,6 +495,51 @@ class GroupedGemmSm90:
         for kb in cutlass.range_constexpr(num_k_blocks):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
         cute.nvgpu.warpgroup.commit_group()
+
+
+# ----------------------------------------------------------------- A rows gathered by cp.async
+# A producer warpgroup (128 threads) lands a 128 x 64 bf16 A k-tile as 16 rows x 8 chunks of
+# 16 B per instruction: thread t owns chunk t % 8 of rows t // 8 + 16 i. A warp's cp.async then
+# covers four whole 128-B row segments (4 L1 wavefronts); one row per thread would take 32.
+GATHER_ROW_STRIDE = 128 // 8  # rows between one thread's consecutive rows
+GATHER_ROWS_PER_THREAD = TILE_M // GATHER_ROW_STRIDE
+
+
+def gathered_rows_of(tidx):
+    """The A-tile rows whose chunk ``tidx & 7`` producer thread ``tidx`` (0..127) loads."""
+    return [(tidx >> 3) + GATHER_ROW_STRIDE * i for i in range(GATHER_ROWS_PER_THREAD)]
+
+
+def _table_row_addresses(mA, mARows, first_row, rows):
+    """Global byte addresses of the source rows of ``rows`` through the row table (a padding
+    row, -1, reads row 0: its output row is never stored)."""
+    return [mA[(cutlass.max(mARows[first_row + r], 0), None, 0)].iterator.toint() for r in rows]
+
+
+# cp.async lands A through the generic proxy and wgmma reads smem through the async proxy.
+# With this set, every consumer thread fences the proxies after each gathered stage's full
+# wait. CUTLASS's and quack's cp.async + GMMA mainloops rely on the mbarrier completion alone;
+# tools/megakernel_probe.py times both (read at trace time: clear jit's cache after a change).
+FENCE_GATHERED_A = True
+
+
+@cute.jit
+def a_visible_to_wgmma(gathered: cutlass.Constexpr[bool]):
+    """After a stage's full wait, before wgmma reads it: the proxy fence for gathered A
+    stages (see FENCE_GATHERED_A); nothing is emitted for TMA-loaded ones."""
+    if const_expr(gathered and FENCE_GATHERED_A):
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+
+def cp_async_a_rows(stage, srcs, rows, k_tile, tidx):
+    """This thread's cp.async.cg copies of A k-tile ``k_tile`` into ``stage`` (the stage's bf16
+    smem pointer, 128B-swizzled K-major: chunk j of row r lands at r * 64 + (j ^ (r % 8)) * 8
+    elements). ``srcs[i]`` is the global byte address of row ``rows[i]``."""
+    chunk = tidx & 7
+    for src, r in zip(srcs, rows):
+        gsrc = cute.make_ptr(cutlass.BFloat16, src + (k_tile * TILE_K + chunk * 8) * 2,
+                             cute.AddressSpace.gmem, assumed_align=16)
+        nvvm.cp_async_shared_global(stage + r * TILE_K + ((chunk ^ (r & 7)) * 8), gsrc, 16, "cg")
 
 
 class TileEpilogue:

@@ -60,6 +60,7 @@ from mok_cute import jit
 from mok_cute.kernels import common
 from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row
 from mok_cute.kernels.gemm_sm90 import (TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
+                                       a_visible_to_wgmma, cp_async_a_rows, gathered_rows_of,
                                        store_tile_epilogue)
 from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, _mul_then_add_rn
 from mok_cute.tasks import CounterGroup, TASK_WORDS
@@ -421,10 +422,12 @@ class MegakernelSm90:
     @cute.jit
     def _wait_flag(self, ctx, peer_bases, error, rank: Int32, peer: Int32, target: Int32,
                    index: Int32):
-        """Wait until ``peer`` has stored >= target into this rank's flag ``peer``."""
+        """Wait until ``peer`` has stored >= target into this rank's flag ``peer`` (a flag
+        still below this launch's start value 2*epoch - 1 names a peer that never started)."""
         me = ctx.rank_base + rank
         own = self._flag_tensor(ctx, peer_bases, rank, me)
-        common.wait_counter(own, peer, target, ctx.deadline, error, index, peer, self.scope)
+        common.wait_counter(own, peer, target, ctx.deadline, error, index, peer, self.scope,
+                            2 * ctx.epoch - 1)
 
     @cute.jit
     def _announce_start(self, ctx, peer_bases, tidx: Int32):
@@ -745,23 +748,20 @@ class MegakernelSm90:
 
     @cute.jit
     def _fill_stages_direct(self, ctx, tasks, index, rank, ttype, k_tiles, state, ab_pipeline,
-                            row_peer, row_token, peer_bases, ring_x, sA_base, row_t, warp_idx,
+                            row_peer, row_token, peer_bases, ring_x, sA_base, tidx, warp_idx,
                             m_tile, n_tile, ring_tile, expert, tma):
         """local_direct: one GEMM task's k-tiles, by the whole producer warpgroup. Every stage
         takes 1 + 128 arrivals: warp 0 arms it with the TMA bytes (B only for FC1, A and B
-        otherwise) and issues the TMA loads; each thread then either lands its FC1 A row with
-        cp.async (8 x 16 B into the 128B-swizzled stage, arrival when they land) or arrives
-        at once."""
-        tile_m, tile_n, tile_k = self.tile_shape_mnk  # row_t: this thread's row of the tile
+        otherwise) and issues the TMA loads; each thread then either lands its share of FC1's
+        A rows with cp.async (``gemm_sm90.cp_async_a_rows``, arrival when they land) or
+        arrives at once."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
         b_bytes = tile_n * tile_k * 2
-        a_src = Int64(0)
+        rows = gathered_rows_of(tidx)
+        srcs = [Int64(0) for _ in rows]
         if ttype == int(TaskType.FC1):
-            row = tasks[index, W_ROW_BEGIN] + row_t
-            peer = row_peer[rank, row]
-            a_src = ring_x[ring_tile * tile_m + row_t, None, rank].iterator.toint()
-            if peer == ctx.rank_base + rank:  # a local row: it was never copied into the ring
-                a_src = (peer_bases[rank, peer] + ctx.x_offset
-                         + Int64(row_token[rank, row]) * Int64(cute.size(ring_x, mode=[1]) * 2))
+            srcs = self._direct_row_addresses(ctx, tasks, index, rank, row_peer, row_token,
+                                              peer_bases, ring_x, ring_tile, rows)
         for k in range(k_tiles):
             ab_pipeline.sync_object_empty.wait(state.index, state.phase)
             bar = ab_pipeline.producer_get_barrier(state)
@@ -776,22 +776,28 @@ class MegakernelSm90:
                 self._issue_tma_loads(tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile,
                                       expert, rank, False)
             if ttype == int(TaskType.FC1):
-                dst_row = sA_base + stage * (tile_m * tile_k) + row_t * tile_k
-                for j in cutlass.range_constexpr(tile_k // 8):
-                    chunk = cute.make_ptr(BFloat16, a_src + (k * tile_k + j * 8) * 2,
-                                          cute.AddressSpace.gmem, assumed_align=16)
-                    nvvm.cp_async_shared_global(dst_row + ((j ^ (row_t & 7)) * 8), chunk, 16, "cg")
+                cp_async_a_rows(sA_base + stage * (tile_m * tile_k), srcs, rows, k, tidx)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
             else:
                 cute.arch.mbarrier_arrive(bar)
             state.advance()
 
-    @cute.jit
-    def _a_visible_to_wgmma(self):
-        """local_direct: FC1's A rows were written by cp.async (generic proxy) and wgmma reads
-        smem through the async proxy; nothing is emitted otherwise."""
-        if const_expr(self.local_direct):
-            cute.arch.fence_proxy("async.shared", space="cta")
+    def _direct_row_addresses(self, ctx, tasks, index, rank, row_peer, row_token, peer_bases,
+                              ring_x, ring_tile, rows):
+        """Byte addresses of an FC1 task's A rows ``rows``: this rank's own x row for a local
+        row (never copied into the ring), the ring row otherwise. Traced inline (a plain
+        method: a list of DSL values cannot leave a ``cute.jit`` function)."""
+        tile_m = self.tile_shape_mnk[0]
+        row_bytes = Int64(cute.size(ring_x, mode=[1]) * 2)
+        x_base = peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
+        first = tasks[index, W_ROW_BEGIN]
+        srcs = []
+        for r in rows:
+            in_ring = ring_x[ring_tile * tile_m + r, None, rank].iterator.toint()
+            in_x = x_base + Int64(row_token[rank, first + r]) * row_bytes
+            srcs.append(Int64(cutlass.select_(row_peer[rank, first + r] == ctx.rank_base + rank,
+                                              in_x, in_ring)))
+        return srcs
 
     @cute.jit
     def _k_tiles(self, ttype: Int32, t_a_x, t_a_h, s_t_a_h) -> Int32:
@@ -861,12 +867,12 @@ class MegakernelSm90:
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read)
-                self._a_visible_to_wgmma()
+                a_visible_to_wgmma(self.local_direct)
                 self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
                 read.advance()
                 for k in range(1, k_tiles):
                     ab_pipeline.consumer_wait(read)
-                    self._a_visible_to_wgmma()
+                    a_visible_to_wgmma(self.local_direct)
                     self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release)
