@@ -62,7 +62,7 @@ from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row
 from mok_cute.kernels.gemm_sm90 import (TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
                                        a_visible_to_wgmma, cp_async_a_rows, gathered_rows_of,
                                        store_tile_epilogue)
-from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, _mul_then_add_rn
+from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, k_sum_unroll, k_sum_vector
 from mok_cute.tasks import CounterGroup, TASK_WORDS
 from mok_cute.timeline import Role, TaskType
 
@@ -965,42 +965,38 @@ class MegakernelSm90:
         row_bytes = Int64(hidden) * 2
         row_begin = tasks[index, W_ROW_BEGIN]
         num_experts = cute.size(peer_bases, mode=[1]) * ctx.local_experts
+        unroll = k_sum_unroll(self.top_k)
         for t in cutlass.range(row_begin + warp, tasks[index, W_ROW_END], 8, unroll=1):
+            # per token: the K weights and y-row addresses (0: routed nowhere, contributes 0)
             weights = cute.make_rmem_tensor((self.top_k,), Float32)
-            routed = cute.make_rmem_tensor((self.top_k,), Int32)
+            srcs = cute.make_rmem_tensor((self.top_k,), Int64)
             for k in cutlass.range_constexpr(self.top_k):
-                weights[k] = topk_weights[rank, t, k]
+                weights[k] = Float32(0.0)
+                srcs[k] = Int64(0)
                 expert = topk_idx[rank, t, k]
-                routed[k] = 0
                 if expert >= 0 and expert < num_experts:
-                    routed[k] = 1
-                else:
-                    weights[k] = Float32(0.0)
+                    weights[k] = topk_weights[rank, t, k]
+                    srcs[k] = self._ksum_row(combine_base, slot_rows, ring_y, rank, t, k, row_bytes)
             out_row = out[rank, t, None]
-            for v in cutlass.range(lane, h_vecs, 32, unroll=2):
-                acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
-                if const_expr(self.has_shared):
-                    base = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                    cute.copy(vec, cute.local_tile(shared_y[t, None, rank], (VEC_ELEMS,), (v,)), base)
-                    acc.store(base.load().to(Float32))
-                else:
-                    acc.fill(0.0)
-                for k in cutlass.range_constexpr(self.top_k):
-                    src = bf16_row(self._ksum_row(combine_base, slot_rows, ring_y, rank, t, k,
-                                                  row_bytes), hidden)
-                    yk = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                    if routed[k] != 0:
-                        cute.copy(vec, cute.local_tile(src, (VEC_ELEMS,), (v,)), yk)
-                    else:
-                        yk.fill(0.0)
-                    yf = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
-                    yf.store(yk.load().to(Float32))
-                    for e in cutlass.range_constexpr(VEC_ELEMS):
-                        acc[e] = _mul_then_add_rn(acc[e], weights[k], yf[e])
-                res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                res.store(acc.load().to(BFloat16))
-                cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v,)))
-
+            # every load of a step is issued before any is summed (memory-level parallelism)
+            for v0 in cutlass.range(lane, h_vecs, 32 * unroll, unroll=1):
+                ys = cute.make_rmem_tensor((VEC_ELEMS, unroll, self.top_k), BFloat16)
+                base = cute.make_rmem_tensor((VEC_ELEMS, unroll), BFloat16)
+                for u in cutlass.range_constexpr(unroll):
+                    if v0 + 32 * u < h_vecs:
+                        for k in cutlass.range_constexpr(self.top_k):
+                            if srcs[k] != 0:
+                                cute.copy(vec, cute.local_tile(bf16_row(srcs[k], hidden), (VEC_ELEMS,),
+                                                               (v0 + 32 * u,)), ys[None, u, k])
+                            else:
+                                ys[None, u, k].fill(0.0)
+                        if const_expr(self.has_shared):
+                            cute.copy(vec, cute.local_tile(shared_y[t, None, rank], (VEC_ELEMS,),
+                                                           (v0 + 32 * u,)), base[None, u])
+                for u in cutlass.range_constexpr(unroll):
+                    if v0 + 32 * u < h_vecs:
+                        res = k_sum_vector(ys, base, weights, u, self.top_k, self.has_shared)
+                        cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
 
     @cute.jit
     def _ksum_row(self, combine_base: Int64, slot_rows, ring_y, rank: Int32, t, k: int,

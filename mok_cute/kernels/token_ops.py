@@ -74,6 +74,33 @@ def _mul_then_add_rn(acc: Float32, w: Float32, y: Float32, *, loc=None, ip=None)
     )
 
 
+def k_sum_unroll(K: int) -> int:
+    """Vector steps per lane loaded before any is summed: about 8 vectors (128 B) in flight
+    per lane without growing past ~100 registers."""
+    return max(1, 8 // K)
+
+
+def k_sum_vector(ys: cute.Tensor, base: cute.Tensor, weights: cute.Tensor, u: int, K: int,
+                 has_shared: bool) -> cute.Tensor:
+    """One 8-element output vector of the fixed-order weighted k-sum, from registers:
+    bf16(fp32(base[:, u]) + sum_k fp32(weights[k]) * fp32(ys[:, u, k])), ascending k, each
+    product and sum rounded separately (the reference's order). Traced inline; shared by
+    ``WeightedKSum`` and the megakernel's KSUM task so both give the same bits."""
+    acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+    if has_shared:
+        acc.store(base[None, u].load().to(Float32))
+    else:
+        acc.fill(0.0)
+    for k in range(K):
+        yk = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+        yk.store(ys[None, u, k].load().to(Float32))
+        for e in range(VEC_ELEMS):
+            acc[e] = _mul_then_add_rn(acc[e], weights[k], yk[e])
+    res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+    res.store(acc.load().to(BFloat16))
+    return res
+
+
 def _row_vectors(ptr: cute.Pointer, h_vecs: Int32, num_rows: Int32) -> cute.Tensor:
     """View a row-major ``[num_rows, 8 * h_vecs]`` bf16 buffer as ``(8, h_vecs, num_rows)``.
 
@@ -180,8 +207,7 @@ class WeightedKSum:
 
     def _setup_attributes(self):
         self.num_threads = 32 * self.num_warps
-        # Keep about 8 vectors (128 B) in flight per lane without growing past ~100 registers.
-        self.unroll = max(1, 8 // self.K)
+        self.unroll = k_sum_unroll(self.K)
 
     @cute.jit
     def __call__(
@@ -251,18 +277,7 @@ class WeightedKSum:
                             cute.copy(atom, mShared[None, v0 + 32 * u, token], base[None, u])
                 for u in cutlass.range_constexpr(self.unroll):
                     if v0 + 32 * u < h_vecs:
-                        acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
-                        if const_expr(self.has_shared):
-                            acc.store(base[None, u].load().to(Float32))
-                        else:
-                            acc.fill(0.0)
-                        for k in cutlass.range_constexpr(self.K):
-                            yk = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
-                            yk.store(ys[None, u, k].load().to(Float32))
-                            for e in cutlass.range_constexpr(VEC_ELEMS):
-                                acc[e] = _mul_then_add_rn(acc[e], weights[k], yk[e])
-                        res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                        res.store(acc.load().to(BFloat16))
+                        res = k_sum_vector(ys, base, weights, u, self.K, self.has_shared)
                         cute.copy(atom, res, mOut[None, v0 + 32 * u, token])
 
 
