@@ -18,8 +18,9 @@ Every rank
 4. times the forward pass (median of `--iters` after `--warmup`, the ranks started together
    each iteration) and rank 0 prints every rank's time and the max.
 
-It prints which path `moe_forward(group=...)` takes: until the expert-parallel megakernel exists
-that is the PyTorch reference with a real all_to_all_single exchange. Exit status 1 when the
+It prints which path `moe_forward(group=...)` takes: under `--backend auto` the PyTorch
+reference with a real all_to_all_single exchange; `--backend megakernel` runs the
+expert-parallel megakernel over IPC (opt-in until its determinism and 8-GPU runs are checked). Exit status 1 when the
 check fails. NVLink multicast stays off (the three variables below are set before torch loads).
 """
 

@@ -44,7 +44,8 @@ from .config import (
 
 __all__ = ["moe_forward", "moe_forward_virtual", "MoELayer", "forward_path", "PathChoice", "choose_path"]
 
-_EP_REASON = ("the megakernel's IPC launch has not run on GPUs yet, so it is opt-in "
+_EP_REASON = ("the megakernel's IPC launch has been checked against the reference on 2 GPUs "
+              "only (no determinism or 4/8-GPU run yet), so it is opt-in "
               "(MoKConfig(backend='megakernel'))")
 
 
@@ -103,10 +104,10 @@ def choose_path(
     if config.backend == "reference":
         return PathChoice("reference", "config.backend is 'reference'")
     if distributed:
-        if config.backend == "megakernel":  # opt-in: the IPC launch has not run on GPUs yet
+        if config.backend == "megakernel":  # opt-in until EP determinism and 8 GPUs are checked
             ok, why = _kernel_status(device)
             if ok and not needs_grad:
-                return PathChoice("megakernel", f"{why}; peers over IPC (opt-in, not yet run on GPUs)")
+                return PathChoice("megakernel", f"{why}; peers over IPC (opt-in: checked on 2 GPUs only)")
             raise RuntimeError(f"config.backend is 'megakernel' but it cannot run on {device}: "
                                f"{why if not ok else 'inputs require grad'}")
         if config.backend == "kernel":

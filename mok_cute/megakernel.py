@@ -394,8 +394,8 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
                 handle_type: str = "posix_fd") -> torch.Tensor:
     """One GPU (``group=None``): the megakernel with one rank. With ``group``: this process's
     rank of an expert-parallel group, peers reached through IPC-mapped symmetric buffers
-    (every rank of the group calls together, with the same T). The IPC launch has not run on
-    a GPU yet (docs/gpu_runs.md)."""
+    (every rank of the group calls together, with the same T). The IPC launch has run on 2
+    H200s (docs/gpu_runs.md, runs 24–26), not yet on 4 or 8."""
     config = config or MoKConfig()
     sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
     args = (x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
