@@ -73,11 +73,28 @@ def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
     """With one peer and local_direct no row crosses a comm CTA: LOCAL_ONLY_COMM_CTAS.
     Otherwise the best point of the H200 sweeps on dsv3_ep8_rank and sonic_120b with every row
     copied (runs 13–17 of docs/gpu_runs.md: 4, 6, 8, 12 and 16 comm CTAs; 12 was best on both).
-    A comm CTA moves about 30 GB/s of rows. The simulator's tuner is not used yet: it picks 8
-    on dsv3, measured 5.7 % slower (docs/sim.md)."""
+    A comm CTA moves about 30 GB/s of rows. On one GPU these measured values are used; the
+    simulator's tuner agrees at R = 1 with local rows in place (2) and picked 8 with every row
+    copied, measured 5.7 % slower than 12 (docs/sim.md). EP groups over NVLink use
+    ``tuned_num_comm_ctas``."""
     if local_direct and num_peers == 1:
         return LOCAL_ONLY_COMM_CTAS
     return max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
+
+
+def tuned_num_comm_ctas(num_peers: int, tokens: int, hidden: int, intermediate: int,
+                        num_experts: int, top_k: int, shared_intermediate: int,
+                        minibatch_tokens: int, ring_tokens: int, profile: str = "h200_hgx") -> int:
+    """The simulator's pick (``mok_cute.sim.tune``) of the comm split for an EP group of
+    ``num_peers`` GPUs over NVLink, with this plan's minibatch and ring held fixed. Used when
+    ``MoKConfig.num_comm_sms`` is None on the IPC path, where no sweep has been measured yet
+    (two GPUs only, at 12 comm CTAs: docs/gpu_runs.md run 27). Cached per shape."""
+    from mok_cute.sim import SimShape, tune
+
+    shape = SimShape("plan", tokens, hidden, intermediate, num_experts, top_k, shared_intermediate)
+    report = tune.tune_report(shape, num_peers, profile, minibatch_tokens=minibatch_tokens,
+                              ring_tokens=ring_tokens)
+    return int(report["num_comm_sms"])
 
 
 def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, int]:
@@ -364,7 +381,12 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     capacity = schedule_capacity(peers, T, K, E_loc, TILE_M)
     minibatch, ring = resolve_sizes(config, capacity, T)
     local_direct = LOCAL_DIRECT and COMM_COPY == "vector" and ring >= capacity
-    num_comm = config.num_comm_sms or default_num_comm_ctas(peers, H, K, num_sms, local_direct)
+    if config.num_comm_sms:
+        num_comm = config.num_comm_sms
+    elif group is not None and peers > 1:  # real GPUs over NVLink: the simulator's pick
+        num_comm = tuned_num_comm_ctas(peers, T, H, I, peers * E_loc, K, Is, minibatch, ring)
+    else:  # one GPU: the measured defaults
+        num_comm = default_num_comm_ctas(peers, H, K, num_sms, local_direct)
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,

@@ -310,3 +310,33 @@ def test_recorded_megakernel_timeline_is_sane():
         spans = spans[np.argsort(spans["start_ns"], kind="stable")]
         assert (spans["start_ns"] <= spans["end_ns"]).all()
         assert (spans["end_ns"][:-1] <= spans["start_ns"][1:]).all(), f"CTA {cta}: spans overlap"
+
+
+# ---------------------------------------------------------------------- CPU: the comm split
+def test_one_gpu_comm_split_is_the_simulators_pick():
+    """megakernel.LOCAL_ONLY_COMM_CTAS (measured best at R = 1, run 20) is also what the
+    simulator's tuner picks for the plan's minibatch and ring: with local_direct no row
+    crosses a comm CTA."""
+    from mok_cute import megakernel
+    from mok_cute.schedule import schedule_capacity
+
+    T, H, I, E, K = 4096, 7168, 2048, 32, 8  # dsv3_ep8_rank
+    cap = schedule_capacity(1, T, K, E, 128)
+    assert megakernel.tuned_num_comm_ctas(1, T, H, I, E, K, 0, 1024, cap) == \
+        megakernel.LOCAL_ONLY_COMM_CTAS
+    assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=True) == \
+        megakernel.LOCAL_ONLY_COMM_CTAS
+    assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=False) == \
+        megakernel.DEFAULT_COMM_CTAS
+
+
+def test_ep_group_comm_split_comes_from_the_tuner():
+    from mok_cute import megakernel
+    from mok_cute.schedule import schedule_capacity
+    from mok_cute.sim import tune
+
+    T, H, I, E, K = 2048, 6144, 2048, 256, 8  # glm_5.2 per rank, on 2 GPUs
+    cap = schedule_capacity(2, T, K, E // 2, 128)
+    n = megakernel.tuned_num_comm_ctas(2, T, H, I, E, K, I, 1024, cap)
+    assert n in tune.COMM_SMS_GRID
+    assert n == megakernel.tuned_num_comm_ctas(2, T, H, I, E, K, I, 1024, cap)  # deterministic

@@ -239,8 +239,10 @@ def test_isolated_comm_task_takes_the_fitted_time(name, R):
     # in the engine: one comm SM per rank, so every DISPATCH runs alone (at R = 8 it reads
     # from the peers; 8 flows of 1/8 on each egress stay far below the port)
     shape = sim.SimShape.named(name)
+    # every row copied, as in the fitted run (local_direct would leave R = 1 nothing to copy)
     res = sim.simulate(shape, R, sim.SimConfig(num_comm_sms=1, minibatch_tokens=1024,
-                                               ring_tokens=65536), hw, dispatch_only=True)
+                                               ring_tokens=65536, local_direct=False),
+                       hw, dispatch_only=True)
     g, rec = res.graph, res.records
     m = (g.type == T.TaskType.DISPATCH) & (g.comm_bytes > 0)
     held = rec.end[m] - rec.start[m]
@@ -469,3 +471,29 @@ def test_tune_cli_prints_json(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"num_comm_sms", "minibatch_tokens", "ring_tokens", "predicted_us"}
+
+
+@pytest.mark.parametrize("R", [1, 8])
+def test_local_direct_copies_only_rows_from_other_ranks(R):
+    """As the kernel (megakernel.LOCAL_DIRECT): a rank's own rows are never copied, so a comm
+    task's payload is its link bytes; at R = 1 nothing is copied at all. With a ring that
+    wraps the kernel copies every row again, and so does the model."""
+    from mok_cute.schedule import schedule_capacity
+
+    shape = sim.SimShape.named("kimi_k2.7")
+    cap = schedule_capacity(R, shape.tokens_per_rank, shape.top_k, shape.num_experts // R, 128)
+    direct = sim.build_graph(shape, R, sim.Routing(), sim.SimConfig(
+        num_comm_sms=8, minibatch_tokens=1024, ring_tokens=cap), H200, symmetric=True)
+    comm = np.isin(direct.type, [T.TaskType.DISPATCH, T.TaskType.COMBINE])
+    np.testing.assert_array_equal(direct.comm_bytes[comm], direct.link_bytes[comm])
+    copied = sim.build_graph(shape, R, sim.Routing(), sim.SimConfig(
+        num_comm_sms=8, minibatch_tokens=1024, ring_tokens=cap, local_direct=False), H200,
+        symmetric=True)
+    wraps = sim.build_graph(shape, R, sim.Routing(), sim.SimConfig(
+        num_comm_sms=8, minibatch_tokens=1024, ring_tokens=cap - 128), H200, symmetric=True)
+    total = copied.comm_bytes[comm].sum()
+    assert total > 0 and wraps.comm_bytes[comm].sum() == total
+    if R == 1:
+        assert direct.comm_bytes[comm].sum() == 0
+    else:
+        assert 0 < direct.comm_bytes[comm].sum() < total

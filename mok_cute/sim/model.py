@@ -12,7 +12,9 @@ list (``mok_cute.tasks``, built from that rank's actual tile count) with its per
 - DISPATCH / COMBINE: a fixed overhead, then a flow of the payload bytes through the fabric
   (engine.py): pull dispatch reads from each source peer (egress of the peer, ingress of the
   receiver), combine writes back (egress of the receiver, ingress of each source peer).
-  Rows whose source is the receiver itself are a local copy (no link).
+  Rows whose source is the receiver itself are a local copy (no link); with ``local_direct``
+  (the kernel's default, ``megakernel.LOCAL_DIRECT``) they are not copied at all while the
+  ring holds every row of the rank: only the task overhead remains.
 - BARRIER: ``barrier_latency_s``; every rank's KSUM waits on every rank's BARRIER.
 
 Push dispatch (``dispatch="push"``, for study (a)): the receivers' DISPATCH tasks are replaced
@@ -127,6 +129,7 @@ class SimConfig:
     dispatch_wait: str = "tile"
     comm_task_rows: int | None = None
     dispatch_lookahead_tokens: int | None = None
+    local_direct: bool = True  # as megakernel.LOCAL_DIRECT: own rows never cross a comm CTA
 
     def __post_init__(self):
         if self.dispatch not in ("pull", "push", "push_hol"):
@@ -289,6 +292,14 @@ class Graph:
         return int(self.rank.size)
 
 
+def _static_capacity(num_ranks: int, tokens: int, top_k: int, local_experts: int,
+                     tile_m: int) -> int:
+    """``schedule.schedule_capacity`` (not imported: it needs torch): every row of every peer
+    on this rank plus < tile_m padding per local expert, in whole tiles."""
+    rows = num_ranks * tokens * top_k + local_experts * (tile_m - 1)
+    return -(-rows // tile_m) * tile_m
+
+
 @functools.lru_cache(maxsize=64)
 def _cached_list(nt: int, key: tuple) -> T.TaskList:
     kw = dict(key)
@@ -398,6 +409,10 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
     cs = cfg.tile_m // (cfg.comm_task_rows or cfg.tile_m)
     row_bytes = shape.hidden * _BF16
 
+    # the kernel's condition (megakernel.plan_for): the ring holds the static capacity
+    local_direct = cfg.local_direct and not push and cfg.ring_tokens >= _static_capacity(
+        R, shape.tokens_per_rank, shape.top_k, shape.num_experts // R, cfg.tile_m)
+
     barrier_counters = []
     ksum_tasks = []
     for lay, tl in zip(layouts, lists):
@@ -433,8 +448,8 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
             chunk = tl.m_tile_begin[idx] * cs + tl.n_tile[idx]
             per_peer = lay.chunk_peer_rows[chunk].astype(np.float64) * row_bytes  # [k, R]
             tot = per_peer.sum(axis=1)
-            comm_bytes[idx] = tot
             local = per_peer[:, r]
+            comm_bytes[idx] = tot - local if local_direct else tot
             link[idx] = tot - local
             frac = np.divide(per_peer, tot[:, None], out=np.zeros_like(per_peer),
                              where=tot[:, None] > 0)

@@ -259,11 +259,14 @@ _H200_COMM_ASSUMED = dict(sm_copy_bytes_per_s=40e9, comm_task_overhead_s=2e-6,
                           comm_task_serial_s=None)
 
 
-def _r1_config(shape, n_comm):
+def _r1_config(shape, n_comm, local_direct: bool = False):
+    """The configuration of the R = 1 measurements above: every row copied (they predate
+    ``megakernel.LOCAL_DIRECT``)."""
     from ..schedule import schedule_capacity
 
     cap = schedule_capacity(1, shape.tokens_per_rank, shape.top_k, shape.num_experts, 128)
-    return SimConfig(num_comm_sms=n_comm, minibatch_tokens=1024, ring_tokens=cap)
+    return SimConfig(num_comm_sms=n_comm, minibatch_tokens=1024, ring_tokens=cap,
+                     local_direct=local_direct)
 
 
 def _r1_point(shape, n_comm, hw):

@@ -27,8 +27,8 @@ from .run import simulate
 
 __all__ = ["tune", "tune_report", "resolve_config", "main", "default_ring_tokens"]
 
-COMM_SMS_GRID = (8, 12, 16, 20, 24, 32, 40, 48)
-COMM_SMS_QUICK = (8, 16, 24, 32)
+COMM_SMS_GRID = (2, 4, 8, 12, 16, 20, 24, 32, 40, 48)
+COMM_SMS_QUICK = (2, 8, 16, 24, 32)
 MINIBATCH_GRID = (1024, 2048, 4096, 8192)
 MINIBATCH_QUICK = (2048, 4096)
 
