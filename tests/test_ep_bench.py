@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -253,9 +255,6 @@ def test_grouped_mm_baseline_matches_the_reference_on_one_gpu(tmp_path, monkeypa
 
 def test_example_script_under_torchrun_on_cpu():
     """examples/ep_torchrun.py: 2 gloo ranks, MoELayer(group=...), the check passes, times printed."""
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(ep.free_port()), str(root / "examples" / "ep_torchrun.py"), "--device", "cpu",
@@ -264,3 +263,31 @@ def test_example_script_under_torchrun_on_cpu():
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "-> PASS" in proc.stdout and "rank 1: forward" in proc.stdout and "max over ranks" in proc.stdout
+
+
+def _torchrun_ep_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(ep.free_port()), str(root / "tools" / "ep_check.py"), *args]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_ep_checks_run_under_torchrun_on_cpu():
+    """tools/ep_check.py's plumbing on 2 gloo ranks with the reference backend: every check
+    (reference, repeat, comm split, emulated) is reported for both routings and passes."""
+    proc = _torchrun_ep_check(2, "--device", "cpu", "--backend", "reference",
+                              "--shape", f"custom:{T},{H},{I},{2 * E_LOC},{K},1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if " PASS " in ln or " FAIL " in ln]
+    assert len(lines) == 8 and all(" PASS " in ln for ln in lines), proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more GPUs")
+def test_ep_megakernel_checks_on_every_gpu():
+    """Issue 7 on real GPUs: the IPC megakernel against the reference, bitwise across runs and
+    comm splits, and bitwise equal to its emulation on one GPU, uniform and skewed routing."""
+    n = min(torch.cuda.device_count(), 8)
+    proc = _torchrun_ep_check(n, "--backend", "megakernel")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -12,8 +12,9 @@
 #   mega   the megakernel: its GPU tests, then tools/megakernel_probe.py (comm-CTA sweep, bitwise
 #          against the expert path, one recorded timeline) and moe_forward_virtual at R = 8
 #          against R = 1 on MoK's four shapes
-#   ep N   on an N-GPU machine: the IPC megakernel under torchrun (examples/ep_torchrun.py
-#          --backend megakernel, checked against the reference), then mok-cute bench --ep
+#   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
+#          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
+#          megakernel), then mok-cute bench --ep
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -67,6 +68,10 @@ run_mega() {
 
 run_ep() {
   local n="$1"
+  # issue 7's checks: reference, repeat, comm split, emulated == real (uniform and skewed)
+  timeout -s KILL 240 torchrun --nproc-per-node "$n" tools/ep_check.py 2>&1 | grep -E "ranks|PASS|FAIL|Error" | tail -10
+  timeout -s KILL 240 torchrun --nproc-per-node "$n" tools/ep_check.py --shape kimi --tokens 1024 \
+    2>&1 | grep -E "ranks|PASS|FAIL|Error" | tail -10
   for backend in megakernel reference; do
     timeout -s KILL 240 torchrun --nproc-per-node "$n" examples/ep_torchrun.py --shape kimi \
       --tokens 2048 --backend "$backend" 2>&1 | tail -8
