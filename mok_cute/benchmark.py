@@ -713,8 +713,16 @@ def bench_shape(
     tol: float = 1e-2,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    rounds: int = 1,
 ) -> list[dict[str, Any]]:
-    """Check then time every contender on one shape; failures are recorded, never raised."""
+    """Check then time every contender on one shape; failures are recorded, never raised.
+
+    ``rounds`` = 1: each contender is checked, timed and freed in turn. ``rounds`` > 1: every
+    contender is checked and kept alive, then all are timed ``rounds`` times in alternating
+    order (A B C, C B A, ...) and each reports the median of its rounds (``ms_rounds`` keeps
+    them): the GPU's clock drifts within a process (7 % between identical runs, docs/gpu_runs.md
+    run 24), and a contender always timed last would carry that drift. Needs every
+    contender's memory at once."""
     ranks = ctx.ep_ranks if shape.per_rank_tokens else 1
     base = {"shape": shape.name, "pass": "fwd"}
     try:
@@ -727,7 +735,12 @@ def bench_shape(
         log(f"{shape.name}: setup failed: {err}")
         return [{**base, "contender": c, "ms": None, "tflops": None, "status": "error", "error": f"setup: {err}"} for c in contenders]
     keys = _shape_keys(shape, problem, ranks)
-    results = []
+    results, runners = [], {}
+
+    def finish(entry: dict[str, Any]) -> None:
+        log(f"{shape.name} {entry['contender']}: {entry['status']}"
+            + (f" {entry['tflops']:.1f} TFLOP/s" if entry["tflops"] else f" ({entry.get('error', '')[:200]})"))
+
     for name in contenders:
         entry: dict[str, Any] = {**base, "contender": name, "ms": None, "tflops": None, **keys}
         run = None
@@ -742,6 +755,8 @@ def bench_shape(
             del out
             if not entry["rel_err"] <= tol:
                 entry.update(status="check_failed", error=f"rel err {entry['rel_err']:.3g} > {tol} vs mok_cute.reference (T={check.tokens})")
+            elif rounds > 1:
+                runners[name] = (run, entry)  # timed below, with the others
             else:
                 ms = timer(lambda: run(problem.inputs))
                 entry.update(ms=ms, tflops=problem.flops / (ms * 1e-3) / 1e12, status="ok")
@@ -749,10 +764,29 @@ def bench_shape(
             entry.update(status="skipped", error=str(exc))
         except Exception as exc:
             entry.update(status="error", error=_error_text(exc))
-        run = None
-        _free(ctx.device)
-        log(f"{shape.name} {name}: {entry['status']}" + (f" {entry['tflops']:.1f} TFLOP/s" if entry["tflops"] else f" ({entry.get('error', '')[:200]})"))
+        if name not in runners:
+            run = None
+            _free(ctx.device)
+            finish(entry)
         results.append(entry)
+    if runners:
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        order = list(runners)
+        for r in range(rounds):
+            for name in (order if r % 2 == 0 else order[::-1]):
+                run, entry = runners[name]
+                if "error" in entry:
+                    continue
+                try:
+                    times[name].append(timer(lambda: run(problem.inputs)))
+                except Exception as exc:
+                    entry.update(status="error", error=_error_text(exc))
+        for name, (_, entry) in runners.items():
+            if "error" not in entry:
+                ms = float(statistics.median(times[name]))
+                entry.update(ms=ms, ms_rounds=times[name], tflops=problem.flops / (ms * 1e-3) / 1e12, status="ok")
+            finish(entry)
+        runners.clear()
     del problem, check, ref
     _free(ctx.device)
     return results
@@ -978,6 +1012,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--t-scale", type=float, default=1.0, help="scale every shape's token count (e.g. 0.25)")
     parser.add_argument("--iters", type=int, default=100, help="timed iterations (median)")
     parser.add_argument("--warmup", type=int, default=25, help="warm-up iterations")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time all contenders of a shape this many times in alternating order "
+                        "and report medians (clock drift; keeps every contender alive at once)")
     parser.add_argument("--out", default="benchmarks/results", help="output directory for JSON and PNG")
     parser.add_argument("--tag", default="fwd", help="file name tag")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of the correctness check against mok_cute.reference")
@@ -1009,6 +1046,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--contenders: expected names from {ALL_CONTENDERS}, got {unknown}")
         if args.ep_ranks < 1:
             raise ValueError(f"--ep-ranks: expected >= 1, got {args.ep_ranks}")
+        if args.rounds < 1:
+            raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
         if not 0 < args.t_scale <= 1e6:
             raise ValueError(f"--t-scale: expected a positive factor, got {args.t_scale}")
         mok_config = parse_config_overrides(args.mok_config)
@@ -1034,10 +1073,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     layer_contenders = [c for c in contenders if c != "cublas_8192"]
     for shape in shapes if layer_contenders else []:
         results.extend(
-            bench_shape(shape, layer_contenders, ctx, timer, args.t_scale, args.check_tokens, args.tol, args.seed, log=log)
+            bench_shape(shape, layer_contenders, ctx, timer, args.t_scale, args.check_tokens, args.tol, args.seed, log=log,
+                        rounds=args.rounds)
         )
     add_ratios(results)
-    extra = {"timing": timer.method, "iters": args.iters, "warmup": args.warmup, "t_scale": args.t_scale, "ep_ranks": args.ep_ranks}
+    extra = {"timing": timer.method, "iters": args.iters, "warmup": args.warmup, "t_scale": args.t_scale, "ep_ranks": args.ep_ranks, "rounds": args.rounds}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         extra["gpu_info"] = {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}

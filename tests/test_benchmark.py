@@ -178,6 +178,41 @@ def test_bench_shape_records_crashes_and_failed_checks_and_times_the_rest(tmp_pa
         assert "not the kernel path" in by["mok_cute"]["error"]
 
 
+def test_rounds_time_every_contender_in_alternating_order_and_report_medians(tmp_path, monkeypatch):
+    """rounds > 1: contenders are checked first, then timed A B, B A, A B; each reports the
+    median of its rounds; a failed check is never timed."""
+    calls = []
+
+    def traced(label):
+        def prepare(problem, ctx):
+            good, _ = bm._prepare_per_expert_loop(problem, ctx)
+            return (lambda inp: calls.append(label) or good(inp)), {}
+        return prepare
+
+    def wrong(problem, ctx):
+        good, _ = bm._prepare_per_expert_loop(problem, ctx)
+        return (lambda inp: good(inp) * 1.1), {}
+
+    monkeypatch.setitem(bm.CONTENDERS, "a", traced("a"))
+    monkeypatch.setitem(bm.CONTENDERS, "b", traced("b"))
+    monkeypatch.setitem(bm.CONTENDERS, "wrong", wrong)
+    shape = bm.resolve_shape("custom:64,64,32,8,2")
+    timer = bm.Timer(torch.device("cpu"), iters=1, warmup=0)
+    results = bm.bench_shape(shape, ["a", "wrong", "b"], _ctx(tmp_path), timer, check_tokens=32,
+                             log=lambda m: None, rounds=3)
+    by = {r["contender"]: r for r in results}
+    assert [r["contender"] for r in results] == ["a", "wrong", "b"]
+    assert by["wrong"]["status"] == "check_failed" and "ms_rounds" not in by["wrong"]
+    for name in ("a", "b"):
+        r = by[name]
+        assert r["status"] == "ok" and len(r["ms_rounds"]) == 3
+        assert r["ms"] == pytest.approx(sorted(r["ms_rounds"])[1])
+    assert calls[:2] == ["a", "b"]  # the checks, before any timing
+    timed = calls[2:]  # rounds a b | b a | a b: consecutive runs of one label merge at the turns
+    runs = [c for i, c in enumerate(timed) if i == 0 or c != timed[i - 1]]
+    assert runs == ["a", "b", "a", "b"]
+
+
 def test_ratios_are_against_torch_and_cublas_of_the_same_run():
     results = [
         {"shape": "matmul_8192", "contender": "cublas_8192", "tflops": 600.0},

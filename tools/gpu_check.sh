@@ -37,7 +37,7 @@ run_tests() {
 run_bench() {
   timeout -s KILL 240 python3 -m mok_cute.cli bench --shapes single \
     --contenders mok_cute,mok_cute_timeline,torch_grouped_mm,cublas_8192 \
-    --iters 20 --warmup 5 --out "$out" --tag expert_kernels 2>&1 | tail -20
+    --iters 20 --warmup 5 --rounds 3 --out "$out" --tag expert_kernels 2>&1 | tail -20
   timeout -s KILL 240 python3 -m mok_cute.cli bench --shapes single \
     --contenders mok_cute,torch_grouped_mm,cublas_8192 --mok-config check_ids=False \
     --iters 20 --warmup 5 --out "$out" --tag expert_kernels_nocheck 2>&1 | tail -12
@@ -48,7 +48,7 @@ run_bench() {
 run_sonic() {
   timeout -s KILL 560 python3 -m mok_cute.cli bench --shapes dsv3_ep8_rank,sonic_120b \
     --contenders mok_cute,mok_megakernel,mok_cute_timeline,torch_grouped_mm,sonicmoe,cublas_8192 \
-    --mok-config check_ids=False --iters 20 --warmup 5 --out "$out" --tag vs_sonicmoe 2>&1 | tail -16
+    --mok-config check_ids=False --iters 20 --warmup 5 --rounds 3 --out "$out" --tag vs_sonicmoe 2>&1 | tail -16
 }
 
 run_mega() {
