@@ -93,11 +93,8 @@ def main() -> int:
                         help="MoKConfig.backend: megakernel = the IPC megakernel (one launch per rank)")
     args = parser.parse_args()
 
-    d = ep.init_distributed(args.device)
-    try:
-        shape = ep.resolve_ep_shape(args.shape)
-        if shape.experts % d.world:
-            raise ValueError(f"--shape: {shape.experts} routed experts do not split over {d.world} ranks")
+    with ep.session(args.device) as d:
+        shape = ep.resolve_split_shape(args.shape, d.world)
         tokens = args.tokens or shape.tokens
         layer = build_layer(shape, d, args.seed, args.backend)
         choice = mok_cute.api.choose_path(d.device, layer.config, distributed=True)
@@ -133,9 +130,6 @@ def main() -> int:
                   f"(6 (T K + T) H I / t, path {choice.path})")
         dist.barrier(group=d.group)
         return 0 if ok else 1
-    finally:
-        if d.owns_group:
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 os.environ.update(NVLS_OFF)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
@@ -125,6 +126,18 @@ def init_distributed(device: str | None = None, timeout_s: float = 600.0) -> Dis
     return Dist(group, dist.get_rank(group), dist.get_world_size(group), dev, dist.get_backend(group), owns)
 
 
+@contextlib.contextmanager
+def session(device: str | None = None, timeout_s: float = 600.0):
+    """``init_distributed`` for a ``with`` block, and the group's teardown after it when this
+    module made the group (the scripts run under torchrun use it)."""
+    d = init_distributed(device, timeout_s)
+    try:
+        yield d
+    finally:
+        if d.owns_group:
+            dist.destroy_process_group()
+
+
 def _align(d: Dist) -> None:
     """Start the ranks together: a one-element all_reduce, then wait for it on this device."""
     t = torch.ones(1, device=d.device)
@@ -182,6 +195,14 @@ def resolve_ep_shape(spec: str) -> bm.Shape:
     if len(matches) == 1:
         return bm.EP_SHAPES[matches[0]]
     raise ValueError(f"shapes: expected one of {sorted(bm.EP_SHAPES)} (or a unique prefix, or custom:T,H,I,E,K[,shared]), got {spec!r}")
+
+
+def resolve_split_shape(spec: str, ranks: int) -> bm.Shape:
+    """``resolve_ep_shape``, checked to split its routed experts evenly over ``ranks``."""
+    shape = resolve_ep_shape(spec)
+    if shape.experts % ranks:
+        raise ValueError(f"--shape: {shape.experts} routed experts do not split over {ranks} ranks")
+    return shape
 
 
 def resolve_ep_shapes(spec: str) -> list[bm.Shape]:
@@ -767,10 +788,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"mok-cute bench --ep: {exc}", file=sys.stderr)
         return 2
-    d = init_distributed(args.device, args.timeout_s)
-    console = Console(width=200) if d.rank == 0 else None
-    log = (lambda msg: console.print(msg, markup=False, highlight=False)) if console else (lambda msg: None)  # noqa: E731
-    try:
+    with session(args.device, args.timeout_s) as d:
+        console = Console(width=200) if d.rank == 0 else None
+        log = (lambda msg: console.print(msg, markup=False, highlight=False)) if console else (lambda msg: None)  # noqa: E731
         bad = [s.name for s in shapes if s.experts % d.world]
         if bad:
             if d.rank == 0:
@@ -806,9 +826,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"json {json_path}\npng  {png_path}")
         dist.barrier(group=d.group)
         return 0
-    finally:
-        if d.owns_group:
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -93,11 +93,8 @@ def main() -> int:
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (gloo)")
     args = parser.parse_args()
 
-    d = ep.init_distributed(args.device)
-    try:
-        shape = ep.resolve_ep_shape(args.shape)
-        if shape.experts % d.world:
-            raise ValueError(f"--shape: {shape.experts} routed experts do not split over {d.world} ranks")
+    with ep.session(args.device) as d:
+        shape = ep.resolve_split_shape(args.shape, d.world)
         tokens = args.tokens or shape.tokens
         config = mok_cute.MoKConfig(backend=args.backend, timeout_ms=10_000.0)
         comm = [int(n) for n in args.comm.split(",") if n]
@@ -113,9 +110,6 @@ def main() -> int:
                     print(f"{name:8s} {check:11s} {'PASS' if ok else 'FAIL'}  {detail}", flush=True)
         dist.barrier(group=d.group)
         return 1 if failed else 0
-    finally:
-        if d.owns_group:
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
