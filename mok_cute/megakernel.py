@@ -40,6 +40,11 @@ COMM_COPY = "vector"
 # a ring that never wraps. At R = 1 that removes all comm traffic: dsv3_ep8_rank 6.26 -> 5.35
 # ms, sonic_120b 12.96 -> 12.31 ms, bitwise equal (H200, docs/gpu_runs.md run 20).
 LOCAL_DIRECT = True
+# FC1 of minibatch m + 1 queued before FC2 of m (tasks.build_task_list's fc1_lead), so FC2
+# tiles do not wait on the FC1 wave just issued. The simulator predicts dsv3 R = 1 4.90 ->
+# 4.74 ms and sonic_120b 10.74 -> 10.44 ms (docs/sim.md); never run on a GPU: off until
+# measured (tools/megakernel_probe.py, comm spec suffix "f").
+FC1_LEAD = 0
 # Comm CTAs when no rank's rows cross them (one rank, local_direct): they run only the barrier.
 # Run 20: 1, 2, 4 comm CTAs: dsv3 5.43 / 5.46 / 5.35 ms, sonic_120b 13.08 / 12.31 / 12.65 ms.
 LOCAL_ONLY_COMM_CTAS = 2
@@ -66,6 +71,7 @@ class PlanKey:
     copy: str = "vector"
     group: tuple | None = None  # (id(process group), handle type) for the IPC backend
     local_direct: bool = False
+    fc1_lead: int = 0
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -191,7 +197,7 @@ class Plan:
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
-            fc1_tile_n=256, fc2_tile_n=256)
+            fc1_tile_n=256, fc2_tile_n=256, fc1_lead=k.fc1_lead)
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
         R, C = side.launch_ranks, k.ring_tokens
         self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
@@ -391,7 +397,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
-                  None if group is None else (id(group), handle_type), local_direct)
+                  None if group is None else (id(group), handle_type), local_direct, FC1_LEAD)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

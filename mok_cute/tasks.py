@@ -47,7 +47,8 @@ ring rows of tile j is tile ``j - Rt``; waiting on it transitively covers every 
 
 Order. The compute queue is: all shared-expert tiles (so the shared expert overlaps the first
 dispatch), then per minibatch its FC1 tiles (tile-major, N-tiles inner, so a tile can start as
-soon as its rows land) then its FC2 tiles, then the KSUM tiles. The comm queue is sorted by an
+soon as its rows land) then its FC2 tiles (with ``fc1_lead=1``: FC1 of the next minibatch
+before FC2 of this one), then the KSUM tiles. The comm queue is sorted by an
 estimated ready time measured in cumulative compute FLOPs along the compute queue: COMBINE(j)
 at the end of FC2(j); DISPATCH(j) at the later of "its ring rows are free" (end of FC1(j-Rt))
 and "``dispatch_lookahead_tokens`` ahead of compute" (start of FC1 of tile j - lookahead); the
@@ -214,6 +215,7 @@ class TaskListParams:
     finish: bool
     ksum_rows: int
     static: bool
+    fc1_lead: int = 0
 
 
 @dataclasses.dataclass
@@ -382,6 +384,7 @@ def build_task_list(
     finish: bool = True,
     ksum_rows: int | None = None,
     static: bool = False,
+    fc1_lead: int = 0,
 ) -> TaskList:
     """Build one rank's ordered task list.
 
@@ -391,7 +394,10 @@ def build_task_list(
     0 means no shared expert. ``comm_task_rows`` (default ``tile_m``) splits each dispatch /
     combine of an M-tile into ``tile_m // comm_task_rows`` chunks. ``finish`` adds the BARRIER
     and KSUM tasks; each KSUM covers ``ksum_rows`` local tokens (default ``tile_m // 8``, must
-    divide ``tile_m``).
+    divide ``tile_m``). ``fc1_lead`` = 1 queues FC1 of minibatch m + 1 before FC2 of
+    minibatch m, so the CTAs that take FC2 tickets find their M-tiles' FC1 tiles done instead
+    of waiting on the wave just issued; it needs a ring of two minibatches (FC1 of m + 1 must
+    not wait on FC2 of m) and is 0 (off) otherwise.
     """
     hidden = _check_int("hidden", hidden, 1)
     intermediate = _check_int("intermediate", intermediate, 1)
@@ -426,6 +432,11 @@ def build_task_list(
         "dispatch_lookahead_tokens", dispatch_lookahead_tokens, 0)
     _check_multiple("dispatch_lookahead_tokens", dispatch_lookahead_tokens, "tile_m", tile_m)
 
+    fc1_lead = _check_int("fc1_lead", fc1_lead, 0)
+    if fc1_lead > 1:
+        raise ValueError(f"fc1_lead must be 0 or 1, got {fc1_lead}")
+    if ring_tokens < 2 * minibatch_tokens:
+        fc1_lead = 0  # FC1 of m + 1 would wait on FC2 of m, which then comes after it
     ksum_rows = max(1, tile_m // 8) if ksum_rows is None else _check_int("ksum_rows", ksum_rows, 1)
     if tile_m % ksum_rows:
         raise ValueError(f"ksum_rows must divide tile_m={tile_m}, got {ksum_rows}")
@@ -442,7 +453,7 @@ def build_task_list(
         shared_intermediate=shared_intermediate, rank=rank, num_ranks=num_ranks,
         dispatch_wait=dispatch_wait, comm_task_rows=comm_task_rows,
         dispatch_lookahead_tokens=dispatch_lookahead_tokens, finish=bool(finish),
-        ksum_rows=ksum_rows, static=bool(static),
+        ksum_rows=ksum_rows, static=bool(static), fc1_lead=fc1_lead,
     )
     return _Builder(params, rows).build()
 
@@ -570,8 +581,9 @@ class _Builder:
                 cg.SHARED_FC2_DONE, mt, self._waits(len(mt), (cg.SHARED_FC1_DONE, mt, 1,
                                                               self.sn1, None)), -1))
 
-        # --- routed minibatches ---
+        # --- routed minibatches: FC1 then FC2 of each (fc1_lead: FC1 of m + 1 before FC2 of m)
         tiles_in_mb = np.minimum(tpm, nt - np.arange(self.nmb) * tpm)
+        fc1_blocks, fc2_blocks = [], []
         for mb in range(self.nmb):
             tiles = np.arange(mb * tpm, mb * tpm + tiles_in_mb[mb])
             # FC1
@@ -582,15 +594,21 @@ class _Builder:
             else:
                 dwait = (cg.DISPATCHED_MB, mb, 1, cs * int(tiles_in_mb[mb]), None)
             waits = self._waits(len(mt), dwait, (cg.FC2_DONE, mt - rt, 1, n2, mt >= rt))
-            compute_blocks.append(self._block(
+            fc1_blocks.append(self._block(
                 TaskType.FC1, mt, ntl, mt * tm, mt * tm + tm, by, fl, cg.FC1_DONE, mt, waits, mb))
             # FC2
             mt, ntl, fl, by = self._gemm_tiles(tiles, n2, p.fc2_tile_n, p.hidden,
                                                p.intermediate, 1)
             waits = self._waits(len(mt), (cg.FC1_DONE, mt, 1, n1, None),
                                 (cg.COMBINED, mt - rt, 1, cs, mt >= rt))
-            compute_blocks.append(self._block(
+            fc2_blocks.append(self._block(
                 TaskType.FC2, mt, ntl, mt * tm, mt * tm + tm, by, fl, cg.FC2_DONE, mt, waits, mb))
+        lead = p.fc1_lead
+        for mb in range(self.nmb + lead):
+            if mb < self.nmb:
+                compute_blocks.append(fc1_blocks[mb])
+            if mb >= lead:
+                compute_blocks.append(fc2_blocks[mb - lead])
 
         # --- finish: KSUM (tail of the compute queue) ---
         if p.finish:

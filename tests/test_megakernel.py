@@ -82,7 +82,8 @@ def test_local_direct_variant_compiles(tmp_path):
 
 # ---------------------------------------------------------------------- CPU: the ticket walk
 @pytest.mark.parametrize("R,num_tiles_seed", [(1, 0), (2, 1), (3, 2), (8, 3), (72, 4)])
-def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed):
+@pytest.mark.parametrize("fc1_lead", [0, 1])
+def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_lead):
     """Model of the kernel's walk (megakernel.walk_tickets) against tasks.simulate_live_run:
     with R ranks of different tile counts, each rank's tasks that run (or signal as no-ops) are
     visited exactly once, in list order, and nothing dead runs."""
@@ -95,7 +96,8 @@ def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed):
     capacity = 128 * 24
     tl = tasks.build_static(capacity, hidden=512, intermediate=256, num_tokens=200, top_k=4,
                             minibatch_tokens=512, ring_tokens=1024, shared_intermediate=128,
-                            num_ranks=R)
+                            num_ranks=R, fc1_lead=fc1_lead)
+    assert tl.params.fc1_lead == fc1_lead
     dev = tasks.encode_device(tl)
     num_tiles = [int(t) for t in rng.integers(0, 25, size=R)]
     for role in (Role.COMM, Role.COMPUTE):
@@ -108,7 +110,8 @@ def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed):
             assert noop == expected["noop"]
 
 
-def test_virtual_ranks_wait_only_on_lower_tickets():
+@pytest.mark.parametrize("fc1_lead", [0, 1])
+def test_virtual_ranks_wait_only_on_lower_tickets(fc1_lead):
     """Why R virtual ranks in one launch cannot deadlock: every wait points to a lower list
     index of the same rank, every role queue is in list order, and KSUM (the only task that
     waits on other ranks, through their BARRIER flags) comes after BARRIER in every list."""
@@ -119,7 +122,7 @@ def test_virtual_ranks_wait_only_on_lower_tickets():
 
     tl = tasks.build_static(128 * 16, hidden=512, intermediate=256, num_tokens=300, top_k=4,
                             minibatch_tokens=256, ring_tokens=512, shared_intermediate=128,
-                            num_ranks=8)
+                            num_ranks=8, fc1_lead=fc1_lead)
     offsets, deps = tl.deps_csr()
     for i in range(len(tl)):
         assert (deps[offsets[i]:offsets[i + 1]] < i).all()
@@ -228,6 +231,20 @@ def test_local_rows_left_in_the_ring_give_the_same_bits(R, monkeypatch):
     assert torch.equal(direct, base)
     wrapped = _run(args, ring_tokens=256, minibatch_tokens=128)  # wraps: falls back to combining
     assert torch.equal(wrapped, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 4])
+def test_fc1_of_the_next_minibatch_first_gives_the_same_bits(R, monkeypatch):
+    """megakernel.FC1_LEAD: only the order of the compute queue changes, never a bit."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, 512, 256, 4, 4, 128, seed=23, skew=True)
+    base = _run(args, minibatch_tokens=128)
+    monkeypatch.setattr(megakernel, "FC1_LEAD", 1)
+    lead = _run(args, minibatch_tokens=128)
+    assert any(k.fc1_lead for k in megakernel._PLANS)
+    assert torch.equal(lead, base)
 
 
 @pytest.mark.gpu

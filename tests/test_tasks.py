@@ -475,3 +475,25 @@ def test_build_for_a_receive_schedule_static_and_actual():
     assert ran == want
     with pytest.raises(ValueError, match="tile_m"):
         T.build_for_schedule(sch, tile_m=128, **kw)
+
+
+def test_fc1_lead_queues_the_next_minibatchs_fc1_before_this_ones_fc2():
+    """fc1_lead=1: compute order FC1(0) FC1(1) FC2(0) FC1(2) FC2(1) ... FC2(last); every wait
+    still points to a lower index. A ring of one minibatch falls back to fc1_lead=0."""
+    import numpy as np
+
+    kw = dict(hidden=512, intermediate=256, num_tokens=300, top_k=4, minibatch_tokens=256)
+    tl = T.build_static(128 * 8, ring_tokens=512, fc1_lead=1, **kw)
+    q = tl.queue(T.Role.COMPUTE)
+    gemm = [(int(tl.type[i]), int(tl.minibatch[i])) for i in q
+            if tl.type[i] in (T.TaskType.FC1, T.TaskType.FC2)]
+    runs = [x for i, x in enumerate(gemm) if i == 0 or x != gemm[i - 1]]
+    FC1, FC2 = int(T.TaskType.FC1), int(T.TaskType.FC2)
+    assert runs == [(FC1, 0), (FC1, 1), (FC2, 0), (FC1, 2), (FC2, 1), (FC1, 3), (FC2, 2), (FC2, 3)]
+    offsets, deps = tl.deps_csr()
+    assert all((deps[offsets[i]:offsets[i + 1]] < i).all() for i in range(len(tl)))
+    same = T.build_static(128 * 8, ring_tokens=256, fc1_lead=1, **kw)
+    assert same.params.fc1_lead == 0
+    assert np.array_equal(same.type, T.build_static(128 * 8, ring_tokens=256, **kw).type)
+    with pytest.raises(ValueError, match="fc1_lead"):
+        T.build_static(128 * 8, ring_tokens=512, fc1_lead=2, **kw)

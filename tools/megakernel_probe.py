@@ -8,7 +8,8 @@ Each ``--comm`` entry is a number of comm CTAs; a trailing ``b`` selects the bul
 variant (``cp.async.bulk`` through smem) instead of the vector one, a trailing ``l`` the
 vector one with ``megakernel.LOCAL_DIRECT`` (local rows stay in the ring, no combine copy), a
 trailing ``n`` (with ``l``) the same without the consumers' proxy fence on gathered A stages
-(``gemm_sm90.FENCE_GATHERED_A = False``). Every megakernel output
+(``gemm_sm90.FENCE_GATHERED_A = False``), an ``f`` FC1 of the next minibatch queued before FC2
+(``megakernel.FC1_LEAD = 1``); e.g. ``2l``, ``2lf``. Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -70,36 +71,39 @@ def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str)
     finally:
         ops.GATHER_IN_FC1 = False
         set_gathered_a_fence(True)
-    defaults = megakernel.COMM_COPY, megakernel.LOCAL_DIRECT
+    defaults = megakernel.COMM_COPY, megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD
     for spec in comms:
         megakernel.COMM_COPY = "bulk" if "b" in spec else "vector"
         megakernel.LOCAL_DIRECT = "l" in spec
+        megakernel.FC1_LEAD = int("f" in spec)
         set_gathered_a_fence("n" not in spec)
-        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("bln")), backend="megakernel")
+        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("blnf")), backend="megakernel")
         run = lambda: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
         t0 = time.time()
         out = run().clone()
         torch.cuda.synchronize()
         megakernel.raise_pending_errors()
         variant = (f"megakernel_{megakernel.COMM_COPY}" + ("_local_direct" if megakernel.LOCAL_DIRECT else "")
-                   + ("" if gemm_sm90.FENCE_GATHERED_A else "_nofence"))
+                   + ("" if gemm_sm90.FENCE_GATHERED_A else "_nofence")
+                   + ("_fc1_lead" if megakernel.FC1_LEAD else ""))
         rows.append({"variant": variant, "comm_ctas": cfg.num_comm_sms,
                      "first_call_s": time.time() - t0, "ms": gpu_ms(run),
                      "bitwise_equal_expert_path": bool(torch.equal(out, expert))})
         megakernel.raise_pending_errors()
-    megakernel.COMM_COPY, megakernel.LOCAL_DIRECT = defaults
+    megakernel.COMM_COPY, megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD = defaults
     set_gathered_a_fence(True)
     for r in rows:
         r["tflops"] = flops / r["ms"] / 1e9
         print(f"{name}: {r}", flush=True)
     if timeline:
         megakernel.LOCAL_DIRECT = "l" in timeline
-        cfg = MoKConfig(check_ids=False, num_comm_sms=int(timeline.rstrip("l")), timeline=True,
+        megakernel.FC1_LEAD = int("f" in timeline)
+        cfg = MoKConfig(check_ids=False, num_comm_sms=int(timeline.rstrip("lf")), timeline=True,
                         timeline_capacity=1 << 18, backend="megakernel")
         mok_cute.moe_forward(*args, shared=p.shared, config=cfg)
         torch.cuda.synchronize()
         plan = next(pl for k, pl in megakernel._PLANS.items() if k.timeline)
-        megakernel.LOCAL_DIRECT = defaults[1]
+        megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD = defaults[1], defaults[2]
         path = plan.timeline.save(os.path.join(out_dir, f"{name}_megakernel_timeline.npy"))
         print(f"{name}: timeline of one call with {timeline} comm CTAs -> {path}", flush=True)
     megakernel.release_plans()

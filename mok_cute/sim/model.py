@@ -130,6 +130,7 @@ class SimConfig:
     comm_task_rows: int | None = None
     dispatch_lookahead_tokens: int | None = None
     local_direct: bool = True  # as megakernel.LOCAL_DIRECT: own rows never cross a comm CTA
+    fc1_lead: int = 0  # tasks.build_task_list's: FC1 of minibatch m + 1 queued before FC2 of m
 
     def __post_init__(self):
         if self.dispatch not in ("pull", "push", "push_hol"):
@@ -313,7 +314,7 @@ def _list_kwargs(shape: SimShape, cfg: SimConfig, num_ranks: int, dispatch_wait:
         tile_m=cfg.tile_m, fc1_tile_n=cfg.fc1_tile_n, fc2_tile_n=cfg.fc2_tile_n,
         shared_intermediate=shape.shared_intermediate, num_ranks=num_ranks,
         dispatch_wait=dispatch_wait, comm_task_rows=cfg.comm_task_rows,
-        dispatch_lookahead_tokens=cfg.dispatch_lookahead_tokens).items()))
+        dispatch_lookahead_tokens=cfg.dispatch_lookahead_tokens, fc1_lead=cfg.fc1_lead).items()))
 
 
 def task_list_for(shape: SimShape, cfg: SimConfig, num_ranks: int, num_tiles: int,
