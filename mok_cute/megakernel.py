@@ -82,25 +82,24 @@ def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
     A comm CTA moves about 30 GB/s of rows. On one GPU these measured values are used; the
     simulator's tuner agrees at R = 1 with local rows in place (2) and picked 8 with every row
     copied, measured 5.7 % slower than 12 (docs/sim.md). EP groups over NVLink use
-    ``tuned_num_comm_ctas``."""
+    ``tuned_config``."""
     if local_direct and num_peers == 1:
         return LOCAL_ONLY_COMM_CTAS
     return max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
 
 
-def tuned_num_comm_ctas(num_peers: int, tokens: int, hidden: int, intermediate: int,
-                        num_experts: int, top_k: int, shared_intermediate: int,
-                        minibatch_tokens: int, ring_tokens: int, profile: str = "h200_hgx") -> int:
-    """The simulator's pick (``mok_cute.sim.tune``) of the comm split for an EP group of
-    ``num_peers`` GPUs over NVLink, with this plan's minibatch and ring held fixed. Used when
-    ``MoKConfig.num_comm_sms`` is None on the IPC path, where no sweep has been measured yet
-    (two GPUs only, at 12 comm CTAs: docs/gpu_runs.md run 27). Cached per shape."""
+def tuned_config(config: MoKConfig, num_peers: int, tokens: int, hidden: int,
+                 intermediate: int, num_experts: int, top_k: int, shared_intermediate: int,
+                 profile: str = "h200_hgx") -> MoKConfig:
+    """``config`` with its ``None`` tuning fields (num_comm_sms, minibatch_tokens, ring_tokens)
+    filled by the simulator's tuner (``mok_cute.sim.tune.resolve_config``) for an EP group of
+    ``num_peers`` GPUs over NVLink; fields the caller set are kept and held fixed. Used on the
+    IPC path, where no sweep has been measured yet (two GPUs only, at 12 comm CTAs:
+    docs/gpu_runs.md run 27). Cached per shape (1-5 s for a new one)."""
     from mok_cute.sim import SimShape, tune
 
     shape = SimShape("plan", tokens, hidden, intermediate, num_experts, top_k, shared_intermediate)
-    report = tune.tune_report(shape, num_peers, profile, minibatch_tokens=minibatch_tokens,
-                              ring_tokens=ring_tokens)
-    return int(report["num_comm_sms"])
+    return tune.resolve_config(config, shape, num_peers, profile)
 
 
 def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, int]:
@@ -114,7 +113,7 @@ def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, i
             raise ValueError(f"MoKConfig.{name} must be a multiple of tile_m={tile}, got {value}")
     if ring < minibatch:
         raise ValueError(f"MoKConfig.ring_tokens must be >= minibatch_tokens={minibatch}, got {ring}")
-    return minibatch, min(ring, capacity)
+    return min(minibatch, capacity), min(ring, capacity)
 
 
 class _VirtualSide:
@@ -384,15 +383,13 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         import torch.distributed as dist
 
         peers = dist.get_world_size(group)
+    if group is not None and peers > 1:  # GPUs over NVLink: the simulator's picks
+        config = tuned_config(config, peers, T, H, I, peers * E_loc, K, Is)
     capacity = schedule_capacity(peers, T, K, E_loc, TILE_M)
     minibatch, ring = resolve_sizes(config, capacity, T)
     local_direct = LOCAL_DIRECT and COMM_COPY == "vector" and ring >= capacity
-    if config.num_comm_sms:
-        num_comm = config.num_comm_sms
-    elif group is not None and peers > 1:  # real GPUs over NVLink: the simulator's pick
-        num_comm = tuned_num_comm_ctas(peers, T, H, I, peers * E_loc, K, Is, minibatch, ring)
-    else:  # one GPU: the measured defaults
-        num_comm = default_num_comm_ctas(peers, H, K, num_sms, local_direct)
+    # one GPU (one rank, or virtual ranks sharing its HBM): the measured defaults
+    num_comm = config.num_comm_sms or default_num_comm_ctas(peers, H, K, num_sms, local_direct)
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
@@ -423,7 +420,8 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     """One GPU (``group=None``): the megakernel with one rank. With ``group``: this process's
     rank of an expert-parallel group, peers reached through IPC-mapped symmetric buffers
     (every rank of the group calls together, with the same T). The IPC launch has run on 2
-    H200s (docs/gpu_runs.md, runs 24–26), not yet on 4 or 8."""
+    H200s (docs/gpu_runs.md, runs 25–27), not yet on 4 or 8; its unset comm split, minibatch
+    and ring come from the simulator's tuner (``tuned_config``)."""
     config = config or MoKConfig()
     sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
     args = (x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),

@@ -335,25 +335,37 @@ def test_one_gpu_comm_split_is_the_simulators_pick():
     simulator's tuner picks for the plan's minibatch and ring: with local_direct no row
     crosses a comm CTA."""
     from mok_cute import megakernel
+    from mok_cute.config import MoKConfig
     from mok_cute.schedule import schedule_capacity
 
     T, H, I, E, K = 4096, 7168, 2048, 32, 8  # dsv3_ep8_rank
     cap = schedule_capacity(1, T, K, E, 128)
-    assert megakernel.tuned_num_comm_ctas(1, T, H, I, E, K, 0, 1024, cap) == \
-        megakernel.LOCAL_ONLY_COMM_CTAS
+    fixed = MoKConfig(minibatch_tokens=1024, ring_tokens=cap)
+    tuned = megakernel.tuned_config(fixed, 1, T, H, I, E, K, 0)
+    assert tuned.num_comm_sms == megakernel.LOCAL_ONLY_COMM_CTAS
+    assert (tuned.minibatch_tokens, tuned.ring_tokens) == (1024, cap)
     assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=True) == \
         megakernel.LOCAL_ONLY_COMM_CTAS
     assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=False) == \
         megakernel.DEFAULT_COMM_CTAS
 
 
-def test_ep_group_comm_split_comes_from_the_tuner():
+def test_ep_group_sizes_come_from_the_tuner_and_fit_the_plan():
+    """On the IPC path the None fields come from the tuner, set ones are kept, and the result
+    passes the plan's own size checks."""
     from mok_cute import megakernel
+    from mok_cute.config import MoKConfig
     from mok_cute.schedule import schedule_capacity
     from mok_cute.sim import tune
 
     T, H, I, E, K = 2048, 6144, 2048, 256, 8  # glm_5.2 per rank, on 2 GPUs
+    tuned = megakernel.tuned_config(MoKConfig(), 2, T, H, I, E, K, I)
+    assert tuned.num_comm_sms in tune.COMM_SMS_GRID
+    assert tuned.minibatch_tokens in tune.MINIBATCH_GRID
+    assert tuned.ring_tokens % tuned.minibatch_tokens == 0
+    assert tuned == megakernel.tuned_config(MoKConfig(), 2, T, H, I, E, K, I)  # deterministic
     cap = schedule_capacity(2, T, K, E // 2, 128)
-    n = megakernel.tuned_num_comm_ctas(2, T, H, I, E, K, I, 1024, cap)
-    assert n in tune.COMM_SMS_GRID
-    assert n == megakernel.tuned_num_comm_ctas(2, T, H, I, E, K, I, 1024, cap)  # deterministic
+    minibatch, ring = megakernel.resolve_sizes(tuned, cap, T)
+    assert 0 < minibatch <= ring <= cap
+    kept = megakernel.tuned_config(MoKConfig(num_comm_sms=7), 2, T, H, I, E, K, I)
+    assert kept.num_comm_sms == 7 and kept.minibatch_tokens is not None
