@@ -411,7 +411,8 @@ class GroupedGemmSm90:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 t_start = Int64(0)
                 if const_expr(self.timeline):
-                    t_start = common.timeline_now()
+                    if tile_tidx == 0:  # only the record's writer reads the timer
+                        t_start = common.timeline_now()
 
                 # ---- mainloop: one wgmma batch stays in flight; a stage is released once
                 # the batch that read it has retired. Plain `range` lets the compiler unroll.
