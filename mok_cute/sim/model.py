@@ -32,6 +32,7 @@ import functools
 import numpy as np
 
 from .. import tasks as T
+from ..schedule import schedule_capacity
 from .hardware import HardwareProfile
 
 __all__ = [
@@ -293,14 +294,6 @@ class Graph:
         return int(self.rank.size)
 
 
-def _static_capacity(num_ranks: int, tokens: int, top_k: int, local_experts: int,
-                     tile_m: int) -> int:
-    """``schedule.schedule_capacity`` (not imported: it needs torch): every row of every peer
-    on this rank plus < tile_m padding per local expert, in whole tiles."""
-    rows = num_ranks * tokens * top_k + local_experts * (tile_m - 1)
-    return -(-rows // tile_m) * tile_m
-
-
 @functools.lru_cache(maxsize=64)
 def _cached_list(nt: int, key: tuple) -> T.TaskList:
     kw = dict(key)
@@ -411,7 +404,7 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
     row_bytes = shape.hidden * _BF16
 
     # the kernel's condition (megakernel.plan_for): the ring holds the static capacity
-    local_direct = cfg.local_direct and not push and cfg.ring_tokens >= _static_capacity(
+    local_direct = cfg.local_direct and not push and cfg.ring_tokens >= schedule_capacity(
         R, shape.tokens_per_rank, shape.top_k, shape.num_experts // R, cfg.tile_m)
 
     barrier_counters = []
