@@ -384,11 +384,25 @@ def study_megakernel_r1(profile="h200_hgx", comm=(6, 8, 12, 16), *, tuner: bool 
 # plots
 
 
-def plot_pull_push(data: dict, path: str | Path) -> Path:
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_pull_push(data: dict, path: str | Path) -> Path:
+    plt = _pyplot()
 
     rows = [r for r in data["rows"] if r["dispatch_only"]]
     panels = list(dict.fromkeys((r["num_ranks"], r["profile"], r["num_comm_sms"]) for r in rows))
@@ -408,17 +422,11 @@ def plot_pull_push(data: dict, path: str | Path) -> Path:
     np.atleast_1d(axes)[0].set_ylabel("dispatch ingress GB/s\n(mean over receivers)")
     np.atleast_1d(axes)[0].legend(fontsize=7)
     fig.suptitle("SIMULATED: pull vs push dispatch alone, Kimi K2.7 rows (study a)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_sweep(data: dict, path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = [r for r in data["rows"] if r["copy_scale"] == 1.0]
     setups = list(dict.fromkeys((r["profile"], r["num_ranks"]) for r in rows))
@@ -450,17 +458,11 @@ def plot_sweep(data: dict, path: str | Path) -> Path:
             fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle("SIMULATED TFLOP/s per GPU (MoK formula), uniform routing (study b)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def plot_mok(data: dict, path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = data["best"]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
@@ -483,10 +485,7 @@ def plot_mok(data: dict, path: str | Path) -> Path:
     np.atleast_1d(axes)[0].legend(fontsize=7)
     fig.suptitle("SIMULATED GB300 NVL72, best of a sweep, vs MoK's published DSV4-Pro BF16 fwd "
                  "(study c)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path)
 
 
 def write_json(data: dict, path: str | Path, command: str) -> Path:
