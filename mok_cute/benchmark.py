@@ -390,6 +390,15 @@ def virtual_path_of(mok_module: Any, device: Any, config: Any) -> tuple[bool, st
     return choice.path in ("kernel", "megakernel"), f"{choice.path}: {choice.reason}"
 
 
+def parse_contenders(spec: str, allowed: Sequence[str]) -> list[str]:
+    """``--contenders``: a comma list of names from ``allowed`` (ValueError naming the others)."""
+    contenders = [c.strip() for c in spec.split(",") if c.strip()]
+    unknown = [c for c in contenders if c not in allowed]
+    if unknown:
+        raise ValueError(f"--contenders: expected names from {list(allowed)}, got {unknown}")
+    return contenders
+
+
 def parse_config_overrides(items: Sequence[str]) -> dict[str, Any]:
     """KEY=VALUE strings (also comma-separated) to MoKConfig keyword arguments."""
     out: dict[str, Any] = {}
@@ -1040,10 +1049,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.contenders is None:
             contenders = DEFAULT_CONTENDERS[:1] + ["mok_cute_virtual"] * (args.ep_ranks > 1) + DEFAULT_CONTENDERS[1:]
         else:
-            contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-        unknown = [c for c in contenders if c not in ALL_CONTENDERS]
-        if unknown:
-            raise ValueError(f"--contenders: expected names from {ALL_CONTENDERS}, got {unknown}")
+            contenders = parse_contenders(args.contenders, ALL_CONTENDERS)
         if args.ep_ranks < 1:
             raise ValueError(f"--ep-ranks: expected >= 1, got {args.ep_ranks}")
         if args.rounds < 1:

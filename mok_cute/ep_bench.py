@@ -778,10 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else None
         if tokens_list is not None and min(tokens_list) < 1:
             raise ValueError(f"--tokens: expected positive integers, got {args.tokens!r}")
-        contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-        unknown = [c for c in contenders if c not in ALL_CONTENDERS]
-        if unknown:
-            raise ValueError(f"--contenders: expected names from {ALL_CONTENDERS}, got {unknown}")
+        contenders = bm.parse_contenders(args.contenders, ALL_CONTENDERS)
         if args.check_tokens < 1:
             raise ValueError(f"--check-tokens: expected >= 1, got {args.check_tokens}")
         mok_config = bm.parse_config_overrides(args.mok_config)
