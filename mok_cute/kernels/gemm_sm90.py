@@ -74,9 +74,10 @@ class GroupedGemmSm90:
         not yet re-run; ``mok_cute.ops`` never selects it.
     :param a_gather: A rows are gathered from an unsorted matrix through a row table
         (``mARows``): the whole producer warpgroup loads them with ``cp.async``
-        (``cp_async_a_rows``) straight into the swizzled A stage, so no sorted copy of the activations is made
-        (FC1 reads x directly). B still comes by TMA. EXPERIMENTAL: compiles, never run on a
-        GPU (2026-11-29); ``mok_cute.ops`` selects it only with ``ops.GATHER_IN_FC1``.
+        (``cp_async_a_rows``) straight into the swizzled A stage, so no sorted copy of the
+        activations is made (FC1 reads x directly). B still comes by TMA. Bitwise equal to
+        FC1 on the gathered copy on the H200, but no faster (docs/perf_notes.md), so
+        ``mok_cute.ops`` selects it only with ``ops.GATHER_IN_FC1``.
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
