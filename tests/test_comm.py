@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import datetime
 import os
 import struct
 import subprocess
@@ -19,7 +18,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mok_cute import comm
 from mok_cute.comm import (
@@ -30,6 +28,8 @@ from mok_cute.comm import (
     VirtualPeers,
     moe_symmetric_layout,
 )
+
+import gloo_group
 
 # ---------------------------------------------------------------------------------------------
 # SymmetricLayout
@@ -635,8 +635,6 @@ def _process_worker(rank, world, tmp):
     import json
     import traceback
 
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
     results = {}
     try:
         for name, check in _SCENARIOS.items():  # host_ipc last: it patches torch.cuda in this process
@@ -649,7 +647,6 @@ def _process_worker(rank, world, tmp):
     finally:
         with open(os.path.join(tmp, f"result-{rank}.json"), "w") as f:
             json.dump(results, f)
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -659,7 +656,7 @@ def process_results(tmp_path_factory):
     if not (hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")):
         pytest.skip("needs Linux memfd and /proc")
     world, tmp = 3, str(tmp_path_factory.mktemp("comm_processes"))
-    mp.spawn(_process_worker, args=(world, tmp), nprocs=world, join=True)
+    gloo_group.spawn(_process_worker, world, tmp, tmp)
     by_rank = []
     for r in range(world):
         with open(os.path.join(tmp, f"result-{r}.json")) as f:

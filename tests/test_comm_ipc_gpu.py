@@ -7,17 +7,17 @@ Run on a GPU host:  python -m pytest -q tests/test_comm_ipc_gpu.py
 
 from __future__ import annotations
 
-import datetime
 import os
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mok_cute import comm
 from mok_cute.comm import BARRIER_FIELD, IpcPeers, VirtualPeers, moe_symmetric_layout
+
+import gloo_group
 
 pytestmark = pytest.mark.gpu
 
@@ -35,57 +35,51 @@ def _pattern(rank: int, shape, salt: int) -> torch.Tensor:
     return ((torch.arange(n) % 251) + 256 * rank + 4096 * salt).reshape(shape).to(torch.bfloat16)
 
 
-def _ipc_worker(rank, world, init_file, handle_type):
+def _ipc_worker(rank, world, handle_type):
     torch.cuda.set_device(0)  # both ranks on one GPU
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        layout = moe_symmetric_layout(T, H, K, world)
-        with IpcPeers(None, layout, handle_type, device=0, timeout_s=60) as peers:
-            table = peers.table
-            assert table.backend == f"ipc:{handle_type}" and table.rank == rank and table.num_ranks == world
-            assert table.bases.device == torch.device("cuda", 0) and table.bases.dtype == torch.int64
-            assert table.bases.tolist() == list(table.addresses)
-            assert len(set(table.addresses)) == world
-            table.validate()
-            # Fresh buffers are zero (the barrier flags rely on it).
-            assert not table.local.any().item()
-            dist.barrier()  # every rank has looked at its fresh buffer before anyone writes
+    layout = moe_symmetric_layout(T, H, K, world)
+    with IpcPeers(None, layout, handle_type, device=0, timeout_s=60) as peers:
+        table = peers.table
+        assert table.backend == f"ipc:{handle_type}" and table.rank == rank and table.num_ranks == world
+        assert table.bases.device == torch.device("cuda", 0) and table.bases.dtype == torch.int64
+        assert table.bases.tolist() == list(table.addresses)
+        assert len(set(table.addresses)) == world
+        table.validate()
+        # Fresh buffers are zero (the barrier flags rely on it).
+        assert not table.local.any().item()
+        dist.barrier()  # every rank has looked at its fresh buffer before anyone writes
 
-            peer = (rank + 1) % world
-            x_shape, c_shape = layout.field("x").shape, layout.field("combine").shape
-            # 1. Push into the peer's buffer through our mapping: x from a CUDA tensor (DtoD),
-            #    combine from a CPU tensor (HtoD), and our barrier flag word in the peer's flags.
-            peers.write_peer(peer, "x", _pattern(rank, x_shape, 1).cuda())
-            peers.write_peer(peer, "combine", _pattern(rank, c_shape, 2))
-            peers.write_peer(peer, BARRIER_FIELD, torch.tensor([7 + rank], dtype=torch.int32), byte_offset=4 * rank)
-            dist.barrier()
-            src = (rank - 1) % world  # who wrote into our buffer
-            x_torch = table.view("x").cpu()  # our own buffer, read by torch through the view
-            x_driver = peers.read_peer(rank, "x")  # the same bytes, read by the driver
-            assert torch.equal(x_torch, _pattern(src, x_shape, 1)), f"rank {rank}: x from rank {src} differs"
-            assert torch.equal(x_driver, x_torch)
-            assert torch.equal(table.view("combine").cpu(), _pattern(src, c_shape, 2))
-            flags = table.view(BARRIER_FIELD).cpu().tolist()
-            assert flags[src] == 7 + src and all(f == 0 for q, f in enumerate(flags) if q != src), flags
-            dist.barrier()
-
-            # 2. Pull: write our own buffer with a torch kernel, the peer reads it through its mapping.
-            table.view("x").copy_(_pattern(rank, x_shape, 3).cuda())
-            torch.cuda.synchronize()
-            dist.barrier()
-            assert torch.equal(peers.read_peer(peer, "x"), _pattern(peer, x_shape, 3)), f"rank {rank}: pull from {peer}"
-            dist.barrier()  # nobody closes while a peer may still read its buffer
-        assert peers._table is None and repr(peers).endswith("closed)")
-        peers.close()  # idempotent
+        peer = (rank + 1) % world
+        x_shape, c_shape = layout.field("x").shape, layout.field("combine").shape
+        # 1. Push into the peer's buffer through our mapping: x from a CUDA tensor (DtoD),
+        #    combine from a CPU tensor (HtoD), and our barrier flag word in the peer's flags.
+        peers.write_peer(peer, "x", _pattern(rank, x_shape, 1).cuda())
+        peers.write_peer(peer, "combine", _pattern(rank, c_shape, 2))
+        peers.write_peer(peer, BARRIER_FIELD, torch.tensor([7 + rank], dtype=torch.int32), byte_offset=4 * rank)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        src = (rank - 1) % world  # who wrote into our buffer
+        x_torch = table.view("x").cpu()  # our own buffer, read by torch through the view
+        x_driver = peers.read_peer(rank, "x")  # the same bytes, read by the driver
+        assert torch.equal(x_torch, _pattern(src, x_shape, 1)), f"rank {rank}: x from rank {src} differs"
+        assert torch.equal(x_driver, x_torch)
+        assert torch.equal(table.view("combine").cpu(), _pattern(src, c_shape, 2))
+        flags = table.view(BARRIER_FIELD).cpu().tolist()
+        assert flags[src] == 7 + src and all(f == 0 for q, f in enumerate(flags) if q != src), flags
+        dist.barrier()
+
+        # 2. Pull: write our own buffer with a torch kernel, the peer reads it through its mapping.
+        table.view("x").copy_(_pattern(rank, x_shape, 3).cuda())
+        torch.cuda.synchronize()
+        dist.barrier()
+        assert torch.equal(peers.read_peer(peer, "x"), _pattern(peer, x_shape, 3)), f"rank {rank}: pull from {peer}"
+        dist.barrier()  # nobody closes while a peer may still read its buffer
+    assert peers._table is None and repr(peers).endswith("closed)")
+    peers.close()  # idempotent
 
 
 def _spawn(handle_type, world=2):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_ipc_worker, args=(world, os.path.join(tmp, "init"), handle_type), nprocs=world, join=True)
+        gloo_group.spawn(_ipc_worker, world, tmp, handle_type)
 
 
 @pytest.mark.parametrize("handle_type", ["posix_fd", "legacy"])

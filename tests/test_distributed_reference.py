@@ -8,16 +8,14 @@ computed in the same process. A failing assertion in a worker fails the test thr
 
 from __future__ import annotations
 
-import datetime
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import mok_cute as mok
 from mok_cute import reference as ref
+
+import gloo_group
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
@@ -41,21 +39,6 @@ def _problem(R, T_per_rank, H, I, E_loc, K, Is, seed=0):
             (torch.randn(R, H, Is, generator=gen) * Is**-0.5).bfloat16(),
         )
     return xs, idx, wts, w_gate, w_up, w_down, shared
-
-
-def _worker(rank, world, init_file, case):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),  # a hang becomes an error, not a stuck test
-    )
-    {"equal_tokens": _check_equal_tokens, "uneven_tokens": _check_uneven_tokens}[case](rank, world)
-    # Tear down only when every rank is done: gloo aborts the process if a peer's group goes
-    # away while its last sends are still in flight. (A failing rank raises above and the
-    # spawn harness terminates the others.)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _check_equal_tokens(rank, R):
@@ -125,15 +108,10 @@ def _check_uneven_tokens(rank, R):
     assert torch.equal(out, want), f"rank {rank}: MoELayer differs"
 
 
-def _spawn(world, case, tmp_path):
-    init_file = tmp_path / f"gloo_init_{case}_{world}"
-    mp.spawn(_worker, args=(world, str(init_file), case), nprocs=world, join=True)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_ep_forward_backward_equals_virtual(world, tmp_path):
-    _spawn(world, "equal_tokens", tmp_path)
+    gloo_group.spawn(_check_equal_tokens, world, tmp_path)
 
 
 def test_ep_uneven_tokens_and_idle_ranks(tmp_path):
-    _spawn(4, "uneven_tokens", tmp_path)
+    gloo_group.spawn(_check_uneven_tokens, 4, tmp_path)

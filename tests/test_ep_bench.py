@@ -8,7 +8,6 @@ I=32, 4 experts per rank, K=2, one shared expert.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import subprocess
@@ -19,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import mok_cute as mok
 from mok_cute import benchmark as bm
 from mok_cute import ep_bench as ep
+
+import gloo_group
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
@@ -132,23 +132,15 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, scenarios: list[str]) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))  # a hang becomes an error
-    try:
-        d = ep.init_distributed("cpu")
-        assert not d.owns_group and (d.rank, d.world, d.backend) == (rank, world, "gloo")
-        for name in scenarios:
-            SCENARIOS[name](d, Path(out_dir))
-        dist.barrier()  # tear down only when every rank is done
-    finally:
-        dist.destroy_process_group()
+def _run_scenarios(rank: int, world: int, out_dir: str, scenarios: list[str]) -> None:
+    d = ep.init_distributed("cpu")
+    assert not d.owns_group and (d.rank, d.world, d.backend) == (rank, world, "gloo")
+    for name in scenarios:
+        SCENARIOS[name](d, Path(out_dir))
 
 
 def _spawn(world: int, scenarios: list[str], tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(world, ep.free_port(), str(tmp_path), scenarios), nprocs=world, join=True)
+    gloo_group.spawn(_run_scenarios, world, tmp_path, str(tmp_path), scenarios)
 
 
 # --------------------------------------------------------------------------------------------
