@@ -1,5 +1,6 @@
 """Grouped GEMM (kernels/gemm_sm90.py): compile-only checks in CI, numerics on the H200."""
 
+import os
 import re
 
 import pytest
@@ -26,6 +27,9 @@ def test_compiles_for_sm90a_with_wgmma_tma_setmaxnreg(epilogue, tile_n, pingpong
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232", ptx)
     if epilogue == "swiglu":
         assert "ex2.approx" in ptx
+    if pingpong:
+        # the mainloop turn of the two consumer warpgroups (256 threads: both warpgroups)
+        assert re.search(r"bar\.sync\s+%r\d+, 256;", ptx) and re.search(r"bar\.arrive\s+%r\d+, 256;", ptx)
 
 
 def test_ptxas_reports_no_spills_and_no_c7508(capfd, tmp_path):
@@ -76,9 +80,12 @@ def _expected(a, w, tile_expert, w_up=None):
     return torch.nn.functional.silu(matmul(w)) * matmul(w_up)
 
 
-PINGPONG_UNVERIFIED = pytest.mark.skip(
-    reason="pingpong hung on the H200 on 2026-11-29; re-enable once a run with the "
-           "branch-free state advance passes")
+# Pingpong hung on the H200 on 2026-11-29; the mainloop turn that should fix it has not run yet.
+# Until it has, its GPU tests run only on request, in their own time-limited step
+# (`tools/gpu_check.sh gemm` sets MOK_TEST_PINGPONG=1), so a hang cannot stall the others.
+PINGPONG_UNVERIFIED = pytest.mark.skipif(
+    os.environ.get("MOK_TEST_PINGPONG") != "1",
+    reason="pingpong is unverified on the GPU: set MOK_TEST_PINGPONG=1 (tools/gpu_check.sh gemm)")
 
 
 @pytest.mark.gpu

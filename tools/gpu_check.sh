@@ -2,7 +2,7 @@
 # One call on the GPU host that checks everything GPU-side, each step under its own time limit
 # so a hung kernel costs minutes, not the whole lease. Logs and JSON go to $OUT (or ./out).
 #
-#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|all]
+#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|ep N|all]
 #
 #   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
 #   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
@@ -12,6 +12,8 @@
 #   mega   the megakernel: its GPU tests, then tools/megakernel_probe.py (comm-CTA sweep, bitwise
 #          against the expert path, one recorded timeline) and moe_forward_virtual at R = 8
 #          against R = 1 on MoK's four shapes
+#   gemm   the pingpong GEMM's GPU tests (opt-in, they hung once), then tools/gemm_probe.py:
+#          cooperative 256 / 128 against pingpong 128 on FC1 and FC2 of dsv3 and qwen3
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
 #          megakernel), then mok-cute bench --ep
@@ -66,6 +68,14 @@ run_mega() {
     --iters 10 --warmup 3 --out "$out" --tag virtual_r8 2>&1 | tail -14
 }
 
+run_gemm() {
+  MOK_TEST_PINGPONG=1 timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore \
+    -o timeout=60 --tb=short tests/test_gemm_sm90.py -k "matches_torch" > "$out/test_pingpong.log" 2>&1
+  echo "pingpong tests rc=$?: $(grep -E "passed|failed" "$out/test_pingpong.log" | tail -1)"
+  timeout -s KILL 200 python3 -u tools/gemm_probe.py --shapes dsv3_ep8_rank,qwen3_30b \
+    --variants 256:8,128:8,128p:8 --json "$out/gemm_probe.json" 2>&1 | grep -v Warn | tail -16
+}
+
 run_ep() {
   local n="$1"
   # issue 7's checks: reference, repeat, comm split, emulated == real (uniform and skewed)
@@ -85,7 +95,8 @@ case "$what" in
   bench) run_bench ;;
   sonic) run_sonic ;;
   mega) run_mega ;;
+  gemm) run_gemm ;;
   ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|ep N|all]" >&2; exit 2 ;;
 esac

@@ -28,6 +28,7 @@ class NamedBarriers(enum.IntEnum):
     EPILOGUE = 1  # consumer warpgroups of a GEMM tile (pingpong: EPILOGUE + warpgroup, 1 and 2)
     COMM = 3  # the comm workers of a megakernel comm CTA
     PRODUCER = 4  # the producer warpgroup of a megakernel compute CTA (local_direct)
+    MMA_ORDER = 5  # pingpong GEMM: warpgroup w waits on MMA_ORDER + w for its mainloop turn (5, 6)
 
 
 @cute.jit

@@ -69,9 +69,11 @@ class GroupedGemmSm90:
     :param task_type: ``mok_cute.timeline.TaskType`` value written in the records.
     :param pingpong: the two consumer warpgroups take alternate whole tiles (one runs its
         epilogue while the other runs its mainloop) instead of sharing each tile.
-        EXPERIMENTAL: compiles (0 spills), but its first H200 run hung (2026-11-29). The
-        suspected cause (a pipeline-state advance inside a run-time branch) is fixed and
-        not yet re-run; ``mok_cute.ops`` never selects it.
+        EXPERIMENTAL: its first H200 run hung (2026-11-29). Cause found by reading, not yet
+        re-run: the two warpgroups waited on stage barriers a tile apart, beyond the one
+        phase an mbarrier parity wait can tell apart. They now take turns at the mainloop
+        through two named barriers (``NamedBarriers.MMA_ORDER``), as CUTLASS's pingpong
+        kernel orders its math warpgroups. ``mok_cute.ops`` never selects it.
     :param a_gather: A rows are gathered from an unsorted matrix through a row table
         (``mARows``): the whole producer warpgroup loads them with ``cp.async``
         (``cp_async_a_rows``) straight into the swizzled A stage, so no sorted copy of the
@@ -388,8 +390,15 @@ class GroupedGemmSm90:
 
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.ab_stages)
-            tile_stride = cute.arch.grid_dim()[0]
+            grid_size = cute.arch.grid_dim()[0]
+            tile_stride = grid_size
             tile_idx = cute.arch.block_idx()[0]
+            first_tile = tile_idx
+            # pingpong: the warpgroups take turns at the mainloop (see _mma_turn_*)
+            my_turn = pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer, num_threads=self.num_mma_threads)
+            their_turn = pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer, num_threads=self.num_mma_threads)
             if const_expr(self.pingpong):
                 # warpgroup 1 takes this CTA's odd tiles and skips the stages of the first.
                 # Branch-free on purpose: state mutated inside a run-time `if` may not be
@@ -419,6 +428,15 @@ class GroupedGemmSm90:
                 # the batch that read it has retired. Plain `range` lets the compiler unroll.
                 acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                if const_expr(self.pingpong):
+                    # Wait for the other warpgroup to have issued its tile's last k-tile.
+                    # Without this turn, warpgroup 1 waits on stage barriers a whole tile
+                    # (k_tile_cnt stages) ahead of the producer, and an mbarrier parity wait
+                    # can only tell the current phase from the previous one: it passes on a
+                    # stale phase, consumes the other tile's data and over-arrives on the
+                    # empty barrier (the 2026-11-29 hang).
+                    if tile_idx >= first_tile + grid_size:
+                        my_turn.arrive_and_wait()
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read_state)
                 a_visible_to_wgmma(self.a_gather)
@@ -432,6 +450,11 @@ class GroupedGemmSm90:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
                     read_state.advance()
+                if const_expr(self.pingpong):
+                    # every stage of this tile has been waited for: the next tile (the other
+                    # warpgroup's) may start waiting on its stages while ours drain
+                    if tile_idx + grid_size < num_tiles:
+                        their_turn.arrive()
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
