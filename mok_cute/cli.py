@@ -154,7 +154,9 @@ def _ptx_rows(reports: list[tuple[str, Any]]) -> Any:
     from rich.table import Table
 
     table = Table(title="PTX instruction mix (static counts) and ptxas resources")
-    table.add_column("", style="bold")
+    keys = ("registers", "spill_bytes", "smem_bytes", "ptxas warnings", *_MIX_ROWS)
+    # row names stay whole however many kernels share the terminal's width
+    table.add_column("", style="bold", no_wrap=True, min_width=max(map(len, keys)))
     for name, _ in reports:
         table.add_column(name, justify="right")
 

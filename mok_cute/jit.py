@@ -67,6 +67,9 @@ KERNELS: dict[str, KernelSpec] = {
     "weighted_ksum": KernelSpec(
         "mok_cute.kernels.token_ops", "compile_weighted_ksum", {"K": 8, "has_shared": True},
         "fixed-order fp32 k-sum plus shared expert, rounded once to bf16"),
+    "schedule_build": KernelSpec(
+        "mok_cute.kernels.schedule_build", "compile_schedule_build", {"num_experts": 32},
+        "one-rank receive schedule: stable counting sort of the routed slots by expert, two launches"),
     "gemm_fc1": KernelSpec(
         "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm", {"epilogue": "swiglu", "tile_n": 256},
         "grouped GEMM FC1: gate+up, SwiGLU epilogue (TMA + wgmma, persistent)"),

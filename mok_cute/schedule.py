@@ -26,6 +26,11 @@ import torch
 
 from .config import check_int, check_tensor
 
+# R = 1 on a GPU: build with the two kernels of kernels/schedule_build.py instead of ~50 torch
+# launches. Off until its GPU tests pass on the H200 (written 2026-11-29, not yet run there):
+# `bash tools/gpu_check.sh schedule` checks and times it.
+GPU_BUILD = False
+
 __all__ = [
     "ReceiveSchedule",
     "build_receive_schedule",
@@ -97,6 +102,11 @@ def build_receive_schedule(
             )
 
     if R == 1:
+        if GPU_BUILD and topk_idx_all.is_cuda:
+            from mok_cute.kernels import schedule_build
+
+            if E_loc <= schedule_build.MAX_EXPERTS:
+                return schedule_build.build_single_rank(topk_idx_all[0], E_loc, tile_m)
         return _build_single_rank(topk_idx_all[0], E_loc, tile_m)
 
     device = topk_idx_all.device

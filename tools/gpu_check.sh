@@ -2,7 +2,7 @@
 # One call on the GPU host that checks everything GPU-side, each step under its own time limit
 # so a hung kernel costs minutes, not the whole lease. Logs and JSON go to $OUT (or ./out).
 #
-#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|ep N|all]
+#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|schedule|ep N|all]
 #
 #   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
 #   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
@@ -14,6 +14,8 @@
 #          against R = 1 on MoK's four shapes
 #   gemm   the pingpong GEMM's GPU tests (opt-in, they hung once), then tools/gemm_probe.py:
 #          cooperative 256 / 128 against pingpong 128 on FC1 and FC2 of dsv3 and qwen3
+#   schedule  the GPU build of the one-rank schedule: its GPU tests (bitwise against the torch
+#          build), then tools/schedule_probe.py (build times, layer with schedule.GPU_BUILD off/on)
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
 #          megakernel), then mok-cute bench --ep
@@ -76,6 +78,15 @@ run_gemm() {
     --variants 256:8,128:8,128p:8 --json "$out/gemm_probe.json" 2>&1 | grep -v Warn | tail -16
 }
 
+run_schedule() {
+  timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
+    --tb=short tests/test_schedule_build.py > "$out/test_schedule_build.log" 2>&1
+  echo "schedule_build tests rc=$?: $(grep -E "passed|failed" "$out/test_schedule_build.log" | tail -1)"
+  grep -E "^FAILED|Error" "$out/test_schedule_build.log" | head -5
+  timeout -s KILL 240 python3 -u tools/schedule_probe.py --shapes dsv3_ep8_rank,sonic_120b,qwen3_30b \
+    --json "$out/schedule_probe.json" 2>&1 | grep -v Warn | tail -8
+}
+
 run_ep() {
   local n="$1"
   # issue 7's checks: reference, repeat, comm split, emulated == real (uniform and skewed)
@@ -96,7 +107,8 @@ case "$what" in
   sonic) run_sonic ;;
   mega) run_mega ;;
   gemm) run_gemm ;;
+  schedule) run_schedule ;;
   ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|ep N|all]" >&2; exit 2 ;;
 esac

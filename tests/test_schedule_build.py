@@ -1,0 +1,183 @@
+"""The GPU build of the one-rank schedule (kernels/schedule_build.py).
+
+CI: the kernels compile for sm_90a (match.any, warp shuffles, no spills), and a step-by-step
+Python model of the two kernels (their chunks, rounds, warps, scan and search, with the same
+constants) equals the torch build, so the algorithm is checked without a GPU.
+GPU: the kernels equal the torch build bitwise on random, skewed and invalid routing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from mok_cute import schedule as sched_mod
+from mok_cute.kernels import schedule_build as sb
+
+
+def _as_numpy(s) -> dict:
+    return {name: getattr(s, name).cpu().numpy().astype(np.int64)
+            for name in ("row_token", "row_k", "row_peer", "expert_counts", "expert_offsets",
+                         "tile_expert", "num_tiles", "slot_rows")}
+
+
+def _model(ids: np.ndarray, E: int, tile_m: int) -> dict:
+    """The two kernels, step by step, in numpy (one CTA at a time; threads as vectors)."""
+    T, K = ids.shape
+    n = T * K
+    flat = ids.reshape(n).astype(np.int64)
+    capacity = sched_mod.schedule_capacity(1, T, K, E, tile_m)
+    chunks = sb.num_chunks(n)
+    expert_of = np.where((flat >= 0) & (flat < E), flat, E)
+    rank = np.zeros(n, np.int64)
+    chunk_counts = np.zeros((E + 1, chunks), np.int64)
+    # count kernel
+    for c in range(chunks):
+        running = np.zeros(E + 1, np.int64)
+        for r in range(sb.ROUNDS):
+            slots = c * sb.CHUNK + r * sb.THREADS + np.arange(sb.THREADS)
+            ex = np.where(slots < n, expert_of[np.minimum(slots, n - 1)], E)
+            warp_counts = np.zeros((sb.WARPS, E + 1), np.int64)
+            below = np.zeros(sb.THREADS, np.int64)
+            for w in range(sb.WARPS):
+                lanes = ex[32 * w:32 * w + 32]
+                for lane in range(32):
+                    below[32 * w + lane] = np.sum(lanes[:lane] == lanes[lane])
+                for e in np.unique(lanes):
+                    warp_counts[w, e] = np.sum(lanes == e)
+            new_running = running.copy()
+            for t in range(sb.THREADS):
+                w, e = t // 32, ex[t]
+                earlier = running[e] + warp_counts[:w, e].sum()
+                if slots[t] < n:
+                    rank[slots[t]] = earlier + below[t]
+                if below[t] == 0 and warp_counts[w + 1:, e].sum() == 0:
+                    new_running[e] = earlier + warp_counts[w, e]
+            running = new_running
+        chunk_counts[:, c] = running
+    # place kernel (every CTA computes the same totals and offsets; bases differ)
+    total = chunk_counts[:E].sum(axis=1)
+    seg = sb.ScheduleBuild(E, tile_m).scan_segment
+    padded = (total + tile_m - 1) // tile_m * tile_m
+    partial = np.array([padded[t * seg:(t + 1) * seg].sum() for t in range(sb.THREADS)])
+    per_lane = sb.THREADS // 32
+    lane_sums = partial.reshape(32, per_lane).sum(axis=1)
+    inclusive = lane_sums.copy()
+    for s in range(sb.SCAN_STEPS):  # shfl.up scan: lanes below 2**s keep their value
+        up = np.concatenate([inclusive[:1 << s], inclusive[:-(1 << s)]])
+        inclusive = np.where(np.arange(32) >= (1 << s), inclusive + up, inclusive)
+    seg_base = np.concatenate([[0], np.cumsum(partial)[:-1]])
+    assert (seg_base.reshape(32, per_lane)[:, 0] == inclusive - lane_sums).all()
+    offsets = np.zeros(E + 1, np.int64)
+    for t in range(sb.THREADS):
+        run = seg_base[t]
+        for e in range(t * seg, min((t + 1) * seg, E)):
+            offsets[e] = run
+            run += padded[e]
+    offsets[E] = inclusive[31]
+    row_token = np.full(capacity, -99, np.int64)
+    row_k = np.full(capacity, -99, np.int64)
+    row_peer = np.full(capacity, -99, np.int64)
+    slot_rows = np.full(n, -99, np.int64)
+    for c in range(chunks):
+        base = chunk_counts[:E, :c].sum(axis=1)
+        for slot in range(c * sb.CHUNK, min((c + 1) * sb.CHUNK, n)):
+            e = expert_of[slot]
+            row = -1
+            if e < E:
+                row = offsets[e] + base[e] + rank[slot]
+                row_token[row], row_k[row], row_peer[row] = slot // K, slot % K, 0
+            slot_rows[slot] = row
+        for e in range(c, E, chunks):
+            for row in range(offsets[e] + total[e], offsets[e + 1]):
+                row_token[row] = row_k[row] = row_peer[row] = -1
+    row_token[offsets[E]:] = row_k[offsets[E]:] = row_peer[offsets[E]:] = -1
+    tile_expert = np.full(capacity // tile_m, -1, np.int64)
+    steps = sb.ScheduleBuild(E, tile_m).search_steps
+    for tile in range(capacity // tile_m):
+        start = tile * tile_m
+        if start < offsets[E]:
+            lo, hi = 0, E
+            for _ in range(steps):
+                mid = (lo + hi) // 2
+                if lo < hi:
+                    lo, hi = (mid + 1, hi) if offsets[mid + 1] <= start else (lo, mid)
+            tile_expert[tile] = lo
+    return dict(row_token=row_token, row_k=row_k, row_peer=row_peer, expert_counts=total,
+                expert_offsets=offsets, tile_expert=tile_expert,
+                num_tiles=np.array([offsets[E] // tile_m]), slot_rows=slot_rows)
+
+
+def _routing(kind: str, T: int, K: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "uniform":
+        return torch.rand(T, max(E, K), generator=gen).topk(K, dim=-1).indices % E
+    if kind == "one_expert":
+        return torch.full((T, K), E - 1, dtype=torch.int64)
+    if kind == "skewed":  # half the slots on expert 0, some experts empty
+        ids = torch.randint(0, max(E // 2, 1), (T, K), generator=gen)
+        return torch.where(torch.rand(T, K, generator=gen) < 0.5, torch.zeros_like(ids), ids)
+    if kind == "invalid":  # ids outside [0, E) route nowhere
+        return torch.randint(-3, E + 3, (T, K), generator=gen)
+    raise ValueError(kind)
+
+
+MODEL_CASES = [  # (routing, T, K, E): a chunk boundary inside a warp's slots, several chunks,
+    ("uniform", 77, 3, 5),  # E not a power of two, K odd
+    ("skewed", 300, 8, 32),  # 2400 slots: two chunks
+    ("invalid", 100, 10, 7),
+    ("one_expert", 129, 2, 4),
+    ("uniform", 1, 1, 1),
+    ("uniform", 700, 6, 300),  # E > THREADS: two experts per scan segment
+]
+
+
+@pytest.mark.parametrize("kind,T,K,E", MODEL_CASES)
+def test_model_of_the_kernels_equals_the_torch_build(kind, T, K, E, gen):
+    ids = _routing(kind, T, K, E, gen)
+    want = _as_numpy(sched_mod._build_single_rank(ids, E, 128))
+    got = _model(ids.numpy(), E, 128)
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), name
+
+
+@pytest.mark.parametrize("num_experts,ids_int64", [(32, True), (5, False), (1024, True)])
+def test_compiles_for_sm90a(num_experts, ids_int64, tmp_path):
+    compiled = sb.compile_schedule_build(num_experts=num_experts, ids_int64=ids_int64,
+                                         options=f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = compiled.__ptx__
+    assert "match.any.sync" in ptx and "shfl.sync.up" in ptx
+    assert len(re.findall(r"\.visible \.entry", ptx)) == 2  # count, place
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="num_experts"):
+        sb.ScheduleBuild(sb.MAX_EXPERTS + 1)
+    with pytest.raises(TypeError, match="topk_idx"):
+        sb.build_single_rank(torch.zeros(4, 2, dtype=torch.float32), 4)
+    with pytest.raises(ValueError, match="topk_idx"):
+        sb.build_single_rank(torch.zeros(4, dtype=torch.int64), 4)
+
+
+GPU_CASES = MODEL_CASES + [
+    ("uniform", 4096, 8, 32),  # dsv3_ep8_rank: 16 chunks
+    ("uniform", 32768, 4, 64),  # sonic_120b: 64 chunks
+    ("skewed", 16384, 8, 128),
+    ("invalid", 1000, 10, 1024),
+    ("uniform", 0, 8, 16),  # no tokens: no launch
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("kind,T,K,E", GPU_CASES)
+def test_gpu_build_equals_the_torch_build(kind, T, K, E, ids_dtype, gen):
+    ids = _routing(kind, T, K, E, gen).to(ids_dtype).cuda()
+    want = sched_mod._build_single_rank(ids, E, 128)
+    got = sb.build_single_rank(ids, E, 128, poison=-77)
+    again = sb.build_single_rank(ids, E, 128, poison=12345)
+    for name, value in _as_numpy(want).items():
+        assert np.array_equal(_as_numpy(got)[name], value), name
+        assert torch.equal(getattr(got, name), getattr(again, name)), f"{name}: not reproducible"

@@ -1,0 +1,125 @@
+"""Check and time the GPU build of the one-rank schedule against the torch build.
+
+    python tools/schedule_probe.py --shapes dsv3_ep8_rank,sonic_120b [--json out.json]
+
+Per shape, in one process:
+  1. the two builds are bitwise equal (every ReceiveSchedule field), int32 and int64 ids;
+  2. each build's GPU time (CUDA-graph replay: launch gaps of a warm queue, no host time),
+     its time back to back with events, and its host time;
+  3. the layer with ``schedule.GPU_BUILD`` off and on, expert path and megakernel, timed in
+     alternating rounds (the H200's clock drifts within a process), outputs bitwise equal.
+A probe for deciding whether GPU_BUILD becomes the default, not the benchmark of record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from layer_profile import gpu_ms, host_ms  # noqa: E402  (tools/ is on sys.path as a script)
+from mok_cute.benchmark import SINGLE_GPU_SHAPES  # noqa: E402
+
+FIELDS = ("row_token", "row_k", "row_peer", "expert_counts", "expert_offsets", "tile_expert",
+          "num_tiles", "slot_rows")
+
+
+def graph_ms(fn, reps=20):
+    """GPU time of ``fn`` replayed from a CUDA graph (no host work in the timed region)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return gpu_ms(graph.replay, reps)
+
+
+def equal_builds(ids, E):
+    from mok_cute import schedule
+    from mok_cute.kernels import schedule_build
+
+    want = schedule._build_single_rank(ids, E, 128)
+    got = schedule_build.build_single_rank(ids, E, 128, poison=-77)
+    return [f for f in FIELDS if not torch.equal(getattr(want, f), getattr(got, f))]
+
+
+def layer_rounds(name, T, H, I, E, K, rounds, iters):
+    import mok_cute as mok
+    from mok_cute import megakernel, schedule
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
+    idx = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices
+    w = torch.softmax(torch.randn(T, K, device=dev, generator=gen), dim=1)
+    wg = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
+    wu = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
+    wd = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=gen) / I ** 0.5
+    results = {}
+    for backend in ("kernel", "megakernel"):
+        cfg = mok.MoKConfig(check_ids=False, backend=backend)
+        outs, times = {}, {False: [], True: []}
+        for r in range(rounds):
+            for flag in ((False, True) if r % 2 == 0 else (True, False)):
+                schedule.GPU_BUILD = flag
+                fn = lambda: mok.moe_forward(x, idx, w, wg, wu, wd, config=cfg)  # noqa: E731
+                outs.setdefault(flag, fn())
+                times[flag].append(gpu_ms(fn, iters))
+        schedule.GPU_BUILD = False
+        results[backend] = dict(
+            torch_build_ms=statistics.median(times[False]), gpu_build_ms=statistics.median(times[True]),
+            ms_rounds={"torch_build": times[False], "gpu_build": times[True]},
+            bitwise_equal=bool(torch.equal(outs[False], outs[True])))
+        megakernel.release_plans()
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="dsv3_ep8_rank,sonic_120b")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-layer", action="store_true", help="builds only, no layer timing")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    from mok_cute import schedule
+    from mok_cute.kernels import schedule_build
+
+    rows = []
+    for name in args.shapes.split(","):
+        s = SINGLE_GPU_SHAPES[name]
+        T, H, I, E, K = s.tokens, s.hidden, s.intermediate, s.experts, s.top_k
+        ids64 = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
+        row = dict(shape=name, T=T, E=E, K=K)
+        row["mismatch_int64"] = equal_builds(ids64, E)
+        row["mismatch_int32"] = equal_builds(ids64.to(torch.int32), E)
+        skew = torch.where(torch.rand(T, K, device="cuda") < 0.5, torch.zeros_like(ids64), ids64)
+        row["mismatch_skewed"] = equal_builds(skew, E)
+        torch_build = lambda: schedule._build_single_rank(ids64, E, 128)  # noqa: E731
+        gpu_build = lambda: schedule_build.build_single_rank(ids64, E, 128)  # noqa: E731
+        for label, fn in (("torch", torch_build), ("gpu", gpu_build)):
+            row[f"{label}_build_events_ms"] = gpu_ms(fn, 20)
+            row[f"{label}_build_host_ms"] = host_ms(fn)
+            try:
+                row[f"{label}_build_graph_ms"] = graph_ms(fn)
+            except Exception as exc:  # noqa: BLE001  (record, keep going)
+                row[f"{label}_build_graph_ms"] = f"capture failed: {exc!r}"[:200]
+        if not args.no_layer:
+            row["layer"] = layer_rounds(name, T, H, I, E, K, args.rounds, args.iters)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
