@@ -26,9 +26,9 @@ import torch
 
 from .config import check_int, check_tensor
 
-# R = 1 on a GPU: build with the two kernels of kernels/schedule_build.py instead of ~50 torch
-# launches. Off until its GPU tests pass on the H200 (written 2026-11-29, not yet run there):
-# `bash tools/gpu_check.sh schedule` checks and times it.
+# On a GPU: build with the two kernels of kernels/schedule_build.py instead of 50-70 torch
+# launches per rank. Off until its GPU tests pass on the H200 (written 2026-11-29, not yet run
+# there): `bash tools/gpu_check.sh schedule` checks and times it.
 GPU_BUILD = False
 
 __all__ = [
@@ -93,20 +93,14 @@ def build_receive_schedule(
     check_int("num_local_experts", num_local_experts, min_value=1)
     check_int("tile_m", tile_m, min_value=1)
     E_loc = num_local_experts
-    if validate and topk_idx_all.numel():
-        lo, hi = torch.stack(torch.aminmax(topk_idx_all)).tolist()
-        if lo < 0 or hi >= R * E_loc:
-            raise ValueError(
-                f"topk_idx_all: expected global expert ids in [0, {R * E_loc}) "
-                f"({R} ranks x {E_loc} local experts), got ids spanning [{lo}, {hi}]"
-            )
+    if validate:
+        _check_ids(topk_idx_all, R, E_loc)
+    if GPU_BUILD and topk_idx_all.is_cuda:
+        from mok_cute.kernels import schedule_build
 
+        if schedule_build.supports(R, E_loc):
+            return schedule_build.build_schedule(topk_idx_all, rank, E_loc, tile_m)
     if R == 1:
-        if GPU_BUILD and topk_idx_all.is_cuda:
-            from mok_cute.kernels import schedule_build
-
-            if E_loc <= schedule_build.MAX_EXPERTS:
-                return schedule_build.build_single_rank(topk_idx_all[0], E_loc, tile_m)
         return _build_single_rank(topk_idx_all[0], E_loc, tile_m)
 
     device = topk_idx_all.device
@@ -173,6 +167,17 @@ def build_receive_schedule(
         tile_expert=tile_expert.to(i32),
         num_tiles=num_tiles.to(i32),
     )
+
+
+def _check_ids(topk_idx_all: torch.Tensor, R: int, E_loc: int) -> None:
+    """Every id in [0, R * E_loc) (one device->host read on CUDA)."""
+    if topk_idx_all.numel():
+        lo, hi = torch.stack(torch.aminmax(topk_idx_all)).tolist()
+        if lo < 0 or hi >= R * E_loc:
+            raise ValueError(
+                f"topk_idx_all: expected global expert ids in [0, {R * E_loc}) "
+                f"({R} ranks x {E_loc} local experts), got ids spanning [{lo}, {hi}]"
+            )
 
 
 def _tile_table(offsets: torch.Tensor, capacity: int, tile_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,8 +250,8 @@ def row_of_slot(schedule: ReceiveSchedule, T: int, K: int, peer: int = 0) -> tor
     check_int("T", T, min_value=0)
     check_int("K", K, min_value=1)
     check_int("peer", peer, min_value=0, max_value=schedule.num_ranks - 1)
-    if schedule.slot_rows is not None and schedule.slot_rows.numel() == T * K:
-        return schedule.slot_rows
+    if schedule.slot_rows is not None and peer == schedule.rank and schedule.slot_rows.numel() == T * K:
+        return schedule.slot_rows  # the build's own by-product (R == 1, or the GPU build)
     slots = slot_of_rows(schedule, K).to(torch.int64)
     hit = (slots >= 0) & (schedule.row_peer.to(torch.int64) == peer)
     device = slots.device

@@ -1,8 +1,9 @@
-"""The GPU build of the one-rank schedule (kernels/schedule_build.py).
+"""The GPU build of a rank's receive schedule (kernels/schedule_build.py).
 
 CI: the kernels compile for sm_90a (match.any, warp shuffles, no spills), and a step-by-step
-Python model of the two kernels (their chunks, rounds, warps, scan and search, with the same
-constants) equals the torch build, so the algorithm is checked without a GPU.
+Python model of the two kernels (their chunks, rounds, warps, scan, (j, peer) placement and
+search, with the same constants) equals the torch build for R = 1 to 8 peers, so the
+algorithm is checked without a GPU.
 GPU: the kernels equal the torch build bitwise on random, skewed and invalid routing.
 """
 
@@ -18,48 +19,58 @@ from mok_cute import schedule as sched_mod
 from mok_cute.kernels import schedule_build as sb
 
 
-def _as_numpy(s) -> dict:
-    return {name: getattr(s, name).cpu().numpy().astype(np.int64)
-            for name in ("row_token", "row_k", "row_peer", "expert_counts", "expert_offsets",
-                         "tile_expert", "num_tiles", "slot_rows")}
+def _as_numpy(s, T: int, K: int) -> dict:
+    """The schedule's fields; ``slot_rows`` as ``row_of_slot`` of the schedule's own rank."""
+    out = {name: getattr(s, name).cpu().numpy().astype(np.int64)
+           for name in ("row_token", "row_k", "row_peer", "expert_counts", "expert_offsets",
+                        "tile_expert", "num_tiles")}
+    out["slot_rows"] = sched_mod.row_of_slot(s, T, K, s.rank).cpu().numpy().astype(np.int64)
+    return out
 
 
-def _model(ids: np.ndarray, E: int, tile_m: int) -> dict:
+def _torch_build(ids: torch.Tensor, rank: int, E: int) -> dict:
+    R, T, K = ids.shape
+    return _as_numpy(sched_mod.build_receive_schedule(ids, rank, E, 128, validate=False), T, K)
+
+
+def _model(ids: np.ndarray, rank: int, E: int, tile_m: int) -> dict:
     """The two kernels, step by step, in numpy (one CTA at a time; threads as vectors)."""
-    T, K = ids.shape
+    R, T, K = ids.shape
     n = T * K
-    flat = ids.reshape(n).astype(np.int64)
-    capacity = sched_mod.schedule_capacity(1, T, K, E, tile_m)
+    flat = ids.reshape(R, n).astype(np.int64) - rank * E
+    capacity = sched_mod.schedule_capacity(R, T, K, E, tile_m)
     chunks = sb.num_chunks(n)
     expert_of = np.where((flat >= 0) & (flat < E), flat, E)
-    rank = np.zeros(n, np.int64)
-    chunk_counts = np.zeros((E + 1, chunks), np.int64)
-    # count kernel
-    for c in range(chunks):
-        running = np.zeros(E + 1, np.int64)
-        for r in range(sb.ROUNDS):
-            slots = c * sb.CHUNK + r * sb.THREADS + np.arange(sb.THREADS)
-            ex = np.where(slots < n, expert_of[np.minimum(slots, n - 1)], E)
-            warp_counts = np.zeros((sb.WARPS, E + 1), np.int64)
-            below = np.zeros(sb.THREADS, np.int64)
-            for w in range(sb.WARPS):
-                lanes = ex[32 * w:32 * w + 32]
-                for lane in range(32):
-                    below[32 * w + lane] = np.sum(lanes[:lane] == lanes[lane])
-                for e in np.unique(lanes):
-                    warp_counts[w, e] = np.sum(lanes == e)
-            new_running = running.copy()
-            for t in range(sb.THREADS):
-                w, e = t // 32, ex[t]
-                earlier = running[e] + warp_counts[:w, e].sum()
-                if slots[t] < n:
-                    rank[slots[t]] = earlier + below[t]
-                if below[t] == 0 and warp_counts[w + 1:, e].sum() == 0:
-                    new_running[e] = earlier + warp_counts[w, e]
-            running = new_running
-        chunk_counts[:, c] = running
-    # place kernel (every CTA computes the same totals and offsets; bases differ)
-    total = chunk_counts[:E].sum(axis=1)
+    rank_in_chunk = np.zeros((R, n), np.int64)
+    chunk_counts = np.zeros((E + 1, chunks, R), np.int64)
+    # count kernel, CTA (c, p)
+    for p in range(R):
+        for c in range(chunks):
+            running = np.zeros(E + 1, np.int64)
+            for r in range(sb.ROUNDS):
+                slots = c * sb.CHUNK + r * sb.THREADS + np.arange(sb.THREADS)
+                ex = np.where(slots < n, expert_of[p, np.minimum(slots, n - 1)], E)
+                warp_counts = np.zeros((sb.WARPS, E + 1), np.int64)
+                below = np.zeros(sb.THREADS, np.int64)
+                for w in range(sb.WARPS):
+                    lanes = ex[32 * w:32 * w + 32]
+                    for lane in range(32):
+                        below[32 * w + lane] = np.sum(lanes[:lane] == lanes[lane])
+                    for e in np.unique(lanes):
+                        warp_counts[w, e] = np.sum(lanes == e)
+                new_running = running.copy()
+                for t in range(sb.THREADS):
+                    w, e = t // 32, ex[t]
+                    earlier = running[e] + warp_counts[:w, e].sum()
+                    if slots[t] < n:
+                        rank_in_chunk[p, slots[t]] = earlier + below[t]
+                    if below[t] == 0 and warp_counts[w + 1:, e].sum() == 0:
+                        new_running[e] = earlier + warp_counts[w, e]
+                running = new_running
+            chunk_counts[:, c, p] = running
+    # place kernel: the same n[q, e], totals and offsets in every CTA; bases differ
+    peer_rows = chunk_counts[:E].sum(axis=1).T  # [R, E]
+    total = peer_rows.sum(axis=0)
     seg = sb.ScheduleBuild(E, tile_m).scan_segment
     padded = (total + tile_m - 1) // tile_m * tile_m
     partial = np.array([padded[t * seg:(t + 1) * seg].sum() for t in range(sb.THREADS)])
@@ -82,15 +93,21 @@ def _model(ids: np.ndarray, E: int, tile_m: int) -> dict:
     row_k = np.full(capacity, -99, np.int64)
     row_peer = np.full(capacity, -99, np.int64)
     slot_rows = np.full(n, -99, np.int64)
-    for c in range(chunks):
-        base = chunk_counts[:E, :c].sum(axis=1)
-        for slot in range(c * sb.CHUNK, min((c + 1) * sb.CHUNK, n)):
-            e = expert_of[slot]
-            row = -1
-            if e < E:
-                row = offsets[e] + base[e] + rank[slot]
-                row_token[row], row_k[row], row_peer[row] = slot // K, slot % K, 0
-            slot_rows[slot] = row
+    for p in range(R):
+        for c in range(chunks):
+            base = chunk_counts[:E, :c, p].sum(axis=1)
+            for slot in range(c * sb.CHUNK, min((c + 1) * sb.CHUNK, n)):
+                e = expert_of[p, slot]
+                row = -1
+                if e < E:
+                    j = base[e] + rank_in_chunk[p, slot]
+                    row = offsets[e]
+                    for q in range(R):
+                        row += min(peer_rows[q, e], j) + (1 if q < p and peer_rows[q, e] > j else 0)
+                    row_token[row], row_k[row], row_peer[row] = slot // K, slot % K, p
+                if p == rank:
+                    slot_rows[slot] = row
+    for c in range(chunks):  # peer-0 CTAs
         for e in range(c, E, chunks):
             for row in range(offsets[e] + total[e], offsets[e + 1]):
                 row_token[row] = row_k[row] = row_peer[row] = -1
@@ -111,34 +128,44 @@ def _model(ids: np.ndarray, E: int, tile_m: int) -> dict:
                 num_tiles=np.array([offsets[E] // tile_m]), slot_rows=slot_rows)
 
 
-def _routing(kind: str, T: int, K: int, E: int, gen: torch.Generator) -> torch.Tensor:
+def _routing(kind: str, R: int, T: int, K: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    """[R, T, K] global ids over R * E experts."""
+    G = R * E
     if kind == "uniform":
-        return torch.rand(T, max(E, K), generator=gen).topk(K, dim=-1).indices % E
+        return torch.rand(R, T, max(G, K), generator=gen).topk(K, dim=-1).indices % G
     if kind == "one_expert":
-        return torch.full((T, K), E - 1, dtype=torch.int64)
+        return torch.full((R, T, K), G - 1, dtype=torch.int64)
     if kind == "skewed":  # half the slots on expert 0, some experts empty
-        ids = torch.randint(0, max(E // 2, 1), (T, K), generator=gen)
-        return torch.where(torch.rand(T, K, generator=gen) < 0.5, torch.zeros_like(ids), ids)
-    if kind == "invalid":  # ids outside [0, E) route nowhere
-        return torch.randint(-3, E + 3, (T, K), generator=gen)
+        ids = torch.randint(0, max(G // 2, 1), (R, T, K), generator=gen)
+        return torch.where(torch.rand(R, T, K, generator=gen) < 0.5, torch.zeros_like(ids), ids)
+    if kind == "invalid":  # ids outside [0, R * E) route nowhere
+        return torch.randint(-3, G + 3, (R, T, K), generator=gen)
     raise ValueError(kind)
 
 
-MODEL_CASES = [  # (routing, T, K, E): a chunk boundary inside a warp's slots, several chunks,
-    ("uniform", 77, 3, 5),  # E not a power of two, K odd
-    ("skewed", 300, 8, 32),  # 2400 slots: two chunks
-    ("invalid", 100, 10, 7),
-    ("one_expert", 129, 2, 4),
-    ("uniform", 1, 1, 1),
-    ("uniform", 700, 6, 300),  # E > THREADS: two experts per scan segment
+MODEL_CASES = [  # (routing, R, rank, T, K, E)
+    ("uniform", 1, 0, 77, 3, 5),  # E not a power of two, K odd
+    ("skewed", 1, 0, 300, 8, 32),  # 2400 slots: two chunks
+    ("invalid", 1, 0, 100, 10, 7),
+    ("one_expert", 1, 0, 129, 2, 4),
+    ("uniform", 1, 0, 1, 1, 1),
+    ("uniform", 1, 0, 700, 6, 300),  # E > THREADS: two experts per scan segment
+    ("uniform", 2, 1, 90, 4, 6),
+    ("skewed", 3, 0, 300, 8, 4),  # several chunks per peer, a rank with most rows
+    ("one_expert", 4, 3, 33, 2, 2),  # every row to the last rank's last expert
+    ("invalid", 8, 5, 20, 10, 3),
+    ("uniform", 8, 2, 0, 4, 3),  # no tokens
 ]
 
 
-@pytest.mark.parametrize("kind,T,K,E", MODEL_CASES)
-def test_model_of_the_kernels_equals_the_torch_build(kind, T, K, E, gen):
-    ids = _routing(kind, T, K, E, gen)
-    want = _as_numpy(sched_mod._build_single_rank(ids, E, 128))
-    got = _model(ids.numpy(), E, 128)
+@pytest.mark.parametrize("kind,R,rank,T,K,E", MODEL_CASES)
+def test_model_of_the_kernels_equals_the_torch_build(kind, R, rank, T, K, E, gen):
+    ids = _routing(kind, R, T, K, E, gen)
+    want = _torch_build(ids, rank, E)
+    if T == 0:  # the host wrapper launches nothing; the model needs a slot
+        assert want["num_tiles"][0] == 0 and (want["row_token"] == -1).all()
+        return
+    got = _model(ids.numpy(), rank, E, 128)
     for name, value in want.items():
         assert np.array_equal(got[name], value), name
 
@@ -155,29 +182,41 @@ def test_compiles_for_sm90a(num_experts, ids_int64, tmp_path):
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="num_experts"):
         sb.ScheduleBuild(sb.MAX_EXPERTS + 1)
-    with pytest.raises(TypeError, match="topk_idx"):
-        sb.build_single_rank(torch.zeros(4, 2, dtype=torch.float32), 4)
-    with pytest.raises(ValueError, match="topk_idx"):
-        sb.build_single_rank(torch.zeros(4, dtype=torch.int64), 4)
+    with pytest.raises(TypeError, match="topk_idx_all"):
+        sb.build_schedule(torch.zeros(1, 4, 2, dtype=torch.float32), 0, 4)
+    with pytest.raises(ValueError, match="topk_idx_all"):
+        sb.build_schedule(torch.zeros(4, 2, dtype=torch.int64), 0, 4)
+    with pytest.raises(ValueError, match="rank"):
+        sb.build_schedule(torch.zeros(2, 4, 2, dtype=torch.int64), 2, 4)
+    assert not sb.supports(8, sb.MAX_PEER_EXPERTS // 8 + 1) and sb.supports(72, 64)
+
+
+def test_cpu_ids_take_the_torch_build_even_with_gpu_build_on(monkeypatch, gen):
+    monkeypatch.setattr(sched_mod, "GPU_BUILD", True)
+    ids = _routing("uniform", 2, 16, 2, 3, gen)
+    got = sched_mod.build_receive_schedule(ids, 1, 3)
+    assert got.slot_rows is None  # the torch general build, not the kernels
 
 
 GPU_CASES = MODEL_CASES + [
-    ("uniform", 4096, 8, 32),  # dsv3_ep8_rank: 16 chunks
-    ("uniform", 32768, 4, 64),  # sonic_120b: 64 chunks
-    ("skewed", 16384, 8, 128),
-    ("invalid", 1000, 10, 1024),
-    ("uniform", 0, 8, 16),  # no tokens: no launch
+    ("uniform", 1, 0, 4096, 8, 32),  # dsv3_ep8_rank: 16 chunks
+    ("uniform", 1, 0, 32768, 4, 64),  # sonic_120b: 64 chunks
+    ("skewed", 1, 0, 16384, 8, 128),
+    ("invalid", 1, 0, 1000, 10, 1024),
+    ("uniform", 8, 3, 2048, 8, 48),  # kimi_k2.7 at EP 8
+    ("skewed", 72, 71, 64, 4, 4),  # NVL72-sized group, small shapes
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("kind,T,K,E", GPU_CASES)
-def test_gpu_build_equals_the_torch_build(kind, T, K, E, ids_dtype, gen):
-    ids = _routing(kind, T, K, E, gen).to(ids_dtype).cuda()
-    want = sched_mod._build_single_rank(ids, E, 128)
-    got = sb.build_single_rank(ids, E, 128, poison=-77)
-    again = sb.build_single_rank(ids, E, 128, poison=12345)
-    for name, value in _as_numpy(want).items():
-        assert np.array_equal(_as_numpy(got)[name], value), name
-        assert torch.equal(getattr(got, name), getattr(again, name)), f"{name}: not reproducible"
+@pytest.mark.parametrize("kind,R,rank,T,K,E", GPU_CASES)
+def test_gpu_build_equals_the_torch_build(kind, R, rank, T, K, E, ids_dtype, gen):
+    ids = _routing(kind, R, T, K, E, gen).to(ids_dtype).cuda()
+    want = _torch_build(ids, rank, E)
+    got = sb.build_schedule(ids, rank, E, 128, poison=-77)
+    again = sb.build_schedule(ids, rank, E, 128, poison=12345)
+    got_np, again_np = _as_numpy(got, T, K), _as_numpy(again, T, K)
+    for name, value in want.items():
+        assert np.array_equal(got_np[name], value), name
+        assert np.array_equal(again_np[name], value), f"{name}: not reproducible"

@@ -5,7 +5,8 @@
 Per shape, in one process:
   1. the two builds are bitwise equal (every ReceiveSchedule field), int32 and int64 ids;
   2. each build's GPU time (CUDA-graph replay: launch gaps of a warm queue, no host time),
-     its time back to back with events, and its host time;
+     its time back to back with events, and its host time; also all 8 ranks' schedules of
+     kimi_k2.7 at EP 8 (what one virtual R = 8 call builds);
   3. the layer with ``schedule.GPU_BUILD`` off and on, expert path and megakernel, timed in
      alternating rounds (the H200's clock drifts within a process), outputs bitwise equal.
 A probe for deciding whether GPU_BUILD becomes the default, not the benchmark of record.
@@ -41,13 +42,36 @@ def graph_ms(fn, reps=20):
     return gpu_ms(graph.replay, reps)
 
 
-def equal_builds(ids, E):
+def equal_builds(ids, E, rank=0):
+    """Fields where the GPU build of rank ``rank`` differs from the torch build (ids [R, T, K])."""
     from mok_cute import schedule
     from mok_cute.kernels import schedule_build
 
-    want = schedule._build_single_rank(ids, E, 128)
-    got = schedule_build.build_single_rank(ids, E, 128, poison=-77)
-    return [f for f in FIELDS if not torch.equal(getattr(want, f), getattr(got, f))]
+    R, T, K = ids.shape
+    want = schedule.build_receive_schedule(ids, rank, E, 128, validate=False)
+    got = schedule_build.build_schedule(ids, rank, E, 128, poison=-77)
+    bad = [f for f in FIELDS[:-1] if not torch.equal(getattr(want, f), getattr(got, f))]
+    if not torch.equal(schedule.row_of_slot(want, T, K, rank), got.slot_rows):
+        bad.append("slot_rows")
+    return bad
+
+
+def time_builds(row, ids, E):
+    """Every rank's schedule (as the virtual launch builds them), torch against the kernels."""
+    from mok_cute import schedule
+    from mok_cute.kernels import schedule_build
+
+    R = ids.shape[0]
+    torch_build = lambda: [schedule.build_receive_schedule(ids, r, E, 128, validate=False)  # noqa: E731
+                           for r in range(R)]
+    gpu_build = lambda: [schedule_build.build_schedule(ids, r, E, 128) for r in range(R)]  # noqa: E731
+    for label, fn in (("torch", torch_build), ("gpu", gpu_build)):
+        row[f"{label}_build_events_ms"] = gpu_ms(fn, 20)
+        row[f"{label}_build_host_ms"] = host_ms(fn)
+        try:
+            row[f"{label}_build_graph_ms"] = graph_ms(fn)
+        except Exception as exc:  # noqa: BLE001  (record, keep going)
+            row[f"{label}_build_graph_ms"] = f"capture failed: {exc!r}"[:200]
 
 
 def layer_rounds(name, T, H, I, E, K, rounds, iters):
@@ -81,6 +105,34 @@ def layer_rounds(name, T, H, I, E, K, rounds, iters):
     return results
 
 
+def virtual_rounds(R, T, H, I, E_loc, K, rounds, iters):
+    """moe_forward_virtual on R ranks (the megakernel), GPU_BUILD off and on, alternating."""
+    import mok_cute as mok
+    from mok_cute import megakernel, schedule
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xs = torch.randn(R, T, H, device=dev, dtype=torch.bfloat16, generator=gen)
+    idx = torch.rand(R, T, R * E_loc, device=dev, generator=gen).topk(K, dim=-1).indices
+    w = torch.softmax(torch.randn(R, T, K, device=dev, generator=gen), dim=-1)
+    wg = torch.randn(R, E_loc, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
+    wu = torch.randn(R, E_loc, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
+    wd = torch.randn(R, E_loc, H, I, device=dev, dtype=torch.bfloat16, generator=gen) / I ** 0.5
+    cfg = mok.MoKConfig(check_ids=False, backend="megakernel")
+    outs, times = {}, {False: [], True: []}
+    for r in range(rounds):
+        for flag in ((False, True) if r % 2 == 0 else (True, False)):
+            schedule.GPU_BUILD = flag
+            fn = lambda: mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, config=cfg)  # noqa: E731
+            outs.setdefault(flag, fn())
+            times[flag].append(gpu_ms(fn, iters))
+    schedule.GPU_BUILD = False
+    megakernel.release_plans()
+    return dict(torch_build_ms=statistics.median(times[False]), gpu_build_ms=statistics.median(times[True]),
+                ms_rounds={"torch_build": times[False], "gpu_build": times[True]},
+                bitwise_equal=bool(torch.equal(outs[False], outs[True])))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="dsv3_ep8_rank,sonic_120b")
@@ -89,32 +141,32 @@ def main(argv=None):
     p.add_argument("--no-layer", action="store_true", help="builds only, no layer timing")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from mok_cute import schedule
-    from mok_cute.kernels import schedule_build
 
     rows = []
     for name in args.shapes.split(","):
         s = SINGLE_GPU_SHAPES[name]
         T, H, I, E, K = s.tokens, s.hidden, s.intermediate, s.experts, s.top_k
-        ids64 = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
-        row = dict(shape=name, T=T, E=E, K=K)
+        ids64 = torch.rand(T, E, device="cuda").topk(K, dim=1).indices[None]
+        row = dict(shape=name, R=1, T=T, E=E, K=K)
         row["mismatch_int64"] = equal_builds(ids64, E)
         row["mismatch_int32"] = equal_builds(ids64.to(torch.int32), E)
-        skew = torch.where(torch.rand(T, K, device="cuda") < 0.5, torch.zeros_like(ids64), ids64)
+        skew = torch.where(torch.rand(1, T, K, device="cuda") < 0.5, torch.zeros_like(ids64), ids64)
         row["mismatch_skewed"] = equal_builds(skew, E)
-        torch_build = lambda: schedule._build_single_rank(ids64, E, 128)  # noqa: E731
-        gpu_build = lambda: schedule_build.build_single_rank(ids64, E, 128)  # noqa: E731
-        for label, fn in (("torch", torch_build), ("gpu", gpu_build)):
-            row[f"{label}_build_events_ms"] = gpu_ms(fn, 20)
-            row[f"{label}_build_host_ms"] = host_ms(fn)
-            try:
-                row[f"{label}_build_graph_ms"] = graph_ms(fn)
-            except Exception as exc:  # noqa: BLE001  (record, keep going)
-                row[f"{label}_build_graph_ms"] = f"capture failed: {exc!r}"[:200]
+        time_builds(row, ids64, E)
         if not args.no_layer:
             row["layer"] = layer_rounds(name, T, H, I, E, K, args.rounds, args.iters)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    # kimi_k2.7 on 8 (virtual) ranks: 384 experts, 48 per rank, 2048 tokens per rank
+    R, T, K, E_loc = 8, 2048, 8, 48
+    ids = torch.rand(R, T, R * E_loc, device="cuda").topk(K, dim=-1).indices
+    row = dict(shape="kimi_k2.7", R=R, T=T, E=E_loc, K=K)
+    row["mismatch_rank3"] = equal_builds(ids, E_loc, rank=3)
+    time_builds(row, ids, E_loc)
+    if not args.no_layer:
+        row["virtual_layer"] = virtual_rounds(R, T, 7168, 2048, E_loc, K, args.rounds, 3)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),

@@ -1,25 +1,30 @@
-"""The one-rank receive schedule (``mok_cute.schedule`` at R = 1) built on the GPU in two launches.
+"""A rank's receive schedule (``mok_cute.schedule``) built on the GPU in two launches.
 
-``mok_cute.schedule._build_single_rank`` (the torch reference beside this kernel) is a stable
-sort of the T*K routed slots by expert, padded per expert to whole M-tiles. In torch it is
-about 50 small launches (about 0.7 ms of host time per layer call, and GPU time between
-launches). Here it is two:
+The torch build (``schedule.build_receive_schedule``, the reference beside this kernel) sorts
+the R*T*K candidate rows (every peer's routed slots) into expert segments padded to whole
+M-tiles, rows of a segment in (j, peer) order, j being a row's rank among its own peer's rows
+of that expert (in slot order). In torch that is 50-70 small launches per rank (about 0.7 ms
+of host time per layer call, and GPU time between launches). Here it is two:
 
-``count``  (one CTA per chunk of ``CHUNK`` slots)
-    Each slot's rank among the earlier slots of its chunk that go to the same expert, and the
-    chunk's per-expert counts. A round of ``THREADS`` consecutive slots is ranked with
-    ``match.any.sync`` inside each warp plus per-warp counts in shared memory, so ranks follow
-    slot order: the sort is stable, as the reference's is.
+``count``  (grid: chunks of ``CHUNK`` slots x peers)
+    Each slot's rank among the earlier slots of its chunk (same peer) that go to the same
+    local expert, and the chunk's per-expert counts. A round of ``THREADS`` consecutive slots
+    is ranked with ``match.any.sync`` inside each warp plus per-warp counts in shared memory,
+    so ranks follow slot order.
 
 ``place``  (the same grid)
-    Every CTA sums the chunk counts (per-expert totals, and its own chunk's base), scans the
-    tile-padded totals into segment offsets, and writes its slots' rows: ``row_token``,
-    ``row_k``, ``row_peer`` at ``offset[e] + base[e] + rank``, and ``slot_rows`` for each slot.
-    Padding rows, the tile table and the counts are shared out among the CTAs.
+    Every CTA sums the chunk counts into the per-(peer, expert) row counts ``n[p, e]`` and its
+    own chunk's base, scans the tile-padded expert totals into segment offsets, and writes
+    its slots' rows. A row with rank j among peer p's rows of expert e lands at
+    ``offset[e] + sum_q min(n[q, e], j) + #{q < p : n[q, e] > j}`` (the (j, peer) order).
+    ``row_token``, ``row_k``, ``row_peer`` go there; for this rank's own slots also
+    ``slot_rows`` (the inverse map the k-sum reads). Padding rows, the tile table and the
+    counts are shared out among the CTAs of peer 0.
 
 Integer work only, each output element written by one thread: bitwise equal to the torch
-build and deterministic. Ids outside ``[0, E)`` route nowhere (``slot_rows`` -1), as in the
-reference. ``E`` (local experts) and the id dtype are compile-time; T and K are not.
+build and deterministic. Ids outside this rank's experts route nowhere here, as in the
+reference. ``E`` (local experts) and the id dtype are compile-time; R, the rank, T and K
+are not.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ WARPS = THREADS // 32
 ROUNDS = 8  # rounds of THREADS slots per chunk
 CHUNK = THREADS * ROUNDS
 MAX_EXPERTS = 1024  # count kernel smem: (WARPS + 1) x (E + 1) words, under the 48 KiB default
+MAX_PEER_EXPERTS = 6144  # place kernel smem: the n[peer, expert] table, R * E words (24 KiB)
 SCAN_STEPS = 5  # lanes of a warp scan: 2**5 = 32
 
 
@@ -45,9 +51,10 @@ def num_chunks(num_slots: int) -> int:
 
 
 class ScheduleBuild:
-    """The R = 1 receive schedule of ``num_experts`` experts, padded to ``tile_m`` rows.
+    """One rank's receive schedule over ``num_experts`` local experts, padded to ``tile_m`` rows.
 
-    :param num_experts: local experts (compile-time: shared-memory tables are sized by it).
+    :param num_experts: local experts per rank (compile-time: shared-memory tables are sized
+        by it).
     :param tile_m: M-tile rows every expert segment is padded to.
     :param ids_int64: the routing ids are int64 (torch's ``topk``) rather than int32.
     """
@@ -70,12 +77,18 @@ class ScheduleBuild:
                  row_token: cute.Pointer, row_k: cute.Pointer, row_peer: cute.Pointer,
                  slot_rows: cute.Pointer, expert_counts: cute.Pointer,
                  expert_offsets: cute.Pointer, tile_expert: cute.Pointer, num_tiles: cute.Pointer,
-                 num_slots: Int32, top_k: Int32, capacity: Int32, stream: cuda_driver.CUstream):
+                 num_peers: Int32, rank: Int32, num_slots: Int32, top_k: Int32, capacity: Int32,
+                 stream: cuda_driver.CUstream):
+        """``ids`` [num_peers, num_slots] (every peer's routing, global expert ids);
+        ``num_slots`` = T * K slots per peer."""
         E = self.num_experts
         chunks = (num_slots + CHUNK - 1) // CHUNK
-        mIds = cute.make_tensor(ids, cute.make_layout(num_slots))
-        mRank = cute.make_tensor(rank_in_chunk, cute.make_layout(num_slots))
-        mChunkCounts = cute.make_tensor(chunk_counts, cute.make_layout((E + 1, chunks)))
+        per_peer = cute.make_layout((num_slots, num_peers), stride=(1, num_slots))
+        mIds = cute.make_tensor(ids, per_peer)
+        mRank = cute.make_tensor(rank_in_chunk, per_peer)
+        mChunkCounts = cute.make_tensor(
+            chunk_counts, cute.make_layout((E + 1, chunks, num_peers),
+                                           stride=(1, E + 1, (E + 1) * chunks)))
         mRowToken = cute.make_tensor(row_token, cute.make_layout(capacity))
         mRowK = cute.make_tensor(row_k, cute.make_layout(capacity))
         mRowPeer = cute.make_tensor(row_peer, cute.make_layout(capacity))
@@ -84,37 +97,39 @@ class ScheduleBuild:
         mOffsets = cute.make_tensor(expert_offsets, cute.make_layout(E + 1))
         mTileExpert = cute.make_tensor(tile_expert, cute.make_layout(capacity // self.tile_m))
         mNumTiles = cute.make_tensor(num_tiles, cute.make_layout(1))
-        self.count_kernel(mIds, mRank, mChunkCounts, num_slots).launch(
-            grid=[chunks, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        self.count_kernel(mIds, mRank, mChunkCounts, rank, num_slots).launch(
+            grid=[chunks, num_peers, 1], block=[THREADS, 1, 1], stream=stream)
         self.place_kernel(mIds, mRank, mChunkCounts, mRowToken, mRowK, mRowPeer, mSlotRows,
-                          mCounts, mOffsets, mTileExpert, mNumTiles, num_slots, top_k,
-                          capacity).launch(grid=[chunks, 1, 1], block=[THREADS, 1, 1], stream=stream)
+                          mCounts, mOffsets, mTileExpert, mNumTiles, rank, num_slots, top_k,
+                          capacity).launch(grid=[chunks, num_peers, 1], block=[THREADS, 1, 1],
+                                           stream=stream)
 
     # ------------------------------------------------------------------ device helpers
     @cute.jit
-    def _expert_of(self, mIds: cute.Tensor, slot: Int32, num_slots: Int32) -> Int32:
-        """Local expert of ``slot``; E ("routes nowhere") for an id outside [0, E) or a slot
-        past the end."""
+    def _expert_of(self, mIds: cute.Tensor, slot: Int32, peer: Int32, rank: Int32,
+                   num_slots: Int32) -> Int32:
+        """Local expert (of ``rank``) of ``peer``'s ``slot``; E ("not routed here") for an id
+        outside this rank's experts or a slot past the end."""
         E = self.num_experts
         expert = Int32(E)
         if slot < num_slots:
             if const_expr(self.ids_int64):
-                raw = Int64(mIds[slot])
-                if raw >= Int64(0) and raw < Int64(E):
-                    expert = Int32(raw)
+                local = Int64(mIds[slot, peer]) - Int64(rank) * Int64(E)
+                if local >= Int64(0) and local < Int64(E):
+                    expert = Int32(local)
             else:
-                raw32 = Int32(mIds[slot])
-                if raw32 >= 0 and raw32 < E:
-                    expert = raw32
+                local32 = Int32(mIds[slot, peer]) - rank * E
+                if local32 >= 0 and local32 < E:
+                    expert = local32
         return expert
 
     # ------------------------------------------------------------------ kernel 1: count
     @cute.kernel
     def count_kernel(self, mIds: cute.Tensor, mRank: cute.Tensor, mChunkCounts: cute.Tensor,
-                     num_slots: Int32):
+                     rank: Int32, num_slots: Int32):
         E = self.num_experts
         tidx, _, _ = cute.arch.thread_idx()
-        chunk, _, _ = cute.arch.block_idx()
+        chunk, peer, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         # warp_counts[w, e]: slots of expert e in warp w's 32 slots of the current round
@@ -129,7 +144,7 @@ class ScheduleBuild:
         first = chunk * CHUNK
         for r in cutlass.range(ROUNDS, unroll=1):
             slot = first + r * THREADS + tidx
-            expert = self._expert_of(mIds, slot, num_slots)
+            expert = self._expert_of(mIds, slot, peer, rank, num_slots)
             same = cute.arch.match_sync(0xFFFFFFFF, expert)
             below = cute.arch.popc(same & cute.arch.lanemask_lt())
             in_warp = cute.arch.popc(same)
@@ -145,7 +160,7 @@ class ScheduleBuild:
                 if w > warp:
                     later += warp_counts[w, expert]
             if slot < num_slots:
-                mRank[slot] = earlier + Int32(below)
+                mRank[slot, peer] = earlier + Int32(below)
             cute.arch.sync_threads()
             if leader:
                 warp_counts[warp, expert] = 0
@@ -153,39 +168,49 @@ class ScheduleBuild:
                     running[expert] = earlier + Int32(in_warp)
             cute.arch.sync_threads()
         for e in cutlass.range(tidx, E + 1, THREADS, unroll=1):
-            mChunkCounts[e, chunk] = running[e]
+            mChunkCounts[e, chunk, peer] = running[e]
 
     # ------------------------------------------------------------------ kernel 2: place
     @cute.kernel
     def place_kernel(self, mIds: cute.Tensor, mRank: cute.Tensor, mChunkCounts: cute.Tensor,
                      mRowToken: cute.Tensor, mRowK: cute.Tensor, mRowPeer: cute.Tensor,
                      mSlotRows: cute.Tensor, mCounts: cute.Tensor, mOffsets: cute.Tensor,
-                     mTileExpert: cute.Tensor, mNumTiles: cute.Tensor, num_slots: Int32,
-                     top_k: Int32, capacity: Int32):
+                     mTileExpert: cute.Tensor, mNumTiles: cute.Tensor, rank: Int32,
+                     num_slots: Int32, top_k: Int32, capacity: Int32):
         E = self.num_experts
         tile_m = self.tile_m
         tidx, _, _ = cute.arch.thread_idx()
-        chunk, _, _ = cute.arch.block_idx()
-        chunks, _, _ = cute.arch.grid_dim()
+        chunk, peer, _ = cute.arch.block_idx()
+        chunks, num_peers, _ = cute.arch.grid_dim()
         lane = cute.arch.lane_idx()
         smem = cutlass.utils.SmemAllocator()
+        peer_rows = smem.allocate_tensor(Int32, cute.make_layout(MAX_PEER_EXPERTS), 16)  # n[q, e] at q * E + e
         total = smem.allocate_tensor(Int32, cute.make_layout(E + 1), 16)  # rows per expert
-        base = smem.allocate_tensor(Int32, cute.make_layout(E + 1), 16)  # rows in earlier chunks
+        base = smem.allocate_tensor(Int32, cute.make_layout(E + 1), 16)  # this peer's rows in earlier chunks
         offsets = smem.allocate_tensor(Int32, cute.make_layout(E + 1), 16)  # padded segment starts
         partial = smem.allocate_tensor(Int32, cute.make_layout(THREADS), 16)
 
-        # 1. totals and this chunk's base, per expert (a column of chunk counts per thread)
-        for e in cutlass.range(tidx, E, THREADS, unroll=1):
+        # 1. n[q, e] (rows of peer q for expert e) and this chunk's base, from the chunk counts
+        for i in cutlass.range(tidx, num_peers * E, THREADS, unroll=1):
+            q = i // E
+            e = i - q * E
             before = Int32(0)
             after = Int32(0)
             for c in cutlass.range(chunks, unroll=1):
-                n = mChunkCounts[e, c]
+                n = mChunkCounts[e, c, q]
                 if c < chunk:
                     before += n
                 else:
                     after += n
-            base[e] = before
-            total[e] = before + after
+            peer_rows[i] = before + after
+            if q == peer:
+                base[e] = before
+        cute.arch.sync_threads()
+        for e in cutlass.range(tidx, E, THREADS, unroll=1):
+            rows = Int32(0)
+            for q in cutlass.range(num_peers, unroll=1):
+                rows += peer_rows[q * E + e]
+            total[e] = rows
 
         # 2. offsets = exclusive scan of the tile-padded totals: thread t sums its segment of
         #    experts, warp 0 scans the THREADS partial sums, then each segment is written
@@ -224,58 +249,68 @@ class ScheduleBuild:
                 run += (total[e] + (tile_m - 1)) // tile_m * tile_m
         cute.arch.sync_threads()
 
-        # 3. this chunk's slots -> their rows
+        # 3. this chunk's slots -> their rows: rank j among this peer's rows of the expert,
+        #    then the (j, peer) order inside the segment
         first = chunk * CHUNK
         for i in cutlass.range(tidx, CHUNK, THREADS, unroll=1):
             slot = first + i
             if slot < num_slots:
-                expert = self._expert_of(mIds, slot, num_slots)
+                expert = self._expert_of(mIds, slot, peer, rank, num_slots)
                 row = Int32(-1)
                 if expert < E:
-                    row = offsets[expert] + base[expert] + mRank[slot]
+                    j = base[expert] + mRank[slot, peer]
+                    row = offsets[expert]
+                    for q in cutlass.range(num_peers, unroll=1):
+                        n = peer_rows[q * E + expert]
+                        row += cutlass.min(n, j)
+                        if q < peer and n > j:
+                            row += 1
                     mRowToken[row] = slot // top_k
                     mRowK[row] = slot % top_k
-                    mRowPeer[row] = 0
-                mSlotRows[slot] = row
+                    mRowPeer[row] = peer
+                if peer == rank:
+                    mSlotRows[slot] = row
 
-        # 4. padding rows: each CTA the tail rows of the experts e = chunk (mod chunks), and
-        #    a share of the rows past the last segment
-        for e in cutlass.range(chunk, E, chunks, unroll=1):
-            for row in cutlass.range(offsets[e] + total[e] + tidx, offsets[e + 1], THREADS, unroll=1):
+        # 4. (peer-0 CTAs) padding rows: each CTA the tail rows of the experts e = chunk
+        #    (mod chunks), and a share of the rows past the last segment
+        if peer == 0:
+            for e in cutlass.range(chunk, E, chunks, unroll=1):
+                for row in cutlass.range(offsets[e] + total[e] + tidx, offsets[e + 1], THREADS, unroll=1):
+                    mRowToken[row] = -1
+                    mRowK[row] = -1
+                    mRowPeer[row] = -1
+            stride = chunks * THREADS
+            for row in cutlass.range(offsets[E] + chunk * THREADS + tidx, capacity, stride, unroll=1):
                 mRowToken[row] = -1
                 mRowK[row] = -1
                 mRowPeer[row] = -1
-        stride = chunks * THREADS
-        for row in cutlass.range(offsets[E] + chunk * THREADS + tidx, capacity, stride, unroll=1):
-            mRowToken[row] = -1
-            mRowK[row] = -1
-            mRowPeer[row] = -1
 
-        # 5. the tile table: expert of each M-tile (binary search of the offsets), -1 past the end
-        for tile in cutlass.range(chunk * THREADS + tidx, capacity // tile_m, stride, unroll=1):
-            start = tile * tile_m
-            expert = Int32(-1)
-            if start < offsets[E]:
-                lo = Int32(0)  # number of experts whose segment ends at or before start
-                hi = Int32(E)
-                for _ in cutlass.range_constexpr(self.search_steps):
-                    mid = (lo + hi) // 2
-                    if lo < hi:
-                        if offsets[mid + 1] <= start:
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                expert = lo
-            mTileExpert[tile] = expert
+            # 5. the tile table: expert of each M-tile (binary search of the offsets), -1 past
+            #    the end
+            for tile in cutlass.range(chunk * THREADS + tidx, capacity // tile_m, stride, unroll=1):
+                start = tile * tile_m
+                expert = Int32(-1)
+                if start < offsets[E]:
+                    lo = Int32(0)  # number of experts whose segment ends at or before start
+                    hi = Int32(E)
+                    for _ in cutlass.range_constexpr(self.search_steps):
+                        mid = (lo + hi) // 2
+                        if lo < hi:
+                            if offsets[mid + 1] <= start:
+                                lo = mid + 1
+                            else:
+                                hi = mid
+                    expert = lo
+                mTileExpert[tile] = expert
 
-        # 6. counts, offsets and the tile count (CTA 0)
-        if chunk == 0:
-            for e in cutlass.range(tidx, E + 1, THREADS, unroll=1):
-                mOffsets[e] = offsets[e]
-                if e < E:
-                    mCounts[e] = total[e]
-            if tidx == 0:
-                mNumTiles[0] = offsets[E] // tile_m
+            # 6. counts, offsets and the tile count (CTA (0, 0))
+            if chunk == 0:
+                for e in cutlass.range(tidx, E + 1, THREADS, unroll=1):
+                    mOffsets[e] = offsets[e]
+                    if e < E:
+                        mCounts[e] = total[e]
+                if tidx == 0:
+                    mNumTiles[0] = offsets[E] // tile_m
 
 
 # ----------------------------------------------------------------------------------------
@@ -293,42 +328,53 @@ def compile_schedule_build(arch: str = "sm_90a", *, options: str = "", num_exper
     op = ScheduleBuild(num_experts, tile_m, ids_int64)
     ids = _placeholder_ptr(Int64 if ids_int64 else Int32)
     i32 = [_placeholder_ptr(Int32) for _ in range(10)]
-    return cute.compile(op, ids, *i32, Int32(1), Int32(1), Int32(1),
+    return cute.compile(op, ids, *i32, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1),
                         cute.runtime.make_fake_stream(), options=jit.compile_options(arch, options))
 
 
-def build_single_rank(topk_idx: torch.Tensor, num_experts: int, tile_m: int = 128, *,
-                      poison: int | None = None):
-    """``mok_cute.schedule.ReceiveSchedule`` of one rank (R = 1) for ``topk_idx [T, K]`` (int32
-    or int64, CUDA), built by the two kernels above; equal to ``schedule._build_single_rank``.
-    ``poison`` (tests): fill every output with this value first, so an element the kernels
-    failed to write shows."""
+def supports(num_ranks: int, num_local_experts: int) -> bool:
+    """Whether the kernels' shared-memory tables hold this many (peers x) local experts."""
+    return num_local_experts <= MAX_EXPERTS and num_ranks * num_local_experts <= MAX_PEER_EXPERTS
+
+
+def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int,
+                   tile_m: int = 128, *, poison: int | None = None):
+    """Rank ``rank``'s ``mok_cute.schedule.ReceiveSchedule`` from every peer's routing
+    ``topk_idx_all [R, T, K]`` (global expert ids, int32 or int64, CUDA), built by the two
+    kernels above. Equal to ``schedule.build_receive_schedule(..., validate=False)``, and
+    ``slot_rows`` is filled for this rank's own slots (``schedule.row_of_slot`` of peer
+    ``rank``). ``poison`` (tests): fill every output with this value first, so an element the
+    kernels failed to write shows."""
     from mok_cute.schedule import ReceiveSchedule, schedule_capacity
 
-    if not isinstance(topk_idx, torch.Tensor):
-        raise TypeError(f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
-    if topk_idx.dim() != 2:
-        raise ValueError(f"topk_idx must be 2-D [T, K], got shape {tuple(topk_idx.shape)}")
-    if topk_idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx.dtype}")
-    if topk_idx.device.type != "cuda":
-        raise ValueError(f"topk_idx must be a CUDA tensor, got {topk_idx.device}")
-    if not isinstance(num_experts, int) or not 1 <= num_experts <= MAX_EXPERTS:
-        raise ValueError(f"num_experts must be an int in [1, {MAX_EXPERTS}], got {num_experts!r}")
-    T, K = topk_idx.shape
+    if not isinstance(topk_idx_all, torch.Tensor):
+        raise TypeError(f"topk_idx_all must be a torch.Tensor, got {type(topk_idx_all).__name__}")
+    if topk_idx_all.dim() != 3:
+        raise ValueError(f"topk_idx_all must be 3-D [R, T, K], got shape {tuple(topk_idx_all.shape)}")
+    if topk_idx_all.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx_all must be int32 or int64, got {topk_idx_all.dtype}")
+    R, T, K = topk_idx_all.shape
+    if not isinstance(rank, int) or not 0 <= rank < R:
+        raise ValueError(f"rank must be an int in [0, {R}), got {rank!r}")
+    if not isinstance(num_local_experts, int) or not supports(R, num_local_experts):
+        raise ValueError(f"num_local_experts: the kernels hold at most {MAX_EXPERTS} local experts "
+                         f"and {MAX_PEER_EXPERTS} (peers x experts), got {num_local_experts!r} with {R} peers")
+    if topk_idx_all.device.type != "cuda":
+        raise ValueError(f"topk_idx_all must be a CUDA tensor, got {topk_idx_all.device}")
     num_slots = T * K
-    if num_slots >= 2**31 - CHUNK:
-        raise ValueError(f"topk_idx: T*K must be below 2**31, got {num_slots}")
-    device = topk_idx.device
-    capacity = schedule_capacity(1, T, K, num_experts, tile_m)
-    ids = topk_idx.contiguous()
+    if num_slots >= 2**31 - CHUNK or R * T * K + num_local_experts * tile_m >= 2**31:
+        raise ValueError(f"topk_idx_all: R*T*K must be below 2**31, got {R * num_slots}")
+    E = num_local_experts
+    device = topk_idx_all.device
+    capacity = schedule_capacity(R, T, K, E, tile_m)
+    ids = topk_idx_all.contiguous()
     i32 = dict(dtype=torch.int32, device=device)
     row_token = torch.empty(capacity, **i32)
     row_k = torch.empty(capacity, **i32)
     row_peer = torch.empty(capacity, **i32)
     slot_rows = torch.empty(num_slots, **i32)
-    counts = torch.empty(num_experts, **i32)
-    offsets = torch.empty(num_experts + 1, **i32)
+    counts = torch.empty(E, **i32)
+    offsets = torch.empty(E + 1, **i32)
     tile_expert = torch.empty(capacity // tile_m, **i32)
     num_tiles = torch.empty(1, **i32)
     if poison is not None:
@@ -340,19 +386,19 @@ def build_single_rank(topk_idx: torch.Tensor, num_experts: int, tile_m: int = 12
         for t in (counts, offsets, num_tiles):
             t.zero_()
     else:
-        rank_in_chunk = torch.empty(num_slots, **i32)
-        chunk_counts = torch.empty(num_chunks(num_slots) * (num_experts + 1), **i32)
+        rank_in_chunk = torch.empty(R * num_slots, **i32)
+        chunk_counts = torch.empty(R * num_chunks(num_slots) * (E + 1), **i32)
         compiled = jit.compile_kernel("schedule_build", arch=jit.device_arch(device),
-                                      num_experts=num_experts, tile_m=tile_m,
+                                      num_experts=E, tile_m=tile_m,
                                       ids_int64=ids.dtype == torch.int64)
         ptr = lambda t, dt: cute.runtime.make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem,  # noqa: E731
                                                   assumed_align=4)
         compiled(ptr(ids, Int64 if ids.dtype == torch.int64 else Int32),
                  *(ptr(t, Int32) for t in (rank_in_chunk, chunk_counts, row_token, row_k, row_peer,
                                            slot_rows, counts, offsets, tile_expert, num_tiles)),
-                 Int32(num_slots), Int32(K), Int32(capacity),
+                 Int32(R), Int32(rank), Int32(num_slots), Int32(K), Int32(capacity),
                  cuda_driver.CUstream(torch.cuda.current_stream(device).cuda_stream))
     return ReceiveSchedule(
-        rank=0, num_ranks=1, num_local_experts=num_experts, tile_m=tile_m, capacity=capacity,
+        rank=rank, num_ranks=R, num_local_experts=E, tile_m=tile_m, capacity=capacity,
         row_peer=row_peer, row_token=row_token, row_k=row_k, expert_counts=counts,
         expert_offsets=offsets, tile_expert=tile_expert, num_tiles=num_tiles, slot_rows=slot_rows)
