@@ -365,6 +365,8 @@ def instruction_mix(ptx: str) -> dict[str, int]:
 
 _ENTRY_RE = re.compile(r"Compiling entry function '([^']+)'")
 _PROPS_RE = re.compile(r"Function properties for (\S+)")
+# the same two lines as the DSL's spill remark wraps them: the name on the next line
+_WRAPPED_RE = re.compile(r"(?:Compiling entry function|Function properties for)\s*$")
 _SPILL_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
 _WARN_RE = re.compile(r"(ptxas (?:warning|error)\s*:.*|ptxas info\s*:\s*\(C\d{4}\).*)")
@@ -376,10 +378,14 @@ def parse_ptxas_log(log: str) -> tuple[list[KernelResources], list[str]]:
     kernels: dict[str, KernelResources] = {}
     current: KernelResources | None = None
     warnings: list[str] = []
-    for line in log.splitlines():
+    lines = log.splitlines()
+    for n, line in enumerate(lines):
         m = _ENTRY_RE.search(line) or _PROPS_RE.search(line)
-        if m:
-            current = kernels.setdefault(m.group(1), KernelResources(m.group(1)))
+        name = m.group(1) if m else None
+        if name is None and _WRAPPED_RE.search(line) and n + 1 < len(lines) and lines[n + 1].split():
+            name = lines[n + 1].split()[0].strip("'")
+        if name is not None:
+            current = kernels.setdefault(name, KernelResources(name))
         m = _SPILL_RE.search(line)
         if m and current is not None:
             current.stack_frame, current.spill_stores, current.spill_loads = map(int, m.groups())

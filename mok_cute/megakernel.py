@@ -45,6 +45,15 @@ LOCAL_DIRECT = True
 # 4.74 ms and sonic_120b 10.74 -> 10.44 ms (docs/sim.md); never run on a GPU: off until
 # measured (tools/megakernel_probe.py, comm spec suffix "f").
 FC1_LEAD = 0
+# Virtual ranks walk the task list block by block (one block per minibatch, each rank's share
+# in turn) instead of alternating ranks task by task (tasks.ticket_blocks). Why: virtual R = 8
+# costs 1.5-1.8x R = 1 on the H200 (run 23), and the extra time matches re-reading every
+# expert's weights once per extra M-tile (kimi: 2 x 33.8 GB at ~4 TB/s = 16 ms of the 18.7 ms
+# gap), as alternating ranks puts one M-tile of eight different experts in each wave where R = 1
+# has all M-tiles of an expert together. The simulator, which has no L2, predicts <= 10 %.
+# Written 2026-11-29, never run on a GPU: off until tools/megakernel_probe.py --virtual
+# measures it (and the GPU tests pass with it on).
+RANK_BLOCKS = False
 # Comm CTAs when no rank's rows cross them (one rank, local_direct): they run only the barrier.
 # Run 20: 1, 2, 4 comm CTAs: dsv3 5.43 / 5.46 / 5.35 ms, sonic_120b 13.08 / 12.31 / 12.65 ms.
 LOCAL_ONLY_COMM_CTAS = 2
@@ -72,6 +81,7 @@ class PlanKey:
     group: tuple | None = None  # (id(process group), handle type) for the IPC backend
     local_direct: bool = False
     fc1_lead: int = 0
+    rank_blocks: bool = False
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -230,7 +240,8 @@ class Plan:
         self.kernel = jit.compile_kernel(
             "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas,
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
-            scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct)
+            scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
+            rank_blocks=k.rank_blocks)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -279,7 +290,7 @@ class Plan:
                       kmajor(self.shared_h), kmajor(self.shared_y)]
         d = self.device_tasks
         self.kernel(
-            d.tasks, d.queues, d.queue_len, d.queue_live_len, d.queue_tail_begin,
+            d.tasks, d.queues, d.queue_len, d.queue_live_len, d.queue_blocks,
             d.counter_offsets, self.counters, self.error, num_tiles, rows("tile_expert"),
             rows("row_peer"), rows("row_token"), rows("row_k"), self.peer_bases,
             kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
@@ -316,11 +327,47 @@ class Plan:
             raise_on_wait_error(int(word[0]))
 
 
-def walk_tickets(device_tasks, num_tiles: list[int], role: int) -> list[tuple[int, int, str]]:
+def ticket_position(device_tasks, role: int, R: int, live_prefix: int, rank_blocks: bool,
+                    q: int, cursor: tuple[int, int]) -> tuple[int, int, tuple[int, int]]:
+    """Python model of ``MegakernelSm90._ticket``: ticket ``q`` of ``role`` -> (queue position,
+    or one past the queue when exhausted; rank; the updated (block, first ticket of the block)
+    cursor, which only moves forward as one CTA's tickets do).
+
+    Alternating (``rank_blocks`` False): position q // R of rank q % R, positions past the
+    live prefix jumping to the tail. Blocks: ``queue_blocks`` cut each queue into one block
+    per minibatch (clipped to the live prefix) and the tail; R * size tickets per block, every
+    rank's share in turn (``tasks.ticket_blocks``)."""
+    qlen = int(device_tasks.queue_len[role])
+    blocks = device_tasks.queue_blocks[role].tolist()
+    tail = blocks[-1]
+    if not rank_blocks:
+        pos = q // R
+        if pos >= live_prefix:
+            pos = tail + (pos - live_prefix)
+        return pos, q % R, cursor
+
+    def block(b):
+        if b < len(blocks) - 1:
+            return blocks[b], max(min(blocks[b + 1], live_prefix) - blocks[b], 0)
+        return tail, qlen - tail
+
+    b, q_base = cursor
+    start, size = block(b)
+    while b < len(blocks) and q >= q_base + R * size:
+        q_base += R * size
+        b += 1
+        start, size = block(b)
+    if b >= len(blocks):
+        return qlen, 0, (b, q_base)
+    off = q - q_base
+    return start + off % size, off // size, (b, q_base)
+
+
+def walk_tickets(device_tasks, num_tiles: list[int], role: int,
+                 rank_blocks: bool = False) -> list[tuple[int, int, str]]:
     """Python model of how the kernel's CTAs of one role walk their tickets with
     ``len(num_tiles)`` virtual ranks (``MegakernelSm90._live_prefix``, ``_ticket``,
-    ``_task_state``): ticket q is queue position q // R of rank q % R; positions past the
-    largest live prefix of any rank jump to the queue's tail. Returns, in ticket order,
+    ``_task_state``; the mapping is ``ticket_position``). Returns, in ticket order,
     (rank, list index, "run" | "noop" | "skip") for every ticket that names a task. Used by the
     CPU tests to check the walk against ``tasks.simulate_live_run`` per rank."""
     R = len(num_tiles)
@@ -328,15 +375,12 @@ def walk_tickets(device_tasks, num_tiles: list[int], role: int) -> list[tuple[in
     tasks_np = device_tasks.tasks.cpu().numpy()
     queues = device_tasks.queues.cpu().numpy()
     qlen = int(device_tasks.queue_len[role])
-    tail = int(device_tasks.queue_tail_begin[role])
     live_len = device_tasks.queue_live_len.cpu().numpy()
     live_of = [-(-int(t) // tpm) for t in num_tiles]
     live_prefix = max(int(live_len[role, live]) for live in live_of)
-    out, q = [], 0
+    out, q, cursor = [], 0, (0, 0)
     while True:
-        rank, pos = q % R, q // R
-        if pos >= live_prefix:
-            pos = tail + (pos - live_prefix)
+        pos, rank, cursor = ticket_position(device_tasks, role, R, live_prefix, rank_blocks, q, cursor)
         if pos >= qlen:
             break
         index = int(queues[role, pos])
@@ -396,7 +440,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
-                  None if group is None else (id(group), handle_type), local_direct, FC1_LEAD)
+                  None if group is None else (id(group), handle_type), local_direct, FC1_LEAD,
+                  RANK_BLOCKS and R > 1)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

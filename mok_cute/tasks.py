@@ -851,6 +851,10 @@ class DeviceTaskList(NamedTuple):
     queue_len: object  # int32 [2]
     queue_live_len: object  # int32 [2, num_minibatches + 1]
     queue_tail_begin: object  # int32 [2]
+    # int32 [2, num_minibatches + 1]: queue position where ticket block b starts per role
+    # (block b of the merged list begins at the first compute task of minibatch b); the last
+    # column is the tail (= queue_tail_begin). See `ticket_blocks`.
+    queue_blocks: object
     counter_offsets: object  # int32 [len(CounterGroup) + 1]
     num_counters: int
     tiles_per_minibatch: int
@@ -883,15 +887,45 @@ def encode_device(task_list: TaskList, device=None) -> DeviceTaskList:
         for live in range(nmb + 1):
             last = int(last_of_mb[:live].max()) if live else -1
             live_len[r, live] = max(head_len, last + 1)
+    blocks = ticket_blocks(tl, queues, tail_begin)
     t = lambda a: torch.as_tensor(a.astype(np.int32), device=device)  # noqa: E731
     return DeviceTaskList(
         tasks=encode(tl).to(device) if device is not None else encode(tl),
         queues=t(qtab), queue_len=t(np.array([len(q) for q in queues])),
-        queue_live_len=t(live_len), queue_tail_begin=t(tail_begin),
+        queue_live_len=t(live_len), queue_tail_begin=t(tail_begin), queue_blocks=t(blocks),
         counter_offsets=t(tl.counter_offsets), num_counters=int(tl.counter_offsets[-1]),
         tiles_per_minibatch=tl.tiles_per_minibatch, num_m_tiles=tl.num_m_tiles,
         num_minibatches=nmb,
     )
+
+
+def ticket_blocks(task_list: TaskList, queues: list, tail_begin: np.ndarray) -> np.ndarray:
+    """Ticket blocks of R virtual ranks in one launch (``MegakernelSm90`` with
+    ``rank_blocks``): the merged list is cut at the first compute task of every minibatch, and
+    each role's CTAs walk block by block, every rank's share of a block before the next
+    block, instead of alternating ranks task by task. Concurrent compute tiles then belong to
+    one rank's minibatch and share its weights in L2, as at R = 1.
+
+    Deadlock-free like the alternating walk: order tasks by (block, rank, list index). Both
+    roles cut the list at the same indices, so that order agrees with each role's tickets; a
+    wait on the same rank points to a lower list index, hence a lower or equal block; the
+    only cross-rank waits are KSUM's on every peer's BARRIER flag, and the comm tail (BARRIER)
+    never waits on the compute tail (KSUM). Returns int32-able [2, num_minibatches + 1]: the
+    queue position each block starts at, per role; the last column is the tail."""
+    nmb = task_list.num_minibatches
+    compute = np.asarray(queues[1])
+    mb_of_compute = task_list.minibatch[compute] if compute.size else np.zeros(0, np.int64)
+    cuts = np.zeros(nmb, dtype=np.int64)  # list index where block b begins (block 0: 0)
+    for b in range(1, nmb):
+        first = compute[mb_of_compute == b]
+        cuts[b] = int(first.min()) if first.size else cuts[b - 1]
+    cuts = np.maximum.accumulate(cuts)
+    out = np.zeros((2, nmb + 1), dtype=np.int64)
+    for r, q in enumerate(queues):
+        q = np.asarray(q)
+        out[r, :nmb] = np.minimum(np.searchsorted(q, cuts), tail_begin[r])  # queues are in list order
+        out[r, nmb] = tail_begin[r]
+    return out
 
 
 def decode(tasks) -> list[dict]:

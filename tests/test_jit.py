@@ -224,6 +224,23 @@ def test_parse_ptxas_log():
     assert warnings[1].startswith("ptxas warning :")
 
 
+def test_parse_ptxas_log_with_names_wrapped_by_the_spill_remark():
+    """The DSL's "ptxas detected register spills" remark wraps the entry name onto the next
+    line; the spill must still be counted (it was reported as unknown before)."""
+    log = textwrap.dedent("""\
+        remark[ptxas]: ptxas detected register spills
+                  ptxas info    : Compiling entry function
+                  'kern_c'
+                  for 'sm_90a'
+                  ptxas info    : Function properties for
+                  kern_c
+                  ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+                  ptxas info    : Used 168 registers, used 5 barriers, 8 bytes cumulative stack size
+        """)
+    kernels, _ = jit.parse_ptxas_log(log)
+    assert [(k.name, k.registers, k.spill_stores, k.spill_loads) for k in kernels] == [("kern_c", 168, 4, 4)]
+
+
 def test_sass_mix_counts_known_sass():
     sass = textwrap.dedent("""\
             /*0000*/                   LDC R1, c[0x0][0x28] ;

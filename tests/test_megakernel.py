@@ -80,10 +80,25 @@ def test_local_direct_variant_compiles(tmp_path):
     assert "cp.async.cg" not in default
 
 
+def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
+    """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
+    no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
+    has at R > 1: docs/perf_notes.md)."""
+    from mok_cute import jit
+
+    static = dict(num_ranks=8, num_comm_ctas=12, local_direct=True, has_shared=True)
+    blocks = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, rank_blocks=True)
+    alternating = jit.inspect_kernel("megakernel", outdir=tmp_path, **static)
+    assert blocks.spill_bytes is not None and alternating.spill_bytes is not None
+    assert blocks.spill_bytes <= alternating.spill_bytes <= 8
+    assert blocks.registers == alternating.registers == 168
+
+
 # ---------------------------------------------------------------------- CPU: the ticket walk
 @pytest.mark.parametrize("R,num_tiles_seed", [(1, 0), (2, 1), (3, 2), (8, 3), (72, 4)])
 @pytest.mark.parametrize("fc1_lead", [0, 1])
-def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_lead):
+@pytest.mark.parametrize("rank_blocks", [False, True])
+def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_lead, rank_blocks):
     """Model of the kernel's walk (megakernel.walk_tickets) against tasks.simulate_live_run:
     with R ranks of different tile counts, each rank's tasks that run (or signal as no-ops) are
     visited exactly once, in list order, and nothing dead runs."""
@@ -101,13 +116,95 @@ def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_le
     dev = tasks.encode_device(tl)
     num_tiles = [int(t) for t in rng.integers(0, 25, size=R)]
     for role in (Role.COMM, Role.COMPUTE):
-        walk = megakernel.walk_tickets(dev, num_tiles, int(role))
+        walk = megakernel.walk_tickets(dev, num_tiles, int(role), rank_blocks)
         for rank in range(R):
             expected = tasks.simulate_live_run(tl, num_tiles[rank])[role]
             ran = [i for r, i, st in walk if r == rank and st == "run"]
             noop = [i for r, i, st in walk if r == rank and st == "noop"]
             assert ran == expected["ran"]
             assert noop == expected["noop"]
+
+
+def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed):
+    """CTAs of both roles take tickets (``megakernel.ticket_position``) as the kernel does (comm:
+    the next ticket of a shared counter; compute CTA c: tickets c, c + n, c + 2n, ...) and
+    finish a task once its dependencies have (a dead task's waits are clipped away in the
+    kernel: it counts as done; KSUM also needs every rank's BARRIER). Returns the tasks left
+    when nothing can move."""
+    import numpy as np
+
+    from mok_cute import megakernel, tasks
+    from mok_cute.timeline import Role, TaskType
+
+    R = len(num_tiles)
+    dev = tasks.encode_device(tl)
+    rng = np.random.default_rng(seed)
+    tpm = tl.tiles_per_minibatch
+    live_of = [tasks.live_minibatches(t, tpm) for t in num_tiles]
+    live_len = dev.queue_live_len.numpy()
+    barrier_of = [int(i) for i in range(len(tl)) if tl.type[i] == int(TaskType.BARRIER)]
+    done = set()
+
+    def ready(rank, i):
+        if tl.minibatch[i] >= live_of[rank]:
+            return True  # dead: skipped
+        if not all((rank, int(d)) in done or tl.minibatch[d] >= live_of[rank] for d in tl.deps(i)):
+            return False
+        if tl.type[i] == int(TaskType.KSUM):
+            return all((p, b) in done for p in range(R) for b in barrier_of)
+        return True
+
+    roles = []
+    for role in (int(Role.COMM), int(Role.COMPUTE)):
+        prefix = max(int(live_len[role, live]) for live in live_of)
+        n = ctas_per_role[role]
+        roles.append(dict(role=role, next=0, prefix=prefix, qlen=int(dev.queue_len[role]),
+                          ctas=[dict(task=None, cursor=(0, 0), out=False, q=c - n) for c in range(n)]))
+    while True:
+        moved = False
+        for rs in roles:
+            for c in rng.permutation(len(rs["ctas"])):
+                cta = rs["ctas"][c]
+                if cta["out"]:
+                    continue
+                if cta["task"] is None:
+                    if rs["role"] == int(Role.COMM):
+                        q = rs["next"]
+                        rs["next"] += 1
+                    else:
+                        cta["q"] += len(rs["ctas"])
+                        q = cta["q"]
+                    pos, rank, cta["cursor"] = megakernel.ticket_position(
+                        dev, rs["role"], R, rs["prefix"], rank_blocks, q, cta["cursor"])
+                    moved = True
+                    if pos >= rs["qlen"]:
+                        cta["out"] = True
+                    else:
+                        cta["task"] = (rank, int(dev.queues[rs["role"], pos]))
+                elif ready(*cta["task"]):
+                    done.add(cta["task"])
+                    cta["task"] = None
+                    moved = True
+        if not moved:
+            return [c["task"] for rs in roles for c in rs["ctas"] if c["task"] is not None]
+
+
+@pytest.mark.parametrize("rank_blocks", [False, True])
+@pytest.mark.parametrize("R,ctas", [(2, (1, 1)), (3, (2, 3)), (8, (2, 5)), (8, (12, 40))])
+def test_virtual_ranks_finish_with_few_ctas(rank_blocks, R, ctas):
+    """Both ticket walks finish every task with as few as one CTA per role, uniform and
+    ragged tile counts (dead and no-op tasks), in random CTA orders: no deadlock."""
+    import numpy as np
+
+    from mok_cute import tasks
+
+    tl = tasks.build_static(128 * 12, hidden=512, intermediate=256, num_tokens=200, top_k=4,
+                            minibatch_tokens=256, ring_tokens=128 * 12, shared_intermediate=128,
+                            num_ranks=R, fc1_lead=1)
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        num_tiles = [12] * R if seed == 0 else [int(t) for t in rng.integers(0, 13, size=R)]
+        assert _run_ctas(tl, num_tiles, ctas, rank_blocks, seed) == [], num_tiles
 
 
 @pytest.mark.parametrize("fc1_lead", [0, 1])
@@ -245,6 +342,24 @@ def test_fc1_of_the_next_minibatch_first_gives_the_same_bits(R, monkeypatch):
     lead = _run(args, minibatch_tokens=128)
     assert any(k.fc1_lead for k in megakernel._PLANS)
     assert torch.equal(lead, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring", [(4, None), (8, 256), (3, None)])
+def test_ticket_blocks_give_the_same_bits(R, ring, monkeypatch):
+    """megakernel.RANK_BLOCKS: virtual ranks walk the list block by block instead of task by
+    task; only the order in which CTAs take tasks changes, never a bit (with and without a
+    wrapping ring, with ragged per-rank tile counts from skewed routing)."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, 512, 256, 4, 4, 128, seed=29, skew=True)
+    sizes = {} if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    base = _run(args, num_comm_sms=3, **sizes)
+    monkeypatch.setattr(megakernel, "RANK_BLOCKS", True)
+    blocks = _run(args, num_comm_sms=3, **sizes)
+    again = _run(args, num_comm_sms=16, **sizes)
+    assert any(k.rank_blocks for k in megakernel._PLANS)
+    assert torch.equal(blocks, base) and torch.equal(again, base)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 # One call on the GPU host that checks everything GPU-side, each step under its own time limit
 # so a hung kernel costs minutes, not the whole lease. Logs and JSON go to $OUT (or ./out).
 #
-#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|schedule|ep N|all]
+#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|schedule|virtual|ep N|all]
 #
 #   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
 #   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
@@ -16,6 +16,8 @@
 #          cooperative 256 / 128 against pingpong 128 on FC1 and FC2 of dsv3 and qwen3
 #   schedule  the GPU build of the one-rank schedule: its GPU tests (bitwise against the torch
 #          build), then tools/schedule_probe.py (build times, layer with schedule.GPU_BUILD off/on)
+#   virtual  virtual R = 8 against R = 1 (kimi, qwen3.5): the ticket walk alternating ranks
+#          against block by block (megakernel.RANK_BLOCKS), 12 and 24 comm CTAs
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
 #          megakernel), then mok-cute bench --ep
@@ -87,6 +89,11 @@ run_schedule() {
     --json "$out/schedule_probe.json" 2>&1 | grep -v Warn | tail -8
 }
 
+run_virtual() {
+  timeout -s KILL 420 python3 -u tools/megakernel_probe.py --shapes "" --virtual kimi_k2.7,qwen3.5_397b \
+    --virtual-comm 12,24 --out "$out" --json "$out/virtual_probe.json" 2>&1 | grep -v Warn | tail -14
+}
+
 run_ep() {
   local n="$1"
   # issue 7's checks: reference, repeat, comm split, emulated == real (uniform and skewed)
@@ -108,7 +115,8 @@ case "$what" in
   mega) run_mega ;;
   gemm) run_gemm ;;
   schedule) run_schedule ;;
+  virtual) run_virtual ;;
   ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|ep N|all]" >&2; exit 2 ;;
 esac

@@ -111,12 +111,65 @@ def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str)
     return {"shape": name, "flops": flops, "results": rows}
 
 
+def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> dict:
+    """moe_forward_virtual at R = ``ranks`` against the megakernel at R = 1 on the same
+    problem, with the ticket walk alternating ranks task by task or block by block
+    (``megakernel.RANK_BLOCKS``), for each comm CTA count; alternating rounds (the clock
+    drifts within a process); every R output compared bitwise across the variants."""
+    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1, ranks=ranks)
+    i, flops = p.inputs, layer_flops(p)
+    v = p.virtual(ranks)
+    one = MoKConfig(check_ids=False, backend="megakernel")
+    run_one = lambda: mok_cute.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up,  # noqa: E731
+                                           p.w_down, shared=p.shared, config=one)
+    variants = {"r1": (run_one, None)}
+    for spec in comms:
+        for blocks in (False, True):
+            cfg = MoKConfig(check_ids=False, backend="megakernel", num_comm_sms=int(spec))
+            run = lambda cfg=cfg: mok_cute.moe_forward_virtual(  # noqa: E731
+                v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=cfg)
+            variants[f"r{ranks}_comm{spec}" + ("_blocks" if blocks else "")] = (run, blocks)
+    times = {k: [] for k in variants}
+    outs = {}
+    default = megakernel.RANK_BLOCKS
+    try:
+        for r in range(rounds):
+            for key in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+                run, blocks = variants[key]
+                megakernel.RANK_BLOCKS = bool(blocks)
+                if key not in outs:
+                    outs[key] = run().clone()
+                    torch.cuda.synchronize()
+                    megakernel.raise_pending_errors()
+                times[key].append(gpu_ms(run, 3))
+        megakernel.raise_pending_errors()
+    finally:
+        megakernel.RANK_BLOCKS = default
+    rows = []
+    first_r = next(k for k in outs if k != "r1")
+    for key, ts in times.items():
+        ms = sorted(ts)[len(ts) // 2]
+        row = {"variant": key, "ms": ms, "ms_rounds": ts, "tflops": flops / ms / 1e9}
+        if key != "r1":
+            row["bitwise_equal_" + first_r] = bool(torch.equal(outs[key], outs[first_r]))
+        rows.append(row)
+        print(f"{name} R={ranks}: {row}", flush=True)
+    megakernel.release_plans()
+    torch.cuda.empty_cache()
+    return {"shape": name, "ranks": ranks, "flops": flops, "results": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="dsv3_ep8_rank,sonic_120b")
     ap.add_argument("--comm", default="6,8,12,16", help="comm CTA counts; suffix b = bulk copies")
     ap.add_argument("--timeline", default=None, metavar="COMM_CTAS",
                     help="comm CTAs of the recorded call; a trailing l: with LOCAL_DIRECT")
+    ap.add_argument("--virtual", default=None, metavar="SHAPES",
+                    help="EP shapes: moe_forward_virtual at --ranks against R = 1, ticket walk "
+                         "alternating or in blocks (megakernel.RANK_BLOCKS), comm CTAs --virtual-comm")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--virtual-comm", default="12,24")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -124,7 +177,10 @@ def main(argv=None) -> int:
     doc = {"command": " ".join(["python", "tools/megakernel_probe.py", *(argv or sys.argv[1:])]),
            "gpu": torch.cuda.get_device_name(),
            "shapes": [probe_shape(s, a.comm.split(","), a.timeline, a.out)
-                      for s in a.shapes.split(",")]}
+                      for s in a.shapes.split(",") if s]}
+    if a.virtual:
+        doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","))
+                          for s in a.virtual.split(",")]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)

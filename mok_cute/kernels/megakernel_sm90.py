@@ -96,7 +96,7 @@ class MegakernelSm90:
 
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
-                 copy: str = "vector", local_direct: bool = False):
+                 copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -117,6 +117,10 @@ class MegakernelSm90:
         if local_direct and copy != "vector":
             raise ValueError("local_direct needs copy='vector'")
         self.local_direct = local_direct
+        # rank_blocks (virtual ranks): tickets walk the task list block by block (a block per
+        # minibatch), every rank's share of a block in turn, instead of alternating ranks task
+        # by task, so concurrent tiles share one rank's weights in L2 (tasks.ticket_blocks).
+        self.rank_blocks = rank_blocks
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -137,7 +141,7 @@ class MegakernelSm90:
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, tasks: cute.Tensor, queues: cute.Tensor, queue_len: cute.Tensor,
-                 queue_live_len: cute.Tensor, queue_tail_begin: cute.Tensor,
+                 queue_live_len: cute.Tensor, queue_blocks: cute.Tensor,
                  counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                  num_tiles: cute.Tensor, tile_expert: cute.Tensor, row_peer: cute.Tensor,
                  row_token: cute.Tensor, row_k: cute.Tensor, peer_bases: cute.Tensor,
@@ -151,7 +155,7 @@ class MegakernelSm90:
                  stream: cuda.CUstream):
         """Shapes (R ranks, P peers, E = R * E_loc experts, C ring rows, T tokens):
         tasks int32 (N, TASK_WORDS); queues int32 (2, Q); queue_len int32 (2,);
-        queue_live_len int32 (2, MB + 1); queue_tail_begin int32 (2,); counter_offsets
+        queue_live_len int32 (2, MB + 1); queue_blocks int32 (2, MB + 1); counter_offsets
         int32 (G + 1,); counters int32 (R, num_counters), zero at launch; error int64 (1,);
         num_tiles int32 (R,); tile_expert int32 (R, tiles); row_peer / row_token / row_k
         int32 (R, capacity); peer_bases int64 (R, P); ring_x / ring_y bf16 (C, H, R);
@@ -217,7 +221,7 @@ class MegakernelSm90:
 
         self.shared_storage = SharedStorage
         self.kernel(
-            tasks, queues, queue_len, queue_live_len, queue_tail_begin, counter_offsets,
+            tasks, queues, queue_len, queue_live_len, queue_blocks, counter_offsets,
             counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
             ring_x, ring_y, topk_weights, topk_idx, slot_rows, out, shared_y, timeline_buf,
             scalars,
@@ -230,7 +234,7 @@ class MegakernelSm90:
     # ------------------------------------------------------------------ device side
     @cute.kernel
     def kernel(self, tasks: cute.Tensor, queues: cute.Tensor, queue_len: cute.Tensor,
-               queue_live_len: cute.Tensor, queue_tail_begin: cute.Tensor,
+               queue_live_len: cute.Tensor, queue_blocks: cute.Tensor,
                counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, row_peer: cute.Tensor,
                row_token: cute.Tensor, row_k: cute.Tensor, peer_bases: cute.Tensor,
@@ -279,7 +283,7 @@ class MegakernelSm90:
         if bidx < self.num_comm_ctas:
             self._announce_start(ctx, peer_bases, tidx)
             if tidx < COMM_THREADS:
-                self._comm_loop(ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                self._comm_loop(ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                                 counter_offsets, counters, error, num_tiles, row_peer, row_token,
                                 row_k, peer_bases, ring_x, ring_y, timeline_buf, storage, tidx)
         else:
@@ -293,7 +297,7 @@ class MegakernelSm90:
                 if const_expr(self.local_direct):
                     # all four producer warps: they gather FC1's local A rows themselves
                     self._producer_loop(
-                        ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                        ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                         counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                         sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
@@ -304,7 +308,7 @@ class MegakernelSm90:
                     for atom in (tma_a_x, tma_a_h, tma_wg, tma_wu, tma_wd):
                         cute.nvgpu.cpasync.prefetch_descriptor(atom)
                     self._producer_loop(
-                        ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                        ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                         counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                         sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
@@ -312,7 +316,7 @@ class MegakernelSm90:
             else:
                 cute.arch.setmaxregister_increase(g.consumer_regs)
                 self._consumer_loop(
-                    ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+                    ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                     counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
                     topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                     tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
@@ -331,17 +335,52 @@ class MegakernelSm90:
         return live_prefix
 
     @cute.jit
-    def _ticket(self, queues, queue_len, queue_tail_begin, live_prefix: Int32,
-                role: cutlass.Constexpr[int], q: Int32):
-        """Ticket -> (list index, or -1 once the role's queue is exhausted; rank)."""
-        rank = q % self.num_ranks
-        pos = q // self.num_ranks
-        if pos >= live_prefix:
-            pos = queue_tail_begin[role] + (pos - live_prefix)
+    def _block(self, queue_blocks, queue_len, live_prefix: Int32, role: cutlass.Constexpr[int],
+               blk: Int32):
+        """(first queue position, size) of ticket block ``blk``: a minibatch's block clipped to
+        the live prefix, or (the last) the tail."""
+        tail_blk = cute.size(queue_blocks, mode=[1]) - 1
+        start = queue_blocks[role, tail_blk]
+        size = queue_len[role] - start
+        if blk < tail_blk:
+            start = queue_blocks[role, blk]
+            size = cutlass.max(cutlass.min(queue_blocks[role, blk + 1], live_prefix) - start, 0)
+        return start, size
+
+    @cute.jit
+    def _ticket(self, queues, queue_len, queue_blocks, live_prefix: Int32,
+                role: cutlass.Constexpr[int], q: Int32, blk: Int32, q_base: Int32):
+        """Ticket -> (list index, or -1 once the role's queue is exhausted; rank; the CTA's
+        block cursor (block, its first ticket), carried to its next, larger ticket).
+        Alternating: queue position q // R of rank q % R, past the live prefix the tail.
+        ``rank_blocks``: R * size tickets per block, rank-major (``megakernel.ticket_position``
+        is the Python model)."""
+        R = self.num_ranks
+        pos = q // R
+        rank = q % R
+        if const_expr(self.rank_blocks):
+            last_blk = cute.size(queue_blocks, mode=[1]) - 1
+            never = Int32(0x7FFFFFFF)  # past the tail block: no ticket ends it
+            start, size = self._block(queue_blocks, queue_len, live_prefix, role, blk)
+            end = cutlass.select_(blk <= last_blk, q_base + R * size, never)
+            while q >= end:
+                q_base = end
+                blk += 1
+                start, size = self._block(queue_blocks, queue_len, live_prefix, role, blk)
+                end = cutlass.select_(blk <= last_blk, q_base + R * size, never)
+            pos = queue_len[role]  # exhausted
+            rank = Int32(0)
+            if blk <= last_blk:
+                off = q - q_base
+                rank = off // size
+                pos = start + off % size
+        else:
+            if pos >= live_prefix:
+                pos = queue_blocks[role, cute.size(queue_blocks, mode=[1]) - 1] + (pos - live_prefix)
         index = Int32(-1)
         if pos < queue_len[role]:
             index = queues[role, pos]
-        return index, rank
+        return index, rank, blk, q_base
 
     @cute.jit
     def _task_state(self, ctx, tasks, num_tiles, index: Int32, rank: Int32):
@@ -441,7 +480,7 @@ class MegakernelSm90:
 
     # ------------------------------------------------------------------ comm role
     @cute.jit
-    def _comm_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+    def _comm_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                    counter_offsets, counters, error, num_tiles, row_peer, row_token, row_k,
                    peer_bases, ring_x, ring_y, timeline_buf, storage, tidx):
         """``COMM_THREADS`` threads per comm CTA. Tickets come from an atomic counter (a CTA
@@ -469,10 +508,11 @@ class MegakernelSm90:
         phases = Int32(0)  # bit s: parity the next wait on slot s expects (thread 0)
         peers_started = Int32(0)  # every peer's start flag seen (checked once per CTA)
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMM))
+        blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
         ticket_slot = cute.size(counters, mode=[1]) - TICKETS
         q = self._shared_ticket(counters, ticket_slot, words, sync, tidx)
-        index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
-                                   int(Role.COMM), q)
+        index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                   int(Role.COMM), q, blk, q_base)
         while index >= 0:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             if run:
@@ -520,8 +560,8 @@ class MegakernelSm90:
                         common.timeline_write(timeline_buf, slot, int(Role.COMM), ttype, index,
                                               ctx.rank_base + rank, t_start, common.timeline_now())
             q = self._shared_ticket(counters, ticket_slot, words, sync, tidx)
-            index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
-                                       int(Role.COMM), q)
+            index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                       int(Role.COMM), q, blk, q_base)
 
     @cute.jit
     def _shared_ticket(self, counters, slot: Int32, words, sync, tidx) -> Int32:
@@ -622,7 +662,7 @@ class MegakernelSm90:
 
     # ------------------------------------------------------------------ compute: producer
     @cute.jit
-    def _producer_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+    def _producer_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                        counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                        sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                        tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
@@ -673,9 +713,10 @@ class MegakernelSm90:
 
         loads = Int32(0)  # k-tiles issued so far: the pipeline state is derived from it
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
+        blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
         q = compute_cta
-        index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
-                                   int(Role.COMPUTE), q)
+        index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                   int(Role.COMPUTE), q, blk, q_base)
         while index >= 0:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             ttype = tasks[index, W_TYPE]
@@ -714,8 +755,8 @@ class MegakernelSm90:
                         state.advance()
             loads += self._loads_of(run, noop, ttype, k_tiles)
             q += self.num_compute_ctas
-            index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
-                                       int(Role.COMPUTE), q)
+            index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                       int(Role.COMPUTE), q, blk, q_base)
         tail = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
         if const_expr(self.local_direct):
             cute.arch.cp_async_wait_group(0)
@@ -820,7 +861,7 @@ class MegakernelSm90:
 
     # ------------------------------------------------------------------ compute: consumers
     @cute.jit
-    def _consumer_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_tail_begin,
+    def _consumer_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                        counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
                        topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                        tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
@@ -852,9 +893,10 @@ class MegakernelSm90:
         loads = Int32(0)
         subtiles = Int32(0)
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
+        blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
         q = compute_cta
-        index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
-                                   int(Role.COMPUTE), q)
+        index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                   int(Role.COMPUTE), q, blk, q_base)
         while index >= 0:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             ttype = tasks[index, W_TYPE]
@@ -917,8 +959,8 @@ class MegakernelSm90:
                                               ctx.rank_base + rank, t_start, common.timeline_now())
             loads += self._loads_of(run, noop, ttype, k_tiles)
             q += self.num_compute_ctas
-            index, rank = self._ticket(queues, queue_len, queue_tail_begin, live_prefix,
-                                       int(Role.COMPUTE), q)
+            index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                       int(Role.COMPUTE), q, blk, q_base)
         tma_store_pipeline.producer_tail()
 
     @cute.jit
@@ -1084,11 +1126,11 @@ SCALARS = 10
 def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: int = 16,
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
-                       arch: str = "sm_90a", options: str = ""):
+                       rank_blocks: bool = False, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
-                        local_direct)
+                        local_direct, rank_blocks)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
@@ -1100,7 +1142,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
     bf16 = BFloat16
     args = [
         i32(sym(), TASK_WORDS), i32(2, sym()), common.fake_vector(Int32, 2),
-        i32(2, sym()), common.fake_vector(Int32, 2), common.fake_vector(Int32),
+        i32(2, sym()), i32(2, sym()), common.fake_vector(Int32),
         i32(ranks, sym()), common.fake_vector(Int64, 1, align_bytes=8),
         common.fake_vector(Int32), i32(ranks, tiles), i32(ranks, cap), i32(ranks, cap),
         i32(ranks, cap), f(Int64, (ranks, peers), align_bytes=8),
