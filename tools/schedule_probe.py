@@ -74,9 +74,29 @@ def time_builds(row, ids, E):
             row[f"{label}_build_graph_ms"] = f"capture failed: {exc!r}"[:200]
 
 
+def build_flag_rounds(fn, rounds, iters):
+    """Time ``fn`` with ``schedule.GPU_BUILD`` off and on in alternating rounds (the H200's
+    clock drifts within a process); medians, every round, and whether the outputs agree."""
+    from mok_cute import megakernel, schedule
+
+    outs, times = {}, {False: [], True: []}
+    try:
+        for r in range(rounds):
+            for flag in ((False, True) if r % 2 == 0 else (True, False)):
+                schedule.GPU_BUILD = flag
+                outs.setdefault(flag, fn())
+                times[flag].append(gpu_ms(fn, iters))
+    finally:
+        schedule.GPU_BUILD = False
+        megakernel.release_plans()
+    return dict(torch_build_ms=statistics.median(times[False]),
+                gpu_build_ms=statistics.median(times[True]),
+                ms_rounds={"torch_build": times[False], "gpu_build": times[True]},
+                bitwise_equal=bool(torch.equal(outs[False], outs[True])))
+
+
 def layer_rounds(name, T, H, I, E, K, rounds, iters):
     import mok_cute as mok
-    from mok_cute import megakernel, schedule
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -89,26 +109,14 @@ def layer_rounds(name, T, H, I, E, K, rounds, iters):
     results = {}
     for backend in ("kernel", "megakernel"):
         cfg = mok.MoKConfig(check_ids=False, backend=backend)
-        outs, times = {}, {False: [], True: []}
-        for r in range(rounds):
-            for flag in ((False, True) if r % 2 == 0 else (True, False)):
-                schedule.GPU_BUILD = flag
-                fn = lambda: mok.moe_forward(x, idx, w, wg, wu, wd, config=cfg)  # noqa: E731
-                outs.setdefault(flag, fn())
-                times[flag].append(gpu_ms(fn, iters))
-        schedule.GPU_BUILD = False
-        results[backend] = dict(
-            torch_build_ms=statistics.median(times[False]), gpu_build_ms=statistics.median(times[True]),
-            ms_rounds={"torch_build": times[False], "gpu_build": times[True]},
-            bitwise_equal=bool(torch.equal(outs[False], outs[True])))
-        megakernel.release_plans()
+        results[backend] = build_flag_rounds(
+            lambda: mok.moe_forward(x, idx, w, wg, wu, wd, config=cfg), rounds, iters)
     return results
 
 
 def virtual_rounds(R, T, H, I, E_loc, K, rounds, iters):
     """moe_forward_virtual on R ranks (the megakernel), GPU_BUILD off and on, alternating."""
     import mok_cute as mok
-    from mok_cute import megakernel, schedule
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -119,18 +127,8 @@ def virtual_rounds(R, T, H, I, E_loc, K, rounds, iters):
     wu = torch.randn(R, E_loc, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
     wd = torch.randn(R, E_loc, H, I, device=dev, dtype=torch.bfloat16, generator=gen) / I ** 0.5
     cfg = mok.MoKConfig(check_ids=False, backend="megakernel")
-    outs, times = {}, {False: [], True: []}
-    for r in range(rounds):
-        for flag in ((False, True) if r % 2 == 0 else (True, False)):
-            schedule.GPU_BUILD = flag
-            fn = lambda: mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, config=cfg)  # noqa: E731
-            outs.setdefault(flag, fn())
-            times[flag].append(gpu_ms(fn, iters))
-    schedule.GPU_BUILD = False
-    megakernel.release_plans()
-    return dict(torch_build_ms=statistics.median(times[False]), gpu_build_ms=statistics.median(times[True]),
-                ms_rounds={"torch_build": times[False], "gpu_build": times[True]},
-                bitwise_equal=bool(torch.equal(outs[False], outs[True])))
+    return build_flag_rounds(lambda: mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, config=cfg),
+                             rounds, iters)
 
 
 def main(argv=None):
