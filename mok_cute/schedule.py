@@ -56,8 +56,9 @@ class ReceiveSchedule:
     expert_offsets: torch.Tensor  # [E_loc + 1] padded segment starts; [-1] = total padded rows
     tile_expert: torch.Tensor  # [capacity // tile_m] local expert of each M-tile, -1 past the end
     num_tiles: torch.Tensor  # [1] number of valid M-tiles (device scalar)
-    # [T * K] padded row of each local (token, k) slot, -1 if none; filled by the R == 1
-    # build (a by-product of its scatter), None otherwise: `row_of_slot` computes it then.
+    # [T * K] padded row of each of this rank's own (token, k) slots, -1 if none; filled by
+    # the R == 1 torch build (a by-product of its scatter) and by the GPU build, None
+    # otherwise: `row_of_slot` computes it then.
     slot_rows: torch.Tensor | None = None
 
 
