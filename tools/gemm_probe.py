@@ -39,6 +39,14 @@ def bench_ms(fn, iters=20, warmup=5):
     return times[len(times) // 2]
 
 
+def _print_row(r):
+    if "error" in r:
+        print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} ERROR {r['error']}", flush=True)
+    else:
+        print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s",
+              flush=True)
+
+
 def main(argv=None):
     from mok_cute import ops
 
@@ -81,6 +89,7 @@ def main(argv=None):
                                      ms=ms, tflops=flops / ms / 1e9))
                 except Exception as exc:  # record and continue with the other variants
                     rows.append(dict(shape=name, stage=stage, impl=f"mok {var}", error=repr(exc)[:300]))
+                _print_row(rows[-1])  # as measured: a killed run keeps what it printed
             try:
                 wt = (torch.cat([w, w_up], 1) if w_up is not None else w).transpose(1, 2)
                 ms = bench_ms(lambda: torch._grouped_mm(a, wt, offs=offs))
@@ -88,15 +97,12 @@ def main(argv=None):
                                  tflops=flops / ms / 1e9))
             except Exception as exc:
                 rows.append(dict(shape=name, stage=stage, impl="torch._grouped_mm", error=repr(exc)[:300]))
+            _print_row(rows[-1])
             dense_b = torch.cat([w[0], w_up[0]]) if w_up is not None else w[0]
             ms = bench_ms(lambda: a @ dense_b.T)
             rows.append(dict(shape=name, stage=stage, impl="cublas dense (one weight)", ms=ms,
                              tflops=flops / ms / 1e9))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} ERROR {r['error']}")
-        else:
-            print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s")
+            _print_row(rows[-1])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
