@@ -74,14 +74,14 @@ run_mega() {
 
 run_gemm() {
   # the cooperative variants first: a pingpong hang must not cost their numbers
-  timeout -s KILL 150 python3 -u tools/gemm_probe.py --shapes dsv3_ep8_rank,qwen3_30b \
-    --variants 256:8,128:8 --json "$out/gemm_probe.json" 2>&1 | grep -v Warn | tail -12
+  timeout -s KILL 180 python3 -u tools/gemm_probe.py --shapes dsv3_ep8_rank,qwen3_30b,mixtral \
+    --variants 256:8,256:16,128:8 --json "$out/gemm_probe.json" 2>&1 | grep -v Warn | tail -30
   MOK_TEST_PINGPONG=1 timeout -s KILL 120 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore \
     -o timeout=60 --tb=short tests/test_gemm_sm90.py -k "matches_torch and True" > "$out/test_pingpong.log" 2>&1
   rc=$?
   echo "pingpong tests rc=$rc: $(grep -E "passed|failed" "$out/test_pingpong.log" | tail -1)"
   if [ "$rc" = 0 ]; then
-    timeout -s KILL 120 python3 -u tools/gemm_probe.py --shapes dsv3_ep8_rank,qwen3_30b \
+    timeout -s KILL 150 python3 -u tools/gemm_probe.py --shapes dsv3_ep8_rank,qwen3_30b,mixtral \
       --variants 128p:8 --json "$out/gemm_probe_pingpong.json" 2>&1 | grep -v Warn | grep pingpong
   fi
 }
