@@ -319,7 +319,7 @@ class ScheduleBuild:
 
 
 def _placeholder_ptr(dtype) -> cute.Pointer:
-    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=4)
+    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=dtype.width // 8)
 
 
 def compile_schedule_build(arch: str = "sm_90a", *, options: str = "", num_experts: int = 32,
@@ -392,7 +392,7 @@ def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int
                                       num_experts=E, tile_m=tile_m,
                                       ids_int64=ids.dtype == torch.int64)
         ptr = lambda t, dt: cute.runtime.make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem,  # noqa: E731
-                                                  assumed_align=4)
+                                                  assumed_align=dt.width // 8)
         compiled(ptr(ids, Int64 if ids.dtype == torch.int64 else Int32),
                  *(ptr(t, Int32) for t in (rank_in_chunk, chunk_counts, row_token, row_k, row_peer,
                                            slot_rows, counts, offsets, tile_expert, num_tiles)),
