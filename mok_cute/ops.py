@@ -20,8 +20,13 @@ from mok_cute.config import MoKConfig
 
 TILE_M = 128
 # FC1 gathers x rows itself (GroupedGemmSm90(a_gather=True)) instead of a separate gather
-# kernel: predicted -0.25 ms on dsv3_ep8_rank. Off until it has run on the H200.
+# kernel: predicted -0.25 ms on dsv3_ep8_rank; measured level with the gather kernel on the
+# H200 (runs 20-21, docs/perf_notes.md), so off.
 GATHER_IN_FC1 = False
+# FC2 on the pingpong GEMM (128-wide tiles, the two consumer warpgroups alternating tiles so
+# one's epilogue hides behind the other's mainloop). Off: the pingpong kernel hung on its first
+# H200 run; the fix (mainloop turns) has not run yet (`tools/gpu_check.sh gemm` decides).
+FC2_PINGPONG = False
 
 
 # ---------------------------------------------------------------------- availability
@@ -109,7 +114,8 @@ def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_ti
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
                      timeline=timeline, task_type=int(fc1), a_rows=row_index)
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
-                        timeline=timeline, task_type=int(fc2))
+                        timeline=timeline, task_type=int(fc2), pingpong=FC2_PINGPONG,
+                        tile_n=128 if FC2_PINGPONG else None)
 
 
 # ---------------------------------------------------------------------- the layer
