@@ -24,9 +24,24 @@ __all__ = [
     "check_expert_ids",
     "PendingIdCheck",
     "describe",
+    "experimental_switch",
 ]
 
 BACKENDS = ("auto", "kernel", "megakernel", "reference")
+
+
+def experimental_switch(name: str, default: bool) -> bool:
+    """An implementation switch that is off (or on) until measured, overridable per process
+    with ``MOK_<NAME>=0|1`` so any tool (bench, timeline, tests) can time both sides without
+    editing code: e.g. ``MOK_GPU_SCHEDULE=1 mok-cute bench ...``. Read once, at import."""
+    import os
+
+    value = os.environ.get(f"MOK_{name}")
+    if value is None or value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"MOK_{name}: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 # ---------------------------------------------------------------------------------------------

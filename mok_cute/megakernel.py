@@ -28,7 +28,7 @@ import threading
 import torch
 
 from mok_cute import jit, tasks as tasks_mod
-from mok_cute.config import MoKConfig
+from mok_cute.config import MoKConfig, experimental_switch
 
 TILE_M = 128
 DEFAULT_COMM_CTAS = 12
@@ -43,8 +43,8 @@ LOCAL_DIRECT = True
 # FC1 of minibatch m + 1 queued before FC2 of m (tasks.build_task_list's fc1_lead), so FC2
 # tiles do not wait on the FC1 wave just issued. The simulator predicts dsv3 R = 1 4.90 ->
 # 4.74 ms and sonic_120b 10.74 -> 10.44 ms (docs/sim.md); never run on a GPU: off until
-# measured (tools/megakernel_probe.py, comm spec suffix "f").
-FC1_LEAD = 0
+# measured (tools/megakernel_probe.py, comm spec suffix "f"). MOK_FC1_LEAD=1 turns it on.
+FC1_LEAD = int(experimental_switch("FC1_LEAD", False))
 # Virtual ranks walk the task list block by block (one block per minibatch, each rank's share
 # in turn) instead of alternating ranks task by task (tasks.ticket_blocks). Why: virtual R = 8
 # costs 1.5-1.8x R = 1 on the H200 (run 23), and the extra time matches re-reading every
@@ -52,8 +52,8 @@ FC1_LEAD = 0
 # gap), as alternating ranks puts one M-tile of eight different experts in each wave where R = 1
 # has all M-tiles of an expert together. The simulator, which has no L2, predicts <= 10 %.
 # Written 2026-11-29, never run on a GPU: off until tools/megakernel_probe.py --virtual
-# measures it (and the GPU tests pass with it on).
-RANK_BLOCKS = False
+# measures it (and the GPU tests pass with it on). MOK_RANK_BLOCKS=1 turns it on.
+RANK_BLOCKS = experimental_switch("RANK_BLOCKS", False)
 # Comm CTAs when no rank's rows cross them (one rank, local_direct): they run only the barrier.
 # Run 20: 1, 2, 4 comm CTAs: dsv3 5.43 / 5.46 / 5.35 ms, sonic_120b 13.08 / 12.31 / 12.65 ms.
 LOCAL_ONLY_COMM_CTAS = 2

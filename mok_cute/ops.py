@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from mok_cute import jit
-from mok_cute.config import MoKConfig
+from mok_cute.config import MoKConfig, experimental_switch
 
 TILE_M = 128
 # FC1 gathers x rows itself (GroupedGemmSm90(a_gather=True)) instead of a separate gather
@@ -26,7 +26,8 @@ GATHER_IN_FC1 = False
 # FC2 on the pingpong GEMM (128-wide tiles, the two consumer warpgroups alternating tiles so
 # one's epilogue hides behind the other's mainloop). Off: the pingpong kernel hung on its first
 # H200 run; the fix (mainloop turns) has not run yet (`tools/gpu_check.sh gemm` decides).
-FC2_PINGPONG = False
+# MOK_FC2_PINGPONG=1 turns it on.
+FC2_PINGPONG = experimental_switch("FC2_PINGPONG", False)
 
 
 # ---------------------------------------------------------------------- availability

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import check_int, check_tensor
+from .config import check_int, check_tensor, experimental_switch
 
 # On a GPU: build with the two kernels of kernels/schedule_build.py instead of 50-70 torch
 # launches per rank. Off until its GPU tests pass on the H200 (written 2026-11-29, not yet run
-# there): `bash tools/gpu_check.sh schedule` checks and times it.
-GPU_BUILD = False
+# there): `bash tools/gpu_check.sh schedule` checks and times it. MOK_GPU_SCHEDULE=1 turns it on.
+GPU_BUILD = experimental_switch("GPU_SCHEDULE", False)
 
 __all__ = [
     "ReceiveSchedule",

@@ -461,3 +461,18 @@ def test_megakernel_sizes_it_cannot_take_fall_back_or_raise():
             api._megakernel_fallback(odd, MoKConfig(backend=backend))
     with pytest.raises(ValueError, match="shared: intermediate size"):
         api._megakernel_fallback(ok._replace(shared_intermediate=100), MoKConfig(backend="megakernel"))
+
+
+def test_experimental_switches_read_mok_environment_variables(monkeypatch):
+    from mok_cute.config import experimental_switch
+
+    monkeypatch.delenv("MOK_SOME_SWITCH", raising=False)
+    assert experimental_switch("SOME_SWITCH", False) is False
+    assert experimental_switch("SOME_SWITCH", True) is True
+    monkeypatch.setenv("MOK_SOME_SWITCH", "1")
+    assert experimental_switch("SOME_SWITCH", False) is True
+    monkeypatch.setenv("MOK_SOME_SWITCH", "0")
+    assert experimental_switch("SOME_SWITCH", True) is False
+    monkeypatch.setenv("MOK_SOME_SWITCH", "on")
+    with pytest.raises(ValueError, match="MOK_SOME_SWITCH"):
+        experimental_switch("SOME_SWITCH", False)

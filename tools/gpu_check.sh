@@ -96,8 +96,12 @@ run_schedule() {
 }
 
 run_virtual() {
-  timeout -s KILL 420 python3 -u tools/megakernel_probe.py --shapes "" --virtual kimi_k2.7,qwen3.5_397b \
+  timeout -s KILL 360 python3 -u tools/megakernel_probe.py --shapes "" --virtual kimi_k2.7,qwen3.5_397b \
     --virtual-comm 12,24 --out "$out" --json "$out/virtual_probe.json" 2>&1 | grep -v Warn | tail -14
+  # one recorded R = 8 call with the block walk: its PNG shows whether waves hold one rank
+  MOK_RANK_BLOCKS=1 timeout -s KILL 120 python3 -m mok_cute.cli timeline --shape kimi_k2.7 --ranks 8 \
+    --capacity 262144 --mok-config check_ids=False --out "$out/virtual_r8_blocks" 2>&1 \
+    | grep -E "busy|wait|idle|GB/s|TFLOP|exposed|tasks" | tail -10
 }
 
 run_ep() {
