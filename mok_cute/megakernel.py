@@ -54,6 +54,11 @@ FC1_LEAD = int(experimental_switch("FC1_LEAD", False))
 # Written 2026-11-29, never run on a GPU: off until tools/megakernel_probe.py --virtual
 # measures it (and the GPU tests pass with it on). MOK_RANK_BLOCKS=1 turns it on.
 RANK_BLOCKS = experimental_switch("RANK_BLOCKS", False)
+# One rank with no peer and local_direct: nobody else reads this rank's x, so FC1's local rows
+# and the shared expert read the caller's x in place instead of a copy in the symmetric buffer
+# (dsv3: 59 MB, sonic_120b: 268 MB copied per call, about 0.6 % and 1.2 % of the call at
+# ~3.5 TB/s). Written 2026-11-29, not run on a GPU: MOK_X_IN_PLACE=1 turns it on.
+X_IN_PLACE = experimental_switch("X_IN_PLACE", False)
 # Comm CTAs when no rank's rows cross them (one rank, local_direct): they run only the barrier.
 # Run 20: 1, 2, 4 comm CTAs: dsv3 5.43 / 5.46 / 5.35 ms, sonic_120b 13.08 / 12.31 / 12.65 ms.
 LOCAL_ONLY_COMM_CTAS = 2
@@ -82,6 +87,7 @@ class PlanKey:
     local_direct: bool = False
     fc1_lead: int = 0
     rank_blocks: bool = False
+    x_in_place: bool = False
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -140,6 +146,7 @@ class _VirtualSide:
         self.launch_ranks = self.num_peers = k.num_ranks
         self.rank_base = 0
         self.peer_bases = self.peers.bases_matrix()
+        self.own_base = self.peers.addresses[0]  # rank 0's symmetric buffer (host copy of the table)
         bf16 = self.peers.buffer.view(torch.bfloat16)
         # x of every rank as one (R, T, H) view of the symmetric buffer
         self.x = bf16.as_strided((k.num_ranks, k.tokens, k.hidden),
@@ -173,6 +180,7 @@ class _IpcSide:
         self.launch_ranks = 1
         self.rank_base = self.peers.rank
         self.peer_bases = self.peers.table.bases.unsqueeze(0).contiguous()
+        self.own_base = self.peers.table.addresses[self.rank_base]
         self.x = self.peers.view("x").unsqueeze(0)
         self.local_experts = k.local_experts
 
@@ -202,6 +210,9 @@ class Plan:
         self.capacity = schedule_capacity(side.num_peers, k.tokens, k.top_k, k.local_experts, TILE_M)
         layout = side.layout
         self.x_all = side.x
+        self.x_in_place = k.x_in_place and k.local_direct and side.num_peers == 1
+        self.own_base, self.x_offset = side.own_base, side.layout.offset("x")
+        self._x_offset = self.x_offset  # as held in scalars[3]
         self.task_list = tasks_mod.build_static(
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
@@ -256,7 +267,17 @@ class Plan:
         k = self.key
         self._check_errors(block=False)
         R = self.side.launch_ranks
-        self.x_all.copy_(xs)
+        # With no peer to read it, the caller's x is read in place (FC1's local rows, the
+        # shared expert) instead of being copied into the symmetric buffer first.
+        in_place = self.x_in_place and xs.is_contiguous() and xs.data_ptr() % 16 == 0  # TMA base
+        x_own = xs if in_place else self.x_all
+        if not in_place:
+            self.x_all.copy_(xs)
+        # the kernel finds this rank's x rows at peer_bases[rank][rank] + x_offset
+        x_offset = xs.data_ptr() - self.own_base if in_place else self.x_offset
+        if x_offset != self._x_offset:  # rewritten only when it changes
+            self._x_offset = x_offset
+            self.scalars[3].fill_(x_offset)
         ids = topk_idx.to(torch.int32)
         scheds = self.side.schedules(ids)
         # one rank per launch (R = 1, or IPC): views, not copies (four launches fewer per call)
@@ -286,7 +307,7 @@ class Plan:
         flat = lambda w: w.reshape(E, *w.shape[2:])  # noqa: E731
         s_args = [None] * 6
         if shared is not None:
-            s_args = [kmajor(self.x_all), kmajor(shared[0]), kmajor(shared[1]), kmajor(shared[2]),
+            s_args = [kmajor(x_own), kmajor(shared[0]), kmajor(shared[1]), kmajor(shared[2]),
                       kmajor(self.shared_h), kmajor(self.shared_y)]
         d = self.device_tasks
         self.kernel(
@@ -441,7 +462,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
                   None if group is None else (id(group), handle_type), local_direct, FC1_LEAD,
-                  RANK_BLOCKS and R > 1)
+                  RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -363,6 +363,28 @@ def test_ticket_blocks_give_the_same_bits(R, ring, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shared_inter", [0, 128])
+def test_x_read_in_place_gives_the_same_bits(shared_inter, monkeypatch):
+    """megakernel.X_IN_PLACE: at one rank FC1's local rows and the shared expert read the
+    caller's x where it lies (no copy into the symmetric buffer); x changes between calls."""
+    from mok_cute import megakernel
+
+    args = _problem(1, 300, 512, 256, 4, 4, shared_inter, seed=31)
+    base = _run(args)
+    monkeypatch.setattr(megakernel, "X_IN_PLACE", True)
+    in_place = _run(args)
+    assert any(k.x_in_place for k in megakernel._PLANS)
+    assert torch.equal(in_place, base)
+    other = list(args)
+    other[0] = args[0].flip(1).contiguous()  # new x at a new address: the offset is rewritten
+    monkeypatch.setattr(megakernel, "X_IN_PLACE", False)
+    want = _run(tuple(other))
+    monkeypatch.setattr(megakernel, "X_IN_PLACE", True)
+    assert torch.equal(_run(tuple(other)), want)
+    assert torch.equal(_run(args), base)  # and back
+
+
+@pytest.mark.gpu
 def test_one_gpu_megakernel_equals_the_expert_kernel_path_bitwise():
     args = _problem(1, 500, 512, 384, 8, 4, 128, seed=5)
     x, idx, w, wg, wu, wd = (a[0] for a in args[:6])

@@ -9,7 +9,8 @@ variant (``cp.async.bulk`` through smem) instead of the vector one, a trailing `
 vector one with ``megakernel.LOCAL_DIRECT`` (local rows stay in the ring, no combine copy), a
 trailing ``n`` (with ``l``) the same without the consumers' proxy fence on gathered A stages
 (``gemm_sm90.FENCE_GATHERED_A = False``), an ``f`` FC1 of the next minibatch queued before FC2
-(``megakernel.FC1_LEAD = 1``); e.g. ``2l``, ``2lf``. Every megakernel output
+(``megakernel.FC1_LEAD = 1``), an ``x`` (with ``l``) the caller's x read in place
+(``megakernel.X_IN_PLACE``); e.g. ``2l``, ``2lf``, ``2lfx``. Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -71,13 +72,15 @@ def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str)
     finally:
         ops.GATHER_IN_FC1 = False
         set_gathered_a_fence(True)
-    defaults = megakernel.COMM_COPY, megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD
+    defaults = (megakernel.COMM_COPY, megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD,
+                megakernel.X_IN_PLACE)
     for spec in comms:
         megakernel.COMM_COPY = "bulk" if "b" in spec else "vector"
         megakernel.LOCAL_DIRECT = "l" in spec
         megakernel.FC1_LEAD = int("f" in spec)
+        megakernel.X_IN_PLACE = "x" in spec
         set_gathered_a_fence("n" not in spec)
-        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("blnf")), backend="megakernel")
+        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("blnfx")), backend="megakernel")
         run = lambda: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
         t0 = time.time()
         out = run().clone()
@@ -85,12 +88,14 @@ def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str)
         megakernel.raise_pending_errors()
         variant = (f"megakernel_{megakernel.COMM_COPY}" + ("_local_direct" if megakernel.LOCAL_DIRECT else "")
                    + ("" if gemm_sm90.FENCE_GATHERED_A else "_nofence")
-                   + ("_fc1_lead" if megakernel.FC1_LEAD else ""))
+                   + ("_fc1_lead" if megakernel.FC1_LEAD else "")
+                   + ("_x_in_place" if megakernel.X_IN_PLACE else ""))
         rows.append({"variant": variant, "comm_ctas": cfg.num_comm_sms,
                      "first_call_s": time.time() - t0, "ms": gpu_ms(run),
                      "bitwise_equal_expert_path": bool(torch.equal(out, expert))})
         megakernel.raise_pending_errors()
-    megakernel.COMM_COPY, megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD = defaults
+    (megakernel.COMM_COPY, megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD,
+     megakernel.X_IN_PLACE) = defaults
     set_gathered_a_fence(True)
     for r in rows:
         r["tflops"] = flops / r["ms"] / 1e9
