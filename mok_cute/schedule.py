@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import check_int, check_tensor, experimental_switch
+from .config import check_expert_ids, check_int, check_tensor, experimental_switch
 
 # On a GPU: build with the two kernels of kernels/schedule_build.py instead of 50-70 torch
 # launches per rank. Off until its GPU tests pass on the H200 (written 2026-11-29, not yet run
@@ -95,7 +95,7 @@ def build_receive_schedule(
     check_int("tile_m", tile_m, min_value=1)
     E_loc = num_local_experts
     if validate:
-        _check_ids(topk_idx_all, R, E_loc)
+        check_expert_ids(topk_idx_all, R * E_loc, "topk_idx_all")
     if GPU_BUILD and topk_idx_all.is_cuda:
         from mok_cute.kernels import schedule_build
 
@@ -168,17 +168,6 @@ def build_receive_schedule(
         tile_expert=tile_expert.to(i32),
         num_tiles=num_tiles.to(i32),
     )
-
-
-def _check_ids(topk_idx_all: torch.Tensor, R: int, E_loc: int) -> None:
-    """Every id in [0, R * E_loc) (one device->host read on CUDA)."""
-    if topk_idx_all.numel():
-        lo, hi = torch.stack(torch.aminmax(topk_idx_all)).tolist()
-        if lo < 0 or hi >= R * E_loc:
-            raise ValueError(
-                f"topk_idx_all: expected global expert ids in [0, {R * E_loc}) "
-                f"({R} ranks x {E_loc} local experts), got ids spanning [{lo}, {hi}]"
-            )
 
 
 def _tile_table(offsets: torch.Tensor, capacity: int, tile_m: int) -> tuple[torch.Tensor, torch.Tensor]:

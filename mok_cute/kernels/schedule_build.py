@@ -345,22 +345,19 @@ def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int
     ``slot_rows`` is filled for this rank's own slots (``schedule.row_of_slot`` of peer
     ``rank``). ``poison`` (tests): fill every output with this value first, so an element the
     kernels failed to write shows."""
+    from mok_cute.config import check_int, check_tensor
     from mok_cute.schedule import ReceiveSchedule, schedule_capacity
 
-    if not isinstance(topk_idx_all, torch.Tensor):
-        raise TypeError(f"topk_idx_all must be a torch.Tensor, got {type(topk_idx_all).__name__}")
-    if topk_idx_all.dim() != 3:
-        raise ValueError(f"topk_idx_all must be 3-D [R, T, K], got shape {tuple(topk_idx_all.shape)}")
-    if topk_idx_all.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_idx_all must be int32 or int64, got {topk_idx_all.dtype}")
+    check_tensor("topk_idx_all", topk_idx_all, shape=("R", "T", "K"),
+                 dtype=(torch.int32, torch.int64), contiguous=False)
     R, T, K = topk_idx_all.shape
-    if not isinstance(rank, int) or not 0 <= rank < R:
-        raise ValueError(f"rank must be an int in [0, {R}), got {rank!r}")
-    if not isinstance(num_local_experts, int) or not supports(R, num_local_experts):
+    check_int("rank", rank, min_value=0, max_value=R - 1)
+    check_int("num_local_experts", num_local_experts, min_value=1)
+    if not supports(R, num_local_experts):
         raise ValueError(f"num_local_experts: the kernels hold at most {MAX_EXPERTS} local experts "
-                         f"and {MAX_PEER_EXPERTS} (peers x experts), got {num_local_experts!r} with {R} peers")
+                         f"and {MAX_PEER_EXPERTS} (peers x experts), got {num_local_experts} with {R} peers")
     if topk_idx_all.device.type != "cuda":
-        raise ValueError(f"topk_idx_all must be a CUDA tensor, got {topk_idx_all.device}")
+        raise ValueError(f"topk_idx_all: expected a CUDA tensor, got one on {topk_idx_all.device}")
     num_slots = T * K
     if num_slots >= 2**31 - CHUNK or R * T * K + num_local_experts * tile_m >= 2**31:
         raise ValueError(f"topk_idx_all: R*T*K must be below 2**31, got {R * num_slots}")
