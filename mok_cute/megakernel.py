@@ -87,7 +87,7 @@ class PlanKey:
     local_direct: bool = False
     fc1_lead: int = 0
     rank_blocks: bool = False
-    x_in_place: bool = False
+    x_in_place: bool = False  # X_IN_PLACE, decided by plan_for (one rank, local_direct)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -210,8 +210,7 @@ class Plan:
         self.capacity = schedule_capacity(side.num_peers, k.tokens, k.top_k, k.local_experts, TILE_M)
         layout = side.layout
         self.x_all = side.x
-        self.x_in_place = k.x_in_place and k.local_direct and side.num_peers == 1
-        self.own_base, self.x_offset = side.own_base, side.layout.offset("x")
+        self.own_base, self.x_offset = side.own_base, layout.offset("x")
         self._x_offset = self.x_offset  # as held in scalars[3]
         self.task_list = tasks_mod.build_static(
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
@@ -269,7 +268,7 @@ class Plan:
         R = self.side.launch_ranks
         # With no peer to read it, the caller's x is read in place (FC1's local rows, the
         # shared expert) instead of being copied into the symmetric buffer first.
-        in_place = self.x_in_place and xs.is_contiguous() and xs.data_ptr() % 16 == 0  # TMA base
+        in_place = k.x_in_place and xs.is_contiguous() and xs.data_ptr() % 16 == 0  # TMA base
         x_own = xs if in_place else self.x_all
         if not in_place:
             self.x_all.copy_(xs)

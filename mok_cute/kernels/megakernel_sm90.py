@@ -512,7 +512,7 @@ class MegakernelSm90:
         ticket_slot = cute.size(counters, mode=[1]) - TICKETS
         q = self._shared_ticket(counters, ticket_slot, words, sync, tidx)
         index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                   int(Role.COMM), q, blk, q_base)
+                                                   int(Role.COMM), q, blk, q_base)
         while index >= 0:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             if run:
@@ -561,7 +561,7 @@ class MegakernelSm90:
                                               ctx.rank_base + rank, t_start, common.timeline_now())
             q = self._shared_ticket(counters, ticket_slot, words, sync, tidx)
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                       int(Role.COMM), q, blk, q_base)
+                                                       int(Role.COMM), q, blk, q_base)
 
     @cute.jit
     def _shared_ticket(self, counters, slot: Int32, words, sync, tidx) -> Int32:
@@ -716,7 +716,7 @@ class MegakernelSm90:
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
         q = compute_cta
         index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                   int(Role.COMPUTE), q, blk, q_base)
+                                                   int(Role.COMPUTE), q, blk, q_base)
         while index >= 0:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             ttype = tasks[index, W_TYPE]
@@ -756,7 +756,7 @@ class MegakernelSm90:
             loads += self._loads_of(run, noop, ttype, k_tiles)
             q += self.num_compute_ctas
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                       int(Role.COMPUTE), q, blk, q_base)
+                                                       int(Role.COMPUTE), q, blk, q_base)
         tail = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
         if const_expr(self.local_direct):
             cute.arch.cp_async_wait_group(0)
@@ -896,7 +896,7 @@ class MegakernelSm90:
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
         q = compute_cta
         index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                   int(Role.COMPUTE), q, blk, q_base)
+                                                   int(Role.COMPUTE), q, blk, q_base)
         while index >= 0:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             ttype = tasks[index, W_TYPE]
@@ -960,7 +960,7 @@ class MegakernelSm90:
             loads += self._loads_of(run, noop, ttype, k_tiles)
             q += self.num_compute_ctas
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                       int(Role.COMPUTE), q, blk, q_base)
+                                                       int(Role.COMPUTE), q, blk, q_base)
         tma_store_pipeline.producer_tail()
 
     @cute.jit
