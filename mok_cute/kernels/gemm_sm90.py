@@ -394,18 +394,21 @@ class GroupedGemmSm90:
             tile_stride = grid_size
             tile_idx = cute.arch.block_idx()[0]
             first_tile = tile_idx
-            # pingpong: the warpgroups take turns at the mainloop (see _mma_turn_*)
-            my_turn = pipeline.NamedBarrier(
-                barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer, num_threads=self.num_mma_threads)
-            their_turn = pipeline.NamedBarrier(
-                barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer, num_threads=self.num_mma_threads)
+            my_turn, their_turn = None, None
             if const_expr(self.pingpong):
-                # warpgroup 1 takes this CTA's odd tiles and skips the stages of the first.
-                # Branch-free on purpose: state mutated inside a run-time `if` may not be
-                # carried out of it (suspected cause of the hang seen on 2026-11-29).
+                # warpgroup 1 takes this CTA's odd tiles and skips the stages of the first
+                # (branch-free: state mutated inside a run-time `if` is not carried out of it)
                 read_state.advance(consumer * k_tile_cnt)
                 tile_idx += consumer * tile_stride
                 tile_stride = tile_stride * 2
+                # the warpgroups take turns at the mainloop: each waits on its own barrier
+                # and arrives on the other's (see the mainloop below)
+                my_turn = pipeline.NamedBarrier(
+                    barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer,
+                    num_threads=self.num_mma_threads)
+                their_turn = pipeline.NamedBarrier(
+                    barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer,
+                    num_threads=self.num_mma_threads)
             release_state = read_state.clone()
             subtiles_done = Int32(0)
             record_slot = Int64(0)
