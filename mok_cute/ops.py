@@ -27,7 +27,7 @@ GATHER_IN_FC1 = False
 # one's epilogue hides behind the other's mainloop). Off: the pingpong kernel hung on its first
 # H200 run; the fix (mainloop turns) has not run yet (`tools/gpu_check.sh gemm` decides).
 # MOK_FC2_PINGPONG=1 turns it on.
-FC2_PINGPONG = experimental_switch("FC2_PINGPONG", False)
+FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
 
 
 # ---------------------------------------------------------------------- availability

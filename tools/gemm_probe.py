@@ -49,11 +49,13 @@ def _print_row(r):
 
 def main(argv=None):
     from mok_cute import ops
+    from mok_cute.timeline import TimelineBuffer
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="dsv3_ep8_rank")
     p.add_argument("--variants", default="256:8,256:16,128:8,128p:8",
-                   help="tile_n:group_m, 'p' after tile_n = pingpong")
+                   help="tile_n:group_m; 'p' after tile_n = pingpong, 't' after group_m = with "
+                        "the recorder (MoKConfig(timeline=True)'s per-tile records)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dev = "cuda"
@@ -78,15 +80,20 @@ def main(argv=None):
             flops = 2 * M * n * a.shape[1]
             for var in args.variants.split(","):
                 tn_s, gm_s = var.split(":")
-                pp = tn_s.endswith("p")
-                tn, gm = int(tn_s.rstrip("p")), int(gm_s)
+                pp, rec = tn_s.endswith("p"), gm_s.endswith("t")
+                tn, gm = int(tn_s.rstrip("p")), int(gm_s.rstrip("t"))
+                recorder = TimelineBuffer(1 << 16, device=dev) if rec else None
+
+                def run(tn=tn, gm=gm, pp=pp, recorder=recorder):
+                    if recorder is not None:  # as a recorded layer call: a fresh header each call
+                        recorder.reset()
+                    ops.grouped_gemm(a, w, tile_expert, num_tiles, epi, tile_n=tn, group_m=gm,
+                                     w_up=w_up, pingpong=pp, task_type=int(stage == "fc2") + 1,
+                                     timeline=None if recorder is None else recorder.tensor)
                 try:
-                    ms = bench_ms(lambda: ops.grouped_gemm(a, w, tile_expert, num_tiles, epi,
-                                                           tile_n=tn, group_m=gm, w_up=w_up,
-                                                           pingpong=pp))
-                    rows.append(dict(shape=name, stage=stage,
-                                     impl=f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}",
-                                     ms=ms, tflops=flops / ms / 1e9))
+                    ms = bench_ms(run)
+                    impl = f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}{' recorder' if rec else ''}"
+                    rows.append(dict(shape=name, stage=stage, impl=impl, ms=ms, tflops=flops / ms / 1e9))
                 except Exception as exc:  # record and continue with the other variants
                     rows.append(dict(shape=name, stage=stage, impl=f"mok {var}", error=repr(exc)[:300]))
                 _print_row(rows[-1])  # as measured: a killed run keeps what it printed
