@@ -979,6 +979,14 @@ def command_line(argv: Sequence[str]) -> str:
     return shlex.join([*head, *process[1:]])
 
 
+def switches() -> dict[str, bool]:
+    """The experimental switches in force (``config.SWITCHES``), with every module that
+    defines one imported first."""
+    from mok_cute import config, megakernel, ops, schedule  # noqa: F401  (they register theirs)
+
+    return dict(sorted(config.SWITCHES.items()))
+
+
 def write_results(
     results: list[dict[str, Any]], out_dir: Path, tag: str, device: torch.device, argv: Sequence[str], extra: dict[str, Any] | None = None
 ) -> tuple[Path, Path]:
@@ -990,6 +998,7 @@ def write_results(
         "command": command_line(argv),
         "argv": list(argv),
         "versions": versions(),
+        "switches": switches(),
         **(extra or {}),
         "results": results,
     }

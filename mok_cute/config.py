@@ -30,18 +30,26 @@ __all__ = [
 BACKENDS = ("auto", "kernel", "megakernel", "reference")
 
 
+# Every experimental switch's value in this process, by environment variable name: benchmark
+# JSONs record it, so a result says which code it timed.
+SWITCHES: dict[str, bool] = {}
+
+
 def experimental_switch(name: str, default: bool) -> bool:
     """An implementation switch that is off (or on) until measured, overridable per process
     with ``MOK_<NAME>=0|1`` so any tool (bench, timeline, tests) can time both sides without
-    editing code: e.g. ``MOK_GPU_SCHEDULE=1 mok-cute bench ...``. Read once, at import."""
+    editing code: e.g. ``MOK_GPU_SCHEDULE=0 mok-cute bench ...``. Read once, at import."""
     import os
 
     value = os.environ.get(f"MOK_{name}")
     if value is None or value == "":
-        return default
-    if value not in ("0", "1"):
+        on = default
+    elif value in ("0", "1"):
+        on = value == "1"
+    else:
         raise ValueError(f"MOK_{name}: expected 0 or 1, got {value!r}")
-    return value == "1"
+    SWITCHES[f"MOK_{name}"] = on
+    return on
 
 
 # ---------------------------------------------------------------------------------------------

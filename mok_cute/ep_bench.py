@@ -705,6 +705,7 @@ def write_results(results: list[dict[str, Any]], out_dir: Path, tag: str, d: Dis
         "command": command_line(argv, d),
         "argv": list(argv),
         "versions": bm.versions(),
+        "switches": bm.switches(),
         **extra,
         "results": results,
     }

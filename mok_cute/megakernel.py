@@ -42,8 +42,9 @@ COMM_COPY = "vector"
 LOCAL_DIRECT = True
 # FC1 of minibatch m + 1 queued before FC2 of m (tasks.build_task_list's fc1_lead), so FC2
 # tiles do not wait on the FC1 wave just issued. The simulator predicts dsv3 R = 1 4.90 ->
-# 4.74 ms and sonic_120b 10.74 -> 10.44 ms (docs/sim.md); never run on a GPU: off until
-# measured (tools/megakernel_probe.py, comm spec suffix "f"). MOK_FC1_LEAD=1 turns it on.
+# 4.74 ms and sonic_120b 10.74 -> 10.44 ms (docs/sim.md). Bitwise equal on the H200, but
+# measured (fifth session, one pass each) dsv3 5.32 -> 5.74 ms and sonic_120b 12.39 -> 12.18:
+# no clear gain, so off. MOK_FC1_LEAD=1 turns it on.
 FC1_LEAD = int(experimental_switch("FC1_LEAD", False))
 # Virtual ranks walk the task list block by block (one block per minibatch, each rank's share
 # in turn) instead of alternating ranks task by task (tasks.ticket_blocks). Why: virtual R = 8
@@ -51,13 +52,16 @@ FC1_LEAD = int(experimental_switch("FC1_LEAD", False))
 # expert's weights once per extra M-tile (kimi: 2 x 33.8 GB at ~4 TB/s = 16 ms of the 18.7 ms
 # gap), as alternating ranks puts one M-tile of eight different experts in each wave where R = 1
 # has all M-tiles of an expert together. The simulator, which has no L2, predicts <= 10 %.
-# Written 2026-11-29, never run on a GPU: off until tools/megakernel_probe.py --virtual
-# measures it (and the GPU tests pass with it on). MOK_RANK_BLOCKS=1 turns it on.
+# Measured on the H200 (fifth session, tools/megakernel_probe.py --virtual, bitwise equal):
+# kimi R = 8 48.2 -> 35.9 ms, qwen3.5 22.8 -> 21.3 ms (R = 1: 25.6, 14.0). MOK_RANK_BLOCKS=0
+# turns it off.
 RANK_BLOCKS = experimental_switch("RANK_BLOCKS", True)
 # One rank with no peer and local_direct: nobody else reads this rank's x, so FC1's local rows
 # and the shared expert read the caller's x in place instead of a copy in the symmetric buffer
 # (dsv3: 59 MB, sonic_120b: 268 MB copied per call, about 0.6 % and 1.2 % of the call at
-# ~3.5 TB/s). Written 2026-11-29, not run on a GPU: MOK_X_IN_PLACE=1 turns it on.
+# ~3.5 TB/s). Bitwise equal on the H200; one pass each (fifth session) gave dsv3 5.74 -> 5.66
+# ms and sonic_120b 12.18 -> 12.29 with FC1_LEAD on: inside the noise, so off.
+# MOK_X_IN_PLACE=1 turns it on.
 X_IN_PLACE = experimental_switch("X_IN_PLACE", False)
 # Comm CTAs when no rank's rows cross them (one rank, local_direct): they run only the barrier.
 # Run 20: 1, 2, 4 comm CTAs: dsv3 5.43 / 5.46 / 5.35 ms, sonic_120b 13.08 / 12.31 / 12.65 ms.

@@ -24,10 +24,18 @@ TILE_M = 128
 # H200 (runs 20-21, docs/perf_notes.md), so off.
 GATHER_IN_FC1 = False
 # FC2 on the pingpong GEMM (128-wide tiles, the two consumer warpgroups alternating tiles so
-# one's epilogue hides behind the other's mainloop). Off: the pingpong kernel hung on its first
-# H200 run; the fix (mainloop turns) has not run yet (`tools/gpu_check.sh gemm` decides).
-# MOK_FC2_PINGPONG=1 turns it on.
+# one's epilogue hides behind the other's mainloop), where FC2's K (the expert's intermediate
+# size) is short enough for the epilogue to matter. Measured on the H200 (fifth session,
+# tools/gemm_probe.py): qwen3 FC2 (K 768) 0.730 -> 0.667 ms, gptoss (K 2880) 0.962 -> 0.891,
+# dsv3 (K 2048) level, mixtral (K 14336) 2.504 -> 2.763: slower, so the long-K shapes stay
+# cooperative. MOK_FC2_PINGPONG=0 turns it off everywhere.
 FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
+FC2_PINGPONG_MAX_K = 8192
+
+
+def fc2_pingpong(inter: int) -> bool:
+    """Whether FC2 with intermediate size ``inter`` (its K) runs on the pingpong GEMM."""
+    return FC2_PINGPONG and inter <= FC2_PINGPONG_MAX_K
 
 
 # ---------------------------------------------------------------------- availability
@@ -114,9 +122,9 @@ def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_ti
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
                      timeline=timeline, task_type=int(fc1), a_rows=row_index)
-    return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
-                        timeline=timeline, task_type=int(fc2), pingpong=FC2_PINGPONG,
-                        tile_n=128 if FC2_PINGPONG else None)
+    pingpong = fc2_pingpong(w_down.shape[2])
+    return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store", timeline=timeline,
+                        task_type=int(fc2), pingpong=pingpong, tile_n=128 if pingpong else None)
 
 
 # ---------------------------------------------------------------------- the layer

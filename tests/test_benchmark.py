@@ -281,6 +281,11 @@ def test_main_on_cpu_writes_schema_valid_json_and_a_png(tmp_path, capsys):
     jsonschema.validate(doc, bm.RESULT_SCHEMA)
     assert "--shapes custom:64,64,32,8,2,1" in doc["command"] and doc["argv"] == argv
     assert doc["versions"]["torch"] and doc["versions"]["python"]
+    from mok_cute import megakernel, ops, schedule
+
+    assert doc["switches"]["MOK_GPU_SCHEDULE"] is schedule.GPU_BUILD  # which code was timed
+    assert doc["switches"]["MOK_FC2_PINGPONG"] is ops.FC2_PINGPONG
+    assert doc["switches"]["MOK_RANK_BLOCKS"] is megakernel.RANK_BLOCKS
     by = {r["contender"]: r for r in doc["results"]}
     assert by["per_expert_loop"]["status"] == "ok"
     if GROUPED_MM_ON_CPU:

@@ -157,6 +157,7 @@ def test_two_ranks_baseline_bytes_timing_failed_check_and_cli(tmp_path):
     jsonschema.validate(doc, bm.RESULT_SCHEMA)
     assert doc["ranks"] == 2 and doc["skew"] == 0.5 and doc["nvls_env"]["NCCL_NVLS_ENABLE"] == "0"
     assert doc["command"].startswith("mok-cute bench --ep")
+    assert "MOK_GPU_SCHEDULE" in doc["switches"]
     assert [r["contender"] for r in doc["results"]] == ep.ALL_CONTENDERS
     assert all(r["status"] == "ok" for r in doc["results"]), doc["results"]
     assert json_path.with_suffix(".png").stat().st_size > 0

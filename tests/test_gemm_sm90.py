@@ -54,6 +54,17 @@ def test_choose_tile_n():
         gemm_sm90.choose_tile_n(100, "store")
 
 
+def test_fc2_takes_the_pingpong_gemm_only_for_short_k(monkeypatch):
+    """Measured on the H200: pingpong FC2 gains at K = 768 and 2880, loses at 14336."""
+    from mok_cute import ops
+
+    monkeypatch.setattr(ops, "FC2_PINGPONG", True)
+    assert ops.fc2_pingpong(768) and ops.fc2_pingpong(2880) and ops.fc2_pingpong(ops.FC2_PINGPONG_MAX_K)
+    assert not ops.fc2_pingpong(14336)
+    monkeypatch.setattr(ops, "FC2_PINGPONG", False)
+    assert not ops.fc2_pingpong(768)
+
+
 # ---------------------------------------------------------------------- numerics (GPU)
 def _segments(counts, device):
     """Tile-padded row layout for per-expert row counts: (row_expert, tile_expert, num_tiles)."""

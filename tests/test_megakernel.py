@@ -354,11 +354,13 @@ def test_ticket_blocks_give_the_same_bits(R, ring, monkeypatch):
 
     args = _problem(R, 300, 512, 256, 4, 4, 128, seed=29, skew=True)
     sizes = {} if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    monkeypatch.setattr(megakernel, "RANK_BLOCKS", False)
     base = _run(args, num_comm_sms=3, **sizes)
     monkeypatch.setattr(megakernel, "RANK_BLOCKS", True)
     blocks = _run(args, num_comm_sms=3, **sizes)
     again = _run(args, num_comm_sms=16, **sizes)
     assert any(k.rank_blocks for k in megakernel._PLANS)
+    assert any(not k.rank_blocks for k in megakernel._PLANS)
     assert torch.equal(blocks, base) and torch.equal(again, base)
 
 

@@ -163,11 +163,13 @@ def test_out_of_range_id_raises_on_the_kernel_path():
         mok.moe_forward(x, bad, w, wg, wu, wd, config=mok.MoKConfig(backend="kernel"))
 
 
-def test_cuda_graph_capture_replays_bitwise():
+@pytest.mark.parametrize("timeline", [False, True])
+def test_cuda_graph_capture_replays_bitwise(timeline):
     """With check_ids=False the kernel path has no host sync, so a training step can
-    capture it in a CUDA graph (after a warm-up call has compiled every kernel)."""
+    capture it in a CUDA graph (after a warm-up call has compiled every kernel). Recording
+    too: its buffer's header is set by a fill kernel, not a host copy that would block."""
     x, idx, w, wg, wu, wd, shared = _problem(500, 1024, 512, 8, 4, shared_i=256, seed=8)
-    cfg = mok.MoKConfig(backend="kernel", check_ids=False)
+    cfg = mok.MoKConfig(backend="kernel", check_ids=False, timeline=timeline)
     with torch.no_grad():
         eager = mok.moe_forward(x, idx, w, wg, wu, wd, shared=shared, config=cfg)
         graph = torch.cuda.CUDAGraph()

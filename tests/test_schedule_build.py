@@ -30,7 +30,8 @@ def _as_numpy(s, T: int, K: int) -> dict:
 
 def _torch_build(ids: torch.Tensor, rank: int, E: int) -> dict:
     R, T, K = ids.shape
-    return _as_numpy(sched_mod.build_receive_schedule(ids, rank, E, 128, validate=False), T, K)
+    return _as_numpy(sched_mod.build_receive_schedule(ids, rank, E, 128, validate=False,
+                                                      gpu_build=False), T, K)
 
 
 def _model(ids: np.ndarray, rank: int, E: int, tile_m: int) -> dict:

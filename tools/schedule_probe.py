@@ -9,7 +9,7 @@ Per shape, in one process:
      kimi_k2.7 at EP 8 (what one virtual R = 8 call builds);
   3. the layer with ``schedule.GPU_BUILD`` off and on, expert path and megakernel, timed in
      alternating rounds (the H200's clock drifts within a process), outputs bitwise equal.
-A probe for deciding whether GPU_BUILD becomes the default, not the benchmark of record.
+A probe (it decided GPU_BUILD's default), not the benchmark of record.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def equal_builds(ids, E, rank=0):
     from mok_cute.kernels import schedule_build
 
     R, T, K = ids.shape
-    want = schedule.build_receive_schedule(ids, rank, E, 128, validate=False)
+    want = schedule.build_receive_schedule(ids, rank, E, 128, validate=False, gpu_build=False)
     got = schedule_build.build_schedule(ids, rank, E, 128, poison=-77)
     bad = [f for f in FIELDS[:-1] if not torch.equal(getattr(want, f), getattr(got, f))]
     if not torch.equal(schedule.row_of_slot(want, T, K, rank), got.slot_rows):
@@ -62,7 +62,7 @@ def time_builds(row, ids, E):
     from mok_cute.kernels import schedule_build
 
     R = ids.shape[0]
-    torch_build = lambda: [schedule.build_receive_schedule(ids, r, E, 128, validate=False)  # noqa: E731
+    torch_build = lambda: [schedule.build_receive_schedule(ids, r, E, 128, validate=False, gpu_build=False)  # noqa: E731
                            for r in range(R)]
     gpu_build = lambda: [schedule_build.build_schedule(ids, r, E, 128) for r in range(R)]  # noqa: E731
     for label, fn in (("torch", torch_build), ("gpu", gpu_build)):
@@ -80,6 +80,7 @@ def build_flag_rounds(fn, rounds, iters):
     from mok_cute import megakernel, schedule
 
     outs, times = {}, {False: [], True: []}
+    default = schedule.GPU_BUILD
     try:
         for r in range(rounds):
             for flag in ((False, True) if r % 2 == 0 else (True, False)):
@@ -87,7 +88,7 @@ def build_flag_rounds(fn, rounds, iters):
                 outs.setdefault(flag, fn())
                 times[flag].append(gpu_ms(fn, iters))
     finally:
-        schedule.GPU_BUILD = False
+        schedule.GPU_BUILD = default
         megakernel.release_plans()
     return dict(torch_build_ms=statistics.median(times[False]),
                 gpu_build_ms=statistics.median(times[True]),
