@@ -81,10 +81,10 @@ KERNELS: dict[str, KernelSpec] = {
         "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, k-sum"),
     "pull_dispatch": KernelSpec(
         "mok_cute.kernels.comm_sm90", "compile_pull_dispatch", {},
-        "megakernel comm task: pull scheduled x rows from peer buffers into the ring (not yet run on a GPU)"),
+        "megakernel comm task: pull scheduled x rows from peer buffers into the ring"),
     "push_combine": KernelSpec(
         "mok_cute.kernels.comm_sm90", "compile_push_combine", {},
-        "megakernel comm task: push y rows to the source ranks' combine buffers (not yet run on a GPU)"),
+        "megakernel comm task: push y rows to the source ranks' combine buffers"),
 }
 
 

@@ -3,7 +3,7 @@
     moe_forward_virtual (R ranks on one GPU)   -> Plan(_VirtualSide)  R ranks in one launch
     moe_forward (one GPU, group=None)          -> the same with R = 1
     moe_forward (group=..., one process/GPU)   -> Plan(_IpcSide)      this rank's launch; peers'
-                                                  buffers mapped through comm.ipc (not yet run)
+                                                  buffers mapped through comm.ipc
 
 A plan is built once per (shapes, config, device) and reused: the symmetric peer buffers,
 the ring buffers, the encoded task list and the compiled kernel. A call then copies x into
