@@ -157,11 +157,12 @@ class _VirtualSide:
                                  (self.peers.nbytes // 2, k.hidden, 1), self.layout.offset("x") // 2)
         self.local_experts = k.local_experts
 
-    def schedules(self, ids: torch.Tensor) -> list:
-        from mok_cute.schedule import build_receive_schedule
+    def schedules(self, ids: torch.Tensor):
+        """Every virtual rank's receive schedule, stacked (the GPU build: one pair of launches
+        for all R)."""
+        from mok_cute.schedule import build_receive_schedules
 
-        return [build_receive_schedule(ids, r, self.local_experts, TILE_M, validate=False)
-                for r in range(self.launch_ranks)]
+        return build_receive_schedules(ids, self.local_experts, TILE_M, validate=False)
 
 
 class _IpcSide:
@@ -188,17 +189,17 @@ class _IpcSide:
         self.x = self.peers.view("x").unsqueeze(0)
         self.local_experts = k.local_experts
 
-    def schedules(self, ids: torch.Tensor) -> list:
+    def schedules(self, ids: torch.Tensor):
         """All-gather the routing (an NCCL collective on the stream: no host sync), then this
-        rank's receive schedule."""
+        rank's receive schedule (stacked, one rank)."""
         import torch.distributed as dist
 
-        from mok_cute.schedule import build_receive_schedule
+        from mok_cute.schedule import build_receive_schedules
 
         gathered = [torch.empty_like(ids[0]) for _ in range(self.num_peers)]
         dist.all_gather(gathered, ids[0].contiguous(), group=self.group)
-        return [build_receive_schedule(torch.stack(gathered), self.rank_base, self.local_experts,
-                                       TILE_M, validate=False)]
+        return build_receive_schedules(torch.stack(gathered), self.local_experts, TILE_M,
+                                       first_rank=self.rank_base, count=1, validate=False)
 
 
 class Plan:
@@ -282,17 +283,16 @@ class Plan:
             self._x_offset = x_offset
             self.scalars[3].fill_(x_offset)
         ids = topk_idx.to(torch.int32)
-        scheds = self.side.schedules(ids)
-        # one rank per launch (R = 1, or IPC): views, not copies (four launches fewer per call)
-        stack = lambda ts: ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)  # noqa: E731
-        rows = lambda name: stack([getattr(s, name) for s in scheds])  # noqa: E731
+        scheds = self.side.schedules(ids)  # stacked: [R, ...] per field, no copies
         slot_rows = self._no_slot_rows
         if k.local_direct:
-            from mok_cute.schedule import row_of_slot
+            slot_rows = scheds.slot_rows
+            if slot_rows is None:  # the torch build at R > 1 leaves it to row_of_slot
+                from mok_cute.schedule import row_of_slot
 
-            slot_rows = stack([row_of_slot(sc, k.tokens, k.top_k, self.side.rank_base + r)
-                               for r, sc in enumerate(scheds)])
-        num_tiles = scheds[0].num_tiles if len(scheds) == 1 else torch.cat([s.num_tiles for s in scheds])
+                slot_rows = torch.stack([row_of_slot(scheds[r], k.tokens, k.top_k, scheds.first_rank + r)
+                                         for r in range(len(scheds))])
+        num_tiles = scheds.num_tiles
         self.scalars[0].add_(1)
         waits = (int(timeout_ms * 1e6), silent_rank)
         if waits != self._waits:  # rewritten only when they change: no launches per call
@@ -315,8 +315,8 @@ class Plan:
         d = self.device_tasks
         self.kernel(
             d.tasks, d.queues, d.queue_len, d.queue_live_len, d.queue_blocks,
-            d.counter_offsets, self.counters, self.error, num_tiles, rows("tile_expert"),
-            rows("row_peer"), rows("row_token"), rows("row_k"), self.peer_bases,
+            d.counter_offsets, self.counters, self.error, num_tiles, scheds.tile_expert,
+            scheds.row_peer, scheds.row_token, scheds.row_k, self.peer_bases,
             kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
             kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)), *s_args,
             topk_weights.to(torch.float32), ids, slot_rows, out, self.timeline_buf, self.scalars)

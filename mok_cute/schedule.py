@@ -34,7 +34,9 @@ GPU_BUILD = experimental_switch("GPU_SCHEDULE", True)
 
 __all__ = [
     "ReceiveSchedule",
+    "ReceiveSchedules",
     "build_receive_schedule",
+    "build_receive_schedules",
     "schedule_capacity",
     "slot_of_rows",
     "row_of_slot",
@@ -61,6 +63,61 @@ class ReceiveSchedule:
     # the R == 1 torch build (a by-product of its scatter) and by the GPU build, None
     # otherwise: `row_of_slot` computes it then.
     slot_rows: torch.Tensor | None = None
+
+
+@dataclass
+class ReceiveSchedules:
+    """The receive schedules of ranks ``first_rank`` .. ``first_rank + len - 1`` of one routing,
+    stacked: each ``ReceiveSchedule`` tensor with a leading rank axis (``num_tiles`` [n]), as
+    one megakernel launch over several ranks reads them. ``self[i]`` is rank
+    ``first_rank + i``'s schedule (views)."""
+
+    first_rank: int
+    num_ranks: int
+    num_local_experts: int
+    tile_m: int
+    capacity: int
+    row_peer: torch.Tensor  # [n, capacity]
+    row_token: torch.Tensor  # [n, capacity]
+    row_k: torch.Tensor  # [n, capacity]
+    expert_counts: torch.Tensor  # [n, E_loc]
+    expert_offsets: torch.Tensor  # [n, E_loc + 1]
+    tile_expert: torch.Tensor  # [n, capacity // tile_m]
+    num_tiles: torch.Tensor  # [n]
+    slot_rows: torch.Tensor | None = None  # [n, T * K], or None (see ReceiveSchedule)
+
+    def __len__(self) -> int:
+        return self.num_tiles.shape[0]
+
+    def __getitem__(self, i: int) -> ReceiveSchedule:
+        if not isinstance(i, int) or not 0 <= i < len(self):
+            raise IndexError(f"schedule index {i!r} out of range for {len(self)} ranks")
+        return ReceiveSchedule(
+            rank=self.first_rank + i, num_ranks=self.num_ranks,
+            num_local_experts=self.num_local_experts, tile_m=self.tile_m, capacity=self.capacity,
+            row_peer=self.row_peer[i], row_token=self.row_token[i], row_k=self.row_k[i],
+            expert_counts=self.expert_counts[i], expert_offsets=self.expert_offsets[i],
+            tile_expert=self.tile_expert[i], num_tiles=self.num_tiles[i:i + 1],
+            slot_rows=None if self.slot_rows is None else self.slot_rows[i])
+
+    @classmethod
+    def stack(cls, schedules: list[ReceiveSchedule]) -> "ReceiveSchedules":
+        """Consecutive ranks' schedules built one by one (one rank: views, no copy)."""
+        first = schedules[0]
+        if [s.rank for s in schedules] != list(range(first.rank, first.rank + len(schedules))):
+            raise ValueError("schedules: expected consecutive ranks")
+        stack = (lambda ts: ts[0].unsqueeze(0)) if len(schedules) == 1 else torch.stack
+        field = lambda name: stack([getattr(s, name) for s in schedules])  # noqa: E731
+        slot_rows = None
+        if all(s.slot_rows is not None for s in schedules):
+            slot_rows = field("slot_rows")
+        return cls(first_rank=first.rank, num_ranks=first.num_ranks,
+                   num_local_experts=first.num_local_experts, tile_m=first.tile_m,
+                   capacity=first.capacity, row_peer=field("row_peer"),
+                   row_token=field("row_token"), row_k=field("row_k"),
+                   expert_counts=field("expert_counts"), expert_offsets=field("expert_offsets"),
+                   tile_expert=field("tile_expert"), num_tiles=field("num_tiles").reshape(-1),
+                   slot_rows=slot_rows)
 
 
 def schedule_capacity(num_ranks: int, tokens: int, top_k: int, num_local_experts: int, tile_m: int) -> int:
@@ -171,6 +228,44 @@ def build_receive_schedule(
         tile_expert=tile_expert.to(i32),
         num_tiles=num_tiles.to(i32),
     )
+
+
+
+def build_receive_schedules(
+    topk_idx_all: torch.Tensor,
+    num_local_experts: int,
+    tile_m: int = 128,
+    *,
+    first_rank: int = 0,
+    count: int | None = None,
+    validate: bool = True,
+    gpu_build: bool | None = None,
+) -> ReceiveSchedules:
+    """The receive schedules of ranks ``first_rank`` .. ``+ count - 1`` (default: all from
+    ``first_rank`` on), stacked. With the GPU build (``gpu_build``, as in
+    ``build_receive_schedule``) all of them come from the same two launches; otherwise one
+    ``build_receive_schedule`` per rank, stacked."""
+    check_tensor("topk_idx_all", topk_idx_all, dtype=(torch.int32, torch.int64), contiguous=False)
+    if topk_idx_all.dim() != 3:
+        raise ValueError(f"topk_idx_all: expected shape [R, T, K], got {list(topk_idx_all.shape)}")
+    R = topk_idx_all.shape[0]
+    check_int("first_rank", first_rank, min_value=0, max_value=max(R - 1, 0))
+    if count is None:
+        count = R - first_rank
+    check_int("count", count, min_value=1, max_value=max(R - first_rank, 1))
+    check_int("num_local_experts", num_local_experts, min_value=1)
+    if validate:
+        check_expert_ids(topk_idx_all, R * num_local_experts, "topk_idx_all")
+    if (GPU_BUILD if gpu_build is None else gpu_build) and topk_idx_all.is_cuda:
+        from mok_cute.kernels import schedule_build
+
+        if schedule_build.supports(R, num_local_experts) and topk_idx_all.shape[2] >= 1:
+            return schedule_build.build_schedules(topk_idx_all, num_local_experts, tile_m,
+                                                  first_rank=first_rank, count=count)
+    return ReceiveSchedules.stack([
+        build_receive_schedule(topk_idx_all, r, num_local_experts, tile_m, validate=False,
+                               gpu_build=False)
+        for r in range(first_rank, first_rank + count)])
 
 
 def _tile_table(offsets: torch.Tensor, capacity: int, tile_m: int) -> tuple[torch.Tensor, torch.Tensor]:

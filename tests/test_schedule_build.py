@@ -192,6 +192,36 @@ def test_bad_arguments_raise():
     assert not sb.supports(8, sb.MAX_PEER_EXPERTS // 8 + 1) and sb.supports(72, 64)
 
 
+@pytest.mark.parametrize("first_rank,count", [(0, None), (1, 2), (3, 1)])
+def test_stacked_schedules_equal_the_per_rank_builds(first_rank, count, gen):
+    """build_receive_schedules (the torch path here) stacks exactly the per-rank schedules."""
+    ids = _routing("skewed", 4, 40, 3, 5, gen)
+    got = sched_mod.build_receive_schedules(ids, 5, 16, first_rank=first_rank, count=count)
+    ranks = range(first_rank, 4 if count is None else first_rank + count)
+    assert len(got) == len(ranks) and got.first_rank == first_rank
+    for i, r in enumerate(ranks):
+        want = _as_numpy(sched_mod.build_receive_schedule(ids, r, 5, 16), 40, 3)
+        have = _as_numpy(got[i], 40, 3)
+        assert got[i].rank == r
+        for name, value in want.items():
+            assert np.array_equal(have[name], value), (r, name)
+    assert list(s.rank for s in got) == list(ranks)
+    with pytest.raises(IndexError):
+        got[len(ranks)]
+
+
+def test_stacked_schedules_name_bad_arguments(gen):
+    ids = _routing("uniform", 2, 8, 2, 3, gen)
+    with pytest.raises(ValueError, match="first_rank"):
+        sched_mod.build_receive_schedules(ids, 3, first_rank=2)
+    with pytest.raises(ValueError, match="count"):
+        sched_mod.build_receive_schedules(ids, 3, first_rank=1, count=2)
+    with pytest.raises(ValueError, match="topk_idx_all"):
+        sched_mod.build_receive_schedules(ids[0], 3)
+    with pytest.raises(ValueError, match="topk_idx_all"):
+        sched_mod.build_receive_schedules(ids + 6, 3)  # ids past R * E
+
+
 def test_cpu_ids_take_the_torch_build_even_with_gpu_build_on(monkeypatch, gen):
     monkeypatch.setattr(sched_mod, "GPU_BUILD", True)
     ids = _routing("uniform", 2, 16, 2, 3, gen)
@@ -221,3 +251,20 @@ def test_gpu_build_equals_the_torch_build(kind, R, rank, T, K, E, ids_dtype, gen
     for name, value in want.items():
         assert np.array_equal(got_np[name], value), name
         assert np.array_equal(again_np[name], value), f"{name}: not reproducible"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,R,T,K,E", [("uniform", 8, 2048, 8, 48), ("skewed", 3, 300, 4, 5),
+                                          ("invalid", 16, 64, 10, 4), ("skewed", 72, 16, 2, 4)])
+def test_all_ranks_in_one_pair_of_launches_equal_the_torch_build(kind, R, T, K, E, gen):
+    """The virtual launch's build: every rank's schedule from the same two launches (grid z =
+    rank), each rank's slice bitwise equal to its own torch build, outputs poisoned first."""
+    ids = _routing(kind, R, T, K, E, gen).cuda()
+    for first, count in ((0, R), (R // 2, R - R // 2), (R - 1, 1)):
+        got = sb.build_schedules(ids, E, 128, first_rank=first, count=count, poison=-77)
+        assert len(got) == count
+        for i in range(count):
+            want = _torch_build(ids, first + i, E)
+            have = _as_numpy(got[i], T, K)
+            for name, value in want.items():
+                assert np.array_equal(have[name], value), (first + i, name)

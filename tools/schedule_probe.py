@@ -65,7 +65,8 @@ def time_builds(row, ids, E):
     torch_build = lambda: [schedule.build_receive_schedule(ids, r, E, 128, validate=False, gpu_build=False)  # noqa: E731
                            for r in range(R)]
     gpu_build = lambda: [schedule_build.build_schedule(ids, r, E, 128) for r in range(R)]  # noqa: E731
-    for label, fn in (("torch", torch_build), ("gpu", gpu_build)):
+    batched = lambda: schedule_build.build_schedules(ids, E, 128)  # noqa: E731  (all R: one launch pair)
+    for label, fn in (("torch", torch_build), ("gpu", gpu_build), ("gpu_batched", batched)):
         row[f"{label}_build_events_ms"] = gpu_ms(fn, 20)
         row[f"{label}_build_host_ms"] = host_ms(fn)
         try:

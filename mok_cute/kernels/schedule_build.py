@@ -21,9 +21,13 @@ of host time per layer call, and GPU time between launches). Here it is two:
     ``slot_rows`` (the inverse map the k-sum reads). Padding rows, the tile table and the
     counts are shared out among the CTAs of peer 0.
 
+Several ranks' schedules of one routing (the R virtual ranks of one megakernel launch) come
+from the same two launches: the grid's third axis is the rank, every output and scratch array
+stacked with one slice per rank (``build_schedules``).
+
 Integer work only, each output element written by one thread: bitwise equal to the torch
 build and deterministic. Ids outside this rank's experts route nowhere here, as in the
-reference. ``E`` (local experts) and the id dtype are compile-time; R, the rank, T and K
+reference. ``E`` (local experts) and the id dtype are compile-time; R, the ranks, T and K
 are not.
 """
 
@@ -51,7 +55,8 @@ def num_chunks(num_slots: int) -> int:
 
 
 class ScheduleBuild:
-    """One rank's receive schedule over ``num_experts`` local experts, padded to ``tile_m`` rows.
+    """Receive schedules of ``num_built`` consecutive ranks over ``num_experts`` local experts
+    each, padded to ``tile_m`` rows.
 
     :param num_experts: local experts per rank (compile-time: shared-memory tables are sized
         by it).
@@ -77,10 +82,11 @@ class ScheduleBuild:
                  row_token: cute.Pointer, row_k: cute.Pointer, row_peer: cute.Pointer,
                  slot_rows: cute.Pointer, expert_counts: cute.Pointer,
                  expert_offsets: cute.Pointer, tile_expert: cute.Pointer, num_tiles: cute.Pointer,
-                 num_peers: Int32, rank: Int32, num_slots: Int32, top_k: Int32, capacity: Int32,
-                 stream: cuda_driver.CUstream):
+                 num_peers: Int32, first_rank: Int32, num_built: Int32, num_slots: Int32,
+                 top_k: Int32, capacity: Int32, stream: cuda_driver.CUstream):
         """``ids`` [num_peers, num_slots] (every peer's routing, global expert ids);
-        ``num_slots`` = T * K slots per peer."""
+        ``num_slots`` = T * K slots per peer. Ranks ``first_rank`` .. ``+ num_built - 1``; every
+        other pointer holds ``num_built`` consecutive arrays of the layouts below."""
         E = self.num_experts
         chunks = (num_slots + CHUNK - 1) // CHUNK
         per_peer = cute.make_layout((num_slots, num_peers), stride=(1, num_slots))
@@ -97,14 +103,19 @@ class ScheduleBuild:
         mOffsets = cute.make_tensor(expert_offsets, cute.make_layout(E + 1))
         mTileExpert = cute.make_tensor(tile_expert, cute.make_layout(capacity // self.tile_m))
         mNumTiles = cute.make_tensor(num_tiles, cute.make_layout(1))
-        self.count_kernel(mIds, mRank, mChunkCounts, rank, num_slots).launch(
-            grid=[chunks, num_peers, 1], block=[THREADS, 1, 1], stream=stream)
+        self.count_kernel(mIds, mRank, mChunkCounts, first_rank, num_slots).launch(
+            grid=[chunks, num_peers, num_built], block=[THREADS, 1, 1], stream=stream)
         self.place_kernel(mIds, mRank, mChunkCounts, mRowToken, mRowK, mRowPeer, mSlotRows,
-                          mCounts, mOffsets, mTileExpert, mNumTiles, rank, num_slots, top_k,
-                          capacity).launch(grid=[chunks, num_peers, 1], block=[THREADS, 1, 1],
-                                           stream=stream)
+                          mCounts, mOffsets, mTileExpert, mNumTiles, first_rank, num_slots, top_k,
+                          capacity).launch(grid=[chunks, num_peers, num_built],
+                                           block=[THREADS, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device helpers
+    @cute.jit
+    def _of_built(self, t: cute.Tensor, built: Int32) -> cute.Tensor:
+        """Rank ``built``'s array of a stacked argument (64-bit offset: R ranks of R*T*K)."""
+        return cute.make_tensor(t.iterator + Int64(built) * Int64(cute.size(t)), t.layout)
+
     @cute.jit
     def _expert_of(self, mIds: cute.Tensor, slot: Int32, peer: Int32, rank: Int32,
                    num_slots: Int32) -> Int32:
@@ -126,10 +137,13 @@ class ScheduleBuild:
     # ------------------------------------------------------------------ kernel 1: count
     @cute.kernel
     def count_kernel(self, mIds: cute.Tensor, mRank: cute.Tensor, mChunkCounts: cute.Tensor,
-                     rank: Int32, num_slots: Int32):
+                     first_rank: Int32, num_slots: Int32):
         E = self.num_experts
         tidx, _, _ = cute.arch.thread_idx()
-        chunk, peer, _ = cute.arch.block_idx()
+        chunk, peer, built = cute.arch.block_idx()
+        rank = first_rank + built
+        mRank = self._of_built(mRank, built)
+        mChunkCounts = self._of_built(mChunkCounts, built)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         # warp_counts[w, e]: slots of expert e in warp w's 32 slots of the current round
@@ -175,12 +189,23 @@ class ScheduleBuild:
     def place_kernel(self, mIds: cute.Tensor, mRank: cute.Tensor, mChunkCounts: cute.Tensor,
                      mRowToken: cute.Tensor, mRowK: cute.Tensor, mRowPeer: cute.Tensor,
                      mSlotRows: cute.Tensor, mCounts: cute.Tensor, mOffsets: cute.Tensor,
-                     mTileExpert: cute.Tensor, mNumTiles: cute.Tensor, rank: Int32,
+                     mTileExpert: cute.Tensor, mNumTiles: cute.Tensor, first_rank: Int32,
                      num_slots: Int32, top_k: Int32, capacity: Int32):
         E = self.num_experts
         tile_m = self.tile_m
         tidx, _, _ = cute.arch.thread_idx()
-        chunk, peer, _ = cute.arch.block_idx()
+        chunk, peer, built = cute.arch.block_idx()
+        rank = first_rank + built
+        mRank = self._of_built(mRank, built)
+        mChunkCounts = self._of_built(mChunkCounts, built)
+        mRowToken = self._of_built(mRowToken, built)
+        mRowK = self._of_built(mRowK, built)
+        mRowPeer = self._of_built(mRowPeer, built)
+        mSlotRows = self._of_built(mSlotRows, built)
+        mCounts = self._of_built(mCounts, built)
+        mOffsets = self._of_built(mOffsets, built)
+        mTileExpert = self._of_built(mTileExpert, built)
+        mNumTiles = self._of_built(mNumTiles, built)
         chunks, num_peers, _ = cute.arch.grid_dim()
         lane = cute.arch.lane_idx()
         smem = cutlass.utils.SmemAllocator()
@@ -328,7 +353,7 @@ def compile_schedule_build(arch: str = "sm_90a", *, options: str = "", num_exper
     op = ScheduleBuild(num_experts, tile_m, ids_int64)
     ids = _placeholder_ptr(Int64 if ids_int64 else Int32)
     i32 = [_placeholder_ptr(Int32) for _ in range(10)]
-    return cute.compile(op, ids, *i32, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1),
+    return cute.compile(op, ids, *i32, Int32(1), Int32(0), Int32(1), Int32(1), Int32(1), Int32(1),
                         cute.runtime.make_fake_stream(), options=jit.compile_options(arch, options))
 
 
@@ -337,21 +362,25 @@ def supports(num_ranks: int, num_local_experts: int) -> bool:
     return num_local_experts <= MAX_EXPERTS and num_ranks * num_local_experts <= MAX_PEER_EXPERTS
 
 
-def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int,
-                   tile_m: int = 128, *, poison: int | None = None):
-    """Rank ``rank``'s ``mok_cute.schedule.ReceiveSchedule`` from every peer's routing
-    ``topk_idx_all [R, T, K]`` (global expert ids, int32 or int64, CUDA), built by the two
-    kernels above. Equal to ``schedule.build_receive_schedule(..., validate=False)``, and
-    ``slot_rows`` is filled for this rank's own slots (``schedule.row_of_slot`` of peer
-    ``rank``). ``poison`` (tests): fill every output with this value first, so an element the
-    kernels failed to write shows."""
+def build_schedules(topk_idx_all: torch.Tensor, num_local_experts: int, tile_m: int = 128, *,
+                    first_rank: int = 0, count: int | None = None, poison: int | None = None):
+    """The ``mok_cute.schedule.ReceiveSchedules`` of ranks ``first_rank`` .. ``+ count - 1``
+    (default: every rank from ``first_rank`` on) from every peer's routing ``topk_idx_all
+    [R, T, K]`` (global expert ids, int32 or int64, CUDA), all built by the same two launches.
+    Each rank's slice equals ``schedule.build_receive_schedule(..., validate=False)``, and
+    ``slot_rows`` holds each rank's own slots (``schedule.row_of_slot`` of that peer).
+    ``poison`` (tests): fill every output with this value first, so an element the kernels
+    failed to write shows."""
     from mok_cute.config import check_int, check_tensor
-    from mok_cute.schedule import ReceiveSchedule, schedule_capacity
+    from mok_cute.schedule import ReceiveSchedules, schedule_capacity
 
     check_tensor("topk_idx_all", topk_idx_all, shape=("R", "T", "K"),
                  dtype=(torch.int32, torch.int64), contiguous=False)
     R, T, K = topk_idx_all.shape
-    check_int("rank", rank, min_value=0, max_value=R - 1)
+    check_int("first_rank", first_rank, min_value=0, max_value=R - 1)
+    if count is None:
+        count = R - first_rank
+    check_int("count", count, min_value=1, max_value=R - first_rank)
     check_int("num_local_experts", num_local_experts, min_value=1)
     if not supports(R, num_local_experts):
         raise ValueError(f"num_local_experts: the kernels hold at most {MAX_EXPERTS} local experts "
@@ -366,14 +395,14 @@ def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int
     capacity = schedule_capacity(R, T, K, E, tile_m)
     ids = topk_idx_all.contiguous()
     i32 = dict(dtype=torch.int32, device=device)
-    row_token = torch.empty(capacity, **i32)
-    row_k = torch.empty(capacity, **i32)
-    row_peer = torch.empty(capacity, **i32)
-    slot_rows = torch.empty(num_slots, **i32)
-    counts = torch.empty(E, **i32)
-    offsets = torch.empty(E + 1, **i32)
-    tile_expert = torch.empty(capacity // tile_m, **i32)
-    num_tiles = torch.empty(1, **i32)
+    row_token = torch.empty(count, capacity, **i32)
+    row_k = torch.empty(count, capacity, **i32)
+    row_peer = torch.empty(count, capacity, **i32)
+    slot_rows = torch.empty(count, num_slots, **i32)
+    counts = torch.empty(count, E, **i32)
+    offsets = torch.empty(count, E + 1, **i32)
+    tile_expert = torch.empty(count, capacity // tile_m, **i32)
+    num_tiles = torch.empty(count, **i32)
     if poison is not None:
         for t in (row_token, row_k, row_peer, slot_rows, counts, offsets, tile_expert, num_tiles):
             t.fill_(poison)
@@ -383,8 +412,8 @@ def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int
         for t in (counts, offsets, num_tiles):
             t.zero_()
     else:
-        rank_in_chunk = torch.empty(R * num_slots, **i32)
-        chunk_counts = torch.empty(R * num_chunks(num_slots) * (E + 1), **i32)
+        rank_in_chunk = torch.empty(count * R * num_slots, **i32)
+        chunk_counts = torch.empty(count * R * num_chunks(num_slots) * (E + 1), **i32)
         compiled = jit.compile_kernel("schedule_build", arch=jit.device_arch(device),
                                       num_experts=E, tile_m=tile_m,
                                       ids_int64=ids.dtype == torch.int64)
@@ -393,9 +422,20 @@ def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int
         compiled(ptr(ids, Int64 if ids.dtype == torch.int64 else Int32),
                  *(ptr(t, Int32) for t in (rank_in_chunk, chunk_counts, row_token, row_k, row_peer,
                                            slot_rows, counts, offsets, tile_expert, num_tiles)),
-                 Int32(R), Int32(rank), Int32(num_slots), Int32(K), Int32(capacity),
-                 cuda_driver.CUstream(torch.cuda.current_stream(device).cuda_stream))
-    return ReceiveSchedule(
-        rank=rank, num_ranks=R, num_local_experts=E, tile_m=tile_m, capacity=capacity,
+                 Int32(R), Int32(first_rank), Int32(count), Int32(num_slots), Int32(K),
+                 Int32(capacity), cuda_driver.CUstream(torch.cuda.current_stream(device).cuda_stream))
+    return ReceiveSchedules(
+        first_rank=first_rank, num_ranks=R, num_local_experts=E, tile_m=tile_m, capacity=capacity,
         row_peer=row_peer, row_token=row_token, row_k=row_k, expert_counts=counts,
         expert_offsets=offsets, tile_expert=tile_expert, num_tiles=num_tiles, slot_rows=slot_rows)
+
+
+def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int,
+                   tile_m: int = 128, *, poison: int | None = None):
+    """Rank ``rank``'s ``mok_cute.schedule.ReceiveSchedule`` (``build_schedules`` of one rank)."""
+    from mok_cute.config import check_int
+
+    if isinstance(topk_idx_all, torch.Tensor) and topk_idx_all.dim() == 3:  # else named below
+        check_int("rank", rank, min_value=0, max_value=topk_idx_all.shape[0] - 1)
+    return build_schedules(topk_idx_all, num_local_experts, tile_m, first_rank=rank, count=1,
+                           poison=poison)[0]
