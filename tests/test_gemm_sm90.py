@@ -1,6 +1,5 @@
 """Grouped GEMM (kernels/gemm_sm90.py): compile-only checks in CI, numerics on the H200."""
 
-import os
 import re
 
 import pytest
@@ -41,6 +40,27 @@ def test_ptxas_reports_no_spills_and_no_c7508(capfd, tmp_path):
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
     assert "C7508" not in text
+
+
+def test_first_mma_overwrite_removes_the_pingpong_wgmma_wait(capfd, tmp_path, monkeypatch):
+    """Pingpong's zero fill made ptxas serialise its first wgmmas (C7517); with
+    FIRST_MMA_OVERWRITES the first k-block overwrites the accumulators instead. The
+    cooperative kernel ignores the switch (its PTX does not change)."""
+    opts = f"--keep-ptx --dump-dir {tmp_path} remarks{{ptx}}"
+
+    def build(pingpong):
+        capfd.readouterr()
+        compiled = gemm_sm90.compile_grouped_gemm("store", 128, pingpong=pingpong, options=opts)
+        report = capfd.readouterr()
+        return compiled.__ptx__, report.out + report.err
+
+    coop_off = build(False)[0]
+    monkeypatch.setattr(gemm_sm90, "FIRST_MMA_OVERWRITES", True)
+    ptx, log = build(True)
+    assert "ptxas" in log and "C7517" not in log
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
+    assert build(False)[0] == coop_off
 
 
 def test_choose_tile_n():
@@ -91,16 +111,8 @@ def _expected(a, w, tile_expert, w_up=None):
     return torch.nn.functional.silu(matmul(w)) * matmul(w_up)
 
 
-# Pingpong hung on the H200 on 2026-11-29; the mainloop turn that should fix it has not run yet.
-# Until it has, its GPU tests run only on request, in their own time-limited step
-# (`tools/gpu_check.sh gemm` sets MOK_TEST_PINGPONG=1), so a hang cannot stall the others.
-PINGPONG_UNVERIFIED = pytest.mark.skipif(
-    os.environ.get("MOK_TEST_PINGPONG") != "1",
-    reason="pingpong is unverified on the GPU: set MOK_TEST_PINGPONG=1 (tools/gpu_check.sh gemm)")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("pingpong", [False, pytest.param(True, marks=PINGPONG_UNVERIFIED)])
+@pytest.mark.parametrize("pingpong", [False, True])
 @pytest.mark.parametrize("epilogue", ["store", "swiglu"])
 @pytest.mark.parametrize("counts,n,k", [
     ([77, 0, 300, 128, 1], 512, 256),       # empty expert, partial tiles
@@ -136,6 +148,36 @@ def test_grouped_gemm_matches_torch(epilogue, counts, n, k, pingpong):
     ops.grouped_gemm(a_pad, w, te, num_tiles, epilogue, out=again, w_up=w_up, tile_n=tile_n,
                      pingpong=pingpong)
     assert torch.equal(out[:m], again[:m]), "not bitwise reproducible"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["store", "swiglu"])
+def test_pingpong_first_mma_overwrite_gives_the_same_bits(epilogue, monkeypatch):
+    """gemm_sm90.FIRST_MMA_OVERWRITES: the pingpong tile's first k-block overwrites the
+    accumulators instead of adding to zeros; on random data not a bit may change."""
+    from mok_cute import jit, ops
+
+    torch.manual_seed(41)
+    counts, n, k = [300, 0, 129, 513], 256, 512
+    tile_expert, num_tiles, row_valid = _segments(counts, "cuda")
+    a = torch.randn(row_valid.numel(), k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(counts), n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    w_up = torch.randn_like(w) if epilogue == "swiglu" else None
+    run = lambda: ops.grouped_gemm(a, w, tile_expert, num_tiles, epilogue, w_up=w_up,  # noqa: E731
+                                   tile_n=128, pingpong=True)
+    try:
+        outs = {}
+        for flag in (False, True):  # read when a kernel is built: rebuild for each
+            monkeypatch.setattr(gemm_sm90, "FIRST_MMA_OVERWRITES", flag)
+            jit.clear_cache()
+            outs[flag] = run().clone()
+    finally:
+        monkeypatch.undo()
+        jit.clear_cache()
+    ref = _expected(a, w, tile_expert, w_up)
+    rel = (outs[True].float() - ref).norm() / ref.norm()
+    assert rel < 1e-2, f"relative error {rel:.3e}"
+    assert torch.equal(outs[True], outs[False])
 
 
 def test_timeline_flag_off_emits_no_recorder_instruction(tmp_path):

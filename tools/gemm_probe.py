@@ -48,14 +48,16 @@ def _print_row(r):
 
 
 def main(argv=None):
-    from mok_cute import ops
+    from mok_cute import jit, ops
+    from mok_cute.kernels import gemm_sm90
     from mok_cute.timeline import TimelineBuffer
 
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="dsv3_ep8_rank")
     p.add_argument("--variants", default="256:8,256:16,128:8,128p:8",
-                   help="tile_n:group_m; 'p' after tile_n = pingpong, 't' after group_m = with "
-                        "the recorder (MoKConfig(timeline=True)'s per-tile records)")
+                   help="tile_n:group_m; 'p' after tile_n = pingpong ('po': with "
+                        "gemm_sm90.FIRST_MMA_OVERWRITES), 't' after group_m = with the recorder "
+                        "(MoKConfig(timeline=True)'s per-tile records)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dev = "cuda"
@@ -80,8 +82,11 @@ def main(argv=None):
             flops = 2 * M * n * a.shape[1]
             for var in args.variants.split(","):
                 tn_s, gm_s = var.split(":")
-                pp, rec = tn_s.endswith("p"), gm_s.endswith("t")
-                tn, gm = int(tn_s.rstrip("p")), int(gm_s.rstrip("t"))
+                pp, rec, over = "p" in tn_s, gm_s.endswith("t"), tn_s.endswith("po")
+                tn, gm = int(tn_s.rstrip("po")), int(gm_s.rstrip("t"))
+                if gemm_sm90.FIRST_MMA_OVERWRITES != over:  # read when a kernel is built
+                    gemm_sm90.FIRST_MMA_OVERWRITES = over
+                    jit.clear_cache()
                 recorder = TimelineBuffer(1 << 16, device=dev) if rec else None
 
                 def run(tn=tn, gm=gm, pp=pp, recorder=recorder):
@@ -92,7 +97,8 @@ def main(argv=None):
                                      timeline=None if recorder is None else recorder.tensor)
                 try:
                     ms = bench_ms(run)
-                    impl = f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}{' recorder' if rec else ''}"
+                    impl = (f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}"
+                            f"{' overwrite' if over else ''}{' recorder' if rec else ''}")
                     rows.append(dict(shape=name, stage=stage, impl=impl, ms=ms, tflops=flops / ms / 1e9))
                 except Exception as exc:  # record and continue with the other variants
                     rows.append(dict(shape=name, stage=stage, impl=f"mok {var}", error=repr(exc)[:300]))

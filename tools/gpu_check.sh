@@ -12,8 +12,9 @@
 #   mega   the megakernel: its GPU tests, then tools/megakernel_probe.py (comm-CTA sweep, bitwise
 #          against the expert path, one recorded timeline) and moe_forward_virtual at R = 8
 #          against R = 1 on MoK's four shapes
-#   gemm   the pingpong GEMM's GPU tests (opt-in, they hung once), then tools/gemm_probe.py:
-#          cooperative 256 / 128 against pingpong 128 on FC1 and FC2 of dsv3 and qwen3
+#   gemm   the pingpong GEMM's GPU tests (with gemm_sm90.FIRST_MMA_OVERWRITES on and off), then
+#          tools/gemm_probe.py: cooperative 256 against pingpong 128 with and without the
+#          first-k-block overwrite, FC1 and FC2 of qwen3, gptoss and dsv3
 #   schedule  the GPU build of the one-rank schedule: its GPU tests (bitwise against the torch
 #          build), then tools/schedule_probe.py (build times, layer with schedule.GPU_BUILD off/on)
 #   virtual  virtual R = 8 against R = 1 (kimi, qwen3.5): the ticket walk alternating ranks
@@ -73,17 +74,11 @@ run_mega() {
 }
 
 run_gemm() {
-  # the cooperative variants first: a pingpong hang must not cost their numbers
-  timeout -s KILL 180 python3 -u tools/gemm_probe.py --shapes dsv3_ep8_rank,qwen3_30b,mixtral \
-    --variants 256:8,256:16,128:8 --json "$out/gemm_probe.json" 2>&1 | grep -v Warn | tail -30
-  MOK_TEST_PINGPONG=1 timeout -s KILL 120 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore \
-    -o timeout=60 --tb=short tests/test_gemm_sm90.py -k "matches_torch and True" > "$out/test_pingpong.log" 2>&1
-  rc=$?
-  echo "pingpong tests rc=$rc: $(grep -E "passed|failed" "$out/test_pingpong.log" | tail -1)"
-  if [ "$rc" = 0 ]; then
-    timeout -s KILL 150 python3 -u tools/gemm_probe.py --shapes dsv3_ep8_rank,qwen3_30b,mixtral \
-      --variants 128p:8 --json "$out/gemm_probe_pingpong.json" 2>&1 | grep -v Warn | grep pingpong
-  fi
+  timeout -s KILL 120 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore \
+    -o timeout=60 --tb=short tests/test_gemm_sm90.py -k "pingpong or True" > "$out/test_pingpong.log" 2>&1
+  echo "pingpong tests rc=$?: $(grep -E "passed|failed" "$out/test_pingpong.log" | tail -1)"
+  timeout -s KILL 180 python3 -u tools/gemm_probe.py --shapes qwen3_30b,gptoss_120b,dsv3_ep8_rank \
+    --variants 256:8,128p:8,128po:8,128p:8 --json "$out/gemm_probe.json" 2>&1 | grep -v Warn | grep mok
 }
 
 run_schedule() {

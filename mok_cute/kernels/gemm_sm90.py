@@ -51,7 +51,14 @@ from cutlass import Int32, Int64, Float32, const_expr
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute import jit
+from mok_cute.config import experimental_switch
 from mok_cute.kernels import common
+
+# The pingpong kernel: a tile's first k-block overwrites the accumulators (wgmma scale-d = 0)
+# instead of adding to zeros that 64 movs per thread wrote first. ptxas serialises the first
+# wgmmas around that zero fill (C7517, "warpgroup.wait is injected"); CUTLASS starts tiles this
+# way. Read when a kernel is built. Not yet timed on the H200: MOK_FIRST_MMA_OVERWRITES=1.
+FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
 
 TILE_M = 128
 TILE_K = 64
@@ -69,11 +76,11 @@ class GroupedGemmSm90:
     :param task_type: ``mok_cute.timeline.TaskType`` value written in the records.
     :param pingpong: the two consumer warpgroups take alternate whole tiles (one runs its
         epilogue while the other runs its mainloop) instead of sharing each tile.
-        EXPERIMENTAL: its first H200 run hung (2026-11-29). Cause found by reading, not yet
-        re-run: the two warpgroups waited on stage barriers a tile apart, beyond the one
-        phase an mbarrier parity wait can tell apart. They now take turns at the mainloop
-        through two named barriers (``NamedBarriers.MMA_ORDER``), as CUTLASS's pingpong
-        kernel orders its math warpgroups. ``mok_cute.ops`` never selects it.
+        Its first H200 run hung: the two warpgroups waited on stage barriers a tile apart,
+        beyond the one phase an mbarrier parity wait can tell apart. They now take turns at
+        the mainloop through two named barriers (``NamedBarriers.MMA_ORDER``), as CUTLASS's
+        pingpong kernel orders its math warpgroups; its GPU tests pass (fifth session).
+        ``mok_cute.ops`` selects it for FC2 with a short K (``ops.fc2_pingpong``).
     :param a_gather: A rows are gathered from an unsorted matrix through a row table
         (``mARows``): the whole producer warpgroup loads them with ``cp.async``
         (``cp_async_a_rows``) straight into the swizzled A stage, so no sorted copy of the
@@ -100,6 +107,9 @@ class GroupedGemmSm90:
             raise ValueError("a_gather is written for the cooperative schedule, not pingpong")
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
         self.a_gather = a_gather
+        # pingpong only: the cooperative kernels' SASS gets worse with it (32 HGMMA unrolled
+        # and 8 wgmma waits instead of 8 and 2), the pingpong one loses its C7517 wait
+        self.first_mma_overwrites = FIRST_MMA_OVERWRITES and pingpong
         self.epilogue = epilogue
         self.group_m = group_m
         self.num_sms = num_sms
@@ -429,7 +439,8 @@ class GroupedGemmSm90:
 
                 # ---- mainloop: one wgmma batch stays in flight; a stage is released once
                 # the batch that read it has retired. Plain `range` lets the compiler unroll.
-                acc.fill(0.0)
+                if const_expr(not self.first_mma_overwrites):
+                    acc.fill(0.0)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 if const_expr(self.pingpong):
                     # Wait for the other warpgroup to have issued its tile's last k-tile.
@@ -443,7 +454,15 @@ class GroupedGemmSm90:
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read_state)
                 a_visible_to_wgmma(self.a_gather)
-                self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
+                first_kb = 0
+                if const_expr(self.first_mma_overwrites):  # k-block 0 overwrites acc
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    cute.gemm(tiled_mma, acc, tCrA[(None, None, 0, read_state.index)],
+                              tCrB[(None, None, 0, read_state.index)], acc)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    first_kb = 1
+                self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks,
+                                 first_kb)
                 read_state.advance()
                 for k_tile in range(1, k_tile_cnt):
                     ab_pipeline.consumer_wait(read_state)
@@ -518,9 +537,11 @@ class GroupedGemmSm90:
             ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
-        """Issue the wgmmas of one K-tile (num_k_blocks x k16) from smem stage ``stage``."""
-        for kb in cutlass.range_constexpr(num_k_blocks):
+    def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr,
+                    first_kb: cutlass.Constexpr = 0):
+        """Issue the wgmmas of one K-tile (k-blocks ``first_kb`` .. num_k_blocks-1, k16 each)
+        from smem stage ``stage``."""
+        for kb in cutlass.range_constexpr(first_kb, num_k_blocks):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
         cute.nvgpu.warpgroup.commit_group()
 
