@@ -31,6 +31,11 @@ from .config import check_expert_ids, check_int, check_tensor, experimental_swit
 # faster (fifth session, tools/schedule_probe.py): dsv3 layer 5.15 -> 4.93 ms, virtual kimi
 # R = 8 45.7 -> 37.7 ms. MOK_GPU_SCHEDULE=0 turns it off.
 GPU_BUILD = experimental_switch("GPU_SCHEDULE", True)
+# Several ranks' schedules (a virtual launch's R) from one pair of launches (grid z = rank)
+# instead of one pair per rank: about 0.9 ms of host time per virtual kimi R = 8 call
+# (tools/schedule_probe.py: 8 builds 1.13 ms by events, 0.15 ms by CUDA graph). Written in the
+# fifth session, not yet run on a GPU: MOK_BATCHED_SCHEDULE=1 turns it on.
+BATCHED_BUILD = experimental_switch("BATCHED_SCHEDULE", False)
 
 __all__ = [
     "ReceiveSchedule",
@@ -243,8 +248,8 @@ def build_receive_schedules(
 ) -> ReceiveSchedules:
     """The receive schedules of ranks ``first_rank`` .. ``+ count - 1`` (default: all from
     ``first_rank`` on), stacked. With the GPU build (``gpu_build``, as in
-    ``build_receive_schedule``) all of them come from the same two launches; otherwise one
-    ``build_receive_schedule`` per rank, stacked."""
+    ``build_receive_schedule``) and ``BATCHED_BUILD`` all of them come from the same two
+    launches; otherwise one ``build_receive_schedule`` per rank, stacked."""
     check_tensor("topk_idx_all", topk_idx_all, dtype=(torch.int32, torch.int64), contiguous=False)
     if topk_idx_all.dim() != 3:
         raise ValueError(f"topk_idx_all: expected shape [R, T, K], got {list(topk_idx_all.shape)}")
@@ -256,7 +261,8 @@ def build_receive_schedules(
     check_int("num_local_experts", num_local_experts, min_value=1)
     if validate:
         check_expert_ids(topk_idx_all, R * num_local_experts, "topk_idx_all")
-    if (GPU_BUILD if gpu_build is None else gpu_build) and topk_idx_all.is_cuda:
+    on_gpu = (GPU_BUILD if gpu_build is None else gpu_build) and topk_idx_all.is_cuda
+    if on_gpu and (BATCHED_BUILD or count == 1):
         from mok_cute.kernels import schedule_build
 
         if schedule_build.supports(R, num_local_experts) and topk_idx_all.shape[2] >= 1:
@@ -264,7 +270,7 @@ def build_receive_schedules(
                                                   first_rank=first_rank, count=count)
     return ReceiveSchedules.stack([
         build_receive_schedule(topk_idx_all, r, num_local_experts, tile_m, validate=False,
-                               gpu_build=False)
+                               gpu_build=on_gpu)
         for r in range(first_rank, first_rank + count)])
 
 

@@ -2,7 +2,7 @@
 # One call on the GPU host that checks everything GPU-side, each step under its own time limit
 # so a hung kernel costs minutes, not the whole lease. Logs and JSON go to $OUT (or ./out).
 #
-#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|schedule|virtual|ep N|all]
+#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|ep N|all]
 #
 #   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
 #   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
@@ -17,8 +17,9 @@
 #          first-k-block overwrite, FC1 and FC2 of qwen3, gptoss and dsv3
 #   schedule  the GPU build of the one-rank schedule: its GPU tests (bitwise against the torch
 #          build), then tools/schedule_probe.py (build times, layer with schedule.GPU_BUILD off/on)
-#   virtual  virtual R = 8 against R = 1 (kimi, qwen3.5): the ticket walk alternating ranks
-#          against block by block (megakernel.RANK_BLOCKS), 12 and 24 comm CTAs
+#   virtual  virtual R = 8 against R = 1 (kimi, glm), the 8 schedules batched or not
+#          (MOK_BATCHED_SCHEDULE)
+#   qwen3comm  recorded megakernel calls on qwen3_30b at 2 and 4 comm CTAs (why 2 is 1.6x slower)
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
 #          megakernel), then mok-cute bench --ep
@@ -91,12 +92,24 @@ run_schedule() {
 }
 
 run_virtual() {
-  timeout -s KILL 360 python3 -u tools/megakernel_probe.py --shapes "" --virtual kimi_k2.7,qwen3.5_397b \
-    --virtual-comm 12,24 --out "$out" --json "$out/virtual_probe.json" 2>&1 | grep -v Warn | tail -14
-  # one recorded R = 8 call with the block walk: its PNG shows whether waves hold one rank
-  MOK_RANK_BLOCKS=1 timeout -s KILL 120 python3 -m mok_cute.cli timeline --shape kimi_k2.7 --ranks 8 \
-    --capacity 262144 --mok-config check_ids=False --out "$out/virtual_r8_blocks" 2>&1 \
-    | grep -E "busy|wait|idle|GB/s|TFLOP|exposed|tasks" | tail -10
+  # virtual R = 8 against R = 1 with the schedules of all 8 ranks from one pair of launches
+  # (MOK_BATCHED_SCHEDULE=1) or one pair per rank (0), same call, alternating rounds inside each
+  for b in 0 1; do
+    MOK_BATCHED_SCHEDULE=$b timeout -s KILL 200 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2 \
+      --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual --mok-config check_ids=False \
+      --iters 10 --warmup 3 --rounds 3 --out "$out/batched$b" --tag virtual_r8_batched$b 2>&1 | grep "│ [a-z]"
+  done
+}
+
+run_qwen3_comm() {
+  # the megakernel at R = 1 on qwen3_30b: 2 comm CTAs ran 5.30 ms, 4 ran 3.33 (fifth session,
+  # run 31) though at one rank they only run the barrier: one recorded call of each
+  for c in 2l 4l; do
+    timeout -s KILL 120 python3 -u tools/megakernel_probe.py --shapes qwen3_30b --comm "$c" \
+      --timeline "$c" --out "$out/qwen3_$c" 2>&1 | grep -v Warn | cut -c1-160 | tail -3
+    timeout -s KILL 60 python3 -m mok_cute.cli timeline --from "$out/qwen3_$c/qwen3_30b_megakernel_timeline.npy" \
+      --out "$out/qwen3_$c" 2>&1 | grep -E "busy|wait|idle|TFLOP|exposed" | tail -6
+  done
 }
 
 run_ep() {
@@ -121,7 +134,8 @@ case "$what" in
   gemm) run_gemm ;;
   schedule) run_schedule ;;
   virtual) run_virtual ;;
+  qwen3comm) run_qwen3_comm ;;
   ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|ep N|all]" >&2; exit 2 ;;
 esac
