@@ -9,10 +9,10 @@ A probe for tuning, not the benchmark of record (that is tools/bench.py).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
+
+from layer_profile import save_probe_json  # tools/ is on sys.path when run as a script
 
 SHAPES = {  # T, H, I, E, K
     "dsv3_ep8_rank": (4096, 7168, 2048, 32, 8),
@@ -116,9 +116,7 @@ def main(argv=None):
             rows.append(dict(shape=name, stage=stage, impl="cublas dense (one weight)", ms=ms,
                              tflops=flops / ms / 1e9))
             _print_row(rows[-1])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    save_probe_json(args.json, {"rows": rows}, argv)
 
 
 if __name__ == "__main__":

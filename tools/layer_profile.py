@@ -20,6 +20,17 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from mok_cute.benchmark import SINGLE_GPU_SHAPES  # noqa: E402
 
 
+def save_probe_json(path, fields: dict, argv=None) -> None:
+    """A probe's JSON (when ``path`` is set): the command that made it, the GPU, ``fields``."""
+    if not path:
+        return
+    script = "tools/" + sys.argv[0].rsplit("/", 1)[-1]
+    doc = {"command": " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
+           "gpu": torch.cuda.get_device_name(), **fields}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
 def gpu_ms(fn, reps=10):
     fn()
     torch.cuda.synchronize()
@@ -99,10 +110,7 @@ def main(argv=None):
         s = SINGLE_GPU_SHAPES[name]
         out.append(profile_shape(name, s.tokens, s.hidden, s.intermediate, s.experts, s.top_k,
                                  reps=args.reps))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-                       "profiles": out}, f, indent=1)
+    save_probe_json(args.json, {"profiles": out})
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ record (that is ``mok-cute bench --contenders mok_cute,mok_megakernel,...``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ import mok_cute  # noqa: E402
 from mok_cute import benchmark as bm, jit, megakernel, ops  # noqa: E402
 from mok_cute.kernels import gemm_sm90  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
-from layer_profile import gpu_ms  # noqa: E402  (tools/ is on sys.path when run as a script)
+from layer_profile import gpu_ms, save_probe_json  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def layer_flops(p) -> float:
@@ -179,16 +178,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    doc = {"command": " ".join(["python", "tools/megakernel_probe.py", *(argv or sys.argv[1:])]),
-           "gpu": torch.cuda.get_device_name(),
-           "shapes": [probe_shape(s, a.comm.split(","), a.timeline, a.out)
+    doc = {"shapes": [probe_shape(s, a.comm.split(","), a.timeline, a.out)
                       for s in a.shapes.split(",") if s]}
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","))
                           for s in a.virtual.split(",")]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    save_probe_json(a.json, doc, argv)
     return 0
 
 

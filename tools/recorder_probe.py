@@ -24,7 +24,7 @@ import mok_cute  # noqa: E402
 from mok_cute import benchmark as bm  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.timeline import TimelineBuffer  # noqa: E402
-from layer_profile import gpu_ms, host_ms  # noqa: E402
+from layer_profile import gpu_ms, host_ms, save_probe_json  # noqa: E402
 from schedule_probe import graph_ms  # noqa: E402
 
 
@@ -63,12 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    doc = {"command": " ".join(["python", "tools/recorder_probe.py", *(argv or sys.argv[1:])]),
-           "gpu": torch.cuda.get_device_name(),
-           "shapes": [probe(s, a.rounds) for s in a.shapes.split(",")]}
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    save_probe_json(a.json, {"shapes": [probe(s, a.rounds) for s in a.shapes.split(",")]}, argv)
     return 0
 
 

@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from layer_profile import gpu_ms, host_ms  # noqa: E402  (tools/ is on sys.path as a script)
+from layer_profile import gpu_ms, host_ms, save_probe_json  # noqa: E402  (tools/ is on sys.path as a script)
 from mok_cute.benchmark import SINGLE_GPU_SHAPES  # noqa: E402
 
 FIELDS = ("row_token", "row_k", "row_peer", "expert_counts", "expert_offsets", "tile_expert",
@@ -167,10 +167,7 @@ def main(argv=None):
         row["virtual_layer"] = virtual_rounds(R, T, 7168, 2048, E_loc, K, args.rounds, 3)
     rows.append(row)
     print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-                       "rows": rows}, f, indent=1)
+    save_probe_json(args.json, {"rows": rows})
 
 
 if __name__ == "__main__":
