@@ -563,7 +563,7 @@ class _Builder:
     def build(self) -> TaskList:
         p, cg = self.p, CounterGroup
         tm, nt, tpm, rt, n1, n2, cs = p.tile_m, self.nt, self.tpm, self.rt, self.n1, self.n2, self.cs
-        compute_blocks, comm_tasks = [], []
+        compute_blocks = []
 
         # --- shared expert (head of the compute queue) ---
         if self.shared:
