@@ -987,27 +987,37 @@ def switches() -> dict[str, bool]:
     return dict(sorted(config.SWITCHES.items()))
 
 
-def write_results(
-    results: list[dict[str, Any]], out_dir: Path, tag: str, device: torch.device, argv: Sequence[str], extra: dict[str, Any] | None = None
-) -> tuple[Path, Path]:
-    gpu = gpu_name(device)
+def save_results(results: list[dict[str, Any]], out_dir: Path, tag: str, gpu: str, command: str,
+                 argv: Sequence[str], extra: dict[str, Any], title: Callable[[str], str],
+                 chart: list[dict[str, Any]] | None = None) -> tuple[Path, Path]:
+    """The results JSON (DESIGN §5: GPU, date, command, versions, switches, ``extra``,
+    results) and its bar chart (of ``chart``, default ``results``; ``title(date)``)."""
     now = time.localtime()
     doc = {
         "gpu": gpu,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", now),
-        "command": command_line(argv),
+        "command": command,
         "argv": list(argv),
         "versions": versions(),
         "switches": switches(),
-        **(extra or {}),
+        **extra,
         "results": results,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = result_path(out_dir, gpu, tag, time.strftime("%Y-%m-%d", now))
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
-    png_path = plot_results(results, json_path.with_suffix(".png"), title=f"MoE forward on {gpu}, {doc['date'][:10]} ({tag})")
+    png_path = plot_results(results if chart is None else chart, json_path.with_suffix(".png"),
+                            title=title(doc["date"][:10]))
     return json_path, png_path
+
+
+def write_results(
+    results: list[dict[str, Any]], out_dir: Path, tag: str, device: torch.device, argv: Sequence[str], extra: dict[str, Any] | None = None
+) -> tuple[Path, Path]:
+    gpu = gpu_name(device)
+    return save_results(results, out_dir, tag, gpu, command_line(argv), argv, extra or {},
+                        lambda date: f"MoE forward on {gpu}, {date} ({tag})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

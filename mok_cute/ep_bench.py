@@ -56,7 +56,6 @@ os.environ.update(NVLS_OFF)
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import shlex  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -698,24 +697,10 @@ def command_line(argv: Sequence[str], d: Dist) -> str:
 
 def write_results(results: list[dict[str, Any]], out_dir: Path, tag: str, d: Dist, argv: Sequence[str], extra: dict[str, Any]) -> tuple[Path, Path]:
     gpu = bm.gpu_name(d.device)
-    now = time.localtime()
-    doc = {
-        "gpu": gpu,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", now),
-        "command": command_line(argv, d),
-        "argv": list(argv),
-        "versions": bm.versions(),
-        "switches": bm.switches(),
-        **extra,
-        "results": results,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = bm.result_path(out_dir, gpu, tag, time.strftime("%Y-%m-%d", now))
-    with open(json_path, "w") as f:
-        json.dump(doc, f, indent=1)
-    title = f"EP MoE forward, {d.world} x {gpu}, {doc['date'][:10]} ({tag}); TFLOP/s per GPU"
-    png_path = bm.plot_results(chart_rows(results), json_path.with_suffix(".png"), title=title)
-    return json_path, png_path
+    return bm.save_results(
+        results, out_dir, tag, gpu, command_line(argv, d), argv, extra,
+        lambda date: f"EP MoE forward, {d.world} x {gpu}, {date} ({tag}); TFLOP/s per GPU",
+        chart=chart_rows(results))
 
 
 def print_results(results: list[dict[str, Any]], console: Any, title: str) -> None:

@@ -131,6 +131,21 @@ def schedule_capacity(num_ranks: int, tokens: int, top_k: int, num_local_experts
     return -(-rows // tile_m) * tile_m
 
 
+def _check_routing(topk_idx_all: torch.Tensor, num_local_experts: int, tile_m: int) -> tuple[int, int, int]:
+    """The build's argument checks; returns (R, T, K) of ``topk_idx_all``."""
+    check_tensor("topk_idx_all", topk_idx_all, dtype=(torch.int32, torch.int64), contiguous=False)
+    if topk_idx_all.dim() != 3:
+        raise ValueError(
+            f"topk_idx_all: expected shape [R, T, K], got {list(topk_idx_all.shape)}"
+        )
+    R, T, K = topk_idx_all.shape
+    if R < 1 or K < 1:
+        raise ValueError(f"topk_idx_all: expected R >= 1 and K >= 1, got shape {list(topk_idx_all.shape)}")
+    check_int("num_local_experts", num_local_experts, min_value=1)
+    check_int("tile_m", tile_m, min_value=1)
+    return R, T, K
+
+
 def build_receive_schedule(
     topk_idx_all: torch.Tensor,
     rank: int,
@@ -147,17 +162,8 @@ def build_receive_schedule(
     the build free of host synchronisation. gpu_build: CUDA ids built by the two kernels of
     kernels/schedule_build.py (True) or by torch ops (False); None follows ``GPU_BUILD``.
     """
-    check_tensor("topk_idx_all", topk_idx_all, dtype=(torch.int32, torch.int64), contiguous=False)
-    if topk_idx_all.dim() != 3:
-        raise ValueError(
-            f"topk_idx_all: expected shape [R, T, K], got {list(topk_idx_all.shape)}"
-        )
-    R, T, K = topk_idx_all.shape
-    if R < 1 or K < 1:
-        raise ValueError(f"topk_idx_all: expected R >= 1 and K >= 1, got shape {list(topk_idx_all.shape)}")
+    R, T, K = _check_routing(topk_idx_all, num_local_experts, tile_m)
     check_int("rank", rank, min_value=0, max_value=R - 1)
-    check_int("num_local_experts", num_local_experts, min_value=1)
-    check_int("tile_m", tile_m, min_value=1)
     E_loc = num_local_experts
     if validate:
         check_expert_ids(topk_idx_all, R * E_loc, "topk_idx_all")
@@ -235,7 +241,6 @@ def build_receive_schedule(
     )
 
 
-
 def build_receive_schedules(
     topk_idx_all: torch.Tensor,
     num_local_experts: int,
@@ -250,22 +255,18 @@ def build_receive_schedules(
     ``first_rank`` on), stacked. With the GPU build (``gpu_build``, as in
     ``build_receive_schedule``) and ``BATCHED_BUILD`` all of them come from the same two
     launches; otherwise one ``build_receive_schedule`` per rank, stacked."""
-    check_tensor("topk_idx_all", topk_idx_all, dtype=(torch.int32, torch.int64), contiguous=False)
-    if topk_idx_all.dim() != 3:
-        raise ValueError(f"topk_idx_all: expected shape [R, T, K], got {list(topk_idx_all.shape)}")
-    R = topk_idx_all.shape[0]
-    check_int("first_rank", first_rank, min_value=0, max_value=max(R - 1, 0))
+    R = _check_routing(topk_idx_all, num_local_experts, tile_m)[0]
+    check_int("first_rank", first_rank, min_value=0, max_value=R - 1)
     if count is None:
         count = R - first_rank
-    check_int("count", count, min_value=1, max_value=max(R - first_rank, 1))
-    check_int("num_local_experts", num_local_experts, min_value=1)
+    check_int("count", count, min_value=1, max_value=R - first_rank)
     if validate:
         check_expert_ids(topk_idx_all, R * num_local_experts, "topk_idx_all")
     on_gpu = (GPU_BUILD if gpu_build is None else gpu_build) and topk_idx_all.is_cuda
     if on_gpu and (BATCHED_BUILD or count == 1):
         from mok_cute.kernels import schedule_build
 
-        if schedule_build.supports(R, num_local_experts) and topk_idx_all.shape[2] >= 1:
+        if schedule_build.supports(R, num_local_experts):
             return schedule_build.build_schedules(topk_idx_all, num_local_experts, tile_m,
                                                   first_rank=first_rank, count=count)
     return ReceiveSchedules.stack([
