@@ -850,16 +850,20 @@ class DeviceTaskList(NamedTuple):
     queues: object  # int32 [2, max queue length], list indices per Role, -1 padded
     queue_len: object  # int32 [2]
     queue_live_len: object  # int32 [2, num_minibatches + 1]
-    queue_tail_begin: object  # int32 [2]
     # int32 [2, num_minibatches + 1]: queue position where ticket block b starts per role
     # (block b of the merged list begins at the first compute task of minibatch b); the last
-    # column is the tail (= queue_tail_begin). See `ticket_blocks`.
+    # column is the tail (``queue_tail_begin``). See `ticket_blocks`.
     queue_blocks: object
     counter_offsets: object  # int32 [len(CounterGroup) + 1]
     num_counters: int
     tiles_per_minibatch: int
     num_m_tiles: int
     num_minibatches: int
+
+    @property
+    def queue_tail_begin(self):
+        """int32 [2]: the queue position where each role's tail (BARRIER, KSUM) begins."""
+        return self.queue_blocks[:, -1]
 
 
 def encode_device(task_list: TaskList, device=None) -> DeviceTaskList:
@@ -892,7 +896,7 @@ def encode_device(task_list: TaskList, device=None) -> DeviceTaskList:
     return DeviceTaskList(
         tasks=encode(tl).to(device) if device is not None else encode(tl),
         queues=t(qtab), queue_len=t(np.array([len(q) for q in queues])),
-        queue_live_len=t(live_len), queue_tail_begin=t(tail_begin), queue_blocks=t(blocks),
+        queue_live_len=t(live_len), queue_blocks=t(blocks),
         counter_offsets=t(tl.counter_offsets), num_counters=int(tl.counter_offsets[-1]),
         tiles_per_minibatch=tl.tiles_per_minibatch, num_m_tiles=tl.num_m_tiles,
         num_minibatches=nmb,
