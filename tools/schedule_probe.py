@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from layer_profile import gpu_ms, host_ms, save_probe_json  # noqa: E402  (tools/ is on sys.path as a script)
+from mok_cute import benchmark as bm  # noqa: E402
 from mok_cute.benchmark import SINGLE_GPU_SHAPES  # noqa: E402
 
 FIELDS = ("row_token", "row_k", "row_peer", "expert_counts", "expert_offsets", "tile_expert",
@@ -97,40 +98,30 @@ def build_flag_rounds(fn, rounds, iters):
                 bitwise_equal=bool(torch.equal(outs[False], outs[True])))
 
 
-def layer_rounds(name, T, H, I, E, K, rounds, iters):
+def layer_rounds(name, rounds, iters):
+    """The layer (expert path and megakernel), GPU_BUILD off and on, alternating."""
     import mok_cute as mok
 
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
-    idx = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices
-    w = torch.softmax(torch.randn(T, K, device=dev, generator=gen), dim=1)
-    wg = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
-    wu = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
-    wd = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=gen) / I ** 0.5
+    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=0)
+    i = p.inputs
     results = {}
     for backend in ("kernel", "megakernel"):
         cfg = mok.MoKConfig(check_ids=False, backend=backend)
         results[backend] = build_flag_rounds(
-            lambda: mok.moe_forward(x, idx, w, wg, wu, wd, config=cfg), rounds, iters)
+            lambda: mok.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up,
+                                    p.w_down, shared=p.shared, config=cfg), rounds, iters)
     return results
 
 
-def virtual_rounds(R, T, H, I, E_loc, K, rounds, iters):
+def virtual_rounds(name, R, rounds, iters):
     """moe_forward_virtual on R ranks (the megakernel), GPU_BUILD off and on, alternating."""
     import mok_cute as mok
 
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    xs = torch.randn(R, T, H, device=dev, dtype=torch.bfloat16, generator=gen)
-    idx = torch.rand(R, T, R * E_loc, device=dev, generator=gen).topk(K, dim=-1).indices
-    w = torch.softmax(torch.randn(R, T, K, device=dev, generator=gen), dim=-1)
-    wg = torch.randn(R, E_loc, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
-    wu = torch.randn(R, E_loc, I, H, device=dev, dtype=torch.bfloat16, generator=gen) / H ** 0.5
-    wd = torch.randn(R, E_loc, H, I, device=dev, dtype=torch.bfloat16, generator=gen) / I ** 0.5
+    v = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=0, ranks=R).virtual(R)
     cfg = mok.MoKConfig(check_ids=False, backend="megakernel")
-    return build_flag_rounds(lambda: mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, config=cfg),
-                             rounds, iters)
+    return build_flag_rounds(
+        lambda: mok.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up,
+                                        v.w_down, shared=v.shared, config=cfg), rounds, iters)
 
 
 def main(argv=None):
@@ -145,7 +136,7 @@ def main(argv=None):
     rows = []
     for name in args.shapes.split(","):
         s = SINGLE_GPU_SHAPES[name]
-        T, H, I, E, K = s.tokens, s.hidden, s.intermediate, s.experts, s.top_k
+        T, E, K = s.tokens, s.experts, s.top_k
         ids64 = torch.rand(T, E, device="cuda").topk(K, dim=1).indices[None]
         row = dict(shape=name, R=1, T=T, E=E, K=K)
         row["mismatch_int64"] = equal_builds(ids64, E)
@@ -154,7 +145,7 @@ def main(argv=None):
         row["mismatch_skewed"] = equal_builds(skew, E)
         time_builds(row, ids64, E)
         if not args.no_layer:
-            row["layer"] = layer_rounds(name, T, H, I, E, K, args.rounds, args.iters)
+            row["layer"] = layer_rounds(name, args.rounds, args.iters)
         rows.append(row)
         print(json.dumps(row), flush=True)
     # kimi_k2.7 on 8 (virtual) ranks: 384 experts, 48 per rank, 2048 tokens per rank
@@ -164,7 +155,7 @@ def main(argv=None):
     row["mismatch_rank3"] = equal_builds(ids, E_loc, rank=3)
     time_builds(row, ids, E_loc)
     if not args.no_layer:
-        row["virtual_layer"] = virtual_rounds(R, T, 7168, 2048, E_loc, K, args.rounds, 3)
+        row["virtual_layer"] = virtual_rounds("kimi_k2.7", R, args.rounds, 3)
     rows.append(row)
     print(json.dumps(row), flush=True)
     save_probe_json(args.json, {"rows": rows})
