@@ -327,7 +327,6 @@ def _gemm_durations(tl: T.TaskList, lay: RankLayout, shape: SimShape, cfg: SimCo
     hbm_per_sm = hw.hbm_bytes_per_s / max(n_compute, 1)
     ty = tl.type
     tile = tl.m_tile_begin
-    mb = tl.minibatch
     n1, n2 = tl.fc1_n_tiles, tl.fc2_n_tiles
     # M-tiles of the same expert inside one minibatch share weight tiles in L2, up to the
     # number of M-tiles in flight at once (compute SMs / N-tiles per M-tile).
