@@ -31,6 +31,7 @@ from mok_cute import jit, tasks as tasks_mod
 from mok_cute.config import MoKConfig, experimental_switch
 
 TILE_M = 128
+FC1_TILE_N = 256  # = kernels.megakernel_sm90.FC1_TILE_N (gate + up columns of one FC1 tile)
 DEFAULT_COMM_CTAS = 12
 # How comm CTAs move rows (kernels.megakernel_sm90.COPY_MODES); a module setting so tools
 # can time both in one process.
@@ -40,12 +41,27 @@ COMM_COPY = "vector"
 # a ring that never wraps. At R = 1 that removes all comm traffic: dsv3_ep8_rank 6.26 -> 5.35
 # ms, sonic_120b 12.96 -> 12.31 ms, bitwise equal (H200, docs/gpu_runs.md run 20).
 LOCAL_DIRECT = True
-# FC1 of minibatch m + 1 queued before FC2 of m (tasks.build_task_list's fc1_lead), so FC2
-# tiles do not wait on the FC1 wave just issued. The simulator predicts dsv3 R = 1 4.90 ->
-# 4.74 ms and sonic_120b 10.74 -> 10.44 ms (docs/sim.md). Bitwise equal on the H200, but
-# measured (fifth session, one pass each) dsv3 5.32 -> 5.74 ms and sonic_120b 12.39 -> 12.18:
-# no clear gain, so off. MOK_FC1_LEAD=1 turns it on.
-FC1_LEAD = int(experimental_switch("FC1_LEAD", False))
+# FC1 of minibatch m + L queued before FC2 of m (tasks.build_task_list's fc1_lead), so FC2
+# tiles do not wait on the FC1 wave just issued. L is the fewest minibatches whose FC1 tiles
+# fill every compute CTA (`fc1_lead_minibatches`): 1-2 on dsv3 / sonic, 3 on qwen3_30b (48
+# FC1 tiles per minibatch against 130 CTAs, so without a lead most of a wave waits). A CPU
+# model of the static ticket stride with measured-rate task times (sixth session) puts qwen3
+# R = 1 at 3.17 ms without a lead and 2.24 with L = 3 (expert path 2.30 measured); dsv3 and
+# sonic gain under 1 %. L = 1 measured (fifth session, one pass each) dsv3 5.32 -> 5.74 ms,
+# sonic_120b 12.39 -> 12.18: no clear gain there, so off until measured with the auto L.
+# MOK_FC1_LEAD=1 turns it on; FC1_LEAD_MINIBATCHES fixes L (tools).
+FC1_LEAD = experimental_switch("FC1_LEAD", False)
+FC1_LEAD_MINIBATCHES: int | None = None
+# A minibatch's FC1 and FC2 tiles N-tile by N-tile (tasks' tile_order="n_major") instead of
+# M-tile by M-tile, so the CTAs running at once share each weight tile in L2 as the expert
+# path's grouped rasterisation does. Why: with many FC1 N-tiles per M-tile the M-tile-major
+# order puts about one M-tile in a wave and every M-tile streams its expert's weights from
+# HBM: mixtral (112 FC1 N-tiles, 235 MB of gate/up weights per expert, 128 M-tiles) reads
+# ~30 GB, ~8.6 ms at 3.5 TB/s, the size of the megakernel's 11.4 ms against 8.6 for the expert
+# path (run 31); N-tile-major reads them once per minibatch (16 x 235 MB). Predicted: mixtral
+# R = 1 near the expert path, no change where a minibatch's FC1 tiles fit one wave (dsv3,
+# sonic_120b, qwen3_30b). Off until measured; MOK_N_MAJOR_TILES=1 turns it on.
+N_MAJOR_TILES = experimental_switch("N_MAJOR_TILES", False)
 # Virtual ranks walk the task list block by block (one block per minibatch, each rank's share
 # in turn) instead of alternating ranks task by task (tasks.ticket_blocks). Why: virtual R = 8
 # costs 1.5-1.8x R = 1 on the H200 (run 23), and the extra time matches re-reading every
@@ -63,9 +79,15 @@ RANK_BLOCKS = experimental_switch("RANK_BLOCKS", True)
 # ms and sonic_120b 12.18 -> 12.29 with FC1_LEAD on: inside the noise, so off.
 # MOK_X_IN_PLACE=1 turns it on.
 X_IN_PLACE = experimental_switch("X_IN_PLACE", False)
-# Comm CTAs when no rank's rows cross them (one rank, local_direct): they run only the barrier.
-# Run 20: 1, 2, 4 comm CTAs: dsv3 5.43 / 5.46 / 5.35 ms, sonic_120b 13.08 / 12.31 / 12.65 ms.
+# Comm CTAs when no rank's rows cross them (one rank, local_direct). Until the sixth session
+# the comm queue still held one no-op DISPATCH and COMBINE per M-tile, and the count mattered
+# where M-tiles are many (qwen3_30b, 1024 tiles: 2 comm CTAs 5.30 ms, 4: 3.33, run 31):
+# COMBINEs waiting on FC2 held up the DISPATCH signals FC1 waits for. Such plans now build
+# their list without comm tasks (tasks.build_task_list(comm_tasks=False), LOCAL_ONLY_TASKS),
+# so the comm CTAs run the barrier only; 2 (the simulator's pick too) until 1, 2 and 4 are
+# timed again.
 LOCAL_ONLY_COMM_CTAS = 2
+LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm tasks too
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -92,6 +114,8 @@ class PlanKey:
     fc1_lead: int = 0
     rank_blocks: bool = False
     x_in_place: bool = False  # X_IN_PLACE, decided by plan_for (one rank, local_direct)
+    tile_order: str = "m_major"  # N_MAJOR_TILES: "n_major"
+    local_only: bool = False  # LOCAL_ONLY_TASKS with one rank and local_direct: no comm tasks
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -106,6 +130,13 @@ def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
     if local_direct and num_peers == 1:
         return LOCAL_ONLY_COMM_CTAS
     return max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
+
+
+def fc1_lead_minibatches(compute_ctas: int, tiles_per_minibatch: int, fc1_n_tiles: int) -> int:
+    """The FC1 lead L (``FC1_LEAD``): the fewest minibatches whose FC1 tiles fill every compute
+    CTA, so the CTAs taking a minibatch's FC2 tickets find its FC1 tiles already done."""
+    per_minibatch = max(1, tiles_per_minibatch * fc1_n_tiles)
+    return -(-compute_ctas // per_minibatch)
 
 
 def tuned_config(config: MoKConfig, num_peers: int, tokens: int, hidden: int,
@@ -221,7 +252,8 @@ class Plan:
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
-            fc1_tile_n=256, fc2_tile_n=256, fc1_lead=k.fc1_lead)
+            fc1_tile_n=FC1_TILE_N, fc2_tile_n=256, fc1_lead=k.fc1_lead,
+            comm_tasks=not k.local_only, tile_order=k.tile_order)
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
         R, C = side.launch_ranks, k.ring_tokens
         self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
@@ -462,10 +494,18 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     num_comm = config.num_comm_sms or default_num_comm_ctas(peers, H, K, num_sms, local_direct)
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
+    fc1_lead = 0
+    if FC1_LEAD:
+        fc1_lead = FC1_LEAD_MINIBATCHES
+        if fc1_lead is None:
+            fc1_lead = fc1_lead_minibatches(num_sms - num_comm, minibatch // TILE_M,
+                                            -(-2 * I // FC1_TILE_N))
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
-                  None if group is None else (id(group), handle_type), local_direct, FC1_LEAD,
-                  RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1)
+                  None if group is None else (id(group), handle_type), local_direct, fc1_lead,
+                  RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
+                  "n_major" if N_MAJOR_TILES else "m_major",
+                  LOCAL_ONLY_TASKS and local_direct and peers == 1)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -42,13 +42,15 @@ ring rows of tile j is tile ``j - Rt``; waiting on it transitively covers every 
                  <- COMBINE of tile j-Rt               (last reader of the y rows it overwrites)
     COMBINE(j)   <- FC2 of tile j, all n
     SHARED_FC2(s, n) <- SHARED_FC1 of tile s, all n
-    BARRIER      <- every COMBINE
+    BARRIER      <- every COMBINE (without comm tasks: every FC2 tile)
     KSUM(s, c)   <- BARRIER (all peers have combined into us), SHARED_FC2 of tile s, all n
 
 Order. The compute queue is: all shared-expert tiles (so the shared expert overlaps the first
 dispatch), then per minibatch its FC1 tiles (tile-major, N-tiles inner, so a tile can start as
-soon as its rows land) then its FC2 tiles (with ``fc1_lead=1``: FC1 of the next minibatch
-before FC2 of this one), then the KSUM tiles. The comm queue is sorted by an
+soon as its rows land; ``tile_order="n_major"``: N-tile-major, so concurrent tiles share a
+weight tile) then its FC2 tiles (with ``fc1_lead=L``: FC1 of minibatch m + L before FC2 of
+m), then the KSUM tiles. Without comm tasks (one rank reading its own rows in place) the
+comm queue is the BARRIER alone. The comm queue is sorted by an
 estimated ready time measured in cumulative compute FLOPs along the compute queue: COMBINE(j)
 at the end of FC2(j); DISPATCH(j) at the later of "its ring rows are free" (end of FC1(j-Rt))
 and "``dispatch_lookahead_tokens`` ahead of compute" (start of FC1 of tile j - lookahead); the
@@ -216,6 +218,8 @@ class TaskListParams:
     ksum_rows: int
     static: bool
     fc1_lead: int = 0
+    comm_tasks: bool = True  # False: one rank reading its own rows in place, no DISPATCH/COMBINE
+    tile_order: str = "m_major"  # or "n_major": a minibatch's GEMM tiles N-tile by N-tile
 
 
 @dataclasses.dataclass
@@ -363,6 +367,9 @@ def _as_numpy(x):
 # builders
 
 
+TILE_ORDERS = ("m_major", "n_major")
+
+
 def build_task_list(
     tile_rows: Sequence[int] | np.ndarray,
     *,
@@ -385,6 +392,8 @@ def build_task_list(
     ksum_rows: int | None = None,
     static: bool = False,
     fc1_lead: int = 0,
+    comm_tasks: bool = True,
+    tile_order: str = "m_major",
 ) -> TaskList:
     """Build one rank's ordered task list.
 
@@ -396,8 +405,15 @@ def build_task_list(
     and KSUM tasks; each KSUM covers ``ksum_rows`` local tokens (default ``tile_m // 8``, must
     divide ``tile_m``). ``fc1_lead`` = 1 queues FC1 of minibatch m + 1 before FC2 of
     minibatch m, so the CTAs that take FC2 tickets find their M-tiles' FC1 tiles done instead
-    of waiting on the wave just issued; it needs a ring of two minibatches (FC1 of m + 1 must
-    not wait on FC2 of m) and is 0 (off) otherwise.
+    of waiting on the wave just issued; ``fc1_lead`` = L > 1 queues FC1 of m + L before FC2 of
+    m. It needs a ring of L + 1 minibatches (FC1 of m + L must not wait on FC2 of m) and
+    shrinks to what the ring holds. ``comm_tasks=False`` is one rank that reads its own rows
+    in place (the megakernel's ``local_direct`` with no peer): no DISPATCH or COMBINE tasks,
+    FC1 waits on nothing routed, BARRIER waits on every FC2 tile. It needs a ring that never
+    wraps (the k-sum reads y from it at the end). ``tile_order`` orders each minibatch's FC1
+    and FC2 tiles: "m_major" (M-tile by M-tile, N-tiles inner: a tile's FC1 ends early) or
+    "n_major" (N-tile by N-tile, the minibatch's M-tiles inner: concurrent tiles share one
+    weight tile in L2, which matters once a minibatch has more tiles than there are CTAs).
     """
     hidden = _check_int("hidden", hidden, 1)
     intermediate = _check_int("intermediate", intermediate, 1)
@@ -433,10 +449,11 @@ def build_task_list(
     _check_multiple("dispatch_lookahead_tokens", dispatch_lookahead_tokens, "tile_m", tile_m)
 
     fc1_lead = _check_int("fc1_lead", fc1_lead, 0)
-    if fc1_lead > 1:
-        raise ValueError(f"fc1_lead must be 0 or 1, got {fc1_lead}")
-    if ring_tokens < 2 * minibatch_tokens:
-        fc1_lead = 0  # FC1 of m + 1 would wait on FC2 of m, which then comes after it
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"tile_order must be one of {TILE_ORDERS}, got {tile_order!r}")
+    # FC1 of m + lead must not wait on FC2 of m, which then comes after it: the ring holds
+    # lead + 1 minibatches, or the lead shrinks to what it holds
+    fc1_lead = min(fc1_lead, ring_tokens // minibatch_tokens - 1)
     ksum_rows = max(1, tile_m // 8) if ksum_rows is None else _check_int("ksum_rows", ksum_rows, 1)
     if tile_m % ksum_rows:
         raise ValueError(f"ksum_rows must divide tile_m={tile_m}, got {ksum_rows}")
@@ -445,6 +462,10 @@ def build_task_list(
     if rows.size and (rows.min() < 0 or rows.max() > tile_m):
         raise ValueError(
             f"tile_rows must be in [0, tile_m={tile_m}], got range [{rows.min()}, {rows.max()}]")
+    if not comm_tasks and ring_tokens < rows.size * tile_m:
+        raise ValueError(
+            f"ring_tokens must hold every routed row ({rows.size * tile_m}) without comm "
+            f"tasks (comm_tasks=False: the k-sum reads y from the ring), got {ring_tokens}")
 
     params = TaskListParams(
         hidden=hidden, intermediate=intermediate, num_tokens=num_tokens, top_k=top_k,
@@ -453,7 +474,8 @@ def build_task_list(
         shared_intermediate=shared_intermediate, rank=rank, num_ranks=num_ranks,
         dispatch_wait=dispatch_wait, comm_task_rows=comm_task_rows,
         dispatch_lookahead_tokens=dispatch_lookahead_tokens, finish=bool(finish),
-        ksum_rows=ksum_rows, static=bool(static), fc1_lead=fc1_lead,
+        ksum_rows=ksum_rows, static=bool(static), fc1_lead=fc1_lead, comm_tasks=bool(comm_tasks),
+        tile_order=tile_order,
     )
     return _Builder(params, rows).build()
 
@@ -550,11 +572,18 @@ class _Builder:
             slot[idx] += 1
         return w
 
-    def _gemm_tiles(self, m_tiles, n_count, tile_n, n_total, k_dim, out_per_col):
-        """Task grids (tile-major, N inner) for a GEMM with N=n_total, K=k_dim."""
+    def _gemm_tiles(self, m_tiles, n_count, tile_n, n_total, k_dim, out_per_col,
+                    n_major=False):
+        """Task grids for a GEMM with N=n_total, K=k_dim: M-tile-major (N inner) or, with
+        ``n_major``, N-tile-major (the given M-tiles inner)."""
         p = self.p
-        mt = np.repeat(np.asarray(m_tiles, dtype=np.int64), n_count)
-        nt = np.tile(np.arange(n_count, dtype=np.int64), len(m_tiles))
+        m_tiles = np.asarray(m_tiles, dtype=np.int64)
+        if n_major:
+            mt = np.tile(m_tiles, n_count)
+            nt = np.repeat(np.arange(n_count, dtype=np.int64), len(m_tiles))
+        else:
+            mt = np.repeat(m_tiles, n_count)
+            nt = np.tile(np.arange(n_count, dtype=np.int64), len(m_tiles))
         width = np.minimum(tile_n, n_total - nt * tile_n)
         flops = 2 * p.tile_m * width * k_dim
         bytes_ = _BF16 * (p.tile_m * k_dim + width * k_dim + p.tile_m * width * out_per_col)
@@ -587,20 +616,22 @@ class _Builder:
         for mb in range(self.nmb):
             tiles = np.arange(mb * tpm, mb * tpm + tiles_in_mb[mb])
             # FC1
+            n_major = p.tile_order == "n_major"
             mt, ntl, fl, by = self._gemm_tiles(tiles, n1, p.fc1_tile_n, 2 * p.intermediate,
-                                               p.hidden, 0.5)
-            if p.dispatch_wait == "tile":
-                dwait = (cg.DISPATCHED, mt, 1, cs, None)
-            else:
-                dwait = (cg.DISPATCHED_MB, mb, 1, cs * int(tiles_in_mb[mb]), None)
-            waits = self._waits(len(mt), dwait, (cg.FC2_DONE, mt - rt, 1, n2, mt >= rt))
+                                               p.hidden, 0.5, n_major)
+            specs = [(cg.FC2_DONE, mt - rt, 1, n2, mt >= rt)]
+            if p.comm_tasks and p.dispatch_wait == "tile":
+                specs.insert(0, (cg.DISPATCHED, mt, 1, cs, None))
+            elif p.comm_tasks:
+                specs.insert(0, (cg.DISPATCHED_MB, mb, 1, cs * int(tiles_in_mb[mb]), None))
+            waits = self._waits(len(mt), *specs)
             fc1_blocks.append(self._block(
                 TaskType.FC1, mt, ntl, mt * tm, mt * tm + tm, by, fl, cg.FC1_DONE, mt, waits, mb))
             # FC2
             mt, ntl, fl, by = self._gemm_tiles(tiles, n2, p.fc2_tile_n, p.hidden,
-                                               p.intermediate, 1)
+                                               p.intermediate, 1, n_major)
             waits = self._waits(len(mt), (cg.FC1_DONE, mt, 1, n1, None),
-                                (cg.COMBINED, mt - rt, 1, cs, mt >= rt))
+                                (cg.COMBINED, mt - rt, 1, cs, (mt >= rt) & p.comm_tasks))
             fc2_blocks.append(self._block(
                 TaskType.FC2, mt, ntl, mt * tm, mt * tm + tm, by, fl, cg.FC2_DONE, mt, waits, mb))
         lead = p.fc1_lead
@@ -660,11 +691,13 @@ class _Builder:
         comb = self._block(TaskType.COMBINE, j, c, rb, re, payload, np.zeros_like(j),
                            cg.COMBINED, j, self._waits(len(j), (cg.FC2_DONE, j, 1, n2, None)), mbj)
         c_key = cum_end[fc2_last[j]] if nt else np.zeros(0)
-        comm = _concat_blocks([disp, comb])
+        comm = _concat_blocks([disp, comb] if p.comm_tasks else [])
         key = np.concatenate([d_key, c_key])
         kind = np.concatenate([np.zeros(len(j)), np.ones(len(j))])
         jj = np.concatenate([j, j])
         cc = np.concatenate([c, c])
+        if not p.comm_tasks:
+            key = kind = jj = cc = np.zeros(0)
         order = np.lexsort((cc, jj, kind, key))
         comm = {k: v[order] for k, v in comm.items()}
         comm_key = key[order]
@@ -673,7 +706,8 @@ class _Builder:
                 TaskType.BARRIER, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
                 np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1),
                 np.zeros(1), cg.BARRIER_DONE, np.zeros(1, dtype=np.int64),
-                self._waits(1, (cg.COMBINED, 0, nt, cs, np.array([nt > 0]))), -1)
+                self._waits(1, (cg.COMBINED, 0, nt, cs, np.array([nt > 0])) if p.comm_tasks
+                            else (cg.FC2_DONE, 0, nt, n2, np.array([nt > 0]))), -1)
             barrier["m_tile_end"][:] = nt
             comm = _concat_blocks([comm, barrier])
             comm_key = np.concatenate([comm_key, [np.inf]])

@@ -96,7 +96,7 @@ def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
 
 # ---------------------------------------------------------------------- CPU: the ticket walk
 @pytest.mark.parametrize("R,num_tiles_seed", [(1, 0), (2, 1), (3, 2), (8, 3), (72, 4)])
-@pytest.mark.parametrize("fc1_lead", [0, 1])
+@pytest.mark.parametrize("fc1_lead", [0, 1, 3])
 @pytest.mark.parametrize("rank_blocks", [False, True])
 def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_lead, rank_blocks):
     """Model of the kernel's walk (megakernel.walk_tickets) against tasks.simulate_live_run:
@@ -110,8 +110,8 @@ def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_le
     rng = np.random.default_rng(num_tiles_seed)
     capacity = 128 * 24
     tl = tasks.build_static(capacity, hidden=512, intermediate=256, num_tokens=200, top_k=4,
-                            minibatch_tokens=512, ring_tokens=1024, shared_intermediate=128,
-                            num_ranks=R, fc1_lead=fc1_lead)
+                            minibatch_tokens=512, ring_tokens=512 * (fc1_lead + 1),
+                            shared_intermediate=128, num_ranks=R, fc1_lead=fc1_lead)
     assert tl.params.fc1_lead == fc1_lead
     dev = tasks.encode_device(tl)
     num_tiles = [int(t) for t in rng.integers(0, 25, size=R)]
@@ -190,8 +190,9 @@ def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed):
 
 
 @pytest.mark.parametrize("rank_blocks", [False, True])
-@pytest.mark.parametrize("R,ctas", [(2, (1, 1)), (3, (2, 3)), (8, (2, 5)), (8, (12, 40))])
-def test_virtual_ranks_finish_with_few_ctas(rank_blocks, R, ctas):
+@pytest.mark.parametrize("R,ctas,tile_order", [(2, (1, 1), "m_major"), (3, (2, 3), "n_major"),
+                                               (8, (2, 5), "m_major"), (8, (12, 40), "n_major")])
+def test_virtual_ranks_finish_with_few_ctas(rank_blocks, R, ctas, tile_order):
     """Both ticket walks finish every task with as few as one CTA per role, uniform and
     ragged tile counts (dead and no-op tasks), in random CTA orders: no deadlock."""
     import numpy as np
@@ -200,14 +201,33 @@ def test_virtual_ranks_finish_with_few_ctas(rank_blocks, R, ctas):
 
     tl = tasks.build_static(128 * 12, hidden=512, intermediate=256, num_tokens=200, top_k=4,
                             minibatch_tokens=256, ring_tokens=128 * 12, shared_intermediate=128,
-                            num_ranks=R, fc1_lead=1)
+                            num_ranks=R, fc1_lead=1, tile_order=tile_order)
     for seed in range(3):
         rng = np.random.default_rng(seed)
         num_tiles = [12] * R if seed == 0 else [int(t) for t in rng.integers(0, 13, size=R)]
         assert _run_ctas(tl, num_tiles, ctas, rank_blocks, seed) == [], num_tiles
 
 
-@pytest.mark.parametrize("fc1_lead", [0, 1])
+@pytest.mark.parametrize("fc1_lead", [0, 3])
+@pytest.mark.parametrize("ctas", [(1, 1), (1, 5), (2, 40)])
+@pytest.mark.parametrize("tile_order", ["m_major", "n_major"])
+def test_one_rank_without_comm_tasks_finishes_with_few_ctas(fc1_lead, ctas, tile_order):
+    """The one-rank list without comm tasks (local_direct, no peer): the comm CTAs only run
+    the barrier, the compute CTAs take their static-stride tickets; every task finishes."""
+    import numpy as np
+
+    from mok_cute import tasks
+
+    tl = tasks.build_static(128 * 12, hidden=512, intermediate=256, num_tokens=200, top_k=4,
+                            minibatch_tokens=256, ring_tokens=128 * 12, shared_intermediate=128,
+                            fc1_lead=fc1_lead, comm_tasks=False, tile_order=tile_order)
+    assert tl.params.fc1_lead == fc1_lead
+    for seed in range(3):
+        num_tiles = [12] if seed == 0 else [int(np.random.default_rng(seed).integers(0, 13))]
+        assert _run_ctas(tl, num_tiles, ctas, False, seed) == [], num_tiles
+
+
+@pytest.mark.parametrize("fc1_lead", [0, 1, 3])
 def test_virtual_ranks_wait_only_on_lower_tickets(fc1_lead):
     """Why R virtual ranks in one launch cannot deadlock: every wait points to a lower list
     index of the same rank, every role queue is in list order, and KSUM (the only task that
@@ -218,8 +238,8 @@ def test_virtual_ranks_wait_only_on_lower_tickets(fc1_lead):
     from mok_cute.timeline import Role, TaskType
 
     tl = tasks.build_static(128 * 16, hidden=512, intermediate=256, num_tokens=300, top_k=4,
-                            minibatch_tokens=256, ring_tokens=512, shared_intermediate=128,
-                            num_ranks=8, fc1_lead=fc1_lead)
+                            minibatch_tokens=256, ring_tokens=256 * max(2, fc1_lead + 1),
+                            shared_intermediate=128, num_ranks=8, fc1_lead=fc1_lead)
     offsets, deps = tl.deps_csr()
     for i in range(len(tl)):
         assert (deps[offsets[i]:offsets[i + 1]] < i).all()
@@ -338,10 +358,18 @@ def test_fc1_of_the_next_minibatch_first_gives_the_same_bits(R, monkeypatch):
 
     args = _problem(R, 300, 512, 256, 4, 4, 128, seed=23, skew=True)
     base = _run(args, minibatch_tokens=128)
-    monkeypatch.setattr(megakernel, "FC1_LEAD", 1)
+    monkeypatch.setattr(megakernel, "FC1_LEAD", True)  # the auto lead
     lead = _run(args, minibatch_tokens=128)
     assert any(k.fc1_lead for k in megakernel._PLANS)
     assert torch.equal(lead, base)
+    monkeypatch.setattr(megakernel, "FC1_LEAD_MINIBATCHES", 2)  # a lead shorter than the list
+    two = _run(args, minibatch_tokens=128)
+    assert any(k.fc1_lead == 2 for k in megakernel._PLANS)
+    assert torch.equal(two, base)
+    monkeypatch.setattr(megakernel, "N_MAJOR_TILES", True)  # and N-tile-major minibatches
+    n_major = _run(args, minibatch_tokens=256)
+    assert any(k.tile_order == "n_major" for k in megakernel._PLANS)
+    assert torch.equal(n_major, base)
 
 
 @pytest.mark.gpu
@@ -470,9 +498,9 @@ def test_recorded_megakernel_timeline_is_sane():
 
 # ---------------------------------------------------------------------- CPU: the comm split
 def test_one_gpu_comm_split_is_the_simulators_pick():
-    """megakernel.LOCAL_ONLY_COMM_CTAS (measured best at R = 1, run 20) is also what the
-    simulator's tuner picks for the plan's minibatch and ring: with local_direct no row
-    crosses a comm CTA."""
+    """megakernel.LOCAL_ONLY_COMM_CTAS at R = 1 with local_direct (the comm queue is only
+    the barrier then) is also what the simulator's tuner picks for the plan's minibatch and
+    ring: no row crosses a comm CTA."""
     from mok_cute import megakernel
     from mok_cute.config import MoKConfig
     from mok_cute.schedule import schedule_capacity

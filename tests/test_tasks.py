@@ -495,5 +495,65 @@ def test_fc1_lead_queues_the_next_minibatchs_fc1_before_this_ones_fc2():
     same = T.build_static(128 * 8, ring_tokens=256, fc1_lead=1, **kw)
     assert same.params.fc1_lead == 0
     assert np.array_equal(same.type, T.build_static(128 * 8, ring_tokens=256, **kw).type)
-    with pytest.raises(ValueError, match="fc1_lead"):
-        T.build_static(128 * 8, ring_tokens=512, fc1_lead=2, **kw)
+    # a lead of 2 minibatches needs a ring of 3; a ring of 2 shrinks it to 1
+    assert T.build_static(128 * 8, ring_tokens=512, fc1_lead=2, **kw).params.fc1_lead == 1
+    tl = T.build_static(128 * 8, ring_tokens=768, fc1_lead=2, **kw)
+    gemm = [(int(tl.type[i]), int(tl.minibatch[i])) for i in tl.queue(T.Role.COMPUTE)
+            if tl.type[i] in (T.TaskType.FC1, T.TaskType.FC2)]
+    runs = [x for i, x in enumerate(gemm) if i == 0 or x != gemm[i - 1]]
+    assert runs == [(FC1, 0), (FC1, 1), (FC1, 2), (FC2, 0), (FC1, 3), (FC2, 1), (FC2, 2), (FC2, 3)]
+    offsets, deps = tl.deps_csr()
+    assert all((deps[offsets[i]:offsets[i + 1]] < i).all() for i in range(len(tl)))
+
+
+@pytest.mark.parametrize("comm_tasks", [True, False])
+def test_n_major_order_runs_a_minibatchs_m_tiles_inside_each_n_tile(comm_tasks):
+    """tile_order="n_major": within a minibatch, FC1 and FC2 tiles go N-tile by N-tile with the
+    minibatch's M-tiles inner; the set of tasks and every wait are those of "m_major", and
+    every wait still points to a lower index."""
+    kw = dict(hidden=512, intermediate=384, num_tokens=300, top_k=4, minibatch_tokens=256,
+              ring_tokens=1024, fc1_lead=1, comm_tasks=comm_tasks)
+    tl = T.build_static(128 * 8, tile_order="n_major", **kw)
+    base = T.build_static(128 * 8, **kw)
+    for ttype, n_count in ((T.TaskType.FC1, 3), (T.TaskType.FC2, 2)):
+        got = [(int(tl.m_tile_begin[i]), int(tl.n_tile[i])) for i in tl.queue(T.Role.COMPUTE)
+               if tl.type[i] == ttype and tl.minibatch[i] == 1]
+        assert got == [(m, n) for n in range(n_count) for m in (2, 3)]
+
+    def tasks_of(t):
+        return sorted((int(t.type[i]), int(t.m_tile_begin[i]), int(t.n_tile[i]),
+                       tuple(map(tuple, t.waits[i].tolist()))) for i in range(len(t)))
+
+    assert tasks_of(tl) == tasks_of(base)
+    offsets, deps = tl.deps_csr()
+    assert all((deps[offsets[i]:offsets[i + 1]] < i).all() for i in range(len(tl)))
+    with pytest.raises(ValueError, match="tile_order"):
+        T.build_static(128 * 8, tile_order="zigzag", **kw)
+
+
+@pytest.mark.parametrize("shared", [0, 256])
+def test_without_comm_tasks_only_the_barrier_is_comm_and_fc2_feeds_it(shared):
+    """comm_tasks=False (one rank reading its own rows in place): no DISPATCH or COMBINE, FC1
+    waits on nothing routed, the BARRIER waits on every FC2 tile, the compute queue is the same
+    as with comm tasks, every wait points lower and a live run still runs every task once."""
+    kw = dict(hidden=512, intermediate=256, num_tokens=300, top_k=4, minibatch_tokens=256,
+              shared_intermediate=shared)
+    tl = T.build_static(128 * 8, ring_tokens=1024, comm_tasks=False, **kw)
+    with_comm = T.build_static(128 * 8, ring_tokens=1024, **kw)
+    comm = tl.queue(T.Role.COMM)
+    assert [int(tl.type[i]) for i in comm] == [int(T.TaskType.BARRIER)]
+    barrier = tl[int(comm[0])]
+    assert barrier.waits == ((T.CounterGroup.FC2_DONE, 0, 8, 2),)
+    fc1 = [tl[int(i)] for i in tl.queue(T.Role.COMPUTE) if tl.type[i] == T.TaskType.FC1]
+    assert fc1 and all(t.waits == () for t in fc1)
+    same_compute = [(int(t.type[i]), int(t.m_tile_begin[i]), int(t.n_tile[i]))
+                    for t in (tl, with_comm) for i in t.queue(T.Role.COMPUTE)]
+    half = len(same_compute) // 2
+    assert same_compute[:half] == same_compute[half:]
+    offsets, deps = tl.deps_csr()
+    assert all((deps[offsets[i]:offsets[i + 1]] < i).all() for i in range(len(tl)))
+    run = T.simulate_live_run(tl, 5)
+    ran = [i for r in T.Role for i in run[r]["ran"]]
+    assert len(ran) == len(set(ran))
+    with pytest.raises(ValueError, match="ring_tokens"):
+        T.build_static(128 * 8, ring_tokens=512, comm_tasks=False, **kw)

@@ -8,9 +8,13 @@ Each ``--comm`` entry is a number of comm CTAs; a trailing ``b`` selects the bul
 variant (``cp.async.bulk`` through smem) instead of the vector one, a trailing ``l`` the
 vector one with ``megakernel.LOCAL_DIRECT`` (local rows stay in the ring, no combine copy), a
 trailing ``n`` (with ``l``) the same without the consumers' proxy fence on gathered A stages
-(``gemm_sm90.FENCE_GATHERED_A = False``), an ``f`` FC1 of the next minibatch queued before FC2
-(``megakernel.FC1_LEAD = 1``), an ``x`` (with ``l``) the caller's x read in place
-(``megakernel.X_IN_PLACE``); e.g. ``2l``, ``2lf``, ``2lfx``. Every megakernel output
+(``gemm_sm90.FENCE_GATHERED_A = False``), an ``f`` FC1 of later minibatches queued before FC2
+(``megakernel.FC1_LEAD``: the auto lead; ``f2`` a lead of 2 minibatches), an ``x`` (with
+``l``) the caller's x read in place (``megakernel.X_IN_PLACE``), a ``w`` each minibatch's
+GEMM tiles N-tile-major (``megakernel.N_MAJOR_TILES``), a ``c`` (with ``l``, one rank) the
+list with its no-op DISPATCH / COMBINE tasks kept (``megakernel.LOCAL_ONLY_TASKS = False``,
+as before the sixth session); e.g. ``2l``, ``2lf``, ``1lf3``,
+``2lwf``. Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -50,69 +55,114 @@ def set_gathered_a_fence(on: bool) -> None:
         megakernel.release_plans()
 
 
-def probe_shape(name: str, comms: list[str], timeline: int | None, out_dir: str) -> dict:
+def parse_spec(spec: str) -> dict:
+    """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
+    m = re.fullmatch(r"(\d+)([bclnwx]*)(?:f(\d*))?([bclnwx]*)", spec)
+    if not m:
+        raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
+    flags = m.group(2) + m.group(4)
+    return dict(comm=int(m.group(1)), copy="bulk" if "b" in flags else "vector",
+                local_direct="l" in flags, fence="n" not in flags, x_in_place="x" in flags,
+                n_major="w" in flags, local_only_tasks="c" not in flags,
+                fc1_lead=m.group(3) is not None,
+                fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
+
+
+SWITCHES = ("COMM_COPY", "LOCAL_DIRECT", "FC1_LEAD", "FC1_LEAD_MINIBATCHES", "X_IN_PLACE",
+            "N_MAJOR_TILES", "LOCAL_ONLY_TASKS")  # the megakernel module settings a spec sets
+
+
+def apply_spec(sp: dict) -> None:
+    megakernel.COMM_COPY = sp["copy"]
+    megakernel.LOCAL_DIRECT = sp["local_direct"]
+    megakernel.FC1_LEAD = sp["fc1_lead"]
+    megakernel.FC1_LEAD_MINIBATCHES = sp["fc1_lead_minibatches"]
+    megakernel.X_IN_PLACE = sp["x_in_place"]
+    megakernel.N_MAJOR_TILES = sp["n_major"]
+    megakernel.LOCAL_ONLY_TASKS = sp["local_only_tasks"]
+    set_gathered_a_fence(sp["fence"])
+
+
+def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
+                gather: bool = True, rounds: int = 1) -> dict:
+    """The expert path, optionally its gather-in-FC1 variants, then every ``--comm`` spec of
+    the megakernel; with ``rounds`` > 1 all variants are timed again in turn (the clock drifts
+    within a process) and each row keeps every round's time and their minimum."""
     p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
     i, flops = p.inputs, layer_flops(p)
     args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
     base = MoKConfig(check_ids=False)
     expert = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
-    rows = [{"variant": "expert_kernels", "ms": gpu_ms(lambda: mok_cute.moe_forward(
-        *args, shared=p.shared, config=base))}]
-    # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1, experimental), with and
-    # without the consumers' proxy fence on the gathered stages
-    ops.GATHER_IN_FC1 = True
-    try:
+    defaults = {n: getattr(megakernel, n) for n in SWITCHES}
+    variants = {"expert_kernels": (lambda: None, base)}
+    rows = {"expert_kernels": {"variant": "expert_kernels"}}
+    if gather:  # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1), +- the fence
         for fence in (True, False):
-            set_gathered_a_fence(fence)
-            gathered = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
-            rows.append({"variant": "expert_kernels_gather_in_fc1" + ("" if fence else "_nofence"),
-                         "ms": gpu_ms(lambda: mok_cute.moe_forward(*args, shared=p.shared, config=base)),
-                         "bitwise_equal_expert_path": bool(torch.equal(gathered, expert))})
+            key = "expert_kernels_gather_in_fc1" + ("" if fence else "_nofence")
+            variants[key] = (lambda fence=fence: (setattr(ops, "GATHER_IN_FC1", True),
+                                                  set_gathered_a_fence(fence)), base)
+            rows[key] = {"variant": key}
+    for spec in comms:
+        sp = parse_spec(spec)
+        cfg = MoKConfig(check_ids=False, num_comm_sms=sp["comm"], backend="megakernel")
+        variants[spec] = (lambda sp=sp: apply_spec(sp), cfg)
+        rows[spec] = {"spec": spec, "comm_ctas": sp["comm"]}
+    try:
+        for r in range(rounds):
+            for key, (setup, cfg) in variants.items():
+                setup()
+                run = lambda cfg=cfg: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
+                row = rows[key]
+                if r == 0:  # first call (compile), correctness, what the plan became
+                    t0 = time.time()
+                    out = run().clone()
+                    torch.cuda.synchronize()
+                    megakernel.raise_pending_errors()
+                    row["first_call_s"] = time.time() - t0
+                    row["bitwise_equal_expert_path"] = bool(torch.equal(out, expert))
+                    if cfg.backend == "megakernel":
+                        plan = megakernel.plan_for(  # the cached plan of this call
+                            i.x.unsqueeze(0), p.w_gate.unsqueeze(0), p.w_down.unsqueeze(0),
+                            None if p.shared is None else tuple(w.unsqueeze(0) for w in p.shared),
+                            i.topk_idx.unsqueeze(0), cfg)
+                        k = plan.key
+                        row["variant"] = (f"megakernel_{k.copy}" + ("_local_direct" if k.local_direct else "")
+                                          + ("" if gemm_sm90.FENCE_GATHERED_A else "_nofence")
+                                          + (f"_fc1_lead{k.fc1_lead}" if k.fc1_lead else "")
+                                          + ("_x_in_place" if k.x_in_place else "")
+                                          + ("_n_major" if k.tile_order == "n_major" else "")
+                                          + ("_no_comm_tasks" if k.local_only else ""))
+                    row["ms_rounds"] = []
+                row["ms_rounds"].append(gpu_ms(run))
+                megakernel.raise_pending_errors()
+                ops.GATHER_IN_FC1 = False
     finally:
         ops.GATHER_IN_FC1 = False
+        for n, v in defaults.items():
+            setattr(megakernel, n, v)
         set_gathered_a_fence(True)
-    defaults = (megakernel.COMM_COPY, megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD,
-                megakernel.X_IN_PLACE)
-    for spec in comms:
-        megakernel.COMM_COPY = "bulk" if "b" in spec else "vector"
-        megakernel.LOCAL_DIRECT = "l" in spec
-        megakernel.FC1_LEAD = int("f" in spec)
-        megakernel.X_IN_PLACE = "x" in spec
-        set_gathered_a_fence("n" not in spec)
-        cfg = MoKConfig(check_ids=False, num_comm_sms=int(spec.rstrip("blnfx")), backend="megakernel")
-        run = lambda: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
-        t0 = time.time()
-        out = run().clone()
-        torch.cuda.synchronize()
-        megakernel.raise_pending_errors()
-        variant = (f"megakernel_{megakernel.COMM_COPY}" + ("_local_direct" if megakernel.LOCAL_DIRECT else "")
-                   + ("" if gemm_sm90.FENCE_GATHERED_A else "_nofence")
-                   + ("_fc1_lead" if megakernel.FC1_LEAD else "")
-                   + ("_x_in_place" if megakernel.X_IN_PLACE else ""))
-        rows.append({"variant": variant, "comm_ctas": cfg.num_comm_sms,
-                     "first_call_s": time.time() - t0, "ms": gpu_ms(run),
-                     "bitwise_equal_expert_path": bool(torch.equal(out, expert))})
-        megakernel.raise_pending_errors()
-    (megakernel.COMM_COPY, megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD,
-     megakernel.X_IN_PLACE) = defaults
-    set_gathered_a_fence(True)
-    for r in rows:
-        r["tflops"] = flops / r["ms"] / 1e9
-        print(f"{name}: {r}", flush=True)
+    rows = list(rows.values())
+    for row in rows:
+        row["ms"] = min(row["ms_rounds"])
+        row["tflops"] = flops / row["ms"] / 1e9
+        print(f"{name}: {row}", flush=True)
     if timeline:
-        megakernel.LOCAL_DIRECT = "l" in timeline
-        megakernel.FC1_LEAD = int("f" in timeline)
-        cfg = MoKConfig(check_ids=False, num_comm_sms=int(timeline.rstrip("lf")), timeline=True,
-                        timeline_capacity=1 << 18, backend="megakernel")
-        mok_cute.moe_forward(*args, shared=p.shared, config=cfg)
-        torch.cuda.synchronize()
-        plan = next(pl for k, pl in megakernel._PLANS.items() if k.timeline)
-        megakernel.LOCAL_DIRECT, megakernel.FC1_LEAD = defaults[1], defaults[2]
+        apply_spec(parse_spec(timeline))
+        try:
+            cfg = MoKConfig(check_ids=False, num_comm_sms=parse_spec(timeline)["comm"], timeline=True,
+                            timeline_capacity=1 << 18, backend="megakernel")
+            mok_cute.moe_forward(*args, shared=p.shared, config=cfg)
+            torch.cuda.synchronize()
+            plan = next(pl for k, pl in megakernel._PLANS.items() if k.timeline)
+        finally:
+            for n, v in defaults.items():
+                setattr(megakernel, n, v)
+            set_gathered_a_fence(True)
         path = plan.timeline.save(os.path.join(out_dir, f"{name}_megakernel_timeline.npy"))
-        print(f"{name}: timeline of one call with {timeline} comm CTAs -> {path}", flush=True)
+        print(f"{name}: timeline of one call with {timeline} -> {path}", flush=True)
     megakernel.release_plans()
     torch.cuda.empty_cache()
-    return {"shape": name, "flops": flops, "results": rows}
+    return {"shape": name, "flops": flops, "rounds": rounds, "results": rows}
 
 
 def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> dict:
@@ -167,8 +217,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="dsv3_ep8_rank,sonic_120b")
     ap.add_argument("--comm", default="6,8,12,16", help="comm CTA counts; suffix b = bulk copies")
-    ap.add_argument("--timeline", default=None, metavar="COMM_CTAS",
-                    help="comm CTAs of the recorded call; a trailing l: with LOCAL_DIRECT")
+    ap.add_argument("--timeline", default=None, metavar="SPEC",
+                    help="a --comm spec: record one call of it (mok-cute timeline --from)")
+    ap.add_argument("--no-gather", action="store_true",
+                    help="leave out the expert path's gather-in-FC1 variants")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",
                     help="EP shapes: moe_forward_virtual at --ranks against R = 1, ticket walk "
                          "alternating or in blocks (megakernel.RANK_BLOCKS), comm CTAs --virtual-comm")
@@ -178,8 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    doc = {"shapes": [probe_shape(s, a.comm.split(","), a.timeline, a.out)
-                      for s in a.shapes.split(",") if s]}
+    doc = {"shapes": [probe_shape(s, a.comm.split(","), a.timeline, a.out, not a.no_gather,
+                                  a.rounds) for s in a.shapes.split(",") if s]}
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","))
                           for s in a.virtual.split(",")]
