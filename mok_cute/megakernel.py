@@ -45,12 +45,13 @@ LOCAL_DIRECT = True
 # tiles do not wait on the FC1 wave just issued. L is the fewest minibatches whose FC1 tiles
 # fill every compute CTA (`fc1_lead_minibatches`): 1-2 on dsv3 / sonic, 3 on qwen3_30b (48
 # FC1 tiles per minibatch against 130 CTAs, so without a lead most of a wave waits). A CPU
-# model of the static ticket stride with measured-rate task times (sixth session) puts qwen3
-# R = 1 at 3.17 ms without a lead and 2.24 with L = 3 (expert path 2.30 measured); dsv3 and
-# sonic gain under 1 %. L = 1 measured (fifth session, one pass each) dsv3 5.32 -> 5.74 ms,
-# sonic_120b 12.39 -> 12.18: no clear gain there, so off until measured with the auto L.
-# MOK_FC1_LEAD=1 turns it on; FC1_LEAD_MINIBATCHES fixes L (tools).
-FC1_LEAD = experimental_switch("FC1_LEAD", False)
+# model of the static ticket stride with measured-rate task times (sixth session) put qwen3
+# R = 1 at 3.17 ms without a lead and 2.24 with L = 3. Measured on the H200 (sixth session,
+# tools/megakernel_probe.py, 2 alternating rounds, bitwise equal; expert path 2.21 ms): qwen3
+# 3.08 -> 2.43 ms. With N_MAJOR_TILES (below) it also pays where the lead is 1-2: gptoss
+# 4.31 -> 3.25, dsv3 4.88 -> 4.76, sonic_120b 11.22 -> 10.95 ms. MOK_FC1_LEAD=0 turns it
+# off; FC1_LEAD_MINIBATCHES fixes L (tools).
+FC1_LEAD = experimental_switch("FC1_LEAD", True)
 FC1_LEAD_MINIBATCHES: int | None = None
 # A minibatch's FC1 and FC2 tiles N-tile by N-tile (tasks' tile_order="n_major") instead of
 # M-tile by M-tile, so the CTAs running at once share each weight tile in L2 as the expert
@@ -60,8 +61,10 @@ FC1_LEAD_MINIBATCHES: int | None = None
 # ~30 GB, ~8.6 ms at 3.5 TB/s, the size of the megakernel's 11.4 ms against 8.6 for the expert
 # path (run 31); N-tile-major reads them once per minibatch (16 x 235 MB). Predicted: mixtral
 # R = 1 near the expert path, no change where a minibatch's FC1 tiles fit one wave (dsv3,
-# sonic_120b, qwen3_30b). Off until measured; MOK_N_MAJOR_TILES=1 turns it on.
-N_MAJOR_TILES = experimental_switch("N_MAJOR_TILES", False)
+# sonic_120b, qwen3_30b). Measured (sixth session, same probe as FC1_LEAD): mixtral 10.99 ->
+# 8.69 ms (expert path 8.07); with the FC1 lead as well every shape gains or holds.
+# MOK_N_MAJOR_TILES=0 turns it off.
+N_MAJOR_TILES = experimental_switch("N_MAJOR_TILES", True)
 # Virtual ranks walk the task list block by block (one block per minibatch, each rank's share
 # in turn) instead of alternating ranks task by task (tasks.ticket_blocks). Why: virtual R = 8
 # costs 1.5-1.8x R = 1 on the H200 (run 23), and the extra time matches re-reading every
