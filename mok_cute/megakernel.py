@@ -78,10 +78,11 @@ RANK_BLOCKS = experimental_switch("RANK_BLOCKS", True)
 # One rank with no peer and local_direct: nobody else reads this rank's x, so FC1's local rows
 # and the shared expert read the caller's x in place instead of a copy in the symmetric buffer
 # (dsv3: 59 MB, sonic_120b: 268 MB copied per call, about 0.6 % and 1.2 % of the call at
-# ~3.5 TB/s). Bitwise equal on the H200; one pass each (fifth session) gave dsv3 5.74 -> 5.66
-# ms and sonic_120b 12.18 -> 12.29 with FC1_LEAD on: inside the noise, so off.
-# MOK_X_IN_PLACE=1 turns it on.
-X_IN_PLACE = experimental_switch("X_IN_PLACE", False)
+# ~3.5 TB/s). Bitwise equal on the H200. Sixth session, best of 3 alternating rounds
+# (probes/2026-11-29_megakernel_probe_x_in_place.json): dsv3 4.80 -> 4.73 ms, sonic_120b
+# 11.06 -> 10.77, the size the copy predicts (rounds drift by up to 15 % as the GPU heats,
+# so only the best round is compared). MOK_X_IN_PLACE=0 turns it off.
+X_IN_PLACE = experimental_switch("X_IN_PLACE", True)
 # Comm CTAs when no rank's rows cross them (one rank, local_direct). Until the sixth session
 # the comm queue still held one no-op DISPATCH and COMBINE per M-tile, and the count mattered
 # where M-tiles are many (qwen3_30b, 1024 tiles: 2 comm CTAs 5.30 ms, 4: 3.33, run 31):
