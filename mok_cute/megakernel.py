@@ -49,10 +49,11 @@ LOCAL_DIRECT = True
 # R = 1 at 3.17 ms without a lead and 2.24 with L = 3. Measured on the H200 (sixth session,
 # tools/megakernel_probe.py, 2 alternating rounds, bitwise equal; expert path 2.21 ms): qwen3
 # 3.08 -> 2.43 ms. With N_MAJOR_TILES (below) it also pays where the lead is 1-2: gptoss
-# 4.31 -> 3.25, dsv3 4.88 -> 4.76, sonic_120b 11.22 -> 10.95 ms. Only for one rank with no
-# peer: virtual R = 8 on dsv4_pro ran 43.3 ms with it and 37.7 without (R = 1: 34.0 with,
-# 37.6 without; probes/2026-11-30_dsv4_r8_switches.json), and EP groups are unmeasured.
-# MOK_FC1_LEAD=0 turns it off; FC1_LEAD_MINIBATCHES fixes L (tools).
+# 4.31 -> 3.25, dsv3 4.88 -> 4.76, sonic_120b 11.22 -> 10.95 ms. Virtual R = 8 against R = 1
+# (mok-cute bench, sixth session) with / without it: kimi 0.97 / 1.19, glm 1.14 / 1.23,
+# qwen3.5 1.15 / 1.24, but dsv4_pro 1.27 / 1.05 (43.3 against 37.7 ms at R = 8): on for all,
+# the dsv4_pro case not understood (docs/perf_notes.md). MOK_FC1_LEAD=0 turns it off;
+# FC1_LEAD_MINIBATCHES fixes L (tools).
 FC1_LEAD = experimental_switch("FC1_LEAD", True)
 FC1_LEAD_MINIBATCHES: int | None = None
 # A minibatch's FC1 and FC2 tiles N-tile by N-tile (tasks' tile_order="n_major") instead of
@@ -501,7 +502,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     fc1_lead = 0
-    if FC1_LEAD and peers == 1:  # one rank: measured; virtual R = 8 got slower (dsv4_pro)
+    if FC1_LEAD:
         fc1_lead = FC1_LEAD_MINIBATCHES
         if fc1_lead is None:
             fc1_lead = fc1_lead_minibatches(num_sms - num_comm, minibatch // TILE_M,
