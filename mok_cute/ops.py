@@ -20,9 +20,13 @@ from mok_cute.config import MoKConfig, experimental_switch
 
 TILE_M = 128
 # FC1 gathers x rows itself (GroupedGemmSm90(a_gather=True)) instead of a separate gather
-# kernel: predicted -0.25 ms on dsv3_ep8_rank; measured level with the gather kernel on the
-# H200 (runs 20-21, docs/perf_notes.md), so off.
-GATHER_IN_FC1 = False
+# kernel: predicted -0.25 ms on dsv3_ep8_rank; with cp.async rows measured level with the
+# gather kernel on the H200 (runs 20-21, docs/perf_notes.md), so off. MOK_GATHER_IN_FC1=1.
+GATHER_IN_FC1 = experimental_switch("GATHER_IN_FC1", False)
+# ... and lands the rows with one TMA box per row (gemm_sm90's gather_by="tma": no generic
+# proxy, no fence, no LSU traffic) instead of cp.async. Written in the sixth session, not yet
+# run on a GPU. MOK_GATHER_BY_TMA=1.
+GATHER_BY_TMA = experimental_switch("GATHER_BY_TMA", False)
 # FC2 on the pingpong GEMM (128-wide tiles, the two consumer warpgroups alternating tiles so
 # one's epilogue hides behind the other's mainloop), where FC2's K (the expert's intermediate
 # size) is short enough for the epilogue to matter. Measured on the H200 (fifth session,
@@ -106,7 +110,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong, a_gather=a_rows is not None)
+        pingpong=pingpong, a_gather=a_rows is not None,
+        gather_by="tma" if GATHER_BY_TMA and a_rows is not None else "cp_async")
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline, a_rows)

@@ -223,12 +223,39 @@ def test_a_gather_variant_compiles_to_cp_async_rows(epilogue, capfd, tmp_path):
         gemm_sm90.GroupedGemmSm90(128, epilogue, pingpong=True, a_gather=True)
 
 
+@pytest.mark.parametrize("epilogue", ["swiglu", "store"])
+def test_tma_row_gather_compiles_to_one_box_per_row(epilogue, capfd, tmp_path):
+    """gather_by="tma": the 4 producer warps issue 32 TMA boxes each per k-tile (a 2-D A box
+    per row next to B's 3-D boxes), no cp.async, no proxy fence before wgmma; 0 spills."""
+    opts = f"--keep-ptx --dump-dir {tmp_path} remarks{{ptx}}"
+    ptx = gemm_sm90.compile_grouped_gemm(epilogue, 256, a_gather=True, gather_by="tma",
+                                         options=opts).__ptx__
+    text = "".join(capfd.readouterr())
+    rows = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier", ptx)
+    b_boxes = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier", ptx)
+    assert len(rows) == 32, "one A box per row of a warp's 32"
+    assert len(b_boxes) == (2 if epilogue == "swiglu" else 1)
+    assert "cp.async.cg" not in ptx and "noinc" not in ptx
+    default = gemm_sm90.compile_grouped_gemm(epilogue, 256, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    fence = "fence.proxy.async.shared::cta"  # the epilogue's, before its TMA stores, only
+    assert ptx.count(fence) == default.count(fence)
+    assert ptx.count("shfl.sync.idx") >= 32
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
+    assert "C7508" not in text
+    with pytest.raises(ValueError, match="gather_by"):
+        gemm_sm90.GroupedGemmSm90(256, epilogue, a_gather=True, gather_by="ldg")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("epilogue", ["swiglu", "store"])
-def test_a_gather_equals_the_sorted_copy_bitwise(epilogue):
-    """FC1 gathering x rows itself gives the same bits as FC1 on the gathered copy."""
+@pytest.mark.parametrize("by_tma", [False, True])
+def test_a_gather_equals_the_sorted_copy_bitwise(epilogue, by_tma, monkeypatch):
+    """FC1 gathering x rows itself (cp.async rows, or one TMA box per row) gives the same
+    bits as FC1 on the gathered copy."""
     from mok_cute import ops
     from mok_cute.kernels import token_ops
+    monkeypatch.setattr(ops, "GATHER_BY_TMA", by_tma)
     torch.manual_seed(5)
     dev = "cuda"
     counts, n, k, T = [77, 0, 300, 128, 1], 512, 256, 700
@@ -259,4 +286,6 @@ def test_layer_with_the_gather_in_fc1_gives_the_same_bits(monkeypatch):
     cfg = mok_cute.MoKConfig(backend="kernel")
     base = mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg)
     monkeypatch.setattr(ops, "GATHER_IN_FC1", True)
+    assert torch.equal(mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg), base)
+    monkeypatch.setattr(ops, "GATHER_BY_TMA", True)
     assert torch.equal(mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg), base)

@@ -2,7 +2,7 @@
 # One call on the GPU host that checks everything GPU-side, each step under its own time limit
 # so a hung kernel costs minutes, not the whole lease. Logs and JSON go to $OUT (or ./out).
 #
-#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|ep N|all]
+#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|ep N|all]
 #
 #   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
 #   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
@@ -20,6 +20,10 @@
 #   virtual  virtual R = 8 against R = 1 (kimi, glm), the 8 schedules batched or not
 #          (MOK_BATCHED_SCHEDULE)
 #   qwen3comm  recorded megakernel calls on qwen3_30b at 2 and 4 comm CTAs (why 2 is 1.6x slower)
+#   gather the expert path's FC1 gathering its rows itself (ops.GATHER_IN_FC1) with cp.async or
+#          one TMA box per row (ops.GATHER_BY_TMA): the gather GPU tests (bitwise against FC1
+#          on the gathered copy), then tools/megakernel_probe.py on dsv3, sonic_120b, qwen3_30b
+#          (the expert path with and without the gather kernel, 3 alternating rounds)
 #   order  the megakernel's GPU tests, then tools/megakernel_probe.py at R = 1 on the five
 #          single-GPU shapes: the list with and without its no-op comm tasks, 1 and 2 comm
 #          CTAs, the auto FC1 lead, N-tile-major minibatches (2 alternating rounds)
@@ -127,6 +131,16 @@ run_order() {
     | sed -E "s/'first_call_s': [0-9.]+, //; s/'ms_rounds': \[[^]]*\], //" | cut -c1-230
 }
 
+run_gather() {
+  timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
+    --tb=short tests/test_gemm_sm90.py -k gather > "$out/test_gather.log" 2>&1
+  echo "gather tests rc=$?: $(grep -E "passed|failed" "$out/test_gather.log" | tail -1)"
+  grep -E "^FAILED|Error" "$out/test_gather.log" | head -5
+  timeout -s KILL 300 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,qwen3_30b \
+    --comm "" --rounds 3 --out "$out" --json "$out/megakernel_probe_gather.json" 2>&1 | grep -v Warn \
+    | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
+}
+
 run_ep() {
   local n="$1"
   # issue 7's checks: reference, repeat, comm split, emulated == real (uniform and skewed)
@@ -151,7 +165,8 @@ case "$what" in
   virtual) run_virtual ;;
   qwen3comm) run_qwen3_comm ;;
   order) run_order ;;
+  gather) run_gather ;;
   ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|ep N|all]" >&2; exit 2 ;;
 esac

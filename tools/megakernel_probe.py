@@ -96,11 +96,14 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
     defaults = {n: getattr(megakernel, n) for n in SWITCHES}
     variants = {"expert_kernels": (lambda: None, base)}
     rows = {"expert_kernels": {"variant": "expert_kernels"}}
-    if gather:  # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1), +- the fence
-        for fence in (True, False):
-            key = "expert_kernels_gather_in_fc1" + ("" if fence else "_nofence")
-            variants[key] = (lambda fence=fence: (setattr(ops, "GATHER_IN_FC1", True),
-                                                  set_gathered_a_fence(fence)), base)
+    if gather:  # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1): cp.async
+        # rows with and without the consumers' proxy fence, or one TMA box per row
+        for by_tma, fence in ((False, True), (False, False), (True, True)):
+            key = ("expert_kernels_gather_in_fc1" + ("_tma" if by_tma else "")
+                   + ("" if fence else "_nofence"))
+            variants[key] = (lambda by_tma=by_tma, fence=fence: (
+                setattr(ops, "GATHER_IN_FC1", True), setattr(ops, "GATHER_BY_TMA", by_tma),
+                set_gathered_a_fence(fence)), base)
             rows[key] = {"variant": key}
     for spec in comms:
         sp = parse_spec(spec)
@@ -135,9 +138,9 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
-                ops.GATHER_IN_FC1 = False
+                ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = False
     finally:
-        ops.GATHER_IN_FC1 = False
+        ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = False
         for n, v in defaults.items():
             setattr(megakernel, n, v)
         set_gathered_a_fence(True)
@@ -232,7 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    doc = {"shapes": [probe_shape(s, a.comm.split(","), a.timeline, a.out, not a.no_gather,
+    doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out, not a.no_gather,
                                   a.rounds) for s in a.shapes.split(",") if s]}
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","))

@@ -59,6 +59,14 @@ from mok_cute.kernels import common
 # wgmmas around that zero fill (C7517, "warpgroup.wait is injected"); CUTLASS starts tiles this
 # way. Read when a kernel is built. Not yet timed on the H200: MOK_FIRST_MMA_OVERWRITES=1.
 FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
+# How the a_gather variant lands its A rows: "cp_async" (128 producer threads, 16-B copies
+# through the generic proxy, so the consumers fence the proxies per stage) or "tma" (one TMA
+# load of a 1 x 64 box per row and k-tile, 32 rows per producer warp, into the row's place in
+# the swizzled stage: TMA's 128B swizzle is a function of the smem address bits, so rows
+# loaded one by one land where a whole-tile load puts them; no generic proxy, no fence, no
+# LSU traffic). Why: FC1 gathering with cp.async ran as slow as the gather kernel it saves
+# (dsv3 4.65-4.89 ms against 4.71-4.77, run 20). Written in the sixth session, not yet run.
+GATHER_MODES = ("cp_async", "tma")
 
 TILE_M = 128
 TILE_K = 64
@@ -82,16 +90,17 @@ class GroupedGemmSm90:
         pingpong kernel orders its math warpgroups; its GPU tests pass (fifth session).
         ``mok_cute.ops`` selects it for FC2 with a short K (``ops.fc2_pingpong``).
     :param a_gather: A rows are gathered from an unsorted matrix through a row table
-        (``mARows``): the whole producer warpgroup loads them with ``cp.async``
-        (``cp_async_a_rows``) straight into the swizzled A stage, so no sorted copy of the
-        activations is made (FC1 reads x directly). B still comes by TMA. Bitwise equal to
-        FC1 on the gathered copy on the H200, but no faster (docs/perf_notes.md), so
-        ``mok_cute.ops`` selects it only with ``ops.GATHER_IN_FC1``.
+        (``mARows``): the whole producer warpgroup loads them straight into the swizzled A
+        stage, so no sorted copy of the activations is made (FC1 reads x directly). B still
+        comes by TMA. ``mok_cute.ops`` selects it only with ``ops.GATHER_IN_FC1``.
+    :param gather_by: how the a_gather rows land (``GATHER_MODES``): ``"cp_async"``
+        (``cp_async_a_rows``; bitwise equal to FC1 on the gathered copy on the H200, but no
+        faster, docs/perf_notes.md) or ``"tma"`` (one TMA box per row, ``_tma_row_producer``).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                 pingpong: bool = False, a_gather: bool = False):
+                 pingpong: bool = False, a_gather: bool = False, gather_by: str = "cp_async"):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -105,8 +114,13 @@ class GroupedGemmSm90:
                              f"tile_n must be <= 128, got {tile_n}")
         if a_gather and pingpong:
             raise ValueError("a_gather is written for the cooperative schedule, not pingpong")
+        if gather_by not in GATHER_MODES:
+            raise ValueError(f"gather_by must be one of {GATHER_MODES}, got {gather_by!r}")
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
         self.a_gather = a_gather
+        self.gather_by = gather_by if a_gather else None
+        # cp.async rows arrive through the generic proxy: the consumers fence before wgmma
+        self.a_generic_proxy = a_gather and gather_by == "cp_async"
         # pingpong only: the cooperative kernels' SASS gets worse with it (32 HGMMA unrolled
         # and 8 wgmma waits instead of 8 and 2), the pingpong one loses its C7517 wait
         self.first_mma_overwrites = FIRST_MMA_OVERWRITES and pingpong
@@ -172,6 +186,12 @@ class GroupedGemmSm90:
         self.epi_smem_layout_staged = cute.tile_to_shape(
             epi_atom, cute.append(self.epi_tile, self.epi_buffers), order=(0, 1, 2))
 
+    def _a_row_layout(self, a_smem_layout_staged):
+        """One 1 x tile_k row of the A stage: the stage's swizzle over a (1, tile_k) layout."""
+        return cute.make_composed_layout(
+            a_smem_layout_staged.inner, 0,
+            cute.make_layout((1, self.tile_shape_mnk[2]), stride=(self.tile_shape_mnk[2], 1)))
+
     @staticmethod
     def _staged_kmajor_layout(dtype, tile_mk, stages):
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
@@ -204,6 +224,10 @@ class GroupedGemmSm90:
         if const_expr(not self.a_gather):
             tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
+        elif const_expr(self.gather_by == "tma"):
+            # one row of the swizzled A stage as the box: (1, tile_k) under the stage's swizzle
+            tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mA, self._a_row_layout(self.a_smem_layout_staged), (1, tile_k))
         # B rows per TMA box: the whole tile, or each gate / up half of it.
         b_box = (self.b_rows_per_load, tile_k)
         b_box_layout = cute.slice_(self._staged_kmajor_layout(self.b_dtype, b_box, 1), (None, None, 0))
@@ -263,7 +287,7 @@ class GroupedGemmSm90:
             if tidx == 0 and cute.arch.block_idx()[0] == 0:
                 common.timeline_mark_start(mTimeline, common.timeline_now())
         if warp_idx == self.load_warp:
-            if const_expr(not self.a_gather):
+            if const_expr(not self.a_generic_proxy and tma_atom_a is not None):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             if const_expr(self.epilogue == "swiglu"):
@@ -275,7 +299,7 @@ class GroupedGemmSm90:
         tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0)))
                      + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0))))
         producer_arrivals = 1
-        if const_expr(self.a_gather):
+        if const_expr(self.a_generic_proxy):
             # A arrives by cp.async: TMA brings only B's bytes, and each of the 128 producer
             # threads adds one arrival (cp.async.mbarrier.arrive.noinc) when its row landed
             tma_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0)))
@@ -328,7 +352,14 @@ class GroupedGemmSm90:
 
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if const_expr(self.a_gather):
+            if const_expr(self.gather_by == "tma"):
+                # ---------------- producer warpgroup: each warp TMAs 32 A rows, warp 0 also B
+                self._tma_row_producer(ab_pipeline, tma_atom_a, mA_mkl, mARows,
+                                       storage.sA.data_ptr(),
+                                       self._a_row_layout(a_smem_layout_staged), tBgB, tBsB, tBgB_up, tBsB_up,
+                                       tma_atom_b, tma_atom_b_up, mTileExpert, num_m_tiles,
+                                       num_n_tiles, num_tiles, k_tile_cnt, tidx, warp_idx)
+            elif const_expr(self.a_gather):
                 # ---------------- producer warpgroup: 128 threads gather A rows, warp 0 TMAs B
                 self._gather_producer(ab_pipeline, mA_mkl, mARows, storage.sA.data_ptr(), tBgB,
                                       tBsB, tBgB_up, tBsB_up, tma_atom_b, tma_atom_b_up,
@@ -453,7 +484,7 @@ class GroupedGemmSm90:
                         my_turn.arrive_and_wait()
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read_state)
-                a_visible_to_wgmma(self.a_gather)
+                a_visible_to_wgmma(self.a_generic_proxy)
                 first_kb = 0
                 if const_expr(self.first_mma_overwrites):  # k-block 0 overwrites acc
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -466,7 +497,7 @@ class GroupedGemmSm90:
                 read_state.advance()
                 for k_tile in range(1, k_tile_cnt):
                     ab_pipeline.consumer_wait(read_state)
-                    a_visible_to_wgmma(self.a_gather)
+                    a_visible_to_wgmma(self.a_generic_proxy)
                     self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release_state)
@@ -533,6 +564,61 @@ class GroupedGemmSm90:
                 state.advance()
             tile_idx += cute.arch.grid_dim()[0]
         cute.arch.cp_async_wait_group(0)
+        if warp_idx == self.load_warp:
+            ab_pipeline.producer_tail(state)
+
+    @cute.jit
+    def _tma_row_producer(self, ab_pipeline, tma_atom_a, mA, mARows, sA_base, row_layout, tBgB, tBsB,
+                          tBgB_up, tBsB_up, tma_atom_b, tma_atom_b_up, mTileExpert,
+                          num_m_tiles, num_n_tiles, num_tiles, k_tile_cnt, tidx, warp_idx):
+        """Producer of the a_gather variant with ``gather_by="tma"``: warp w of the producer
+        warpgroup loads A rows 32 w .. 32 w + 31 of every k-tile with one TMA box each (lane
+        i holds row 32 w + i's source row; the row is broadcast by a shuffle, and the DSL's TMA
+        copy is issued by one elected lane). Warp 0 arms each stage with A's and B's bytes and
+        loads B; the other warps wait for the stage to be empty and let their loads complete
+        bytes on the same barrier (an mbarrier's tx-count may go below zero before it is
+        armed; the phase cannot complete before warp 0's arrival)."""
+        tile_k = self.tile_shape_mnk[2]
+        rows_per_warp = 32
+        stage_bytes = TILE_M * tile_k * 2
+        row_bytes = tile_k * 2
+        my_first_row = (warp_idx % 4) * rows_per_warp
+        lane = cute.arch.lane_idx()
+        # (1, tile_k, rows of mA, k-tiles, 1): the box grid over A's coordinates
+        gA_rows = cute.local_tile(mA, (1, tile_k), (None, None, None))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        tile_idx = cute.arch.block_idx()[0]
+        while tile_idx < num_tiles:
+            m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+            expert = mTileExpert[m_tile]
+            # padding rows (-1) read row 0: their output rows are never stored
+            my_src = cutlass.max(mARows[m_tile * TILE_M + my_first_row + lane], 0)
+            tBgB_k = tBgB[(None, n_tile, None, expert)]
+            for k_tile in range(k_tile_cnt):
+                if warp_idx == self.load_warp:
+                    ab_pipeline.producer_acquire(state)  # empty wait + arm with A's and B's bytes
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    cute.copy(tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, state.index)],
+                              tma_bar_ptr=bar)
+                    if const_expr(self.epilogue == "swiglu"):
+                        cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                                  tBsB_up[(None, state.index)], tma_bar_ptr=bar)
+                else:
+                    ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+                bar = ab_pipeline.producer_get_barrier(state)
+                stage_addr = sA_base.toint() + state.index * stage_bytes
+                for i in cutlass.range_constexpr(rows_per_warp):
+                    src_row = cute.arch.shuffle_sync(my_src, i)
+                    # the row's unswizzled start: TMA swizzles by the address bits itself
+                    dst = cute.make_tensor(
+                        cute.make_ptr(cutlass.BFloat16, stage_addr + (my_first_row + i) * row_bytes,
+                                      cute.AddressSpace.smem, assumed_align=128), row_layout)
+                    t_s, t_g = cute.nvgpu.cpasync.tma_partition(
+                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                        cute.group_modes(gA_rows, 0, 2))
+                    cute.copy(tma_atom_a, t_g[(None, src_row, k_tile, 0)], t_s, tma_bar_ptr=bar)
+                state.advance()
+            tile_idx += cute.arch.grid_dim()[0]
         if warp_idx == self.load_warp:
             ab_pipeline.producer_tail(state)
 
@@ -690,8 +776,8 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool,
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                         pingpong: bool = False, a_gather: bool = False, arch: str = "sm_90a",
-                         options: str = ""):
+                         pingpong: bool = False, a_gather: bool = False,
+                         gather_by: str = "cp_async", arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -704,7 +790,7 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
-                           a_gather=a_gather)
+                           a_gather=a_gather, gather_by=gather_by)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, a_gather)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
