@@ -95,6 +95,12 @@ X_IN_PLACE = experimental_switch("X_IN_PLACE", True)
 # timed again.
 LOCAL_ONLY_COMM_CTAS = 2
 LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm tasks too
+# With LOCAL_DIRECT, FC1's A rows land by one TMA box per row (this rank's x or the ring)
+# instead of cp.async from the 128 producer threads (kernels.megakernel_sm90's rows_by_tma, as
+# gemm_sm90's gather_by="tma"). Why: the expert path's FC1 with cp.async rows lost what the
+# gather kernel it replaced cost (runs 20-21), and the megakernel's FC1 gathers that way.
+# Written in the sixth session, compile-checked only: MOK_DIRECT_ROWS_BY_TMA=1.
+DIRECT_ROWS_BY_TMA = experimental_switch("DIRECT_ROWS_BY_TMA", False)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -123,6 +129,7 @@ class PlanKey:
     x_in_place: bool = False  # X_IN_PLACE, decided by plan_for (one rank, local_direct)
     tile_order: str = "m_major"  # N_MAJOR_TILES: "n_major"
     local_only: bool = False  # LOCAL_ONLY_TASKS with one rank and local_direct: no comm tasks
+    rows_by_tma: bool = False  # DIRECT_ROWS_BY_TMA with local_direct
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -295,7 +302,7 @@ class Plan:
             "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas,
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
-            rank_blocks=k.rank_blocks)
+            rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -348,6 +355,8 @@ class Plan:
         kmajor = lambda t: t.permute(1, 2, 0)  # (L, rows, K) -> (rows, K, L)  # noqa: E731
         flat = lambda w: w.reshape(E, *w.shape[2:])  # noqa: E731
         s_args = [None] * 6
+        if k.rows_by_tma:  # local rows come through a TMA descriptor over x
+            s_args[0] = kmajor(x_own)
         if shared is not None:
             s_args = [kmajor(x_own), kmajor(shared[0]), kmajor(shared[1]), kmajor(shared[2]),
                       kmajor(self.shared_h), kmajor(self.shared_y)]
@@ -512,7 +521,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
-                  LOCAL_ONLY_TASKS and local_direct and peers == 1)
+                  LOCAL_ONLY_TASKS and local_direct and peers == 1,
+                  DIRECT_ROWS_BY_TMA and local_direct)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

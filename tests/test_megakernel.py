@@ -80,6 +80,31 @@ def test_local_direct_variant_compiles(tmp_path):
     assert "cp.async.cg" not in default
 
 
+@pytest.mark.parametrize("has_shared", [False, True])
+def test_rows_by_tma_variant_compiles_to_one_box_per_row(has_shared, tmp_path):
+    """rows_by_tma: each producer warp loads its 32 FC1 rows with one TMA box each, from x or
+    from the ring (two boxes per row in the code, one taken); no cp.async, no arrival per
+    thread, no proxy fence before wgmma; spills no worse than the cp.async variant."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=4, num_comm_ctas=12, local_direct=True, has_shared=has_shared)
+    ptx = megakernel_sm90.compile_megakernel(
+        **static, rows_by_tma=True, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    direct = megakernel_sm90.compile_megakernel(
+        **static, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    loads = r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier"
+    assert len(re.findall(loads, ptx)) >= 64
+    assert "cp.async.cg" not in ptx and "noinc" not in ptx
+    fence = "fence.proxy.async.shared::cta"
+    assert ptx.count(fence) < direct.count(fence)
+    by_tma = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, rows_by_tma=True)
+    by_cp_async = jit.inspect_kernel("megakernel", outdir=tmp_path, **static)
+    assert by_tma.spill_bytes is not None and by_tma.spill_bytes <= by_cp_async.spill_bytes
+    with pytest.raises(ValueError, match="rows_by_tma"):
+        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, rows_by_tma=True)
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
@@ -348,6 +373,10 @@ def test_local_rows_left_in_the_ring_give_the_same_bits(R, monkeypatch):
     assert torch.equal(direct, base)
     wrapped = _run(args, ring_tokens=256, minibatch_tokens=128)  # wraps: falls back to combining
     assert torch.equal(wrapped, base)
+    monkeypatch.setattr(megakernel, "DIRECT_ROWS_BY_TMA", True)  # FC1's rows by TMA boxes
+    by_tma = _run(args)
+    assert any(k.rows_by_tma for k in megakernel._PLANS)
+    assert torch.equal(by_tma, base)
 
 
 @pytest.mark.gpu

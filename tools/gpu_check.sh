@@ -21,9 +21,10 @@
 #          (MOK_BATCHED_SCHEDULE)
 #   qwen3comm  recorded megakernel calls on qwen3_30b at 2 and 4 comm CTAs (why 2 is 1.6x slower)
 #   gather the expert path's FC1 gathering its rows itself (ops.GATHER_IN_FC1) with cp.async or
-#          one TMA box per row (ops.GATHER_BY_TMA): the gather GPU tests (bitwise against FC1
-#          on the gathered copy), then tools/megakernel_probe.py on dsv3, sonic_120b, qwen3_30b
-#          (the expert path with and without the gather kernel, 3 alternating rounds)
+#          one TMA box per row (ops.GATHER_BY_TMA), and the megakernel's FC1 rows the same two
+#          ways (megakernel.DIRECT_ROWS_BY_TMA): the gather GPU tests and the megakernel's
+#          local-rows test (bitwise), then tools/megakernel_probe.py on dsv3, sonic_120b,
+#          qwen3_30b (3 alternating rounds)
 #   order  the megakernel's GPU tests, then tools/megakernel_probe.py at R = 1 on the five
 #          single-GPU shapes: the list with and without its no-op comm tasks, 1 and 2 comm
 #          CTAs, the auto FC1 lead, N-tile-major minibatches (2 alternating rounds)
@@ -133,11 +134,12 @@ run_order() {
 
 run_gather() {
   timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
-    --tb=short tests/test_gemm_sm90.py -k gather > "$out/test_gather.log" 2>&1
+    --tb=short tests/test_gemm_sm90.py tests/test_megakernel.py -k "gather or local_rows" \
+    > "$out/test_gather.log" 2>&1
   echo "gather tests rc=$?: $(grep -E "passed|failed" "$out/test_gather.log" | tail -1)"
   grep -E "^FAILED|Error" "$out/test_gather.log" | head -5
   timeout -s KILL 300 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,qwen3_30b \
-    --comm "" --rounds 3 --out "$out" --json "$out/megakernel_probe_gather.json" 2>&1 | grep -v Warn \
+    --comm 2lwfx,2lwfxt --rounds 3 --out "$out" --json "$out/megakernel_probe_gather.json" 2>&1 | grep -v Warn \
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 

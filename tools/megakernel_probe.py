@@ -13,7 +13,8 @@ trailing ``n`` (with ``l``) the same without the consumers' proxy fence on gathe
 ``l``) the caller's x read in place (``megakernel.X_IN_PLACE``), a ``w`` each minibatch's
 GEMM tiles N-tile-major (``megakernel.N_MAJOR_TILES``), a ``c`` (with ``l``, one rank) the
 list with its no-op DISPATCH / COMBINE tasks kept (``megakernel.LOCAL_ONLY_TASKS = False``,
-as before the sixth session); e.g. ``2l``, ``2lf``, ``1lf3``,
+as before the sixth session), a ``t`` (with ``l``) FC1's rows by one TMA box each
+(``megakernel.DIRECT_ROWS_BY_TMA``); e.g. ``2l``, ``2lf``, ``1lf3``,
 ``2lwf``. Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
@@ -57,19 +58,20 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bclnwx]*)(?:f(\d*))?([bclnwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bclntwx]*)(?:f(\d*))?([bclntwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
     return dict(comm=int(m.group(1)), copy="bulk" if "b" in flags else "vector",
                 local_direct="l" in flags, fence="n" not in flags, x_in_place="x" in flags,
                 n_major="w" in flags, local_only_tasks="c" not in flags,
+                rows_by_tma="t" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
 SWITCHES = ("COMM_COPY", "LOCAL_DIRECT", "FC1_LEAD", "FC1_LEAD_MINIBATCHES", "X_IN_PLACE",
-            "N_MAJOR_TILES", "LOCAL_ONLY_TASKS")  # the megakernel module settings a spec sets
+            "N_MAJOR_TILES", "LOCAL_ONLY_TASKS", "DIRECT_ROWS_BY_TMA")  # the megakernel module settings a spec sets
 
 
 def apply_spec(sp: dict) -> None:
@@ -80,6 +82,7 @@ def apply_spec(sp: dict) -> None:
     megakernel.X_IN_PLACE = sp["x_in_place"]
     megakernel.N_MAJOR_TILES = sp["n_major"]
     megakernel.LOCAL_ONLY_TASKS = sp["local_only_tasks"]
+    megakernel.DIRECT_ROWS_BY_TMA = sp["rows_by_tma"]
     set_gathered_a_fence(sp["fence"])
 
 
@@ -134,7 +137,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + (f"_fc1_lead{k.fc1_lead}" if k.fc1_lead else "")
                                           + ("_x_in_place" if k.x_in_place else "")
                                           + ("_n_major" if k.tile_order == "n_major" else "")
-                                          + ("_no_comm_tasks" if k.local_only else ""))
+                                          + ("_no_comm_tasks" if k.local_only else "")
+                                          + ("_rows_by_tma" if k.rows_by_tma else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()

@@ -43,7 +43,6 @@ that a peer writes ever needs a reset, and no NVLink multicast is used.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -96,7 +95,8 @@ class MegakernelSm90:
 
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
-                 copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False):
+                 copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
+                 rows_by_tma: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -117,6 +117,15 @@ class MegakernelSm90:
         if local_direct and copy != "vector":
             raise ValueError("local_direct needs copy='vector'")
         self.local_direct = local_direct
+        # rows_by_tma (with local_direct): FC1's A rows land by one TMA box per row (from this
+        # rank's x, or from the ring for a dispatched row) instead of cp.async: the stages
+        # then stay in the async proxy (no consumer fence) and no LSU copies compete with
+        # wgmma's smem reads (gemm_sm90's gather_by="tma"; not yet run on a GPU).
+        if rows_by_tma and not local_direct:
+            raise ValueError("rows_by_tma needs local_direct")
+        self.rows_by_tma = rows_by_tma
+        # cp.async rows land through the generic proxy: the consumers fence before wgmma
+        self.a_generic_proxy = local_direct and not rows_by_tma
         # rank_blocks (virtual ranks): tickets walk the task list block by block (a block per
         # minibatch), every rank's share of a block in turn, instead of alternating ranks task
         # by task, so concurrent tiles share one rank's weights in L2 (tasks.ticket_blocks).
@@ -201,6 +210,12 @@ class MegakernelSm90:
             s_st_h = mk(s2g, shared_h, epi_layout, self.epi_tile)
             s_st_y = mk(s2g, shared_y, epi_layout, self.epi_tile)
             shared_atoms = (*s_a_x, *s_a_h, *s_wg, *s_wu, *s_wd, *s_st_h, *s_st_y)
+        row_atoms = (None,) * 4
+        if const_expr(self.rows_by_tma):
+            # one (1, tile_k) row of the swizzled A stage per box, from x or from the ring
+            row_layout = g._a_row_layout(g.a_smem_layout_staged)
+            row_atoms = (*mk(g2s, x_all, row_layout, (1, tile_k)),
+                         *mk(g2s, ring_x, row_layout, (1, tile_k)))
 
         @cute.struct
         class SharedStorage:
@@ -226,7 +241,7 @@ class MegakernelSm90:
             ring_x, ring_y, topk_weights, topk_idx, slot_rows, out, shared_y, timeline_buf,
             scalars,
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
-            tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
+            tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms, *row_atoms,
             g.tiled_mma, g.a_smem_layout_staged, g.b_smem_layout_staged, g.epi_smem_layout_staged,
         ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, cooperative=True, stream=stream)
@@ -253,6 +268,8 @@ class MegakernelSm90:
                s_tma_wd: Optional[cute.CopyAtom], s_t_wd: Optional[cute.Tensor],
                s_tma_st_h: Optional[cute.CopyAtom], s_t_st_h: Optional[cute.Tensor],
                s_tma_st_y: Optional[cute.CopyAtom], s_t_st_y: Optional[cute.Tensor],
+               tma_row_x: Optional[cute.CopyAtom], t_row_x: Optional[cute.Tensor],
+               tma_row_ring: Optional[cute.CopyAtom], t_row_ring: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout):
@@ -273,12 +290,16 @@ class MegakernelSm90:
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=g.ab_stages,
             # local_direct: FC1's A rows arrive by cp.async from the 128 producer threads
+            # (by TMA with rows_by_tma: their bytes complete on warp 0's arrival)
             producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 1 + (128 if const_expr(self.local_direct) else 0)),
+                pipeline.Agent.Thread, 1 + (128 if const_expr(self.a_generic_proxy) else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, g.num_mma_threads // 32),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        row_layout = None  # rows_by_tma: one A row of the swizzled stage
+        if const_expr(self.rows_by_tma):
+            row_layout = self.gemm._a_row_layout(a_smem_layout_staged)
 
         if bidx < self.num_comm_ctas:
             self._announce_start(ctx, peer_bases, tidx)
@@ -303,7 +324,8 @@ class MegakernelSm90:
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
                         s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf,
                         _DirectA(row_peer, row_token, peer_bases, ring_x,
-                                 storage.sA.data_ptr(), tidx, warp_idx))
+                                 storage.sA.data_ptr(), tidx, warp_idx, tma_row_x, t_row_x,
+                                 tma_row_ring, t_row_ring, row_layout))
                 elif warp_idx == g.load_warp:
                     for atom in (tma_a_x, tma_a_h, tma_wg, tma_wu, tma_wd):
                         cute.nvgpu.cpasync.prefetch_descriptor(atom)
@@ -704,12 +726,13 @@ class MegakernelSm90:
         # local_direct: the _DirectA fields as plain locals (an object used in the task loop
         # would have to be carried through it)
         d_row_peer, d_row_token, d_peer_bases, d_ring_x = None, None, None, None
-        d_sA_base, d_tidx, d_warp, d_sync = None, None, None, None
+        d_sA_base, d_tidx, d_warp, d_sync, d_rows = None, None, None, None, None
         if const_expr(self.local_direct):
             d_row_peer, d_row_token, d_peer_bases, d_ring_x = (
                 direct.row_peer, direct.row_token, direct.peer_bases, direct.ring_x)
             d_sA_base, d_tidx, d_warp, d_sync = (direct.sA_base, direct.tidx, direct.warp_idx,
                                                  direct.sync)
+            d_rows = direct.rows
 
         loads = Int32(0)  # k-tiles issued so far: the pipeline state is derived from it
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
@@ -729,6 +752,9 @@ class MegakernelSm90:
                                                  int(Role.COMPUTE), cute.arch.lane_idx() == 0)
                         cute.arch.fence_proxy("async.global")
                     d_sync.arrive_and_wait()  # the task's inputs are there for all 4 warps
+                    if const_expr(self.rows_by_tma):
+                        # every warp TMA-reads rows other CTAs wrote (ring rows, generic stores)
+                        cute.arch.fence_proxy("async.global")
                 else:
                     self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
                                              index, rank, timeline_buf, int(Role.COMPUTE),
@@ -741,10 +767,16 @@ class MegakernelSm90:
                 expert = rank * e_loc + tile_expert[rank, cutlass.max(m_tile, 0)]
                 state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
                 if const_expr(self.local_direct):
-                    self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
-                                             ab_pipeline, d_row_peer, d_row_token, d_peer_bases,
-                                             d_ring_x, d_sA_base, d_tidx, d_warp, m_tile, n_tile,
-                                             ring_tile, expert, tma)
+                    if const_expr(self.rows_by_tma):
+                        self._fill_stages_tma_rows(ctx, tasks, index, rank, ttype, k_tiles, state,
+                                                   ab_pipeline, d_row_peer, d_row_token, d_sA_base,
+                                                   d_warp, m_tile, n_tile, ring_tile, expert, tma,
+                                                   d_rows)
+                    else:
+                        self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
+                                                 ab_pipeline, d_row_peer, d_row_token, d_peer_bases,
+                                                 d_ring_x, d_sA_base, d_tidx, d_warp, m_tile, n_tile,
+                                                 ring_tile, expert, tma)
                 if const_expr(not self.local_direct):
                     for k in range(k_tiles):
                         ab_pipeline.producer_acquire(state)
@@ -821,6 +853,60 @@ class MegakernelSm90:
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
             else:
                 cute.arch.mbarrier_arrive(bar)
+            state.advance()
+
+    @cute.jit
+    def _fill_stages_tma_rows(self, ctx, tasks, index, rank, ttype, k_tiles, state, ab_pipeline,
+                              row_peer, row_token, sA_base, warp_idx, m_tile, n_tile, ring_tile,
+                              expert, tma, rows):
+        """local_direct with rows_by_tma: one GEMM task's k-tiles, by the whole producer
+        warpgroup, every byte by TMA. Warp 0 arms each stage with A's and B's bytes and issues
+        the tile loads (all of A and B, except FC1's A); for FC1, warp w then loads A rows
+        32 w .. 32 w + 31 with one (1, tile_k) box each: from this rank's x when the row is
+        local, else from its ring row (lane i holds row 32 w + i's source, broadcast by a
+        shuffle; the DSL's TMA copy is issued by one elected lane). A warp's boxes may land
+        before warp 0 arms the stage: the tx-count goes below zero, and the phase cannot
+        complete before warp 0's arrival."""
+        tma_row_x, t_row_x, tma_row_ring, t_row_ring, row_layout = rows
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        stage_bytes = tile_m * tile_k * 2
+        row_bytes = tile_k * 2
+        first_row = (warp_idx % 4) * 32
+        my_row = first_row + cute.arch.lane_idx()
+        first = tasks[index, W_ROW_BEGIN]
+        my_local = Int32(0)
+        my_src = ring_tile * tile_m + my_row  # the ring row
+        if ttype == int(TaskType.FC1):
+            if row_peer[rank, first + my_row] == ctx.rank_base + rank:
+                my_local = Int32(1)
+                my_src = row_token[rank, first + my_row]  # the x row
+        one = cute.make_layout(1)
+        g_x = cute.group_modes(cute.local_tile(t_row_x, (1, tile_k), (None, None, None)), 0, 2)
+        g_ring = cute.group_modes(cute.local_tile(t_row_ring, (1, tile_k), (None, None, None)), 0, 2)
+        for k in range(k_tiles):
+            ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+            bar = ab_pipeline.producer_get_barrier(state)
+            stage = state.index
+            if warp_idx == self.gemm.load_warp:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, stage_bytes + tile_n * tile_k * 2)
+                self._issue_tma_loads(tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile,
+                                      expert, rank, False)
+            if ttype == int(TaskType.FC1):
+                stage_addr = sA_base.toint() + stage * stage_bytes
+                for i in cutlass.range_constexpr(32):
+                    src = cute.arch.shuffle_sync(my_src, i)
+                    local = cute.arch.shuffle_sync(my_local, i)
+                    # the row's unswizzled start: TMA swizzles by the address bits itself
+                    dst = cute.group_modes(cute.make_tensor(
+                        cute.make_ptr(BFloat16, stage_addr + (first_row + i) * row_bytes,
+                                      cute.AddressSpace.smem, assumed_align=128), row_layout), 0, 2)
+                    if local != 0:
+                        s_x, t_x = cute.nvgpu.cpasync.tma_partition(tma_row_x, 0, one, dst, g_x)
+                        cute.copy(tma_row_x, t_x[(None, src, k, rank)], s_x, tma_bar_ptr=bar)
+                    else:
+                        s_r, t_r = cute.nvgpu.cpasync.tma_partition(tma_row_ring, 0, one, dst, g_ring)
+                        cute.copy(tma_row_ring, t_r[(None, src, k, rank)], s_r, tma_bar_ptr=bar)
             state.advance()
 
     def _direct_row_addresses(self, ctx, tasks, index, rank, row_peer, row_token, peer_bases,
@@ -909,12 +995,12 @@ class MegakernelSm90:
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read)
-                a_visible_to_wgmma(self.local_direct)
+                a_visible_to_wgmma(self.a_generic_proxy)
                 self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
                 read.advance()
                 for k in range(1, k_tiles):
                     ab_pipeline.consumer_wait(read)
-                    a_visible_to_wgmma(self.local_direct)
+                    a_visible_to_wgmma(self.a_generic_proxy)
                     self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release)
@@ -1083,12 +1169,16 @@ class _TmaLoads:
 
 
 class _DirectA:
-    """What the local_direct producer threads need besides the TMA partitions."""
+    """What the local_direct producer threads need besides the TMA partitions (with
+    rows_by_tma also the row-box atoms over x and the ring, and one row's smem layout)."""
 
-    def __init__(self, row_peer, row_token, peer_bases, ring_x, sA_base, tidx, warp_idx):
+    def __init__(self, row_peer, row_token, peer_bases, ring_x, sA_base, tidx, warp_idx,
+                 tma_row_x=None, t_row_x=None, tma_row_ring=None, t_row_ring=None,
+                 row_layout=None):
         self.row_peer, self.row_token, self.peer_bases, self.ring_x = (
             row_peer, row_token, peer_bases, ring_x)
         self.sA_base, self.tidx, self.warp_idx = sA_base, tidx, warp_idx
+        self.rows = (tma_row_x, t_row_x, tma_row_ring, t_row_ring, row_layout)
         self.sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.PRODUCER),
                                           num_threads=128)
 
@@ -1126,11 +1216,12 @@ SCALARS = 10
 def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: int = 16,
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
-                       rank_blocks: bool = False, arch: str = "sm_90a", options: str = ""):
+                       rank_blocks: bool = False, rows_by_tma: bool = False, arch: str = "sm_90a",
+                       options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
-                        local_direct, rank_blocks)
+                        local_direct, rank_blocks, rows_by_tma)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
@@ -1156,8 +1247,8 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
         args += [kmaj(bf16, (tokens, hidden, ranks)), kmaj(bf16, (s_inter, hidden, ranks)),
                  kmaj(bf16, (s_inter, hidden, ranks)), kmaj(bf16, (hidden, s_inter, ranks)),
                  kmaj(bf16, (tokens, s_inter, ranks)), kmaj(bf16, (tokens, hidden, ranks))]
-    else:
-        args += [None] * 6
+    else:  # rows_by_tma reads local rows from x through a TMA descriptor: x is passed
+        args += [kmaj(bf16, (tokens, hidden, ranks)) if rows_by_tma else None] + [None] * 5
     args += [f(Float32, (ranks, tokens, top_k), align_bytes=4),
              f(Int32, (ranks, tokens, top_k), align_bytes=4), i32(ranks, sym()),
              f(bf16, (ranks, tokens, hidden), align_bytes=16),
