@@ -101,6 +101,13 @@ LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm
 # gather kernel it replaced cost (runs 20-21), and the megakernel's FC1 gathers that way.
 # Written in the sixth session, compile-checked only: MOK_DIRECT_ROWS_BY_TMA=1.
 DIRECT_ROWS_BY_TMA = experimental_switch("DIRECT_ROWS_BY_TMA", False)
+# One rank with no comm tasks (LOCAL_ONLY_TASKS): an FC2 task does not wait for its TMA stores
+# to land before its next task; its signal (read only by the BARRIER there) is published at
+# the next task's epilogue (kernels.megakernel_sm90's defer_fc2_signals). Why: every GEMM task
+# ends with a store drain and a 256-thread barrier; an FC2 tile of qwen3_30b (K = 768) is ~9 us
+# of wgmma, so a ~1 us drain is ~10 % of it. Written in the sixth session, compile-checked
+# only: MOK_DEFER_FC2_SIGNALS=1.
+DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -130,6 +137,7 @@ class PlanKey:
     tile_order: str = "m_major"  # N_MAJOR_TILES: "n_major"
     local_only: bool = False  # LOCAL_ONLY_TASKS with one rank and local_direct: no comm tasks
     rows_by_tma: bool = False  # DIRECT_ROWS_BY_TMA with local_direct
+    defer_fc2_signals: bool = False  # DEFER_FC2_SIGNALS with local_only
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -302,7 +310,8 @@ class Plan:
             "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas,
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
-            rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma)
+            rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma,
+            defer_fc2_signals=k.defer_fc2_signals and k.local_only)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -522,7 +531,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
                   LOCAL_ONLY_TASKS and local_direct and peers == 1,
-                  DIRECT_ROWS_BY_TMA and local_direct)
+                  DIRECT_ROWS_BY_TMA and local_direct,
+                  DEFER_FC2_SIGNALS and LOCAL_ONLY_TASKS and local_direct and peers == 1)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -105,6 +105,21 @@ def test_rows_by_tma_variant_compiles_to_one_box_per_row(has_shared, tmp_path):
         megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, rows_by_tma=True)
 
 
+def test_deferred_fc2_signals_compile_and_change_nothing_when_off(tmp_path):
+    """defer_fc2_signals adds the deferred publishes (three signal sites: at the next
+    epilogue, before a KSUM, at the end); off, the PTX is that of the plain kernel."""
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=1, num_comm_ctas=2, local_direct=True)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, defer_fc2_signals=True, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+    red = r"red\.release\.gpu\.global\.add"
+    assert len(re.findall(red, on)) == len(re.findall(red, off)) + 3
+    drain_older = r"cp\.async\.bulk\.wait_group\s+8;"  # the pending tile's stores, not this one's
+    assert re.search(drain_older, on) and not re.search(drain_older, off)
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
@@ -377,6 +392,11 @@ def test_local_rows_left_in_the_ring_give_the_same_bits(R, monkeypatch):
     by_tma = _run(args)
     assert any(k.rows_by_tma for k in megakernel._PLANS)
     assert torch.equal(by_tma, base)
+    monkeypatch.setattr(megakernel, "DIRECT_ROWS_BY_TMA", False)
+    monkeypatch.setattr(megakernel, "DEFER_FC2_SIGNALS", True)  # one rank only: no comm tasks
+    deferred = _run(args)
+    assert any(k.defer_fc2_signals for k in megakernel._PLANS) == (R == 1)
+    assert torch.equal(deferred, base)
 
 
 @pytest.mark.gpu

@@ -22,7 +22,8 @@
 #   qwen3comm  recorded megakernel calls on qwen3_30b at 2 and 4 comm CTAs (why 2 is 1.6x slower)
 #   gather the expert path's FC1 gathering its rows itself (ops.GATHER_IN_FC1) with cp.async or
 #          one TMA box per row (ops.GATHER_BY_TMA), and the megakernel's FC1 rows the same two
-#          ways (megakernel.DIRECT_ROWS_BY_TMA): the gather GPU tests and the megakernel's
+#          ways (megakernel.DIRECT_ROWS_BY_TMA), with and without the megakernel's deferred FC2
+#          signals (megakernel.DEFER_FC2_SIGNALS): the gather GPU tests and the megakernel's
 #          local-rows test (bitwise), then tools/megakernel_probe.py on dsv3, sonic_120b,
 #          qwen3_30b (3 alternating rounds)
 #   order  the megakernel's GPU tests, then tools/megakernel_probe.py at R = 1 on the five
@@ -139,7 +140,7 @@ run_gather() {
   echo "gather tests rc=$?: $(grep -E "passed|failed" "$out/test_gather.log" | tail -1)"
   grep -E "^FAILED|Error" "$out/test_gather.log" | head -5
   timeout -s KILL 300 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,qwen3_30b \
-    --comm 2lwfx,2lwfxt --rounds 3 --out "$out" --json "$out/megakernel_probe_gather.json" 2>&1 | grep -v Warn \
+    --comm 2lwfx,2lwfxt,2lwfxd,2lwfxtd --rounds 3 --out "$out" --json "$out/megakernel_probe_gather.json" 2>&1 | grep -v Warn \
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 

@@ -14,7 +14,8 @@ trailing ``n`` (with ``l``) the same without the consumers' proxy fence on gathe
 GEMM tiles N-tile-major (``megakernel.N_MAJOR_TILES``), a ``c`` (with ``l``, one rank) the
 list with its no-op DISPATCH / COMBINE tasks kept (``megakernel.LOCAL_ONLY_TASKS = False``,
 as before the sixth session), a ``t`` (with ``l``) FC1's rows by one TMA box each
-(``megakernel.DIRECT_ROWS_BY_TMA``); e.g. ``2l``, ``2lf``, ``1lf3``,
+(``megakernel.DIRECT_ROWS_BY_TMA``), a ``d`` (one rank, ``l``) FC2 signals published after
+the next task's mainloop (``megakernel.DEFER_FC2_SIGNALS``); e.g. ``2l``, ``2lf``, ``1lf3``,
 ``2lwf``. Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
@@ -58,20 +59,20 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bclntwx]*)(?:f(\d*))?([bclntwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcdlntwx]*)(?:f(\d*))?([bcdlntwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
     return dict(comm=int(m.group(1)), copy="bulk" if "b" in flags else "vector",
                 local_direct="l" in flags, fence="n" not in flags, x_in_place="x" in flags,
                 n_major="w" in flags, local_only_tasks="c" not in flags,
-                rows_by_tma="t" in flags,
+                rows_by_tma="t" in flags, defer_fc2_signals="d" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
 SWITCHES = ("COMM_COPY", "LOCAL_DIRECT", "FC1_LEAD", "FC1_LEAD_MINIBATCHES", "X_IN_PLACE",
-            "N_MAJOR_TILES", "LOCAL_ONLY_TASKS", "DIRECT_ROWS_BY_TMA")  # the megakernel module settings a spec sets
+            "N_MAJOR_TILES", "LOCAL_ONLY_TASKS", "DIRECT_ROWS_BY_TMA", "DEFER_FC2_SIGNALS")  # the megakernel module settings a spec sets
 
 
 def apply_spec(sp: dict) -> None:
@@ -83,6 +84,7 @@ def apply_spec(sp: dict) -> None:
     megakernel.N_MAJOR_TILES = sp["n_major"]
     megakernel.LOCAL_ONLY_TASKS = sp["local_only_tasks"]
     megakernel.DIRECT_ROWS_BY_TMA = sp["rows_by_tma"]
+    megakernel.DEFER_FC2_SIGNALS = sp["defer_fc2_signals"]
     set_gathered_a_fence(sp["fence"])
 
 
@@ -138,7 +140,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_x_in_place" if k.x_in_place else "")
                                           + ("_n_major" if k.tile_order == "n_major" else "")
                                           + ("_no_comm_tasks" if k.local_only else "")
-                                          + ("_rows_by_tma" if k.rows_by_tma else ""))
+                                          + ("_rows_by_tma" if k.rows_by_tma else "")
+                                          + ("_deferred_fc2" if k.defer_fc2_signals else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()

@@ -96,7 +96,7 @@ class MegakernelSm90:
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
-                 rows_by_tma: bool = False):
+                 rows_by_tma: bool = False, defer_fc2_signals: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -126,6 +126,12 @@ class MegakernelSm90:
         self.rows_by_tma = rows_by_tma
         # cp.async rows land through the generic proxy: the consumers fence before wgmma
         self.a_generic_proxy = local_direct and not rows_by_tma
+        # defer_fc2_signals (a list where no compute task waits on an FC2 tile: one rank reading
+        # its rows in place, tasks' comm_tasks=False): an FC2 task does not wait for its TMA
+        # stores to land before the next task; its signal is published once they have, at
+        # the next task's epilogue, before a KSUM, or at the end. Only the BARRIER (a comm CTA)
+        # waits on FC2 signals there, so a deferred one cannot hold up its own CTA.
+        self.defer_fc2_signals = defer_fc2_signals
         # rank_blocks (virtual ranks): tickets walk the task list block by block (a block per
         # minibatch), every rank's share of a block in turn, instead of alternating ranks task
         # by task, so concurrent tiles share one rank's weights in L2 (tasks.ticket_blocks).
@@ -146,6 +152,8 @@ class MegakernelSm90:
         self.epi_tile = self.gemm.epi_tile
         self.epi_stages = self.gemm.epi_stages
         self.half_n = FC1_TILE_N // 2
+        # TMA store groups an FC2 tile commits (one per epilogue subtile)
+        self.fc2_store_groups = (TILE_M // self.epi_tile[0]) * (FC2_TILE_N // self.epi_tile[1])
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -978,6 +986,8 @@ class MegakernelSm90:
 
         loads = Int32(0)
         subtiles = Int32(0)
+        pending = Int32(-1)  # defer_fc2_signals: the FC2 task whose signal is still to publish
+        pending_rank = Int32(0)
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
         q = compute_cta
@@ -1026,19 +1036,43 @@ class MegakernelSm90:
                         self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
                                        subtiles, barrier, tma_store_pipeline, is_store_warp)
                 subtiles += self._epi_subtiles(ttype)
-                if is_store_warp:
+                if const_expr(self.defer_fc2_signals):
+                    if pending >= 0:
+                        # the pending task's stores were issued a mainloop ago: wait for them
+                        # (not for this task's own groups, when this one is deferred too)
+                        if is_store_warp:
+                            if ttype == int(TaskType.FC2):
+                                cute.arch.cp_async_bulk_wait_group(self.fc2_store_groups, read=False)
+                            else:
+                                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                            cute.arch.fence_proxy("async.global")
+                        self._publish_pending(tasks, counter_offsets, counters, pending,
+                                              pending_rank, consumer_tidx)
+                        pending = Int32(-1)
+                if is_store_warp and not self._deferred(ttype):
                     # the tile's TMA stores must have landed before anyone is told
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_proxy("async.global")
             elif run and not noop:
+                if const_expr(self.defer_fc2_signals):
+                    pending = self._flush_pending(tasks, counter_offsets, counters, pending,
+                                                  pending_rank, consumer_tidx, is_store_warp)
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
                            topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
                            timeline_buf, index, rank, consumer_tidx, barrier)
+            deferred = cutlass.Boolean(False)
+            if run and not noop:
+                deferred = self._deferred(ttype)
+            if deferred:
+                pending = index
+                pending_rank = rank
             if run:
-                barrier.arrive_and_wait()
+                if not deferred:
+                    barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
-                    self._fence()
-                    self._signal_task(tasks, counter_offsets, counters, index, rank)
+                    if not deferred:
+                        self._fence()
+                        self._signal_task(tasks, counter_offsets, counters, index, rank)
                     if const_expr(self.timeline):
                         slot = common.timeline_reserve(timeline_buf, 1)
                         common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
@@ -1047,7 +1081,39 @@ class MegakernelSm90:
             q += self.num_compute_ctas
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                        int(Role.COMPUTE), q, blk, q_base)
+        if const_expr(self.defer_fc2_signals):
+            pending = self._flush_pending(tasks, counter_offsets, counters, pending, pending_rank,
+                                          consumer_tidx, is_store_warp)
         tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def _deferred(self, ttype: Int32):
+        """Whether a GEMM task of this type publishes its signal later (defer_fc2_signals)."""
+        out = cutlass.Boolean(False)
+        if const_expr(self.defer_fc2_signals):
+            out = ttype == int(TaskType.FC2)
+        return out
+
+    @cute.jit
+    def _publish_pending(self, tasks, counter_offsets, counters, pending: Int32,
+                         pending_rank: Int32, consumer_tidx):
+        """Publish the deferred FC2 task's signal; its stores have landed (the store warp
+        waited for them: lane 0 issued them and signals)."""
+        if consumer_tidx == 0:
+            self._fence()
+            self._signal_task(tasks, counter_offsets, counters, pending, pending_rank)
+
+    @cute.jit
+    def _flush_pending(self, tasks, counter_offsets, counters, pending: Int32,
+                       pending_rank: Int32, consumer_tidx, is_store_warp) -> Int32:
+        """Before a KSUM and at the end: wait for the deferred task's stores, publish it."""
+        if pending >= 0:
+            if is_store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")
+            self._publish_pending(tasks, counter_offsets, counters, pending, pending_rank,
+                                  consumer_tidx)
+        return Int32(-1)
 
     @cute.jit
     def _epi_subtiles(self, ttype: Int32) -> Int32:
@@ -1216,12 +1282,12 @@ SCALARS = 10
 def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: int = 16,
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
-                       rank_blocks: bool = False, rows_by_tma: bool = False, arch: str = "sm_90a",
-                       options: str = ""):
+                       rank_blocks: bool = False, rows_by_tma: bool = False,
+                       defer_fc2_signals: bool = False, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
-                        local_direct, rank_blocks, rows_by_tma)
+                        local_direct, rank_blocks, rows_by_tma, defer_fc2_signals)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
