@@ -532,6 +532,22 @@ class GroupedGemmSm90:
             tma_store_pipeline.producer_tail()
 
     @cute.jit
+    def _arm_stage_and_load_b(self, ab_pipeline, state, tma_atom_b, tBgB_k, tBsB, tma_atom_b_up,
+                              tBgB_up, tBsB_up, n_tile, k_tile, expert, warp_idx):
+        """The gathered-A producers' stage start: warp 0 waits for the stage to be empty, arms
+        it with the pipeline's bytes (B only with cp.async rows, A and B with TMA rows) and
+        loads B; the other producer warps only wait for it to be empty."""
+        if warp_idx == self.load_warp:
+            ab_pipeline.producer_acquire(state)
+            bar = ab_pipeline.producer_get_barrier(state)
+            cute.copy(tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            if const_expr(self.epilogue == "swiglu"):
+                cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                          tBsB_up[(None, state.index)], tma_bar_ptr=bar)
+        else:
+            ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+
+    @cute.jit
     def _gather_producer(self, ab_pipeline, mA, mARows, sA_base, tBgB, tBsB, tBgB_up, tBsB_up,
                          tma_atom_b, tma_atom_b_up, mTileExpert, num_m_tiles, num_n_tiles,
                          num_tiles, k_tile_cnt, tidx, warp_idx):
@@ -549,16 +565,9 @@ class GroupedGemmSm90:
             srcs = _table_row_addresses(mA, mARows, m_tile * TILE_M, rows)
             tBgB_k = tBgB[(None, n_tile, None, expert)]
             for k_tile in range(k_tile_cnt):
-                if warp_idx == self.load_warp:
-                    ab_pipeline.producer_acquire(state)  # empty wait + arm with B's bytes
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    cute.copy(tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, state.index)],
-                              tma_bar_ptr=bar)
-                    if const_expr(self.epilogue == "swiglu"):
-                        cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                  tBsB_up[(None, state.index)], tma_bar_ptr=bar)
-                else:
-                    ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+                self._arm_stage_and_load_b(ab_pipeline, state, tma_atom_b, tBgB_k, tBsB,
+                                           tma_atom_b_up, tBgB_up, tBsB_up, n_tile, k_tile,
+                                           expert, warp_idx)
                 cp_async_a_rows(sA_base + state.index * stage_elems, srcs, rows, k_tile, tidx)
                 cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
                 state.advance()
@@ -595,16 +604,9 @@ class GroupedGemmSm90:
             my_src = cutlass.max(mARows[m_tile * TILE_M + my_first_row + lane], 0)
             tBgB_k = tBgB[(None, n_tile, None, expert)]
             for k_tile in range(k_tile_cnt):
-                if warp_idx == self.load_warp:
-                    ab_pipeline.producer_acquire(state)  # empty wait + arm with A's and B's bytes
-                    bar = ab_pipeline.producer_get_barrier(state)
-                    cute.copy(tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, state.index)],
-                              tma_bar_ptr=bar)
-                    if const_expr(self.epilogue == "swiglu"):
-                        cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                  tBsB_up[(None, state.index)], tma_bar_ptr=bar)
-                else:
-                    ab_pipeline.sync_object_empty.wait(state.index, state.phase)
+                self._arm_stage_and_load_b(ab_pipeline, state, tma_atom_b, tBgB_k, tBsB,
+                                           tma_atom_b_up, tBgB_up, tBsB_up, n_tile, k_tile,
+                                           expert, warp_idx)
                 bar = ab_pipeline.producer_get_barrier(state)
                 stage_addr = sA_base.toint() + state.index * stage_bytes
                 for i in cutlass.range_constexpr(rows_per_warp):
