@@ -116,6 +116,13 @@ class ScheduleBuild:
         """Rank ``built``'s array of a stacked argument (64-bit offset: R ranks of R*T*K)."""
         return cute.make_tensor(t.iterator + Int64(built) * Int64(cute.size(t)), t.layout)
 
+    def _this_block(self, first_rank: Int32, *stacked):
+        """(chunk, peer, rank) of this CTA, and its rank's array of each stacked argument
+        (grid z = the rank built). Traced inline (a plain method: rebound tensors cannot leave
+        a ``cute.jit`` function)."""
+        chunk, peer, built = cute.arch.block_idx()
+        return chunk, peer, first_rank + built, [self._of_built(t, built) for t in stacked]
+
     @cute.jit
     def _expert_of(self, mIds: cute.Tensor, slot: Int32, peer: Int32, rank: Int32,
                    num_slots: Int32) -> Int32:
@@ -140,10 +147,7 @@ class ScheduleBuild:
                      first_rank: Int32, num_slots: Int32):
         E = self.num_experts
         tidx, _, _ = cute.arch.thread_idx()
-        chunk, peer, built = cute.arch.block_idx()
-        rank = first_rank + built
-        mRank = self._of_built(mRank, built)
-        mChunkCounts = self._of_built(mChunkCounts, built)
+        chunk, peer, rank, (mRank, mChunkCounts) = self._this_block(first_rank, mRank, mChunkCounts)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         smem = cutlass.utils.SmemAllocator()
         # warp_counts[w, e]: slots of expert e in warp w's 32 slots of the current round
@@ -194,18 +198,11 @@ class ScheduleBuild:
         E = self.num_experts
         tile_m = self.tile_m
         tidx, _, _ = cute.arch.thread_idx()
-        chunk, peer, built = cute.arch.block_idx()
-        rank = first_rank + built
-        mRank = self._of_built(mRank, built)
-        mChunkCounts = self._of_built(mChunkCounts, built)
-        mRowToken = self._of_built(mRowToken, built)
-        mRowK = self._of_built(mRowK, built)
-        mRowPeer = self._of_built(mRowPeer, built)
-        mSlotRows = self._of_built(mSlotRows, built)
-        mCounts = self._of_built(mCounts, built)
-        mOffsets = self._of_built(mOffsets, built)
-        mTileExpert = self._of_built(mTileExpert, built)
-        mNumTiles = self._of_built(mNumTiles, built)
+        chunk, peer, rank, stacked = self._this_block(
+            first_rank, mRank, mChunkCounts, mRowToken, mRowK, mRowPeer, mSlotRows, mCounts,
+            mOffsets, mTileExpert, mNumTiles)
+        (mRank, mChunkCounts, mRowToken, mRowK, mRowPeer, mSlotRows, mCounts, mOffsets,
+         mTileExpert, mNumTiles) = stacked
         chunks, num_peers, _ = cute.arch.grid_dim()
         lane = cute.arch.lane_idx()
         smem = cutlass.utils.SmemAllocator()
