@@ -590,11 +590,10 @@ class GroupedGemmSm90:
         tile_k = self.tile_shape_mnk[2]
         rows_per_warp = 32
         stage_bytes = TILE_M * tile_k * 2
-        row_bytes = tile_k * 2
         my_first_row = (warp_idx % 4) * rows_per_warp
         lane = cute.arch.lane_idx()
-        # (1, tile_k, rows of mA, k-tiles, 1): the box grid over A's coordinates
-        gA_rows = cute.local_tile(mA, (1, tile_k), (None, None, None))
+        # ((1, tile_k), rows of mA, k-tiles, 1): the box grid over A's coordinates
+        gA_rows = cute.group_modes(cute.local_tile(mA, (1, tile_k), (None, None, None)), 0, 2)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         tile_idx = cute.arch.block_idx()[0]
         while tile_idx < num_tiles:
@@ -611,14 +610,9 @@ class GroupedGemmSm90:
                 stage_addr = sA_base.toint() + state.index * stage_bytes
                 for i in cutlass.range_constexpr(rows_per_warp):
                     src_row = cute.arch.shuffle_sync(my_src, i)
-                    # the row's unswizzled start: TMA swizzles by the address bits itself
-                    dst = cute.make_tensor(
-                        cute.make_ptr(cutlass.BFloat16, stage_addr + (my_first_row + i) * row_bytes,
-                                      cute.AddressSpace.smem, assumed_align=128), row_layout)
-                    t_s, t_g = cute.nvgpu.cpasync.tma_partition(
-                        tma_atom_a, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
-                        cute.group_modes(gA_rows, 0, 2))
-                    cute.copy(tma_atom_a, t_g[(None, src_row, k_tile, 0)], t_s, tma_bar_ptr=bar)
+                    tma_load_a_row(tma_atom_a, gA_rows, row_layout,
+                                   stage_addr + (my_first_row + i) * A_ROW_BYTES,
+                                   (src_row, k_tile, 0), bar)
                 state.advance()
             tile_idx += cute.arch.grid_dim()[0]
         if warp_idx == self.load_warp:
@@ -677,6 +671,22 @@ def cp_async_a_rows(stage, srcs, rows, k_tile, tidx):
         gsrc = cute.make_ptr(cutlass.BFloat16, src + (k_tile * TILE_K + chunk * 8) * 2,
                              cute.AddressSpace.gmem, assumed_align=16)
         nvvm.cp_async_shared_global(stage + r * TILE_K + ((chunk ^ (r & 7)) * 8), gsrc, 16, "cg")
+
+
+A_ROW_BYTES = TILE_K * 2
+
+
+def tma_load_a_row(atom, g_rows, row_layout, row_addr, coord, bar):
+    """One A row's (1, TILE_K) TMA box into the swizzled stage, at smem byte address
+    ``row_addr`` = stage + row * A_ROW_BYTES: the row's unswizzled start. TMA's 128B swizzle is
+    a function of the address bits (4-6 XOR 7-9), so in a 1024-B aligned stage the row's
+    chunks land where a whole-tile load puts them. ``g_rows``: the TMA tensor tiled by
+    (1, TILE_K) with the box modes grouped; ``coord``: its index after the box mode."""
+    dst = cute.group_modes(cute.make_tensor(
+        cute.make_ptr(cutlass.BFloat16, row_addr, cute.AddressSpace.smem, assumed_align=128),
+        row_layout), 0, 2)
+    t_s, t_g = cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1), dst, g_rows)
+    cute.copy(atom, t_g[(None, *coord)], t_s, tma_bar_ptr=bar)
 
 
 class TileEpilogue:

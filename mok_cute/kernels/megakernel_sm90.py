@@ -58,9 +58,9 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 from mok_cute import jit
 from mok_cute.kernels import common
 from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row
-from mok_cute.kernels.gemm_sm90 import (TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
+from mok_cute.kernels.gemm_sm90 import (A_ROW_BYTES, TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
                                        a_visible_to_wgmma, cp_async_a_rows, gathered_rows_of,
-                                       store_tile_epilogue)
+                                       store_tile_epilogue, tma_load_a_row)
 from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, k_sum_unroll, k_sum_vector
 from mok_cute.tasks import CounterGroup, TASK_WORDS
 from mok_cute.timeline import Role, TaskType
@@ -878,7 +878,6 @@ class MegakernelSm90:
         tma_row_x, t_row_x, tma_row_ring, t_row_ring, row_layout = rows
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         stage_bytes = tile_m * tile_k * 2
-        row_bytes = tile_k * 2
         first_row = (warp_idx % 4) * 32
         my_row = first_row + cute.arch.lane_idx()
         first = tasks[index, W_ROW_BEGIN]
@@ -888,7 +887,6 @@ class MegakernelSm90:
             if row_peer[rank, first + my_row] == ctx.rank_base + rank:
                 my_local = Int32(1)
                 my_src = row_token[rank, first + my_row]  # the x row
-        one = cute.make_layout(1)
         g_x = cute.group_modes(cute.local_tile(t_row_x, (1, tile_k), (None, None, None)), 0, 2)
         g_ring = cute.group_modes(cute.local_tile(t_row_ring, (1, tile_k), (None, None, None)), 0, 2)
         for k in range(k_tiles):
@@ -905,16 +903,11 @@ class MegakernelSm90:
                 for i in cutlass.range_constexpr(32):
                     src = cute.arch.shuffle_sync(my_src, i)
                     local = cute.arch.shuffle_sync(my_local, i)
-                    # the row's unswizzled start: TMA swizzles by the address bits itself
-                    dst = cute.group_modes(cute.make_tensor(
-                        cute.make_ptr(BFloat16, stage_addr + (first_row + i) * row_bytes,
-                                      cute.AddressSpace.smem, assumed_align=128), row_layout), 0, 2)
+                    row_addr = stage_addr + (first_row + i) * A_ROW_BYTES
                     if local != 0:
-                        s_x, t_x = cute.nvgpu.cpasync.tma_partition(tma_row_x, 0, one, dst, g_x)
-                        cute.copy(tma_row_x, t_x[(None, src, k, rank)], s_x, tma_bar_ptr=bar)
+                        tma_load_a_row(tma_row_x, g_x, row_layout, row_addr, (src, k, rank), bar)
                     else:
-                        s_r, t_r = cute.nvgpu.cpasync.tma_partition(tma_row_ring, 0, one, dst, g_ring)
-                        cute.copy(tma_row_ring, t_r[(None, src, k, rank)], s_r, tma_bar_ptr=bar)
+                        tma_load_a_row(tma_row_ring, g_ring, row_layout, row_addr, (src, k, rank), bar)
             state.advance()
 
     def _direct_row_addresses(self, ctx, tasks, index, rank, row_peer, row_token, peer_bases,
