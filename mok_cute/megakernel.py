@@ -311,7 +311,7 @@ class Plan:
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma,
-            defer_fc2_signals=k.defer_fc2_signals and k.local_only)
+            defer_fc2_signals=k.defer_fc2_signals)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -519,6 +519,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     num_comm = config.num_comm_sms or default_num_comm_ctas(peers, H, K, num_sms, local_direct)
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
+    local_only = LOCAL_ONLY_TASKS and local_direct and peers == 1  # no comm tasks
     fc1_lead = 0
     if FC1_LEAD:
         fc1_lead = FC1_LEAD_MINIBATCHES
@@ -530,9 +531,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
-                  LOCAL_ONLY_TASKS and local_direct and peers == 1,
-                  DIRECT_ROWS_BY_TMA and local_direct,
-                  DEFER_FC2_SIGNALS and LOCAL_ONLY_TASKS and local_direct and peers == 1)
+                  local_only, DIRECT_ROWS_BY_TMA and local_direct,
+                  DEFER_FC2_SIGNALS and local_only)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -88,6 +88,13 @@ def apply_spec(sp: dict) -> None:
     set_gathered_a_fence(sp["fence"])
 
 
+def restore(defaults: dict) -> None:
+    """Put back the megakernel settings ``defaults`` (``SWITCHES``) and the proxy fence."""
+    for n, v in defaults.items():
+        setattr(megakernel, n, v)
+    set_gathered_a_fence(True)
+
+
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 gather: bool = True, rounds: int = 1) -> dict:
     """The expert path, optionally its gather-in-FC1 variants, then every ``--comm`` spec of
@@ -149,26 +156,23 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = False
     finally:
         ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = False
-        for n, v in defaults.items():
-            setattr(megakernel, n, v)
-        set_gathered_a_fence(True)
+        restore(defaults)
     rows = list(rows.values())
     for row in rows:
         row["ms"] = min(row["ms_rounds"])
         row["tflops"] = flops / row["ms"] / 1e9
         print(f"{name}: {row}", flush=True)
     if timeline:
-        apply_spec(parse_spec(timeline))
+        spec = parse_spec(timeline)
+        apply_spec(spec)
         try:
-            cfg = MoKConfig(check_ids=False, num_comm_sms=parse_spec(timeline)["comm"], timeline=True,
+            cfg = MoKConfig(check_ids=False, num_comm_sms=spec["comm"], timeline=True,
                             timeline_capacity=1 << 18, backend="megakernel")
             mok_cute.moe_forward(*args, shared=p.shared, config=cfg)
             torch.cuda.synchronize()
             plan = next(pl for k, pl in megakernel._PLANS.items() if k.timeline)
         finally:
-            for n, v in defaults.items():
-                setattr(megakernel, n, v)
-            set_gathered_a_fence(True)
+            restore(defaults)
         path = plan.timeline.save(os.path.join(out_dir, f"{name}_megakernel_timeline.npy"))
         print(f"{name}: timeline of one call with {timeline} -> {path}", flush=True)
     megakernel.release_plans()
