@@ -29,6 +29,7 @@
 #   order  the megakernel's GPU tests, then tools/megakernel_probe.py at R = 1 on the five
 #          single-GPU shapes: the list with and without its no-op comm tasks, 1 and 2 comm
 #          CTAs, the auto FC1 lead, N-tile-major minibatches (2 alternating rounds)
+#   leadr8 recorded virtual R = 8 calls of dsv4_pro with the FC1 lead on and off
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
 #          megakernel), then mok-cute bench --ep
@@ -158,6 +159,16 @@ run_ep() {
     --tokens 2048 --mok-config backend=megakernel --out "$out" 2>&1 | tail -16
 }
 
+run_lead_r8() {
+  # dsv4_pro at virtual R = 8, one recorded call with the FC1 lead on and one with it off (the
+  # lead costs 15 % there and gains elsewhere: run 42); the .npy files decode on the CPU
+  for lead in 1 0; do
+    MOK_FC1_LEAD=$lead timeout -s KILL 80 python3 -m mok_cute.cli timeline --shape dsv4_pro --ranks 8 \
+      --capacity 262144 --mok-config check_ids=False --out "$out/dsv4_r8_lead$lead" 2>&1 \
+      | grep -E "busy|wait|idle|TFLOP|exposed|tasks|ms" | tail -8
+  done
+}
+
 case "$what" in
   tests) run_tests ;;
   bench) run_bench ;;
@@ -169,7 +180,8 @@ case "$what" in
   qwen3comm) run_qwen3_comm ;;
   order) run_order ;;
   gather) run_gather ;;
+  leadr8) run_lead_r8 ;;
   ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|ep N|all]" >&2; exit 2 ;;
 esac
