@@ -29,6 +29,8 @@
 #   order  the megakernel's GPU tests, then tools/megakernel_probe.py at R = 1 on the five
 #          single-GPU shapes: the list with and without its no-op comm tasks, 1 and 2 comm
 #          CTAs, the auto FC1 lead, N-tile-major minibatches (2 alternating rounds)
+#   defer  the megakernel's deferred FC2 signals (DEFER_FC2_SIGNALS) against the default, 4
+#          alternating rounds on dsv3, sonic_120b, qwen3_30b
 #   leadr8 recorded virtual R = 8 calls of dsv4_pro with the FC1 lead on and off
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
@@ -169,6 +171,17 @@ run_lead_r8() {
   done
 }
 
+run_defer() {
+  # the megakernel's deferred FC2 signals against the default, alone and alternating (run 45
+  # ran them after the slow TMA-row variants, which let the GPU cool: not a clean comparison)
+  timeout -s KILL 120 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
+    --tb=short tests/test_megakernel.py -k "local_rows" > "$out/test_local_rows.log" 2>&1
+  echo "local rows tests rc=$?: $(grep -E "passed|failed" "$out/test_local_rows.log" | tail -1)"
+  timeout -s KILL 240 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,qwen3_30b \
+    --comm 2lwfx,2lwfxd --no-gather --rounds 4 --out "$out" --json "$out/megakernel_probe_defer.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-150
+}
+
 case "$what" in
   tests) run_tests ;;
   bench) run_bench ;;
@@ -181,7 +194,8 @@ case "$what" in
   order) run_order ;;
   gather) run_gather ;;
   leadr8) run_lead_r8 ;;
+  defer) run_defer ;;
   ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|ep N|all]" >&2; exit 2 ;;
 esac
