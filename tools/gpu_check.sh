@@ -31,6 +31,8 @@
 #          CTAs, the auto FC1 lead, N-tile-major minibatches (2 alternating rounds)
 #   defer  the megakernel's deferred FC2 signals (DEFER_FC2_SIGNALS) against the default, 4
 #          alternating rounds on dsv3, sonic_120b, qwen3_30b
+#   glue   tools/layer_profile.py on mixtral, dsv3, qwen3 (stage by stage), then mixtral's GEMMs
+#          by group_m (tools/gemm_probe.py)
 #   leadr8 recorded virtual R = 8 calls of dsv4_pro with the FC1 lead on and off
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
@@ -182,6 +184,15 @@ run_defer() {
     | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-150
 }
 
+run_glue() {
+  # where a layer call's time goes besides the GEMMs (mixtral: GEMMs 7.72 ms alone against
+  # 8.57 for the call, run 37), and mixtral's GEMMs by rasterisation group (group_m 8/16/32)
+  timeout -s KILL 200 python3 -u tools/layer_profile.py --shapes mixtral,dsv3_ep8_rank,qwen3_30b \
+    --json "$out/layer_profile.json" 2>&1 | grep -v Warn
+  timeout -s KILL 240 python3 -u tools/gemm_probe.py --shapes mixtral --variants 256:8,256:16,256:32,256:8 \
+    --json "$out/gemm_probe_group_m.json" 2>&1 | grep -v Warn | grep -E "mok|torch|cublas"
+}
+
 case "$what" in
   tests) run_tests ;;
   bench) run_bench ;;
@@ -195,7 +206,8 @@ case "$what" in
   gather) run_gather ;;
   leadr8) run_lead_r8 ;;
   defer) run_defer ;;
+  glue) run_glue ;;
   ep) run_ep "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|ep N|all]" >&2; exit 2 ;;
 esac
