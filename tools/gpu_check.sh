@@ -6,7 +6,7 @@
 #
 #   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
 #   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
-#          the recorder, the torch pipeline, cuBLAS; plus a recorded dsv3 timeline
+#          the recorder, the megakernel at R = 1 (check_ids=False), the torch pipeline, cuBLAS; plus a recorded dsv3 timeline
 #   sonic  the same bench with SonicMoE on dsv3_ep8_rank and sonic_120b (2-3 min autotune each),
 #          with the megakernel at R = 1 beside it
 #   mega   the megakernel: its GPU tests, then tools/megakernel_probe.py (comm-CTA sweep, bitwise
@@ -61,8 +61,8 @@ run_bench() {
     --contenders mok_cute,mok_cute_timeline,torch_grouped_mm,cublas_8192 \
     --iters 20 --warmup 5 --rounds 3 --out "$out" --tag expert_kernels 2>&1 | tail -20
   timeout -s KILL 240 python3 -m mok_cute.cli bench --shapes single \
-    --contenders mok_cute,torch_grouped_mm,cublas_8192 --mok-config check_ids=False \
-    --iters 20 --warmup 5 --out "$out" --tag expert_kernels_nocheck 2>&1 | tail -12
+    --contenders mok_cute,mok_megakernel,torch_grouped_mm,cublas_8192 --mok-config check_ids=False \
+    --iters 20 --warmup 5 --rounds 3 --out "$out" --tag expert_kernels_nocheck 2>&1 | tail -18
   timeout -s KILL 60 python3 -m mok_cute.cli timeline --shape dsv3_ep8_rank --t-scale 0.5 \
     --out "$out/timeline" 2>&1 | tail -12
 }
