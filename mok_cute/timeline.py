@@ -71,6 +71,9 @@ COMPUTE_TASK_TYPES = frozenset(
     {TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2, TaskType.KSUM, TaskType.GATHER}
 )
 GEMM_TASK_TYPES = frozenset({TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2})
+# The pingpong GEMM's two consumer warpgroups each run their own tile, so one CTA records up to
+# two GEMM tiles at a time.
+MAX_TILES_IN_FLIGHT = 2
 
 _COLUMNS = ("role", "task_type", "task_id", "rank", "sm_id", "cta_id", "start_ns", "end_ns")
 RECORD_DTYPE = np.dtype(
@@ -156,7 +159,9 @@ class Timeline:
         * records were dropped;
         * a record ends before it starts;
         * a comm CTA records a compute task, or a compute CTA a dispatch / combine;
-        * on one CTA, non-WAIT tasks overlap (times must be monotone per CTA);
+        * on one CTA, non-WAIT tasks overlap (times must be monotone per CTA), except GEMM tiles
+          of the pingpong schedule: up to MAX_TILES_IN_FLIGHT of them, one per consumer
+          warpgroup, and never over another kind of task;
         * a task of ``unique_types`` (default: the GEMM tiles) is recorded twice on one rank;
         * with ``expected_task_ids`` (pairs of (task_type, task_id)): an expected task recorded
           more than once per rank, or never.
@@ -176,10 +181,15 @@ class Timeline:
                 f"ran {task_name(rec['task_type'][i])} task {int(rec['task_id'][i])}"
             )
         work = rec[rec["task_type"] != TaskType.WAIT]
+        gemm = np.isin(work["task_type"], [int(t) for t in GEMM_TASK_TYPES])
         for key in sorted({(int(r), int(c)) for r, c in zip(work["rank"], work["cta_id"])}):
-            mine = work[(work["rank"] == key[0]) & (work["cta_id"] == key[1])]
-            mine = mine[np.argsort(mine["start_ns"], kind="stable")]
-            if np.any(mine["start_ns"][1:] < mine["end_ns"][:-1]):
+            on_cta = (work["rank"] == key[0]) & (work["cta_id"] == key[1])
+            other = work[on_cta & ~gemm]
+            other = other[np.argsort(other["start_ns"], kind="stable")]
+            tiles = work[on_cta & gemm]
+            if (np.any(other["start_ns"][1:] < other["end_ns"][:-1])
+                    or _max_overlap(tiles) > MAX_TILES_IN_FLIGHT
+                    or _intersection_measure(_union_of(work, on_cta & gemm), _union_of(work, on_cta & ~gemm)) > 0):
                 problems.append(f"rank {key[0]} CTA {key[1]}: tasks overlap (times not monotone)")
         expected = None if expected_task_ids is None else {(int(t), int(i)) for t, i in expected_task_ids}
         unique = {int(t) for t in unique_types}
@@ -391,6 +401,17 @@ def _union_of(rec: np.ndarray, mask: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
+def _max_overlap(rec: np.ndarray) -> int:
+    """The most records of ``rec`` running at one time (a record ending as another starts does
+    not overlap it)."""
+    if rec.shape[0] == 0:
+        return 0
+    times = np.concatenate([rec["start_ns"], rec["end_ns"]])
+    steps = np.concatenate([np.ones(rec.shape[0], np.int64), -np.ones(rec.shape[0], np.int64)])
+    order = np.lexsort((steps, times))  # at equal times the end (-1) comes first
+    return int(np.cumsum(steps[order]).max())
+
+
 def summarize(
     tl: Timeline,
     flops: float | None = None,
@@ -407,6 +428,7 @@ def summarize(
     ``gemm_tflops`` = ``flops`` over the union of the GEMM spans (FC1, FC2, shared FC1/FC2) and
     ``layer_tflops`` = ``flops`` over ``S``. ``exposed_comm`` is the time when a comm task
     (dispatch, combine, barrier) runs and no compute task (GEMM, k-sum, gather) runs, as % of ``S``.
+    ``task_us``: per task type, one task's mean / p50 / p90 / max duration in us.
     """
     rec = tl.records
     span_start, span_end = tl.span_ns
@@ -445,6 +467,14 @@ def summarize(
     compute_u = _union_of(rec, _types(COMPUTE_TASK_TYPES))
     exposed_ns = _measure(comm_u) - _intersection_measure(comm_u, compute_u)
     counts = {task_name(t): int(n) for t, n in zip(*np.unique(tt, return_counts=True))}
+    # how long one task of each type ran: a task that got slower (memory-starved, say) shows
+    # here even when the CTAs are never idle
+    durations_us = (rec["end_ns"] - rec["start_ns"]) / 1e3
+    task_us = {}
+    for t in np.unique(tt):
+        d = durations_us[tt == t]
+        task_us[task_name(t)] = {"mean": float(d.mean()), "p50": float(np.percentile(d, 50)),
+                                 "p90": float(np.percentile(d, 90)), "max": float(d.max())}
     return {
         "records": len(tl),
         "dropped": tl.dropped,
@@ -458,6 +488,7 @@ def summarize(
         "exposed_comm_ns": exposed_ns,
         "exposed_comm_pct": 100.0 * exposed_ns / span if span else 0.0,
         "task_counts": counts,
+        "task_us": task_us,
     }
 
 
@@ -498,6 +529,14 @@ def print_summary(
     if summary["dropped"]:
         metrics.add_row("[red]dropped records[/red]", f"[red]{summary['dropped']} (raise timeline_capacity)[/red]")
     console.print(metrics)
+    if summary.get("task_us"):
+        per_task = Table(title="one task's time (us)")
+        for col in ("task", "count", "mean", "p50", "p90", "max"):
+            per_task.add_column(col, justify="left" if col == "task" else "right")
+        for name, t in summary["task_us"].items():
+            per_task.add_row(name, str(summary["task_counts"].get(name, "")),
+                             *(f"{t[k]:.1f}" for k in ("mean", "p50", "p90", "max")))
+        console.print(per_task)
     return summary
 
 

@@ -182,6 +182,9 @@ def test_summary_waits_nested_in_a_task_and_overlapping_spans_count_once():
     assert compute["idle_ns"] == 2 * 300 - 170 - 30
     assert s["exposed_comm_ns"] == 0 and "comm" not in s["roles"]
     assert s["dispatch_gbps"] is None and s["gemm_tflops"] is None and s["layer_tflops"] is None
+    # one task's time per type: FC2 ran 100 and 50 ns, FC1 100 (WAITs are tasks too)
+    assert s["task_us"]["FC2"] == pytest.approx({"mean": 0.075, "p50": 0.075, "p90": 0.095, "max": 0.1})
+    assert s["task_us"]["FC1"]["max"] == pytest.approx(0.1) and s["task_us"]["WAIT"]["mean"] == pytest.approx(0.03)
 
 
 def test_summary_of_an_empty_recording():
@@ -196,7 +199,7 @@ def test_print_summary_prints_the_numbers():
     s = tlm.print_summary(two_sm_timeline(), console=console, flops=4e5, dispatch_bytes=1000)
     text = console.export_text()
     assert s["exposed_comm_pct"] == 25.0
-    for expected in ("comm", "compute", "72.5", "37.5", "10.0 GB/s", "25.0 %"):
+    for expected in ("comm", "compute", "72.5", "37.5", "10.0 GB/s", "25.0 %", "one task's time"):
         assert expected in text
 
 
@@ -332,12 +335,20 @@ def test_check_finds_role_violations_overlaps_and_duplicate_or_missing_tasks():
     rows = [
         rec(C, TaskType.FC1, 0, 0, 10, sm=0),  # comm CTA running a GEMM
         rec(P, TaskType.FC2, 1, 0, 10, sm=1),
-        rec(P, TaskType.FC2, 1, 5, 20, sm=1),  # overlaps and duplicates task 1
+        rec(P, TaskType.FC2, 1, 5, 20, sm=1),  # duplicates task 1
+        rec(P, TaskType.FC2, 3, 8, 12, sm=1),  # a third tile at once: more than two warpgroups
+        rec(P, TaskType.FC2, 4, 0, 10, sm=2),  # pingpong: two tiles at once on one CTA is fine
+        rec(P, TaskType.FC2, 5, 5, 15, sm=2),
+        rec(P, TaskType.FC2, 6, 15, 25, sm=2),
+        rec(P, TaskType.FC2, 7, 0, 10, sm=3),
+        rec(P, TaskType.KSUM, 0, 9, 12, sm=3),  # a k-sum under a tile is not
     ]
     problems = tlm.decode(tlm.encode_records(rows)).check(expected_task_ids=[(1, 0), (2, 1), (2, 2)])
     text = "\n".join(problems)
     assert "comm CTA 0 ran FC1" in text
     assert "CTA 1: tasks overlap" in text
+    assert "CTA 2:" not in text
+    assert "CTA 3: tasks overlap" in text
     assert "recorded more than once" in text
     assert "never recorded" in text and "(2, 2)" in text
     assert tlm.decode(tlm.synthetic_buffer()).check() == []
