@@ -108,6 +108,14 @@ DIRECT_ROWS_BY_TMA = experimental_switch("DIRECT_ROWS_BY_TMA", False)
 # of wgmma, so a ~1 us drain is ~10 % of it. Written in the sixth session, compile-checked
 # only: MOK_DEFER_FC2_SIGNALS=1.
 DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
+# Compute CTAs take their tickets from a counter as their producer gets to them, instead of the
+# static stride (kernels.megakernel_sm90's dynamic_tickets). Why: with the FC1 lead no compute
+# task waits on the wave just issued, and under the stride the CTAs drift apart (each one's
+# share of a block mixes FC1 and FC2 tiles differently); at virtual R = 8 on dsv4_pro one
+# minibatch's FC1 tiles started over 2.6 ms instead of 0.19 and ran 47 % slower, tiles of
+# ~4 ranks at once no longer sharing weight tiles in L2 (recorded timelines, seventh
+# session: probes/2026-11-30_dsv4_r8_lead_timelines.json). MOK_DYNAMIC_TICKETS=1.
+DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", False)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -138,6 +146,7 @@ class PlanKey:
     local_only: bool = False  # LOCAL_ONLY_TASKS with one rank and local_direct: no comm tasks
     rows_by_tma: bool = False  # DIRECT_ROWS_BY_TMA with local_direct
     defer_fc2_signals: bool = False  # DEFER_FC2_SIGNALS with local_only
+    dynamic_tickets: bool = False  # DYNAMIC_TICKETS
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -311,7 +320,7 @@ class Plan:
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma,
-            defer_fc2_signals=k.defer_fc2_signals)
+            defer_fc2_signals=k.defer_fc2_signals, dynamic_tickets=k.dynamic_tickets)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -532,7 +541,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, DIRECT_ROWS_BY_TMA and local_direct,
-                  DEFER_FC2_SIGNALS and local_only)
+                  DEFER_FC2_SIGNALS and local_only, DYNAMIC_TICKETS)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

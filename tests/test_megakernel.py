@@ -165,9 +165,11 @@ def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_le
             assert noop == expected["noop"]
 
 
-def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed):
+def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed, dynamic=False):
     """CTAs of both roles take tickets (``megakernel.ticket_position``) as the kernel does (comm:
-    the next ticket of a shared counter; compute CTA c: tickets c, c + n, c + 2n, ...) and
+    the next ticket of a shared counter; compute CTA c: tickets c, c + n, c + 2n, ...; with
+    ``dynamic`` (DYNAMIC_TICKETS) the next of a shared counter too, each CTA holding the ticket
+    after the one it runs, as the producer's lane 0 takes it ahead) and
     finish a task once its dependencies have (a dead task's waits are clipped away in the
     kernel: it counts as done; KSUM also needs every rank's BARRIER). Returns the tasks left
     when nothing can move."""
@@ -199,7 +201,8 @@ def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed):
         prefix = max(int(live_len[role, live]) for live in live_of)
         n = ctas_per_role[role]
         roles.append(dict(role=role, next=0, prefix=prefix, qlen=int(dev.queue_len[role]),
-                          ctas=[dict(task=None, cursor=(0, 0), out=False, q=c - n) for c in range(n)]))
+                          ctas=[dict(task=None, cursor=(0, 0), out=False, q=c - n, ahead=None)
+                                for c in range(n)]))
     while True:
         moved = False
         for rs in roles:
@@ -210,6 +213,12 @@ def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed):
                 if cta["task"] is None:
                     if rs["role"] == int(Role.COMM):
                         q = rs["next"]
+                        rs["next"] += 1
+                    elif dynamic:
+                        if cta["ahead"] is None:
+                            cta["ahead"] = rs["next"]
+                            rs["next"] += 1
+                        q, cta["ahead"] = cta["ahead"], rs["next"]
                         rs["next"] += 1
                     else:
                         cta["q"] += len(rs["ctas"])
@@ -229,12 +238,14 @@ def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed):
             return [c["task"] for rs in roles for c in rs["ctas"] if c["task"] is not None]
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("rank_blocks", [False, True])
 @pytest.mark.parametrize("R,ctas,tile_order", [(2, (1, 1), "m_major"), (3, (2, 3), "n_major"),
                                                (8, (2, 5), "m_major"), (8, (12, 40), "n_major")])
-def test_virtual_ranks_finish_with_few_ctas(rank_blocks, R, ctas, tile_order):
-    """Both ticket walks finish every task with as few as one CTA per role, uniform and
-    ragged tile counts (dead and no-op tasks), in random CTA orders: no deadlock."""
+def test_virtual_ranks_finish_with_few_ctas(dynamic, rank_blocks, R, ctas, tile_order):
+    """Both ticket walks, with static or dynamic compute tickets, finish every task with as
+    few as one CTA per role, uniform and ragged tile counts (dead and no-op tasks), in random
+    CTA orders: no deadlock."""
     import numpy as np
 
     from mok_cute import tasks
@@ -245,15 +256,17 @@ def test_virtual_ranks_finish_with_few_ctas(rank_blocks, R, ctas, tile_order):
     for seed in range(3):
         rng = np.random.default_rng(seed)
         num_tiles = [12] * R if seed == 0 else [int(t) for t in rng.integers(0, 13, size=R)]
-        assert _run_ctas(tl, num_tiles, ctas, rank_blocks, seed) == [], num_tiles
+        assert _run_ctas(tl, num_tiles, ctas, rank_blocks, seed, dynamic) == [], num_tiles
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("fc1_lead", [0, 3])
 @pytest.mark.parametrize("ctas", [(1, 1), (1, 5), (2, 40)])
 @pytest.mark.parametrize("tile_order", ["m_major", "n_major"])
-def test_one_rank_without_comm_tasks_finishes_with_few_ctas(fc1_lead, ctas, tile_order):
+def test_one_rank_without_comm_tasks_finishes_with_few_ctas(dynamic, fc1_lead, ctas, tile_order):
     """The one-rank list without comm tasks (local_direct, no peer): the comm CTAs only run
-    the barrier, the compute CTAs take their static-stride tickets; every task finishes."""
+    the barrier, the compute CTAs take their static-stride (or dynamic) tickets; every task
+    finishes."""
     import numpy as np
 
     from mok_cute import tasks
@@ -264,7 +277,7 @@ def test_one_rank_without_comm_tasks_finishes_with_few_ctas(fc1_lead, ctas, tile
     assert tl.params.fc1_lead == fc1_lead
     for seed in range(3):
         num_tiles = [12] if seed == 0 else [int(np.random.default_rng(seed).integers(0, 13))]
-        assert _run_ctas(tl, num_tiles, ctas, False, seed) == [], num_tiles
+        assert _run_ctas(tl, num_tiles, ctas, False, seed, dynamic) == [], num_tiles
 
 
 @pytest.mark.parametrize("fc1_lead", [0, 1, 3])
@@ -440,6 +453,29 @@ def test_ticket_blocks_give_the_same_bits(R, ring, monkeypatch):
     assert any(k.rank_blocks for k in megakernel._PLANS)
     assert any(not k.rank_blocks for k in megakernel._PLANS)
     assert torch.equal(blocks, base) and torch.equal(again, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct", [(1, None, True), (4, None, True), (8, 256, False),
+                                                 (3, None, False)])
+def test_dynamic_tickets_give_the_same_bits(R, ring, local_direct, monkeypatch):
+    """megakernel.DYNAMIC_TICKETS: compute CTAs take tickets from a counter (through the smem
+    ticket ring) instead of the static stride; which CTA runs a tile changes, never a bit
+    (with the FC1 lead, N-major tiles, skewed routing, a wrapping ring, few and many CTAs)."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, 512, 256, 4, 4, 128, seed=37, skew=True)
+    sizes = {} if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
+    monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", False)
+    base = _run(args, **sizes)
+    monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", True)
+    dynamic = _run(args, **sizes)
+    again = _run(args, **sizes)
+    monkeypatch.setattr(megakernel, "_num_sms", lambda device: 8)  # 6 compute CTAs: the ring wraps
+    few = _run(args, num_comm_sms=2, **sizes)
+    assert any(k.dynamic_tickets and k.num_ranks == R for k in megakernel._PLANS)
+    assert torch.equal(dynamic, base) and torch.equal(again, base) and torch.equal(few, base)
 
 
 @pytest.mark.gpu

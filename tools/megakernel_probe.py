@@ -15,8 +15,8 @@ GEMM tiles N-tile-major (``megakernel.N_MAJOR_TILES``), a ``c`` (with ``l``, one
 list with its no-op DISPATCH / COMBINE tasks kept (``megakernel.LOCAL_ONLY_TASKS = False``,
 as before the sixth session), a ``t`` (with ``l``) FC1's rows by one TMA box each
 (``megakernel.DIRECT_ROWS_BY_TMA``), a ``d`` (one rank, ``l``) FC2 signals published after
-the next task's mainloop (``megakernel.DEFER_FC2_SIGNALS``); e.g. ``2l``, ``2lf``, ``1lf3``,
-``2lwf``. Every megakernel output
+the next task's mainloop (``megakernel.DEFER_FC2_SIGNALS``), a ``k`` dynamic compute tickets
+(``megakernel.DYNAMIC_TICKETS``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -59,7 +59,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcdlntwx]*)(?:f(\d*))?([bcdlntwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcdklntwx]*)(?:f(\d*))?([bcdklntwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -67,12 +67,14 @@ def parse_spec(spec: str) -> dict:
                 local_direct="l" in flags, fence="n" not in flags, x_in_place="x" in flags,
                 n_major="w" in flags, local_only_tasks="c" not in flags,
                 rows_by_tma="t" in flags, defer_fc2_signals="d" in flags,
+                dynamic_tickets="k" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
 SWITCHES = ("COMM_COPY", "LOCAL_DIRECT", "FC1_LEAD", "FC1_LEAD_MINIBATCHES", "X_IN_PLACE",
-            "N_MAJOR_TILES", "LOCAL_ONLY_TASKS", "DIRECT_ROWS_BY_TMA", "DEFER_FC2_SIGNALS")  # the megakernel module settings a spec sets
+            "N_MAJOR_TILES", "LOCAL_ONLY_TASKS", "DIRECT_ROWS_BY_TMA", "DEFER_FC2_SIGNALS",
+            "DYNAMIC_TICKETS")  # the megakernel module settings a spec sets
 
 
 def apply_spec(sp: dict) -> None:
@@ -85,6 +87,7 @@ def apply_spec(sp: dict) -> None:
     megakernel.LOCAL_ONLY_TASKS = sp["local_only_tasks"]
     megakernel.DIRECT_ROWS_BY_TMA = sp["rows_by_tma"]
     megakernel.DEFER_FC2_SIGNALS = sp["defer_fc2_signals"]
+    megakernel.DYNAMIC_TICKETS = sp["dynamic_tickets"]
     set_gathered_a_fence(sp["fence"])
 
 
@@ -149,7 +152,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_n_major" if k.tile_order == "n_major" else "")
                                           + ("_no_comm_tasks" if k.local_only else "")
                                           + ("_rows_by_tma" if k.rows_by_tma else "")
-                                          + ("_deferred_fc2" if k.defer_fc2_signals else ""))
+                                          + ("_deferred_fc2" if k.defer_fc2_signals else "")
+                                          + ("_dynamic_tickets" if k.dynamic_tickets else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
@@ -180,32 +184,46 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
     return {"shape": name, "flops": flops, "rounds": rounds, "results": rows}
 
 
+def parse_virtual_spec(spec: str) -> dict:
+    """``--virtual-comm`` entry: comm CTAs, then ``a`` = tickets alternate ranks task by task
+    (RANK_BLOCKS off), ``k`` = dynamic compute tickets (DYNAMIC_TICKETS)."""
+    m = re.fullmatch(r"(\d+)([ak]*)", spec)
+    if not m:
+        raise SystemExit(f"--virtual-comm: cannot read {spec!r} (e.g. 12, 12k, 12a)")
+    return dict(comm=int(m.group(1)), rank_blocks="a" not in m.group(2),
+                dynamic_tickets="k" in m.group(2))
+
+
 def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> dict:
     """moe_forward_virtual at R = ``ranks`` against the megakernel at R = 1 on the same
-    problem, with the ticket walk alternating ranks task by task or block by block
-    (``megakernel.RANK_BLOCKS``), for each comm CTA count; alternating rounds (the clock
-    drifts within a process); every R output compared bitwise across the variants."""
+    problem (both with static and with dynamic compute tickets), for each ``--virtual-comm``
+    spec; alternating rounds (the clock drifts within a process); every output compared
+    bitwise with the first variant at the same R."""
     p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1, ranks=ranks)
     i, flops = p.inputs, layer_flops(p)
     v = p.virtual(ranks)
     one = MoKConfig(check_ids=False, backend="megakernel")
     run_one = lambda: mok_cute.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up,  # noqa: E731
                                            p.w_down, shared=p.shared, config=one)
-    variants = {"r1": (run_one, None)}
+    variants = {"r1": (run_one, dict(rank_blocks=True, dynamic_tickets=False)),
+                "r1_dynamic": (run_one, dict(rank_blocks=True, dynamic_tickets=True))}
     for spec in comms:
-        for blocks in (False, True):
-            cfg = MoKConfig(check_ids=False, backend="megakernel", num_comm_sms=int(spec))
-            run = lambda cfg=cfg: mok_cute.moe_forward_virtual(  # noqa: E731
-                v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=cfg)
-            variants[f"r{ranks}_comm{spec}" + ("_blocks" if blocks else "")] = (run, blocks)
+        sp = parse_virtual_spec(spec)
+        cfg = MoKConfig(check_ids=False, backend="megakernel", num_comm_sms=sp["comm"])
+        run = lambda cfg=cfg: mok_cute.moe_forward_virtual(  # noqa: E731
+            v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=cfg)
+        key = (f"r{ranks}_comm{sp['comm']}" + ("" if sp["rank_blocks"] else "_alternating")
+               + ("_dynamic" if sp["dynamic_tickets"] else ""))
+        variants[key] = (run, sp)
     times = {k: [] for k in variants}
     outs = {}
-    default = megakernel.RANK_BLOCKS
+    defaults = (megakernel.RANK_BLOCKS, megakernel.DYNAMIC_TICKETS)
     try:
         for r in range(rounds):
             for key in (list(variants) if r % 2 == 0 else list(reversed(variants))):
-                run, blocks = variants[key]
-                megakernel.RANK_BLOCKS = bool(blocks)
+                run, sw = variants[key]
+                megakernel.RANK_BLOCKS = sw["rank_blocks"]
+                megakernel.DYNAMIC_TICKETS = sw["dynamic_tickets"]
                 if key not in outs:
                     outs[key] = run().clone()
                     torch.cuda.synchronize()
@@ -213,14 +231,15 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
                 times[key].append(gpu_ms(run, 3))
         megakernel.raise_pending_errors()
     finally:
-        megakernel.RANK_BLOCKS = default
+        megakernel.RANK_BLOCKS, megakernel.DYNAMIC_TICKETS = defaults
     rows = []
-    first_r = next(k for k in outs if k != "r1")
+    first_r = next(k for k in outs if k.startswith(f"r{ranks}_"))
     for key, ts in times.items():
         ms = sorted(ts)[len(ts) // 2]
         row = {"variant": key, "ms": ms, "ms_rounds": ts, "tflops": flops / ms / 1e9}
-        if key != "r1":
-            row["bitwise_equal_" + first_r] = bool(torch.equal(outs[key], outs[first_r]))
+        ref = "r1" if key.startswith("r1_") else first_r
+        if key != ref:
+            row["bitwise_equal_" + ref] = bool(torch.equal(outs[key], outs[ref]))
         rows.append(row)
         print(f"{name} R={ranks}: {row}", flush=True)
     megakernel.release_plans()
@@ -239,10 +258,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",
-                    help="EP shapes: moe_forward_virtual at --ranks against R = 1, ticket walk "
-                         "alternating or in blocks (megakernel.RANK_BLOCKS), comm CTAs --virtual-comm")
+                    help="EP shapes: moe_forward_virtual at --ranks against R = 1, one variant "
+                         "per --virtual-comm spec")
     ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--virtual-comm", default="12,24")
+    ap.add_argument("--virtual-comm", default="12,12k",
+                    help="comm CTAs, then a = alternating ticket walk (RANK_BLOCKS off), "
+                         "k = dynamic compute tickets (DYNAMIC_TICKETS)")
+    ap.add_argument("--virtual-rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -250,7 +272,7 @@ def main(argv=None) -> int:
     doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out, not a.no_gather,
                                   a.rounds) for s in a.shapes.split(",") if s]}
     if a.virtual:
-        doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","))
+        doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","), a.virtual_rounds)
                           for s in a.virtual.split(",")]
     save_probe_json(a.json, doc, argv)
     return 0

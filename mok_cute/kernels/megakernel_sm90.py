@@ -79,6 +79,7 @@ COPY_UNROLL = 16  # 16-byte vectors in flight per lane in the vector row copy
 COPY_MODES = ("vector", "bulk")
 WAIT_RECORD_MIN_NS = 1000  # shorter dependency waits are not recorded as WAIT spans
 TICKETS = 2  # extra int32 words after the counters of rank 0: the comm / compute ticket counters
+TICKET_SLOTS = 4  # dynamic_tickets: compute tickets in flight from the producer to the other warps
 
 
 class MegakernelSm90:
@@ -96,7 +97,8 @@ class MegakernelSm90:
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
-                 rows_by_tma: bool = False, defer_fc2_signals: bool = False):
+                 rows_by_tma: bool = False, defer_fc2_signals: bool = False,
+                 dynamic_tickets: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -136,6 +138,15 @@ class MegakernelSm90:
         # minibatch), every rank's share of a block in turn, instead of alternating ranks task
         # by task, so concurrent tiles share one rank's weights in L2 (tasks.ticket_blocks).
         self.rank_blocks = rank_blocks
+        # dynamic_tickets: a compute CTA takes its next ticket from a counter when its producer
+        # is ready for it, instead of the static stride compute_cta + k * compute CTAs. With the
+        # stride, each CTA's share of a block mixes long FC1 and short FC2 tiles differently and
+        # nothing resynchronises the CTAs once no task waits on the previous wave (the FC1
+        # lead): they drift apart until tiles of many ranks and minibatches run at once and
+        # stop sharing weight tiles in L2 (dsv4_pro at virtual R = 8: one minibatch's FC1 tiles
+        # started over 2.6 ms instead of 0.19, each 47 % slower). The producer's lane 0 takes
+        # the ticket and hands it to the other warps through a small smem ring.
+        self.dynamic_tickets = dynamic_tickets
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -146,6 +157,10 @@ class MegakernelSm90:
         self.timeline = timeline
         # The GEMM roles and layouts are GroupedGemmSm90's (cooperative, 128 x 256 x 64).
         self.gemm = GroupedGemmSm90(tile_n=FC2_TILE_N, epilogue="store")
+        # the ticket ring's state spills the local_direct producer at the GEMM's 40 registers;
+        # 48 x 128 + 232 x 256 is still the whole register file
+        self.producer_regs = 48 if dynamic_tickets else self.gemm.producer_regs
+        assert self.producer_regs * 128 + self.gemm.consumer_regs * 256 <= 65536
         self.tile_shape_mnk = self.gemm.tile_shape_mnk
         self.threads_per_cta = self.gemm.threads_per_cta
         self.num_warps = self.threads_per_cta // 32
@@ -232,6 +247,8 @@ class MegakernelSm90:
             row_src: cute.struct.MemRange[cutlass.Int64, TILE_M]
             row_dst: cute.struct.MemRange[cutlass.Int64, TILE_M]
             comm_words: cute.struct.MemRange[Int32, 4]
+            ticket_q: cute.struct.MemRange[Int32, TICKET_SLOTS]  # dynamic_tickets
+            ticket_full_empty: cute.struct.MemRange[cutlass.Int64, 2 * TICKET_SLOTS]
             sA: cute.struct.Align[
                 cute.struct.MemRange[BFloat16, cute.cosize(g.a_smem_layout_staged)],
                 g.buffer_align_bytes]
@@ -303,6 +320,11 @@ class MegakernelSm90:
                 pipeline.Agent.Thread, 1 + (128 if const_expr(self.a_generic_proxy) else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, g.num_mma_threads // 32),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        # dynamic_tickets: the ring's slots and its full / empty mbarriers
+        ticket_q, ticket_bars = storage.ticket_q.data_ptr(), storage.ticket_full_empty.data_ptr()
+        if const_expr(self.dynamic_tickets):
+            if tidx == 0:
+                ticket_ring_init(ticket_bars, 8 + (3 if const_expr(self.local_direct) else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         row_layout = None  # rows_by_tma: one A row of the swizzled stage
@@ -322,7 +344,7 @@ class MegakernelSm90:
             warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
             compute_cta = bidx - self.num_comm_ctas
             if warpgroup_idx == 0:
-                cute.arch.setmaxregister_decrease(g.producer_regs)
+                cute.arch.setmaxregister_decrease(self.producer_regs)
                 if const_expr(self.local_direct):
                     # all four producer warps: they gather FC1's local A rows themselves
                     self._producer_loop(
@@ -330,8 +352,8 @@ class MegakernelSm90:
                         counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                         sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf,
-                        _DirectA(row_peer, row_token, peer_bases, ring_x,
+                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
+                        timeline_buf, _DirectA(row_peer, row_token, peer_bases, ring_x,
                                  storage.sA.data_ptr(), tidx, warp_idx, tma_row_x, t_row_x,
                                  tma_row_ring, t_row_ring, row_layout))
                 elif warp_idx == g.load_warp:
@@ -342,7 +364,8 @@ class MegakernelSm90:
                         counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                         sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf, None)
+                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
+                        timeline_buf, None)
             else:
                 cute.arch.setmaxregister_increase(g.consumer_regs)
                 self._consumer_loop(
@@ -350,7 +373,8 @@ class MegakernelSm90:
                     counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
                     topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                     tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
-                    s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta)
+                    s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta,
+                    ticket_q, ticket_bars)
 
     # ------------------------------------------------------------------ task walking
     @cute.jit
@@ -654,6 +678,28 @@ class MegakernelSm90:
                                     sem="relaxed", scope="gpu")
 
     @cute.jit
+    def _producer_ticket(self, counters, ticket_q, ticket_bars, taken: Int32, q_next: Int32,
+                         first: cutlass.Constexpr[bool]):
+        """dynamic_tickets, a producer warp: this CTA's next compute ticket and lane 0's
+        ticket after it. Lane 0 of the taker warp (warp 0) puts the ticket it took last time
+        into the ring for the consumers (and the other producer warps, which read it there)
+        and takes the following one now, so the atomic's latency hides behind a task.
+        Holding one ticket ahead cannot deadlock: it is larger than the one being run."""
+        q = Int32(0)
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.gemm.load_warp:
+            if cute.arch.lane_idx() == 0:
+                slot = cute.size(counters, mode=[1]) - TICKETS + int(Role.COMPUTE)
+                if const_expr(first):
+                    q_next = self._take_ticket(counters, slot)
+                q = q_next
+                ticket_ring_publish(ticket_q, ticket_bars, taken, q)
+                q_next = self._take_ticket(counters, slot)
+            q = cute.arch.shuffle_sync(q, 0)
+        else:
+            q = ticket_ring_read(ticket_q, ticket_bars, taken)
+        return q, q_next
+
+    @cute.jit
     def _move_rows(self, num_rows, row_src, row_dst, row_full, staging, slots, row_bytes,
                    phases):
         """One thread moves ``num_rows`` rows (addresses in smem) with bulk copies through
@@ -696,7 +742,8 @@ class MegakernelSm90:
                        counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                        sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                        tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, timeline_buf, direct):
+                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
+                       timeline_buf, direct):
         """Warp 0 (or, with local_direct, the whole producer warpgroup with ``direct``: a
         ``_DirectA``) walks the compute tickets, waits on each GEMM task's counters and fills
         the stages: A and B by TMA; with local_direct, FC1's A rows by cp.async, each row from
@@ -745,7 +792,12 @@ class MegakernelSm90:
         loads = Int32(0)  # k-tiles issued so far: the pipeline state is derived from it
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
+        taken = Int32(0)  # dynamic_tickets: tickets this CTA has taken
         q = compute_cta
+        q_next = Int32(0)  # dynamic_tickets: lane 0's ticket after q, taken ahead of time
+        if const_expr(self.dynamic_tickets):
+            q, q_next = self._producer_ticket(counters, ticket_q, ticket_bars, taken, q_next, True)
+            taken += 1
         index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                    int(Role.COMPUTE), q, blk, q_base)
         while index >= 0:
@@ -794,7 +846,12 @@ class MegakernelSm90:
                         ab_pipeline.producer_commit(state)
                         state.advance()
             loads += self._loads_of(run, noop, ttype, k_tiles)
-            q += self.num_compute_ctas
+            if const_expr(self.dynamic_tickets):
+                q, q_next = self._producer_ticket(counters, ticket_q, ticket_bars, taken, q_next,
+                                                  False)
+                taken += 1
+            else:
+                q += self.num_compute_ctas
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                        int(Role.COMPUTE), q, blk, q_base)
         tail = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
@@ -953,7 +1010,7 @@ class MegakernelSm90:
                        topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                        tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                        s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
-                       compute_cta):
+                       compute_cta, ticket_q, ticket_bars):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice((warpgroup_idx - 1) * 128)
@@ -983,7 +1040,11 @@ class MegakernelSm90:
         pending_rank = Int32(0)
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
+        taken = Int32(0)  # dynamic_tickets: tickets read from the producer's ring
         q = compute_cta
+        if const_expr(self.dynamic_tickets):
+            q = ticket_ring_read(ticket_q, ticket_bars, taken)
+            taken += 1
         index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                    int(Role.COMPUTE), q, blk, q_base)
         while index >= 0:
@@ -1071,7 +1132,11 @@ class MegakernelSm90:
                         common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
                                               ctx.rank_base + rank, t_start, common.timeline_now())
             loads += self._loads_of(run, noop, ttype, k_tiles)
-            q += self.num_compute_ctas
+            if const_expr(self.dynamic_tickets):
+                q = ticket_ring_read(ticket_q, ticket_bars, taken)
+                taken += 1
+            else:
+                q += self.num_compute_ctas
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                        int(Role.COMPUTE), q, blk, q_base)
         if const_expr(self.defer_fc2_signals):
@@ -1227,6 +1292,40 @@ class _TmaLoads:
             setattr(self, f"s_{name}", s)
 
 
+# ---------------------------------------------------------------------- ticket ring
+# dynamic_tickets: TICKET_SLOTS compute tickets in smem (``ticket_q``), with TICKET_SLOTS full
+# mbarriers then TICKET_SLOTS empty ones (``bars``). Lane 0 of the producer's warp 0 writes a
+# slot and arrives on its full barrier; every reader warp reads it and its lane 0 arrives on
+# the empty one. Use k of the ring is slot k % TICKET_SLOTS in phase (k // TICKET_SLOTS) & 1.
+@cute.jit
+def ticket_ring_init(bars, reader_warps: cutlass.Constexpr[int]):
+    for s in cutlass.range_constexpr(TICKET_SLOTS):
+        cute.arch.mbarrier_init(bars + s, 1)
+        cute.arch.mbarrier_init(bars + TICKET_SLOTS + s, reader_warps)
+    cute.arch.mbarrier_init_fence()
+
+
+@cute.jit
+def ticket_ring_publish(ticket_q, bars, k: Int32, q: Int32):
+    """One thread: wait until every reader is done with the slot's previous use, write q."""
+    s = k % TICKET_SLOTS
+    cute.arch.mbarrier_wait(bars + TICKET_SLOTS + s, ((k // TICKET_SLOTS) & 1) ^ 1)
+    cute.make_tensor(ticket_q, cute.make_layout(TICKET_SLOTS))[s] = q
+    cute.arch.mbarrier_arrive(bars + s)  # release: readers that see the phase see the write
+
+
+@cute.jit
+def ticket_ring_read(ticket_q, bars, k: Int32) -> Int32:
+    """A whole warp: ticket use k."""
+    s = k % TICKET_SLOTS
+    cute.arch.mbarrier_wait(bars + s, (k // TICKET_SLOTS) & 1)
+    q = cute.make_tensor(ticket_q, cute.make_layout(TICKET_SLOTS))[s]
+    cute.arch.sync_warp()
+    if cute.arch.lane_idx() == 0:
+        cute.arch.mbarrier_arrive(bars + TICKET_SLOTS + s)
+    return q
+
+
 class _DirectA:
     """What the local_direct producer threads need besides the TMA partitions (with
     rows_by_tma also the row-box atoms over x and the ring, and one row's smem layout)."""
@@ -1276,11 +1375,12 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
                        rank_blocks: bool = False, rows_by_tma: bool = False,
-                       defer_fc2_signals: bool = False, arch: str = "sm_90a", options: str = ""):
+                       defer_fc2_signals: bool = False, dynamic_tickets: bool = False,
+                       arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
-                        local_direct, rank_blocks, rows_by_tma, defer_fc2_signals)
+                        local_direct, rank_blocks, rows_by_tma, defer_fc2_signals, dynamic_tickets)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
