@@ -120,6 +120,30 @@ def test_deferred_fc2_signals_compile_and_change_nothing_when_off(tmp_path):
     assert re.search(drain_older, on) and not re.search(drain_older, off)
 
 
+@pytest.mark.parametrize("local_direct", [False, True])
+def test_dynamic_tickets_fit_the_register_file_without_spills(local_direct, tmp_path):
+    """dynamic_tickets: the producer's lane 0 takes compute tickets with an atomic (one more
+    than the comm CTAs' ticket) and the warps meet at the smem ring's mbarriers. setmaxnreg
+    only moves registers inside the CTA's launch allocation (an increase the pool cannot
+    cover waits forever, which hung the first GPU run): the split must fit it, with no
+    spills."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=8, num_comm_ctas=12, local_direct=local_direct, has_shared=True,
+                  rank_blocks=True)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, dynamic_tickets=True, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+    atom = r"atom\.global\.add\.u32"
+    assert len(re.findall(atom, on)) >= len(re.findall(atom, off)) + 2  # first ticket, one per task
+    dec = int(re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", on).group(1))
+    inc = int(re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", on).group(1))
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, dynamic_tickets=True)
+    assert (dec, inc) == (48, 224) and rep.spill_bytes == 0
+    assert 128 * dec + 256 * inc <= rep.registers * 384
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct

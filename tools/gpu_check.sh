@@ -34,7 +34,7 @@
 #   glue   tools/layer_profile.py on mixtral, dsv3, qwen3 (stage by stage), then mixtral's GEMMs
 #          by group_m (tools/gemm_probe.py)
 #   tickets dynamic compute tickets (DYNAMIC_TICKETS): GPU tests, virtual R = 8 and R = 1 on
-#          dsv4_pro, kimi, glm, static against dynamic, then R = 1 on dsv3, mixtral, qwen3
+#          dsv4_pro, kimi, glm, qwen3.5, static against dynamic, then R = 1 on dsv3, mixtral, qwen3
 #   leadr8 recorded virtual R = 8 calls of dsv4_pro with the FC1 lead on and off
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
@@ -198,15 +198,15 @@ run_glue() {
 run_tickets() {
   # dynamic compute tickets (megakernel.DYNAMIC_TICKETS): bitwise tests, then virtual R = 8
   # and R = 1 with static and dynamic tickets (alternating rounds), then R = 1 single-GPU shapes
-  timeout -s KILL 200 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
+  timeout -s KILL 140 python3 -m pytest -v -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
     --tb=short tests/test_megakernel.py -k "dynamic" > "$out/test_dynamic.log" 2>&1
   echo "dynamic tickets tests rc=$?: $(grep -E "passed|failed" "$out/test_dynamic.log" | tail -1)"
   grep -E "^FAILED|Error" "$out/test_dynamic.log" | head -5
   grep -q " passed" "$out/test_dynamic.log" && ! grep -q "failed" "$out/test_dynamic.log" || return 1
-  timeout -s KILL 260 python3 -u tools/megakernel_probe.py --shapes "" --virtual dsv4_pro,kimi_k2.7,glm_5.2 \
+  timeout -s KILL 280 python3 -u tools/megakernel_probe.py --shapes "" --virtual dsv4_pro,kimi_k2.7,glm_5.2,qwen3.5_397b \
     --virtual-comm 12,12k --virtual-rounds 3 --json "$out/virtual_dynamic.json" 2>&1 | grep -v Warn \
     | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
-  timeout -s KILL 200 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,mixtral,qwen3_30b \
+  timeout -s KILL 170 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,mixtral,qwen3_30b \
     --comm 2lwfx,2lwfxk --no-gather --rounds 3 --out "$out" --json "$out/r1_dynamic.json" 2>&1 \
     | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
 }

@@ -157,10 +157,13 @@ class MegakernelSm90:
         self.timeline = timeline
         # The GEMM roles and layouts are GroupedGemmSm90's (cooperative, 128 x 256 x 64).
         self.gemm = GroupedGemmSm90(tile_n=FC2_TILE_N, epilogue="store")
-        # the ticket ring's state spills the local_direct producer at the GEMM's 40 registers;
-        # 48 x 128 + 232 x 256 is still the whole register file
-        self.producer_regs = 48 if dynamic_tickets else self.gemm.producer_regs
-        assert self.producer_regs * 128 + self.gemm.consumer_regs * 256 <= 65536
+        # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 threads =
+        # 40 x 128 + 232 x 256): an increase that the pool cannot cover waits forever. The
+        # ticket ring's state spills the local_direct producer at 40, so with dynamic_tickets
+        # the producer gets 48 and the consumers 224.
+        self.producer_regs, self.consumer_regs = (
+            (48, 224) if dynamic_tickets else (self.gemm.producer_regs, self.gemm.consumer_regs))
+        assert self.producer_regs * 128 + self.consumer_regs * 256 <= 168 * 384
         self.tile_shape_mnk = self.gemm.tile_shape_mnk
         self.threads_per_cta = self.gemm.threads_per_cta
         self.num_warps = self.threads_per_cta // 32
@@ -367,7 +370,7 @@ class MegakernelSm90:
                         s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
                         timeline_buf, None)
             else:
-                cute.arch.setmaxregister_increase(g.consumer_regs)
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 self._consumer_loop(
                     ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                     counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
