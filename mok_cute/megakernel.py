@@ -114,8 +114,14 @@ DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
 # share of a block mixes FC1 and FC2 tiles differently); at virtual R = 8 on dsv4_pro one
 # minibatch's FC1 tiles started over 2.6 ms instead of 0.19 and ran 47 % slower, tiles of
 # ~4 ranks at once no longer sharing weight tiles in L2 (recorded timelines, seventh
-# session: probes/2026-11-30_dsv4_r8_lead_timelines.json). MOK_DYNAMIC_TICKETS=1.
-DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", False)
+# session: probes/2026-11-30_dsv4_r8_lead_timelines.json). Measured (probe, same process,
+# alternating rounds, bitwise equal; probes/2026-11-30_virtual_dynamic_tickets.json), static
+# -> dynamic, R = 1 / virtual R = 8 ms: dsv4_pro 34.18 -> 31.60 / 45.49 -> 34.47, kimi
+# 28.72 -> 25.12 / 28.52 -> 28.39, glm 21.52 -> 20.34 / 24.84 -> 23.72, qwen3.5 10.92 ->
+# 9.17 / 13.00 -> 12.87; one GPU, best of 3: dsv3 4.80 -> 4.68, mixtral 8.92 -> 8.84, qwen3
+# level. On for one GPU (one rank or virtual ranks); the IPC path keeps the static stride
+# until it has run on two GPUs with it. MOK_DYNAMIC_TICKETS=0 turns it off.
+DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", True)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -146,7 +152,7 @@ class PlanKey:
     local_only: bool = False  # LOCAL_ONLY_TASKS with one rank and local_direct: no comm tasks
     rows_by_tma: bool = False  # DIRECT_ROWS_BY_TMA with local_direct
     defer_fc2_signals: bool = False  # DEFER_FC2_SIGNALS with local_only
-    dynamic_tickets: bool = False  # DYNAMIC_TICKETS
+    dynamic_tickets: bool = False  # DYNAMIC_TICKETS, one GPU only (not yet run over IPC)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -541,7 +547,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, DIRECT_ROWS_BY_TMA and local_direct,
-                  DEFER_FC2_SIGNALS and local_only, DYNAMIC_TICKETS)
+                  DEFER_FC2_SIGNALS and local_only, DYNAMIC_TICKETS and group is None)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:
