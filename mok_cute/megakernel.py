@@ -122,6 +122,7 @@ DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
 # level. On for one GPU (one rank or virtual ranks); the IPC path keeps the static stride
 # until it has run on two GPUs with it. MOK_DYNAMIC_TICKETS=0 turns it off.
 DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", True)
+DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the same over IPC
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -547,7 +548,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, DIRECT_ROWS_BY_TMA and local_direct,
-                  DEFER_FC2_SIGNALS and local_only, DYNAMIC_TICKETS and group is None)
+                  DEFER_FC2_SIGNALS and local_only,
+                  DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC))
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:
