@@ -36,6 +36,7 @@
 #   tickets dynamic compute tickets (DYNAMIC_TICKETS): GPU tests, virtual R = 8 and R = 1 on
 #          dsv4_pro, kimi, glm, qwen3.5, static against dynamic, then R = 1 on dsv3, mixtral, qwen3
 #   leadr8 recorded virtual R = 8 calls of dsv4_pro with the FC1 lead on and off
+#   epdyn N  on an N-GPU machine: mok-cute bench --ep with static, then dynamic compute tickets
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
 #          megakernel), then mok-cute bench --ep
@@ -151,6 +152,16 @@ run_gather() {
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 
+run_ep_dynamic() {
+  # the IPC megakernel with static then dynamic compute tickets (DYNAMIC_TICKETS_IPC), same call
+  local n="$1"
+  for dyn in 0 1; do
+    MOK_DYNAMIC_TICKETS_IPC=$dyn timeout -s KILL 240 torchrun --nproc-per-node "$n" -m mok_cute.cli bench \
+      --ep --shapes ep --tokens 2048 --mok-config backend=megakernel --out "$out/dynamic$dyn" \
+      --tag ep${n}_dynamic_tickets$dyn 2>&1 | grep -E "mok_cute|json" | tail -6
+  done
+}
+
 run_ep() {
   local n="$1"
   # issue 7's checks: reference, repeat, comm split, emulated == real (uniform and skewed)
@@ -227,6 +238,7 @@ case "$what" in
   glue) run_glue ;;
   tickets) run_tickets ;;
   ep) run_ep "${2:-2}" ;;
+  epdyn) run_ep_dynamic "${2:-2}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|ep N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac
