@@ -124,6 +124,16 @@ DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
 # off for groups until then (MOK_DYNAMIC_TICKETS_IPC=1). MOK_DYNAMIC_TICKETS=0 turns it off.
 DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", True)
 DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the same over IPC
+# One rank without comm tasks: GATHER tasks on the compute CTAs copy each M-tile's x rows into
+# the ring (GATHER of minibatch m + 1 just before FC1 of m; the first minibatch's at the head
+# of the queue), and FC1 loads whole A tiles by TMA instead of gathering rows with cp.async
+# (kernels.megakernel_sm90's gather_tasks; tasks.build_task_list(gather_tasks=True)). Why:
+# on the expert path FC1 with cp.async rows ran ~0.5 ms slower than FC1 on a gathered copy
+# on dsv3 (4.76 against 4.48 ms with the 0.24 ms gather kernel, run 45), and the one-rank
+# megakernel's FC1 gathers that way. Predicted: dsv3 -0.25 ms, sonic_120b -0.5 ms (the copy
+# costs what the expert path's gather kernel does, spread over the compute CTAs). Written in
+# the seventh session, compile-checked only: MOK_GATHER_TASKS=1.
+GATHER_TASKS = experimental_switch("GATHER_TASKS", False)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -155,6 +165,7 @@ class PlanKey:
     rows_by_tma: bool = False  # DIRECT_ROWS_BY_TMA with local_direct
     defer_fc2_signals: bool = False  # DEFER_FC2_SIGNALS with local_only
     dynamic_tickets: bool = False  # DYNAMIC_TICKETS, one GPU only (not yet run over IPC)
+    gather_tasks: bool = False  # GATHER_TASKS with local_only
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -292,7 +303,7 @@ class Plan:
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
             fc1_tile_n=FC1_TILE_N, fc2_tile_n=256, fc1_lead=k.fc1_lead,
-            comm_tasks=not k.local_only, tile_order=k.tile_order)
+            comm_tasks=not k.local_only, tile_order=k.tile_order, gather_tasks=k.gather_tasks)
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
         R, C = side.launch_ranks, k.ring_tokens
         self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
@@ -328,7 +339,8 @@ class Plan:
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma,
-            defer_fc2_signals=k.defer_fc2_signals, dynamic_tickets=k.dynamic_tickets)
+            defer_fc2_signals=k.defer_fc2_signals, dynamic_tickets=k.dynamic_tickets,
+            gather_tasks=k.gather_tasks)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -550,7 +562,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, DIRECT_ROWS_BY_TMA and local_direct,
                   DEFER_FC2_SIGNALS and local_only,
-                  DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC))
+                  DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC),
+                  GATHER_TASKS and local_only and not DIRECT_ROWS_BY_TMA)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

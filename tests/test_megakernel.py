@@ -144,6 +144,30 @@ def test_dynamic_tickets_fit_the_register_file_without_spills(local_direct, tmp_
     assert 128 * dec + 256 * inc <= rep.registers * 384
 
 
+def test_gather_tasks_variant_loads_fc1_tiles_by_tma(tmp_path):
+    """gather_tasks: the consumer warps copy x rows into the ring with 16-byte vectors and
+    FC1 takes whole A tiles by TMA, so no cp.async rows and no consumer proxy fence are left;
+    no spills; it refuses to run without local_direct or with rows_by_tma."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=1, num_comm_ctas=2, local_direct=True, has_shared=True,
+                  dynamic_tickets=True)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, gather_tasks=True, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+    assert "cp.async.cg" in off and "cp.async.cg" not in on
+    stores = r"st\.global\.v4\.b32"
+    assert len(re.findall(stores, on)) > len(re.findall(stores, off))
+    assert on.count("fence.proxy.async.shared::cta") < off.count("fence.proxy.async.shared::cta")
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, gather_tasks=True)
+    assert rep.spill_bytes == 0
+    for bad in (dict(local_direct=False), dict(rows_by_tma=True)):
+        with pytest.raises(ValueError, match="gather_tasks"):
+            megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, **{"local_direct": True, **bad},
+                                           gather_tasks=True)
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
@@ -283,21 +307,24 @@ def test_virtual_ranks_finish_with_few_ctas(dynamic, rank_blocks, R, ctas, tile_
         assert _run_ctas(tl, num_tiles, ctas, rank_blocks, seed, dynamic) == [], num_tiles
 
 
+@pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("fc1_lead", [0, 3])
 @pytest.mark.parametrize("ctas", [(1, 1), (1, 5), (2, 40)])
 @pytest.mark.parametrize("tile_order", ["m_major", "n_major"])
-def test_one_rank_without_comm_tasks_finishes_with_few_ctas(dynamic, fc1_lead, ctas, tile_order):
-    """The one-rank list without comm tasks (local_direct, no peer): the comm CTAs only run
-    the barrier, the compute CTAs take their static-stride (or dynamic) tickets; every task
-    finishes."""
+def test_one_rank_without_comm_tasks_finishes_with_few_ctas(gather, dynamic, fc1_lead, ctas,
+                                                            tile_order):
+    """The one-rank list without comm tasks (local_direct, no peer), with or without GATHER
+    tasks: the comm CTAs only run the barrier, the compute CTAs take their static-stride (or
+    dynamic) tickets; every task finishes."""
     import numpy as np
 
     from mok_cute import tasks
 
     tl = tasks.build_static(128 * 12, hidden=512, intermediate=256, num_tokens=200, top_k=4,
                             minibatch_tokens=256, ring_tokens=128 * 12, shared_intermediate=128,
-                            fc1_lead=fc1_lead, comm_tasks=False, tile_order=tile_order)
+                            fc1_lead=fc1_lead, comm_tasks=False, tile_order=tile_order,
+                            gather_tasks=gather)
     assert tl.params.fc1_lead == fc1_lead
     for seed in range(3):
         num_tiles = [12] if seed == 0 else [int(np.random.default_rng(seed).integers(0, 13))]
@@ -500,6 +527,26 @@ def test_dynamic_tickets_give_the_same_bits(R, ring, local_direct, monkeypatch):
     few = _run(args, num_comm_sms=2, **sizes)
     assert any(k.dynamic_tickets and k.num_ranks == R for k in megakernel._PLANS)
     assert torch.equal(dynamic, base) and torch.equal(again, base) and torch.equal(few, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,shared_inter,x_in_place", [(300, 128, True), (77, 0, False),
+                                                      (1000, 0, True)])
+def test_gather_tasks_give_the_same_bits(T, shared_inter, x_in_place, monkeypatch):
+    """megakernel.GATHER_TASKS: at one rank, GATHER tasks copy x into the ring and FC1 loads
+    tiles by TMA instead of gathering rows; with skewed routing, odd T, with and without the
+    shared expert and x read in place: not a bit changes."""
+    from mok_cute import megakernel
+
+    args = _problem(1, T, 512, 256, 4, 4, shared_inter, seed=41, skew=True)
+    monkeypatch.setattr(megakernel, "X_IN_PLACE", x_in_place)
+    monkeypatch.setattr(megakernel, "GATHER_TASKS", False)
+    base = _run(args)
+    monkeypatch.setattr(megakernel, "GATHER_TASKS", True)
+    gathered = _run(args)
+    again = _run(args)
+    assert any(k.gather_tasks for k in megakernel._PLANS)
+    assert torch.equal(gathered, base) and torch.equal(again, base)
 
 
 @pytest.mark.gpu

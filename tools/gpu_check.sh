@@ -36,6 +36,8 @@
 #   tickets dynamic compute tickets (DYNAMIC_TICKETS): GPU tests, virtual R = 8 and R = 1 on
 #          dsv4_pro, kimi, glm, qwen3.5, static against dynamic, then R = 1 on dsv3, mixtral, qwen3
 #   leadr8 recorded virtual R = 8 calls of dsv4_pro with the FC1 lead on and off
+#   gathertasks  GATHER tasks at one rank (GATHER_TASKS): GPU tests, then the megakernel with
+#          and without them on the five single-GPU shapes (3 alternating rounds)
 #   epdyn N  on an N-GPU machine: mok-cute bench --ep with static, then dynamic compute tickets
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
@@ -152,6 +154,20 @@ run_gather() {
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 
+run_gather_tasks() {
+  # GATHER tasks at one rank (megakernel.GATHER_TASKS): bitwise tests, then the megakernel
+  # with and without them against the expert path on the five single-GPU shapes
+  timeout -s KILL 150 python3 -m pytest -v -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
+    --tb=short tests/test_megakernel.py -k "gather_tasks" > "$out/test_gather_tasks.log" 2>&1
+  echo "gather tasks tests rc=$?: $(grep -E "passed|failed" "$out/test_gather_tasks.log" | tail -1)"
+  grep -E "^FAILED|Error" "$out/test_gather_tasks.log" | head -5
+  grep -q " passed" "$out/test_gather_tasks.log" && ! grep -q "failed" "$out/test_gather_tasks.log" || return 1
+  timeout -s KILL 400 python3 -u tools/megakernel_probe.py \
+    --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxk,2lwfxkg \
+    --no-gather --rounds 3 --out "$out" --json "$out/megakernel_probe_gather_tasks.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
+}
+
 run_ep_dynamic() {
   # the IPC megakernel with static then dynamic compute tickets (DYNAMIC_TICKETS_IPC), same call
   local n="$1"
@@ -239,6 +255,7 @@ case "$what" in
   tickets) run_tickets ;;
   ep) run_ep "${2:-2}" ;;
   epdyn) run_ep_dynamic "${2:-2}" ;;
+  gathertasks) run_gather_tasks ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|ep N|epdyn N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac

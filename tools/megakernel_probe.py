@@ -16,7 +16,8 @@ list with its no-op DISPATCH / COMBINE tasks kept (``megakernel.LOCAL_ONLY_TASKS
 as before the sixth session), a ``t`` (with ``l``) FC1's rows by one TMA box each
 (``megakernel.DIRECT_ROWS_BY_TMA``), a ``d`` (one rank, ``l``) FC2 signals published after
 the next task's mainloop (``megakernel.DEFER_FC2_SIGNALS``), a ``k`` dynamic compute tickets
-(``megakernel.DYNAMIC_TICKETS``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. Every megakernel output
+(``megakernel.DYNAMIC_TICKETS``), a ``g`` (one rank, ``l``) GATHER tasks copying x into the
+ring so FC1 loads whole tiles by TMA (``megakernel.GATHER_TASKS``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -59,7 +60,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcdklntwx]*)(?:f(\d*))?([bcdklntwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcdgklntwx]*)(?:f(\d*))?([bcdgklntwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -67,14 +68,14 @@ def parse_spec(spec: str) -> dict:
                 local_direct="l" in flags, fence="n" not in flags, x_in_place="x" in flags,
                 n_major="w" in flags, local_only_tasks="c" not in flags,
                 rows_by_tma="t" in flags, defer_fc2_signals="d" in flags,
-                dynamic_tickets="k" in flags,
+                dynamic_tickets="k" in flags, gather_tasks="g" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
 SWITCHES = ("COMM_COPY", "LOCAL_DIRECT", "FC1_LEAD", "FC1_LEAD_MINIBATCHES", "X_IN_PLACE",
             "N_MAJOR_TILES", "LOCAL_ONLY_TASKS", "DIRECT_ROWS_BY_TMA", "DEFER_FC2_SIGNALS",
-            "DYNAMIC_TICKETS")  # the megakernel module settings a spec sets
+            "DYNAMIC_TICKETS", "GATHER_TASKS")  # the megakernel module settings a spec sets
 
 
 def apply_spec(sp: dict) -> None:
@@ -88,6 +89,7 @@ def apply_spec(sp: dict) -> None:
     megakernel.DIRECT_ROWS_BY_TMA = sp["rows_by_tma"]
     megakernel.DEFER_FC2_SIGNALS = sp["defer_fc2_signals"]
     megakernel.DYNAMIC_TICKETS = sp["dynamic_tickets"]
+    megakernel.GATHER_TASKS = sp["gather_tasks"]
     set_gathered_a_fence(sp["fence"])
 
 
@@ -153,7 +155,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_no_comm_tasks" if k.local_only else "")
                                           + ("_rows_by_tma" if k.rows_by_tma else "")
                                           + ("_deferred_fc2" if k.defer_fc2_signals else "")
-                                          + ("_dynamic_tickets" if k.dynamic_tickets else ""))
+                                          + ("_dynamic_tickets" if k.dynamic_tickets else "")
+                                          + ("_gather_tasks" if k.gather_tasks else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()

@@ -100,7 +100,7 @@ class MegakernelSm90:
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
                  rows_by_tma: bool = False, defer_fc2_signals: bool = False,
-                 dynamic_tickets: bool = False):
+                 dynamic_tickets: bool = False, gather_tasks: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -128,8 +128,18 @@ class MegakernelSm90:
         if rows_by_tma and not local_direct:
             raise ValueError("rows_by_tma needs local_direct")
         self.rows_by_tma = rows_by_tma
+        # gather_tasks (with local_direct, one rank without comm tasks): GATHER tasks on the
+        # compute CTAs copy each M-tile's x rows into the ring first, and FC1 loads whole A
+        # tiles from the ring by TMA like a dispatched tile; y still stays in the ring for the
+        # k-sum. Why: FC1 gathering its own rows by cp.async ran ~0.5 ms slower than FC1 on a
+        # gathered copy on dsv3 (expert path, runs 20-21 and 45).
+        if gather_tasks and (not local_direct or rows_by_tma):
+            raise ValueError("gather_tasks needs local_direct and not rows_by_tma")
+        self.gather_tasks = gather_tasks
+        # FC1's producer gathers its A rows itself (cp.async or TMA row boxes)
+        self.direct_rows = local_direct and not gather_tasks
         # cp.async rows land through the generic proxy: the consumers fence before wgmma
-        self.a_generic_proxy = local_direct and not rows_by_tma
+        self.a_generic_proxy = self.direct_rows and not rows_by_tma
         # defer_fc2_signals (a list where no compute task waits on an FC2 tile: one rank reading
         # its rows in place, tasks' comm_tasks=False): an FC2 task does not wait for its TMA
         # stores to land before the next task; its signal is published once they have, at
@@ -329,7 +339,7 @@ class MegakernelSm90:
         ticket_q, ticket_bars = storage.ticket_q.data_ptr(), storage.ticket_full_empty.data_ptr()
         if const_expr(self.dynamic_tickets):
             if tidx == 0:
-                ticket_ring_init(ticket_bars, 8 + (3 if const_expr(self.local_direct) else 0))
+                ticket_ring_init(ticket_bars, 8 + (3 if const_expr(self.direct_rows) else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         row_layout = None  # rows_by_tma: one A row of the swizzled stage
@@ -350,7 +360,7 @@ class MegakernelSm90:
             compute_cta = bidx - self.num_comm_ctas
             if warpgroup_idx == 0:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
-                if const_expr(self.local_direct):
+                if const_expr(self.direct_rows):
                     # all four producer warps: they gather FC1's local A rows themselves
                     self._producer_loop(
                         ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
@@ -379,7 +389,7 @@ class MegakernelSm90:
                     topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                     tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                     s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta,
-                    ticket_q, ticket_bars)
+                    ticket_q, ticket_bars, row_peer, row_token, ring_x)
 
     # ------------------------------------------------------------------ task walking
     @cute.jit
@@ -787,7 +797,7 @@ class MegakernelSm90:
         # would have to be carried through it)
         d_row_peer, d_row_token, d_peer_bases, d_ring_x = None, None, None, None
         d_sA_base, d_tidx, d_warp, d_sync, d_rows = None, None, None, None, None
-        if const_expr(self.local_direct):
+        if const_expr(self.direct_rows):
             d_row_peer, d_row_token, d_peer_bases, d_ring_x = (
                 direct.row_peer, direct.row_token, direct.peer_bases, direct.ring_x)
             d_sA_base, d_tidx, d_warp, d_sync = (direct.sA_base, direct.tidx, direct.warp_idx,
@@ -809,8 +819,8 @@ class MegakernelSm90:
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             ttype = tasks[index, W_TYPE]
             k_tiles = self._k_tiles(ttype, t_a_x, t_a_h, s_t_a_h)
-            if run and not noop and ttype != int(TaskType.KSUM):
-                if const_expr(self.local_direct):
+            if run and not noop and self._is_gemm(ttype):
+                if const_expr(self.direct_rows):
                     if d_warp == self.gemm.load_warp:
                         self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error,
                                                  num_tiles, index, rank, timeline_buf,
@@ -831,7 +841,7 @@ class MegakernelSm90:
                 ring_tile = tasks[index, W_RING_ROW] // tile_m
                 expert = rank * e_loc + tile_expert[rank, cutlass.max(m_tile, 0)]
                 state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
-                if const_expr(self.local_direct):
+                if const_expr(self.direct_rows):
                     if const_expr(self.rows_by_tma):
                         self._fill_stages_tma_rows(ctx, tasks, index, rank, ttype, k_tiles, state,
                                                    ab_pipeline, d_row_peer, d_row_token, d_sA_base,
@@ -842,7 +852,7 @@ class MegakernelSm90:
                                                  ab_pipeline, d_row_peer, d_row_token, d_peer_bases,
                                                  d_ring_x, d_sA_base, d_tidx, d_warp, m_tile, n_tile,
                                                  ring_tile, expert, tma)
-                if const_expr(not self.local_direct):
+                if const_expr(not self.direct_rows):
                     for k in range(k_tiles):
                         ab_pipeline.producer_acquire(state)
                         bar = ab_pipeline.producer_get_barrier(state)
@@ -860,7 +870,7 @@ class MegakernelSm90:
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                        int(Role.COMPUTE), q, blk, q_base)
         tail = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
-        if const_expr(self.local_direct):
+        if const_expr(self.direct_rows):
             cute.arch.cp_async_wait_group(0)
             if d_warp == self.gemm.load_warp:
                 ab_pipeline.producer_tail(tail)
@@ -1004,9 +1014,17 @@ class MegakernelSm90:
     def _loads_of(self, run, noop, ttype: Int32, k_tiles: Int32) -> Int32:
         """Pipeline stages a task consumes: its k-tiles if it is a GEMM that runs, else 0."""
         loads = Int32(0)
-        if run and not noop and ttype != int(TaskType.KSUM):
+        if run and not noop and self._is_gemm(ttype):
             loads = k_tiles
         return loads
+
+    @cute.jit
+    def _is_gemm(self, ttype: Int32):
+        """A compute task that runs through the stage pipeline (not a KSUM or a GATHER)."""
+        gemm = ttype != int(TaskType.KSUM)
+        if const_expr(self.gather_tasks):
+            gemm = gemm and ttype != int(TaskType.GATHER)
+        return gemm
 
     # ------------------------------------------------------------------ compute: consumers
     @cute.jit
@@ -1015,7 +1033,7 @@ class MegakernelSm90:
                        topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                        tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                        s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
-                       compute_cta, ticket_q, ticket_bars):
+                       compute_cta, ticket_q, ticket_bars, row_peer, row_token, ring_x):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice((warpgroup_idx - 1) * 128)
@@ -1057,7 +1075,7 @@ class MegakernelSm90:
             ttype = tasks[index, W_TYPE]
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
-            if run and not noop and ttype != int(TaskType.KSUM):
+            if run and not noop and self._is_gemm(ttype):
                 read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
                 release = read.clone()
                 acc.fill(0.0)
@@ -1116,9 +1134,18 @@ class MegakernelSm90:
                 if const_expr(self.defer_fc2_signals):
                     pending = self._flush_pending(tasks, counter_offsets, counters, pending,
                                                   pending_rank, consumer_tidx, is_store_warp)
-                self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
-                           topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
-                           timeline_buf, index, rank, consumer_tidx, barrier)
+                if const_expr(self.gather_tasks):
+                    if ttype == int(TaskType.GATHER):
+                        self._gather(ctx, tasks, index, rank, row_peer, row_token, peer_bases,
+                                     ring_x, consumer_tidx)
+                    else:
+                        self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles,
+                                   peer_bases, topk_weights, topk_idx, slot_rows, ring_y, out,
+                                   shared_y, timeline_buf, index, rank, consumer_tidx, barrier)
+                else:
+                    self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
+                               topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
+                               timeline_buf, index, rank, consumer_tidx, barrier)
             deferred = cutlass.Boolean(False)
             if run and not noop:
                 deferred = self._deferred(ttype)
@@ -1200,6 +1227,26 @@ class MegakernelSm90:
                             is_store_warp)
 
     # ------------------------------------------------------------------ compute: k-sum
+    @cute.jit
+    def _gather(self, ctx, tasks, index: Int32, rank: Int32, row_peer, row_token, peer_bases,
+                ring_x, consumer_tidx: Int32):
+        """gather_tasks: the 256 consumer threads copy an M-tile's x rows into its ring rows,
+        a warp per row, 16-byte vectors (the caller's x: x_offset from this rank's base).
+        Padding rows (peer -1) are left alone: their FC1 rows are never stored. The signal
+        after the CTA barrier (with a release fence) publishes the rows to FC1's TMA loads,
+        which fence the async proxy after their acquire."""
+        hidden = cute.size(ring_x, mode=[1])
+        row_bytes = Int64(hidden) * 2
+        first = tasks[index, W_ROW_BEGIN]
+        ring_row = tasks[index, W_RING_ROW]
+        x_base = peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range(consumer_tidx // 32, TILE_M, 8, unroll=1):
+            if row_peer[rank, first + r] >= 0:
+                src = bf16_row(x_base + Int64(row_token[rank, first + r]) * row_bytes, hidden)
+                copy_row(src, ring_x[ring_row + r, None, rank], hidden // VEC_ELEMS, lane,
+                         COPY_UNROLL)
+
     @cute.jit
     def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
               topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
@@ -1381,11 +1428,12 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
                        rank_blocks: bool = False, rows_by_tma: bool = False,
                        defer_fc2_signals: bool = False, dynamic_tickets: bool = False,
-                       arch: str = "sm_90a", options: str = ""):
+                       gather_tasks: bool = False, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
-                        local_direct, rank_blocks, rows_by_tma, defer_fc2_signals, dynamic_tickets)
+                        local_direct, rank_blocks, rows_by_tma, defer_fc2_signals, dynamic_tickets,
+                        gather_tasks)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
