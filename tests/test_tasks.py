@@ -531,6 +531,15 @@ def test_n_major_order_runs_a_minibatchs_m_tiles_inside_each_n_tile(comm_tasks):
         T.build_static(128 * 8, tile_order="zigzag", **kw)
 
 
+def _assert_waits_lower_and_live_run_once(tl):
+    """Every wait points to a lower list index; a live run of 5 tiles runs each task once."""
+    offsets, deps = tl.deps_csr()
+    assert all((deps[offsets[i]:offsets[i + 1]] < i).all() for i in range(len(tl)))
+    run = T.simulate_live_run(tl, 5)
+    ran = [i for r in T.Role for i in run[r]["ran"]]
+    assert len(ran) == len(set(ran))
+
+
 @pytest.mark.parametrize("shared", [0, 256])
 def test_without_comm_tasks_only_the_barrier_is_comm_and_fc2_feeds_it(shared):
     """comm_tasks=False (one rank reading its own rows in place): no DISPATCH or COMBINE, FC1
@@ -550,11 +559,7 @@ def test_without_comm_tasks_only_the_barrier_is_comm_and_fc2_feeds_it(shared):
                     for t in (tl, with_comm) for i in t.queue(T.Role.COMPUTE)]
     half = len(same_compute) // 2
     assert same_compute[:half] == same_compute[half:]
-    offsets, deps = tl.deps_csr()
-    assert all((deps[offsets[i]:offsets[i + 1]] < i).all() for i in range(len(tl)))
-    run = T.simulate_live_run(tl, 5)
-    ran = [i for r in T.Role for i in run[r]["ran"]]
-    assert len(ran) == len(set(ran))
+    _assert_waits_lower_and_live_run_once(tl)
     with pytest.raises(ValueError, match="ring_tokens"):
         T.build_static(128 * 8, ring_tokens=512, comm_tasks=False, **kw)
 
@@ -589,11 +594,7 @@ def test_gather_tasks_feed_fc1_one_tile_each(fc1_lead, shared):
     gemm = lambda t: [(int(t.type[i]), int(t.m_tile_begin[i]), int(t.n_tile[i]))  # noqa: E731
                       for i in t.queue(T.Role.COMPUTE) if t.type[i] != T.TaskType.GATHER]
     assert gemm(tl) == gemm(plain)
-    offsets, deps = tl.deps_csr()
-    assert all((deps[offsets[i]:offsets[i + 1]] < i).all() for i in range(len(tl)))
-    run = T.simulate_live_run(tl, 5)
-    ran = [i for r in T.Role for i in run[r]["ran"]]
-    assert len(ran) == len(set(ran))
+    _assert_waits_lower_and_live_run_once(tl)
     with pytest.raises(ValueError, match="gather_tasks needs comm_tasks=False"):
         T.build_static(128 * 8, ring_tokens=1024, gather_tasks=True,
                        **{**kw, "comm_tasks": True})

@@ -48,6 +48,17 @@ mkdir -p "$out"
 what="${1:-tests}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
+gpu_tests_passed() {
+  # gpu_tests_passed NAME "-k expression" SECONDS: the megakernel's GPU tests matching the
+  # expression, one line of result; fails unless some passed and none failed
+  local name="$1" expr="$2" secs="$3"
+  timeout -s KILL "$secs" python3 -m pytest -v -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
+    --tb=short tests/test_megakernel.py -k "$expr" > "$out/test_$name.log" 2>&1
+  echo "$name tests rc=$?: $(grep -E "passed|failed" "$out/test_$name.log" | tail -1)"
+  grep -E "^FAILED|Error" "$out/test_$name.log" | head -5
+  grep -q " passed" "$out/test_$name.log" && ! grep -q "failed" "$out/test_$name.log"
+}
+
 run_tests() {
   local t0=$SECONDS
   for f in $(grep -lE "mark\.gpu" tests/test_*.py); do  # files with GPU tests only
@@ -157,11 +168,7 @@ run_gather() {
 run_gather_tasks() {
   # GATHER tasks at one rank (megakernel.GATHER_TASKS): bitwise tests, then the megakernel
   # with and without them against the expert path on the five single-GPU shapes
-  timeout -s KILL 150 python3 -m pytest -v -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
-    --tb=short tests/test_megakernel.py -k "gather_tasks" > "$out/test_gather_tasks.log" 2>&1
-  echo "gather tasks tests rc=$?: $(grep -E "passed|failed" "$out/test_gather_tasks.log" | tail -1)"
-  grep -E "^FAILED|Error" "$out/test_gather_tasks.log" | head -5
-  grep -q " passed" "$out/test_gather_tasks.log" && ! grep -q "failed" "$out/test_gather_tasks.log" || return 1
+  gpu_tests_passed gather_tasks "gather_tasks" 150 || return 1
   timeout -s KILL 400 python3 -u tools/megakernel_probe.py \
     --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxk,2lwfxkg \
     --no-gather --rounds 3 --out "$out" --json "$out/megakernel_probe_gather_tasks.json" 2>&1 \
@@ -225,11 +232,7 @@ run_glue() {
 run_tickets() {
   # dynamic compute tickets (megakernel.DYNAMIC_TICKETS): bitwise tests, then virtual R = 8
   # and R = 1 with static and dynamic tickets (alternating rounds), then R = 1 single-GPU shapes
-  timeout -s KILL 140 python3 -m pytest -v -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
-    --tb=short tests/test_megakernel.py -k "dynamic" > "$out/test_dynamic.log" 2>&1
-  echo "dynamic tickets tests rc=$?: $(grep -E "passed|failed" "$out/test_dynamic.log" | tail -1)"
-  grep -E "^FAILED|Error" "$out/test_dynamic.log" | head -5
-  grep -q " passed" "$out/test_dynamic.log" && ! grep -q "failed" "$out/test_dynamic.log" || return 1
+  gpu_tests_passed dynamic "dynamic" 140 || return 1
   timeout -s KILL 280 python3 -u tools/megakernel_probe.py --shapes "" --virtual dsv4_pro,kimi_k2.7,glm_5.2,qwen3.5_397b \
     --virtual-comm 12,12k --virtual-rounds 3 --json "$out/virtual_dynamic.json" 2>&1 | grep -v Warn \
     | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
