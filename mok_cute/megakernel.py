@@ -99,14 +99,17 @@ LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm
 # instead of cp.async from the 128 producer threads (kernels.megakernel_sm90's rows_by_tma, as
 # gemm_sm90's gather_by="tma"). Why: the expert path's FC1 with cp.async rows lost what the
 # gather kernel it replaced cost (runs 20-21), and the megakernel's FC1 gathers that way.
-# Written in the sixth session, compile-checked only: MOK_DIRECT_ROWS_BY_TMA=1.
+# Measured in the seventh session (run 45): bitwise equal but 2.3-2.4x slower (dsv3 4.90 ->
+# 11.49 ms; the producer's 128 row boxes per k-tile stall the mainloop), so off.
+# MOK_DIRECT_ROWS_BY_TMA=1.
 DIRECT_ROWS_BY_TMA = experimental_switch("DIRECT_ROWS_BY_TMA", False)
 # One rank with no comm tasks (LOCAL_ONLY_TASKS): an FC2 task does not wait for its TMA stores
 # to land before its next task; its signal (read only by the BARRIER there) is published at
 # the next task's epilogue (kernels.megakernel_sm90's defer_fc2_signals). Why: every GEMM task
 # ends with a store drain and a 256-thread barrier; an FC2 tile of qwen3_30b (K = 768) is ~9 us
-# of wgmma, so a ~1 us drain is ~10 % of it. Written in the sixth session, compile-checked
-# only: MOK_DEFER_FC2_SIGNALS=1.
+# of wgmma, so a ~1 us drain is ~10 % of it. Measured in the seventh session (run 46, 4
+# alternating rounds): bitwise equal, no faster (dsv3 4.51 -> 4.64 ms, sonic 10.30 -> 10.80,
+# qwen3 2.35 -> 2.38), so off. MOK_DEFER_FC2_SIGNALS=1.
 DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
 # Compute CTAs take their tickets from a counter as their producer gets to them, instead of the
 # static stride (kernels.megakernel_sm90's dynamic_tickets). Why: with the FC1 lead no compute
@@ -164,7 +167,7 @@ class PlanKey:
     local_only: bool = False  # LOCAL_ONLY_TASKS with one rank and local_direct: no comm tasks
     rows_by_tma: bool = False  # DIRECT_ROWS_BY_TMA with local_direct
     defer_fc2_signals: bool = False  # DEFER_FC2_SIGNALS with local_only
-    dynamic_tickets: bool = False  # DYNAMIC_TICKETS, one GPU only (not yet run over IPC)
+    dynamic_tickets: bool = False  # DYNAMIC_TICKETS; over IPC only with DYNAMIC_TICKETS_IPC
     gather_tasks: bool = False  # GATHER_TASKS with local_only
 
 

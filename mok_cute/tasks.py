@@ -622,9 +622,14 @@ class _Builder:
 
         # --- routed minibatches: FC1 then FC2 of each (fc1_lead: FC1 of m + 1 before FC2 of m)
         tiles_in_mb = np.minimum(tpm, nt - np.arange(self.nmb) * tpm)
-        fc1_blocks, fc2_blocks = [], []
+        fc1_blocks, fc2_blocks, gather_blocks = [], [], []
         for mb in range(self.nmb):
             tiles = np.arange(mb * tpm, mb * tpm + tiles_in_mb[mb])
+            if p.gather_tasks:  # one task per M-tile: its rows of x into the ring (read + write)
+                by = 2 * self.rows[tiles] * p.hidden * _BF16
+                gather_blocks.append(self._block(
+                    TaskType.GATHER, tiles, np.zeros_like(tiles), tiles * tm, tiles * tm + tm, by,
+                    np.zeros_like(tiles), cg.DISPATCHED, tiles, self._waits(len(tiles)), mb))
             # FC1
             n_major = p.tile_order == "n_major"
             mt, ntl, fl, by = self._gemm_tiles(tiles, n1, p.fc1_tile_n, 2 * p.intermediate,
@@ -646,16 +651,8 @@ class _Builder:
                                 (cg.COMBINED, mt - rt, 1, cs, (mt >= rt) & p.comm_tasks))
             fc2_blocks.append(self._block(
                 TaskType.FC2, mt, ntl, mt * tm, mt * tm + tm, by, fl, cg.FC2_DONE, mt, waits, mb))
-        gather_blocks = []
-        if p.gather_tasks:  # one task per M-tile: its rows of x into the ring (read + write)
-            for mb in range(self.nmb):
-                tiles = np.arange(mb * tpm, mb * tpm + tiles_in_mb[mb])
-                by = 2 * self.rows[tiles] * p.hidden * _BF16
-                gather_blocks.append(self._block(
-                    TaskType.GATHER, tiles, np.zeros_like(tiles), tiles * tm, tiles * tm + tm, by,
-                    np.zeros_like(tiles), cg.DISPATCHED, tiles, self._waits(len(tiles)), mb))
-            if gather_blocks:  # the first minibatch's rows come first, beside the shared expert
-                compute_blocks.insert(0, gather_blocks[0])
+        if gather_blocks:  # the first minibatch's rows come first, beside the shared expert
+            compute_blocks.insert(0, gather_blocks[0])
         lead = p.fc1_lead
         for mb in range(self.nmb + lead):
             if mb + 1 < len(gather_blocks):

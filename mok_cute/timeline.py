@@ -184,12 +184,9 @@ class Timeline:
         gemm = np.isin(work["task_type"], [int(t) for t in GEMM_TASK_TYPES])
         for key in sorted({(int(r), int(c)) for r, c in zip(work["rank"], work["cta_id"])}):
             on_cta = (work["rank"] == key[0]) & (work["cta_id"] == key[1])
-            other = work[on_cta & ~gemm]
-            other = other[np.argsort(other["start_ns"], kind="stable")]
-            tiles = work[on_cta & gemm]
-            if (np.any(other["start_ns"][1:] < other["end_ns"][:-1])
-                    or _max_overlap(tiles) > MAX_TILES_IN_FLIGHT
-                    or _intersection_measure(_union_of(work, on_cta & gemm), _union_of(work, on_cta & ~gemm)) > 0):
+            tiles, other = on_cta & gemm, on_cta & ~gemm
+            if (_max_overlap(work[other]) > 1 or _max_overlap(work[tiles]) > MAX_TILES_IN_FLIGHT
+                    or _intersection_measure(_union_of(work, tiles), _union_of(work, other)) > 0):
                 problems.append(f"rank {key[0]} CTA {key[1]}: tasks overlap (times not monotone)")
         expected = None if expected_task_ids is None else {(int(t), int(i)) for t, i in expected_task_ids}
         unique = {int(t) for t in unique_types}

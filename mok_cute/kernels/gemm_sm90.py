@@ -57,7 +57,8 @@ from mok_cute.kernels import common
 # The pingpong kernel: a tile's first k-block overwrites the accumulators (wgmma scale-d = 0)
 # instead of adding to zeros that 64 movs per thread wrote first. ptxas serialises the first
 # wgmmas around that zero fill (C7517, "warpgroup.wait is injected"); CUTLASS starts tiles this
-# way. Read when a kernel is built. Not yet timed on the H200: MOK_FIRST_MMA_OVERWRITES=1.
+# way. Read when a kernel is built. Measured on the H200 (run 39): bitwise equal, FC2 -2.4 %
+# to +2.1 %, less than a repeat's spread, so off. MOK_FIRST_MMA_OVERWRITES=1.
 FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
 # How the a_gather variant lands its A rows: "cp_async" (128 producer threads, 16-B copies
 # through the generic proxy, so the consumers fence the proxies per stage) or "tma" (one TMA
@@ -65,7 +66,10 @@ FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
 # the swizzled stage: TMA's 128B swizzle is a function of the smem address bits, so rows
 # loaded one by one land where a whole-tile load puts them; no generic proxy, no fence, no
 # LSU traffic). Why: FC1 gathering with cp.async ran as slow as the gather kernel it saves
-# (dsv3 4.65-4.89 ms against 4.71-4.77, run 20). Written in the sixth session, not yet run.
+# (dsv3 4.65-4.89 ms against 4.71-4.77, run 20). Measured in the seventh session (run 45):
+# "tma" is bitwise equal but no faster (dsv3 4.69 ms against 4.76 with cp.async rows and
+# 4.48 with the gather kernel; sonic and qwen3 slower): 128 row boxes per k-tile load the
+# TMA unit.
 GATHER_MODES = ("cp_async", "tma")
 
 TILE_M = 128
