@@ -165,6 +165,21 @@ run_gather() {
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 
+run_why() {
+  # recorded calls behind issue 4's two open gaps, task durations per type in each summary:
+  # mixtral's megakernel at R = 1 against its expert path (1.08-1.14x), and qwen3.5 at
+  # virtual R = 8 against R = 1 (1.26x, copy floor 1.13)
+  timeout -s KILL 100 python3 -m mok_cute.cli timeline --shape mixtral --mok-config check_ids=False \
+    --out "$out/mixtral_expert" 2>&1 | grep -E "busy|TFLOP|FC1|FC2|ms" | tail -8
+  timeout -s KILL 120 python3 -m mok_cute.cli timeline --shape mixtral --capacity 262144 \
+    --mok-config check_ids=False --mok-config backend=megakernel --out "$out/mixtral_mega" 2>&1 \
+    | grep -E "busy|TFLOP|FC1|FC2|ms" | tail -8
+  for r in 1 8; do
+    timeout -s KILL 120 python3 -m mok_cute.cli timeline --shape qwen3.5_397b --ranks $r \
+      --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel --out "$out/qwen35_r$r" 2>&1 \
+      | grep -E "busy|TFLOP|FC1|FC2|DISPATCH|COMBINE|KSUM|ms" | tail -10
+  done
+}
 run_gather_tasks() {
   # GATHER tasks at one rank (megakernel.GATHER_TASKS): bitwise tests, then the megakernel
   # with and without them against the expert path on the five single-GPU shapes
@@ -259,6 +274,7 @@ case "$what" in
   ep) run_ep "${2:-2}" ;;
   epdyn) run_ep_dynamic "${2:-2}" ;;
   gathertasks) run_gather_tasks ;;
+  why) run_why ;;
   all) run_tests; run_bench ;;
   *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac
