@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import threading
 
 import torch
@@ -137,6 +138,12 @@ DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the s
 # costs what the expert path's gather kernel does, spread over the compute CTAs). Written in
 # the seventh session, compile-checked only: MOK_GATHER_TASKS=1.
 GATHER_TASKS = experimental_switch("GATHER_TASKS", False)
+# 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
+# Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
+# warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
+# (mixtral, recorded in run 56: 512 KSUM tasks of 16 tokens, p50 16.6 us, 107 us after the
+# barrier for 0.2 GB, where the expert path's k-sum kernel takes ~70 us). MOK_KSUM_VECTORS=N.
+KSUM_VECTORS = int(os.environ.get("MOK_KSUM_VECTORS", "8"))
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -169,6 +176,7 @@ class PlanKey:
     defer_fc2_signals: bool = False  # DEFER_FC2_SIGNALS with local_only
     dynamic_tickets: bool = False  # DYNAMIC_TICKETS; over IPC only with DYNAMIC_TICKETS_IPC
     gather_tasks: bool = False  # GATHER_TASKS with local_only
+    ksum_vectors: int = 8  # KSUM_VECTORS
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -343,7 +351,7 @@ class Plan:
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma,
             defer_fc2_signals=k.defer_fc2_signals, dynamic_tickets=k.dynamic_tickets,
-            gather_tasks=k.gather_tasks)
+            gather_tasks=k.gather_tasks, ksum_vectors=k.ksum_vectors)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -566,7 +574,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   local_only, DIRECT_ROWS_BY_TMA and local_direct,
                   DEFER_FC2_SIGNALS and local_only,
                   DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC),
-                  GATHER_TASKS and local_only and not DIRECT_ROWS_BY_TMA)
+                  GATHER_TASKS and local_only and not DIRECT_ROWS_BY_TMA, KSUM_VECTORS)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -530,6 +530,26 @@ def test_dynamic_tickets_give_the_same_bits(R, ring, local_direct, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("R,K,E_loc,H,shared_inter", [(1, 1, 4, 576, 0), (1, 3, 4, 512, 128),
+                                                      (1, 8, 8, 576, 0), (3, 10, 4, 512, 128),
+                                                      (4, 2, 4, 576, 0)])
+def test_ksum_vectors_give_the_same_bits(R, K, E_loc, H, shared_inter, monkeypatch):
+    """megakernel.KSUM_VECTORS: more loads in flight per KSUM lane change the unroll of the
+    fixed-order k-sum, never its order: the same bits for K = 1..10, H not a multiple of the
+    unrolled step, with and without the shared expert, at one and at several ranks."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, H, 256, E_loc, K, shared_inter, seed=43, skew=True)
+    monkeypatch.setattr(megakernel, "KSUM_VECTORS", 8)
+    base = _run(args)
+    monkeypatch.setattr(megakernel, "KSUM_VECTORS", 16)
+    more = _run(args)
+    again = _run(args)
+    assert any(k.ksum_vectors == 16 for k in megakernel._PLANS)
+    assert torch.equal(more, base) and torch.equal(again, base)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,shared_inter,x_in_place", [(300, 128, True), (77, 0, False),
                                                       (1000, 0, True)])
 def test_gather_tasks_give_the_same_bits(T, shared_inter, x_in_place, monkeypatch):

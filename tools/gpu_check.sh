@@ -165,6 +165,19 @@ run_gather() {
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 
+run_ksum() {
+  # the one-rank megakernel with 1 comm CTA instead of 2 (the comm CTAs only run the barrier
+  # there) and its KSUM with 16 vectors in flight per lane (megakernel.KSUM_VECTORS): bitwise
+  # tests, then the five single-GPU shapes and two MoK shapes at virtual R = 8
+  gpu_tests_passed ksum_vectors "ksum_vectors" 150 || return 1
+  timeout -s KILL 240 python3 -u tools/megakernel_probe.py \
+    --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxk,1lwfxk,1lwfxku \
+    --no-gather --rounds 3 --out "$out" --json "$out/megakernel_probe_ksum.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
+  timeout -s KILL 180 python3 -u tools/megakernel_probe.py --shapes "" --virtual qwen3.5_397b,glm_5.2 \
+    --virtual-comm 12k,12ku --virtual-rounds 3 --out "$out" --json "$out/virtual_ksum.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-220
+}
 run_why() {
   # recorded calls behind issue 4's two open gaps, task durations per type in each summary:
   # mixtral's megakernel at R = 1 against its expert path (1.08-1.14x), and qwen3.5 at
@@ -275,6 +288,7 @@ case "$what" in
   epdyn) run_ep_dynamic "${2:-2}" ;;
   gathertasks) run_gather_tasks ;;
   why) run_why ;;
+  ksum) run_ksum ;;
   all) run_tests; run_bench ;;
   *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac

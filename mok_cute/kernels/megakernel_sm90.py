@@ -100,7 +100,8 @@ class MegakernelSm90:
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
                  rows_by_tma: bool = False, defer_fc2_signals: bool = False,
-                 dynamic_tickets: bool = False, gather_tasks: bool = False):
+                 dynamic_tickets: bool = False, gather_tasks: bool = False,
+                 ksum_vectors: int = 8):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -136,6 +137,10 @@ class MegakernelSm90:
         if gather_tasks and (not local_direct or rows_by_tma):
             raise ValueError("gather_tasks needs local_direct and not rows_by_tma")
         self.gather_tasks = gather_tasks
+        # KSUM: 16-B vectors in flight per consumer lane (k_sum_unroll). One CTA per SM runs it
+        # with 8 warps, so the k-sum is latency-bound unless each lane keeps many loads in
+        # flight; the consumers hold 224 registers, more than the standalone kernel's ~100.
+        self.ksum_vectors = ksum_vectors
         # FC1's producer gathers its A rows itself (cp.async or TMA row boxes)
         self.direct_rows = local_direct and not gather_tasks
         # cp.async rows land through the generic proxy: the consumers fence before wgmma
@@ -1271,7 +1276,7 @@ class MegakernelSm90:
         row_bytes = Int64(hidden) * 2
         row_begin = tasks[index, W_ROW_BEGIN]
         num_experts = cute.size(peer_bases, mode=[1]) * ctx.local_experts
-        unroll = k_sum_unroll(self.top_k)
+        unroll = k_sum_unroll(self.top_k, self.ksum_vectors)
         for t in cutlass.range(row_begin + warp, tasks[index, W_ROW_END], 8, unroll=1):
             # per token: the K weights and y-row addresses (0: routed nowhere, contributes 0)
             weights = cute.make_rmem_tensor((self.top_k,), Float32)
@@ -1430,12 +1435,13 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
                        rank_blocks: bool = False, rows_by_tma: bool = False,
                        defer_fc2_signals: bool = False, dynamic_tickets: bool = False,
-                       gather_tasks: bool = False, arch: str = "sm_90a", options: str = ""):
+                       gather_tasks: bool = False, ksum_vectors: int = 8, arch: str = "sm_90a",
+                       options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, rows_by_tma, defer_fc2_signals, dynamic_tickets,
-                        gather_tasks)
+                        gather_tasks, ksum_vectors)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32

@@ -74,10 +74,10 @@ def _mul_then_add_rn(acc: Float32, w: Float32, y: Float32, *, loc=None, ip=None)
     )
 
 
-def k_sum_unroll(K: int) -> int:
-    """Vector steps per lane loaded before any is summed: about 8 vectors (128 B) in flight
-    per lane without growing past ~100 registers."""
-    return max(1, 8 // K)
+def k_sum_unroll(K: int, vectors: int = 8) -> int:
+    """Vector steps per lane loaded before any is summed: about ``vectors`` 16-B vectors in
+    flight per lane (8: 128 B, without growing past ~100 registers)."""
+    return max(1, vectors // K)
 
 
 def k_sum_vector(ys: cute.Tensor, base: cute.Tensor, weights: cute.Tensor, u: int, K: int,
