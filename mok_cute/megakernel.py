@@ -92,8 +92,9 @@ X_IN_PLACE = experimental_switch("X_IN_PLACE", True)
 # where M-tiles are many (qwen3_30b, 1024 tiles: 2 comm CTAs 5.30 ms, 4: 3.33, run 31):
 # COMBINEs waiting on FC2 held up the DISPATCH signals FC1 waits for. Such plans now build
 # their list without comm tasks (tasks.build_task_list(comm_tasks=False), LOCAL_ONLY_TASKS),
-# so the comm CTAs run the barrier only; 2 (the simulator's pick too) until 1, 2 and 4 are
-# timed again.
+# so the comm CTAs run the barrier only; 2 (the simulator's pick too). 1 against 2 (one more
+# compute CTA, predicted -0.8 %) measured level within the probe's noise on the five shapes
+# (run 57: best of 3, -1.1 % to +0.6 %), so it stays 2.
 LOCAL_ONLY_COMM_CTAS = 2
 LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm tasks too
 # With LOCAL_DIRECT, FC1's A rows land by one TMA box per row (this rank's x or the ring)
@@ -142,8 +143,12 @@ GATHER_TASKS = experimental_switch("GATHER_TASKS", False)
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
 # (mixtral, recorded in run 56: 512 KSUM tasks of 16 tokens, p50 16.6 us, 107 us after the
-# barrier for 0.2 GB, where the expert path's k-sum kernel takes ~70 us). MOK_KSUM_VECTORS=N.
-KSUM_VECTORS = int(os.environ.get("MOK_KSUM_VECTORS", "8"))
+# barrier for 0.2 GB, where the expert path's k-sum kernel takes ~70 us). Measured 16 against 8
+# (run 57, bitwise equal; virtual probe, alternating rounds, median of 3): R = 1 qwen3.5_397b
+# 9.41 -> 8.97 ms, glm_5.2 20.31 -> 19.78; virtual R = 8 12.91 -> 12.78, 23.58 -> 22.96; one
+# GPU, best of 3: sonic_120b 10.78 -> 10.46, the other four shapes within the probe's noise.
+# MOK_KSUM_VECTORS=N.
+KSUM_VECTORS = int(os.environ.get("MOK_KSUM_VECTORS", "16"))
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -176,7 +181,7 @@ class PlanKey:
     defer_fc2_signals: bool = False  # DEFER_FC2_SIGNALS with local_only
     dynamic_tickets: bool = False  # DYNAMIC_TICKETS; over IPC only with DYNAMIC_TICKETS_IPC
     gather_tasks: bool = False  # GATHER_TASKS with local_only
-    ksum_vectors: int = 8  # KSUM_VECTORS
+    ksum_vectors: int = 16  # KSUM_VECTORS
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,

@@ -165,6 +165,24 @@ run_gather() {
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 
+run_virtual_bench() {
+  # the virtual R = 8 bench of record on MoK's four shapes (as run 51), then qwen3.5 at R = 8
+  # and the same problem at one rank (--t-scale 8: 16384 tokens, all 512 experts) recorded;
+  # the recordings go back as one tarball (a call returns at most 8 files)
+  timeout -s KILL 300 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
+    --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
+    --iters 10 --warmup 3 --rounds 2 --out "$out" --tag virtual_r8_ksum16 2>&1 | tail -12
+  local rec="$out/recordings"
+  mkdir -p "$rec"
+  for r in 8 1; do
+    local scale=$((8 / r))  # the same 16384 tokens at both
+    timeout -s KILL 120 python3 -m mok_cute.cli timeline --shape qwen3.5_397b --ranks $r --t-scale $scale \
+      --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel \
+      --out "$rec/qwen35_r$r" 2>&1 | grep -E "TFLOP|FC1 |FC2 |DISPATCH|COMBINE|KSUM|WAIT" | tail -10
+    rm -f "$rec/qwen35_r$r/timeline_trace.json" "$rec/qwen35_r$r/timeline.png"
+  done
+  tar -C "$out" -czf "$out/recordings.tgz" recordings && rm -rf "$rec"
+}
 run_ksum() {
   # the one-rank megakernel with 1 comm CTA instead of 2 (the comm CTAs only run the barrier
   # there) and its KSUM with 16 vectors in flight per lane (megakernel.KSUM_VECTORS): bitwise
@@ -289,6 +307,7 @@ case "$what" in
   gathertasks) run_gather_tasks ;;
   why) run_why ;;
   ksum) run_ksum ;;
+  virtualbench) run_virtual_bench ;;
   all) run_tests; run_bench ;;
   *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac

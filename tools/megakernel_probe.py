@@ -106,8 +106,8 @@ def restore(defaults: dict) -> None:
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 gather: bool = True, rounds: int = 1) -> dict:
     """The expert path, optionally its gather-in-FC1 variants, then every ``--comm`` spec of
-    the megakernel; with ``rounds`` > 1 all variants are timed again in turn (the clock drifts
-    within a process) and each row keeps every round's time and their minimum."""
+    the megakernel; with ``rounds`` > 1 all variants are timed again in turn, odd rounds in
+    reverse order (the clock drifts within a process) and each row keeps every round's time and their minimum."""
     p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
     i, flops = p.inputs, layer_flops(p)
     args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
@@ -133,7 +133,10 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         rows[spec] = {"spec": spec, "comm_ctas": sp["comm"]}
     try:
         for r in range(rounds):
-            for key, (setup, cfg) in variants.items():
+            # odd rounds in reverse: the clock drops as the GPU heats within a process, and the
+            # first variant of every round would otherwise always get the coolest slot (run 57)
+            order = list(variants.items())
+            for key, (setup, cfg) in (order if r % 2 == 0 else order[::-1]):
                 setup()
                 run = lambda cfg=cfg: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
                 row = rows[key]
