@@ -165,6 +165,15 @@ run_gather() {
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 
+run_virtual_comm() {
+  # comm CTAs at virtual R = 8: qwen3.5's recorded call (run 58) had its 12 comm CTAs ~87 %
+  # busy and FC1 paced by DISPATCH from 3 ms on (FC1 tiles 47 -> 76 us as M-tiles of one
+  # expert stopped running together); 12 was swept on dsv3 / sonic only
+  timeout -s KILL 420 python3 -u tools/megakernel_probe.py --shapes "" \
+    --virtual qwen3.5_397b,glm_5.2,kimi_k2.7 --virtual-comm 12k,16k,20k,24k --virtual-rounds 3 \
+    --out "$out" --json "$out/virtual_comm.json" 2>&1 | grep -v Warn \
+    | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
+}
 run_virtual_bench() {
   # the virtual R = 8 bench of record on MoK's four shapes (as run 51), then qwen3.5 at R = 8
   # and the same problem at one rank (--t-scale 8: 16384 tokens, all 512 experts) recorded;
@@ -308,6 +317,7 @@ case "$what" in
   why) run_why ;;
   ksum) run_ksum ;;
   virtualbench) run_virtual_bench ;;
+  virtualcomm) run_virtual_comm ;;
   all) run_tests; run_bench ;;
   *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac
