@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import os
 import threading
 
@@ -185,17 +186,44 @@ class PlanKey:
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
-                          local_direct: bool = False) -> int:
+                          local_direct: bool = False, intermediate: int = 0,
+                          shared_intermediate: int = 0) -> int:
     """With one peer and local_direct no row crosses a comm CTA: LOCAL_ONLY_COMM_CTAS.
     Otherwise the best point of the H200 sweeps on dsv3_ep8_rank and sonic_120b with every row
-    copied (runs 13–17 of docs/gpu_runs.md: 4, 6, 8, 12 and 16 comm CTAs; 12 was best on both).
-    A comm CTA moves about 30 GB/s of rows. On one GPU these measured values are used; the
-    simulator's tuner agrees at R = 1 with local rows in place (2) and picked 8 with every row
-    copied, measured 5.7 % slower than 12 (docs/sim.md). EP groups over NVLink use
-    ``tuned_config``."""
+    copied (runs 13–17 of docs/gpu_runs.md: 4, 6, 8, 12 and 16 comm CTAs; 12 was best on both),
+    raised to the split where the comm CTAs' copy time matches the compute CTAs' GEMM time
+    (``comm_compute_balance``) when that needs more: shapes with little compute per routed row
+    (small ``intermediate``) starve FC1 otherwise. Measured at virtual R = 8 (runs 59-60):
+    qwen3.5_397b 12 / 16 / 20 / 24 comm CTAs 13.21 / 11.59 / 12.07 / 12.20 ms (balance 16);
+    glm_5.2 12 / 16 23.88 / 24.55, kimi_k2.7 28.28 / 28.80, dsv4_pro 35.22 / 35.14 (balance
+    8, 8, 6: they keep 12). The simulator's tuner agrees at R = 1 with local rows in place (2)
+    and picked 8 with every row copied, measured 5.7 % slower than 12 (docs/sim.md). EP groups
+    over NVLink use ``tuned_config``."""
     if local_direct and num_peers == 1:
         return LOCAL_ONLY_COMM_CTAS
-    return max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
+    base = max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
+    if not intermediate:
+        return base
+    balance = comm_compute_balance(num_peers, hidden, intermediate, top_k, shared_intermediate,
+                                   num_sms, local_direct)
+    return min(num_sms // 4, max(base, balance))
+
+
+COMM_CTA_GBPS = 22.0  # row bytes one comm CTA copies per second, GB (qwen3.5 R = 8, run 58)
+COMPUTE_CTA_TFLOPS = 5.6  # one compute CTA's share of a ~740 TFLOP/s grouped GEMM
+
+
+def comm_compute_balance(num_peers: int, hidden: int, intermediate: int, top_k: int,
+                         shared_intermediate: int, num_sms: int, local_direct: bool) -> int:
+    """Comm CTAs c at which copying a routed row (dispatch + combine, remote rows only with
+    local_direct) on c CTAs takes as long as its GEMMs (and its share of the shared expert's)
+    on num_sms - c: c = num_sms * b / (1 + b), b = copy time / compute time per CTA. The
+    hidden size cancels: b grows as the intermediate size shrinks."""
+    remote = (num_peers - 1) / num_peers if local_direct else 1.0
+    copy_us = 2 * 2 * hidden * remote / (COMM_CTA_GBPS * 1e3)
+    compute_us = 6 * hidden * (intermediate + shared_intermediate / top_k) / (COMPUTE_CTA_TFLOPS * 1e6)
+    b = copy_us / compute_us
+    return math.ceil(num_sms * b / (1 + b))
 
 
 def fc1_lead_minibatches(compute_ctas: int, tiles_per_minibatch: int, fc1_n_tiles: int) -> int:
@@ -561,7 +589,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     minibatch, ring = resolve_sizes(config, capacity, T)
     local_direct = LOCAL_DIRECT and COMM_COPY == "vector" and ring >= capacity
     # one GPU (one rank, or virtual ranks sharing its HBM): the measured defaults
-    num_comm = config.num_comm_sms or default_num_comm_ctas(peers, H, K, num_sms, local_direct)
+    num_comm = config.num_comm_sms or default_num_comm_ctas(peers, H, K, num_sms, local_direct, I, Is)
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     local_only = LOCAL_ONLY_TASKS and local_direct and peers == 1  # no comm tasks

@@ -165,6 +165,20 @@ run_gather() {
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 
+run_final() {
+  # the megakernel's GPU tests with this session's defaults (KSUM_VECTORS 16, comm CTAs from
+  # the comm / compute balance), then the virtual R = 8 and the one-GPU benches of record
+  timeout -s KILL 180 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
+    tests/test_megakernel.py > "$out/test_megakernel.log" 2>&1
+  echo "megakernel tests rc=$?: $(tail -1 "$out/test_megakernel.log")"
+  grep -E "^FAILED" "$out/test_megakernel.log" | head -5
+  timeout -s KILL 150 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
+    --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
+    --iters 10 --warmup 3 --rounds 2 --out "$out" --tag virtual_r8_comm_balance 2>&1 | grep -E "│|json"
+  timeout -s KILL 220 python3 -m mok_cute.cli bench --shapes single \
+    --contenders mok_cute,mok_megakernel,torch_grouped_mm,cublas_8192 --mok-config check_ids=False \
+    --iters 20 --warmup 5 --rounds 3 --out "$out" --tag expert_kernels_ksum16 2>&1 | grep -E "│|json"
+}
 run_virtual_comm() {
   # comm CTAs at virtual R = 8: qwen3.5's recorded call (run 58) had its 12 comm CTAs ~87 %
   # busy and FC1 paced by DISPATCH from 3 ms on (FC1 tiles 47 -> 76 us as M-tiles of one
@@ -318,6 +332,7 @@ case "$what" in
   ksum) run_ksum ;;
   virtualbench) run_virtual_bench ;;
   virtualcomm) run_virtual_comm ;;
+  final) run_final ;;
   all) run_tests; run_bench ;;
   *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac
