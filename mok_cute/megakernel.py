@@ -35,6 +35,7 @@ from mok_cute.config import MoKConfig, experimental_switch
 TILE_M = 128
 FC1_TILE_N = 256  # = kernels.megakernel_sm90.FC1_TILE_N (gate + up columns of one FC1 tile)
 DEFAULT_COMM_CTAS = 12
+LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows
 # How comm CTAs move rows (kernels.megakernel_sm90.COPY_MODES); a module setting so tools
 # can time both in one process.
 COMM_COPY = "vector"
@@ -126,8 +127,10 @@ DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
 # 28.72 -> 25.12 / 28.52 -> 28.39, glm 21.52 -> 20.34 / 24.84 -> 23.72, qwen3.5 10.92 ->
 # 9.17 / 13.00 -> 12.87; one GPU, best of 3: dsv3 4.80 -> 4.68, mixtral 8.92 -> 8.84, qwen3
 # level. On for one GPU (one rank or virtual ranks). Over IPC it passed tools/ep_check.py on
-# two GPUs (runs 52-53, bitwise, emulated == real) but is not yet timed there, so it stays
-# off for groups until then (MOK_DYNAMIC_TICKETS_IPC=1). MOK_DYNAMIC_TICKETS=0 turns it off.
+# two GPUs (runs 52-53, bitwise, emulated == real); timed there in run 54 (two GPUs, one bench
+# per setting, static -> dynamic): kimi 8.33 -> 9.47 ms, glm 6.92 -> 7.40, qwen3.5 4.52 ->
+# 4.44, dsv4_pro 10.62 -> 9.68: mixed, so it stays off for groups (MOK_DYNAMIC_TICKETS_IPC=1).
+# MOK_DYNAMIC_TICKETS=0 turns it off.
 DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", True)
 DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the same over IPC
 # One rank without comm tasks: GATHER tasks on the compute CTAs copy each M-tile's x rows into
@@ -138,7 +141,10 @@ DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the s
 # on dsv3 (4.76 against 4.48 ms with the 0.24 ms gather kernel, run 45), and the one-rank
 # megakernel's FC1 gathers that way. Predicted: dsv3 -0.25 ms, sonic_120b -0.5 ms (the copy
 # costs what the expert path's gather kernel does, spread over the compute CTAs). Written in
-# the seventh session, compile-checked only: MOK_GATHER_TASKS=1.
+# the seventh session; measured in the eighth (run 55, best of 3, bitwise equal), without ->
+# with: dsv3 4.80 -> 5.06 ms, sonic_120b 11.32 -> 11.65, mixtral 9.10 -> 9.09, qwen3_30b 2.37
+# -> 3.18, gptoss 3.50 -> 3.66. Slower: the copy is not hidden (it runs on the compute CTAs
+# between GEMM tiles and waits for its own stores), so off. MOK_GATHER_TASKS=1.
 GATHER_TASKS = experimental_switch("GATHER_TASKS", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
@@ -193,15 +199,23 @@ def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
     copied (runs 13–17 of docs/gpu_runs.md: 4, 6, 8, 12 and 16 comm CTAs; 12 was best on both),
     raised to the split where the comm CTAs' copy time matches the compute CTAs' GEMM time
     (``comm_compute_balance``) when that needs more: shapes with little compute per routed row
-    (small ``intermediate``) starve FC1 otherwise. Measured at virtual R = 8 (runs 59-60):
-    qwen3.5_397b 12 / 16 / 20 / 24 comm CTAs 13.21 / 11.59 / 12.07 / 12.20 ms (balance 16);
-    glm_5.2 12 / 16 23.88 / 24.55, kimi_k2.7 28.28 / 28.80, dsv4_pro 35.22 / 35.14 (balance
-    8, 8, 6: they keep 12). The simulator's tuner agrees at R = 1 with local rows in place (2)
-    and picked 8 with every row copied, measured 5.7 % slower than 12 (docs/sim.md). EP groups
-    over NVLink use ``tuned_config``."""
+    (small ``intermediate``) starve FC1 otherwise. Several ranks with local rows in place copy
+    only the remote rows, and there the floor is LOCAL_DIRECT_COMM_CTAS. Measured at virtual
+    R = 8 (probe medians of 3 alternating rounds, every variant bitwise equal; runs 59-62):
+
+    | shape | balance | 10 | 12 | 16 | 20 | 24 |
+    | --- | --- | --- | --- | --- | --- | --- |
+    | qwen3.5_397b | 16 | | 13.21 | **11.59** | 12.07 | 12.20 |
+    | glm_5.2 | 8 | **23.07** | 23.53 (23.88) | (24.55) | | |
+    | kimi_k2.7 | 8 | 28.07 | **28.02** (28.28) | (28.80) | | |
+    | dsv4_pro | 6 | **33.85** | 34.43 (35.22) | (35.14) | | |
+
+    (parenthesised: run 60, the other columns run 62.) The simulator's tuner agrees at R = 1
+    with local rows in place (2) and picked 8 with every row copied, measured 5.7 % slower than
+    12 (docs/sim.md). EP groups over NVLink use ``tuned_config``."""
     if local_direct and num_peers == 1:
         return LOCAL_ONLY_COMM_CTAS
-    base = max(2, min(num_sms // 4, DEFAULT_COMM_CTAS))
+    base = max(2, min(num_sms // 4, LOCAL_DIRECT_COMM_CTAS if local_direct else DEFAULT_COMM_CTAS))
     if not intermediate:
         return base
     balance = comm_compute_balance(num_peers, hidden, intermediate, top_k, shared_intermediate,
