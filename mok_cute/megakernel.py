@@ -201,7 +201,7 @@ def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
     (``comm_compute_balance``) when that needs more: shapes with little compute per routed row
     (small ``intermediate``) starve FC1 otherwise. Several ranks with local rows in place copy
     only the remote rows, and there the floor is LOCAL_DIRECT_COMM_CTAS. Measured at virtual
-    R = 8 (probe medians of 3 alternating rounds, every variant bitwise equal; runs 59-62):
+    R = 8 (probe medians of 3 alternating rounds, every variant bitwise equal; runs 59, 60, 63):
 
     | shape | balance | 10 | 12 | 16 | 20 | 24 |
     | --- | --- | --- | --- | --- | --- | --- |
@@ -210,7 +210,7 @@ def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
     | kimi_k2.7 | 8 | 28.07 | **28.02** (28.28) | (28.80) | | |
     | dsv4_pro | 6 | **33.85** | 34.43 (35.22) | (35.14) | | |
 
-    (parenthesised: run 60, the other columns run 62.) The simulator's tuner agrees at R = 1
+    (parenthesised: run 60, the other columns run 63.) The simulator's tuner agrees at R = 1
     with local rows in place (2) and picked 8 with every row copied, measured 5.7 % slower than
     12 (docs/sim.md). EP groups over NVLink use ``tuned_config``."""
     if local_direct and num_peers == 1:

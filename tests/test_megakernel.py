@@ -692,7 +692,7 @@ def test_one_gpu_comm_split_is_the_simulators_pick():
         megakernel.LOCAL_ONLY_COMM_CTAS
     assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=False) == \
         megakernel.DEFAULT_COMM_CTAS
-    # virtual R = 8: glm gets the floor with local rows in place, 10 (better than 12, run 62);
+    # virtual R = 8: glm gets the floor with local rows in place, 10 (better than 12, run 63);
     # qwen3.5 (little compute per copied row) the comm / compute balance, 16, the best of
     # 12-24 measured (runs 59-60)
     assert megakernel.default_num_comm_ctas(8, 6144, 8, 132, True, 2048, 2048) == \
