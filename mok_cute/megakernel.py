@@ -156,6 +156,14 @@ GATHER_TASKS = experimental_switch("GATHER_TASKS", False)
 # GPU, best of 3: sonic_120b 10.78 -> 10.46, the other four shapes within the probe's noise.
 # MOK_KSUM_VECTORS=N.
 KSUM_VECTORS = int(os.environ.get("MOK_KSUM_VECTORS", "16"))
+# The compute consumers look up their next task (ticket, queue entry, task row, live-tile
+# count: dependent global loads) right after a GEMM task's mainloop instead of after its
+# epilogue and signal (kernels.megakernel_sm90's prefetch_next_task). Why: a recorded mixtral
+# call (run 56) spent 17.5 us of every ms per CTA between tasks against 2.2 in the expert
+# GEMM, which computes its next tile in registers. Predicted: ~1 % on mixtral, more on short
+# tiles (qwen3's FC2, 9 us). Written in the eighth session, compile-checked only; with it off
+# the kernel's SASS is unchanged. MOK_PREFETCH_NEXT_TASK=1.
+PREFETCH_NEXT_TASK = experimental_switch("PREFETCH_NEXT_TASK", False)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -189,6 +197,7 @@ class PlanKey:
     dynamic_tickets: bool = False  # DYNAMIC_TICKETS; over IPC only with DYNAMIC_TICKETS_IPC
     gather_tasks: bool = False  # GATHER_TASKS with local_only
     ksum_vectors: int = 16  # KSUM_VECTORS
+    prefetch_next_task: bool = False  # PREFETCH_NEXT_TASK
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -398,7 +407,8 @@ class Plan:
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma,
             defer_fc2_signals=k.defer_fc2_signals, dynamic_tickets=k.dynamic_tickets,
-            gather_tasks=k.gather_tasks, ksum_vectors=k.ksum_vectors)
+            gather_tasks=k.gather_tasks, ksum_vectors=k.ksum_vectors,
+            prefetch_next_task=k.prefetch_next_task)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -621,7 +631,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   local_only, DIRECT_ROWS_BY_TMA and local_direct,
                   DEFER_FC2_SIGNALS and local_only,
                   DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC),
-                  GATHER_TASKS and local_only and not DIRECT_ROWS_BY_TMA, KSUM_VECTORS)
+                  GATHER_TASKS and local_only and not DIRECT_ROWS_BY_TMA, KSUM_VECTORS,
+                  PREFETCH_NEXT_TASK)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

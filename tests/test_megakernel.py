@@ -168,6 +168,28 @@ def test_gather_tasks_variant_loads_fc1_tiles_by_tma(tmp_path):
                                            gather_tasks=True)
 
 
+@pytest.mark.parametrize("dynamic_tickets,num_ranks", [(True, 1), (False, 8)])
+def test_prefetch_next_task_variant_compiles_without_spills(dynamic_tickets, num_ranks, tmp_path):
+    """prefetch_next_task: the consumers' next-task lookup moves from after the signal to
+    between the mainloop and the epilogue; it compiles with the ring (dynamic tickets) and
+    with the static stride at several ranks, changes the code, and spills no more than
+    without it (the static stride at R > 1 has 4 + 4 bytes either way)."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=num_ranks, num_comm_ctas=2 if num_ranks == 1 else 12,
+                  local_direct=True, has_shared=True, rank_blocks=num_ranks > 1,
+                  dynamic_tickets=dynamic_tickets, ksum_vectors=16)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, prefetch_next_task=True, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+    assert on != off
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, prefetch_next_task=True)
+    rep_off = jit.inspect_kernel("megakernel", outdir=tmp_path, **static)
+    assert rep.spill_bytes <= rep_off.spill_bytes and rep.spill_bytes <= 8
+    assert rep.spill_bytes == 0 or not dynamic_tickets
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
@@ -547,6 +569,29 @@ def test_ksum_vectors_give_the_same_bits(R, K, E_loc, H, shared_inter, monkeypat
     again = _run(args)
     assert any(k.ksum_vectors == 16 for k in megakernel._PLANS)
     assert torch.equal(more, base) and torch.equal(again, base)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,dynamic", [(1, None, True), (1, None, False), (4, None, True),
+                                            (8, 256, True), (3, None, False)])
+def test_prefetched_next_task_gives_the_same_bits(R, ring, dynamic, monkeypatch):
+    """megakernel.PREFETCH_NEXT_TASK: the consumers look up their next task during the
+    epilogue; which task a CTA runs and in what order stay the same, so do the bits (skewed
+    routing, shared expert, K = 4, a wrapping ring, static and dynamic tickets, few CTAs)."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, 512, 256, 4, 4, 128, seed=47, skew=True)
+    sizes = {} if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", dynamic)
+    monkeypatch.setattr(megakernel, "PREFETCH_NEXT_TASK", False)
+    base = _run(args, **sizes)
+    monkeypatch.setattr(megakernel, "PREFETCH_NEXT_TASK", True)
+    prefetched = _run(args, **sizes)
+    again = _run(args, **sizes)
+    monkeypatch.setattr(megakernel, "_num_sms", lambda device: 8)  # 6 compute CTAs
+    few = _run(args, num_comm_sms=2, **sizes)
+    assert any(k.prefetch_next_task and k.num_ranks == R for k in megakernel._PLANS)
+    assert torch.equal(prefetched, base) and torch.equal(again, base) and torch.equal(few, base)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 # One call on the GPU host that checks everything GPU-side, each step under its own time limit
 # so a hung kernel costs minutes, not the whole lease. Logs and JSON go to $OUT (or ./out).
 #
-#   source .gpu/prelude.sh && bash tools/gpu_check.sh [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|ep N|all]
+#   source .gpu/prelude.sh && bash tools/gpu_check.sh MODE [N]   (modes below)
 #
 #   tests  pytest -m gpu, file by file, 120 s per test (pytest-timeout), 300 s per file
 #   bench  mok-cute bench on the five single-GPU shapes: mok_cute (default and check_ids=False),
@@ -42,6 +42,13 @@
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
 #          megakernel), then mok-cute bench --ep
+#   why    recorded mixtral (expert path, megakernel) and qwen3.5 (R = 1, virtual R = 8) calls
+#   ksum   one against two comm CTAs at one rank, 8 against 16 KSUM vectors per lane (KSUM_VECTORS)
+#   virtualbench  the virtual R = 8 bench of record, then qwen3.5 recorded at R = 8 and R = 1
+#   virtualcomm   virtual R = 8 at 12 / 16 / 20 / 24 comm CTAs (qwen3.5, glm, kimi)
+#   final  the megakernel's GPU tests, the virtual and the one-GPU benches of record
+#   prefetch  the consumers' next-task lookup during the epilogue (PREFETCH_NEXT_TASK): GPU
+#          tests, then the five single-GPU shapes and qwen3.5 / glm at virtual R = 8
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -165,6 +172,22 @@ run_gather() {
     | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
 }
 
+run_prefetch() {
+  # the consumers' next-task lookup during the epilogue (megakernel.PREFETCH_NEXT_TASK,
+  # written in the eighth session): bitwise tests, then the five single-GPU shapes and two
+  # MoK shapes at virtual R = 8 with and without it (this session's defaults otherwise)
+  gpu_tests_passed prefetch "prefetched_next_task" 150 || return 1
+  timeout -s KILL 240 python3 -u tools/megakernel_probe.py \
+    --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxku,2lwfxkup \
+    --no-gather --rounds 4 --out "$out" --json "$out/megakernel_probe_prefetch.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
+  for spec in "qwen3.5_397b 16ku,16kup" "glm_5.2 10ku,10kup"; do
+    set -- $spec
+    timeout -s KILL 120 python3 -u tools/megakernel_probe.py --shapes "" --virtual "$1" \
+      --virtual-comm "$2" --virtual-rounds 3 --out "$out" --json "$out/virtual_prefetch_$1.json" 2>&1 \
+      | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
+  done
+}
 run_final() {
   # the megakernel's GPU tests with this session's defaults (KSUM_VECTORS 16, comm CTAs from
   # the comm / compute balance), then the virtual R = 8 and the one-GPU benches of record
@@ -333,6 +356,7 @@ case "$what" in
   virtualbench) run_virtual_bench ;;
   virtualcomm) run_virtual_comm ;;
   final) run_final ;;
+  prefetch) run_prefetch ;;
   all) run_tests; run_bench ;;
   *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac

@@ -18,7 +18,8 @@ as before the sixth session), a ``t`` (with ``l``) FC1's rows by one TMA box eac
 the next task's mainloop (``megakernel.DEFER_FC2_SIGNALS``), a ``k`` dynamic compute tickets
 (``megakernel.DYNAMIC_TICKETS``), a ``g`` (one rank, ``l``) GATHER tasks copying x into the
 ring so FC1 loads whole tiles by TMA (``megakernel.GATHER_TASKS``), a ``u`` 16 vectors in flight per KSUM lane instead of 8
-(``megakernel.KSUM_VECTORS``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. Every megakernel output
+(``megakernel.KSUM_VECTORS``), a ``p`` the consumers' next-task lookup during the epilogue
+(``megakernel.PREFETCH_NEXT_TASK``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -61,7 +62,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcdgklntuwx]*)(?:f(\d*))?([bcdgklntuwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcdgklnptuwx]*)(?:f(\d*))?([bcdgklnptuwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -70,14 +71,14 @@ def parse_spec(spec: str) -> dict:
                 n_major="w" in flags, local_only_tasks="c" not in flags,
                 rows_by_tma="t" in flags, defer_fc2_signals="d" in flags,
                 dynamic_tickets="k" in flags, gather_tasks="g" in flags,
-                ksum_vectors=16 if "u" in flags else 8,
+                ksum_vectors=16 if "u" in flags else 8, prefetch_next_task="p" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
 SWITCHES = ("COMM_COPY", "LOCAL_DIRECT", "FC1_LEAD", "FC1_LEAD_MINIBATCHES", "X_IN_PLACE",
             "N_MAJOR_TILES", "LOCAL_ONLY_TASKS", "DIRECT_ROWS_BY_TMA", "DEFER_FC2_SIGNALS",
-            "DYNAMIC_TICKETS", "GATHER_TASKS", "KSUM_VECTORS")  # the megakernel module settings a spec sets
+            "DYNAMIC_TICKETS", "GATHER_TASKS", "KSUM_VECTORS", "PREFETCH_NEXT_TASK")  # the megakernel module settings a spec sets
 
 
 def apply_spec(sp: dict) -> None:
@@ -93,6 +94,7 @@ def apply_spec(sp: dict) -> None:
     megakernel.DYNAMIC_TICKETS = sp["dynamic_tickets"]
     megakernel.GATHER_TASKS = sp["gather_tasks"]
     megakernel.KSUM_VECTORS = sp["ksum_vectors"]
+    megakernel.PREFETCH_NEXT_TASK = sp["prefetch_next_task"]
     set_gathered_a_fence(sp["fence"])
 
 
@@ -196,12 +198,14 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
 def parse_virtual_spec(spec: str) -> dict:
     """``--virtual-comm`` entry: comm CTAs, then ``a`` = tickets alternate ranks task by task
     (RANK_BLOCKS off), ``k`` = dynamic compute tickets (DYNAMIC_TICKETS), ``u`` = 16 vectors
-    in flight per KSUM lane (KSUM_VECTORS)."""
-    m = re.fullmatch(r"(\d+)([aku]*)", spec)
+    in flight per KSUM lane (KSUM_VECTORS), ``p`` = next-task lookup during the epilogue
+    (PREFETCH_NEXT_TASK)."""
+    m = re.fullmatch(r"(\d+)([akpu]*)", spec)
     if not m:
         raise SystemExit(f"--virtual-comm: cannot read {spec!r} (e.g. 12, 12k, 12a)")
     return dict(comm=int(m.group(1)), rank_blocks="a" not in m.group(2),
-                dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8)
+                dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8,
+                prefetch_next_task="p" in m.group(2))
 
 
 def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> dict:
@@ -215,23 +219,30 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
     one = MoKConfig(check_ids=False, backend="megakernel")
     run_one = lambda: mok_cute.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up,  # noqa: E731
                                            p.w_down, shared=p.shared, config=one)
-    variants = {"r1": (run_one, dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8)),
-                "r1_dynamic": (run_one, dict(rank_blocks=True, dynamic_tickets=True, ksum_vectors=8))}
-    if any(parse_virtual_spec(s)["ksum_vectors"] != 8 for s in comms):
-        variants["r1_dynamic_ksum16"] = (run_one, dict(rank_blocks=True, dynamic_tickets=True,
-                                                       ksum_vectors=16))
+    def suffix(sp):
+        return (("" if sp["ksum_vectors"] == 8 else f"_ksum{sp['ksum_vectors']}")
+                + ("_prefetch" if sp["prefetch_next_task"] else ""))
+
+    # R = 1 with static tickets, then with dynamic tickets and each KSUM / prefetch setting the
+    # specs use (8 vectors, no prefetch always: the earlier probes' r1_dynamic)
+    base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, prefetch_next_task=False)
+    variants = {"r1": (run_one, base)}
+    for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
+        sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"],
+                  prefetch_next_task=sp["prefetch_next_task"])
+        variants.setdefault("r1_dynamic" + suffix(sw), (run_one, sw))
     for spec in comms:
         sp = parse_virtual_spec(spec)
         cfg = MoKConfig(check_ids=False, backend="megakernel", num_comm_sms=sp["comm"])
         run = lambda cfg=cfg: mok_cute.moe_forward_virtual(  # noqa: E731
             v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=cfg)
         key = (f"r{ranks}_comm{sp['comm']}" + ("" if sp["rank_blocks"] else "_alternating")
-               + ("_dynamic" if sp["dynamic_tickets"] else "")
-               + ("" if sp["ksum_vectors"] == 8 else f"_ksum{sp['ksum_vectors']}"))
+               + ("_dynamic" if sp["dynamic_tickets"] else "") + suffix(sp))
         variants[key] = (run, sp)
     times = {k: [] for k in variants}
     outs = {}
-    defaults = (megakernel.RANK_BLOCKS, megakernel.DYNAMIC_TICKETS, megakernel.KSUM_VECTORS)
+    defaults = (megakernel.RANK_BLOCKS, megakernel.DYNAMIC_TICKETS, megakernel.KSUM_VECTORS,
+                megakernel.PREFETCH_NEXT_TASK)
     try:
         for r in range(rounds):
             for key in (list(variants) if r % 2 == 0 else list(reversed(variants))):
@@ -239,6 +250,7 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
                 megakernel.RANK_BLOCKS = sw["rank_blocks"]
                 megakernel.DYNAMIC_TICKETS = sw["dynamic_tickets"]
                 megakernel.KSUM_VECTORS = sw["ksum_vectors"]
+                megakernel.PREFETCH_NEXT_TASK = sw["prefetch_next_task"]
                 if key not in outs:
                     outs[key] = run().clone()
                     torch.cuda.synchronize()
@@ -246,7 +258,8 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
                 times[key].append(gpu_ms(run, 3))
         megakernel.raise_pending_errors()
     finally:
-        megakernel.RANK_BLOCKS, megakernel.DYNAMIC_TICKETS, megakernel.KSUM_VECTORS = defaults
+        (megakernel.RANK_BLOCKS, megakernel.DYNAMIC_TICKETS, megakernel.KSUM_VECTORS,
+         megakernel.PREFETCH_NEXT_TASK) = defaults
     rows = []
     first_r = next(k for k in outs if k.startswith(f"r{ranks}_"))
     for key, ts in times.items():
