@@ -979,7 +979,7 @@ def command_line(argv: Sequence[str]) -> str:
     return shlex.join([*head, *process[1:]])
 
 
-def switches() -> dict[str, bool]:
+def switches() -> dict[str, bool | int]:
     """The experimental switches in force (``config.SWITCHES``), with every module that
     defines one imported first."""
     from mok_cute import config, megakernel, ops, schedule  # noqa: F401  (they register theirs)

@@ -24,6 +24,7 @@ __all__ = [
     "check_expert_ids",
     "PendingIdCheck",
     "describe",
+    "experimental_setting",
     "experimental_switch",
 ]
 
@@ -32,7 +33,7 @@ BACKENDS = ("auto", "kernel", "megakernel", "reference")
 
 # Every experimental switch's value in this process, by environment variable name: benchmark
 # JSONs record it, so a result says which code it timed.
-SWITCHES: dict[str, bool] = {}
+SWITCHES: dict[str, bool | int] = {}
 
 
 def experimental_switch(name: str, default: bool) -> bool:
@@ -50,6 +51,25 @@ def experimental_switch(name: str, default: bool) -> bool:
         raise ValueError(f"MOK_{name}: expected 0 or 1, got {value!r}")
     SWITCHES[f"MOK_{name}"] = on
     return on
+
+
+def experimental_setting(name: str, default: int, low: int, high: int) -> int:
+    """An integer implementation setting, like ``experimental_switch``: ``MOK_<NAME>=N`` with
+    ``low <= N <= high`` overrides it for the process, and benchmark JSONs record it."""
+    import os
+
+    value = os.environ.get(f"MOK_{name}")
+    if value is None or value == "":
+        n = default
+    else:
+        try:
+            n = int(value)
+        except ValueError:
+            n = low - 1
+        if not low <= n <= high:
+            raise ValueError(f"MOK_{name}: expected an integer in [{low}, {high}], got {value!r}")
+    SWITCHES[f"MOK_{name}"] = n
+    return n
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,13 +24,12 @@ import collections
 import dataclasses
 import functools
 import math
-import os
 import threading
 
 import torch
 
 from mok_cute import jit, tasks as tasks_mod
-from mok_cute.config import MoKConfig, experimental_switch
+from mok_cute.config import MoKConfig, experimental_setting, experimental_switch
 
 TILE_M = 128
 FC1_TILE_N = 256  # = kernels.megakernel_sm90.FC1_TILE_N (gate + up columns of one FC1 tile)
@@ -155,7 +154,7 @@ GATHER_TASKS = experimental_switch("GATHER_TASKS", False)
 # 9.41 -> 8.97 ms, glm_5.2 20.31 -> 19.78; virtual R = 8 12.91 -> 12.78, 23.58 -> 22.96; one
 # GPU, best of 3: sonic_120b 10.78 -> 10.46, the other four shapes within the probe's noise.
 # MOK_KSUM_VECTORS=N.
-KSUM_VECTORS = int(os.environ.get("MOK_KSUM_VECTORS", "16"))
+KSUM_VECTORS = experimental_setting("KSUM_VECTORS", 16, 1, 64)
 # The compute consumers look up their next task (ticket, queue entry, task row, live-tile
 # count: dependent global loads) right after a GEMM task's mainloop instead of after its
 # epilogue and signal (kernels.megakernel_sm90's prefetch_next_task). Why: a recorded mixtral

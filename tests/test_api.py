@@ -476,3 +476,18 @@ def test_experimental_switches_read_mok_environment_variables(monkeypatch):
     monkeypatch.setenv("MOK_SOME_SWITCH", "on")
     with pytest.raises(ValueError, match="MOK_SOME_SWITCH"):
         experimental_switch("SOME_SWITCH", False)
+
+
+def test_experimental_settings_read_bounded_integers(monkeypatch):
+    from mok_cute.config import SWITCHES, experimental_setting
+
+    monkeypatch.delenv("MOK_SOME_SETTING", raising=False)
+    assert experimental_setting("SOME_SETTING", 16, 1, 64) == 16
+    monkeypatch.setenv("MOK_SOME_SETTING", "8")
+    assert experimental_setting("SOME_SETTING", 16, 1, 64) == 8
+    assert SWITCHES["MOK_SOME_SETTING"] == 8  # recorded for the benchmark JSONs
+    for bad in ("0", "65", "eight", "8.0"):
+        monkeypatch.setenv("MOK_SOME_SETTING", bad)
+        with pytest.raises(ValueError, match="MOK_SOME_SETTING.*\\[1, 64\\]"):
+            experimental_setting("SOME_SETTING", 16, 1, 64)
+    SWITCHES.pop("MOK_SOME_SETTING", None)
