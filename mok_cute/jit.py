@@ -64,6 +64,9 @@ KERNELS: dict[str, KernelSpec] = {
     "gather_rows": KernelSpec(
         "mok_cute.kernels.token_ops", "compile_gather_rows", {},
         "rows of x into expert-sorted order, 16-byte vectors, index -1 -> zero row"),
+    "scatter_rows": KernelSpec(
+        "mok_cute.kernels.token_ops", "compile_scatter_rows", {"K": 8},
+        "x rows into expert-sorted order token-major: each row read once, written to its K rows"),
     "weighted_ksum": KernelSpec(
         "mok_cute.kernels.token_ops", "compile_weighted_ksum", {"K": 8, "has_shared": True},
         "fixed-order fp32 k-sum plus shared expert, rounded once to bf16"),

@@ -27,6 +27,14 @@ GATHER_IN_FC1 = experimental_switch("GATHER_IN_FC1", False)
 # proxy, no fence, no LSU traffic) instead of cp.async. Measured (run 45): bitwise equal, no
 # faster than cp.async rows and slower than the gather kernel, so off. MOK_GATHER_BY_TMA=1.
 GATHER_BY_TMA = experimental_switch("GATHER_BY_TMA", False)
+# x into expert order token-major (token_ops.scatter_rows: each x row read once, written to
+# its K rows) instead of the gather (each of the K rows reads its x row). Why: x does not fit
+# in L2 on dsv3_ep8_rank (59 MB) or sonic_120b (268 MB), so the gather reads every row K times
+# from HBM: 0.94 GB for dsv3 (0.24 ms measured, run 47), where the scatter moves 0.53 GB.
+# Predicted: dsv3 -0.1 ms, sonic_120b -0.18 ms. Padding rows are left unwritten (their FC1 /
+# FC2 rows are never read). Written in the eighth session, compile-checked only:
+# MOK_SCATTER_X=1.
+SCATTER_X = experimental_switch("SCATTER_X", False)
 # FC2 on the pingpong GEMM (128-wide tiles, the two consumer warpgroups alternating tiles so
 # one's epilogue hides behind the other's mainloop), where FC2's K (the expert's intermediate
 # size) is short enough for the epilogue to matter. Measured on the H200 (fifth session,
@@ -180,9 +188,15 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     # caller vouches for them (check_ids=False): the schedule skips its own host read
     sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
                                              tile_m=TILE_M, validate=False)
+    # the row of each (token, k) slot: the scatter's destinations and the k-sum's sources
+    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
     if GATHER_IN_FC1:
         y = expert_mlp(x, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline,
                        row_index=sched.row_token)
+    elif SCATTER_X:
+        x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        token_ops.scatter_rows(x, row_of_slot, x_rows)
+        y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
     else:
         x_rows = token_ops.gather_rows(x, sched.row_token)
         y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
@@ -197,7 +211,6 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
                                  ws_down.unsqueeze(0), zeros, count, timeline, shared=True)
 
     # the k-sum reads each (token, k) expert row where FC2 left it: no permuted copy of y
-    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
     out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
     if recorder is not None:
         from mok_cute.timeline import set_last

@@ -56,7 +56,7 @@ def test_registered_kernel_compiles_for_sm90a_without_spills(name, reports):
     assert rep.launches and all(l["block"][0] > 0 for l in rep.launches)
 
 
-@pytest.mark.parametrize("name", ["gather_rows", "weighted_ksum"])
+@pytest.mark.parametrize("name", ["gather_rows", "scatter_rows", "weighted_ksum"])
 def test_token_ops_move_rows_as_16_byte_vectors(name, reports):
     rep = reports(name)
     assert rep.mix["ld.global.128b"] > 0 and rep.mix["st.global.128b"] > 0
@@ -66,6 +66,14 @@ def test_token_ops_move_rows_as_16_byte_vectors(name, reports):
     for forbidden in ("atom", "red", "ld.local/st.local"):
         assert rep.mix[forbidden] == 0, (forbidden, rep.mix)
     assert rep.warnings == []
+
+
+def test_scatter_rows_reads_a_row_once_and_writes_it_k_times(reports):
+    rep = reports("scatter_rows")
+    k = rep.static["K"]
+    # one index load per k; per vector step, each 16-byte load is stored once per k
+    assert rep.mix["ld.global.32b"] == k
+    assert rep.mix["st.global.128b"] == k * rep.mix["ld.global.128b"]
 
 
 def test_weighted_ksum_rounds_product_then_sum_without_fma(reports):
@@ -80,7 +88,7 @@ def test_weighted_ksum_rounds_product_then_sum_without_fma(reports):
 
 
 def test_token_ops_compile_offline_for_sm100a(ptx_dir):
-    for name in ("gather_rows", "weighted_ksum"):
+    for name in ("gather_rows", "scatter_rows", "weighted_ksum"):
         rep = jit.inspect_kernel(name, "sm_100a", ptx_dir)
         assert rep.arch == "sm_100a"
         assert re.search(r"^\.target sm_100a", open(rep.ptx_path).read(), re.M)

@@ -82,7 +82,56 @@ def test_weighted_ksum_argument_errors(gen):
         token_ops.weighted_ksum(y, w)
 
 
+def test_scatter_rows_ref_is_the_gather_given_the_inverse_map(gen):
+    """Scattering x by each slot's row gives the gather by each row's token on every named
+    row; rows no slot names keep what they held."""
+    T, K, H, rows_total = 6, 3, 16, 24
+    src = _randn(gen, T, H)
+    perm = torch.randperm(rows_total, generator=gen)[: T * K].to(torch.int32)
+    perm[4] = -1  # a slot routed nowhere
+    index = torch.full((rows_total,), -1, dtype=torch.int32)  # row -> token, -1 = padding
+    for slot, row in enumerate(perm.tolist()):
+        if row >= 0:
+            index[row] = slot // K
+    fill = _randn(gen, rows_total, H)
+    out = token_ops.scatter_rows_ref(src, perm, fill.clone())
+    gathered = token_ops.gather_rows_ref(src, index)
+    named = index >= 0
+    assert torch.equal(out[named], gathered[named]) and torch.equal(out[~named], fill[~named])
+
+
+def test_scatter_rows_argument_errors(gen):
+    src, out = _randn(gen, 4, 16), _randn(gen, 10, 16)
+    rows = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(TypeError, match="src must be bfloat16"):
+        token_ops.scatter_rows(src.float(), rows, out)
+    with pytest.raises(ValueError, match="out must have 16 columns"):
+        token_ops.scatter_rows(src, rows, _randn(gen, 10, 24))
+    with pytest.raises(TypeError, match="rows must be int32 or int64"):
+        token_ops.scatter_rows(src, rows.float(), out)
+    with pytest.raises(ValueError, match="rows must be 1-D"):
+        token_ops.scatter_rows(src, rows.view(2, 4), out)
+    with pytest.raises(ValueError, match="rows must hold K rows per source row"):
+        token_ops.scatter_rows(src, rows[:7], out)
+    with pytest.raises(ValueError, match=r"K = 17 rows per source row"):
+        token_ops.scatter_rows(src, torch.zeros(4 * 17, dtype=torch.int32), out)
+    with pytest.raises(ValueError, match="src must be a CUDA tensor"):
+        token_ops.scatter_rows(src, rows, out)
+
+
+def test_scatter_rows_hands_the_kernel_addresses_and_extents(gen):
+    from mok_cute import jit
+
+    src, rows, out = _randn(gen, 12, 64), torch.zeros(24, dtype=torch.int32), torch.empty(40, 64, dtype=bf16)
+    compiled = jit.compile_kernel("scatter_rows", "sm_90a", K=2)
+    u64, i32 = _marshalled(compiled, token_ops._scatter_rows_args(src, rows, out))
+    assert u64[:3] == [src.data_ptr(), rows.data_ptr(), out.data_ptr()]
+    assert i32[3:6] == [12, 40, 64 // 8]
+
+
 def test_kernel_config_errors():
+    with pytest.raises(ValueError, match="K must be an int in"):
+        token_ops.ScatterRows(K=0)
     with pytest.raises(ValueError, match="K must be an int in"):
         token_ops.WeightedKSum(K=0, has_shared=False)
     with pytest.raises(ValueError, match="K must be an int in"):
@@ -160,6 +209,28 @@ def test_gather_rows_matches_reference(gen, num_rows, H):
     assert torch.equal(out, ref)  # a copy is exact, padding rows are zeros, no NaN left
     again = token_ops.gather_rows(src, index.long())  # int64 index, fresh output
     assert torch.equal(again, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,K", [(1, 1), (77, 3), (1000, 8), (300, 10)])
+@pytest.mark.parametrize("H", [8, 576, 7168])
+def test_scatter_rows_matches_reference(gen, T, K, H):
+    """Every named row gets its token's row bitwise; padding rows, and rows only an
+    out-of-range slot names, keep the poison; int64 rows give the same bits."""
+    dev = "cuda"
+    rows_total = T * K + 130
+    src = _randn(gen, T, H, device=dev)
+    rows = torch.randperm(rows_total, generator=gen)[: T * K].to(torch.int32)
+    rows[::7] = -1  # routed nowhere
+    if T * K > 3:
+        rows[1] = rows_total + 5  # out of range: skipped
+    rows = rows.to(dev)
+    out = _poisoned((rows_total, H), dev)
+    token_ops.scatter_rows(src, rows, out)
+    ref = token_ops.scatter_rows_ref(src, rows, _poisoned((rows_total, H), dev))
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+    again = token_ops.scatter_rows(src, rows.long(), _poisoned((rows_total, H), dev))
+    assert torch.equal(again.nan_to_num(), out.nan_to_num())
 
 
 @pytest.mark.gpu

@@ -47,8 +47,9 @@
 #   virtualbench  the virtual R = 8 bench of record, then qwen3.5 recorded at R = 8 and R = 1
 #   virtualcomm   virtual R = 8 at 12 / 16 / 20 / 24 comm CTAs (qwen3.5, glm, kimi)
 #   final  the megakernel's GPU tests, the virtual and the one-GPU benches of record
-#   prefetch  the consumers' next-task lookup during the epilogue (PREFETCH_NEXT_TASK): GPU
-#          tests, then the five single-GPU shapes and qwen3.5 / glm at virtual R = 8
+#   prefetch  the consumers' next-task lookup during the epilogue (PREFETCH_NEXT_TASK) and the
+#          expert path's x scatter (SCATTER_X): GPU tests, then the five single-GPU shapes and
+#          qwen3.5 / glm at virtual R = 8
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -173,13 +174,18 @@ run_gather() {
 }
 
 run_prefetch() {
-  # the consumers' next-task lookup during the epilogue (megakernel.PREFETCH_NEXT_TASK,
-  # written in the eighth session): bitwise tests, then the five single-GPU shapes and two
-  # MoK shapes at virtual R = 8 with and without it (this session's defaults otherwise)
+  # the consumers' next-task lookup during the epilogue (megakernel.PREFETCH_NEXT_TASK) and
+  # the expert path's token-major x scatter (ops.SCATTER_X), both written in the eighth
+  # session: bitwise tests, then the five single-GPU shapes (expert path with and without the
+  # scatter, megakernel with and without the prefetch) and two MoK shapes at virtual R = 8
+  timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
+    tests/test_token_ops.py tests/test_moe_forward_gpu.py -k "scatter" > "$out/test_scatter.log" 2>&1
+  echo "scatter tests rc=$?: $(tail -1 "$out/test_scatter.log")"
+  grep -E "^FAILED" "$out/test_scatter.log" | head -5
   gpu_tests_passed prefetch "prefetched_next_task" 150 || return 1
   timeout -s KILL 240 python3 -u tools/megakernel_probe.py \
     --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxku,2lwfxkup \
-    --no-gather --rounds 4 --out "$out" --json "$out/megakernel_probe_prefetch.json" 2>&1 \
+    --no-gather --scatter --rounds 4 --out "$out" --json "$out/megakernel_probe_prefetch.json" 2>&1 \
     | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
   for spec in "qwen3.5_397b 16ku,16kup" "glm_5.2 10ku,10kup"; do
     set -- $spec

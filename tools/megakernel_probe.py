@@ -106,7 +106,7 @@ def restore(defaults: dict) -> None:
 
 
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
-                gather: bool = True, rounds: int = 1) -> dict:
+                gather: bool = True, rounds: int = 1, scatter: bool = False) -> dict:
     """The expert path, optionally its gather-in-FC1 variants, then every ``--comm`` spec of
     the megakernel; with ``rounds`` > 1 all variants are timed again in turn, odd rounds in
     reverse order (the clock drifts within a process) and each row keeps every round's time and their minimum."""
@@ -128,6 +128,9 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 setattr(ops, "GATHER_IN_FC1", True), setattr(ops, "GATHER_BY_TMA", by_tma),
                 set_gathered_a_fence(fence)), base)
             rows[key] = {"variant": key}
+    if scatter:  # the expert path with x put in expert order token-major (ops.SCATTER_X)
+        variants["expert_kernels_scatter_x"] = (lambda: setattr(ops, "SCATTER_X", True), base)
+        rows["expert_kernels_scatter_x"] = {"variant": "expert_kernels_scatter_x"}
     for spec in comms:
         sp = parse_spec(spec)
         cfg = MoKConfig(check_ids=False, num_comm_sms=sp["comm"], backend="megakernel")
@@ -168,9 +171,9 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
-                ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = False
+                ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = ops.SCATTER_X = False
     finally:
-        ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = False
+        ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = ops.SCATTER_X = False
         restore(defaults)
     rows = list(rows.values())
     for row in rows:
@@ -283,6 +286,8 @@ def main(argv=None) -> int:
                     help="a --comm spec: record one call of it (mok-cute timeline --from)")
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the expert path's gather-in-FC1 variants")
+    ap.add_argument("--scatter", action="store_true",
+                    help="add the expert path with x put in order token-major (ops.SCATTER_X)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",
@@ -292,14 +297,15 @@ def main(argv=None) -> int:
     ap.add_argument("--virtual-comm", default="12,12k",
                     help="comm CTAs, then a = alternating ticket walk (RANK_BLOCKS off), "
                          "k = dynamic compute tickets (DYNAMIC_TICKETS), u = 16 KSUM vectors "
-                         "in flight per lane (KSUM_VECTORS)")
+                         "in flight per lane (KSUM_VECTORS), p = next-task lookup during the "
+                         "epilogue (PREFETCH_NEXT_TASK)")
     ap.add_argument("--virtual-rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out, not a.no_gather,
-                                  a.rounds) for s in a.shapes.split(",") if s]}
+                                  a.rounds, a.scatter) for s in a.shapes.split(",") if s]}
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","), a.virtual_rounds)
                           for s in a.virtual.split(",")]

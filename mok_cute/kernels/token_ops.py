@@ -1,4 +1,5 @@
-"""Token-row kernels of the one-GPU MoE path: row gather and the fixed-order weighted k-sum.
+"""Token-row kernels of the one-GPU MoE path: row gather or scatter, and the fixed-order
+weighted k-sum.
 
 Both kernels are memory bound. They move rows of bf16 as 16-byte vectors (8 elements, one
 ``ld.global.v4.b32`` / ``st.global.v4.b32`` each), use one warp per row, a small block of rows
@@ -9,6 +10,14 @@ per CTA, and no atomics, so every output element is written by exactly one threa
     outside ``[0, src_rows)`` (the schedule marks padding rows with ``-1``) are written as
     zeros. ``num_rows`` is the static capacity from shapes; the index is read on the device,
     so there is no host sync. Used to permute ``x`` into expert-sorted, tile-padded order.
+
+``ScatterRows``
+    ``dst[rows[t*K + k], :] = src[t, :]`` for every slot with a row (``rows[...]`` in
+    ``[0, dst_rows)``). The same permutation as ``GatherRows`` given the inverse map (the
+    schedule's row of each slot), but token-major: each source row is read once and written K
+    times, where the gather reads it once per destination. When ``src`` does not fit in L2
+    (dsv3_ep8_rank's x is 59 MB, sonic_120b's 268 MB) that is K - 1 fewer reads of every row
+    from HBM. Rows that no slot names (the tile padding) are not written.
 
 ``WeightedKSum``
     ``out[t, :] = bf16(acc)`` with ``acc = fp32(shared[t, :])`` (or ``0``) and then, for
@@ -22,10 +31,10 @@ Constraints: bf16 rows, ``H % 8 == 0``, 16-byte aligned base pointers, contiguou
 tensors; ``K`` is a compile-time constant in ``[1, 16]``.
 
 Each kernel has a tensor-free compile function built on placeholder pointers
-(``compile_gather_rows``, ``compile_weighted_ksum``; no GPU needed, registered in
-``mok_cute.jit.KERNELS``), a torch-tensor entry point (``gather_rows``, ``weighted_ksum``)
-that launches the cached compiled kernel on the current stream, and a PyTorch reference
-beside it (``gather_rows_ref``, ``weighted_ksum_ref``).
+(``compile_gather_rows``, ``compile_scatter_rows``, ``compile_weighted_ksum``; no GPU needed,
+registered in ``mok_cute.jit.KERNELS``), a torch-tensor entry point (``gather_rows``,
+``scatter_rows``, ``weighted_ksum``) that launches the cached compiled kernel on the current
+stream, and a PyTorch reference beside it (``*_ref``).
 
 Run on a GPU host::
 
@@ -187,6 +196,75 @@ class GatherRows:
                             cute.copy(atom, frag[None, u], mDst[None, v0 + 32 * u, row])
 
 
+class ScatterRows:
+    """``dst[rows[t*K + k]] = src[t]`` for every slot with a row in ``[0, dst_rows)``.
+
+    One warp per source row: each lane loads ``unroll`` 16-byte vectors of the row, then
+    stores them to each of the row's K destinations, so the row is read once."""
+
+    def __init__(self, K: int, num_warps: int = 4, unroll: int = 4):
+        if not isinstance(K, int) or not 1 <= K <= MAX_K:
+            raise ValueError(f"K must be an int in [1, {MAX_K}], got {K!r}")
+        self.K = K
+        self.num_warps = num_warps
+        self.unroll = unroll
+        self.num_threads = None
+
+    def _setup_attributes(self):
+        self.num_threads = 32 * self.num_warps
+
+    @cute.jit
+    def __call__(
+        self,
+        src: cute.Pointer,
+        rows: cute.Pointer,
+        dst: cute.Pointer,
+        num_tokens: Int32,
+        dst_rows: Int32,
+        h_vecs: Int32,
+        stream: cuda_driver.CUstream,
+    ):
+        self._setup_attributes()
+        mSrc = _row_vectors(src, h_vecs, num_tokens)
+        mDst = _row_vectors(dst, h_vecs, dst_rows)
+        mRows = cute.make_tensor(rows, cute.make_layout(num_tokens * self.K))
+        grid_x = (num_tokens + self.num_warps - 1) // self.num_warps
+        self.kernel(mSrc, mRows, mDst, num_tokens, dst_rows, h_vecs).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mSrc: cute.Tensor,
+        mRows: cute.Tensor,
+        mDst: cute.Tensor,
+        num_tokens: Int32,
+        dst_rows: Int32,
+        h_vecs: Int32,
+    ):
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        atom = _vector_copy_atom()
+        token = bidx * self.num_warps + warp
+        if token < num_tokens:
+            dst_row = cute.make_rmem_tensor((self.K,), Int32)
+            for k in cutlass.range_constexpr(self.K):
+                row = mRows[token * self.K + k]
+                dst_row[k] = cutlass.select_(row >= 0 and row < dst_rows, row, Int32(-1))
+            for v0 in cutlass.range(lane, h_vecs, 32 * self.unroll):
+                frag = cute.make_rmem_tensor((VEC_ELEMS, self.unroll), BFloat16)
+                for u in cutlass.range_constexpr(self.unroll):
+                    if v0 + 32 * u < h_vecs:
+                        cute.copy(atom, mSrc[None, v0 + 32 * u, token], frag[None, u])
+                for k in cutlass.range_constexpr(self.K):
+                    if dst_row[k] >= 0:
+                        for u in cutlass.range_constexpr(self.unroll):
+                            if v0 + 32 * u < h_vecs:
+                                cute.copy(atom, frag[None, u], mDst[None, v0 + 32 * u, dst_row[k]])
+
+
 class WeightedKSum:
     """``out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(y[t*K+k]))``, ascending k.
 
@@ -308,6 +386,23 @@ def compile_gather_rows(arch: str = "sm_90a", *, options: str = "", num_warps: i
     )
 
 
+def compile_scatter_rows(arch: str = "sm_90a", *, options: str = "", K: int = 8,
+                         num_warps: int = 4, unroll: int = 4):
+    """Compile ``ScatterRows`` for ``arch`` and a static ``K`` without a GPU or tensors."""
+    op = ScatterRows(K=K, num_warps=num_warps, unroll=unroll)
+    return cute.compile(
+        op,
+        _placeholder_ptr(BFloat16, 16),
+        _placeholder_ptr(Int32, 4),
+        _placeholder_ptr(BFloat16, 16),
+        Int32(1),
+        Int32(1),
+        Int32(1),
+        cute.runtime.make_fake_stream(),
+        options=jit.compile_options(arch, options),
+    )
+
+
 def compile_weighted_ksum(arch: str = "sm_90a", *, options: str = "", K: int = 8,
                           has_shared: bool = False, num_warps: int = 4, gather: bool = False):
     """Compile ``WeightedKSum`` for ``arch`` and a static ``K`` without a GPU or tensors."""
@@ -412,6 +507,64 @@ def _gather_rows_args(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor)
         _ptr(out, BFloat16, 16),
         Int32(src.shape[0]),
         Int32(index.shape[0]),
+        Int32(src.shape[1] // VEC_ELEMS),
+    )
+
+
+def scatter_rows_ref(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """PyTorch reference of ``scatter_rows``: ``out[rows[t*K+k]] = src[t]`` for rows in range;
+    ``out``'s other rows are kept. Returns ``out``."""
+    K = rows.shape[0] // max(1, src.shape[0])
+    rows = rows.long()
+    valid = (rows >= 0) & (rows < out.shape[0])
+    token = torch.arange(rows.shape[0], device=rows.device) // max(1, K)
+    out[rows[valid]] = src[token[valid]]
+    return out
+
+
+def scatter_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[rows[t*K + k]] = src[t]`` on the GPU for every slot whose row is in
+    ``[0, out.shape[0])`` (``-1``: routed nowhere); other rows of ``out`` are not written.
+    ``rows`` is int32 or int64 of length ``T * K`` (the schedule's row of each slot: rows are
+    distinct, so every element is written by one thread). No host sync. Returns ``out``."""
+    _check_rows("src", src)
+    _check_rows("out", out, cols=src.shape[1])
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dim() != 1:
+        raise ValueError(f"rows must be 1-D [T * K], got shape {tuple(rows.shape)}")
+    if rows.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"rows must be int32 or int64, got {rows.dtype}")
+    num_tokens = src.shape[0]
+    if (rows.shape[0] % num_tokens if num_tokens else rows.shape[0]):
+        raise ValueError(f"rows must hold K rows per source row (a multiple of "
+                         f"src.shape[0]={num_tokens}), got {rows.shape[0]}")
+    if num_tokens == 0:
+        return out
+    K = rows.shape[0] // num_tokens
+    if not 1 <= K <= MAX_K:
+        raise ValueError(f"rows: K = {K} rows per source row, must be in [1, {MAX_K}]")
+    device = src.device
+    _check_device("src", src, device)
+    _check_device("out", out, device)
+    if rows.device != device:
+        raise ValueError(f"rows must be on {device} like src, got {rows.device}")
+    rows = rows.to(torch.int32).contiguous()
+    if out.shape[0] == 0 or src.shape[1] == 0:
+        return out
+    compiled = jit.compile_kernel("scatter_rows", arch=jit.device_arch(device), K=K)
+    compiled(*_scatter_rows_args(src, rows, out), _stream(device))
+    return out
+
+
+def _scatter_rows_args(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> tuple:
+    """``ScatterRows.__call__`` arguments (all but the stream) for checked tensors."""
+    return (
+        _ptr(src, BFloat16, 16),
+        _ptr(rows, Int32, 4),
+        _ptr(out, BFloat16, 16),
+        Int32(src.shape[0]),
+        Int32(out.shape[0]),
         Int32(src.shape[1] // VEC_ELEMS),
     )
 
