@@ -528,6 +528,25 @@ def test_ticket_blocks_give_the_same_bits(R, ring, monkeypatch):
     assert torch.equal(blocks, base) and torch.equal(again, base)
 
 
+def _switch_keeps_the_bits(monkeypatch, switch, off, on, args, R, sizes=None, few_ctas=True):
+    """megakernel.<switch> = off, then = on twice (and, with few_ctas, on 6 compute CTAs,
+    where a small ring wraps): every output bitwise equal, and a plan of R ranks took the
+    ``on`` setting (PlanKey field ``switch.lower()``)."""
+    from mok_cute import megakernel
+
+    sizes = sizes or {}
+    monkeypatch.setattr(megakernel, switch, off)
+    base = _run(args, **sizes)
+    monkeypatch.setattr(megakernel, switch, on)
+    outs = [_run(args, **sizes), _run(args, **sizes)]
+    if few_ctas:
+        monkeypatch.setattr(megakernel, "_num_sms", lambda device: 8)
+        outs.append(_run(args, num_comm_sms=2, **sizes))
+    assert any(getattr(k, switch.lower()) == on and k.num_ranks == R for k in megakernel._PLANS)
+    for out in outs:
+        assert torch.equal(out, base)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("R,ring,local_direct", [(1, None, True), (4, None, True), (8, 256, False),
                                                  (3, None, False)])
@@ -538,17 +557,9 @@ def test_dynamic_tickets_give_the_same_bits(R, ring, local_direct, monkeypatch):
     from mok_cute import megakernel
 
     args = _problem(R, 300, 512, 256, 4, 4, 128, seed=37, skew=True)
-    sizes = {} if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
     monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
-    monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", False)
-    base = _run(args, **sizes)
-    monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", True)
-    dynamic = _run(args, **sizes)
-    again = _run(args, **sizes)
-    monkeypatch.setattr(megakernel, "_num_sms", lambda device: 8)  # 6 compute CTAs: the ring wraps
-    few = _run(args, num_comm_sms=2, **sizes)
-    assert any(k.dynamic_tickets and k.num_ranks == R for k in megakernel._PLANS)
-    assert torch.equal(dynamic, base) and torch.equal(again, base) and torch.equal(few, base)
+    _switch_keeps_the_bits(monkeypatch, "DYNAMIC_TICKETS", False, True, args, R, sizes)
 
 
 @pytest.mark.gpu
@@ -559,16 +570,8 @@ def test_ksum_vectors_give_the_same_bits(R, K, E_loc, H, shared_inter, monkeypat
     """megakernel.KSUM_VECTORS: more loads in flight per KSUM lane change the unroll of the
     fixed-order k-sum, never its order: the same bits for K = 1..10, H not a multiple of the
     unrolled step, with and without the shared expert, at one and at several ranks."""
-    from mok_cute import megakernel
-
     args = _problem(R, 300, H, 256, E_loc, K, shared_inter, seed=43, skew=True)
-    monkeypatch.setattr(megakernel, "KSUM_VECTORS", 8)
-    base = _run(args)
-    monkeypatch.setattr(megakernel, "KSUM_VECTORS", 16)
-    more = _run(args)
-    again = _run(args)
-    assert any(k.ksum_vectors == 16 for k in megakernel._PLANS)
-    assert torch.equal(more, base) and torch.equal(again, base)
+    _switch_keeps_the_bits(monkeypatch, "KSUM_VECTORS", 8, 16, args, R, few_ctas=False)
 
 
 @pytest.mark.gpu
@@ -581,17 +584,9 @@ def test_prefetched_next_task_gives_the_same_bits(R, ring, dynamic, monkeypatch)
     from mok_cute import megakernel
 
     args = _problem(R, 300, 512, 256, 4, 4, 128, seed=47, skew=True)
-    sizes = {} if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
     monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", dynamic)
-    monkeypatch.setattr(megakernel, "PREFETCH_NEXT_TASK", False)
-    base = _run(args, **sizes)
-    monkeypatch.setattr(megakernel, "PREFETCH_NEXT_TASK", True)
-    prefetched = _run(args, **sizes)
-    again = _run(args, **sizes)
-    monkeypatch.setattr(megakernel, "_num_sms", lambda device: 8)  # 6 compute CTAs
-    few = _run(args, num_comm_sms=2, **sizes)
-    assert any(k.prefetch_next_task and k.num_ranks == R for k in megakernel._PLANS)
-    assert torch.equal(prefetched, base) and torch.equal(again, base) and torch.equal(few, base)
+    _switch_keeps_the_bits(monkeypatch, "PREFETCH_NEXT_TASK", False, True, args, R, sizes)
 
 
 @pytest.mark.gpu

@@ -124,7 +124,7 @@ def test_scatter_rows_hands_the_kernel_addresses_and_extents(gen):
 
     src, rows, out = _randn(gen, 12, 64), torch.zeros(24, dtype=torch.int32), torch.empty(40, 64, dtype=bf16)
     compiled = jit.compile_kernel("scatter_rows", "sm_90a", K=2)
-    u64, i32 = _marshalled(compiled, token_ops._scatter_rows_args(src, rows, out))
+    u64, i32 = _marshalled(compiled, token_ops._row_copy_args(src, rows, out))
     assert u64[:3] == [src.data_ptr(), rows.data_ptr(), out.data_ptr()]
     assert i32[3:6] == [12, 40, 64 // 8]
 
@@ -159,7 +159,7 @@ def test_gather_rows_hands_the_kernel_addresses_and_extents(gen):
 
     src, index, out = _randn(gen, 12, 64), torch.zeros(5, dtype=torch.int32), torch.empty(5, 64, dtype=bf16)
     compiled = jit.compile_kernel("gather_rows", "sm_90a")
-    u64, i32 = _marshalled(compiled, token_ops._gather_rows_args(src, index, out))
+    u64, i32 = _marshalled(compiled, token_ops._row_copy_args(src, index, out))
     assert u64[:3] == [src.data_ptr(), index.data_ptr(), out.data_ptr()]
     assert i32[3:6] == [12, 5, 64 // 8]
 

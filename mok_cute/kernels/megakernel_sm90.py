@@ -1124,12 +1124,10 @@ class MegakernelSm90:
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
                 if const_expr(self.prefetch_next_task):
-                    n_q = self._next_ticket(q, ticket_q, ticket_bars, taken)
+                    n_q, n_index, n_rank, n_blk, n_q_base, n_run, n_noop, n_ttype = self._next_task(
+                        ctx, tasks, queues, queue_len, queue_blocks, live_prefix, num_tiles, q,
+                        blk, q_base, ticket_q, ticket_bars, taken)
                     taken += self._tickets_per_task()
-                    n_index, n_rank, n_blk, n_q_base = self._ticket(
-                        queues, queue_len, queue_blocks, live_prefix, int(Role.COMPUTE), n_q, blk,
-                        q_base)
-                    n_run, n_noop, n_ttype = self._task_desc(ctx, tasks, num_tiles, n_index, n_rank)
                     fetched = cutlass.Boolean(True)
 
                 m_tile = tasks[index, W_MTILE]
@@ -1197,12 +1195,10 @@ class MegakernelSm90:
             loads += self._loads_of(run, noop, ttype, k_tiles)
             if const_expr(self.prefetch_next_task):
                 if not fetched:
-                    n_q = self._next_ticket(q, ticket_q, ticket_bars, taken)
+                    n_q, n_index, n_rank, n_blk, n_q_base, n_run, n_noop, n_ttype = self._next_task(
+                        ctx, tasks, queues, queue_len, queue_blocks, live_prefix, num_tiles, q,
+                        blk, q_base, ticket_q, ticket_bars, taken)
                     taken += self._tickets_per_task()
-                    n_index, n_rank, n_blk, n_q_base = self._ticket(
-                        queues, queue_len, queue_blocks, live_prefix, int(Role.COMPUTE), n_q, blk,
-                        q_base)
-                    n_run, n_noop, n_ttype = self._task_desc(ctx, tasks, num_tiles, n_index, n_rank)
                 index, rank, blk, q_base, q = n_index, n_rank, n_blk, n_q_base, n_q
                 run, noop, ttype = n_run, n_noop, n_ttype
             else:
@@ -1220,13 +1216,20 @@ class MegakernelSm90:
         tma_store_pipeline.producer_tail()
 
     @cute.jit
-    def _next_ticket(self, q: Int32, ticket_q, ticket_bars, taken: Int32) -> Int32:
-        """A consumer's ticket after q: the producer's next one from the smem ring
-        (dynamic_tickets, use ``taken``) or the static stride."""
+    def _next_task(self, ctx, tasks, queues, queue_len, queue_blocks, live_prefix: Int32,
+                   num_tiles, q: Int32, blk: Int32, q_base: Int32, ticket_q, ticket_bars,
+                   taken: Int32):
+        """prefetch_next_task: a consumer's task after ticket q, looked up whole: (ticket,
+        index, rank, block cursor, run, noop, type). The ticket is the producer's next one
+        from the smem ring (dynamic_tickets, use ``taken``; the caller counts it) or the
+        static stride."""
         nq = q + self.num_compute_ctas
         if const_expr(self.dynamic_tickets):
             nq = ticket_ring_read(ticket_q, ticket_bars, taken)
-        return nq
+        index, rank, n_blk, n_q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                                    int(Role.COMPUTE), nq, blk, q_base)
+        run, noop, ttype = self._task_desc(ctx, tasks, num_tiles, index, rank)
+        return nq, index, rank, n_blk, n_q_base, run, noop, ttype
 
     def _tickets_per_task(self) -> int:
         """Ring uses per task (dynamic_tickets): 1, else 0 (the stride keeps no count)."""

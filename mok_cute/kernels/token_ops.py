@@ -369,10 +369,8 @@ def _placeholder_ptr(dtype, align: int) -> cute.Pointer:
     return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def compile_gather_rows(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4,
-                        rows_per_warp: int = 2, unroll: int = 4):
-    """Compile ``GatherRows`` for ``arch`` without a GPU or tensors."""
-    op = GatherRows(num_warps=num_warps, rows_per_warp=rows_per_warp, unroll=unroll)
+def _compile_row_copy(op, arch: str, options: str):
+    """Compile a (src, index, dst, three extents, stream) row-copy op on placeholders."""
     return cute.compile(
         op,
         _placeholder_ptr(BFloat16, 16),
@@ -384,23 +382,19 @@ def compile_gather_rows(arch: str = "sm_90a", *, options: str = "", num_warps: i
         cute.runtime.make_fake_stream(),
         options=jit.compile_options(arch, options),
     )
+
+
+def compile_gather_rows(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4,
+                        rows_per_warp: int = 2, unroll: int = 4):
+    """Compile ``GatherRows`` for ``arch`` without a GPU or tensors."""
+    return _compile_row_copy(GatherRows(num_warps=num_warps, rows_per_warp=rows_per_warp,
+                                        unroll=unroll), arch, options)
 
 
 def compile_scatter_rows(arch: str = "sm_90a", *, options: str = "", K: int = 8,
                          num_warps: int = 4, unroll: int = 4):
     """Compile ``ScatterRows`` for ``arch`` and a static ``K`` without a GPU or tensors."""
-    op = ScatterRows(K=K, num_warps=num_warps, unroll=unroll)
-    return cute.compile(
-        op,
-        _placeholder_ptr(BFloat16, 16),
-        _placeholder_ptr(Int32, 4),
-        _placeholder_ptr(BFloat16, 16),
-        Int32(1),
-        Int32(1),
-        Int32(1),
-        cute.runtime.make_fake_stream(),
-        options=jit.compile_options(arch, options),
-    )
+    return _compile_row_copy(ScatterRows(K=K, num_warps=num_warps, unroll=unroll), arch, options)
 
 
 def compile_weighted_ksum(arch: str = "sm_90a", *, options: str = "", K: int = 8,
@@ -475,12 +469,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
     ``[0, src.shape[0])``. ``index`` is int32 (int64 is converted on the device), and its
     length is the number of output rows. No host sync."""
     _check_rows("src", src)
-    if not isinstance(index, torch.Tensor):
-        raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
-    if index.dim() != 1:
-        raise ValueError(f"index must be 1-D [num_rows], got shape {tuple(index.shape)}")
-    if index.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"index must be int32 or int64, got {index.dtype}")
+    _check_index("index", index, "num_rows")
     device = src.device
     _check_device("src", src, device)
     if index.device != device:
@@ -495,18 +484,28 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
     if num_rows == 0 or hidden == 0:
         return out
     compiled = jit.compile_kernel("gather_rows", arch=jit.device_arch(device))
-    compiled(*_gather_rows_args(src, index, out), _stream(device))
+    compiled(*_row_copy_args(src, index, out), _stream(device))
     return out
 
 
-def _gather_rows_args(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> tuple:
-    """``GatherRows.__call__`` arguments (all but the stream) for checked tensors."""
+def _check_index(name: str, t, extent: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [{extent}], got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def _row_copy_args(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> tuple:
+    """``GatherRows`` / ``ScatterRows.__call__`` arguments (all but the stream) for checked
+    tensors: the three pointers, then src rows, out rows, H / 8."""
     return (
         _ptr(src, BFloat16, 16),
         _ptr(index, Int32, 4),
         _ptr(out, BFloat16, 16),
         Int32(src.shape[0]),
-        Int32(index.shape[0]),
+        Int32(out.shape[0]),
         Int32(src.shape[1] // VEC_ELEMS),
     )
 
@@ -529,12 +528,7 @@ def scatter_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> to
     distinct, so every element is written by one thread). No host sync. Returns ``out``."""
     _check_rows("src", src)
     _check_rows("out", out, cols=src.shape[1])
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
-    if rows.dim() != 1:
-        raise ValueError(f"rows must be 1-D [T * K], got shape {tuple(rows.shape)}")
-    if rows.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"rows must be int32 or int64, got {rows.dtype}")
+    _check_index("rows", rows, "T * K")
     num_tokens = src.shape[0]
     if (rows.shape[0] % num_tokens if num_tokens else rows.shape[0]):
         raise ValueError(f"rows must hold K rows per source row (a multiple of "
@@ -553,20 +547,8 @@ def scatter_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> to
     if out.shape[0] == 0 or src.shape[1] == 0:
         return out
     compiled = jit.compile_kernel("scatter_rows", arch=jit.device_arch(device), K=K)
-    compiled(*_scatter_rows_args(src, rows, out), _stream(device))
+    compiled(*_row_copy_args(src, rows, out), _stream(device))
     return out
-
-
-def _scatter_rows_args(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> tuple:
-    """``ScatterRows.__call__`` arguments (all but the stream) for checked tensors."""
-    return (
-        _ptr(src, BFloat16, 16),
-        _ptr(rows, Int32, 4),
-        _ptr(out, BFloat16, 16),
-        Int32(src.shape[0]),
-        Int32(out.shape[0]),
-        Int32(src.shape[1] // VEC_ELEMS),
-    )
 
 
 def weighted_ksum_ref(y: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
