@@ -50,6 +50,7 @@
 #   prefetch  the consumers' next-task lookup during the epilogue (PREFETCH_NEXT_TASK) and the
 #          expert path's x scatter (SCATTER_X): GPU tests, then the five single-GPU shapes and
 #          qwen3.5 / glm at virtual R = 8
+#   next   prefetch, then virtualbench (the ninth session's first call, ~8 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -363,6 +364,7 @@ case "$what" in
   virtualcomm) run_virtual_comm ;;
   final) run_final ;;
   prefetch) run_prefetch ;;
+  next) run_prefetch; run_virtual_bench ;;
   all) run_tests; run_bench ;;
   *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac
