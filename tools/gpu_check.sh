@@ -188,6 +188,12 @@ run_prefetch() {
     --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxku,2lwfxkup \
     --no-gather --scatter --rounds 4 --out "$out" --json "$out/megakernel_probe_prefetch.json" 2>&1 \
     | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
+  # mixtral's ragged end: 192 FC2 tiles of 155 us after its last FC1 (1.48 waves); with
+  # minibatches of 4 tiles the last two minibatches hold at most 128 (perf_notes)
+  timeout -s KILL 120 python3 -u tools/megakernel_probe.py --shapes mixtral --comm 2lwfxku \
+    --minibatch-tokens 512,1024 --no-gather --rounds 4 --out "$out" \
+    --json "$out/megakernel_probe_minibatch.json" 2>&1 | grep -v Warn \
+    | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
   for spec in "qwen3.5_397b 16ku,16kup" "glm_5.2 10ku,10kup"; do
     set -- $spec
     timeout -s KILL 120 python3 -u tools/megakernel_probe.py --shapes "" --virtual "$1" \

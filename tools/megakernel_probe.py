@@ -106,7 +106,8 @@ def restore(defaults: dict) -> None:
 
 
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
-                gather: bool = True, rounds: int = 1, scatter: bool = False) -> dict:
+                gather: bool = True, rounds: int = 1, scatter: bool = False,
+                minibatches: tuple = (None,)) -> dict:
     """The expert path, optionally its gather-in-FC1 variants, then every ``--comm`` spec of
     the megakernel; with ``rounds`` > 1 all variants are timed again in turn, odd rounds in
     reverse order (the clock drifts within a process) and each row keeps every round's time and their minimum."""
@@ -133,9 +134,12 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         rows["expert_kernels_scatter_x"] = {"variant": "expert_kernels_scatter_x"}
     for spec in comms:
         sp = parse_spec(spec)
-        cfg = MoKConfig(check_ids=False, num_comm_sms=sp["comm"], backend="megakernel")
-        variants[spec] = (lambda sp=sp: apply_spec(sp), cfg)
-        rows[spec] = {"spec": spec, "comm_ctas": sp["comm"]}
+        for mb in minibatches:  # None: the plan's default minibatch (8 tiles)
+            key = spec if mb is None else f"{spec}@{mb}"
+            cfg = MoKConfig(check_ids=False, num_comm_sms=sp["comm"], backend="megakernel",
+                            minibatch_tokens=mb)
+            variants[key] = (lambda sp=sp: apply_spec(sp), cfg)
+            rows[key] = {"spec": key, "comm_ctas": sp["comm"]}
     try:
         for r in range(rounds):
             # odd rounds in reverse: the clock drops as the GPU heats within a process, and the
@@ -286,6 +290,9 @@ def main(argv=None) -> int:
                     help="a --comm spec: record one call of it (mok-cute timeline --from)")
     ap.add_argument("--no-gather", action="store_true",
                     help="leave out the expert path's gather-in-FC1 variants")
+    ap.add_argument("--minibatch-tokens", default="",
+                    help="comma list: time every --comm spec with each minibatch size too "
+                         "(rows SPEC@N; e.g. 512,1024)")
     ap.add_argument("--scatter", action="store_true",
                     help="add the expert path with x put in order token-major (ops.SCATTER_X)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -305,7 +312,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out, not a.no_gather,
-                                  a.rounds, a.scatter) for s in a.shapes.split(",") if s]}
+                                  a.rounds, a.scatter,
+                                  tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,))
+                      for s in a.shapes.split(",") if s]}
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","), a.virtual_rounds)
                           for s in a.virtual.split(",")]
