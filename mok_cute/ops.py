@@ -193,12 +193,13 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     if GATHER_IN_FC1:
         y = expert_mlp(x, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline,
                        row_index=sched.row_token)
-    elif SCATTER_X:
-        x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
-        token_ops.scatter_rows(x, row_of_slot, x_rows)
-        y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
     else:
-        x_rows = token_ops.gather_rows(x, sched.row_token)
+        if SCATTER_X:
+            x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype,
+                                 device=x.device)
+            token_ops.scatter_rows(x, row_of_slot, x_rows)
+        else:
+            x_rows = token_ops.gather_rows(x, sched.row_token)
         y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
 
     shared_rows = None

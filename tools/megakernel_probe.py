@@ -76,26 +76,24 @@ def parse_spec(spec: str) -> dict:
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
-SWITCHES = ("COMM_COPY", "LOCAL_DIRECT", "FC1_LEAD", "FC1_LEAD_MINIBATCHES", "X_IN_PLACE",
-            "N_MAJOR_TILES", "LOCAL_ONLY_TASKS", "DIRECT_ROWS_BY_TMA", "DEFER_FC2_SIGNALS",
-            "DYNAMIC_TICKETS", "GATHER_TASKS", "KSUM_VECTORS", "PREFETCH_NEXT_TASK")  # the megakernel module settings a spec sets
+# the megakernel module settings a spec sets, and the spec key that holds each
+SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD": "fc1_lead",
+                 "FC1_LEAD_MINIBATCHES": "fc1_lead_minibatches", "X_IN_PLACE": "x_in_place",
+                 "N_MAJOR_TILES": "n_major", "LOCAL_ONLY_TASKS": "local_only_tasks",
+                 "DIRECT_ROWS_BY_TMA": "rows_by_tma", "DEFER_FC2_SIGNALS": "defer_fc2_signals",
+                 "DYNAMIC_TICKETS": "dynamic_tickets", "GATHER_TASKS": "gather_tasks",
+                 "KSUM_VECTORS": "ksum_vectors", "PREFETCH_NEXT_TASK": "prefetch_next_task",
+                 "RANK_BLOCKS": "rank_blocks"}
+SWITCHES = tuple(SPEC_SWITCHES)
 
 
 def apply_spec(sp: dict) -> None:
-    megakernel.COMM_COPY = sp["copy"]
-    megakernel.LOCAL_DIRECT = sp["local_direct"]
-    megakernel.FC1_LEAD = sp["fc1_lead"]
-    megakernel.FC1_LEAD_MINIBATCHES = sp["fc1_lead_minibatches"]
-    megakernel.X_IN_PLACE = sp["x_in_place"]
-    megakernel.N_MAJOR_TILES = sp["n_major"]
-    megakernel.LOCAL_ONLY_TASKS = sp["local_only_tasks"]
-    megakernel.DIRECT_ROWS_BY_TMA = sp["rows_by_tma"]
-    megakernel.DEFER_FC2_SIGNALS = sp["defer_fc2_signals"]
-    megakernel.DYNAMIC_TICKETS = sp["dynamic_tickets"]
-    megakernel.GATHER_TASKS = sp["gather_tasks"]
-    megakernel.KSUM_VECTORS = sp["ksum_vectors"]
-    megakernel.PREFETCH_NEXT_TASK = sp["prefetch_next_task"]
-    set_gathered_a_fence(sp["fence"])
+    """Set every megakernel setting the spec holds (``--comm`` or ``--virtual-comm`` keys)."""
+    for name, key in SPEC_SWITCHES.items():
+        if key in sp:
+            setattr(megakernel, name, sp[key])
+    if "fence" in sp:
+        set_gathered_a_fence(sp["fence"])
 
 
 def restore(defaults: dict) -> None:
@@ -248,16 +246,12 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
         variants[key] = (run, sp)
     times = {k: [] for k in variants}
     outs = {}
-    defaults = (megakernel.RANK_BLOCKS, megakernel.DYNAMIC_TICKETS, megakernel.KSUM_VECTORS,
-                megakernel.PREFETCH_NEXT_TASK)
+    defaults = {n: getattr(megakernel, n) for n in SWITCHES}
     try:
         for r in range(rounds):
             for key in (list(variants) if r % 2 == 0 else list(reversed(variants))):
                 run, sw = variants[key]
-                megakernel.RANK_BLOCKS = sw["rank_blocks"]
-                megakernel.DYNAMIC_TICKETS = sw["dynamic_tickets"]
-                megakernel.KSUM_VECTORS = sw["ksum_vectors"]
-                megakernel.PREFETCH_NEXT_TASK = sw["prefetch_next_task"]
+                apply_spec(sw)
                 if key not in outs:
                     outs[key] = run().clone()
                     torch.cuda.synchronize()
@@ -265,8 +259,7 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
                 times[key].append(gpu_ms(run, 3))
         megakernel.raise_pending_errors()
     finally:
-        (megakernel.RANK_BLOCKS, megakernel.DYNAMIC_TICKETS, megakernel.KSUM_VECTORS,
-         megakernel.PREFETCH_NEXT_TASK) = defaults
+        restore(defaults)
     rows = []
     first_r = next(k for k in outs if k.startswith(f"r{ranks}_"))
     for key, ts in times.items():

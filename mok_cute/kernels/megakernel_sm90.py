@@ -1124,10 +1124,10 @@ class MegakernelSm90:
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
                 if const_expr(self.prefetch_next_task):
-                    n_q, n_index, n_rank, n_blk, n_q_base, n_run, n_noop, n_ttype = self._next_task(
-                        ctx, tasks, queues, queue_len, queue_blocks, live_prefix, num_tiles, q,
-                        blk, q_base, ticket_q, ticket_bars, taken)
-                    taken += self._tickets_per_task()
+                    (n_q, taken, n_index, n_rank, n_blk, n_q_base, n_run, n_noop,
+                     n_ttype) = self._next_task(ctx, tasks, queues, queue_len, queue_blocks,
+                                                live_prefix, num_tiles, q, blk, q_base, ticket_q,
+                                                ticket_bars, taken)
                     fetched = cutlass.Boolean(True)
 
                 m_tile = tasks[index, W_MTILE]
@@ -1195,18 +1195,14 @@ class MegakernelSm90:
             loads += self._loads_of(run, noop, ttype, k_tiles)
             if const_expr(self.prefetch_next_task):
                 if not fetched:
-                    n_q, n_index, n_rank, n_blk, n_q_base, n_run, n_noop, n_ttype = self._next_task(
-                        ctx, tasks, queues, queue_len, queue_blocks, live_prefix, num_tiles, q,
-                        blk, q_base, ticket_q, ticket_bars, taken)
-                    taken += self._tickets_per_task()
+                    (n_q, taken, n_index, n_rank, n_blk, n_q_base, n_run, n_noop,
+                     n_ttype) = self._next_task(ctx, tasks, queues, queue_len, queue_blocks,
+                                                live_prefix, num_tiles, q, blk, q_base, ticket_q,
+                                                ticket_bars, taken)
                 index, rank, blk, q_base, q = n_index, n_rank, n_blk, n_q_base, n_q
                 run, noop, ttype = n_run, n_noop, n_ttype
             else:
-                if const_expr(self.dynamic_tickets):
-                    q = ticket_ring_read(ticket_q, ticket_bars, taken)
-                    taken += 1
-                else:
-                    q += self.num_compute_ctas
+                q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
                 index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks,
                                                            live_prefix, int(Role.COMPUTE), q, blk,
                                                            q_base)
@@ -1216,24 +1212,27 @@ class MegakernelSm90:
         tma_store_pipeline.producer_tail()
 
     @cute.jit
+    def _next_ticket(self, q: Int32, ticket_q, ticket_bars, taken: Int32):
+        """A consumer's ticket after q and its count of ring uses: the producer's next ticket
+        from the smem ring (dynamic_tickets, use ``taken``) or the static stride."""
+        if const_expr(self.dynamic_tickets):
+            q = ticket_ring_read(ticket_q, ticket_bars, taken)
+            taken += 1
+        else:
+            q += self.num_compute_ctas
+        return q, taken
+
+    @cute.jit
     def _next_task(self, ctx, tasks, queues, queue_len, queue_blocks, live_prefix: Int32,
                    num_tiles, q: Int32, blk: Int32, q_base: Int32, ticket_q, ticket_bars,
                    taken: Int32):
         """prefetch_next_task: a consumer's task after ticket q, looked up whole: (ticket,
-        index, rank, block cursor, run, noop, type). The ticket is the producer's next one
-        from the smem ring (dynamic_tickets, use ``taken``; the caller counts it) or the
-        static stride."""
-        nq = q + self.num_compute_ctas
-        if const_expr(self.dynamic_tickets):
-            nq = ticket_ring_read(ticket_q, ticket_bars, taken)
+        ring uses, index, rank, block cursor, run, noop, type)."""
+        q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
         index, rank, n_blk, n_q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                                    int(Role.COMPUTE), nq, blk, q_base)
+                                                    int(Role.COMPUTE), q, blk, q_base)
         run, noop, ttype = self._task_desc(ctx, tasks, num_tiles, index, rank)
-        return nq, index, rank, n_blk, n_q_base, run, noop, ttype
-
-    def _tickets_per_task(self) -> int:
-        """Ring uses per task (dynamic_tickets): 1, else 0 (the stride keeps no count)."""
-        return 1 if self.dynamic_tickets else 0
+        return q, taken, index, rank, n_blk, n_q_base, run, noop, ttype
 
     @cute.jit
     def _task_desc(self, ctx, tasks, num_tiles, index: Int32, rank: Int32):
