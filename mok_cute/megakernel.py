@@ -161,7 +161,8 @@ KSUM_VECTORS = experimental_setting("KSUM_VECTORS", 16, 1, 64)
 # call (run 56) spent 17.5 us of every ms per CTA between tasks against 2.2 in the expert
 # GEMM, which computes its next tile in registers. Predicted: ~1 % on mixtral, more on short
 # tiles (qwen3's FC2, 9 us). Written in the eighth session, compile-checked only; with it off
-# the kernel's SASS is unchanged. MOK_PREFETCH_NEXT_TASK=1.
+# the kernel's SASS has the same instructions as before the change (two uniform registers
+# swapped, two independent instructions reordered). MOK_PREFETCH_NEXT_TASK=1.
 PREFETCH_NEXT_TASK = experimental_switch("PREFETCH_NEXT_TASK", False)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
