@@ -53,8 +53,9 @@ LOCAL_DIRECT = True
 # 3.08 -> 2.43 ms. With N_MAJOR_TILES (below) it also pays where the lead is 1-2: gptoss
 # 4.31 -> 3.25, dsv3 4.88 -> 4.76, sonic_120b 11.22 -> 10.95 ms. Virtual R = 8 against R = 1
 # (mok-cute bench, sixth session) with / without it: kimi 0.97 / 1.19, glm 1.14 / 1.23,
-# qwen3.5 1.15 / 1.24, but dsv4_pro 1.27 / 1.05 (43.3 against 37.7 ms at R = 8): on for all,
-# the dsv4_pro case not understood (docs/perf_notes.md). MOK_FC1_LEAD=0 turns it off;
+# qwen3.5 1.15 / 1.24, but dsv4_pro 1.27 / 1.05 (43.3 against 37.7 ms at R = 8): on for all.
+# The dsv4_pro loss was the static ticket stride letting CTAs drift apart (seventh session,
+# gone with DYNAMIC_TICKETS: docs/perf_notes.md). MOK_FC1_LEAD=0 turns it off;
 # FC1_LEAD_MINIBATCHES fixes L (tools).
 FC1_LEAD = experimental_switch("FC1_LEAD", True)
 FC1_LEAD_MINIBATCHES: int | None = None
