@@ -58,11 +58,14 @@ what="${1:-tests}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 gpu_tests_passed() {
-  # gpu_tests_passed NAME "-k expression" SECONDS: the megakernel's GPU tests matching the
-  # expression, one line of result; fails unless some passed and none failed
+  # gpu_tests_passed NAME "-k expression" SECONDS [FILES...]: the GPU tests of FILES (default
+  # the megakernel's) matching the expression, one line of result; fails unless some passed
+  # and none failed
   local name="$1" expr="$2" secs="$3"
+  shift 3
+  [ $# -gt 0 ] || set -- tests/test_megakernel.py
   timeout -s KILL "$secs" python3 -m pytest -v -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
-    --tb=short tests/test_megakernel.py -k "$expr" > "$out/test_$name.log" 2>&1
+    --tb=short "$@" -k "$expr" > "$out/test_$name.log" 2>&1
   echo "$name tests rc=$?: $(grep -E "passed|failed" "$out/test_$name.log" | tail -1)"
   grep -E "^FAILED|Error" "$out/test_$name.log" | head -5
   grep -q " passed" "$out/test_$name.log" && ! grep -q "failed" "$out/test_$name.log"
@@ -179,10 +182,7 @@ run_prefetch() {
   # the expert path's token-major x scatter (ops.SCATTER_X), both written in the eighth
   # session: bitwise tests, then the five single-GPU shapes (expert path with and without the
   # scatter, megakernel with and without the prefetch) and two MoK shapes at virtual R = 8
-  timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
-    tests/test_token_ops.py tests/test_moe_forward_gpu.py -k "scatter" > "$out/test_scatter.log" 2>&1
-  echo "scatter tests rc=$?: $(tail -1 "$out/test_scatter.log")"
-  grep -E "^FAILED" "$out/test_scatter.log" | head -5
+  gpu_tests_passed scatter "scatter" 150 tests/test_token_ops.py tests/test_moe_forward_gpu.py
   gpu_tests_passed prefetch "prefetched_next_task" 150 || return 1
   timeout -s KILL 240 python3 -u tools/megakernel_probe.py \
     --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxku,2lwfxkup \
@@ -204,10 +204,7 @@ run_prefetch() {
 run_final() {
   # the megakernel's GPU tests with this session's defaults (KSUM_VECTORS 16, comm CTAs from
   # the comm / compute balance), then the virtual R = 8 and the one-GPU benches of record
-  timeout -s KILL 180 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=90 \
-    tests/test_megakernel.py > "$out/test_megakernel.log" 2>&1
-  echo "megakernel tests rc=$?: $(tail -1 "$out/test_megakernel.log")"
-  grep -E "^FAILED" "$out/test_megakernel.log" | head -5
+  gpu_tests_passed megakernel "" 180
   timeout -s KILL 150 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
     --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
     --iters 10 --warmup 3 --rounds 2 --out "$out" --tag virtual_r8_comm_balance 2>&1 | grep -E "│|json"
