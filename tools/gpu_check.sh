@@ -96,9 +96,10 @@ run_bench() {
 }
 
 run_sonic() {
+  # run_sonic TAG: the SonicMoE bench of record (tag: the results file's name)
   timeout -s KILL 560 python3 -m mok_cute.cli bench --shapes dsv3_ep8_rank,sonic_120b \
     --contenders mok_cute,mok_megakernel,mok_cute_timeline,torch_grouped_mm,sonicmoe,cublas_8192 \
-    --mok-config check_ids=False --iters 20 --warmup 5 --rounds 3 --out "$out" --tag vs_sonicmoe 2>&1 | tail -16
+    --mok-config check_ids=False --iters 20 --warmup 5 --rounds 3 --out "$out" --tag "$1" 2>&1 | tail -16
 }
 
 run_mega() {
@@ -222,12 +223,14 @@ run_virtual_comm() {
     | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
 }
 run_virtual_bench() {
-  # the virtual R = 8 bench of record on MoK's four shapes (as run 51), then qwen3.5 at R = 8
-  # and the same problem at one rank (--t-scale 8: 16384 tokens, all 512 experts) recorded;
-  # the recordings go back as one tarball (a call returns at most 8 files)
+  # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
   timeout -s KILL 300 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
     --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
-    --iters 10 --warmup 3 --rounds 2 --out "$out" --tag virtual_r8_ksum16 2>&1 | tail -12
+    --iters 10 --warmup 3 --rounds 2 --out "$out" --tag "$1" 2>&1 | tail -12
+}
+run_virtual_record() {
+  # qwen3.5 at virtual R = 8 and the same problem at one rank (--t-scale 8: 16384 tokens, all
+  # 512 experts) recorded; the recordings go back as one tarball (a call returns at most 8 files)
   local rec="$out/recordings"
   mkdir -p "$rec"
   for r in 8 1; do
@@ -346,7 +349,7 @@ run_tickets() {
 case "$what" in
   tests) run_tests ;;
   bench) run_bench ;;
-  sonic) run_sonic ;;
+  sonic) run_sonic "${2:-vs_sonicmoe}" ;;
   mega) run_mega ;;
   gemm) run_gemm ;;
   schedule) run_schedule ;;
@@ -363,11 +366,12 @@ case "$what" in
   gathertasks) run_gather_tasks ;;
   why) run_why ;;
   ksum) run_ksum ;;
-  virtualbench) run_virtual_bench ;;
+  virtualbench) run_virtual_bench "${2:-virtual_r8}" ;;
+  virtualrecord) run_virtual_record ;;
   virtualcomm) run_virtual_comm ;;
   final) run_final ;;
   prefetch) run_prefetch ;;
-  next) run_prefetch; run_virtual_bench ;;
+  next) run_virtual_bench virtual_r8_floor10; run_sonic vs_sonicmoe_scatter_x ;;
   all) run_tests; run_bench ;;
   *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
 esac

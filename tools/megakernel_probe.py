@@ -103,6 +103,16 @@ def restore(defaults: dict) -> None:
     set_gathered_a_fence(True)
 
 
+# the expert path's switches that probe variants flip
+OPS_SWITCHES = ("GATHER_IN_FC1", "GATHER_BY_TMA", "SCATTER_X")
+
+
+def restore_ops(defaults: dict) -> None:
+    """Put back the expert path's settings ``defaults`` (``OPS_SWITCHES``)."""
+    for n, v in defaults.items():
+        setattr(ops, n, v)
+
+
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 gather: bool = True, rounds: int = 1, scatter: bool = False,
                 minibatches: tuple = (None,)) -> dict:
@@ -115,6 +125,7 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
     base = MoKConfig(check_ids=False)
     expert = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
     defaults = {n: getattr(megakernel, n) for n in SWITCHES}
+    ops_defaults = {n: getattr(ops, n) for n in OPS_SWITCHES}
     variants = {"expert_kernels": (lambda: None, base)}
     rows = {"expert_kernels": {"variant": "expert_kernels"}}
     if gather:  # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1): cp.async
@@ -127,9 +138,11 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 setattr(ops, "GATHER_IN_FC1", True), setattr(ops, "GATHER_BY_TMA", by_tma),
                 set_gathered_a_fence(fence)), base)
             rows[key] = {"variant": key}
-    if scatter:  # the expert path with x put in expert order token-major (ops.SCATTER_X)
-        variants["expert_kernels_scatter_x"] = (lambda: setattr(ops, "SCATTER_X", True), base)
-        rows["expert_kernels_scatter_x"] = {"variant": "expert_kernels_scatter_x"}
+    if scatter:  # the expert path with ops.SCATTER_X flipped: x put in expert order by the
+        # token-major scatter (on since run 64) or by the gather
+        key = "expert_kernels_" + ("gather_x" if ops_defaults["SCATTER_X"] else "scatter_x")
+        variants[key] = (lambda: setattr(ops, "SCATTER_X", not ops_defaults["SCATTER_X"]), base)
+        rows[key] = {"variant": key}
     for spec in comms:
         sp = parse_spec(spec)
         for mb in minibatches:  # None: the plan's default minibatch (8 tiles)
@@ -173,9 +186,9 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
-                ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = ops.SCATTER_X = False
+                restore_ops(ops_defaults)
     finally:
-        ops.GATHER_IN_FC1 = ops.GATHER_BY_TMA = ops.SCATTER_X = False
+        restore_ops(ops_defaults)
         restore(defaults)
     rows = list(rows.values())
     for row in rows:
@@ -287,7 +300,7 @@ def main(argv=None) -> int:
                     help="comma list: time every --comm spec with each minibatch size too "
                          "(rows SPEC@N; e.g. 512,1024)")
     ap.add_argument("--scatter", action="store_true",
-                    help="add the expert path with x put in order token-major (ops.SCATTER_X)")
+                    help="add the expert path with ops.SCATTER_X flipped (scatter <-> gather of x)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",
