@@ -99,22 +99,6 @@ X_IN_PLACE = experimental_switch("X_IN_PLACE", True)
 # (run 57: best of 3, -1.1 % to +0.6 %), so it stays 2.
 LOCAL_ONLY_COMM_CTAS = 2
 LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm tasks too
-# With LOCAL_DIRECT, FC1's A rows land by one TMA box per row (this rank's x or the ring)
-# instead of cp.async from the 128 producer threads (kernels.megakernel_sm90's rows_by_tma, as
-# gemm_sm90's gather_by="tma"). Why: the expert path's FC1 with cp.async rows lost what the
-# gather kernel it replaced cost (runs 20-21), and the megakernel's FC1 gathers that way.
-# Measured in the seventh session (run 45): bitwise equal but 2.3-2.4x slower (dsv3 4.90 ->
-# 11.49 ms; the producer's 128 row boxes per k-tile stall the mainloop), so off.
-# MOK_DIRECT_ROWS_BY_TMA=1.
-DIRECT_ROWS_BY_TMA = experimental_switch("DIRECT_ROWS_BY_TMA", False)
-# One rank with no comm tasks (LOCAL_ONLY_TASKS): an FC2 task does not wait for its TMA stores
-# to land before its next task; its signal (read only by the BARRIER there) is published at
-# the next task's epilogue (kernels.megakernel_sm90's defer_fc2_signals). Why: every GEMM task
-# ends with a store drain and a 256-thread barrier; an FC2 tile of qwen3_30b (K = 768) is ~9 us
-# of wgmma, so a ~1 us drain is ~10 % of it. Measured in the seventh session (run 46, 4
-# alternating rounds): bitwise equal, no faster (dsv3 4.51 -> 4.64 ms, sonic 10.30 -> 10.80,
-# qwen3 2.35 -> 2.38), so off. MOK_DEFER_FC2_SIGNALS=1.
-DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
 # Compute CTAs take their tickets from a counter as their producer gets to them, instead of the
 # static stride (kernels.megakernel_sm90's dynamic_tickets). Why: with the FC1 lead no compute
 # task waits on the wave just issued, and under the stride the CTAs drift apart (each one's
@@ -133,19 +117,6 @@ DEFER_FC2_SIGNALS = experimental_switch("DEFER_FC2_SIGNALS", False)
 # MOK_DYNAMIC_TICKETS=0 turns it off.
 DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", True)
 DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the same over IPC
-# One rank without comm tasks: GATHER tasks on the compute CTAs copy each M-tile's x rows into
-# the ring (GATHER of minibatch m + 1 just before FC1 of m; the first minibatch's at the head
-# of the queue), and FC1 loads whole A tiles by TMA instead of gathering rows with cp.async
-# (kernels.megakernel_sm90's gather_tasks; tasks.build_task_list(gather_tasks=True)). Why:
-# on the expert path FC1 with cp.async rows ran ~0.5 ms slower than FC1 on a gathered copy
-# on dsv3 (4.76 against 4.48 ms with the 0.24 ms gather kernel, run 45), and the one-rank
-# megakernel's FC1 gathers that way. Predicted: dsv3 -0.25 ms, sonic_120b -0.5 ms (the copy
-# costs what the expert path's gather kernel does, spread over the compute CTAs). Written in
-# the seventh session; measured in the eighth (run 55, best of 3, bitwise equal), without ->
-# with: dsv3 4.80 -> 5.06 ms, sonic_120b 11.32 -> 11.65, mixtral 9.10 -> 9.09, qwen3_30b 2.37
-# -> 3.18, gptoss 3.50 -> 3.66. Slower: the copy is not hidden (it runs on the compute CTAs
-# between GEMM tiles and waits for its own stores), so off. MOK_GATHER_TASKS=1.
-GATHER_TASKS = experimental_switch("GATHER_TASKS", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -156,15 +127,6 @@ GATHER_TASKS = experimental_switch("GATHER_TASKS", False)
 # GPU, best of 3: sonic_120b 10.78 -> 10.46, the other four shapes within the probe's noise.
 # MOK_KSUM_VECTORS=N.
 KSUM_VECTORS = experimental_setting("KSUM_VECTORS", 16, 1, 64)
-# The compute consumers look up their next task (ticket, queue entry, task row, live-tile
-# count: dependent global loads) right after a GEMM task's mainloop instead of after its
-# epilogue and signal (kernels.megakernel_sm90's prefetch_next_task). Why: a recorded mixtral
-# call (run 56) spent 17.5 us of every ms per CTA between tasks against 2.2 in the expert
-# GEMM, which computes its next tile in registers. Predicted: ~1 % on mixtral, more on short
-# tiles (qwen3's FC2, 9 us). Written in the eighth session, compile-checked only; with it off
-# the kernel's SASS has the same instructions as before the change (two uniform registers
-# swapped, two independent instructions reordered). MOK_PREFETCH_NEXT_TASK=1.
-PREFETCH_NEXT_TASK = experimental_switch("PREFETCH_NEXT_TASK", False)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -193,12 +155,8 @@ class PlanKey:
     x_in_place: bool = False  # X_IN_PLACE, decided by plan_for (one rank, local_direct)
     tile_order: str = "m_major"  # N_MAJOR_TILES: "n_major"
     local_only: bool = False  # LOCAL_ONLY_TASKS with one rank and local_direct: no comm tasks
-    rows_by_tma: bool = False  # DIRECT_ROWS_BY_TMA with local_direct
-    defer_fc2_signals: bool = False  # DEFER_FC2_SIGNALS with local_only
     dynamic_tickets: bool = False  # DYNAMIC_TICKETS; over IPC only with DYNAMIC_TICKETS_IPC
-    gather_tasks: bool = False  # GATHER_TASKS with local_only
     ksum_vectors: int = 16  # KSUM_VECTORS
-    prefetch_next_task: bool = False  # PREFETCH_NEXT_TASK
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -371,7 +329,7 @@ class Plan:
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
             fc1_tile_n=FC1_TILE_N, fc2_tile_n=256, fc1_lead=k.fc1_lead,
-            comm_tasks=not k.local_only, tile_order=k.tile_order, gather_tasks=k.gather_tasks)
+            comm_tasks=not k.local_only, tile_order=k.tile_order)
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
         R, C = side.launch_ranks, k.ring_tokens
         self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
@@ -406,10 +364,8 @@ class Plan:
             "megakernel", jit.device_arch(dev), num_ranks=R, num_ctas=k.num_ctas,
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
-            rank_blocks=k.rank_blocks, rows_by_tma=k.rows_by_tma,
-            defer_fc2_signals=k.defer_fc2_signals, dynamic_tickets=k.dynamic_tickets,
-            gather_tasks=k.gather_tasks, ksum_vectors=k.ksum_vectors,
-            prefetch_next_task=k.prefetch_next_task)
+            rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
+            ksum_vectors=k.ksum_vectors)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -462,8 +418,6 @@ class Plan:
         kmajor = lambda t: t.permute(1, 2, 0)  # (L, rows, K) -> (rows, K, L)  # noqa: E731
         flat = lambda w: w.reshape(E, *w.shape[2:])  # noqa: E731
         s_args = [None] * 6
-        if k.rows_by_tma:  # local rows come through a TMA descriptor over x
-            s_args[0] = kmajor(x_own)
         if shared is not None:
             s_args = [kmajor(x_own), kmajor(shared[0]), kmajor(shared[1]), kmajor(shared[2]),
                       kmajor(self.shared_h), kmajor(self.shared_y)]
@@ -629,11 +583,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
-                  local_only, DIRECT_ROWS_BY_TMA and local_direct,
-                  DEFER_FC2_SIGNALS and local_only,
-                  DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC),
-                  GATHER_TASKS and local_only and not DIRECT_ROWS_BY_TMA, KSUM_VECTORS,
-                  PREFETCH_NEXT_TASK)
+                  local_only, DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC),
+                  KSUM_VECTORS)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -19,14 +19,6 @@ from mok_cute import jit
 from mok_cute.config import MoKConfig, experimental_switch
 
 TILE_M = 128
-# FC1 gathers x rows itself (GroupedGemmSm90(a_gather=True)) instead of a separate gather
-# kernel: predicted -0.25 ms on dsv3_ep8_rank; with cp.async rows measured level with the
-# gather kernel on the H200 (runs 20-21, docs/perf_notes.md), so off. MOK_GATHER_IN_FC1=1.
-GATHER_IN_FC1 = experimental_switch("GATHER_IN_FC1", False)
-# ... and lands the rows with one TMA box per row (gemm_sm90's gather_by="tma": no generic
-# proxy, no fence, no LSU traffic) instead of cp.async. Measured (run 45): bitwise equal, no
-# faster than cp.async rows and slower than the gather kernel, so off. MOK_GATHER_BY_TMA=1.
-GATHER_BY_TMA = experimental_switch("GATHER_BY_TMA", False)
 # x into expert order token-major (token_ops.scatter_rows: each x row read once, written to
 # its K rows) instead of the gather (each of the K rows reads its x row). Why: x does not fit
 # in L2 on dsv3_ep8_rank (59 MB) or sonic_120b (268 MB), so the gather reads every row K times
@@ -88,23 +80,18 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
                  group_m: int = 8, out: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None, task_type: int | None = None,
-                 w_up: torch.Tensor | None = None, pingpong: bool = False,
-                 a_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 w_up: torch.Tensor | None = None, pingpong: bool = False) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
     num_m_tiles: [1] int32 (device). "store" returns [M, N]; "swiglu" takes w = W_gate and
     w_up = W_up (both [E, I, K]) and returns silu(A Wg^T) * (A Wu^T), [M, I].
     Rows past num_m_tiles*128 are untouched.
-    a_rows: int32 [M] (the a_gather variant, experimental): row i of A is ``a[a_rows[i]]``
-    (-1: a padding row); the output then has len(a_rows) rows.
     timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
     one span per tile with ``task_type``; None compiles the variant without the recorder.
     """
     from mok_cute.kernels.gemm_sm90 import choose_tile_n
     m, k = a.shape
-    if a_rows is not None:
-        m = a_rows.numel()
     e, n, k_w = w.shape
     if k_w != k:
         raise ValueError(f"w: expected K={k} (from a), got {k_w}")
@@ -120,23 +107,20 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong, a_gather=a_rows is not None,
-        gather_by="tma" if GATHER_BY_TMA and a_rows is not None else "cp_async")
+        pingpong=pingpong)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
-             out.unsqueeze(2), tile_expert, num_m_tiles, timeline, a_rows)
+             out.unsqueeze(2), tile_expert, num_m_tiles, timeline)
     return out
 
 
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
-               timeline: torch.Tensor | None = None, shared: bool = False,
-               row_index: torch.Tensor | None = None):
-    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert. With
-    ``row_index`` FC1 gathers its rows ``x_rows[row_index]`` itself (the a_gather GEMM)."""
+               timeline: torch.Tensor | None = None, shared: bool = False):
+    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert."""
     from mok_cute.timeline import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
-                     timeline=timeline, task_type=int(fc1), a_rows=row_index)
+                     timeline=timeline, task_type=int(fc1))
     pingpong = fc2_pingpong(w_down.shape[2])
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store", timeline=timeline,
                         task_type=int(fc2), pingpong=pingpong, tile_n=128 if pingpong else None)
@@ -192,17 +176,13 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
                                              tile_m=TILE_M, validate=False)
     # the row of each (token, k) slot: the scatter's destinations and the k-sum's sources
     row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
-    if GATHER_IN_FC1:
-        y = expert_mlp(x, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline,
-                       row_index=sched.row_token)
+    if SCATTER_X:
+        x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype,
+                             device=x.device)
+        token_ops.scatter_rows(x, row_of_slot, x_rows)
     else:
-        if SCATTER_X:
-            x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype,
-                                 device=x.device)
-            token_ops.scatter_rows(x, row_of_slot, x_rows)
-        else:
-            x_rows = token_ops.gather_rows(x, sched.row_token)
-        y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
+        x_rows = token_ops.gather_rows(x, sched.row_token)
+    y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
 
     shared_rows = None
     if shared is not None:

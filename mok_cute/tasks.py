@@ -170,7 +170,7 @@ TASK_WORDS = 12 + 4 * MAX_WAITS
 _ROLE_OF = {
     TaskType.DISPATCH: Role.COMM, TaskType.COMBINE: Role.COMM, TaskType.BARRIER: Role.COMM,
     TaskType.FC1: Role.COMPUTE, TaskType.FC2: Role.COMPUTE, TaskType.SHARED_FC1: Role.COMPUTE,
-    TaskType.SHARED_FC2: Role.COMPUTE, TaskType.KSUM: Role.COMPUTE, TaskType.GATHER: Role.COMPUTE,
+    TaskType.SHARED_FC2: Role.COMPUTE, TaskType.KSUM: Role.COMPUTE,
 }
 
 _BF16 = 2  # bytes per element of x, h, y, weights
@@ -220,7 +220,6 @@ class TaskListParams:
     fc1_lead: int = 0
     comm_tasks: bool = True  # False: one rank reading its own rows in place, no DISPATCH/COMBINE
     tile_order: str = "m_major"  # or "n_major": a minibatch's GEMM tiles N-tile by N-tile
-    gather_tasks: bool = False  # one rank without comm tasks: compute CTAs gather x into the ring
 
 
 @dataclasses.dataclass
@@ -395,7 +394,6 @@ def build_task_list(
     fc1_lead: int = 0,
     comm_tasks: bool = True,
     tile_order: str = "m_major",
-    gather_tasks: bool = False,
 ) -> TaskList:
     """Build one rank's ordered task list.
 
@@ -416,10 +414,6 @@ def build_task_list(
     and FC2 tiles: "m_major" (M-tile by M-tile, N-tiles inner: a tile's FC1 ends early) or
     "n_major" (N-tile by N-tile, the minibatch's M-tiles inner: concurrent tiles share one
     weight tile in L2, which matters once a minibatch has more tiles than there are CTAs).
-    ``gather_tasks`` (with ``comm_tasks=False``) adds one GATHER compute task per M-tile that
-    copies the tile's x rows into the ring in expert order, so FC1 loads whole A tiles by TMA
-    instead of gathering rows itself; FC1 waits on it (DISPATCHED). GATHER of the first
-    minibatch heads the compute queue, GATHER of minibatch m + 1 comes just before FC1 of m.
     """
     hidden = _check_int("hidden", hidden, 1)
     intermediate = _check_int("intermediate", intermediate, 1)
@@ -468,10 +462,6 @@ def build_task_list(
     if rows.size and (rows.min() < 0 or rows.max() > tile_m):
         raise ValueError(
             f"tile_rows must be in [0, tile_m={tile_m}], got range [{rows.min()}, {rows.max()}]")
-    if gather_tasks and comm_tasks:
-        raise ValueError("gather_tasks needs comm_tasks=False (one rank reading its own rows)")
-    if gather_tasks and dispatch_wait != "tile":
-        raise ValueError("gather_tasks signals per tile: it needs dispatch_wait='tile'")
     if not comm_tasks and ring_tokens < rows.size * tile_m:
         raise ValueError(
             f"ring_tokens must hold every routed row ({rows.size * tile_m}) without comm "
@@ -485,7 +475,7 @@ def build_task_list(
         dispatch_wait=dispatch_wait, comm_task_rows=comm_task_rows,
         dispatch_lookahead_tokens=dispatch_lookahead_tokens, finish=bool(finish),
         ksum_rows=ksum_rows, static=bool(static), fc1_lead=fc1_lead, comm_tasks=bool(comm_tasks),
-        tile_order=tile_order, gather_tasks=bool(gather_tasks),
+        tile_order=tile_order,
     )
     return _Builder(params, rows).build()
 
@@ -622,22 +612,15 @@ class _Builder:
 
         # --- routed minibatches: FC1 then FC2 of each (fc1_lead: FC1 of m + 1 before FC2 of m)
         tiles_in_mb = np.minimum(tpm, nt - np.arange(self.nmb) * tpm)
-        fc1_blocks, fc2_blocks, gather_blocks = [], [], []
+        fc1_blocks, fc2_blocks = [], []
         for mb in range(self.nmb):
             tiles = np.arange(mb * tpm, mb * tpm + tiles_in_mb[mb])
-            if p.gather_tasks:  # one task per M-tile: its rows of x into the ring (read + write)
-                by = 2 * self.rows[tiles] * p.hidden * _BF16
-                gather_blocks.append(self._block(
-                    TaskType.GATHER, tiles, np.zeros_like(tiles), tiles * tm, tiles * tm + tm, by,
-                    np.zeros_like(tiles), cg.DISPATCHED, tiles, self._waits(len(tiles)), mb))
             # FC1
             n_major = p.tile_order == "n_major"
             mt, ntl, fl, by = self._gemm_tiles(tiles, n1, p.fc1_tile_n, 2 * p.intermediate,
                                                p.hidden, 0.5, n_major)
             specs = [(cg.FC2_DONE, mt - rt, 1, n2, mt >= rt)]
-            if p.gather_tasks:
-                specs.insert(0, (cg.DISPATCHED, mt, 1, 1, None))  # its one GATHER task
-            elif p.comm_tasks and p.dispatch_wait == "tile":
+            if p.comm_tasks and p.dispatch_wait == "tile":
                 specs.insert(0, (cg.DISPATCHED, mt, 1, cs, None))
             elif p.comm_tasks:
                 specs.insert(0, (cg.DISPATCHED_MB, mb, 1, cs * int(tiles_in_mb[mb]), None))
@@ -651,12 +634,8 @@ class _Builder:
                                 (cg.COMBINED, mt - rt, 1, cs, (mt >= rt) & p.comm_tasks))
             fc2_blocks.append(self._block(
                 TaskType.FC2, mt, ntl, mt * tm, mt * tm + tm, by, fl, cg.FC2_DONE, mt, waits, mb))
-        if gather_blocks:  # the first minibatch's rows come first, beside the shared expert
-            compute_blocks.insert(0, gather_blocks[0])
         lead = p.fc1_lead
         for mb in range(self.nmb + lead):
-            if mb + 1 < len(gather_blocks):
-                compute_blocks.append(gather_blocks[mb + 1])
             if mb < self.nmb:
                 compute_blocks.append(fc1_blocks[mb])
             if mb >= lead:

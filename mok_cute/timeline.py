@@ -61,14 +61,13 @@ class TaskType(IntEnum):
     KSUM = 6
     BARRIER = 7
     WAIT = 8
-    GATHER = 9
 
 
 # Exposed-communication accounting: which task types move data between GPUs and which compute.
 # WAIT is neither: it is time a CTA spent spinning.
 COMM_TASK_TYPES = frozenset({TaskType.DISPATCH, TaskType.COMBINE, TaskType.BARRIER})
 COMPUTE_TASK_TYPES = frozenset(
-    {TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2, TaskType.KSUM, TaskType.GATHER}
+    {TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2, TaskType.KSUM}
 )
 GEMM_TASK_TYPES = frozenset({TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2})
 # The pingpong GEMM's two consumer warpgroups each run their own tile, so one CTA records up to

@@ -80,46 +80,6 @@ def test_local_direct_variant_compiles(tmp_path):
     assert "cp.async.cg" not in default
 
 
-@pytest.mark.parametrize("has_shared", [False, True])
-def test_rows_by_tma_variant_compiles_to_one_box_per_row(has_shared, tmp_path):
-    """rows_by_tma: each producer warp loads its 32 FC1 rows with one TMA box each, from x or
-    from the ring (two boxes per row in the code, one taken); no cp.async, no arrival per
-    thread, no proxy fence before wgmma; spills no worse than the cp.async variant."""
-    from mok_cute import jit
-    from mok_cute.kernels import megakernel_sm90
-
-    static = dict(num_ranks=4, num_comm_ctas=12, local_direct=True, has_shared=has_shared)
-    ptx = megakernel_sm90.compile_megakernel(
-        **static, rows_by_tma=True, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
-    direct = megakernel_sm90.compile_megakernel(
-        **static, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
-    loads = r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier"
-    assert len(re.findall(loads, ptx)) >= 64
-    assert "cp.async.cg" not in ptx and "noinc" not in ptx
-    fence = "fence.proxy.async.shared::cta"
-    assert ptx.count(fence) < direct.count(fence)
-    by_tma = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, rows_by_tma=True)
-    by_cp_async = jit.inspect_kernel("megakernel", outdir=tmp_path, **static)
-    assert by_tma.spill_bytes is not None and by_tma.spill_bytes <= by_cp_async.spill_bytes
-    with pytest.raises(ValueError, match="rows_by_tma"):
-        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, rows_by_tma=True)
-
-
-def test_deferred_fc2_signals_compile_and_change_nothing_when_off(tmp_path):
-    """defer_fc2_signals adds the deferred publishes (three signal sites: at the next
-    epilogue, before a KSUM, at the end); off, the PTX is that of the plain kernel."""
-    from mok_cute.kernels import megakernel_sm90
-
-    static = dict(num_ranks=1, num_comm_ctas=2, local_direct=True)
-    opts = f"--keep-ptx --dump-dir {tmp_path}"
-    on = megakernel_sm90.compile_megakernel(**static, defer_fc2_signals=True, options=opts).__ptx__
-    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
-    red = r"red\.release\.gpu\.global\.add"
-    assert len(re.findall(red, on)) == len(re.findall(red, off)) + 3
-    drain_older = r"cp\.async\.bulk\.wait_group\s+8;"  # the pending tile's stores, not this one's
-    assert re.search(drain_older, on) and not re.search(drain_older, off)
-
-
 @pytest.mark.parametrize("local_direct", [False, True])
 def test_dynamic_tickets_fit_the_register_file_without_spills(local_direct, tmp_path):
     """dynamic_tickets: the producer's lane 0 takes compute tickets with an atomic (one more
@@ -142,52 +102,6 @@ def test_dynamic_tickets_fit_the_register_file_without_spills(local_direct, tmp_
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, dynamic_tickets=True)
     assert (dec, inc) == (48, 224) and rep.spill_bytes == 0
     assert 128 * dec + 256 * inc <= rep.registers * 384
-
-
-def test_gather_tasks_variant_loads_fc1_tiles_by_tma(tmp_path):
-    """gather_tasks: the consumer warps copy x rows into the ring with 16-byte vectors and
-    FC1 takes whole A tiles by TMA, so no cp.async rows and no consumer proxy fence are left;
-    no spills; it refuses to run without local_direct or with rows_by_tma."""
-    from mok_cute import jit
-    from mok_cute.kernels import megakernel_sm90
-
-    static = dict(num_ranks=1, num_comm_ctas=2, local_direct=True, has_shared=True,
-                  dynamic_tickets=True)
-    opts = f"--keep-ptx --dump-dir {tmp_path}"
-    on = megakernel_sm90.compile_megakernel(**static, gather_tasks=True, options=opts).__ptx__
-    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
-    assert "cp.async.cg" in off and "cp.async.cg" not in on
-    stores = r"st\.global\.v4\.b32"
-    assert len(re.findall(stores, on)) > len(re.findall(stores, off))
-    assert on.count("fence.proxy.async.shared::cta") < off.count("fence.proxy.async.shared::cta")
-    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, gather_tasks=True)
-    assert rep.spill_bytes == 0
-    for bad in (dict(local_direct=False), dict(rows_by_tma=True)):
-        with pytest.raises(ValueError, match="gather_tasks"):
-            megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, **{"local_direct": True, **bad},
-                                           gather_tasks=True)
-
-
-@pytest.mark.parametrize("dynamic_tickets,num_ranks", [(True, 1), (False, 8)])
-def test_prefetch_next_task_variant_compiles_without_spills(dynamic_tickets, num_ranks, tmp_path):
-    """prefetch_next_task: the consumers' next-task lookup moves from after the signal to
-    between the mainloop and the epilogue; it compiles with the ring (dynamic tickets) and
-    with the static stride at several ranks, changes the code, and spills no more than
-    without it (the static stride at R > 1 has 4 + 4 bytes either way)."""
-    from mok_cute import jit
-    from mok_cute.kernels import megakernel_sm90
-
-    static = dict(num_ranks=num_ranks, num_comm_ctas=2 if num_ranks == 1 else 12,
-                  local_direct=True, has_shared=True, rank_blocks=num_ranks > 1,
-                  dynamic_tickets=dynamic_tickets, ksum_vectors=16)
-    opts = f"--keep-ptx --dump-dir {tmp_path}"
-    on = megakernel_sm90.compile_megakernel(**static, prefetch_next_task=True, options=opts).__ptx__
-    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
-    assert on != off
-    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, prefetch_next_task=True)
-    rep_off = jit.inspect_kernel("megakernel", outdir=tmp_path, **static)
-    assert rep.spill_bytes <= rep_off.spill_bytes and rep.spill_bytes <= 8
-    assert rep.spill_bytes == 0 or not dynamic_tickets
 
 
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
@@ -329,24 +243,21 @@ def test_virtual_ranks_finish_with_few_ctas(dynamic, rank_blocks, R, ctas, tile_
         assert _run_ctas(tl, num_tiles, ctas, rank_blocks, seed, dynamic) == [], num_tiles
 
 
-@pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("fc1_lead", [0, 3])
 @pytest.mark.parametrize("ctas", [(1, 1), (1, 5), (2, 40)])
 @pytest.mark.parametrize("tile_order", ["m_major", "n_major"])
-def test_one_rank_without_comm_tasks_finishes_with_few_ctas(gather, dynamic, fc1_lead, ctas,
-                                                            tile_order):
-    """The one-rank list without comm tasks (local_direct, no peer), with or without GATHER
-    tasks: the comm CTAs only run the barrier, the compute CTAs take their static-stride (or
-    dynamic) tickets; every task finishes."""
+def test_one_rank_without_comm_tasks_finishes_with_few_ctas(dynamic, fc1_lead, ctas, tile_order):
+    """The one-rank list without comm tasks (local_direct, no peer): the comm CTAs only run
+    the barrier, the compute CTAs take their static-stride (or dynamic) tickets; every task
+    finishes."""
     import numpy as np
 
     from mok_cute import tasks
 
     tl = tasks.build_static(128 * 12, hidden=512, intermediate=256, num_tokens=200, top_k=4,
                             minibatch_tokens=256, ring_tokens=128 * 12, shared_intermediate=128,
-                            fc1_lead=fc1_lead, comm_tasks=False, tile_order=tile_order,
-                            gather_tasks=gather)
+                            fc1_lead=fc1_lead, comm_tasks=False, tile_order=tile_order)
     assert tl.params.fc1_lead == fc1_lead
     for seed in range(3):
         num_tiles = [12] if seed == 0 else [int(np.random.default_rng(seed).integers(0, 13))]
@@ -474,16 +385,6 @@ def test_local_rows_left_in_the_ring_give_the_same_bits(R, monkeypatch):
     assert torch.equal(direct, base)
     wrapped = _run(args, ring_tokens=256, minibatch_tokens=128)  # wraps: falls back to combining
     assert torch.equal(wrapped, base)
-    monkeypatch.setattr(megakernel, "DIRECT_ROWS_BY_TMA", True)  # FC1's rows by TMA boxes
-    by_tma = _run(args)
-    assert any(k.rows_by_tma for k in megakernel._PLANS)
-    assert torch.equal(by_tma, base)
-    monkeypatch.setattr(megakernel, "DIRECT_ROWS_BY_TMA", False)
-    monkeypatch.setattr(megakernel, "DEFER_FC2_SIGNALS", True)  # one rank only: no comm tasks
-    deferred = _run(args)
-    # _PLANS holds every plan of the process: look at this R's only
-    assert any(k.defer_fc2_signals for k in megakernel._PLANS if k.num_ranks == R) == (R == 1)
-    assert torch.equal(deferred, base)
 
 
 @pytest.mark.gpu
@@ -572,41 +473,6 @@ def test_ksum_vectors_give_the_same_bits(R, K, E_loc, H, shared_inter, monkeypat
     unrolled step, with and without the shared expert, at one and at several ranks."""
     args = _problem(R, 300, H, 256, E_loc, K, shared_inter, seed=43, skew=True)
     _switch_keeps_the_bits(monkeypatch, "KSUM_VECTORS", 8, 16, args, R, few_ctas=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R,ring,dynamic", [(1, None, True), (1, None, False), (4, None, True),
-                                            (8, 256, True), (3, None, False)])
-def test_prefetched_next_task_gives_the_same_bits(R, ring, dynamic, monkeypatch):
-    """megakernel.PREFETCH_NEXT_TASK: the consumers look up their next task during the
-    epilogue; which task a CTA runs and in what order stay the same, so do the bits (skewed
-    routing, shared expert, K = 4, a wrapping ring, static and dynamic tickets, few CTAs)."""
-    from mok_cute import megakernel
-
-    args = _problem(R, 300, 512, 256, 4, 4, 128, seed=47, skew=True)
-    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
-    monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", dynamic)
-    _switch_keeps_the_bits(monkeypatch, "PREFETCH_NEXT_TASK", False, True, args, R, sizes)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,shared_inter,x_in_place", [(300, 128, True), (77, 0, False),
-                                                      (1000, 0, True)])
-def test_gather_tasks_give_the_same_bits(T, shared_inter, x_in_place, monkeypatch):
-    """megakernel.GATHER_TASKS: at one rank, GATHER tasks copy x into the ring and FC1 loads
-    tiles by TMA instead of gathering rows; with skewed routing, odd T, with and without the
-    shared expert and x read in place: not a bit changes."""
-    from mok_cute import megakernel
-
-    args = _problem(1, T, 512, 256, 4, 4, shared_inter, seed=41, skew=True)
-    monkeypatch.setattr(megakernel, "X_IN_PLACE", x_in_place)
-    monkeypatch.setattr(megakernel, "GATHER_TASKS", False)
-    base = _run(args)
-    monkeypatch.setattr(megakernel, "GATHER_TASKS", True)
-    gathered = _run(args)
-    again = _run(args)
-    assert any(k.gather_tasks for k in megakernel._PLANS)
-    assert torch.equal(gathered, base) and torch.equal(again, base)
 
 
 @pytest.mark.gpu

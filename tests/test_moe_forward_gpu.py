@@ -120,12 +120,18 @@ def test_timeline_records_every_tile_once():
         ids = rec["task_id"][rec["task_type"] == int(ttype)]
         assert len(ids) > 0 and len(ids) == len(set(ids.tolist())), f"{ttype.name} tiles not unique"
         assert sorted(ids.tolist()) == list(range(len(ids))), f"{ttype.name} tiles missing"
-    # times are monotone per CTA: spans of one CTA never overlap
-    for cta in set(rec["cta_id"].tolist()):
-        for ttype in (1, 2, 4, 5):
-            mine = rec[(rec["cta_id"] == cta) & (rec["task_type"] == ttype)]
-            starts = sorted(zip(mine["start_ns"].tolist(), mine["end_ns"].tolist()))
-            assert all(a[1] <= b[0] for a, b in zip(starts, starts[1:]))
+    # times are monotone per CTA, except the pingpong FC2's two tiles in flight (one per
+    # consumer warpgroup): Timeline.check's rule (this test's own no-overlap rule predated the
+    # pingpong FC2 and failed on it, run 67)
+    assert tl.check() == []
+    fc2 = rec[rec["task_type"] == int(tl_mod.TaskType.FC2)]
+    assert any(_overlaps(fc2[fc2["cta_id"] == c]) for c in set(fc2["cta_id"].tolist())), \
+        "no CTA ran two FC2 tiles at once: is the pingpong FC2 recorded?"
+
+
+def _overlaps(rec) -> bool:
+    spans = sorted(zip(rec["start_ns"].tolist(), rec["end_ns"].tolist()))
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
 def test_check_ids_off_runs_without_host_sync_and_never_faults():

@@ -562,39 +562,3 @@ def test_without_comm_tasks_only_the_barrier_is_comm_and_fc2_feeds_it(shared):
     _assert_waits_lower_and_live_run_once(tl)
     with pytest.raises(ValueError, match="ring_tokens"):
         T.build_static(128 * 8, ring_tokens=512, comm_tasks=False, **kw)
-
-
-@pytest.mark.parametrize("fc1_lead", [0, 2])
-@pytest.mark.parametrize("shared", [0, 128])
-def test_gather_tasks_feed_fc1_one_tile_each(fc1_lead, shared):
-    """gather_tasks: one GATHER compute task per M-tile signals DISPATCHED for it and FC1 of
-    the tile waits on that; the first minibatch's GATHERs head the compute queue, those of
-    minibatch m + 1 come right before FC1 of m; the GEMM order is the list without them."""
-    kw = dict(hidden=512, intermediate=256, num_tokens=300, top_k=4, minibatch_tokens=256,
-              shared_intermediate=shared, fc1_lead=fc1_lead, comm_tasks=False)
-    tl = T.build_static(128 * 8, ring_tokens=1024, gather_tasks=True, **kw)
-    plain = T.build_static(128 * 8, ring_tokens=1024, **kw)
-    q = [int(i) for i in tl.queue(T.Role.COMPUTE)]
-    gathers = [tl[i] for i in q if tl.type[i] == T.TaskType.GATHER]
-    assert [g.m_tile_begin for g in gathers] == list(range(8))
-    assert all(g.signal == (T.CounterGroup.DISPATCHED, g.m_tile_begin) and g.waits == ()
-               for g in gathers)
-    assert [int(tl.type[i]) for i in q[:2]] == [int(T.TaskType.GATHER)] * 2
-    for t in (tl[i] for i in q if tl.type[i] == T.TaskType.FC1):
-        assert t.waits[0] == (T.CounterGroup.DISPATCHED, t.m_tile_begin, 1, 1)
-        assert q.index(gathers[t.m_tile_begin].index) < q.index(t.index)
-    first_fc1 = {}
-    for pos, i in enumerate(q):
-        if tl.type[i] == T.TaskType.FC1:
-            first_fc1.setdefault(int(tl.minibatch[i]), pos)
-    for mb in range(3):  # GATHER of mb + 1 just before FC1 of mb
-        last_gather = max(pos for pos, i in enumerate(q)
-                          if tl.type[i] == T.TaskType.GATHER and tl.minibatch[i] == mb + 1)
-        assert last_gather == first_fc1[mb] - 1
-    gemm = lambda t: [(int(t.type[i]), int(t.m_tile_begin[i]), int(t.n_tile[i]))  # noqa: E731
-                      for i in t.queue(T.Role.COMPUTE) if t.type[i] != T.TaskType.GATHER]
-    assert gemm(tl) == gemm(plain)
-    _assert_waits_lower_and_live_run_once(tl)
-    with pytest.raises(ValueError, match="gather_tasks needs comm_tasks=False"):
-        T.build_static(128 * 8, ring_tokens=1024, gather_tasks=True,
-                       **{**kw, "comm_tasks": True})

@@ -20,37 +20,29 @@
 #   virtual  virtual R = 8 against R = 1 (kimi, glm), the 8 schedules batched or not
 #          (MOK_BATCHED_SCHEDULE)
 #   qwen3comm  recorded megakernel calls on qwen3_30b at 2 and 4 comm CTAs (why 2 is 1.6x slower)
-#   gather the expert path's FC1 gathering its rows itself (ops.GATHER_IN_FC1) with cp.async or
-#          one TMA box per row (ops.GATHER_BY_TMA), and the megakernel's FC1 rows the same two
-#          ways (megakernel.DIRECT_ROWS_BY_TMA), with and without the megakernel's deferred FC2
-#          signals (megakernel.DEFER_FC2_SIGNALS): the gather GPU tests and the megakernel's
-#          local-rows test (bitwise), then tools/megakernel_probe.py on dsv3, sonic_120b,
-#          qwen3_30b (3 alternating rounds)
 #   order  the megakernel's GPU tests, then tools/megakernel_probe.py at R = 1 on the five
 #          single-GPU shapes: the list with and without its no-op comm tasks, 1 and 2 comm
 #          CTAs, the auto FC1 lead, N-tile-major minibatches (2 alternating rounds)
-#   defer  the megakernel's deferred FC2 signals (DEFER_FC2_SIGNALS) against the default, 4
-#          alternating rounds on dsv3, sonic_120b, qwen3_30b
 #   glue   tools/layer_profile.py on mixtral, dsv3, qwen3 (stage by stage), then mixtral's GEMMs
 #          by group_m (tools/gemm_probe.py)
 #   tickets dynamic compute tickets (DYNAMIC_TICKETS): GPU tests, virtual R = 8 and R = 1 on
 #          dsv4_pro, kimi, glm, qwen3.5, static against dynamic, then R = 1 on dsv3, mixtral, qwen3
 #   leadr8 recorded virtual R = 8 calls of dsv4_pro with the FC1 lead on and off
-#   gathertasks  GATHER tasks at one rank (GATHER_TASKS): GPU tests, then the megakernel with
-#          and without them on the five single-GPU shapes (3 alternating rounds)
 #   epdyn N  on an N-GPU machine: mok-cute bench --ep with static, then dynamic compute tickets
 #   ep N   on an N-GPU machine: tools/ep_check.py (reference, determinism, comm split, emulated
 #          == real), the IPC megakernel under torchrun (examples/ep_torchrun.py --backend
 #          megakernel), then mok-cute bench --ep
 #   why    recorded mixtral (expert path, megakernel) and qwen3.5 (R = 1, virtual R = 8) calls
 #   ksum   one against two comm CTAs at one rank, 8 against 16 KSUM vectors per lane (KSUM_VECTORS)
-#   virtualbench  the virtual R = 8 bench of record, then qwen3.5 recorded at R = 8 and R = 1
+#   virtualbench [TAG]  the virtual R = 8 bench of record
+#   virtualrecord  qwen3.5 recorded at virtual R = 8 and at R = 1 on the same tokens
 #   virtualcomm   virtual R = 8 at 12 / 16 / 20 / 24 comm CTAs (qwen3.5, glm, kimi)
 #   final  the megakernel's GPU tests, the virtual and the one-GPU benches of record
-#   prefetch  the consumers' next-task lookup during the epilogue (PREFETCH_NEXT_TASK) and the
-#          expert path's x scatter (SCATTER_X): GPU tests, then the five single-GPU shapes and
-#          qwen3.5 / glm at virtual R = 8
-#   next   prefetch, then virtualbench (the ninth session's first call, ~8 min)
+#   singlebench [TAG]  the one-GPU bench of record: mok_cute, the megakernel, torch, cuBLAS
+#   megatests  every megakernel GPU test (after the ninth session removed four measured-slower
+#          variants from the kernel)
+#   experttests  the expert path's GPU tests (moe_forward, token ops) with its defaults
+#   qwen35comm  qwen3.5 at virtual R = 8 with 14, 16 and 18 comm CTAs (3 alternating rounds)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -162,45 +154,17 @@ run_order() {
   grep -E "^FAILED|Error" "$out/test_megakernel.log" | head -5
   timeout -s KILL 300 python3 -u tools/megakernel_probe.py \
     --shapes qwen3_30b,mixtral,gptoss_120b,dsv3_ep8_rank,sonic_120b \
-    --comm 2lc,2l,1l,2lf,2lw,2lwf,1lwf --no-gather --rounds 2 --out "$out" \
+    --comm 2lc,2l,1l,2lf,2lw,2lwf,1lwf --rounds 2 --out "$out" \
     --json "$out/megakernel_probe_order.json" 2>&1 | grep -v Warn \
     | sed -E "s/'first_call_s': [0-9.]+, //; s/'ms_rounds': \[[^]]*\], //" | cut -c1-230
 }
 
-run_gather() {
-  timeout -s KILL 150 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
-    --tb=short tests/test_gemm_sm90.py tests/test_megakernel.py -k "gather or local_rows" \
-    > "$out/test_gather.log" 2>&1
-  echo "gather tests rc=$?: $(grep -E "passed|failed" "$out/test_gather.log" | tail -1)"
-  grep -E "^FAILED|Error" "$out/test_gather.log" | head -5
-  timeout -s KILL 300 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,qwen3_30b \
-    --comm 2lwfx,2lwfxt,2lwfxd,2lwfxtd --rounds 3 --out "$out" --json "$out/megakernel_probe_gather.json" 2>&1 | grep -v Warn \
-    | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-230
-}
 
-run_prefetch() {
-  # the consumers' next-task lookup during the epilogue (megakernel.PREFETCH_NEXT_TASK) and
-  # the expert path's token-major x scatter (ops.SCATTER_X), both written in the eighth
-  # session: bitwise tests, then the five single-GPU shapes (expert path with and without the
-  # scatter, megakernel with and without the prefetch) and two MoK shapes at virtual R = 8
-  gpu_tests_passed scatter "scatter" 150 tests/test_token_ops.py tests/test_moe_forward_gpu.py
-  gpu_tests_passed prefetch "prefetched_next_task" 150 || return 1
-  timeout -s KILL 240 python3 -u tools/megakernel_probe.py \
-    --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxku,2lwfxkup \
-    --no-gather --scatter --rounds 4 --out "$out" --json "$out/megakernel_probe_prefetch.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
-  # mixtral's ragged end: 192 FC2 tiles of 155 us after its last FC1 (1.48 waves); with
-  # minibatches of 4 tiles the last two minibatches hold at most 128 (perf_notes)
-  timeout -s KILL 120 python3 -u tools/megakernel_probe.py --shapes mixtral --comm 2lwfxku \
-    --minibatch-tokens 512,1024 --no-gather --rounds 4 --out "$out" \
-    --json "$out/megakernel_probe_minibatch.json" 2>&1 | grep -v Warn \
-    | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
-  for spec in "qwen3.5_397b 16ku,16kup" "glm_5.2 10ku,10kup"; do
-    set -- $spec
-    timeout -s KILL 120 python3 -u tools/megakernel_probe.py --shapes "" --virtual "$1" \
-      --virtual-comm "$2" --virtual-rounds 3 --out "$out" --json "$out/virtual_prefetch_$1.json" 2>&1 \
-      | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
-  done
+run_single_bench() {
+  # run_single_bench TAG: the one-GPU bench of record on the five single-GPU shapes
+  timeout -s KILL 280 python3 -m mok_cute.cli bench --shapes single \
+    --contenders mok_cute,mok_megakernel,torch_grouped_mm,cublas_8192 --mok-config check_ids=False \
+    --iters 20 --warmup 5 --rounds 3 --out "$out" --tag "$1" 2>&1 | grep -E "│|json"
 }
 run_final() {
   # the megakernel's GPU tests with this session's defaults (KSUM_VECTORS 16, comm CTAs from
@@ -221,6 +185,12 @@ run_virtual_comm() {
     --virtual qwen3.5_397b,glm_5.2,kimi_k2.7 --virtual-comm 12k,16k,20k,24k --virtual-rounds 3 \
     --out "$out" --json "$out/virtual_comm.json" 2>&1 | grep -v Warn \
     | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
+}
+run_qwen35_comm() {
+  # qwen3.5 at virtual R = 8 is 1.153 x R = 1 with 16 comm CTAs (runs 61, 65): the neighbours
+  timeout -s KILL 300 python3 -u tools/megakernel_probe.py --shapes "" --virtual qwen3.5_397b \
+    --virtual-comm 14ku,16ku,18ku --virtual-rounds 3 --out "$out" --json "$out/virtual_qwen35_comm.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
 }
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
@@ -249,7 +219,7 @@ run_ksum() {
   gpu_tests_passed ksum_vectors "ksum_vectors" 150 || return 1
   timeout -s KILL 240 python3 -u tools/megakernel_probe.py \
     --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxk,1lwfxk,1lwfxku \
-    --no-gather --rounds 3 --out "$out" --json "$out/megakernel_probe_ksum.json" 2>&1 \
+    --rounds 3 --out "$out" --json "$out/megakernel_probe_ksum.json" 2>&1 \
     | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
   timeout -s KILL 180 python3 -u tools/megakernel_probe.py --shapes "" --virtual qwen3.5_397b,glm_5.2 \
     --virtual-comm 12k,12ku --virtual-rounds 3 --out "$out" --json "$out/virtual_ksum.json" 2>&1 \
@@ -269,15 +239,6 @@ run_why() {
       --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel --out "$out/qwen35_r$r" 2>&1 \
       | grep -E "busy|TFLOP|FC1|FC2|DISPATCH|COMBINE|KSUM|ms" | tail -10
   done
-}
-run_gather_tasks() {
-  # GATHER tasks at one rank (megakernel.GATHER_TASKS): bitwise tests, then the megakernel
-  # with and without them against the expert path on the five single-GPU shapes
-  gpu_tests_passed gather_tasks "gather_tasks" 150 || return 1
-  timeout -s KILL 400 python3 -u tools/megakernel_probe.py \
-    --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxk,2lwfxkg \
-    --no-gather --rounds 3 --out "$out" --json "$out/megakernel_probe_gather_tasks.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
 }
 
 run_ep_dynamic() {
@@ -314,16 +275,6 @@ run_lead_r8() {
   done
 }
 
-run_defer() {
-  # the megakernel's deferred FC2 signals against the default, alone and alternating (run 45
-  # ran them after the slow TMA-row variants, which let the GPU cool: not a clean comparison)
-  timeout -s KILL 120 python3 -m pytest -q -m gpu -p no:cacheprovider -W ignore -o timeout=60 \
-    --tb=short tests/test_megakernel.py -k "local_rows" > "$out/test_local_rows.log" 2>&1
-  echo "local rows tests rc=$?: $(grep -E "passed|failed" "$out/test_local_rows.log" | tail -1)"
-  timeout -s KILL 240 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,qwen3_30b \
-    --comm 2lwfx,2lwfxd --no-gather --rounds 4 --out "$out" --json "$out/megakernel_probe_defer.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //" | cut -c1-150
-}
 
 run_glue() {
   # where a layer call's time goes besides the GEMMs (mixtral: GEMMs 7.72 ms alone against
@@ -342,7 +293,7 @@ run_tickets() {
     --virtual-comm 12,12k --virtual-rounds 3 --json "$out/virtual_dynamic.json" 2>&1 | grep -v Warn \
     | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
   timeout -s KILL 170 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,mixtral,qwen3_30b \
-    --comm 2lwfx,2lwfxk --no-gather --rounds 3 --out "$out" --json "$out/r1_dynamic.json" 2>&1 \
+    --comm 2lwfx,2lwfxk --rounds 3 --out "$out" --json "$out/r1_dynamic.json" 2>&1 \
     | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
 }
 
@@ -356,22 +307,21 @@ case "$what" in
   virtual) run_virtual ;;
   qwen3comm) run_qwen3_comm ;;
   order) run_order ;;
-  gather) run_gather ;;
   leadr8) run_lead_r8 ;;
-  defer) run_defer ;;
   glue) run_glue ;;
   tickets) run_tickets ;;
   ep) run_ep "${2:-2}" ;;
   epdyn) run_ep_dynamic "${2:-2}" ;;
-  gathertasks) run_gather_tasks ;;
   why) run_why ;;
   ksum) run_ksum ;;
   virtualbench) run_virtual_bench "${2:-virtual_r8}" ;;
   virtualrecord) run_virtual_record ;;
   virtualcomm) run_virtual_comm ;;
   final) run_final ;;
-  prefetch) run_prefetch ;;
-  next) run_virtual_bench virtual_r8_floor10; run_sonic vs_sonicmoe_scatter_x ;;
+  singlebench) run_single_bench "${2:-expert_kernels}" ;;
+  megatests) gpu_tests_passed megakernel "" 420 ;;
+  experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
+  qwen35comm) run_qwen35_comm ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|gather|leadr8|defer|glue|tickets|gathertasks|ep N|epdyn N|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|all]" >&2; exit 2 ;;
 esac

@@ -1,5 +1,5 @@
 """Megakernel against the expert-kernel path at R = 1, and a sweep of its comm split
-(plus the expert path with FC1 gathering its rows itself, ``ops.GATHER_IN_FC1``).
+(plus, with ``--scatter``, the expert path with ``ops.SCATTER_X`` flipped).
 
     python tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b --comm 6,8,12,8b \
         [--timeline 8 --out DIR] [--json out.json]
@@ -13,13 +13,10 @@ trailing ``n`` (with ``l``) the same without the consumers' proxy fence on gathe
 ``l``) the caller's x read in place (``megakernel.X_IN_PLACE``), a ``w`` each minibatch's
 GEMM tiles N-tile-major (``megakernel.N_MAJOR_TILES``), a ``c`` (with ``l``, one rank) the
 list with its no-op DISPATCH / COMBINE tasks kept (``megakernel.LOCAL_ONLY_TASKS = False``,
-as before the sixth session), a ``t`` (with ``l``) FC1's rows by one TMA box each
-(``megakernel.DIRECT_ROWS_BY_TMA``), a ``d`` (one rank, ``l``) FC2 signals published after
-the next task's mainloop (``megakernel.DEFER_FC2_SIGNALS``), a ``k`` dynamic compute tickets
-(``megakernel.DYNAMIC_TICKETS``), a ``g`` (one rank, ``l``) GATHER tasks copying x into the
-ring so FC1 loads whole tiles by TMA (``megakernel.GATHER_TASKS``), a ``u`` 16 vectors in flight per KSUM lane instead of 8
-(``megakernel.KSUM_VECTORS``), a ``p`` the consumers' next-task lookup during the epilogue
-(``megakernel.PREFETCH_NEXT_TASK``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. Every megakernel output
+as before the sixth session), a ``k`` dynamic compute tickets (``megakernel.DYNAMIC_TICKETS``),
+a ``u`` 16 vectors in flight per KSUM lane instead of 8 (``megakernel.KSUM_VECTORS``); e.g.
+``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
+measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -62,16 +59,14 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcdgklnptuwx]*)(?:f(\d*))?([bcdgklnptuwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcklnuwx]*)(?:f(\d*))?([bcklnuwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
     return dict(comm=int(m.group(1)), copy="bulk" if "b" in flags else "vector",
                 local_direct="l" in flags, fence="n" not in flags, x_in_place="x" in flags,
                 n_major="w" in flags, local_only_tasks="c" not in flags,
-                rows_by_tma="t" in flags, defer_fc2_signals="d" in flags,
-                dynamic_tickets="k" in flags, gather_tasks="g" in flags,
-                ksum_vectors=16 if "u" in flags else 8, prefetch_next_task="p" in flags,
+                dynamic_tickets="k" in flags, ksum_vectors=16 if "u" in flags else 8,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -80,9 +75,7 @@ def parse_spec(spec: str) -> dict:
 SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD": "fc1_lead",
                  "FC1_LEAD_MINIBATCHES": "fc1_lead_minibatches", "X_IN_PLACE": "x_in_place",
                  "N_MAJOR_TILES": "n_major", "LOCAL_ONLY_TASKS": "local_only_tasks",
-                 "DIRECT_ROWS_BY_TMA": "rows_by_tma", "DEFER_FC2_SIGNALS": "defer_fc2_signals",
-                 "DYNAMIC_TICKETS": "dynamic_tickets", "GATHER_TASKS": "gather_tasks",
-                 "KSUM_VECTORS": "ksum_vectors", "PREFETCH_NEXT_TASK": "prefetch_next_task",
+                 "DYNAMIC_TICKETS": "dynamic_tickets", "KSUM_VECTORS": "ksum_vectors",
                  "RANK_BLOCKS": "rank_blocks"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
@@ -104,7 +97,7 @@ def restore(defaults: dict) -> None:
 
 
 # the expert path's switches that probe variants flip
-OPS_SWITCHES = ("GATHER_IN_FC1", "GATHER_BY_TMA", "SCATTER_X")
+OPS_SWITCHES = ("SCATTER_X",)
 
 
 def restore_ops(defaults: dict) -> None:
@@ -114,9 +107,8 @@ def restore_ops(defaults: dict) -> None:
 
 
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
-                gather: bool = True, rounds: int = 1, scatter: bool = False,
-                minibatches: tuple = (None,)) -> dict:
-    """The expert path, optionally its gather-in-FC1 variants, then every ``--comm`` spec of
+                rounds: int = 1, scatter: bool = False, minibatches: tuple = (None,)) -> dict:
+    """The expert path, optionally with ``ops.SCATTER_X`` flipped, then every ``--comm`` spec of
     the megakernel; with ``rounds`` > 1 all variants are timed again in turn, odd rounds in
     reverse order (the clock drifts within a process) and each row keeps every round's time and their minimum."""
     p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
@@ -128,16 +120,6 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
     ops_defaults = {n: getattr(ops, n) for n in OPS_SWITCHES}
     variants = {"expert_kernels": (lambda: None, base)}
     rows = {"expert_kernels": {"variant": "expert_kernels"}}
-    if gather:  # the expert path with FC1 gathering x itself (ops.GATHER_IN_FC1): cp.async
-        # rows or one TMA box per row (the fence-free cp.async variant measured level in runs
-        # 20-21; toggling the fence recompiles everything, so it is left out of the rounds)
-        for by_tma, fence in ((False, True), (True, True)):
-            key = ("expert_kernels_gather_in_fc1" + ("_tma" if by_tma else "")
-                   + ("" if fence else "_nofence"))
-            variants[key] = (lambda by_tma=by_tma, fence=fence: (
-                setattr(ops, "GATHER_IN_FC1", True), setattr(ops, "GATHER_BY_TMA", by_tma),
-                set_gathered_a_fence(fence)), base)
-            rows[key] = {"variant": key}
     if scatter:  # the expert path with ops.SCATTER_X flipped: x put in expert order by the
         # token-major scatter (on since run 64) or by the gather
         key = "expert_kernels_" + ("gather_x" if ops_defaults["SCATTER_X"] else "scatter_x")
@@ -179,10 +161,7 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_x_in_place" if k.x_in_place else "")
                                           + ("_n_major" if k.tile_order == "n_major" else "")
                                           + ("_no_comm_tasks" if k.local_only else "")
-                                          + ("_rows_by_tma" if k.rows_by_tma else "")
-                                          + ("_deferred_fc2" if k.defer_fc2_signals else "")
-                                          + ("_dynamic_tickets" if k.dynamic_tickets else "")
-                                          + ("_gather_tasks" if k.gather_tasks else ""))
+                                          + ("_dynamic_tickets" if k.dynamic_tickets else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
@@ -216,14 +195,12 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
 def parse_virtual_spec(spec: str) -> dict:
     """``--virtual-comm`` entry: comm CTAs, then ``a`` = tickets alternate ranks task by task
     (RANK_BLOCKS off), ``k`` = dynamic compute tickets (DYNAMIC_TICKETS), ``u`` = 16 vectors
-    in flight per KSUM lane (KSUM_VECTORS), ``p`` = next-task lookup during the epilogue
-    (PREFETCH_NEXT_TASK)."""
-    m = re.fullmatch(r"(\d+)([akpu]*)", spec)
+    in flight per KSUM lane (KSUM_VECTORS)."""
+    m = re.fullmatch(r"(\d+)([aku]*)", spec)
     if not m:
         raise SystemExit(f"--virtual-comm: cannot read {spec!r} (e.g. 12, 12k, 12a)")
     return dict(comm=int(m.group(1)), rank_blocks="a" not in m.group(2),
-                dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8,
-                prefetch_next_task="p" in m.group(2))
+                dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8)
 
 
 def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> dict:
@@ -238,16 +215,14 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
     run_one = lambda: mok_cute.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up,  # noqa: E731
                                            p.w_down, shared=p.shared, config=one)
     def suffix(sp):
-        return (("" if sp["ksum_vectors"] == 8 else f"_ksum{sp['ksum_vectors']}")
-                + ("_prefetch" if sp["prefetch_next_task"] else ""))
+        return "" if sp["ksum_vectors"] == 8 else f"_ksum{sp['ksum_vectors']}"
 
-    # R = 1 with static tickets, then with dynamic tickets and each KSUM / prefetch setting the
-    # specs use (8 vectors, no prefetch always: the earlier probes' r1_dynamic)
-    base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, prefetch_next_task=False)
+    # R = 1 with static tickets, then with dynamic tickets and each KSUM setting the specs use
+    # (8 vectors always: the earlier probes' r1_dynamic)
+    base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8)
     variants = {"r1": (run_one, base)}
     for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
-        sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"],
-                  prefetch_next_task=sp["prefetch_next_task"])
+        sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"])
         variants.setdefault("r1_dynamic" + suffix(sw), (run_one, sw))
     for spec in comms:
         sp = parse_virtual_spec(spec)
@@ -294,8 +269,6 @@ def main(argv=None) -> int:
     ap.add_argument("--comm", default="6,8,12,16", help="comm CTA counts; suffix b = bulk copies")
     ap.add_argument("--timeline", default=None, metavar="SPEC",
                     help="a --comm spec: record one call of it (mok-cute timeline --from)")
-    ap.add_argument("--no-gather", action="store_true",
-                    help="leave out the expert path's gather-in-FC1 variants")
     ap.add_argument("--minibatch-tokens", default="",
                     help="comma list: time every --comm spec with each minibatch size too "
                          "(rows SPEC@N; e.g. 512,1024)")
@@ -310,14 +283,13 @@ def main(argv=None) -> int:
     ap.add_argument("--virtual-comm", default="12,12k",
                     help="comm CTAs, then a = alternating ticket walk (RANK_BLOCKS off), "
                          "k = dynamic compute tickets (DYNAMIC_TICKETS), u = 16 KSUM vectors "
-                         "in flight per lane (KSUM_VECTORS), p = next-task lookup during the "
-                         "epilogue (PREFETCH_NEXT_TASK)")
+                         "in flight per lane (KSUM_VECTORS)")
     ap.add_argument("--virtual-rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out, not a.no_gather,
+    doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out,
                                   a.rounds, a.scatter,
                                   tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,))
                       for s in a.shapes.split(",") if s]}

@@ -60,18 +60,6 @@ from mok_cute.kernels import common
 # way. Read when a kernel is built. Measured on the H200 (run 39): bitwise equal, FC2 -2.4 %
 # to +2.1 %, less than a repeat's spread, so off. MOK_FIRST_MMA_OVERWRITES=1.
 FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
-# How the a_gather variant lands its A rows: "cp_async" (128 producer threads, 16-B copies
-# through the generic proxy, so the consumers fence the proxies per stage) or "tma" (one TMA
-# load of a 1 x 64 box per row and k-tile, 32 rows per producer warp, into the row's place in
-# the swizzled stage: TMA's 128B swizzle is a function of the smem address bits, so rows
-# loaded one by one land where a whole-tile load puts them; no generic proxy, no fence, no
-# LSU traffic). Why: FC1 gathering with cp.async ran as slow as the gather kernel it saves
-# (dsv3 4.65-4.89 ms against 4.71-4.77, run 20). Measured in the seventh session (run 45):
-# "tma" is bitwise equal but no faster (dsv3 4.69 ms against 4.76 with cp.async rows and
-# 4.48 with the gather kernel; sonic and qwen3 slower): 128 row boxes per k-tile load the
-# TMA unit.
-GATHER_MODES = ("cp_async", "tma")
-
 TILE_M = 128
 TILE_K = 64
 EPILOGUES = ("store", "swiglu")
@@ -93,18 +81,11 @@ class GroupedGemmSm90:
         the mainloop through two named barriers (``NamedBarriers.MMA_ORDER``), as CUTLASS's
         pingpong kernel orders its math warpgroups; its GPU tests pass (fifth session).
         ``mok_cute.ops`` selects it for FC2 with a short K (``ops.fc2_pingpong``).
-    :param a_gather: A rows are gathered from an unsorted matrix through a row table
-        (``mARows``): the whole producer warpgroup loads them straight into the swizzled A
-        stage, so no sorted copy of the activations is made (FC1 reads x directly). B still
-        comes by TMA. ``mok_cute.ops`` selects it only with ``ops.GATHER_IN_FC1``.
-    :param gather_by: how the a_gather rows land (``GATHER_MODES``): ``"cp_async"``
-        (``cp_async_a_rows``; bitwise equal to FC1 on the gathered copy on the H200, but no
-        faster, docs/perf_notes.md) or ``"tma"`` (one TMA box per row, ``_tma_row_producer``).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                 pingpong: bool = False, a_gather: bool = False, gather_by: str = "cp_async"):
+                 pingpong: bool = False):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -116,15 +97,7 @@ class GroupedGemmSm90:
         if pingpong and tile_n > 128:
             raise ValueError(f"pingpong keeps a whole 128 x tile_n accumulator per warpgroup: "
                              f"tile_n must be <= 128, got {tile_n}")
-        if a_gather and pingpong:
-            raise ValueError("a_gather is written for the cooperative schedule, not pingpong")
-        if gather_by not in GATHER_MODES:
-            raise ValueError(f"gather_by must be one of {GATHER_MODES}, got {gather_by!r}")
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
-        self.a_gather = a_gather
-        self.gather_by = gather_by if a_gather else None
-        # cp.async rows arrive through the generic proxy: the consumers fence before wgmma
-        self.a_generic_proxy = a_gather and gather_by == "cp_async"
         # pingpong only: the cooperative kernels' SASS gets worse with it (32 HGMMA unrolled
         # and 8 wgmma waits instead of 8 and 2), the pingpong one loses its C7517 wait
         self.first_mma_overwrites = FIRST_MMA_OVERWRITES and pingpong
@@ -190,12 +163,6 @@ class GroupedGemmSm90:
         self.epi_smem_layout_staged = cute.tile_to_shape(
             epi_atom, cute.append(self.epi_tile, self.epi_buffers), order=(0, 1, 2))
 
-    def _a_row_layout(self, a_smem_layout_staged):
-        """One 1 x tile_k row of the A stage: the stage's swizzle over a (1, tile_k) layout."""
-        return cute.make_composed_layout(
-            a_smem_layout_staged.inner, 0,
-            cute.make_layout((1, self.tile_shape_mnk[2]), stride=(self.tile_shape_mnk[2], 1)))
-
     @staticmethod
     def _staged_kmajor_layout(dtype, tile_mk, stages):
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
@@ -208,13 +175,10 @@ class GroupedGemmSm90:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB_up: Optional[cute.Tensor],
                  mC: cute.Tensor,
                  mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
-                 mTimeline: Optional[cute.Tensor], mARows: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 mTimeline: Optional[cute.Tensor], stream: cuda.CUstream):
         """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1): all K- / N-major.
         swiglu: mB is W_gate and mB_up is W_up, both (I, K, E); store: mB_up is None.
-        mTimeline: int64 recorder buffer, or None when the timeline flag is off.
-        a_gather: mA is the unsorted (T, K, 1) matrix and mARows int32 (M_cap,) names the
-        row of mA for each row of A (-1: a padding row, any content); else mARows is None."""
+        mTimeline: int64 recorder buffer, or None when the timeline flag is off."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -224,14 +188,8 @@ class GroupedGemmSm90:
 
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_a, tma_tensor_a = None, mA
-        if const_expr(not self.a_gather):
-            tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
-        elif const_expr(self.gather_by == "tma"):
-            # one row of the swizzled A stage as the box: (1, tile_k) under the stage's swizzle
-            tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                g2s, mA, self._a_row_layout(self.a_smem_layout_staged), (1, tile_k))
+        tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
         # B rows per TMA box: the whole tile, or each gate / up half of it.
         b_box = (self.b_rows_per_load, tile_k)
         b_box_layout = cute.slice_(self._staged_kmajor_layout(self.b_dtype, b_box, 1), (None, None, 0))
@@ -261,7 +219,7 @@ class GroupedGemmSm90:
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c,
-            mTileExpert, mNumMTiles, mTimeline, mARows, self.tiled_mma,
+            mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
         ).launch(
             grid=[self.num_sms, 1, 1],
@@ -272,13 +230,12 @@ class GroupedGemmSm90:
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
-    def kernel(self, tma_atom_a: Optional[cute.CopyAtom], mA_mkl: cute.Tensor,
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
                tma_atom_b_up: Optional[cute.CopyAtom], mBup_nkl: Optional[cute.Tensor],
                tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
                mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
-               mTimeline: Optional[cute.Tensor], mARows: Optional[cute.Tensor],
-               tiled_mma: cute.TiledMma,
+               mTimeline: Optional[cute.Tensor], tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout):
@@ -291,8 +248,7 @@ class GroupedGemmSm90:
             if tidx == 0 and cute.arch.block_idx()[0] == 0:
                 common.timeline_mark_start(mTimeline, common.timeline_now())
         if warp_idx == self.load_warp:
-            if const_expr(not self.a_generic_proxy and tma_atom_a is not None):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             if const_expr(self.epilogue == "swiglu"):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_up)
@@ -302,16 +258,10 @@ class GroupedGemmSm90:
         storage = smem.allocate(self.shared_storage)
         tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0)))
                      + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0))))
-        producer_arrivals = 1
-        if const_expr(self.a_generic_proxy):
-            # A arrives by cp.async: TMA brings only B's bytes, and each of the 128 producer
-            # threads adds one arrival (cp.async.mbarrier.arrive.noinc) when its row landed
-            tma_bytes = cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0)))
-            producer_arrivals = 1 + self.threads_per_warpgroup
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_full_empty.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             # one arrive per warp that consumes the stage
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      self.threads_per_tile // 32),
@@ -330,10 +280,8 @@ class GroupedGemmSm90:
         gB_nkl = cute.local_tile(mB_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
         gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
         single_cta = cute.make_layout(1)
-        tAsA, tAgA = None, None
-        if const_expr(not self.a_gather):
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
         # (rows, bK, halves, 1, stages): the gate half and the up half of every B stage
         sB_halves = cute.flat_divide(sB, (self.b_rows_per_load, tile_k))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
@@ -356,44 +304,30 @@ class GroupedGemmSm90:
 
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if const_expr(self.gather_by == "tma"):
-                # ---------------- producer warpgroup: each warp TMAs 32 A rows, warp 0 also B
-                self._tma_row_producer(ab_pipeline, tma_atom_a, mA_mkl, mARows,
-                                       storage.sA.data_ptr(),
-                                       self._a_row_layout(a_smem_layout_staged), tBgB, tBsB, tBgB_up, tBsB_up,
-                                       tma_atom_b, tma_atom_b_up, mTileExpert, num_m_tiles,
-                                       num_n_tiles, num_tiles, k_tile_cnt, tidx, warp_idx)
-            elif const_expr(self.a_gather):
-                # ---------------- producer warpgroup: 128 threads gather A rows, warp 0 TMAs B
-                self._gather_producer(ab_pipeline, mA_mkl, mARows, storage.sA.data_ptr(), tBgB,
-                                      tBsB, tBgB_up, tBsB_up, tma_atom_b, tma_atom_b_up,
-                                      mTileExpert, num_m_tiles, num_n_tiles, num_tiles,
-                                      k_tile_cnt, tidx, warp_idx)
-            else:
-                # ---------------- producer warpgroup: warp 0 streams A and B tiles with TMA
-                if warp_idx == self.load_warp:
-                    producer_state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, self.ab_stages)
-                    tile_idx = cute.arch.block_idx()[0]
-                    while tile_idx < num_tiles:
-                        m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-                        expert = mTileExpert[m_tile]
-                        tAgA_k = tAgA[(None, m_tile, None, 0)]
-                        tBgB_k = tBgB[(None, n_tile, None, expert)]
-                        for k_tile in range(k_tile_cnt):
-                            ab_pipeline.producer_acquire(producer_state)
-                            barrier = ab_pipeline.producer_get_barrier(producer_state)
-                            cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
-                                      tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
-                            cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
-                                      tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
-                            if const_expr(self.epilogue == "swiglu"):
-                                cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                          tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
-                            ab_pipeline.producer_commit(producer_state)
-                            producer_state.advance()
-                        tile_idx += cute.arch.grid_dim()[0]
-                    ab_pipeline.producer_tail(producer_state)
+            # ---------------- producer warpgroup: warp 0 streams A and B tiles with TMA
+            if warp_idx == self.load_warp:
+                producer_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.ab_stages)
+                tile_idx = cute.arch.block_idx()[0]
+                while tile_idx < num_tiles:
+                    m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+                    expert = mTileExpert[m_tile]
+                    tAgA_k = tAgA[(None, m_tile, None, 0)]
+                    tBgB_k = tBgB[(None, n_tile, None, expert)]
+                    for k_tile in range(k_tile_cnt):
+                        ab_pipeline.producer_acquire(producer_state)
+                        barrier = ab_pipeline.producer_get_barrier(producer_state)
+                        cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
+                                  tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
+                                  tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        if const_expr(self.epilogue == "swiglu"):
+                            cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                                      tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        ab_pipeline.producer_commit(producer_state)
+                        producer_state.advance()
+                    tile_idx += cute.arch.grid_dim()[0]
+                ab_pipeline.producer_tail(producer_state)
         else:
             # ---------------- consumer warpgroups: wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -488,7 +422,6 @@ class GroupedGemmSm90:
                         my_turn.arrive_and_wait()
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read_state)
-                a_visible_to_wgmma(self.a_generic_proxy)
                 first_kb = 0
                 if const_expr(self.first_mma_overwrites):  # k-block 0 overwrites acc
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -501,7 +434,6 @@ class GroupedGemmSm90:
                 read_state.advance()
                 for k_tile in range(1, k_tile_cnt):
                     ab_pipeline.consumer_wait(read_state)
-                    a_visible_to_wgmma(self.a_generic_proxy)
                     self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release_state)
@@ -536,93 +468,6 @@ class GroupedGemmSm90:
             tma_store_pipeline.producer_tail()
 
     @cute.jit
-    def _arm_stage_and_load_b(self, ab_pipeline, state, tma_atom_b, tBgB_k, tBsB, tma_atom_b_up,
-                              tBgB_up, tBsB_up, n_tile, k_tile, expert, warp_idx):
-        """The gathered-A producers' stage start: warp 0 waits for the stage to be empty, arms
-        it with the pipeline's bytes (B only with cp.async rows, A and B with TMA rows) and
-        loads B; the other producer warps only wait for it to be empty."""
-        if warp_idx == self.load_warp:
-            ab_pipeline.producer_acquire(state)
-            bar = ab_pipeline.producer_get_barrier(state)
-            cute.copy(tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-            if const_expr(self.epilogue == "swiglu"):
-                cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                          tBsB_up[(None, state.index)], tma_bar_ptr=bar)
-        else:
-            ab_pipeline.sync_object_empty.wait(state.index, state.phase)
-
-    @cute.jit
-    def _gather_producer(self, ab_pipeline, mA, mARows, sA_base, tBgB, tBsB, tBgB_up, tBsB_up,
-                         tma_atom_b, tma_atom_b_up, mTileExpert, num_m_tiles, num_n_tiles,
-                         num_tiles, k_tile_cnt, tidx, warp_idx):
-        """Producer of the a_gather variant: the warpgroup lands every A k-tile with cp.async
-        (``cp_async_a_rows``: thread t owns 16-B chunk t % 8 of rows t // 8 + 16 i), then each
-        thread arrives on the stage's full barrier when its copies land. Warp 0 also arms the
-        barrier with B's bytes and issues B's TMA loads."""
-        rows = gathered_rows_of(tidx)
-        stage_elems = TILE_M * TILE_K
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        tile_idx = cute.arch.block_idx()[0]
-        while tile_idx < num_tiles:
-            m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-            expert = mTileExpert[m_tile]
-            srcs = _table_row_addresses(mA, mARows, m_tile * TILE_M, rows)
-            tBgB_k = tBgB[(None, n_tile, None, expert)]
-            for k_tile in range(k_tile_cnt):
-                self._arm_stage_and_load_b(ab_pipeline, state, tma_atom_b, tBgB_k, tBsB,
-                                           tma_atom_b_up, tBgB_up, tBsB_up, n_tile, k_tile,
-                                           expert, warp_idx)
-                cp_async_a_rows(sA_base + state.index * stage_elems, srcs, rows, k_tile, tidx)
-                cute.arch.cp_async_mbarrier_arrive_noinc(ab_pipeline.producer_get_barrier(state))
-                state.advance()
-            tile_idx += cute.arch.grid_dim()[0]
-        cute.arch.cp_async_wait_group(0)
-        if warp_idx == self.load_warp:
-            ab_pipeline.producer_tail(state)
-
-    @cute.jit
-    def _tma_row_producer(self, ab_pipeline, tma_atom_a, mA, mARows, sA_base, row_layout, tBgB, tBsB,
-                          tBgB_up, tBsB_up, tma_atom_b, tma_atom_b_up, mTileExpert,
-                          num_m_tiles, num_n_tiles, num_tiles, k_tile_cnt, tidx, warp_idx):
-        """Producer of the a_gather variant with ``gather_by="tma"``: warp w of the producer
-        warpgroup loads A rows 32 w .. 32 w + 31 of every k-tile with one TMA box each (lane
-        i holds row 32 w + i's source row; the row is broadcast by a shuffle, and the DSL's TMA
-        copy is issued by one elected lane). Warp 0 arms each stage with A's and B's bytes and
-        loads B; the other warps wait for the stage to be empty and let their loads complete
-        bytes on the same barrier (an mbarrier's tx-count may go below zero before it is
-        armed; the phase cannot complete before warp 0's arrival)."""
-        tile_k = self.tile_shape_mnk[2]
-        rows_per_warp = 32
-        stage_bytes = TILE_M * tile_k * 2
-        my_first_row = (warp_idx % 4) * rows_per_warp
-        lane = cute.arch.lane_idx()
-        # ((1, tile_k), rows of mA, k-tiles, 1): the box grid over A's coordinates
-        gA_rows = cute.group_modes(cute.local_tile(mA, (1, tile_k), (None, None, None)), 0, 2)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        tile_idx = cute.arch.block_idx()[0]
-        while tile_idx < num_tiles:
-            m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-            expert = mTileExpert[m_tile]
-            # padding rows (-1) read row 0: their output rows are never stored
-            my_src = cutlass.max(mARows[m_tile * TILE_M + my_first_row + lane], 0)
-            tBgB_k = tBgB[(None, n_tile, None, expert)]
-            for k_tile in range(k_tile_cnt):
-                self._arm_stage_and_load_b(ab_pipeline, state, tma_atom_b, tBgB_k, tBsB,
-                                           tma_atom_b_up, tBgB_up, tBsB_up, n_tile, k_tile,
-                                           expert, warp_idx)
-                bar = ab_pipeline.producer_get_barrier(state)
-                stage_addr = sA_base.toint() + state.index * stage_bytes
-                for i in cutlass.range_constexpr(rows_per_warp):
-                    src_row = cute.arch.shuffle_sync(my_src, i)
-                    tma_load_a_row(tma_atom_a, gA_rows, row_layout,
-                                   stage_addr + (my_first_row + i) * A_ROW_BYTES,
-                                   (src_row, k_tile, 0), bar)
-                state.advance()
-            tile_idx += cute.arch.grid_dim()[0]
-        if warp_idx == self.load_warp:
-            ab_pipeline.producer_tail(state)
-
-    @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr,
                     first_kb: cutlass.Constexpr = 0):
         """Issue the wgmmas of one K-tile (k-blocks ``first_kb`` .. num_k_blocks-1, k16 each)
@@ -633,7 +478,7 @@ class GroupedGemmSm90:
 
 
 # ----------------------------------------------------------------- A rows gathered by cp.async
-# A producer warpgroup (128 threads) lands a 128 x 64 bf16 A k-tile as 16 rows x 8 chunks of
+# (the megakernel's local_direct producer: FC1 reads a rank's own rows from x). A producer warpgroup (128 threads) lands a 128 x 64 bf16 A k-tile as 16 rows x 8 chunks of
 # 16 B per instruction: thread t owns chunk t % 8 of rows t // 8 + 16 i. A warp's cp.async then
 # covers four whole 128-B row segments (4 L1 wavefronts); one row per thread would take 32.
 GATHER_ROW_STRIDE = 128 // 8  # rows between one thread's consecutive rows
@@ -643,12 +488,6 @@ GATHER_ROWS_PER_THREAD = TILE_M // GATHER_ROW_STRIDE
 def gathered_rows_of(tidx):
     """The A-tile rows whose chunk ``tidx & 7`` producer thread ``tidx`` (0..127) loads."""
     return [(tidx >> 3) + GATHER_ROW_STRIDE * i for i in range(GATHER_ROWS_PER_THREAD)]
-
-
-def _table_row_addresses(mA, mARows, first_row, rows):
-    """Global byte addresses of the source rows of ``rows`` through the row table (a padding
-    row, -1, reads row 0: its output row is never stored)."""
-    return [mA[(cutlass.max(mARows[first_row + r], 0), None, 0)].iterator.toint() for r in rows]
 
 
 # cp.async lands A through the generic proxy and wgmma reads smem through the async proxy.
@@ -675,22 +514,6 @@ def cp_async_a_rows(stage, srcs, rows, k_tile, tidx):
         gsrc = cute.make_ptr(cutlass.BFloat16, src + (k_tile * TILE_K + chunk * 8) * 2,
                              cute.AddressSpace.gmem, assumed_align=16)
         nvvm.cp_async_shared_global(stage + r * TILE_K + ((chunk ^ (r & 7)) * 8), gsrc, 16, "cg")
-
-
-A_ROW_BYTES = TILE_K * 2
-
-
-def tma_load_a_row(atom, g_rows, row_layout, row_addr, coord, bar):
-    """One A row's (1, TILE_K) TMA box into the swizzled stage, at smem byte address
-    ``row_addr`` = stage + row * A_ROW_BYTES: the row's unswizzled start. TMA's 128B swizzle is
-    a function of the address bits (4-6 XOR 7-9), so in a 1024-B aligned stage the row's
-    chunks land where a whole-tile load puts them. ``g_rows``: the TMA tensor tiled by
-    (1, TILE_K) with the box modes grouped; ``coord``: its index after the box mode."""
-    dst = cute.group_modes(cute.make_tensor(
-        cute.make_ptr(cutlass.BFloat16, row_addr, cute.AddressSpace.smem, assumed_align=128),
-        row_layout), 0, 2)
-    t_s, t_g = cute.nvgpu.cpasync.tma_partition(atom, 0, cute.make_layout(1), dst, g_rows)
-    cute.copy(atom, t_g[(None, *coord)], t_s, tma_bar_ptr=bar)
 
 
 class TileEpilogue:
@@ -767,8 +590,7 @@ def choose_tile_n(n_out: int, epilogue: str) -> int:
     return min(options, key=lambda t: (cost(t), -t))
 
 
-def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool,
-                   a_gather: bool = False):
+def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
     """Fake (M, K, 1) A, (N, K, E) B (two of them for swiglu: gate and up, N = I),
     (M, N_out, 1) C and int32 vectors with run-time extents and strides (what a strided
     torch view passes through TVM-FFI)."""
@@ -784,16 +606,12 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool,
     tile_expert = common.fake_vector(Int32)
     num_m_tiles = common.fake_vector(Int32)
     timeline = common.fake_vector(Int64, align_bytes=8) if timeline else None
-    a_rows = common.fake_vector(Int32) if a_gather else None
-    if a_gather:  # A is the unsorted (T, K, 1) matrix: its row count is not M's
-        a = common.fake_kmajor_tensor(bf16, (cute.sym_int32(), k, 1))
-    return a, b, b_up, c, tile_expert, num_m_tiles, timeline, a_rows
+    return a, b, b_up, c, tile_expert, num_m_tiles, timeline
 
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                         pingpong: bool = False, a_gather: bool = False,
-                         gather_by: str = "cp_async", arch: str = "sm_90a", options: str = ""):
+                         pingpong: bool = False, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -801,12 +619,10 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     (TVM-FFI): ``A (M,K,1)``, ``B (N,K,E)``, ``B_up`` (swiglu) or None, ``C (M,N_out,1)``
     strided views, the int32
     tile -> expert table, the one-element M-tile count, the int64 timeline buffer (None
-    when ``timeline`` is off) and, with ``a_gather``, the int32 row table of A (else None);
-    it runs on torch's current stream.
+    when ``timeline`` is off); it runs on torch's current stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                           timeline=timeline, task_type=task_type, pingpong=pingpong,
-                           a_gather=a_gather, gather_by=gather_by)
-    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, a_gather)
+                           timeline=timeline, task_type=task_type, pingpong=pingpong)
+    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

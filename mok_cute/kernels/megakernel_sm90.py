@@ -60,9 +60,9 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 from mok_cute import jit
 from mok_cute.kernels import common
 from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row
-from mok_cute.kernels.gemm_sm90 import (A_ROW_BYTES, TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
+from mok_cute.kernels.gemm_sm90 import (TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
                                        a_visible_to_wgmma, cp_async_a_rows, gathered_rows_of,
-                                       store_tile_epilogue, tma_load_a_row)
+                                       store_tile_epilogue)
 from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, k_sum_unroll, k_sum_vector
 from mok_cute.tasks import CounterGroup, TASK_WORDS
 from mok_cute.timeline import Role, TaskType
@@ -99,9 +99,7 @@ class MegakernelSm90:
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
-                 rows_by_tma: bool = False, defer_fc2_signals: bool = False,
-                 dynamic_tickets: bool = False, gather_tasks: bool = False,
-                 ksum_vectors: int = 8, prefetch_next_task: bool = False):
+                 dynamic_tickets: bool = False, ksum_vectors: int = 8):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -122,40 +120,10 @@ class MegakernelSm90:
         if local_direct and copy != "vector":
             raise ValueError("local_direct needs copy='vector'")
         self.local_direct = local_direct
-        # rows_by_tma (with local_direct): FC1's A rows land by one TMA box per row (from this
-        # rank's x, or from the ring for a dispatched row) instead of cp.async: the stages
-        # then stay in the async proxy (no consumer fence) and no LSU copies compete with
-        # wgmma's smem reads (gemm_sm90's gather_by="tma"; measured 2.3x slower, run 45).
-        if rows_by_tma and not local_direct:
-            raise ValueError("rows_by_tma needs local_direct")
-        self.rows_by_tma = rows_by_tma
-        # gather_tasks (with local_direct, one rank without comm tasks): GATHER tasks on the
-        # compute CTAs copy each M-tile's x rows into the ring first, and FC1 loads whole A
-        # tiles from the ring by TMA like a dispatched tile; y still stays in the ring for the
-        # k-sum. Why: FC1 gathering its own rows by cp.async ran ~0.5 ms slower than FC1 on a
-        # gathered copy on dsv3 (expert path, runs 20-21 and 45).
-        if gather_tasks and (not local_direct or rows_by_tma):
-            raise ValueError("gather_tasks needs local_direct and not rows_by_tma")
-        self.gather_tasks = gather_tasks
         # KSUM: 16-B vectors in flight per consumer lane (k_sum_unroll). One CTA per SM runs it
         # with 8 warps, so the k-sum is latency-bound unless each lane keeps many loads in
         # flight; the consumers hold 224 registers, more than the standalone kernel's ~100.
         self.ksum_vectors = ksum_vectors
-        # prefetch_next_task: the consumers look up their next task (ticket, queue entry, task
-        # row, live-tile count: dependent global loads) right after a GEMM task's mainloop, so
-        # the loads land during its epilogue instead of between tasks. Why: a recorded mixtral
-        # call spent 17.5 us of every ms per CTA between tasks, the expert GEMM 2.2 (run 56).
-        self.prefetch_next_task = prefetch_next_task
-        # FC1's producer gathers its A rows itself (cp.async or TMA row boxes)
-        self.direct_rows = local_direct and not gather_tasks
-        # cp.async rows land through the generic proxy: the consumers fence before wgmma
-        self.a_generic_proxy = self.direct_rows and not rows_by_tma
-        # defer_fc2_signals (a list where no compute task waits on an FC2 tile: one rank reading
-        # its rows in place, tasks' comm_tasks=False): an FC2 task does not wait for its TMA
-        # stores to land before the next task; its signal is published once they have, at
-        # the next task's epilogue, before a KSUM, or at the end. Only the BARRIER (a comm CTA)
-        # waits on FC2 signals there, so a deferred one cannot hold up its own CTA.
-        self.defer_fc2_signals = defer_fc2_signals
         # rank_blocks (virtual ranks): tickets walk the task list block by block (a block per
         # minibatch), every rank's share of a block in turn, instead of alternating ranks task
         # by task, so concurrent tiles share one rank's weights in L2 (tasks.ticket_blocks).
@@ -192,8 +160,6 @@ class MegakernelSm90:
         self.epi_tile = self.gemm.epi_tile
         self.epi_stages = self.gemm.epi_stages
         self.half_n = FC1_TILE_N // 2
-        # TMA store groups an FC2 tile commits (one per epilogue subtile)
-        self.fc2_store_groups = (TILE_M // self.epi_tile[0]) * (FC2_TILE_N // self.epi_tile[1])
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -258,12 +224,6 @@ class MegakernelSm90:
             s_st_h = mk(s2g, shared_h, epi_layout, self.epi_tile)
             s_st_y = mk(s2g, shared_y, epi_layout, self.epi_tile)
             shared_atoms = (*s_a_x, *s_a_h, *s_wg, *s_wu, *s_wd, *s_st_h, *s_st_y)
-        row_atoms = (None,) * 4
-        if const_expr(self.rows_by_tma):
-            # one (1, tile_k) row of the swizzled A stage per box, from x or from the ring
-            row_layout = g._a_row_layout(g.a_smem_layout_staged)
-            row_atoms = (*mk(g2s, x_all, row_layout, (1, tile_k)),
-                         *mk(g2s, ring_x, row_layout, (1, tile_k)))
 
         @cute.struct
         class SharedStorage:
@@ -291,7 +251,7 @@ class MegakernelSm90:
             ring_x, ring_y, topk_weights, topk_idx, slot_rows, out, shared_y, timeline_buf,
             scalars,
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
-            tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms, *row_atoms,
+            tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
             g.tiled_mma, g.a_smem_layout_staged, g.b_smem_layout_staged, g.epi_smem_layout_staged,
         ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, cooperative=True, stream=stream)
@@ -318,8 +278,6 @@ class MegakernelSm90:
                s_tma_wd: Optional[cute.CopyAtom], s_t_wd: Optional[cute.Tensor],
                s_tma_st_h: Optional[cute.CopyAtom], s_t_st_h: Optional[cute.Tensor],
                s_tma_st_y: Optional[cute.CopyAtom], s_t_st_y: Optional[cute.Tensor],
-               tma_row_x: Optional[cute.CopyAtom], t_row_x: Optional[cute.Tensor],
-               tma_row_ring: Optional[cute.CopyAtom], t_row_ring: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout):
@@ -340,9 +298,8 @@ class MegakernelSm90:
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=g.ab_stages,
             # local_direct: FC1's A rows arrive by cp.async from the 128 producer threads
-            # (by TMA with rows_by_tma: their bytes complete on warp 0's arrival)
             producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 1 + (128 if const_expr(self.a_generic_proxy) else 0)),
+                pipeline.Agent.Thread, 1 + (128 if const_expr(self.local_direct) else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, g.num_mma_threads // 32),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         # dynamic_tickets: the ring's slots and its full / empty mbarriers
@@ -351,12 +308,9 @@ class MegakernelSm90:
             if tidx == 0:
                 # readers: the consumer warps, and the other three producer warps with direct rows
                 ticket_ring_init(ticket_bars, g.num_mma_threads // 32
-                                 + (3 if const_expr(self.direct_rows) else 0))
+                                 + (3 if const_expr(self.local_direct) else 0))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-        row_layout = None  # rows_by_tma: one A row of the swizzled stage
-        if const_expr(self.rows_by_tma):
-            row_layout = self.gemm._a_row_layout(a_smem_layout_staged)
 
         if bidx < self.num_comm_ctas:
             self._announce_start(ctx, peer_bases, tidx)
@@ -372,7 +326,7 @@ class MegakernelSm90:
             compute_cta = bidx - self.num_comm_ctas
             if warpgroup_idx == 0:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
-                if const_expr(self.direct_rows):
+                if const_expr(self.local_direct):
                     # all four producer warps: they gather FC1's local A rows themselves
                     self._producer_loop(
                         ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
@@ -381,8 +335,7 @@ class MegakernelSm90:
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
                         s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
                         timeline_buf, _DirectA(row_peer, row_token, peer_bases, ring_x,
-                                 storage.sA.data_ptr(), tidx, warp_idx, tma_row_x, t_row_x,
-                                 tma_row_ring, t_row_ring, row_layout))
+                                 storage.sA.data_ptr(), tidx, warp_idx))
                 elif warp_idx == g.load_warp:
                     for atom in (tma_a_x, tma_a_h, tma_wg, tma_wu, tma_wd):
                         cute.nvgpu.cpasync.prefetch_descriptor(atom)
@@ -401,7 +354,7 @@ class MegakernelSm90:
                     topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                     tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                     s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta,
-                    ticket_q, ticket_bars, row_peer, row_token, ring_x)
+                    ticket_q, ticket_bars)
 
     # ------------------------------------------------------------------ task walking
     @cute.jit
@@ -808,13 +761,12 @@ class MegakernelSm90:
         # local_direct: the _DirectA fields as plain locals (an object used in the task loop
         # would have to be carried through it)
         d_row_peer, d_row_token, d_peer_bases, d_ring_x = None, None, None, None
-        d_sA_base, d_tidx, d_warp, d_sync, d_rows = None, None, None, None, None
-        if const_expr(self.direct_rows):
+        d_sA_base, d_tidx, d_warp, d_sync = None, None, None, None
+        if const_expr(self.local_direct):
             d_row_peer, d_row_token, d_peer_bases, d_ring_x = (
                 direct.row_peer, direct.row_token, direct.peer_bases, direct.ring_x)
             d_sA_base, d_tidx, d_warp, d_sync = (direct.sA_base, direct.tidx, direct.warp_idx,
                                                  direct.sync)
-            d_rows = direct.rows
 
         loads = Int32(0)  # k-tiles issued so far: the pipeline state is derived from it
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
@@ -832,16 +784,13 @@ class MegakernelSm90:
             ttype = tasks[index, W_TYPE]
             k_tiles = self._k_tiles(ttype, t_a_x, t_a_h, s_t_a_h)
             if run and not noop and self._is_gemm(ttype):
-                if const_expr(self.direct_rows):
+                if const_expr(self.local_direct):
                     if d_warp == self.gemm.load_warp:
                         self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error,
                                                  num_tiles, index, rank, timeline_buf,
                                                  int(Role.COMPUTE), cute.arch.lane_idx() == 0)
                         cute.arch.fence_proxy("async.global")
                     d_sync.arrive_and_wait()  # the task's inputs are there for all 4 warps
-                    if const_expr(self.rows_by_tma):
-                        # every warp TMA-reads rows other CTAs wrote (ring rows, generic stores)
-                        cute.arch.fence_proxy("async.global")
                 else:
                     self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
                                              index, rank, timeline_buf, int(Role.COMPUTE),
@@ -853,18 +802,12 @@ class MegakernelSm90:
                 ring_tile = tasks[index, W_RING_ROW] // tile_m
                 expert = rank * e_loc + tile_expert[rank, cutlass.max(m_tile, 0)]
                 state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
-                if const_expr(self.direct_rows):
-                    if const_expr(self.rows_by_tma):
-                        self._fill_stages_tma_rows(ctx, tasks, index, rank, ttype, k_tiles, state,
-                                                   ab_pipeline, d_row_peer, d_row_token, d_sA_base,
-                                                   d_warp, m_tile, n_tile, ring_tile, expert, tma,
-                                                   d_rows)
-                    else:
-                        self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
-                                                 ab_pipeline, d_row_peer, d_row_token, d_peer_bases,
-                                                 d_ring_x, d_sA_base, d_tidx, d_warp, m_tile, n_tile,
-                                                 ring_tile, expert, tma)
-                if const_expr(not self.direct_rows):
+                if const_expr(self.local_direct):
+                    self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
+                                             ab_pipeline, d_row_peer, d_row_token, d_peer_bases,
+                                             d_ring_x, d_sA_base, d_tidx, d_warp, m_tile, n_tile,
+                                             ring_tile, expert, tma)
+                if const_expr(not self.local_direct):
                     for k in range(k_tiles):
                         ab_pipeline.producer_acquire(state)
                         bar = ab_pipeline.producer_get_barrier(state)
@@ -882,7 +825,7 @@ class MegakernelSm90:
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                        int(Role.COMPUTE), q, blk, q_base)
         tail = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
-        if const_expr(self.direct_rows):
+        if const_expr(self.local_direct):
             cute.arch.cp_async_wait_group(0)
             if d_warp == self.gemm.load_warp:
                 ab_pipeline.producer_tail(tail)
@@ -947,53 +890,6 @@ class MegakernelSm90:
                 cute.arch.mbarrier_arrive(bar)
             state.advance()
 
-    @cute.jit
-    def _fill_stages_tma_rows(self, ctx, tasks, index, rank, ttype, k_tiles, state, ab_pipeline,
-                              row_peer, row_token, sA_base, warp_idx, m_tile, n_tile, ring_tile,
-                              expert, tma, rows):
-        """local_direct with rows_by_tma: one GEMM task's k-tiles, by the whole producer
-        warpgroup, every byte by TMA. Warp 0 arms each stage with A's and B's bytes and issues
-        the tile loads (all of A and B, except FC1's A); for FC1, warp w then loads A rows
-        32 w .. 32 w + 31 with one (1, tile_k) box each: from this rank's x when the row is
-        local, else from its ring row (lane i holds row 32 w + i's source, broadcast by a
-        shuffle; the DSL's TMA copy is issued by one elected lane). A warp's boxes may land
-        before warp 0 arms the stage: the tx-count goes below zero, and the phase cannot
-        complete before warp 0's arrival."""
-        tma_row_x, t_row_x, tma_row_ring, t_row_ring, row_layout = rows
-        tile_m, tile_n, tile_k = self.tile_shape_mnk
-        stage_bytes = tile_m * tile_k * 2
-        first_row = (warp_idx % 4) * 32
-        my_row = first_row + cute.arch.lane_idx()
-        first = tasks[index, W_ROW_BEGIN]
-        my_local = Int32(0)
-        my_src = ring_tile * tile_m + my_row  # the ring row
-        if ttype == int(TaskType.FC1):
-            if row_peer[rank, first + my_row] == ctx.rank_base + rank:
-                my_local = Int32(1)
-                my_src = row_token[rank, first + my_row]  # the x row
-        g_x = cute.group_modes(cute.local_tile(t_row_x, (1, tile_k), (None, None, None)), 0, 2)
-        g_ring = cute.group_modes(cute.local_tile(t_row_ring, (1, tile_k), (None, None, None)), 0, 2)
-        for k in range(k_tiles):
-            ab_pipeline.sync_object_empty.wait(state.index, state.phase)
-            bar = ab_pipeline.producer_get_barrier(state)
-            stage = state.index
-            if warp_idx == self.gemm.load_warp:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, stage_bytes + tile_n * tile_k * 2)
-                self._issue_tma_loads(tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile,
-                                      expert, rank, False)
-            if ttype == int(TaskType.FC1):
-                stage_addr = sA_base.toint() + stage * stage_bytes
-                for i in cutlass.range_constexpr(32):
-                    src = cute.arch.shuffle_sync(my_src, i)
-                    local = cute.arch.shuffle_sync(my_local, i)
-                    row_addr = stage_addr + (first_row + i) * A_ROW_BYTES
-                    if local != 0:
-                        tma_load_a_row(tma_row_x, g_x, row_layout, row_addr, (src, k, rank), bar)
-                    else:
-                        tma_load_a_row(tma_row_ring, g_ring, row_layout, row_addr, (src, k, rank), bar)
-            state.advance()
-
     def _direct_row_addresses(self, ctx, tasks, index, rank, row_peer, row_token, peer_bases,
                               ring_x, ring_tile, rows):
         """Byte addresses of an FC1 task's A rows ``rows``: this rank's own x row for a local
@@ -1031,17 +927,9 @@ class MegakernelSm90:
         return loads
 
     @cute.jit
-    def _is_gather(self, ttype: Int32):
-        """A GATHER task (only in gather_tasks lists)."""
-        gather = cutlass.Boolean(False)
-        if const_expr(self.gather_tasks):
-            gather = ttype == int(TaskType.GATHER)
-        return gather
-
-    @cute.jit
     def _is_gemm(self, ttype: Int32):
-        """A compute task that runs through the stage pipeline (not a KSUM or a GATHER)."""
-        return ttype != int(TaskType.KSUM) and not self._is_gather(ttype)
+        """A compute task that runs through the stage pipeline (not a KSUM)."""
+        return ttype != int(TaskType.KSUM)
 
     # ------------------------------------------------------------------ compute: consumers
     @cute.jit
@@ -1050,7 +938,7 @@ class MegakernelSm90:
                        topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                        tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                        s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
-                       compute_cta, ticket_q, ticket_bars, row_peer, row_token, ring_x):
+                       compute_cta, ticket_q, ticket_bars):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice((warpgroup_idx - 1) * 128)
@@ -1076,8 +964,6 @@ class MegakernelSm90:
 
         loads = Int32(0)
         subtiles = Int32(0)
-        pending = Int32(-1)  # defer_fc2_signals: the FC2 task whose signal is still to publish
-        pending_rank = Int32(0)
         live_prefix = self._live_prefix(ctx, queue_live_len, num_tiles, int(Role.COMPUTE))
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
         taken = Int32(0)  # dynamic_tickets: tickets read from the producer's ring
@@ -1087,22 +973,11 @@ class MegakernelSm90:
             taken += 1
         index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                    int(Role.COMPUTE), q, blk, q_base)
-        # the task in hand: looked up at the top of each iteration, or (prefetch_next_task)
-        # before the loop and then during the previous task's epilogue
-        run, noop, ttype = cutlass.Boolean(False), cutlass.Boolean(False), Int32(0)
-        if const_expr(self.prefetch_next_task):
-            run, noop, ttype = self._task_desc(ctx, tasks, num_tiles, index, rank)
         while index >= 0:
-            if const_expr(not self.prefetch_next_task):
-                run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
-                ttype = tasks[index, W_TYPE]
+            run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
+            ttype = tasks[index, W_TYPE]
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
-            if const_expr(self.prefetch_next_task):
-                # the next task, looked up during the epilogue of a GEMM task
-                n_index, n_rank, n_blk, n_q_base, n_q = index, rank, blk, q_base, q
-                n_run, n_noop, n_ttype = run, noop, ttype
-                fetched = cutlass.Boolean(False)
             if run and not noop and self._is_gemm(ttype):
                 read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
                 release = read.clone()
@@ -1110,12 +985,12 @@ class MegakernelSm90:
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 cute.nvgpu.warpgroup.fence()
                 ab_pipeline.consumer_wait(read)
-                a_visible_to_wgmma(self.a_generic_proxy)
+                a_visible_to_wgmma(self.local_direct)
                 self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
                 read.advance()
                 for k in range(1, k_tiles):
                     ab_pipeline.consumer_wait(read)
-                    a_visible_to_wgmma(self.a_generic_proxy)
+                    a_visible_to_wgmma(self.local_direct)
                     self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release)
@@ -1123,12 +998,6 @@ class MegakernelSm90:
                     read.advance()
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
-                if const_expr(self.prefetch_next_task):
-                    (n_q, taken, n_index, n_rank, n_blk, n_q_base, n_run, n_noop,
-                     n_ttype) = self._next_task(ctx, tasks, queues, queue_len, queue_blocks,
-                                                live_prefix, num_tiles, q, blk, q_base, ticket_q,
-                                                ticket_bars, taken)
-                    fetched = cutlass.Boolean(True)
 
                 m_tile = tasks[index, W_MTILE]
                 n_tile = tasks[index, W_NTILE]
@@ -1147,68 +1016,27 @@ class MegakernelSm90:
                         self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
                                        subtiles, barrier, tma_store_pipeline, is_store_warp)
                 subtiles += self._epi_subtiles(ttype)
-                if const_expr(self.defer_fc2_signals):
-                    if pending >= 0:
-                        # the pending task's stores were issued a mainloop ago: wait for them
-                        # (not for this task's own groups, when this one is deferred too)
-                        if is_store_warp:
-                            if ttype == int(TaskType.FC2):
-                                cute.arch.cp_async_bulk_wait_group(self.fc2_store_groups, read=False)
-                            else:
-                                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                            cute.arch.fence_proxy("async.global")
-                        self._publish_pending(tasks, counter_offsets, counters, pending,
-                                              pending_rank, consumer_tidx)
-                        pending = Int32(-1)
-                if is_store_warp and not self._deferred(ttype):
+                if is_store_warp:
                     # the tile's TMA stores must have landed before anyone is told
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_proxy("async.global")
             elif run and not noop:
-                if const_expr(self.defer_fc2_signals):
-                    pending = self._flush_pending(tasks, counter_offsets, counters, pending,
-                                                  pending_rank, consumer_tidx, is_store_warp)
-                if self._is_gather(ttype):
-                    self._gather(ctx, tasks, index, rank, row_peer, row_token, peer_bases,
-                                 ring_x, consumer_tidx)
-                else:
-                    self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
-                               topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
-                               timeline_buf, index, rank, consumer_tidx, barrier)
-            deferred = cutlass.Boolean(False)
-            if run and not noop:
-                deferred = self._deferred(ttype)
-            if deferred:
-                pending = index
-                pending_rank = rank
+                self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
+                           topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
+                           timeline_buf, index, rank, consumer_tidx, barrier)
             if run:
-                if not deferred:
-                    barrier.arrive_and_wait()
+                barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
-                    if not deferred:
-                        self._fence()
-                        self._signal_task(tasks, counter_offsets, counters, index, rank)
+                    self._fence()
+                    self._signal_task(tasks, counter_offsets, counters, index, rank)
                     if const_expr(self.timeline):
                         slot = common.timeline_reserve(timeline_buf, 1)
                         common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
                                               ctx.rank_base + rank, t_start, common.timeline_now())
             loads += self._loads_of(run, noop, ttype, k_tiles)
-            if const_expr(self.prefetch_next_task):
-                if not fetched:
-                    (n_q, taken, n_index, n_rank, n_blk, n_q_base, n_run, n_noop,
-                     n_ttype) = self._next_task(ctx, tasks, queues, queue_len, queue_blocks,
-                                                live_prefix, num_tiles, q, blk, q_base, ticket_q,
-                                                ticket_bars, taken)
-                index, rank, blk, q_base, q = n_index, n_rank, n_blk, n_q_base, n_q
-                run, noop, ttype = n_run, n_noop, n_ttype
-            else:
-                q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
-                index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks,
-                                                           live_prefix, int(Role.COMPUTE), q, blk,
-                                                           q_base)
-        if const_expr(self.defer_fc2_signals):
-            pending = self._flush_pending(tasks, counter_offsets, counters, pending, pending_rank,
-                                          consumer_tidx, is_store_warp)
+            q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
+            index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                                       int(Role.COMPUTE), q, blk, q_base)
         tma_store_pipeline.producer_tail()
 
     @cute.jit
@@ -1221,55 +1049,6 @@ class MegakernelSm90:
         else:
             q += self.num_compute_ctas
         return q, taken
-
-    @cute.jit
-    def _next_task(self, ctx, tasks, queues, queue_len, queue_blocks, live_prefix: Int32,
-                   num_tiles, q: Int32, blk: Int32, q_base: Int32, ticket_q, ticket_bars,
-                   taken: Int32):
-        """prefetch_next_task: a consumer's task after ticket q, looked up whole: (ticket,
-        ring uses, index, rank, block cursor, run, noop, type)."""
-        q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
-        index, rank, n_blk, n_q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                                    int(Role.COMPUTE), q, blk, q_base)
-        run, noop, ttype = self._task_desc(ctx, tasks, num_tiles, index, rank)
-        return q, taken, index, rank, n_blk, n_q_base, run, noop, ttype
-
-    @cute.jit
-    def _task_desc(self, ctx, tasks, num_tiles, index: Int32, rank: Int32):
-        """(run, noop, type) of list entry ``index``; an exhausted queue (index -1) reads
-        entry 0 and is never run (the caller's loop ends on the index)."""
-        safe = cutlass.max(index, 0)
-        run, noop = self._task_state(ctx, tasks, num_tiles, safe, rank)
-        return run, noop, tasks[safe, W_TYPE]
-
-    @cute.jit
-    def _deferred(self, ttype: Int32):
-        """Whether a GEMM task of this type publishes its signal later (defer_fc2_signals)."""
-        out = cutlass.Boolean(False)
-        if const_expr(self.defer_fc2_signals):
-            out = ttype == int(TaskType.FC2)
-        return out
-
-    @cute.jit
-    def _publish_pending(self, tasks, counter_offsets, counters, pending: Int32,
-                         pending_rank: Int32, consumer_tidx):
-        """Publish the deferred FC2 task's signal; its stores have landed (the store warp
-        waited for them: lane 0 issued them and signals)."""
-        if consumer_tidx == 0:
-            self._fence()
-            self._signal_task(tasks, counter_offsets, counters, pending, pending_rank)
-
-    @cute.jit
-    def _flush_pending(self, tasks, counter_offsets, counters, pending: Int32,
-                       pending_rank: Int32, consumer_tidx, is_store_warp) -> Int32:
-        """Before a KSUM and at the end: wait for the deferred task's stores, publish it."""
-        if pending >= 0:
-            if is_store_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_proxy("async.global")
-            self._publish_pending(tasks, counter_offsets, counters, pending, pending_rank,
-                                  consumer_tidx)
-        return Int32(-1)
 
     @cute.jit
     def _epi_subtiles(self, ttype: Int32) -> Int32:
@@ -1293,26 +1072,6 @@ class MegakernelSm90:
                             is_store_warp)
 
     # ------------------------------------------------------------------ compute: k-sum
-    @cute.jit
-    def _gather(self, ctx, tasks, index: Int32, rank: Int32, row_peer, row_token, peer_bases,
-                ring_x, consumer_tidx: Int32):
-        """gather_tasks: the 256 consumer threads copy an M-tile's x rows into its ring rows,
-        a warp per row, 16-byte vectors (the caller's x: x_offset from this rank's base).
-        Padding rows (peer -1) are left alone: their FC1 rows are never stored. The signal
-        after the CTA barrier (with a release fence) publishes the rows to FC1's TMA loads,
-        which fence the async proxy after their acquire."""
-        hidden = cute.size(ring_x, mode=[1])
-        row_bytes = Int64(hidden) * 2
-        first = tasks[index, W_ROW_BEGIN]
-        ring_row = tasks[index, W_RING_ROW]
-        x_base = peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
-        lane = cute.arch.lane_idx()
-        for r in cutlass.range(consumer_tidx // 32, TILE_M, 8, unroll=1):
-            if row_peer[rank, first + r] >= 0:
-                src = bf16_row(x_base + Int64(row_token[rank, first + r]) * row_bytes, hidden)
-                copy_row(src, ring_x[ring_row + r, None, rank], hidden // VEC_ELEMS, lane,
-                         COPY_UNROLL)
-
     @cute.jit
     def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
               topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
@@ -1445,16 +1204,12 @@ def ticket_ring_read(ticket_q, bars, k: Int32) -> Int32:
 
 
 class _DirectA:
-    """What the local_direct producer threads need besides the TMA partitions (with
-    rows_by_tma also the row-box atoms over x and the ring, and one row's smem layout)."""
+    """What the local_direct producer threads need besides the TMA partitions."""
 
-    def __init__(self, row_peer, row_token, peer_bases, ring_x, sA_base, tidx, warp_idx,
-                 tma_row_x=None, t_row_x=None, tma_row_ring=None, t_row_ring=None,
-                 row_layout=None):
+    def __init__(self, row_peer, row_token, peer_bases, ring_x, sA_base, tidx, warp_idx):
         self.row_peer, self.row_token, self.peer_bases, self.ring_x = (
             row_peer, row_token, peer_bases, ring_x)
         self.sA_base, self.tidx, self.warp_idx = sA_base, tidx, warp_idx
-        self.rows = (tma_row_x, t_row_x, tma_row_ring, t_row_ring, row_layout)
         self.sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.PRODUCER),
                                           num_threads=128)
 
@@ -1492,15 +1247,12 @@ SCALARS = 10
 def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: int = 16,
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
-                       rank_blocks: bool = False, rows_by_tma: bool = False,
-                       defer_fc2_signals: bool = False, dynamic_tickets: bool = False,
-                       gather_tasks: bool = False, ksum_vectors: int = 8,
-                       prefetch_next_task: bool = False, arch: str = "sm_90a", options: str = ""):
+                       rank_blocks: bool = False, dynamic_tickets: bool = False,
+                       ksum_vectors: int = 8, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
-                        local_direct, rank_blocks, rows_by_tma, defer_fc2_signals, dynamic_tickets,
-                        gather_tasks, ksum_vectors, prefetch_next_task)
+                        local_direct, rank_blocks, dynamic_tickets, ksum_vectors)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
@@ -1526,8 +1278,8 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
         args += [kmaj(bf16, (tokens, hidden, ranks)), kmaj(bf16, (s_inter, hidden, ranks)),
                  kmaj(bf16, (s_inter, hidden, ranks)), kmaj(bf16, (hidden, s_inter, ranks)),
                  kmaj(bf16, (tokens, s_inter, ranks)), kmaj(bf16, (tokens, hidden, ranks))]
-    else:  # rows_by_tma reads local rows from x through a TMA descriptor: x is passed
-        args += [kmaj(bf16, (tokens, hidden, ranks)) if rows_by_tma else None] + [None] * 5
+    else:
+        args += [None] * 6
     args += [f(Float32, (ranks, tokens, top_k), align_bytes=4),
              f(Int32, (ranks, tokens, top_k), align_bytes=4), i32(ranks, sym()),
              f(bf16, (ranks, tokens, hidden), align_bytes=16),
