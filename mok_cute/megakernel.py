@@ -127,6 +127,14 @@ DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the s
 # GPU, best of 3: sonic_120b 10.78 -> 10.46, the other four shapes within the probe's noise.
 # MOK_KSUM_VECTORS=N.
 KSUM_VECTORS = experimental_setting("KSUM_VECTORS", 16, 1, 64)
+# 16-B vectors in flight per lane in the comm CTAs' row copy, the task's rows as one flat run
+# (kernels.megakernel_sm90's copy_vectors); 0 = a warp per row, 16 in flight per lane of it.
+# Why: at virtual R = 8 a comm CTA moved ~22 GB/s (run 58, qwen3.5: 0.9 MB tasks in 40-43 us);
+# its 12 warps then hold one row each, 8 KB in flight per warp at H = 4096. If the copy is
+# latency-bound, 32 per lane doubles that and fewer comm CTAs keep up (16 -> ~8 for qwen3.5
+# gives 8 SMs back to the GEMMs, ~6 %). Written in the ninth session, compile-checked only:
+# MOK_COMM_COPY_VECTORS=32.
+COMM_COPY_VECTORS = experimental_setting("COMM_COPY_VECTORS", 0, 0, 64)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
 
@@ -157,6 +165,7 @@ class PlanKey:
     local_only: bool = False  # LOCAL_ONLY_TASKS with one rank and local_direct: no comm tasks
     dynamic_tickets: bool = False  # DYNAMIC_TICKETS; over IPC only with DYNAMIC_TICKETS_IPC
     ksum_vectors: int = 16  # KSUM_VECTORS
+    comm_copy_vectors: int = 0  # COMM_COPY_VECTORS (vector copy only)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -365,7 +374,7 @@ class Plan:
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
-            ksum_vectors=k.ksum_vectors)
+            ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -584,7 +593,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC),
-                  KSUM_VECTORS)
+                  KSUM_VECTORS, COMM_COPY_VECTORS if COMM_COPY == "vector" else 0)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -118,6 +118,26 @@ def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     assert blocks.registers == alternating.registers == 168
 
 
+def test_flat_comm_copy_compiles_without_spills_at_16_vectors(tmp_path):
+    """COMM_COPY_VECTORS: the comm CTAs' flat row copy (comm_sm90.copy_rows_flat) in virtual
+    R = 8's configuration changes the code and, at 16 vectors per lane, spills nothing (nor
+    does the per-row copy there). More vectors spill under the 168-register launch cap (24:
+    60 B, 32: 380 B when written). It is refused with the bulk copy."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=8, num_comm_ctas=12, local_direct=True, has_shared=True,
+                  rank_blocks=True, dynamic_tickets=True, ksum_vectors=16)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, copy_vectors=16, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+    assert on != off
+    assert jit.inspect_kernel("megakernel", outdir=tmp_path, **static, copy_vectors=16).spill_bytes == 0
+    for bad in (dict(copy="bulk", copy_vectors=16), dict(copy_vectors=65)):
+        with pytest.raises(ValueError, match="copy_vectors"):
+            megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, **bad)
+
+
 # ---------------------------------------------------------------------- CPU: the ticket walk
 @pytest.mark.parametrize("R,num_tiles_seed", [(1, 0), (2, 1), (3, 2), (8, 3), (72, 4)])
 @pytest.mark.parametrize("fc1_lead", [0, 1, 3])
@@ -461,6 +481,24 @@ def test_dynamic_tickets_give_the_same_bits(R, ring, local_direct, monkeypatch):
     sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
     monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
     _switch_keeps_the_bits(monkeypatch, "DYNAMIC_TICKETS", False, True, args, R, sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,H,ring,local_direct,vectors", [(2, 512, None, True, 16),
+                                                          (4, 576, None, False, 24),
+                                                          (8, 512, 256, True, 16),
+                                                          (3, 1024, None, False, 32)])
+def test_flat_comm_copy_gives_the_same_bits(R, H, ring, local_direct, vectors, monkeypatch):
+    """megakernel.COMM_COPY_VECTORS: the comm CTAs copy a task's rows as one flat run of
+    16-byte vectors instead of a warp per row; only which lane moves which bytes changes, so
+    not a bit does (H = 576: 72-vector rows, so chunks cross rows; local rows skipped; a
+    wrapping ring; the spilling 32-vector build; few CTAs)."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, H, 256, 4, 4, 128, seed=53, skew=True)
+    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
+    _switch_keeps_the_bits(monkeypatch, "COMM_COPY_VECTORS", 0, vectors, args, R, sizes)
 
 
 @pytest.mark.gpu

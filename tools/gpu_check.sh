@@ -43,6 +43,8 @@
 #          variants from the kernel)
 #   experttests  the expert path's GPU tests (moe_forward, token ops) with its defaults
 #   qwen35comm  qwen3.5 at virtual R = 8 with 14, 16 and 18 comm CTAs (3 alternating rounds)
+#   flatcopy  the comm CTAs' flat row copy (COMM_COPY_VECTORS): GPU tests, then qwen3.5 and glm
+#          at virtual R = 8 with 16 / 24 vectors per lane and fewer comm CTAs (~8 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -192,6 +194,18 @@ run_qwen35_comm() {
     --virtual-comm 14ku,16ku,18ku --virtual-rounds 3 --out "$out" --json "$out/virtual_qwen35_comm.json" 2>&1 \
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
 }
+run_flat_copy() {
+  # the comm CTAs' flat row copy (megakernel.COMM_COPY_VECTORS, ninth session): bitwise tests,
+  # then virtual R = 8 with the per-row copy against 16 / 24 vectors per lane, and with fewer
+  # comm CTAs (what a faster copy should allow)
+  gpu_tests_passed flat_copy "flat_comm_copy" 150 || return 1
+  for spec in "qwen3.5_397b 16ku,16kuv16,16kuv24,12kuv24" "glm_5.2 10ku,10kuv16,10kuv24,8kuv24"; do
+    set -- $spec
+    timeout -s KILL 200 python3 -u tools/megakernel_probe.py --shapes "" --virtual "$1" \
+      --virtual-comm "$2" --virtual-rounds 3 --out "$out" --json "$out/virtual_flat_copy_$1.json" 2>&1 \
+      | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
+  done
+}
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
   timeout -s KILL 300 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
@@ -322,6 +336,7 @@ case "$what" in
   megatests) gpu_tests_passed megakernel "" 420 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
+  flatcopy) run_flat_copy ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|all]" >&2; exit 2 ;;
 esac

@@ -76,7 +76,7 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "FC1_LEAD_MINIBATCHES": "fc1_lead_minibatches", "X_IN_PLACE": "x_in_place",
                  "N_MAJOR_TILES": "n_major", "LOCAL_ONLY_TASKS": "local_only_tasks",
                  "DYNAMIC_TICKETS": "dynamic_tickets", "KSUM_VECTORS": "ksum_vectors",
-                 "RANK_BLOCKS": "rank_blocks"}
+                 "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -195,12 +195,14 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
 def parse_virtual_spec(spec: str) -> dict:
     """``--virtual-comm`` entry: comm CTAs, then ``a`` = tickets alternate ranks task by task
     (RANK_BLOCKS off), ``k`` = dynamic compute tickets (DYNAMIC_TICKETS), ``u`` = 16 vectors
-    in flight per KSUM lane (KSUM_VECTORS)."""
-    m = re.fullmatch(r"(\d+)([aku]*)", spec)
+    in flight per KSUM lane (KSUM_VECTORS), then ``vN`` = the comm CTAs' flat row copy with N
+    vectors in flight per lane (COMM_COPY_VECTORS; 0, a warp per row, without it)."""
+    m = re.fullmatch(r"(\d+)([aku]*)(?:v(\d+))?", spec)
     if not m:
-        raise SystemExit(f"--virtual-comm: cannot read {spec!r} (e.g. 12, 12k, 12a)")
+        raise SystemExit(f"--virtual-comm: cannot read {spec!r} (e.g. 12, 12k, 12a, 10kuv16)")
     return dict(comm=int(m.group(1)), rank_blocks="a" not in m.group(2),
-                dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8)
+                dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8,
+                comm_copy_vectors=int(m.group(3) or 0))
 
 
 def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> dict:
@@ -219,7 +221,7 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
 
     # R = 1 with static tickets, then with dynamic tickets and each KSUM setting the specs use
     # (8 vectors always: the earlier probes' r1_dynamic)
-    base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8)
+    base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, comm_copy_vectors=0)
     variants = {"r1": (run_one, base)}
     for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
         sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"])
@@ -230,7 +232,8 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
         run = lambda cfg=cfg: mok_cute.moe_forward_virtual(  # noqa: E731
             v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=cfg)
         key = (f"r{ranks}_comm{sp['comm']}" + ("" if sp["rank_blocks"] else "_alternating")
-               + ("_dynamic" if sp["dynamic_tickets"] else "") + suffix(sp))
+               + ("_dynamic" if sp["dynamic_tickets"] else "") + suffix(sp)
+               + (f"_copy{sp['comm_copy_vectors']}" if sp["comm_copy_vectors"] else ""))
         variants[key] = (run, sp)
     times = {k: [] for k in variants}
     outs = {}
@@ -283,7 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--virtual-comm", default="12,12k",
                     help="comm CTAs, then a = alternating ticket walk (RANK_BLOCKS off), "
                          "k = dynamic compute tickets (DYNAMIC_TICKETS), u = 16 KSUM vectors "
-                         "in flight per lane (KSUM_VECTORS)")
+                         "in flight per lane (KSUM_VECTORS), then vN = N vectors in flight per "
+                         "lane in the comm CTAs' flat row copy (COMM_COPY_VECTORS)")
     ap.add_argument("--virtual-rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--json", default=None)

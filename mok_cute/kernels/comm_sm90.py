@@ -60,6 +60,40 @@ def copy_row(src: cute.Tensor, dst: cute.Tensor, h_vecs: Int32, lane: Int32,
 
 
 @cute.jit
+def copy_rows_flat(row_src: cute.Tensor, row_dst: cute.Tensor, num_rows: Int32, h_vecs: Int32,
+                   warp: Int32, num_warps: cutlass.Constexpr[int], lane: Int32,
+                   vectors: cutlass.Constexpr[int]):
+    """The warps of a CTA copy rows 0 .. num_rows-1 (byte addresses in ``row_src`` /
+    ``row_dst``; a source of 0 is a row to skip) as one row-major run of 16-byte vectors:
+    warp w takes chunks w, w + num_warps, ... of ``32 * vectors`` consecutive vectors, lane l
+    vectors l, l + 32, ... of a chunk, all loads before the stores. Every lane keeps
+    ``vectors`` loads in flight whatever the row length, where ``copy_row`` (a warp per row)
+    keeps at most one row's share: 16 per lane for H = 4096, and its second pass over a
+    7168-wide row is 12 of 16."""
+    vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    total = num_rows * h_vecs
+    hidden = h_vecs * VEC_ELEMS
+    chunk = 32 * vectors
+    for c0 in cutlass.range(warp * chunk + lane, total, num_warps * chunk, unroll=1):
+        frag = cute.make_rmem_tensor((VEC_ELEMS, vectors), BFloat16)
+        for u in cutlass.range_constexpr(vectors):
+            g = c0 + 32 * u
+            row = cutlass.min(g // h_vecs, num_rows - 1)
+            src = row_src[row]
+            if g < total and src != 0:
+                v = g - row * h_vecs
+                cute.copy(vec, cute.local_tile(bf16_row(src, hidden), (VEC_ELEMS,), (v,)),
+                          frag[None, u])
+        for u in cutlass.range_constexpr(vectors):
+            g = c0 + 32 * u
+            row = cutlass.min(g // h_vecs, num_rows - 1)
+            if g < total and row_src[row] != 0:
+                v = g - row * h_vecs
+                cute.copy(vec, frag[None, u],
+                          cute.local_tile(bf16_row(row_dst[row], hidden), (VEC_ELEMS,), (v,)))
+
+
+@cute.jit
 def zero_row(dst: cute.Tensor, h_vecs: Int32, lane: Int32):
     vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
     zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)

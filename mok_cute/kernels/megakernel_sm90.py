@@ -59,7 +59,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute import jit
 from mok_cute.kernels import common
-from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row
+from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row, copy_rows_flat
 from mok_cute.kernels.gemm_sm90 import (TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
                                        a_visible_to_wgmma, cp_async_a_rows, gathered_rows_of,
                                        store_tile_epilogue)
@@ -99,7 +99,7 @@ class MegakernelSm90:
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
-                 dynamic_tickets: bool = False, ksum_vectors: int = 8):
+                 dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -112,6 +112,16 @@ class MegakernelSm90:
         # stores, COPY_UNROLL in flight per lane; "bulk" = one thread issues cp.async.bulk
         # copies through smem staging slots.
         self.copy = copy
+        # copy_vectors (vector copy): 0 = a warp per row (copy_row); N > 0 = the task's rows as
+        # one flat run of vectors, N in flight per lane (comm_sm90.copy_rows_flat). Why: a comm
+        # CTA moved ~22 GB/s at virtual R = 8 (run 58), about what 12 warps with one 8 KB row
+        # each in flight give at a few microseconds of loaded latency; more bytes in flight per
+        # CTA would let fewer comm CTAs keep up and give SMs back to the GEMMs.
+        if copy_vectors and copy != "vector":
+            raise ValueError("copy_vectors needs copy='vector'")
+        if not 0 <= copy_vectors <= 64:
+            raise ValueError(f"copy_vectors must be in [0, 64], got {copy_vectors}")
+        self.copy_vectors = copy_vectors
         # local_direct: rows a rank routes to its own experts are never copied. FC1's producer
         # warpgroup reads them from the rank's x with cp.async (dispatch skips them), and the
         # k-sum reads their y from the ring through `slot_rows` (combine skips them). Needs a
@@ -577,10 +587,15 @@ class MegakernelSm90:
                 sync.arrive_and_wait()
                 if const_expr(self.copy == "vector"):
                     if moves:
-                        for r in cutlass.range(tidx // 32, words[1], COMM_THREADS // 32, unroll=1):
-                            if row_src[r] != 0:  # 0: a local row left in the ring (local_direct)
-                                copy_row(bf16_row(row_src[r], hidden), bf16_row(row_dst[r], hidden),
-                                         hidden // VEC_ELEMS, cute.arch.lane_idx(), COPY_UNROLL)
+                        if const_expr(self.copy_vectors > 0):
+                            copy_rows_flat(row_src, row_dst, words[1], hidden // VEC_ELEMS,
+                                           tidx // 32, COMM_THREADS // 32, cute.arch.lane_idx(),
+                                           self.copy_vectors)
+                        else:
+                            for r in cutlass.range(tidx // 32, words[1], COMM_THREADS // 32, unroll=1):
+                                if row_src[r] != 0:  # 0: a local row left in the ring (local_direct)
+                                    copy_row(bf16_row(row_src[r], hidden), bf16_row(row_dst[r], hidden),
+                                             hidden // VEC_ELEMS, cute.arch.lane_idx(), COPY_UNROLL)
                     sync.arrive_and_wait()
                 if tidx == 0:
                     if const_expr(self.copy == "bulk"):
@@ -1248,11 +1263,12 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
                        rank_blocks: bool = False, dynamic_tickets: bool = False,
-                       ksum_vectors: int = 8, arch: str = "sm_90a", options: str = ""):
+                       ksum_vectors: int = 8, copy_vectors: int = 0, arch: str = "sm_90a",
+                       options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
-                        local_direct, rank_blocks, dynamic_tickets, ksum_vectors)
+                        local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
