@@ -132,8 +132,12 @@ KSUM_VECTORS = experimental_setting("KSUM_VECTORS", 16, 1, 64)
 # Why: at virtual R = 8 a comm CTA moved ~22 GB/s (run 58, qwen3.5: 0.9 MB tasks in 40-43 us);
 # its 12 warps then hold one row each, 8 KB in flight per warp at H = 4096. If the copy is
 # latency-bound, 32 per lane doubles that and fewer comm CTAs keep up (16 -> ~8 for qwen3.5
-# gives 8 SMs back to the GEMMs, ~6 %). Written in the ninth session, compile-checked only:
-# MOK_COMM_COPY_VECTORS=32.
+# gives 8 SMs back to the GEMMs, ~6 %). Measured in the ninth session (run 72): bitwise equal
+# (4 GPU tests: H = 512, 576, 1024; R = 2, 3, 4, 8; 16, 24, 32 vectors), but qwen3.5 at
+# virtual R = 8 with 12 comm CTAs and 24 vectors ran 12.92 ms against 11.30 with 16 comm CTAs
+# and the per-row copy in the same probe (13.21 with 12 and the per-row copy in run 59): a
+# faster copy did not let fewer comm CTAs keep up, so off. 24 and 32 spill (60 / 380 B).
+# MOK_COMM_COPY_VECTORS=N.
 COMM_COPY_VECTORS = experimental_setting("COMM_COPY_VECTORS", 0, 0, 64)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
 TICKETS = 2  # = kernels.megakernel_sm90.TICKETS (not imported: it needs the DSL)
