@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from mok_cute import jit
-from mok_cute.config import MoKConfig, experimental_switch
+from mok_cute.config import MoKConfig, experimental_setting, experimental_switch
 
 TILE_M = 128
 # x into expert order token-major (token_ops.scatter_rows: each x row read once, written to
@@ -36,6 +36,13 @@ SCATTER_X = experimental_switch("SCATTER_X", True)
 # dsv3 (K 2048) level, mixtral (K 14336) 2.504 -> 2.763: slower, so the long-K shapes stay
 # cooperative. MOK_FC2_PINGPONG=0 turns it off everywhere.
 FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
+# The cooperative GEMMs (FC1 everywhere, FC2 with a long K) in clusters of two CTAs on M-tiles
+# 2i and 2i + 1 that multicast the shared B tile (gemm_sm90's cluster_m). Why: B is 32 of
+# FC1's 48 KB per k-tile, the GEMMs run at 82-86 % of cuBLAS (run 70: mixtral 82 %, dsv3 73 %
+# for the whole layer), and cuBLAS's Hopper kernels use clusters; issue 3's 1.10x SonicMoE
+# needs ~0.45 ms off dsv3, mostly in the GEMMs. Written in the ninth session, compile-checked
+# only (no spills; the default kernels' SASS unchanged): MOK_GEMM_CLUSTER_M=2.
+GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 1, 1, 2)
 FC2_PINGPONG_MAX_K = 8192
 
 
@@ -76,6 +83,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _persistent_grid(device_index: int, cluster_m: int) -> int:
+    """CTAs of a persistent GEMM: one per SM, or with clusters of ``cluster_m`` CTAs as many
+    whole clusters as can be co-resident (a cluster needs its SMs in one GPC; a cluster that
+    did not fit would run after the others, a second wave)."""
+    if cluster_m == 1:
+        return _num_sms(device_index)
+    from cutlass.utils import HardwareInfo
+
+    return cluster_m * HardwareInfo(device_index).get_max_active_clusters(cluster_m)
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
                  group_m: int = 8, out: torch.Tensor | None = None,
@@ -103,11 +122,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     tile_n = tile_n or choose_tile_n(n, epilogue)
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    # clusters for the cooperative kernel without the recorder (gemm_sm90's cluster_m)
+    cluster_m = GEMM_CLUSTER_M if not pingpong and timeline is None else 1
     compiled = jit.compile_kernel(
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
-        tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
+        tile_n=tile_n, group_m=group_m, num_sms=_persistent_grid(a.device.index or 0, cluster_m),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong)
+        pingpong=pingpong, cluster_m=cluster_m)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline)

@@ -85,6 +85,28 @@ def test_fc2_takes_the_pingpong_gemm_only_for_short_k(monkeypatch):
     assert not ops.fc2_pingpong(768)
 
 
+@pytest.mark.parametrize("epilogue", ["swiglu", "store"])
+def test_cluster_pair_compiles_to_multicast_b_without_spills(epilogue, capfd, tmp_path):
+    """cluster_m=2: B boxes by multicast TMA (each CTA half of every box, into both CTAs)
+    beside the plain B boxes of the expert-boundary fallback, A by plain TMA; 0 spills, no
+    C7508. Refused with pingpong, the recorder, or an odd grid."""
+    opts = f"--keep-ptx --dump-dir {tmp_path} remarks{{ptx}}"
+    ptx = gemm_sm90.compile_grouped_gemm(epilogue, 256, cluster_m=2, options=opts).__ptx__
+    text = "".join(capfd.readouterr())
+    mcast = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\.mbarrier"
+                       r"::complete_tx::bytes\.multicast::cluster", ptx)
+    plain_b = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier", ptx)
+    assert mcast and plain_b
+    default = gemm_sm90.compile_grouped_gemm(epilogue, 256, options=f"--keep-ptx --dump-dir {tmp_path}").__ptx__
+    assert "multicast::cluster" not in default
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
+    assert "C7508" not in text
+    for bad in (dict(pingpong=True, tile_n=128), dict(timeline=True), dict(num_sms=131)):
+        with pytest.raises(ValueError, match="cluster_m"):
+            gemm_sm90.GroupedGemmSm90(**{"tile_n": 256, "epilogue": epilogue, **bad}, cluster_m=2)
+
+
 # ---------------------------------------------------------------------- numerics (GPU)
 def _segments(counts, device):
     """Tile-padded row layout for per-expert row counts: (row_expert, tile_expert, num_tiles)."""
@@ -200,3 +222,58 @@ def test_unsupported_sizes_are_named_before_launch():
     assert "shared: intermediate size" in ops.unsupported_shape_reason(1024, 256, 8, 100)
     assert "topk_idx: K must be <= 16" in ops.unsupported_shape_reason(1024, 256, 17, None)
     assert "config.tile_m" in ops.unsupported_shape_reason(1024, 256, 8, None, tile_m=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["store", "swiglu"])
+@pytest.mark.parametrize("counts,n,k", [
+    ([77, 0, 300, 128, 1], 512, 256),   # pairs straddle experts, an empty expert
+    ([1000], 256, 512),                  # one expert: every pair multicasts
+    ([300, 200], 448, 192),              # 5 M-tiles: the last pair's second CTA repeats a tile
+    ([100], 256, 256),                   # one M-tile
+    ([513, 700, 1], 1024, 1024),
+])
+def test_cluster_pairs_give_the_same_bits(epilogue, counts, n, k, monkeypatch):
+    """ops.GEMM_CLUSTER_M = 2: pairs of CTAs share B by multicast where both M-tiles are one
+    expert's and load it alone at expert boundaries; the repeated tile of an odd count is not
+    stored. Against the plain kernel: the same bits, and rows past num_m_tiles untouched."""
+    from mok_cute import ops
+    torch.manual_seed(len(counts) * 11 + n + k)
+    dev = "cuda"
+    tile_expert, num_tiles, row_valid = _segments(counts, dev)
+    m = row_valid.numel()
+    a = torch.randn(m + TILE_M, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(len(counts), n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    w_up = torch.randn_like(w) if epilogue == "swiglu" else None
+    te = torch.cat([tile_expert, torch.zeros(1, dtype=torch.int32, device=dev)])
+    outs = []
+    for cluster_m in (1, 2, 2):
+        monkeypatch.setattr(ops, "GEMM_CLUSTER_M", cluster_m)
+        out = torch.full((m + TILE_M, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        ops.grouped_gemm(a, w, te, num_tiles, epilogue, out=out, w_up=w_up)
+        outs.append(out)
+    torch.cuda.synchronize()
+    ref = _expected(a[:m], w, tile_expert, w_up)
+    rel = (outs[1][:m].float() - ref).norm() / ref.norm()
+    assert rel < 1e-2, f"relative error {rel:.3e}"
+    for out in outs[1:]:
+        assert torch.equal(out[:m], outs[0][:m])
+        assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
+
+
+@pytest.mark.gpu
+def test_layer_with_cluster_pairs_gives_the_same_bits(monkeypatch):
+    import mok_cute
+    from mok_cute import ops
+    torch.manual_seed(19)
+    T, H, I, E, K = 700, 512, 384, 8, 4
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(K, dim=1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, K, device="cuda"), dim=1)
+    wg, wu = (torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5 for _ in range(2))
+    wd = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
+    cfg = mok_cute.MoKConfig(backend="kernel")
+    monkeypatch.setattr(ops, "FC2_PINGPONG", False)  # FC2 on the cooperative kernel too
+    base = mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg)
+    monkeypatch.setattr(ops, "GEMM_CLUSTER_M", 2)
+    assert torch.equal(mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg), base)

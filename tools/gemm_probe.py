@@ -43,8 +43,9 @@ def _print_row(r):
     if "error" in r:
         print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} ERROR {r['error']}", flush=True)
     else:
-        print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s",
-              flush=True)
+        bits = f" bitwise={r['bitwise_equal_plain']}" if "bitwise_equal_plain" in r else ""
+        print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s"
+              f"{bits}", flush=True)
 
 
 def main(argv=None):
@@ -57,7 +58,9 @@ def main(argv=None):
     p.add_argument("--variants", default="256:8,256:16,128:8,128p:8",
                    help="tile_n:group_m; 'p' after tile_n = pingpong ('po': with "
                         "gemm_sm90.FIRST_MMA_OVERWRITES), 't' after group_m = with the recorder "
-                        "(MoKConfig(timeline=True)'s per-tile records)")
+                        "(MoKConfig(timeline=True)'s per-tile records), 'c' after tile_n = "
+                        "clusters of two CTAs multicasting B (ops.GEMM_CLUSTER_M = 2; its output "
+                        "is compared bitwise with the plain kernel's)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dev = "cuda"
@@ -80,26 +83,39 @@ def main(argv=None):
         for stage, a, w, w_up, epi in (("fc1", x, wg, wu, "swiglu"), ("fc2", h, w2, None, "store")):
             n = w.shape[1] * (2 if epi == "swiglu" else 1)
             flops = 2 * M * n * a.shape[1]
+            plain = {}  # (tile_n, group_m) -> the plain kernel's output, for the cluster rows
             for var in args.variants.split(","):
                 tn_s, gm_s = var.split(":")
                 pp, rec, over = "p" in tn_s, gm_s.endswith("t"), tn_s.endswith("po")
-                tn, gm = int(tn_s.rstrip("po")), int(gm_s.rstrip("t"))
+                cl = 2 if "c" in tn_s else 1
+                tn, gm = int(tn_s.rstrip("poc")), int(gm_s.rstrip("t"))
                 if gemm_sm90.FIRST_MMA_OVERWRITES != over:  # read when a kernel is built
                     gemm_sm90.FIRST_MMA_OVERWRITES = over
                     jit.clear_cache()
                 recorder = TimelineBuffer(1 << 16, device=dev) if rec else None
 
-                def run(tn=tn, gm=gm, pp=pp, recorder=recorder):
+                def run(tn=tn, gm=gm, pp=pp, recorder=recorder, cl=cl):
                     if recorder is not None:  # as a recorded layer call: a fresh header each call
                         recorder.reset()
-                    ops.grouped_gemm(a, w, tile_expert, num_tiles, epi, tile_n=tn, group_m=gm,
-                                     w_up=w_up, pingpong=pp, task_type=int(stage == "fc2") + 1,
-                                     timeline=None if recorder is None else recorder.tensor)
+                    ops.GEMM_CLUSTER_M = cl
+                    try:
+                        return ops.grouped_gemm(a, w, tile_expert, num_tiles, epi, tile_n=tn,
+                                                group_m=gm, w_up=w_up, pingpong=pp,
+                                                task_type=int(stage == "fc2") + 1,
+                                                timeline=None if recorder is None else recorder.tensor)
+                    finally:
+                        ops.GEMM_CLUSTER_M = 1
                 try:
+                    out = run()
+                    if cl == 1 and not pp:
+                        plain[(tn, gm)] = out
                     ms = bench_ms(run)
                     impl = (f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}"
-                            f"{' overwrite' if over else ''}{' recorder' if rec else ''}")
+                            f"{' overwrite' if over else ''}{' recorder' if rec else ''}"
+                            f"{' cluster 2' if cl > 1 else ''}")
                     rows.append(dict(shape=name, stage=stage, impl=impl, ms=ms, tflops=flops / ms / 1e9))
+                    if cl > 1 and (tn, gm) in plain:
+                        rows[-1]["bitwise_equal_plain"] = bool(torch.equal(out, plain[(tn, gm)]))
                 except Exception as exc:  # record and continue with the other variants
                     rows.append(dict(shape=name, stage=stage, impl=f"mok {var}", error=repr(exc)[:300]))
                 _print_row(rows[-1])  # as measured: a killed run keeps what it printed

@@ -43,6 +43,8 @@
 #          variants from the kernel)
 #   experttests  the expert path's GPU tests (moe_forward, token ops) with its defaults
 #   qwen35comm  qwen3.5 at virtual R = 8 with 14, 16 and 18 comm CTAs (3 alternating rounds)
+#   cluster  the cooperative GEMMs in clusters of two CTAs multicasting B (GEMM_CLUSTER_M):
+#          GPU tests, tools/gemm_probe.py plain against cluster, the layer bench with each (~8 min)
 #   flatcopy  the comm CTAs' flat row copy (COMM_COPY_VECTORS): GPU tests, then qwen3.5 and glm
 #          at virtual R = 8 with 16 / 24 vectors per lane and fewer comm CTAs (~8 min)
 set -u
@@ -206,6 +208,19 @@ run_flat_copy() {
       | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
   done
 }
+run_cluster() {
+  # the cooperative GEMMs in clusters of two CTAs multicasting B (ops.GEMM_CLUSTER_M, ninth
+  # session): bitwise GPU tests, the GEMMs alone (tools/gemm_probe.py, plain against cluster,
+  # bitwise), then the layer bench with each setting
+  gpu_tests_passed cluster "cluster" 150 tests/test_gemm_sm90.py || return 1
+  timeout -s KILL 200 python3 tools/gemm_probe.py --shapes dsv3_ep8_rank,sonic_120b,mixtral \
+    --variants 256:8,256c:8,256:8,256c:8 --json "$out/gemm_probe_cluster.json" 2>&1 | grep -v Warn | tail -40
+  for c in 1 2; do
+    MOK_GEMM_CLUSTER_M=$c timeout -s KILL 150 python3 -m mok_cute.cli bench --shapes single \
+      --contenders mok_cute,torch_grouped_mm --mok-config check_ids=False --iters 20 --warmup 5 \
+      --rounds 3 --out "$out" --tag gemm_cluster$c 2>&1 | grep -E "mok_cute|json"
+  done
+}
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
   timeout -s KILL 300 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
@@ -337,6 +352,7 @@ case "$what" in
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
   flatcopy) run_flat_copy ;;
+  cluster) run_cluster ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|all]" >&2; exit 2 ;;
 esac

@@ -81,11 +81,19 @@ class GroupedGemmSm90:
         the mainloop through two named barriers (``NamedBarriers.MMA_ORDER``), as CUTLASS's
         pingpong kernel orders its math warpgroups; its GPU tests pass (fifth session).
         ``mok_cute.ops`` selects it for FC2 with a short K (``ops.fc2_pingpong``).
+    :param cluster_m: 1, or 2 for clusters of two CTAs on M-tiles 2i and 2i + 1 of one
+        N-tile (cooperative only). When both tiles are the same expert's, each CTA loads half
+        of the B tile and multicasts it to both, so B crosses L2 once for the pair; at an
+        expert boundary each loads all of B itself. With an odd M-tile count the last
+        pair's second CTA recomputes the first's tile and stores nothing. ``num_sms`` is
+        then the grid (2 x the co-resident clusters). Why: B is two thirds of FC1's bytes
+        per k-tile (32 of 48 KB), and the GEMMs run at 82-86 % of cuBLAS, which uses
+        clusters.
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                 pingpong: bool = False):
+                 pingpong: bool = False, cluster_m: int = 1):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -97,6 +105,14 @@ class GroupedGemmSm90:
         if pingpong and tile_n > 128:
             raise ValueError(f"pingpong keeps a whole 128 x tile_n accumulator per warpgroup: "
                              f"tile_n must be <= 128, got {tile_n}")
+        if cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
+        if cluster_m > 1 and (pingpong or timeline):
+            raise ValueError("cluster_m=2 is written for the cooperative kernel without the "
+                             "recorder (pingpong and timeline take cluster_m=1)")
+        if num_sms % cluster_m:
+            raise ValueError(f"num_sms must be a multiple of cluster_m={cluster_m}, got {num_sms}")
+        self.cluster_m = cluster_m
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
         # pingpong only: the cooperative kernels' SASS gets worse with it (32 HGMMA unrolled
         # and 8 wgmma waits instead of 8 and 2), the pingpong one loses its C7517 wait
@@ -198,6 +214,16 @@ class GroupedGemmSm90:
         if const_expr(self.epilogue == "swiglu"):
             tma_atom_b_up, tma_tensor_b_up = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 g2s, mB_up, b_box_layout, b_box)
+        # cluster_m = 2: the same B boxes, each CTA loading half and multicasting it
+        mcast = (None,) * 4
+        if const_expr(self.cluster_m > 1):
+            g2s_mc = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            mcast = (*cute.nvgpu.cpasync.make_tiled_tma_atom(
+                         g2s_mc, mB, b_box_layout, b_box, num_multicast=self.cluster_m),
+                     None, None)
+            if const_expr(self.epilogue == "swiglu"):
+                mcast = (*mcast[:2], *cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    g2s_mc, mB_up, b_box_layout, b_box, num_multicast=self.cluster_m))
         tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
             cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
@@ -218,12 +244,13 @@ class GroupedGemmSm90:
         self.shared_storage = SharedStorage
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
-            tma_atom_c, tma_tensor_c,
+            tma_atom_c, tma_tensor_c, *mcast,
             mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
         ).launch(
             grid=[self.num_sms, 1, 1],
             block=[self.threads_per_cta, 1, 1],
+            cluster=[self.cluster_m, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -234,6 +261,8 @@ class GroupedGemmSm90:
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
                tma_atom_b_up: Optional[cute.CopyAtom], mBup_nkl: Optional[cute.Tensor],
                tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
+               tma_atom_bm: Optional[cute.CopyAtom], mBm_nkl: Optional[cute.Tensor],
+               tma_atom_bm_up: Optional[cute.CopyAtom], mBm_up_nkl: Optional[cute.Tensor],
                mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
                mTimeline: Optional[cute.Tensor], tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
@@ -253,6 +282,10 @@ class GroupedGemmSm90:
             if const_expr(self.epilogue == "swiglu"):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_up)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
+            if const_expr(self.cluster_m > 1):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_bm)
+                if const_expr(self.epilogue == "swiglu"):
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_bm_up)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -262,14 +295,15 @@ class GroupedGemmSm90:
             barrier_storage=storage.ab_full_empty.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            # one arrive per warp that consumes the stage
+            # one arrive per warp that consumes the stage, in each CTA of the cluster (a
+            # multicast writes the stage in both, so both must have released it)
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.threads_per_tile // 32),
+                                                     self.threads_per_tile // 32 * self.cluster_m),
             tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
@@ -295,12 +329,36 @@ class GroupedGemmSm90:
                 cute.group_modes(sB_halves[(None, None, 1, 0, None)], 0, 2),
                 cute.group_modes(gBup_nkl, 0, 2))
 
+        # cluster_m = 2: this CTA's half of each multicast B box, and the mask of both CTAs
+        rank_in_cluster = Int32(0)
+        tBsBm, tBgBm, tBsBm_up, tBgBm_up, b_mcast_mask = None, None, None, None, None
+        if const_expr(self.cluster_m > 1):
+            rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cluster_layout = cute.make_layout((self.cluster_m, 1, 1))
+            b_mcast_mask = cute.make_layout_image_mask(
+                cluster_layout, cluster_layout.get_flat_coord(rank_in_cluster), mode=0)
+            pair_layout = cute.make_layout(self.cluster_m)
+            tBsBm, tBgBm = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_bm, rank_in_cluster, pair_layout,
+                cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2),
+                cute.group_modes(cute.local_tile(mBm_nkl, (self.b_rows_per_load, tile_k),
+                                                 (None, None, None)), 0, 2))
+            if const_expr(self.epilogue == "swiglu"):
+                tBsBm_up, tBgBm_up = cute.nvgpu.cpasync.tma_partition(
+                    tma_atom_bm_up, rank_in_cluster, pair_layout,
+                    cute.group_modes(sB_halves[(None, None, 1, 0, None)], 0, 2),
+                    cute.group_modes(cute.local_tile(mBm_up_nkl, (self.b_rows_per_load, tile_k),
+                                                     (None, None, None)), 0, 2))
+
         k_tile_cnt = cute.size(gA_mkl, mode=[3])
         num_n_tiles = cute.size(gB_nkl, mode=[2])
         num_m_tiles = mNumMTiles[0]
         num_tiles = num_m_tiles * num_n_tiles
+        if const_expr(self.cluster_m > 1):
+            # the persistent loop walks pairs of M-tiles (one per cluster)
+            num_tiles = (num_m_tiles + 1) // 2 * num_n_tiles
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
 
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -308,26 +366,34 @@ class GroupedGemmSm90:
             if warp_idx == self.load_warp:
                 producer_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.ab_stages)
-                tile_idx = cute.arch.block_idx()[0]
-                while tile_idx < num_tiles:
-                    m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-                    expert = mTileExpert[m_tile]
-                    tAgA_k = tAgA[(None, m_tile, None, 0)]
-                    tBgB_k = tBgB[(None, n_tile, None, expert)]
-                    for k_tile in range(k_tile_cnt):
-                        ab_pipeline.producer_acquire(producer_state)
-                        barrier = ab_pipeline.producer_get_barrier(producer_state)
-                        cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
-                                  tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
-                                  tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        if const_expr(self.epilogue == "swiglu"):
-                            cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                      tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        ab_pipeline.producer_commit(producer_state)
-                        producer_state.advance()
-                    tile_idx += cute.arch.grid_dim()[0]
-                ab_pipeline.producer_tail(producer_state)
+                if const_expr(self.cluster_m > 1):
+                    self._cluster_producer(ab_pipeline, producer_state, tma_atom_a, tAgA, tAsA,
+                                           tma_atom_b, tBgB, tBsB, tma_atom_b_up, tBgB_up,
+                                           tBsB_up, tma_atom_bm, tBgBm, tBsBm, tma_atom_bm_up,
+                                           tBgBm_up, tBsBm_up, b_mcast_mask, mTileExpert,
+                                           num_m_tiles, num_n_tiles, num_tiles, k_tile_cnt,
+                                           rank_in_cluster)
+                else:
+                    tile_idx = cute.arch.block_idx()[0]
+                    while tile_idx < num_tiles:
+                        m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+                        expert = mTileExpert[m_tile]
+                        tAgA_k = tAgA[(None, m_tile, None, 0)]
+                        tBgB_k = tBgB[(None, n_tile, None, expert)]
+                        for k_tile in range(k_tile_cnt):
+                            ab_pipeline.producer_acquire(producer_state)
+                            barrier = ab_pipeline.producer_get_barrier(producer_state)
+                            cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
+                                      tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
+                            cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
+                                      tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                            if const_expr(self.epilogue == "swiglu"):
+                                cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                                          tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
+                            ab_pipeline.producer_commit(producer_state)
+                            producer_state.advance()
+                        tile_idx += cute.arch.grid_dim()[0]
+                    ab_pipeline.producer_tail(producer_state)
         else:
             # ---------------- consumer warpgroups: wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -372,6 +438,9 @@ class GroupedGemmSm90:
             grid_size = cute.arch.grid_dim()[0]
             tile_stride = grid_size
             tile_idx = cute.arch.block_idx()[0]
+            if const_expr(self.cluster_m > 1):  # a pair of M-tiles per cluster
+                tile_stride = grid_size // self.cluster_m
+                tile_idx = tile_idx // self.cluster_m
             first_tile = tile_idx
             my_turn, their_turn = None, None
             if const_expr(self.pingpong):
@@ -400,7 +469,13 @@ class GroupedGemmSm90:
                     record_slot = common.timeline_reserve(mTimeline, my_tiles)
                     record_capacity = common.timeline_capacity(mTimeline)
             while tile_idx < num_tiles:
-                m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+                stores = is_store_warp
+                if const_expr(self.cluster_m > 1):
+                    m_tile, n_tile, real = self._cluster_tile(tile_idx, num_m_tiles, num_n_tiles,
+                                                              rank_in_cluster)
+                    stores = is_store_warp & real  # the last pair's repeated tile is not stored
+                else:
+                    m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 t_start = Int64(0)
                 if const_expr(self.timeline):
                     if tile_tidx == 0:  # only the record's writer reads the timer
@@ -456,7 +531,7 @@ class GroupedGemmSm90:
                 store_tile_epilogue(epi, tma_atom_c, gC_mnl[(None, None, m_tile, n_tile, 0)],
                                     self.epi_tile, self.epi_stages, tile_n,
                                     self.epilogue == "swiglu", epi_base, subtiles_done,
-                                    epilogue_barrier, tma_store_pipeline, is_store_warp)
+                                    epilogue_barrier, tma_store_pipeline, stores)
                 subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
@@ -466,6 +541,55 @@ class GroupedGemmSm90:
                     record_slot += 1
                 tile_idx += tile_stride
             tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def _cluster_tile(self, pair_idx: Int32, num_m_tiles: Int32, num_n_tiles: Int32, rank: Int32):
+        """cluster_m = 2: (M-tile, N-tile, real) of CTA ``rank`` in pair ``pair_idx``. Pairs
+        are M-tiles 2i and 2i + 1 of one N-tile, rasterised like single tiles; with an odd
+        M-tile count the last pair's second CTA repeats the first's tile (real = False)."""
+        pair_m, n_tile = common.grouped_raster(pair_idx, (num_m_tiles + 1) // 2, num_n_tiles,
+                                               max(1, self.group_m // 2))
+        m = 2 * pair_m + rank
+        return cutlass.min(m, num_m_tiles - 1), n_tile, m < num_m_tiles
+
+    @cute.jit
+    def _cluster_producer(self, ab_pipeline, state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB,
+                          tBsB, tma_atom_b_up, tBgB_up, tBsB_up, tma_atom_bm, tBgBm, tBsBm,
+                          tma_atom_bm_up, tBgBm_up, tBsBm_up, mcast_mask, mTileExpert,
+                          num_m_tiles, num_n_tiles, num_pairs, k_tile_cnt, rank):
+        """cluster_m = 2, warp 0: this CTA's A tile by TMA; B multicast by halves when both
+        tiles of the pair are one expert's (each CTA loads half the rows of every B box into
+        both CTAs' stage), else all of B by this CTA. Either way a stage receives A + B bytes,
+        and both CTAs decide alike (from the same two tile_expert entries)."""
+        pair_idx = cute.arch.block_idx()[0] // self.cluster_m
+        while pair_idx < num_pairs:
+            m_tile, n_tile, _ = self._cluster_tile(pair_idx, num_m_tiles, num_n_tiles, rank)
+            m_peer, _, _ = self._cluster_tile(pair_idx, num_m_tiles, num_n_tiles, 1 - rank)
+            expert = mTileExpert[m_tile]
+            multicast = mTileExpert[m_peer] == expert
+            tAgA_k = tAgA[(None, m_tile, None, 0)]
+            for k_tile in range(k_tile_cnt):
+                ab_pipeline.producer_acquire(state)
+                barrier = ab_pipeline.producer_get_barrier(state)
+                cute.copy(tma_atom_a, tAgA_k[(None, k_tile)], tAsA[(None, state.index)],
+                          tma_bar_ptr=barrier)
+                if multicast:
+                    cute.copy(tma_atom_bm, tBgBm[(None, n_tile, k_tile, expert)],
+                              tBsBm[(None, state.index)], tma_bar_ptr=barrier, mcast_mask=mcast_mask)
+                    if const_expr(self.epilogue == "swiglu"):
+                        cute.copy(tma_atom_bm_up, tBgBm_up[(None, n_tile, k_tile, expert)],
+                                  tBsBm_up[(None, state.index)], tma_bar_ptr=barrier,
+                                  mcast_mask=mcast_mask)
+                else:
+                    cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
+                              tBsB[(None, state.index)], tma_bar_ptr=barrier)
+                    if const_expr(self.epilogue == "swiglu"):
+                        cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                                  tBsB_up[(None, state.index)], tma_bar_ptr=barrier)
+                ab_pipeline.producer_commit(state)
+                state.advance()
+            pair_idx += cute.arch.grid_dim()[0] // self.cluster_m
+        ab_pipeline.producer_tail(state)
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr,
@@ -611,7 +735,8 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                         pingpong: bool = False, arch: str = "sm_90a", options: str = ""):
+                         pingpong: bool = False, cluster_m: int = 1, arch: str = "sm_90a",
+                         options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -622,7 +747,8 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     when ``timeline`` is off); it runs on torch's current stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                           timeline=timeline, task_type=task_type, pingpong=pingpong)
+                           timeline=timeline, task_type=task_type, pingpong=pingpong,
+                           cluster_m=cluster_m)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
