@@ -379,17 +379,13 @@ class GroupedGemmSm90:
                         m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                         expert = mTileExpert[m_tile]
                         tAgA_k = tAgA[(None, m_tile, None, 0)]
-                        tBgB_k = tBgB[(None, n_tile, None, expert)]
                         for k_tile in range(k_tile_cnt):
                             ab_pipeline.producer_acquire(producer_state)
                             barrier = ab_pipeline.producer_get_barrier(producer_state)
                             cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
                                       tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
-                            cute.copy(tma_atom_b, tBgB_k[(None, k_tile)],
-                                      tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
-                            if const_expr(self.epilogue == "swiglu"):
-                                cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                          tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
+                            self._copy_b((tma_atom_b, tBgB, tBsB, tma_atom_b_up, tBgB_up, tBsB_up),
+                                         n_tile, k_tile, expert, producer_state.index, barrier)
                             ab_pipeline.producer_commit(producer_state)
                             producer_state.advance()
                         tile_idx += cute.arch.grid_dim()[0]
@@ -542,6 +538,18 @@ class GroupedGemmSm90:
                 tile_idx += tile_stride
             tma_store_pipeline.producer_tail()
 
+    def _copy_b(self, loads, n_tile, k_tile, expert, stage, barrier, mcast_mask=None):
+        """B's TMA loads of k-tile ``k_tile`` into ``stage``: ``loads`` = (atom, gmem and smem
+        partitions) for B, then for B_up (swiglu; else None). With ``mcast_mask`` each load is
+        this CTA's share of a multicast. Traced inline."""
+        atom_b, g_b, s_b, atom_up, g_up, s_up = loads
+        mcast = {} if mcast_mask is None else {"mcast_mask": mcast_mask}
+        cute.copy(atom_b, g_b[(None, n_tile, k_tile, expert)], s_b[(None, stage)],
+                  tma_bar_ptr=barrier, **mcast)
+        if const_expr(self.epilogue == "swiglu"):
+            cute.copy(atom_up, g_up[(None, n_tile, k_tile, expert)], s_up[(None, stage)],
+                      tma_bar_ptr=barrier, **mcast)
+
     @cute.jit
     def _cluster_tile(self, pair_idx: Int32, num_m_tiles: Int32, num_n_tiles: Int32, rank: Int32):
         """cluster_m = 2: (M-tile, N-tile, real) of CTA ``rank`` in pair ``pair_idx``. Pairs
@@ -574,18 +582,11 @@ class GroupedGemmSm90:
                 cute.copy(tma_atom_a, tAgA_k[(None, k_tile)], tAsA[(None, state.index)],
                           tma_bar_ptr=barrier)
                 if multicast:
-                    cute.copy(tma_atom_bm, tBgBm[(None, n_tile, k_tile, expert)],
-                              tBsBm[(None, state.index)], tma_bar_ptr=barrier, mcast_mask=mcast_mask)
-                    if const_expr(self.epilogue == "swiglu"):
-                        cute.copy(tma_atom_bm_up, tBgBm_up[(None, n_tile, k_tile, expert)],
-                                  tBsBm_up[(None, state.index)], tma_bar_ptr=barrier,
-                                  mcast_mask=mcast_mask)
+                    self._copy_b((tma_atom_bm, tBgBm, tBsBm, tma_atom_bm_up, tBgBm_up, tBsBm_up),
+                                 n_tile, k_tile, expert, state.index, barrier, mcast_mask)
                 else:
-                    cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
-                              tBsB[(None, state.index)], tma_bar_ptr=barrier)
-                    if const_expr(self.epilogue == "swiglu"):
-                        cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                  tBsB_up[(None, state.index)], tma_bar_ptr=barrier)
+                    self._copy_b((tma_atom_b, tBgB, tBsB, tma_atom_b_up, tBgB_up, tBsB_up),
+                                 n_tile, k_tile, expert, state.index, barrier)
                 ab_pipeline.producer_commit(state)
                 state.advance()
             pair_idx += cute.arch.grid_dim()[0] // self.cluster_m

@@ -126,6 +126,21 @@ def _vector_copy_atom() -> cute.CopyAtom:
     return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=VEC_BITS)
 
 
+def _check_top_k(K: int) -> int:
+    """The routing fan-out a token kernel is built for (``ScatterRows``, ``WeightedKSum``)."""
+    if not isinstance(K, int) or not 1 <= K <= MAX_K:
+        raise ValueError(f"K must be an int in [1, {MAX_K}], got {K!r}")
+    return K
+
+
+def _token_of_warp(num_warps: int):
+    """(token, lane) of this thread in a one-warp-per-token kernel of ``num_warps`` warps per
+    CTA (``ScatterRows``, ``WeightedKSum``). Traced inline."""
+    bidx, _, _ = cute.arch.block_idx()
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    return bidx * num_warps + warp, cute.arch.lane_idx()
+
+
 class GatherRows:
     """``dst[i] = src[index[i]]`` (zero row for an index outside ``[0, src_rows)``).
 
@@ -203,9 +218,7 @@ class ScatterRows:
     stores them to each of the row's K destinations, so the row is read once."""
 
     def __init__(self, K: int, num_warps: int = 4, unroll: int = 4):
-        if not isinstance(K, int) or not 1 <= K <= MAX_K:
-            raise ValueError(f"K must be an int in [1, {MAX_K}], got {K!r}")
-        self.K = K
+        self.K = _check_top_k(K)
         self.num_warps = num_warps
         self.unroll = unroll
         self.num_threads = None
@@ -243,11 +256,8 @@ class ScatterRows:
         dst_rows: Int32,
         h_vecs: Int32,
     ):
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
+        token, lane = _token_of_warp(self.num_warps)
         atom = _vector_copy_atom()
-        token = bidx * self.num_warps + warp
         if token < num_tokens:
             dst_row = cute.make_rmem_tensor((self.K,), Int32)
             for k in cutlass.range_constexpr(self.K):
@@ -272,9 +282,7 @@ class WeightedKSum:
     before accumulating them in fixed k order."""
 
     def __init__(self, K: int, has_shared: bool, num_warps: int = 4, gather: bool = False):
-        if not isinstance(K, int) or not 1 <= K <= MAX_K:
-            raise ValueError(f"K must be an int in [1, {MAX_K}], got {K!r}")
-        self.K = K
+        self.K = _check_top_k(K)
         self.has_shared = bool(has_shared)
         # gather: y rows are read through an index (row of slot t*K+k), so the expert
         # outputs can stay in expert-sorted order and no permuted copy is made.
@@ -322,11 +330,8 @@ class WeightedKSum:
         num_tokens: Int32,
         h_vecs: Int32,
     ):
-        bidx, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
+        token, lane = _token_of_warp(self.num_warps)
         atom = _vector_copy_atom()
-        token = bidx * self.num_warps + warp
         if token < num_tokens:
             weights = cute.make_rmem_tensor((self.K,), Float32)
             y_row = cute.make_rmem_tensor((self.K,), Int32)
