@@ -37,7 +37,7 @@
 #   virtualbench [TAG]  the virtual R = 8 bench of record
 #   virtualrecord  qwen3.5 recorded at virtual R = 8 and at R = 1 on the same tokens
 #   virtualcomm   virtual R = 8 at 12 / 16 / 20 / 24 comm CTAs (qwen3.5, glm, kimi)
-#   final  the megakernel's GPU tests, the virtual and the one-GPU benches of record
+#   final [VTAG STAG]  the megakernel's GPU tests, the virtual and the one-GPU benches of record
 #   singlebench [TAG]  the one-GPU bench of record: mok_cute, the megakernel, torch, cuBLAS
 #   megatests  every megakernel GPU test (after the ninth session removed four measured-slower
 #          variants from the kernel)
@@ -65,6 +65,14 @@ gpu_tests_passed() {
   echo "$name tests rc=$?: $(grep -E "passed|failed" "$out/test_$name.log" | tail -1)"
   grep -E "^FAILED|Error" "$out/test_$name.log" | head -5
   grep -q " passed" "$out/test_$name.log" && ! grep -q "failed" "$out/test_$name.log"
+}
+
+virtual_probe() {
+  # virtual_probe SECONDS SHAPES SPECS NAME: tools/megakernel_probe.py at virtual R = 8 against
+  # R = 1 (3 alternating rounds), one --virtual-comm spec per variant; JSON to $out/NAME.json
+  timeout -s KILL "$1" python3 -u tools/megakernel_probe.py --shapes "" --virtual "$2" \
+    --virtual-comm "$3" --virtual-rounds 3 --out "$out" --json "$out/$4.json" 2>&1 | grep -v Warn \
+    | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-220
 }
 
 run_tests() {
@@ -171,30 +179,21 @@ run_single_bench() {
     --iters 20 --warmup 5 --rounds 3 --out "$out" --tag "$1" 2>&1 | grep -E "│|json"
 }
 run_final() {
-  # the megakernel's GPU tests with this session's defaults (KSUM_VECTORS 16, comm CTAs from
-  # the comm / compute balance), then the virtual R = 8 and the one-GPU benches of record
+  # run_final VIRTUAL_TAG SINGLE_TAG: the megakernel's GPU tests, then the virtual R = 8 and
+  # the one-GPU benches of record
   gpu_tests_passed megakernel "" 180
-  timeout -s KILL 150 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
-    --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
-    --iters 10 --warmup 3 --rounds 2 --out "$out" --tag virtual_r8_comm_balance 2>&1 | grep -E "│|json"
-  timeout -s KILL 220 python3 -m mok_cute.cli bench --shapes single \
-    --contenders mok_cute,mok_megakernel,torch_grouped_mm,cublas_8192 --mok-config check_ids=False \
-    --iters 20 --warmup 5 --rounds 3 --out "$out" --tag expert_kernels_ksum16 2>&1 | grep -E "│|json"
+  run_virtual_bench "$1"
+  run_single_bench "$2"
 }
 run_virtual_comm() {
   # comm CTAs at virtual R = 8: qwen3.5's recorded call (run 58) had its 12 comm CTAs ~87 %
   # busy and FC1 paced by DISPATCH from 3 ms on (FC1 tiles 47 -> 76 us as M-tiles of one
   # expert stopped running together); 12 was swept on dsv3 / sonic only
-  timeout -s KILL 420 python3 -u tools/megakernel_probe.py --shapes "" \
-    --virtual qwen3.5_397b,glm_5.2,kimi_k2.7 --virtual-comm 12k,16k,20k,24k --virtual-rounds 3 \
-    --out "$out" --json "$out/virtual_comm.json" 2>&1 | grep -v Warn \
-    | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
+  virtual_probe 420 qwen3.5_397b,glm_5.2,kimi_k2.7 12k,16k,20k,24k virtual_comm
 }
 run_qwen35_comm() {
   # qwen3.5 at virtual R = 8 is 1.153 x R = 1 with 16 comm CTAs (runs 61, 65): the neighbours
-  timeout -s KILL 300 python3 -u tools/megakernel_probe.py --shapes "" --virtual qwen3.5_397b \
-    --virtual-comm 14ku,16ku,18ku --virtual-rounds 3 --out "$out" --json "$out/virtual_qwen35_comm.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
+  virtual_probe 300 qwen3.5_397b 14ku,16ku,18ku virtual_qwen35_comm
 }
 run_flat_copy() {
   # the comm CTAs' flat row copy (megakernel.COMM_COPY_VECTORS, ninth session): bitwise tests,
@@ -203,9 +202,7 @@ run_flat_copy() {
   gpu_tests_passed flat_copy "flat_comm_copy" 150 || return 1
   for spec in "qwen3.5_397b 16ku,16kuv16,16kuv24,12kuv24" "glm_5.2 10ku,10kuv16,10kuv24,8kuv24"; do
     set -- $spec
-    timeout -s KILL 200 python3 -u tools/megakernel_probe.py --shapes "" --virtual "$1" \
-      --virtual-comm "$2" --virtual-rounds 3 --out "$out" --json "$out/virtual_flat_copy_$1.json" 2>&1 \
-      | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
+    virtual_probe 200 "$1" "$2" "virtual_flat_copy_$1"
   done
 }
 run_cluster() {
@@ -250,9 +247,7 @@ run_ksum() {
     --shapes dsv3_ep8_rank,sonic_120b,mixtral,qwen3_30b,gptoss_120b --comm 2lwfxk,1lwfxk,1lwfxku \
     --rounds 3 --out "$out" --json "$out/megakernel_probe_ksum.json" 2>&1 \
     | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
-  timeout -s KILL 180 python3 -u tools/megakernel_probe.py --shapes "" --virtual qwen3.5_397b,glm_5.2 \
-    --virtual-comm 12k,12ku --virtual-rounds 3 --out "$out" --json "$out/virtual_ksum.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-220
+  virtual_probe 180 qwen3.5_397b,glm_5.2 12k,12ku virtual_ksum
 }
 run_why() {
   # recorded calls behind issue 4's two open gaps, task durations per type in each summary:
@@ -318,9 +313,7 @@ run_tickets() {
   # dynamic compute tickets (megakernel.DYNAMIC_TICKETS): bitwise tests, then virtual R = 8
   # and R = 1 with static and dynamic tickets (alternating rounds), then R = 1 single-GPU shapes
   gpu_tests_passed dynamic "dynamic" 140 || return 1
-  timeout -s KILL 280 python3 -u tools/megakernel_probe.py --shapes "" --virtual dsv4_pro,kimi_k2.7,glm_5.2,qwen3.5_397b \
-    --virtual-comm 12,12k --virtual-rounds 3 --json "$out/virtual_dynamic.json" 2>&1 | grep -v Warn \
-    | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200
+  virtual_probe 280 dsv4_pro,kimi_k2.7,glm_5.2,qwen3.5_397b 12,12k virtual_dynamic
   timeout -s KILL 170 python3 -u tools/megakernel_probe.py --shapes dsv3_ep8_rank,mixtral,qwen3_30b \
     --comm 2lwfx,2lwfxk --rounds 3 --out "$out" --json "$out/r1_dynamic.json" 2>&1 \
     | grep -v Warn | sed -E "s/'first_call_s': [0-9.]+, //; s/'variant': '[a-z0-9_]*', //" | cut -c1-200
@@ -346,7 +339,7 @@ case "$what" in
   virtualbench) run_virtual_bench "${2:-virtual_r8}" ;;
   virtualrecord) run_virtual_record ;;
   virtualcomm) run_virtual_comm ;;
-  final) run_final ;;
+  final) run_final "${2:-virtual_r8}" "${3:-expert_kernels}" ;;
   singlebench) run_single_bench "${2:-expert_kernels}" ;;
   megatests) gpu_tests_passed megakernel "" 420 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
