@@ -44,8 +44,9 @@ def _print_row(r):
         print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} ERROR {r['error']}", flush=True)
     else:
         bits = f" bitwise={r['bitwise_equal_plain']}" if "bitwise_equal_plain" in r else ""
-        print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s"
-              f"{bits}", flush=True)
+        best = f" (best {r['best_ms']:.3f})" if "best_ms" in r else ""
+        print(f"{r['shape']:14s} {r['stage']} {r['impl']:32s} {r['ms']:8.3f} ms{best} "
+              f"{r['tflops']:7.1f} TFLOP/s{bits}", flush=True)
 
 
 def main(argv=None):
@@ -61,10 +62,16 @@ def main(argv=None):
                         "(MoKConfig(timeline=True)'s per-tile records), 'c' after tile_n = "
                         "clusters of two CTAs multicasting B (ops.GEMM_CLUSTER_M = 2; its output "
                         "is compared bitwise with the plain kernel's)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every variant this many times in turn (odd rounds reversed); "
+                        "rows report the median round and the best")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per round (median)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dev = "cuda"
     rows = []
+    grids = {f"cluster_{c}": ops._persistent_grid(0, c) for c in (1, 2)}  # CTAs of the grid
+    print("persistent grid (CTAs):", grids, flush=True)
     for name in args.shapes.split(","):
         T, H, I, E, K = SHAPES[name]
         per_expert = T * K // E
@@ -84,17 +91,18 @@ def main(argv=None):
             n = w.shape[1] * (2 if epi == "swiglu" else 1)
             flops = 2 * M * n * a.shape[1]
             plain = {}  # (tile_n, group_m) -> the plain kernel's output, for the cluster rows
+            timed = []  # (row, run) of every variant that built
             for var in args.variants.split(","):
                 tn_s, gm_s = var.split(":")
                 pp, rec, over = "p" in tn_s, gm_s.endswith("t"), tn_s.endswith("po")
                 cl = 2 if "c" in tn_s else 1
                 tn, gm = int(tn_s.rstrip("poc")), int(gm_s.rstrip("t"))
-                if gemm_sm90.FIRST_MMA_OVERWRITES != over:  # read when a kernel is built
-                    gemm_sm90.FIRST_MMA_OVERWRITES = over
-                    jit.clear_cache()
                 recorder = TimelineBuffer(1 << 16, device=dev) if rec else None
 
-                def run(tn=tn, gm=gm, pp=pp, recorder=recorder, cl=cl):
+                def run(tn=tn, gm=gm, pp=pp, recorder=recorder, cl=cl, over=over):
+                    if gemm_sm90.FIRST_MMA_OVERWRITES != over:  # read when a kernel is built:
+                        gemm_sm90.FIRST_MMA_OVERWRITES = over  # the cache key does not hold it
+                        jit.clear_cache()
                     if recorder is not None:  # as a recorded layer call: a fresh header each call
                         recorder.reset()
                     ops.GEMM_CLUSTER_M = cl
@@ -105,20 +113,31 @@ def main(argv=None):
                                                 timeline=None if recorder is None else recorder.tensor)
                     finally:
                         ops.GEMM_CLUSTER_M = 1
+                impl = (f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}"
+                        f"{' overwrite' if over else ''}{' recorder' if rec else ''}"
+                        f"{' cluster 2' if cl > 1 else ''}")
                 try:
                     out = run()
                     if cl == 1 and not pp:
                         plain[(tn, gm)] = out
-                    ms = bench_ms(run)
-                    impl = (f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}"
-                            f"{' overwrite' if over else ''}{' recorder' if rec else ''}"
-                            f"{' cluster 2' if cl > 1 else ''}")
-                    rows.append(dict(shape=name, stage=stage, impl=impl, ms=ms, tflops=flops / ms / 1e9))
+                    row = dict(shape=name, stage=stage, impl=impl, ms_rounds=[])
                     if cl > 1 and (tn, gm) in plain:
-                        rows[-1]["bitwise_equal_plain"] = bool(torch.equal(out, plain[(tn, gm)]))
+                        row["bitwise_equal_plain"] = bool(torch.equal(out, plain[(tn, gm)]))
+                    timed.append((row, run))
                 except Exception as exc:  # record and continue with the other variants
-                    rows.append(dict(shape=name, stage=stage, impl=f"mok {var}", error=repr(exc)[:300]))
-                _print_row(rows[-1])  # as measured: a killed run keeps what it printed
+                    rows.append(dict(shape=name, stage=stage, impl=impl, error=repr(exc)[:300]))
+                    _print_row(rows[-1])
+            # every variant timed once per round, odd rounds in reverse: the clock falls as the
+            # GPU heats, so a fixed order would hand the first variant the fastest slot
+            for r in range(args.rounds):
+                for row, run in (timed if r % 2 == 0 else timed[::-1]):
+                    row["ms_rounds"].append(bench_ms(run, iters=args.iters))
+            for row, _ in timed:
+                row["ms"] = sorted(row["ms_rounds"])[len(row["ms_rounds"]) // 2]
+                row["best_ms"] = min(row["ms_rounds"])
+                row["tflops"] = flops / row["ms"] / 1e9
+                rows.append(row)
+                _print_row(row)
             try:
                 wt = (torch.cat([w, w_up], 1) if w_up is not None else w).transpose(1, 2)
                 ms = bench_ms(lambda: torch._grouped_mm(a, wt, offs=offs))
@@ -132,7 +151,7 @@ def main(argv=None):
             rows.append(dict(shape=name, stage=stage, impl="cublas dense (one weight)", ms=ms,
                              tflops=flops / ms / 1e9))
             _print_row(rows[-1])
-    save_probe_json(args.json, {"rows": rows}, argv)
+    save_probe_json(args.json, {"grid_ctas": grids, "rows": rows}, argv)
 
 
 if __name__ == "__main__":

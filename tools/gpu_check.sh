@@ -45,6 +45,7 @@
 #   qwen35comm  qwen3.5 at virtual R = 8 with 14, 16 and 18 comm CTAs (3 alternating rounds)
 #   cluster  the cooperative GEMMs in clusters of two CTAs multicasting B (GEMM_CLUSTER_M):
 #          GPU tests, tools/gemm_probe.py plain against cluster, the layer bench with each (~8 min)
+#   clusterab  clusters of two against one, interleaved rounds: the GEMMs alone, then the layer (~4 min)
 #   flatcopy  the comm CTAs' flat row copy (COMM_COPY_VECTORS): GPU tests, then qwen3.5 and glm
 #          at virtual R = 8 with 16 / 24 vectors per lane and fewer comm CTAs (~8 min)
 set -u
@@ -218,6 +219,20 @@ run_cluster() {
       --rounds 3 --out "$out" --tag gemm_cluster$c 2>&1 | grep -E "mok_cute|json"
   done
 }
+run_cluster_ab() {
+  # clusters of two against one, interleaved (run 73's sequential pairs drifted by up to 13 %
+  # between identical variants): the GEMMs alone, 6 alternating rounds, then the expert path
+  # layer (tools/megakernel_probe.py --cluster), 4 alternating rounds, on the five shapes
+  timeout -s KILL 240 python3 tools/gemm_probe.py --shapes dsv3_ep8_rank,sonic_120b,mixtral,gptoss_120b,qwen3_30b \
+    --variants 256:8,256c:8 --rounds 6 --iters 10 --json "$out/gemm_probe_cluster_ab.json" 2>&1 | grep -v Warn | tail -40
+  timeout -s KILL 300 python3 tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,mixtral,gptoss_120b,qwen3_30b \
+    --comm "" --cluster --rounds 4 --json "$out/layer_cluster_ab.json" 2>&1 | grep -v Warn | tail -20
+  python3 - "$out/layer_cluster_ab.json" <<'PY'
+import json, sys
+for s in json.load(open(sys.argv[1]))["shapes"]:
+    print(s["shape"], [(r["variant"], [round(t, 3) for t in r["ms_rounds"]], r.get("bitwise_equal_expert_path")) for r in s["results"]])
+PY
+}
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
   timeout -s KILL 300 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
@@ -346,6 +361,7 @@ case "$what" in
   qwen35comm) run_qwen35_comm ;;
   flatcopy) run_flat_copy ;;
   cluster) run_cluster ;;
+  clusterab) run_cluster_ab ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|all]" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """Megakernel against the expert-kernel path at R = 1, and a sweep of its comm split
-(plus, with ``--scatter``, the expert path with ``ops.SCATTER_X`` flipped).
+(plus, with ``--scatter``, the expert path with ``ops.SCATTER_X`` flipped, and with
+``--cluster``, with ``ops.GEMM_CLUSTER_M`` flipped between 1 and 2).
 
     python tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b --comm 6,8,12,8b \
         [--timeline 8 --out DIR] [--json out.json]
@@ -97,7 +98,7 @@ def restore(defaults: dict) -> None:
 
 
 # the expert path's switches that probe variants flip
-OPS_SWITCHES = ("SCATTER_X",)
+OPS_SWITCHES = ("SCATTER_X", "GEMM_CLUSTER_M")
 
 
 def restore_ops(defaults: dict) -> None:
@@ -107,7 +108,8 @@ def restore_ops(defaults: dict) -> None:
 
 
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
-                rounds: int = 1, scatter: bool = False, minibatches: tuple = (None,)) -> dict:
+                rounds: int = 1, scatter: bool = False, minibatches: tuple = (None,),
+                cluster: bool = False) -> dict:
     """The expert path, optionally with ``ops.SCATTER_X`` flipped, then every ``--comm`` spec of
     the megakernel; with ``rounds`` > 1 all variants are timed again in turn, odd rounds in
     reverse order (the clock drifts within a process) and each row keeps every round's time and their minimum."""
@@ -124,6 +126,11 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         # token-major scatter (on since run 64) or by the gather
         key = "expert_kernels_" + ("gather_x" if ops_defaults["SCATTER_X"] else "scatter_x")
         variants[key] = (lambda: setattr(ops, "SCATTER_X", not ops_defaults["SCATTER_X"]), base)
+        rows[key] = {"variant": key}
+    if cluster:  # the expert path's cooperative GEMMs in clusters of two CTAs (or back to one)
+        flipped = 3 - ops_defaults["GEMM_CLUSTER_M"]
+        key = f"expert_kernels_cluster{flipped}"
+        variants[key] = (lambda: setattr(ops, "GEMM_CLUSTER_M", flipped), base)
         rows[key] = {"variant": key}
     for spec in comms:
         sp = parse_spec(spec)
@@ -277,6 +284,8 @@ def main(argv=None) -> int:
                          "(rows SPEC@N; e.g. 512,1024)")
     ap.add_argument("--scatter", action="store_true",
                     help="add the expert path with ops.SCATTER_X flipped (scatter <-> gather of x)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="add the expert path with ops.GEMM_CLUSTER_M flipped (1 <-> 2)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",
@@ -295,7 +304,8 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out,
                                   a.rounds, a.scatter,
-                                  tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,))
+                                  tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,),
+                                  a.cluster)
                       for s in a.shapes.split(",") if s]}
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","), a.virtual_rounds)
