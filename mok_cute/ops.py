@@ -92,6 +92,7 @@ def _persistent_grid(device_index: int, cluster_m: int) -> int:
         return _num_sms(device_index)
     from cutlass.utils import HardwareInfo
 
+    torch.cuda.synchronize(device_index)  # the occupancy query needs the device's context current
     return cluster_m * HardwareInfo(device_index).get_max_active_clusters(cluster_m)
 
 
