@@ -222,11 +222,11 @@ run_cluster() {
 run_cluster_ab() {
   # clusters of two against one, interleaved (run 73's sequential pairs drifted by up to 13 %
   # between identical variants): the GEMMs alone, 6 alternating rounds, then the expert path
-  # layer (tools/megakernel_probe.py --cluster), 4 alternating rounds, on the five shapes
+  # layer (tools/megakernel_probe.py --cluster), 8 alternating rounds, on the five shapes
   timeout -s KILL 240 python3 tools/gemm_probe.py --shapes dsv3_ep8_rank,sonic_120b,mixtral,gptoss_120b,qwen3_30b \
     --variants 256:8,256c:8 --rounds 6 --iters 10 --json "$out/gemm_probe_cluster_ab.json" 2>&1 | grep -v Warn | tail -40
   timeout -s KILL 300 python3 tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,mixtral,gptoss_120b,qwen3_30b \
-    --comm "" --cluster --rounds 4 --json "$out/layer_cluster_ab.json" 2>&1 | grep -v Warn | tail -20
+    --comm "" --cluster --rounds 8 --json "$out/layer_cluster_ab.json" 2>&1 | grep -v Warn | tail -20
   python3 - "$out/layer_cluster_ab.json" <<'PY'
 import json, sys
 for s in json.load(open(sys.argv[1]))["shapes"]:
