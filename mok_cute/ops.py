@@ -38,11 +38,27 @@ SCATTER_X = experimental_switch("SCATTER_X", True)
 FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
 # The cooperative GEMMs (FC1 everywhere, FC2 with a long K) in clusters of two CTAs on M-tiles
 # 2i and 2i + 1 that multicast the shared B tile (gemm_sm90's cluster_m). Why: B is 32 of
-# FC1's 48 KB per k-tile, the GEMMs run at 82-86 % of cuBLAS (run 70: mixtral 82 %, dsv3 73 %
-# for the whole layer), and cuBLAS's Hopper kernels use clusters; issue 3's 1.10x SonicMoE
-# needs ~0.45 ms off dsv3, mostly in the GEMMs. Written in the ninth session, compile-checked
-# only (no spills; the default kernels' SASS unchanged): MOK_GEMM_CLUSTER_M=2.
-GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 1, 1, 2)
+# FC1's 48 KB per k-tile, and cuBLAS's Hopper kernels use clusters. Measured (tenth session,
+# runs 73-75, bitwise equal everywhere; 6 interleaved rounds of the GEMMs alone, median of
+# the per-round ratios cluster / plain): FC1 dsv3 (K 7168) 0.993, sonic_120b (K 4096) 0.986,
+# mixtral (K 4096) 0.946, gptoss (K 2880) 1.027, qwen3 (K 2048) 1.022; mixtral's
+# cooperative FC2 (K 14336) 0.990. A short K leaves few k-tiles per tile to amortise the
+# pair's coupling over, so the rule is clusters where K >= GEMM_CLUSTER_MIN_K. Layer (8
+# interleaved rounds, median ratio with clusters on every cooperative GEMM): dsv3 0.990,
+# mixtral 0.970, sonic 1.003, gptoss 1.006, qwen3 1.011. 0 = that rule (default), 1 = never,
+# 2 = always: MOK_GEMM_CLUSTER_M.
+GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 0, 0, 2)
+GEMM_CLUSTER_MIN_K = 4096
+
+
+def gemm_cluster_m(k: int, pingpong: bool, recorded: bool) -> int:
+    """CTAs per cluster for a grouped GEMM with reduction size ``k``: 2 for the cooperative
+    kernel without the recorder where K is long enough (``GEMM_CLUSTER_M``), else 1."""
+    if pingpong or recorded or GEMM_CLUSTER_M == 1:
+        return 1
+    return 2 if GEMM_CLUSTER_M == 2 or k >= GEMM_CLUSTER_MIN_K else 1
+
+
 FC2_PINGPONG_MAX_K = 8192
 
 
@@ -123,8 +139,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     tile_n = tile_n or choose_tile_n(n, epilogue)
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    # clusters for the cooperative kernel without the recorder (gemm_sm90's cluster_m)
-    cluster_m = GEMM_CLUSTER_M if not pingpong and timeline is None else 1
+    cluster_m = gemm_cluster_m(k, pingpong, timeline is not None)
     compiled = jit.compile_kernel(
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_persistent_grid(a.device.index or 0, cluster_m),

@@ -274,6 +274,23 @@ def test_layer_with_cluster_pairs_gives_the_same_bits(monkeypatch):
     wd = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) / I ** 0.5
     cfg = mok_cute.MoKConfig(backend="kernel")
     monkeypatch.setattr(ops, "FC2_PINGPONG", False)  # FC2 on the cooperative kernel too
+    monkeypatch.setattr(ops, "GEMM_CLUSTER_M", 1)  # no clusters (H = 512 is below the rule's K)
     base = mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg)
     monkeypatch.setattr(ops, "GEMM_CLUSTER_M", 2)
     assert torch.equal(mok_cute.moe_forward(x, idx, w, wg, wu, wd, config=cfg), base)
+
+
+def test_cluster_rule_takes_pairs_where_k_is_long(monkeypatch):
+    """ops.gemm_cluster_m: clusters of two for the cooperative, unrecorded GEMM where K >=
+    GEMM_CLUSTER_MIN_K (measured: short K lost 2-3 %); MOK_GEMM_CLUSTER_M=1 / 2 force it."""
+    from mok_cute import ops
+    long_k, short_k = ops.GEMM_CLUSTER_MIN_K, ops.GEMM_CLUSTER_MIN_K - 64
+    monkeypatch.setattr(ops, "GEMM_CLUSTER_M", 0)
+    assert ops.gemm_cluster_m(long_k, pingpong=False, recorded=False) == 2
+    assert ops.gemm_cluster_m(short_k, pingpong=False, recorded=False) == 1
+    assert ops.gemm_cluster_m(long_k, pingpong=True, recorded=False) == 1
+    assert ops.gemm_cluster_m(long_k, pingpong=False, recorded=True) == 1
+    monkeypatch.setattr(ops, "GEMM_CLUSTER_M", 1)
+    assert ops.gemm_cluster_m(long_k, pingpong=False, recorded=False) == 1
+    monkeypatch.setattr(ops, "GEMM_CLUSTER_M", 2)
+    assert ops.gemm_cluster_m(short_k, pingpong=False, recorded=False) == 2

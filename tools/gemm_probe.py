@@ -105,14 +105,14 @@ def main(argv=None):
                         jit.clear_cache()
                     if recorder is not None:  # as a recorded layer call: a fresh header each call
                         recorder.reset()
-                    ops.GEMM_CLUSTER_M = cl
+                    before, ops.GEMM_CLUSTER_M = ops.GEMM_CLUSTER_M, cl
                     try:
                         return ops.grouped_gemm(a, w, tile_expert, num_tiles, epi, tile_n=tn,
                                                 group_m=gm, w_up=w_up, pingpong=pp,
                                                 task_type=int(stage == "fc2") + 1,
                                                 timeline=None if recorder is None else recorder.tensor)
                     finally:
-                        ops.GEMM_CLUSTER_M = 1
+                        ops.GEMM_CLUSTER_M = before
                 impl = (f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}"
                         f"{' overwrite' if over else ''}{' recorder' if rec else ''}"
                         f"{' cluster 2' if cl > 1 else ''}")

@@ -1,6 +1,6 @@
 """Megakernel against the expert-kernel path at R = 1, and a sweep of its comm split
 (plus, with ``--scatter``, the expert path with ``ops.SCATTER_X`` flipped, and with
-``--cluster``, with ``ops.GEMM_CLUSTER_M`` flipped between 1 and 2).
+``--cluster``, with ``ops.GEMM_CLUSTER_M`` at 1 (no clusters), or at 2 where it is 1).
 
     python tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b --comm 6,8,12,8b \
         [--timeline 8 --out DIR] [--json out.json]
@@ -127,8 +127,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         key = "expert_kernels_" + ("gather_x" if ops_defaults["SCATTER_X"] else "scatter_x")
         variants[key] = (lambda: setattr(ops, "SCATTER_X", not ops_defaults["SCATTER_X"]), base)
         rows[key] = {"variant": key}
-    if cluster:  # the expert path's cooperative GEMMs in clusters of two CTAs (or back to one)
-        flipped = 3 - ops_defaults["GEMM_CLUSTER_M"]
+    if cluster:  # the expert path without GEMM clusters (or with them everywhere, if off)
+        flipped = 2 if ops_defaults["GEMM_CLUSTER_M"] == 1 else 1
         key = f"expert_kernels_cluster{flipped}"
         variants[key] = (lambda: setattr(ops, "GEMM_CLUSTER_M", flipped), base)
         rows[key] = {"variant": key}
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scatter", action="store_true",
                     help="add the expert path with ops.SCATTER_X flipped (scatter <-> gather of x)")
     ap.add_argument("--cluster", action="store_true",
-                    help="add the expert path with ops.GEMM_CLUSTER_M flipped (1 <-> 2)")
+                    help="add the expert path with ops.GEMM_CLUSTER_M = 1 (no clusters; 2 if that is the default)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",
