@@ -47,7 +47,7 @@ FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
 # interleaved rounds, median ratio with clusters on every cooperative GEMM): dsv3 0.990,
 # mixtral 0.970, sonic 1.003, gptoss 1.006, qwen3 1.011. 0 = that rule (default), 1 = never,
 # 2 = always: MOK_GEMM_CLUSTER_M.
-GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 0, 0, 2)
+GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 1, 0, 2)
 GEMM_CLUSTER_MIN_K = 4096
 # The plain GEMMs launched with a 1 x 1 x 1 cluster attribute (probe only): from the ninth
 # session's cluster commit until the tenth session's run 77 every plain GEMM launched so, and
