@@ -38,15 +38,15 @@ SCATTER_X = experimental_switch("SCATTER_X", True)
 FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
 # The cooperative GEMMs (FC1 everywhere, FC2 with a long K) in clusters of two CTAs on M-tiles
 # 2i and 2i + 1 that multicast the shared B tile (gemm_sm90's cluster_m). Why: B is 32 of
-# FC1's 48 KB per k-tile, and cuBLAS's Hopper kernels use clusters. Measured (tenth session,
-# runs 73-75, bitwise equal everywhere; 6 interleaved rounds of the GEMMs alone, median of
-# the per-round ratios cluster / plain): FC1 dsv3 (K 7168) 0.993, sonic_120b (K 4096) 0.986,
-# mixtral (K 4096) 0.946, gptoss (K 2880) 1.027, qwen3 (K 2048) 1.022; mixtral's
-# cooperative FC2 (K 14336) 0.990. A short K leaves few k-tiles per tile to amortise the
-# pair's coupling over, so the rule is clusters where K >= GEMM_CLUSTER_MIN_K. Layer (8
-# interleaved rounds, median ratio with clusters on every cooperative GEMM): dsv3 0.990,
-# mixtral 0.970, sonic 1.003, gptoss 1.006, qwen3 1.011. 0 = that rule (default), 1 = never,
-# 2 = always: MOK_GEMM_CLUSTER_M.
+# FC1's 48 KB per k-tile, and cuBLAS's Hopper kernels use clusters. Measured in the tenth
+# session, bitwise equal everywhere. Against plain kernels that still launched with a 1x1x1
+# cluster attribute (run 75, 6 interleaved rounds of the GEMMs alone, median ratio cluster /
+# plain), FC1 came out at: dsv3 (K 7168) 0.993, sonic_120b (K 4096) 0.986, mixtral
+# (K 4096) 0.946, gptoss (K 2880) 1.027, qwen3 (K 2048) 1.022. Against the fixed plain
+# launch (run 78): FC1 alone dsv3 3.055 against 3.013 ms. Layer without / with clusters
+# where K >= GEMM_CLUSTER_MIN_K: dsv3 0.996, sonic 1.007, mixtral 0.979. No gain shown, so
+# off. MOK_GEMM_CLUSTER_M: 0 = clusters where K >= GEMM_CLUSTER_MIN_K, 1 = never (default),
+# 2 = always.
 GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 1, 0, 2)
 GEMM_CLUSTER_MIN_K = 4096
 # The plain GEMMs launched with a 1 x 1 x 1 cluster attribute (probe only): from the ninth
