@@ -108,7 +108,7 @@ run_sonic() {
   # run_sonic TAG: the SonicMoE bench of record (tag: the results file's name)
   timeout -s KILL 560 python3 -m mok_cute.cli bench --shapes dsv3_ep8_rank,sonic_120b \
     --contenders mok_cute,mok_megakernel,mok_cute_timeline,torch_grouped_mm,sonicmoe,cublas_8192 \
-    --mok-config check_ids=False --iters 20 --warmup 5 --rounds 3 --out "$out" --tag "$1" 2>&1 | tail -16
+    --mok-config check_ids=False --iters 20 --warmup 5 --rounds 7 --out "$out" --tag "$1" 2>&1 | tail -16
 }
 
 run_mega() {
@@ -181,7 +181,7 @@ run_single_bench() {
   # run_single_bench TAG: the one-GPU bench of record on the five single-GPU shapes
   timeout -s KILL 280 python3 -m mok_cute.cli bench --shapes single \
     --contenders mok_cute,mok_megakernel,torch_grouped_mm,cublas_8192 --mok-config check_ids=False \
-    --iters 20 --warmup 5 --rounds 3 --out "$out" --tag "$1" 2>&1 | grep -E "│|json"
+    --iters 20 --warmup 5 --rounds 7 --out "$out" --tag "$1" 2>&1 | grep -E "│|json"
 }
 run_final() {
   # run_final VIRTUAL_TAG SINGLE_TAG: the megakernel's GPU tests, then the virtual R = 8 and
