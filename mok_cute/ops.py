@@ -49,10 +49,6 @@ FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
 # 2 = always.
 GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 1, 0, 2)
 GEMM_CLUSTER_MIN_K = 4096
-# The plain GEMMs launched with a 1 x 1 x 1 cluster attribute (probe only): from the ninth
-# session's cluster commit until the tenth session's run 77 every plain GEMM launched so, and
-# the expert path measured 3-10 % slower against the megakernel and SonicMoE than before it.
-UNIT_CLUSTER_ATTRIBUTE = False
 
 
 def gemm_cluster_m(k: int, pingpong: bool, recorded: bool) -> int:
@@ -148,8 +144,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_persistent_grid(a.device.index or 0, cluster_m),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong, cluster_m=cluster_m,
-        **({"unit_cluster_attribute": True} if UNIT_CLUSTER_ATTRIBUTE and cluster_m == 1 else {}))
+        pingpong=pingpong, cluster_m=cluster_m)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline)

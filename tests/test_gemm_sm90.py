@@ -109,12 +109,11 @@ def test_cluster_pair_compiles_to_multicast_b_without_spills(epilogue, capfd, tm
 
 @pytest.mark.parametrize("kwargs,cluster", [
     (dict(epilogue="swiglu", tile_n=256), None), (dict(epilogue="store", tile_n=128, pingpong=True), None),
-    (dict(epilogue="swiglu", tile_n=256, cluster_m=2), [2, 1, 1]),
-    (dict(epilogue="store", tile_n=128, pingpong=True, unit_cluster_attribute=True), [1, 1, 1])])
+    (dict(epilogue="swiglu", tile_n=256, cluster_m=2), [2, 1, 1])])
 def test_only_real_clusters_launch_with_a_cluster_attribute(kwargs, cluster, monkeypatch):
     """A plain GEMM launched with a 1 x 1 x 1 cluster attribute ran its pingpong FC2 19-24 %
-    slower and the layer 7-10 % (runs 76-78): only cluster_m > 1 (or the probe's
-    unit_cluster_attribute) may pass ``cluster`` to the launch."""
+    slower and the layer 7-10 % (runs 76-78): only cluster_m > 1 may pass ``cluster`` to the
+    launch."""
     from cutlass.cutlass_dsl.cutlass import KernelLauncher
     seen = []
     launch = KernelLauncher.launch

@@ -95,28 +95,27 @@ def main(argv=None):
             for var in args.variants.split(","):
                 tn_s, gm_s = var.split(":")
                 pp, rec, over = "p" in tn_s, gm_s.endswith("t"), tn_s.endswith("po")
-                cl, unit = 2 if "c" in tn_s else 1, "u" in tn_s
-                tn, gm = int(tn_s.rstrip("pocu")), int(gm_s.rstrip("t"))
+                cl = 2 if "c" in tn_s else 1
+                tn, gm = int(tn_s.rstrip("poc")), int(gm_s.rstrip("t"))
                 recorder = TimelineBuffer(1 << 16, device=dev) if rec else None
 
-                def run(tn=tn, gm=gm, pp=pp, recorder=recorder, cl=cl, over=over, unit=unit):
+                def run(tn=tn, gm=gm, pp=pp, recorder=recorder, cl=cl, over=over):
                     if gemm_sm90.FIRST_MMA_OVERWRITES != over:  # read when a kernel is built:
                         gemm_sm90.FIRST_MMA_OVERWRITES = over  # the cache key does not hold it
                         jit.clear_cache()
                     if recorder is not None:  # as a recorded layer call: a fresh header each call
                         recorder.reset()
                     before, ops.GEMM_CLUSTER_M = ops.GEMM_CLUSTER_M, cl
-                    ops.UNIT_CLUSTER_ATTRIBUTE = unit
                     try:
                         return ops.grouped_gemm(a, w, tile_expert, num_tiles, epi, tile_n=tn,
                                                 group_m=gm, w_up=w_up, pingpong=pp,
                                                 task_type=int(stage == "fc2") + 1,
                                                 timeline=None if recorder is None else recorder.tensor)
                     finally:
-                        ops.GEMM_CLUSTER_M, ops.UNIT_CLUSTER_ATTRIBUTE = before, False
+                        ops.GEMM_CLUSTER_M = before
                 impl = (f"mok tile_n={tn} group_m={gm}{' pingpong' if pp else ''}"
                         f"{' overwrite' if over else ''}{' recorder' if rec else ''}"
-                        f"{' cluster 2' if cl > 1 else ''}{' unit cluster attribute' if unit else ''}")
+                        f"{' cluster 2' if cl > 1 else ''}")
                 try:
                     out = run()
                     if cl == 1 and not pp:

@@ -48,8 +48,6 @@
 #   clusterab  clusters of two against one, interleaved rounds: the GEMMs alone, then the layer (~4 min)
 #   clusteron [TAG]  with GEMM clusters on by rule: the expert path's and the GEMM's GPU tests,
 #          then the one-GPU bench of record (~8 min)
-#   unitattr  the plain GEMMs with and without a 1x1x1 cluster attribute, and 2-CTA clusters:
-#          the GEMMs alone, then the layer (6 interleaved rounds, ~3 min)
 #   flatcopy  the comm CTAs' flat row copy (COMM_COPY_VECTORS): GPU tests, then qwen3.5 and glm
 #          at virtual R = 8 with 16 / 24 vectors per lane and fewer comm CTAs (~8 min)
 set -u
@@ -237,24 +235,6 @@ for s in json.load(open(sys.argv[1]))["shapes"]:
     print(s["shape"], [(r["variant"], [round(t, 3) for t in r["ms_rounds"]], r.get("bitwise_equal_expert_path")) for r in s["results"]])
 PY
 }
-run_unit_attr() {
-  # the plain GEMMs launched with and without a 1x1x1 cluster attribute (every plain GEMM had
-  # one from the ninth session's cluster commit until run 77), against 2-CTA clusters
-  timeout -s KILL 200 python3 tools/gemm_probe.py --shapes dsv3_ep8_rank,gptoss_120b \
-    --variants 256:8,256u:8,256c:8,128p:8,128pu:8 --rounds 4 --iters 10 \
-    --json "$out/gemm_probe_unit_attr.json" 2>&1 | grep -v Warn | grep -E "mok|grid"
-  timeout -s KILL 300 python3 tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,mixtral,gptoss_120b,qwen3_30b \
-    --comm "" --cluster --rounds 6 --json "$out/layer_unit_attr.json" 2>&1 | grep -v Warn | tail -1
-  python3 - "$out/layer_unit_attr.json" <<'PY'
-import json, statistics, sys
-for s in json.load(open(sys.argv[1]))["shapes"]:
-    base = s["results"][0]["ms_rounds"]
-    for r in s["results"]:
-        ratio = statistics.median(t / b for t, b in zip(r["ms_rounds"], base))
-        print(s["shape"], r["variant"], "median ms %.3f" % statistics.median(r["ms_rounds"]),
-              "ratio %.3f" % ratio, "bitwise", r.get("bitwise_equal_expert_path"))
-PY
-}
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
   timeout -s KILL 300 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
@@ -384,9 +364,8 @@ case "$what" in
   flatcopy) run_flat_copy ;;
   cluster) run_cluster ;;
   clusterab) run_cluster_ab ;;
-  unitattr) run_unit_attr ;;
   clusteron) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels_cluster}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|clusteron [TAG]|unitattr|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|clusteron [TAG]|all]" >&2; exit 2 ;;
 esac

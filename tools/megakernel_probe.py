@@ -98,7 +98,7 @@ def restore(defaults: dict) -> None:
 
 
 # the expert path's switches that probe variants flip
-OPS_SWITCHES = ("SCATTER_X", "GEMM_CLUSTER_M", "UNIT_CLUSTER_ATTRIBUTE")
+OPS_SWITCHES = ("SCATTER_X", "GEMM_CLUSTER_M")
 
 
 def restore_ops(defaults: dict) -> None:
@@ -132,10 +132,6 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         key = f"expert_kernels_cluster{flipped}"
         variants[key] = (lambda: setattr(ops, "GEMM_CLUSTER_M", flipped), base)
         rows[key] = {"variant": key}
-        # and the plain GEMMs launched with a 1x1x1 cluster attribute (as until run 77)
-        variants["expert_kernels_unit_cluster_attribute"] = (
-            lambda: setattr(ops, "UNIT_CLUSTER_ATTRIBUTE", True), base)
-        rows["expert_kernels_unit_cluster_attribute"] = {"variant": "expert_kernels_unit_cluster_attribute"}
     for spec in comms:
         sp = parse_spec(spec)
         for mb in minibatches:  # None: the plan's default minibatch (8 tiles)
@@ -289,8 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scatter", action="store_true",
                     help="add the expert path with ops.SCATTER_X flipped (scatter <-> gather of x)")
     ap.add_argument("--cluster", action="store_true",
-                    help="add the expert path with ops.GEMM_CLUSTER_M = 1 (no clusters; 2 if that is the "
-                         "default), and with ops.UNIT_CLUSTER_ATTRIBUTE")
+                    help="add the expert path with ops.GEMM_CLUSTER_M = 1 (no clusters; 2 if that is the default)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",

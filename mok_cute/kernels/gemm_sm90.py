@@ -93,7 +93,7 @@ class GroupedGemmSm90:
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                 pingpong: bool = False, cluster_m: int = 1, unit_cluster_attribute: bool = False):
+                 pingpong: bool = False, cluster_m: int = 1):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -113,9 +113,6 @@ class GroupedGemmSm90:
         if num_sms % cluster_m:
             raise ValueError(f"num_sms must be a multiple of cluster_m={cluster_m}, got {num_sms}")
         self.cluster_m = cluster_m
-        # the plain kernel launched with a 1 x 1 x 1 cluster attribute, as from the ninth
-        # session's cluster commit until run 77 found the expert path slower: a probe variant
-        self.unit_cluster_attribute = unit_cluster_attribute
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
         # pingpong only: the cooperative kernels' SASS gets worse with it (32 HGMMA unrolled
         # and 8 wgmma waits instead of 8 and 2), the pingpong one loses its C7517 wait
@@ -253,9 +250,9 @@ class GroupedGemmSm90:
         ).launch(
             grid=[self.num_sms, 1, 1],
             block=[self.threads_per_cta, 1, 1],
-            # a cluster launch attribute only for real clusters (unit_cluster_attribute: ops)
-            cluster=([self.cluster_m, 1, 1] if self.cluster_m > 1 or self.unit_cluster_attribute
-                     else None),
+            # a cluster attribute only for real clusters: the plain kernels launched as clusters
+            # of one lost 19-24 % on the pingpong FC2 (run 78)
+            cluster=[self.cluster_m, 1, 1] if self.cluster_m > 1 else None,
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -742,7 +739,7 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                          pingpong: bool = False, cluster_m: int = 1, arch: str = "sm_90a",
-                         options: str = "", unit_cluster_attribute: bool = False):
+                         options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -754,7 +751,7 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
-                           cluster_m=cluster_m, unit_cluster_attribute=unit_cluster_attribute)
+                           cluster_m=cluster_m)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
