@@ -106,7 +106,8 @@ run_sonic() {
   # run_sonic TAG: the SonicMoE bench of record (tag: the results file's name)
   timeout -s KILL 560 python3 -m mok_cute.cli bench --shapes dsv3_ep8_rank,sonic_120b \
     --contenders mok_cute,mok_megakernel,mok_cute_timeline,torch_grouped_mm,sonicmoe,cublas_8192 \
-    --mok-config check_ids=False --iters 20 --warmup 5 --rounds 7 --out "$out" --tag "$1" 2>&1 | tail -16
+    --mok-config check_ids=False --iters 20 --warmup 5 --rounds 7 --out "$out" --tag "$1" \
+    --quack-cache /tmp/quack_cache 2>&1 | tail -16  # SonicMoE's kernel cache stays out of $OUT
 }
 
 run_mega() {
