@@ -46,8 +46,8 @@
 #   cluster  the cooperative GEMMs in clusters of two CTAs multicasting B (GEMM_CLUSTER_M):
 #          GPU tests, tools/gemm_probe.py plain against cluster, the layer bench with each (~8 min)
 #   clusterab  clusters of two against one, interleaved rounds: the GEMMs alone, then the layer (~4 min)
-#   clusteron [TAG]  with GEMM clusters on by rule: the expert path's and the GEMM's GPU tests,
-#          then the one-GPU bench of record (~8 min)
+#   testbench [TAG]  the expert path's, token ops' and GEMM's GPU tests, then the one-GPU
+#          bench of record (~6 min; run 76 as `clusteron`)
 #   flatcopy  the comm CTAs' flat row copy (COMM_COPY_VECTORS): GPU tests, then qwen3.5 and glm
 #          at virtual R = 8 with 16 / 24 vectors per lane and fewer comm CTAs (~8 min)
 set -u
@@ -365,8 +365,8 @@ case "$what" in
   flatcopy) run_flat_copy ;;
   cluster) run_cluster ;;
   clusterab) run_cluster_ab ;;
-  clusteron) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
-             run_single_bench "${2:-expert_kernels_cluster}" ;;
+  testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
+             run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|clusteron [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|testbench [TAG]|all]" >&2; exit 2 ;;
 esac
