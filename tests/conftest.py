@@ -31,3 +31,21 @@ def gen(request) -> torch.Generator:
     """A fresh CPU generator seeded from the test's id: different for every test, the same
     on every run. Draw on the CPU and move to the device, so data is identical everywhere."""
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """The keyword arguments of every kernel launch traced while the test runs (grid, block,
+    cluster, cooperative, ...), one dict per ``.launch(...)``: launch attributes are host
+    code, invisible in the PTX and SASS that the other compile-only checks read."""
+    from cutlass.cutlass_dsl.cutlass import KernelLauncher
+
+    seen = []
+    launch = KernelLauncher.launch
+
+    def recording_launch(self, *args, **kwargs):
+        seen.append(dict(kwargs))
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(KernelLauncher, "launch", recording_launch)
+    return seen
