@@ -117,6 +117,14 @@ LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm
 # MOK_DYNAMIC_TICKETS=0 turns it off.
 DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", True)
 DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the same over IPC
+# With dynamic tickets, the producer's warp 0 resolves each ticket (queue entry, task row,
+# live-tile count, expert, signal counter) and hands the consumers the decoded words through
+# the smem ticket ring (kernels.megakernel_sm90's decoded_tickets), instead of the bare ticket
+# that each consumer warp then resolves with two or three dependent global loads while the
+# tensor cores wait. Why: mixtral's recorded call at one rank (run 56) spent 17.5 us per ms per
+# CTA between tasks, the expert GEMM 2.2; predicted ~0.9 us less per task: mixtral -1.5 %,
+# qwen3_30b (~117 short tasks per CTA) -4 %, dsv3 -1.5 %. MOK_DECODED_TICKETS=1 turns it on.
+DECODED_TICKETS = experimental_switch("DECODED_TICKETS", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -170,6 +178,7 @@ class PlanKey:
     dynamic_tickets: bool = False  # DYNAMIC_TICKETS; over IPC only with DYNAMIC_TICKETS_IPC
     ksum_vectors: int = 16  # KSUM_VECTORS
     comm_copy_vectors: int = 0  # COMM_COPY_VECTORS (vector copy only)
+    decoded_tickets: bool = False  # DECODED_TICKETS (with dynamic_tickets only)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -378,7 +387,8 @@ class Plan:
             num_comm_ctas=k.num_comm_ctas, top_k=k.top_k, has_shared=bool(k.shared_intermediate),
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
-            ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors)
+            ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
+            decoded_tickets=k.decoded_tickets)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -591,13 +601,14 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         if fc1_lead is None:
             fc1_lead = fc1_lead_minibatches(num_sms - num_comm, minibatch // TILE_M,
                                             -(-2 * I // FC1_TILE_N))
+    dynamic = DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC)
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
-                  local_only, DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC),
-                  KSUM_VECTORS, COMM_COPY_VECTORS if COMM_COPY == "vector" else 0)
+                  local_only, dynamic, KSUM_VECTORS,
+                  COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, dynamic and DECODED_TICKETS)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -115,6 +115,28 @@ def test_dynamic_tickets_fit_the_register_file_without_spills(local_direct, tmp_
     assert 128 * dec + 256 * inc <= rep.registers * 384
 
 
+@pytest.mark.parametrize("local_direct", [False, True])
+def test_decoded_tickets_move_the_task_lookups_off_the_consumers(local_direct, tmp_path):
+    """decoded_tickets: the producer's warp 0 resolves each ticket and the other warps read
+    the task's words from the smem ring, so the build has fewer global loads than the bare
+    ticket ring (where every warp resolves the ticket itself), spills nothing, and needs
+    dynamic tickets."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=8, num_comm_ctas=12, local_direct=local_direct, has_shared=True,
+                  rank_blocks=True, dynamic_tickets=True, ksum_vectors=16)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, decoded_tickets=True, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+    loads = r"ld\.global\.(?:[a-z0-9]+\.)*[bsu]32"
+    assert len(re.findall(loads, on)) < len(re.findall(loads, off))
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, decoded_tickets=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    with pytest.raises(ValueError, match="decoded_tickets needs dynamic_tickets"):
+        megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, decoded_tickets=True)
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
@@ -492,6 +514,30 @@ def test_dynamic_tickets_give_the_same_bits(R, ring, local_direct, monkeypatch):
     sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
     monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
     _switch_keeps_the_bits(monkeypatch, "DYNAMIC_TICKETS", False, True, args, R, sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct,shared", [(1, None, True, 0), (1, None, True, 128),
+                                                       (4, None, True, 0), (8, 256, False, 128),
+                                                       (3, None, False, 0)])
+def test_decoded_tickets_give_the_same_bits(R, ring, local_direct, shared, monkeypatch):
+    """megakernel.DECODED_TICKETS: the compute warps read each task's words from the smem
+    ticket ring instead of resolving the ticket in global memory; the tasks and their order
+    are the same, so not a bit changes (skewed routing, the shared expert's tasks, a
+    wrapping ring, the FC1 lead, few and many CTAs)."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=41, skew=True)
+    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
+    monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", True)
+    _switch_keeps_the_bits(monkeypatch, "DECODED_TICKETS", False, True, args, R, sizes)
+    out = _run(args, **(sizes or {}))  # still on; with the recorder too
+    recorded = _run(args, timeline=True, **(sizes or {}))
+    assert any(k.decoded_tickets and k.timeline for k in megakernel._PLANS)
+    assert torch.equal(recorded, out)
+    assert not torch.isnan(out.float()).any()
+    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
 
 
 @pytest.mark.gpu

@@ -50,6 +50,10 @@
 #          bench of record (~6 min; run 76 as `clusteron`)
 #   flatcopy  the comm CTAs' flat row copy (COMM_COPY_VECTORS): GPU tests, then qwen3.5 and glm
 #          at virtual R = 8 with 16 / 24 vectors per lane and fewer comm CTAs (~8 min)
+#   decoded  decoded task words through the ticket ring (DECODED_TICKETS): GPU tests, then the
+#          megakernel at R = 1 on the five shapes (6 alternating rounds, with the expert path
+#          and its GEMM clusters) (~7 min)
+#   decodedvirtual  the same switch at virtual R = 8 and R = 1: qwen3.5, glm (~6 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -236,6 +240,18 @@ for s in json.load(open(sys.argv[1]))["shapes"]:
     print(s["shape"], [(r["variant"], [round(t, 3) for t in r["ms_rounds"]], r.get("bitwise_equal_expert_path")) for r in s["results"]])
 PY
 }
+run_decoded() {
+  # the producer's warp 0 resolves each compute ticket and hands the words to the other warps
+  # (megakernel.DECODED_TICKETS, eleventh session): bitwise tests, then interleaved probes
+  gpu_tests_passed decoded "decoded_tickets" 200 || return 1
+  timeout -s KILL 300 python3 tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b,mixtral,gptoss_120b,qwen3_30b \
+    --comm 2lxwfku,2lxwfkue --cluster --rounds 6 --json "$out/layer_decoded_ab.json" 2>&1 | grep -v Warn \
+    | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-260 | tail -25
+}
+run_decoded_virtual() {
+  virtual_probe 200 qwen3.5_397b 16ku,16kue "virtual_decoded_qwen35"
+  virtual_probe 200 glm_5.2 10ku,10kue,8kue "virtual_decoded_glm"
+}
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
   timeout -s KILL 300 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
@@ -365,8 +381,10 @@ case "$what" in
   flatcopy) run_flat_copy ;;
   cluster) run_cluster ;;
   clusterab) run_cluster_ab ;;
+  decoded) run_decoded ;;
+  decodedvirtual) run_decoded_virtual ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

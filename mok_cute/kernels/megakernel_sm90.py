@@ -82,6 +82,10 @@ COPY_MODES = ("vector", "bulk")
 WAIT_RECORD_MIN_NS = 1000  # shorter dependency waits are not recorded as WAIT spans
 TICKETS = 2  # extra int32 words after the counters of rank 0: the comm / compute ticket counters
 TICKET_SLOTS = 4  # dynamic_tickets: compute tickets in flight from the producer to the other warps
+# decoded_tickets: the words of one ticket-ring slot, written by the producer's warp 0
+D_INDEX, D_RANK, D_TYPE, D_MTILE, D_NTILE, D_RING_TILE, D_EXPERT, D_SIGNAL = range(8)
+DECODED_WORDS = 8
+RUN_FLAG, NOOP_FLAG = 1 << 8, 1 << 9  # or-ed into D_TYPE above the task type
 
 
 class MegakernelSm90:
@@ -99,7 +103,8 @@ class MegakernelSm90:
     def __init__(self, num_ranks: int, num_ctas: int, num_comm_ctas: int, top_k: int,
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
-                 dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0):
+                 dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
+                 decoded_tickets: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -147,6 +152,16 @@ class MegakernelSm90:
         # started over 2.6 ms instead of 0.19, each 47 % slower). The producer's lane 0 takes
         # the ticket and hands it to the other warps through a small smem ring.
         self.dynamic_tickets = dynamic_tickets
+        # decoded_tickets (with dynamic_tickets): the producer's warp 0 resolves each ticket
+        # (queue entry, task row, live-tile count, expert, signal counter) and puts the words
+        # into the ring slot instead of the bare ticket. Why: the consumers otherwise make two
+        # or three dependent global loads per task between a tile's signal and the next
+        # mainloop, while the tensor cores wait (mixtral at one rank: 17.5 us per ms per CTA
+        # between tasks against 2.2 in the expert GEMM; docs/perf_notes.md). A reader holds its
+        # slot until it takes the next one, and reads the words where it read the task row.
+        if decoded_tickets and not dynamic_tickets:
+            raise ValueError("decoded_tickets needs dynamic_tickets")
+        self.decoded_tickets = decoded_tickets
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -235,6 +250,8 @@ class MegakernelSm90:
             s_st_y = mk(s2g, shared_y, epi_layout, self.epi_tile)
             shared_atoms = (*s_a_x, *s_a_h, *s_wg, *s_wu, *s_wd, *s_st_h, *s_st_y)
 
+        ticket_words = TICKET_SLOTS * (DECODED_WORDS if const_expr(self.decoded_tickets) else 1)
+
         @cute.struct
         class SharedStorage:
             ab_full_empty: cute.struct.MemRange[cutlass.Int64, g.ab_stages * 2]
@@ -242,7 +259,7 @@ class MegakernelSm90:
             row_src: cute.struct.MemRange[cutlass.Int64, TILE_M]
             row_dst: cute.struct.MemRange[cutlass.Int64, TILE_M]
             comm_words: cute.struct.MemRange[Int32, 4]
-            ticket_q: cute.struct.MemRange[Int32, TICKET_SLOTS]  # dynamic_tickets
+            ticket_q: cute.struct.MemRange[Int32, ticket_words]  # dynamic_tickets
             ticket_full_empty: cute.struct.MemRange[cutlass.Int64, 2 * TICKET_SLOTS]
             sA: cute.struct.Align[
                 cute.struct.MemRange[BFloat16, cute.cosize(g.a_smem_layout_staged)],
@@ -679,7 +696,8 @@ class MegakernelSm90:
         ticket after it. Lane 0 of the taker warp (warp 0) puts the ticket it took last time
         into the ring for the consumers (and the other producer warps, which read it there)
         and takes the following one now, so the atomic's latency hides behind a task.
-        Holding one ticket ahead cannot deadlock: it is larger than the one being run."""
+        Holding one ticket ahead cannot deadlock: it is larger than the one being run.
+        With decoded_tickets, warp 0 only takes it here (``_producer_task`` publishes)."""
         q = Int32(0)
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.gemm.load_warp:
             if cute.arch.lane_idx() == 0:
@@ -687,12 +705,102 @@ class MegakernelSm90:
                 if const_expr(first):
                     q_next = self._take_ticket(counters, slot)
                 q = q_next
-                ticket_ring_publish(ticket_q, ticket_bars, taken, q)
+                if const_expr(not self.decoded_tickets):
+                    ticket_ring_publish(ticket_q, ticket_bars, taken, q)
                 q_next = self._take_ticket(counters, slot)
             q = cute.arch.shuffle_sync(q, 0)
-        else:
+        elif const_expr(not self.decoded_tickets):
             q = ticket_ring_read(ticket_q, ticket_bars, taken)
         return q, q_next
+
+    @cute.jit
+    def _producer_task(self, ctx, tasks, queues, queue_len, queue_blocks, live_prefix: Int32,
+                       counter_offsets, counters, num_tiles, tile_expert, ticket_q, ticket_bars,
+                       taken: Int32, q: Int32, q_next: Int32, blk: Int32, q_base: Int32,
+                       first: cutlass.Constexpr[bool]):
+        """A producer warp's next compute task: (q, q_next, index, rank, blk, q_base), index -1
+        once the queue is exhausted. Static stride or dynamic tickets: every warp resolves the
+        ticket itself. decoded_tickets: warp 0 takes and resolves it and its lane 0 publishes
+        the task's words (``_publish_task``); the other producer warps read them from the ring."""
+        index, rank = Int32(-1), Int32(0)
+        if const_expr(self.dynamic_tickets):
+            q, q_next = self._producer_ticket(counters, ticket_q, ticket_bars, taken, q_next, first)
+        elif const_expr(not first):
+            q += self.num_compute_ctas
+        if const_expr(self.decoded_tickets):
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.gemm.load_warp:
+                index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks,
+                                                        live_prefix, int(Role.COMPUTE), q, blk,
+                                                        q_base)
+                if cute.arch.lane_idx() == 0:
+                    self._publish_task(ctx, tasks, counter_offsets, num_tiles, tile_expert,
+                                       ticket_q, ticket_bars, taken, index, rank)
+                cute.arch.sync_warp()  # lane 0's slot words are visible to the warp
+            else:
+                index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+        else:
+            index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                                    int(Role.COMPUTE), q, blk, q_base)
+        return q, q_next, index, rank, blk, q_base
+
+    @cute.jit
+    def _publish_task(self, ctx, tasks, counter_offsets, num_tiles, tile_expert, ticket_q,
+                      ticket_bars, k: Int32, index: Int32, rank: Int32):
+        """decoded_tickets, lane 0 of the producer's warp 0: ring use k holds task ``index`` of
+        ``rank`` as the compute warps need it (``D_*`` words; index -1 ends the walk)."""
+        tword, m_tile, n_tile, ring_tile = Int32(0), Int32(0), Int32(0), Int32(0)
+        expert, signal = Int32(0), Int32(0)
+        if index >= 0:
+            run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
+            ttype = tasks[index, W_TYPE]
+            tword = (ttype + cutlass.select_(run, Int32(RUN_FLAG), Int32(0))
+                     + cutlass.select_(noop, Int32(NOOP_FLAG), Int32(0)))
+            m_tile = tasks[index, W_MTILE]
+            n_tile = tasks[index, W_NTILE]
+            ring_tile = tasks[index, W_RING_ROW] // self.tile_shape_mnk[0]
+            if run and not noop and self._is_gemm(ttype):
+                expert = rank * ctx.local_experts + tile_expert[rank, cutlass.max(m_tile, 0)]
+            signal = counter_offsets[tasks[index, W_SIGNAL_GROUP]] + tasks[index, W_SIGNAL_INDEX]
+        s = k % TICKET_SLOTS
+        cute.arch.mbarrier_wait(ticket_bars + TICKET_SLOTS + s, ((k // TICKET_SLOTS) & 1) ^ 1)
+        words = task_ring_words(ticket_q, k)
+        words[D_INDEX] = index
+        words[D_RANK] = rank
+        words[D_TYPE] = tword
+        words[D_MTILE] = m_tile
+        words[D_NTILE] = n_tile
+        words[D_RING_TILE] = ring_tile
+        words[D_EXPERT] = expert
+        words[D_SIGNAL] = signal
+        cute.arch.mbarrier_arrive(ticket_bars + s)  # release: readers that see the phase see the words
+
+    @cute.jit
+    def _task_kind(self, ctx, tasks, num_tiles, ticket_q, taken: Int32, index: Int32,
+                   rank: Int32):
+        """(run, noop, type) of the task being walked (ring use ``taken - 1`` with
+        decoded_tickets, else its task row)."""
+        if const_expr(self.decoded_tickets):
+            tword = task_ring_words(ticket_q, taken - 1)[D_TYPE]
+            run = (tword & RUN_FLAG) != 0
+            noop = (tword & NOOP_FLAG) != 0
+            ttype = tword & (RUN_FLAG - 1)
+        else:
+            run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
+            ttype = tasks[index, W_TYPE]
+        return run, noop, ttype
+
+    @cute.jit
+    def _task_tile(self, tasks, ticket_q, taken: Int32, index: Int32):
+        """(m_tile, n_tile, ring tile) of the GEMM task being walked."""
+        m_tile, n_tile, ring_tile = Int32(0), Int32(0), Int32(0)
+        if const_expr(self.decoded_tickets):
+            words = task_ring_words(ticket_q, taken - 1)
+            m_tile, n_tile, ring_tile = words[D_MTILE], words[D_NTILE], words[D_RING_TILE]
+        else:
+            m_tile = tasks[index, W_MTILE]
+            n_tile = tasks[index, W_NTILE]
+            ring_tile = tasks[index, W_RING_ROW] // self.tile_shape_mnk[0]
+        return m_tile, n_tile, ring_tile
 
     @cute.jit
     def _move_rows(self, num_rows, row_src, row_dst, row_full, staging, slots, row_bytes,
@@ -789,14 +897,13 @@ class MegakernelSm90:
         taken = Int32(0)  # dynamic_tickets: tickets this CTA has taken
         q = compute_cta
         q_next = Int32(0)  # dynamic_tickets: lane 0's ticket after q, taken ahead of time
+        q, q_next, index, rank, blk, q_base = self._producer_task(
+            ctx, tasks, queues, queue_len, queue_blocks, live_prefix, counter_offsets, counters,
+            num_tiles, tile_expert, ticket_q, ticket_bars, taken, q, q_next, blk, q_base, True)
         if const_expr(self.dynamic_tickets):
-            q, q_next = self._producer_ticket(counters, ticket_q, ticket_bars, taken, q_next, True)
             taken += 1
-        index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                                   int(Role.COMPUTE), q, blk, q_base)
         while index >= 0:
-            run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
-            ttype = tasks[index, W_TYPE]
+            run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
             k_tiles = self._k_tiles(ttype, t_a_x, t_a_h, s_t_a_h)
             if run and not noop and self._is_gemm(ttype):
                 if const_expr(self.local_direct):
@@ -812,10 +919,12 @@ class MegakernelSm90:
                                              cute.arch.lane_idx() == 0)
                     # rows written by other CTAs (generic or TMA stores) are read through TMA next
                     cute.arch.fence_proxy("async.global")
-                m_tile = tasks[index, W_MTILE]
-                n_tile = tasks[index, W_NTILE]
-                ring_tile = tasks[index, W_RING_ROW] // tile_m
-                expert = rank * e_loc + tile_expert[rank, cutlass.max(m_tile, 0)]
+                m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
+                expert = Int32(0)
+                if const_expr(self.decoded_tickets):
+                    expert = task_ring_words(ticket_q, taken - 1)[D_EXPERT]
+                else:
+                    expert = rank * e_loc + tile_expert[rank, cutlass.max(m_tile, 0)]
                 state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
                 if const_expr(self.local_direct):
                     self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
@@ -831,14 +940,12 @@ class MegakernelSm90:
                         ab_pipeline.producer_commit(state)
                         state.advance()
             loads += self._loads_of(run, noop, ttype, k_tiles)
+            q, q_next, index, rank, blk, q_base = self._producer_task(
+                ctx, tasks, queues, queue_len, queue_blocks, live_prefix, counter_offsets,
+                counters, num_tiles, tile_expert, ticket_q, ticket_bars, taken, q, q_next, blk,
+                q_base, False)
             if const_expr(self.dynamic_tickets):
-                q, q_next = self._producer_ticket(counters, ticket_q, ticket_bars, taken, q_next,
-                                                  False)
                 taken += 1
-            else:
-                q += self.num_compute_ctas
-            index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                                       int(Role.COMPUTE), q, blk, q_base)
         tail = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
         if const_expr(self.local_direct):
             cute.arch.cp_async_wait_group(0)
@@ -983,14 +1090,18 @@ class MegakernelSm90:
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
         taken = Int32(0)  # dynamic_tickets: tickets read from the producer's ring
         q = compute_cta
-        if const_expr(self.dynamic_tickets):
-            q = ticket_ring_read(ticket_q, ticket_bars, taken)
+        index, rank = Int32(-1), Int32(0)
+        if const_expr(self.decoded_tickets):
+            index, rank = task_ring_next(ticket_q, ticket_bars, taken)
             taken += 1
-        index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                                   int(Role.COMPUTE), q, blk, q_base)
+        else:
+            if const_expr(self.dynamic_tickets):
+                q = ticket_ring_read(ticket_q, ticket_bars, taken)
+                taken += 1
+            index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
+                                                    int(Role.COMPUTE), q, blk, q_base)
         while index >= 0:
-            run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
-            ttype = tasks[index, W_TYPE]
+            run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
             if run and not noop and self._is_gemm(ttype):
@@ -1014,9 +1125,7 @@ class MegakernelSm90:
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
 
-                m_tile = tasks[index, W_MTILE]
-                n_tile = tasks[index, W_NTILE]
-                ring_tile = tasks[index, W_RING_ROW] // tile_m
+                m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
                 if ttype == int(TaskType.FC1):
                     self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
                                    barrier, tma_store_pipeline, is_store_warp)
@@ -1043,15 +1152,25 @@ class MegakernelSm90:
                 barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
                     self._fence()
-                    self._signal_task(tasks, counter_offsets, counters, index, rank)
+                    if const_expr(self.decoded_tickets):
+                        common.counter_publish(counters[rank, None],
+                                               task_ring_words(ticket_q, taken - 1)[D_SIGNAL], 1,
+                                               self.scope)
+                    else:
+                        self._signal_task(tasks, counter_offsets, counters, index, rank)
                     if const_expr(self.timeline):
                         slot = common.timeline_reserve(timeline_buf, 1)
                         common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
                                               ctx.rank_base + rank, t_start, common.timeline_now())
             loads += self._loads_of(run, noop, ttype, k_tiles)
-            q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
-            index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
-                                                       int(Role.COMPUTE), q, blk, q_base)
+            if const_expr(self.decoded_tickets):
+                index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+                taken += 1
+            else:
+                q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
+                index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks,
+                                                        live_prefix, int(Role.COMPUTE), q, blk,
+                                                        q_base)
         tma_store_pipeline.producer_tail()
 
     @cute.jit
@@ -1218,6 +1337,27 @@ def ticket_ring_read(ticket_q, bars, k: Int32) -> Int32:
     return q
 
 
+# decoded_tickets: a slot holds DECODED_WORDS words (``_publish_task`` writes them), and a
+# reader keeps its slot until it takes the next one: it reads the words while it runs the task.
+@cute.jit
+def task_ring_words(ticket_q, k: Int32):
+    """The words of ring use k."""
+    return cute.make_tensor(ticket_q + (k % TICKET_SLOTS) * DECODED_WORDS,
+                            cute.make_layout(DECODED_WORDS))
+
+
+@cute.jit
+def task_ring_next(ticket_q, bars, k: Int32):
+    """A whole reader warp: give back ring use k - 1, wait for use k; its (index, rank)."""
+    if k > 0:
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(bars + TICKET_SLOTS + (k - 1) % TICKET_SLOTS)
+    cute.arch.mbarrier_wait(bars + k % TICKET_SLOTS, (k // TICKET_SLOTS) & 1)
+    words = task_ring_words(ticket_q, k)
+    return words[D_INDEX], words[D_RANK]
+
+
 class _DirectA:
     """What the local_direct producer threads need besides the TMA partitions."""
 
@@ -1263,12 +1403,13 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        top_k: int = 8, has_shared: bool = False, scope: str = "gpu",
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
                        rank_blocks: bool = False, dynamic_tickets: bool = False,
-                       ksum_vectors: int = 8, copy_vectors: int = 0, arch: str = "sm_90a",
-                       options: str = ""):
+                       ksum_vectors: int = 8, copy_vectors: int = 0,
+                       decoded_tickets: bool = False, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
-                        local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors)
+                        local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
+                        decoded_tickets)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
