@@ -123,8 +123,13 @@ DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the s
 # that each consumer warp then resolves with two or three dependent global loads while the
 # tensor cores wait. Why: mixtral's recorded call at one rank (run 56) spent 17.5 us per ms per
 # CTA between tasks, the expert GEMM 2.2; predicted ~0.9 us less per task: mixtral -1.5 %,
-# qwen3_30b (~117 short tasks per CTA) -4 %, dsv3 -1.5 %. MOK_DECODED_TICKETS=1 turns it on.
-DECODED_TICKETS = experimental_switch("DECODED_TICKETS", False)
+# qwen3_30b (~117 short tasks per CTA) -4 %, dsv3 -1.5 %. Measured (eleventh session, runs 80-81,
+# bitwise equal everywhere; median of the per-round ratios of 6 interleaved rounds): one GPU
+# dsv3 0.976, sonic_120b 0.975, gptoss 0.978, qwen3 0.974, mixtral 1.005; virtual, median of 3
+# rounds, R = 1 qwen3.5 9.79 -> 9.02 ms, glm 20.04 -> 19.57; R = 8 qwen3.5 11.75 -> 11.73, glm
+# 22.53 -> 22.30 (paced by the comm CTAs there, so it gains little). On; MOK_DECODED_TICKETS=0
+# turns it off.
+DECODED_TICKETS = experimental_switch("DECODED_TICKETS", True)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
