@@ -342,6 +342,17 @@ def test_virtual_ranks_wait_only_on_lower_tickets(fc1_lead):
 
 
 # ---------------------------------------------------------------------- H200
+@pytest.fixture(autouse=True)
+def _own_plans():
+    """Every test starts with no cached megakernel plan, so what it asserts about
+    ``megakernel._PLANS`` (a switch taken, the recorder's plan) is about its own calls."""
+    from mok_cute import megakernel
+
+    megakernel.release_plans()
+    yield
+    megakernel.release_plans()
+
+
 def _problem(R, T, H, I, E_loc, K, Is=0, seed=0, skew=False, empty_expert=None,
              silent_receiver=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
