@@ -11,7 +11,9 @@ The work is the ordered task list of ``mok_cute.tasks`` (its docstring defines t
 rows, counters and waits); this kernel is its executor. CTA ``b < num_comm_ctas`` walks the
 COMM queue, the others the COMPUTE queue. Comm CTAs take tickets from a counter; compute CTAs
 either from a counter too (``dynamic_tickets``: the producer's lane 0 takes them, one ahead,
-and hands them to the other warps through an smem ring) or with a static stride. With
+and hands them to the other warps through an smem ring; with ``decoded_tickets`` the ring
+carries the resolved task's words instead, so no other warp reads the task list) or with a
+static stride. With
 ``R`` virtual ranks in one launch (``comm.virtual``), ticket ``q`` is task position
 ``q // R`` of rank ``q % R``: every rank's list is built from the same static capacity, so
 their positions line up and every wait still points to a lower (position, rank) ticket.
