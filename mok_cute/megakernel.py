@@ -130,6 +130,14 @@ DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the s
 # 22.53 -> 22.30 (paced by the comm CTAs there, so it gains little). On; MOK_DECODED_TICKETS=0
 # turns it off.
 DECODED_TICKETS = experimental_switch("DECODED_TICKETS", True)
+# After a GEMM task only the store warp waits for the tile's TMA stores and publishes its
+# counter; the other consumer warps skip the epilogue barrier and start the next task
+# (kernels.megakernel_sm90's store_warp_signals). Why: the decoded recordings (run 87) still
+# show 12.9 (mixtral) to 32 (qwen3) us per ms per CTA between tasks, mostly that wait, the
+# fence and the publish, while both warpgroups idle. Predicted: up to ~1 % on mixtral and
+# ~2-3 % on qwen3 if the second warpgroup's mainloop covers the wait. Written in the eleventh
+# session after its device time was spent: compile-checked only. MOK_STORE_WARP_SIGNALS=1.
+STORE_WARP_SIGNALS = experimental_switch("STORE_WARP_SIGNALS", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -184,6 +192,7 @@ class PlanKey:
     ksum_vectors: int = 16  # KSUM_VECTORS
     comm_copy_vectors: int = 0  # COMM_COPY_VECTORS (vector copy only)
     decoded_tickets: bool = False  # DECODED_TICKETS (with dynamic_tickets only)
+    store_warp_signals: bool = False  # STORE_WARP_SIGNALS
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -393,7 +402,7 @@ class Plan:
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
-            decoded_tickets=k.decoded_tickets)
+            decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -613,7 +622,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, dynamic, KSUM_VECTORS,
-                  COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, dynamic and DECODED_TICKETS)
+                  COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, dynamic and DECODED_TICKETS,
+                  STORE_WARP_SIGNALS)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -137,6 +137,24 @@ def test_decoded_tickets_move_the_task_lookups_off_the_consumers(local_direct, t
         megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, decoded_tickets=True)
 
 
+def test_store_warp_signals_compile_without_spills(tmp_path):
+    """store_warp_signals: the store warp syncs its lanes after waiting for the tile's TMA
+    stores (one more bar.warp.sync; its lane 0 then publishes), the CTA-wide epilogue barrier
+    stays for KSUM only, and nothing spills."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=1, num_comm_ctas=2, local_direct=True, dynamic_tickets=True,
+                  decoded_tickets=True, ksum_vectors=16)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, store_warp_signals=True, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+    assert len(re.findall(r"bar\.warp\.sync", on)) == len(re.findall(r"bar\.warp\.sync", off)) + 1
+    assert len(re.findall(r"\bbar\.sync", on)) == len(re.findall(r"\bbar\.sync", off))
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, store_warp_signals=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
@@ -548,6 +566,27 @@ def test_decoded_tickets_give_the_same_bits(R, ring, local_direct, shared, monke
     assert any(k.decoded_tickets and k.timeline for k in megakernel._PLANS)
     assert torch.equal(recorded, out)
     assert not torch.isnan(out.float()).any()
+    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct,shared", [(1, None, True, 0), (1, None, True, 128),
+                                                       (4, None, True, 0), (8, 256, False, 128),
+                                                       (3, None, False, 0)])
+def test_store_warp_signals_give_the_same_bits(R, ring, local_direct, shared, monkeypatch):
+    """megakernel.STORE_WARP_SIGNALS: only the store warp waits for a GEMM tile's stores and
+    publishes; the other warps start the next task at once. Consumers of the tile still see
+    it complete (FC2 reads FC1's h, the k-sum and COMBINE read y), so not a bit changes."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=43, skew=True)
+    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
+    _switch_keeps_the_bits(monkeypatch, "STORE_WARP_SIGNALS", False, True, args, R, sizes)
+    out = _run(args, **(sizes or {}))
+    recorded = _run(args, timeline=True, **(sizes or {}))
+    assert any(k.store_warp_signals and k.timeline for k in megakernel._PLANS)
+    assert torch.equal(recorded, out)
     assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
 
 

@@ -16,7 +16,8 @@ GEMM tiles N-tile-major (``megakernel.N_MAJOR_TILES``), a ``c`` (with ``l``, one
 list with its no-op DISPATCH / COMBINE tasks kept (``megakernel.LOCAL_ONLY_TASKS = False``,
 as before the sixth session), a ``k`` dynamic compute tickets (``megakernel.DYNAMIC_TICKETS``),
 a ``u`` 16 vectors in flight per KSUM lane instead of 8 (``megakernel.KSUM_VECTORS``), an
-``e`` (with ``k``) the decoded task words through the ticket ring (``megakernel.DECODED_TICKETS``); e.g.
+``e`` (with ``k``) the decoded task words through the ticket ring (``megakernel.DECODED_TICKETS``),
+an ``s`` only the store warp waiting for a GEMM tile's stores (``megakernel.STORE_WARP_SIGNALS``); e.g.
 ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
 measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -61,7 +62,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bceklnuwx]*)(?:f(\d*))?([bceklnuwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bceklnsuwx]*)(?:f(\d*))?([bceklnsuwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -69,7 +70,8 @@ def parse_spec(spec: str) -> dict:
                 local_direct="l" in flags, fence="n" not in flags, x_in_place="x" in flags,
                 n_major="w" in flags, local_only_tasks="c" not in flags,
                 dynamic_tickets="k" in flags, ksum_vectors=16 if "u" in flags else 8,
-                decoded_tickets="e" in flags, fc1_lead=m.group(3) is not None,
+                decoded_tickets="e" in flags, store_warp_signals="s" in flags,
+                fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
@@ -79,7 +81,7 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "N_MAJOR_TILES": "n_major", "LOCAL_ONLY_TASKS": "local_only_tasks",
                  "DYNAMIC_TICKETS": "dynamic_tickets", "KSUM_VECTORS": "ksum_vectors",
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
-                 "DECODED_TICKETS": "decoded_tickets"}
+                 "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -171,7 +173,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_n_major" if k.tile_order == "n_major" else "")
                                           + ("_no_comm_tasks" if k.local_only else "")
                                           + ("_dynamic_tickets" if k.dynamic_tickets else "")
-                                          + ("_decoded" if k.decoded_tickets else ""))
+                                          + ("_decoded" if k.decoded_tickets else "")
+                                          + ("_store_warp_signals" if k.store_warp_signals else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
@@ -207,14 +210,16 @@ def parse_virtual_spec(spec: str) -> dict:
     """``--virtual-comm`` entry: comm CTAs, then ``a`` = tickets alternate ranks task by task
     (RANK_BLOCKS off), ``k`` = dynamic compute tickets (DYNAMIC_TICKETS), ``u`` = 16 vectors
     in flight per KSUM lane (KSUM_VECTORS), ``e`` = decoded task words through the ticket ring
-    (DECODED_TICKETS, with ``k``), then ``vN`` = the comm CTAs' flat row copy with N
+    (DECODED_TICKETS, with ``k``), ``s`` = only the store warp waits for a tile's stores
+    (STORE_WARP_SIGNALS), then ``vN`` = the comm CTAs' flat row copy with N
     vectors in flight per lane (COMM_COPY_VECTORS; 0, a warp per row, without it)."""
-    m = re.fullmatch(r"(\d+)([akue]*)(?:v(\d+))?", spec)
+    m = re.fullmatch(r"(\d+)([akues]*)(?:v(\d+))?", spec)
     if not m:
         raise SystemExit(f"--virtual-comm: cannot read {spec!r} (e.g. 12, 12k, 12a, 10kuv16)")
     return dict(comm=int(m.group(1)), rank_blocks="a" not in m.group(2),
                 dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8,
-                decoded_tickets="e" in m.group(2), comm_copy_vectors=int(m.group(3) or 0))
+                decoded_tickets="e" in m.group(2), store_warp_signals="s" in m.group(2),
+                comm_copy_vectors=int(m.group(3) or 0))
 
 
 def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> dict:
@@ -230,16 +235,18 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
                                            p.w_down, shared=p.shared, config=one)
     def suffix(sp):
         return (("" if sp["ksum_vectors"] == 8 else f"_ksum{sp['ksum_vectors']}")
-                + ("_decoded" if sp["decoded_tickets"] else ""))
+                + ("_decoded" if sp["decoded_tickets"] else "")
+                + ("_store_warp_signals" if sp["store_warp_signals"] else ""))
 
     # R = 1 with static tickets, then with dynamic tickets and each KSUM setting the specs use
     # (8 vectors always: the earlier probes' r1_dynamic)
     base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, comm_copy_vectors=0,
-                decoded_tickets=False)
+                decoded_tickets=False, store_warp_signals=False)
     variants = {"r1": (run_one, base)}
     for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
         sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"],
-                  decoded_tickets=sp["decoded_tickets"])
+                  decoded_tickets=sp["decoded_tickets"],
+                  store_warp_signals=sp["store_warp_signals"])
         variants.setdefault("r1_dynamic" + suffix(sw), (run_one, sw))
     for spec in comms:
         sp = parse_virtual_spec(spec)
@@ -304,7 +311,7 @@ def main(argv=None) -> int:
                     help="comm CTAs, then a = alternating ticket walk (RANK_BLOCKS off), "
                          "k = dynamic compute tickets (DYNAMIC_TICKETS), u = 16 KSUM vectors "
                          "in flight per lane (KSUM_VECTORS), e = decoded task words "
-                         "(DECODED_TICKETS), then vN = N vectors in flight per "
+                         "(DECODED_TICKETS), s = store warp signals (STORE_WARP_SIGNALS), then vN = N vectors in flight per "
                          "lane in the comm CTAs' flat row copy (COMM_COPY_VECTORS)")
     ap.add_argument("--virtual-rounds", type=int, default=3)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))

@@ -106,7 +106,7 @@ class MegakernelSm90:
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
-                 decoded_tickets: bool = False):
+                 decoded_tickets: bool = False, store_warp_signals: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -164,6 +164,15 @@ class MegakernelSm90:
         if decoded_tickets and not dynamic_tickets:
             raise ValueError("decoded_tickets needs dynamic_tickets")
         self.decoded_tickets = decoded_tickets
+        # store_warp_signals: after a GEMM task only the store warp, whose lane issued the
+        # tile's TMA stores, waits for them to land; its lane 0 then publishes the task's
+        # counter. The other seven consumer warps go on to the next task without the CTA-wide
+        # epilogue barrier, so the second warpgroup's next mainloop overlaps that wait. Why:
+        # the recorded calls (run 87) still spend 12.9 (mixtral) to 32 (qwen3) us per ms per CTA
+        # between tasks, most of it this wait, the fence and the publish. The epilogue's smem
+        # buffers need no barrier here: the store warp frees each buffer (store_pipeline
+        # acquire) before the subtile barrier that every warp passes later. KSUM keeps it.
+        self.store_warp_signals = store_warp_signals
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -1146,12 +1155,18 @@ class MegakernelSm90:
                     # the tile's TMA stores must have landed before anyone is told
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_proxy("async.global")
+                    if const_expr(self.store_warp_signals):
+                        cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
             elif run and not noop:
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
                            topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
                            timeline_buf, index, rank, consumer_tidx, barrier)
             if run:
-                barrier.arrive_and_wait()
+                if const_expr(self.store_warp_signals):
+                    if not self._is_gemm(ttype):  # KSUM: every warp's rows are written first
+                        barrier.arrive_and_wait()
+                else:
+                    barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
                     self._fence()
                     if const_expr(self.decoded_tickets):
@@ -1406,12 +1421,13 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        timeline: bool = False, copy: str = "vector", local_direct: bool = False,
                        rank_blocks: bool = False, dynamic_tickets: bool = False,
                        ksum_vectors: int = 8, copy_vectors: int = 0,
-                       decoded_tickets: bool = False, arch: str = "sm_90a", options: str = ""):
+                       decoded_tickets: bool = False, store_warp_signals: bool = False,
+                       arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
-                        decoded_tickets)
+                        decoded_tickets, store_warp_signals)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
