@@ -138,6 +138,15 @@ DECODED_TICKETS = experimental_switch("DECODED_TICKETS", True)
 # ~2-3 % on qwen3 if the second warpgroup's mainloop covers the wait. Written in the eleventh
 # session after its device time was spent: compile-checked only. MOK_STORE_WARP_SIGNALS=1.
 STORE_WARP_SIGNALS = experimental_switch("STORE_WARP_SIGNALS", False)
+# One rank per launch (moe_forward on one GPU, a virtual R = 1 launch, each IPC rank): the KSUM
+# lanes land their y vectors in the idle B stages with cp.async and sum them from smem
+# (kernels.megakernel_sm90's ksum_staged), 32 vectors in flight per lane instead of 16 in
+# registers. Why: the k-sum tail after the last FC2 tile is latency-bound on 8 warps per SM
+# (mixtral, run 56: 0.11 ms against 0.07 for the expert path's k-sum kernel); 32 vectors in
+# registers spill. Predicted: the tail down toward the standalone kernel's time, ~0.5 % on
+# mixtral, 1-3 % on qwen3. Written in the eleventh session after its device time was spent:
+# compile-checked only. MOK_KSUM_STAGED=1.
+KSUM_STAGED = experimental_switch("KSUM_STAGED", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -193,6 +202,7 @@ class PlanKey:
     comm_copy_vectors: int = 0  # COMM_COPY_VECTORS (vector copy only)
     decoded_tickets: bool = False  # DECODED_TICKETS (with dynamic_tickets only)
     store_warp_signals: bool = False  # STORE_WARP_SIGNALS
+    ksum_staged: bool = False  # KSUM_STAGED (one rank per launch only)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -366,6 +376,9 @@ class Plan:
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
             fc1_tile_n=FC1_TILE_N, fc2_tile_n=256, fc1_lead=k.fc1_lead,
             comm_tasks=not k.local_only, tile_order=k.tile_order)
+        if k.ksum_staged and not self.task_list.ksum_closes_compute_queue():
+            raise RuntimeError("ksum_staged needs every compute task after the first KSUM to be "
+                               "a KSUM (the k-sum reuses the GEMM stage buffers)")
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
         R, C = side.launch_ranks, k.ring_tokens
         self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
@@ -402,7 +415,8 @@ class Plan:
             scope=side.scope, timeline=k.timeline, copy=k.copy, local_direct=k.local_direct,
             rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
-            decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals)
+            decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
+            ksum_staged=k.ksum_staged)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -623,7 +637,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, dynamic, KSUM_VECTORS,
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, dynamic and DECODED_TICKETS,
-                  STORE_WARP_SIGNALS)
+                  STORE_WARP_SIGNALS, KSUM_STAGED and R == 1)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -285,6 +285,14 @@ class TaskList:
         """List indices of the tasks of one role, in the order its CTAs take them."""
         return np.flatnonzero(self.role == int(role))
 
+    def ksum_closes_compute_queue(self) -> bool:
+        """Whether every compute task after the first KSUM is a KSUM. A one-rank launch relies
+        on it to reuse its GEMM stage buffers in the k-sum (the megakernel's ksum_staged): a
+        CTA whose tickets reached the KSUMs never loads another GEMM stage."""
+        kinds = self.type[self.queue(Role.COMPUTE)]
+        first = np.flatnonzero(kinds == int(TaskType.KSUM))
+        return bool(first.size == 0 or (kinds[first[0]:] == int(TaskType.KSUM)).all())
+
     # ---- dependencies ------------------------------------------------------------------
     def deps_csr(self) -> tuple[np.ndarray, np.ndarray]:
         """Dependencies as CSR ``(offsets [N+1], indices)``: the tasks that signal a counter

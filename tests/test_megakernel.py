@@ -155,6 +155,32 @@ def test_store_warp_signals_compile_without_spills(tmp_path):
     assert rep.spill_bytes == 0 and rep.registers == 168
 
 
+@pytest.mark.parametrize("top_k,has_shared", [(8, False), (2, True), (10, True)])
+def test_staged_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_path):
+    """ksum_staged (one rank): the KSUM lanes copy their y vectors into the B stages with
+    cp.async and read them back from smem (the register path's global vector loads go), no
+    spills; several ranks are refused (another rank's GEMM may follow a KSUM there)."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=1, num_comm_ctas=2, local_direct=True, dynamic_tickets=True,
+                  decoded_tickets=True, ksum_vectors=16, top_k=top_k, has_shared=has_shared)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, ksum_staged=True, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+
+    def count(pattern, ptx):
+        return len(re.findall(pattern, ptx))
+
+    assert count(r"cp\.async\.cg\.shared\.global", on) > count(r"cp\.async\.cg\.shared\.global", off)
+    assert count(r"ld\.shared\.v4", on) > count(r"ld\.shared\.v4", off)
+    assert count(r"ld\.global\.v4", on) < count(r"ld\.global\.v4", off)
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, ksum_staged=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    with pytest.raises(ValueError, match="ksum_staged needs num_ranks == 1"):
+        megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, ksum_staged=True)
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
@@ -586,6 +612,25 @@ def test_store_warp_signals_give_the_same_bits(R, ring, local_direct, shared, mo
     out = _run(args, **(sizes or {}))
     recorded = _run(args, timeline=True, **(sizes or {}))
     assert any(k.store_warp_signals and k.timeline for k in megakernel._PLANS)
+    assert torch.equal(recorded, out)
+    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,E_loc,H,shared_inter", [(1, 4, 576, 0), (2, 4, 512, 128),
+                                                   (8, 8, 576, 0), (10, 16, 512, 128)])
+def test_staged_ksum_gives_the_same_bits(K, E_loc, H, shared_inter, monkeypatch):
+    """megakernel.KSUM_STAGED (one rank): the k-sum's y vectors come through smem by cp.async
+    instead of registers; same sums in the same order, so the same bits (H = 576: 72 vectors
+    per row, so a lane's last step is partial; K = 1 and 10; the shared expert's row;
+    recorded too)."""
+    from mok_cute import megakernel
+
+    args = _problem(1, 300, H, 256, E_loc, K, shared_inter, seed=47, skew=True)
+    _switch_keeps_the_bits(monkeypatch, "KSUM_STAGED", False, True, args, 1)
+    out = _run(args)
+    recorded = _run(args, timeline=True)
+    assert any(k.ksum_staged and k.timeline for k in megakernel._PLANS)
     assert torch.equal(recorded, out)
     assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
 

@@ -170,6 +170,24 @@ def test_shared_expert_is_first_and_ksum_last_in_the_compute_queue():
     assert np.all(np.diff(mb) >= 0)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS + [dict(comm_tasks=False, ring_tokens=4096),
+                                     dict(fc1_lead=2, tile_order="n_major", ring_tokens=4096),
+                                     dict(comm_tasks=False, fc1_lead=1, ring_tokens=4096,
+                                          tile_order="n_major")])
+@pytest.mark.parametrize("counts", COUNTS)
+def test_ksum_tasks_close_the_compute_queue(counts, cfg):
+    """The one-rank k-sum reuses the GEMM stage buffers (megakernel KSUM_STAGED) because no
+    GEMM task follows a KSUM in the compute queue; a list where one does is told apart."""
+    tl = _build(counts, **cfg)
+    assert tl.ksum_closes_compute_queue()
+    q = tl.queue(Role.COMPUTE)
+    ksum = q[tl.type[q] == TaskType.KSUM]
+    if ksum.size and ksum.size < q.size:
+        gemm = q[tl.type[q] != TaskType.KSUM][-1]
+        tl.type[[ksum[0], gemm]] = tl.type[[gemm, ksum[0]]]  # a GEMM moved behind a KSUM
+        assert not tl.ksum_closes_compute_queue()
+
+
 # ------------------------------------------------------------------------------------------
 # errors
 

@@ -54,9 +54,10 @@
 #          megakernel at R = 1 on the five shapes (6 alternating rounds, with the expert path
 #          and its GEMM clusters) (~7 min)
 #   decodedvirtual  the same switch at virtual R = 8 and R = 1: qwen3.5, glm (~6 min)
-#   storesignal  only the store warp waits for a GEMM tile's stores (STORE_WARP_SIGNALS): GPU
-#          tests, the megakernel at R = 1 on the five shapes (8 alternating rounds), then
-#          qwen3.5 at virtual R = 8 (~7 min)
+#   storesignal  only the store warp waits for a GEMM tile's stores (STORE_WARP_SIGNALS) and
+#          the one-rank k-sum through smem (KSUM_STAGED): GPU tests, the megakernel at R = 1
+#          on the five shapes, default / each (8 alternating rounds), then qwen3.5 at virtual
+#          R = 8 with the first (~9 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -257,11 +258,12 @@ run_decoded_virtual() {
 }
 run_store_signal() {
   # only the store warp waits for a GEMM tile's TMA stores and publishes; the other consumer
-  # warps skip the epilogue barrier (megakernel.STORE_WARP_SIGNALS, eleventh session, not yet
-  # run): bitwise tests, then interleaved probes against the default
-  gpu_tests_passed store_signal "store_warp_signals" 200 || return 1
-  timeout -s KILL 240 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 2lxwfkue,2lxwfkues --rounds 8 --json "$out/layer_store_signal_ab.json" 2>&1 | grep -v Warn \
+  # warps skip the epilogue barrier (megakernel.STORE_WARP_SIGNALS), and the one-rank k-sum
+  # through smem (KSUM_STAGED), both eleventh session, not yet run: bitwise tests, then
+  # interleaved probes against the default
+  gpu_tests_passed store_signal "store_warp_signals or staged_ksum" 240 || return 1
+  timeout -s KILL 270 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
+    --comm 2lxwfkue,2lxwfkues,2lxwfkuem --rounds 8 --json "$out/layer_store_signal_ab.json" 2>&1 | grep -v Warn \
     | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-260 | tail -20
   virtual_probe 150 qwen3.5_397b 16kue,16kues "virtual_store_signal_qwen35"
 }

@@ -17,7 +17,8 @@ list with its no-op DISPATCH / COMBINE tasks kept (``megakernel.LOCAL_ONLY_TASKS
 as before the sixth session), a ``k`` dynamic compute tickets (``megakernel.DYNAMIC_TICKETS``),
 a ``u`` 16 vectors in flight per KSUM lane instead of 8 (``megakernel.KSUM_VECTORS``), an
 ``e`` (with ``k``) the decoded task words through the ticket ring (``megakernel.DECODED_TICKETS``),
-an ``s`` only the store warp waiting for a GEMM tile's stores (``megakernel.STORE_WARP_SIGNALS``); e.g.
+an ``s`` only the store warp waiting for a GEMM tile's stores (``megakernel.STORE_WARP_SIGNALS``),
+an ``m`` the one-rank k-sum through smem (``megakernel.KSUM_STAGED``); e.g.
 ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
 measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -62,7 +63,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bceklnsuwx]*)(?:f(\d*))?([bceklnsuwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bceklmnsuwx]*)(?:f(\d*))?([bceklmnsuwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -71,6 +72,7 @@ def parse_spec(spec: str) -> dict:
                 n_major="w" in flags, local_only_tasks="c" not in flags,
                 dynamic_tickets="k" in flags, ksum_vectors=16 if "u" in flags else 8,
                 decoded_tickets="e" in flags, store_warp_signals="s" in flags,
+                ksum_staged="m" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -81,7 +83,8 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "N_MAJOR_TILES": "n_major", "LOCAL_ONLY_TASKS": "local_only_tasks",
                  "DYNAMIC_TICKETS": "dynamic_tickets", "KSUM_VECTORS": "ksum_vectors",
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
-                 "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals"}
+                 "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
+                 "KSUM_STAGED": "ksum_staged"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -174,7 +177,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_no_comm_tasks" if k.local_only else "")
                                           + ("_dynamic_tickets" if k.dynamic_tickets else "")
                                           + ("_decoded" if k.decoded_tickets else "")
-                                          + ("_store_warp_signals" if k.store_warp_signals else ""))
+                                          + ("_store_warp_signals" if k.store_warp_signals else "")
+                                          + ("_ksum_staged" if k.ksum_staged else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()

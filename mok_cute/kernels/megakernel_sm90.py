@@ -106,7 +106,8 @@ class MegakernelSm90:
                  has_shared: bool, scope: str = "gpu", timeline: bool = False,
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
-                 decoded_tickets: bool = False, store_warp_signals: bool = False):
+                 decoded_tickets: bool = False, store_warp_signals: bool = False,
+                 ksum_staged: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -173,6 +174,17 @@ class MegakernelSm90:
         # buffers need no barrier here: the store warp frees each buffer (store_pipeline
         # acquire) before the subtile barrier that every warp passes later. KSUM keeps it.
         self.store_warp_signals = store_warp_signals
+        # ksum_staged (one rank per launch): a KSUM lane lands its y vectors in smem with
+        # cp.async (the B stages, idle once a CTA's tickets reach the KSUM tail: with one rank
+        # no GEMM task follows a KSUM in the compute queue) and sums them from there, instead
+        # of holding the loads in registers. Why: the k-sum at the end of a one-rank call is
+        # latency-bound on 8 warps per SM (mixtral, run 56: 0.11 ms where the expert path's
+        # k-sum kernel takes 0.07), and 32 vectors per lane in registers spill; smem holds
+        # ksum_stage_vectors (32) per lane, twice the register path's 16.
+        if ksum_staged and num_ranks != 1:
+            raise ValueError("ksum_staged needs num_ranks == 1 (with several ranks a GEMM task "
+                             "of another rank can follow a KSUM and reuse the B stages)")
+        self.ksum_staged = ksum_staged
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -233,6 +245,8 @@ class MegakernelSm90:
         self.gemm.a_dtype = self.gemm.b_dtype = self.gemm.c_dtype = BFloat16
         self.gemm._setup_attributes()
         g = self.gemm
+        # ksum_staged: 16-B vectors per consumer lane in the B stages (8 consumer warps)
+        self.ksum_stage_vectors = g.ab_stages * FC2_TILE_N * TILE_K * 2 // (8 * 32 * 16)
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         a_box = cute.slice_(g.a_smem_layout_staged, (None, None, 0))
         half_box = (self.half_n, tile_k)
@@ -392,7 +406,7 @@ class MegakernelSm90:
                     topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                     tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                     s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta,
-                    ticket_q, ticket_bars)
+                    ticket_q, ticket_bars, storage.sB.data_ptr())
 
     # ------------------------------------------------------------------ task walking
     @cute.jit
@@ -1071,7 +1085,7 @@ class MegakernelSm90:
                        topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                        tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                        s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
-                       compute_cta, ticket_q, ticket_bars):
+                       compute_cta, ticket_q, ticket_bars, ksum_stage):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice((warpgroup_idx - 1) * 128)
@@ -1160,7 +1174,7 @@ class MegakernelSm90:
             elif run and not noop:
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
                            topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
-                           timeline_buf, index, rank, consumer_tidx, barrier)
+                           timeline_buf, index, rank, consumer_tidx, barrier, ksum_stage)
             if run:
                 if const_expr(self.store_warp_signals):
                     if not self._is_gemm(ttype):  # KSUM: every warp's rows are written first
@@ -1226,7 +1240,7 @@ class MegakernelSm90:
     @cute.jit
     def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
               topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
-              index: Int32, rank: Int32, consumer_tidx: Int32, barrier):
+              index: Int32, rank: Int32, consumer_tidx: Int32, barrier, ksum_stage):
         """out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(combine[t*K+k])),
         ascending k, product and sum rounded separately (the reference's order). A (t, k)
         whose expert id is out of range was routed nowhere: it contributes zero."""
@@ -1258,8 +1272,15 @@ class MegakernelSm90:
                     weights[k] = topk_weights[rank, t, k]
                     srcs[k] = self._ksum_row(combine_base, slot_rows, ring_y, rank, t, k, row_bytes)
             out_row = out[rank, t, None]
+            if const_expr(self.ksum_staged):
+                shared_row = Int64(0)
+                if const_expr(self.has_shared):
+                    shared_row = shared_y[t, None, rank].iterator.toint()
+                self._ksum_token_staged(srcs, weights, shared_row, out_row, h_vecs, lane, warp,
+                                        ksum_stage)
             # every load of a step is issued before any is summed (memory-level parallelism)
-            for v0 in cutlass.range(lane, h_vecs, 32 * unroll, unroll=1):
+            for v0 in cutlass.range(lane, 0 if const_expr(self.ksum_staged) else h_vecs,
+                                    32 * unroll, unroll=1):
                 ys = cute.make_rmem_tensor((VEC_ELEMS, unroll, self.top_k), BFloat16)
                 base = cute.make_rmem_tensor((VEC_ELEMS, unroll), BFloat16)
                 for u in cutlass.range_constexpr(unroll):
@@ -1279,6 +1300,47 @@ class MegakernelSm90:
                         cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
 
     @cute.jit
+    def _ksum_token_staged(self, srcs, weights, shared_row: Int64, out_row, h_vecs: Int32,
+                           lane: Int32, warp: Int32, ksum_stage):
+        """ksum_staged: one token's output row by one warp. Each step a lane lands up to
+        ``ksum_stage_vectors`` 16-B vectors (its K rows' and the shared row's) in its own smem
+        slots with cp.async, waits for its own copies, then sums them exactly as the register
+        path does (``k_sum_vector``: same order, same bits)."""
+        nk = self.top_k + (1 if const_expr(self.has_shared) else 0)
+        steps = self.ksum_stage_vectors // nk
+        vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        lane_base = (ksum_stage.toint() + warp * (self.ksum_stage_vectors * 32 * 16)
+                     + lane * 16)  # slot j of this lane: lane_base + j * 512 bytes
+
+        for v0 in cutlass.range(lane, h_vecs, 32 * steps, unroll=1):
+            for u in cutlass.range_constexpr(steps):
+                if v0 + 32 * u < h_vecs:
+                    for k in cutlass.range_constexpr(self.top_k):
+                        if srcs[k] != 0:
+                            nvvm.cp_async_shared_global(_smem_vec(lane_base, u * nk + k),
+                                                        _gmem_vec(srcs[k], v0 + 32 * u), 16, "cg")
+                    if const_expr(self.has_shared):
+                        nvvm.cp_async_shared_global(_smem_vec(lane_base, u * nk + self.top_k),
+                                                    _gmem_vec(shared_row, v0 + 32 * u), 16, "cg")
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)  # this lane's own copies: no other lane reads them
+            for u in cutlass.range_constexpr(steps):
+                if v0 + 32 * u < h_vecs:
+                    ys = cute.make_rmem_tensor((VEC_ELEMS, 1, self.top_k), BFloat16)
+                    base = cute.make_rmem_tensor((VEC_ELEMS, 1), BFloat16)
+                    for k in cutlass.range_constexpr(self.top_k):
+                        if srcs[k] != 0:
+                            cute.copy(vec, cute.make_tensor(_smem_vec(lane_base, u * nk + k),
+                                                            cute.make_layout(VEC_ELEMS)), ys[None, 0, k])
+                        else:
+                            ys[None, 0, k].fill(0.0)
+                    if const_expr(self.has_shared):
+                        cute.copy(vec, cute.make_tensor(_smem_vec(lane_base, u * nk + self.top_k),
+                                                        cute.make_layout(VEC_ELEMS)), base[None, 0])
+                    res = k_sum_vector(ys, base, weights, 0, self.top_k, self.has_shared)
+                    cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
+
+    @cute.jit
     def _ksum_row(self, combine_base: Int64, slot_rows, ring_y, rank: Int32, t, k: int,
                   row_bytes: Int64) -> Int64:
         """Address of the y row of slot (t, k): the combine buffer, or with local_direct the
@@ -1289,6 +1351,16 @@ class MegakernelSm90:
             if row >= 0:
                 addr = ring_y[row, None, rank].iterator.toint()
         return addr
+
+
+def _smem_vec(lane_base, j: int):
+    """ksum_staged: a lane's smem slot j (16 B; the 32 lanes' slots j are adjacent)."""
+    return cute.make_ptr(BFloat16, lane_base + j * 512, cute.AddressSpace.smem, assumed_align=16)
+
+
+def _gmem_vec(addr: Int64, v):
+    """The 16-B vector v of the bf16 row at ``addr``."""
+    return cute.make_ptr(BFloat16, addr + Int64(v) * 16, cute.AddressSpace.gmem, assumed_align=16)
 
 
 def g_stages(mk: MegakernelSm90) -> int:
@@ -1422,12 +1494,12 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        rank_blocks: bool = False, dynamic_tickets: bool = False,
                        ksum_vectors: int = 8, copy_vectors: int = 0,
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
-                       arch: str = "sm_90a", options: str = ""):
+                       ksum_staged: bool = False, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
-                        decoded_tickets, store_warp_signals)
+                        decoded_tickets, store_warp_signals, ksum_staged)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
