@@ -33,6 +33,7 @@ from mok_cute.config import MoKConfig, experimental_setting, experimental_switch
 
 TILE_M = 128
 FC1_TILE_N = 256  # = kernels.megakernel_sm90.FC1_TILE_N (gate + up columns of one FC1 tile)
+PINGPONG_TILE_N = 128  # = kernels.megakernel_sm90.PINGPONG_TILE_N (FC1 and FC2 tasks, pingpong)
 DEFAULT_COMM_CTAS = 12
 LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows
 # How comm CTAs move rows (kernels.megakernel_sm90.COPY_MODES); a module setting so tools
@@ -147,6 +148,15 @@ STORE_WARP_SIGNALS = experimental_switch("STORE_WARP_SIGNALS", False)
 # mixtral, 1-3 % on qwen3. Written in the eleventh session after its device time was spent:
 # compile-checked only. MOK_KSUM_STAGED=1.
 KSUM_STAGED = experimental_switch("KSUM_STAGED", False)
+# The two consumer warpgroups of a compute CTA take alternate tasks, each a whole 128 x 128
+# tile, and take turns at the mainloop (kernels.megakernel_sm90's pingpong; needs the decoded
+# ring; not with KSUM_STAGED). Why: the cooperative loop makes the tensor cores wait through
+# every task's epilogue, signal and next-task lookup (qwen3's FC2 tiles: 0.74 ms against the
+# expert path's pingpong FC2 at 0.67-0.71; 12.9-32 us per ms per CTA between tasks, run 87).
+# Predicted: qwen3 3-6 % faster at one rank; 128-wide tiles read A twice as often, so long-K
+# FC2 (mixtral) may lose, as it did in the expert path. Written in the eleventh session after
+# its device time was spent: compile-checked only. MOK_PINGPONG=1.
+PINGPONG = experimental_switch("PINGPONG", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -203,6 +213,7 @@ class PlanKey:
     decoded_tickets: bool = False  # DECODED_TICKETS (with dynamic_tickets only)
     store_warp_signals: bool = False  # STORE_WARP_SIGNALS
     ksum_staged: bool = False  # KSUM_STAGED (one rank per launch only)
+    pingpong: bool = False  # PINGPONG (with decoded tickets)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -374,7 +385,8 @@ class Plan:
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
-            fc1_tile_n=FC1_TILE_N, fc2_tile_n=256, fc1_lead=k.fc1_lead,
+            fc1_tile_n=task_tile_n(k.pingpong, fc1=True), fc2_tile_n=task_tile_n(k.pingpong),
+            fc1_lead=k.fc1_lead,
             comm_tasks=not k.local_only, tile_order=k.tile_order)
         if k.ksum_staged and not self.task_list.ksum_closes_compute_queue():
             raise RuntimeError("ksum_staged needs every compute task after the first KSUM to be "
@@ -416,7 +428,7 @@ class Plan:
             rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
-            ksum_staged=k.ksum_staged)
+            ksum_staged=k.ksum_staged, pingpong=k.pingpong)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -584,6 +596,11 @@ _PLANS: dict[PlanKey, Plan] = {}
 _PLANS_LOCK = threading.Lock()
 
 
+def task_tile_n(pingpong: bool, fc1: bool = False) -> int:
+    """Output columns of an FC1 (gate + up) or FC2 task: 128 with pingpong, else 256."""
+    return PINGPONG_TILE_N if pingpong else (FC1_TILE_N if fc1 else 256)
+
+
 def release_plans() -> None:
     """Drop every cached plan (its rings, counters and symmetric buffers go with it once no
     call holds them): benchmarks call it between shapes."""
@@ -623,21 +640,23 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     local_only = LOCAL_ONLY_TASKS and local_direct and peers == 1  # no comm tasks
+    dynamic = DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC)
+    decoded = dynamic and DECODED_TICKETS
+    pingpong = PINGPONG and decoded
     fc1_lead = 0
     if FC1_LEAD:
         fc1_lead = FC1_LEAD_MINIBATCHES
         if fc1_lead is None:
             fc1_lead = fc1_lead_minibatches(num_sms - num_comm, minibatch // TILE_M,
-                                            -(-2 * I // FC1_TILE_N))
-    dynamic = DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC)
+                                            -(-2 * I // task_tile_n(pingpong, fc1=True)))
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,
                   RANK_BLOCKS and R > 1, X_IN_PLACE and local_direct and peers == 1,
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, dynamic, KSUM_VECTORS,
-                  COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, dynamic and DECODED_TICKETS,
-                  STORE_WARP_SIGNALS, KSUM_STAGED and R == 1)
+                  COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
+                  STORE_WARP_SIGNALS, KSUM_STAGED and R == 1 and not pingpong, pingpong)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -181,6 +181,31 @@ def test_staged_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_pa
         megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, ksum_staged=True)
 
 
+@pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
+                                                          (1, False, True)])
+def test_pingpong_consumers_compile_without_spills(num_ranks, has_shared, timeline, tmp_path):
+    """pingpong: 128 x 128 tasks, one warpgroup each (single-warpgroup wgmma tiles), turns at
+    the mainloop through named barriers; no spills under the CTA's 168-register cap. It needs
+    the decoded ring and does not combine with the staged k-sum."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=num_ranks, num_comm_ctas=2 if num_ranks == 1 else 12,
+                  local_direct=True, has_shared=has_shared, rank_blocks=num_ranks > 1,
+                  dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16, timeline=timeline)
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, pingpong=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    assert "C7508" not in rep.ptxas_log
+    ptx = open(rep.ptx_path).read()
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n256k16" not in ptx
+    with pytest.raises(ValueError, match="pingpong needs decoded_tickets"):
+        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, dynamic_tickets=True, pingpong=True)
+    with pytest.raises(ValueError, match="do not combine"):
+        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, dynamic_tickets=True,
+                                       decoded_tickets=True, ksum_staged=True, pingpong=True)
+
+
 def test_rank_blocks_variant_spills_no_more_than_alternating(tmp_path):
     """The block-by-block ticket walk (RANK_BLOCKS) in the configuration virtual R = 8 uses:
     no more spill than the alternating walk (which has 4 + 4 bytes there, as local_direct
@@ -631,6 +656,30 @@ def test_staged_ksum_gives_the_same_bits(K, E_loc, H, shared_inter, monkeypatch)
     out = _run(args)
     recorded = _run(args, timeline=True)
     assert any(k.ksum_staged and k.timeline for k in megakernel._PLANS)
+    assert torch.equal(recorded, out)
+    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,H,ring,local_direct,shared", [(1, 512, None, True, 0),
+                                                         (1, 576, None, True, 128),
+                                                         (4, 512, None, True, 0),
+                                                         (8, 512, 256, False, 128),
+                                                         (3, 576, None, False, 0)])
+def test_pingpong_consumers_give_the_same_bits(R, H, ring, local_direct, shared, monkeypatch):
+    """megakernel.PINGPONG: 128-wide tasks, each run whole by one consumer warpgroup, the two
+    taking turns at the mainloop. Every output element still sums its K in the same k-tile
+    order, so not a bit changes (H = 576: a partial last N-tile; a wrapping ring; the
+    shared expert; KSUM on one warpgroup; few and many CTAs; recorded too)."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, H, 320, 4, 4, shared, seed=59, skew=True)
+    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
+    _switch_keeps_the_bits(monkeypatch, "PINGPONG", False, True, args, R, sizes)
+    out = _run(args, **(sizes or {}))
+    recorded = _run(args, timeline=True, **(sizes or {}))
+    assert any(k.pingpong and k.timeline for k in megakernel._PLANS)
     assert torch.equal(recorded, out)
     assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
 

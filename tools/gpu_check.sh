@@ -54,10 +54,10 @@
 #          megakernel at R = 1 on the five shapes (6 alternating rounds, with the expert path
 #          and its GEMM clusters) (~7 min)
 #   decodedvirtual  the same switch at virtual R = 8 and R = 1: qwen3.5, glm (~6 min)
-#   storesignal  only the store warp waits for a GEMM tile's stores (STORE_WARP_SIGNALS) and
-#          the one-rank k-sum through smem (KSUM_STAGED): GPU tests, the megakernel at R = 1
-#          on the five shapes, default / each (8 alternating rounds), then qwen3.5 at virtual
-#          R = 8 with the first (~9 min)
+#   newtests  GPU tests of the eleventh session's unmeasured variants: STORE_WARP_SIGNALS,
+#          KSUM_STAGED, PINGPONG (~5 min)
+#   newprobe  the same variants against the default, 8 interleaved rounds on the five shapes,
+#          then qwen3.5 at virtual R = 8 with PINGPONG (~8 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -256,16 +256,20 @@ run_decoded_virtual() {
   virtual_probe 200 qwen3.5_397b 16ku,16kue "virtual_decoded_qwen35"
   virtual_probe 200 glm_5.2 10ku,10kue,8kue "virtual_decoded_glm"
 }
-run_store_signal() {
-  # only the store warp waits for a GEMM tile's TMA stores and publishes; the other consumer
-  # warps skip the epilogue barrier (megakernel.STORE_WARP_SIGNALS), and the one-rank k-sum
-  # through smem (KSUM_STAGED), both eleventh session, not yet run: bitwise tests, then
-  # interleaved probes against the default
-  gpu_tests_passed store_signal "store_warp_signals or staged_ksum" 240 || return 1
-  timeout -s KILL 270 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 2lxwfkue,2lxwfkues,2lxwfkuem --rounds 8 --json "$out/layer_store_signal_ab.json" 2>&1 | grep -v Warn \
-    | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-260 | tail -20
-  virtual_probe 150 qwen3.5_397b 16kue,16kues "virtual_store_signal_qwen35"
+run_new_variants_tests() {
+  # the eleventh session's three unmeasured megakernel variants (STORE_WARP_SIGNALS,
+  # KSUM_STAGED, PINGPONG): their GPU tests, bitwise against the default, recorded, against
+  # the reference (a hang is the risk: the 90 s per-test timeout and this limit kill it)
+  gpu_tests_passed new_variants "store_warp_signals or staged_ksum or pingpong_consumers" 330
+}
+run_new_variants_probe() {
+  # the same variants against the default, interleaved: the megakernel at R = 1 on the five
+  # shapes (8 alternating rounds; s = STORE_WARP_SIGNALS, m = KSUM_STAGED, o = PINGPONG), then
+  # qwen3.5 at virtual R = 8 against R = 1 with the pingpong loop
+  timeout -s KILL 330 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
+    --comm 2lxwfkue,2lxwfkues,2lxwfkuem,2lxwfkueo --rounds 8 --json "$out/layer_new_variants_ab.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-260 | tail -25
+  virtual_probe 200 qwen3.5_397b 16kue,16kueo "virtual_pingpong_qwen35"
 }
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
@@ -398,9 +402,10 @@ case "$what" in
   clusterab) run_cluster_ab ;;
   decoded) run_decoded ;;
   decodedvirtual) run_decoded_virtual ;;
-  storesignal) run_store_signal ;;
+  newtests) run_new_variants_tests ;;
+  newprobe) run_new_variants_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|storesignal|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|newtests|newprobe|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -18,7 +18,8 @@ as before the sixth session), a ``k`` dynamic compute tickets (``megakernel.DYNA
 a ``u`` 16 vectors in flight per KSUM lane instead of 8 (``megakernel.KSUM_VECTORS``), an
 ``e`` (with ``k``) the decoded task words through the ticket ring (``megakernel.DECODED_TICKETS``),
 an ``s`` only the store warp waiting for a GEMM tile's stores (``megakernel.STORE_WARP_SIGNALS``),
-an ``m`` the one-rank k-sum through smem (``megakernel.KSUM_STAGED``); e.g.
+an ``m`` the one-rank k-sum through smem (``megakernel.KSUM_STAGED``), an ``o`` the pingpong
+consumer loop (``megakernel.PINGPONG``); e.g.
 ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
 measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -63,7 +64,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bceklmnsuwx]*)(?:f(\d*))?([bceklmnsuwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bceklmnosuwx]*)(?:f(\d*))?([bceklmnosuwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -72,7 +73,7 @@ def parse_spec(spec: str) -> dict:
                 n_major="w" in flags, local_only_tasks="c" not in flags,
                 dynamic_tickets="k" in flags, ksum_vectors=16 if "u" in flags else 8,
                 decoded_tickets="e" in flags, store_warp_signals="s" in flags,
-                ksum_staged="m" in flags,
+                ksum_staged="m" in flags, pingpong="o" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -84,7 +85,7 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "DYNAMIC_TICKETS": "dynamic_tickets", "KSUM_VECTORS": "ksum_vectors",
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
-                 "KSUM_STAGED": "ksum_staged"}
+                 "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -178,7 +179,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_dynamic_tickets" if k.dynamic_tickets else "")
                                           + ("_decoded" if k.decoded_tickets else "")
                                           + ("_store_warp_signals" if k.store_warp_signals else "")
-                                          + ("_ksum_staged" if k.ksum_staged else ""))
+                                          + ("_ksum_staged" if k.ksum_staged else "")
+                                          + ("_pingpong" if k.pingpong else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
@@ -215,14 +217,15 @@ def parse_virtual_spec(spec: str) -> dict:
     (RANK_BLOCKS off), ``k`` = dynamic compute tickets (DYNAMIC_TICKETS), ``u`` = 16 vectors
     in flight per KSUM lane (KSUM_VECTORS), ``e`` = decoded task words through the ticket ring
     (DECODED_TICKETS, with ``k``), ``s`` = only the store warp waits for a tile's stores
-    (STORE_WARP_SIGNALS), then ``vN`` = the comm CTAs' flat row copy with N
+    (STORE_WARP_SIGNALS), ``o`` = the pingpong consumer loop (PINGPONG), then ``vN`` = the comm CTAs' flat row copy with N
     vectors in flight per lane (COMM_COPY_VECTORS; 0, a warp per row, without it)."""
-    m = re.fullmatch(r"(\d+)([akues]*)(?:v(\d+))?", spec)
+    m = re.fullmatch(r"(\d+)([akueos]*)(?:v(\d+))?", spec)
     if not m:
         raise SystemExit(f"--virtual-comm: cannot read {spec!r} (e.g. 12, 12k, 12a, 10kuv16)")
     return dict(comm=int(m.group(1)), rank_blocks="a" not in m.group(2),
                 dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8,
                 decoded_tickets="e" in m.group(2), store_warp_signals="s" in m.group(2),
+                pingpong="o" in m.group(2),
                 comm_copy_vectors=int(m.group(3) or 0))
 
 
@@ -240,17 +243,18 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
     def suffix(sp):
         return (("" if sp["ksum_vectors"] == 8 else f"_ksum{sp['ksum_vectors']}")
                 + ("_decoded" if sp["decoded_tickets"] else "")
-                + ("_store_warp_signals" if sp["store_warp_signals"] else ""))
+                + ("_store_warp_signals" if sp["store_warp_signals"] else "")
+                + ("_pingpong" if sp["pingpong"] else ""))
 
     # R = 1 with static tickets, then with dynamic tickets and each KSUM setting the specs use
     # (8 vectors always: the earlier probes' r1_dynamic)
     base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, comm_copy_vectors=0,
-                decoded_tickets=False, store_warp_signals=False)
+                decoded_tickets=False, store_warp_signals=False, pingpong=False)
     variants = {"r1": (run_one, base)}
     for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
         sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"],
                   decoded_tickets=sp["decoded_tickets"],
-                  store_warp_signals=sp["store_warp_signals"])
+                  store_warp_signals=sp["store_warp_signals"], pingpong=sp["pingpong"])
         variants.setdefault("r1_dynamic" + suffix(sw), (run_one, sw))
     for spec in comms:
         sp = parse_virtual_spec(spec)

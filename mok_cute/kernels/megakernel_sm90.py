@@ -76,6 +76,7 @@ W_WAITS = 12
 
 FC1_TILE_N = 256  # 128 gate + 128 up columns per tile -> 128 h columns
 FC2_TILE_N = 256
+PINGPONG_TILE_N = 128  # pingpong: both GEMM tasks 128 wide (FC1: 64 gate + 64 up -> 64 h)
 MAX_ROW_SLOTS = 32  # comm rows staged in smem at once (bounded by the 128 KB B-stage region)
 STORES_IN_FLIGHT = 4  # row stores whose smem may still be unread when a slot is reloaded
 COMM_THREADS = 384  # comm CTA threads (the first TILE_M resolve one row address each)
@@ -107,7 +108,7 @@ class MegakernelSm90:
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
-                 ksum_staged: bool = False):
+                 ksum_staged: bool = False, pingpong: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -185,6 +186,17 @@ class MegakernelSm90:
             raise ValueError("ksum_staged needs num_ranks == 1 (with several ranks a GEMM task "
                              "of another rank can follow a KSUM and reuse the B stages)")
         self.ksum_staged = ksum_staged
+        # pingpong: the two consumer warpgroups take alternate compute tickets, each running a
+        # whole 128 x 128 task, and take turns at the mainloop, so one warpgroup's epilogue,
+        # signal and next-task lookup overlap the other's mainloop (the expert path's FC2
+        # does this; docs/megakernel_plan.md, "a pingpong consumer loop"). Needs the decoded
+        # ring (every warp reads every task's words from it) and 128-wide task lists.
+        if pingpong and not decoded_tickets:
+            raise ValueError("pingpong needs decoded_tickets")
+        if pingpong and ksum_staged:
+            # a KSUM may start while the other warpgroup's last wgmmas still read the stages
+            raise ValueError("pingpong and ksum_staged do not combine")
+        self.pingpong = pingpong
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -194,7 +206,9 @@ class MegakernelSm90:
         self.scope = scope
         self.timeline = timeline
         # The GEMM roles and layouts are GroupedGemmSm90's (cooperative, 128 x 256 x 64).
-        self.gemm = GroupedGemmSm90(tile_n=FC2_TILE_N, epilogue="store")
+        # one width for FC1 and FC2 tasks; FC1's gate and up halves are half of it
+        self.tile_n = PINGPONG_TILE_N if pingpong else FC2_TILE_N
+        self.gemm = GroupedGemmSm90(tile_n=self.tile_n, epilogue="store", pingpong=pingpong)
         # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 threads =
         # 40 x 128 + 232 x 256): an increase that the pool cannot cover waits forever. The
         # ticket ring's state spills the local_direct producer at 40, so with dynamic_tickets
@@ -207,7 +221,7 @@ class MegakernelSm90:
         self.num_warps = self.threads_per_cta // 32
         self.epi_tile = self.gemm.epi_tile
         self.epi_stages = self.gemm.epi_stages
-        self.half_n = FC1_TILE_N // 2
+        self.half_n = self.tile_n // 2
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -246,7 +260,7 @@ class MegakernelSm90:
         self.gemm._setup_attributes()
         g = self.gemm
         # ksum_staged: 16-B vectors per consumer lane in the B stages (8 consumer warps)
-        self.ksum_stage_vectors = g.ab_stages * FC2_TILE_N * TILE_K * 2 // (8 * 32 * 16)
+        self.ksum_stage_vectors = g.ab_stages * self.tile_n * TILE_K * 2 // (8 * 32 * 16)
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         a_box = cute.slice_(g.a_smem_layout_staged, (None, None, 0))
         half_box = (self.half_n, tile_k)
@@ -352,7 +366,7 @@ class MegakernelSm90:
             # local_direct: FC1's A rows arrive by cp.async from the 128 producer threads
             producer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, 1 + (128 if const_expr(self.local_direct) else 0)),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, g.num_mma_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, g.threads_per_tile // 32),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         # dynamic_tickets: the ring's slots and its full / empty mbarriers
         ticket_q, ticket_bars = storage.ticket_q.data_ptr(), storage.ticket_full_empty.data_ptr()
@@ -398,6 +412,14 @@ class MegakernelSm90:
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
                         s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
                         timeline_buf, None)
+            elif const_expr(self.pingpong):
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self._pingpong_loop(
+                    ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
+                    topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
+                    ab_pipeline, tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y,
+                    s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
+                    ticket_q, ticket_bars, storage.sB.data_ptr())
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self._consumer_loop(
@@ -577,7 +599,7 @@ class MegakernelSm90:
         staging area is the GEMM's B-stage region, unused by comm CTAs)."""
         hidden = cute.size(ring_x, mode=[1])
         row_bytes = hidden * 2
-        staging_bytes = self.gemm.ab_stages * FC2_TILE_N * TILE_K * 2  # the B stages
+        staging_bytes = self.gemm.ab_stages * self.tile_n * TILE_K * 2  # the B stages
         slots = cutlass.min(MAX_ROW_SLOTS, staging_bytes // row_bytes)
         num_peers = cute.size(peer_bases, mode=[1])
         row_full = storage.row_full.data_ptr()
@@ -1205,6 +1227,139 @@ class MegakernelSm90:
         tma_store_pipeline.producer_tail()
 
     @cute.jit
+    def _pingpong_loop(self, ctx, tasks, counter_offsets, counters, error, num_tiles,
+                       peer_bases, topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
+                       timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC, tma_st_h, t_st_h,
+                       tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y, tidx,
+                       warp_idx, warpgroup_idx, ticket_q, ticket_bars, ksum_stage):
+        """pingpong: consumer warpgroup ``wg`` runs this CTA's compute tasks ``wg``, ``wg + 2``,
+        ... whole (mainloop, epilogue, signal); both read every task's words from the decoded
+        ring (the stage count runs over every task). The warpgroups take turns at the
+        mainloop in task order: a task's owner waits for its turn, issues its k-tile waits,
+        then passes the turn if there is a next task, so the other's mainloop overlaps its
+        epilogue. A task that runs no mainloop (KSUM, skipped, no-op) passes it at once."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        wg = warpgroup_idx - 1  # 0 or 1
+        wg_tidx = tidx % 128
+        thr_mma = tiled_mma.get_slice(0)  # each warpgroup is a whole single-warpgroup MMA
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), Float32)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        tiled_copy_r2s = cute.make_tiled_copy_S(
+            sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, elem_ty_d=BFloat16,
+                                              elem_ty_acc=Float32),
+            cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(wg_tidx)
+        epi = TileEpilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC),
+                           tiled_copy_r2s.retile(acc),
+                           cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
+        tma_store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
+        barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE) + wg,
+                                        num_threads=128)
+        my_turn = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.MMA_ORDER) + wg,
+                                        num_threads=self.gemm.num_mma_threads)
+        their_turn = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - wg,
+                                           num_threads=self.gemm.num_mma_threads)
+        is_store_warp = warp_idx == 4 * warpgroup_idx  # the warpgroup's first warp
+        epi_base = wg * self.epi_stages
+
+        loads = Int32(0)  # k-tiles of every task so far, both warpgroups': the stage count
+        subtiles = Int32(0)  # this warpgroup's epilogue subtiles so far
+        taken = Int32(0)  # ring uses read: task position taken - 1 is the current one
+        index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+        taken += 1
+        while index >= 0:
+            run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
+            k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
+            gemm_runs = run and not noop and self._is_gemm(ttype)
+            if (taken - 1) % 2 == wg:
+                t_start = self._now_if_recording()
+                if taken > 1:
+                    my_turn.arrive_and_wait()  # the previous task's owner has issued its waits
+                if gemm_runs:
+                    read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
+                    release = read.clone()
+                    acc.fill(0.0)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
+                    ab_pipeline.consumer_wait(read)
+                    a_visible_to_wgmma(self.local_direct)
+                    self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
+                    read.advance()
+                    for k in range(1, k_tiles):
+                        ab_pipeline.consumer_wait(read)
+                        a_visible_to_wgmma(self.local_direct)
+                        self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ab_pipeline.consumer_release(release)
+                        release.advance()
+                        read.advance()
+                    self._pass_turn(their_turn, ticket_q, ticket_bars, taken)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(release)
+                    m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
+                    if ttype == int(TaskType.FC1):
+                        self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True,
+                                         subtiles, barrier, tma_store_pipeline, is_store_warp,
+                                         epi_base)
+                    elif ttype == int(TaskType.FC2):
+                        self._store_tile(epi, tma_st_y, t_st_y, ring_tile, n_tile, rank, False,
+                                         subtiles, barrier, tma_store_pipeline, is_store_warp,
+                                         epi_base)
+                    if const_expr(self.has_shared):
+                        if ttype == int(TaskType.SHARED_FC1):
+                            self._store_tile(epi, s_tma_st_h, s_t_st_h, m_tile, n_tile, rank, True,
+                                             subtiles, barrier, tma_store_pipeline, is_store_warp,
+                                             epi_base)
+                        elif ttype == int(TaskType.SHARED_FC2):
+                            self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank,
+                                             False, subtiles, barrier, tma_store_pipeline,
+                                             is_store_warp, epi_base)
+                    subtiles += self._epi_subtiles(ttype)
+                    if is_store_warp:
+                        # the tile's TMA stores must have landed before anyone is told
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
+                else:
+                    self._pass_turn(their_turn, ticket_q, ticket_bars, taken)
+                    if run and not noop:
+                        self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles,
+                                   peer_bases, topk_weights, topk_idx, slot_rows, ring_y, out,
+                                   shared_y, timeline_buf, index, rank, wg_tidx, barrier,
+                                   ksum_stage, 4, 4 * wg)
+                    if run:
+                        barrier.arrive_and_wait()  # every warp's rows before the signal
+                if run:
+                    if wg_tidx == 0:  # lane 0 of the store warp
+                        self._fence()
+                        common.counter_publish(counters[rank, None],
+                                               task_ring_words(ticket_q, taken - 1)[D_SIGNAL], 1,
+                                               self.scope)
+                        if const_expr(self.timeline):
+                            slot = common.timeline_reserve(timeline_buf, 1)
+                            common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype,
+                                                  index, ctx.rank_base + rank, t_start,
+                                                  common.timeline_now())
+            loads += self._loads_of(run, noop, ttype, k_tiles)
+            index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+            taken += 1
+        tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def _pass_turn(self, their_turn, ticket_q, ticket_bars, taken: Int32):
+        """pingpong: hand the mainloop to the next task's owner, if there is a next task (its
+        ring use is waited for, not released: the arrivals must match the waits)."""
+        k = taken  # the next task's ring use
+        cute.arch.mbarrier_wait(ticket_bars + k % TICKET_SLOTS, (k // TICKET_SLOTS) & 1)
+        if task_ring_words(ticket_q, k)[D_INDEX] >= 0:
+            their_turn.arrive()
+
+    @cute.jit
     def _next_ticket(self, q: Int32, ticket_q, ticket_bars, taken: Int32):
         """A consumer's ticket after q and its count of ring uses: the producer's next ticket
         from the smem ring (dynamic_tickets, use ``taken``) or the static stride."""
@@ -1217,7 +1372,7 @@ class MegakernelSm90:
 
     @cute.jit
     def _epi_subtiles(self, ttype: Int32) -> Int32:
-        acc_n = FC2_TILE_N // self.epi_tile[1]
+        acc_n = self.tile_n // self.epi_tile[1]
         n = Int32(acc_n)
         if ttype == int(TaskType.FC1) or ttype == int(TaskType.SHARED_FC1):
             n = Int32(acc_n // 2)
@@ -1226,21 +1381,22 @@ class MegakernelSm90:
     @cute.jit
     def _store_tile(self, epi, tma_atom, t_out, m_tile: Int32, n_tile: Int32, rank: Int32,
                     swiglu: cutlass.Constexpr[bool], subtiles: Int32, barrier, store_pipeline,
-                    is_store_warp):
+                    is_store_warp, buf_base=0):
         """The task's output tile of ``t_out`` (rows, columns, rank) through the GEMM's
         epilogue (``gemm_sm90.store_tile_epilogue``)."""
         tile_m, tile_n, _ = self.tile_shape_mnk
         out_tile_n = tile_n // 2 if const_expr(swiglu) else tile_n
         g_out = cute.local_tile(t_out, (tile_m, out_tile_n), (None, None, None))
         store_tile_epilogue(epi, tma_atom, g_out[(None, None, m_tile, n_tile, rank)], self.epi_tile,
-                            self.epi_stages, tile_n, swiglu, 0, subtiles, barrier, store_pipeline,
-                            is_store_warp)
+                            self.epi_stages, tile_n, swiglu, buf_base, subtiles, barrier,
+                            store_pipeline, is_store_warp)
 
     # ------------------------------------------------------------------ compute: k-sum
     @cute.jit
     def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
               topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
-              index: Int32, rank: Int32, consumer_tidx: Int32, barrier, ksum_stage):
+              index: Int32, rank: Int32, consumer_tidx: Int32, barrier, ksum_stage,
+              warps: cutlass.Constexpr[int] = 8, first_warp=0):
         """out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(combine[t*K+k])),
         ascending k, product and sum rounded separately (the reference's order). A (t, k)
         whose expert id is out of range was routed nowhere: it contributes zero."""
@@ -1253,14 +1409,14 @@ class MegakernelSm90:
         hidden = cute.size(out, mode=[2])
         h_vecs = hidden // VEC_ELEMS
         lane = cute.arch.lane_idx()
-        warp = consumer_tidx // 32
+        warp = consumer_tidx // 32  # among the ``warps`` that run this task
         vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         combine_base = peer_bases[rank, ctx.rank_base + rank] + ctx.combine_offset
         row_bytes = Int64(hidden) * 2
         row_begin = tasks[index, W_ROW_BEGIN]
         num_experts = cute.size(peer_bases, mode=[1]) * ctx.local_experts
         unroll = k_sum_unroll(self.top_k, self.ksum_vectors)
-        for t in cutlass.range(row_begin + warp, tasks[index, W_ROW_END], 8, unroll=1):
+        for t in cutlass.range(row_begin + warp, tasks[index, W_ROW_END], warps, unroll=1):
             # per token: the K weights and y-row addresses (0: routed nowhere, contributes 0)
             weights = cute.make_rmem_tensor((self.top_k,), Float32)
             srcs = cute.make_rmem_tensor((self.top_k,), Int64)
@@ -1276,8 +1432,8 @@ class MegakernelSm90:
                 shared_row = Int64(0)
                 if const_expr(self.has_shared):
                     shared_row = shared_y[t, None, rank].iterator.toint()
-                self._ksum_token_staged(srcs, weights, shared_row, out_row, h_vecs, lane, warp,
-                                        ksum_stage)
+                self._ksum_token_staged(srcs, weights, shared_row, out_row, h_vecs, lane,
+                                        first_warp + warp, ksum_stage)
             # every load of a step is issued before any is summed (memory-level parallelism)
             for v0 in cutlass.range(lane, 0 if const_expr(self.ksum_staged) else h_vecs,
                                     32 * unroll, unroll=1):
@@ -1494,12 +1650,13 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        rank_blocks: bool = False, dynamic_tickets: bool = False,
                        ksum_vectors: int = 8, copy_vectors: int = 0,
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
-                       ksum_staged: bool = False, arch: str = "sm_90a", options: str = ""):
+                       ksum_staged: bool = False, pingpong: bool = False, arch: str = "sm_90a",
+                       options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
-                        decoded_tickets, store_warp_signals, ksum_staged)
+                        decoded_tickets, store_warp_signals, ksum_staged, pingpong)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
