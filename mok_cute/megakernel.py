@@ -32,8 +32,8 @@ from mok_cute import jit, tasks as tasks_mod
 from mok_cute.config import MoKConfig, experimental_setting, experimental_switch
 
 TILE_M = 128
-FC1_TILE_N = 256  # = kernels.megakernel_sm90.FC1_TILE_N (gate + up columns of one FC1 tile)
-PINGPONG_TILE_N = 128  # = kernels.megakernel_sm90.PINGPONG_TILE_N (FC1 and FC2 tasks, pingpong)
+TASK_TILE_N = 256  # = kernels.megakernel_sm90.TASK_TILE_N (output columns of an FC1 / FC2 task)
+PINGPONG_TILE_N = 128  # = kernels.megakernel_sm90.PINGPONG_TILE_N (the same, pingpong)
 DEFAULT_COMM_CTAS = 12
 LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows
 # How comm CTAs move rows (kernels.megakernel_sm90.COPY_MODES); a module setting so tools
@@ -385,7 +385,7 @@ class Plan:
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
-            fc1_tile_n=task_tile_n(k.pingpong, fc1=True), fc2_tile_n=task_tile_n(k.pingpong),
+            fc1_tile_n=task_tile_n(k.pingpong), fc2_tile_n=task_tile_n(k.pingpong),
             fc1_lead=k.fc1_lead,
             comm_tasks=not k.local_only, tile_order=k.tile_order)
         if k.ksum_staged and not self.task_list.ksum_closes_compute_queue():
@@ -596,9 +596,9 @@ _PLANS: dict[PlanKey, Plan] = {}
 _PLANS_LOCK = threading.Lock()
 
 
-def task_tile_n(pingpong: bool, fc1: bool = False) -> int:
-    """Output columns of an FC1 (gate + up) or FC2 task: 128 with pingpong, else 256."""
-    return PINGPONG_TILE_N if pingpong else (FC1_TILE_N if fc1 else 256)
+def task_tile_n(pingpong: bool) -> int:
+    """Output columns of an FC1 (half gate, half up) or FC2 task: 128 with pingpong, else 256."""
+    return PINGPONG_TILE_N if pingpong else TASK_TILE_N
 
 
 def release_plans() -> None:
@@ -648,7 +648,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         fc1_lead = FC1_LEAD_MINIBATCHES
         if fc1_lead is None:
             fc1_lead = fc1_lead_minibatches(num_sms - num_comm, minibatch // TILE_M,
-                                            -(-2 * I // task_tile_n(pingpong, fc1=True)))
+                                            -(-2 * I // task_tile_n(pingpong)))
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,

@@ -74,9 +74,10 @@ W_TYPE, W_ROLE, W_MINIBATCH, W_MTILE, W_MTILE_END, W_NTILE = 0, 1, 2, 3, 4, 5
 W_ROW_BEGIN, W_ROW_END, W_RING_ROW, W_SIGNAL_GROUP, W_SIGNAL_INDEX, W_NUM_WAITS = 6, 7, 8, 9, 10, 11
 W_WAITS = 12
 
-FC1_TILE_N = 256  # 128 gate + 128 up columns per tile -> 128 h columns
-FC2_TILE_N = 256
-PINGPONG_TILE_N = 128  # pingpong: both GEMM tasks 128 wide (FC1: 64 gate + 64 up -> 64 h)
+# Output columns of a GEMM task, FC1 and FC2 alike (FC1: half gate, half up columns -> half as
+# many h columns): cooperative tasks 256 wide, pingpong ones 128 (megakernel.task_tile_n)
+TASK_TILE_N = 256
+PINGPONG_TILE_N = 128
 MAX_ROW_SLOTS = 32  # comm rows staged in smem at once (bounded by the 128 KB B-stage region)
 STORES_IN_FLIGHT = 4  # row stores whose smem may still be unread when a slot is reloaded
 COMM_THREADS = 384  # comm CTA threads (the first TILE_M resolve one row address each)
@@ -207,7 +208,7 @@ class MegakernelSm90:
         self.timeline = timeline
         # The GEMM roles and layouts are GroupedGemmSm90's (cooperative, 128 x 256 x 64).
         # one width for FC1 and FC2 tasks; FC1's gate and up halves are half of it
-        self.tile_n = PINGPONG_TILE_N if pingpong else FC2_TILE_N
+        self.tile_n = PINGPONG_TILE_N if pingpong else TASK_TILE_N
         self.gemm = GroupedGemmSm90(tile_n=self.tile_n, epilogue="store", pingpong=pingpong)
         # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 threads =
         # 40 x 128 + 232 x 256): an increase that the pool cannot cover waits forever. The
