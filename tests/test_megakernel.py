@@ -581,6 +581,20 @@ def _switch_keeps_the_bits(monkeypatch, switch, off, on, args, R, sizes=None, fe
         assert torch.equal(out, base)
 
 
+def _switch_on_is_recorded_and_correct(switch, args, sizes=None):
+    """With megakernel.<switch> on: a recorded call gives the same bits as an unrecorded one,
+    a plan with the switch and the recorder exists, and the output matches the reference."""
+    from mok_cute import megakernel
+
+    sizes = sizes or {}
+    out = _run(args, **sizes)
+    recorded = _run(args, timeline=True, **sizes)
+    assert any(getattr(k, switch.lower()) and k.timeline for k in megakernel._PLANS)
+    assert torch.equal(recorded, out)
+    assert not torch.isnan(out.float()).any()
+    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("R,ring,local_direct", [(1, None, True), (4, None, True), (8, 256, False),
                                                  (3, None, False)])
@@ -612,12 +626,7 @@ def test_decoded_tickets_give_the_same_bits(R, ring, local_direct, shared, monke
     monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
     monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", True)
     _switch_keeps_the_bits(monkeypatch, "DECODED_TICKETS", False, True, args, R, sizes)
-    out = _run(args, **(sizes or {}))  # still on; with the recorder too
-    recorded = _run(args, timeline=True, **(sizes or {}))
-    assert any(k.decoded_tickets and k.timeline for k in megakernel._PLANS)
-    assert torch.equal(recorded, out)
-    assert not torch.isnan(out.float()).any()
-    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+    _switch_on_is_recorded_and_correct("DECODED_TICKETS", args, sizes)
 
 
 @pytest.mark.gpu
@@ -634,11 +643,7 @@ def test_store_warp_signals_give_the_same_bits(R, ring, local_direct, shared, mo
     sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
     monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
     _switch_keeps_the_bits(monkeypatch, "STORE_WARP_SIGNALS", False, True, args, R, sizes)
-    out = _run(args, **(sizes or {}))
-    recorded = _run(args, timeline=True, **(sizes or {}))
-    assert any(k.store_warp_signals and k.timeline for k in megakernel._PLANS)
-    assert torch.equal(recorded, out)
-    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+    _switch_on_is_recorded_and_correct("STORE_WARP_SIGNALS", args, sizes)
 
 
 @pytest.mark.gpu
@@ -649,15 +654,9 @@ def test_staged_ksum_gives_the_same_bits(K, E_loc, H, shared_inter, monkeypatch)
     instead of registers; same sums in the same order, so the same bits (H = 576: 72 vectors
     per row, so a lane's last step is partial; K = 1 and 10; the shared expert's row;
     recorded too)."""
-    from mok_cute import megakernel
-
     args = _problem(1, 300, H, 256, E_loc, K, shared_inter, seed=47, skew=True)
     _switch_keeps_the_bits(monkeypatch, "KSUM_STAGED", False, True, args, 1)
-    out = _run(args)
-    recorded = _run(args, timeline=True)
-    assert any(k.ksum_staged and k.timeline for k in megakernel._PLANS)
-    assert torch.equal(recorded, out)
-    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+    _switch_on_is_recorded_and_correct("KSUM_STAGED", args)
 
 
 @pytest.mark.gpu
@@ -677,11 +676,7 @@ def test_pingpong_consumers_give_the_same_bits(R, H, ring, local_direct, shared,
     sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
     monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
     _switch_keeps_the_bits(monkeypatch, "PINGPONG", False, True, args, R, sizes)
-    out = _run(args, **(sizes or {}))
-    recorded = _run(args, timeline=True, **(sizes or {}))
-    assert any(k.pingpong and k.timeline for k in megakernel._PLANS)
-    assert torch.equal(recorded, out)
-    assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+    _switch_on_is_recorded_and_correct("PINGPONG", args, sizes)
 
 
 @pytest.mark.gpu

@@ -1111,20 +1111,8 @@ class MegakernelSm90:
                        compute_cta, ticket_q, ticket_bars, ksum_stage):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
-        thr_mma = tiled_mma.get_slice((warpgroup_idx - 1) * 128)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), Float32)
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        tiled_copy_r2s = cute.make_tiled_copy_S(
-            sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, elem_ty_d=BFloat16,
-                                              elem_ty_acc=Float32),
-            cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-        thr_copy_r2s = tiled_copy_r2s.get_slice(consumer_tidx)
-        epi = TileEpilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC),
-                           tiled_copy_r2s.retile(acc),
-                           cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
+        tCrA, tCrB, acc, num_k_blocks, epi = self._consumer_parts(
+            tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * 128, consumer_tidx)
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.gemm.num_mma_threads))
@@ -1153,23 +1141,8 @@ class MegakernelSm90:
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
             if run and not noop and self._is_gemm(ttype):
-                read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
-                release = read.clone()
-                acc.fill(0.0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
-                ab_pipeline.consumer_wait(read)
-                a_visible_to_wgmma(self.local_direct)
-                self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
-                read.advance()
-                for k in range(1, k_tiles):
-                    ab_pipeline.consumer_wait(read)
-                    a_visible_to_wgmma(self.local_direct)
-                    self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
-                    cute.nvgpu.warpgroup.wait_group(1)
-                    ab_pipeline.consumer_release(release)
-                    release.advance()
-                    read.advance()
+                release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
+                                         num_k_blocks)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
 
@@ -1239,23 +1212,10 @@ class MegakernelSm90:
         mainloop in task order: a task's owner waits for its turn, issues its k-tile waits,
         then passes the turn if there is a next task, so the other's mainloop overlaps its
         epilogue. A task that runs no mainloop (KSUM, skipped, no-op) passes it at once."""
-        tile_m, tile_n, tile_k = self.tile_shape_mnk
         wg = warpgroup_idx - 1  # 0 or 1
         wg_tidx = tidx % 128
-        thr_mma = tiled_mma.get_slice(0)  # each warpgroup is a whole single-warpgroup MMA
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), Float32)
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
-        tiled_copy_r2s = cute.make_tiled_copy_S(
-            sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, elem_ty_d=BFloat16,
-                                              elem_ty_acc=Float32),
-            cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
-        thr_copy_r2s = tiled_copy_r2s.get_slice(wg_tidx)
-        epi = TileEpilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC),
-                           tiled_copy_r2s.retile(acc),
-                           cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
+        # each warpgroup is a whole single-warpgroup MMA (slice 0)
+        tCrA, tCrB, acc, num_k_blocks, epi = self._consumer_parts(tiled_mma, sA, sB, sC, 0, wg_tidx)
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
@@ -1282,23 +1242,8 @@ class MegakernelSm90:
                 if taken > 1:
                     my_turn.arrive_and_wait()  # the previous task's owner has issued its waits
                 if gemm_runs:
-                    read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
-                    release = read.clone()
-                    acc.fill(0.0)
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                    cute.nvgpu.warpgroup.fence()
-                    ab_pipeline.consumer_wait(read)
-                    a_visible_to_wgmma(self.local_direct)
-                    self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
-                    read.advance()
-                    for k in range(1, k_tiles):
-                        ab_pipeline.consumer_wait(read)
-                        a_visible_to_wgmma(self.local_direct)
-                        self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        ab_pipeline.consumer_release(release)
-                        release.advance()
-                        read.advance()
+                    release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
+                                             k_tiles, num_k_blocks)
                     self._pass_turn(their_turn, ticket_q, ticket_bars, taken)
                     cute.nvgpu.warpgroup.wait_group(0)
                     ab_pipeline.consumer_release(release)
@@ -1350,6 +1295,52 @@ class MegakernelSm90:
             index, rank = task_ring_next(ticket_q, ticket_bars, taken)
             taken += 1
         tma_store_pipeline.producer_tail()
+
+    def _consumer_parts(self, tiled_mma, sA, sB, sC, mma_slice, copy_tidx):
+        """A consumer thread's wgmma operand fragments, fp32 accumulator, k-blocks per stage and
+        epilogue partitions (registers -> smem by stmatrix), for MMA thread slice
+        ``mma_slice`` and epilogue thread ``copy_tidx``. Traced inline (a plain method: the
+        tensors and the TileEpilogue go back to the caller)."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        thr_mma = tiled_mma.get_slice(mma_slice)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), Float32)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+        tiled_copy_r2s = cute.make_tiled_copy_S(
+            sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, elem_ty_d=BFloat16,
+                                              elem_ty_acc=Float32),
+            cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(copy_tidx)
+        epi = TileEpilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC),
+                           tiled_copy_r2s.retile(acc),
+                           cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
+        return tCrA, tCrB, acc, cute.size(tCrA, mode=[2]), epi
+
+    @cute.jit
+    def _mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
+                  num_k_blocks: cutlass.Constexpr[int]):
+        """A GEMM task's wgmmas over its ``k_tiles`` stages, from stage use ``loads`` on: one
+        batch stays in flight and a stage is released once the batch that read it retired.
+        Returns the last stage's state; the caller releases it after ``wait_group(0)``."""
+        read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
+        release = read.clone()
+        acc.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.fence()
+        ab_pipeline.consumer_wait(read)
+        a_visible_to_wgmma(self.local_direct)
+        self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
+        read.advance()
+        for k in range(1, k_tiles):
+            ab_pipeline.consumer_wait(read)
+            a_visible_to_wgmma(self.local_direct)
+            self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release)
+            release.advance()
+            read.advance()
+        return release
 
     @cute.jit
     def _pass_turn(self, their_turn, ticket_q, ticket_bars, taken: Int32):
