@@ -139,8 +139,7 @@ DECODED_TICKETS = experimental_switch("DECODED_TICKETS", True)
 # ~2-3 % on qwen3 if the second warpgroup's mainloop covers the wait. Written in the eleventh
 # session after its device time was spent: compile-checked only. MOK_STORE_WARP_SIGNALS=1.
 STORE_WARP_SIGNALS = experimental_switch("STORE_WARP_SIGNALS", False)
-# One rank per launch (moe_forward on one GPU, a virtual R = 1 launch, each IPC rank): the KSUM
-# lanes land their y vectors in the idle B stages with cp.async and sum them from smem
+# The KSUM lanes land their y vectors in the idle B stages with cp.async and sum them from smem
 # (kernels.megakernel_sm90's ksum_staged), 32 vectors in flight per lane instead of 16 in
 # registers. Why: the k-sum tail after the last FC2 tile is latency-bound on 8 warps per SM
 # (mixtral, run 56: 0.11 ms against 0.07 for the expert path's k-sum kernel); 32 vectors in
@@ -212,7 +211,7 @@ class PlanKey:
     comm_copy_vectors: int = 0  # COMM_COPY_VECTORS (vector copy only)
     decoded_tickets: bool = False  # DECODED_TICKETS (with dynamic_tickets only)
     store_warp_signals: bool = False  # STORE_WARP_SIGNALS
-    ksum_staged: bool = False  # KSUM_STAGED (one rank per launch only)
+    ksum_staged: bool = False  # KSUM_STAGED (not with pingpong)
     pingpong: bool = False  # PINGPONG (with decoded tickets)
 
 
@@ -389,6 +388,7 @@ class Plan:
             fc1_lead=k.fc1_lead,
             comm_tasks=not k.local_only, tile_order=k.tile_order)
         if k.ksum_staged and not self.task_list.ksum_closes_compute_queue():
+            # every rank's list has this one's structure, so one check covers the launch
             raise RuntimeError("ksum_staged needs every compute task after the first KSUM to be "
                                "a KSUM (the k-sum reuses the GEMM stage buffers)")
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
@@ -656,7 +656,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, dynamic, KSUM_VECTORS,
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
-                  STORE_WARP_SIGNALS, KSUM_STAGED and R == 1 and not pingpong, pingpong)
+                  STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -286,9 +286,10 @@ class TaskList:
         return np.flatnonzero(self.role == int(role))
 
     def ksum_closes_compute_queue(self) -> bool:
-        """Whether every compute task after the first KSUM is a KSUM. A one-rank launch relies
-        on it to reuse its GEMM stage buffers in the k-sum (the megakernel's ksum_staged): a
-        CTA whose tickets reached the KSUMs never loads another GEMM stage."""
+        """Whether every compute task after the first KSUM is a KSUM. The megakernel's
+        ksum_staged relies on it to reuse the GEMM stage buffers in the k-sum: both ticket
+        walks hand out every rank's KSUM tail after all live GEMM positions, so a CTA whose
+        tickets reached the KSUMs never loads another GEMM stage."""
         kinds = self.type[self.queue(Role.COMPUTE)]
         first = np.flatnonzero(kinds == int(TaskType.KSUM))
         return bool(first.size == 0 or (kinds[first[0]:] == int(TaskType.KSUM)).all())

@@ -157,9 +157,8 @@ def test_store_warp_signals_compile_without_spills(tmp_path):
 
 @pytest.mark.parametrize("top_k,has_shared", [(8, False), (2, True), (10, True)])
 def test_staged_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_path):
-    """ksum_staged (one rank): the KSUM lanes copy their y vectors into the B stages with
-    cp.async and read them back from smem (the register path's global vector loads go), no
-    spills; several ranks are refused (another rank's GEMM may follow a KSUM there)."""
+    """ksum_staged: the KSUM lanes copy their y vectors into the B stages with cp.async and
+    read them back from smem (the register path's global vector loads go), no spills."""
     from mok_cute import jit
     from mok_cute.kernels import megakernel_sm90
 
@@ -177,8 +176,9 @@ def test_staged_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_pa
     assert count(r"ld\.global\.v4", on) < count(r"ld\.global\.v4", off)
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, ksum_staged=True)
     assert rep.spill_bytes == 0 and rep.registers == 168
-    with pytest.raises(ValueError, match="ksum_staged needs num_ranks == 1"):
-        megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, ksum_staged=True)
+    several = jit.inspect_kernel("megakernel", outdir=tmp_path, **dict(static, num_ranks=8),
+                                 rank_blocks=True, ksum_staged=True)
+    assert several.spill_bytes == 0
 
 
 @pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
@@ -647,16 +647,24 @@ def test_store_warp_signals_give_the_same_bits(R, ring, local_direct, shared, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,E_loc,H,shared_inter", [(1, 4, 576, 0), (2, 4, 512, 128),
-                                                   (8, 8, 576, 0), (10, 16, 512, 128)])
-def test_staged_ksum_gives_the_same_bits(K, E_loc, H, shared_inter, monkeypatch):
-    """megakernel.KSUM_STAGED (one rank): the k-sum's y vectors come through smem by cp.async
-    instead of registers; same sums in the same order, so the same bits (H = 576: 72 vectors
-    per row, so a lane's last step is partial; K = 1 and 10; the shared expert's row;
-    recorded too)."""
-    args = _problem(1, 300, H, 256, E_loc, K, shared_inter, seed=47, skew=True)
-    _switch_keeps_the_bits(monkeypatch, "KSUM_STAGED", False, True, args, 1)
-    _switch_on_is_recorded_and_correct("KSUM_STAGED", args)
+@pytest.mark.parametrize("R,K,E_loc,H,shared_inter,ring", [(1, 1, 4, 576, 0, None),
+                                                           (1, 2, 4, 512, 128, None),
+                                                           (1, 8, 8, 576, 0, None),
+                                                           (3, 10, 4, 512, 128, None),
+                                                           (8, 4, 2, 512, 0, 256)])
+def test_staged_ksum_gives_the_same_bits(R, K, E_loc, H, shared_inter, ring, monkeypatch):
+    """megakernel.KSUM_STAGED: the k-sum's y vectors come through smem by cp.async instead of
+    registers; same sums in the same order, so the same bits (H = 576: 72 vectors per row,
+    so a lane's last step is partial; K = 1 and 10; the shared expert's row; several ranks,
+    whose KSUMs come after every rank's GEMM tickets; a wrapping ring; recorded too)."""
+    from mok_cute import megakernel
+
+    args = _problem(R, 300, H, 256, E_loc, K, shared_inter, seed=47, skew=True)
+    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    if ring is not None:
+        monkeypatch.setattr(megakernel, "LOCAL_DIRECT", False)
+    _switch_keeps_the_bits(monkeypatch, "KSUM_STAGED", False, True, args, R, sizes)
+    _switch_on_is_recorded_and_correct("KSUM_STAGED", args, sizes)
 
 
 @pytest.mark.gpu

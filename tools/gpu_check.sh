@@ -57,7 +57,7 @@
 #   newtests  GPU tests of the eleventh session's unmeasured variants: STORE_WARP_SIGNALS,
 #          KSUM_STAGED, PINGPONG (~5 min)
 #   newprobe  the same variants against the default, 8 interleaved rounds on the five shapes,
-#          then qwen3.5 at virtual R = 8 with PINGPONG (~8 min)
+#          then qwen3.5 at virtual R = 8 with PINGPONG and KSUM_STAGED (~8 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -265,11 +265,11 @@ run_new_variants_tests() {
 run_new_variants_probe() {
   # the same variants against the default, interleaved: the megakernel at R = 1 on the five
   # shapes (8 alternating rounds; s = STORE_WARP_SIGNALS, m = KSUM_STAGED, o = PINGPONG), then
-  # qwen3.5 at virtual R = 8 against R = 1 with the pingpong loop
+  # qwen3.5 at virtual R = 8 against R = 1 with the pingpong loop and the staged k-sum
   timeout -s KILL 330 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
     --comm 2lxwfkue,2lxwfkues,2lxwfkuem,2lxwfkueo --rounds 8 --json "$out/layer_new_variants_ab.json" 2>&1 \
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-260 | tail -25
-  virtual_probe 200 qwen3.5_397b 16kue,16kueo "virtual_pingpong_qwen35"
+  virtual_probe 200 qwen3.5_397b 16kue,16kueo,16kuem "virtual_new_variants_qwen35"
 }
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)

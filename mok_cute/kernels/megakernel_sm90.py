@@ -176,16 +176,14 @@ class MegakernelSm90:
         # buffers need no barrier here: the store warp frees each buffer (store_pipeline
         # acquire) before the subtile barrier that every warp passes later. KSUM keeps it.
         self.store_warp_signals = store_warp_signals
-        # ksum_staged (one rank per launch): a KSUM lane lands its y vectors in smem with
-        # cp.async (the B stages, idle once a CTA's tickets reach the KSUM tail: with one rank
-        # no GEMM task follows a KSUM in the compute queue) and sums them from there, instead
-        # of holding the loads in registers. Why: the k-sum at the end of a one-rank call is
-        # latency-bound on 8 warps per SM (mixtral, run 56: 0.11 ms where the expert path's
-        # k-sum kernel takes 0.07), and 32 vectors per lane in registers spill; smem holds
-        # ksum_stage_vectors (32) per lane, twice the register path's 16.
-        if ksum_staged and num_ranks != 1:
-            raise ValueError("ksum_staged needs num_ranks == 1 (with several ranks a GEMM task "
-                             "of another rank can follow a KSUM and reuse the B stages)")
+        # ksum_staged: a KSUM lane lands its y vectors in smem with cp.async (the B stages,
+        # idle once a CTA's tickets reach the KSUMs: they are every rank's queue tail, and
+        # both ticket walks hand out the tail after every live GEMM position of every rank)
+        # and sums them from there, instead of holding the loads in registers. Why: the k-sum
+        # at the end of a one-rank call is latency-bound on 8 warps per SM (mixtral, run 56:
+        # 0.11 ms where the expert path's k-sum kernel takes 0.07), and 32 vectors per lane in
+        # registers spill; smem holds ksum_stage_vectors (32) per lane, twice the register
+        # path's 16.
         self.ksum_staged = ksum_staged
         # pingpong: the two consumer warpgroups take alternate compute tickets, each running a
         # whole 128 x 128 task, and take turns at the mainloop, so one warpgroup's epilogue,
