@@ -581,6 +581,19 @@ def _switch_keeps_the_bits(monkeypatch, switch, off, on, args, R, sizes=None, fe
         assert torch.equal(out, base)
 
 
+def _check_switch(monkeypatch, switch, args, R, ring=None, local_direct=None):
+    """A boolean megakernel switch: same bits off and on (``_switch_keeps_the_bits``, with a
+    ring of ``ring`` rows and 128-token minibatches when given, and LOCAL_DIRECT set when
+    given), then recorded and against the reference with it on."""
+    from mok_cute import megakernel
+
+    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
+    if local_direct is not None:
+        monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
+    _switch_keeps_the_bits(monkeypatch, switch, False, True, args, R, sizes)
+    _switch_on_is_recorded_and_correct(switch, args, sizes)
+
+
 def _switch_on_is_recorded_and_correct(switch, args, sizes=None):
     """With megakernel.<switch> on: a recorded call gives the same bits as an unrecorded one,
     a plan with the switch and the recorder exists, and the output matches the reference."""
@@ -621,12 +634,9 @@ def test_decoded_tickets_give_the_same_bits(R, ring, local_direct, shared, monke
     wrapping ring, the FC1 lead, few and many CTAs)."""
     from mok_cute import megakernel
 
-    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=41, skew=True)
-    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
-    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
     monkeypatch.setattr(megakernel, "DYNAMIC_TICKETS", True)
-    _switch_keeps_the_bits(monkeypatch, "DECODED_TICKETS", False, True, args, R, sizes)
-    _switch_on_is_recorded_and_correct("DECODED_TICKETS", args, sizes)
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=41, skew=True)
+    _check_switch(monkeypatch, "DECODED_TICKETS", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu
@@ -637,13 +647,8 @@ def test_store_warp_signals_give_the_same_bits(R, ring, local_direct, shared, mo
     """megakernel.STORE_WARP_SIGNALS: only the store warp waits for a GEMM tile's stores and
     publishes; the other warps start the next task at once. Consumers of the tile still see
     it complete (FC2 reads FC1's h, the k-sum and COMBINE read y), so not a bit changes."""
-    from mok_cute import megakernel
-
     args = _problem(R, 300, 512, 256, 4, 4, shared, seed=43, skew=True)
-    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
-    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
-    _switch_keeps_the_bits(monkeypatch, "STORE_WARP_SIGNALS", False, True, args, R, sizes)
-    _switch_on_is_recorded_and_correct("STORE_WARP_SIGNALS", args, sizes)
+    _check_switch(monkeypatch, "STORE_WARP_SIGNALS", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu
@@ -657,14 +662,8 @@ def test_staged_ksum_gives_the_same_bits(R, K, E_loc, H, shared_inter, ring, mon
     registers; same sums in the same order, so the same bits (H = 576: 72 vectors per row,
     so a lane's last step is partial; K = 1 and 10; the shared expert's row; several ranks,
     whose KSUMs come after every rank's GEMM tickets; a wrapping ring; recorded too)."""
-    from mok_cute import megakernel
-
     args = _problem(R, 300, H, 256, E_loc, K, shared_inter, seed=47, skew=True)
-    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
-    if ring is not None:
-        monkeypatch.setattr(megakernel, "LOCAL_DIRECT", False)
-    _switch_keeps_the_bits(monkeypatch, "KSUM_STAGED", False, True, args, R, sizes)
-    _switch_on_is_recorded_and_correct("KSUM_STAGED", args, sizes)
+    _check_switch(monkeypatch, "KSUM_STAGED", args, R, ring, False if ring is not None else None)
 
 
 @pytest.mark.gpu
@@ -678,13 +677,8 @@ def test_pingpong_consumers_give_the_same_bits(R, H, ring, local_direct, shared,
     taking turns at the mainloop. Every output element still sums its K in the same k-tile
     order, so not a bit changes (H = 576: a partial last N-tile; a wrapping ring; the
     shared expert; KSUM on one warpgroup; few and many CTAs; recorded too)."""
-    from mok_cute import megakernel
-
     args = _problem(R, 300, H, 320, 4, 4, shared, seed=59, skew=True)
-    sizes = None if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
-    monkeypatch.setattr(megakernel, "LOCAL_DIRECT", local_direct)
-    _switch_keeps_the_bits(monkeypatch, "PINGPONG", False, True, args, R, sizes)
-    _switch_on_is_recorded_and_correct("PINGPONG", args, sizes)
+    _check_switch(monkeypatch, "PINGPONG", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu
