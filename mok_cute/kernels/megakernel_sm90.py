@@ -801,14 +801,11 @@ class MegakernelSm90:
             ttype = tasks[index, W_TYPE]
             tword = (ttype + cutlass.select_(run, Int32(RUN_FLAG), Int32(0))
                      + cutlass.select_(noop, Int32(NOOP_FLAG), Int32(0)))
-            m_tile = tasks[index, W_MTILE]
-            n_tile = tasks[index, W_NTILE]
-            ring_tile = tasks[index, W_RING_ROW] // self.tile_shape_mnk[0]
+            m_tile, n_tile, ring_tile = self._row_tile(tasks, index)
             if run and not noop and self._is_gemm(ttype):
-                expert = rank * ctx.local_experts + tile_expert[rank, cutlass.max(m_tile, 0)]
+                expert = self._expert_of(ctx, tile_expert, rank, m_tile)
             signal = counter_offsets[tasks[index, W_SIGNAL_GROUP]] + tasks[index, W_SIGNAL_INDEX]
-        s = k % TICKET_SLOTS
-        cute.arch.mbarrier_wait(ticket_bars + TICKET_SLOTS + s, ((k // TICKET_SLOTS) & 1) ^ 1)
+        ring_wait_empty(ticket_bars, k)
         words = task_ring_words(ticket_q, k)
         words[D_INDEX] = index
         words[D_RANK] = rank
@@ -818,7 +815,7 @@ class MegakernelSm90:
         words[D_RING_TILE] = ring_tile
         words[D_EXPERT] = expert
         words[D_SIGNAL] = signal
-        cute.arch.mbarrier_arrive(ticket_bars + s)  # release: readers that see the phase see the words
+        cute.arch.mbarrier_arrive(ticket_bars + k % TICKET_SLOTS)  # release: readers that see the phase see the words
 
     @cute.jit
     def _task_kind(self, ctx, tasks, num_tiles, ticket_q, taken: Int32, index: Int32,
@@ -843,10 +840,19 @@ class MegakernelSm90:
             words = task_ring_words(ticket_q, taken - 1)
             m_tile, n_tile, ring_tile = words[D_MTILE], words[D_NTILE], words[D_RING_TILE]
         else:
-            m_tile = tasks[index, W_MTILE]
-            n_tile = tasks[index, W_NTILE]
-            ring_tile = tasks[index, W_RING_ROW] // self.tile_shape_mnk[0]
+            m_tile, n_tile, ring_tile = self._row_tile(tasks, index)
         return m_tile, n_tile, ring_tile
+
+    @cute.jit
+    def _row_tile(self, tasks, index: Int32):
+        """(m_tile, n_tile, ring tile) from task ``index``'s row."""
+        return (tasks[index, W_MTILE], tasks[index, W_NTILE],
+                tasks[index, W_RING_ROW] // self.tile_shape_mnk[0])
+
+    @cute.jit
+    def _expert_of(self, ctx, tile_expert, rank: Int32, m_tile: Int32) -> Int32:
+        """The launch-wide expert index of ``rank``'s M-tile (weights are stacked rank-major)."""
+        return rank * ctx.local_experts + tile_expert[rank, cutlass.max(m_tile, 0)]
 
     @cute.jit
     def _move_rows(self, num_rows, row_src, row_dst, row_full, staging, slots, row_bytes,
@@ -926,7 +932,6 @@ class MegakernelSm90:
         tma = _TmaLoads(tma_a_x, gAx, sAx, tma_a_h, gAh, sAh, tma_wg, gBg, sBg, tma_wu, gBu, sBu,
                         tma_wd, gBd, sBd, s_tma_a_x, s_gAx, s_sAx, s_tma_a_h, s_gAh, s_sAh,
                         s_tma_wg, s_gBg, s_sBg, s_tma_wu, s_gBu, s_sBu, s_tma_wd, s_gBd, s_sBd)
-        e_loc = ctx.local_experts
         # local_direct: the _DirectA fields as plain locals (an object used in the task loop
         # would have to be carried through it)
         d_row_peer, d_row_token, d_peer_bases, d_ring_x = None, None, None, None
@@ -970,7 +975,7 @@ class MegakernelSm90:
                 if const_expr(self.decoded_tickets):
                     expert = task_ring_words(ticket_q, taken - 1)[D_EXPERT]
                 else:
-                    expert = rank * e_loc + tile_expert[rank, cutlass.max(m_tile, 0)]
+                    expert = self._expert_of(ctx, tile_expert, rank, m_tile)
                 state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
                 if const_expr(self.local_direct):
                     self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
@@ -1144,27 +1149,10 @@ class MegakernelSm90:
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
 
-                m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
-                if ttype == int(TaskType.FC1):
-                    self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
-                                   barrier, tma_store_pipeline, is_store_warp)
-                elif ttype == int(TaskType.FC2):
-                    self._store_tile(epi, tma_st_y, t_st_y, ring_tile, n_tile, rank, False, subtiles,
-                                   barrier, tma_store_pipeline, is_store_warp)
-                if const_expr(self.has_shared):
-                    if ttype == int(TaskType.SHARED_FC1):
-                        self._store_tile(epi, s_tma_st_h, s_t_st_h, m_tile, n_tile, rank, True,
-                                       subtiles, barrier, tma_store_pipeline, is_store_warp)
-                    elif ttype == int(TaskType.SHARED_FC2):
-                        self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
-                                       subtiles, barrier, tma_store_pipeline, is_store_warp)
-                subtiles += self._epi_subtiles(ttype)
-                if is_store_warp:
-                    # the tile's TMA stores must have landed before anyone is told
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.fence_proxy("async.global")
-                    if const_expr(self.store_warp_signals):
-                        cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
+                subtiles = self._store_task(
+                    epi, ttype, tasks, ticket_q, taken, index, rank, subtiles, barrier,
+                    tma_store_pipeline, is_store_warp, 0, self.store_warp_signals, tma_st_h,
+                    t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y)
             elif run and not noop:
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
                            topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
@@ -1176,17 +1164,8 @@ class MegakernelSm90:
                 else:
                     barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
-                    self._fence()
-                    if const_expr(self.decoded_tickets):
-                        common.counter_publish(counters[rank, None],
-                                               task_ring_words(ticket_q, taken - 1)[D_SIGNAL], 1,
-                                               self.scope)
-                    else:
-                        self._signal_task(tasks, counter_offsets, counters, index, rank)
-                    if const_expr(self.timeline):
-                        slot = common.timeline_reserve(timeline_buf, 1)
-                        common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
-                                              ctx.rank_base + rank, t_start, common.timeline_now())
+                    self._publish_compute_task(ctx, tasks, counter_offsets, counters, ticket_q,
+                                               taken, index, rank, ttype, t_start, timeline_buf)
             loads += self._loads_of(run, noop, ttype, k_tiles)
             if const_expr(self.decoded_tickets):
                 index, rank = task_ring_next(ticket_q, ticket_bars, taken)
@@ -1245,30 +1224,10 @@ class MegakernelSm90:
                     self._pass_turn(their_turn, ticket_q, ticket_bars, taken)
                     cute.nvgpu.warpgroup.wait_group(0)
                     ab_pipeline.consumer_release(release)
-                    m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
-                    if ttype == int(TaskType.FC1):
-                        self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True,
-                                         subtiles, barrier, tma_store_pipeline, is_store_warp,
-                                         epi_base)
-                    elif ttype == int(TaskType.FC2):
-                        self._store_tile(epi, tma_st_y, t_st_y, ring_tile, n_tile, rank, False,
-                                         subtiles, barrier, tma_store_pipeline, is_store_warp,
-                                         epi_base)
-                    if const_expr(self.has_shared):
-                        if ttype == int(TaskType.SHARED_FC1):
-                            self._store_tile(epi, s_tma_st_h, s_t_st_h, m_tile, n_tile, rank, True,
-                                             subtiles, barrier, tma_store_pipeline, is_store_warp,
-                                             epi_base)
-                        elif ttype == int(TaskType.SHARED_FC2):
-                            self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank,
-                                             False, subtiles, barrier, tma_store_pipeline,
-                                             is_store_warp, epi_base)
-                    subtiles += self._epi_subtiles(ttype)
-                    if is_store_warp:
-                        # the tile's TMA stores must have landed before anyone is told
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_proxy("async.global")
-                        cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
+                    subtiles = self._store_task(
+                        epi, ttype, tasks, ticket_q, taken, index, rank, subtiles, barrier,
+                        tma_store_pipeline, is_store_warp, epi_base, True, tma_st_h, t_st_h,
+                        tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y)
                 else:
                     self._pass_turn(their_turn, ticket_q, ticket_bars, taken)
                     if run and not noop:
@@ -1280,19 +1239,61 @@ class MegakernelSm90:
                         barrier.arrive_and_wait()  # every warp's rows before the signal
                 if run:
                     if wg_tidx == 0:  # lane 0 of the store warp
-                        self._fence()
-                        common.counter_publish(counters[rank, None],
-                                               task_ring_words(ticket_q, taken - 1)[D_SIGNAL], 1,
-                                               self.scope)
-                        if const_expr(self.timeline):
-                            slot = common.timeline_reserve(timeline_buf, 1)
-                            common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype,
-                                                  index, ctx.rank_base + rank, t_start,
-                                                  common.timeline_now())
+                        self._publish_compute_task(ctx, tasks, counter_offsets, counters,
+                                                   ticket_q, taken, index, rank, ttype, t_start,
+                                                   timeline_buf)
             loads += self._loads_of(run, noop, ttype, k_tiles)
             index, rank = task_ring_next(ticket_q, ticket_bars, taken)
             taken += 1
         tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def _store_task(self, epi, ttype: Int32, tasks, ticket_q, taken: Int32, index: Int32,
+                    rank: Int32, subtiles: Int32, barrier, store_pipeline, is_store_warp,
+                    buf_base, sync_store_warp: cutlass.Constexpr[bool], tma_st_h, t_st_h,
+                    tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y) -> Int32:
+        """A GEMM task's epilogue: its output tile (h of FC1, y of FC2, the shared expert's
+        h / y) stored by TMA, then the store warp waits for the stores to land (and, with
+        ``sync_store_warp``, syncs its lanes so that lane 0 may publish without a barrier).
+        Returns the epilogue subtiles used so far."""
+        m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
+        if ttype == int(TaskType.FC1):
+            self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
+                             barrier, store_pipeline, is_store_warp, buf_base)
+        elif ttype == int(TaskType.FC2):
+            self._store_tile(epi, tma_st_y, t_st_y, ring_tile, n_tile, rank, False, subtiles,
+                             barrier, store_pipeline, is_store_warp, buf_base)
+        if const_expr(self.has_shared):
+            if ttype == int(TaskType.SHARED_FC1):
+                self._store_tile(epi, s_tma_st_h, s_t_st_h, m_tile, n_tile, rank, True,
+                                 subtiles, barrier, store_pipeline, is_store_warp, buf_base)
+            elif ttype == int(TaskType.SHARED_FC2):
+                self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
+                                 subtiles, barrier, store_pipeline, is_store_warp, buf_base)
+        if is_store_warp:
+            # the tile's TMA stores must have landed before anyone is told
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+            if const_expr(sync_store_warp):
+                cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
+        return subtiles + self._epi_subtiles(ttype)
+
+    @cute.jit
+    def _publish_compute_task(self, ctx, tasks, counter_offsets, counters, ticket_q, taken: Int32,
+                              index: Int32, rank: Int32, ttype: Int32, t_start: Int64,
+                              timeline_buf):
+        """One thread, after the task's writes are complete: release-publish its counter (from
+        the decoded ring or the task row) and, with the recorder, its span."""
+        self._fence()
+        if const_expr(self.decoded_tickets):
+            common.counter_publish(counters[rank, None],
+                                   task_ring_words(ticket_q, taken - 1)[D_SIGNAL], 1, self.scope)
+        else:
+            self._signal_task(tasks, counter_offsets, counters, index, rank)
+        if const_expr(self.timeline):
+            slot = common.timeline_reserve(timeline_buf, 1)
+            common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
+                                  ctx.rank_base + rank, t_start, common.timeline_now())
 
     def _consumer_parts(self, tiled_mma, sA, sB, sC, mma_slice, copy_tidx):
         """A consumer thread's wgmma operand fragments, fp32 accumulator, k-blocks per stage and
@@ -1344,9 +1345,8 @@ class MegakernelSm90:
     def _pass_turn(self, their_turn, ticket_q, ticket_bars, taken: Int32):
         """pingpong: hand the mainloop to the next task's owner, if there is a next task (its
         ring use is waited for, not released: the arrivals must match the waits)."""
-        k = taken  # the next task's ring use
-        cute.arch.mbarrier_wait(ticket_bars + k % TICKET_SLOTS, (k // TICKET_SLOTS) & 1)
-        if task_ring_words(ticket_q, k)[D_INDEX] >= 0:
+        ring_wait_full(ticket_bars, taken)  # the next task's ring use
+        if task_ring_words(ticket_q, taken)[D_INDEX] >= 0:
             their_turn.arrive()
 
     @cute.jit
@@ -1552,10 +1552,22 @@ def ticket_ring_init(bars, reader_warps: cutlass.Constexpr[int]):
 
 
 @cute.jit
+def ring_wait_empty(bars, k: Int32):
+    """The writer of ring use k: wait until every reader has given back the slot's last use."""
+    cute.arch.mbarrier_wait(bars + TICKET_SLOTS + k % TICKET_SLOTS, ((k // TICKET_SLOTS) & 1) ^ 1)
+
+
+@cute.jit
+def ring_wait_full(bars, k: Int32):
+    """A reader of ring use k: wait until the writer has published it."""
+    cute.arch.mbarrier_wait(bars + k % TICKET_SLOTS, (k // TICKET_SLOTS) & 1)
+
+
+@cute.jit
 def ticket_ring_publish(ticket_q, bars, k: Int32, q: Int32):
     """One thread: wait until every reader is done with the slot's previous use, write q."""
     s = k % TICKET_SLOTS
-    cute.arch.mbarrier_wait(bars + TICKET_SLOTS + s, ((k // TICKET_SLOTS) & 1) ^ 1)
+    ring_wait_empty(bars, k)
     cute.make_tensor(ticket_q, cute.make_layout(TICKET_SLOTS))[s] = q
     cute.arch.mbarrier_arrive(bars + s)  # release: readers that see the phase see the write
 
@@ -1564,7 +1576,7 @@ def ticket_ring_publish(ticket_q, bars, k: Int32, q: Int32):
 def ticket_ring_read(ticket_q, bars, k: Int32) -> Int32:
     """A whole warp: ticket use k."""
     s = k % TICKET_SLOTS
-    cute.arch.mbarrier_wait(bars + s, (k // TICKET_SLOTS) & 1)
+    ring_wait_full(bars, k)
     q = cute.make_tensor(ticket_q, cute.make_layout(TICKET_SLOTS))[s]
     cute.arch.sync_warp()
     if cute.arch.lane_idx() == 0:
@@ -1588,7 +1600,7 @@ def task_ring_next(ticket_q, bars, k: Int32):
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(bars + TICKET_SLOTS + (k - 1) % TICKET_SLOTS)
-    cute.arch.mbarrier_wait(bars + k % TICKET_SLOTS, (k // TICKET_SLOTS) & 1)
+    ring_wait_full(bars, k)
     words = task_ring_words(ticket_q, k)
     return words[D_INDEX], words[D_RANK]
 
