@@ -136,17 +136,22 @@ DECODED_TICKETS = experimental_switch("DECODED_TICKETS", True)
 # (kernels.megakernel_sm90's store_warp_signals). Why: the decoded recordings (run 87) still
 # show 12.9 (mixtral) to 32 (qwen3) us per ms per CTA between tasks, mostly that wait, the
 # fence and the publish, while both warpgroups idle. Predicted: up to ~1 % on mixtral and
-# ~2-3 % on qwen3 if the second warpgroup's mainloop covers the wait. Written in the eleventh
-# session after its device time was spent: compile-checked only. MOK_STORE_WARP_SIGNALS=1.
-STORE_WARP_SIGNALS = experimental_switch("STORE_WARP_SIGNALS", False)
+# ~2-3 % on qwen3 if the second warpgroup's mainloop covers the wait. Measured (twelfth
+# session, run 90, bitwise equal; median of the per-round ratios of 8 interleaved rounds against
+# the default of then): qwen3 0.974, mixtral 0.994, dsv3 0.993, gptoss 0.999, sonic 0.995. On;
+# MOK_STORE_WARP_SIGNALS=0 turns it off.
+STORE_WARP_SIGNALS = experimental_switch("STORE_WARP_SIGNALS", True)
 # The KSUM lanes land their y vectors in the idle B stages with cp.async and sum them from smem
 # (kernels.megakernel_sm90's ksum_staged), 32 vectors in flight per lane instead of 16 in
 # registers. Why: the k-sum tail after the last FC2 tile is latency-bound on 8 warps per SM
 # (mixtral, run 56: 0.11 ms against 0.07 for the expert path's k-sum kernel); 32 vectors in
 # registers spill. Predicted: the tail down toward the standalone kernel's time, ~0.5 % on
-# mixtral, 1-3 % on qwen3. Written in the eleventh session after its device time was spent:
-# compile-checked only. MOK_KSUM_STAGED=1.
-KSUM_STAGED = experimental_switch("KSUM_STAGED", False)
+# mixtral, 1-3 % on qwen3. Measured (twelfth session, run 90, bitwise equal; median of the
+# per-round ratios of 8 interleaved rounds against the default of then): qwen3 0.969, mixtral
+# 0.975, dsv3 0.993, gptoss 0.997, sonic 0.996; virtual qwen3.5, median of 3 rounds, R = 1
+# 9.47 -> 9.25 ms, R = 8 11.18 -> 10.93. On (the pingpong loop turns it off);
+# MOK_KSUM_STAGED=0 turns it off.
+KSUM_STAGED = experimental_switch("KSUM_STAGED", True)
 # The two consumer warpgroups of a compute CTA take alternate tasks, each a whole 128 x 128
 # tile, and take turns at the mainloop (kernels.megakernel_sm90's pingpong; needs the decoded
 # ring; not with KSUM_STAGED). Why: the cooperative loop makes the tensor cores wait through
@@ -156,6 +161,18 @@ KSUM_STAGED = experimental_switch("KSUM_STAGED", False)
 # FC2 (mixtral) may lose, as it did in the expert path. Written in the eleventh session after
 # its device time was spent: compile-checked only. MOK_PINGPONG=1.
 PINGPONG = experimental_switch("PINGPONG", False)
+# At one rank (no comm tasks) the comm CTAs, idle until the BARRIER, sum every token whose FC2
+# rows are all done while the compute CTAs still run GEMM tiles, and claim it; the KSUM tasks
+# after the BARRIER skip claimed tokens (kernels.megakernel_sm90's early_ksum). Why: the k-sum
+# tail after the last FC2 tile is never hidden: qwen3's recorded call (run 91) ran its KSUM
+# tasks 1.905-2.129 ms of a 2.13 ms span; y is 537 MB there, read from HBM after FC2. Counted:
+# with tokens ready when their last FC2 row's M-tile is done (K = 8 rows spread over the call),
+# ~40 % of qwen3's tokens are ready 200 us before the last FC2 tile and ~75 % 50 us before; the
+# two comm CTAs' 24 warps at ~6 us per token can take a few thousand of its 16384 tokens.
+# Predicted: qwen3 up to -5 %, dsv3 -1 to -2 %, mixtral (K = 2: tokens ready early) ~-1 %, if
+# the comm CTAs' y reads do not slow the GEMMs. Written in the twelfth session after its device
+# time was spent: compile-checked only. MOK_EARLY_KSUM=1.
+EARLY_KSUM = experimental_switch("EARLY_KSUM", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -213,6 +230,7 @@ class PlanKey:
     store_warp_signals: bool = False  # STORE_WARP_SIGNALS
     ksum_staged: bool = False  # KSUM_STAGED (not with pingpong)
     pingpong: bool = False  # PINGPONG (with decoded tickets)
+    early_ksum: bool = False  # EARLY_KSUM (one rank without comm tasks)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -428,7 +446,7 @@ class Plan:
             rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
-            ksum_staged=k.ksum_staged, pingpong=k.pingpong)
+            ksum_staged=k.ksum_staged, pingpong=k.pingpong, early_ksum=k.early_ksum)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -656,7 +674,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   "n_major" if N_MAJOR_TILES else "m_major",
                   local_only, dynamic, KSUM_VECTORS,
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
-                  STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong)
+                  STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
+                  EARLY_KSUM and local_only and R == 1)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

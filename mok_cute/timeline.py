@@ -61,6 +61,7 @@ class TaskType(IntEnum):
     KSUM = 6
     BARRIER = 7
     WAIT = 8
+    EARLY_KSUM = 9  # a comm CTA's k-sum of ready tokens during the GEMMs (task id: tokens)
 
 
 # Exposed-communication accounting: which task types move data between GPUs and which compute.
@@ -425,6 +426,8 @@ def summarize(
     ``layer_tflops`` = ``flops`` over ``S``. ``exposed_comm`` is the time when a comm task
     (dispatch, combine, barrier) runs and no compute task (GEMM, k-sum, gather) runs, as % of ``S``.
     ``task_us``: per task type, one task's mean / p50 / p90 / max duration in us.
+    ``early_ksum_tokens``: tokens the comm CTAs summed during the GEMMs (the EARLY_KSUM
+    records' task ids; the KSUM tasks did the rest).
     """
     rec = tl.records
     span_start, span_end = tl.span_ns
@@ -485,6 +488,7 @@ def summarize(
         "exposed_comm_pct": 100.0 * exposed_ns / span if span else 0.0,
         "task_counts": counts,
         "task_us": task_us,
+        "early_ksum_tokens": int(rec["task_id"][tt == TaskType.EARLY_KSUM].sum()),
     }
 
 

@@ -181,6 +181,31 @@ def test_staged_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_pa
     assert several.spill_bytes == 0
 
 
+@pytest.mark.parametrize("top_k,has_shared,timeline", [(8, False, False), (2, True, True),
+                                                      (10, True, False)])
+def test_early_ksum_scans_on_the_comm_ctas_without_spills(top_k, has_shared, timeline, tmp_path):
+    """early_ksum: the comm CTAs' warps check tokens a chunk of 32 at a time (a ballot over
+    the lanes' readiness, another over the FC2 frontier) and sum the ready ones before the
+    comm loop; the KSUM tasks read the claims. No spills, and only for one rank in place."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=1, num_comm_ctas=2, local_direct=True, dynamic_tickets=True,
+                  decoded_tickets=True, ksum_vectors=16, store_warp_signals=True,
+                  ksum_staged=True, top_k=top_k, has_shared=has_shared, timeline=timeline)
+    opts = f"--keep-ptx --dump-dir {tmp_path}"
+    on = megakernel_sm90.compile_megakernel(**static, early_ksum=True, options=opts).__ptx__
+    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
+    ballots = r"vote\.sync\.ballot\.b32"
+    assert len(re.findall(ballots, on)) == len(re.findall(ballots, off)) + 2
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, early_ksum=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    with pytest.raises(ValueError, match="early_ksum needs one rank with local_direct"):
+        megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, local_direct=True, early_ksum=True)
+    with pytest.raises(ValueError, match="early_ksum needs one rank with local_direct"):
+        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, early_ksum=True)
+
+
 @pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
                                                           (1, False, True)])
 def test_pingpong_consumers_compile_without_spills(num_ranks, has_shared, timeline, tmp_path):
@@ -664,6 +689,31 @@ def test_staged_ksum_gives_the_same_bits(R, K, E_loc, H, shared_inter, ring, mon
     whose KSUMs come after every rank's GEMM tickets; a wrapping ring; recorded too)."""
     args = _problem(R, 300, H, 256, E_loc, K, shared_inter, seed=47, skew=True)
     _check_switch(monkeypatch, "KSUM_STAGED", args, R, ring, False if ring is not None else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,E_loc,K,shared", [(300, 512, 4, 4, 0), (77, 256, 16, 10, 128),
+                                               (1000, 576, 4, 1, 0), (4096, 512, 8, 8, 128)])
+def test_early_ksum_gives_the_same_bits(T, H, E_loc, K, shared, monkeypatch):
+    """megakernel.EARLY_KSUM: the comm CTAs sum the tokens whose FC2 rows are done while the
+    GEMMs run and the KSUM tasks skip them; either path computes a token with the same code,
+    so not a bit changes (K = 1 and 10, H = 576: a partial last vector step, the shared
+    expert, a large T where the scan has time to find tokens; recorded too). The recorded
+    EARLY_KSUM spans (one per comm CTA) count exactly the tokens claimed."""
+    from mok_cute import megakernel
+    from mok_cute.tasks import CounterGroup
+    from mok_cute.timeline import TaskType
+
+    args = _problem(1, T, H, 256, E_loc, K, shared, seed=61, skew=True)
+    _check_switch(monkeypatch, "EARLY_KSUM", args, 1, None, True)
+    plan = next(p for k, p in megakernel._PLANS.items() if k.early_ksum and k.timeline)
+    tl = plan.timeline.decode()
+    spans = tl.records[tl.records["task_type"] == int(TaskType.EARLY_KSUM)]
+    assert len(spans) == plan.key.num_comm_ctas and tl.check() == []
+    first = int(plan.task_list.counter_offsets[int(CounterGroup.KSUM_CLAIMED)])
+    claims = plan.counters[0, first:first + T]
+    assert set(claims.unique().tolist()) <= {0, 1}
+    assert int(claims.sum()) == int(spans["task_id"].sum())
 
 
 @pytest.mark.gpu

@@ -46,7 +46,7 @@ def test_enum_values_match_the_record_format():
     assert [(r.name, int(r)) for r in Role] == [("COMM", 0), ("COMPUTE", 1)]
     assert [(t.name, int(t)) for t in TaskType] == [
         ("DISPATCH", 0), ("FC1", 1), ("FC2", 2), ("COMBINE", 3), ("SHARED_FC1", 4),
-        ("SHARED_FC2", 5), ("KSUM", 6), ("BARRIER", 7), ("WAIT", 8),
+        ("SHARED_FC2", 5), ("KSUM", 6), ("BARRIER", 7), ("WAIT", 8), ("EARLY_KSUM", 9),
     ]
 
 

@@ -39,8 +39,8 @@
 #   virtualcomm   virtual R = 8 at 12 / 16 / 20 / 24 comm CTAs (qwen3.5, glm, kimi)
 #   final [VTAG STAG]  the megakernel's GPU tests, the virtual and the one-GPU benches of record
 #   singlebench [TAG]  the one-GPU bench of record: mok_cute, the megakernel, torch, cuBLAS
-#   megatests  every megakernel GPU test (after the ninth session removed four measured-slower
-#          variants from the kernel)
+#   megatests  the megakernel's GPU tests but the three switches' (~6 min; with switchtests,
+#          every megakernel GPU test: together they outgrew one call in run 92)
 #   experttests  the expert path's GPU tests (moe_forward, token ops) with its defaults
 #   qwen35comm  qwen3.5 at virtual R = 8 with 14, 16 and 18 comm CTAs (3 alternating rounds)
 #   cluster  the cooperative GEMMs in clusters of two CTAs multicasting B (GEMM_CLUSTER_M):
@@ -54,8 +54,10 @@
 #          megakernel at R = 1 on the five shapes (6 alternating rounds, with the expert path
 #          and its GEMM clusters) (~7 min)
 #   decodedvirtual  the same switch at virtual R = 8 and R = 1: qwen3.5, glm (~6 min)
-#   newtests  GPU tests of the eleventh session's unmeasured variants: STORE_WARP_SIGNALS,
-#          KSUM_STAGED, PINGPONG (~5 min)
+#   switchtests  the GPU tests of STORE_WARP_SIGNALS, KSUM_STAGED, PINGPONG, EARLY_KSUM (~6 min;
+#          run 89 without EARLY_KSUM's)
+#   earlyksum  EARLY_KSUM: its GPU tests, 8 interleaved rounds on the five shapes, qwen3
+#          recorded (~8 min)
 #   newprobe  the same variants against the default, 8 interleaved rounds on the five shapes,
 #          then qwen3.5 at virtual R = 8 with PINGPONG and KSUM_STAGED (~8 min)
 set -u
@@ -191,9 +193,9 @@ run_single_bench() {
     --iters 20 --warmup 5 --rounds 7 --out "$out" --tag "$1" 2>&1 | grep -E "│|json"
 }
 run_final() {
-  # run_final VIRTUAL_TAG SINGLE_TAG: the megakernel's GPU tests, then the virtual R = 8 and
-  # the one-GPU benches of record
-  gpu_tests_passed megakernel "" 180
+  # run_final VIRTUAL_TAG SINGLE_TAG: the megakernel's tests against the reference (all of them
+  # outgrew one call: megatests, switchtests), then the virtual R = 8 and one-GPU benches
+  gpu_tests_passed megakernel "virtual_megakernel_matches or one_gpu_megakernel_equals" 180
   run_virtual_bench "$1"
   run_single_bench "$2"
 }
@@ -256,11 +258,25 @@ run_decoded_virtual() {
   virtual_probe 200 qwen3.5_397b 16ku,16kue "virtual_decoded_qwen35"
   virtual_probe 200 glm_5.2 10ku,10kue,8kue "virtual_decoded_glm"
 }
-run_new_variants_tests() {
-  # the eleventh session's three unmeasured megakernel variants (STORE_WARP_SIGNALS,
-  # KSUM_STAGED, PINGPONG): their GPU tests, bitwise against the default, recorded, against
-  # the reference (a hang is the risk: the 90 s per-test timeout and this limit kill it)
-  gpu_tests_passed new_variants "store_warp_signals or staged_ksum or pingpong_consumers" 330
+run_switch_tests() {
+  # the GPU tests of the eleventh session's three megakernel switches (STORE_WARP_SIGNALS,
+  # KSUM_STAGED, PINGPONG): each bitwise against the other setting, recorded, against the
+  # reference (a hang is the risk: the 90 s per-test timeout and this limit kill it)
+  gpu_tests_passed switches "store_warp_signals or staged_ksum or pingpong_consumers or early_ksum" 420
+}
+run_early_ksum() {
+  # megakernel.EARLY_KSUM (twelfth session, compile-checked only): its GPU tests (bitwise
+  # against it off, recorded, the claims counted), then 8 interleaved rounds on the five shapes
+  # against the default (2 comm CTAs) and with 2 and 4 comm CTAs scanning, then qwen3 recorded
+  # with it (the summary's early_ksum_tokens: how many tokens the comm CTAs took)
+  gpu_tests_passed early_ksum "early_ksum" 240
+  timeout -s KILL 300 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
+    --comm 2lxwfkuesm,2lxwfkuesmy,4lxwfkuesmy --rounds 8 --json "$out/layer_early_ksum_ab.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -20
+  MOK_EARLY_KSUM=1 timeout -s KILL 80 python3 -m mok_cute.cli timeline --shape qwen3_30b --capacity 262144 \
+    --mok-config check_ids=False --mok-config backend=megakernel --out "$out/qwen3_early_ksum" 2>&1 \
+    | grep -E "TFLOP|FC2 |KSUM|early" | tail -8
+  rm -f "$out/qwen3_early_ksum/timeline_trace.json" "$out/qwen3_early_ksum/timeline.png" "$out/qwen3_early_ksum/timeline_buffer.npy"
 }
 run_new_variants_probe() {
   # the same variants against the default, interleaved: the megakernel at R = 1 on the five
@@ -394,7 +410,10 @@ case "$what" in
   virtualcomm) run_virtual_comm ;;
   final) run_final "${2:-virtual_r8}" "${3:-expert_kernels}" ;;
   singlebench) run_single_bench "${2:-expert_kernels}" ;;
-  megatests) gpu_tests_passed megakernel "" 420 ;;
+  # the megakernel's GPU tests take longer than one call (run 92): two halves
+  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or early_ksum)" 420 ;;
+  switchtests) run_switch_tests ;;
+  earlyksum) run_early_ksum ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
   flatcopy) run_flat_copy ;;
@@ -402,10 +421,9 @@ case "$what" in
   clusterab) run_cluster_ab ;;
   decoded) run_decoded ;;
   decodedvirtual) run_decoded_virtual ;;
-  newtests) run_new_variants_tests ;;
   newprobe) run_new_variants_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|newtests|newprobe|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|earlyksum|newprobe|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -19,7 +19,8 @@ a ``u`` 16 vectors in flight per KSUM lane instead of 8 (``megakernel.KSUM_VECTO
 ``e`` (with ``k``) the decoded task words through the ticket ring (``megakernel.DECODED_TICKETS``),
 an ``s`` only the store warp waiting for a GEMM tile's stores (``megakernel.STORE_WARP_SIGNALS``),
 an ``m`` the k-sum through smem (``megakernel.KSUM_STAGED``), an ``o`` the pingpong
-consumer loop (``megakernel.PINGPONG``); e.g.
+consumer loop (``megakernel.PINGPONG``), a ``y`` the comm CTAs' k-sum of ready tokens during
+the GEMMs (``megakernel.EARLY_KSUM``, one rank without comm tasks); e.g.
 ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
 measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -64,7 +65,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bceklmnosuwx]*)(?:f(\d*))?([bceklmnosuwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bceklmnosuwxy]*)(?:f(\d*))?([bceklmnosuwxy]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -73,7 +74,7 @@ def parse_spec(spec: str) -> dict:
                 n_major="w" in flags, local_only_tasks="c" not in flags,
                 dynamic_tickets="k" in flags, ksum_vectors=16 if "u" in flags else 8,
                 decoded_tickets="e" in flags, store_warp_signals="s" in flags,
-                ksum_staged="m" in flags, pingpong="o" in flags,
+                ksum_staged="m" in flags, pingpong="o" in flags, early_ksum="y" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -85,7 +86,7 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "DYNAMIC_TICKETS": "dynamic_tickets", "KSUM_VECTORS": "ksum_vectors",
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
-                 "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong"}
+                 "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "EARLY_KSUM": "early_ksum"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -180,7 +181,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_decoded" if k.decoded_tickets else "")
                                           + ("_store_warp_signals" if k.store_warp_signals else "")
                                           + ("_ksum_staged" if k.ksum_staged else "")
-                                          + ("_pingpong" if k.pingpong else ""))
+                                          + ("_pingpong" if k.pingpong else "")
+                                          + ("_early_ksum" if k.early_ksum else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
@@ -252,7 +254,7 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
     # (8 vectors always: the earlier probes' r1_dynamic)
     base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, comm_copy_vectors=0,
                 decoded_tickets=False, store_warp_signals=False, pingpong=False,
-                ksum_staged=False)
+                ksum_staged=False, early_ksum=False)
     variants = {"r1": (run_one, base)}
     for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
         sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"],

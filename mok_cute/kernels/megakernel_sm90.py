@@ -3,6 +3,8 @@
     comm CTAs     DISPATCH (pull x rows from their owner's symmetric buffer into the ring)
                   COMBINE  (push y rows to the source rank's combine buffer, slot token*K+k)
                   BARRIER  (after this rank's last combine: a unicast flag to every peer)
+                  (early_ksum, one rank: before the BARRIER, the k-sum of every token whose
+                  FC2 rows are all done, while the compute CTAs still run GEMM tiles)
     compute CTAs  SHARED_FC1 / FC1  (gate+up GEMM, SwiGLU epilogue -> h)
                   SHARED_FC2 / FC2  (down GEMM, store epilogue -> y)
                   KSUM     (out[t] = bf16(shared[t] + sum_k w[t,k] * combine[t*K+k]), fixed k order)
@@ -109,7 +111,7 @@ class MegakernelSm90:
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
-                 ksum_staged: bool = False, pingpong: bool = False):
+                 ksum_staged: bool = False, pingpong: bool = False, early_ksum: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -196,6 +198,17 @@ class MegakernelSm90:
             # a KSUM may start while the other warpgroup's last wgmmas still read the stages
             raise ValueError("pingpong and ksum_staged do not combine")
         self.pingpong = pingpong
+        # early_ksum (one rank, rows in place, a list without comm tasks: the host's promise):
+        # the comm CTAs, idle until the BARRIER at one rank, sum every token whose FC2 rows are
+        # all done (their M-tiles' FC2_DONE counters) while the compute CTAs still run GEMM
+        # tiles, and claim it in KSUM_CLAIMED; the KSUM tasks skip claimed tokens. Why: the
+        # k-sum after the last FC2 tile is a tail the GEMMs never hide (qwen3, run 91: 0.22 ms
+        # of a 2.13 ms call; y is 537 MB there, read from HBM once FC2 is over). Either path
+        # computes a token with the same code, so the bits cannot change, and a claim the
+        # KSUM task does not see yet only repeats the same stores.
+        if early_ksum and not (local_direct and num_ranks == 1):
+            raise ValueError("early_ksum needs one rank with local_direct")
+        self.early_ksum = early_ksum
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -380,6 +393,10 @@ class MegakernelSm90:
         if bidx < self.num_comm_ctas:
             self._announce_start(ctx, peer_bases, tidx)
             if tidx < COMM_THREADS:
+                if const_expr(self.early_ksum):
+                    self._early_ksum(ctx, counter_offsets, counters, error, num_tiles, peer_bases,
+                                     topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
+                                     timeline_buf, storage, tidx, bidx)
                 self._comm_loop(ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                                 counter_offsets, counters, error, num_tiles, row_peer, row_token,
                                 row_k, peer_bases, ring_x, ring_y, timeline_buf, storage, tidx)
@@ -1396,37 +1413,52 @@ class MegakernelSm90:
             for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
                 self._wait_flag(ctx, peer_bases, error, rank, p, 2 * ctx.epoch, index)
         barrier.arrive_and_wait()
-        hidden = cute.size(out, mode=[2])
-        h_vecs = hidden // VEC_ELEMS
         lane = cute.arch.lane_idx()
         warp = consumer_tidx // 32  # among the ``warps`` that run this task
+        claims = counter_offsets[int(CounterGroup.KSUM_CLAIMED)]
+        for t in cutlass.range(tasks[index, W_ROW_BEGIN] + warp, tasks[index, W_ROW_END], warps,
+                               unroll=1):
+            claimed = Int32(0)
+            if const_expr(self.early_ksum):
+                claimed = counters[rank, claims + t]  # a comm CTA summed it already (or is)
+            if claimed == 0:
+                self._ksum_token(ctx, rank, t, peer_bases, topk_weights, topk_idx, slot_rows,
+                                 ring_y, out, shared_y, lane, first_warp + warp, ksum_stage,
+                                 self.ksum_staged)
+
+    @cute.jit
+    def _ksum_token(self, ctx, rank: Int32, t: Int32, peer_bases, topk_weights, topk_idx,
+                    slot_rows, ring_y, out, shared_y, lane: Int32, warp: Int32, ksum_stage,
+                    staged: cutlass.Constexpr[bool]):
+        """One token's output row by one warp (KSUM tasks and early_ksum): the K weights and
+        y-row addresses (0: routed nowhere, contributes 0), then the fixed-order sum, through
+        smem (``staged``, stage slots of ``warp``) or with the loads in registers."""
+        hidden = cute.size(out, mode=[2])
+        h_vecs = hidden // VEC_ELEMS
         vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         combine_base = peer_bases[rank, ctx.rank_base + rank] + ctx.combine_offset
         row_bytes = Int64(hidden) * 2
-        row_begin = tasks[index, W_ROW_BEGIN]
         num_experts = cute.size(peer_bases, mode=[1]) * ctx.local_experts
-        unroll = k_sum_unroll(self.top_k, self.ksum_vectors)
-        for t in cutlass.range(row_begin + warp, tasks[index, W_ROW_END], warps, unroll=1):
-            # per token: the K weights and y-row addresses (0: routed nowhere, contributes 0)
-            weights = cute.make_rmem_tensor((self.top_k,), Float32)
-            srcs = cute.make_rmem_tensor((self.top_k,), Int64)
-            for k in cutlass.range_constexpr(self.top_k):
-                weights[k] = Float32(0.0)
-                srcs[k] = Int64(0)
-                expert = topk_idx[rank, t, k]
-                if expert >= 0 and expert < num_experts:
-                    weights[k] = topk_weights[rank, t, k]
-                    srcs[k] = self._ksum_row(combine_base, slot_rows, ring_y, rank, t, k, row_bytes)
-            out_row = out[rank, t, None]
-            if const_expr(self.ksum_staged):
-                shared_row = Int64(0)
-                if const_expr(self.has_shared):
-                    shared_row = shared_y[t, None, rank].iterator.toint()
-                self._ksum_token_staged(srcs, weights, shared_row, out_row, h_vecs, lane,
-                                        first_warp + warp, ksum_stage)
+        weights = cute.make_rmem_tensor((self.top_k,), Float32)
+        srcs = cute.make_rmem_tensor((self.top_k,), Int64)
+        for k in cutlass.range_constexpr(self.top_k):
+            weights[k] = Float32(0.0)
+            srcs[k] = Int64(0)
+            expert = topk_idx[rank, t, k]
+            if expert >= 0 and expert < num_experts:
+                weights[k] = topk_weights[rank, t, k]
+                srcs[k] = self._ksum_row(combine_base, slot_rows, ring_y, rank, t, k, row_bytes)
+        out_row = out[rank, t, None]
+        if const_expr(staged):
+            shared_row = Int64(0)
+            if const_expr(self.has_shared):
+                shared_row = shared_y[t, None, rank].iterator.toint()
+            self._ksum_token_staged(srcs, weights, shared_row, out_row, h_vecs, lane, warp,
+                                    ksum_stage)
+        else:
             # every load of a step is issued before any is summed (memory-level parallelism)
-            for v0 in cutlass.range(lane, 0 if const_expr(self.ksum_staged) else h_vecs,
-                                    32 * unroll, unroll=1):
+            unroll = k_sum_unroll(self.top_k, self.ksum_vectors)
+            for v0 in cutlass.range(lane, h_vecs, 32 * unroll, unroll=1):
                 ys = cute.make_rmem_tensor((VEC_ELEMS, unroll, self.top_k), BFloat16)
                 base = cute.make_rmem_tensor((VEC_ELEMS, unroll), BFloat16)
                 for u in cutlass.range_constexpr(unroll):
@@ -1444,6 +1476,108 @@ class MegakernelSm90:
                     if v0 + 32 * u < h_vecs:
                         res = k_sum_vector(ys, base, weights, u, self.top_k, self.has_shared)
                         cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
+
+    @cute.jit
+    def _early_ksum(self, ctx, counter_offsets, counters, error, num_tiles, peer_bases,
+                    topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
+                    storage, tidx: Int32, bidx: Int32):
+        """early_ksum, on a comm CTA's warps before its comm loop (one rank). Warp ``s`` of the
+        comm CTAs owns the 32-token chunks ``s, s + S, ...``; each pass a lane checks one token
+        of a chunk: its FC2 rows' M-tiles are done (below the FC2 frontier, or their FC2_DONE
+        counter is full) and so is its shared tile. The warp then claims each ready token in
+        KSUM_CLAIMED and sums it with ``_ksum_token`` (register path: the comm CTA's smem
+        holds no stages). The frontier (every FC2 M-tile below it done) only grows; once it
+        passes the last real M-tile every token is ready and the scanning stops, so the KSUM
+        tasks, on every compute CTA, take the rest. It also stops at the deadline or on an
+        error word (the BARRIER's bounded wait then reports the stall). With the recorder one
+        EARLY_KSUM span per comm CTA; its task id is the tokens the CTA summed."""
+        rank = Int32(0)
+        t_start = self._now_if_recording()
+        lane = cute.arch.lane_idx()
+        words = storage.comm_words.get_tensor(cute.make_layout(4))
+        if const_expr(self.timeline):
+            if tidx == 0:
+                words[2] = 0
+            pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
+                                  num_threads=COMM_THREADS).arrive_and_wait()
+        warps = COMM_THREADS // 32
+        scanner = bidx * warps + tidx // 32
+        scanners = self.num_comm_ctas * warps
+        tokens = cute.size(out, mode=[1])
+        chunks = (tokens + 31) // 32
+        n2 = (cute.size(out, mode=[2]) + self.tile_n - 1) // self.tile_n  # FC2 tasks per M-tile
+        rank_counters = counters[rank, None]
+        fc2_done = counter_offsets[int(CounterGroup.FC2_DONE)]
+        shared_done = counter_offsets[int(CounterGroup.SHARED_FC2_DONE)]
+        claims = counter_offsets[int(CounterGroup.KSUM_CLAIMED)]
+        real_tiles = num_tiles[rank]
+        frontier = Int32(0)
+        summed = Int32(0)
+        scanning = real_tiles > 0
+        while scanning:
+            found = Int32(0)
+            c = scanner
+            while c < chunks and scanning:
+                # the frontier: the run of done FC2 M-tiles from it, up to 32 per step
+                tile = frontier + lane
+                done = Int32(1)
+                if tile < real_tiles:
+                    if common.counter_load(rank_counters, fc2_done + tile) < n2:
+                        done = Int32(0)
+                pending = Int32(~cute.arch.vote_ballot_sync(done != 0))
+                if pending == 0:
+                    frontier += 32
+                else:
+                    # the lowest pending lane: the tiles below it are done
+                    frontier += Int32(31) - Int32(cute.arch.clz(pending & (0 - pending)))
+                scanning = frontier < real_tiles
+                if scanning:
+                    t = c * 32 + lane
+                    ready = Int32(0)
+                    if t < tokens:
+                        if counters[rank, claims + t] == 0:
+                            ready = Int32(1)
+                            for k in cutlass.range_constexpr(self.top_k):
+                                row = slot_rows[rank, t * self.top_k + k]  # -1: routed nowhere
+                                if row >= 0:
+                                    if row // TILE_M >= frontier:
+                                        if common.counter_load(rank_counters,
+                                                               fc2_done + row // TILE_M) < n2:
+                                            ready = Int32(0)
+                            if const_expr(self.has_shared):
+                                if common.counter_load(rank_counters, shared_done + t // TILE_M) < n2:
+                                    ready = Int32(0)
+                    mask = Int32(cute.arch.vote_ballot_sync(ready != 0))
+                    cute.arch.sync_warp()  # the lanes' acquires before any lane reads y
+                    for j in cutlass.range(32, unroll=1):
+                        if (mask >> j) & 1 != 0:
+                            if lane == 0:
+                                counters[rank, claims + c * 32 + j] = Int32(1)
+                            self._ksum_token(ctx, rank, c * 32 + j, peer_bases, topk_weights,
+                                             topk_idx, slot_rows, ring_y, out, shared_y, lane,
+                                             Int32(0), None, False)
+                            summed += 1
+                    if mask != 0:
+                        found = Int32(1)
+                c += scanners
+            if scanning:
+                if cute.arch.globaltimer() > ctx.deadline or cute.arch.load(
+                        error.iterator.llvm_ptr, Int64, sem="relaxed", scope="gpu") != 0:
+                    scanning = False  # the BARRIER's bounded wait reports it
+                elif found == 0:
+                    common.nanosleep(Int32(common.SPIN_SLEEP_MAX_NS))
+        if const_expr(self.timeline):
+            # the CTA's total in comm word 2 (zeroed before the scan; the comm loop uses 0 and 1)
+            sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
+                                         num_threads=COMM_THREADS)
+            if lane == 0:
+                cute.arch.atomic_add((words.iterator + 2).llvm_ptr, summed, sem="relaxed",
+                                     scope="cta")
+            sync.arrive_and_wait()
+            if tidx == 0:
+                slot = common.timeline_reserve(timeline_buf, 1)
+                common.timeline_write(timeline_buf, slot, int(Role.COMM), int(TaskType.EARLY_KSUM),
+                                      words[2], ctx.rank_base, t_start, common.timeline_now())
 
     @cute.jit
     def _ksum_token_staged(self, srcs, weights, shared_row: Int64, out_row, h_vecs: Int32,
@@ -1652,13 +1786,13 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        rank_blocks: bool = False, dynamic_tickets: bool = False,
                        ksum_vectors: int = 8, copy_vectors: int = 0,
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
-                       ksum_staged: bool = False, pingpong: bool = False, arch: str = "sm_90a",
-                       options: str = ""):
+                       ksum_staged: bool = False, pingpong: bool = False,
+                       early_ksum: bool = False, arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
-                        decoded_tickets, store_warp_signals, ksum_staged, pingpong)
+                        decoded_tickets, store_warp_signals, ksum_staged, pingpong, early_ksum)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
