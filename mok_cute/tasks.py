@@ -74,7 +74,8 @@ those tasks are done". Counter groups (``CounterGroup``), each an array laid out
     BARRIER_DONE[1]       1 once this rank's barrier has seen every peer's flag
     KSUM_DONE[1]          KSUM tiles done
     KSUM_CLAIMED[token]   one rank without comm tasks: 1 once a comm CTA took the token's
-                          k-sum early (no task waits on it; the KSUM tasks skip such tokens)
+                          k-sum early (no task waits on it; the KSUM tasks skip such tokens);
+                          -(b + 1) while the comm CTA saw the token wait on M-tile b
 
 Counters must be zero at launch (cleared by the host or by the previous launch's tail).
 

@@ -1420,8 +1420,8 @@ class MegakernelSm90:
                                unroll=1):
             claimed = Int32(0)
             if const_expr(self.early_ksum):
-                claimed = counters[rank, claims + t]  # a comm CTA summed it already (or is)
-            if claimed == 0:
+                claimed = counters[rank, claims + t]  # 1: a comm CTA summed it already (or is)
+            if claimed != 1:
                 self._ksum_token(ctx, rank, t, peer_bases, topk_weights, topk_idx, slot_rows,
                                  ring_y, out, shared_y, lane, first_warp + warp, ksum_stage,
                                  self.ksum_staged)
@@ -1484,9 +1484,10 @@ class MegakernelSm90:
         """early_ksum, on a comm CTA's warps before its comm loop (one rank). Warp ``s`` of the
         comm CTAs owns the 32-token chunks ``s, s + S, ...``; each pass a lane checks one token
         of a chunk: its FC2 rows' M-tiles are done (below the FC2 frontier, or their FC2_DONE
-        counter is full) and so is its shared tile. The warp then claims each ready token in
-        KSUM_CLAIMED and sums it with ``_ksum_token`` (register path: the comm CTA's smem
-        holds no stages). The frontier (every FC2 M-tile below it done) only grows; once it
+        counter is full) and so is its shared tile. A token's claim word (KSUM_CLAIMED) keeps
+        the first M-tile it found not done, as -(tile + 1), so the next pass checks that one
+        counter only. The warp then claims each ready token (word 1) and sums it with
+        ``_ksum_token`` (register path: the comm CTA's smem holds no stages). The frontier (every FC2 M-tile below it done) only grows; once it
         passes the last real M-tile every token is ready and the scanning stops, so the KSUM
         tasks, on every compute CTA, take the rest. It also stops at the deadline or on an
         error word (the BARRIER's bounded wait then reports the stall). With the recorder one
@@ -1535,18 +1536,34 @@ class MegakernelSm90:
                     t = c * 32 + lane
                     ready = Int32(0)
                     if t < tokens:
-                        if counters[rank, claims + t] == 0:
-                            ready = Int32(1)
+                        # claim word: 1 claimed, 0 never checked, -(b + 1) waiting on M-tile b
+                        word = counters[rank, claims + t]
+                        if word < 0:
+                            blocker = -word - 1
+                            if blocker < frontier:
+                                word = Int32(0)
+                            elif common.counter_load(rank_counters, fc2_done + blocker) >= n2:
+                                word = Int32(0)
+                        if word == 0:
+                            # every row's M-tile, loads independent of each other; the first
+                            # one not done is remembered, so a waiting token costs two loads
+                            blocker = Int32(-1)
                             for k in cutlass.range_constexpr(self.top_k):
                                 row = slot_rows[rank, t * self.top_k + k]  # -1: routed nowhere
                                 if row >= 0:
                                     if row // TILE_M >= frontier:
                                         if common.counter_load(rank_counters,
                                                                fc2_done + row // TILE_M) < n2:
-                                            ready = Int32(0)
-                            if const_expr(self.has_shared):
-                                if common.counter_load(rank_counters, shared_done + t // TILE_M) < n2:
-                                    ready = Int32(0)
+                                            if blocker < 0:
+                                                blocker = row // TILE_M
+                            if blocker >= 0:
+                                counters[rank, claims + t] = -1 - blocker
+                            else:
+                                ready = Int32(1)
+                                if const_expr(self.has_shared):
+                                    if common.counter_load(rank_counters,
+                                                           shared_done + t // TILE_M) < n2:
+                                        ready = Int32(0)
                     mask = Int32(cute.arch.vote_ballot_sync(ready != 0))
                     cute.arch.sync_warp()  # the lanes' acquires before any lane reads y
                     for j in cutlass.range(32, unroll=1):
