@@ -166,12 +166,13 @@ PINGPONG = experimental_switch("PINGPONG", False)
 # after the BARRIER skip claimed tokens (kernels.megakernel_sm90's early_ksum). Why: the k-sum
 # tail after the last FC2 tile is never hidden: qwen3's recorded call (run 91) ran its KSUM
 # tasks 1.905-2.129 ms of a 2.13 ms span; y is 537 MB there, read from HBM after FC2. Counted:
-# with tokens ready when their last FC2 row's M-tile is done (K = 8 rows spread over the call),
-# ~40 % of qwen3's tokens are ready 200 us before the last FC2 tile and ~75 % 50 us before; the
-# two comm CTAs' 24 warps at ~6 us per token can take a few thousand of its 16384 tokens.
-# Predicted: qwen3 up to -5 %, dsv3 -1 to -2 %, mixtral (K = 2: tokens ready early) ~-1 %, if
-# the comm CTAs' y reads do not slow the GEMMs. Written in the twelfth session after its device
-# time was spent: compile-checked only. MOK_EARLY_KSUM=1.
+# a token is ready when the last of its K rows' M-tiles is done, so with K = 8 about p^8 of the
+# tokens are ready at fraction p of the GEMM phase (qwen3: ~0.5 % at mid-call, 39 % 200 us
+# before the last FC2 tile, 76 % 50 us before), and the two comm CTAs' 24 warps move ~100 GB/s
+# (~3 qwen3 tokens per us): they can take ~10 % of qwen3's or dsv3's tokens, -0.5 to -1 %. With
+# K = 2 (mixtral: half the tokens ready at 70 % of the call, y 134 MB over 9 ms) they can take
+# most, up to -1 %. Written in the twelfth session after its device time was spent:
+# compile-checked only. MOK_EARLY_KSUM=1.
 EARLY_KSUM = experimental_switch("EARLY_KSUM", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer

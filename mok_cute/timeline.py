@@ -428,6 +428,11 @@ def summarize(
     ``task_us``: per task type, one task's mean / p50 / p90 / max duration in us.
     ``early_ksum_tokens``: tokens the comm CTAs summed during the GEMMs (the EARLY_KSUM
     records' task ids; the KSUM tasks did the rest).
+    ``task_overlap``: per compute CTA, the summed spans of its non-WAIT tasks over their union
+    (1.0: one task at a time; up to 2 when two warpgroups run tiles at once), the mean over
+    CTAs. ``task_period_us``: per GEMM type, the median over CTAs of one CTA's median gap
+    between the ends of two of its GEMM tasks of that type with no other GEMM task ending
+    between them: a CTA's rate of tiles, which a span cannot show once tasks overlap.
     """
     rec = tl.records
     span_start, span_end = tl.span_ns
@@ -462,6 +467,22 @@ def summarize(
             return None
         return float(amount) / t_ns / scale
 
+    overlaps, periods = [], {}
+    for role, rank, cta in lane_keys:
+        if role != Role.COMPUTE:
+            continue
+        mine = rec[(rec["role"] == role) & (rec["rank"] == rank) & (rec["cta_id"] == cta) & ~is_wait]
+        union_ns = _measure(_union(mine["start_ns"], mine["end_ns"]))
+        if union_ns:
+            overlaps.append(float((mine["end_ns"] - mine["start_ns"]).sum()) / union_ns)
+        gemm = mine[np.isin(mine["task_type"], [int(t) for t in GEMM_TASK_TYPES])]
+        gemm = gemm[np.argsort(gemm["end_ns"], kind="stable")]
+        same = gemm["task_type"][1:] == gemm["task_type"][:-1]  # back-to-back tasks of a type
+        gaps = np.diff(gemm["end_ns"])
+        for t in np.unique(gemm["task_type"][1:][same]):
+            sel = same & (gemm["task_type"][1:] == t)
+            periods.setdefault(task_name(t), []).append(float(np.median(gaps[sel])) / 1e3)
+
     comm_u = _union_of(rec, _types(COMM_TASK_TYPES))
     compute_u = _union_of(rec, _types(COMPUTE_TASK_TYPES))
     exposed_ns = _measure(comm_u) - _intersection_measure(comm_u, compute_u)
@@ -489,6 +510,8 @@ def summarize(
         "task_counts": counts,
         "task_us": task_us,
         "early_ksum_tokens": int(rec["task_id"][tt == TaskType.EARLY_KSUM].sum()),
+        "task_overlap": float(np.mean(overlaps)) if overlaps else None,
+        "task_period_us": {name: float(np.median(v)) for name, v in sorted(periods.items())},
     }
 
 
@@ -526,6 +549,12 @@ def print_summary(
         f"{summary['exposed_comm_pct']:.1f} % ({summary['exposed_comm_ns'] / 1e3:.1f} us)",
     )
     metrics.add_row("tasks", ", ".join(f"{k} {v}" for k, v in summary["task_counts"].items()) or "none")
+    if summary.get("task_overlap") is not None:
+        periods = ", ".join(f"{k} {v:.2f} us" for k, v in summary["task_period_us"].items())
+        metrics.add_row("tasks at once per compute CTA", f"{summary['task_overlap']:.2f}")
+        metrics.add_row("a CTA's GEMM tile every", periods or "n/a")
+    if summary.get("early_ksum_tokens"):
+        metrics.add_row("tokens summed early (comm CTAs)", str(summary["early_ksum_tokens"]))
     if summary["dropped"]:
         metrics.add_row("[red]dropped records[/red]", f"[red]{summary['dropped']} (raise timeline_capacity)[/red]")
     console.print(metrics)

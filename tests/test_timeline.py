@@ -187,9 +187,23 @@ def test_summary_waits_nested_in_a_task_and_overlapping_spans_count_once():
     assert s["task_us"]["FC1"]["max"] == pytest.approx(0.1) and s["task_us"]["WAIT"]["mean"] == pytest.approx(0.03)
 
 
+def test_summary_task_overlap_and_period_of_two_warpgroups_tiles():
+    """CTA 4 runs FC1 tiles one at a time (ends 10 ns apart: period 0.01 us, overlap 1);
+    CTA 5 runs two warpgroups' FC2 tiles of 20 ns, each starting 10 ns after the other
+    (period 0.01 us, spans 60 over a union of 40: overlap 1.5). The mean overlap is 1.25."""
+    rows = [rec(P, TaskType.FC1, i, 10 * i, 10 * i + 10, sm=4) for i in range(3)]
+    rows += [rec(P, TaskType.FC2, 10 + i, 10 * i, 10 * i + 20, sm=5) for i in range(3)]
+    rows += [rec(P, TaskType.WAIT, 99, 0, 40, sm=4)]  # waits are not tasks here
+    s = tlm.summarize(tlm.decode(tlm.encode_records(rows)))
+    assert s["task_overlap"] == pytest.approx(1.25)
+    assert s["task_period_us"] == pytest.approx({"FC1": 0.01, "FC2": 0.01})
+    assert s["early_ksum_tokens"] == 0
+
+
 def test_summary_of_an_empty_recording():
     s = tlm.summarize(tlm.decode(tlm.TimelineBuffer(4, device="cpu").tensor), flops=1.0)
     assert s["span_ns"] == 0 and s["roles"] == {} and s["exposed_comm_pct"] == 0.0 and s["gemm_tflops"] is None
+    assert s["task_overlap"] is None and s["task_period_us"] == {}
 
 
 def test_print_summary_prints_the_numbers():

@@ -275,7 +275,7 @@ run_early_ksum() {
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -20
   MOK_EARLY_KSUM=1 timeout -s KILL 80 python3 -m mok_cute.cli timeline --shape qwen3_30b --capacity 262144 \
     --mok-config check_ids=False --mok-config backend=megakernel --out "$out/qwen3_early_ksum" 2>&1 \
-    | grep -E "TFLOP|FC2 |KSUM|early" | tail -8
+    | grep -E "TFLOP|FC2 |KSUM|early|every|at once" | tail -10
   rm -f "$out/qwen3_early_ksum/timeline_trace.json" "$out/qwen3_early_ksum/timeline.png" "$out/qwen3_early_ksum/timeline_buffer.npy"
 }
 run_new_variants_probe() {
