@@ -184,6 +184,13 @@ EARLY_KSUM = experimental_switch("EARLY_KSUM", False)
 # GPU, best of 3: sonic_120b 10.78 -> 10.46, the other four shapes within the probe's noise.
 # MOK_KSUM_VECTORS=N.
 KSUM_VECTORS = experimental_setting("KSUM_VECTORS", 16, 1, 64)
+# Local tokens per KSUM task (tasks.build_task_list's ksum_rows; must divide TILE_M). Why a
+# setting: qwen3's recorded tail (run 91) is 8 KSUM tasks of 16 tokens per CTA at ~21 us each,
+# bandwidth-bound (~3.6 TB/s), plus ~30 us of overhead: 7.5 us from the last FC2 tile to the
+# BARRIER, ~8 us to the first KSUM, and a ragged end of one task (~23 us between the CTAs'
+# last KSUM ends). 8-token tasks would halve the ragged end: predicted ~-0.5 % on qwen3, level
+# where the tail is a smaller share. Not yet measured: MOK_KSUM_ROWS=8 or probe letter h.
+KSUM_ROWS = experimental_setting("KSUM_ROWS", 16, 1, TILE_M)
 # 16-B vectors in flight per lane in the comm CTAs' row copy, the task's rows as one flat run
 # (kernels.megakernel_sm90's copy_vectors); 0 = a warp per row, 16 in flight per lane of it.
 # Why: at virtual R = 8 a comm CTA moved ~22 GB/s (run 58, qwen3.5: 0.9 MB tasks in 40-43 us);
@@ -232,6 +239,7 @@ class PlanKey:
     ksum_staged: bool = False  # KSUM_STAGED (not with pingpong)
     pingpong: bool = False  # PINGPONG (with decoded tickets)
     early_ksum: bool = False  # EARLY_KSUM (one rank without comm tasks)
+    ksum_rows: int = 16  # KSUM_ROWS
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -404,7 +412,7 @@ class Plan:
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
             fc1_tile_n=task_tile_n(k.pingpong), fc2_tile_n=task_tile_n(k.pingpong),
-            fc1_lead=k.fc1_lead,
+            fc1_lead=k.fc1_lead, ksum_rows=k.ksum_rows,
             comm_tasks=not k.local_only, tile_order=k.tile_order)
         if k.ksum_staged and not self.task_list.ksum_closes_compute_queue():
             # every rank's list has this one's structure, so one check covers the launch
@@ -676,7 +684,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   local_only, dynamic, KSUM_VECTORS,
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
-                  EARLY_KSUM and local_only and R == 1)
+                  EARLY_KSUM and local_only and R == 1, KSUM_ROWS)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -718,6 +718,34 @@ def test_early_ksum_gives_the_same_bits(T, H, E_loc, K, shared, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_early_ksum_leaves_out_of_range_ids_at_zero(monkeypatch):
+    """With EARLY_KSUM a (token, k) routed nowhere (its id out of range, check_ids off) still
+    contributes zero, whether the comm CTAs or the KSUM tasks sum its token."""
+    from mok_cute import megakernel
+
+    monkeypatch.setattr(megakernel, "EARLY_KSUM", True)
+    xs, idx, w, wg, wu, wd, sh = _problem(1, 2000, 256, 128, 4, 4, seed=13)
+    bad = idx.clone()
+    bad[0, 3, 1] = 1000
+    bad[0, 1999, 0] = -5
+    out = _run((xs, bad, w, wg, wu, wd, sh), check_ids=False)
+    assert any(k.early_ksum for k in megakernel._PLANS)
+    w_zeroed = w.clone()
+    w_zeroed[0, 3, 1] = 0.0
+    w_zeroed[0, 1999, 0] = 0.0
+    assert _rel(out, reference.moe_forward_virtual(xs, idx, w_zeroed, wg, wu, wd)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,shared", [(1, 0), (1, 128), (4, 0)])
+def test_ksum_rows_give_the_same_bits(R, shared, monkeypatch):
+    """megakernel.KSUM_ROWS: KSUM tasks of 8 tokens instead of 16 (one per consumer warp):
+    the same sums in the same order, so the same bits."""
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=67, skew=True)
+    _switch_keeps_the_bits(monkeypatch, "KSUM_ROWS", 16, 8, args, R)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("R,H,ring,local_direct,shared", [(1, 512, None, True, 0),
                                                          (1, 576, None, True, 128),
                                                          (4, 512, None, True, 0),

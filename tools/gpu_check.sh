@@ -54,10 +54,10 @@
 #          megakernel at R = 1 on the five shapes (6 alternating rounds, with the expert path
 #          and its GEMM clusters) (~7 min)
 #   decodedvirtual  the same switch at virtual R = 8 and R = 1: qwen3.5, glm (~6 min)
-#   switchtests  the GPU tests of STORE_WARP_SIGNALS, KSUM_STAGED, PINGPONG, EARLY_KSUM (~6 min;
-#          run 89 without EARLY_KSUM's)
-#   earlyksum  EARLY_KSUM: its GPU tests, 8 interleaved rounds on the five shapes, qwen3
-#          recorded (~8 min)
+#   switchtests  the GPU tests of STORE_WARP_SIGNALS, KSUM_STAGED, PINGPONG (~5 min; run 89)
+#   earlyksumtests  the GPU tests of EARLY_KSUM and KSUM_ROWS (~4 min?)
+#   earlyksum  EARLY_KSUM and KSUM_ROWS = 8 against the default, 8 interleaved rounds on the
+#          five shapes, then qwen3 recorded with EARLY_KSUM (~5 min)
 #   newprobe  the same variants against the default, 8 interleaved rounds on the five shapes,
 #          then qwen3.5 at virtual R = 8 with PINGPONG and KSUM_STAGED (~8 min)
 set -u
@@ -262,16 +262,15 @@ run_switch_tests() {
   # the GPU tests of the eleventh session's three megakernel switches (STORE_WARP_SIGNALS,
   # KSUM_STAGED, PINGPONG): each bitwise against the other setting, recorded, against the
   # reference (a hang is the risk: the 90 s per-test timeout and this limit kill it)
-  gpu_tests_passed switches "store_warp_signals or staged_ksum or pingpong_consumers or early_ksum" 420
+  gpu_tests_passed switches "store_warp_signals or staged_ksum or pingpong_consumers" 330
 }
 run_early_ksum() {
-  # megakernel.EARLY_KSUM (twelfth session, compile-checked only): its GPU tests (bitwise
-  # against it off, recorded, the claims counted), then 8 interleaved rounds on the five shapes
-  # against the default (2 comm CTAs) and with 2 and 4 comm CTAs scanning, then qwen3 recorded
-  # with it (the summary's early_ksum_tokens: how many tokens the comm CTAs took)
-  gpu_tests_passed early_ksum "early_ksum" 240
+  # megakernel.EARLY_KSUM and KSUM_ROWS (twelfth session, compile-checked only; their GPU
+  # tests are earlyksumtests): 8 interleaved rounds on the five shapes against the default (2
+  # comm CTAs), with 2 and 4 comm CTAs scanning, and 8-token KSUM tasks (letter h), then
+  # qwen3 recorded with it (the summary's early_ksum_tokens: how many tokens the comm CTAs took)
   timeout -s KILL 300 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 2lxwfkuesm,2lxwfkuesmy,4lxwfkuesmy --rounds 8 --json "$out/layer_early_ksum_ab.json" 2>&1 \
+    --comm 2lxwfkuesm,2lxwfkuesmy,4lxwfkuesmy,2lxwfkuesmh --rounds 8 --json "$out/layer_early_ksum_ab.json" 2>&1 \
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -20
   MOK_EARLY_KSUM=1 timeout -s KILL 80 python3 -m mok_cute.cli timeline --shape qwen3_30b --capacity 262144 \
     --mok-config check_ids=False --mok-config backend=megakernel --out "$out/qwen3_early_ksum" 2>&1 \
@@ -411,9 +410,10 @@ case "$what" in
   final) run_final "${2:-virtual_r8}" "${3:-expert_kernels}" ;;
   singlebench) run_single_bench "${2:-expert_kernels}" ;;
   # the megakernel's GPU tests take longer than one call (run 92): two halves
-  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or early_ksum)" 420 ;;
+  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or early_ksum or ksum_rows)" 420 ;;
   switchtests) run_switch_tests ;;
   earlyksum) run_early_ksum ;;
+  earlyksumtests) gpu_tests_passed early_ksum "early_ksum or ksum_rows" 400 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
   flatcopy) run_flat_copy ;;
@@ -425,5 +425,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|earlyksum|newprobe|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|earlyksumtests|earlyksum|newprobe|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

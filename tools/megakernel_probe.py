@@ -20,7 +20,8 @@ a ``u`` 16 vectors in flight per KSUM lane instead of 8 (``megakernel.KSUM_VECTO
 an ``s`` only the store warp waiting for a GEMM tile's stores (``megakernel.STORE_WARP_SIGNALS``),
 an ``m`` the k-sum through smem (``megakernel.KSUM_STAGED``), an ``o`` the pingpong
 consumer loop (``megakernel.PINGPONG``), a ``y`` the comm CTAs' k-sum of ready tokens during
-the GEMMs (``megakernel.EARLY_KSUM``, one rank without comm tasks); e.g.
+the GEMMs (``megakernel.EARLY_KSUM``, one rank without comm tasks), an ``h`` KSUM tasks of 8
+tokens instead of 16 (``megakernel.KSUM_ROWS``); e.g.
 ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
 measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -65,7 +66,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bceklmnosuwxy]*)(?:f(\d*))?([bceklmnosuwxy]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcehklmnosuwxy]*)(?:f(\d*))?([bcehklmnosuwxy]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -75,6 +76,7 @@ def parse_spec(spec: str) -> dict:
                 dynamic_tickets="k" in flags, ksum_vectors=16 if "u" in flags else 8,
                 decoded_tickets="e" in flags, store_warp_signals="s" in flags,
                 ksum_staged="m" in flags, pingpong="o" in flags, early_ksum="y" in flags,
+                ksum_rows=8 if "h" in flags else 16,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -86,7 +88,8 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "DYNAMIC_TICKETS": "dynamic_tickets", "KSUM_VECTORS": "ksum_vectors",
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
-                 "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "EARLY_KSUM": "early_ksum"}
+                 "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "EARLY_KSUM": "early_ksum",
+                 "KSUM_ROWS": "ksum_rows"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -182,7 +185,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_store_warp_signals" if k.store_warp_signals else "")
                                           + ("_ksum_staged" if k.ksum_staged else "")
                                           + ("_pingpong" if k.pingpong else "")
-                                          + ("_early_ksum" if k.early_ksum else ""))
+                                          + ("_early_ksum" if k.early_ksum else "")
+                                          + (f"_ksum_rows{k.ksum_rows}" if k.ksum_rows != 16 else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
