@@ -804,11 +804,28 @@ def bench_shape(
 def add_ratios(results: list[dict[str, Any]]) -> None:
     """``ratio_vs_torch`` (TFLOP/s over the torch pipeline's on the same shape),
     ``frac_cublas`` (over the cuBLAS 8192^3 rate of the same run) and, for mok_cute_timeline,
-    ``timeline_overhead`` (its time over mok_cute's, minus 1: the recorder's cost)."""
+    ``timeline_overhead`` (its time over mok_cute's, minus 1: the recorder's cost).
+
+    With rounds (``ms_rounds``), also the paired ratios: ``paired_vs_torch`` = the median over
+    rounds of torch's time over the contender's in that round, ``paired_ms_over_mok_cute`` =
+    the median of the contender's time over mok_cute's per round. Why: contenders of one round
+    run back to back, while the clock drifts between rounds (up to 25 %, eleventh session), so
+    a ratio of two medians can pair a fast round of one with a slow round of the other."""
     cublas = next((r["tflops"] for r in results if r["contender"] == "cublas_8192" and r.get("tflops")), None)
     torch_rate = {r["shape"]: r["tflops"] for r in results if r["contender"] == BASELINE and r.get("tflops")}
     mok_ms = {r["shape"]: r["ms"] for r in results if r["contender"] == "mok_cute" and r.get("ms")}
+    rounds_of = {(r["shape"], r["contender"]): r["ms_rounds"] for r in results if r.get("ms_rounds")}
+
+    def paired(num: list[float] | None, den: list[float] | None) -> float | None:
+        if not num or not den or len(num) != len(den):
+            return None
+        return float(statistics.median(a / b for a, b in zip(num, den)))
+
     for r in results:
+        if r.get("ms_rounds"):
+            mine = r["ms_rounds"]
+            r["paired_vs_torch"] = paired(rounds_of.get((r["shape"], BASELINE)), mine)
+            r["paired_ms_over_mok_cute"] = paired(mine, rounds_of.get((r["shape"], "mok_cute")))
         if r.get("tflops"):
             base = torch_rate.get(r["shape"])
             r["ratio_vs_torch"] = r["tflops"] / base if base else None
@@ -937,8 +954,11 @@ def print_results(results: list[dict[str, Any]], console: Any = None, title: str
 
     console = console or Console()
     table = Table(title=title)
-    for col in ("shape", "contender", "status", "rel err", "ms", "TFLOP/s", "x torch", "% cuBLAS", "note"):
-        table.add_column(col, justify="right" if col in ("rel err", "ms", "TFLOP/s", "x torch", "% cuBLAS") else "left")
+    paired = any(r.get("paired_ms_over_mok_cute") is not None for r in results)
+    cols = ["shape", "contender", "status", "rel err", "ms", "TFLOP/s", "x torch", "% cuBLAS"]
+    cols += ["/ mok_cute, paired"] if paired else []
+    for col in cols + ["note"]:
+        table.add_column(col, justify="left" if col in ("shape", "contender", "status", "note") else "right")
 
     def num(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -955,6 +975,7 @@ def print_results(results: list[dict[str, Any]], console: Any = None, title: str
             num(r.get("tflops"), ".1f"),
             num(r.get("ratio_vs_torch"), ".2f"),
             "-" if r.get("frac_cublas") is None else f"{100 * r['frac_cublas']:.0f}",
+            *([num(r.get("paired_ms_over_mok_cute"), ".3f")] if paired else []),
             (note or "")[:70],
             style=style,
         )

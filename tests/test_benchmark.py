@@ -230,6 +230,25 @@ def test_ratios_are_against_torch_and_cublas_of_the_same_run():
     assert results[5]["timeline_overhead"] == 0.25
 
 
+def test_paired_ratios_pair_the_rounds():
+    """Round 2 ran slow for both: the ratio of medians (3.0 / 2.0 = 1.5) misses the per-round
+    pairing, whose median is 2.0 for the megakernel over mok_cute; torch over mok_cute is
+    paired the same way. Without rounds, or with unequal counts, there is none."""
+    results = [
+        {"shape": "a", "contender": "torch_grouped_mm", "tflops": 1.0, "ms": 8.0, "ms_rounds": [8.0, 40.0, 8.0]},
+        {"shape": "a", "contender": "mok_cute", "tflops": 4.0, "ms": 2.0, "ms_rounds": [1.0, 10.0, 2.0]},
+        {"shape": "a", "contender": "mok_megakernel", "tflops": 2.0, "ms": 3.0, "ms_rounds": [2.0, 30.0, 3.0]},
+        {"shape": "a", "contender": "sonicmoe", "tflops": 2.0, "ms": 3.0, "ms_rounds": [2.0, 3.0]},
+        {"shape": "b", "contender": "mok_cute", "tflops": 2.0, "ms": 3.0},
+    ]
+    bm.add_ratios(results)
+    mok, mega, sonic, single = results[1], results[2], results[3], results[4]
+    assert mega["paired_ms_over_mok_cute"] == 2.0 and mok["paired_ms_over_mok_cute"] == 1.0
+    assert mok["paired_vs_torch"] == 4.0 and mega["paired_vs_torch"] == 4.0 / 1.5
+    assert sonic["paired_ms_over_mok_cute"] is None and sonic["paired_vs_torch"] is None
+    assert "paired_vs_torch" not in single
+
+
 def test_timer_on_cpu_returns_the_median():
     calls = []
     timer = bm.Timer(torch.device("cpu"), iters=5, warmup=2)
