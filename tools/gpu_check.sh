@@ -58,6 +58,7 @@
 #   earlyksumtests  the GPU tests of EARLY_KSUM and KSUM_ROWS (~4 min?)
 #   earlyksum  EARLY_KSUM and KSUM_ROWS = 8 against the default, 8 interleaved rounds on the
 #          five shapes, then qwen3 recorded with EARLY_KSUM (~5 min)
+#   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
 #   newprobe  the same variants against the default, 8 interleaved rounds on the five shapes,
 #          then qwen3.5 at virtual R = 8 with PINGPONG and KSUM_STAGED (~8 min)
 set -u
@@ -292,6 +293,21 @@ run_virtual_bench() {
     --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
     --iters 10 --warmup 3 --rounds 2 --out "$out" --tag "$1" 2>&1 | tail -12
 }
+run_gap_record() {
+  # the one-rank gap, recorded: dsv3, gptoss and mixtral on the expert path and on the
+  # megakernel (summaries only: task periods, overlap, the KSUM tail), to split each shape's
+  # megakernel / expert difference into tiles, gaps and tail (twelfth session's paired bench:
+  # dsv3 1.053, gptoss 1.063, mixtral 1.056)
+  for shape in dsv3_ep8_rank gptoss_120b mixtral; do
+    for backend in kernel megakernel; do
+      timeout -s KILL 90 python3 -m mok_cute.cli timeline --shape $shape --capacity 262144 \
+        --mok-config check_ids=False --mok-config backend=$backend --out "$out/${shape}_$backend" 2>&1 \
+        | grep -E "layer|every|KSUM|FC2 " | tail -4
+      rm -f "$out/${shape}_$backend/timeline_trace.json" "$out/${shape}_$backend/timeline.png" \
+        "$out/${shape}_$backend/timeline_buffer.npy"
+    done
+  done
+}
 run_virtual_record() {
   # qwen3.5 at virtual R = 8 and the same problem at one rank (--t-scale 8: 16384 tokens, all
   # 512 experts) recorded; the recordings go back as one tarball (a call returns at most 8 files)
@@ -414,6 +430,7 @@ case "$what" in
   switchtests) run_switch_tests ;;
   earlyksum) run_early_ksum ;;
   earlyksumtests) gpu_tests_passed early_ksum "early_ksum or ksum_rows" 400 ;;
+  gaprecord) run_gap_record ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
   flatcopy) run_flat_copy ;;
@@ -425,5 +442,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|earlyksumtests|earlyksum|newprobe|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|earlyksumtests|earlyksum|gaprecord|newprobe|testbench [TAG]|all]" >&2; exit 2 ;;
 esac
