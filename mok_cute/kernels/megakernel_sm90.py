@@ -1487,9 +1487,10 @@ class MegakernelSm90:
         counter is full) and so is its shared tile. A token's claim word (KSUM_CLAIMED) keeps
         the first M-tile it found not done, as -(tile + 1), so the next pass checks that one
         counter only. The warp then claims each ready token (word 1) and sums it with
-        ``_ksum_token`` (register path: the comm CTA's smem holds no stages). The frontier (every FC2 M-tile below it done) only grows; once it
-        passes the last real M-tile every token is ready and the scanning stops, so the KSUM
-        tasks, on every compute CTA, take the rest. It also stops at the deadline or on an
+        ``_ksum_token`` (register path: the comm CTA's smem holds no stages). The frontier
+        (every FC2 M-tile below it done) only grows; once it passes the last real M-tile every
+        token is ready and the scanning stops, so the KSUM tasks, on every compute CTA, take
+        the rest. It also stops at the deadline or on an
         error word (the BARRIER's bounded wait then reports the stall). With the recorder one
         EARLY_KSUM span per comm CTA; its task id is the tokens the CTA summed."""
         rank = Int32(0)
