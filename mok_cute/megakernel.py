@@ -174,6 +174,14 @@ PINGPONG = experimental_switch("PINGPONG", False)
 # most, up to -1 %. Written in the twelfth session after its device time was spent:
 # compile-checked only. MOK_EARLY_KSUM=1.
 EARLY_KSUM = experimental_switch("EARLY_KSUM", False)
+# An FC2 task whose N-tile holds at most half a tile of real columns (hidden % 256 in (0, 128])
+# runs m64n128 wgmmas instead of m64n256 (kernels.megakernel_sm90's narrow_fc2_tail). Why:
+# gptoss's hidden 2880 leaves its last FC2 N-tile 75 % empty: +6.7 % on FC2 against the expert
+# path's 128-wide pingpong FC2 at +2.2 %; FC2 is a third of the FLOPs, so predicted ~-1.5 % on
+# gptoss (paired 1.063 x the expert path in run 93), level where hidden % 256 == 0 (the other
+# four shapes). Written in the twelfth session after its device time was spent: compile-checked
+# only. MOK_NARROW_FC2_TAIL=1.
+NARROW_FC2_TAIL = experimental_switch("NARROW_FC2_TAIL", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -240,6 +248,7 @@ class PlanKey:
     pingpong: bool = False  # PINGPONG (with decoded tickets)
     early_ksum: bool = False  # EARLY_KSUM (one rank without comm tasks)
     ksum_rows: int = 16  # KSUM_ROWS
+    narrow_fc2_tail: bool = False  # NARROW_FC2_TAIL (not with pingpong)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -455,7 +464,8 @@ class Plan:
             rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
-            ksum_staged=k.ksum_staged, pingpong=k.pingpong, early_ksum=k.early_ksum)
+            ksum_staged=k.ksum_staged, pingpong=k.pingpong, early_ksum=k.early_ksum,
+            narrow_fc2_tail=k.narrow_fc2_tail)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -684,7 +694,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   local_only, dynamic, KSUM_VECTORS,
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
-                  EARLY_KSUM and local_only and R == 1, KSUM_ROWS)
+                  EARLY_KSUM and local_only and R == 1, KSUM_ROWS,
+                  NARROW_FC2_TAIL and not pingpong)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

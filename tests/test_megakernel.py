@@ -206,6 +206,29 @@ def test_early_ksum_scans_on_the_comm_ctas_without_spills(top_k, has_shared, tim
         megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, early_ksum=True)
 
 
+@pytest.mark.parametrize("num_ranks,has_shared", [(1, False), (8, True)])
+def test_narrow_fc2_tail_has_both_wgmma_widths_unserialized(num_ranks, has_shared, tmp_path):
+    """narrow_fc2_tail: a whole second mainloop of m64n128 wgmmas beside the m64n256 one (a
+    pipeline that switched width inside would be serialized: ptxas C7515), no spills; not
+    with the pingpong loop, whose tiles are 128 wide already."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=num_ranks, num_comm_ctas=2 if num_ranks == 1 else 12,
+                  local_direct=True, has_shared=has_shared, rank_blocks=num_ranks > 1,
+                  dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16,
+                  store_warp_signals=True, ksum_staged=True)
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, narrow_fc2_tail=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    assert "C7515" not in rep.ptxas_log and "C7508" not in rep.ptxas_log
+    ptx = open(rep.ptx_path).read()
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
+    with pytest.raises(ValueError, match="narrow_fc2_tail is for the cooperative loop"):
+        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, dynamic_tickets=True,
+                                       decoded_tickets=True, pingpong=True, narrow_fc2_tail=True)
+
+
 @pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
                                                           (1, False, True)])
 def test_pingpong_consumers_compile_without_spills(num_ranks, has_shared, timeline, tmp_path):
@@ -715,6 +738,18 @@ def test_early_ksum_gives_the_same_bits(T, H, E_loc, K, shared, monkeypatch):
     # 1: claimed, 0: never checked, -(b + 1): last seen waiting on M-tile b
     assert int(claims.max()) <= 1 and int(claims.min()) >= -plan.task_list.num_m_tiles
     assert int((claims == 1).sum()) == int(spans["task_id"].sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,H,shared", [(1, 576, 0), (1, 640, 128), (1, 704, 0), (4, 576, 0),
+                                        (1, 2880, 0)])
+def test_narrow_fc2_tail_gives_the_same_bits(R, H, shared, monkeypatch):
+    """megakernel.NARROW_FC2_TAIL: an FC2 N-tile with at most 128 real columns (H = 576: 64;
+    640: 128, exactly half; 2880: gptoss's 64) runs m64n128 wgmmas; the same k16 products in
+    the same order, so the same bits (H = 704: 192 columns, stays full width; the shared
+    expert's FC2 too; several ranks; recorded too)."""
+    args = _problem(R, 300, H, 256, 4, 4, shared, seed=71, skew=True)
+    _check_switch(monkeypatch, "NARROW_FC2_TAIL", args, R)
 
 
 @pytest.mark.gpu

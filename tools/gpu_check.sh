@@ -55,12 +55,13 @@
 #          and its GEMM clusters) (~7 min)
 #   decodedvirtual  the same switch at virtual R = 8 and R = 1: qwen3.5, glm (~6 min)
 #   switchtests  the GPU tests of STORE_WARP_SIGNALS, KSUM_STAGED, PINGPONG (~5 min; run 89)
-#   earlyksumtests  the GPU tests of EARLY_KSUM and KSUM_ROWS (~4 min?)
-#   earlyksum  EARLY_KSUM and KSUM_ROWS = 8 against the default, 8 interleaved rounds on the
-#          five shapes, then qwen3 recorded with EARLY_KSUM (~5 min)
+#   switchprobe  (run 90) those three against the default of then, 8 interleaved rounds on the
+#          five shapes, then qwen3.5 at virtual R = 8 with PINGPONG and KSUM_STAGED (~8 min)
+#   newtests  the GPU tests of the twelfth session's unmeasured variants: EARLY_KSUM,
+#          KSUM_ROWS, NARROW_FC2_TAIL (~5 min)
+#   newprobe  those against the default, 8 interleaved rounds on the five shapes, then qwen3
+#          recorded with EARLY_KSUM (~8 min)
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
-#   newprobe  the same variants against the default, 8 interleaved rounds on the five shapes,
-#          then qwen3.5 at virtual R = 8 with PINGPONG and KSUM_STAGED (~8 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -265,22 +266,24 @@ run_switch_tests() {
   # reference (a hang is the risk: the 90 s per-test timeout and this limit kill it)
   gpu_tests_passed switches "store_warp_signals or staged_ksum or pingpong_consumers" 330
 }
-run_early_ksum() {
-  # megakernel.EARLY_KSUM and KSUM_ROWS (twelfth session, compile-checked only; their GPU
-  # tests are earlyksumtests): 8 interleaved rounds on the five shapes against the default (2
-  # comm CTAs), with 2 and 4 comm CTAs scanning, and 8-token KSUM tasks (letter h), then
-  # qwen3 recorded with it (the summary's early_ksum_tokens: how many tokens the comm CTAs took)
-  timeout -s KILL 300 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 2lxwfkuesm,2lxwfkuesmy,4lxwfkuesmy,2lxwfkuesmh --rounds 8 --json "$out/layer_early_ksum_ab.json" 2>&1 \
+run_new_variants_probe() {
+  # the twelfth session's variants (compile-checked only; their GPU tests are newtests), 8
+  # interleaved rounds on the five shapes against the default (2 comm CTAs): y = EARLY_KSUM
+  # with 2 and 4 comm CTAs scanning, h = 8-token KSUM tasks (KSUM_ROWS), r = NARROW_FC2_TAIL
+  # (only gptoss has a half-empty FC2 N-tile); then qwen3 recorded with EARLY_KSUM (the
+  # summary's early_ksum_tokens: how many tokens the comm CTAs took)
+  timeout -s KILL 420 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
+    --comm 2lxwfkuesm,2lxwfkuesmy,4lxwfkuesmy,2lxwfkuesmh,2lxwfkuesmr --rounds 8 --json "$out/layer_twelfth_variants_ab.json" 2>&1 \
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -20
   MOK_EARLY_KSUM=1 timeout -s KILL 80 python3 -m mok_cute.cli timeline --shape qwen3_30b --capacity 262144 \
     --mok-config check_ids=False --mok-config backend=megakernel --out "$out/qwen3_early_ksum" 2>&1 \
     | grep -E "TFLOP|FC2 |KSUM|early|every|at once" | tail -10
   rm -f "$out/qwen3_early_ksum/timeline_trace.json" "$out/qwen3_early_ksum/timeline.png" "$out/qwen3_early_ksum/timeline_buffer.npy"
 }
-run_new_variants_probe() {
-  # the same variants against the default, interleaved: the megakernel at R = 1 on the five
-  # shapes (8 alternating rounds; s = STORE_WARP_SIGNALS, m = KSUM_STAGED, o = PINGPONG), then
+run_switch_probe() {
+  # (run 90) the eleventh session's variants against the default of then, interleaved: the
+  # megakernel at R = 1 on the five shapes (8 alternating rounds; s = STORE_WARP_SIGNALS,
+  # m = KSUM_STAGED, o = PINGPONG), then
   # qwen3.5 at virtual R = 8 against R = 1 with the pingpong loop and the staged k-sum
   timeout -s KILL 330 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
     --comm 2lxwfkue,2lxwfkues,2lxwfkuem,2lxwfkueo --rounds 8 --json "$out/layer_new_variants_ab.json" 2>&1 \
@@ -426,10 +429,9 @@ case "$what" in
   final) run_final "${2:-virtual_r8}" "${3:-expert_kernels}" ;;
   singlebench) run_single_bench "${2:-expert_kernels}" ;;
   # the megakernel's GPU tests take longer than one call (run 92): two halves
-  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or early_ksum or ksum_rows)" 420 ;;
+  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or early_ksum or ksum_rows or narrow_fc2_tail)" 420 ;;
   switchtests) run_switch_tests ;;
-  earlyksum) run_early_ksum ;;
-  earlyksumtests) gpu_tests_passed early_ksum "early_ksum or ksum_rows" 400 ;;
+  newtests) gpu_tests_passed new_variants "early_ksum or ksum_rows or narrow_fc2_tail" 480 ;;
   gaprecord) run_gap_record ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
@@ -439,8 +441,9 @@ case "$what" in
   decoded) run_decoded ;;
   decodedvirtual) run_decoded_virtual ;;
   newprobe) run_new_variants_probe ;;
+  switchprobe) run_switch_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|earlyksumtests|earlyksum|gaprecord|newprobe|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|newtests|newprobe|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

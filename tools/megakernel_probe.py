@@ -21,7 +21,8 @@ an ``s`` only the store warp waiting for a GEMM tile's stores (``megakernel.STOR
 an ``m`` the k-sum through smem (``megakernel.KSUM_STAGED``), an ``o`` the pingpong
 consumer loop (``megakernel.PINGPONG``), a ``y`` the comm CTAs' k-sum of ready tokens during
 the GEMMs (``megakernel.EARLY_KSUM``, one rank without comm tasks), an ``h`` KSUM tasks of 8
-tokens instead of 16 (``megakernel.KSUM_ROWS``); e.g.
+tokens instead of 16 (``megakernel.KSUM_ROWS``), an ``r`` half-width wgmmas for an FC2 N-tile
+that is at most half full (``megakernel.NARROW_FC2_TAIL``); e.g.
 ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
 measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -66,7 +67,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcehklmnosuwxy]*)(?:f(\d*))?([bcehklmnosuwxy]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcehklmnorsuwxy]*)(?:f(\d*))?([bcehklmnorsuwxy]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -76,7 +77,7 @@ def parse_spec(spec: str) -> dict:
                 dynamic_tickets="k" in flags, ksum_vectors=16 if "u" in flags else 8,
                 decoded_tickets="e" in flags, store_warp_signals="s" in flags,
                 ksum_staged="m" in flags, pingpong="o" in flags, early_ksum="y" in flags,
-                ksum_rows=8 if "h" in flags else 16,
+                ksum_rows=8 if "h" in flags else 16, narrow_fc2_tail="r" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -89,7 +90,7 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
                  "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "EARLY_KSUM": "early_ksum",
-                 "KSUM_ROWS": "ksum_rows"}
+                 "KSUM_ROWS": "ksum_rows", "NARROW_FC2_TAIL": "narrow_fc2_tail"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -186,7 +187,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_ksum_staged" if k.ksum_staged else "")
                                           + ("_pingpong" if k.pingpong else "")
                                           + ("_early_ksum" if k.early_ksum else "")
-                                          + (f"_ksum_rows{k.ksum_rows}" if k.ksum_rows != 16 else ""))
+                                          + (f"_ksum_rows{k.ksum_rows}" if k.ksum_rows != 16 else "")
+                                          + ("_narrow_fc2_tail" if k.narrow_fc2_tail else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
@@ -258,7 +260,7 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
     # (8 vectors always: the earlier probes' r1_dynamic)
     base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, comm_copy_vectors=0,
                 decoded_tickets=False, store_warp_signals=False, pingpong=False,
-                ksum_staged=False, early_ksum=False)
+                ksum_staged=False, early_ksum=False, narrow_fc2_tail=False)
     variants = {"r1": (run_one, base)}
     for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
         sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"],

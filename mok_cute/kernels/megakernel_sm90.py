@@ -111,7 +111,8 @@ class MegakernelSm90:
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
-                 ksum_staged: bool = False, pingpong: bool = False, early_ksum: bool = False):
+                 ksum_staged: bool = False, pingpong: bool = False, early_ksum: bool = False,
+                 narrow_fc2_tail: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -209,6 +210,18 @@ class MegakernelSm90:
         if early_ksum and not (local_direct and num_ranks == 1):
             raise ValueError("early_ksum needs one rank with local_direct")
         self.early_ksum = early_ksum
+        # narrow_fc2_tail: an FC2 (or shared FC2) task whose N-tile holds at most half a tile of
+        # real columns (the last one, when hidden % tile_n is in (0, tile_n / 2]) runs a whole
+        # mainloop of m64n128 wgmmas on the first half of its B stages and of its accumulator
+        # instead of m64n256. Why: gptoss's hidden 2880 = 11.25 x 256 makes the last of its 12
+        # FC2 N-tiles 75 % empty, 6.7 % of FC2's tensor-core time, where the expert path's
+        # 128-wide pingpong FC2 loses 2.2 %. Each output element sums the same k16 products in
+        # the same order (the megakernel already equals the n128 pingpong FC2 bitwise); the
+        # accumulator's second half keeps stale values, in columns past hidden that the TMA
+        # store clips.
+        if narrow_fc2_tail and pingpong:
+            raise ValueError("narrow_fc2_tail is for the cooperative loop (pingpong tiles are 128 wide)")
+        self.narrow_fc2_tail = narrow_fc2_tail
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -323,6 +336,12 @@ class MegakernelSm90:
                 g.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
+        narrow_mma = None
+        if const_expr(self.narrow_fc2_tail):
+            narrow_mma = sm90_utils.make_trivial_tiled_mma(
+                BFloat16, BFloat16, cute.nvgpu.warpgroup.OperandMajorMode.K,
+                cute.nvgpu.warpgroup.OperandMajorMode.K, Float32, g.atom_layout_mnk,
+                tiler_mn=(64, self.half_n))
         self.kernel(
             tasks, queues, queue_len, queue_live_len, queue_blocks, counter_offsets,
             counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
@@ -331,6 +350,7 @@ class MegakernelSm90:
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
             tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
             g.tiled_mma, g.a_smem_layout_staged, g.b_smem_layout_staged, g.epi_smem_layout_staged,
+            narrow_mma,
         ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, cooperative=True, stream=stream)
 
@@ -358,7 +378,8 @@ class MegakernelSm90:
                s_tma_st_y: Optional[cute.CopyAtom], s_t_st_y: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout):
+               epi_smem_layout_staged: cute.ComposedLayout,
+               narrow_mma: Optional[cute.TiledMma]):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -444,7 +465,7 @@ class MegakernelSm90:
                     topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                     tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                     s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta,
-                    ticket_q, ticket_bars, storage.sB.data_ptr())
+                    ticket_q, ticket_bars, storage.sB.data_ptr(), narrow_mma)
 
     # ------------------------------------------------------------------ task walking
     @cute.jit
@@ -1128,11 +1149,22 @@ class MegakernelSm90:
                        topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                        tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                        s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
-                       compute_cta, ticket_q, ticket_bars, ksum_stage):
+                       compute_cta, ticket_q, ticket_bars, ksum_stage, narrow_mma):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
         tCrA, tCrB, acc, num_k_blocks, epi = self._consumer_parts(
             tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * 128, consumer_tidx)
+        narrow = None
+        if const_expr(self.narrow_fc2_tail):
+            # the same registers and stages, half as wide: acc's first half holds columns
+            # 0 .. tile_n / 2 - 1 in both wgmma shapes, and B's first half rows are a tile
+            thr = narrow_mma.get_slice((warpgroup_idx - 1) * 128)
+            sB_half = cute.local_tile(sB, (self.half_n, tile_k, cute.size(sB, mode=[2])), (0, 0, 0))
+            narrow = (narrow_mma, cute.make_tensor(acc.iterator, cute.make_layout(
+                          thr.partition_shape_C((tile_m, self.half_n)))),
+                      narrow_mma.make_fragment_A(thr.partition_A(sA)),
+                      narrow_mma.make_fragment_B(thr.partition_B(sB_half)))
+        hidden = cute.size(out, mode=[2])
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.gemm.num_mma_threads))
@@ -1161,8 +1193,26 @@ class MegakernelSm90:
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
             if run and not noop and self._is_gemm(ttype):
-                release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
-                                         num_k_blocks)
+                half = Int32(0)
+                if const_expr(self.narrow_fc2_tail):
+                    if ttype == int(TaskType.FC2) or ttype == int(TaskType.SHARED_FC2):
+                        _, n_tile, _ = self._task_tile(tasks, ticket_q, taken, index)
+                        if hidden - n_tile * tile_n <= self.half_n:
+                            half = Int32(1)
+                if const_expr(self.narrow_fc2_tail):
+                    # a whole mainloop of either width: a wgmma pipeline that switched width
+                    # inside would be serialized by ptxas (C7515)
+                    release = _pipeline_state(pipeline.PipelineUserType.Consumer,
+                                              g_stages(self), loads)
+                    if half != 0:
+                        release = self._mainloop(ab_pipeline, narrow[0], narrow[1], narrow[2],
+                                                 narrow[3], loads, k_tiles, num_k_blocks)
+                    else:
+                        release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
+                                                 k_tiles, num_k_blocks)
+                else:
+                    release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
+                                             k_tiles, num_k_blocks)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
 
@@ -1805,12 +1855,14 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        ksum_vectors: int = 8, copy_vectors: int = 0,
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
                        ksum_staged: bool = False, pingpong: bool = False,
-                       early_ksum: bool = False, arch: str = "sm_90a", options: str = ""):
+                       early_ksum: bool = False, narrow_fc2_tail: bool = False,
+                       arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
-                        decoded_tickets, store_warp_signals, ksum_staged, pingpong, early_ksum)
+                        decoded_tickets, store_warp_signals, ksum_staged, pingpong, early_ksum,
+                        narrow_fc2_tail)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
