@@ -1164,7 +1164,7 @@ class MegakernelSm90:
                           thr.partition_shape_C((tile_m, self.half_n)))),
                       narrow_mma.make_fragment_A(thr.partition_A(sA)),
                       narrow_mma.make_fragment_B(thr.partition_B(sB_half)))
-        hidden = cute.size(out, mode=[2])
+            hidden = cute.size(out, mode=[2])
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.gemm.num_mma_threads))
@@ -1193,15 +1193,15 @@ class MegakernelSm90:
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
             if run and not noop and self._is_gemm(ttype):
-                half = Int32(0)
                 if const_expr(self.narrow_fc2_tail):
+                    # an FC2 tile with at most half its columns real; a whole mainloop of either
+                    # width: a wgmma pipeline that switched width inside would be serialized by
+                    # ptxas (C7515)
+                    half = Int32(0)
                     if ttype == int(TaskType.FC2) or ttype == int(TaskType.SHARED_FC2):
                         _, n_tile, _ = self._task_tile(tasks, ticket_q, taken, index)
                         if hidden - n_tile * tile_n <= self.half_n:
                             half = Int32(1)
-                if const_expr(self.narrow_fc2_tail):
-                    # a whole mainloop of either width: a wgmma pipeline that switched width
-                    # inside would be serialized by ptxas (C7515)
                     release = _pipeline_state(pipeline.PipelineUserType.Consumer,
                                               g_stages(self), loads)
                     if half != 0:
@@ -1465,28 +1465,34 @@ class MegakernelSm90:
         barrier.arrive_and_wait()
         lane = cute.arch.lane_idx()
         warp = consumer_tidx // 32  # among the ``warps`` that run this task
-        claims = counter_offsets[int(CounterGroup.KSUM_CLAIMED)]
+        combine_base = self._combine_base(ctx, peer_bases, rank)
         for t in cutlass.range(tasks[index, W_ROW_BEGIN] + warp, tasks[index, W_ROW_END], warps,
                                unroll=1):
             claimed = Int32(0)
             if const_expr(self.early_ksum):
-                claimed = counters[rank, claims + t]  # 1: a comm CTA summed it already (or is)
+                # 1: a comm CTA summed it already (or is summing it)
+                claimed = counters[rank, counter_offsets[int(CounterGroup.KSUM_CLAIMED)] + t]
             if claimed != 1:
-                self._ksum_token(ctx, rank, t, peer_bases, topk_weights, topk_idx, slot_rows,
-                                 ring_y, out, shared_y, lane, first_warp + warp, ksum_stage,
-                                 self.ksum_staged)
+                self._ksum_token(ctx, rank, t, combine_base, peer_bases, topk_weights, topk_idx,
+                                 slot_rows, ring_y, out, shared_y, lane, first_warp + warp,
+                                 ksum_stage, self.ksum_staged)
 
     @cute.jit
-    def _ksum_token(self, ctx, rank: Int32, t: Int32, peer_bases, topk_weights, topk_idx,
-                    slot_rows, ring_y, out, shared_y, lane: Int32, warp: Int32, ksum_stage,
-                    staged: cutlass.Constexpr[bool]):
+    def _combine_base(self, ctx, peer_bases, rank: Int32) -> Int64:
+        """Address of ``rank``'s own combine buffer (the y rows its peers pushed to it)."""
+        return peer_bases[rank, ctx.rank_base + rank] + ctx.combine_offset
+
+    @cute.jit
+    def _ksum_token(self, ctx, rank: Int32, t: Int32, combine_base: Int64, peer_bases,
+                    topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, lane: Int32,
+                    warp: Int32, ksum_stage, staged: cutlass.Constexpr[bool]):
         """One token's output row by one warp (KSUM tasks and early_ksum): the K weights and
-        y-row addresses (0: routed nowhere, contributes 0), then the fixed-order sum, through
-        smem (``staged``, stage slots of ``warp``) or with the loads in registers."""
+        y-row addresses (0: routed nowhere, contributes 0; ``combine_base`` from
+        ``_combine_base``, read once per caller), then the fixed-order sum, through smem
+        (``staged``, stage slots of ``warp``) or with the loads in registers."""
         hidden = cute.size(out, mode=[2])
         h_vecs = hidden // VEC_ELEMS
         vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        combine_base = peer_bases[rank, ctx.rank_base + rank] + ctx.combine_offset
         row_bytes = Int64(hidden) * 2
         num_experts = cute.size(peer_bases, mode=[1]) * ctx.local_experts
         weights = cute.make_rmem_tensor((self.top_k,), Float32)
@@ -1563,6 +1569,7 @@ class MegakernelSm90:
         shared_done = counter_offsets[int(CounterGroup.SHARED_FC2_DONE)]
         claims = counter_offsets[int(CounterGroup.KSUM_CLAIMED)]
         real_tiles = num_tiles[rank]
+        combine_base = self._combine_base(ctx, peer_bases, rank)
         frontier = Int32(0)
         summed = Int32(0)
         scanning = real_tiles > 0
@@ -1621,9 +1628,9 @@ class MegakernelSm90:
                         if (mask >> j) & 1 != 0:
                             if lane == 0:
                                 counters[rank, claims + c * 32 + j] = Int32(1)
-                            self._ksum_token(ctx, rank, c * 32 + j, peer_bases, topk_weights,
-                                             topk_idx, slot_rows, ring_y, out, shared_y, lane,
-                                             Int32(0), None, False)
+                            self._ksum_token(ctx, rank, c * 32 + j, combine_base, peer_bases,
+                                             topk_weights, topk_idx, slot_rows, ring_y, out,
+                                             shared_y, lane, Int32(0), None, False)
                             summed += 1
                     if mask != 0:
                         found = Int32(1)
