@@ -409,6 +409,23 @@ def _max_overlap(rec: np.ndarray) -> int:
     return int(np.cumsum(steps[order]).max())
 
 
+def _add_task_rates(work: np.ndarray, union_ns: int, overlaps: list[float],
+                    periods: dict[str, list[float]]) -> None:
+    """One compute CTA's non-WAIT records (``work``, their union ``union_ns`` long): append its
+    task overlap (summed spans over the union) and, per GEMM type, its median gap between the
+    ends of back-to-back tasks of that type (us), for ``summarize``'s task_overlap and
+    task_period_us."""
+    if union_ns:
+        overlaps.append(float((work["end_ns"] - work["start_ns"]).sum()) / union_ns)
+    gemm = work[np.isin(work["task_type"], [int(t) for t in GEMM_TASK_TYPES])]
+    gemm = gemm[np.argsort(gemm["end_ns"], kind="stable")]
+    same = gemm["task_type"][1:] == gemm["task_type"][:-1]  # back-to-back tasks of a type
+    gaps = np.diff(gemm["end_ns"])
+    for t in np.unique(gemm["task_type"][1:][same]):
+        sel = same & (gemm["task_type"][1:] == t)
+        periods.setdefault(task_name(t), []).append(float(np.median(gaps[sel])) / 1e3)
+
+
 def summarize(
     tl: Timeline,
     flops: float | None = None,
@@ -441,6 +458,7 @@ def summarize(
     is_wait = tt == TaskType.WAIT
 
     roles: dict[str, dict[str, Any]] = {}
+    overlaps, periods = [], {}
     lane_keys = sorted({(int(r), int(k), int(c)) for r, k, c in zip(rec["role"], rec["rank"], rec["cta_id"])})
     for role, rank, cta in lane_keys:
         mine = (rec["role"] == role) & (rec["rank"] == rank) & (rec["cta_id"] == cta)
@@ -453,6 +471,8 @@ def summarize(
         entry["busy_ns"] += busy_ns
         entry["wait_ns"] += wait_ns
         entry["idle_ns"] += span - busy_ns - wait_ns
+        if role == Role.COMPUTE:
+            _add_task_rates(rec[mine & ~is_wait], _measure(work), overlaps, periods)
     for entry in roles.values():
         total = entry["lanes"] * span
         for what in ("busy", "wait", "idle"):
@@ -466,22 +486,6 @@ def summarize(
         if amount is None or t_ns == 0:
             return None
         return float(amount) / t_ns / scale
-
-    overlaps, periods = [], {}
-    for role, rank, cta in lane_keys:
-        if role != Role.COMPUTE:
-            continue
-        mine = rec[(rec["role"] == role) & (rec["rank"] == rank) & (rec["cta_id"] == cta) & ~is_wait]
-        union_ns = _measure(_union(mine["start_ns"], mine["end_ns"]))
-        if union_ns:
-            overlaps.append(float((mine["end_ns"] - mine["start_ns"]).sum()) / union_ns)
-        gemm = mine[np.isin(mine["task_type"], [int(t) for t in GEMM_TASK_TYPES])]
-        gemm = gemm[np.argsort(gemm["end_ns"], kind="stable")]
-        same = gemm["task_type"][1:] == gemm["task_type"][:-1]  # back-to-back tasks of a type
-        gaps = np.diff(gemm["end_ns"])
-        for t in np.unique(gemm["task_type"][1:][same]):
-            sel = same & (gemm["task_type"][1:] == t)
-            periods.setdefault(task_name(t), []).append(float(np.median(gaps[sel])) / 1e3)
 
     comm_u = _union_of(rec, _types(COMM_TASK_TYPES))
     compute_u = _union_of(rec, _types(COMPUTE_TASK_TYPES))
