@@ -82,6 +82,17 @@ gpu_tests_passed() {
   grep -q " passed" "$out/test_$name.log" && ! grep -q "failed" "$out/test_$name.log"
 }
 
+record_summary() {
+  # record_summary SECONDS DIR PATTERN [TIMELINE ARGS...]: one recorded call (mok-cute timeline
+  # --out DIR ...), its printed lines matching PATTERN; the trace and the PNG are dropped (the
+  # summary and the raw buffer stay in DIR)
+  local secs="$1" dir="$2" pattern="$3"
+  shift 3
+  timeout -s KILL "$secs" python3 -m mok_cute.cli timeline --out "$dir" "$@" 2>&1 \
+    | grep -E "$pattern" | tail -10
+  rm -f "$dir/timeline_trace.json" "$dir/timeline.png"
+}
+
 virtual_probe() {
   # virtual_probe SECONDS SHAPES SPECS NAME: tools/megakernel_probe.py at virtual R = 8 against
   # R = 1 (3 alternating rounds), one --virtual-comm spec per variant; JSON to $out/NAME.json
@@ -276,10 +287,9 @@ run_new_variants_probe() {
   timeout -s KILL 420 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
     --comm 2lxwfkuesm,2lxwfkuesmy,4lxwfkuesmy,2lxwfkuesmh,2lxwfkuesmr,1lxwfkuesm --rounds 8 --json "$out/layer_twelfth_variants_ab.json" 2>&1 \
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -40
-  MOK_EARLY_KSUM=1 timeout -s KILL 80 python3 -m mok_cute.cli timeline --shape qwen3_30b --capacity 262144 \
-    --mok-config check_ids=False --mok-config backend=megakernel --out "$out/qwen3_early_ksum" 2>&1 \
-    | grep -E "TFLOP|FC2 |KSUM|early|every|at once" | tail -10
-  rm -f "$out/qwen3_early_ksum/timeline_trace.json" "$out/qwen3_early_ksum/timeline.png" "$out/qwen3_early_ksum/timeline_buffer.npy"
+  MOK_EARLY_KSUM=1 record_summary 80 "$out/qwen3_early_ksum" "TFLOP|FC2 |KSUM|early|every|at once" \
+    --shape qwen3_30b --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel
+  rm -f "$out/qwen3_early_ksum/timeline_buffer.npy"
 }
 run_switch_probe() {
   # (run 90) the eleventh session's variants against the default of then, interleaved: the
@@ -304,11 +314,9 @@ run_gap_record() {
   # dsv3 1.053, gptoss 1.063, mixtral 1.056)
   for shape in dsv3_ep8_rank gptoss_120b mixtral; do
     for backend in kernel megakernel; do
-      timeout -s KILL 90 python3 -m mok_cute.cli timeline --shape $shape --capacity 262144 \
-        --mok-config check_ids=False --mok-config backend=$backend --out "$out/${shape}_$backend" 2>&1 \
-        | grep -E "layer|every|KSUM|FC2 " | tail -4
-      rm -f "$out/${shape}_$backend/timeline_trace.json" "$out/${shape}_$backend/timeline.png" \
-        "$out/${shape}_$backend/timeline_buffer.npy"
+      record_summary 90 "$out/${shape}_$backend" "layer|every|KSUM|FC2 " --shape $shape \
+        --capacity 262144 --mok-config check_ids=False --mok-config backend=$backend
+      rm -f "$out/${shape}_$backend/timeline_buffer.npy"
     done
   done
 }
@@ -319,10 +327,9 @@ run_virtual_record() {
   mkdir -p "$rec"
   for r in 8 1; do
     local scale=$((8 / r))  # the same 16384 tokens at both
-    timeout -s KILL 120 python3 -m mok_cute.cli timeline --shape qwen3.5_397b --ranks $r --t-scale $scale \
-      --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel \
-      --out "$rec/qwen35_r$r" 2>&1 | grep -E "TFLOP|FC1 |FC2 |DISPATCH|COMBINE|KSUM|WAIT" | tail -10
-    rm -f "$rec/qwen35_r$r/timeline_trace.json" "$rec/qwen35_r$r/timeline.png"
+    record_summary 120 "$rec/qwen35_r$r" "TFLOP|FC1 |FC2 |DISPATCH|COMBINE|KSUM|WAIT" \
+      --shape qwen3.5_397b --ranks $r --t-scale $scale --capacity 262144 \
+      --mok-config check_ids=False --mok-config backend=megakernel
   done
   tar -C "$out" -czf "$out/recordings.tgz" recordings && rm -rf "$rec"
 }
