@@ -97,8 +97,12 @@ X_IN_PLACE = experimental_switch("X_IN_PLACE", True)
 # their list without comm tasks (tasks.build_task_list(comm_tasks=False), LOCAL_ONLY_TASKS),
 # so the comm CTAs run the barrier only; 2 (the simulator's pick too). 1 against 2 (one more
 # compute CTA, predicted -0.8 %) measured level within the probe's noise on the five shapes
-# (run 57: best of 3, -1.1 % to +0.6 %), so it stays 2.
-LOCAL_ONLY_COMM_CTAS = 2
+# (run 57: best of 3, -1.1 % to +0.6 %). Thirteenth session, with the paired per-round ratio
+# (median of 8 and 10 interleaved rounds, bitwise equal), 1 against 2: run 95 qwen3 0.976,
+# mixtral 0.991, dsv3 0.986, gptoss 0.945, sonic 0.997; run 97 0.987, 1.003, 0.984, 0.993,
+# 0.996; with 8-token KSUM tasks (KSUM_ROWS) too, against neither, run 97: 0.952, 0.989,
+# 0.945, 0.974, 1.000. So 1.
+LOCAL_ONLY_COMM_CTAS = 1
 LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm tasks too
 # Compute CTAs take their tickets from a counter as their producer gets to them, instead of the
 # static stride (kernels.megakernel_sm90's dynamic_tickets). Why: with the FC1 lead no compute
@@ -197,8 +201,11 @@ KSUM_VECTORS = experimental_setting("KSUM_VECTORS", 16, 1, 64)
 # bandwidth-bound (~3.6 TB/s), plus ~30 us of overhead: 7.5 us from the last FC2 tile to the
 # BARRIER, ~8 us to the first KSUM, and a ragged end of one task (~23 us between the CTAs'
 # last KSUM ends). 8-token tasks would halve the ragged end: predicted ~-0.5 % on qwen3, level
-# where the tail is a smaller share. Not yet measured: MOK_KSUM_ROWS=8 or probe letter h.
-KSUM_ROWS = experimental_setting("KSUM_ROWS", 16, 1, TILE_M)
+# where the tail is a smaller share. Measured 8 against 16 (thirteenth session, bitwise equal,
+# median of the paired per-round ratios of 8 and 10 interleaved rounds): run 95 qwen3 0.997,
+# mixtral 0.986, dsv3 0.969, gptoss 0.979, sonic 0.994; run 97 0.992, 1.005, 0.969, 0.991,
+# 1.005. So 8; MOK_KSUM_ROWS=16 (probe letters: h = 8, none = 16) puts back the old one.
+KSUM_ROWS = experimental_setting("KSUM_ROWS", 8, 1, TILE_M)
 # 16-B vectors in flight per lane in the comm CTAs' row copy, the task's rows as one flat run
 # (kernels.megakernel_sm90's copy_vectors); 0 = a warp per row, 16 in flight per lane of it.
 # Why: at virtual R = 8 a comm CTA moved ~22 GB/s (run 58, qwen3.5: 0.9 MB tasks in 40-43 us);
@@ -247,7 +254,7 @@ class PlanKey:
     ksum_staged: bool = False  # KSUM_STAGED (not with pingpong)
     pingpong: bool = False  # PINGPONG (with decoded tickets)
     early_ksum: bool = False  # EARLY_KSUM (one rank without comm tasks)
-    ksum_rows: int = 16  # KSUM_ROWS
+    ksum_rows: int = 8  # KSUM_ROWS
     narrow_fc2_tail: bool = False  # NARROW_FC2_TAIL (not with pingpong)
 
 

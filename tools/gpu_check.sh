@@ -278,18 +278,25 @@ run_switch_tests() {
   gpu_tests_passed switches "store_warp_signals or staged_ksum or pingpong_consumers" 330
 }
 run_new_variants_probe() {
-  # the twelfth session's variants (compile-checked only; their GPU tests are newtests), 8
-  # interleaved rounds on the five shapes against the default (2 comm CTAs): y = EARLY_KSUM
-  # with 2 and 4 comm CTAs scanning, h = 8-token KSUM tasks (KSUM_ROWS), r = NARROW_FC2_TAIL
-  # (only gptoss has a half-empty FC2 N-tile), and 1 comm CTA instead of 2 once more (one
-  # more GEMM SM: -0.8 % counted, level in run 57's noisier probe); then qwen3 recorded with
-  # EARLY_KSUM (the summary's early_ksum_tokens: how many tokens the comm CTAs took)
+  # the twelfth session's variants (their GPU tests are newtests), 10 interleaved rounds on the
+  # five shapes against the default (2 comm CTAs): h = 8-token KSUM tasks (KSUM_ROWS), 1 comm
+  # CTA instead of 2 (one more GEMM SM; 0.945-0.997 in run 95), y = EARLY_KSUM with 1 and 2
+  # comm CTAs scanning (NARROW_FC2_TAIL left out: 6.5-8 % slower on gptoss and sonic in
+  # run 95); then qwen3 recorded with EARLY_KSUM (the summary's early_ksum_tokens: how many
+  # tokens the comm CTAs took)
   timeout -s KILL 420 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 2lxwfkuesm,2lxwfkuesmy,4lxwfkuesmy,2lxwfkuesmh,2lxwfkuesmr,1lxwfkuesm --rounds 8 --json "$out/layer_twelfth_variants_ab.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -40
+    --comm 2lxwfkuesm,1lxwfkuesm,2lxwfkuesmh,1lxwfkuesmh,2lxwfkuesmhy,1lxwfkuesmhy --rounds 10 --json "$out/layer_ksum_variants_ab.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-160 | tail -40
   MOK_EARLY_KSUM=1 record_summary 80 "$out/qwen3_early_ksum" "TFLOP|FC2 |KSUM|early|every|at once" \
     --shape qwen3_30b --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel
   rm -f "$out/qwen3_early_ksum/timeline_buffer.npy"
+}
+run_ksum_rows_virtual() {
+  # (run 98) 8-token KSUM tasks against 16 at virtual R = 8 (qwen3.5 and glm; the one-GPU
+  # shapes were runs 95 and 97), then the one-GPU bench of record with the thirteenth
+  # session's defaults (1 comm CTA at one rank, 8-token KSUM tasks)
+  virtual_probe 240 qwen3.5_397b,glm_5.2 16kuesm,16kuesmh "virtual_ksum_rows"
+  run_single_bench "${1:-expert_kernels}"
 }
 run_switch_probe() {
   # (run 90) the eleventh session's variants against the default of then, interleaved: the
@@ -440,6 +447,7 @@ case "$what" in
   megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or early_ksum or ksum_rows or narrow_fc2_tail)" 420 ;;
   switchtests) run_switch_tests ;;
   newtests) gpu_tests_passed new_variants "early_ksum or ksum_rows or narrow_fc2_tail" 480 ;;
+  eksumtests) gpu_tests_passed early_ksum "early_ksum" 240 ;;
   gaprecord) run_gap_record ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
@@ -449,6 +457,7 @@ case "$what" in
   decoded) run_decoded ;;
   decodedvirtual) run_decoded_virtual ;;
   newprobe) run_new_variants_probe ;;
+  ksumrowsvirtual) run_ksum_rows_virtual "${2:-expert_kernels}" ;;
   switchprobe) run_switch_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;

@@ -226,16 +226,16 @@ def parse_virtual_spec(spec: str) -> dict:
     in flight per KSUM lane (KSUM_VECTORS), ``e`` = decoded task words through the ticket ring
     (DECODED_TICKETS, with ``k``), ``s`` = only the store warp waits for a tile's stores
     (STORE_WARP_SIGNALS), ``o`` = the pingpong consumer loop (PINGPONG), ``m`` = the k-sum
-    through smem (KSUM_STAGED), then ``vN`` = the comm CTAs' flat row copy with N
+    through smem (KSUM_STAGED), ``h`` = 8-token KSUM tasks (KSUM_ROWS; 16 without), then ``vN`` = the comm CTAs' flat row copy with N
     vectors in flight per lane (COMM_COPY_VECTORS; 0, a warp per row, without it)."""
-    m = re.fullmatch(r"(\d+)([akuemos]*)(?:v(\d+))?", spec)
+    m = re.fullmatch(r"(\d+)([akuemosh]*)(?:v(\d+))?", spec)
     if not m:
         raise SystemExit(f"--virtual-comm: cannot read {spec!r} (e.g. 12, 12k, 12a, 10kuv16)")
     return dict(comm=int(m.group(1)), rank_blocks="a" not in m.group(2),
                 dynamic_tickets="k" in m.group(2), ksum_vectors=16 if "u" in m.group(2) else 8,
                 decoded_tickets="e" in m.group(2), store_warp_signals="s" in m.group(2),
                 pingpong="o" in m.group(2), ksum_staged="m" in m.group(2),
-                comm_copy_vectors=int(m.group(3) or 0))
+                ksum_rows=8 if "h" in m.group(2) else 16, comm_copy_vectors=int(m.group(3) or 0))
 
 
 def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> dict:
@@ -254,19 +254,20 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
                 + ("_decoded" if sp["decoded_tickets"] else "")
                 + ("_store_warp_signals" if sp["store_warp_signals"] else "")
                 + ("_pingpong" if sp["pingpong"] else "")
-                + ("_ksum_staged" if sp["ksum_staged"] else ""))
+                + ("_ksum_staged" if sp["ksum_staged"] else "")
+                + ("_ksum_rows8" if sp["ksum_rows"] == 8 else ""))
 
     # R = 1 with static tickets, then with dynamic tickets and each KSUM setting the specs use
     # (8 vectors always: the earlier probes' r1_dynamic)
     base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, comm_copy_vectors=0,
                 decoded_tickets=False, store_warp_signals=False, pingpong=False,
-                ksum_staged=False, early_ksum=False, narrow_fc2_tail=False)
+                ksum_staged=False, early_ksum=False, narrow_fc2_tail=False, ksum_rows=16)
     variants = {"r1": (run_one, base)}
     for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
         sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"],
                   decoded_tickets=sp["decoded_tickets"],
                   store_warp_signals=sp["store_warp_signals"], pingpong=sp["pingpong"],
-                  ksum_staged=sp["ksum_staged"])
+                  ksum_staged=sp["ksum_staged"], ksum_rows=sp["ksum_rows"])
         variants.setdefault("r1_dynamic" + suffix(sw), (run_one, sw))
     for spec in comms:
         sp = parse_virtual_spec(spec)

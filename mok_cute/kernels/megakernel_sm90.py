@@ -1572,7 +1572,9 @@ class MegakernelSm90:
         combine_base = self._combine_base(ctx, peer_bases, rank)
         frontier = Int32(0)
         summed = Int32(0)
-        scanning = real_tiles > 0
+        # a warp without a chunk (more scanners than chunks: small T) would never move the
+        # frontier, which only advances inside the chunk loop, and spin to the deadline
+        scanning = real_tiles > 0 and scanner < chunks
         while scanning:
             found = Int32(0)
             c = scanner
