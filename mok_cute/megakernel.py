@@ -175,17 +175,32 @@ PINGPONG = experimental_switch("PINGPONG", False)
 # before the last FC2 tile, 76 % 50 us before), and the two comm CTAs' 24 warps move ~100 GB/s
 # (~3 qwen3 tokens per us): they can take ~10 % of qwen3's or dsv3's tokens, -0.5 to -1 %. With
 # K = 2 (mixtral: half the tokens ready at 70 % of the call, y 134 MB over 9 ms) they can take
-# most, up to -1 %. Written in the twelfth session after its device time was spent:
-# compile-checked only. MOK_EARLY_KSUM=1.
+# most, up to -1 %. Written in the twelfth session after its device time was spent. Measured
+# in the thirteenth: its first GPU tests hung at small T (run 94: a scanning warp without a
+# chunk never moved its frontier; fixed, run 97: 5 passed, bitwise), then slower everywhere
+# (run 97, paired per-round ratio against the same list without it, 1 / 2 comm CTAs): qwen3
+# 1.589 / 1.503, mixtral 1.009 / 1.000, dsv3 1.155 / 1.132, gptoss 1.048 / 1.040, sonic 1.036 /
+# 1.025. Why, recorded on qwen3: the comm CTAs
+# summed 4187 of 16384 tokens, one token per warp, and their span (3.1 ms) outlasted the
+# GEMMs; the BARRIER, which every KSUM task waits for, runs on a comm CTA after its scan. Off;
+# MOK_EARLY_KSUM=1.
 EARLY_KSUM = experimental_switch("EARLY_KSUM", False)
 # An FC2 task whose N-tile holds at most half a tile of real columns (hidden % 256 in (0, 128])
 # runs m64n128 wgmmas instead of m64n256 (kernels.megakernel_sm90's narrow_fc2_tail). Why:
 # gptoss's hidden 2880 leaves its last FC2 N-tile 75 % empty: +6.7 % on FC2 against the expert
 # path's 128-wide pingpong FC2 at +2.2 %; FC2 is a third of the FLOPs, so predicted ~-1.5 % on
 # gptoss (paired 1.063 x the expert path in run 93), level where hidden % 256 == 0 (the other
-# four shapes). Written in the twelfth session after its device time was spent: compile-checked
-# only. MOK_NARROW_FC2_TAIL=1.
+# four shapes). Written in the twelfth session after its device time was spent. Measured in the
+# thirteenth (bitwise equal; run 94: its 5 GPU tests pass): slower, and on a shape with no narrow
+# tile too (run 95, paired per-round ratio against the default of then): gptoss 1.065,
+# sonic_120b 1.080 (hidden 4096: every FC2 tile full width), qwen3 0.990, mixtral 0.986, dsv3
+# 1.005. A second whole mainloop in the consumer loop costs where it never runs (code size,
+# register allocation), more than the narrow tile saves. Off; MOK_NARROW_FC2_TAIL=1.
 NARROW_FC2_TAIL = experimental_switch("NARROW_FC2_TAIL", False)
+# One named barrier per epilogue subtile instead of two in the GEMM tasks (the same change and
+# reason as ops.ONE_EPILOGUE_BARRIER for the expert path; one env variable sets both). Written
+# in the thirteenth session: MOK_ONE_EPILOGUE_BARRIER=1.
+ONE_EPILOGUE_BARRIER = experimental_switch("ONE_EPILOGUE_BARRIER", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -256,6 +271,7 @@ class PlanKey:
     early_ksum: bool = False  # EARLY_KSUM (one rank without comm tasks)
     ksum_rows: int = 8  # KSUM_ROWS
     narrow_fc2_tail: bool = False  # NARROW_FC2_TAIL (not with pingpong)
+    one_epilogue_barrier: bool = False  # ONE_EPILOGUE_BARRIER
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -472,7 +488,7 @@ class Plan:
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
             ksum_staged=k.ksum_staged, pingpong=k.pingpong, early_ksum=k.early_ksum,
-            narrow_fc2_tail=k.narrow_fc2_tail)
+            narrow_fc2_tail=k.narrow_fc2_tail, one_epilogue_barrier=k.one_epilogue_barrier)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -702,7 +718,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
                   EARLY_KSUM and local_only and R == 1, KSUM_ROWS,
-                  NARROW_FC2_TAIL and not pingpong)
+                  NARROW_FC2_TAIL and not pingpong, ONE_EPILOGUE_BARRIER)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -49,6 +49,15 @@ FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
 # 2 = always.
 GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 1, 0, 2)
 GEMM_CLUSTER_MIN_K = 4096
+# One named barrier per epilogue subtile instead of two (gemm_sm90.store_tile_epilogue's
+# one_barrier; the megakernel has its own megakernel.ONE_EPILOGUE_BARRIER, same env variable).
+# Why: the recorded one-rank calls (run 96) put the megakernel's 128 x 256 FC2 tile 8 % behind
+# the expert path's pingpong FC2 per FLOP (dsv3: 24.86 us per tile against 2 x 11.49), where
+# the tensor cores wait out the cooperative epilogue: 8 subtiles, each two 256-thread
+# barriers, the second behind the store warp's wait on an earlier store. Predicted: 0.1-0.15 us
+# per subtile, up to 1 us of a 24 us FC2 tile (-1 to -1.5 % of the layer on dsv3), less on the
+# FC1 tiles (4 subtiles). Written in the thirteenth session: MOK_ONE_EPILOGUE_BARRIER=1.
+ONE_EPILOGUE_BARRIER = experimental_switch("ONE_EPILOGUE_BARRIER", False)
 
 
 def gemm_cluster_m(k: int, pingpong: bool, recorded: bool) -> int:
@@ -144,7 +153,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_persistent_grid(a.device.index or 0, cluster_m),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong, cluster_m=cluster_m)
+        pingpong=pingpong, cluster_m=cluster_m, one_epilogue_barrier=ONE_EPILOGUE_BARRIER)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline)

@@ -63,6 +63,26 @@ def test_first_mma_overwrite_removes_the_pingpong_wgmma_wait(capfd, tmp_path, mo
     assert build(False)[0] == coop_off
 
 
+@pytest.mark.parametrize("kernel,tile_n,pingpong", [("gemm_fc2", 256, False),
+                                                    ("gemm_fc1", 256, False),
+                                                    ("gemm_fc2", 128, True)])
+def test_one_epilogue_barrier_halves_the_epilogue_barriers(kernel, tile_n, pingpong, tmp_path):
+    """one_epilogue_barrier: one BAR.SYNC per epilogue subtile instead of two (FC2's 256-wide
+    tile: 8 subtiles, FC1's SwiGLU tile: 4), no spills."""
+    from mok_cute import jit
+
+    subtiles = {"gemm_fc2": tile_n // 32, "gemm_fc1": tile_n // 64}[kernel]
+    if pingpong:
+        subtiles *= 2  # two 64-row epilogue tiles per 128-row tile
+    bars = {}
+    for one in (False, True):
+        rep = jit.inspect_kernel(kernel, outdir=tmp_path / str(one), tile_n=tile_n,
+                                 pingpong=pingpong, one_epilogue_barrier=one)
+        assert rep.spill_bytes == 0
+        bars[one] = len(re.findall(r"\bBAR\.SYNC", open(rep.sass_path).read()))
+    assert bars[False] - bars[True] == subtiles
+
+
 def test_choose_tile_n():
     assert gemm_sm90.choose_tile_n(2048, "swiglu") == 256
     assert gemm_sm90.choose_tile_n(320, "swiglu") == 128
@@ -262,6 +282,42 @@ def test_cluster_pairs_give_the_same_bits(epilogue, counts, n, k, monkeypatch):
         monkeypatch.setattr(ops, "GEMM_CLUSTER_M", cluster_m)
         out = torch.full((m + TILE_M, n), float("nan"), device=dev, dtype=torch.bfloat16)
         ops.grouped_gemm(a, w, te, num_tiles, epilogue, out=out, w_up=w_up)
+        outs.append(out)
+    torch.cuda.synchronize()
+    ref = _expected(a[:m], w, tile_expert, w_up)
+    rel = (outs[1][:m].float() - ref).norm() / ref.norm()
+    assert rel < 1e-2, f"relative error {rel:.3e}"
+    for out in outs[1:]:
+        assert torch.equal(out[:m], outs[0][:m])
+        assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue,pingpong,cluster_m", [
+    ("store", False, 1), ("swiglu", False, 1), ("store", True, 1), ("swiglu", True, 1),
+    ("store", False, 2)])
+def test_one_epilogue_barrier_gives_the_same_bits(epilogue, pingpong, cluster_m, monkeypatch):
+    """ops.ONE_EPILOGUE_BARRIER: one barrier per epilogue subtile, the store warp's buffer
+    acquire a subtile ahead. A buffer written before its last TMA store read it would change
+    the output, so: bitwise against two barriers, on tiles of many subtiles (N = 1024, 8 per
+    cooperative FC2 tile, across tile boundaries), rows past num_m_tiles untouched, and
+    against torch."""
+    from mok_cute import ops
+    torch.manual_seed(53)
+    counts, n, k = [77, 0, 513, 700, 1], 1024, 512
+    tile_expert, num_tiles, row_valid = _segments(counts, "cuda")
+    m = row_valid.numel()
+    a = torch.randn(m + TILE_M, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(counts), n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    w_up = torch.randn_like(w) if epilogue == "swiglu" else None
+    te = torch.cat([tile_expert, torch.zeros(1, dtype=torch.int32, device="cuda")])
+    monkeypatch.setattr(ops, "GEMM_CLUSTER_M", cluster_m)
+    outs = []
+    for one in (False, True, True):
+        monkeypatch.setattr(ops, "ONE_EPILOGUE_BARRIER", one)
+        out = torch.full((m + TILE_M, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ops.grouped_gemm(a, w, te, num_tiles, epilogue, out=out, w_up=w_up,
+                         tile_n=128 if pingpong else None, pingpong=pingpong)
         outs.append(out)
     torch.cuda.synchronize()
     ref = _expected(a[:m], w, tile_expert, w_up)

@@ -298,6 +298,15 @@ run_ksum_rows_virtual() {
   virtual_probe 240 qwen3.5_397b,glm_5.2 16kuesm,16kuesmh "virtual_ksum_rows"
   run_single_bench "${1:-expert_kernels}"
 }
+run_one_barrier() {
+  # (run 101) ONE_EPILOGUE_BARRIER, both paths: 6 interleaved rounds on the five shapes (the
+  # expert path with it flipped; the megakernel default and q), every output bitwise against
+  # the expert path; then its GPU tests, the GEMM's and the megakernel's
+  timeout -s KILL 150 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
+    --comm 1lxwfkuesmh,1lxwfkuesmhq --one-barrier --rounds 6 --json "$out/layer_one_epilogue_barrier_ab.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-150 | tail -30
+  gpu_tests_passed one_barrier "one_epilogue_barrier" 150 tests/test_gemm_sm90.py tests/test_megakernel.py
+}
 run_switch_probe() {
   # (run 90) the eleventh session's variants against the default of then, interleaved: the
   # megakernel at R = 1 on the five shapes (8 alternating rounds; s = STORE_WARP_SIGNALS,
@@ -457,6 +466,7 @@ case "$what" in
   decoded) run_decoded ;;
   decodedvirtual) run_decoded_virtual ;;
   newprobe) run_new_variants_probe ;;
+  onebarrier) run_one_barrier ;;
   ksumrowsvirtual) run_ksum_rows_virtual "${2:-expert_kernels}" ;;
   switchprobe) run_switch_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py

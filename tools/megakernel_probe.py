@@ -1,6 +1,7 @@
 """Megakernel against the expert-kernel path at R = 1, and a sweep of its comm split
-(plus, with ``--scatter``, the expert path with ``ops.SCATTER_X`` flipped, and with
-``--cluster``, with ``ops.GEMM_CLUSTER_M`` at 1 (no clusters), or at 2 where it is 1).
+(plus, with ``--scatter``, the expert path with ``ops.SCATTER_X`` flipped, with
+``--cluster``, with ``ops.GEMM_CLUSTER_M`` at 1 (no clusters), or at 2 where it is 1, and with
+``--one-barrier``, with ``ops.ONE_EPILOGUE_BARRIER`` flipped).
 
     python tools/megakernel_probe.py --shapes dsv3_ep8_rank,sonic_120b --comm 6,8,12,8b \
         [--timeline 8 --out DIR] [--json out.json]
@@ -22,7 +23,8 @@ an ``m`` the k-sum through smem (``megakernel.KSUM_STAGED``), an ``o`` the pingp
 consumer loop (``megakernel.PINGPONG``), a ``y`` the comm CTAs' k-sum of ready tokens during
 the GEMMs (``megakernel.EARLY_KSUM``, one rank without comm tasks), an ``h`` KSUM tasks of 8
 tokens instead of 16 (``megakernel.KSUM_ROWS``), an ``r`` half-width wgmmas for an FC2 N-tile
-that is at most half full (``megakernel.NARROW_FC2_TAIL``); e.g.
+that is at most half full (``megakernel.NARROW_FC2_TAIL``), a ``q`` one barrier per epilogue
+subtile (``megakernel.ONE_EPILOGUE_BARRIER``); e.g.
 ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
 measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -67,7 +69,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcehklmnorsuwxy]*)(?:f(\d*))?([bcehklmnorsuwxy]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcehklmnoqrsuwxy]*)(?:f(\d*))?([bcehklmnoqrsuwxy]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -78,7 +80,7 @@ def parse_spec(spec: str) -> dict:
                 decoded_tickets="e" in flags, store_warp_signals="s" in flags,
                 ksum_staged="m" in flags, pingpong="o" in flags, early_ksum="y" in flags,
                 ksum_rows=8 if "h" in flags else 16, narrow_fc2_tail="r" in flags,
-                fc1_lead=m.group(3) is not None,
+                one_epilogue_barrier="q" in flags, fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
@@ -90,7 +92,8 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
                  "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "EARLY_KSUM": "early_ksum",
-                 "KSUM_ROWS": "ksum_rows", "NARROW_FC2_TAIL": "narrow_fc2_tail"}
+                 "KSUM_ROWS": "ksum_rows", "NARROW_FC2_TAIL": "narrow_fc2_tail",
+                 "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -111,7 +114,7 @@ def restore(defaults: dict) -> None:
 
 
 # the expert path's switches that probe variants flip
-OPS_SWITCHES = ("SCATTER_X", "GEMM_CLUSTER_M")
+OPS_SWITCHES = ("SCATTER_X", "GEMM_CLUSTER_M", "ONE_EPILOGUE_BARRIER")
 
 
 def restore_ops(defaults: dict) -> None:
@@ -122,7 +125,7 @@ def restore_ops(defaults: dict) -> None:
 
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 rounds: int = 1, scatter: bool = False, minibatches: tuple = (None,),
-                cluster: bool = False) -> dict:
+                cluster: bool = False, one_barrier: bool = False) -> dict:
     """The expert path, optionally with ``ops.SCATTER_X`` flipped, then every ``--comm`` spec of
     the megakernel; with ``rounds`` > 1 all variants are timed again in turn, odd rounds in
     reverse order (the clock drifts within a process) and each row keeps every round's time and their minimum."""
@@ -144,6 +147,11 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         flipped = 2 if ops_defaults["GEMM_CLUSTER_M"] == 1 else 1
         key = f"expert_kernels_cluster{flipped}"
         variants[key] = (lambda: setattr(ops, "GEMM_CLUSTER_M", flipped), base)
+        rows[key] = {"variant": key}
+    if one_barrier:  # the expert path's GEMM epilogues with one barrier per subtile (or two)
+        flipped = not ops_defaults["ONE_EPILOGUE_BARRIER"]
+        key = "expert_kernels_" + ("one" if flipped else "two") + "_epilogue_barriers"
+        variants[key] = (lambda: setattr(ops, "ONE_EPILOGUE_BARRIER", flipped), base)
         rows[key] = {"variant": key}
     for spec in comms:
         sp = parse_spec(spec)
@@ -188,7 +196,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_pingpong" if k.pingpong else "")
                                           + ("_early_ksum" if k.early_ksum else "")
                                           + (f"_ksum_rows{k.ksum_rows}" if k.ksum_rows != 16 else "")
-                                          + ("_narrow_fc2_tail" if k.narrow_fc2_tail else ""))
+                                          + ("_narrow_fc2_tail" if k.narrow_fc2_tail else "")
+                                          + ("_one_epilogue_barrier" if k.one_epilogue_barrier else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
@@ -322,6 +331,8 @@ def main(argv=None) -> int:
                     help="add the expert path with ops.SCATTER_X flipped (scatter <-> gather of x)")
     ap.add_argument("--cluster", action="store_true",
                     help="add the expert path with ops.GEMM_CLUSTER_M = 1 (no clusters; 2 if that is the default)")
+    ap.add_argument("--one-barrier", action="store_true",
+                    help="add the expert path with ops.ONE_EPILOGUE_BARRIER flipped")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",
@@ -342,7 +353,7 @@ def main(argv=None) -> int:
     doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out,
                                   a.rounds, a.scatter,
                                   tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,),
-                                  a.cluster)
+                                  a.cluster, a.one_barrier)
                       for s in a.shapes.split(",") if s]}
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","), a.virtual_rounds)

@@ -89,11 +89,13 @@ class GroupedGemmSm90:
         then the grid (2 x the co-resident clusters). Why: B is two thirds of FC1's bytes
         per k-tile (32 of 48 KB), and the GEMMs run at 82-86 % of cuBLAS, which uses
         clusters.
+    :param one_epilogue_barrier: one named barrier per epilogue subtile instead of two
+        (``store_tile_epilogue``'s ``one_barrier``).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                 pingpong: bool = False, cluster_m: int = 1):
+                 pingpong: bool = False, cluster_m: int = 1, one_epilogue_barrier: bool = False):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -113,6 +115,7 @@ class GroupedGemmSm90:
         if num_sms % cluster_m:
             raise ValueError(f"num_sms must be a multiple of cluster_m={cluster_m}, got {num_sms}")
         self.cluster_m = cluster_m
+        self.one_epilogue_barrier = one_epilogue_barrier
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
         # pingpong only: the cooperative kernels' SASS gets worse with it (32 HGMMA unrolled
         # and 8 wgmma waits instead of 8 and 2), the pingpong one loses its C7517 wait
@@ -422,7 +425,7 @@ class GroupedGemmSm90:
             epi_m = tile_m // self.epi_tile[0]
             out_n = self.out_tile_n // self.epi_tile[1]
             tma_store_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
+                num_stages=store_pipeline_stages(self.epi_stages, self.one_epilogue_barrier),
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                          self.threads_per_tile))
             epilogue_barrier = pipeline.NamedBarrier(
@@ -529,7 +532,8 @@ class GroupedGemmSm90:
                 store_tile_epilogue(epi, tma_atom_c, gC_mnl[(None, None, m_tile, n_tile, 0)],
                                     self.epi_tile, self.epi_stages, tile_n,
                                     self.epilogue == "swiglu", epi_base, subtiles_done,
-                                    epilogue_barrier, tma_store_pipeline, stores)
+                                    epilogue_barrier, tma_store_pipeline, stores,
+                                    self.one_epilogue_barrier)
                 subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
@@ -657,12 +661,20 @@ class TileEpilogue:
 def store_tile_epilogue(epi: TileEpilogue, tma_atom: cute.CopyAtom, g_tile: cute.Tensor,
                         epi_tile: cutlass.Constexpr, epi_stages: cutlass.Constexpr[int],
                         acc_tile_n: cutlass.Constexpr[int], swiglu: cutlass.Constexpr[bool],
-                        buf_base, subtiles_done, barrier, store_pipeline, is_store_warp):
+                        buf_base, subtiles_done, barrier, store_pipeline, is_store_warp,
+                        one_barrier: cutlass.Constexpr[bool] = False):
     """One output tile: accumulator -> bf16 (SwiGLU: silu(gate) * up, the gate and up halves
     of the accumulator side by side) -> smem subtiles (stmatrix) -> TMA stores by the store
     warp, through ``epi_stages`` rotating buffers from ``buf_base``. ``g_tile`` is the tile's
     (TILE_M rows, output columns) view of the TMA store tensor. Shared by the grouped GEMM and
-    the megakernel's GEMM tasks."""
+    the megakernel's GEMM tasks.
+
+    A buffer is written again only once the store warp has seen its last TMA store read it.
+    Two barriers per subtile: the second one passes on the store warp's acquire (the store
+    three subtiles back has read its buffer) before anyone writes the next one. With
+    ``one_barrier`` the acquire runs one subtile ahead instead (``store_pipeline`` built with
+    ``store_pipeline_stages``: the store two back has read its buffer), so the next subtile's
+    barrier passes it on before anyone writes the buffer after that; the second barrier goes."""
     out_tile_n = acc_tile_n // 2 if const_expr(swiglu) else acc_tile_n
     gC = cute.zipped_divide(g_tile, epi_tile)
     bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
@@ -692,7 +704,15 @@ def store_tile_epilogue(epi: TileEpilogue, tma_atom: cute.CopyAtom, g_tile: cute
                 cute.copy(tma_atom, bSG_sC[(None, buf)], bSG_gC[(None, (sm, sn))])
                 store_pipeline.producer_commit()
                 store_pipeline.producer_acquire()
-            barrier.arrive_and_wait()
+            if const_expr(not one_barrier):
+                barrier.arrive_and_wait()
+
+
+def store_pipeline_stages(epi_stages: int, one_barrier: bool) -> int:
+    """Stages of the TMA store pipeline behind ``store_tile_epilogue``'s ``epi_stages``
+    buffers: its acquire waits until at most stages - 1 stores are unread, so with
+    ``one_barrier`` one fewer than the buffers (the acquire one subtile ahead)."""
+    return epi_stages - 1 if one_barrier else epi_stages
 
 
 # ---------------------------------------------------------------------- host helpers
@@ -739,7 +759,7 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                          pingpong: bool = False, cluster_m: int = 1, arch: str = "sm_90a",
-                         options: str = ""):
+                         options: str = "", one_epilogue_barrier: bool = False):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -751,7 +771,7 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
-                           cluster_m=cluster_m)
+                           cluster_m=cluster_m, one_epilogue_barrier=one_epilogue_barrier)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

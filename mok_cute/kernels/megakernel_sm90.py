@@ -66,7 +66,7 @@ from mok_cute.kernels import common
 from mok_cute.kernels.comm_sm90 import VEC_ELEMS, bf16_row, copy_row, copy_rows_flat
 from mok_cute.kernels.gemm_sm90 import (TILE_K, TILE_M, GroupedGemmSm90, TileEpilogue,
                                        a_visible_to_wgmma, cp_async_a_rows, gathered_rows_of,
-                                       store_tile_epilogue)
+                                       store_pipeline_stages, store_tile_epilogue)
 from mok_cute.kernels.token_ops import MAX_K as MAX_K_SUM, k_sum_unroll, k_sum_vector
 from mok_cute.tasks import CounterGroup, TASK_WORDS
 from mok_cute.timeline import Role, TaskType
@@ -112,7 +112,7 @@ class MegakernelSm90:
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
                  ksum_staged: bool = False, pingpong: bool = False, early_ksum: bool = False,
-                 narrow_fc2_tail: bool = False):
+                 narrow_fc2_tail: bool = False, one_epilogue_barrier: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -222,6 +222,9 @@ class MegakernelSm90:
         if narrow_fc2_tail and pingpong:
             raise ValueError("narrow_fc2_tail is for the cooperative loop (pingpong tiles are 128 wide)")
         self.narrow_fc2_tail = narrow_fc2_tail
+        # one_epilogue_barrier: one named barrier per epilogue subtile instead of two, the store
+        # warp's buffer acquire one subtile ahead (gemm_sm90.store_tile_epilogue's one_barrier)
+        self.one_epilogue_barrier = one_epilogue_barrier
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -1166,7 +1169,7 @@ class MegakernelSm90:
                       narrow_mma.make_fragment_B(thr.partition_B(sB_half)))
             hidden = cute.size(out, mode=[2])
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
+            num_stages=store_pipeline_stages(self.epi_stages, self.one_epilogue_barrier),
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.gemm.num_mma_threads))
         barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE),
                                         num_threads=self.gemm.num_mma_threads)
@@ -1261,7 +1264,7 @@ class MegakernelSm90:
         # each warpgroup is a whole single-warpgroup MMA (slice 0)
         tCrA, tCrB, acc, num_k_blocks, epi = self._consumer_parts(tiled_mma, sA, sB, sC, 0, wg_tidx)
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
+            num_stages=store_pipeline_stages(self.epi_stages, self.one_epilogue_barrier),
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
         barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE) + wg,
                                         num_threads=128)
@@ -1446,7 +1449,7 @@ class MegakernelSm90:
         g_out = cute.local_tile(t_out, (tile_m, out_tile_n), (None, None, None))
         store_tile_epilogue(epi, tma_atom, g_out[(None, None, m_tile, n_tile, rank)], self.epi_tile,
                             self.epi_stages, tile_n, swiglu, buf_base, subtiles, barrier,
-                            store_pipeline, is_store_warp)
+                            store_pipeline, is_store_warp, self.one_epilogue_barrier)
 
     # ------------------------------------------------------------------ compute: k-sum
     @cute.jit
@@ -1865,13 +1868,14 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
                        ksum_staged: bool = False, pingpong: bool = False,
                        early_ksum: bool = False, narrow_fc2_tail: bool = False,
-                       arch: str = "sm_90a", options: str = ""):
+                       one_epilogue_barrier: bool = False, arch: str = "sm_90a",
+                       options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong, early_ksum,
-                        narrow_fc2_tail)
+                        narrow_fc2_tail, one_epilogue_barrier)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32

@@ -27,8 +27,10 @@ from .run import simulate
 
 __all__ = ["tune", "tune_report", "resolve_config", "main", "default_ring_tokens"]
 
-COMM_SMS_GRID = (2, 4, 8, 12, 16, 20, 24, 32, 40, 48)
-COMM_SMS_QUICK = (2, 8, 16, 24, 32)
+# 1: one GPU with local rows in place, where the comm CTAs run the barrier only (measured
+# best there in the thirteenth session, megakernel.LOCAL_ONLY_COMM_CTAS)
+COMM_SMS_GRID = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48)
+COMM_SMS_QUICK = (1, 2, 8, 16, 24, 32)
 MINIBATCH_GRID = (1024, 2048, 4096, 8192)
 MINIBATCH_QUICK = (2048, 4096)
 
