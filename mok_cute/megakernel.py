@@ -165,38 +165,10 @@ KSUM_STAGED = experimental_switch("KSUM_STAGED", True)
 # FC2 (mixtral) may lose, as it did in the expert path. Written in the eleventh session after
 # its device time was spent: compile-checked only. MOK_PINGPONG=1.
 PINGPONG = experimental_switch("PINGPONG", False)
-# At one rank (no comm tasks) the comm CTAs, idle until the BARRIER, sum every token whose FC2
-# rows are all done while the compute CTAs still run GEMM tiles, and claim it; the KSUM tasks
-# after the BARRIER skip claimed tokens (kernels.megakernel_sm90's early_ksum). Why: the k-sum
-# tail after the last FC2 tile is never hidden: qwen3's recorded call (run 91) ran its KSUM
-# tasks 1.905-2.129 ms of a 2.13 ms span; y is 537 MB there, read from HBM after FC2. Counted:
-# a token is ready when the last of its K rows' M-tiles is done, so with K = 8 about p^8 of the
-# tokens are ready at fraction p of the GEMM phase (qwen3: ~0.5 % at mid-call, 39 % 200 us
-# before the last FC2 tile, 76 % 50 us before), and the two comm CTAs' 24 warps move ~100 GB/s
-# (~3 qwen3 tokens per us): they can take ~10 % of qwen3's or dsv3's tokens, -0.5 to -1 %. With
-# K = 2 (mixtral: half the tokens ready at 70 % of the call, y 134 MB over 9 ms) they can take
-# most, up to -1 %. Written in the twelfth session after its device time was spent. Measured
-# in the thirteenth: its first GPU tests hung at small T (run 94: a scanning warp without a
-# chunk never moved its frontier; fixed, run 97: 5 passed, bitwise), then slower everywhere
-# (run 97, paired per-round ratio against the same list without it, 1 / 2 comm CTAs): qwen3
-# 1.589 / 1.503, mixtral 1.009 / 1.000, dsv3 1.155 / 1.132, gptoss 1.048 / 1.040, sonic 1.036 /
-# 1.025. Why, recorded on qwen3: the comm CTAs
-# summed 4187 of 16384 tokens, one token per warp, and their span (3.1 ms) outlasted the
-# GEMMs; the BARRIER, which every KSUM task waits for, runs on a comm CTA after its scan. Off;
-# MOK_EARLY_KSUM=1.
-EARLY_KSUM = experimental_switch("EARLY_KSUM", False)
-# An FC2 task whose N-tile holds at most half a tile of real columns (hidden % 256 in (0, 128])
-# runs m64n128 wgmmas instead of m64n256 (kernels.megakernel_sm90's narrow_fc2_tail). Why:
-# gptoss's hidden 2880 leaves its last FC2 N-tile 75 % empty: +6.7 % on FC2 against the expert
-# path's 128-wide pingpong FC2 at +2.2 %; FC2 is a third of the FLOPs, so predicted ~-1.5 % on
-# gptoss (paired 1.063 x the expert path in run 93), level where hidden % 256 == 0 (the other
-# four shapes). Written in the twelfth session after its device time was spent. Measured in the
-# thirteenth (bitwise equal; run 94: its 5 GPU tests pass): slower, and on a shape with no narrow
-# tile too (run 95, paired per-round ratio against the default of then): gptoss 1.065,
-# sonic_120b 1.080 (hidden 4096: every FC2 tile full width), qwen3 0.990, mixtral 0.986, dsv3
-# 1.005. A second whole mainloop in the consumer loop costs where it never runs (code size,
-# register allocation), more than the narrow tile saves. Off; MOK_NARROW_FC2_TAIL=1.
-NARROW_FC2_TAIL = experimental_switch("NARROW_FC2_TAIL", False)
+# (EARLY_KSUM, the comm CTAs' k-sum of ready tokens during the GEMMs, and NARROW_FC2_TAIL,
+# m64n128 wgmmas for a half-empty last FC2 N-tile, were written in the twelfth session,
+# measured slower in the thirteenth and removed: docs/perf_notes.md, "Measured in the
+# thirteenth session".)
 # One named barrier per epilogue subtile instead of two in the GEMM tasks (the same change and
 # reason as ops.ONE_EPILOGUE_BARRIER for the expert path; one env variable sets both). Written
 # in the thirteenth session: MOK_ONE_EPILOGUE_BARRIER=1.
@@ -268,9 +240,7 @@ class PlanKey:
     store_warp_signals: bool = False  # STORE_WARP_SIGNALS
     ksum_staged: bool = False  # KSUM_STAGED (not with pingpong)
     pingpong: bool = False  # PINGPONG (with decoded tickets)
-    early_ksum: bool = False  # EARLY_KSUM (one rank without comm tasks)
     ksum_rows: int = 8  # KSUM_ROWS
-    narrow_fc2_tail: bool = False  # NARROW_FC2_TAIL (not with pingpong)
     one_epilogue_barrier: bool = False  # ONE_EPILOGUE_BARRIER
 
 
@@ -487,8 +457,8 @@ class Plan:
             rank_blocks=k.rank_blocks, dynamic_tickets=k.dynamic_tickets,
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
-            ksum_staged=k.ksum_staged, pingpong=k.pingpong, early_ksum=k.early_ksum,
-            narrow_fc2_tail=k.narrow_fc2_tail, one_epilogue_barrier=k.one_epilogue_barrier)
+            ksum_staged=k.ksum_staged, pingpong=k.pingpong,
+            one_epilogue_barrier=k.one_epilogue_barrier)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -717,8 +687,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   local_only, dynamic, KSUM_VECTORS,
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
-                  EARLY_KSUM and local_only and R == 1, KSUM_ROWS,
-                  NARROW_FC2_TAIL and not pingpong, ONE_EPILOGUE_BARRIER)
+                  KSUM_ROWS, ONE_EPILOGUE_BARRIER)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

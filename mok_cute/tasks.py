@@ -73,9 +73,6 @@ those tasks are done". Counter groups (``CounterGroup``), each an array laid out
     SHARED_FC2_DONE[s]
     BARRIER_DONE[1]       1 once this rank's barrier has seen every peer's flag
     KSUM_DONE[1]          KSUM tiles done
-    KSUM_CLAIMED[token]   one rank without comm tasks: 1 once a comm CTA took the token's
-                          k-sum early (no task waits on it; the KSUM tasks skip such tokens);
-                          -(b + 1) while the comm CTA saw the token wait on M-tile b
 
 Counters must be zero at launch (cleared by the host or by the previous launch's tail).
 
@@ -160,7 +157,6 @@ class CounterGroup(enum.IntEnum):
     SHARED_FC2_DONE = 6
     BARRIER_DONE = 7
     KSUM_DONE = 8
-    KSUM_CLAIMED = 9
 
 
 # How a wait on each group is clipped at run time ("tile": to live_tile_end, "minibatch": to live).
@@ -551,8 +547,6 @@ class _Builder:
         self.counter_sizes[cg.SHARED_FC2_DONE] = self.st if self.shared else 0
         self.counter_sizes[cg.BARRIER_DONE] = 1 if p.finish else 0
         self.counter_sizes[cg.KSUM_DONE] = 1 if p.finish else 0
-        # one rank in place: a token the comm CTAs summed early (the megakernel's early_ksum)
-        self.counter_sizes[cg.KSUM_CLAIMED] = p.num_tokens if p.finish and not p.comm_tasks else 0
 
     # Each block is a dict of equal-length arrays (one entry per task) in queue order.
     def _block(self, ttype, m_tile, n_tile, row_begin, row_end, bytes_, flops, sig_group,

@@ -61,7 +61,6 @@ class TaskType(IntEnum):
     KSUM = 6
     BARRIER = 7
     WAIT = 8
-    EARLY_KSUM = 9  # a comm CTA's k-sum of ready tokens during the GEMMs (task id: tokens)
 
 
 # Exposed-communication accounting: which task types move data between GPUs and which compute.
@@ -443,8 +442,6 @@ def summarize(
     ``layer_tflops`` = ``flops`` over ``S``. ``exposed_comm`` is the time when a comm task
     (dispatch, combine, barrier) runs and no compute task (GEMM, k-sum, gather) runs, as % of ``S``.
     ``task_us``: per task type, one task's mean / p50 / p90 / max duration in us.
-    ``early_ksum_tokens``: tokens the comm CTAs summed during the GEMMs (the EARLY_KSUM
-    records' task ids; the KSUM tasks did the rest).
     ``task_overlap``: per compute CTA, the summed spans of its non-WAIT tasks over their union
     (1.0: one task at a time; up to 2 when two warpgroups run tiles at once), the mean over
     CTAs. ``task_period_us``: per GEMM type, the median over CTAs of one CTA's median gap
@@ -513,7 +510,6 @@ def summarize(
         "exposed_comm_pct": 100.0 * exposed_ns / span if span else 0.0,
         "task_counts": counts,
         "task_us": task_us,
-        "early_ksum_tokens": int(rec["task_id"][tt == TaskType.EARLY_KSUM].sum()),
         "task_overlap": float(np.mean(overlaps)) if overlaps else None,
         "task_period_us": {name: float(np.median(v)) for name, v in sorted(periods.items())},
     }
@@ -557,8 +553,6 @@ def print_summary(
         periods = ", ".join(f"{k} {v:.2f} us" for k, v in summary["task_period_us"].items())
         metrics.add_row("tasks at once per compute CTA", f"{summary['task_overlap']:.2f}")
         metrics.add_row("a CTA's GEMM tile every", periods or "n/a")
-    if summary.get("early_ksum_tokens"):
-        metrics.add_row("tokens summed early (comm CTAs)", str(summary["early_ksum_tokens"]))
     if summary["dropped"]:
         metrics.add_row("[red]dropped records[/red]", f"[red]{summary['dropped']} (raise timeline_capacity)[/red]")
     console.print(metrics)

@@ -255,6 +255,35 @@ def test_unsupported_sizes_are_named_before_launch():
     assert "config.tile_m" in ops.unsupported_shape_reason(1024, 256, 8, None, tile_m=64)
 
 
+def _setting_keeps_the_bits(monkeypatch, setting, values, counts, n, k, epilogue, seed,
+                            **gemm_kwargs):
+    """``ops.<setting>`` at each of ``values`` in turn, one grouped GEMM each on the same
+    random problem with an extra M-tile past num_m_tiles: every output bitwise equal to the
+    first, those rows untouched, and the second against torch."""
+    from mok_cute import ops
+    torch.manual_seed(seed)
+    dev = "cuda"
+    tile_expert, num_tiles, row_valid = _segments(counts, dev)
+    m = row_valid.numel()
+    a = torch.randn(m + TILE_M, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(len(counts), n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    w_up = torch.randn_like(w) if epilogue == "swiglu" else None
+    te = torch.cat([tile_expert, torch.zeros(1, dtype=torch.int32, device=dev)])
+    outs = []
+    for value in values:
+        monkeypatch.setattr(ops, setting, value)
+        out = torch.full((m + TILE_M, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        ops.grouped_gemm(a, w, te, num_tiles, epilogue, out=out, w_up=w_up, **gemm_kwargs)
+        outs.append(out)
+    torch.cuda.synchronize()
+    ref = _expected(a[:m], w, tile_expert, w_up)
+    rel = (outs[1][:m].float() - ref).norm() / ref.norm()
+    assert rel < 1e-2, f"relative error {rel:.3e}"
+    for out in outs[1:]:
+        assert torch.equal(out[:m], outs[0][:m])
+        assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("epilogue", ["store", "swiglu"])
 @pytest.mark.parametrize("counts,n,k", [
@@ -268,28 +297,8 @@ def test_cluster_pairs_give_the_same_bits(epilogue, counts, n, k, monkeypatch):
     """ops.GEMM_CLUSTER_M = 2: pairs of CTAs share B by multicast where both M-tiles are one
     expert's and load it alone at expert boundaries; the repeated tile of an odd count is not
     stored. Against the plain kernel: the same bits, and rows past num_m_tiles untouched."""
-    from mok_cute import ops
-    torch.manual_seed(len(counts) * 11 + n + k)
-    dev = "cuda"
-    tile_expert, num_tiles, row_valid = _segments(counts, dev)
-    m = row_valid.numel()
-    a = torch.randn(m + TILE_M, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(len(counts), n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
-    w_up = torch.randn_like(w) if epilogue == "swiglu" else None
-    te = torch.cat([tile_expert, torch.zeros(1, dtype=torch.int32, device=dev)])
-    outs = []
-    for cluster_m in (1, 2, 2):
-        monkeypatch.setattr(ops, "GEMM_CLUSTER_M", cluster_m)
-        out = torch.full((m + TILE_M, n), float("nan"), device=dev, dtype=torch.bfloat16)
-        ops.grouped_gemm(a, w, te, num_tiles, epilogue, out=out, w_up=w_up)
-        outs.append(out)
-    torch.cuda.synchronize()
-    ref = _expected(a[:m], w, tile_expert, w_up)
-    rel = (outs[1][:m].float() - ref).norm() / ref.norm()
-    assert rel < 1e-2, f"relative error {rel:.3e}"
-    for out in outs[1:]:
-        assert torch.equal(out[:m], outs[0][:m])
-        assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
+    _setting_keeps_the_bits(monkeypatch, "GEMM_CLUSTER_M", (1, 2, 2), counts, n, k, epilogue,
+                            len(counts) * 11 + n + k)
 
 
 @pytest.mark.gpu
@@ -303,29 +312,10 @@ def test_one_epilogue_barrier_gives_the_same_bits(epilogue, pingpong, cluster_m,
     cooperative FC2 tile, across tile boundaries), rows past num_m_tiles untouched, and
     against torch."""
     from mok_cute import ops
-    torch.manual_seed(53)
-    counts, n, k = [77, 0, 513, 700, 1], 1024, 512
-    tile_expert, num_tiles, row_valid = _segments(counts, "cuda")
-    m = row_valid.numel()
-    a = torch.randn(m + TILE_M, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(len(counts), n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    w_up = torch.randn_like(w) if epilogue == "swiglu" else None
-    te = torch.cat([tile_expert, torch.zeros(1, dtype=torch.int32, device="cuda")])
     monkeypatch.setattr(ops, "GEMM_CLUSTER_M", cluster_m)
-    outs = []
-    for one in (False, True, True):
-        monkeypatch.setattr(ops, "ONE_EPILOGUE_BARRIER", one)
-        out = torch.full((m + TILE_M, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ops.grouped_gemm(a, w, te, num_tiles, epilogue, out=out, w_up=w_up,
-                         tile_n=128 if pingpong else None, pingpong=pingpong)
-        outs.append(out)
-    torch.cuda.synchronize()
-    ref = _expected(a[:m], w, tile_expert, w_up)
-    rel = (outs[1][:m].float() - ref).norm() / ref.norm()
-    assert rel < 1e-2, f"relative error {rel:.3e}"
-    for out in outs[1:]:
-        assert torch.equal(out[:m], outs[0][:m])
-        assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
+    _setting_keeps_the_bits(monkeypatch, "ONE_EPILOGUE_BARRIER", (False, True, True),
+                            [77, 0, 513, 700, 1], 1024, 512, epilogue, 53,
+                            tile_n=128 if pingpong else None, pingpong=pingpong)
 
 
 @pytest.mark.gpu

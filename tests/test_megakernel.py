@@ -181,31 +181,6 @@ def test_staged_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_pa
     assert several.spill_bytes == 0
 
 
-@pytest.mark.parametrize("top_k,has_shared,timeline", [(8, False, False), (2, True, True),
-                                                      (10, True, False)])
-def test_early_ksum_scans_on_the_comm_ctas_without_spills(top_k, has_shared, timeline, tmp_path):
-    """early_ksum: the comm CTAs' warps check tokens a chunk of 32 at a time (a ballot over
-    the lanes' readiness, another over the FC2 frontier) and sum the ready ones before the
-    comm loop; the KSUM tasks read the claims. No spills, and only for one rank in place."""
-    from mok_cute import jit
-    from mok_cute.kernels import megakernel_sm90
-
-    static = dict(num_ranks=1, num_comm_ctas=2, local_direct=True, dynamic_tickets=True,
-                  decoded_tickets=True, ksum_vectors=16, store_warp_signals=True,
-                  ksum_staged=True, top_k=top_k, has_shared=has_shared, timeline=timeline)
-    opts = f"--keep-ptx --dump-dir {tmp_path}"
-    on = megakernel_sm90.compile_megakernel(**static, early_ksum=True, options=opts).__ptx__
-    off = megakernel_sm90.compile_megakernel(**static, options=opts).__ptx__
-    ballots = r"vote\.sync\.ballot\.b32"
-    assert len(re.findall(ballots, on)) == len(re.findall(ballots, off)) + 2
-    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, early_ksum=True)
-    assert rep.spill_bytes == 0 and rep.registers == 168
-    with pytest.raises(ValueError, match="early_ksum needs one rank with local_direct"):
-        megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, local_direct=True, early_ksum=True)
-    with pytest.raises(ValueError, match="early_ksum needs one rank with local_direct"):
-        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, early_ksum=True)
-
-
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_one_epilogue_barrier_drops_a_barrier_per_subtile(pingpong, tmp_path):
     """one_epilogue_barrier: the epilogue's second named barrier per subtile goes (the SASS
@@ -222,29 +197,6 @@ def test_one_epilogue_barrier_drops_a_barrier_per_subtile(pingpong, tmp_path):
         assert rep.spill_bytes == 0
         bars[one] = len(re.findall(r"\bBAR\.SYNC", open(rep.sass_path).read()))
     assert bars[True] < bars[False]
-
-
-@pytest.mark.parametrize("num_ranks,has_shared", [(1, False), (8, True)])
-def test_narrow_fc2_tail_has_both_wgmma_widths_unserialized(num_ranks, has_shared, tmp_path):
-    """narrow_fc2_tail: a whole second mainloop of m64n128 wgmmas beside the m64n256 one (a
-    pipeline that switched width inside would be serialized: ptxas C7515), no spills; not
-    with the pingpong loop, whose tiles are 128 wide already."""
-    from mok_cute import jit
-    from mok_cute.kernels import megakernel_sm90
-
-    static = dict(num_ranks=num_ranks, num_comm_ctas=2 if num_ranks == 1 else 12,
-                  local_direct=True, has_shared=has_shared, rank_blocks=num_ranks > 1,
-                  dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16,
-                  store_warp_signals=True, ksum_staged=True)
-    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, narrow_fc2_tail=True)
-    assert rep.spill_bytes == 0 and rep.registers == 168
-    assert "C7515" not in rep.ptxas_log and "C7508" not in rep.ptxas_log
-    ptx = open(rep.ptx_path).read()
-    assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx
-    assert "wgmma.mma_async.sync.aligned.m64n256k16" in ptx
-    with pytest.raises(ValueError, match="narrow_fc2_tail is for the cooperative loop"):
-        megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, dynamic_tickets=True,
-                                       decoded_tickets=True, pingpong=True, narrow_fc2_tail=True)
 
 
 @pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
@@ -743,63 +695,6 @@ def test_staged_ksum_gives_the_same_bits(R, K, E_loc, H, shared_inter, ring, mon
     whose KSUMs come after every rank's GEMM tickets; a wrapping ring; recorded too)."""
     args = _problem(R, 300, H, 256, E_loc, K, shared_inter, seed=47, skew=True)
     _check_switch(monkeypatch, "KSUM_STAGED", args, R, ring, False if ring is not None else None)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,H,E_loc,K,shared", [(300, 512, 4, 4, 0), (77, 256, 16, 10, 128),
-                                               (1000, 576, 4, 1, 0), (4096, 512, 8, 8, 128)])
-def test_early_ksum_gives_the_same_bits(T, H, E_loc, K, shared, monkeypatch):
-    """megakernel.EARLY_KSUM: the comm CTAs sum the tokens whose FC2 rows are done while the
-    GEMMs run and the KSUM tasks skip them; either path computes a token with the same code,
-    so not a bit changes (K = 1 and 10, H = 576: a partial last vector step, the shared
-    expert, a large T where the scan has time to find tokens; recorded too). The recorded
-    EARLY_KSUM spans (one per comm CTA) count exactly the tokens claimed."""
-    from mok_cute import megakernel
-    from mok_cute.tasks import CounterGroup
-    from mok_cute.timeline import TaskType
-
-    args = _problem(1, T, H, 256, E_loc, K, shared, seed=61, skew=True)
-    _check_switch(monkeypatch, "EARLY_KSUM", args, 1, None, True)
-    plan = next(p for k, p in megakernel._PLANS.items() if k.early_ksum and k.timeline)
-    tl = plan.timeline.decode()
-    spans = tl.records[tl.records["task_type"] == int(TaskType.EARLY_KSUM)]
-    assert len(spans) == plan.key.num_comm_ctas and tl.check() == []
-    first = int(plan.task_list.counter_offsets[int(CounterGroup.KSUM_CLAIMED)])
-    claims = plan.counters[0, first:first + T]
-    # 1: claimed, 0: never checked, -(b + 1): last seen waiting on M-tile b
-    assert int(claims.max()) <= 1 and int(claims.min()) >= -plan.task_list.num_m_tiles
-    assert int((claims == 1).sum()) == int(spans["task_id"].sum())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R,H,shared", [(1, 576, 0), (1, 640, 128), (1, 704, 0), (4, 576, 0),
-                                        (1, 2880, 0)])
-def test_narrow_fc2_tail_gives_the_same_bits(R, H, shared, monkeypatch):
-    """megakernel.NARROW_FC2_TAIL: an FC2 N-tile with at most 128 real columns (H = 576: 64;
-    640: 128, exactly half; 2880: gptoss's 64) runs m64n128 wgmmas; the same k16 products in
-    the same order, so the same bits (H = 704: 192 columns, stays full width; the shared
-    expert's FC2 too; several ranks; recorded too)."""
-    args = _problem(R, 300, H, 256, 4, 4, shared, seed=71, skew=True)
-    _check_switch(monkeypatch, "NARROW_FC2_TAIL", args, R)
-
-
-@pytest.mark.gpu
-def test_early_ksum_leaves_out_of_range_ids_at_zero(monkeypatch):
-    """With EARLY_KSUM a (token, k) routed nowhere (its id out of range, check_ids off) still
-    contributes zero, whether the comm CTAs or the KSUM tasks sum its token."""
-    from mok_cute import megakernel
-
-    monkeypatch.setattr(megakernel, "EARLY_KSUM", True)
-    xs, idx, w, wg, wu, wd, sh = _problem(1, 2000, 256, 128, 4, 4, seed=13)
-    bad = idx.clone()
-    bad[0, 3, 1] = 1000
-    bad[0, 1999, 0] = -5
-    out = _run((xs, bad, w, wg, wu, wd, sh), check_ids=False)
-    assert any(k.early_ksum for k in megakernel._PLANS)
-    w_zeroed = w.clone()
-    w_zeroed[0, 3, 1] = 0.0
-    w_zeroed[0, 1999, 0] = 0.0
-    assert _rel(out, reference.moe_forward_virtual(xs, idx, w_zeroed, wg, wu, wd)) < 1e-2
 
 
 @pytest.mark.gpu

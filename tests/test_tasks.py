@@ -188,21 +188,6 @@ def test_ksum_tasks_close_the_compute_queue(counts, cfg):
         assert not tl.ksum_closes_compute_queue()
 
 
-@pytest.mark.parametrize("counts", COUNTS)
-def test_one_rank_in_place_has_a_claim_per_token_and_no_task_waits_on_it(counts):
-    """KSUM_CLAIMED (the megakernel's early_ksum): one int per local token in a list without
-    comm tasks, none with them, and no task waits on it or signals it."""
-    from mok_cute.tasks import CounterGroup
-
-    in_place = _build(counts, comm_tasks=False, ring_tokens=4096)
-    copied = _build(counts)
-    assert in_place.counter_sizes[CounterGroup.KSUM_CLAIMED] == in_place.params.num_tokens
-    assert copied.counter_sizes[CounterGroup.KSUM_CLAIMED] == 0
-    for tl in (in_place, copied):
-        assert not (tl.signal_group == CounterGroup.KSUM_CLAIMED).any()
-        assert not (tl.waits[:, :, 0] == CounterGroup.KSUM_CLAIMED).any()
-
-
 # ------------------------------------------------------------------------------------------
 # errors
 

@@ -46,7 +46,7 @@ def test_enum_values_match_the_record_format():
     assert [(r.name, int(r)) for r in Role] == [("COMM", 0), ("COMPUTE", 1)]
     assert [(t.name, int(t)) for t in TaskType] == [
         ("DISPATCH", 0), ("FC1", 1), ("FC2", 2), ("COMBINE", 3), ("SHARED_FC1", 4),
-        ("SHARED_FC2", 5), ("KSUM", 6), ("BARRIER", 7), ("WAIT", 8), ("EARLY_KSUM", 9),
+        ("SHARED_FC2", 5), ("KSUM", 6), ("BARRIER", 7), ("WAIT", 8),
     ]
 
 
@@ -197,7 +197,6 @@ def test_summary_task_overlap_and_period_of_two_warpgroups_tiles():
     s = tlm.summarize(tlm.decode(tlm.encode_records(rows)))
     assert s["task_overlap"] == pytest.approx(1.25)
     assert s["task_period_us"] == pytest.approx({"FC1": 0.01, "FC2": 0.01})
-    assert s["early_ksum_tokens"] == 0
 
 
 def test_summary_of_an_empty_recording():

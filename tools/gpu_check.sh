@@ -39,7 +39,7 @@
 #   virtualcomm   virtual R = 8 at 12 / 16 / 20 / 24 comm CTAs (qwen3.5, glm, kimi)
 #   final [VTAG STAG]  the megakernel's GPU tests, the virtual and the one-GPU benches of record
 #   singlebench [TAG]  the one-GPU bench of record: mok_cute, the megakernel, torch, cuBLAS
-#   megatests  the megakernel's GPU tests but the three switches' (~6 min; with switchtests,
+#   megatests  the megakernel's GPU tests but the switches' (~6 min; with switchtests and rowstests,
 #          every megakernel GPU test: together they outgrew one call in run 92)
 #   experttests  the expert path's GPU tests (moe_forward, token ops) with its defaults
 #   qwen35comm  qwen3.5 at virtual R = 8 with 14, 16 and 18 comm CTAs (3 alternating rounds)
@@ -57,10 +57,12 @@
 #   switchtests  the GPU tests of STORE_WARP_SIGNALS, KSUM_STAGED, PINGPONG (~5 min; run 89)
 #   switchprobe  (run 90) those three against the default of then, 8 interleaved rounds on the
 #          five shapes, then qwen3.5 at virtual R = 8 with PINGPONG and KSUM_STAGED (~8 min)
-#   newtests  the GPU tests of the twelfth session's unmeasured variants: EARLY_KSUM,
-#          KSUM_ROWS, NARROW_FC2_TAIL (~5 min)
-#   newprobe  those against the default, 8 interleaved rounds on the five shapes, then qwen3
-#          recorded with EARLY_KSUM (~8 min)
+#   rowstests  the megakernel GPU tests of KSUM_ROWS and ONE_EPILOGUE_BARRIER (~3 min; with
+#          megatests and switchtests, every megakernel GPU test)
+#   ksumrowsvirtual [TAG]  (run 98) 8-token KSUM tasks at virtual R = 8, then the one-GPU
+#          bench of record (~3 min)
+#   onebarrier  (run 101) ONE_EPILOGUE_BARRIER on both paths, 6 interleaved rounds on the five
+#          shapes, then its GPU tests (~3 min)
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
 set -u
 out="${OUT:-out}"
@@ -277,20 +279,6 @@ run_switch_tests() {
   # reference (a hang is the risk: the 90 s per-test timeout and this limit kill it)
   gpu_tests_passed switches "store_warp_signals or staged_ksum or pingpong_consumers" 330
 }
-run_new_variants_probe() {
-  # the twelfth session's variants (their GPU tests are newtests), 10 interleaved rounds on the
-  # five shapes against the default (2 comm CTAs): h = 8-token KSUM tasks (KSUM_ROWS), 1 comm
-  # CTA instead of 2 (one more GEMM SM; 0.945-0.997 in run 95), y = EARLY_KSUM with 1 and 2
-  # comm CTAs scanning (NARROW_FC2_TAIL left out: 6.5-8 % slower on gptoss and sonic in
-  # run 95); then qwen3 recorded with EARLY_KSUM (the summary's early_ksum_tokens: how many
-  # tokens the comm CTAs took)
-  timeout -s KILL 420 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 2lxwfkuesm,1lxwfkuesm,2lxwfkuesmh,1lxwfkuesmh,2lxwfkuesmhy,1lxwfkuesmhy --rounds 10 --json "$out/layer_ksum_variants_ab.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-160 | tail -40
-  MOK_EARLY_KSUM=1 record_summary 80 "$out/qwen3_early_ksum" "TFLOP|FC2 |KSUM|early|every|at once" \
-    --shape qwen3_30b --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel
-  rm -f "$out/qwen3_early_ksum/timeline_buffer.npy"
-}
 run_ksum_rows_virtual() {
   # (run 98) 8-token KSUM tasks against 16 at virtual R = 8 (qwen3.5 and glm; the one-GPU
   # shapes were runs 95 and 97), then the one-GPU bench of record with the thirteenth
@@ -453,10 +441,9 @@ case "$what" in
   final) run_final "${2:-virtual_r8}" "${3:-expert_kernels}" ;;
   singlebench) run_single_bench "${2:-expert_kernels}" ;;
   # the megakernel's GPU tests take longer than one call (run 92): two halves
-  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or early_ksum or ksum_rows or narrow_fc2_tail)" 420 ;;
+  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or ksum_rows or one_epilogue_barrier)" 420 ;;
   switchtests) run_switch_tests ;;
-  newtests) gpu_tests_passed new_variants "early_ksum or ksum_rows or narrow_fc2_tail" 480 ;;
-  eksumtests) gpu_tests_passed early_ksum "early_ksum" 240 ;;
+  rowstests) gpu_tests_passed rows_barrier "ksum_rows or one_epilogue_barrier" 300 ;;
   gaprecord) run_gap_record ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
@@ -465,12 +452,11 @@ case "$what" in
   clusterab) run_cluster_ab ;;
   decoded) run_decoded ;;
   decodedvirtual) run_decoded_virtual ;;
-  newprobe) run_new_variants_probe ;;
   onebarrier) run_one_barrier ;;
   ksumrowsvirtual) run_ksum_rows_virtual "${2:-expert_kernels}" ;;
   switchprobe) run_switch_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|newtests|newprobe|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

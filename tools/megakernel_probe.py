@@ -20,13 +20,11 @@ a ``u`` 16 vectors in flight per KSUM lane instead of 8 (``megakernel.KSUM_VECTO
 ``e`` (with ``k``) the decoded task words through the ticket ring (``megakernel.DECODED_TICKETS``),
 an ``s`` only the store warp waiting for a GEMM tile's stores (``megakernel.STORE_WARP_SIGNALS``),
 an ``m`` the k-sum through smem (``megakernel.KSUM_STAGED``), an ``o`` the pingpong
-consumer loop (``megakernel.PINGPONG``), a ``y`` the comm CTAs' k-sum of ready tokens during
-the GEMMs (``megakernel.EARLY_KSUM``, one rank without comm tasks), an ``h`` KSUM tasks of 8
-tokens instead of 16 (``megakernel.KSUM_ROWS``), an ``r`` half-width wgmmas for an FC2 N-tile
-that is at most half full (``megakernel.NARROW_FC2_TAIL``), a ``q`` one barrier per epilogue
-subtile (``megakernel.ONE_EPILOGUE_BARRIER``); e.g.
-``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named variants
-measured slower and removed in the ninth session: ``docs/perf_notes.md``.) Every megakernel output
+consumer loop (``megakernel.PINGPONG``), an ``h`` KSUM tasks of 8 tokens (``megakernel.KSUM_ROWS``;
+16 without it), a ``q`` one barrier per epilogue subtile (``megakernel.ONE_EPILOGUE_BARRIER``);
+e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named
+variants measured slower and removed in the ninth session, ``y`` and ``r`` in the thirteenth:
+``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -69,7 +67,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcehklmnoqrsuwxy]*)(?:f(\d*))?([bcehklmnoqrsuwxy]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcehklmnoqsuwx]*)(?:f(\d*))?([bcehklmnoqsuwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -78,9 +76,9 @@ def parse_spec(spec: str) -> dict:
                 n_major="w" in flags, local_only_tasks="c" not in flags,
                 dynamic_tickets="k" in flags, ksum_vectors=16 if "u" in flags else 8,
                 decoded_tickets="e" in flags, store_warp_signals="s" in flags,
-                ksum_staged="m" in flags, pingpong="o" in flags, early_ksum="y" in flags,
-                ksum_rows=8 if "h" in flags else 16, narrow_fc2_tail="r" in flags,
-                one_epilogue_barrier="q" in flags, fc1_lead=m.group(3) is not None,
+                ksum_staged="m" in flags, pingpong="o" in flags,
+                ksum_rows=8 if "h" in flags else 16, one_epilogue_barrier="q" in flags,
+                fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
 
@@ -91,8 +89,7 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "DYNAMIC_TICKETS": "dynamic_tickets", "KSUM_VECTORS": "ksum_vectors",
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
-                 "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "EARLY_KSUM": "early_ksum",
-                 "KSUM_ROWS": "ksum_rows", "NARROW_FC2_TAIL": "narrow_fc2_tail",
+                 "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "KSUM_ROWS": "ksum_rows",
                  "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
@@ -194,9 +191,7 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_store_warp_signals" if k.store_warp_signals else "")
                                           + ("_ksum_staged" if k.ksum_staged else "")
                                           + ("_pingpong" if k.pingpong else "")
-                                          + ("_early_ksum" if k.early_ksum else "")
                                           + (f"_ksum_rows{k.ksum_rows}" if k.ksum_rows != 16 else "")
-                                          + ("_narrow_fc2_tail" if k.narrow_fc2_tail else "")
                                           + ("_one_epilogue_barrier" if k.one_epilogue_barrier else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
@@ -270,7 +265,7 @@ def probe_virtual(name: str, ranks: int, comms: list[str], rounds: int = 3) -> d
     # (8 vectors always: the earlier probes' r1_dynamic)
     base = dict(rank_blocks=True, dynamic_tickets=False, ksum_vectors=8, comm_copy_vectors=0,
                 decoded_tickets=False, store_warp_signals=False, pingpong=False,
-                ksum_staged=False, early_ksum=False, narrow_fc2_tail=False, ksum_rows=16)
+                ksum_staged=False, ksum_rows=16)
     variants = {"r1": (run_one, base)}
     for sp in [dict(base, dynamic_tickets=True)] + [parse_virtual_spec(s) for s in comms]:
         sw = dict(base, dynamic_tickets=True, ksum_vectors=sp["ksum_vectors"],

@@ -3,8 +3,6 @@
     comm CTAs     DISPATCH (pull x rows from their owner's symmetric buffer into the ring)
                   COMBINE  (push y rows to the source rank's combine buffer, slot token*K+k)
                   BARRIER  (after this rank's last combine: a unicast flag to every peer)
-                  (early_ksum, one rank: before the BARRIER, the k-sum of every token whose
-                  FC2 rows are all done, while the compute CTAs still run GEMM tiles)
     compute CTAs  SHARED_FC1 / FC1  (gate+up GEMM, SwiGLU epilogue -> h)
                   SHARED_FC2 / FC2  (down GEMM, store epilogue -> y)
                   KSUM     (out[t] = bf16(shared[t] + sum_k w[t,k] * combine[t*K+k]), fixed k order)
@@ -111,8 +109,8 @@ class MegakernelSm90:
                  copy: str = "vector", local_direct: bool = False, rank_blocks: bool = False,
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
-                 ksum_staged: bool = False, pingpong: bool = False, early_ksum: bool = False,
-                 narrow_fc2_tail: bool = False, one_epilogue_barrier: bool = False):
+                 ksum_staged: bool = False, pingpong: bool = False,
+                 one_epilogue_barrier: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -199,29 +197,6 @@ class MegakernelSm90:
             # a KSUM may start while the other warpgroup's last wgmmas still read the stages
             raise ValueError("pingpong and ksum_staged do not combine")
         self.pingpong = pingpong
-        # early_ksum (one rank, rows in place, a list without comm tasks: the host's promise):
-        # the comm CTAs, idle until the BARRIER at one rank, sum every token whose FC2 rows are
-        # all done (their M-tiles' FC2_DONE counters) while the compute CTAs still run GEMM
-        # tiles, and claim it in KSUM_CLAIMED; the KSUM tasks skip claimed tokens. Why: the
-        # k-sum after the last FC2 tile is a tail the GEMMs never hide (qwen3, run 91: 0.22 ms
-        # of a 2.13 ms call; y is 537 MB there, read from HBM once FC2 is over). Either path
-        # computes a token with the same code, so the bits cannot change, and a claim the
-        # KSUM task does not see yet only repeats the same stores.
-        if early_ksum and not (local_direct and num_ranks == 1):
-            raise ValueError("early_ksum needs one rank with local_direct")
-        self.early_ksum = early_ksum
-        # narrow_fc2_tail: an FC2 (or shared FC2) task whose N-tile holds at most half a tile of
-        # real columns (the last one, when hidden % tile_n is in (0, tile_n / 2]) runs a whole
-        # mainloop of m64n128 wgmmas on the first half of its B stages and of its accumulator
-        # instead of m64n256. Why: gptoss's hidden 2880 = 11.25 x 256 makes the last of its 12
-        # FC2 N-tiles 75 % empty, 6.7 % of FC2's tensor-core time, where the expert path's
-        # 128-wide pingpong FC2 loses 2.2 %. Each output element sums the same k16 products in
-        # the same order (the megakernel already equals the n128 pingpong FC2 bitwise); the
-        # accumulator's second half keeps stale values, in columns past hidden that the TMA
-        # store clips.
-        if narrow_fc2_tail and pingpong:
-            raise ValueError("narrow_fc2_tail is for the cooperative loop (pingpong tiles are 128 wide)")
-        self.narrow_fc2_tail = narrow_fc2_tail
         # one_epilogue_barrier: one named barrier per epilogue subtile instead of two, the store
         # warp's buffer acquire one subtile ahead (gemm_sm90.store_tile_epilogue's one_barrier)
         self.one_epilogue_barrier = one_epilogue_barrier
@@ -339,12 +314,6 @@ class MegakernelSm90:
                 g.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
-        narrow_mma = None
-        if const_expr(self.narrow_fc2_tail):
-            narrow_mma = sm90_utils.make_trivial_tiled_mma(
-                BFloat16, BFloat16, cute.nvgpu.warpgroup.OperandMajorMode.K,
-                cute.nvgpu.warpgroup.OperandMajorMode.K, Float32, g.atom_layout_mnk,
-                tiler_mn=(64, self.half_n))
         self.kernel(
             tasks, queues, queue_len, queue_live_len, queue_blocks, counter_offsets,
             counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
@@ -353,7 +322,6 @@ class MegakernelSm90:
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
             tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
             g.tiled_mma, g.a_smem_layout_staged, g.b_smem_layout_staged, g.epi_smem_layout_staged,
-            narrow_mma,
         ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, cooperative=True, stream=stream)
 
@@ -381,8 +349,7 @@ class MegakernelSm90:
                s_tma_st_y: Optional[cute.CopyAtom], s_t_st_y: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout,
-               narrow_mma: Optional[cute.TiledMma]):
+               epi_smem_layout_staged: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -417,10 +384,6 @@ class MegakernelSm90:
         if bidx < self.num_comm_ctas:
             self._announce_start(ctx, peer_bases, tidx)
             if tidx < COMM_THREADS:
-                if const_expr(self.early_ksum):
-                    self._early_ksum(ctx, counter_offsets, counters, error, num_tiles, peer_bases,
-                                     topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
-                                     timeline_buf, storage, tidx, bidx)
                 self._comm_loop(ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                                 counter_offsets, counters, error, num_tiles, row_peer, row_token,
                                 row_k, peer_bases, ring_x, ring_y, timeline_buf, storage, tidx)
@@ -468,7 +431,7 @@ class MegakernelSm90:
                     topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                     tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                     s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta,
-                    ticket_q, ticket_bars, storage.sB.data_ptr(), narrow_mma)
+                    ticket_q, ticket_bars, storage.sB.data_ptr())
 
     # ------------------------------------------------------------------ task walking
     @cute.jit
@@ -1152,22 +1115,11 @@ class MegakernelSm90:
                        topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                        tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                        s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
-                       compute_cta, ticket_q, ticket_bars, ksum_stage, narrow_mma):
+                       compute_cta, ticket_q, ticket_bars, ksum_stage):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
         tCrA, tCrB, acc, num_k_blocks, epi = self._consumer_parts(
             tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * 128, consumer_tidx)
-        narrow = None
-        if const_expr(self.narrow_fc2_tail):
-            # the same registers and stages, half as wide: acc's first half holds columns
-            # 0 .. tile_n / 2 - 1 in both wgmma shapes, and B's first half rows are a tile
-            thr = narrow_mma.get_slice((warpgroup_idx - 1) * 128)
-            sB_half = cute.local_tile(sB, (self.half_n, tile_k, cute.size(sB, mode=[2])), (0, 0, 0))
-            narrow = (narrow_mma, cute.make_tensor(acc.iterator, cute.make_layout(
-                          thr.partition_shape_C((tile_m, self.half_n)))),
-                      narrow_mma.make_fragment_A(thr.partition_A(sA)),
-                      narrow_mma.make_fragment_B(thr.partition_B(sB_half)))
-            hidden = cute.size(out, mode=[2])
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=store_pipeline_stages(self.epi_stages, self.one_epilogue_barrier),
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.gemm.num_mma_threads))
@@ -1196,26 +1148,8 @@ class MegakernelSm90:
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
             if run and not noop and self._is_gemm(ttype):
-                if const_expr(self.narrow_fc2_tail):
-                    # an FC2 tile with at most half its columns real; a whole mainloop of either
-                    # width: a wgmma pipeline that switched width inside would be serialized by
-                    # ptxas (C7515)
-                    half = Int32(0)
-                    if ttype == int(TaskType.FC2) or ttype == int(TaskType.SHARED_FC2):
-                        _, n_tile, _ = self._task_tile(tasks, ticket_q, taken, index)
-                        if hidden - n_tile * tile_n <= self.half_n:
-                            half = Int32(1)
-                    release = _pipeline_state(pipeline.PipelineUserType.Consumer,
-                                              g_stages(self), loads)
-                    if half != 0:
-                        release = self._mainloop(ab_pipeline, narrow[0], narrow[1], narrow[2],
-                                                 narrow[3], loads, k_tiles, num_k_blocks)
-                    else:
-                        release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
-                                                 k_tiles, num_k_blocks)
-                else:
-                    release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
-                                             k_tiles, num_k_blocks)
+                release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
+                                         k_tiles, num_k_blocks)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
 
@@ -1471,14 +1405,9 @@ class MegakernelSm90:
         combine_base = self._combine_base(ctx, peer_bases, rank)
         for t in cutlass.range(tasks[index, W_ROW_BEGIN] + warp, tasks[index, W_ROW_END], warps,
                                unroll=1):
-            claimed = Int32(0)
-            if const_expr(self.early_ksum):
-                # 1: a comm CTA summed it already (or is summing it)
-                claimed = counters[rank, counter_offsets[int(CounterGroup.KSUM_CLAIMED)] + t]
-            if claimed != 1:
-                self._ksum_token(ctx, rank, t, combine_base, peer_bases, topk_weights, topk_idx,
-                                 slot_rows, ring_y, out, shared_y, lane, first_warp + warp,
-                                 ksum_stage, self.ksum_staged)
+            self._ksum_token(ctx, rank, t, combine_base, peer_bases, topk_weights, topk_idx,
+                             slot_rows, ring_y, out, shared_y, lane, first_warp + warp,
+                             ksum_stage, self.ksum_staged)
 
     @cute.jit
     def _combine_base(self, ctx, peer_bases, rank: Int32) -> Int64:
@@ -1489,7 +1418,7 @@ class MegakernelSm90:
     def _ksum_token(self, ctx, rank: Int32, t: Int32, combine_base: Int64, peer_bases,
                     topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, lane: Int32,
                     warp: Int32, ksum_stage, staged: cutlass.Constexpr[bool]):
-        """One token's output row by one warp (KSUM tasks and early_ksum): the K weights and
+        """One token's output row by one warp (the KSUM tasks): the K weights and
         y-row addresses (0: routed nowhere, contributes 0; ``combine_base`` from
         ``_combine_base``, read once per caller), then the fixed-order sum, through smem
         (``staged``, stage slots of ``warp``) or with the loads in registers."""
@@ -1535,129 +1464,6 @@ class MegakernelSm90:
                     if v0 + 32 * u < h_vecs:
                         res = k_sum_vector(ys, base, weights, u, self.top_k, self.has_shared)
                         cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
-
-    @cute.jit
-    def _early_ksum(self, ctx, counter_offsets, counters, error, num_tiles, peer_bases,
-                    topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
-                    storage, tidx: Int32, bidx: Int32):
-        """early_ksum, on a comm CTA's warps before its comm loop (one rank). Warp ``s`` of the
-        comm CTAs owns the 32-token chunks ``s, s + S, ...``; each pass a lane checks one token
-        of a chunk: its FC2 rows' M-tiles are done (below the FC2 frontier, or their FC2_DONE
-        counter is full) and so is its shared tile. A token's claim word (KSUM_CLAIMED) keeps
-        the first M-tile it found not done, as -(tile + 1), so the next pass checks that one
-        counter only. The warp then claims each ready token (word 1) and sums it with
-        ``_ksum_token`` (register path: the comm CTA's smem holds no stages). The frontier
-        (every FC2 M-tile below it done) only grows; once it passes the last real M-tile every
-        token is ready and the scanning stops, so the KSUM tasks, on every compute CTA, take
-        the rest. It also stops at the deadline or on an
-        error word (the BARRIER's bounded wait then reports the stall). With the recorder one
-        EARLY_KSUM span per comm CTA; its task id is the tokens the CTA summed."""
-        rank = Int32(0)
-        t_start = self._now_if_recording()
-        lane = cute.arch.lane_idx()
-        words = storage.comm_words.get_tensor(cute.make_layout(4))
-        if const_expr(self.timeline):
-            if tidx == 0:
-                words[2] = 0
-            pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
-                                  num_threads=COMM_THREADS).arrive_and_wait()
-        warps = COMM_THREADS // 32
-        scanner = bidx * warps + tidx // 32
-        scanners = self.num_comm_ctas * warps
-        tokens = cute.size(out, mode=[1])
-        chunks = (tokens + 31) // 32
-        n2 = (cute.size(out, mode=[2]) + self.tile_n - 1) // self.tile_n  # FC2 tasks per M-tile
-        rank_counters = counters[rank, None]
-        fc2_done = counter_offsets[int(CounterGroup.FC2_DONE)]
-        shared_done = counter_offsets[int(CounterGroup.SHARED_FC2_DONE)]
-        claims = counter_offsets[int(CounterGroup.KSUM_CLAIMED)]
-        real_tiles = num_tiles[rank]
-        combine_base = self._combine_base(ctx, peer_bases, rank)
-        frontier = Int32(0)
-        summed = Int32(0)
-        # a warp without a chunk (more scanners than chunks: small T) would never move the
-        # frontier, which only advances inside the chunk loop, and spin to the deadline
-        scanning = real_tiles > 0 and scanner < chunks
-        while scanning:
-            found = Int32(0)
-            c = scanner
-            while c < chunks and scanning:
-                # the frontier: the run of done FC2 M-tiles from it, up to 32 per step
-                tile = frontier + lane
-                done = Int32(1)
-                if tile < real_tiles:
-                    if common.counter_load(rank_counters, fc2_done + tile) < n2:
-                        done = Int32(0)
-                pending = Int32(~cute.arch.vote_ballot_sync(done != 0))
-                if pending == 0:
-                    frontier += 32
-                else:
-                    # the lowest pending lane: the tiles below it are done
-                    frontier += Int32(31) - Int32(cute.arch.clz(pending & (0 - pending)))
-                scanning = frontier < real_tiles
-                if scanning:
-                    t = c * 32 + lane
-                    ready = Int32(0)
-                    if t < tokens:
-                        # claim word: 1 claimed, 0 never checked, -(b + 1) waiting on M-tile b
-                        word = counters[rank, claims + t]
-                        if word < 0:
-                            blocker = -word - 1
-                            if blocker < frontier:
-                                word = Int32(0)
-                            elif common.counter_load(rank_counters, fc2_done + blocker) >= n2:
-                                word = Int32(0)
-                        if word == 0:
-                            # every row's M-tile, loads independent of each other; the first
-                            # one not done is remembered, so a waiting token costs two loads
-                            blocker = Int32(-1)
-                            for k in cutlass.range_constexpr(self.top_k):
-                                row = slot_rows[rank, t * self.top_k + k]  # -1: routed nowhere
-                                if row >= 0:
-                                    if row // TILE_M >= frontier:
-                                        if common.counter_load(rank_counters,
-                                                               fc2_done + row // TILE_M) < n2:
-                                            if blocker < 0:
-                                                blocker = row // TILE_M
-                            if blocker >= 0:
-                                counters[rank, claims + t] = -1 - blocker
-                            else:
-                                ready = Int32(1)
-                                if const_expr(self.has_shared):
-                                    if common.counter_load(rank_counters,
-                                                           shared_done + t // TILE_M) < n2:
-                                        ready = Int32(0)
-                    mask = Int32(cute.arch.vote_ballot_sync(ready != 0))
-                    cute.arch.sync_warp()  # the lanes' acquires before any lane reads y
-                    for j in cutlass.range(32, unroll=1):
-                        if (mask >> j) & 1 != 0:
-                            if lane == 0:
-                                counters[rank, claims + c * 32 + j] = Int32(1)
-                            self._ksum_token(ctx, rank, c * 32 + j, combine_base, peer_bases,
-                                             topk_weights, topk_idx, slot_rows, ring_y, out,
-                                             shared_y, lane, Int32(0), None, False)
-                            summed += 1
-                    if mask != 0:
-                        found = Int32(1)
-                c += scanners
-            if scanning:
-                if cute.arch.globaltimer() > ctx.deadline or cute.arch.load(
-                        error.iterator.llvm_ptr, Int64, sem="relaxed", scope="gpu") != 0:
-                    scanning = False  # the BARRIER's bounded wait reports it
-                elif found == 0:
-                    common.nanosleep(Int32(common.SPIN_SLEEP_MAX_NS))
-        if const_expr(self.timeline):
-            # the CTA's total in comm word 2 (zeroed before the scan; the comm loop uses 0 and 1)
-            sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
-                                         num_threads=COMM_THREADS)
-            if lane == 0:
-                cute.arch.atomic_add((words.iterator + 2).llvm_ptr, summed, sem="relaxed",
-                                     scope="cta")
-            sync.arrive_and_wait()
-            if tidx == 0:
-                slot = common.timeline_reserve(timeline_buf, 1)
-                common.timeline_write(timeline_buf, slot, int(Role.COMM), int(TaskType.EARLY_KSUM),
-                                      words[2], ctx.rank_base, t_start, common.timeline_now())
 
     @cute.jit
     def _ksum_token_staged(self, srcs, weights, shared_row: Int64, out_row, h_vecs: Int32,
@@ -1867,15 +1673,14 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        ksum_vectors: int = 8, copy_vectors: int = 0,
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
                        ksum_staged: bool = False, pingpong: bool = False,
-                       early_ksum: bool = False, narrow_fc2_tail: bool = False,
                        one_epilogue_barrier: bool = False, arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
-                        decoded_tickets, store_warp_signals, ksum_staged, pingpong, early_ksum,
-                        narrow_fc2_tail, one_epilogue_barrier)
+                        decoded_tickets, store_warp_signals, ksum_staged, pingpong,
+                        one_epilogue_barrier)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
