@@ -61,10 +61,14 @@ class TaskType(IntEnum):
     KSUM = 6
     BARRIER = 7
     WAIT = 8
+    # a GEMM task's consumers waiting for its first stage: the producer was still resolving the
+    # task or loading its first k-tile (megakernel, recorder on; task id: the task)
+    STAGE_WAIT = 9
 
 
 # Exposed-communication accounting: which task types move data between GPUs and which compute.
-# WAIT is neither: it is time a CTA spent spinning.
+# The waits are neither: time a CTA spent spinning, inside or between its tasks.
+WAIT_TASK_TYPES = frozenset({TaskType.WAIT, TaskType.STAGE_WAIT})
 COMM_TASK_TYPES = frozenset({TaskType.DISPATCH, TaskType.COMBINE, TaskType.BARRIER})
 COMPUTE_TASK_TYPES = frozenset(
     {TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2, TaskType.KSUM}
@@ -73,6 +77,11 @@ GEMM_TASK_TYPES = frozenset({TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, Ta
 # The pingpong GEMM's two consumer warpgroups each run their own tile, so one CTA records up to
 # two GEMM tiles at a time.
 MAX_TILES_IN_FLIGHT = 2
+
+
+def is_wait(rec: np.ndarray) -> np.ndarray:
+    """Records that are time spent spinning (``WAIT_TASK_TYPES``), not work."""
+    return np.isin(rec["task_type"], [int(t) for t in WAIT_TASK_TYPES])
 
 _COLUMNS = ("role", "task_type", "task_id", "rank", "sm_id", "cta_id", "start_ns", "end_ns")
 RECORD_DTYPE = np.dtype(
@@ -179,7 +188,7 @@ class Timeline:
                 f"rank {int(rec['rank'][i])} {role_name(rec['role'][i])} CTA {int(rec['cta_id'][i])} "
                 f"ran {task_name(rec['task_type'][i])} task {int(rec['task_id'][i])}"
             )
-        work = rec[rec["task_type"] != TaskType.WAIT]
+        work = rec[~is_wait(rec)]
         gemm = np.isin(work["task_type"], [int(t) for t in GEMM_TASK_TYPES])
         for key in sorted({(int(r), int(c)) for r, c in zip(work["rank"], work["cta_id"])}):
             on_cta = (work["rank"] == key[0]) & (work["cta_id"] == key[1])
@@ -434,7 +443,7 @@ def summarize(
     """Where the time of one recorded layer call went.
 
     Over the layer span ``S`` (:attr:`Timeline.span_ns`), for each CTA (lane = rank, cta, role):
-    ``wait`` = union of its WAIT spans, ``busy`` = union of its other tasks minus the waits,
+    ``wait`` = union of its WAIT and STAGE_WAIT spans, ``busy`` = union of its other tasks minus the waits,
     ``idle = S - busy - wait``. Per role, the percentages are of ``lanes * S``.
 
     ``dispatch_gbps`` / ``combine_gbps`` = bytes over the union of the DISPATCH / COMBINE spans;
@@ -452,15 +461,15 @@ def summarize(
     span_start, span_end = tl.span_ns
     span = span_end - span_start
     tt = rec["task_type"]
-    is_wait = tt == TaskType.WAIT
+    waiting = is_wait(rec)
 
     roles: dict[str, dict[str, Any]] = {}
     overlaps, periods = [], {}
     lane_keys = sorted({(int(r), int(k), int(c)) for r, k, c in zip(rec["role"], rec["rank"], rec["cta_id"])})
     for role, rank, cta in lane_keys:
         mine = (rec["role"] == role) & (rec["rank"] == rank) & (rec["cta_id"] == cta)
-        waits = _union_of(rec, mine & is_wait)
-        work = _union_of(rec, mine & ~is_wait)
+        waits = _union_of(rec, mine & waiting)
+        work = _union_of(rec, mine & ~waiting)
         wait_ns = _measure(waits)
         busy_ns = _measure(work) - _intersection_measure(work, waits)
         entry = roles.setdefault(role_name(role), {"lanes": 0, "busy_ns": 0, "wait_ns": 0, "idle_ns": 0})
@@ -469,7 +478,7 @@ def summarize(
         entry["wait_ns"] += wait_ns
         entry["idle_ns"] += span - busy_ns - wait_ns
         if role == Role.COMPUTE:
-            _add_task_rates(rec[mine & ~is_wait], _measure(work), overlaps, periods)
+            _add_task_rates(rec[mine & ~waiting], _measure(work), overlaps, periods)
     for entry in roles.values():
         total = entry["lanes"] * span
         for what in ("busy", "wait", "idle"):
@@ -590,7 +599,7 @@ def to_chrome_trace(tl: Timeline) -> dict[str, Any]:
         start, end = int(rec["start_ns"][i]), int(rec["end_ns"][i])
         task_type = int(rec["task_type"][i])
         args = {"task_id": int(rec["task_id"][i]), "cta": int(rec["cta_id"][i]), "role": role_name(rec["role"][i])}
-        if task_type == TaskType.WAIT:
+        if task_type in WAIT_TASK_TYPES:
             args = {"waited_for_task": args.pop("task_id"), **args}
         if end < start:
             args["error"] = "end before start"
@@ -639,7 +648,7 @@ def _task_colors() -> dict[int, Any]:
     import matplotlib
 
     cmap = matplotlib.colormaps["tab10"]
-    return {int(t): cmap(i % 10) for i, t in enumerate(t for t in TaskType if t != TaskType.WAIT)}
+    return {int(t): cmap(i % 10) for i, t in enumerate(t for t in TaskType if t not in WAIT_TASK_TYPES)}
 
 
 def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = None) -> Path:
@@ -666,12 +675,12 @@ def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = No
     ys = np.asarray([row[(int(r), int(s))] for r, s in zip(rec["rank"], rec["sm_id"])], dtype=np.int64)
     present = []
     # Tasks first, waits last so a wait nested inside a task is drawn over it.
-    for t in [t for t in TaskType if t != TaskType.WAIT] + [TaskType.WAIT]:
+    for t in [t for t in TaskType if t not in WAIT_TASK_TYPES] + sorted(WAIT_TASK_TYPES):
         mask = rec["task_type"] == int(t)
         if not np.any(mask):
             continue
         present.append(t)
-        style = _WAIT_STYLE if t == TaskType.WAIT else {"facecolor": colors[int(t)], "linewidth": 0.0}
+        style = _WAIT_STYLE if t in WAIT_TASK_TYPES else {"facecolor": colors[int(t)], "linewidth": 0.0}
         for y in np.unique(ys[mask]):
             sel = mask & (ys == y)
             ax.broken_barh(list(zip(start_us[sel], dur_us[sel])), (y - 0.42, 0.84), **style)
@@ -697,9 +706,10 @@ def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = No
     ax.set_xlabel("time since kernel start (us)")
     ax.set_ylabel(f"SM ({n_comm} comm lanes on top, marked C)" if n_comm else "SM")
     ax.grid(axis="x", alpha=0.3)
-    handles = [Patch(facecolor=colors[int(t)], label=t.name) for t in present if t != TaskType.WAIT]
-    if TaskType.WAIT in present:
-        handles.append(Patch(label="WAIT", **{k: v for k, v in _WAIT_STYLE.items() if k != "linewidth"}))
+    handles = [Patch(facecolor=colors[int(t)], label=t.name) for t in present if t not in WAIT_TASK_TYPES]
+    waits = [t.name for t in present if t in WAIT_TASK_TYPES]
+    if waits:
+        handles.append(Patch(label=" / ".join(waits), **{k: v for k, v in _WAIT_STYLE.items() if k != "linewidth"}))
     if present_unknown:
         handles.append(Patch(facecolor="black", label="unknown type"))
     if handles:

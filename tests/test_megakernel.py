@@ -183,8 +183,8 @@ def test_staged_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_pa
 
 @pytest.mark.parametrize("pingpong", [False, True])
 def test_one_epilogue_barrier_drops_a_barrier_per_subtile(pingpong, tmp_path):
-    """one_epilogue_barrier: the epilogue's second named barrier per subtile goes (the SASS
-    has fewer BAR.SYNC), no spills, in the cooperative and the pingpong consumer loops."""
+    """one_epilogue_barrier: the epilogue's second named barrier per subtile goes (fewer
+    bar.sync in the PTX), no spills, in the cooperative and the pingpong consumer loops."""
     from mok_cute import jit
 
     static = dict(num_ranks=1, num_comm_ctas=1, local_direct=True, dynamic_tickets=True,
@@ -195,7 +195,7 @@ def test_one_epilogue_barrier_drops_a_barrier_per_subtile(pingpong, tmp_path):
         rep = jit.inspect_kernel("megakernel", outdir=tmp_path / str(one), **static,
                                  one_epilogue_barrier=one)
         assert rep.spill_bytes == 0
-        bars[one] = len(re.findall(r"\bBAR\.SYNC", open(rep.sass_path).read()))
+        bars[one] = len(re.findall(r"\bbar\.sync\b", open(rep.ptx_path).read()))
     assert bars[True] < bars[False]
 
 
@@ -821,11 +821,12 @@ def test_out_of_range_ids_contribute_zero_without_the_check():
 def test_recorded_megakernel_timeline_is_sane():
     """Every task that runs is recorded once; comm CTAs record only comm tasks; each CTA's
     task spans follow one another (WAIT spans, written by the waiting thread, may overlap
-    the work of the CTA's other warps)."""
+    the work of the CTA's other warps); a STAGE_WAIT span (a GEMM task's consumers waiting
+    for its first stage) lies inside its own GEMM task's span on the same CTA."""
     import numpy as np
 
     from mok_cute import megakernel, tasks
-    from mok_cute.timeline import Role, TaskType
+    from mok_cute.timeline import GEMM_TASK_TYPES, Role, TaskType, is_wait
 
     xs, idx, w, wg, wu, wd, sh = _problem(2, 256, 512, 256, 4, 4, 128, seed=13, skew=True)
     config = mok_cute.MoKConfig(timeline=True, num_comm_sms=4)
@@ -835,7 +836,7 @@ def test_recorded_megakernel_timeline_is_sane():
     tl = plan.timeline.decode()
     assert tl.dropped == 0
     rec = tl.records
-    work = rec[rec["task_type"] != int(TaskType.WAIT)]
+    work = rec[~is_wait(rec)]
     expected = set()
     for rank, sched in enumerate(plan.side.schedules(idx.to(torch.int32))):
         live = tasks.simulate_live_run(plan.task_list, int(sched.num_tiles.item()))
@@ -853,6 +854,14 @@ def test_recorded_megakernel_timeline_is_sane():
         spans = spans[np.argsort(spans["start_ns"], kind="stable")]
         assert (spans["start_ns"] <= spans["end_ns"]).all()
         assert (spans["end_ns"][:-1] <= spans["start_ns"][1:]).all(), f"CTA {cta}: spans overlap"
+    gemm = work[np.isin(work["task_type"], [int(t) for t in GEMM_TASK_TYPES])]
+    task_span = {(int(r), int(c), int(i)): (int(s), int(e)) for r, c, i, s, e in zip(
+        gemm["rank"], gemm["cta_id"], gemm["task_id"], gemm["start_ns"], gemm["end_ns"])}
+    stage_waits = rec[rec["task_type"] == int(TaskType.STAGE_WAIT)]
+    for r, c, i, s, e in zip(stage_waits["rank"], stage_waits["cta_id"], stage_waits["task_id"],
+                             stage_waits["start_ns"], stage_waits["end_ns"]):
+        start, end = task_span[(int(r), int(c), int(i))]
+        assert start <= s <= e <= end, "a STAGE_WAIT outside its task's span"
 
 
 # ---------------------------------------------------------------------- CPU: the comm split

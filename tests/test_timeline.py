@@ -46,7 +46,7 @@ def test_enum_values_match_the_record_format():
     assert [(r.name, int(r)) for r in Role] == [("COMM", 0), ("COMPUTE", 1)]
     assert [(t.name, int(t)) for t in TaskType] == [
         ("DISPATCH", 0), ("FC1", 1), ("FC2", 2), ("COMBINE", 3), ("SHARED_FC1", 4),
-        ("SHARED_FC2", 5), ("KSUM", 6), ("BARRIER", 7), ("WAIT", 8),
+        ("SHARED_FC2", 5), ("KSUM", 6), ("BARRIER", 7), ("WAIT", 8), ("STAGE_WAIT", 9),
     ]
 
 
@@ -185,6 +185,22 @@ def test_summary_waits_nested_in_a_task_and_overlapping_spans_count_once():
     # one task's time per type: FC2 ran 100 and 50 ns, FC1 100 (WAITs are tasks too)
     assert s["task_us"]["FC2"] == pytest.approx({"mean": 0.075, "p50": 0.075, "p90": 0.095, "max": 0.1})
     assert s["task_us"]["FC1"]["max"] == pytest.approx(0.1) and s["task_us"]["WAIT"]["mean"] == pytest.approx(0.03)
+
+
+def test_stage_waits_count_as_waits_inside_their_gemm_task():
+    """A STAGE_WAIT (the consumers waiting for a GEMM task's first stage) is time spent
+    spinning: it comes off the CTA's busy time as a WAIT does, it is not a task of its own for
+    the overlap check or the tile rates, and its durations are reported per type."""
+    rows = [rec(P, TaskType.FC1, 0, 0, 100, sm=4), rec(P, TaskType.STAGE_WAIT, 0, 0, 20, sm=4),
+            rec(P, TaskType.FC1, 1, 100, 200, sm=4), rec(P, TaskType.STAGE_WAIT, 1, 100, 140, sm=4)]
+    tl = tlm.decode(tlm.encode_records(rows))
+    assert tl.check() == []
+    s = tlm.summarize(tl)
+    compute = s["roles"]["compute"]
+    assert (compute["busy_ns"], compute["wait_ns"], compute["idle_ns"]) == (140, 60, 0)
+    assert s["task_us"]["STAGE_WAIT"]["mean"] == pytest.approx(0.03)
+    assert s["task_overlap"] == pytest.approx(1.0) and s["task_period_us"] == {"FC1": 0.1}
+    assert tlm.is_wait(tl.records).tolist() == [False, True, False, True]
 
 
 def test_summary_task_overlap_and_period_of_two_warpgroups_tiles():

@@ -314,11 +314,12 @@ run_virtual_bench() {
 run_gap_record() {
   # the one-rank gap, recorded: dsv3, gptoss and mixtral on the expert path and on the
   # megakernel (summaries only: task periods, overlap, the KSUM tail), to split each shape's
-  # megakernel / expert difference into tiles, gaps and tail (twelfth session's paired bench:
-  # dsv3 1.053, gptoss 1.063, mixtral 1.056)
+  # megakernel / expert difference into tiles, gaps and tail (run 96); since the thirteenth
+  # session the megakernel's recording also has STAGE_WAIT spans: its consumers waiting for a
+  # GEMM task's first stage, i.e. for the producer (FC1 tiles run 2-6 % slower per tile there)
   for shape in dsv3_ep8_rank gptoss_120b mixtral; do
     for backend in kernel megakernel; do
-      record_summary 90 "$out/${shape}_$backend" "layer|every|KSUM|FC2 " --shape $shape \
+      record_summary 90 "$out/${shape}_$backend" "layer|every|KSUM|FC2 |STAGE_WAIT|FC1 " --shape $shape \
         --capacity 262144 --mok-config check_ids=False --mok-config backend=$backend
       rm -f "$out/${shape}_$backend/timeline_buffer.npy"
     done

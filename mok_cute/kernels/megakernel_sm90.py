@@ -84,6 +84,9 @@ COMM_THREADS = 384  # comm CTA threads (the first TILE_M resolve one row address
 COPY_UNROLL = 16  # 16-byte vectors in flight per lane in the vector row copy
 COPY_MODES = ("vector", "bulk")
 WAIT_RECORD_MIN_NS = 1000  # shorter dependency waits are not recorded as WAIT spans
+# a GEMM task's wait for its first stage shorter than this is not recorded as a STAGE_WAIT span
+# (the recorder's clock ticks every 32 ns on the H200)
+STAGE_WAIT_RECORD_MIN_NS = 64
 TICKETS = 2  # extra int32 words after the counters of rank 0: the comm / compute ticket counters
 TICKET_SLOTS = 4  # dynamic_tickets: compute tickets in flight from the producer to the other warps
 # decoded_tickets: the words of one ticket-ring slot, written by the producer's warp 0
@@ -1149,7 +1152,8 @@ class MegakernelSm90:
             t_start = self._now_if_recording()
             if run and not noop and self._is_gemm(ttype):
                 release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
-                                         k_tiles, num_k_blocks)
+                                         k_tiles, num_k_blocks, ctx, timeline_buf, index, rank,
+                                         consumer_tidx == 0)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
 
@@ -1322,16 +1326,28 @@ class MegakernelSm90:
 
     @cute.jit
     def _mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
-                  num_k_blocks: cutlass.Constexpr[int]):
+                  num_k_blocks: cutlass.Constexpr[int], ctx=None, timeline_buf=None,
+                  index: Int32 = 0, rank: Int32 = 0, leader=False):
         """A GEMM task's wgmmas over its ``k_tiles`` stages, from stage use ``loads`` on: one
         batch stays in flight and a stage is released once the batch that read it retired.
-        Returns the last stage's state; the caller releases it after ``wait_group(0)``."""
+        Returns the last stage's state; the caller releases it after ``wait_group(0)``. With
+        the recorder on and ``ctx`` given, ``leader`` records the wait for the first stage
+        (the producer still resolving the task or loading its first k-tile) as a STAGE_WAIT
+        span of task ``index`` when it is over STAGE_WAIT_RECORD_MIN_NS."""
         read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
         release = read.clone()
         acc.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         cute.nvgpu.warpgroup.fence()
+        t0 = self._now_if_recording()
         ab_pipeline.consumer_wait(read)
+        if const_expr(self.timeline and ctx is not None):
+            t1 = common.timeline_now()
+            if leader and t1 - t0 > STAGE_WAIT_RECORD_MIN_NS:
+                slot = common.timeline_reserve(timeline_buf, 1)
+                common.timeline_write(timeline_buf, slot, int(Role.COMPUTE),
+                                      int(TaskType.STAGE_WAIT), index, ctx.rank_base + rank,
+                                      t0, t1)
         a_visible_to_wgmma(self.local_direct)
         self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
         read.advance()
