@@ -173,6 +173,16 @@ PINGPONG = experimental_switch("PINGPONG", False)
 # reason as ops.ONE_EPILOGUE_BARRIER for the expert path; one env variable sets both). Written
 # in the thirteenth session: MOK_ONE_EPILOGUE_BARRIER=1.
 ONE_EPILOGUE_BARRIER = experimental_switch("ONE_EPILOGUE_BARRIER", False)
+# With decoded tickets, the ring also carries a task's first row and its count of waits, so the
+# producer's start of a task skips two dependent global loads (kernels.megakernel_sm90's
+# short_task_start). Why: the recorded one-rank calls (run 96) have the megakernel's FC1 tiles
+# 2-6 % slower per tile than the expert path's (a CTA's FC1 period dsv3 79.31 against 77.70 us,
+# gptoss 35.55 against 33.44), and an FC1 start with gathered A waits on a chain of ~7
+# dependent global loads against ~4 stages of slack. Predicted: up to ~1 us per FC1 task where
+# the consumers wait for the first stage (the recorder's STAGE_WAIT spans show whether they
+# do): dsv3 ~-0.9 %, gptoss ~-2 %. Written in the thirteenth session after its device time
+# was spent: compile-checked only. MOK_SHORT_TASK_START=1.
+SHORT_TASK_START = experimental_switch("SHORT_TASK_START", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -242,6 +252,7 @@ class PlanKey:
     pingpong: bool = False  # PINGPONG (with decoded tickets)
     ksum_rows: int = 8  # KSUM_ROWS
     one_epilogue_barrier: bool = False  # ONE_EPILOGUE_BARRIER
+    short_task_start: bool = False  # SHORT_TASK_START (with decoded tickets)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -458,7 +469,7 @@ class Plan:
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
             ksum_staged=k.ksum_staged, pingpong=k.pingpong,
-            one_epilogue_barrier=k.one_epilogue_barrier)
+            one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -687,7 +698,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   local_only, dynamic, KSUM_VECTORS,
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
-                  KSUM_ROWS, ONE_EPILOGUE_BARRIER)
+                  KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

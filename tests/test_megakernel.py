@@ -199,6 +199,33 @@ def test_one_epilogue_barrier_drops_a_barrier_per_subtile(pingpong, tmp_path):
     assert bars[True] < bars[False]
 
 
+@pytest.mark.parametrize("num_ranks,local_direct,pingpong", [(1, True, False), (8, False, False),
+                                                             (1, True, True)])
+def test_short_task_start_widens_the_ring_without_spills(num_ranks, local_direct, pingpong,
+                                                          tmp_path):
+    """short_task_start: the decoded ring slots grow from 8 to 10 words (the task's first row
+    and count of waits), the producer reads them from smem; no spills, with the gathered FC1
+    rows (one rank), with TMA rows (several ranks) and in the pingpong loop; only with the
+    decoded ring."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=num_ranks, num_comm_ctas=1 if num_ranks == 1 else 16,
+                  local_direct=local_direct, rank_blocks=num_ranks > 1, dynamic_tickets=True,
+                  decoded_tickets=True, ksum_vectors=16, store_warp_signals=True,
+                  ksum_staged=not pingpong, pingpong=pingpong, top_k=8, has_shared=True)
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, short_task_start=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    mk = megakernel_sm90.MegakernelSm90(num_ranks, 132, static["num_comm_ctas"], 8, True,
+                                        short_task_start=True, **{k: static[k] for k in (
+                                            "local_direct", "rank_blocks", "dynamic_tickets",
+                                            "decoded_tickets", "ksum_staged", "pingpong")})
+    assert mk.decoded_words == megakernel_sm90.SHORT_START_WORDS == 10
+    with pytest.raises(ValueError, match="short_task_start needs decoded_tickets"):
+        megakernel_sm90.MegakernelSm90(1, 8, 1, 2, False, dynamic_tickets=True,
+                                       short_task_start=True)
+
+
 @pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
                                                           (1, False, True)])
 def test_pingpong_consumers_compile_without_spills(num_ranks, has_shared, timeline, tmp_path):
@@ -680,6 +707,20 @@ def test_one_epilogue_barrier_gives_the_same_bits(R, ring, local_direct, shared,
     ranks; a wrapping ring; recorded; against the reference)."""
     args = _problem(R, 300, 1024, 256, 4, 4, shared, seed=67, skew=True)
     _check_switch(monkeypatch, "ONE_EPILOGUE_BARRIER", args, R, ring, local_direct)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct,shared", [(1, None, True, 0), (1, None, True, 128),
+                                                       (4, None, True, 0), (8, 256, False, 128),
+                                                       (3, None, False, 0)])
+def test_short_task_start_gives_the_same_bits(R, ring, local_direct, shared, monkeypatch):
+    """megakernel.SHORT_TASK_START: the producer takes a task's first row and count of waits
+    from the decoded ring instead of the task list; a wrong first row would gather the wrong
+    x rows and a wrong count skip a wait, so: the same bits as without it (one rank with the
+    gathered FC1 rows, with the shared expert, several ranks, a wrapping ring where FC1
+    waits on DISPATCHED, recorded, against the reference)."""
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=73, skew=True)
+    _check_switch(monkeypatch, "SHORT_TASK_START", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu

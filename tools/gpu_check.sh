@@ -63,6 +63,8 @@
 #          bench of record (~3 min)
 #   onebarrier  (run 101) ONE_EPILOGUE_BARRIER on both paths, 6 interleaved rounds on the five
 #          shapes, then its GPU tests (~3 min)
+#   shortstart  SHORT_TASK_START (unmeasured): its GPU tests, 8 interleaved rounds on the five
+#          shapes, dsv3 and gptoss recorded with it off and on (STAGE_WAIT spans) (~6 min)
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
 set -u
 out="${OUT:-out}"
@@ -295,6 +297,24 @@ run_one_barrier() {
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-150 | tail -30
   gpu_tests_passed one_barrier "one_epilogue_barrier" 150 tests/test_gemm_sm90.py tests/test_megakernel.py
 }
+run_short_start() {
+  # SHORT_TASK_START (written in the thirteenth session after its device time was spent): its
+  # GPU tests (bitwise against it off, recorded, against the reference; a hang or a wrong row
+  # is the risk), then 8 interleaved rounds on the five shapes, then dsv3 and gptoss recorded
+  # with it off and on: the STAGE_WAIT lines say how long the consumers waited for a task's
+  # first stage, which is what it should shorten
+  gpu_tests_passed short_start "short_task_start" 200 || return 1
+  timeout -s KILL 150 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
+    --comm 1lxwfkuesmh,1lxwfkuesmhj --rounds 8 --json "$out/layer_short_task_start_ab.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-150 | tail -12
+  for shape in dsv3_ep8_rank gptoss_120b; do
+    for on in 0 1; do
+      MOK_SHORT_TASK_START=$on record_summary 60 "$out/${shape}_short$on" "layer|every|STAGE_WAIT|FC1 " \
+        --shape $shape --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel
+      rm -f "$out/${shape}_short$on/timeline_buffer.npy"
+    done
+  done
+}
 run_switch_probe() {
   # (run 90) the eleventh session's variants against the default of then, interleaved: the
   # megakernel at R = 1 on the five shapes (8 alternating rounds; s = STORE_WARP_SIGNALS,
@@ -442,7 +462,7 @@ case "$what" in
   final) run_final "${2:-virtual_r8}" "${3:-expert_kernels}" ;;
   singlebench) run_single_bench "${2:-expert_kernels}" ;;
   # the megakernel's GPU tests take longer than one call (run 92): two halves
-  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or ksum_rows or one_epilogue_barrier)" 420 ;;
+  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or ksum_rows or one_epilogue_barrier or short_task_start)" 420 ;;
   switchtests) run_switch_tests ;;
   rowstests) gpu_tests_passed rows_barrier "ksum_rows or one_epilogue_barrier" 300 ;;
   gaprecord) run_gap_record ;;
@@ -454,10 +474,11 @@ case "$what" in
   decoded) run_decoded ;;
   decodedvirtual) run_decoded_virtual ;;
   onebarrier) run_one_barrier ;;
+  shortstart) run_short_start ;;
   ksumrowsvirtual) run_ksum_rows_virtual "${2:-expert_kernels}" ;;
   switchprobe) run_switch_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -92,6 +92,9 @@ TICKET_SLOTS = 4  # dynamic_tickets: compute tickets in flight from the producer
 # decoded_tickets: the words of one ticket-ring slot, written by the producer's warp 0
 D_INDEX, D_RANK, D_TYPE, D_MTILE, D_NTILE, D_RING_TILE, D_EXPERT, D_SIGNAL = range(8)
 DECODED_WORDS = 8
+# short_task_start: two more words per slot, the task's first row and its count of waits
+D_ROW_BEGIN, D_NUM_WAITS = 8, 9
+SHORT_START_WORDS = 10
 RUN_FLAG, NOOP_FLAG = 1 << 8, 1 << 9  # or-ed into D_TYPE above the task type
 
 
@@ -113,7 +116,7 @@ class MegakernelSm90:
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
                  ksum_staged: bool = False, pingpong: bool = False,
-                 one_epilogue_barrier: bool = False):
+                 one_epilogue_barrier: bool = False, short_task_start: bool = False):
         if not 1 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
         if not 1 <= top_k <= MAX_K_SUM:
@@ -203,6 +206,18 @@ class MegakernelSm90:
         # one_epilogue_barrier: one named barrier per epilogue subtile instead of two, the store
         # warp's buffer acquire one subtile ahead (gemm_sm90.store_tile_epilogue's one_barrier)
         self.one_epilogue_barrier = one_epilogue_barrier
+        # short_task_start: the decoded ring also carries a task's first row and its count of
+        # waits, loaded by warp 0 with the other task words, so the producer's start of a task
+        # skips two dependent global loads: the wait count before the counter waits (none, for
+        # FC1 at one rank) and the first row before FC1's A-row addresses. Why: an FC1 start
+        # with gathered A is a chain of ~7 dependent global loads (ticket's queue entry, task
+        # words, expert, wait count, first row, the rows' tokens, the rows themselves) against
+        # ~4 stages of slack, and the megakernel's FC1 tiles run 2-6 % slower per tile than the
+        # expert path's (run 96), more where FC1 has few k-tiles (gptoss).
+        if short_task_start and not decoded_tickets:
+            raise ValueError("short_task_start needs decoded_tickets")
+        self.short_task_start = short_task_start
+        self.decoded_words = SHORT_START_WORDS if short_task_start else DECODED_WORDS
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
         self.num_comm_ctas = num_comm_ctas
@@ -295,7 +310,7 @@ class MegakernelSm90:
             s_st_y = mk(s2g, shared_y, epi_layout, self.epi_tile)
             shared_atoms = (*s_a_x, *s_a_h, *s_wg, *s_wu, *s_wd, *s_st_h, *s_st_y)
 
-        ticket_words = TICKET_SLOTS * (DECODED_WORDS if const_expr(self.decoded_tickets) else 1)
+        ticket_words = TICKET_SLOTS * (self.decoded_words if const_expr(self.decoded_tickets) else 1)
 
         @cute.struct
         class SharedStorage:
@@ -508,14 +523,17 @@ class MegakernelSm90:
 
     @cute.jit
     def _wait_task(self, ctx, tasks, counter_offsets, counters, error, num_tiles,
-                   index: Int32, rank: Int32):
+                   index: Int32, rank: Int32, num_waits=None):
         """Spin until every wait of the task holds (waits on tiles past the live ones are
-        clipped away). Called by one thread or by a whole warp (each lane waits)."""
+        clipped away). Called by one thread or by a whole warp (each lane waits).
+        ``num_waits``: the task's count of waits when the caller has it (short_task_start)."""
         tiles = num_tiles[rank]
         live_mb = ctx.live_minibatches(tiles)
         live_tile_end = cutlass.min(live_mb * ctx.tiles_per_minibatch, ctx.static_tiles)
         rank_counters = counters[rank, None]
-        for w in cutlass.range(tasks[index, W_NUM_WAITS], unroll=1):
+        if const_expr(num_waits is None):
+            num_waits = tasks[index, W_NUM_WAITS]
+        for w in cutlass.range(num_waits, unroll=1):
             group = tasks[index, W_WAITS + 4 * w]
             first = tasks[index, W_WAITS + 4 * w + 1]
             end = first + tasks[index, W_WAITS + 4 * w + 2]
@@ -532,11 +550,12 @@ class MegakernelSm90:
     @cute.jit
     def _wait_task_recorded(self, ctx, tasks, counter_offsets, counters, error, num_tiles,
                             index: Int32, rank: Int32, timeline_buf, role: cutlass.Constexpr[int],
-                            leader):
+                            leader, num_waits=None):
         """``_wait_task``; with the recorder on, a wait longer than WAIT_RECORD_MIN_NS also
         becomes a WAIT span (written by ``leader``), so the timeline shows waits apart from work."""
         t0 = self._now_if_recording()
-        self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank)
+        self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank,
+                        num_waits)
         if const_expr(self.timeline):
             t1 = common.timeline_now()
             if leader and t1 - t0 > WAIT_RECORD_MIN_NS:
@@ -790,7 +809,7 @@ class MegakernelSm90:
                                        ticket_q, ticket_bars, taken, index, rank)
                 cute.arch.sync_warp()  # lane 0's slot words are visible to the warp
             else:
-                index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+                index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
         else:
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                     int(Role.COMPUTE), q, blk, q_base)
@@ -802,8 +821,10 @@ class MegakernelSm90:
         """decoded_tickets, lane 0 of the producer's warp 0: ring use k holds task ``index`` of
         ``rank`` as the compute warps need it (``D_*`` words; index -1 ends the walk)."""
         tword, m_tile, n_tile, ring_tile = Int32(0), Int32(0), Int32(0), Int32(0)
-        expert, signal = Int32(0), Int32(0)
+        expert, signal, row_begin, num_waits = Int32(0), Int32(0), Int32(0), Int32(0)
         if index >= 0:
+            if const_expr(self.short_task_start):
+                row_begin, num_waits = tasks[index, W_ROW_BEGIN], tasks[index, W_NUM_WAITS]
             run, noop = self._task_state(ctx, tasks, num_tiles, index, rank)
             ttype = tasks[index, W_TYPE]
             tword = (ttype + cutlass.select_(run, Int32(RUN_FLAG), Int32(0))
@@ -813,7 +834,7 @@ class MegakernelSm90:
                 expert = self._expert_of(ctx, tile_expert, rank, m_tile)
             signal = counter_offsets[tasks[index, W_SIGNAL_GROUP]] + tasks[index, W_SIGNAL_INDEX]
         ring_wait_empty(ticket_bars, k)
-        words = task_ring_words(ticket_q, k)
+        words = task_ring_words(ticket_q, k, self.decoded_words)
         words[D_INDEX] = index
         words[D_RANK] = rank
         words[D_TYPE] = tword
@@ -822,6 +843,9 @@ class MegakernelSm90:
         words[D_RING_TILE] = ring_tile
         words[D_EXPERT] = expert
         words[D_SIGNAL] = signal
+        if const_expr(self.short_task_start):
+            words[D_ROW_BEGIN] = row_begin
+            words[D_NUM_WAITS] = num_waits
         cute.arch.mbarrier_arrive(ticket_bars + k % TICKET_SLOTS)  # release: readers that see the phase see the words
 
     @cute.jit
@@ -830,7 +854,7 @@ class MegakernelSm90:
         """(run, noop, type) of the task being walked (ring use ``taken - 1`` with
         decoded_tickets, else its task row)."""
         if const_expr(self.decoded_tickets):
-            tword = task_ring_words(ticket_q, taken - 1)[D_TYPE]
+            tword = task_ring_words(ticket_q, taken - 1, self.decoded_words)[D_TYPE]
             run = (tword & RUN_FLAG) != 0
             noop = (tword & NOOP_FLAG) != 0
             ttype = tword & (RUN_FLAG - 1)
@@ -844,7 +868,7 @@ class MegakernelSm90:
         """(m_tile, n_tile, ring tile) of the GEMM task being walked."""
         m_tile, n_tile, ring_tile = Int32(0), Int32(0), Int32(0)
         if const_expr(self.decoded_tickets):
-            words = task_ring_words(ticket_q, taken - 1)
+            words = task_ring_words(ticket_q, taken - 1, self.decoded_words)
             m_tile, n_tile, ring_tile = words[D_MTILE], words[D_NTILE], words[D_RING_TILE]
         else:
             m_tile, n_tile, ring_tile = self._row_tile(tasks, index)
@@ -964,23 +988,28 @@ class MegakernelSm90:
             run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
             k_tiles = self._k_tiles(ttype, t_a_x, t_a_h, s_t_a_h)
             if run and not noop and self._is_gemm(ttype):
+                num_waits, row_begin = None, None  # loaded from the task's row where needed
+                if const_expr(self.short_task_start):
+                    words = task_ring_words(ticket_q, taken - 1, self.decoded_words)
+                    num_waits, row_begin = words[D_NUM_WAITS], words[D_ROW_BEGIN]
                 if const_expr(self.local_direct):
                     if d_warp == self.gemm.load_warp:
                         self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error,
                                                  num_tiles, index, rank, timeline_buf,
-                                                 int(Role.COMPUTE), cute.arch.lane_idx() == 0)
+                                                 int(Role.COMPUTE), cute.arch.lane_idx() == 0,
+                                                 num_waits)
                         cute.arch.fence_proxy("async.global")
                     d_sync.arrive_and_wait()  # the task's inputs are there for all 4 warps
                 else:
                     self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
                                              index, rank, timeline_buf, int(Role.COMPUTE),
-                                             cute.arch.lane_idx() == 0)
+                                             cute.arch.lane_idx() == 0, num_waits)
                     # rows written by other CTAs (generic or TMA stores) are read through TMA next
                     cute.arch.fence_proxy("async.global")
                 m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
                 expert = Int32(0)
                 if const_expr(self.decoded_tickets):
-                    expert = task_ring_words(ticket_q, taken - 1)[D_EXPERT]
+                    expert = task_ring_words(ticket_q, taken - 1, self.decoded_words)[D_EXPERT]
                 else:
                     expert = self._expert_of(ctx, tile_expert, rank, m_tile)
                 state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
@@ -988,7 +1017,7 @@ class MegakernelSm90:
                     self._fill_stages_direct(ctx, tasks, index, rank, ttype, k_tiles, state,
                                              ab_pipeline, d_row_peer, d_row_token, d_peer_bases,
                                              d_ring_x, d_sA_base, d_tidx, d_warp, m_tile, n_tile,
-                                             ring_tile, expert, tma)
+                                             ring_tile, expert, tma, row_begin)
                 if const_expr(not self.local_direct):
                     for k in range(k_tiles):
                         ab_pipeline.producer_acquire(state)
@@ -1037,7 +1066,7 @@ class MegakernelSm90:
     @cute.jit
     def _fill_stages_direct(self, ctx, tasks, index, rank, ttype, k_tiles, state, ab_pipeline,
                             row_peer, row_token, peer_bases, ring_x, sA_base, tidx, warp_idx,
-                            m_tile, n_tile, ring_tile, expert, tma):
+                            m_tile, n_tile, ring_tile, expert, tma, row_begin=None):
         """local_direct: one GEMM task's k-tiles, by the whole producer warpgroup. Every stage
         takes 1 + 128 arrivals: warp 0 arms it with the TMA bytes (B only for FC1, A and B
         otherwise) and issues the TMA loads; each thread then either lands its share of FC1's
@@ -1049,7 +1078,7 @@ class MegakernelSm90:
         srcs = [Int64(0) for _ in rows]
         if ttype == int(TaskType.FC1):
             srcs = self._direct_row_addresses(ctx, tasks, index, rank, row_peer, row_token,
-                                              peer_bases, ring_x, ring_tile, rows)
+                                              peer_bases, ring_x, ring_tile, rows, row_begin)
         for k in range(k_tiles):
             ab_pipeline.sync_object_empty.wait(state.index, state.phase)
             bar = ab_pipeline.producer_get_barrier(state)
@@ -1071,14 +1100,14 @@ class MegakernelSm90:
             state.advance()
 
     def _direct_row_addresses(self, ctx, tasks, index, rank, row_peer, row_token, peer_bases,
-                              ring_x, ring_tile, rows):
+                              ring_x, ring_tile, rows, row_begin=None):
         """Byte addresses of an FC1 task's A rows ``rows``: this rank's own x row for a local
         row (never copied into the ring), the ring row otherwise. Traced inline (a plain
         method: a list of DSL values cannot leave a ``cute.jit`` function)."""
         tile_m = self.tile_shape_mnk[0]
         row_bytes = Int64(cute.size(ring_x, mode=[1]) * 2)
         x_base = peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
-        first = tasks[index, W_ROW_BEGIN]
+        first = tasks[index, W_ROW_BEGIN] if row_begin is None else row_begin
         srcs = []
         for r in rows:
             in_ring = ring_x[ring_tile * tile_m + r, None, rank].iterator.toint()
@@ -1138,7 +1167,7 @@ class MegakernelSm90:
         q = compute_cta
         index, rank = Int32(-1), Int32(0)
         if const_expr(self.decoded_tickets):
-            index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+            index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
             taken += 1
         else:
             if const_expr(self.dynamic_tickets):
@@ -1176,7 +1205,7 @@ class MegakernelSm90:
                                                taken, index, rank, ttype, t_start, timeline_buf)
             loads += self._loads_of(run, noop, ttype, k_tiles)
             if const_expr(self.decoded_tickets):
-                index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+                index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
                 taken += 1
             else:
                 q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
@@ -1216,7 +1245,7 @@ class MegakernelSm90:
         loads = Int32(0)  # k-tiles of every task so far, both warpgroups': the stage count
         subtiles = Int32(0)  # this warpgroup's epilogue subtiles so far
         taken = Int32(0)  # ring uses read: task position taken - 1 is the current one
-        index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+        index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
         taken += 1
         while index >= 0:
             run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
@@ -1251,7 +1280,7 @@ class MegakernelSm90:
                                                    ticket_q, taken, index, rank, ttype, t_start,
                                                    timeline_buf)
             loads += self._loads_of(run, noop, ttype, k_tiles)
-            index, rank = task_ring_next(ticket_q, ticket_bars, taken)
+            index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
             taken += 1
         tma_store_pipeline.producer_tail()
 
@@ -1294,8 +1323,8 @@ class MegakernelSm90:
         the decoded ring or the task row) and, with the recorder, its span."""
         self._fence()
         if const_expr(self.decoded_tickets):
-            common.counter_publish(counters[rank, None],
-                                   task_ring_words(ticket_q, taken - 1)[D_SIGNAL], 1, self.scope)
+            signal = task_ring_words(ticket_q, taken - 1, self.decoded_words)[D_SIGNAL]
+            common.counter_publish(counters[rank, None], signal, 1, self.scope)
         else:
             self._signal_task(tasks, counter_offsets, counters, index, rank)
         if const_expr(self.timeline):
@@ -1366,7 +1395,7 @@ class MegakernelSm90:
         """pingpong: hand the mainloop to the next task's owner, if there is a next task (its
         ring use is waited for, not released: the arrivals must match the waits)."""
         ring_wait_full(ticket_bars, taken)  # the next task's ring use
-        if task_ring_words(ticket_q, taken)[D_INDEX] >= 0:
+        if task_ring_words(ticket_q, taken, self.decoded_words)[D_INDEX] >= 0:
             their_turn.arrive()
 
     @cute.jit
@@ -1623,22 +1652,21 @@ def ticket_ring_read(ticket_q, bars, k: Int32) -> Int32:
 # decoded_tickets: a slot holds DECODED_WORDS words (``_publish_task`` writes them), and a
 # reader keeps its slot until it takes the next one: it reads the words while it runs the task.
 @cute.jit
-def task_ring_words(ticket_q, k: Int32):
-    """The words of ring use k."""
-    return cute.make_tensor(ticket_q + (k % TICKET_SLOTS) * DECODED_WORDS,
-                            cute.make_layout(DECODED_WORDS))
+def task_ring_words(ticket_q, k: Int32, words: cutlass.Constexpr[int] = DECODED_WORDS):
+    """The words of ring use k (``words`` per slot)."""
+    return cute.make_tensor(ticket_q + (k % TICKET_SLOTS) * words, cute.make_layout(words))
 
 
 @cute.jit
-def task_ring_next(ticket_q, bars, k: Int32):
+def task_ring_next(ticket_q, bars, k: Int32, words: cutlass.Constexpr[int] = DECODED_WORDS):
     """A whole reader warp: give back ring use k - 1, wait for use k; its (index, rank)."""
     if k > 0:
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(bars + TICKET_SLOTS + (k - 1) % TICKET_SLOTS)
     ring_wait_full(bars, k)
-    words = task_ring_words(ticket_q, k)
-    return words[D_INDEX], words[D_RANK]
+    slot = task_ring_words(ticket_q, k, words)
+    return slot[D_INDEX], slot[D_RANK]
 
 
 class _DirectA:
@@ -1689,14 +1717,15 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        ksum_vectors: int = 8, copy_vectors: int = 0,
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
                        ksum_staged: bool = False, pingpong: bool = False,
-                       one_epilogue_barrier: bool = False, arch: str = "sm_90a",
+                       one_epilogue_barrier: bool = False, short_task_start: bool = False,
+                       arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong,
-                        one_epilogue_barrier)
+                        one_epilogue_barrier, short_task_start)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
