@@ -607,6 +607,13 @@ def test_ticket_blocks_give_the_same_bits(R, ring, monkeypatch):
     assert torch.equal(blocks, base) and torch.equal(again, base)
 
 
+# (R, ring rows, LOCAL_DIRECT, shared intermediate) for a megakernel switch's bitwise test: one
+# rank with the gathered FC1 rows, with the shared expert, several ranks, a wrapping ring where
+# FC1 waits on DISPATCHED, an odd rank count
+SWITCH_CASES = [(1, None, True, 0), (1, None, True, 128), (4, None, True, 0),
+                (8, 256, False, 128), (3, None, False, 0)]
+
+
 def _switch_keeps_the_bits(monkeypatch, switch, off, on, args, R, sizes=None, few_ctas=True):
     """megakernel.<switch> = off, then = on twice (and, with few_ctas, on 6 compute CTAs,
     where a small ring wraps): every output bitwise equal, and a plan of R ranks took the
@@ -669,9 +676,7 @@ def test_dynamic_tickets_give_the_same_bits(R, ring, local_direct, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,ring,local_direct,shared", [(1, None, True, 0), (1, None, True, 128),
-                                                       (4, None, True, 0), (8, 256, False, 128),
-                                                       (3, None, False, 0)])
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES)
 def test_decoded_tickets_give_the_same_bits(R, ring, local_direct, shared, monkeypatch):
     """megakernel.DECODED_TICKETS: the compute warps read each task's words from the smem
     ticket ring instead of resolving the ticket in global memory; the tasks and their order
@@ -685,9 +690,7 @@ def test_decoded_tickets_give_the_same_bits(R, ring, local_direct, shared, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,ring,local_direct,shared", [(1, None, True, 0), (1, None, True, 128),
-                                                       (4, None, True, 0), (8, 256, False, 128),
-                                                       (3, None, False, 0)])
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES)
 def test_store_warp_signals_give_the_same_bits(R, ring, local_direct, shared, monkeypatch):
     """megakernel.STORE_WARP_SIGNALS: only the store warp waits for a GEMM tile's stores and
     publishes; the other warps start the next task at once. Consumers of the tile still see
@@ -697,8 +700,7 @@ def test_store_warp_signals_give_the_same_bits(R, ring, local_direct, shared, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,ring,local_direct,shared", [(1, None, True, 0), (1, None, True, 128),
-                                                       (4, None, True, 0), (8, 256, False, 128)])
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES[:4])
 def test_one_epilogue_barrier_gives_the_same_bits(R, ring, local_direct, shared, monkeypatch):
     """megakernel.ONE_EPILOGUE_BARRIER: one barrier per epilogue subtile in the GEMM tasks,
     the store warp's buffer acquire a subtile ahead; an epilogue buffer overwritten before its
@@ -710,9 +712,7 @@ def test_one_epilogue_barrier_gives_the_same_bits(R, ring, local_direct, shared,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,ring,local_direct,shared", [(1, None, True, 0), (1, None, True, 128),
-                                                       (4, None, True, 0), (8, 256, False, 128),
-                                                       (3, None, False, 0)])
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES)
 def test_short_task_start_gives_the_same_bits(R, ring, local_direct, shared, monkeypatch):
     """megakernel.SHORT_TASK_START: the producer takes a task's first row and count of waits
     from the decoded ring instead of the task list; a wrong first row would gather the wrong
