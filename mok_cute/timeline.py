@@ -83,6 +83,7 @@ def is_wait(rec: np.ndarray) -> np.ndarray:
     """Records that are time spent spinning (``WAIT_TASK_TYPES``), not work."""
     return np.isin(rec["task_type"], [int(t) for t in WAIT_TASK_TYPES])
 
+
 _COLUMNS = ("role", "task_type", "task_id", "rank", "sm_id", "cta_id", "start_ns", "end_ns")
 RECORD_DTYPE = np.dtype(
     [

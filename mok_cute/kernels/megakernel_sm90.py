@@ -556,11 +556,21 @@ class MegakernelSm90:
         t0 = self._now_if_recording()
         self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank,
                         num_waits)
+        self._record_wait(ctx, timeline_buf, role, int(TaskType.WAIT), index, rank, t0, leader,
+                          WAIT_RECORD_MIN_NS)
+
+    @cute.jit
+    def _record_wait(self, ctx, timeline_buf, role: cutlass.Constexpr[int],
+                     task_type: cutlass.Constexpr[int], index: Int32, rank: Int32, t0: Int64,
+                     leader, min_ns: cutlass.Constexpr[int]):
+        """With the recorder on: a wait that began at ``t0`` (``_now_if_recording``) and ends
+        now becomes a ``task_type`` span of task ``index``, written by ``leader``, when it lasted
+        over ``min_ns``; nothing is emitted with the recorder off."""
         if const_expr(self.timeline):
             t1 = common.timeline_now()
-            if leader and t1 - t0 > WAIT_RECORD_MIN_NS:
+            if leader and t1 - t0 > min_ns:
                 slot = common.timeline_reserve(timeline_buf, 1)
-                common.timeline_write(timeline_buf, slot, role, int(TaskType.WAIT), index,
+                common.timeline_write(timeline_buf, slot, role, task_type, index,
                                       ctx.rank_base + rank, t0, t1)
 
     @cute.jit
@@ -809,7 +819,7 @@ class MegakernelSm90:
                                        ticket_q, ticket_bars, taken, index, rank)
                 cute.arch.sync_warp()  # lane 0's slot words are visible to the warp
             else:
-                index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
+                index, rank = self._ring_next(ticket_q, ticket_bars, taken)
         else:
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                     int(Role.COMPUTE), q, blk, q_base)
@@ -834,7 +844,7 @@ class MegakernelSm90:
                 expert = self._expert_of(ctx, tile_expert, rank, m_tile)
             signal = counter_offsets[tasks[index, W_SIGNAL_GROUP]] + tasks[index, W_SIGNAL_INDEX]
         ring_wait_empty(ticket_bars, k)
-        words = task_ring_words(ticket_q, k, self.decoded_words)
+        words = self._ring_words(ticket_q, k)
         words[D_INDEX] = index
         words[D_RANK] = rank
         words[D_TYPE] = tword
@@ -849,12 +859,22 @@ class MegakernelSm90:
         cute.arch.mbarrier_arrive(ticket_bars + k % TICKET_SLOTS)  # release: readers that see the phase see the words
 
     @cute.jit
+    def _ring_words(self, ticket_q, k: Int32):
+        """decoded_tickets: the words of ring use k (``decoded_words`` per slot)."""
+        return task_ring_words(ticket_q, k, self.decoded_words)
+
+    @cute.jit
+    def _ring_next(self, ticket_q, ticket_bars, k: Int32):
+        """decoded_tickets: a reader warp's (index, rank) of ring use k (``task_ring_next``)."""
+        return task_ring_next(ticket_q, ticket_bars, k, self.decoded_words)
+
+    @cute.jit
     def _task_kind(self, ctx, tasks, num_tiles, ticket_q, taken: Int32, index: Int32,
                    rank: Int32):
         """(run, noop, type) of the task being walked (ring use ``taken - 1`` with
         decoded_tickets, else its task row)."""
         if const_expr(self.decoded_tickets):
-            tword = task_ring_words(ticket_q, taken - 1, self.decoded_words)[D_TYPE]
+            tword = self._ring_words(ticket_q, taken - 1)[D_TYPE]
             run = (tword & RUN_FLAG) != 0
             noop = (tword & NOOP_FLAG) != 0
             ttype = tword & (RUN_FLAG - 1)
@@ -868,7 +888,7 @@ class MegakernelSm90:
         """(m_tile, n_tile, ring tile) of the GEMM task being walked."""
         m_tile, n_tile, ring_tile = Int32(0), Int32(0), Int32(0)
         if const_expr(self.decoded_tickets):
-            words = task_ring_words(ticket_q, taken - 1, self.decoded_words)
+            words = self._ring_words(ticket_q, taken - 1)
             m_tile, n_tile, ring_tile = words[D_MTILE], words[D_NTILE], words[D_RING_TILE]
         else:
             m_tile, n_tile, ring_tile = self._row_tile(tasks, index)
@@ -990,8 +1010,8 @@ class MegakernelSm90:
             if run and not noop and self._is_gemm(ttype):
                 num_waits, row_begin = None, None  # loaded from the task's row where needed
                 if const_expr(self.short_task_start):
-                    words = task_ring_words(ticket_q, taken - 1, self.decoded_words)
-                    num_waits, row_begin = words[D_NUM_WAITS], words[D_ROW_BEGIN]
+                    slot = self._ring_words(ticket_q, taken - 1)
+                    num_waits, row_begin = slot[D_NUM_WAITS], slot[D_ROW_BEGIN]
                 if const_expr(self.local_direct):
                     if d_warp == self.gemm.load_warp:
                         self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error,
@@ -1009,7 +1029,7 @@ class MegakernelSm90:
                 m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
                 expert = Int32(0)
                 if const_expr(self.decoded_tickets):
-                    expert = task_ring_words(ticket_q, taken - 1, self.decoded_words)[D_EXPERT]
+                    expert = self._ring_words(ticket_q, taken - 1)[D_EXPERT]
                 else:
                     expert = self._expert_of(ctx, tile_expert, rank, m_tile)
                 state = _pipeline_state(pipeline.PipelineUserType.Producer, g_stages(self), loads)
@@ -1167,7 +1187,7 @@ class MegakernelSm90:
         q = compute_cta
         index, rank = Int32(-1), Int32(0)
         if const_expr(self.decoded_tickets):
-            index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
+            index, rank = self._ring_next(ticket_q, ticket_bars, taken)
             taken += 1
         else:
             if const_expr(self.dynamic_tickets):
@@ -1205,7 +1225,7 @@ class MegakernelSm90:
                                                taken, index, rank, ttype, t_start, timeline_buf)
             loads += self._loads_of(run, noop, ttype, k_tiles)
             if const_expr(self.decoded_tickets):
-                index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
+                index, rank = self._ring_next(ticket_q, ticket_bars, taken)
                 taken += 1
             else:
                 q, taken = self._next_ticket(q, ticket_q, ticket_bars, taken)
@@ -1245,7 +1265,7 @@ class MegakernelSm90:
         loads = Int32(0)  # k-tiles of every task so far, both warpgroups': the stage count
         subtiles = Int32(0)  # this warpgroup's epilogue subtiles so far
         taken = Int32(0)  # ring uses read: task position taken - 1 is the current one
-        index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
+        index, rank = self._ring_next(ticket_q, ticket_bars, taken)
         taken += 1
         while index >= 0:
             run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
@@ -1280,7 +1300,7 @@ class MegakernelSm90:
                                                    ticket_q, taken, index, rank, ttype, t_start,
                                                    timeline_buf)
             loads += self._loads_of(run, noop, ttype, k_tiles)
-            index, rank = task_ring_next(ticket_q, ticket_bars, taken, self.decoded_words)
+            index, rank = self._ring_next(ticket_q, ticket_bars, taken)
             taken += 1
         tma_store_pipeline.producer_tail()
 
@@ -1323,7 +1343,7 @@ class MegakernelSm90:
         the decoded ring or the task row) and, with the recorder, its span."""
         self._fence()
         if const_expr(self.decoded_tickets):
-            signal = task_ring_words(ticket_q, taken - 1, self.decoded_words)[D_SIGNAL]
+            signal = self._ring_words(ticket_q, taken - 1)[D_SIGNAL]
             common.counter_publish(counters[rank, None], signal, 1, self.scope)
         else:
             self._signal_task(tasks, counter_offsets, counters, index, rank)
@@ -1370,13 +1390,9 @@ class MegakernelSm90:
         cute.nvgpu.warpgroup.fence()
         t0 = self._now_if_recording()
         ab_pipeline.consumer_wait(read)
-        if const_expr(self.timeline and ctx is not None):
-            t1 = common.timeline_now()
-            if leader and t1 - t0 > STAGE_WAIT_RECORD_MIN_NS:
-                slot = common.timeline_reserve(timeline_buf, 1)
-                common.timeline_write(timeline_buf, slot, int(Role.COMPUTE),
-                                      int(TaskType.STAGE_WAIT), index, ctx.rank_base + rank,
-                                      t0, t1)
+        if const_expr(ctx is not None):
+            self._record_wait(ctx, timeline_buf, int(Role.COMPUTE), int(TaskType.STAGE_WAIT),
+                              index, rank, t0, leader, STAGE_WAIT_RECORD_MIN_NS)
         a_visible_to_wgmma(self.local_direct)
         self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
         read.advance()
@@ -1395,7 +1411,7 @@ class MegakernelSm90:
         """pingpong: hand the mainloop to the next task's owner, if there is a next task (its
         ring use is waited for, not released: the arrivals must match the waits)."""
         ring_wait_full(ticket_bars, taken)  # the next task's ring use
-        if task_ring_words(ticket_q, taken, self.decoded_words)[D_INDEX] >= 0:
+        if self._ring_words(ticket_q, taken)[D_INDEX] >= 0:
             their_turn.arrive()
 
     @cute.jit
@@ -1652,13 +1668,13 @@ def ticket_ring_read(ticket_q, bars, k: Int32) -> Int32:
 # decoded_tickets: a slot holds DECODED_WORDS words (``_publish_task`` writes them), and a
 # reader keeps its slot until it takes the next one: it reads the words while it runs the task.
 @cute.jit
-def task_ring_words(ticket_q, k: Int32, words: cutlass.Constexpr[int] = DECODED_WORDS):
+def task_ring_words(ticket_q, k: Int32, words: cutlass.Constexpr[int]):
     """The words of ring use k (``words`` per slot)."""
     return cute.make_tensor(ticket_q + (k % TICKET_SLOTS) * words, cute.make_layout(words))
 
 
 @cute.jit
-def task_ring_next(ticket_q, bars, k: Int32, words: cutlass.Constexpr[int] = DECODED_WORDS):
+def task_ring_next(ticket_q, bars, k: Int32, words: cutlass.Constexpr[int]):
     """A whole reader warp: give back ring use k - 1, wait for use k; its (index, rank)."""
     if k > 0:
         cute.arch.sync_warp()
