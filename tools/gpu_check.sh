@@ -97,6 +97,16 @@ record_summary() {
   rm -f "$dir/timeline_trace.json" "$dir/timeline.png"
 }
 
+layer_probe() {
+  # layer_probe SECONDS NAME PROBE ARGS...: tools/megakernel_probe.py at R = 1 on the five
+  # single-GPU shapes with the given --comm / --rounds / expert-path flags; JSON to $out/NAME.json
+  local secs="$1" name="$2"
+  shift 2
+  timeout -s KILL "$secs" python3 tools/megakernel_probe.py \
+    --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b "$@" --json "$out/$name.json" 2>&1 \
+    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -40
+}
+
 virtual_probe() {
   # virtual_probe SECONDS SHAPES SPECS NAME: tools/megakernel_probe.py at virtual R = 8 against
   # R = 1 (3 alternating rounds), one --virtual-comm spec per variant; JSON to $out/NAME.json
@@ -292,9 +302,7 @@ run_one_barrier() {
   # (run 101) ONE_EPILOGUE_BARRIER, both paths: 6 interleaved rounds on the five shapes (the
   # expert path with it flipped; the megakernel default and q), every output bitwise against
   # the expert path; then its GPU tests, the GEMM's and the megakernel's
-  timeout -s KILL 150 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 1lxwfkuesmh,1lxwfkuesmhq --one-barrier --rounds 6 --json "$out/layer_one_epilogue_barrier_ab.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-150 | tail -30
+  layer_probe 150 layer_one_epilogue_barrier_ab --comm 1lxwfkuesmh,1lxwfkuesmhq --one-barrier --rounds 6
   gpu_tests_passed one_barrier "one_epilogue_barrier" 150 tests/test_gemm_sm90.py tests/test_megakernel.py
 }
 run_short_start() {
@@ -304,9 +312,7 @@ run_short_start() {
   # with it off and on: the STAGE_WAIT lines say how long the consumers waited for a task's
   # first stage, which is what it should shorten
   gpu_tests_passed short_start "short_task_start" 200 || return 1
-  timeout -s KILL 150 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 1lxwfkuesmh,1lxwfkuesmhj --rounds 8 --json "$out/layer_short_task_start_ab.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-150 | tail -12
+  layer_probe 150 layer_short_task_start_ab --comm 1lxwfkuesmh,1lxwfkuesmhj --rounds 8
   for shape in dsv3_ep8_rank gptoss_120b; do
     for on in 0 1; do
       MOK_SHORT_TASK_START=$on record_summary 60 "$out/${shape}_short$on" "layer|every|STAGE_WAIT|FC1 " \
@@ -320,9 +326,7 @@ run_switch_probe() {
   # megakernel at R = 1 on the five shapes (8 alternating rounds; s = STORE_WARP_SIGNALS,
   # m = KSUM_STAGED, o = PINGPONG), then
   # qwen3.5 at virtual R = 8 against R = 1 with the pingpong loop and the staged k-sum
-  timeout -s KILL 330 python3 tools/megakernel_probe.py --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b \
-    --comm 2lxwfkue,2lxwfkues,2lxwfkuem,2lxwfkueo --rounds 8 --json "$out/layer_new_variants_ab.json" 2>&1 \
-    | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-260 | tail -25
+  layer_probe 330 layer_new_variants_ab --comm 2lxwfkue,2lxwfkues,2lxwfkuem,2lxwfkueo --rounds 8
   virtual_probe 200 qwen3.5_397b 16kue,16kueo,16kuem "virtual_new_variants_qwen35"
 }
 run_virtual_bench() {
