@@ -173,6 +173,8 @@ class MoKConfig:
     tile_m            GEMM tile height; also the padding granule of each expert's row segment
                       in the receive schedule.
     num_comm_sms      SMs given to communication in the megakernel; None -> tuned or heuristic.
+                      0 only where no row crosses a comm CTA (one rank, rows read in place):
+                      the compute CTAs then run the barrier too.
     minibatch_tokens  tokens per dispatch minibatch; None -> tuned or heuristic.
     ring_tokens       rows of the reusable ring buffers; None -> tuned or heuristic.
     timeline          compile-time flag: the in-kernel timeline recorder is on.
@@ -205,7 +207,7 @@ class MoKConfig:
 
     def __post_init__(self) -> None:
         check_int("MoKConfig.tile_m", self.tile_m, min_value=1)
-        check_int("MoKConfig.num_comm_sms", self.num_comm_sms, min_value=1, allow_none=True)
+        check_int("MoKConfig.num_comm_sms", self.num_comm_sms, min_value=0, allow_none=True)
         check_int(
             "MoKConfig.minibatch_tokens", self.minibatch_tokens, min_value=1, allow_none=True
         )

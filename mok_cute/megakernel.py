@@ -101,8 +101,14 @@ X_IN_PLACE = experimental_switch("X_IN_PLACE", True)
 # (median of 8 and 10 interleaved rounds, bitwise equal), 1 against 2: run 95 qwen3 0.976,
 # mixtral 0.991, dsv3 0.986, gptoss 0.945, sonic 0.997; run 97 0.987, 1.003, 0.984, 0.993,
 # 0.996; with 8-token KSUM tasks (KSUM_ROWS) too, against neither, run 97: 0.952, 0.989,
-# 0.945, 0.974, 1.000. So 1.
-LOCAL_ONLY_COMM_CTAS = 1
+# 0.945, 0.974, 1.000. So 1. Fourteenth session: 0, the BARRIER run by a compute CTA
+# (tasks.build_task_list's barrier_in_compute), all 256 consumer threads sharing its wait on
+# the FC2 counters (one thread walking qwen3's 1024 of them took ~200 us, run 106). Against 1,
+# paired, 8 interleaved rounds, bitwise equal (run 107): qwen3 0.993, mixtral 0.992, dsv3
+# 0.980, gptoss 0.985, sonic 1.000. (Its first build had ptxas serialise every wgmma, C7520,
+# and ran 7-16 % slower, runs 104-105: the compile tests now refuse serialised wgmmas.) With
+# PINGPONG the BARRIER needs its comm CTA: 1 there.
+LOCAL_ONLY_COMM_CTAS = 0
 LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm tasks too
 # Compute CTAs take their tickets from a counter as their producer gets to them, instead of the
 # static stride (kernels.megakernel_sm90's dynamic_tickets). Why: with the FC1 lead no compute
@@ -180,9 +186,13 @@ ONE_EPILOGUE_BARRIER = experimental_switch("ONE_EPILOGUE_BARRIER", False)
 # gptoss 35.55 against 33.44), and an FC1 start with gathered A waits on a chain of ~7
 # dependent global loads against ~4 stages of slack. Predicted: up to ~1 us per FC1 task where
 # the consumers wait for the first stage (the recorder's STAGE_WAIT spans show whether they
-# do): dsv3 ~-0.9 %, gptoss ~-2 %. Written in the thirteenth session after its device time
-# was spent: compile-checked only. MOK_SHORT_TASK_START=1.
-SHORT_TASK_START = experimental_switch("SHORT_TASK_START", False)
+# do): dsv3 ~-0.9 %, gptoss ~-2 %. Measured (fourteenth session, run 102, bitwise equal;
+# median of the per-round ratios of 8 interleaved rounds): qwen3 0.991, mixtral 1.002, dsv3
+# 1.001, gptoss 0.984, sonic 0.993. The recorded STAGE_WAIT spans say why it gains little: a
+# CTA's consumers waited for a task's first stage 3.7 us in all on dsv3 and 12 us on gptoss
+# (325 and 728 waits, mean 1.5 and 2.2 us), so the FC1 tiles' per-tile gap is inside the
+# mainloop, not at a task's start. On; MOK_SHORT_TASK_START=0 turns it off.
+SHORT_TASK_START = experimental_switch("SHORT_TASK_START", True)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -426,7 +436,8 @@ class Plan:
             shared_intermediate=k.shared_intermediate, num_ranks=side.num_peers,
             fc1_tile_n=task_tile_n(k.pingpong), fc2_tile_n=task_tile_n(k.pingpong),
             fc1_lead=k.fc1_lead, ksum_rows=k.ksum_rows,
-            comm_tasks=not k.local_only, tile_order=k.tile_order)
+            comm_tasks=not k.local_only, tile_order=k.tile_order,
+            barrier_in_compute=k.num_comm_ctas == 0)
         if k.ksum_staged and not self.task_list.ksum_closes_compute_queue():
             # every rank's list has this one's structure, so one check covers the launch
             raise RuntimeError("ksum_staged needs every compute task after the first KSUM to be "
@@ -677,13 +688,23 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     minibatch, ring = resolve_sizes(config, capacity, T)
     local_direct = LOCAL_DIRECT and COMM_COPY == "vector" and ring >= capacity
     # one GPU (one rank, or virtual ranks sharing its HBM): the measured defaults
-    num_comm = config.num_comm_sms or default_num_comm_ctas(peers, H, K, num_sms, local_direct, I, Is)
+    num_comm = config.num_comm_sms
+    if num_comm is None:
+        num_comm = default_num_comm_ctas(peers, H, K, num_sms, local_direct, I, Is)
     if num_comm >= num_sms:
         raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     local_only = LOCAL_ONLY_TASKS and local_direct and peers == 1  # no comm tasks
     dynamic = DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC)
     decoded = dynamic and DECODED_TICKETS
     pingpong = PINGPONG and decoded
+    if num_comm == 0 and pingpong and config.num_comm_sms is None:
+        num_comm = 1  # the pingpong loop runs no BARRIER: its comm CTA does
+    if num_comm == 0 and (not local_only or pingpong or R != 1):
+        raise ValueError(
+            "MoKConfig.num_comm_sms=0 needs one rank reading its own rows in place (no comm "
+            "task: one GPU, no group, a ring that holds every routed row) and the cooperative "
+            f"loop; this call has {peers} rank(s), rows in place {local_direct}, "
+            f"pingpong {pingpong}")
     fc1_lead = 0
     if FC1_LEAD:
         fc1_lead = FC1_LEAD_MINIBATCHES

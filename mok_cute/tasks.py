@@ -50,7 +50,9 @@ dispatch), then per minibatch its FC1 tiles (tile-major, N-tiles inner, so a til
 soon as its rows land; ``tile_order="n_major"``: N-tile-major, so concurrent tiles share a
 weight tile) then its FC2 tiles (with ``fc1_lead=L``: FC1 of minibatch m + L before FC2 of
 m), then the KSUM tiles. Without comm tasks (one rank reading its own rows in place) the
-comm queue is the BARRIER alone. The comm queue is sorted by an
+comm queue is the BARRIER alone, or empty with ``barrier_in_compute``: the BARRIER is then a
+compute task between the last FC2 and the first KSUM, and the launch needs no comm CTA. The
+comm queue is sorted by an
 estimated ready time measured in cumulative compute FLOPs along the compute queue: COMBINE(j)
 at the end of FC2(j); DISPATCH(j) at the later of "its ring rows are free" (end of FC1(j-Rt))
 and "``dispatch_lookahead_tokens`` ahead of compute" (start of FC1 of tile j - lookahead); the
@@ -219,6 +221,7 @@ class TaskListParams:
     static: bool
     fc1_lead: int = 0
     comm_tasks: bool = True  # False: one rank reading its own rows in place, no DISPATCH/COMBINE
+    barrier_in_compute: bool = False  # the BARRIER in the compute queue (needs comm_tasks=False)
     tile_order: str = "m_major"  # or "n_major": a minibatch's GEMM tiles N-tile by N-tile
 
 
@@ -403,6 +406,7 @@ def build_task_list(
     fc1_lead: int = 0,
     comm_tasks: bool = True,
     tile_order: str = "m_major",
+    barrier_in_compute: bool = False,
 ) -> TaskList:
     """Build one rank's ordered task list.
 
@@ -423,6 +427,9 @@ def build_task_list(
     and FC2 tiles: "m_major" (M-tile by M-tile, N-tiles inner: a tile's FC1 ends early) or
     "n_major" (N-tile by N-tile, the minibatch's M-tiles inner: concurrent tiles share one
     weight tile in L2, which matters once a minibatch has more tiles than there are CTAs).
+    ``barrier_in_compute`` (with ``comm_tasks=False`` only) queues the BARRIER as a compute
+    task after the last FC2 and before the first KSUM, so no comm CTA is needed: its ticket
+    comes after every FC2 ticket and it waits only on those.
     """
     hidden = _check_int("hidden", hidden, 1)
     intermediate = _check_int("intermediate", intermediate, 1)
@@ -467,6 +474,9 @@ def build_task_list(
     if tile_m % ksum_rows:
         raise ValueError(f"ksum_rows must divide tile_m={tile_m}, got {ksum_rows}")
 
+    if barrier_in_compute and comm_tasks:
+        raise ValueError("barrier_in_compute needs comm_tasks=False (with comm tasks the "
+                         "BARRIER waits on the comm CTAs' combines)")
     rows = np.asarray(_as_numpy(tile_rows), dtype=np.int64).reshape(-1)
     if rows.size and (rows.min() < 0 or rows.max() > tile_m):
         raise ValueError(
@@ -484,7 +494,7 @@ def build_task_list(
         dispatch_wait=dispatch_wait, comm_task_rows=comm_task_rows,
         dispatch_lookahead_tokens=dispatch_lookahead_tokens, finish=bool(finish),
         ksum_rows=ksum_rows, static=bool(static), fc1_lead=fc1_lead, comm_tasks=bool(comm_tasks),
-        tile_order=tile_order,
+        tile_order=tile_order, barrier_in_compute=bool(barrier_in_compute),
     )
     return _Builder(params, rows).build()
 
@@ -650,7 +660,9 @@ class _Builder:
             if mb >= lead:
                 compute_blocks.append(fc2_blocks[mb - lead])
 
-        # --- finish: KSUM (tail of the compute queue) ---
+        # --- finish: (BARRIER,) KSUM (tail of the compute queue) ---
+        if p.finish and p.barrier_in_compute:
+            compute_blocks.append(self._barrier(Role.COMPUTE))
         if p.finish:
             per_tile = tm // p.ksum_rows
             rb = np.arange(0, p.num_tokens, p.ksum_rows, dtype=np.int64)
@@ -710,15 +722,8 @@ class _Builder:
         order = np.lexsort((cc, jj, kind, key))
         comm = {k: v[order] for k, v in comm.items()}
         comm_key = key[order]
-        if p.finish:
-            barrier = self._block(
-                TaskType.BARRIER, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
-                np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1),
-                np.zeros(1), cg.BARRIER_DONE, np.zeros(1, dtype=np.int64),
-                self._waits(1, (cg.COMBINED, 0, nt, cs, np.array([nt > 0])) if p.comm_tasks
-                            else (cg.FC2_DONE, 0, nt, n2, np.array([nt > 0]))), -1)
-            barrier["m_tile_end"][:] = nt
-            comm = _concat_blocks([comm, barrier])
+        if p.finish and not p.barrier_in_compute:
+            comm = _concat_blocks([comm, self._barrier(Role.COMM)])
             comm_key = np.concatenate([comm_key, [np.inf]])
 
         comp_key = cum_start
@@ -736,6 +741,20 @@ class _Builder:
             signal_index=merged["signal_index"].astype(np.int64), waits=merged["waits"],
             counter_sizes=self.counter_sizes.copy(),
         )
+
+    def _barrier(self, role: Role):
+        """The BARRIER task: waits for every COMBINE (without comm tasks: every FC2 tile),
+        signals BARRIER_DONE; ``role`` is the queue it goes in."""
+        cg, nt = CounterGroup, self.nt
+        zero = np.zeros(1, dtype=np.int64)
+        barrier = self._block(
+            TaskType.BARRIER, zero, zero, zero, zero, np.zeros(1), np.zeros(1), cg.BARRIER_DONE,
+            zero, self._waits(1, (cg.COMBINED, 0, nt, self.cs, np.array([nt > 0]))
+                              if self.p.comm_tasks
+                              else (cg.FC2_DONE, 0, nt, self.n2, np.array([nt > 0]))), -1)
+        barrier["m_tile_end"][:] = nt
+        barrier["role"][:] = int(role)
+        return barrier
 
     def _first_last(self, compute, ttype):
         first = np.zeros(self.nt, dtype=np.int64)

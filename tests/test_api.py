@@ -68,7 +68,7 @@ def test_config_defaults_and_frozen():
         ("tile_m", 0, ValueError, r"MoKConfig.tile_m: expected an int >= 1, got 0"),
         ("tile_m", 64.0, TypeError, r"MoKConfig.tile_m: expected an int, got float"),
         ("tile_m", True, TypeError, r"MoKConfig.tile_m: expected an int, got bool"),
-        ("num_comm_sms", 0, ValueError, r"MoKConfig.num_comm_sms: expected an int >= 1, got 0"),
+        ("num_comm_sms", -1, ValueError, r"MoKConfig.num_comm_sms: expected an int >= 0, got -1"),
         ("num_comm_sms", "8", TypeError, r"MoKConfig.num_comm_sms: expected an int or None, got str"),
         ("minibatch_tokens", -4, ValueError, r"MoKConfig.minibatch_tokens: expected an int >= 1, got -4"),
         ("ring_tokens", 0, ValueError, r"MoKConfig.ring_tokens: expected an int >= 1, got 0"),

@@ -17,6 +17,13 @@ from mok_cute import reference
 from mok_cute.kernels.common import PeerTimeoutError
 
 
+def _wgmma_pipelined(rep):
+    """ptxas kept the wgmmas pipelined: no note that it serialised them (C7520 cost a build
+    ~9 % per GEMM tile on the H200, runs 104-105) and no ignored setmaxnreg (C7508)."""
+    serial = [w for w in rep.warnings if "serialized" in w or "C7508" in w]
+    assert not serial, serial
+
+
 @pytest.mark.parametrize("has_shared", [False, True])
 def test_compiles_to_wgmma_tma_bulk_copies_and_bounded_waits(has_shared, tmp_path):
     from mok_cute.kernels import megakernel_sm90
@@ -75,6 +82,26 @@ def test_bad_comm_split_is_refused():
         megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, copy="dma")
     with pytest.raises(ValueError, match="local_direct needs copy='vector'"):
         megakernel_sm90.MegakernelSm90(1, 8, 2, 2, False, copy="bulk", local_direct=True)
+    # no comm CTA: one rank only (its BARRIER runs on a compute CTA), the cooperative loop only
+    with pytest.raises(ValueError, match="num_comm_ctas=0 needs num_ranks=1"):
+        megakernel_sm90.MegakernelSm90(4, 8, 0, 2, False)
+    with pytest.raises(ValueError, match="num_comm_ctas=0 needs num_ranks=1"):
+        megakernel_sm90.MegakernelSm90(1, 8, 0, 2, False, decoded_tickets=True, pingpong=True)
+
+
+def test_zero_comm_ctas_compile_without_spills(tmp_path):
+    """num_comm_ctas=0 (one rank, the BARRIER on a compute CTA): compiles, with the recorder
+    and the shared expert, without spills, and its flag store is the BARRIER's alone (no CTA
+    announces a start)."""
+    from mok_cute import jit
+
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, num_ranks=1, num_comm_ctas=0,
+                             top_k=8, has_shared=True, timeline=True, local_direct=True,
+                             dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16,
+                             store_warp_signals=True, ksum_staged=True, short_task_start=True)
+    assert rep.spill_bytes == 0
+    assert "wgmma.mma_async" in open(rep.ptx_path).read()
+    _wgmma_pipelined(rep)
 
 
 def test_local_direct_variant_compiles(tmp_path):
@@ -112,6 +139,7 @@ def test_dynamic_tickets_fit_the_register_file_without_spills(local_direct, tmp_
     inc = int(re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", on).group(1))
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, dynamic_tickets=True)
     assert (dec, inc) == (48, 224) and rep.spill_bytes == 0
+    _wgmma_pipelined(rep)
     assert 128 * dec + 256 * inc <= rep.registers * 384
 
 
@@ -133,6 +161,7 @@ def test_decoded_tickets_move_the_task_lookups_off_the_consumers(local_direct, t
     assert len(re.findall(loads, on)) < len(re.findall(loads, off))
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, decoded_tickets=True)
     assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
     with pytest.raises(ValueError, match="decoded_tickets needs dynamic_tickets"):
         megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, decoded_tickets=True)
 
@@ -153,6 +182,7 @@ def test_store_warp_signals_compile_without_spills(tmp_path):
     assert len(re.findall(r"\bbar\.sync", on)) == len(re.findall(r"\bbar\.sync", off))
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, store_warp_signals=True)
     assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
 
 
 @pytest.mark.parametrize("top_k,has_shared", [(8, False), (2, True), (10, True)])
@@ -176,6 +206,7 @@ def test_staged_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_pa
     assert count(r"ld\.global\.v4", on) < count(r"ld\.global\.v4", off)
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, ksum_staged=True)
     assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
     several = jit.inspect_kernel("megakernel", outdir=tmp_path, **dict(static, num_ranks=8),
                                  rank_blocks=True, ksum_staged=True)
     assert several.spill_bytes == 0
@@ -195,6 +226,7 @@ def test_one_epilogue_barrier_drops_a_barrier_per_subtile(pingpong, tmp_path):
         rep = jit.inspect_kernel("megakernel", outdir=tmp_path / str(one), **static,
                                  one_epilogue_barrier=one)
         assert rep.spill_bytes == 0
+        _wgmma_pipelined(rep)
         bars[one] = len(re.findall(r"\bbar\.sync\b", open(rep.ptx_path).read()))
     assert bars[True] < bars[False]
 
@@ -216,6 +248,7 @@ def test_short_task_start_widens_the_ring_without_spills(num_ranks, local_direct
                   ksum_staged=not pingpong, pingpong=pingpong, top_k=8, has_shared=True)
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, short_task_start=True)
     assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
     mk = megakernel_sm90.MegakernelSm90(num_ranks, 132, static["num_comm_ctas"], 8, True,
                                         short_task_start=True, **{k: static[k] for k in (
                                             "local_direct", "rank_blocks", "dynamic_tickets",
@@ -240,6 +273,7 @@ def test_pingpong_consumers_compile_without_spills(num_ranks, has_shared, timeli
                   dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16, timeline=timeline)
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **static, pingpong=True)
     assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
     assert "C7508" not in rep.ptxas_log
     ptx = open(rep.ptx_path).read()
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in ptx
@@ -412,19 +446,20 @@ def test_virtual_ranks_finish_with_few_ctas(dynamic, rank_blocks, R, ctas, tile_
 
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("fc1_lead", [0, 3])
-@pytest.mark.parametrize("ctas", [(1, 1), (1, 5), (2, 40)])
+@pytest.mark.parametrize("ctas", [(1, 1), (1, 5), (2, 40), (0, 1), (0, 5), (0, 40)])
 @pytest.mark.parametrize("tile_order", ["m_major", "n_major"])
 def test_one_rank_without_comm_tasks_finishes_with_few_ctas(dynamic, fc1_lead, ctas, tile_order):
     """The one-rank list without comm tasks (local_direct, no peer): the comm CTAs only run
-    the barrier, the compute CTAs take their static-stride (or dynamic) tickets; every task
-    finishes."""
+    the barrier (with no comm CTA a compute CTA runs it: barrier_in_compute), the compute CTAs
+    take their static-stride (or dynamic) tickets; every task finishes."""
     import numpy as np
 
     from mok_cute import tasks
 
     tl = tasks.build_static(128 * 12, hidden=512, intermediate=256, num_tokens=200, top_k=4,
                             minibatch_tokens=256, ring_tokens=128 * 12, shared_intermediate=128,
-                            fc1_lead=fc1_lead, comm_tasks=False, tile_order=tile_order)
+                            fc1_lead=fc1_lead, comm_tasks=False, tile_order=tile_order,
+                            barrier_in_compute=ctas[0] == 0)
     assert tl.params.fc1_lead == fc1_lead
     for seed in range(3):
         num_tiles = [12] if seed == 0 else [int(np.random.default_rng(seed).integers(0, 13))]
@@ -658,6 +693,33 @@ def _switch_on_is_recorded_and_correct(switch, args, sizes=None):
     assert torch.equal(recorded, out)
     assert not torch.isnan(out.float()).any()
     assert _rel(out, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,shared", [(300, 0), (77, 128), (1000, 0)])
+def test_zero_comm_ctas_give_the_same_bits(T, shared, monkeypatch):
+    """num_comm_sms=0 at one rank: the BARRIER runs on a compute CTA and every SM computes.
+    Bitwise equal to one comm CTA (also on 8 SMs), recorded with the BARRIER on a compute
+    lane, against the reference; elsewhere 0 is refused by name."""
+    from mok_cute import megakernel
+    from mok_cute.timeline import Role, TaskType
+
+    args = _problem(1, T, 512, 256, 8, 4, shared, seed=19, skew=True)
+    base = _run(args, num_comm_sms=1)
+    outs = [_run(args, num_comm_sms=0), _run(args, num_comm_sms=0)]
+    assert any(k.num_comm_ctas == 0 and k.local_only for k in megakernel._PLANS)
+    recorded = _run(args, num_comm_sms=0, timeline=True)
+    plan = next(p for k, p in megakernel._PLANS.items() if k.timeline and k.num_comm_ctas == 0)
+    rec = plan.timeline.decode().records
+    barrier = rec[rec["task_type"] == int(TaskType.BARRIER)]
+    assert len(barrier) == 1 and int(barrier["role"][0]) == int(Role.COMPUTE)
+    monkeypatch.setattr(megakernel, "_num_sms", lambda device: 8)
+    outs += [recorded, _run(args, num_comm_sms=0)]
+    for out in outs:
+        assert torch.equal(out, base)
+    assert _rel(base, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+    with pytest.raises(ValueError, match="num_comm_sms=0"):
+        _run(_problem(2, 64, 256, 128, 2, 2, seed=9), num_comm_sms=0)
 
 
 @pytest.mark.gpu
@@ -907,10 +969,11 @@ def test_recorded_megakernel_timeline_is_sane():
 
 # ---------------------------------------------------------------------- CPU: the comm split
 def test_one_gpu_comm_split_is_the_simulators_pick():
-    """megakernel.LOCAL_ONLY_COMM_CTAS at R = 1 with local_direct (the comm queue is only
-    the barrier then) is also where the simulator's tuner lands for the plan's minibatch and
-    ring: no row crosses a comm CTA, so it picks the fewest comm SMs its model tells apart
-    (1 and 2 within 0.1 %; the H200 measured 1 faster, runs 95 and 97)."""
+    """At R = 1 with local_direct (the comm queue is only the barrier then) the simulator's
+    tuner picks the fewest comm SMs its model tells apart (1 and 2 within 0.1 %; the H200
+    measured 1 faster, runs 95 and 97). Its model keeps the BARRIER on a comm SM, so its grid
+    starts at 1; megakernel.LOCAL_ONLY_COMM_CTAS went below it, to 0 (the BARRIER on a compute
+    CTA, measured faster in run 107)."""
     from mok_cute import megakernel
     from mok_cute.config import MoKConfig
     from mok_cute.schedule import schedule_capacity
@@ -925,7 +988,8 @@ def test_one_gpu_comm_split_is_the_simulators_pick():
     table = tune.tune_report(SimShape("plan", T, H, I, E, K, 0), 1, "h200_hgx",
                              minibatch_tokens=1024, ring_tokens=cap)["table"]
     predicted = {r["num_comm_sms"]: r["predicted_us"] for r in table}
-    assert predicted[megakernel.LOCAL_ONLY_COMM_CTAS] <= 1.001 * min(predicted.values())
+    assert predicted[1] <= 1.001 * min(predicted.values())
+    assert megakernel.LOCAL_ONLY_COMM_CTAS <= 1
     assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=True) == \
         megakernel.LOCAL_ONLY_COMM_CTAS
     assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=False) == \

@@ -580,3 +580,31 @@ def test_without_comm_tasks_only_the_barrier_is_comm_and_fc2_feeds_it(shared):
     _assert_waits_lower_and_live_run_once(tl)
     with pytest.raises(ValueError, match="ring_tokens"):
         T.build_static(128 * 8, ring_tokens=512, comm_tasks=False, **kw)
+
+
+@pytest.mark.parametrize("counts", COUNTS[:2])
+@pytest.mark.parametrize("shared", [0, 128])
+def test_barrier_in_compute_sits_between_the_last_fc2_and_the_first_ksum(counts, shared):
+    """barrier_in_compute (the megakernel with no comm CTA): the comm queue is empty, the
+    BARRIER is a compute task after every FC2 and before every KSUM, waiting on every FC2 tile;
+    the rest of the compute queue is the usual one, KSUM still closes it, and compute CTAs
+    alone run the list to the end without a deadlock."""
+    kw = dict(comm_tasks=False, ring_tokens=4096, shared_intermediate=shared)
+    tl = _build(counts, barrier_in_compute=True, **kw)
+    usual = _build(counts, **kw)
+    assert tl.queue(Role.COMM).size == 0
+    q = tl.queue(Role.COMPUTE)
+    kinds = tl.type[q].tolist()
+    at = kinds.index(int(TaskType.BARRIER))
+    assert kinds.count(int(TaskType.BARRIER)) == 1
+    assert int(TaskType.FC2) not in kinds[at + 1:]
+    assert set(kinds[at + 1:]) == {int(TaskType.KSUM)}
+    assert tl[int(q[at])].waits == ((T.CounterGroup.FC2_DONE, 0, tl.num_m_tiles, tl.fc2_n_tiles),)
+    assert kinds[:at] + kinds[at + 1:] == usual.type[usual.queue(Role.COMPUTE)].tolist()
+    assert tl.ksum_closes_compute_queue()
+    _assert_waits_lower_and_live_run_once(tl)
+    for seed in range(3):
+        spans, _ = _execute(tl, n_comm=0, n_comp=1 + 3 * seed, seed=seed)
+        assert len(spans) == len(tl)
+    with pytest.raises(ValueError, match="barrier_in_compute needs comm_tasks=False"):
+        _build(counts, barrier_in_compute=True, ring_tokens=4096)

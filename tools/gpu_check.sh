@@ -63,8 +63,10 @@
 #          bench of record (~3 min)
 #   onebarrier  (run 101) ONE_EPILOGUE_BARRIER on both paths, 6 interleaved rounds on the five
 #          shapes, then its GPU tests (~3 min)
-#   shortstart  SHORT_TASK_START (unmeasured): its GPU tests, 8 interleaved rounds on the five
-#          shapes, dsv3 and gptoss recorded with it off and on (STAGE_WAIT spans) (~6 min)
+#   shortstart  (run 102) SHORT_TASK_START: its GPU tests, 8 interleaved rounds on the five
+#          shapes, dsv3 and gptoss recorded with it off and on (STAGE_WAIT spans) (~4 min)
+#   zerocomm  no comm CTA at one rank (num_comm_sms=0, the BARRIER on a compute CTA): its GPU
+#          tests, then 8 interleaved rounds on the five shapes against one comm CTA (~5 min)
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
 set -u
 out="${OUT:-out}"
@@ -321,6 +323,13 @@ run_short_start() {
     done
   done
 }
+run_zero_comm() {
+  # num_comm_sms=0 at one rank (written in the fourteenth session): the GPU tests (bitwise
+  # against one comm CTA, recorded, against the reference, refused elsewhere), then 8
+  # interleaved rounds on the five shapes, one comm CTA against none
+  gpu_tests_passed zero_comm "zero_comm" 200 || return 1
+  layer_probe 200 layer_zero_comm_ab --comm 1lxwfkuesmhj,0lxwfkuesmhj --rounds 8
+}
 run_switch_probe() {
   # (run 90) the eleventh session's variants against the default of then, interleaved: the
   # megakernel at R = 1 on the five shapes (8 alternating rounds; s = STORE_WARP_SIGNALS,
@@ -479,10 +488,11 @@ case "$what" in
   decodedvirtual) run_decoded_virtual ;;
   onebarrier) run_one_barrier ;;
   shortstart) run_short_start ;;
+  zerocomm) run_zero_comm ;;
   ksumrowsvirtual) run_ksum_rows_virtual "${2:-expert_kernels}" ;;
   switchprobe) run_switch_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -9,7 +9,8 @@
 
 The work is the ordered task list of ``mok_cute.tasks`` (its docstring defines the task
 rows, counters and waits); this kernel is its executor. CTA ``b < num_comm_ctas`` walks the
-COMM queue, the others the COMPUTE queue. Comm CTAs take tickets from a counter; compute CTAs
+COMM queue, the others the COMPUTE queue (with ``num_comm_ctas = 0``, one rank reading its own
+rows in place, every CTA computes and runs the BARRIER as a compute task). Comm CTAs take tickets from a counter; compute CTAs
 either from a counter too (``dynamic_tickets``: the producer's lane 0 takes them, one ahead,
 and hands them to the other warps through an smem ring; with ``decoded_tickets`` the ring
 carries the resolved task's words instead, so no other warp reads the task list) or with a
@@ -96,6 +97,9 @@ DECODED_WORDS = 8
 D_ROW_BEGIN, D_NUM_WAITS = 8, 9
 SHORT_START_WORDS = 10
 RUN_FLAG, NOOP_FLAG = 1 << 8, 1 << 9  # or-ed into D_TYPE above the task type
+# _is_gemm tells a compute task's kind by one compare: the GEMM types sit below KSUM and BARRIER
+assert max(TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2) < TaskType.KSUM \
+    < TaskType.BARRIER
 
 
 class MegakernelSm90:
@@ -103,7 +107,8 @@ class MegakernelSm90:
 
     :param num_ranks: virtual ranks in this launch (1 with the IPC backend).
     :param num_ctas: grid size (<= SMs; every CTA must be resident).
-    :param num_comm_ctas: CTAs ``0 .. num_comm_ctas - 1`` run the comm queue.
+    :param num_comm_ctas: CTAs ``0 .. num_comm_ctas - 1`` run the comm queue; 0 at one rank
+        whose list has no comm task (the BARRIER is then a compute task).
     :param top_k: K (the k-sum is unrolled over it).
     :param has_shared: the shared expert's tasks are in the list.
     :param scope: "gpu" (virtual ranks) or "sys" (peers on other GPUs) for flags and counters.
@@ -117,8 +122,15 @@ class MegakernelSm90:
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
                  ksum_staged: bool = False, pingpong: bool = False,
                  one_epilogue_barrier: bool = False, short_task_start: bool = False):
-        if not 1 <= num_comm_ctas < num_ctas:
-            raise ValueError(f"num_comm_ctas must be in [1, num_ctas={num_ctas}), got {num_comm_ctas}")
+        if not 0 <= num_comm_ctas < num_ctas:
+            raise ValueError(f"num_comm_ctas must be in [0, num_ctas={num_ctas}), got {num_comm_ctas}")
+        # num_comm_ctas = 0: one rank whose list has no comm task and whose BARRIER is a compute
+        # task (tasks.build_task_list's barrier_in_compute); the compute loop then runs it, and
+        # no CTA stores a start flag (at one rank only the rank's own k-sum reads its flag, for
+        # the 2*epoch its BARRIER stores)
+        if num_comm_ctas == 0 and (num_ranks != 1 or pingpong):
+            raise ValueError("num_comm_ctas=0 needs num_ranks=1 and the cooperative loop "
+                             f"(pingpong=False), got num_ranks={num_ranks}, pingpong={pingpong}")
         if not 1 <= top_k <= MAX_K_SUM:
             raise ValueError(f"top_k must be in [1, {MAX_K_SUM}], got {top_k}")
         if scope not in ("gpu", "sys"):
@@ -523,10 +535,12 @@ class MegakernelSm90:
 
     @cute.jit
     def _wait_task(self, ctx, tasks, counter_offsets, counters, error, num_tiles,
-                   index: Int32, rank: Int32, num_waits=None):
+                   index: Int32, rank: Int32, num_waits=None, lane=None, lanes=None):
         """Spin until every wait of the task holds (waits on tiles past the live ones are
         clipped away). Called by one thread or by a whole warp (each lane waits).
-        ``num_waits``: the task's count of waits when the caller has it (short_task_start)."""
+        ``num_waits``: the task's count of waits when the caller has it (short_task_start).
+        ``lane`` / ``lanes``: ``lanes`` threads share each range, thread ``lane`` waiting for
+        every ``lanes``-th counter (the caller then syncs them)."""
         tiles = num_tiles[rank]
         live_mb = ctx.live_minibatches(tiles)
         live_tile_end = cutlass.min(live_mb * ctx.tiles_per_minibatch, ctx.static_tiles)
@@ -543,19 +557,22 @@ class MegakernelSm90:
             elif group <= int(CounterGroup.COMBINED):
                 end = cutlass.min(end, live_tile_end)  # per-tile groups (0, 2, 3, 4)
             base = counter_offsets[group]
-            for i in cutlass.range(first, end, unroll=1):
+            step = 1
+            if const_expr(lanes is not None):
+                first, step = first + lane, lanes
+            for i in cutlass.range(first, end, step, unroll=1):
                 common.wait_counter(rank_counters, base + i, target, ctx.deadline, error,
                                     index, ctx.rank_base + rank, self.scope)
 
     @cute.jit
     def _wait_task_recorded(self, ctx, tasks, counter_offsets, counters, error, num_tiles,
                             index: Int32, rank: Int32, timeline_buf, role: cutlass.Constexpr[int],
-                            leader, num_waits=None):
+                            leader, num_waits=None, lane=None, lanes=None):
         """``_wait_task``; with the recorder on, a wait longer than WAIT_RECORD_MIN_NS also
         becomes a WAIT span (written by ``leader``), so the timeline shows waits apart from work."""
         t0 = self._now_if_recording()
         self._wait_task(ctx, tasks, counter_offsets, counters, error, num_tiles, index, rank,
-                        num_waits)
+                        num_waits, lane, lanes)
         self._record_wait(ctx, timeline_buf, role, int(TaskType.WAIT), index, rank, t0, leader,
                           WAIT_RECORD_MIN_NS)
 
@@ -621,6 +638,14 @@ class MegakernelSm90:
                 if rank != ctx.silent_rank:
                     self._store_flag(ctx, peer_bases, rank, i - rank * num_peers, 2 * ctx.epoch - 1)
 
+    @cute.jit
+    def _announce_done(self, ctx, peer_bases, rank: Int32):
+        """The BARRIER's flag, after its waits: this rank's combines are all done, told to
+        every peer (unicast flags, 2*epoch)."""
+        self._fence()
+        for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
+            self._store_flag(ctx, peer_bases, rank, p, 2 * ctx.epoch)
+
     # ------------------------------------------------------------------ comm role
     @cute.jit
     def _comm_loop(self, ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
@@ -667,10 +692,7 @@ class MegakernelSm90:
                                              num_tiles, index, rank, timeline_buf,
                                              int(Role.COMM), True)
                     if ttype == int(TaskType.BARRIER):
-                        # this rank's combines are all done: tell every peer (unicast flags)
-                        self._fence()
-                        for p in cutlass.range(num_peers, unroll=1):
-                            self._store_flag(ctx, peer_bases, rank, p, 2 * ctx.epoch)
+                        self._announce_done(ctx, peer_bases, rank)
                     elif peers_started == 0:
                         # pulling from / pushing to a peer needs its start flag for this epoch
                         for r in cutlass.range(self.num_ranks, unroll=1):
@@ -1157,8 +1179,10 @@ class MegakernelSm90:
 
     @cute.jit
     def _is_gemm(self, ttype: Int32):
-        """A compute task that runs through the stage pipeline (not a KSUM)."""
-        return ttype != int(TaskType.KSUM)
+        """A compute task that runs through the stage pipeline: FC1, FC2 and the shared
+        expert's, whose types are below KSUM's (not a KSUM, nor a BARRIER run by a compute CTA
+        when there is no comm CTA)."""
+        return ttype < int(TaskType.KSUM)
 
     # ------------------------------------------------------------------ compute: consumers
     @cute.jit
@@ -1211,9 +1235,11 @@ class MegakernelSm90:
                     tma_store_pipeline, is_store_warp, 0, self.store_warp_signals, tma_st_h,
                     t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y)
             elif run and not noop:
+                # a KSUM, or with no comm CTA the BARRIER (no rows: it only waits, and stores
+                # its flag when it publishes)
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
                            topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
-                           timeline_buf, index, rank, consumer_tidx, barrier, ksum_stage)
+                           timeline_buf, index, rank, consumer_tidx, barrier, ksum_stage, ttype)
             if run:
                 if const_expr(self.store_warp_signals):
                     if not self._is_gemm(ttype):  # KSUM: every warp's rows are written first
@@ -1222,7 +1248,8 @@ class MegakernelSm90:
                     barrier.arrive_and_wait()
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
                     self._publish_compute_task(ctx, tasks, counter_offsets, counters, ticket_q,
-                                               taken, index, rank, ttype, t_start, timeline_buf)
+                                               taken, index, rank, ttype, t_start, timeline_buf,
+                                               peer_bases)
             loads += self._loads_of(run, noop, ttype, k_tiles)
             if const_expr(self.decoded_tickets):
                 index, rank = self._ring_next(ticket_q, ticket_bars, taken)
@@ -1291,7 +1318,7 @@ class MegakernelSm90:
                         self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles,
                                    peer_bases, topk_weights, topk_idx, slot_rows, ring_y, out,
                                    shared_y, timeline_buf, index, rank, wg_tidx, barrier,
-                                   ksum_stage, 4, 4 * wg)
+                                   ksum_stage, warps=4, first_warp=4 * wg)
                     if run:
                         barrier.arrive_and_wait()  # every warp's rows before the signal
                 if run:
@@ -1338,10 +1365,14 @@ class MegakernelSm90:
     @cute.jit
     def _publish_compute_task(self, ctx, tasks, counter_offsets, counters, ticket_q, taken: Int32,
                               index: Int32, rank: Int32, ttype: Int32, t_start: Int64,
-                              timeline_buf):
+                              timeline_buf, peer_bases=None):
         """One thread, after the task's writes are complete: release-publish its counter (from
-        the decoded ring or the task row) and, with the recorder, its span."""
+        the decoded ring or the task row) and, with the recorder, its span. With no comm CTA a
+        BARRIER's flag is stored here too, by the thread that waited for its FC2 tiles."""
         self._fence()
+        if const_expr(self.num_comm_ctas == 0):
+            if ttype == int(TaskType.BARRIER):
+                self._announce_done(ctx, peer_bases, rank)
         if const_expr(self.decoded_tickets):
             signal = self._ring_words(ticket_q, taken - 1)[D_SIGNAL]
             common.counter_publish(counters[rank, None], signal, 1, self.scope)
@@ -1451,15 +1482,28 @@ class MegakernelSm90:
     def _ksum(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
               topk_weights, topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf,
               index: Int32, rank: Int32, consumer_tidx: Int32, barrier, ksum_stage,
-              warps: cutlass.Constexpr[int] = 8, first_warp=0):
+              ttype: Int32 = None, warps: cutlass.Constexpr[int] = 8, first_warp=0):
         """out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(combine[t*K+k])),
         ascending k, product and sum rounded separately (the reference's order). A (t, k)
-        whose expert id is out of range was routed nowhere: it contributes zero."""
-        if consumer_tidx == 0:
-            self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
-                                     index, rank, timeline_buf, int(Role.COMPUTE), True)
-            for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
-                self._wait_flag(ctx, peer_bases, error, rank, p, 2 * ctx.epoch, index)
+        whose expert id is out of range was routed nowhere: it contributes zero.
+        With no comm CTA the BARRIER comes here too (``ttype``): it has no rows and waits for
+        its FC2 tiles only (a branch of its own in the task loop made ptxas serialise the
+        wgmmas, C7520; runs 104-105)."""
+        if const_expr(self.num_comm_ctas == 0):
+            # the BARRIER's range of FC2 counters is shared by all the task's threads: one
+            # thread reading qwen3's 1024 of them one after another took ~200 us (run 106)
+            barrier_task = ttype == int(TaskType.BARRIER)
+            if barrier_task:
+                self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error,
+                                         num_tiles, index, rank, timeline_buf,
+                                         int(Role.COMPUTE), consumer_tidx == 0, None,
+                                         consumer_tidx, warps * 32)
+            elif consumer_tidx == 0:
+                self._ksum_waits(ctx, tasks, counter_offsets, counters, error, num_tiles,
+                                 peer_bases, timeline_buf, index, rank)
+        elif consumer_tidx == 0:
+            self._ksum_waits(ctx, tasks, counter_offsets, counters, error, num_tiles,
+                             peer_bases, timeline_buf, index, rank)
         barrier.arrive_and_wait()
         lane = cute.arch.lane_idx()
         warp = consumer_tidx // 32  # among the ``warps`` that run this task
@@ -1469,6 +1513,16 @@ class MegakernelSm90:
             self._ksum_token(ctx, rank, t, combine_base, peer_bases, topk_weights, topk_idx,
                              slot_rows, ring_y, out, shared_y, lane, first_warp + warp,
                              ksum_stage, self.ksum_staged)
+
+    @cute.jit
+    def _ksum_waits(self, ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
+                    timeline_buf, index: Int32, rank: Int32):
+        """One thread: a KSUM's waits (BARRIER_DONE, the shared expert's tile), then every
+        peer's BARRIER flag for this epoch."""
+        self._wait_task_recorded(ctx, tasks, counter_offsets, counters, error, num_tiles,
+                                 index, rank, timeline_buf, int(Role.COMPUTE), True)
+        for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
+            self._wait_flag(ctx, peer_bases, error, rank, p, 2 * ctx.epoch, index)
 
     @cute.jit
     def _combine_base(self, ctx, peer_bases, rank: Int32) -> Int64:

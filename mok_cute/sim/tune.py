@@ -28,7 +28,9 @@ from .run import simulate
 __all__ = ["tune", "tune_report", "resolve_config", "main", "default_ring_tokens"]
 
 # 1: one GPU with local rows in place, where the comm CTAs run the barrier only (measured
-# best there in the thirteenth session, megakernel.LOCAL_ONLY_COMM_CTAS)
+# best of 1, 2 in the thirteenth session). The model keeps the BARRIER on a comm SM, so 0 (the
+# megakernel's LOCAL_ONLY_COMM_CTAS since the fourteenth, the BARRIER on a compute CTA) is
+# not in the grid.
 COMM_SMS_GRID = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48)
 COMM_SMS_QUICK = (1, 2, 8, 16, 24, 32)
 MINIBATCH_GRID = (1024, 2048, 4096, 8192)
