@@ -65,7 +65,9 @@
 #          shapes, then its GPU tests (~3 min)
 #   shortstart  (run 102) SHORT_TASK_START: its GPU tests, 8 interleaved rounds on the five
 #          shapes, dsv3 and gptoss recorded with it off and on (STAGE_WAIT spans) (~4 min)
-#   zerocomm  no comm CTA at one rank (num_comm_sms=0, the BARRIER on a compute CTA): its GPU
+#   fenceprobe  the megakernel without the consumers' proxy fence on gathered A stages (an
+#          upper bound for fencing FC1's stages only), 8 interleaved rounds (~3 min)
+#   zerocomm  (runs 104-107) no comm CTA at one rank (num_comm_sms=0, the BARRIER on a compute CTA): its GPU
 #          tests, then 8 interleaved rounds on the five shapes against one comm CTA (~5 min)
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
 set -u
@@ -330,6 +332,14 @@ run_zero_comm() {
   gpu_tests_passed zero_comm "zero_comm" 200 || return 1
   layer_probe 200 layer_zero_comm_ab --comm 1lxwfkuesmhj,0lxwfkuesmhj --rounds 8
 }
+run_fence_probe() {
+  # The megakernel's SASS k-loop differs from the expert FC1's only by the proxy fence after
+  # each stage's wait (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, gemm_sm90.FENCE_GATHERED_A), and it
+  # is emitted on every GEMM task, FC2's TMA-loaded stages included; last timed in run 21 (a
+  # much older kernel: level). The probe letter n drops it everywhere: what fencing only FC1's
+  # gathered stages could gain at most (bitwise checked against the expert path each round)
+  layer_probe 200 layer_gathered_fence_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjn --rounds 8
+}
 run_switch_probe() {
   # (run 90) the eleventh session's variants against the default of then, interleaved: the
   # megakernel at R = 1 on the five shapes (8 alternating rounds; s = STORE_WARP_SIGNALS,
@@ -489,10 +499,11 @@ case "$what" in
   onebarrier) run_one_barrier ;;
   shortstart) run_short_start ;;
   zerocomm) run_zero_comm ;;
+  fenceprobe) run_fence_probe ;;
   ksumrowsvirtual) run_ksum_rows_virtual "${2:-expert_kernels}" ;;
   switchprobe) run_switch_probe ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
 esac
