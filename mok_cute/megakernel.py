@@ -193,6 +193,15 @@ ONE_EPILOGUE_BARRIER = experimental_switch("ONE_EPILOGUE_BARRIER", False)
 # (325 and 728 waits, mean 1.5 and 2.2 us), so the FC1 tiles' per-tile gap is inside the
 # mainloop, not at a task's start. On; MOK_SHORT_TASK_START=0 turns it off.
 SHORT_TASK_START = experimental_switch("SHORT_TASK_START", True)
+# With local rows in place, the consumers' proxy fence after a stage's wait only on FC1 tasks
+# (kernels.megakernel_sm90's fence_fc1_only), whose A rows the producer warps gather by
+# cp.async; FC2's and the shared expert's stages arrive by TMA and need none. Why: that fence
+# (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S per k-tile) is the one difference between the
+# megakernel's SASS k-loop and the expert FC1's, and it ran on every GEMM task (read in the
+# fourteenth session). Written after that session's device time was spent: compile-checked
+# only; `gpu_check.sh fenceprobe` times it and the probe without any fence (an upper bound).
+# MOK_FENCE_FC1_ONLY=1.
+FENCE_FC1_ONLY = experimental_switch("FENCE_FC1_ONLY", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -263,6 +272,7 @@ class PlanKey:
     ksum_rows: int = 8  # KSUM_ROWS
     one_epilogue_barrier: bool = False  # ONE_EPILOGUE_BARRIER
     short_task_start: bool = False  # SHORT_TASK_START (with decoded tickets)
+    fence_fc1_only: bool = False  # FENCE_FC1_ONLY (with local_direct)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -480,7 +490,8 @@ class Plan:
             ksum_vectors=k.ksum_vectors, copy_vectors=k.comm_copy_vectors,
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
             ksum_staged=k.ksum_staged, pingpong=k.pingpong,
-            one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start)
+            one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start,
+            fence_fc1_only=k.fence_fc1_only)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -719,7 +730,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   local_only, dynamic, KSUM_VECTORS,
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
-                  KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded)
+                  KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
+                  FENCE_FC1_ONLY and local_direct)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -259,6 +259,22 @@ def test_short_task_start_widens_the_ring_without_spills(num_ranks, local_direct
                                        short_task_start=True)
 
 
+def test_fence_fc1_only_keeps_the_wgmmas_pipelined(tmp_path):
+    """fence_fc1_only: the gathered-stage proxy fence behind a test of the task's type (FC1),
+    with several ranks, local rows in place, the shared expert and the recorder: the fence is
+    still emitted, no spills, and ptxas keeps the wgmmas pipelined."""
+    from mok_cute import jit
+
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, num_ranks=4, num_comm_ctas=10,
+                             top_k=8, has_shared=True, timeline=True, local_direct=True,
+                             rank_blocks=True, dynamic_tickets=True, decoded_tickets=True,
+                             ksum_vectors=16, store_warp_signals=True, ksum_staged=True,
+                             short_task_start=True, fence_fc1_only=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
+    assert "fence.proxy.async.shared::cta" in open(rep.ptx_path).read()
+
+
 @pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
                                                           (1, False, True)])
 def test_pingpong_consumers_compile_without_spills(num_ranks, has_shared, timeline, tmp_path):
@@ -783,6 +799,17 @@ def test_short_task_start_gives_the_same_bits(R, ring, local_direct, shared, mon
     waits on DISPATCHED, recorded, against the reference)."""
     args = _problem(R, 300, 512, 256, 4, 4, shared, seed=73, skew=True)
     _check_switch(monkeypatch, "SHORT_TASK_START", args, R, ring, local_direct)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES[:3])
+def test_fence_fc1_only_gives_the_same_bits(R, ring, local_direct, shared, monkeypatch):
+    """megakernel.FENCE_FC1_ONLY: the consumers fence only FC1's gathered stages (FC2's and
+    the shared expert's arrive by TMA); a missing fence would let wgmma read stale A rows, so:
+    the same bits as with every stage fenced (one rank with and without the shared expert,
+    four ranks with local rows in place), recorded, against the reference."""
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=79, skew=True)
+    _check_switch(monkeypatch, "FENCE_FC1_ONLY", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu

@@ -65,8 +65,8 @@
 #          shapes, then its GPU tests (~3 min)
 #   shortstart  (run 102) SHORT_TASK_START: its GPU tests, 8 interleaved rounds on the five
 #          shapes, dsv3 and gptoss recorded with it off and on (STAGE_WAIT spans) (~4 min)
-#   fenceprobe  the megakernel without the consumers' proxy fence on gathered A stages (an
-#          upper bound for fencing FC1's stages only), 8 interleaved rounds (~3 min)
+#   fenceprobe  FENCE_FC1_ONLY (unmeasured): its GPU tests, then 8 interleaved rounds of the
+#          default, FC1's stages fenced only, and no fence at all (the upper bound) (~5 min)
 #   zerocomm  (runs 104-107) no comm CTA at one rank (num_comm_sms=0, the BARRIER on a compute CTA): its GPU
 #          tests, then 8 interleaved rounds on the five shapes against one comm CTA (~5 min)
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
@@ -336,9 +336,10 @@ run_fence_probe() {
   # The megakernel's SASS k-loop differs from the expert FC1's only by the proxy fence after
   # each stage's wait (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, gemm_sm90.FENCE_GATHERED_A), and it
   # is emitted on every GEMM task, FC2's TMA-loaded stages included; last timed in run 21 (a
-  # much older kernel: level). The probe letter n drops it everywhere: what fencing only FC1's
-  # gathered stages could gain at most (bitwise checked against the expert path each round)
-  layer_probe 200 layer_gathered_fence_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjn --rounds 8
+  # much older kernel: level). FENCE_FC1_ONLY (letter i) fences FC1's gathered stages only;
+  # the letter n drops the fence everywhere, an upper bound (unsafe: checked bitwise only)
+  gpu_tests_passed fence_fc1_only "fence_fc1_only" 150 || return 1
+  layer_probe 250 layer_gathered_fence_ab --comm 0lxwfkuesmhj,0lxwfkuesmhji,0lxwfkuesmhjn --rounds 8
 }
 run_switch_probe() {
   # (run 90) the eleventh session's variants against the default of then, interleaved: the
@@ -485,7 +486,7 @@ case "$what" in
   final) run_final "${2:-virtual_r8}" "${3:-expert_kernels}" ;;
   singlebench) run_single_bench "${2:-expert_kernels}" ;;
   # the megakernel's GPU tests take longer than one call (run 92): two halves
-  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or ksum_rows or one_epilogue_barrier or short_task_start)" 420 ;;
+  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or ksum_rows or one_epilogue_barrier or short_task_start or fence_fc1_only)" 420 ;;
   switchtests) run_switch_tests ;;
   rowstests) gpu_tests_passed rows_barrier "ksum_rows or one_epilogue_barrier" 300 ;;
   gaprecord) run_gap_record ;;

@@ -23,7 +23,8 @@ an ``m`` the k-sum through smem (``megakernel.KSUM_STAGED``), an ``o`` the pingp
 consumer loop (``megakernel.PINGPONG``), an ``h`` KSUM tasks of 8 tokens (``megakernel.KSUM_ROWS``;
 16 without it), a ``q`` one barrier per epilogue subtile (``megakernel.ONE_EPILOGUE_BARRIER``), a
 ``j`` (with ``e``) a task's first row and wait count in the decoded ring
-(``megakernel.SHORT_TASK_START``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named
+(``megakernel.SHORT_TASK_START``), an ``i`` (with ``l``) the proxy fence on FC1's
+gathered stages only (``megakernel.FENCE_FC1_ONLY``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named
 variants measured slower and removed in the ninth session, ``y`` and ``r`` in the thirteenth:
 ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -68,7 +69,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcehjklmnoqsuwx]*)(?:f(\d*))?([bcehjklmnoqsuwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcehijklmnoqsuwx]*)(?:f(\d*))?([bcehijklmnoqsuwx]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -79,7 +80,7 @@ def parse_spec(spec: str) -> dict:
                 decoded_tickets="e" in flags, store_warp_signals="s" in flags,
                 ksum_staged="m" in flags, pingpong="o" in flags,
                 ksum_rows=8 if "h" in flags else 16, one_epilogue_barrier="q" in flags,
-                short_task_start="j" in flags,
+                short_task_start="j" in flags, fence_fc1_only="i" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -92,7 +93,8 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "RANK_BLOCKS": "rank_blocks", "COMM_COPY_VECTORS": "comm_copy_vectors",
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
                  "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "KSUM_ROWS": "ksum_rows",
-                 "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier", "SHORT_TASK_START": "short_task_start"}
+                 "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier", "SHORT_TASK_START": "short_task_start",
+                 "FENCE_FC1_ONLY": "fence_fc1_only"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -195,7 +197,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_pingpong" if k.pingpong else "")
                                           + (f"_ksum_rows{k.ksum_rows}" if k.ksum_rows != 16 else "")
                                           + ("_one_epilogue_barrier" if k.one_epilogue_barrier else "")
-                                          + ("_short_task_start" if k.short_task_start else ""))
+                                          + ("_short_task_start" if k.short_task_start else "")
+                                          + ("_fence_fc1_only" if k.fence_fc1_only else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()

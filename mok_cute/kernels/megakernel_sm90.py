@@ -121,7 +121,8 @@ class MegakernelSm90:
                  dynamic_tickets: bool = False, ksum_vectors: int = 8, copy_vectors: int = 0,
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
                  ksum_staged: bool = False, pingpong: bool = False,
-                 one_epilogue_barrier: bool = False, short_task_start: bool = False):
+                 one_epilogue_barrier: bool = False, short_task_start: bool = False,
+                 fence_fc1_only: bool = False):
         if not 0 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [0, num_ctas={num_ctas}), got {num_comm_ctas}")
         # num_comm_ctas = 0: one rank whose list has no comm task and whose BARRIER is a compute
@@ -229,6 +230,12 @@ class MegakernelSm90:
         if short_task_start and not decoded_tickets:
             raise ValueError("short_task_start needs decoded_tickets")
         self.short_task_start = short_task_start
+        # fence_fc1_only (local_direct): the consumers' proxy fence after a stage's wait only
+        # on FC1 tasks, whose A rows the producer warps gather by cp.async; FC2's and the
+        # shared expert's stages arrive by TMA alone. Why: that fence (MEMBAR.ALL.CTA +
+        # FENCE.VIEW.ASYNC.S per k-tile) is the one difference between this kernel's SASS
+        # k-loop and the expert FC1's, and it ran on every GEMM task
+        self.fence_fc1_only = fence_fc1_only
         self.decoded_words = SHORT_START_WORDS if short_task_start else DECODED_WORDS
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
@@ -1226,7 +1233,7 @@ class MegakernelSm90:
             if run and not noop and self._is_gemm(ttype):
                 release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
                                          k_tiles, num_k_blocks, ctx, timeline_buf, index, rank,
-                                         consumer_tidx == 0)
+                                         consumer_tidx == 0, ttype)
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
 
@@ -1304,7 +1311,7 @@ class MegakernelSm90:
                     my_turn.arrive_and_wait()  # the previous task's owner has issued its waits
                 if gemm_runs:
                     release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
-                                             k_tiles, num_k_blocks)
+                                             k_tiles, num_k_blocks, ttype=ttype)
                     self._pass_turn(their_turn, ticket_q, ticket_bars, taken)
                     cute.nvgpu.warpgroup.wait_group(0)
                     ab_pipeline.consumer_release(release)
@@ -1407,13 +1414,14 @@ class MegakernelSm90:
     @cute.jit
     def _mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
                   num_k_blocks: cutlass.Constexpr[int], ctx=None, timeline_buf=None,
-                  index: Int32 = 0, rank: Int32 = 0, leader=False):
+                  index: Int32 = 0, rank: Int32 = 0, leader=False, ttype: Int32 = None):
         """A GEMM task's wgmmas over its ``k_tiles`` stages, from stage use ``loads`` on: one
         batch stays in flight and a stage is released once the batch that read it retired.
         Returns the last stage's state; the caller releases it after ``wait_group(0)``. With
         the recorder on and ``ctx`` given, ``leader`` records the wait for the first stage
         (the producer still resolving the task or loading its first k-tile) as a STAGE_WAIT
-        span of task ``index`` when it is over STAGE_WAIT_RECORD_MIN_NS."""
+        span of task ``index`` when it is over STAGE_WAIT_RECORD_MIN_NS. ``ttype``: the task's
+        type, for ``fence_fc1_only``."""
         read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
         release = read.clone()
         acc.fill(0.0)
@@ -1424,18 +1432,38 @@ class MegakernelSm90:
         if const_expr(ctx is not None):
             self._record_wait(ctx, timeline_buf, int(Role.COMPUTE), int(TaskType.STAGE_WAIT),
                               index, rank, t0, leader, STAGE_WAIT_RECORD_MIN_NS)
-        a_visible_to_wgmma(self.local_direct)
+        gathered = self._gathered_a(ttype)
+        self._stage_visible(gathered)
         self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
         read.advance()
         for k in range(1, k_tiles):
             ab_pipeline.consumer_wait(read)
-            a_visible_to_wgmma(self.local_direct)
+            self._stage_visible(gathered)
             self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
             cute.nvgpu.warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release)
             release.advance()
             read.advance()
         return release
+
+    @cute.jit
+    def _gathered_a(self, ttype: Int32):
+        """fence_fc1_only: whether the task's A stages are gathered by cp.async (FC1 with
+        local_direct); otherwise unused."""
+        gathered = cutlass.Boolean(True)
+        if const_expr(self.fence_fc1_only):
+            gathered = ttype == int(TaskType.FC1)
+        return gathered
+
+    @cute.jit
+    def _stage_visible(self, gathered):
+        """After a stage's full wait: the proxy fence that gathered A stages need (every GEMM
+        task's stages with local_direct, or with fence_fc1_only FC1's alone)."""
+        if const_expr(self.fence_fc1_only):
+            if gathered:
+                a_visible_to_wgmma(self.local_direct)
+        else:
+            a_visible_to_wgmma(self.local_direct)
 
     @cute.jit
     def _pass_turn(self, their_turn, ticket_q, ticket_bars, taken: Int32):
@@ -1788,14 +1816,14 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
                        ksum_staged: bool = False, pingpong: bool = False,
                        one_epilogue_barrier: bool = False, short_task_start: bool = False,
-                       arch: str = "sm_90a",
+                       fence_fc1_only: bool = False, arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong,
-                        one_epilogue_barrier, short_task_start)
+                        one_epilogue_barrier, short_task_start, fence_fc1_only)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
