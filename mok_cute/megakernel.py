@@ -277,8 +277,9 @@ class PlanKey:
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
                           local_direct: bool = False, intermediate: int = 0,
-                          shared_intermediate: int = 0) -> int:
-    """With one peer and local_direct no row crosses a comm CTA: LOCAL_ONLY_COMM_CTAS.
+                          shared_intermediate: int = 0, pingpong: bool = False) -> int:
+    """With one peer and local_direct no row crosses a comm CTA: LOCAL_ONLY_COMM_CTAS (at
+    least 1 with ``pingpong``: that loop runs no BARRIER, a comm CTA does).
     Otherwise the best point of the H200 sweeps on dsv3_ep8_rank and sonic_120b with every row
     copied (runs 13–17 of docs/gpu_runs.md: 4, 6, 8, 12 and 16 comm CTAs; 12 was best on both),
     raised to the split where the comm CTAs' copy time matches the compute CTAs' GEMM time
@@ -298,7 +299,7 @@ def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
     with local rows in place (2) and picked 8 with every row copied, measured 5.7 % slower than
     12 (docs/sim.md). EP groups over NVLink use ``tuned_config``."""
     if local_direct and num_peers == 1:
-        return LOCAL_ONLY_COMM_CTAS
+        return max(LOCAL_ONLY_COMM_CTAS, int(pingpong))
     base = max(2, min(num_sms // 4, LOCAL_DIRECT_COMM_CTAS if local_direct else DEFAULT_COMM_CTAS))
     if not intermediate:
         return base
@@ -699,18 +700,16 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     minibatch, ring = resolve_sizes(config, capacity, T)
     local_direct = LOCAL_DIRECT and COMM_COPY == "vector" and ring >= capacity
     # one GPU (one rank, or virtual ranks sharing its HBM): the measured defaults
-    num_comm = config.num_comm_sms
-    if num_comm is None:
-        num_comm = default_num_comm_ctas(peers, H, K, num_sms, local_direct, I, Is)
-    if num_comm >= num_sms:
-        raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
     local_only = LOCAL_ONLY_TASKS and local_direct and peers == 1  # no comm tasks
     dynamic = DYNAMIC_TICKETS and (group is None or DYNAMIC_TICKETS_IPC)
     decoded = dynamic and DECODED_TICKETS
     pingpong = PINGPONG and decoded
-    if num_comm == 0 and pingpong and config.num_comm_sms is None:
-        num_comm = 1  # the pingpong loop runs no BARRIER: its comm CTA does
-    if num_comm == 0 and (not local_only or pingpong or R != 1):
+    num_comm = config.num_comm_sms
+    if num_comm is None:
+        num_comm = default_num_comm_ctas(peers, H, K, num_sms, local_direct, I, Is, pingpong)
+    if num_comm >= num_sms:
+        raise ValueError(f"MoKConfig.num_comm_sms must be < the SM count {num_sms}, got {num_comm}")
+    if num_comm == 0 and (not local_only or pingpong):
         raise ValueError(
             "MoKConfig.num_comm_sms=0 needs one rank reading its own rows in place (no comm "
             "task: one GPU, no group, a ring that holds every routed row) and the cooperative "

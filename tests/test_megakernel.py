@@ -91,8 +91,7 @@ def test_bad_comm_split_is_refused():
 
 def test_zero_comm_ctas_compile_without_spills(tmp_path):
     """num_comm_ctas=0 (one rank, the BARRIER on a compute CTA): compiles, with the recorder
-    and the shared expert, without spills, and its flag store is the BARRIER's alone (no CTA
-    announces a start)."""
+    and the shared expert, to wgmmas that ptxas keeps pipelined, without spills."""
     from mok_cute import jit
 
     rep = jit.inspect_kernel("megakernel", outdir=tmp_path, num_ranks=1, num_comm_ctas=0,
@@ -1019,6 +1018,9 @@ def test_one_gpu_comm_split_is_the_simulators_pick():
     assert megakernel.LOCAL_ONLY_COMM_CTAS <= 1
     assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=True) == \
         megakernel.LOCAL_ONLY_COMM_CTAS
+    # the pingpong loop runs no BARRIER: it keeps a comm CTA for it
+    assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=True, pingpong=True) == \
+        max(megakernel.LOCAL_ONLY_COMM_CTAS, 1)
     assert megakernel.default_num_comm_ctas(1, H, K, 132, local_direct=False) == \
         megakernel.DEFAULT_COMM_CTAS
     # virtual R = 8: glm gets the floor with local rows in place, 10 (better than 12, run 63);

@@ -1432,13 +1432,12 @@ class MegakernelSm90:
         if const_expr(ctx is not None):
             self._record_wait(ctx, timeline_buf, int(Role.COMPUTE), int(TaskType.STAGE_WAIT),
                               index, rank, t0, leader, STAGE_WAIT_RECORD_MIN_NS)
-        gathered = self._gathered_a(ttype)
-        self._stage_visible(gathered)
+        self._stage_visible(ttype)
         self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
         read.advance()
         for k in range(1, k_tiles):
             ab_pipeline.consumer_wait(read)
-            self._stage_visible(gathered)
+            self._stage_visible(ttype)
             self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
             cute.nvgpu.warpgroup.wait_group(1)
             ab_pipeline.consumer_release(release)
@@ -1447,20 +1446,12 @@ class MegakernelSm90:
         return release
 
     @cute.jit
-    def _gathered_a(self, ttype: Int32):
-        """fence_fc1_only: whether the task's A stages are gathered by cp.async (FC1 with
-        local_direct); otherwise unused."""
-        gathered = cutlass.Boolean(True)
-        if const_expr(self.fence_fc1_only):
-            gathered = ttype == int(TaskType.FC1)
-        return gathered
-
-    @cute.jit
-    def _stage_visible(self, gathered):
+    def _stage_visible(self, ttype: Int32):
         """After a stage's full wait: the proxy fence that gathered A stages need (every GEMM
-        task's stages with local_direct, or with fence_fc1_only FC1's alone)."""
+        task's stages with local_direct, or with fence_fc1_only FC1's alone: their A rows
+        arrive by cp.async, the other tasks' by TMA)."""
         if const_expr(self.fence_fc1_only):
-            if gathered:
+            if ttype == int(TaskType.FC1):
                 a_visible_to_wgmma(self.local_direct)
         else:
             a_visible_to_wgmma(self.local_direct)
