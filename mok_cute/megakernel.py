@@ -202,6 +202,15 @@ SHORT_TASK_START = experimental_switch("SHORT_TASK_START", True)
 # only; `gpu_check.sh fenceprobe` times it and the probe without any fence (an upper bound).
 # MOK_FENCE_FC1_ONLY=1.
 FENCE_FC1_ONLY = experimental_switch("FENCE_FC1_ONLY", False)
+# With local rows in place, FC2's and the shared expert's TMA-only stages filled by the load
+# warp alone, which arrives for the whole producer warpgroup (kernels.megakernel_sm90's
+# warp0_tma_stages); warps 1-3 skip them instead of waiting on each stage's empty barrier.
+# Why: the H200 runs both paths at its 700 W power cap (clock-event reason 0x4, SM clock
+# 1400-1575 MHz of 1980), and mixtral's megakernel ran at a ~3 % lower SM clock than the expert
+# path (fifteenth session, tools/clock_probe.py), its FC1 and FC2 tiles alike ~3 % slower per
+# tile; the expert path's producer is one warp. Predicted: 0-1 % on mixtral, where FC2 is a
+# third of the GEMM time. MOK_WARP0_TMA_STAGES=1.
+WARP0_TMA_STAGES = experimental_switch("WARP0_TMA_STAGES", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -273,6 +282,7 @@ class PlanKey:
     one_epilogue_barrier: bool = False  # ONE_EPILOGUE_BARRIER
     short_task_start: bool = False  # SHORT_TASK_START (with decoded tickets)
     fence_fc1_only: bool = False  # FENCE_FC1_ONLY (with local_direct)
+    warp0_tma_stages: bool = False  # WARP0_TMA_STAGES (with local_direct)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -492,7 +502,7 @@ class Plan:
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
             ksum_staged=k.ksum_staged, pingpong=k.pingpong,
             one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start,
-            fence_fc1_only=k.fence_fc1_only)
+            fence_fc1_only=k.fence_fc1_only, warp0_tma_stages=k.warp0_tma_stages)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -730,7 +740,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
                   KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
-                  FENCE_FC1_ONLY and local_direct)
+                  FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

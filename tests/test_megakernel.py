@@ -274,6 +274,23 @@ def test_fence_fc1_only_keeps_the_wgmmas_pipelined(tmp_path):
     assert "fence.proxy.async.shared::cta" in open(rep.ptx_path).read()
 
 
+def test_warp0_tma_stages_keeps_the_wgmmas_pipelined(tmp_path):
+    """warp0_tma_stages: the load warp's one arrival of count 128 for a TMA-only stage, at one
+    rank with no comm CTA, the shared expert and the recorder: no spills, the wgmmas still
+    pipelined, and the counted arrival in the PTX (a register count, not the implicit 1)."""
+    from mok_cute import jit
+
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, num_ranks=1, num_comm_ctas=0,
+                             top_k=8, has_shared=True, timeline=True, local_direct=True,
+                             dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16,
+                             store_warp_signals=True, ksum_staged=True, short_task_start=True,
+                             warp0_tma_stages=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
+    assert re.search(r"mbarrier\.arrive\.shared\.b64\s+%\w+, \[%\w+\], %r\d+;",
+                     open(rep.ptx_path).read())
+
+
 @pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
                                                           (1, False, True)])
 def test_pingpong_consumers_compile_without_spills(num_ranks, has_shared, timeline, tmp_path):
@@ -809,6 +826,19 @@ def test_fence_fc1_only_gives_the_same_bits(R, ring, local_direct, shared, monke
     four ranks with local rows in place), recorded, against the reference."""
     args = _problem(R, 300, 512, 256, 4, 4, shared, seed=79, skew=True)
     _check_switch(monkeypatch, "FENCE_FC1_ONLY", args, R, ring, local_direct)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES[:3])
+def test_warp0_tma_stages_gives_the_same_bits(R, ring, local_direct, shared, monkeypatch):
+    """megakernel.WARP0_TMA_STAGES: the load warp alone fills FC2's and the shared expert's
+    stages and arrives for all 128 producer threads; a miscounted arrival would let the
+    consumers read a stage before its bytes land (wrong bits) or never release it (a timeout
+    error), so: the same bits as with every producer thread arriving (one rank with and
+    without the shared expert, four ranks with local rows in place), recorded, against the
+    reference."""
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=83, skew=True)
+    _check_switch(monkeypatch, "WARP0_TMA_STAGES", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu

@@ -65,11 +65,15 @@
 #          shapes, then its GPU tests (~3 min)
 #   shortstart  (run 102) SHORT_TASK_START: its GPU tests, 8 interleaved rounds on the five
 #          shapes, dsv3 and gptoss recorded with it off and on (STAGE_WAIT spans) (~4 min)
-#   fenceprobe  FENCE_FC1_ONLY (unmeasured): its GPU tests, then 8 interleaved rounds of the
-#          default, FC1's stages fenced only, and no fence at all (the upper bound) (~5 min)
+#   fenceprobe  FENCE_FC1_ONLY: 6 interleaved rounds of the default and FC1's stages fenced only
+#          (its GPU tests: run 109) (~7 min)
 #   zerocomm  (runs 104-107) no comm CTA at one rank (num_comm_sms=0, the BARRIER on a compute CTA): its GPU
 #          tests, then 8 interleaved rounds on the five shapes against one comm CTA (~5 min)
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
+#   tailrecord  mixtral and qwen3 recorded on both paths, the raw buffers kept (~3 min)
+#   warp0probe  WARP0_TMA_STAGES: its GPU tests, 6 interleaved rounds against the default, then the
+#          clock probe with it (~7 min)
+#   clockprobe  SM clock and power under nvidia-smi while each path runs for 2 s (~3 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -338,8 +342,8 @@ run_fence_probe() {
   # is emitted on every GEMM task, FC2's TMA-loaded stages included; last timed in run 21 (a
   # much older kernel: level). FENCE_FC1_ONLY (letter i) fences FC1's gathered stages only;
   # the letter n drops the fence everywhere, an upper bound (unsafe: checked bitwise only)
-  gpu_tests_passed fence_fc1_only "fence_fc1_only" 150 || return 1
-  layer_probe 250 layer_gathered_fence_ab --comm 0lxwfkuesmhj,0lxwfkuesmhji,0lxwfkuesmhjn --rounds 8
+  # (its GPU tests passed in run 109; the probe of that run was killed by its time limit)
+  layer_probe 420 layer_gathered_fence_ab --comm 0lxwfkuesmhj,0lxwfkuesmhji --rounds 6
 }
 run_switch_probe() {
   # (run 90) the eleventh session's variants against the default of then, interleaved: the
@@ -366,6 +370,19 @@ run_gap_record() {
       record_summary 90 "$out/${shape}_$backend" "layer|every|KSUM|FC2 |STAGE_WAIT|FC1 " --shape $shape \
         --capacity 262144 --mok-config check_ids=False --mok-config backend=$backend
       rm -f "$out/${shape}_$backend/timeline_buffer.npy"
+    done
+  done
+}
+run_tail_record() {
+  # (fifteenth session) mixtral and qwen3 (the shapes furthest from the expert path) recorded on
+  # both paths with the current defaults (no comm CTA); the raw buffers come back, to be read
+  # here: when each lane's last GEMM ends, the waits before FC2 and KSUM tasks, the k-sum tail
+  for shape in mixtral qwen3_30b; do
+    for backend in kernel megakernel; do
+      record_summary 90 "$out/${shape}_$backend" "layer|every|KSUM|FC2 |FC1 |WAIT" --shape $shape \
+        --capacity 262144 --mok-config check_ids=False --mok-config backend=$backend
+      mv "$out/${shape}_$backend/timeline_buffer.npy" "$out/${shape}_${backend}_buffer.npy" 2>/dev/null
+      rm -rf "$out/${shape}_$backend"
     done
   done
 }
@@ -490,6 +507,14 @@ case "$what" in
   switchtests) run_switch_tests ;;
   rowstests) gpu_tests_passed rows_barrier "ksum_rows or one_epilogue_barrier" 300 ;;
   gaprecord) run_gap_record ;;
+  tailrecord) run_tail_record ;;
+  warp0probe) gpu_tests_passed warp0 "warp0_tma_stages" 200
+              layer_probe 240 layer_warp0_tma_stages_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjz --rounds 6
+              timeout -s KILL 240 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
+                --rounds 3 --switch WARP0_TMA_STAGES --json "$out/clock_probe_warp0.json" 2>&1 \
+                | grep -v Warn | tail -30 ;;
+  clockprobe) timeout -s KILL 300 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
+                --json "$out/clock_probe.json" 2>&1 | grep -v Warn | tail -30 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
   qwen35comm) run_qwen35_comm ;;
   flatcopy) run_flat_copy ;;
@@ -506,5 +531,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -24,7 +24,8 @@ consumer loop (``megakernel.PINGPONG``), an ``h`` KSUM tasks of 8 tokens (``mega
 16 without it), a ``q`` one barrier per epilogue subtile (``megakernel.ONE_EPILOGUE_BARRIER``), a
 ``j`` (with ``e``) a task's first row and wait count in the decoded ring
 (``megakernel.SHORT_TASK_START``), an ``i`` (with ``l``) the proxy fence on FC1's
-gathered stages only (``megakernel.FENCE_FC1_ONLY``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named
+gathered stages only (``megakernel.FENCE_FC1_ONLY``), a ``z`` (with ``l``) TMA-only stages
+filled by the load warp alone (``megakernel.WARP0_TMA_STAGES``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named
 variants measured slower and removed in the ninth session, ``y`` and ``r`` in the thirteenth:
 ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -69,7 +70,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcehijklmnoqsuwx]*)(?:f(\d*))?([bcehijklmnoqsuwx]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcehijklmnoqsuwxz]*)(?:f(\d*))?([bcehijklmnoqsuwxz]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -81,6 +82,7 @@ def parse_spec(spec: str) -> dict:
                 ksum_staged="m" in flags, pingpong="o" in flags,
                 ksum_rows=8 if "h" in flags else 16, one_epilogue_barrier="q" in flags,
                 short_task_start="j" in flags, fence_fc1_only="i" in flags,
+                warp0_tma_stages="z" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -94,7 +96,7 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
                  "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "KSUM_ROWS": "ksum_rows",
                  "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier", "SHORT_TASK_START": "short_task_start",
-                 "FENCE_FC1_ONLY": "fence_fc1_only"}
+                 "FENCE_FC1_ONLY": "fence_fc1_only", "WARP0_TMA_STAGES": "warp0_tma_stages"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -122,6 +124,12 @@ def restore_ops(defaults: dict) -> None:
     """Put back the expert path's settings ``defaults`` (``OPS_SWITCHES``)."""
     for n, v in defaults.items():
         setattr(ops, n, v)
+
+
+def paired_ratio(ms_rounds: list, base_rounds: list) -> float:
+    """The median of the per-round ratios of two variants timed in the same interleaved rounds."""
+    ratios = sorted(a / b for a, b in zip(ms_rounds, base_rounds))
+    return ratios[len(ratios) // 2]
 
 
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
@@ -198,7 +206,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + (f"_ksum_rows{k.ksum_rows}" if k.ksum_rows != 16 else "")
                                           + ("_one_epilogue_barrier" if k.one_epilogue_barrier else "")
                                           + ("_short_task_start" if k.short_task_start else "")
-                                          + ("_fence_fc1_only" if k.fence_fc1_only else ""))
+                                          + ("_fence_fc1_only" if k.fence_fc1_only else "")
+                                          + ("_warp0_tma_stages" if k.warp0_tma_stages else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
@@ -207,11 +216,19 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         restore_ops(ops_defaults)
         restore(defaults)
     rows = list(rows.values())
+    first_spec = next((r for r in rows if "spec" in r), None)
     for row in rows:
         row["ms"] = min(row["ms_rounds"])
         row["ms_median"] = sorted(row["ms_rounds"])[len(row["ms_rounds"]) // 2]
         row["tflops"] = flops / row["ms"] / 1e9
-        print(f"{name}: {row}", flush=True)
+        row["paired_vs_expert_path"] = paired_ratio(row["ms_rounds"], rows[0]["ms_rounds"])
+        if first_spec is not None:
+            row["paired_vs_first_spec"] = paired_ratio(row["ms_rounds"], first_spec["ms_rounds"])
+        # one short line per variant: the ratios are what a probe is read for
+        print(f"{name}: {row.get('spec', row['variant'])} ms {row['ms']:.3f} median "
+              f"{row['ms_median']:.3f} bitwise {row['bitwise_equal_expert_path']} paired/expert "
+              f"{row['paired_vs_expert_path']:.3f} paired/first "
+              f"{row.get('paired_vs_first_spec', float('nan')):.3f}", flush=True)
     if timeline:
         spec = parse_spec(timeline)
         apply_spec(spec)
@@ -351,11 +368,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    doc = {"shapes": [probe_shape(s, [c for c in a.comm.split(",") if c], a.timeline, a.out,
-                                  a.rounds, a.scatter,
-                                  tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,),
-                                  a.cluster, a.one_barrier)
-                      for s in a.shapes.split(",") if s]}
+    doc = {"shapes": []}
+    for s in a.shapes.split(","):
+        if s:
+            doc["shapes"].append(probe_shape(
+                s, [c for c in a.comm.split(",") if c], a.timeline, a.out, a.rounds, a.scatter,
+                tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,),
+                a.cluster, a.one_barrier))
+            save_probe_json(a.json, doc, argv)  # after every shape: a killed probe keeps its shapes
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","), a.virtual_rounds)
                           for s in a.virtual.split(",")]

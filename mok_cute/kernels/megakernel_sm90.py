@@ -82,6 +82,7 @@ PINGPONG_TILE_N = 128
 MAX_ROW_SLOTS = 32  # comm rows staged in smem at once (bounded by the 128 KB B-stage region)
 STORES_IN_FLIGHT = 4  # row stores whose smem may still be unread when a slot is reloaded
 COMM_THREADS = 384  # comm CTA threads (the first TILE_M resolve one row address each)
+PRODUCER_THREADS = 128  # local_direct: the producer warpgroup, each thread one arrival per stage
 COPY_UNROLL = 16  # 16-byte vectors in flight per lane in the vector row copy
 COPY_MODES = ("vector", "bulk")
 WAIT_RECORD_MIN_NS = 1000  # shorter dependency waits are not recorded as WAIT spans
@@ -122,7 +123,7 @@ class MegakernelSm90:
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
                  ksum_staged: bool = False, pingpong: bool = False,
                  one_epilogue_barrier: bool = False, short_task_start: bool = False,
-                 fence_fc1_only: bool = False):
+                 fence_fc1_only: bool = False, warp0_tma_stages: bool = False):
         if not 0 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [0, num_ctas={num_ctas}), got {num_comm_ctas}")
         # num_comm_ctas = 0: one rank whose list has no comm task and whose BARRIER is a compute
@@ -236,6 +237,13 @@ class MegakernelSm90:
         # FENCE.VIEW.ASYNC.S per k-tile) is the one difference between this kernel's SASS
         # k-loop and the expert FC1's, and it ran on every GEMM task
         self.fence_fc1_only = fence_fc1_only
+        # warp0_tma_stages (local_direct): a TMA-only stage (FC2's, the shared expert's) is
+        # filled by the load warp alone, which also arrives for the other 127 producer threads
+        # (one arrival of count 128); warps 1-3 skip those tasks' stages instead of waiting on
+        # every empty barrier to arrive once each. Why: the H200 runs both paths at its 700 W
+        # cap, and mixtral's megakernel at a ~3 % lower SM clock than the expert path, whose
+        # producer is one warp (fifteenth session, tools/clock_probe.py)
+        self.warp0_tma_stages = warp0_tma_stages
         self.decoded_words = SHORT_START_WORDS if short_task_start else DECODED_WORDS
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
@@ -405,7 +413,7 @@ class MegakernelSm90:
             barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=g.ab_stages,
             # local_direct: FC1's A rows arrive by cp.async from the 128 producer threads
             producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 1 + (128 if const_expr(self.local_direct) else 0)),
+                pipeline.Agent.Thread, 1 + (PRODUCER_THREADS if const_expr(self.local_direct) else 0)),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, g.threads_per_tile // 32),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         # dynamic_tickets: the ring's slots and its full / empty mbarriers
@@ -1128,7 +1136,11 @@ class MegakernelSm90:
         if ttype == int(TaskType.FC1):
             srcs = self._direct_row_addresses(ctx, tasks, index, rank, row_peer, row_token,
                                               peer_bases, ring_x, ring_tile, rows, row_begin)
-        for k in range(k_tiles):
+        my_k_tiles = k_tiles
+        if const_expr(self.warp0_tma_stages):
+            if ttype != int(TaskType.FC1) and warp_idx != self.gemm.load_warp:
+                my_k_tiles = 0  # the load warp fills and arrives for these stages alone
+        for k in range(my_k_tiles):
             ab_pipeline.sync_object_empty.wait(state.index, state.phase)
             bar = ab_pipeline.producer_get_barrier(state)
             stage = state.index
@@ -1138,6 +1150,9 @@ class MegakernelSm90:
                     tx = b_bytes
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bar, tx)
+                    if const_expr(self.warp0_tma_stages):
+                        if ttype != int(TaskType.FC1):  # after the expect: the phase waits for the bytes
+                            cute.arch.mbarrier_arrive(bar, arrive_count=PRODUCER_THREADS)
                 # FC1's A rows come by cp.async below, not by TMA
                 self._issue_tma_loads(tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile,
                                       expert, rank, False)
@@ -1145,7 +1160,8 @@ class MegakernelSm90:
                 cp_async_a_rows(sA_base + stage * (tile_m * tile_k), srcs, rows, k, tidx)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
             else:
-                cute.arch.mbarrier_arrive(bar)
+                if const_expr(not self.warp0_tma_stages):
+                    cute.arch.mbarrier_arrive(bar)
             state.advance()
 
     def _direct_row_addresses(self, ctx, tasks, index, rank, row_peer, row_token, peer_bases,
@@ -1807,14 +1823,16 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        decoded_tickets: bool = False, store_warp_signals: bool = False,
                        ksum_staged: bool = False, pingpong: bool = False,
                        one_epilogue_barrier: bool = False, short_task_start: bool = False,
-                       fence_fc1_only: bool = False, arch: str = "sm_90a",
+                       fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
+                       arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     mk = MegakernelSm90(num_ranks, num_ctas, num_comm_ctas, top_k, has_shared, scope, timeline, copy,
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong,
-                        one_epilogue_barrier, short_task_start, fence_fc1_only)
+                        one_epilogue_barrier, short_task_start, fence_fc1_only,
+                        warp0_tma_stages)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32

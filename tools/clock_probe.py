@@ -1,0 +1,136 @@
+"""SM clock and power while the expert path and the megakernel run, back to back.
+
+    python tools/clock_probe.py --shapes mixtral,qwen3_30b [--seconds 2 --rounds 4] [--json F]
+
+The fifteenth session's recordings put mixtral's megakernel GEMM tiles ~3 % slower than the
+expert path's, FC2's (TMA-loaded, the same wgmmas, a 224-k-tile mainloop) as much as FC1's.
+If that is the clock (the megakernel's spinning producer threads drawing power, say), it shows
+here: each variant runs for ``--seconds`` while ``nvidia-smi`` samples the SM clock, the power
+draw and the active clock-event reasons every 50 ms; variants alternate, odd rounds reversed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+import mok_cute  # noqa: E402
+from mok_cute import benchmark as bm, megakernel  # noqa: E402
+from mok_cute.config import MoKConfig  # noqa: E402
+from layer_profile import save_probe_json  # noqa: E402
+
+def smi_query() -> str:
+    """The sampler's fields; the clock-event reasons' name changed across drivers."""
+    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+        q = f"clocks.sm,power.draw,temperature.gpu,{reasons}"
+        if subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                          capture_output=True).returncode == 0:
+            return q
+    return "clocks.sm,power.draw,temperature.gpu"
+
+
+QUERY = ""
+
+
+def sampled_run(fn, seconds: float) -> dict:
+    """Run ``fn`` back to back for ``seconds`` under an nvidia-smi sampler; the samples of the
+    first quarter (the clock settling) are dropped."""
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY or smi_query()}", "--format=csv,noheader,nounits",
+                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls, t0 = 0, time.time()
+    start.record()
+    while time.time() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        calls += 4
+        torch.cuda.synchronize()  # keep the host within a few calls of the GPU
+    end.record()
+    torch.cuda.synchronize()
+    smi.terminate()
+    lines = smi.communicate()[0].strip().splitlines()
+    rows = []
+    for line in lines[len(lines) // 4:]:
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            rows.append((float(parts[0]), float(parts[1]), float(parts[2]),
+                         parts[3] if len(parts) > 3 else "n/a"))
+        except (ValueError, IndexError):
+            continue
+    return {
+        "ms_per_call": start.elapsed_time(end) / calls,
+        "samples": len(rows),
+        "sm_mhz_median": statistics.median(r[0] for r in rows) if rows else None,
+        "sm_mhz_min": min(r[0] for r in rows) if rows else None,
+        "power_w_mean": statistics.fmean(r[1] for r in rows) if rows else None,
+        "temp_c_max": max(r[2] for r in rows) if rows else None,
+        "event_reasons": sorted({r[3] for r in rows}),
+    }
+
+
+def probe(name: str, seconds: float, rounds: int, switches: list[str]) -> dict:
+    """The expert path, the megakernel, and the megakernel with each boolean module switch of
+    ``switches`` flipped (the others at their defaults)."""
+    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
+    i = p.inputs
+    args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
+    expert, mega = MoKConfig(check_ids=False), MoKConfig(check_ids=False, backend="megakernel")
+    defaults = {s: getattr(megakernel, s) for s in switches}
+
+    def call(config, flip=None):
+        def run():
+            for s, v in defaults.items():  # plans are keyed by the switches: no recompile
+                setattr(megakernel, s, (not v) if s == flip else v)
+            return mok_cute.moe_forward(*args, shared=p.shared, config=config)
+        return run
+
+    runs = {"expert_kernels": call(expert), "megakernel": call(mega)}
+    runs.update({f"megakernel_{s.lower()}_{not v}": call(mega, s) for s, v in defaults.items()})
+    first = runs["expert_kernels"]().clone()
+    rows = {k: [] for k in runs}
+    for k, fn in runs.items():  # compile, and the bitwise check every probe makes
+        out = fn()
+        torch.cuda.synchronize()
+        megakernel.raise_pending_errors()
+        assert torch.equal(out, first), f"{name}: {k} differs from the expert path"
+    for r in range(rounds):
+        order = list(runs.items())
+        for k, fn in (order if r % 2 == 0 else order[::-1]):
+            rows[k].append(sampled_run(fn, seconds))
+            s = rows[k][-1]
+            print(f"{name} round {r} {k}: {s['ms_per_call']:.3f} ms, SM {s['sm_mhz_median']} MHz "
+                  f"(min {s['sm_mhz_min']}), {s['power_w_mean']:.0f} W, {s['temp_c_max']} C, "
+                  f"{s['event_reasons']}", flush=True)
+    for s, v in defaults.items():
+        setattr(megakernel, s, v)
+    megakernel.release_plans()
+    torch.cuda.empty_cache()
+    return {"shape": name, "rounds": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="mixtral,qwen3_30b")
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--switch", default="", help="comma list of boolean megakernel switches: "
+                    "each adds the megakernel with that switch flipped (e.g. WARP0_TMA_STAGES)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    doc = {"shapes": []}
+    for s in a.shapes.split(","):
+        if s:
+            doc["shapes"].append(probe(s, a.seconds, a.rounds,
+                                       [w for w in a.switch.split(",") if w]))
+            save_probe_json(a.json, doc, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
