@@ -57,6 +57,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from mok_cute.figures import save_png
+
 # --------------------------------------------------------------------------------------------
 # Shapes and the FLOP count
 # --------------------------------------------------------------------------------------------
@@ -943,7 +945,7 @@ def plot_results(results: list[dict[str, Any]], path: str | os.PathLike, title: 
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path
 

@@ -39,6 +39,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from mok_cute.figures import save_png
+
 HEADER_WORDS = 8
 RECORD_WORDS = 4
 
@@ -64,6 +66,11 @@ class TaskType(IntEnum):
     # a GEMM task's consumers waiting for its first stage: the producer was still resolving the
     # task or loading its first k-tile (megakernel, recorder on; task id: the task)
     STAGE_WAIT = 9
+    # a GEMM task's phases, inside its span (megakernel's cooperative loop, recorder on; task
+    # id: the task): EPILOGUE from its mainloop's last wgmma to its last output store issued,
+    # SIGNAL the store warp's wait for those stores to land, its fence and the publish
+    EPILOGUE = 10
+    SIGNAL = 11
 
 
 # Exposed-communication accounting: which task types move data between GPUs and which compute.
@@ -74,6 +81,8 @@ COMPUTE_TASK_TYPES = frozenset(
     {TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2, TaskType.KSUM}
 )
 GEMM_TASK_TYPES = frozenset({TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2})
+# Phases split a task's span: they are neither work of their own nor waits.
+PHASE_TASK_TYPES = frozenset({TaskType.EPILOGUE, TaskType.SIGNAL})
 # The pingpong GEMM's two consumer warpgroups each run their own tile, so one CTA records up to
 # two GEMM tiles at a time.
 MAX_TILES_IN_FLIGHT = 2
@@ -97,6 +106,11 @@ RECORD_DTYPE = np.dtype(
         ("end_ns", np.int64),
     ]
 )
+
+
+def is_phase(rec: np.ndarray) -> np.ndarray:
+    """Records that split another task's span (``PHASE_TASK_TYPES``)."""
+    return np.isin(rec["task_type"], [int(t) for t in PHASE_TASK_TYPES])
 
 
 def role_name(role: int) -> str:
@@ -189,7 +203,7 @@ class Timeline:
                 f"rank {int(rec['rank'][i])} {role_name(rec['role'][i])} CTA {int(rec['cta_id'][i])} "
                 f"ran {task_name(rec['task_type'][i])} task {int(rec['task_id'][i])}"
             )
-        work = rec[~is_wait(rec)]
+        work = rec[~is_wait(rec) & ~is_phase(rec)]
         gemm = np.isin(work["task_type"], [int(t) for t in GEMM_TASK_TYPES])
         for key in sorted({(int(r), int(c)) for r, c in zip(work["rank"], work["cta_id"])}):
             on_cta = (work["rank"] == key[0]) & (work["cta_id"] == key[1])
@@ -479,7 +493,8 @@ def summarize(
         entry["wait_ns"] += wait_ns
         entry["idle_ns"] += span - busy_ns - wait_ns
         if role == Role.COMPUTE:
-            _add_task_rates(rec[mine & ~waiting], _measure(work), overlaps, periods)
+            _add_task_rates(rec[mine & ~waiting & ~is_phase(rec)], _measure(work), overlaps,
+                            periods)
     for entry in roles.values():
         total = entry["lanes"] * span
         for what in ("busy", "wait", "idle"):
@@ -675,8 +690,10 @@ def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = No
     dur_us = np.maximum(rec["end_ns"] - rec["start_ns"], 0) / 1e3
     ys = np.asarray([row[(int(r), int(s))] for r, s in zip(rec["rank"], rec["sm_id"])], dtype=np.int64)
     present = []
-    # Tasks first, waits last so a wait nested inside a task is drawn over it.
-    for t in [t for t in TaskType if t not in WAIT_TASK_TYPES] + sorted(WAIT_TASK_TYPES):
+    # Tasks first, waits last so a wait nested inside a task is drawn over it; a task's phases
+    # are left to the summary and the trace (they would hide the task's own colour).
+    tasks_drawn = [t for t in TaskType if t not in WAIT_TASK_TYPES | PHASE_TASK_TYPES]
+    for t in tasks_drawn + sorted(WAIT_TASK_TYPES):
         mask = rec["task_type"] == int(t)
         if not np.any(mask):
             continue
@@ -685,7 +702,7 @@ def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = No
         for y in np.unique(ys[mask]):
             sel = mask & (ys == y)
             ax.broken_barh(list(zip(start_us[sel], dur_us[sel])), (y - 0.42, 0.84), **style)
-    unknown = ~np.isin(rec["task_type"], [int(t) for t in TaskType])
+    unknown = ~np.isin(rec["task_type"], [int(t) for t in TaskType])  # phases are known, undrawn
     if np.any(unknown):
         present_unknown = True
         for y in np.unique(ys[unknown]):
@@ -722,7 +739,7 @@ def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = No
     if len(tl) == 0:
         ax.text(0.5, 0.5, "no records", transform=ax.transAxes, ha="center", va="center")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path
 

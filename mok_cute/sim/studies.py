@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..figures import save_png
 from . import calibrate
 from .hardware import get_profile
 from .model import MOK_SHAPES, Routing, SimConfig
@@ -396,7 +397,7 @@ def _pyplot():
 
 def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    save_png(fig, path, dpi=70)
     plt.close(fig)
     return Path(path)
 
