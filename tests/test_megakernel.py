@@ -981,11 +981,13 @@ def test_recorded_megakernel_timeline_is_sane():
     """Every task that runs is recorded once; comm CTAs record only comm tasks; each CTA's
     task spans follow one another (WAIT spans, written by the waiting thread, may overlap
     the work of the CTA's other warps); a STAGE_WAIT span (a GEMM task's consumers waiting
-    for its first stage) lies inside its own GEMM task's span on the same CTA."""
+    for its first stage) lies inside its own GEMM task's span on the same CTA, and so do a
+    GEMM task's EPILOGUE and SIGNAL phases, one of each, the SIGNAL starting where the
+    EPILOGUE ends and ending with the task."""
     import numpy as np
 
     from mok_cute import megakernel, tasks
-    from mok_cute.timeline import GEMM_TASK_TYPES, Role, TaskType, is_wait
+    from mok_cute.timeline import GEMM_TASK_TYPES, Role, TaskType, is_phase, is_wait
 
     xs, idx, w, wg, wu, wd, sh = _problem(2, 256, 512, 256, 4, 4, 128, seed=13, skew=True)
     config = mok_cute.MoKConfig(timeline=True, num_comm_sms=4)
@@ -995,7 +997,7 @@ def test_recorded_megakernel_timeline_is_sane():
     tl = plan.timeline.decode()
     assert tl.dropped == 0
     rec = tl.records
-    work = rec[~is_wait(rec)]
+    work = rec[~is_wait(rec) & ~is_phase(rec)]
     expected = set()
     for rank, sched in enumerate(plan.side.schedules(idx.to(torch.int32))):
         live = tasks.simulate_live_run(plan.task_list, int(sched.num_tiles.item()))
@@ -1021,6 +1023,17 @@ def test_recorded_megakernel_timeline_is_sane():
                              stage_waits["start_ns"], stage_waits["end_ns"]):
         start, end = task_span[(int(r), int(c), int(i))]
         assert start <= s <= e <= end, "a STAGE_WAIT outside its task's span"
+    phases = {}
+    for t, r, c, i, s, e in zip(rec["task_type"], rec["rank"], rec["cta_id"], rec["task_id"],
+                                rec["start_ns"], rec["end_ns"]):
+        if t in (int(TaskType.EPILOGUE), int(TaskType.SIGNAL)):
+            assert (int(t), int(r), int(c), int(i)) not in phases, "a phase recorded twice"
+            phases[(int(t), int(r), int(c), int(i))] = (int(s), int(e))
+    assert len(phases) == 2 * len(task_span), "a GEMM task without its two phases"
+    for (r, c, i), (start, end) in task_span.items():
+        e0, e1 = phases[(int(TaskType.EPILOGUE), r, c, i)]
+        s0, s1 = phases[(int(TaskType.SIGNAL), r, c, i)]
+        assert start <= e0 <= e1 == s0 <= s1 == end, "phases not inside their task, in order"
 
 
 # ---------------------------------------------------------------------- CPU: the comm split

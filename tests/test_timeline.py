@@ -47,6 +47,7 @@ def test_enum_values_match_the_record_format():
     assert [(t.name, int(t)) for t in TaskType] == [
         ("DISPATCH", 0), ("FC1", 1), ("FC2", 2), ("COMBINE", 3), ("SHARED_FC1", 4),
         ("SHARED_FC2", 5), ("KSUM", 6), ("BARRIER", 7), ("WAIT", 8), ("STAGE_WAIT", 9),
+        ("EPILOGUE", 10), ("SIGNAL", 11),
     ]
 
 
@@ -201,6 +202,28 @@ def test_stage_waits_count_as_waits_inside_their_gemm_task():
     assert s["task_us"]["STAGE_WAIT"]["mean"] == pytest.approx(0.03)
     assert s["task_overlap"] == pytest.approx(1.0) and s["task_period_us"] == {"FC1": 0.1}
     assert tlm.is_wait(tl.records).tolist() == [False, True, False, True]
+
+
+def test_phases_split_their_gemm_task_without_counting_as_tasks(tmp_path):
+    """A GEMM task's EPILOGUE and SIGNAL phases lie inside its span: the overlap check, the
+    busy time, the task overlap and the tile rates ignore them, and their durations are
+    reported per type (where a per-task overhead goes); the swimlane PNG leaves them out."""
+    rows = [rec(P, TaskType.FC2, 0, 0, 100, sm=4), rec(P, TaskType.EPILOGUE, 0, 80, 95, sm=4),
+            rec(P, TaskType.SIGNAL, 0, 95, 100, sm=4), rec(P, TaskType.FC2, 1, 100, 200, sm=4),
+            rec(P, TaskType.EPILOGUE, 1, 170, 190, sm=4), rec(P, TaskType.SIGNAL, 1, 190, 200, sm=4)]
+    tl = tlm.decode(tlm.encode_records(rows))
+    assert tl.check() == []
+    s = tlm.summarize(tl)
+    compute = s["roles"]["compute"]
+    assert (compute["busy_ns"], compute["wait_ns"], compute["idle_ns"]) == (200, 0, 0)
+    assert s["task_overlap"] == pytest.approx(1.0) and s["task_period_us"] == {"FC2": 0.1}
+    assert s["task_us"]["EPILOGUE"]["mean"] == pytest.approx(0.0175)
+    assert s["task_us"]["SIGNAL"]["max"] == pytest.approx(0.01)
+    assert s["task_counts"] == {"FC2": 2, "EPILOGUE": 2, "SIGNAL": 2}
+    assert tlm.is_phase(tl.records).tolist() == [False, True, True, False, True, True]
+    assert not tlm.is_wait(tl.records).any()
+    pytest.importorskip("matplotlib")
+    assert tlm.plot_swimlanes(tl, tmp_path / "lanes.png").stat().st_size > 0
 
 
 def test_summary_task_overlap_and_period_of_two_warpgroups_tiles():

@@ -374,12 +374,13 @@ run_gap_record() {
   done
 }
 run_tail_record() {
-  # (fifteenth session) mixtral and qwen3 (the shapes furthest from the expert path) recorded on
-  # both paths with the current defaults (no comm CTA); the raw buffers come back, to be read
-  # here: when each lane's last GEMM ends, the waits before FC2 and KSUM tasks, the k-sum tail
+  # (run 112) mixtral and qwen3 (the shapes furthest from the expert path) recorded on both
+  # paths with the current defaults (no comm CTA); the raw buffers come back, to be read here:
+  # when each lane's last GEMM ends, the waits before FC2 and KSUM tasks, the k-sum tail. Since
+  # run 112 the megakernel's GEMM tasks also record their EPILOGUE and SIGNAL phases
   for shape in mixtral qwen3_30b; do
     for backend in kernel megakernel; do
-      record_summary 90 "$out/${shape}_$backend" "layer|every|KSUM|FC2 |FC1 |WAIT" --shape $shape \
+      record_summary 90 "$out/${shape}_$backend" "layer|every|KSUM|FC2 |FC1 |WAIT|EPILOGUE|SIGNAL" --shape $shape \
         --capacity 262144 --mok-config check_ids=False --mok-config backend=$backend
       mv "$out/${shape}_$backend/timeline_buffer.npy" "$out/${shape}_${backend}_buffer.npy" 2>/dev/null
       rm -rf "$out/${shape}_$backend"

@@ -1246,14 +1246,17 @@ class MegakernelSm90:
             run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
+            # with the recorder, a GEMM task's EPILOGUE and SIGNAL phases (timeline.TaskType)
+            t_epilogue, t_signal = t_start, t_start
             if run and not noop and self._is_gemm(ttype):
                 release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
                                          k_tiles, num_k_blocks, ctx, timeline_buf, index, rank,
                                          consumer_tidx == 0, ttype)
                 cute.nvgpu.warpgroup.wait_group(0)
+                t_epilogue = self._now_if_recording()
                 ab_pipeline.consumer_release(release)
 
-                subtiles = self._store_task(
+                subtiles, t_signal = self._store_task(
                     epi, ttype, tasks, ticket_q, taken, index, rank, subtiles, barrier,
                     tma_store_pipeline, is_store_warp, 0, self.store_warp_signals, tma_st_h,
                     t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y)
@@ -1272,7 +1275,7 @@ class MegakernelSm90:
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
                     self._publish_compute_task(ctx, tasks, counter_offsets, counters, ticket_q,
                                                taken, index, rank, ttype, t_start, timeline_buf,
-                                               peer_bases)
+                                               peer_bases, t_epilogue, t_signal)
             loads += self._loads_of(run, noop, ttype, k_tiles)
             if const_expr(self.decoded_tickets):
                 index, rank = self._ring_next(ticket_q, ticket_bars, taken)
@@ -1331,7 +1334,7 @@ class MegakernelSm90:
                     self._pass_turn(their_turn, ticket_q, ticket_bars, taken)
                     cute.nvgpu.warpgroup.wait_group(0)
                     ab_pipeline.consumer_release(release)
-                    subtiles = self._store_task(
+                    subtiles, _ = self._store_task(
                         epi, ttype, tasks, ticket_q, taken, index, rank, subtiles, barrier,
                         tma_store_pipeline, is_store_warp, epi_base, True, tma_st_h, t_st_h,
                         tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y)
@@ -1362,7 +1365,8 @@ class MegakernelSm90:
         """A GEMM task's epilogue: its output tile (h of FC1, y of FC2, the shared expert's
         h / y) stored by TMA, then the store warp waits for the stores to land (and, with
         ``sync_store_warp``, syncs its lanes so that lane 0 may publish without a barrier).
-        Returns the epilogue subtiles used so far."""
+        Returns the epilogue subtiles used so far and, with the recorder, the time before the
+        store warp's wait (the start of its SIGNAL phase)."""
         m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
         if ttype == int(TaskType.FC1):
             self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
@@ -1377,21 +1381,25 @@ class MegakernelSm90:
             elif ttype == int(TaskType.SHARED_FC2):
                 self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
                                  subtiles, barrier, store_pipeline, is_store_warp, buf_base)
+        t_signal = self._now_if_recording()  # the store warp's: its last store issued
         if is_store_warp:
             # the tile's TMA stores must have landed before anyone is told
             cute.arch.cp_async_bulk_wait_group(0, read=False)
             cute.arch.fence_proxy("async.global")
             if const_expr(sync_store_warp):
                 cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
-        return subtiles + self._epi_subtiles(ttype)
+        return subtiles + self._epi_subtiles(ttype), t_signal
 
     @cute.jit
     def _publish_compute_task(self, ctx, tasks, counter_offsets, counters, ticket_q, taken: Int32,
                               index: Int32, rank: Int32, ttype: Int32, t_start: Int64,
-                              timeline_buf, peer_bases=None):
+                              timeline_buf, peer_bases=None, t_epilogue: Int64 = None,
+                              t_signal: Int64 = None):
         """One thread, after the task's writes are complete: release-publish its counter (from
-        the decoded ring or the task row) and, with the recorder, its span. With no comm CTA a
-        BARRIER's flag is stored here too, by the thread that waited for its FC2 tiles."""
+        the decoded ring or the task row) and, with the recorder, its span, and for a GEMM
+        task given ``t_epilogue`` (its mainloop's end) and ``t_signal`` (its last store issued)
+        its EPILOGUE and SIGNAL phases. With no comm CTA a BARRIER's flag is stored here too,
+        by the thread that waited for its FC2 tiles."""
         self._fence()
         if const_expr(self.num_comm_ctas == 0):
             if ttype == int(TaskType.BARRIER):
@@ -1402,9 +1410,19 @@ class MegakernelSm90:
         else:
             self._signal_task(tasks, counter_offsets, counters, index, rank)
         if const_expr(self.timeline):
+            t_end = common.timeline_now()
             slot = common.timeline_reserve(timeline_buf, 1)
             common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
-                                  ctx.rank_base + rank, t_start, common.timeline_now())
+                                  ctx.rank_base + rank, t_start, t_end)
+            if const_expr(t_epilogue is not None):
+                if self._is_gemm(ttype):
+                    phases = common.timeline_reserve(timeline_buf, 2)
+                    common.timeline_write(timeline_buf, phases, int(Role.COMPUTE),
+                                          int(TaskType.EPILOGUE), index, ctx.rank_base + rank,
+                                          t_epilogue, t_signal)
+                    common.timeline_write(timeline_buf, phases + 1, int(Role.COMPUTE),
+                                          int(TaskType.SIGNAL), index, ctx.rank_base + rank,
+                                          t_signal, t_end)
 
     def _consumer_parts(self, tiled_mma, sA, sB, sC, mma_slice, copy_tidx):
         """A consumer thread's wgmma operand fragments, fp32 accumulator, k-blocks per stage and
