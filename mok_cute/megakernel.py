@@ -198,9 +198,9 @@ SHORT_TASK_START = experimental_switch("SHORT_TASK_START", True)
 # cp.async; FC2's and the shared expert's stages arrive by TMA and need none. Why: that fence
 # (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S per k-tile) is the one difference between the
 # megakernel's SASS k-loop and the expert FC1's, and it ran on every GEMM task (read in the
-# fourteenth session). Written after that session's device time was spent: compile-checked
-# only; `gpu_check.sh fenceprobe` times it and the probe without any fence (an upper bound).
-# MOK_FENCE_FC1_ONLY=1.
+# fourteenth session). Measured (fifteenth session, run 110, 6 interleaved rounds, bitwise
+# equal): qwen3 0.997, mixtral 1.014, dsv3 0.993, gptoss 0.985, sonic 1.014: level, so the
+# fence is not what slows the megakernel's tiles. Off; MOK_FENCE_FC1_ONLY=1.
 FENCE_FC1_ONLY = experimental_switch("FENCE_FC1_ONLY", False)
 # With local rows in place, FC2's and the shared expert's TMA-only stages filled by the load
 # warp alone, which arrives for the whole producer warpgroup (kernels.megakernel_sm90's
@@ -209,7 +209,10 @@ FENCE_FC1_ONLY = experimental_switch("FENCE_FC1_ONLY", False)
 # 1400-1575 MHz of 1980), and mixtral's megakernel ran at a ~3 % lower SM clock than the expert
 # path (fifteenth session, tools/clock_probe.py), its FC1 and FC2 tiles alike ~3 % slower per
 # tile; the expert path's producer is one warp. Predicted: 0-1 % on mixtral, where FC2 is a
-# third of the GEMM time. MOK_WARP0_TMA_STAGES=1.
+# third of the GEMM time. Measured (runs 114-115, bitwise equal): 6 interleaved rounds qwen3
+# 1.003, mixtral 0.995, dsv3 1.023, gptoss 1.008, sonic 1.007; 2 s sustained, 3 rounds, mixtral
+# 0.993, qwen3 0.991, dsv3 1.006, sonic 0.999, gptoss level, at unchanged clocks: level. Off;
+# MOK_WARP0_TMA_STAGES=1.
 WARP0_TMA_STAGES = experimental_switch("WARP0_TMA_STAGES", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer

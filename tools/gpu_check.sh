@@ -70,7 +70,8 @@
 #   zerocomm  (runs 104-107) no comm CTA at one rank (num_comm_sms=0, the BARRIER on a compute CTA): its GPU
 #          tests, then 8 interleaved rounds on the five shapes against one comm CTA (~5 min)
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
-#   tailrecord  mixtral and qwen3 recorded on both paths, the raw buffers kept (~3 min)
+#   tailrecord  the recorder's GPU test, then mixtral and qwen3 recorded on both paths, the raw
+#          buffers kept (~4 min)
 #   warp0probe  WARP0_TMA_STAGES: its GPU tests, 6 interleaved rounds against the default, then the
 #          clock probe with it (~7 min)
 #   clockprobe  SM clock and power under nvidia-smi while each path runs for 2 s (~3 min)
@@ -377,7 +378,9 @@ run_tail_record() {
   # (run 112) mixtral and qwen3 (the shapes furthest from the expert path) recorded on both
   # paths with the current defaults (no comm CTA); the raw buffers come back, to be read here:
   # when each lane's last GEMM ends, the waits before FC2 and KSUM tasks, the k-sum tail. Since
-  # run 112 the megakernel's GEMM tasks also record their EPILOGUE and SIGNAL phases
+  # run 112 the megakernel's GEMM tasks also record their EPILOGUE and SIGNAL phases, whose
+  # GPU test runs first
+  gpu_tests_passed recorder "recorded_megakernel_timeline" 150
   for shape in mixtral qwen3_30b; do
     for backend in kernel megakernel; do
       record_summary 90 "$out/${shape}_$backend" "layer|every|KSUM|FC2 |FC1 |WAIT|EPILOGUE|SIGNAL" --shape $shape \
