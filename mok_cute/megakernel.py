@@ -214,6 +214,18 @@ FENCE_FC1_ONLY = experimental_switch("FENCE_FC1_ONLY", False)
 # 0.993, qwen3 0.991, dsv3 1.006, sonic 0.999, gptoss level, at unchanged clocks: level. Off;
 # MOK_WARP0_TMA_STAGES=1.
 WARP0_TMA_STAGES = experimental_switch("WARP0_TMA_STAGES", False)
+# At one rank with no comm task, an FC1 or FC2 task's counter published only when the CTA's
+# next task needs it out of the way (kernels.megakernel_sm90's defer_signals): after that
+# task's mainloop when it has the same type, at its start otherwise, and at the end; the store
+# warp then no longer waits for a tile's TMA stores to land before its warpgroup's next
+# mainloop. Why: qwen3's cooperative FC2 tasks (12 k-tiles) run one every 10.98 us against
+# ~9.7 us for the expert path's cooperative tiles and 8.84 for its pingpong ones (fifteenth
+# session, run 112), ~1.3 us of task overhead over 8704 FC2 and 6528 FC1 tasks. Predicted, if
+# that overhead is the store wait: qwen3 -2 to -4 %, dsv3 and sonic ~-1.5 %, mixtral level.
+# The sixth session's DEFER_FC2_SIGNALS measured slower (run 46), in a kernel whose wgmmas no
+# test checked for serialisation. Written after the fifteenth session's device time was
+# spent: compile-checked (0 spills, wgmmas pipelined), not run. MOK_DEFER_SIGNALS=1.
+DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -286,6 +298,7 @@ class PlanKey:
     short_task_start: bool = False  # SHORT_TASK_START (with decoded tickets)
     fence_fc1_only: bool = False  # FENCE_FC1_ONLY (with local_direct)
     warp0_tma_stages: bool = False  # WARP0_TMA_STAGES (with local_direct)
+    defer_signals: bool = False  # DEFER_SIGNALS (one rank, no comm task, cooperative)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -505,7 +518,8 @@ class Plan:
             decoded_tickets=k.decoded_tickets, store_warp_signals=k.store_warp_signals,
             ksum_staged=k.ksum_staged, pingpong=k.pingpong,
             one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start,
-            fence_fc1_only=k.fence_fc1_only, warp0_tma_stages=k.warp0_tma_stages)
+            fence_fc1_only=k.fence_fc1_only, warp0_tma_stages=k.warp0_tma_stages,
+            defer_signals=k.defer_signals)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -743,7 +757,9 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   COMM_COPY_VECTORS if COMM_COPY == "vector" else 0, decoded,
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
                   KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
-                  FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct)
+                  FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct,
+                  DEFER_SIGNALS and local_only and R == 1 and decoded and STORE_WARP_SIGNALS
+                  and not pingpong)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

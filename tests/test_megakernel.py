@@ -274,6 +274,33 @@ def test_fence_fc1_only_keeps_the_wgmmas_pipelined(tmp_path):
     assert "fence.proxy.async.shared::cta" in open(rep.ptx_path).read()
 
 
+def test_defer_signals_keeps_the_wgmmas_pipelined(tmp_path):
+    """defer_signals: the held-back publish (a branch before the mainloop, one after it, one at
+    the loop's end), at one rank with no comm CTA, the shared expert and the recorder: no
+    spills, the wgmmas still pipelined, one release publish more per flush site; refused where
+    a task could wait on a signal its own CTA holds (several ranks) or without the decoded
+    ring and store-warp signals."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(num_ranks=1, num_comm_ctas=0, top_k=8, has_shared=True, timeline=True,
+                  local_direct=True, dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16,
+                  store_warp_signals=True, ksum_staged=True, short_task_start=True)
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path / "on", **static, defer_signals=True)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
+    base = jit.inspect_kernel("megakernel", outdir=tmp_path / "off", **static)
+    releases = [open(r.ptx_path).read().count("red.release") for r in (base, rep)]
+    assert releases[1] == releases[0] + 3
+    with pytest.raises(ValueError, match="defer_signals needs one rank"):
+        megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, dynamic_tickets=True,
+                                       decoded_tickets=True, store_warp_signals=True,
+                                       defer_signals=True)
+    with pytest.raises(ValueError, match="defer_signals needs"):
+        megakernel_sm90.MegakernelSm90(1, 8, 0, 2, False, dynamic_tickets=True,
+                                       decoded_tickets=True, defer_signals=True)
+
+
 def test_warp0_tma_stages_keeps_the_wgmmas_pipelined(tmp_path):
     """warp0_tma_stages: the load warp's one arrival of count 128 for a TMA-only stage, at one
     rank with no comm CTA, the shared expert and the recorder: no spills, the wgmmas still
@@ -826,6 +853,23 @@ def test_fence_fc1_only_gives_the_same_bits(R, ring, local_direct, shared, monke
     four ranks with local rows in place), recorded, against the reference."""
     args = _problem(R, 300, 512, 256, 4, 4, shared, seed=79, skew=True)
     _check_switch(monkeypatch, "FENCE_FC1_ONLY", args, R, ring, local_direct)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,shared", [(4, 0), (4, 128), (1, 0), (8, 128)])
+def test_defer_signals_gives_the_same_bits(K, shared, monkeypatch):
+    """megakernel.DEFER_SIGNALS (one rank): an FC1 / FC2 counter published by the CTA's next
+    task; a publish before the stores land would let an FC2 read stale h or the k-sum stale
+    y (wrong bits), one never made would hang (a timeout error). The same bits as without it,
+    also on 8 SMs with 2 comm CTAs (the BARRIER on a comm CTA waiting on held FC2 counters),
+    recorded, against the reference; with and without the shared expert, K = 1 to 8."""
+    from mok_cute import megakernel
+
+    args = _problem(1, 300, 512, 256, 4, K, shared, seed=89, skew=True)
+    _check_switch(monkeypatch, "DEFER_SIGNALS", args, 1, None, True)
+    # a held task's span ends with its stores issued: the CTA's spans still follow one another
+    plan = next(p for k, p in megakernel._PLANS.items() if k.timeline and k.defer_signals)
+    assert plan.timeline.decode().check() == []
 
 
 @pytest.mark.gpu

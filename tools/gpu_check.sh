@@ -72,6 +72,9 @@
 #   gaprecord  dsv3, gptoss and mixtral recorded on both paths, summaries only (~3 min)
 #   tailrecord  the recorder's GPU test, then mixtral and qwen3 recorded on both paths, the raw
 #          buffers kept (~4 min)
+#   deferprobe  DEFER_SIGNALS (unmeasured): its GPU tests and the recorder's, then 6 interleaved
+#          rounds against the default (~9 min on a fresh machine: the probe compiles per shape)
+#   deferclock  DEFER_SIGNALS sustained: qwen3, dsv3, gptoss under the clock probe (~3 min)
 #   warp0probe  WARP0_TMA_STAGES: its GPU tests, 6 interleaved rounds against the default, then the
 #          clock probe with it (~7 min)
 #   clockprobe  SM clock and power under nvidia-smi while each path runs for 2 s (~3 min)
@@ -512,6 +515,11 @@ case "$what" in
   rowstests) gpu_tests_passed rows_barrier "ksum_rows or one_epilogue_barrier" 300 ;;
   gaprecord) run_gap_record ;;
   tailrecord) run_tail_record ;;
+  deferprobe) gpu_tests_passed defer "defer_signals or recorded_megakernel_timeline" 220
+              layer_probe 340 layer_defer_signals_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjv --rounds 6 ;;
+  deferclock) timeout -s KILL 300 python3 tools/clock_probe.py --shapes qwen3_30b,dsv3_ep8_rank,gptoss_120b \
+                --rounds 3 --switch DEFER_SIGNALS --json "$out/clock_probe_defer.json" 2>&1 \
+                | grep -v Warn | tail -30 ;;
   warp0probe) gpu_tests_passed warp0 "warp0_tma_stages" 200
               layer_probe 240 layer_warp0_tma_stages_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjz --rounds 6
               timeout -s KILL 240 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
@@ -535,5 +543,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -25,7 +25,8 @@ consumer loop (``megakernel.PINGPONG``), an ``h`` KSUM tasks of 8 tokens (``mega
 ``j`` (with ``e``) a task's first row and wait count in the decoded ring
 (``megakernel.SHORT_TASK_START``), an ``i`` (with ``l``) the proxy fence on FC1's
 gathered stages only (``megakernel.FENCE_FC1_ONLY``), a ``z`` (with ``l``) TMA-only stages
-filled by the load warp alone (``megakernel.WARP0_TMA_STAGES``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named
+filled by the load warp alone (``megakernel.WARP0_TMA_STAGES``), a ``v`` (one rank) FC1 and
+FC2 counters published by the CTA's next task (``megakernel.DEFER_SIGNALS``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named
 variants measured slower and removed in the ninth session, ``y`` and ``r`` in the thirteenth:
 ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -70,7 +71,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([bcehijklmnoqsuwxz]*)(?:f(\d*))?([bcehijklmnoqsuwxz]*)", spec)
+    m = re.fullmatch(r"(\d+)([bcehijklmnoqsuvwxz]*)(?:f(\d*))?([bcehijklmnoqsuvwxz]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -82,7 +83,7 @@ def parse_spec(spec: str) -> dict:
                 ksum_staged="m" in flags, pingpong="o" in flags,
                 ksum_rows=8 if "h" in flags else 16, one_epilogue_barrier="q" in flags,
                 short_task_start="j" in flags, fence_fc1_only="i" in flags,
-                warp0_tma_stages="z" in flags,
+                warp0_tma_stages="z" in flags, defer_signals="v" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -96,7 +97,8 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "DECODED_TICKETS": "decoded_tickets", "STORE_WARP_SIGNALS": "store_warp_signals",
                  "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "KSUM_ROWS": "ksum_rows",
                  "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier", "SHORT_TASK_START": "short_task_start",
-                 "FENCE_FC1_ONLY": "fence_fc1_only", "WARP0_TMA_STAGES": "warp0_tma_stages"}
+                 "FENCE_FC1_ONLY": "fence_fc1_only", "WARP0_TMA_STAGES": "warp0_tma_stages",
+                 "DEFER_SIGNALS": "defer_signals"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -207,7 +209,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_one_epilogue_barrier" if k.one_epilogue_barrier else "")
                                           + ("_short_task_start" if k.short_task_start else "")
                                           + ("_fence_fc1_only" if k.fence_fc1_only else "")
-                                          + ("_warp0_tma_stages" if k.warp0_tma_stages else ""))
+                                          + ("_warp0_tma_stages" if k.warp0_tma_stages else "")
+                                          + ("_defer_signals" if k.defer_signals else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()

@@ -123,7 +123,8 @@ class MegakernelSm90:
                  decoded_tickets: bool = False, store_warp_signals: bool = False,
                  ksum_staged: bool = False, pingpong: bool = False,
                  one_epilogue_barrier: bool = False, short_task_start: bool = False,
-                 fence_fc1_only: bool = False, warp0_tma_stages: bool = False):
+                 fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
+                 defer_signals: bool = False):
         if not 0 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [0, num_ctas={num_ctas}), got {num_comm_ctas}")
         # num_comm_ctas = 0: one rank whose list has no comm task and whose BARRIER is a compute
@@ -244,6 +245,22 @@ class MegakernelSm90:
         # cap, and mixtral's megakernel at a ~3 % lower SM clock than the expert path, whose
         # producer is one warp (fifteenth session, tools/clock_probe.py)
         self.warp0_tma_stages = warp0_tma_stages
+        # defer_signals (one rank, no comm task, the cooperative loop with the decoded ring and
+        # store-warp signals): an FC1 or FC2 task is published only once the CTA's next task
+        # needs it out of the way: after that task's mainloop when it has the same type (its
+        # stores long landed, the wait is free), at its start otherwise (an FC2 may wait on an
+        # FC1, a KSUM on everything), and at the end. Same-type successors never wait on each
+        # other at one rank (FC1 waits on nothing, FC2 only on FC1), so nothing waits on a
+        # signal its own CTA holds back. Why: the store warp's wait for a tile's TMA stores to
+        # land, its fence and its publish hold its warpgroup's next mainloop; qwen3's FC2 tasks
+        # (12 k-tiles) run one every 10.98 us against ~9.7 for the expert path's cooperative
+        # tiles (fifteenth session). The sixth session's DEFER_FC2_SIGNALS measured slower, in
+        # a kernel whose wgmmas no test checked for serialisation (C7520 since the fourteenth)
+        if defer_signals and not (num_ranks == 1 and decoded_tickets and store_warp_signals
+                                  and not pingpong):
+            raise ValueError("defer_signals needs one rank, decoded_tickets, store_warp_signals "
+                             "and the cooperative loop")
+        self.defer_signals = defer_signals
         self.decoded_words = SHORT_START_WORDS if short_task_start else DECODED_WORDS
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
@@ -1242,24 +1259,40 @@ class MegakernelSm90:
                 taken += 1
             index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks, live_prefix,
                                                     int(Role.COMPUTE), q, blk, q_base)
+        # defer_signals: the counter of the FC1 / FC2 task whose publish is held back (-1:
+        # none) and its type
+        held, held_type = Int32(-1), Int32(-1)
         while index >= 0:
             run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
             t_start = self._now_if_recording()
             # with the recorder, a GEMM task's EPILOGUE and SIGNAL phases (timeline.TaskType)
             t_epilogue, t_signal = t_start, t_start
-            if run and not noop and self._is_gemm(ttype):
+            gemm_runs = run and not noop and self._is_gemm(ttype)
+            deferrable = False
+            if const_expr(self.defer_signals):
+                deferrable = gemm_runs and (ttype == int(TaskType.FC1) or ttype == int(TaskType.FC2))
+                if held >= 0 and not (deferrable and ttype == held_type):
+                    # this task may wait on the held one (an FC2 on FC1's h, a KSUM on all)
+                    self._flush_signal(counters, held, is_store_warp, consumer_tidx)
+                    held = Int32(-1)
+            if gemm_runs:
                 release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
                                          k_tiles, num_k_blocks, ctx, timeline_buf, index, rank,
                                          consumer_tidx == 0, ttype)
                 cute.nvgpu.warpgroup.wait_group(0)
                 t_epilogue = self._now_if_recording()
                 ab_pipeline.consumer_release(release)
+                if const_expr(self.defer_signals):
+                    if held >= 0:  # the same type: its stores landed during this mainloop
+                        self._flush_signal(counters, held, is_store_warp, consumer_tidx)
+                        held = Int32(-1)
 
                 subtiles, t_signal = self._store_task(
                     epi, ttype, tasks, ticket_q, taken, index, rank, subtiles, barrier,
                     tma_store_pipeline, is_store_warp, 0, self.store_warp_signals, tma_st_h,
-                    t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y)
+                    t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y,
+                    not deferrable)
             elif run and not noop:
                 # a KSUM, or with no comm CTA the BARRIER (no rows: it only waits, and stores
                 # its flag when it publishes)
@@ -1272,10 +1305,12 @@ class MegakernelSm90:
                         barrier.arrive_and_wait()
                 else:
                     barrier.arrive_and_wait()
+                if deferrable:  # published by a later task's _flush_signal
+                    held, held_type = self._ring_words(ticket_q, taken - 1)[D_SIGNAL], ttype
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
                     self._publish_compute_task(ctx, tasks, counter_offsets, counters, ticket_q,
                                                taken, index, rank, ttype, t_start, timeline_buf,
-                                               peer_bases, t_epilogue, t_signal)
+                                               peer_bases, t_epilogue, t_signal, deferrable)
             loads += self._loads_of(run, noop, ttype, k_tiles)
             if const_expr(self.decoded_tickets):
                 index, rank = self._ring_next(ticket_q, ticket_bars, taken)
@@ -1285,6 +1320,9 @@ class MegakernelSm90:
                 index, rank, blk, q_base = self._ticket(queues, queue_len, queue_blocks,
                                                         live_prefix, int(Role.COMPUTE), q, blk,
                                                         q_base)
+        if const_expr(self.defer_signals):
+            if held >= 0:
+                self._flush_signal(counters, held, is_store_warp, consumer_tidx)
         tma_store_pipeline.producer_tail()
 
     @cute.jit
@@ -1361,12 +1399,14 @@ class MegakernelSm90:
     def _store_task(self, epi, ttype: Int32, tasks, ticket_q, taken: Int32, index: Int32,
                     rank: Int32, subtiles: Int32, barrier, store_pipeline, is_store_warp,
                     buf_base, sync_store_warp: cutlass.Constexpr[bool], tma_st_h, t_st_h,
-                    tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y) -> Int32:
+                    tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y,
+                    wait_stores=True) -> Int32:
         """A GEMM task's epilogue: its output tile (h of FC1, y of FC2, the shared expert's
         h / y) stored by TMA, then the store warp waits for the stores to land (and, with
         ``sync_store_warp``, syncs its lanes so that lane 0 may publish without a barrier).
         Returns the epilogue subtiles used so far and, with the recorder, the time before the
-        store warp's wait (the start of its SIGNAL phase)."""
+        store warp's wait (the start of its SIGNAL phase). ``wait_stores`` False (a task whose
+        signal defer_signals holds back): the store warp does not wait here."""
         m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
         if ttype == int(TaskType.FC1):
             self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
@@ -1382,47 +1422,81 @@ class MegakernelSm90:
                 self._store_tile(epi, s_tma_st_y, s_t_st_y, m_tile, n_tile, rank, False,
                                  subtiles, barrier, store_pipeline, is_store_warp, buf_base)
         t_signal = self._now_if_recording()  # the store warp's: its last store issued
-        if is_store_warp:
-            # the tile's TMA stores must have landed before anyone is told
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")
-            if const_expr(sync_store_warp):
-                cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
+        if is_store_warp and wait_stores:  # (defer_signals: not now, see _flush_signal)
+            self._stores_landed(sync_store_warp)
         return subtiles + self._epi_subtiles(ttype), t_signal
+
+    @cute.jit
+    def _stores_landed(self, sync_store_warp: cutlass.Constexpr[bool]):
+        """The store warp: its TMA stores have landed and are ordered before a generic release
+        (and, with ``sync_store_warp``, its lanes synced so that lane 0 may publish)."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_proxy("async.global")
+        if const_expr(sync_store_warp):
+            cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
+
+    @cute.jit
+    def _flush_signal(self, counters, signal: Int32, is_store_warp, consumer_tidx: Int32):
+        """defer_signals: publish the held-back task's counter ``signal`` (one rank) once the
+        store warp has seen its stores land."""
+        if is_store_warp:
+            self._stores_landed(True)
+        if consumer_tidx == 0:
+            self._fence()
+            common.counter_publish(counters[0, None], signal, 1, self.scope)
 
     @cute.jit
     def _publish_compute_task(self, ctx, tasks, counter_offsets, counters, ticket_q, taken: Int32,
                               index: Int32, rank: Int32, ttype: Int32, t_start: Int64,
                               timeline_buf, peer_bases=None, t_epilogue: Int64 = None,
-                              t_signal: Int64 = None):
+                              t_signal: Int64 = None, held=False):
         """One thread, after the task's writes are complete: release-publish its counter (from
         the decoded ring or the task row) and, with the recorder, its span, and for a GEMM
         task given ``t_epilogue`` (its mainloop's end) and ``t_signal`` (its last store issued)
         its EPILOGUE and SIGNAL phases. With no comm CTA a BARRIER's flag is stored here too,
-        by the thread that waited for its FC2 tiles."""
-        self._fence()
-        if const_expr(self.num_comm_ctas == 0):
-            if ttype == int(TaskType.BARRIER):
-                self._announce_done(ctx, peer_bases, rank)
-        if const_expr(self.decoded_tickets):
-            signal = self._ring_words(ticket_q, taken - 1)[D_SIGNAL]
-            common.counter_publish(counters[rank, None], signal, 1, self.scope)
+        by the thread that waited for its FC2 tiles. ``held`` (defer_signals): the counter is
+        published later (``_flush_signal``); only the span is recorded, ending with its stores
+        issued."""
+        t_held_end = t_start
+        if const_expr(t_signal is not None):
+            t_held_end = t_signal
+        t_end = t_start
+        if held:
+            t_end = t_held_end
         else:
-            self._signal_task(tasks, counter_offsets, counters, index, rank)
+            self._fence()
+            if const_expr(self.num_comm_ctas == 0):
+                if ttype == int(TaskType.BARRIER):
+                    self._announce_done(ctx, peer_bases, rank)
+            if const_expr(self.decoded_tickets):
+                signal = self._ring_words(ticket_q, taken - 1)[D_SIGNAL]
+                common.counter_publish(counters[rank, None], signal, 1, self.scope)
+            else:
+                self._signal_task(tasks, counter_offsets, counters, index, rank)
+            if const_expr(self.timeline):
+                t_end = common.timeline_now()
         if const_expr(self.timeline):
-            t_end = common.timeline_now()
-            slot = common.timeline_reserve(timeline_buf, 1)
-            common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
-                                  ctx.rank_base + rank, t_start, t_end)
-            if const_expr(t_epilogue is not None):
-                if self._is_gemm(ttype):
-                    phases = common.timeline_reserve(timeline_buf, 2)
-                    common.timeline_write(timeline_buf, phases, int(Role.COMPUTE),
-                                          int(TaskType.EPILOGUE), index, ctx.rank_base + rank,
-                                          t_epilogue, t_signal)
-                    common.timeline_write(timeline_buf, phases + 1, int(Role.COMPUTE),
-                                          int(TaskType.SIGNAL), index, ctx.rank_base + rank,
-                                          t_signal, t_end)
+            self._record_compute_task(ctx, index, rank, ttype, t_start, t_end, timeline_buf,
+                                      t_epilogue, t_signal)
+
+    @cute.jit
+    def _record_compute_task(self, ctx, index: Int32, rank: Int32, ttype: Int32, t_start: Int64,
+                             t_end: Int64, timeline_buf, t_epilogue: Int64 = None,
+                             t_signal: Int64 = None):
+        """The recorder: a compute task's span and, for a GEMM task given ``t_epilogue`` and
+        ``t_signal``, its EPILOGUE and SIGNAL phases (the SIGNAL ends with the task)."""
+        slot = common.timeline_reserve(timeline_buf, 1)
+        common.timeline_write(timeline_buf, slot, int(Role.COMPUTE), ttype, index,
+                              ctx.rank_base + rank, t_start, t_end)
+        if const_expr(t_epilogue is not None):
+            if self._is_gemm(ttype):
+                phases = common.timeline_reserve(timeline_buf, 2)
+                common.timeline_write(timeline_buf, phases, int(Role.COMPUTE),
+                                      int(TaskType.EPILOGUE), index, ctx.rank_base + rank,
+                                      t_epilogue, t_signal)
+                common.timeline_write(timeline_buf, phases + 1, int(Role.COMPUTE),
+                                      int(TaskType.SIGNAL), index, ctx.rank_base + rank,
+                                      t_signal, t_end)
 
     def _consumer_parts(self, tiled_mma, sA, sB, sC, mma_slice, copy_tidx):
         """A consumer thread's wgmma operand fragments, fp32 accumulator, k-blocks per stage and
@@ -1842,7 +1916,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        ksum_staged: bool = False, pingpong: bool = False,
                        one_epilogue_barrier: bool = False, short_task_start: bool = False,
                        fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
-                       arch: str = "sm_90a",
+                       defer_signals: bool = False, arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
@@ -1850,7 +1924,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong,
                         one_epilogue_barrier, short_task_start, fence_fc1_only,
-                        warp0_tma_stages)
+                        warp0_tma_stages, defer_signals)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
