@@ -409,14 +409,17 @@ def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_le
             assert noop == expected["noop"]
 
 
-def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed, dynamic=False):
+def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed, dynamic=False, defer=False):
     """CTAs of both roles take tickets (``megakernel.ticket_position``) as the kernel does (comm:
     the next ticket of a shared counter; compute CTA c: tickets c, c + n, c + 2n, ...; with
     ``dynamic`` (DYNAMIC_TICKETS) the next of a shared counter too, each CTA holding the ticket
     after the one it runs, as the producer's lane 0 takes it ahead) and
     finish a task once its dependencies have (a dead task's waits are clipped away in the
-    kernel: it counts as done; KSUM also needs every rank's BARRIER). Returns the tasks left
-    when nothing can move."""
+    kernel: it counts as done; KSUM also needs every rank's BARRIER). With ``defer``
+    (DEFER_SIGNALS, one rank) a compute CTA holds back the publish of a live FC1 / FC2 task:
+    at its next task's start it publishes when that task may wait on it (an FC2 after an FC1,
+    anything but a live FC1 / FC2), else once that task runs, and when it runs out of tasks.
+    Returns the tasks left when nothing can move."""
     import numpy as np
 
     from mok_cute import megakernel, tasks
@@ -430,6 +433,12 @@ def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed, dynamic=False):
     live_len = dev.queue_live_len.numpy()
     barrier_of = [int(i) for i in range(len(tl)) if tl.type[i] == int(TaskType.BARRIER)]
     done = set()
+
+    fc1, fc2 = int(TaskType.FC1), int(TaskType.FC2)
+
+    def deferrable(rank, i):  # a live FC1 / FC2 tile with rows: the kernel's gemm_runs
+        return (defer and tl.type[i] in (fc1, fc2) and tl.minibatch[i] < live_of[rank]
+                and tl.m_tile_begin[i] < num_tiles[rank])
 
     def ready(rank, i):
         if tl.minibatch[i] >= live_of[rank]:
@@ -445,8 +454,8 @@ def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed, dynamic=False):
         prefix = max(int(live_len[role, live]) for live in live_of)
         n = ctas_per_role[role]
         roles.append(dict(role=role, next=0, prefix=prefix, qlen=int(dev.queue_len[role]),
-                          ctas=[dict(task=None, cursor=(0, 0), out=False, q=c - n, ahead=None)
-                                for c in range(n)]))
+                          ctas=[dict(task=None, cursor=(0, 0), out=False, q=c - n, ahead=None,
+                                     held=None) for c in range(n)]))
     while True:
         moved = False
         for rs in roles:
@@ -474,8 +483,19 @@ def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed, dynamic=False):
                         cta["out"] = True
                     else:
                         cta["task"] = (rank, int(dev.queues[rs["role"], pos]))
+                    held = cta["held"]
+                    if held is not None and (cta["out"] or not deferrable(*cta["task"]) or (
+                            tl.type[held[1]] == fc1 and tl.type[cta["task"][1]] == fc2)):
+                        done.add(held)  # published at the next task's start (or the end)
+                        cta["held"] = None
                 elif ready(*cta["task"]):
-                    done.add(cta["task"])
+                    if cta["held"] is not None:  # published after the next task's mainloop
+                        done.add(cta["held"])
+                        cta["held"] = None
+                    if deferrable(*cta["task"]):
+                        cta["held"] = cta["task"]
+                    else:
+                        done.add(cta["task"])
                     cta["task"] = None
                     moved = True
         if not moved:
@@ -523,6 +543,27 @@ def test_one_rank_without_comm_tasks_finishes_with_few_ctas(dynamic, fc1_lead, c
     for seed in range(3):
         num_tiles = [12] if seed == 0 else [int(np.random.default_rng(seed).integers(0, 13))]
         assert _run_ctas(tl, num_tiles, ctas, False, seed, dynamic) == [], num_tiles
+
+
+@pytest.mark.parametrize("fc1_lead", [0, 1, 3])
+@pytest.mark.parametrize("ctas", [(0, 1), (0, 2), (0, 5), (0, 40), (1, 3), (2, 40)])
+@pytest.mark.parametrize("tile_order", ["m_major", "n_major"])
+def test_one_rank_with_deferred_signals_finishes(fc1_lead, ctas, tile_order):
+    """megakernel.DEFER_SIGNALS: every compute CTA holds back its last live FC1 / FC2 publish
+    until its next task needs it out of the way; with one CTA or many, with the BARRIER on a
+    compute or a comm CTA, ragged tile counts (dead and no-op tasks) and random CTA orders,
+    every task still finishes: no CTA waits on a signal it holds, and no cycle of CTAs does."""
+    import numpy as np
+
+    from mok_cute import tasks
+
+    tl = tasks.build_static(128 * 12, hidden=512, intermediate=256, num_tokens=200, top_k=4,
+                            minibatch_tokens=256, ring_tokens=128 * 12, shared_intermediate=128,
+                            fc1_lead=fc1_lead, comm_tasks=False, tile_order=tile_order,
+                            barrier_in_compute=ctas[0] == 0)
+    for seed in range(6):
+        num_tiles = [12] if seed == 0 else [int(np.random.default_rng(seed).integers(0, 13))]
+        assert _run_ctas(tl, num_tiles, ctas, False, seed, True, defer=True) == [], num_tiles
 
 
 @pytest.mark.parametrize("fc1_lead", [0, 1, 3])

@@ -247,10 +247,11 @@ class MegakernelSm90:
         self.warp0_tma_stages = warp0_tma_stages
         # defer_signals (one rank, no comm task, the cooperative loop with the decoded ring and
         # store-warp signals): an FC1 or FC2 task is published only once the CTA's next task
-        # needs it out of the way: after that task's mainloop when it has the same type (its
-        # stores long landed, the wait is free), at its start otherwise (an FC2 may wait on an
-        # FC1, a KSUM on everything), and at the end. Same-type successors never wait on each
-        # other at one rank (FC1 waits on nothing, FC2 only on FC1), so nothing waits on a
+        # needs it out of the way: at that task's start if it may wait on it (an FC2 after an
+        # FC1: FC2 waits on FC1's h; a KSUM or BARRIER on everything), else after its mainloop
+        # (the stores long landed, the wait is free), and at the end. At one rank FC1 waits on
+        # nothing and FC2 only on FC1, so a held FC1 is always published within one FC1
+        # mainloop or at once, a held FC2 within one FC1 or FC2 mainloop: nothing waits on a
         # signal its own CTA holds back. Why: the store warp's wait for a tile's TMA stores to
         # land, its fence and its publish hold its warpgroup's next mainloop; qwen3's FC2 tasks
         # (12 k-tiles) run one every 10.98 us against ~9.7 for the expert path's cooperative
@@ -1272,7 +1273,8 @@ class MegakernelSm90:
             deferrable = False
             if const_expr(self.defer_signals):
                 deferrable = gemm_runs and (ttype == int(TaskType.FC1) or ttype == int(TaskType.FC2))
-                if held >= 0 and not (deferrable and ttype == held_type):
+                fc1_then_fc2 = held_type == int(TaskType.FC1) and ttype == int(TaskType.FC2)
+                if held >= 0 and (not deferrable or fc1_then_fc2):
                     # this task may wait on the held one (an FC2 on FC1's h, a KSUM on all)
                     self._flush_signal(counters, held, is_store_warp, consumer_tidx)
                     held = Int32(-1)
@@ -1284,7 +1286,7 @@ class MegakernelSm90:
                 t_epilogue = self._now_if_recording()
                 ab_pipeline.consumer_release(release)
                 if const_expr(self.defer_signals):
-                    if held >= 0:  # the same type: its stores landed during this mainloop
+                    if held >= 0:  # its stores landed during this mainloop
                         self._flush_signal(counters, held, is_store_warp, consumer_tidx)
                         held = Int32(-1)
 
