@@ -40,6 +40,7 @@ Example (one H200, issue 3's benchmark):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -58,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from mok_cute.figures import save_png
+from mok_cute.gpu_clock import ClockSampler
 
 # --------------------------------------------------------------------------------------------
 # Shapes and the FLOP count
@@ -783,19 +785,27 @@ def bench_shape(
     if runners:
         times: dict[str, list[float]] = {name: [] for name in runners}
         order = list(runners)
-        for r in range(rounds):
-            for name in (order if r % 2 == 0 else order[::-1]):
-                run, entry = runners[name]
-                if "error" in entry:
-                    continue
-                try:
-                    times[name].append(timer(lambda: run(problem.inputs)))
-                except Exception as exc:
-                    entry.update(status="error", error=_error_text(exc))
+        # the SM clock and power while each contender ran: at the H200's power cap a
+        # contender's clock is part of its result (mok_cute.gpu_clock)
+        sampler = ClockSampler(ctx.device) if ctx.device.type == "cuda" else None
+        with sampler or contextlib.nullcontext():
+            for r in range(rounds):
+                for name in (order if r % 2 == 0 else order[::-1]):
+                    run, entry = runners[name]
+                    if "error" in entry:
+                        continue
+                    try:
+                        with sampler.window(name) if sampler else contextlib.nullcontext():
+                            times[name].append(timer(lambda: run(problem.inputs)))
+                    except Exception as exc:
+                        entry.update(status="error", error=_error_text(exc))
         for name, (_, entry) in runners.items():
             if "error" not in entry:
                 ms = float(statistics.median(times[name]))
                 entry.update(ms=ms, ms_rounds=times[name], tflops=problem.flops / (ms * 1e-3) / 1e12, status="ok")
+                clock = sampler.stats(name) if sampler else None
+                if clock is not None:
+                    entry["gpu_clock"] = clock
             finish(entry)
         runners.clear()
     del problem, check, ref

@@ -6,14 +6,14 @@ The fifteenth session's recordings put mixtral's megakernel GEMM tiles ~3 % slow
 expert path's, FC2's (TMA-loaded, the same wgmmas, a 224-k-tile mainloop) as much as FC1's.
 If that is the clock (the megakernel's spinning producer threads drawing power, say), it shows
 here: each variant runs for ``--seconds`` while ``nvidia-smi`` samples the SM clock, the power
-draw and the active clock-event reasons every 50 ms; variants alternate, odd rounds reversed.
+draw and the active clock-event reasons every 50 ms (``mok_cute.gpu_clock``); variants
+alternate, odd rounds reversed. (Runs 113-115 dropped each run's first quarter of samples, the
+clock settling; the sampler's windows keep them all.)
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
 import sys
 import time
 
@@ -23,55 +23,25 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 import mok_cute  # noqa: E402
 from mok_cute import benchmark as bm, megakernel  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
+from mok_cute.gpu_clock import ClockSampler  # noqa: E402
 from layer_profile import save_probe_json  # noqa: E402
 
-def smi_query() -> str:
-    """The sampler's fields; the clock-event reasons' name changed across drivers."""
-    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
-        q = f"clocks.sm,power.draw,temperature.gpu,{reasons}"
-        if subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
-                          capture_output=True).returncode == 0:
-            return q
-    return "clocks.sm,power.draw,temperature.gpu"
 
-
-QUERY = ""
-
-
-def sampled_run(fn, seconds: float) -> dict:
-    """Run ``fn`` back to back for ``seconds`` under an nvidia-smi sampler; the samples of the
-    first quarter (the clock settling) are dropped."""
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY or smi_query()}", "--format=csv,noheader,nounits",
-                            "-lms", "50"], stdout=subprocess.PIPE, text=True)
+def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
+    """Run ``fn`` back to back for ``seconds`` inside ``sampler``'s window ``window``: its time
+    per call and the clock statistics of that window."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     calls, t0 = 0, time.time()
-    start.record()
-    while time.time() - t0 < seconds:
-        for _ in range(4):
-            fn()
-        calls += 4
-        torch.cuda.synchronize()  # keep the host within a few calls of the GPU
-    end.record()
-    torch.cuda.synchronize()
-    smi.terminate()
-    lines = smi.communicate()[0].strip().splitlines()
-    rows = []
-    for line in lines[len(lines) // 4:]:
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            rows.append((float(parts[0]), float(parts[1]), float(parts[2]),
-                         parts[3] if len(parts) > 3 else "n/a"))
-        except (ValueError, IndexError):
-            continue
-    return {
-        "ms_per_call": start.elapsed_time(end) / calls,
-        "samples": len(rows),
-        "sm_mhz_median": statistics.median(r[0] for r in rows) if rows else None,
-        "sm_mhz_min": min(r[0] for r in rows) if rows else None,
-        "power_w_mean": statistics.fmean(r[1] for r in rows) if rows else None,
-        "temp_c_max": max(r[2] for r in rows) if rows else None,
-        "event_reasons": sorted({r[3] for r in rows}),
-    }
+    with sampler.window(window):
+        start.record()
+        while time.time() - t0 < seconds:
+            for _ in range(4):
+                fn()
+            calls += 4
+            torch.cuda.synchronize()  # keep the host within a few calls of the GPU
+        end.record()
+        torch.cuda.synchronize()
+    return {"ms_per_call": start.elapsed_time(end) / calls, **(sampler.stats(window) or {})}
 
 
 def probe(name: str, seconds: float, rounds: int, switches: list[str]) -> dict:
@@ -99,14 +69,16 @@ def probe(name: str, seconds: float, rounds: int, switches: list[str]) -> dict:
         torch.cuda.synchronize()
         megakernel.raise_pending_errors()
         assert torch.equal(out, first), f"{name}: {k} differs from the expert path"
-    for r in range(rounds):
-        order = list(runs.items())
-        for k, fn in (order if r % 2 == 0 else order[::-1]):
-            rows[k].append(sampled_run(fn, seconds))
-            s = rows[k][-1]
-            print(f"{name} round {r} {k}: {s['ms_per_call']:.3f} ms, SM {s['sm_mhz_median']} MHz "
-                  f"(min {s['sm_mhz_min']}), {s['power_w_mean']:.0f} W, {s['temp_c_max']} C, "
-                  f"{s['event_reasons']}", flush=True)
+    with ClockSampler(torch.cuda.current_device()) as sampler:
+        for r in range(rounds):
+            order = list(runs.items())
+            for k, fn in (order if r % 2 == 0 else order[::-1]):
+                rows[k].append(sampled_run(fn, seconds, sampler, f"{k}#{r}"))
+                s = rows[k][-1]
+                print(f"{name} round {r} {k}: {s['ms_per_call']:.3f} ms, SM "
+                      f"{s.get('sm_mhz_median')} MHz (min {s.get('sm_mhz_min')}), "
+                      f"{s.get('power_w_mean')} W, {s.get('temp_c_max')} C, "
+                      f"{s.get('clock_event_reasons')}", flush=True)
     for s, v in defaults.items():
         setattr(megakernel, s, v)
     megakernel.release_plans()
