@@ -188,17 +188,24 @@ def test_summary_waits_nested_in_a_task_and_overlapping_spans_count_once():
     assert s["task_us"]["FC1"]["max"] == pytest.approx(0.1) and s["task_us"]["WAIT"]["mean"] == pytest.approx(0.03)
 
 
+def _checked_summary(rows):
+    """One compute CTA's hand-written records: the decoded timeline (which must pass its
+    checks), its summary and the CTA's (busy, wait, idle) ns."""
+    tl = tlm.decode(tlm.encode_records(rows))
+    assert tl.check() == []
+    s = tlm.summarize(tl)
+    compute = s["roles"]["compute"]
+    return tl, s, (compute["busy_ns"], compute["wait_ns"], compute["idle_ns"])
+
+
 def test_stage_waits_count_as_waits_inside_their_gemm_task():
     """A STAGE_WAIT (the consumers waiting for a GEMM task's first stage) is time spent
     spinning: it comes off the CTA's busy time as a WAIT does, it is not a task of its own for
     the overlap check or the tile rates, and its durations are reported per type."""
     rows = [rec(P, TaskType.FC1, 0, 0, 100, sm=4), rec(P, TaskType.STAGE_WAIT, 0, 0, 20, sm=4),
             rec(P, TaskType.FC1, 1, 100, 200, sm=4), rec(P, TaskType.STAGE_WAIT, 1, 100, 140, sm=4)]
-    tl = tlm.decode(tlm.encode_records(rows))
-    assert tl.check() == []
-    s = tlm.summarize(tl)
-    compute = s["roles"]["compute"]
-    assert (compute["busy_ns"], compute["wait_ns"], compute["idle_ns"]) == (140, 60, 0)
+    tl, s, busy_wait_idle = _checked_summary(rows)
+    assert busy_wait_idle == (140, 60, 0)
     assert s["task_us"]["STAGE_WAIT"]["mean"] == pytest.approx(0.03)
     assert s["task_overlap"] == pytest.approx(1.0) and s["task_period_us"] == {"FC1": 0.1}
     assert tlm.is_wait(tl.records).tolist() == [False, True, False, True]
@@ -211,11 +218,8 @@ def test_phases_split_their_gemm_task_without_counting_as_tasks(tmp_path):
     rows = [rec(P, TaskType.FC2, 0, 0, 100, sm=4), rec(P, TaskType.EPILOGUE, 0, 80, 95, sm=4),
             rec(P, TaskType.SIGNAL, 0, 95, 100, sm=4), rec(P, TaskType.FC2, 1, 100, 200, sm=4),
             rec(P, TaskType.EPILOGUE, 1, 170, 190, sm=4), rec(P, TaskType.SIGNAL, 1, 190, 200, sm=4)]
-    tl = tlm.decode(tlm.encode_records(rows))
-    assert tl.check() == []
-    s = tlm.summarize(tl)
-    compute = s["roles"]["compute"]
-    assert (compute["busy_ns"], compute["wait_ns"], compute["idle_ns"]) == (200, 0, 0)
+    tl, s, busy_wait_idle = _checked_summary(rows)
+    assert busy_wait_idle == (200, 0, 0)
     assert s["task_overlap"] == pytest.approx(1.0) and s["task_period_us"] == {"FC2": 0.1}
     assert s["task_us"]["EPILOGUE"]["mean"] == pytest.approx(0.0175)
     assert s["task_us"]["SIGNAL"]["max"] == pytest.approx(0.01)
