@@ -37,8 +37,12 @@ def _query(device_id: str | None) -> list[str] | None:
     target = [f"--id={device_id}"] if device_id else ["--id=0"]
     for reasons in REASON_FIELDS + ("",):
         fields = FIELDS + (f",{reasons}" if reasons else "")
-        probe = subprocess.run([smi, *target, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True)
+        try:
+            probe = subprocess.run([smi, *target, f"--query-gpu={fields}",
+                                    "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
         if probe.returncode == 0:
             return [smi, *target, f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
     return None
@@ -89,9 +93,13 @@ class ClockSampler:
 
     def __enter__(self) -> "ClockSampler":
         if self.command is not None:
-            self._proc = subprocess.Popen([*self.command, "-lms", str(self.interval_ms)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                          text=True)
+            try:
+                self._proc = subprocess.Popen([*self.command, "-lms", str(self.interval_ms)],
+                                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                              text=True)
+            except OSError:  # context only: a sampler that cannot start records nothing
+                self._proc = None
+                return self
             self._reader = threading.Thread(target=self._read, daemon=True)
             self._reader.start()
         return self
