@@ -813,6 +813,14 @@ def bench_shape(
     return results
 
 
+def paired_ratio(num: list[float] | None, den: list[float] | None) -> float | None:
+    """The median over rounds of ``num[r] / den[r]``: two contenders timed in the same
+    interleaved rounds (None unless both have the same number of rounds)."""
+    if not num or not den or len(num) != len(den):
+        return None
+    return float(statistics.median(a / b for a, b in zip(num, den)))
+
+
 def add_ratios(results: list[dict[str, Any]]) -> None:
     """``ratio_vs_torch`` (TFLOP/s over the torch pipeline's on the same shape),
     ``frac_cublas`` (over the cuBLAS 8192^3 rate of the same run) and, for mok_cute_timeline,
@@ -828,16 +836,11 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
     mok_ms = {r["shape"]: r["ms"] for r in results if r["contender"] == "mok_cute" and r.get("ms")}
     rounds_of = {(r["shape"], r["contender"]): r["ms_rounds"] for r in results if r.get("ms_rounds")}
 
-    def paired(num: list[float] | None, den: list[float] | None) -> float | None:
-        if not num or not den or len(num) != len(den):
-            return None
-        return float(statistics.median(a / b for a, b in zip(num, den)))
-
     for r in results:
         if r.get("ms_rounds"):
             mine = r["ms_rounds"]
-            r["paired_vs_torch"] = paired(rounds_of.get((r["shape"], BASELINE)), mine)
-            r["paired_ms_over_mok_cute"] = paired(mine, rounds_of.get((r["shape"], "mok_cute")))
+            r["paired_vs_torch"] = paired_ratio(rounds_of.get((r["shape"], BASELINE)), mine)
+            r["paired_ms_over_mok_cute"] = paired_ratio(mine, rounds_of.get((r["shape"], "mok_cute")))
         if r.get("tflops"):
             base = torch_rate.get(r["shape"])
             r["ratio_vs_torch"] = r["tflops"] / base if base else None

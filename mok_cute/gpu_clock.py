@@ -37,14 +37,13 @@ def _query(device_id: str | None) -> list[str] | None:
     target = [f"--id={device_id}"] if device_id else ["--id=0"]
     for reasons in REASON_FIELDS + ("",):
         fields = FIELDS + (f",{reasons}" if reasons else "")
+        command = [smi, *target, f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
         try:
-            probe = subprocess.run([smi, *target, f"--query-gpu={fields}",
-                                    "--format=csv,noheader,nounits"],
-                                   capture_output=True, text=True, timeout=20)
+            probe = subprocess.run(command, capture_output=True, text=True, timeout=20)
         except (OSError, subprocess.TimeoutExpired):
             return None
         if probe.returncode == 0:
-            return [smi, *target, f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+            return command
     return None
 
 

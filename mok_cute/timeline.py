@@ -477,6 +477,7 @@ def summarize(
     span = span_end - span_start
     tt = rec["task_type"]
     waiting = is_wait(rec)
+    phase = is_phase(rec)
 
     roles: dict[str, dict[str, Any]] = {}
     overlaps, periods = [], {}
@@ -493,8 +494,7 @@ def summarize(
         entry["wait_ns"] += wait_ns
         entry["idle_ns"] += span - busy_ns - wait_ns
         if role == Role.COMPUTE:
-            _add_task_rates(rec[mine & ~waiting & ~is_phase(rec)], _measure(work), overlaps,
-                            periods)
+            _add_task_rates(rec[mine & ~waiting & ~phase], _measure(work), overlaps, periods)
     for entry in roles.values():
         total = entry["lanes"] * span
         for what in ("busy", "wait", "idle"):

@@ -128,12 +128,6 @@ def restore_ops(defaults: dict) -> None:
         setattr(ops, n, v)
 
 
-def paired_ratio(ms_rounds: list, base_rounds: list) -> float:
-    """The median of the per-round ratios of two variants timed in the same interleaved rounds."""
-    ratios = sorted(a / b for a, b in zip(ms_rounds, base_rounds))
-    return ratios[len(ratios) // 2]
-
-
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 rounds: int = 1, scatter: bool = False, minibatches: tuple = (None,),
                 cluster: bool = False, one_barrier: bool = False) -> dict:
@@ -224,9 +218,9 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         row["ms"] = min(row["ms_rounds"])
         row["ms_median"] = sorted(row["ms_rounds"])[len(row["ms_rounds"]) // 2]
         row["tflops"] = flops / row["ms"] / 1e9
-        row["paired_vs_expert_path"] = paired_ratio(row["ms_rounds"], rows[0]["ms_rounds"])
+        row["paired_vs_expert_path"] = bm.paired_ratio(row["ms_rounds"], rows[0]["ms_rounds"])
         if first_spec is not None:
-            row["paired_vs_first_spec"] = paired_ratio(row["ms_rounds"], first_spec["ms_rounds"])
+            row["paired_vs_first_spec"] = bm.paired_ratio(row["ms_rounds"], first_spec["ms_rounds"])
         # one short line per variant: the ratios are what a probe is read for
         print(f"{name}: {row.get('spec', row['variant'])} ms {row['ms']:.3f} median "
               f"{row['ms_median']:.3f} bitwise {row['bitwise_equal_expert_path']} paired/expert "
