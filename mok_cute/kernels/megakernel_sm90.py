@@ -248,11 +248,13 @@ class MegakernelSm90:
         # defer_signals (one rank, no comm task, the cooperative loop with the decoded ring and
         # store-warp signals): an FC1 or FC2 task is published only once the CTA's next task
         # needs it out of the way: at that task's start if it may wait on it (an FC2 after an
-        # FC1: FC2 waits on FC1's h; a KSUM or BARRIER on everything), else after its mainloop
-        # (the stores long landed, the wait is free), and at the end. At one rank FC1 waits on
-        # nothing and FC2 only on FC1, so a held FC1 is always published within one FC1
-        # mainloop or at once, a held FC2 within one FC1 or FC2 mainloop: nothing waits on a
-        # signal its own CTA holds back. Why: the store warp's wait for a tile's TMA stores to
+        # FC1: FC2 waits on FC1's h; a KSUM or BARRIER on everything), else once its mainloop's
+        # first k-tile is issued (the stores have had the task start to land, and the tensor
+        # cores have that k-tile to work on), and at the end. Flushing after the whole next
+        # mainloop measured slower (qwen3 +6.5 %, sixteenth session): other CTAs' FC2 tasks
+        # waited a whole FC1 mainloop on a held FC1 counter. At one rank FC1 waits on nothing
+        # and FC2 only on FC1, so a held FC1 is published within one FC1 k-tile or at once, a
+        # held FC2 within one k-tile: nothing waits on a signal its own CTA holds back. Why: the store warp's wait for a tile's TMA stores to
         # land, its fence and its publish hold its warpgroup's next mainloop; qwen3's FC2 tasks
         # (12 k-tiles) run one every 10.98 us against ~9.7 for the expert path's cooperative
         # tiles (fifteenth session). The sixth session's DEFER_FC2_SIGNALS measured slower, in
@@ -1279,16 +1281,20 @@ class MegakernelSm90:
                     self._flush_signal(counters, held, is_store_warp, consumer_tidx)
                     held = Int32(-1)
             if gemm_runs:
+                # defer_signals: the held publish goes out once this mainloop's first k-tile
+                # is issued (the tensor cores busy meanwhile), not after the whole mainloop:
+                # other CTAs' FC2 tasks wait on a held FC1 counter
+                flush = None
+                if const_expr(self.defer_signals):
+                    flush = (counters, held, is_store_warp, consumer_tidx)
                 release = self._mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
                                          k_tiles, num_k_blocks, ctx, timeline_buf, index, rank,
-                                         consumer_tidx == 0, ttype)
+                                         consumer_tidx == 0, ttype, flush)
                 cute.nvgpu.warpgroup.wait_group(0)
                 t_epilogue = self._now_if_recording()
                 ab_pipeline.consumer_release(release)
                 if const_expr(self.defer_signals):
-                    if held >= 0:  # its stores landed during this mainloop
-                        self._flush_signal(counters, held, is_store_warp, consumer_tidx)
-                        held = Int32(-1)
+                    held = Int32(-1)  # published in the mainloop
 
                 subtiles, t_signal = self._store_task(
                     epi, ttype, tasks, ticket_q, taken, index, rank, subtiles, barrier,
@@ -1524,14 +1530,17 @@ class MegakernelSm90:
     @cute.jit
     def _mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
                   num_k_blocks: cutlass.Constexpr[int], ctx=None, timeline_buf=None,
-                  index: Int32 = 0, rank: Int32 = 0, leader=False, ttype: Int32 = None):
+                  index: Int32 = 0, rank: Int32 = 0, leader=False, ttype: Int32 = None,
+                  flush=None):
         """A GEMM task's wgmmas over its ``k_tiles`` stages, from stage use ``loads`` on: one
         batch stays in flight and a stage is released once the batch that read it retired.
         Returns the last stage's state; the caller releases it after ``wait_group(0)``. With
         the recorder on and ``ctx`` given, ``leader`` records the wait for the first stage
         (the producer still resolving the task or loading its first k-tile) as a STAGE_WAIT
         span of task ``index`` when it is over STAGE_WAIT_RECORD_MIN_NS. ``ttype``: the task's
-        type, for ``fence_fc1_only``."""
+        type, for ``fence_fc1_only``. ``flush`` (defer_signals): ``(counters, held,
+        is_store_warp, consumer_tidx)``; counter ``held`` (if >= 0) is published once the
+        first k-tile's wgmmas are issued."""
         read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
         release = read.clone()
         acc.fill(0.0)
@@ -1545,6 +1554,10 @@ class MegakernelSm90:
         self._stage_visible(ttype)
         self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
         read.advance()
+        if const_expr(flush is not None):
+            counters, held, is_store_warp, consumer_tidx = flush
+            if held >= 0:
+                self._flush_signal(counters, held, is_store_warp, consumer_tidx)
         for k in range(1, k_tiles):
             ab_pipeline.consumer_wait(read)
             self._stage_visible(ttype)
