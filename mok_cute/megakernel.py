@@ -227,6 +227,12 @@ WARP0_TMA_STAGES = experimental_switch("WARP0_TMA_STAGES", False)
 # test checked for serialisation. Written after the fifteenth session's device time was
 # spent: compile-checked (0 spills, wgmmas pipelined), not run. MOK_DEFER_SIGNALS=1.
 DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", False)
+# A compute task's counter published by its release reduction alone, without a fence.acq_rel
+# before it (kernels.megakernel_sm90's release_only_publish): one MEMBAR.ALL.GPU per task
+# instead of two on the store warp's way from a tile's stores to the next mainloop (its
+# SIGNAL phase: 2.0-2.2 us per GEMM task, recorded in the sixteenth session). Written in the
+# sixteenth session. MOK_RELEASE_ONLY_PUBLISH=1.
+RELEASE_ONLY_PUBLISH = experimental_switch("RELEASE_ONLY_PUBLISH", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -300,6 +306,7 @@ class PlanKey:
     fence_fc1_only: bool = False  # FENCE_FC1_ONLY (with local_direct)
     warp0_tma_stages: bool = False  # WARP0_TMA_STAGES (with local_direct)
     defer_signals: bool = False  # DEFER_SIGNALS (one rank, no comm task, cooperative)
+    release_only_publish: bool = False  # RELEASE_ONLY_PUBLISH
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -520,7 +527,7 @@ class Plan:
             ksum_staged=k.ksum_staged, pingpong=k.pingpong,
             one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start,
             fence_fc1_only=k.fence_fc1_only, warp0_tma_stages=k.warp0_tma_stages,
-            defer_signals=k.defer_signals)
+            defer_signals=k.defer_signals, release_only_publish=k.release_only_publish)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -760,7 +767,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
                   FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct,
                   DEFER_SIGNALS and local_only and R == 1 and decoded and STORE_WARP_SIGNALS
-                  and not pingpong)
+                  and not pingpong, RELEASE_ONLY_PUBLISH)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -318,6 +318,34 @@ def test_warp0_tma_stages_keeps_the_wgmmas_pipelined(tmp_path):
                      open(rep.ptx_path).read())
 
 
+@pytest.mark.parametrize("num_ranks,num_comm_ctas,pingpong", [(1, 0, False), (8, 12, False),
+                                                             (1, 2, True)])
+def test_release_only_publish_drops_one_fence_per_publish(num_ranks, num_comm_ctas, pingpong,
+                                                          tmp_path):
+    """release_only_publish: a compute task's publish is its release reduction alone, so the
+    PTX has one fence.acq_rel fewer (the publish's; a BARRIER's flag fence stays) and the same
+    release reductions; no spills, the wgmmas still pipelined (cooperative and pingpong loops,
+    one rank and eight)."""
+    from mok_cute import jit
+
+    static = dict(num_ranks=num_ranks, num_comm_ctas=num_comm_ctas, top_k=8, has_shared=True,
+                  dynamic_tickets=True, decoded_tickets=True, store_warp_signals=True)
+    if num_ranks == 1:
+        static["local_direct"] = True
+    if pingpong:  # (the staged k-sum does not go with it)
+        static["pingpong"] = True
+    else:
+        static["ksum_staged"] = True
+    reps = [jit.inspect_kernel("megakernel", outdir=tmp_path / str(on), **static,
+                               release_only_publish=on) for on in (False, True)]
+    assert all(r.spill_bytes == 0 for r in reps)
+    _wgmma_pipelined(reps[1])
+    ptx = [open(r.ptx_path).read() for r in reps]
+    fences = [p.count("fence.acq_rel.gpu") for p in ptx]  # (scope gpu: one GPU)
+    assert fences[1] == fences[0] - 1 >= 0
+    assert ptx[1].count("red.release") == ptx[0].count("red.release") >= 1
+
+
 @pytest.mark.parametrize("num_ranks,has_shared,timeline", [(1, True, False), (8, True, False),
                                                           (1, False, True)])
 def test_pingpong_consumers_compile_without_spills(num_ranks, has_shared, timeline, tmp_path):
@@ -911,6 +939,17 @@ def test_defer_signals_gives_the_same_bits(K, shared, monkeypatch):
     # a held task's span ends with its stores issued: the CTA's spans still follow one another
     plan = next(p for k, p in megakernel._PLANS.items() if k.timeline and k.defer_signals)
     assert plan.timeline.decode().check() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES)
+def test_release_only_publish_gives_the_same_bits(R, ring, local_direct, shared, monkeypatch):
+    """megakernel.RELEASE_ONLY_PUBLISH: a task's counter published without the fence before
+    its release; were the release not cumulative over the tile's stores and the k-sum's rows,
+    a waiter could read stale h or y (wrong bits). The same bits as with the fence, on one,
+    three, four and eight ranks (a wrapping ring), recorded, against the reference."""
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=97, skew=True)
+    _check_switch(monkeypatch, "RELEASE_ONLY_PUBLISH", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu

@@ -74,6 +74,8 @@
 #          buffers kept (~4 min)
 #   deferprobe  DEFER_SIGNALS (unmeasured): its GPU tests and the recorder's, then 6 interleaved
 #          rounds against the default (~9 min on a fresh machine: the probe compiles per shape)
+#   releaseprobe  RELEASE_ONLY_PUBLISH: its GPU tests, then 6 interleaved rounds of the default,
+#          DEFER_SIGNALS, it, and both (~5 min)
 #   deferclock  DEFER_SIGNALS sustained: qwen3, dsv3, gptoss under the clock probe (~3 min)
 #   warp0probe  WARP0_TMA_STAGES: its GPU tests, 6 interleaved rounds against the default, then the
 #          clock probe with it (~7 min)
@@ -517,6 +519,9 @@ case "$what" in
   tailrecord) run_tail_record ;;
   deferprobe) gpu_tests_passed defer "defer_signals or recorded_megakernel_timeline" 220
               layer_probe 340 layer_defer_signals_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjv --rounds 6 ;;
+  releaseprobe) gpu_tests_passed release "release_only_publish" 240
+                layer_probe 330 layer_release_only_publish_ab \
+                  --comm 0lxwfkuesmhj,0lxwfkuesmhjv,0lxwfkuesmhja,0lxwfkuesmhjva --rounds 6 ;;
   deferclock) timeout -s KILL 300 python3 tools/clock_probe.py --shapes qwen3_30b,dsv3_ep8_rank,gptoss_120b \
                 --rounds 3 --switch DEFER_SIGNALS --json "$out/clock_probe_defer.json" 2>&1 \
                 | grep -v Warn | tail -30 ;;
@@ -543,5 +548,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -124,7 +124,7 @@ class MegakernelSm90:
                  ksum_staged: bool = False, pingpong: bool = False,
                  one_epilogue_barrier: bool = False, short_task_start: bool = False,
                  fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
-                 defer_signals: bool = False):
+                 defer_signals: bool = False, release_only_publish: bool = False):
         if not 0 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [0, num_ctas={num_ctas}), got {num_comm_ctas}")
         # num_comm_ctas = 0: one rank whose list has no comm task and whose BARRIER is a compute
@@ -264,6 +264,14 @@ class MegakernelSm90:
             raise ValueError("defer_signals needs one rank, decoded_tickets, store_warp_signals "
                              "and the cooperative loop")
         self.defer_signals = defer_signals
+        # release_only_publish: a compute task's counter is published by its release reduction
+        # alone, without the fence.acq_rel before it. The release is that fence (cumulative:
+        # it covers the writes of the threads synced with the publisher by the epilogue
+        # barrier too), so each publish emitted two MEMBAR.ALL.GPU where one is needed. Why:
+        # the store warp's SIGNAL phase (its wait for the stores, its fences and the publish)
+        # is 2.0-2.2 us per GEMM task (sixteenth session, recorded), on its warpgroup's way to
+        # the next mainloop
+        self.release_only_publish = release_only_publish
         self.decoded_words = SHORT_START_WORDS if short_task_start else DECODED_WORDS
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
@@ -822,6 +830,12 @@ class MegakernelSm90:
             cute.arch.fence_acq_rel_sys()
         else:
             cute.arch.fence_acq_rel_gpu()
+
+    @cute.jit
+    def _publish_fence(self):
+        """The fence before a compute task's release publish, unless release_only_publish."""
+        if const_expr(not self.release_only_publish):
+            self._fence()
 
     @cute.jit
     def _take_ticket(self, counters, slot: Int32) -> Int32:
@@ -1450,7 +1464,7 @@ class MegakernelSm90:
         if is_store_warp:
             self._stores_landed(True)
         if consumer_tidx == 0:
-            self._fence()
+            self._publish_fence()
             common.counter_publish(counters[0, None], signal, 1, self.scope)
 
     @cute.jit
@@ -1472,7 +1486,7 @@ class MegakernelSm90:
         if held:
             t_end = t_held_end
         else:
-            self._fence()
+            self._publish_fence()
             if const_expr(self.num_comm_ctas == 0):
                 if ttype == int(TaskType.BARRIER):
                     self._announce_done(ctx, peer_bases, rank)
@@ -1931,7 +1945,8 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        ksum_staged: bool = False, pingpong: bool = False,
                        one_epilogue_barrier: bool = False, short_task_start: bool = False,
                        fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
-                       defer_signals: bool = False, arch: str = "sm_90a",
+                       defer_signals: bool = False, release_only_publish: bool = False,
+                       arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
@@ -1939,7 +1954,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong,
                         one_epilogue_barrier, short_task_start, fence_fc1_only,
-                        warp0_tma_stages, defer_signals)
+                        warp0_tma_stages, defer_signals, release_only_publish)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
