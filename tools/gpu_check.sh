@@ -74,6 +74,8 @@
 #          buffers kept (~4 min)
 #   deferprobe  DEFER_SIGNALS (unmeasured): its GPU tests and the recorder's, then 6 interleaved
 #          rounds against the default (~9 min on a fresh machine: the probe compiles per shape)
+#   ncu        Nsight Compute counters (DRAM and L2 bytes, L2 hit rate, instructions, tensor
+#          pipe, clock) of one call of each path, mixtral and qwen3, summed per path (~6 min)
 #   releaseprobe  RELEASE_ONLY_PUBLISH: its GPU tests, then 6 interleaved rounds of the default,
 #          DEFER_SIGNALS, it, and both (~5 min)
 #   deferclock  DEFER_SIGNALS sustained: qwen3, dsv3, gptoss under the clock probe (~3 min)
@@ -227,6 +229,34 @@ run_order() {
 }
 
 
+run_ncu() {
+  # the metrics this ncu knows (an unknown name fails the whole run), then one ncu run per shape
+  local want="dram__bytes_read.sum dram__bytes_write.sum lts__t_bytes.sum lts__t_sector_hit_rate.pct
+    smsp__inst_executed.sum gpu__time_duration.sum sm__cycles_elapsed.avg.per_second
+    sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+    sm__inst_executed_pipe_lsu.sum l1tex__t_bytes.sum"
+  local ncu
+  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
+  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 1; }
+  "$ncu" --version | tail -1
+  "$ncu" --query-metrics --chip gh100 > "$out/ncu_metrics.txt" 2>&1
+  local metrics="" m
+  for m in $want; do
+    if grep -qE "^\s*${m%%.*}\b" "$out/ncu_metrics.txt"; then metrics="$metrics,$m"; else echo "ncu lacks $m"; fi
+  done
+  metrics="${metrics#,}"
+  [ -n "$metrics" ] || metrics="dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
+  echo "metrics: $metrics"
+  local shape
+  for shape in mixtral qwen3_30b; do
+    timeout -s KILL 240 "$ncu" --profile-from-start off --clock-control none --csv \
+      --metrics "$metrics" --log-file "$out/ncu_$shape.csv" \
+      python3 tools/ncu_layer.py --shapes "$shape" 2>&1 | grep -v Warn | tail -3
+  done
+  python3 tools/ncu_summary.py "$out"/ncu_mixtral.csv "$out"/ncu_qwen3_30b.csv \
+    --json "$out/ncu_summary.json" 2>&1 | cut -c1-400
+  rm -f "$out/ncu_metrics.txt"
+}
 run_single_bench() {
   # run_single_bench TAG: the one-GPU bench of record on the five single-GPU shapes
   timeout -s KILL 280 python3 -m mok_cute.cli bench --shapes single \
@@ -519,6 +549,7 @@ case "$what" in
   tailrecord) run_tail_record ;;
   deferprobe) gpu_tests_passed defer "defer_signals or recorded_megakernel_timeline" 220
               layer_probe 340 layer_defer_signals_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjv --rounds 6 ;;
+  ncu) run_ncu ;;
   releaseprobe) gpu_tests_passed release "release_only_publish" 240
                 layer_probe 330 layer_release_only_publish_ab \
                   --comm 0lxwfkuesmhj,0lxwfkuesmhjv,0lxwfkuesmhja,0lxwfkuesmhjva --rounds 6 ;;
@@ -548,5 +579,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,60 @@
+"""Hardware counters of one layer call on each path, for Nsight Compute.
+
+    ncu --profile-from-start off --clock-control none --metrics M1,M2,... --csv \\
+        python tools/ncu_layer.py --shapes mixtral,qwen3_30b
+
+Each shape's expert path and megakernel are compiled and warmed up outside the profiled range
+(and checked bitwise against each other), then one call of each runs between
+``cudaProfilerStart`` and ``cudaProfilerStop``, inside NVTX ranges named ``<shape>/<path>``,
+so ``ncu --profile-from-start off`` collects exactly those launches (the expert path's six,
+the megakernel's one). Why: both paths run these layers at the H200's 700 W cap (fifteenth
+session), where what a path costs is energy, i.e. the bytes it moves (DRAM, L2) and the
+instructions it issues; ncu counts those, and the recorder and the clock probe cannot.
+``tools/gpu_check.sh ncu`` runs it and sums the counters per shape and path
+(``tools/ncu_summary.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+import mok_cute  # noqa: E402
+from mok_cute import benchmark as bm, megakernel  # noqa: E402
+from mok_cute.config import MoKConfig  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="mixtral,qwen3_30b")
+    ap.add_argument("--warmup", type=int, default=3, help="unprofiled calls of each path first")
+    a = ap.parse_args()
+    paths = {"expert_kernels": MoKConfig(check_ids=False),
+             "megakernel": MoKConfig(check_ids=False, backend="megakernel")}
+    for name in a.shapes.split(","):
+        p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
+        i = p.inputs
+        args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
+        outs = {}
+        for path, config in paths.items():
+            for _ in range(a.warmup):
+                outs[path] = mok_cute.moe_forward(*args, shared=p.shared, config=config)
+            torch.cuda.synchronize()
+            megakernel.raise_pending_errors()
+        assert torch.equal(outs["megakernel"], outs["expert_kernels"]), f"{name}: paths differ"
+        for path, config in paths.items():
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            torch.cuda.nvtx.range_push(f"{name}/{path}")
+            mok_cute.moe_forward(*args, shared=p.shared, config=config)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.profiler.stop()
+        print(f"{name}: profiled one call of each path", flush=True)
+
+
+if __name__ == "__main__":
+    main()
