@@ -76,6 +76,11 @@
 #          rounds against the default (~9 min on a fresh machine: the probe compiles per shape)
 #   ncu        Nsight Compute counters (DRAM and L2 bytes, L2 hit rate, instructions, tensor
 #          pipe, clock) of one call of each path, mixtral and qwen3, summed per path (~6 min)
+#   ncusource  Nsight Compute's per-SASS-instruction counters (instructions executed, warp stall
+#          samples) of the megakernel and the expert path's GEMMs, mixtral and qwen3 (~4 min)
+#   ncusourcering  the same for the megakernel alone with LOCAL_DIRECT off (FC1's A by TMA from
+#          the ring, filled by comm CTAs), against the gathered A (~2 min)
+#   ncuring    the ncu counters of the megakernel alone with LOCAL_DIRECT off (~2 min)
 #   releaseprobe  RELEASE_ONLY_PUBLISH: its GPU tests, then 6 interleaved rounds of the default,
 #          DEFER_SIGNALS, it, and both (~5 min)
 #   deferclock  DEFER_SIGNALS sustained: qwen3, dsv3, gptoss under the clock probe (~3 min)
@@ -230,7 +235,10 @@ run_order() {
 
 
 run_ncu() {
-  # the metrics this ncu knows (an unknown name fails the whole run), then one ncu run per shape
+  # run_ncu [KERNEL_REGEX [ncu_layer.py args...]]: the metrics this ncu knows (an unknown name
+  # fails the whole run), then one ncu run per shape
+  local kernels="${1:-.}"
+  shift || true
   local want="dram__bytes_read.sum dram__bytes_write.sum lts__t_bytes.sum lts__t_sector_hit_rate.pct
     smsp__inst_executed.sum gpu__time_duration.sum sm__cycles_elapsed.avg.per_second
     sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
@@ -250,12 +258,29 @@ run_ncu() {
   local shape
   for shape in mixtral qwen3_30b; do
     timeout -s KILL 240 "$ncu" --profile-from-start off --clock-control none --csv \
-      --metrics "$metrics" --log-file "$out/ncu_$shape.csv" \
-      python3 tools/ncu_layer.py --shapes "$shape" 2>&1 | grep -v Warn | tail -3
+      --kernel-name "regex:$kernels" --metrics "$metrics" --log-file "$out/ncu_$shape.csv" \
+      python3 tools/ncu_layer.py --shapes "$shape" "$@" 2>&1 | grep -v Warn | tail -3
   done
   python3 tools/ncu_summary.py "$out"/ncu_mixtral.csv "$out"/ncu_qwen3_30b.csv \
     --json "$out/ncu_summary.json" 2>&1 | cut -c1-400
   rm -f "$out/ncu_metrics.txt"
+}
+run_ncu_source() {
+  # run_ncu_source [KERNEL_REGEX [ncu_layer.py args...]]
+  local ncu shape kernels="${1:-Megakernel|GroupedGemm}"
+  shift || true
+  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
+  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 1; }
+  for shape in mixtral qwen3_30b; do
+    timeout -s KILL 200 "$ncu" --profile-from-start off --clock-control none \
+      --kernel-name "regex:$kernels" --section SourceCounters -f -o "$out/src_$shape" \
+      python3 tools/ncu_layer.py --shapes "$shape" "$@" 2>&1 | grep -v Warn | tail -2
+    "$ncu" -i "$out/src_$shape.ncu-rep" --page source --print-source sass --csv \
+      > "$out/ncu_source_$shape.csv" 2> "$out/ncu_source_$shape.err"
+    ls -la "$out/src_$shape.ncu-rep" "$out/ncu_source_$shape.csv"; head -c 600 "$out/ncu_source_$shape.err"
+    rm -f "$out/src_$shape.ncu-rep"
+    gzip -f "$out/ncu_source_$shape.csv"
+  done
 }
 run_single_bench() {
   # run_single_bench TAG: the one-GPU bench of record on the five single-GPU shapes
@@ -550,6 +575,9 @@ case "$what" in
   deferprobe) gpu_tests_passed defer "defer_signals or recorded_megakernel_timeline" 220
               layer_probe 340 layer_defer_signals_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjv --rounds 6 ;;
   ncu) run_ncu ;;
+  ncusource) run_ncu_source ;;
+  ncusourcering) run_ncu_source Megakernel --set LOCAL_DIRECT=0 ;;
+  ncuring) run_ncu Megakernel --set LOCAL_DIRECT=0 ;;
   releaseprobe) gpu_tests_passed release "release_only_publish" 240
                 layer_probe 330 layer_release_only_publish_ab \
                   --comm 0lxwfkuesmhj,0lxwfkuesmhjv,0lxwfkuesmhja,0lxwfkuesmhjva --rounds 6 ;;
@@ -579,5 +607,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|testbench [TAG]|all]" >&2; exit 2 ;;
 esac

@@ -31,7 +31,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="mixtral,qwen3_30b")
     ap.add_argument("--warmup", type=int, default=3, help="unprofiled calls of each path first")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=INT",
+                    help="a megakernel module setting for the run, e.g. LOCAL_DIRECT=0")
     a = ap.parse_args()
+    for item in a.set:
+        name, value = item.split("=", 1)
+        if not hasattr(megakernel, name):
+            raise SystemExit(f"--set: megakernel has no setting {name!r}")
+        setattr(megakernel, name, type(getattr(megakernel, name))(int(value)))
     paths = {"expert_kernels": MoKConfig(check_ids=False),
              "megakernel": MoKConfig(check_ids=False, backend="megakernel")}
     for name in a.shapes.split(","):
