@@ -216,22 +216,25 @@ FENCE_FC1_ONLY = experimental_switch("FENCE_FC1_ONLY", False)
 WARP0_TMA_STAGES = experimental_switch("WARP0_TMA_STAGES", False)
 # At one rank with no comm task, an FC1 or FC2 task's counter published only when the CTA's
 # next task needs it out of the way (kernels.megakernel_sm90's defer_signals): at that task's
-# start if it may wait on it (an FC2 after an FC1, a KSUM or BARRIER), else after its
-# mainloop, and at the end; the store
-# warp then no longer waits for a tile's TMA stores to land before its warpgroup's next
-# mainloop. Why: qwen3's cooperative FC2 tasks (12 k-tiles) run one every 10.98 us against
-# ~9.7 us for the expert path's cooperative tiles and 8.84 for its pingpong ones (fifteenth
-# session, run 112), ~1.3 us of task overhead over 8704 FC2 and 6528 FC1 tasks. Predicted, if
-# that overhead is the store wait: qwen3 -2 to -4 %, dsv3 and sonic ~-1.5 %, mixtral level.
+# start if it may wait on it (an FC2 after an FC1, a KSUM or BARRIER), else once its first
+# k-tile is issued, and at the end; the store warp then no longer waits for a tile's TMA
+# stores to land before its warpgroup's next mainloop. Why: qwen3's cooperative FC2 tasks
+# (12 k-tiles) run one every 10.98 us against ~9.7 us for the expert path's cooperative tiles
+# and 8.84 for its pingpong ones (fifteenth session, run 112), ~1.3 us of task overhead over
+# 8704 FC2 and 6528 FC1 tasks. Predicted, if that overhead is the store wait: qwen3 -2 to
+# -4 %, dsv3 and sonic ~-1.5 %, mixtral level.
 # The sixth session's DEFER_FC2_SIGNALS measured slower (run 46), in a kernel whose wgmmas no
-# test checked for serialisation. Written after the fifteenth session's device time was
-# spent: compile-checked (0 spills, wgmmas pipelined), not run. MOK_DEFER_SIGNALS=1.
+# test checked for serialisation. Measured in the sixteenth session: flushed after the next
+# whole mainloop, qwen3 1.065 x (slower: other CTAs' FC2 waited on held FC1 counters); flushed
+# once the next mainloop's first k-tile is issued (the code now), level (runs 118-120: 0.985-
+# 1.009; the store warp's SIGNAL phase is mostly off the critical path, the other warpgroup
+# runs ahead through the loaded stages). Off. MOK_DEFER_SIGNALS=1.
 DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", False)
 # A compute task's counter published by its release reduction alone, without a fence.acq_rel
 # before it (kernels.megakernel_sm90's release_only_publish): one MEMBAR.ALL.GPU per task
 # instead of two on the store warp's way from a tile's stores to the next mainloop (its
-# SIGNAL phase: 2.0-2.2 us per GEMM task, recorded in the sixteenth session). Written in the
-# sixteenth session. MOK_RELEASE_ONLY_PUBLISH=1.
+# SIGNAL phase: 2.0-2.2 us per GEMM task, recorded in the sixteenth session). Measured level
+# (run 120: 0.988-1.005 paired on the five shapes), so off. MOK_RELEASE_ONLY_PUBLISH=1.
 RELEASE_ONLY_PUBLISH = experimental_switch("RELEASE_ONLY_PUBLISH", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
