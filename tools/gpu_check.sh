@@ -80,6 +80,9 @@
 #          samples) of the megakernel and the expert path's GEMMs, mixtral and qwen3 (~4 min)
 #   ncusourcering  the same for the megakernel alone with LOCAL_DIRECT off (FC1's A by TMA from
 #          the ring, filled by comm CTAs), against the gathered A (~2 min)
+#   onebatch   the megakernel with one minibatch holding every row (all FC1 tiles queued before
+#          all FC2 tiles, as the expert path runs them) against the default 8-tile minibatches,
+#          qwen3 and mixtral, 4 interleaved rounds (~4 min)
 #   ncuring    the ncu counters of the megakernel alone with LOCAL_DIRECT off (~2 min)
 #   releaseprobe  RELEASE_ONLY_PUBLISH: its GPU tests, then 6 interleaved rounds of the default,
 #          DEFER_SIGNALS, it, and both (~5 min)
@@ -281,6 +284,16 @@ run_ncu_source() {
     rm -f "$out/src_$shape.ncu-rep"
     gzip -f "$out/ncu_source_$shape.csv"
   done
+}
+run_one_batch() {
+  # minibatch_tokens = the schedule's capacity (qwen3 147328 rows, mixtral 17408): one
+  # minibatch, so FC1 and FC2 tiles of different minibatches never share the GPU's L2
+  timeout -s KILL 200 python3 tools/megakernel_probe.py --shapes qwen3_30b --comm 0lxwfkuesmhj \
+    --minibatch-tokens 1024,147328 --rounds 4 --json "$out/one_batch_qwen3.json" 2>&1 \
+    | grep -v Warn | grep "paired" | cut -c1-200
+  timeout -s KILL 200 python3 tools/megakernel_probe.py --shapes mixtral --comm 0lxwfkuesmhj \
+    --minibatch-tokens 1024,17408 --rounds 4 --json "$out/one_batch_mixtral.json" 2>&1 \
+    | grep -v Warn | grep "paired" | cut -c1-200
 }
 run_single_bench() {
   # run_single_bench TAG: the one-GPU bench of record on the five single-GPU shapes
@@ -578,6 +591,7 @@ case "$what" in
   ncusource) run_ncu_source ;;
   ncusourcering) run_ncu_source Megakernel --set LOCAL_DIRECT=0 ;;
   ncuring) run_ncu Megakernel --set LOCAL_DIRECT=0 ;;
+  onebatch) run_one_batch ;;
   releaseprobe) gpu_tests_passed release "release_only_publish" 240
                 layer_probe 330 layer_release_only_publish_ab \
                   --comm 0lxwfkuesmhj,0lxwfkuesmhjv,0lxwfkuesmhja,0lxwfkuesmhjva --rounds 6 ;;
@@ -607,5 +621,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|testbench [TAG]|all]" >&2; exit 2 ;;
 esac
