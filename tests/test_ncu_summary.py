@@ -64,3 +64,59 @@ def test_main_prints_and_writes_json(ncu_summary, tmp_path, capsys, monkeypatch)
     ncu_summary.main()
     assert "[megakernel] launches=1, smsp__inst_executed.sum=42" in capsys.readouterr().out
     assert json.loads(out.read_text())[path]["paths"]["megakernel"]["smsp__inst_executed.sum"] == 42
+
+
+# ------------------------------------------------- tools/ncu_source_summary.py (SourceCounters)
+SOURCE_HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+                 '"stall_long_sb","stall_barrier"')
+
+
+@pytest.fixture(scope="module")
+def ncu_source_summary():
+    path = ROOT / "tools" / "ncu_source_summary.py"
+    spec = importlib.util.spec_from_file_location("ncu_source_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sass(rows):
+    return [f'"{a:#x}","{src}","{stall}","{n}","{stall}","0"' for a, src, n, stall in rows]
+
+
+def test_source_summary_counts_waits_that_fall_to_the_retry_loop(ncu_source_summary, tmp_path):
+    """A main-path TRYWAIT whose predicated branch (after a BSSY) enters a stub that ptxas
+    placed later: the stub's first instruction counts the entries, its TRYWAIT the retries.
+    A second block of the same kernel name (FC2's launch of the GEMM) stays separate."""
+    main = _sass([(0x100, "MOV R3, UR21", 100, 0),
+                  (0x110, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR22], R3", 100, 5),
+                  (0x120, "BSSY B4, 0x200", 100, 0),
+                  (0x130, "@!P0  BRA 0x300", 100, 40),
+                  (0x140, "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR16], R24", 100, 30),
+                  (0x300, "MOV R3, R2", 60, 0),  # the stub: 60 of 100 waits came here
+                  (0x310, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ], R3", 540, 0),
+                  (0x320, "@!P0  NANOSLEEP.SYNCS 0x989680", 540, 0),
+                  (0x330, "@!P0  SYNCS.PHASECHK.TRANS64 P0, [R3+URZ], R3", 540, 0),
+                  (0x340, "@!P0  BRA 0x310", 540, 0),
+                  (0x350, "BRA 0x140", 60, 0)])
+    other = _sass([(0x100, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR22], R3", 7, 1),
+                   (0x110, "@!P0  BRA 0x900", 7, 1)])
+    log = tmp_path / "source.csv"
+    log.write_text("\n".join(['"Kernel Name","kernel_Megakernel",', SOURCE_HEADER, *main,
+                              '"Kernel Name","kernel_GroupedGemm",', SOURCE_HEADER, *other,
+                              '"Kernel Name","kernel_GroupedGemm",', SOURCE_HEADER, *other]) + "\n")
+    kernels = ncu_source_summary.read_kernels(str(log))
+    assert [name for name, _ in kernels] == ["kernel_Megakernel", "kernel_GroupedGemm",
+                                             "kernel_GroupedGemm"]
+    s = ncu_source_summary.summarize(kernels[0][1])
+    assert s["instructions"] == 100 * 5 + 60 * 2 + 540 * 4
+    assert s["stall_samples"] == 75
+    assert s["opcodes"]["SYNCS"] == 100 + 540 * 2 and s["opcodes"]["NANOSLEEP"] == 540
+    (wait,) = s["waits"]  # the stub's own TRYWAIT is not a wait of its own
+    assert wait == {"pc": 0x10, "waits": 100, "retry_entries": 60, "retry_iterations": 540,
+                    "stall_samples": 5 + 40}  # the TRYWAIT's and its branch's
+    assert s["top_stalls"][0]["pc"] == 0x30 and s["top_stalls"][0]["samples"] == 40
+    assert s["top_stalls"][0]["reasons"][0] == ("stall_long_sb", 40)
+    # a branch to an address outside the listing: no retry loop found, nothing counted
+    (w,) = ncu_source_summary.summarize(kernels[1][1])["waits"]
+    assert w["retry_entries"] == 0 and w["retry_iterations"] == 0

@@ -280,8 +280,9 @@ run_ncu_source() {
       python3 tools/ncu_layer.py --shapes "$shape" "$@" 2>&1 | grep -v Warn | tail -2
     "$ncu" -i "$out/src_$shape.ncu-rep" --page source --print-source sass --csv \
       > "$out/ncu_source_$shape.csv" 2> "$out/ncu_source_$shape.err"
-    ls -la "$out/src_$shape.ncu-rep" "$out/ncu_source_$shape.csv"; head -c 600 "$out/ncu_source_$shape.err"
+    head -c 600 "$out/ncu_source_$shape.err"
     rm -f "$out/src_$shape.ncu-rep"
+    python3 tools/ncu_source_summary.py "$out/ncu_source_$shape.csv" --top 8 2>&1 | cut -c1-160
     gzip -f "$out/ncu_source_$shape.csv"
   done
 }
