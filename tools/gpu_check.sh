@@ -77,7 +77,8 @@
 #   ncu        Nsight Compute counters (DRAM and L2 bytes, L2 hit rate, instructions, tensor
 #          pipe, clock) of one call of each path, mixtral and qwen3, summed per path (~6 min)
 #   ncusource  Nsight Compute's per-SASS-instruction counters (instructions executed, warp stall
-#          samples) of the megakernel and the expert path's GEMMs, mixtral and qwen3 (~4 min)
+#          samples) of the megakernel and the expert path's GEMMs, mixtral and qwen3 (NCU_SHAPES
+#          overrides), summarized by tools/ncu_source_summary.py (~1 min a shape)
 #   ncusourcering  the same for the megakernel alone with LOCAL_DIRECT off (FC1's A by TMA from
 #          the ring, filled by comm CTAs), against the gathered A (~2 min)
 #   onebatch   the megakernel with one minibatch holding every row (all FC1 tiles queued before
@@ -274,7 +275,7 @@ run_ncu_source() {
   shift || true
   ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "no ncu on this machine"; return 1; }
-  for shape in mixtral qwen3_30b; do
+  for shape in ${NCU_SHAPES:-mixtral qwen3_30b}; do
     timeout -s KILL 200 "$ncu" --profile-from-start off --clock-control none \
       --kernel-name "regex:$kernels" --section SourceCounters -f -o "$out/src_$shape" \
       python3 tools/ncu_layer.py --shapes "$shape" "$@" 2>&1 | grep -v Warn | tail -2
