@@ -80,9 +80,15 @@ class ClockSampler:
 
     def __init__(self, device: Any = None, interval_ms: int = 50):
         self.command = None
+        # which GPU nvidia-smi samples: the device's UUID or index, or "0" when neither
+        # answered (then the samples may be another GPU's; the stats say so)
+        self.nvidia_smi_id: str | None = None
         for device_id in (device_ids_of(device) if device is not None else []) + [None]:
             self.command = _query(device_id)
             if self.command is not None:
+                self.nvidia_smi_id = device_id or "0"
+                if device is not None and device_id is None:
+                    self.nvidia_smi_id = "0 (the device's own id did not answer)"
                 break
         self.interval_ms = interval_ms
         self.samples: list[tuple[float, float, float, float, str]] = []
@@ -133,7 +139,7 @@ class ClockSampler:
         mine = [s for s in self.samples if any(a <= s[0] <= b for a, b in spans)]
         if not mine:
             return None
-        return {"samples": len(mine),
+        return {"samples": len(mine), "nvidia_smi_id": getattr(self, "nvidia_smi_id", None),
                 "sm_mhz_median": statistics.median(s[1] for s in mine),
                 "sm_mhz_min": min(s[1] for s in mine),
                 "power_w_mean": round(statistics.fmean(s[2] for s in mine), 1),

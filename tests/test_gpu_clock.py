@@ -27,7 +27,7 @@ def test_stats_use_only_the_samples_inside_a_names_windows():
                  (12.0, 1600.0, 650.0, 52.0, "0x0"), (20.0, 1980.0, 100.0, 40.0, "0x0")]
     s.windows = {"a": [(9.5, 11.5)], "b": [(11.9, 12.1), (19.0, 21.0)], "c": [(30.0, 31.0)]}
     a = s.stats("a")
-    assert a == {"samples": 2, "sm_mhz_median": 1450.0, "sm_mhz_min": 1400.0,
+    assert a == {"samples": 2, "nvidia_smi_id": None, "sm_mhz_median": 1450.0, "sm_mhz_min": 1400.0,
                  "power_w_mean": 650.0, "temp_c_max": 55.0, "clock_event_reasons": ["0x4"]}
     assert s.stats("b")["samples"] == 2 and s.stats("b")["sm_mhz_min"] == 1600.0
     assert s.stats("c") is None and s.stats("never ran") is None
@@ -39,3 +39,16 @@ def test_without_nvidia_smi_the_sampler_records_nothing(monkeypatch):
         with sampler.window("x"):
             pass
     assert sampler.command is None and sampler.samples == [] and sampler.stats("x") is None
+
+
+def test_the_sampled_gpu_is_named_and_a_fallback_to_gpu_0_says_so(monkeypatch):
+    """nvidia-smi is asked for the device's UUID first; where only GPU 0 answers (the UUID and
+    the index did not), the sampler still samples but its stats name that fallback."""
+    monkeypatch.setattr(gpu_clock, "device_ids_of", lambda device: ["GPU-abc", "3"])
+    monkeypatch.setattr(gpu_clock, "_query", lambda device_id: ["nvidia-smi", str(device_id)])
+    assert gpu_clock.ClockSampler(device=3).nvidia_smi_id == "GPU-abc"
+    monkeypatch.setattr(gpu_clock, "_query",
+                        lambda device_id: None if device_id else ["nvidia-smi", "--id=0"])
+    sampler = gpu_clock.ClockSampler(device=3)
+    assert sampler.nvidia_smi_id.startswith("0 (") and sampler.command is not None
+    assert gpu_clock.ClockSampler().nvidia_smi_id == "0"
