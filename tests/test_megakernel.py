@@ -17,6 +17,15 @@ from mok_cute import reference
 from mok_cute.kernels.common import PeerTimeoutError
 
 
+# The one-rank build of the defaults (no comm CTA, local rows in place, the decoded ring,
+# store-warp signals, the staged k-sum, the short task start) with the shared expert and the
+# recorder: the compile tests of the one-rank switches start from it.
+ONE_RANK_BUILD = dict(num_ranks=1, num_comm_ctas=0, top_k=8, has_shared=True, timeline=True,
+                      local_direct=True, dynamic_tickets=True, decoded_tickets=True,
+                      ksum_vectors=16, store_warp_signals=True, ksum_staged=True,
+                      short_task_start=True)
+
+
 def _wgmma_pipelined(rep):
     """ptxas kept the wgmmas pipelined: no note that it serialised them (C7520 cost a build
     ~9 % per GEMM tile on the H200, runs 104-105) and no ignored setmaxnreg (C7508)."""
@@ -94,10 +103,7 @@ def test_zero_comm_ctas_compile_without_spills(tmp_path):
     and the shared expert, to wgmmas that ptxas keeps pipelined, without spills."""
     from mok_cute import jit
 
-    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, num_ranks=1, num_comm_ctas=0,
-                             top_k=8, has_shared=True, timeline=True, local_direct=True,
-                             dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16,
-                             store_warp_signals=True, ksum_staged=True, short_task_start=True)
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **ONE_RANK_BUILD)
     assert rep.spill_bytes == 0
     assert "wgmma.mma_async" in open(rep.ptx_path).read()
     _wgmma_pipelined(rep)
@@ -276,20 +282,18 @@ def test_fence_fc1_only_keeps_the_wgmmas_pipelined(tmp_path):
 
 def test_defer_signals_keeps_the_wgmmas_pipelined(tmp_path):
     """defer_signals: the held-back publish (a branch before the mainloop, one after the
-    mainloop's first k-tile, one at the loop's end), at one rank with no comm CTA, the shared expert and the recorder: no
-    spills, the wgmmas still pipelined, one release publish more per flush site; refused where
-    a task could wait on a signal its own CTA holds (several ranks) or without the decoded
-    ring and store-warp signals."""
+    mainloop's first k-tile, one at the loop's end), at one rank with no comm CTA, the shared
+    expert and the recorder: no spills, the wgmmas still pipelined, one release publish more
+    per flush site; refused where a task could wait on a signal its own CTA holds (several
+    ranks) or without the decoded ring and store-warp signals."""
     from mok_cute import jit
     from mok_cute.kernels import megakernel_sm90
 
-    static = dict(num_ranks=1, num_comm_ctas=0, top_k=8, has_shared=True, timeline=True,
-                  local_direct=True, dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16,
-                  store_warp_signals=True, ksum_staged=True, short_task_start=True)
-    rep = jit.inspect_kernel("megakernel", outdir=tmp_path / "on", **static, defer_signals=True)
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path / "on", **ONE_RANK_BUILD,
+                             defer_signals=True)
     assert rep.spill_bytes == 0 and rep.registers == 168
     _wgmma_pipelined(rep)
-    base = jit.inspect_kernel("megakernel", outdir=tmp_path / "off", **static)
+    base = jit.inspect_kernel("megakernel", outdir=tmp_path / "off", **ONE_RANK_BUILD)
     releases = [open(r.ptx_path).read().count("red.release") for r in (base, rep)]
     assert releases[1] == releases[0] + 3
     with pytest.raises(ValueError, match="defer_signals needs one rank"):
@@ -307,10 +311,7 @@ def test_warp0_tma_stages_keeps_the_wgmmas_pipelined(tmp_path):
     pipelined, and the counted arrival in the PTX (a register count, not the implicit 1)."""
     from mok_cute import jit
 
-    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, num_ranks=1, num_comm_ctas=0,
-                             top_k=8, has_shared=True, timeline=True, local_direct=True,
-                             dynamic_tickets=True, decoded_tickets=True, ksum_vectors=16,
-                             store_warp_signals=True, ksum_staged=True, short_task_start=True,
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **ONE_RANK_BUILD,
                              warp0_tma_stages=True)
     assert rep.spill_bytes == 0 and rep.registers == 168
     _wgmma_pipelined(rep)

@@ -254,10 +254,10 @@ class MegakernelSm90:
         # mainloop measured slower (qwen3 +6.5 %, sixteenth session): other CTAs' FC2 tasks
         # waited a whole FC1 mainloop on a held FC1 counter. At one rank FC1 waits on nothing
         # and FC2 only on FC1, so a held FC1 is published within one FC1 k-tile or at once, a
-        # held FC2 within one k-tile: nothing waits on a signal its own CTA holds back. Why: the store warp's wait for a tile's TMA stores to
-        # land, its fence and its publish hold its warpgroup's next mainloop; qwen3's FC2 tasks
-        # (12 k-tiles) run one every 10.98 us against ~9.7 for the expert path's cooperative
-        # tiles (fifteenth session). The sixth session's DEFER_FC2_SIGNALS measured slower, in
+        # held FC2 within one k-tile: nothing waits on a signal its own CTA holds back. Why:
+        # the store warp's wait for a tile's TMA stores to land, its fence and its publish
+        # hold its warpgroup's next mainloop; qwen3's FC2 tasks (12 k-tiles) run one every
+        # 10.98 us against ~9.7 for the expert path's cooperative tiles (fifteenth session). The sixth session's DEFER_FC2_SIGNALS measured slower, in
         # a kernel whose wgmmas no test checked for serialisation (C7520 since the fourteenth)
         if defer_signals and not (num_ranks == 1 and decoded_tickets and store_warp_signals
                                   and not pingpong):
@@ -1422,7 +1422,7 @@ class MegakernelSm90:
                     rank: Int32, subtiles: Int32, barrier, store_pipeline, is_store_warp,
                     buf_base, sync_store_warp: cutlass.Constexpr[bool], tma_st_h, t_st_h,
                     tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y,
-                    wait_stores=True) -> Int32:
+                    wait_stores=True):
         """A GEMM task's epilogue: its output tile (h of FC1, y of FC2, the shared expert's
         h / y) stored by TMA, then the store warp waits for the stores to land (and, with
         ``sync_store_warp``, syncs its lanes so that lane 0 may publish without a barrier).
@@ -1479,12 +1479,10 @@ class MegakernelSm90:
         by the thread that waited for its FC2 tiles. ``held`` (defer_signals): the counter is
         published later (``_flush_signal``); only the span is recorded, ending with its stores
         issued."""
-        t_held_end = t_start
-        if const_expr(t_signal is not None):
-            t_held_end = t_signal
         t_end = t_start
         if held:
-            t_end = t_held_end
+            if const_expr(t_signal is not None):
+                t_end = t_signal
         else:
             self._publish_fence()
             if const_expr(self.num_comm_ctas == 0):
