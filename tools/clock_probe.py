@@ -20,11 +20,10 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-import mok_cute  # noqa: E402
-from mok_cute import benchmark as bm, megakernel  # noqa: E402
+from mok_cute import megakernel  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.gpu_clock import ClockSampler  # noqa: E402
-from layer_profile import save_probe_json  # noqa: E402
+from layer_profile import layer_call, save_probe_json  # noqa: E402
 
 
 def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
@@ -47,9 +46,7 @@ def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
 def probe(name: str, seconds: float, rounds: int, switches: list[str]) -> dict:
     """The expert path, the megakernel, and the megakernel with each boolean module switch of
     ``switches`` flipped (the others at their defaults)."""
-    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
-    i = p.inputs
-    args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
+    _, forward = layer_call(name)
     expert, mega = MoKConfig(check_ids=False), MoKConfig(check_ids=False, backend="megakernel")
     defaults = {s: getattr(megakernel, s) for s in switches}
 
@@ -57,7 +54,7 @@ def probe(name: str, seconds: float, rounds: int, switches: list[str]) -> dict:
         def run():
             for s, v in defaults.items():  # plans are keyed by the switches: no recompile
                 setattr(megakernel, s, (not v) if s == flip else v)
-            return mok_cute.moe_forward(*args, shared=p.shared, config=config)
+            return forward(config)
         return run
 
     runs = {"expert_kernels": call(expert), "megakernel": call(mega)}

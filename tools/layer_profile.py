@@ -31,6 +31,21 @@ def save_probe_json(path, fields: dict, argv=None) -> None:
         json.dump(doc, f, indent=1)
 
 
+def layer_call(name: str, seed: int = 1):
+    """A single-GPU shape's random problem on the GPU and ``forward(config)``: one
+    ``mok_cute.moe_forward`` call of it (with its shared expert) under ``config``."""
+    import mok_cute
+    from mok_cute import benchmark as bm
+
+    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=seed)
+    i = p.inputs
+
+    def forward(config):
+        return mok_cute.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up,
+                                    p.w_down, shared=p.shared, config=config)
+    return p, forward
+
+
 def gpu_ms(fn, reps=10):
     fn()
     torch.cuda.synchronize()

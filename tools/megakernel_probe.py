@@ -51,7 +51,7 @@ import mok_cute  # noqa: E402
 from mok_cute import benchmark as bm, jit, megakernel, ops  # noqa: E402
 from mok_cute.kernels import gemm_sm90  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
-from layer_profile import gpu_ms, save_probe_json  # noqa: E402  (tools/ is on sys.path when run as a script)
+from layer_profile import gpu_ms, layer_call, save_probe_json  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def layer_flops(p) -> float:
@@ -136,11 +136,10 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
     """The expert path, optionally with ``ops.SCATTER_X`` flipped, then every ``--comm`` spec of
     the megakernel; with ``rounds`` > 1 all variants are timed again in turn, odd rounds in
     reverse order (the clock drifts within a process) and each row keeps every round's time and their minimum."""
-    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
+    p, forward = layer_call(name)
     i, flops = p.inputs, layer_flops(p)
-    args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
     base = MoKConfig(check_ids=False)
-    expert = mok_cute.moe_forward(*args, shared=p.shared, config=base).clone()
+    expert = forward(base).clone()
     defaults = {n: getattr(megakernel, n) for n in SWITCHES}
     ops_defaults = {n: getattr(ops, n) for n in OPS_SWITCHES}
     variants = {"expert_kernels": (lambda: None, base)}
@@ -175,7 +174,7 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
             order = list(variants.items())
             for key, (setup, cfg) in (order if r % 2 == 0 else order[::-1]):
                 setup()
-                run = lambda cfg=cfg: mok_cute.moe_forward(*args, shared=p.shared, config=cfg)  # noqa: E731
+                run = lambda cfg=cfg: forward(cfg)  # noqa: E731
                 row = rows[key]
                 if r == 0:  # first call (compile), correctness, what the plan became
                     t0 = time.time()
@@ -236,7 +235,7 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         try:
             cfg = MoKConfig(check_ids=False, num_comm_sms=spec["comm"], timeline=True,
                             timeline_capacity=1 << 18, backend="megakernel")
-            mok_cute.moe_forward(*args, shared=p.shared, config=cfg)
+            forward(cfg)
             torch.cuda.synchronize()
             plan = next(pl for k, pl in megakernel._PLANS.items() if k.timeline)
         finally:

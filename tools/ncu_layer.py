@@ -22,9 +22,9 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-import mok_cute  # noqa: E402
-from mok_cute import benchmark as bm, megakernel  # noqa: E402
+from mok_cute import megakernel  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
+from layer_profile import layer_call  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def main() -> None:
@@ -42,13 +42,11 @@ def main() -> None:
     paths = {"expert_kernels": MoKConfig(check_ids=False),
              "megakernel": MoKConfig(check_ids=False, backend="megakernel")}
     for name in a.shapes.split(","):
-        p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
-        i = p.inputs
-        args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
+        _, forward = layer_call(name)
         outs = {}
         for path, config in paths.items():
             for _ in range(a.warmup):
-                outs[path] = mok_cute.moe_forward(*args, shared=p.shared, config=config)
+                outs[path] = forward(config)
             torch.cuda.synchronize()
             megakernel.raise_pending_errors()
         assert torch.equal(outs["megakernel"], outs["expert_kernels"]), f"{name}: paths differ"
@@ -56,7 +54,7 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
             torch.cuda.nvtx.range_push(f"{name}/{path}")
-            mok_cute.moe_forward(*args, shared=p.shared, config=config)
+            forward(config)
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_pop()
             torch.cuda.profiler.stop()

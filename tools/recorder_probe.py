@@ -20,21 +20,18 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-import mok_cute  # noqa: E402
-from mok_cute import benchmark as bm  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.timeline import TimelineBuffer  # noqa: E402
-from layer_profile import gpu_ms, host_ms, save_probe_json  # noqa: E402
+from layer_profile import gpu_ms, host_ms, layer_call, save_probe_json  # noqa: E402
 from schedule_probe import graph_ms  # noqa: E402
 
 
 def probe(name: str, rounds: int) -> dict:
-    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=1)
+    p, forward = layer_call(name)
     i = p.inputs
-    args = (i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
     off, on = MoKConfig(check_ids=False), MoKConfig(check_ids=False, timeline=True)
-    run_off = lambda: mok_cute.moe_forward(*args, shared=p.shared, config=off)  # noqa: E731
-    run_on = lambda: mok_cute.moe_forward(*args, shared=p.shared, config=on)  # noqa: E731
+    run_off = lambda: forward(off)  # noqa: E731
+    run_on = lambda: forward(on)  # noqa: E731
 
     def run_alloc():
         TimelineBuffer(on.timeline_capacity, device=i.x.device)
