@@ -91,6 +91,8 @@
 #   warp0probe  WARP0_TMA_STAGES: its GPU tests, 6 interleaved rounds against the default, then the
 #          clock probe with it (~7 min)
 #   clockprobe  SM clock and power under nvidia-smi while each path runs for 2 s (~3 min)
+#   halvesprobe  FC2_HALVES: its GPU tests and the recorder's, then 6 interleaved rounds against
+#          the default (PROBE_SHAPES overrides the five shapes; ~9 min on a fresh machine)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -128,7 +130,8 @@ layer_probe() {
   local secs="$1" name="$2"
   shift 2
   timeout -s KILL "$secs" python3 tools/megakernel_probe.py \
-    --shapes qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b "$@" --json "$out/$name.json" 2>&1 \
+    --shapes "${PROBE_SHAPES:-qwen3_30b,mixtral,dsv3_ep8_rank,gptoss_120b,sonic_120b}" "$@" \
+    --json "$out/$name.json" 2>&1 \
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -40
 }
 
@@ -605,6 +608,11 @@ case "$what" in
               timeout -s KILL 240 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
                 --rounds 3 --switch WARP0_TMA_STAGES --json "$out/clock_probe_warp0.json" 2>&1 \
                 | grep -v Warn | tail -30 ;;
+  halvesprobe) gpu_tests_passed halves "fc2_halves or recorded_megakernel_timeline" 320
+               layer_probe "${PROBE_SECS:-300}" layer_fc2_halves_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjp \
+                 --rounds "${PROBE_ROUNDS:-6}" ;;
+  halvesonly) layer_probe "${PROBE_SECS:-500}" layer_fc2_halves_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjp \
+                --rounds "${PROBE_ROUNDS:-6}" ;;
   clockprobe) timeout -s KILL 300 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
                 --json "$out/clock_probe.json" 2>&1 | grep -v Warn | tail -30 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
