@@ -92,7 +92,8 @@
 #          clock probe with it (~7 min)
 #   clockprobe  SM clock and power under nvidia-smi while each path runs for 2 s (~3 min)
 #   halvesprobe  FC2_HALVES: its GPU tests and the recorder's, then 6 interleaved rounds against
-#          the default (PROBE_SHAPES overrides the five shapes; ~9 min on a fresh machine)
+#          the default (PROBE_SHAPES overrides the five shapes; ~9 min on a fresh machine);
+#          halvesonly: the rounds alone; halvesrecord: qwen3 recorded with it off and on
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -468,6 +469,19 @@ run_tail_record() {
     done
   done
 }
+run_halves_record() {
+  # qwen3 (and HALVES_RECORD_SHAPES) recorded on the megakernel with FC2_HALVES off and on:
+  # summaries (FC1 / FC2 task periods, phases) and the raw buffers
+  for shape in ${HALVES_RECORD_SHAPES:-qwen3_30b}; do
+    for on in 0 1; do
+      MOK_FC2_HALVES=$on record_summary 90 "$out/${shape}_halves$on" \
+        "layer|every|KSUM|FC2 |FC1 |WAIT|EPILOGUE|SIGNAL" --shape $shape \
+        --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel
+      mv "$out/${shape}_halves$on/timeline_buffer.npy" "$out/${shape}_halves${on}_buffer.npy" 2>/dev/null
+      rm -rf "$out/${shape}_halves$on"
+    done
+  done
+}
 run_virtual_record() {
   # qwen3.5 at virtual R = 8 and the same problem at one rank (--t-scale 8: 16384 tokens, all
   # 512 experts) recorded; the recordings go back as one tarball (a call returns at most 8 files)
@@ -611,6 +625,7 @@ case "$what" in
   halvesprobe) gpu_tests_passed halves "fc2_halves or recorded_megakernel_timeline" 320
                layer_probe "${PROBE_SECS:-300}" layer_fc2_halves_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjp \
                  --rounds "${PROBE_ROUNDS:-6}" ;;
+  halvesrecord) run_halves_record ;;
   halvesonly) layer_probe "${PROBE_SECS:-500}" layer_fc2_halves_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjp \
                 --rounds "${PROBE_ROUNDS:-6}" ;;
   clockprobe) timeout -s KILL 300 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
