@@ -236,16 +236,6 @@ DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", False)
 # SIGNAL phase: 2.0-2.2 us per GEMM task, recorded in the sixteenth session). Measured level
 # (run 120: 0.988-1.005 paired on the five shapes), so off. MOK_RELEASE_ONLY_PUBLISH=1.
 RELEASE_ONLY_PUBLISH = experimental_switch("RELEASE_ONLY_PUBLISH", False)
-# A routed FC2 task run as two 128 x 128 halves, one per consumer warpgroup, taking turns at
-# the mainloop (kernels.megakernel_sm90's fc2_halves; FC1 and the shared expert stay
-# cooperative), so each half's epilogue and store wait overlap the other's mainloop, as in the
-# expert path's pingpong FC2. Only where FC2's K (the intermediate size) is at most
-# FC2_HALVES_MAX_K: the halves read A twice (ops.fc2_pingpong's rule). Why: at one rank
-# qwen3's whole gap to the expert path is FC2 (summed tile time per CTA 694.8 against 560.4
-# us, sixteenth session). Predicted: up to -5 % on qwen3, ~-2 % on dsv3, sonic and gptoss,
-# mixtral (K = 14336) unchanged. Unmeasured: off. MOK_FC2_HALVES=1.
-FC2_HALVES = experimental_switch("FC2_HALVES", False)
-FC2_HALVES_MAX_K = 8192
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -320,7 +310,6 @@ class PlanKey:
     warp0_tma_stages: bool = False  # WARP0_TMA_STAGES (with local_direct)
     defer_signals: bool = False  # DEFER_SIGNALS (one rank, no comm task, cooperative)
     release_only_publish: bool = False  # RELEASE_ONLY_PUBLISH
-    fc2_halves: bool = False  # FC2_HALVES (decoded tickets, store-warp signals, rows in place)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -541,8 +530,7 @@ class Plan:
             ksum_staged=k.ksum_staged, pingpong=k.pingpong,
             one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start,
             fence_fc1_only=k.fence_fc1_only, warp0_tma_stages=k.warp0_tma_stages,
-            defer_signals=k.defer_signals, release_only_publish=k.release_only_publish,
-            fc2_halves=k.fc2_halves)
+            defer_signals=k.defer_signals, release_only_publish=k.release_only_publish)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -771,10 +759,6 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         if fc1_lead is None:
             fc1_lead = fc1_lead_minibatches(num_sms - num_comm, minibatch // TILE_M,
                                             -(-2 * I // task_tile_n(pingpong)))
-    defer = (DEFER_SIGNALS and local_only and R == 1 and decoded and STORE_WARP_SIGNALS
-             and not pingpong)
-    fc2_halves = (FC2_HALVES and decoded and STORE_WARP_SIGNALS and local_direct and not pingpong
-                  and not defer and I <= FC2_HALVES_MAX_K)
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,
@@ -785,7 +769,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
                   KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
                   FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct,
-                  defer, RELEASE_ONLY_PUBLISH, fc2_halves)
+                  DEFER_SIGNALS and local_only and R == 1 and decoded and STORE_WARP_SIGNALS
+                  and not pingpong, RELEASE_ONLY_PUBLISH)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

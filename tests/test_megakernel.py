@@ -305,37 +305,6 @@ def test_defer_signals_keeps_the_wgmmas_pipelined(tmp_path):
                                        decoded_tickets=True, defer_signals=True)
 
 
-def test_fc2_halves_keeps_the_wgmmas_pipelined(tmp_path):
-    """fc2_halves: FC2 tasks as two single-warpgroup 128 x 128 halves beside the cooperative
-    FC1 (both MMAs in one kernel), at one rank with no comm CTA and at four ranks with comm
-    CTAs: the wgmmas still pipelined (a branch or a spin loop while the halves' wgmmas are in
-    flight serialised them, C7520, while this was written), no spills (the producer gets 56
-    registers, the consumers 216: at 48 the half W_down partition spilled the producer), both
-    wgmma widths emitted, a turn passed; refused without what it relies on."""
-    from mok_cute import jit
-    from mok_cute.kernels import megakernel_sm90
-
-    builds = {"one_rank": dict(ONE_RANK_BUILD, timeline=False),
-              "one_rank_recorded": dict(ONE_RANK_BUILD),
-              "four_ranks": dict(num_ranks=4, num_comm_ctas=10, top_k=8, has_shared=False,
-                                 local_direct=True, rank_blocks=True, dynamic_tickets=True,
-                                 decoded_tickets=True, store_warp_signals=True)}
-    for name, build in builds.items():
-        rep = jit.inspect_kernel("megakernel", outdir=tmp_path / name, fc2_halves=True, **build)
-        assert rep.registers == 168
-        assert rep.spill_bytes == 0
-        _wgmma_pipelined(rep)
-        ptx = open(rep.ptx_path).read()
-        assert "m64n256k16" in ptx and "m64n128k16" in ptx
-        assert re.search(r"bar\.arrive\s+%r\d+, 256", ptx)  # a turn passed
-    for bad in (dict(local_direct=False), dict(store_warp_signals=False),
-                dict(decoded_tickets=False)):
-        args = dict(dict(dynamic_tickets=True, decoded_tickets=True, store_warp_signals=True,
-                         local_direct=True, fc2_halves=True), **bad)
-        with pytest.raises(ValueError, match="fc2_halves needs"):
-            megakernel_sm90.MegakernelSm90(1, 8, 1, 2, False, **args)
-
-
 def test_warp0_tma_stages_keeps_the_wgmmas_pipelined(tmp_path):
     """warp0_tma_stages: the load warp's one arrival of count 128 for a TMA-only stage, at one
     rank with no comm CTA, the shared expert and the recorder: no spills, the wgmmas still
@@ -970,26 +939,6 @@ def test_defer_signals_gives_the_same_bits(K, shared, monkeypatch):
     _check_switch(monkeypatch, "DEFER_SIGNALS", args, 1, None, True)
     # a held task's span ends with its stores issued: the CTA's spans still follow one another
     plan = next(p for k, p in megakernel._PLANS.items() if k.timeline and k.defer_signals)
-    assert plan.timeline.decode().check() == []
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R,T,H,I,K,shared", [(1, 300, 512, 256, 4, 0), (1, 77, 384, 768, 8, 128),
-                                             (4, 300, 512, 256, 4, 0), (1, 1000, 512, 128, 1, 0)])
-def test_fc2_halves_give_the_same_bits(R, T, H, I, K, shared, monkeypatch):
-    """megakernel.FC2_HALVES: FC2 tasks as two warpgroup halves taking turns at the stages.
-    A half reading the other's stage (a parity wait passing on a stale phase), a miscounted
-    stage release (hang), a publish before both halves' stores landed (stale y in the k-sum or
-    a combine) or an epilogue buffer reused under an unfinished store would change the bits.
-    The same bits as the cooperative FC2 (the per-element k order is the same), on one rank
-    and four (comm CTAs), with H = 384 (the last task's second half lies wholly past H), K up
-    to 8 with the shared expert, 2 to 12 FC2 k-tiles, on 132 and 8 SMs; recorded (spans still
-    follow one another per CTA); against the reference."""
-    from mok_cute import megakernel
-
-    args = _problem(R, T, H, I, max(4, K), K, shared, seed=101, skew=True)
-    _check_switch(monkeypatch, "FC2_HALVES", args, R, None, True)
-    plan = next(p for k, p in megakernel._PLANS.items() if k.timeline and k.fc2_halves)
     assert plan.timeline.decode().check() == []
 
 

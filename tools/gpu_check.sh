@@ -91,9 +91,6 @@
 #   warp0probe  WARP0_TMA_STAGES: its GPU tests, 6 interleaved rounds against the default, then the
 #          clock probe with it (~7 min)
 #   clockprobe  SM clock and power under nvidia-smi while each path runs for 2 s (~3 min)
-#   halvesprobe  FC2_HALVES: its GPU tests and the recorder's, then 6 interleaved rounds against
-#          the default (PROBE_SHAPES overrides the five shapes; ~9 min on a fresh machine);
-#          halvesonly: the rounds alone; halvesrecord: qwen3 recorded with it off and on
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -127,7 +124,8 @@ record_summary() {
 
 layer_probe() {
   # layer_probe SECONDS NAME PROBE ARGS...: tools/megakernel_probe.py at R = 1 on the five
-  # single-GPU shapes with the given --comm / --rounds / expert-path flags; JSON to $out/NAME.json
+  # single-GPU shapes (or PROBE_SHAPES) with the given --comm / --rounds / expert-path flags;
+  # JSON to $out/NAME.json
   local secs="$1" name="$2"
   shift 2
   timeout -s KILL "$secs" python3 tools/megakernel_probe.py \
@@ -469,19 +467,6 @@ run_tail_record() {
     done
   done
 }
-run_halves_record() {
-  # qwen3 (and HALVES_RECORD_SHAPES) recorded on the megakernel with FC2_HALVES off and on:
-  # summaries (FC1 / FC2 task periods, phases) and the raw buffers
-  for shape in ${HALVES_RECORD_SHAPES:-qwen3_30b}; do
-    for on in 0 1; do
-      MOK_FC2_HALVES=$on record_summary 90 "$out/${shape}_halves$on" \
-        "layer|every|KSUM|FC2 |FC1 |WAIT|EPILOGUE|SIGNAL" --shape $shape \
-        --capacity 262144 --mok-config check_ids=False --mok-config backend=megakernel
-      mv "$out/${shape}_halves$on/timeline_buffer.npy" "$out/${shape}_halves${on}_buffer.npy" 2>/dev/null
-      rm -rf "$out/${shape}_halves$on"
-    done
-  done
-}
 run_virtual_record() {
   # qwen3.5 at virtual R = 8 and the same problem at one rank (--t-scale 8: 16384 tokens, all
   # 512 experts) recorded; the recordings go back as one tarball (a call returns at most 8 files)
@@ -622,12 +607,6 @@ case "$what" in
               timeout -s KILL 240 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
                 --rounds 3 --switch WARP0_TMA_STAGES --json "$out/clock_probe_warp0.json" 2>&1 \
                 | grep -v Warn | tail -30 ;;
-  halvesprobe) gpu_tests_passed halves "fc2_halves or recorded_megakernel_timeline" 320
-               layer_probe "${PROBE_SECS:-300}" layer_fc2_halves_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjp \
-                 --rounds "${PROBE_ROUNDS:-6}" ;;
-  halvesrecord) run_halves_record ;;
-  halvesonly) layer_probe "${PROBE_SECS:-500}" layer_fc2_halves_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjp \
-                --rounds "${PROBE_ROUNDS:-6}" ;;
   clockprobe) timeout -s KILL 300 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
                 --json "$out/clock_probe.json" 2>&1 | grep -v Warn | tail -30 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;

@@ -29,8 +29,6 @@ class NamedBarriers(enum.IntEnum):
     COMM = 3  # the comm workers of a megakernel comm CTA
     PRODUCER = 4  # the producer warpgroup of a megakernel compute CTA (local_direct)
     MMA_ORDER = 5  # pingpong GEMM: warpgroup w waits on MMA_ORDER + w for its mainloop turn (5, 6)
-    # (the megakernel's fc2_halves turns too)
-    HALF_EPILOGUE = 7  # megakernel fc2_halves: warpgroup w's half of an FC2 task (7, 8)
 
 
 @cute.jit

@@ -79,7 +79,6 @@ W_WAITS = 12
 # many h columns): cooperative tasks 256 wide, pingpong ones 128 (megakernel.task_tile_n)
 TASK_TILE_N = 256
 PINGPONG_TILE_N = 128
-HALF_TILE_N = 128  # fc2_halves: the output columns of each warpgroup's half of an FC2 task
 MAX_ROW_SLOTS = 32  # comm rows staged in smem at once (bounded by the 128 KB B-stage region)
 STORES_IN_FLIGHT = 4  # row stores whose smem may still be unread when a slot is reloaded
 COMM_THREADS = 384  # comm CTA threads (the first TILE_M resolve one row address each)
@@ -125,8 +124,7 @@ class MegakernelSm90:
                  ksum_staged: bool = False, pingpong: bool = False,
                  one_epilogue_barrier: bool = False, short_task_start: bool = False,
                  fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
-                 defer_signals: bool = False, release_only_publish: bool = False,
-                 fc2_halves: bool = False):
+                 defer_signals: bool = False, release_only_publish: bool = False):
         if not 0 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [0, num_ctas={num_ctas}), got {num_comm_ctas}")
         # num_comm_ctas = 0: one rank whose list has no comm task and whose BARRIER is a compute
@@ -274,22 +272,6 @@ class MegakernelSm90:
         # is 2.0-2.2 us per GEMM task (sixteenth session, recorded), on its warpgroup's way to
         # the next mainloop
         self.release_only_publish = release_only_publish
-        # fc2_halves: a routed FC2 task (still 256 output columns, one ticket, one counter
-        # publish) runs as two 128 x 128 halves, one per consumer warpgroup, taking turns at the
-        # mainloop: warpgroup 1 computes columns [n, n + 128) from its own stages (A and the
-        # first 128 W_down rows), then warpgroup 2 [n + 128, n + 256) from the next ones, so
-        # each half's epilogue and store wait overlap the other warpgroup's mainloop (warpgroup
-        # 2's overlaps the next task's). FC1 and the shared expert stay cooperative. Why: at
-        # one rank qwen3's whole gap to the expert path is FC2 (summed tile time per CTA 694.8
-        # against 560.4 us on its pingpong FC2; a cooperative FC2 tile of K = 768 exposes a 1.44
-        # us epilogue every 10.3 us), while an all-pingpong loop lost 39 % per FLOP on FC1's
-        # narrow tiles (docs/megakernel_plan.md). For FC2 with few k-tiles: the halves read A
-        # twice (the expert path's pingpong rule, ops.fc2_pingpong, is K <= 8192).
-        if fc2_halves and not (decoded_tickets and store_warp_signals and local_direct
-                               and not pingpong and not defer_signals):
-            raise ValueError("fc2_halves needs decoded_tickets, store_warp_signals, local_direct "
-                             "and the cooperative loop without defer_signals")
-        self.fc2_halves = fc2_halves
         self.decoded_words = SHORT_START_WORDS if short_task_start else DECODED_WORDS
         self.num_ranks = num_ranks
         self.num_ctas = num_ctas
@@ -309,8 +291,6 @@ class MegakernelSm90:
         # the producer gets 48 and the consumers 224.
         self.producer_regs, self.consumer_regs = (
             (48, 224) if dynamic_tickets else (self.gemm.producer_regs, self.gemm.consumer_regs))
-        if fc2_halves:  # the producer's half W_down partition spills it at 48
-            self.producer_regs, self.consumer_regs = 56, 216
         assert self.producer_regs * 128 + self.consumer_regs * 256 <= 168 * 384
         self.tile_shape_mnk = self.gemm.tile_shape_mnk
         self.threads_per_cta = self.gemm.threads_per_cta
@@ -318,10 +298,6 @@ class MegakernelSm90:
         self.epi_tile = self.gemm.epi_tile
         self.epi_stages = self.gemm.epi_stages
         self.half_n = self.tile_n // 2
-        # fc2_halves: the single-warpgroup 128 x 128 GEMM whose MMA and epilogue layout each half
-        # uses (its 8 epilogue buffers of 64 x 32 fill the cooperative build's 4 of 128 x 32)
-        self.half_gemm = (GroupedGemmSm90(tile_n=HALF_TILE_N, epilogue="store", pingpong=True)
-                          if fc2_halves else None)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -388,18 +364,6 @@ class MegakernelSm90:
             s_st_h = mk(s2g, shared_h, epi_layout, self.epi_tile)
             s_st_y = mk(s2g, shared_y, epi_layout, self.epi_tile)
             shared_atoms = (*s_a_x, *s_a_h, *s_wg, *s_wu, *s_wd, *s_st_h, *s_st_y)
-        # fc2_halves: W_down's rows of one half (128 x 64 boxes into B's first 128 rows), the
-        # half's (64, 32) y stores, its single-warpgroup MMA and epilogue layout
-        half_args = (None,) * 6
-        if const_expr(self.fc2_halves):
-            h = self.half_gemm
-            h.a_dtype = h.b_dtype = h.c_dtype = BFloat16
-            h._setup_attributes()
-            assert cute.cosize(h.epi_smem_layout_staged) == cute.cosize(g.epi_smem_layout_staged)
-            half_epi = cute.slice_(h.epi_smem_layout_staged, (None, None, 0))
-            half_args = (*mk(g2s, w_down, half_layout, half_box),
-                         *mk(s2g, ring_y, half_epi, h.epi_tile),
-                         h.tiled_mma, h.epi_smem_layout_staged)
 
         ticket_words = TICKET_SLOTS * (self.decoded_words if const_expr(self.decoded_tickets) else 1)
 
@@ -412,7 +376,6 @@ class MegakernelSm90:
             comm_words: cute.struct.MemRange[Int32, 4]
             ticket_q: cute.struct.MemRange[Int32, ticket_words]  # dynamic_tickets
             ticket_full_empty: cute.struct.MemRange[cutlass.Int64, 2 * TICKET_SLOTS]
-            half_landed: cute.struct.MemRange[cutlass.Int64, 1]  # fc2_halves: _fc2_half_task
             sA: cute.struct.Align[
                 cute.struct.MemRange[BFloat16, cute.cosize(g.a_smem_layout_staged)],
                 g.buffer_align_bytes]
@@ -432,7 +395,6 @@ class MegakernelSm90:
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
             tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
             g.tiled_mma, g.a_smem_layout_staged, g.b_smem_layout_staged, g.epi_smem_layout_staged,
-            *half_args,
         ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, cooperative=True, stream=stream)
 
@@ -460,11 +422,7 @@ class MegakernelSm90:
                s_tma_st_y: Optional[cute.CopyAtom], s_t_st_y: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout,
-               tma_wd_half: Optional[cute.CopyAtom], t_wd_half: Optional[cute.Tensor],
-               tma_st_y_half: Optional[cute.CopyAtom], t_st_y_half: Optional[cute.Tensor],
-               half_mma: Optional[cute.TiledMma],
-               half_epi_layout_staged: Optional[cute.ComposedLayout]):
+               epi_smem_layout_staged: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -493,11 +451,6 @@ class MegakernelSm90:
                 # readers: the consumer warps, and the other three producer warps with direct rows
                 ticket_ring_init(ticket_bars, g.num_mma_threads // 32
                                  + (3 if const_expr(self.local_direct) else 0))
-        half_landed = storage.half_landed.data_ptr()
-        if const_expr(self.fc2_halves):
-            if tidx == 0:
-                cute.arch.mbarrier_init(half_landed, 1)
-                cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -522,8 +475,8 @@ class MegakernelSm90:
                         counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                         sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, tma_wd_half, t_wd_half, compute_cta,
-                        ticket_q, ticket_bars, timeline_buf, _DirectA(row_peer, row_token, peer_bases, ring_x,
+                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
+                        timeline_buf, _DirectA(row_peer, row_token, peer_bases, ring_x,
                                  storage.sA.data_ptr(), tidx, warp_idx))
                 elif warp_idx == g.load_warp:
                     for atom in (tma_a_x, tma_a_h, tma_wg, tma_wu, tma_wd):
@@ -533,8 +486,8 @@ class MegakernelSm90:
                         counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                         sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                         tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, tma_wd_half, t_wd_half, compute_cta,
-                        ticket_q, ticket_bars, timeline_buf, None)
+                        s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
+                        timeline_buf, None)
             elif const_expr(self.pingpong):
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self._pingpong_loop(
@@ -545,17 +498,13 @@ class MegakernelSm90:
                     ticket_q, ticket_bars, storage.sB.data_ptr())
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
-                half_task = None
-                if const_expr(self.fc2_halves):
-                    half_task = _HalfTask(storage, tma_st_y_half, t_st_y_half, half_mma,
-                                          half_epi_layout_staged, half_landed)
                 self._consumer_loop(
                     ctx, tasks, queues, queue_len, queue_live_len, queue_blocks,
                     counter_offsets, counters, error, num_tiles, peer_bases, topk_weights,
                     topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                     tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                     s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx, compute_cta,
-                    ticket_q, ticket_bars, storage.sB.data_ptr(), half_task)
+                    ticket_q, ticket_bars, storage.sB.data_ptr())
 
     # ------------------------------------------------------------------ task walking
     @cute.jit
@@ -1070,8 +1019,8 @@ class MegakernelSm90:
                        counter_offsets, counters, error, num_tiles, tile_expert, ab_pipeline,
                        sA, sB, tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu,
                        tma_wd, t_wd, s_tma_a_x, s_t_a_x, s_tma_a_h, s_t_a_h, s_tma_wg, s_t_wg,
-                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, tma_wd_half, t_wd_half, compute_cta,
-                       ticket_q, ticket_bars, timeline_buf, direct):
+                       s_tma_wu, s_t_wu, s_tma_wd, s_t_wd, compute_cta, ticket_q, ticket_bars,
+                       timeline_buf, direct):
         """Warp 0 (or, with local_direct, the whole producer warpgroup with ``direct``: a
         ``_DirectA``) walks the compute tickets, waits on each GEMM task's counters and fills
         the stages: A and B by TMA; with local_direct, FC1's A rows by cp.async, each row from
@@ -1102,13 +1051,9 @@ class MegakernelSm90:
             s_sBg, s_gBg = part(s_tma_wg, s_t_wg, sB_gate, half_box)
             s_sBu, s_gBu = part(s_tma_wu, s_t_wu, sB_up, half_box)
             s_sBd, s_gBd = part(s_tma_wd, s_t_wd, sB_g, b_box)
-        h_sBd, h_gBd = None, None
-        if const_expr(self.fc2_halves):
-            h_sBd, h_gBd = part(tma_wd_half, t_wd_half, sB_gate, half_box)  # B's first 128 rows
         tma = _TmaLoads(tma_a_x, gAx, sAx, tma_a_h, gAh, sAh, tma_wg, gBg, sBg, tma_wu, gBu, sBu,
                         tma_wd, gBd, sBd, s_tma_a_x, s_gAx, s_sAx, s_tma_a_h, s_gAh, s_sAh,
-                        s_tma_wg, s_gBg, s_sBg, s_tma_wu, s_gBu, s_sBu, s_tma_wd, s_gBd, s_sBd,
-                        tma_wd_half, h_gBd, h_sBd)
+                        s_tma_wg, s_gBg, s_sBg, s_tma_wu, s_gBu, s_sBu, s_tma_wd, s_gBd, s_sBd)
         # local_direct: the _DirectA fields as plain locals (an object used in the task loop
         # would have to be carried through it)
         d_row_peer, d_row_token, d_peer_bases, d_ring_x = None, None, None, None
@@ -1189,26 +1134,17 @@ class MegakernelSm90:
 
     @cute.jit
     def _issue_tma_loads(self, tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile, expert,
-                         rank, fc1_a: cutlass.Constexpr[bool], k_tiles=None):
+                         rank, fc1_a: cutlass.Constexpr[bool]):
         """The TMA loads of k-tile ``k`` of a GEMM task into ``stage``: FC1 x rows (when
-        ``fc1_a``) and the gate / up halves, FC2 h rows and W_down, or the shared expert's.
-        fc2_halves: ``k`` counts FC2's stage uses, half 0's ``k_tiles`` k-tiles then half 1's,
-        each loading A and that half's 128 W_down rows."""
+        ``fc1_a``) and the gate / up halves, FC2 h rows and W_down, or the shared expert's."""
         if ttype == int(TaskType.FC1):
             if const_expr(fc1_a):
                 cute.copy(tma.a_x, tma.g_a_x[(None, ring_tile, k, rank)], tma.s_a_x[(None, stage)], tma_bar_ptr=bar)
             cute.copy(tma.wg, tma.g_wg[(None, n_tile, k, expert)], tma.s_wg[(None, stage)], tma_bar_ptr=bar)
             cute.copy(tma.wu, tma.g_wu[(None, n_tile, k, expert)], tma.s_wu[(None, stage)], tma_bar_ptr=bar)
         elif ttype == int(TaskType.FC2):
-            if const_expr(self.fc2_halves):
-                half = Int32(k >= k_tiles)
-                k_half = k - half * k_tiles
-                cute.copy(tma.a_h, tma.g_a_h[(None, ring_tile, k_half, rank)], tma.s_a_h[(None, stage)], tma_bar_ptr=bar)
-                cute.copy(tma.wd_half, tma.g_wd_half[(None, 2 * n_tile + half, k_half, expert)],
-                          tma.s_wd_half[(None, stage)], tma_bar_ptr=bar)
-            else:
-                cute.copy(tma.a_h, tma.g_a_h[(None, ring_tile, k, rank)], tma.s_a_h[(None, stage)], tma_bar_ptr=bar)
-                cute.copy(tma.wd, tma.g_wd[(None, n_tile, k, expert)], tma.s_wd[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(tma.a_h, tma.g_a_h[(None, ring_tile, k, rank)], tma.s_a_h[(None, stage)], tma_bar_ptr=bar)
+            cute.copy(tma.wd, tma.g_wd[(None, n_tile, k, expert)], tma.s_wd[(None, stage)], tma_bar_ptr=bar)
         if const_expr(self.has_shared):
             if ttype == int(TaskType.SHARED_FC1):
                 cute.copy(tma.sh_a_x, tma.g_sh_a_x[(None, m_tile, k, rank)], tma.s_sh_a_x[(None, stage)], tma_bar_ptr=bar)
@@ -1234,7 +1170,7 @@ class MegakernelSm90:
         if ttype == int(TaskType.FC1):
             srcs = self._direct_row_addresses(ctx, tasks, index, rank, row_peer, row_token,
                                               peer_bases, ring_x, ring_tile, rows, row_begin)
-        my_k_tiles = self._stage_uses(ttype, k_tiles)  # fc2_halves: FC2 fills two per k-tile
+        my_k_tiles = k_tiles
         if const_expr(self.warp0_tma_stages):
             if ttype != int(TaskType.FC1) and warp_idx != self.gemm.load_warp:
                 my_k_tiles = 0  # the load warp fills and arrives for these stages alone
@@ -1246,9 +1182,6 @@ class MegakernelSm90:
                 tx = b_bytes + tile_m * tile_k * 2
                 if ttype == int(TaskType.FC1):
                     tx = b_bytes
-                if const_expr(self.fc2_halves):
-                    if ttype == int(TaskType.FC2):
-                        tx = (tile_m + HALF_TILE_N) * tile_k * 2
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bar, tx)
                     if const_expr(self.warp0_tma_stages):
@@ -1256,7 +1189,7 @@ class MegakernelSm90:
                             cute.arch.mbarrier_arrive(bar, arrive_count=PRODUCER_THREADS)
                 # FC1's A rows come by cp.async below, not by TMA
                 self._issue_tma_loads(tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile,
-                                      expert, rank, False, k_tiles)
+                                      expert, rank, False)
             if ttype == int(TaskType.FC1):
                 cp_async_a_rows(sA_base + stage * (tile_m * tile_k), srcs, rows, k, tidx)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
@@ -1295,21 +1228,11 @@ class MegakernelSm90:
 
     @cute.jit
     def _loads_of(self, run, noop, ttype: Int32, k_tiles: Int32) -> Int32:
-        """Pipeline stages a task consumes: its stage uses if it is a GEMM that runs, else 0."""
+        """Pipeline stages a task consumes: its k-tiles if it is a GEMM that runs, else 0."""
         loads = Int32(0)
         if run and not noop and self._is_gemm(ttype):
-            loads = self._stage_uses(ttype, k_tiles)
+            loads = k_tiles
         return loads
-
-    @cute.jit
-    def _stage_uses(self, ttype: Int32, k_tiles: Int32) -> Int32:
-        """Stage uses of a GEMM task of ``k_tiles`` k-tiles: one per k-tile, two for a routed
-        FC2 task with fc2_halves (each half loads its own A and W_down rows)."""
-        uses = k_tiles
-        if const_expr(self.fc2_halves):
-            if ttype == int(TaskType.FC2):
-                uses = 2 * k_tiles
-        return uses
 
     @cute.jit
     def _is_gemm(self, ttype: Int32):
@@ -1325,14 +1248,11 @@ class MegakernelSm90:
                        topk_idx, slot_rows, ring_y, out, shared_y, timeline_buf, ab_pipeline,
                        tiled_mma, sA, sB, sC, tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h,
                        s_t_st_h, s_tma_st_y, s_t_st_y, tidx, warp_idx, warpgroup_idx,
-                       compute_cta, ticket_q, ticket_bars, ksum_stage, half_task=None):
+                       compute_cta, ticket_q, ticket_bars, ksum_stage):
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         consumer_tidx = tidx - 128
         tCrA, tCrB, acc, num_k_blocks, epi = self._consumer_parts(
             tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * 128, consumer_tidx)
-        halves = None  # fc2_halves: this warpgroup's half-task partitions and barriers
-        if const_expr(self.fc2_halves):
-            halves = self._half_parts(half_task, sA, sB, warpgroup_idx, tidx, warp_idx, acc)
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=store_pipeline_stages(self.epi_stages, self.one_epilogue_barrier),
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.gemm.num_mma_threads))
@@ -1359,7 +1279,6 @@ class MegakernelSm90:
         # defer_signals: the counter of the FC1 / FC2 task whose publish is held back (-1:
         # none) and its type
         held, held_type = Int32(-1), Int32(-1)
-        half_tasks = Int32(0)  # fc2_halves: FC2 tasks run as halves so far (a parity)
         while index >= 0:
             run, noop, ttype = self._task_kind(ctx, tasks, num_tiles, ticket_q, taken, index, rank)
             k_tiles = self._k_tiles(ttype, t_st_y, t_st_h, s_t_st_h)
@@ -1367,20 +1286,6 @@ class MegakernelSm90:
             # with the recorder, a GEMM task's EPILOGUE and SIGNAL phases (timeline.TaskType)
             t_epilogue, t_signal = t_start, t_start
             gemm_runs = run and not noop and self._is_gemm(ttype)
-            # fc2_halves: a routed FC2 task runs as two halves (_fc2_half_task, which also
-            # publishes it); the other GEMM tasks cooperatively, as without it
-            coop_runs, other_runs, publishes = gemm_runs, run and not noop, run
-            if const_expr(self.fc2_halves):
-                halved = gemm_runs and ttype == int(TaskType.FC2)
-                coop_runs = gemm_runs and ttype != int(TaskType.FC2)
-                other_runs = run and not noop and not self._is_gemm(ttype)
-                publishes = run and not halved
-                if halved:
-                    self._fc2_half_task(ctx, half_task, halves, ab_pipeline, counters, tasks,
-                                        ticket_q, taken, index, rank, loads, k_tiles, ttype,
-                                        t_start, timeline_buf, warpgroup_idx, consumer_tidx,
-                                        half_tasks)
-                    half_tasks += 1
             deferrable = False
             if const_expr(self.defer_signals):
                 deferrable = gemm_runs and (ttype == int(TaskType.FC1) or ttype == int(TaskType.FC2))
@@ -1389,7 +1294,7 @@ class MegakernelSm90:
                     # this task may wait on the held one (an FC2 on FC1's h, a KSUM on all)
                     self._flush_signal(counters, held, is_store_warp, consumer_tidx)
                     held = Int32(-1)
-            if coop_runs:
+            if gemm_runs:
                 # defer_signals: the held publish goes out once this mainloop's first k-tile
                 # is issued (the tensor cores busy meanwhile), not after the whole mainloop:
                 # other CTAs' FC2 tasks wait on a held FC1 counter
@@ -1410,13 +1315,13 @@ class MegakernelSm90:
                     tma_store_pipeline, is_store_warp, 0, self.store_warp_signals, tma_st_h,
                     t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h, s_tma_st_y, s_t_st_y,
                     not deferrable)
-            elif other_runs:
+            elif run and not noop:
                 # a KSUM, or with no comm CTA the BARRIER (no rows: it only waits, and stores
                 # its flag when it publishes)
                 self._ksum(ctx, tasks, counter_offsets, counters, error, num_tiles, peer_bases,
                            topk_weights, topk_idx, slot_rows, ring_y, out, shared_y,
                            timeline_buf, index, rank, consumer_tidx, barrier, ksum_stage, ttype)
-            if publishes:
+            if run:
                 if const_expr(self.store_warp_signals):
                     if not self._is_gemm(ttype):  # KSUM: every warp's rows are written first
                         barrier.arrive_and_wait()
@@ -1525,10 +1430,6 @@ class MegakernelSm90:
         store warp's wait (the start of its SIGNAL phase). ``wait_stores`` False (a task whose
         signal defer_signals holds back): the store warp does not wait here."""
         m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
-        if const_expr(self.fc2_halves):
-            # the halves' buffers overlap these: their store warps (4 and 8) have seen their
-            # stores land before they get here (_fc2_half_task), so no one writes before both
-            barrier.arrive_and_wait()
         if ttype == int(TaskType.FC1):
             self._store_tile(epi, tma_st_h, t_st_h, ring_tile, n_tile, rank, True, subtiles,
                              barrier, store_pipeline, is_store_warp, buf_base)
@@ -1617,25 +1518,16 @@ class MegakernelSm90:
                                       int(TaskType.SIGNAL), index, ctx.rank_base + rank,
                                       t_signal, t_end)
 
-    def _consumer_parts(self, tiled_mma, sA, sB, sC, mma_slice, copy_tidx, tile_n=None,
-                        acc_of=None):
+    def _consumer_parts(self, tiled_mma, sA, sB, sC, mma_slice, copy_tidx):
         """A consumer thread's wgmma operand fragments, fp32 accumulator, k-blocks per stage and
         epilogue partitions (registers -> smem by stmatrix), for MMA thread slice
-        ``mma_slice`` and epilogue thread ``copy_tidx`` of a (TILE_M, ``tile_n``) tile (default
-        the task width). Traced inline (a plain method: the tensors and the TileEpilogue go
-        back to the caller)."""
-        tile_m = self.tile_shape_mnk[0]
-        if tile_n is None:
-            tile_n = self.tile_shape_mnk[1]
+        ``mma_slice`` and epilogue thread ``copy_tidx``. Traced inline (a plain method: the
+        tensors and the TileEpilogue go back to the caller)."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
         thr_mma = tiled_mma.get_slice(mma_slice)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc_shape = thr_mma.partition_shape_C((tile_m, tile_n))
-        if acc_of is None:
-            acc = cute.make_rmem_tensor(acc_shape, Float32)
-        else:  # the same registers as ``acc_of``'s (fc2_halves: one accumulator for both MMAs)
-            acc = cute.make_tensor(acc_of.iterator, cute.make_layout(acc_shape))
-            assert cute.size(acc) == cute.size(acc_of)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), Float32)
         stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16)
         tiled_copy_r2s = cute.make_tiled_copy_S(
             sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR, elem_ty_d=BFloat16,
@@ -1647,115 +1539,11 @@ class MegakernelSm90:
                            cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
         return tCrA, tCrB, acc, cute.size(tCrA, mode=[2]), epi
 
-    def _half_parts(self, half_task, sA, sB, warpgroup_idx, tidx, warp_idx, acc):
-        """fc2_halves: a consumer thread's parts for its warpgroup's half of an FC2 task, as a
-        tuple: the single-warpgroup MMA's fragments over A and B's first 128 rows, accumulator,
-        k-blocks, epilogue (in the warpgroup's 4 of the 8 half buffers), the store pipeline and
-        epilogue barrier of the warpgroup, the two turn barriers (warpgroup 1 -> 2 within a task,
-        2 -> 1 before warpgroup 1's next stage wait) and whether this is the half's store warp
-        (the warpgroup's first). Traced inline."""
-        wg = warpgroup_idx - 1
-        sB_half = cute.flat_divide(sB, (HALF_TILE_N, TILE_K))[(None, None, 0, 0, None)]
-        hA, hB, hacc, hkb, hepi = self._consumer_parts(half_task.tiled_mma, sA, sB_half,
-                                                       half_task.sC, 0, tidx % 128, HALF_TILE_N)
-        store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=store_pipeline_stages(self.half_gemm.epi_stages, self.one_epilogue_barrier),
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-        epi_barrier = pipeline.NamedBarrier(
-            barrier_id=int(common.NamedBarriers.HALF_EPILOGUE) + wg, num_threads=128)
-        # warpgroup w waits for its turn on MMA_ORDER + w and passes it on MMA_ORDER + 1 - w
-        # (ids computed, not branched on: a branch while wgmmas are in flight serialises them)
-        my_turn = pipeline.NamedBarrier(
-            barrier_id=int(common.NamedBarriers.MMA_ORDER) + wg, num_threads=self.gemm.num_mma_threads)
-        their_turn = pipeline.NamedBarrier(
-            barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - wg,
-            num_threads=self.gemm.num_mma_threads)
-        return (hA, hB, hacc, hkb, hepi, store_pipeline, epi_barrier, my_turn, their_turn,
-                warp_idx == 4 * warpgroup_idx)
-
-    @cute.jit
-    def _fc2_half_task(self, ctx, half_task, halves, ab_pipeline, counters, tasks, ticket_q,
-                       taken: Int32, index: Int32, rank: Int32, loads: Int32, k_tiles: Int32,
-                       ttype: Int32, t_start: Int64, timeline_buf, warpgroup_idx,
-                       consumer_tidx: Int32, half_tasks: Int32):
-        """fc2_halves: this warpgroup's half of a routed FC2 task, and the task's publish.
-
-        Warpgroup 1 runs stage uses ``loads .. loads + k_tiles - 1`` (columns [n, n + 128)),
-        warpgroup 2 the next ``k_tiles`` (columns [n + 128, n + 256)). Turns keep the stage
-        waits in use order, as the mbarrier parity needs (a wait more than a phase ahead of its
-        barrier passes at once): warpgroup 2 waits for warpgroup 1 to have passed its last
-        stage wait, and warpgroup 1 waits for warpgroup 2's before it goes on to its next task,
-        which its half's epilogue and store wait overlap. One warpgroup's 4 warps read a half
-        stage, so each arrives twice on its empty barrier (which counts 8 warps).
-
-        The publish: warpgroup 1's store warp, once its stores landed, arrives on the
-        ``half_task.landed`` mbarrier; warpgroup 2's store warp waits on it (phase
-        ``half_tasks``, this CTA's count of halved tasks so far) after its mainloop, before it
-        passes the turn back, so warpgroup 1 cannot arrive for its next task first (a parity
-        wait cannot tell phase j from j + 2). Once its own stores landed it publishes the
-        task's counter. With the recorder the task's span is warpgroup 1's (its half's phases,
-        ending once warpgroup 2 has passed its stage waits): spans still follow one another
-        per CTA."""
-        (hA, hB, hacc, hkb, hepi, store_pipeline, epi_barrier, my_turn, their_turn,
-         is_store_warp) = halves
-        wg = warpgroup_idx - 1
-        if wg == 1:
-            my_turn.arrive_and_wait()
-        release = self._mainloop(ab_pipeline, half_task.tiled_mma, hacc, hA, hB,
-                                 loads + wg * k_tiles, k_tiles, hkb, ctx, timeline_buf, index,
-                                 rank, consumer_tidx == 0, ttype, None, 2, True)
-        if wg == 0:
-            their_turn.arrive()  # warpgroup 2 may start its stage waits
-        cute.nvgpu.warpgroup.wait_group(0)
-        t_epilogue = self._now_if_recording()
-        self._release_stage(ab_pipeline, release, 2)
-        if wg == 1:
-            if is_store_warp:
-                cute.arch.mbarrier_wait(half_task.landed, half_tasks & 1)
-            their_turn.arrive()  # warpgroup 1 may go on to its next task
-        m_tile, n_tile, ring_tile = self._task_tile(tasks, ticket_q, taken, index)
-        h = self.half_gemm
-        g_out = cute.local_tile(half_task.t_st_y, (TILE_M, HALF_TILE_N), (None, None, None))
-        store_tile_epilogue(hepi, half_task.tma_st_y,
-                            g_out[(None, None, ring_tile, 2 * n_tile + wg, rank)], h.epi_tile,
-                            h.epi_stages, HALF_TILE_N, False, wg * h.epi_stages, 0, epi_barrier,
-                            store_pipeline, is_store_warp, self.one_epilogue_barrier)
-        t_signal = self._now_if_recording()
-        if is_store_warp:
-            self._stores_landed(True)
-            if cute.arch.lane_idx() == 0:
-                if wg == 0:
-                    cute.arch.mbarrier_arrive(half_task.landed)
-                else:  # warpgroup 1's stores landed too (waited for above)
-                    self._publish_fence()
-                    signal = self._ring_words(ticket_q, taken - 1)[D_SIGNAL]
-                    common.counter_publish(counters[rank, None], signal, 1, self.scope)
-        if wg == 0:
-            my_turn.arrive_and_wait()
-            if const_expr(self.timeline):
-                if consumer_tidx == 0:
-                    self._record_compute_task(ctx, index, rank, ttype, t_start,
-                                              common.timeline_now(), timeline_buf, t_epilogue,
-                                              t_signal)
-
-    @cute.jit
-    def _release_stage(self, ab_pipeline, state, arrivals: cutlass.Constexpr[int]):
-        """A consumer warp gives a stage back: the pipeline's release (lane 0 arrives once),
-        or with ``arrivals`` 2 lane 0 arrives for two warps (a half stage that one warpgroup's
-        4 warps read, on an empty barrier that counts 8)."""
-        if const_expr(arrivals == 1):
-            ab_pipeline.consumer_release(state)
-        else:
-            if cute.arch.lane_idx() == 0:
-                cute.arch.mbarrier_arrive(ab_pipeline.sync_object_empty.get_barrier(state.index),
-                                          arrive_count=arrivals)
-
     @cute.jit
     def _mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
                   num_k_blocks: cutlass.Constexpr[int], ctx=None, timeline_buf=None,
                   index: Int32 = 0, rank: Int32 = 0, leader=False, ttype: Int32 = None,
-                  flush=None, release_arrivals: cutlass.Constexpr[int] = 1,
-                  first_overwrites: cutlass.Constexpr[bool] = False):
+                  flush=None):
         """A GEMM task's wgmmas over its ``k_tiles`` stages, from stage use ``loads`` on: one
         batch stays in flight and a stage is released once the batch that read it retired.
         Returns the last stage's state; the caller releases it after ``wait_group(0)``. With
@@ -1764,14 +1552,10 @@ class MegakernelSm90:
         span of task ``index`` when it is over STAGE_WAIT_RECORD_MIN_NS. ``ttype``: the task's
         type, for ``fence_fc1_only``. ``flush`` (defer_signals): ``(counters, held,
         is_store_warp, consumer_tidx)``; counter ``held`` (if >= 0) is published once the
-        first k-tile's wgmmas are issued. ``release_arrivals``: ``_release_stage``'s.
-        ``first_overwrites``: the first k-block's wgmmas overwrite the accumulator instead of a
-        zero fill before them (fc2_halves' single-warpgroup MMA: with the fill ptxas waits for
-        its wgmmas, C7517, as in gemm_sm90's pingpong FIRST_MMA_OVERWRITES)."""
+        first k-tile's wgmmas are issued."""
         read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
         release = read.clone()
-        if const_expr(not first_overwrites):
-            acc.fill(0.0)
+        acc.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         cute.nvgpu.warpgroup.fence()
         t0 = self._now_if_recording()
@@ -1780,14 +1564,7 @@ class MegakernelSm90:
             self._record_wait(ctx, timeline_buf, int(Role.COMPUTE), int(TaskType.STAGE_WAIT),
                               index, rank, t0, leader, STAGE_WAIT_RECORD_MIN_NS)
         self._stage_visible(ttype)
-        first_kb = 0
-        if const_expr(first_overwrites):
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, 0, read.index)],
-                      tCrB[(None, None, 0, read.index)], acc)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            first_kb = 1
-        self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks, first_kb)
+        self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
         read.advance()
         if const_expr(flush is not None):
             counters, held, is_store_warp, consumer_tidx = flush
@@ -1798,7 +1575,7 @@ class MegakernelSm90:
             self._stage_visible(ttype)
             self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
             cute.nvgpu.warpgroup.wait_group(1)
-            self._release_stage(ab_pipeline, release, release_arrivals)
+            ab_pipeline.consumer_release(release)
             release.advance()
             read.advance()
         return release
@@ -2038,10 +1815,9 @@ def _pipeline_state(kind: cutlass.Constexpr, stages: cutlass.Constexpr[int], cou
 class _TmaLoads:
     """The compute producer's TMA atoms with their (global, smem) partitions, built once per
     CTA: routed x / h rows and gate / up / down weights, then the shared expert's (None
-    without one), then fc2_halves' W_down half rows (None without it)."""
+    without one)."""
 
-    _NAMES = ("a_x", "a_h", "wg", "wu", "wd", "sh_a_x", "sh_a_h", "sh_wg", "sh_wu", "sh_wd",
-              "wd_half")
+    _NAMES = ("a_x", "a_h", "wg", "wu", "wd", "sh_a_x", "sh_a_h", "sh_wg", "sh_wu", "sh_wd")
 
     def __init__(self, *triples):
         for i, name in enumerate(self._NAMES):
@@ -2117,17 +1893,6 @@ def task_ring_next(ticket_q, bars, k: Int32, words: cutlass.Constexpr[int]):
     return slot[D_INDEX], slot[D_RANK]
 
 
-class _HalfTask:
-    """fc2_halves: what a consumer warpgroup's half of an FC2 task needs besides the
-    cooperative loop's operands: the half's y store atom and tensor, its single-warpgroup MMA,
-    the 8 x (64, 32) epilogue buffers laid over the cooperative ones, and the mbarrier through
-    which warpgroup 1's store warp tells warpgroup 2's that its stores landed."""
-
-    def __init__(self, storage, tma_st_y, t_st_y, tiled_mma, epi_layout_staged, landed):
-        self.tma_st_y, self.t_st_y, self.tiled_mma, self.landed = tma_st_y, t_st_y, tiled_mma, landed
-        self.sC = storage.sC.get_tensor(epi_layout_staged.outer, swizzle=epi_layout_staged.inner)
-
-
 class _DirectA:
     """What the local_direct producer threads need besides the TMA partitions."""
 
@@ -2179,7 +1944,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        one_epilogue_barrier: bool = False, short_task_start: bool = False,
                        fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
                        defer_signals: bool = False, release_only_publish: bool = False,
-                       fc2_halves: bool = False, arch: str = "sm_90a",
+                       arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
@@ -2187,7 +1952,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong,
                         one_epilogue_barrier, short_task_start, fence_fc1_only,
-                        warp0_tma_stages, defer_signals, release_only_publish, fc2_halves)
+                        warp0_tma_stages, defer_signals, release_only_publish)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
