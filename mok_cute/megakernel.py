@@ -236,6 +236,12 @@ DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", False)
 # SIGNAL phase: 2.0-2.2 us per GEMM task, recorded in the sixteenth session). Measured level
 # (run 120: 0.988-1.005 paired on the five shapes), so off. MOK_RELEASE_ONLY_PUBLISH=1.
 RELEASE_ONLY_PUBLISH = experimental_switch("RELEASE_ONLY_PUBLISH", False)
+# The GEMM tasks' epilogue in 128 x 64 subtiles through two 16 KB buffers instead of 128 x 32
+# through four (the cooperative loop; ops.EPILOGUE_N is the same change for the expert path
+# and says why). Predicted: at most half the epilogue (qwen3: 1.41 us per FC2 task, 1.82 per
+# FC1 task), -1 to -3 % on qwen3, less where tiles are long (mixtral). Written in the
+# seventeenth session, unmeasured: off. MOK_WIDE_EPILOGUE=1.
+WIDE_EPILOGUE = experimental_switch("WIDE_EPILOGUE", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer
 # warps, one token per warp at a time, so the k-sum at the end of the call is latency-bound
@@ -310,6 +316,7 @@ class PlanKey:
     warp0_tma_stages: bool = False  # WARP0_TMA_STAGES (with local_direct)
     defer_signals: bool = False  # DEFER_SIGNALS (one rank, no comm task, cooperative)
     release_only_publish: bool = False  # RELEASE_ONLY_PUBLISH
+    wide_epilogue: bool = False  # WIDE_EPILOGUE (the cooperative loop)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -530,7 +537,8 @@ class Plan:
             ksum_staged=k.ksum_staged, pingpong=k.pingpong,
             one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start,
             fence_fc1_only=k.fence_fc1_only, warp0_tma_stages=k.warp0_tma_stages,
-            defer_signals=k.defer_signals, release_only_publish=k.release_only_publish)
+            defer_signals=k.defer_signals, release_only_publish=k.release_only_publish,
+            epi_n=64 if k.wide_epilogue else 32)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -770,7 +778,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
                   FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct,
                   DEFER_SIGNALS and local_only and R == 1 and decoded and STORE_WARP_SIGNALS
-                  and not pingpong, RELEASE_ONLY_PUBLISH)
+                  and not pingpong, RELEASE_ONLY_PUBLISH, WIDE_EPILOGUE and not pingpong)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

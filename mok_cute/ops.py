@@ -58,6 +58,16 @@ GEMM_CLUSTER_MIN_K = 4096
 # per subtile, up to 1 us of a 24 us FC2 tile (-1 to -1.5 % of the layer on dsv3), less on the
 # FC1 tiles (4 subtiles). Written in the thirteenth session: MOK_ONE_EPILOGUE_BARRIER=1.
 ONE_EPILOGUE_BARRIER = experimental_switch("ONE_EPILOGUE_BARRIER", False)
+# Columns of a cooperative GEMM's epilogue subtile (gemm_sm90's epi_n): 64 stores a 128 x 256
+# tile in 4 subtiles of 128 x 64 through two 16 KB buffers instead of 8 of 128 x 32 through
+# four, half the proxy fences, barriers and TMA stores (the megakernel's
+# megakernel.WIDE_EPILOGUE is the same change). Why: the cooperative epilogue is where the
+# tensor cores wait (qwen3 in the megakernel: 1.41 us per FC2 tile, 1.82 per FC1 tile,
+# sixteenth and seventeenth sessions), and its barriers alone were not the cost
+# (ONE_EPILOGUE_BARRIER level). Written in the seventeenth session: MOK_EPILOGUE_N=64.
+EPILOGUE_N = experimental_setting("EPILOGUE_N", 32, 32, 64)
+if EPILOGUE_N not in (32, 64):
+    raise ValueError(f"MOK_EPILOGUE_N: expected 32 or 64, got {EPILOGUE_N}")
 
 
 def gemm_cluster_m(k: int, pingpong: bool, recorded: bool) -> int:
@@ -153,7 +163,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_persistent_grid(a.device.index or 0, cluster_m),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong, cluster_m=cluster_m, one_epilogue_barrier=ONE_EPILOGUE_BARRIER)
+        pingpong=pingpong, cluster_m=cluster_m, one_epilogue_barrier=ONE_EPILOGUE_BARRIER,
+        epi_n=32 if pingpong else EPILOGUE_N)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline)

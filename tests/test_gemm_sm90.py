@@ -84,6 +84,29 @@ def test_one_epilogue_barrier_halves_the_epilogue_barriers(kernel, tile_n, pingp
     assert bars[False] - bars[True] == subtiles
 
 
+@pytest.mark.parametrize("kernel", ["gemm_fc2", "gemm_fc1"])
+def test_wide_epilogue_halves_the_epilogue_subtiles(kernel, tmp_path):
+    """epi_n = 64 (ops.EPILOGUE_N): a cooperative tile's epilogue in half as many subtiles, so
+    half as many proxy fences before a TMA store (FC2's 256-wide tile: 8 -> 4, FC1's SwiGLU
+    tile: 4 -> 2; counted in the PTX), no spills, no serialised wgmmas; the pingpong kernel
+    keeps its 64 x 32 subtiles."""
+    from mok_cute import jit
+    from mok_cute.kernels import gemm_sm90
+
+    subtiles = {"gemm_fc2": 8, "gemm_fc1": 4}[kernel]
+    fences = {}
+    for epi_n in (32, 64):
+        rep = jit.inspect_kernel(kernel, outdir=tmp_path / str(epi_n), epi_n=epi_n)
+        assert rep.spill_bytes == 0
+        assert not [w for w in rep.warnings if "serialized" in w]
+        fences[epi_n] = open(rep.ptx_path).read().count("fence.proxy.async.shared::cta")
+    assert fences[32] - fences[64] == subtiles // 2
+    with pytest.raises(ValueError, match="epi_n must be 32 or"):
+        gemm_sm90.GroupedGemmSm90(tile_n=128, pingpong=True, epi_n=64)
+    with pytest.raises(ValueError, match="epi_n must be 32 or"):
+        gemm_sm90.GroupedGemmSm90(epi_n=48)
+
+
 def test_choose_tile_n():
     assert gemm_sm90.choose_tile_n(2048, "swiglu") == 256
     assert gemm_sm90.choose_tile_n(320, "swiglu") == 128
@@ -317,6 +340,22 @@ def test_one_epilogue_barrier_gives_the_same_bits(epilogue, pingpong, cluster_m,
     _setting_keeps_the_bits(monkeypatch, "ONE_EPILOGUE_BARRIER", (False, True, True),
                             [77, 0, 513, 700, 1], 1024, 512, epilogue, 53,
                             tile_n=128 if pingpong else None, pingpong=pingpong)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue,cluster_m,one_barrier", [
+    ("store", 1, False), ("swiglu", 1, False), ("store", 2, False), ("store", 1, True)])
+def test_wide_epilogue_gives_the_same_bits(epilogue, cluster_m, one_barrier, monkeypatch):
+    """ops.EPILOGUE_N = 64: 128 x 64 subtiles through two buffers. A buffer written before its
+    last TMA store read it, or a SwiGLU pairing off by a subtile, would change the output:
+    bitwise against 32, on tiles of many subtiles across tile boundaries (N = 1024), with
+    cluster pairs and with one barrier per subtile, rows past num_m_tiles untouched, and
+    against torch."""
+    from mok_cute import ops
+    monkeypatch.setattr(ops, "GEMM_CLUSTER_M", cluster_m)
+    monkeypatch.setattr(ops, "ONE_EPILOGUE_BARRIER", one_barrier)
+    _setting_keeps_the_bits(monkeypatch, "EPILOGUE_N", (32, 64, 64), [77, 0, 513, 700, 1], 1024,
+                            512, epilogue, 59, pingpong=False)
 
 
 @pytest.mark.gpu

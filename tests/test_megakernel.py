@@ -305,6 +305,25 @@ def test_defer_signals_keeps_the_wgmmas_pipelined(tmp_path):
                                        decoded_tickets=True, defer_signals=True)
 
 
+def test_wide_epilogue_keeps_the_wgmmas_pipelined(tmp_path):
+    """epi_n = 64 (megakernel.WIDE_EPILOGUE): the GEMM tasks' epilogue in 128 x 64 subtiles, at
+    one rank with no comm CTA, the shared expert and the recorder: no spills, the wgmmas still
+    pipelined, fewer proxy fences before TMA stores; refused with the pingpong loop (its
+    subtiles are 64 x 32)."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    reps = {n: jit.inspect_kernel("megakernel", outdir=tmp_path / str(n), **ONE_RANK_BUILD,
+                                  epi_n=n) for n in (32, 64)}
+    assert reps[64].spill_bytes == 0 and reps[64].registers == 168
+    _wgmma_pipelined(reps[64])
+    fences = [open(reps[n].ptx_path).read().count("fence.proxy.async.shared::cta") for n in (32, 64)]
+    assert fences[1] < fences[0]
+    with pytest.raises(ValueError, match="epi_n must be 32 or"):
+        megakernel_sm90.MegakernelSm90(2, 8, 2, 2, False, dynamic_tickets=True,
+                                       decoded_tickets=True, pingpong=True, epi_n=64)
+
+
 def test_warp0_tma_stages_keeps_the_wgmmas_pipelined(tmp_path):
     """warp0_tma_stages: the load warp's one arrival of count 128 for a TMA-only stage, at one
     rank with no comm CTA, the shared expert and the recorder: no spills, the wgmmas still
@@ -940,6 +959,18 @@ def test_defer_signals_gives_the_same_bits(K, shared, monkeypatch):
     # a held task's span ends with its stores issued: the CTA's spans still follow one another
     plan = next(p for k, p in megakernel._PLANS.items() if k.timeline and k.defer_signals)
     assert plan.timeline.decode().check() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES)
+def test_wide_epilogue_gives_the_same_bits(R, ring, local_direct, shared, monkeypatch):
+    """megakernel.WIDE_EPILOGUE: FC1's SwiGLU and FC2's stores in 128 x 64 subtiles through two
+    buffers (and, with the shared expert, its tiles too). A buffer reused under an unread
+    store or a SwiGLU pairing off by a subtile would change the bits: the same bits as the
+    32-column subtiles on one, three, four and eight ranks (a wrapping ring), on 132 and 8
+    SMs, recorded, against the reference."""
+    args = _problem(R, 300, 512, 256, 4, 4, shared, seed=103, skew=True)
+    _check_switch(monkeypatch, "WIDE_EPILOGUE", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu

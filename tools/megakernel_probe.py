@@ -27,7 +27,10 @@ consumer loop (``megakernel.PINGPONG``), an ``h`` KSUM tasks of 8 tokens (``mega
 gathered stages only (``megakernel.FENCE_FC1_ONLY``), a ``z`` (with ``l``) TMA-only stages
 filled by the load warp alone (``megakernel.WARP0_TMA_STAGES``), a ``v`` (one rank) FC1 and
 FC2 counters published by the CTA's next task (``megakernel.DEFER_SIGNALS``), an ``a`` a
-compute task's publish without the fence before its release (``megakernel.RELEASE_ONLY_PUBLISH``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``g`` and ``p`` named
+compute task's publish without the fence before its release (``megakernel.RELEASE_ONLY_PUBLISH``),
+a ``g`` the GEMM tasks' epilogue in 128 x 64 subtiles (``megakernel.WIDE_EPILOGUE``);
+e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``p`` and, until the
+seventeenth session, ``g`` named
 variants measured slower and removed in the ninth session, ``y`` and ``r`` in the thirteenth:
 ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -72,7 +75,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([abcehijklmnoqsuvwxz]*)(?:f(\d*))?([abcehijklmnoqsuvwxz]*)", spec)
+    m = re.fullmatch(r"(\d+)([abceghijklmnoqsuvwxz]*)(?:f(\d*))?([abceghijklmnoqsuvwxz]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -85,7 +88,7 @@ def parse_spec(spec: str) -> dict:
                 ksum_rows=8 if "h" in flags else 16, one_epilogue_barrier="q" in flags,
                 short_task_start="j" in flags, fence_fc1_only="i" in flags,
                 warp0_tma_stages="z" in flags, defer_signals="v" in flags,
-                release_only_publish="a" in flags,
+                release_only_publish="a" in flags, wide_epilogue="g" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -100,7 +103,8 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "KSUM_STAGED": "ksum_staged", "PINGPONG": "pingpong", "KSUM_ROWS": "ksum_rows",
                  "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier", "SHORT_TASK_START": "short_task_start",
                  "FENCE_FC1_ONLY": "fence_fc1_only", "WARP0_TMA_STAGES": "warp0_tma_stages",
-                 "DEFER_SIGNALS": "defer_signals", "RELEASE_ONLY_PUBLISH": "release_only_publish"}
+                 "DEFER_SIGNALS": "defer_signals", "RELEASE_ONLY_PUBLISH": "release_only_publish",
+                 "WIDE_EPILOGUE": "wide_epilogue"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -207,7 +211,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_warp0_tma_stages" if k.warp0_tma_stages else "")
                                           + ("_defer_signals" if k.defer_signals else "")
                                           + ("_release_only_publish" if k.release_only_publish
-                                             else ""))
+                                             else "")
+                                          + ("_wide_epilogue" if k.wide_epilogue else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()

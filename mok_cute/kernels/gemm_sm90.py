@@ -91,11 +91,13 @@ class GroupedGemmSm90:
         clusters.
     :param one_epilogue_barrier: one named barrier per epilogue subtile instead of two
         (``store_tile_epilogue``'s ``one_barrier``).
+    :param epi_n: columns of an epilogue subtile, cooperative kernels (32 or 64).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                 pingpong: bool = False, cluster_m: int = 1, one_epilogue_barrier: bool = False):
+                 pingpong: bool = False, cluster_m: int = 1, one_epilogue_barrier: bool = False,
+                 epi_n: int = 32):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -107,6 +109,9 @@ class GroupedGemmSm90:
         if pingpong and tile_n > 128:
             raise ValueError(f"pingpong keeps a whole 128 x tile_n accumulator per warpgroup: "
                              f"tile_n must be <= 128, got {tile_n}")
+        if epi_n not in (32, 64) or (pingpong and epi_n != 32):
+            raise ValueError(f"epi_n must be 32 or (cooperative only) 64, got {epi_n} "
+                             f"with pingpong={pingpong}")
         if cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
         if cluster_m > 1 and (pingpong or timeline):
@@ -146,8 +151,10 @@ class GroupedGemmSm90:
         self.load_warp = 0
         self.producer_regs = 40
         self.consumer_regs = 232
-        self.epi_tile = (64, 32) if pingpong else (TILE_M, 32)
-        self.epi_stages = 4
+        # cooperative: epi_n = 64 stores a tile in half as many subtiles (each one fence, two
+        # barriers and one TMA store fewer) through 2 buffers of 16 KB instead of 4 of 8 KB
+        self.epi_tile = (64, 32) if pingpong else (TILE_M, epi_n)
+        self.epi_stages = 4 * 32 // epi_n
         # pingpong: each consumer warpgroup has its own epilogue buffers
         self.epi_buffers = self.epi_stages * (2 if pingpong else 1)
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
@@ -759,7 +766,8 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                          pingpong: bool = False, cluster_m: int = 1, arch: str = "sm_90a",
-                         options: str = "", one_epilogue_barrier: bool = False):
+                         options: str = "", one_epilogue_barrier: bool = False,
+                         epi_n: int = 32):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -771,7 +779,8 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
-                           cluster_m=cluster_m, one_epilogue_barrier=one_epilogue_barrier)
+                           cluster_m=cluster_m, one_epilogue_barrier=one_epilogue_barrier,
+                           epi_n=epi_n)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

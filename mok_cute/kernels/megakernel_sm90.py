@@ -124,7 +124,8 @@ class MegakernelSm90:
                  ksum_staged: bool = False, pingpong: bool = False,
                  one_epilogue_barrier: bool = False, short_task_start: bool = False,
                  fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
-                 defer_signals: bool = False, release_only_publish: bool = False):
+                 defer_signals: bool = False, release_only_publish: bool = False,
+                 epi_n: int = 32):
         if not 0 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [0, num_ctas={num_ctas}), got {num_comm_ctas}")
         # num_comm_ctas = 0: one rank whose list has no comm task and whose BARRIER is a compute
@@ -284,7 +285,10 @@ class MegakernelSm90:
         # The GEMM roles and layouts are GroupedGemmSm90's (cooperative, 128 x 256 x 64).
         # one width for FC1 and FC2 tasks; FC1's gate and up halves are half of it
         self.tile_n = PINGPONG_TILE_N if pingpong else TASK_TILE_N
-        self.gemm = GroupedGemmSm90(tile_n=self.tile_n, epilogue="store", pingpong=pingpong)
+        # epi_n (cooperative loop): columns of an epilogue subtile, 64 for half as many
+        # subtiles (ops.EPILOGUE_N says why)
+        self.gemm = GroupedGemmSm90(tile_n=self.tile_n, epilogue="store", pingpong=pingpong,
+                                    epi_n=epi_n)
         # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 threads =
         # 40 x 128 + 232 x 256): an increase that the pool cannot cover waits forever. The
         # ticket ring's state spills the local_direct producer at 40, so with dynamic_tickets
@@ -1944,7 +1948,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        one_epilogue_barrier: bool = False, short_task_start: bool = False,
                        fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
                        defer_signals: bool = False, release_only_publish: bool = False,
-                       arch: str = "sm_90a",
+                       epi_n: int = 32, arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
@@ -1952,7 +1956,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong,
                         one_epilogue_barrier, short_task_start, fence_fc1_only,
-                        warp0_tma_stages, defer_signals, release_only_publish)
+                        warp0_tma_stages, defer_signals, release_only_publish, epi_n)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
