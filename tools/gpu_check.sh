@@ -91,6 +91,10 @@
 #   warp0probe  WARP0_TMA_STAGES: its GPU tests, 6 interleaved rounds against the default, then the
 #          clock probe with it (~7 min)
 #   clockprobe  SM clock and power under nvidia-smi while each path runs for 2 s (~3 min)
+#   wideprobe  the 128 x 64 epilogue subtiles (ops.EPILOGUE_N, megakernel.WIDE_EPILOGUE): their
+#          GPU tests and the recorder's, then 6 interleaved rounds of both paths with and without
+#          them (PROBE_SHAPES, PROBE_ROUNDS, PROBE_SECS override; ~8 min on a fresh machine)
+#   switchrecord  RECORD_SWITCH off and on, RECORD_SHAPES (qwen3_30b) recorded on the megakernel
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -467,6 +471,22 @@ run_tail_record() {
     done
   done
 }
+run_switch_record() {
+  # RECORD_SWITCH (a megakernel switch, e.g. WIDE_EPILOGUE) off and on, each shape of
+  # RECORD_SHAPES (default qwen3_30b) recorded on the megakernel: summaries (task periods,
+  # EPILOGUE / SIGNAL phases) and the raw buffers
+  : "${RECORD_SWITCH:?set RECORD_SWITCH}"
+  for shape in ${RECORD_SHAPES:-qwen3_30b}; do
+    for on in 0 1; do
+      env "MOK_${RECORD_SWITCH}=$on" timeout -s KILL 90 python3 -m mok_cute.cli timeline \
+        --out "$out/${shape}_$on" --shape $shape --capacity 262144 \
+        --mok-config check_ids=False --mok-config backend=megakernel 2>&1 \
+        | grep -E "layer|every|KSUM|FC2 |FC1 |WAIT|EPILOGUE|SIGNAL" | tail -10
+      mv "$out/${shape}_$on/timeline_buffer.npy" "$out/${shape}_${RECORD_SWITCH}$on.npy" 2>/dev/null
+      rm -rf "$out/${shape}_$on"
+    done
+  done
+}
 run_virtual_record() {
   # qwen3.5 at virtual R = 8 and the same problem at one rank (--t-scale 8: 16384 tokens, all
   # 512 experts) recorded; the recordings go back as one tarball (a call returns at most 8 files)
@@ -607,6 +627,11 @@ case "$what" in
               timeout -s KILL 240 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
                 --rounds 3 --switch WARP0_TMA_STAGES --json "$out/clock_probe_warp0.json" 2>&1 \
                 | grep -v Warn | tail -30 ;;
+  wideprobe) gpu_tests_passed wide "wide_epilogue or recorded_megakernel_timeline" 330 \
+               tests/test_megakernel.py tests/test_gemm_sm90.py
+             layer_probe "${PROBE_SECS:-300}" layer_wide_epilogue_ab \
+               --comm 0lxwfkuesmhj,0lxwfkuesmhjg --wide-epilogue --rounds "${PROBE_ROUNDS:-6}" ;;
+  switchrecord) run_switch_record ;;
   clockprobe) timeout -s KILL 300 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
                 --json "$out/clock_probe.json" 2>&1 | grep -v Warn | tail -30 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;

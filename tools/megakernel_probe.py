@@ -125,7 +125,7 @@ def restore(defaults: dict) -> None:
 
 
 # the expert path's switches that probe variants flip
-OPS_SWITCHES = ("SCATTER_X", "GEMM_CLUSTER_M", "ONE_EPILOGUE_BARRIER")
+OPS_SWITCHES = ("SCATTER_X", "GEMM_CLUSTER_M", "ONE_EPILOGUE_BARRIER", "EPILOGUE_N")
 
 
 def restore_ops(defaults: dict) -> None:
@@ -136,7 +136,8 @@ def restore_ops(defaults: dict) -> None:
 
 def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                 rounds: int = 1, scatter: bool = False, minibatches: tuple = (None,),
-                cluster: bool = False, one_barrier: bool = False) -> dict:
+                cluster: bool = False, one_barrier: bool = False,
+                wide_epilogue: bool = False) -> dict:
     """The expert path, optionally with ``ops.SCATTER_X`` flipped, then every ``--comm`` spec of
     the megakernel; with ``rounds`` > 1 all variants are timed again in turn, odd rounds in
     reverse order (the clock drifts within a process) and each row keeps every round's time and their minimum."""
@@ -162,6 +163,11 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
         flipped = not ops_defaults["ONE_EPILOGUE_BARRIER"]
         key = "expert_kernels_" + ("one" if flipped else "two") + "_epilogue_barriers"
         variants[key] = (lambda: setattr(ops, "ONE_EPILOGUE_BARRIER", flipped), base)
+        rows[key] = {"variant": key}
+    if wide_epilogue:  # the expert path's cooperative epilogues in 64-column subtiles (or 32)
+        flipped = 32 if ops_defaults["EPILOGUE_N"] == 64 else 64
+        key = f"expert_kernels_epilogue_n{flipped}"
+        variants[key] = (lambda: setattr(ops, "EPILOGUE_N", flipped), base)
         rows[key] = {"variant": key}
     for spec in comms:
         sp = parse_spec(spec)
@@ -356,6 +362,9 @@ def main(argv=None) -> int:
                     help="add the expert path with ops.GEMM_CLUSTER_M = 1 (no clusters; 2 if that is the default)")
     ap.add_argument("--one-barrier", action="store_true",
                     help="add the expert path with ops.ONE_EPILOGUE_BARRIER flipped")
+    ap.add_argument("--wide-epilogue", action="store_true",
+                    help="add the expert path with ops.EPILOGUE_N flipped (64-column epilogue "
+                         "subtiles, or 32)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times in turn; report the minimum")
     ap.add_argument("--virtual", default=None, metavar="SHAPES",
@@ -379,7 +388,7 @@ def main(argv=None) -> int:
             doc["shapes"].append(probe_shape(
                 s, [c for c in a.comm.split(",") if c], a.timeline, a.out, a.rounds, a.scatter,
                 tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,),
-                a.cluster, a.one_barrier))
+                a.cluster, a.one_barrier, a.wide_epilogue))
             save_probe_json(a.json, doc, argv)  # after every shape: a killed probe keeps its shapes
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","), a.virtual_rounds)
