@@ -230,6 +230,13 @@ WARP0_TMA_STAGES = experimental_switch("WARP0_TMA_STAGES", False)
 # 1.009; the store warp's SIGNAL phase is mostly off the critical path, the other warpgroup
 # runs ahead through the loaded stages). Off. MOK_DEFER_SIGNALS=1.
 DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", False)
+# With DEFER_SIGNALS, the k-tiles the next mainloop issues before a held publish goes out
+# (kernels.megakernel_sm90's defer_flush_ktiles; 1 = after its first, as measured level in the
+# sixteenth session). Why more: the store warp's wait for its tile's stores to land (the
+# SIGNAL phase, ~2.1 us on qwen3) holds its warpgroup's wgmmas, which need all four warps;
+# after one k-tile most of that wait is still ahead. Written in the seventeenth session,
+# unmeasured. MOK_DEFER_FLUSH_KTILES=N.
+DEFER_FLUSH_KTILES = experimental_setting("DEFER_FLUSH_KTILES", 1, 1, 64)
 # A compute task's counter published by its release reduction alone, without a fence.acq_rel
 # before it (kernels.megakernel_sm90's release_only_publish): one MEMBAR.ALL.GPU per task
 # instead of two on the store warp's way from a tile's stores to the next mainloop (its
@@ -317,6 +324,7 @@ class PlanKey:
     defer_signals: bool = False  # DEFER_SIGNALS (one rank, no comm task, cooperative)
     release_only_publish: bool = False  # RELEASE_ONLY_PUBLISH
     wide_epilogue: bool = False  # WIDE_EPILOGUE (the cooperative loop)
+    defer_flush_ktiles: int = 1  # DEFER_FLUSH_KTILES (with defer_signals)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -538,7 +546,7 @@ class Plan:
             one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start,
             fence_fc1_only=k.fence_fc1_only, warp0_tma_stages=k.warp0_tma_stages,
             defer_signals=k.defer_signals, release_only_publish=k.release_only_publish,
-            epi_n=64 if k.wide_epilogue else 32)
+            epi_n=64 if k.wide_epilogue else 32, defer_flush_ktiles=k.defer_flush_ktiles)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -767,6 +775,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         if fc1_lead is None:
             fc1_lead = fc1_lead_minibatches(num_sms - num_comm, minibatch // TILE_M,
                                             -(-2 * I // task_tile_n(pingpong)))
+    defer = (DEFER_SIGNALS and local_only and R == 1 and decoded and STORE_WARP_SIGNALS
+             and not pingpong)
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,
@@ -777,8 +787,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   STORE_WARP_SIGNALS, KSUM_STAGED and not pingpong, pingpong,
                   KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
                   FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct,
-                  DEFER_SIGNALS and local_only and R == 1 and decoded and STORE_WARP_SIGNALS
-                  and not pingpong, RELEASE_ONLY_PUBLISH, WIDE_EPILOGUE and not pingpong)
+                  defer, RELEASE_ONLY_PUBLISH, WIDE_EPILOGUE and not pingpong,
+                  DEFER_FLUSH_KTILES if defer else 1)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

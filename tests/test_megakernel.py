@@ -324,6 +324,27 @@ def test_wide_epilogue_keeps_the_wgmmas_pipelined(tmp_path):
                                        decoded_tickets=True, pingpong=True, epi_n=64)
 
 
+def test_defer_flush_after_ktiles_keeps_the_wgmmas_pipelined(tmp_path):
+    """defer_flush_ktiles = 4: the held publish inside the k-loop (after the 4th k-tile's
+    wgmmas are issued) and after it (a mainloop of fewer k-tiles), at one rank with the shared
+    expert and the recorder: no spills, the wgmmas still pipelined, one release publish more
+    than the flush after the first k-tile (two sites instead of one); refused without
+    defer_signals."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    reps = [jit.inspect_kernel("megakernel", outdir=tmp_path / str(k), **ONE_RANK_BUILD,
+                               defer_signals=True, defer_flush_ktiles=k) for k in (1, 4)]
+    assert reps[1].spill_bytes == 0 and reps[1].registers == 168
+    _wgmma_pipelined(reps[1])
+    releases = [open(r.ptx_path).read().count("red.release") for r in reps]
+    assert releases[1] == releases[0] + 1
+    with pytest.raises(ValueError, match="defer_flush_ktiles needs defer_signals"):
+        megakernel_sm90.MegakernelSm90(1, 8, 0, 2, False, dynamic_tickets=True,
+                                       decoded_tickets=True, store_warp_signals=True,
+                                       defer_flush_ktiles=4)
+
+
 def test_warp0_tma_stages_keeps_the_wgmmas_pipelined(tmp_path):
     """warp0_tma_stages: the load warp's one arrival of count 128 for a TMA-only stage, at one
     rank with no comm CTA, the shared expert and the recorder: no spills, the wgmmas still
@@ -971,6 +992,24 @@ def test_wide_epilogue_gives_the_same_bits(R, ring, local_direct, shared, monkey
     SMs, recorded, against the reference."""
     args = _problem(R, 300, 512, 256, 4, 4, shared, seed=103, skew=True)
     _check_switch(monkeypatch, "WIDE_EPILOGUE", args, R, ring, local_direct)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flush_k,K,shared,I", [(4, 4, 128, 768), (8, 8, 0, 256), (4, 1, 0, 512)])
+def test_defer_flush_after_ktiles_gives_the_same_bits(flush_k, K, shared, I, monkeypatch):
+    """megakernel.DEFER_FLUSH_KTILES with DEFER_SIGNALS: a held FC1 / FC2 counter published
+    after the next mainloop's flush_k-th k-tile, or after a shorter mainloop (I = 256: FC2 has
+    4 k-tiles, fewer than 8). A publish never made would hang (timeout error), one before the
+    stores landed could give stale bits: the same bits as without DEFER_SIGNALS, on 132 and 8
+    SMs, recorded (spans still follow one another per CTA), against the reference."""
+    from mok_cute import megakernel
+
+    monkeypatch.setattr(megakernel, "DEFER_FLUSH_KTILES", flush_k)
+    args = _problem(1, 300, 512, I, max(4, K), K, shared, seed=107, skew=True)
+    _check_switch(monkeypatch, "DEFER_SIGNALS", args, 1, None, True)
+    plan = next(p for k, p in megakernel._PLANS.items()
+                if k.timeline and k.defer_signals and k.defer_flush_ktiles == flush_k)
+    assert plan.timeline.decode().check() == []
 
 
 @pytest.mark.gpu

@@ -95,6 +95,8 @@
 #          GPU tests and the recorder's, then 6 interleaved rounds of both paths with and without
 #          them (PROBE_SHAPES, PROBE_ROUNDS, PROBE_SECS override; ~8 min on a fresh machine)
 #   switchrecord  RECORD_SWITCH off and on, RECORD_SHAPES (qwen3_30b) recorded on the megakernel
+#   flushprobe  DEFER_FLUSH_KTILES: the deferred publish's GPU tests, then 6 interleaved rounds of
+#          the default, DEFER_SIGNALS flushed after 1, 4 and 8 k-tiles (~8 min)
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -632,6 +634,10 @@ case "$what" in
              layer_probe "${PROBE_SECS:-300}" layer_wide_epilogue_ab \
                --comm 0lxwfkuesmhj,0lxwfkuesmhjg --wide-epilogue --rounds "${PROBE_ROUNDS:-6}" ;;
   switchrecord) run_switch_record ;;
+  flushprobe) gpu_tests_passed flush "defer_flush or defer_signals" 300
+              layer_probe "${PROBE_SECS:-280}" layer_defer_flush_ab \
+                --comm 0lxwfkuesmhj,0lxwfkuesmhjv,0lxwfkuesmhjvy,0lxwfkuesmhjvr \
+                --rounds "${PROBE_ROUNDS:-6}" ;;
   clockprobe) timeout -s KILL 300 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
                 --json "$out/clock_probe.json" 2>&1 | grep -v Warn | tail -30 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;

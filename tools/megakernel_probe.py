@@ -28,11 +28,12 @@ gathered stages only (``megakernel.FENCE_FC1_ONLY``), a ``z`` (with ``l``) TMA-o
 filled by the load warp alone (``megakernel.WARP0_TMA_STAGES``), a ``v`` (one rank) FC1 and
 FC2 counters published by the CTA's next task (``megakernel.DEFER_SIGNALS``), an ``a`` a
 compute task's publish without the fence before its release (``megakernel.RELEASE_ONLY_PUBLISH``),
-a ``g`` the GEMM tasks' epilogue in 128 x 64 subtiles (``megakernel.WIDE_EPILOGUE``);
-e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (The letters ``t``, ``d``, ``p`` and, until the
-seventeenth session, ``g`` named
-variants measured slower and removed in the ninth session, ``y`` and ``r`` in the thirteenth:
-``docs/perf_notes.md``.) Every megakernel output
+a ``g`` the GEMM tasks' epilogue in 128 x 64 subtiles (``megakernel.WIDE_EPILOGUE``), a ``y``
+(``r``) with ``v`` a held publish after the next mainloop's 4th (8th) k-tile
+(``megakernel.DEFER_FLUSH_KTILES``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (Until the
+seventeenth session ``t``, ``d``, ``g`` and ``p`` named variants measured slower and removed
+in the ninth session, ``y`` and ``r`` in the thirteenth, and ``p`` the FC2 halves removed in
+the seventeenth: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
@@ -75,7 +76,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([abceghijklmnoqsuvwxz]*)(?:f(\d*))?([abceghijklmnoqsuvwxz]*)", spec)
+    m = re.fullmatch(r"(\d+)([abceghijklmnoqrsuvwxyz]*)(?:f(\d*))?([abceghijklmnoqrsuvwxyz]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -89,6 +90,7 @@ def parse_spec(spec: str) -> dict:
                 short_task_start="j" in flags, fence_fc1_only="i" in flags,
                 warp0_tma_stages="z" in flags, defer_signals="v" in flags,
                 release_only_publish="a" in flags, wide_epilogue="g" in flags,
+                defer_flush_ktiles=8 if "r" in flags else 4 if "y" in flags else 1,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -104,7 +106,7 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier", "SHORT_TASK_START": "short_task_start",
                  "FENCE_FC1_ONLY": "fence_fc1_only", "WARP0_TMA_STAGES": "warp0_tma_stages",
                  "DEFER_SIGNALS": "defer_signals", "RELEASE_ONLY_PUBLISH": "release_only_publish",
-                 "WIDE_EPILOGUE": "wide_epilogue"}
+                 "WIDE_EPILOGUE": "wide_epilogue", "DEFER_FLUSH_KTILES": "defer_flush_ktiles"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -218,7 +220,9 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                           + ("_defer_signals" if k.defer_signals else "")
                                           + ("_release_only_publish" if k.release_only_publish
                                              else "")
-                                          + ("_wide_epilogue" if k.wide_epilogue else ""))
+                                          + ("_wide_epilogue" if k.wide_epilogue else "")
+                                          + (f"_flush_after{k.defer_flush_ktiles}"
+                                             if k.defer_flush_ktiles != 1 else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()

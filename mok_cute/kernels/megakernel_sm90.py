@@ -125,7 +125,7 @@ class MegakernelSm90:
                  one_epilogue_barrier: bool = False, short_task_start: bool = False,
                  fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
                  defer_signals: bool = False, release_only_publish: bool = False,
-                 epi_n: int = 32):
+                 epi_n: int = 32, defer_flush_ktiles: int = 1):
         if not 0 <= num_comm_ctas < num_ctas:
             raise ValueError(f"num_comm_ctas must be in [0, num_ctas={num_ctas}), got {num_comm_ctas}")
         # num_comm_ctas = 0: one rank whose list has no comm task and whose BARRIER is a compute
@@ -265,6 +265,20 @@ class MegakernelSm90:
             raise ValueError("defer_signals needs one rank, decoded_tickets, store_warp_signals "
                              "and the cooperative loop")
         self.defer_signals = defer_signals
+        # defer_flush_ktiles (defer_signals): a held publish goes out once the next mainloop has
+        # issued this many k-tiles (or at its end, if it has fewer), not after its first. Why:
+        # the store warp's wait for a tile's TMA stores to land (~2.1 us on qwen3, the SIGNAL
+        # phase) holds its warpgroup's wgmmas, which need all four warps (the other
+        # warpgroup runs on alone for at most the 4 loaded stages); after one k-tile most of
+        # that wait is still ahead (measured level, sixteenth session), after the whole
+        # mainloop other CTAs waited on the held counters (slower). A few k-tiles (~0.55 us
+        # each) is about when the stores have landed anyway, so the publish is not later than
+        # today's and the wait is short.
+        if not 1 <= defer_flush_ktiles <= 64:
+            raise ValueError(f"defer_flush_ktiles must be in [1, 64], got {defer_flush_ktiles}")
+        if defer_flush_ktiles != 1 and not defer_signals:
+            raise ValueError("defer_flush_ktiles needs defer_signals")
+        self.defer_flush_ktiles = defer_flush_ktiles
         # release_only_publish: a compute task's counter is published by its release reduction
         # alone, without the fence.acq_rel before it. The release is that fence (cumulative:
         # it covers the writes of the threads synced with the publisher by the epilogue
@@ -1570,10 +1584,12 @@ class MegakernelSm90:
         self._stage_visible(ttype)
         self.gemm._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
         read.advance()
+        flush_k = self.defer_flush_ktiles  # k-tiles issued before the held publish
         if const_expr(flush is not None):
             counters, held, is_store_warp, consumer_tidx = flush
-            if held >= 0:
-                self._flush_signal(counters, held, is_store_warp, consumer_tidx)
+            if const_expr(flush_k == 1):
+                if held >= 0:
+                    self._flush_signal(counters, held, is_store_warp, consumer_tidx)
         for k in range(1, k_tiles):
             ab_pipeline.consumer_wait(read)
             self._stage_visible(ttype)
@@ -1582,6 +1598,12 @@ class MegakernelSm90:
             ab_pipeline.consumer_release(release)
             release.advance()
             read.advance()
+            if const_expr(flush is not None and flush_k > 1):
+                if k == flush_k - 1 and held >= 0:
+                    self._flush_signal(counters, held, is_store_warp, consumer_tidx)
+        if const_expr(flush is not None and flush_k > 1):
+            if k_tiles < flush_k and held >= 0:  # a mainloop shorter than flush_k
+                self._flush_signal(counters, held, is_store_warp, consumer_tidx)
         return release
 
     @cute.jit
@@ -1948,7 +1970,7 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                        one_epilogue_barrier: bool = False, short_task_start: bool = False,
                        fence_fc1_only: bool = False, warp0_tma_stages: bool = False,
                        defer_signals: bool = False, release_only_publish: bool = False,
-                       epi_n: int = 32, arch: str = "sm_90a",
+                       epi_n: int = 32, defer_flush_ktiles: int = 1, arch: str = "sm_90a",
                        options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed); every extent is a
     run-time value. The result takes torch tensors (TVM-FFI) in ``__call__``'s order."""
@@ -1956,7 +1978,8 @@ def compile_megakernel(num_ranks: int = 1, num_ctas: int = 132, num_comm_ctas: i
                         local_direct, rank_blocks, dynamic_tickets, ksum_vectors, copy_vectors,
                         decoded_tickets, store_warp_signals, ksum_staged, pingpong,
                         one_epilogue_barrier, short_task_start, fence_fc1_only,
-                        warp0_tma_stages, defer_signals, release_only_publish, epi_n)
+                        warp0_tma_stages, defer_signals, release_only_publish, epi_n,
+                        defer_flush_ktiles)
     f = common.fake_strided_tensor
     kmaj = common.fake_kmajor_tensor
     sym = cute.sym_int32
