@@ -228,15 +228,22 @@ WARP0_TMA_STAGES = experimental_switch("WARP0_TMA_STAGES", False)
 # whole mainloop, qwen3 1.065 x (slower: other CTAs' FC2 waited on held FC1 counters); flushed
 # once the next mainloop's first k-tile is issued (the code now), level (runs 118-120: 0.985-
 # 1.009; the store warp's SIGNAL phase is mostly off the critical path, the other warpgroup
-# runs ahead through the loaded stages). Off. MOK_DEFER_SIGNALS=1.
-DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", False)
+# runs ahead through the loaded stages). On since the seventeenth session, flushed after 8
+# k-tiles (DEFER_FLUSH_KTILES, below). MOK_DEFER_SIGNALS=0 turns it off.
+DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", True)
 # With DEFER_SIGNALS, the k-tiles the next mainloop issues before a held publish goes out
 # (kernels.megakernel_sm90's defer_flush_ktiles; 1 = after its first, as measured level in the
-# sixteenth session). Why more: the store warp's wait for its tile's stores to land (the
-# SIGNAL phase, ~2.1 us on qwen3) holds its warpgroup's wgmmas, which need all four warps;
-# after one k-tile most of that wait is still ahead. Written in the seventeenth session,
-# unmeasured. MOK_DEFER_FLUSH_KTILES=N.
-DEFER_FLUSH_KTILES = experimental_setting("DEFER_FLUSH_KTILES", 1, 1, 64)
+# sixteenth session; a shorter mainloop publishes at its end). Why more: the store warp's wait
+# for its tile's stores to land (the SIGNAL phase, ~2.1 us on qwen3) holds its warpgroup's
+# wgmmas, which need all four warps; after one k-tile most of that wait is still ahead, after
+# 8 (~4.4 us on qwen3's FC2) the stores have landed and the publish is about as early as
+# without the deferral. Measured (seventeenth session, run 132, 6 interleaved rounds, paired
+# against DEFER_SIGNALS off; flush after 1 / 4 / 8 k-tiles): qwen3 0.982 / 0.983 / **0.964**,
+# dsv3 0.993 / 0.997 / 0.991, sonic 1.001 / 0.992 / 0.990, gptoss 0.998 / 1.007 / 1.011, mixtral
+# 1.016 / 1.005 / 1.005 (this probe's spread: ~2 %). Recorded (run 133), qwen3's FC2 tile
+# period 11.26 -> 10.67 us with FC1's unchanged (23.87 / 23.89), the layer 569 -> 579 TFLOP/s;
+# gptoss FC2 31.04 -> 30.75 us. MOK_DEFER_FLUSH_KTILES=N.
+DEFER_FLUSH_KTILES = experimental_setting("DEFER_FLUSH_KTILES", 8, 1, 64)
 # A compute task's counter published by its release reduction alone, without a fence.acq_rel
 # before it (kernels.megakernel_sm90's release_only_publish): one MEMBAR.ALL.GPU per task
 # instead of two on the store warp's way from a tile's stores to the next mainloop (its

@@ -975,6 +975,7 @@ def test_defer_signals_gives_the_same_bits(K, shared, monkeypatch):
     for K = 8: top-k needs k distinct experts)."""
     from mok_cute import megakernel
 
+    monkeypatch.setattr(megakernel, "DEFER_FLUSH_KTILES", 1)  # the flush after the first k-tile
     args = _problem(1, 300, 512, 256, max(4, K), K, shared, seed=89, skew=True)
     _check_switch(monkeypatch, "DEFER_SIGNALS", args, 1, None, True)
     # a held task's span ends with its stores issued: the CTA's spans still follow one another
