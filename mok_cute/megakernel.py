@@ -253,8 +253,12 @@ RELEASE_ONLY_PUBLISH = experimental_switch("RELEASE_ONLY_PUBLISH", False)
 # The GEMM tasks' epilogue in 128 x 64 subtiles through two 16 KB buffers instead of 128 x 32
 # through four (the cooperative loop; ops.EPILOGUE_N is the same change for the expert path
 # and says why). Predicted: at most half the epilogue (qwen3: 1.41 us per FC2 task, 1.82 per
-# FC1 task), -1 to -3 % on qwen3, less where tiles are long (mixtral). Written in the
-# seventeenth session, unmeasured: off. MOK_WIDE_EPILOGUE=1.
+# FC1 task), -1 to -3 % on qwen3, less where tiles are long (mixtral). Measured (seventeenth
+# session, run 130, 6 interleaved rounds, paired against 32-column subtiles, bitwise equal):
+# qwen3 1.000, mixtral 1.000, dsv3 0.990, gptoss 0.985, sonic 0.997: level. Recorded on qwen3
+# (run 131): the EPILOGUE phase 1.6 -> 1.4 us but the store warp's SIGNAL wait 2.1 -> 2.2 and
+# the tile periods unchanged: the stores' landing, not the subtile count, paces the task.
+# Off. MOK_WIDE_EPILOGUE=1.
 WIDE_EPILOGUE = experimental_switch("WIDE_EPILOGUE", False)
 # 16-B vectors in flight per consumer lane in the KSUM tasks (kernels.token_ops.k_sum_unroll).
 # Why more than the standalone k-sum's 8: one CTA per SM runs the KSUM tasks with its 8 consumer

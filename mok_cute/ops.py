@@ -64,7 +64,9 @@ ONE_EPILOGUE_BARRIER = experimental_switch("ONE_EPILOGUE_BARRIER", False)
 # megakernel.WIDE_EPILOGUE is the same change). Why: the cooperative epilogue is where the
 # tensor cores wait (qwen3 in the megakernel: 1.41 us per FC2 tile, 1.82 per FC1 tile,
 # sixteenth and seventeenth sessions), and its barriers alone were not the cost
-# (ONE_EPILOGUE_BARRIER level). Written in the seventeenth session: MOK_EPILOGUE_N=64.
+# (ONE_EPILOGUE_BARRIER level). Measured (seventeenth session, run 130, 6 interleaved rounds,
+# paired against 32, bitwise equal): qwen3 1.001, mixtral 1.002, dsv3 1.022, gptoss 1.004,
+# sonic 1.012: level or slower, so 32. MOK_EPILOGUE_N=64.
 EPILOGUE_N = experimental_setting("EPILOGUE_N", 32, 32, 64)
 if EPILOGUE_N not in (32, 64):
     raise ValueError(f"MOK_EPILOGUE_N: expected 32 or 64, got {EPILOGUE_N}")
