@@ -98,6 +98,8 @@
 #   flushprobe  DEFER_FLUSH_KTILES: the deferred publish's GPU tests, then 6 interleaved rounds of
 #          the default, DEFER_SIGNALS flushed after 1, 4 and 8 k-tiles (~8 min)
 set -u
+# megatests2: the megakernel GPU tests that megatests leaves to a second call
+MEGA_SECOND="defer_signals or defer_flush or wide_epilogue or release_only_publish or warp0 or x_read_in_place or one_gpu_megakernel or silent_peer or out_of_range or recorded_megakernel_timeline"
 out="${OUT:-out}"
 mkdir -p "$out"
 what="${1:-tests}"
@@ -605,8 +607,10 @@ case "$what" in
   virtualcomm) run_virtual_comm ;;
   final) run_final "${2:-virtual_r8}" "${3:-expert_kernels}" ;;
   singlebench) run_single_bench "${2:-expert_kernels}" ;;
-  # the megakernel's GPU tests take longer than one call (run 92): two halves
-  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or ksum_rows or one_epilogue_barrier or short_task_start or fence_fc1_only)" 420 ;;
+  # the megakernel's GPU tests take longer than one call (run 92): megatests, megatests2 (the
+  # later switches and the end-to-end checks; run 134 stopped before them) and switchtests
+  megatests) gpu_tests_passed megakernel "not (store_warp_signals or staged_ksum or pingpong_consumers or ksum_rows or one_epilogue_barrier or short_task_start or fence_fc1_only) and not ($MEGA_SECOND)" 420 ;;
+  megatests2) gpu_tests_passed megakernel2 "$MEGA_SECOND" 420 ;;
   switchtests) run_switch_tests ;;
   rowstests) gpu_tests_passed rows_barrier "ksum_rows or one_epilogue_barrier" 300 ;;
   gaprecord) run_gap_record ;;
