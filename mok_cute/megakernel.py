@@ -216,8 +216,9 @@ FENCE_FC1_ONLY = experimental_switch("FENCE_FC1_ONLY", False)
 WARP0_TMA_STAGES = experimental_switch("WARP0_TMA_STAGES", False)
 # At one rank with no comm task, an FC1 or FC2 task's counter published only when the CTA's
 # next task needs it out of the way (kernels.megakernel_sm90's defer_signals): at that task's
-# start if it may wait on it (an FC2 after an FC1, a KSUM or BARRIER), else once its first
-# k-tile is issued, and at the end; the store warp then no longer waits for a tile's TMA
+# start if it may wait on it (an FC2 after an FC1, a KSUM or BARRIER), else once that
+# task's mainloop has issued DEFER_FLUSH_KTILES k-tiles, and at the end; the store warp then
+# no longer waits for a tile's TMA
 # stores to land before its warpgroup's next mainloop. Why: qwen3's cooperative FC2 tasks
 # (12 k-tiles) run one every 10.98 us against ~9.7 us for the expert path's cooperative tiles
 # and 8.84 for its pingpong ones (fifteenth session, run 112), ~1.3 us of task overhead over

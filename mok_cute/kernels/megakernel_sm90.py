@@ -249,16 +249,17 @@ class MegakernelSm90:
         # defer_signals (one rank, no comm task, the cooperative loop with the decoded ring and
         # store-warp signals): an FC1 or FC2 task is published only once the CTA's next task
         # needs it out of the way: at that task's start if it may wait on it (an FC2 after an
-        # FC1: FC2 waits on FC1's h; a KSUM or BARRIER on everything), else once its mainloop's
-        # first k-tile is issued (the stores have had the task start to land, and the tensor
-        # cores have that k-tile to work on), and at the end. Flushing after the whole next
-        # mainloop measured slower (qwen3 +6.5 %, sixteenth session): other CTAs' FC2 tasks
-        # waited a whole FC1 mainloop on a held FC1 counter. At one rank FC1 waits on nothing
-        # and FC2 only on FC1, so a held FC1 is published within one FC1 k-tile or at once, a
-        # held FC2 within one k-tile: nothing waits on a signal its own CTA holds back. Why:
-        # the store warp's wait for a tile's TMA stores to land, its fence and its publish
-        # hold its warpgroup's next mainloop; qwen3's FC2 tasks (12 k-tiles) run one every
-        # 10.98 us against ~9.7 for the expert path's cooperative tiles (fifteenth session). The sixth session's DEFER_FC2_SIGNALS measured slower, in
+        # FC1: FC2 waits on FC1's h; a KSUM or BARRIER on everything), else once its mainloop
+        # has issued defer_flush_ktiles k-tiles (below: the stores have landed by then, and the
+        # tensor cores have those k-tiles to work on), and at the end. Flushing after the whole
+        # next mainloop measured slower (qwen3 +6.5 %, sixteenth session): other CTAs' FC2
+        # tasks waited a whole FC1 mainloop on a held FC1 counter. At one rank FC1 waits on
+        # nothing and FC2 only on FC1, so a held counter is published within defer_flush_ktiles
+        # k-tiles of a task that waits on nothing it holds, or at once: nothing waits on a
+        # signal its own CTA holds back. Why: the store warp's wait for a tile's TMA stores to
+        # land, its fence and its publish hold its warpgroup's next mainloop; qwen3's FC2 tasks
+        # (12 k-tiles) ran one every 10.98 us against ~9.7 for the expert path's cooperative
+        # tiles (fifteenth session). The sixth session's DEFER_FC2_SIGNALS measured slower, in
         # a kernel whose wgmmas no test checked for serialisation (C7520 since the fourteenth)
         if defer_signals and not (num_ranks == 1 and decoded_tickets and store_warp_signals
                                   and not pingpong):
@@ -1569,8 +1570,8 @@ class MegakernelSm90:
         (the producer still resolving the task or loading its first k-tile) as a STAGE_WAIT
         span of task ``index`` when it is over STAGE_WAIT_RECORD_MIN_NS. ``ttype``: the task's
         type, for ``fence_fc1_only``. ``flush`` (defer_signals): ``(counters, held,
-        is_store_warp, consumer_tidx)``; counter ``held`` (if >= 0) is published once the
-        first k-tile's wgmmas are issued."""
+        is_store_warp, consumer_tidx)``; counter ``held`` (if >= 0) is published once
+        ``defer_flush_ktiles`` k-tiles' wgmmas are issued (or after a shorter mainloop)."""
         read = _pipeline_state(pipeline.PipelineUserType.Consumer, g_stages(self), loads)
         release = read.clone()
         acc.fill(0.0)
