@@ -151,26 +151,28 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
     ops_defaults = {n: getattr(ops, n) for n in OPS_SWITCHES}
     variants = {"expert_kernels": (lambda: None, base)}
     rows = {"expert_kernels": {"variant": "expert_kernels"}}
-    if scatter:  # the expert path with ops.SCATTER_X flipped: x put in expert order by the
-        # token-major scatter (on since run 64) or by the gather
-        key = "expert_kernels_" + ("gather_x" if ops_defaults["SCATTER_X"] else "scatter_x")
-        variants[key] = (lambda: setattr(ops, "SCATTER_X", not ops_defaults["SCATTER_X"]), base)
+
+    def expert_variant(setting: str, value, suffix: str) -> None:
+        """The expert path with ``ops.<setting> = value``, as variant expert_kernels_<suffix>
+        (each variant's value bound here: lambdas sharing one local read its last value, so
+        ``--cluster --one-barrier`` set GEMM_CLUSTER_M to a bool)."""
+        key = f"expert_kernels_{suffix}"
+        variants[key] = (lambda: setattr(ops, setting, value), base)
         rows[key] = {"variant": key}
+
+    if scatter:  # x put in expert order by the token-major scatter (on since run 64) or by
+        # the gather
+        on = ops_defaults["SCATTER_X"]
+        expert_variant("SCATTER_X", not on, "gather_x" if on else "scatter_x")
     if cluster:  # the expert path without GEMM clusters (or with them everywhere, if off)
         flipped = 2 if ops_defaults["GEMM_CLUSTER_M"] == 1 else 1
-        key = f"expert_kernels_cluster{flipped}"
-        variants[key] = (lambda: setattr(ops, "GEMM_CLUSTER_M", flipped), base)
-        rows[key] = {"variant": key}
+        expert_variant("GEMM_CLUSTER_M", flipped, f"cluster{flipped}")
     if one_barrier:  # the expert path's GEMM epilogues with one barrier per subtile (or two)
-        flipped = not ops_defaults["ONE_EPILOGUE_BARRIER"]
-        key = "expert_kernels_" + ("one" if flipped else "two") + "_epilogue_barriers"
-        variants[key] = (lambda: setattr(ops, "ONE_EPILOGUE_BARRIER", flipped), base)
-        rows[key] = {"variant": key}
+        one = not ops_defaults["ONE_EPILOGUE_BARRIER"]
+        expert_variant("ONE_EPILOGUE_BARRIER", one, ("one" if one else "two") + "_epilogue_barriers")
     if wide_epilogue:  # the expert path's cooperative epilogues in 64-column subtiles (or 32)
-        flipped = 32 if ops_defaults["EPILOGUE_N"] == 64 else 64
-        key = f"expert_kernels_epilogue_n{flipped}"
-        variants[key] = (lambda: setattr(ops, "EPILOGUE_N", flipped), base)
-        rows[key] = {"variant": key}
+        n = 32 if ops_defaults["EPILOGUE_N"] == 64 else 64
+        expert_variant("EPILOGUE_N", n, f"epilogue_n{n}")
     for spec in comms:
         sp = parse_spec(spec)
         for mb in minibatches:  # None: the plan's default minibatch (8 tiles)
