@@ -248,6 +248,13 @@ run_order() {
 }
 
 
+find_ncu() {
+  # the Nsight Compute CLI's path (not always on PATH on the GPU host)
+  local ncu
+  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
+  [ -n "$ncu" ] || { echo "no ncu on this machine" >&2; return 1; }
+  echo "$ncu"
+}
 run_ncu() {
   # run_ncu [KERNEL_REGEX [ncu_layer.py args...]]: the metrics this ncu knows (an unknown name
   # fails the whole run), then one ncu run per shape
@@ -258,8 +265,7 @@ run_ncu() {
     sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
     sm__inst_executed_pipe_lsu.sum l1tex__t_bytes.sum"
   local ncu
-  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
-  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 1; }
+  ncu="$(find_ncu)" || return 1
   "$ncu" --version | tail -1
   "$ncu" --query-metrics --chip gh100 > "$out/ncu_metrics.txt" 2>&1
   local metrics="" m
@@ -283,8 +289,7 @@ run_ncu_source() {
   # run_ncu_source [KERNEL_REGEX [ncu_layer.py args...]]
   local ncu shape kernels="${1:-Megakernel|GroupedGemm}"
   shift || true
-  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
-  [ -n "$ncu" ] || { echo "no ncu on this machine"; return 1; }
+  ncu="$(find_ncu)" || return 1
   for shape in ${NCU_SHAPES:-mixtral qwen3_30b}; do
     timeout -s KILL 200 "$ncu" --profile-from-start off --clock-control none \
       --kernel-name "regex:$kernels" --section SourceCounters -f -o "$out/src_$shape" \
@@ -480,16 +485,18 @@ run_switch_record() {
   # RECORD_SHAPES (default qwen3_30b) recorded on the megakernel: summaries (task periods,
   # EPILOGUE / SIGNAL phases) and the raw buffers
   : "${RECORD_SWITCH:?set RECORD_SWITCH}"
+  local shape on
   for shape in ${RECORD_SHAPES:-qwen3_30b}; do
     for on in 0 1; do
-      env "MOK_${RECORD_SWITCH}=$on" timeout -s KILL 90 python3 -m mok_cute.cli timeline \
-        --out "$out/${shape}_$on" --shape $shape --capacity 262144 \
-        --mok-config check_ids=False --mok-config backend=megakernel 2>&1 \
-        | grep -E "layer|every|KSUM|FC2 |FC1 |WAIT|EPILOGUE|SIGNAL" | tail -10
+      export "MOK_${RECORD_SWITCH}=$on"
+      record_summary 90 "$out/${shape}_$on" "layer|every|KSUM|FC2 |FC1 |WAIT|EPILOGUE|SIGNAL" \
+        --shape $shape --capacity 262144 --mok-config check_ids=False \
+        --mok-config backend=megakernel
       mv "$out/${shape}_$on/timeline_buffer.npy" "$out/${shape}_${RECORD_SWITCH}$on.npy" 2>/dev/null
       rm -rf "$out/${shape}_$on"
     done
   done
+  unset "MOK_${RECORD_SWITCH}"
 }
 run_virtual_record() {
   # qwen3.5 at virtual R = 8 and the same problem at one rank (--t-scale 8: 16384 tokens, all
@@ -660,5 +667,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|all]" >&2; exit 2 ;;
 esac
