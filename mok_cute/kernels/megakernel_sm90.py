@@ -1314,9 +1314,9 @@ class MegakernelSm90:
                     self._flush_signal(counters, held, is_store_warp, consumer_tidx)
                     held = Int32(-1)
             if gemm_runs:
-                # defer_signals: the held publish goes out once this mainloop's first k-tile
-                # is issued (the tensor cores busy meanwhile), not after the whole mainloop:
-                # other CTAs' FC2 tasks wait on a held FC1 counter
+                # defer_signals: the held publish goes out inside this mainloop, after its
+                # first defer_flush_ktiles k-tiles (the tensor cores busy meanwhile), not after
+                # the whole mainloop: other CTAs' FC2 tasks wait on a held FC1 counter
                 flush = None
                 if const_expr(self.defer_signals):
                     flush = (counters, held, is_store_warp, consumer_tidx)
