@@ -97,6 +97,8 @@
 #   switchrecord  RECORD_SWITCH off and on, RECORD_SHAPES (qwen3_30b) recorded on the megakernel
 #   flushprobe  DEFER_FLUSH_KTILES: the deferred publish's GPU tests, then 6 interleaved rounds of
 #          the default, DEFER_SIGNALS flushed after 1, 4 and 8 k-tiles (~8 min)
+#   alltests  every GPU test (TEST_EXPR: a -k expression) in TEST_SHARDS (12) pytest processes at
+#          once, under TEST_SECS (540): the compiles run in parallel on the host's 16 cores
 set -u
 # megatests2: the megakernel GPU tests that megatests leaves to a second call
 MEGA_SECOND="defer_signals or defer_flush or wide_epilogue or release_only_publish or warp0 or x_read_in_place or one_gpu_megakernel or silent_peer or out_of_range or recorded_megakernel_timeline"
@@ -117,6 +119,35 @@ gpu_tests_passed() {
   echo "$name tests rc=$?: $(grep -E "passed|failed" "$out/test_$name.log" | tail -1)"
   grep -E "^FAILED|Error" "$out/test_$name.log" | head -5
   grep -q " passed" "$out/test_$name.log" && ! grep -q "failed" "$out/test_$name.log"
+}
+
+gpu_tests_sharded() {
+  # gpu_tests_sharded NAME "-k expression" SECONDS SHARDS [FILES...]: the GPU tests of FILES
+  # (default: every test file) matching the expression, split round-robin over SHARDS pytest
+  # processes on the one GPU. The compiles (one CPU core each) are most of a test's time, so
+  # SHARDS processes run them SHARDS times faster; their kernels share the GPU by time slices,
+  # each launch still co-resident in its own context. One log per shard, one summary line.
+  local name="$1" expr="$2" secs="$3" shards="$4"
+  shift 4
+  [ $# -gt 0 ] || set -- tests/
+  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider "$@" -k "$expr" 2>/dev/null \
+    | grep "::" > "$out/ids_$name.txt"
+  echo "$name: $(wc -l < "$out/ids_$name.txt") tests in $shards shards"
+  local i
+  for i in $(seq 0 $((shards - 1))); do
+    awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/ids_$name.txt" > "$out/ids_${name}_$i.txt"
+    # shellcheck disable=SC2046
+    timeout -s KILL "$secs" python3 -m pytest -v -m gpu -p no:cacheprovider -W ignore \
+      -o timeout=150 --tb=short $(cat "$out/ids_${name}_$i.txt") > "$out/test_${name}_$i.log" 2>&1 &
+  done
+  wait
+  local passed failed skipped
+  passed=$(cat "$out"/test_"${name}"_*.log | grep -cE " PASSED")
+  failed=$(cat "$out"/test_"${name}"_*.log | grep -cE " FAILED| ERROR")
+  skipped=$(cat "$out"/test_"${name}"_*.log | grep -cE " SKIPPED")
+  echo "$name tests: $passed passed, $failed failed, $skipped skipped of $(wc -l < "$out/ids_$name.txt")"
+  cat "$out"/test_"${name}"_*.log | grep -E "^FAILED|^ERROR" | head -10
+  [ "$passed" -gt 0 ] && [ "$failed" -eq 0 ]
 }
 
 record_summary() {
@@ -664,8 +695,9 @@ case "$what" in
   fenceprobe) run_fence_probe ;;
   ksumrowsvirtual) run_ksum_rows_virtual "${2:-expert_kernels}" ;;
   switchprobe) run_switch_probe ;;
+  alltests) gpu_tests_sharded all "${TEST_EXPR:-}" "${TEST_SECS:-540}" "${TEST_SHARDS:-12}" ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|all]" >&2; exit 2 ;;
 esac
