@@ -97,6 +97,9 @@
 #   switchrecord  RECORD_SWITCH off and on, RECORD_SHAPES (qwen3_30b) recorded on the megakernel
 #   flushprobe  DEFER_FLUSH_KTILES: the deferred publish's GPU tests, then 6 interleaved rounds of
 #          the default, DEFER_SIGNALS flushed after 1, 4 and 8 k-tiles (~8 min)
+#   directprobe  FC1's A rows gathered from x by the producer (LOCAL_DIRECT, the default) against
+#          rows dispatched into the ring by 1, 2 and 4 comm CTAs and loaded by TMA, interleaved
+#          rounds at one rank (PROBE_SHAPES, PROBE_ROUNDS, PROBE_SECS)
 #   alltests  every GPU test (TEST_EXPR: a -k expression) in TEST_SHARDS (12) pytest processes at
 #          once, under TEST_SECS (540): the compiles run in parallel on the host's 16 cores
 set -u
@@ -695,9 +698,12 @@ case "$what" in
   fenceprobe) run_fence_probe ;;
   ksumrowsvirtual) run_ksum_rows_virtual "${2:-expert_kernels}" ;;
   switchprobe) run_switch_probe ;;
+  directprobe) layer_probe "${PROBE_SECS:-420}" layer_local_direct_ab \
+                --comm 0lxwfkuesmhjvr,1xwfkuesmhjvr,2xwfkuesmhjvr,4xwfkuesmhjvr \
+                --rounds "${PROBE_ROUNDS:-4}" ;;
   alltests) gpu_tests_sharded all "${TEST_EXPR:-}" "${TEST_SECS:-540}" "${TEST_SHARDS:-12}" ;;
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|all]" >&2; exit 2 ;;
 esac
