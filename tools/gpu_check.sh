@@ -102,7 +102,16 @@
 #          rounds at one rank (PROBE_SHAPES, PROBE_ROUNDS, PROBE_SECS)
 #   alltests  every GPU test (TEST_EXPR: a -k expression) in TEST_SHARDS (12) pytest processes at
 #          once, under TEST_SECS (540): the compiles run in parallel on the host's 16 cores
+#   ncul2  the ncu run with L2's sectors split by operation (read, write, atomic, reduction) and
+#          by source (the SMs, the other L2 partition), for where the megakernel's extra L2
+#          bytes come from (NCU_SHAPES; ~2 min a shape)
 set -u
+L2_METRICS="lts__t_bytes.sum lts__t_sectors.sum lts__t_sectors_op_read.sum lts__t_sectors_op_write.sum
+  lts__t_sectors_op_atom.sum lts__t_sectors_op_red.sum lts__t_sectors_srcunit_tex.sum
+  lts__t_sectors_srcunit_ltcfabric.sum lts__t_sectors_srcunit_tex_op_read.sum
+  lts__t_sectors_srcunit_tex_op_write.sum lts__t_requests_srcunit_tex.sum
+  lts__t_sectors_srcunit_tex_lookup_miss.sum lts__t_sectors_srcunit_tex_lookup_hit.sum
+  dram__bytes_read.sum l1tex__t_bytes.sum gpu__time_duration.sum"
 # megatests2: the megakernel GPU tests that megatests leaves to a second call
 MEGA_SECOND="defer_signals or defer_flush or wide_epilogue or release_only_publish or warp0 or x_read_in_place or one_gpu_megakernel or silent_peer or out_of_range or recorded_megakernel_timeline"
 out="${OUT:-out}"
@@ -294,10 +303,10 @@ run_ncu() {
   # fails the whole run), then one ncu run per shape
   local kernels="${1:-.}"
   shift || true
-  local want="dram__bytes_read.sum dram__bytes_write.sum lts__t_bytes.sum lts__t_sector_hit_rate.pct
+  local want="${NCU_METRICS:-dram__bytes_read.sum dram__bytes_write.sum lts__t_bytes.sum lts__t_sector_hit_rate.pct
     smsp__inst_executed.sum gpu__time_duration.sum sm__cycles_elapsed.avg.per_second
     sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
-    sm__inst_executed_pipe_lsu.sum l1tex__t_bytes.sum"
+    sm__inst_executed_pipe_lsu.sum l1tex__t_bytes.sum}"
   local ncu
   ncu="$(find_ncu)" || return 1
   "$ncu" --version | tail -1
@@ -309,14 +318,15 @@ run_ncu() {
   metrics="${metrics#,}"
   [ -n "$metrics" ] || metrics="dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum"
   echo "metrics: $metrics"
-  local shape
-  for shape in mixtral qwen3_30b; do
+  local shape csvs=""
+  for shape in ${NCU_SHAPES:-mixtral qwen3_30b}; do
     timeout -s KILL 240 "$ncu" --profile-from-start off --clock-control none --csv \
       --kernel-name "regex:$kernels" --metrics "$metrics" --log-file "$out/ncu_$shape.csv" \
       python3 tools/ncu_layer.py --shapes "$shape" "$@" 2>&1 | grep -v Warn | tail -3
+    csvs="$csvs $out/ncu_$shape.csv"
   done
-  python3 tools/ncu_summary.py "$out"/ncu_mixtral.csv "$out"/ncu_qwen3_30b.csv \
-    --json "$out/ncu_summary.json" 2>&1 | cut -c1-400
+  # shellcheck disable=SC2086
+  python3 tools/ncu_summary.py $csvs --json "$out/ncu_summary.json" 2>&1 | cut -c1-400
   rm -f "$out/ncu_metrics.txt"
 }
 run_ncu_source() {
@@ -659,6 +669,7 @@ case "$what" in
   deferprobe) gpu_tests_passed defer "defer_signals or recorded_megakernel_timeline" 220
               layer_probe 340 layer_defer_signals_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjv --rounds 6 ;;
   ncu) run_ncu ;;
+  ncul2) NCU_METRICS="${L2_METRICS}" run_ncu ;;
   ncusource) run_ncu_source ;;
   ncusourcering) run_ncu_source Megakernel --set LOCAL_DIRECT=0 ;;
   ncuring) run_ncu Megakernel --set LOCAL_DIRECT=0 ;;
@@ -705,5 +716,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2|all]" >&2; exit 2 ;;
 esac
