@@ -102,7 +102,7 @@
 #          rounds at one rank (PROBE_SHAPES, PROBE_ROUNDS, PROBE_SECS)
 #   alltests  every GPU test (TEST_EXPR: a -k expression) in TEST_SHARDS (12) pytest processes at
 #          once, under TEST_SECS (540): the compiles run in parallel on the host's 16 cores
-#   ncul2  the ncu run with L2's sectors split by operation (read, write, atomic, reduction) and
+#   ncul2 [KERNEL_REGEX [ncu_layer.py args]]  the ncu run with L2's sectors split by operation (read, write, atomic, reduction) and
 #          by source (the SMs, the other L2 partition), for where the megakernel's extra L2
 #          bytes come from (NCU_SHAPES; ~2 min a shape)
 set -u
@@ -669,7 +669,7 @@ case "$what" in
   deferprobe) gpu_tests_passed defer "defer_signals or recorded_megakernel_timeline" 220
               layer_probe 340 layer_defer_signals_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjv --rounds 6 ;;
   ncu) run_ncu ;;
-  ncul2) NCU_METRICS="${L2_METRICS}" run_ncu ;;
+  ncul2) NCU_METRICS="${L2_METRICS}" run_ncu "${2:-.}" "${@:3}" ;;
   ncusource) run_ncu_source ;;
   ncusourcering) run_ncu_source Megakernel --set LOCAL_DIRECT=0 ;;
   ncuring) run_ncu Megakernel --set LOCAL_DIRECT=0 ;;
@@ -716,5 +716,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|all]" >&2; exit 2 ;;
 esac
