@@ -149,7 +149,7 @@ gpu_tests_sharded() {
   for i in $(seq 0 $((shards - 1))); do
     awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/ids_$name.txt" > "$out/ids_${name}_$i.txt"
     # shellcheck disable=SC2046
-    timeout -s KILL "$secs" python3 -m pytest -v -m gpu -p no:cacheprovider -W ignore \
+    timeout -s KILL "$secs" python3 -m pytest -v -rs -m gpu -p no:cacheprovider -W ignore \
       -o timeout=150 --tb=short $(cat "$out/ids_${name}_$i.txt") > "$out/test_${name}_$i.log" 2>&1 &
   done
   wait
@@ -158,7 +158,10 @@ gpu_tests_sharded() {
   failed=$(cat "$out"/test_"${name}"_*.log | grep -cE " FAILED| ERROR")
   skipped=$(cat "$out"/test_"${name}"_*.log | grep -cE " SKIPPED")
   echo "$name tests: $passed passed, $failed failed, $skipped skipped of $(wc -l < "$out/ids_$name.txt")"
-  cat "$out"/test_"${name}"_*.log | grep -E "^FAILED|^ERROR" | head -10
+  cat "$out"/test_"${name}"_*.log | grep -E "^FAILED|^ERROR|^SKIPPED" | cut -c1-200 | head -12
+  # one log back (a call returns at most 8 files)
+  cat "$out"/test_"${name}"_*.log > "$out/test_$name.log"
+  rm -f "$out"/test_"${name}"_*.log "$out"/ids_"${name}"_*.txt
   [ "$passed" -gt 0 ] && [ "$failed" -eq 0 ]
 }
 
