@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import io
 import json
@@ -518,12 +519,17 @@ def launch_smem_from_host_ir(ir_text: str) -> list[int | None]:
     return sizes
 
 
+MAX_TAG_CHARS = 200  # of an artifact's config tag (the name and ".ptxas.log" come on top)
+
+
 def _config_tag(spec: KernelSpec, static: Mapping[str, Any]) -> str:
     changed = {k: v for k, v in static.items() if spec.static.get(k, object()) != v}
     if not changed:
         return ""
-    text = "-".join(f"{k}{v}" for k, v in sorted(changed.items()))
-    return "." + re.sub(r"[^A-Za-z0-9_=+-]", "", text)
+    text = re.sub(r"[^A-Za-z0-9_=+-]", "", "-".join(f"{k}{v}" for k, v in sorted(changed.items())))
+    if len(text) > MAX_TAG_CHARS:  # file names stop at 255 bytes: keep a readable head and a digest
+        text = text[:MAX_TAG_CHARS - 13] + "-" + hashlib.sha1(text.encode()).hexdigest()[:12]
+    return "." + text
 
 
 def inspect_kernel(name: str, arch: str = DEFAULT_ARCH, outdir: str | os.PathLike | None = None,

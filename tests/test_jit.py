@@ -117,6 +117,19 @@ def test_compile_cache_returns_the_same_object():
     assert jit.compile_kernel("weighted_ksum", ARCH, **other) is not c
 
 
+def test_config_tag_stays_a_valid_file_name():
+    """Many non-default static settings (the megakernel's switches) once made an artifact name
+    longer than the file system's 255 bytes: the tag keeps a readable head and a digest, and
+    two configurations that share the head still differ."""
+    spec = jit.KERNELS["megakernel"]
+    many = {f"switch_{i:02d}_with_a_long_name": True for i in range(20)}
+    tags = [jit._config_tag(spec, dict(many, zz_last=v)) for v in (1, 2)]
+    assert all(len(t) <= jit.MAX_TAG_CHARS + 1 for t in tags) and tags[0] != tags[1]
+    assert tags[0].startswith(".switch_00_with_a_long_nameTrue")
+    short = jit._config_tag(spec, {"top_k": 4})
+    assert short == ".top_k4"
+
+
 def test_inspect_report_fields_and_files(reports, ptx_dir):
     rep = reports("gather_rows")
     assert rep.name == "gather_rows" and rep.arch == ARCH
