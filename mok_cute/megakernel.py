@@ -245,6 +245,17 @@ DEFER_SIGNALS = experimental_switch("DEFER_SIGNALS", True)
 # period 11.26 -> 10.67 us with FC1's unchanged (23.87 / 23.89), the layer 569 -> 579 TFLOP/s;
 # gptoss FC2 31.04 -> 30.75 us. MOK_DEFER_FLUSH_KTILES=N.
 DEFER_FLUSH_KTILES = experimental_setting("DEFER_FLUSH_KTILES", 8, 1, 64)
+# Compute tickets by the static stride, still handed out through the ticket ring (so decoded
+# words, the short task start and the deferred publish stay on: kernels.megakernel_sm90's
+# strided_tickets). Why: mixtral's and gptoss's megakernel is level with the expert path on a
+# cool GPU and 3-6 % behind at the 700 W cap, and it reads 57.1 GB at L2 on mixtral against
+# the expert path's 38.9 for the same tiles: under dynamic tickets the tiles that share a
+# weight box start microseconds apart, so the GPU cannot merge their requests before the L2
+# as it does for the expert GEMMs' lockstep tiles. The bare static stride (DYNAMIC_TICKETS
+# off, which also drops the decoded ring) read 45.4 GB and ran, sustained at the cap, gptoss
+# 0.987, mixtral 1.007, dsv3 1.022 x the default (eighteenth session, runs 142 and 144).
+# MOK_STRIDED_TICKETS=1.
+STRIDED_TICKETS = experimental_switch("STRIDED_TICKETS", False)
 # A compute task's counter published by its release reduction alone, without a fence.acq_rel
 # before it (kernels.megakernel_sm90's release_only_publish): one MEMBAR.ALL.GPU per task
 # instead of two on the store warp's way from a tile's stores to the next mainloop (its
@@ -337,6 +348,7 @@ class PlanKey:
     release_only_publish: bool = False  # RELEASE_ONLY_PUBLISH
     wide_epilogue: bool = False  # WIDE_EPILOGUE (the cooperative loop)
     defer_flush_ktiles: int = 1  # DEFER_FLUSH_KTILES (with defer_signals)
+    strided_tickets: bool = False  # STRIDED_TICKETS (with dynamic_tickets: the ring)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -558,7 +570,8 @@ class Plan:
             one_epilogue_barrier=k.one_epilogue_barrier, short_task_start=k.short_task_start,
             fence_fc1_only=k.fence_fc1_only, warp0_tma_stages=k.warp0_tma_stages,
             defer_signals=k.defer_signals, release_only_publish=k.release_only_publish,
-            epi_n=64 if k.wide_epilogue else 32, defer_flush_ktiles=k.defer_flush_ktiles)
+            epi_n=64 if k.wide_epilogue else 32, defer_flush_ktiles=k.defer_flush_ktiles,
+            strided_tickets=k.strided_tickets)
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
@@ -800,7 +813,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
                   FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct,
                   defer, RELEASE_ONLY_PUBLISH, WIDE_EPILOGUE and not pingpong,
-                  DEFER_FLUSH_KTILES if defer else 1)
+                  DEFER_FLUSH_KTILES if defer else 1, STRIDED_TICKETS and dynamic)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

@@ -345,6 +345,26 @@ def test_defer_flush_after_ktiles_keeps_the_wgmmas_pipelined(tmp_path):
                                        defer_flush_ktiles=4)
 
 
+def test_strided_tickets_take_no_ticket_atomic(tmp_path):
+    """strided_tickets: the compute tickets come by the static stride through the ticket ring,
+    at one rank with the one-rank default (no comm CTA, the deferred publish after 8 k-tiles),
+    the shared expert and the recorder: the compute loop's ticket atomic goes (the recorder's
+    and the comm queue's stay), no spills, the wgmmas still pipelined; refused without the
+    ring (dynamic_tickets)."""
+    from mok_cute import jit
+    from mok_cute.kernels import megakernel_sm90
+
+    static = dict(ONE_RANK_BUILD, defer_signals=True, defer_flush_ktiles=8)
+    reps = [jit.inspect_kernel("megakernel", outdir=tmp_path / str(on), **static,
+                               strided_tickets=on) for on in (False, True)]
+    assert reps[1].spill_bytes == 0 and reps[1].registers == 168
+    _wgmma_pipelined(reps[1])
+    atomics = [len(re.findall(r"atom\.[a-z.]*add\.[su]32", open(r.ptx_path).read())) for r in reps]
+    assert atomics[1] < atomics[0]
+    with pytest.raises(ValueError, match="strided_tickets needs dynamic_tickets"):
+        megakernel_sm90.MegakernelSm90(1, 8, 0, 2, False, strided_tickets=True)
+
+
 def test_warp0_tma_stages_keeps_the_wgmmas_pipelined(tmp_path):
     """warp0_tma_stages: the load warp's one arrival of count 128 for a TMA-only stage, at one
     rank with no comm CTA, the shared expert and the recorder: no spills, the wgmmas still
@@ -1011,6 +1031,19 @@ def test_defer_flush_after_ktiles_gives_the_same_bits(flush_k, K, shared, I, mon
     plan = next(p for k, p in megakernel._PLANS.items()
                 if k.timeline and k.defer_signals and k.defer_flush_ktiles == flush_k)
     assert plan.timeline.decode().check() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,ring,local_direct,shared", SWITCH_CASES)
+@pytest.mark.parametrize("K,I", [(4, 256), (10, 192)])
+def test_strided_tickets_give_the_same_bits(R, ring, local_direct, shared, K, I, monkeypatch):
+    """megakernel.STRIDED_TICKETS: compute tickets by the static stride through the ticket
+    ring (decoded words, the short start and, at one rank, the deferred publish stay on). A
+    ticket taken twice or skipped would give wrong bits or a timeout error: the same bits as
+    dynamic tickets on one, three, four and eight ranks (a wrapping ring), on 132 and 6
+    compute CTAs, K = 4 and 10, recorded, against the reference."""
+    args = _problem(R, 300, 512, I, max(4, K), K, shared, seed=131, skew=True)
+    _check_switch(monkeypatch, "STRIDED_TICKETS", args, R, ring, local_direct)
 
 
 @pytest.mark.gpu

@@ -30,8 +30,9 @@ FC2 counters published by the CTA's next task (``megakernel.DEFER_SIGNALS``), an
 compute task's publish without the fence before its release (``megakernel.RELEASE_ONLY_PUBLISH``),
 a ``g`` the GEMM tasks' epilogue in 128 x 64 subtiles (``megakernel.WIDE_EPILOGUE``), a ``y``
 (``r``) with ``v`` a held publish after the next mainloop's 4th (8th) k-tile
-(``megakernel.DEFER_FLUSH_KTILES``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (Until the
-seventeenth session ``t``, ``d``, ``g`` and ``p`` named variants measured slower and removed
+(``megakernel.DEFER_FLUSH_KTILES``), a ``t`` (with ``k``) compute tickets by the static stride
+through the ticket ring (``megakernel.STRIDED_TICKETS``); e.g. ``2l``, ``2lf``, ``1lf3``,
+``2lwf``. (Until the seventeenth session ``t``, ``d``, ``g`` and ``p`` named variants measured slower and removed
 in the ninth session, ``y`` and ``r`` in the thirteenth, and ``p`` the FC2 halves removed in
 the seventeenth: ``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
@@ -76,7 +77,7 @@ def set_gathered_a_fence(on: bool) -> None:
 
 def parse_spec(spec: str) -> dict:
     """``--comm`` / ``--timeline`` entry -> comm CTAs and the megakernel switches it names."""
-    m = re.fullmatch(r"(\d+)([abceghijklmnoqrsuvwxyz]*)(?:f(\d*))?([abceghijklmnoqrsuvwxyz]*)", spec)
+    m = re.fullmatch(r"(\d+)([abceghijklmnoqrstuvwxyz]*)(?:f(\d*))?([abceghijklmnoqrstuvwxyz]*)", spec)
     if not m:
         raise SystemExit(f"--comm: cannot read {spec!r} (e.g. 2l, 2lf, 1lf3, 8b)")
     flags = m.group(2) + m.group(4)
@@ -91,6 +92,7 @@ def parse_spec(spec: str) -> dict:
                 warp0_tma_stages="z" in flags, defer_signals="v" in flags,
                 release_only_publish="a" in flags, wide_epilogue="g" in flags,
                 defer_flush_ktiles=8 if "r" in flags else 4 if "y" in flags else 1,
+                strided_tickets="t" in flags,
                 fc1_lead=m.group(3) is not None,
                 fc1_lead_minibatches=int(m.group(3)) if m.group(3) else None)
 
@@ -106,7 +108,8 @@ SPEC_SWITCHES = {"COMM_COPY": "copy", "LOCAL_DIRECT": "local_direct", "FC1_LEAD"
                  "ONE_EPILOGUE_BARRIER": "one_epilogue_barrier", "SHORT_TASK_START": "short_task_start",
                  "FENCE_FC1_ONLY": "fence_fc1_only", "WARP0_TMA_STAGES": "warp0_tma_stages",
                  "DEFER_SIGNALS": "defer_signals", "RELEASE_ONLY_PUBLISH": "release_only_publish",
-                 "WIDE_EPILOGUE": "wide_epilogue", "DEFER_FLUSH_KTILES": "defer_flush_ktiles"}
+                 "WIDE_EPILOGUE": "wide_epilogue", "DEFER_FLUSH_KTILES": "defer_flush_ktiles",
+                 "STRIDED_TICKETS": "strided_tickets"}
 SWITCHES = tuple(SPEC_SWITCHES)
 
 
@@ -224,7 +227,8 @@ def probe_shape(name: str, comms: list[str], timeline: str | None, out_dir: str,
                                              else "")
                                           + ("_wide_epilogue" if k.wide_epilogue else "")
                                           + (f"_flush_after{k.defer_flush_ktiles}"
-                                             if k.defer_flush_ktiles != 1 else ""))
+                                             if k.defer_flush_ktiles != 1 else "")
+                                          + ("_strided_tickets" if k.strided_tickets else ""))
                     row["ms_rounds"] = []
                 row["ms_rounds"].append(gpu_ms(run))
                 megakernel.raise_pending_errors()
