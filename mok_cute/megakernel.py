@@ -254,8 +254,14 @@ DEFER_FLUSH_KTILES = experimental_setting("DEFER_FLUSH_KTILES", 8, 1, 64)
 # as it does for the expert GEMMs' lockstep tiles. The bare static stride (DYNAMIC_TICKETS
 # off, which also drops the decoded ring) read 45.4 GB and ran, sustained at the cap, gptoss
 # 0.987, mixtral 1.007, dsv3 1.022 x the default (eighteenth session, runs 142 and 144).
-# MOK_STRIDED_TICKETS=1.
-STRIDED_TICKETS = experimental_switch("STRIDED_TICKETS", False)
+# Measured with the ring (run 145: sustained 2 s per variant at the cap, 4 alternating rounds,
+# bitwise equal; strided / dynamic): gptoss 0.974, mixtral 0.990, dsv3 0.995, qwen3 0.986,
+# sonic 0.976, faster in all 20 rounds, at a 30-45 MHz higher SM clock. On at one rank;
+# virtual ranks keep dynamic tickets (they were made for them: under the stride, virtual
+# R = 8 CTAs drifted apart, seventh session), STRIDED_TICKETS_VIRTUAL=1 extends it there
+# (tested, not timed). MOK_STRIDED_TICKETS=0 turns it off.
+STRIDED_TICKETS = experimental_switch("STRIDED_TICKETS", True)
+STRIDED_TICKETS_VIRTUAL = experimental_switch("STRIDED_TICKETS_VIRTUAL", False)
 # A compute task's counter published by its release reduction alone, without a fence.acq_rel
 # before it (kernels.megakernel_sm90's release_only_publish): one MEMBAR.ALL.GPU per task
 # instead of two on the store warp's way from a tile's stores to the next mainloop (its
@@ -348,7 +354,7 @@ class PlanKey:
     release_only_publish: bool = False  # RELEASE_ONLY_PUBLISH
     wide_epilogue: bool = False  # WIDE_EPILOGUE (the cooperative loop)
     defer_flush_ktiles: int = 1  # DEFER_FLUSH_KTILES (with defer_signals)
-    strided_tickets: bool = False  # STRIDED_TICKETS (with dynamic_tickets: the ring)
+    strided_tickets: bool = False  # STRIDED_TICKETS (one rank; STRIDED_TICKETS_VIRTUAL; the ring)
 
 
 def default_num_comm_ctas(num_peers: int, hidden: int, top_k: int, num_sms: int,
@@ -802,6 +808,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                                             -(-2 * I // task_tile_n(pingpong)))
     defer = (DEFER_SIGNALS and local_only and R == 1 and decoded and STORE_WARP_SIGNALS
              and not pingpong)
+    strided = (STRIDED_TICKETS and dynamic and group is None
+               and (R == 1 or STRIDED_TICKETS_VIRTUAL))
     key = PlanKey(R, T, H, I, E_loc, K, Is, num_sms, num_comm, minibatch, ring,
                   config.timeline, config.timeline_capacity, device, COMM_COPY,
                   None if group is None else (id(group), handle_type), local_direct, fc1_lead,
@@ -813,7 +821,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   KSUM_ROWS, ONE_EPILOGUE_BARRIER, SHORT_TASK_START and decoded,
                   FENCE_FC1_ONLY and local_direct, WARP0_TMA_STAGES and local_direct,
                   defer, RELEASE_ONLY_PUBLISH, WIDE_EPILOGUE and not pingpong,
-                  DEFER_FLUSH_KTILES if defer else 1, STRIDED_TICKETS and dynamic)
+                  DEFER_FLUSH_KTILES if defer else 1, strided)
     with _PLANS_LOCK:
         plan = _PLANS.get(key)
         if plan is None:

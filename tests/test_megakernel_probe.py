@@ -32,8 +32,10 @@ def test_every_switch_a_spec_sets_exists(probe):
 
 @pytest.mark.parametrize("spec,expected", [
     ("0lxwfkuesmhj", dict(comm=0, local_direct=True, defer_signals=False, defer_flush_ktiles=1,
-                          wide_epilogue=False, ksum_rows=8, fc1_lead=True)),
+                          wide_epilogue=False, ksum_rows=8, fc1_lead=True,
+                          strided_tickets=False)),
     ("0lxwfkuesmhjvr", dict(defer_signals=True, defer_flush_ktiles=8)),
+    ("0lxwfkuesmhjvrt", dict(defer_signals=True, defer_flush_ktiles=8, strided_tickets=True)),
     ("0lxwfkuesmhjvy", dict(defer_signals=True, defer_flush_ktiles=4)),
     ("0lxwfkuesmhjg", dict(wide_epilogue=True, defer_signals=False)),
     ("2lf3", dict(comm=2, fc1_lead=True, fc1_lead_minibatches=3)),

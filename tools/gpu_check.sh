@@ -104,6 +104,8 @@
 #          SM clock and power): static tickets cut mixtral's L2 read sectors by a fifth (run 142)
 #   stridedprobe  STRIDED_TICKETS: its GPU tests (10, sharded), then sustained against the
 #          default with the SM clock (clock_probe, 4 rounds, PROBE_SHAPES) (~6 min)
+#   strideddefault [TAG]  with STRIDED_TICKETS the one-rank default: every megakernel GPU test
+#          (sharded), then the one-GPU bench of record (~8 min)
 #   alltests  every GPU test (TEST_EXPR: a -k expression) in TEST_SHARDS (12) pytest processes at
 #          once, under TEST_SECS (540): the compiles run in parallel on the host's 16 cores
 #   ncul2 [KERNEL_REGEX [ncu_layer.py args]]  the ncu run with L2's sectors split by operation (read, write, atomic, reduction) and
@@ -689,6 +691,8 @@ case "$what" in
                   --shapes "${PROBE_SHAPES:-gptoss_120b,mixtral,dsv3_ep8_rank,qwen3_30b,sonic_120b}" \
                   --rounds 4 --switch STRIDED_TICKETS --json "$out/clock_probe_strided.json" 2>&1 \
                   | grep -v Warn | tail -60 ;;
+  strideddefault) gpu_tests_sharded mega "" 220 12 tests/test_megakernel.py
+                  run_single_bench "${2:-strided_tickets}" ;;
   ticketclock) timeout -s KILL 330 python3 tools/clock_probe.py --shapes "${PROBE_SHAPES:-mixtral,gptoss_120b,dsv3_ep8_rank}" \
                 --rounds 4 --switch DYNAMIC_TICKETS --json "$out/clock_probe_tickets.json" 2>&1 \
                 | grep -v Warn | tail -40 ;;
@@ -731,5 +735,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|ticketclock|stridedprobe|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|ticketclock|stridedprobe|strideddefault [TAG]|all]" >&2; exit 2 ;;
 esac
