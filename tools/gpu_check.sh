@@ -499,9 +499,9 @@ run_switch_probe() {
 }
 run_virtual_bench() {
   # run_virtual_bench TAG: the virtual R = 8 bench of record on MoK's four shapes (as run 51)
-  timeout -s KILL 300 python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
+  timeout -s KILL "${VBENCH_SECS:-300}" python3 -m mok_cute.cli bench --shapes kimi_k2.7,glm_5.2,qwen3.5_397b,dsv4_pro \
     --ep-ranks 8 --contenders mok_megakernel,mok_cute_virtual,cublas_8192 --mok-config check_ids=False \
-    --iters 10 --warmup 3 --rounds 2 --out "$out" --tag "$1" 2>&1 | tail -12
+    --iters 10 --warmup 3 --rounds "${VBENCH_ROUNDS:-2}" --out "$out" --tag "$1" 2>&1 | tail -12
 }
 run_gap_record() {
   # the one-rank gap, recorded: dsv3, gptoss and mixtral on the expert path and on the
