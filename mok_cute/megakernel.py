@@ -125,7 +125,8 @@ LOCAL_ONLY_TASKS = True  # a module setting so tools can time the list with comm
 # two GPUs (runs 52-53, bitwise, emulated == real); timed there in run 54 (two GPUs, one bench
 # per setting, static -> dynamic): kimi 8.33 -> 9.47 ms, glm 6.92 -> 7.40, qwen3.5 4.52 ->
 # 4.44, dsv4_pro 10.62 -> 9.68: mixed, so it stays off for groups (MOK_DYNAMIC_TICKETS_IPC=1).
-# MOK_DYNAMIC_TICKETS=0 turns it off.
+# MOK_DYNAMIC_TICKETS=0 turns it off. (At one rank the ring has taken its tickets by the
+# stride since the eighteenth session: STRIDED_TICKETS.)
 DYNAMIC_TICKETS = experimental_switch("DYNAMIC_TICKETS", True)
 DYNAMIC_TICKETS_IPC = experimental_switch("DYNAMIC_TICKETS_IPC", False)  # the same over IPC
 # With dynamic tickets, the producer's warp 0 resolves each ticket (queue entry, task row,

@@ -13,7 +13,8 @@ COMM queue, the others the COMPUTE queue (with ``num_comm_ctas = 0``, one rank r
 rows in place, every CTA computes and runs the BARRIER as a compute task). Comm CTAs take tickets from a counter; compute CTAs
 either from a counter too (``dynamic_tickets``: the producer's lane 0 takes them, one ahead,
 and hands them to the other warps through an smem ring; with ``decoded_tickets`` the ring
-carries the resolved task's words instead, so no other warp reads the task list) or with a
+carries the resolved task's words instead, so no other warp reads the task list; with
+``strided_tickets`` lane 0 takes them by the static stride instead of the counter) or with a
 static stride. With
 ``R`` virtual ranks in one launch (``comm.virtual``), ticket ``q`` is task position
 ``q // R`` of rank ``q % R``: every rank's list is built from the same static capacity, so
