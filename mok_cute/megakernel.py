@@ -259,8 +259,9 @@ DEFER_FLUSH_KTILES = experimental_setting("DEFER_FLUSH_KTILES", 8, 1, 64)
 # bitwise equal; strided / dynamic): gptoss 0.974, mixtral 0.990, dsv3 0.995, qwen3 0.986,
 # sonic 0.976, faster in all 20 rounds, at a 30-45 MHz higher SM clock. On at one rank;
 # virtual ranks keep dynamic tickets (they were made for them: under the stride, virtual
-# R = 8 CTAs drifted apart, seventh session), STRIDED_TICKETS_VIRTUAL=1 extends it there
-# (tested, not timed). MOK_STRIDED_TICKETS=0 turns it off.
+# R = 8 CTAs drift apart, seventh session). STRIDED_TICKETS_VIRTUAL=1 extends it there:
+# bitwise equal, but R = 8 / R = 1 went from kimi 1.150, glm 1.097, dsv4_pro 0.938 to 1.239,
+# 1.201, 1.210 (runs 147-148), so off. MOK_STRIDED_TICKETS=0 turns it off.
 STRIDED_TICKETS = experimental_switch("STRIDED_TICKETS", True)
 STRIDED_TICKETS_VIRTUAL = experimental_switch("STRIDED_TICKETS_VIRTUAL", False)
 # A compute task's counter published by its release reduction alone, without a fence.acq_rel

@@ -30,11 +30,12 @@ FC2 counters published by the CTA's next task (``megakernel.DEFER_SIGNALS``), an
 compute task's publish without the fence before its release (``megakernel.RELEASE_ONLY_PUBLISH``),
 a ``g`` the GEMM tasks' epilogue in 128 x 64 subtiles (``megakernel.WIDE_EPILOGUE``), a ``y``
 (``r``) with ``v`` a held publish after the next mainloop's 4th (8th) k-tile
-(``megakernel.DEFER_FLUSH_KTILES``), a ``t`` (with ``k``) compute tickets by the static stride
-through the ticket ring (``megakernel.STRIDED_TICKETS``); e.g. ``2l``, ``2lf``, ``1lf3``,
-``2lwf``. (Until the seventeenth session ``t``, ``d``, ``g`` and ``p`` named variants measured slower and removed
-in the ninth session, ``y`` and ``r`` in the thirteenth, and ``p`` the FC2 halves removed in
-the seventeenth: ``docs/perf_notes.md``.) Every megakernel output
+(``megakernel.DEFER_FLUSH_KTILES``), a ``t`` (with ``k``) compute tickets by the static
+stride through the ticket ring (``megakernel.STRIDED_TICKETS``, the one-rank default since the
+eighteenth session: ``0lxwfkuesmhjvrt``); e.g. ``2l``, ``2lf``, ``1lf3``, ``2lwf``. (Earlier
+``t``, ``d``, ``g`` and ``p`` named variants measured slower and removed in the ninth session,
+``y`` and ``r`` in the thirteenth, and ``p`` the FC2 halves removed in the seventeenth:
+``docs/perf_notes.md``.) Every megakernel output
 is compared bitwise with the expert-kernel path's on the same inputs. ``--timeline N`` also
 records one call with N comm CTAs and saves the raw buffer (``mok-cute timeline --from``).
 Times are CUDA-event means of back-to-back calls: a probe for tuning, not the benchmark of
