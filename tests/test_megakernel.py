@@ -634,14 +634,17 @@ def test_one_rank_without_comm_tasks_finishes_with_few_ctas(dynamic, fc1_lead, c
         assert _run_ctas(tl, num_tiles, ctas, False, seed, dynamic) == [], num_tiles
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("fc1_lead", [0, 1, 3])
 @pytest.mark.parametrize("ctas", [(0, 1), (0, 2), (0, 5), (0, 40), (1, 3), (2, 40)])
 @pytest.mark.parametrize("tile_order", ["m_major", "n_major"])
-def test_one_rank_with_deferred_signals_finishes(fc1_lead, ctas, tile_order):
+def test_one_rank_with_deferred_signals_finishes(dynamic, fc1_lead, ctas, tile_order):
     """megakernel.DEFER_SIGNALS: every compute CTA holds back its last live FC1 / FC2 publish
     until its next task needs it out of the way; with one CTA or many, with the BARRIER on a
     compute or a comm CTA, ragged tile counts (dead and no-op tasks) and random CTA orders,
-    every task still finishes: no CTA waits on a signal it holds, and no cycle of CTAs does."""
+    every task still finishes: no CTA waits on a signal it holds, and no cycle of CTAs does.
+    With dynamic tickets and with the static stride (STRIDED_TICKETS, the one-rank default:
+    the ring takes the stride's tickets, the order the model walks)."""
     import numpy as np
 
     from mok_cute import tasks
@@ -652,7 +655,7 @@ def test_one_rank_with_deferred_signals_finishes(fc1_lead, ctas, tile_order):
                             barrier_in_compute=ctas[0] == 0)
     for seed in range(6):
         num_tiles = [12] if seed == 0 else [int(np.random.default_rng(seed).integers(0, 13))]
-        assert _run_ctas(tl, num_tiles, ctas, False, seed, True, defer=True) == [], num_tiles
+        assert _run_ctas(tl, num_tiles, ctas, False, seed, dynamic, defer=True) == [], num_tiles
 
 
 @pytest.mark.parametrize("fc1_lead", [0, 1, 3])
