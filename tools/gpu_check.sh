@@ -194,6 +194,14 @@ layer_probe() {
     | grep -v Warn | sed -E "s/'ms_rounds': \[[^]]*\], //" | cut -c1-200 | tail -40
 }
 
+switch_clock_probe() {
+  # switch_clock_probe SECONDS SHAPES SWITCH ROUNDS NAME: tools/clock_probe.py, sustained (2 s
+  # per variant) with the SM clock: the expert path, the megakernel and the megakernel with
+  # the boolean SWITCH flipped, ROUNDS alternating rounds; JSON to $out/NAME.json
+  timeout -s KILL "$1" python3 tools/clock_probe.py --shapes "$2" --rounds "$4" --switch "$3" \
+    --json "$out/$5.json" 2>&1 | grep -v Warn | tail -60
+}
+
 virtual_probe() {
   # virtual_probe SECONDS SHAPES SPECS NAME: tools/megakernel_probe.py at virtual R = 8 against
   # R = 1 (3 alternating rounds), one --virtual-comm spec per variant; JSON to $out/NAME.json
@@ -687,23 +695,18 @@ case "$what" in
                 layer_probe 330 layer_release_only_publish_ab \
                   --comm 0lxwfkuesmhj,0lxwfkuesmhjv,0lxwfkuesmhja,0lxwfkuesmhjva --rounds 6 ;;
   stridedprobe) gpu_tests_sharded strided "strided_tickets" 200 10 tests/test_megakernel.py
-                timeout -s KILL 360 python3 tools/clock_probe.py \
-                  --shapes "${PROBE_SHAPES:-gptoss_120b,mixtral,dsv3_ep8_rank,qwen3_30b,sonic_120b}" \
-                  --rounds 4 --switch STRIDED_TICKETS --json "$out/clock_probe_strided.json" 2>&1 \
-                  | grep -v Warn | tail -60 ;;
+                switch_clock_probe 360 "${PROBE_SHAPES:-gptoss_120b,mixtral,dsv3_ep8_rank,qwen3_30b,sonic_120b}" \
+                  STRIDED_TICKETS 4 clock_probe_strided ;;
   strideddefault) gpu_tests_sharded mega "" 220 12 tests/test_megakernel.py
                   run_single_bench "${2:-strided_tickets}" ;;
-  ticketclock) timeout -s KILL 330 python3 tools/clock_probe.py --shapes "${PROBE_SHAPES:-mixtral,gptoss_120b,dsv3_ep8_rank}" \
-                --rounds 4 --switch DYNAMIC_TICKETS --json "$out/clock_probe_tickets.json" 2>&1 \
-                | grep -v Warn | tail -40 ;;
-  deferclock) timeout -s KILL 300 python3 tools/clock_probe.py --shapes qwen3_30b,dsv3_ep8_rank,gptoss_120b \
-                --rounds 3 --switch DEFER_SIGNALS --json "$out/clock_probe_defer.json" 2>&1 \
-                | grep -v Warn | tail -30 ;;
+  ticketclock) switch_clock_probe 330 "${PROBE_SHAPES:-mixtral,gptoss_120b,dsv3_ep8_rank}" \
+                 DYNAMIC_TICKETS 4 clock_probe_tickets ;;
+  deferclock) switch_clock_probe 300 qwen3_30b,dsv3_ep8_rank,gptoss_120b DEFER_SIGNALS 3 \
+                clock_probe_defer ;;
   warp0probe) gpu_tests_passed warp0 "warp0_tma_stages" 200
               layer_probe 240 layer_warp0_tma_stages_ab --comm 0lxwfkuesmhj,0lxwfkuesmhjz --rounds 6
-              timeout -s KILL 240 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
-                --rounds 3 --switch WARP0_TMA_STAGES --json "$out/clock_probe_warp0.json" 2>&1 \
-                | grep -v Warn | tail -30 ;;
+              switch_clock_probe 240 mixtral,qwen3_30b,gptoss_120b WARP0_TMA_STAGES 3 \
+                clock_probe_warp0 ;;
   wideprobe) gpu_tests_passed wide "wide_epilogue or recorded_megakernel_timeline" 330 \
                tests/test_megakernel.py tests/test_gemm_sm90.py
              layer_probe "${PROBE_SECS:-300}" layer_wide_epilogue_ab \
