@@ -81,11 +81,25 @@ def gemm_cluster_m(k: int, pingpong: bool, recorded: bool) -> int:
 
 
 FC2_PINGPONG_MAX_K = 8192
+# The weighted k-sum fused into the pingpong FC2's epilogue (gemm_sm90's ksum_top_k): the tile
+# that brings a (token, N-tile) counter to K sums that token's K y rows, in the k-sum kernel's
+# order and roundings, so out is the same bits. Why: the k-sum kernel runs alone after FC2
+# with the tensor cores idle (dsv3 ~0.17 ms, sonic ~0.3 ms, of 5 and 11 ms), and a pingpong
+# warpgroup's epilogue overlaps the other one's mainloop (dsv3 ~13 us against ~4 us of
+# epilogue). Predicted: up to -3 % on dsv3 and sonic if the sums stay hidden; qwen3's 5 us
+# FC2 mainloop may not hide them. Without the shared expert only (its rows would have to be
+# ready first). Nineteenth session: written, not yet measured, so off. MOK_KSUM_IN_FC2=1.
+KSUM_IN_FC2 = experimental_switch("KSUM_IN_FC2", False)
 
 
 def fc2_pingpong(inter: int) -> bool:
     """Whether FC2 with intermediate size ``inter`` (its K) runs on the pingpong GEMM."""
     return FC2_PINGPONG and inter <= FC2_PINGPONG_MAX_K
+
+
+def ksum_in_fc2(inter: int, has_shared: bool) -> bool:
+    """Whether the k-sum runs in FC2's epilogue (``KSUM_IN_FC2``) for this layer."""
+    return KSUM_IN_FC2 and fc2_pingpong(inter) and not has_shared
 
 
 # ---------------------------------------------------------------------- availability
@@ -137,7 +151,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
                  group_m: int = 8, out: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None, task_type: int | None = None,
-                 w_up: torch.Tensor | None = None, pingpong: bool = False) -> torch.Tensor:
+                 w_up: torch.Tensor | None = None, pingpong: bool = False,
+                 ksum: tuple | None = None) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
@@ -146,6 +161,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     Rows past num_m_tiles*128 are untouched.
     timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
     one span per tile with ``task_type``; None compiles the variant without the recorder.
+    ksum: (row_token, slot_rows, fp32 weights [T*K], zeroed counters [T * N-tiles], out [T, N],
+    K) to fuse the weighted k-sum into the pingpong store epilogue (``KSUM_IN_FC2``).
     """
     from mok_cute.kernels.gemm_sm90 import choose_tile_n
     m, k = a.shape
@@ -166,23 +183,27 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         tile_n=tile_n, group_m=group_m, num_sms=_persistent_grid(a.device.index or 0, cluster_m),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
         pingpong=pingpong, cluster_m=cluster_m, one_epilogue_barrier=ONE_EPILOGUE_BARRIER,
-        epi_n=32 if pingpong else EPILOGUE_N)
+        epi_n=32 if pingpong else EPILOGUE_N, ksum_top_k=0 if ksum is None else ksum[5])
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
-             out.unsqueeze(2), tile_expert, num_m_tiles, timeline)
+             out.unsqueeze(2), tile_expert, num_m_tiles, timeline,
+             *((None,) * 5 if ksum is None else ksum[:5]))
     return out
 
 
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
-               timeline: torch.Tensor | None = None, shared: bool = False):
-    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert."""
+               timeline: torch.Tensor | None = None, shared: bool = False,
+               ksum: tuple | None = None):
+    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert (``ksum``:
+    ``grouped_gemm``'s, for FC2)."""
     from mok_cute.timeline import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
                      timeline=timeline, task_type=int(fc1))
     pingpong = fc2_pingpong(w_down.shape[2])
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store", timeline=timeline,
-                        task_type=int(fc2), pingpong=pingpong, tile_n=128 if pingpong else None)
+                        task_type=int(fc2), pingpong=pingpong, tile_n=128 if pingpong else None,
+                        ksum=ksum)
 
 
 # ---------------------------------------------------------------------- the layer
@@ -241,7 +262,22 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         token_ops.scatter_rows(x, row_of_slot, x_rows)
     else:
         x_rows = token_ops.gather_rows(x, sched.row_token)
-    y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline)
+    fused_ksum = None
+    if ksum_in_fc2(w_down.shape[2], shared is not None):
+        from mok_cute.kernels.token_ops import LAST_ARRIVER_TILE_N
+        hidden = x.shape[1]
+        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
+        n_tiles = -(-hidden // LAST_ARRIVER_TILE_N)
+        counters = torch.zeros(num_tokens * n_tiles, dtype=torch.int32, device=x.device)
+        weights = topk_weights.to(torch.float32).contiguous().view(-1)
+        fused_ksum = (sched.row_token, row_of_slot, weights, counters, out, top_k)
+    y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline,
+                   ksum=fused_ksum)
+    if fused_ksum is not None:
+        if recorder is not None:
+            from mok_cute.timeline import set_last
+            set_last(recorder)
+        return out
 
     shared_rows = None
     if shared is not None:

@@ -129,6 +129,48 @@ def test_fc2_takes_the_pingpong_gemm_only_for_short_k(monkeypatch):
     assert not ops.fc2_pingpong(768)
 
 
+def test_ksum_in_fc2_only_on_the_pingpong_fc2_without_the_shared_expert(monkeypatch):
+    from mok_cute import ops
+
+    monkeypatch.setattr(ops, "FC2_PINGPONG", True)
+    monkeypatch.setattr(ops, "KSUM_IN_FC2", True)
+    assert ops.ksum_in_fc2(2048, False)
+    assert not ops.ksum_in_fc2(2048, True)  # the shared expert's rows are summed in too
+    assert not ops.ksum_in_fc2(14336, False)  # cooperative FC2
+    monkeypatch.setattr(ops, "KSUM_IN_FC2", False)
+    assert not ops.ksum_in_fc2(2048, False)
+
+
+@pytest.mark.parametrize("kwargs", [dict(pingpong=False), dict(pingpong=True, tile_n=64),
+                                    dict(pingpong=True, epilogue="swiglu"),
+                                    dict(pingpong=True, ksum_top_k=17)])
+def test_ksum_in_fc2_is_refused_outside_the_pingpong_store(kwargs):
+    args = dict(tile_n=128, epilogue="store", ksum_top_k=4) | kwargs
+    with pytest.raises(ValueError, match="ksum_top_k"):
+        gemm_sm90.GroupedGemmSm90(**args)
+
+
+@pytest.mark.parametrize("top_k", [1, 8, 10])
+def test_ksum_in_fc2_compiles_to_counted_rows_without_spills(top_k, capfd, tmp_path):
+    """ksum_top_k: the store warp waits for its stores to land and releases them, each row
+    is counted with an acq_rel atomic, the last arriver's sum is K 16-byte y loads per lane
+    in unfused mul / add (as WeightedKSum); 0 spills, no wgmma serialisation added."""
+    capfd.readouterr()
+    ptx = gemm_sm90.compile_grouped_gemm(
+        "store", 128, pingpong=True, ksum_top_k=top_k,
+        options=f"--keep-ptx --dump-dir {tmp_path} remarks{{ptx}}").__ptx__
+    log = capfd.readouterr()
+    text = log.out + log.err
+    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;\s*fence\.proxy\.async\.global;\s*"
+                     r"fence\.acq_rel\.gpu;", ptx)
+    assert len(re.findall(r"atom\.global\.acq_rel\.add\.u32", ptx)) == 1
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == top_k
+    assert len(re.findall(r"mul\.rn\.f32", ptx)) == 8 * top_k
+    assert "ptxas" in text and "C7520" not in text and "C7511" not in text
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
+
+
 @pytest.mark.parametrize("epilogue", ["swiglu", "store"])
 def test_cluster_pair_compiles_to_multicast_b_without_spills(epilogue, capfd, tmp_path):
     """cluster_m=2: B boxes by multicast TMA (each CTA half of every box, into both CTAs)

@@ -213,3 +213,60 @@ def test_scatter_x_gives_the_same_bits(T, K, routing, shared_i, monkeypatch):
         scattered = mok.moe_forward(*args[:6], shared=args[6], config=cfg)
     torch.cuda.synchronize()
     assert not scattered.isnan().any() and torch.equal(scattered, base)
+
+
+@pytest.mark.parametrize("T,H,I,E,K,routing,shared_i", [
+    (512, 7168, 2048, 32, 8, "uniform", 0),      # dsv3_ep8_rank at reduced T
+    (1024, 4096, 2048, 64, 4, "uniform", 0),     # sonic_120b at reduced T
+    (1, 1024, 512, 8, 4, "uniform", 0),
+    (77, 1024, 512, 8, 4, "uniform", 0),         # T not a multiple of the tile
+    (600, 1024, 512, 16, 4, "one_expert", 0),    # skewed: every token's first choice one expert
+    (600, 1024, 512, 16, 4, "empty_expert", 0),
+    (333, 512, 256, 16, 1, "uniform", 0),
+    (333, 512, 256, 16, 10, "uniform", 0),
+    (257, 320, 448, 6, 3, "uniform", 0),         # H = 320: a last N-tile of 64 columns
+    (300, 1024, 512, 8, 4, "uniform", 256),      # shared expert: the k-sum kernel stays
+])
+def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, monkeypatch):
+    """ops.KSUM_IN_FC2: the k-sum by the last arriving FC2 tile of each (token, N-tile) is
+    bitwise the k-sum kernel's output, run to run, whichever tile arrives last, with every
+    output element written (the allocator is poisoned with NaN)."""
+    from mok_cute import ops
+
+    args = _problem(T, H, I, E, K, shared_i, routing, seed=T + K)
+    cfg = mok.MoKConfig(backend="kernel")
+    with torch.no_grad():
+        _poison_allocator()
+        base = mok.moe_forward(*args[:6], shared=args[6], config=cfg)
+        monkeypatch.setattr(ops, "KSUM_IN_FC2", True)
+        assert ops.ksum_in_fc2(I, shared_i > 0) == (shared_i == 0)
+        runs = []
+        for _ in range(2):
+            _poison_allocator()
+            runs.append(mok.moe_forward(*args[:6], shared=args[6], config=cfg))
+        ref = reference.moe_forward(*args[:6], shared=args[6])
+    torch.cuda.synchronize()
+    for out in runs:
+        assert not out.isnan().any(), "unwritten (NaN) output elements"
+        assert torch.equal(out, base), "differs from the k-sum kernel's bits"
+    rel = ((runs[0].float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel <= REL_TOL, f"relative error {rel:.3e} > {REL_TOL}"
+
+
+def test_ksum_in_fc2_recorded(monkeypatch):
+    """The fused k-sum with the recorder on: the same bits, and the FC2 tiles recorded."""
+    from mok_cute import ops
+    from mok_cute import timeline as tl_mod
+
+    args = _problem(700, 1024, 512, 8, 4, seed=9)
+    with torch.no_grad():
+        base = mok.moe_forward(*args[:6], config=mok.MoKConfig(backend="kernel"))
+        monkeypatch.setattr(ops, "KSUM_IN_FC2", True)
+        _poison_allocator()
+        out = mok.moe_forward(*args[:6], config=mok.MoKConfig(backend="kernel", timeline=True))
+    torch.cuda.synchronize()
+    assert torch.equal(out, base)
+    tl = tl_mod.last().decode()
+    assert tl.dropped == 0 and tl.check() == []
+    fc2 = tl.records["task_id"][tl.records["task_type"] == int(tl_mod.TaskType.FC2)]
+    assert sorted(fc2.tolist()) == list(range(len(fc2))) and len(fc2) > 0

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from mok_cute import megakernel  # noqa: E402
+from mok_cute import megakernel, ops  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.gpu_clock import ClockSampler  # noqa: E402
 from layer_profile import layer_call, save_probe_json  # noqa: E402
@@ -43,22 +43,30 @@ def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
     return {"ms_per_call": start.elapsed_time(end) / calls, **(sampler.stats(window) or {})}
 
 
-def probe(name: str, seconds: float, rounds: int, switches: list[str]) -> dict:
+def probe(name: str, seconds: float, rounds: int, switches: list[str],
+          expert_switches: tuple[str, ...] = (), with_megakernel: bool = True) -> dict:
     """The expert path, the megakernel, and the megakernel with each boolean module switch of
-    ``switches`` flipped (the others at their defaults)."""
+    ``switches`` flipped (the others at their defaults); the expert path with each boolean
+    ``mok_cute.ops`` switch of ``expert_switches`` flipped."""
     _, forward = layer_call(name)
     expert, mega = MoKConfig(check_ids=False), MoKConfig(check_ids=False, backend="megakernel")
-    defaults = {s: getattr(megakernel, s) for s in switches}
+    defaults = {(megakernel, s): getattr(megakernel, s) for s in switches}
+    defaults.update({(ops, s): getattr(ops, s) for s in expert_switches})
 
     def call(config, flip=None):
         def run():
-            for s, v in defaults.items():  # plans are keyed by the switches: no recompile
-                setattr(megakernel, s, (not v) if s == flip else v)
+            for (module, s), v in defaults.items():  # compiles are keyed by them: no recompile
+                setattr(module, s, (not v) if (module, s) == flip else v)
             return forward(config)
         return run
 
-    runs = {"expert_kernels": call(expert), "megakernel": call(mega)}
-    runs.update({f"megakernel_{s.lower()}_{not v}": call(mega, s) for s, v in defaults.items()})
+    runs = {"expert_kernels": call(expert)}
+    runs.update({f"expert_kernels_{s.lower()}_{not v}": call(expert, (m, s))
+                 for (m, s), v in defaults.items() if m is ops})
+    if with_megakernel:
+        runs["megakernel"] = call(mega)
+        runs.update({f"megakernel_{s.lower()}_{not v}": call(mega, (m, s))
+                     for (m, s), v in defaults.items() if m is megakernel})
     first = runs["expert_kernels"]().clone()
     rows = {k: [] for k in runs}
     for k, fn in runs.items():  # compile, and the bitwise check every probe makes
@@ -76,8 +84,8 @@ def probe(name: str, seconds: float, rounds: int, switches: list[str]) -> dict:
                       f"{s.get('sm_mhz_median')} MHz (min {s.get('sm_mhz_min')}), "
                       f"{s.get('power_w_mean')} W, {s.get('temp_c_max')} C, "
                       f"{s.get('clock_event_reasons')}", flush=True)
-    for s, v in defaults.items():
-        setattr(megakernel, s, v)
+    for (module, s), v in defaults.items():
+        setattr(module, s, v)
     megakernel.release_plans()
     torch.cuda.empty_cache()
     return {"shape": name, "rounds": rows}
@@ -90,13 +98,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--switch", default="", help="comma list of boolean megakernel switches: "
                     "each adds the megakernel with that switch flipped (e.g. WARP0_TMA_STAGES)")
+    ap.add_argument("--expert-switch", default="", help="comma list of boolean mok_cute.ops "
+                    "switches: each adds the expert path with it flipped (e.g. KSUM_IN_FC2)")
+    ap.add_argument("--no-megakernel", action="store_true", help="the expert path variants only")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     doc = {"shapes": []}
     for s in a.shapes.split(","):
         if s:
             doc["shapes"].append(probe(s, a.seconds, a.rounds,
-                                       [w for w in a.switch.split(",") if w]))
+                                       [w for w in a.switch.split(",") if w],
+                                       tuple(w for w in a.expert_switch.split(",") if w),
+                                       not a.no_megakernel))
             save_probe_json(a.json, doc, argv)
     return 0
 

@@ -719,6 +719,12 @@ case "$what" in
   clockprobe) timeout -s KILL 300 python3 tools/clock_probe.py --shapes mixtral,qwen3_30b,gptoss_120b \
                 --json "$out/clock_probe.json" 2>&1 | grep -v Warn | tail -30 ;;
   experttests) gpu_tests_passed expert "" 300 tests/test_moe_forward_gpu.py tests/test_token_ops.py ;;
+  # (nineteenth session) ops.KSUM_IN_FC2: its GPU tests, then the expert path with and without
+  # it, sustained (2 s per variant, 3 alternating rounds), bitwise checked first
+  ksumprobe) gpu_tests_sharded ksum "ksum" 240 6 tests/test_moe_forward_gpu.py
+    timeout -s KILL "${PROBE_SECS:-300}" python3 tools/clock_probe.py --no-megakernel \
+      --shapes "${PROBE_SHAPES:-dsv3_ep8_rank,sonic_120b,qwen3_30b,gptoss_120b}" --rounds 3 \
+      --expert-switch KSUM_IN_FC2 --json "$out/clock_probe_ksum_in_fc2.json" 2>&1 | grep -v Warn | tail -40 ;;
   qwen35comm) run_qwen35_comm ;;
   flatcopy) run_flat_copy ;;
   cluster) run_cluster ;;

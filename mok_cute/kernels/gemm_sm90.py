@@ -52,7 +52,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute import jit
 from mok_cute.config import experimental_switch
-from mok_cute.kernels import common
+from mok_cute.kernels import common, token_ops
 
 # The pingpong kernel: a tile's first k-block overwrites the accumulators (wgmma scale-d = 0)
 # instead of adding to zeros that 64 movs per thread wrote first. ptxas serialises the first
@@ -92,12 +92,18 @@ class GroupedGemmSm90:
     :param one_epilogue_barrier: one named barrier per epilogue subtile instead of two
         (``store_tile_epilogue``'s ``one_barrier``).
     :param epi_n: columns of an epilogue subtile, cooperative kernels (32 or 64).
+    :param ksum_top_k: 0, or K for FC2 on the pingpong kernel (``tile_n`` 128, ``"store"``)
+        with the weighted k-sum fused into its epilogue: the tile that brings a token's
+        (token, N-tile) counter to K sums that token's K y rows into ``out``
+        (``token_ops.sum_finished_tokens``). Why: the k-sum kernel runs alone after FC2
+        with the tensor cores idle (dsv3 ~0.17 ms of ~5 ms); in the pingpong kernel one
+        warpgroup's epilogue overlaps the other's mainloop.
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                  pingpong: bool = False, cluster_m: int = 1, one_epilogue_barrier: bool = False,
-                 epi_n: int = 32):
+                 epi_n: int = 32, ksum_top_k: int = 0):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -119,6 +125,14 @@ class GroupedGemmSm90:
                              "recorder (pingpong and timeline take cluster_m=1)")
         if num_sms % cluster_m:
             raise ValueError(f"num_sms must be a multiple of cluster_m={cluster_m}, got {num_sms}")
+        if ksum_top_k and not (pingpong and epilogue == "store"
+                               and tile_n == token_ops.LAST_ARRIVER_TILE_N):
+            raise ValueError(f"ksum_top_k is written for the pingpong store epilogue with "
+                             f"tile_n={token_ops.LAST_ARRIVER_TILE_N}, got pingpong={pingpong}, "
+                             f"epilogue={epilogue!r}, tile_n={tile_n}")
+        if not 0 <= ksum_top_k <= token_ops.MAX_K:
+            raise ValueError(f"ksum_top_k must be in [0, {token_ops.MAX_K}], got {ksum_top_k}")
+        self.ksum_top_k = ksum_top_k
         self.cluster_m = cluster_m
         self.one_epilogue_barrier = one_epilogue_barrier
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
@@ -201,10 +215,15 @@ class GroupedGemmSm90:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB_up: Optional[cute.Tensor],
                  mC: cute.Tensor,
                  mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
-                 mTimeline: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mTimeline: Optional[cute.Tensor], mRowToken: Optional[cute.Tensor],
+                 mSlotRows: Optional[cute.Tensor], mWeights: Optional[cute.Tensor],
+                 mCounters: Optional[cute.Tensor], mOut: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1): all K- / N-major.
         swiglu: mB is W_gate and mB_up is W_up, both (I, K, E); store: mB_up is None.
-        mTimeline: int64 recorder buffer, or None when the timeline flag is off."""
+        mTimeline: int64 recorder buffer, or None when the timeline flag is off.
+        ksum_top_k: the k-sum's row tokens, slot rows, fp32 weights ([T*K]), zeroed counters
+        ([T * N-tiles]) and out (T, N); None without it."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -252,11 +271,19 @@ class GroupedGemmSm90:
                 self.buffer_align_bytes]
 
         self.shared_storage = SharedStorage
+        ksum = (None,) * 6
+        if const_expr(self.ksum_top_k > 0):
+            # y and out as rows of 16-byte vectors, for the last arriver's sums
+            h_vecs = cute.size(mC, mode=[1]) // token_ops.VEC_ELEMS
+            ksum = (token_ops._row_vectors(mC.iterator, h_vecs, cute.size(mC, mode=[0])),
+                    token_ops._row_vectors(mOut.iterator, h_vecs, cute.size(mOut, mode=[0])),
+                    mRowToken, mSlotRows, mWeights, mCounters)
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c, *mcast,
             mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
+            *ksum,
         ).launch(
             grid=[self.num_sms, 1, 1],
             block=[self.threads_per_cta, 1, 1],
@@ -279,7 +306,10 @@ class GroupedGemmSm90:
                mTimeline: Optional[cute.Tensor], tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout):
+               epi_smem_layout_staged: cute.ComposedLayout,
+               mYVecs: Optional[cute.Tensor], mOutVecs: Optional[cute.Tensor],
+               mRowToken: Optional[cute.Tensor], mSlotRows: Optional[cute.Tensor],
+               mWeights: Optional[cute.Tensor], mCounters: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -542,6 +572,16 @@ class GroupedGemmSm90:
                                     epilogue_barrier, tma_store_pipeline, stores,
                                     self.one_epilogue_barrier)
                 subtiles_done += epi_m * out_n
+                if const_expr(self.ksum_top_k > 0):
+                    # this tile's y rows landed and released before they are counted
+                    if is_store_warp:
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.fence_acq_rel_gpu()
+                    epilogue_barrier.arrive_and_wait()
+                    token_ops.sum_finished_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
+                                                  mCounters, m_tile * tile_m + tile_tidx, n_tile,
+                                                  num_n_tiles, self.ksum_top_k)
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
                         common.timeline_write(mTimeline, record_slot, 1, self.task_type,
@@ -744,10 +784,11 @@ def choose_tile_n(n_out: int, epilogue: str) -> int:
     return min(options, key=lambda t: (cost(t), -t))
 
 
-def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
+def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool, ksum: bool):
     """Fake (M, K, 1) A, (N, K, E) B (two of them for swiglu: gate and up, N = I),
     (M, N_out, 1) C and int32 vectors with run-time extents and strides (what a strided
-    torch view passes through TVM-FFI)."""
+    torch view passes through TVM-FFI); with ``ksum`` the fused k-sum's vectors and its
+    (T, N) out."""
     bf16 = cutlass.BFloat16
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=TILE_K)
@@ -760,14 +801,19 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool):
     tile_expert = common.fake_vector(Int32)
     num_m_tiles = common.fake_vector(Int32)
     timeline = common.fake_vector(Int64, align_bytes=8) if timeline else None
-    return a, b, b_up, c, tile_expert, num_m_tiles, timeline
+    ksum_args = (None,) * 5
+    if ksum:
+        ksum_args = (common.fake_vector(Int32), common.fake_vector(Int32),
+                     common.fake_vector(Float32), common.fake_vector(Int32),
+                     common.fake_strided_tensor(bf16, (cute.sym_int32(), n_out)))
+    return a, b, b_up, c, tile_expert, num_m_tiles, timeline, *ksum_args
 
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                          pingpong: bool = False, cluster_m: int = 1, arch: str = "sm_90a",
                          options: str = "", one_epilogue_barrier: bool = False,
-                         epi_n: int = 32):
+                         epi_n: int = 32, ksum_top_k: int = 0):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -775,12 +821,14 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     (TVM-FFI): ``A (M,K,1)``, ``B (N,K,E)``, ``B_up`` (swiglu) or None, ``C (M,N_out,1)``
     strided views, the int32
     tile -> expert table, the one-element M-tile count, the int64 timeline buffer (None
-    when ``timeline`` is off); it runs on torch's current stream.
+    when ``timeline`` is off), then the fused k-sum's row tokens, slot rows, fp32 weights,
+    zeroed counters and (T, N) out (five Nones when ``ksum_top_k`` is 0); it runs on torch's
+    current stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
                            cluster_m=cluster_m, one_epilogue_barrier=one_epilogue_barrier,
-                           epi_n=epi_n)
-    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline)
+                           epi_n=epi_n, ksum_top_k=ksum_top_k)
+    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, ksum_top_k > 0)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

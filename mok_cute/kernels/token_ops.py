@@ -110,6 +110,72 @@ def k_sum_vector(ys: cute.Tensor, base: cute.Tensor, weights: cute.Tensor, u: in
     return res
 
 
+# The k-sum by the last arriver (the pingpong FC2's ``ksum_top_k``): half a warp sums one
+# token's 128-column segment, 16 lanes x one 8-element vector each.
+LAST_ARRIVER_TILE_N = 16 * VEC_ELEMS
+
+
+@cute.jit
+def _lowest_bit(mask: Int32) -> Int32:
+    """Index of the lowest set bit of a non-zero ``mask``."""
+    return Int32(cute.arch.clz(cute.arch.brev(mask)))
+
+
+@cute.jit
+def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tensor,
+                        mSlotRows: cute.Tensor, mWeights: cute.Tensor, mCounters: cute.Tensor,
+                        row: Int32, n_tile: Int32, num_n_tiles: Int32, K: cutlass.Constexpr[int]):
+    """The k-sum fused into FC2's epilogue, one y row per thread of a warpgroup. Call it after
+    this tile's y rows have landed and been released at GPU scope.
+
+    ``mY`` / ``mOut`` are ``_row_vectors`` views of y (expert-sorted rows) and out ``[T, H]``;
+    ``mRowToken`` [rows] is the token of each y row (-1: padding), ``mSlotRows`` [T*K] the y
+    row of each (token, k) slot, ``mWeights`` [T*K] fp32, ``mCounters`` [T * num_n_tiles]
+    zeros at launch. Each thread counts its row into its (token, N-tile) counter (acq_rel:
+    the rows counted before are visible to it); the thread that brings a counter to K owns
+    that token's segment, and half a warp sums it with ``k_sum_vector``: the same ascending-k
+    order and roundings as ``WeightedKSum``, so the output is the same bits whichever tile
+    arrives last. No thread waits on another CTA."""
+    token = mRowToken[row]
+    last = Int32(0)
+    if token >= 0:
+        old = cute.arch.atomic_add((mCounters.iterator + token * num_n_tiles + n_tile).llvm_ptr,
+                                   Int32(1), sem="acq_rel", scope="gpu")
+        if old == K - 1:
+            last = Int32(1)
+    mask = cute.arch.vote_ballot_sync(last != 0)
+    if mask != 0:
+        # the acquiring lane's view for the lanes that read with it
+        cute.arch.sync_warp()
+        cute.arch.fence_acq_rel_gpu()
+    lane = cute.arch.lane_idx()
+    half = lane // 16
+    vec = n_tile * 16 + lane % 16
+    h_vecs = cute.size(mY, mode=[1])
+    atom = _vector_copy_atom()
+    while mask != 0:
+        # two finished tokens per step, one per half warp
+        first = _lowest_bit(mask)
+        mask = mask & (mask - 1)
+        second = first
+        has_second = mask != 0
+        if has_second:
+            second = _lowest_bit(mask)
+            mask = mask & (mask - 1)
+        src_lane = first
+        if half == 1:
+            src_lane = second
+        tok = cute.arch.shuffle_sync(token, src_lane)
+        if ((half == 0) | has_second) & (vec < h_vecs):
+            weights = cute.make_rmem_tensor((K,), Float32)
+            ys = cute.make_rmem_tensor((VEC_ELEMS, 1, K), BFloat16)
+            for k in cutlass.range_constexpr(K):
+                weights[k] = mWeights[tok * K + k]
+                cute.copy(atom, mY[None, vec, mSlotRows[tok * K + k]], ys[None, 0, k])
+            res = k_sum_vector(ys, ys[None, None, 0], weights, 0, K, False)
+            cute.copy(atom, res, mOut[None, vec, tok])
+
+
 def _row_vectors(ptr: cute.Pointer, h_vecs: Int32, num_rows: Int32) -> cute.Tensor:
     """View a row-major ``[num_rows, 8 * h_vecs]`` bf16 buffer as ``(8, h_vecs, num_rows)``.
 
