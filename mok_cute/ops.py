@@ -90,6 +90,9 @@ FC2_PINGPONG_MAX_K = 8192
 # FC2 mainloop may not hide them. Without the shared expert only (its rows would have to be
 # ready first). Nineteenth session: written, not yet measured, so off. MOK_KSUM_IN_FC2=1.
 KSUM_IN_FC2 = experimental_switch("KSUM_IN_FC2", False)
+# With KSUM_IN_FC2: count and sum a tile's rows one tile later (gemm_sm90's ksum_deferred),
+# when its stores have landed, instead of waiting for them in its own epilogue.
+KSUM_IN_FC2_DEFERRED = experimental_switch("KSUM_IN_FC2_DEFERRED", False)
 
 
 def fc2_pingpong(inter: int) -> bool:
@@ -164,6 +167,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     ksum: (row_token, slot_rows, fp32 weights [T*K], zeroed counters [T * N-tiles], out [T, N],
     K) to fuse the weighted k-sum into the pingpong store epilogue (``KSUM_IN_FC2``).
     """
+    from mok_cute.kernels import gemm_sm90
     from mok_cute.kernels.gemm_sm90 import choose_tile_n
     m, k = a.shape
     e, n, k_w = w.shape
@@ -183,7 +187,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         tile_n=tile_n, group_m=group_m, num_sms=_persistent_grid(a.device.index or 0, cluster_m),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
         pingpong=pingpong, cluster_m=cluster_m, one_epilogue_barrier=ONE_EPILOGUE_BARRIER,
-        epi_n=32 if pingpong else EPILOGUE_N, ksum_top_k=0 if ksum is None else ksum[5])
+        epi_n=32 if pingpong else EPILOGUE_N, ksum_top_k=0 if ksum is None else ksum[5],
+        ksum_stages=gemm_sm90.KSUM_STAGES if ksum is not None else 3,
+        ksum_deferred=ksum is not None and KSUM_IN_FC2_DEFERRED)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline,

@@ -227,10 +227,11 @@ def test_scatter_x_gives_the_same_bits(T, K, routing, shared_i, monkeypatch):
     (257, 320, 448, 6, 3, "uniform", 0),         # H = 320: a last N-tile of 64 columns
     (300, 1024, 512, 8, 4, "uniform", 256),      # shared expert: the k-sum kernel stays
 ])
-def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, monkeypatch):
-    """ops.KSUM_IN_FC2: the k-sum by the last arriving FC2 tile of each (token, N-tile) is
-    bitwise the k-sum kernel's output, run to run, whichever tile arrives last, with every
-    output element written (the allocator is poisoned with NaN)."""
+@pytest.mark.parametrize("deferred", [False, True])
+def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, deferred, monkeypatch):
+    """ops.KSUM_IN_FC2 (and KSUM_IN_FC2_DEFERRED): the k-sum by the last arriving FC2 tile
+    of each (token, N-tile) is bitwise the k-sum kernel's output, run to run, whichever tile
+    arrives last, with every output element written (the allocator is poisoned with NaN)."""
     from mok_cute import ops
 
     args = _problem(T, H, I, E, K, shared_i, routing, seed=T + K)
@@ -239,6 +240,7 @@ def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, monke
         _poison_allocator()
         base = mok.moe_forward(*args[:6], shared=args[6], config=cfg)
         monkeypatch.setattr(ops, "KSUM_IN_FC2", True)
+        monkeypatch.setattr(ops, "KSUM_IN_FC2_DEFERRED", deferred)
         assert ops.ksum_in_fc2(I, shared_i > 0) == (shared_i == 0)
         runs = []
         for _ in range(2):

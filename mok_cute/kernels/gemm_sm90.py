@@ -60,6 +60,11 @@ from mok_cute.kernels import common, token_ops
 # way. Read when a kernel is built. Measured on the H200 (run 39): bitwise equal, FC2 -2.4 %
 # to +2.1 %, less than a repeat's spread, so off. MOK_FIRST_MMA_OVERWRITES=1.
 FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
+# How much of the fused k-sum (ksum_top_k) ops builds: 3 all of it; 2, 1 and 0 stop after
+# the counting atomics, after the stores' landing wait and barrier, and before either. Below 3
+# out is not written: a diagnostic for tools/ksum_fc2_probe.py, which times where the fused
+# k-sum's cost goes.
+KSUM_STAGES = 3
 TILE_M = 128
 TILE_K = 64
 EPILOGUES = ("store", "swiglu")
@@ -103,7 +108,8 @@ class GroupedGemmSm90:
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                  pingpong: bool = False, cluster_m: int = 1, one_epilogue_barrier: bool = False,
-                 epi_n: int = 32, ksum_top_k: int = 0):
+                 epi_n: int = 32, ksum_top_k: int = 0, ksum_stages: int = 3,
+                 ksum_deferred: bool = False):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -133,6 +139,10 @@ class GroupedGemmSm90:
         if not 0 <= ksum_top_k <= token_ops.MAX_K:
             raise ValueError(f"ksum_top_k must be in [0, {token_ops.MAX_K}], got {ksum_top_k}")
         self.ksum_top_k = ksum_top_k
+        self.ksum_stages = ksum_stages  # KSUM_STAGES
+        # count and sum a tile's rows after the warpgroup's next tile's stores are issued, when
+        # its own have long landed (no wait for them in the epilogue)
+        self.ksum_deferred = ksum_deferred and ksum_top_k > 0
         self.cluster_m = cluster_m
         self.one_epilogue_barrier = one_epilogue_barrier
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
@@ -497,6 +507,8 @@ class GroupedGemmSm90:
                     num_threads=self.num_mma_threads)
             release_state = read_state.clone()
             subtiles_done = Int32(0)
+            held_m = Int32(-1)  # ksum_deferred: the tile not yet counted
+            held_n = Int32(0)
             record_slot = Int64(0)
             record_capacity = Int64(0)
             if const_expr(self.timeline):
@@ -572,16 +584,18 @@ class GroupedGemmSm90:
                                     epilogue_barrier, tma_store_pipeline, stores,
                                     self.one_epilogue_barrier)
                 subtiles_done += epi_m * out_n
-                if const_expr(self.ksum_top_k > 0):
-                    # this tile's y rows landed and released before they are counted
-                    if is_store_warp:
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_proxy("async.global")
-                        cute.arch.fence_acq_rel_gpu()
-                    epilogue_barrier.arrive_and_wait()
-                    token_ops.sum_finished_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
-                                                  mCounters, m_tile * tile_m + tile_tidx, n_tile,
-                                                  num_n_tiles, self.ksum_top_k)
+                if const_expr(self.ksum_top_k > 0 and not self.ksum_deferred):
+                    self._sum_tile_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
+                                          mCounters, m_tile, n_tile, num_n_tiles, tile_tidx,
+                                          is_store_warp, epilogue_barrier, 0)
+                if const_expr(self.ksum_deferred):
+                    if held_m >= 0:  # the previous tile's stores: all but this tile's landed
+                        self._sum_tile_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
+                                              mCounters, held_m, held_n, num_n_tiles, tile_tidx,
+                                              is_store_warp, epilogue_barrier, epi_m * out_n)
+                # (assigned outside any `if`: a loop-carried value must be, to leave the body)
+                held_m = m_tile
+                held_n = n_tile
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
                         common.timeline_write(mTimeline, record_slot, 1, self.task_type,
@@ -589,7 +603,31 @@ class GroupedGemmSm90:
                                               record_capacity)
                     record_slot += 1
                 tile_idx += tile_stride
+            if const_expr(self.ksum_deferred):
+                if held_m >= 0:
+                    self._sum_tile_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
+                                          mCounters, held_m, held_n, num_n_tiles, tile_tidx,
+                                          is_store_warp, epilogue_barrier, 0)
             tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def _sum_tile_tokens(self, mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights, mCounters,
+                         m_tile: Int32, n_tile: Int32, num_n_tiles: Int32, tile_tidx: Int32,
+                         is_store_warp, epilogue_barrier, stores_after: cutlass.Constexpr[int]):
+        """ksum_top_k: once the store warp has seen tile (m_tile, n_tile)'s y rows land (all
+        but its last ``stores_after`` store groups, which are a later tile's) and released
+        them, the warpgroup counts the tile's rows and sums the tokens it completes
+        (``token_ops.sum_finished_tokens``)."""
+        if const_expr(self.ksum_stages >= 1):
+            if is_store_warp:
+                cute.arch.cp_async_bulk_wait_group(stores_after, read=False)
+                cute.arch.fence_proxy("async.global")
+                cute.arch.fence_acq_rel_gpu()
+            epilogue_barrier.arrive_and_wait()
+            token_ops.sum_finished_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
+                                          mCounters, m_tile * TILE_M + tile_tidx, n_tile,
+                                          num_n_tiles, self.ksum_top_k, self.ksum_stages >= 3,
+                                          self.ksum_stages >= 2)
 
     def _copy_b(self, loads, n_tile, k_tile, expert, stage, barrier, mcast_mask=None):
         """B's TMA loads of k-tile ``k_tile`` into ``stage``: ``loads`` = (atom, gmem and smem
@@ -813,7 +851,8 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                          pingpong: bool = False, cluster_m: int = 1, arch: str = "sm_90a",
                          options: str = "", one_epilogue_barrier: bool = False,
-                         epi_n: int = 32, ksum_top_k: int = 0):
+                         epi_n: int = 32, ksum_top_k: int = 0, ksum_stages: int = 3,
+                         ksum_deferred: bool = False):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -828,7 +867,8 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
                            cluster_m=cluster_m, one_epilogue_barrier=one_epilogue_barrier,
-                           epi_n=epi_n, ksum_top_k=ksum_top_k)
+                           epi_n=epi_n, ksum_top_k=ksum_top_k, ksum_stages=ksum_stages,
+                           ksum_deferred=ksum_deferred)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, ksum_top_k > 0)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

@@ -124,7 +124,8 @@ def _lowest_bit(mask: Int32) -> Int32:
 @cute.jit
 def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tensor,
                         mSlotRows: cute.Tensor, mWeights: cute.Tensor, mCounters: cute.Tensor,
-                        row: Int32, n_tile: Int32, num_n_tiles: Int32, K: cutlass.Constexpr[int]):
+                        row: Int32, n_tile: Int32, num_n_tiles: Int32, K: cutlass.Constexpr[int],
+                        sums: cutlass.Constexpr[bool] = True, counts: cutlass.Constexpr[bool] = True):
     """The k-sum fused into FC2's epilogue, one y row per thread of a warpgroup. Call it after
     this tile's y rows have landed and been released at GPU scope.
 
@@ -135,7 +136,17 @@ def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tens
     the rows counted before are visible to it); the thread that brings a counter to K owns
     that token's segment, and half a warp sums it with ``k_sum_vector``: the same ascending-k
     order and roundings as ``WeightedKSum``, so the output is the same bits whichever tile
-    arrives last. No thread waits on another CTA."""
+    arrives last. No thread waits on another CTA. ``sums`` / ``counts`` False leave out the
+    sums / the counting too (``gemm_sm90.KSUM_STAGES``, a diagnostic)."""
+    if const_expr(counts):
+        _count_and_sum(mY, mOut, mRowToken, mSlotRows, mWeights, mCounters, row, n_tile,
+                       num_n_tiles, K, sums)
+
+
+@cute.jit
+def _count_and_sum(mY, mOut, mRowToken, mSlotRows, mWeights, mCounters, row: Int32,
+                   n_tile: Int32, num_n_tiles: Int32, K: cutlass.Constexpr[int],
+                   sums: cutlass.Constexpr[bool]):
     token = mRowToken[row]
     last = Int32(0)
     if token >= 0:
@@ -144,6 +155,8 @@ def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tens
         if old == K - 1:
             last = Int32(1)
     mask = cute.arch.vote_ballot_sync(last != 0)
+    if const_expr(not sums):
+        mask = Int32(0)
     if mask != 0:
         # the acquiring lane's view for the lanes that read with it
         cute.arch.sync_warp()
