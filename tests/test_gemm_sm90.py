@@ -154,7 +154,9 @@ def test_ksum_in_fc2_is_refused_outside_the_pingpong_store(kwargs):
 def test_ksum_in_fc2_compiles_to_counted_rows_without_spills(top_k, capfd, tmp_path):
     """ksum_top_k: the store warp waits for its stores to land and releases them, each row
     is counted with an acq_rel atomic, the last arriver's sum is K 16-byte y loads per lane
-    in unfused mul / add (as WeightedKSum); 0 spills, no wgmma serialisation added."""
+    and pass in unfused mul / add (as WeightedKSum); 0 spills, no wgmma serialisation added."""
+    from mok_cute.kernels import token_ops
+
     capfd.readouterr()
     ptx = gemm_sm90.compile_grouped_gemm(
         "store", 128, pingpong=True, ksum_top_k=top_k,
@@ -164,8 +166,9 @@ def test_ksum_in_fc2_compiles_to_counted_rows_without_spills(top_k, capfd, tmp_p
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;\s*fence\.proxy\.async\.global;\s*"
                      r"fence\.acq_rel\.gpu;", ptx)
     assert len(re.findall(r"atom\.global\.acq_rel\.add\.u32", ptx)) == 1
-    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == top_k
-    assert len(re.findall(r"mul\.rn\.f32", ptx)) == 8 * top_k
+    passes = token_ops.last_arriver_passes(top_k)  # token pairs summed with loads in flight
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == top_k * passes
+    assert len(re.findall(r"mul\.rn\.f32", ptx)) == 8 * top_k * passes
     assert "ptxas" in text and "C7520" not in text and "C7511" not in text
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)

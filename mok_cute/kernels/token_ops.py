@@ -143,11 +143,27 @@ def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tens
                        num_n_tiles, K, sums)
 
 
+def last_arriver_passes(K: int) -> int:
+    """Finished-token pairs a warp sums per step with their y loads in flight together (2:
+    ~2 K 16-byte vectors per lane; 1 past K = 8, for the registers)."""
+    return 2 if K <= 8 else 1
+
+
 @cute.jit
 def _count_and_sum(mY, mOut, mRowToken, mSlotRows, mWeights, mCounters, row: Int32,
                    n_tile: Int32, num_n_tiles: Int32, K: cutlass.Constexpr[int],
                    sums: cutlass.Constexpr[bool]):
     token = mRowToken[row]
+    # this row's token's K slot rows and weights, loaded while the count is taken (L2 hits,
+    # wasted unless the row finishes its token): a step's y loads then wait on one latency
+    # (the shuffles), not two (the index loads, then the rows)
+    slot_rows = cute.make_rmem_tensor((K,), Int32)
+    weights = cute.make_rmem_tensor((K,), Float32)
+    if const_expr(sums):
+        safe = cutlass.max(token, 0) * K
+        for k in cutlass.range_constexpr(K):
+            slot_rows[k] = mSlotRows[safe + k]
+            weights[k] = mWeights[safe + k]
     last = Int32(0)
     if token >= 0:
         old = cute.arch.atomic_add((mCounters.iterator + token * num_n_tiles + n_tile).llvm_ptr,
@@ -164,29 +180,41 @@ def _count_and_sum(mY, mOut, mRowToken, mSlotRows, mWeights, mCounters, row: Int
     lane = cute.arch.lane_idx()
     half = lane // 16
     vec = n_tile * 16 + lane % 16
-    h_vecs = cute.size(mY, mode=[1])
+    in_row = vec < cute.size(mY, mode=[1])
     atom = _vector_copy_atom()
+    passes = last_arriver_passes(K)
     while mask != 0:
-        # two finished tokens per step, one per half warp
-        first = _lowest_bit(mask)
-        mask = mask & (mask - 1)
-        second = first
-        has_second = mask != 0
-        if has_second:
-            second = _lowest_bit(mask)
+        # up to 2 * passes finished tokens per step, one per half warp and pass
+        ys = cute.make_rmem_tensor((VEC_ELEMS, passes, K), BFloat16)
+        ws = cute.make_rmem_tensor((passes, K), Float32)
+        toks = []
+        actives = []
+        for p in cutlass.range_constexpr(passes):
+            first = _lowest_bit(mask | Int32(0))  # (mask may be 0 on a second pass)
             mask = mask & (mask - 1)
-        src_lane = first
-        if half == 1:
-            src_lane = second
-        tok = cute.arch.shuffle_sync(token, src_lane)
-        if ((half == 0) | has_second) & (vec < h_vecs):
-            weights = cute.make_rmem_tensor((K,), Float32)
-            ys = cute.make_rmem_tensor((VEC_ELEMS, 1, K), BFloat16)
+            second = first
+            has_second = mask != 0
+            if has_second:
+                second = _lowest_bit(mask)
+                mask = mask & (mask - 1)
+            src_lane = first
+            if half == 1:
+                src_lane = second
+            # a pass with no token left (first == 32) reads lane 31's values and stays idle
+            active = (first < 32) & ((half == 0) | has_second) & in_row
+            toks.append(cute.arch.shuffle_sync(token, src_lane))
+            rows = cute.make_rmem_tensor((K,), Int32)
             for k in cutlass.range_constexpr(K):
-                weights[k] = mWeights[tok * K + k]
-                cute.copy(atom, mY[None, vec, mSlotRows[tok * K + k]], ys[None, 0, k])
-            res = k_sum_vector(ys, ys[None, None, 0], weights, 0, K, False)
-            cute.copy(atom, res, mOut[None, vec, tok])
+                rows[k] = cute.arch.shuffle_sync(slot_rows[k], src_lane)
+                ws[p, k] = cute.arch.shuffle_sync(weights[k], src_lane)
+            if active:
+                for k in cutlass.range_constexpr(K):
+                    cute.copy(atom, mY[None, vec, rows[k]], ys[None, p, k])
+            actives.append(active)
+        for p in cutlass.range_constexpr(passes):
+            if actives[p]:
+                res = k_sum_vector(ys, ys[None, None, 0], ws[p, None], p, K, False)
+                cute.copy(atom, res, mOut[None, vec, toks[p]])
 
 
 def _row_vectors(ptr: cute.Pointer, h_vecs: Int32, num_rows: Int32) -> cute.Tensor:
