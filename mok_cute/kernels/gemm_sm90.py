@@ -65,8 +65,9 @@ FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
 # out is not written: a diagnostic for tools/ksum_fc2_probe.py, which times where the fused
 # k-sum's cost goes.
 KSUM_STAGES = 3
-# ksum_helpers: entries of the CTA's queue of finished (token, N-tile) segments
-KSUM_QUEUE = 256
+# ksum_helpers: entries of the CTA's queue of finished (token, N-tile) segments: more than a
+# tile's 128 rows, and small enough to keep the pingpong FC2's 6 stages (256 did not fit)
+KSUM_QUEUE = 192
 TILE_M = 128
 TILE_K = 64
 EPILOGUES = ("store", "swiglu")
@@ -208,6 +209,8 @@ class GroupedGemmSm90:
         ab_bytes_per_stage = (tile_m + tile_n) * tile_k * self.a_dtype.width // 8
         epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_buffers
         reserved = 1024  # mbarriers and alignment slack
+        if self.ksum_helpers:  # the queue of finished segments and its state
+            reserved += KSUM_QUEUE * 8 + 16
         self.ab_stages = (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage
         self.a_smem_layout_staged = self._staged_kmajor_layout(
             self.a_dtype, (tile_m, tile_k), self.ab_stages)
