@@ -67,7 +67,7 @@ FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
 KSUM_STAGES = 3
 # ksum_helpers: entries of the CTA's queue of finished (token, N-tile) segments: more than a
 # tile's 128 rows, and small enough to keep the pingpong FC2's 6 stages (256 did not fit)
-KSUM_QUEUE = 192
+KSUM_QUEUE = 160
 TILE_M = 128
 TILE_K = 64
 EPILOGUES = ("store", "swiglu")
