@@ -93,11 +93,6 @@ KSUM_IN_FC2 = experimental_switch("KSUM_IN_FC2", False)
 # With KSUM_IN_FC2: count and sum a tile's rows one tile later (gemm_sm90's ksum_deferred),
 # when its stores have landed, instead of waiting for them in its own epilogue.
 KSUM_IN_FC2_DEFERRED = experimental_switch("KSUM_IN_FC2_DEFERRED", False)
-# With KSUM_IN_FC2: the consumer warpgroups only count; the producer warpgroup's three idle
-# warps sum the finished segments, queued in shared memory (gemm_sm90's ksum_helpers). Why:
-# run 154 put the cost in the sums (counting alone: dsv3 0.979, sonic 0.921 of the k-sum
-# kernel's layer time; with the sums 1.036 and 1.036), which delay the next mainloop turn.
-KSUM_IN_FC2_HELPERS = experimental_switch("KSUM_IN_FC2_HELPERS", False)
 
 
 def fc2_pingpong(inter: int) -> bool:
@@ -194,8 +189,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         pingpong=pingpong, cluster_m=cluster_m, one_epilogue_barrier=ONE_EPILOGUE_BARRIER,
         epi_n=32 if pingpong else EPILOGUE_N, ksum_top_k=0 if ksum is None else ksum[5],
         ksum_stages=gemm_sm90.KSUM_STAGES if ksum is not None else 3,
-        ksum_deferred=ksum is not None and KSUM_IN_FC2_DEFERRED,
-        ksum_helpers=ksum is not None and KSUM_IN_FC2_HELPERS)
+        ksum_deferred=ksum is not None and KSUM_IN_FC2_DEFERRED)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline,

@@ -227,12 +227,11 @@ def test_scatter_x_gives_the_same_bits(T, K, routing, shared_i, monkeypatch):
     (257, 320, 448, 6, 3, "uniform", 0),         # H = 320: a last N-tile of 64 columns
     (300, 1024, 512, 8, 4, "uniform", 256),      # shared expert: the k-sum kernel stays
 ])
-@pytest.mark.parametrize("mode", ["in_epilogue", "deferred", "helpers"])
-def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, mode, monkeypatch):
-    """ops.KSUM_IN_FC2 (with KSUM_IN_FC2_DEFERRED or KSUM_IN_FC2_HELPERS): the k-sum by the
-    last arriving FC2 tile of each (token, N-tile) is bitwise the k-sum kernel's output, run
-    to run, whichever tile arrives last, with every output element written (the allocator
-    is poisoned with NaN)."""
+@pytest.mark.parametrize("deferred", [False, True])
+def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, deferred, monkeypatch):
+    """ops.KSUM_IN_FC2 (and KSUM_IN_FC2_DEFERRED): the k-sum by the last arriving FC2 tile
+    of each (token, N-tile) is bitwise the k-sum kernel's output, run to run, whichever tile
+    arrives last, with every output element written (the allocator is poisoned with NaN)."""
     from mok_cute import ops
 
     args = _problem(T, H, I, E, K, shared_i, routing, seed=T + K)
@@ -241,8 +240,7 @@ def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, mode,
         _poison_allocator()
         base = mok.moe_forward(*args[:6], shared=args[6], config=cfg)
         monkeypatch.setattr(ops, "KSUM_IN_FC2", True)
-        monkeypatch.setattr(ops, "KSUM_IN_FC2_DEFERRED", mode == "deferred")
-        monkeypatch.setattr(ops, "KSUM_IN_FC2_HELPERS", mode == "helpers")
+        monkeypatch.setattr(ops, "KSUM_IN_FC2_DEFERRED", deferred)
         assert ops.ksum_in_fc2(I, shared_i > 0) == (shared_i == 0)
         runs = []
         for _ in range(2):
@@ -257,8 +255,7 @@ def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, mode,
     assert rel <= REL_TOL, f"relative error {rel:.3e} > {REL_TOL}"
 
 
-@pytest.mark.parametrize("helpers", [False, True])
-def test_ksum_in_fc2_recorded(helpers, monkeypatch):
+def test_ksum_in_fc2_recorded(monkeypatch):
     """The fused k-sum with the recorder on: the same bits, and the FC2 tiles recorded."""
     from mok_cute import ops
     from mok_cute import timeline as tl_mod
@@ -267,7 +264,6 @@ def test_ksum_in_fc2_recorded(helpers, monkeypatch):
     with torch.no_grad():
         base = mok.moe_forward(*args[:6], config=mok.MoKConfig(backend="kernel"))
         monkeypatch.setattr(ops, "KSUM_IN_FC2", True)
-        monkeypatch.setattr(ops, "KSUM_IN_FC2_HELPERS", helpers)
         _poison_allocator()
         out = mok.moe_forward(*args[:6], config=mok.MoKConfig(backend="kernel", timeline=True))
     torch.cuda.synchronize()

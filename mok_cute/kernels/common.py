@@ -141,68 +141,6 @@ def raise_on_wait_error(word: int) -> None:
         raise PeerTimeoutError(*decoded)
 
 
-# A CTA's work queue in shared memory: warps push Int32 values, other warps pop them in push
-# order. Entry i of the ring holds (slot + 1) << 32 | value while slot's value waits, 0 once
-# taken, so a popper never takes a value left from slot - ring_size. Pushers wait for a free
-# entry and poppers for their slot's value or for the end (``done`` pushers finished and the
-# slot past the last push): every wait points to a lower slot, so none waits forever.
-@cute.jit
-def _entry_ptr(base: cute.Pointer, index):
-    return (base + index).llvm_ptr
-
-
-@cute.jit
-def queue_push(ring: cute.Pointer, ring_size: cutlass.Constexpr[int], head: cute.Pointer,
-               value: Int32, push):
-    """Warp-collective: the lanes with ``push`` each append their ``value`` (>= 0), release
-    (the values' readers see what these lanes saw)."""
-    mask = cute.arch.vote_ballot_sync(push)
-    if mask != 0:
-        lane = cute.arch.lane_idx()
-        base = Int32(0)
-        if lane == 0:
-            base = cute.arch.atomic_add(head.llvm_ptr, cute.arch.popc(mask), sem="relaxed",
-                                        scope="cta")
-        base = cute.arch.shuffle_sync(base, 0)
-        if push:
-            slot = base + cute.arch.popc(mask & ((Int32(1) << lane) - 1))
-            entry = _entry_ptr(ring, slot % ring_size)
-            while cute.arch.load(entry, Int64, sem="acquire", scope="cta") != 0:
-                nanosleep(Int32(SPIN_SLEEP_MIN_NS))
-            cute.arch.store(entry, (Int64(slot + 1) << 32) | Int64(value), sem="release",
-                            scope="cta")
-
-
-@cute.jit
-def queue_pop(ring: cute.Pointer, ring_size: cutlass.Constexpr[int], head: cute.Pointer,
-              done: cute.Pointer, pushers: cutlass.Constexpr[int], slot: Int32) -> Int32:
-    """The value pushed at ``slot`` (acquire), or -1 once ``pushers`` have finished
-    (``queue_finish``) with fewer than ``slot + 1`` pushes. A slot's popper frees its entry."""
-    entry = _entry_ptr(ring, slot % ring_size)
-    value = Int32(-1)
-    waiting = True
-    while waiting:
-        word = cute.arch.load(entry, Int64, sem="acquire", scope="cta")
-        if (word >> 32) == Int64(slot + 1):
-            value = Int32(word & Int64(0x7FFFFFFF))
-            cute.arch.store(entry, Int64(0), sem="release", scope="cta")
-            waiting = False
-        else:
-            if cute.arch.load(done.llvm_ptr, Int32, sem="acquire", scope="cta") == pushers:
-                if slot >= cute.arch.load(head.llvm_ptr, Int32, sem="relaxed", scope="cta"):
-                    waiting = False
-            if waiting:
-                nanosleep(Int32(SPIN_SLEEP_MIN_NS))
-    return value
-
-
-@cute.jit
-def queue_finish(done: cute.Pointer):
-    """One thread of a pusher whose pushes are all done (and ordered before this, e.g. by a
-    barrier): release-count it as finished."""
-    cute.arch.atomic_add(done.llvm_ptr, Int32(1), sem="release", scope="cta")
-
-
 # ---------------------------------------------------------------------- compile helpers
 def fake_strided_tensor(dtype, shape, contiguous_mode: int = -1, align_bytes: int = 16):
     """Fake tensor with one stride-1 mode; the other strides are run-time values divisible
