@@ -88,10 +88,16 @@ FC2_PINGPONG_MAX_K = 8192
 # warpgroup's epilogue overlaps the other one's mainloop (dsv3 ~13 us against ~4 us of
 # epilogue). Predicted: up to -3 % on dsv3 and sonic if the sums stay hidden; qwen3's 5 us
 # FC2 mainloop may not hide them. Without the shared expert only (its rows would have to be
-# ready first). Nineteenth session: written, not yet measured, so off. MOK_KSUM_IN_FC2=1.
+# ready first). Measured (nineteenth session, bitwise equal everywhere): slower on every
+# shape, sustained dsv3 1.026, sonic 1.074, qwen3 1.094, gptoss 1.046 (run 152). Built in
+# stages (gemm_sm90.KSUM_STAGES, tools/ksum_fc2_probe.py, runs 153-154) the counting costs
+# little (no k-sum at all: dsv3 0.973-0.984, sonic 0.92-0.95; with the counts 0.98, 0.92-0.97)
+# and the sums the rest: they hold the warpgroup past its next mainloop turn. Off.
+# MOK_KSUM_IN_FC2=1.
 KSUM_IN_FC2 = experimental_switch("KSUM_IN_FC2", False)
 # With KSUM_IN_FC2: count and sum a tile's rows one tile later (gemm_sm90's ksum_deferred),
-# when its stores have landed, instead of waiting for them in its own epilogue.
+# when its stores have landed, instead of waiting for them in its own epilogue. Measured
+# (run 154): dsv3 1.017, sonic 1.015, qwen3 1.090, gptoss 1.071 of the expert path. Off.
 KSUM_IN_FC2_DEFERRED = experimental_switch("KSUM_IN_FC2_DEFERRED", False)
 
 

@@ -102,7 +102,10 @@ class GroupedGemmSm90:
         (token, N-tile) counter to K sums that token's K y rows into ``out``
         (``token_ops.sum_finished_tokens``). Why: the k-sum kernel runs alone after FC2
         with the tensor cores idle (dsv3 ~0.17 ms of ~5 ms); in the pingpong kernel one
-        warpgroup's epilogue overlaps the other's mainloop.
+        warpgroup's epilogue overlaps the other's mainloop. Measured slower on the H200
+        (``ops.KSUM_IN_FC2``, off): the sums outlast the other warpgroup's mainloop.
+    :param ksum_stages: ``KSUM_STAGES`` (a diagnostic: below 3 ``out`` is not written).
+    :param ksum_deferred: count and sum each tile's rows after the warpgroup's next tile.
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
