@@ -215,7 +215,7 @@ def test_scatter_x_gives_the_same_bits(T, K, routing, shared_i, monkeypatch):
     assert not scattered.isnan().any() and torch.equal(scattered, base)
 
 
-@pytest.mark.parametrize("T,H,I,E,K,routing,shared_i", [
+KSUM_CASES = [  # T, H, I, E, K, routing, shared expert's I
     (512, 7168, 2048, 32, 8, "uniform", 0),      # dsv3_ep8_rank at reduced T
     (1024, 4096, 2048, 64, 4, "uniform", 0),     # sonic_120b at reduced T
     (1, 1024, 512, 8, 4, "uniform", 0),
@@ -226,49 +226,78 @@ def test_scatter_x_gives_the_same_bits(T, K, routing, shared_i, monkeypatch):
     (333, 512, 256, 16, 10, "uniform", 0),
     (257, 320, 448, 6, 3, "uniform", 0),         # H = 320: a last N-tile of 64 columns
     (300, 1024, 512, 8, 4, "uniform", 256),      # shared expert: the k-sum kernel stays
-])
-@pytest.mark.parametrize("deferred", [False, True])
-def test_ksum_in_fc2_gives_the_same_bits(T, H, I, E, K, routing, shared_i, deferred, monkeypatch):
-    """ops.KSUM_IN_FC2 (and KSUM_IN_FC2_DEFERRED): the k-sum by the last arriving FC2 tile
-    of each (token, N-tile) is bitwise the k-sum kernel's output, run to run, whichever tile
-    arrives last, with every output element written (the allocator is poisoned with NaN)."""
+]
+
+
+def _ksum_case(T, H, I, E, K, routing, shared_i, mode, recorded=False):
+    """ops.KSUM_IN_FC2 with ``mode`` ("in_epilogue", "deferred": KSUM_IN_FC2_DEFERRED,
+    "helpers": KSUM_IN_FC2_HELPERS): twice, each bitwise the k-sum kernel's output, every
+    element written (the allocator poisoned with NaN), and against the reference; with
+    ``recorded`` the FC2 tiles recorded once each. The switches are restored after."""
     from mok_cute import ops
+    from mok_cute import timeline as tl_mod
 
     args = _problem(T, H, I, E, K, shared_i, routing, seed=T + K)
-    cfg = mok.MoKConfig(backend="kernel")
-    with torch.no_grad():
-        _poison_allocator()
-        base = mok.moe_forward(*args[:6], shared=args[6], config=cfg)
-        monkeypatch.setattr(ops, "KSUM_IN_FC2", True)
-        monkeypatch.setattr(ops, "KSUM_IN_FC2_DEFERRED", deferred)
-        assert ops.ksum_in_fc2(I, shared_i > 0) == (shared_i == 0)
-        runs = []
-        for _ in range(2):
+    cfg = mok.MoKConfig(backend="kernel", timeline=recorded)
+    saved = (ops.KSUM_IN_FC2, ops.KSUM_IN_FC2_DEFERRED, ops.KSUM_IN_FC2_HELPERS)
+    try:
+        with torch.no_grad():
             _poison_allocator()
-            runs.append(mok.moe_forward(*args[:6], shared=args[6], config=cfg))
-        ref = reference.moe_forward(*args[:6], shared=args[6])
-    torch.cuda.synchronize()
+            base = mok.moe_forward(*args[:6], shared=args[6], config=mok.MoKConfig(backend="kernel"))
+            ops.KSUM_IN_FC2 = True
+            ops.KSUM_IN_FC2_DEFERRED = mode == "deferred"
+            ops.KSUM_IN_FC2_HELPERS = mode == "helpers"
+            assert ops.ksum_in_fc2(I, shared_i > 0) == (shared_i == 0)
+            runs = []
+            for _ in range(2):
+                _poison_allocator()
+                runs.append(mok.moe_forward(*args[:6], shared=args[6], config=cfg))
+            ref = reference.moe_forward(*args[:6], shared=args[6])
+        torch.cuda.synchronize()
+    finally:
+        ops.KSUM_IN_FC2, ops.KSUM_IN_FC2_DEFERRED, ops.KSUM_IN_FC2_HELPERS = saved
     for out in runs:
         assert not out.isnan().any(), "unwritten (NaN) output elements"
         assert torch.equal(out, base), "differs from the k-sum kernel's bits"
     rel = ((runs[0].float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel <= REL_TOL, f"relative error {rel:.3e} > {REL_TOL}"
+    if recorded:
+        tl = tl_mod.last().decode()
+        assert tl.dropped == 0 and tl.check() == []
+        fc2 = tl.records["task_id"][tl.records["task_type"] == int(tl_mod.TaskType.FC2)]
+        assert sorted(fc2.tolist()) == list(range(len(fc2))) and len(fc2) > 0
 
 
-def test_ksum_in_fc2_recorded(monkeypatch):
+@pytest.mark.parametrize("case", KSUM_CASES)
+@pytest.mark.parametrize("mode", ["in_epilogue", "deferred"])
+def test_ksum_in_fc2_gives_the_same_bits(case, mode):
+    """ops.KSUM_IN_FC2 (and KSUM_IN_FC2_DEFERRED): the k-sum by the last arriving FC2 tile
+    of each (token, N-tile) is bitwise the k-sum kernel's output, run to run, whichever tile
+    arrives last."""
+    _ksum_case(*case, mode)
+
+
+def test_ksum_in_fc2_recorded():
     """The fused k-sum with the recorder on: the same bits, and the FC2 tiles recorded."""
-    from mok_cute import ops
-    from mok_cute import timeline as tl_mod
+    _ksum_case(700, 1024, 512, 8, 4, "uniform", 0, "in_epilogue", recorded=True)
 
-    args = _problem(700, 1024, 512, 8, 4, seed=9)
-    with torch.no_grad():
-        base = mok.moe_forward(*args[:6], config=mok.MoKConfig(backend="kernel"))
-        monkeypatch.setattr(ops, "KSUM_IN_FC2", True)
-        _poison_allocator()
-        out = mok.moe_forward(*args[:6], config=mok.MoKConfig(backend="kernel", timeline=True))
-    torch.cuda.synchronize()
-    assert torch.equal(out, base)
-    tl = tl_mod.last().decode()
-    assert tl.dropped == 0 and tl.check() == []
-    fc2 = tl.records["task_id"][tl.records["task_type"] == int(tl_mod.TaskType.FC2)]
-    assert sorted(fc2.tolist()) == list(range(len(fc2))) and len(fc2) > 0
+
+@pytest.mark.parametrize("case", KSUM_CASES + [(700, 1024, 512, 8, 4, "uniform", 0, True)])
+def test_ksum_helpers_in_a_child_process(case):
+    """ops.KSUM_IN_FC2_HELPERS (the sums by the producer warpgroup's idle warps, through a
+    shared-memory queue) as _ksum_case, in a child process with a deadline: its first queue
+    hung on the H200 (run 156), and a hang here must fail this test, not stop the suite."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    *shape, recorded = case if len(case) == 8 else (*case, False)
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_moe_forward_gpu as t; "
+            f"t._ksum_case(*{tuple(shape)!r}, 'helpers', recorded={recorded}); print('case passed')")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=130)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"KSUM_IN_FC2_HELPERS did not finish in 130 s on {case}: a hang")
+    assert done.returncode == 0 and "case passed" in done.stdout, done.stderr[-3000:]

@@ -141,6 +141,83 @@ def raise_on_wait_error(word: int) -> None:
         raise PeerTimeoutError(*decoded)
 
 
+# A CTA's work queue in shared memory: warps push Int32 values, other warps pop them in push
+# order (a bounded queue with a sequence number per entry). Entry i holds seq << 32 | value:
+# seq == slot means free for ``slot``'s push, slot + 1 full with slot's value; the popper
+# frees it for slot + ring_size. The entries start at seq = i (``queue_clear``). A push waits
+# only for the pop ring_size slots back and a pop only for its own slot's push (or for the
+# end: ``done`` pushers finished before its slot), so with slots claimed in order no wait
+# lasts forever. (Freeing an entry as plain 0, the nineteenth session's first version, let a
+# push take an entry ahead of the slot ring_size back and hung on the H200, run 156.)
+@cute.jit
+def _entry_ptr(base: cute.Pointer, index):
+    return (base + index).llvm_ptr
+
+
+@cute.jit
+def queue_clear(ring: cute.Pointer, ring_size: cutlass.Constexpr[int], state: cute.Pointer,
+                thread: Int32, threads: cutlass.Constexpr[int]):
+    """``threads`` threads (``thread`` = 0 ..) set every entry free for its first slot and the
+    head, tail and finished-pusher counters to 0; a block sync must follow."""
+    for i in cutlass.range(thread, ring_size, threads):
+        cute.arch.store(_entry_ptr(ring, i), Int64(i) << 32)
+    if thread < 3:
+        cute.arch.store(_entry_ptr(state, thread), Int32(0))
+
+
+@cute.jit
+def queue_push(ring: cute.Pointer, ring_size: cutlass.Constexpr[int], head: cute.Pointer,
+               value: Int32, push):
+    """Warp-collective: the lanes with ``push`` each append their ``value`` (>= 0), release
+    (the values' readers see what these lanes saw)."""
+    mask = cute.arch.vote_ballot_sync(push)
+    if mask != 0:
+        lane = cute.arch.lane_idx()
+        base = Int32(0)
+        if lane == 0:
+            base = cute.arch.atomic_add(head.llvm_ptr, cute.arch.popc(mask), sem="relaxed",
+                                        scope="cta")
+        base = cute.arch.shuffle_sync(base, 0)
+        if push:
+            slot = base + cute.arch.popc(mask & ((Int32(1) << lane) - 1))
+            entry = _entry_ptr(ring, slot % ring_size)
+            while (cute.arch.load(entry, Int64, sem="acquire", scope="cta") >> 32) != Int64(slot):
+                nanosleep(Int32(SPIN_SLEEP_MIN_NS))
+            cute.arch.store(entry, (Int64(slot + 1) << 32) | Int64(value), sem="release",
+                            scope="cta")
+
+
+@cute.jit
+def queue_pop(ring: cute.Pointer, ring_size: cutlass.Constexpr[int], head: cute.Pointer,
+              done: cute.Pointer, pushers: cutlass.Constexpr[int], slot: Int32) -> Int32:
+    """The value pushed at ``slot`` (acquire), or -1 once ``pushers`` have finished
+    (``queue_finish``) with fewer than ``slot + 1`` pushes. One thread per slot: it frees the
+    entry for slot + ring_size."""
+    entry = _entry_ptr(ring, slot % ring_size)
+    value = Int32(-1)
+    waiting = True
+    while waiting:
+        word = cute.arch.load(entry, Int64, sem="acquire", scope="cta")
+        if (word >> 32) == Int64(slot + 1):
+            value = Int32(word & Int64(0x7FFFFFFF))
+            cute.arch.store(entry, Int64(slot + ring_size) << 32, sem="release", scope="cta")
+            waiting = False
+        else:
+            if cute.arch.load(done.llvm_ptr, Int32, sem="acquire", scope="cta") == pushers:
+                if slot >= cute.arch.load(head.llvm_ptr, Int32, sem="relaxed", scope="cta"):
+                    waiting = False
+            if waiting:
+                nanosleep(Int32(SPIN_SLEEP_MIN_NS))
+    return value
+
+
+@cute.jit
+def queue_finish(done: cute.Pointer):
+    """One thread of a pusher whose pushes are all done (and ordered before this, e.g. by a
+    barrier): release-count it as finished."""
+    cute.arch.atomic_add(done.llvm_ptr, Int32(1), sem="release", scope="cta")
+
+
 # ---------------------------------------------------------------------- compile helpers
 def fake_strided_tensor(dtype, shape, contiguous_mode: int = -1, align_bytes: int = 16):
     """Fake tensor with one stride-1 mode; the other strides are run-time values divisible
