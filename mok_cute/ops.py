@@ -183,7 +183,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     K) to fuse the weighted k-sum into the pingpong store epilogue (``KSUM_IN_FC2``).
     """
     from mok_cute.kernels import gemm_sm90
-    from mok_cute.kernels.gemm_sm90 import choose_tile_n
     m, k = a.shape
     e, n, k_w = w.shape
     if k_w != k:
@@ -193,7 +192,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                          f"{type(w_up).__name__} with epilogue={epilogue!r}")
     if w_up is not None and w_up.shape != w.shape:
         raise ValueError(f"w_up: expected shape {tuple(w.shape)} like w, got {tuple(w_up.shape)}")
-    tile_n = tile_n or choose_tile_n(n, epilogue)
+    tile_n = tile_n or gemm_sm90.choose_tile_n(n, epilogue)
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     cluster_m = gemm_cluster_m(k, pingpong, timeline is not None)
@@ -295,11 +294,6 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         fused_ksum = (sched.row_token, row_of_slot, weights, counters, out, top_k)
     y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline,
                    ksum=fused_ksum)
-    if fused_ksum is not None:
-        if recorder is not None:
-            from mok_cute.timeline import set_last
-            set_last(recorder)
-        return out
 
     shared_rows = None
     if shared is not None:
@@ -311,7 +305,9 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
                                  ws_down.unsqueeze(0), zeros, count, timeline, shared=True)
 
     # the k-sum reads each (token, k) expert row where FC2 left it: no permuted copy of y
-    out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
+    # (with fused_ksum FC2's last arriving tiles have written out already)
+    if fused_ksum is None:
+        out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
     if recorder is not None:
         from mok_cute.timeline import set_last
         set_last(recorder)

@@ -86,6 +86,15 @@ def nanosleep(ns: Int32):
 
 
 @cute.jit
+def tma_stores_landed(pending: cutlass.Constexpr[int] = 0):
+    """This thread's TMA stores, all but the last ``pending`` commit groups, have written
+    global memory and are ordered before its later generic accesses, so that a release
+    after this (by this thread, or by one synced with it) covers them."""
+    cute.arch.cp_async_bulk_wait_group(pending, read=False)
+    cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
 def wait_counter(counter: cute.Tensor, index, target, deadline_ns: Int64, error: cute.Tensor,
                  task_id, peer, scope: cutlass.Constexpr[str] = "gpu",
                  started_at=0) -> cutlass.Boolean:

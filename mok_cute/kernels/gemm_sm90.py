@@ -433,7 +433,6 @@ class GroupedGemmSm90:
         queue = None
         if const_expr(self.ksum_helpers):
             queue = (storage.ksum_queue.data_ptr(), storage.ksum_state.data_ptr())
-        if const_expr(self.ksum_helpers):
             # the helper warps clear the queue; the block sync below orders it for everyone
             if warpgroup_idx == 0 and warp_idx != self.load_warp:
                 common.queue_clear(queue[0], KSUM_QUEUE, queue[1], tidx - 32, 96)
@@ -473,7 +472,7 @@ class GroupedGemmSm90:
             if const_expr(self.ksum_helpers):
                 if warp_idx != self.load_warp:
                     token_ops.sum_queued_tokens(mYVecs, mOutVecs, mSlotRows, mWeights,
-                                                cute.size(gB_nkl, mode=[2]), self.ksum_top_k,
+                                                num_n_tiles, self.ksum_top_k,
                                                 queue[0], KSUM_QUEUE, queue[1], queue[1] + 1,
                                                 queue[1] + 2, self.num_mma_warpgroups)
         else:
@@ -661,19 +660,18 @@ class GroupedGemmSm90:
         helper warps (``queue``: the queue's entries and state)."""
         if const_expr(self.ksum_stages >= 1):
             if is_store_warp:
-                cute.arch.cp_async_bulk_wait_group(stores_after, read=False)
-                cute.arch.fence_proxy("async.global")
+                common.tma_stores_landed(stores_after)
                 cute.arch.fence_acq_rel_gpu()
             epilogue_barrier.arrive_and_wait()
             if const_expr(self.ksum_helpers):
                 token_ops.count_and_queue(mRowToken, mCounters, m_tile * TILE_M + tile_tidx,
                                           n_tile, num_n_tiles, self.ksum_top_k, queue[0],
                                           KSUM_QUEUE, queue[1])
-            else:
+            elif const_expr(self.ksum_stages >= 2):  # (stage 1: the landing wait alone)
                 token_ops.sum_finished_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
                                               mCounters, m_tile * TILE_M + tile_tidx, n_tile,
                                               num_n_tiles, self.ksum_top_k,
-                                              self.ksum_stages >= 3, self.ksum_stages >= 2)
+                                              self.ksum_stages >= 3)
 
     def _copy_b(self, loads, n_tile, k_tile, expert, stage, barrier, mcast_mask=None):
         """B's TMA loads of k-tile ``k_tile`` into ``stage``: ``loads`` = (atom, gmem and smem

@@ -1494,8 +1494,7 @@ class MegakernelSm90:
     def _stores_landed(self, sync_store_warp: cutlass.Constexpr[bool]):
         """The store warp: its TMA stores have landed and are ordered before a generic release
         (and, with ``sync_store_warp``, its lanes synced so that lane 0 may publish)."""
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-        cute.arch.fence_proxy("async.global")
+        common.tma_stores_landed()
         if const_expr(sync_store_warp):
             cute.arch.sync_warp()  # lane 0 signals after the storing lane's wait
 

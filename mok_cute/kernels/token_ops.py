@@ -122,11 +122,32 @@ def _lowest_bit(mask: Int32) -> Int32:
     return Int32(cute.arch.clz(cute.arch.brev(mask)))
 
 
+def last_arriver_passes(K: int) -> int:
+    """Finished-token pairs a warp sums per step with their y loads in flight together (2:
+    ~2 K 16-byte vectors per lane; 1 past K = 8, for the registers)."""
+    return 2 if K <= 8 else 1
+
+
+@cute.jit
+def _count_row(mCounters: cute.Tensor, token: Int32, n_tile: Int32, num_n_tiles: Int32,
+               K: cutlass.Constexpr[int]) -> Int32:
+    """Count a y row of ``token`` (-1: padding, not counted) into its (token, N-tile)
+    counter, acq_rel (the rows counted before are visible to this thread); 1 if this row
+    brought the counter to K, else 0."""
+    last = Int32(0)
+    if token >= 0:
+        old = cute.arch.atomic_add((mCounters.iterator + token * num_n_tiles + n_tile).llvm_ptr,
+                                   Int32(1), sem="acq_rel", scope="gpu")
+        if old == K - 1:
+            last = Int32(1)
+    return last
+
+
 @cute.jit
 def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tensor,
                         mSlotRows: cute.Tensor, mWeights: cute.Tensor, mCounters: cute.Tensor,
                         row: Int32, n_tile: Int32, num_n_tiles: Int32, K: cutlass.Constexpr[int],
-                        sums: cutlass.Constexpr[bool] = True, counts: cutlass.Constexpr[bool] = True):
+                        sums: cutlass.Constexpr[bool] = True):
     """The k-sum fused into FC2's epilogue, one y row per thread of a warpgroup. Call it after
     this tile's y rows have landed and been released at GPU scope.
 
@@ -137,23 +158,8 @@ def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tens
     the rows counted before are visible to it); the thread that brings a counter to K owns
     that token's segment, and half a warp sums it with ``k_sum_vector``: the same ascending-k
     order and roundings as ``WeightedKSum``, so the output is the same bits whichever tile
-    arrives last. No thread waits on another CTA. ``sums`` / ``counts`` False leave out the
-    sums / the counting too (``gemm_sm90.KSUM_STAGES``, a diagnostic)."""
-    if const_expr(counts):
-        _count_and_sum(mY, mOut, mRowToken, mSlotRows, mWeights, mCounters, row, n_tile,
-                       num_n_tiles, K, sums)
-
-
-def last_arriver_passes(K: int) -> int:
-    """Finished-token pairs a warp sums per step with their y loads in flight together (2:
-    ~2 K 16-byte vectors per lane; 1 past K = 8, for the registers)."""
-    return 2 if K <= 8 else 1
-
-
-@cute.jit
-def _count_and_sum(mY, mOut, mRowToken, mSlotRows, mWeights, mCounters, row: Int32,
-                   n_tile: Int32, num_n_tiles: Int32, K: cutlass.Constexpr[int],
-                   sums: cutlass.Constexpr[bool]):
+    arrives last. No thread waits on another CTA. ``sums`` False leaves out the sums
+    (``gemm_sm90.KSUM_STAGES``, a diagnostic)."""
     token = mRowToken[row]
     # this row's token's K slot rows and weights, loaded while the count is taken (L2 hits,
     # wasted unless the row finishes its token): a step's y loads then wait on one latency
@@ -165,12 +171,7 @@ def _count_and_sum(mY, mOut, mRowToken, mSlotRows, mWeights, mCounters, row: Int
         for k in cutlass.range_constexpr(K):
             slot_rows[k] = mSlotRows[safe + k]
             weights[k] = mWeights[safe + k]
-    last = Int32(0)
-    if token >= 0:
-        old = cute.arch.atomic_add((mCounters.iterator + token * num_n_tiles + n_tile).llvm_ptr,
-                                   Int32(1), sem="acq_rel", scope="gpu")
-        if old == K - 1:
-            last = Int32(1)
+    last = _count_row(mCounters, token, n_tile, num_n_tiles, K)
     mask = cute.arch.vote_ballot_sync(last != 0)
     if const_expr(not sums):
         mask = Int32(0)
@@ -226,12 +227,7 @@ def count_and_queue(mRowToken: cute.Tensor, mCounters: cute.Tensor, row: Int32, 
     brings a (token, N-tile) counter to K queues ``token * num_n_tiles + n_tile`` in the CTA's
     queue (``common.queue_push``) for ``sum_queued_tokens``. Warp-collective."""
     token = mRowToken[row]
-    last = Int32(0)
-    if token >= 0:
-        old = cute.arch.atomic_add((mCounters.iterator + token * num_n_tiles + n_tile).llvm_ptr,
-                                   Int32(1), sem="acq_rel", scope="gpu")
-        if old == K - 1:
-            last = Int32(1)
+    last = _count_row(mCounters, token, n_tile, num_n_tiles, K)
     common.queue_push(ring, ring_size, head, token * num_n_tiles + n_tile, last != 0)
 
 
