@@ -49,6 +49,12 @@ FC2_PINGPONG = experimental_switch("FC2_PINGPONG", True)
 # 2 = always.
 GEMM_CLUSTER_M = experimental_setting("GEMM_CLUSTER_M", 1, 0, 2)
 GEMM_CLUSTER_MIN_K = 4096
+# M-tiles per raster group of the expert path's FC1 and FC2 (common.grouped_raster): the
+# CTAs running together share the B tiles of one group, so the group size sets how often an
+# expert's weights stream from HBM again. 8 was the first choice, never swept until the
+# twentieth session. MOK_FC1_GROUP_M / MOK_FC2_GROUP_M override them.
+FC1_GROUP_M = experimental_setting("FC1_GROUP_M", 8, 1, 64)
+FC2_GROUP_M = experimental_setting("FC2_GROUP_M", 8, 1, 64)
 # One named barrier per epilogue subtile instead of two (gemm_sm90.store_tile_epilogue's
 # one_barrier; the megakernel has its own megakernel.ONE_EPILOGUE_BARRIER, same env variable).
 # Why: the recorded one-rank calls (run 96) put the megakernel's 128 x 256 FC2 tile 8 % behind
@@ -220,9 +226,10 @@ def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_ti
     from mok_cute.timeline import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
-                     timeline=timeline, task_type=int(fc1))
+                     group_m=FC1_GROUP_M, timeline=timeline, task_type=int(fc1))
     pingpong = fc2_pingpong(w_down.shape[2])
-    return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store", timeline=timeline,
+    return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store", group_m=FC2_GROUP_M,
+                        timeline=timeline,
                         task_type=int(fc2), pingpong=pingpong, tile_n=128 if pingpong else None,
                         ksum=ksum)
 

@@ -44,29 +44,38 @@ def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
 
 
 def probe(name: str, seconds: float, rounds: int, switches: list[str],
-          expert_switches: tuple[str, ...] = (), with_megakernel: bool = True) -> dict:
+          expert_switches: tuple[str, ...] = (), with_megakernel: bool = True,
+          expert_settings: tuple[tuple[str, int], ...] = ()) -> dict:
     """The expert path, the megakernel, and the megakernel with each boolean module switch of
     ``switches`` flipped (the others at their defaults); the expert path with each boolean
-    ``mok_cute.ops`` switch of ``expert_switches`` flipped."""
+    ``mok_cute.ops`` switch of ``expert_switches`` flipped, and with each integer
+    ``mok_cute.ops`` setting of ``expert_settings`` (name, value) set."""
     _, forward = layer_call(name)
     expert, mega = MoKConfig(check_ids=False), MoKConfig(check_ids=False, backend="megakernel")
     defaults = {(megakernel, s): getattr(megakernel, s) for s in switches}
     defaults.update({(ops, s): getattr(ops, s) for s in expert_switches})
 
-    def call(config, flip=None):
+    defaults.update({(ops, s): getattr(ops, s) for s, _ in expert_settings})
+    booleans = {key: v for key, v in defaults.items() if isinstance(v, bool)}
+
+    def call(config, flip=None, setting=None):
         def run():
             for (module, s), v in defaults.items():  # compiles are keyed by them: no recompile
                 setattr(module, s, (not v) if (module, s) == flip else v)
+            if setting is not None:
+                setattr(ops, *setting)
             return forward(config)
         return run
 
     runs = {"expert_kernels": call(expert)}
     runs.update({f"expert_kernels_{s.lower()}_{not v}": call(expert, (m, s))
-                 for (m, s), v in defaults.items() if m is ops})
+                 for (m, s), v in booleans.items() if m is ops})
+    runs.update({f"expert_kernels_{s.lower()}_{v}": call(expert, setting=(s, v))
+                 for s, v in expert_settings})
     if with_megakernel:
         runs["megakernel"] = call(mega)
         runs.update({f"megakernel_{s.lower()}_{not v}": call(mega, (m, s))
-                     for (m, s), v in defaults.items() if m is megakernel})
+                     for (m, s), v in booleans.items() if m is megakernel})
     first = runs["expert_kernels"]().clone()
     rows = {k: [] for k in runs}
     for k, fn in runs.items():  # compile, and the bitwise check every probe makes
@@ -100,16 +109,21 @@ def main(argv=None) -> int:
                     "each adds the megakernel with that switch flipped (e.g. WARP0_TMA_STAGES)")
     ap.add_argument("--expert-switch", default="", help="comma list of boolean mok_cute.ops "
                     "switches: each adds the expert path with it flipped (e.g. KSUM_IN_FC2)")
+    ap.add_argument("--expert-setting", action="append", default=[], metavar="NAME=V1,V2",
+                    help="an integer mok_cute.ops setting: adds the expert path with it set to "
+                    "each value (e.g. FC1_GROUP_M=4,16); repeatable")
     ap.add_argument("--no-megakernel", action="store_true", help="the expert path variants only")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    settings = tuple((name, int(v)) for name, values in (e.split("=", 1) for e in a.expert_setting)
+                     for v in values.split(","))
     doc = {"shapes": []}
     for s in a.shapes.split(","):
         if s:
             doc["shapes"].append(probe(s, a.seconds, a.rounds,
                                        [w for w in a.switch.split(",") if w],
                                        tuple(w for w in a.expert_switch.split(",") if w),
-                                       not a.no_megakernel))
+                                       not a.no_megakernel, settings))
             save_probe_json(a.json, doc, argv)
     return 0
 

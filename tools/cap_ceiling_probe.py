@@ -1,0 +1,133 @@
+"""What the H200's power cap leaves for a whole layer: the expert path against its own GEMMs
+and against cuBLAS doing the same FLOPs with no routing at all, each run sustained.
+
+    python tools/cap_ceiling_probe.py --shapes dsv3_ep8_rank,sonic_120b [--seconds 2 --rounds 3] [--json F]
+
+The bench runs every contender warm, at the 700 W cap (fifteenth session), where a kernel's
+speed is its work per joule. Issue 3 asks for 1.10 x SonicMoE, which runs level with the
+expert path (run 149). Whether any layer built on these GEMMs can get there shows in one
+sustained comparison. Each variant runs back to back for ``--seconds`` under the SM clock and
+power sampler; variants alternate, odd rounds reversed:
+- ``layer``: ``moe_forward`` on the expert path (``check_ids=False``);
+- ``gemms``: its FC1 + FC2 alone (``ops.expert_mlp`` on one call's scattered rows and
+  schedule): no schedule build, scatter or k-sum;
+- ``gemms_zero_padding``: the same with the padding rows of the scattered x (each expert's
+  rows up to its last 128-row tile) zeroed, where ``gemms`` has random values there: what
+  the tensor cores spend on padding rows whose operands toggle;
+- ``cublas_pair``: ``torch.mm`` doing the layer's FLOPs as two dense GEMMs, all T*K rows
+  against one expert's gate+up weights, then the down weights (no SwiGLU): the best-known
+  GEMMs with nothing of routing left;
+- ``ours_dense_pair``: ``cublas_pair``'s two dense GEMMs on this package's kernels (one
+  expert holding all the rows, store epilogues, FC2 pingpong where the layer's is): whether
+  the gap to cuBLAS is the kernels or the routing;
+- ``cublas_8192``: the 8192^3 bf16 GEMM, the bench's ceiling (its own TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from mok_cute import ops  # noqa: E402
+from mok_cute import schedule as sched_mod  # noqa: E402
+from mok_cute.config import MoKConfig  # noqa: E402
+from mok_cute.gpu_clock import ClockSampler  # noqa: E402
+from mok_cute.kernels import token_ops  # noqa: E402
+from clock_probe import sampled_run  # noqa: E402
+from layer_profile import layer_call, save_probe_json  # noqa: E402
+
+
+def variants(name: str, only: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """{label: callable} and {label: FLOPs per call} for one shape (``only``: these labels)."""
+    p, forward = layer_call(name)
+    i, s = p.inputs, p.shape
+    tokens, k = i.topk_idx.shape
+    rows = tokens * k
+    config = MoKConfig(check_ids=False)
+    sched = sched_mod.build_receive_schedule(i.topk_idx.unsqueeze(0), 0, p.w_gate.shape[0],
+                                             tile_m=ops.TILE_M, validate=False)
+    x_rows = torch.empty((sched.row_token.shape[0], s.hidden), dtype=i.x.dtype, device="cuda")
+    token_ops.scatter_rows(i.x, sched_mod.row_of_slot(sched, tokens, k), x_rows)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    dense = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    padding = (sched.row_token < 0).unsqueeze(1)  # rows past the valid tiles are never read
+    x_rows = torch.where(padding, dense(*x_rows.shape), x_rows)
+    x_rows_zero_padding = x_rows.masked_fill(padding, 0)
+    x_all, h_all = dense(rows, s.hidden), dense(rows, s.intermediate)
+    w_gate_up, w_down = dense(2 * s.intermediate, s.hidden), dense(s.hidden, s.intermediate)
+    a8192, b8192 = dense(8192, 8192), dense(8192, 8192)
+    one_expert = torch.zeros(-(-rows // ops.TILE_M), dtype=torch.int32, device="cuda")
+    dense_tiles = torch.tensor([rows // ops.TILE_M], dtype=torch.int32, device="cuda")
+    fc2_pingpong = ops.fc2_pingpong(s.intermediate)
+    runs = {
+        "layer": lambda: forward(config),
+        "gemms": lambda: ops.expert_mlp(x_rows, p.w_gate, p.w_up, p.w_down, sched.tile_expert,
+                                        sched.num_tiles),
+        "gemms_zero_padding": lambda: ops.expert_mlp(x_rows_zero_padding, p.w_gate, p.w_up,
+                                                     p.w_down, sched.tile_expert, sched.num_tiles),
+        "cublas_pair": lambda: (torch.mm(x_all, w_gate_up.t()), torch.mm(h_all, w_down.t())),
+        "ours_dense_pair": lambda: (
+            ops.grouped_gemm(x_all, w_gate_up.unsqueeze(0), one_expert, dense_tiles),
+            ops.grouped_gemm(h_all, w_down.unsqueeze(0), one_expert, dense_tiles,
+                             pingpong=fc2_pingpong, tile_n=128 if fc2_pingpong else None)),
+        "cublas_8192": lambda: torch.mm(a8192, b8192),
+    }
+    runs = {k: v for k, v in runs.items() if not only or k in only}
+    flops = {label: p.flops for label in runs}
+    flops["cublas_8192"] = 2.0 * 8192 ** 3
+    return runs, flops
+
+
+def probe(name: str, seconds: float, rounds: int, only: tuple[str, ...] = ()) -> dict:
+    with torch.no_grad():
+        runs, flops = variants(name, only)
+        for fn in runs.values():  # compile and warm every variant once
+            fn()
+        torch.cuda.synchronize()
+        rows = {k: [] for k in runs}
+        with ClockSampler(torch.cuda.current_device()) as sampler:
+            for r in range(rounds):
+                order = list(runs.items())
+                for label, fn in (order if r % 2 == 0 else order[::-1]):
+                    row = sampled_run(fn, seconds, sampler, f"{label}#{r}")
+                    row["tflops"] = flops[label] / row["ms_per_call"] / 1e9
+                    rows[label].append(row)
+                    print(f"{name} round {r} {label}: {row['ms_per_call']:.3f} ms, "
+                          f"{row['tflops']:.1f} TFLOP/s, SM {row.get('sm_mhz_median')} MHz, "
+                          f"{row.get('power_w_mean')} W", flush=True)
+    # round 0 starts on a cool GPU: the summary is of the later rounds
+    later = {k: v[1:] or v for k, v in rows.items()}
+    summary = {k: {"ms_median": statistics.median(x["ms_per_call"] for x in v),
+                   "tflops_median": statistics.median(x["tflops"] for x in v)}
+               for k, v in later.items()}
+    for k, v in summary.items():
+        print(f"{name} {k}: {v['ms_median']:.3f} ms, {v['tflops_median']:.1f} TFLOP/s "
+              f"(rounds 1..{rounds - 1})", flush=True)
+    del runs
+    torch.cuda.empty_cache()
+    return {"shape": name, "rounds": rows, "summary": summary}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="dsv3_ep8_rank,sonic_120b")
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="", help="comma list of labels (default: all)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    doc = {"shapes": []}
+    for s in a.shapes.split(","):
+        if s:
+            doc["shapes"].append(probe(s, a.seconds, a.rounds,
+                                       tuple(v for v in a.variants.split(",") if v)))
+            save_probe_json(a.json, doc, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
