@@ -463,7 +463,7 @@ def test_skip_padding_rows_gives_the_same_bits(epilogue, counts, n, k, monkeypat
         assert torch.equal(out[valid], outs[0][valid])
         assert (out[:m][dead] == 0).all(), "a skipped half was not stored as zeros"
         assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
-    assert torch.equal(outs[1], outs[2])
+    assert torch.equal(outs[1][:m], outs[2][:m])  # (the NaN rows past m compare unequal)
     ref = _expected(a[:m], w, tile_expert, w_up)[valid]
     rel = (outs[1][valid].float() - ref).norm() / ref.norm()
     assert rel < 1e-2, f"relative error {rel:.3e}"
