@@ -60,8 +60,9 @@ FC1_GROUP_M = experimental_setting("FC1_GROUP_M", 8, 1, 64)
 # gptoss 19 % of the rows; half of that in whole 64-row halves), and at the power cap those
 # MMAs cost everyone clock. Twentieth session (tools/cap_ceiling_probe.py, sustained): FC1 +
 # FC2 run 3-37 % behind the same kernels on one dense expert; zeroed padding rows alone took
-# 0.3-2.7 % of it. MOK_SKIP_PADDING_ROWS=1.
-SKIP_PADDING_ROWS = experimental_switch("SKIP_PADDING_ROWS", False)
+# 0.3-2.7 % of it. MOK_SKIP_PADDING_ROWS=1 (2: the diagnostic that builds the branch and never
+# skips).
+SKIP_PADDING_ROWS = experimental_setting("SKIP_PADDING_ROWS", 0, 0, 2)
 FC2_GROUP_M = experimental_setting("FC2_GROUP_M", 8, 1, 64)
 # One named barrier per epilogue subtile instead of two (gemm_sm90.store_tile_epilogue's
 # one_barrier; the megakernel has its own megakernel.ONE_EPILOGUE_BARRIER, same env variable).
@@ -212,8 +213,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     cluster_m = gemm_cluster_m(k, pingpong, timeline is not None)
-    skip = SKIP_PADDING_ROWS and row_token is not None and ksum is None and not pingpong \
-        and cluster_m == 1
+    skip = int(SKIP_PADDING_ROWS) if row_token is not None and ksum is None and not pingpong \
+        and cluster_m == 1 else 0
     if skip and row_token.shape[0] < m:
         raise ValueError(f"row_token: expected at least {m} rows (a's), got {row_token.shape[0]}")
     compiled = jit.compile_kernel(

@@ -730,7 +730,7 @@ case "$what" in
   skipprobe) gpu_tests_sharded skip "skip_padding" 240 6 tests/test_gemm_sm90.py tests/test_moe_forward_gpu.py &&
     timeout -s KILL "${PROBE_SECS:-300}" python3 tools/clock_probe.py --no-megakernel \
       --shapes "${PROBE_SHAPES:-gptoss_120b,qwen3_30b,dsv3_ep8_rank,sonic_120b,mixtral}" --rounds 3 \
-      --expert-switch SKIP_PADDING_ROWS --json "$out/clock_probe_skip_padding_rows.json" 2>&1 \
+      --expert-setting SKIP_PADDING_ROWS=1,2 --json "$out/clock_probe_skip_padding_rows.json" 2>&1 \
       | grep -v Warn | sed -E 's/, \[.*//' | tail -40 ;;
   # where the fused k-sum's time goes (tools/ksum_fc2_probe.py: built in stages, deferred, and
   # summed by helper warps); the probe runs only if every ksum test passed (the helpers' run

@@ -117,7 +117,8 @@ class GroupedGemmSm90:
         sits at the end of each expert's segment) issues no wgmma for it and stores zeros.
         Why: an expert's last 128-row tile is often half empty, and at the H200's power cap
         the padding's MMAs cost clock for everyone (twentieth session: the grouped GEMMs run
-        3-37 % behind the same kernels on one dense expert).
+        3-37 % behind the same kernels on one dense expert). 2: a diagnostic, the branch
+        built but every half taken as live (what the branch costs without a skip).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
@@ -125,7 +126,7 @@ class GroupedGemmSm90:
                  pingpong: bool = False, cluster_m: int = 1, one_epilogue_barrier: bool = False,
                  epi_n: int = 32, ksum_top_k: int = 0, ksum_stages: int = 3,
                  ksum_deferred: bool = False, ksum_helpers: bool = False,
-                 skip_padding_rows: bool = False):
+                 skip_padding_rows: int = 0):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -155,7 +156,8 @@ class GroupedGemmSm90:
         if skip_padding_rows and (pingpong or cluster_m > 1):
             raise ValueError("skip_padding_rows is written for the cooperative kernel without "
                              f"clusters, got pingpong={pingpong}, cluster_m={cluster_m}")
-        self.skip_padding_rows = skip_padding_rows
+        self.skip_padding_rows = int(skip_padding_rows) > 0
+        self.skip_always_live = int(skip_padding_rows) == 2  # the diagnostic
         if not 0 <= ksum_top_k <= token_ops.MAX_K:
             raise ValueError(f"ksum_top_k must be in [0, {token_ops.MAX_K}], got {ksum_top_k}")
         self.ksum_top_k = ksum_top_k
@@ -780,7 +782,10 @@ class GroupedGemmSm90:
         m_tile, _ = common.grouped_raster(cutlass.min(tile_idx, last), num_m_tiles,
                                           num_n_tiles, self.group_m)
         token = mRowToken[m_tile * TILE_M + TILE_M // 2]  # -1 for a padding row
-        return cutlass.max((token >> 31) + 1, 1 - consumer)  # integer ops: no branch
+        live = cutlass.max((token >> 31) + 1, 1 - consumer)  # integer ops: no branch
+        if const_expr(self.skip_always_live):  # 1, from a value the compiler cannot fold
+            live = cutlass.max(live, cutlass.min(num_m_tiles, 1))
+        return live
 
 
 # ----------------------------------------------------------------- A rows gathered by cp.async
@@ -946,7 +951,7 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
                          options: str = "", one_epilogue_barrier: bool = False,
                          epi_n: int = 32, ksum_top_k: int = 0, ksum_stages: int = 3,
                          ksum_deferred: bool = False, ksum_helpers: bool = False,
-                         skip_padding_rows: bool = False):
+                         skip_padding_rows: int = 0):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -965,6 +970,6 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
                            ksum_deferred=ksum_deferred, ksum_helpers=ksum_helpers,
                            skip_padding_rows=skip_padding_rows)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, ksum_top_k > 0,
-                          skip_padding_rows)
+                          gemm.skip_padding_rows)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
