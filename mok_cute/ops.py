@@ -54,15 +54,6 @@ GEMM_CLUSTER_MIN_K = 4096
 # expert's weights stream from HBM again. 8 was the first choice, never swept until the
 # twentieth session. MOK_FC1_GROUP_M / MOK_FC2_GROUP_M override them.
 FC1_GROUP_M = experimental_setting("FC1_GROUP_M", 8, 1, 64)
-# The cooperative GEMMs skip the wgmmas of a warpgroup whose 64 rows of a tile are all padding
-# (gemm_sm90's skip_padding_rows) and store zeros there. Why: with 128-row tiles an expert's
-# last tile is often half padding (random routing: dsv3 5 %, qwen3 7 %, sonic 3 %, mixtral 4 %,
-# gptoss 19 % of the rows; half of that in whole 64-row halves), and at the power cap those
-# MMAs cost everyone clock. Twentieth session (tools/cap_ceiling_probe.py, sustained): FC1 +
-# FC2 run 3-37 % behind the same kernels on one dense expert; zeroed padding rows alone took
-# 0.3-2.7 % of it. MOK_SKIP_PADDING_ROWS=1 (2: the diagnostic that builds the branch and never
-# skips).
-SKIP_PADDING_ROWS = experimental_setting("SKIP_PADDING_ROWS", 0, 0, 2)
 FC2_GROUP_M = experimental_setting("FC2_GROUP_M", 8, 1, 64)
 # One named barrier per epilogue subtile instead of two (gemm_sm90.store_tile_epilogue's
 # one_barrier; the megakernel has its own megakernel.ONE_EPILOGUE_BARRIER, same env variable).
@@ -185,7 +176,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  group_m: int = 8, out: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None, task_type: int | None = None,
                  w_up: torch.Tensor | None = None, pingpong: bool = False,
-                 ksum: tuple | None = None, row_token: torch.Tensor | None = None) -> torch.Tensor:
+                 ksum: tuple | None = None) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
@@ -196,8 +187,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     one span per tile with ``task_type``; None compiles the variant without the recorder.
     ksum: (row_token, slot_rows, fp32 weights [T*K], zeroed counters [T * N-tiles], out [T, N],
     K) to fuse the weighted k-sum into the pingpong store epilogue (``KSUM_IN_FC2``).
-    row_token: the schedule's [>= M] int32 row tokens (-1 for padding): with
-    ``SKIP_PADDING_ROWS`` a cooperative kernel skips the MMAs of all-padding 64-row halves.
     """
     from mok_cute.kernels import gemm_sm90
     m, k = a.shape
@@ -213,10 +202,6 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     cluster_m = gemm_cluster_m(k, pingpong, timeline is not None)
-    skip = int(SKIP_PADDING_ROWS) if row_token is not None and ksum is None and not pingpong \
-        and cluster_m == 1 else 0
-    if skip and row_token.shape[0] < m:
-        raise ValueError(f"row_token: expected at least {m} rows (a's), got {row_token.shape[0]}")
     compiled = jit.compile_kernel(
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_persistent_grid(a.device.index or 0, cluster_m),
@@ -225,31 +210,28 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         epi_n=32 if pingpong else EPILOGUE_N, ksum_top_k=0 if ksum is None else ksum[5],
         ksum_stages=gemm_sm90.KSUM_STAGES if ksum is not None else 3,
         ksum_deferred=ksum is not None and KSUM_IN_FC2_DEFERRED,
-        ksum_helpers=ksum is not None and KSUM_IN_FC2_HELPERS, skip_padding_rows=skip)
-    extra = (None,) * 5 if ksum is None else ksum[:5]
-    if skip:
-        extra = (row_token, None, None, None, None)
+        ksum_helpers=ksum is not None and KSUM_IN_FC2_HELPERS)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
-             out.unsqueeze(2), tile_expert, num_m_tiles, timeline, *extra)
+             out.unsqueeze(2), tile_expert, num_m_tiles, timeline,
+             *((None,) * 5 if ksum is None else ksum[:5]))
     return out
 
 
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
                timeline: torch.Tensor | None = None, shared: bool = False,
-               ksum: tuple | None = None, row_token: torch.Tensor | None = None):
+               ksum: tuple | None = None):
     """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert (``ksum``:
-    ``grouped_gemm``'s, for FC2; ``row_token``: the schedule's, to skip padding rows)."""
+    ``grouped_gemm``'s, for FC2)."""
     from mok_cute.timeline import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
-                     group_m=FC1_GROUP_M, timeline=timeline, task_type=int(fc1),
-                     row_token=row_token)
+                     group_m=FC1_GROUP_M, timeline=timeline, task_type=int(fc1))
     pingpong = fc2_pingpong(w_down.shape[2])
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store", group_m=FC2_GROUP_M,
                         timeline=timeline,
                         task_type=int(fc2), pingpong=pingpong, tile_n=128 if pingpong else None,
-                        ksum=ksum, row_token=row_token)
+                        ksum=ksum)
 
 
 # ---------------------------------------------------------------------- the layer
@@ -318,7 +300,7 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         weights = topk_weights.to(torch.float32).contiguous().view(-1)
         fused_ksum = (sched.row_token, row_of_slot, weights, counters, out, top_k)
     y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, timeline,
-                   ksum=fused_ksum, row_token=sched.row_token)
+                   ksum=fused_ksum)
 
     shared_rows = None
     if shared is not None:

@@ -42,37 +42,6 @@ def test_ptxas_reports_no_spills_and_no_c7508(capfd, tmp_path):
     assert "C7508" not in text
 
 
-@pytest.mark.parametrize("epilogue", ["swiglu", "store"])
-def test_skip_padding_rows_keeps_the_wgmma_pipeline(epilogue, capfd, tmp_path):
-    """skip_padding_rows: the wgmmas of a k-tile and their commit sit inside one warp-uniform
-    branch, so the kernel has the default's wgmmas and commits (a commit after the branch
-    made ptxas add a dummy wgmma group per k-tile, and the one-group wait then drained each
-    k-tile), ptxas keeps them pipelined (no C7520 / C7511), no spills; the row tokens are
-    read as int32."""
-    opts = f"--keep-ptx --dump-dir {tmp_path} remarks{{ptx}}"
-    capfd.readouterr()
-    default = gemm_sm90.compile_grouped_gemm(epilogue, 256, options=opts).__ptx__
-    capfd.readouterr()
-    skip = gemm_sm90.compile_grouped_gemm(epilogue, 256, skip_padding_rows=True,
-                                          options=opts).__ptx__
-    log = capfd.readouterr()
-    text = log.out + log.err
-    for op in (r"wgmma\.mma_async", r"wgmma\.commit_group", r"wgmma\.wait_group"):
-        assert len(re.findall(op, skip)) == len(re.findall(op, default)), op
-    assert "ptxas" in text and "C7520" not in text and "C7511" not in text
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
-    assert len(re.findall(r"ld\.global(\.nc)?\.u32|ld\.global(\.nc)?\.b32", skip)) > \
-        len(re.findall(r"ld\.global(\.nc)?\.u32|ld\.global(\.nc)?\.b32", default))
-
-
-@pytest.mark.parametrize("bad", [dict(pingpong=True, tile_n=128), dict(cluster_m=2)])
-def test_skip_padding_rows_refuses_what_it_does_not_handle(bad):
-    kwargs = {"tile_n": 256, "epilogue": "store", **bad}
-    with pytest.raises(ValueError, match="skip_padding_rows"):
-        gemm_sm90.GroupedGemmSm90(**kwargs, skip_padding_rows=True)
-
-
 def test_first_mma_overwrite_removes_the_pingpong_wgmma_wait(capfd, tmp_path, monkeypatch):
     """Pingpong's zero fill made ptxas serialise its first wgmmas (C7517); with
     FIRST_MMA_OVERWRITES the first k-block overwrites the accumulators instead. The
@@ -422,51 +391,6 @@ def test_cluster_pairs_give_the_same_bits(epilogue, counts, n, k, monkeypatch):
     stored. Against the plain kernel: the same bits, and rows past num_m_tiles untouched."""
     _setting_keeps_the_bits(monkeypatch, "GEMM_CLUSTER_M", (1, 2, 2), counts, n, k, epilogue,
                             len(counts) * 11 + n + k)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("epilogue", ["store", "swiglu"])
-@pytest.mark.parametrize("counts,n,k", [
-    ([77, 0, 300, 128, 1, 65, 64], 512, 256),  # halves: live, dead (44 rows), full, dead, 1 row, dead (64)
-    ([1], 256, 512),                           # one tile, warpgroup 1's half all padding
-    ([64, 64, 64], 448, 192),                  # every second half padding, partial N-tile
-    ([1000, 129], 1024, 1024),
-])
-def test_skip_padding_rows_gives_the_same_bits(epilogue, counts, n, k, monkeypatch):
-    """ops.SKIP_PADDING_ROWS: a warpgroup whose 64 rows of a tile are all padding issues no
-    wgmma and stores zeros. Padding rows of A hold random values here, so against the plain
-    kernel: real rows bitwise equal, the skipped halves zero, rows past num_m_tiles untouched,
-    twice the same bits, and against torch."""
-    from mok_cute import ops
-    torch.manual_seed(len(counts) * 7 + n + k)
-    dev = "cuda"
-    tile_expert, num_tiles, row_valid = _segments(counts, dev)
-    m = row_valid.numel()
-    row_token = torch.where(row_valid, torch.arange(m, device=dev), -1).to(torch.int32)
-    row_token = torch.cat([row_token, torch.full((TILE_M,), -1, dtype=torch.int32, device=dev)])
-    a = torch.randn(m + TILE_M, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(len(counts), n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
-    w_up = torch.randn_like(w) if epilogue == "swiglu" else None
-    te = torch.cat([tile_expert, torch.zeros(1, dtype=torch.int32, device=dev)])
-    outs = []
-    for skip in (False, True, True):
-        monkeypatch.setattr(ops, "SKIP_PADDING_ROWS", skip)
-        out = torch.full((m + TILE_M, n), float("nan"), device=dev, dtype=torch.bfloat16)
-        ops.grouped_gemm(a, w, te, num_tiles, epilogue, out=out, w_up=w_up, row_token=row_token)
-        outs.append(out)
-    torch.cuda.synchronize()
-    valid = row_valid.nonzero().squeeze(1)
-    dead = ~row_valid.view(-1, 2, TILE_M // 2).any(dim=2).view(-1, 1).expand(-1, TILE_M // 2)
-    dead = dead.reshape(-1)
-    assert dead.any(), "the case has no all-padding half"
-    for out in outs[1:]:
-        assert torch.equal(out[valid], outs[0][valid])
-        assert (out[:m][dead] == 0).all(), "a skipped half was not stored as zeros"
-        assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
-    assert torch.equal(outs[1][:m], outs[2][:m])  # (the NaN rows past m compare unequal)
-    ref = _expected(a[:m], w, tile_expert, w_up)[valid]
-    rel = (outs[1][valid].float() - ref).norm() / ref.norm()
-    assert rel < 1e-2, f"relative error {rel:.3e}"
 
 
 @pytest.mark.gpu

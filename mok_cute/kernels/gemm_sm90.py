@@ -112,21 +112,13 @@ class GroupedGemmSm90:
     :param ksum_helpers: the consumers only count; the producer warpgroup's three idle warps
         sum the finished segments from a queue in shared memory (``common.queue_push`` /
         ``queue_pop``). Compile-checked; its first queue hung on the H200 (run 156).
-    :param skip_padding_rows: cooperative kernels: the consumer warpgroup whose 64 rows of a
-        tile are all padding (the schedule's row token of the tile's row 64 is -1; padding
-        sits at the end of each expert's segment) issues no wgmma for it and stores zeros.
-        Why: an expert's last 128-row tile is often half empty, and at the H200's power cap
-        the padding's MMAs cost clock for everyone (twentieth session: the grouped GEMMs run
-        3-37 % behind the same kernels on one dense expert). 2: a diagnostic, the branch
-        built but every half taken as live (what the branch costs without a skip).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                  pingpong: bool = False, cluster_m: int = 1, one_epilogue_barrier: bool = False,
                  epi_n: int = 32, ksum_top_k: int = 0, ksum_stages: int = 3,
-                 ksum_deferred: bool = False, ksum_helpers: bool = False,
-                 skip_padding_rows: int = 0):
+                 ksum_deferred: bool = False, ksum_helpers: bool = False):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -153,11 +145,6 @@ class GroupedGemmSm90:
             raise ValueError(f"ksum_top_k is written for the pingpong store epilogue with "
                              f"tile_n={token_ops.LAST_ARRIVER_TILE_N}, got pingpong={pingpong}, "
                              f"epilogue={epilogue!r}, tile_n={tile_n}")
-        if skip_padding_rows and (pingpong or cluster_m > 1):
-            raise ValueError("skip_padding_rows is written for the cooperative kernel without "
-                             f"clusters, got pingpong={pingpong}, cluster_m={cluster_m}")
-        self.skip_padding_rows = int(skip_padding_rows) > 0
-        self.skip_always_live = int(skip_padding_rows) == 2  # the diagnostic
         if not 0 <= ksum_top_k <= token_ops.MAX_K:
             raise ValueError(f"ksum_top_k must be in [0, {token_ops.MAX_K}], got {ksum_top_k}")
         self.ksum_top_k = ksum_top_k
@@ -262,7 +249,7 @@ class GroupedGemmSm90:
         swiglu: mB is W_gate and mB_up is W_up, both (I, K, E); store: mB_up is None.
         mTimeline: int64 recorder buffer, or None when the timeline flag is off.
         ksum_top_k: the k-sum's row tokens, slot rows, fp32 weights ([T*K]), zeroed counters
-        ([T * N-tiles]) and out (T, N); None without it. skip_padding_rows: mRowToken only."""
+        ([T * N-tiles]) and out (T, N); None without it."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -321,8 +308,6 @@ class GroupedGemmSm90:
             ksum = (token_ops._row_vectors(mC.iterator, h_vecs, cute.size(mC, mode=[0])),
                     token_ops._row_vectors(mOut.iterator, h_vecs, cute.size(mOut, mode=[0])),
                     mRowToken, mSlotRows, mWeights, mCounters)
-        elif const_expr(self.skip_padding_rows):
-            ksum = (None, None, mRowToken, None, None, None)
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c, *mcast,
@@ -554,12 +539,6 @@ class GroupedGemmSm90:
                     barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer,
                     num_threads=self.num_mma_threads)
             release_state = read_state.clone()
-            # skip_padding_rows: whether this warpgroup's half of the tile has real rows, read
-            # a tile ahead so the load hides behind the mainloop (1 when not skipping)
-            has_rows = Int32(1)
-            if const_expr(self.skip_padding_rows):
-                has_rows = self._half_has_rows(mRowToken, tile_idx, num_tiles, num_m_tiles,
-                                               num_n_tiles, consumer)
             subtiles_done = Int32(0)
             held_m = Int32(-1)  # ksum_deferred: the tile not yet counted
             held_n = Int32(0)
@@ -580,10 +559,6 @@ class GroupedGemmSm90:
                     stores = is_store_warp & real  # the last pair's repeated tile is not stored
                 else:
                     m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-                live = has_rows
-                if const_expr(self.skip_padding_rows):
-                    has_rows = self._half_has_rows(mRowToken, tile_idx + tile_stride, num_tiles,
-                                                   num_m_tiles, num_n_tiles, consumer)
                 t_start = Int64(0)
                 if const_expr(self.timeline):
                     if tile_tidx == 0:  # only the record's writer reads the timer
@@ -613,12 +588,11 @@ class GroupedGemmSm90:
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                     first_kb = 1
                 self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks,
-                                 first_kb, live)
+                                 first_kb)
                 read_state.advance()
                 for k_tile in range(1, k_tile_cnt):
                     ab_pipeline.consumer_wait(read_state)
-                    self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks,
-                                     0, live)
+                    self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
@@ -755,37 +729,12 @@ class GroupedGemmSm90:
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr,
-                    first_kb: cutlass.Constexpr = 0, live: Int32 = 1):
+                    first_kb: cutlass.Constexpr = 0):
         """Issue the wgmmas of one K-tile (k-blocks ``first_kb`` .. num_k_blocks-1, k16 each)
-        from smem stage ``stage``; with ``skip_padding_rows`` none where ``live`` is 0 (the
-        warpgroup's rows are padding). The commit stays inside the branch: one after it made
-        ptxas commit a dummy wgmma group on every k-tile, and the wait for one group in
-        flight then waited for the k-tile just issued."""
-        if const_expr(self.skip_padding_rows):
-            if live != 0:
-                for kb in cutlass.range_constexpr(first_kb, num_k_blocks):
-                    cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)],
-                              tCrB[(None, None, kb, stage)], acc)
-                cute.nvgpu.warpgroup.commit_group()
-        else:
-            for kb in cutlass.range_constexpr(first_kb, num_k_blocks):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
-            cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def _half_has_rows(self, mRowToken: cute.Tensor, tile_idx: Int32, num_tiles: Int32,
-                       num_m_tiles: Int32, num_n_tiles: Int32, consumer: Int32) -> Int32:
-        """1 if consumer warpgroup ``consumer``'s 64 rows of tile ``tile_idx`` hold a real row
-        (warpgroup 0's always do: a tile holds at least one), else 0. Past the last tile it
-        reads the last tile's flag (a prefetch for a tile that will not run)."""
-        last = cutlass.max(num_tiles - 1, 0)
-        m_tile, _ = common.grouped_raster(cutlass.min(tile_idx, last), num_m_tiles,
-                                          num_n_tiles, self.group_m)
-        token = mRowToken[m_tile * TILE_M + TILE_M // 2]  # -1 for a padding row
-        live = cutlass.max((token >> 31) + 1, 1 - consumer)  # integer ops: no branch
-        if const_expr(self.skip_always_live):  # 1, from a value the compiler cannot fold
-            live = cutlass.max(live, cutlass.min(num_m_tiles, 1))
-        return live
+        from smem stage ``stage``."""
+        for kb in cutlass.range_constexpr(first_kb, num_k_blocks):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
+        cute.nvgpu.warpgroup.commit_group()
 
 
 # ----------------------------------------------------------------- A rows gathered by cp.async
@@ -917,8 +866,7 @@ def choose_tile_n(n_out: int, epilogue: str) -> int:
     return min(options, key=lambda t: (cost(t), -t))
 
 
-def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool, ksum: bool,
-                   row_token: bool = False):
+def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool, ksum: bool):
     """Fake (M, K, 1) A, (N, K, E) B (two of them for swiglu: gate and up, N = I),
     (M, N_out, 1) C and int32 vectors with run-time extents and strides (what a strided
     torch view passes through TVM-FFI); with ``ksum`` the fused k-sum's vectors and its
@@ -940,8 +888,6 @@ def _fake_operands(tile_n: int, out_tile_n: int, swiglu: bool, timeline: bool, k
         ksum_args = (common.fake_vector(Int32), common.fake_vector(Int32),
                      common.fake_vector(Float32), common.fake_vector(Int32),
                      common.fake_strided_tensor(bf16, (cute.sym_int32(), n_out)))
-    elif row_token:  # skip_padding_rows reads the row tokens only
-        ksum_args = (common.fake_vector(Int32), None, None, None, None)
     return a, b, b_up, c, tile_expert, num_m_tiles, timeline, *ksum_args
 
 
@@ -950,8 +896,7 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
                          pingpong: bool = False, cluster_m: int = 1, arch: str = "sm_90a",
                          options: str = "", one_epilogue_barrier: bool = False,
                          epi_n: int = 32, ksum_top_k: int = 0, ksum_stages: int = 3,
-                         ksum_deferred: bool = False, ksum_helpers: bool = False,
-                         skip_padding_rows: int = 0):
+                         ksum_deferred: bool = False, ksum_helpers: bool = False):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -960,16 +905,14 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     strided views, the int32
     tile -> expert table, the one-element M-tile count, the int64 timeline buffer (None
     when ``timeline`` is off), then the fused k-sum's row tokens, slot rows, fp32 weights,
-    zeroed counters and (T, N) out (five Nones when ``ksum_top_k`` is 0; with
-    ``skip_padding_rows`` the row tokens and four Nones); it runs on torch's current stream.
+    zeroed counters and (T, N) out (five Nones when ``ksum_top_k`` is 0); it runs on torch's
+    current stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
                            cluster_m=cluster_m, one_epilogue_barrier=one_epilogue_barrier,
                            epi_n=epi_n, ksum_top_k=ksum_top_k, ksum_stages=ksum_stages,
-                           ksum_deferred=ksum_deferred, ksum_helpers=ksum_helpers,
-                           skip_padding_rows=skip_padding_rows)
-    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, ksum_top_k > 0,
-                          gemm.skip_padding_rows)
+                           ksum_deferred=ksum_deferred, ksum_helpers=ksum_helpers)
+    args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, ksum_top_k > 0)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
