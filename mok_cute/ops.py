@@ -105,15 +105,6 @@ KSUM_IN_FC2 = experimental_switch("KSUM_IN_FC2", False)
 # when its stores have landed, instead of waiting for them in its own epilogue. Measured
 # (run 154): dsv3 1.017, sonic 1.015, qwen3 1.090, gptoss 1.071 of the expert path. Off.
 KSUM_IN_FC2_DEFERRED = experimental_switch("KSUM_IN_FC2_DEFERRED", False)
-# With KSUM_IN_FC2: the consumer warpgroups only count; the producer warpgroup's three idle
-# warps sum the finished segments, queued in shared memory (gemm_sm90's ksum_helpers). Why:
-# run 154 put the cost in the sums (counting alone: dsv3 0.979, sonic 0.921 of the k-sum
-# kernel's layer time; with the sums 1.036 and 1.036), which delay the next mainloop turn.
-# Its first queue hung on the H200's dsv3-sized test (run 156: an entry read 0 when free, so
-# a push could overtake the slot a ring back); the queue now has a sequence number per entry
-# (common.queue_push / queue_pop). Nineteenth session: that version is compile-checked only,
-# its GPU tests run each case in a child process with a deadline. Off until measured.
-KSUM_IN_FC2_HELPERS = experimental_switch("KSUM_IN_FC2_HELPERS", False)
 
 
 def fc2_pingpong(inter: int) -> bool:
@@ -209,8 +200,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         pingpong=pingpong, cluster_m=cluster_m, one_epilogue_barrier=ONE_EPILOGUE_BARRIER,
         epi_n=32 if pingpong else EPILOGUE_N, ksum_top_k=0 if ksum is None else ksum[5],
         ksum_stages=gemm_sm90.KSUM_STAGES if ksum is not None else 3,
-        ksum_deferred=ksum is not None and KSUM_IN_FC2_DEFERRED,
-        ksum_helpers=ksum is not None and KSUM_IN_FC2_HELPERS)
+        ksum_deferred=ksum is not None and KSUM_IN_FC2_DEFERRED)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline,

@@ -174,29 +174,6 @@ def test_ksum_in_fc2_compiles_to_counted_rows_without_spills(top_k, capfd, tmp_p
     assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
 
 
-@pytest.mark.parametrize("top_k", [4, 10])
-def test_ksum_helpers_compile_to_a_shared_memory_queue_without_spills(top_k, capfd, tmp_path):
-    """ksum_helpers: the consumers count and queue (warp-aggregated shared atomic, release
-    store of the tagged entry), the producer warpgroup's helper warps pop (acquire) and sum;
-    registers rebalanced 80 / 208 with 0 spills."""
-    capfd.readouterr()
-    ptx = gemm_sm90.compile_grouped_gemm(
-        "store", 128, pingpong=True, ksum_top_k=top_k, ksum_helpers=True,
-        options=f"--keep-ptx --dump-dir {tmp_path} remarks{{ptx}}").__ptx__
-    log = capfd.readouterr()
-    text = log.out + log.err
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+80;", ptx)
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+208;", ptx)
-    assert len(re.findall(r"atom\.global\.acq_rel\.add\.u32", ptx)) == 1  # the count
-    assert re.search(r"st\.release\.cta\.shared::cta\.b64", ptx)  # queued, and freed
-    assert re.search(r"ld\.acquire\.cta\.shared::cta\.b64", ptx)
-    assert re.search(r"atom\.shared\.cta\.release\.add\.u32", ptx)  # a pusher finished
-    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == top_k  # the helpers' sums
-    assert "ptxas" in text and "C7520" not in text and "C7511" not in text
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    assert spills and all(int(a) == 0 and int(b) == 0 for a, b in spills)
-
-
 @pytest.mark.parametrize("epilogue", ["swiglu", "store"])
 def test_cluster_pair_compiles_to_multicast_b_without_spills(epilogue, capfd, tmp_path):
     """cluster_m=2: B boxes by multicast TMA (each CTA half of every box, into both CTAs)

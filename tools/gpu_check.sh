@@ -725,9 +725,8 @@ case "$what" in
     timeout -s KILL "${PROBE_SECS:-300}" python3 tools/clock_probe.py --no-megakernel \
       --shapes "${PROBE_SHAPES:-dsv3_ep8_rank,sonic_120b,qwen3_30b,gptoss_120b}" --rounds 3 \
       --expert-switch KSUM_IN_FC2 --json "$out/clock_probe_ksum_in_fc2.json" 2>&1 | grep -v Warn | tail -40 ;;
-  # where the fused k-sum's time goes (tools/ksum_fc2_probe.py: built in stages, deferred, and
-  # summed by helper warps); the probe runs only if every ksum test passed (the helpers' run
-  # in child processes with a deadline: their first version hung, run 156)
+  # where the fused k-sum's time goes (tools/ksum_fc2_probe.py: built in stages, and deferred);
+  # the probe runs only if every ksum test passed
   ksumdiag) gpu_tests_sharded ksum "ksum" 240 8 tests/test_moe_forward_gpu.py &&
     timeout -s KILL "${PROBE_SECS:-300}" python3 tools/ksum_fc2_probe.py \
       --shapes "${PROBE_SHAPES:-dsv3_ep8_rank,sonic_120b,qwen3_30b}" --rounds 4 \

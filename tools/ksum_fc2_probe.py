@@ -6,10 +6,9 @@ The layer on the expert path, interleaved rounds of 10 calls each (CUDA events),
 the fused k-sum built in stages (``gemm_sm90.KSUM_STAGES``): 0 FC1 + FC2 with no k-sum at all
 (the ceiling of what fusing can gain), 1 plus each tile's stores-landed wait and barrier,
 2 plus the counting atomics, 3 the whole fused k-sum; and the whole of it deferred by one tile
-(``ops.KSUM_IN_FC2_DEFERRED``: no wait for the stores to land) or summed by the producer
-warpgroup's idle warps (``ops.KSUM_IN_FC2_HELPERS``). Stages 0-2 do not write ``out``: the
-three whole variants are checked bitwise against the k-sum kernel. A diagnostic, not a
-benchmark.
+(``ops.KSUM_IN_FC2_DEFERRED``: no wait for the stores to land). Stages 0-2 do not write
+``out``: the two whole variants are checked bitwise against the k-sum kernel. A diagnostic,
+not a benchmark.
 """
 
 from __future__ import annotations
@@ -26,12 +25,11 @@ from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.kernels import gemm_sm90  # noqa: E402
 from layer_profile import gpu_ms, layer_call, save_probe_json  # noqa: E402
 
-# label: (KSUM_IN_FC2, KSUM_STAGES, KSUM_IN_FC2_DEFERRED, KSUM_IN_FC2_HELPERS)
-VARIANTS = {"expert_kernels": (False, 3, False, False), "stage0_no_ksum": (True, 0, False, False),
-            "stage1_store_wait": (True, 1, False, False), "stage2_counts": (True, 2, False, False),
-            "stage3_fused": (True, 3, False, False), "fused_deferred": (True, 3, True, False),
-            "fused_helpers": (True, 3, False, True)}
-CHECKED = ("stage3_fused", "fused_deferred", "fused_helpers")
+# label: (KSUM_IN_FC2, KSUM_STAGES, KSUM_IN_FC2_DEFERRED)
+VARIANTS = {"expert_kernels": (False, 3, False), "stage0_no_ksum": (True, 0, False),
+            "stage1_store_wait": (True, 1, False), "stage2_counts": (True, 2, False),
+            "stage3_fused": (True, 3, False), "fused_deferred": (True, 3, True)}
+CHECKED = ("stage3_fused", "fused_deferred")
 
 
 def probe(name: str, rounds: int) -> dict:
@@ -43,16 +41,15 @@ def probe(name: str, rounds: int) -> dict:
         results = {}
         for r in range(rounds):
             order = list(VARIANTS.items())
-            for label, (fused, stages, deferred, helpers) in (order if r % 2 == 0 else order[::-1]):
+            for label, (fused, stages, deferred) in (order if r % 2 == 0 else order[::-1]):
                 ops.KSUM_IN_FC2, ops.KSUM_IN_FC2_DEFERRED = fused, deferred
-                ops.KSUM_IN_FC2_HELPERS = helpers
                 gemm_sm90.KSUM_STAGES = stages  # part of the FC2 kernel's compile key
                 if r == 0 and label in CHECKED:
                     out = forward(config)
                     torch.cuda.synchronize()
                     assert torch.equal(out, base_out), f"{name}: {label} changed the bits"
                 results.setdefault(label, []).append(gpu_ms(lambda: forward(config)))
-        ops.KSUM_IN_FC2 = ops.KSUM_IN_FC2_DEFERRED = ops.KSUM_IN_FC2_HELPERS = False
+        ops.KSUM_IN_FC2 = ops.KSUM_IN_FC2_DEFERRED = False
         gemm_sm90.KSUM_STAGES = 3
     base = results["expert_kernels"]
     summary = {}

@@ -65,9 +65,6 @@ FIRST_MMA_OVERWRITES = experimental_switch("FIRST_MMA_OVERWRITES", False)
 # out is not written: a diagnostic for tools/ksum_fc2_probe.py, which times where the fused
 # k-sum's cost goes.
 KSUM_STAGES = 3
-# ksum_helpers: entries of the CTA's queue of finished (token, N-tile) segments: more than a
-# tile's 128 rows, and small enough to keep the pingpong FC2's 6 stages (256 did not fit)
-KSUM_QUEUE = 160
 TILE_M = 128
 TILE_K = 64
 EPILOGUES = ("store", "swiglu")
@@ -109,16 +106,13 @@ class GroupedGemmSm90:
         (``ops.KSUM_IN_FC2``, off): the sums outlast the other warpgroup's mainloop.
     :param ksum_stages: ``KSUM_STAGES`` (a diagnostic: below 3 ``out`` is not written).
     :param ksum_deferred: count and sum each tile's rows after the warpgroup's next tile.
-    :param ksum_helpers: the consumers only count; the producer warpgroup's three idle warps
-        sum the finished segments from a queue in shared memory (``common.queue_push`` /
-        ``queue_pop``). Compile-checked; its first queue hung on the H200 (run 156).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                  pingpong: bool = False, cluster_m: int = 1, one_epilogue_barrier: bool = False,
                  epi_n: int = 32, ksum_top_k: int = 0, ksum_stages: int = 3,
-                 ksum_deferred: bool = False, ksum_helpers: bool = False):
+                 ksum_deferred: bool = False):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if epilogue == "swiglu" and tile_n < 128:
@@ -152,9 +146,6 @@ class GroupedGemmSm90:
         # count and sum a tile's rows after the warpgroup's next tile's stores are issued, when
         # its own have long landed (no wait for them in the epilogue)
         self.ksum_deferred = ksum_deferred and ksum_top_k > 0
-        # the sums by the producer warpgroup's three idle warps, fed through a queue in shared
-        # memory: the consumer warpgroups only count (the sums delayed their mainloop turns)
-        self.ksum_helpers = ksum_helpers and ksum_top_k > 0 and not self.ksum_deferred
         self.cluster_m = cluster_m
         self.one_epilogue_barrier = one_epilogue_barrier
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
@@ -187,8 +178,6 @@ class GroupedGemmSm90:
         self.load_warp = 0
         self.producer_regs = 40
         self.consumer_regs = 232
-        if self.ksum_helpers:  # the helpers' sums hold K 16-byte vectors; 128 x 80 + 256 x 208
-            self.producer_regs, self.consumer_regs = 80, 208
         # cooperative: epi_n = 64 stores a tile in half as many subtiles (each one fence, two
         # barriers and one TMA store fewer) through 2 buffers of 16 KB instead of 4 of 8 KB
         self.epi_tile = (64, 32) if pingpong else (TILE_M, epi_n)
@@ -215,8 +204,6 @@ class GroupedGemmSm90:
         ab_bytes_per_stage = (tile_m + tile_n) * tile_k * self.a_dtype.width // 8
         epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_buffers
         reserved = 1024  # mbarriers and alignment slack
-        if self.ksum_helpers:  # the queue of finished segments and its state
-            reserved += KSUM_QUEUE * 8 + 16
         self.ab_stages = (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage
         self.a_smem_layout_staged = self._staged_kmajor_layout(
             self.a_dtype, (tile_m, tile_k), self.ab_stages)
@@ -295,10 +282,6 @@ class GroupedGemmSm90:
             sC: cute.struct.Align[
                 cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
                 self.buffer_align_bytes]
-            # ksum_helpers: the queue's entries, then its head, tail and finished pushers (one
-            # entry otherwise: an `if` here would be traced, not run, by the DSL)
-            ksum_queue: cute.struct.MemRange[cutlass.Int64, KSUM_QUEUE if self.ksum_helpers else 1]
-            ksum_state: cute.struct.MemRange[Int32, 4]
 
         self.shared_storage = SharedStorage
         ksum = (None,) * 6
@@ -430,13 +413,6 @@ class GroupedGemmSm90:
             # the persistent loop walks pairs of M-tiles (one per cluster)
             num_tiles = (num_m_tiles + 1) // 2 * num_n_tiles
 
-        queue = None
-        if const_expr(self.ksum_helpers):
-            queue = (storage.ksum_queue.data_ptr(), storage.ksum_state.data_ptr())
-            # the helper warps clear the queue; the block sync below orders it for everyone
-            if warpgroup_idx == 0 and warp_idx != self.load_warp:
-                common.queue_clear(queue[0], KSUM_QUEUE, queue[1], tidx - 32, 96)
-
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
 
         if warpgroup_idx == 0:
@@ -469,12 +445,6 @@ class GroupedGemmSm90:
                             producer_state.advance()
                         tile_idx += cute.arch.grid_dim()[0]
                     ab_pipeline.producer_tail(producer_state)
-            if const_expr(self.ksum_helpers):
-                if warp_idx != self.load_warp:
-                    token_ops.sum_queued_tokens(mYVecs, mOutVecs, mSlotRows, mWeights,
-                                                num_n_tiles, self.ksum_top_k,
-                                                queue[0], KSUM_QUEUE, queue[1], queue[1] + 1,
-                                                queue[1] + 2, self.num_mma_warpgroups)
         else:
             # ---------------- consumer warpgroups: wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -620,7 +590,7 @@ class GroupedGemmSm90:
                 if const_expr(self.ksum_top_k > 0 and not self.ksum_deferred):
                     self._sum_tile_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
                                           mCounters, m_tile, n_tile, num_n_tiles, tile_tidx,
-                                          is_store_warp, epilogue_barrier, 0, queue)
+                                          is_store_warp, epilogue_barrier, 0)
                 if const_expr(self.ksum_deferred):
                     if held_m >= 0:  # the previous tile's stores: all but this tile's landed
                         self._sum_tile_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
@@ -641,33 +611,22 @@ class GroupedGemmSm90:
                     self._sum_tile_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
                                           mCounters, held_m, held_n, num_n_tiles, tile_tidx,
                                           is_store_warp, epilogue_barrier, 0)
-            if const_expr(self.ksum_helpers):
-                # this warpgroup's segments are all queued: the helpers may stop once empty
-                epilogue_barrier.arrive_and_wait()
-                if tile_tidx == 0:
-                    common.queue_finish(queue[1] + 2)
             tma_store_pipeline.producer_tail()
 
     @cute.jit
     def _sum_tile_tokens(self, mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights, mCounters,
                          m_tile: Int32, n_tile: Int32, num_n_tiles: Int32, tile_tidx: Int32,
-                         is_store_warp, epilogue_barrier, stores_after: cutlass.Constexpr[int],
-                         queue=None):
+                         is_store_warp, epilogue_barrier, stores_after: cutlass.Constexpr[int]):
         """ksum_top_k: once the store warp has seen tile (m_tile, n_tile)'s y rows land (all
         but its last ``stores_after`` store groups, which are a later tile's) and released
         them, the warpgroup counts the tile's rows and sums the tokens it completes
-        (``token_ops.sum_finished_tokens``), or with ``ksum_helpers`` queues them for the
-        helper warps (``queue``: the queue's entries and state)."""
+        (``token_ops.sum_finished_tokens``)."""
         if const_expr(self.ksum_stages >= 1):
             if is_store_warp:
                 common.tma_stores_landed(stores_after)
                 cute.arch.fence_acq_rel_gpu()
             epilogue_barrier.arrive_and_wait()
-            if const_expr(self.ksum_helpers):
-                token_ops.count_and_queue(mRowToken, mCounters, m_tile * TILE_M + tile_tidx,
-                                          n_tile, num_n_tiles, self.ksum_top_k, queue[0],
-                                          KSUM_QUEUE, queue[1])
-            elif const_expr(self.ksum_stages >= 2):  # (stage 1: the landing wait alone)
+            if const_expr(self.ksum_stages >= 2):  # (stage 1: the landing wait alone)
                 token_ops.sum_finished_tokens(mYVecs, mOutVecs, mRowToken, mSlotRows, mWeights,
                                               mCounters, m_tile * TILE_M + tile_tidx, n_tile,
                                               num_n_tiles, self.ksum_top_k,
@@ -896,7 +855,7 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
                          pingpong: bool = False, cluster_m: int = 1, arch: str = "sm_90a",
                          options: str = "", one_epilogue_barrier: bool = False,
                          epi_n: int = 32, ksum_top_k: int = 0, ksum_stages: int = 3,
-                         ksum_deferred: bool = False, ksum_helpers: bool = False):
+                         ksum_deferred: bool = False):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -912,7 +871,7 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
                            cluster_m=cluster_m, one_epilogue_barrier=one_epilogue_barrier,
                            epi_n=epi_n, ksum_top_k=ksum_top_k, ksum_stages=ksum_stages,
-                           ksum_deferred=ksum_deferred, ksum_helpers=ksum_helpers)
+                           ksum_deferred=ksum_deferred)
     args = _fake_operands(tile_n, gemm.out_tile_n, epilogue == "swiglu", timeline, ksum_top_k > 0)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

@@ -54,7 +54,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from mok_cute import jit
-from mok_cute.kernels import common
 
 # 16 bytes of bf16: the widest global load/store a thread can issue.
 VEC_ELEMS = 8
@@ -217,58 +216,6 @@ def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tens
             if actives[p]:
                 res = k_sum_vector(ys, ys[None, None, 0], ws[p, None], p, K, False)
                 cute.copy(atom, res, mOut[None, vec, toks[p]])
-
-
-@cute.jit
-def count_and_queue(mRowToken: cute.Tensor, mCounters: cute.Tensor, row: Int32, n_tile: Int32,
-                    num_n_tiles: Int32, K: cutlass.Constexpr[int], ring: cute.Pointer,
-                    ring_size: cutlass.Constexpr[int], head: cute.Pointer):
-    """``sum_finished_tokens``'s count, with the sum left to other warps: the thread that
-    brings a (token, N-tile) counter to K queues ``token * num_n_tiles + n_tile`` in the CTA's
-    queue (``common.queue_push``) for ``sum_queued_tokens``. Warp-collective."""
-    token = mRowToken[row]
-    last = _count_row(mCounters, token, n_tile, num_n_tiles, K)
-    common.queue_push(ring, ring_size, head, token * num_n_tiles + n_tile, last != 0)
-
-
-@cute.jit
-def sum_queued_tokens(mY: cute.Tensor, mOut: cute.Tensor, mSlotRows: cute.Tensor,
-                      mWeights: cute.Tensor, num_n_tiles: Int32, K: cutlass.Constexpr[int],
-                      ring: cute.Pointer, ring_size: cutlass.Constexpr[int], head: cute.Pointer,
-                      tail: cute.Pointer, done: cute.Pointer, pushers: cutlass.Constexpr[int]):
-    """A helper warp's loop: take two queued (token, N-tile) segments at a time (one per half
-    warp) and sum each with ``k_sum_vector`` into ``out``, until the queue's ``pushers`` have
-    finished and it is empty. The same order and roundings as ``WeightedKSum``."""
-    lane = cute.arch.lane_idx()
-    half = lane // 16
-    h_vecs = cute.size(mY, mode=[1])
-    atom = _vector_copy_atom()
-    running = True
-    while running:
-        first = Int32(0)
-        if lane == 0:
-            first = cute.arch.atomic_add(tail.llvm_ptr, Int32(2), sem="relaxed", scope="cta")
-        first = cute.arch.shuffle_sync(first, 0)
-        value = Int32(-1)
-        if lane % 16 == 0:
-            value = common.queue_pop(ring, ring_size, head, done, pushers, first + half)
-        value = cute.arch.shuffle_sync(value, half * 16)
-        if cute.arch.vote_any_sync(value >= 0):
-            # the pusher acquired the token's rows at GPU scope; order this warp's reads after
-            cute.arch.fence_acq_rel_gpu()
-            if value >= 0:
-                tok = value // num_n_tiles
-                vec = (value - tok * num_n_tiles) * 16 + lane % 16
-                if vec < h_vecs:
-                    weights = cute.make_rmem_tensor((K,), Float32)
-                    ys = cute.make_rmem_tensor((VEC_ELEMS, 1, K), BFloat16)
-                    for k in cutlass.range_constexpr(K):
-                        weights[k] = mWeights[tok * K + k]
-                        cute.copy(atom, mY[None, vec, mSlotRows[tok * K + k]], ys[None, 0, k])
-                    res = k_sum_vector(ys, ys[None, None, 0], weights, 0, K, False)
-                    cute.copy(atom, res, mOut[None, vec, tok])
-        else:
-            running = False
 
 
 def _row_vectors(ptr: cute.Pointer, h_vecs: Int32, num_rows: Int32) -> cute.Tensor:
