@@ -68,9 +68,6 @@ KERNELS: dict[str, KernelSpec] = {
     "scatter_rows": KernelSpec(
         "mok_cute.kernels.token_ops", "compile_scatter_rows", {"K": 8},
         "x rows into expert-sorted order token-major: each row read once, written to its K rows"),
-    "zero_padding_rows": KernelSpec(
-        "mok_cute.kernels.token_ops", "compile_zero_padding_rows", {},
-        "zero each expert's padding rows of the expert-sorted buffer (one CTA per expert)"),
     "weighted_ksum": KernelSpec(
         "mok_cute.kernels.token_ops", "compile_weighted_ksum", {"K": 8, "has_shared": True},
         "fixed-order fp32 k-sum plus shared expert, rounded once to bf16"),

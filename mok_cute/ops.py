@@ -29,13 +29,6 @@ TILE_M = 128
 # 2.22 / 2.38 -> 2.21 / 2.26, mixtral (x fits in L2) level, gptoss 3.30 / 3.56 -> 3.45 / 3.51;
 # bitwise equal everywhere, so on. MOK_SCATTER_X=0 puts the gather back.
 SCATTER_X = experimental_switch("SCATTER_X", True)
-# After the scatter, zero each expert's padding rows of x_rows (token_ops.zero_padding_rows):
-# the GEMMs multiply them too, and whatever a fresh buffer holds there toggles the tensor
-# cores' operands. Why: at the power cap the GEMMs alone ran 0.3-2.7 % faster on zero
-# padding (twentieth session, run 161: gptoss -2.7 %, qwen3 -1.1 %, dsv3 -0.8 %, sonic -0.3 %),
-# against a write of the padding rows (gptoss ~42 MB, ~15 us). The gather (SCATTER_X=0)
-# zeroes them anyway. MOK_ZERO_PADDING_ROWS=1.
-ZERO_PADDING_ROWS = experimental_switch("ZERO_PADDING_ROWS", False)
 # FC2 on the pingpong GEMM (128-wide tiles, the two consumer warpgroups alternating tiles so
 # one's epilogue hides behind the other's mainloop), where FC2's K (the expert's intermediate
 # size) is short enough for the epilogue to matter. Measured on the H200 (fifth session,
@@ -285,8 +278,6 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype,
                              device=x.device)
         token_ops.scatter_rows(x, row_of_slot, x_rows)
-        if ZERO_PADDING_ROWS:
-            token_ops.zero_padding_rows(x_rows, sched.expert_offsets, sched.expert_counts)
     else:
         x_rows = token_ops.gather_rows(x, sched.row_token)
     fused_ksum = None

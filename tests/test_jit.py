@@ -68,15 +68,6 @@ def test_token_ops_move_rows_as_16_byte_vectors(name, reports):
     assert rep.warnings == []
 
 
-def test_zero_padding_rows_only_stores_16_byte_vectors(reports):
-    rep = reports("zero_padding_rows")
-    # three 32-bit loads (an expert's offset, count and next offset); no row data read
-    assert rep.mix["ld.global.32b"] == 3 and rep.mix["ld.global.128b"] == 0
-    assert rep.mix["st.global.128b"] > 0
-    for narrow in ("st.global.16b", "st.global.32b", "st.global.64b", "atom", "red"):
-        assert rep.mix[narrow] == 0, (narrow, rep.mix)
-
-
 def test_scatter_rows_reads_a_row_once_and_writes_it_k_times(reports):
     rep = reports("scatter_rows")
     k = rep.static["K"]

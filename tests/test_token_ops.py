@@ -119,33 +119,6 @@ def test_scatter_rows_argument_errors(gen):
         token_ops.scatter_rows(src, rows, out)
 
 
-def test_zero_padding_rows_ref_zeroes_only_each_experts_tail(gen):
-    rows = _randn(gen, 10, 16)
-    offsets = torch.tensor([0, 4, 4, 8, 10], dtype=torch.int32)  # expert 1 empty
-    counts = torch.tensor([3, 0, 4, 1], dtype=torch.int32)
-    before = rows.clone()
-    token_ops.zero_padding_rows_ref(rows, offsets, counts)
-    padding = torch.zeros(10, dtype=torch.bool)
-    padding[[3, 9]] = True
-    assert (rows[padding] == 0).all() and torch.equal(rows[~padding], before[~padding])
-
-
-def test_zero_padding_rows_argument_errors(gen):
-    rows = _randn(gen, 10, 16)
-    offsets = torch.tensor([0, 4, 8], dtype=torch.int32)
-    counts = torch.tensor([3, 4], dtype=torch.int32)
-    with pytest.raises(TypeError, match="rows must be bfloat16"):
-        token_ops.zero_padding_rows(rows.float(), offsets, counts)
-    with pytest.raises(TypeError, match="offsets must be int32"):
-        token_ops.zero_padding_rows(rows, offsets.long(), counts)
-    with pytest.raises(TypeError, match="counts must be int32 or int64"):
-        token_ops.zero_padding_rows(rows, offsets, counts.float())
-    with pytest.raises(ValueError, match="offsets must have E \\+ 1 = 3 entries"):
-        token_ops.zero_padding_rows(rows, offsets[:2], counts)
-    with pytest.raises(ValueError, match="rows must be a CUDA tensor"):
-        token_ops.zero_padding_rows(rows, offsets, counts)
-
-
 def test_scatter_rows_hands_the_kernel_addresses_and_extents(gen):
     from mok_cute import jit
 
@@ -258,24 +231,6 @@ def test_scatter_rows_matches_reference(gen, T, K, H):
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
     again = token_ops.scatter_rows(src, rows.long(), _poisoned((rows_total, H), dev))
     assert torch.equal(again.nan_to_num(), out.nan_to_num())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("counts,H", [([77, 0, 300, 128, 1], 7168), ([5], 8), ([256, 255, 129], 2880)])
-def test_zero_padding_rows_matches_reference(gen, counts, H):
-    """Each expert's padding rows zero, every other row (real rows and the rows past the
-    last tile) bitwise as before, from a schedule's device offsets and counts."""
-    dev = "cuda"
-    tiles = [-(-c // 128) for c in counts]
-    offsets = torch.tensor([0] + [128 * sum(tiles[:e + 1]) for e in range(len(counts))],
-                           dtype=torch.int32, device=dev)
-    counts_t = torch.tensor(counts, dtype=torch.int32, device=dev)
-    rows = _randn(gen, int(offsets[-1]) + 200, H, device=dev)  # 200 rows past the last tile
-    ref = token_ops.zero_padding_rows_ref(rows.clone(), offsets, counts_t)
-    token_ops.zero_padding_rows(rows, offsets, counts_t)
-    torch.cuda.synchronize()
-    assert torch.equal(rows, ref)
-    assert (ref == 0).all(dim=1).sum() == sum(128 * t - c for t, c in zip(tiles, counts))
 
 
 @pytest.mark.gpu

@@ -725,13 +725,6 @@ case "$what" in
     timeout -s KILL "${PROBE_SECS:-300}" python3 tools/clock_probe.py --no-megakernel \
       --shapes "${PROBE_SHAPES:-dsv3_ep8_rank,sonic_120b,qwen3_30b,gptoss_120b}" --rounds 3 \
       --expert-switch KSUM_IN_FC2 --json "$out/clock_probe_ksum_in_fc2.json" 2>&1 | grep -v Warn | tail -40 ;;
-  # the scattered x's padding rows zeroed before FC1 (ops.ZERO_PADDING_ROWS): its GPU tests,
-  # then sustained against the default if they all passed
-  zeroprobe) gpu_tests_sharded zero "zero_padding" "${TEST_SECS:-110}" 4 tests/test_token_ops.py tests/test_moe_forward_gpu.py &&
-    timeout -s KILL "${PROBE_SECS:-120}" python3 tools/clock_probe.py --no-megakernel \
-      --shapes "${PROBE_SHAPES:-gptoss_120b,qwen3_30b,dsv3_ep8_rank}" --rounds 3 \
-      --expert-switch ZERO_PADDING_ROWS --json "$out/clock_probe_zero_padding_rows.json" 2>&1 \
-      | grep -v Warn | sed -E 's/, \[.*//' | tail -30 ;;
   # where the fused k-sum's time goes (tools/ksum_fc2_probe.py: built in stages, and deferred);
   # the probe runs only if every ksum test passed
   ksumdiag) gpu_tests_sharded ksum "ksum" 240 8 tests/test_moe_forward_gpu.py &&
@@ -757,5 +750,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|zeroprobe|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|ticketclock|stridedprobe|strideddefault [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|ticketclock|stridedprobe|strideddefault [TAG]|all]" >&2; exit 2 ;;
 esac

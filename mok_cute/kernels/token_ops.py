@@ -383,60 +383,6 @@ class ScatterRows:
                                 cute.copy(atom, frag[None, u], mDst[None, v0 + 32 * u, dst_row[k]])
 
 
-class ZeroPaddingRows:
-    """``rows[r] = 0`` for every padding row of a tile-padded, expert-grouped buffer: the rows
-    ``offsets[e] + counts[e] .. offsets[e + 1] - 1`` of each expert ``e``.
-
-    One CTA per expert, its warps striding over that expert's (fewer than a tile of) padding
-    rows with 16-byte stores. Why: the GEMMs multiply the padding rows too, and at the H200's
-    power cap zero operands cost less than the stale values a fresh buffer holds (the
-    twentieth session: the GEMMs alone 0.3-2.7 % faster on zero padding)."""
-
-    def __init__(self, num_warps: int = 8, unroll: int = 4):
-        self.num_warps = num_warps
-        self.unroll = unroll
-        self.num_threads = None
-
-    def _setup_attributes(self):
-        self.num_threads = 32 * self.num_warps
-
-    @cute.jit
-    def __call__(
-        self,
-        rows: cute.Pointer,
-        offsets: cute.Pointer,
-        counts: cute.Pointer,
-        num_rows: Int32,
-        num_experts: Int32,
-        h_vecs: Int32,
-        stream: cuda_driver.CUstream,
-    ):
-        self._setup_attributes()
-        mRows = _row_vectors(rows, h_vecs, num_rows)
-        mOffsets = cute.make_tensor(offsets, cute.make_layout(num_experts + 1))
-        mCounts = cute.make_tensor(counts, cute.make_layout(num_experts))
-        self.kernel(mRows, mOffsets, mCounts, num_rows, h_vecs).launch(
-            grid=[num_experts, 1, 1], block=[self.num_threads, 1, 1], stream=stream
-        )
-
-    @cute.kernel
-    def kernel(self, mRows: cute.Tensor, mOffsets: cute.Tensor, mCounts: cute.Tensor,
-               num_rows: Int32, h_vecs: Int32):
-        expert, _, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        atom = _vector_copy_atom()
-        first = mOffsets[expert] + mCounts[expert]
-        end = cutlass.min(mOffsets[expert + 1], num_rows)
-        zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-        zeros.fill(0.0)
-        for row in cutlass.range(first + warp, end, self.num_warps):
-            for v0 in cutlass.range(lane, h_vecs, 32 * self.unroll):
-                for u in cutlass.range_constexpr(self.unroll):
-                    if v0 + 32 * u < h_vecs:
-                        cute.copy(atom, zeros, mRows[None, v0 + 32 * u, row])
-
-
 class WeightedKSum:
     """``out[t] = bf16(fp32(shared[t]) + sum_k fp32(w[t,k]) * fp32(y[t*K+k]))``, ascending k.
 
@@ -562,17 +508,6 @@ def compile_scatter_rows(arch: str = "sm_90a", *, options: str = "", K: int = 8,
                          num_warps: int = 4, unroll: int = 4):
     """Compile ``ScatterRows`` for ``arch`` and a static ``K`` without a GPU or tensors."""
     return _compile_row_copy(ScatterRows(K=K, num_warps=num_warps, unroll=unroll), arch, options)
-
-
-def compile_zero_padding_rows(arch: str = "sm_90a", *, options: str = "", num_warps: int = 8,
-                              unroll: int = 4):
-    """Compile ``ZeroPaddingRows`` for ``arch`` without a GPU or tensors."""
-    return cute.compile(
-        ZeroPaddingRows(num_warps=num_warps, unroll=unroll),
-        _placeholder_ptr(BFloat16, 16), _placeholder_ptr(Int32, 4), _placeholder_ptr(Int32, 4),
-        Int32(1), Int32(1), Int32(1), cute.runtime.make_fake_stream(),
-        options=jit.compile_options(arch, options),
-    )
 
 
 def compile_weighted_ksum(arch: str = "sm_90a", *, options: str = "", K: int = 8,
@@ -727,41 +662,6 @@ def scatter_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> to
     compiled = jit.compile_kernel("scatter_rows", arch=jit.device_arch(device), K=K)
     compiled(*_row_copy_args(src, rows, out), _stream(device))
     return out
-
-
-def zero_padding_rows_ref(rows: torch.Tensor, offsets: torch.Tensor,
-                          counts: torch.Tensor) -> torch.Tensor:
-    """PyTorch reference of ``zero_padding_rows`` (reads the offsets on the host)."""
-    off, cnt = offsets.tolist(), counts.tolist()
-    for e, c in enumerate(cnt):
-        rows[off[e] + c:min(off[e + 1], rows.shape[0])] = 0
-    return rows
-
-
-def zero_padding_rows(rows: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Zero each expert's padding rows of the tile-padded buffer ``rows`` [capacity, H] in
-    place: ``rows[offsets[e] + counts[e] : offsets[e + 1]]`` (the schedule's
-    ``expert_offsets`` [E + 1] and ``expert_counts`` [E], int32 on the device). Other rows
-    are not touched. No host sync. Returns ``rows``."""
-    _check_rows("rows", rows)
-    _check_index("offsets", offsets, "E + 1")
-    _check_index("counts", counts, "E")
-    for name, t in (("offsets", offsets), ("counts", counts)):
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-        if t.device != rows.device:
-            raise ValueError(f"{name} must be on {rows.device} like rows, got {t.device}")
-    if offsets.shape[0] != counts.shape[0] + 1:
-        raise ValueError(f"offsets must have E + 1 = {counts.shape[0] + 1} entries (counts has "
-                         f"E = {counts.shape[0]}), got {offsets.shape[0]}")
-    _check_device("rows", rows, rows.device)
-    if counts.shape[0] == 0 or rows.shape[0] == 0 or rows.shape[1] == 0:
-        return rows
-    compiled = jit.compile_kernel("zero_padding_rows", arch=jit.device_arch(rows.device))
-    compiled(_ptr(rows, BFloat16, 16), _ptr(offsets.contiguous(), Int32, 4),
-             _ptr(counts.contiguous(), Int32, 4), Int32(rows.shape[0]), Int32(counts.shape[0]),
-             Int32(rows.shape[1] // VEC_ELEMS), _stream(rows.device))
-    return rows
 
 
 def weighted_ksum_ref(y: torch.Tensor, w: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
