@@ -244,10 +244,31 @@ def unsupported_shape_reason(hidden: int, inter: int, top_k: int, shared_inter: 
     return ""
 
 
+def expert_rows(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
+    """One GPU's receive schedule of ``topk_idx`` [T, K], the padded row of each (token, k)
+    slot (the scatter's destinations and the k-sum's sources), and x's rows in expert order,
+    tile-padded (``SCATTER_X``: scattered, padding rows left as allocated; else gathered)."""
+    from mok_cute import schedule as sched_mod
+    from mok_cute.kernels import token_ops
+
+    num_tokens, top_k = topk_idx.shape
+    # api.py checks the ids (its device read is waited for after these launches) or the
+    # caller vouches for them (check_ids=False): the schedule skips its own host read
+    sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
+                                             tile_m=TILE_M, validate=False)
+    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
+    if SCATTER_X:
+        x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype,
+                             device=x.device)
+        token_ops.scatter_rows(x, row_of_slot, x_rows)
+    else:
+        x_rows = token_ops.gather_rows(x, sched.row_token)
+    return sched, row_of_slot, x_rows
+
+
 def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
                        config: MoKConfig | None = None) -> torch.Tensor:
     """One-GPU MoE forward on mok_cute kernels. Inputs are already validated by api.py."""
-    from mok_cute import schedule as sched_mod
     from mok_cute.kernels import token_ops
 
     config = config or MoKConfig()
@@ -267,19 +288,7 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         recorder = TimelineBuffer(config.timeline_capacity, device=x.device)
     timeline = recorder.tensor if recorder is not None else None
     num_tokens, top_k = topk_idx.shape
-    num_experts = w_gate.shape[0]
-    # api.py checks the ids (its device read is waited for after these launches) or the
-    # caller vouches for them (check_ids=False): the schedule skips its own host read
-    sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
-                                             tile_m=TILE_M, validate=False)
-    # the row of each (token, k) slot: the scatter's destinations and the k-sum's sources
-    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
-    if SCATTER_X:
-        x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype,
-                             device=x.device)
-        token_ops.scatter_rows(x, row_of_slot, x_rows)
-    else:
-        x_rows = token_ops.gather_rows(x, sched.row_token)
+    sched, row_of_slot, x_rows = expert_rows(x, topk_idx, w_gate.shape[0])
     fused_ksum = None
     if ksum_in_fc2(w_down.shape[2], shared is not None):
         from mok_cute.kernels.token_ops import LAST_ARRIVER_TILE_N

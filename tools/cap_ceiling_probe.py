@@ -33,12 +33,10 @@ import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from mok_cute import ops  # noqa: E402
-from mok_cute import schedule as sched_mod  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.gpu_clock import ClockSampler  # noqa: E402
-from mok_cute.kernels import token_ops  # noqa: E402
 from clock_probe import sampled_run  # noqa: E402
-from layer_profile import layer_call, save_probe_json  # noqa: E402
+from layer_profile import layer_call, probe_shapes  # noqa: E402
 
 
 def variants(name: str, only: tuple[str, ...] = ()) -> tuple[dict, dict]:
@@ -48,10 +46,7 @@ def variants(name: str, only: tuple[str, ...] = ()) -> tuple[dict, dict]:
     tokens, k = i.topk_idx.shape
     rows = tokens * k
     config = MoKConfig(check_ids=False)
-    sched = sched_mod.build_receive_schedule(i.topk_idx.unsqueeze(0), 0, p.w_gate.shape[0],
-                                             tile_m=ops.TILE_M, validate=False)
-    x_rows = torch.empty((sched.row_token.shape[0], s.hidden), dtype=i.x.dtype, device="cuda")
-    token_ops.scatter_rows(i.x, sched_mod.row_of_slot(sched, tokens, k), x_rows)
+    sched, _, x_rows = ops.expert_rows(i.x, i.topk_idx, p.w_gate.shape[0])
     gen = torch.Generator(device="cuda").manual_seed(2)
     dense = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
     padding = (sched.row_token < 0).unsqueeze(1)  # rows past the valid tiles are never read
@@ -120,12 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="", help="comma list of labels (default: all)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    doc = {"shapes": []}
-    for s in a.shapes.split(","):
-        if s:
-            doc["shapes"].append(probe(s, a.seconds, a.rounds,
-                                       tuple(v for v in a.variants.split(",") if v)))
-            save_probe_json(a.json, doc, argv)
+    only = tuple(v for v in a.variants.split(",") if v)
+    probe_shapes(a.shapes, lambda s: probe(s, a.seconds, a.rounds, only), a.json, argv)
     return 0
 
 

@@ -23,7 +23,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from mok_cute import megakernel, ops  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.gpu_clock import ClockSampler  # noqa: E402
-from layer_profile import layer_call, save_probe_json  # noqa: E402
+from layer_profile import layer_call, probe_shapes  # noqa: E402
 
 
 def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
@@ -117,14 +117,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     settings = tuple((name, int(v)) for name, values in (e.split("=", 1) for e in a.expert_setting)
                      for v in values.split(","))
-    doc = {"shapes": []}
-    for s in a.shapes.split(","):
-        if s:
-            doc["shapes"].append(probe(s, a.seconds, a.rounds,
-                                       [w for w in a.switch.split(",") if w],
-                                       tuple(w for w in a.expert_switch.split(",") if w),
-                                       not a.no_megakernel, settings))
-            save_probe_json(a.json, doc, argv)
+    switches = [w for w in a.switch.split(",") if w]
+    expert_switches = tuple(w for w in a.expert_switch.split(",") if w)
+    probe_shapes(a.shapes, lambda s: probe(s, a.seconds, a.rounds, switches, expert_switches,
+                                           not a.no_megakernel, settings), a.json, argv)
     return 0
 
 

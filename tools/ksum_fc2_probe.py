@@ -23,7 +23,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from mok_cute import ops  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.kernels import gemm_sm90  # noqa: E402
-from layer_profile import gpu_ms, layer_call, save_probe_json  # noqa: E402
+from layer_profile import gpu_ms, layer_call, probe_shapes  # noqa: E402
 
 # label: (KSUM_IN_FC2, KSUM_STAGES, KSUM_IN_FC2_DEFERRED)
 VARIANTS = {"expert_kernels": (False, 3, False), "stage0_no_ksum": (True, 0, False),
@@ -67,11 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    doc = {"shapes": []}
-    for s in a.shapes.split(","):
-        if s:
-            doc["shapes"].append(probe(s, a.rounds))
-            save_probe_json(a.json, doc, argv)
+    probe_shapes(a.shapes, lambda s: probe(s, a.rounds), a.json, argv)
     return 0
 
 

@@ -31,6 +31,18 @@ def save_probe_json(path, fields: dict, argv=None) -> None:
         json.dump(doc, f, indent=1)
 
 
+def probe_shapes(shapes: str, probe, path, argv=None, doc: dict | None = None) -> dict:
+    """``probe(name)`` for each name of the comma list ``shapes``, appended to
+    ``doc["shapes"]``; the JSON (``save_probe_json``) is saved after every shape, so a probe
+    killed at its time limit keeps the shapes it finished."""
+    doc = {"shapes": []} if doc is None else doc
+    for name in shapes.split(","):
+        if name:
+            doc["shapes"].append(probe(name))
+            save_probe_json(path, doc, argv)
+    return doc
+
+
 def layer_call(name: str, seed: int = 1):
     """A single-GPU shape's random problem on the GPU and ``forward(config)``: one
     ``mok_cute.moe_forward`` call of it (with its shared expert) under ``config``."""

@@ -57,7 +57,7 @@ import mok_cute  # noqa: E402
 from mok_cute import benchmark as bm, jit, megakernel, ops  # noqa: E402
 from mok_cute.kernels import gemm_sm90  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
-from layer_profile import gpu_ms, layer_call, save_probe_json  # noqa: E402  (tools/ is on sys.path when run as a script)
+from layer_profile import gpu_ms, layer_call, probe_shapes, save_probe_json  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
 def layer_flops(p) -> float:
@@ -393,14 +393,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    doc = {"shapes": []}
-    for s in a.shapes.split(","):
-        if s:
-            doc["shapes"].append(probe_shape(
-                s, [c for c in a.comm.split(",") if c], a.timeline, a.out, a.rounds, a.scatter,
-                tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,),
-                a.cluster, a.one_barrier, a.wide_epilogue))
-            save_probe_json(a.json, doc, argv)  # after every shape: a killed probe keeps its shapes
+    comms = [c for c in a.comm.split(",") if c]
+    minibatches = tuple(int(m) for m in a.minibatch_tokens.split(",") if m) or (None,)
+    doc = probe_shapes(a.shapes, lambda s: probe_shape(
+        s, comms, a.timeline, a.out, a.rounds, a.scatter, minibatches, a.cluster,
+        a.one_barrier, a.wide_epilogue), a.json, argv)
     if a.virtual:
         doc["virtual"] = [probe_virtual(s, a.ranks, a.virtual_comm.split(","), a.virtual_rounds)
                           for s in a.virtual.split(",")]
