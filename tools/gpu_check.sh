@@ -9,6 +9,9 @@
 #          the recorder, the megakernel at R = 1 (check_ids=False), the torch pipeline, cuBLAS; plus a recorded dsv3 timeline
 #   sonic  the same bench with SonicMoE on dsv3_ep8_rank and sonic_120b (2-3 min autotune each),
 #          with the megakernel at R = 1 beside it
+#   sonicwarm [SHAPES]  compile and autotune SonicMoE into ./.quack_cache (kept while the machine
+#          stays warm), each shape timed; then, within 30 s:
+#   sonicall [TAG]  the bench of record on all five one-GPU shapes: mok_cute, torch, SonicMoE, cuBLAS
 #   mega   the megakernel: its GPU tests, then tools/megakernel_probe.py (comm-CTA sweep, bitwise
 #          against the expert path, one recorded timeline) and moe_forward_virtual at R = 8
 #          against R = 1 on MoK's four shapes
@@ -373,6 +376,25 @@ run_one_batch() {
     --minibatch-tokens 1024,17408 --rounds 4 --json "$out/one_batch_mixtral.json" 2>&1 \
     | grep -v Warn | grep "paired" | cut -c1-200
 }
+# SonicMoE's kernel cache in the repository root (ignored): it outlives a call while the machine
+# stays warm (a call within 30 s of the last), so sonicwarm can compile ahead of sonicall.
+SONIC_CACHE=.quack_cache
+run_sonic_warm() {
+  # run_sonic_warm SHAPES: compile and autotune SonicMoE shape by shape (2-3 min each, run 149),
+  # one process, the time of each printed; what finishes before the limit stays cached
+  local start=$SECONDS
+  timeout -s KILL "${WARM_SECS:-540}" python3 -u -m mok_cute.cli bench --shapes "$1" --contenders sonicmoe \
+    --iters 1 --warmup 1 --out "$out/warm" --tag sonic_warm --quack-cache "$SONIC_CACHE" 2>&1 \
+    | while IFS= read -r line; do echo "[$((SECONDS - start)) s] $line"; done | grep -E "sonicmoe|shape|Error|error" | tail -20
+  du -sh "$SONIC_CACHE" 2>/dev/null
+}
+run_sonic_all() {
+  # run_sonic_all TAG: the bench of record on all five one-GPU shapes with SonicMoE beside
+  # mok_cute, the torch pipeline and cuBLAS (after sonicwarm, so no autotuning in it)
+  timeout -s KILL "${BENCH_SECS:-560}" python3 -m mok_cute.cli bench --shapes single \
+    --contenders mok_cute,torch_grouped_mm,sonicmoe,cublas_8192 --mok-config check_ids=False \
+    --iters 20 --warmup 5 --rounds "${BENCH_ROUNDS:-7}" --out "$out" --tag "$1" --quack-cache "$SONIC_CACHE" 2>&1 | grep -E "│|json|png"
+}
 run_single_bench() {
   # run_single_bench TAG: the one-GPU bench of record on the five single-GPU shapes
   timeout -s KILL 280 python3 -m mok_cute.cli bench --shapes single \
@@ -657,6 +679,8 @@ case "$what" in
   tests) run_tests ;;
   bench) run_bench ;;
   sonic) run_sonic "${2:-vs_sonicmoe}" ;;
+  sonicwarm) run_sonic_warm "${2:-qwen3_30b,gptoss_120b,mixtral,dsv3_ep8_rank,sonic_120b}" ;;
+  sonicall) run_sonic_all "${2:-all_vs_sonicmoe}" ;;
   mega) run_mega ;;
   gemm) run_gemm ;;
   schedule) run_schedule ;;
@@ -750,5 +774,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|ticketclock|stridedprobe|strideddefault [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|sonicwarm [SHAPES]|sonicall [TAG]|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|ticketclock|stridedprobe|strideddefault [TAG]|all]" >&2; exit 2 ;;
 esac
