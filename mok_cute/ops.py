@@ -11,6 +11,7 @@ tile -> expert table from there.
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 
 import torch
@@ -121,8 +122,7 @@ def ksum_in_fc2(inter: int, has_shared: bool) -> bool:
 @functools.lru_cache(maxsize=None)
 def _dsl_import_error() -> str | None:
     try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
+        importlib.import_module("cutlass.cute")  # imports cutlass too
     except Exception as exc:  # pragma: no cover - depends on the install
         return f"nvidia-cutlass-dsl not importable: {exc}"
     return None
