@@ -20,7 +20,10 @@ power sampler; variants alternate, odd rounds reversed:
 - ``ours_dense_pair``: ``cublas_pair``'s two dense GEMMs on this package's kernels (one
   expert holding all the rows, store epilogues, FC2 pingpong where the layer's is): whether
   the gap to cuBLAS is the kernels or the routing;
-- ``cublas_8192``: the 8192^3 bf16 GEMM, the bench's ceiling (its own TFLOP/s).
+- ``cublas_8192``: the 8192^3 bf16 GEMM, the bench's ceiling (its own TFLOP/s);
+- ``sonicmoe`` (only when named in ``--variants``): SonicMoE's forward on the same inputs, as
+  the bench runs it, for the same comparison sustained (its first call on a shape compiles
+  and autotunes for minutes: warm ``--quack-cache`` first, ``gpu_check.sh sonicwarm``).
 """
 
 from __future__ import annotations
@@ -28,18 +31,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from mok_cute import ops  # noqa: E402
+from mok_cute import benchmark as bm, ops  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from mok_cute.gpu_clock import ClockSampler  # noqa: E402
 from clock_probe import sampled_run  # noqa: E402
 from layer_profile import layer_call, probe_shapes  # noqa: E402
 
 
-def variants(name: str, only: tuple[str, ...] = ()) -> tuple[dict, dict]:
+def variants(name: str, only: tuple[str, ...] = (), quack_cache: str | None = None) -> tuple[dict, dict]:
     """{label: callable} and {label: FLOPs per call} for one shape (``only``: these labels)."""
     p, forward = layer_call(name)
     i, s = p.inputs, p.shape
@@ -72,14 +76,20 @@ def variants(name: str, only: tuple[str, ...] = ()) -> tuple[dict, dict]:
         "cublas_8192": lambda: torch.mm(a8192, b8192),
     }
     runs = {k: v for k, v in runs.items() if not only or k in only}
+    if "sonicmoe" in only:
+        ctx = bm.BenchContext(device=torch.device("cuda"), out_dir=Path("."),
+                              quack_cache=Path(quack_cache) if quack_cache else None)
+        sonic_run, _ = bm.CONTENDERS["sonicmoe"](p, ctx)
+        runs["sonicmoe"] = lambda: sonic_run(i)
     flops = {label: p.flops for label in runs}
     flops["cublas_8192"] = 2.0 * 8192 ** 3
     return runs, flops
 
 
-def probe(name: str, seconds: float, rounds: int, only: tuple[str, ...] = ()) -> dict:
+def probe(name: str, seconds: float, rounds: int, only: tuple[str, ...] = (),
+          quack_cache: str | None = None) -> dict:
     with torch.no_grad():
-        runs, flops = variants(name, only)
+        runs, flops = variants(name, only, quack_cache)
         for fn in runs.values():  # compile and warm every variant once
             fn()
         torch.cuda.synchronize()
@@ -113,10 +123,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="", help="comma list of labels (default: all)")
+    ap.add_argument("--quack-cache", default=None, help="QUACK_CACHE_DIR for the sonicmoe variant")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     only = tuple(v for v in a.variants.split(",") if v)
-    probe_shapes(a.shapes, lambda s: probe(s, a.seconds, a.rounds, only), a.json, argv)
+    probe_shapes(a.shapes, lambda s: probe(s, a.seconds, a.rounds, only, a.quack_cache), a.json, argv)
     return 0
 
 

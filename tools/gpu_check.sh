@@ -12,6 +12,8 @@
 #   sonicwarm [SHAPES]  compile and autotune SonicMoE into ./.quack_cache (kept while the machine
 #          stays warm), each shape timed; then, within 30 s:
 #   sonicall [TAG]  the bench of record on all five one-GPU shapes: mok_cute, torch, SonicMoE, cuBLAS
+#   sonicsustained  after sonicwarm: mok_cute's layer against SonicMoE, each sustained for 2 s at
+#          the power cap (tools/cap_ceiling_probe.py --variants layer,sonicmoe)
 #   mega   the megakernel: its GPU tests, then tools/megakernel_probe.py (comm-CTA sweep, bitwise
 #          against the expert path, one recorded timeline) and moe_forward_virtual at R = 8
 #          against R = 1 on MoK's four shapes
@@ -681,6 +683,10 @@ case "$what" in
   sonic) run_sonic "${2:-vs_sonicmoe}" ;;
   sonicwarm) run_sonic_warm "${2:-qwen3_30b,gptoss_120b,mixtral,dsv3_ep8_rank,sonic_120b}" ;;
   sonicall) run_sonic_all "${2:-all_vs_sonicmoe}" ;;
+  sonicsustained) timeout -s KILL "${PROBE_SECS:-300}" python3 -u tools/cap_ceiling_probe.py \
+      --shapes "${PROBE_SHAPES:-qwen3_30b,gptoss_120b,mixtral,dsv3_ep8_rank,sonic_120b}" \
+      --variants layer,sonicmoe --rounds "${PROBE_ROUNDS:-3}" --seconds 2 --quack-cache "$SONIC_CACHE" \
+      --json "$out/cap_ceiling_sonicmoe.json" 2>&1 | grep -v Warn | tail -45 ;;
   mega) run_mega ;;
   gemm) run_gemm ;;
   schedule) run_schedule ;;
@@ -774,5 +780,5 @@ case "$what" in
   testbench) gpu_tests_passed expert "" 330 tests/test_moe_forward_gpu.py tests/test_token_ops.py tests/test_gemm_sm90.py
              run_single_bench "${2:-expert_kernels}" ;;
   all) run_tests; run_bench ;;
-  *) echo "usage: $0 [tests|bench|sonic|sonicwarm [SHAPES]|sonicall [TAG]|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|ticketclock|stridedprobe|strideddefault [TAG]|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tests|bench|sonic|sonicwarm [SHAPES]|sonicall [TAG]|sonicsustained|mega|gemm|schedule|virtual|qwen3comm|order|leadr8|glue|tickets|ep N|epdyn N|why|ksum|virtualbench [TAG]|virtualrecord|virtualcomm|final|singlebench [TAG]|megatests|experttests|qwen35comm|flatcopy|cluster|clusterab|decoded|decodedvirtual|switchtests|switchprobe|rowstests|ksumrowsvirtual [TAG]|onebarrier|shortstart|zerocomm|fenceprobe|gaprecord|tailrecord|clockprobe|warp0probe|deferprobe|deferclock|releaseprobe|ncu|ncusource|ncusourcering|ncuring|onebatch|wideprobe|switchrecord|flushprobe|megatests2|testbench [TAG]|alltests|directprobe|ncul2 [REGEX ARGS]|ticketclock|stridedprobe|strideddefault [TAG]|all]" >&2; exit 2 ;;
 esac
