@@ -291,10 +291,9 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     sched, row_of_slot, x_rows = expert_rows(x, topk_idx, w_gate.shape[0])
     fused_ksum = None
     if ksum_in_fc2(w_down.shape[2], shared is not None):
-        from mok_cute.kernels.token_ops import LAST_ARRIVER_TILE_N
         hidden = x.shape[1]
         out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=x.device)
-        n_tiles = -(-hidden // LAST_ARRIVER_TILE_N)
+        n_tiles = -(-hidden // token_ops.LAST_ARRIVER_TILE_N)
         counters = torch.zeros(num_tokens * n_tiles, dtype=torch.int32, device=x.device)
         weights = topk_weights.to(torch.float32).contiguous().view(-1)
         fused_ksum = (sched.row_token, row_of_slot, weights, counters, out, top_k)

@@ -54,7 +54,6 @@ def probe(name: str, seconds: float, rounds: int, switches: list[str],
     expert, mega = MoKConfig(check_ids=False), MoKConfig(check_ids=False, backend="megakernel")
     defaults = {(megakernel, s): getattr(megakernel, s) for s in switches}
     defaults.update({(ops, s): getattr(ops, s) for s in expert_switches})
-
     defaults.update({(ops, s): getattr(ops, s) for s, _ in expert_settings})
     booleans = {key: v for key, v in defaults.items() if isinstance(v, bool)}
 
