@@ -1,0 +1,167 @@
+"""Proof that a refactor changed no kernel: normalised PTX of every default configuration.
+
+    python tools/ptx_identity.py snapshot DIR          # this checkout's kernels -> DIR/*.ptx
+    python tools/ptx_identity.py compare BASE [HEAD]   # BASE's snapshot vs HEAD's (default:
+                                                       # the working tree), case by case
+
+``compare`` checks BASE out into a temporary git worktree and runs *that commit's* copy of this
+script there, so each side compiles its cases with its own API; the case names are the
+contract between the two. Normalisation drops comments and renames the entry functions (their
+names carry the Python module and class path) to KERNEL0, KERNEL1, ... in order of
+appearance. Needs no GPU: every case is compiled for sm_90a on fake tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+def cases() -> dict:
+    """name -> zero-argument function returning a compiled kernel (with ``__ptx__``).
+
+    The megakernel cases carry the static configuration that ``mok_cute.megakernel.plan_for``
+    resolves for: one rank on one GPU (K = 8 and K = 2, with a shared expert, with the
+    recorder), virtual ranks (R = 8, rows in place or every row copied), and one IPC rank."""
+    from mok_cute.kernels import comm_sm90, gemm_sm90, megakernel_sm90, schedule_build, token_ops
+
+    opt = "--keep-ptx"
+
+    def fc(**kw):
+        return lambda: gemm_sm90.compile_grouped_gemm(options=opt, **kw)
+
+    one_rank = dict(num_ranks=1, num_ctas=132, num_comm_ctas=0, local_direct=True,
+                    dynamic_tickets=True, ksum_vectors=16, decoded_tickets=True,
+                    store_warp_signals=True, ksum_staged=True, short_task_start=True,
+                    defer_signals=True, defer_flush_ktiles=8, strided_tickets=True)
+    virtual = dict(num_ranks=8, num_ctas=132, num_comm_ctas=12, local_direct=True,
+                   rank_blocks=True, dynamic_tickets=True, ksum_vectors=16,
+                   decoded_tickets=True, store_warp_signals=True, ksum_staged=True,
+                   short_task_start=True)
+    ipc = dict(num_ranks=1, num_ctas=132, num_comm_ctas=12, scope="sys", local_direct=True,
+               ksum_vectors=16, store_warp_signals=True, ksum_staged=True)
+
+    def mk(base, **kw):
+        merged = {**base, **kw}
+        return lambda: megakernel_sm90.compile_megakernel(options=opt, **merged)
+
+    return {
+        "fc1": fc(epilogue="swiglu", tile_n=256),
+        "fc1_timeline": fc(epilogue="swiglu", tile_n=256, timeline=True, task_type=1),
+        "fc2_cooperative": fc(epilogue="store", tile_n=256),
+        "fc2_pingpong": fc(epilogue="store", tile_n=128, pingpong=True),
+        "fc2_pingpong_timeline": fc(epilogue="store", tile_n=128, pingpong=True, timeline=True,
+                                    task_type=2),
+        "mk_one_rank_k8": mk(one_rank, top_k=8, has_shared=False),
+        "mk_one_rank_k2_shared": mk(one_rank, top_k=2, has_shared=True),
+        "mk_one_rank_timeline": mk(one_rank, top_k=4, has_shared=False, timeline=True),
+        "mk_virtual_r8": mk(virtual, top_k=8, has_shared=True),
+        "mk_virtual_r8_ring": mk(virtual, top_k=8, has_shared=True, local_direct=False),
+        "mk_ipc": mk(ipc, top_k=8, has_shared=True),
+        "mk_ipc_ring": mk(ipc, top_k=6, has_shared=True, local_direct=False),
+        "gather_rows": lambda: token_ops.compile_gather_rows(options=opt),
+        "scatter_rows": lambda: token_ops.compile_scatter_rows(K=8, options=opt),
+        "weighted_ksum_k8_shared": lambda: token_ops.compile_weighted_ksum(K=8, has_shared=True,
+                                                                            options=opt),
+        "weighted_ksum_k4": lambda: token_ops.compile_weighted_ksum(K=4, has_shared=False,
+                                                                     options=opt),
+        "schedule_build": lambda: schedule_build.compile_schedule_build(num_experts=32,
+                                                                        options=opt),
+        "pull_dispatch": lambda: comm_sm90.compile_pull_dispatch(options=opt),
+        "push_combine": lambda: comm_sm90.compile_push_combine(options=opt),
+    }
+
+
+_COMMENT = re.compile(r"//.*$", re.M)
+_ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)")
+
+
+def normalise(ptx: str) -> str:
+    """PTX without comments, blank lines or the Python-derived entry names."""
+    names = list(dict.fromkeys(_ENTRY.findall(ptx)))
+    for i, name in sorted(enumerate(names), key=lambda p: -len(p[1])):
+        ptx = ptx.replace(name, f"KERNEL{i}")
+    ptx = _COMMENT.sub("", ptx)
+    return "\n".join(line.rstrip() for line in ptx.splitlines() if line.strip()) + "\n"
+
+
+def snapshot(outdir: Path, only: list[str] | None) -> None:
+    outdir.mkdir(parents=True, exist_ok=True)
+    for name, build in cases().items():
+        if only and name not in only:
+            continue
+        (outdir / f"{name}.ptx").write_text(normalise(build().__ptx__))
+        print(f"  {name}", flush=True)
+
+
+def _run_snapshot(root: Path, outdir: Path, only: list[str] | None) -> None:
+    env = dict(os.environ, PYTHONPATH=str(root))
+    cmd = [sys.executable, str(root / "tools" / "ptx_identity.py"), "snapshot", str(outdir)]
+    subprocess.run(cmd + (["--cases", *only] if only else []), check=True, env=env, cwd=root)
+
+
+def compare(base: str, head: str | None, only: list[str] | None) -> int:
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="ptx_identity_") as tmp:
+        tmp = Path(tmp)
+        sides = {}
+        for label, ref in (("base", base), ("head", head)):
+            if ref is None:
+                root = repo
+            else:
+                root = tmp / f"tree_{label}"
+                subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(root),
+                                ref], check=True, capture_output=True)
+            print(f"{label}: {ref or 'working tree'}", flush=True)
+            try:
+                _run_snapshot(root, tmp / label, only)
+            finally:
+                if ref is not None:
+                    subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force",
+                                    str(root)], check=False, capture_output=True)
+            sides[label] = {p.stem: p.read_text() for p in (tmp / label).glob("*.ptx")}
+        failed = 0
+        for name in sorted(set(sides["base"]) | set(sides["head"])):
+            a, b = sides["base"].get(name), sides["head"].get(name)
+            if a is None or b is None:
+                print(f"MISSING  {name}: only in {'head' if a is None else 'base'}")
+                failed += 1
+            elif a == b:
+                print(f"same     {name} ({a.count(chr(10))} lines)")
+            else:
+                diff = list(difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="",
+                                                 n=0))
+                print(f"DIFFERS  {name}: {len(diff)} diff lines; first ones:")
+                print("\n".join("    " + d for d in diff[2:12]))
+                failed += 1
+        print("byte-identical" if not failed else f"{failed} case(s) differ")
+        return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("snapshot")
+    s.add_argument("outdir", type=Path)
+    s.add_argument("--cases", nargs="*")
+    c = sub.add_parser("compare")
+    c.add_argument("base")
+    c.add_argument("head", nargs="?")
+    c.add_argument("--cases", nargs="*")
+    args = p.parse_args(argv)
+    if args.cmd == "snapshot":
+        snapshot(args.outdir, args.cases)
+        return 0
+    return compare(args.base, args.head, args.cases)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
