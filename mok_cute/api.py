@@ -7,11 +7,10 @@ Path selection (`forward_path()` prints the outcome for a device):
   launch (opt-in until it has run on GPUs)
 - `moe_forward_virtual` on a GPU that can run kernels   -> `mok_cute.megakernel` (one launch)
 - `moe_forward` with `config.backend == "megakernel"`   -> `mok_cute.megakernel` with R = 1
-- inputs not on a CUDA device, `mok_cute.ops` not importable,
-  `mok_cute.ops.kernel_path_status(device)` says no, or
-  inputs require grad and `mok_cute.ops.SUPPORTS_BACKWARD` is not true
-                                                        -> reference ("auto") / error ("kernel")
-- otherwise                                             -> `mok_cute.ops.moe_forward_kernel`
+- inputs not on a CUDA device, `mok_cute.expert_path` not importable,
+  `mok_cute.expert_path.kernel_path_status(device)` says no, or
+  inputs require grad (no backward kernels yet)         -> reference ("auto") / error ("kernel")
+- otherwise                                             -> `mok_cute.expert_path.moe_forward_kernel`
 
 Argument checks follow DESIGN §2 "Bad input": a TypeError or ValueError naming the argument,
 what was expected and what was given. Checking that expert ids are in range reads two scalars
@@ -56,7 +55,7 @@ class PathChoice:
 
 
 def _kernel_status(device: torch.device) -> tuple[bool, str]:
-    """Can `mok_cute.ops.moe_forward_kernel` run on `device`? (ok, reason)"""
+    """Can `mok_cute.expert_path.moe_forward_kernel` run on `device`? (ok, reason)"""
     if not torch.cuda.is_available():
         why = "torch sees no CUDA device" if torch.version.cuda else f"torch {torch.__version__} is a CPU-only build"
         if device.type != "cuda":
@@ -65,23 +64,20 @@ def _kernel_status(device: torch.device) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, f"device {device} is not a CUDA device; the kernels run on CUDA tensors"
     try:
-        from . import ops  # imported lazily: it pulls in the CuTe DSL
+        from . import expert_path  # imported lazily: it pulls in the CuTe DSL
     except Exception as exc:  # noqa: BLE001 - any import failure means "no kernel path"
-        return False, f"mok_cute.ops failed to import ({type(exc).__name__}: {exc})"
-    status = getattr(ops, "kernel_path_status", None)
-    if status is None or not hasattr(ops, "moe_forward_kernel"):
-        return False, "mok_cute.ops has no kernel_path_status / moe_forward_kernel"
+        return False, f"mok_cute.expert_path failed to import ({type(exc).__name__}: {exc})"
     try:
-        ok, why = status(device)
+        ok, why = expert_path.kernel_path_status(device)
     except Exception as exc:  # noqa: BLE001
-        return False, f"mok_cute.ops.kernel_path_status raised {type(exc).__name__}: {exc}"
+        return False, f"mok_cute.expert_path.kernel_path_status raised {type(exc).__name__}: {exc}"
     return bool(ok), str(why)
 
 
 def _kernel_supports_backward() -> bool:
-    from . import ops
+    from . import expert_path
 
-    return bool(getattr(ops, "SUPPORTS_BACKWARD", False))
+    return bool(getattr(expert_path, "SUPPORTS_BACKWARD", False))
 
 
 def choose_path(
@@ -95,7 +91,7 @@ def choose_path(
     """Which path a call takes on `device` (default: the current CUDA device, else CPU).
 
     needs_grad: some input requires grad with grad mode on. The kernel path is only taken
-    then if `mok_cute.ops.SUPPORTS_BACKWARD` is true (its output would otherwise have no
+    then if `mok_cute.expert_path.SUPPORTS_BACKWARD` is true (its output would otherwise have no
     gradient); until then such calls run on the (differentiable) reference.
     Raises RuntimeError / ValueError when `config.backend == "kernel"` and no kernel can run.
     """
@@ -166,7 +162,7 @@ def forward_path(device: torch.device | str | int | None = None, config: MoKConf
 def _megakernel_fallback(dims, config: MoKConfig) -> bool:
     """True when the megakernel cannot take these sizes and ``backend="auto"`` should run the
     reference instead (with a warning); raises ValueError for an explicit kernel backend."""
-    from .ops import unsupported_shape_reason
+    from .expert_path import unsupported_shape_reason
 
     why = unsupported_shape_reason(dims.hidden, dims.intermediate, dims.top_k,
                                    dims.shared_intermediate or None, config.tile_m)
@@ -216,14 +212,21 @@ def moe_forward(
     if choice.path == "megakernel" and _megakernel_fallback(dims, config):
         choice = PathChoice("reference", "sizes the megakernel cannot take")
     if choice.path in ("kernel", "megakernel"):
-        from . import megakernel, ops
+        from . import expert_path, megakernel
 
         # The kernels never fault on bad ids, so the check's device read is waited for
         # after they are enqueued: the error is the same, the stream never drains idle.
         pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
         if choice.path == "kernel":
-            out = ops.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
+            out = expert_path.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down,
+                                                 shared, config)
         else:
+            if group is not None and num_ranks > 1:  # GPUs over NVLink: the simulator's picks
+                from .sim.tune import tuned_config
+
+                config = tuned_config(config, num_ranks, dims.tokens, dims.hidden,
+                                      dims.intermediate, dims.num_experts, dims.top_k,
+                                      dims.shared_intermediate)
             out = megakernel.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                          config, group=group)
         if pending is not None:

@@ -24,52 +24,14 @@ __all__ = [
     "check_expert_ids",
     "PendingIdCheck",
     "describe",
-    "experimental_setting",
-    "experimental_switch",
+    "ExpertPathOptions",
+    "MegakernelOptions",
+    "TICKET_MODES",
 ]
 
 BACKENDS = ("auto", "kernel", "megakernel", "reference")
-
-
-# Every experimental switch's value in this process, by environment variable name: benchmark
-# JSONs record it, so a result says which code it timed.
-SWITCHES: dict[str, bool | int] = {}
-
-
-def experimental_switch(name: str, default: bool) -> bool:
-    """An implementation switch that is off (or on) until measured, overridable per process
-    with ``MOK_<NAME>=0|1`` so any tool (bench, timeline, tests) can time both sides without
-    editing code: e.g. ``MOK_GPU_SCHEDULE=0 mok-cute bench ...``. Read once, at import."""
-    import os
-
-    value = os.environ.get(f"MOK_{name}")
-    if value is None or value == "":
-        on = default
-    elif value in ("0", "1"):
-        on = value == "1"
-    else:
-        raise ValueError(f"MOK_{name}: expected 0 or 1, got {value!r}")
-    SWITCHES[f"MOK_{name}"] = on
-    return on
-
-
-def experimental_setting(name: str, default: int, low: int, high: int) -> int:
-    """An integer implementation setting, like ``experimental_switch``: ``MOK_<NAME>=N`` with
-    ``low <= N <= high`` overrides it for the process, and benchmark JSONs record it."""
-    import os
-
-    value = os.environ.get(f"MOK_{name}")
-    if value is None or value == "":
-        n = default
-    else:
-        try:
-            n = int(value)
-        except ValueError:
-            n = low - 1
-        if not low <= n <= high:
-            raise ValueError(f"MOK_{name}: expected an integer in [{low}, {high}], got {value!r}")
-    SWITCHES[f"MOK_{name}"] = n
-    return n
+# How the megakernel's compute CTAs take their tasks (MegakernelOptions.tickets)
+TICKET_MODES = ("static", "dynamic", "strided")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +124,73 @@ def check_tensor(
 
 
 # ---------------------------------------------------------------------------------------------
+# Implementation options (defaults: the measured winners, docs/measurements.md)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertPathOptions:
+    """How the one-GPU expert path (``mok_cute.expert_path``) runs its GEMMs.
+
+    fc2_pingpong_max_k  FC2 runs on the pingpong GEMM (the two consumer warpgroups alternate
+                        128-wide tiles, one's epilogue under the other's mainloop) when its K,
+                        the intermediate size, is at most this; above it on the cooperative
+                        128 x 256 GEMM (long K leaves little epilogue to hide). 0: never.
+    fc1_group_m         M-tiles per raster group of FC1 / FC2: the CTAs running together share
+    fc2_group_m         one group's weight tiles in L2.
+    """
+
+    fc2_pingpong_max_k: int = 8192
+    fc1_group_m: int = 8
+    fc2_group_m: int = 8
+
+    def __post_init__(self) -> None:
+        check_int("ExpertPathOptions.fc2_pingpong_max_k", self.fc2_pingpong_max_k, min_value=0)
+        check_int("ExpertPathOptions.fc1_group_m", self.fc1_group_m, min_value=1, max_value=64)
+        check_int("ExpertPathOptions.fc2_group_m", self.fc2_group_m, min_value=1, max_value=64)
+
+    def fc2_pingpong(self, intermediate: int) -> bool:
+        """Whether FC2 with this intermediate size (its K) runs on the pingpong GEMM."""
+        return intermediate <= self.fc2_pingpong_max_k
+
+
+@dataclass(frozen=True)
+class MegakernelOptions:
+    """How the megakernel runs a call (every choice gives the same bits).
+
+    rows_in_place  rows a rank routes to its own experts are never copied: FC1 reads them from
+                   x and the k-sum reads their y where FC2 wrote it. Needs a ring that holds
+                   every routed row; with a smaller ring every row is copied.
+    tickets        how compute CTAs take their tasks: "static" (CTA c runs tickets c, c + n,
+                   ...; each warp resolves its task), "dynamic" (the producer warp takes the
+                   next ticket from a counter and hands the decoded task to the other warps
+                   through an smem ring) or "strided" (the static stride through that ring).
+                   None: one rank "strided", virtual ranks "dynamic", an IPC rank "static".
+    fc1_lead       minibatches whose FC1 tiles are queued before the FC2 tiles of the first;
+                   None: the fewest whose FC1 tiles fill every compute CTA.
+    """
+
+    rows_in_place: bool = True
+    tickets: str | None = None
+    fc1_lead: int | None = None
+
+    def __post_init__(self) -> None:
+        check_bool("MegakernelOptions.rows_in_place", self.rows_in_place)
+        if self.tickets is not None and self.tickets not in TICKET_MODES:
+            raise ValueError(f"MegakernelOptions.tickets: expected None or one of {TICKET_MODES}, "
+                             f"got {self.tickets!r}")
+        check_int("MegakernelOptions.fc1_lead", self.fc1_lead, min_value=0, allow_none=True)
+
+    def ticket_mode(self, num_ranks: int, ipc: bool) -> str:
+        """The ticket mode of a launch with ``num_ranks`` ranks (virtual), or of one IPC rank."""
+        if self.tickets is not None:
+            return self.tickets
+        if ipc:
+            return "static"
+        return "strided" if num_ranks == 1 else "dynamic"
+
+
+# ---------------------------------------------------------------------------------------------
 # MoKConfig
 # ---------------------------------------------------------------------------------------------
 
@@ -193,6 +222,8 @@ class MoKConfig:
                       capture); the caller then guarantees ids in range: an out-of-range id
                       on the kernel path matches no expert and that (token, k) contributes
                       zero. It never faults.
+    expert_path       ExpertPathOptions: how the one-GPU expert path runs its GEMMs.
+    megakernel        MegakernelOptions: how the megakernel runs.
     """
 
     tile_m: int = 128
@@ -204,6 +235,8 @@ class MoKConfig:
     timeout_ms: float = 10_000.0
     backend: str = "auto"
     check_ids: bool = True
+    expert_path: ExpertPathOptions = ExpertPathOptions()
+    megakernel: MegakernelOptions = MegakernelOptions()
 
     def __post_init__(self) -> None:
         check_int("MoKConfig.tile_m", self.tile_m, min_value=1)
@@ -229,6 +262,10 @@ class MoKConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"MoKConfig.backend: expected one of {BACKENDS}, got {self.backend!r}")
+        for name, kind in (("expert_path", ExpertPathOptions), ("megakernel", MegakernelOptions)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"MoKConfig.{name}: expected a mok_cute.{kind.__name__}, got "
+                                f"{describe(getattr(self, name))}")
 
 
 def resolve_config(config: object) -> MoKConfig:

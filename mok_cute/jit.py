@@ -81,14 +81,9 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm", {"epilogue": "store", "tile_n": 256},
         "grouped GEMM FC2: down projection (TMA + wgmma, persistent)"),
     "megakernel": KernelSpec(
-        "mok_cute.kernels.megakernel_sm90", "compile_megakernel", {"num_ranks": 1, "top_k": 8},
-        "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, k-sum"),
-    "pull_dispatch": KernelSpec(
-        "mok_cute.kernels.comm_sm90", "compile_pull_dispatch", {},
-        "megakernel comm task: pull scheduled x rows from peer buffers into the ring"),
-    "push_combine": KernelSpec(
-        "mok_cute.kernels.comm_sm90", "compile_push_combine", {},
-        "megakernel comm task: push y rows to the source ranks' combine buffers"),
+        "mok_cute.kernels.megakernel", "compile_megakernel", {"num_ranks": 1, "top_k": 8},
+        "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, "
+        "k-sum (static fields: constants.MegakernelSpec)"),
 }
 
 

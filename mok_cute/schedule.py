@@ -24,19 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import check_expert_ids, check_int, check_tensor, experimental_switch
-
-# On a GPU: build with the two kernels of kernels/schedule_build.py instead of 50-70 torch
-# launches per rank. Bitwise equal to the torch build on the H200 (34 tests, R up to 72) and
-# faster (fifth session, tools/schedule_probe.py): dsv3 layer 5.15 -> 4.93 ms, virtual kimi
-# R = 8 45.7 -> 37.7 ms. MOK_GPU_SCHEDULE=0 turns it off.
-GPU_BUILD = experimental_switch("GPU_SCHEDULE", True)
-# Several ranks' schedules (a virtual launch's R) from one pair of launches (grid z = rank)
-# instead of one pair per rank: about 0.9 ms of host time per virtual kimi R = 8 call
-# (tools/schedule_probe.py: 8 builds 1.13 ms by events, 0.15 ms by CUDA graph). Measured in
-# the sixth session (run 39): bitwise equal, no difference on virtual kimi / glm R = 8, so
-# off. MOK_BATCHED_SCHEDULE=1 turns it on.
-BATCHED_BUILD = experimental_switch("BATCHED_SCHEDULE", False)
+from .config import check_expert_ids, check_int, check_tensor
 
 __all__ = [
     "ReceiveSchedule",
@@ -161,18 +149,21 @@ def build_receive_schedule(
     validate=True also checks that every id is in [0, R * num_local_experts); on CUDA that is
     one device->host read. Callers that already validated (the kernel path) pass False to keep
     the build free of host synchronisation. gpu_build: CUDA ids built by the two kernels of
-    kernels/schedule_build.py (True) or by torch ops (False); None follows ``GPU_BUILD``.
+    kernels/schedule_build.py (True, and None: bitwise equal to the torch build and faster:
+    dsv3 layer 5.15 -> 4.93 ms) or by torch ops (False).
     """
     R, T, K = _check_routing(topk_idx_all, num_local_experts, tile_m)
     check_int("rank", rank, min_value=0, max_value=R - 1)
     E_loc = num_local_experts
     if validate:
         check_expert_ids(topk_idx_all, R * E_loc, "topk_idx_all")
-    if (GPU_BUILD if gpu_build is None else gpu_build) and topk_idx_all.is_cuda:
+    if gpu_build is not False and topk_idx_all.is_cuda:
         from mok_cute.kernels import schedule_build
 
         if schedule_build.supports(R, E_loc):
-            return schedule_build.build_schedule(topk_idx_all, rank, E_loc, tile_m)
+            capacity = schedule_capacity(R, T, K, E_loc, tile_m)
+            return ReceiveSchedules(**schedule_build.build_schedules(
+                topk_idx_all, E_loc, tile_m, capacity, first_rank=rank, count=1))[0]
     if R == 1:
         return _build_single_rank(topk_idx_all[0], E_loc, tile_m)
 
@@ -253,9 +244,8 @@ def build_receive_schedules(
     gpu_build: bool | None = None,
 ) -> ReceiveSchedules:
     """The receive schedules of ranks ``first_rank`` .. ``+ count - 1`` (default: all from
-    ``first_rank`` on), stacked. With the GPU build (``gpu_build``, as in
-    ``build_receive_schedule``) and ``BATCHED_BUILD`` all of them come from the same two
-    launches; otherwise one ``build_receive_schedule`` per rank, stacked."""
+    ``first_rank`` on), one ``build_receive_schedule`` each, stacked. (All of them from one
+    pair of GPU launches measured level with one pair per rank: docs/measurements.md.)"""
     R = _check_routing(topk_idx_all, num_local_experts, tile_m)[0]
     check_int("first_rank", first_rank, min_value=0, max_value=R - 1)
     if count is None:
@@ -263,16 +253,9 @@ def build_receive_schedules(
     check_int("count", count, min_value=1, max_value=R - first_rank)
     if validate:
         check_expert_ids(topk_idx_all, R * num_local_experts, "topk_idx_all")
-    on_gpu = (GPU_BUILD if gpu_build is None else gpu_build) and topk_idx_all.is_cuda
-    if on_gpu and (BATCHED_BUILD or count == 1):
-        from mok_cute.kernels import schedule_build
-
-        if schedule_build.supports(R, num_local_experts):
-            return schedule_build.build_schedules(topk_idx_all, num_local_experts, tile_m,
-                                                  first_rank=first_rank, count=count)
     return ReceiveSchedules.stack([
         build_receive_schedule(topk_idx_all, r, num_local_experts, tile_m, validate=False,
-                               gpu_build=on_gpu)
+                               gpu_build=gpu_build)
         for r in range(first_rank, first_rank + count)])
 
 

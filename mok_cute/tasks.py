@@ -126,12 +126,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-# One definition of the roles and task types: the timeline records carry the same values.
-from mok_cute.timeline import Role, TaskType  # noqa: E402  (re-exported)
 
 __all__ = [
     "Role",
     "TaskType",
+    "TaskWord",
     "CounterGroup",
     "Task",
     "TaskList",
@@ -147,6 +146,51 @@ __all__ = [
     "encode_device",
     "decode",
 ]
+
+
+class Role(enum.IntEnum):
+    COMM = 0
+    COMPUTE = 1
+
+
+class TaskType(enum.IntEnum):
+    """Task types of the list, and the span types the timeline recorder writes."""
+
+    DISPATCH = 0
+    FC1 = 1
+    FC2 = 2
+    COMBINE = 3
+    SHARED_FC1 = 4
+    SHARED_FC2 = 5
+    KSUM = 6
+    BARRIER = 7
+    WAIT = 8  # a wait on a task's counters (recorder on; task id: the waiting task)
+    # a GEMM task's consumers waiting for its first stage: the producer was still resolving the
+    # task or loading its first k-tile (megakernel, recorder on; task id: the task)
+    STAGE_WAIT = 9
+    # a GEMM task's phases, inside its span (megakernel, recorder on; task id: the task):
+    # EPILOGUE from its mainloop's last wgmma to its last output store issued, SIGNAL the
+    # store warp's wait for those stores to land, its fence and the publish
+    EPILOGUE = 10
+    SIGNAL = 11
+
+
+class TaskWord(enum.IntEnum):
+    """Word offsets of a task row of the device encoding (``encode``)."""
+
+    TYPE = 0
+    ROLE = 1
+    MINIBATCH = 2
+    M_TILE = 3
+    M_TILE_END = 4
+    N_TILE = 5
+    ROW_BEGIN = 6
+    ROW_END = 7
+    RING_ROW = 8
+    SIGNAL_GROUP = 9
+    SIGNAL_INDEX = 10
+    NUM_WAITS = 11
+    WAITS = 12  # wait w: words WAITS + 4 w .. + 3 = (group, first, count, target)
 
 
 class CounterGroup(enum.IntEnum):
@@ -167,7 +211,7 @@ _TILE_GROUPS = (CounterGroup.DISPATCHED, CounterGroup.FC1_DONE, CounterGroup.FC2
 _MINIBATCH_GROUPS = (CounterGroup.DISPATCHED_MB,)
 
 MAX_WAITS = 3
-TASK_WORDS = 12 + 4 * MAX_WAITS
+TASK_WORDS = TaskWord.WAITS + 4 * MAX_WAITS
 
 _ROLE_OF = {
     TaskType.DISPATCH: Role.COMM, TaskType.COMBINE: Role.COMM, TaskType.BARRIER: Role.COMM,
@@ -1015,38 +1059,4 @@ def live_minibatches(num_tiles: int, tiles_per_minibatch: int) -> int:
     return -(-int(num_tiles) // int(tiles_per_minibatch))
 
 
-def simulate_live_run(task_list: TaskList, num_tiles: int) -> dict:
-    """Host model of what the kernel does with a static list and ``num_tiles`` real tiles:
-    which list indices each role's CTAs fetch, which they run, which are no-ops. Used by the
-    tests to check the live-prefix tables; cheap enough for debugging the kernel too."""
-    dev = encode_device(task_list)
-    live = live_minibatches(num_tiles, task_list.tiles_per_minibatch)
-    if live > task_list.num_minibatches:
-        raise ValueError(f"num_tiles must be <= {task_list.num_m_tiles} (static tiles), "
-                         f"got {num_tiles}")
-    out = {}
-    for r in (Role.COMM, Role.COMPUTE):
-        qlen = int(dev.queue_len[r])
-        live_len = int(dev.queue_live_len[r, live])
-        tail = int(dev.queue_tail_begin[r])
-        fetched, ran, noop, skipped = [], [], [], []
-        q = 0
-        while True:
-            pos = q if q < live_len else tail + (q - live_len)
-            if pos >= qlen:
-                break
-            i = int(dev.queues[r, pos])
-            fetched.append(i)
-            mb = int(task_list.minibatch[i])
-            if mb >= live:
-                skipped.append(i)
-            elif mb >= 0 and int(task_list.m_tile_begin[i]) >= num_tiles:
-                noop.append(i)
-            else:
-                ran.append(i)
-            q += 1
-        out[Role(r)] = dict(fetched=fetched, ran=ran, noop=noop, skipped=skipped)
-    return out
-
-
-__all__ += ["live_minibatches", "simulate_live_run", "TaskListParams"]
+__all__ += ["live_minibatches", "TaskListParams"]

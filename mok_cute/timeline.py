@@ -33,44 +33,18 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from enum import IntEnum
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from mok_cute.constants import TIMELINE_HEADER_WORDS as HEADER_WORDS
 from mok_cute.figures import save_png
-
-HEADER_WORDS = 8
-RECORD_WORDS = 4
+from mok_cute.constants import TIMELINE_RECORD_WORDS as RECORD_WORDS
+from mok_cute.tasks import Role, TaskType
 
 # Field widths of the packed word0 (shift, bits).
 _PACK = {"role": (0, 8), "task_type": (8, 8), "rank": (16, 16), "sm_id": (32, 16), "cta_id": (48, 16)}
-
-
-class Role(IntEnum):
-    COMM = 0
-    COMPUTE = 1
-
-
-class TaskType(IntEnum):
-    DISPATCH = 0
-    FC1 = 1
-    FC2 = 2
-    COMBINE = 3
-    SHARED_FC1 = 4
-    SHARED_FC2 = 5
-    KSUM = 6
-    BARRIER = 7
-    WAIT = 8
-    # a GEMM task's consumers waiting for its first stage: the producer was still resolving the
-    # task or loading its first k-tile (megakernel, recorder on; task id: the task)
-    STAGE_WAIT = 9
-    # a GEMM task's phases, inside its span (megakernel's cooperative loop, recorder on; task
-    # id: the task): EPILOGUE from its mainloop's last wgmma to its last output store issued,
-    # SIGNAL the store warp's wait for those stores to land, its fence and the publish
-    EPILOGUE = 10
-    SIGNAL = 11
 
 
 # Exposed-communication accounting: which task types move data between GPUs and which compute.

@@ -31,27 +31,25 @@ def cases() -> dict:
     The megakernel cases carry the static configuration that ``mok_cute.megakernel.plan_for``
     resolves for: one rank on one GPU (K = 8 and K = 2, with a shared expert, with the
     recorder), virtual ranks (R = 8, rows in place or every row copied), and one IPC rank."""
-    from mok_cute.kernels import comm_sm90, gemm_sm90, megakernel_sm90, schedule_build, token_ops
+    from mok_cute.kernels import gemm_sm90, megakernel, schedule_build, token_ops
 
     opt = "--keep-ptx"
 
     def fc(**kw):
         return lambda: gemm_sm90.compile_grouped_gemm(options=opt, **kw)
 
-    one_rank = dict(num_ranks=1, num_ctas=132, num_comm_ctas=0, local_direct=True,
-                    dynamic_tickets=True, ksum_vectors=16, decoded_tickets=True,
-                    store_warp_signals=True, ksum_staged=True, short_task_start=True,
-                    defer_signals=True, defer_flush_ktiles=8, strided_tickets=True)
-    virtual = dict(num_ranks=8, num_ctas=132, num_comm_ctas=12, local_direct=True,
-                   rank_blocks=True, dynamic_tickets=True, ksum_vectors=16,
-                   decoded_tickets=True, store_warp_signals=True, ksum_staged=True,
-                   short_task_start=True)
-    ipc = dict(num_ranks=1, num_ctas=132, num_comm_ctas=12, scope="sys", local_direct=True,
-               ksum_vectors=16, store_warp_signals=True, ksum_staged=True)
+    one_rank = dict(num_ranks=1, num_ctas=132, num_comm_ctas=0, rows_in_place=True,
+                    tickets="strided", defer_signals=True)
+    virtual = dict(num_ranks=8, num_ctas=132, num_comm_ctas=12, rows_in_place=True,
+                   tickets="dynamic")
+    ipc = dict(num_ranks=1, num_ctas=132, num_comm_ctas=12, scope="sys", rows_in_place=True,
+               tickets="static")
 
     def mk(base, **kw):
         merged = {**base, **kw}
-        return lambda: megakernel_sm90.compile_megakernel(options=opt, **merged)
+        if "local_direct" in merged:  # the case names below are shared with older commits
+            merged["rows_in_place"] = merged.pop("local_direct")
+        return lambda: megakernel.compile_megakernel(options=opt, **merged)
 
     return {
         "fc1": fc(epilogue="swiglu", tile_n=256),
@@ -75,8 +73,6 @@ def cases() -> dict:
                                                                      options=opt),
         "schedule_build": lambda: schedule_build.compile_schedule_build(num_experts=32,
                                                                         options=opt),
-        "pull_dispatch": lambda: comm_sm90.compile_pull_dispatch(options=opt),
-        "push_combine": lambda: comm_sm90.compile_push_combine(options=opt),
     }
 
 

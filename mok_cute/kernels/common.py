@@ -20,6 +20,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Float32, const_expr
 
+from mok_cute.constants import (PEER_NEVER_STARTED, TIMELINE_HEADER_WORDS, TIMELINE_RECORD_WORDS,
+                                WAIT_TIMEOUT)
+
 LOG2_E = 1.4426950408889634
 
 
@@ -58,11 +61,10 @@ def silu(x: Float32) -> Float32:
 # publishes with release semantics, a consumer spins with acquire loads until the counter
 # reaches its target. A wait is bounded: past its deadline it records who it was waiting
 # for in an error word and gives up, so a stalled peer becomes a host-side exception, not a
-# hang. Error word layout (int64): 0 = no error, else (task_id + 1) | peer << 32 | code << 48.
+# hang. Error word layout (int64, mok_cute.constants; mok_cute.errors decodes it): 0 = no
+# error, else (task_id + 1) | peer << 32 | code << 48.
 # Every waiter that gives up records its word with an atomic max, so the highest code wins:
 # the peer that never started outranks the peers stalled behind it.
-WAIT_TIMEOUT = 1  # error code: a wait passed its deadline (the peer had started this launch)
-PEER_NEVER_STARTED = 2  # error code: ... and the peer never announced its start
 SPIN_SLEEP_MIN_NS = 32
 SPIN_SLEEP_MAX_NS = 2048
 
@@ -125,31 +127,6 @@ def wait_counter(counter: cute.Tensor, index, target, deadline_ns: Int64, error:
     return counter_load(counter, index, scope) >= target
 
 
-class PeerTimeoutError(RuntimeError):
-    """A bounded wait inside a kernel passed its deadline: names the task and the peer."""
-
-    def __init__(self, task_id: int, peer: int, code: int):
-        self.task_id, self.peer, self.code = task_id, peer, code
-        why = ("that peer never announced its start (its process died or never launched)"
-               if code == PEER_NEVER_STARTED else "that peer stopped publishing its counters")
-        super().__init__(f"task {task_id} timed out waiting for peer {peer} (error code {code}): {why}")
-
-
-def decode_wait_error(word: int) -> tuple[int, int, int] | None:
-    """(task_id, peer, code) from an error word written by ``wait_counter``; None if 0."""
-    word = int(word)
-    if word == 0:
-        return None
-    return (word & 0xFFFFFFFF) - 1, (word >> 32) & 0xFFFF, (word >> 48) & 0xFFFF
-
-
-def raise_on_wait_error(word: int) -> None:
-    """Turn a non-zero error word into a PeerTimeoutError (host side, after the launch)."""
-    decoded = decode_wait_error(word)
-    if decoded is not None:
-        raise PeerTimeoutError(*decoded)
-
-
 # ---------------------------------------------------------------------- compile helpers
 def fake_strided_tensor(dtype, shape, contiguous_mode: int = -1, align_bytes: int = 16):
     """Fake tensor with one stride-1 mode; the other strides are run-time values divisible
@@ -177,12 +154,7 @@ def fake_stream():
 
 
 # ---------------------------------------------------------------------- timeline recorder
-# Layout (decoded by mok_cute.timeline): int64 buf[8 + 4 * capacity]; buf[0] capacity,
-# buf[1] ticket counter (may pass capacity: the excess is the dropped count), buf[2] start
-# ns (first writer wins). Record i = buf[8 + 4i : 8 + 4i + 4]:
-#   word0 role | type << 8 | rank << 16 | sm << 32 | cta << 48, word1 task id, word2/3 ns.
-TIMELINE_HEADER_WORDS = 8
-TIMELINE_RECORD_WORDS = 4
+# The buffer layout is in mok_cute.constants (decoded by mok_cute.timeline).
 
 
 @cute.jit

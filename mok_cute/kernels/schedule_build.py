@@ -359,17 +359,18 @@ def supports(num_ranks: int, num_local_experts: int) -> bool:
     return num_local_experts <= MAX_EXPERTS and num_ranks * num_local_experts <= MAX_PEER_EXPERTS
 
 
-def build_schedules(topk_idx_all: torch.Tensor, num_local_experts: int, tile_m: int = 128, *,
-                    first_rank: int = 0, count: int | None = None, poison: int | None = None):
-    """The ``mok_cute.schedule.ReceiveSchedules`` of ranks ``first_rank`` .. ``+ count - 1``
-    (default: every rank from ``first_rank`` on) from every peer's routing ``topk_idx_all
-    [R, T, K]`` (global expert ids, int32 or int64, CUDA), all built by the same two launches.
-    Each rank's slice equals ``schedule.build_receive_schedule(..., validate=False)``, and
-    ``slot_rows`` holds each rank's own slots (``schedule.row_of_slot`` of that peer).
-    ``poison`` (tests): fill every output with this value first, so an element the kernels
-    failed to write shows."""
+def build_schedules(topk_idx_all: torch.Tensor, num_local_experts: int, tile_m: int,
+                    capacity: int, *, first_rank: int = 0, count: int | None = None,
+                    poison: int | None = None) -> dict:
+    """The fields of the ``mok_cute.schedule.ReceiveSchedules`` of ranks ``first_rank`` ..
+    ``+ count - 1`` (default: every rank from ``first_rank`` on) from every peer's routing
+    ``topk_idx_all [R, T, K]`` (global expert ids, int32 or int64, CUDA), all built by the same
+    two launches, each tensor with a leading rank dim. ``capacity`` is
+    ``schedule.schedule_capacity(R, T, K, num_local_experts, tile_m)``. Each rank's slice
+    equals ``schedule.build_receive_schedule(..., gpu_build=False)``, and ``slot_rows`` holds
+    each rank's own slots (``schedule.row_of_slot`` of that peer). ``poison`` (tests): fill
+    every output with this value first, so an element the kernels failed to write shows."""
     from mok_cute.config import check_int, check_tensor
-    from mok_cute.schedule import ReceiveSchedules, schedule_capacity
 
     check_tensor("topk_idx_all", topk_idx_all, shape=("R", "T", "K"),
                  dtype=(torch.int32, torch.int64), contiguous=False)
@@ -389,7 +390,6 @@ def build_schedules(topk_idx_all: torch.Tensor, num_local_experts: int, tile_m: 
         raise ValueError(f"topk_idx_all: R*T*K must be below 2**31, got {R * num_slots}")
     E = num_local_experts
     device = topk_idx_all.device
-    capacity = schedule_capacity(R, T, K, E, tile_m)
     ids = topk_idx_all.contiguous()
     i32 = dict(dtype=torch.int32, device=device)
     row_token = torch.empty(count, capacity, **i32)
@@ -421,18 +421,7 @@ def build_schedules(topk_idx_all: torch.Tensor, num_local_experts: int, tile_m: 
                                            slot_rows, counts, offsets, tile_expert, num_tiles)),
                  Int32(R), Int32(first_rank), Int32(count), Int32(num_slots), Int32(K),
                  Int32(capacity), cuda_driver.CUstream(torch.cuda.current_stream(device).cuda_stream))
-    return ReceiveSchedules(
+    return dict(
         first_rank=first_rank, num_ranks=R, num_local_experts=E, tile_m=tile_m, capacity=capacity,
         row_peer=row_peer, row_token=row_token, row_k=row_k, expert_counts=counts,
         expert_offsets=offsets, tile_expert=tile_expert, num_tiles=num_tiles, slot_rows=slot_rows)
-
-
-def build_schedule(topk_idx_all: torch.Tensor, rank: int, num_local_experts: int,
-                   tile_m: int = 128, *, poison: int | None = None):
-    """Rank ``rank``'s ``mok_cute.schedule.ReceiveSchedule`` (``build_schedules`` of one rank)."""
-    from mok_cute.config import check_int
-
-    if isinstance(topk_idx_all, torch.Tensor) and topk_idx_all.dim() == 3:  # else named below
-        check_int("rank", rank, min_value=0, max_value=topk_idx_all.shape[0] - 1)
-    return build_schedules(topk_idx_all, num_local_experts, tile_m, first_rank=rank, count=1,
-                           poison=poison)[0]

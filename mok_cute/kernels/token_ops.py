@@ -54,11 +54,10 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from mok_cute import jit
+from mok_cute.constants import MAX_TOP_K as MAX_K
+from mok_cute.constants import VEC_ELEMS
 
-# 16 bytes of bf16: the widest global load/store a thread can issue.
-VEC_ELEMS = 8
-VEC_BITS = 128
-MAX_K = 16
+VEC_BITS = 128  # 16 bytes of bf16: the widest global load/store a thread can issue
 
 
 @dsl_user_op
@@ -108,114 +107,6 @@ def k_sum_vector(ys: cute.Tensor, base: cute.Tensor, weights: cute.Tensor, u: in
     res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
     res.store(acc.load().to(BFloat16))
     return res
-
-
-# The k-sum by the last arriver (the pingpong FC2's ``ksum_top_k``): half a warp sums one
-# token's 128-column segment, 16 lanes x one 8-element vector each.
-LAST_ARRIVER_TILE_N = 16 * VEC_ELEMS
-
-
-@cute.jit
-def _lowest_bit(mask: Int32) -> Int32:
-    """Index of the lowest set bit of a non-zero ``mask``."""
-    return Int32(cute.arch.clz(cute.arch.brev(mask)))
-
-
-def last_arriver_passes(K: int) -> int:
-    """Finished-token pairs a warp sums per step with their y loads in flight together (2:
-    ~2 K 16-byte vectors per lane; 1 past K = 8, for the registers)."""
-    return 2 if K <= 8 else 1
-
-
-@cute.jit
-def _count_row(mCounters: cute.Tensor, token: Int32, n_tile: Int32, num_n_tiles: Int32,
-               K: cutlass.Constexpr[int]) -> Int32:
-    """Count a y row of ``token`` (-1: padding, not counted) into its (token, N-tile)
-    counter, acq_rel (the rows counted before are visible to this thread); 1 if this row
-    brought the counter to K, else 0."""
-    last = Int32(0)
-    if token >= 0:
-        old = cute.arch.atomic_add((mCounters.iterator + token * num_n_tiles + n_tile).llvm_ptr,
-                                   Int32(1), sem="acq_rel", scope="gpu")
-        if old == K - 1:
-            last = Int32(1)
-    return last
-
-
-@cute.jit
-def sum_finished_tokens(mY: cute.Tensor, mOut: cute.Tensor, mRowToken: cute.Tensor,
-                        mSlotRows: cute.Tensor, mWeights: cute.Tensor, mCounters: cute.Tensor,
-                        row: Int32, n_tile: Int32, num_n_tiles: Int32, K: cutlass.Constexpr[int],
-                        sums: cutlass.Constexpr[bool] = True):
-    """The k-sum fused into FC2's epilogue, one y row per thread of a warpgroup. Call it after
-    this tile's y rows have landed and been released at GPU scope.
-
-    ``mY`` / ``mOut`` are ``_row_vectors`` views of y (expert-sorted rows) and out ``[T, H]``;
-    ``mRowToken`` [rows] is the token of each y row (-1: padding), ``mSlotRows`` [T*K] the y
-    row of each (token, k) slot, ``mWeights`` [T*K] fp32, ``mCounters`` [T * num_n_tiles]
-    zeros at launch. Each thread counts its row into its (token, N-tile) counter (acq_rel:
-    the rows counted before are visible to it); the thread that brings a counter to K owns
-    that token's segment, and half a warp sums it with ``k_sum_vector``: the same ascending-k
-    order and roundings as ``WeightedKSum``, so the output is the same bits whichever tile
-    arrives last. No thread waits on another CTA. ``sums`` False leaves out the sums
-    (``gemm_sm90.KSUM_STAGES``, a diagnostic)."""
-    token = mRowToken[row]
-    # this row's token's K slot rows and weights, loaded while the count is taken (L2 hits,
-    # wasted unless the row finishes its token): a step's y loads then wait on one latency
-    # (the shuffles), not two (the index loads, then the rows)
-    slot_rows = cute.make_rmem_tensor((K,), Int32)
-    weights = cute.make_rmem_tensor((K,), Float32)
-    if const_expr(sums):
-        safe = cutlass.max(token, 0) * K
-        for k in cutlass.range_constexpr(K):
-            slot_rows[k] = mSlotRows[safe + k]
-            weights[k] = mWeights[safe + k]
-    last = _count_row(mCounters, token, n_tile, num_n_tiles, K)
-    mask = cute.arch.vote_ballot_sync(last != 0)
-    if const_expr(not sums):
-        mask = Int32(0)
-    if mask != 0:
-        # the acquiring lane's view for the lanes that read with it
-        cute.arch.sync_warp()
-        cute.arch.fence_acq_rel_gpu()
-    lane = cute.arch.lane_idx()
-    half = lane // 16
-    vec = n_tile * 16 + lane % 16
-    in_row = vec < cute.size(mY, mode=[1])
-    atom = _vector_copy_atom()
-    passes = last_arriver_passes(K)
-    while mask != 0:
-        # up to 2 * passes finished tokens per step, one per half warp and pass
-        ys = cute.make_rmem_tensor((VEC_ELEMS, passes, K), BFloat16)
-        ws = cute.make_rmem_tensor((passes, K), Float32)
-        toks = []
-        actives = []
-        for p in cutlass.range_constexpr(passes):
-            first = _lowest_bit(mask | Int32(0))  # (mask may be 0 on a second pass)
-            mask = mask & (mask - 1)
-            second = first
-            has_second = mask != 0
-            if has_second:
-                second = _lowest_bit(mask)
-                mask = mask & (mask - 1)
-            src_lane = first
-            if half == 1:
-                src_lane = second
-            # a pass with no token left (first == 32) reads lane 31's values and stays idle
-            active = (first < 32) & ((half == 0) | has_second) & in_row
-            toks.append(cute.arch.shuffle_sync(token, src_lane))
-            rows = cute.make_rmem_tensor((K,), Int32)
-            for k in cutlass.range_constexpr(K):
-                rows[k] = cute.arch.shuffle_sync(slot_rows[k], src_lane)
-                ws[p, k] = cute.arch.shuffle_sync(weights[k], src_lane)
-            if active:
-                for k in cutlass.range_constexpr(K):
-                    cute.copy(atom, mY[None, vec, rows[k]], ys[None, p, k])
-            actives.append(active)
-        for p in cutlass.range_constexpr(passes):
-            if actives[p]:
-                res = k_sum_vector(ys, ys[None, None, 0], ws[p, None], p, K, False)
-                cute.copy(atom, res, mOut[None, vec, toks[p]])
 
 
 def _row_vectors(ptr: cute.Pointer, h_vecs: Int32, num_rows: Int32) -> cute.Tensor:

@@ -151,6 +151,17 @@ def resolve_config(config, shape, num_ranks: int, profile: HardwareProfile | str
     return dataclasses.replace(config, **{n: best[n] for n in names if getattr(config, n) is None})
 
 
+def tuned_config(config, num_peers: int, tokens: int, hidden: int, intermediate: int,
+                 num_experts: int, top_k: int, shared_intermediate: int,
+                 profile: str = "h200_hgx"):
+    """``config`` with its ``None`` tuning fields (num_comm_sms, minibatch_tokens,
+    ring_tokens) filled by the tuner for an EP group of ``num_peers`` GPUs over NVLink;
+    fields the caller set are kept and held fixed. Resolved before the megakernel's plan
+    (which never imports the simulator). Cached per shape (1-5 s for a new one)."""
+    shape = SimShape("plan", tokens, hidden, intermediate, num_experts, top_k, shared_intermediate)
+    return resolve_config(config, shape, num_peers, profile)
+
+
 def _parse_shape(spec: str) -> SimShape:
     from ..benchmark import SHAPES, resolve_shape
 

@@ -1,0 +1,90 @@
+"""Numbers and static configurations the host code and the kernels share. Imports nothing
+heavy (no DSL, no torch), so the host side (plans, task lists, the simulator, tests) uses them
+without compiling anything."""
+
+import dataclasses
+
+TILE_M = 128  # GEMM tile height, and the padding granule of each expert's row segment
+TILE_K = 64  # GEMM k-tile depth (bf16: one 128-byte swizzle row)
+VEC_ELEMS = 8  # bf16 per 16-byte vector (row copies, the k-sum)
+MAX_TOP_K = 16  # the k-sums unroll K at compile time
+
+# Megakernel
+TASK_TILE_N = 256  # output columns of an FC1 (half gate, half up) or FC2 task
+TICKETS = 2  # int32 words after rank 0's counters: the comm and compute ticket counters
+KSUM_ROWS = 8  # local tokens per KSUM task (must divide TILE_M)
+ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest
+
+# The megakernel's run-time scalars (int64 words of ``Plan.scalars``), in order.
+SCALAR_FIELDS = ("epoch", "rank_base", "tiles_per_minibatch", "x_offset", "combine_offset",
+                 "flags_offset", "timeout_ns", "local_experts", "static_tiles", "silent_rank")
+SCALARS = len(SCALAR_FIELDS)
+
+# Error word of a bounded wait (int64): 0 = no error, else
+# (task_id + 1) | peer << 32 | code << 48; the highest code wins (atomic max).
+WAIT_TIMEOUT = 1  # a wait passed its deadline (the peer had started this launch)
+PEER_NEVER_STARTED = 2  # ... and the peer never announced its start
+
+# Timeline recorder buffer: int64 buf[8 + 4 * capacity]; buf[0] capacity, buf[1] ticket
+# counter (may pass capacity: the excess is the dropped count), buf[2] start ns (first writer
+# wins). Record i = buf[8 + 4i : 8 + 4i + 4]: word0 role | type << 8 | rank << 16 | sm << 32
+# | cta << 48, word1 task id, word2/3 ns.
+TIMELINE_HEADER_WORDS = 8
+TIMELINE_RECORD_WORDS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MegakernelSpec:
+    """The static configuration of one compiled megakernel (``kernels.megakernel``), resolved
+    by the host plan (``mok_cute.megakernel.plan_for``) from the shapes and ``MoKConfig``.
+
+    num_ranks       virtual ranks in the launch (1: one GPU, or this process's IPC rank)
+    num_ctas        the grid (every CTA resident: a cooperative launch)
+    num_comm_ctas   CTAs 0 .. num_comm_ctas - 1 walk the comm queue; 0 at one rank whose list
+                    has no comm task (the BARRIER is then a compute task)
+    top_k           K (the k-sum is unrolled over it)
+    has_shared      the shared expert's tasks are in the list
+    scope           "gpu" (virtual ranks) or "sys" (peers on other GPUs): flags and counters
+    timeline        record one span per task (``mok_cute.timeline``)
+    rows_in_place   a rank's own rows are read where they are (never copied; the ring holds
+                    every routed row)
+    tickets         "static", "dynamic" or "strided" (``MegakernelOptions.tickets``)
+    defer_signals   one rank, no comm task, the ticket ring: a GEMM task's publish waits until
+                    the CTA's next task needs it out of the way
+    """
+
+    num_ranks: int = 1
+    num_ctas: int = 132
+    num_comm_ctas: int = 0
+    top_k: int = 8
+    has_shared: bool = False
+    scope: str = "gpu"
+    timeline: bool = False
+    rows_in_place: bool = True
+    tickets: str = "strided"
+    defer_signals: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_comm_ctas < self.num_ctas:
+            raise ValueError(f"num_comm_ctas must be in [0, num_ctas={self.num_ctas}), "
+                             f"got {self.num_comm_ctas}")
+        if self.num_comm_ctas == 0 and self.num_ranks != 1:
+            raise ValueError(f"num_comm_ctas=0 needs num_ranks=1, got num_ranks={self.num_ranks}")
+        if not 1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [1, {MAX_TOP_K}], got {self.top_k}")
+        if self.scope not in ("gpu", "sys"):
+            raise ValueError(f"scope must be 'gpu' or 'sys', got {self.scope!r}")
+        if self.tickets not in ("static", "dynamic", "strided"):
+            raise ValueError(f"tickets must be 'static', 'dynamic' or 'strided', got {self.tickets!r}")
+        if self.defer_signals and not (self.num_ranks == 1 and self.ticket_ring):
+            raise ValueError("defer_signals needs one rank and the ticket ring")
+
+    @property
+    def ticket_ring(self) -> bool:
+        """Compute tickets go through the smem ring of decoded task words."""
+        return self.tickets != "static"
+
+    @property
+    def rank_blocks(self) -> bool:
+        """Virtual ranks walk the list block by block (a minibatch each), rank by rank."""
+        return self.num_ranks > 1

@@ -1,0 +1,188 @@
+"""The one-GPU expert path: torch tensors in, mok_cute kernels launched, torch tensors out.
+
+    x --scatter_rows--> x_sorted --FC1 (swiglu)--> h --FC2 (store)--> y --k-sum--> out
+                                   shared expert: x --FC1--> hs --FC2--> s ---^
+
+Every step runs on the stream of the current torch device with no host sync: the receive
+schedule (built on the GPU) keeps counts in device memory and the GEMMs read the M-tile count
+and tile -> expert table from there. ``MoKConfig.expert_path`` (``ExpertPathOptions``) says
+which GEMM kernel runs FC2 and how tiles are rasterised.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+
+import torch
+
+from mok_cute import jit
+from mok_cute.config import ExpertPathOptions, MoKConfig
+from mok_cute.constants import MAX_TOP_K, TILE_M
+
+
+# ---------------------------------------------------------------------- availability
+@functools.lru_cache(maxsize=None)
+def _dsl_import_error() -> str | None:
+    try:
+        importlib.import_module("cutlass.cute")  # imports cutlass too
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return f"nvidia-cutlass-dsl not importable: {exc}"
+    return None
+
+
+def kernel_path_status(device=None) -> tuple[bool, str]:
+    """(available, reason): whether moe_forward can run on mok_cute kernels on ``device``."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda":
+        return False, f"tensors are on {dev.type}, kernels need a CUDA device"
+    major, minor = torch.cuda.get_device_capability(dev)
+    if (major, minor) != (9, 0):
+        return False, f"compute capability {major}.{minor}: kernels are built for sm_90a (Hopper)"
+    err = _dsl_import_error()
+    if err:
+        return False, err
+    return True, f"mok_cute sm_90a kernels on {torch.cuda.get_device_name(dev)}"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
+                 num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
+                 group_m: int = 8, out: torch.Tensor | None = None,
+                 timeline: torch.Tensor | None = None, task_type: int | None = None,
+                 w_up: torch.Tensor | None = None, pingpong: bool = False) -> torch.Tensor:
+    """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
+
+    a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
+    num_m_tiles: [1] int32 (device). "store" returns [M, N]; "swiglu" takes w = W_gate and
+    w_up = W_up (both [E, I, K]) and returns silu(A Wg^T) * (A Wu^T), [M, I].
+    Rows past num_m_tiles*128 are untouched.
+    timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
+    one span per tile with ``task_type``; None compiles the variant without the recorder.
+    """
+    from mok_cute.kernels import gemm_sm90
+    m, k = a.shape
+    e, n, k_w = w.shape
+    if k_w != k:
+        raise ValueError(f"w: expected K={k} (from a), got {k_w}")
+    if (epilogue == "swiglu") != (w_up is not None):
+        raise ValueError(f"w_up: expected a tensor exactly for the swiglu epilogue, got "
+                         f"{type(w_up).__name__} with epilogue={epilogue!r}")
+    if w_up is not None and w_up.shape != w.shape:
+        raise ValueError(f"w_up: expected shape {tuple(w.shape)} like w, got {tuple(w_up.shape)}")
+    tile_n = tile_n or gemm_sm90.choose_tile_n(n, epilogue)
+    if out is None:
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    compiled = jit.compile_kernel(
+        "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
+        tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
+        timeline=timeline is not None, task_type=task_type if timeline is not None else None,
+        pingpong=pingpong)
+    compiled(a.unsqueeze(2), w.permute(1, 2, 0),
+             None if w_up is None else w_up.permute(1, 2, 0),
+             out.unsqueeze(2), tile_expert, num_m_tiles, timeline)
+    return out
+
+
+def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
+               options: ExpertPathOptions, timeline: torch.Tensor | None = None,
+               shared: bool = False):
+    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert."""
+    from mok_cute.tasks import TaskType
+    fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
+    h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
+                     group_m=options.fc1_group_m, timeline=timeline, task_type=int(fc1))
+    pingpong = options.fc2_pingpong(w_down.shape[2])
+    return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
+                        group_m=options.fc2_group_m, timeline=timeline, task_type=int(fc2),
+                        pingpong=pingpong, tile_n=128 if pingpong else None)
+
+
+# ---------------------------------------------------------------------- the layer
+
+def unsupported_shape_reason(hidden: int, inter: int, top_k: int, shared_inter: int | None,
+                             tile_m: int = TILE_M) -> str:
+    """Why the kernels cannot take these sizes ("" when they can)."""
+    if tile_m != TILE_M:
+        return f"config.tile_m: the sm_90a GEMMs use {TILE_M}-row tiles, got {tile_m}"
+    if hidden % 64:
+        return f"x: hidden size must be a multiple of 64 for the kernels, got {hidden}"
+    if inter % 64:
+        return f"w_gate: intermediate size must be a multiple of 64 for the kernels, got {inter}"
+    if shared_inter is not None and shared_inter % 64:
+        return f"shared: intermediate size must be a multiple of 64 for the kernels, got {shared_inter}"
+    if top_k > MAX_TOP_K:
+        return f"topk_idx: K must be <= {MAX_TOP_K} for the kernels, got {top_k}"
+    return ""
+
+
+def expert_rows(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
+    """One GPU's receive schedule of ``topk_idx`` [T, K], the padded row of each (token, k)
+    slot (the scatter's destinations and the k-sum's sources), and x's rows in expert order,
+    tile-padded. x is scattered token-major (each x row read once, written to its K rows;
+    padding rows left as allocated: no GEMM output row depends on another row) rather than
+    gathered (each of the K rows reads its x row): x does not fit in L2 on dsv3 or sonic."""
+    from mok_cute import schedule as sched_mod
+    from mok_cute.kernels import token_ops
+
+    num_tokens, top_k = topk_idx.shape
+    # api.py checks the ids (its device read is waited for after these launches) or the
+    # caller vouches for them (check_ids=False): the schedule skips its own host read
+    sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
+                                             tile_m=TILE_M, validate=False)
+    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
+    x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+    token_ops.scatter_rows(x, row_of_slot, x_rows)
+    return sched, row_of_slot, x_rows
+
+
+def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
+                       config: MoKConfig | None = None) -> torch.Tensor:
+    """One-GPU MoE forward on mok_cute kernels. Inputs are already validated by api.py."""
+    from mok_cute.kernels import token_ops
+
+    config = config or MoKConfig()
+    unsupported = unsupported_shape_reason(x.shape[1], w_gate.shape[1], topk_idx.shape[1],
+                                           None if shared is None else shared[0].shape[0],
+                                           config.tile_m)
+    if unsupported:
+        if config.backend == "kernel":
+            raise ValueError(f"config.backend='kernel': {unsupported}")
+        warnings.warn(f"mok_cute: running the PyTorch reference because {unsupported}",
+                      stacklevel=3)
+        from mok_cute import reference
+        return reference.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
+    recorder = None
+    if config.timeline:
+        from mok_cute.timeline import TimelineBuffer
+        recorder = TimelineBuffer(config.timeline_capacity, device=x.device)
+    timeline = recorder.tensor if recorder is not None else None
+    num_tokens = topk_idx.shape[0]
+    options = config.expert_path
+    sched, row_of_slot, x_rows = expert_rows(x, topk_idx, w_gate.shape[0])
+    y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, options,
+                   timeline)
+
+    shared_rows = None
+    if shared is not None:
+        ws_gate, ws_up, ws_down = shared
+        n_tiles = (num_tokens + TILE_M - 1) // TILE_M
+        zeros = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
+        count = torch.full((1,), n_tiles, dtype=torch.int32, device=x.device)
+        shared_rows = expert_mlp(x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0),
+                                 ws_down.unsqueeze(0), zeros, count, options, timeline,
+                                 shared=True)
+
+    # the k-sum reads each (token, k) expert row where FC2 left it: no permuted copy of y
+    out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
+    if recorder is not None:
+        from mok_cute.timeline import set_last
+        set_last(recorder)
+    return out

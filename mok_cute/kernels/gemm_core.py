@@ -1,0 +1,277 @@
+"""The one GEMM core of mok_cute on Hopper (sm_90a): tiles, fragments, mainloop, epilogue.
+
+Every matrix product of the package runs through this class: the grouped expert GEMM
+(``gemm_sm90.GroupedGemmSm90``) and the megakernel's GEMM tasks (``megakernel``) inherit
+it. A kernel built on it
+
+- sets ``a_dtype`` / ``b_dtype`` / ``c_dtype`` and calls ``_setup_attributes`` (tiled MMA,
+  stage count, swizzled smem layouts);
+- fills ``ab_stages`` mbarrier stages from its producer warp(s) with TMA (or cp.async);
+- in each consumer thread takes its fragments once (``consumer_parts``), then per output
+  tile runs ``mainloop`` (wgmma over the tile's k-tiles, one batch in flight, each stage
+  released once the batch that read it has retired) and ``store_tile_epilogue``
+  (accumulator -> bf16 -> smem subtiles by stmatrix -> TMA stores by one warp).
+
+The mainloop calls hook methods at fixed points (``mainloop_begin``, ``first_stage_wait``,
+``stage_ready``, ``k_tile_issued``, ``mainloop_end``); a kernel overrides those it needs
+(the pingpong GEMM's mainloop turns, the megakernel's proxy fence for gathered rows, its
+deferred publish) and passes their run-time values as ``hook_args``. The defaults emit
+nothing.
+
+Pipeline states are rebuilt from a count of stage uses (``pipeline_state``) rather than
+carried: a state mutated inside a ``@cute.jit`` helper's run-time loop cannot leave it.
+
+Tiles: ``TILE_M`` x ``tile_n`` x ``TILE_K`` (128 x {64, 128, 256} x 64), bf16 operands,
+K-major, fp32 accumulators. Cooperative: the two consumer warpgroups split each tile's rows
+(64 each). Pingpong: each consumer warpgroup owns whole tiles (``tile_n <= 128``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+
+from mok_cute.constants import TILE_K, TILE_M
+from mok_cute.kernels import common
+
+EPI_N = 32  # columns of an epilogue subtile (64 measured level: docs/measurements.md)
+
+
+class GemmCoreSm90:
+    """Static GEMM configuration and the device code every GEMM of the package shares.
+
+    :param tile_n: CTA tile width in N (64, 128 or 256).
+    :param pingpong: the two consumer warpgroups alternate whole tiles (``tile_n <= 128``)
+        instead of splitting each tile's rows.
+    """
+
+    def __init__(self, tile_n: int = 256, pingpong: bool = False):
+        if tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
+        if pingpong and tile_n > 128:
+            raise ValueError(f"pingpong keeps a whole 128 x tile_n accumulator per warpgroup: "
+                             f"tile_n must be <= 128, got {tile_n}")
+        self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
+        self.pingpong = pingpong
+        self.atom_layout_mnk = (1, 1, 1) if pingpong else (2, 1, 1)
+        self.acc_dtype = Float32
+        # one producer warpgroup and two consumer warpgroups
+        self.num_mma_warpgroups = 2
+        self.threads_per_warpgroup = 128
+        self.threads_per_cta = (1 + self.num_mma_warpgroups) * self.threads_per_warpgroup
+        self.num_mma_threads = self.num_mma_warpgroups * self.threads_per_warpgroup
+        # threads that work on one tile, arrive on its stages and sync its epilogue
+        self.threads_per_tile = self.threads_per_warpgroup if pingpong else self.num_mma_threads
+        self.load_warp = 0
+        self.producer_regs = 40
+        self.consumer_regs = 232
+        self.epi_tile = (64, EPI_N) if pingpong else (TILE_M, EPI_N)
+        self.epi_stages = 4
+        # pingpong: each consumer warpgroup has its own epilogue buffers
+        self.epi_buffers = self.epi_stages * (2 if pingpong else 1)
+        self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
+        self.buffer_align_bytes = 1024
+        # derived in _setup_attributes once the dtypes are known
+        self.tiled_mma = None
+        self.ab_stages = None
+        self.a_smem_layout_staged = None
+        self.b_smem_layout_staged = None
+        self.epi_smem_layout_staged = None
+
+    # ------------------------------------------------------------------ derived attributes
+    def _setup_attributes(self):
+        """The tiled MMA, the stage count (what smem holds beside the epilogue buffers) and
+        the swizzled smem layouts, from ``a_dtype`` / ``b_dtype`` / ``c_dtype``."""
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype,
+            cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]),
+        )
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        ab_bytes_per_stage = (tile_m + tile_n) * tile_k * self.a_dtype.width // 8
+        epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_buffers
+        reserved = 1024  # mbarriers and alignment slack
+        self.ab_stages = (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage
+        self.a_smem_layout_staged = self.staged_kmajor_layout(
+            self.a_dtype, (tile_m, tile_k), self.ab_stages)
+        self.b_smem_layout_staged = self.staged_kmajor_layout(
+            self.b_dtype, (tile_n, tile_k), self.ab_stages)
+        epi_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.c_dtype,
+                                            self.epi_tile[1]),
+            self.c_dtype)
+        self.epi_smem_layout_staged = cute.tile_to_shape(
+            epi_atom, cute.append(self.epi_tile, self.epi_buffers), order=(0, 1, 2))
+
+    @staticmethod
+    def staged_kmajor_layout(dtype, tile_mk, stages):
+        """A 128B-swizzled K-major smem layout of ``stages`` (rows, K) tiles."""
+        atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, tile_mk[1]),
+            dtype)
+        return cute.tile_to_shape(atom, cute.append(tile_mk, stages), order=(0, 1, 2))
+
+    # ------------------------------------------------------------------ consumer side
+    def consumer_parts(self, tiled_mma, sA, sB, sC, mma_slice, copy_tidx):
+        """A consumer thread's wgmma operand fragments, fp32 accumulator, k-blocks per stage
+        and epilogue partitions (registers -> smem by stmatrix), for MMA thread slice
+        ``mma_slice`` and epilogue thread ``copy_tidx``. Traced inline (a plain method: the
+        tensors and the TileEpilogue go back to the caller)."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        thr_mma = tiled_mma.get_slice(mma_slice)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), self.acc_dtype)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
+        tiled_copy_r2s = cute.make_tiled_copy_S(
+            sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR,
+                                              elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype),
+            cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(copy_tidx)
+        epi = TileEpilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC),
+                           tiled_copy_r2s.retile(acc),
+                           cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
+        return tCrA, tCrB, acc, cute.size(tCrA, mode=[2]), epi
+
+    @cute.jit
+    def mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
+        """Issue the wgmmas of one K-tile (``num_k_blocks`` k16 blocks) from smem ``stage``
+        and commit them as one group."""
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def mainloop(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
+                 num_k_blocks: cutlass.Constexpr[int], hook_args=None):
+        """One output tile's wgmmas over its ``k_tiles`` stages, from stage use ``loads`` on:
+        one batch stays in flight, and a stage is released once the batch that read it has
+        retired. Written in CUTLASS's form (one k-tile before the loop, plain ``range``: the
+        ``cutlass.range(unroll=1)`` form ran at half speed). Returns the last stage's state:
+        the caller waits for the last batch (``warpgroup.wait_group(0)``) and releases it."""
+        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        release = read.clone()
+        acc.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        self.mainloop_begin(hook_args)
+        cute.nvgpu.warpgroup.fence()
+        t0 = self.first_stage_wait(hook_args)
+        ab_pipeline.consumer_wait(read)
+        self.first_stage_ready(t0, hook_args)
+        self.stage_ready(hook_args)
+        self.mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
+        read.advance()
+        for k in range(1, k_tiles):
+            ab_pipeline.consumer_wait(read)
+            self.stage_ready(hook_args)
+            self.mma_k_tile(tiled_mma, acc, tCrA, tCrB, read.index, num_k_blocks)
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release)
+            release.advance()
+            read.advance()
+            self.k_tile_issued(k, hook_args)
+        self.mainloop_end(k_tiles, hook_args)
+        return release
+
+    # Mainloop hooks: no code by default; kernels override the ones they need.
+    @cute.jit
+    def mainloop_begin(self, hook_args):
+        """Before the first stage wait (the pingpong GEMM waits for its turn here)."""
+        pass
+
+    @cute.jit
+    def first_stage_wait(self, hook_args) -> Int64:
+        """Just before the wait for the tile's first stage: a start time, if recorded."""
+        return Int64(0)
+
+    @cute.jit
+    def first_stage_ready(self, t0: Int64, hook_args):
+        """After the wait for the tile's first stage (started at ``t0``)."""
+        pass
+
+    @cute.jit
+    def stage_ready(self, hook_args):
+        """After every stage's full wait, before wgmma reads the stage."""
+        pass
+
+    @cute.jit
+    def k_tile_issued(self, k: Int32, hook_args):
+        """After k-tile ``k`` (>= 1) is issued and the stage before it released."""
+        pass
+
+    @cute.jit
+    def mainloop_end(self, k_tiles: Int32, hook_args):
+        """After the last k-tile is issued, before the caller's final wait."""
+        pass
+
+
+@cute.jit
+def pipeline_state(kind: cutlass.Constexpr, stages: cutlass.Constexpr[int], count: Int32):
+    """The pipeline state after ``count`` stage uses, built fresh (never carried through a
+    run-time branch or out of a helper's loop: AGENTS.md)."""
+    phase = (count // stages) % 2
+    if const_expr(kind == pipeline.PipelineUserType.Producer):
+        phase = phase ^ 1
+    return pipeline.PipelineState(stages, count, count % stages, phase)
+
+
+# ---------------------------------------------------------------------- the tile epilogue
+class TileEpilogue:
+    """A consumer thread's epilogue partitions, built once per CTA: the register -> smem
+    (stmatrix) copy, its smem destination, the accumulator as that copy sees it, the
+    per-subtile fragment shape, and the staged epilogue smem."""
+
+    def __init__(self, tiled_copy, tRS_sC, acc, frag_shape, sC):
+        self.tiled_copy, self.tRS_sC, self.acc, self.frag_shape, self.sC = (
+            tiled_copy, tRS_sC, acc, frag_shape, sC)
+
+
+@cute.jit
+def store_tile_epilogue(epi: TileEpilogue, tma_atom: cute.CopyAtom, g_tile: cute.Tensor,
+                        epi_tile: cutlass.Constexpr, epi_stages: cutlass.Constexpr[int],
+                        acc_tile_n: cutlass.Constexpr[int], swiglu: cutlass.Constexpr[bool],
+                        buf_base, subtiles_done, barrier, store_pipeline, is_store_warp):
+    """One output tile: accumulator -> bf16 (SwiGLU: silu(gate) * up, the gate and up halves
+    of the accumulator side by side) -> smem subtiles (stmatrix) -> TMA stores by the store
+    warp, through ``epi_stages`` rotating buffers from ``buf_base``. ``g_tile`` is the tile's
+    (TILE_M rows, output columns) view of the TMA store tensor.
+
+    A buffer is written again only once the store warp has seen its last TMA store read it.
+    Two barriers per subtile: the second one passes on the store warp's acquire (the store
+    three subtiles back has read its buffer) before anyone writes the next one."""
+    out_tile_n = acc_tile_n // 2 if const_expr(swiglu) else acc_tile_n
+    gC = cute.zipped_divide(g_tile, epi_tile)
+    bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+        tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.sC, 0, 2), gC)
+    r_out = cute.make_rmem_tensor(epi.frag_shape, Float32)
+    r_out_c = cute.make_rmem_tensor(epi.frag_shape, cutlass.BFloat16)
+    frag_size = cute.size(r_out)
+    epi_m = TILE_M // epi_tile[0]
+    acc_n = acc_tile_n // epi_tile[1]  # accumulator subtiles run row-major over (epi_m, acc_n)
+    out_n = out_tile_n // epi_tile[1]
+    for sm in cutlass.range_constexpr(epi_m):
+        for sn in cutlass.range_constexpr(out_n):
+            first = (sm * acc_n + sn) * frag_size
+            if const_expr(swiglu):
+                for v in cutlass.range_constexpr(frag_size):
+                    r_out[v] = common.silu(epi.acc[first + v]) * epi.acc[first + out_n * frag_size + v]
+            else:
+                for v in cutlass.range_constexpr(frag_size):
+                    r_out[v] = epi.acc[first + v]
+            r_out_c.store(r_out.load().to(cutlass.BFloat16))
+            buf = buf_base + (subtiles_done + sm * out_n + sn) % epi_stages
+            cute.copy(epi.tiled_copy, r_out_c, epi.tRS_sC[(None, None, None, buf)])
+            # stmatrix writes are generic-proxy; TMA reads through the async proxy
+            cute.arch.fence_proxy("async.shared", space="cta")
+            barrier.arrive_and_wait()
+            if is_store_warp:
+                cute.copy(tma_atom, bSG_sC[(None, buf)], bSG_gC[(None, (sm, sn))])
+                store_pipeline.producer_commit()
+                store_pipeline.producer_acquire()
+            barrier.arrive_and_wait()
