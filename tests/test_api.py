@@ -268,8 +268,8 @@ def test_forward_path_on_this_machine():
         mok.forward_path(1.5)
 
 
-def _fake_ops(ok, why, calls):
-    fake = types.ModuleType("mok_cute.ops")
+def _fake_expert_path(ok, why, calls):
+    fake = types.ModuleType("mok_cute.expert_path")
     fake.kernel_path_status = lambda device: (ok, why)
 
     def moe_forward_kernel(*args):
@@ -287,12 +287,12 @@ def cuda_visible(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
-def test_choose_path_uses_ops_status(monkeypatch, cuda_visible):
+def test_choose_path_uses_the_kernel_path_status(monkeypatch, cuda_visible):
     import mok_cute
 
     calls = []
-    monkeypatch.setitem(sys.modules, "mok_cute.ops", _fake_ops(True, "sm_90a kernels ready", calls))
-    monkeypatch.setattr(mok_cute, "ops", sys.modules["mok_cute.ops"], raising=False)
+    monkeypatch.setitem(sys.modules, "mok_cute.expert_path", _fake_expert_path(True, "sm_90a kernels ready", calls))
+    monkeypatch.setattr(mok_cute, "expert_path", sys.modules["mok_cute.expert_path"], raising=False)
     dev = torch.device("cuda", 0)
     assert api.choose_path(dev) == api.PathChoice("kernel", "sm_90a kernels ready")
     assert mok.forward_path(dev).startswith("kernel: sm_90a kernels ready (calls whose inputs require grad")
@@ -311,27 +311,27 @@ def test_choose_path_uses_ops_status(monkeypatch, cuda_visible):
     assert "calls whose inputs require grad run on the reference" in mok.forward_path(dev)
     with pytest.raises(RuntimeError, match="inputs require grad"):
         api.choose_path(dev, MoKConfig(backend="kernel"), needs_grad=True)
-    # ... until ops says it has them.
-    monkeypatch.setattr(sys.modules["mok_cute.ops"], "SUPPORTS_BACKWARD", True, raising=False)
+    # ... until the kernel path says it has them.
+    monkeypatch.setattr(sys.modules["mok_cute.expert_path"], "SUPPORTS_BACKWARD", True, raising=False)
     assert api.choose_path(dev, needs_grad=True).path == "kernel"
 
-    monkeypatch.setitem(sys.modules, "mok_cute.ops", _fake_ops(False, "compute capability 8.0 < 9.0", calls))
-    monkeypatch.setattr(mok_cute, "ops", sys.modules["mok_cute.ops"], raising=False)
+    monkeypatch.setitem(sys.modules, "mok_cute.expert_path", _fake_expert_path(False, "compute capability 8.0 < 9.0", calls))
+    monkeypatch.setattr(mok_cute, "expert_path", sys.modules["mok_cute.expert_path"], raising=False)
     assert api.choose_path(dev) == api.PathChoice("reference", "compute capability 8.0 < 9.0")
     with pytest.raises(RuntimeError, match="compute capability 8.0 < 9.0"):
         api.choose_path(dev, MoKConfig(backend="kernel"))
     assert calls == []
 
 
-def test_choose_path_when_ops_fails_to_import(monkeypatch, cuda_visible):
+def test_choose_path_when_the_kernel_path_fails_to_import(monkeypatch, cuda_visible):
     import mok_cute
 
-    monkeypatch.delattr(mok_cute, "ops", raising=False)
-    monkeypatch.setitem(sys.modules, "mok_cute.ops", None)  # makes `from . import ops` raise ImportError
+    monkeypatch.delattr(mok_cute, "expert_path", raising=False)
+    monkeypatch.setitem(sys.modules, "mok_cute.expert_path", None)  # makes `from . import expert_path` raise ImportError
     choice = api.choose_path(torch.device("cuda", 0))
     assert choice.path == "reference"
-    assert choice.reason.startswith("mok_cute.ops failed to import (ModuleNotFoundError")
-    assert mok.forward_path("cuda:0").startswith("reference: mok_cute.ops failed to import")
+    assert choice.reason.startswith("mok_cute.expert_path failed to import (ModuleNotFoundError")
+    assert mok.forward_path("cuda:0").startswith("reference: mok_cute.expert_path failed to import")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -463,31 +463,16 @@ def test_megakernel_sizes_it_cannot_take_fall_back_or_raise():
         api._megakernel_fallback(ok._replace(shared_intermediate=100), MoKConfig(backend="megakernel"))
 
 
-def test_experimental_switches_read_mok_environment_variables(monkeypatch):
-    from mok_cute.config import experimental_switch
+def test_options_objects_are_checked_and_part_of_the_config():
+    from mok_cute.config import ExpertPathOptions, MegakernelOptions
 
-    monkeypatch.delenv("MOK_SOME_SWITCH", raising=False)
-    assert experimental_switch("SOME_SWITCH", False) is False
-    assert experimental_switch("SOME_SWITCH", True) is True
-    monkeypatch.setenv("MOK_SOME_SWITCH", "1")
-    assert experimental_switch("SOME_SWITCH", False) is True
-    monkeypatch.setenv("MOK_SOME_SWITCH", "0")
-    assert experimental_switch("SOME_SWITCH", True) is False
-    monkeypatch.setenv("MOK_SOME_SWITCH", "on")
-    with pytest.raises(ValueError, match="MOK_SOME_SWITCH"):
-        experimental_switch("SOME_SWITCH", False)
-
-
-def test_experimental_settings_read_bounded_integers(monkeypatch):
-    from mok_cute.config import SWITCHES, experimental_setting
-
-    monkeypatch.delenv("MOK_SOME_SETTING", raising=False)
-    assert experimental_setting("SOME_SETTING", 16, 1, 64) == 16
-    monkeypatch.setenv("MOK_SOME_SETTING", "8")
-    assert experimental_setting("SOME_SETTING", 16, 1, 64) == 8
-    assert SWITCHES["MOK_SOME_SETTING"] == 8  # recorded for the benchmark JSONs
-    for bad in ("0", "65", "eight", "8.0"):
-        monkeypatch.setenv("MOK_SOME_SETTING", bad)
-        with pytest.raises(ValueError, match="MOK_SOME_SETTING.*\\[1, 64\\]"):
-            experimental_setting("SOME_SETTING", 16, 1, 64)
-    SWITCHES.pop("MOK_SOME_SETTING", None)
+    cfg = MoKConfig(megakernel=MegakernelOptions(tickets="static"),
+                    expert_path=ExpertPathOptions(fc2_pingpong_max_k=0))
+    assert cfg.megakernel.tickets == "static" and not cfg.expert_path.fc2_pingpong(768)
+    assert MoKConfig() == MoKConfig(megakernel=MegakernelOptions(), expert_path=ExpertPathOptions())
+    with pytest.raises(TypeError, match="MoKConfig.megakernel: expected a mok_cute.MegakernelOptions"):
+        MoKConfig(megakernel={"tickets": "static"})
+    with pytest.raises(TypeError, match="MoKConfig.expert_path"):
+        MoKConfig(expert_path=None)
+    with pytest.raises(TypeError, match="MegakernelOptions.rows_in_place"):
+        MegakernelOptions(rows_in_place=1)

@@ -180,15 +180,23 @@ def test_compiles_for_sm90a(num_experts, ids_int64, tmp_path):
     assert len(re.findall(r"\.visible \.entry", ptx)) == 2  # count, place
 
 
+def _gpu_builds(ids, E, first_rank=0, count=None, poison=None):
+    """The GPU build of ranks first_rank .. + count - 1 as ReceiveSchedules."""
+    R, T, K = ids.shape
+    capacity = sched_mod.schedule_capacity(R, T, K, E, 128)
+    return sched_mod.ReceiveSchedules(**sb.build_schedules(
+        ids, E, 128, capacity, first_rank=first_rank, count=count, poison=poison))
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="num_experts"):
         sb.ScheduleBuild(sb.MAX_EXPERTS + 1)
     with pytest.raises(TypeError, match="topk_idx_all"):
-        sb.build_schedule(torch.zeros(1, 4, 2, dtype=torch.float32), 0, 4)
+        _gpu_builds(torch.zeros(1, 4, 2, dtype=torch.float32), 4)
     with pytest.raises(ValueError, match="topk_idx_all"):
-        sb.build_schedule(torch.zeros(4, 2, dtype=torch.int64), 0, 4)
-    with pytest.raises(ValueError, match="rank"):
-        sb.build_schedule(torch.zeros(2, 4, 2, dtype=torch.int64), 2, 4)
+        sb.build_schedules(torch.zeros(4, 2, dtype=torch.int64), 4, 128, 128)
+    with pytest.raises(ValueError, match="first_rank"):
+        _gpu_builds(torch.zeros(2, 4, 2, dtype=torch.int64), 4, first_rank=2)
     assert not sb.supports(8, sb.MAX_PEER_EXPERTS // 8 + 1) and sb.supports(72, 64)
 
 
@@ -222,10 +230,9 @@ def test_stacked_schedules_name_bad_arguments(gen):
         sched_mod.build_receive_schedules(ids + 6, 3)  # ids past R * E
 
 
-def test_cpu_ids_take_the_torch_build_even_with_gpu_build_on(monkeypatch, gen):
-    monkeypatch.setattr(sched_mod, "GPU_BUILD", True)
+def test_cpu_ids_take_the_torch_build_even_with_gpu_build_on(gen):
     ids = _routing("uniform", 2, 16, 2, 3, gen)
-    got = sched_mod.build_receive_schedule(ids, 1, 3)
+    got = sched_mod.build_receive_schedule(ids, 1, 3, gpu_build=True)
     assert got.slot_rows is None  # the torch general build, not the kernels
 
 
@@ -245,8 +252,8 @@ GPU_CASES = MODEL_CASES + [
 def test_gpu_build_equals_the_torch_build(kind, R, rank, T, K, E, ids_dtype, gen):
     ids = _routing(kind, R, T, K, E, gen).to(ids_dtype).cuda()
     want = _torch_build(ids, rank, E)
-    got = sb.build_schedule(ids, rank, E, 128, poison=-77)
-    again = sb.build_schedule(ids, rank, E, 128, poison=12345)
+    got = _gpu_builds(ids, E, rank, 1, poison=-77)[0]
+    again = _gpu_builds(ids, E, rank, 1, poison=12345)[0]
     got_np, again_np = _as_numpy(got, T, K), _as_numpy(again, T, K)
     for name, value in want.items():
         assert np.array_equal(got_np[name], value), name
@@ -261,7 +268,7 @@ def test_all_ranks_in_one_pair_of_launches_equal_the_torch_build(kind, R, T, K, 
     rank), each rank's slice bitwise equal to its own torch build, outputs poisoned first."""
     ids = _routing(kind, R, T, K, E, gen).cuda()
     for first, count in ((0, R), (R // 2, R - R // 2), (R - 1, 1)):
-        got = sb.build_schedules(ids, E, 128, first_rank=first, count=count, poison=-77)
+        got = _gpu_builds(ids, E, first, count, poison=-77)
         assert len(got) == count
         for i in range(count):
             want = _torch_build(ids, first + i, E)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from mok_cute import jit
+from mok_cute.constants import PEER_NEVER_STARTED, WAIT_TIMEOUT
+from mok_cute.errors import PeerTimeoutError, decode_wait_error, raise_on_wait_error
 from mok_cute.kernels import common
 
 
@@ -54,22 +56,22 @@ def test_counters_and_waits_compile_to_release_acquire_and_nanosleep(tmp_path):
 
 
 def test_error_word_round_trip_names_task_and_peer():
-    word = (41 + 1) | (3 << 32) | (common.WAIT_TIMEOUT << 48)
-    assert common.decode_wait_error(word) == (41, 3, common.WAIT_TIMEOUT)
-    assert common.decode_wait_error(0) is None
-    common.raise_on_wait_error(0)
-    with pytest.raises(common.PeerTimeoutError, match="task 41 timed out waiting for peer 3"):
-        common.raise_on_wait_error(word)
+    word = (41 + 1) | (3 << 32) | (WAIT_TIMEOUT << 48)
+    assert decode_wait_error(word) == (41, 3, WAIT_TIMEOUT)
+    assert decode_wait_error(0) is None
+    raise_on_wait_error(0)
+    with pytest.raises(PeerTimeoutError, match="task 41 timed out waiting for peer 3"):
+        raise_on_wait_error(word)
 
 
 def test_a_peer_that_never_started_outranks_the_peers_stalled_behind_it():
     """Waiters record with an atomic max: the word of a wait on a peer that never announced
     its start is larger than any WAIT_TIMEOUT word, whatever its task and peer."""
-    stalled_behind = (4000 + 1) | (71 << 32) | (common.WAIT_TIMEOUT << 48)
-    never_started = (0 + 1) | (2 << 32) | (common.PEER_NEVER_STARTED << 48)
+    stalled_behind = (4000 + 1) | (71 << 32) | (WAIT_TIMEOUT << 48)
+    never_started = (0 + 1) | (2 << 32) | (PEER_NEVER_STARTED << 48)
     assert max(stalled_behind, never_started) == never_started
-    with pytest.raises(common.PeerTimeoutError, match="peer 2 .*never announced its start"):
-        common.raise_on_wait_error(never_started)
+    with pytest.raises(PeerTimeoutError, match="peer 2 .*never announced its start"):
+        raise_on_wait_error(never_started)
 
 
 @pytest.mark.gpu
@@ -85,6 +87,6 @@ def test_publish_then_acquire_across_ctas_and_a_stalled_peer_times_out():
     compiled[3](counters, error, out, 1_000_000)  # 1 ms: CTA 2 must give up
     torch.cuda.synchronize()
     assert out.tolist() == [7, 8, -1]
-    assert common.decode_wait_error(error.item()) == (42, 3, common.WAIT_TIMEOUT)
-    with pytest.raises(common.PeerTimeoutError, match="peer 3"):
-        common.raise_on_wait_error(error.item())
+    assert decode_wait_error(error.item()) == (42, 3, WAIT_TIMEOUT)
+    with pytest.raises(PeerTimeoutError, match="peer 3"):
+        raise_on_wait_error(error.item())

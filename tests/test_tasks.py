@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mok_cute import tasks as T
+from mok_cute import tickets
 from mok_cute.tasks import Role, TaskType
 
 SMALL = dict(hidden=512, intermediate=192, num_tokens=300, top_k=2, tile_m=64, fc1_tile_n=128,
@@ -427,7 +428,7 @@ def test_static_list_with_fewer_live_tiles_runs_exactly_the_live_work(num_tiles)
     static = T.build_static(16 * 64, **kw)
     assert static.num_m_tiles == 16
     actual = T.build_task_list(np.full(num_tiles, 64), **kw)
-    run = T.simulate_live_run(static, num_tiles)
+    run = tickets.simulate_live_run(static, num_tiles)
 
     def key(tl, i):
         return (int(tl.type[i]), int(tl.m_tile_begin[i]), int(tl.n_tile[i]))
@@ -485,7 +486,7 @@ def test_build_for_a_receive_schedule_static_and_actual():
     assert actual.params.rank == 1 and actual.params.num_ranks == R
     assert actual.tile_rows.sum() == int(sch.expert_counts.sum())
     # the static list run with the device's num_tiles does exactly the actual list's work
-    run = T.simulate_live_run(static, int(sch.num_tiles))
+    run = tickets.simulate_live_run(static, int(sch.num_tiles))
     ran = sorted((int(static.type[i]), int(static.m_tile_begin[i]), int(static.n_tile[i]))
                  for r in Role for i in run[r]["ran"])
     want = sorted((int(actual.type[i]), int(actual.m_tile_begin[i]), int(actual.n_tile[i]))
@@ -553,7 +554,7 @@ def _assert_waits_lower_and_live_run_once(tl):
     """Every wait points to a lower list index; a live run of 5 tiles runs each task once."""
     offsets, deps = tl.deps_csr()
     assert all((deps[offsets[i]:offsets[i + 1]] < i).all() for i in range(len(tl)))
-    run = T.simulate_live_run(tl, 5)
+    run = tickets.simulate_live_run(tl, 5)
     ran = [i for r in T.Role for i in run[r]["ran"]]
     assert len(ran) == len(set(ran))
 
