@@ -23,7 +23,6 @@ from mok_cute.tasks import Role, TaskType, TaskWord
 
 COMM_THREADS = 384  # comm CTA threads (the first TILE_M resolve one row address each)
 COPY_UNROLL = 16  # 16-byte vectors in flight per lane in the row copy
-MAX_ROW_SLOTS = 32  # mbarriers initialised by comm CTAs (unused: see comm_loop)
 
 
 class Routing(NamedTuple):
@@ -74,16 +73,11 @@ class CommTasks:
         row_bytes = hidden * 2
         peer_bases = routing.peer_bases
         num_peers = cute.size(peer_bases, mode=[1])
-        row_full = storage.row_full.data_ptr()
         row_src = storage.row_src.get_tensor(cute.make_layout(TILE_M))
         row_dst = storage.row_dst.get_tensor(cute.make_layout(TILE_M))
         words = storage.comm_words.get_tensor(cute.make_layout(4))  # ticket, real rows
         sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
                                      num_threads=COMM_THREADS)
-        if tidx == 0:
-            for i in cutlass.range(MAX_ROW_SLOTS, unroll=1):
-                cute.arch.mbarrier_init(row_full + i, 1)
-            cute.arch.mbarrier_init_fence()
         peers_started = Int32(0)  # every peer's start flag seen (checked once per CTA)
         live_prefix = self._live_prefix(ctx, tt, int(Role.COMM))
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)

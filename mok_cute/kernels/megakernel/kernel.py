@@ -49,7 +49,7 @@ from mok_cute import jit
 from mok_cute.constants import SCALARS, TASK_TILE_N, TILE_K, TILE_M, MegakernelSpec
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
-from mok_cute.kernels.megakernel.comm_tasks import COMM_THREADS, MAX_ROW_SLOTS, CommTasks, Routing
+from mok_cute.kernels.megakernel.comm_tasks import COMM_THREADS, CommTasks, Routing
 from mok_cute.kernels.megakernel.gemm_tasks import (PRODUCER_THREADS, DirectRows, GemmTasks,
                                                    TmaOperands, TmaStores)
 from mok_cute.kernels.megakernel.ksum_tasks import KsumTasks
@@ -141,7 +141,6 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
         @cute.struct
         class SharedStorage:
             ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            row_full: cute.struct.MemRange[cutlass.Int64, MAX_ROW_SLOTS]
             row_src: cute.struct.MemRange[cutlass.Int64, TILE_M]
             row_dst: cute.struct.MemRange[cutlass.Int64, TILE_M]
             comm_words: cute.struct.MemRange[Int32, 4]
