@@ -3,8 +3,8 @@
 Numerics (DESIGN §1; the kernels follow the same order):
 
     per routed row v (one (token, k) pair, expert e):
-        g = v @ W_gate[e]^T        fp32 matmul on upcast bf16 inputs
-        u = v @ W_up[e]^T          fp32
+        g = bf16(v @ W_gate[e]^T)  fp32 matmul on upcast bf16 inputs, rounded as a bf16
+        u = bf16(v @ W_up[e]^T)    nn.Linear would round it
         h = bf16(silu(g) * u)      silu(g) * u in fp32, rounded once
         y = bf16(h @ W_down[e]^T)  fp32 matmul, rounded once
     shared expert: the same function with (ws_gate, ws_up, ws_down) -> bf16 row s
@@ -84,10 +84,12 @@ def _acc_dtype() -> torch.dtype:
 
 
 def swiglu_hidden(v: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """FC1 + SwiGLU of one expert: `bf16(silu(v @ w_gate^T) * (v @ w_up^T))`, [N, I]."""
+    """FC1 + SwiGLU of one expert: `bf16(silu(g) * u)` with the bf16 pre-activations
+    `g = bf16(v @ w_gate^T)`, `u = bf16(v @ w_up^T)`, [N, I]: one numerics for inference and
+    training (the training forward saves exactly these g and u)."""
     v32 = _acc(v)
-    g = v32 @ _acc(w_gate).t()
-    u = v32 @ _acc(w_up).t()
+    g = _acc(_round(v32 @ _acc(w_gate).t()))
+    u = _acc(_round(v32 @ _acc(w_up).t()))
     return _round(F.silu(g) * u)
 
 

@@ -100,7 +100,9 @@ def _expected(a, w, tile_expert, w_up=None):
                           for i in range(0, a.shape[0], TILE_M)])
     if w_up is None:
         return matmul(w)
-    return torch.nn.functional.silu(matmul(w)) * matmul(w_up)
+    gate = matmul(w).bfloat16().float()  # the bf16 pre-activations
+    up = matmul(w_up).bfloat16().float()
+    return torch.nn.functional.silu(gate) * up
 
 
 @pytest.mark.gpu

@@ -39,7 +39,9 @@ def naive_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None):
 
     def expert(v, wg, wu, wd):
         v = v.double()
-        h = (F.silu(wg.double() @ v) * (wu.double() @ v)).to(torch.bfloat16)
+        g = (wg.double() @ v).to(torch.bfloat16).double()  # bf16 pre-activations
+        u = (wu.double() @ v).to(torch.bfloat16).double()
+        h = (F.silu(g) * u).to(torch.bfloat16)
         return (wd.double() @ h.double()).to(torch.bfloat16)
 
     for t in range(T):

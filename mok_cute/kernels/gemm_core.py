@@ -9,8 +9,8 @@ it. A kernel built on it
 - fills ``ab_stages`` mbarrier stages from its producer warp(s) with TMA (or cp.async);
 - in each consumer thread takes its fragments once (``consumer_parts``), then per output
   tile runs ``mainloop`` (wgmma over the tile's k-tiles, one batch in flight, each stage
-  released once the batch that read it has retired) and ``store_tile_epilogue``
-  (accumulator -> bf16 -> smem subtiles by stmatrix -> TMA stores by one warp).
+  released once the batch that read it has retired) and ``tile_epilogue`` (accumulator ->
+  ``epi_visit_subtile`` -> bf16 -> smem subtiles by stmatrix -> TMA stores by one warp).
 
 The mainloop calls hook methods at fixed points (``mainloop_begin``, ``first_stage_wait``,
 ``stage_ready``, ``k_tile_issued``, ``mainloop_end``); a kernel overrides those it needs
@@ -49,9 +49,15 @@ class GemmCoreSm90:
     :param tile_n: CTA tile width in N (64, 128 or 256).
     :param pingpong: the two consumer warpgroups alternate whole tiles (``tile_n <= 128``)
         instead of splitting each tile's rows.
+    :param a_mn_major, b_mn_major: the operand's M (N) mode is contiguous in memory instead
+        of its K mode (the backward's transposed operands); smem layouts, TMA boxes and the
+        wgmma descriptors follow.
+    :param epi_outputs: output tiles the epilogue stores per subtile (each through its own
+        smem buffer and TMA atom).
     """
 
-    def __init__(self, tile_n: int = 256, pingpong: bool = False):
+    def __init__(self, tile_n: int = 256, pingpong: bool = False, a_mn_major: bool = False,
+                 b_mn_major: bool = False, epi_outputs: int = 1):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if pingpong and tile_n > 128:
@@ -59,6 +65,8 @@ class GemmCoreSm90:
                              f"tile_n must be <= 128, got {tile_n}")
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
         self.pingpong = pingpong
+        self.a_mn_major, self.b_mn_major = a_mn_major, b_mn_major
+        self.epi_outputs = epi_outputs
         self.atom_layout_mnk = (1, 1, 1) if pingpong else (2, 1, 1)
         self.acc_dtype = Float32
         # one producer warpgroup and two consumer warpgroups
@@ -73,8 +81,8 @@ class GemmCoreSm90:
         self.consumer_regs = 232
         self.epi_tile = (64, EPI_N) if pingpong else (TILE_M, EPI_N)
         self.epi_stages = 4
-        # pingpong: each consumer warpgroup has its own epilogue buffers
-        self.epi_buffers = self.epi_stages * (2 if pingpong else 1)
+        # one buffer per output and stage; pingpong: each consumer warpgroup has its own
+        self.epi_buffers = self.epi_stages * epi_outputs * (2 if pingpong else 1)
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")
         self.buffer_align_bytes = 1024
         # derived in _setup_attributes once the dtypes are known
@@ -88,9 +96,10 @@ class GemmCoreSm90:
     def _setup_attributes(self):
         """The tiled MMA, the stage count (what smem holds beside the epilogue buffers) and
         the swizzled smem layouts, from ``a_dtype`` / ``b_dtype`` / ``c_dtype``."""
+        major = cute.nvgpu.warpgroup.OperandMajorMode
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype, self.b_dtype,
-            cute.nvgpu.warpgroup.OperandMajorMode.K, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            self.a_dtype, self.b_dtype, major.MN if self.a_mn_major else major.K,
+            major.MN if self.b_mn_major else major.K,
             self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_shape_mnk[1]),
         )
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -98,10 +107,10 @@ class GemmCoreSm90:
         epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_buffers
         reserved = 1024  # mbarriers and alignment slack
         self.ab_stages = (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage
-        self.a_smem_layout_staged = self.staged_kmajor_layout(
-            self.a_dtype, (tile_m, tile_k), self.ab_stages)
-        self.b_smem_layout_staged = self.staged_kmajor_layout(
-            self.b_dtype, (tile_n, tile_k), self.ab_stages)
+        self.a_smem_layout_staged = self.staged_layout(
+            self.a_dtype, (tile_m, tile_k), self.ab_stages, self.a_mn_major)
+        self.b_smem_layout_staged = self.staged_layout(
+            self.b_dtype, (tile_n, tile_k), self.ab_stages, self.b_mn_major)
         epi_atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, self.c_dtype,
                                             self.epi_tile[1]),
@@ -110,12 +119,15 @@ class GemmCoreSm90:
             epi_atom, cute.append(self.epi_tile, self.epi_buffers), order=(0, 1, 2))
 
     @staticmethod
-    def staged_kmajor_layout(dtype, tile_mk, stages):
-        """A 128B-swizzled K-major smem layout of ``stages`` (rows, K) tiles."""
+    def staged_layout(dtype, tile_mk, stages, mn_major: bool = False):
+        """A swizzled smem layout of ``stages`` (rows, K) operand tiles: K contiguous (128B
+        swizzle along K), or with ``mn_major`` the rows contiguous (swizzled along them)."""
+        kind = utils.LayoutEnum.COL_MAJOR if mn_major else utils.LayoutEnum.ROW_MAJOR
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(utils.LayoutEnum.ROW_MAJOR, dtype, tile_mk[1]),
+            sm90_utils.get_smem_layout_atom(kind, dtype, tile_mk[0] if mn_major else tile_mk[1]),
             dtype)
-        return cute.tile_to_shape(atom, cute.append(tile_mk, stages), order=(0, 1, 2))
+        return cute.tile_to_shape(atom, cute.append(tile_mk, stages),
+                                  order=(1, 0, 2) if mn_major else (0, 1, 2))
 
     # ------------------------------------------------------------------ consumer side
     def consumer_parts(self, tiled_mma, sA, sB, sC, mma_slice, copy_tidx):
@@ -211,6 +223,90 @@ class GemmCoreSm90:
         pass
 
 
+    # ------------------------------------------------------------------ epilogue
+    @cute.jit
+    def tile_epilogue(self, epi: "TileEpilogue", atoms, g_tiles, kind: cutlass.Constexpr[str],
+                      buf_base, subtiles_done, barrier, store_pipeline, is_store_warp,
+                      visit_args=None):
+        """One output tile: for each (TILE_M / epi rows) x (output columns / EPI_N) subtile,
+        ``epi_visit_subtile`` computes ``epi_outputs`` fp32 fragments from the accumulator
+        (epilogue ``kind``), which go bf16 -> smem (stmatrix) -> global by TMA, output ``o``
+        through ``atoms[o]`` into ``g_tiles[o]``, the tile's (TILE_M rows, output columns) view
+        of its tensor. The buffers rotate over ``epi_stages`` stages of one buffer per output,
+        from ``buf_base``. A stage is written again only once the store warp has seen its last
+        TMA stores read it: two barriers per subtile, the second one passing on the store
+        warp's acquire (at most ``epi_stages - 1`` subtiles' stores unread) before anyone
+        writes the next stage."""
+        n_out = self.epi_outputs
+        epi_tile = self.epi_tile
+        out_tile_n = self.tile_shape_mnk[1] // 2 if const_expr(kind == "swiglu") else self.tile_shape_mnk[1]
+        parts = []
+        for o in cutlass.range_constexpr(n_out):
+            parts.append(cute.nvgpu.cpasync.tma_partition(
+                atoms[o], 0, cute.make_layout(1), cute.group_modes(epi.sC, 0, 2),
+                cute.zipped_divide(g_tiles[o], epi_tile)))
+        outs = [cute.make_rmem_tensor(epi.frag_shape, Float32) for _ in range(n_out)]
+        out_c = cute.make_rmem_tensor(epi.frag_shape, cutlass.BFloat16)
+        epi_m = TILE_M // epi_tile[0]
+        out_n = out_tile_n // epi_tile[1]
+        for sm in cutlass.range_constexpr(epi_m):
+            for sn in cutlass.range_constexpr(out_n):
+                self.epi_visit_subtile(epi, kind, sm, sn, outs, visit_args)
+                stage = (subtiles_done + sm * out_n + sn) % self.epi_stages
+                for o in cutlass.range_constexpr(n_out):
+                    out_c.store(outs[o].load().to(cutlass.BFloat16))
+                    cute.copy(epi.tiled_copy, out_c,
+                              epi.tRS_sC[(None, None, None, buf_base + stage * n_out + o)])
+                # stmatrix writes are generic-proxy; TMA reads through the async proxy
+                cute.arch.fence_proxy("async.shared", space="cta")
+                barrier.arrive_and_wait()
+                if is_store_warp:
+                    for o in cutlass.range_constexpr(n_out):
+                        bSG_sC, bSG_gC = parts[o]
+                        cute.copy(atoms[o], bSG_sC[(None, buf_base + stage * n_out + o)],
+                                  bSG_gC[(None, (sm, sn))])
+                    store_pipeline.producer_commit()
+                    store_pipeline.producer_acquire()
+                barrier.arrive_and_wait()
+
+    @cute.jit
+    def epi_visit_subtile(self, epi: "TileEpilogue", kind: cutlass.Constexpr[str],
+                          sm: cutlass.Constexpr[int], sn: cutlass.Constexpr[int], outs,
+                          visit_args):
+        """The fp32 values of subtile (sm, sn) of each output. "store": the accumulator.
+        "swiglu": h = silu(g) * u from the gate and up halves of the accumulator (side by side
+        in the tile), each rounded to bf16 first as a bf16 nn.Linear would (one numerics for
+        inference and training); with three outputs also those g and u (the pre-activations a
+        training forward saves). Kernels override it for their own epilogues."""
+        frag_size = cute.size(outs[0])
+        acc_n = self.tile_shape_mnk[1] // self.epi_tile[1]  # subtiles of the accumulator, row-major
+        if const_expr(kind == "swiglu"):
+            out_n = acc_n // 2
+            first = (sm * acc_n + sn) * frag_size
+            gate = cute.make_rmem_tensor(epi.frag_shape, Float32)
+            up = cute.make_rmem_tensor(epi.frag_shape, Float32)
+            for v in cutlass.range_constexpr(frag_size):
+                gate[v] = epi.acc[first + v]
+                up[v] = epi.acc[first + out_n * frag_size + v]
+            gate.store(gate.load().to(cutlass.BFloat16).to(Float32))
+            up.store(up.load().to(cutlass.BFloat16).to(Float32))
+            for v in cutlass.range_constexpr(frag_size):
+                outs[0][v] = common.silu(gate[v]) * up[v]
+            if const_expr(len(outs) == 3):
+                outs[1].store(gate.load())
+                outs[2].store(up.load())
+        else:
+            first = (sm * acc_n + sn) * frag_size
+            for v in cutlass.range_constexpr(frag_size):
+                outs[0][v] = epi.acc[first + v]
+
+    def epi_coords(self, epi: "TileEpilogue", tidx):
+        """(row, column) of each of this thread's epilogue fragment elements inside a subtile
+        (the register layout the stmatrix copy reads). Traced inline."""
+        thr_copy = epi.tiled_copy.get_slice(tidx)
+        return thr_copy.partition_S(cute.make_identity_tensor(self.epi_tile))
+
+
 @cute.jit
 def pipeline_state(kind: cutlass.Constexpr, stages: cutlass.Constexpr[int], count: Int32):
     """The pipeline state after ``count`` stage uses, built fresh (never carried through a
@@ -230,48 +326,3 @@ class TileEpilogue:
     def __init__(self, tiled_copy, tRS_sC, acc, frag_shape, sC):
         self.tiled_copy, self.tRS_sC, self.acc, self.frag_shape, self.sC = (
             tiled_copy, tRS_sC, acc, frag_shape, sC)
-
-
-@cute.jit
-def store_tile_epilogue(epi: TileEpilogue, tma_atom: cute.CopyAtom, g_tile: cute.Tensor,
-                        epi_tile: cutlass.Constexpr, epi_stages: cutlass.Constexpr[int],
-                        acc_tile_n: cutlass.Constexpr[int], swiglu: cutlass.Constexpr[bool],
-                        buf_base, subtiles_done, barrier, store_pipeline, is_store_warp):
-    """One output tile: accumulator -> bf16 (SwiGLU: silu(gate) * up, the gate and up halves
-    of the accumulator side by side) -> smem subtiles (stmatrix) -> TMA stores by the store
-    warp, through ``epi_stages`` rotating buffers from ``buf_base``. ``g_tile`` is the tile's
-    (TILE_M rows, output columns) view of the TMA store tensor.
-
-    A buffer is written again only once the store warp has seen its last TMA store read it.
-    Two barriers per subtile: the second one passes on the store warp's acquire (the store
-    three subtiles back has read its buffer) before anyone writes the next one."""
-    out_tile_n = acc_tile_n // 2 if const_expr(swiglu) else acc_tile_n
-    gC = cute.zipped_divide(g_tile, epi_tile)
-    bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
-        tma_atom, 0, cute.make_layout(1), cute.group_modes(epi.sC, 0, 2), gC)
-    r_out = cute.make_rmem_tensor(epi.frag_shape, Float32)
-    r_out_c = cute.make_rmem_tensor(epi.frag_shape, cutlass.BFloat16)
-    frag_size = cute.size(r_out)
-    epi_m = TILE_M // epi_tile[0]
-    acc_n = acc_tile_n // epi_tile[1]  # accumulator subtiles run row-major over (epi_m, acc_n)
-    out_n = out_tile_n // epi_tile[1]
-    for sm in cutlass.range_constexpr(epi_m):
-        for sn in cutlass.range_constexpr(out_n):
-            first = (sm * acc_n + sn) * frag_size
-            if const_expr(swiglu):
-                for v in cutlass.range_constexpr(frag_size):
-                    r_out[v] = common.silu(epi.acc[first + v]) * epi.acc[first + out_n * frag_size + v]
-            else:
-                for v in cutlass.range_constexpr(frag_size):
-                    r_out[v] = epi.acc[first + v]
-            r_out_c.store(r_out.load().to(cutlass.BFloat16))
-            buf = buf_base + (subtiles_done + sm * out_n + sn) % epi_stages
-            cute.copy(epi.tiled_copy, r_out_c, epi.tRS_sC[(None, None, None, buf)])
-            # stmatrix writes are generic-proxy; TMA reads through the async proxy
-            cute.arch.fence_proxy("async.shared", space="cta")
-            barrier.arrive_and_wait()
-            if is_store_warp:
-                cute.copy(tma_atom, bSG_sC[(None, buf)], bSG_gC[(None, (sm, sn))])
-                store_pipeline.producer_commit()
-                store_pipeline.producer_acquire()
-            barrier.arrive_and_wait()

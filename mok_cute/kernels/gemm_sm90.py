@@ -47,7 +47,7 @@ from cutlass import Int32, Int64, const_expr
 from mok_cute import jit
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import GemmCoreSm90, store_tile_epilogue
+from mok_cute.kernels.gemm_core import GemmCoreSm90
 
 EPILOGUES = ("store", "swiglu")
 
@@ -109,7 +109,7 @@ class GroupedGemmSm90(GemmCoreSm90):
             g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
         # B rows per TMA box: the whole tile, or each gate / up half of it.
         b_box = (self.b_rows_per_load, tile_k)
-        b_box_layout = cute.slice_(self.staged_kmajor_layout(self.b_dtype, b_box, 1), (None, None, 0))
+        b_box_layout = cute.slice_(self.staged_layout(self.b_dtype, b_box, 1, self.b_mn_major), (None, None, 0))
         tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mB, b_box_layout, b_box)
         tma_atom_b_up, tma_tensor_b_up = None, None
         if const_expr(self.epilogue == "swiglu"):
@@ -308,10 +308,9 @@ class GroupedGemmSm90(GemmCoreSm90):
                 loads += loads_per_tile
 
                 # ---- epilogue: subtiles through smem, TMA-stored by one warp
-                store_tile_epilogue(epi, tma_atom_c, gC_mnl[(None, None, m_tile, n_tile, 0)],
-                                    self.epi_tile, self.epi_stages, tile_n,
-                                    self.epilogue == "swiglu", epi_base, subtiles_done,
-                                    epilogue_barrier, tma_store_pipeline, is_store_warp)
+                self.tile_epilogue(epi, (tma_atom_c,), (gC_mnl[(None, None, m_tile, n_tile, 0)],),
+                                   self.epilogue, epi_base, subtiles_done, epilogue_barrier,
+                                   tma_store_pipeline, is_store_warp)
                 subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
                     if tile_tidx == 0:

@@ -34,7 +34,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute.constants import TILE_K, TILE_M
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import pipeline_state, store_tile_epilogue
+from mok_cute.kernels.gemm_core import pipeline_state
 from mok_cute.kernels.megakernel.comm_tasks import Routing
 from mok_cute.kernels.megakernel.scheduler import (
     D_EXPERT, D_INDEX, D_MTILE, D_NTILE, D_NUM_WAITS, D_RANK, D_RING_TILE, D_ROW_BEGIN,
@@ -684,9 +684,9 @@ class GemmTasks:
         tile_m, tile_n, _ = self.tile_shape_mnk
         out_tile_n = tile_n // 2 if const_expr(swiglu) else tile_n
         g_out = cute.local_tile(t_out, (tile_m, out_tile_n), (None, None, None))
-        store_tile_epilogue(epi, tma_atom, g_out[(None, None, m_tile, n_tile, rank)], self.epi_tile,
-                            self.epi_stages, tile_n, swiglu, 0, subtiles, barrier,
-                            store_pipeline, is_store_warp)
+        self.tile_epilogue(epi, (tma_atom,), (g_out[(None, None, m_tile, n_tile, rank)],),
+                           "swiglu" if const_expr(swiglu) else "store", 0, subtiles, barrier,
+                           store_pipeline, is_store_warp)
 
     # ------------------------------------------------------------------ mainloop hooks
     @cute.jit

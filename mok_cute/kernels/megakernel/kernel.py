@@ -111,7 +111,7 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         a_box = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
         half_box = (tile_n // 2, tile_k)
-        half_layout = cute.slice_(self.staged_kmajor_layout(BFloat16, half_box, 1), (None, None, 0))
+        half_layout = cute.slice_(self.staged_layout(BFloat16, half_box, 1), (None, None, 0))
         full_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
         epi_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
