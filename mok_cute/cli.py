@@ -3,9 +3,12 @@
     mok-cute info                     versions, GPU, which path moe_forward takes
     mok-cute demo                     a small MoE layer checked against the reference
     mok-cute ptx NAME [--arch ...]    PTX / cubin / SASS of one kernel, instruction mix, diff
-    mok-cute bench ...                -> mok_cute.benchmark.main
-    mok-cute timeline ...             -> mok_cute.timeline.main
+    mok-cute bench ...                -> mok_cute.bench.harness.main (--ep: mok_cute.bench.ep)
+    mok-cute timeline ...             -> mok_cute.bench.record_timeline.main
     mok-cute tune ...                 -> mok_cute.sim.tune.main
+
+The three delegates are imported only when asked for: the bench is not part of the runtime
+library (its charts need the ``bench`` extra, matplotlib).
 
 Also runs as `python3 -m mok_cute.cli ...` (the GPU host runs the package from PYTHONPATH,
 without the console script).
@@ -26,9 +29,9 @@ from typing import Any, Sequence
 
 # Subcommands that hand their arguments to another module's main(argv).
 _DELEGATES = {
-    "bench": ("mok_cute.benchmark", "run the benchmark protocol of DESIGN §5 (timeline engineer)"),
-    "timeline": ("mok_cute.timeline", "record a layer's per-SM timeline and export it (timeline engineer)"),
-    "tune": ("mok_cute.sim.tune", "pick num_comm_sms / minibatch / ring size with the simulator (sim engineer)"),
+    "bench": ("mok_cute.bench.harness", "time the MoE layer against its references (DESIGN §5); --ep across ranks"),
+    "timeline": ("mok_cute.bench.record_timeline", "record a layer's per-SM timeline and export it"),
+    "tune": ("mok_cute.sim.tune", "pick num_comm_sms / minibatch / ring size with the simulator"),
 }
 
 # The rows of the instruction-mix table, in order.
@@ -381,16 +384,11 @@ def _delegate(command: str, argv: list[str]) -> int:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and module_name.startswith(exc.name):
-            print(f"mok-cute {command}: {module_name} is not in this install yet, so `{command}` "
+            print(f"mok-cute {command}: {module_name} is not in this install, so `{command}` "
                   f"is unavailable.", file=sys.stderr)
             return 2
         raise
-    entry = getattr(module, "main", None)
-    if entry is None:
-        print(f"mok-cute {command}: {module_name} has no main(argv) yet, so `{command}` is unavailable.",
-              file=sys.stderr)
-        return 2
-    rc = entry(argv)
+    rc = module.main(argv)
     return int(rc) if isinstance(rc, int) else 0
 
 

@@ -23,15 +23,13 @@ Buffer layout (int64 words)::
         word2  start ns (%globaltimer)
         word3  end ns (%globaltimer)
 
-Run ``mok-cute timeline --help`` (or ``python tools/timeline.py``) for the command line.
+``mok-cute timeline`` (``mok_cute.bench.record_timeline``) records a call and writes these views.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -800,7 +798,7 @@ def synthetic_buffer(
 
 
 # --------------------------------------------------------------------------------------------
-# Command line: mok-cute timeline
+# The three views of a recording as files (``mok-cute timeline``: mok_cute.bench.record_timeline)
 # --------------------------------------------------------------------------------------------
 
 
@@ -815,110 +813,3 @@ def write_views(tl: Timeline, outdir: str | os.PathLike, summary: dict[str, Any]
     with open(paths["summary"], "w") as f:
         json.dump({"title": title, **tl.meta, **summary}, f, indent=1)
     return paths
-
-
-def _record_on_gpu(args: argparse.Namespace, console: Any) -> tuple[Timeline | None, str, dict[str, Any]]:
-    """Run a layer with recording on; returns (timeline or None, reason if None, summary sizes)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None, "no CUDA GPU is visible, so no kernel ran and nothing was recorded", {}
-    import mok_cute
-    from mok_cute import benchmark
-
-    shape = benchmark.resolve_shape(args.shape)
-    problem = benchmark.make_problem(shape, device="cuda", seed=args.seed, t_scale=args.t_scale, ranks=args.ranks)
-    cfg_fields = benchmark.parse_config_overrides(args.mok_config)
-    config = mok_cute.MoKConfig(timeline=True, timeline_capacity=args.capacity, **cfg_fields)
-    if args.ranks > 1:
-        _, path = benchmark.virtual_path_of(mok_cute, problem.inputs.x.device, config)
-    else:
-        path = benchmark.forward_path_of(mok_cute, problem.inputs.x.device, config)
-    inp = problem.inputs
-    virtual = problem.virtual(args.ranks) if args.ranks > 1 else None
-    set_last(None)
-    for _ in range(args.warmup + 1):
-        if virtual is not None:
-            v = virtual
-            mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=config)
-        else:
-            mok_cute.moe_forward(
-                inp.x, inp.topk_idx, inp.topk_weights, problem.w_gate, problem.w_up, problem.w_down,
-                shared=problem.shared, config=config,
-            )
-    torch.cuda.synchronize()
-    tb = last()
-    sizes = {
-        "flops": problem.flops,
-        "dispatch_bytes": problem.routed_rows * shape.hidden * 2,
-        "combine_bytes": problem.routed_rows * shape.hidden * 2,
-    }
-    if tb is None:
-        return None, f"moe_forward ran on path {path!r} but published no timeline buffer (mok_cute.timeline.set_last)", sizes
-    tl = tb.decode()
-    tl.meta.update({"shape": shape.name, "tokens": problem.tokens, "ranks": args.ranks, "path": path, "gpu": torch.cuda.get_device_name()})
-    if args.out:
-        tb.save(Path(args.out) / "timeline_buffer.npy")
-    return tl, "", sizes
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``mok-cute timeline``: record one layer call and write the trace, PNG and summary."""
-    parser = argparse.ArgumentParser(
-        prog="mok-cute timeline",
-        description="Record a MoE layer call with the in-kernel timeline on and write a Chrome trace "
-        "(open in https://ui.perfetto.dev), a PNG swimlane chart and a summary.",
-    )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--from", dest="from_file", metavar="FILE.npy", help="decode a saved buffer instead of running")
-    source.add_argument("--synthetic", action="store_true", help="decode a made-up recording (a demo of the views, not a measurement)")
-    parser.add_argument("--out", default="out/timeline", help="output directory (default: out/timeline)")
-    parser.add_argument("--shape", default="dsv3_ep8_rank", help="named shape of mok_cute.benchmark (default dsv3_ep8_rank)")
-    parser.add_argument("--t-scale", type=float, default=1.0, help="scale the shape's token count")
-    parser.add_argument("--ranks", type=int, default=1, help="emulate R ranks on one GPU (moe_forward_virtual)")
-    parser.add_argument("--capacity", type=int, default=1 << 16, help="timeline capacity in records")
-    parser.add_argument("--warmup", type=int, default=1, help="calls before the recorded one (compile, caches)")
-    parser.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE", help="MoKConfig field, repeatable")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--flops", type=float, default=None, help="layer FLOPs for the summary (with --from)")
-    parser.add_argument("--bytes", type=float, default=None, help="dispatch = combine bytes for the summary (with --from)")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-
-    from rich.console import Console
-
-    console = Console() if sys.stdout.isatty() else Console(width=140)
-    sizes: dict[str, Any] = {"flops": args.flops, "dispatch_bytes": args.bytes, "combine_bytes": args.bytes}
-    if args.from_file:
-        try:
-            tl = decode(np.load(args.from_file))
-        except (OSError, ValueError, TypeError) as exc:
-            console.print(f"[red]cannot decode {args.from_file}: {exc}[/red]")
-            return 2
-        title = f"recording from {args.from_file}"
-    elif args.synthetic:
-        tl = decode(synthetic_buffer(seed=args.seed))
-        tl.meta["synthetic"] = True
-        title = "SYNTHETIC timeline (made-up durations, not a measurement)"
-    else:
-        try:
-            tl, reason, recorded_sizes = _record_on_gpu(args, console)
-        except Exception as exc:  # a failed launch must say what failed, not dump a trace only
-            tl, reason, recorded_sizes = None, f"the recorded run failed: {type(exc).__name__}: {exc}", {}
-        if tl is None:
-            console.print(f"[red]No timeline recorded: {reason}.[/red]")
-            console.print("Use --from FILE.npy to decode a saved buffer, or --synthetic for a demo of the views.")
-            return 1
-        sizes = {k: (sizes[k] if sizes[k] is not None else v) for k, v in recorded_sizes.items()}
-        title = f"{tl.meta.get('shape')} T={tl.meta.get('tokens')} on {tl.meta.get('gpu')}"
-    summary = print_summary(tl, console=console, title=title, **sizes)
-    paths = write_views(tl, args.out, summary, title)
-    for what, p in paths.items():
-        console.print(f"{what:8s} {p}")
-    problems = tl.check()
-    for p in problems:
-        console.print(f"[yellow]check: {p}[/yellow]")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

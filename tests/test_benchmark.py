@@ -1,13 +1,17 @@
-"""Benchmark harness: FLOP formula, shapes, torch contenders against the reference, failure
-recording, result JSON schema and bar chart (CPU); the full protocol on a GPU."""
+"""The one-GPU bench (``mok_cute.bench``) and the shape catalogue (``mok_cute.shapes``): FLOP
+formula, shapes, --mok-config, torch contenders against the reference, failure recording,
+result JSON schema (with the MoKConfig timed) and bar chart (CPU); the full protocol on a GPU."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 import mok_cute
-from mok_cute import benchmark as bm
+from mok_cute import shapes
+from mok_cute.bench import common, harness, problems, results, torch_moe
+from mok_cute.config import ExpertPathOptions, MegakernelOptions, MoKConfig
 
 
 def _grouped_mm_runs_here(device: str) -> bool:
@@ -34,13 +38,13 @@ def rel(out, ref):
 
 def test_flop_formula_is_moks():
     # 6 * (T*K + T*[shared]) * H * I
-    assert bm.moe_flops(4096, 7168, 2048, 8) == 6 * 4096 * 8 * 7168 * 2048 == 2_886_218_022_912
-    assert bm.moe_flops(2048, 7168, 2048, 8, shared=True) == 6 * (2048 * 8 + 2048) * 7168 * 2048
-    assert bm.moe_flops(1, 1, 1, 1) == 6
+    assert shapes.moe_flops(4096, 7168, 2048, 8) == 6 * 4096 * 8 * 7168 * 2048 == 2_886_218_022_912
+    assert shapes.moe_flops(2048, 7168, 2048, 8, shared=True) == 6 * (2048 * 8 + 2048) * 7168 * 2048
+    assert shapes.moe_flops(1, 1, 1, 1) == 6
 
 
 def test_named_shapes_are_designs_tables():
-    single = {n: (s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.shared) for n, s in bm.SINGLE_GPU_SHAPES.items()}
+    single = {n: (s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.shared) for n, s in shapes.SINGLE_GPU_SHAPES.items()}
     assert single == {
         "dsv3_ep8_rank": (4096, 7168, 2048, 32, 8, False),
         "qwen3_30b": (16384, 2048, 768, 128, 8, False),
@@ -48,7 +52,7 @@ def test_named_shapes_are_designs_tables():
         "mixtral": (8192, 4096, 14336, 8, 2, False),
         "gptoss_120b": (8192, 2880, 2880, 128, 4, False),
     }
-    ep = {n: (s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.shared) for n, s in bm.EP_SHAPES.items()}
+    ep = {n: (s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.shared) for n, s in shapes.EP_SHAPES.items()}
     assert ep == {
         "kimi_k2.7": (2048, 7168, 2048, 384, 8, True),
         "glm_5.2": (2048, 6144, 2048, 256, 8, True),
@@ -56,28 +60,47 @@ def test_named_shapes_are_designs_tables():
         "dsv4_pro": (2048, 7168, 3072, 384, 6, True),
     }
     # EP shapes hold R ranks' tokens; single-GPU shapes scale only with --t-scale.
-    assert bm.EP_SHAPES["kimi_k2.7"].total_tokens(1.0, ranks=8) == 8 * 2048
-    assert bm.SINGLE_GPU_SHAPES["mixtral"].total_tokens(0.25, ranks=8) == 2048
+    assert shapes.EP_SHAPES["kimi_k2.7"].total_tokens(1.0, ranks=8) == 8 * 2048
+    assert shapes.SINGLE_GPU_SHAPES["mixtral"].total_tokens(0.25, ranks=8) == 2048
 
 
 def test_shape_specs_resolve_and_bad_ones_name_the_argument():
-    assert [s.name for s in bm.resolve_shapes("single")] == list(bm.SINGLE_GPU_SHAPES)
-    assert [s.name for s in bm.resolve_shapes("ep")] == list(bm.EP_SHAPES)
-    shapes = bm.resolve_shapes("mixtral,custom:64,32,16,4,2,1,qwen3_30b")
-    assert [s.name for s in shapes] == ["mixtral", "custom:64,32,16,4,2,1", "qwen3_30b"]
-    custom = shapes[1]
+    assert [s.name for s in shapes.resolve_shapes("single")] == list(shapes.SINGLE_GPU_SHAPES)
+    assert [s.name for s in shapes.resolve_shapes("ep")] == list(shapes.EP_SHAPES)
+    resolved = shapes.resolve_shapes("mixtral,custom:64,32,16,4,2,1,qwen3_30b")
+    assert [s.name for s in resolved] == ["mixtral", "custom:64,32,16,4,2,1", "qwen3_30b"]
+    custom = resolved[1]
     assert (custom.tokens, custom.hidden, custom.intermediate, custom.experts, custom.top_k, custom.shared) == (64, 32, 16, 4, 2, True)
     for bad in ("nope", "custom:1,2,3", "custom:8,8,8,2,3", "custom:a,b,c,d,e"):
         with pytest.raises(ValueError, match="shape"):
-            bm.resolve_shape(bad)
+            shapes.resolve_shape(bad)
 
 
 def test_config_overrides_parse_types():
-    got = bm.parse_config_overrides(["num_comm_sms=16,timeline=true", "timeout_ms=5.5", "backend=auto", "ring_tokens=None"])
+    got = common.parse_config_overrides(["num_comm_sms=16,timeline=true", "timeout_ms=5.5", "backend=auto", "ring_tokens=None"])
     assert got == {"num_comm_sms": 16, "timeline": True, "timeout_ms": 5.5, "backend": "auto", "ring_tokens": None}
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        bm.parse_config_overrides(["num_comm_sms"])
-    mok_cute.MoKConfig(**{k: v for k, v in got.items() if k != "backend"})  # the keys are real fields
+        common.parse_config_overrides(["num_comm_sms"])
+    config = common.apply_config_overrides(MoKConfig(), got)
+    assert (config.num_comm_sms, config.timeline, config.timeout_ms, config.ring_tokens) == (16, True, 5.5, None)
+
+
+def test_config_overrides_set_the_options_objects_fields():
+    """``--mok-config megakernel.tickets=static expert_path.fc2_pingpong_max_k=0 check_ids=False``:
+    a dotted key sets a field of the options object, the other fields keep their defaults."""
+    got = common.parse_config_overrides(["megakernel.tickets=static", "expert_path.fc2_pingpong_max_k=0",
+                                         "check_ids=False", "megakernel.fc1_lead=2"])
+    config = common.apply_config_overrides(MoKConfig(backend="kernel"), got)
+    assert config.megakernel == MegakernelOptions(tickets="static", fc1_lead=2)
+    assert config.expert_path == ExpertPathOptions(fc2_pingpong_max_k=0)
+    assert config.check_ids is False and config.backend == "kernel"
+    for bad, match in (("nope=1", "not a MoKConfig field"), ("megakernel.nope=1", "not a field of MegakernelOptions"),
+                       ("megakernel=1", "options object"), ("check_ids.x=1", "has no fields")):
+        with pytest.raises(ValueError, match=match):
+            common.parse_config_overrides([bad])
+    for bad in ("megakernel.tickets=sideways", "expert_path.fc1_group_m=x", "backend=gpu"):  # refused by the dataclasses
+        with pytest.raises(ValueError):
+            common.apply_config_overrides(MoKConfig(), common.parse_config_overrides([bad]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +109,7 @@ def test_config_overrides_parse_types():
 
 
 def test_problem_is_random_normal_never_zeros_and_fresh_inputs_differ():
-    p = bm.make_problem(bm.resolve_shape("custom:64,32,16,8,2,1"), device="cpu", seed=1)
+    p = problems.make_problem(shapes.resolve_shape("custom:64,32,16,8,2,1"), device="cpu", seed=1)
     for t in (p.inputs.x, p.w_gate, p.w_up, p.w_down, *p.shared):
         assert t.dtype == torch.bfloat16 and t.float().abs().min() >= 0 and t.float().std() > 0
         assert (t == 0).float().mean() < 0.01
@@ -95,45 +118,45 @@ def test_problem_is_random_normal_never_zeros_and_fresh_inputs_differ():
     torch.testing.assert_close(p.inputs.topk_weights.sum(1), torch.ones(64))
     q = p.with_fresh_inputs(32, seed=2)
     assert q.tokens == 32 and q.w_gate is p.w_gate and not torch.equal(q.inputs.x[:32], p.inputs.x[:32])
-    assert p.flops == bm.moe_flops(64, 32, 16, 2, shared=True)
+    assert p.flops == shapes.moe_flops(64, 32, 16, 2, shared=True)
 
 
 @pytest.mark.skipif(not GROUPED_MM_ON_CPU, reason="torch._grouped_mm does not run on the CPU here; see the gpu test")
 @pytest.mark.parametrize("spec", ["custom:96,64,32,8,2", "custom:80,128,64,16,4,1", "custom:1,64,32,4,4"])
 def test_torch_grouped_mm_pipeline_matches_the_reference_on_cpu(spec):
-    p = bm.make_problem(bm.resolve_shape(spec), device="cpu", seed=3)
+    p = problems.make_problem(shapes.resolve_shape(spec), device="cpu", seed=3)
     i = p.inputs
     ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
-    gu, down = bm.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down)
-    out = bm.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, gu, down, bm._fused_shared(p))
+    gu, down = torch_moe.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down)
+    out = torch_moe.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, gu, down, torch_moe.fuse_shared(p.shared))
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     assert rel(out, ref) <= 1e-2
 
 
 @pytest.mark.skipif(not GROUPED_MM_ON_CPU, reason="torch._grouped_mm does not run on the CPU here; see the gpu test")
 def test_torch_grouped_mm_pipeline_with_an_empty_expert():
-    p = bm.make_problem(bm.resolve_shape("custom:64,64,32,8,2"), device="cpu", seed=4)
+    p = problems.make_problem(shapes.resolve_shape("custom:64,64,32,8,2"), device="cpu", seed=4)
     idx = p.inputs.topk_idx.clone()
     idx[idx == 5] = 6  # expert 5 gets no rows (and tokens routed to 5 and 6 now hit 6 twice)
     i = p.inputs
     ref = mok_cute.reference.moe_forward(i.x, idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
-    out = bm.torch_grouped_mm_moe(i.x, idx, i.topk_weights, *bm.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down))
+    out = torch_moe.torch_grouped_mm_moe(i.x, idx, i.topk_weights, *torch_moe.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down))
     assert rel(out, ref) <= 1e-2
 
 
 def test_per_expert_loop_matches_the_reference_on_cpu():
-    p = bm.make_problem(bm.resolve_shape("custom:96,64,32,8,3,1"), device="cpu", seed=5)
+    p = problems.make_problem(shapes.resolve_shape("custom:96,64,32,8,3,1"), device="cpu", seed=5)
     i = p.inputs
     ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
-    out = bm.per_expert_loop_moe(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, bm._fused_shared(p))
+    out = torch_moe.per_expert_loop_moe(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, torch_moe.fuse_shared(p.shared))
     assert rel(out, ref) <= 1e-2
 
 
 def test_virtual_split_is_the_same_work_as_the_whole_problem():
     """mok_cute_virtual times R ranks of the problem the single-GPU contenders run: the
     reference agrees bitwise between the split and the whole."""
-    shape = bm.resolve_shape("custom:32,64,32,8,2,1")
-    p = bm.make_problem(shape, device="cpu", seed=6)
+    shape = shapes.resolve_shape("custom:32,64,32,8,2,1")
+    p = problems.make_problem(shape, device="cpu", seed=6)
     v = p.virtual(4)
     assert v.x.shape == (4, 8, 64) and v.w_gate.shape == (4, 2, 32, 64) and v.shared[0].shape == (4, 32, 64)
     i = p.inputs
@@ -150,7 +173,7 @@ def test_virtual_split_is_the_same_work_as_the_whole_problem():
 
 
 def _ctx(tmp_path, **kw):
-    return bm.BenchContext(device=torch.device("cpu"), out_dir=tmp_path, **kw)
+    return harness.BenchContext(device=torch.device("cpu"), out_dir=tmp_path, **kw)
 
 
 def test_bench_shape_records_crashes_and_failed_checks_and_times_the_rest(tmp_path, monkeypatch):
@@ -158,20 +181,20 @@ def test_bench_shape_records_crashes_and_failed_checks_and_times_the_rest(tmp_pa
         raise RuntimeError("compile failed: no kernel image")
 
     def wrong(problem, ctx):
-        good, _ = bm._prepare_per_expert_loop(problem, ctx)
+        good, _ = harness._prepare_per_expert_loop(problem, ctx)
         return (lambda inp: good(inp) * 1.1), {}
 
-    monkeypatch.setitem(bm.CONTENDERS, "crashes", crashing)
-    monkeypatch.setitem(bm.CONTENDERS, "wrong", wrong)
-    shape = bm.resolve_shape("custom:64,64,32,8,2")
-    timer = bm.Timer(torch.device("cpu"), iters=2, warmup=1)
-    results = bm.bench_shape(shape, ["crashes", "wrong", "per_expert_loop", "mok_cute"], _ctx(tmp_path), timer, check_tokens=32, log=lambda m: None)
+    monkeypatch.setitem(harness.CONTENDERS, "crashes", crashing)
+    monkeypatch.setitem(harness.CONTENDERS, "wrong", wrong)
+    shape = shapes.resolve_shape("custom:64,64,32,8,2")
+    timer = harness.Timer(torch.device("cpu"), iters=2, warmup=1)
+    results = harness.bench_shape(shape, ["crashes", "wrong", "per_expert_loop", "mok_cute"], _ctx(tmp_path), timer, check_tokens=32, log=lambda m: None)
     by = {r["contender"]: r for r in results}
     assert by["crashes"]["status"] == "error" and "compile failed" in by["crashes"]["error"] and by["crashes"]["ms"] is None
     assert by["wrong"]["status"] == "check_failed" and by["wrong"]["ms"] is None and by["wrong"]["rel_err"] > 0.05
     ok = by["per_expert_loop"]
     assert ok["status"] == "ok" and ok["rel_err"] <= 1e-2 and ok["ms"] > 0
-    assert ok["tflops"] == pytest.approx(bm.moe_flops(64, 64, 32, 2) / (ok["ms"] * 1e-3) / 1e12)
+    assert ok["tflops"] == pytest.approx(shapes.moe_flops(64, 64, 32, 2) / (ok["ms"] * 1e-3) / 1e12)
     assert (ok["T"], ok["H"], ok["I"], ok["E"], ok["K"]) == (64, 64, 32, 8, 2)
     if not torch.cuda.is_available():  # the reference fallback is never timed as mok_cute
         assert by["mok_cute"]["status"] == "skipped" and by["mok_cute"]["ms"] is None
@@ -185,20 +208,20 @@ def test_rounds_time_every_contender_in_alternating_order_and_report_medians(tmp
 
     def traced(label):
         def prepare(problem, ctx):
-            good, _ = bm._prepare_per_expert_loop(problem, ctx)
+            good, _ = harness._prepare_per_expert_loop(problem, ctx)
             return (lambda inp: calls.append(label) or good(inp)), {}
         return prepare
 
     def wrong(problem, ctx):
-        good, _ = bm._prepare_per_expert_loop(problem, ctx)
+        good, _ = harness._prepare_per_expert_loop(problem, ctx)
         return (lambda inp: good(inp) * 1.1), {}
 
-    monkeypatch.setitem(bm.CONTENDERS, "a", traced("a"))
-    monkeypatch.setitem(bm.CONTENDERS, "b", traced("b"))
-    monkeypatch.setitem(bm.CONTENDERS, "wrong", wrong)
-    shape = bm.resolve_shape("custom:64,64,32,8,2")
-    timer = bm.Timer(torch.device("cpu"), iters=1, warmup=0)
-    results = bm.bench_shape(shape, ["a", "wrong", "b"], _ctx(tmp_path), timer, check_tokens=32,
+    monkeypatch.setitem(harness.CONTENDERS, "a", traced("a"))
+    monkeypatch.setitem(harness.CONTENDERS, "b", traced("b"))
+    monkeypatch.setitem(harness.CONTENDERS, "wrong", wrong)
+    shape = shapes.resolve_shape("custom:64,64,32,8,2")
+    timer = harness.Timer(torch.device("cpu"), iters=1, warmup=0)
+    results = harness.bench_shape(shape, ["a", "wrong", "b"], _ctx(tmp_path), timer, check_tokens=32,
                              log=lambda m: None, rounds=3)
     by = {r["contender"]: r for r in results}
     assert [r["contender"] for r in results] == ["a", "wrong", "b"]
@@ -223,7 +246,7 @@ def test_ratios_are_against_torch_and_cublas_of_the_same_run():
         {"shape": "a", "contender": "mok_cute_timeline", "tflops": 120.0, "ms": 2.5},
     ]
     results[2]["ms"] = 2.0
-    bm.add_ratios(results)
+    harness.add_ratios(results)
     assert results[2]["ratio_vs_torch"] == 1.5 and results[2]["frac_cublas"] == 0.25
     assert results[3]["ratio_vs_torch"] is None and results[3]["frac_cublas"] == 0.5
     assert "ratio_vs_torch" not in results[4]
@@ -241,7 +264,7 @@ def test_paired_ratios_pair_the_rounds():
         {"shape": "a", "contender": "sonicmoe", "tflops": 2.0, "ms": 3.0, "ms_rounds": [2.0, 3.0]},
         {"shape": "b", "contender": "mok_cute", "tflops": 2.0, "ms": 3.0},
     ]
-    bm.add_ratios(results)
+    harness.add_ratios(results)
     mok, mega, sonic, single = results[1], results[2], results[3], results[4]
     assert mega["paired_ms_over_mok_cute"] == 2.0 and mok["paired_ms_over_mok_cute"] == 1.0
     assert mok["paired_vs_torch"] == 4.0 and mega["paired_vs_torch"] == 4.0 / 1.5
@@ -251,20 +274,20 @@ def test_paired_ratios_pair_the_rounds():
 
 def test_timer_on_cpu_returns_the_median():
     calls = []
-    timer = bm.Timer(torch.device("cpu"), iters=5, warmup=2)
+    timer = harness.Timer(torch.device("cpu"), iters=5, warmup=2)
     assert timer(lambda: calls.append(1)) > 0 and len(calls) == 7
     with pytest.raises(ValueError, match="iters"):
-        bm.Timer(torch.device("cpu"), iters=0)
+        harness.Timer(torch.device("cpu"), iters=0)
 
 
 def test_result_files_are_never_overwritten(tmp_path):
-    first = bm.result_path(tmp_path, "NVIDIA H200", "fwd", "2026-11-29")
+    first = results.result_path(tmp_path, "NVIDIA H200", "fwd", "2026-11-29")
     assert first.name == "2026-11-29_h200_fwd.json"
     first.write_text("{}")
-    assert bm.result_path(tmp_path, "NVIDIA H200", "fwd", "2026-11-29").name == "2026-11-29_h200_fwd_2.json"
+    assert results.result_path(tmp_path, "NVIDIA H200", "fwd", "2026-11-29").name == "2026-11-29_h200_fwd_2.json"
 
 
-# DESIGN §5 schema, written out here independently of bm.RESULT_SCHEMA.
+# DESIGN §5 schema, written out here independently of results.RESULT_SCHEMA.
 DESIGN_SCHEMA = {
     "type": "object",
     "required": ["gpu", "date", "command", "versions", "results"],
@@ -291,20 +314,21 @@ def test_main_on_cpu_writes_schema_valid_json_and_a_png(tmp_path, capsys):
     import matplotlib.image
 
     argv = ["--shapes", "custom:64,64,32,8,2,1", "--contenders", "torch_grouped_mm,per_expert_loop,sonicmoe,cublas_8192,mok_cute",
-            "--iters", "2", "--warmup", "1", "--check-tokens", "32", "--out", str(tmp_path), "--tag", "cpu-smoke", "--device", "cpu"]
-    assert bm.main(argv) == 0
+            "--iters", "2", "--warmup", "1", "--check-tokens", "32", "--out", str(tmp_path), "--tag", "cpu-smoke", "--device", "cpu",
+            "--mok-config", "megakernel.tickets=static", "--mok-config", "check_ids=False"]
+    assert harness.main(argv) == 0
     files = sorted(tmp_path.glob("*_cpu-smoke.json"))
     assert len(files) == 1
     doc = json.loads(files[0].read_text())
     jsonschema.validate(doc, DESIGN_SCHEMA)
-    jsonschema.validate(doc, bm.RESULT_SCHEMA)
+    jsonschema.validate(doc, results.RESULT_SCHEMA)
     assert "--shapes custom:64,64,32,8,2,1" in doc["command"] and doc["argv"] == argv
     assert doc["versions"]["torch"] and doc["versions"]["python"]
-    from mok_cute import megakernel, ops, schedule
-
-    assert doc["switches"]["MOK_GPU_SCHEDULE"] is schedule.GPU_BUILD  # which code was timed
-    assert doc["switches"]["MOK_FC2_PINGPONG"] is ops.FC2_PINGPONG
-    assert doc["switches"]["MOK_RANK_BLOCKS"] is megakernel.RANK_BLOCKS
+    # which code was timed: the MoKConfig of the mok_cute contenders, options nested
+    assert "switches" not in doc
+    assert doc["mok_config"] == dataclasses.asdict(MoKConfig(backend="kernel", check_ids=False,
+                                                             megakernel=MegakernelOptions(tickets="static")))
+    assert doc["mok_config"]["expert_path"]["fc2_pingpong_max_k"] == ExpertPathOptions().fc2_pingpong_max_k
     by = {r["contender"]: r for r in doc["results"]}
     assert by["per_expert_loop"]["status"] == "ok"
     if GROUPED_MM_ON_CPU:
@@ -316,24 +340,25 @@ def test_main_on_cpu_writes_schema_valid_json_and_a_png(tmp_path, capsys):
     assert "per_expert_loop" in capsys.readouterr().out
 
 
-def test_main_rejects_unknown_contenders_and_shapes(tmp_path):
-    assert bm.main(["--contenders", "magic", "--out", str(tmp_path)]) == 2
-    assert bm.main(["--shapes", "nope", "--out", str(tmp_path)]) == 2
+def test_main_rejects_unknown_contenders_shapes_and_config_fields(tmp_path):
+    assert harness.main(["--contenders", "magic", "--out", str(tmp_path)]) == 2
+    assert harness.main(["--shapes", "nope", "--out", str(tmp_path)]) == 2
+    assert harness.main(["--mok-config", "megakernel.pingpong=True", "--out", str(tmp_path)]) == 2
     assert not list(tmp_path.glob("*.json"))
 
 
 def test_bar_chart_from_a_synthetic_result_list(tmp_path):
     import matplotlib.image
 
-    results = [{"shape": "matmul_8192", "contender": "cublas_8192", "pass": "fwd", "ms": 1.5, "tflops": 723.0, "status": "ok"}]
+    rows = [{"shape": "matmul_8192", "contender": "cublas_8192", "pass": "fwd", "ms": 1.5, "tflops": 723.0, "status": "ok"}]
     for shape, base in (("dsv3_ep8_rank", 411.0), ("sonic_120b", 390.0), ("qwen3_30b", 236.0)):
-        results += [
+        rows += [
             {"shape": shape, "contender": "torch_grouped_mm", "pass": "fwd", "ms": 1.0, "tflops": base, "status": "ok"},
             {"shape": shape, "contender": "sonicmoe", "pass": "fwd", "ms": 0.7, "tflops": base * 1.4, "status": "ok"},
             {"shape": shape, "contender": "mok_cute", "pass": "fwd", "ms": None, "tflops": None, "status": "error"},
         ]
-    bm.add_ratios(results)
-    path = bm.plot_results(results, tmp_path / "bars.png", title="synthetic")
+    harness.add_ratios(rows)
+    path = results.plot_results(rows, tmp_path / "bars.png", title="synthetic")
     img = matplotlib.image.imread(path)
     assert img.shape[:2] == (550, round(max(7.0, 1.6 * 3 * 3 / 3 + 3) * 110))
     assert img[..., :3].std() > 0.05  # bars drawn, not a blank canvas
@@ -346,10 +371,10 @@ def test_bar_chart_from_a_synthetic_result_list(tmp_path):
 
 @pytest.mark.gpu
 def test_torch_grouped_mm_pipeline_matches_the_reference_on_gpu():
-    p = bm.make_problem(bm.resolve_shape("custom:1000,512,256,16,4,1"), device="cuda", seed=7)
+    p = problems.make_problem(shapes.resolve_shape("custom:1000,512,256,16,4,1"), device="cuda", seed=7)
     i = p.inputs
     ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
-    out = bm.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, *bm.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down), bm._fused_shared(p))
+    out = torch_moe.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, *torch_moe.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down), torch_moe.fuse_shared(p.shared))
     assert rel(out, ref) <= 1e-2
 
 
@@ -358,10 +383,10 @@ def test_full_protocol_on_the_gpu(tmp_path):
     """Every contender on a reduced shape, one process: cuBLAS and the torch pipeline must time;
     the others are recorded whatever happens to them (mok_cute is timed only on the kernel path)."""
     # SonicMoE autotunes for minutes on a new shape: it has its own call (gpu_check.sh sonic)
-    contenders = [c for c in bm.ALL_CONTENDERS if not c.startswith("sonicmoe")]
+    contenders = [c for c in harness.ALL_CONTENDERS if not c.startswith("sonicmoe")]
     argv = ["--shapes", "dsv3_ep8_rank", "--t-scale", "0.125", "--iters", "5", "--warmup", "2",
             "--out", str(tmp_path), "--tag", "gpu-test", "--contenders", ",".join(contenders)]
-    assert bm.main(argv) == 0
+    assert harness.main(argv) == 0
     doc = json.loads(next(tmp_path.glob("*_gpu-test.json")).read_text())
     by = {r["contender"]: r for r in doc["results"]}
     assert set(by) == set(contenders)

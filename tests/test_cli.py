@@ -108,7 +108,18 @@ def test_delegates_forward_argv_and_report_missing_modules(capsys, monkeypatch):
     assert rc == 3 and seen["argv"] == ["--shape", "mixtral", "-n", "3"]
     monkeypatch.setitem(cli._DELEGATES, "tune", ("mok_cute.not_written_yet.tune", "missing"))
     rc, out = run(capsys, "tune", "--profile", "gb300")
-    assert rc == 2 and "mok_cute.not_written_yet.tune is not in this install yet" in out
+    assert rc == 2 and "mok_cute.not_written_yet.tune is not in this install" in out
+
+
+def test_delegates_reach_the_bench_the_recorder_and_the_tuner(capsys, tmp_path):
+    for command, expect in (("bench", "--mok-config"), ("timeline", "--synthetic"), ("tune", "--ranks")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([command, "--help"])
+        assert exit_.value.code == 0 and expect in capsys.readouterr().out
+    rc, out = run(capsys, "timeline", "--synthetic", "--out", str(tmp_path))
+    assert rc == 0 and (tmp_path / "timeline.png").is_file()
+    rc, out = run(capsys, "bench", "--list")
+    assert rc == 0 and "mok_megakernel" in out and "kimi_k2.7" in out
 
 
 def test_no_command_prints_help(capsys):

@@ -1,4 +1,4 @@
-"""The expert-parallel benchmark (`mok_cute.ep_bench`, `mok-cute bench --ep`) on CPU processes.
+"""The expert-parallel benchmark (`mok_cute.bench.ep`, `mok-cute bench --ep`) on CPU processes.
 
 Ranks are gloo processes on 127.0.0.1 started with torch.multiprocessing.spawn; a failing
 assertion in a worker fails the test. One spawn per world size runs every multi-rank scenario
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import mok_cute as mok
-from mok_cute import benchmark as bm
-from mok_cute import ep_bench as ep
+from mok_cute import cli, shapes
+from mok_cute.bench import ep, harness, results
 
 import gloo_group
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 T, H, I, E_LOC, K = 16, 64, 32, 4, 2
 
 
-def _shape(world: int) -> bm.Shape:
+def _shape(world: int) -> shapes.Shape:
     return ep.resolve_ep_shape(f"custom:{T},{H},{I},{E_LOC * world},{K},1")
 
 
@@ -97,7 +97,7 @@ def _exact_bytes_and_max_timing(d: ep.Dist, out_dir: Path) -> None:
     doc = {"gpu": "cpu", "date": "x", "command": "x", "versions": {}, "results": rows}
     import jsonschema
 
-    jsonschema.validate(json.loads(json.dumps(doc)), bm.RESULT_SCHEMA)
+    jsonschema.validate(json.loads(json.dumps(doc)), results.RESULT_SCHEMA)
 
     # The max over ranks is the slowest rank's median: the last rank sleeps 30 ms per call.
     sleep_s = 0.03 if d.rank == R - 1 else 0.0
@@ -118,10 +118,11 @@ def _failed_check_is_recorded_not_timed(d: ep.Dist, out_dir: Path) -> None:
 
 
 def _cli_hook_end_to_end(d: ep.Dist, out_dir: Path) -> None:
-    """`mok-cute bench --ep` (benchmark.main) runs the EP harness across the ranks."""
-    argv = ["--ep", "--shapes", f"custom:{T},{H},{I},{E_LOC * d.world},{K},1", "--iters", "2", "--warmup", "1",
-            "--check-tokens", "8", "--skew", "0.5", "--out", str(out_dir / "results"), "--tag", "test"]
-    assert bm.main(argv) == 0
+    """`mok-cute bench --ep` runs the EP harness across the ranks."""
+    argv = ["bench", "--ep", "--shapes", f"custom:{T},{H},{I},{E_LOC * d.world},{K},1", "--iters", "2", "--warmup", "1",
+            "--check-tokens", "8", "--skew", "0.5", "--out", str(out_dir / "results"), "--tag", "test",
+            "--mok-config", "megakernel.tickets=static"]
+    assert cli.main(argv) == 0
 
 
 SCENARIOS = {
@@ -154,10 +155,10 @@ def test_two_ranks_baseline_bytes_timing_failed_check_and_cli(tmp_path):
     doc = json.loads(json_path.read_text())
     import jsonschema
 
-    jsonschema.validate(doc, bm.RESULT_SCHEMA)
+    jsonschema.validate(doc, results.RESULT_SCHEMA)
     assert doc["ranks"] == 2 and doc["skew"] == 0.5 and doc["nvls_env"]["NCCL_NVLS_ENABLE"] == "0"
     assert doc["command"].startswith("mok-cute bench --ep")
-    assert "MOK_GPU_SCHEDULE" in doc["switches"]
+    assert doc["mok_config"]["megakernel"]["tickets"] == "static" and "switches" not in doc
     assert [r["contender"] for r in doc["results"]] == ep.ALL_CONTENDERS
     assert all(r["status"] == "ok" for r in doc["results"]), doc["results"]
     assert json_path.with_suffix(".png").stat().st_size > 0
@@ -201,15 +202,15 @@ def test_bad_arguments_name_themselves():
 
 def test_named_shapes_and_prefixes():
     assert ep.resolve_ep_shape("kimi_k2").name == "kimi_k2.7"
-    assert [s.name for s in ep.resolve_ep_shapes("ep")] == list(bm.EP_SHAPES)
+    assert [s.name for s in ep.resolve_ep_shapes("ep")] == list(shapes.EP_SHAPES)
     s = ep.resolve_ep_shape("kimi_k2.7")
     assert (s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.shared) == (2048, 7168, 2048, 384, 8, True)
 
 
-def test_bench_hook_reaches_ep_bench_main(monkeypatch):
+def test_bench_hook_reaches_the_ep_main(monkeypatch):
     seen = []
     monkeypatch.setattr(ep, "main", lambda argv: seen.append(list(argv)) or 7)
-    assert bm.main(["--ep", "--shapes", "kimi_k2"]) == 7
+    assert harness.main(["--ep", "--shapes", "kimi_k2"]) == 7
     assert seen == [["--ep", "--shapes", "kimi_k2"]]
 
 

@@ -1,4 +1,4 @@
-"""mok_cute.gpu_clock: the nvidia-smi sampler the benches record the SM clock and power with.
+"""mok_cute.bench.gpu_clock: the nvidia-smi sampler the benches record the SM clock and power with.
 
 CPU: parsing a sample line, windows and statistics on hand-made samples, and a sampler that
 finds no nvidia-smi records nothing instead of failing. The real sampler runs in every
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from mok_cute import gpu_clock
+from mok_cute.bench import gpu_clock
 
 
 def test_a_sample_line_parses_to_epoch_clock_power_temperature_reasons():

@@ -1,4 +1,4 @@
-"""CPU tests of the simulator (mok_cute.sim)."""
+"""CPU tests of the simulator (mok_cute.sim), its studies and its calibration (mok_cute.bench)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from mok_cute import sim
 from mok_cute import tasks as T
-from mok_cute.sim import calibrate, tune
+from mok_cute.bench import calibrate, sim_studies
+from mok_cute.sim import tune
 from mok_cute.sim.engine import max_min_rates
 from mok_cute.sim.hardware import RATE_FIELDS
 
@@ -439,7 +440,6 @@ def test_simulated_megakernel_matches_its_recorded_comm_timeline():
     """Fed run 16's DISPATCH fit, the simulated R = 1 megakernel (8 comm SMs) ends its last
     COMBINE within 5 % of the recorded one (COMBINE waits, compute and the pipeline are not
     fitted)."""
-    from mok_cute.sim import studies
     from mok_cute.tasks import TaskType
 
     recs = np.load(calibrate.MEGAKERNEL_COMM_RECORDS)
@@ -448,7 +448,7 @@ def test_simulated_megakernel_matches_its_recorded_comm_timeline():
         a = recs[f"run16_bulk__{name}"]
         comb = a["task_type"] == int(TaskType.COMBINE)
         recorded = (a["end_ns"][comb].max() - a["start_ns"].min()) * 1e-6
-        p = studies._r1_point(sim.SimShape.named(name), 8, hw)
+        p = sim_studies._r1_point(sim.SimShape.named(name), 8, hw)
         assert p["last_combine_end_ms"] == pytest.approx(recorded, rel=0.05), name
 
 
@@ -475,7 +475,7 @@ def test_tune_cli_prints_json(capsys):
 
 @pytest.mark.parametrize("R", [1, 8])
 def test_local_direct_copies_only_rows_from_other_ranks(R):
-    """As the kernel (megakernel.LOCAL_DIRECT): a rank's own rows are never copied, so a comm
+    """As the kernel (MegakernelOptions.rows_in_place): a rank's own rows are never copied, so a comm
     task's payload is its link bytes; at R = 1 nothing is copied at all. With a ring that
     wraps the kernel copies every row again, and so does the model."""
     from mok_cute.schedule import schedule_capacity

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from mok_cute import timeline as tlm
-from mok_cute.timeline import HEADER_WORDS, RECORD_WORDS, Role, TaskType
+from mok_cute.bench import record_timeline
+from mok_cute.tasks import Role, TaskType
+from mok_cute.timeline import HEADER_WORDS, RECORD_WORDS
 
 C, P = Role.COMM, Role.COMPUTE
 T0 = 1_700_000_000_000  # a plausible %globaltimer value (ns)
@@ -411,12 +413,12 @@ def test_check_finds_role_violations_overlaps_and_duplicate_or_missing_tasks():
 
 
 # --------------------------------------------------------------------------------------------
-# command line
+# command line (mok-cute timeline: mok_cute.bench.record_timeline)
 # --------------------------------------------------------------------------------------------
 
 
 def test_main_synthetic_writes_the_three_views(tmp_path, capsys):
-    assert tlm.main(["--synthetic", "--out", str(tmp_path)]) == 0
+    assert record_timeline.main(["--synthetic", "--out", str(tmp_path)]) == 0
     validate_trace(json.loads((tmp_path / "timeline_trace.json").read_text()))
     assert _read_png(tmp_path / "timeline.png").size > 0
     summary = json.loads((tmp_path / "timeline_summary.json").read_text())
@@ -426,18 +428,23 @@ def test_main_synthetic_writes_the_three_views(tmp_path, capsys):
 
 def test_main_decodes_a_saved_buffer(tmp_path):
     np.save(tmp_path / "buf.npy", tlm.encode_records([rec(P, TaskType.FC1, 0, 0, 1000, sm=2)]))
-    assert tlm.main(["--from", str(tmp_path / "buf.npy"), "--out", str(tmp_path / "o"), "--flops", "2e6"]) == 0
+    assert record_timeline.main(["--from", str(tmp_path / "buf.npy"), "--out", str(tmp_path / "o"), "--flops", "2e6"]) == 0
     summary = json.loads((tmp_path / "o" / "timeline_summary.json").read_text())
     assert summary["gemm_tflops"] == 2e6 / 1000 / 1e3
-    assert tlm.main(["--from", str(tmp_path / "missing.npy"), "--out", str(tmp_path / "o")]) == 2
+    assert record_timeline.main(["--from", str(tmp_path / "missing.npy"), "--out", str(tmp_path / "o")]) == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_main_without_a_gpu_says_so_and_fails(tmp_path, capsys):
-    assert tlm.main(["--out", str(tmp_path)]) == 1
+    assert record_timeline.main(["--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "No timeline recorded" in out and "no CUDA GPU" in out
     assert not (tmp_path / "timeline.png").exists()
+
+
+def test_main_refuses_a_config_field_that_does_not_exist(tmp_path, capsys):
+    assert record_timeline.main(["--out", str(tmp_path), "--mok-config", "megakernel.pingpong=True"]) == 2
+    assert "not a field of MegakernelOptions" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------------------------

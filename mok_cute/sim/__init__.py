@@ -2,8 +2,9 @@
 
 It executes the megakernel's own task list (``mok_cute.tasks``) on every rank of an EP group,
 with the same dependencies and the same comm / compute SM split, on a hardware profile whose
-every rate names its source (``hardware.py``). See docs/sim.md for the model, the studies and
-what is calibrated.
+every rate names its source (``hardware.py``). ``mok-cute tune`` and the EP path's config
+resolution (``tune.tuned_config``) run it; its studies and its fits to measurements live with
+the bench (``mok_cute.bench.sim_studies``, ``mok_cute.bench.calibrate``).
 
     from mok_cute import sim
     cfg = sim.SimConfig(num_comm_sms=24, minibatch_tokens=4096, ring_tokens=32768)

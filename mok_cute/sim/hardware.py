@@ -9,7 +9,7 @@ Source tags used below:
 - ``anchors``: /work/shared/notes/anchors.md (measured on our H200s, or a datasheet line there);
 - ``datasheet``: the vendor's published figure, as quoted;
 - ``assumption``: no measurement yet; the study docs list what measurement would replace it;
-- ``measured``: fitted by ``mok_cute.sim.calibrate`` to records of our own kernels committed in
+- ``measured``: fitted by ``mok_cute.bench.calibrate`` to records of our own kernels committed in
   ``benchmarks/results/`` (the source names the file, the runs and the fit; a test refits it).
 """
 
@@ -146,7 +146,7 @@ H200_HGX = HardwareProfile(
         "link_bytes_per_s": "anchors: copy-engine peer copy 395 GB/s each direction measured on "
                             "2x H200 (datasheet NVLink4 450 GB/s)",
         "link_peak_bytes_per_s": "anchors: Physical limits, NVLink 4 450 GB/s each way per GPU",
-        "sm_copy_bytes_per_s": "measured: mok_cute.sim.calibrate.fit_megakernel_comm('run16_bulk')"
+        "sm_copy_bytes_per_s": "measured: mok_cute.bench.calibrate.fit_megakernel_comm('run16_bulk')"
                                " on benchmarks/results/2026-11-29_h200_megakernel_comm_records.npz"
                                ", run 16 of docs/gpu_runs.md (the real megakernel on one H200 at "
                                "R = 1, 8 comm CTAs, cp.async.bulk copies, dynamic tickets): least "
@@ -158,7 +158,7 @@ H200_HGX = HardwareProfile(
                                "(vector copies, 4 x 16 B in flight per lane) fits 20.5 GB/s with "
                                "no intercept. Was: assumption 40 GB/s",
         "gemm_task_overhead_s": "assumption: 1.5 us per tile (pipeline fill + epilogue store); "
-                                "fit by mok_cute.sim.calibrate.fit_gemm",
+                                "fit by mok_cute.bench.calibrate.fit_gemm",
         "comm_task_overhead_s": "measured: the same fit (run 16 records): intercept 31.9 us per "
                                 "128-row task + 1.7 us median gap between a comm CTA's tasks "
                                 "(ticket, record write; outside the records' spans). A no-op task "

@@ -13,7 +13,7 @@ list (``mok_cute.tasks``, built from that rank's actual tile count) with its per
   (engine.py): pull dispatch reads from each source peer (egress of the peer, ingress of the
   receiver), combine writes back (egress of the receiver, ingress of each source peer).
   Rows whose source is the receiver itself are a local copy (no link); with ``local_direct``
-  (the kernel's default, ``megakernel.LOCAL_DIRECT``) they are not copied at all while the
+  (the kernel's default, ``MegakernelOptions.rows_in_place``) they are not copied at all while the
   ring holds every row of the rank: only the task overhead remains.
 - BARRIER: ``barrier_latency_s``; every rank's KSUM waits on every rank's BARRIER.
 
@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import tasks as T
 from ..schedule import schedule_capacity
+from ..shapes import SHAPES, Shape
 from .hardware import HardwareProfile
 
 __all__ = [
@@ -74,13 +75,15 @@ class SimShape:
 
     @classmethod
     def named(cls, name: str) -> SimShape:
-        """A shape of ``mok_cute.benchmark.SHAPES`` (EP shapes: tokens per rank; their shared
+        """A shape of ``mok_cute.shapes.SHAPES`` (EP shapes: tokens per rank; their shared
         expert has size I)."""
-        from ..benchmark import SHAPES
-
         if name not in SHAPES:
             raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {name!r}")
-        s = SHAPES[name]
+        return cls.of(SHAPES[name])
+
+    @classmethod
+    def of(cls, s: Shape) -> SimShape:
+        """A ``mok_cute.shapes.Shape`` (its tokens per rank; a shared expert of size I)."""
         return cls(name=s.name, tokens_per_rank=s.tokens, hidden=s.hidden,
                    intermediate=s.intermediate, num_experts=s.experts, top_k=s.top_k,
                    shared_intermediate=s.intermediate if s.shared else 0)
@@ -130,7 +133,7 @@ class SimConfig:
     dispatch_wait: str = "tile"
     comm_task_rows: int | None = None
     dispatch_lookahead_tokens: int | None = None
-    local_direct: bool = True  # as megakernel.LOCAL_DIRECT: own rows never cross a comm CTA
+    local_direct: bool = True  # as MegakernelOptions.rows_in_place: own rows never cross a comm CTA
     fc1_lead: int = 0  # tasks.build_task_list's: FC1 of minibatch m + 1 queued before FC2 of m
 
     def __post_init__(self):

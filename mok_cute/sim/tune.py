@@ -20,16 +20,16 @@ import json
 import sys
 from collections.abc import Sequence
 
-
+from ..shapes import resolve_shape
 from .hardware import HardwareProfile, get_profile
 from .model import Routing, SimConfig, SimShape
 from .run import simulate
 
-__all__ = ["tune", "tune_report", "resolve_config", "main", "default_ring_tokens"]
+__all__ = ["tune", "tune_report", "resolve_config", "tuned_config", "main", "default_ring_tokens"]
 
 # 1: one GPU with local rows in place, where the comm CTAs run the barrier only (measured
 # best of 1, 2 in the thirteenth session). The model keeps the BARRIER on a comm SM, so 0 (the
-# megakernel's LOCAL_ONLY_COMM_CTAS since the fourteenth, the BARRIER on a compute CTA) is
+# megakernel's choice at one rank with no comm task, the BARRIER on a compute CTA) is
 # not in the grid.
 COMM_SMS_GRID = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48)
 COMM_SMS_QUICK = (1, 2, 8, 16, 24, 32)
@@ -163,14 +163,7 @@ def tuned_config(config, num_peers: int, tokens: int, hidden: int, intermediate:
 
 
 def _parse_shape(spec: str) -> SimShape:
-    from ..benchmark import SHAPES, resolve_shape
-
-    if spec in SHAPES:
-        return SimShape.named(spec)
-    s = resolve_shape(spec)  # custom:T,H,I,E,K[,shared]
-    return SimShape(name=s.name, tokens_per_rank=s.tokens, hidden=s.hidden,
-                    intermediate=s.intermediate, num_experts=s.experts, top_k=s.top_k,
-                    shared_intermediate=s.intermediate if s.shared else 0)
+    return SimShape.of(resolve_shape(spec))  # a name or custom:T,H,I,E,K[,shared]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Pick num_comm_sms, minibatch_tokens and ring_tokens for a shape on a "
                     "hardware profile by simulating the megakernel (CPU only).")
     ap.add_argument("--shape", default="kimi_k2.7",
-                    help="a named shape (mok_cute.benchmark.SHAPES; EP shapes are per rank) or "
+                    help="a named shape (mok_cute.shapes.SHAPES; EP shapes are per rank) or "
                          "custom:T,H,I,E,K[,shared] with T tokens per rank")
     ap.add_argument("--ranks", type=int, default=8, help="EP group size")
     ap.add_argument("--profile", default="h200_hgx", help="h200_hgx | gb300_nvl72")

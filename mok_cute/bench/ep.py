@@ -2,7 +2,7 @@
 
 Run under torchrun, one process per GPU (backend nccl on CUDA, gloo on CPU):
 
-    torchrun --nproc-per-node 8 -m mok_cute.ep_bench --shapes ep --tokens 2048,8192
+    torchrun --nproc-per-node 8 -m mok_cute.bench.ep --shapes ep --tokens 2048,8192
     torchrun --nproc-per-node 8 -m mok_cute.cli bench --ep --shapes kimi_k2 --skew 0.5
 
 Without torchrun it runs as a group of one process. For every EP shape (MoK's four models:
@@ -10,12 +10,13 @@ routed experts split evenly over the ranks, one shared expert of size I, ``--tok
 it times, in one run:
 
   mok_cute      ``mok_cute.moe_forward(..., group=pg)``. The row's ``path`` says which path that
-                call takes (``mok_cute.api.choose_path(distributed=True)``): today it is the
-                PyTorch reference with a real ``all_to_all_single`` exchange, NOT the megakernel;
-                ``megakernel`` is false and the chart labels it "[reference path]".
+                call takes (``mok_cute.api.choose_path(distributed=True)``): under the default
+                backend the PyTorch reference with a real ``all_to_all_single`` exchange, not the
+                megakernel (``megakernel`` false, the chart says "[reference path]");
+                ``--mok-config backend=megakernel`` runs the megakernel with peers over IPC.
   nccl_torch    the baseline: counts exchanged with ``all_to_all_single``, token rows sent to
                 the expert owners with ``all_to_all_single``, the ``torch._grouped_mm`` pipeline
-                of ``mok_cute.benchmark`` on the local experts (a per-expert loop on the CPU),
+                of ``mok_cute.bench.torch_moe`` on the local experts (a per-expert loop on the CPU),
                 rows sent back with ``all_to_all_single``, fp32 weighted k-sum + shared expert.
   nccl_dispatch / nccl_combine
                 the two row exchanges of the baseline alone, for bandwidth in two metrics:
@@ -69,7 +70,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from . import benchmark as bm  # noqa: E402
+from mok_cute.bench.common import (apply_config_overrides, error_text, forward_path_of, free_memory,  # noqa: E402
+                                   parse_config_overrides, parse_contenders, rel_err, sync)
+from mok_cute.bench.problems import Inputs, randn_weight  # noqa: E402
+from mok_cute.bench.results import chart_dependency_missing, config_record, gpu_name, save_results  # noqa: E402
+from mok_cute.bench.torch_moe import pack_grouped_mm_weights, shared_expert, swiglu_bf16, weighted_scatter_sum  # noqa: E402
+from mok_cute.config import MoKConfig  # noqa: E402
+from mok_cute.shapes import EP_SHAPES, Shape, moe_flops, resolve_ep_shape, resolve_ep_shapes  # noqa: E402
 
 LAYER_CONTENDERS = ["mok_cute", "nccl_torch"]
 COMM_CONTENDERS = ["nccl_dispatch", "nccl_combine"]
@@ -141,7 +148,7 @@ def _align(d: Dist) -> None:
     """Start the ranks together: a one-element all_reduce, then wait for it on this device."""
     t = torch.ones(1, device=d.device)
     dist.all_reduce(t, group=d.group)
-    bm._sync(d.device)
+    sync(d.device)
 
 
 def all_max(d: Dist, value: float) -> float:
@@ -182,35 +189,12 @@ def broadcast_float(d: Dist, value: float) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def resolve_ep_shape(spec: str) -> bm.Shape:
-    """An EP shape name of ``mok_cute.benchmark.EP_SHAPES``, a unique prefix of one ("kimi_k2"),
-    or ``custom:T,H,I,E,K[,shared]`` (T per rank, E routed experts of the whole group)."""
-    spec = spec.strip()
-    if spec in bm.EP_SHAPES:
-        return bm.EP_SHAPES[spec]
-    if spec.startswith("custom:"):
-        return bm.resolve_shape(spec)
-    matches = [n for n in bm.EP_SHAPES if n.startswith(spec)]
-    if len(matches) == 1:
-        return bm.EP_SHAPES[matches[0]]
-    raise ValueError(f"shapes: expected one of {sorted(bm.EP_SHAPES)} (or a unique prefix, or custom:T,H,I,E,K[,shared]), got {spec!r}")
-
-
-def resolve_split_shape(spec: str, ranks: int) -> bm.Shape:
+def resolve_split_shape(spec: str, ranks: int) -> Shape:
     """``resolve_ep_shape``, checked to split its routed experts evenly over ``ranks``."""
     shape = resolve_ep_shape(spec)
     if shape.experts % ranks:
         raise ValueError(f"--shape: {shape.experts} routed experts do not split over {ranks} ranks")
     return shape
-
-
-def resolve_ep_shapes(spec: str) -> list[bm.Shape]:
-    import re
-
-    out: list[bm.Shape] = []
-    for part in [p.strip() for p in re.split(r",(?![0-9])", spec) if p.strip()]:
-        out.extend(bm.EP_SHAPES.values() if part == "ep" else [resolve_ep_shape(part)])
-    return out
 
 
 def make_routing(
@@ -258,30 +242,30 @@ class RankWeights:
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # the same on every rank
 
 
-def make_rank_weights(shape: bm.Shape, ranks: int, rank: int, device: torch.device, seed: int) -> RankWeights:
+def make_rank_weights(shape: Shape, ranks: int, rank: int, device: torch.device, seed: int) -> RankWeights:
     """This rank's experts (drawn from a per-rank seed) and the shared expert (one seed for all)."""
     if shape.experts % ranks:
         raise ValueError(f"ranks: expected a divisor of the {shape.experts} routed experts of {shape.name}, got {ranks}")
     e_loc, h, i = shape.experts // ranks, shape.hidden, shape.intermediate
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * (rank + 1))
-    w_gate = bm._randn_weight((e_loc, i, h), h, device, gen)
-    w_up = bm._randn_weight((e_loc, i, h), h, device, gen)
-    w_down = bm._randn_weight((e_loc, h, i), i, device, gen)
+    w_gate = randn_weight((e_loc, i, h), h, device, gen)
+    w_up = randn_weight((e_loc, i, h), h, device, gen)
+    w_down = randn_weight((e_loc, h, i), i, device, gen)
     shared = None
     if shape.shared:
         sgen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 17)
-        shared = (bm._randn_weight((i, h), h, device, sgen), bm._randn_weight((i, h), h, device, sgen), bm._randn_weight((h, i), i, device, sgen))
+        shared = (randn_weight((i, h), h, device, sgen), randn_weight((i, h), h, device, sgen), randn_weight((h, i), i, device, sgen))
     return RankWeights(w_gate, w_up, w_down, shared)
 
 
 def make_rank_inputs(
     routing: tuple[torch.Tensor, torch.Tensor], hidden: int, rank: int, device: torch.device, seed: int
-) -> bm.Inputs:
+) -> Inputs:
     """This rank's tokens (a per-rank seed) and its slice of the shared routing."""
     tokens = routing[0].shape[1]
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 104729 * (rank + 1) + 3)
     x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
-    return bm.Inputs(x.contiguous(), routing[0][rank].to(device).contiguous(), routing[1][rank].to(device).contiguous())
+    return Inputs(x.contiguous(), routing[0][rank].to(device).contiguous(), routing[1][rank].to(device).contiguous())
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +311,7 @@ def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 class NcclTorchMoE:
     """all_to_all dispatch -> local experts -> all_to_all combine -> fp32 weighted k-sum + shared.
 
-    The local experts run the ``torch._grouped_mm`` pipeline of ``mok_cute.benchmark`` (argsort
+    The local experts run the ``torch._grouped_mm`` pipeline of ``mok_cute.bench.torch_moe`` (argsort
     permute, grouped GEMM gate+up, SwiGLU, grouped GEMM down) on CUDA, a per-expert F.linear
     loop elsewhere (``grouped_mm=False``)."""
 
@@ -337,7 +321,7 @@ class NcclTorchMoE:
         self.hidden = weights.w_down.shape[1]
         self.w_gate, self.w_up, self.w_down = weights.w_gate, weights.w_up, weights.w_down
         if grouped_mm:
-            self.w_gate_up_t, self.w_down_t = bm.pack_grouped_mm_weights(weights.w_gate, weights.w_up, weights.w_down)
+            self.w_gate_up_t, self.w_down_t = pack_grouped_mm_weights(weights.w_gate, weights.w_up, weights.w_down)
         self.shared = None
         if weights.shared is not None:
             ws_gate, ws_up, ws_down = weights.shared
@@ -359,27 +343,27 @@ class NcclTorchMoE:
             offs = torch.cumsum(plan.local_counts, 0).to(torch.int32)
             gu = torch._grouped_mm(xs, self.w_gate_up_t, offs=offs)
             i = gu.shape[1] // 2
-            y_sorted = torch._grouped_mm(bm._swiglu_bf16(gu[:, :i], gu[:, i:]), self.w_down_t, offs=offs)
+            y_sorted = torch._grouped_mm(swiglu_bf16(gu[:, :i], gu[:, i:]), self.w_down_t, offs=offs)
         else:
             pieces = []
             for e, xe in enumerate(torch.split(xs, plan.local_counts.tolist())):
                 if xe.shape[0]:
-                    h = bm._swiglu_bf16(F.linear(xe, self.w_gate[e]), F.linear(xe, self.w_up[e]))
+                    h = swiglu_bf16(F.linear(xe, self.w_gate[e]), F.linear(xe, self.w_up[e]))
                     pieces.append(F.linear(h, self.w_down[e]))
             y_sorted = torch.cat(pieces)
         y = torch.empty_like(y_sorted)
         y.index_copy_(0, perm, y_sorted)
         return y
 
-    def __call__(self, inp: bm.Inputs) -> torch.Tensor:
+    def __call__(self, inp: Inputs) -> torch.Tensor:
         tokens, top_k = inp.topk_idx.shape
         plan = plan_exchange(inp.topk_idx, self.num_local_experts, self.group)
         x_send = inp.x.index_select(0, plan.order // top_k)
         x_recv = exchange(x_send, plan.recv_splits, plan.send_splits, self.group)
         y_recv = self.experts(x_recv, plan)
         y_back = exchange(y_recv, plan.send_splits, plan.recv_splits, self.group)
-        base = bm.shared_expert(inp.x, *self.shared) if self.shared is not None else None
-        return bm._weighted_scatter_sum(y_back, plan.order, top_k, inp.topk_weights, tokens, base)
+        base = shared_expert(inp.x, *self.shared) if self.shared is not None else None
+        return weighted_scatter_sum(y_back, plan.order, top_k, inp.topk_weights, tokens, base)
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,7 +421,7 @@ class EpOptions:
     seed: int = 0
     skew: float | None = None
     hot_expert: int = 0
-    mok_config: dict[str, Any] | None = None
+    mok_config: MoKConfig = MoKConfig()
     grouped_mm: bool | None = None  # None: on CUDA only
 
 
@@ -449,11 +433,11 @@ def _agree_error(d: Dist, error: str | None) -> str | None:
     return None if not failed else f"rank {failed[0][0]}: {failed[0][1]}"
 
 
-def _mok_runner(weights: RankWeights, d: Dist, opts: EpOptions) -> tuple[Callable[[bm.Inputs], torch.Tensor], dict[str, Any]]:
+def _mok_runner(weights: RankWeights, d: Dist, opts: EpOptions) -> tuple[Callable[[Inputs], torch.Tensor], dict[str, Any]]:
     import mok_cute
 
-    cfg = mok_cute.MoKConfig(**(opts.mok_config or {}))
-    info: dict[str, Any] = {"forward_path": bm.forward_path_of(mok_cute, d.device, cfg)}
+    cfg = opts.mok_config
+    info: dict[str, Any] = {"forward_path": forward_path_of(d.device, cfg), "config": config_record(cfg)}
     try:
         choice = mok_cute.api.choose_path(d.device, cfg, distributed=True)
         info["path"] = f"{choice.path}: {choice.reason}"
@@ -462,7 +446,7 @@ def _mok_runner(weights: RankWeights, d: Dist, opts: EpOptions) -> tuple[Callabl
     # The megakernel reports a path other than "reference:"; never label the reference as it.
     info["megakernel"] = not info["path"].startswith(("reference", "error"))
 
-    def run(inp: bm.Inputs) -> torch.Tensor:
+    def run(inp: Inputs) -> torch.Tensor:
         return mok_cute.moe_forward(
             inp.x, inp.topk_idx, inp.topk_weights, weights.w_gate, weights.w_up, weights.w_down,
             shared=weights.shared, group=d.group, config=cfg,
@@ -471,9 +455,9 @@ def _mok_runner(weights: RankWeights, d: Dist, opts: EpOptions) -> tuple[Callabl
     return run, info
 
 
-def _reference_on_rank0(d: Dist, weights: RankWeights, check: bm.Inputs) -> torch.Tensor | None:
+def _reference_on_rank0(d: Dist, weights: RankWeights, check: Inputs) -> torch.Tensor | None:
     """moe_forward_virtual on the stacked inputs and weights of every rank, gathered to rank 0."""
-    from . import reference
+    from mok_cute import reference
 
     xs, idx, wts = (gather_stacked(d, t) for t in (check.x, check.topk_idx, check.topk_weights))
     wg, wu, wd = (gather_stacked(d, t) for t in (weights.w_gate, weights.w_up, weights.w_down))
@@ -488,7 +472,7 @@ def _reference_on_rank0(d: Dist, weights: RankWeights, check: bm.Inputs) -> torc
 
 
 def bench_ep_shape(
-    shape: bm.Shape,
+    shape: Shape,
     tokens: int,
     d: Dist,
     opts: EpOptions,
@@ -505,7 +489,7 @@ def bench_ep_shape(
         "shape": shape.name, "pass": "fwd", "ms": None, "tflops": None, "ranks": ranks,
         "T": tokens, "tokens_per_rank": tokens, "H": shape.hidden, "I": shape.intermediate,
         "E": shape.experts, "K": shape.top_k, "shared": shape.shared, "skew": opts.skew,
-        "flops": bm.moe_flops(tokens, shape.hidden, shape.intermediate, shape.top_k, shape.shared),
+        "flops": moe_flops(tokens, shape.hidden, shape.intermediate, shape.top_k, shape.shared),
         "link_gbps": None, "deepep_gbps": None,
     }
     rows = {c: {**base, "contender": c} for c in contenders}
@@ -522,14 +506,14 @@ def bench_ep_shape(
         check_routing = make_routing(ranks, max(1, opts.check_tokens), shape.experts, shape.top_k, opts.seed + 3, opts.skew, opts.hot_expert)
         check = make_rank_inputs(check_routing, shape.hidden, d.rank, d.device, opts.seed + 4)
     except Exception as exc:
-        error = bm._error_text(exc)
+        error = error_text(exc)
     error = _agree_error(d, error)
     if error:
         log(f"{shape.name} T={tokens}: setup failed: {error[:300]}")
         return [{**r, "status": "error", "error": f"setup: {error}", "path": ""} for r in rows.values()]
 
     # 1. Every layer contender on the check inputs.
-    runners: dict[str, Callable[[bm.Inputs], torch.Tensor]] = {}
+    runners: dict[str, Callable[[Inputs], torch.Tensor]] = {}
     outs: dict[str, torch.Tensor] = {}
     for name in [c for c in contenders if c in LAYER_CONTENDERS]:
         error = None
@@ -541,10 +525,10 @@ def bench_ep_shape(
                 run, info = baseline, {"path": baseline.path}
             rows[name].update(info)
             outs[name] = run(check)
-            bm._sync(d.device)
+            sync(d.device)
             runners[name] = run
         except Exception as exc:
-            error = bm._error_text(exc)
+            error = error_text(exc)
         error = _agree_error(d, error)
         if error:
             rows[name].update(status="error", error=error)
@@ -558,7 +542,7 @@ def bench_ep_shape(
         try:
             ref = _reference_on_rank0(d, weights, check)
         except Exception as exc:
-            error = bm._error_text(exc)
+            error = error_text(exc)
         error = _agree_error(d, error)
         for name in list(outs):
             if error:
@@ -566,14 +550,14 @@ def bench_ep_shape(
                 runners.pop(name)
                 continue
             gathered = gather_stacked(d, outs[name])
-            err = bm.rel_err(gathered, ref) if d.rank == 0 else 0.0
+            err = rel_err(gathered, ref) if d.rank == 0 else 0.0
             err = broadcast_float(d, err)
             rows[name]["rel_err"] = err
             if not err <= opts.tol:
                 rows[name].update(status="check_failed", error=f"rel err {err:.3g} > {opts.tol} vs mok_cute.reference.moe_forward_virtual (T={check.x.shape[0]} per rank)")
                 runners.pop(name)
         del ref, outs
-        bm._free(d.device)
+        free_memory(d.device)
 
     # 3. Time the layer contenders that passed.
     for name, run in runners.items():
@@ -581,14 +565,14 @@ def bench_ep_shape(
         try:
             ms, per_rank = timed_over_ranks(d, lambda: run(inputs), opts.iters, opts.warmup)
         except Exception as exc:
-            error = bm._error_text(exc)
+            error = error_text(exc)
         error = _agree_error(d, error)
         if error:
             rows[name].update(status="error", error=error)
         else:
             rows[name].update(ms=ms, ms_per_rank=per_rank, tflops=base["flops"] / (ms * 1e-3) / 1e12, status="ok")
     runners.clear()
-    bm._free(d.device)
+    free_memory(d.device)
 
     # 4. The two exchanges alone, with the splits of the timed routing.
     comm = [c for c in contenders if c in COMM_CONTENDERS]
@@ -607,7 +591,7 @@ def bench_ep_shape(
     return results
 
 
-def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: bm.Inputs, weights: RankWeights, routing, rows: dict[str, dict[str, Any]]) -> None:
+def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: Inputs, weights: RankWeights, routing, rows: dict[str, dict[str, Any]]) -> None:
     """nccl_dispatch / nccl_combine rows: bytes from the splits actually exchanged."""
     error = None
     try:
@@ -628,7 +612,7 @@ def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: bm.Inputs,
             "nccl_combine": (lambda: exchange(y_recv, plan.send_splits, plan.recv_splits, d.group), back_remote, recv_all),
         }
     except Exception as exc:
-        error = bm._error_text(exc)
+        error = error_text(exc)
     error = _agree_error(d, error)
     if error:
         for r in rows.values():
@@ -642,7 +626,7 @@ def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: bm.Inputs,
             link_all = all_values(d, float(link_bytes))
             deepep_all = all_values(d, float(deepep_bytes))
         except Exception as exc:
-            error = bm._error_text(exc)
+            error = error_text(exc)
         error = _agree_error(d, error)
         if error:
             row.update(status="error", error=error, path=path)
@@ -691,14 +675,15 @@ def command_line(argv: Sequence[str], d: Dist) -> str:
         nodes = d.world // max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
         if nodes > 1:
             head += ["--nnodes", str(nodes)]
-        return shlex.join([*head, "-m", "mok_cute.ep_bench", *[a for a in argv if a != "--ep"]])
+        return shlex.join([*head, "-m", "mok_cute.bench.ep", *[a for a in argv if a != "--ep"]])
     return shlex.join(["mok-cute", "bench", *(argv if "--ep" in argv else ["--ep", *argv])])
 
 
-def write_results(results: list[dict[str, Any]], out_dir: Path, tag: str, d: Dist, argv: Sequence[str], extra: dict[str, Any]) -> tuple[Path, Path]:
-    gpu = bm.gpu_name(d.device)
-    return bm.save_results(
-        results, out_dir, tag, gpu, command_line(argv, d), argv, extra,
+def write_results(results: list[dict[str, Any]], out_dir: Path, tag: str, d: Dist, argv: Sequence[str],
+                  config: MoKConfig, extra: dict[str, Any]) -> tuple[Path, Path]:
+    gpu = gpu_name(d.device)
+    return save_results(
+        results, out_dir, tag, gpu, command_line(argv, d), argv, config, extra,
         lambda date: f"EP MoE forward, {d.world} x {gpu}, {date} ({tag}); TFLOP/s per GPU",
         chart=chart_rows(results))
 
@@ -736,7 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
         "all_to_all_single + torch._grouped_mm, plus dispatch/combine bandwidth (issue 7, DESIGN §5).",
     )
     p.add_argument("--ep", action="store_true", help="accepted for `mok-cute bench --ep` (this is always the EP benchmark)")
-    p.add_argument("--shapes", default="ep", help=f"comma list of {list(bm.EP_SHAPES)} (or unique prefixes), 'ep' for all, or custom:T,H,I,E,K[,shared]")
+    p.add_argument("--shapes", default="ep", help=f"comma list of {list(EP_SHAPES)} (or unique prefixes), 'ep' for all, or custom:T,H,I,E,K[,shared]")
     p.add_argument("--tokens", default=None, help="tokens per rank, comma list (default: the shape's, 2048 for MoK's); e.g. 2048,8192")
     p.add_argument("--contenders", default=",".join(ALL_CONTENDERS), help=f"comma list of {ALL_CONTENDERS}")
     p.add_argument("--skew", type=float, default=None, help="fraction of each rank's tokens sent to --hot-expert (no other token goes there)")
@@ -746,7 +731,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-tokens", type=int, default=256, help="tokens per rank of the check against the reference")
     p.add_argument("--tol", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE", help="MoKConfig field for mok_cute, repeatable")
+    p.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE", help="a MoKConfig field for mok_cute, dotted for an options field (megakernel.tickets=static); "
+                   "repeatable")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu (gloo, host clock)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default=None, help="file name tag (default ep<R>)")
@@ -764,10 +750,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else None
         if tokens_list is not None and min(tokens_list) < 1:
             raise ValueError(f"--tokens: expected positive integers, got {args.tokens!r}")
-        contenders = bm.parse_contenders(args.contenders, ALL_CONTENDERS)
+        contenders = parse_contenders(args.contenders, ALL_CONTENDERS)
         if args.check_tokens < 1:
             raise ValueError(f"--check-tokens: expected >= 1, got {args.check_tokens}")
-        mok_config = bm.parse_config_overrides(args.mok_config)
+        mok_config = apply_config_overrides(MoKConfig(), parse_config_overrides(args.mok_config))
+        missing = chart_dependency_missing()  # before minutes of timing, not after
+        if missing:
+            raise ValueError(missing)
     except ValueError as exc:
         print(f"mok-cute bench --ep: {exc}", file=sys.stderr)
         return 2
@@ -783,7 +772,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             iters=args.iters, warmup=args.warmup, check_tokens=args.check_tokens, tol=args.tol, seed=args.seed,
             skew=args.skew, hot_expert=args.hot_expert, mok_config=mok_config,
         )
-        log(f"{d.world} ranks, backend {d.backend}, device {bm.gpu_name(d.device)}; NVLS off: {NVLS_OFF}")
+        log(f"{d.world} ranks, backend {d.backend}, device {gpu_name(d.device)}; NVLS off: {NVLS_OFF}")
         results: list[dict[str, Any]] = []
         for shape in shapes:
             weights = None
@@ -794,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for tokens in tokens_list or [shape.tokens]:
                 results.extend(bench_ep_shape(shape, tokens, d, opts, contenders, weights=weights, log=log))
             del weights
-            bm._free(d.device)
+            free_memory(d.device)
         add_ratios(results)
         if d.rank == 0:
             extra = {
@@ -804,8 +793,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "bytes": "link = rows sent to other ranks; deepep = dispatch: rows received incl. local, combine: rows sent back incl. local; "
                 "one row per routed (token, k), bf16 [H]; GB/s = mean bytes over ranks / max-over-ranks time",
             }
-            json_path, png_path = write_results(results, Path(args.out), args.tag or f"ep{d.world}", d, argv, extra)
-            print_results(results, console, f"EP MoE forward, {d.world} ranks, {bm.gpu_name(d.device)}")
+            json_path, png_path = write_results(results, Path(args.out), args.tag or f"ep{d.world}", d, argv, mok_config, extra)
+            print_results(results, console, f"EP MoE forward, {d.world} ranks, {gpu_name(d.device)}")
             console.print(f"json {json_path}\npng  {png_path}")
         dist.barrier(group=d.group)
         return 0

@@ -1,4 +1,4 @@
-"""Benchmark harness for the MoE layer forward (``mok-cute bench``, ``tools/bench.py``).
+"""The one-GPU benchmark of the MoE layer forward (``mok-cute bench``, ``tools/bench.py``).
 
 Protocol (DESIGN §5): every contender runs in one process and one run, on fresh random normal
 data (never zeros). Before it is timed, each contender is checked against
@@ -26,328 +26,50 @@ Contenders:
   sonicmoe_train     the same in training mode (stores the pre-activation)
   cublas_8192        bf16 8192^3 torch.matmul: the ceiling
 
-Shapes: DESIGN §5's single-GPU table (E = local experts, T = tokens) and MoK's four EP shapes
+``--mok-config KEY=VALUE`` sets a ``MoKConfig`` field of the mok_cute contenders (default
+``backend="kernel"``), dotted for a field of its options objects: ``--mok-config
+megakernel.tickets=static expert_path.fc2_pingpong_max_k=0 check_ids=False``. The JSON records
+the resulting config (``mok_config``) and each mok_cute row the one it ran (``config``).
+
+Shapes (``mok_cute.shapes``): DESIGN §5's single-GPU table (E = local experts, T = tokens) and MoK's four EP shapes
 (T = tokens per rank; the problem holds the work of --ep-ranks ranks, R*T tokens over all routed
 experts, plus one shared expert of size I). ``custom:T,H,I,E,K[,shared]`` defines any other.
 
 Output: a rich table, ``<out>/<date>_<gpu>_<tag>.json`` (DESIGN §5 schema plus extra keys) and
 a PNG bar chart beside it.
 
-Example (one H200, issue 3's benchmark):
-    mok-cute bench --shapes single --contenders mok_cute,torch_grouped_mm,sonicmoe,cublas_8192 --tag expert_kernels
+Example (one H200: the expert path and the megakernel at R = 1 against the references):
+    mok-cute bench --shapes single --contenders mok_cute,mok_megakernel,torch_grouped_mm,cublas_8192 \
+        --mok-config check_ids=False --rounds 3
+
+``mok-cute bench --ep`` runs the expert-parallel bench instead (``mok_cute.bench.ep``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
-import gc
-import importlib
-import json
 import os
-import platform
-import re
 import shlex
 import statistics
 import sys
 import time
-import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from mok_cute.figures import save_png
-from mok_cute.gpu_clock import ClockSampler
-
-# --------------------------------------------------------------------------------------------
-# Shapes and the FLOP count
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int  # tokens of the problem; per rank when per_rank_tokens
-    hidden: int
-    intermediate: int
-    experts: int  # experts of the problem (single-GPU: local experts; EP: all routed experts)
-    top_k: int
-    shared: bool = False  # one shared expert of size `intermediate`
-    per_rank_tokens: bool = False  # EP shapes: `tokens` is per rank, the problem holds R ranks' tokens
-
-    def total_tokens(self, t_scale: float = 1.0, ranks: int = 1) -> int:
-        per = max(1, round(self.tokens * t_scale))
-        return per * ranks if self.per_rank_tokens else per
-
-
-SINGLE_GPU_SHAPES: dict[str, Shape] = {
-    s.name: s
-    for s in (
-        Shape("dsv3_ep8_rank", 4096, 7168, 2048, 32, 8),
-        Shape("qwen3_30b", 16384, 2048, 768, 128, 8),
-        Shape("sonic_120b", 32768, 4096, 2048, 64, 4),
-        Shape("mixtral", 8192, 4096, 14336, 8, 2),
-        Shape("gptoss_120b", 8192, 2880, 2880, 128, 4),
-    )
-}
-
-# MoK's four models at 2048 tokens per rank, each with one shared expert of size I.
-EP_SHAPES: dict[str, Shape] = {
-    s.name: s
-    for s in (
-        Shape("kimi_k2.7", 2048, 7168, 2048, 384, 8, shared=True, per_rank_tokens=True),
-        Shape("glm_5.2", 2048, 6144, 2048, 256, 8, shared=True, per_rank_tokens=True),
-        Shape("qwen3.5_397b", 2048, 4096, 1024, 512, 10, shared=True, per_rank_tokens=True),
-        Shape("dsv4_pro", 2048, 7168, 3072, 384, 6, shared=True, per_rank_tokens=True),
-    )
-}
-SHAPES: dict[str, Shape] = {**SINGLE_GPU_SHAPES, **EP_SHAPES}
-SHAPE_GROUPS = {"single": list(SINGLE_GPU_SHAPES), "ep": list(EP_SHAPES), "all": list(SHAPES)}
-
-
-def moe_flops(tokens: int, hidden: int, intermediate: int, top_k: int, shared: bool = False) -> float:
-    """Forward FLOPs of one layer call, MoK's formula: 6 * (T*K + T*[shared]) * H * I
-    (three GEMMs of 2*H*I per routed row; the shared expert counts as one more row per token)."""
-    return 6.0 * (tokens * top_k + tokens * int(bool(shared))) * hidden * intermediate
-
-
-def resolve_shape(spec: str) -> Shape:
-    """A named shape, or ``custom:T,H,I,E,K[,shared]``."""
-    if spec in SHAPES:
-        return SHAPES[spec]
-    if spec.startswith("custom:"):
-        try:
-            vals = [int(v) for v in spec[len("custom:") :].split(",")]
-        except ValueError:
-            vals = []
-        if len(vals) not in (5, 6) or min(vals[:5]) <= 0:
-            raise ValueError(f"shape: expected custom:T,H,I,E,K[,shared] with positive integers, got {spec!r}")
-        t, h, i, e, k = vals[:5]
-        if k > e:
-            raise ValueError(f"shape: top_k K={k} exceeds the expert count E={e} in {spec!r}")
-        return Shape(spec, t, h, i, e, k, shared=bool(vals[5]) if len(vals) == 6 else False)
-    raise ValueError(f"shape: expected one of {sorted(SHAPES)} or custom:T,H,I,E,K[,shared], got {spec!r}")
-
-
-def resolve_shapes(spec: str) -> list[Shape]:
-    names: list[str] = []
-    for part in [p.strip() for p in re.split(r",(?![0-9])", spec) if p.strip()]:
-        names.extend(SHAPE_GROUPS.get(part, [part]))
-    return [resolve_shape(n) for n in names]
-
-
-# --------------------------------------------------------------------------------------------
-# Problems (random normal data, weights scaled by fan-in so activations stay O(1))
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Inputs:
-    x: torch.Tensor  # [T, H] bf16
-    topk_idx: torch.Tensor  # [T, K] int32, global expert ids
-    topk_weights: torch.Tensor  # [T, K] fp32
-
-
-@dataclass
-class Problem:
-    shape: Shape
-    inputs: Inputs
-    w_gate: torch.Tensor  # [E, I, H]
-    w_up: torch.Tensor  # [E, I, H]
-    w_down: torch.Tensor  # [E, H, I]
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    seed: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return int(self.inputs.x.shape[0])
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.w_gate.shape[0])
-
-    @property
-    def flops(self) -> float:
-        return moe_flops(self.tokens, self.shape.hidden, self.shape.intermediate, self.shape.top_k, self.shared is not None)
-
-    @property
-    def routed_rows(self) -> int:
-        return self.tokens * self.shape.top_k
-
-    def with_fresh_inputs(self, tokens: int, seed: int) -> "Problem":
-        """Same weights, new random tokens and routing."""
-        gen = torch.Generator(device=self.w_gate.device).manual_seed(seed)
-        inputs = random_inputs(tokens, self.shape.hidden, self.num_experts, self.shape.top_k, self.w_gate.device, gen)
-        return replace(self, inputs=inputs, seed=seed)
-
-    def virtual(self, ranks: int, inputs: Inputs | None = None) -> "VirtualInputs":
-        return VirtualInputs.split(self, ranks, inputs)
-
-
-@dataclass
-class VirtualInputs:
-    """A problem split over R emulated ranks (views, plus the shared expert replicated per rank)."""
-
-    x: torch.Tensor  # [R, T/R, H]
-    topk_idx: torch.Tensor  # [R, T/R, K] global ids
-    topk_weights: torch.Tensor
-    w_gate: torch.Tensor  # [R, E/R, I, H]
-    w_up: torch.Tensor
-    w_down: torch.Tensor  # [R, E/R, H, I]
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-
-    @staticmethod
-    def split(problem: Problem, ranks: int, inputs: Inputs | None = None, shared_rep=None) -> "VirtualInputs":
-        inputs = inputs or problem.inputs
-        t, e = inputs.x.shape[0], problem.num_experts
-        if ranks <= 0 or t % ranks or e % ranks:
-            raise ValueError(f"ranks: expected a divisor of both T={t} and E={e}, got {ranks}")
-        if shared_rep is None and problem.shared is not None:
-            shared_rep = tuple(w.unsqueeze(0).expand(ranks, *w.shape).contiguous() for w in problem.shared)
-        return VirtualInputs(
-            x=inputs.x.view(ranks, t // ranks, -1),
-            topk_idx=inputs.topk_idx.view(ranks, t // ranks, -1),
-            topk_weights=inputs.topk_weights.view(ranks, t // ranks, -1),
-            w_gate=problem.w_gate.view(ranks, e // ranks, *problem.w_gate.shape[1:]),
-            w_up=problem.w_up.view(ranks, e // ranks, *problem.w_up.shape[1:]),
-            w_down=problem.w_down.view(ranks, e // ranks, *problem.w_down.shape[1:]),
-            shared=shared_rep,
-        )
-
-
-def random_inputs(tokens: int, hidden: int, experts: int, top_k: int, device: Any, gen: torch.Generator) -> Inputs:
-    x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
-    # K distinct experts per token, uniformly at random.
-    topk_idx = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, dim=1).indices.to(torch.int32)
-    topk_weights = torch.softmax(torch.randn(tokens, top_k, device=device, generator=gen), dim=1)
-    return Inputs(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous())
-
-
-def _randn_weight(shape: Sequence[int], fan_in: int, device: Any, gen: torch.Generator) -> torch.Tensor:
-    w = torch.empty(*shape, dtype=torch.bfloat16, device=device)
-    # Fill expert by expert so the fp32 temporary stays small for big shapes.
-    flat = w.view(-1, shape[-1]) if len(shape) > 1 else w.view(1, -1)
-    rows = max(1, (1 << 26) // shape[-1])
-    for start in range(0, flat.shape[0], rows):
-        chunk = flat[start : start + rows]
-        chunk.copy_(torch.randn(chunk.shape, device=device, generator=gen) * fan_in**-0.5)
-    return w
-
-
-def make_problem(
-    shape: Shape,
-    device: Any = "cuda",
-    seed: int = 0,
-    t_scale: float = 1.0,
-    ranks: int = 1,
-    tokens: int | None = None,
-) -> Problem:
-    """Random normal problem for ``shape``; ``tokens`` overrides the total token count."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    e, h, i = shape.experts, shape.hidden, shape.intermediate
-    w_gate = _randn_weight((e, i, h), h, device, gen)
-    w_up = _randn_weight((e, i, h), h, device, gen)
-    w_down = _randn_weight((e, h, i), i, device, gen)
-    shared = None
-    if shape.shared:
-        shared = (_randn_weight((i, h), h, device, gen), _randn_weight((i, h), h, device, gen), _randn_weight((h, i), i, device, gen))
-    t = tokens if tokens is not None else shape.total_tokens(t_scale, ranks)
-    inputs = random_inputs(t, h, e, shape.top_k, device, gen)
-    return Problem(shape, inputs, w_gate, w_up, w_down, shared, seed)
-
-
-# --------------------------------------------------------------------------------------------
-# Contender implementations (pure torch ones are usable and tested on their own)
-# --------------------------------------------------------------------------------------------
-
-
-def _swiglu_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
-
-
-def shared_expert(x: torch.Tensor, ws_gate_up: torch.Tensor, ws_down: torch.Tensor) -> torch.Tensor:
-    """Shared expert in bf16 GEMMs: ``ws_gate_up`` is [2*Is, H] (gate rows, then up rows)."""
-    gu = x @ ws_gate_up.t()
-    i = ws_gate_up.shape[0] // 2
-    return _swiglu_bf16(gu[:, :i], gu[:, i:]) @ ws_down.t()
-
-
-def _weighted_scatter_sum(
-    y: torch.Tensor, order: torch.Tensor, top_k: int, topk_weights: torch.Tensor, tokens: int, base: torch.Tensor | None
-) -> torch.Tensor:
-    """out[t] = bf16(base[t] + sum_k w[t,k] * y[row of (t,k)]) in fp32, rows in expert order."""
-    token_of_row = order // top_k
-    weight_of_row = topk_weights.reshape(-1).index_select(0, order).float()
-    acc = base.float() if base is not None else torch.zeros(tokens, y.shape[1], dtype=torch.float32, device=y.device)
-    acc.index_add_(0, token_of_row, y.float() * weight_of_row[:, None])
-    return acc.to(torch.bfloat16)
-
-
-def pack_grouped_mm_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights for :func:`torch_grouped_mm_moe`: gate and up concatenated to [E, 2I, H] and passed
-    as its [E, H, 2I] transpose (column-major B, the layout _grouped_mm takes natively), and
-    w_down [E, H, I] as its [E, I, H] transpose."""
-    return torch.cat([w_gate, w_up], dim=1).transpose(1, 2), w_down.transpose(1, 2)
-
-
-def torch_grouped_mm_moe(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up_t: torch.Tensor,
-    w_down_t: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The torch pipeline: argsort permute, grouped GEMM gate+up, SwiGLU, grouped GEMM down,
-    weighted scatter-sum in fp32. ``shared`` = (ws_gate_up [2Is, H], ws_down [H, Is])."""
-    tokens, top_k = topk_idx.shape
-    experts, _, two_i = w_gate_up_t.shape
-    sorted_ids, order = torch.sort(topk_idx.reshape(-1), stable=True)
-    # Group ends from the sorted ids (torch.bincount on CUDA reads the max back: a host sync).
-    offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=x.device, dtype=sorted_ids.dtype), right=True).to(torch.int32)
-    xs = x.index_select(0, order // top_k)
-    gu = torch._grouped_mm(xs, w_gate_up_t, offs=offs)
-    h = _swiglu_bf16(gu[:, : two_i // 2], gu[:, two_i // 2 :])
-    y = torch._grouped_mm(h, w_down_t, offs=offs)
-    base = shared_expert(x, *shared) if shared is not None else None
-    return _weighted_scatter_sum(y, order, top_k, topk_weights, tokens, base)
-
-
-def per_expert_loop_moe(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    w_down: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """One F.linear chain per expert over its sorted rows (one host sync for the counts)."""
-    tokens, top_k = topk_idx.shape
-    flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w_gate.shape[0]).tolist()
-    xs = x.index_select(0, order // top_k)
-    ys, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            xe = xs[start : start + n]
-            ys.append(F.linear(_swiglu_bf16(F.linear(xe, w_gate[e]), F.linear(xe, w_up[e])), w_down[e]))
-            start += n
-    y = torch.cat(ys) if ys else xs.new_zeros(0, w_down.shape[1])
-    base = shared_expert(x, *shared) if shared is not None else None
-    return _weighted_scatter_sum(y, order, top_k, topk_weights, tokens, base)
-
-
-def _fused_shared(problem: Problem) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if problem.shared is None:
-        return None
-    ws_gate, ws_up, ws_down = problem.shared
-    return torch.cat([ws_gate, ws_up], dim=0), ws_down
+from mok_cute.bench.common import (apply_config_overrides, error_text, forward_path_of, free_memory,
+                                   parse_config_overrides, parse_contenders, rel_err, sync)
+from mok_cute.bench.gpu_clock import ClockSampler
+from mok_cute.bench.problems import Inputs, Problem, VirtualInputs, make_problem
+from mok_cute.bench.results import chart_dependency_missing, config_record, gpu_name, save_results
+from mok_cute.bench.torch_moe import fuse_shared, pack_grouped_mm_weights, per_expert_loop_moe, shared_expert, torch_grouped_mm_moe
+from mok_cute.config import MoKConfig
+from mok_cute.shapes import SHAPES, Shape, resolve_shapes
 
 
 class SkipContender(Exception):
@@ -359,89 +81,40 @@ class BenchContext:
     device: torch.device
     out_dir: Path
     ep_ranks: int = 1
-    mok_config: dict[str, Any] = field(default_factory=dict)
+    # the mok_cute contenders' config (each may change a field: the recorder, the backend)
+    mok_config: MoKConfig = field(default_factory=lambda: MoKConfig(backend="kernel"))
     quack_cache: Path | None = None
 
 
 Runner = Callable[[Inputs], torch.Tensor]
 
 
-def forward_path_of(mok_module: Any, device: Any = None, config: Any = None) -> str:
-    """``mok_cute.forward_path(device, config)`` as a string ("unknown: ..." when it cannot be asked)."""
-    fn = getattr(mok_module, "forward_path", None)
-    if fn is None:
-        return "unknown: mok_cute.forward_path does not exist"
-    try:
-        return str(fn(device, config))
-    except TypeError:
-        try:
-            return str(fn())
-        except Exception as exc:  # an odd signature must not stop the benchmark
-            return f"unknown: forward_path() raised {type(exc).__name__}: {exc}"
-    except Exception as exc:
-        return f"unknown: forward_path() raised {type(exc).__name__}: {exc}"
-
-
 def is_kernel_path(path: str) -> bool:
-    """forward_path() starts with "kernel:" on the kernel path ("reference:" / "error:" otherwise)."""
-    return path.strip().lower().startswith("kernel")
+    """forward_path() starts with "kernel:" on the expert path, "megakernel:" under
+    ``--mok-config backend=megakernel`` ("reference:" / "error:" when no kernel runs)."""
+    return path.strip().lower().startswith(("kernel:", "megakernel:"))
 
 
-def virtual_path_of(mok_module: Any, device: Any, config: Any) -> tuple[bool, str]:
+def virtual_path_of(device: Any, config: MoKConfig) -> tuple[bool, str]:
     """Does moe_forward_virtual run the kernels? (yes, why) from mok_cute.api.choose_path."""
+    from mok_cute.api import choose_path
+
     try:
-        choice = mok_module.api.choose_path(device, config, virtual=True)
+        choice = choose_path(device, config, virtual=True)
     except Exception as exc:
         return False, f"{type(exc).__name__}: {exc}"
     return choice.path in ("kernel", "megakernel"), f"{choice.path}: {choice.reason}"
 
 
-def parse_contenders(spec: str, allowed: Sequence[str]) -> list[str]:
-    """``--contenders``: a comma list of names from ``allowed`` (ValueError naming the others)."""
-    contenders = [c.strip() for c in spec.split(",") if c.strip()]
-    unknown = [c for c in contenders if c not in allowed]
-    if unknown:
-        raise ValueError(f"--contenders: expected names from {list(allowed)}, got {unknown}")
-    return contenders
-
-
-def parse_config_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """KEY=VALUE strings (also comma-separated) to MoKConfig keyword arguments."""
-    out: dict[str, Any] = {}
-    for item in items:
-        for pair in [p for p in item.split(",") if p]:
-            if "=" not in pair:
-                raise ValueError(f"--mok-config: expected KEY=VALUE, got {pair!r}")
-            key, raw = pair.split("=", 1)
-            value: Any
-            if raw in ("None", "none"):
-                value = None
-            elif raw in ("True", "true", "False", "false"):
-                value = raw.lower() == "true"
-            else:
-                try:
-                    value = int(raw)
-                except ValueError:
-                    try:
-                        value = float(raw)
-                    except ValueError:
-                        value = raw
-            out[key.strip()] = value
-    return out
-
-
-def _mok_config(ctx: BenchContext, **extra: Any):
-    import mok_cute
-
-    fields = {"backend": "kernel", **ctx.mok_config, **extra}
-    return mok_cute.MoKConfig(**fields)
+def _mok_config(ctx: BenchContext, **changes: Any) -> MoKConfig:
+    return dataclasses.replace(ctx.mok_config, **changes)
 
 
 def _prepare_mok_cute(problem: Problem, ctx: BenchContext, timeline: bool = False) -> tuple[Runner, dict[str, Any]]:
     import mok_cute
 
     cfg = _mok_config(ctx, timeline=True) if timeline else _mok_config(ctx)
-    path = forward_path_of(mok_cute, problem.inputs.x.device, cfg)
+    path = forward_path_of(problem.inputs.x.device, cfg)
     if not is_kernel_path(path):
         raise SkipContender(f"mok_cute.forward_path() = {path!r}: not the kernel path, so not timed as mok_cute")
     wg, wu, wd, sh = problem.w_gate, problem.w_up, problem.w_down, problem.shared
@@ -449,22 +122,21 @@ def _prepare_mok_cute(problem: Problem, ctx: BenchContext, timeline: bool = Fals
     def run(inp: Inputs) -> torch.Tensor:
         return mok_cute.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, wg, wu, wd, shared=sh, config=cfg)
 
-    return run, {"path": path, "config": repr(cfg)}
+    return run, {"path": path, "config": config_record(cfg)}
 
 
 def _prepare_mok_megakernel(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
-    import dataclasses
-
     import mok_cute
+    from mok_cute.api import choose_path
 
-    cfg = dataclasses.replace(_mok_config(ctx), backend="megakernel")
-    choice = mok_cute.api.choose_path(problem.inputs.x.device, cfg)
+    cfg = _mok_config(ctx, backend="megakernel")
+    choice = choose_path(problem.inputs.x.device, cfg)
     wg, wu, wd, sh = problem.w_gate, problem.w_up, problem.w_down, problem.shared
 
     def run(inp: Inputs) -> torch.Tensor:
         return mok_cute.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, wg, wu, wd, shared=sh, config=cfg)
 
-    return run, {"path": f"{choice.path}: {choice.reason}", "config": repr(cfg)}
+    return run, {"path": f"{choice.path}: {choice.reason}", "config": config_record(cfg)}
 
 
 def _prepare_mok_cute_virtual(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
@@ -472,7 +144,7 @@ def _prepare_mok_cute_virtual(problem: Problem, ctx: BenchContext) -> tuple[Runn
 
     ranks = ctx.ep_ranks
     cfg = _mok_config(ctx)
-    on_kernel, path = virtual_path_of(mok_cute, problem.inputs.x.device, cfg)
+    on_kernel, path = virtual_path_of(problem.inputs.x.device, cfg)
     if not on_kernel:
         raise SkipContender(f"moe_forward_virtual does not run the kernels ({path}), so not timed as mok_cute")
     template = problem.virtual(ranks)  # replicates the shared expert once, outside the timed region
@@ -482,14 +154,14 @@ def _prepare_mok_cute_virtual(problem: Problem, ctx: BenchContext) -> tuple[Runn
         out = mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=cfg)
         return out.reshape(-1, out.shape[-1])
 
-    return run, {"path": path, "ranks": ranks, "config": repr(cfg)}
+    return run, {"path": path, "ranks": ranks, "config": config_record(cfg)}
 
 
 def _prepare_torch_grouped_mm(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
     if not hasattr(torch, "_grouped_mm"):
         raise SkipContender(f"torch {torch.__version__} has no torch._grouped_mm")
     w_gate_up_t, w_down_t = pack_grouped_mm_weights(problem.w_gate, problem.w_up, problem.w_down)
-    shared = _fused_shared(problem)
+    shared = fuse_shared(problem.shared)
 
     def run(inp: Inputs) -> torch.Tensor:
         return torch_grouped_mm_moe(inp.x, inp.topk_idx, inp.topk_weights, w_gate_up_t, w_down_t, shared)
@@ -498,7 +170,7 @@ def _prepare_torch_grouped_mm(problem: Problem, ctx: BenchContext) -> tuple[Runn
 
 
 def _prepare_per_expert_loop(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
-    shared = _fused_shared(problem)
+    shared = fuse_shared(problem.shared)
     wg, wu, wd = problem.w_gate, problem.w_up, problem.w_down
 
     def run(inp: Inputs) -> torch.Tensor:
@@ -532,7 +204,7 @@ def _prepare_sonicmoe(problem: Problem, ctx: BenchContext, train: bool = False) 
     # (row 2j = gate_j, row 2j+1 = up_j), and w2 as (H, I, E): permuted views of [E, 2I, H] / [E, H, I].
     w1 = torch.stack([problem.w_gate, problem.w_up], dim=2).reshape(e, 2 * i, h).permute(1, 2, 0)
     w2 = problem.w_down.permute(1, 2, 0)
-    shared = _fused_shared(problem)
+    shared = fuse_shared(problem.shared)
     stream_id = torch.cuda.current_stream().cuda_stream
     token_index_cache: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -582,11 +254,6 @@ BASELINE = "torch_grouped_mm"
 # --------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Timer:
@@ -647,15 +314,6 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in fp32 (NaN if the shapes differ or anything is not finite)."""
-    if tuple(out.shape) != tuple(ref.shape):
-        return float("nan")
-    o, r = out.detach().float(), ref.detach().float()
-    err = float(torch.linalg.vector_norm(o - r) / torch.linalg.vector_norm(r).clamp_min(1e-30))
-    return err if torch.isfinite(o).all() else float("nan")
-
-
 def reference_output(problem: Problem) -> torch.Tensor:
     from mok_cute import reference
 
@@ -681,20 +339,6 @@ def _shape_keys(shape: Shape, problem: Problem, ranks: int) -> dict[str, Any]:
     }
 
 
-def _error_text(exc: BaseException) -> str:
-    tail = traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]
-    return f"{type(exc).__name__}: {exc}".strip()[:2000] + " | " + "".join(tail).strip()[-1500:]
-
-
-def _free(device: torch.device) -> None:
-    from mok_cute import megakernel
-
-    megakernel.release_plans()  # a plan holds rings sized for its shape
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def bench_cublas(ctx: BenchContext, timer: Timer, n: int = 8192, tol: float = 1e-2, log: Callable[[str], None] = print) -> dict[str, Any]:
     entry: dict[str, Any] = {"shape": f"matmul_{n}", "contender": "cublas_8192", "pass": "fwd", "ms": None, "tflops": None}
     if ctx.device.type != "cuda":
@@ -712,8 +356,8 @@ def bench_cublas(ctx: BenchContext, timer: Timer, n: int = 8192, tol: float = 1e
         entry.update(ms=ms, tflops=2.0 * n**3 / (ms * 1e-3) / 1e12, status="ok")
         del a, b
     except Exception as exc:
-        entry.update(status="error", error=_error_text(exc))
-    _free(ctx.device)
+        entry.update(status="error", error=error_text(exc))
+    free_memory(ctx.device)
     log(f"cublas_8192: {entry.get('status')} {entry.get('tflops')}")
     return entry
 
@@ -735,8 +379,8 @@ def bench_shape(
     ``rounds`` = 1: each contender is checked, timed and freed in turn. ``rounds`` > 1: every
     contender is checked and kept alive, then all are timed ``rounds`` times in alternating
     order (A B C, C B A, ...) and each reports the median of its rounds (``ms_rounds`` keeps
-    them): the GPU's clock drifts within a process (7 % between identical runs, docs/gpu_runs.md
-    run 24), and a contender always timed last would carry that drift. Needs every
+    them): the GPU's clock drifts within a process (7 % between identical runs, run 24,
+    docs/measurements.md), and a contender always timed last would carry that drift. Needs every
     contender's memory at once."""
     ranks = ctx.ep_ranks if shape.per_rank_tokens else 1
     base = {"shape": shape.name, "pass": "fwd"}
@@ -746,7 +390,7 @@ def bench_shape(
         check = problem.with_fresh_inputs(max(step, check_tokens // step * step), seed=seed + 1)
         ref = reference_output(check)
     except Exception as exc:
-        err = _error_text(exc)
+        err = error_text(exc)
         log(f"{shape.name}: setup failed: {err}")
         return [{**base, "contender": c, "ms": None, "tflops": None, "status": "error", "error": f"setup: {err}"} for c in contenders]
     keys = _shape_keys(shape, problem, ranks)
@@ -765,7 +409,7 @@ def bench_shape(
             run, info = CONTENDERS[name](problem, ctx)
             entry.update(info)
             out = run(check.inputs)
-            _sync(ctx.device)
+            sync(ctx.device)
             entry["rel_err"] = rel_err(out, ref)
             del out
             if not entry["rel_err"] <= tol:
@@ -778,17 +422,17 @@ def bench_shape(
         except SkipContender as exc:
             entry.update(status="skipped", error=str(exc))
         except Exception as exc:
-            entry.update(status="error", error=_error_text(exc))
+            entry.update(status="error", error=error_text(exc))
         if name not in runners:
             run = None
-            _free(ctx.device)
+            free_memory(ctx.device)
             finish(entry)
         results.append(entry)
     if runners:
         times: dict[str, list[float]] = {name: [] for name in runners}
         order = list(runners)
         # the SM clock and power while each contender ran: at the H200's power cap a
-        # contender's clock is part of its result (mok_cute.gpu_clock)
+        # contender's clock is part of its result (mok_cute.bench.gpu_clock)
         sampler = ClockSampler(ctx.device) if ctx.device.type == "cuda" else None
         with sampler or contextlib.nullcontext():
             for r in range(rounds):
@@ -800,7 +444,7 @@ def bench_shape(
                         with sampler.window(name) if sampler else contextlib.nullcontext():
                             times[name].append(timer(functools.partial(run, problem.inputs)))
                     except Exception as exc:
-                        entry.update(status="error", error=_error_text(exc))
+                        entry.update(status="error", error=error_text(exc))
         for name, (_, entry) in runners.items():
             if "error" not in entry:
                 ms = float(statistics.median(times[name]))
@@ -811,7 +455,7 @@ def bench_shape(
             finish(entry)
         runners.clear()
     del problem, check, ref
-    _free(ctx.device)
+    free_memory(ctx.device)
     return results
 
 
@@ -849,120 +493,6 @@ def add_ratios(results: list[dict[str, Any]]) -> None:
             r["frac_cublas"] = r["tflops"] / cublas if cublas else None
         if r["contender"] == "mok_cute_timeline" and r.get("ms") and r["shape"] in mok_ms:
             r["timeline_overhead"] = r["ms"] / mok_ms[r["shape"]] - 1.0
-
-
-def versions() -> dict[str, Any]:
-    from importlib import metadata
-
-    out: dict[str, Any] = {"python": platform.python_version()}
-    for dist in ("torch", "triton", "nvidia-cutlass-dsl", "mok-cute", "sonic-moe", "quack-kernels", "numpy"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    out["cuda"] = torch.version.cuda
-    return out
-
-
-def gpu_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
-
-
-def gpu_slug(name: str) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    slug = re.sub(r"^nvidia-", "", slug)
-    return slug.split("-")[0] if slug.startswith("cpu") else slug
-
-
-def result_path(out_dir: Path, gpu: str, tag: str, date: str) -> Path:
-    stem = f"{date}_{gpu_slug(gpu)}_{re.sub(r'[^A-Za-z0-9_.-]+', '-', tag)}"
-    path, n = out_dir / f"{stem}.json", 2
-    while path.exists():  # one file per run: never overwrite an earlier run
-        path, n = out_dir / f"{stem}_{n}.json", n + 1
-    return path
-
-
-# JSON schema of a result file: DESIGN §5 plus the extra keys this harness writes.
-RESULT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["gpu", "date", "command", "versions", "results"],
-    "properties": {
-        "gpu": {"type": "string"},
-        "date": {"type": "string"},
-        "command": {"type": "string"},
-        "versions": {"type": "object"},
-        "results": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["shape", "contender", "pass", "ms", "tflops"],
-                "properties": {
-                    "shape": {"type": "string"},
-                    "contender": {"type": "string"},
-                    "pass": {"enum": ["fwd", "bwd"]},
-                    "ms": {"type": ["number", "null"], "exclusiveMinimum": 0},
-                    "tflops": {"type": ["number", "null"], "exclusiveMinimum": 0},
-                    "status": {"enum": ["ok", "check_failed", "skipped", "error"]},
-                    "rel_err": {"type": ["number", "null"]},
-                    "ratio_vs_torch": {"type": ["number", "null"]},
-                    "frac_cublas": {"type": ["number", "null"]},
-                    "path": {"type": "string"},
-                    "error": {"type": "string"},
-                },
-            },
-        },
-    },
-}
-
-
-def plot_results(results: list[dict[str, Any]], path: str | os.PathLike, title: str = "") -> Path:
-    """Grouped bar chart: TFLOP/s per shape and contender, the cuBLAS ceiling as a dashed line,
-    each bar labelled with its ratio to the torch pipeline; failed or skipped contenders marked."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    layer = [r for r in results if r["contender"] != "cublas_8192"]
-    shapes = list(dict.fromkeys(r["shape"] for r in layer))
-    names = list(dict.fromkeys(r["contender"] for r in layer))
-    cublas = next((r["tflops"] for r in results if r["contender"] == "cublas_8192" and r.get("tflops")), None)
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(shapes) * max(1, len(names)) / 3 + 3), 5))
-    width = 0.8 / max(1, len(names))
-    cmap = matplotlib.colormaps["tab10"]
-    top = max((r["tflops"] or 0 for r in results), default=0.0) or 1.0
-    for j, name in enumerate(names):
-        for s_i, shape in enumerate(shapes):
-            r = next((r for r in layer if r["shape"] == shape and r["contender"] == name), None)
-            if r is None:
-                continue
-            xpos = s_i + (j - (len(names) - 1) / 2) * width
-            if r.get("tflops"):
-                ax.bar(xpos, r["tflops"], width, color=cmap(j % 10), label=name if s_i == 0 else None)
-                ratio = r.get("ratio_vs_torch")
-                label = f"{ratio:.2f}x" if ratio else f"{r['tflops']:.0f}"
-                ax.text(xpos, r["tflops"], label, ha="center", va="bottom", fontsize=7, rotation=90)
-            else:
-                ax.bar(xpos, top * 0.02, width, color="white", edgecolor=cmap(j % 10), hatch="xx", label=name if s_i == 0 else None)
-                ax.text(xpos, top * 0.03, r.get("status", "failed"), ha="center", va="bottom", fontsize=7, rotation=90, color="red")
-    if cublas:
-        ax.axhline(cublas, color="black", linestyle="--", linewidth=1)
-        ax.text(len(shapes) - 0.5, cublas, f"cuBLAS bf16 8192^3: {cublas:.0f}", ha="right", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(shapes)))
-    ax.set_xticklabels(shapes, rotation=15)
-    ax.set_ylabel("TFLOP/s  (6 (TK + T[shared]) H I / t)")
-    ax.set_ylim(0, top * 1.18)
-    ax.set_title(title or "MoE layer forward")
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    save_png(fig, path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def print_results(results: list[dict[str, Any]], console: Any = None, title: str = "") -> None:
@@ -1007,8 +537,8 @@ def command_line(argv: Sequence[str]) -> str:
     if not process or process[len(process) - len(argv) :] != argv:
         return shlex.join(["mok-cute", "bench", *argv])
     prog = process[0] or "mok-cute"
-    if prog.endswith(os.path.join("mok_cute", "benchmark.py")):
-        head = ["python", "-m", "mok_cute.benchmark"]
+    if prog.endswith(os.path.join("mok_cute", "bench", "harness.py")):
+        head = ["python", "-m", "mok_cute.bench.harness"]
     elif prog.endswith(".py"):
         relative = os.path.relpath(prog)
         head = ["python", prog if relative.startswith("..") else relative]
@@ -1017,56 +547,21 @@ def command_line(argv: Sequence[str]) -> str:
     return shlex.join([*head, *process[1:]])
 
 
-def switches() -> dict[str, bool | int]:
-    """The experimental switches in force (``config.SWITCHES``), with every module that
-    defines one imported first."""
-    from mok_cute import config
-
-    for module in ("megakernel", "ops", "schedule"):  # importing one registers its switches
-        importlib.import_module(f"mok_cute.{module}")
-
-    return dict(sorted(config.SWITCHES.items()))
-
-
-def save_results(results: list[dict[str, Any]], out_dir: Path, tag: str, gpu: str, command: str,
-                 argv: Sequence[str], extra: dict[str, Any], title: Callable[[str], str],
-                 chart: list[dict[str, Any]] | None = None) -> tuple[Path, Path]:
-    """The results JSON (DESIGN §5: GPU, date, command, versions, switches, ``extra``,
-    results) and its bar chart (of ``chart``, default ``results``; ``title(date)``)."""
-    now = time.localtime()
-    doc = {
-        "gpu": gpu,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z", now),
-        "command": command,
-        "argv": list(argv),
-        "versions": versions(),
-        "switches": switches(),
-        **extra,
-        "results": results,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = result_path(out_dir, gpu, tag, time.strftime("%Y-%m-%d", now))
-    with open(json_path, "w") as f:
-        json.dump(doc, f, indent=1)
-    png_path = plot_results(results if chart is None else chart, json_path.with_suffix(".png"),
-                            title=title(doc["date"][:10]))
-    return json_path, png_path
-
-
 def write_results(
-    results: list[dict[str, Any]], out_dir: Path, tag: str, device: torch.device, argv: Sequence[str], extra: dict[str, Any] | None = None
+    results: list[dict[str, Any]], out_dir: Path, tag: str, device: torch.device, argv: Sequence[str],
+    config: MoKConfig, extra: dict[str, Any] | None = None
 ) -> tuple[Path, Path]:
     gpu = gpu_name(device)
-    return save_results(results, out_dir, tag, gpu, command_line(argv), argv, extra or {},
+    return save_results(results, out_dir, tag, gpu, command_line(argv), argv, config, extra or {},
                         lambda date: f"MoE forward on {gpu}, {date} ({tag})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--ep" in argv:  # expert parallelism across torchrun ranks: its own harness
-        from . import ep_bench
+        from mok_cute.bench import ep
 
-        return ep_bench.main(argv)
+        return ep.main(argv)
     parser = argparse.ArgumentParser(
         prog="mok-cute bench",
         description="Time the MoE layer forward of mok_cute against the torch._grouped_mm pipeline, a per-expert "
@@ -1089,7 +584,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of the correctness check against mok_cute.reference")
     parser.add_argument("--tol", type=float, default=1e-2, help="relative error bound of the check")
     parser.add_argument("--ep-ranks", type=int, default=1, help="ranks R of the EP shapes (R*2048 tokens); R>1 adds mok_cute_virtual")
-    parser.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE", help="MoKConfig field for the mok_cute contenders, repeatable")
+    parser.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE",
+                        help="a MoKConfig field of the mok_cute contenders (default backend=kernel), dotted for an "
+                        "options field (megakernel.tickets=static, expert_path.fc2_pingpong_max_k=0); repeatable")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (smoke runs: host clock)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quack-cache", default=None, help="QUACK_CACHE_DIR for SonicMoE (default <out>/quack_cache unless set)")
@@ -1116,7 +613,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
         if not 0 < args.t_scale <= 1e6:
             raise ValueError(f"--t-scale: expected a positive factor, got {args.t_scale}")
-        mok_config = parse_config_overrides(args.mok_config)
+        mok_config = apply_config_overrides(MoKConfig(backend="kernel"), parse_config_overrides(args.mok_config))
+        missing = chart_dependency_missing()  # before minutes of timing, not after
+        if missing:
+            raise ValueError(f"mok-cute bench: {missing}")
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
@@ -1147,7 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         extra["gpu_info"] = {"capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count, "memory_gib": round(props.total_memory / 2**30, 1)}
-    json_path, png_path = write_results(results, out_dir, args.tag, device, argv, extra)
+    json_path, png_path = write_results(results, out_dir, args.tag, device, argv, mok_config, extra)
     print_results(results, console, title=f"MoE forward, {gpu_name(device)}")
     console.print(f"json {json_path}\npng  {png_path}")
     return 0

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .hardware import HardwareProfile, get_profile
-from .model import Routing, SimShape, receive_layouts, route
+from mok_cute.shapes import SHAPES, SINGLE_GPU_SHAPES
+from mok_cute.sim.hardware import HardwareProfile, get_profile
+from mok_cute.sim.model import Routing, SimShape, receive_layouts, route
 
 __all__ = ["predict_gemm_ms", "fit_gemm", "GemmFit", "fit_copy_rate", "fit_copy_rate_samples",
            "CopyFit", "fit_megakernel_comm", "CommCalibration", "megakernel_dispatch_samples",
@@ -50,8 +51,6 @@ ANCHOR_TORCH_GROUPED_GEMM = {
 def _single_gpu_shape(shape) -> SimShape:
     if isinstance(shape, SimShape):
         return shape
-    from ..benchmark import SHAPES
-
     s = SHAPES[shape]
     return SimShape(name=s.name, tokens_per_rank=s.tokens, hidden=s.hidden,
                     intermediate=s.intermediate, num_experts=s.experts, top_k=s.top_k,
@@ -205,8 +204,6 @@ def fit_gemm(rows: Iterable[dict], hw: HardwareProfile | str = "h200_hgx", *,
 
 def anchor_rows() -> list[dict]:
     """The anchors' torch grouped-GEMM numbers as benchmark rows (ms from TFLOP/s)."""
-    from ..benchmark import SHAPES
-
     rows = []
     for name, tf in ANCHOR_TORCH_GROUPED_GEMM.items():
         s = SHAPES[name]
@@ -268,7 +265,7 @@ def fit_copy_rate_samples(nbytes, durations, hw: HardwareProfile | str = "h200_h
 
 def _dispatch_samples(timeline, graph_or_bytes):
     """(bytes, seconds) of the DISPATCH records of a Timeline (or a raw record array)."""
-    from ..tasks import TaskType
+    from mok_cute.tasks import TaskType
 
     rec = getattr(timeline, "records", timeline)
     m = rec["task_type"] == int(TaskType.DISPATCH)
@@ -326,9 +323,8 @@ def megakernel_dispatch_samples(records: np.ndarray, shape: str, *, minibatch_to
     tiles and each expert's partial last tile is not recorded (about 6-12 % of the tiles are
     partial). A least-squares fit over tasks of equal bytes fits the per-shape means, so the
     fit is unbiased by the partial tiles as long as duration is linear in bytes."""
-    from .. import tasks as T
-    from ..benchmark import SINGLE_GPU_SHAPES
-    from ..schedule import schedule_capacity
+    from mok_cute import tasks as T
+    from mok_cute.schedule import schedule_capacity
 
     if shape not in SINGLE_GPU_SHAPES:
         raise ValueError(f"shape must be one of {sorted(SINGLE_GPU_SHAPES)}, got {shape!r}")

@@ -1,4 +1,4 @@
-"""The simulator studies of docs/sim.md (run by tools/sim_studies.py).
+"""The simulator studies (run by tools/sim_studies.py; results in benchmarks/sim/).
 
 (a) ``study_pull_push``: pull vs push dispatch under uniform and skewed routing at R=8 (H200
     HGX) and R=72 (GB300 NVL72), dispatch alone and the whole layer.
@@ -24,11 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..figures import save_png
-from . import calibrate
-from .hardware import get_profile
-from .model import MOK_SHAPES, Routing, SimConfig
-from .run import simulate
+from mok_cute.bench import calibrate
+from mok_cute.figures import save_png
+from mok_cute.schedule import schedule_capacity
+from mok_cute.shapes import SINGLE_GPU_SHAPES
+from mok_cute.sim.hardware import get_profile
+from mok_cute.sim.model import MOK_SHAPES, Routing, SimConfig, SimShape
+from mok_cute.sim.run import simulate
+from mok_cute.sim.tune import tune_report
+from mok_cute.tasks import TaskType
 
 __all__ = ["study_pull_push", "study_sweep", "study_mok", "study_calibration",
            "study_megakernel_r1", "MOK_GB300", "MEGAKERNEL_R1_MEASURED"]
@@ -202,8 +206,6 @@ def study_calibration(results_dir: str | Path | None = None, *, comm: bool = Tru
         # oldest run first, so a shape measured again takes the newest run's time
         files = sorted(Path(results_dir).glob("*.json"), key=_recorded_date)
         ours = [r for r in calibrate.load_results(files) if r.get("contender") == "mok_cute"]
-        from ..benchmark import SINGLE_GPU_SHAPES
-
         ours = [r for r in ours if r.get("shape") in SINGLE_GPU_SHAPES]
         if len({r["shape"] for r in ours}) >= 3:
             used = list(dict.fromkeys(r["_file"] for r in ours))
@@ -262,17 +264,13 @@ _H200_COMM_ASSUMED = dict(sm_copy_bytes_per_s=40e9, comm_task_overhead_s=2e-6,
 
 def _r1_config(shape, n_comm, local_direct: bool = False):
     """The configuration of the R = 1 measurements above: every row copied (they predate
-    ``megakernel.LOCAL_DIRECT``)."""
-    from ..schedule import schedule_capacity
-
+    ``MegakernelOptions.rows_in_place``)."""
     cap = schedule_capacity(1, shape.tokens_per_rank, shape.top_k, shape.num_experts, 128)
     return SimConfig(num_comm_sms=n_comm, minibatch_tokens=1024, ring_tokens=cap,
                      local_direct=local_direct)
 
 
 def _r1_point(shape, n_comm, hw):
-    from ..tasks import TaskType
-
     res = simulate(shape, 1, _r1_config(shape, n_comm), hw)
     g, rec = res.graph, res.records
     comb = g.type == TaskType.COMBINE
@@ -300,12 +298,6 @@ def study_megakernel_r1(profile="h200_hgx", comm=(6, 8, 12, 16), *, tuner: bool 
     - ``tuner``: ``tune.tune(shape, 1, profile)`` with its wall time, and with the minibatch
       held at the measured 1024.
     """
-    import time
-
-    from ..tasks import TaskType
-    from .model import SimShape
-    from .tune import tune_report
-
     hw = get_profile(profile)
     before = hw.replace(source="assumption before the comm calibration", **_H200_COMM_ASSUMED)
     fits = {run: calibrate.fit_megakernel_comm(run) for run in ("run16_bulk", "run13_vector4")}

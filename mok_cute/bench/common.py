@@ -1,0 +1,130 @@
+"""What the one-GPU bench, the EP bench and the probes in tools/ share: the ``--contenders``
+and ``--mok-config`` arguments, device sync and memory release between contenders, the error
+text a failed contender is recorded with, and the relative error of a check."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import gc
+import traceback
+from typing import Any, Sequence
+
+import torch
+
+from mok_cute.config import MoKConfig
+
+
+def parse_contenders(spec: str, allowed: Sequence[str]) -> list[str]:
+    """``--contenders``: a comma list of names from ``allowed`` (ValueError naming the others)."""
+    contenders = [c.strip() for c in spec.split(",") if c.strip()]
+    unknown = [c for c in contenders if c not in allowed]
+    if unknown:
+        raise ValueError(f"--contenders: expected names from {list(allowed)}, got {unknown}")
+    return contenders
+
+
+def _option_fields(kind: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(kind)}
+
+
+def _value(raw: str) -> Any:
+    """A Python literal (16, 5.5, None, True, 'x'); true / false / none in any case; else the
+    text itself (backend=megakernel)."""
+    lowered = raw.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    try:
+        return ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        return raw.strip()
+
+
+def parse_config_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``--mok-config`` items (``KEY=VALUE``, also comma-separated) to {key: value}. A key is a
+    field of ``MoKConfig`` or, dotted, a field of one of its options objects:
+    ``megakernel.tickets=static expert_path.fc2_pingpong_max_k=0 check_ids=False``."""
+    top = _option_fields(MoKConfig)
+    defaults = MoKConfig()
+    out: dict[str, Any] = {}
+    for item in items:
+        for pair in [p for p in item.split(",") if p]:
+            if "=" not in pair:
+                raise ValueError(f"--mok-config: expected KEY=VALUE, got {pair!r}")
+            key, raw = (s.strip() for s in pair.split("=", 1))
+            name, _, sub = key.partition(".")
+            if name not in top:
+                raise ValueError(f"--mok-config: {key!r} is not a MoKConfig field; fields: {sorted(top)}")
+            options = getattr(defaults, name)
+            options = options if dataclasses.is_dataclass(options) else None
+            if sub and options is None:
+                raise ValueError(f"--mok-config: MoKConfig.{name} has no fields, got {key!r}")
+            if options is not None:
+                if not sub:
+                    raise ValueError(f"--mok-config: MoKConfig.{name} is an options object: set its "
+                                     f"fields, e.g. {name}.{next(iter(_option_fields(type(options))))}=...")
+                if sub not in _option_fields(type(options)):
+                    raise ValueError(f"--mok-config: {key!r} is not a field of {type(options).__name__}; "
+                                     f"fields: {sorted(_option_fields(type(options)))}")
+            out[key] = _value(raw)
+    return out
+
+
+def apply_config_overrides(config: MoKConfig, overrides: dict[str, Any]) -> MoKConfig:
+    """``config`` with ``overrides`` (``parse_config_overrides``) set; ValueError when a value
+    is refused (the dataclasses check their fields)."""
+    plain = {k: v for k, v in overrides.items() if "." not in k}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if "." in key:
+            name, sub = key.split(".", 1)
+            nested.setdefault(name, {})[sub] = value
+    try:
+        for name, fields in nested.items():
+            plain[name] = dataclasses.replace(getattr(config, name), **fields)
+        return dataclasses.replace(config, **plain)
+    except TypeError as exc:  # a wrong kind of value: the same message, as a usage error
+        raise ValueError(f"--mok-config: {exc}") from exc
+
+
+def forward_path_of(device: Any = None, config: MoKConfig | None = None) -> str:
+    """``mok_cute.forward_path(device, config)`` ("unknown: ..." when it raises)."""
+    import mok_cute
+
+    try:
+        return str(mok_cute.forward_path(device, config))
+    except Exception as exc:  # the bench records the answer; it must not stop on it
+        return f"unknown: forward_path() raised {type(exc).__name__}: {exc}"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Release what the last contender held: the megakernel's cached plans (rings sized for
+    their shape), garbage, and the CUDA cache."""
+    from mok_cute import megakernel
+
+    megakernel.release_plans()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def error_text(exc: BaseException) -> str:
+    """What a failed contender is recorded with: the exception and the end of its traceback."""
+    tail = traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]
+    return f"{type(exc).__name__}: {exc}".strip()[:2000] + " | " + "".join(tail).strip()[-1500:]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp32 (NaN if the shapes differ or anything is not finite)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return float("nan")
+    o, r = out.detach().float(), ref.detach().float()
+    err = float(torch.linalg.vector_norm(o - r) / torch.linalg.vector_norm(r).clamp_min(1e-30))
+    return err if torch.isfinite(o).all() else float("nan")

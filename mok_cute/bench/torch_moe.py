@@ -1,0 +1,93 @@
+"""The PyTorch MoE pipelines the benches time mok_cute against (and the EP baseline's local
+experts). Plain torch, usable and tested on their own."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
+
+
+def fuse_shared(shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ws_gate, ws_up, ws_down) -> (ws_gate_up [2Is, H], ws_down), as :func:`shared_expert` takes it."""
+    if shared is None:
+        return None
+    ws_gate, ws_up, ws_down = shared
+    return torch.cat([ws_gate, ws_up], dim=0), ws_down
+
+
+def shared_expert(x: torch.Tensor, ws_gate_up: torch.Tensor, ws_down: torch.Tensor) -> torch.Tensor:
+    """Shared expert in bf16 GEMMs: ``ws_gate_up`` is [2*Is, H] (gate rows, then up rows)."""
+    gu = x @ ws_gate_up.t()
+    i = ws_gate_up.shape[0] // 2
+    return swiglu_bf16(gu[:, :i], gu[:, i:]) @ ws_down.t()
+
+
+def weighted_scatter_sum(
+    y: torch.Tensor, order: torch.Tensor, top_k: int, topk_weights: torch.Tensor, tokens: int, base: torch.Tensor | None
+) -> torch.Tensor:
+    """out[t] = bf16(base[t] + sum_k w[t,k] * y[row of (t,k)]) in fp32, rows in expert order."""
+    token_of_row = order // top_k
+    weight_of_row = topk_weights.reshape(-1).index_select(0, order).float()
+    acc = base.float() if base is not None else torch.zeros(tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    acc.index_add_(0, token_of_row, y.float() * weight_of_row[:, None])
+    return acc.to(torch.bfloat16)
+
+
+def pack_grouped_mm_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights for :func:`torch_grouped_mm_moe`: gate and up concatenated to [E, 2I, H] and passed
+    as its [E, H, 2I] transpose (column-major B, the layout _grouped_mm takes natively), and
+    w_down [E, H, I] as its [E, I, H] transpose."""
+    return torch.cat([w_gate, w_up], dim=1).transpose(1, 2), w_down.transpose(1, 2)
+
+
+def torch_grouped_mm_moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up_t: torch.Tensor,
+    w_down_t: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The torch pipeline: argsort permute, grouped GEMM gate+up, SwiGLU, grouped GEMM down,
+    weighted scatter-sum in fp32. ``shared`` = (ws_gate_up [2Is, H], ws_down [H, Is])."""
+    tokens, top_k = topk_idx.shape
+    experts, _, two_i = w_gate_up_t.shape
+    sorted_ids, order = torch.sort(topk_idx.reshape(-1), stable=True)
+    # Group ends from the sorted ids (torch.bincount on CUDA reads the max back: a host sync).
+    offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=x.device, dtype=sorted_ids.dtype), right=True).to(torch.int32)
+    xs = x.index_select(0, order // top_k)
+    gu = torch._grouped_mm(xs, w_gate_up_t, offs=offs)
+    h = swiglu_bf16(gu[:, : two_i // 2], gu[:, two_i // 2 :])
+    y = torch._grouped_mm(h, w_down_t, offs=offs)
+    base = shared_expert(x, *shared) if shared is not None else None
+    return weighted_scatter_sum(y, order, top_k, topk_weights, tokens, base)
+
+
+def per_expert_loop_moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One F.linear chain per expert over its sorted rows (one host sync for the counts)."""
+    tokens, top_k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_gate.shape[0]).tolist()
+    xs = x.index_select(0, order // top_k)
+    ys, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            xe = xs[start : start + n]
+            ys.append(F.linear(swiglu_bf16(F.linear(xe, w_gate[e]), F.linear(xe, w_up[e])), w_down[e]))
+            start += n
+    y = torch.cat(ys) if ys else xs.new_zeros(0, w_down.shape[1])
+    base = shared_expert(x, *shared) if shared is not None else None
+    return weighted_scatter_sum(y, order, top_k, topk_weights, tokens, base)
