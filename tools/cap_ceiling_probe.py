@@ -9,11 +9,8 @@ expert path (run 149). Whether any layer built on these GEMMs can get there show
 sustained comparison. Each variant runs back to back for ``--seconds`` under the SM clock and
 power sampler; variants alternate, odd rounds reversed:
 - ``layer``: ``moe_forward`` on the expert path (``check_ids=False``);
-- ``gemms``: its FC1 + FC2 alone (``ops.expert_mlp`` on one call's scattered rows and
+- ``gemms``: its FC1 + FC2 alone (``expert_path.expert_mlp`` on one call's scattered rows and
   schedule): no schedule build, scatter or k-sum;
-- ``gemms_zero_padding``: the same with the padding rows of the scattered x (each expert's
-  rows up to its last 128-row tile) zeroed, where ``gemms`` has random values there: what
-  the tensor cores spend on padding rows whose operands toggle;
 - ``cublas_pair``: ``torch.mm`` doing the layer's FLOPs as two dense GEMMs, all T*K rows
   against one expert's gate+up weights, then the down weights (no SwiGLU): the best-known
   GEMMs with nothing of routing left;
@@ -23,7 +20,7 @@ power sampler; variants alternate, odd rounds reversed:
 - ``cublas_8192``: the 8192^3 bf16 GEMM, the bench's ceiling (its own TFLOP/s);
 - ``sonicmoe`` (only when named in ``--variants``): SonicMoE's forward on the same inputs, as
   the bench runs it, for the same comparison sustained (its first call on a shape compiles
-  and autotunes for minutes: warm ``--quack-cache`` first, ``gpu_check.sh sonicwarm``).
+  and autotunes for minutes: warm ``--quack-cache`` first, ``gpu_check.sh sonic``).
 """
 
 from __future__ import annotations
@@ -36,9 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from mok_cute import benchmark as bm, ops  # noqa: E402
+from mok_cute import expert_path  # noqa: E402
+from mok_cute.bench.gpu_clock import ClockSampler  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
-from mok_cute.gpu_clock import ClockSampler  # noqa: E402
+from mok_cute.constants import TILE_M  # noqa: E402
 from clock_probe import sampled_run  # noqa: E402
 from layer_profile import layer_call, probe_shapes  # noqa: E402
 
@@ -50,36 +48,39 @@ def variants(name: str, only: tuple[str, ...] = (), quack_cache: str | None = No
     tokens, k = i.topk_idx.shape
     rows = tokens * k
     config = MoKConfig(check_ids=False)
-    sched, _, x_rows = ops.expert_rows(i.x, i.topk_idx, p.w_gate.shape[0])
+    options = config.expert_path
+    sched, _, x_rows = expert_path.expert_rows(i.x, i.topk_idx, p.w_gate.shape[0])
     gen = torch.Generator(device="cuda").manual_seed(2)
     dense = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
-    padding = (sched.row_token < 0).unsqueeze(1)  # rows past the valid tiles are never read
-    x_rows = torch.where(padding, dense(*x_rows.shape), x_rows)
-    x_rows_zero_padding = x_rows.masked_fill(padding, 0)
+    # the layer leaves its padding rows as allocated: give them random values (operands that
+    # toggle, as garbage does), not whatever zeros the allocator may hand out here
+    x_rows = torch.where((sched.row_token < 0).unsqueeze(1), dense(*x_rows.shape), x_rows)
     x_all, h_all = dense(rows, s.hidden), dense(rows, s.intermediate)
     w_gate_up, w_down = dense(2 * s.intermediate, s.hidden), dense(s.hidden, s.intermediate)
     a8192, b8192 = dense(8192, 8192), dense(8192, 8192)
-    one_expert = torch.zeros(-(-rows // ops.TILE_M), dtype=torch.int32, device="cuda")
-    dense_tiles = torch.tensor([rows // ops.TILE_M], dtype=torch.int32, device="cuda")
-    fc2_pingpong = ops.fc2_pingpong(s.intermediate)
+    one_expert = torch.zeros(-(-rows // TILE_M), dtype=torch.int32, device="cuda")
+    dense_tiles = torch.tensor([rows // TILE_M], dtype=torch.int32, device="cuda")
+    fc2_pingpong = options.fc2_pingpong(s.intermediate)
     runs = {
         "layer": lambda: forward(config),
-        "gemms": lambda: ops.expert_mlp(x_rows, p.w_gate, p.w_up, p.w_down, sched.tile_expert,
-                                        sched.num_tiles),
-        "gemms_zero_padding": lambda: ops.expert_mlp(x_rows_zero_padding, p.w_gate, p.w_up,
-                                                     p.w_down, sched.tile_expert, sched.num_tiles),
+        "gemms": lambda: expert_path.expert_mlp(x_rows, p.w_gate, p.w_up, p.w_down, sched.tile_expert,
+                                                sched.num_tiles, options),
         "cublas_pair": lambda: (torch.mm(x_all, w_gate_up.t()), torch.mm(h_all, w_down.t())),
         "ours_dense_pair": lambda: (
-            ops.grouped_gemm(x_all, w_gate_up.unsqueeze(0), one_expert, dense_tiles),
-            ops.grouped_gemm(h_all, w_down.unsqueeze(0), one_expert, dense_tiles,
-                             pingpong=fc2_pingpong, tile_n=128 if fc2_pingpong else None)),
+            expert_path.grouped_gemm(x_all, w_gate_up.unsqueeze(0), one_expert, dense_tiles,
+                                     group_m=options.fc1_group_m),
+            expert_path.grouped_gemm(h_all, w_down.unsqueeze(0), one_expert, dense_tiles,
+                                     group_m=options.fc2_group_m, pingpong=fc2_pingpong,
+                                     tile_n=128 if fc2_pingpong else None)),
         "cublas_8192": lambda: torch.mm(a8192, b8192),
     }
     runs = {k: v for k, v in runs.items() if not only or k in only}
     if "sonicmoe" in only:
-        ctx = bm.BenchContext(device=torch.device("cuda"), out_dir=Path("."),
-                              quack_cache=Path(quack_cache) if quack_cache else None)
-        sonic_run, _ = bm.CONTENDERS["sonicmoe"](p, ctx)
+        from mok_cute.bench import harness
+
+        ctx = harness.BenchContext(device=torch.device("cuda"), out_dir=Path("."),
+                                   quack_cache=Path(quack_cache) if quack_cache else None)
+        sonic_run, _ = harness.CONTENDERS["sonicmoe"](p, ctx)
         runs["sonicmoe"] = lambda: sonic_run(i)
     flops = {label: p.flops for label in runs}
     flops["cublas_8192"] = 2.0 * 8192 ** 3

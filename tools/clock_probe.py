@@ -1,14 +1,18 @@
-"""SM clock and power while the expert path and the megakernel run, back to back.
+"""Paths and configurations of the layer, each sustained at the power cap with its SM clock.
 
     python tools/clock_probe.py --shapes mixtral,qwen3_30b [--seconds 2 --rounds 4] [--json F]
+    python tools/clock_probe.py --shapes dsv3_ep8_rank \\
+        --variant static:backend=megakernel,megakernel.tickets=static \\
+        --variant comm2:backend=megakernel,num_comm_sms=2
 
-The fifteenth session's recordings put mixtral's megakernel GEMM tiles ~3 % slower than the
-expert path's, FC2's (TMA-loaded, the same wgmmas, a 224-k-tile mainloop) as much as FC1's.
-If that is the clock (the megakernel's spinning producer threads drawing power, say), it shows
-here: each variant runs for ``--seconds`` while ``nvidia-smi`` samples the SM clock, the power
-draw and the active clock-event reasons every 50 ms (``mok_cute.gpu_clock``); variants
-alternate, odd rounds reversed. (Runs 113-115 dropped each run's first quarter of samples, the
-clock settling; the sampler's windows keep them all.)
+The H200 runs these layers at its 700 W cap, where a variant's speed is its work per joule
+(AGENTS.md): a short timing starts cool and fast, so each variant here runs back to back for
+``--seconds`` while ``nvidia-smi`` samples the SM clock, the power draw and the active
+clock-event reasons every 50 ms (``mok_cute.bench.gpu_clock``). Variants alternate, odd rounds
+reversed. The variants are the expert path and the megakernel at R = 1 (both with
+``check_ids=False``), plus each ``--variant NAME:KEY=VALUE,...``: a ``MoKConfig`` with those
+fields set (``--mok-config`` syntax, dotted for the options objects). Every variant's output
+is compared bitwise with the expert path's first.
 """
 
 from __future__ import annotations
@@ -20,10 +24,25 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from mok_cute import megakernel, ops  # noqa: E402
+from mok_cute import megakernel  # noqa: E402
+from mok_cute.bench.common import apply_config_overrides, parse_config_overrides  # noqa: E402
+from mok_cute.bench.gpu_clock import ClockSampler  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
-from mok_cute.gpu_clock import ClockSampler  # noqa: E402
-from layer_profile import layer_call, probe_shapes  # noqa: E402
+from layer_profile import layer_call, probe_shapes  # noqa: E402  (tools/ is on sys.path as a script)
+
+BASE = MoKConfig(check_ids=False)  # no host read per call: a sustained loop keeps the GPU busy
+DEFAULT_VARIANTS = {"expert_kernels": BASE, "megakernel": MoKConfig(check_ids=False, backend="megakernel")}
+
+
+def parse_variant(spec: str) -> tuple[str, MoKConfig]:
+    """``NAME:KEY=VALUE,...`` -> (NAME, ``BASE`` with those fields set)."""
+    name, sep, fields = spec.partition(":")
+    if not sep or not name:
+        raise SystemExit(f"--variant: expected NAME:KEY=VALUE[,KEY=VALUE...], got {spec!r}")
+    try:
+        return name, apply_config_overrides(BASE, parse_config_overrides([fields]))
+    except ValueError as exc:
+        raise SystemExit(f"--variant {name}: {exc}") from exc
 
 
 def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
@@ -43,39 +62,10 @@ def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
     return {"ms_per_call": start.elapsed_time(end) / calls, **(sampler.stats(window) or {})}
 
 
-def probe(name: str, seconds: float, rounds: int, switches: list[str],
-          expert_switches: tuple[str, ...] = (), with_megakernel: bool = True,
-          expert_settings: tuple[tuple[str, int], ...] = ()) -> dict:
-    """The expert path, the megakernel, and the megakernel with each boolean module switch of
-    ``switches`` flipped (the others at their defaults); the expert path with each boolean
-    ``mok_cute.ops`` switch of ``expert_switches`` flipped, and with each integer
-    ``mok_cute.ops`` setting of ``expert_settings`` (name, value) set."""
+def probe(name: str, seconds: float, rounds: int, variants: dict[str, MoKConfig]) -> dict:
     _, forward = layer_call(name)
-    expert, mega = MoKConfig(check_ids=False), MoKConfig(check_ids=False, backend="megakernel")
-    defaults = {(megakernel, s): getattr(megakernel, s) for s in switches}
-    defaults.update({(ops, s): getattr(ops, s) for s in expert_switches})
-    defaults.update({(ops, s): getattr(ops, s) for s, _ in expert_settings})
-    booleans = {key: v for key, v in defaults.items() if isinstance(v, bool)}
-
-    def call(config, flip=None, setting=None):
-        def run():
-            for (module, s), v in defaults.items():  # compiles are keyed by them: no recompile
-                setattr(module, s, (not v) if (module, s) == flip else v)
-            if setting is not None:
-                setattr(ops, *setting)
-            return forward(config)
-        return run
-
-    runs = {"expert_kernels": call(expert)}
-    runs.update({f"expert_kernels_{s.lower()}_{not v}": call(expert, (m, s))
-                 for (m, s), v in booleans.items() if m is ops})
-    runs.update({f"expert_kernels_{s.lower()}_{v}": call(expert, setting=(s, v))
-                 for s, v in expert_settings})
-    if with_megakernel:
-        runs["megakernel"] = call(mega)
-        runs.update({f"megakernel_{s.lower()}_{not v}": call(mega, (m, s))
-                     for (m, s), v in booleans.items() if m is megakernel})
-    first = runs["expert_kernels"]().clone()
+    runs = {label: (lambda config=config: forward(config)) for label, config in variants.items()}
+    first = forward(BASE).clone()
     rows = {k: [] for k in runs}
     for k, fn in runs.items():  # compile, and the bitwise check every probe makes
         out = fn()
@@ -92,11 +82,9 @@ def probe(name: str, seconds: float, rounds: int, switches: list[str],
                       f"{s.get('sm_mhz_median')} MHz (min {s.get('sm_mhz_min')}), "
                       f"{s.get('power_w_mean')} W, {s.get('temp_c_max')} C, "
                       f"{s.get('clock_event_reasons')}", flush=True)
-    for (module, s), v in defaults.items():
-        setattr(module, s, v)
     megakernel.release_plans()
     torch.cuda.empty_cache()
-    return {"shape": name, "rounds": rows}
+    return {"shape": name, "configs": {k: repr(v) for k, v in variants.items()}, "rounds": rows}
 
 
 def main(argv=None) -> int:
@@ -104,22 +92,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="mixtral,qwen3_30b")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--switch", default="", help="comma list of boolean megakernel switches: "
-                    "each adds the megakernel with that switch flipped (e.g. WARP0_TMA_STAGES)")
-    ap.add_argument("--expert-switch", default="", help="comma list of boolean mok_cute.ops "
-                    "switches: each adds the expert path with it flipped (e.g. KSUM_IN_FC2)")
-    ap.add_argument("--expert-setting", action="append", default=[], metavar="NAME=V1,V2",
-                    help="an integer mok_cute.ops setting: adds the expert path with it set to "
-                    "each value (e.g. FC1_GROUP_M=4,16); repeatable")
-    ap.add_argument("--no-megakernel", action="store_true", help="the expert path variants only")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="one more variant: MoKConfig(check_ids=False) with these fields set, e.g. "
+                    "static:backend=megakernel,megakernel.tickets=static; repeatable")
+    ap.add_argument("--no-megakernel", action="store_true", help="leave the megakernel default out")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    settings = tuple((name, int(v)) for name, values in (e.split("=", 1) for e in a.expert_setting)
-                     for v in values.split(","))
-    switches = [w for w in a.switch.split(",") if w]
-    expert_switches = tuple(w for w in a.expert_switch.split(",") if w)
-    probe_shapes(a.shapes, lambda s: probe(s, a.seconds, a.rounds, switches, expert_switches,
-                                           not a.no_megakernel, settings), a.json, argv)
+    variants = {k: v for k, v in DEFAULT_VARIANTS.items() if not (a.no_megakernel and k == "megakernel")}
+    variants.update(parse_variant(spec) for spec in a.variant)
+    probe_shapes(a.shapes, lambda s: probe(s, a.seconds, a.rounds, variants), a.json, argv)
     return 0
 
 

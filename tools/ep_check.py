@@ -33,14 +33,16 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/tools/", 1)[0])  # run from a checkout
 import mok_cute  # noqa: E402
-from mok_cute import benchmark as bm  # noqa: E402
-from mok_cute import ep_bench as ep  # noqa: E402
 from mok_cute import reference  # noqa: E402
+from mok_cute.bench import ep  # noqa: E402
+from mok_cute.bench.common import rel_err  # noqa: E402
+from mok_cute.bench.results import gpu_name  # noqa: E402
+from mok_cute.shapes import Shape  # noqa: E402
 
 ROUTINGS = {"uniform": None, "skew": 0.5}  # skew: the fraction of tokens on the hot expert
 
 
-def run_routing(d: ep.Dist, shape: bm.Shape, tokens: int, skew: float | None, config: mok_cute.MoKConfig,
+def run_routing(d: ep.Dist, shape: Shape, tokens: int, skew: float | None, config: mok_cute.MoKConfig,
                 comm: list[int], tol: float, seed: int) -> dict[str, tuple[bool, str]]:
     """The four checks for one routing; rank 0's verdicts, broadcast to every rank."""
     routing = ep.make_routing(d.world, tokens, shape.experts, shape.top_k, seed, skew=skew)
@@ -67,7 +69,7 @@ def run_routing(d: ep.Dist, shape: bm.Shape, tokens: int, skew: float | None, co
         with torch.no_grad():
             ref = reference.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared)
             emulated = mok_cute.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared, config=config)
-        verdict = [bm.rel_err(outs, ref), float(torch.equal(emulated, outs))]
+        verdict = [rel_err(outs, ref), float(torch.equal(emulated, outs))]
     rel = ep.broadcast_float(d, verdict[0])
     emulated_equal = bool(ep.broadcast_float(d, verdict[1]))
     repeat_all = ep.all_max(d, float(not same_repeat)) == 0.0
@@ -84,7 +86,7 @@ def run_routing(d: ep.Dist, shape: bm.Shape, tokens: int, skew: float | None, co
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="custom:256,1024,512,16,4,1",
-                        help="an EP shape of mok_cute.benchmark (T per rank) or custom:T,H,I,E,K[,shared]")
+                        help="an EP shape of mok_cute.shapes (T per rank) or custom:T,H,I,E,K[,shared]")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the shape's)")
     parser.add_argument("--backend", default="megakernel", choices=["megakernel", "reference"])
     parser.add_argument("--comm", default="2,8,16", help="comm CTA counts that must give the same bits")
@@ -99,7 +101,7 @@ def main() -> int:
         config = mok_cute.MoKConfig(backend=args.backend, timeout_ms=10_000.0)
         comm = [int(n) for n in args.comm.split(",") if n]
         if d.rank == 0:
-            print(f"{d.world} ranks ({d.backend}, {bm.gpu_name(d.device)}); {shape.name}: T={tokens}/rank "
+            print(f"{d.world} ranks ({d.backend}, {gpu_name(d.device)}); {shape.name}: T={tokens}/rank "
                   f"H={shape.hidden} I={shape.intermediate} E={shape.experts} K={shape.top_k}; "
                   f"backend={args.backend}")
         failed = 0

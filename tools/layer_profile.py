@@ -2,9 +2,15 @@
 
     python tools/layer_profile.py --shapes dsv3_ep8_rank,qwen3_30b [--json out.json]
 
-Stages are timed one at a time with CUDA events around back-to-back repeats, so each
-number is that stage's GPU time; the whole call is timed the same way through the public
-API (validation, schedule, kernels). A probe for tuning, not the benchmark of record.
+Stages are timed one at a time with CUDA events around back-to-back repeats, so each number is
+that stage's GPU time, or its host time where the GPU work is tiny (a back-to-back loop then
+measures the host; AGENTS.md). The whole call is timed the same way through the public API
+(validation, schedule, kernels) and without its checks (``expert_path.moe_forward_kernel``).
+The stages are the expert path's (``mok_cute.expert_path``), with its default options: the
+schedule, x scattered into expert order, FC1, FC2, the slot -> row map, the k-sum. A probe for
+tuning, not the benchmark of record (``mok-cute bench``).
+
+Also the helpers the other probes share (``layer_call``, ``gpu_ms``, ``probe_shapes``, ...).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from mok_cute.benchmark import SINGLE_GPU_SHAPES  # noqa: E402
+from mok_cute.shapes import SINGLE_GPU_SHAPES  # noqa: E402
 
 
 def save_probe_json(path, fields: dict, argv=None) -> None:
@@ -44,12 +50,13 @@ def probe_shapes(shapes: str, probe, path, argv=None, doc: dict | None = None) -
 
 
 def layer_call(name: str, seed: int = 1):
-    """A single-GPU shape's random problem on the GPU and ``forward(config)``: one
+    """A shape's random problem on the GPU and ``forward(config)``: one
     ``mok_cute.moe_forward`` call of it (with its shared expert) under ``config``."""
     import mok_cute
-    from mok_cute import benchmark as bm
+    from mok_cute.bench.problems import make_problem
+    from mok_cute.shapes import resolve_shape
 
-    p = bm.make_problem(bm.resolve_shape(name), device="cuda", seed=seed)
+    p = make_problem(resolve_shape(name), device="cuda", seed=seed)
     i = p.inputs
 
     def forward(config):
@@ -84,7 +91,8 @@ def host_ms(fn, reps=5):
 
 def profile_shape(name, T, H, I, E, K, reps):
     import mok_cute as mok
-    from mok_cute import ops, schedule
+    from mok_cute import expert_path, schedule
+    from mok_cute.constants import TILE_M
     from mok_cute.kernels import token_ops
 
     dev = "cuda"
@@ -98,36 +106,42 @@ def profile_shape(name, T, H, I, E, K, reps):
     rows = {}
     with torch.no_grad():
         cfg = mok.MoKConfig(backend="kernel")
+        options = cfg.expert_path
         layer = lambda: mok.moe_forward(x, topk_idx, topk_w, wg, wu, wd, config=cfg)  # noqa: E731
         rows["layer (api)"] = gpu_ms(layer, reps)
         rows["layer host time"] = host_ms(layer)
-        direct = lambda: ops.moe_forward_kernel(x, topk_idx, topk_w, wg, wu, wd, None, cfg)  # noqa: E731
-        rows["layer (ops, no api checks)"] = gpu_ms(direct, reps)
-        rows["ops host time"] = host_ms(direct)
-        build = lambda: schedule.build_receive_schedule(topk_idx.unsqueeze(0), 0, E, tile_m=128,  # noqa: E731
+        direct = lambda: expert_path.moe_forward_kernel(x, topk_idx, topk_w, wg, wu, wd, None, cfg)  # noqa: E731
+        rows["layer (expert_path, no api checks)"] = gpu_ms(direct, reps)
+        rows["expert_path host time"] = host_ms(direct)
+        build = lambda: schedule.build_receive_schedule(topk_idx.unsqueeze(0), 0, E, tile_m=TILE_M,  # noqa: E731
                                                         validate=False)
         rows["schedule"] = gpu_ms(build, reps)
         rows["schedule host time"] = host_ms(build)
         sched = build()
-        rows["gather x"] = gpu_ms(lambda: token_ops.gather_rows(x, sched.row_token), reps)
-        xr = token_ops.gather_rows(x, sched.row_token)
-        rows["fc1"] = gpu_ms(lambda: ops.grouped_gemm(xr, wg, sched.tile_expert, sched.num_tiles,
-                                                      "swiglu", w_up=wu), reps)
-        h = ops.grouped_gemm(xr, wg, sched.tile_expert, sched.num_tiles, "swiglu", w_up=wu)
-        rows["fc2"] = gpu_ms(lambda: ops.grouped_gemm(h, wd, sched.tile_expert, sched.num_tiles), reps)
-        y = ops.grouped_gemm(h, wd, sched.tile_expert, sched.num_tiles)
-        ros = schedule.row_of_slot(sched, T, K).to(torch.int32)
-        rows["row_of_slot"] = gpu_ms(lambda: schedule.row_of_slot(sched, T, K).to(torch.int32), reps)
-        rows["k-sum (gather)"] = gpu_ms(lambda: token_ops.weighted_ksum(y, topk_w, row_index=ros), reps)
+        ros = schedule.row_of_slot(sched, T, K)
+        rows["row_of_slot"] = gpu_ms(lambda: schedule.row_of_slot(sched, T, K), reps)
+        xr = torch.empty((sched.row_token.shape[0], H), dtype=x.dtype, device=dev)
+        rows["scatter x"] = gpu_ms(lambda: token_ops.scatter_rows(x, ros, xr), reps)
+        fc1 = lambda: expert_path.grouped_gemm(xr, wg, sched.tile_expert, sched.num_tiles,  # noqa: E731
+                                               "swiglu", w_up=wu, group_m=options.fc1_group_m)
+        rows["fc1"] = gpu_ms(fc1, reps)
+        h = fc1()
+        pingpong = options.fc2_pingpong(I)  # as expert_path.expert_mlp runs FC2
+        fc2 = lambda: expert_path.grouped_gemm(h, wd, sched.tile_expert, sched.num_tiles,  # noqa: E731
+                                               group_m=options.fc2_group_m, pingpong=pingpong,
+                                               tile_n=128 if pingpong else None)
+        rows["fc2" + (" (pingpong)" if pingpong else "")] = gpu_ms(fc2, reps)
+        y = fc2()
+        rows["k-sum"] = gpu_ms(lambda: token_ops.weighted_ksum(y, topk_w, row_index=ros), reps)
     print(f"{name}: T={T} H={H} I={I} E={E} K={K}")
     for key, ms in rows.items():
         extra = f"{flops / ms / 1e9:7.1f} TFLOP/s" if key.startswith("layer (") else ""
-        print(f"  {key:30s} {ms:8.3f} ms {extra}")
+        print(f"  {key:36s} {ms:8.3f} ms {extra}")
     return {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "ms": rows}
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="dsv3_ep8_rank")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)

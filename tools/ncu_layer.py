@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from mok_cute import megakernel  # noqa: E402
+from mok_cute.bench.common import apply_config_overrides, parse_config_overrides  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from layer_profile import layer_call  # noqa: E402  (tools/ is on sys.path when run as a script)
 
@@ -31,16 +32,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="mixtral,qwen3_30b")
     ap.add_argument("--warmup", type=int, default=3, help="unprofiled calls of each path first")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=INT",
-                    help="a megakernel module setting for the run, e.g. LOCAL_DIRECT=0")
+    ap.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a MoKConfig field of both paths, dotted for an options field, e.g. "
+                    "megakernel.rows_in_place=False; repeatable")
     a = ap.parse_args()
-    for item in a.set:
-        name, value = item.split("=", 1)
-        if not hasattr(megakernel, name):
-            raise SystemExit(f"--set: megakernel has no setting {name!r}")
-        setattr(megakernel, name, type(getattr(megakernel, name))(int(value)))
-    paths = {"expert_kernels": MoKConfig(check_ids=False),
-             "megakernel": MoKConfig(check_ids=False, backend="megakernel")}
+    try:
+        overrides = parse_config_overrides(a.mok_config)
+        paths = {"expert_kernels": apply_config_overrides(MoKConfig(check_ids=False), overrides),
+                 "megakernel": apply_config_overrides(MoKConfig(check_ids=False, backend="megakernel"),
+                                                      overrides)}
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     for name in a.shapes.split(","):
         _, forward = layer_call(name)
         outs = {}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run the simulator studies of docs/sim.md and write their JSON + PNG into benchmarks/sim/.
+"""Run the simulator studies (mok_cute.bench.sim_studies) and write their JSON + PNG into benchmarks/sim/.
 
     python tools/sim_studies.py a            # pull vs push dispatch (R=8 H200, R=72 GB300)
     python tools/sim_studies.py b            # num_comm_sms x minibatch sweep, MoK's shapes
@@ -10,7 +10,8 @@
     python tools/sim_studies.py swimlane     # one simulated timeline PNG
     python tools/sim_studies.py all
 
-Everything here is simulated on the CPU (mok_cute.sim), never measured.
+Everything here is simulated on the CPU (mok_cute.sim), never measured. docs/measurements.md
+quotes the calibration, (a) and (c).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from mok_cute.sim import studies
+from mok_cute.bench import sim_studies as studies
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from mok_cute.timeline import main  # noqa: E402
+from mok_cute.bench.record_timeline import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
