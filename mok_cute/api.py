@@ -8,8 +8,10 @@ Path selection (`forward_path()` prints the outcome for a device):
 - `moe_forward_virtual` on a GPU that can run kernels   -> `mok_cute.megakernel` (one launch)
 - `moe_forward` with `config.backend == "megakernel"`   -> `mok_cute.megakernel` with R = 1
 - inputs not on a CUDA device, `mok_cute.expert_path` not importable,
-  `mok_cute.expert_path.kernel_path_status(device)` says no, or
-  inputs require grad (no backward kernels yet)         -> reference ("auto") / error ("kernel")
+  `mok_cute.expert_path.kernel_path_status(device)` says no, or inputs that require grad
+  on the megakernel (no backward yet)                   -> reference ("auto") / error
+- inputs that require grad                              -> `mok_cute.autograd.moe_forward`
+                                                           (the training forward + backward kernels)
 - otherwise                                             -> `mok_cute.expert_path.moe_forward_kernel`
 
 Argument checks follow DESIGN §2 "Bad input": a TypeError or ValueError naming the argument,
@@ -54,6 +56,7 @@ class PathChoice:
     reason: str
 
 
+@torch._dynamo.assume_constant_result  # torch.compile traces the result, not the imports
 def _kernel_status(device: torch.device) -> tuple[bool, str]:
     """Can `mok_cute.expert_path.moe_forward_kernel` run on `device`? (ok, reason)"""
     if not torch.cuda.is_available():
@@ -74,12 +77,6 @@ def _kernel_status(device: torch.device) -> tuple[bool, str]:
     return bool(ok), str(why)
 
 
-def _kernel_supports_backward() -> bool:
-    from . import expert_path
-
-    return bool(getattr(expert_path, "SUPPORTS_BACKWARD", False))
-
-
 def choose_path(
     device: torch.device | str | int | None = None,
     config: MoKConfig | None = None,
@@ -90,9 +87,10 @@ def choose_path(
 ) -> PathChoice:
     """Which path a call takes on `device` (default: the current CUDA device, else CPU).
 
-    needs_grad: some input requires grad with grad mode on. The kernel path is only taken
-    then if `mok_cute.expert_path.SUPPORTS_BACKWARD` is true (its output would otherwise have no
-    gradient); until then such calls run on the (differentiable) reference.
+    needs_grad: some input requires grad with grad mode on. The one-GPU expert path then
+    trains on its backward kernels (``mok_cute.autograd``); the megakernel (virtual ranks,
+    ``backend="megakernel"``) has no backward yet, so such calls run on the (differentiable)
+    reference.
     Raises RuntimeError / ValueError when `config.backend == "kernel"` and no kernel can run.
     """
     config = resolve_config(config)
@@ -112,8 +110,9 @@ def choose_path(
                 f"with group= ({_EP_REASON}), got 'kernel'")
         return PathChoice("reference", f"moe_forward with group= runs on the reference: {_EP_REASON}")
     ok, why = _kernel_status(device)
-    if ok and needs_grad and not _kernel_supports_backward():
-        ok, why = False, f"inputs require grad and the kernel path has no backward yet ({why})"
+    if ok and needs_grad and (virtual or config.backend == "megakernel"):
+        ok, why = False, (f"inputs require grad and the megakernel has no backward yet ({why}); "
+                          "one GPU's expert path trains on kernels (backend 'auto' or 'kernel')")
     if ok:
         if virtual or config.backend == "megakernel":
             return PathChoice("megakernel", why)
@@ -149,8 +148,9 @@ def forward_path(device: torch.device | str | int | None = None, config: MoKConf
         head = f"{choice.path}: {choice.reason}"
     except (RuntimeError, ValueError) as exc:
         head = f"error: {exc}"
-    if head.startswith("kernel:") and not _kernel_supports_backward():
-        head += " (calls whose inputs require grad run on the reference: no backward kernels yet)"
+    if head.startswith("kernel:"):
+        head += ("; training (inputs that require grad): the backward kernels, autograd and "
+                 "torch.compile through mok_cute::moe_forward_train")
     try:
         virtual = choose_path(dev, config, virtual=True).path
     except (RuntimeError, ValueError) as exc:
@@ -211,6 +211,20 @@ def moe_forward(
     choice = choose_path(x.device, config, distributed=group is not None, needs_grad=needs_grad)
     if choice.path == "megakernel" and _megakernel_fallback(dims, config):
         choice = PathChoice("reference", "sizes the megakernel cannot take")
+    if choice.path == "kernel" and needs_grad:
+        from .expert_path import unsupported_shape_reason
+
+        why = unsupported_shape_reason(dims.hidden, dims.intermediate, dims.top_k,
+                                       dims.shared_intermediate or None, config.tile_m)
+        if why and config.backend == "kernel":
+            raise ValueError(f"config.backend='kernel': {why}")
+        if not why:
+            from . import autograd
+
+            return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                        config)
+        warnings.warn(f"mok_cute: training on the PyTorch reference because {why}", stacklevel=2)
+        choice = PathChoice("reference", why)
     if choice.path in ("kernel", "megakernel"):
         from . import expert_path, megakernel
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -57,13 +58,15 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  num_m_tiles: torch.Tensor, epilogue: str = "store", tile_n: int | None = None,
                  group_m: int = 8, out: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None, task_type: int | None = None,
-                 w_up: torch.Tensor | None = None, pingpong: bool = False) -> torch.Tensor:
+                 w_up: torch.Tensor | None = None, pingpong: bool = False,
+                 preact_out: torch.Tensor | None = None) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
     num_m_tiles: [1] int32 (device). "store" returns [M, N]; "swiglu" takes w = W_gate and
-    w_up = W_up (both [E, I, K]) and returns silu(A Wg^T) * (A Wu^T), [M, I].
-    Rows past num_m_tiles*128 are untouched.
+    w_up = W_up (both [E, I, K]) and returns h = silu(g) * u, [M, I], with g, u the bf16
+    pre-activations, which ``preact_out`` ([M, 2I]: g then u) receives when given (a
+    training forward). Rows past num_m_tiles*128 are untouched.
     timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
     one span per tile with ``task_type``; None compiles the variant without the recorder.
     """
@@ -84,21 +87,26 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong)
+        pingpong=pingpong, save_preact=preact_out is not None)
+    extra = (None,) * 7
+    if preact_out is not None:
+        extra = (preact_out[:, :n].unsqueeze(2), preact_out[:, n:].unsqueeze(2)) + (None,) * 5
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
-             out.unsqueeze(2), tile_expert, num_m_tiles, timeline)
+             out.unsqueeze(2), tile_expert, num_m_tiles, timeline, *extra)
     return out
 
 
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
                options: ExpertPathOptions, timeline: torch.Tensor | None = None,
-               shared: bool = False):
-    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert."""
+               shared: bool = False, preact_out: torch.Tensor | None = None):
+    """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert (a training
+    forward passes ``preact_out`` to keep the pre-activations)."""
     from mok_cute.tasks import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
-                     group_m=options.fc1_group_m, timeline=timeline, task_type=int(fc1))
+                     group_m=options.fc1_group_m, timeline=timeline, task_type=int(fc1),
+                     preact_out=preact_out)
     pingpong = options.fc2_pingpong(w_down.shape[2])
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
                         group_m=options.fc2_group_m, timeline=timeline, task_type=int(fc2),
@@ -143,9 +151,33 @@ def expert_rows(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
     return sched, row_of_slot, x_rows
 
 
+class SavedForBackward(NamedTuple):
+    """What a training forward keeps for the backward (about 4 K I bytes per token, the
+    pre-activations; h is recomputed in the backward's epilogue)."""
+
+    preact: torch.Tensor  # [capacity, 2I] bf16: g then u of every padded row
+    shared_preact: torch.Tensor  # [T, 2Is] bf16, or [0, 0] without a shared expert
+    row_token: torch.Tensor  # [capacity] int32 (the schedule), -1 on padding rows
+    row_slot: torch.Tensor  # [capacity] int32: the row's slot t * K + k, -1 on padding rows
+    row_of_slot: torch.Tensor  # [T * K] int32: the padded row of each slot, -1 if routed nowhere
+    tile_expert: torch.Tensor  # [capacity / 128] int32
+    num_tiles: torch.Tensor  # [1] int32
+    expert_offsets: torch.Tensor  # [E + 1] int32: each expert's first padded row
+
+
+def shared_tiles(num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert as one expert over every token: (tile -> expert, tile count)."""
+    n_tiles = (num_tokens + TILE_M - 1) // TILE_M
+    return (torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=device),
+            torch.full((1,), n_tiles, dtype=torch.int32, device=device))
+
+
 def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
-                       config: MoKConfig | None = None) -> torch.Tensor:
-    """One-GPU MoE forward on mok_cute kernels. Inputs are already validated by api.py."""
+                       config: MoKConfig | None = None, save: bool = False):
+    """One-GPU MoE forward on mok_cute kernels (inputs validated by api.py) -> out [T, H];
+    with ``save`` (training) -> (out, SavedForBackward): the same bits, and the bf16
+    pre-activations kept for the backward."""
+    from mok_cute import schedule as sched_mod
     from mok_cute.kernels import token_ops
 
     config = config or MoKConfig()
@@ -153,7 +185,7 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
                                            None if shared is None else shared[0].shape[0],
                                            config.tile_m)
     if unsupported:
-        if config.backend == "kernel":
+        if config.backend == "kernel" or save:
             raise ValueError(f"config.backend='kernel': {unsupported}")
         warnings.warn(f"mok_cute: running the PyTorch reference because {unsupported}",
                       stacklevel=3)
@@ -164,25 +196,35 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         from mok_cute.timeline import TimelineBuffer
         recorder = TimelineBuffer(config.timeline_capacity, device=x.device)
     timeline = recorder.tensor if recorder is not None else None
-    num_tokens = topk_idx.shape[0]
+    num_tokens, top_k = topk_idx.shape
+    inter = w_gate.shape[1]
     options = config.expert_path
     sched, row_of_slot, x_rows = expert_rows(x, topk_idx, w_gate.shape[0])
+    preact = None
+    if save:
+        preact = torch.empty(x_rows.shape[0], 2 * inter, dtype=torch.bfloat16, device=x.device)
     y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, options,
-                   timeline)
+                   timeline, preact_out=preact)
 
     shared_rows = None
+    shared_preact = x.new_empty(0, 0)
     if shared is not None:
         ws_gate, ws_up, ws_down = shared
-        n_tiles = (num_tokens + TILE_M - 1) // TILE_M
-        zeros = torch.zeros(n_tiles, dtype=torch.int32, device=x.device)
-        count = torch.full((1,), n_tiles, dtype=torch.int32, device=x.device)
+        if save:
+            shared_preact = torch.empty(num_tokens, 2 * ws_gate.shape[0], dtype=torch.bfloat16,
+                                        device=x.device)
         shared_rows = expert_mlp(x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0),
-                                 ws_down.unsqueeze(0), zeros, count, options, timeline,
-                                 shared=True)
+                                 ws_down.unsqueeze(0), *shared_tiles(num_tokens, x.device),
+                                 options, timeline, shared=True,
+                                 preact_out=shared_preact if save else None)
 
     # the k-sum reads each (token, k) expert row where FC2 left it: no permuted copy of y
     out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
     if recorder is not None:
         from mok_cute.timeline import set_last
         set_last(recorder)
-    return out
+    if not save:
+        return out
+    return out, SavedForBackward(preact, shared_preact, sched.row_token,
+                                 sched_mod.slot_of_rows(sched, top_k), row_of_slot,
+                                 sched.tile_expert, sched.num_tiles, sched.expert_offsets)

@@ -80,6 +80,17 @@ KERNELS: dict[str, KernelSpec] = {
     "gemm_fc2": KernelSpec(
         "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm", {"epilogue": "store", "tile_n": 256},
         "grouped GEMM FC2: down projection (TMA + wgmma, persistent)"),
+    "gemm_fc2_dgrad": KernelSpec(
+        "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm",
+        {"epilogue": "dgated", "tile_n": 256, "b_mn_major": True},
+        "FC2's dgrad with the SwiGLU backward in its epilogue: dG, dU, w*h, d_topk_weights partials"),
+    "gemm_fc1_dgrad": KernelSpec(
+        "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm",
+        {"epilogue": "store", "tile_n": 256, "b_mn_major": True, "b_split_k": True},
+        "FC1's dgrad: [dG | dU] @ [W_gate; W_up] in one accumulator (K = 2I)"),
+    "gemm_wgrad": KernelSpec(
+        "mok_cute.kernels.gemm_wgrad", "compile_wgrad_gemm", {"gated": True},
+        "expert weight gradients: K = each expert's rows, MN-major operands, gate and up sharing x"),
     "megakernel": KernelSpec(
         "mok_cute.kernels.megakernel", "compile_megakernel", {"num_ranks": 1, "top_k": 8},
         "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, "

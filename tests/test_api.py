@@ -295,7 +295,7 @@ def test_choose_path_uses_the_kernel_path_status(monkeypatch, cuda_visible):
     monkeypatch.setattr(mok_cute, "expert_path", sys.modules["mok_cute.expert_path"], raising=False)
     dev = torch.device("cuda", 0)
     assert api.choose_path(dev) == api.PathChoice("kernel", "sm_90a kernels ready")
-    assert mok.forward_path(dev).startswith("kernel: sm_90a kernels ready (calls whose inputs require grad")
+    assert mok.forward_path(dev).startswith("kernel: sm_90a kernels ready; training")
     assert mok.forward_path().startswith("kernel: ")  # default device = current CUDA device
     assert api.choose_path(dev, MoKConfig(backend="reference")).path == "reference"
     ep = api.choose_path(dev, distributed=True)
@@ -305,15 +305,13 @@ def test_choose_path_uses_the_kernel_path_status(monkeypatch, cuda_visible):
     assert api.choose_path(dev, MoKConfig(backend="megakernel")).path == "megakernel"
     assert "moe_forward_virtual: megakernel" in mok.forward_path(dev)
     assert api.choose_path(torch.device("cpu")).path == "reference"  # CPU tensors never take the kernel
-    # No backward kernels: calls that need gradients stay on the reference ...
-    grad_choice = api.choose_path(dev, needs_grad=True)
-    assert grad_choice.path == "reference" and "no backward yet" in grad_choice.reason
-    assert "calls whose inputs require grad run on the reference" in mok.forward_path(dev)
-    with pytest.raises(RuntimeError, match="inputs require grad"):
-        api.choose_path(dev, MoKConfig(backend="kernel"), needs_grad=True)
-    # ... until the kernel path says it has them.
-    monkeypatch.setattr(sys.modules["mok_cute.expert_path"], "SUPPORTS_BACKWARD", True, raising=False)
+    # Training: the expert path's backward kernels; the megakernel has no backward yet
     assert api.choose_path(dev, needs_grad=True).path == "kernel"
+    assert "training (inputs that require grad): the backward kernels" in mok.forward_path(dev)
+    grad_virtual = api.choose_path(dev, virtual=True, needs_grad=True)
+    assert grad_virtual.path == "reference" and "megakernel has no backward yet" in grad_virtual.reason
+    with pytest.raises(RuntimeError, match="inputs require grad"):
+        api.choose_path(dev, MoKConfig(backend="megakernel"), needs_grad=True)
 
     monkeypatch.setitem(sys.modules, "mok_cute.expert_path", _fake_expert_path(False, "compute capability 8.0 < 9.0", calls))
     monkeypatch.setattr(mok_cute, "expert_path", sys.modules["mok_cute.expert_path"], raising=False)

@@ -80,7 +80,8 @@ class GemmCoreSm90:
         self.producer_regs = 40
         self.consumer_regs = 232
         self.epi_tile = (64, EPI_N) if pingpong else (TILE_M, EPI_N)
-        self.epi_stages = 4
+        # several outputs per subtile: two stages of their buffers keep smem for 3 ab stages
+        self.epi_stages = 4 if epi_outputs == 1 else 2
         # one buffer per output and stage; pingpong: each consumer warpgroup has its own
         self.epi_buffers = self.epi_stages * epi_outputs * (2 if pingpong else 1)
         self.smem_capacity = utils.get_smem_capacity_in_bytes("sm_90")

@@ -11,12 +11,25 @@
   recompile or a host sync; tiles past it are simply not scheduled.
 
 Epilogues (compile-time):
-- ``"store"``:  C = bf16(acc)                                 (FC2: down projection, y rows)
-- ``"swiglu"``: C = bf16(silu(A @ Wg^T) * (A @ Wu^T))  (FC1: gate and up in one pass).
-  Two TMA descriptors fill the two halves of one B stage: rows [0, tile_n/2) from W_gate
-  and rows [tile_n/2, tile_n) from the matching rows of W_up. One wgmma N-tile therefore
-  holds matching gate and up columns, every thread owns both halves of its pairs (no
-  shuffles), and the weights are used as given: no packed copy.
+- ``"store"``:  C = bf16(acc)          (FC2: down projection, y rows; FC1's dgrad: dx rows)
+- ``"swiglu"``: C = bf16(silu(g) * u) with g = bf16(A @ Wg^T), u = bf16(A @ Wu^T) (FC1: gate
+  and up in one pass). Two TMA descriptors fill the two halves of one B stage: rows
+  [0, tile_n/2) from W_gate and rows [tile_n/2, tile_n) from the matching rows of W_up. One
+  wgmma N-tile therefore holds matching gate and up columns, every thread owns both halves of
+  its pairs (no shuffles), and the weights are used as given: no packed copy. With
+  ``save_preact`` (a training forward) g and u are stored too (C2, C3).
+- ``"dgated"`` (FC2's dgrad, A = d_out rows, B = W_down as (I, H, E), N-major): with
+  acc = (d_out @ W_down)[row, i], w the row's router weight and g, u the saved
+  pre-activations, s = sigmoid(g), h = bf16(silu(g) * u) (the forward's h, bit for bit):
+  C = dG = bf16(w acc u s (1 + g (1 - s))), C2 = dU = bf16(w acc silu(g)), C3 = h' =
+  bf16(w h) (the down projection's weight gradient reads it), and per (row, N-tile) the
+  partial sum of acc * h (fp32; summed over N-tiles it is d_topk_weights = <d_out, y>,
+  computed without dividing by w). Padding rows (slot -1) give exact zeros whatever the
+  saved g, u hold there.
+
+Operands: K-major by default; ``b_mn_major`` for B stored (E, K, N) (the dgrads' weights);
+``b_split_k``: B's first K columns from ``mB``, the rest from ``mB2`` (FC1's dgrad: the
+gate and up weights along one K = 2I).
 
 Roles (384 threads, ``gemm_core.GemmCoreSm90``): warpgroup 0 is the producer (warp 0 issues
 TMA loads into an mbarrier ring); warpgroups 1-2 are the consumers (wgmma, then the epilogue
@@ -42,14 +55,14 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from mok_cute import jit
-from mok_cute.constants import TILE_K
+from mok_cute.constants import TILE_K, TILE_M
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
 
-EPILOGUES = ("store", "swiglu")
+EPILOGUES = ("store", "swiglu", "dgated")
 
 
 class GroupedGemmSm90(GemmCoreSm90):
@@ -65,18 +78,31 @@ class GroupedGemmSm90(GemmCoreSm90):
         mainloop (two named barriers, ``NamedBarriers.MMA_ORDER``: an mbarrier parity wait
         tells only the current phase from the previous one, so a warpgroup must not wait on
         stages a whole tile ahead of the producer).
+    :param save_preact: swiglu: also store the bf16 pre-activations g and u.
+    :param b_mn_major: B's N mode is contiguous.
+    :param b_split_k: B's k-tiles from two tensors (``mB`` then ``mB2``).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                 pingpong: bool = False):
-        super().__init__(tile_n, pingpong)
+                 pingpong: bool = False, save_preact: bool = False, b_mn_major: bool = False,
+                 b_split_k: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        if save_preact and epilogue != "swiglu":
+            raise ValueError("save_preact needs the swiglu epilogue")
+        if epilogue == "dgated" and pingpong:
+            raise ValueError("the dgated epilogue is written for the cooperative kernel")
+        if b_split_k and epilogue == "swiglu":
+            raise ValueError("b_split_k: swiglu already takes two B tensors (N halves)")
+        outputs = 3 if save_preact or epilogue == "dgated" else 1
+        super().__init__(tile_n, pingpong, b_mn_major=b_mn_major, epi_outputs=outputs)
         if epilogue == "swiglu" and tile_n < 128:
             raise ValueError(f"the swiglu epilogue needs tile_n >= 128, got {tile_n}")
         if group_m < 1:
             raise ValueError(f"group_m must be >= 1, got {group_m}")
+        self.save_preact = save_preact
+        self.b_split_k = b_split_k
         self.epilogue = epilogue
         self.group_m = group_m
         self.num_sms = num_sms
@@ -92,10 +118,18 @@ class GroupedGemmSm90(GemmCoreSm90):
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB_up: Optional[cute.Tensor],
                  mC: cute.Tensor, mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
-                 mTimeline: Optional[cute.Tensor], stream: cuda.CUstream):
-        """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1): all K- / N-major.
-        swiglu: mB is W_gate and mB_up is W_up, both (I, K, E); store: mB_up is None.
-        mTimeline: int64 recorder buffer, or None when the timeline flag is off."""
+                 mTimeline: Optional[cute.Tensor], mC2: Optional[cute.Tensor],
+                 mC3: Optional[cute.Tensor], mPreG: Optional[cute.Tensor],
+                 mPreU: Optional[cute.Tensor], mRowSlot: Optional[cute.Tensor],
+                 mWeights: Optional[cute.Tensor], mPartials: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
+        """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1) (N_out contiguous).
+        swiglu: mB is W_gate and mB_up is W_up, both (I, K, E); b_split_k: mB_up holds B's
+        k-tiles past mB's; else None. mTimeline: int64 recorder buffer, or None when the
+        timeline flag is off. Three outputs (save_preact, dgated): mC2, mC3 like mC.
+        dgated: mPreG, mPreU (M_cap, I) bf16 saved pre-activations, mRowSlot (M_cap,) int32
+        (the row's (token, k) slot, -1 on padding), mWeights fp32 (slots,), mPartials fp32
+        (M_cap, N-tiles)."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -112,12 +146,17 @@ class GroupedGemmSm90(GemmCoreSm90):
         b_box_layout = cute.slice_(self.staged_layout(self.b_dtype, b_box, 1, self.b_mn_major), (None, None, 0))
         tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(g2s, mB, b_box_layout, b_box)
         tma_atom_b_up, tma_tensor_b_up = None, None
-        if const_expr(self.epilogue == "swiglu"):
+        if const_expr(self.epilogue == "swiglu" or self.b_split_k):
             tma_atom_b_up, tma_tensor_b_up = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 g2s, mB_up, b_box_layout, b_box)
+        s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        epi_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
         tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
-            cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
+            s2g, mC, epi_layout, self.epi_tile)
+        extra_c = (None,) * 4
+        if const_expr(self.epi_outputs == 3):
+            extra_c = (*cute.nvgpu.cpasync.make_tiled_tma_atom(s2g, mC2, epi_layout, self.epi_tile),
+                       *cute.nvgpu.cpasync.make_tiled_tma_atom(s2g, mC3, epi_layout, self.epi_tile))
 
         @cute.struct
         class SharedStorage:
@@ -137,6 +176,7 @@ class GroupedGemmSm90(GemmCoreSm90):
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c, mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
+            *extra_c, mPreG, mPreU, mRowSlot, mWeights, mPartials,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, stream=stream)
 
@@ -150,7 +190,12 @@ class GroupedGemmSm90(GemmCoreSm90):
                mTimeline: Optional[cute.Tensor], tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout):
+               epi_smem_layout_staged: cute.ComposedLayout,
+               tma_atom_c2: Optional[cute.CopyAtom], mC2_mnl: Optional[cute.Tensor],
+               tma_atom_c3: Optional[cute.CopyAtom], mC3_mnl: Optional[cute.Tensor],
+               mPreG: Optional[cute.Tensor], mPreU: Optional[cute.Tensor],
+               mRowSlot: Optional[cute.Tensor], mWeights: Optional[cute.Tensor],
+               mPartials: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -162,7 +207,7 @@ class GroupedGemmSm90(GemmCoreSm90):
         if warp_idx == self.load_warp:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-            if const_expr(self.epilogue == "swiglu"):
+            if const_expr(self.epilogue == "swiglu" or self.b_split_k):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_up)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
@@ -200,14 +245,17 @@ class GroupedGemmSm90(GemmCoreSm90):
             tma_atom_b, 0, single_cta, cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2),
             cute.group_modes(gB_nkl, 0, 2))
         tBsB_up, tBgB_up = None, None
-        if const_expr(self.epilogue == "swiglu"):
+        if const_expr(self.epilogue == "swiglu" or self.b_split_k):
+            # swiglu: the up half of every B stage; b_split_k: the whole stage
+            half = 1 if const_expr(self.epilogue == "swiglu") else 0
             gBup_nkl = cute.local_tile(mBup_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
             tBsB_up, tBgB_up = cute.nvgpu.cpasync.tma_partition(
                 tma_atom_b_up, 0, single_cta,
-                cute.group_modes(sB_halves[(None, None, 1, 0, None)], 0, 2),
+                cute.group_modes(sB_halves[(None, None, half, 0, None)], 0, 2),
                 cute.group_modes(gBup_nkl, 0, 2))
 
         k_tile_cnt = cute.size(gA_mkl, mode=[3])
+        k_split = cute.size(gB_nkl, mode=[3])  # b_split_k: B's k-tiles in mB
         num_n_tiles = cute.size(gB_nkl, mode=[2])
         num_m_tiles = mNumMTiles[0]
         num_tiles = num_m_tiles * num_n_tiles
@@ -230,8 +278,17 @@ class GroupedGemmSm90(GemmCoreSm90):
                         barrier = ab_pipeline.producer_get_barrier(producer_state)
                         cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
                                   tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
-                                  tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        if const_expr(self.b_split_k):
+                            if k_tile < k_split:
+                                cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
+                                          tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                            else:
+                                cute.copy(tma_atom_b_up,
+                                          tBgB_up[(None, n_tile, k_tile - k_split, expert)],
+                                          tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        else:
+                            cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
+                                      tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
                         if const_expr(self.epilogue == "swiglu"):
                             cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
                                       tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
@@ -252,6 +309,13 @@ class GroupedGemmSm90(GemmCoreSm90):
                 tiled_mma, sA, sB, sC, mma_slice, tile_tidx)
             epi_m = tile_m // self.epi_tile[0]
             out_n = self.out_tile_n // self.epi_tile[1]
+            gC2_mnl, gC3_mnl = None, None
+            if const_expr(self.epi_outputs == 3):
+                gC2_mnl = cute.local_tile(mC2_mnl, (tile_m, self.out_tile_n), (None, None, None))
+                gC3_mnl = cute.local_tile(mC3_mnl, (tile_m, self.out_tile_n), (None, None, None))
+            coords = None
+            if const_expr(self.epilogue == "dgated"):
+                coords = self.epi_coords(epi, tile_tidx)
             tma_store_pipeline = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -308,9 +372,24 @@ class GroupedGemmSm90(GemmCoreSm90):
                 loads += loads_per_tile
 
                 # ---- epilogue: subtiles through smem, TMA-stored by one warp
-                self.tile_epilogue(epi, (tma_atom_c,), (gC_mnl[(None, None, m_tile, n_tile, 0)],),
-                                   self.epilogue, epi_base, subtiles_done, epilogue_barrier,
-                                   tma_store_pipeline, is_store_warp)
+                atoms = (tma_atom_c,)
+                g_tiles = (gC_mnl[(None, None, m_tile, n_tile, 0)],)
+                if const_expr(self.epi_outputs == 3):
+                    atoms = (tma_atom_c, tma_atom_c2, tma_atom_c3)
+                    g_tiles = (g_tiles[0], gC2_mnl[(None, None, m_tile, n_tile, 0)],
+                               gC3_mnl[(None, None, m_tile, n_tile, 0)])
+                visit_args = None
+                row_sums = None
+                if const_expr(self.epilogue == "dgated"):
+                    row_sums = cute.make_rmem_tensor((2,), Float32)
+                    row_sums.fill(0.0)
+                    visit_args = (m_tile, n_tile, coords, row_sums, mPreG, mPreU, mRowSlot,
+                                  mWeights, tile_tidx)
+                self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, epi_base, subtiles_done,
+                                   epilogue_barrier, tma_store_pipeline, is_store_warp,
+                                   visit_args)
+                if const_expr(self.epilogue == "dgated"):
+                    self._store_row_sums(row_sums, mPartials, m_tile, n_tile, tile_tidx)
                 subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
@@ -344,6 +423,77 @@ class GroupedGemmSm90(GemmCoreSm90):
                 their_turn.arrive()
 
 
+    # ------------------------------------------------------------------ the dgated epilogue
+    @cute.jit
+    def epi_visit_subtile(self, epi, kind: cutlass.Constexpr[str], sm: cutlass.Constexpr[int],
+                          sn: cutlass.Constexpr[int], outs, visit_args):
+        if const_expr(kind == "dgated"):
+            self._visit_dgated(epi, sm, sn, outs, visit_args)
+        else:
+            super().epi_visit_subtile(epi, kind, sm, sn, outs, visit_args)
+
+    @cute.jit
+    def _visit_dgated(self, epi, sm: cutlass.Constexpr[int], sn: cutlass.Constexpr[int], outs,
+                      visit_args):
+        """Subtile (sm, sn) of dG, dU and h' (module docstring), and each row's share of the
+        partial sum of acc * h into ``row_sums`` (this thread's two rows: ``_my_rows``)."""
+        m_tile, n_tile, coords, row_sums, mPreG, mPreU, mRowSlot, mWeights, tidx = visit_args
+        frag_size = cute.size(outs[0])
+        acc_n = self.tile_shape_mnk[1] // self.epi_tile[1]
+        first = (sm * acc_n + sn) * frag_size
+        rows, cols = cute.size(mRowSlot), cute.size(mPreG, mode=[1])
+        row0 = m_tile * TILE_M + sm * self.epi_tile[0]
+        col0 = n_tile * self.tile_shape_mnk[1] + sn * self.epi_tile[1]
+        my_row_hi = self._my_rows(tidx)[1]
+        for v in cutlass.range_constexpr(frag_size):
+            m, n = coords[v]
+            row, col = row0 + m, col0 + n
+            slot = Int32(-1)
+            if row < rows:
+                slot = mRowSlot[row]
+            valid = slot >= 0
+            weight = Float32(0.0)
+            gate, up = Float32(0.0), Float32(0.0)
+            if valid:
+                weight = mWeights[slot]
+                if col < cols:
+                    gate = Float32(mPreG[row, col])
+                    up = Float32(mPreU[row, col])
+            sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(-gate * common.LOG2_E, fastmath=True))
+            silu = gate * sig
+            hidden = Float32(BFloat16(silu * up))  # the forward's h, bit for bit
+            d_hidden = weight * epi.acc[first + v]
+            outs[0][v] = cutlass.select_(valid, d_hidden * up * sig * (1.0 + gate * (1.0 - sig)),
+                                         Float32(0.0))
+            outs[1][v] = cutlass.select_(valid, d_hidden * silu, Float32(0.0))
+            outs[2][v] = cutlass.select_(valid, weight * hidden, Float32(0.0))
+            share = cutlass.select_(valid, epi.acc[first + v] * hidden, Float32(0.0))
+            if sm * self.epi_tile[0] + m == my_row_hi:
+                row_sums[1] = row_sums[1] + share
+            else:
+                row_sums[0] = row_sums[0] + share
+
+    def _my_rows(self, tidx):
+        """The two tile rows of this consumer thread's accumulator elements: in the
+        cooperative wgmma layout warp w (0-7) holds rows 16 w .. 16 w + 15, lane l rows
+        l / 4 and l / 4 + 8. Traced inline."""
+        base = (tidx // 32) * 16 + (tidx % 32) // 4
+        return base, base + 8
+
+    @cute.jit
+    def _store_row_sums(self, row_sums, mPartials, m_tile: Int32, n_tile: Int32, tidx: Int32):
+        """The four lanes holding a row's columns add their sums (fixed order), and the first
+        writes the row's partial for this N-tile."""
+        rows = self._my_rows(tidx)
+        for half in cutlass.range_constexpr(2):
+            total = row_sums[half]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            row = m_tile * TILE_M + rows[half]
+            if tidx % 4 == 0 and row < cute.size(mPartials, mode=[0]):
+                mPartials[row, n_tile] = total
+
+
 # ---------------------------------------------------------------------- host helpers
 # Relative cost per output column of narrower tiles (less wgmma work per smem byte),
 # from a tile_n sweep on the H200.
@@ -366,38 +516,57 @@ def choose_tile_n(n_out: int, epilogue: str) -> int:
     return min(options, key=lambda t: (cost(t), -t))
 
 
-def _fake_operands(swiglu: bool, timeline: bool):
-    """Fake (M, K, 1) A, (N, K, E) B (two of them for swiglu: gate and up, N = I),
-    (M, N_out, 1) C and int32 vectors with run-time extents and strides (what a strided
-    torch view passes through TVM-FFI)."""
+def _fake_operands(gemm: GroupedGemmSm90, timeline: bool):
+    """Fake (M, K, 1) A, (N, K, E) B (two of them for swiglu and b_split_k), (M, N_out, 1)
+    C and the extra tensors of the three-output epilogues, with run-time extents and
+    strides (what a strided torch view passes through TVM-FFI)."""
     bf16 = cutlass.BFloat16
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=TILE_K)
     n = cute.sym_int32(divisibility=8)  # partial last N-tiles are handled by TMA bounds
     n_out = cute.sym_int32(divisibility=8)
     a = common.fake_kmajor_tensor(bf16, (m, k, 1))
-    b = common.fake_kmajor_tensor(bf16, (n, k, num_experts))
-    b_up = common.fake_kmajor_tensor(bf16, (n, k, num_experts)) if swiglu else None
+    b_mode = 0 if gemm.b_mn_major else 1  # the contiguous mode of B
+    b = common.fake_strided_tensor(bf16, (n, k, num_experts), contiguous_mode=b_mode)
+    b_up = None
+    if gemm.epilogue == "swiglu" or gemm.b_split_k:
+        k2 = cute.sym_int32(divisibility=TILE_K) if gemm.b_split_k else k
+        b_up = common.fake_strided_tensor(bf16, (n, k2, num_experts), contiguous_mode=b_mode)
     c = common.fake_kmajor_tensor(bf16, (m, n_out, 1))
     tile_expert = common.fake_vector(Int32)
     num_m_tiles = common.fake_vector(Int32)
     timeline = common.fake_vector(Int64, align_bytes=8) if timeline else None
-    return a, b, b_up, c, tile_expert, num_m_tiles, timeline
+    extra = (None,) * 7
+    if gemm.epi_outputs == 3:
+        extra = (common.fake_kmajor_tensor(bf16, (m, n_out, 1)),
+                 common.fake_kmajor_tensor(bf16, (m, n_out, 1))) + (None,) * 5
+    if gemm.epilogue == "dgated":
+        extra = extra[:2] + (common.fake_strided_tensor(bf16, (m, n_out)),
+                             common.fake_strided_tensor(bf16, (m, n_out)),
+                             common.fake_vector(Int32), common.fake_vector(Float32),
+                             common.fake_strided_tensor(Float32, (m, cute.sym_int32()),
+                                                        align_bytes=4))
+    return a, b, b_up, c, tile_expert, num_m_tiles, timeline, *extra
 
 
 def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: int = 8,
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
-                         pingpong: bool = False, arch: str = "sm_90a", options: str = ""):
+                         pingpong: bool = False, save_preact: bool = False,
+                         b_mn_major: bool = False, b_split_k: bool = False,
+                         arch: str = "sm_90a", options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
     with K % 64 == 0 and N % 8 == 0. The result takes torch tensors directly (TVM-FFI):
     ``A (M,K,1)``, ``B (N,K,E)``, ``B_up`` (swiglu) or None, ``C (M,N_out,1)`` strided views,
     the int32 tile -> expert table, the one-element M-tile count and the int64 timeline
-    buffer (None when ``timeline`` is off); it runs on torch's current stream.
+    buffer (None when ``timeline`` is off), then C2, C3 (three-output epilogues) and the
+    dgated epilogue's tensors (``__call__``; None where unused); it runs on torch's current
+    stream.
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                           timeline=timeline, task_type=task_type, pingpong=pingpong)
-    args = _fake_operands(epilogue == "swiglu", timeline)
+                           timeline=timeline, task_type=task_type, pingpong=pingpong,
+                           save_preact=save_preact, b_mn_major=b_mn_major, b_split_k=b_split_k)
+    args = _fake_operands(gemm, timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

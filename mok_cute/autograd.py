@@ -1,0 +1,135 @@
+"""The one-GPU training path as PyTorch custom ops: autograd, torch.compile, CUDA graphs.
+
+    mok_cute::moe_forward_train   the forward (``expert_path.moe_forward_kernel(save=True)``):
+                                  out and the tensors the backward needs
+    mok_cute::moe_backward        every gradient (``expert_backward.moe_backward``)
+
+Both have exact fake (meta) implementations, so ``torch.compile(fullgraph=True)`` traces a
+model through them without a graph break; ``register_autograd`` ties them together, honouring
+``needs_input_grad`` (frozen experts skip their weight gradients, a frozen input skips d_x).
+Neither synchronises with the host except the id range check (``check_ids``), which a
+CUDA-graph capture must turn off.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mok_cute.constants import TILE_M
+from mok_cute.schedule import schedule_capacity
+
+_SAVED = 8  # tensors of expert_path.SavedForBackward
+
+
+@torch.library.custom_op("mok_cute::moe_forward_train", mutates_args=())
+def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                      w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                      ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
+                      ws_down: Optional[torch.Tensor], check_ids: bool, fc2_pingpong_max_k: int,
+                      fc1_group_m: int, fc2_group_m: int) -> list[torch.Tensor]:
+    """[out, *SavedForBackward]: the training forward on the kernels (inputs checked by
+    ``mok_cute.api``)."""
+    from mok_cute.config import ExpertPathOptions, MoKConfig, PendingIdCheck
+    from mok_cute.expert_path import moe_forward_kernel
+
+    shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
+    config = MoKConfig(backend="kernel", expert_path=ExpertPathOptions(
+        fc2_pingpong_max_k, fc1_group_m, fc2_group_m))
+    pending = PendingIdCheck(topk_idx, w_gate.shape[0]) if check_ids else None
+    out, saved = moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                    config, save=True)
+    if pending is not None:
+        pending.finish()
+    return [out, *saved]
+
+
+@moe_forward_train.register_fake
+def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
+      fc2_pingpong_max_k, fc1_group_m, fc2_group_m):
+    num_tokens, top_k = topk_idx.shape
+    experts, inter = w_gate.shape[0], w_gate.shape[1]
+    rows = schedule_capacity(1, num_tokens, top_k, experts, TILE_M)
+    i32 = dict(dtype=torch.int32, device=x.device)
+    shared_preact = (x.new_empty(0, 0) if ws_gate is None
+                     else x.new_empty(num_tokens, 2 * ws_gate.shape[0]))
+    return [x.new_empty(num_tokens, x.shape[1]), x.new_empty(rows, 2 * inter), shared_preact,
+            torch.empty(rows, **i32), torch.empty(rows, **i32),
+            torch.empty(num_tokens * top_k, **i32), torch.empty(rows // TILE_M, **i32),
+            torch.empty(1, **i32), torch.empty(experts + 1, **i32)]
+
+
+@torch.library.custom_op("mok_cute::moe_backward", mutates_args=())
+def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                 w_down: torch.Tensor, ws_gate: Optional[torch.Tensor],
+                 ws_up: Optional[torch.Tensor], ws_down: Optional[torch.Tensor],
+                 saved: list[torch.Tensor], needs: list[bool], fc2_pingpong_max_k: int,
+                 fc1_group_m: int, fc2_group_m: int) -> list[torch.Tensor]:
+    """[d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down]; an
+    empty tensor where ``needs`` (expert_backward.Needs order) says no."""
+    from mok_cute.config import ExpertPathOptions
+    from mok_cute.expert_backward import Needs, moe_backward as backward
+    from mok_cute.expert_path import SavedForBackward
+
+    shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
+    grads = backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                     SavedForBackward(*saved), Needs(*needs),
+                     ExpertPathOptions(fc2_pingpong_max_k, fc1_group_m, fc2_group_m))
+    return [x.new_empty(0) if g is None else g for g in grads]
+
+
+@moe_backward.register_fake
+def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved,
+      needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m):
+    want_x, want_w, want_gu, want_down, want_sgu, want_sdown = needs
+    shared = ws_gate is not None
+    like = lambda t, want: torch.empty_like(t) if want else x.new_empty(0)  # noqa: E731
+    return [like(x, want_x), like(topk_weights, want_w), like(w_gate, want_gu),
+            like(w_up, want_gu), like(w_down, want_down),
+            like(ws_gate, shared and want_sgu) if shared else x.new_empty(0),
+            like(ws_up, shared and want_sgu) if shared else x.new_empty(0),
+            like(ws_down, shared and want_sdown) if shared else x.new_empty(0)]
+
+
+def _setup_context(ctx, inputs, output):
+    (x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, _check_ids,
+     fc2_pingpong_max_k, fc1_group_m, fc2_group_m) = inputs
+    ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m)
+    ctx.has_shared = ws_gate is not None
+    shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
+    ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared,
+                          *output[1:1 + _SAVED])
+
+
+def _backward(ctx, grads):
+    d_out = grads[0]
+    x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest = ctx.saved_tensors
+    shared = tuple(rest[:3]) if ctx.has_shared else (None, None, None)
+    saved = list(rest[3:] if ctx.has_shared else rest)
+    need = ctx.needs_input_grad
+    needs = [need[0], need[2], need[3] or need[4], need[5],
+             ctx.has_shared and (need[6] or need[7]), ctx.has_shared and need[8]]
+    if not any(needs) or d_out is None:
+        return (None,) * 13
+    grads = torch.ops.mok_cute.moe_backward(
+        d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared, saved, needs,
+        *ctx.options)
+    wanted = (need[0], need[2], need[3], need[4], need[5], need[6], need[7], need[8])
+    d_x, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd = (g if w else None for g, w in zip(grads, wanted))
+    return (d_x, None, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd, None, None, None, None)
+
+
+moe_forward_train.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config):
+    """The differentiable one-GPU forward on the kernels -> out [T, H] (``api.moe_forward``
+    takes this path when an input requires grad)."""
+    ws = tuple(shared) if shared is not None else (None, None, None)
+    options = config.expert_path
+    outs = torch.ops.mok_cute.moe_forward_train(
+        x, topk_idx, topk_weights, w_gate, w_up, w_down, *ws, config.check_ids,
+        options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m)
+    return outs[0]

@@ -1,0 +1,157 @@
+"""The one-GPU backward on mok_cute kernels: d_out in, every gradient out, no host sync.
+
+    d_out --gather--> dY rows --FC2 dgrad (dgated epilogue)--> dG | dU, w*h, d_topk partials
+                                                                  |       \\
+    x --gather--> x rows ----------------------- dW_gate, dW_up <-+        dW_down <- dY rows
+                                                 (wgrad, K = an expert's rows)
+    dG | dU --FC1 dgrad (K = 2I)--> dx rows --k-sum (+ the shared expert's dx)--> d_x
+
+- The FC2 dgrad multiplies the *unscaled* d_out rows by W_down and applies the router weight
+  w in its epilogue, so d_topk_weights[t, k] = sum_i acc * h = <d_out[t], W_down h> needs no
+  division by w (a zero or negative weight works).
+- Padding rows: the gathers write zeros, and the dgated epilogue writes zeros where a row has
+  no slot, whatever the saved pre-activations hold there; every weight-gradient tile then
+  adds exact zeros for them.
+- Deterministic: no atomics; each weight-gradient tile has one owner running its expert's rows
+  in order; d_x and d_topk_weights sum in a fixed order in fp32.
+- The shared expert is the same kernels with one expert over every token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mok_cute import jit
+from mok_cute.config import ExpertPathOptions
+from mok_cute.constants import TILE_K
+from mok_cute.expert_path import SavedForBackward, _num_sms, shared_tiles
+
+
+class Needs(NamedTuple):
+    """Which gradients the caller wants (autograd's needs_input_grad)."""
+
+    x: bool = True
+    topk_weights: bool = True
+    w_gate_up: bool = True
+    w_down: bool = True
+    shared_gate_up: bool = True
+    shared_down: bool = True
+
+
+def _compiled(name: str, device, **static):
+    return jit.compile_kernel(name, jit.device_arch(device), num_sms=_num_sms(device.index or 0),
+                              **static)
+
+
+def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
+              options: ExpertPathOptions):
+    """FC2's dgrad with the SwiGLU backward in its epilogue (``gemm_sm90``'s "dgated").
+    d_rows [M, H]; w_down [E, H, I]; preact [M, 2I]; row_slot [M] int32; weights fp32 [slots].
+    Returns (d_preact [M, 2I] = dG | dU, hw [M, I] = w * h, row partials [M, N-tiles] fp32)."""
+    rows, inter = d_rows.shape[0], w_down.shape[2]
+    tile_n = 256
+    d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=d_rows.device)
+    hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=d_rows.device)
+    partials = torch.empty(rows, -(-inter // tile_n), dtype=torch.float32, device=d_rows.device)
+    kernel = _compiled("gemm_fc2_dgrad", d_rows.device, tile_n=tile_n,
+                       group_m=options.fc1_group_m)
+    kernel(d_rows.unsqueeze(2), w_down.permute(2, 1, 0), None,
+           d_preact[:, :inter].unsqueeze(2), tile_expert, num_tiles, None,
+           d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), preact[:, :inter],
+           preact[:, inter:], row_slot, weights, partials)
+    return d_preact, hw, partials
+
+
+def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPathOptions):
+    """dX rows [M, H] = dG @ W_gate + dU @ W_up in one accumulator (K = 2I)."""
+    rows, hidden = d_preact.shape[0], w_gate.shape[2]
+    dx_rows = torch.empty(rows, hidden, dtype=torch.bfloat16, device=d_preact.device)
+    kernel = _compiled("gemm_fc1_dgrad", d_preact.device, tile_n=256,
+                       group_m=options.fc2_group_m)
+    kernel(d_preact.unsqueeze(2), w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0),
+           dx_rows.unsqueeze(2), tile_expert, num_tiles, None, *(None,) * 7)
+    return dx_rows
+
+
+def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int):
+    """Per expert e over its rows [offsets[e], offsets[e + 1]): C[e] = A_e^T B_e (and, with
+    ``a2``, C2[e] = A2_e^T B_e from the same B tiles). a, a2 [rows, M]; b [rows, N] (strided
+    views are fine: only the last mode must be contiguous). Returns C (and C2) [E, M, N]."""
+    n = b.shape[1]
+    gated = a2 is not None
+    c = torch.empty(num_experts, out_rows, n, dtype=torch.bfloat16, device=b.device)
+    c2 = torch.empty_like(c) if gated else None
+    kernel = _compiled("gemm_wgrad", b.device, gated=gated)
+    kernel(a.t().unsqueeze(2), None if a2 is None else a2.t().unsqueeze(2), b.t().unsqueeze(2),
+           c.permute(1, 2, 0), None if c2 is None else c2.permute(1, 2, 0), offsets)
+    return (c, c2) if gated else c
+
+
+def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
+                     tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
+                     want_down: bool, want_partials: bool, options: ExpertPathOptions):
+    """One group of experts' backward (the routed experts, or the shared one): (dx rows,
+    dW_gate, dW_up, dW_down, row partials), None where not wanted."""
+    num_experts, inter = w_gate.shape[0], w_gate.shape[1]
+    dx_rows = dwg = dwu = dwd = partials = None
+    if not (want_dx or want_gate_up or want_down or want_partials):
+        return dx_rows, dwg, dwu, dwd, partials
+    d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert,
+                                       num_tiles, options)
+    if want_dx:
+        dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options)
+    if want_gate_up:
+        dwg, dwu = wgrad(d_preact[:, :inter], d_preact[:, inter:], x_rows, offsets,
+                         num_experts, inter)
+    if want_down:
+        dwd = wgrad(d_rows, None, hw, offsets, num_experts, w_down.shape[1])
+    return dx_rows, dwg, dwu, dwd, partials
+
+
+def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                 saved: SavedForBackward, needs: Needs = Needs(),
+                 options: ExpertPathOptions = ExpertPathOptions()):
+    """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` given d_out [T, H]:
+    (d_x, d_topk_weights fp32, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down),
+    None where ``needs`` says no (and for the shared expert's three without one)."""
+    from mok_cute.kernels import token_ops
+
+    num_tokens, top_k = topk_idx.shape
+    d_out = d_out.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous().view(-1)
+    d_rows = token_ops.gather_rows(d_out, saved.row_token)  # zeros on padding rows
+    x_rows = token_ops.gather_rows(x, saved.row_token) if needs.w_gate_up else None
+    dx_rows, dwg, dwu, dwd, partials = _expert_backward(
+        d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
+        saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
+        needs.w_down, needs.topk_weights, options)
+
+    d_shared = (None, None, None)
+    shared_dx = None
+    if shared is not None:
+        ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)
+        tiles, count = shared_tiles(num_tokens, x.device)
+        rows_all = torch.arange(num_tokens, dtype=torch.int32, device=x.device)
+        ones = torch.ones(num_tokens, dtype=torch.float32, device=x.device)
+        # one expert over every token: K runs over all rows (TMA zero-fills past T)
+        offsets = torch.full((2,), -(-num_tokens // TILE_K) * TILE_K, dtype=torch.int32,
+                             device=x.device)
+        offsets[0] = 0  # (a fill, not a host copy: CUDA-graph capture stays legal)
+        shared_dx, dsg, dsu, dsd, _ = _expert_backward(
+            d_out, x, ws_gate, ws_up, ws_down, saved.shared_preact, rows_all, ones, tiles,
+            count, offsets, needs.x, needs.shared_gate_up, needs.shared_down, False, options)
+        d_shared = tuple(None if g is None else g[0] for g in (dsg, dsu, dsd))
+
+    d_x = None
+    if needs.x:
+        ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
+        d_x = token_ops.weighted_ksum(dx_rows, ones, shared_dx, row_index=saved.row_of_slot)
+    d_topk = None
+    if needs.topk_weights:
+        per_row = torch.cat([partials.sum(dim=1), partials.new_zeros(1)])  # [-1] -> 0
+        d_topk = per_row[saved.row_of_slot.long()].view(num_tokens, top_k)
+        d_topk = d_topk.to(topk_weights.dtype)
+    return (d_x, d_topk, dwg if needs.w_gate_up else None, dwu if needs.w_gate_up else None,
+            dwd, *d_shared)

@@ -1,0 +1,305 @@
+"""The expert weight gradients on Hopper (sm_90a): one persistent, warp-specialised GEMM.
+
+    C[e][m, n] = sum over the rows r of expert e of  A[r, m] * B[r, n]
+
+- A ``(rows, M)`` and B ``(rows, N)`` bf16 as they are stored (the backward's expert-sorted,
+  tile-padded row buffers), read as MN-major operands: TMA boxes and wgmma descriptors take
+  the M (N) mode as the contiguous one, so nothing is transposed in memory.
+- The K of expert e is its row segment ``[offsets[e], offsets[e + 1])`` (a multiple of 128:
+  the receive schedule pads every segment), read at run time; an expert with no rows writes
+  zeros. Padding rows hold zeros in A and B (their producers write them), so they add
+  nothing even where the saved activations they came from were never written.
+- One tile is 256 x 128 (M x N) x 64: each consumer warpgroup owns 128 rows of M with its own
+  A box and 128 x 128 accumulator, both read every stage's B box. ``gated`` (the gate and up
+  weights): warpgroup 0's rows come from A (dG) and go to C (dW_gate), warpgroup 1's from A2
+  (dU) into C2 (dW_up), the same weight rows, so gate and up share every loaded x tile.
+  Otherwise (dW_down) the two warpgroups take consecutive 128-row blocks of A and C.
+- Deterministic: each output tile has one owner, which runs its expert's rows in order.
+
+Tiles are walked expert-major (an expert's tiles run together and share its rows in L2), each
+expert's tiles rasterised in groups of ``group_m`` M-tiles.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+
+from mok_cute import jit
+from mok_cute.constants import TILE_K
+from mok_cute.kernels import common
+from mok_cute.kernels.gemm_core import GemmCoreSm90
+
+WG_ROWS = 128  # M rows per consumer warpgroup
+WGRAD_TILE_N = 128
+
+
+class WgradGemmSm90(GemmCoreSm90):
+    """Grouped weight-gradient GEMM with a variable K per expert.
+
+    :param gated: two A / C pairs (gate and up) sharing each B tile.
+    :param group_m: M-tiles per rasterisation group inside an expert.
+    :param num_sms: persistent grid size.
+    """
+
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
+        # each warpgroup is a whole single-warpgroup MMA over its 128 rows (the pingpong
+        # layout: 64 x 32 epilogue subtiles, buffers and barriers per warpgroup)
+        super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
+        self.gated = gated
+        self.group_m = group_m
+        self.num_sms = num_sms
+
+    def _setup_attributes(self):
+        super()._setup_attributes()
+        tile_n, tile_k = self.tile_shape_mnk[1], self.tile_shape_mnk[2]
+        # a stage holds two 128-row A boxes and one B box
+        ab_bytes_per_stage = (2 * WG_ROWS + tile_n) * tile_k * self.a_dtype.width // 8
+        epi_bytes = 64 * 32 * self.c_dtype.width // 8 * self.epi_buffers
+        self.ab_stages = (self.smem_capacity - 1024 - epi_bytes) // ab_bytes_per_stage
+        self.a_smem_layout_staged = self.staged_layout(self.a_dtype, (WG_ROWS, tile_k),
+                                                       self.ab_stages, mn_major=True)
+        self.b_smem_layout_staged = self.staged_layout(self.b_dtype, (tile_n, tile_k),
+                                                       self.ab_stages, mn_major=True)
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mA2: Optional[cute.Tensor], mB: cute.Tensor,
+                 mC: cute.Tensor, mC2: Optional[cute.Tensor], mOffsets: cute.Tensor,
+                 stream: cuda.CUstream):
+        """mA, mA2 (M, rows, 1) and mB (N, rows, 1), M / N contiguous; mC, mC2 (M, N, E),
+        N contiguous; mOffsets int32 (E + 1,): each expert's first row (128-aligned)."""
+        self.a_dtype = mA.element_type
+        self.b_dtype = mB.element_type
+        self.c_dtype = mC.element_type
+        self._setup_attributes()
+        tile_n, tile_k = self.tile_shape_mnk[1], self.tile_shape_mnk[2]
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        a_layout = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
+        b_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
+        epi_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
+        mk = cute.nvgpu.cpasync.make_tiled_tma_atom
+        tma_a, t_a = mk(g2s, mA, a_layout, (WG_ROWS, tile_k))
+        tma_a2, t_a2 = None, None
+        tma_c2, t_c2 = None, None
+        if const_expr(self.gated):
+            tma_a2, t_a2 = mk(g2s, mA2, a_layout, (WG_ROWS, tile_k))
+            tma_c2, t_c2 = mk(s2g, mC2, epi_layout, self.epi_tile)
+        tma_b, t_b = mk(g2s, mB, b_layout, (tile_n, tile_k))
+        tma_c, t_c = mk(s2g, mC, epi_layout, self.epi_tile)
+
+        @cute.struct
+        class SharedStorage:
+            ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, 2 * cute.cosize(self.a_smem_layout_staged)],
+                self.buffer_align_bytes]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged)],
+                self.buffer_align_bytes]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
+                self.buffer_align_bytes]
+
+        self.shared_storage = SharedStorage
+        self.kernel(tma_a, t_a, tma_a2, t_a2, tma_b, t_b, tma_c, t_c, tma_c2, t_c2, mOffsets,
+                    self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
+                    self.epi_smem_layout_staged
+                    ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
+                             min_blocks_per_mp=1, stream=stream)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_a2: Optional[cute.CopyAtom],
+               mA2: Optional[cute.Tensor], tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, tma_c2: Optional[cute.CopyAtom],
+               mC2: Optional[cute.Tensor], mOffsets: cute.Tensor, tiled_mma: cute.TiledMma,
+               a_smem_layout_staged: cute.ComposedLayout,
+               b_smem_layout_staged: cute.ComposedLayout,
+               epi_smem_layout_staged: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
+        tile_n, tile_k = self.tile_shape_mnk[1], self.tile_shape_mnk[2]
+        if warp_idx == self.load_warp:
+            for atom in (tma_a, tma_b, tma_c):
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+            if const_expr(self.gated):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a2)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_c2)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        a_box = cute.slice_(a_smem_layout_staged, (None, None, 0))
+        b_box = cute.slice_(b_smem_layout_staged, (None, None, 0))
+        tma_bytes = (2 * cute.size_in_bytes(self.a_dtype, a_box)
+                     + cute.size_in_bytes(self.b_dtype, b_box))
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            # both warpgroups read every stage (one arrive per consumer warp)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.num_mma_threads // 32),
+            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        # the two A halves (one per warpgroup), each a staged MN-major (128, 64) layout
+        a_elems = cute.cosize(a_smem_layout_staged)
+        sA_ptr = storage.sA.data_ptr()
+        sA0 = cute.make_tensor(cute.recast_ptr(sA_ptr, a_smem_layout_staged.inner),
+                               a_smem_layout_staged.outer)
+        sA1 = cute.make_tensor(cute.recast_ptr(sA_ptr + a_elems, a_smem_layout_staged.inner),
+                               a_smem_layout_staged.outer)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+
+        single = cute.make_layout(1)
+        # (128, 64, M-blocks, row k-tiles, 1) / (128, 64, N-tiles, row k-tiles, 1)
+        gA = cute.local_tile(mA, (WG_ROWS, tile_k), (None, None, None))
+        gB = cute.local_tile(mB, (tile_n, tile_k), (None, None, None))
+        tAsA0, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, single, cute.group_modes(sA0, 0, 2), cute.group_modes(gA, 0, 2))
+        tAsA1, _ = cute.nvgpu.cpasync.tma_partition(
+            tma_a, 0, single, cute.group_modes(sA1, 0, 2), cute.group_modes(gA, 0, 2))
+        tAgA2 = None
+        if const_expr(self.gated):
+            gA2 = cute.local_tile(mA2, (WG_ROWS, tile_k), (None, None, None))
+            _, tAgA2 = cute.nvgpu.cpasync.tma_partition(
+                tma_a2, 0, single, cute.group_modes(sA1, 0, 2), cute.group_modes(gA2, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, 0, single, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+
+        # M-tiles: gated, 128 weight rows of both gate and up; else 256 rows (two blocks)
+        m_blocks = cute.size(gA, mode=[2])
+        num_m_tiles = m_blocks if const_expr(self.gated) else (m_blocks + 1) // 2
+        num_n_tiles = cute.size(gB, mode=[2])
+        num_experts = cute.size(mOffsets) - 1
+        tiles_per_expert = num_m_tiles * num_n_tiles
+        num_tiles = num_experts * tiles_per_expert
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == self.load_warp:
+                # ---------------- producer: the tile's A boxes and B box for each row k-tile
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                     self.ab_stages)
+                tile_idx = cute.arch.block_idx()[0]
+                while tile_idx < num_tiles:
+                    expert, m_tile, n_tile = self._tile(tile_idx, num_m_tiles, num_n_tiles)
+                    k0, k_tiles = self._rows(mOffsets, expert)
+                    m0 = m_tile if const_expr(self.gated) else 2 * m_tile
+                    for k in range(k_tiles):
+                        ab_pipeline.producer_acquire(state)
+                        bar = ab_pipeline.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA[(None, m0, k0 + k, 0)], tAsA0[(None, state.index)],
+                                  tma_bar_ptr=bar)
+                        if const_expr(self.gated):
+                            cute.copy(tma_a2, tAgA2[(None, m_tile, k0 + k, 0)],
+                                      tAsA1[(None, state.index)], tma_bar_ptr=bar)
+                        else:
+                            # past the last 128-row block TMA fills zeros, and C clips them
+                            cute.copy(tma_a, tAgA[(None, m0 + 1, k0 + k, 0)],
+                                      tAsA1[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, n_tile, k0 + k, 0)], tBsB[(None, state.index)],
+                                  tma_bar_ptr=bar)
+                        ab_pipeline.producer_commit(state)
+                        state.advance()
+                    tile_idx += cute.arch.grid_dim()[0]
+                ab_pipeline.producer_tail(state)
+        else:
+            # ---------------- consumers: warpgroup w multiplies its A half by B
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            wg = warpgroup_idx - 1
+            wg_tidx = tidx % self.threads_per_warpgroup
+            sA_mine = cute.make_tensor(
+                cute.recast_ptr(sA_ptr + wg * a_elems, a_smem_layout_staged.inner),
+                a_smem_layout_staged.outer)
+            tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
+                tiled_mma, sA_mine, sB, sC, 0, wg_tidx)
+            store_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.threads_per_warpgroup))
+            barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE) + wg,
+                                            num_threads=self.threads_per_warpgroup)
+            is_store_warp = warp_idx == 4 * warpgroup_idx
+            gC = cute.local_tile(mC, (WG_ROWS, tile_n), (None, None, None))
+            gC2 = None
+            if const_expr(self.gated):
+                gC2 = cute.local_tile(mC2, (WG_ROWS, tile_n), (None, None, None))
+            loads = Int32(0)
+            subtiles = Int32(0)
+            tile_idx = cute.arch.block_idx()[0]
+            while tile_idx < num_tiles:
+                expert, m_tile, n_tile = self._tile(tile_idx, num_m_tiles, num_n_tiles)
+                _, k_tiles = self._rows(mOffsets, expert)
+                if k_tiles > 0:
+                    release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
+                                            k_tiles, num_k_blocks)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(release)
+                else:
+                    acc.fill(0.0)  # an expert with no rows
+                loads += k_tiles
+                block = m_tile if const_expr(self.gated) else 2 * m_tile + wg
+                if const_expr(self.gated):
+                    if wg == 0:
+                        self.tile_epilogue(epi, (tma_c,), (gC[(None, None, block, n_tile, expert)],),
+                                           "store", wg * self.epi_stages, subtiles, barrier,
+                                           store_pipeline, is_store_warp)
+                    else:
+                        self.tile_epilogue(epi, (tma_c2,), (gC2[(None, None, block, n_tile, expert)],),
+                                           "store", wg * self.epi_stages, subtiles, barrier,
+                                           store_pipeline, is_store_warp)
+                else:
+                    self.tile_epilogue(epi, (tma_c,), (gC[(None, None, block, n_tile, expert)],),
+                                       "store", wg * self.epi_stages, subtiles, barrier,
+                                       store_pipeline, is_store_warp)
+                subtiles += (WG_ROWS // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
+                tile_idx += cute.arch.grid_dim()[0]
+            store_pipeline.producer_tail()
+
+    @cute.jit
+    def _tile(self, tile_idx: Int32, num_m_tiles: Int32, num_n_tiles: Int32):
+        """(expert, M-tile, N-tile) of a linear tile index: expert-major, then rasterised."""
+        per_expert = num_m_tiles * num_n_tiles
+        expert = tile_idx // per_expert
+        m_tile, n_tile = common.grouped_raster(tile_idx - expert * per_expert, num_m_tiles,
+                                               num_n_tiles, self.group_m)
+        return expert, m_tile, n_tile
+
+    @cute.jit
+    def _rows(self, mOffsets: cute.Tensor, expert: Int32):
+        """(first row k-tile, row k-tiles) of the expert's segment."""
+        first = mOffsets[expert]
+        return first // TILE_K, (mOffsets[expert + 1] - first) // TILE_K
+
+
+def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
+                       arch: str = "sm_90a", options: str = ""):
+    """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
+    ``B (N, rows, 1)`` (M / N contiguous), ``C (M, N, E)``, ``C2`` (gated) or None (N
+    contiguous), the int32 expert row offsets; it runs on torch's current stream."""
+    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms)
+    bf16 = cutlass.BFloat16
+    rows = cute.sym_int32()  # the shared expert's K is every token: any count
+    m, n, experts = (cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8),
+                     cute.sym_int32())
+    mn_major = lambda extent: common.fake_strided_tensor(bf16, (extent, rows, 1),  # noqa: E731
+                                                         contiguous_mode=0)
+    a = mn_major(m)
+    a2 = mn_major(m) if gated else None
+    b = mn_major(n)
+    c = common.fake_kmajor_tensor(bf16, (m, n, experts))
+    c2 = common.fake_kmajor_tensor(bf16, (m, n, experts)) if gated else None
+    return cute.compile(gemm, a, a2, b, c, c2, common.fake_vector(Int32), common.fake_stream(),
+                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
