@@ -39,7 +39,8 @@ step() {
   timeout -s KILL "$secs" "$@" > "$out/$name.log" 2>&1
   rc=$?
   local note
-  note=$(grep -E "(passed|failed|skipped|error|no tests ran)( |$|,)" "$out/$name.log" | tail -1 | cut -c1-150)
+  note=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|errors?|deselected)|no tests ran" "$out/$name.log" \
+    | tail -1 | cut -c1-150)
   case $rc in
     0) ;;
     137) note="KILLED at its ${secs} s limit; ${note:-no summary}" ;;
