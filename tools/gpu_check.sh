@@ -49,7 +49,8 @@ step() {
   printf '%-34s rc=%-4s %s\n' "$name" "$rc" "$note"
   if [ "$rc" -ne 0 ]; then
     failures=$((failures + 1))
-    grep -E "^(FAILED|ERROR)|Error:|error:" "$out/$name.log" | head -6 | cut -c1-220
+    # pytest's summary lines of failed tests, or a script's final exception line
+    grep -E "^(FAILED|ERROR) |^[A-Za-z_.]*(Error|Exception): " "$out/$name.log" | head -6 | cut -c1-220
   fi
   return "$rc"
 }
@@ -89,7 +90,7 @@ run_alltests() {
     awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/ids.txt" > "$out/ids_$i.txt"
     [ -s "$out/ids_$i.txt" ] || continue
     # shellcheck disable=SC2046
-    step "shard_$i" "${TEST_SECS:-540}" "${PYTEST[@]}" -v -rs -m gpu -o timeout=150 \
+    step "shard_$i" "${TEST_SECS:-540}" "${PYTEST[@]}" -v -rfEs -m gpu -o timeout=150 \
       $(cat "$out/ids_$i.txt") > "$out/shard_$i.line" &
   done
   wait
