@@ -330,7 +330,7 @@ class Plan:
     def _check_errors(self, block: bool) -> None:
         """Check the finished launches (all of them with ``block``; otherwise only those done,
         and the oldest also when every pinned word is in use)."""
-        from mok_cute.kernels.common import raise_on_wait_error
+        from mok_cute.errors import raise_on_wait_error
 
         pending = self._pending_errors
         while pending:

@@ -527,7 +527,8 @@ def _fake_operands(gemm: GroupedGemmSm90, timeline: bool):
     n_out = cute.sym_int32(divisibility=8)
     a = common.fake_kmajor_tensor(bf16, (m, k, 1))
     b_mode = 0 if gemm.b_mn_major else 1  # the contiguous mode of B
-    b = common.fake_strided_tensor(bf16, (n, k, num_experts), contiguous_mode=b_mode)
+    k_b = cute.sym_int32(divisibility=TILE_K) if gemm.b_split_k else k  # B's K: part of A's
+    b = common.fake_strided_tensor(bf16, (n, k_b, num_experts), contiguous_mode=b_mode)
     b_up = None
     if gemm.epilogue == "swiglu" or gemm.b_split_k:
         k2 = cute.sym_int32(divisibility=TILE_K) if gemm.b_split_k else k
