@@ -397,3 +397,52 @@ def test_full_protocol_on_the_gpu(tmp_path):
         assert (r["status"] == "ok") == (r["ms"] is not None)
     if by["mok_cute"]["status"] == "ok":
         assert by["mok_cute"]["path"].startswith("kernel")
+
+
+# --------------------------------------------------------------------------------------------
+# the training bench (mok_cute.bench.training)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not GROUPED_MM_ON_CPU, reason="torch._grouped_mm does not run on the CPU here; see the gpu test")
+def test_training_bench_checks_the_torch_pipelines_gradients_on_cpu():
+    """The torch contender's gradients, mapped back from its packed gate+up parameter, against
+    autograd on the reference; a wrong mapping (gate and up swapped) fails the check."""
+    from mok_cute.bench import training
+
+    p = problems.make_problem(shapes.resolve_shape("custom:80,128,64,8,4,1"), device="cpu", seed=5)
+    d_out = torch.randn(p.inputs.x.shape).to(torch.bfloat16)
+    ref_out, ref_grads = training.reference_grads(p, d_out)
+    layer = training.Layer("torch_grouped_mm", p, MoKConfig())
+    errors = training.check(layer, ref_out, ref_grads, d_out)
+    assert set(errors) == {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate",
+                           "d_ws_up", "d_ws_down"}
+    assert max(errors.values()) <= 1e-2, errors
+    swapped = dict(ref_grads, w_gate=ref_grads["w_up"], w_up=ref_grads["w_gate"])
+    assert training.check(layer, ref_out, swapped, d_out)["d_w_gate"] > 0.1
+
+
+def test_training_bench_rejects_bad_arguments_naming_them(capsys):
+    from mok_cute.bench import training
+
+    assert training.main(["--train", "--rounds", "0"]) == 2
+    assert "--rounds" in capsys.readouterr().out
+    assert harness.main(["--train", "--contenders", "nope"]) == 2
+
+
+@pytest.mark.gpu
+def test_training_bench_on_the_gpu(tmp_path):
+    """Both contenders on a reduced shape with a shared expert: checked, timed in every pass,
+    the saved activations measured; the JSON names the command."""
+    argv = ["--train", "--shapes", "custom:384,512,256,8,4,shared", "--iters", "3", "--warmup", "1",
+            "--rounds", "2", "--out", str(tmp_path), "--tag", "gpu-test", "--mok-config", "check_ids=False"]
+    assert harness.main(argv) == 0
+    doc = json.loads(next(tmp_path.glob("*_gpu-test.json")).read_text())
+    rows = {(r["contender"], r["pass"]): r for r in doc["results"] if r["contender"] != "cublas_8192"}
+    assert doc["results"][0]["contender"] == "cublas_8192" and doc["results"][0]["tflops"] > 100
+    assert set(rows) == {(c, p) for c in ("mok_cute", "torch_grouped_mm") for p in ("fwd", "bwd", "train")}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["ms"] > 0 and len(r["ms_rounds"]) == 2
+        assert max(r["rel_l1"].values()) <= 1e-2 and r["saved_bytes_per_token"] > 0
+    assert rows[("mok_cute", "train")]["paired_vs_torch"] > 0
+    assert "--train" in doc["command"]

@@ -16,6 +16,9 @@
 #                   cold machine), then the five shapes with SonicMoE beside mok_cute. A call that
 #                   runs out of time in the warm-up fails: call again within 30 s, while the
 #                   machine is warm it keeps the cache and goes on where it stopped
+#   train [TAG]     the training bench (mok-cute bench --train: mok_cute and the torch pipeline
+#                   under autograd, fwd/bwd/train passes, $ROUNDS (3) rounds) on the five shapes,
+#                   then the training tests (compile, bench) beside examples/train_tiny_moe.py
 #   ep [N]          on a machine of N >= 2 GPUs (default: all): tools/ep_check.py, the example
 #                   under torchrun and `mok-cute bench --ep`, with the IPC megakernel
 set -u
@@ -121,6 +124,20 @@ run_sonic() {
     --quack-cache "$QUACK_CACHE_DIR" && bench_rows_ok "$out/sonic_${1}.log"
 }
 
+run_train() {
+  step "train_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench --train --shapes single \
+    --mok-config check_ids=False --iters 10 --warmup 3 --rounds "${ROUNDS:-3}" --out "$out" \
+    --tag "$1" && bench_rows_ok "$out/train_${1}.log"
+  # the tests compile on their own cores while the example trains (its step times: indicative)
+  step train_tests 200 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_backward.py \
+    tests/test_benchmark.py -k "compiled or training" > "$out/train_tests.line" &
+  step train_tiny_moe 200 python3 examples/train_tiny_moe.py --steps "${STEPS:-300}" --out "$out"
+  tail -4 "$out/train_tiny_moe.log"
+  wait
+  cat "$out/train_tests.line"
+  grep -q "^train_tests *rc=0 " "$out/train_tests.line" || failures=$((failures + 1))
+}
+
 run_ep() {
   local n="${1:-$(nvidia-smi -L | wc -l)}"
   if [ "$n" -lt 2 ]; then echo "ep: needs 2 or more GPUs, this machine has $n"; failures=$((failures + 1)); return; fi
@@ -137,8 +154,9 @@ case "$mode" in
   alltests) run_alltests "${2:-}" ;;
   bench) run_bench "${2:-single}" ;;
   sonic) run_sonic "${2:-vs_sonicmoe}" ;;
+  train) run_train "${2:-train}" ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]

@@ -1,0 +1,281 @@
+"""The one-GPU training benchmark of the MoE layer (``mok-cute bench --train``).
+
+Same protocol as the forward bench (``mok_cute.bench.harness``, DESIGN §5): one process, fresh
+random normal data, every contender checked before it is timed, interleaved rounds with the
+SM clock sampled. Each contender is a differentiable layer call; per shape it reports three
+passes:
+
+  fwd    the training forward (grad enabled: activations saved)     6 TKHI / t
+  bwd    ``out.backward(d_out)`` on a retained graph (grads reset)  12 TKHI / t
+  train  forward + backward, one step                               18 TKHI / t
+
+(TK -> TK + T with the shared expert.) The check: on ``--check-tokens`` tokens, the output and
+every gradient against autograd on ``mok_cute.reference`` (relative L1 <= ``--tol``); a failed
+check is recorded and not timed. ``saved_bytes_per_token`` is the memory the forward keeps for
+the backward (``memory_allocated`` after the forward, minus before, minus the output) over T.
+
+Contenders:
+  mok_cute          mok_cute.moe_forward, backend="kernel" (the custom ops of mok_cute.autograd)
+  cublas_8192       (a row of its own) bf16 8192^3 torch.matmul: the ceiling
+  torch_grouped_mm  the torch pipeline of mok_cute.bench.torch_moe under autograd, gate and up
+                    one packed [E, 2I, H] parameter (the layout it runs fastest on)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mok_cute.api import MoKConfig, moe_forward
+from mok_cute.bench.common import apply_config_overrides, error_text, free_memory, parse_config_overrides, parse_contenders
+from mok_cute.bench.gpu_clock import ClockSampler
+from mok_cute.bench.harness import Timer, bench_cublas, command_line
+from mok_cute.bench.problems import Problem, make_problem
+from mok_cute.bench.results import gpu_name, save_results
+from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe
+from mok_cute.shapes import resolve_shapes
+
+CONTENDERS = ("mok_cute", "torch_grouped_mm")
+PASSES = {"fwd": 1.0, "bwd": 2.0, "train": 3.0}  # FLOPs over the forward's
+
+
+class Layer:
+    """A contender's differentiable call on one problem: ``leaves`` (requires_grad) and
+    ``forward()``; ``grads()`` maps its leaves' gradients to the reference's names."""
+
+    def __init__(self, name: str, problem: Problem, config: MoKConfig):
+        self.name = name
+        i = problem.inputs
+        x = i.x.detach().clone().requires_grad_()
+        w = i.topk_weights.detach().clone().requires_grad_()
+        idx = i.topk_idx
+        if name == "mok_cute":
+            params = [problem.w_gate, problem.w_up, problem.w_down, *(problem.shared or ())]
+            params = [p.detach().clone().requires_grad_() for p in params]
+            shared = tuple(params[3:]) or None
+            self.forward = lambda: moe_forward(x, idx, w, *params[:3], shared=shared, config=config)
+        else:
+            # gate and up as one [E, 2I, H] leaf, used through its [E, H, 2I] transpose
+            gate_up = torch.cat([problem.w_gate, problem.w_up], dim=1).requires_grad_()
+            down = problem.w_down.detach().clone().requires_grad_()
+            fused = fuse_shared(problem.shared)
+            params = [gate_up, down] + ([t.detach().clone().requires_grad_() for t in fused] if fused else [])
+            shared = tuple(params[2:]) or None
+            self.forward = lambda: torch_grouped_mm_moe(x, idx, w, gate_up.transpose(1, 2), down.transpose(1, 2),
+                                                        shared=shared)
+        self.leaves = [x, w, *params]
+        self.intermediate = problem.shape.intermediate
+
+    def reset(self) -> None:
+        for t in self.leaves:
+            t.grad = None
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        g = [t.grad for t in self.leaves]
+        if self.name == "mok_cute":
+            names = ["x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"]
+            return dict(zip(names, g))
+        i = self.intermediate
+        out = {"x": g[0], "topk_weights": g[1], "w_gate": g[2][:, :i], "w_up": g[2][:, i:], "w_down": g[3]}
+        if len(g) > 4:
+            out.update(ws_gate=g[4][:i], ws_up=g[4][i:], ws_down=g[5])
+        return out
+
+
+def reference_grads(problem: Problem, d_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    from mok_cute import reference
+
+    i = problem.inputs
+    leaves = [t.detach().clone().requires_grad_() for t in
+              (i.x, i.topk_weights, problem.w_gate, problem.w_up, problem.w_down, *(problem.shared or ()))]
+    out = reference.moe_forward(leaves[0], i.topk_idx, leaves[1], *leaves[2:5], shared=tuple(leaves[5:]) or None)
+    out.backward(d_out)
+    names = ["x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"]
+    return out.detach(), {n: t.grad for n, t in zip(names, leaves)}
+
+
+def rel_l1(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).abs().sum() / want.abs().sum().clamp_min(1e-30)).item()
+
+
+def check(layer: Layer, ref_out: torch.Tensor, ref_grads: dict[str, torch.Tensor], d_out: torch.Tensor) -> dict[str, float]:
+    """The output's and every gradient's relative L1 error against the reference."""
+    layer.reset()
+    out = layer.forward()
+    out.backward(d_out)
+    errors = {"out": rel_l1(out.detach(), ref_out)}
+    errors.update({f"d_{n}": rel_l1(g, ref_grads[n]) for n, g in layer.grads().items()})
+    layer.reset()
+    return errors
+
+
+def saved_bytes(layer: Layer) -> int:
+    """What the forward keeps alive for the backward (the output excluded)."""
+    layer.reset()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = layer.forward()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    del out
+    return int(kept)
+
+
+def pass_runners(layer: Layer, d_out: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    graph: dict[str, torch.Tensor] = {}
+
+    def fwd() -> None:
+        layer.forward()
+
+    def bwd() -> None:
+        layer.reset()
+        if "out" not in graph:
+            graph["out"] = layer.forward()
+        graph["out"].backward(d_out, retain_graph=True)
+
+    def train() -> None:
+        layer.reset()
+        layer.forward().backward(d_out)
+
+    return {"fwd": fwd, "bwd": bwd, "train": train}
+
+
+def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Timer, args, log) -> list[dict[str, Any]]:
+    device = torch.device("cuda")
+    problem = make_problem(shape, device, seed=args.seed, t_scale=args.t_scale)
+    small = problem.with_fresh_inputs(args.check_tokens, seed=args.seed + 1)
+    gen = torch.Generator(device=device).manual_seed(args.seed + 2)
+    d_small = torch.randn(small.inputs.x.shape, device=device, generator=gen).to(torch.bfloat16)
+    d_out = torch.randn(problem.inputs.x.shape, device=device, generator=gen).to(torch.bfloat16)
+    ref_out, ref_grads = reference_grads(small, d_small)
+    keys = {"T": problem.tokens, "H": shape.hidden, "I": shape.intermediate, "E": shape.experts, "K": shape.top_k,
+            "shared": shape.shared, "flops_fwd": problem.flops}
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    runners: dict[str, dict[str, Callable[[], Any]]] = {}
+    for name in contenders:
+        base = {"shape": shape.name, "contender": name, **keys, "ms": None, "tflops": None}
+        try:
+            errors = check(Layer(name, small, config), ref_out, ref_grads, d_small)
+            worst = max(errors.values())
+            status = "ok" if worst <= args.tol else "check_failed"
+            layer = Layer(name, problem, config) if status == "ok" else None
+            extra = {"rel_l1": errors, "status": status}
+            if layer is not None:
+                extra["saved_bytes_per_token"] = saved_bytes(layer) / problem.tokens
+                runners[name] = pass_runners(layer, d_out)
+            else:
+                extra["error"] = f"worst relative L1 {worst:.3g} > {args.tol} vs autograd on mok_cute.reference"
+        except Exception as exc:
+            extra = {"status": "error", "error": error_text(exc)}
+        for p in PASSES:
+            rows[(name, p)] = {**base, "pass": p, **extra}
+        log(f"{shape.name} {name}: {extra['status']} {extra.get('error', '')[:200]}")
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in rows}
+    order = list(runners)
+    with ClockSampler(device) as sampler:
+        for r in range(args.rounds):
+            for name in order if r % 2 == 0 else order[::-1]:
+                for p, fn in runners[name].items():
+                    try:
+                        with sampler.window(f"{name}/{p}"):
+                            times[(name, p)].append(timer(fn))
+                    except Exception as exc:
+                        rows[(name, p)].update(status="error", error=error_text(exc))
+        for (name, p), row in rows.items():
+            if row["status"] == "ok" and times[(name, p)]:
+                ms = float(statistics.median(times[(name, p)]))
+                row.update(ms=ms, ms_rounds=times[(name, p)],
+                           tflops=PASSES[p] * problem.flops / (ms * 1e-3) / 1e12, gpu_clock=sampler.stats(f"{name}/{p}"))
+    # paired ratio per pass: torch's time over mok_cute's, per round
+    for p in PASSES:
+        mine, theirs = rows.get(("mok_cute", p)), rows.get(("torch_grouped_mm", p))
+        if mine and theirs and mine.get("ms_rounds") and theirs.get("ms_rounds"):
+            mine["paired_vs_torch"] = float(statistics.median(
+                b / a for a, b in zip(mine["ms_rounds"], theirs["ms_rounds"])))
+    runners.clear()
+    del problem, small
+    free_memory(device)
+    return list(rows.values())
+
+
+def print_table(results: list[dict[str, Any]], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="MoE layer training (one GPU)")
+    for col in ("shape", "contender", "pass", "ms", "TFLOP/s", "x torch", "saved B/token", "MHz", "status"):
+        table.add_column(col)
+    for r in results:
+        clock = (r.get("gpu_clock") or {}).get("sm_mhz_median")
+        table.add_row(r["shape"], r["contender"], r["pass"], f"{r['ms']:.3f}" if r.get("ms") else "-",
+                      f"{r['tflops']:.1f}" if r.get("tflops") else "-",
+                      f"{r['paired_vs_torch']:.2f}" if r.get("paired_vs_torch") else "-",
+                      f"{r['saved_bytes_per_token']:.0f}" if r.get("saved_bytes_per_token") is not None else "-",
+                      f"{clock:.0f}" if clock else "-", r.get("status", "?"))
+    console.print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for a in raw if a != "--train"]
+    parser = argparse.ArgumentParser(prog="mok-cute bench --train", description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="single", help="comma list of shape names, groups, or custom:T,H,I,E,K[,shared]")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma list of {CONTENDERS}")
+    parser.add_argument("--t-scale", type=float, default=1.0)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--check-tokens", type=int, default=512)
+    parser.add_argument("--tol", type=float, default=1e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tag", default="train")
+    args = parser.parse_args(argv)
+    from rich.console import Console
+
+    console = Console(width=180)
+    try:
+        shapes = resolve_shapes(args.shapes)
+        contenders = parse_contenders(args.contenders, CONTENDERS)
+        config = apply_config_overrides(MoKConfig(backend="kernel"), parse_config_overrides(args.mok_config))
+        if args.rounds < 1:
+            raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    if not torch.cuda.is_available():
+        console.print("[red]mok-cute bench --train needs a CUDA GPU[/red]")
+        return 2
+    timer = Timer(torch.device("cuda"), iters=args.iters, warmup=args.warmup)
+    log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
+    # the ceiling: cuBLAS bf16 8192^3 in the same run
+    results: list[dict[str, Any]] = [bench_cublas(SimpleNamespace(device=torch.device("cuda")), timer, tol=args.tol, log=log)]
+    for shape in shapes:
+        try:
+            results.extend(bench_shape(shape, contenders, config, timer, args, log))
+        except Exception as exc:  # setup (memory, say): recorded, the run goes on
+            results.append({"shape": shape.name, "contender": "setup", "pass": "-", "ms": None, "tflops": None,
+                            "status": "error", "error": error_text(exc)})
+            free_memory(torch.device("cuda"))
+    device = torch.device("cuda")
+    gpu = gpu_name(device)
+    chart = [{**r, "contender": f"{r['contender']} {r['pass']}", "ratio_vs_torch": r.get("paired_vs_torch")}
+             for r in results if r["pass"] in ("bwd", "train")] + results[:1]
+    extra = {"timing": timer.method, "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
+             "t_scale": args.t_scale, "passes": {p: f"{6 * m:.0f} TKHI / t" for p, m in PASSES.items()}}
+    json_path, png_path = save_results(results, Path(args.out), args.tag, gpu, command_line(raw),
+                                       raw, config, extra, lambda date: f"MoE training on {gpu}, {date}", chart=chart)
+    print_table(results, console)
+    console.print(f"json {json_path}\npng  {png_path}")
+    return 0 if all(r.get("status") == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
