@@ -5,7 +5,8 @@ the custom ops' fake implementations give the real shapes. H200 (marked gpu): ev
 against autograd on the reference (relative L1 <= 1e-2, cosine >= 0.9999) over the named
 shapes at reduced T and the edge cases; bitwise repeats with poisoned workspaces; the training
 forward bitwise equal to the inference forward; needs_input_grad honoured; opcheck;
-torch.compile(fullgraph=True) of a layer call bitwise equal to eager, of a model close to it; a CUDA-graph captured training step.
+torch.compile(fullgraph=True) of a layer call bitwise equal to eager, of a model bitwise
+equal under aot_eager and close to it under inductor; a CUDA-graph captured training step.
 """
 
 from __future__ import annotations
@@ -241,11 +242,7 @@ def test_compiled_layer_call_equals_eager_bitwise():
         assert torch.equal(a, b), name
 
 
-@pytest.mark.gpu
-def test_compiled_model_trains_without_graph_breaks():
-    """A small model with two MoELayers under torch.compile(fullgraph=True) (a graph break
-    raises): inductor may fuse the router differently from eager, so the loss and the
-    gradients are compared to eager's within the layer tolerance, not bitwise."""
+def _two_layer_model():
     torch.manual_seed(0)
 
     class Model(torch.nn.Module):
@@ -268,14 +265,36 @@ def test_compiled_model_trains_without_graph_breaks():
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
+    return model, step
+
+
+@pytest.mark.gpu
+def test_compiled_model_without_graph_breaks_equals_eager_bitwise():
+    """A model with two MoELayers captured whole (fullgraph=True: a graph break raises) and
+    run through AOT autograd's graphs with eager kernels: loss and every gradient bitwise equal
+    to eager. (Inductor's own router softmax rounds differently from eager's; see below.)"""
+    model, step = _two_layer_model()
+    eager = step(model)
+    compiled = step(torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(eager[0], compiled[0])
+    for i, (a, b) in enumerate(zip(eager[1], compiled[1])):
+        assert torch.equal(a, b), f"parameter {i}"
+
+
+@pytest.mark.gpu
+def test_inductor_compiled_model_trains_close_to_eager():
+    """The same model under inductor: its generated softmax changes the router's fp32
+    rounding, so routing weights differ in the last bits and the comparison is to tolerance
+    (the router's gradient, through near-tied weights, to cosine 0.99)."""
+    model, step = _two_layer_model()
     eager = step(model)
     compiled = step(torch.compile(model, fullgraph=True))
     assert abs(eager[0].item() - compiled[0].item()) <= 1e-2 * abs(eager[0].item())
-    for i, (a, b) in enumerate(zip(eager[1], compiled[1])):
-        assert a.shape == b.shape
+    names = [n for n, _ in model.named_parameters()]
+    for name, a, b in zip(names, eager[1], compiled[1]):
         cos = torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(),
                                                     dim=0).item()
-        assert cos >= 0.999, f"parameter {i}: cosine {cos:.6f}"
+        assert cos >= (0.99 if "router" in name else 0.999), f"{name}: cosine {cos:.6f}"
 
 
 @pytest.mark.gpu

@@ -434,7 +434,7 @@ def test_training_bench_rejects_bad_arguments_naming_them(capsys):
 def test_training_bench_on_the_gpu(tmp_path):
     """Both contenders on a reduced shape with a shared expert: checked, timed in every pass,
     the saved activations measured; the JSON names the command."""
-    argv = ["--train", "--shapes", "custom:384,512,256,8,4,shared", "--iters", "3", "--warmup", "1",
+    argv = ["--train", "--shapes", "custom:384,512,256,8,4,1", "--iters", "3", "--warmup", "1",
             "--rounds", "2", "--out", str(tmp_path), "--tag", "gpu-test", "--mok-config", "check_ids=False"]
     assert harness.main(argv) == 0
     doc = json.loads(next(tmp_path.glob("*_gpu-test.json")).read_text())

@@ -19,11 +19,16 @@ Contenders:
   cublas_8192       (a row of its own) bf16 8192^3 torch.matmul: the ceiling
   torch_grouped_mm  the torch pipeline of mok_cute.bench.torch_moe under autograd, gate and up
                     one packed [E, 2I, H] parameter (the layout it runs fastest on)
+  sonicmoe          SonicMoE 0.1.2.post1 in training mode (gate/up interleaved [E, 2I, H]
+                    parameter); ``--sonic-tuning fixed`` (default) gives each QuACK autotuner one
+                    config (128x192 tiles, 2x1 cluster, ping-pong where valid, else its first
+                    valid one): full tuning of one shape's forward and backward takes over 10 min
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -38,10 +43,11 @@ from mok_cute.bench.gpu_clock import ClockSampler
 from mok_cute.bench.harness import Timer, bench_cublas, command_line
 from mok_cute.bench.problems import Problem, make_problem
 from mok_cute.bench.results import gpu_name, save_results
-from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe
+from mok_cute.bench.torch_moe import fuse_shared, shared_expert, torch_grouped_mm_moe
 from mok_cute.shapes import resolve_shapes
 
-CONTENDERS = ("mok_cute", "torch_grouped_mm")
+CONTENDERS = ("mok_cute", "torch_grouped_mm", "sonicmoe")
+DEFAULT_CONTENDERS = ("mok_cute", "torch_grouped_mm")
 PASSES = {"fwd": 1.0, "bwd": 2.0, "train": 3.0}  # FLOPs over the forward's
 
 
@@ -60,6 +66,9 @@ class Layer:
             params = [p.detach().clone().requires_grad_() for p in params]
             shared = tuple(params[3:]) or None
             self.forward = lambda: moe_forward(x, idx, w, *params[:3], shared=shared, config=config)
+        elif name == "sonicmoe":
+            self.forward = _sonicmoe_forward(problem, x, idx, w)
+            params = self.forward.params
         else:
             # gate and up as one [E, 2I, H] leaf, used through its [E, H, 2I] transpose
             gate_up = torch.cat([problem.w_gate, problem.w_up], dim=1).requires_grad_()
@@ -82,10 +91,54 @@ class Layer:
             names = ["x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"]
             return dict(zip(names, g))
         i = self.intermediate
-        out = {"x": g[0], "topk_weights": g[1], "w_gate": g[2][:, :i], "w_up": g[2][:, i:], "w_down": g[3]}
+        if self.name == "sonicmoe":  # gate and up rows interleaved
+            out = {"x": g[0], "topk_weights": g[1], "w_gate": g[2][:, 0::2], "w_up": g[2][:, 1::2], "w_down": g[3]}
+        else:
+            out = {"x": g[0], "topk_weights": g[1], "w_gate": g[2][:, :i], "w_up": g[2][:, i:], "w_down": g[3]}
         if len(g) > 4:
             out.update(ws_gate=g[4][:i], ws_up=g[4][i:], ws_down=g[5])
         return out
+
+
+def _sonicmoe_forward(problem: Problem, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
+    from sonicmoe.enums import ActivationType
+    from sonicmoe.functional import moe_general_routing_inputs
+
+    e, i, h = problem.w_gate.shape
+    w1 = torch.stack([problem.w_gate, problem.w_up], dim=2).reshape(e, 2 * i, h).requires_grad_()
+    w2 = problem.w_down.detach().clone().requires_grad_()
+    fused = fuse_shared(problem.shared)
+    shared = [t.detach().clone().requires_grad_() for t in fused] if fused else []
+    t, k = idx.shape
+    token_index = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
+    stream_id = torch.cuda.current_stream().cuda_stream
+
+    def forward() -> torch.Tensor:
+        out, _ = moe_general_routing_inputs(x, w.reshape(-1), token_index, idx.reshape(-1), w1.permute(1, 2, 0),
+                                            None, w2.permute(1, 2, 0), None, e, stream_id, ActivationType.SWIGLU,
+                                            is_inference_mode_enabled=False)
+        if shared:  # SonicMoE has no shared expert: torch GEMMs add it
+            out = (out.float() + shared_expert(x, *shared).float()).to(torch.bfloat16)
+        return out
+
+    forward.params = [w1, w2, *shared]
+    return forward
+
+
+def fix_sonicmoe_tuning(quack_cache: Path) -> None:
+    """One config per QuACK autotuner (see the module doc) and its cache under ``quack_cache``."""
+    os.environ.setdefault("QUACK_CACHE_DIR", str(quack_cache))  # before quack is imported
+    from quack import autotuner
+
+    prune = autotuner.Autotuner.prune_configs
+    want = {"tile_m": 128, "tile_n": 192, "cluster_m": 2, "pingpong": True}
+
+    def one_config(self, kwargs):
+        configs = prune(self, kwargs)
+        match = [c for c in configs if all(getattr(c.kwargs["config"], k, None) == v for k, v in want.items())]
+        return (match or configs)[:1]
+
+    autotuner.Autotuner.prune_configs = one_config
 
 
 def reference_grads(problem: Problem, d_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -111,7 +164,9 @@ def check(layer: Layer, ref_out: torch.Tensor, ref_grads: dict[str, torch.Tensor
     out = layer.forward()
     out.backward(d_out)
     errors = {"out": rel_l1(out.detach(), ref_out)}
-    errors.update({f"d_{n}": rel_l1(g, ref_grads[n]) for n, g in layer.grads().items()})
+    # a gradient the contender does not compute (None) is named, not compared
+    errors.update({f"d_{n}": rel_l1(g, ref_grads[n]) if g is not None else float("nan")
+                   for n, g in layer.grads().items()})
     layer.reset()
     return errors
 
@@ -163,10 +218,13 @@ def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Time
         base = {"shape": shape.name, "contender": name, **keys, "ms": None, "tflops": None}
         try:
             errors = check(Layer(name, small, config), ref_out, ref_grads, d_small)
-            worst = max(errors.values())
+            worst = max(v for v in errors.values() if v == v)
+            missing = [n for n, v in errors.items() if v != v]
             status = "ok" if worst <= args.tol else "check_failed"
             layer = Layer(name, problem, config) if status == "ok" else None
-            extra = {"rel_l1": errors, "status": status}
+            extra = {"rel_l1": {n: v for n, v in errors.items() if v == v}, "status": status}
+            if missing:
+                extra["gradients_not_computed"] = missing
             if layer is not None:
                 extra["saved_bytes_per_token"] = saved_bytes(layer) / problem.tokens
                 runners[name] = pass_runners(layer, d_out)
@@ -193,12 +251,15 @@ def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Time
                 ms = float(statistics.median(times[(name, p)]))
                 row.update(ms=ms, ms_rounds=times[(name, p)],
                            tflops=PASSES[p] * problem.flops / (ms * 1e-3) / 1e12, gpu_clock=sampler.stats(f"{name}/{p}"))
-    # paired ratio per pass: torch's time over mok_cute's, per round
-    for p in PASSES:
-        mine, theirs = rows.get(("mok_cute", p)), rows.get(("torch_grouped_mm", p))
-        if mine and theirs and mine.get("ms_rounds") and theirs.get("ms_rounds"):
+    # paired ratios per pass: the other's time over this contender's, round by round
+    for (name, p), mine in rows.items():
+        theirs, sonic = rows.get(("torch_grouped_mm", p)), rows.get(("sonicmoe", p))
+        if mine.get("ms_rounds") and theirs and theirs.get("ms_rounds"):
             mine["paired_vs_torch"] = float(statistics.median(
                 b / a for a, b in zip(mine["ms_rounds"], theirs["ms_rounds"])))
+        if mine.get("ms_rounds") and sonic and sonic.get("ms_rounds"):
+            mine["paired_vs_sonicmoe"] = float(statistics.median(
+                b / a for a, b in zip(mine["ms_rounds"], sonic["ms_rounds"])))
     runners.clear()
     del problem, small
     free_memory(device)
@@ -209,13 +270,14 @@ def print_table(results: list[dict[str, Any]], console) -> None:
     from rich.table import Table
 
     table = Table(title="MoE layer training (one GPU)")
-    for col in ("shape", "contender", "pass", "ms", "TFLOP/s", "x torch", "saved B/token", "MHz", "status"):
+    for col in ("shape", "contender", "pass", "ms", "TFLOP/s", "x torch", "x sonic", "saved B/token", "MHz", "status"):
         table.add_column(col)
     for r in results:
         clock = (r.get("gpu_clock") or {}).get("sm_mhz_median")
         table.add_row(r["shape"], r["contender"], r["pass"], f"{r['ms']:.3f}" if r.get("ms") else "-",
                       f"{r['tflops']:.1f}" if r.get("tflops") else "-",
                       f"{r['paired_vs_torch']:.2f}" if r.get("paired_vs_torch") else "-",
+                      f"{r['paired_vs_sonicmoe']:.2f}" if r.get("paired_vs_sonicmoe") else "-",
                       f"{r['saved_bytes_per_token']:.0f}" if r.get("saved_bytes_per_token") is not None else "-",
                       f"{clock:.0f}" if clock else "-", r.get("status", "?"))
     console.print(table)
@@ -226,7 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = [a for a in raw if a != "--train"]
     parser = argparse.ArgumentParser(prog="mok-cute bench --train", description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="single", help="comma list of shape names, groups, or custom:T,H,I,E,K[,shared]")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma list of {CONTENDERS}")
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help=f"comma list of {CONTENDERS}")
+    parser.add_argument("--sonic-tuning", choices=("fixed", "full"), default="fixed",
+                        help="SonicMoE's QuACK autotuning: one config per tuner (fixed) or all (full)")
     parser.add_argument("--t-scale", type=float, default=1.0)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -253,6 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         console.print("[red]mok-cute bench --train needs a CUDA GPU[/red]")
         return 2
+    if "sonicmoe" in contenders:
+        os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
+        if args.sonic_tuning == "fixed":
+            fix_sonicmoe_tuning(Path(args.out) / "quack_cache")
     timer = Timer(torch.device("cuda"), iters=args.iters, warmup=args.warmup)
     log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
     # the ceiling: cuBLAS bf16 8192^3 in the same run
@@ -269,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     chart = [{**r, "contender": f"{r['contender']} {r['pass']}", "ratio_vs_torch": r.get("paired_vs_torch")}
              for r in results if r["pass"] in ("bwd", "train")] + results[:1]
     extra = {"timing": timer.method, "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
-             "t_scale": args.t_scale, "passes": {p: f"{6 * m:.0f} TKHI / t" for p, m in PASSES.items()}}
+             "t_scale": args.t_scale, "sonic_tuning": args.sonic_tuning if "sonicmoe" in contenders else None,
+             "passes": {p: f"{6 * m:.0f} TKHI / t" for p, m in PASSES.items()}}
     json_path, png_path = save_results(results, Path(args.out), args.tag, gpu, command_line(raw),
                                        raw, config, extra, lambda date: f"MoE training on {gpu}, {date}", chart=chart)
     print_table(results, console)
