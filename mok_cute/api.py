@@ -211,7 +211,9 @@ def moe_forward(
     choice = choose_path(x.device, config, distributed=group is not None, needs_grad=needs_grad)
     if choice.path == "megakernel" and _megakernel_fallback(dims, config):
         choice = PathChoice("reference", "sizes the megakernel cannot take")
-    if choice.path == "kernel" and needs_grad:
+    # torch.compile traces the custom op, never the host code (its JIT cache, its locks):
+    # a compiled call takes it even without grad (it saves g and u then, freed unused)
+    if choice.path == "kernel" and (needs_grad or torch.compiler.is_compiling()):
         from .expert_path import unsupported_shape_reason
 
         why = unsupported_shape_reason(dims.hidden, dims.intermediate, dims.top_k,

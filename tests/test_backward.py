@@ -283,18 +283,36 @@ def test_compiled_model_without_graph_breaks_equals_eager_bitwise():
 
 @pytest.mark.gpu
 def test_inductor_compiled_model_trains_close_to_eager():
-    """The same model under inductor: its generated softmax changes the router's fp32
-    rounding, so routing weights differ in the last bits and the comparison is to tolerance
-    (the router's gradient, through near-tied weights, to cosine 0.99)."""
+    """The same model under inductor. Measured on the H200 (2026-12-01): the routing is the
+    same, the router weights differ by 1-2 fp32 ulps (inductor's softmax) and inductor fuses the
+    bf16 gradient sums around the layers in fp32, so the loss agrees to 2e-4 and the gradients
+    to cosine 0.995-0.998 (aot_eager, which runs the same graphs with eager kernels, is
+    bitwise: the difference is not in the MoE ops)."""
     model, step = _two_layer_model()
+    x2d = torch.randn(192, 512, device="cuda").to(torch.bfloat16)
+    for layer in (model.a, model.b):
+        idx, w = layer.route(x2d)
+        idx_c, w_c = torch.compile(layer.route, fullgraph=True)(x2d)
+        assert torch.equal(idx, idx_c) and (w - w_c).abs().max().item() <= 1e-6
     eager = step(model)
     compiled = step(torch.compile(model, fullgraph=True))
-    assert abs(eager[0].item() - compiled[0].item()) <= 1e-2 * abs(eager[0].item())
-    names = [n for n, _ in model.named_parameters()]
-    for name, a, b in zip(names, eager[1], compiled[1]):
+    assert abs(eager[0].item() - compiled[0].item()) <= 1e-3 * abs(eager[0].item())
+    for (name, _), a, b in zip(model.named_parameters(), eager[1], compiled[1]):
         cos = torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(),
                                                     dim=0).item()
-        assert cos >= (0.99 if "router" in name else 0.999), f"{name}: cosine {cos:.6f}"
+        assert cos >= 0.99, f"{name}: cosine {cos:.6f}"
+
+
+@pytest.mark.gpu
+def test_compiled_inference_call_takes_the_custom_op():
+    """Under torch.compile without grad the layer runs the custom op (tracing the host path
+    would enter the JIT cache's lock: dynamo refuses it), equal to the eager call."""
+    model, _ = _two_layer_model()
+    x = torch.randn(2, 96, 512, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        out = model.a(x)
+        out_c = torch.compile(model.a, fullgraph=True)(x)
+    assert (out.float() - out_c.float()).abs().max().item() <= 2e-3 * out.float().abs().max().item()
 
 
 @pytest.mark.gpu
