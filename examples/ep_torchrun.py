@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 2 examples/ep_torchrun.py --shape custom:512,1024,512,16,4,1
     torchrun --nproc-per-node 2 examples/ep_torchrun.py --device cpu --shape custom:16,64,32,8,2,1  # gloo
 
-Shapes are MoK's EP models (`mok_cute.benchmark.EP_SHAPES`, a unique prefix is enough) with the
+Shapes are MoK's EP models (`mok_cute.shapes.EP_SHAPES`, a unique prefix is enough) with the
 routed experts split evenly over the ranks and one shared expert of size I, or
 `custom:T,H,I,E,K[,shared]` (T tokens per rank, E routed experts in all).
 
@@ -36,12 +36,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import mok_cute  # noqa: E402
-from mok_cute import benchmark as bm  # noqa: E402
-from mok_cute import ep_bench as ep  # noqa: E402
 from mok_cute import reference  # noqa: E402
+from mok_cute.bench import ep  # noqa: E402
+from mok_cute.bench.common import rel_err  # noqa: E402
+from mok_cute.bench.results import gpu_name  # noqa: E402
+from mok_cute.shapes import EP_SHAPES, Shape, moe_flops  # noqa: E402
 
 
-def build_layer(shape: bm.Shape, d: ep.Dist, seed: int, backend: str = "auto") -> mok_cute.MoELayer:
+def build_layer(shape: Shape, d: ep.Dist, seed: int, backend: str = "auto") -> mok_cute.MoELayer:
     torch.manual_seed(seed)  # router and shared expert: identical on every rank
     layer = mok_cute.MoELayer(
         shape.hidden, shape.intermediate, shape.experts, shape.top_k,
@@ -75,13 +77,13 @@ def check_against_reference(layer: mok_cute.MoELayer, d: ep.Dist, tokens: int, s
             shared = tuple(s.detach().unsqueeze(0).expand(d.world, *s.shape) for s in layer.shared)
         with torch.no_grad():
             ref = reference.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared)
-        rel, same = bm.rel_err(outs, ref), float(torch.equal(outs, ref))
+        rel, same = rel_err(outs, ref), float(torch.equal(outs, ref))
     return ep.broadcast_float(d, rel), bool(ep.broadcast_float(d, same))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="kimi_k2", help=f"one of {list(bm.EP_SHAPES)} (a unique prefix is enough) or custom:T,H,I,E,K[,shared]")
+    parser.add_argument("--shape", default="kimi_k2", help=f"one of {list(EP_SHAPES)} (a unique prefix is enough) or custom:T,H,I,E,K[,shared]")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the shape's, 2048 for MoK's)")
     parser.add_argument("--check-tokens", type=int, default=128, help="tokens per rank of the reference check")
     parser.add_argument("--iters", type=int, default=10)
@@ -99,7 +101,7 @@ def main() -> int:
         layer = build_layer(shape, d, args.seed, args.backend)
         choice = mok_cute.api.choose_path(d.device, layer.config, distributed=True)
         if d.rank == 0:
-            print(f"{d.world} ranks ({d.backend}, {bm.gpu_name(d.device)}); {shape.name}: T={tokens}/rank H={shape.hidden} "
+            print(f"{d.world} ranks ({d.backend}, {gpu_name(d.device)}); {shape.name}: T={tokens}/rank H={shape.hidden} "
                   f"I={shape.intermediate} E={shape.experts} ({layer.num_local_experts}/rank) K={shape.top_k}"
                   f"{' +shared' if shape.shared else ''}")
             print(f"moe_forward(group=...) path: {choice.path}: {choice.reason}")
@@ -122,7 +124,7 @@ def main() -> int:
 
         per_rank = ep.all_values(d, ep.time_per_rank(d, forward, args.iters, args.warmup))
         if d.rank == 0:
-            flops = bm.moe_flops(tokens, shape.hidden, shape.intermediate, shape.top_k, shape.shared)
+            flops = moe_flops(tokens, shape.hidden, shape.intermediate, shape.top_k, shape.shared)
             for r, ms in enumerate(per_rank):
                 print(f"rank {r}: forward {ms:.3f} ms (median of {args.iters})")
             worst = max(per_rank)

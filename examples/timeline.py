@@ -23,7 +23,7 @@ import torch
 
 import mok_cute
 from mok_cute import timeline
-from mok_cute.benchmark import moe_flops
+from mok_cute.shapes import moe_flops
 
 
 def record(tokens: int, hidden: int, intermediate: int, experts: int, top_k: int) -> timeline.Timeline | None:

@@ -247,9 +247,9 @@ def study_calibration(results_dir: str | Path | None = None, *, comm: bool = Tru
 # the megakernel at R = 1 on one H200: simulated against measured (held out)
 
 # Layer time (ms, CUDA-event mean of back-to-back calls, MoKConfig(check_ids=False)) of the real
-# megakernel at R = 1 on one H200, by number of comm CTAs: run 17 of docs/gpu_runs.md (vector
-# copies, 16 x 16 B in flight per lane; minibatch 1024, ring = capacity) for 6, 8, 12; the
-# 16-CTA points come from another run (runs 13-16). None of these has a timeline.
+# megakernel at R = 1 on one H200, by number of comm CTAs: run 17 of docs/gpu_runs.md (git
+# history; vector copies, 16 x 16 B in flight per lane; minibatch 1024, ring = capacity) for 6,
+# 8, 12; the 16-CTA points come from another run (runs 13-16). None of these has a timeline.
 MEGAKERNEL_R1_MEASURED = {
     "dsv3_ep8_rank": {6: 8.35, 8: 7.00, 12: 6.62, 16: 7.3},
     "sonic_120b": {6: 17.5, 8: 14.2, 12: 13.4, 16: 13.5},
@@ -257,7 +257,7 @@ MEGAKERNEL_R1_MEASURED = {
 # run 17, bulk copies (cp.async.bulk, the run-16 design) with 8 comm CTAs, and the expert path
 MEGAKERNEL_R1_BULK8 = {"dsv3_ep8_rank": 6.68, "sonic_120b": 14.4}
 EXPERT_PATH_MS = {"dsv3_ep8_rank": 4.69, "sonic_120b": 10.53}
-# the profile before the comm calibration (docs/sim.md history)
+# the profile before the comm calibration (docs/sim.md, in git history)
 _H200_COMM_ASSUMED = dict(sm_copy_bytes_per_s=40e9, comm_task_overhead_s=2e-6,
                           comm_task_serial_s=None)
 
@@ -304,8 +304,8 @@ def study_megakernel_r1(profile="h200_hgx", comm=(6, 8, 12, 16), *, tuner: bool 
     recs = np.load(calibrate.MEGAKERNEL_COMM_RECORDS)
     out = dict(profile=hw.name, sm_copy_gbps=hw.sm_copy_bytes_per_s / 1e9,
                comm_task_overhead_us=hw.comm_task_overhead_s * 1e6, measured_source=(
-                   "docs/gpu_runs.md run 17 (vector copies, 16 x 16 B per lane) for 6/8/12 comm "
-                   "CTAs; 16 from another run (13-16); bulk 8 from run 17"),
+                   "docs/gpu_runs.md (git history) run 17 (vector copies, 16 x 16 B per lane) "
+                   "for 6/8/12 comm CTAs; 16 from another run (13-16); bulk 8 from run 17"),
                rows=[], records_check=[], per_call_offset_ms={}, tuner=[])
     for name, meas in MEGAKERNEL_R1_MEASURED.items():
         shape = SimShape.named(name)

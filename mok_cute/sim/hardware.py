@@ -148,8 +148,8 @@ H200_HGX = HardwareProfile(
         "link_peak_bytes_per_s": "anchors: Physical limits, NVLink 4 450 GB/s each way per GPU",
         "sm_copy_bytes_per_s": "measured: mok_cute.bench.calibrate.fit_megakernel_comm('run16_bulk')"
                                " on benchmarks/results/2026-11-29_h200_megakernel_comm_records.npz"
-                               ", run 16 of docs/gpu_runs.md (the real megakernel on one H200 at "
-                               "R = 1, 8 comm CTAs, cp.async.bulk copies, dynamic tickets): least "
+                               ", run 16 of docs/gpu_runs.md (git history; the real megakernel on one H200 "
+                               "at R = 1, 8 comm CTAs, cp.async.bulk copies, dynamic tickets): least "
                                "squares duration = overhead + bytes / rate over the 1330 DISPATCH "
                                "records of dsv3_ep8_rank (1.72 MB per task) and sonic_120b (1.02 "
                                "MB) gives 87.9 GB/s per comm SM plus 31.9 us per 128-row task "
