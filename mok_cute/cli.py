@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 # Subcommands that hand their arguments to another module's main(argv).
 _DELEGATES = {
-    "bench": ("mok_cute.bench.harness", "time the MoE layer against its references (DESIGN §5); --ep across ranks"),
+    "bench": ("mok_cute.bench.harness", "time the MoE layer against its references (DESIGN §5); --ep across ranks, --train forward and backward"),
     "timeline": ("mok_cute.bench.record_timeline", "record a layer's per-SM timeline and export it"),
     "tune": ("mok_cute.sim.tune", "pick num_comm_sms / minibatch / ring size with the simulator"),
 }
@@ -379,6 +379,8 @@ def cmd_ptx(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- delegates
 def _delegate(command: str, argv: list[str]) -> int:
     module_name, _ = _DELEGATES[command]
+    if command == "bench" and "--train" in argv:  # the training bench: forward and backward
+        module_name = "mok_cute.bench.training"
     _prepare_arch_env(None)
     try:
         module = importlib.import_module(module_name)

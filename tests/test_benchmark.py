@@ -427,7 +427,7 @@ def test_training_bench_rejects_bad_arguments_naming_them(capsys):
 
     assert training.main(["--train", "--rounds", "0"]) == 2
     assert "--rounds" in capsys.readouterr().out
-    assert harness.main(["--train", "--contenders", "nope"]) == 2
+    assert training.main(["--train", "--contenders", "nope"]) == 2
 
 
 @pytest.mark.gpu
@@ -436,7 +436,9 @@ def test_training_bench_on_the_gpu(tmp_path):
     the saved activations measured; the JSON names the command."""
     argv = ["--train", "--shapes", "custom:384,512,256,8,4,1", "--iters", "3", "--warmup", "1",
             "--rounds", "2", "--out", str(tmp_path), "--tag", "gpu-test", "--mok-config", "check_ids=False"]
-    assert harness.main(argv) == 0
+    from mok_cute import cli
+
+    assert cli.main(["bench", *argv]) == 0
     doc = json.loads(next(tmp_path.glob("*_gpu-test.json")).read_text())
     rows = {(r["contender"], r["pass"]): r for r in doc["results"] if r["contender"] != "cublas_8192"}
     assert doc["results"][0]["contender"] == "cublas_8192" and doc["results"][0]["tflops"] > 100

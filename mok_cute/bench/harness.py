@@ -43,7 +43,7 @@ Example (one H200: the expert path and the megakernel at R = 1 against the refer
         --mok-config check_ids=False --rounds 3
 
 ``mok-cute bench --ep`` runs the expert-parallel bench instead (``mok_cute.bench.ep``),
-``mok-cute bench --train`` the training bench (``mok_cute.bench.training``).
+``mok-cute bench --train`` the training bench (``mok_cute.bench.training``, dispatched by the CLI).
 """
 
 from __future__ import annotations
@@ -563,10 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mok_cute.bench import ep
 
         return ep.main(argv)
-    if "--train" in argv:  # forward and backward under autograd: its own harness
-        from mok_cute.bench import training
-
-        return training.main(argv)
+    if "--train" in argv:
+        raise SystemExit("mok-cute bench --train: the training bench is mok_cute.bench.training.main")
     parser = argparse.ArgumentParser(
         prog="mok-cute bench",
         description="Time the MoE layer forward of mok_cute against the torch._grouped_mm pipeline, a per-expert "
