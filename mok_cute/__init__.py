@@ -1,17 +1,19 @@
 """mok_cute: an expert-parallel Mixture-of-Experts layer as CuTe DSL GPU kernels.
 
-Public API (DESIGN §2): `MoKConfig`, `moe_forward`, `moe_forward_virtual`, `MoELayer`,
+Public API (DESIGN §2): `MoKConfig` (with its `ExpertPathOptions`, `MegakernelOptions`), `moe_forward`, `moe_forward_virtual`, `MoELayer`,
 `forward_path`, and the modules `reference` (PyTorch oracle) and `schedule` (receive schedule).
 Importing the package does not import the CuTe DSL; the kernel path loads it on first use.
 """
 
 from . import reference, schedule
 from .api import MoELayer, forward_path, moe_forward, moe_forward_virtual
-from .config import MoKConfig
+from .config import ExpertPathOptions, MegakernelOptions, MoKConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertPathOptions",
+    "MegakernelOptions",
     "MoKConfig",
     "MoELayer",
     "forward_path",
