@@ -158,20 +158,7 @@ class GroupedGemmSm90(GemmCoreSm90):
             extra_c = (*cute.nvgpu.cpasync.make_tiled_tma_atom(s2g, mC2, epi_layout, self.epi_tile),
                        *cute.nvgpu.cpasync.make_tiled_tma_atom(s2g, mC3, epi_layout, self.epi_tile))
 
-        @cute.struct
-        class SharedStorage:
-            ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout_staged)],
-                self.buffer_align_bytes]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged)],
-                self.buffer_align_bytes]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
-                self.buffer_align_bytes]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.make_shared_storage()
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c, mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,

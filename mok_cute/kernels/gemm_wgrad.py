@@ -95,20 +95,7 @@ class WgradGemmSm90(GemmCoreSm90):
         tma_b, t_b = mk(g2s, mB, b_layout, (tile_n, tile_k))
         tma_c, t_c = mk(s2g, mC, epi_layout, self.epi_tile)
 
-        @cute.struct
-        class SharedStorage:
-            ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.a_dtype, 2 * cute.cosize(self.a_smem_layout_staged)],
-                self.buffer_align_bytes]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged)],
-                self.buffer_align_bytes]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
-                self.buffer_align_bytes]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.make_shared_storage(a_tiles_per_stage=2)
         self.kernel(tma_a, t_a, tma_a2, t_a2, tma_b, t_b, tma_c, t_c, tma_c2, t_c2, mOffsets,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged
