@@ -311,7 +311,15 @@ class MoELayer(nn.Module):
     [rank*E_loc, (rank+1)*E_loc)); the router and shared expert are replicated, so initialise
     them identically on every rank (same seed, or broadcast).
 
-    forward(x [..., hidden] bf16) -> [..., hidden] bf16.
+    `dtype`: the parameters' dtype, torch.bfloat16 or None (bf16 experts, fp32 router); the
+    experts must be bf16 (the kernels'), and the router is computed in fp32 whatever its storage,
+    so `layer.to(torch.bfloat16)` keeps working.
+
+    forward(x [..., hidden] bf16) -> [..., hidden] bf16; with `return_aux_loss=True` also the
+    load-balancing loss E * sum_e f_e * P_e (Switch Transformer; f_e the fraction of this call's
+    routed (token, k) slots on expert e, P_e its mean router probability; 1.0 when balanced),
+    differentiable through P: scale it and add it to the training loss. Over a `group` it covers
+    this rank's tokens.
     """
 
     def __init__(
@@ -326,6 +334,7 @@ class MoELayer(nn.Module):
         *,
         renormalize: bool = True,
         device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_int("hidden", hidden, min_value=1)
@@ -334,6 +343,8 @@ class MoELayer(nn.Module):
         check_int("top_k", top_k, min_value=1, max_value=num_experts)
         check_int("shared_intermediate", shared_intermediate, min_value=0)
         check_bool("renormalize", renormalize)
+        if dtype is not None and dtype != torch.bfloat16:
+            raise ValueError(f"dtype: expected torch.bfloat16 (the expert kernels' dtype) or None, got {dtype}")
         self.config = resolve_config(config)
         num_ranks = 1 if group is None else reference._group_size(group)
         if num_experts % num_ranks:
@@ -349,7 +360,7 @@ class MoELayer(nn.Module):
 
         bf16 = dict(dtype=torch.bfloat16, device=device)
         E_loc, I, H = self.num_local_experts, intermediate, hidden
-        self.router = nn.Linear(H, num_experts, bias=False, device=device, dtype=torch.float32)
+        self.router = nn.Linear(H, num_experts, bias=False, device=device, dtype=dtype or torch.float32)
         self.w_gate = nn.Parameter(torch.empty(E_loc, I, H, **bf16))
         self.w_up = nn.Parameter(torch.empty(E_loc, I, H, **bf16))
         self.w_down = nn.Parameter(torch.empty(E_loc, H, I, **bf16))
@@ -379,24 +390,39 @@ class MoELayer(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_idx [T, top_k] int64, topk_weights [T, top_k] fp32)."""
-        probs = F.softmax(self.router(x.float()), dim=-1)
+        idx, weights, _ = self._route(x)
+        return idx, weights
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # fp32 whatever the router's storage dtype (a bf16 router after .to(torch.bfloat16))
+        probs = F.softmax(F.linear(x.float(), self.router.weight.float()), dim=-1)
         weights, idx = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return idx, weights
+        return idx, weights, probs
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def load_balancing_loss(self, topk_idx: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """E * sum_e f_e * P_e of one call's routing (see the class doc); no host sync."""
+        slots = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
+        slots.scatter_add_(0, topk_idx.reshape(-1), torch.ones(topk_idx.numel(), device=probs.device))
+        fraction = slots / max(1, topk_idx.numel())
+        mean_probs = probs.sum(dim=0) / max(1, probs.shape[0])  # T = 0: a zero loss, not NaN
+        return self.num_experts * (fraction * mean_probs).sum()
+
+    def forward(self, x: torch.Tensor, return_aux_loss: bool = False):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x: expected a torch.Tensor [..., {self.hidden}], got {describe(x)}")
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             raise ValueError(f"x: expected shape [..., {self.hidden}], got {list(x.shape)}")
         x2d = x.reshape(-1, self.hidden).contiguous()
-        topk_idx, topk_weights = self.route(x2d)
+        topk_idx, topk_weights, probs = self._route(x2d)
         out = moe_forward(
             x2d, topk_idx, topk_weights, self.w_gate, self.w_up, self.w_down,
             shared=self.shared, group=self.group, config=self.config,
-        )
-        return out.reshape(x.shape)
+        ).reshape(x.shape)
+        if return_aux_loss:
+            return out, self.load_balancing_loss(topk_idx, probs)
+        return out
 
     def extra_repr(self) -> str:
         text = (

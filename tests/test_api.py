@@ -378,6 +378,45 @@ def test_layer_without_shared_expert_and_repr():
     assert "num_experts=4" in repr(layer) and "top_k=1" in repr(layer)
 
 
+def test_layer_in_bf16_and_after_to_bfloat16():
+    """MoELayer(dtype=torch.bfloat16) and layer.to(torch.bfloat16): the router is stored in bf16
+    and computed in fp32, the output is the reference's on that routing."""
+    torch.manual_seed(2)
+    x = torch.randn(30, 16).bfloat16()
+    for layer in (mok.MoELayer(16, 8, 4, 2, shared_intermediate=8, dtype=torch.bfloat16),
+                  mok.MoELayer(16, 8, 4, 2, shared_intermediate=8).to(torch.bfloat16)):
+        assert {p.dtype for p in layer.parameters()} == {torch.bfloat16}
+        idx, w = layer.route(x)
+        probs = torch.softmax(x.float() @ layer.router.weight.float().t(), dim=-1)
+        assert torch.equal(idx, probs.topk(2, dim=-1).indices) and w.dtype == torch.float32
+        want = ref.moe_forward(x, idx, w, layer.w_gate, layer.w_up, layer.w_down, layer.shared)
+        assert torch.equal(layer(x), want)
+    with pytest.raises(ValueError, match=r"dtype: expected torch.bfloat16 .* got torch.float32"):
+        mok.MoELayer(16, 8, 4, 2, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"w_gate: expected dtype torch.bfloat16"):
+        mok.MoELayer(16, 8, 4, 2).to(torch.float32)(x)
+
+
+def test_layer_load_balancing_loss():
+    """E * sum_e f_e * P_e by hand; 1.0 for perfectly balanced routing; gradient to the router
+    only through P; zero, not NaN, for T = 0."""
+    torch.manual_seed(3)
+    layer = mok.MoELayer(16, 8, 4, 2)
+    x = torch.randn(40, 16).bfloat16()
+    out, aux = layer(x, return_aux_loss=True)
+    assert torch.equal(out, layer(x))
+    idx, _ = layer.route(x)
+    probs = torch.softmax(x.float() @ layer.router.weight.t(), dim=-1)
+    f = torch.bincount(idx.reshape(-1), minlength=4).float() / idx.numel()
+    torch.testing.assert_close(aux, 4 * (f * probs.mean(0)).sum())
+    aux.backward()
+    assert layer.router.weight.grad is not None and layer.w_gate.grad is None
+    balanced = layer.load_balancing_loss(torch.tensor([[0, 1], [2, 3]]), torch.full((2, 4), 0.25))
+    torch.testing.assert_close(balanced, torch.tensor(1.0))
+    _, empty = layer(torch.zeros(0, 16).bfloat16(), return_aux_loss=True)
+    assert empty.item() == 0.0
+
+
 @pytest.mark.parametrize(
     "kwargs,exc,pattern",
     [
