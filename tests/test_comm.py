@@ -346,6 +346,33 @@ def test_check_cuda_names_call_rank_and_peer():
         comm.check_cuda((rt.cudaError_t.cudaErrorInvalidValue, 0), "cudaIpcOpenMemHandle", peer=1)
 
 
+def test_exchange_fds_refuses_strangers(monkeypatch):
+    """The descriptor exchange's abstract socket is open to every local user: a connection
+    counts only from the same user id and with the claimed rank's secret (issue 30)."""
+    import socket
+    from mok_cute.comm import ipc
+
+    secrets_ = [bytes([r]) * ipc._SECRET_BYTES for r in range(3)]
+
+    def greet(payload, close=False):
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with a, b:
+            a.sendall(payload)
+            if close:
+                a.close()
+            return ipc._greeting_rank(b, {0, 2}, secrets_)
+
+    hello = ipc._HELLO.pack
+    assert greet(hello(ipc._FD_MAGIC, 2, secrets_[2])) == 2
+    assert "without its secret" in greet(hello(ipc._FD_MAGIC, 2, secrets_[0]))
+    assert "rank 1" in greet(hello(ipc._FD_MAGIC, 1, secrets_[1]))  # not a peer it waits for
+    assert "magic" in greet(hello(0x1234, 0, secrets_[0]))
+    assert "cut short" in greet(b"MOK", close=True)
+    real_uid = os.getuid()
+    monkeypatch.setattr(ipc.os, "getuid", lambda: real_uid + 1)
+    assert "user" in greet(hello(ipc._FD_MAGIC, 0, secrets_[0]))
+
+
 def _check_exchange_fds(rank, world, socket_dir):
     for where in (None, socket_dir):
         # A memfd stands in for CUDA's exported descriptor: the receiver must see the same file.

@@ -51,6 +51,7 @@ import os
 import secrets
 import socket
 import struct
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,8 +124,11 @@ def check_cuda(result: Any, call: str, *, rank: int | None = None, peer: int | N
 # ---------------------------------------------------------------------------------------------
 
 _FD_MAGIC = 0x4D4F4B46  # "MOKF"
-_HELLO = struct.Struct("<Ii")  # magic, rank of the connecting process
-_OFFER = struct.Struct("<IiQ")  # magic, rank of the sender, sender's metadata (allocation size)
+_SECRET_BYTES = 16
+# magic, rank of the connecting process, that rank's secret for this exchange
+_HELLO = struct.Struct(f"<Ii{_SECRET_BYTES}s")
+# magic, rank of the sender, sender's metadata (allocation size), sender's secret
+_OFFER = struct.Struct(f"<IiQ{_SECRET_BYTES}s")
 
 
 def _recv_exact(sock: socket.socket, n: int, first: bytes = b"") -> bytes:
@@ -143,15 +147,42 @@ def _socket_address(token: str, rank: int, socket_dir: str | None) -> str:
     return os.path.join(socket_dir, f"mok_cute-{token}-{rank}.sock")
 
 
-def _gather_errors(phase: str, error: BaseException | None, group: Any) -> None:
-    """Collective: every rank learns which ranks failed ``phase``; all raise if any did."""
+def _peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _greeting_rank(conn: socket.socket, waiting: set[int], rank_secrets: list[bytes]) -> int | str:
+    """The peer rank an accepted connection comes from, or why it is refused: the abstract
+    socket is open to every local user, so a connection counts only from the same user id and
+    with the connecting rank's secret, which only the group's ranks have (all-gathered over
+    ``torch.distributed``)."""
+    if _peer_uid(conn) != os.getuid():
+        return f"a process of user {_peer_uid(conn)} connected"
+    try:
+        magic, who, secret = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+    except (OSError, ConnectionError) as e:
+        return f"a greeting was cut short ({e})"
+    if magic != _FD_MAGIC or who not in waiting:
+        return f"unexpected greeting (magic {magic:#x}, rank {who})"
+    if not secrets.compare_digest(secret, rank_secrets[who]):
+        return f"a connection claimed rank {who} without its secret"
+    return who
+
+
+def _gather_listen(error: BaseException | None, secret: bytes, group: Any) -> list[bytes]:
+    """Collective: every rank learns which ranks could not listen (all raise if any could not)
+    and every rank's secret for this exchange."""
     world = dist.get_world_size(group)
-    texts: list[Any] = [None] * world
-    dist.all_gather_object(texts, None if error is None else f"{type(error).__name__}: {error}", group=group)
-    failed = [(r, t) for r, t in enumerate(texts) if t is not None]
+    items: list[Any] = [None] * world
+    dist.all_gather_object(items, (None if error is None else f"{type(error).__name__}: {error}", secret),
+                           group=group)
+    failed = [(r, text) for r, (text, _) in enumerate(items) if text is not None]
     if failed:
         detail = "; ".join(f"rank {r}: {t}" for r, t in failed)
-        raise RuntimeError(f"{phase} failed on {len(failed)} of {world} ranks: {detail}") from error
+        raise RuntimeError(f"exchange_fds (listen) failed on {len(failed)} of {world} ranks: {detail}") from error
+    return [secret for _, secret in items]
 
 
 def exchange_fds(
@@ -173,6 +204,11 @@ def exchange_fds(
     who it is; accept one connection per peer and answer it with ``fd`` (SCM_RIGHTS); read each
     peer's answer. Connects complete against the listen backlog without waiting for the accept,
     so no rank waits on a rank that waits on it. Every blocking step has ``timeout_s``.
+
+    Who may connect: the listen collective also all-gathers a random secret per rank; a
+    connection from another user id, or without the claimed rank's secret, is refused (closed
+    unanswered: no descriptor leaves) and the rank keeps waiting for its peers. The answering
+    side is checked the same way (its user id and its secret in the answer).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     peers = [p for p in range(world) if p != rank]
@@ -184,11 +220,13 @@ def exchange_fds(
         bind_error: BaseException | None = None
         try:
             server.bind(address)
-            server.listen(max(1, len(peers)))
+            # room for strangers' connections beside the peers'
+            server.listen(max(1, 2 * len(peers)))
             server.settimeout(timeout_s)
         except OSError as e:
             bind_error = RuntimeError(f"rank {rank} could not listen on {address!r}: {e}")
-        _gather_errors("exchange_fds (listen)", bind_error, group)
+        my_secret = secrets.token_bytes(_SECRET_BYTES)
+        rank_secrets = _gather_listen(bind_error, my_secret, group)
 
         for p in peers:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -197,7 +235,7 @@ def exchange_fds(
             peer_address = _socket_address(token, p, socket_dir)
             try:
                 conn.connect(peer_address)
-                conn.sendall(_HELLO.pack(_FD_MAGIC, rank))
+                conn.sendall(_HELLO.pack(_FD_MAGIC, rank, my_secret))
             except OSError as e:
                 raise RuntimeError(f"exchange_fds: rank {rank} could not connect to peer {p} at {peer_address!r}: {e}") from e
 
@@ -211,17 +249,12 @@ def exchange_fds(
                 ) from None
             with conn:
                 conn.settimeout(timeout_s)
+                who = _greeting_rank(conn, waiting, rank_secrets)
+                if isinstance(who, str):  # a stranger: refused, keep waiting for the peers
+                    warnings.warn(f"exchange_fds: rank {rank} refused a connection: {who}", stacklevel=2)
+                    continue
                 try:
-                    magic, who = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-                except (OSError, ConnectionError) as e:
-                    raise RuntimeError(f"exchange_fds: rank {rank}: a peer's greeting was cut short: {e}") from e
-                if magic != _FD_MAGIC or who not in waiting:
-                    raise RuntimeError(
-                        f"exchange_fds: rank {rank}: unexpected greeting (magic {magic:#x}, rank {who}); "
-                        f"still waiting for peers {sorted(waiting)}"
-                    )
-                try:
-                    socket.send_fds(conn, [_OFFER.pack(_FD_MAGIC, rank, meta)], [fd])
+                    socket.send_fds(conn, [_OFFER.pack(_FD_MAGIC, rank, meta, my_secret)], [fd])
                 except OSError as e:
                     raise RuntimeError(f"exchange_fds: rank {rank} could not send its descriptor to peer {who}: {e}") from e
                 waiting.discard(who)
@@ -242,7 +275,12 @@ def exchange_fds(
                 msg = _recv_exact(conn, _OFFER.size, msg)
             except (OSError, ConnectionError) as e:
                 raise RuntimeError(f"exchange_fds: rank {rank}: peer {p}'s message was cut short: {e}") from e
-            magic, sender, peer_meta = _OFFER.unpack(msg)
+            magic, sender, peer_meta, secret = _OFFER.unpack(msg)
+            if _peer_uid(conn) != os.getuid() or not secrets.compare_digest(secret, rank_secrets[p]):
+                raise RuntimeError(
+                    f"exchange_fds: rank {rank}: the answer on peer {p}'s socket did not come from peer {p} "
+                    f"(user {_peer_uid(conn)}, secret {'matches' if secret == rank_secrets[p] else 'wrong'})"
+                )
             if magic != _FD_MAGIC or sender != p:
                 raise RuntimeError(
                     f"exchange_fds: rank {rank}: the answer on peer {p}'s socket came from rank {sender} "
