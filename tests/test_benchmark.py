@@ -448,3 +448,30 @@ def test_training_bench_on_the_gpu(tmp_path):
         assert max(r["rel_l1"].values()) <= 1e-2 and r["saved_bytes_per_token"] > 0
     assert rows[("mok_cute", "train")]["paired_vs_torch"] > 0
     assert "--train" in doc["command"]
+
+
+def test_sonicmoe_runner_passes_its_layout(monkeypatch):
+    """The one SonicMoE call both benches use (no SonicMoE here: a stand-in records what it
+    gets): gate/up rows interleaved, E-last weight views, flat routing with token indices,
+    the inference flag, and the shared expert added with torch GEMMs."""
+    p = problems.make_problem(shapes.resolve_shape("custom:6,32,16,4,2,1"), device="cpu", seed=6)
+    calls = []
+
+    def fake_moe(x, scores, token_idx, expert_idx, w1, b1, w2, b2, num_experts, stream, act, is_inference_mode_enabled):
+        calls.append(dict(scores=scores, token_idx=token_idx, expert_idx=expert_idx, w1=w1, w2=w2, E=num_experts,
+                          act=act, inference=is_inference_mode_enabled))
+        return torch.zeros_like(x), None
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 7})())
+    shared = torch_moe.fuse_shared(p.shared)
+    w1 = harness.sonicmoe_gate_up(p.w_gate, p.w_up)
+    run = harness.sonicmoe_runner(fake_moe, "swiglu", w1, p.w_down, shared, train=False)
+    i = p.inputs
+    out = run(i.x, i.topk_idx, i.topk_weights)
+    c = calls[0]
+    assert c["w1"].shape == (32, 32, 4) and torch.equal(c["w1"][0::2].permute(2, 0, 1), p.w_gate)
+    assert torch.equal(c["w1"][1::2].permute(2, 0, 1), p.w_up)
+    assert torch.equal(c["w2"].permute(2, 0, 1), p.w_down) and c["E"] == 4 and c["inference"]
+    assert c["token_idx"].tolist() == [t for t in range(6) for _ in range(2)]
+    assert torch.equal(c["expert_idx"], i.topk_idx.reshape(-1)) and torch.equal(c["scores"], i.topk_weights.reshape(-1))
+    assert torch.equal(out, torch_moe.shared_expert(i.x, *shared).float().to(torch.bfloat16))

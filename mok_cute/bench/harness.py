@@ -196,40 +196,49 @@ def _import_sonicmoe(ctx: BenchContext):
     return moe_general_routing_inputs, ActivationType
 
 
+def sonicmoe_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """SonicMoE's FC1 weight from ours: [E, 2I, H] with gate and up rows interleaved (row 2j =
+    gate_j, row 2j+1 = up_j); :func:`sonicmoe_runner` passes its (2I, H, E) view."""
+    e, i, h = w_gate.shape
+    return torch.stack([w_gate, w_up], dim=2).reshape(e, 2 * i, h)
+
+
+def sonicmoe_runner(moe_general_routing_inputs, activation, w1: torch.Tensor, w2: torch.Tensor,
+                    shared: tuple[torch.Tensor, torch.Tensor] | None, train: bool) -> Callable[..., torch.Tensor]:
+    """``run(x, topk_idx, topk_weights)``: SonicMoE's layer on mok_cute's inputs, ``w1`` from
+    :func:`sonicmoe_gate_up`, ``w2`` = w_down [E, H, I] (both passed as E-last views, so the
+    gradients of a training run land on them); ``shared`` = (ws_gate_up, ws_down) added with
+    torch GEMMs (SonicMoE has no shared expert)."""
+    num_experts = w1.shape[0]
+    stream_id = torch.cuda.current_stream().cuda_stream
+    token_index_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def run(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        t, k = topk_idx.shape
+        if (t, k) not in token_index_cache:  # routing-independent, built once per size
+            token_index_cache[(t, k)] = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
+        out, _ = moe_general_routing_inputs(
+            x, topk_weights.reshape(-1), token_index_cache[(t, k)], topk_idx.reshape(-1),
+            w1.permute(1, 2, 0), None, w2.permute(1, 2, 0), None, num_experts, stream_id, activation,
+            is_inference_mode_enabled=not train,
+        )
+        if shared is not None:
+            out = (out.float() + shared_expert(x, *shared).float()).to(torch.bfloat16)
+        return out
+
+    return run
+
+
 def _prepare_sonicmoe(problem: Problem, ctx: BenchContext, train: bool = False) -> tuple[Runner, dict[str, Any]]:
     if ctx.device.type != "cuda":
         raise SkipContender("sonicmoe needs a CUDA GPU")
     moe_general_routing_inputs, ActivationType = _import_sonicmoe(ctx)
-    e, i, h = problem.w_gate.shape
-    # SonicMoE wants w1 as (2I, H, E) with E outermost and gate/up rows interleaved
-    # (row 2j = gate_j, row 2j+1 = up_j), and w2 as (H, I, E): permuted views of [E, 2I, H] / [E, H, I].
-    w1 = torch.stack([problem.w_gate, problem.w_up], dim=2).reshape(e, 2 * i, h).permute(1, 2, 0)
-    w2 = problem.w_down.permute(1, 2, 0)
     shared = fuse_shared(problem.shared)
-    stream_id = torch.cuda.current_stream().cuda_stream
-    token_index_cache: dict[tuple[int, int], torch.Tensor] = {}
+    layer = sonicmoe_runner(moe_general_routing_inputs, ActivationType.SWIGLU,
+                            sonicmoe_gate_up(problem.w_gate, problem.w_up), problem.w_down, shared, train)
 
     def run(inp: Inputs) -> torch.Tensor:
-        t, k = inp.topk_idx.shape
-        if (t, k) not in token_index_cache:  # routing-independent, built once per size
-            token_index_cache[(t, k)] = torch.arange(t, device=inp.x.device, dtype=torch.int32).repeat_interleave(k)
-        out, _ = moe_general_routing_inputs(
-            inp.x,
-            inp.topk_weights.reshape(-1),
-            token_index_cache[(t, k)],
-            inp.topk_idx.reshape(-1),
-            w1,
-            None,
-            w2,
-            None,
-            e,
-            stream_id,
-            ActivationType.SWIGLU,
-            is_inference_mode_enabled=not train,
-        )
-        if shared is not None:  # SonicMoE has no shared expert: add it with torch GEMMs
-            out = (out.float() + shared_expert(inp.x, *shared).float()).to(torch.bfloat16)
-        return out
+        return layer(inp.x, inp.topk_idx, inp.topk_weights)
 
     info: dict[str, Any] = {"mode": "train" if train else "inference"}
     if shared is not None:

@@ -40,15 +40,17 @@ import torch
 from mok_cute.api import MoKConfig, moe_forward
 from mok_cute.bench.common import apply_config_overrides, error_text, free_memory, parse_config_overrides, parse_contenders
 from mok_cute.bench.gpu_clock import ClockSampler
-from mok_cute.bench.harness import Timer, bench_cublas, command_line
+from mok_cute.bench.harness import Timer, bench_cublas, command_line, sonicmoe_gate_up, sonicmoe_runner
 from mok_cute.bench.problems import Problem, make_problem
 from mok_cute.bench.results import gpu_name, save_results
-from mok_cute.bench.torch_moe import fuse_shared, shared_expert, torch_grouped_mm_moe
+from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe
 from mok_cute.shapes import resolve_shapes
 
 CONTENDERS = ("mok_cute", "torch_grouped_mm", "sonicmoe")
 DEFAULT_CONTENDERS = ("mok_cute", "torch_grouped_mm")
 PASSES = {"fwd": 1.0, "bwd": 2.0, "train": 3.0}  # FLOPs over the forward's
+# the reference's leaves, in moe_forward's argument order
+GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
 
 
 class Layer:
@@ -88,8 +90,7 @@ class Layer:
     def grads(self) -> dict[str, torch.Tensor]:
         g = [t.grad for t in self.leaves]
         if self.name == "mok_cute":
-            names = ["x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"]
-            return dict(zip(names, g))
+            return dict(zip(GRAD_NAMES, g))
         i = self.intermediate
         if self.name == "sonicmoe":  # gate and up rows interleaved
             out = {"x": g[0], "topk_weights": g[1], "w_gate": g[2][:, 0::2], "w_up": g[2][:, 1::2], "w_down": g[3]}
@@ -104,22 +105,15 @@ def _sonicmoe_forward(problem: Problem, x: torch.Tensor, idx: torch.Tensor, w: t
     from sonicmoe.enums import ActivationType
     from sonicmoe.functional import moe_general_routing_inputs
 
-    e, i, h = problem.w_gate.shape
-    w1 = torch.stack([problem.w_gate, problem.w_up], dim=2).reshape(e, 2 * i, h).requires_grad_()
+    w1 = sonicmoe_gate_up(problem.w_gate, problem.w_up).requires_grad_()
     w2 = problem.w_down.detach().clone().requires_grad_()
     fused = fuse_shared(problem.shared)
     shared = [t.detach().clone().requires_grad_() for t in fused] if fused else []
-    t, k = idx.shape
-    token_index = torch.arange(t, device=x.device, dtype=torch.int32).repeat_interleave(k)
-    stream_id = torch.cuda.current_stream().cuda_stream
+    layer = sonicmoe_runner(moe_general_routing_inputs, ActivationType.SWIGLU, w1, w2, tuple(shared) or None,
+                            train=True)
 
     def forward() -> torch.Tensor:
-        out, _ = moe_general_routing_inputs(x, w.reshape(-1), token_index, idx.reshape(-1), w1.permute(1, 2, 0),
-                                            None, w2.permute(1, 2, 0), None, e, stream_id, ActivationType.SWIGLU,
-                                            is_inference_mode_enabled=False)
-        if shared:  # SonicMoE has no shared expert: torch GEMMs add it
-            out = (out.float() + shared_expert(x, *shared).float()).to(torch.bfloat16)
-        return out
+        return layer(x, idx, w)
 
     forward.params = [w1, w2, *shared]
     return forward
@@ -149,8 +143,7 @@ def reference_grads(problem: Problem, d_out: torch.Tensor) -> tuple[torch.Tensor
               (i.x, i.topk_weights, problem.w_gate, problem.w_up, problem.w_down, *(problem.shared or ()))]
     out = reference.moe_forward(leaves[0], i.topk_idx, leaves[1], *leaves[2:5], shared=tuple(leaves[5:]) or None)
     out.backward(d_out)
-    names = ["x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down"]
-    return out.detach(), {n: t.grad for n, t in zip(names, leaves)}
+    return out.detach(), {n: t.grad for n, t in zip(GRAD_NAMES, leaves)}
 
 
 def rel_l1(got: torch.Tensor, want: torch.Tensor) -> float:
