@@ -158,8 +158,9 @@ def _greeting_rank(conn: socket.socket, waiting: set[int], rank_secrets: list[by
     socket is open to every local user, so a connection counts only from the same user id and
     with the connecting rank's secret, which only the group's ranks have (all-gathered over
     ``torch.distributed``)."""
-    if _peer_uid(conn) != os.getuid():
-        return f"a process of user {_peer_uid(conn)} connected"
+    uid = _peer_uid(conn)
+    if uid != os.getuid():  # before reading anything from it
+        return f"a process of user {uid} connected"
     try:
         magic, who, secret = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
     except (OSError, ConnectionError) as e:
@@ -276,10 +277,11 @@ def exchange_fds(
             except (OSError, ConnectionError) as e:
                 raise RuntimeError(f"exchange_fds: rank {rank}: peer {p}'s message was cut short: {e}") from e
             magic, sender, peer_meta, secret = _OFFER.unpack(msg)
-            if _peer_uid(conn) != os.getuid() or not secrets.compare_digest(secret, rank_secrets[p]):
+            uid, secret_ok = _peer_uid(conn), secrets.compare_digest(secret, rank_secrets[p])
+            if uid != os.getuid() or not secret_ok:
                 raise RuntimeError(
                     f"exchange_fds: rank {rank}: the answer on peer {p}'s socket did not come from peer {p} "
-                    f"(user {_peer_uid(conn)}, secret {'matches' if secret == rank_secrets[p] else 'wrong'})"
+                    f"(user {uid}, secret {'matches' if secret_ok else 'wrong'})"
                 )
             if magic != _FD_MAGIC or sender != p:
                 raise RuntimeError(
