@@ -119,10 +119,11 @@ class GemmCoreSm90:
         self.epi_smem_layout_staged = cute.tile_to_shape(
             epi_atom, cute.append(self.epi_tile, self.epi_buffers), order=(0, 1, 2))
 
-    def make_shared_storage(self, a_tiles_per_stage: int = 1):
-        """The CTA's smem struct: the operand stages' full/empty mbarriers, the A stages
-        (``a_tiles_per_stage`` tiles each: the gated wgrad keeps two), the B stages and the
-        epilogue buffers."""
+    def make_shared_storage(self, a_tiles_per_stage: int = 1, extra_fields=None):
+        """The CTA's smem struct: the operand stages' full/empty mbarriers, ``extra_fields``
+        (name -> struct member type, in order: the megakernel's comm and ticket words), the A
+        stages (``a_tiles_per_stage`` tiles each: the gated wgrad keeps two), the B stages and
+        the epilogue buffers."""
 
         def aligned(dtype, elements):
             return cute.struct.Align[cute.struct.MemRange[dtype, elements], self.buffer_align_bytes]
@@ -131,6 +132,7 @@ class GemmCoreSm90:
         # cute.struct does not evaluate
         fields = {
             "ab_full_empty": cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2],
+            **(extra_fields or {}),
             "sA": aligned(self.a_dtype, a_tiles_per_stage * cute.cosize(self.a_smem_layout_staged)),
             "sB": aligned(self.b_dtype, cute.cosize(self.b_smem_layout_staged)),
             "sC": aligned(self.c_dtype, cute.cosize(self.epi_smem_layout_staged)),

@@ -138,25 +138,13 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
 
         ticket_words = TICKET_SLOTS * (DECODED_WORDS if const_expr(self.spec.ticket_ring) else 1)
 
-        @cute.struct
-        class SharedStorage:
-            ab_full_empty: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            row_src: cute.struct.MemRange[cutlass.Int64, TILE_M]
-            row_dst: cute.struct.MemRange[cutlass.Int64, TILE_M]
-            comm_words: cute.struct.MemRange[Int32, 4]
-            ticket_q: cute.struct.MemRange[Int32, ticket_words]  # the ticket ring
-            ticket_full_empty: cute.struct.MemRange[cutlass.Int64, 2 * TICKET_SLOTS]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[BFloat16, cute.cosize(self.a_smem_layout_staged)],
-                self.buffer_align_bytes]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[BFloat16, cute.cosize(self.b_smem_layout_staged)],
-                self.buffer_align_bytes]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[BFloat16, cute.cosize(self.epi_smem_layout_staged)],
-                self.buffer_align_bytes]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.make_shared_storage(extra_fields={
+            "row_src": cute.struct.MemRange[cutlass.Int64, TILE_M],
+            "row_dst": cute.struct.MemRange[cutlass.Int64, TILE_M],
+            "comm_words": cute.struct.MemRange[Int32, 4],
+            "ticket_q": cute.struct.MemRange[Int32, ticket_words],  # the ticket ring
+            "ticket_full_empty": cute.struct.MemRange[cutlass.Int64, 2 * TICKET_SLOTS],
+        })
         self.kernel(
             tasks, queues, queue_len, queue_live_len, queue_blocks, counter_offsets,
             counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
