@@ -1,13 +1,14 @@
 """mok_cute: an expert-parallel Mixture-of-Experts layer as CuTe DSL GPU kernels.
 
 Public API (DESIGN §2): `MoKConfig` (with its `ExpertPathOptions`, `MegakernelOptions`), `moe_forward`, `moe_forward_virtual`, `MoELayer`,
-`forward_path`, and the modules `reference` (PyTorch oracle) and `schedule` (receive schedule).
+`forward_path`, `check_errors` / `PeerTimeoutError` (megakernel failures), and the modules `reference` (PyTorch oracle) and `schedule` (receive schedule).
 Importing the package does not import the CuTe DSL; the kernel path loads it on first use.
 """
 
 from . import reference, schedule
 from .api import MoELayer, forward_path, moe_forward, moe_forward_virtual
 from .config import ExpertPathOptions, MegakernelOptions, MoKConfig
+from .errors import PeerTimeoutError, check_errors
 
 __version__ = "0.1.0"
 
@@ -16,6 +17,8 @@ __all__ = [
     "MegakernelOptions",
     "MoKConfig",
     "MoELayer",
+    "PeerTimeoutError",
+    "check_errors",
     "forward_path",
     "moe_forward",
     "moe_forward_virtual",

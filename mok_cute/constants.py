@@ -20,10 +20,32 @@ SCALAR_FIELDS = ("epoch", "rank_base", "tiles_per_minibatch", "x_offset", "combi
                  "flags_offset", "timeout_ns", "local_experts", "static_tiles", "silent_rank")
 SCALARS = len(SCALAR_FIELDS)
 
-# Error word of a bounded wait (int64): 0 = no error, else
-# (task_id + 1) | peer << 32 | code << 48; the highest code wins (atomic max).
-WAIT_TIMEOUT = 1  # a wait passed its deadline (the peer had started this launch)
-PEER_NEVER_STARTED = 2  # ... and the peer never announced its start
+# Error word of a bounded wait (int64, kept positive): 0 = no error, else
+# (task_id + 1) | peer << 32 | rank << 44 | code << 56, with ``rank`` the (virtual) rank that
+# waited and ``peer`` the one it waited for. The highest code wins (atomic max), so the root
+# cause outranks the waits that gave up behind it.
+ERROR_PEER_SHIFT, ERROR_RANK_SHIFT, ERROR_CODE_SHIFT = 32, 44, 56
+ERROR_RANK_MASK = (1 << 12) - 1
+PEER_FAILED = 1  # the peer's BARRIER flag said its own launch had an error in this call
+WAIT_TIMEOUT = 2  # a wait passed its deadline (the peer had started this launch)
+PEER_NEVER_STARTED = 3  # ... and the peer never announced its start
+
+# Cross-rank flag values of call ``epoch`` (``FLAG_STEPS`` per call, so a flag only grows):
+# start, then "my combines into you are done" with or without an error in my launch.
+FLAG_STEPS = 3
+
+
+def flag_started(epoch):
+    return FLAG_STEPS * epoch - 2
+
+
+def flag_done(epoch):
+    return FLAG_STEPS * epoch - 1
+
+
+def flag_failed(epoch):
+    return FLAG_STEPS * epoch
+
 
 # Timeline recorder buffer: int64 buf[8 + 4 * capacity]; buf[0] capacity, buf[1] ticket
 # counter (may pass capacity: the excess is the dropped count), buf[2] start ns (first writer

@@ -2,30 +2,63 @@
 
 from __future__ import annotations
 
-from mok_cute.constants import PEER_NEVER_STARTED
+import sys
+
+from mok_cute.constants import (ERROR_CODE_SHIFT, ERROR_PEER_SHIFT, ERROR_RANK_MASK,
+                                ERROR_RANK_SHIFT, PEER_FAILED, PEER_NEVER_STARTED)
 
 
 class PeerTimeoutError(RuntimeError):
-    """A bounded wait inside a kernel passed its deadline: names the task and the peer."""
+    """A megakernel call could not complete: one of its bounded waits passed its deadline, or
+    a peer reported that its own launch of the same call failed. Names the call (the plan's
+    call number), the rank that waited, the task and the peer. The outputs of that call's
+    incomplete rows are NaN."""
 
-    def __init__(self, task_id: int, peer: int, code: int):
-        self.task_id, self.peer, self.code = task_id, peer, code
-        why = ("that peer never announced its start (its process died or never launched)"
-               if code == PEER_NEVER_STARTED else "that peer stopped publishing its counters")
-        super().__init__(f"task {task_id} timed out waiting for peer {peer} (error code {code}): {why}")
+    def __init__(self, task_id: int, peer: int, code: int, rank: int | None = None,
+                 call: int | None = None):
+        self.task_id, self.peer, self.code, self.rank, self.call = task_id, peer, code, rank, call
+        where = "" if call is None else f"megakernel call {call}: "
+        who = "" if rank is None else f"rank {rank}: "
+        if code == PEER_FAILED:
+            text = (f"task {task_id}: peer {peer} reported that its own launch of this call "
+                    "failed (its error names the cause)")
+        else:
+            why = ("that peer never announced its start (its process died or never launched)"
+                   if code == PEER_NEVER_STARTED else "that peer stopped publishing its counters")
+            text = f"task {task_id} timed out waiting for peer {peer} (error code {code}): {why}"
+        super().__init__(f"{where}{who}{text}; the rows it could not complete are NaN")
 
 
-def decode_wait_error(word: int) -> tuple[int, int, int] | None:
-    """(task_id, peer, code) from an error word written by ``kernels.common.wait_counter``;
-    None if 0 (layout: ``mok_cute.constants``)."""
+def error_word(task_id: int, peer: int, rank: int, code: int) -> int:
+    """The error word ``kernels.common.wait_counter`` writes (layout: ``mok_cute.constants``)."""
+    return ((task_id + 1) | (peer << ERROR_PEER_SHIFT) | (rank << ERROR_RANK_SHIFT)
+            | (code << ERROR_CODE_SHIFT))
+
+
+def decode_wait_error(word: int) -> tuple[int, int, int, int] | None:
+    """(task_id, peer, rank, code) of an error word; None if 0."""
     word = int(word)
     if word == 0:
         return None
-    return (word & 0xFFFFFFFF) - 1, (word >> 32) & 0xFFFF, (word >> 48) & 0xFFFF
+    return ((word & 0xFFFFFFFF) - 1, (word >> ERROR_PEER_SHIFT) & ERROR_RANK_MASK,
+            (word >> ERROR_RANK_SHIFT) & ERROR_RANK_MASK, word >> ERROR_CODE_SHIFT)
 
 
-def raise_on_wait_error(word: int) -> None:
-    """Turn a non-zero error word into a PeerTimeoutError (host side, after the launch)."""
+def raise_on_wait_error(word: int, call: int | None = None, rank_base: int = 0) -> None:
+    """Turn a non-zero error word into a PeerTimeoutError (host side, after the launch).
+    ``rank_base``: the group rank of the launch's rank 0 (an IPC process's rank)."""
     decoded = decode_wait_error(word)
     if decoded is not None:
-        raise PeerTimeoutError(*decoded)
+        task_id, peer, rank, code = decoded
+        raise PeerTimeoutError(task_id, peer, code, rank + rank_base, call)
+
+
+def check_errors() -> None:
+    """Raise ``PeerTimeoutError`` for the first megakernel call that could not complete and
+    has not been reported yet (its rows that could not complete hold NaN). Calls with
+    ``MoKConfig(check_ids=False)`` and CUDA-graph replays never synchronise, so they report a
+    failure only at a later call of the same plan or here. Synchronises with the device; does
+    nothing when no megakernel has run in this process."""
+    megakernel = sys.modules.get("mok_cute.megakernel")
+    if megakernel is not None:
+        megakernel.check_errors()

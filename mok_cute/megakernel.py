@@ -10,12 +10,16 @@ the ring buffers, the encoded task list and the compiled kernel. A call then cop
 the symmetric buffers, builds the receive schedules on the device (no host sync), bumps the
 epoch on the device, zeroes the counters and launches the kernel once.
 
-The kernel's error word (a bounded wait timed out) is read back without a sync: it is copied
-into one of a few pinned words after the launch; each call polls the earlier copies without
-waiting (``Event.query``) and raises for the first that holds an error; the call's id check
-(``check_ids``) and ``raise_pending_errors()`` wait for all of them. Waiting for the previous
-launch at the start of a call would idle the GPU for the host work of every call (about 1 ms
-on dsv3, docs/measurements.md).
+Failures: a call whose launch could not complete (a wait timed out, or a peer reported its
+own launch failed) has NaN in every output row it could not complete, never a plausible wrong
+row (``kernels.megakernel.kernel``), and raises ``PeerTimeoutError`` naming the call, the rank
+and the peer: from that call itself when it synchronises anyway (``check_ids=True``: the id
+check's read is the same wait), otherwise from a later call of the same plan once the failed
+launch has finished, or from ``mok_cute.check_errors()``. The kernel's error word is read back
+without a sync: it is copied into one of a few pinned words after the launch; each call polls
+the earlier copies without waiting (``Event.query``). Waiting for the previous launch at the
+start of a call would idle the GPU for the host work of every call (about 1 ms on dsv3,
+docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -232,7 +236,8 @@ class Plan:
         self.error = torch.zeros(1, dtype=torch.int64, device=dev)
         self._error_words = [torch.zeros(1, dtype=torch.int64, pin_memory=True)
                              for _ in range(ERROR_SLOTS)]
-        self._pending_errors = collections.deque()  # (event, pinned word) per launch in flight
+        self._pending_errors = collections.deque()  # (event, pinned word, call) per launch
+        self.calls = 0  # launches so far: the call number an error names
         self._next_error_word = 0
         self.timeline_buf = None
         if k.spec.timeline:
@@ -285,6 +290,7 @@ class Plan:
                                          for r in range(len(scheds))])
         num_tiles = scheds.num_tiles
         self.scalars[0].add_(1)
+        self.calls += 1
         waits = (int(timeout_ms * 1e6), silent_rank)
         if waits != self._waits:  # rewritten only when they change: no launches per call
             self._waits = waits
@@ -319,12 +325,12 @@ class Plan:
         word.copy_(self.error, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending_errors.append((event, word))
+        self._pending_errors.append((event, word, self.calls))
         return out
 
     def raise_pending_errors(self) -> None:
         """Wait for every launch's error-word copy; raise PeerTimeoutError for the first
-        launch whose bounded wait timed out."""
+        launch that could not complete."""
         self._check_errors(block=True)
 
     def _check_errors(self, block: bool) -> None:
@@ -334,12 +340,24 @@ class Plan:
 
         pending = self._pending_errors
         while pending:
-            event, word = pending[0]
+            event, word, call = pending[0]
             if not (block or len(pending) >= ERROR_SLOTS or event.query()):
                 break
             event.synchronize()
             pending.popleft()
-            raise_on_wait_error(int(word[0]))
+            if word[0] != 0 and call == self.calls:
+                self.error.zero_()  # reported here: check_device_error must not repeat it
+            raise_on_wait_error(int(word[0]), call)
+
+    def check_device_error(self) -> None:
+        """Read the error word of the plan's last launch on the device (synchronises): it also
+        covers CUDA-graph replays, which leave no host-side record."""
+        from mok_cute.errors import raise_on_wait_error
+
+        word = int(self.error.item())
+        if word:
+            self.error.zero_()
+            raise_on_wait_error(word, self.calls)
 
 
 _PLANS: dict[PlanKey, Plan] = {}
@@ -443,9 +461,23 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
 
 
 def raise_pending_errors() -> None:
-    """Check every plan's last launch for a timed-out wait (PeerTimeoutError)."""
-    for plan in list(_PLANS.values()):
+    """Wait for every plan's launches in flight; raise PeerTimeoutError for the first that
+    could not complete."""
+    with _PLANS_LOCK:
+        plans = list(_PLANS.values())
+    for plan in plans:
         plan.raise_pending_errors()
+
+
+def check_errors() -> None:
+    """``mok_cute.check_errors``: every plan's launches in flight, then the error word of its
+    last launch on the device (CUDA-graph replays included); synchronises."""
+    with _PLANS_LOCK:
+        plans = list(_PLANS.values())
+    for plan in plans:
+        with plan.lock:
+            plan.raise_pending_errors()
+            plan.check_device_error()
 
 
 @functools.lru_cache(maxsize=None)

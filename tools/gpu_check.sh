@@ -19,6 +19,9 @@
 #   train [TAG]     the training bench (mok-cute bench --train: mok_cute and the torch pipeline
 #                   under autograd, fwd/bwd/train passes, $ROUNDS (3) rounds) on the five shapes,
 #                   then the training tests (compile, bench) beside examples/train_tiny_moe.py
+#   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
+#                   R = 2 and 4, a shared expert, a wrapping ring; T = 300, H = 512) under
+#                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
 #   ep [N]          on a machine of N >= 2 GPUs (default: all): tools/ep_check.py, the example
 #                   under torchrun and `mok-cute bench --ep`, with the IPC megakernel
 set -u
@@ -138,6 +141,21 @@ run_train() {
   grep -q "^train_tests *rc=0 " "$out/train_tests.line" || failures=$((failures + 1))
 }
 
+run_sanitize() {
+  # torch probes driver symbols at start-up: harmless API errors, not reported (--report-api-errors no)
+  local tool
+  for tool in memcheck racecheck synccheck; do
+    step "sanitize_$tool" "${SANITIZE_SECS:-540}" compute-sanitizer --tool "$tool" \
+      --report-api-errors no --error-exitcode 3 python3 tools/sanitize.py > "$out/sanitize_$tool.line" &
+  done
+  wait
+  for tool in memcheck racecheck synccheck; do
+    cat "$out/sanitize_$tool.line"
+    grep -E "cases ok|ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitize_$tool.log" | tail -2 | cut -c1-150
+    grep -q "rc=0 " "$out/sanitize_$tool.line" || failures=$((failures + 1))
+  done
+}
+
 run_ep() {
   local n="${1:-$(nvidia-smi -L | wc -l)}"
   if [ "$n" -lt 2 ]; then echo "ep: needs 2 or more GPUs, this machine has $n"; failures=$((failures + 1)); return; fi
@@ -155,8 +173,9 @@ case "$mode" in
   bench) run_bench "${2:-single}" ;;
   sonic) run_sonic "${2:-vs_sonicmoe}" ;;
   train) run_train "${2:-train}" ;;
+  sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]

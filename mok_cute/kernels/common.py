@@ -20,7 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Float32, const_expr
 
-from mok_cute.constants import (PEER_NEVER_STARTED, TIMELINE_HEADER_WORDS, TIMELINE_RECORD_WORDS,
+from mok_cute.constants import (ERROR_CODE_SHIFT, ERROR_PEER_SHIFT, ERROR_RANK_SHIFT,
+                                PEER_NEVER_STARTED, TIMELINE_HEADER_WORDS, TIMELINE_RECORD_WORDS,
                                 WAIT_TIMEOUT)
 
 LOG2_E = 1.4426950408889634
@@ -59,12 +60,13 @@ def silu(x: Float32) -> Float32:
 # ---------------------------------------------------------------------- sync helpers
 # Integer counters in global memory order the tasks of a persistent launch: a producer
 # publishes with release semantics, a consumer spins with acquire loads until the counter
-# reaches its target. A wait is bounded: past its deadline it records who it was waiting
-# for in an error word and gives up, so a stalled peer becomes a host-side exception, not a
-# hang. Error word layout (int64, mok_cute.constants; mok_cute.errors decodes it): 0 = no
-# error, else (task_id + 1) | peer << 32 | code << 48.
-# Every waiter that gives up records its word with an atomic max, so the highest code wins:
-# the peer that never started outranks the peers stalled behind it.
+# reaches its target. A wait is bounded, measured from when it began: past its deadline it
+# records who it was waiting for in an error word and gives up, so a stalled peer becomes a
+# host-side exception, not a hang; once any wait has given up, every other wait gives up at
+# once, so the launch ends promptly. Error word layout: ``mok_cute.constants`` (the waiting
+# rank, the peer waited for, the task, a code); ``mok_cute.errors`` decodes it. Every waiter
+# that gives up records its word with an atomic max, so the highest code wins: the peer that
+# never started outranks the peers stalled behind it.
 SPIN_SLEEP_MIN_NS = 32
 SPIN_SLEEP_MAX_NS = 2048
 
@@ -97,33 +99,48 @@ def tma_stores_landed(pending: cutlass.Constexpr[int] = 0):
 
 
 @cute.jit
-def wait_counter(counter: cute.Tensor, index, target, deadline_ns: Int64, error: cute.Tensor,
-                 task_id, peer, scope: cutlass.Constexpr[str] = "gpu",
+def record_error(error: cute.Tensor, task_id, peer, rank, code):
+    """Record (task, peer, waiting rank, code) in the error word; the highest word wins."""
+    word = ((Int64(task_id) + 1) | (Int64(peer) << ERROR_PEER_SHIFT)
+            | (Int64(rank) << ERROR_RANK_SHIFT) | (Int64(code) << ERROR_CODE_SHIFT))
+    cute.arch.atomic_max(error.iterator.llvm_ptr, word)
+
+
+@cute.jit
+def error_recorded(error: cute.Tensor) -> cutlass.Boolean:
+    """Has any wait of this launch given up (relaxed read of the error word)?"""
+    return cute.arch.load(error.iterator.llvm_ptr, Int64, sem="relaxed", scope="gpu") != 0
+
+
+@cute.jit
+def wait_counter(counter: cute.Tensor, index, target, timeout_ns: Int64, error: cute.Tensor,
+                 task_id, peer, rank, scope: cutlass.Constexpr[str] = "gpu",
                  started_at=0) -> cutlass.Boolean:
-    """Spin (nanosleep, doubling backoff) until counter[index] >= target or the deadline.
+    """Spin (nanosleep, doubling backoff) until counter[index] >= target, at most
+    ``timeout_ns`` from the wait's first miss.
 
     Returns True when the target was reached. A waiter gives up at its deadline, or as soon
-    as anyone has recorded an error (one stall stops every waiter), and records its (task,
-    peer) into ``error[0]`` with an atomic max: code PEER_NEVER_STARTED when the counter is
-    still below ``started_at`` (a peer's flag before its start announcement), WAIT_TIMEOUT
+    as anyone has recorded an error (one stall stops every waiter), and records (task, peer,
+    ``rank`` = the waiting rank) into ``error[0]``: code PEER_NEVER_STARTED when the counter
+    is still below ``started_at`` (a peer's flag before its start announcement), WAIT_TIMEOUT
     otherwise. Returns False then.
     """
     value = counter_load(counter, index, scope)
     reached = value >= target
-    sleep_ns = Int32(SPIN_SLEEP_MIN_NS)
-    while not reached:
-        nanosleep(sleep_ns)
-        sleep_ns = cutlass.min(sleep_ns * 2, SPIN_SLEEP_MAX_NS)
-        value = counter_load(counter, index, scope)
-        reached = value >= target
-        if not reached:
-            if (cute.arch.globaltimer() > deadline_ns
-                    or cute.arch.load(error.iterator.llvm_ptr, Int64, sem="relaxed", scope="gpu") != 0):
-                code = Int64(cutlass.select_(value < started_at, Int64(PEER_NEVER_STARTED),
-                                             Int64(WAIT_TIMEOUT)))
-                word = (Int64(task_id) + 1) | (Int64(peer) << 32) | (code << 48)
-                cute.arch.atomic_max(error.iterator.llvm_ptr, word)
-                reached = True  # leave the loop; the caller sees the error word
+    if not reached:
+        deadline_ns = cute.arch.globaltimer() + timeout_ns  # read only by waits that miss
+        sleep_ns = Int32(SPIN_SLEEP_MIN_NS)
+        while not reached:
+            nanosleep(sleep_ns)
+            sleep_ns = cutlass.min(sleep_ns * 2, SPIN_SLEEP_MAX_NS)
+            value = counter_load(counter, index, scope)
+            reached = value >= target
+            if not reached:
+                if cute.arch.globaltimer() > deadline_ns or error_recorded(error):
+                    code = cutlass.select_(value < started_at, Int32(PEER_NEVER_STARTED),
+                                           Int32(WAIT_TIMEOUT))
+                    record_error(error, task_id, peer, rank, code)
+                    reached = True  # leave the loop; the caller sees the error word
     return counter_load(counter, index, scope) >= target
 
 

@@ -16,7 +16,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Int32, Int64, const_expr
 
-from mok_cute.constants import TILE_M, VEC_ELEMS
+from mok_cute.constants import TILE_M, VEC_ELEMS, flag_started
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.scheduler import TaskTables
 from mok_cute.tasks import Role, TaskType, TaskWord
@@ -94,13 +94,13 @@ class CommTasks:
                     self._wait_task_recorded(ctx, tt, index, rank, timeline_buf, int(Role.COMM),
                                              True)
                     if ttype == int(TaskType.BARRIER):
-                        self._announce_done(ctx, peer_bases, rank)
+                        self._announce_done(ctx, peer_bases, tt.error, rank)
                     elif peers_started == 0:
                         # pulling from / pushing to a peer needs its start flag for this epoch
                         for r in cutlass.range(self.num_ranks, unroll=1):
                             for p in cutlass.range(num_peers, unroll=1):
                                 self._wait_flag(ctx, peer_bases, tt.error, r, p,
-                                                2 * ctx.epoch - 1, index)
+                                                flag_started(ctx.epoch), index)
                         peers_started = Int32(1)
                     words[1] = 0
                 sync.arrive_and_wait()

@@ -638,7 +638,7 @@ class GemmTasks:
             self._fence()
             if const_expr(self.spec.num_comm_ctas == 0):
                 if ttype == int(TaskType.BARRIER):
-                    self._announce_done(ctx, peer_bases, rank)
+                    self._announce_done(ctx, peer_bases, tt.error, rank)
             if const_expr(self.spec.ticket_ring):
                 signal = ring_words(ticket_q, taken - 1)[D_SIGNAL]
                 common.counter_publish(tt.counters[rank, None], signal, 1, self.spec.scope)

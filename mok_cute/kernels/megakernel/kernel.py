@@ -22,16 +22,22 @@ cross-rank waits are KSUM's (every peer's BARRIER flag), which are lower tickets
 
 Ordering: a reader of rows another CTA wrote acquires the counter, and a TMA reader then
 issues ``fence.proxy.async.global``; a TMA writer waits for its stores, fences the async
-proxy, then publishes with release. Every wait is bounded: the first timeout writes
-(task, peer) into the error word and ends all other waits; the host raises
-``PeerTimeoutError``.
+proxy, then publishes with release.
+
+Failures: every wait is bounded, from when it began (``MoKConfig.timeout_ms``). The first
+wait that gives up writes (task, waiting rank, peer) into the error word and ends every other
+wait; the tasks still run (on whatever rows arrived) and publish, so the launch ends promptly.
+Nothing built from them reaches the output: a BARRIER whose launch has an error tells its
+peers so through its flag, and a KSUM whose launch has an error, or whose peer's flag says so,
+writes NaN rows. The host raises ``PeerTimeoutError`` (``mok_cute.megakernel``).
 
 Cross-rank flags (the symmetric ``barrier_flags[R]`` of every rank; flag ``s`` is written
-only by rank ``s``, so it only grows): at launch start rank ``s`` stores ``2*epoch - 1``
-into every peer's flag ``s`` ("my x is ready and my previous call is over"), and its BARRIER
-stores ``2*epoch`` ("my combines into you are done"). DISPATCH from peer p and COMBINE into
-peer p wait for flag p >= 2*epoch - 1; KSUM waits for every flag >= 2*epoch. No counter
-that a peer writes ever needs a reset, and no NVLink multicast is used.
+only by rank ``s``, three values per call so that it only grows, ``constants.flag_*``): at
+launch start rank ``s`` stores ``flag_started`` into every peer's flag ``s`` ("my x is ready
+and my previous call is over"), and its BARRIER stores ``flag_done`` ("my combines into you
+are done"), or ``flag_failed`` (the same, but my launch had an error). DISPATCH from peer p
+and COMBINE into peer p wait for flag p >= flag_started; KSUM waits for every flag >=
+flag_done. No counter that a peer writes ever needs a reset, and no NVLink multicast is used.
 """
 
 from __future__ import annotations
@@ -185,7 +191,7 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        ctx = Context(scalars, cute.arch.globaltimer())
+        ctx = Context(scalars)
         tt = TaskTables(tasks, queues, queue_len, queue_live_len, queue_blocks, counter_offsets,
                         counters, error, num_tiles)
         routing = Routing(tile_expert, row_peer, row_token, row_k, slot_rows, peer_bases,

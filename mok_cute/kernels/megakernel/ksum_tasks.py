@@ -17,7 +17,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
-from mok_cute.constants import TILE_K, VEC_ELEMS
+from mok_cute.constants import PEER_FAILED, TILE_K, VEC_ELEMS, flag_done, flag_failed
+from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.comm_tasks import Routing
 from mok_cute.kernels.megakernel.scheduler import TaskTables
 from mok_cute.kernels.token_ops import k_sum_vector
@@ -54,22 +55,32 @@ class KsumTasks:
         elif consumer_tidx == 0:
             self._ksum_waits(ctx, tt, routing.peer_bases, timeline_buf, index, rank)
         barrier.arrive_and_wait()
+        # A wait of this launch gave up, or a peer's launch did: this task's rows may be
+        # built from garbage, so they become NaN, never a plausible wrong output.
+        failed = common.error_recorded(tt.error)
         lane = cute.arch.lane_idx()
         warp = consumer_tidx // 32
         combine_base = self._combine_base(ctx, routing.peer_bases, rank)
         for t in cutlass.range(tt.tasks[index, TaskWord.ROW_BEGIN] + warp,
                                tt.tasks[index, TaskWord.ROW_END], KSUM_WARPS, unroll=1):
-            self._ksum_token(ctx, routing, rank, t, combine_base, ring_y, out, shared_y, lane,
-                             0 + warp, ksum_stage)
+            if failed:
+                _nan_row(out[rank, t, None], lane)
+            else:
+                self._ksum_token(ctx, routing, rank, t, combine_base, ring_y, out, shared_y,
+                                 lane, 0 + warp, ksum_stage)
 
     @cute.jit
     def _ksum_waits(self, ctx, tt: TaskTables, peer_bases, timeline_buf, index: Int32,
                     rank: Int32):
         """One thread: a KSUM's waits (BARRIER_DONE, the shared expert's tile), then every
-        peer's BARRIER flag for this epoch."""
+        peer's BARRIER flag for this epoch; a peer whose flag says its launch failed is
+        recorded as PEER_FAILED."""
         self._wait_task_recorded(ctx, tt, index, rank, timeline_buf, int(Role.COMPUTE), True)
         for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
-            self._wait_flag(ctx, peer_bases, tt.error, rank, p, 2 * ctx.epoch, index)
+            flag = self._wait_flag(ctx, peer_bases, tt.error, rank, p, flag_done(ctx.epoch),
+                                   index)
+            if flag == flag_failed(ctx.epoch):
+                common.record_error(tt.error, index, p, ctx.rank_base + rank, PEER_FAILED)
 
     @cute.jit
     def _combine_base(self, ctx, peer_bases, rank: Int32) -> Int64:
@@ -156,6 +167,16 @@ class KsumTasks:
             if row >= 0:
                 addr = ring_y[row, None, rank].iterator.toint()
         return addr
+
+
+@cute.jit
+def _nan_row(out_row, lane: Int32):
+    """One warp: every element of the bf16 row ``out_row`` becomes NaN."""
+    vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    nan = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+    nan.fill(float("nan"))
+    for v in cutlass.range(lane, cute.size(out_row) // VEC_ELEMS, 32, unroll=1):
+        cute.copy(vec, nan, cute.local_tile(out_row, (VEC_ELEMS,), (v,)))
 
 
 def _smem_vec(lane_base, j: int):

@@ -12,10 +12,10 @@ by the tests and the simulator, is ``mok_cute.tickets.ticket_position``):
 
 A task runs when its minibatch is live, is a no-op (signals without work) when its M-tile
 is past the live count, and is skipped otherwise. Before running, a task waits on its
-counters (acquire, bounded by the launch deadline); when done it publishes its one counter
+counters (acquire, each wait bounded by the timeout); when done it publishes its one counter
 (release). Cross-rank flags live in every rank's symmetric buffer: flag ``s`` is written only
-by rank ``s`` (2*epoch - 1 at launch start, 2*epoch after its last combine), so it only grows
-and never needs a reset.
+by rank ``s`` (``constants.flag_started`` at launch start, ``flag_done`` or ``flag_failed``
+after its last combine), so it only grows and never needs a reset.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
-from mok_cute.constants import SCALARS, TICKETS
+from mok_cute.constants import SCALARS, TICKETS, flag_done, flag_failed, flag_started
 from mok_cute.kernels import common
 from mok_cute.tasks import CounterGroup, TaskType, TaskWord
 
@@ -56,18 +56,16 @@ class TaskTables(NamedTuple):
 
 
 class Context:
-    """Per-launch run-time scalars (``constants.SCALAR_FIELDS``), read once per thread;
-    the timeout becomes an absolute deadline. Carried through run-time loops as DSL values."""
+    """Per-launch run-time scalars (``constants.SCALAR_FIELDS``), read once per thread.
+    Carried through run-time loops as DSL values."""
 
     _FIELDS = ("epoch", "rank_base", "tiles_per_minibatch", "x_offset", "combine_offset",
-               "flags_offset", "deadline", "local_experts", "static_tiles", "silent_rank")
+               "flags_offset", "timeout_ns", "local_experts", "static_tiles", "silent_rank")
     _TYPES = (Int32, Int32, Int32, Int64, Int64, Int64, Int64, Int32, Int32, Int32)
 
-    def __init__(self, scalars: cute.Tensor = None, now: Int64 = None, values=None):
+    def __init__(self, scalars: cute.Tensor = None, values=None):
         if values is None:
-            words = [scalars[i] for i in range(SCALARS)]
-            words[6] = now + words[6]  # timeout ns -> deadline
-            values = [t(w) for t, w in zip(self._TYPES, words)]
+            values = [t(scalars[i]) for i, t in zip(range(SCALARS), self._TYPES)]
         for name, v in zip(self._FIELDS, values):
             setattr(self, name, v)
 
@@ -181,8 +179,9 @@ class SchedulerMixin:
             if const_expr(lanes is not None):
                 first, step = first + lane, lanes
             for i in cutlass.range(first, end, step, unroll=1):
-                common.wait_counter(rank_counters, base + i, target, ctx.deadline, tt.error,
-                                    index, ctx.rank_base + rank, self.spec.scope)
+                me = ctx.rank_base + rank
+                common.wait_counter(rank_counters, base + i, target, ctx.timeout_ns, tt.error,
+                                    index, me, me, self.spec.scope)
 
     @cute.jit
     def _wait_task_recorded(self, ctx, tt: TaskTables, index: Int32, rank: Int32,
@@ -258,31 +257,38 @@ class SchedulerMixin:
 
     @cute.jit
     def _wait_flag(self, ctx, peer_bases, error, rank: Int32, peer: Int32, target: Int32,
-                   index: Int32):
+                   index: Int32) -> Int32:
         """Wait until ``peer`` has stored >= target into this rank's flag ``peer`` (a flag
-        still below this launch's start value 2*epoch - 1 names a peer that never started)."""
+        still below this launch's start value names a peer that never started); the flag's
+        value then (it tells a failed peer from a finished one)."""
         me = ctx.rank_base + rank
         own = self._flag_tensor(ctx, peer_bases, rank, me)
-        common.wait_counter(own, peer, target, ctx.deadline, error, index, peer, self.spec.scope,
-                            2 * ctx.epoch - 1)
+        common.wait_counter(own, peer, target, ctx.timeout_ns, error, index, peer, me,
+                            self.spec.scope, flag_started(ctx.epoch))
+        return common.counter_load(own, peer, self.spec.scope)
 
     @cute.jit
     def _announce_start(self, ctx, peer_bases, tidx: Int32):
-        """Comm CTA 0: each rank's start flag (2*epoch - 1) into every peer's buffer."""
+        """Comm CTA 0: each rank's start flag into every peer's buffer."""
         if cute.arch.block_idx()[0] == 0:
             num_peers = cute.size(peer_bases, mode=[1])
             for i in cutlass.range(tidx, self.num_ranks * num_peers, self.threads_per_cta, unroll=1):
                 rank = i // num_peers
                 if rank != ctx.silent_rank:
-                    self._store_flag(ctx, peer_bases, rank, i - rank * num_peers, 2 * ctx.epoch - 1)
+                    self._store_flag(ctx, peer_bases, rank, i - rank * num_peers,
+                                     flag_started(ctx.epoch))
 
     @cute.jit
-    def _announce_done(self, ctx, peer_bases, rank: Int32):
+    def _announce_done(self, ctx, peer_bases, error, rank: Int32):
         """The BARRIER's flag, after its waits: this rank's combines are all done, told to
-        every peer (unicast flags, 2*epoch)."""
+        every peer (unicast flags): ``flag_done``, or ``flag_failed`` when a wait of this
+        launch has given up (then the rows it pushed may be garbage, and every peer's k-sum
+        writes NaN instead of a plausible wrong output)."""
         self._fence()
+        value = cutlass.select_(common.error_recorded(error), flag_failed(ctx.epoch),
+                                flag_done(ctx.epoch))
         for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
-            self._store_flag(ctx, peer_bases, rank, p, 2 * ctx.epoch)
+            self._store_flag(ctx, peer_bases, rank, p, value)
 
 
 # ---------------------------------------------------------------------- ticket ring
