@@ -38,8 +38,8 @@ from mok_cute.kernels.gemm_core import pipeline_state
 from mok_cute.kernels.megakernel.comm_tasks import Routing
 from mok_cute.kernels.megakernel.scheduler import (
     D_EXPERT, D_INDEX, D_MTILE, D_NTILE, D_NUM_WAITS, D_RANK, D_RING_TILE, D_ROW_BEGIN,
-    D_SIGNAL, D_TYPE, NOOP_FLAG, RUN_FLAG, TICKET_SLOTS, TaskTables, ring_next, ring_wait_empty,
-    ring_words)
+    D_SIGNAL, D_TYPE, NOOP_FLAG, RUN_FLAG, TICKET_SLOTS, TaskTables, ring_give_back, ring_next,
+    ring_wait_empty, ring_wait_full, ring_words)
 from mok_cute.tasks import Role, TaskType, TaskWord
 
 PRODUCER_THREADS = 128  # rows in place: the producer warpgroup, each thread one arrival per stage
@@ -278,10 +278,11 @@ class GemmTasks:
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == self.load_warp:
                 index, rank, blk, q_base = self._ticket(tt, live_prefix, int(Role.COMPUTE), q,
                                                         blk, q_base)
+                ring_give_back(ticket_bars, taken)  # warp 0 reads the slots it writes too
                 if cute.arch.lane_idx() == 0:
                     self._publish_task(ctx, tt, routing.tile_expert, ticket_q, ticket_bars,
                                        taken, index, rank)
-                cute.arch.sync_warp()  # lane 0's slot words are visible to the warp
+                ring_wait_full(ticket_bars, taken)  # lane 0's slot words, for every lane
             else:
                 index, rank = ring_next(ticket_q, ticket_bars, taken)
         else:

@@ -217,9 +217,10 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
         ticket_q, ticket_bars = storage.ticket_q.data_ptr(), storage.ticket_full_empty.data_ptr()
         if const_expr(self.spec.ticket_ring):
             if tidx == 0:
-                # readers: the consumer warps, and the other three producer warps with rows in place
+                # readers: the consumer warps and the producer warps (all four with rows in
+                # place, else warp 0 alone), warp 0 the writer too
                 ticket_ring_init(ticket_bars, self.num_mma_threads // 32
-                                 + (3 if const_expr(self.spec.rows_in_place) else 0))
+                                 + (4 if const_expr(self.spec.rows_in_place) else 1))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 

@@ -294,15 +294,18 @@ class SchedulerMixin:
 # ---------------------------------------------------------------------- ticket ring
 # TICKET_SLOTS slots of DECODED_WORDS words in smem (``ticket_q``), with TICKET_SLOTS full
 # mbarriers then TICKET_SLOTS empty ones (``bars``). Lane 0 of the producer's warp 0 writes a
-# slot and arrives on its full barrier; every reader warp reads it and its lane 0 arrives on
-# the empty one. Use k of the ring is slot k % TICKET_SLOTS in phase (k // TICKET_SLOTS) & 1;
-# a reader keeps its slot until it takes the next one (it reads the words while it runs the
-# task).
+# slot and arrives on its full barrier; every reader warp (warp 0 too) waits on it, reads the
+# slot, and every one of its lanes arrives on the empty one when it gives the slot back. Use k
+# of the ring is slot k % TICKET_SLOTS in phase (k // TICKET_SLOTS) & 1; a reader keeps its
+# slot until it takes the next one (it reads the words while it runs the task). Every lane
+# waits and arrives itself: a lane-0 arrive after __syncwarp left the other lanes' reads
+# unordered for compute-sanitizer racecheck (the warp sync compiles to nothing), which then
+# reported write-after-read hazards once the ring wrapped.
 @cute.jit
 def ticket_ring_init(bars, reader_warps: cutlass.Constexpr[int]):
     for s in cutlass.range_constexpr(TICKET_SLOTS):
         cute.arch.mbarrier_init(bars + s, 1)
-        cute.arch.mbarrier_init(bars + TICKET_SLOTS + s, reader_warps)
+        cute.arch.mbarrier_init(bars + TICKET_SLOTS + s, 32 * reader_warps)
     cute.arch.mbarrier_init_fence()
 
 
@@ -326,12 +329,16 @@ def ring_words(ticket_q, k: Int32):
 
 
 @cute.jit
+def ring_give_back(bars, k: Int32):
+    """Every lane of a reader warp: done with ring use k - 1 (none before use 0)."""
+    if k > 0:
+        cute.arch.mbarrier_arrive(bars + TICKET_SLOTS + (k - 1) % TICKET_SLOTS)
+
+
+@cute.jit
 def ring_next(ticket_q, bars, k: Int32):
     """A whole reader warp: give back ring use k - 1, wait for use k; its (index, rank)."""
-    if k > 0:
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_arrive(bars + TICKET_SLOTS + (k - 1) % TICKET_SLOTS)
+    ring_give_back(bars, k)
     ring_wait_full(bars, k)
     slot = ring_words(ticket_q, k)
     return slot[D_INDEX], slot[D_RANK]
