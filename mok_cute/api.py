@@ -17,11 +17,12 @@ Path selection (`forward_path()` prints the outcome for a device):
 Argument checks follow DESIGN §2 "Bad input": a TypeError or ValueError naming the argument,
 what was expected and what was given. Checking that expert ids are in range reads two scalars
 back from the device (one `aminmax` reduction): the only host synchronisation of the checks.
+With `group=`, the ranks first agree on the call (`mok_cute.comm.agreement`, see
+`moe_forward`): every rank takes the same path with the same sizes, or every rank raises.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from .config import (
     check_int,
     check_moe_inputs,
     describe,
+    id_span,
+    ids_for_int32,
     resolve_config,
 )
 
@@ -194,21 +197,32 @@ def moe_forward(
     x [T, H] bf16; topk_idx [T, K] int32/int64 global expert ids in [0, R * E_loc);
     topk_weights [T, K] fp32 or bf16; w_gate, w_up [E_loc, I, H] bf16; w_down [E_loc, H, I]
     bf16; shared None or (ws_gate [Is, H], ws_up [Is, H], ws_down [H, Is]) bf16. All on one
-    device and contiguous. Numerics: see `mok_cute.reference`. With `group`, every rank of the
-    group must call together, T == 0 included.
+    device and contiguous. Numerics: see `mok_cute.reference`.
+
+    With `group`, every rank of the group calls together, T == 0 included, and the ranks
+    agree on the call before any of them launches (`mok_cute.comm.agreement`): H, I, E_loc,
+    K, Is, the dtypes of x, the weights, topk_weights and topk_idx, the device type, the path
+    (from each rank's device and install) and every MoKConfig field must be equal on every
+    rank; T may differ (a rank with fewer tokens, or none, is padded to the group's largest T
+    on the megakernel, with ids that match no expert). With ``check_ids`` the ids of every
+    rank are checked too. Any mismatch, any rank's bad argument or bad id raises the same
+    error on every rank, naming the rank(s); a rank that does not arrive within
+    ``config.group_timeout_s`` raises ``mok_cute.comm.AgreementTimeout`` on its peers. The
+    exchange is host memory only (ranks on one host: no collective, no GPU sync) and costs a
+    few µs (measured in `mok_cute.comm.agreement`); with no group nothing is exchanged. The
+    IPC megakernel with ``check_ids`` exchanges once more after its launch: its id check's
+    verdict, read after the kernels are queued as on one GPU.
     """
+    if group is not None:
+        return _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                  group, config)
     config = resolve_config(config)
     shared = _normalise_shared(shared)
-    num_ranks = 1 if group is None else reference._group_size(group)
-    dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, num_ranks=num_ranks)
-    if dims.tokens == 0 and group is None:
+    dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
+    if dims.tokens == 0:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
-    if dims.tokens == 0 and config.backend == "megakernel":
-        config = dataclasses.replace(config, backend="auto")  # nothing to launch: the reference path
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ()))
-    )
-    choice = choose_path(x.device, config, distributed=group is not None, needs_grad=needs_grad)
+    needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
+    choice = choose_path(x.device, config, needs_grad=needs_grad)
     if choice.path == "megakernel" and _megakernel_fallback(dims, config):
         choice = PathChoice("reference", "sizes the megakernel cannot take")
     # torch.compile traces the custom op, never the host code (its JIT cache, its locks):
@@ -237,14 +251,8 @@ def moe_forward(
             out = expert_path.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down,
                                                  shared, config)
         else:
-            if group is not None and num_ranks > 1:  # GPUs over NVLink: the simulator's picks
-                from .sim.tune import tuned_config
-
-                config = tuned_config(config, num_ranks, dims.tokens, dims.hidden,
-                                      dims.intermediate, dims.num_experts, dims.top_k,
-                                      dims.shared_intermediate)
-            out = megakernel.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                                         config, group=group)
+            out = megakernel.moe_forward(x, ids_for_int32(topk_idx, dims.num_experts),
+                                         topk_weights, w_gate, w_up, w_down, shared, config)
         if pending is not None:
             pending.finish()
             if choice.path == "megakernel":
@@ -252,7 +260,84 @@ def moe_forward(
         return out
     if config.check_ids:
         check_expert_ids(topk_idx, dims.num_experts)
-    return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+    return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, None)
+
+
+def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
+    return torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ())))
+
+
+def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group,
+                       config) -> torch.Tensor:
+    """`moe_forward` on one rank of ``group``: this rank's checks, the agreement, then the
+    reference (all_to_all) or the IPC megakernel. A check that fails here is exchanged too, so
+    the peers raise instead of waiting in a collective."""
+    from .comm.agreement import agree_on_call, call_header, timeout_of
+
+    num_ranks = reference._group_size(group)  # no group: nothing to agree over
+    timeout_s = timeout_of(config)
+    try:
+        config = resolve_config(config)
+        shared = _normalise_shared(shared)
+        dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                num_ranks=num_ranks)
+        needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
+        choice = choose_path(x.device, config, distributed=True, needs_grad=needs_grad)
+        if choice.path == "megakernel" and _megakernel_fallback(dims, config):
+            choice = PathChoice("reference", "sizes the megakernel cannot take")
+        # the reference reads the ids before its collectives; the megakernel after its launch
+        span = id_span(topk_idx) if config.check_ids and choice.path == "reference" else None
+        header = call_header(dims, x, topk_idx, topk_weights, w_gate, choice.path, config, span)
+    except Exception as exc:
+        agree_on_call(group, exc, timeout_s)  # raises exc, after telling the peers
+        raise
+    tokens = agree_on_call(group, header, timeout_s)
+    if choice.path == "reference":
+        return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+    return _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group,
+                             config, dims, max(tokens))
+
+
+def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    out = t.new_full((rows, *t.shape[1:]), fill)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
+                      dims, max_tokens: int) -> torch.Tensor:
+    """This rank's IPC megakernel launch, sized by the group's largest T: a rank with fewer
+    tokens pads x with zero rows, its ids with -1 (no expert) and its weights with 0, and
+    returns its first T rows. With ``check_ids`` the id check is read after the launch and its
+    verdict exchanged (`agree_on_launch`), so a bad id anywhere raises on every rank."""
+    from . import megakernel
+    from .comm.agreement import agree_on_launch
+    from .sim.tune import tuned_config
+
+    T, E = dims.tokens, dims.num_experts
+    if max_tokens == 0:
+        return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
+    if dims.num_ranks > 1:  # GPUs over NVLink: the simulator's picks, the same on every rank
+        config = tuned_config(config, dims.num_ranks, max_tokens, dims.hidden,
+                              dims.intermediate, E, dims.top_k, dims.shared_intermediate)
+    pending = PendingIdCheck(topk_idx, E) if config.check_ids else None
+    ids = _pad_rows(ids_for_int32(topk_idx, E), max_tokens, -1)
+    try:
+        out = megakernel.moe_forward(_pad_rows(x, max_tokens, 0.0), ids,
+                                     _pad_rows(topk_weights, max_tokens, 0.0), w_gate, w_up,
+                                     w_down, shared, config, group=group)[:T]
+        outcome = pending.span() if pending is not None else None
+    except Exception as exc:
+        if pending is None:
+            raise
+        outcome = exc
+    if pending is not None:
+        agree_on_launch(group, outcome, E, config.group_timeout_s)
+        megakernel.raise_pending_errors()  # the same sync point: no extra wait
+    return out
 
 
 def moe_forward_virtual(
@@ -285,8 +370,8 @@ def moe_forward_virtual(
         from . import megakernel
 
         pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
-        out = megakernel.moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down,
-                                             shared, config)
+        out = megakernel.moe_forward_virtual(xs, ids_for_int32(topk_idx, dims.num_experts),
+                                             topk_weights, w_gate, w_up, w_down, shared, config)
         if pending is not None:
             pending.finish()
             megakernel.raise_pending_errors()

@@ -22,6 +22,8 @@ __all__ = [
     "check_tensor",
     "check_moe_inputs",
     "check_expert_ids",
+    "id_span",
+    "ids_for_int32",
     "PendingIdCheck",
     "describe",
     "ExpertPathOptions",
@@ -216,12 +218,22 @@ class MoKConfig:
                       "reference": always the PyTorch reference.
                       moe_forward_virtual runs the megakernel under "auto", "kernel" and
                       "megakernel".
-    check_ids         range-check the expert ids (raises ValueError). On the CUDA kernel path
-                      this is the call's one device->host read, waited for after the kernels
-                      are enqueued. False skips it (no host sync, e.g. for CUDA-graph
-                      capture); the caller then guarantees ids in range: an out-of-range id
-                      on the kernel path matches no expert and that (token, k) contributes
-                      zero. It never faults.
+    check_ids         range-check the expert ids (raises ValueError naming topk_idx; an
+                      int64 id >= 2**31 is out of range like any other, never truncated). On
+                      the CUDA kernel and megakernel paths this is the call's one
+                      device->host read, waited for after the kernels are enqueued; with a
+                      group every rank raises the same error, naming the ranks with bad ids.
+                      False skips it (no host sync, e.g. for CUDA-graph capture); the caller
+                      then guarantees ids in range. An out-of-range id on any path (expert
+                      kernels, megakernel, reference) matches no expert: that (token, k)
+                      contributes zero, as if its weight were 0. It never faults.
+    group_timeout_s   moe_forward(group=...): how long a rank waits for its peers to reach
+                      the same call (the agreement before the launch; the id check's verdict
+                      after an IPC megakernel launch) before raising
+                      ``mok_cute.comm.AgreementTimeout`` naming them. Not ``timeout_ms``: that
+                      bounds the kernel's waits once every rank has launched (microseconds
+                      apart), while ranks reach a call as far apart as their host work
+                      differs (data loading, a first call's kernel compiles: minutes).
     expert_path       ExpertPathOptions: how the one-GPU expert path runs its GEMMs.
     megakernel        MegakernelOptions: how the megakernel runs.
     """
@@ -235,6 +247,7 @@ class MoKConfig:
     timeout_ms: float = 10_000.0
     backend: str = "auto"
     check_ids: bool = True
+    group_timeout_s: float = 300.0
     expert_path: ExpertPathOptions = ExpertPathOptions()
     megakernel: MegakernelOptions = MegakernelOptions()
 
@@ -248,14 +261,13 @@ class MoKConfig:
         check_bool("MoKConfig.timeline", self.timeline)
         check_bool("MoKConfig.check_ids", self.check_ids)
         check_int("MoKConfig.timeline_capacity", self.timeline_capacity, min_value=1)
-        if isinstance(self.timeout_ms, bool) or not isinstance(self.timeout_ms, (int, float)):
-            raise TypeError(
-                f"MoKConfig.timeout_ms: expected a float (milliseconds), got {describe(self.timeout_ms)}"
-            )
-        if not (math.isfinite(self.timeout_ms) and self.timeout_ms > 0):
-            raise ValueError(
-                f"MoKConfig.timeout_ms: expected a finite number > 0, got {self.timeout_ms}"
-            )
+        for name in ("timeout_ms", "group_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                unit = "milliseconds" if name == "timeout_ms" else "seconds"
+                raise TypeError(f"MoKConfig.{name}: expected a float ({unit}), got {describe(value)}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"MoKConfig.{name}: expected a finite number > 0, got {value}")
         if not isinstance(self.backend, str):
             raise TypeError(
                 f"MoKConfig.backend: expected one of {BACKENDS}, got {describe(self.backend)}"
@@ -268,10 +280,13 @@ class MoKConfig:
                                 f"{describe(getattr(self, name))}")
 
 
+_DEFAULT_CONFIG = MoKConfig()
+
+
 def resolve_config(config: object) -> MoKConfig:
-    """`None` -> defaults; otherwise `config` must be a MoKConfig."""
+    """`None` -> defaults (one shared frozen instance); otherwise `config` must be a MoKConfig."""
     if config is None:
-        return MoKConfig()
+        return _DEFAULT_CONFIG
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config: expected a mok_cute.MoKConfig or None, got {describe(config)}")
     return config
@@ -416,29 +431,41 @@ def check_moe_inputs(
 class PendingIdCheck:
     """An expert-id range check whose device->host read is waited for later.
 
-    ``start`` enqueues the `aminmax` and a non-blocking copy into pinned memory; the caller
-    then launches its kernels (which never fault on bad ids) and calls ``finish``, which
-    waits for the copy and raises the same ValueError as `check_expert_ids`. The wait then
-    overlaps the host work of this call with the GPU work already queued, instead of
-    draining the stream before any of it is enqueued.
+    The constructor enqueues the `aminmax` and (on CUDA) a non-blocking copy into pinned
+    memory; the caller then launches its kernels (which never fault on bad ids) and calls
+    ``finish``, which waits for the copy and raises the same ValueError as `check_expert_ids`
+    (``span`` returns the ids' (min, max) instead). The wait then overlaps the host work of
+    this call with the GPU work already queued, instead of draining the stream before any of
+    it is enqueued. CPU ids are read at once.
     """
 
     def __init__(self, topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx"):
         self.num_experts, self.name = num_experts, name
-        self._host = None
+        self._host = self._done = None
         if topk_idx.numel() == 0:
             return
         lo_hi = torch.stack(torch.aminmax(topk_idx)).to(torch.int64)
+        if not lo_hi.is_cuda:
+            self._host = lo_hi
+            return
         self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         self._host.copy_(lo_hi, non_blocking=True)
         self._done = torch.cuda.Event()
         self._done.record()
 
-    def finish(self) -> None:
+    def span(self) -> tuple[int, int] | None:
+        """(min, max) of the ids, None when there are none (waits for the copy)."""
         if self._host is None:
-            return
-        self._done.synchronize()
-        _raise_if_out_of_range(*self._host.tolist(), self.num_experts, self.name)
+            return None
+        if self._done is not None:
+            self._done.synchronize()
+        lo, hi = self._host.tolist()
+        return lo, hi
+
+    def finish(self) -> None:
+        span = self.span()
+        if span is not None:
+            _raise_if_out_of_range(*span, self.num_experts, self.name)
 
 
 def _raise_if_out_of_range(lo: int, hi: int, num_experts: int, name: str) -> None:
@@ -450,13 +477,28 @@ def _raise_if_out_of_range(lo: int, hi: int, num_experts: int, name: str) -> Non
         )
 
 
-def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> None:
-    """Every id must be in [0, num_experts).
-
-    On CUDA this reads two scalars back to the host: one synchronisation, done with a single
-    `aminmax` reduction (the only host sync of the argument checks).
-    """
+def id_span(topk_idx: torch.Tensor) -> tuple[int, int] | None:
+    """(min, max) of the ids, None when there are none. On CUDA this reads two scalars back to
+    the host: one synchronisation, done with a single `aminmax` reduction."""
     if topk_idx.numel() == 0:
-        return
+        return None
     lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
-    _raise_if_out_of_range(lo, hi, num_experts, name)
+    return lo, hi
+
+
+def check_expert_ids(topk_idx: torch.Tensor, num_experts: int, name: str = "topk_idx") -> None:
+    """Every id must be in [0, num_experts) (int64 ids are compared as int64: 2**32 + 1 is out
+    of range, never wrapped onto expert 1). On CUDA one device->host read (`id_span`), the
+    only host sync of the argument checks."""
+    span = id_span(topk_idx)
+    if span is not None:
+        _raise_if_out_of_range(*span, num_experts, name)
+
+
+def ids_for_int32(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 ids for a kernel that takes them so: int64 ids outside [0, num_experts) are first
+    clamped to -1 or num_experts, which match no expert (narrowing 2**32 + 1 would land on
+    expert 1). On the device, no host sync; int32 ids are returned as they are."""
+    if topk_idx.dtype == torch.int32:
+        return topk_idx
+    return topk_idx.clamp(-1, num_experts).to(torch.int32)

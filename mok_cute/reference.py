@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import check_expert_ids, check_moe_inputs, resolve_config
+from .config import check_expert_ids, check_moe_inputs, id_span, resolve_config
 
 __all__ = [
     "moe_forward",
@@ -139,22 +139,46 @@ def routed_expert_outputs(
     """Expert output of every (token, k) of one rank -> y_slots [T, K, H] bf16.
 
     `topk_idx` [T, K] holds ids in [0, E) where E = w_gate.shape[0] (the experts visible to
-    this call). Each expert runs once on its rows in ascending (token, k) order.
+    this call); an id outside it matches no expert and gets a zero row. Each expert runs once
+    on its rows in ascending (token, k) order.
     """
     T, K = topk_idx.shape
-    H = x.shape[1]
+    H, E = x.shape[1], w_gate.shape[0]
     if T * K == 0:
         return torch.zeros(T, K, H, dtype=_act_dtype(), device=x.device)
-    flat = topk_idx.reshape(-1).long()
+    flat = _no_expert_last(topk_idx, E)
     order = torch.argsort(flat, stable=True)  # rows grouped by expert, (token, k) ascending
-    counts = torch.bincount(flat, minlength=w_gate.shape[0]).tolist()
-    rows = x.index_select(0, order // K)
+    counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E]: ids matching no expert
+    rows = x.index_select(0, order[: T * K - counts[E]] // K)
     segments = []
-    for e, segment in enumerate(torch.split(rows, counts)):
+    for e, segment in enumerate(torch.split(rows, counts[:E])):
         if counts[e]:
             segments.append(expert_mlp(segment, w_gate[e], w_up[e], w_down[e]))
-    y_sorted = torch.cat(segments)
+    y_sorted = _with_zero_rows(segments, counts[E], H, x)
     return y_sorted.index_select(0, _inverse_permutation(order)).view(T, K, H)
+
+
+def _no_expert_last(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Flat int64 ids with every id outside [0, num_experts) replaced by num_experts, so a
+    stable sort puts the slots that match no expert last (``check_ids=False``: they add 0)."""
+    flat = topk_idx.reshape(-1).long()
+    valid = (flat >= 0) & (flat < num_experts)
+    return torch.where(valid, flat, torch.full_like(flat, num_experts))
+
+
+def _with_zero_rows(segments: list[torch.Tensor], zero_rows: int, H: int, like: torch.Tensor) -> torch.Tensor:
+    """The expert outputs in order, then ``zero_rows`` zero rows for the slots of no expert."""
+    if zero_rows:
+        segments = segments + [torch.zeros(zero_rows, H, dtype=_act_dtype(), device=like.device)]
+    return torch.cat(segments)
+
+
+def _zero_unrouted_weights(topk_weights: torch.Tensor, topk_idx: torch.Tensor,
+                           num_experts: int) -> torch.Tensor:
+    """topk_weights with 0 where the id matches no expert, so such a slot adds exactly 0 to
+    its token (its zero row times 0; even a NaN weight there is dropped)."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    return torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
 
 
 def _shared_rows(x: torch.Tensor, shared: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
@@ -185,17 +209,38 @@ def moe_forward(
     With `group` (a torch.distributed ProcessGroup of size R) this rank owns the global experts
     [rank*E_loc, (rank+1)*E_loc): each routed (token, k) row of x is sent with
     `all_to_all_single` to the rank owning its expert, computed there, and sent back; every rank
-    of the group must call this together (T may differ per rank). `config` is accepted for
-    signature compatibility; the reference has no tuning knobs.
+    of the group must call this together (T may differ per rank), and the ranks first agree on
+    the call (`mok_cute.comm.agreement`: H, I, E_loc, K, Is, dtypes, MoKConfig, id ranges; a
+    mismatch raises the same error on every rank). Of `config` the reference honours
+    ``check_ids`` (False: an out-of-range id matches no expert and adds 0) and
+    ``group_timeout_s``; it has no tuning knobs.
     Accepts any floating dtype (the strict bf16 contract is enforced by `mok_cute.moe_forward`).
     """
-    resolve_config(config)
-    num_ranks = 1 if group is None else _group_size(group)
-    dims = check_moe_inputs(
-        x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-        num_ranks=num_ranks, strict_dtypes=False, contiguous=False,
-    )
-    check_expert_ids(topk_idx, dims.num_experts)
+    if group is None:
+        config = resolve_config(config)
+        dims = check_moe_inputs(
+            x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+            strict_dtypes=False, contiguous=False,
+        )
+        if config.check_ids:
+            check_expert_ids(topk_idx, dims.num_experts)
+        return _forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, None)
+    from .comm.agreement import agree_on_call, call_header, timeout_of
+
+    num_ranks = _group_size(group)
+    timeout_s = timeout_of(config)
+    try:
+        config = resolve_config(config)
+        dims = check_moe_inputs(
+            x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+            num_ranks=num_ranks, strict_dtypes=False, contiguous=False,
+        )
+        header = call_header(dims, x, topk_idx, topk_weights, w_gate, "reference", config,
+                             id_span(topk_idx) if config.check_ids else None)
+    except Exception as exc:  # every rank hears of it: nobody waits in all_to_all
+        agree_on_call(group, exc, timeout_s)
+        raise
+    agree_on_call(group, header, timeout_s)
     return _forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
 
 
@@ -214,13 +259,15 @@ def moe_forward_virtual(
     Every tensor has a leading R (DESIGN §2). Rank r's tokens route to global experts e whose
     weights are `w_*[e // E_loc, e % E_loc]`; rank r's shared expert is `shared[i][r]`.
     Equal to running `moe_forward` per rank with the gathered global expert weights.
+    ``config.check_ids`` as in `moe_forward`.
     """
-    resolve_config(config)
+    config = resolve_config(config)
     dims = check_moe_inputs(
         xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         stacked=True, strict_dtypes=False, contiguous=False, x_name="xs",
     )
-    check_expert_ids(topk_idx, dims.num_experts)
+    if config.check_ids:
+        check_expert_ids(topk_idx, dims.num_experts)
     return _forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
 
 
@@ -229,10 +276,13 @@ def moe_forward_virtual(
 
 def _forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group):
     if group is None:
+        num_experts = w_gate.shape[0]
         y_slots = routed_expert_outputs(x, topk_idx, w_gate, w_up, w_down)
     else:
+        num_experts = _group_size(group) * w_gate.shape[0]
         y_slots = _routed_expert_outputs_ep(x, topk_idx, w_gate, w_up, w_down, group)
-    return weighted_k_sum(y_slots, topk_weights, _shared_rows(x, shared))
+    weights = _zero_unrouted_weights(topk_weights, topk_idx, num_experts)
+    return weighted_k_sum(y_slots, weights, _shared_rows(x, shared))
 
 
 def _forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared):
@@ -244,7 +294,8 @@ def _forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared):
     for r in range(R):
         y_slots = routed_expert_outputs(xs[r], topk_idx[r], global_gate, global_up, global_down)
         shared_r = None if shared is None else tuple(s[r] for s in shared)
-        outs.append(weighted_k_sum(y_slots, topk_weights[r], _shared_rows(xs[r], shared_r)))
+        weights = _zero_unrouted_weights(topk_weights[r], topk_idx[r], E)
+        outs.append(weighted_k_sum(y_slots, weights, _shared_rows(xs[r], shared_r)))
     return torch.stack(outs)
 
 
@@ -325,16 +376,18 @@ def _routed_expert_outputs_ep(
     H = x.shape[1]
     E_loc = w_gate.shape[0]
 
-    flat = topk_idx.reshape(-1).long()
+    flat = _no_expert_last(topk_idx, R * E_loc)  # slots of no expert last: sent nowhere
     order = torch.argsort(flat, stable=True)
-    send_counts = torch.bincount(flat, minlength=R * E_loc)  # [R * E_loc] by (owner, local expert)
+    # [R * E_loc] by (owner, local expert)
+    send_counts = torch.bincount(flat, minlength=R * E_loc + 1)[: R * E_loc]
     recv_counts = torch.empty_like(send_counts)  # [R * E_loc] by (peer, my local expert)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send_splits = send_counts.view(R, E_loc).sum(1).tolist()
     recv_per_expert = recv_counts.view(R, E_loc).tolist()
     recv_splits = [sum(row) for row in recv_per_expert]
+    unrouted = T * K - sum(send_splits)
 
-    x_send = x.index_select(0, order // K)
+    x_send = x.index_select(0, order[: T * K - unrouted] // K)
     x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group)
 
     segments = []
@@ -355,4 +408,6 @@ def _routed_expert_outputs_ep(
     y_sorted = _AllToAllRows.apply(y_recv, send_splits, recv_splits, group)
     if T * K == 0:
         return _empty_rows_linked_to(H, y_sorted).view(T, K, H)
+    if unrouted:
+        y_sorted = torch.cat([y_sorted, y_sorted.new_zeros(unrouted, H)])
     return y_sorted.index_select(0, _inverse_permutation(order)).view(T, K, H)

@@ -1,0 +1,314 @@
+"""The ranks of a group agree before they launch (issue 30, item 3; mok_cute/comm/agreement.py).
+
+CPU processes in a gloo group (tests/gloo_group.py): matching calls pass, many consecutive
+calls with a different T per rank (0 included) give every rank its single-process reference
+output, every kind of mismatch raises the same message on every rank naming the rank, a rank
+that never calls makes its peers raise naming it within the timeout, the IPC megakernel's
+flow (padding to the group's T, the id verdict after the launch) with a stand-in for the
+kernel, the all_gather transport, and the exchange's cost.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mok_cute as mok
+from mok_cute import reference as ref
+from mok_cute.comm import AgreementTimeout
+from mok_cute.comm import agreement
+
+import gloo_group
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is needed"
+)
+
+
+def _problem(R, tokens, H=32, I=16, E_loc=2, K=2, Is=0, seed=0):
+    """The same global problem on every rank: per-rank x, ids, weights; stacked expert weights."""
+    gen = torch.Generator().manual_seed(seed)
+    E = R * E_loc
+    xs = [(torch.randn(T, H, generator=gen) * 0.5).bfloat16() for T in tokens]
+    idx = [torch.rand(T, E, generator=gen).topk(K, dim=-1).indices for T in tokens]
+    wts = [torch.rand(T, K, generator=gen) + 0.05 for T in tokens]
+    bf = lambda *s: (torch.randn(*s, generator=gen) * s[-1] ** -0.5).bfloat16()  # noqa: E731
+    weights = (bf(R, E_loc, I, H), bf(R, E_loc, I, H), bf(R, E_loc, H, I))
+    shared = (bf(Is, H), bf(Is, H), bf(H, Is)) if Is else None
+    return xs, idx, wts, weights, shared
+
+
+def _global(weights):
+    return tuple(w.reshape(-1, *w.shape[2:]) for w in weights)
+
+
+def _same_error_everywhere(fn, exc_type=Exception):
+    """Run fn, which must raise; return the message after checking every rank raised the same."""
+    with pytest.raises(exc_type) as info:
+        fn()
+    text = str(info.value)
+    texts = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text)
+    assert all(t == texts[0] for t in texts), texts
+    return text
+
+
+# ------------------------------------------------------------------------------ matching calls
+
+
+def _check_varying_tokens(rank, world):
+    """Many consecutive calls, T different per rank and per call (0 included), with and without
+    the shared expert: every rank gets its single-process reference, bitwise."""
+    for call in range(12):
+        tokens = [(5 * call + 3 * r) % 9 for r in range(world)]  # zeros on some ranks
+        if call == 11:
+            tokens = [0] * world  # nobody has tokens: still one agreed call
+        Is = 16 if call % 2 else 0
+        xs, idx, wts, weights, shared = _problem(world, tokens, Is=Is, seed=call)
+        mine = tuple(w[rank] for w in weights)
+        out = mok.moe_forward(xs[rank], idx[rank], wts[rank], *mine, shared=shared, group=dist.group.WORLD)
+        want = ref.moe_forward(xs[rank], idx[rank], wts[rank], *_global(weights), shared=shared)
+        assert out.shape == (tokens[rank], 32) and torch.equal(out, want), (rank, call)
+
+
+def test_calls_with_different_tokens_per_rank_agree_and_match_the_reference(tmp_path):
+    gloo_group.spawn(_check_varying_tokens, 3, tmp_path)
+
+
+# ------------------------------------------------------------------------------ mismatches
+
+
+def _call(rank, world, **change):
+    """One moe_forward over the group; ``change`` (applied on rank 1 only) edits the inputs."""
+    xs, idx, wts, weights, shared = _problem(world, [6] * world, Is=16, seed=3)
+    args = dict(x=xs[rank], topk_idx=idx[rank], topk_weights=wts[rank], w_gate=weights[0][rank],
+                w_up=weights[1][rank], w_down=weights[2][rank], shared=shared, config=None)
+    if rank == 1:
+        for name, edit in change.items():
+            args[name] = edit(args[name])
+    return lambda: mok.moe_forward(**args, group=dist.group.WORLD)
+
+
+def _bad_id(value):
+    def edit(idx):
+        idx = idx.clone()
+        idx[2, 1] = value
+        return idx
+    return edit
+
+
+MISMATCHES = [
+    # (what rank 1 changes, expected type, message)
+    (dict(x=lambda x: x[:, :16].contiguous(), w_gate=lambda w: w[..., :16].contiguous(),
+          w_up=lambda w: w[..., :16].contiguous(), w_down=lambda w: w[:, :16].contiguous(),
+          shared=lambda s: (s[0][:, :16].contiguous(), s[1][:, :16].contiguous(), s[2][:16].contiguous())),
+     ValueError, "moe_forward(group=...): the ranks disagree on H (x.shape[1]): rank 1 has 16; ranks 0, 2 have 32"),
+    (dict(w_gate=lambda w: w[:, :8].contiguous(), w_up=lambda w: w[:, :8].contiguous(),
+          w_down=lambda w: w[..., :8].contiguous()),
+     ValueError, "the ranks disagree on I (w_gate.shape[1]): rank 1 has 8; ranks 0, 2 have 16"),
+    (dict(w_gate=lambda w: w[:1].contiguous(), w_up=lambda w: w[:1].contiguous(),
+          w_down=lambda w: w[:1].contiguous(), topk_idx=lambda i: i % 3),
+     ValueError, "the ranks disagree on E_loc (w_gate.shape[0]): rank 1 has 1; ranks 0, 2 have 2"),
+    (dict(topk_idx=lambda i: i[:, :1].contiguous(), topk_weights=lambda w: w[:, :1].contiguous()),
+     ValueError, "the ranks disagree on K (topk_idx.shape[1]): rank 1 has 1; ranks 0, 2 have 2"),
+    (dict(shared=lambda s: None),
+     ValueError, "the ranks disagree on Is (the shared expert's intermediate size, 0 without one): "
+                 "rank 1 has 0; ranks 0, 2 have 16"),
+    (dict(topk_weights=lambda w: w.bfloat16()),
+     ValueError, "the ranks disagree on topk_weights.dtype: rank 1 has torch.bfloat16; ranks 0, 2 have torch.float32"),
+    (dict(topk_idx=lambda i: i.int()),
+     ValueError, "the ranks disagree on topk_idx.dtype: rank 1 has torch.int32; ranks 0, 2 have torch.int64"),
+    (dict(config=lambda c: mok.MoKConfig(check_ids=False)),
+     ValueError, "the ranks disagree on MoKConfig.check_ids: rank 1 has one value; ranks 0, 2 another"),
+    (dict(config=lambda c: mok.MoKConfig(backend="reference")),
+     ValueError, "the ranks disagree on MoKConfig.backend"),
+    (dict(topk_idx=_bad_id(6)),
+     ValueError, "topk_idx: expected global expert ids in [0, 6), got id 6 on rank 1 (its ids span [0, 6])"),
+    (dict(topk_idx=_bad_id(-1)),
+     ValueError, "topk_idx: expected global expert ids in [0, 6), got id -1 on rank 1 (its ids span [-1, 5])"),
+    (dict(topk_idx=_bad_id(2**32 + 1)),
+     ValueError, f"got id {2**32 + 1} on rank 1"),
+]
+
+
+def _check_mismatches(rank, world):
+    for change, exc_type, message in MISMATCHES:
+        text = _same_error_everywhere(_call(rank, world, **change), exc_type)
+        assert message in text, (text, message)
+    # a rank whose own checks fail raises its own error; its peers hear of it instead of
+    # waiting in all_to_all
+    bad_dtype = dict(x=lambda x: x.half())
+    if rank == 1:
+        with pytest.raises(TypeError, match=r"x: expected dtype torch.bfloat16, got torch.float16"):
+            _call(rank, world, **bad_dtype)()
+    else:
+        with pytest.raises(RuntimeError, match=r"moe_forward\(group=...\): rank 1 rejected the call "
+                                               r"\(rank 1: TypeError: x: expected dtype torch.bfloat16"):
+            _call(rank, world, **bad_dtype)()
+    # the path: a rank that cannot run the megakernel rejects, the others are told
+    if rank == 1:
+        with pytest.raises(RuntimeError, match="config.backend is 'megakernel' but it cannot run on cpu"):
+            _call(rank, world, config=lambda c: mok.MoKConfig(backend="megakernel"))()
+    else:
+        with pytest.raises(RuntimeError, match="rank 1 rejected the call .*cannot run on cpu"):
+            _call(rank, world, config=lambda c: mok.MoKConfig(backend="megakernel"))()
+    # still in step: a matching call passes, and the reference's own group form agrees too
+    _call(rank, world)()
+    xs, idx, wts, weights, _ = _problem(world, [4] * world, seed=4)
+    if rank == 2:
+        idx[rank][0, 0] = 99
+    text = _same_error_everywhere(lambda: ref.moe_forward(
+        xs[rank], idx[rank], wts[rank], *(w[rank] for w in weights), group=dist.group.WORLD), ValueError)
+    assert "got id 99 on rank 2" in text
+
+
+def test_each_mismatch_raises_the_same_error_on_every_rank(tmp_path):
+    gloo_group.spawn(_check_mismatches, 3, tmp_path)
+
+
+# ------------------------------------------------------------------------------ a silent peer
+
+
+def _check_silent_peer(rank, world):
+    config = mok.MoKConfig(group_timeout_s=1.0)
+    xs, idx, wts, weights, _ = _problem(world, [5] * world, seed=6)
+    call = lambda: mok.moe_forward(xs[rank], idx[rank], wts[rank],  # noqa: E731
+                                   *(w[rank] for w in weights), group=dist.group.WORLD, config=config)
+    call()  # the group's first call sets the exchange up
+    if rank == 1:
+        dist.barrier()  # rank 1 skips a call: rank 0 gives up waiting for it
+        with pytest.raises(AgreementTimeout, match=r"rank 0 gave up waiting for its peers at exchange 2"):
+            call()  # rank 1's late call: it raises too instead of running alone
+    else:
+        start = time.monotonic()
+        with pytest.raises(AgreementTimeout, match=r"rank 1 did not reach exchange 2 of this group "
+                                                   r"within 1 s \(rank 1 is at exchange 1\)"):
+            call()
+        assert time.monotonic() - start < 10
+        dist.barrier()
+    call()  # both at exchange 3: in step again
+
+
+def test_a_rank_that_never_calls_makes_its_peers_raise_naming_it(tmp_path):
+    gloo_group.spawn(_check_silent_peer, 2, tmp_path)
+
+
+# ------------------------------------------------------------------------------ megakernel flow
+
+
+def _check_megakernel_flow(rank, world):
+    """The IPC megakernel's host flow with the kernel replaced by the reference over the group:
+    each rank pads to the group's T (the stand-in checks it), ids reach the launch as int32
+    with out-of-range int64 ids clamped to ids of no expert, each rank gets its first T rows,
+    and a bad id on one rank raises on every rank after the launch (the id verdict)."""
+    from mok_cute import api, megakernel
+    from mok_cute.sim import tune
+
+    launched = []
+
+    def stand_in(x, ids, w, wg, wu, wd, shared, config, group=None):
+        launched.append(x.shape[0])
+        assert ids.dtype == torch.int32 and group is dist.group.WORLD
+        return ref._forward(x, ids, w, wg, wu, wd, shared, group)
+
+    api._kernel_status = lambda device: (True, "a stand-in")
+    api._megakernel_fallback = lambda dims, config: False
+    tune.tuned_config = lambda config, *shape: config
+    megakernel.moe_forward = stand_in
+    for check_ids in (True, False):
+        config = mok.MoKConfig(backend="megakernel", check_ids=check_ids)
+        for call, tokens in enumerate(([3, 0], [0, 7], [4, 4], [0, 0])):
+            xs, idx, wts, weights, shared = _problem(world, tokens, Is=16, seed=10 + call)
+            mine = tuple(w[rank] for w in weights)
+            out = mok.moe_forward(xs[rank], idx[rank], wts[rank], *mine, shared=shared,
+                                  group=dist.group.WORLD, config=config)
+            want = ref.moe_forward(xs[rank], idx[rank], wts[rank], *_global(weights), shared=shared)
+            assert out.shape == (tokens[rank], 32) and torch.equal(out, want), (rank, tokens)
+            if max(tokens):
+                assert launched.pop() == max(tokens)
+        assert not launched  # T = 0 everywhere: no launch on any rank
+    xs, idx, wts, weights, _ = _problem(world, [6] * world, seed=20)
+    mine = tuple(w[rank] for w in weights)
+    bad = idx[rank].clone()
+    if rank == 0:
+        bad[1, 0], bad[4, 1] = 2**32 + 1, -(2**40)
+    text = _same_error_everywhere(lambda: mok.moe_forward(
+        xs[rank], bad, wts[rank], *mine, group=dist.group.WORLD, config=mok.MoKConfig(backend="megakernel")),
+        ValueError)
+    assert f"got id {-(2**40)} on rank 0 (its ids span [{-(2**40)}, {2**32 + 1}])" in text
+    # unchecked: those slots add nothing, like zero weights
+    out = mok.moe_forward(xs[rank], bad, wts[rank], *mine, group=dist.group.WORLD,
+                          config=mok.MoKConfig(backend="megakernel", check_ids=False))
+    zeroed = wts[rank].clone()
+    if rank == 0:
+        zeroed[1, 0] = zeroed[4, 1] = 0.0
+    assert torch.equal(out, ref.moe_forward(xs[rank], idx[rank], zeroed, *_global(weights)))
+
+
+def test_megakernel_flow_pads_to_the_group_tokens_and_agrees_on_ids(tmp_path):
+    gloo_group.spawn(_check_megakernel_flow, 2, tmp_path)
+
+
+# ------------------------------------------------------------------------------ transports, cost
+
+
+def _check_all_gather_transport(rank, world):
+    shm = agreement.agreement_for(dist.group.WORLD)
+    assert shm.transport == "shared memory"
+    slow = agreement.GroupAgreement(dist.group.WORLD, shared_memory=False)
+    assert slow.transport == "all_gather"
+    for n in range(3):
+        rows = slow.exchange(bytes([rank, n]), 5.0)
+        assert [row[:2] for row in rows] == [bytes([r, n]) for r in range(world)]
+
+
+def test_the_all_gather_transport(tmp_path):
+    gloo_group.spawn(_check_all_gather_transport, 3, tmp_path)
+
+
+def _time_exchanges(rank, world, out_dir):
+    """Median µs of 3000 back-to-back exchanges, and of 3000 whole agreements (packing the
+    header, the exchange, the comparison)."""
+    from mok_cute.config import MoKConfig, check_moe_inputs
+
+    group = agreement.agreement_for(dist.group.WORLD)
+    xs, idx, wts, weights, _ = _problem(world, [4] * world, seed=7)
+    dims = check_moe_inputs(xs[rank], idx[rank], wts[rank], *(w[rank] for w in weights), num_ranks=world)
+    header = agreement.call_header(dims, xs[rank], idx[rank], wts[rank], weights[0][rank],
+                                   "megakernel", MoKConfig(), None)
+    medians = []
+    for fn in (lambda: group.exchange(b"x" * 64, 5.0),
+               lambda: agreement.agree_on_call(dist.group.WORLD, header, 5.0)):
+        for _ in range(200):
+            fn()
+        dist.barrier()
+        times = []
+        for _ in range(3000):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        medians.append(sorted(times)[len(times) // 2] * 1e6)
+    if rank == 0:
+        (out_dir / "cost.txt").write_text(" ".join(f"{m:.1f}" for m in medians))
+
+
+def test_exchange_cost(tmp_path, capsys):
+    gloo_group.spawn(_time_exchanges, 2, tmp_path, tmp_path)
+    bare, full = map(float, (tmp_path / "cost.txt").read_text().split())
+    with capsys.disabled():
+        print(f"\nagreement between 2 CPU processes (medians): {bare:.1f} µs an exchange, "
+              f"{full:.1f} µs an agree_on_call")
+    assert full < 500  # a loose bound for shared CI machines; ~7 µs measured on an idle one
+
+
+def test_no_group_exchanges_nothing(monkeypatch):
+    def no_exchange(*args, **kwargs):
+        raise AssertionError("a call without a group must not exchange anything")
+
+    monkeypatch.setattr(agreement, "agreement_for", no_exchange)
+    xs, idx, wts, weights, _ = _problem(1, [5], seed=8)
+    out = mok.moe_forward(xs[0], idx[0], wts[0], *(w[0] for w in weights))
+    assert torch.equal(out, ref.moe_forward(xs[0], idx[0], wts[0], *(w[0] for w in weights)))
