@@ -127,7 +127,7 @@ def _cuda_problem(**kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["kernel", "megakernel"])
-@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 def test_gpu_unchecked_bad_ids_add_zero(backend, id_dtype):
     x, idx, w, weights, shared = _cuda_problem(T=77, H=256, I=128, Is=128, seed=7)
     bad, zeroed = _corrupt(idx, w)
