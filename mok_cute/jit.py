@@ -91,6 +91,15 @@ KERNELS: dict[str, KernelSpec] = {
     "gemm_wgrad": KernelSpec(
         "mok_cute.kernels.gemm_wgrad", "compile_wgrad_gemm", {"gated": True},
         "expert weight gradients: K = each expert's rows, MN-major operands, gate and up sharing x"),
+    "quantize_rows": KernelSpec(
+        "mok_cute.kernels.quantize", "compile_quantize_rows", {},
+        "bf16 -> e4m3, 1x128 groups along K, power-of-two scales (fp8.quantize_rows, bitwise)"),
+    "quantize_cols": KernelSpec(
+        "mok_cute.kernels.quantize", "compile_quantize_cols", {},
+        "bf16 -> e4m3 transposed copy, groups of 128 along M (fp8.quantize_cols, bitwise)"),
+    "quantize_blocks": KernelSpec(
+        "mok_cute.kernels.quantize", "compile_quantize_blocks", {"write_q": True, "write_qt": True},
+        "weights -> e4m3 in 128x128 blocks and the exact transposed copy (fp8.quantize_blocks)"),
     "megakernel": KernelSpec(
         "mok_cute.kernels.megakernel", "compile_megakernel", {"num_ranks": 1, "top_k": 8},
         "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, "
