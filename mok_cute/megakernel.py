@@ -33,7 +33,7 @@ import threading
 import torch
 
 from mok_cute import jit, tasks as tasks_mod
-from mok_cute.config import MoKConfig
+from mok_cute.config import MoKConfig, ids_for_int32
 from mok_cute.constants import ERROR_SLOTS, KSUM_ROWS, TASK_TILE_N, TICKETS, TILE_M, MegakernelSpec
 
 DEFAULT_COMM_CTAS = 12
@@ -278,7 +278,7 @@ class Plan:
         if x_offset != self._x_offset:  # rewritten only when it changes
             self._x_offset = x_offset
             self.scalars[3].fill_(x_offset)
-        ids = topk_idx.to(torch.int32)
+        ids = ids_for_int32(topk_idx, self.side.num_peers * k.local_experts)  # never truncated
         scheds = self.side.schedules(ids)  # stacked: [R, ...] per field, no copies
         slot_rows = self._no_slot_rows
         if k.spec.rows_in_place:

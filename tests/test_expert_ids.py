@@ -134,11 +134,15 @@ def test_gpu_unchecked_bad_ids_add_zero(backend, id_dtype):
     if id_dtype == torch.int32:  # int32 ids cannot hold the big ones: the small bad ids only
         bad = torch.where(bad.abs() < 2**31, bad, torch.full_like(bad, -1)).to(torch.int32)
     config = MoKConfig(backend=backend, check_ids=False)
+    # a slot routed nowhere adds zero whatever its weight, as in the reference
+    w_bad = torch.where(bad == idx, w, torch.full_like(w, float("nan")))
     with torch.no_grad():
         out = mok.moe_forward(x, bad, w, *weights, shared=shared, config=config)
+        out_nan_weights = mok.moe_forward(x, bad, w_bad, *weights, shared=shared, config=config)
         want = mok.moe_forward(x, idx, zeroed, *weights, shared=shared, config=MoKConfig(backend=backend))
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+    assert torch.equal(out_nan_weights, want)
 
 
 @pytest.mark.gpu

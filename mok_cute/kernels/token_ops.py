@@ -338,6 +338,9 @@ class WeightedKSum:
                 weights[k] = mW[k, token]
                 if const_expr(self.gather):
                     y_row[k] = mIdx[token * self.K + k]
+                    # a slot routed nowhere adds zero whatever its weight (NaN, inf), as in
+                    # the reference, which zeroes both its row and its weight
+                    weights[k] = cutlass.select_(y_row[k] >= 0, weights[k], Float32(0.0))
                 else:
                     y_row[k] = token * self.K + k
             step = 32 * self.unroll
