@@ -12,6 +12,7 @@ import mok_cute
 from mok_cute import shapes
 from mok_cute.bench import common, harness, problems, results, torch_moe
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, MoKConfig
+from per_token import assert_tokens_close
 
 
 def _grouped_mm_runs_here(device: str) -> bool:
@@ -25,10 +26,6 @@ def _grouped_mm_runs_here(device: str) -> bool:
 
 
 GROUPED_MM_ON_CPU = hasattr(torch, "_grouped_mm") and _grouped_mm_runs_here("cpu")
-
-
-def rel(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,7 +127,7 @@ def test_torch_grouped_mm_pipeline_matches_the_reference_on_cpu(spec):
     gu, down = torch_moe.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down)
     out = torch_moe.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, gu, down, torch_moe.fuse_shared(p.shared))
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-    assert rel(out, ref) <= 1e-2
+    assert_tokens_close(out, ref, what=f"torch_grouped_mm {spec}")
 
 
 @pytest.mark.skipif(not GROUPED_MM_ON_CPU, reason="torch._grouped_mm does not run on the CPU here; see the gpu test")
@@ -141,7 +138,7 @@ def test_torch_grouped_mm_pipeline_with_an_empty_expert():
     i = p.inputs
     ref = mok_cute.reference.moe_forward(i.x, idx, i.topk_weights, p.w_gate, p.w_up, p.w_down)
     out = torch_moe.torch_grouped_mm_moe(i.x, idx, i.topk_weights, *torch_moe.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down))
-    assert rel(out, ref) <= 1e-2
+    assert_tokens_close(out, ref, what="torch_grouped_mm with an empty expert")
 
 
 def test_per_expert_loop_matches_the_reference_on_cpu():
@@ -149,7 +146,7 @@ def test_per_expert_loop_matches_the_reference_on_cpu():
     i = p.inputs
     ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
     out = torch_moe.per_expert_loop_moe(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, torch_moe.fuse_shared(p.shared))
-    assert rel(out, ref) <= 1e-2
+    assert_tokens_close(out, ref, what="per_expert_loop")
 
 
 def test_virtual_split_is_the_same_work_as_the_whole_problem():
@@ -375,7 +372,7 @@ def test_torch_grouped_mm_pipeline_matches_the_reference_on_gpu():
     i = p.inputs
     ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
     out = torch_moe.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, *torch_moe.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down), torch_moe.fuse_shared(p.shared))
-    assert rel(out, ref) <= 1e-2
+    assert_tokens_close(out, ref, what="torch_grouped_mm on the GPU")
 
 
 @pytest.mark.gpu

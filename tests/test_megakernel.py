@@ -19,6 +19,7 @@ from mok_cute import reference
 from mok_cute.config import MegakernelOptions
 from mok_cute.constants import MegakernelSpec
 from mok_cute.errors import PeerTimeoutError
+from per_token import assert_tokens_close
 
 # The configurations plans resolve to (mok_cute.megakernel.plan_for), with the shared expert
 # and K = 8: one GPU (no comm CTA, rows in place, the stride through the ticket ring, the
@@ -427,10 +428,6 @@ def _run(args, **cfg):
     return out
 
 
-def _rel(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 CASES = {
     # name: (R, T, H, I, E_loc, K, Is, problem kwargs, config kwargs)
     "R1": (1, 300, 512, 256, 8, 4, 0, {}, {}),
@@ -455,7 +452,7 @@ def test_virtual_megakernel_matches_the_reference(name):
     assert mok_cute.api.choose_path(args[0].device, mok_cute.MoKConfig(), virtual=True).path == "megakernel"
     ref = reference.moe_forward_virtual(*args[:6], shared=args[6])
     assert not torch.isnan(out.float()).any()
-    assert _rel(out, ref) < 1e-2
+    assert_tokens_close(out, ref, what=f"megakernel {name}")
     again = _run(args, **ckw)
     assert torch.equal(out, again), "not bitwise reproducible across two runs"
 
@@ -486,7 +483,8 @@ def _options_keep_the_bits(args, R, ring, variants, few_sms=(), monkeypatch=None
     sizes = {} if ring is None else {"ring_tokens": ring, "minibatch_tokens": 128}
     base = _run(args, **sizes)
     assert not torch.isnan(base.float()).any()
-    assert _rel(base, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+    assert_tokens_close(base, reference.moe_forward_virtual(*args[:6], shared=args[6]),
+                        what=f"megakernel R={R} ring={ring}")
     assert torch.equal(_run(args, timeline=True, **sizes), base)
     for options in variants:
         assert torch.equal(_run(args, megakernel=options, **sizes), base), options
@@ -591,7 +589,8 @@ def test_zero_comm_ctas_give_the_same_bits(T, shared, monkeypatch):
     outs += [recorded, _run(args, num_comm_sms=0)]
     for out in outs:
         assert torch.equal(out, base)
-    assert _rel(base, reference.moe_forward_virtual(*args[:6], shared=args[6])) < 1e-2
+    assert_tokens_close(base, reference.moe_forward_virtual(*args[:6], shared=args[6]),
+                        what=f"megakernel num_comm_sms=0 T={T}")
     with pytest.raises(ValueError, match="num_comm_sms=0"):
         _run(_problem(2, 64, 256, 128, 2, 2, seed=9), num_comm_sms=0)
 
@@ -621,7 +620,8 @@ def test_a_silent_peer_raises_peer_timeout_naming_it():
     # the plan is usable again afterwards
     out = plan.run(xs, idx, w, wg, wu, wd, sh, 5000.0)
     plan.raise_pending_errors()
-    assert _rel(out, reference.moe_forward_virtual(xs, idx, w, wg, wu, wd)) < 1e-2
+    assert_tokens_close(out, reference.moe_forward_virtual(xs, idx, w, wg, wu, wd),
+                        what="megakernel after a timeout")
 
 
 @pytest.mark.gpu
@@ -635,7 +635,7 @@ def test_out_of_range_ids_contribute_zero_without_the_check():
     w_zeroed[0, 3, 1] = 0.0
     w_zeroed[1, 7, 0] = 0.0
     ref = reference.moe_forward_virtual(xs, idx, w_zeroed, wg, wu, wd)
-    assert _rel(out, ref) < 1e-2
+    assert_tokens_close(out, ref, what="megakernel with out-of-range ids")
     with pytest.raises(ValueError, match="topk_idx"):
         _run((xs, bad, w, wg, wu, wd, sh))
 

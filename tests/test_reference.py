@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mok_cute import reference as ref
+from per_token import assert_tokens_close, naive_moe_forward, naive_moe_forward_virtual
 
 
 def make_inputs(seed, T, H, I, E, K, Is=0, R=None, dtype=torch.bfloat16):
@@ -30,29 +31,6 @@ def make_inputs(seed, T, H, I, E, K, Is=0, R=None, dtype=torch.bfloat16):
     if Is:
         shared = (randn(*lead, Is, H, scale=H**-0.5), randn(*lead, Is, H, scale=H**-0.5), randn(*lead, H, Is, scale=Is**-0.5))
     return x, topk_idx, topk_weights, w_gate, w_up, w_down, shared
-
-
-def naive_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None):
-    """Token by token, k by k, straight from DESIGN §1 (float64 matmuls, bf16 roundings)."""
-    T, H = x.shape
-    out = torch.empty(T, H, dtype=torch.bfloat16)
-
-    def expert(v, wg, wu, wd):
-        v = v.double()
-        g = (wg.double() @ v).to(torch.bfloat16).double()  # bf16 pre-activations
-        u = (wu.double() @ v).to(torch.bfloat16).double()
-        h = (F.silu(g) * u).to(torch.bfloat16)
-        return (wd.double() @ h.double()).to(torch.bfloat16)
-
-    for t in range(T):
-        acc = torch.zeros(H, dtype=torch.float32)
-        if shared is not None:
-            acc = expert(x[t], *shared).float()
-        for k in range(topk_idx.shape[1]):
-            e = int(topk_idx[t, k])
-            acc = acc + topk_weights[t, k].float() * expert(x[t], w_gate[e], w_up[e], w_down[e]).float()
-        out[t] = acc.to(torch.bfloat16)
-    return out
 
 
 def assert_bf16_close(got, want):
@@ -137,28 +115,38 @@ def test_moe_forward_matches_naive(T, H, I, E, K, Is):
     args = make_inputs(10 * T + K, T, H, I, E, K, Is)
     out = ref.moe_forward(*args[:6], shared=args[6])
     assert out.dtype == torch.bfloat16 and out.shape == (T, H)
-    assert_bf16_close(out, naive_forward(*args))
+    want = naive_moe_forward(*args)
+    assert_bf16_close(out, want)
+    assert_tokens_close(out, want, what="reference vs the per-token loop")
 
 
-def test_moe_forward_is_its_stages():
-    """moe_forward == weighted_k_sum(routed_expert_outputs, shared rows), bitwise."""
+def test_routed_expert_outputs_batch_each_expert_in_slot_order():
+    """Each slot's row is its expert run once on that expert's rows in (token, k) order (the
+    batching the kernels reproduce bitwise), and it is the right expert's output: every slot
+    against the per-token loop. (This test used to compare moe_forward with the composition of
+    its own stages, which is how moe_forward is written: nothing was checked.)"""
     x, idx, w, wg, wu, wd, shared = make_inputs(4, 23, 32, 16, 6, 3, Is=8)
     y_slots = ref.routed_expert_outputs(x, idx, wg, wu, wd)
     assert y_slots.shape == (23, 3, 32) and y_slots.dtype == torch.bfloat16
-    # Each slot equals its expert applied to the rows batched by expert in (token, k) order.
     for e in range(6):
         t, k = torch.nonzero(idx == e, as_tuple=True)
         if t.numel():
             assert torch.equal(y_slots[t, k], ref.expert_mlp(x[t], wg[e], wu[e], wd[e]))
-    want = ref.weighted_k_sum(y_slots, w, ref.expert_mlp(x, *shared))
-    assert torch.equal(ref.moe_forward(x, idx, w, wg, wu, wd, shared), want)
+    for k in range(3):  # slot k of every token: the loop's expert idx[t, k] on x[t]
+        want = torch.cat([naive_moe_forward(x[t:t + 1], idx[t:t + 1, k:k + 1],
+                                            torch.ones(1, 1), wg, wu, wd) for t in range(23)])
+        assert_tokens_close(y_slots[:, k], want, what=f"slot k={k}")
+    assert_tokens_close(ref.moe_forward(x, idx, w, wg, wu, wd, shared),
+                        naive_moe_forward(x, idx, w, wg, wu, wd, shared), what="moe_forward")
 
 
 def test_repeated_expert_in_one_token():
     x, idx, w, wg, wu, wd, _ = make_inputs(5, 6, 32, 16, 4, 2)
     idx = torch.tensor([[1, 1], [0, 3], [2, 2], [3, 0], [1, 2], [3, 3]])
     out = ref.moe_forward(x, idx, w, wg, wu, wd)
-    assert_bf16_close(out, naive_forward(x, idx, w, wg, wu, wd))
+    want = naive_moe_forward(x, idx, w, wg, wu, wd)
+    assert_bf16_close(out, want)
+    assert_tokens_close(out, want, what="repeated expert")
     y = ref.expert_mlp(x[0:1], wg[1], wu[1], wd[1])[0].float()
     want0 = (torch.zeros_like(y) + w[0, 0] * y + w[0, 1] * y).bfloat16()
     assert torch.equal(out[0], want0)
@@ -204,7 +192,9 @@ def test_virtual_equals_each_rank_with_gathered_weights(R, E_loc, Is):
         # and the global expert e really is w_*[e // E_loc, e % E_loc]
         e = int(idx[r, 0, 0])
         assert torch.equal(g_gate[e], wg[e // E_loc, e % E_loc])
-    assert_bf16_close(outs[R - 1], naive_forward(xs[R - 1], idx[R - 1], w[R - 1], g_gate, g_up, g_down, None if shared is None else tuple(s[R - 1] for s in shared)))
+    # every rank against the per-token loop, written apart from the reference
+    assert_tokens_close(outs, naive_moe_forward_virtual(xs, idx, w, wg, wu, wd, shared),
+                        what=f"virtual R={R}")
 
 
 def test_virtual_checks_leading_dim():

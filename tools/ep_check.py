@@ -7,7 +7,7 @@ For uniform routing and for skewed routing (one expert takes 50 % of every rank'
 every rank calls ``moe_forward(group=...)`` on its own tokens and experts, and:
 
 1. reference  the outputs, gathered to rank 0, against ``reference.moe_forward_virtual``
-              (relative error <= --tol);
+              (every token's relative error <= --tol: tests/per_token.py);
 2. repeat     a second call gives the same bits;
 3. comm split ``MoKConfig(num_comm_sms=n)`` for every n of --comm gives the same bits;
 4. emulated   rank 0 runs ``mok_cute.moe_forward_virtual`` (the same R ranks, virtual, on its
@@ -32,12 +32,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/tools/", 1)[0])  # run from a checkout
+sys.path.insert(0, __file__.rsplit("/tools/", 1)[0] + "/tests")  # the tests' per-token check
 import mok_cute  # noqa: E402
 from mok_cute import reference  # noqa: E402
 from mok_cute.bench import ep  # noqa: E402
-from mok_cute.bench.common import rel_err  # noqa: E402
 from mok_cute.bench.results import gpu_name  # noqa: E402
 from mok_cute.shapes import Shape  # noqa: E402
+from per_token import TOKEN_TOL, worst_token_error  # noqa: E402
 
 ROUTINGS = {"uniform": None, "skew": 0.5}  # skew: the fraction of tokens on the hot expert
 
@@ -61,7 +62,7 @@ def run_routing(d: ep.Dist, shape: Shape, tokens: int, skew: float | None, confi
 
     xs, idx, wts, outs = (ep.gather_stacked(d, t) for t in (inp.x, inp.topk_idx, inp.topk_weights, first))
     wg, wu, wd = (ep.gather_stacked(d, t) for t in (weights.w_gate, weights.w_up, weights.w_down))
-    verdict = [0.0, 0.0]  # rel err, emulated bitwise equal
+    verdict = [0.0, 0.0]  # worst token's relative error, emulated bitwise equal
     if d.rank == 0:
         shared = None
         if weights.shared is not None:  # replicated: rank 0's copy stands for every rank's
@@ -69,13 +70,13 @@ def run_routing(d: ep.Dist, shape: Shape, tokens: int, skew: float | None, confi
         with torch.no_grad():
             ref = reference.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared)
             emulated = mok_cute.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared, config=config)
-        verdict = [rel_err(outs, ref), float(torch.equal(emulated, outs))]
+        verdict = [worst_token_error(outs, ref), float(torch.equal(emulated, outs))]
     rel = ep.broadcast_float(d, verdict[0])
     emulated_equal = bool(ep.broadcast_float(d, verdict[1]))
     repeat_all = ep.all_max(d, float(not same_repeat)) == 0.0
     comm_all = {n: ep.all_max(d, float(not ok)) == 0.0 for n, ok in same_comm.items()}
     return {
-        "reference": (rel <= tol, f"rel err {rel:.3e} (tol {tol})"),
+        "reference": (rel <= tol, f"worst token's relative error {rel:.3e} (tol {tol})"),
         "repeat": (repeat_all, "bitwise equal on every rank"),
         "comm split": (all(comm_all.values()), ", ".join(f"{n}: {'same' if ok else 'DIFFERENT'}"
                                                           for n, ok in comm_all.items())),
@@ -90,7 +91,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the shape's)")
     parser.add_argument("--backend", default="megakernel", choices=["megakernel", "reference"])
     parser.add_argument("--comm", default="2,8,16", help="comm CTA counts that must give the same bits")
-    parser.add_argument("--tol", type=float, default=1e-2)
+    parser.add_argument("--tol", type=float, default=TOKEN_TOL,
+                        help="per-token relative error bound (tests/per_token.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (gloo)")
     args = parser.parse_args()
