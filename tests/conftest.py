@@ -49,3 +49,13 @@ def launches(monkeypatch) -> list:
 
     monkeypatch.setattr(KernelLauncher, "launch", recording_launch)
     return seen
+
+
+@pytest.fixture(autouse=True)
+def _return_cached_gpu_memory(request):
+    """After each GPU test, hand the caching allocator's free blocks back to the driver:
+    `gpu_check.sh alltests` runs 12 pytest processes on one GPU, and blocks cached by one
+    test's large problem (up to 33 GiB a process) starved the others into OOM (2026-12-01)."""
+    yield
+    if HAS_CUDA and "gpu" in request.keywords:
+        torch.cuda.empty_cache()
