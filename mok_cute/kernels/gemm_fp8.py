@@ -1,0 +1,475 @@
+"""FP8 grouped GEMM with split (promoted) accumulation on Hopper (sm_90a), issue 33 item 2.
+
+    out[rows of M-tile m, :] = bf16( sum_g 2^(e_a[row, g] + e_b[expert(m), n / 128, g])
+                                      * (A_q[row, 128 g : 128 g + 128] . W_q[expert(m), n, same]) )
+
+the FC2-shaped grouped GEMM with the plain store epilogue, on FP8 operands:
+
+- A ``[M, K]`` float8_e4m3fn with 1 x 128 row scales along K: int8 exponents ``e_a [M, K/128]``
+  (``mok_cute.fp8.quantize_rows``); M is the expert-sorted, tile-padded row count (each
+  expert's segment padded to 128 rows, so each M-tile belongs to one expert: the tile ->
+  expert table of ``GroupedGemmSm90``).
+- W ``[E, N, K]`` float8_e4m3fn with 128 x 128 block scales: ``e_b [E, N/128, K/128]``
+  (``mok_cute.fp8.quantize_blocks``).
+- out ``[M, N]`` bf16; rows of M-tiles past ``num_m_tiles`` are not written.
+
+Split accumulation. Hopper's FP8 wgmma accumulates with reduced precision (rel-L1 1.7e-3 at
+K = 8192 against 1.2e-4 promoted: ``../shared/notes/anchors.md``), so each 128-deep K group
+(one TMA k-tile: 128 e4m3 bytes per row, the 128-byte swizzle atom) runs its four k32 wgmmas
+into a *partial* fp32 accumulator (the group's first wgmma with accumulate off: it
+overwrites the partial, no zeroing), waits for them (``wait_group(0)``), releases the
+stage, and promotes: ``acc += s * partial`` with one FFMA (``fma.rn.f32``) per accumulator
+element, where ``s = 2^(e_a[row] + e_b[block])`` is exact: one integer add and the fp32
+built from its exponent bits (``pow2_f32``: normal, subnormal down to 2^-149, 0 below, inf
+above 2^127). Both accumulators are full tiles: a 128 x 192 tile holds 96 + 96 fp32 per
+consumer thread (``../shared/notes/anchors.md``: 0 spills; 128 x 256 would spill). The tensor
+cores idle while a warpgroup promotes (both consumer warpgroups promote the same group at
+about the same time): the cost of this first version, about 100 FFMA-issue cycles per
+warp per 128-K group against about 750 cycles of wgmma at 128 x 192 x 128.
+
+Scales. Each consumer thread owns two rows of the tile (the wgmma accumulator layout: warp w
+rows 16 w .. 16 w + 15, lane l rows l / 4 and l / 4 + 8) and reads their exponents from
+global memory with plain byte loads, one group ahead (issued before the wait for the
+current group's wgmmas, so their latency hides under the tensor work): 2 loads of e_a and
+1-2 warp-uniform loads of e_b per thread and group, all L1/L2 hits after the first touch
+(e_a is M * K / 128 bytes). A 192-wide N-tile spans two 128-row blocks of W: columns [0, 64)
+lie in the first, [128, 192) in the second, and [64, 128) in the first for even N-tiles and
+the second for odd ones (n0 = 192 n_tile = 128 * 1.5 n_tile): three scales per row, each
+accumulator element's choice fixed at trace time. A 128-wide tile uses one block.
+
+Roles and order as ``gemm_sm90.GroupedGemmSm90`` (cooperative only: the two consumer
+warpgroups split each tile's rows): warp 0 of the producer warpgroup streams A and B k-tiles
+by TMA into an mbarrier ring; the consumers run the promoting mainloop above and the core's
+tile epilogue (``GemmCoreSm90.tile_epilogue``, "store"). Fixed K order, no split-K: repeat
+runs agree bitwise.
+
+Constraints: K % 128 == 0 (K >= 128), N % 128 == 0 (the block scales), tile_n in {128, 192}
+(a partial last N-tile is zero-filled on load and clipped on store by TMA), 16-byte aligned
+rows. The kernel takes the e4m3 data as int8 views (``q.view(torch.int8)``) and reinterprets
+them as e4m3 for TMA and wgmma.
+
+Run on a GPU host::
+
+    python3 -c "import torch; from mok_cute import fp8; import mok_cute.kernels.gemm_fp8 as g; \\
+        a, ea = fp8.quantize_rows(torch.randn(256, 2048, device='cuda')); \\
+        w, ew = fp8.quantize_blocks(torch.randn(2, 1024, 2048, device='cuda') / 45); \\
+        te = torch.tensor([0, 1], dtype=torch.int32, device='cuda'); nt = te[:1] * 0 + 2; \\
+        y = g.grouped_gemm_fp8(a, ea, w, ew, te, nt); r = g.grouped_gemm_fp8_ref(a, ea, w, ew, te, nt); \\
+        print(((y.double() - r.double()).abs().sum() / r.double().abs().sum()).item())"
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int8, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from mok_cute import fp8, jit
+from mok_cute.config import describe
+from mok_cute.constants import TILE_M
+from mok_cute.kernels import common
+from mok_cute.kernels.gemm_core import pipeline_state
+from mok_cute.kernels.gemm_sm90 import GroupedGemmSm90
+
+GROUP = fp8.GROUP  # 128: the K depth of a scale group, one k-tile
+TILE_NS = (128, 192)
+
+
+# ---------------------------------------------------------------------- device helpers
+@dsl_user_op
+def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """``a * b + c`` rounded once (``fma.rn.f32``: one FFMA, nothing flushed)."""
+    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)]
+    return Float32(llvm.inline_asm(T.f32(), args, "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def f32_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def pow2_f32(e: Int32) -> Float32:
+    """``2.0 ** e`` as fp32, exact for integer e in [-149, 127] (subnormals included), 0 below,
+    inf above: ``mok_cute.fp8.pow2`` in integers. Traced inline."""
+    normal = (cutlass.min(cutlass.max(e, Int32(-126)), Int32(128)) + 127) << 23
+    sub = Int32(1) << cutlass.min(cutlass.max(e + 149, Int32(0)), Int32(22))
+    bits = cutlass.select_(e >= -126, normal, cutlass.select_(e >= -149, sub, Int32(0)))
+    return f32_from_bits(bits)
+
+
+def scale_slot(v: int, tile_n: int) -> int:
+    """Which of a row's three scales accumulator element ``v`` takes (trace time): 0 the
+    tile's first W block, 2 its second, 1 the first for even N-tiles and the second for odd
+    ones. Element v covers columns 8 (v // 4) .. 8 (v // 4) + 7 of the tile (wgmma layout);
+    a 192-wide tile starts at 128 * 1.5 n_tile, so its block boundary is column 128 (even)
+    or 64 (odd). A 128-wide tile is one block."""
+    if tile_n <= GROUP:
+        return 0
+    chunk = v // 4
+    return 0 if chunk < 8 else (1 if chunk < 16 else 2)
+
+
+# ---------------------------------------------------------------------- the kernel
+class GroupedGemmFp8Sm90(GroupedGemmSm90):
+    """``GroupedGemmSm90`` on e4m3 operands with 1 x 128 / 128 x 128 power-of-two scales and a
+    promoting mainloop (module docstring). Store epilogue, cooperative consumers.
+
+    :param tile_n: CTA tile width in N: 192 (default; two 128 x 192 fp32 accumulators) or 128.
+    :param group_m: M-tiles per rasterisation group (L2 reuse of W).
+    :param num_sms: persistent grid size (132 on H100/H200).
+    """
+
+    def __init__(self, tile_n: int = 192, group_m: int = 8, num_sms: int = 132):
+        if tile_n not in TILE_NS:
+            raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
+        # the core checks widths for bf16 tiles; the FP8 tile is set below
+        super().__init__(tile_n=128, epilogue="store", group_m=group_m, num_sms=num_sms)
+        self.tile_shape_mnk = (TILE_M, tile_n, GROUP)
+        self.out_tile_n = tile_n
+        self.b_rows_per_load = tile_n
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mEA: cute.Tensor,
+                 mEB: cute.Tensor, mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
+                 stream: cuda.CUstream):
+        """mA (M, K, 1) and mB (N, K, E) int8 views of the e4m3 data, mC (M, N, 1) bf16,
+        mEA (M, K/128) and mEB (E, N/128, K/128) int8 exponents, mTileExpert int32,
+        mNumMTiles int32 [1]."""
+        mA = cute.recast_tensor(mA, cutlass.Float8E4M3FN)
+        mB = cute.recast_tensor(mB, cutlass.Float8E4M3FN)
+        self.a_dtype = mA.element_type
+        self.b_dtype = mB.element_type
+        self.c_dtype = mC.element_type
+        self._setup_attributes()
+
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
+        tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, mB, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (tile_n, tile_k))
+        tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
+            cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
+        self.shared_storage = self.make_shared_storage()
+        self.kernel(
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
+            mEA, mEB, mTileExpert, mNumMTiles, self.tiled_mma, self.a_smem_layout_staged,
+            self.b_smem_layout_staged, self.epi_smem_layout_staged,
+        ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
+                 min_blocks_per_mp=1, stream=stream)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
+               tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
+               tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
+               mEA: cute.Tensor, mEB: cute.Tensor,
+               mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor, tiled_mma: cute.TiledMma,
+               a_smem_layout_staged: cute.ComposedLayout,
+               b_smem_layout_staged: cute.ComposedLayout,
+               epi_smem_layout_staged: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+
+        if warp_idx == self.load_warp:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        tma_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem_layout_staged, (None, None, 0)))
+                     + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_layout_staged, (None, None, 0))))
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_full_empty.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     self.threads_per_tile // 32),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+
+        gA_mkl = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
+        gB_nkl = cute.local_tile(mB_nkl, (tile_n, tile_k), (None, None, None))
+        gC_mnl = cute.local_tile(mC_mnl, (tile_m, tile_n), (None, None, None))
+        single_cta = cute.make_layout(1)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, single_cta, cute.group_modes(sB, 0, 2), cute.group_modes(gB_nkl, 0, 2))
+
+        k_tile_cnt = cute.size(gA_mkl, mode=[3])
+        num_n_tiles = cute.size(gB_nkl, mode=[2])
+        num_m_tiles = mNumMTiles[0]
+        num_tiles = num_m_tiles * num_n_tiles
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            # ---------------- producer warpgroup: warp 0 streams A and W k-tiles with TMA
+            if warp_idx == self.load_warp:
+                producer_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.ab_stages)
+                tile_idx = cute.arch.block_idx()[0]
+                while tile_idx < num_tiles:
+                    m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+                    expert = mTileExpert[m_tile]
+                    tAgA_k = tAgA[(None, m_tile, None, 0)]
+                    for k_tile in range(k_tile_cnt):
+                        ab_pipeline.producer_acquire(producer_state)
+                        barrier = ab_pipeline.producer_get_barrier(producer_state)
+                        cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
+                                  tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
+                                  tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        ab_pipeline.producer_commit(producer_state)
+                        producer_state.advance()
+                    tile_idx += cute.arch.grid_dim()[0]
+                ab_pipeline.producer_tail(producer_state)
+        else:
+            # ---------------- consumer warpgroups: promoting wgmma mainloop + store epilogue
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            consumer = warpgroup_idx - 1
+            tile_tidx = tidx - self.threads_per_warpgroup
+            tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
+                tiled_mma, sA, sB, sC, consumer * self.threads_per_warpgroup, tile_tidx)
+            partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+            rows = self._my_rows(tile_tidx)
+            epi_m = tile_m // self.epi_tile[0]
+            out_n = tile_n // self.epi_tile[1]
+            tma_store_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.threads_per_tile))
+            epilogue_barrier = pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.EPILOGUE), num_threads=self.threads_per_tile)
+            is_store_warp = warp_idx == 4
+
+            tile_idx = cute.arch.block_idx()[0]
+            loads = Int32(0)
+            subtiles_done = Int32(0)
+            while tile_idx < num_tiles:
+                m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+                expert = mTileExpert[m_tile]
+                self.promoting_mainloop(
+                    ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
+                    num_k_blocks, mEA, mEB, m_tile * tile_m + rows[0], m_tile * tile_m + rows[1],
+                    expert, n_tile)
+                loads += k_tile_cnt
+                self.tile_epilogue(epi, (tma_atom_c,), (gC_mnl[(None, None, m_tile, n_tile, 0)],),
+                                   "store", 0, subtiles_done, epilogue_barrier,
+                                   tma_store_pipeline, is_store_warp)
+                subtiles_done += epi_m * out_n
+                tile_idx += cute.arch.grid_dim()[0]
+            tma_store_pipeline.producer_tail()
+
+    @cute.jit
+    def epi_visit_subtile(self, epi, kind: cutlass.Constexpr[str], sm: cutlass.Constexpr[int],
+                          sn: cutlass.Constexpr[int], outs, visit_args):
+        """"store": subtile (sm, sn) of the accumulator. Written out here: the zero-argument
+        ``super()`` in ``GroupedGemmSm90.epi_visit_subtile`` recurses without end when traced
+        for a subclass (it resolves against the instance's class)."""
+        frag_size = cute.size(outs[0])
+        first = (sm * (self.tile_shape_mnk[1] // self.epi_tile[1]) + sn) * frag_size
+        for v in cutlass.range_constexpr(frag_size):
+            outs[0][v] = epi.acc[first + v]
+
+    # ------------------------------------------------------------------ promoting mainloop
+    def group_exponents(self, mEA: cute.Tensor, mEB: cute.Tensor, row0: Int32, row1: Int32,
+                        expert: Int32, n_tile: Int32, group: Int32):
+        """This thread's two rows' e_a and the tile's first and second W block exponents for
+        K group ``group`` (a row past A's rows reads row M - 1: such rows are never stored;
+        a block past N is clamped: its columns are clipped on store). Traced inline (a plain
+        method: the values go back to the caller)."""
+        last_row = cute.size(mEA, mode=[0]) - 1
+        ea0 = Int32(mEA[cutlass.min(row0, last_row), group])
+        ea1 = Int32(mEA[cutlass.min(row1, last_row), group])
+        block0 = n_tile * self.tile_shape_mnk[1] // GROUP
+        eb0 = Int32(mEB[expert, block0, group])
+        eb1 = eb0
+        if const_expr(self.tile_shape_mnk[1] > GROUP):
+            last_block = cute.size(mEB, mode=[1]) - 1
+            eb1 = Int32(mEB[expert, cutlass.min(block0 + 1, last_block), group])
+        return ea0, ea1, eb0, eb1
+
+    def promote(self, acc: cute.Tensor, partial: cute.Tensor, ea0: Int32, ea1: Int32,
+                eb0: Int32, eb1: Int32, n_tile: Int32):
+        """acc += 2^(e_a[row] + e_b[block]) * partial, one FFMA per element. Element v of the
+        wgmma accumulator ((2, 2, tile_n / 8) values) sits at column 8 (v // 4) + 2 (lane % 4)
+        + v % 2 and row (v // 2) % 2 * 8 + this thread's first row; its 8-column chunk
+        v // 4 decides the block (module docstring). Traced inline."""
+        tile_n = self.tile_shape_mnk[1]
+        odd = (n_tile % 2) == 1
+        scales = []
+        for ea in (ea0, ea1):
+            lo = pow2_f32(ea + eb0)
+            hi = pow2_f32(ea + eb1) if const_expr(tile_n > GROUP) else lo
+            scales.append((lo, cutlass.select_(odd, hi, lo), hi))
+        accv = cute.flatten(acc)
+        partv = cute.flatten(partial)
+        for v in range(cute.size(accv)):
+            accv[v] = ffma(partv[v], scales[(v // 2) % 2][scale_slot(v, tile_n)], accv[v])
+
+    @cute.jit
+    def promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
+                           loads: Int32, k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int],
+                           mEA: cute.Tensor, mEB: cute.Tensor, row0: Int32, row1: Int32,
+                           expert: Int32, n_tile: Int32):
+        """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
+        per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
+        stage, promote into ``acc`` with the group's scales (loaded one group ahead).
+        Returns the state after the tile's last stage."""
+        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        acc.fill(0.0)
+        ea0, ea1, eb0, eb1 = self.group_exponents(mEA, mEB, row0, row1, expert, n_tile, Int32(0))
+        for k in range(k_tiles):
+            ab_pipeline.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
+                          tCrB[(None, None, kb, read.index)], partial)
+            cute.nvgpu.warpgroup.commit_group()
+            # the next group's exponents, under the wgmmas (the last tile re-reads its own)
+            nxt = self.group_exponents(mEA, mEB, row0, row1, expert, n_tile,
+                                       cutlass.min(k + 1, k_tiles - 1))
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(read)
+            read.advance()
+            self.promote(acc, partial, ea0, ea1, eb0, eb1, n_tile)
+            ea0, ea1, eb0, eb1 = nxt
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        return read
+
+
+# ---------------------------------------------------------------------- compile (no GPU)
+def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 192,
+                             group_m: int = 8, num_sms: int = 132):
+    """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
+    and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
+    and ``W (N, K, E)`` int8 views of the e4m3 data, ``out (M, N, 1)`` bf16, ``e_a (M, K/128)``
+    and ``e_b (E, N/128, K/128)`` int8, the int32 tile -> expert table and the one-element
+    M-tile count; it runs on torch's current stream."""
+    gemm = GroupedGemmFp8Sm90(tile_n=tile_n, group_m=group_m, num_sms=num_sms)
+    m, num_experts = cute.sym_int32(), cute.sym_int32()
+    k = cute.sym_int32(divisibility=GROUP)
+    n = cute.sym_int32(divisibility=GROUP)
+    a = common.fake_kmajor_tensor(Int8, (m, k, 1))
+    b = common.fake_kmajor_tensor(Int8, (n, k, num_experts))
+    c = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, 1))
+    e_a = common.fake_strided_tensor(Int8, (m, cute.sym_int32()), align_bytes=1)
+    e_b = common.fake_strided_tensor(Int8, (num_experts, cute.sym_int32(), cute.sym_int32()),
+                                     align_bytes=1)
+    args = (a, b, c, e_a, e_b, common.fake_vector(Int32), common.fake_vector(Int32))
+    return cute.compile(gemm, *args, common.fake_stream(),
+                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
+
+
+# ---------------------------------------------------------------------- torch entry + reference
+def _check_fp8(name: str, t: object, dims: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {describe(t)}")
+    if t.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name}: expected dtype float8_e4m3fn, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: expected a {dims}-D tensor, got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_exp(name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int8:
+        raise TypeError(f"{name}: expected an int8 tensor, got {describe(t)}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles):
+    _check_fp8("a", a, 2)
+    _check_fp8("w", w, 3)
+    m, k = a.shape
+    num_experts, n, k_w = w.shape
+    if k_w != k:
+        raise ValueError(f"w: expected K = {k} (from a), got shape {tuple(w.shape)}")
+    if k % GROUP or k == 0:
+        raise ValueError(f"a: expected K (dim 1) a positive multiple of {GROUP}, got shape {tuple(a.shape)}")
+    if n % GROUP or n == 0:
+        raise ValueError(f"w: expected N (dim 1) a positive multiple of {GROUP}, got shape {tuple(w.shape)}")
+    _check_exp("e_a", e_a, (m, k // GROUP))
+    _check_exp("e_w", e_w, (num_experts, n // GROUP, k // GROUP))
+    for name, t in (("tile_expert", tile_expert), ("num_m_tiles", num_m_tiles)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            raise TypeError(f"{name}: expected a 1-D int32 tensor, got {describe(t)}")
+    return m, n, k
+
+
+def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,
+                     tile_expert: torch.Tensor, num_m_tiles: torch.Tensor,
+                     out: torch.Tensor | None = None, tile_n: int = 192,
+                     group_m: int = 8) -> torch.Tensor:
+    """``out [M, N] bf16 = A · W[expert(M-tile)]^T`` with promoted FP8 accumulation (module
+    docstring). ``a [M, K]`` float8_e4m3fn with ``e_a [M, K/128]`` int8 (``fp8.quantize_rows``),
+    ``w [E, N, K]`` float8_e4m3fn with ``e_w [E, N/128, K/128]`` int8 (``fp8.quantize_blocks``),
+    ``tile_expert [>= M-tiles]`` int32 and ``num_m_tiles [1]`` int32 on the device (read there:
+    no host sync). Rows of M-tiles past ``num_m_tiles`` are untouched. No host sync."""
+    m, n, k = _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles)
+    for name, t in (("a", a), ("w", w)):
+        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16 \
+                or any(s % 16 for s in t.stride()[:-1]):
+            raise ValueError(f"{name}: expected a CUDA tensor with 16-byte aligned rows and unit "
+                             f"stride along K, got {describe(t)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+          or tuple(out.shape) != (m, n) or out.stride(-1) != 1 or out.data_ptr() % 16
+          or out.stride(0) % 8):
+        raise ValueError(f"out: expected a bf16 tensor [{m}, {n}] with 16-byte aligned rows, "
+                         f"got {describe(out)}")
+    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    compiled = jit.compile_kernel("gemm_fp8_fc2", jit.device_arch(a.device), tile_n=tile_n,
+                                  group_m=group_m, num_sms=num_sms)
+    compiled(a.view(torch.int8).unsqueeze(2), w.view(torch.int8).permute(1, 2, 0),
+             out.unsqueeze(2), e_a.contiguous(), e_w.contiguous(), tile_expert, num_m_tiles)
+    return out
+
+
+def grouped_gemm_fp8_ref(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,
+                         tile_expert: torch.Tensor, num_m_tiles: int | torch.Tensor) -> torch.Tensor:
+    """The oracle: the dequantized operands (``fp8.dequantize_rows`` / ``_blocks``, exact) in
+    float64, each 128-row tile times its expert's weights, rounded once to bf16. Returns
+    ``[num_m_tiles * 128, N]`` (the rows the kernel writes)."""
+    m, n, k = _check_args(a, e_a, w, e_w, tile_expert,
+                          num_m_tiles if isinstance(num_m_tiles, torch.Tensor)
+                          else torch.tensor([num_m_tiles], dtype=torch.int32))
+    tiles = int(num_m_tiles.reshape(-1)[0]) if isinstance(num_m_tiles, torch.Tensor) else int(num_m_tiles)
+    if tiles * TILE_M > m:
+        raise ValueError(f"num_m_tiles: {tiles} tiles need {tiles * TILE_M} rows, a has {m}")
+    x = fp8.dequantize_rows(a, e_a).double()
+    experts = tile_expert[:tiles].tolist()
+    out = torch.empty(tiles * TILE_M, n, dtype=torch.float64, device=a.device)
+    cache = {}
+    for t, e in enumerate(experts):
+        if e not in cache:
+            cache[e] = fp8.dequantize_blocks(w[e], e_w[e]).double()
+        out[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ cache[e].T
+    return out.to(torch.bfloat16)
