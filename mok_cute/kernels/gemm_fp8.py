@@ -283,17 +283,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 tile_idx += cute.arch.grid_dim()[0]
             tma_store_pipeline.producer_tail()
 
-    @cute.jit
-    def epi_visit_subtile(self, epi, kind: cutlass.Constexpr[str], sm: cutlass.Constexpr[int],
-                          sn: cutlass.Constexpr[int], outs, visit_args):
-        """"store": subtile (sm, sn) of the accumulator. Written out here: the zero-argument
-        ``super()`` in ``GroupedGemmSm90.epi_visit_subtile`` recurses without end when traced
-        for a subclass (it resolves against the instance's class)."""
-        frag_size = cute.size(outs[0])
-        first = (sm * (self.tile_shape_mnk[1] // self.epi_tile[1]) + sn) * frag_size
-        for v in cutlass.range_constexpr(frag_size):
-            outs[0][v] = epi.acc[first + v]
-
     # ------------------------------------------------------------------ promoting mainloop
     def group_exponents(self, mEA: cute.Tensor, mEB: cute.Tensor, row0: Int32, row1: Int32,
                         expert: Int32, n_tile: Int32, group: Int32):

@@ -417,7 +417,9 @@ class GroupedGemmSm90(GemmCoreSm90):
         if const_expr(kind == "dgated"):
             self._visit_dgated(epi, sm, sn, outs, visit_args)
         else:
-            super().epi_visit_subtile(epi, kind, sm, sn, outs, visit_args)
+            # named, not super(): the DSL re-traces this body without its class cell, and a
+            # zero-argument super() then resolves against a subclass and recurses
+            GemmCoreSm90.epi_visit_subtile(self, epi, kind, sm, sn, outs, visit_args)
 
     @cute.jit
     def _visit_dgated(self, epi, sm: cutlass.Constexpr[int], sn: cutlass.Constexpr[int], outs,
