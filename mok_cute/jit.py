@@ -101,7 +101,7 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.quantize", "compile_quantize_blocks", {"write_q": True, "write_qt": True},
         "weights -> e4m3 in 128x128 blocks and the exact transposed copy (fp8.quantize_blocks)"),
     "gemm_fp8_fc2": KernelSpec(
-        "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8", {"tile_n": 192},
+        "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8", {"tile_n": 128},
         "FP8 grouped GEMM FC2 (e4m3, 1x128 / 128x128 pow2 scales), promoted every 128 K, store"),
     "megakernel": KernelSpec(
         "mok_cute.kernels.megakernel", "compile_megakernel", {"num_ranks": 1, "top_k": 8},

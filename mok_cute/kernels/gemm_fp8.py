@@ -122,12 +122,12 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     """``GroupedGemmSm90`` on e4m3 operands with 1 x 128 / 128 x 128 power-of-two scales and a
     promoting mainloop (module docstring). Store epilogue, cooperative consumers.
 
-    :param tile_n: CTA tile width in N: 192 (default; two 128 x 192 fp32 accumulators) or 128.
+    :param tile_n: CTA tile width in N: 128 (default: measured faster on dsv3 FC2, 1019 vs 860 TFLOP/s) or 192 (two 128 x 192 fp32 accumulators).
     :param group_m: M-tiles per rasterisation group (L2 reuse of W).
     :param num_sms: persistent grid size (132 on H100/H200).
     """
 
-    def __init__(self, tile_n: int = 192, group_m: int = 8, num_sms: int = 132):
+    def __init__(self, tile_n: int = 128, group_m: int = 8, num_sms: int = 132):
         if tile_n not in TILE_NS:
             raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
         # the core checks widths for bf16 tiles; the FP8 tile is set below
@@ -352,7 +352,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
 
 # ---------------------------------------------------------------------- compile (no GPU)
-def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 192,
+def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
                              group_m: int = 8, num_sms: int = 132):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
@@ -414,7 +414,7 @@ def _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles):
 
 def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,
                      tile_expert: torch.Tensor, num_m_tiles: torch.Tensor,
-                     out: torch.Tensor | None = None, tile_n: int = 192,
+                     out: torch.Tensor | None = None, tile_n: int = 128,
                      group_m: int = 8) -> torch.Tensor:
     """``out [M, N] bf16 = A · W[expert(M-tile)]^T`` with promoted FP8 accumulation (module
     docstring). ``a [M, K]`` float8_e4m3fn with ``e_a [M, K/128]`` int8 (``fp8.quantize_rows``),
