@@ -309,9 +309,9 @@ def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
 
 def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
                       dims, max_tokens: int) -> torch.Tensor:
-    """This rank's IPC megakernel launch, sized by the group's largest T: a rank with fewer
-    tokens pads x with zero rows, its ids with -1 (no expert) and its weights with 0, and
-    returns its first T rows. With ``check_ids`` the id check is read after the launch and its
+    """This rank's IPC megakernel launch, sized by the group's largest T rounded up to a plan
+    size (`megakernel.plan_tokens`): every rank pads x with zero rows, its ids with -1 (no
+    expert) and its weights with 0, and returns its first T rows. With ``check_ids`` the id check is read after the launch and its
     verdict exchanged (`agree_on_launch`), so a bad id anywhere raises on every rank."""
     from . import megakernel
     from .comm.agreement import agree_on_launch
@@ -320,14 +320,15 @@ def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, g
     T, E = dims.tokens, dims.num_experts
     if max_tokens == 0:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
+    launch_tokens = megakernel.plan_tokens(max_tokens)  # a bounded set of plans
     if dims.num_ranks > 1:  # GPUs over NVLink: the simulator's picks, the same on every rank
-        config = tuned_config(config, dims.num_ranks, max_tokens, dims.hidden,
+        config = tuned_config(config, dims.num_ranks, launch_tokens, dims.hidden,
                               dims.intermediate, E, dims.top_k, dims.shared_intermediate)
     pending = PendingIdCheck(topk_idx, E) if config.check_ids else None
-    ids = _pad_rows(ids_for_int32(topk_idx, E), max_tokens, -1)
+    ids = _pad_rows(ids_for_int32(topk_idx, E), launch_tokens, -1)
     try:
-        out = megakernel.moe_forward(_pad_rows(x, max_tokens, 0.0), ids,
-                                     _pad_rows(topk_weights, max_tokens, 0.0), w_gate, w_up,
+        out = megakernel.moe_forward(_pad_rows(x, launch_tokens, 0.0), ids,
+                                     _pad_rows(topk_weights, launch_tokens, 0.0), w_gate, w_up,
                                      w_down, shared, config, group=group)[:T]
         outcome = pending.span() if pending is not None else None
     except Exception as exc:

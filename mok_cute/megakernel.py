@@ -114,6 +114,17 @@ def fc1_lead_minibatches(compute_ctas: int, tiles_per_minibatch: int, fc1_n_tile
     return -(-compute_ctas // per_minibatch)
 
 
+def plan_tokens(tokens: int) -> int:
+    """The T an EP group's plan is built for: the group's largest T rounded up to one of eight
+    steps per doubling (at least 128 rows), so variable-length batches reuse a bounded set of
+    plans (each holds IPC-mapped buffers and took a collective to build) at most 12.5 % of
+    padding rows, which route nowhere. Powers of two and their multiples of T / 8 stay."""
+    if tokens <= 0:
+        return 0
+    step = max(TILE_M, 1 << max(0, tokens.bit_length() - 4))
+    return -(-tokens // step) * step
+
+
 def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, int]:
     """(minibatch_tokens, ring_tokens): explicit values are checked, None picks defaults
     (minibatch of 8 tiles; a ring that holds every row, so nothing wraps)."""

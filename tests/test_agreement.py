@@ -228,7 +228,7 @@ def _check_megakernel_flow(rank, world):
             want = ref.moe_forward(xs[rank], idx[rank], wts[rank], *_global(weights), shared=shared)
             assert out.shape == (tokens[rank], 32) and torch.equal(out, want), (rank, tokens)
             if max(tokens):
-                assert launched.pop() == max(tokens)
+                assert launched.pop() == megakernel.plan_tokens(max(tokens)) == 128
         assert not launched  # T = 0 everywhere: no launch on any rank
     xs, idx, wts, weights, _ = _problem(world, [6] * world, seed=20)
     mine = tuple(w[rank] for w in weights)
@@ -312,3 +312,17 @@ def test_no_group_exchanges_nothing(monkeypatch):
     xs, idx, wts, weights, _ = _problem(1, [5], seed=8)
     out = mok.moe_forward(xs[0], idx[0], wts[0], *(w[0] for w in weights))
     assert torch.equal(out, ref.moe_forward(xs[0], idx[0], wts[0], *(w[0] for w in weights)))
+
+
+def test_plan_tokens_bounds_the_plans_of_variable_length_batches():
+    """Eight plan sizes per doubling of T, at least 128 rows, at most 12.5 % padding above
+    1024 tokens; the named shapes' T are plan sizes themselves."""
+    from mok_cute.megakernel import plan_tokens
+
+    assert plan_tokens(0) == 0 and plan_tokens(1) == plan_tokens(128) == 128
+    for t in (1024, 2048, 4096, 8192, 16384, 32768, 6144, 12288):
+        assert plan_tokens(t) == t
+    sizes = {plan_tokens(t) for t in range(4097, 8193)}  # one doubling: 4608, 5120, ..., 8192
+    assert len(sizes) == 8 and min(sizes) == 4608 and max(sizes) == 8192
+    for t in range(1024, 40000, 37):
+        assert t <= plan_tokens(t) <= t * 1.125
