@@ -103,6 +103,10 @@ KERNELS: dict[str, KernelSpec] = {
     "gemm_fp8_fc2": KernelSpec(
         "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8", {"tile_n": 128},
         "FP8 grouped GEMM FC2 (e4m3, 1x128 / 128x128 pow2 scales), promoted every 128 K, store"),
+    "gemm_fp8_fc1": KernelSpec(
+        "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8",
+        {"tile_n": 128, "epilogue": "swiglu"},
+        "FP8 grouped GEMM FC1: gate+up (e4m3, pow2 scales) promoted every 128 K, SwiGLU -> bf16 h"),
     "megakernel": KernelSpec(
         "mok_cute.kernels.megakernel", "compile_megakernel", {"num_ranks": 1, "top_k": 8},
         "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, "

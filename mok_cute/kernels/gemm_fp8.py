@@ -37,6 +37,16 @@ lie in the first, [128, 192) in the second, and [64, 128) in the first for even 
 the second for odd ones (n0 = 192 n_tile = 128 * 1.5 n_tile): three scales per row, each
 accumulator element's choice fixed at trace time. A 128-wide tile uses one block.
 
+FC1 (``epilogue="swiglu"``, ``grouped_gemm_fp8_swiglu``): W_gate and W_up ``[E, I, H]`` e4m3
+with their own 128 x 128 exponents. As in the bf16 kernel each B stage is two TMA boxes, 64
+W_gate rows and the matching 64 W_up rows, so one 128-wide wgmma tile is [g | u] of a
+128 x 64 tile of h; the promotion takes W_gate's block exponent for the first 64 columns and
+W_up's for the others (I % 128 == 0: one block each). The accumulator and the partial stay
+64 + 64 fp32 a thread (168 registers, 0 spills offline); h tiles 128 wide ([g | u] 256 wide,
+128 + 128 fp32) spilled 428 bytes. The epilogue is the core's "swiglu" (``GemmCoreSm90.
+epi_visit_subtile``): h = bf16(silu(bf16(g)) * bf16(u)), silu in fp32, the bf16 kernel's
+code and rounding points; h is stored in bf16 (its e4m3 quantization is a later step).
+
 Roles and order as ``gemm_sm90.GroupedGemmSm90`` (cooperative only: the two consumer
 warpgroups split each tile's rows): warp 0 of the producer warpgroup streams A and B k-tiles
 by TMA into an mbarrier ring; the consumers run the promoting mainloop above and the core's
@@ -60,6 +70,8 @@ Run on a GPU host::
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cuda.bindings.driver as cuda
 import torch
 
@@ -79,6 +91,10 @@ from mok_cute.kernels.gemm_sm90 import GroupedGemmSm90
 
 GROUP = fp8.GROUP  # 128: the K depth of a scale group, one k-tile
 TILE_NS = (128, 192)
+EPILOGUES = ("store", "swiglu")
+# swiglu: the wgmma tile is [gate | up], tile_n / 2 columns of h. 128 (h 64 wide) keeps the
+# accumulator and the partial at 64 + 64 fp32 a thread; 256 (h 128 wide) would need 128 + 128
+SWIGLU_TILE_NS = (128,)
 
 
 # ---------------------------------------------------------------------- device helpers
@@ -105,47 +121,65 @@ def pow2_f32(e: Int32) -> Float32:
     return f32_from_bits(bits)
 
 
-def scale_slot(v: int, tile_n: int) -> int:
+def scale_slot(v: int, tile_n: int, swiglu: bool = False) -> int:
     """Which of a row's three scales accumulator element ``v`` takes (trace time): 0 the
     tile's first W block, 2 its second, 1 the first for even N-tiles and the second for odd
     ones. Element v covers columns 8 (v // 4) .. 8 (v // 4) + 7 of the tile (wgmma layout);
     a 192-wide tile starts at 128 * 1.5 n_tile, so its block boundary is column 128 (even)
-    or 64 (odd). A 128-wide tile is one block."""
+    or 64 (odd). A 128-wide tile is one block. ``swiglu``: the tile's first half is W_gate's
+    block (0), its second half W_up's (2)."""
+    chunk = v // 4
+    if swiglu:
+        return 0 if chunk < tile_n // 16 else 2
     if tile_n <= GROUP:
         return 0
-    chunk = v // 4
     return 0 if chunk < 8 else (1 if chunk < 16 else 2)
 
 
 # ---------------------------------------------------------------------- the kernel
 class GroupedGemmFp8Sm90(GroupedGemmSm90):
     """``GroupedGemmSm90`` on e4m3 operands with 1 x 128 / 128 x 128 power-of-two scales and a
-    promoting mainloop (module docstring). Store epilogue, cooperative consumers.
+    promoting mainloop (module docstring). Cooperative consumers.
 
-    :param tile_n: CTA tile width in N: 128 (default: measured faster on dsv3 FC2, 1019 vs 860 TFLOP/s) or 192 (two 128 x 192 fp32 accumulators).
+    :param tile_n: CTA tile width in N (the wgmma width). store: 128 (default: measured
+        faster on dsv3 FC2, 1019 vs 860 TFLOP/s) or 192 (two 128 x 192 fp32 accumulators).
+        swiglu: 128 = 64 gate + 64 up columns, h tiles 128 x 64.
+    :param epilogue: ``"store"`` (FC2: out = bf16(acc)) or ``"swiglu"`` (FC1: gate and up
+        from two weight tensors into the two halves of each B stage, as ``GroupedGemmSm90``;
+        h = bf16(silu(bf16(g)) * bf16(u)) by the core's swiglu epilogue, the same code and
+        rounding points as the bf16 kernel).
     :param group_m: M-tiles per rasterisation group (L2 reuse of W).
     :param num_sms: persistent grid size (132 on H100/H200).
     """
 
-    def __init__(self, tile_n: int = 128, group_m: int = 8, num_sms: int = 132):
-        if tile_n not in TILE_NS:
-            raise ValueError(f"tile_n must be one of {TILE_NS}, got {tile_n}")
+    def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
+                 num_sms: int = 132):
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        widths = SWIGLU_TILE_NS if epilogue == "swiglu" else TILE_NS
+        if tile_n not in widths:
+            raise ValueError(f"tile_n must be one of {widths} ({epilogue}), got {tile_n}")
         # the core checks widths for bf16 tiles; the FP8 tile is set below
-        super().__init__(tile_n=128, epilogue="store", group_m=group_m, num_sms=num_sms)
+        super().__init__(tile_n=128, epilogue=epilogue, group_m=group_m, num_sms=num_sms)
         self.tile_shape_mnk = (TILE_M, tile_n, GROUP)
-        self.out_tile_n = tile_n
-        self.b_rows_per_load = tile_n
+        self.swiglu = epilogue == "swiglu"
+        # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
+        self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
+        self.b_rows_per_load = self.out_tile_n
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mEA: cute.Tensor,
-                 mEB: cute.Tensor, mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
-                 stream: cuda.CUstream):
-        """mA (M, K, 1) and mB (N, K, E) int8 views of the e4m3 data, mC (M, N, 1) bf16,
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB_up: Optional[cute.Tensor],
+                 mC: cute.Tensor, mEA: cute.Tensor, mEB: cute.Tensor,
+                 mEB_up: Optional[cute.Tensor], mTileExpert: cute.Tensor,
+                 mNumMTiles: cute.Tensor, stream: cuda.CUstream):
+        """mA (M, K, 1) and mB (N, K, E) int8 views of the e4m3 data, mC (M, N_out, 1) bf16,
         mEA (M, K/128) and mEB (E, N/128, K/128) int8 exponents, mTileExpert int32,
-        mNumMTiles int32 [1]."""
+        mNumMTiles int32 [1]. swiglu: mB is W_gate and mB_up W_up (I, K, E), mEB and mEB_up
+        their exponents (E, I/128, K/128), mC (M, I, 1) is h; store: mB_up, mEB_up None."""
         mA = cute.recast_tensor(mA, cutlass.Float8E4M3FN)
         mB = cute.recast_tensor(mB, cutlass.Float8E4M3FN)
+        tma_atom_b_up, tma_tensor_b_up = None, None
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -155,15 +189,25 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_a, tma_tensor_a = cute.nvgpu.cpasync.make_tiled_tma_atom(
             g2s, mA, cute.slice_(self.a_smem_layout_staged, (None, None, 0)), (tile_m, tile_k))
-        tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, mB, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (tile_n, tile_k))
+        if const_expr(self.swiglu):
+            # one box per half of a B stage: W_gate rows, then the matching W_up rows
+            mB_up = cute.recast_tensor(mB_up, cutlass.Float8E4M3FN)
+            b_box = (self.b_rows_per_load, tile_k)
+            b_box_layout = cute.slice_(self.staged_layout(self.b_dtype, b_box, 1), (None, None, 0))
+            tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mB, b_box_layout, b_box)
+            tma_atom_b_up, tma_tensor_b_up = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mB_up, b_box_layout, b_box)
+        else:
+            tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                g2s, mB, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (tile_n, tile_k))
         tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
             cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
         self.shared_storage = self.make_shared_storage()
         self.kernel(
-            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
-            mEA, mEB, mTileExpert, mNumMTiles, self.tiled_mma, self.a_smem_layout_staged,
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
+            tma_atom_c, tma_tensor_c, mEA, mEB, mEB_up, mTileExpert, mNumMTiles, self.tiled_mma, self.a_smem_layout_staged,
             self.b_smem_layout_staged, self.epi_smem_layout_staged,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, stream=stream)
@@ -172,8 +216,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     @cute.kernel
     def kernel(self, tma_atom_a: cute.CopyAtom, mA_mkl: cute.Tensor,
                tma_atom_b: cute.CopyAtom, mB_nkl: cute.Tensor,
+               tma_atom_b_up: Optional[cute.CopyAtom], mBup_nkl: Optional[cute.Tensor],
                tma_atom_c: cute.CopyAtom, mC_mnl: cute.Tensor,
-               mEA: cute.Tensor, mEB: cute.Tensor,
+               mEA: cute.Tensor, mEB: cute.Tensor, mEB_up: Optional[cute.Tensor],
                mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor, tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
@@ -186,6 +231,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         if warp_idx == self.load_warp:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            if const_expr(self.swiglu):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_up)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
 
         smem = cutlass.utils.SmemAllocator()
@@ -209,13 +256,27 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
 
         gA_mkl = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
-        gB_nkl = cute.local_tile(mB_nkl, (tile_n, tile_k), (None, None, None))
-        gC_mnl = cute.local_tile(mC_mnl, (tile_m, tile_n), (None, None, None))
+        gB_nkl = cute.local_tile(mB_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
+        gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
         single_cta = cute.make_layout(1)
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, single_cta, cute.group_modes(sB, 0, 2), cute.group_modes(gB_nkl, 0, 2))
+        tBsB_up, tBgB_up = None, None
+        if const_expr(self.swiglu):
+            # (rows, bK, halves, 1, stages): the gate half and the up half of every B stage
+            sB_halves = cute.flat_divide(sB, (self.b_rows_per_load, tile_k))
+            gBup_nkl = cute.local_tile(mBup_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_b, 0, single_cta,
+                cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2),
+                cute.group_modes(gB_nkl, 0, 2))
+            tBsB_up, tBgB_up = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_b_up, 0, single_cta,
+                cute.group_modes(sB_halves[(None, None, 1, 0, None)], 0, 2),
+                cute.group_modes(gBup_nkl, 0, 2))
+        else:
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_b, 0, single_cta, cute.group_modes(sB, 0, 2), cute.group_modes(gB_nkl, 0, 2))
 
         k_tile_cnt = cute.size(gA_mkl, mode=[3])
         num_n_tiles = cute.size(gB_nkl, mode=[2])
@@ -242,12 +303,15 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                                   tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
                         cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
                                   tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                        if const_expr(self.swiglu):
+                            cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                                      tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
                         ab_pipeline.producer_commit(producer_state)
                         producer_state.advance()
                     tile_idx += cute.arch.grid_dim()[0]
                 ab_pipeline.producer_tail(producer_state)
         else:
-            # ---------------- consumer warpgroups: promoting wgmma mainloop + store epilogue
+            # ---------------- consumer warpgroups: promoting wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
             consumer = warpgroup_idx - 1
             tile_tidx = tidx - self.threads_per_warpgroup
@@ -256,7 +320,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
             rows = self._my_rows(tile_tidx)
             epi_m = tile_m // self.epi_tile[0]
-            out_n = tile_n // self.epi_tile[1]
+            out_n = self.out_tile_n // self.epi_tile[1]
             tma_store_pipeline = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -273,30 +337,37 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 expert = mTileExpert[m_tile]
                 self.promoting_mainloop(
                     ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
-                    num_k_blocks, mEA, mEB, m_tile * tile_m + rows[0], m_tile * tile_m + rows[1],
-                    expert, n_tile)
+                    num_k_blocks, mEA, mEB, mEB_up, m_tile * tile_m + rows[0],
+                    m_tile * tile_m + rows[1], expert, n_tile)
                 loads += k_tile_cnt
+                # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
+                # kernel's code). Seam for FP8 h (issue 33, later step): an epilogue kind that
+                # also writes e4m3 h with 1 x 128 exponents goes here; note an h tile is 64
+                # wide, so one 128-column group of h spans two N-tiles (n_tile 2j, 2j + 1)
                 self.tile_epilogue(epi, (tma_atom_c,), (gC_mnl[(None, None, m_tile, n_tile, 0)],),
-                                   "store", 0, subtiles_done, epilogue_barrier,
+                                   self.epilogue, 0, subtiles_done, epilogue_barrier,
                                    tma_store_pipeline, is_store_warp)
                 subtiles_done += epi_m * out_n
                 tile_idx += cute.arch.grid_dim()[0]
             tma_store_pipeline.producer_tail()
 
     # ------------------------------------------------------------------ promoting mainloop
-    def group_exponents(self, mEA: cute.Tensor, mEB: cute.Tensor, row0: Int32, row1: Int32,
-                        expert: Int32, n_tile: Int32, group: Int32):
+    def group_exponents(self, mEA: cute.Tensor, mEB: cute.Tensor, mEB_up, row0: Int32,
+                        row1: Int32, expert: Int32, n_tile: Int32, group: Int32):
         """This thread's two rows' e_a and the tile's first and second W block exponents for
         K group ``group`` (a row past A's rows reads row M - 1: such rows are never stored;
-        a block past N is clamped: its columns are clipped on store). Traced inline (a plain
-        method: the values go back to the caller)."""
+        a block past N is clamped: its columns are clipped on store). swiglu: the W_gate
+        block and the W_up block of the tile's h columns (I % 128 == 0 and 64-wide h tiles:
+        one block each). Traced inline (a plain method: the values go back to the caller)."""
         last_row = cute.size(mEA, mode=[0]) - 1
         ea0 = Int32(mEA[cutlass.min(row0, last_row), group])
         ea1 = Int32(mEA[cutlass.min(row1, last_row), group])
-        block0 = n_tile * self.tile_shape_mnk[1] // GROUP
+        block0 = n_tile * self.out_tile_n // GROUP
         eb0 = Int32(mEB[expert, block0, group])
         eb1 = eb0
-        if const_expr(self.tile_shape_mnk[1] > GROUP):
+        if const_expr(self.swiglu):
+            eb1 = Int32(mEB_up[expert, block0, group])
+        elif const_expr(self.tile_shape_mnk[1] > GROUP):
             last_block = cute.size(mEB, mode=[1]) - 1
             eb1 = Int32(mEB[expert, cutlass.min(block0 + 1, last_block), group])
         return ea0, ea1, eb0, eb1
@@ -312,25 +383,29 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         scales = []
         for ea in (ea0, ea1):
             lo = pow2_f32(ea + eb0)
-            hi = pow2_f32(ea + eb1) if const_expr(tile_n > GROUP) else lo
-            scales.append((lo, cutlass.select_(odd, hi, lo), hi))
+            hi = pow2_f32(ea + eb1) if const_expr(tile_n > GROUP or self.swiglu) else lo
+            # slot 1 (the parity block of a 192-wide tile) is never taken by swiglu
+            mid = lo if const_expr(self.swiglu) else cutlass.select_(odd, hi, lo)
+            scales.append((lo, mid, hi))
         accv = cute.flatten(acc)
         partv = cute.flatten(partial)
         for v in range(cute.size(accv)):
-            accv[v] = ffma(partv[v], scales[(v // 2) % 2][scale_slot(v, tile_n)], accv[v])
+            slot = scale_slot(v, tile_n, self.swiglu)
+            accv[v] = ffma(partv[v], scales[(v // 2) % 2][slot], accv[v])
 
     @cute.jit
     def promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
                            loads: Int32, k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int],
-                           mEA: cute.Tensor, mEB: cute.Tensor, row0: Int32, row1: Int32,
-                           expert: Int32, n_tile: Int32):
+                           mEA: cute.Tensor, mEB: cute.Tensor, mEB_up, row0: Int32,
+                           row1: Int32, expert: Int32, n_tile: Int32):
         """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
         stage, promote into ``acc`` with the group's scales (loaded one group ahead).
         Returns the state after the tile's last stage."""
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
-        ea0, ea1, eb0, eb1 = self.group_exponents(mEA, mEB, row0, row1, expert, n_tile, Int32(0))
+        ea0, ea1, eb0, eb1 = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
+                                                  Int32(0))
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
@@ -340,7 +415,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                           tCrB[(None, None, kb, read.index)], partial)
             cute.nvgpu.warpgroup.commit_group()
             # the next group's exponents, under the wgmmas (the last tile re-reads its own)
-            nxt = self.group_exponents(mEA, mEB, row0, row1, expert, n_tile,
+            nxt = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
                                        cutlass.min(k + 1, k_tiles - 1))
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read)
@@ -353,13 +428,14 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
 # ---------------------------------------------------------------------- compile (no GPU)
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
-                             group_m: int = 8, num_sms: int = 132):
+                             epilogue: str = "store", group_m: int = 8, num_sms: int = 132):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
-    and ``W (N, K, E)`` int8 views of the e4m3 data, ``out (M, N, 1)`` bf16, ``e_a (M, K/128)``
-    and ``e_b (E, N/128, K/128)`` int8, the int32 tile -> expert table and the one-element
-    M-tile count; it runs on torch's current stream."""
-    gemm = GroupedGemmFp8Sm90(tile_n=tile_n, group_m=group_m, num_sms=num_sms)
+    and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
+    ``out (M, N_out, 1)`` bf16 (swiglu: N_out = N, h), ``e_a (M, K/128)``, ``e_b`` and
+    ``e_up`` (swiglu; else None) ``(E, N/128, K/128)`` int8, the int32 tile -> expert table
+    and the one-element M-tile count; it runs on torch's current stream."""
+    gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -367,9 +443,15 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     b = common.fake_kmajor_tensor(Int8, (n, k, num_experts))
     c = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, 1))
     e_a = common.fake_strided_tensor(Int8, (m, cute.sym_int32()), align_bytes=1)
-    e_b = common.fake_strided_tensor(Int8, (num_experts, cute.sym_int32(), cute.sym_int32()),
-                                     align_bytes=1)
-    args = (a, b, c, e_a, e_b, common.fake_vector(Int32), common.fake_vector(Int32))
+
+    def fake_e_b():
+        return common.fake_strided_tensor(Int8, (num_experts, cute.sym_int32(), cute.sym_int32()),
+                                          align_bytes=1)
+    b_up, e_up = None, None
+    if gemm.swiglu:
+        b_up, e_up = common.fake_kmajor_tensor(Int8, (n, k, num_experts)), fake_e_b()
+    args = (a, b, b_up, c, e_a, fake_e_b(), e_up, common.fake_vector(Int32),
+            common.fake_vector(Int32))
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
@@ -393,19 +475,20 @@ def _check_exp(name: str, t: object, shape: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
-def _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles):
+def _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles, names=("w", "e_w")):
     _check_fp8("a", a, 2)
-    _check_fp8("w", w, 3)
+    _check_fp8(names[0], w, 3)
     m, k = a.shape
     num_experts, n, k_w = w.shape
     if k_w != k:
-        raise ValueError(f"w: expected K = {k} (from a), got shape {tuple(w.shape)}")
+        raise ValueError(f"{names[0]}: expected K = {k} (from a), got shape {tuple(w.shape)}")
     if k % GROUP or k == 0:
         raise ValueError(f"a: expected K (dim 1) a positive multiple of {GROUP}, got shape {tuple(a.shape)}")
     if n % GROUP or n == 0:
-        raise ValueError(f"w: expected N (dim 1) a positive multiple of {GROUP}, got shape {tuple(w.shape)}")
+        raise ValueError(f"{names[0]}: expected N (dim 1) a positive multiple of {GROUP}, "
+                         f"got shape {tuple(w.shape)}")
     _check_exp("e_a", e_a, (m, k // GROUP))
-    _check_exp("e_w", e_w, (num_experts, n // GROUP, k // GROUP))
+    _check_exp(names[1], e_w, (num_experts, n // GROUP, k // GROUP))
     for name, t in (("tile_expert", tile_expert), ("num_m_tiles", num_m_tiles)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
             raise TypeError(f"{name}: expected a 1-D int32 tensor, got {describe(t)}")
@@ -437,8 +520,8 @@ def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: t
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     compiled = jit.compile_kernel("gemm_fp8_fc2", jit.device_arch(a.device), tile_n=tile_n,
                                   group_m=group_m, num_sms=num_sms)
-    compiled(a.view(torch.int8).unsqueeze(2), w.view(torch.int8).permute(1, 2, 0),
-             out.unsqueeze(2), e_a.contiguous(), e_w.contiguous(), tile_expert, num_m_tiles)
+    compiled(a.view(torch.int8).unsqueeze(2), w.view(torch.int8).permute(1, 2, 0), None,
+             out.unsqueeze(2), e_a.contiguous(), e_w.contiguous(), None, tile_expert, num_m_tiles)
     return out
 
 
@@ -462,3 +545,63 @@ def grouped_gemm_fp8_ref(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_
             cache[e] = fp8.dequantize_blocks(w[e], e_w[e]).double()
         out[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ cache[e].T
     return out.to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------- FC1: gate, up, SwiGLU
+def _check_fc1_args(a, e_a, w_gate, e_gate, w_up, e_up, tile_expert, num_m_tiles):
+    m, n, k = _check_args(a, e_a, w_gate, e_gate, tile_expert, num_m_tiles, ("w_gate", "e_gate"))
+    _check_args(a, e_a, w_up, e_up, tile_expert, num_m_tiles, ("w_up", "e_up"))
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_up: expected the shape of w_gate {tuple(w_gate.shape)}, "
+                         f"got {tuple(w_up.shape)}")
+    return m, n, k
+
+
+def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Tensor,
+                            e_gate: torch.Tensor, w_up: torch.Tensor, e_up: torch.Tensor,
+                            tile_expert: torch.Tensor, num_m_tiles: torch.Tensor,
+                            out: torch.Tensor | None = None, tile_n: int = 128,
+                            group_m: int = 8) -> torch.Tensor:
+    """FC1 on FP8: ``h [M, I] bf16 = bf16(silu(bf16(g)) * bf16(u))`` with ``g = A · W_gate[e]^T``
+    and ``u = A · W_up[e]^T`` accumulated with promotion every 128 K (module docstring),
+    e = the M-tile's expert. ``a [M, H]`` float8_e4m3fn with ``e_a [M, H/128]`` int8
+    (``fp8.quantize_rows``); ``w_gate``, ``w_up [E, I, H]`` float8_e4m3fn with ``e_gate``,
+    ``e_up [E, I/128, H/128]`` int8 (``fp8.quantize_blocks``); ``tile_expert`` and
+    ``num_m_tiles [1]`` int32 on the device. Rows of M-tiles past ``num_m_tiles`` are
+    untouched. No host sync. h is bf16 (its quantization in the epilogue is a later step)."""
+    m, n, k = _check_fc1_args(a, e_a, w_gate, e_gate, w_up, e_up, tile_expert, num_m_tiles)
+    for name, t in (("a", a), ("w_gate", w_gate), ("w_up", w_up)):
+        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16 \
+                or any(s % 16 for s in t.stride()[:-1]):
+            raise ValueError(f"{name}: expected a CUDA tensor with 16-byte aligned rows and unit "
+                             f"stride along K, got {describe(t)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+          or tuple(out.shape) != (m, n) or out.stride(-1) != 1 or out.data_ptr() % 16
+          or out.stride(0) % 8):
+        raise ValueError(f"out: expected a bf16 tensor [{m}, {n}] with 16-byte aligned rows, "
+                         f"got {describe(out)}")
+    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    compiled = jit.compile_kernel("gemm_fp8_fc1", jit.device_arch(a.device), tile_n=tile_n,
+                                  group_m=group_m, num_sms=num_sms)
+    compiled(a.view(torch.int8).unsqueeze(2), w_gate.view(torch.int8).permute(1, 2, 0),
+             w_up.view(torch.int8).permute(1, 2, 0), out.unsqueeze(2), e_a.contiguous(),
+             e_gate.contiguous(), e_up.contiguous(), tile_expert, num_m_tiles)
+    return out
+
+
+def grouped_gemm_fp8_swiglu_ref(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Tensor,
+                                e_gate: torch.Tensor, w_up: torch.Tensor, e_up: torch.Tensor,
+                                tile_expert: torch.Tensor,
+                                num_m_tiles: int | torch.Tensor) -> torch.Tensor:
+    """The oracle: g and u are the float64 products of the dequantized operands, each rounded
+    once to bf16 (``grouped_gemm_fp8_ref``), then h = bf16(silu(g) * u) in fp32, the
+    ``mok_cute.reference.swiglu_hidden`` numerics after its matmuls. Returns
+    ``[num_m_tiles * 128, I]`` bf16."""
+    _check_fc1_args(a, e_a, w_gate, e_gate, w_up, e_up, tile_expert,
+                    num_m_tiles if isinstance(num_m_tiles, torch.Tensor)
+                    else torch.tensor([num_m_tiles], dtype=torch.int32))
+    g = grouped_gemm_fp8_ref(a, e_a, w_gate, e_gate, tile_expert, num_m_tiles).float()
+    u = grouped_gemm_fp8_ref(a, e_a, w_up, e_up, tile_expert, num_m_tiles).float()
+    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
