@@ -32,6 +32,10 @@ def cases() -> dict:
     resolves for: one rank on one GPU (K = 8 and K = 2, with a shared expert, with the
     recorder), virtual ranks (R = 8, rows in place or every row copied), and one IPC rank."""
     from mok_cute.kernels import gemm_sm90, megakernel, schedule_build, token_ops
+    try:  # added later than the first snapshots: absent from their commits' case lists
+        from mok_cute.kernels import gemm_fp8, gemm_wgrad
+    except ImportError:
+        gemm_fp8 = gemm_wgrad = None
 
     opt = "--keep-ptx"
 
@@ -73,6 +77,16 @@ def cases() -> dict:
                                                                      options=opt),
         "schedule_build": lambda: schedule_build.compile_schedule_build(num_experts=32,
                                                                         options=opt),
+        **({} if gemm_wgrad is None else {
+            "fc2_dgrad": fc(epilogue="dgated", tile_n=256, b_mn_major=True),
+            "fc1_dgrad": fc(epilogue="store", tile_n=256, b_mn_major=True, b_split_k=True),
+            "wgrad_gated": lambda: gemm_wgrad.compile_wgrad_gemm(gated=True, options=opt),
+            "wgrad_down": lambda: gemm_wgrad.compile_wgrad_gemm(gated=False, options=opt),
+            "fp8_fc2": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128),
+            "fp8_fc2_192": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=192),
+            "fp8_fc1": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128,
+                                                                 epilogue="swiglu"),
+        }),
     }
 
 
