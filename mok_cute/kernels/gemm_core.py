@@ -119,6 +119,25 @@ class GemmCoreSm90:
         self.epi_smem_layout_staged = cute.tile_to_shape(
             epi_atom, cute.append(self.epi_tile, self.epi_buffers), order=(0, 1, 2))
 
+    def make_ab_pipeline(self, storage, a_smem_layout_staged, b_smem_layout_staged,
+                         a_tiles_per_stage: int = 1, producer_threads: int = 1,
+                         consumer_warps: int | None = None):
+        """The operand stages' pipeline, traced inside a kernel (the layouts: the kernel's
+        arguments): each stage's full barrier expects the TMA bytes of ``a_tiles_per_stage`` A
+        boxes and one B box and ``producer_threads`` arrivals; its empty barrier one arrive
+        per consumer warp that reads it (``threads_per_tile // 32`` unless given)."""
+        a_box = cute.slice_(a_smem_layout_staged, (None, None, 0))
+        b_box = cute.slice_(b_smem_layout_staged, (None, None, 0))
+        tma_bytes = (a_tiles_per_stage * cute.size_in_bytes(self.a_dtype, a_box)
+                     + cute.size_in_bytes(self.b_dtype, b_box))
+        if consumer_warps is None:
+            consumer_warps = self.threads_per_tile // 32
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+
     def make_shared_storage(self, a_tiles_per_stage: int = 1, extra_fields=None):
         """The CTA's smem struct: the operand stages' full/empty mbarriers, ``extra_fields``
         (name -> struct member type, in order: the megakernel's comm and ticket words), the A

@@ -124,17 +124,10 @@ class WgradGemmSm90(GemmCoreSm90):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        a_box = cute.slice_(a_smem_layout_staged, (None, None, 0))
-        b_box = cute.slice_(b_smem_layout_staged, (None, None, 0))
-        tma_bytes = (2 * cute.size_in_bytes(self.a_dtype, a_box)
-                     + cute.size_in_bytes(self.b_dtype, b_box))
-        ab_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            # both warpgroups read every stage (one arrive per consumer warp)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.num_mma_threads // 32),
-            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        # both warpgroups read every stage (one arrive per consumer warp)
+        ab_pipeline = self.make_ab_pipeline(storage, a_smem_layout_staged, b_smem_layout_staged,
+                                            a_tiles_per_stage=2,
+                                            consumer_warps=self.num_mma_threads // 32)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         # the two A halves (one per warpgroup), each a staged MN-major (128, 64) layout

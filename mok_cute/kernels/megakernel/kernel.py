@@ -203,16 +203,10 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        tma_bytes = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem_layout_staged, (None, None, 0)))
-                     + cute.size_in_bytes(BFloat16, cute.slice_(b_smem_layout_staged, (None, None, 0))))
-        ab_pipeline = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=self.ab_stages,
-            # rows in place: FC1's A rows arrive by cp.async from the 128 producer threads
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread,
-                1 + (PRODUCER_THREADS if const_expr(self.spec.rows_in_place) else 0)),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads_per_tile // 32),
-            tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        # rows in place: FC1's A rows arrive by cp.async from the 128 producer threads
+        ab_pipeline = self.make_ab_pipeline(
+            storage, a_smem_layout_staged, b_smem_layout_staged,
+            producer_threads=1 + (PRODUCER_THREADS if self.spec.rows_in_place else 0))
         # the ticket ring's slots and its full / empty mbarriers
         ticket_q, ticket_bars = storage.ticket_q.data_ptr(), storage.ticket_full_empty.data_ptr()
         if const_expr(self.spec.ticket_ring):
