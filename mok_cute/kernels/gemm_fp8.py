@@ -244,31 +244,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
 
-        gA_mkl = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
-        gB_nkl = cute.local_tile(mB_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
         gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
-        single_cta = cute.make_layout(1)
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
-        tBsB_up, tBgB_up = None, None
-        if const_expr(self.swiglu):
-            # (rows, bK, halves, 1, stages): the gate half and the up half of every B stage
-            sB_halves = cute.flat_divide(sB, (self.b_rows_per_load, tile_k))
-            gBup_nkl = cute.local_tile(mBup_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_b, 0, single_cta,
-                cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2),
-                cute.group_modes(gB_nkl, 0, 2))
-            tBsB_up, tBgB_up = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_b_up, 0, single_cta,
-                cute.group_modes(sB_halves[(None, None, 1, 0, None)], 0, 2),
-                cute.group_modes(gBup_nkl, 0, 2))
-        else:
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_b, 0, single_cta, cute.group_modes(sB, 0, 2), cute.group_modes(gB_nkl, 0, 2))
-
-        k_tile_cnt = cute.size(gA_mkl, mode=[3])
-        num_n_tiles = cute.size(gB_nkl, mode=[2])
+        ab, k_tile_cnt, num_n_tiles, _ = self.partition_ab(
+            tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
         num_tiles = num_m_tiles * num_n_tiles
 
@@ -278,27 +256,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             # ---------------- producer warpgroup: warp 0 streams A and W k-tiles with TMA
             if warp_idx == self.load_warp:
-                producer_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.ab_stages)
-                tile_idx = cute.arch.block_idx()[0]
-                while tile_idx < num_tiles:
-                    m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-                    expert = mTileExpert[m_tile]
-                    tAgA_k = tAgA[(None, m_tile, None, 0)]
-                    for k_tile in range(k_tile_cnt):
-                        ab_pipeline.producer_acquire(producer_state)
-                        barrier = ab_pipeline.producer_get_barrier(producer_state)
-                        cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
-                                  tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
-                                  tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        if const_expr(self.swiglu):
-                            cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                      tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        ab_pipeline.producer_commit(producer_state)
-                        producer_state.advance()
-                    tile_idx += cute.arch.grid_dim()[0]
-                ab_pipeline.producer_tail(producer_state)
+                self.producer_loop(ab_pipeline, tma_atom_a, tma_atom_b, tma_atom_b_up, ab,
+                                   mTileExpert, num_m_tiles, num_n_tiles, k_tile_cnt, 0)
         else:
             # ---------------- consumer warpgroups: promoting wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)

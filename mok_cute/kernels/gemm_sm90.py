@@ -48,7 +48,7 @@ N-tile is zero-filled on load and clipped on store by TMA); tile_n in {64, 128, 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -63,6 +63,17 @@ from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
 
 EPILOGUES = ("store", "swiglu", "dgated")
+
+
+class AbTiles(NamedTuple):
+    """TMA partitions of A and B (``GroupedGemmSm90.partition_ab``): global k-tiles, stages."""
+
+    tAgA: cute.Tensor
+    tAsA: cute.Tensor
+    tBgB: cute.Tensor
+    tBsB: cute.Tensor
+    tBgB_up: Optional[cute.Tensor]
+    tBsB_up: Optional[cute.Tensor]
 
 
 class GroupedGemmSm90(GemmCoreSm90):
@@ -207,31 +218,10 @@ class GroupedGemmSm90(GemmCoreSm90):
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
 
-        # (bM, bK, RestM, RestK, RestL) / (bN, bK, RestN, RestK, RestE) / (bM, bNout, RestM, RestN, 1)
-        gA_mkl = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
-        gB_nkl = cute.local_tile(mB_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
+        # (bM, bNout, RestM, RestN, 1)
         gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
-        single_cta = cute.make_layout(1)
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
-        # (rows, bK, halves, 1, stages): the gate half and the up half of every B stage
-        sB_halves = cute.flat_divide(sB, (self.b_rows_per_load, tile_k))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, single_cta, cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2),
-            cute.group_modes(gB_nkl, 0, 2))
-        tBsB_up, tBgB_up = None, None
-        if const_expr(self.epilogue == "swiglu" or self.b_split_k):
-            # swiglu: the up half of every B stage; b_split_k: the whole stage
-            half = 1 if const_expr(self.epilogue == "swiglu") else 0
-            gBup_nkl = cute.local_tile(mBup_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
-            tBsB_up, tBgB_up = cute.nvgpu.cpasync.tma_partition(
-                tma_atom_b_up, 0, single_cta,
-                cute.group_modes(sB_halves[(None, None, half, 0, None)], 0, 2),
-                cute.group_modes(gBup_nkl, 0, 2))
-
-        k_tile_cnt = cute.size(gA_mkl, mode=[3])
-        k_split = cute.size(gB_nkl, mode=[3])  # b_split_k: B's k-tiles in mB
-        num_n_tiles = cute.size(gB_nkl, mode=[2])
+        ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
+            tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
         num_tiles = num_m_tiles * num_n_tiles
 
@@ -241,36 +231,8 @@ class GroupedGemmSm90(GemmCoreSm90):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             # ---------------- producer warpgroup: warp 0 streams A and B tiles with TMA
             if warp_idx == self.load_warp:
-                producer_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.ab_stages)
-                tile_idx = cute.arch.block_idx()[0]
-                while tile_idx < num_tiles:
-                    m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-                    expert = mTileExpert[m_tile]
-                    tAgA_k = tAgA[(None, m_tile, None, 0)]
-                    for k_tile in range(k_tile_cnt):
-                        ab_pipeline.producer_acquire(producer_state)
-                        barrier = ab_pipeline.producer_get_barrier(producer_state)
-                        cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
-                                  tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        if const_expr(self.b_split_k):
-                            if k_tile < k_split:
-                                cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
-                                          tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
-                            else:
-                                cute.copy(tma_atom_b_up,
-                                          tBgB_up[(None, n_tile, k_tile - k_split, expert)],
-                                          tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        else:
-                            cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
-                                      tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        if const_expr(self.epilogue == "swiglu"):
-                            cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
-                                      tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
-                        ab_pipeline.producer_commit(producer_state)
-                        producer_state.advance()
-                    tile_idx += cute.arch.grid_dim()[0]
-                ab_pipeline.producer_tail(producer_state)
+                self.producer_loop(ab_pipeline, tma_atom_a, tma_atom_b, tma_atom_b_up, ab,
+                                   mTileExpert, num_m_tiles, num_n_tiles, k_tile_cnt, k_split)
         else:
             # ---------------- consumer warpgroups: wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -397,6 +359,77 @@ class GroupedGemmSm90(GemmCoreSm90):
             if tile_idx + grid_size < num_tiles:
                 their_turn.arrive()
 
+
+    # ------------------------------------------------------------------ operand loads
+    def partition_ab(self, tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA,
+                     sB):
+        """Trace time, inside a kernel: the TMA partitions of A's and B's k-tiles and stages
+        (``AbTiles``), A's k-tile count, the N-tile count and B's k-tiles in mB. swiglu: the
+        up half of every B stage comes from mBup; b_split_k: B's k-tiles past mB's come from
+        mBup into the whole stage."""
+        tile_m, _, tile_k = self.tile_shape_mnk
+        # (bM, bK, RestM, RestK, RestL) / (bN, bK, RestN, RestK, RestE)
+        gA_mkl = cute.local_tile(mA_mkl, (tile_m, tile_k), (None, None, None))
+        gB_nkl = cute.local_tile(mB_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
+        single_cta = cute.make_layout(1)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, single_cta, cute.group_modes(sA, 0, 2), cute.group_modes(gA_mkl, 0, 2))
+        # (rows, bK, halves, 1, stages): the gate half and the up half of every B stage
+        sB_halves = cute.flat_divide(sB, (self.b_rows_per_load, tile_k))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, single_cta, cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2),
+            cute.group_modes(gB_nkl, 0, 2))
+        tBsB_up, tBgB_up = None, None
+        if self.epilogue == "swiglu" or self.b_split_k:
+            # swiglu: the up half of every B stage; b_split_k: the whole stage
+            half = 1 if self.epilogue == "swiglu" else 0
+            gBup_nkl = cute.local_tile(mBup_nkl, (self.b_rows_per_load, tile_k), (None, None, None))
+            tBsB_up, tBgB_up = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_b_up, 0, single_cta,
+                cute.group_modes(sB_halves[(None, None, half, 0, None)], 0, 2),
+                cute.group_modes(gBup_nkl, 0, 2))
+        ab = AbTiles(tAgA, tAsA, tBgB, tBsB, tBgB_up, tBsB_up)
+        return (ab, cute.size(gA_mkl, mode=[3]), cute.size(gB_nkl, mode=[2]),
+                cute.size(gB_nkl, mode=[3]))
+
+    @cute.jit
+    def producer_loop(self, ab_pipeline, tma_atom_a, tma_atom_b, tma_atom_b_up, ab,
+                      mTileExpert: cute.Tensor, num_m_tiles: Int32, num_n_tiles: Int32,
+                      k_tile_cnt: Int32, k_split: Int32):
+        """The load warp: every tile of this CTA (stride: the grid), each k-tile's A box and
+        B box(es) by TMA into the next stage."""
+        tAgA, tAsA, tBgB, tBsB, tBgB_up, tBsB_up = ab
+        producer_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.ab_stages)
+        num_tiles = num_m_tiles * num_n_tiles
+        tile_idx = cute.arch.block_idx()[0]
+        while tile_idx < num_tiles:
+            m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+            expert = mTileExpert[m_tile]
+            tAgA_k = tAgA[(None, m_tile, None, 0)]
+            for k_tile in range(k_tile_cnt):
+                ab_pipeline.producer_acquire(producer_state)
+                barrier = ab_pipeline.producer_get_barrier(producer_state)
+                cute.copy(tma_atom_a, tAgA_k[(None, k_tile)],
+                          tAsA[(None, producer_state.index)], tma_bar_ptr=barrier)
+                if const_expr(self.b_split_k):
+                    if k_tile < k_split:
+                        cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
+                                  tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                    else:
+                        cute.copy(tma_atom_b_up,
+                                  tBgB_up[(None, n_tile, k_tile - k_split, expert)],
+                                  tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
+                else:
+                    cute.copy(tma_atom_b, tBgB[(None, n_tile, k_tile, expert)],
+                              tBsB[(None, producer_state.index)], tma_bar_ptr=barrier)
+                if const_expr(self.epilogue == "swiglu"):
+                    cute.copy(tma_atom_b_up, tBgB_up[(None, n_tile, k_tile, expert)],
+                              tBsB_up[(None, producer_state.index)], tma_bar_ptr=barrier)
+                ab_pipeline.producer_commit(producer_state)
+                producer_state.advance()
+            tile_idx += cute.arch.grid_dim()[0]
+        ab_pipeline.producer_tail(producer_state)
 
     # ------------------------------------------------------------------ the dgated epilogue
     @cute.jit
