@@ -443,6 +443,30 @@ def _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles, names=("w", "e_w")):
     return m, n, k
 
 
+def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    """The kernel's layout checks of its FP8 operands ((name, tensor) pairs: CUDA, unit stride
+    along K, 16-byte aligned rows), and its bf16 output [m, n] (allocated when None)."""
+    for name, t in operands:
+        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16 \
+                or any(s % 16 for s in t.stride()[:-1]):
+            raise ValueError(f"{name}: expected a CUDA tensor with 16-byte aligned rows and unit "
+                             f"stride along K, got {describe(t)}")
+    if out is None:
+        return torch.empty(m, n, dtype=torch.bfloat16, device=operands[0][1].device)
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+            or tuple(out.shape) != (m, n) or out.stride(-1) != 1 or out.data_ptr() % 16
+            or out.stride(0) % 8):
+        raise ValueError(f"out: expected a bf16 tensor [{m}, {n}] with 16-byte aligned rows, "
+                         f"got {describe(out)}")
+    return out
+
+
+def _compiled(name: str, device: torch.device, tile_n: int, group_m: int):
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return jit.compile_kernel(name, jit.device_arch(device), tile_n=tile_n, group_m=group_m,
+                              num_sms=num_sms)
+
+
 def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,
                      tile_expert: torch.Tensor, num_m_tiles: torch.Tensor,
                      out: torch.Tensor | None = None, tile_n: int = 128,
@@ -453,21 +477,8 @@ def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: t
     ``tile_expert [>= M-tiles]`` int32 and ``num_m_tiles [1]`` int32 on the device (read there:
     no host sync). Rows of M-tiles past ``num_m_tiles`` are untouched. No host sync."""
     m, n, k = _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles)
-    for name, t in (("a", a), ("w", w)):
-        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16 \
-                or any(s % 16 for s in t.stride()[:-1]):
-            raise ValueError(f"{name}: expected a CUDA tensor with 16-byte aligned rows and unit "
-                             f"stride along K, got {describe(t)}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
-          or tuple(out.shape) != (m, n) or out.stride(-1) != 1 or out.data_ptr() % 16
-          or out.stride(0) % 8):
-        raise ValueError(f"out: expected a bf16 tensor [{m}, {n}] with 16-byte aligned rows, "
-                         f"got {describe(out)}")
-    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    compiled = jit.compile_kernel("gemm_fp8_fc2", jit.device_arch(a.device), tile_n=tile_n,
-                                  group_m=group_m, num_sms=num_sms)
+    out = _kernel_operands((("a", a), ("w", w)), out, m, n)
+    compiled = _compiled("gemm_fp8_fc2", a.device, tile_n, group_m)
     compiled(a.view(torch.int8).unsqueeze(2), w.view(torch.int8).permute(1, 2, 0), None,
              out.unsqueeze(2), e_a.contiguous(), e_w.contiguous(), None, tile_expert, num_m_tiles)
     return out
@@ -518,21 +529,8 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
     ``num_m_tiles [1]`` int32 on the device. Rows of M-tiles past ``num_m_tiles`` are
     untouched. No host sync. h is bf16 (its quantization in the epilogue is a later step)."""
     m, n, k = _check_fc1_args(a, e_a, w_gate, e_gate, w_up, e_up, tile_expert, num_m_tiles)
-    for name, t in (("a", a), ("w_gate", w_gate), ("w_up", w_up)):
-        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16 \
-                or any(s % 16 for s in t.stride()[:-1]):
-            raise ValueError(f"{name}: expected a CUDA tensor with 16-byte aligned rows and unit "
-                             f"stride along K, got {describe(t)}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
-          or tuple(out.shape) != (m, n) or out.stride(-1) != 1 or out.data_ptr() % 16
-          or out.stride(0) % 8):
-        raise ValueError(f"out: expected a bf16 tensor [{m}, {n}] with 16-byte aligned rows, "
-                         f"got {describe(out)}")
-    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    compiled = jit.compile_kernel("gemm_fp8_fc1", jit.device_arch(a.device), tile_n=tile_n,
-                                  group_m=group_m, num_sms=num_sms)
+    out = _kernel_operands((("a", a), ("w_gate", w_gate), ("w_up", w_up)), out, m, n)
+    compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m)
     compiled(a.view(torch.int8).unsqueeze(2), w_gate.view(torch.int8).permute(1, 2, 0),
              w_up.view(torch.int8).permute(1, 2, 0), out.unsqueeze(2), e_a.contiguous(),
              e_gate.contiguous(), e_up.contiguous(), tile_expert, num_m_tiles)
