@@ -10,6 +10,7 @@ import torch
 from mok_cute import fp8, jit
 from mok_cute.constants import TILE_M
 from mok_cute.kernels import gemm_fp8
+from test_gemm_sm90 import _segments
 
 # issue 33: FP8 GEMM output against fp64 of the dequantized operands (fast accumulation
 # measures 1.7e-3 at K = 8192, promoted 1.2e-4)
@@ -59,13 +60,17 @@ def test_compiles_with_e4m3_wgmma_and_one_ffma_per_element_per_group(tile_n, rep
 def test_first_wgmma_of_a_group_overwrites_the_partial(tile_n, reports):
     """scale-d of the four wgmmas of a group: 0 for the first (the partial is overwritten, no
     zeroing pass), 1 for the other three."""
-    ptx = open(reports(tile_n).ptx_path).read()
+    assert wgmma_scale_d(open(reports(tile_n).ptx_path).read()) == [0, 1, 1, 1]
+
+
+def wgmma_scale_d(ptx: str) -> list[int]:
+    """The scale-d operand of each wgmma in the PTX, in order (0: overwrite, 1: accumulate)."""
     scale_d = []
     for block in re.findall(r"setp\.ne\.b32 p, (%r\d+), 0;\s*\n\s*wgmma\.mma_async", ptx):
         value = re.findall(rf"mov\.b32\s+{re.escape(block)}, (-?\d+);", ptx)
         assert len(value) == 1, (block, value)
         scale_d.append(int(value[0]))
-    assert scale_d == [0, 1, 1, 1]
+    return scale_d
 
 
 @pytest.mark.parametrize("tile_n", [192, 128])
@@ -169,19 +174,6 @@ def test_bad_arguments_are_named(gen):
 
 
 # ---------------------------------------------------------------------- numerics (GPU)
-def _segments(counts, device):
-    """Tile-padded rows for per-expert row counts: (tile_expert, num_tiles, row_valid)."""
-    tiles = [(c + TILE_M - 1) // TILE_M for c in counts]
-    tile_expert = torch.tensor([e for e, t in enumerate(tiles) for _ in range(t)] or [0],
-                               dtype=torch.int32, device=device)
-    row_valid = torch.zeros(sum(tiles) * TILE_M, dtype=torch.bool, device=device)
-    start = 0
-    for c, t in zip(counts, tiles):
-        row_valid[start:start + c] = True
-        start += t * TILE_M
-    return tile_expert, torch.tensor([sum(tiles)], dtype=torch.int32, device=device), row_valid
-
-
 def _check(got, ref, row_valid, what):
     got, ref = got.double(), ref.double()
     assert torch.isfinite(got).all(), f"{what}: rows not written (poison left) or non-finite"

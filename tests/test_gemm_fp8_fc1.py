@@ -21,7 +21,8 @@ import torch
 from mok_cute import fp8, jit
 from mok_cute.constants import TILE_M
 from mok_cute.kernels import gemm_fp8
-from test_gemm_fp8 import REL_L1, ROW_REL_L1, _promoted_model, _quantized, _segments, rel_l1
+from test_gemm_fp8 import (REL_L1, ROW_REL_L1, _promoted_model, _quantized, _segments, rel_l1,
+                           wgmma_scale_d)
 
 H_REL_L1 = 2 * REL_L1          # 1e-3 over all checked rows
 H_ROW_REL_L1 = 2 * ROW_REL_L1  # 6e-3 a row
@@ -61,13 +62,7 @@ def test_fc1_compiles_with_e4m3_wgmma_one_ffma_per_element_and_the_swiglu_epilog
 
 
 def test_fc1_first_wgmma_of_a_group_overwrites_the_partial(report):
-    ptx = open(report.ptx_path).read()
-    scale_d = []
-    for block in re.findall(r"setp\.ne\.b32 p, (%r\d+), 0;\s*\n\s*wgmma\.mma_async", ptx):
-        value = re.findall(rf"mov\.b32\s+{re.escape(block)}, (-?\d+);", ptx)
-        assert len(value) == 1, (block, value)
-        scale_d.append(int(value[0]))
-    assert scale_d == [0, 1, 1, 1]
+    assert wgmma_scale_d(open(report.ptx_path).read()) == [0, 1, 1, 1]
 
 
 def test_fc1_no_spills_no_c7508(report):

@@ -80,7 +80,7 @@ def test_gemms_launch_without_a_cluster_attribute(kwargs, launches):
 
 # ---------------------------------------------------------------------- numerics (GPU)
 def _segments(counts, device):
-    """Tile-padded row layout for per-expert row counts: (row_expert, tile_expert, num_tiles)."""
+    """Tile-padded rows for per-expert row counts: (tile_expert, num_tiles, row_valid)."""
     tiles = [(c + TILE_M - 1) // TILE_M for c in counts]
     tile_expert = torch.tensor([e for e, t in enumerate(tiles) for _ in range(t)] or [0],
                                dtype=torch.int32, device=device)
