@@ -45,17 +45,27 @@ def _compiled(name: str, device, **static):
                               **static)
 
 
+# FC2's dgrad runs on the pingpong GEMM (128-wide tiles, one consumer warpgroup's epilogue,
+# two loads and three stores per element, under the other's mainloop) up to this K (= H),
+# on the cooperative 128 x 256 GEMM above it: measured (docs/measurements.md, 2026-12-02)
+# pingpong / cooperative gptoss 0.91, mixtral 0.81, sonic 0.89, qwen3 1.01, dsv3 (K 7168) 1.03.
+FC2_DGRAD_PINGPONG_MAX_K = 6144
+
+
 def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
-              options: ExpertPathOptions):
+              options: ExpertPathOptions, pingpong: bool | None = None):
     """FC2's dgrad with the SwiGLU backward in its epilogue (``gemm_sm90``'s "dgated").
     d_rows [M, H]; w_down [E, H, I]; preact [M, 2I]; row_slot [M] int32; weights fp32 [slots].
-    Returns (d_preact [M, 2I] = dG | dU, hw [M, I] = w * h, row partials [M, N-tiles] fp32)."""
+    Returns (d_preact [M, 2I] = dG | dU, hw [M, I] = w * h, row partials [M, N-tiles] fp32).
+    ``pingpong``: the GEMM variant (same bits either way; None: by K, as above)."""
     rows, inter = d_rows.shape[0], w_down.shape[2]
-    tile_n = 256
+    if pingpong is None:
+        pingpong = d_rows.shape[1] <= FC2_DGRAD_PINGPONG_MAX_K
+    tile_n = 128 if pingpong else 256
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=d_rows.device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=d_rows.device)
     partials = torch.empty(rows, -(-inter // tile_n), dtype=torch.float32, device=d_rows.device)
-    kernel = _compiled("gemm_fc2_dgrad", d_rows.device, tile_n=tile_n,
+    kernel = _compiled("gemm_fc2_dgrad", d_rows.device, tile_n=tile_n, pingpong=pingpong,
                        group_m=options.fc1_group_m)
     kernel(d_rows.unsqueeze(2), w_down.permute(2, 1, 0), None,
            d_preact[:, :inter].unsqueeze(2), tile_expert, num_tiles, None,

@@ -24,7 +24,8 @@ from per_token import DX_TOKEN_TOL, assert_tokens_close
 
 # ---------------------------------------------------------------------- compile-only (CI)
 @pytest.mark.parametrize("name,static", [
-    ("gemm_fc2_dgrad", {}), ("gemm_fc2_dgrad", {"tile_n": 128}), ("gemm_fc1_dgrad", {}),
+    ("gemm_fc2_dgrad", {}), ("gemm_fc2_dgrad", {"tile_n": 128}),
+    ("gemm_fc2_dgrad", {"tile_n": 128, "pingpong": True}), ("gemm_fc1_dgrad", {}),
     ("gemm_wgrad", {"gated": True}), ("gemm_wgrad", {"gated": False}),
     ("gemm_fc1", {"save_preact": True})])
 def test_backward_kernels_compile_without_spills(name, static, tmp_path):
@@ -41,14 +42,19 @@ def test_backward_kernels_compile_without_spills(name, static, tmp_path):
     assert bits == {want}, bits
 
 
-def test_dgated_epilogue_loads_the_preactivations_and_reduces_rows(tmp_path):
-    """FC2's dgrad: 16-bit loads of the saved g and u, three TMA-stored outputs per subtile,
-    the row sums' shuffles; no atomics (determinism)."""
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_dgated_epilogue_loads_the_preactivations_and_reduces_rows(pingpong, tmp_path):
+    """FC2's dgrad: the saved g and u read as 32-bit bf16 pairs (no 16-bit loads), three
+    TMA-stored outputs per subtile (8 subtiles a tile either way), the row sums' shuffles (two
+    per row the thread holds: 2 rows cooperative, 4 pingpong); no atomics (determinism)."""
     from mok_cute import jit
 
-    ptx = open(jit.inspect_kernel("gemm_fc2_dgrad", outdir=tmp_path).ptx_path).read()
-    assert len(re.findall(r"ld\.global(\.nc)?\.(u16|b16)", ptx)) > 0
-    assert ptx.count("shfl.sync.bfly") == 4
+    static = {"tile_n": 128, "pingpong": True} if pingpong else {}
+    ptx = open(jit.inspect_kernel("gemm_fc2_dgrad", outdir=tmp_path, **static).ptx_path).read()
+    assert not re.findall(r"ld\.global(\.nc)?\.(u16|b16)", ptx)
+    # 8 subtiles x 8 pairs x (g, u), and each row's slot and weight
+    assert len(re.findall(r"ld\.global(\.nc)?\.(u32|b32|s32)", ptx)) >= 128
+    assert ptx.count("shfl.sync.bfly") == (8 if pingpong else 4)
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == 3 * 8
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
 
@@ -173,6 +179,39 @@ def test_gradients_match_autograd_on_the_reference(name):
     assert torch.equal(out, out2)
     for name_, a, b in zip(NAMES, got, again):
         assert torch.equal(a, b), f"{name_}: not bitwise reproducible"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,I", [(512, 320), (1024, 192)])
+def test_fc2_dgrad_pingpong_and_cooperative_give_the_same_bits(H, I):
+    """FC2's dgrad on either GEMM (the backward picks by K): dG, dU and h' bitwise equal on
+    every scheduled row (partial last N-tiles of both widths, padding rows, a hot expert); the
+    row partials (other N-tile widths, so another summation order) agree to fp32 rounding."""
+    from mok_cute import expert_backward as eb
+    from mok_cute import expert_path
+    from mok_cute.kernels import token_ops
+
+    T, E, K = 333, 8, 4
+    leaves, idx = _problem(T, H, I, E, K, seed=11, routing="hot", requires_grad=False)
+    x, w, wg, wu, wd = leaves
+    config = mok.MoKConfig(backend="kernel")
+    _, saved = expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, None, config, save=True)
+    d_out = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    d_rows = token_ops.gather_rows(d_out, saved.row_token)
+    weights = w.float().contiguous().view(-1)
+    got = {}
+    for pingpong in (False, True):
+        torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        got[pingpong] = eb.fc2_dgrad(d_rows, wd, saved.preact, saved.row_slot, weights,
+                                     saved.tile_expert, saved.num_tiles, config.expert_path,
+                                     pingpong=pingpong)
+    rows = int(saved.num_tiles.item()) * 128
+    for i, name in enumerate(("dG|dU", "h'")):
+        a, b = got[False][i][:rows], got[True][i][:rows]
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), name
+    sums = [got[p][2][:rows].double().sum(dim=1) for p in (False, True)]
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -19,6 +19,8 @@ import enum
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Float32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from mok_cute.constants import (ERROR_CODE_SHIFT, ERROR_PEER_SHIFT, ERROR_RANK_SHIFT,
                                 PEER_NEVER_STARTED, TIMELINE_HEADER_WORDS, TIMELINE_RECORD_WORDS,
@@ -55,6 +57,18 @@ def grouped_raster(tile_idx: Int32, num_m_tiles: Int32, num_n_tiles: Int32,
 def silu(x: Float32) -> Float32:
     """x * sigmoid(x) in fp32 (ex2.approx + rcp.approx; deterministic, not IEEE-exact)."""
     return x * cute.arch.rcp_approx(1.0 + cute.math.exp2(-x * LOG2_E, fastmath=True))
+
+
+@dsl_user_op
+def f32_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
+    """The fp32 whose bit pattern is ``bits``."""
+    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def bf16_pair_to_f32(word: Int32):
+    """The two bf16 of a 32-bit word (element 2 i in the low half, as memory holds them) as
+    fp32, exactly. Traced inline."""
+    return f32_from_bits(word << 16), f32_from_bits(word & Int32(-65536))
 
 
 # ---------------------------------------------------------------------- sync helpers

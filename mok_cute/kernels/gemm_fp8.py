@@ -107,18 +107,13 @@ def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-@dsl_user_op
-def f32_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
-    return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
 def pow2_f32(e: Int32) -> Float32:
     """``2.0 ** e`` as fp32, exact for integer e in [-149, 127] (subnormals included), 0 below,
     inf above: ``mok_cute.fp8.pow2`` in integers. Traced inline."""
     normal = (cutlass.min(cutlass.max(e, Int32(-126)), Int32(128)) + 127) << 23
     sub = Int32(1) << cutlass.min(cutlass.max(e + 149, Int32(0)), Int32(22))
     bits = cutlass.select_(e >= -126, normal, cutlass.select_(e >= -149, sub, Int32(0)))
-    return f32_from_bits(bits)
+    return common.f32_from_bits(bits)
 
 
 def scale_slot(v: int, tile_n: int, swiglu: bool = False) -> int:

@@ -25,7 +25,8 @@ Epilogues (compile-time):
   bf16(w h) (the down projection's weight gradient reads it), and per (row, N-tile) the
   partial sum of acc * h (fp32; summed over N-tiles it is d_topk_weights = <d_out, y>,
   computed without dividing by w). Padding rows (slot -1) give exact zeros whatever the
-  saved g, u hold there.
+  saved g, u hold there (and are never read). g and u arrive as 32-bit bf16 pairs, loaded
+  ``DGATED_PREFETCH`` subtiles ahead; cooperative or pingpong (``expert_backward`` picks).
 
 Operands: K-major by default; ``b_mn_major`` for B stored (E, K, N) (the dgrads' weights);
 ``b_split_k``: B's first K columns from ``mB``, the rest from ``mB2`` (FC1's dgrad: the
@@ -33,8 +34,8 @@ gate and up weights along one K = 2I).
 
 Roles (384 threads, ``gemm_core.GemmCoreSm90``): warpgroup 0 is the producer (warp 0 issues
 TMA loads into an mbarrier ring); warpgroups 1-2 are the consumers (wgmma, then the epilogue
-through smem and TMA stores). Cooperative: they split each tile's rows. Pingpong (FC2 with a
-short K): they take alternate tiles and turns at the mainloop, so one's epilogue runs under
+through smem and TMA stores). Cooperative: they split each tile's rows. Pingpong (FC2 and its
+dgrad up to a K): they take alternate tiles and turns at the mainloop, so one's epilogue runs under
 the other's mainloop. The K loop runs in a fixed order and there is no split-K, so results
 are bitwise reproducible.
 
@@ -63,6 +64,17 @@ from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
 
 EPILOGUES = ("store", "swiglu", "dgated")
+# dgated: subtiles of saved g and u loaded ahead of the one being computed
+DGATED_PREFETCH = 2
+
+
+class DgatedRows(NamedTuple):
+    """Per consumer thread and tile, its rows' (2 per subtile row block) partial sums of
+    acc * h, (token, k) slots (-1: padding) and router weights (``_load_row_info``)."""
+
+    sums: cute.Tensor
+    slot: cute.Tensor
+    weight: cute.Tensor
 
 
 class AbTiles(NamedTuple):
@@ -102,8 +114,6 @@ class GroupedGemmSm90(GemmCoreSm90):
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if save_preact and epilogue != "swiglu":
             raise ValueError("save_preact needs the swiglu epilogue")
-        if epilogue == "dgated" and pingpong:
-            raise ValueError("the dgated epilogue is written for the cooperative kernel")
         if b_split_k and epilogue == "swiglu":
             raise ValueError("b_split_k: swiglu already takes two B tensors (N halves)")
         outputs = 3 if save_preact or epilogue == "dgated" else 1
@@ -261,7 +271,8 @@ class GroupedGemmSm90(GemmCoreSm90):
                 barrier_id=int(common.NamedBarriers.EPILOGUE) + (consumer if const_expr(self.pingpong) else 0),
                 num_threads=self.threads_per_tile)
             is_store_warp = warp_idx == 4 * warpgroup_idx if const_expr(self.pingpong) else warp_idx == 4
-            epi_base = consumer * self.epi_stages if const_expr(self.pingpong) else 0
+            # pingpong: each warpgroup's own epi_stages x epi_outputs buffers
+            epi_base = consumer * self.epi_stages * self.epi_outputs if const_expr(self.pingpong) else 0
 
             grid_size = cute.arch.grid_dim()[0]
             tile_stride = grid_size
@@ -316,17 +327,20 @@ class GroupedGemmSm90(GemmCoreSm90):
                     g_tiles = (g_tiles[0], gC2_mnl[(None, None, m_tile, n_tile, 0)],
                                gC3_mnl[(None, None, m_tile, n_tile, 0)])
                 visit_args = None
-                row_sums = None
+                rows = None
                 if const_expr(self.epilogue == "dgated"):
-                    row_sums = cute.make_rmem_tensor((2,), Float32)
-                    row_sums.fill(0.0)
-                    visit_args = (m_tile, n_tile, coords, row_sums, mPreG, mPreU, mRowSlot,
+                    rows = DgatedRows(*(cute.make_rmem_tensor((2 * epi_m,), t)
+                                        for t in (Float32, Int32, Float32)))
+                    rows.sums.fill(0.0)
+                    preact = cute.make_rmem_tensor((DGATED_PREFETCH, cute.size(epi.frag_shape)),
+                                                   Int32)
+                    visit_args = (m_tile, n_tile, coords, rows, preact, mPreG, mPreU, mRowSlot,
                                   mWeights, tile_tidx)
                 self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, epi_base, subtiles_done,
                                    epilogue_barrier, tma_store_pipeline, is_store_warp,
                                    visit_args)
                 if const_expr(self.epilogue == "dgated"):
-                    self._store_row_sums(row_sums, mPartials, m_tile, n_tile, tile_tidx)
+                    self._store_row_sums(rows, mPartials, m_tile, n_tile, tile_tidx)
                 subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
@@ -446,60 +460,113 @@ class GroupedGemmSm90(GemmCoreSm90):
     def _visit_dgated(self, epi, sm: cutlass.Constexpr[int], sn: cutlass.Constexpr[int], outs,
                       visit_args):
         """Subtile (sm, sn) of dG, dU and h' (module docstring), and each row's share of the
-        partial sum of acc * h into ``row_sums`` (this thread's two rows: ``_my_rows``)."""
-        m_tile, n_tile, coords, row_sums, mPreG, mPreU, mRowSlot, mWeights, tidx = visit_args
+        partial sum of acc * h into ``rows.sums``. The saved g and u arrive in registers
+        ``DGATED_PREFETCH`` subtiles ahead (32-bit loads of bf16 pairs, padding rows never
+        read), so their latency hides behind the subtiles before; the tile's rows' slots and
+        weights are read once, at its first subtile."""
+        m_tile, n_tile, coords, rows, preact, mPreG, mPreU, mRowSlot, mWeights, tidx = visit_args
         frag_size = cute.size(outs[0])
-        acc_n = self.tile_shape_mnk[1] // self.epi_tile[1]
-        first = (sm * acc_n + sn) * frag_size
-        rows, cols = cute.size(mRowSlot), cute.size(mPreG, mode=[1])
-        row0 = m_tile * TILE_M + sm * self.epi_tile[0]
-        col0 = n_tile * self.tile_shape_mnk[1] + sn * self.epi_tile[1]
-        my_row_hi = self._my_rows(tidx)[1]
-        for v in cutlass.range_constexpr(frag_size):
-            m, n = coords[v]
-            row, col = row0 + m, col0 + n
-            slot = Int32(-1)
-            if row < rows:
-                slot = mRowSlot[row]
-            valid = slot >= 0
-            weight = Float32(0.0)
-            gate, up = Float32(0.0), Float32(0.0)
-            if valid:
-                weight = mWeights[slot]
-                if col < cols:
-                    gate = Float32(mPreG[row, col])
-                    up = Float32(mPreU[row, col])
-            sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(-gate * common.LOG2_E, fastmath=True))
-            silu = gate * sig
-            hidden = Float32(BFloat16(silu * up))  # the forward's h, bit for bit
-            d_hidden = weight * epi.acc[first + v]
-            outs[0][v] = cutlass.select_(valid, d_hidden * up * sig * (1.0 + gate * (1.0 - sig)),
-                                         Float32(0.0))
-            outs[1][v] = cutlass.select_(valid, d_hidden * silu, Float32(0.0))
-            outs[2][v] = cutlass.select_(valid, weight * hidden, Float32(0.0))
-            share = cutlass.select_(valid, epi.acc[first + v] * hidden, Float32(0.0))
-            if sm * self.epi_tile[0] + m == my_row_hi:
-                row_sums[1] = row_sums[1] + share
+        out_n = self.tile_shape_mnk[1] // self.epi_tile[1]
+        subtile = sm * out_n + sn
+        total = (TILE_M // self.epi_tile[0]) * out_n
+        if const_expr(subtile == 0):
+            self._load_row_info(rows, mRowSlot, mWeights, m_tile, tidx)
+            for ahead in cutlass.range_constexpr(min(DGATED_PREFETCH, total)):
+                self._load_preact(preact, ahead, coords, rows, mPreG, mPreU, m_tile, n_tile,
+                                  out_n, tidx)
+        buf = subtile % DGATED_PREFETCH
+        first = subtile * frag_size
+        row_hi = self._my_rows(tidx)[1]
+        for p in cutlass.range_constexpr(frag_size // 2):
+            m = coords[2 * p][0]
+            hi = m == row_hi
+            weight = cutlass.select_(hi, rows.weight[2 * sm + 1], rows.weight[2 * sm])
+            valid = cutlass.select_(hi, rows.slot[2 * sm + 1], rows.slot[2 * sm]) >= 0
+            gates = common.bf16_pair_to_f32(preact[buf, p])
+            ups = common.bf16_pair_to_f32(preact[buf, frag_size // 2 + p])
+            share = Float32(0.0)
+            for e in cutlass.range_constexpr(2):
+                v = 2 * p + e
+                gate, up = gates[e], ups[e]
+                sig = cute.arch.rcp_approx(1.0 + cute.math.exp2(-gate * common.LOG2_E,
+                                                                fastmath=True))
+                silu = gate * sig
+                hidden = Float32(BFloat16(silu * up))  # the forward's h, bit for bit
+                d_hidden = weight * epi.acc[first + v]
+                outs[0][v] = cutlass.select_(valid, d_hidden * up * sig * (1.0 + gate * (1.0 - sig)),
+                                             Float32(0.0))
+                outs[1][v] = cutlass.select_(valid, d_hidden * silu, Float32(0.0))
+                outs[2][v] = cutlass.select_(valid, weight * hidden, Float32(0.0))
+                share = share + cutlass.select_(valid, epi.acc[first + v] * hidden, Float32(0.0))
+            if hi:
+                rows.sums[2 * sm + 1] = rows.sums[2 * sm + 1] + share
             else:
-                row_sums[0] = row_sums[0] + share
+                rows.sums[2 * sm] = rows.sums[2 * sm] + share
+        if const_expr(subtile + DGATED_PREFETCH < total):
+            self._load_preact(preact, subtile + DGATED_PREFETCH, coords, rows, mPreG, mPreU,
+                              m_tile, n_tile, out_n, tidx)
 
     def _my_rows(self, tidx):
-        """The two tile rows of this consumer thread's accumulator elements: in the
-        cooperative wgmma layout warp w (0-7) holds rows 16 w .. 16 w + 15, lane l rows
-        l / 4 and l / 4 + 8. Traced inline."""
+        """The two rows of an epilogue subtile that this consumer thread's accumulator
+        elements sit on: warp w of the tile's threads holds rows 16 w .. 16 w + 15, lane l
+        rows l / 4 and l / 4 + 8 (the wgmma layout; cooperative: 8 warps over a 128-row
+        subtile, pingpong: 4 over 64). Traced inline."""
         base = (tidx // 32) * 16 + (tidx % 32) // 4
         return base, base + 8
 
     @cute.jit
-    def _store_row_sums(self, row_sums, mPartials, m_tile: Int32, n_tile: Int32, tidx: Int32):
+    def _load_row_info(self, rows, mRowSlot: cute.Tensor, mWeights: cute.Tensor, m_tile: Int32,
+                       tidx: Int32):
+        """The slot (-1: padding) and router weight of each of this thread's tile rows: entry
+        2 sm + hi for subtile row block sm."""
+        mine = self._my_rows(tidx)
+        for r in cutlass.range_constexpr(cute.size(rows.slot)):
+            row = m_tile * TILE_M + (r // 2) * self.epi_tile[0] + mine[r % 2]
+            slot = Int32(-1)
+            if row < cute.size(mRowSlot):
+                slot = mRowSlot[row]
+            weight = Float32(0.0)
+            if slot >= 0:
+                weight = mWeights[slot]
+            rows.slot[r] = slot
+            rows.weight[r] = weight
+
+    @cute.jit
+    def _load_preact(self, preact: cute.Tensor, subtile: cutlass.Constexpr[int], coords, rows,
+                     mPreG: cute.Tensor, mPreU: cute.Tensor, m_tile: Int32, n_tile: Int32,
+                     out_n: cutlass.Constexpr[int], tidx: Int32):
+        """Issue the loads of subtile ``subtile``'s g and u pairs into its prefetch buffer;
+        zeros where the row is padding or the columns lie past I (so their share is zero)."""
+        sm, sn = subtile // out_n, subtile % out_n
+        buf = subtile % DGATED_PREFETCH
+        pairs = cute.size(preact, mode=[1]) // 2
+        gate_words = cute.recast_tensor(mPreG, Int32)
+        up_words = cute.recast_tensor(mPreU, Int32)
+        row_hi = self._my_rows(tidx)[1]
+        row0 = m_tile * TILE_M + sm * self.epi_tile[0]
+        col0 = n_tile * self.tile_shape_mnk[1] + sn * self.epi_tile[1]
+        for p in cutlass.range_constexpr(pairs):
+            m, n = coords[2 * p]
+            hi = m == row_hi
+            valid = cutlass.select_(hi, rows.slot[2 * sm + 1], rows.slot[2 * sm]) >= 0
+            col = col0 + n
+            g_word, u_word = Int32(0), Int32(0)
+            if valid and col < cute.size(mPreG, mode=[1]):
+                g_word = gate_words[row0 + m, col // 2]
+                u_word = up_words[row0 + m, col // 2]
+            preact[buf, p] = g_word
+            preact[buf, pairs + p] = u_word
+
+    @cute.jit
+    def _store_row_sums(self, rows, mPartials, m_tile: Int32, n_tile: Int32, tidx: Int32):
         """The four lanes holding a row's columns add their sums (fixed order), and the first
         writes the row's partial for this N-tile."""
-        rows = self._my_rows(tidx)
-        for half in cutlass.range_constexpr(2):
-            total = row_sums[half]
+        mine = self._my_rows(tidx)
+        for r in cutlass.range_constexpr(cute.size(rows.sums)):
+            total = rows.sums[r]
             total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
             total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-            row = m_tile * TILE_M + rows[half]
+            row = m_tile * TILE_M + (r // 2) * self.epi_tile[0] + mine[r % 2]
             if tidx % 4 == 0 and row < cute.size(mPartials, mode=[0]):
                 mPartials[row, n_tile] = total
 

@@ -1,0 +1,132 @@
+"""Where the time of the one-GPU backward goes: GPU time per stage beside cuBLAS doing each
+GEMM's FLOPs densely (the ceiling a grouped GEMM of those rows can hope for).
+
+    python tools/backward_profile.py --shapes dsv3_ep8_rank,mixtral,gptoss_120b [--json out.json]
+
+Stages (``mok_cute.expert_backward``): the d_out and x row gathers, FC2's dgrad with the
+dgated epilogue, FC1's dgrad, the gate/up and down weight gradients, the k-sum of d_x, and the
+whole ``moe_backward``; each timed back to back (``layer_profile.gpu_ms``, L2 warm). A probe
+for tuning, not the benchmark of record (``mok-cute bench --train``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from tools.layer_profile import gpu_ms, probe_shapes  # noqa: E402
+
+
+def profile(name: str, reps: int, wgrad_group_m: list[int]) -> dict:
+    import inspect
+
+    import mok_cute
+    from mok_cute import expert_backward as eb
+    from mok_cute import expert_path
+    from mok_cute.bench.problems import make_problem
+    from mok_cute.kernels import token_ops
+    from mok_cute.shapes import resolve_shape
+
+    # a checkout from before fc2_dgrad took ``pingpong`` times its one variant
+    new_epilogue = "pingpong" in inspect.signature(eb.fc2_dgrad).parameters
+    shape = resolve_shape(name)
+    p = make_problem(shape, device="cuda", seed=1)
+    i = p.inputs
+    x, idx, w = i.x, i.topk_idx, i.topk_weights
+    T, H = x.shape
+    K = idx.shape[1]
+    E, I = p.w_gate.shape[0], p.w_gate.shape[1]
+    cfg = mok_cute.MoKConfig(backend="kernel", check_ids=False)
+    options = cfg.expert_path
+    with torch.no_grad():
+        _, saved = expert_path.moe_forward_kernel(x, idx, w, p.w_gate, p.w_up, p.w_down, None,
+                                                  cfg, save=True)
+    torch.manual_seed(0)
+    d_out = torch.randn_like(x)
+    weights = w.to(torch.float32).contiguous().view(-1)
+    rows = saved.row_token.shape[0]
+    ms, flops = {}, {}
+    ms["gather d_out"] = gpu_ms(lambda: token_ops.gather_rows(d_out, saved.row_token), reps)
+    d_rows = token_ops.gather_rows(d_out, saved.row_token)
+    x_rows = token_ops.gather_rows(x, saved.row_token)
+    fc2 = lambda: eb.fc2_dgrad(d_rows, p.w_down, saved.preact, saved.row_slot, weights,  # noqa: E731
+                               saved.tile_expert, saved.num_tiles, options)
+    if new_epilogue:
+        ms["fc2 dgrad (dgated, pingpong 128)"] = gpu_ms(fc2, reps)
+        fc2_coop = lambda: eb.fc2_dgrad(d_rows, p.w_down, saved.preact, saved.row_slot,  # noqa: E731
+                                        weights, saved.tile_expert, saved.num_tiles, options,
+                                        pingpong=False)
+        ms["fc2 dgrad (dgated, cooperative 256)"] = gpu_ms(fc2_coop, reps)
+        same = all(torch.equal(a, b) for a, b in zip(fc2()[:2], fc2_coop()[:2]))
+        print(f"  fc2 dgrad pingpong / cooperative outputs bitwise equal: {same}")
+        bits = [int(t.view(torch.int16).to(torch.int64).sum()) for t in fc2_coop()[:2]]
+        print(f"  fc2 dgrad output bit sums (d_preact, h'), cooperative: {bits}")
+    else:
+        ms["fc2 dgrad (dgated)"] = gpu_ms(fc2, reps)
+    d_preact, hw, _ = fc2()
+    # the same inputs in every checkout: equal sums say the dgated outputs are the same bits
+    bits = [int(t.view(torch.int16).to(torch.int64).sum()) for t in (d_preact, hw)]
+    print(f"  fc2 dgrad output bit sums (d_preact, h'): {bits}")
+    fc1 = lambda: eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, saved.tile_expert,  # noqa: E731
+                               saved.num_tiles, options)
+    ms["fc1 dgrad"] = gpu_ms(fc1, reps)
+    dx_rows = fc1()
+    for gm in wgrad_group_m:
+        suffix = "" if gm == wgrad_group_m[0] else f" group_m={gm}"
+        kernel_gu = eb._compiled("gemm_wgrad", x.device, gated=True, group_m=gm)
+        kernel_d = eb._compiled("gemm_wgrad", x.device, gated=False, group_m=gm)
+        c = torch.empty(E, I, H, dtype=torch.bfloat16, device=x.device)
+        c2 = torch.empty_like(c)
+        cd = torch.empty(E, H, I, dtype=torch.bfloat16, device=x.device)
+        gu = lambda: kernel_gu(d_preact[:, :I].t().unsqueeze(2), d_preact[:, I:].t().unsqueeze(2),  # noqa: E731
+                               x_rows.t().unsqueeze(2), c.permute(1, 2, 0), c2.permute(1, 2, 0),
+                               saved.expert_offsets)
+        dn = lambda: kernel_d(d_rows.t().unsqueeze(2), None, hw.t().unsqueeze(2),  # noqa: E731
+                              cd.permute(1, 2, 0), None, saved.expert_offsets)
+        ms["wgrad gate+up" + suffix] = gpu_ms(gu, reps)
+        ms["wgrad down" + suffix] = gpu_ms(dn, reps)
+    ones = torch.ones(T, K, dtype=torch.float32, device=x.device)
+    ms["k-sum d_x"] = gpu_ms(lambda: token_ops.weighted_ksum(dx_rows, ones, None,
+                                                             row_index=saved.row_of_slot), reps)
+    ms["moe_backward"] = gpu_ms(lambda: eb.moe_backward(d_out, x, idx, w, p.w_gate, p.w_up,
+                                                        p.w_down, None, saved), reps)
+    # cuBLAS dense over the same rows (the capacity, padding included, as the kernels run)
+    a = torch.randn(rows, H, dtype=torch.bfloat16, device=x.device)
+    b_hi = torch.randn(H, I, dtype=torch.bfloat16, device=x.device)
+    b_2ih = torch.randn(2 * I, H, dtype=torch.bfloat16, device=x.device)
+    g2 = torch.randn(rows, 2 * I, dtype=torch.bfloat16, device=x.device)
+    ms["cublas fc2 dgrad [M,H]x[H,I]"] = gpu_ms(lambda: a @ b_hi, reps)
+    ms["cublas fc1 dgrad [M,2I]x[2I,H]"] = gpu_ms(lambda: g2 @ b_2ih, reps)
+    ms["cublas wgrad gate+up [2I,M]x[M,H]"] = gpu_ms(lambda: g2.t() @ a, reps)
+    ms["cublas wgrad down [H,M]x[M,I]"] = gpu_ms(lambda: a.t() @ g2[:, :I], reps)
+    gemm = 2 * rows * H * I
+    for key in ms:
+        if "fc2" in key or "down" in key:
+            flops[key] = gemm
+        elif "fc1" in key or "gate+up" in key:
+            flops[key] = 2 * gemm
+    flops["moe_backward"] = 12 * T * K * H * I
+    print(f"{name}: T={T} H={H} I={I} E={E} K={K} rows(capacity)={rows} (T*K={T * K})")
+    for key, t in ms.items():
+        rate = f"{flops[key] / t / 1e9:7.1f} TFLOP/s" if key in flops else ""
+        print(f"  {key:40s} {t:8.3f} ms {rate}")
+    return {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "rows": rows, "ms": ms,
+            "tflops": {k: flops[k] / ms[k] / 1e9 for k in flops}}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="dsv3_ep8_rank,mixtral,gptoss_120b")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--wgrad-group-m", default="4", help="comma list; the first is the default")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    gms = [int(v) for v in args.wgrad_group_m.split(",")]
+    probe_shapes(args.shapes, lambda n: profile(n, args.reps, gms), args.json, argv)
+
+
+if __name__ == "__main__":
+    main()
