@@ -54,7 +54,8 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, 
     i32 = dict(dtype=torch.int32, device=x.device)
     shared_preact = (x.new_empty(0, 0) if ws_gate is None
                      else x.new_empty(num_tokens, 2 * ws_gate.shape[0]))
-    return [x.new_empty(num_tokens, x.shape[1]), x.new_empty(rows, 2 * inter), shared_preact,
+    return [x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens * top_k, 2 * inter),
+            shared_preact,
             torch.empty(rows, **i32), torch.empty(rows, **i32),
             torch.empty(num_tokens * top_k, **i32), torch.empty(rows // TILE_M, **i32),
             torch.empty(1, **i32), torch.empty(experts + 1, **i32)]

@@ -26,7 +26,7 @@ import torch
 from mok_cute import jit
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_K
-from mok_cute.expert_path import SavedForBackward, _num_sms, shared_tiles
+from mok_cute.expert_path import SavedForBackward, _num_sms, check_preact, shared_tiles
 
 
 class Needs(NamedTuple):
@@ -55,10 +55,12 @@ FC2_DGRAD_PINGPONG_MAX_K = 6144
 def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
               options: ExpertPathOptions, pingpong: bool | None = None):
     """FC2's dgrad with the SwiGLU backward in its epilogue (``gemm_sm90``'s "dgated").
-    d_rows [M, H]; w_down [E, H, I]; preact [M, 2I]; row_slot [M] int32; weights fp32 [slots].
+    d_rows [M, H]; w_down [E, H, I]; preact [slots, 2I] (g | u by slot); row_slot [M] int32
+    (-1: padding); weights fp32 [slots].
     Returns (d_preact [M, 2I] = dG | dU, hw [M, I] = w * h, row partials [M, N-tiles] fp32).
     ``pingpong``: the GEMM variant (same bits either way; None: by K, as above)."""
     rows, inter = d_rows.shape[0], w_down.shape[2]
+    check_preact(preact, inter)
     if pingpong is None:
         pingpong = d_rows.shape[1] <= FC2_DGRAD_PINGPONG_MAX_K
     tile_n = 128 if pingpong else 256
@@ -69,8 +71,8 @@ def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
                        group_m=options.fc1_group_m)
     kernel(d_rows.unsqueeze(2), w_down.permute(2, 1, 0), None,
            d_preact[:, :inter].unsqueeze(2), tile_expert, num_tiles, None,
-           d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), preact[:, :inter],
-           preact[:, inter:], row_slot, weights, partials)
+           d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), preact, row_slot, weights,
+           partials)
     return d_preact, hw, partials
 
 
@@ -81,7 +83,7 @@ def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPat
     kernel = _compiled("gemm_fc1_dgrad", d_preact.device, tile_n=256,
                        group_m=options.fc2_group_m)
     kernel(d_preact.unsqueeze(2), w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0),
-           dx_rows.unsqueeze(2), tile_expert, num_tiles, None, *(None,) * 7)
+           dx_rows.unsqueeze(2), tile_expert, num_tiles, None, *(None,) * 6)
     return dx_rows
 
 

@@ -59,14 +59,16 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  group_m: int = 8, out: torch.Tensor | None = None,
                  timeline: torch.Tensor | None = None, task_type: int | None = None,
                  w_up: torch.Tensor | None = None, pingpong: bool = False,
-                 preact_out: torch.Tensor | None = None) -> torch.Tensor:
+                 preact_out: torch.Tensor | None = None,
+                 preact_slot: torch.Tensor | None = None) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
     num_m_tiles: [1] int32 (device). "store" returns [M, N]; "swiglu" takes w = W_gate and
     w_up = W_up (both [E, I, K]) and returns h = silu(g) * u, [M, I], with g, u the bf16
-    pre-activations, which ``preact_out`` ([M, 2I]: g then u) receives when given (a
-    training forward). Rows past num_m_tiles*128 are untouched.
+    pre-activations, which ``preact_out`` ([slots, 2I]: g then u) receives when given (a
+    training forward), row ``preact_slot[r]`` ([M] int32, -1: padding, not stored) for row r.
+    Rows past num_m_tiles*128 are untouched.
     timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
     one span per tile with ``task_type``; None compiles the variant without the recorder.
     """
@@ -88,25 +90,42 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
         pingpong=pingpong, save_preact=preact_out is not None)
-    extra = (None,) * 7
+    extra = (None,) * 6
     if preact_out is not None:
-        extra = (preact_out[:, :n].unsqueeze(2), preact_out[:, n:].unsqueeze(2)) + (None,) * 5
+        check_preact(preact_out, n)
+        if preact_slot is None or preact_slot.shape != (m,) or preact_slot.dtype != torch.int32:
+            raise ValueError(f"preact_slot: expected an int32 [{m}] row -> slot map with "
+                             f"preact_out, got {preact_slot!r:.80}")
+        extra = (None, None, preact_out, preact_slot, None, None)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
              out.unsqueeze(2), tile_expert, num_m_tiles, timeline, *extra)
     return out
 
 
+def check_preact(preact: torch.Tensor, inter: int) -> None:
+    """The saved pre-activations as the kernels address them: contiguous bf16 [slots, 2I] with
+    I % 8 == 0, each row's offset in 32-byte units below 2**31 (up to 64 GiB)."""
+    if (preact.dtype != torch.bfloat16 or preact.dim() != 2 or preact.shape[1] != 2 * inter
+            or inter % 8 or not preact.is_contiguous()):
+        raise ValueError(f"preact: expected a contiguous bf16 [slots, {2 * inter}] tensor (I % 8 "
+                         f"== 0), got {preact.dtype} {tuple(preact.shape)}")
+    if preact.shape[0] * (inter // 8) >= 2 ** 31:
+        raise ValueError(f"preact: {preact.shape[0]} slots x I = {inter} exceed the kernels' "
+                         f"32-bit row offsets (T * K * I / 8 must stay below 2**31)")
+
+
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
                options: ExpertPathOptions, timeline: torch.Tensor | None = None,
-               shared: bool = False, preact_out: torch.Tensor | None = None):
+               shared: bool = False, preact_out: torch.Tensor | None = None,
+               preact_slot: torch.Tensor | None = None):
     """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert (a training
-    forward passes ``preact_out`` to keep the pre-activations)."""
+    forward passes ``preact_out`` and ``preact_slot`` to keep the pre-activations)."""
     from mok_cute.tasks import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
                      group_m=options.fc1_group_m, timeline=timeline, task_type=int(fc1),
-                     preact_out=preact_out)
+                     preact_out=preact_out, preact_slot=preact_slot)
     pingpong = options.fc2_pingpong(w_down.shape[2])
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
                         group_m=options.fc2_group_m, timeline=timeline, task_type=int(fc2),
@@ -152,10 +171,11 @@ def expert_rows(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
 
 
 class SavedForBackward(NamedTuple):
-    """What a training forward keeps for the backward (about 4 K I bytes per token, the
-    pre-activations; h is recomputed in the backward's epilogue)."""
+    """What a training forward keeps for the backward (4 K I bytes per token, the
+    pre-activations of its K slots, plus the schedule; h is recomputed in the backward's
+    epilogue)."""
 
-    preact: torch.Tensor  # [capacity, 2I] bf16: g then u of every padded row
+    preact: torch.Tensor  # [T * K, 2I] bf16: g then u of each (token, k) slot, by slot
     shared_preact: torch.Tensor  # [T, 2Is] bf16, or [0, 0] without a shared expert
     row_token: torch.Tensor  # [capacity] int32 (the schedule), -1 on padding rows
     row_slot: torch.Tensor  # [capacity] int32: the row's slot t * K + k, -1 on padding rows
@@ -200,23 +220,28 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     inter = w_gate.shape[1]
     options = config.expert_path
     sched, row_of_slot, x_rows = expert_rows(x, topk_idx, w_gate.shape[0])
-    preact = None
+    preact = row_slot = None
     if save:
-        preact = torch.empty(x_rows.shape[0], 2 * inter, dtype=torch.bfloat16, device=x.device)
+        preact = torch.empty(num_tokens * top_k, 2 * inter, dtype=torch.bfloat16,
+                             device=x.device)
+        row_slot = sched_mod.slot_of_rows(sched, top_k)
     y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, options,
-                   timeline, preact_out=preact)
+                   timeline, preact_out=preact, preact_slot=row_slot)
 
     shared_rows = None
     shared_preact = x.new_empty(0, 0)
     if shared is not None:
         ws_gate, ws_up, ws_down = shared
+        token_rows = None
         if save:
             shared_preact = torch.empty(num_tokens, 2 * ws_gate.shape[0], dtype=torch.bfloat16,
                                         device=x.device)
+            token_rows = torch.arange(num_tokens, dtype=torch.int32, device=x.device)
         shared_rows = expert_mlp(x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0),
                                  ws_down.unsqueeze(0), *shared_tiles(num_tokens, x.device),
                                  options, timeline, shared=True,
-                                 preact_out=shared_preact if save else None)
+                                 preact_out=shared_preact if save else None,
+                                 preact_slot=token_rows)
 
     # the k-sum reads each (token, k) expert row where FC2 left it: no permuted copy of y
     out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
@@ -225,6 +250,5 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         set_last(recorder)
     if not save:
         return out
-    return out, SavedForBackward(preact, shared_preact, sched.row_token,
-                                 sched_mod.slot_of_rows(sched, top_k), row_of_slot,
+    return out, SavedForBackward(preact, shared_preact, sched.row_token, row_slot, row_of_slot,
                                  sched.tile_expert, sched.num_tiles, sched.expert_offsets)

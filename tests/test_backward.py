@@ -77,7 +77,7 @@ def test_fake_implementations_give_the_real_shapes():
                                                     8192, 8, 8)
         cap = mok.schedule.schedule_capacity(1, T, K, E, 128)
         assert [tuple(o.shape) for o in outs] == [
-            (T, H), (cap, 2 * I), (T, 2 * Is), (cap,), (cap,), (T * K,), (cap // 128,), (1,),
+            (T, H), (T * K, 2 * I), (T, 2 * Is), (cap,), (cap,), (T * K,), (cap // 128,), (1,),
             (E + 1,)]
         grads = torch.ops.mok_cute.moe_backward(x, x, idx, w, wg, wg, wd, sg, sg, sd,
                                                 list(outs[1:]), [True] * 6, 8192, 8, 8)
@@ -212,6 +212,31 @@ def test_fc2_dgrad_pingpong_and_cooperative_give_the_same_bits(H, I):
         assert torch.equal(a, b), name
     sums = [got[p][2][:rows].double().sum(dim=1) for p in (False, True)]
     torch.testing.assert_close(sums[0], sums[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,K", [(333, 512, 320, 8, 4), (77, 1024, 192, 16, 10)])
+def test_training_forward_saves_each_slots_preactivations(T, H, I, E, K):
+    """The training forward keeps exactly T * K rows of g | u, row t * K + k holding token t's
+    pre-activations at its k-th expert (checked row by row against fp32 GEMMs: a row stored
+    under the wrong slot fails), and the shared expert's T rows by token."""
+    from mok_cute import expert_path
+
+    leaves, idx = _problem(T, H, I, E, K, Is=64, seed=T, routing="hot", requires_grad=False)
+    x, w, wg, wu, wd, sg, su, sd = leaves
+    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _, saved = expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, (sg, su, sd),
+                                              mok.MoKConfig(backend="kernel"), save=True)
+    assert saved.preact.shape == (T * K, 2 * I)
+    e = idx.long().view(-1)
+    xs = x.float().repeat_interleave(K, dim=0)
+    want = torch.empty(T * K, 2 * I, device="cuda")
+    for j in range(E):
+        rows = e == j
+        want[rows] = xs[rows] @ torch.cat([wg[j], wu[j]]).float().t()
+    assert_tokens_close(saved.preact.float(), want, what="preact by slot")
+    want_shared = torch.cat([x.float() @ sg.float().t(), x.float() @ su.float().t()], dim=1)
+    assert_tokens_close(saved.shared_preact.float(), want_shared, what="shared preact")
 
 
 @pytest.mark.gpu

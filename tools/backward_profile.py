@@ -44,11 +44,17 @@ def profile(name: str, reps: int, wgrad_group_m: list[int]) -> dict:
     with torch.no_grad():
         _, saved = expert_path.moe_forward_kernel(x, idx, w, p.w_gate, p.w_up, p.w_down, None,
                                                   cfg, save=True)
+    ms, flops = {}, {}
+    for save in (False, True):
+        ms["forward (training: save)" if save else "forward (inference)"] = gpu_ms(
+            lambda save=save: expert_path.moe_forward_kernel(x, idx, w, p.w_gate, p.w_up,
+                                                             p.w_down, None, cfg, save=save), reps)
+    saved_bytes = sum(t.numel() * t.element_size() for t in saved) / x.shape[0]
+    print(f"  saved for the backward: {saved_bytes:.0f} B/token (preact {tuple(saved.preact.shape)})")
     torch.manual_seed(0)
     d_out = torch.randn_like(x)
     weights = w.to(torch.float32).contiguous().view(-1)
     rows = saved.row_token.shape[0]
-    ms, flops = {}, {}
     ms["gather d_out"] = gpu_ms(lambda: token_ops.gather_rows(d_out, saved.row_token), reps)
     d_rows = token_ops.gather_rows(d_out, saved.row_token)
     x_rows = token_ops.gather_rows(x, saved.row_token)
@@ -104,7 +110,9 @@ def profile(name: str, reps: int, wgrad_group_m: list[int]) -> dict:
     ms["cublas wgrad down [H,M]x[M,I]"] = gpu_ms(lambda: a.t() @ g2[:, :I], reps)
     gemm = 2 * rows * H * I
     for key in ms:
-        if "fc2" in key or "down" in key:
+        if key.startswith("forward"):
+            flops[key] = 6 * T * K * H * I
+        elif "fc2" in key or "down" in key:
             flops[key] = gemm
         elif "fc1" in key or "gate+up" in key:
             flops[key] = 2 * gemm
@@ -114,6 +122,7 @@ def profile(name: str, reps: int, wgrad_group_m: list[int]) -> dict:
         rate = f"{flops[key] / t / 1e9:7.1f} TFLOP/s" if key in flops else ""
         print(f"  {key:40s} {t:8.3f} ms {rate}")
     return {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "rows": rows, "ms": ms,
+            "saved_bytes_per_token": saved_bytes,
             "tflops": {k: flops[k] / ms[k] / 1e9 for k in flops}}
 
 

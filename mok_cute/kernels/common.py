@@ -65,6 +65,18 @@ def f32_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.bitcast(T.f32(), Int32(bits).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
+@dsl_user_op
+def f32_bits(value: Float32, *, loc=None, ip=None) -> Int32:
+    """The bit pattern of the fp32 ``value``."""
+    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+def bf16_pair_bits(lo: Float32, hi: Float32) -> Int32:
+    """The 32-bit word of two bf16 (``lo`` at the lower address) from fp32 values that are
+    already bf16 (exact: their low 16 bits are zero). Traced inline."""
+    return ((f32_bits(lo) >> 16) & Int32(0xFFFF)) | (f32_bits(hi) & Int32(-65536))
+
+
 def bf16_pair_to_f32(word: Int32):
     """The two bf16 of a 32-bit word (element 2 i in the low half, as memory holds them) as
     fp32, exactly. Traced inline."""

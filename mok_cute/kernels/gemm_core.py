@@ -316,29 +316,33 @@ class GemmCoreSm90:
         """The fp32 values of subtile (sm, sn) of each output. "store": the accumulator.
         "swiglu": h = silu(g) * u from the gate and up halves of the accumulator (side by side
         in the tile), each rounded to bf16 first as a bf16 nn.Linear would (one numerics for
-        inference and training); with three outputs also those g and u (the pre-activations a
-        training forward saves). Kernels override it for their own epilogues."""
+        inference and training). Kernels override it for their own epilogues."""
         frag_size = cute.size(outs[0])
         acc_n = self.tile_shape_mnk[1] // self.epi_tile[1]  # subtiles of the accumulator, row-major
         if const_expr(kind == "swiglu"):
-            out_n = acc_n // 2
-            first = (sm * acc_n + sn) * frag_size
-            gate = cute.make_rmem_tensor(epi.frag_shape, Float32)
-            up = cute.make_rmem_tensor(epi.frag_shape, Float32)
-            for v in cutlass.range_constexpr(frag_size):
-                gate[v] = epi.acc[first + v]
-                up[v] = epi.acc[first + out_n * frag_size + v]
-            gate.store(gate.load().to(cutlass.BFloat16).to(Float32))
-            up.store(up.load().to(cutlass.BFloat16).to(Float32))
+            gate, up = self.swiglu_preact(epi, sm, sn)
             for v in cutlass.range_constexpr(frag_size):
                 outs[0][v] = common.silu(gate[v]) * up[v]
-            if const_expr(len(outs) == 3):
-                outs[1].store(gate.load())
-                outs[2].store(up.load())
         else:
             first = (sm * acc_n + sn) * frag_size
             for v in cutlass.range_constexpr(frag_size):
                 outs[0][v] = epi.acc[first + v]
+
+    def swiglu_preact(self, epi: "TileEpilogue", sm: int, sn: int):
+        """The gate and up values of subtile (sm, sn) (the accumulator's two halves, side by
+        side in the tile), each rounded to bf16 as a bf16 nn.Linear would, in fp32 fragments.
+        Traced inline."""
+        frag_size = cute.size(epi.frag_shape)
+        acc_n = self.tile_shape_mnk[1] // self.epi_tile[1]
+        first = (sm * acc_n + sn) * frag_size
+        gate = cute.make_rmem_tensor(epi.frag_shape, Float32)
+        up = cute.make_rmem_tensor(epi.frag_shape, Float32)
+        for v in range(frag_size):  # a plain method: unrolled as it is traced
+            gate[v] = epi.acc[first + v]
+            up[v] = epi.acc[first + acc_n // 2 * frag_size + v]
+        gate.store(gate.load().to(cutlass.BFloat16).to(Float32))
+        up.store(up.load().to(cutlass.BFloat16).to(Float32))
+        return gate, up
 
     def epi_coords(self, epi: "TileEpilogue", tidx):
         """(row, column) of each of this thread's epilogue fragment elements inside a subtile

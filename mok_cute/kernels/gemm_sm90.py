@@ -17,10 +17,13 @@ Epilogues (compile-time):
   [0, tile_n/2) from W_gate and rows [tile_n/2, tile_n) from the matching rows of W_up. One
   wgmma N-tile therefore holds matching gate and up columns, every thread owns both halves of
   its pairs (no shuffles), and the weights are used as given: no packed copy. With
-  ``save_preact`` (a training forward) g and u are stored too (C2, C3).
+  ``save_preact`` (a training forward) the bf16 g and u of each routed row are also stored,
+  from registers as bf16 pairs, into row ``slot`` (t * K + k) of mPreact ([slots, 2I]: g
+  then u): exactly T * K rows kept for the backward, none for padding.
 - ``"dgated"`` (FC2's dgrad, A = d_out rows, B = W_down as (I, H, E), N-major): with
   acc = (d_out @ W_down)[row, i], w the row's router weight and g, u the saved
-  pre-activations, s = sigmoid(g), h = bf16(silu(g) * u) (the forward's h, bit for bit):
+  pre-activations (row ``slot`` of mPreact, as the forward stored them), s = sigmoid(g),
+  h = bf16(silu(g) * u) (the forward's h, bit for bit):
   C = dG = bf16(w acc u s (1 + g (1 - s))), C2 = dU = bf16(w acc silu(g)), C3 = h' =
   bf16(w h) (the down projection's weight gradient reads it), and per (row, N-tile) the
   partial sum of acc * h (fp32; summed over N-tiles it is d_topk_weights = <d_out, y>,
@@ -66,15 +69,20 @@ from mok_cute.kernels.gemm_core import GemmCoreSm90
 EPILOGUES = ("store", "swiglu", "dgated")
 # dgated: subtiles of saved g and u loaded ahead of the one being computed
 DGATED_PREFETCH = 2
+# pre-activation row offsets are kept in units of this many 32-bit words (a row is I words)
+PREACT_ROW_ALIGN = 8
 
 
-class DgatedRows(NamedTuple):
-    """Per consumer thread and tile, its rows' (2 per subtile row block) partial sums of
-    acc * h, (token, k) slots (-1: padding) and router weights (``_load_row_info``)."""
+class TileRows(NamedTuple):
+    """Per consumer thread and tile (dgated, save_preact), its rows' (2 per subtile row
+    block) partial sums of acc * h (dgated), (token, k) slots (-1: padding), router weights
+    (dgated) and their pre-activation rows' offsets (``_load_row_info``: in 32-byte units, so
+    an Int32 holds them; 64-bit ones kept live through the epilogue spilled registers)."""
 
     sums: cute.Tensor
     slot: cute.Tensor
     weight: cute.Tensor
+    offset: cute.Tensor
 
 
 class AbTiles(NamedTuple):
@@ -116,7 +124,7 @@ class GroupedGemmSm90(GemmCoreSm90):
             raise ValueError("save_preact needs the swiglu epilogue")
         if b_split_k and epilogue == "swiglu":
             raise ValueError("b_split_k: swiglu already takes two B tensors (N halves)")
-        outputs = 3 if save_preact or epilogue == "dgated" else 1
+        outputs = 3 if epilogue == "dgated" else 1
         super().__init__(tile_n, pingpong, b_mn_major=b_mn_major, epi_outputs=outputs)
         if epilogue == "swiglu" and tile_n < 128:
             raise ValueError(f"the swiglu epilogue needs tile_n >= 128, got {tile_n}")
@@ -140,17 +148,17 @@ class GroupedGemmSm90(GemmCoreSm90):
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB_up: Optional[cute.Tensor],
                  mC: cute.Tensor, mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
                  mTimeline: Optional[cute.Tensor], mC2: Optional[cute.Tensor],
-                 mC3: Optional[cute.Tensor], mPreG: Optional[cute.Tensor],
-                 mPreU: Optional[cute.Tensor], mRowSlot: Optional[cute.Tensor],
+                 mC3: Optional[cute.Tensor], mPreact: Optional[cute.Tensor],
+                 mRowSlot: Optional[cute.Tensor],
                  mWeights: Optional[cute.Tensor], mPartials: Optional[cute.Tensor],
                  stream: cuda.CUstream):
         """mA (M_cap, K, 1), mB (N, K, E), mC (M_cap, N_out, 1) (N_out contiguous).
         swiglu: mB is W_gate and mB_up is W_up, both (I, K, E); b_split_k: mB_up holds B's
         k-tiles past mB's; else None. mTimeline: int64 recorder buffer, or None when the
-        timeline flag is off. Three outputs (save_preact, dgated): mC2, mC3 like mC.
-        dgated: mPreG, mPreU (M_cap, I) bf16 saved pre-activations, mRowSlot (M_cap,) int32
-        (the row's (token, k) slot, -1 on padding), mWeights fp32 (slots,), mPartials fp32
-        (M_cap, N-tiles)."""
+        timeline flag is off. Three outputs (dgated): mC2, mC3 like mC. save_preact and
+        dgated: mPreact (slots, 2I) bf16 pre-activations by slot (g then u), mRowSlot (M_cap,) int32
+        (the row's (token, k) slot, -1 on padding); dgated: mWeights fp32 (slots,), mPartials
+        fp32 (M_cap, N-tiles)."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -184,7 +192,7 @@ class GroupedGemmSm90(GemmCoreSm90):
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c, mTileExpert, mNumMTiles, mTimeline, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
-            *extra_c, mPreG, mPreU, mRowSlot, mWeights, mPartials,
+            *extra_c, mPreact, mRowSlot, mWeights, mPartials,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, stream=stream)
 
@@ -201,7 +209,7 @@ class GroupedGemmSm90(GemmCoreSm90):
                epi_smem_layout_staged: cute.ComposedLayout,
                tma_atom_c2: Optional[cute.CopyAtom], mC2_mnl: Optional[cute.Tensor],
                tma_atom_c3: Optional[cute.CopyAtom], mC3_mnl: Optional[cute.Tensor],
-               mPreG: Optional[cute.Tensor], mPreU: Optional[cute.Tensor],
+               mPreact: Optional[cute.Tensor],
                mRowSlot: Optional[cute.Tensor], mWeights: Optional[cute.Tensor],
                mPartials: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
@@ -261,7 +269,7 @@ class GroupedGemmSm90(GemmCoreSm90):
                 gC2_mnl = cute.local_tile(mC2_mnl, (tile_m, self.out_tile_n), (None, None, None))
                 gC3_mnl = cute.local_tile(mC3_mnl, (tile_m, self.out_tile_n), (None, None, None))
             coords = None
-            if const_expr(self.epilogue == "dgated"):
+            if const_expr(self.epilogue == "dgated" or self.save_preact):
                 coords = self.epi_coords(epi, tile_tidx)
             tma_store_pipeline = pipeline.PipelineTmaStore.create(
                 num_stages=self.epi_stages,
@@ -328,14 +336,16 @@ class GroupedGemmSm90(GemmCoreSm90):
                                gC3_mnl[(None, None, m_tile, n_tile, 0)])
                 visit_args = None
                 rows = None
+                if const_expr(self.epilogue == "dgated" or self.save_preact):
+                    rows = TileRows(*(cute.make_rmem_tensor((2 * epi_m,), t)
+                                      for t in (Float32, Int32, Float32, Int32)))
+                    self._load_row_info(rows, mRowSlot, mWeights, mPreact, m_tile, tile_tidx)
+                    visit_args = (m_tile, n_tile, coords, rows, None, mPreact, tile_tidx)
                 if const_expr(self.epilogue == "dgated"):
-                    rows = DgatedRows(*(cute.make_rmem_tensor((2 * epi_m,), t)
-                                        for t in (Float32, Int32, Float32)))
                     rows.sums.fill(0.0)
                     preact = cute.make_rmem_tensor((DGATED_PREFETCH, cute.size(epi.frag_shape)),
                                                    Int32)
-                    visit_args = (m_tile, n_tile, coords, rows, preact, mPreG, mPreU, mRowSlot,
-                                  mWeights, tile_tidx)
+                    visit_args = (m_tile, n_tile, coords, rows, preact, mPreact, tile_tidx)
                 self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, epi_base, subtiles_done,
                                    epilogue_barrier, tma_store_pipeline, is_store_warp,
                                    visit_args)
@@ -451,6 +461,11 @@ class GroupedGemmSm90(GemmCoreSm90):
                           sn: cutlass.Constexpr[int], outs, visit_args):
         if const_expr(kind == "dgated"):
             self._visit_dgated(epi, sm, sn, outs, visit_args)
+        elif const_expr(kind == "swiglu" and self.save_preact):
+            gate, up = self.swiglu_preact(epi, sm, sn)
+            for v in cutlass.range_constexpr(cute.size(outs[0])):
+                outs[0][v] = common.silu(gate[v]) * up[v]
+            self._store_preact(epi, gate, up, sm, sn, visit_args)
         else:
             # named, not super(): the DSL re-traces this body without its class cell, and a
             # zero-argument super() then resolves against a subclass and recurses
@@ -461,27 +476,23 @@ class GroupedGemmSm90(GemmCoreSm90):
                       visit_args):
         """Subtile (sm, sn) of dG, dU and h' (module docstring), and each row's share of the
         partial sum of acc * h into ``rows.sums``. The saved g and u arrive in registers
-        ``DGATED_PREFETCH`` subtiles ahead (32-bit loads of bf16 pairs, padding rows never
-        read), so their latency hides behind the subtiles before; the tile's rows' slots and
-        weights are read once, at its first subtile."""
-        m_tile, n_tile, coords, rows, preact, mPreG, mPreU, mRowSlot, mWeights, tidx = visit_args
+        ``DGATED_PREFETCH`` subtiles ahead (32-bit loads of bf16 pairs from row ``slot``,
+        padding rows never read), so their latency hides behind the subtiles before."""
+        m_tile, n_tile, coords, rows, preact, mPreact, tidx = visit_args
         frag_size = cute.size(outs[0])
         out_n = self.tile_shape_mnk[1] // self.epi_tile[1]
         subtile = sm * out_n + sn
         total = (TILE_M // self.epi_tile[0]) * out_n
         if const_expr(subtile == 0):
-            self._load_row_info(rows, mRowSlot, mWeights, m_tile, tidx)
             for ahead in cutlass.range_constexpr(min(DGATED_PREFETCH, total)):
-                self._load_preact(preact, ahead, coords, rows, mPreG, mPreU, m_tile, n_tile,
-                                  out_n, tidx)
+                self._load_preact(epi, preact, ahead, coords, rows, mPreact, n_tile, out_n)
         buf = subtile % DGATED_PREFETCH
         first = subtile * frag_size
-        row_hi = self._my_rows(tidx)[1]
+        on_hi_row = self._pairs_on_hi_row(epi)
         for p in cutlass.range_constexpr(frag_size // 2):
-            m = coords[2 * p][0]
-            hi = m == row_hi
-            weight = cutlass.select_(hi, rows.weight[2 * sm + 1], rows.weight[2 * sm])
-            valid = cutlass.select_(hi, rows.slot[2 * sm + 1], rows.slot[2 * sm]) >= 0
+            r = 2 * sm + on_hi_row[p]
+            weight = rows.weight[r]
+            valid = rows.slot[r] >= 0
             gates = common.bf16_pair_to_f32(preact[buf, p])
             ups = common.bf16_pair_to_f32(preact[buf, frag_size // 2 + p])
             share = Float32(0.0)
@@ -498,13 +509,23 @@ class GroupedGemmSm90(GemmCoreSm90):
                 outs[1][v] = cutlass.select_(valid, d_hidden * silu, Float32(0.0))
                 outs[2][v] = cutlass.select_(valid, weight * hidden, Float32(0.0))
                 share = share + cutlass.select_(valid, epi.acc[first + v] * hidden, Float32(0.0))
-            if hi:
-                rows.sums[2 * sm + 1] = rows.sums[2 * sm + 1] + share
-            else:
-                rows.sums[2 * sm] = rows.sums[2 * sm] + share
+            rows.sums[r] = rows.sums[r] + share
         if const_expr(subtile + DGATED_PREFETCH < total):
-            self._load_preact(preact, subtile + DGATED_PREFETCH, coords, rows, mPreG, mPreU,
-                              m_tile, n_tile, out_n, tidx)
+            self._load_preact(epi, preact, subtile + DGATED_PREFETCH, coords, rows, mPreact,
+                              n_tile, out_n)
+
+    def _pairs_on_hi_row(self, epi) -> list[int]:
+        """For each element pair (2 p, 2 p + 1) of a thread's subtile fragment: 1 if it sits on
+        the thread's second row (+8), else 0. The same for every thread, so read from thread
+        0's coordinates, which are compile-time values: no per-pair select at run time."""
+        coords = self.epi_coords(epi, 0)
+        return [int(int(coords[2 * p][0]) >= 8) for p in range(cute.size(epi.frag_shape) // 2)]
+
+    def _preact_row(self, words: cute.Tensor, rows, r: int) -> cute.Tensor:
+        """Row entry ``r``'s pre-activations as 32-bit words (g pairs, then u pairs), from
+        its precomputed offset. Traced inline."""
+        return cute.make_tensor(words.iterator + Int64(rows.offset[r]) * PREACT_ROW_ALIGN,
+                                cute.make_layout(cute.size(words, mode=[1])))
 
     def _my_rows(self, tidx):
         """The two rows of an epilogue subtile that this consumer thread's accumulator
@@ -515,47 +536,69 @@ class GroupedGemmSm90(GemmCoreSm90):
         return base, base + 8
 
     @cute.jit
-    def _load_row_info(self, rows, mRowSlot: cute.Tensor, mWeights: cute.Tensor, m_tile: Int32,
-                       tidx: Int32):
-        """The slot (-1: padding) and router weight of each of this thread's tile rows: entry
-        2 sm + hi for subtile row block sm."""
+    def _load_row_info(self, rows, mRowSlot: cute.Tensor, mWeights: Optional[cute.Tensor],
+                       mPreact: cute.Tensor, m_tile: Int32, tidx: Int32):
+        """The slot (-1: padding) and router weight (with ``mWeights``) of each of this
+        thread's tile rows: entry 2 sm + hi for subtile row block sm. Issued before the
+        epilogue's first subtile, once a tile."""
         mine = self._my_rows(tidx)
         for r in cutlass.range_constexpr(cute.size(rows.slot)):
             row = m_tile * TILE_M + (r // 2) * self.epi_tile[0] + mine[r % 2]
             slot = Int32(-1)
             if row < cute.size(mRowSlot):
                 slot = mRowSlot[row]
-            weight = Float32(0.0)
-            if slot >= 0:
-                weight = mWeights[slot]
             rows.slot[r] = slot
-            rows.weight[r] = weight
+            words = cute.recast_tensor(mPreact, Int32)
+            # in units of PREACT_ROW_ALIGN words (I % 8 == 0): Int32 reaches 64 GiB of
+            # pre-activations where 64-bit offsets kept live would spill
+            rows.offset[r] = cutlass.max(slot, 0) * (Int32(words.layout.stride[0]) // PREACT_ROW_ALIGN)
+            if const_expr(mWeights is not None):
+                weight = Float32(0.0)
+                if slot >= 0:
+                    weight = mWeights[slot]
+                rows.weight[r] = weight
 
     @cute.jit
-    def _load_preact(self, preact: cute.Tensor, subtile: cutlass.Constexpr[int], coords, rows,
-                     mPreG: cute.Tensor, mPreU: cute.Tensor, m_tile: Int32, n_tile: Int32,
-                     out_n: cutlass.Constexpr[int], tidx: Int32):
+    def _load_preact(self, epi, preact: cute.Tensor, subtile: cutlass.Constexpr[int], coords, rows,
+                     mPreact: cute.Tensor, n_tile: Int32, out_n: cutlass.Constexpr[int]):
         """Issue the loads of subtile ``subtile``'s g and u pairs into its prefetch buffer;
         zeros where the row is padding or the columns lie past I (so their share is zero)."""
         sm, sn = subtile // out_n, subtile % out_n
         buf = subtile % DGATED_PREFETCH
         pairs = cute.size(preact, mode=[1]) // 2
-        gate_words = cute.recast_tensor(mPreG, Int32)
-        up_words = cute.recast_tensor(mPreU, Int32)
-        row_hi = self._my_rows(tidx)[1]
-        row0 = m_tile * TILE_M + sm * self.epi_tile[0]
+        words = cute.recast_tensor(mPreact, Int32)  # (slots, I): g pairs, then u pairs
+        half = cute.size(words, mode=[1]) // 2
+        on_hi_row = self._pairs_on_hi_row(epi)
         col0 = n_tile * self.tile_shape_mnk[1] + sn * self.epi_tile[1]
         for p in cutlass.range_constexpr(pairs):
-            m, n = coords[2 * p]
-            hi = m == row_hi
-            valid = cutlass.select_(hi, rows.slot[2 * sm + 1], rows.slot[2 * sm]) >= 0
-            col = col0 + n
+            r = 2 * sm + on_hi_row[p]
+            pair = (col0 + coords[2 * p][1]) // 2
             g_word, u_word = Int32(0), Int32(0)
-            if valid and col < cute.size(mPreG, mode=[1]):
-                g_word = gate_words[row0 + m, col // 2]
-                u_word = up_words[row0 + m, col // 2]
+            if rows.slot[r] >= 0 and pair < half:
+                row = self._preact_row(words, rows, r)
+                g_word = row[pair]
+                u_word = row[half + pair]
             preact[buf, p] = g_word
             preact[buf, pairs + p] = u_word
+
+    @cute.jit
+    def _store_preact(self, epi, gate: cute.Tensor, up: cute.Tensor, sm: cutlass.Constexpr[int],
+                      sn: cutlass.Constexpr[int], visit_args):
+        """save_preact: this thread's g and u of subtile (sm, sn) (bf16 values in fp32) into
+        row ``slot`` of mPreact as 32-bit bf16 pairs; padding rows and columns past I are not
+        stored."""
+        m_tile, n_tile, coords, rows, _, mPreact, tidx = visit_args
+        words = cute.recast_tensor(mPreact, Int32)  # (slots, I): g pairs, then u pairs
+        half = cute.size(words, mode=[1]) // 2
+        on_hi_row = self._pairs_on_hi_row(epi)
+        col0 = n_tile * self.out_tile_n + sn * self.epi_tile[1]
+        for p in cutlass.range_constexpr(cute.size(gate) // 2):
+            r = 2 * sm + on_hi_row[p]
+            pair = (col0 + coords[2 * p][1]) // 2
+            if rows.slot[r] >= 0 and pair < half:
+                row = self._preact_row(words, rows, r)
+                row[pair] = common.bf16_pair_bits(gate[2 * p], gate[2 * p + 1])
+                row[half + pair] = common.bf16_pair_bits(up[2 * p], up[2 * p + 1])
 
     @cute.jit
     def _store_row_sums(self, rows, mPartials, m_tile: Int32, n_tile: Int32, tidx: Int32):
@@ -614,16 +657,20 @@ def _fake_operands(gemm: GroupedGemmSm90, timeline: bool):
     tile_expert = common.fake_vector(Int32)
     num_m_tiles = common.fake_vector(Int32)
     timeline = common.fake_vector(Int64, align_bytes=8) if timeline else None
-    extra = (None,) * 7
+    extra = (None,) * 6
     if gemm.epi_outputs == 3:
         extra = (common.fake_kmajor_tensor(bf16, (m, n_out, 1)),
-                 common.fake_kmajor_tensor(bf16, (m, n_out, 1))) + (None,) * 5
-    if gemm.epilogue == "dgated":
-        extra = extra[:2] + (common.fake_strided_tensor(bf16, (m, n_out)),
-                             common.fake_strided_tensor(bf16, (m, n_out)),
-                             common.fake_vector(Int32), common.fake_vector(Float32),
-                             common.fake_strided_tensor(Float32, (m, cute.sym_int32()),
-                                                        align_bytes=4))
+                 common.fake_kmajor_tensor(bf16, (m, n_out, 1))) + (None,) * 4
+    if gemm.epilogue == "dgated" or gemm.save_preact:
+        # the pre-activations: one row per (token, k) slot, g then u (2I: even)
+        preact = common.fake_kmajor_tensor(bf16, (cute.sym_int32(),
+                                                  cute.sym_int32(divisibility=16)))
+        extra = extra[:2] + (preact, common.fake_vector(Int32))
+        if gemm.epilogue == "dgated":
+            extra += (common.fake_vector(Float32),
+                      common.fake_strided_tensor(Float32, (m, cute.sym_int32()), align_bytes=4))
+        else:
+            extra += (None, None)
     return a, b, b_up, c, tile_expert, num_m_tiles, timeline, *extra
 
 
