@@ -1,0 +1,388 @@
+"""The backward megakernel's ordered task list, built on the host (issue 32: the design, run on
+the CPU by the float64 model in ``tests/backward_task_model.py`` before any kernel runs it).
+
+One layer backward on one rank is one ordered list of tasks, the forward's design
+(``mok_cute.tasks``) run in reverse: comm CTAs take the COMM tasks in list order, compute CTAs
+the COMPUTE tasks, each task waits only on tasks with a lower index, so the forward's
+deadlock-freedom argument holds unchanged (``BackwardTaskList.check`` proves the premise).
+
+Buffers of the expert side (rank r, padded receive-schedule rows ``p``), all kept for the whole
+launch (no ring: a weight gradient reads every row of its expert, so its operands cannot be
+overwritten before the last tile of the expert has been reduced)::
+
+    dy[p, H]        d_out row of p's (peer, token), pulled by REVERSE_COMBINE
+    dpre[p, 2I]     dG | dU of p (FC2_DGRAD's dgated epilogue)
+    hw[p, I]        w * h of p (FC2_DGRAD), the down projection's weight-gradient operand
+    part[p, n]      fp32 partial of <d_out, y> per dgated N-tile n (FC2_DGRAD)
+    dx[p, H]        dx row of p (FC1_DGRAD), pushed home by REVERSE_DISPATCH
+    x[p, H]         x row of p: kept by the training forward, or pulled again (REPULL_X)
+
+and of the source side (this rank's own tokens)::
+
+    dx_slot[t*K+k, H], part_slot[t*K+k]    filled by the expert ranks' REVERSE_DISPATCH
+    shared: sdpre[t, 2Is], shw[t, Is], sdx[t, H]
+
+Task types (values after ``tasks.TaskType``'s, so one timeline can hold both)::
+
+    REVERSE_COMBINE (j, c)  comm     pull the d_out rows of M-tile j (chunk c) into dy
+    REPULL_X        (j, c)  comm     pull the x rows of M-tile j again (forward ring too small)
+    FC2_DGRAD       (j, n)  compute  dy @ W_down[e] with the SwiGLU backward: dpre, hw, part
+    FC1_DGRAD       (j, n)  compute  dpre @ [W_gate; W_up][e]: dx of M-tile j, H N-tile n
+    REVERSE_DISPATCH(j, c)  comm     push dx rows and summed partials to their (peer, slot)
+    WGRAD_GATE_UP   (e, m, n) compute dW_gate, dW_up[e] row block m of I, column block n of H
+    WGRAD_DOWN      (e, m, n) compute dW_down[e] row block m of H, column block n of I
+    SHARED_FC2_DGRAD(s, n), SHARED_FC1_DGRAD(s, n), SHARED_WGRAD_GATE_UP (m, n),
+    SHARED_WGRAD_DOWN (m, n)  compute  the shared expert (local tokens, weight 1)
+    BARRIER                 comm     group barrier after this rank's last push (compute role
+                                     when there are no comm tasks)
+    KSUM            (s, c)  compute  d_x = sum_k dx_slot (+ sdx) in fixed k order, and
+                                     d_topk_weights = part_slot, for local tokens
+
+Dependencies (``waits``: spin until ``counter[group][i] >= target`` for i in a range; each
+target is the number of tasks that signal that counter)::
+
+    FC2_DGRAD(j, n)        <- PULLED[j]                  (every chunk of the tile's dy rows)
+    FC1_DGRAD(j, n)        <- DGATED[j]                  (K = 2I: every dgated N-tile)
+    REVERSE_DISPATCH(j, c) <- DX_DONE[j]                 (every H N-tile; partials before it)
+    WGRAD_GATE_UP(e, ...)  <- DGATED[tiles of e], X_PULLED[tiles of e] (when re-pulled)
+    WGRAD_DOWN(e, ...)     <- DGATED[tiles of e]         (hw; dy came before DGATED)
+    SHARED_FC1_DGRAD(s, n) <- SHARED_DGATED[s]
+    SHARED_WGRAD_*         <- SHARED_DGATED[all s]
+    BARRIER                <- PUSHED[all tiles]          (then every peer's flag)
+    KSUM(s, c)             <- BARRIER_DONE, SHARED_DX[s]
+
+Order. Compute: the shared expert's dgrads first (they need no communication, so they hide the
+first pulls), then per minibatch its FC2_DGRAD tiles then its FC1_DGRAD tiles, then every weight
+gradient expert by expert (so the last pushes and the group barrier run under them), the
+shared expert's weight gradients, and the KSUM tail. Comm: each tile's pulls at the start of the
+minibatch before its own (one minibatch of lookahead), its pushes once its FC1_DGRAD tiles
+are done, re-pulls of x during the last minibatch's dgrads, the BARRIER before the first KSUM.
+Both queues are merged by that estimated ready time, measured in cumulative compute FLOPs.
+
+This list is built from actual expert counts (the simulator's and the CPU model's view); the
+device list will add the forward's static-capacity machinery (dead and no-op tasks) unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from mok_cute.tasks import Role
+
+__all__ = ["BackwardTaskType", "BackwardCounter", "BackwardTask", "BackwardListParams",
+           "BackwardTaskList", "build_backward_task_list", "expert_tile_ranges"]
+
+
+class BackwardTaskType(enum.IntEnum):
+    REVERSE_COMBINE = 12
+    REPULL_X = 13
+    FC2_DGRAD = 14
+    FC1_DGRAD = 15
+    REVERSE_DISPATCH = 16
+    WGRAD_GATE_UP = 17
+    WGRAD_DOWN = 18
+    SHARED_FC2_DGRAD = 19
+    SHARED_FC1_DGRAD = 20
+    SHARED_WGRAD_GATE_UP = 21
+    SHARED_WGRAD_DOWN = 22
+    BARRIER = 23
+    KSUM = 24
+
+
+class BackwardCounter(enum.IntEnum):
+    PULLED = 0  # [tile] REVERSE_COMBINE chunks done
+    X_PULLED = 1  # [tile] REPULL_X chunks done
+    DGATED = 2  # [tile] FC2_DGRAD N-tiles done
+    DX_DONE = 3  # [tile] FC1_DGRAD N-tiles done
+    PUSHED = 4  # [tile] REVERSE_DISPATCH chunks done
+    SHARED_DGATED = 5  # [s] SHARED_FC2_DGRAD N-tiles done
+    SHARED_DX = 6  # [s] SHARED_FC1_DGRAD N-tiles done
+    WGRAD_DONE = 7  # [1] weight-gradient tiles done (nothing waits: the launch's end)
+    BARRIER_DONE = 8  # [1] 1 once every rank of the group has passed its barrier
+    KSUM_DONE = 9  # [1]
+
+
+BT, BC = BackwardTaskType, BackwardCounter
+_COMM = (BT.REVERSE_COMBINE, BT.REPULL_X, BT.REVERSE_DISPATCH)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTask:
+    index: int
+    type: BackwardTaskType
+    role: Role
+    minibatch: int  # -1: shared expert, weight gradients, barrier, k-sum
+    tile: int  # M-tile j; expert e (WGRAD_*); local token tile s (SHARED_*DGRAD, KSUM); else -1
+    n_tile: int  # GEMM N-tile, comm chunk or KSUM chunk
+    m_block: int  # weight-gradient row block; else -1
+    flops: int
+    signal: tuple[BackwardCounter, int]
+    waits: tuple[tuple[BackwardCounter, int, int, int], ...]  # (group, first, count, target)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardListParams:
+    hidden: int
+    intermediate: int
+    num_tokens: int  # this rank's own tokens (the KSUM and shared-expert side)
+    top_k: int
+    tile_m: int = 128
+    dgated_tile_n: int = 128  # FC2_DGRAD N-tile over I
+    dx_tile_n: int = 256  # FC1_DGRAD N-tile over H
+    minibatch_tokens: int = 1024
+    comm_task_rows: int = 32
+    ksum_rows: int = 32
+    shared_intermediate: int = 0
+    comm_tasks: bool = True  # False: one rank reading d_out in place and k-summing dx in place
+    x_resident: bool = True  # the training forward kept every x row of the receive schedule
+    # weight-gradient output tiles (gemm_wgrad's): gate/up (I rows of each, H columns), down
+    # (H rows, I columns)
+    wgrad_gate_up_tile: tuple[int, int] = (128, 128)
+    wgrad_down_tile: tuple[int, int] = (256, 128)
+
+    def __post_init__(self):
+        for name in ("hidden", "intermediate", "top_k", "tile_m", "dgated_tile_n", "dx_tile_n",
+                     "minibatch_tokens", "comm_task_rows", "ksum_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("num_tokens", "shared_intermediate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name, of in (("minibatch_tokens", "tile_m"), ("tile_m", "comm_task_rows"),
+                         ("tile_m", "ksum_rows")):
+            if getattr(self, name) % getattr(self, of):
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of "
+                                 f"{of}={getattr(self, of)}")
+        if not self.comm_tasks and not self.x_resident:
+            raise ValueError("x_resident=False needs comm tasks (x rows are pulled again)")
+
+
+@dataclasses.dataclass
+class BackwardTaskList:
+    params: BackwardListParams
+    tile_expert: np.ndarray  # [tiles] local expert of each real M-tile
+    tasks: list[BackwardTask]
+    counter_sizes: dict[BackwardCounter, int]
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, i: int) -> BackwardTask:
+        return self.tasks[i]
+
+    def __iter__(self):
+        return iter(self.tasks)
+
+    def queue(self, role: Role) -> list[BackwardTask]:
+        return [t for t in self.tasks if t.role == role]
+
+    def check(self) -> None:
+        """The premises of deadlock freedom and of exact waits: every counter a task waits on
+        is signalled by exactly ``target`` tasks, all with lower list indices; signals stay in
+        their counter's range; waits point at counters that exist. Raises AssertionError."""
+        signallers: dict[tuple[BackwardCounter, int], list[int]] = {}
+        for t in self.tasks:
+            group, index = t.signal
+            assert 0 <= index < self.counter_sizes[group], (t, self.counter_sizes[group])
+            signallers.setdefault(t.signal, []).append(t.index)
+        for t in self.tasks:
+            for group, first, count, target in t.waits:
+                if group == BC.BARRIER_DONE:
+                    # passed by the group barrier, not by tasks of this list alone
+                    assert (first, count, target) == (0, 1, 1), t
+                    barriers = signallers.get((BC.BARRIER_DONE, 0), [])
+                    assert len(barriers) == 1 and barriers[0] < t.index, t
+                    continue
+                assert count >= 1 and 0 <= first and first + count <= self.counter_sizes[group], t
+                for i in range(first, first + count):
+                    who = signallers.get((group, i), [])
+                    assert len(who) == target, (t, group, i, len(who), target)
+                    assert max(who) < t.index, (t, group, i, max(who))
+
+
+def expert_tile_ranges(tile_expert: np.ndarray, num_local_experts: int) -> np.ndarray:
+    """[E_loc + 1] first M-tile of each local expert (expert-sorted tiles; empty experts have
+    an empty range)."""
+    tile_expert = np.asarray(tile_expert, dtype=np.int64)
+    if tile_expert.size and (np.diff(tile_expert) < 0).any():
+        raise ValueError("tile_expert must be sorted by expert (the receive schedule's order)")
+    return np.searchsorted(tile_expert, np.arange(num_local_experts + 1)).astype(np.int64)
+
+
+def build_backward_task_list(tile_expert, num_local_experts: int,
+                             params: BackwardListParams) -> BackwardTaskList:
+    """The ordered backward task list of one rank (module docstring) from the local expert
+    of each real M-tile of its receive schedule."""
+    return _Builder(np.asarray(tile_expert, dtype=np.int64), num_local_experts, params).build()
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Builder:
+    def __init__(self, tile_expert: np.ndarray, num_local_experts: int, p: BackwardListParams):
+        self.p = p
+        self.tile_expert = tile_expert
+        self.num_experts = num_local_experts
+        self.nt = int(tile_expert.size)
+        self.tpm = p.minibatch_tokens // p.tile_m
+        self.nmb = _ceil(self.nt, self.tpm)
+        self.expert_tiles = expert_tile_ranges(tile_expert, num_local_experts)
+        self.chunks = p.tile_m // p.comm_task_rows
+        self.n_dgated = _ceil(p.intermediate, p.dgated_tile_n)
+        self.n_dx = _ceil(p.hidden, p.dx_tile_n)
+        self.st = _ceil(p.num_tokens, p.tile_m)
+        self.shared = p.shared_intermediate > 0
+        self.ns_dgated = _ceil(p.shared_intermediate, p.dgated_tile_n) if self.shared else 0
+        self.counter_sizes = {
+            BC.PULLED: self.nt if p.comm_tasks else 0,
+            BC.X_PULLED: self.nt if not p.x_resident else 0,
+            BC.DGATED: self.nt, BC.DX_DONE: self.nt,
+            BC.PUSHED: self.nt if p.comm_tasks else 0,
+            BC.SHARED_DGATED: self.st if self.shared else 0,
+            BC.SHARED_DX: self.st if self.shared else 0,
+            BC.WGRAD_DONE: 1, BC.BARRIER_DONE: 1, BC.KSUM_DONE: 1,
+        }
+        self.records: list[dict] = []
+
+    # one record per task; "key" orders the comm queue, "flops" positions the compute queue
+    def _add(self, queue: list, kind: BackwardTaskType, *, tile=-1, n_tile=0, m_block=-1,
+             minibatch=-1, flops=0, signal, waits=(), key=0.0):
+        queue.append(dict(type=kind, tile=tile, n_tile=n_tile, m_block=m_block,
+                          minibatch=minibatch, flops=flops, signal=signal, waits=tuple(waits),
+                          key=key))
+
+    def _gemm_flops(self, n: int, k: int, m: int | None = None) -> int:
+        return 2 * (m or self.p.tile_m) * n * k
+
+    def build(self) -> BackwardTaskList:
+        p = self.p
+        compute: list[dict] = []
+        # the shared expert's dgrads: no communication, so they run under the first pulls
+        for s in range(self.st if self.shared else 0):
+            for n in range(self.ns_dgated):
+                self._add(compute, BT.SHARED_FC2_DGRAD, tile=s, n_tile=n,
+                          flops=self._gemm_flops(p.dgated_tile_n, p.hidden),
+                          signal=(BC.SHARED_DGATED, s))
+        for s in range(self.st if self.shared else 0):
+            for n in range(self.n_dx):
+                self._add(compute, BT.SHARED_FC1_DGRAD, tile=s, n_tile=n,
+                          flops=self._gemm_flops(p.dx_tile_n, 2 * p.shared_intermediate),
+                          signal=(BC.SHARED_DX, s),
+                          waits=[(BC.SHARED_DGATED, s, 1, self.ns_dgated)])
+        for mb in range(self.nmb):
+            tiles = range(mb * self.tpm, min((mb + 1) * self.tpm, self.nt))
+            for j in tiles:
+                for n in range(self.n_dgated):
+                    waits = [(BC.PULLED, j, 1, self.chunks)] if p.comm_tasks else []
+                    self._add(compute, BT.FC2_DGRAD, tile=j, n_tile=n, minibatch=mb,
+                              flops=self._gemm_flops(p.dgated_tile_n, p.hidden),
+                              signal=(BC.DGATED, j), waits=waits)
+            for j in tiles:
+                for n in range(self.n_dx):
+                    self._add(compute, BT.FC1_DGRAD, tile=j, n_tile=n, minibatch=mb,
+                              flops=self._gemm_flops(p.dx_tile_n, 2 * p.intermediate),
+                              signal=(BC.DX_DONE, j), waits=[(BC.DGATED, j, 1, self.n_dgated)])
+        for e in range(self.num_experts):
+            first, end = int(self.expert_tiles[e]), int(self.expert_tiles[e + 1])
+            if first == end:
+                continue  # no rows: the host zero-fills its weight gradients
+            rows = (end - first) * p.tile_m
+            dgated = (BC.DGATED, first, end - first, self.n_dgated)
+            for m in range(_ceil(p.hidden, p.wgrad_down_tile[0])):
+                for n in range(_ceil(p.intermediate, p.wgrad_down_tile[1])):
+                    self._add(compute, BT.WGRAD_DOWN, tile=e, n_tile=n, m_block=m,
+                              flops=self._gemm_flops(p.wgrad_down_tile[1], rows,
+                                                     p.wgrad_down_tile[0]),
+                              signal=(BC.WGRAD_DONE, 0), waits=[dgated])
+            x_waits = [] if p.x_resident else [(BC.X_PULLED, first, end - first, self.chunks)]
+            for m in range(_ceil(p.intermediate, p.wgrad_gate_up_tile[0])):
+                for n in range(_ceil(p.hidden, p.wgrad_gate_up_tile[1])):
+                    self._add(compute, BT.WGRAD_GATE_UP, tile=e, n_tile=n, m_block=m,
+                              flops=2 * self._gemm_flops(p.wgrad_gate_up_tile[1], rows,
+                                                         p.wgrad_gate_up_tile[0]),
+                              signal=(BC.WGRAD_DONE, 0), waits=[dgated, *x_waits])
+        if self.shared and self.st:
+            all_s = (BC.SHARED_DGATED, 0, self.st, self.ns_dgated)
+            rows = self.st * p.tile_m
+            for m in range(_ceil(p.hidden, p.wgrad_down_tile[0])):
+                for n in range(_ceil(p.shared_intermediate, p.wgrad_down_tile[1])):
+                    self._add(compute, BT.SHARED_WGRAD_DOWN, n_tile=n, m_block=m,
+                              flops=self._gemm_flops(p.wgrad_down_tile[1], rows,
+                                                     p.wgrad_down_tile[0]),
+                              signal=(BC.WGRAD_DONE, 0), waits=[all_s])
+            for m in range(_ceil(p.shared_intermediate, p.wgrad_gate_up_tile[0])):
+                for n in range(_ceil(p.hidden, p.wgrad_gate_up_tile[1])):
+                    self._add(compute, BT.SHARED_WGRAD_GATE_UP, n_tile=n, m_block=m,
+                              flops=2 * self._gemm_flops(p.wgrad_gate_up_tile[1], rows,
+                                                         p.wgrad_gate_up_tile[0]),
+                              signal=(BC.WGRAD_DONE, 0), waits=[all_s])
+        barrier_waits = [(BC.PUSHED, 0, self.nt, self.chunks)] if p.comm_tasks and self.nt else []
+        if not p.comm_tasks:
+            # nothing to push: the barrier only orders this rank's dx rows before the k-sum
+            barrier_waits = [(BC.DX_DONE, 0, self.nt, self.n_dx)] if self.nt else []
+            self._add(compute, BT.BARRIER, signal=(BC.BARRIER_DONE, 0), waits=barrier_waits)
+        ksum_begin = len(compute)
+        for s in range(self.st):
+            for c in range(p.tile_m // p.ksum_rows):
+                waits = [(BC.BARRIER_DONE, 0, 1, 1)]
+                if self.shared:
+                    waits.append((BC.SHARED_DX, s, 1, self.n_dx))
+                self._add(compute, BT.KSUM, tile=s, n_tile=c, signal=(BC.KSUM_DONE, 0),
+                          waits=waits)
+
+        # positions along the compute queue, in cumulative FLOPs
+        ends = np.cumsum([r["flops"] for r in compute]) if compute else np.zeros(0)
+        starts = ends - np.array([r["flops"] for r in compute]) if compute else ends
+        first_of_mb = {}
+        last_dx_of_tile = {}
+        for i, r in enumerate(compute):
+            if r["type"] in (BT.FC2_DGRAD, BT.FC1_DGRAD):
+                first_of_mb.setdefault(r["minibatch"], i)
+            if r["type"] == BT.FC1_DGRAD:
+                last_dx_of_tile[r["tile"]] = i
+        ksum_start = float(starts[ksum_begin]) if ksum_begin < len(compute) else float("inf")
+
+        comm: list[dict] = []
+        if p.comm_tasks:
+            for j in range(self.nt):
+                mb = j // self.tpm
+                key = float(starts[first_of_mb[max(mb - 1, 0)]])  # one minibatch ahead
+                for c in range(self.chunks):
+                    self._add(comm, BT.REVERSE_COMBINE, tile=j, n_tile=c, minibatch=mb,
+                              signal=(BC.PULLED, j), key=key)
+            if not p.x_resident and self.nt:
+                key = float(starts[first_of_mb[self.nmb - 1]])  # under the last dgrads
+                for j in range(self.nt):
+                    for c in range(self.chunks):
+                        self._add(comm, BT.REPULL_X, tile=j, n_tile=c, minibatch=j // self.tpm,
+                                  signal=(BC.X_PULLED, j), key=key)
+            for j in range(self.nt):
+                key = float(ends[last_dx_of_tile[j]])
+                for c in range(self.chunks):
+                    self._add(comm, BT.REVERSE_DISPATCH, tile=j, n_tile=c,
+                              minibatch=j // self.tpm, signal=(BC.PUSHED, j),
+                              waits=[(BC.DX_DONE, j, 1, self.n_dx)], key=key)
+            self._add(comm, BT.BARRIER, signal=(BC.BARRIER_DONE, 0), waits=barrier_waits,
+                      key=ksum_start)
+        comm.sort(key=lambda r: r["key"])  # stable: queue order among equal keys
+
+        # merge: before each compute task, every comm task that is ready by its start
+        merged, ci = [], 0
+        for i, r in enumerate(compute):
+            while ci < len(comm) and comm[ci]["key"] <= starts[i]:
+                merged.append((Role.COMM, comm[ci]))
+                ci += 1
+            merged.append((Role.COMPUTE, r))
+        merged.extend((Role.COMM, r) for r in comm[ci:])
+        tasks = [BackwardTask(index=i, type=r["type"], role=role, minibatch=r["minibatch"],
+                              tile=r["tile"], n_tile=r["n_tile"], m_block=r["m_block"],
+                              flops=int(r["flops"]), signal=r["signal"], waits=r["waits"])
+                 for i, (role, r) in enumerate(merged)]
+        return BackwardTaskList(p, self.tile_expert, tasks, dict(self.counter_sizes))
