@@ -138,6 +138,31 @@ class GemmCoreSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
 
+    def operand_smem(self, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
+                     **pipeline_kwargs):
+        """Traced inline at the top of a kernel: the CTA's smem struct (``shared_storage``),
+        the operand stages' pipeline (``make_ab_pipeline`` with ``pipeline_kwargs``) with its
+        init arrive issued (the kernel issues ``pipeline_init_wait`` once its partitions are
+        built), and the staged A, B and epilogue tensors: (storage, ab_pipeline, sA, sB, sC).
+        A kernel with two A tiles a stage (the gated wgrad) splits ``storage.sA`` itself."""
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        ab_pipeline = self.make_ab_pipeline(storage, a_smem_layout_staged, b_smem_layout_staged,
+                                            **pipeline_kwargs)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer,
+                                   swizzle=epi_smem_layout_staged.inner)
+        return storage, ab_pipeline, sA, sB, sC
+
+    @staticmethod
+    def prefetch_descriptors(*atoms) -> None:
+        """The load warp's prefetch of its TMA descriptors (None entries skipped). Traced
+        inline, under the kernel's ``if warp_idx == self.load_warp``."""
+        for atom in atoms:
+            if atom is not None:
+                cute.nvgpu.cpasync.prefetch_descriptor(atom)
+
     def make_shared_storage(self, a_tiles_per_stage: int = 1, extra_fields=None):
         """The CTA's smem struct: the operand stages' full/empty mbarriers, ``extra_fields``
         (name -> struct member type, in order: the megakernel's comm and ticket words), the A

@@ -221,20 +221,9 @@ class GroupedGemmSm90(GemmCoreSm90):
             if tidx == 0 and cute.arch.block_idx()[0] == 0:
                 common.timeline_mark_start(mTimeline, common.timeline_now())
         if warp_idx == self.load_warp:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-            if const_expr(self.epilogue == "swiglu" or self.b_split_k):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b_up)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_c)
-
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        ab_pipeline = self.make_ab_pipeline(storage, a_smem_layout_staged, b_smem_layout_staged)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
-        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+            self.prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_b_up, tma_atom_c)
+        _, ab_pipeline, sA, sB, sC = self.operand_smem(
+            a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
 
         # (bM, bNout, RestM, RestN, 1)
         gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))

@@ -116,19 +116,11 @@ class WgradGemmSm90(GemmCoreSm90):
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
         tile_n, tile_k = self.tile_shape_mnk[1], self.tile_shape_mnk[2]
         if warp_idx == self.load_warp:
-            for atom in (tma_a, tma_b, tma_c):
-                cute.nvgpu.cpasync.prefetch_descriptor(atom)
-            if const_expr(self.gated):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_a2)
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_c2)
-
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+            self.prefetch_descriptors(tma_a, tma_b, tma_c, tma_a2, tma_c2)
         # both warpgroups read every stage (one arrive per consumer warp)
-        ab_pipeline = self.make_ab_pipeline(storage, a_smem_layout_staged, b_smem_layout_staged,
-                                            a_tiles_per_stage=2,
-                                            consumer_warps=self.num_mma_threads // 32)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        storage, ab_pipeline, _, sB, sC = self.operand_smem(
+            a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
+            a_tiles_per_stage=2, consumer_warps=self.num_mma_threads // 32)
 
         # the two A halves (one per warpgroup), each a staged MN-major (128, 64) layout
         a_elems = cute.cosize(a_smem_layout_staged)
@@ -137,8 +129,6 @@ class WgradGemmSm90(GemmCoreSm90):
                                a_smem_layout_staged.outer)
         sA1 = cute.make_tensor(cute.recast_ptr(sA_ptr + a_elems, a_smem_layout_staged.inner),
                                a_smem_layout_staged.outer)
-        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
-        sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
 
         single = cute.make_layout(1)
         # (128, 64, M-blocks, row k-tiles, 1) / (128, 64, N-tiles, row k-tiles, 1)
