@@ -182,7 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tile-m", type=int, default=128)
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--table", action="store_true", help="also print every simulated point")
+    ap.add_argument("--backward", action="store_true",
+                    help="tune the backward megakernel's comm split and minibatch instead "
+                         "(mok_cute.sim.backward: every rank simulated, ~10 s a point at R = 8)")
     args = ap.parse_args(argv)
+    if args.backward:
+        return _main_backward(args)
     try:
         shape = _parse_shape(args.shape)
         rep = tune_report(shape, args.ranks, args.profile, quick=args.quick, full=args.full,
@@ -209,6 +214,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             t.add_row(str(r["num_comm_sms"]), str(r["minibatch_tokens"]),
                       str(r["ring_tokens"]), f"{r['predicted_us']:.0f}")
         con.print(t)
+    return 0
+
+
+def _main_backward(args) -> int:
+    from .backward import tune_backward
+
+    grid = dict(comm_sms=(16, 28, 40), minibatch_tokens=(2048,)) if args.quick else {}
+    try:
+        shape = _parse_shape(args.shape)
+        best, rows = tune_backward(shape, args.ranks, args.profile, **grid)
+    except ValueError as e:
+        print(f"mok-cute tune: {e}", file=sys.stderr)
+        return 2
+    flops = 12.0 * shape.hidden * shape.tokens_per_rank * (
+        shape.top_k * shape.intermediate + shape.shared_intermediate)
+    table = [dict(num_comm_sms=c.num_comm_sms if args.ranks > 1 else 0,
+                  minibatch_tokens=c.minibatch_tokens, predicted_us=t * 1e6) for c, t in rows]
+    out = {"shape": shape.name, "ranks": args.ranks, "profile": args.profile, "pass": "bwd",
+           **table[0], "tflops_per_gpu": flops / (table[0]["predicted_us"] * 1e-6) / 1e12}
+    if args.table:
+        out["table"] = table
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{shape.name} backward on {args.profile} x{args.ranks}: num_comm_sms="
+              f"{out['num_comm_sms']} minibatch_tokens={out['minibatch_tokens']} -> predicted "
+              f"{out['predicted_us']:.0f} us, {out['tflops_per_gpu']:.0f} TFLOP/s per GPU "
+              f"(simulated, not measured; no backward kernel to calibrate against yet)")
+        for row in table[1:] if args.table else ():
+            print(f"  {row['num_comm_sms']:3d} comm SMs, minibatch {row['minibatch_tokens']:5d}: "
+                  f"{row['predicted_us']:.0f} us")
     return 0
 
 

@@ -1,0 +1,242 @@
+"""The backward megakernel in the simulator (issue 32): every rank's backward task list
+(``mok_cute.tasks_backward``) as one task graph the engine runs, costed like the forward's
+(``model.py``), and the search over its comm split and minibatch (``tune_backward``).
+
+Costs:
+- GEMM tiles: ``overhead + max(tile FLOPs / per-SM tensor rate, HBM bytes / per-SM share)``.
+  FC2_DGRAD (tile_m x dgated_tile_n x H): its dy tile once per M-tile's N-tiles, its W_down
+  tile once per (minibatch, expert) group as in the forward, and per output element the saved
+  g, u read and dG, dU, w*h written (5 bf16). FC1_DGRAD (tile_m x dx_tile_n x 2I): the forward
+  FC2's. Weight gradients (block x block x an expert's rows): the expert's operands read
+  from HBM once for all its tiles (they run together), one (down) or two (gate, up) bf16
+  outputs written.
+- REVERSE_COMBINE and REPULL_X: pulls, like the forward's dispatch (the source's egress, the
+  receiver's ingress); REVERSE_DISPATCH: pushes, like its combine. Rows whose source is the
+  receiver cost no flow (read and written in place). BARRIER: the group barrier's latency;
+  every rank's KSUM waits on every rank's BARRIER. KSUM: K dx rows (and a shared row) read,
+  one d_x row written, over the per-SM HBM share.
+One rank (R = 1) runs without comm tasks and without comm SMs (the list's in-place form).
+Not calibrated against a backward kernel yet: none exists; the rates are the forward's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..tasks import Role
+from ..tasks_backward import (BackwardCounter as BC, BackwardListParams,
+                              BackwardTaskType as BT, build_backward_task_list)
+from .engine import run_graph
+from .hardware import HardwareProfile, get_profile
+from .model import Graph, Routing, SimShape, _GraphBuilder, receive_layouts, route
+
+__all__ = ["BackwardSimConfig", "BackwardSimResult", "build_backward_graph",
+           "simulate_backward", "tune_backward"]
+
+_BF16 = 2
+_PULLS = (BT.REVERSE_COMBINE, BT.REPULL_X)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardSimConfig:
+    num_comm_sms: int  # ignored (0) at R = 1
+    minibatch_tokens: int = 1024
+    tile_m: int = 128
+    comm_task_rows: int = 32
+    x_resident: bool = True
+
+
+@dataclasses.dataclass
+class BackwardSimResult:
+    graph: Graph
+    time_s: float  # the slowest rank's last task
+    rank_time_s: np.ndarray  # [R]
+    flops_per_rank: float  # 12 (T K H I + T H Is): MoK's backward formula
+    compute_busy: float  # compute SMs' busy fraction of R * time * compute SMs
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.flops_per_rank / self.time_s / 1e12
+
+
+def _params(shape: SimShape, cfg: BackwardSimConfig, R: int) -> BackwardListParams:
+    return BackwardListParams(
+        hidden=shape.hidden, intermediate=shape.intermediate, num_tokens=shape.tokens_per_rank,
+        top_k=shape.top_k, tile_m=cfg.tile_m, minibatch_tokens=cfg.minibatch_tokens,
+        comm_task_rows=cfg.comm_task_rows, shared_intermediate=shape.shared_intermediate,
+        comm_tasks=R > 1, x_resident=cfg.x_resident or R == 1)
+
+
+def _durations(tl, lay, p: BackwardListParams, hw: HardwareProfile, n_compute: int):
+    hbm = hw.hbm_bytes_per_s / max(n_compute, 1)
+    tm, H, I = p.tile_m, p.hidden, p.intermediate
+    e_loc = max(int(lay.tile_expert.max(initial=-1)) + 1, 1)
+    tpm = p.minibatch_tokens // tm
+    group_tiles = (np.bincount((np.arange(lay.num_tiles) // tpm) * e_loc + lay.tile_expert)
+                   if lay.num_tiles else np.zeros(0, dtype=np.int64))
+    n_dg, n_dx = -(-I // p.dgated_tile_n), -(-H // p.dx_tile_n)
+    window_dg, window_dx = max(1, n_compute // n_dg), max(1, n_compute // n_dx)
+    rows_of = np.diff(np.searchsorted(lay.tile_expert, np.arange(e_loc + 1))) * tm
+    dur = np.zeros(len(tl))
+    for i, t in enumerate(tl):
+        if t.role == Role.COMM:
+            dur[i] = hw.barrier_latency_s if t.type == BT.BARRIER else hw.comm_serial_s
+            continue
+        if t.type in (BT.FC2_DGRAD, BT.FC1_DGRAD):
+            grp = (t.tile // tpm) * e_loc + int(lay.tile_expert[t.tile])
+            reuse = min(int(group_tiles[grp]), window_dg if t.type == BT.FC2_DGRAD else window_dx)
+            if t.type == BT.FC2_DGRAD:
+                k, tn, ntiles, out_bytes = H, p.dgated_tile_n, n_dg, 5 * tm * p.dgated_tile_n * _BF16
+            else:
+                k, tn, ntiles, out_bytes = 2 * I, p.dx_tile_n, n_dx, tm * p.dx_tile_n * _BF16
+            mem = tm * k * _BF16 / ntiles + tn * k * _BF16 / reuse + out_bytes
+            flops = 2.0 * tm * tn * k
+        elif t.type in (BT.SHARED_FC2_DGRAD, BT.SHARED_FC1_DGRAD):
+            Is = p.shared_intermediate
+            k, tn = (H, p.dgated_tile_n) if t.type == BT.SHARED_FC2_DGRAD else (2 * Is, p.dx_tile_n)
+            flops = 2.0 * tm * tn * k
+            mem = tm * k * _BF16 + tn * k * _BF16 / max(1, n_compute // max(n_dx, 1)) + \
+                (5 if t.type == BT.SHARED_FC2_DGRAD else 1) * tm * tn * _BF16
+        elif t.type in (BT.WGRAD_GATE_UP, BT.WGRAD_DOWN, BT.SHARED_WGRAD_GATE_UP,
+                        BT.SHARED_WGRAD_DOWN):
+            gated = t.type in (BT.WGRAD_GATE_UP, BT.SHARED_WGRAD_GATE_UP)
+            bm, bn = p.wgrad_gate_up_tile if gated else p.wgrad_down_tile
+            rows = (int(rows_of[t.tile]) if t.type in (BT.WGRAD_GATE_UP, BT.WGRAD_DOWN)
+                    else -(-p.num_tokens // tm) * tm)
+            outs = 2 if gated else 1
+            m_dim, n_dim = (I if t.type == BT.WGRAD_GATE_UP else p.shared_intermediate, H) \
+                if gated else (H, I if t.type == BT.WGRAD_DOWN else p.shared_intermediate)
+            tasks = -(-m_dim // bm) * -(-n_dim // bn)
+            flops = 2.0 * outs * bm * bn * rows
+            # an expert's tiles run together: its operands come from HBM once, shared by them
+            mem = (outs * m_dim + n_dim) * rows * _BF16 / tasks + outs * bm * bn * _BF16
+        elif t.type == BT.KSUM:
+            flops = 0.0
+            rows = min(p.ksum_rows, max(p.num_tokens - t.tile * tm - t.n_tile * p.ksum_rows, 0))
+            reads = p.top_k + (1 if p.shared_intermediate else 0)
+            mem = rows * H * _BF16 * (reads + 1)
+        else:  # the in-place BARRIER (compute role)
+            dur[i] = hw.barrier_latency_s
+            continue
+        dur[i] = hw.gemm_task_overhead_s + max(flops / hw.sm_tensor_flops, mem / hbm)
+    return dur
+
+
+def build_backward_graph(shape: SimShape, num_ranks: int, routing: Routing,
+                         cfg: BackwardSimConfig, hw: HardwareProfile,
+                         topk_idx: np.ndarray | None = None) -> tuple[Graph, list]:
+    """Every rank's backward list as one graph (module docstring); also the lists."""
+    R = num_ranks
+    if R < 1 or R > hw.num_gpus:
+        raise ValueError(f"num_ranks must be in [1, {hw.num_gpus}] for profile {hw.name}, got {R}")
+    n_comm = cfg.num_comm_sms if R > 1 else 0
+    if R > 1 and not 1 <= n_comm < hw.num_sms:
+        raise ValueError(f"num_comm_sms must be in [1, {hw.num_sms}) with {R} ranks, got {n_comm}")
+    n_compute = hw.num_sms - n_comm
+    if topk_idx is None:
+        topk_idx = route(shape, R, routing)
+    layouts = receive_layouts(topk_idx, shape.num_experts, cfg.tile_m, cfg.comm_task_rows)
+    p = _params(shape, cfg, R)
+    e_loc = shape.num_experts // R
+    b = _GraphBuilder(R, 2 * R, False)
+    cs = cfg.tile_m // cfg.comm_task_rows
+    row_bytes = shape.hidden * _BF16
+    lists, barrier_counters, ksum_ids = [], [], []
+    for lay in layouts:
+        r = lay.rank
+        tl = build_backward_task_list(lay.tile_expert, e_loc, p)
+        lists.append(tl)
+        groups = list(BC)
+        offsets = np.concatenate([[0], np.cumsum([tl.counter_sizes[g] for g in groups])])
+        coff = b.add_counters(None, offsets)
+        counter = {g: coff + int(offsets[i]) for i, g in enumerate(groups)}
+        n = len(tl)
+        signal = np.array([counter[t.signal[0]] + t.signal[1] for t in tl], dtype=np.int64)
+        lens, flat = [], []
+        for t in tl:
+            ids = [counter[g] + first + i for g, first, count, _ in t.waits
+                   if g != BC.BARRIER_DONE for i in range(count)]  # the group barrier: below
+            lens.append(len(ids))
+            flat.extend(ids)
+        comm_bytes, link = np.zeros(n), np.zeros(n)
+        coef_rows, cls = np.full(n, -1, dtype=np.int64), np.full(n, -1, dtype=np.int64)
+        for i, t in enumerate(tl):
+            if t.type not in (*_PULLS, BT.REVERSE_DISPATCH):
+                continue
+            per_peer = lay.chunk_peer_rows[t.tile * cs + t.n_tile].astype(np.float64) * row_bytes
+            tot = per_peer.sum()
+            remote = tot - per_peer[r]
+            comm_bytes[i] = link[i] = remote  # own rows: read and written in place
+            frac = per_peer / tot if tot > 0 else np.zeros(R)
+            frac[r] = 0.0
+            coef = np.zeros((1, 2 * R))
+            pull = t.type in _PULLS
+            if pull:  # the source's egress, this rank's ingress
+                coef[0, :R] = frac
+                coef[0, R + r] = remote / tot if tot > 0 else 0.0
+            else:  # this rank's egress, the source's ingress
+                coef[0, r] = remote / tot if tot > 0 else 0.0
+                coef[0, R:] = frac
+            coef_rows[i] = b.add_coef(coef)[0]
+            cls[i] = r if pull else R + r
+        base = b.add_tasks(
+            rank=np.full(n, r), role=np.array([int(t.role) for t in tl]),
+            type=np.array([int(t.type) for t in tl]), local_id=np.arange(n),
+            tile=np.array([t.tile for t in tl]), signal=signal,
+            waits=(np.array(lens, dtype=np.int64), np.array(flat, dtype=np.int64)),
+            duration=_durations(tl, lay, p, hw, n_compute), comm_bytes=comm_bytes,
+            comm_class=cls, comm_row=coef_rows, link_bytes=link,
+            flops=np.array([t.flops for t in tl]), minibatch=np.array([t.minibatch for t in tl]),
+            receiver=np.full(n, -1))
+        barrier_counters.append(counter[BC.BARRIER_DONE])
+        ksum_ids.extend(base + t.index for t in tl if t.type == BT.KSUM)
+    # every rank's KSUM waits on every rank's BARRIER (the group barrier)
+    if ksum_ids:
+        bc = np.asarray(barrier_counters, dtype=np.int64)
+        owners = np.asarray(ksum_ids, dtype=np.int64)
+        b.extra_waits.append((np.repeat(owners, bc.size), np.tile(bc, owners.size)))
+    g = b.finish(n_comm, n_compute)
+    g.meta.update(shape=shape, routing=routing, cfg=cfg, hw=hw, layouts=layouts, lists=lists)
+    return g, lists
+
+
+def simulate_backward(shape: SimShape | str, num_ranks: int, config: BackwardSimConfig,
+                      profile: HardwareProfile | str = "h200_hgx",
+                      routing: Routing = Routing(), *,
+                      topk_idx: np.ndarray | None = None) -> BackwardSimResult:
+    """Simulate one layer backward on every rank of an EP group of ``num_ranks`` GPUs."""
+    hw = get_profile(profile)
+    if isinstance(shape, str):
+        shape = SimShape.named(shape)
+    g, _ = build_backward_graph(shape, num_ranks, routing, config, hw, topk_idx)
+    rec = run_graph(g, hw)
+    rank_time = np.array([rec.end[g.rank == r].max(initial=0.0) for r in range(num_ranks)])
+    time_s = float(rank_time.max())
+    busy = float((rec.end - rec.start)[g.role == int(Role.COMPUTE)].sum())
+    flops = 12.0 * shape.hidden * shape.tokens_per_rank * (
+        shape.top_k * shape.intermediate + shape.shared_intermediate)
+    return BackwardSimResult(g, time_s, rank_time, flops,
+                             busy / max(time_s * g.num_compute_sms * num_ranks, 1e-30))
+
+
+def tune_backward(shape: SimShape | str, num_ranks: int,
+                  profile: HardwareProfile | str = "h200_hgx", routing: Routing = Routing(), *,
+                  comm_sms=(8, 16, 24, 32, 40), minibatch_tokens=(512, 1024, 2048, 4096),
+                  comm_task_rows: int = 32) -> tuple[BackwardSimConfig, list]:
+    """The (comm SMs, minibatch) of least simulated backward time, and every candidate's
+    (config, time_s), fastest first. One rank has no comm SMs: only the minibatch varies."""
+    if isinstance(shape, str):
+        shape = SimShape.named(shape)
+    topk_idx = route(shape, num_ranks, routing)
+    splits = comm_sms if num_ranks > 1 else (0,)
+    rows = []
+    for c in splits:
+        for mb in minibatch_tokens:
+            cfg = BackwardSimConfig(num_comm_sms=c, minibatch_tokens=mb,
+                                    comm_task_rows=comm_task_rows)
+            res = simulate_backward(shape, num_ranks, cfg, profile, routing, topk_idx=topk_idx)
+            rows.append((cfg, res.time_s))
+    rows.sort(key=lambda row: row[1])
+    return rows[0][0], rows

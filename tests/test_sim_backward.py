@@ -1,0 +1,59 @@
+"""The backward megakernel in the simulator (mok_cute/sim/backward.py, issue 32), CPU only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mok_cute.sim import SimShape, get_profile
+from mok_cute.sim.backward import (BackwardSimConfig, build_backward_graph, simulate_backward,
+                                   tune_backward)
+from mok_cute.sim.model import Routing
+from mok_cute.tasks import Role
+from mok_cute.tasks_backward import BackwardTaskType as BT
+
+SMALL = SimShape("small", tokens_per_rank=512, hidden=1024, intermediate=512, num_experts=16,
+                 top_k=4, shared_intermediate=256)
+
+
+@pytest.mark.parametrize("name", ["dsv3_ep8_rank", "mixtral"])
+def test_one_rank_runs_near_its_tensor_core_bound(name):
+    """At R = 1 (no comm tasks) the backward is GEMM work: its simulated time is between the
+    FLOPs at the profile's full tensor rate and 1.25 times that, compute SMs nearly always busy."""
+    hw = get_profile("h200_hgx")
+    res = simulate_backward(name, 1, BackwardSimConfig(num_comm_sms=0), hw)
+    ideal = res.flops_per_rank / hw.gpu_tensor_flops
+    assert ideal <= res.time_s <= 1.25 * ideal, (res.time_s, ideal)
+    assert res.compute_busy > 0.9
+    assert not (res.graph.role == int(Role.COMM)).any()
+
+
+@pytest.mark.parametrize("x_resident", [True, False])
+def test_ranks_pull_and_push_exactly_their_remote_rows(x_resident):
+    """R = 4: the pulls move every remote d_out row once (and every remote x row once more
+    when the forward could not keep them), the pushes every remote dx row once; no rank's
+    k-sum starts before every rank has passed its barrier."""
+    hw = get_profile("h200_hgx")
+    R = 4
+    cfg = BackwardSimConfig(num_comm_sms=8, minibatch_tokens=256, x_resident=x_resident)
+    g, lists = build_backward_graph(SMALL, R, Routing(seed=3), cfg, hw)
+    remote_rows = sum(int(lay.chunk_peer_rows.sum() - lay.chunk_peer_rows[:, lay.rank].sum())
+                      for lay in g.meta["layouts"])
+    row_bytes = SMALL.hidden * 2
+    by_type = {t: g.comm_bytes[g.type == int(t)].sum() for t in (BT.REVERSE_COMBINE,
+                                                                  BT.REPULL_X, BT.REVERSE_DISPATCH)}
+    assert by_type[BT.REVERSE_COMBINE] == remote_rows * row_bytes
+    assert by_type[BT.REVERSE_DISPATCH] == remote_rows * row_bytes
+    assert by_type[BT.REPULL_X] == (0 if x_resident else remote_rows * row_bytes)
+    from mok_cute.sim.engine import run_graph
+    rec = run_graph(g, hw)
+    last_barrier = rec.end[g.type == int(BT.BARRIER)].max()
+    assert rec.start[g.type == int(BT.KSUM)].min() >= last_barrier
+    assert np.isfinite(rec.end).all()
+
+
+def test_tune_backward_returns_its_fastest_point():
+    best, rows = tune_backward(SMALL, 2, comm_sms=(4, 16), minibatch_tokens=(256, 512))
+    assert len(rows) == 4
+    assert rows[0][0] == best and rows[0][1] == min(t for _, t in rows)
+    assert all(c.num_comm_sms in (4, 16) for c, _ in rows)
