@@ -222,6 +222,9 @@ def moe_forward(
     if dims.tokens == 0:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
     needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
+    if config.precision == "fp8":
+        return _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
+                                dims, needs_grad)
     choice = choose_path(x.device, config, needs_grad=needs_grad)
     if choice.path == "megakernel" and _megakernel_fallback(dims, config):
         choice = PathChoice("reference", "sizes the megakernel cannot take")
@@ -263,6 +266,40 @@ def moe_forward(
     return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, None)
 
 
+def _fp8_refusal(config: MoKConfig, where: str) -> None:
+    if config.precision == "fp8":
+        raise ValueError(f"config.precision='fp8': {where} has no FP8 path yet (so far the "
+                         f"one-GPU expert path's inference forward); use precision='bf16'")
+
+
+def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config, dims,
+                     needs_grad: bool) -> torch.Tensor:
+    """``moe_forward`` with ``config.precision == "fp8"``: the FP8 kernels on a GPU, their torch
+    emulation without one (``mok_cute.expert_path_fp8``)."""
+    from . import expert_path_fp8
+
+    if needs_grad:
+        raise ValueError("config.precision='fp8': the FP8 backward is not implemented yet; call "
+                         "under torch.no_grad() (inference) or use precision='bf16' to train")
+    if config.backend == "megakernel":
+        _fp8_refusal(config, "the megakernel (backend='megakernel')")
+    why = expert_path_fp8.unsupported_reason(dims.hidden, dims.intermediate)
+    if why:
+        raise ValueError(why)
+    choice = choose_path(x.device, config)
+    if choice.path == "kernel":
+        pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
+        out = expert_path_fp8.moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down,
+                                              shared, config)
+        if pending is not None:
+            pending.finish()
+        return out
+    if config.check_ids:
+        check_expert_ids(topk_idx, dims.num_experts)
+    return expert_path_fp8.reference_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down,
+                                             shared)
+
+
 def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
     return torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ())))
@@ -279,6 +316,7 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
     timeout_s = timeout_of(config)
     try:
         config = resolve_config(config)
+        _fp8_refusal(config, "moe_forward(group=...)")
         shared = _normalise_shared(shared)
         dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                 num_ranks=num_ranks)
@@ -357,6 +395,7 @@ def moe_forward_virtual(
     w_gate [R, E_loc, I, H], ..., shared tensors [R, ...]); ids are global, in [0, R * E_loc).
     """
     config = resolve_config(config)
+    _fp8_refusal(config, "moe_forward_virtual")
     shared = _normalise_shared(shared)
     dims = check_moe_inputs(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, stacked=True, x_name="xs")
     if dims.tokens == 0:

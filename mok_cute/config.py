@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "kernel", "megakernel", "reference")
+PRECISIONS = ("bf16", "fp8")
 # How the megakernel's compute CTAs take their tasks (MegakernelOptions.tickets)
 TICKET_MODES = ("static", "dynamic", "strided")
 
@@ -234,6 +235,12 @@ class MoKConfig:
                       bounds the kernel's waits once every rank has launched (microseconds
                       apart), while ranks reach a call as far apart as their host work
                       differs (data loading, a first call's kernel compiles: minutes).
+    precision         "bf16"; or "fp8": the routed experts' GEMMs in E4M3 with 1 x 128 /
+                      128 x 128 power-of-two scales and promoted accumulation
+                      (``mok_cute.expert_path_fp8``; the shared expert and the combine stay
+                      bf16). So far: the one-GPU inference forward (no gradients, no group,
+                      no megakernel: ValueError), H and I multiples of 128; without a GPU its
+                      torch emulation runs.
     expert_path       ExpertPathOptions: how the one-GPU expert path runs its GEMMs.
     megakernel        MegakernelOptions: how the megakernel runs.
     """
@@ -248,6 +255,7 @@ class MoKConfig:
     backend: str = "auto"
     check_ids: bool = True
     group_timeout_s: float = 300.0
+    precision: str = "bf16"
     expert_path: ExpertPathOptions = ExpertPathOptions()
     megakernel: MegakernelOptions = MegakernelOptions()
 
@@ -274,6 +282,9 @@ class MoKConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"MoKConfig.backend: expected one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
+            raise ValueError(f"MoKConfig.precision: expected one of {PRECISIONS}, got "
+                             f"{describe(self.precision)}")
         for name, kind in (("expert_path", ExpertPathOptions), ("megakernel", MegakernelOptions)):
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"MoKConfig.{name}: expected a mok_cute.{kind.__name__}, got "

@@ -19,6 +19,8 @@ Contenders:
   mok_cute_virtual   mok_cute.moe_forward_virtual with --ep-ranks ranks emulated on one GPU
                      (the megakernel, R ranks in one launch)
   mok_megakernel     mok_cute.moe_forward with backend="megakernel": the megakernel at R = 1
+  mok_cute_fp8       mok_cute.moe_forward with precision="fp8" (weights quantized once, cached;
+                     checked at rel err <= 0.08 against the bf16 reference)
   torch_grouped_mm   argsort permute, torch._grouped_mm (gate+up), SwiGLU, torch._grouped_mm
                      (down), weighted scatter-sum in fp32
   per_expert_loop    one F.linear chain per expert
@@ -122,6 +124,25 @@ def _prepare_mok_cute(problem: Problem, ctx: BenchContext, timeline: bool = Fals
 
     def run(inp: Inputs) -> torch.Tensor:
         return mok_cute.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, wg, wu, wd, shared=sh, config=cfg)
+
+    return run, {"path": path, "config": config_record(cfg)}
+
+
+def _prepare_mok_cute_fp8(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
+    """mok_cute with precision="fp8" (its weights quantized in the first call, then cached:
+    the timed calls are the forward of a model between optimizer steps)."""
+    import mok_cute
+
+    cfg = _mok_config(ctx, precision="fp8")
+    path = forward_path_of(problem.inputs.x.device, cfg)
+    if not is_kernel_path(path):
+        raise SkipContender(f"mok_cute.forward_path() = {path!r}: not the kernel path")
+    wg, wu, wd, sh = problem.w_gate, problem.w_up, problem.w_down, problem.shared
+
+    def run(inp: Inputs) -> torch.Tensor:
+        with torch.no_grad():
+            return mok_cute.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, wg, wu, wd,
+                                        shared=sh, config=cfg)
 
     return run, {"path": path, "config": config_record(cfg)}
 
@@ -250,6 +271,7 @@ CONTENDERS: dict[str, Callable[[Problem, BenchContext], tuple[Runner, dict[str, 
     "mok_cute": _prepare_mok_cute,
     "mok_cute_timeline": lambda p, c: _prepare_mok_cute(p, c, timeline=True),
     "mok_cute_virtual": _prepare_mok_cute_virtual,
+    "mok_cute_fp8": _prepare_mok_cute_fp8,
     "mok_megakernel": _prepare_mok_megakernel,
     "torch_grouped_mm": _prepare_torch_grouped_mm,
     "per_expert_loop": _prepare_per_expert_loop,
@@ -257,6 +279,9 @@ CONTENDERS: dict[str, Callable[[Problem, BenchContext], tuple[Runner, dict[str, 
     "sonicmoe_train": lambda p, c: _prepare_sonicmoe(p, c, train=True),
 }
 ALL_CONTENDERS = [*CONTENDERS, "cublas_8192"]
+# a contender whose numerics differ from the bf16 reference by design: its check's bound
+# (issue 33: FP8 output rel-L1 <= 0.08 against the bf16 layer)
+CONTENDER_TOL = {"mok_cute_fp8": 0.08}
 DEFAULT_CONTENDERS = ["mok_cute", "torch_grouped_mm", "per_expert_loop", "sonicmoe", "cublas_8192"]
 BASELINE = "torch_grouped_mm"
 
@@ -422,8 +447,9 @@ def bench_shape(
             sync(ctx.device)
             entry["rel_err"] = rel_err(out, ref)
             del out
-            if not entry["rel_err"] <= tol:
-                entry.update(status="check_failed", error=f"rel err {entry['rel_err']:.3g} > {tol} vs mok_cute.reference (T={check.tokens})")
+            bound = max(tol, CONTENDER_TOL.get(name, 0.0))
+            if not entry["rel_err"] <= bound:
+                entry.update(status="check_failed", error=f"rel err {entry['rel_err']:.3g} > {bound} vs mok_cute.reference (T={check.tokens})")
             elif rounds > 1:
                 runners[name] = (run, entry)  # timed below, with the others
             else:

@@ -1,0 +1,146 @@
+"""The one-GPU expert path in FP8 (issue 33, first slice: the inference forward).
+
+    x --scatter--> x rows --quantize 1x128--> FC1 (e4m3, promoted every 128 K, SwiGLU) --> h
+      --quantize 1x128--> FC2 (e4m3, promoted) --> y rows --k-sum (+ the bf16 shared expert)--> out
+
+DeepSeek's recipe on Hopper (TransformerEngine's ``Float8BlockScaling``): E4M3 data,
+activations scaled per 1 x 128 along K, weights per 128 x 128 block, power-of-two scales
+(``mok_cute.fp8``), each 128-deep K group's fp32 partial promoted into the accumulator
+(``kernels/gemm_fp8.py``). g and u are rounded to bf16 before the SwiGLU as on the bf16 path;
+the shared expert and the combine stay bf16. Weights are quantized once per version: a cache
+keyed on the weight tensor (``Tensor._version`` bumps with every in-place update, so an
+optimizer step re-quantizes on the next call; a freed tensor's entry goes with it).
+
+``reference_forward`` is the same computation in torch: the quantizers of ``mok_cute.fp8``
+(bitwise the kernels'), each GEMM in float64 on the dequantized operands rounded once to bf16.
+It is the path a call takes without a GPU, and the oracle of the FP8 kernels.
+
+Constraints: H and I multiples of 128 (the block scales: ValueError otherwise); no gradients
+(the FP8 backward is the next slice: ValueError); one GPU (no group, no megakernel).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from mok_cute import fp8
+from mok_cute.config import MoKConfig
+
+GROUP = fp8.GROUP
+
+__all__ = ["Fp8Weights", "quantized_weights", "unsupported_reason", "moe_forward_fp8",
+           "reference_forward"]
+
+
+class Fp8Weights(NamedTuple):
+    """The routed experts' weights in e4m3 with their 128 x 128 block exponents."""
+
+    gate: torch.Tensor  # [E, I, H] float8_e4m3fn
+    e_gate: torch.Tensor  # [E, I/128, H/128] int8
+    up: torch.Tensor
+    e_up: torch.Tensor
+    down: torch.Tensor  # [E, H, I]
+    e_down: torch.Tensor  # [E, H/128, I/128]
+
+
+def unsupported_reason(hidden: int, intermediate: int) -> str | None:
+    """Why the FP8 path cannot take these sizes, or None."""
+    if hidden % GROUP or intermediate % GROUP:
+        return (f"config.precision='fp8' needs H and I multiples of {GROUP} (the 128 x 128 "
+                f"weight blocks), got H={hidden}, I={intermediate}")
+    return None
+
+
+# id(weight) -> (weakref to it, its version, (q, e)): quantized once per weight version. Keyed
+# by id, not by the tensor (a tensor's == is elementwise); the weakref's callback drops the
+# entry when the weight is freed, before its id can be reused.
+_CACHE: dict[int, tuple] = {}
+
+
+def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hit = _CACHE.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == w._version:
+        return hit[2]
+    if w.is_cuda:
+        from mok_cute.kernels import quantize
+        q, e = quantize.quantize_blocks(w)
+    else:
+        q, e = fp8.quantize_blocks(w)
+    key = id(w)
+    _CACHE[key] = (weakref.ref(w, lambda _, key=key: _CACHE.pop(key, None)), w._version, (q, e))
+    return q, e
+
+
+def quantized_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> Fp8Weights:
+    """The three weight tensors in e4m3 blocks (GPU kernel on CUDA, ``mok_cute.fp8`` on the
+    CPU: the same bits), each from the cache while its version is unchanged."""
+    return Fp8Weights(*_quantize_blocks(w_gate), *_quantize_blocks(w_up), *_quantize_blocks(w_down))
+
+
+def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
+                    config: MoKConfig | None = None) -> torch.Tensor:
+    """The FP8 forward on the kernels (inputs checked by ``mok_cute.api``) -> out [T, H] bf16.
+    No host sync."""
+    from mok_cute import expert_path
+    from mok_cute.kernels import gemm_fp8, quantize, token_ops
+
+    config = config or MoKConfig()
+    why = unsupported_reason(x.shape[1], w_gate.shape[1])
+    if why:
+        raise ValueError(why)
+    weights = quantized_weights(w_gate, w_up, w_down)
+    sched, row_of_slot, x_rows = expert_path.expert_rows(x, topk_idx, w_gate.shape[0])
+    xq, ex = quantize.quantize_rows(x_rows)
+    h = gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, weights.gate, weights.e_gate, weights.up,
+                                         weights.e_up, sched.tile_expert, sched.num_tiles)
+    hq, eh = quantize.quantize_rows(h)
+    y = gemm_fp8.grouped_gemm_fp8(hq, eh, weights.down, weights.e_down, sched.tile_expert,
+                                  sched.num_tiles)
+    shared_rows = None
+    if shared is not None:
+        ws_gate, ws_up, ws_down = shared
+        shared_rows = expert_path.expert_mlp(
+            x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0), ws_down.unsqueeze(0),
+            *expert_path.shared_tiles(x.shape[0], x.device), config.expert_path, shared=True)
+    return token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
+
+
+def _dequantized_rows(v: torch.Tensor) -> torch.Tensor:
+    return fp8.dequantize_rows(*fp8.quantize_rows(v)).double()
+
+
+def reference_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None) -> torch.Tensor:
+    """The FP8 forward in torch (module docstring) -> out [T, H] bf16. An id outside
+    [0, E) adds zero, as on every path."""
+    from mok_cute import reference
+
+    T, K = topk_idx.shape
+    E, I, H = w_gate.shape
+    why = unsupported_reason(H, I)
+    if why:
+        raise ValueError(why)
+    qw = quantized_weights(w_gate, w_up, w_down)
+    x_dq = _dequantized_rows(x)  # quantizing a token's row = quantizing each of its copies
+    y = torch.zeros(T, K, H, dtype=torch.bfloat16, device=x.device)
+    ids = topk_idx.long()
+    for e in range(E):
+        token, k = (ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        wg = fp8.dequantize_blocks(qw.gate[e], qw.e_gate[e]).double()
+        wu = fp8.dequantize_blocks(qw.up[e], qw.e_up[e]).double()
+        wd = fp8.dequantize_blocks(qw.down[e], qw.e_down[e]).double()
+        rows = x_dq[token]
+        g = (rows @ wg.t()).to(torch.bfloat16).float()
+        u = (rows @ wu.t()).to(torch.bfloat16).float()
+        h = (F.silu(g) * u).to(torch.bfloat16)
+        y[token, k] = (_dequantized_rows(h) @ wd.t()).to(torch.bfloat16)
+    weights = torch.where((ids >= 0) & (ids < E), topk_weights.float(), 0.0)
+    shared_rows = None
+    if shared is not None:
+        shared_rows = reference.expert_mlp(x, *shared)
+    return reference.weighted_k_sum(y, weights, shared_rows)
