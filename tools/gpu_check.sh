@@ -19,6 +19,9 @@
 #   train [TAG]     the training bench (mok-cute bench --train: mok_cute and the torch pipeline
 #                   under autograd, fwd/bwd/train passes, $ROUNDS (3) rounds) on the five shapes,
 #                   then the training tests (compile, bench) beside examples/train_tiny_moe.py
+#   fp8 [TAG]       the FP8 path's GPU tests (tests/test_fp8_path.py, test_gemm_fp8*.py,
+#                   test_fp8_quant.py), then the forward bench of mok_cute, mok_cute_fp8 and the
+#                   torch pipeline on the four shapes FP8 takes (H, I multiples of 128)
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
 #                   R = 2 and 4, a shared expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
@@ -127,6 +130,15 @@ run_sonic() {
     --quack-cache "$QUACK_CACHE_DIR" && bench_rows_ok "$out/sonic_${1}.log"
 }
 
+run_fp8() {
+  step fp8_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_fp8_path.py \
+    tests/test_gemm_fp8.py tests/test_gemm_fp8_fc1.py tests/test_fp8_quant.py
+  step "fp8_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench \
+    --shapes dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral --contenders mok_cute,mok_cute_fp8,torch_grouped_mm \
+    --mok-config check_ids=False --iters 20 --warmup 5 --rounds "${ROUNDS:-3}" --out "$out" \
+    --tag "$1" && bench_rows_ok "$out/fp8_${1}.log"
+}
+
 run_train() {
   step "train_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench --train --shapes single \
     --mok-config check_ids=False --iters 10 --warmup 3 --rounds "${ROUNDS:-3}" --out "$out" \
@@ -173,9 +185,10 @@ case "$mode" in
   bench) run_bench "${2:-single}" ;;
   sonic) run_sonic "${2:-vs_sonicmoe}" ;;
   train) run_train "${2:-train}" ;;
+  fp8) run_fp8 "${2:-fp8}" ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, fp8, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]
