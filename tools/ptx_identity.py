@@ -79,6 +79,9 @@ def cases() -> dict:
                                                                         options=opt),
         **({} if gemm_wgrad is None else {
             "fc2_dgrad": fc(epilogue="dgated", tile_n=256, b_mn_major=True),
+            "fc2_dgrad_pingpong": fc(epilogue="dgated", tile_n=128, pingpong=True,
+                                     b_mn_major=True),
+            "fc1_save_preact": fc(epilogue="swiglu", tile_n=256, save_preact=True),
             "fc1_dgrad": fc(epilogue="store", tile_n=256, b_mn_major=True, b_split_k=True),
             "wgrad_gated": lambda: gemm_wgrad.compile_wgrad_gemm(gated=True, options=opt),
             "wgrad_down": lambda: gemm_wgrad.compile_wgrad_gemm(gated=False, options=opt),
