@@ -156,18 +156,24 @@ def expert_rows(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int):
     tile-padded. x is scattered token-major (each x row read once, written to its K rows;
     padding rows left as allocated: no GEMM output row depends on another row) rather than
     gathered (each of the K rows reads its x row): x does not fit in L2 on dsv3 or sonic."""
-    from mok_cute import schedule as sched_mod
     from mok_cute.kernels import token_ops
+
+    sched, row_of_slot = expert_schedule(topk_idx, num_experts)
+    x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+    token_ops.scatter_rows(x, row_of_slot, x_rows)
+    return sched, row_of_slot, x_rows
+
+
+def expert_schedule(topk_idx: torch.Tensor, num_experts: int):
+    """One GPU's receive schedule of ``topk_idx`` [T, K] and the padded row of each slot."""
+    from mok_cute import schedule as sched_mod
 
     num_tokens, top_k = topk_idx.shape
     # api.py checks the ids (its device read is waited for after these launches) or the
     # caller vouches for them (check_ids=False): the schedule skips its own host read
     sched = sched_mod.build_receive_schedule(topk_idx.unsqueeze(0), 0, num_experts,
                                              tile_m=TILE_M, validate=False)
-    row_of_slot = sched_mod.row_of_slot(sched, num_tokens, top_k)
-    x_rows = torch.empty((sched.row_token.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
-    token_ops.scatter_rows(x, row_of_slot, x_rows)
-    return sched, row_of_slot, x_rows
+    return sched, sched_mod.row_of_slot(sched, num_tokens, top_k)
 
 
 class SavedForBackward(NamedTuple):

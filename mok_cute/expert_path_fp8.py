@@ -1,6 +1,6 @@
 """The one-GPU expert path in FP8 (issue 33, first slice: the inference forward).
 
-    x --scatter--> x rows --quantize 1x128--> FC1 (e4m3, promoted every 128 K, SwiGLU) --> h
+    x --quantize 1x128--> scatter (e4m3 rows) --> FC1 (e4m3, promoted every 128 K, SwiGLU) --> h
       --quantize 1x128--> FC2 (e4m3, promoted) --> y rows --k-sum (+ the bf16 shared expert)--> out
 
 DeepSeek's recipe on Hopper (TransformerEngine's ``Float8BlockScaling``): E4M3 data,
@@ -93,8 +93,8 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
     if why:
         raise ValueError(why)
     weights = quantized_weights(w_gate, w_up, w_down)
-    sched, row_of_slot, x_rows = expert_path.expert_rows(x, topk_idx, w_gate.shape[0])
-    xq, ex = quantize.quantize_rows(x_rows)
+    sched, row_of_slot = expert_path.expert_schedule(topk_idx, w_gate.shape[0])
+    xq, ex = _scatter_quantized(x, sched, row_of_slot)
     h = gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, weights.gate, weights.e_gate, weights.up,
                                          weights.e_up, sched.tile_expert, sched.num_tiles)
     hq, eh = quantize.quantize_rows(h)
@@ -107,6 +107,22 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
             x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0), ws_down.unsqueeze(0),
             *expert_path.shared_tiles(x.shape[0], x.device), config.expert_path, shared=True)
     return token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
+
+
+def _scatter_quantized(x: torch.Tensor, sched, row_of_slot: torch.Tensor):
+    """x quantized once per token (1 x 128, the quantize kernel), then its e4m3 rows scattered
+    to their K padded rows as the bf16 path scatters x (half the bytes: the e4m3 row moved as
+    H / 2 bf16 words) and each row's exponents gathered from its token. Quantizing a token
+    equals quantizing each of its copies. Padding rows: whatever the buffers held (no GEMM
+    output row depends on another row, and none of theirs is read)."""
+    from mok_cute.kernels import quantize, token_ops
+
+    xq, ex = quantize.quantize_rows(x)
+    rows = sched.row_token.shape[0]
+    xq_rows = torch.empty(rows, x.shape[1], dtype=torch.float8_e4m3fn, device=x.device)
+    token_ops.scatter_rows(xq.view(torch.bfloat16), row_of_slot, xq_rows.view(torch.bfloat16))
+    ex_rows = ex[sched.row_token.long().clamp_min(0)]
+    return xq_rows, ex_rows
 
 
 def _dequantized_rows(v: torch.Tensor) -> torch.Tensor:
