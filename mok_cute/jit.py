@@ -107,6 +107,10 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8",
         {"tile_n": 128, "epilogue": "swiglu"},
         "FP8 grouped GEMM FC1: gate+up (e4m3, pow2 scales) promoted every 128 K, SwiGLU -> bf16 h"),
+    "gemm_fp8_fc1_dgrad": KernelSpec(
+        "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8", {"tile_n": 128, "b_split_k": True},
+        "FP8 grouped GEMM FC1 dgrad: [dG | dU] . [W_gate^T; W_up^T] (K = 2I, two B tensors), "
+        "promoted every 128 K"),
     "megakernel": KernelSpec(
         "mok_cute.kernels.megakernel", "compile_megakernel", {"num_ranks": 1, "top_k": 8},
         "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, "

@@ -89,6 +89,8 @@ def cases() -> dict:
             "fp8_fc2_192": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=192),
             "fp8_fc1": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128,
                                                                  epilogue="swiglu"),
+            "fp8_fc1_dgrad": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128,
+                                                                       b_split_k=True),
         }),
     }
 

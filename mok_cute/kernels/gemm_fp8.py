@@ -47,6 +47,13 @@ W_up's for the others (I % 128 == 0: one block each). The accumulator and the pa
 epi_visit_subtile``): h = bf16(silu(bf16(g)) * bf16(u)), silu in fp32, the bf16 kernel's
 code and rounding points; h is stored in bf16 (its e4m3 quantization is a later step).
 
+FC1's dgrad (``b_split_k``, ``grouped_gemm_fp8_split_k``): ``dx rows = [dG | dU] .
+[W_gate^T; W_up^T]``, K = 2I from two weight tensors, the exact transposed e4m3 copies
+``fp8.quantize_blocks(w, transposed=True)`` [E, H, I] (e4m3 wgmma reads K-major operands only):
+the producer takes a k-tile from the first below K1 and from the second above
+(``GroupedGemmSm90.producer_loop``), and each K group's block exponent comes from the matching
+exponent tensor. The store epilogue, 128-wide tiles.
+
 Roles and order as ``gemm_sm90.GroupedGemmSm90`` (cooperative only: the two consumer
 warpgroups split each tile's rows): warp 0 of the producer warpgroup streams A and B k-tiles
 by TMA into an mbarrier ring; the consumers run the promoting mainloop above and the core's
@@ -145,17 +152,24 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         rounding points as the bf16 kernel).
     :param group_m: M-tiles per rasterisation group (L2 reuse of W).
     :param num_sms: persistent grid size (132 on H100/H200).
+    :param b_split_k: store only, tile_n 128: W's first K groups from ``mB``, the rest from
+        ``mB_up``, each with its own block exponents (FC1's dgrad: ``[dG | dU] . [W_gate^T;
+        W_up^T]``, K = 2I, on the weights' exact transposed e4m3 copies).
     """
 
     def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
-                 num_sms: int = 132):
+                 num_sms: int = 132, b_split_k: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         widths = SWIGLU_TILE_NS if epilogue == "swiglu" else TILE_NS
         if tile_n not in widths:
             raise ValueError(f"tile_n must be one of {widths} ({epilogue}), got {tile_n}")
+        if b_split_k and (epilogue != "store" or tile_n != GROUP):
+            raise ValueError(f"b_split_k needs the store epilogue and tile_n {GROUP}, got "
+                             f"{epilogue!r}, {tile_n}")
         # the core checks widths for bf16 tiles; the FP8 tile is set below
-        super().__init__(tile_n=128, epilogue=epilogue, group_m=group_m, num_sms=num_sms)
+        super().__init__(tile_n=128, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
+                         b_split_k=b_split_k)
         self.tile_shape_mnk = (TILE_M, tile_n, GROUP)
         self.swiglu = epilogue == "swiglu"
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
@@ -171,7 +185,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         """mA (M, K, 1) and mB (N, K, E) int8 views of the e4m3 data, mC (M, N_out, 1) bf16,
         mEA (M, K/128) and mEB (E, N/128, K/128) int8 exponents, mTileExpert int32,
         mNumMTiles int32 [1]. swiglu: mB is W_gate and mB_up W_up (I, K, E), mEB and mEB_up
-        their exponents (E, I/128, K/128), mC (M, I, 1) is h; store: mB_up, mEB_up None."""
+        their exponents (E, I/128, K/128), mC (M, I, 1) is h; b_split_k: mB (N, K1, E) and
+        mB_up (N, K2, E) with K1 + K2 = K, mEB and mEB_up their exponents; else mB_up,
+        mEB_up None."""
         mA = cute.recast_tensor(mA, cutlass.Float8E4M3FN)
         mB = cute.recast_tensor(mB, cutlass.Float8E4M3FN)
         tma_atom_b_up, tma_tensor_b_up = None, None
@@ -194,8 +210,13 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             tma_atom_b_up, tma_tensor_b_up = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 g2s, mB_up, b_box_layout, b_box)
         else:
+            b_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
             tma_atom_b, tma_tensor_b = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                g2s, mB, cute.slice_(self.b_smem_layout_staged, (None, None, 0)), (tile_n, tile_k))
+                g2s, mB, b_layout, (tile_n, tile_k))
+            if const_expr(self.b_split_k):
+                mB_up = cute.recast_tensor(mB_up, cutlass.Float8E4M3FN)
+                tma_atom_b_up, tma_tensor_b_up = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    g2s, mB_up, b_layout, (tile_n, tile_k))
         tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
             cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
@@ -229,7 +250,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
 
         gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
-        ab, k_tile_cnt, num_n_tiles, _ = self.partition_ab(
+        ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
         num_tiles = num_m_tiles * num_n_tiles
@@ -241,7 +262,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             # ---------------- producer warpgroup: warp 0 streams A and W k-tiles with TMA
             if warp_idx == self.load_warp:
                 self.producer_loop(ab_pipeline, tma_atom_a, tma_atom_b, tma_atom_b_up, ab,
-                                   mTileExpert, num_m_tiles, num_n_tiles, k_tile_cnt, 0)
+                                   mTileExpert, num_m_tiles, num_n_tiles, k_tile_cnt, k_split)
         else:
             # ---------------- consumer warpgroups: promoting wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -270,7 +291,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 self.promoting_mainloop(
                     ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
                     num_k_blocks, mEA, mEB, mEB_up, m_tile * tile_m + rows[0],
-                    m_tile * tile_m + rows[1], expert, n_tile)
+                    m_tile * tile_m + rows[1], expert, n_tile, k_split)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code). Seam for FP8 h (issue 33, later step): an epilogue kind that
@@ -285,17 +306,25 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     # ------------------------------------------------------------------ promoting mainloop
     def group_exponents(self, mEA: cute.Tensor, mEB: cute.Tensor, mEB_up, row0: Int32,
-                        row1: Int32, expert: Int32, n_tile: Int32, group: Int32):
+                        row1: Int32, expert: Int32, n_tile: Int32, group: Int32,
+                        k_split: Int32):
         """This thread's two rows' e_a and the tile's first and second W block exponents for
         K group ``group`` (a row past A's rows reads row M - 1: such rows are never stored;
         a block past N is clamped: its columns are clipped on store). swiglu: the W_gate
         block and the W_up block of the tile's h columns (I % 128 == 0 and 64-wide h tiles:
-        one block each). Traced inline (a plain method: the values go back to the caller)."""
+        one block each). b_split_k: groups from ``k_split`` on are mB_up's (both read, from
+        clamped indices, and one selected: no branch). Traced inline (a plain method: the
+        values go back to the caller)."""
         last_row = cute.size(mEA, mode=[0]) - 1
         ea0 = Int32(mEA[cutlass.min(row0, last_row), group])
         ea1 = Int32(mEA[cutlass.min(row1, last_row), group])
         block0 = n_tile * self.out_tile_n // GROUP
-        eb0 = Int32(mEB[expert, block0, group])
+        if const_expr(self.b_split_k):
+            first = Int32(mEB[expert, block0, cutlass.min(group, k_split - 1)])
+            second = Int32(mEB_up[expert, block0, cutlass.max(group - k_split, 0)])
+            eb0 = cutlass.select_(group < k_split, first, second)
+        else:
+            eb0 = Int32(mEB[expert, block0, group])
         eb1 = eb0
         if const_expr(self.swiglu):
             eb1 = Int32(mEB_up[expert, block0, group])
@@ -329,7 +358,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
                            loads: Int32, k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int],
                            mEA: cute.Tensor, mEB: cute.Tensor, mEB_up, row0: Int32,
-                           row1: Int32, expert: Int32, n_tile: Int32):
+                           row1: Int32, expert: Int32, n_tile: Int32, k_split: Int32):
         """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
         stage, promote into ``acc`` with the group's scales (loaded one group ahead).
@@ -337,7 +366,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         ea0, ea1, eb0, eb1 = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
-                                                  Int32(0))
+                                                  Int32(0), k_split)
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
@@ -348,7 +377,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             cute.nvgpu.warpgroup.commit_group()
             # the next group's exponents, under the wgmmas (the last tile re-reads its own)
             nxt = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
-                                       cutlass.min(k + 1, k_tiles - 1))
+                                       cutlass.min(k + 1, k_tiles - 1), k_split)
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read)
             read.advance()
@@ -360,14 +389,17 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
 # ---------------------------------------------------------------------- compile (no GPU)
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
-                             epilogue: str = "store", group_m: int = 8, num_sms: int = 132):
+                             epilogue: str = "store", group_m: int = 8, num_sms: int = 132,
+                             b_split_k: bool = False):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
     ``out (M, N_out, 1)`` bf16 (swiglu: N_out = N, h), ``e_a (M, K/128)``, ``e_b`` and
     ``e_up`` (swiglu; else None) ``(E, N/128, K/128)`` int8, the int32 tile -> expert table
-    and the one-element M-tile count; it runs on torch's current stream."""
-    gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms)
+    and the one-element M-tile count; it runs on torch's current stream. ``b_split_k``:
+    ``W (N, K1, E)`` and ``W_up (N, K2, E)``, ``e_b`` / ``e_up`` their exponents."""
+    gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
+                              b_split_k=b_split_k)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -382,6 +414,11 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     b_up, e_up = None, None
     if gemm.swiglu:
         b_up, e_up = common.fake_kmajor_tensor(Int8, (n, k, num_experts)), fake_e_b()
+    elif b_split_k:  # B's K halves: any K1 + K2 = K, each a multiple of 128
+        b = common.fake_kmajor_tensor(Int8, (n, cute.sym_int32(divisibility=GROUP), num_experts))
+        b_up = common.fake_kmajor_tensor(Int8, (n, cute.sym_int32(divisibility=GROUP),
+                                                num_experts))
+        e_up = fake_e_b()
     args = (a, b, b_up, c, e_a, fake_e_b(), e_up, common.fake_vector(Int32),
             common.fake_vector(Int32))
     return cute.compile(gemm, *args, common.fake_stream(),
@@ -421,10 +458,14 @@ def _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles, names=("w", "e_w")):
                          f"got shape {tuple(w.shape)}")
     _check_exp("e_a", e_a, (m, k // GROUP))
     _check_exp(names[1], e_w, (num_experts, n // GROUP, k // GROUP))
+    _check_tiles(tile_expert, num_m_tiles)
+    return m, n, k
+
+
+def _check_tiles(tile_expert, num_m_tiles) -> None:
     for name, t in (("tile_expert", tile_expert), ("num_m_tiles", num_m_tiles)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
             raise TypeError(f"{name}: expected a 1-D int32 tensor, got {describe(t)}")
-    return m, n, k
 
 
 def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
@@ -535,3 +576,65 @@ def grouped_gemm_fp8_swiglu_ref(a: torch.Tensor, e_a: torch.Tensor, w_gate: torc
     g = grouped_gemm_fp8_ref(a, e_a, w_gate, e_gate, tile_expert, num_m_tiles).float()
     u = grouped_gemm_fp8_ref(a, e_a, w_up, e_up, tile_expert, num_m_tiles).float()
     return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------- FC1's dgrad: split K
+def _check_split_args(a, e_a, w1, e_w1, w2, e_w2, tile_expert, num_m_tiles):
+    """(M, N): A's K is w1's K1 then w2's K2, each a positive multiple of 128."""
+    _check_fp8("a", a, 2)
+    _check_fp8("w1", w1, 3)
+    _check_fp8("w2", w2, 3)
+    m, k = a.shape
+    num_experts, n, k1 = w1.shape
+    k2 = w2.shape[2]
+    if tuple(w2.shape[:2]) != (num_experts, n):
+        raise ValueError(f"w2: expected [E, N, K2] with w1's E, N = {num_experts}, {n}, got shape "
+                         f"{tuple(w2.shape)}")
+    if not k1 or not k2 or k1 % GROUP or k2 % GROUP or n % GROUP or not n:
+        raise ValueError(f"w1, w2: expected N, K1 and K2 positive multiples of {GROUP}, got shapes "
+                         f"{tuple(w1.shape)} and {tuple(w2.shape)}")
+    if k != k1 + k2:
+        raise ValueError(f"a: expected K = K1 + K2 = {k1} + {k2}, got shape {tuple(a.shape)}")
+    _check_exp("e_a", e_a, (m, k // GROUP))
+    _check_exp("e_w1", e_w1, (num_experts, n // GROUP, k1 // GROUP))
+    _check_exp("e_w2", e_w2, (num_experts, n // GROUP, k2 // GROUP))
+    _check_tiles(tile_expert, num_m_tiles)
+    return m, n
+
+
+def grouped_gemm_fp8_split_k(a: torch.Tensor, e_a: torch.Tensor, w1: torch.Tensor,
+                             e_w1: torch.Tensor, w2: torch.Tensor, e_w2: torch.Tensor,
+                             tile_expert: torch.Tensor, num_m_tiles: torch.Tensor,
+                             out: torch.Tensor | None = None, group_m: int = 8) -> torch.Tensor:
+    """``out [M, N] bf16 = A . [W1[e] | W2[e]]^T`` with K split between two weight tensors:
+    ``a [M, K1 + K2]`` e4m3 with ``e_a [M, (K1 + K2)/128]``; ``w1 [E, N, K1]``, ``w2 [E, N, K2]``
+    e4m3 with ``e_w1 [E, N/128, K1/128]``, ``e_w2 [E, N/128, K2/128]``. FC1's dgrad:
+    ``dx rows = [dG | dU] . [W_gate^T; W_up^T]`` with ``w1``, ``w2`` the exact transposed
+    copies ``fp8.quantize_blocks(w_gate, transposed=True)`` ([E, H, I]: e4m3 wgmma reads K-major
+    operands only). Promoted every 128 K (module docstring). No host sync."""
+    m, n = _check_split_args(a, e_a, w1, e_w1, w2, e_w2, tile_expert, num_m_tiles)
+    out = _kernel_operands((("a", a), ("w1", w1), ("w2", w2)), out, m, n)
+    compiled = _compiled("gemm_fp8_fc1_dgrad", a.device, 128, group_m)
+    compiled(a.view(torch.int8).unsqueeze(2), w1.view(torch.int8).permute(1, 2, 0),
+             w2.view(torch.int8).permute(1, 2, 0), out.unsqueeze(2), e_a.contiguous(),
+             e_w1.contiguous(), e_w2.contiguous(), tile_expert, num_m_tiles)
+    return out
+
+
+def grouped_gemm_fp8_split_k_ref(a: torch.Tensor, e_a: torch.Tensor, w1: torch.Tensor,
+                                 e_w1: torch.Tensor, w2: torch.Tensor, e_w2: torch.Tensor,
+                                 tile_expert: torch.Tensor,
+                                 num_m_tiles: int | torch.Tensor) -> torch.Tensor:
+    """The oracle of ``grouped_gemm_fp8_split_k``: float64 on the dequantized operands, the
+    two weights concatenated along K, rounded once to bf16."""
+    tiles = int(num_m_tiles.reshape(-1)[0]) if isinstance(num_m_tiles, torch.Tensor) else int(num_m_tiles)
+    x = fp8.dequantize_rows(a, e_a).double()
+    out = torch.empty(tiles * TILE_M, w1.shape[1], dtype=torch.float64, device=a.device)
+    cache = {}
+    for t, e in enumerate(tile_expert[:tiles].tolist()):
+        if e not in cache:
+            cache[e] = torch.cat([fp8.dequantize_blocks(w1[e], e_w1[e]),
+                                  fp8.dequantize_blocks(w2[e], e_w2[e])], dim=1).double()
+        out[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ cache[e].T
+    return out.to(torch.bfloat16)
+
