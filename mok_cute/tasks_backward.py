@@ -60,7 +60,11 @@ are done, re-pulls of x during the last minibatch's dgrads, the BARRIER before t
 Both queues are merged by that estimated ready time, measured in cumulative compute FLOPs.
 
 This list is built from actual expert counts (the simulator's and the CPU model's view); the
-device list will add the forward's static-capacity machinery (dead and no-op tasks) unchanged.
+device list will add the forward's static-capacity machinery (dead and no-op tasks), with one
+new element: a weight-gradient task's wait covers its expert's M-tiles, a range that moves with
+the routing, so on the device it is resolved at run time from the schedule's expert offsets
+(every wait of the forward is a static range). Its static list has the weight-gradient tiles of
+every expert; an expert with no rows writes zeros, as ``gemm_wgrad`` does.
 """
 
 from __future__ import annotations
