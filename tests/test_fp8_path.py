@@ -74,6 +74,32 @@ def test_emulation_of_one_expert_by_hand():
     assert torch.equal(got, want)
 
 
+def test_emulation_is_the_composition_of_the_kernels_oracles():
+    """The emulation equals, bit for bit, the expert path's steps through the oracles the FP8
+    kernels are tested against (tests/test_gemm_fp8*.py): the schedule, x rows in expert
+    order quantized per row, FC1's oracle, h quantized, FC2's oracle, the k-sum. So a GPU
+    mismatch of the layer against the emulation is in the glue, not in the GEMMs' numerics."""
+    from mok_cute import schedule
+    from mok_cute.kernels import gemm_fp8, token_ops
+
+    T, H, I, E, K = 200, 256, 384, 8, 4
+    x, idx, w, wg, wu, wd, shared = _problem(T, H, I, E, K, 64, seed=9, routing="hot")
+    sched = schedule.build_receive_schedule(idx.unsqueeze(0), 0, E, tile_m=128)
+    row_of_slot = schedule.row_of_slot(sched, T, K)
+    x_rows = token_ops.scatter_rows_ref(x, row_of_slot, torch.zeros(sched.capacity, H,
+                                                                    dtype=torch.bfloat16))
+    xq, ex = fp8.quantize_rows(x_rows)
+    qw = expert_path_fp8.quantized_weights(wg, wu, wd)
+    tiles = int(sched.num_tiles[0])
+    h = gemm_fp8.grouped_gemm_fp8_swiglu_ref(xq, ex, qw.gate, qw.e_gate, qw.up, qw.e_up,
+                                             sched.tile_expert, tiles)
+    y = gemm_fp8.grouped_gemm_fp8_ref(*fp8.quantize_rows(h), qw.down, qw.e_down,
+                                      sched.tile_expert, tiles)
+    y_slots = y[row_of_slot.long()].view(T, K, H)
+    want = reference.weighted_k_sum(y_slots, w, reference.expert_mlp(x, *shared))
+    assert torch.equal(expert_path_fp8.reference_forward(x, idx, w, wg, wu, wd, shared), want)
+
+
 def test_weights_are_quantized_once_per_version():
     _, _, _, wg, wu, wd, _ = _problem(4, 256, 128, 2, 1)
     first = expert_path_fp8.quantized_weights(wg, wu, wd)
