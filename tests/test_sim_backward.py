@@ -57,3 +57,20 @@ def test_tune_backward_returns_its_fastest_point():
     assert len(rows) == 4
     assert rows[0][0] == best and rows[0][1] == min(t for _, t in rows)
     assert all(c.num_comm_sms in (4, 16) for c, _ in rows)
+
+
+def test_tune_cli_backward_prints_json(capsys):
+    """`mok-cute tune --backward --json` (a custom shape, 2 ranks, the quick grid): the pick,
+    its prediction and every point, the pick the fastest of them."""
+    import json
+
+    from mok_cute.sim import tune
+
+    rc = tune.main(["--backward", "--shape", "custom:256,512,256,8,2", "--ranks", "2",
+                    "--quick", "--json", "--table"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pass"] == "bwd" and out["ranks"] == 2
+    assert out["num_comm_sms"] in (16, 28, 40) and out["minibatch_tokens"] == 2048
+    assert out["predicted_us"] == min(r["predicted_us"] for r in out["table"]) > 0
+    assert len(out["table"]) == 3
