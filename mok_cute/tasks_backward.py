@@ -59,12 +59,17 @@ minibatch before its own (one minibatch of lookahead), its pushes once its FC1_D
 are done, re-pulls of x during the last minibatch's dgrads, the BARRIER before the first KSUM.
 Both queues are merged by that estimated ready time, measured in cumulative compute FLOPs.
 
-This list is built from actual expert counts (the simulator's and the CPU model's view); the
-device list will add the forward's static-capacity machinery (dead and no-op tasks), with one
-new element: a weight-gradient task's wait covers its expert's M-tiles, a range that moves with
-the routing, so on the device it is resolved at run time from the schedule's expert offsets
-(every wait of the forward is a static range). Its static list has the weight-gradient tiles of
-every expert; an expert with no rows writes zeros, as ``gemm_wgrad`` does.
+Two forms. ``build_backward_task_list`` builds from the actual tile -> expert table (the
+simulator's view). ``build_backward_static`` builds what a kernel gets without a host sync: the
+schedule's static capacity (every M-tile present) and the forward's run-time rules (``tasks``):
+with ``live = ceil(num_tiles / tiles per minibatch)``, a routed task of a minibatch >= live is
+dead (skipped, no signal), one of a live minibatch whose M-tile is >= num_tiles is a no-op that
+still signals, and a wait on per-tile counters is clipped to the live tiles. One element is new:
+a weight-gradient task waits on its expert's M-tiles, a range that moves with the routing, so its
+wait says ``EXPERT_TILES`` and is resolved at run time from the schedule's expert offsets (every
+wait of the forward is a static range); the static list has every expert's weight-gradient
+tiles, and an expert with no rows writes zeros, as ``gemm_wgrad`` does. The CPU model runs both
+forms (tests/test_tasks_backward.py).
 """
 
 from __future__ import annotations
@@ -77,7 +82,11 @@ import numpy as np
 from mok_cute.tasks import Role
 
 __all__ = ["BackwardTaskType", "BackwardCounter", "BackwardTask", "BackwardListParams",
-           "BackwardTaskList", "build_backward_task_list", "expert_tile_ranges"]
+           "BackwardTaskList", "build_backward_task_list", "build_backward_static",
+           "expert_tile_ranges", "EXPERT_TILES", "TILE_COUNTERS"]
+
+# a wait's (first, count) that means "the M-tiles of this task's expert", resolved at run time
+EXPERT_TILES = -1
 
 
 class BackwardTaskType(enum.IntEnum):
@@ -110,6 +119,8 @@ class BackwardCounter(enum.IntEnum):
 
 
 BT, BC = BackwardTaskType, BackwardCounter
+# per-M-tile counters: waits on them are clipped to the live tiles (static lists)
+TILE_COUNTERS = (BC.PULLED, BC.X_PULLED, BC.DGATED, BC.DX_DONE, BC.PUSHED)
 _COMM = (BT.REVERSE_COMBINE, BT.REPULL_X, BT.REVERSE_DISPATCH)
 
 
@@ -169,9 +180,13 @@ class BackwardListParams:
 @dataclasses.dataclass
 class BackwardTaskList:
     params: BackwardListParams
-    tile_expert: np.ndarray  # [tiles] local expert of each real M-tile
+    tile_expert: np.ndarray | None  # [tiles] local expert of each real M-tile; None: static
     tasks: list[BackwardTask]
     counter_sizes: dict[BackwardCounter, int]
+
+    @property
+    def static(self) -> bool:
+        return self.tile_expert is None
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -202,6 +217,10 @@ class BackwardTaskList:
                     barriers = signallers.get((BC.BARRIER_DONE, 0), [])
                     assert len(barriers) == 1 and barriers[0] < t.index, t
                     continue
+                if first == EXPERT_TILES:
+                    # resolved at run time to a sub-range of the tiles: check them all
+                    assert self.static and count == EXPERT_TILES, t
+                    first, count = 0, self.counter_sizes[group]
                 assert count >= 1 and 0 <= first and first + count <= self.counter_sizes[group], t
                 for i in range(first, first + count):
                     who = signallers.get((group, i), [])
@@ -222,7 +241,17 @@ def build_backward_task_list(tile_expert, num_local_experts: int,
                              params: BackwardListParams) -> BackwardTaskList:
     """The ordered backward task list of one rank (module docstring) from the local expert
     of each real M-tile of its receive schedule."""
-    return _Builder(np.asarray(tile_expert, dtype=np.int64), num_local_experts, params).build()
+    tile_expert = np.asarray(tile_expert, dtype=np.int64)
+    return _Builder(tile_expert.size, tile_expert, num_local_experts, params).build()
+
+
+def build_backward_static(capacity_tiles: int, num_local_experts: int,
+                          params: BackwardListParams) -> BackwardTaskList:
+    """The list a kernel gets: every one of the schedule's ``capacity_tiles`` M-tiles, the
+    weight gradients of every expert with ``EXPERT_TILES`` waits (module docstring)."""
+    if isinstance(capacity_tiles, bool) or not isinstance(capacity_tiles, int) or capacity_tiles < 0:
+        raise ValueError(f"capacity_tiles must be an int >= 0, got {capacity_tiles!r}")
+    return _Builder(capacity_tiles, None, num_local_experts, params).build()
 
 
 def _ceil(a: int, b: int) -> int:
@@ -230,14 +259,16 @@ def _ceil(a: int, b: int) -> int:
 
 
 class _Builder:
-    def __init__(self, tile_expert: np.ndarray, num_local_experts: int, p: BackwardListParams):
+    def __init__(self, num_tiles: int, tile_expert: np.ndarray | None, num_local_experts: int,
+                 p: BackwardListParams):
         self.p = p
         self.tile_expert = tile_expert
         self.num_experts = num_local_experts
-        self.nt = int(tile_expert.size)
+        self.nt = int(num_tiles)
         self.tpm = p.minibatch_tokens // p.tile_m
         self.nmb = _ceil(self.nt, self.tpm)
-        self.expert_tiles = expert_tile_ranges(tile_expert, num_local_experts)
+        self.expert_tiles = (None if tile_expert is None
+                             else expert_tile_ranges(tile_expert, num_local_experts))
         self.chunks = p.tile_m // p.comm_task_rows
         self.n_dgated = _ceil(p.intermediate, p.dgated_tile_n)
         self.n_dx = _ceil(p.hidden, p.dx_tile_n)
@@ -294,18 +325,23 @@ class _Builder:
                               flops=self._gemm_flops(p.dx_tile_n, 2 * p.intermediate),
                               signal=(BC.DX_DONE, j), waits=[(BC.DGATED, j, 1, self.n_dgated)])
         for e in range(self.num_experts):
-            first, end = int(self.expert_tiles[e]), int(self.expert_tiles[e + 1])
-            if first == end:
-                continue  # no rows: the host zero-fills its weight gradients
-            rows = (end - first) * p.tile_m
-            dgated = (BC.DGATED, first, end - first, self.n_dgated)
+            if self.expert_tiles is None:  # static: the expert's tiles resolved at run time
+                first, count = EXPERT_TILES, EXPERT_TILES
+                rows = self.nt * p.tile_m // max(self.num_experts, 1)  # for the order only
+            else:
+                first = int(self.expert_tiles[e])
+                count = int(self.expert_tiles[e + 1]) - first
+                if count == 0:
+                    continue  # no rows: the host zero-fills its weight gradients
+                rows = count * p.tile_m
+            dgated = (BC.DGATED, first, count, self.n_dgated)
             for m in range(_ceil(p.hidden, p.wgrad_down_tile[0])):
                 for n in range(_ceil(p.intermediate, p.wgrad_down_tile[1])):
                     self._add(compute, BT.WGRAD_DOWN, tile=e, n_tile=n, m_block=m,
                               flops=self._gemm_flops(p.wgrad_down_tile[1], rows,
                                                      p.wgrad_down_tile[0]),
                               signal=(BC.WGRAD_DONE, 0), waits=[dgated])
-            x_waits = [] if p.x_resident else [(BC.X_PULLED, first, end - first, self.chunks)]
+            x_waits = [] if p.x_resident else [(BC.X_PULLED, first, count, self.chunks)]
             for m in range(_ceil(p.intermediate, p.wgrad_gate_up_tile[0])):
                 for n in range(_ceil(p.hidden, p.wgrad_gate_up_tile[1])):
                     self._add(compute, BT.WGRAD_GATE_UP, tile=e, n_tile=n, m_block=m,

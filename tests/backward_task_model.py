@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from mok_cute import schedule as schedule_mod
-from mok_cute.tasks_backward import (BackwardCounter as BC, BackwardListParams,
-                                     BackwardTaskType as BT, build_backward_task_list,
+from mok_cute.tasks_backward import (EXPERT_TILES, TILE_COUNTERS, BackwardCounter as BC,
+                                     BackwardListParams, BackwardTaskType as BT,
+                                     build_backward_static, build_backward_task_list,
                                      expert_tile_ranges)
 
 
@@ -88,19 +89,37 @@ class _Rank:
         self.counters = {g: torch.zeros(n, dtype=torch.int64) for g, n in tl.counter_sizes.items()}
         self.pending = list(tl)
         self.expert_tiles = expert_tile_ranges(self.tile_expert.numpy(), E_loc)
+        # a static list's run-time rules (mok_cute.tasks_backward): live minibatches, live tiles
+        tpm = p.minibatch_tokens // p.tile_m
+        self.live = -(-self.num_tiles // tpm)
+        self.live_tile_end = min(self.live * tpm, tl.counter_sizes[BC.DGATED])
+
+    def dead(self, t) -> bool:
+        return self.tl.static and t.minibatch >= self.live
+
+    def no_op(self, t) -> bool:
+        return self.tl.static and t.minibatch >= 0 and t.tile >= self.num_tiles
 
     def ready(self, t) -> bool:
         for g, first, count, target in t.waits:
+            if first == EXPERT_TILES:  # the task's expert's tiles, from the schedule
+                first = int(self.expert_tiles[t.tile])
+                count = int(self.expert_tiles[t.tile + 1]) - first
+            elif self.tl.static and g in TILE_COUNTERS:
+                count = max(min(first + count, self.live_tile_end) - first, 0)
             if not bool((self.counters[g][first:first + count] >= target).all()):
                 return False
         return True
 
 
 def run_backward_lists(prob: Problem, params: BackwardListParams, *, tile_m: int, seed: int = 0,
-                       mutate=None):
+                       mutate=None, static: bool = False):
     """Every rank's backward list run to completion in a random order its waits allow.
     Returns (d_xs, d_ws, d_wg, d_wu, d_wd, shared grads or None), leading R. ``mutate(tl)``
-    may edit each rank's list first (tests of the checks)."""
+    may edit each rank's list first (tests of the checks). ``static``: the lists a kernel gets
+    (``build_backward_static`` on the schedule's capacity), run by the run-time rules: dead
+    tasks skipped, no-op tasks only signal, per-tile waits clipped to the live tiles, each
+    weight gradient's expert range from the schedule."""
     R, T, K = prob.idx.shape
     E_loc = prob.wg.shape[1]
     scheds = schedule_mod.build_receive_schedules(prob.idx.to(torch.int32), E_loc, tile_m)
@@ -108,12 +127,17 @@ def run_backward_lists(prob: Problem, params: BackwardListParams, *, tile_m: int
     for r in range(R):
         sched = scheds[r]
         n = int(sched.num_tiles[0])
-        tl = build_backward_task_list(sched.tile_expert[:n].numpy(), E_loc, params)
+        if static:
+            tl = build_backward_static(sched.capacity // tile_m, E_loc, params)
+        else:
+            tl = build_backward_task_list(sched.tile_expert[:n].numpy(), E_loc, params)
         if mutate is not None:
             mutate(tl)
         ranks.append(_Rank(r, prob, sched, tl, params))
     rng = random.Random(seed)
     arrived = set()
+    for rk in ranks:
+        rk.pending = [t for t in rk.pending if not rk.dead(t)]
     while any(rk.pending for rk in ranks):
         runnable = [(rk, i) for rk in ranks for i, t in enumerate(rk.pending) if rk.ready(t)]
         if not runnable:
@@ -121,7 +145,8 @@ def run_backward_lists(prob: Problem, params: BackwardListParams, *, tile_m: int
             raise RuntimeError(f"no task can run (circular or unsatisfiable wait): {stuck[:2]}")
         rk, i = rng.choice(runnable)
         task = rk.pending.pop(i)
-        _run(task, rk, ranks, prob)
+        if not rk.no_op(task):
+            _run(task, rk, ranks, prob)
         if task.type == BT.BARRIER:
             arrived.add(rk.r)
             if len(arrived) == R:  # the group barrier: every rank has pushed everything

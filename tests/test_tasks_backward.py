@@ -20,8 +20,9 @@ import torch
 from backward_task_model import Problem, run_backward_lists
 from mok_cute import reference
 from mok_cute.tasks import Role
-from mok_cute.tasks_backward import (BackwardCounter as BC, BackwardListParams,
-                                     BackwardTaskType as BT, build_backward_task_list)
+from mok_cute.tasks_backward import (EXPERT_TILES, BackwardCounter as BC, BackwardListParams,
+                                     BackwardTaskType as BT, build_backward_static,
+                                     build_backward_task_list)
 
 TILE_M = 16
 
@@ -59,6 +60,19 @@ def test_list_is_well_formed_and_ordered(kw):
         assert sum(t.type == BT.REPULL_X for t in comm) == (0 if kw.get("x_resident", True) else 40)
     else:
         assert comm == [] and BT.REVERSE_COMBINE not in kinds
+
+
+@pytest.mark.parametrize("kw", [{}, {"x_resident": False}, {"comm_tasks": False}])
+def test_static_list_has_every_tile_and_every_experts_weight_gradients(kw):
+    p = BackwardListParams(hidden=512, intermediate=384, num_tokens=300, top_k=4, **kw)
+    tl = build_backward_static(20, 6, p)
+    tl.check()
+    assert tl.static
+    assert sum(t.type == BT.FC2_DGRAD for t in tl) == 20 * 3
+    assert {t.tile for t in tl if t.type == BT.WGRAD_DOWN} == set(range(6))
+    waits = {w for t in tl if t.type in (BT.WGRAD_DOWN, BT.WGRAD_GATE_UP) for w in t.waits}
+    assert all(w[1] == w[2] == EXPERT_TILES for w in waits)
+    assert {t.minibatch for t in tl if t.type == BT.FC2_DGRAD} == set(range(3))  # 8 tiles a mb
 
 
 def test_check_rejects_a_wait_on_a_later_task_and_a_wrong_target():
@@ -123,12 +137,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["actual", "static"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_model_of_the_list_gives_the_reference_gradients(name):
+def test_model_of_the_list_gives_the_reference_gradients(name, static):
+    """``static``: the lists a kernel gets (every capacity tile, dead and no-op tasks, each
+    weight gradient's expert range at run time), run by the run-time rules."""
     R, T, H, I, E, K, Is, routing, kw = CASES[name]
     prob = _problem(R, T, H, I, E, K, Is, routing, seed=len(name))
     params = _params(T, H, I, K, Is, **kw)
-    got = run_backward_lists(prob, params, tile_m=TILE_M, seed=R)
+    got = run_backward_lists(prob, params, tile_m=TILE_M, seed=R, static=static)
     want = _reference_grads(prob)
     names = ["d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"]
     pairs = list(zip(names, got[:5], want[:5]))
