@@ -83,7 +83,8 @@ from mok_cute.tasks import Role
 
 __all__ = ["BackwardTaskType", "BackwardCounter", "BackwardTask", "BackwardListParams",
            "BackwardTaskList", "build_backward_task_list", "build_backward_static",
-           "expert_tile_ranges", "EXPERT_TILES", "TILE_COUNTERS"]
+           "expert_tile_ranges", "EXPERT_TILES", "TILE_COUNTERS", "BackwardWord",
+           "encode_backward", "decode_backward", "queue_tables"]
 
 # a wait's (first, count) that means "the M-tiles of this task's expert", resolved at run time
 EXPERT_TILES = -1
@@ -426,3 +427,83 @@ class _Builder:
                               flops=int(r["flops"]), signal=r["signal"], waits=r["waits"])
                  for i, (role, r) in enumerate(merged)]
         return BackwardTaskList(p, self.tile_expert, tasks, dict(self.counter_sizes))
+
+
+# ------------------------------------------------------------------------------------------
+# device encoding (of a static list)
+
+class BackwardWord(enum.IntEnum):
+    """Word offsets of a task row of ``encode_backward``."""
+
+    TYPE = 0
+    ROLE = 1
+    MINIBATCH = 2
+    TILE = 3  # M-tile; expert (weight gradients); token tile (shared dgrads, KSUM); else -1
+    N_TILE = 4
+    M_BLOCK = 5
+    SIGNAL_GROUP = 6
+    SIGNAL_INDEX = 7
+    NUM_WAITS = 8
+    WAITS = 9  # wait w: words WAITS + 4 w .. + 3 = (group, first, count, target)
+
+
+BACKWARD_MAX_WAITS = 2  # a gate/up weight gradient (dG | dU and, re-pulled, x); a shared KSUM
+BACKWARD_TASK_WORDS = BackwardWord.WAITS + 4 * BACKWARD_MAX_WAITS
+
+
+def encode_backward(tl: BackwardTaskList):
+    """int32 ``[num_tasks, BACKWARD_TASK_WORDS]``, row i = task i (``BackwardWord``); unused
+    wait slots are (-1, 0, 0, 0); an ``EXPERT_TILES`` wait keeps its -1 first and count."""
+    import torch
+
+    out = np.zeros((len(tl), BACKWARD_TASK_WORDS), dtype=np.int64)
+    for t in tl:
+        if len(t.waits) > BACKWARD_MAX_WAITS:
+            raise ValueError(f"task {t.index} ({t.type.name}) has {len(t.waits)} waits, room "
+                             f"for {BACKWARD_MAX_WAITS}")
+        waits = [w for wait in t.waits for w in wait]
+        waits += [-1, 0, 0, 0] * (BACKWARD_MAX_WAITS - len(t.waits))
+        out[t.index] = [t.type, t.role, t.minibatch, t.tile, t.n_tile, t.m_block, t.signal[0],
+                        t.signal[1], len(t.waits), *waits]
+    if out.size and (out.max() > np.iinfo(np.int32).max or out.min() < np.iinfo(np.int32).min):
+        raise ValueError("backward task list does not fit the int32 encoding")
+    return torch.from_numpy(out.astype(np.int32))
+
+
+def decode_backward(rows) -> list[BackwardTask]:
+    """Inverse of ``encode_backward`` (flops are not encoded: 0)."""
+    a = np.asarray(rows.cpu() if hasattr(rows, "cpu") else rows, dtype=np.int64)
+    out = []
+    for i, r in enumerate(a):
+        waits = tuple((BackwardCounter(int(r[BackwardWord.WAITS + 4 * w])),
+                       *(int(v) for v in r[BackwardWord.WAITS + 4 * w + 1:BackwardWord.WAITS + 4 * w + 4]))
+                      for w in range(int(r[BackwardWord.NUM_WAITS])))
+        out.append(BackwardTask(
+            index=i, type=BackwardTaskType(int(r[0])), role=Role(int(r[1])),
+            minibatch=int(r[2]), tile=int(r[3]), n_tile=int(r[4]), m_block=int(r[5]), flops=0,
+            signal=(BackwardCounter(int(r[6])), int(r[7])), waits=waits))
+    return out
+
+
+def queue_tables(tl: BackwardTaskList) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ticket walk's tables, as the forward's (``tasks.encode_device``): per role the
+    queue (list indices in order, -1 padded), and ``live_len[role, live]``, the queue prefix
+    that holds every task of minibatches < ``live`` (the head of tasks without a minibatch
+    included), and ``tail_begin[role]``, where the tasks after the last routed one begin
+    (weight gradients, barrier, k-sum). A CTA's ticket q takes queue position q while
+    q < live_len and ``tail_begin + (q - live_len)`` after it."""
+    p = tl.params
+    nmb = -(-tl.counter_sizes[BackwardCounter.DGATED] // (p.minibatch_tokens // p.tile_m))
+    queues = [[t for t in tl if t.role == r] for r in (Role.COMM, Role.COMPUTE)]
+    qtab = np.full((2, max(1, max(len(q) for q in queues))), -1, dtype=np.int64)
+    live_len = np.zeros((2, nmb + 1), dtype=np.int64)
+    tail_begin = np.zeros(2, dtype=np.int64)
+    for r, q in enumerate(queues):
+        qtab[r, :len(q)] = [t.index for t in q]
+        routed = [i for i, t in enumerate(q) if t.minibatch >= 0]
+        head_len = routed[0] if routed else len(q)
+        tail_begin[r] = routed[-1] + 1 if routed else len(q)
+        for live in range(nmb + 1):
+            last = max((i for i in routed if q[i].minibatch < live), default=-1)
+            live_len[r, live] = max(head_len, last + 1)
+    return qtab, live_len, tail_begin

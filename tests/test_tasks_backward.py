@@ -185,3 +185,26 @@ def test_an_unsatisfiable_wait_is_reported_not_hung():
 
     with pytest.raises(RuntimeError, match="no task can run"):
         run_backward_lists(prob, _params(40, 64, 48, 3), tile_m=TILE_M, mutate=impossible)
+
+
+@pytest.mark.parametrize("kw", [{}, {"x_resident": False}, {"comm_tasks": False},
+                                {"shared_intermediate": 128}])
+def test_device_encoding_round_trips_and_the_ticket_walk_reaches_every_live_task(kw):
+    """encode_backward / decode_backward give the tasks back (flops are not encoded); for
+    every number of live minibatches the ticket walk of queue_tables (the live prefix, then
+    the tail) fetches every task that is not dead, each once, in queue order."""
+    from mok_cute.tasks_backward import decode_backward, encode_backward, queue_tables
+
+    p = BackwardListParams(hidden=512, intermediate=384, num_tokens=300, top_k=4, **kw)
+    tl = build_backward_static(20, 6, p)
+    rows = encode_backward(tl)
+    assert rows.dtype == torch.int32
+    assert decode_backward(rows) == [dataclasses.replace(t, flops=0) for t in tl]
+    qtab, live_len, tail_begin = queue_tables(tl)
+    for role in (Role.COMM, Role.COMPUTE):
+        queue = [i for i in qtab[role] if i >= 0]
+        for live in range(live_len.shape[1]):
+            walk = queue[:live_len[role, live]] + queue[tail_begin[role]:]
+            fetched = [i for i in walk if tl[i].minibatch < live]  # the rest: dead, skipped
+            wanted = [t.index for t in tl if t.role == role and t.minibatch < live]
+            assert fetched == wanted, (role, live)
