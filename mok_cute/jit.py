@@ -107,6 +107,10 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8",
         {"tile_n": 128, "epilogue": "swiglu"},
         "FP8 grouped GEMM FC1: gate+up (e4m3, pow2 scales) promoted every 128 K, SwiGLU -> bf16 h"),
+    "gemm_fp8_fc2_dgrad": KernelSpec(
+        "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8", {"tile_n": 128, "epilogue": "dgated"},
+        "FP8 grouped GEMM FC2 dgrad: d_out rows . W_down (transposed e4m3 copy), promoted every "
+        "128 K, the dgated epilogue (dG, dU, w*h, d_topk partials)"),
     "gemm_fp8_fc1_dgrad": KernelSpec(
         "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8", {"tile_n": 128, "b_split_k": True},
         "FP8 grouped GEMM FC1 dgrad: [dG | dU] . [W_gate^T; W_up^T] (K = 2I, two B tensors), "

@@ -130,3 +130,92 @@ def test_fp8_fc1_dgrad_on_the_transposed_weight_copies(gen):
                       dim=1).double()
         want[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ w.T
     _check(out, want.bfloat16(), row_valid, "FC1 dgrad on transposed copies")
+
+
+# ---------------------------------------------------------------------- FC2's dgrad (dgated)
+@pytest.fixture(scope="module")
+def dgated_report(tmp_path_factory):
+    return jit.inspect_kernel("gemm_fp8_fc2_dgrad", "sm_90a", tmp_path_factory.mktemp("fp8_dgated"))
+
+
+def test_fp8_dgated_compiles_with_the_promotion_and_three_stored_outputs(dgated_report):
+    ptx = open(dgated_report.ptx_path).read()
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 4
+    assert wgmma_scale_d(ptx) == [0, 1, 1, 1]
+    # dG, dU, h' through smem by TMA: 3 outputs x 4 subtiles of a 128-wide tile
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == 3 * 4
+    assert ptx.count("shfl.sync.bfly") == 4  # the row partials: two rows, two shuffles each
+    assert not re.findall(r"ld\.global(\.nc)?\.(u16|b16)", ptx)  # g, u as bf16 pairs
+    assert dgated_report.spill_bytes == 0 and dgated_report.mix["ld.local/st.local"] == 0
+    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
+
+
+def test_fp8_dgated_takes_128_wide_tiles_only():
+    with pytest.raises(ValueError, match="tile_n"):
+        gemm_fp8.GroupedGemmFp8Sm90(tile_n=192, epilogue="dgated")
+
+
+def _dgated_reference(a, e_a, wt, e_wt, preact, row_slot, weights, tile_expert, tiles):
+    """float64 acc of the dequantized operands, then the dgated formulas (gemm_sm90's
+    docstring) in float64 from the bf16 g, u and h = bf16(silu(g) u): (dG | dU, w h, the row
+    sums of acc h); padding rows zero."""
+    x = fp8.dequantize_rows(a, e_a).double()
+    rows = tiles * TILE_M
+    n = wt.shape[1]
+    acc = torch.zeros(rows, n, dtype=torch.float64, device=a.device)
+    for t, e in enumerate(tile_expert[:tiles].tolist()):
+        acc[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ \
+            fp8.dequantize_blocks(wt[e], e_wt[e]).double().T
+    slot = row_slot[:rows].long()
+    valid = (slot >= 0).unsqueeze(1)
+    g = preact[slot.clamp_min(0), :n].double()
+    u = preact[slot.clamp_min(0), n:].double()
+    w = weights[slot.clamp_min(0)].double().unsqueeze(1)
+    sig = torch.sigmoid(g)
+    h = (g * sig * u).float().bfloat16().double()
+    zero = torch.zeros((), dtype=torch.float64, device=a.device)
+    d_g = torch.where(valid, w * acc * u * sig * (1 + g * (1 - sig)), zero)
+    d_u = torch.where(valid, w * acc * g * sig, zero)
+    hw = torch.where(valid, w * h, zero)
+    sums = torch.where(valid, acc * h, zero).sum(dim=1)
+    return torch.cat([d_g, d_u], dim=1), hw, sums
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,hidden,inter", [([300, 0, 129, 128], 2048, 512),
+                                                 ([513, 77], 7168, 2048)])
+def test_fp8_dgated_matches_the_float64_epilogue(counts, hidden, inter, gen):
+    """dG, dU and h' against the float64 formulas on the dequantized product (overall rel-L1
+    <= 3e-3: the promoted GEMM's 5e-4 plus the outputs' bf16 rounding; each row <= 2e-2), the
+    row partials summed over N-tiles against the float64 row sums, padding rows exactly zero."""
+    dev = "cuda"
+    tile_expert, num_tiles, row_valid = _segments(counts, dev)
+    m = row_valid.numel()
+    E = len(counts)
+    d_rows = (torch.randn(m, hidden, generator=gen) / 4).bfloat16().to(dev)
+    w_down = (torch.randn(E, hidden, inter, generator=gen) / inter ** 0.5).bfloat16().to(dev)
+    a, e_a = fp8.quantize_rows(d_rows)
+    wt, e_wt = fp8.quantize_blocks(w_down, transposed=True)
+    slots = int(row_valid.sum())
+    preact = torch.randn(slots, 2 * inter, generator=gen).bfloat16().to(dev)
+    row_slot = torch.full((m,), -1, dtype=torch.int32)
+    row_slot[row_valid.cpu()] = torch.randperm(slots, generator=gen).to(torch.int32)
+    row_slot = row_slot.to(dev)
+    weights = torch.rand(slots, generator=gen).to(dev)
+    d_pre, hw, partials = gemm_fp8.grouped_gemm_fp8_dgated(a, e_a, wt, e_wt, preact, row_slot,
+                                                           weights, tile_expert, num_tiles)
+    want_pre, want_hw, want_sums = _dgated_reference(a, e_a, wt, e_wt, preact, row_slot, weights,
+                                                     tile_expert, int(num_tiles.item()))
+    for got, want, what in ((d_pre, want_pre, "dG | dU"), (hw, want_hw, "h'")):
+        got, want = got.double(), want
+        assert torch.isfinite(got).all(), what
+        assert (got[~row_valid] == 0).all(), f"{what}: padding rows not zero"
+        total = rel_l1(got[row_valid], want[row_valid]).item()
+        assert total <= 3e-3, f"{what}: rel-L1 {total:.3g}"
+        assert rel_l1(got[row_valid], want[row_valid], dim=1).max().item() <= 2e-2, what
+    sums = partials.double().sum(dim=1)
+    err = ((sums - want_sums).abs()[row_valid] / want_sums.abs()[row_valid].clamp_min(1e-3)).max()
+    assert err.item() <= 2e-2, f"row partials off by {err.item():.3g}"
+    again = gemm_fp8.grouped_gemm_fp8_dgated(a, e_a, wt, e_wt, preact, row_slot, weights,
+                                             tile_expert, num_tiles)
+    assert torch.equal(d_pre[row_valid], again[0][row_valid]), "not bitwise reproducible"

@@ -91,6 +91,8 @@ def cases() -> dict:
                                                                  epilogue="swiglu"),
             "fp8_fc1_dgrad": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128,
                                                                        b_split_k=True),
+            "fp8_fc2_dgrad": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128,
+                                                                       epilogue="dgated"),
         }),
     }
 

@@ -54,6 +54,12 @@ the producer takes a k-tile from the first below K1 and from the second above
 (``GroupedGemmSm90.producer_loop``), and each K group's block exponent comes from the matching
 exponent tensor. The store epilogue, 128-wide tiles.
 
+FC2's dgrad (``epilogue="dgated"``, ``grouped_gemm_fp8_dgated``): d_out rows (e4m3, 1 x 128)
+times W_down's exact transposed copy [E, I, H], the promoted accumulator then through the bf16
+kernel's dgated epilogue unchanged (``GroupedGemmSm90.row_visit_args`` / ``_visit_dgated``: g, u
+by slot two subtiles ahead; dG, dU, w*h by TMA; the row partials of d_topk_weights); 128-wide
+tiles.
+
 Roles and order as ``gemm_sm90.GroupedGemmSm90`` (cooperative only: the two consumer
 warpgroups split each tile's rows): warp 0 of the producer warpgroup streams A and B k-tiles
 by TMA into an mbarrier ring; the consumers run the promoting mainloop above and the core's
@@ -98,7 +104,7 @@ from mok_cute.kernels.gemm_sm90 import GroupedGemmSm90
 
 GROUP = fp8.GROUP  # 128: the K depth of a scale group, one k-tile
 TILE_NS = (128, 192)
-EPILOGUES = ("store", "swiglu")
+EPILOGUES = ("store", "swiglu", "dgated")
 # swiglu: the wgmma tile is [gate | up], tile_n / 2 columns of h. 128 (h 64 wide) keeps the
 # accumulator and the partial at 64 + 64 fp32 a thread; 256 (h 128 wide) would need 128 + 128
 SWIGLU_TILE_NS = (128,)
@@ -149,7 +155,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     :param epilogue: ``"store"`` (FC2: out = bf16(acc)) or ``"swiglu"`` (FC1: gate and up
         from two weight tensors into the two halves of each B stage, as ``GroupedGemmSm90``;
         h = bf16(silu(bf16(g)) * bf16(u)) by the core's swiglu epilogue, the same code and
-        rounding points as the bf16 kernel).
+        rounding points as the bf16 kernel) or ``"dgated"`` (FC2's dgrad: the bf16 kernel's
+        dgated epilogue on the promoted accumulator; 128-wide tiles).
     :param group_m: M-tiles per rasterisation group (L2 reuse of W).
     :param num_sms: persistent grid size (132 on H100/H200).
     :param b_split_k: store only, tile_n 128: W's first K groups from ``mB``, the rest from
@@ -161,7 +168,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                  num_sms: int = 132, b_split_k: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
-        widths = SWIGLU_TILE_NS if epilogue == "swiglu" else TILE_NS
+        widths = TILE_NS if epilogue == "store" else SWIGLU_TILE_NS  # swiglu, dgated: 128
         if tile_n not in widths:
             raise ValueError(f"tile_n must be one of {widths} ({epilogue}), got {tile_n}")
         if b_split_k and (epilogue != "store" or tile_n != GROUP):
@@ -181,13 +188,17 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mB_up: Optional[cute.Tensor],
                  mC: cute.Tensor, mEA: cute.Tensor, mEB: cute.Tensor,
                  mEB_up: Optional[cute.Tensor], mTileExpert: cute.Tensor,
-                 mNumMTiles: cute.Tensor, stream: cuda.CUstream):
+                 mNumMTiles: cute.Tensor, mC2: Optional[cute.Tensor],
+                 mC3: Optional[cute.Tensor], mPreact: Optional[cute.Tensor],
+                 mRowSlot: Optional[cute.Tensor], mWeights: Optional[cute.Tensor],
+                 mPartials: Optional[cute.Tensor], stream: cuda.CUstream):
         """mA (M, K, 1) and mB (N, K, E) int8 views of the e4m3 data, mC (M, N_out, 1) bf16,
         mEA (M, K/128) and mEB (E, N/128, K/128) int8 exponents, mTileExpert int32,
         mNumMTiles int32 [1]. swiglu: mB is W_gate and mB_up W_up (I, K, E), mEB and mEB_up
         their exponents (E, I/128, K/128), mC (M, I, 1) is h; b_split_k: mB (N, K1, E) and
         mB_up (N, K2, E) with K1 + K2 = K, mEB and mEB_up their exponents; else mB_up,
-        mEB_up None."""
+        mEB_up None. dgated: mC2, mC3 (dU, h') like mC (dG) and the epilogue's tensors as
+        ``GroupedGemmSm90.__call__`` takes them; else None."""
         mA = cute.recast_tensor(mA, cutlass.Float8E4M3FN)
         mB = cute.recast_tensor(mB, cutlass.Float8E4M3FN)
         tma_atom_b_up, tma_tensor_b_up = None, None
@@ -217,14 +228,20 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 mB_up = cute.recast_tensor(mB_up, cutlass.Float8E4M3FN)
                 tma_atom_b_up, tma_tensor_b_up = cute.nvgpu.cpasync.make_tiled_tma_atom(
                     g2s, mB_up, b_layout, (tile_n, tile_k))
+        s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        epi_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
         tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mC,
-            cute.slice_(self.epi_smem_layout_staged, (None, None, 0)), self.epi_tile)
+            s2g, mC, epi_layout, self.epi_tile)
+        extra_c = (None,) * 4
+        if const_expr(self.epi_outputs == 3):
+            extra_c = (*cute.nvgpu.cpasync.make_tiled_tma_atom(s2g, mC2, epi_layout, self.epi_tile),
+                       *cute.nvgpu.cpasync.make_tiled_tma_atom(s2g, mC3, epi_layout, self.epi_tile))
         self.shared_storage = self.make_shared_storage()
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
-            tma_atom_c, tma_tensor_c, mEA, mEB, mEB_up, mTileExpert, mNumMTiles, self.tiled_mma, self.a_smem_layout_staged,
-            self.b_smem_layout_staged, self.epi_smem_layout_staged,
+            tma_atom_c, tma_tensor_c, mEA, mEB, mEB_up, mTileExpert, mNumMTiles, self.tiled_mma,
+            self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
+            *extra_c, mPreact, mRowSlot, mWeights, mPartials,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, stream=stream)
 
@@ -238,7 +255,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor, tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout):
+               epi_smem_layout_staged: cute.ComposedLayout,
+               tma_atom_c2: Optional[cute.CopyAtom], mC2_mnl: Optional[cute.Tensor],
+               tma_atom_c3: Optional[cute.CopyAtom], mC3_mnl: Optional[cute.Tensor],
+               mPreact: Optional[cute.Tensor], mRowSlot: Optional[cute.Tensor],
+               mWeights: Optional[cute.Tensor], mPartials: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -271,7 +292,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
                 tiled_mma, sA, sB, sC, consumer * self.threads_per_warpgroup, tile_tidx)
             partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-            rows = self._my_rows(tile_tidx)
+            my_rows = self._my_rows(tile_tidx)
             epi_m = tile_m // self.epi_tile[0]
             out_n = self.out_tile_n // self.epi_tile[1]
             tma_store_pipeline = pipeline.PipelineTmaStore.create(
@@ -281,6 +302,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             epilogue_barrier = pipeline.NamedBarrier(
                 barrier_id=int(common.NamedBarriers.EPILOGUE), num_threads=self.threads_per_tile)
             is_store_warp = warp_idx == 4
+            coords, gC2_mnl, gC3_mnl = None, None, None
+            if const_expr(self.epilogue == "dgated"):
+                coords = self.epi_coords(epi, tile_tidx)
+                gC2_mnl = cute.local_tile(mC2_mnl, (tile_m, self.out_tile_n), (None, None, None))
+                gC3_mnl = cute.local_tile(mC3_mnl, (tile_m, self.out_tile_n), (None, None, None))
 
             tile_idx = cute.arch.block_idx()[0]
             loads = Int32(0)
@@ -290,16 +316,27 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 expert = mTileExpert[m_tile]
                 self.promoting_mainloop(
                     ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
-                    num_k_blocks, mEA, mEB, mEB_up, m_tile * tile_m + rows[0],
-                    m_tile * tile_m + rows[1], expert, n_tile, k_split)
+                    num_k_blocks, mEA, mEB, mEB_up, m_tile * tile_m + my_rows[0],
+                    m_tile * tile_m + my_rows[1], expert, n_tile, k_split)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code). Seam for FP8 h (issue 33, later step): an epilogue kind that
                 # also writes e4m3 h with 1 x 128 exponents goes here; note an h tile is 64
                 # wide, so one 128-column group of h spans two N-tiles (n_tile 2j, 2j + 1)
-                self.tile_epilogue(epi, (tma_atom_c,), (gC_mnl[(None, None, m_tile, n_tile, 0)],),
-                                   self.epilogue, 0, subtiles_done, epilogue_barrier,
-                                   tma_store_pipeline, is_store_warp)
+                atoms = (tma_atom_c,)
+                g_tiles = (gC_mnl[(None, None, m_tile, n_tile, 0)],)
+                rows, visit_args = None, None
+                if const_expr(self.epilogue == "dgated"):
+                    atoms = (tma_atom_c, tma_atom_c2, tma_atom_c3)
+                    g_tiles = (g_tiles[0], gC2_mnl[(None, None, m_tile, n_tile, 0)],
+                               gC3_mnl[(None, None, m_tile, n_tile, 0)])
+                    rows, visit_args = self.row_visit_args(epi, coords, m_tile, n_tile, mPreact,
+                                                           mRowSlot, mWeights, tile_tidx)
+                self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, 0, subtiles_done,
+                                   epilogue_barrier, tma_store_pipeline, is_store_warp,
+                                   visit_args)
+                if const_expr(self.epilogue == "dgated"):
+                    self._store_row_sums(rows, mPartials, m_tile, n_tile, tile_tidx)
                 subtiles_done += epi_m * out_n
                 tile_idx += cute.arch.grid_dim()[0]
             tma_store_pipeline.producer_tail()
@@ -396,8 +433,10 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
     ``out (M, N_out, 1)`` bf16 (swiglu: N_out = N, h), ``e_a (M, K/128)``, ``e_b`` and
     ``e_up`` (swiglu; else None) ``(E, N/128, K/128)`` int8, the int32 tile -> expert table
-    and the one-element M-tile count; it runs on torch's current stream. ``b_split_k``:
-    ``W (N, K1, E)`` and ``W_up (N, K2, E)``, ``e_b`` / ``e_up`` their exponents."""
+    and the one-element M-tile count, then the dgated epilogue's six tensors (None unless
+    ``epilogue="dgated"``: dU, h', the pre-activations by slot, row slots, router weights,
+    partials); it runs on torch's current stream. ``b_split_k``: ``W (N, K1, E)`` and
+    ``W_up (N, K2, E)``, ``e_b`` / ``e_up`` their exponents."""
     gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                               b_split_k=b_split_k)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
@@ -419,8 +458,15 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
         b_up = common.fake_kmajor_tensor(Int8, (n, cute.sym_int32(divisibility=GROUP),
                                                 num_experts))
         e_up = fake_e_b()
+    dgated = (None,) * 6
+    if epilogue == "dgated":  # dU, h' like dG; pre-activations by slot; slots; weights; partials
+        bf16 = cutlass.BFloat16
+        dgated = (common.fake_kmajor_tensor(bf16, (m, n, 1)), common.fake_kmajor_tensor(bf16, (m, n, 1)),
+                  common.fake_kmajor_tensor(bf16, (cute.sym_int32(), cute.sym_int32(divisibility=16))),
+                  common.fake_vector(Int32), common.fake_vector(cutlass.Float32),
+                  common.fake_strided_tensor(cutlass.Float32, (m, cute.sym_int32()), align_bytes=4))
     args = (a, b, b_up, c, e_a, fake_e_b(), e_up, common.fake_vector(Int32),
-            common.fake_vector(Int32))
+            common.fake_vector(Int32), *dgated)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
@@ -505,7 +551,8 @@ def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: t
     out = _kernel_operands((("a", a), ("w", w)), out, m, n)
     compiled = _compiled("gemm_fp8_fc2", a.device, tile_n, group_m)
     compiled(a.view(torch.int8).unsqueeze(2), w.view(torch.int8).permute(1, 2, 0), None,
-             out.unsqueeze(2), e_a.contiguous(), e_w.contiguous(), None, tile_expert, num_m_tiles)
+             out.unsqueeze(2), e_a.contiguous(), e_w.contiguous(), None, tile_expert, num_m_tiles,
+             *(None,) * 6)
     return out
 
 
@@ -558,7 +605,7 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
     compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m)
     compiled(a.view(torch.int8).unsqueeze(2), w_gate.view(torch.int8).permute(1, 2, 0),
              w_up.view(torch.int8).permute(1, 2, 0), out.unsqueeze(2), e_a.contiguous(),
-             e_gate.contiguous(), e_up.contiguous(), tile_expert, num_m_tiles)
+             e_gate.contiguous(), e_up.contiguous(), tile_expert, num_m_tiles, *(None,) * 6)
     return out
 
 
@@ -617,7 +664,7 @@ def grouped_gemm_fp8_split_k(a: torch.Tensor, e_a: torch.Tensor, w1: torch.Tenso
     compiled = _compiled("gemm_fp8_fc1_dgrad", a.device, 128, group_m)
     compiled(a.view(torch.int8).unsqueeze(2), w1.view(torch.int8).permute(1, 2, 0),
              w2.view(torch.int8).permute(1, 2, 0), out.unsqueeze(2), e_a.contiguous(),
-             e_w1.contiguous(), e_w2.contiguous(), tile_expert, num_m_tiles)
+             e_w1.contiguous(), e_w2.contiguous(), tile_expert, num_m_tiles, *(None,) * 6)
     return out
 
 
@@ -637,4 +684,35 @@ def grouped_gemm_fp8_split_k_ref(a: torch.Tensor, e_a: torch.Tensor, w1: torch.T
                                   fp8.dequantize_blocks(w2[e], e_w2[e])], dim=1).double()
         out[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ cache[e].T
     return out.to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------- FC2's dgrad: dgated
+def grouped_gemm_fp8_dgated(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor,
+                            e_w: torch.Tensor, preact: torch.Tensor, row_slot: torch.Tensor,
+                            weights: torch.Tensor, tile_expert: torch.Tensor,
+                            num_m_tiles: torch.Tensor, group_m: int = 8):
+    """FC2's dgrad in FP8 with the SwiGLU backward in its epilogue (``gemm_sm90``'s "dgated",
+    on the promoted accumulator): ``a [M, H]`` e4m3 d_out rows with ``e_a [M, H/128]``
+    (``fp8.quantize_rows``), ``w [E, I, H]`` e4m3, W_down's exact transposed copy
+    (``fp8.quantize_blocks(w_down, transposed=True)``) with ``e_w [E, I/128, H/128]``,
+    ``preact [slots, 2I]`` bf16 g | u by slot, ``row_slot [M]`` int32 (-1: padding),
+    ``weights`` fp32 [slots]. Returns (dG | dU [M, 2I], w * h [M, I], row partials [M, I/128]
+    fp32), as ``expert_backward.fc2_dgrad``. No host sync."""
+    from mok_cute.expert_path import check_preact
+
+    m, n, _ = _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles)
+    check_preact(preact, n)
+    if row_slot.shape != (m,) or row_slot.dtype != torch.int32:
+        raise ValueError(f"row_slot: expected an int32 [{m}] tensor, got {describe(row_slot)}")
+    if weights.dtype != torch.float32 or weights.dim() != 1:
+        raise ValueError(f"weights: expected a 1-D float32 tensor, got {describe(weights)}")
+    d_preact = _kernel_operands((("a", a), ("w", w)), None, m, 2 * n)
+    hw = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    partials = torch.empty(m, n // GROUP, dtype=torch.float32, device=a.device)
+    compiled = _compiled("gemm_fp8_fc2_dgrad", a.device, 128, group_m)
+    compiled(a.view(torch.int8).unsqueeze(2), w.view(torch.int8).permute(1, 2, 0), None,
+             d_preact[:, :n].unsqueeze(2), e_a.contiguous(), e_w.contiguous(), None,
+             tile_expert, num_m_tiles, d_preact[:, n:].unsqueeze(2), hw.unsqueeze(2), preact,
+             row_slot, weights, partials)
+    return d_preact, hw, partials
 

@@ -326,15 +326,8 @@ class GroupedGemmSm90(GemmCoreSm90):
                 visit_args = None
                 rows = None
                 if const_expr(self.epilogue == "dgated" or self.save_preact):
-                    rows = TileRows(*(cute.make_rmem_tensor((2 * epi_m,), t)
-                                      for t in (Float32, Int32, Float32, Int32)))
-                    self._load_row_info(rows, mRowSlot, mWeights, mPreact, m_tile, tile_tidx)
-                    visit_args = (m_tile, n_tile, coords, rows, None, mPreact, tile_tidx)
-                if const_expr(self.epilogue == "dgated"):
-                    rows.sums.fill(0.0)
-                    preact = cute.make_rmem_tensor((DGATED_PREFETCH, cute.size(epi.frag_shape)),
-                                                   Int32)
-                    visit_args = (m_tile, n_tile, coords, rows, preact, mPreact, tile_tidx)
+                    rows, visit_args = self.row_visit_args(epi, coords, m_tile, n_tile, mPreact,
+                                                           mRowSlot, mWeights, tile_tidx)
                 self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, epi_base, subtiles_done,
                                    epilogue_barrier, tma_store_pipeline, is_store_warp,
                                    visit_args)
@@ -502,6 +495,22 @@ class GroupedGemmSm90(GemmCoreSm90):
         if const_expr(subtile + DGATED_PREFETCH < total):
             self._load_preact(epi, preact, subtile + DGATED_PREFETCH, coords, rows, mPreact,
                               n_tile, out_n)
+
+    def row_visit_args(self, epi, coords, m_tile: Int32, n_tile: Int32, mPreact, mRowSlot,
+                       mWeights, tidx: Int32):
+        """Per tile, before the epilogue of the row-addressed kinds (dgated, save_preact): this
+        thread's ``TileRows`` (slots, weights and offsets loaded; dgated: zeroed sums) and
+        the epilogue's visit arguments (dgated: with the g / u prefetch buffers). Traced inline
+        (a plain method); every kernel with these epilogues calls it."""
+        epi_m = TILE_M // self.epi_tile[0]
+        rows = TileRows(*(cute.make_rmem_tensor((2 * epi_m,), t)
+                          for t in (Float32, Int32, Float32, Int32)))
+        self._load_row_info(rows, mRowSlot, mWeights, mPreact, m_tile, tidx)
+        preact = None
+        if const_expr(self.epilogue == "dgated"):
+            rows.sums.fill(0.0)
+            preact = cute.make_rmem_tensor((DGATED_PREFETCH, cute.size(epi.frag_shape)), Int32)
+        return rows, (m_tile, n_tile, coords, rows, preact, mPreact, tidx)
 
     def _pairs_on_hi_row(self, epi) -> list[int]:
         """For each element pair (2 p, 2 p + 1) of a thread's subtile fragment: 1 if it sits on
