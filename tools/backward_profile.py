@@ -1,12 +1,14 @@
 """Where the time of the one-GPU backward goes: GPU time per stage beside cuBLAS doing each
 GEMM's FLOPs densely (the ceiling a grouped GEMM of those rows can hope for).
 
-    python tools/backward_profile.py --shapes dsv3_ep8_rank,mixtral,gptoss_120b [--json out.json]
+    python tools/backward_profile.py --shapes dsv3_ep8_rank,mixtral,gptoss_120b [--fp8] [--json out.json]
 
-Stages (``mok_cute.expert_backward``): the d_out and x row gathers, FC2's dgrad with the
-dgated epilogue, FC1's dgrad, the gate/up and down weight gradients, the k-sum of d_x, and the
-whole ``moe_backward``; each timed back to back (``layer_profile.gpu_ms``, L2 warm). A probe
-for tuning, not the benchmark of record (``mok-cute bench --train``).
+Stages (``mok_cute.expert_backward``): the training and inference forwards and the bytes saved,
+the d_out and x row gathers, FC2's dgrad with the dgated epilogue (pingpong and cooperative),
+FC1's dgrad, the gate/up and down weight gradients, the k-sum of d_x, and the whole
+``moe_backward``; with ``--fp8`` also the FP8 dgrads (row quantization included, the weights'
+transposed copies quantized once). Each timed back to back (``layer_profile.gpu_ms``, L2 warm).
+A probe for tuning, not the benchmark of record (``mok-cute bench --train``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms, probe_shapes  # noqa: E402
 
 
-def profile(name: str, reps: int, wgrad_group_m: list[int]) -> dict:
-    import inspect
-
+def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -30,8 +30,6 @@ def profile(name: str, reps: int, wgrad_group_m: list[int]) -> dict:
     from mok_cute.kernels import token_ops
     from mok_cute.shapes import resolve_shape
 
-    # a checkout from before fc2_dgrad took ``pingpong`` times its one variant
-    new_epilogue = "pingpong" in inspect.signature(eb.fc2_dgrad).parameters
     shape = resolve_shape(name)
     p = make_problem(shape, device="cuda", seed=1)
     i = p.inputs
@@ -60,26 +58,34 @@ def profile(name: str, reps: int, wgrad_group_m: list[int]) -> dict:
     x_rows = token_ops.gather_rows(x, saved.row_token)
     fc2 = lambda: eb.fc2_dgrad(d_rows, p.w_down, saved.preact, saved.row_slot, weights,  # noqa: E731
                                saved.tile_expert, saved.num_tiles, options)
-    if new_epilogue:
-        ms["fc2 dgrad (dgated, pingpong 128)"] = gpu_ms(fc2, reps)
-        fc2_coop = lambda: eb.fc2_dgrad(d_rows, p.w_down, saved.preact, saved.row_slot,  # noqa: E731
-                                        weights, saved.tile_expert, saved.num_tiles, options,
-                                        pingpong=False)
-        ms["fc2 dgrad (dgated, cooperative 256)"] = gpu_ms(fc2_coop, reps)
-        same = all(torch.equal(a, b) for a, b in zip(fc2()[:2], fc2_coop()[:2]))
-        print(f"  fc2 dgrad pingpong / cooperative outputs bitwise equal: {same}")
-        bits = [int(t.view(torch.int16).to(torch.int64).sum()) for t in fc2_coop()[:2]]
-        print(f"  fc2 dgrad output bit sums (d_preact, h'), cooperative: {bits}")
-    else:
-        ms["fc2 dgrad (dgated)"] = gpu_ms(fc2, reps)
+    for pingpong in (True, False):
+        name = "pingpong 128" if pingpong else "cooperative 256"
+        ms[f"fc2 dgrad (dgated, {name})"] = gpu_ms(
+            lambda pingpong=pingpong: eb.fc2_dgrad(d_rows, p.w_down, saved.preact, saved.row_slot,
+                                                   weights, saved.tile_expert, saved.num_tiles,
+                                                   options, pingpong=pingpong), reps)
     d_preact, hw, _ = fc2()
-    # the same inputs in every checkout: equal sums say the dgated outputs are the same bits
-    bits = [int(t.view(torch.int16).to(torch.int64).sum()) for t in (d_preact, hw)]
-    print(f"  fc2 dgrad output bit sums (d_preact, h'): {bits}")
     fc1 = lambda: eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, saved.tile_expert,  # noqa: E731
                                saved.num_tiles, options)
     ms["fc1 dgrad"] = gpu_ms(fc1, reps)
     dx_rows = fc1()
+    if fp8_dgrads and H % 128 == 0 and I % 128 == 0:
+        from mok_cute.kernels import gemm_fp8, quantize
+        wdt, e_wdt = quantize.quantize_blocks(p.w_down, transposed=True)  # once per weight update
+        wgt, e_wgt = quantize.quantize_blocks(p.w_gate, transposed=True)
+        wut, e_wut = quantize.quantize_blocks(p.w_up, transposed=True)
+
+        def fp8_fc2():
+            return gemm_fp8.grouped_gemm_fp8_dgated(*quantize.quantize_rows(d_rows), wdt, e_wdt,
+                                                    saved.preact, saved.row_slot, weights,
+                                                    saved.tile_expert, saved.num_tiles)
+
+        def fp8_fc1():
+            return gemm_fp8.grouped_gemm_fp8_split_k(*quantize.quantize_rows(d_preact), wgt, e_wgt,
+                                                     wut, e_wut, saved.tile_expert,
+                                                     saved.num_tiles)
+        ms["fp8 fc2 dgrad (quantize d_out rows + dgated)"] = gpu_ms(fp8_fc2, reps)
+        ms["fp8 fc1 dgrad (quantize dG|dU + split K)"] = gpu_ms(fp8_fc1, reps)
     for gm in wgrad_group_m:
         suffix = "" if gm == wgrad_group_m[0] else f" group_m={gm}"
         kernel_gu = eb._compiled("gemm_wgrad", x.device, gated=True, group_m=gm)
@@ -131,10 +137,12 @@ def main(argv=None):
     p.add_argument("--shapes", default="dsv3_ep8_rank,mixtral,gptoss_120b")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--wgrad-group-m", default="4", help="comma list; the first is the default")
+    p.add_argument("--fp8", action="store_true",
+                   help="also the FP8 dgrads (issue 33) where H and I are multiples of 128")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     gms = [int(v) for v in args.wgrad_group_m.split(",")]
-    probe_shapes(args.shapes, lambda n: profile(n, args.reps, gms), args.json, argv)
+    probe_shapes(args.shapes, lambda n: profile(n, args.reps, gms, args.fp8), args.json, argv)
 
 
 if __name__ == "__main__":
