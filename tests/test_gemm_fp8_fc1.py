@@ -75,7 +75,7 @@ def test_fc1_bad_configuration_is_named():
     with pytest.raises(ValueError, match="tile_n"):
         gemm_fp8.GroupedGemmFp8Sm90(tile_n=192, epilogue="swiglu")
     with pytest.raises(ValueError, match="epilogue"):
-        gemm_fp8.GroupedGemmFp8Sm90(epilogue="dgated")
+        gemm_fp8.GroupedGemmFp8Sm90(epilogue="gelu")
 
 
 # ---------------------------------------------------------------------- CPU models
