@@ -199,3 +199,46 @@ def test_fp8_fc1_empty_schedule_writes_nothing(gen):
                                      torch.zeros(1, dtype=torch.int32, device=dev), out=out)
     torch.cuda.synchronize()
     assert torch.isnan(out).all()
+
+
+# ---------------------------------------------------------------------- the training forward
+def test_fc1_save_preact_compiles_with_g_and_u_stored_by_slot(tmp_path):
+    """save_preact: h by TMA as without it, g and u from registers as 32-bit bf16 pairs (two
+    64-wide h subtiles x 8 pairs x g, u a thread), 0 spills."""
+    rep = jit.inspect_kernel("gemm_fp8_fc1", "sm_90a", tmp_path, save_preact=True)
+    ptx = open(rep.ptx_path).read()
+    assert len(re.findall(r"st\.global\.(b32|u32)", ptx)) == 2 * 8 * 2
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == 2
+    assert rep.spill_bytes == 0 and rep.mix["ld.local/st.local"] == 0
+
+
+@pytest.mark.gpu
+def test_fp8_fc1_saves_each_rows_g_and_u_at_its_slot(gen):
+    """The training forward's FP8 FC1: h as without saving (bitwise), and each routed row's
+    g | u at its slot within the FC2 kernel's bounds of the float64 products (rounded to bf16);
+    padding rows store nothing (their slots' rows stay poisoned: no slot is theirs)."""
+    dev = "cuda"
+    counts, i, k = [300, 0, 129, 128], 512, 1024
+    tile_expert, num_tiles, row_valid = _segments(counts, dev)
+    m = row_valid.numel()
+    a, e_a, wg, eg, wu, eu = _fc1_operands(m, i, k, len(counts), gen, dev)
+    slots = int(row_valid.sum())
+    row_slot = torch.full((m,), -1, dtype=torch.int32)
+    row_slot[row_valid.cpu()] = torch.randperm(slots, generator=gen).to(torch.int32)
+    row_slot = row_slot.to(dev)
+    preact = torch.full((slots + 1, 2 * i), float("nan"), device=dev, dtype=torch.bfloat16)
+    h = gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, tile_expert, num_tiles,
+                                         preact_out=preact, preact_slot=row_slot)
+    plain = gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, tile_expert, num_tiles)
+    assert torch.equal(h[row_valid], plain[row_valid])
+    assert torch.isnan(preact[slots]).all(), "a row no slot maps to was written"
+    x = fp8.dequantize_rows(a, e_a).double()
+    want = torch.empty(m, 2 * i, dtype=torch.float64, device=dev)
+    for t, e in enumerate(tile_expert.tolist()):
+        w = torch.cat([fp8.dequantize_blocks(wg[e], eg[e]), fp8.dequantize_blocks(wu[e], eu[e])]).double()
+        want[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ w.T
+    got = preact[row_slot[row_valid].long()].double()
+    want = want[row_valid].bfloat16().double()
+    assert torch.isfinite(got).all()
+    assert rel_l1(got, want).item() <= REL_L1
+    assert rel_l1(got, want, dim=1).max().item() <= ROW_REL_L1

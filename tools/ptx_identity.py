@@ -93,6 +93,8 @@ def cases() -> dict:
                                                                        b_split_k=True),
             "fp8_fc2_dgrad": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128,
                                                                        epilogue="dgated"),
+            "fp8_fc1_save_preact": lambda: gemm_fp8.compile_grouped_gemm_fp8(
+                options=opt, tile_n=128, epilogue="swiglu", save_preact=True),
         }),
     }
 

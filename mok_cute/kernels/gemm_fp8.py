@@ -47,6 +47,9 @@ W_up's for the others (I % 128 == 0: one block each). The accumulator and the pa
 epi_visit_subtile``): h = bf16(silu(bf16(g)) * bf16(u)), silu in fp32, the bf16 kernel's
 code and rounding points; h is stored in bf16 (its e4m3 quantization is a later step).
 
+FC1 in a training forward (``save_preact``): also g and u of each routed row at its slot, from
+registers, as the bf16 kernel (``GroupedGemmSm90._store_preact``), for the backward.
+
 FC1's dgrad (``b_split_k``, ``grouped_gemm_fp8_split_k``): ``dx rows = [dG | dU] .
 [W_gate^T; W_up^T]``, K = 2I from two weight tensors, the exact transposed e4m3 copies
 ``fp8.quantize_blocks(w, transposed=True)`` [E, H, I] (e4m3 wgmma reads K-major operands only):
@@ -159,13 +162,15 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         dgated epilogue on the promoted accumulator; 128-wide tiles).
     :param group_m: M-tiles per rasterisation group (L2 reuse of W).
     :param num_sms: persistent grid size (132 on H100/H200).
+    :param save_preact: swiglu: also store the bf16 g and u of each routed row by slot, as the
+        bf16 kernel's training forward (``GroupedGemmSm90``: from registers, padding never).
     :param b_split_k: store only, tile_n 128: W's first K groups from ``mB``, the rest from
         ``mB_up``, each with its own block exponents (FC1's dgrad: ``[dG | dU] . [W_gate^T;
         W_up^T]``, K = 2I, on the weights' exact transposed e4m3 copies).
     """
 
     def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
-                 num_sms: int = 132, b_split_k: bool = False):
+                 num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         widths = TILE_NS if epilogue == "store" else SWIGLU_TILE_NS  # swiglu, dgated: 128
@@ -176,7 +181,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                              f"{epilogue!r}, {tile_n}")
         # the core checks widths for bf16 tiles; the FP8 tile is set below
         super().__init__(tile_n=128, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                         b_split_k=b_split_k)
+                         b_split_k=b_split_k, save_preact=save_preact)
         self.tile_shape_mnk = (TILE_M, tile_n, GROUP)
         self.swiglu = epilogue == "swiglu"
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
@@ -303,8 +308,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 barrier_id=int(common.NamedBarriers.EPILOGUE), num_threads=self.threads_per_tile)
             is_store_warp = warp_idx == 4
             coords, gC2_mnl, gC3_mnl = None, None, None
-            if const_expr(self.epilogue == "dgated"):
+            if const_expr(self.epilogue == "dgated" or self.save_preact):
                 coords = self.epi_coords(epi, tile_tidx)
+            if const_expr(self.epilogue == "dgated"):
                 gC2_mnl = cute.local_tile(mC2_mnl, (tile_m, self.out_tile_n), (None, None, None))
                 gC3_mnl = cute.local_tile(mC3_mnl, (tile_m, self.out_tile_n), (None, None, None))
 
@@ -330,6 +336,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                     atoms = (tma_atom_c, tma_atom_c2, tma_atom_c3)
                     g_tiles = (g_tiles[0], gC2_mnl[(None, None, m_tile, n_tile, 0)],
                                gC3_mnl[(None, None, m_tile, n_tile, 0)])
+                if const_expr(self.epilogue == "dgated" or self.save_preact):
                     rows, visit_args = self.row_visit_args(epi, coords, m_tile, n_tile, mPreact,
                                                            mRowSlot, mWeights, tile_tidx)
                 self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, 0, subtiles_done,
@@ -427,7 +434,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 # ---------------------------------------------------------------------- compile (no GPU)
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
                              epilogue: str = "store", group_m: int = 8, num_sms: int = 132,
-                             b_split_k: bool = False):
+                             b_split_k: bool = False, save_preact: bool = False):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
@@ -438,7 +445,7 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     partials); it runs on torch's current stream. ``b_split_k``: ``W (N, K1, E)`` and
     ``W_up (N, K2, E)``, ``e_b`` / ``e_up`` their exponents."""
     gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                              b_split_k=b_split_k)
+                              b_split_k=b_split_k, save_preact=save_preact)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -465,6 +472,10 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
                   common.fake_kmajor_tensor(bf16, (cute.sym_int32(), cute.sym_int32(divisibility=16))),
                   common.fake_vector(Int32), common.fake_vector(cutlass.Float32),
                   common.fake_strided_tensor(cutlass.Float32, (m, cute.sym_int32()), align_bytes=4))
+    if save_preact:  # g | u by slot, the row -> slot map
+        dgated = (None, None, common.fake_kmajor_tensor(
+            cutlass.BFloat16, (cute.sym_int32(), cute.sym_int32(divisibility=16))),
+            common.fake_vector(Int32), None, None)
     args = (a, b, b_up, c, e_a, fake_e_b(), e_up, common.fake_vector(Int32),
             common.fake_vector(Int32), *dgated)
     return cute.compile(gemm, *args, common.fake_stream(),
@@ -532,10 +543,10 @@ def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torc
     return out
 
 
-def _compiled(name: str, device: torch.device, tile_n: int, group_m: int):
+def _compiled(name: str, device: torch.device, tile_n: int, group_m: int, **static):
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     return jit.compile_kernel(name, jit.device_arch(device), tile_n=tile_n, group_m=group_m,
-                              num_sms=num_sms)
+                              num_sms=num_sms, **static)
 
 
 def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,
@@ -592,20 +603,33 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
                             e_gate: torch.Tensor, w_up: torch.Tensor, e_up: torch.Tensor,
                             tile_expert: torch.Tensor, num_m_tiles: torch.Tensor,
                             out: torch.Tensor | None = None, tile_n: int = 128,
-                            group_m: int = 8) -> torch.Tensor:
+                            group_m: int = 8, preact_out: torch.Tensor | None = None,
+                            preact_slot: torch.Tensor | None = None) -> torch.Tensor:
     """FC1 on FP8: ``h [M, I] bf16 = bf16(silu(bf16(g)) * bf16(u))`` with ``g = A · W_gate[e]^T``
     and ``u = A · W_up[e]^T`` accumulated with promotion every 128 K (module docstring),
     e = the M-tile's expert. ``a [M, H]`` float8_e4m3fn with ``e_a [M, H/128]`` int8
     (``fp8.quantize_rows``); ``w_gate``, ``w_up [E, I, H]`` float8_e4m3fn with ``e_gate``,
     ``e_up [E, I/128, H/128]`` int8 (``fp8.quantize_blocks``); ``tile_expert`` and
     ``num_m_tiles [1]`` int32 on the device. Rows of M-tiles past ``num_m_tiles`` are
-    untouched. No host sync. h is bf16 (its quantization in the epilogue is a later step)."""
+    untouched. No host sync. h is bf16 (its quantization in the epilogue is a later step).
+    A training forward passes ``preact_out`` ([slots, 2I] bf16: g then u) and ``preact_slot``
+    ([M] int32, -1: padding): each routed row's g and u are stored at its slot."""
     m, n, k = _check_fc1_args(a, e_a, w_gate, e_gate, w_up, e_up, tile_expert, num_m_tiles)
     out = _kernel_operands((("a", a), ("w_gate", w_gate), ("w_up", w_up)), out, m, n)
-    compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m)
+    extra = (None,) * 6
+    if preact_out is not None:
+        from mok_cute.expert_path import check_preact
+        check_preact(preact_out, n)
+        if (not isinstance(preact_slot, torch.Tensor) or preact_slot.shape != (m,)
+                or preact_slot.dtype != torch.int32):
+            raise ValueError(f"preact_slot: expected an int32 [{m}] row -> slot map with "
+                             f"preact_out, got {describe(preact_slot)}")
+        extra = (None, None, preact_out, preact_slot, None, None)
+    compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m,
+                         save_preact=preact_out is not None)
     compiled(a.view(torch.int8).unsqueeze(2), w_gate.view(torch.int8).permute(1, 2, 0),
              w_up.view(torch.int8).permute(1, 2, 0), out.unsqueeze(2), e_a.contiguous(),
-             e_gate.contiguous(), e_up.contiguous(), tile_expert, num_m_tiles, *(None,) * 6)
+             e_gate.contiguous(), e_up.contiguous(), tile_expert, num_m_tiles, *extra)
     return out
 
 
