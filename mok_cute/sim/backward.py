@@ -27,7 +27,8 @@ import numpy as np
 
 from ..tasks import Role
 from ..tasks_backward import (BackwardCounter as BC, BackwardListParams,
-                              BackwardTaskType as BT, build_backward_task_list)
+                              BackwardTaskType as BT, build_backward_task_list,
+                              expert_tile_ranges)
 from .engine import run_graph
 from .hardware import HardwareProfile, get_profile
 from .model import Graph, Routing, SimShape, _GraphBuilder, receive_layouts, route
@@ -69,16 +70,16 @@ def _params(shape: SimShape, cfg: BackwardSimConfig, R: int) -> BackwardListPara
         comm_tasks=R > 1, x_resident=cfg.x_resident or R == 1)
 
 
-def _durations(tl, lay, p: BackwardListParams, hw: HardwareProfile, n_compute: int):
+def _durations(tl, lay, e_loc: int, p: BackwardListParams, hw: HardwareProfile,
+               n_compute: int):
     hbm = hw.hbm_bytes_per_s / max(n_compute, 1)
     tm, H, I = p.tile_m, p.hidden, p.intermediate
-    e_loc = max(int(lay.tile_expert.max(initial=-1)) + 1, 1)
     tpm = p.minibatch_tokens // tm
     group_tiles = (np.bincount((np.arange(lay.num_tiles) // tpm) * e_loc + lay.tile_expert)
                    if lay.num_tiles else np.zeros(0, dtype=np.int64))
     n_dg, n_dx = -(-I // p.dgated_tile_n), -(-H // p.dx_tile_n)
     window_dg, window_dx = max(1, n_compute // n_dg), max(1, n_compute // n_dx)
-    rows_of = np.diff(np.searchsorted(lay.tile_expert, np.arange(e_loc + 1))) * tm
+    rows_of = np.diff(expert_tile_ranges(lay.tile_expert, e_loc)) * tm
     dur = np.zeros(len(tl))
     for i, t in enumerate(tl):
         if t.role == Role.COMM:
@@ -186,7 +187,7 @@ def build_backward_graph(shape: SimShape, num_ranks: int, routing: Routing,
             type=np.array([int(t.type) for t in tl]), local_id=np.arange(n),
             tile=np.array([t.tile for t in tl]), signal=signal,
             waits=(np.array(lens, dtype=np.int64), np.array(flat, dtype=np.int64)),
-            duration=_durations(tl, lay, p, hw, n_compute), comm_bytes=comm_bytes,
+            duration=_durations(tl, lay, e_loc, p, hw, n_compute), comm_bytes=comm_bytes,
             comm_class=cls, comm_row=coef_rows, link_bytes=link,
             flops=np.array([t.flops for t in tl]), minibatch=np.array([t.minibatch for t in tl]),
             receiver=np.full(n, -1))
