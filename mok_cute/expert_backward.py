@@ -60,7 +60,7 @@ def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
     Returns (d_preact [M, 2I] = dG | dU, hw [M, I] = w * h, row partials [M, N-tiles] fp32).
     ``pingpong``: the GEMM variant (same bits either way; None: by K, as above)."""
     rows, inter = d_rows.shape[0], w_down.shape[2]
-    check_preact(preact, inter)
+    check_preact(preact, inter, row_slot, rows)
     if pingpong is None:
         pingpong = d_rows.shape[1] <= FC2_DGRAD_PINGPONG_MAX_K
     tile_n = 128 if pingpong else 256

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from mok_cute import jit
-from mok_cute.config import ExpertPathOptions, MoKConfig
+from mok_cute.config import ExpertPathOptions, MoKConfig, describe
 from mok_cute.constants import MAX_TOP_K, TILE_M
 
 
@@ -92,10 +92,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         pingpong=pingpong, save_preact=preact_out is not None)
     extra = (None,) * 6
     if preact_out is not None:
-        check_preact(preact_out, n)
-        if preact_slot is None or preact_slot.shape != (m,) or preact_slot.dtype != torch.int32:
-            raise ValueError(f"preact_slot: expected an int32 [{m}] row -> slot map with "
-                             f"preact_out, got {preact_slot!r:.80}")
+        check_preact(preact_out, n, preact_slot, m, "preact_slot")
         extra = (None, None, preact_out, preact_slot, None, None)
     compiled(a.unsqueeze(2), w.permute(1, 2, 0),
              None if w_up is None else w_up.permute(1, 2, 0),
@@ -103,9 +100,11 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     return out
 
 
-def check_preact(preact: torch.Tensor, inter: int) -> None:
+def check_preact(preact: torch.Tensor, inter: int, row_slot: torch.Tensor, rows: int,
+                 slot_name: str = "row_slot") -> None:
     """The saved pre-activations as the kernels address them: contiguous bf16 [slots, 2I] with
-    I % 8 == 0, each row's offset in 32-byte units below 2**31 (up to 64 GiB)."""
+    I % 8 == 0, each row's offset in 32-byte units below 2**31 (up to 64 GiB); and the int32
+    [rows] row -> slot map (-1: padding) the kernels read them through."""
     if (preact.dtype != torch.bfloat16 or preact.dim() != 2 or preact.shape[1] != 2 * inter
             or inter % 8 or not preact.is_contiguous()):
         raise ValueError(f"preact: expected a contiguous bf16 [slots, {2 * inter}] tensor (I % 8 "
@@ -113,6 +112,10 @@ def check_preact(preact: torch.Tensor, inter: int) -> None:
     if preact.shape[0] * (inter // 8) >= 2 ** 31:
         raise ValueError(f"preact: {preact.shape[0]} slots x I = {inter} exceed the kernels' "
                          f"32-bit row offsets (T * K * I / 8 must stay below 2**31)")
+    if (not isinstance(row_slot, torch.Tensor) or row_slot.shape != (rows,)
+            or row_slot.dtype != torch.int32):
+        raise ValueError(f"{slot_name}: expected an int32 [{rows}] row -> slot map, got "
+                         f"{describe(row_slot)}")
 
 
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,

@@ -275,7 +275,6 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         _, ab_pipeline, sA, sB, sC = self.operand_smem(
             a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
 
-        gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
         ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
@@ -307,12 +306,11 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             epilogue_barrier = pipeline.NamedBarrier(
                 barrier_id=int(common.NamedBarriers.EPILOGUE), num_threads=self.threads_per_tile)
             is_store_warp = warp_idx == 4
-            coords, gC2_mnl, gC3_mnl = None, None, None
+            outputs = self.output_views(((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
+                                         (tma_atom_c3, mC3_mnl)))
+            coords = None
             if const_expr(self.epilogue == "dgated" or self.save_preact):
                 coords = self.epi_coords(epi, tile_tidx)
-            if const_expr(self.epilogue == "dgated"):
-                gC2_mnl = cute.local_tile(mC2_mnl, (tile_m, self.out_tile_n), (None, None, None))
-                gC3_mnl = cute.local_tile(mC3_mnl, (tile_m, self.out_tile_n), (None, None, None))
 
             tile_idx = cute.arch.block_idx()[0]
             loads = Int32(0)
@@ -329,21 +327,9 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 # kernel's code). Seam for FP8 h (issue 33, later step): an epilogue kind that
                 # also writes e4m3 h with 1 x 128 exponents goes here; note an h tile is 64
                 # wide, so one 128-column group of h spans two N-tiles (n_tile 2j, 2j + 1)
-                atoms = (tma_atom_c,)
-                g_tiles = (gC_mnl[(None, None, m_tile, n_tile, 0)],)
-                rows, visit_args = None, None
-                if const_expr(self.epilogue == "dgated"):
-                    atoms = (tma_atom_c, tma_atom_c2, tma_atom_c3)
-                    g_tiles = (g_tiles[0], gC2_mnl[(None, None, m_tile, n_tile, 0)],
-                               gC3_mnl[(None, None, m_tile, n_tile, 0)])
-                if const_expr(self.epilogue == "dgated" or self.save_preact):
-                    rows, visit_args = self.row_visit_args(epi, coords, m_tile, n_tile, mPreact,
-                                                           mRowSlot, mWeights, tile_tidx)
-                self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, 0, subtiles_done,
-                                   epilogue_barrier, tma_store_pipeline, is_store_warp,
-                                   visit_args)
-                if const_expr(self.epilogue == "dgated"):
-                    self._store_row_sums(rows, mPartials, m_tile, n_tile, tile_tidx)
+                self.store_tile(epi, outputs, m_tile, n_tile, coords,
+                                (mPreact, mRowSlot, mWeights, mPartials), 0, subtiles_done,
+                                epilogue_barrier, tma_store_pipeline, is_store_warp, tile_tidx)
                 subtiles_done += epi_m * out_n
                 tile_idx += cute.arch.grid_dim()[0]
             tma_store_pipeline.producer_tail()
@@ -619,11 +605,7 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
     extra = (None,) * 6
     if preact_out is not None:
         from mok_cute.expert_path import check_preact
-        check_preact(preact_out, n)
-        if (not isinstance(preact_slot, torch.Tensor) or preact_slot.shape != (m,)
-                or preact_slot.dtype != torch.int32):
-            raise ValueError(f"preact_slot: expected an int32 [{m}] row -> slot map with "
-                             f"preact_out, got {describe(preact_slot)}")
+        check_preact(preact_out, n, preact_slot, m, "preact_slot")
         extra = (None, None, preact_out, preact_slot, None, None)
     compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m,
                          save_preact=preact_out is not None)
@@ -725,9 +707,7 @@ def grouped_gemm_fp8_dgated(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor,
     from mok_cute.expert_path import check_preact
 
     m, n, _ = _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles)
-    check_preact(preact, n)
-    if row_slot.shape != (m,) or row_slot.dtype != torch.int32:
-        raise ValueError(f"row_slot: expected an int32 [{m}] tensor, got {describe(row_slot)}")
+    check_preact(preact, n, row_slot, m)
     if weights.dtype != torch.float32 or weights.dim() != 1:
         raise ValueError(f"weights: expected a 1-D float32 tensor, got {describe(weights)}")
     d_preact = _kernel_operands((("a", a), ("w", w)), None, m, 2 * n)

@@ -225,8 +225,6 @@ class GroupedGemmSm90(GemmCoreSm90):
         _, ab_pipeline, sA, sB, sC = self.operand_smem(
             a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
 
-        # (bM, bNout, RestM, RestN, 1)
-        gC_mnl = cute.local_tile(mC_mnl, (tile_m, self.out_tile_n), (None, None, None))
         ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
@@ -253,10 +251,8 @@ class GroupedGemmSm90(GemmCoreSm90):
                 tiled_mma, sA, sB, sC, mma_slice, tile_tidx)
             epi_m = tile_m // self.epi_tile[0]
             out_n = self.out_tile_n // self.epi_tile[1]
-            gC2_mnl, gC3_mnl = None, None
-            if const_expr(self.epi_outputs == 3):
-                gC2_mnl = cute.local_tile(mC2_mnl, (tile_m, self.out_tile_n), (None, None, None))
-                gC3_mnl = cute.local_tile(mC3_mnl, (tile_m, self.out_tile_n), (None, None, None))
+            outputs = self.output_views(((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
+                                         (tma_atom_c3, mC3_mnl)))
             coords = None
             if const_expr(self.epilogue == "dgated" or self.save_preact):
                 coords = self.epi_coords(epi, tile_tidx)
@@ -317,22 +313,10 @@ class GroupedGemmSm90(GemmCoreSm90):
                 loads += loads_per_tile
 
                 # ---- epilogue: subtiles through smem, TMA-stored by one warp
-                atoms = (tma_atom_c,)
-                g_tiles = (gC_mnl[(None, None, m_tile, n_tile, 0)],)
-                if const_expr(self.epi_outputs == 3):
-                    atoms = (tma_atom_c, tma_atom_c2, tma_atom_c3)
-                    g_tiles = (g_tiles[0], gC2_mnl[(None, None, m_tile, n_tile, 0)],
-                               gC3_mnl[(None, None, m_tile, n_tile, 0)])
-                visit_args = None
-                rows = None
-                if const_expr(self.epilogue == "dgated" or self.save_preact):
-                    rows, visit_args = self.row_visit_args(epi, coords, m_tile, n_tile, mPreact,
-                                                           mRowSlot, mWeights, tile_tidx)
-                self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, epi_base, subtiles_done,
-                                   epilogue_barrier, tma_store_pipeline, is_store_warp,
-                                   visit_args)
-                if const_expr(self.epilogue == "dgated"):
-                    self._store_row_sums(rows, mPartials, m_tile, n_tile, tile_tidx)
+                self.store_tile(epi, outputs, m_tile, n_tile, coords,
+                                (mPreact, mRowSlot, mWeights, mPartials), epi_base,
+                                subtiles_done, epilogue_barrier, tma_store_pipeline,
+                                is_store_warp, tile_tidx)
                 subtiles_done += epi_m * out_n
                 if const_expr(self.timeline):
                     if tile_tidx == 0:
@@ -496,6 +480,32 @@ class GroupedGemmSm90(GemmCoreSm90):
             self._load_preact(epi, preact, subtile + DGATED_PREFETCH, coords, rows, mPreact,
                               n_tile, out_n)
 
+    def output_views(self, outputs):
+        """The epilogue's first ``epi_outputs`` outputs, ((TMA atom, (M, N_out, 1) tensor), ...),
+        as (atom, (TILE_M, N_out tile, RestM, RestN, 1) tiled view) pairs. Traced inline."""
+        tile = (TILE_M, self.out_tile_n)
+        return tuple((atom, cute.local_tile(t, tile, (None, None, None)))
+                     for atom, t in outputs[:self.epi_outputs])
+
+    def store_tile(self, epi, outputs, m_tile: Int32, n_tile: Int32, coords, row_tensors,
+                   epi_base, subtiles_done: Int32, barrier, store_pipeline, is_store_warp,
+                   tidx: Int32):
+        """One output tile's epilogue, for the bf16 and the FP8 grouped kernels: every output's
+        (m_tile, n_tile) tile through smem and TMA (``outputs``: ``output_views``), with the row
+        setup of the row-addressed kinds first and dgated's row partials after
+        (``row_tensors``: mPreact, mRowSlot, mWeights, mPartials). Traced inline."""
+        atoms = tuple(atom for atom, _ in outputs)
+        g_tiles = tuple(view[(None, None, m_tile, n_tile, 0)] for _, view in outputs)
+        mPreact, mRowSlot, mWeights, mPartials = row_tensors
+        rows, visit_args = None, None
+        if const_expr(self.epilogue == "dgated" or self.save_preact):
+            rows, visit_args = self.row_visit_args(epi, coords, m_tile, n_tile, mPreact,
+                                                   mRowSlot, mWeights, tidx)
+        self.tile_epilogue(epi, atoms, g_tiles, self.epilogue, epi_base, subtiles_done, barrier,
+                           store_pipeline, is_store_warp, visit_args)
+        if const_expr(self.epilogue == "dgated"):
+            self._store_row_sums(rows, mPartials, m_tile, n_tile, tidx)
+
     def row_visit_args(self, epi, coords, m_tile: Int32, n_tile: Int32, mPreact, mRowSlot,
                        mWeights, tidx: Int32):
         """Per tile, before the epilogue of the row-addressed kinds (dgated, save_preact): this
@@ -540,16 +550,16 @@ class GroupedGemmSm90(GemmCoreSm90):
         thread's tile rows: entry 2 sm + hi for subtile row block sm. Issued before the
         epilogue's first subtile, once a tile."""
         mine = self._my_rows(tidx)
+        # in units of PREACT_ROW_ALIGN words (I % 8 == 0): Int32 reaches 64 GiB of
+        # pre-activations where 64-bit offsets kept live would spill
+        row_units = Int32(cute.recast_tensor(mPreact, Int32).layout.stride[0]) // PREACT_ROW_ALIGN
         for r in cutlass.range_constexpr(cute.size(rows.slot)):
             row = m_tile * TILE_M + (r // 2) * self.epi_tile[0] + mine[r % 2]
             slot = Int32(-1)
             if row < cute.size(mRowSlot):
                 slot = mRowSlot[row]
             rows.slot[r] = slot
-            words = cute.recast_tensor(mPreact, Int32)
-            # in units of PREACT_ROW_ALIGN words (I % 8 == 0): Int32 reaches 64 GiB of
-            # pre-activations where 64-bit offsets kept live would spill
-            rows.offset[r] = cutlass.max(slot, 0) * (Int32(words.layout.stride[0]) // PREACT_ROW_ALIGN)
+            rows.offset[r] = cutlass.max(slot, 0) * row_units
             if const_expr(mWeights is not None):
                 weight = Float32(0.0)
                 if slot >= 0:
