@@ -678,18 +678,11 @@ def grouped_gemm_fp8_split_k_ref(a: torch.Tensor, e_a: torch.Tensor, w1: torch.T
                                  e_w1: torch.Tensor, w2: torch.Tensor, e_w2: torch.Tensor,
                                  tile_expert: torch.Tensor,
                                  num_m_tiles: int | torch.Tensor) -> torch.Tensor:
-    """The oracle of ``grouped_gemm_fp8_split_k``: float64 on the dequantized operands, the
-    two weights concatenated along K, rounded once to bf16."""
-    tiles = int(num_m_tiles.reshape(-1)[0]) if isinstance(num_m_tiles, torch.Tensor) else int(num_m_tiles)
-    x = fp8.dequantize_rows(a, e_a).double()
-    out = torch.empty(tiles * TILE_M, w1.shape[1], dtype=torch.float64, device=a.device)
-    cache = {}
-    for t, e in enumerate(tile_expert[:tiles].tolist()):
-        if e not in cache:
-            cache[e] = torch.cat([fp8.dequantize_blocks(w1[e], e_w1[e]),
-                                  fp8.dequantize_blocks(w2[e], e_w2[e])], dim=1).double()
-        out[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ cache[e].T
-    return out.to(torch.bfloat16)
+    """The oracle of ``grouped_gemm_fp8_split_k``: ``grouped_gemm_fp8_ref`` on the two weights
+    (and their block exponents) concatenated along K."""
+    w = torch.cat([w1.view(torch.uint8), w2.view(torch.uint8)], dim=2).view(torch.float8_e4m3fn)
+    return grouped_gemm_fp8_ref(a, e_a, w, torch.cat([e_w1, e_w2], dim=2), tile_expert,
+                                num_m_tiles)
 
 
 # ---------------------------------------------------------------------- FC2's dgrad: dgated
