@@ -13,7 +13,12 @@ optimizer step re-quantizes on the next call; a freed tensor's entry goes with i
 
 ``reference_forward`` is the same computation in torch: the quantizers of ``mok_cute.fp8``
 (bitwise the kernels'), each GEMM in float64 on the dequantized operands rounded once to bf16.
-It is the path a call takes without a GPU, and the oracle of the FP8 kernels.
+It is the path a call takes without a GPU. It is the kernels' oracle stage by stage
+(``reference_hidden`` for FC1, ``reference_output`` from the kernels' h for FC2 and the combine),
+not end to end: FP8 wgmma accumulates each 128-deep group in reduced precision, so the kernels'
+g, u differ from float64's by ~1e-3 relative, some h elements by a bf16 ulp, and h's
+requantization turns a few of those into a whole e4m3 step (or a group's scale into its
+neighbour): tokens then differ by 3e-3 typically, up to 3e-2 (H200, 2026-12-02).
 
 Constraints: H and I multiples of 128 (the block scales: ValueError otherwise); no gradients
 (the FP8 backward is the next slice: ValueError); one GPU (no group, no megakernel).
@@ -33,7 +38,7 @@ from mok_cute.config import MoKConfig
 GROUP = fp8.GROUP
 
 __all__ = ["Fp8Weights", "quantized_weights", "unsupported_reason", "moe_forward_fp8",
-           "reference_forward"]
+           "fc1_rows", "reference_hidden", "reference_output", "reference_forward"]
 
 
 class Fp8Weights(NamedTuple):
@@ -93,10 +98,7 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
     if why:
         raise ValueError(why)
     weights = quantized_weights(w_gate, w_up, w_down)
-    sched, row_of_slot = expert_path.expert_schedule(topk_idx, w_gate.shape[0])
-    xq, ex = _scatter_quantized(x, sched, row_of_slot)
-    h = gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, weights.gate, weights.e_gate, weights.up,
-                                         weights.e_up, sched.tile_expert, sched.num_tiles)
+    h, sched, row_of_slot = fc1_rows(x, topk_idx, weights)
     hq, eh = quantize.quantize_rows(h)
     y = gemm_fp8.grouped_gemm_fp8(hq, eh, weights.down, weights.e_down, sched.tile_expert,
                                   sched.num_tiles)
@@ -107,6 +109,19 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
             x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0), ws_down.unsqueeze(0),
             *expert_path.shared_tiles(x.shape[0], x.device), config.expert_path, shared=True)
     return token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
+
+
+def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights):
+    """The FP8 path's first stage -> (h [capacity, I] bf16 in expert order, the schedule,
+    each slot's padded row [T * K] int32, -1: routed nowhere). No host sync."""
+    from mok_cute import expert_path
+    from mok_cute.kernels import gemm_fp8
+
+    sched, row_of_slot = expert_path.expert_schedule(topk_idx, weights.gate.shape[0])
+    xq, ex = _scatter_quantized(x, sched, row_of_slot)
+    h = gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, weights.gate, weights.e_gate, weights.up,
+                                         weights.e_up, sched.tile_expert, sched.num_tiles)
+    return h, sched, row_of_slot
 
 
 def _scatter_quantized(x: torch.Tensor, sched, row_of_slot: torch.Tensor):
@@ -129,34 +144,55 @@ def _dequantized_rows(v: torch.Tensor) -> torch.Tensor:
     return fp8.dequantize_rows(*fp8.quantize_rows(v)).double()
 
 
-def reference_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None) -> torch.Tensor:
-    """The FP8 forward in torch (module docstring) -> out [T, H] bf16. An id outside
-    [0, E) adds zero, as on every path."""
+def reference_hidden(x, topk_idx, weights: Fp8Weights) -> torch.Tensor:
+    """FC1 of the emulation -> h [T, K, I] bf16 per slot (zero where the id is outside
+    [0, E)): g, u the float64 products of the dequantized operands, each rounded once to bf16,
+    h = bf16(silu(g) u) in fp32."""
+    T, K = topk_idx.shape
+    E, I, _ = weights.gate.shape
+    x_dq = _dequantized_rows(x)  # quantizing a token's row = quantizing each of its copies
+    h = torch.zeros(T, K, I, dtype=torch.bfloat16, device=x.device)
+    ids = topk_idx.long()
+    for e in range(E):
+        token, k = (ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        wg = fp8.dequantize_blocks(weights.gate[e], weights.e_gate[e]).double()
+        wu = fp8.dequantize_blocks(weights.up[e], weights.e_up[e]).double()
+        g = (x_dq[token] @ wg.t()).to(torch.bfloat16).float()
+        u = (x_dq[token] @ wu.t()).to(torch.bfloat16).float()
+        h[token, k] = (F.silu(g) * u).to(torch.bfloat16)
+    return h
+
+
+def reference_output(hidden, x, topk_idx, topk_weights, weights: Fp8Weights,
+                     shared=None) -> torch.Tensor:
+    """FC2 and the combine of the emulation from h per slot ([T, K, I] bf16) -> out [T, H]
+    bf16: each h row quantized 1 x 128, times the dequantized W_down in float64, rounded to
+    bf16, k-summed with the weights (an id outside [0, E) adds zero) and the bf16 shared
+    expert as ``mok_cute.reference``."""
     from mok_cute import reference
 
     T, K = topk_idx.shape
-    E, I, H = w_gate.shape
-    why = unsupported_reason(H, I)
-    if why:
-        raise ValueError(why)
-    qw = quantized_weights(w_gate, w_up, w_down)
-    x_dq = _dequantized_rows(x)  # quantizing a token's row = quantizing each of its copies
+    E, H = weights.down.shape[:2]
     y = torch.zeros(T, K, H, dtype=torch.bfloat16, device=x.device)
     ids = topk_idx.long()
     for e in range(E):
         token, k = (ids == e).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        wg = fp8.dequantize_blocks(qw.gate[e], qw.e_gate[e]).double()
-        wu = fp8.dequantize_blocks(qw.up[e], qw.e_up[e]).double()
-        wd = fp8.dequantize_blocks(qw.down[e], qw.e_down[e]).double()
-        rows = x_dq[token]
-        g = (rows @ wg.t()).to(torch.bfloat16).float()
-        u = (rows @ wu.t()).to(torch.bfloat16).float()
-        h = (F.silu(g) * u).to(torch.bfloat16)
-        y[token, k] = (_dequantized_rows(h) @ wd.t()).to(torch.bfloat16)
-    weights = torch.where((ids >= 0) & (ids < E), topk_weights.float(), 0.0)
-    shared_rows = None
-    if shared is not None:
-        shared_rows = reference.expert_mlp(x, *shared)
-    return reference.weighted_k_sum(y, weights, shared_rows)
+        wd = fp8.dequantize_blocks(weights.down[e], weights.e_down[e]).double()
+        y[token, k] = (_dequantized_rows(hidden[token, k]) @ wd.t()).to(torch.bfloat16)
+    w = torch.where((ids >= 0) & (ids < E), topk_weights.float(), 0.0)
+    shared_rows = None if shared is None else reference.expert_mlp(x, *shared)
+    return reference.weighted_k_sum(y, w, shared_rows)
+
+
+def reference_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None) -> torch.Tensor:
+    """The FP8 forward in torch (module docstring) -> out [T, H] bf16."""
+    why = unsupported_reason(x.shape[1], w_gate.shape[1])
+    if why:
+        raise ValueError(why)
+    weights = quantized_weights(w_gate, w_up, w_down)
+    return reference_output(reference_hidden(x, topk_idx, weights), x, topk_idx, topk_weights,
+                            weights, shared)
