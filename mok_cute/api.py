@@ -278,15 +278,27 @@ def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, co
     emulation without one (``mok_cute.expert_path_fp8``)."""
     from . import expert_path_fp8
 
-    if needs_grad:
-        raise ValueError("config.precision='fp8': the FP8 backward is not implemented yet; call "
-                         "under torch.no_grad() (inference) or use precision='bf16' to train")
     if config.backend == "megakernel":
         _fp8_refusal(config, "the megakernel (backend='megakernel')")
     why = expert_path_fp8.unsupported_reason(dims.hidden, dims.intermediate)
     if why:
         raise ValueError(why)
     choice = choose_path(x.device, config)
+    if needs_grad or torch.compiler.is_compiling():
+        if choice.path != "kernel":
+            raise ValueError(f"config.precision='fp8': training runs on the FP8 kernels only "
+                             f"(this call would take the {choice.path} path: {choice.reason}); "
+                             f"call under torch.no_grad() for the emulation, or train in bf16")
+        from .expert_path import unsupported_shape_reason
+
+        why = unsupported_shape_reason(dims.hidden, dims.intermediate, dims.top_k,
+                                       dims.shared_intermediate or None, config.tile_m)
+        if why:
+            raise ValueError(f"config.precision='fp8': {why}")
+        from . import autograd
+
+        return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                    config)
     if choice.path == "kernel":
         pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
         out = expert_path_fp8.moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down,

@@ -1,6 +1,7 @@
 """The one-GPU training path as PyTorch custom ops: autograd, torch.compile, CUDA graphs.
 
-    mok_cute::moe_forward_train   the forward (``expert_path.moe_forward_kernel(save=True)``):
+    mok_cute::moe_forward_train   the forward (``expert_path.moe_forward_kernel(save=True)``, or
+                                  ``expert_path_fp8.moe_forward_fp8`` for precision "fp8"):
                                   out and the tensors the backward needs
     mok_cute::moe_backward        every gradient (``expert_backward.moe_backward``)
 
@@ -28,18 +29,20 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                       ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                       ws_down: Optional[torch.Tensor], check_ids: bool, fc2_pingpong_max_k: int,
-                      fc1_group_m: int, fc2_group_m: int) -> list[torch.Tensor]:
+                      fc1_group_m: int, fc2_group_m: int, precision: str) -> list[torch.Tensor]:
     """[out, *SavedForBackward]: the training forward on the kernels (inputs checked by
-    ``mok_cute.api``)."""
+    ``mok_cute.api``), bf16 or FP8 (``expert_path_fp8``) by ``precision``."""
     from mok_cute.config import ExpertPathOptions, MoKConfig, PendingIdCheck
     from mok_cute.expert_path import moe_forward_kernel
+    from mok_cute.expert_path_fp8 import moe_forward_fp8
 
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
-    config = MoKConfig(backend="kernel", expert_path=ExpertPathOptions(
+    config = MoKConfig(backend="kernel", precision=precision, expert_path=ExpertPathOptions(
         fc2_pingpong_max_k, fc1_group_m, fc2_group_m))
     pending = PendingIdCheck(topk_idx, w_gate.shape[0]) if check_ids else None
-    out, saved = moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                                    config, save=True)
+    forward = moe_forward_fp8 if precision == "fp8" else moe_forward_kernel
+    out, saved = forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
+                         save=True)
     if pending is not None:
         pending.finish()
     return [out, *saved]
@@ -47,7 +50,7 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
 @moe_forward_train.register_fake
 def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
-      fc2_pingpong_max_k, fc1_group_m, fc2_group_m):
+      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision):
     num_tokens, top_k = topk_idx.shape
     experts, inter = w_gate.shape[0], w_gate.shape[1]
     rows = schedule_capacity(1, num_tokens, top_k, experts, TILE_M)
@@ -67,7 +70,7 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                  w_down: torch.Tensor, ws_gate: Optional[torch.Tensor],
                  ws_up: Optional[torch.Tensor], ws_down: Optional[torch.Tensor],
                  saved: list[torch.Tensor], needs: list[bool], fc2_pingpong_max_k: int,
-                 fc1_group_m: int, fc2_group_m: int) -> list[torch.Tensor]:
+                 fc1_group_m: int, fc2_group_m: int, precision: str) -> list[torch.Tensor]:
     """[d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down]; an
     empty tensor where ``needs`` (expert_backward.Needs order) says no."""
     from mok_cute.config import ExpertPathOptions
@@ -77,13 +80,13 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
     grads = backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                      SavedForBackward(*saved), Needs(*needs),
-                     ExpertPathOptions(fc2_pingpong_max_k, fc1_group_m, fc2_group_m))
+                     ExpertPathOptions(fc2_pingpong_max_k, fc1_group_m, fc2_group_m), precision)
     return [x.new_empty(0) if g is None else g for g in grads]
 
 
 @moe_backward.register_fake
 def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved,
-      needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m):
+      needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision):
     want_x, want_w, want_gu, want_down, want_sgu, want_sdown = needs
     shared = ws_gate is not None
     like = lambda t, want: torch.empty_like(t) if want else x.new_empty(0)  # noqa: E731
@@ -96,8 +99,8 @@ def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, _check_ids,
-     fc2_pingpong_max_k, fc1_group_m, fc2_group_m) = inputs
-    ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m)
+     fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision) = inputs
+    ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision)
     ctx.has_shared = ws_gate is not None
     shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
     ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared,
@@ -113,13 +116,13 @@ def _backward(ctx, grads):
     needs = [need[0], need[2], need[3] or need[4], need[5],
              ctx.has_shared and (need[6] or need[7]), ctx.has_shared and need[8]]
     if not any(needs) or d_out is None:
-        return (None,) * 13
+        return (None,) * 14
     grads = torch.ops.mok_cute.moe_backward(
         d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared, saved, needs,
         *ctx.options)
     wanted = (need[0], need[2], need[3], need[4], need[5], need[6], need[7], need[8])
     d_x, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd = (g if w else None for g, w in zip(grads, wanted))
-    return (d_x, None, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd, None, None, None, None)
+    return (d_x, None, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd, None, None, None, None, None)
 
 
 moe_forward_train.register_autograd(_backward, setup_context=_setup_context)
@@ -132,5 +135,5 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
     options = config.expert_path
     outs = torch.ops.mok_cute.moe_forward_train(
         x, topk_idx, topk_weights, w_gate, w_up, w_down, *ws, config.check_ids,
-        options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m)
+        options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m, config.precision)
     return outs[0]

@@ -103,17 +103,25 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int):
 
 def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
-                     want_down: bool, want_partials: bool, options: ExpertPathOptions):
+                     want_down: bool, want_partials: bool, options: ExpertPathOptions,
+                     fp8: bool = False):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
-    dW_gate, dW_up, dW_down, row partials), None where not wanted."""
+    dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
+    on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients bf16."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     dx_rows = dwg = dwu = dwd = partials = None
     if not (want_dx or want_gate_up or want_down or want_partials):
         return dx_rows, dwg, dwu, dwd, partials
-    d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert,
-                                       num_tiles, options)
-    if want_dx:
-        dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options)
+    if fp8:
+        from mok_cute import expert_path_fp8
+        d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
+            d_rows, preact, row_slot, weights, tile_expert, num_tiles,
+            expert_path_fp8.transposed_weights(w_gate, w_up, w_down), want_dx)
+    else:
+        d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights,
+                                           tile_expert, num_tiles, options)
+        if want_dx:
+            dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options)
     if want_gate_up:
         dwg, dwu = wgrad(d_preact[:, :inter], d_preact[:, inter:], x_rows, offsets,
                          num_experts, inter)
@@ -124,8 +132,10 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
 
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
-                 options: ExpertPathOptions = ExpertPathOptions()):
-    """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` given d_out [T, H]:
+                 options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16"):
+    """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` (or of
+    ``expert_path_fp8.moe_forward_fp8(..., save=True)`` with ``precision="fp8"``: the routed
+    experts' dgrads in FP8, everything else bf16) given d_out [T, H]:
     (d_x, d_topk_weights fp32, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down),
     None where ``needs`` says no (and for the shared expert's three without one)."""
     from mok_cute.kernels import token_ops
@@ -138,7 +148,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
         saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
-        needs.w_down, needs.topk_weights, options)
+        needs.w_down, needs.topk_weights, options, fp8=precision == "fp8")
 
     d_shared = (None, None, None)
     shared_dx = None

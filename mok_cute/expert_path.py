@@ -201,6 +201,25 @@ def shared_tiles(num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full((1,), n_tiles, dtype=torch.int32, device=device))
 
 
+def shared_forward(x, shared, options: ExpertPathOptions, timeline=None, save: bool = False):
+    """The shared expert (bf16 on every path) as one expert over every token -> (its rows
+    [T, H] or None, its g | u [T, 2Is] with ``save``, else [0, 0])."""
+    shared_preact = x.new_empty(0, 0)
+    if shared is None:
+        return None, shared_preact
+    num_tokens = x.shape[0]
+    ws_gate, ws_up, ws_down = shared
+    token_rows = None
+    if save:
+        shared_preact = torch.empty(num_tokens, 2 * ws_gate.shape[0], dtype=torch.bfloat16,
+                                    device=x.device)
+        token_rows = torch.arange(num_tokens, dtype=torch.int32, device=x.device)
+    rows = expert_mlp(x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0), ws_down.unsqueeze(0),
+                      *shared_tiles(num_tokens, x.device), options, timeline, shared=True,
+                      preact_out=shared_preact if save else None, preact_slot=token_rows)
+    return rows, shared_preact
+
+
 def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
                        config: MoKConfig | None = None, save: bool = False):
     """One-GPU MoE forward on mok_cute kernels (inputs validated by api.py) -> out [T, H];
@@ -237,20 +256,7 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, options,
                    timeline, preact_out=preact, preact_slot=row_slot)
 
-    shared_rows = None
-    shared_preact = x.new_empty(0, 0)
-    if shared is not None:
-        ws_gate, ws_up, ws_down = shared
-        token_rows = None
-        if save:
-            shared_preact = torch.empty(num_tokens, 2 * ws_gate.shape[0], dtype=torch.bfloat16,
-                                        device=x.device)
-            token_rows = torch.arange(num_tokens, dtype=torch.int32, device=x.device)
-        shared_rows = expert_mlp(x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0),
-                                 ws_down.unsqueeze(0), *shared_tiles(num_tokens, x.device),
-                                 options, timeline, shared=True,
-                                 preact_out=shared_preact if save else None,
-                                 preact_slot=token_rows)
+    shared_rows, shared_preact = shared_forward(x, shared, options, timeline, save)
 
     # the k-sum reads each (token, k) expert row where FC2 left it: no permuted copy of y
     out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)

@@ -37,8 +37,8 @@ from mok_cute.config import MoKConfig
 
 GROUP = fp8.GROUP
 
-__all__ = ["Fp8Weights", "quantized_weights", "unsupported_reason", "moe_forward_fp8",
-           "fc1_rows", "reference_hidden", "reference_output", "reference_forward"]
+__all__ = ["Fp8Weights", "Fp8WeightsT", "quantized_weights", "transposed_weights",
+           "forget_quantized_weights", "unsupported_reason", "moe_forward_fp8", "expert_dgrads", "fc1_rows", "reference_hidden", "reference_output", "reference_forward"]
 
 
 class Fp8Weights(NamedTuple):
@@ -60,36 +60,72 @@ def unsupported_reason(hidden: int, intermediate: int) -> str | None:
     return None
 
 
-# id(weight) -> (weakref to it, its version, (q, e)): quantized once per weight version. Keyed
-# by id, not by the tensor (a tensor's == is elementwise); the weakref's callback drops the
-# entry when the weight is freed, before its id can be reused.
+class Fp8WeightsT(NamedTuple):
+    """The exact transposed copies the dgrads read (e4m3 wgmma takes K-major operands only)."""
+
+    gate: torch.Tensor  # [E, H, I] float8_e4m3fn
+    e_gate: torch.Tensor  # [E, H/128, I/128] int8
+    up: torch.Tensor
+    e_up: torch.Tensor
+    down: torch.Tensor  # [E, I, H]
+    e_down: torch.Tensor  # [E, I/128, H/128]
+
+
+# id(weight) -> (weakref to it, its version, {transposed: (q, e)}): quantized once per weight
+# version. Keyed by id, not by the tensor (a tensor's == is elementwise); the weakref's
+# callback drops the entry when the weight is freed, before its id can be reused.
 _CACHE: dict[int, tuple] = {}
 
 
-def _quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    hit = _CACHE.get(id(w))
-    if hit is not None and hit[0]() is w and hit[1] == w._version:
-        return hit[2]
-    if w.is_cuda:
-        from mok_cute.kernels import quantize
-        q, e = quantize.quantize_blocks(w)
-    else:
-        q, e = fp8.quantize_blocks(w)
+def _quantize_blocks(w: torch.Tensor, transposed: bool = False,
+                     both: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, e) of w, or its transposed copy; ``both``: a training call will want the other
+    copy too, so a miss quantizes the two in one pass over w (the GPU kernel)."""
     key = id(w)
-    _CACHE[key] = (weakref.ref(w, lambda _, key=key: _CACHE.pop(key, None)), w._version, (q, e))
-    return q, e
+    entry = _CACHE.get(key)
+    if entry is None or entry[0]() is not w or entry[1] != w._version:
+        entry = (weakref.ref(w, lambda _, key=key: _CACHE.pop(key, None)), w._version, {})
+        _CACHE[key] = entry
+    copies = entry[2]
+    if transposed not in copies:
+        if w.is_cuda:
+            from mok_cute.kernels import quantize
+            if both and not copies:
+                q, e, qt, et = quantize.quantize_blocks(w, both=True)
+                copies.update({False: (q, e), True: (qt, et)})
+            else:
+                copies[transposed] = quantize.quantize_blocks(w, transposed=transposed)
+        else:
+            copies[transposed] = fp8.quantize_blocks(w, transposed=transposed)
+    return copies[transposed]
 
 
-def quantized_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> Fp8Weights:
+def forget_quantized_weights() -> None:
+    """Drop every cached copy (a benchmark's stand-in for an optimizer step)."""
+    _CACHE.clear()
+
+
+def quantized_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                      training: bool = False) -> Fp8Weights:
     """The three weight tensors in e4m3 blocks (GPU kernel on CUDA, ``mok_cute.fp8`` on the
-    CPU: the same bits), each from the cache while its version is unchanged."""
-    return Fp8Weights(*_quantize_blocks(w_gate), *_quantize_blocks(w_up), *_quantize_blocks(w_down))
+    CPU: the same bits), each from the cache while its version is unchanged. ``training``:
+    the transposed copies are made in the same pass (``transposed_weights`` then hits)."""
+    return Fp8Weights(*_quantize_blocks(w_gate, both=training), *_quantize_blocks(w_up, both=training),
+                      *_quantize_blocks(w_down, both=training))
+
+
+def transposed_weights(w_gate: torch.Tensor, w_up: torch.Tensor,
+                       w_down: torch.Tensor) -> Fp8WeightsT:
+    """The exact transposed e4m3 copies for the dgrads, cached as ``quantized_weights``."""
+    return Fp8WeightsT(*_quantize_blocks(w_gate, True), *_quantize_blocks(w_up, True),
+                       *_quantize_blocks(w_down, True))
 
 
 def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
-                    config: MoKConfig | None = None) -> torch.Tensor:
-    """The FP8 forward on the kernels (inputs checked by ``mok_cute.api``) -> out [T, H] bf16.
-    No host sync."""
+                    config: MoKConfig | None = None, save: bool = False):
+    """The FP8 forward on the kernels (inputs checked by ``mok_cute.api``) -> out [T, H] bf16;
+    with ``save`` (training) -> (out, ``expert_path.SavedForBackward``): the same bits, FC1's
+    bf16 g | u kept by slot (the shared expert's as on the bf16 path). No host sync."""
     from mok_cute import expert_path
     from mok_cute.kernels import gemm_fp8, quantize, token_ops
 
@@ -97,31 +133,61 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
     why = unsupported_reason(x.shape[1], w_gate.shape[1])
     if why:
         raise ValueError(why)
-    weights = quantized_weights(w_gate, w_up, w_down)
-    h, sched, row_of_slot = fc1_rows(x, topk_idx, weights)
+    weights = quantized_weights(w_gate, w_up, w_down, training=save)
+    h, sched, row_of_slot, preact, row_slot = fc1_rows(x, topk_idx, weights, save=save)
     hq, eh = quantize.quantize_rows(h)
     y = gemm_fp8.grouped_gemm_fp8(hq, eh, weights.down, weights.e_down, sched.tile_expert,
                                   sched.num_tiles)
-    shared_rows = None
-    if shared is not None:
-        ws_gate, ws_up, ws_down = shared
-        shared_rows = expert_path.expert_mlp(
-            x, ws_gate.unsqueeze(0), ws_up.unsqueeze(0), ws_down.unsqueeze(0),
-            *expert_path.shared_tiles(x.shape[0], x.device), config.expert_path, shared=True)
-    return token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
+    shared_rows, shared_preact = expert_path.shared_forward(x, shared, config.expert_path,
+                                                            save=save)
+    out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
+    if not save:
+        return out
+    return out, expert_path.SavedForBackward(preact, shared_preact, sched.row_token, row_slot,
+                                             row_of_slot, sched.tile_expert, sched.num_tiles,
+                                             sched.expert_offsets)
 
 
-def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights):
+def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save: bool = False):
     """The FP8 path's first stage -> (h [capacity, I] bf16 in expert order, the schedule,
-    each slot's padded row [T * K] int32, -1: routed nowhere). No host sync."""
+    each slot's padded row [T * K] int32 (-1: routed nowhere), and with ``save`` g | u
+    [T * K, 2I] bf16 by slot and each padded row's slot (else None, None)). No host sync."""
     from mok_cute import expert_path
+    from mok_cute import schedule as sched_mod
     from mok_cute.kernels import gemm_fp8
 
+    num_tokens, top_k = topk_idx.shape
     sched, row_of_slot = expert_path.expert_schedule(topk_idx, weights.gate.shape[0])
     xq, ex = _scatter_quantized(x, sched, row_of_slot)
+    preact = row_slot = None
+    if save:
+        preact = torch.empty(num_tokens * top_k, 2 * weights.gate.shape[1],
+                             dtype=torch.bfloat16, device=x.device)
+        row_slot = sched_mod.slot_of_rows(sched, top_k)
     h = gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, weights.gate, weights.e_gate, weights.up,
-                                         weights.e_up, sched.tile_expert, sched.num_tiles)
-    return h, sched, row_of_slot
+                                         weights.e_up, sched.tile_expert, sched.num_tiles,
+                                         preact_out=preact, preact_slot=row_slot)
+    return h, sched, row_of_slot, preact, row_slot
+
+
+def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
+                  wt: Fp8WeightsT, want_dx: bool):
+    """The routed experts' two dgrads in FP8 (the weight gradients stay bf16): d_out rows and
+    then dG | dU quantized 1 x 128, FC2's dgrad with the dgated epilogue on W_down's
+    transposed copy, FC1's dgrad with K split over W_gate's and W_up's. Returns (dG | dU
+    [M, 2I], w * h [M, I], row partials, dx rows [M, H] or None), as the bf16 kernels of
+    ``expert_backward``; padding rows are zero in and out. No host sync."""
+    from mok_cute.kernels import gemm_fp8, quantize
+
+    d_preact, hw, partials = gemm_fp8.grouped_gemm_fp8_dgated(
+        *quantize.quantize_rows(d_rows), wt.down, wt.e_down, preact, row_slot, weights,
+        tile_expert, num_tiles)
+    dx_rows = None
+    if want_dx:
+        dx_rows = gemm_fp8.grouped_gemm_fp8_split_k(
+            *quantize.quantize_rows(d_preact), wt.gate, wt.e_gate, wt.up, wt.e_up, tile_expert,
+            num_tiles)
+    return d_preact, hw, partials, dx_rows
 
 
 def _scatter_quantized(x: torch.Tensor, sched, row_of_slot: torch.Tensor):
