@@ -4,12 +4,14 @@ library's source text (bytes, vocabulary 256), once per run of
     mok_cute   MoELayer on the kernels (forward and backward: mok_cute.autograd)
     mok_cute   the same again (the losses must be bitwise identical)
     reference  MoELayer on mok_cute.reference (torch autograd)
+    mok_cute_fp8  with --fp8: MoKConfig(precision="fp8"), twice (bitwise identical too)
 
 with the same seed, data order and initial weights. Prints each run's median step time,
-writes the loss curves (PNG and JSON) to --out and exits non-zero when the two mok_cute runs
-differ or when mok_cute's loss leaves the reference's by more than bf16 noise.
+writes the loss curves (PNG and JSON) to --out and exits non-zero when two runs of one
+precision differ, when mok_cute's loss leaves the reference's by more than bf16 noise (2 % of
+the last 50 steps' mean) or FP8's leaves bf16's by more than 3 %.
 
-    python examples/train_tiny_moe.py --steps 300 --out benchmarks/results
+    python examples/train_tiny_moe.py --steps 300 [--fp8] --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -72,9 +74,9 @@ class Block(nn.Module):
 
 class TinyMoELM(nn.Module):
     def __init__(self, backend: str, dim: int, layers: int, heads: int, experts: int, top_k: int,
-                 intermediate: int, seq: int):
+                 intermediate: int, seq: int, precision: str = "bf16"):
         super().__init__()
-        config = mok.MoKConfig(backend=backend, check_ids=False)
+        config = mok.MoKConfig(backend=backend, precision=precision, check_ids=False)
         self.embed = nn.Embedding(256, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = nn.ModuleList(
@@ -91,10 +93,10 @@ class TinyMoELM(nn.Module):
         return self.head(self.norm(x))
 
 
-def train(backend: str, data: torch.Tensor, args) -> tuple[list[float], float]:
+def train(backend: str, data: torch.Tensor, args, precision: str = "bf16") -> tuple[list[float], float]:
     torch.manual_seed(args.seed)
     model = TinyMoELM(backend, args.dim, args.layers, args.heads, args.experts, args.top_k,
-                      args.intermediate, args.seq).cuda()
+                      args.intermediate, args.seq, precision).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     losses, times = [], []
@@ -112,7 +114,7 @@ def train(backend: str, data: torch.Tensor, args) -> tuple[list[float], float]:
         times.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"  {backend:9s} step {step:4d} loss {losses[-1]:.4f}", flush=True)
+            print(f"  {backend:9s} {precision} step {step:4d} loss {losses[-1]:.4f}", flush=True)
     return losses, statistics.median(times[5:] or times)
 
 
@@ -131,6 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-mb", type=float, default=8.0)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--fp8", action="store_true", help="also train with precision='fp8' (twice)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("train_tiny_moe needs a CUDA GPU (the reference alone would not compare anything)")
@@ -140,23 +143,34 @@ def main(argv=None) -> int:
     data = stdlib_text(int(args.data_mb * 2**20))
     print(f"data: {data.numel() / 2**20:.1f} MiB of stdlib source; tokens per MoE call: {args.batch * args.seq}")
     runs = {}
-    for name, backend in (("mok_cute", "kernel"), ("mok_cute_again", "kernel"), ("reference", "reference")):
-        runs[name] = train(backend, data, args)
+    plan = [("mok_cute", "kernel", "bf16"), ("mok_cute_again", "kernel", "bf16"),
+            ("reference", "reference", "bf16")]
+    if args.fp8:
+        plan += [("mok_cute_fp8", "kernel", "fp8"), ("mok_cute_fp8_again", "kernel", "fp8")]
+    for name, backend, precision in plan:
+        runs[name] = train(backend, data, args, precision)
         print(f"{name}: median step {runs[name][1]:.2f} ms, final loss {runs[name][0][-1]:.4f}")
-    mok_losses, ref_losses = runs["mok_cute"][0], runs["reference"][0]
-    bitwise = mok_losses == runs["mok_cute_again"][0]
     tail = slice(-50, None)
-    gap = abs(statistics.fmean(mok_losses[tail]) - statistics.fmean(ref_losses[tail]))
-    close = gap <= 0.02 * statistics.fmean(ref_losses[tail])
+    last = {name: statistics.fmean(run[0][tail]) for name, run in runs.items()}
+    bitwise = runs["mok_cute"][0] == runs["mok_cute_again"][0]
+    gap = abs(last["mok_cute"] - last["reference"])
+    close = gap <= 0.02 * last["reference"]
     print(f"two mok_cute runs bitwise identical: {bitwise}; mean loss of the last 50 steps, "
-          f"mok_cute vs reference: {statistics.fmean(mok_losses[tail]):.4f} vs "
-          f"{statistics.fmean(ref_losses[tail]):.4f} (gap {gap:.4f})")
+          f"mok_cute vs reference: {last['mok_cute']:.4f} vs {last['reference']:.4f} (gap {gap:.4f})")
+    fp8_gap = None
+    if args.fp8:
+        fp8_bitwise = runs["mok_cute_fp8"][0] == runs["mok_cute_fp8_again"][0]
+        fp8_gap = abs(last["mok_cute_fp8"] - last["mok_cute"])
+        bitwise = bitwise and fp8_bitwise
+        close = close and fp8_gap <= 0.03 * last["mok_cute"]
+        print(f"two FP8 runs bitwise identical: {fp8_bitwise}; mean loss of the last 50 steps, "
+              f"fp8 vs bf16: {last['mok_cute_fp8']:.4f} vs {last['mok_cute']:.4f} (gap {fp8_gap:.4f})")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"command": " ".join(["python", "examples/train_tiny_moe.py", *(argv or sys.argv[1:])]),
               "gpu": torch.cuda.get_device_name(), "args": vars(args), "bitwise_repeat": bitwise,
-              "last50_gap": gap, "runs": {k: {"losses": v[0], "median_step_ms": v[1]} for k, v in runs.items()}}
+              "last50_gap": gap, "last50_gap_fp8_vs_bf16": fp8_gap, "runs": {k: {"losses": v[0], "median_step_ms": v[1]} for k, v in runs.items()}}
     (out / "train_tiny_moe.json").write_text(json.dumps(record, indent=1))
     try:
         import matplotlib
@@ -165,7 +179,9 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for name, style in (("reference", "-"), ("mok_cute", "--")):
+        for name, style in (("reference", "-"), ("mok_cute", "--"), ("mok_cute_fp8", ":")):
+            if name not in runs:
+                continue
             ax.plot(runs[name][0], style, label=f"{name} ({runs[name][1]:.1f} ms/step)", linewidth=1)
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/byte)")

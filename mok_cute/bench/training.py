@@ -172,8 +172,11 @@ def check(layer: Layer, ref_out: torch.Tensor, ref_grads: dict[str, torch.Tensor
 
 
 def saved_bytes(layer: Layer) -> int:
-    """What the forward keeps alive for the backward (the output excluded)."""
+    """What the forward keeps alive for the backward (the output excluded); measured after
+    one forward, so that per-model state (the FP8 weight copies, cached per weight version)
+    is not counted per token."""
     layer.reset()
+    layer.forward()  # freed on return: the per-model state stays
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     out = layer.forward()
