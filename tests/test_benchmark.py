@@ -141,6 +141,40 @@ def test_torch_grouped_mm_pipeline_with_an_empty_expert():
     assert_tokens_close(out, ref, what="torch_grouped_mm with an empty expert")
 
 
+def test_aligned_group_rows_place_each_expert_at_a_multiple_of_16():
+    ids = torch.tensor([0, 0, 0, 2, 2, 3] + [5] * 17)  # sorted; experts 1 and 4 empty
+    dest, offs, capacity = torch_moe.aligned_group_rows(ids, 6)
+    assert capacity == ids.numel() + 6 * 15
+    assert offs.tolist() == [16, 16, 32, 48, 48, 80] and offs.dtype == torch.int32
+    assert dest.tolist() == [0, 1, 2, 16, 17, 32] + list(range(48, 65))
+
+
+def _scaled_grouped_mm_emulated(a, b, scale_a, scale_b, offs=None, out_dtype=None):
+    """torch._scaled_grouped_mm's 2-D x 3-D rowwise contract in float64 (the CPU has no kernel)."""
+    out = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        rows = a[start:end].double() * scale_a[start:end, None].double()
+        out[start:end] = rows @ (b[e].double() * scale_b[e][None, :].double())
+        start = end
+    return out.to(out_dtype)
+
+
+@pytest.mark.parametrize("spec", ["custom:96,64,32,8,2", "custom:80,128,64,16,4,1", "custom:1,64,32,4,4"])
+def test_torch_scaled_grouped_mm_pipeline_plumbing_on_cpu(spec, monkeypatch):
+    """The FP8 baseline's permutation, 16-aligned groups, scales and combine, its GEMM
+    emulated: within the FP8 bench bound (0.08) of the bf16 reference, and clearly FP8."""
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_emulated, raising=False)
+    p = problems.make_problem(shapes.resolve_shape(spec), device="cpu", seed=3)
+    i = p.inputs
+    ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
+    weights = torch_moe.pack_scaled_grouped_mm_weights(p.w_gate, p.w_up, p.w_down)
+    out = torch_moe.torch_scaled_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, *weights, torch_moe.fuse_shared(p.shared))
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert 5e-3 < err <= 0.08, err
+
+
 def test_per_expert_loop_matches_the_reference_on_cpu():
     p = problems.make_problem(shapes.resolve_shape("custom:96,64,32,8,3,1"), device="cpu", seed=5)
     i = p.inputs
@@ -373,6 +407,17 @@ def test_torch_grouped_mm_pipeline_matches_the_reference_on_gpu():
     ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
     out = torch_moe.torch_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, *torch_moe.pack_grouped_mm_weights(p.w_gate, p.w_up, p.w_down), torch_moe.fuse_shared(p.shared))
     assert_tokens_close(out, ref, what="torch_grouped_mm on the GPU")
+
+
+@pytest.mark.gpu
+def test_torch_scaled_grouped_mm_pipeline_matches_the_reference_on_gpu():
+    p = problems.make_problem(shapes.resolve_shape("custom:1000,512,256,16,4,1"), device="cuda", seed=7)
+    i = p.inputs
+    ref = mok_cute.reference.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up, p.w_down, shared=p.shared)
+    weights = torch_moe.pack_scaled_grouped_mm_weights(p.w_gate, p.w_up, p.w_down)
+    out = torch_moe.torch_scaled_grouped_mm_moe(i.x, i.topk_idx, i.topk_weights, *weights, torch_moe.fuse_shared(p.shared))
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert 5e-3 < err <= 0.08, err
 
 
 @pytest.mark.gpu

@@ -91,3 +91,65 @@ def per_expert_loop_moe(
     y = torch.cat(ys) if ys else xs.new_zeros(0, w_down.shape[1])
     base = shared_expert(x, *shared) if shared is not None else None
     return weighted_scatter_sum(y, order, top_k, topk_weights, tokens, base)
+
+
+# ---------------------------------------------------------------------- FP8: torch's rowwise pipeline
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALED_GROUP_ALIGN = 16  # torch._scaled_grouped_mm: every group's rows a multiple of 16
+
+
+def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one fp32 scale per row (over the last dim): ``t ~= q * scale[..., None]``, the
+    recipe ``torch._scaled_grouped_mm``'s rowwise mode takes (scales are not powers of two)."""
+    amax = t.abs().amax(dim=-1).float().clamp_min(1e-12)
+    scale = amax / FP8_MAX
+    q = (t.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def pack_scaled_grouped_mm_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor):
+    """Weights for :func:`torch_scaled_grouped_mm_moe`, quantized once (per output channel):
+    (gate|up e4m3 as [E, H, 2I] column-major, its scales [E, 2I], down as [E, I, H]
+    column-major, its scales [E, H])."""
+    gu, s_gu = quantize_rowwise(torch.cat([w_gate, w_up], dim=1))
+    d, s_d = quantize_rowwise(w_down)
+    return gu.transpose(1, 2), s_gu, d.transpose(1, 2), s_d
+
+
+def aligned_group_rows(sorted_ids: torch.Tensor, experts: int, align: int = SCALED_GROUP_ALIGN):
+    """Rows in expert order -> (each row's row in a layout whose groups start at multiples of
+    ``align``, the groups' end offsets there [E] int32, the layout's static row count
+    rows + E * (align - 1)). No host sync."""
+    rows = sorted_ids.shape[0]
+    arange = torch.arange(experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    ends = torch.searchsorted(sorted_ids, arange, right=True)
+    starts = torch.searchsorted(sorted_ids, arange, right=False)
+    padded = (ends - starts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded, 0)
+    padded_starts = padded_ends - padded
+    rank = torch.arange(rows, device=sorted_ids.device) - starts[sorted_ids]
+    dest = padded_starts[sorted_ids] + rank
+    return dest, padded_ends.to(torch.int32), rows + experts * (align - 1)
+
+
+def torch_scaled_grouped_mm_moe(x, topk_idx, topk_weights, w_gu_q, s_gu, w_d_q, s_d,
+                                shared: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The torch FP8 pipeline (the FP8 bench's baseline): argsort permute into 16-aligned
+    groups, x and h quantized per row (fp32 scales), ``torch._scaled_grouped_mm`` for gate+up
+    and down (split accumulation: ``use_fast_accum=False``), SwiGLU in fp32, the bf16 shared
+    expert, the weighted scatter-sum in fp32. Weights from :func:`pack_scaled_grouped_mm_weights`."""
+    tokens, top_k = topk_idx.shape
+    experts, _, two_i = w_gu_q.shape
+    sorted_ids, order = torch.sort(topk_idx.reshape(-1), stable=True)
+    dest, offs, capacity = aligned_group_rows(sorted_ids, experts)
+    xq, sx = quantize_rowwise(x)
+    xs = torch.zeros(capacity, x.shape[1], dtype=torch.float8_e4m3fn, device=x.device)
+    xs.view(torch.uint8).index_copy_(0, dest, xq.view(torch.uint8).index_select(0, order // top_k))
+    s_xs = torch.ones(capacity, dtype=torch.float32, device=x.device)
+    s_xs.index_copy_(0, dest, sx.index_select(0, order // top_k))
+    gu = torch._scaled_grouped_mm(xs, w_gu_q, s_xs, s_gu, offs=offs, out_dtype=torch.bfloat16)
+    h = swiglu_bf16(gu[:, : two_i // 2], gu[:, two_i // 2:])
+    hq, sh = quantize_rowwise(h)
+    y = torch._scaled_grouped_mm(hq, w_d_q, sh, s_d, offs=offs, out_dtype=torch.bfloat16)
+    base = shared_expert(x, *shared) if shared is not None else None
+    return weighted_scatter_sum(y.index_select(0, dest), order, top_k, topk_weights, tokens, base)
