@@ -32,7 +32,6 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 
 from mok_cute import jit
-from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
 
@@ -52,6 +51,7 @@ class WgradGemmSm90(GemmCoreSm90):
         # each warpgroup is a whole single-warpgroup MMA over its 128 rows (the pingpong
         # layout: 64 x 32 epilogue subtiles, buffers and barriers per warpgroup)
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
+        self.wg_rows = WG_ROWS  # M rows per consumer warpgroup (its A box, its C block)
         self.gated = gated
         self.group_m = group_m
         self.num_sms = num_sms
@@ -59,22 +59,25 @@ class WgradGemmSm90(GemmCoreSm90):
     def _setup_attributes(self):
         super()._setup_attributes()
         tile_n, tile_k = self.tile_shape_mnk[1], self.tile_shape_mnk[2]
-        # a stage holds two 128-row A boxes and one B box
-        ab_bytes_per_stage = (2 * WG_ROWS + tile_n) * tile_k * self.a_dtype.width // 8
+        # a stage holds two warpgroups' A boxes and one B box
+        ab_bytes_per_stage = (2 * self.wg_rows + tile_n) * tile_k * self.a_dtype.width // 8
         epi_bytes = 64 * 32 * self.c_dtype.width // 8 * self.epi_buffers
         self.ab_stages = (self.smem_capacity - 1024 - epi_bytes) // ab_bytes_per_stage
-        self.a_smem_layout_staged = self.staged_layout(self.a_dtype, (WG_ROWS, tile_k),
-                                                       self.ab_stages, mn_major=True)
+        self.a_smem_layout_staged = self.staged_layout(self.a_dtype, (self.wg_rows, tile_k),
+                                                       self.ab_stages, mn_major=self.a_mn_major)
         self.b_smem_layout_staged = self.staged_layout(self.b_dtype, (tile_n, tile_k),
-                                                       self.ab_stages, mn_major=True)
+                                                       self.ab_stages, mn_major=self.b_mn_major)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mA: cute.Tensor, mA2: Optional[cute.Tensor], mB: cute.Tensor,
                  mC: cute.Tensor, mC2: Optional[cute.Tensor], mOffsets: cute.Tensor,
-                 stream: cuda.CUstream):
+                 stream: cuda.CUstream, mEA: Optional[cute.Tensor] = None,
+                 mEA2: Optional[cute.Tensor] = None, mEB: Optional[cute.Tensor] = None):
         """mA, mA2 (M, rows, 1) and mB (N, rows, 1), M / N contiguous; mC, mC2 (M, N, E),
-        N contiguous; mOffsets int32 (E + 1,): each expert's first row (128-aligned)."""
+        N contiguous; mOffsets int32 (E + 1,): each expert's first row (128-aligned).
+        mEA, mEA2, mEB: the FP8 subclass's exponents (None here)."""
+        mA, mA2, mB = self.operands(mA, mA2, mB)
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
         self.c_dtype = mC.element_type
@@ -86,11 +89,11 @@ class WgradGemmSm90(GemmCoreSm90):
         b_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
         epi_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
         mk = cute.nvgpu.cpasync.make_tiled_tma_atom
-        tma_a, t_a = mk(g2s, mA, a_layout, (WG_ROWS, tile_k))
+        tma_a, t_a = mk(g2s, mA, a_layout, (self.wg_rows, tile_k))
         tma_a2, t_a2 = None, None
         tma_c2, t_c2 = None, None
         if const_expr(self.gated):
-            tma_a2, t_a2 = mk(g2s, mA2, a_layout, (WG_ROWS, tile_k))
+            tma_a2, t_a2 = mk(g2s, mA2, a_layout, (self.wg_rows, tile_k))
             tma_c2, t_c2 = mk(s2g, mC2, epi_layout, self.epi_tile)
         tma_b, t_b = mk(g2s, mB, b_layout, (tile_n, tile_k))
         tma_c, t_c = mk(s2g, mC, epi_layout, self.epi_tile)
@@ -98,7 +101,7 @@ class WgradGemmSm90(GemmCoreSm90):
         self.shared_storage = self.make_shared_storage(a_tiles_per_stage=2)
         self.kernel(tma_a, t_a, tma_a2, t_a2, tma_b, t_b, tma_c, t_c, tma_c2, t_c2, mOffsets,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
-                    self.epi_smem_layout_staged
+                    self.epi_smem_layout_staged, mEA, mEA2, mEB
                     ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                              min_blocks_per_mp=1, stream=stream)
 
@@ -110,7 +113,8 @@ class WgradGemmSm90(GemmCoreSm90):
                mC2: Optional[cute.Tensor], mOffsets: cute.Tensor, tiled_mma: cute.TiledMma,
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout):
+               epi_smem_layout_staged: cute.ComposedLayout, mEA: Optional[cute.Tensor],
+               mEA2: Optional[cute.Tensor], mEB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -122,7 +126,7 @@ class WgradGemmSm90(GemmCoreSm90):
             a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
             a_tiles_per_stage=2, consumer_warps=self.num_mma_threads // 32)
 
-        # the two A halves (one per warpgroup), each a staged MN-major (128, 64) layout
+        # the two A halves (one per warpgroup), each a staged (wg_rows, tile_k) layout
         a_elems = cute.cosize(a_smem_layout_staged)
         sA_ptr = storage.sA.data_ptr()
         sA0 = cute.make_tensor(cute.recast_ptr(sA_ptr, a_smem_layout_staged.inner),
@@ -132,7 +136,7 @@ class WgradGemmSm90(GemmCoreSm90):
 
         single = cute.make_layout(1)
         # (128, 64, M-blocks, row k-tiles, 1) / (128, 64, N-tiles, row k-tiles, 1)
-        gA = cute.local_tile(mA, (WG_ROWS, tile_k), (None, None, None))
+        gA = cute.local_tile(mA, (self.wg_rows, tile_k), (None, None, None))
         gB = cute.local_tile(mB, (tile_n, tile_k), (None, None, None))
         tAsA0, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, 0, single, cute.group_modes(sA0, 0, 2), cute.group_modes(gA, 0, 2))
@@ -140,13 +144,13 @@ class WgradGemmSm90(GemmCoreSm90):
             tma_a, 0, single, cute.group_modes(sA1, 0, 2), cute.group_modes(gA, 0, 2))
         tAgA2 = None
         if const_expr(self.gated):
-            gA2 = cute.local_tile(mA2, (WG_ROWS, tile_k), (None, None, None))
+            gA2 = cute.local_tile(mA2, (self.wg_rows, tile_k), (None, None, None))
             _, tAgA2 = cute.nvgpu.cpasync.tma_partition(
                 tma_a2, 0, single, cute.group_modes(sA1, 0, 2), cute.group_modes(gA2, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, single, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
 
-        # M-tiles: gated, 128 weight rows of both gate and up; else 256 rows (two blocks)
+        # M-tiles: gated, wg_rows weight rows of both gate and up; else two blocks of them
         m_blocks = cute.size(gA, mode=[2])
         num_m_tiles = m_blocks if const_expr(self.gated) else (m_blocks + 1) // 2
         num_n_tiles = cute.size(gB, mode=[2])
@@ -202,25 +206,23 @@ class WgradGemmSm90(GemmCoreSm90):
             barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE) + wg,
                                             num_threads=self.threads_per_warpgroup)
             is_store_warp = warp_idx == 4 * warpgroup_idx
-            gC = cute.local_tile(mC, (WG_ROWS, tile_n), (None, None, None))
+            gC = cute.local_tile(mC, (self.wg_rows, tile_n), (None, None, None))
             gC2 = None
             if const_expr(self.gated):
-                gC2 = cute.local_tile(mC2, (WG_ROWS, tile_n), (None, None, None))
+                gC2 = cute.local_tile(mC2, (self.wg_rows, tile_n), (None, None, None))
             loads = Int32(0)
             subtiles = Int32(0)
             tile_idx = cute.arch.block_idx()[0]
             while tile_idx < num_tiles:
                 expert, m_tile, n_tile = self._tile(tile_idx, num_m_tiles, num_n_tiles)
-                _, k_tiles = self._rows(mOffsets, expert)
+                k0, k_tiles = self._rows(mOffsets, expert)
+                block = m_tile if const_expr(self.gated) else 2 * m_tile + wg
                 if k_tiles > 0:
-                    release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
-                                            k_tiles, num_k_blocks)
-                    cute.nvgpu.warpgroup.wait_group(0)
-                    ab_pipeline.consumer_release(release)
+                    self.tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
+                                  num_k_blocks, (mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx))
                 else:
                     acc.fill(0.0)  # an expert with no rows
                 loads += k_tiles
-                block = m_tile if const_expr(self.gated) else 2 * m_tile + wg
                 if const_expr(self.gated):
                     if wg == 0:
                         self.tile_epilogue(epi, (tma_c,), (gC[(None, None, block, n_tile, expert)],),
@@ -234,9 +236,24 @@ class WgradGemmSm90(GemmCoreSm90):
                     self.tile_epilogue(epi, (tma_c,), (gC[(None, None, block, n_tile, expert)],),
                                        "store", wg * self.epi_stages, subtiles, barrier,
                                        store_pipeline, is_store_warp)
-                subtiles += (WG_ROWS // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
+                subtiles += (self.wg_rows // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
                 tile_idx += cute.arch.grid_dim()[0]
             store_pipeline.producer_tail()
+
+    def operands(self, mA, mA2, mB):
+        """The operands as the kernel reads them (the FP8 subclass reinterprets int8 views).
+        Traced inline."""
+        return mA, mA2, mB
+
+    @cute.jit
+    def tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
+                 num_k_blocks: cutlass.Constexpr[int], scale_args):
+        """One output tile's products over its expert's ``k_tiles`` row k-tiles (>= 1) into
+        ``acc``, every stage released. The FP8 subclass promotes per 128-row group."""
+        release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
+                                num_k_blocks)
+        cute.nvgpu.warpgroup.wait_group(0)
+        ab_pipeline.consumer_release(release)
 
     @cute.jit
     def _tile(self, tile_idx: Int32, num_m_tiles: Int32, num_n_tiles: Int32):
@@ -250,8 +267,9 @@ class WgradGemmSm90(GemmCoreSm90):
     @cute.jit
     def _rows(self, mOffsets: cute.Tensor, expert: Int32):
         """(first row k-tile, row k-tiles) of the expert's segment."""
+        tile_k = self.tile_shape_mnk[2]
         first = mOffsets[expert]
-        return first // TILE_K, (mOffsets[expert + 1] - first) // TILE_K
+        return first // tile_k, (mOffsets[expert + 1] - first) // tile_k
 
 
 def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
