@@ -115,6 +115,10 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.gemm_fp8", "compile_grouped_gemm_fp8", {"tile_n": 128, "b_split_k": True},
         "FP8 grouped GEMM FC1 dgrad: [dG | dU] . [W_gate^T; W_up^T] (K = 2I, two B tensors), "
         "promoted every 128 K"),
+    "gemm_wgrad_fp8": KernelSpec(
+        "mok_cute.kernels.gemm_wgrad_fp8", "compile_wgrad_gemm_fp8", {"gated": True},
+        "FP8 expert weight gradients: e4m3 column-quantized copies (K = each expert's rows), "
+        "per-(column, 128-row) scales on both operands, promoted every group"),
     "megakernel": KernelSpec(
         "mok_cute.kernels.megakernel", "compile_megakernel", {"num_ranks": 1, "top_k": 8},
         "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, "

@@ -7,7 +7,8 @@ Stages (``mok_cute.expert_backward``): the training and inference forwards and t
 the d_out and x row gathers, FC2's dgrad with the dgated epilogue (pingpong and cooperative),
 FC1's dgrad, the gate/up and down weight gradients, the k-sum of d_x, and the whole
 ``moe_backward``; with ``--fp8`` also the FP8 dgrads (row quantization included, the weights'
-transposed copies quantized once). Each timed back to back (``layer_profile.gpu_ms``, L2 warm).
+transposed copies quantized once) and the FP8 weight gradients (column quantization included,
+and the gate/up GEMM alone). Each timed back to back (``layer_profile.gpu_ms``, L2 warm).
 A probe for tuning, not the benchmark of record (``mok-cute bench --train``).
 """
 
@@ -86,6 +87,26 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
                                                      saved.num_tiles)
         ms["fp8 fc2 dgrad (quantize d_out rows + dgated)"] = gpu_ms(fp8_fc2, reps)
         ms["fp8 fc1 dgrad (quantize dG|dU + split K)"] = gpu_ms(fp8_fc1, reps)
+        from mok_cute.kernels import gemm_wgrad_fp8
+
+        def fp8_wgrad_gate_up(quantize_x=True):
+            gq, eg = quantize.quantize_cols(d_preact)  # [2I, rows]: dG^T then dU^T
+            xq, ex = xq_ex if not quantize_x else quantize.quantize_cols(x_rows)
+            return gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:I], eg[:I], xq, ex, saved.expert_offsets,
+                                                    E, gq[I:], eg[I:])
+
+        def fp8_wgrad_down():
+            return gemm_wgrad_fp8.grouped_wgrad_fp8(*quantize.quantize_cols(d_rows),
+                                                    *quantize.quantize_cols(hw),
+                                                    saved.expert_offsets, E)
+        xq_ex = quantize.quantize_cols(x_rows)  # a training forward could keep it (x is its input)
+        ms["fp8 wgrad gate+up (quantize dG|dU and x cols)"] = gpu_ms(fp8_wgrad_gate_up, reps)
+        ms["fp8 wgrad gate+up (x cols kept)"] = gpu_ms(lambda: fp8_wgrad_gate_up(False), reps)
+        ms["fp8 wgrad down (quantize d_out and h' cols)"] = gpu_ms(fp8_wgrad_down, reps)
+        gq, eg = quantize.quantize_cols(d_preact)
+        ms["fp8 wgrad gate+up GEMM alone"] = gpu_ms(
+            lambda: gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:I], eg[:I], *xq_ex, saved.expert_offsets,
+                                                     E, gq[I:], eg[I:]), reps)
     for gm in wgrad_group_m:
         suffix = "" if gm == wgrad_group_m[0] else f" group_m={gm}"
         kernel_gu = eb._compiled("gemm_wgrad", x.device, gated=True, group_m=gm)

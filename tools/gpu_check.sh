@@ -133,7 +133,7 @@ run_sonic() {
 
 run_fp8() {
   step fp8_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_fp8_path.py \
-    tests/test_gemm_fp8.py tests/test_gemm_fp8_fc1.py tests/test_gemm_fp8_dgrad.py tests/test_fp8_training.py \
+    tests/test_gemm_fp8.py tests/test_gemm_fp8_fc1.py tests/test_gemm_fp8_dgrad.py tests/test_gemm_fp8_wgrad.py tests/test_fp8_training.py \
     tests/test_fp8_quant.py
   step "fp8_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench \
     --shapes dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral --contenders mok_cute,mok_cute_fp8,torch_grouped_mm,torch_scaled_grouped_mm \

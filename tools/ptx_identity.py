@@ -36,6 +36,10 @@ def cases() -> dict:
         from mok_cute.kernels import gemm_fp8, gemm_wgrad
     except ImportError:
         gemm_fp8 = gemm_wgrad = None
+    try:
+        from mok_cute.kernels import gemm_wgrad_fp8
+    except ImportError:
+        gemm_wgrad_fp8 = None
 
     opt = "--keep-ptx"
 
@@ -95,6 +99,10 @@ def cases() -> dict:
                                                                        epilogue="dgated"),
             "fp8_fc1_save_preact": lambda: gemm_fp8.compile_grouped_gemm_fp8(
                 options=opt, tile_n=128, epilogue="swiglu", save_preact=True),
+        }),
+        **({} if gemm_wgrad_fp8 is None else {
+            "fp8_wgrad_gated": lambda: gemm_wgrad_fp8.compile_wgrad_gemm_fp8(gated=True, options=opt),
+            "fp8_wgrad_down": lambda: gemm_wgrad_fp8.compile_wgrad_gemm_fp8(gated=False, options=opt),
         }),
     }
 

@@ -293,10 +293,10 @@ class GemmCoreSm90:
     def tile_epilogue(self, epi: "TileEpilogue", atoms, g_tiles, kind: cutlass.Constexpr[str],
                       buf_base, subtiles_done, barrier, store_pipeline, is_store_warp,
                       visit_args=None):
-        """One output tile: for each (TILE_M / epi rows) x (output columns / EPI_N) subtile,
+        """One output tile: for each (tile rows / epi rows) x (output columns / EPI_N) subtile,
         ``epi_visit_subtile`` computes ``epi_outputs`` fp32 fragments from the accumulator
         (epilogue ``kind``), which go bf16 -> smem (stmatrix) -> global by TMA, output ``o``
-        through ``atoms[o]`` into ``g_tiles[o]``, the tile's (TILE_M rows, output columns) view
+        through ``atoms[o]`` into ``g_tiles[o]``, the tile's (tile rows, output columns) view
         of its tensor. The buffers rotate over ``epi_stages`` stages of one buffer per output,
         from ``buf_base``. A stage is written again only once the store warp has seen its last
         TMA stores read it: two barriers per subtile, the second one passing on the store
@@ -312,7 +312,7 @@ class GemmCoreSm90:
                 cute.zipped_divide(g_tiles[o], epi_tile)))
         outs = [cute.make_rmem_tensor(epi.frag_shape, Float32) for _ in range(n_out)]
         out_c = cute.make_rmem_tensor(epi.frag_shape, cutlass.BFloat16)
-        epi_m = TILE_M // epi_tile[0]
+        epi_m = self.tile_shape_mnk[0] // epi_tile[0]  # rows of a warpgroup's (pingpong) or the CTA's tile
         out_n = out_tile_n // epi_tile[1]
         for sm in cutlass.range_constexpr(epi_m):
             for sn in cutlass.range_constexpr(out_n):

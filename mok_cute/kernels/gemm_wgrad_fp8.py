@@ -1,0 +1,224 @@
+"""The expert weight gradients in FP8 on Hopper (sm_90a), issue 33: ``gemm_wgrad`` on e4m3.
+
+    C[e][m, n] = bf16( sum over the 128-row groups g of expert e's rows
+                       2^(e_a[g, m] + e_b[g, n]) * (A_q[m, rows of g] . B_q[n, rows of g]) )
+
+- A ``(M, rows)`` and B ``(N, rows)`` e4m3 are the column-quantized transposed copies of the
+  backward's expert-sorted row buffers (``fp8.quantize_cols``: 128 rows of one column share a
+  power-of-two scale), so both are K-major (rows contiguous), the only FP8 wgmma layout. Their
+  exponents come group-major, ``e_a (rows/128, M)`` and ``e_b (rows/128, N)`` int8 (the
+  transposes of ``quantize_cols``'s): a thread's columns of one group are adjacent bytes.
+- Both operands are scaled per (column, group), so the promotion's scale varies along M *and*
+  N: ``acc += (partial * 2^e_b[n]) * 2^e_a[m]``, one FMUL and one FFMA per accumulator element
+  (both exact products by powers of two, the FFMA rounds once), against one FFMA with a
+  per-block scale in ``gemm_fp8``. Each thread's 32 columns' exponents arrive as 16 int16 pairs
+  and its two rows' as two bytes, loaded one group ahead under the wgmmas.
+- Scales are built from their exponents' bits, clamped at 2^-126: -127 is the exponent of an
+  all-zero group (whose products are zero whatever the scale); a non-zero group with an
+  exponent of -127 (amax below 448 * 2^-127, values under 1e-35) is scaled as 2^-126.
+- Tiles: each consumer warpgroup owns 64 rows of M and a 64 x 128 fp32 accumulator beside a
+  64 x 128 partial (128 registers: a 128-row warpgroup tile would need 256). ``gated``: the
+  two warpgroups take the same 64 weight rows of gate (A = dG^T) and up (A2 = dU^T), sharing
+  every loaded x tile (B); otherwise two consecutive 64-row blocks of A. K groups are 128 rows
+  (one 128-byte swizzle atom); an expert's row segment is a multiple of 128 (the receive
+  schedule pads it), so no group spans two experts.
+- Deterministic as ``gemm_wgrad``: one owner per output tile, its expert's groups in order.
+
+Roles, schedule, epilogue and the expert with no rows: ``gemm_wgrad.WgradGemmSm90``, unchanged;
+this class replaces the operands' types, the tile geometry and the tile's products.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import torch
+from cutlass import Int8, Int16, Int32, const_expr
+
+from mok_cute import fp8, jit
+from mok_cute.config import describe
+from mok_cute.kernels import common
+from mok_cute.kernels.gemm_core import pipeline_state
+from mok_cute.kernels.gemm_fp8 import ffma
+from mok_cute.kernels.gemm_wgrad import WgradGemmSm90
+
+GROUP = fp8.GROUP  # 128 rows: one scale group, one k-tile
+WG_ROWS = 64  # M rows per consumer warpgroup
+MIN_NORMAL_EXP = -126
+
+
+def scale_from_exponent(e: Int32):
+    """``2^max(e, -126)`` as fp32 from its bits (module docstring). Traced inline."""
+    return common.f32_from_bits((cutlass.max(e, Int32(MIN_NORMAL_EXP)) + 127) << 23)
+
+
+class WgradGemmFp8Sm90(WgradGemmSm90):
+    """Grouped weight-gradient GEMM on e4m3 with per-(column, 128-row group) scales on both
+    operands and a promoting mainloop (module docstring).
+
+    :param gated: two A operands (gate and up) sharing each B tile.
+    :param group_m: M-tiles per rasterisation group inside an expert.
+    :param num_sms: persistent grid size.
+    """
+
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
+        super().__init__(gated=gated, group_m=group_m, num_sms=num_sms)
+        self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
+        self.wg_rows = WG_ROWS
+        self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
+
+    def operands(self, mA, mA2, mB):
+        """The int8 views as e4m3. Traced inline."""
+        e4m3 = cutlass.Float8E4M3FN
+        return (cute.recast_tensor(mA, e4m3),
+                None if mA2 is None else cute.recast_tensor(mA2, e4m3),
+                cute.recast_tensor(mB, e4m3))
+
+    # ------------------------------------------------------------------ promoting products
+    def load_exponents(self, dst: cute.Tensor, mEA: cute.Tensor, mEA2, mEB: cute.Tensor,
+                       wg: Int32, row0: Int32, pair0: Int32, group: Int32):
+        """This thread's exponents of K group ``group`` into ``dst``: its two rows' (dst[0],
+        dst[1]; gated: warpgroup 1's from ``mEA2``) and its 16 column pairs' (dst[2 + j]: the
+        int16 of columns 8 j + 2 (lane % 4) + {0, 1}, sign-extended). Traced inline."""
+        for r in range(2):
+            ea = Int32(mEA[group, row0 + 8 * r])
+            if const_expr(self.gated):
+                ea = cutlass.select_(wg == 0, ea, Int32(mEA2[group, row0 + 8 * r]))
+            dst[r] = ea
+        for j in range(16):
+            dst[2 + j] = Int32(mEB[group, pair0 + 4 * j])
+
+    def promote(self, acc: cute.Tensor, partial: cute.Tensor, ex: cute.Tensor):
+        """acc += (partial * 2^e_b[column]) * 2^e_a[row]. Element v of the accumulator
+        ((2, 2, 16) values) sits at column 8 (v // 4) + 2 (lane % 4) + v % 2 and row
+        (v // 2) % 2 * 8 + this thread's first row. Traced inline."""
+        row_scale = [scale_from_exponent(ex[0]), scale_from_exponent(ex[1])]
+        accv = cute.flatten(acc)
+        partv = cute.flatten(partial)
+        for j in range(16):
+            pair = ex[2 + j]
+            col_scale = [scale_from_exponent((pair << 24) >> 24), scale_from_exponent(pair >> 8)]
+            for i in range(4):
+                v = 4 * j + i
+                accv[v] = ffma(partv[v] * col_scale[i % 2], row_scale[(i // 2) % 2], accv[v])
+
+    @cute.jit
+    def tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
+                 num_k_blocks: cutlass.Constexpr[int], scale_args):
+        """One output tile over its expert's ``k_tiles`` 128-row groups (>= 1): per group the
+        wgmmas into the partial (the first overwrites it), the next group's exponents loaded
+        under them, wait, release the stage, promote."""
+        mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx = scale_args
+        lane = wg_tidx % 32
+        row0 = block * WG_ROWS + (wg_tidx // 32) * 16 + lane // 4
+        pair0 = n_tile * (self.tile_shape_mnk[1] // 2) + lane % 4
+        partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        ex = cute.make_rmem_tensor((18,), Int32)
+        ex_next = cute.make_rmem_tensor((18,), Int32)
+        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        acc.fill(0.0)
+        self.load_exponents(ex, mEA, mEA2, mEB, wg, row0, pair0, k0)
+        for k in range(k_tiles):
+            ab_pipeline.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
+                          tCrB[(None, None, kb, read.index)], partial)
+            cute.nvgpu.warpgroup.commit_group()
+            # the next group's exponents, under the wgmmas (the last group re-reads its own)
+            self.load_exponents(ex_next, mEA, mEA2, mEB, wg, row0, pair0,
+                                k0 + cutlass.min(k + 1, k_tiles - 1))
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(read)
+            read.advance()
+            self.promote(acc, partial, ex)
+            for i in cutlass.range_constexpr(18):
+                ex[i] = ex_next[i]
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+
+def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
+                           arch: str = "sm_90a", options: str = ""):
+    """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
+    ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
+    (gated) or None bf16 (N contiguous), the int32 expert row offsets, then ``e_a (rows/128,
+    M)``, ``e_a2`` (gated) or None int8 and ``e_b (rows/128, N/2)`` int16 (the int8
+    exponents' pairs); it runs on torch's current stream."""
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
+    rows = cute.sym_int32(divisibility=GROUP)
+    m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
+                     cute.sym_int32())
+    groups = cute.sym_int32()
+    a = common.fake_kmajor_tensor(Int8, (m, rows, 1))
+    a2 = common.fake_kmajor_tensor(Int8, (m, rows, 1)) if gated else None
+    b = common.fake_kmajor_tensor(Int8, (n, rows, 1))
+    c = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, experts))
+    c2 = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, experts)) if gated else None
+    e_a = common.fake_strided_tensor(Int8, (groups, m), align_bytes=1)
+    e_a2 = common.fake_strided_tensor(Int8, (groups, m), align_bytes=1) if gated else None
+    e_b = common.fake_strided_tensor(Int16, (groups, cute.sym_int32()), align_bytes=2)
+    return cute.compile(gemm, a, a2, b, c, c2, common.fake_vector(Int32), common.fake_stream(),
+                        e_a, e_a2, e_b,
+                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
+
+
+# ---------------------------------------------------------------------- torch entry + reference
+def _check_operand(name: str, q: object, e: object, rows: int | None = None):
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn or q.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor [M, rows], got {describe(q)}")
+    m, r = q.shape
+    if m % GROUP or r % GROUP or (rows is not None and r != rows):
+        raise ValueError(f"{name}: expected M and rows multiples of {GROUP}"
+                         f"{'' if rows is None else f' and {rows} rows'}, got {tuple(q.shape)}")
+    if not isinstance(e, torch.Tensor) or e.dtype != torch.int8 or tuple(e.shape) != (m, r // GROUP):
+        raise ValueError(f"exponents of {name}: expected int8 [{m}, {r // GROUP}] "
+                         f"(fp8.quantize_cols), got {describe(e)}")
+    if not q.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor (rows contiguous)")
+    return m, r
+
+
+def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e_b: torch.Tensor,
+                      offsets: torch.Tensor, num_experts: int, a2_t: torch.Tensor | None = None,
+                      e_a2: torch.Tensor | None = None, group_m: int = 4):
+    """Per-expert weight gradients on FP8: ``C[e] = A[:, rows of e] . B[:, rows of e]^T``
+    -> ``[E, M, N]`` bf16, and with ``a2_t`` (gate and up sharing B) the pair (C, C2).
+    ``a_t [M, rows]``, ``b_t [N, rows]`` e4m3 with ``e_a [M, rows/128]``, ``e_b [N, rows/128]``
+    int8: ``fp8.quantize_cols`` of the row buffers ``[rows, M]`` / ``[rows, N]`` (on the GPU:
+    ``kernels.quantize.quantize_cols``); ``offsets [E + 1]`` int32 on the device, each expert's
+    first row (multiples of 128); an expert with no rows gets zeros. No host sync."""
+    m, rows = _check_operand("a_t", a_t, e_a)
+    n, _ = _check_operand("b_t", b_t, e_b, rows)
+    if a2_t is not None:
+        if _check_operand("a2_t", a2_t, e_a2, rows)[0] != m:
+            raise ValueError(f"a2_t: expected a_t's shape {tuple(a_t.shape)}, got {tuple(a2_t.shape)}")
+    if offsets.dtype != torch.int32 or tuple(offsets.shape) != (num_experts + 1,):
+        raise ValueError(f"offsets: expected int32 [{num_experts + 1}], got {describe(offsets)}")
+    gated = a2_t is not None
+    c = torch.empty(num_experts, m, n, dtype=torch.bfloat16, device=a_t.device)
+    c2 = torch.empty_like(c) if gated else None
+    kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
+                                group_m=group_m,
+                                num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
+    group_major = lambda e: e.t().contiguous()  # noqa: E731  (rows/128 x M bytes: small)
+    kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
+           b_t.view(torch.int8).unsqueeze(2), c.permute(1, 2, 0),
+           None if c2 is None else c2.permute(1, 2, 0), offsets, group_major(e_a),
+           None if e_a2 is None else group_major(e_a2), group_major(e_b).view(torch.int16))
+    return (c, c2) if gated else c
+
+
+def grouped_wgrad_fp8_ref(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor,
+                          e_b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The oracle: the dequantized operands (exact) in float64, each expert's row segment,
+    rounded once to bf16 -> ``[E, M, N]``."""
+    a = fp8.dequantize_rows(a_t, e_a).double()
+    b = fp8.dequantize_rows(b_t, e_b).double()
+    bounds = offsets.tolist()
+    out = torch.zeros(len(bounds) - 1, a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
+    for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if hi > lo:
+            out[e] = a[:, lo:hi] @ b[:, lo:hi].T
+    return out.to(torch.bfloat16)
