@@ -116,17 +116,20 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
         from mok_cute import expert_path_fp8
         d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
             d_rows, preact, row_slot, weights, tile_expert, num_tiles,
-            expert_path_fp8.transposed_weights(w_gate, w_up, w_down), want_dx)
+            expert_path_fp8.transposed_weights(w_gate, w_up, w_down), want_dx, w_down.shape[1])
     else:
         d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights,
                                            tile_expert, num_tiles, options)
         if want_dx:
             dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options)
+    # FP8 pads I and H to whole 128 groups: the weight gradients take the real columns
+    half = d_preact.shape[1] // 2
     if want_gate_up:
-        dwg, dwu = wgrad(d_preact[:, :inter], d_preact[:, inter:], x_rows, offsets,
+        dwg, dwu = wgrad(d_preact[:, :inter], d_preact[:, half:half + inter], x_rows, offsets,
                          num_experts, inter)
     if want_down:
-        dwd = wgrad(d_rows, None, hw, offsets, num_experts, w_down.shape[1])
+        dwd = wgrad(d_rows[:, :w_down.shape[1]], None, hw[:, :inter], offsets, num_experts,
+                    w_down.shape[1])
     return dx_rows, dwg, dwu, dwd, partials
 
 
@@ -143,7 +146,11 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     num_tokens, top_k = topk_idx.shape
     d_out = d_out.contiguous()
     weights = topk_weights.to(torch.float32).contiguous().view(-1)
-    d_rows = token_ops.gather_rows(d_out, saved.row_token)  # zeros on padding rows
+    d_src = d_out
+    if precision == "fp8":  # the FP8 dgrad's K: H zero-padded to whole 128 groups
+        from mok_cute.expert_path_fp8 import pad_cols, padded
+        d_src = pad_cols(d_out, padded(d_out.shape[1]))
+    d_rows = token_ops.gather_rows(d_src, saved.row_token)  # zeros on padding rows
     x_rows = token_ops.gather_rows(x, saved.row_token) if needs.w_gate_up else None
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,

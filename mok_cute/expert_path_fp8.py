@@ -1,7 +1,12 @@
-"""The one-GPU expert path in FP8 (issue 33, first slice: the inference forward).
+"""The one-GPU expert path in FP8 (issue 33): the forward, and the backward's two dgrads.
 
     x --quantize 1x128--> scatter (e4m3 rows) --> FC1 (e4m3, promoted every 128 K, SwiGLU) --> h
       --quantize 1x128--> FC2 (e4m3, promoted) --> y rows --k-sum (+ the bf16 shared expert)--> out
+
+A training forward (``save``) also keeps FC1's bf16 g | u by slot, as the bf16 path; its
+backward (``expert_backward.moe_backward(precision="fp8")``) runs both dgrads here
+(``expert_dgrads``: d_out rows and dG | dU quantized 1 x 128, W's exact transposed e4m3
+copies) and the weight gradients and the shared expert in bf16.
 
 DeepSeek's recipe on Hopper (TransformerEngine's ``Float8BlockScaling``): E4M3 data,
 activations scaled per 1 x 128 along K, weights per 128 x 128 block, power-of-two scales
@@ -20,8 +25,10 @@ g, u differ from float64's by ~1e-3 relative, some h elements by a bf16 ulp, and
 requantization turns a few of those into a whole e4m3 step (or a group's scale into its
 neighbour): tokens then differ by 3e-3 typically, up to 3e-2 (H200, 2026-12-02).
 
-Constraints: H and I multiples of 128 (the block scales: ValueError otherwise); no gradients
-(the FP8 backward is the next slice: ValueError); one GPU (no group, no megakernel).
+Sizes: H and I multiples of 64 (ValueError otherwise); the FP8 kernels' K and N are H and I
+rounded up to whole 128-wide groups (H', I'): the weights are zero-padded once per version
+before their quantization, x rows to H', and h, g, u carry I' columns (zero past I), which is
+the quantization of a partial last group. One GPU (no group, no megakernel).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from mok_cute.config import MoKConfig
 GROUP = fp8.GROUP
 
 __all__ = ["Fp8Weights", "Fp8WeightsT", "quantized_weights", "transposed_weights",
-           "forget_quantized_weights", "unsupported_reason", "moe_forward_fp8", "expert_dgrads", "fc1_rows", "reference_hidden", "reference_output", "reference_forward"]
+           "forget_quantized_weights", "unsupported_reason", "padded", "pad_cols", "moe_forward_fp8", "expert_dgrads", "fc1_rows", "reference_hidden", "reference_output", "reference_forward"]
 
 
 class Fp8Weights(NamedTuple):
@@ -52,12 +59,27 @@ class Fp8Weights(NamedTuple):
     e_down: torch.Tensor  # [E, H/128, I/128]
 
 
+SIZE_MULTIPLE = 64  # the bf16 kernels' (shared expert, weight gradients); FP8 pads to 128
+
+
 def unsupported_reason(hidden: int, intermediate: int) -> str | None:
     """Why the FP8 path cannot take these sizes, or None."""
-    if hidden % GROUP or intermediate % GROUP:
-        return (f"config.precision='fp8' needs H and I multiples of {GROUP} (the 128 x 128 "
-                f"weight blocks), got H={hidden}, I={intermediate}")
+    if hidden % SIZE_MULTIPLE or intermediate % SIZE_MULTIPLE:
+        return (f"config.precision='fp8' needs H and I multiples of {SIZE_MULTIPLE}, got "
+                f"H={hidden}, I={intermediate}")
     return None
+
+
+def padded(n: int) -> int:
+    """``n`` rounded up to whole 128-wide scale groups: the FP8 kernels' K and N."""
+    return -(-n // GROUP) * GROUP
+
+
+def pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t [..., n]`` with zero columns up to ``width`` (``t`` itself when already that wide).
+    Zeros change no group's amax, so the padded quantization is the partial group's."""
+    n = t.shape[-1]
+    return t if n == width else F.pad(t, (0, width - n))
 
 
 class Fp8WeightsT(NamedTuple):
@@ -79,9 +101,13 @@ _CACHE: dict[int, tuple] = {}
 
 def _quantize_blocks(w: torch.Tensor, transposed: bool = False,
                      both: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, e) of w, or its transposed copy; ``both``: a training call will want the other
-    copy too, so a miss quantizes the two in one pass over w (the GPU kernel)."""
+    """(q, e) of w, or its transposed copy, w zero-padded to whole 128 x 128 blocks; ``both``:
+    a training call will want the other copy too, so a miss quantizes the two in one pass over
+    w (the GPU kernel)."""
     key = id(w)
+    src = w
+    if w.shape[-1] % GROUP or w.shape[-2] % GROUP:  # whole 128 x 128 blocks: zero padding
+        src = F.pad(w, (0, padded(w.shape[-1]) - w.shape[-1], 0, padded(w.shape[-2]) - w.shape[-2]))
     entry = _CACHE.get(key)
     if entry is None or entry[0]() is not w or entry[1] != w._version:
         entry = (weakref.ref(w, lambda _, key=key: _CACHE.pop(key, None)), w._version, {})
@@ -91,12 +117,12 @@ def _quantize_blocks(w: torch.Tensor, transposed: bool = False,
         if w.is_cuda:
             from mok_cute.kernels import quantize
             if both and not copies:
-                q, e, qt, et = quantize.quantize_blocks(w, both=True)
+                q, e, qt, et = quantize.quantize_blocks(src, both=True)
                 copies.update({False: (q, e), True: (qt, et)})
             else:
-                copies[transposed] = quantize.quantize_blocks(w, transposed=transposed)
+                copies[transposed] = quantize.quantize_blocks(src, transposed=transposed)
         else:
-            copies[transposed] = fp8.quantize_blocks(w, transposed=transposed)
+            copies[transposed] = fp8.quantize_blocks(src, transposed=transposed)
     return copies[transposed]
 
 
@@ -136,8 +162,10 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
     weights = quantized_weights(w_gate, w_up, w_down, training=save)
     h, sched, row_of_slot, preact, row_slot = fc1_rows(x, topk_idx, weights, save=save)
     hq, eh = quantize.quantize_rows(h)
-    y = gemm_fp8.grouped_gemm_fp8(hq, eh, weights.down, weights.e_down, sched.tile_expert,
-                                  sched.num_tiles)
+    # y keeps H columns: W_down's padding rows (H up to 128) are computed and not stored
+    y = torch.empty(h.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+    gemm_fp8.grouped_gemm_fp8(hq, eh, weights.down, weights.e_down, sched.tile_expert,
+                              sched.num_tiles, out=y)
     shared_rows, shared_preact = expert_path.shared_forward(x, shared, config.expert_path,
                                                             save=save)
     out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
@@ -149,16 +177,17 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
 
 
 def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save: bool = False):
-    """The FP8 path's first stage -> (h [capacity, I] bf16 in expert order, the schedule,
+    """The FP8 path's first stage -> (h [capacity, I'] bf16 in expert order, the schedule,
     each slot's padded row [T * K] int32 (-1: routed nowhere), and with ``save`` g | u
-    [T * K, 2I] bf16 by slot and each padded row's slot (else None, None)). No host sync."""
+    [T * K, 2I'] bf16 by slot and each padded row's slot (else None, None)); I' = I rounded up
+    to 128 (h and g, u are zero there), x zero-padded to the weights' H'. No host sync."""
     from mok_cute import expert_path
     from mok_cute import schedule as sched_mod
     from mok_cute.kernels import gemm_fp8
 
     num_tokens, top_k = topk_idx.shape
     sched, row_of_slot = expert_path.expert_schedule(topk_idx, weights.gate.shape[0])
-    xq, ex = _scatter_quantized(x, sched, row_of_slot)
+    xq, ex = _scatter_quantized(pad_cols(x, weights.gate.shape[2]), sched, row_of_slot)
     preact = row_slot = None
     if save:
         preact = torch.empty(num_tokens * top_k, 2 * weights.gate.shape[1],
@@ -171,12 +200,13 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
 
 
 def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
-                  wt: Fp8WeightsT, want_dx: bool):
-    """The routed experts' two dgrads in FP8 (the weight gradients stay bf16): d_out rows and
-    then dG | dU quantized 1 x 128, FC2's dgrad with the dgated epilogue on W_down's
-    transposed copy, FC1's dgrad with K split over W_gate's and W_up's. Returns (dG | dU
-    [M, 2I], w * h [M, I], row partials, dx rows [M, H] or None), as the bf16 kernels of
-    ``expert_backward``; padding rows are zero in and out. No host sync."""
+                  wt: Fp8WeightsT, want_dx: bool, hidden: int):
+    """The routed experts' two dgrads in FP8 (the weight gradients stay bf16): d_out rows
+    ([M, H'], zero-padded to the weights' H') and then dG | dU quantized 1 x 128, FC2's dgrad
+    with the dgated epilogue on W_down's transposed copy, FC1's dgrad with K split over
+    W_gate's and W_up's. Returns (dG | dU [M, 2I'], w * h [M, I'], row partials, dx rows
+    [M, hidden] or None), as the bf16 kernels of ``expert_backward`` (the I' - I padding
+    columns zero); padding rows are zero in and out. No host sync."""
     from mok_cute.kernels import gemm_fp8, quantize
 
     d_preact, hw, partials = gemm_fp8.grouped_gemm_fp8_dgated(
@@ -184,9 +214,10 @@ def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
         tile_expert, num_tiles)
     dx_rows = None
     if want_dx:
-        dx_rows = gemm_fp8.grouped_gemm_fp8_split_k(
+        dx_rows = torch.empty(d_rows.shape[0], hidden, dtype=torch.bfloat16, device=d_rows.device)
+        gemm_fp8.grouped_gemm_fp8_split_k(
             *quantize.quantize_rows(d_preact), wt.gate, wt.e_gate, wt.up, wt.e_up, tile_expert,
-            num_tiles)
+            num_tiles, out=dx_rows)
     return d_preact, hw, partials, dx_rows
 
 
@@ -211,12 +242,12 @@ def _dequantized_rows(v: torch.Tensor) -> torch.Tensor:
 
 
 def reference_hidden(x, topk_idx, weights: Fp8Weights) -> torch.Tensor:
-    """FC1 of the emulation -> h [T, K, I] bf16 per slot (zero where the id is outside
-    [0, E)): g, u the float64 products of the dequantized operands, each rounded once to bf16,
-    h = bf16(silu(g) u) in fp32."""
+    """FC1 of the emulation -> h [T, K, I'] bf16 per slot (I' = I padded to 128; zero where
+    the id is outside [0, E)): g, u the float64 products of the dequantized operands, each
+    rounded once to bf16, h = bf16(silu(g) u) in fp32."""
     T, K = topk_idx.shape
-    E, I, _ = weights.gate.shape
-    x_dq = _dequantized_rows(x)  # quantizing a token's row = quantizing each of its copies
+    E, I, H = weights.gate.shape  # padded to whole 128 blocks
+    x_dq = _dequantized_rows(pad_cols(x, H))  # a token's row quantized = each of its copies
     h = torch.zeros(T, K, I, dtype=torch.bfloat16, device=x.device)
     ids = topk_idx.long()
     for e in range(E):
@@ -233,14 +264,15 @@ def reference_hidden(x, topk_idx, weights: Fp8Weights) -> torch.Tensor:
 
 def reference_output(hidden, x, topk_idx, topk_weights, weights: Fp8Weights,
                      shared=None) -> torch.Tensor:
-    """FC2 and the combine of the emulation from h per slot ([T, K, I] bf16) -> out [T, H]
+    """FC2 and the combine of the emulation from h per slot ([T, K, I'] bf16) -> out [T, H]
     bf16: each h row quantized 1 x 128, times the dequantized W_down in float64, rounded to
     bf16, k-summed with the weights (an id outside [0, E) adds zero) and the bf16 shared
     expert as ``mok_cute.reference``."""
     from mok_cute import reference
 
     T, K = topk_idx.shape
-    E, H = weights.down.shape[:2]
+    E = weights.down.shape[0]
+    H = x.shape[1]
     y = torch.zeros(T, K, H, dtype=torch.bfloat16, device=x.device)
     ids = topk_idx.long()
     for e in range(E):
@@ -248,7 +280,7 @@ def reference_output(hidden, x, topk_idx, topk_weights, weights: Fp8Weights,
         if token.numel() == 0:
             continue
         wd = fp8.dequantize_blocks(weights.down[e], weights.e_down[e]).double()
-        y[token, k] = (_dequantized_rows(hidden[token, k]) @ wd.t()).to(torch.bfloat16)
+        y[token, k] = (_dequantized_rows(hidden[token, k]) @ wd[:H].t()).to(torch.bfloat16)
     w = torch.where((ids >= 0) & (ids < E), topk_weights.float(), 0.0)
     shared_rows = None if shared is None else reference.expert_mlp(x, *shared)
     return reference.weighted_k_sum(y, w, shared_rows)

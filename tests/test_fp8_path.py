@@ -48,7 +48,7 @@ def _accuracy(out, ref):
 
 
 @pytest.mark.parametrize("T,H,I,E,K,Is", [(300, 256, 384, 8, 4, 0), (77, 512, 256, 16, 10, 128),
-                                         (129, 384, 128, 4, 1, 0)])
+                                         (129, 384, 128, 4, 1, 0), (100, 320, 192, 8, 4, 64)])
 def test_emulation_is_within_the_issue_bounds_of_bf16_and_not_bf16(T, H, I, E, K, Is):
     x, idx, w, wg, wu, wd, shared = _problem(T, H, I, E, K, Is, seed=T)
     out = expert_path_fp8.reference_forward(x, idx, w, wg, wu, wd, shared)
@@ -131,7 +131,7 @@ def test_refusals_name_what_is_missing():
         mok.moe_forward(x, idx, w, wg, wu, wd, config=cfg)
     wg.requires_grad_(False)
     x2, idx2, w2, wg2, wu2, wd2, _ = _problem(8, 200, 128, 4, 2)
-    with pytest.raises(ValueError, match="multiples of 128"):
+    with pytest.raises(ValueError, match="multiples of 64"):
         mok.moe_forward(x2, idx2, w2, wg2, wu2, wd2, config=cfg)
     with pytest.raises(ValueError, match="megakernel"):
         mok.moe_forward(x, idx, w, wg, wu, wd, config=mok.MoKConfig(precision="fp8",
@@ -151,6 +151,8 @@ GPU_CASES = {
     "T77_shared": (77, 512, 384, 8, 4, 256, "uniform"),
     "hot_expert": (600, 1024, 512, 16, 4, 0, "hot"),
     "empty_expert_K10": (333, 640, 256, 16, 10, 128, "empty"),
+    "gptoss_like": (512, 2880, 2880, 32, 4, 0, "uniform"),  # H, I padded to 2944
+    "not_128_shared": (200, 576, 320, 16, 4, 192, "hot"),
 }
 
 

@@ -52,6 +52,8 @@ CASES = {
     "hot_expert": (600, 1024, 512, 16, 4, 0, "hot", False),
     "empty_experts": (300, 512, 384, 16, 4, 128, "empty", False),
     "K10_zero_weights": (333, 640, 256, 16, 10, 64, "uniform", True),
+    "gptoss_reduced": (512, 2880, 2880, 128, 4, 0, "uniform", False),  # H, I padded to 2944
+    "not_128_shared": (200, 576, 320, 16, 4, 192, "hot", False),
 }
 
 

@@ -22,7 +22,7 @@
 #   fp8 [TAG]       the FP8 path's GPU tests (tests/test_fp8_path.py, test_gemm_fp8*.py,
 #                   test_fp8_training.py, test_fp8_quant.py), then the forward bench of mok_cute,
 #                   mok_cute_fp8 and the torch pipelines (bf16, and FP8 on torch._scaled_grouped_mm)
-#                   on the four shapes FP8 takes (H, I multiples of 128)
+#                   on the five shapes
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
 #                   R = 2 and 4, a shared expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
@@ -136,7 +136,7 @@ run_fp8() {
     tests/test_gemm_fp8.py tests/test_gemm_fp8_fc1.py tests/test_gemm_fp8_dgrad.py tests/test_gemm_fp8_wgrad.py tests/test_fp8_training.py \
     tests/test_fp8_quant.py
   step "fp8_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench \
-    --shapes dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral --contenders mok_cute,mok_cute_fp8,torch_grouped_mm,torch_scaled_grouped_mm \
+    --shapes "$SHAPES5" --contenders mok_cute,mok_cute_fp8,torch_grouped_mm,torch_scaled_grouped_mm \
     --mok-config check_ids=False --iters 20 --warmup 5 --rounds "${ROUNDS:-3}" --out "$out" \
     --tag "$1" && bench_rows_ok "$out/fp8_${1}.log"
 }

@@ -513,7 +513,9 @@ def _check_tiles(tile_expert, num_m_tiles) -> None:
 
 def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
     """The kernel's layout checks of its FP8 operands ((name, tensor) pairs: CUDA, unit stride
-    along K, 16-byte aligned rows), and its bf16 output [m, n] (allocated when None)."""
+    along K, 16-byte aligned rows), and its bf16 output [m, n] (allocated when None). A given
+    ``out`` may have fewer columns than n, by less than 128 (W zero-padded to whole blocks:
+    TMA clips the padding columns of the last N-tile on store)."""
     for name, t in operands:
         if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16 \
                 or any(s % 16 for s in t.stride()[:-1]):
@@ -522,10 +524,10 @@ def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torc
     if out is None:
         return torch.empty(m, n, dtype=torch.bfloat16, device=operands[0][1].device)
     if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
-            or tuple(out.shape) != (m, n) or out.stride(-1) != 1 or out.data_ptr() % 16
-            or out.stride(0) % 8):
-        raise ValueError(f"out: expected a bf16 tensor [{m}, {n}] with 16-byte aligned rows, "
-                         f"got {describe(out)}")
+            or out.dim() != 2 or out.shape[0] != m or not n - GROUP < out.shape[1] <= n
+            or out.stride(-1) != 1 or out.data_ptr() % 16 or out.stride(0) % 8):
+        raise ValueError(f"out: expected a bf16 tensor [{m}, {n}] (or up to {GROUP - 1} columns "
+                         f"fewer) with 16-byte aligned rows, got {describe(out)}")
     return out
 
 
