@@ -44,12 +44,16 @@ from mok_cute.config import MoKConfig
 
 GROUP = fp8.GROUP
 
-__all__ = ["Fp8Weights", "Fp8WeightsT", "quantized_weights", "transposed_weights",
-           "forget_quantized_weights", "unsupported_reason", "padded", "pad_cols", "moe_forward_fp8", "expert_dgrads", "fc1_rows", "reference_hidden", "reference_output", "reference_forward"]
+__all__ = ["Fp8Weights", "quantized_weights", "transposed_weights", "forget_quantized_weights",
+           "unsupported_reason", "padded", "pad_cols", "moe_forward_fp8", "fc1_rows",
+           "expert_dgrads", "reference_hidden", "reference_output", "reference_forward"]
 
 
 class Fp8Weights(NamedTuple):
-    """The routed experts' weights in e4m3 with their 128 x 128 block exponents."""
+    """The routed experts' weights in e4m3 with their 128 x 128 block exponents (H and I
+    padded to whole blocks), as stored (``quantized_weights``) or as their exact transposed
+    copies, which the dgrads read (``transposed_weights``: e4m3 wgmma takes K-major operands
+    only; shapes then [E, H, I] for gate and up and [E, I, H] for down)."""
 
     gate: torch.Tensor  # [E, I, H] float8_e4m3fn
     e_gate: torch.Tensor  # [E, I/128, H/128] int8
@@ -80,17 +84,6 @@ def pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
     Zeros change no group's amax, so the padded quantization is the partial group's."""
     n = t.shape[-1]
     return t if n == width else F.pad(t, (0, width - n))
-
-
-class Fp8WeightsT(NamedTuple):
-    """The exact transposed copies the dgrads read (e4m3 wgmma takes K-major operands only)."""
-
-    gate: torch.Tensor  # [E, H, I] float8_e4m3fn
-    e_gate: torch.Tensor  # [E, H/128, I/128] int8
-    up: torch.Tensor
-    e_up: torch.Tensor
-    down: torch.Tensor  # [E, I, H]
-    e_down: torch.Tensor  # [E, I/128, H/128]
 
 
 # id(weight) -> (weakref to it, its version, {transposed: (q, e)}): quantized once per weight
@@ -141,9 +134,9 @@ def quantized_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Te
 
 
 def transposed_weights(w_gate: torch.Tensor, w_up: torch.Tensor,
-                       w_down: torch.Tensor) -> Fp8WeightsT:
+                       w_down: torch.Tensor) -> Fp8Weights:
     """The exact transposed e4m3 copies for the dgrads, cached as ``quantized_weights``."""
-    return Fp8WeightsT(*_quantize_blocks(w_gate, True), *_quantize_blocks(w_up, True),
+    return Fp8Weights(*_quantize_blocks(w_gate, True), *_quantize_blocks(w_up, True),
                        *_quantize_blocks(w_down, True))
 
 
@@ -200,7 +193,7 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
 
 
 def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
-                  wt: Fp8WeightsT, want_dx: bool, hidden: int):
+                  wt: Fp8Weights, want_dx: bool, hidden: int):
     """The routed experts' two dgrads in FP8 (the weight gradients stay bf16): d_out rows
     ([M, H'], zero-padded to the weights' H') and then dG | dU quantized 1 x 128, FC2's dgrad
     with the dgated epilogue on W_down's transposed copy, FC1's dgrad with K split over

@@ -252,17 +252,25 @@ def test_training_forward_equals_inference_forward_bitwise(Is):
     assert torch.equal(train, infer)
 
 
+PRECISIONS = ["bf16", "fp8"]  # the FP8 training path (tests/test_fp8_training.py) shares these
+
+
+def _config(precision: str) -> mok.MoKConfig:
+    return mok.MoKConfig(backend="kernel", precision=precision, check_ids=False)
+
+
 @pytest.mark.gpu
-def test_frozen_inputs_get_no_gradient():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_frozen_inputs_get_no_gradient(precision):
     """needs_input_grad: frozen experts skip their weight gradients, a frozen input skips d_x;
     the gradients that are computed equal those of a call where everything trains."""
     leaves, idx = _problem(256, 512, 256, 8, 4, 128, seed=5)
     d_out = torch.randn(256, 512, device="cuda").to(torch.bfloat16)
-    _, full = _grads("kernel", leaves, idx, d_out)
+    _, full = _grads("kernel", leaves, idx, d_out, _config(precision))
     for frozen in ([0], [2, 3], [4], [5, 6, 7], [1]):
         for i, t in enumerate(leaves):
             t.requires_grad_(i not in frozen)
-        _, part = _grads("kernel", leaves, idx, d_out)
+        _, part = _grads("kernel", leaves, idx, d_out, _config(precision))
         for i, (a, b) in enumerate(zip(part, full)):
             if i in frozen:
                 assert a is None
@@ -271,28 +279,30 @@ def test_frozen_inputs_get_no_gradient():
 
 
 @pytest.mark.gpu
-def test_opcheck():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_opcheck(precision):
     import mok_cute.autograd  # noqa: F401
 
     leaves, idx = _problem(200, 512, 256, 8, 2, 64, seed=7, requires_grad=False)
     x, w, wg, wu, wd, sg, su, sd = leaves
-    args = (x, idx, w, wg, wu, wd, sg, su, sd, False, 8192, 8, 8, "bf16")
+    args = (x, idx, w, wg, wu, wd, sg, su, sd, False, 8192, 8, 8, precision)
     torch.library.opcheck(torch.ops.mok_cute.moe_forward_train, args,
                           test_utils=("test_schema", "test_faketensor"))
     outs = torch.ops.mok_cute.moe_forward_train(*args)
     d_out = torch.randn_like(x)
     torch.library.opcheck(torch.ops.mok_cute.moe_backward,
                           (d_out, x, idx, w, wg, wu, wd, sg, su, sd, list(outs[1:]), [True] * 6,
-                           8192, 8, 8, "bf16"), test_utils=("test_schema", "test_faketensor"))
+                           8192, 8, 8, precision), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu
-def test_compiled_layer_call_equals_eager_bitwise():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compiled_layer_call_equals_eager_bitwise(precision):
     """torch.compile(fullgraph=True) of one moe_forward call and its backward: the custom ops
     run unchanged, so the output and every gradient are bitwise equal to eager."""
     leaves, idx = _problem(200, 512, 320, 8, 4, 128, seed=5)
     d_out = torch.randn(200, 512, device="cuda").to(torch.bfloat16)
-    config = mok.MoKConfig(backend="kernel", check_ids=False)
+    config = _config(precision)
 
     def step(x, w, *params):
         return _forward("kernel", [x, w, *params], idx, config)

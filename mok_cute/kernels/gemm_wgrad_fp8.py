@@ -121,6 +121,8 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
         self.load_exponents(ex, mEA, mEA2, mEB, wg, row0, pair0, k0)
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
+            # gemm_fp8's group issue, written out: the DSL's tracer loses a tiled MMA's
+            # accumulate field set inside a helper called from a run-time loop
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(num_k_blocks):
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
