@@ -1,6 +1,6 @@
 """Where the time of one moe_forward call goes: host time, and GPU time per stage.
 
-    python tools/layer_profile.py --shapes dsv3_ep8_rank,qwen3_30b [--json out.json]
+    python tools/layer_profile.py --shapes dsv3_ep8_rank,qwen3_30b [--fp8] [--json out.json]
 
 Stages are timed one at a time with CUDA events around back-to-back repeats, so each number is
 that stage's GPU time, or its host time where the GPU work is tiny (a back-to-back loop then
@@ -89,7 +89,39 @@ def host_ms(fn, reps=5):
     return best * 1e3
 
 
-def profile_shape(name, T, H, I, E, K, reps):
+def profile_fp8(rows, x, topk_idx, topk_w, wg, wu, wd, sched, ros, reps):
+    """The FP8 forward's stages (``expert_path_fp8``) beside the bf16 ones: x quantized and
+    scattered, FC1, h quantized, FC2, the k-sum; weights already quantized (cached)."""
+    import mok_cute as mok
+    from mok_cute import expert_path_fp8
+    from mok_cute.kernels import gemm_fp8, quantize, token_ops
+
+    cfg = mok.MoKConfig(backend="kernel", precision="fp8", check_ids=False)
+    rows["fp8 layer (api)"] = gpu_ms(lambda: mok.moe_forward(x, topk_idx, topk_w, wg, wu, wd,
+                                                             config=cfg), reps)
+    q = expert_path_fp8.quantized_weights(wg, wu, wd)
+    x_in = expert_path_fp8.pad_cols(x, q.gate.shape[2])
+    rows["fp8 quantize x"] = gpu_ms(lambda: quantize.quantize_rows(x_in), reps)
+    rows["fp8 quantize + scatter x"] = gpu_ms(
+        lambda: expert_path_fp8._scatter_quantized(x_in, sched, ros), reps)
+    xq, ex = expert_path_fp8._scatter_quantized(x_in, sched, ros)
+    fc1 = lambda: gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, q.gate, q.e_gate, q.up, q.e_up,  # noqa: E731
+                                                   sched.tile_expert, sched.num_tiles)
+    rows["fp8 fc1"] = gpu_ms(fc1, reps)
+    h = fc1()
+    rows["fp8 quantize h"] = gpu_ms(lambda: quantize.quantize_rows(h), reps)
+    hq, eh = quantize.quantize_rows(h)
+    y = torch.empty(h.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+    rows["fp8 fc2"] = gpu_ms(lambda: gemm_fp8.grouped_gemm_fp8(
+        hq, eh, q.down, q.e_down, sched.tile_expert, sched.num_tiles, out=y), reps)
+    rows["fp8 k-sum"] = gpu_ms(lambda: token_ops.weighted_ksum(y, topk_w, row_index=ros), reps)
+    def requantize():  # as after an optimizer step, training: both copies in one pass
+        expert_path_fp8.forget_quantized_weights()
+        return expert_path_fp8.quantized_weights(wg, wu, wd, training=True)
+    rows["fp8 weights quantized (training: both copies)"] = gpu_ms(requantize, reps)
+
+
+def profile_shape(name, T, H, I, E, K, reps, fp8=False):
     import mok_cute as mok
     from mok_cute import expert_path, schedule
     from mok_cute.constants import TILE_M
@@ -133,9 +165,16 @@ def profile_shape(name, T, H, I, E, K, reps):
         rows["fc2" + (" (pingpong)" if pingpong else "")] = gpu_ms(fc2, reps)
         y = fc2()
         rows["k-sum"] = gpu_ms(lambda: token_ops.weighted_ksum(y, topk_w, row_index=ros), reps)
+        if fp8:
+            profile_fp8(rows, x, topk_idx, topk_w, wg, wu, wd, sched, ros, reps)
+    gemm_flops = {"fc1": 2 * flops // 3, "fc2": flops // 3}
     print(f"{name}: T={T} H={H} I={I} E={E} K={K}")
     for key, ms in rows.items():
-        extra = f"{flops / ms / 1e9:7.1f} TFLOP/s" if key.startswith("layer (") else ""
+        extra = ""
+        if key.startswith("layer (") or key.startswith("fp8 layer ("):
+            extra = f"{flops / ms / 1e9:7.1f} TFLOP/s"
+        elif key.split(" (")[0].removeprefix("fp8 ") in gemm_flops:
+            extra = f"{gemm_flops[key.split(' (')[0].removeprefix('fp8 ')] / ms / 1e9:7.1f} TFLOP/s"
         print(f"  {key:36s} {ms:8.3f} ms {extra}")
     return {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "ms": rows}
 
@@ -145,12 +184,13 @@ def main(argv=None):
     p.add_argument("--shapes", default="dsv3_ep8_rank")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--fp8", action="store_true", help="also the FP8 forward's stages")
     args = p.parse_args(argv)
     out = []
     for name in args.shapes.split(","):
         s = SINGLE_GPU_SHAPES[name]
         out.append(profile_shape(name, s.tokens, s.hidden, s.intermediate, s.experts, s.top_k,
-                                 reps=args.reps))
+                                 reps=args.reps, fp8=args.fp8))
     save_probe_json(args.json, {"profiles": out})
 
 
