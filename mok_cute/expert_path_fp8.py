@@ -92,30 +92,39 @@ def pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
 _CACHE: dict[int, tuple] = {}
 
 
+def _quantize_now(w: torch.Tensor, transposed: bool, both: bool) -> dict:
+    """{transposed: (q, e)} of w zero-padded to whole 128 x 128 blocks (GPU kernel on CUDA,
+    ``mok_cute.fp8`` on the CPU: the same bits); ``both``: the two copies in one pass."""
+    src = w
+    if w.shape[-1] % GROUP or w.shape[-2] % GROUP:
+        src = F.pad(w, (0, padded(w.shape[-1]) - w.shape[-1], 0, padded(w.shape[-2]) - w.shape[-2]))
+    if not w.is_cuda:
+        return {transposed: fp8.quantize_blocks(src, transposed=transposed)}
+    from mok_cute.kernels import quantize
+    if both:
+        q, e, qt, et = quantize.quantize_blocks(src, both=True)
+        return {False: (q, e), True: (qt, et)}
+    return {transposed: quantize.quantize_blocks(src, transposed=transposed)}
+
+
 def _quantize_blocks(w: torch.Tensor, transposed: bool = False,
                      both: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, e) of w, or its transposed copy, w zero-padded to whole 128 x 128 blocks; ``both``:
-    a training call will want the other copy too, so a miss quantizes the two in one pass over
-    w (the GPU kernel)."""
+    """(q, e) of w, or its transposed copy, w zero-padded to whole 128 x 128 blocks, from the
+    cache while w's version is unchanged; ``both``: a training call will want the other copy
+    too, so a miss quantizes the two in one pass over w. While a CUDA graph is captured the
+    cache is bypassed: a replay runs the captured kernels, not this code, so the graph must
+    quantize the weights as they are at each replay (an optimizer step between replays updates
+    them in place, and a cached copy would go stale silently)."""
+    if w.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _quantize_now(w, transposed, both=False)[transposed]
     key = id(w)
-    src = w
-    if w.shape[-1] % GROUP or w.shape[-2] % GROUP:  # whole 128 x 128 blocks: zero padding
-        src = F.pad(w, (0, padded(w.shape[-1]) - w.shape[-1], 0, padded(w.shape[-2]) - w.shape[-2]))
     entry = _CACHE.get(key)
     if entry is None or entry[0]() is not w or entry[1] != w._version:
         entry = (weakref.ref(w, lambda _, key=key: _CACHE.pop(key, None)), w._version, {})
         _CACHE[key] = entry
     copies = entry[2]
     if transposed not in copies:
-        if w.is_cuda:
-            from mok_cute.kernels import quantize
-            if both and not copies:
-                q, e, qt, et = quantize.quantize_blocks(src, both=True)
-                copies.update({False: (q, e), True: (qt, et)})
-            else:
-                copies[transposed] = quantize.quantize_blocks(src, transposed=transposed)
-        else:
-            copies[transposed] = fp8.quantize_blocks(src, transposed=transposed)
+        copies.update(_quantize_now(w, transposed, both and not copies))
     return copies[transposed]
 
 

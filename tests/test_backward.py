@@ -395,9 +395,13 @@ def test_compiled_inference_call_takes_the_custom_op():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_captures_a_training_step():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cuda_graph_captures_a_training_step(precision):
+    """A captured forward + backward replays to eager's gradients, also after the weights
+    change in place between replays (an optimizer step: FP8 must quantize them in the graph,
+    not take its cached copies)."""
     leaves, idx = _problem(256, 512, 256, 8, 4, 0, seed=9)
-    config = mok.MoKConfig(backend="kernel", check_ids=False)
+    config = _config(precision)
     d_out = torch.randn(256, 512, device="cuda").to(torch.bfloat16)
     _, eager = _grads("kernel", leaves, idx, d_out, config)  # warm-up compiles every kernel
     graph = torch.cuda.CUDAGraph()
@@ -406,9 +410,20 @@ def test_cuda_graph_captures_a_training_step():
     with torch.cuda.graph(graph):
         out = _forward("kernel", leaves, idx, config)
         out.backward(d_out)
-    for t in leaves:
-        t.grad.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    for name_, t, want in zip(NAMES, leaves, eager):
-        assert torch.equal(t.grad, want), name_
+    for step in range(2):
+        if step:
+            with torch.no_grad():
+                for t in leaves[2:]:
+                    t.mul_(0.5)  # in place: the graph reads the same memory
+            saved = [t.grad for t in leaves]
+            for t in leaves:
+                t.grad = None
+            _, eager = _grads("kernel", leaves, idx, d_out, config)
+            for t, g in zip(leaves, saved):
+                t.grad = g
+        for t in leaves:
+            t.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for name_, t, want in zip(NAMES, leaves, eager):
+            assert torch.equal(t.grad, want), (step, name_)
