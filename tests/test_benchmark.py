@@ -344,7 +344,7 @@ def test_main_on_cpu_writes_schema_valid_json_and_a_png(tmp_path, capsys):
     import jsonschema
     import matplotlib.image
 
-    argv = ["--shapes", "custom:64,64,32,8,2,1", "--contenders", "torch_grouped_mm,per_expert_loop,sonicmoe,cublas_8192,mok_cute",
+    argv = ["--shapes", "custom:64,64,32,8,2,1", "--contenders", "torch_grouped_mm,per_expert_loop,sonicmoe,cublas_8192,cublas_fp8_8192,mok_cute",
             "--iters", "2", "--warmup", "1", "--check-tokens", "32", "--out", str(tmp_path), "--tag", "cpu-smoke", "--device", "cpu",
             "--mok-config", "megakernel.tickets=static", "--mok-config", "check_ids=False"]
     assert harness.main(argv) == 0
@@ -365,6 +365,8 @@ def test_main_on_cpu_writes_schema_valid_json_and_a_png(tmp_path, capsys):
     if GROUPED_MM_ON_CPU:
         assert by["torch_grouped_mm"]["status"] == "ok" and by["per_expert_loop"]["ratio_vs_torch"] > 0
     assert by["cublas_8192"]["status"] == "skipped"  # no CUDA here: recorded, not run
+    for recipe in ("tensorwise", "blockwise"):  # the FP8 ceiling: one row per scaling recipe
+        assert by[f"cublas_fp8_{recipe}_8192"]["status"] == "skipped"
     assert by["sonicmoe"]["status"] == "skipped"
     img = matplotlib.image.imread(files[0].with_suffix(".png"))
     assert img.shape[0] > 300 and img.shape[1] > 500
@@ -431,8 +433,10 @@ def test_full_protocol_on_the_gpu(tmp_path):
     assert harness.main(argv) == 0
     doc = json.loads(next(tmp_path.glob("*_gpu-test.json")).read_text())
     by = {r["contender"]: r for r in doc["results"]}
-    assert set(by) == set(contenders)
+    fp8_ceilings = {"cublas_fp8_tensorwise_8192", "cublas_fp8_blockwise_8192"}
+    assert set(by) == set(contenders) - {"cublas_fp8_8192"} | fp8_ceilings
     assert by["cublas_8192"]["status"] == "ok" and by["cublas_8192"]["tflops"] > 100
+    assert by["cublas_fp8_tensorwise_8192"]["status"] == "ok"  # the blockwise one: if cuBLAS has it
     assert by["torch_grouped_mm"]["status"] == "ok" and by["torch_grouped_mm"]["rel_err"] <= 1e-2
     for r in doc["results"]:
         assert r["status"] in ("ok", "check_failed", "skipped", "error")

@@ -136,7 +136,7 @@ run_fp8() {
     tests/test_gemm_fp8.py tests/test_gemm_fp8_fc1.py tests/test_gemm_fp8_dgrad.py tests/test_gemm_fp8_wgrad.py tests/test_fp8_training.py \
     tests/test_fp8_quant.py
   step "fp8_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench \
-    --shapes "$SHAPES5" --contenders mok_cute,mok_cute_fp8,torch_grouped_mm,torch_scaled_grouped_mm \
+    --shapes "$SHAPES5" --contenders mok_cute,mok_cute_fp8,torch_grouped_mm,torch_scaled_grouped_mm,cublas_fp8_8192 \
     --mok-config check_ids=False --iters 20 --warmup 5 --rounds "${ROUNDS:-3}" --out "$out" \
     --tag "$1" && bench_rows_ok "$out/fp8_${1}.log"
 }

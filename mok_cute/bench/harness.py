@@ -29,6 +29,8 @@ Contenders:
   sonicmoe           SonicMoE 0.1.2.post1 (moe_general_routing_inputs, inference mode)
   sonicmoe_train     the same in training mode (stores the pre-activation)
   cublas_8192        bf16 8192^3 torch.matmul: the ceiling
+  cublas_fp8_8192    e4m3 8192^3 torch._scaled_mm, two rows: per-tensor scales and DeepSeek's
+                     blockwise 1x128 / 128x128 (cuBLAS's split accumulation): the FP8 ceilings
 
 ``--mok-config KEY=VALUE`` sets a ``MoKConfig`` field of the mok_cute contenders (default
 ``backend="kernel"``), dotted for a field of its options objects: ``--mok-config
@@ -295,7 +297,8 @@ CONTENDERS: dict[str, Callable[[Problem, BenchContext], tuple[Runner, dict[str, 
     "sonicmoe": _prepare_sonicmoe,
     "sonicmoe_train": lambda p, c: _prepare_sonicmoe(p, c, train=True),
 }
-ALL_CONTENDERS = [*CONTENDERS, "cublas_8192"]
+CEILINGS = ("cublas_8192", "cublas_fp8_8192")  # rows of their own, not layer contenders
+ALL_CONTENDERS = [*CONTENDERS, *CEILINGS]
 # a contender whose numerics differ from the bf16 reference by design: its check's bound
 # (issue 33: FP8 output rel-L1 <= 0.08 against the bf16 layer)
 CONTENDER_TOL = {"mok_cute_fp8": 0.08, "torch_scaled_grouped_mm": 0.08}
@@ -389,6 +392,54 @@ def _shape_keys(shape: Shape, problem: Problem, ranks: int) -> dict[str, Any]:
         "ranks": ranks if shape.per_rank_tokens else 1,
         "flops": problem.flops,
     }
+
+
+def bench_cublas_fp8(ctx: BenchContext, timer: Timer, n: int = 8192, tol: float = 0.08,
+                     log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The FP8 ceilings: ``torch._scaled_mm`` on n^3 e4m3 with per-tensor scales and with
+    blockwise 1 x 128 (A, fp32 [n, n/128] column-major) / 128 x 128 (B) scales, each checked
+    against the bf16 product (rel err <= ``tol``). A recipe this torch or cuBLAS lacks is
+    recorded with its error."""
+    from mok_cute.bench.torch_moe import FP8_MAX
+
+    rows = []
+    for recipe in ("tensorwise", "blockwise"):
+        entry: dict[str, Any] = {"shape": f"matmul_{n}", "contender": f"cublas_fp8_{recipe}_{n}",
+                                 "pass": "fwd", "ms": None, "tflops": None}
+        rows.append(entry)
+        if ctx.device.type != "cuda":
+            entry.update(status="skipped", error="cuBLAS ceiling needs a CUDA GPU")
+            continue
+        try:
+            gen = torch.Generator(device=ctx.device).manual_seed(1234)
+            a = torch.randn(n, n, device=ctx.device, generator=gen)
+            b = torch.randn(n, n, device=ctx.device, generator=gen)  # used as [N, K]
+            if recipe == "tensorwise":
+                sa = (a.abs().max() / FP8_MAX).reshape(())
+                sb = (b.abs().max() / FP8_MAX).reshape(())
+                qa, qb = (a / sa).to(torch.float8_e4m3fn), (b / sb).to(torch.float8_e4m3fn)
+            else:
+                g = n // 128
+                sa = a.view(n, g, 128).abs().amax(-1).clamp_min(1e-12) / FP8_MAX  # [M, K/128]
+                qa = (a.view(n, g, 128) / sa[..., None]).view(n, n).to(torch.float8_e4m3fn)
+                sa = sa.t().contiguous().t()  # column-major, as cuBLAS takes 1 x 128 scales
+                sb = b.view(g, 128, g, 128).abs().amax((1, 3)).clamp_min(1e-12) / FP8_MAX  # [N/128, K/128]
+                qb = (b.view(g, 128, g, 128) / sb[:, None, :, None]).view(n, n).to(torch.float8_e4m3fn)
+                sb = sb.t()  # [K/128, N/128], the transpose of a row-major [N/128, K/128]
+            run = functools.partial(torch._scaled_mm, qa, qb.t(), scale_a=sa, scale_b=sb,
+                                    out_dtype=torch.bfloat16)
+            entry["rel_err"] = rel_err(run(), a @ b.t())
+            if not entry["rel_err"] <= tol:
+                entry.update(status="check_failed", error=f"rel err {entry['rel_err']:.3g} > {tol}")
+                continue
+            ms = timer(run)
+            entry.update(ms=ms, tflops=2.0 * n ** 3 / (ms * 1e-3) / 1e12, status="ok")
+            del a, b, qa, qb, run
+        except Exception as exc:
+            entry.update(status="error", error=error_text(exc))
+        free_memory(ctx.device)
+        log(f"{entry['contender']}: {entry.get('status')} {entry.get('tflops')} {entry.get('error', '')[:150]}")
+    return rows
 
 
 def bench_cublas(ctx: BenchContext, timer: Timer, n: int = 8192, tol: float = 1e-2, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -691,7 +742,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     if "cublas_8192" in contenders:
         results.append(bench_cublas(ctx, timer, tol=args.tol, log=log))
-    layer_contenders = [c for c in contenders if c != "cublas_8192"]
+    if "cublas_fp8_8192" in contenders:
+        results.extend(bench_cublas_fp8(ctx, timer, log=log))
+    layer_contenders = [c for c in contenders if c not in CEILINGS]
     for shape in shapes if layer_contenders else []:
         results.extend(
             bench_shape(shape, layer_contenders, ctx, timer, args.t_scale, args.check_tokens, args.tol, args.seed, log=log,
