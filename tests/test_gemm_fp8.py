@@ -83,7 +83,20 @@ def test_no_spills_no_c7508(tile_n, reports):
 
 def test_bad_tile_n_is_named():
     with pytest.raises(ValueError, match="tile_n"):
-        gemm_fp8.GroupedGemmFp8Sm90(tile_n=256)
+        gemm_fp8.GroupedGemmFp8Sm90(tile_n=64)
+
+
+def test_256_wide_tiles_promote_one_n_half_at_a_time(reports):
+    """tile_n 256: per 128-K group two batches of four m64n128k32 wgmmas (N-half 0, then 1)
+    into one half-wide partial, each overwriting it, each promoted (64 FFMA a half: 128 in
+    all, one per accumulator element), without spills."""
+    rep = reports(256)
+    ptx = open(rep.ptx_path).read()
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)
+    assert len(wgmmas) == 8, len(wgmmas)
+    assert wgmma_scale_d(ptx) == [0, 1, 1, 1, 0, 1, 1, 1]
+    assert len(re.findall(r"fma\.rn\.f32", ptx)) == 128
+    assert rep.spill_bytes == 0 and rep.mix["ld.local/st.local"] == 0
 
 
 # ---------------------------------------------------------------------- CPU models
@@ -192,6 +205,9 @@ def _check(got, ref, row_valid, what):
     ([130, 1], 7168, 7168, 192),
     ([300, 0, 129, 128], 4096, 2048, 128),
     ([513, 77], 7168, 7168, 128),
+    ([300, 0, 129, 128], 4096, 2048, 256),   # one N-half promoted at a time
+    ([513, 77], 7168, 7168, 256),            # N = 7168: 28 N-tiles of 256
+    ([130, 1], 2944, 2048, 256),             # N = 2944: a last tile with one N-half only
 ])
 def test_fp8_gemm_matches_float64_reference(counts, n, k, tile_n, gen):
     dev = "cuda"

@@ -74,6 +74,21 @@ def test_fc1_no_spills_no_c7508(report):
 def test_fc1_bad_configuration_is_named():
     with pytest.raises(ValueError, match="tile_n"):
         gemm_fp8.GroupedGemmFp8Sm90(tile_n=192, epilogue="swiglu")
+    with pytest.raises(ValueError, match="tile_n"):
+        gemm_fp8.GroupedGemmFp8Sm90(tile_n=256, epilogue="dgated")
+
+
+def test_fc1_256_wide_tiles_promote_halves_and_keep_h_tiles_128_wide(tmp_path):
+    """tile_n 256: [gate 128 | up 128], one 128-wide h tile = one whole 1 x 128 scale group of
+    h; two batches of four wgmmas a group, 128 FFMA, silu once per h element (128 x 128 / 256
+    threads = 64), no spills (also saving g | u)."""
+    for static in ({"tile_n": 256}, {"tile_n": 256, "save_preact": True}):
+        rep = jit.inspect_kernel("gemm_fp8_fc1", "sm_90a", tmp_path, **static)
+        ptx = open(rep.ptx_path).read()
+        assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 8
+        assert len(re.findall(r"fma\.rn\.f32", ptx)) == 128
+        assert len(re.findall(r"ex2\.approx", ptx)) == 64
+        assert rep.spill_bytes == 0 and rep.mix["ld.local/st.local"] == 0, static
     with pytest.raises(ValueError, match="epilogue"):
         gemm_fp8.GroupedGemmFp8Sm90(epilogue="gelu")
 
@@ -146,12 +161,13 @@ def _check_h(got, ref, what):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_n", [128, 256])
 @pytest.mark.parametrize("counts,i,k", [
     ([300, 0, 129, 128], 1024, 2048),   # an expert with zero tiles, partial segments
     ([513, 77], 2048, 7168),            # dsv3's FC1 (I = 2048, H = 7168): 56 promotions
     ([200, 0, 260], 384, 1024),         # I = 384: an odd number of 128-blocks, 6 h tiles
 ])
-def test_fp8_fc1_matches_float64_reference(counts, i, k, gen):
+def test_fp8_fc1_matches_float64_reference(counts, i, k, tile_n, gen):
     dev = "cuda"
     tile_expert, num_tiles, row_valid = _segments(counts, dev)
     m = row_valid.numel()
@@ -159,13 +175,15 @@ def test_fp8_fc1_matches_float64_reference(counts, i, k, gen):
     a, e_a, wg, eg, wu, eu = _fc1_operands(m + TILE_M, i, k, len(counts), gen, dev)
     te = torch.cat([tile_expert, torch.zeros(1, dtype=torch.int32, device=dev)])
     out = torch.full((m + TILE_M, i), float("nan"), device=dev, dtype=torch.bfloat16)
-    gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, te, num_tiles, out=out)
+    gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, te, num_tiles, out=out,
+                                     tile_n=tile_n)
     ref = gemm_fp8.grouped_gemm_fp8_swiglu_ref(a, e_a, wg, eg, wu, eu, te, num_tiles)
     # every row of a scheduled tile is computed (padding rows too): check them all
-    _check_h(out[:m], ref, f"counts {counts}, I {i}, K {k}")
+    _check_h(out[:m], ref, f"counts {counts}, I {i}, K {k}, tile_n {tile_n}")
     assert torch.isnan(out[m:]).all(), "rows past num_m_tiles were written"
     again = torch.full_like(out, float("nan"))
-    gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, te, num_tiles, out=again)
+    gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, te, num_tiles, out=again,
+                                     tile_n=tile_n)
     assert torch.equal(out[:m], again[:m]), "not bitwise reproducible"
 
 

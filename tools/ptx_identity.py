@@ -101,6 +101,9 @@ def cases() -> dict:
                 options=opt, tile_n=128, epilogue="swiglu", save_preact=True),
         }),
         **({} if gemm_wgrad_fp8 is None else {
+            "fp8_fc2_256": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=256),
+            "fp8_fc1_256": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=256,
+                                                                     epilogue="swiglu"),
             "fp8_wgrad_gated": lambda: gemm_wgrad_fp8.compile_wgrad_gemm_fp8(gated=True, options=opt),
             "fp8_wgrad_down": lambda: gemm_wgrad_fp8.compile_wgrad_gemm_fp8(gated=False, options=opt),
         }),

@@ -94,6 +94,7 @@ import torch
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int8, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -106,11 +107,13 @@ from mok_cute.kernels.gemm_core import pipeline_state
 from mok_cute.kernels.gemm_sm90 import GroupedGemmSm90
 
 GROUP = fp8.GROUP  # 128: the K depth of a scale group, one k-tile
-TILE_NS = (128, 192)
+TILE_NS = (128, 192, 256)
 EPILOGUES = ("store", "swiglu", "dgated")
 # swiglu: the wgmma tile is [gate | up], tile_n / 2 columns of h. 128 (h 64 wide) keeps the
-# accumulator and the partial at 64 + 64 fp32 a thread; 256 (h 128 wide) would need 128 + 128
-SWIGLU_TILE_NS = (128,)
+# accumulator and the partial at 64 + 64 fp32 a thread; 256 (h 128 wide, one whole scale group
+# of h a tile) promotes one N-half at a time: 128 + 64
+SWIGLU_TILE_NS = (128, 256)
+HALF_PROMOTE_TILE_N = 256  # wider tiles run the wgmmas and the promotion one N-half at a time
 
 
 # ---------------------------------------------------------------------- device helpers
@@ -173,7 +176,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                  num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
-        widths = TILE_NS if epilogue == "store" else SWIGLU_TILE_NS  # swiglu, dgated: 128
+        widths = {"store": TILE_NS, "swiglu": SWIGLU_TILE_NS, "dgated": (128,)}[epilogue]
         if tile_n not in widths:
             raise ValueError(f"tile_n must be one of {widths} ({epilogue}), got {tile_n}")
         if b_split_k and (epilogue != "store" or tile_n != GROUP):
@@ -184,9 +187,21 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                          b_split_k=b_split_k, save_preact=save_preact)
         self.tile_shape_mnk = (TILE_M, tile_n, GROUP)
         self.swiglu = epilogue == "swiglu"
+        # 256 wide: the partial covers one N-half (64 fp32 a thread beside the 128 of the
+        # accumulator); each 128-K group runs half 0's wgmmas, promotes them, then half 1's
+        self.half_promote = tile_n == HALF_PROMOTE_TILE_N
+        self.half_mma = None
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
         self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
         self.b_rows_per_load = self.out_tile_n
+
+    def _setup_attributes(self):
+        super()._setup_attributes()
+        if self.half_promote:  # the wgmmas of one N-half: the same rows, half the columns
+            self.half_mma = sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype, self.b_dtype, cute.nvgpu.warpgroup.OperandMajorMode.K,
+                cute.nvgpu.warpgroup.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
+                tiler_mn=(64, self.tile_shape_mnk[1] // 2))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -246,7 +261,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c, mEA, mEB, mEB_up, mTileExpert, mNumMTiles, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
-            *extra_c, mPreact, mRowSlot, mWeights, mPartials,
+            *extra_c, mPreact, mRowSlot, mWeights, mPartials, self.half_mma,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, stream=stream)
 
@@ -264,7 +279,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                tma_atom_c2: Optional[cute.CopyAtom], mC2_mnl: Optional[cute.Tensor],
                tma_atom_c3: Optional[cute.CopyAtom], mC3_mnl: Optional[cute.Tensor],
                mPreact: Optional[cute.Tensor], mRowSlot: Optional[cute.Tensor],
-               mWeights: Optional[cute.Tensor], mPartials: Optional[cute.Tensor]):
+               mWeights: Optional[cute.Tensor], mPartials: Optional[cute.Tensor],
+               half_mma: Optional[cute.TiledMma]):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -295,7 +311,20 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             tile_tidx = tidx - self.threads_per_warpgroup
             tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
                 tiled_mma, sA, sB, sC, consumer * self.threads_per_warpgroup, tile_tidx)
-            partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+            tCrB_up = None
+            if const_expr(self.half_promote):
+                # one N-half's fragments: A as it is, B's two row halves, a half-wide partial
+                thr_half = half_mma.get_slice(consumer * self.threads_per_warpgroup)
+                sB_halves = cute.flat_divide(sB, (tile_n // 2, tile_k))
+                tCrA = half_mma.make_fragment_A(thr_half.partition_A(sA))
+                tCrB = half_mma.make_fragment_B(
+                    thr_half.partition_B(sB_halves[(None, None, 0, 0, None)]))
+                tCrB_up = half_mma.make_fragment_B(
+                    thr_half.partition_B(sB_halves[(None, None, 1, 0, None)]))
+                partial = cute.make_rmem_tensor(
+                    thr_half.partition_shape_C((tile_m, tile_n // 2)), self.acc_dtype)
+            else:
+                partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
             my_rows = self._my_rows(tile_tidx)
             epi_m = tile_m // self.epi_tile[0]
             out_n = self.out_tile_n // self.epi_tile[1]
@@ -318,10 +347,17 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 expert = mTileExpert[m_tile]
-                self.promoting_mainloop(
-                    ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
-                    num_k_blocks, mEA, mEB, mEB_up, m_tile * tile_m + my_rows[0],
-                    m_tile * tile_m + my_rows[1], expert, n_tile, k_split)
+                if const_expr(self.half_promote):
+                    self.half_promoting_mainloop(
+                        ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up, loads,
+                        k_tile_cnt, num_k_blocks, mEA, mEB, mEB_up,
+                        m_tile * tile_m + my_rows[0], m_tile * tile_m + my_rows[1], expert,
+                        n_tile)
+                else:
+                    self.promoting_mainloop(
+                        ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
+                        num_k_blocks, mEA, mEB, mEB_up, m_tile * tile_m + my_rows[0],
+                        m_tile * tile_m + my_rows[1], expert, n_tile, k_split)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code). Seam for FP8 h (issue 33, later step): an epilogue kind that
@@ -414,6 +450,62 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             self.promote(acc, partial, ea0, ea1, eb0, eb1, n_tile)
             ea0, ea1, eb0, eb1 = nxt
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        return read
+
+    def promote_half(self, acc: cute.Tensor, partial: cute.Tensor, half: int, ea0: Int32,
+                     ea1: Int32, eb: Int32):
+        """acc[N-half ``half``] += 2^(e_a[row] + e_b) * partial: the half's accumulator
+        elements are the flattened accumulator's ``half``-th half (8-column chunks in order),
+        with one W block a half (store: the tile's two blocks; swiglu: W_gate's, then W_up's).
+        Traced inline."""
+        scales = (pow2_f32(ea0 + eb), pow2_f32(ea1 + eb))
+        accv = cute.flatten(acc)
+        partv = cute.flatten(partial)
+        base = half * cute.size(partv)
+        for v in range(cute.size(partv)):
+            accv[base + v] = ffma(partv[v], scales[(v // 2) % 2], accv[base + v])
+
+    @cute.jit
+    def half_promoting_mainloop(self, ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
+                                loads: Int32, k_tiles: Int32,
+                                num_k_blocks: cutlass.Constexpr[int], mEA: cute.Tensor,
+                                mEB: cute.Tensor, mEB_up, row0: Int32, row1: Int32,
+                                expert: Int32, n_tile: Int32):
+        """``promoting_mainloop`` for 256-wide tiles: per 128-K group, N-half 0's wgmmas into
+        the half-wide partial, wait, promote; then N-half 1's (the next group's exponents loaded
+        under them), wait, release the stage, promote. The tensor cores wait for each half's
+        promotion (the partial is reused); the A tile is read from smem for 256 columns."""
+        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        acc.fill(0.0)
+        ea0, ea1, eb0, eb1 = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
+                                                  Int32(0), Int32(0))
+        for k in range(k_tiles):
+            ab_pipeline.consumer_wait(read)
+            # N-half 0 (the wgmma issue written out, as in promoting_mainloop: the DSL loses
+            # the accumulate field set in a helper called from this run-time loop)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
+                          tCrB[(None, None, kb, read.index)], partial)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            self.promote_half(acc, partial, 0, ea0, ea1, eb0)
+            # N-half 1
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
+                          tCrB_up[(None, None, kb, read.index)], partial)
+            cute.nvgpu.warpgroup.commit_group()
+            nxt = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
+                                       cutlass.min(k + 1, k_tiles - 1), Int32(0))
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(read)
+            read.advance()
+            self.promote_half(acc, partial, 1, ea0, ea1, eb1)
+            ea0, ea1, eb0, eb1 = nxt
+        half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read
 
 
