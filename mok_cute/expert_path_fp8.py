@@ -224,19 +224,13 @@ def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
 
 
 def _scatter_quantized(x: torch.Tensor, sched, row_of_slot: torch.Tensor):
-    """x quantized once per token (1 x 128, the quantize kernel), then its e4m3 rows scattered
-    to their K padded rows as the bf16 path scatters x (half the bytes: the e4m3 row moved as
-    H / 2 bf16 words) and each row's exponents gathered from its token. Quantizing a token
-    equals quantizing each of its copies. Padding rows: whatever the buffers held (no GEMM
-    output row depends on another row, and none of theirs is read)."""
-    from mok_cute.kernels import quantize, token_ops
+    """x quantized once per token (1 x 128) straight into its K padded rows in expert order,
+    exponents too (``quantize.quantize_scatter_rows``: one pass; quantizing a token equals
+    quantizing each of its copies). Padding rows: whatever the buffers held (no GEMM output
+    row depends on another row, and none of theirs is read)."""
+    from mok_cute.kernels import quantize
 
-    xq, ex = quantize.quantize_rows(x)
-    rows = sched.row_token.shape[0]
-    xq_rows = torch.empty(rows, x.shape[1], dtype=torch.float8_e4m3fn, device=x.device)
-    token_ops.scatter_rows(xq.view(torch.bfloat16), row_of_slot, xq_rows.view(torch.bfloat16))
-    ex_rows = ex[sched.row_token.long().clamp_min(0)]
-    return xq_rows, ex_rows
+    return quantize.quantize_scatter_rows(x, row_of_slot, sched.row_token.shape[0])
 
 
 def _dequantized_rows(v: torch.Tensor) -> torch.Tensor:

@@ -383,6 +383,17 @@ def reports(tmp_path_factory):
 ])
 def test_kernel_compiles_with_exact_conversions_and_no_spills(reports, name, loads, stores):
     rep = reports(name)
+    _check_exact_kernel(rep, loads, stores)
+
+
+def test_quantize_scatter_rows_stores_each_token_k_times(reports):
+    """scatter_k = 8: the row quantized once, its 8 bytes and exponent stored at each of the
+    token's 8 destination rows (one 128-bit load, 8 + 8 stores), no spills."""
+    _check_exact_kernel(reports("quantize_rows", scatter_k=8), {"ld.global.128b": 1},
+                        {"st.global.64b": 8, "st.global.8b": 8})
+
+
+def _check_exact_kernel(rep, loads, stores):
     ptx = open(rep.ptx_path).read()
     assert re.search(r"^\.target sm_90a", ptx, re.M)
     assert rep.spill_bytes == 0 and rep.mix["ld.local/st.local"] == 0
@@ -573,3 +584,30 @@ def test_reference_gives_the_same_bits_on_cuda(gen):
     q2d, e2d = fp8.from_mxfp8(q.cuda(), s.cuda())
     _assert_same(q2d, q2, "from_mxfp8 q")
     _assert_same(e2d, e2, "from_mxfp8 e")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_quantize_scatter_rows_writes_each_token_to_its_rows(gen, top_k):
+    """The FP8 path's x into expert order: each token's quantized row and exponents at each of
+    its K destination rows, bitwise ``fp8.quantize_rows``; -1 slots and the rows no slot names
+    are not written (they keep their poison)."""
+    from mok_cute.kernels import quantize
+
+    t, h, rows_total = 77, 384, 77 * top_k + 50
+    x = (torch.randn(t, h, generator=gen) * 3).bfloat16()
+    perm = torch.randperm(rows_total, generator=gen)[: t * top_k].to(torch.int32)
+    perm[::5] = -1  # routed nowhere
+    q_out = torch.full((rows_total, h), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).cuda()
+    e_out = torch.full((rows_total, h // 128), 99, dtype=torch.int8).cuda()
+    q, e = quantize.quantize_scatter_rows(x.cuda(), perm.cuda(), rows_total, out=q_out,
+                                          scale_out=e_out)
+    want_q, want_e = fp8.quantize_rows(x)
+    token = torch.arange(t * top_k) // top_k
+    written = perm >= 0
+    dest = perm[written].long()
+    assert torch.equal(q.cpu().view(torch.uint8)[dest], want_q.view(torch.uint8)[token[written]])
+    assert torch.equal(e.cpu()[dest], want_e[token[written]])
+    untouched = torch.ones(rows_total, dtype=torch.bool)
+    untouched[dest] = False
+    assert (q.cpu().view(torch.uint8)[untouched] == 0x7F).all() and (e.cpu()[untouched] == 99).all()

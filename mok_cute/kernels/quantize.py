@@ -190,30 +190,39 @@ class _ColumnTile:
 
 # ---------------------------------------------------------------------- kernels
 class QuantizeRows:
-    """1 x 128 groups along K: a half-warp per group, 16 bytes of bf16 per lane."""
+    """1 x 128 groups along K: a half-warp per group, 16 bytes of bf16 per lane.
+
+    :param scatter_k: 0, or K: each row t of x is also the source of the K destination rows
+        ``rows[t * K + k]`` (-1: none), which its quantized groups and exponents are written to
+        instead of row t (the FP8 expert path's x, quantized once per token straight into
+        expert order: the scatter's pass over the e4m3 rows and the exponent gather gone)."""
 
     LANES_PER_GROUP = 16
 
-    def __init__(self, num_warps: int = 4):
+    def __init__(self, num_warps: int = 4, scatter_k: int = 0):
         self.num_warps = num_warps
+        self.scatter_k = scatter_k
         self.num_threads = None
 
     def _setup_attributes(self):
         self.num_threads = 32 * self.num_warps
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor, stream):
-        """mX (M, K/2) int32 (bf16 pairs), mQ (M, K/4) int32 (e4m3 quads), mE (M, K/128) int8."""
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
+                 mRows: Optional[cute.Tensor], stream):
+        """mX (M, K/2) int32 (bf16 pairs), mQ (M', K/4) int32 (e4m3 quads), mE (M', K/128) int8;
+        mRows int32 (M * scatter_k) with scatter_k (M' any), else None (M' = M)."""
         self._setup_attributes()
         groups = mE.shape[1]
         units = mX.shape[0] * groups
         warps = (units + 1) // 2
         grid_x = (warps + self.num_warps - 1) // self.num_warps
-        self.kernel(mX, mQ, mE, units, groups).launch(
+        self.kernel(mX, mQ, mE, mRows, units, groups).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor, units: Int32, groups: Int32):
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
+               mRows: Optional[cute.Tensor], units: Int32, groups: Int32):
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -240,7 +249,16 @@ class QuantizeRows:
             w0, w1 = words[2 * j], words[2 * j + 1]
             out[j] = quantize_quad(bf16_as_f32_bits(w0, 0), bf16_as_f32_bits(w0, 1),
                                    bf16_as_f32_bits(w1, 0), bf16_as_f32_bits(w1, 1), mult, nonfinite)
-        if valid:
+        if const_expr(self.scatter_k):
+            for k in cutlass.range_constexpr(self.scatter_k):
+                dest = Int32(-1)
+                if valid:
+                    dest = mRows[row * self.scatter_k + k]
+                if dest >= 0:
+                    cute.copy(_copy_atom(Int32, 64), out, gQ[0, None, dest, vec])
+                    if sub == 0:
+                        mE[dest, g] = Int8(e)
+        elif valid:
             cute.copy(_copy_atom(Int32, 64), out, gQ[0, None, row, vec])
             if sub == 0:
                 mE[row, g] = Int8(e)
@@ -387,11 +405,16 @@ def _compile(op, args, arch: str, options: str):
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
 
-def compile_quantize_rows(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4):
-    """Compile ``QuantizeRows`` on fake tensors: M and K (a multiple of 128) at run time."""
+def compile_quantize_rows(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4,
+                          scatter_k: int = 0):
+    """Compile ``QuantizeRows`` on fake tensors: M and K (a multiple of 128) at run time;
+    ``scatter_k``: the destination rows' count M' too, and the int32 row map."""
     m = cute.sym_int32()
-    args = (_fake_words(m, GROUP // 2), _fake_words(m, GROUP // 4), _fake_exponents(m, cute.sym_int32()))
-    return _compile(QuantizeRows(num_warps=num_warps), args, arch, options)
+    dest = cute.sym_int32() if scatter_k else m
+    args = (_fake_words(m, GROUP // 2), _fake_words(dest, GROUP // 4),
+            _fake_exponents(dest, cute.sym_int32()),
+            common.fake_vector(Int32) if scatter_k else None)
+    return _compile(QuantizeRows(num_warps=num_warps, scatter_k=scatter_k), args, arch, options)
 
 
 def compile_quantize_cols(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4):
@@ -477,7 +500,34 @@ def quantize_rows(x: torch.Tensor, out: torch.Tensor | None = None,
     e = _out("scale_out", scale_out, (m, k // GROUP), torch.int8, x.device)
     if m and k:
         compiled = jit.compile_kernel("quantize_rows", jit.device_arch(x.device))
-        compiled(_words(x), _bytes(q), e)
+        compiled(_words(x), _bytes(q), e, None)
+    return q, e
+
+
+def quantize_scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int,
+                          out: torch.Tensor | None = None,
+                          scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(x)`` with each token's row written to its K destination rows instead:
+    ``x [T, H]`` bf16 (H % 128 == 0), ``rows [T * K]`` int32 (the padded row of each slot, -1:
+    routed nowhere; distinct) -> ``(q [num_rows, H] float8_e4m3fn, e [num_rows, H/128] int8)``
+    with ``q[rows[t * K + k]] = quantize_rows(x)[0][t]`` (and e alike); other rows are not
+    written. One pass over x, no host sync."""
+    _check_bf16("x", x, 2)
+    _multiple("x", x, 1, "K", GROUP)
+    _check_device("x", x)
+    t, h = x.shape
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int32 or rows.dim() != 1 \
+            or not rows.is_contiguous() or rows.device != x.device:
+        raise ValueError(f"rows: expected a contiguous 1-D int32 tensor on {x.device}, got "
+                         f"{describe(rows)}")
+    if t == 0 or rows.numel() % t:
+        raise ValueError(f"rows: expected K rows per token of x (T = {t}), got {rows.numel()}")
+    top_k = rows.numel() // t
+    q = _out("out", out, (num_rows, h), torch.float8_e4m3fn, x.device)
+    e = _out("scale_out", scale_out, (num_rows, h // GROUP), torch.int8, x.device)
+    if num_rows and h:
+        compiled = jit.compile_kernel("quantize_rows", jit.device_arch(x.device), scatter_k=top_k)
+        compiled(_words(x), _bytes(q), e, rows)
     return q, e
 
 
