@@ -78,6 +78,42 @@ def test_fc1_bad_configuration_is_named():
         gemm_fp8.GroupedGemmFp8Sm90(tile_n=256, epilogue="dgated")
 
 
+def test_fc1_quantize_h_writes_e4m3_h_and_exponents_from_registers(tmp_path):
+    """quantize_h (tile_n 256): no bf16 h and no TMA store; per thread 32 conversions
+    (64 h values), the row amax over the row's 4 lanes (2 shuffles a row), 16-bit stores of
+    the e4m3 pairs and one exponent byte a row; no spills."""
+    rep = jit.inspect_kernel("gemm_fp8_fc1", "sm_90a", tmp_path, tile_n=256, quantize_h=True)
+    ptx = open(rep.ptx_path).read()
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 32
+    assert ptx.count("shfl.sync.bfly") == 4
+    assert len(re.findall(r"st\.global\.(u16|b16)", ptx)) == 32
+    assert not re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
+    assert rep.spill_bytes == 0 and rep.mix["ld.local/st.local"] == 0
+    with pytest.raises(ValueError, match="quantize_h"):
+        gemm_fp8.GroupedGemmFp8Sm90(tile_n=128, epilogue="swiglu", quantize_h=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,i,k", [([300, 0, 129, 128], 1024, 2048), ([513, 77], 2048, 7168)])
+def test_fp8_fc1_quantize_h_is_the_row_quantizer_of_its_bf16_h(counts, i, k, gen):
+    """FC1 with h quantized in its epilogue: bitwise ``quantize.quantize_rows`` of the bf16 h
+    the same 256-wide kernel writes without it, on every scheduled row."""
+    from mok_cute.kernels import quantize
+
+    dev = "cuda"
+    tile_expert, num_tiles, row_valid = _segments(counts, dev)
+    m = row_valid.numel()
+    a, e_a, wg, eg, wu, eu = _fc1_operands(m, i, k, len(counts), gen, dev)
+    h = gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, tile_expert, num_tiles,
+                                         tile_n=256)
+    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device=dev)  # poison the pool
+    hq, eh = gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, tile_expert, num_tiles,
+                                              tile_n=256, quantize_h=True)
+    want_q, want_e = quantize.quantize_rows(h)
+    assert torch.equal(hq.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(eh, want_e)
+
+
 def test_fc1_256_wide_tiles_promote_halves_and_keep_h_tiles_128_wide(tmp_path):
     """tile_n 256: [gate 128 | up 128], one 128-wide h tile = one whole 1 x 128 scale group of
     h; two batches of four wgmmas a group, 128 FFMA, silu once per h element (128 x 128 / 256

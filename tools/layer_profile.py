@@ -118,10 +118,17 @@ def profile_fp8(rows, x, topk_idx, topk_w, wg, wu, wd, sched, ros, reps):
     rows["fp8 fc1"] = gpu_ms(fc1, reps)
     h = fc1()
     rows["fp8 quantize h"] = gpu_ms(lambda: quantize.quantize_rows(h), reps)
+    for_fc1 = (xq, ex, q.gate, q.e_gate, q.up, q.e_up, sched.tile_expert, sched.num_tiles)
+    rows["fp8 fc1 (256 wide)"] = gpu_ms(
+        lambda: gemm_fp8.grouped_gemm_fp8_swiglu(*for_fc1, tile_n=256), reps)
+    rows["fp8 fc1 (256 wide, h quantized in its epilogue)"] = gpu_ms(
+        lambda: gemm_fp8.grouped_gemm_fp8_swiglu(*for_fc1, tile_n=256, quantize_h=True), reps)
     hq, eh = quantize.quantize_rows(h)
     y = torch.empty(h.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
     rows["fp8 fc2"] = gpu_ms(lambda: gemm_fp8.grouped_gemm_fp8(
         hq, eh, q.down, q.e_down, sched.tile_expert, sched.num_tiles, out=y), reps)
+    rows["fp8 fc2 (256 wide)"] = gpu_ms(lambda: gemm_fp8.grouped_gemm_fp8(
+        hq, eh, q.down, q.e_down, sched.tile_expert, sched.num_tiles, out=y, tile_n=256), reps)
     rows["fp8 k-sum"] = gpu_ms(lambda: token_ops.weighted_ksum(y, topk_w, row_index=ros), reps)
     def requantize():  # as after an optimizer step, training: both copies in one pass
         expert_path_fp8.forget_quantized_weights()

@@ -95,7 +95,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int8, Int32, const_expr
+from cutlass import Float32, Int8, Int32, Uint16, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -124,6 +124,11 @@ def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.inline_asm(T.f32(), args, "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
                                    has_side_effects=False, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def recast_u16(t: cute.Tensor) -> cute.Tensor:
+    """An int8 (rows, n) tensor as (rows, n / 2) 16-bit words. Traced inline."""
+    return cute.recast_tensor(t, Uint16)
 
 
 def pow2_f32(e: Int32) -> Float32:
@@ -173,7 +178,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     """
 
     def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
-                 num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False):
+                 num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False,
+                 quantize_h: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         widths = {"store": TILE_NS, "swiglu": SWIGLU_TILE_NS, "dgated": (128,)}[epilogue]
@@ -182,6 +188,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         if b_split_k and (epilogue != "store" or tile_n != GROUP):
             raise ValueError(f"b_split_k needs the store epilogue and tile_n {GROUP}, got "
                              f"{epilogue!r}, {tile_n}")
+        if quantize_h and (epilogue != "swiglu" or tile_n != HALF_PROMOTE_TILE_N or save_preact):
+            raise ValueError(f"quantize_h needs the swiglu epilogue, tile_n "
+                             f"{HALF_PROMOTE_TILE_N} (a whole 1 x 128 group of h a tile) and no "
+                             f"save_preact, got {epilogue!r}, {tile_n}, save_preact={save_preact}")
         # the core checks widths for bf16 tiles; the FP8 tile is set below
         super().__init__(tile_n=128, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                          b_split_k=b_split_k, save_preact=save_preact)
@@ -191,6 +201,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         # accumulator); each 128-K group runs half 0's wgmmas, promotes them, then half 1's
         self.half_promote = tile_n == HALF_PROMOTE_TILE_N
         self.half_mma = None
+        # FC1 writes h as e4m3 with its 1 x 128 exponents (``store_h_fp8``), not bf16
+        self.quantize_h = quantize_h
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
         self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
         self.b_rows_per_load = self.out_tile_n
@@ -211,7 +223,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                  mNumMTiles: cute.Tensor, mC2: Optional[cute.Tensor],
                  mC3: Optional[cute.Tensor], mPreact: Optional[cute.Tensor],
                  mRowSlot: Optional[cute.Tensor], mWeights: Optional[cute.Tensor],
-                 mPartials: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mPartials: Optional[cute.Tensor], stream: cuda.CUstream,
+                 mHq: Optional[cute.Tensor] = None, mEh: Optional[cute.Tensor] = None):
         """mA (M, K, 1) and mB (N, K, E) int8 views of the e4m3 data, mC (M, N_out, 1) bf16,
         mEA (M, K/128) and mEB (E, N/128, K/128) int8 exponents, mTileExpert int32,
         mNumMTiles int32 [1]. swiglu: mB is W_gate and mB_up W_up (I, K, E), mEB and mEB_up
@@ -224,7 +237,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         tma_atom_b_up, tma_tensor_b_up = None, None
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
-        self.c_dtype = mC.element_type
+        self.c_dtype = cutlass.BFloat16  # quantize_h: no bf16 output (mC None)
         self._setup_attributes()
 
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -250,8 +263,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                     g2s, mB_up, b_layout, (tile_n, tile_k))
         s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
         epi_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
-        tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            s2g, mC, epi_layout, self.epi_tile)
+        tma_atom_c, tma_tensor_c = None, None
+        if const_expr(not self.quantize_h):
+            tma_atom_c, tma_tensor_c = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                s2g, mC, epi_layout, self.epi_tile)
         extra_c = (None,) * 4
         if const_expr(self.epi_outputs == 3):
             extra_c = (*cute.nvgpu.cpasync.make_tiled_tma_atom(s2g, mC2, epi_layout, self.epi_tile),
@@ -261,7 +276,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_b_up, tma_tensor_b_up,
             tma_atom_c, tma_tensor_c, mEA, mEB, mEB_up, mTileExpert, mNumMTiles, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
-            *extra_c, mPreact, mRowSlot, mWeights, mPartials, self.half_mma,
+            *extra_c, mPreact, mRowSlot, mWeights, mPartials, self.half_mma, mHq, mEh,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, stream=stream)
 
@@ -280,7 +295,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                tma_atom_c3: Optional[cute.CopyAtom], mC3_mnl: Optional[cute.Tensor],
                mPreact: Optional[cute.Tensor], mRowSlot: Optional[cute.Tensor],
                mWeights: Optional[cute.Tensor], mPartials: Optional[cute.Tensor],
-               half_mma: Optional[cute.TiledMma]):
+               half_mma: Optional[cute.TiledMma], mHq: Optional[cute.Tensor],
+               mEh: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -335,8 +351,10 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             epilogue_barrier = pipeline.NamedBarrier(
                 barrier_id=int(common.NamedBarriers.EPILOGUE), num_threads=self.threads_per_tile)
             is_store_warp = warp_idx == 4
-            outputs = self.output_views(((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
-                                         (tma_atom_c3, mC3_mnl)))
+            outputs = None
+            if const_expr(not self.quantize_h):
+                outputs = self.output_views(((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
+                                             (tma_atom_c3, mC3_mnl)))
             coords = None
             if const_expr(self.epilogue == "dgated" or self.save_preact):
                 coords = self.epi_coords(epi, tile_tidx)
@@ -363,12 +381,64 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 # kernel's code). Seam for FP8 h (issue 33, later step): an epilogue kind that
                 # also writes e4m3 h with 1 x 128 exponents goes here; note an h tile is 64
                 # wide, so one 128-column group of h spans two N-tiles (n_tile 2j, 2j + 1)
-                self.store_tile(epi, outputs, m_tile, n_tile, coords,
-                                (mPreact, mRowSlot, mWeights, mPartials), 0, subtiles_done,
-                                epilogue_barrier, tma_store_pipeline, is_store_warp, tile_tidx)
+                if const_expr(self.quantize_h):
+                    self.store_h_fp8(acc, mHq, mEh, m_tile * tile_m + my_rows[0],
+                                     m_tile * tile_m + my_rows[1], n_tile, tile_tidx)
+                else:
+                    self.store_tile(epi, outputs, m_tile, n_tile, coords,
+                                    (mPreact, mRowSlot, mWeights, mPartials), 0, subtiles_done,
+                                    epilogue_barrier, tma_store_pipeline, is_store_warp,
+                                    tile_tidx)
                 subtiles_done += epi_m * out_n
                 tile_idx += cute.arch.grid_dim()[0]
             tma_store_pipeline.producer_tail()
+
+    # ------------------------------------------------------------------ FC1's e4m3 h
+    def store_h_fp8(self, acc: cute.Tensor, mHq: cute.Tensor, mEh: cute.Tensor, row0: Int32,
+                    row1: Int32, n_tile: Int32, tidx: Int32):
+        """h of this 128 x 128 tile straight from the accumulator as e4m3 with one exponent per
+        row (the tile's 128 columns are one 1 x 128 group): h = bf16(silu(bf16(g)) * bf16(u))
+        as the swiglu epilogue computes it, then exactly ``quantize.quantize_rows`` of those
+        bf16 values (the row amax over the 4 lanes that hold the row, its scale exponent, the
+        same conversion). Thread's elements: v = c + 2 r + 4 j, column 8 j + 2 (lane % 4) + c
+        of row r, gate for j < 16 and up at j + 16; each chunk pair's 4 bytes leave as two
+        16-bit stores (columns 8 j and 8 (j + 1) + 2 (lane % 4)), and the row's exponent byte
+        (the same value from each of its 4 lanes). Traced inline."""
+        from mok_cute.kernels import quantize
+
+        accv = cute.flatten(acc)
+        half = cute.size(accv) // 2  # 64: the gate elements, then the up ones
+        gate = cute.make_rmem_tensor((half,), Float32)
+        up = cute.make_rmem_tensor((half,), Float32)
+        for v in range(half):
+            gate[v] = accv[v]
+            up[v] = accv[half + v]
+        gate.store(gate.load().to(cutlass.BFloat16).to(Float32))
+        up.store(up.load().to(cutlass.BFloat16).to(Float32))
+        h = cute.make_rmem_tensor((half,), Float32)
+        for v in range(half):
+            h[v] = common.silu(gate[v]) * up[v]
+        h.store(h.load().to(cutlass.BFloat16).to(Float32))
+        bits = [common.f32_bits(h[v]) for v in range(half)]
+        amax = [Int32(0), Int32(0)]
+        for v in range(half):
+            r = (v // 2) % 2
+            amax[r] = cutlass.max(amax[r], (bits[v] >> 16) & 0x7FFF)
+        lane = tidx % 32
+        rows = (row0, row1)
+        pairs = recast_u16(mHq)
+        for r in range(2):
+            for offset in (1, 2):  # the row's 4 lanes: lane / 4 equal
+                amax[r] = cutlass.max(amax[r], cute.arch.shuffle_sync_bfly(amax[r], offset))
+            e, mult, nonfinite = quantize.scale_exponent(amax[r])
+            for j in range(0, half // 4, 2):  # two chunks (j, j + 1): four bytes
+                v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
+                quad = quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1], bits[v1 + 1],
+                                              mult, nonfinite)
+                col2 = n_tile * (GROUP // 2) + 4 * j + lane % 4  # in 2-byte units
+                pairs[rows[r], col2] = Uint16(quad & 0xFFFF)
+                pairs[rows[r], col2 + 4] = Uint16((quad >> 16) & 0xFFFF)
+            mEh[rows[r], n_tile] = Int8(e)  # the row's 4 lanes store the same byte
 
     # ------------------------------------------------------------------ promoting mainloop
     def group_exponents(self, mEA: cute.Tensor, mEB: cute.Tensor, mEB_up, row0: Int32,
@@ -512,7 +582,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 # ---------------------------------------------------------------------- compile (no GPU)
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
                              epilogue: str = "store", group_m: int = 8, num_sms: int = 132,
-                             b_split_k: bool = False, save_preact: bool = False):
+                             b_split_k: bool = False, save_preact: bool = False,
+                             quantize_h: bool = False):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
@@ -521,9 +592,11 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     and the one-element M-tile count, then the dgated epilogue's six tensors (None unless
     ``epilogue="dgated"``: dU, h', the pre-activations by slot, row slots, router weights,
     partials); it runs on torch's current stream. ``b_split_k``: ``W (N, K1, E)`` and
-    ``W_up (N, K2, E)``, ``e_b`` / ``e_up`` their exponents."""
+    ``W_up (N, K2, E)``, ``e_b`` / ``e_up`` their exponents. ``quantize_h``: ``out`` is None
+    and the last two arguments are h's e4m3 bytes ``(M, I)`` int8 and exponents ``(M, I/128)``
+    int8."""
     gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                              b_split_k=b_split_k, save_preact=save_preact)
+                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -554,9 +627,14 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
         dgated = (None, None, common.fake_kmajor_tensor(
             cutlass.BFloat16, (cute.sym_int32(), cute.sym_int32(divisibility=16))),
             common.fake_vector(Int32), None, None)
+    h_out = ()
+    if quantize_h:
+        c = None
+        h_out = (common.fake_strided_tensor(Int8, (m, n)),
+                 common.fake_strided_tensor(Int8, (m, cute.sym_int32()), align_bytes=1))
     args = (a, b, b_up, c, e_a, fake_e_b(), e_up, common.fake_vector(Int32),
             common.fake_vector(Int32), *dgated)
-    return cute.compile(gemm, *args, common.fake_stream(),
+    return cute.compile(gemm, *args, common.fake_stream(), *h_out,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
 
@@ -684,7 +762,7 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
                             tile_expert: torch.Tensor, num_m_tiles: torch.Tensor,
                             out: torch.Tensor | None = None, tile_n: int = 128,
                             group_m: int = 8, preact_out: torch.Tensor | None = None,
-                            preact_slot: torch.Tensor | None = None) -> torch.Tensor:
+                            preact_slot: torch.Tensor | None = None, quantize_h: bool = False):
     """FC1 on FP8: ``h [M, I] bf16 = bf16(silu(bf16(g)) * bf16(u))`` with ``g = A · W_gate[e]^T``
     and ``u = A · W_up[e]^T`` accumulated with promotion every 128 K (module docstring),
     e = the M-tile's expert. ``a [M, H]`` float8_e4m3fn with ``e_a [M, H/128]`` int8
@@ -693,8 +771,23 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
     ``num_m_tiles [1]`` int32 on the device. Rows of M-tiles past ``num_m_tiles`` are
     untouched. No host sync. h is bf16 (its quantization in the epilogue is a later step).
     A training forward passes ``preact_out`` ([slots, 2I] bf16: g then u) and ``preact_slot``
-    ([M] int32, -1: padding): each routed row's g and u are stored at its slot."""
+    ([M] int32, -1: padding): each routed row's g and u are stored at its slot.
+    ``quantize_h`` (tile_n 256, no ``out``): returns h as ``(hq [M, I] float8_e4m3fn, e
+    [M, I/128] int8)``, bitwise ``quantize.quantize_rows`` of the bf16 h, from the epilogue."""
     m, n, k = _check_fc1_args(a, e_a, w_gate, e_gate, w_up, e_up, tile_expert, num_m_tiles)
+    if quantize_h:
+        if out is not None or preact_out is not None or tile_n != HALF_PROMOTE_TILE_N:
+            raise ValueError(f"quantize_h: needs tile_n={HALF_PROMOTE_TILE_N}, no out and no "
+                             f"preact_out, got tile_n={tile_n}")
+        _kernel_operands((("a", a), ("w_gate", w_gate), ("w_up", w_up)), None, 0, n)
+        hq = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=a.device)
+        eh = torch.empty(m, n // GROUP, dtype=torch.int8, device=a.device)
+        compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m, quantize_h=True)
+        compiled(a.view(torch.int8).unsqueeze(2), w_gate.view(torch.int8).permute(1, 2, 0),
+                 w_up.view(torch.int8).permute(1, 2, 0), None, e_a.contiguous(),
+                 e_gate.contiguous(), e_up.contiguous(), tile_expert, num_m_tiles,
+                 *(None,) * 6, hq.view(torch.int8), eh)
+        return hq, eh
     out = _kernel_operands((("a", a), ("w_gate", w_gate), ("w_up", w_up)), out, m, n)
     extra = (None,) * 6
     if preact_out is not None:
