@@ -19,7 +19,7 @@
 #   train [TAG]     the training bench (mok-cute bench --train: mok_cute and the torch pipeline
 #                   under autograd, fwd/bwd/train passes, $ROUNDS (3) rounds) on the five shapes,
 #                   then the training tests (compile, bench) beside examples/train_tiny_moe.py
-#   fp8 [TAG]       the FP8 path's GPU tests (tests/test_fp8_path.py, test_gemm_fp8*.py,
+#   fp8 [TAG]       (FP8_TESTS=0: skip the tests) the FP8 path's GPU tests (test_fp8_path.py, test_gemm_fp8*.py,
 #                   test_fp8_training.py, test_fp8_quant.py), then the forward bench of mok_cute,
 #                   mok_cute_fp8 and the torch pipelines (bf16, and FP8 on torch._scaled_grouped_mm)
 #                   on the five shapes
@@ -132,7 +132,8 @@ run_sonic() {
 }
 
 run_fp8() {
-  step fp8_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_fp8_path.py \
+  # FP8_TESTS=0: the bench alone (alltests already ran the FP8 tests, sharded)
+  [ "${FP8_TESTS:-1}" = 0 ] || step fp8_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_fp8_path.py \
     tests/test_gemm_fp8.py tests/test_gemm_fp8_fc1.py tests/test_gemm_fp8_dgrad.py tests/test_gemm_fp8_wgrad.py tests/test_fp8_training.py \
     tests/test_fp8_quant.py
   step "fp8_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench \
