@@ -23,6 +23,9 @@
 #                   test_fp8_training.py, test_fp8_quant.py), then the forward bench of mok_cute,
 #                   mok_cute_fp8 and the torch pipelines (bf16, and FP8 on torch._scaled_grouped_mm)
 #                   on the five shapes
+#   fp8probe        tools/layer_profile.py --fp8, fp8_gemm_probe.py and backward_profile.py --fp8
+#                   (~4 min): the FP8 forward's stages, the FP8 GEMMs per tile width, the FP8 dgrads
+#                   and weight gradients beside bf16, JSON under $OUT
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
 #                   R = 2 and 4, a shared expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
@@ -142,6 +145,17 @@ run_fp8() {
     --tag "$1" && bench_rows_ok "$out/fp8_${1}.log"
 }
 
+run_fp8_probes() {
+  # where the FP8 time goes: forward stages (fused / unfused x, FC1 128 vs 256 + quantize_h),
+  # the FP8 GEMMs at every tile width, the FP8 dgrads and weight gradients beside bf16
+  step fp8_layer_profile 200 python3 tools/layer_profile.py --fp8 --shapes dsv3_ep8_rank,qwen3_30b \
+    --json "$out/fp8_layer_profile.json" && grep -E "^  fp8|^  fc|^  layer" "$out/fp8_layer_profile.log"
+  step fp8_gemm_probe 150 python3 tools/fp8_gemm_probe.py --json "$out/fp8_gemm_probe.json" \
+    && cat "$out/fp8_gemm_probe.log"
+  step fp8_backward_profile 200 python3 tools/backward_profile.py --fp8 --shapes dsv3_ep8_rank \
+    --json "$out/fp8_backward_profile.json" && grep -E "fp8|wgrad|dgrad" "$out/fp8_backward_profile.log"
+}
+
 run_train() {
   step "train_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench --train --shapes single \
     --mok-config check_ids=False --iters 10 --warmup 3 --rounds "${ROUNDS:-3}" --out "$out" \
@@ -189,9 +203,10 @@ case "$mode" in
   sonic) run_sonic "${2:-vs_sonicmoe}" ;;
   train) run_train "${2:-train}" ;;
   fp8) run_fp8 "${2:-fp8}" ;;
+  fp8probe) run_fp8_probes ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, fp8, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, fp8, fp8probe, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]
