@@ -194,6 +194,15 @@ class SavedForBackward(NamedTuple):
     expert_offsets: torch.Tensor  # [E + 1] int32: each expert's first padded row
 
 
+def preact_by_slot(sched, num_tokens: int, top_k: int, inter: int, device):
+    """What a training forward's FC1 stores g | u into: ([T * K, 2I] bf16 by slot, each padded
+    row's slot [capacity] int32, -1: padding)."""
+    from mok_cute import schedule as sched_mod
+
+    return (torch.empty(num_tokens * top_k, 2 * inter, dtype=torch.bfloat16, device=device),
+            sched_mod.slot_of_rows(sched, top_k))
+
+
 def shared_tiles(num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared expert as one expert over every token: (tile -> expert, tile count)."""
     n_tiles = (num_tokens + TILE_M - 1) // TILE_M
@@ -225,7 +234,6 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     """One-GPU MoE forward on mok_cute kernels (inputs validated by api.py) -> out [T, H];
     with ``save`` (training) -> (out, SavedForBackward): the same bits, and the bf16
     pre-activations kept for the backward."""
-    from mok_cute import schedule as sched_mod
     from mok_cute.kernels import token_ops
 
     config = config or MoKConfig()
@@ -248,11 +256,8 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     inter = w_gate.shape[1]
     options = config.expert_path
     sched, row_of_slot, x_rows = expert_rows(x, topk_idx, w_gate.shape[0])
-    preact = row_slot = None
-    if save:
-        preact = torch.empty(num_tokens * top_k, 2 * inter, dtype=torch.bfloat16,
-                             device=x.device)
-        row_slot = sched_mod.slot_of_rows(sched, top_k)
+    preact, row_slot = preact_by_slot(sched, num_tokens, top_k, inter, x.device) if save \
+        else (None, None)
     y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, options,
                    timeline, preact_out=preact, preact_slot=row_slot)
 

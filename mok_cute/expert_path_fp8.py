@@ -184,17 +184,18 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
     [T * K, 2I'] bf16 by slot and each padded row's slot (else None, None)); I' = I rounded up
     to 128 (h and g, u are zero there), x zero-padded to the weights' H'. No host sync."""
     from mok_cute import expert_path
-    from mok_cute import schedule as sched_mod
-    from mok_cute.kernels import gemm_fp8
+    from mok_cute.kernels import gemm_fp8, quantize
 
     num_tokens, top_k = topk_idx.shape
     sched, row_of_slot = expert_path.expert_schedule(topk_idx, weights.gate.shape[0])
-    xq, ex = _scatter_quantized(pad_cols(x, weights.gate.shape[2]), sched, row_of_slot)
-    preact = row_slot = None
-    if save:
-        preact = torch.empty(num_tokens * top_k, 2 * weights.gate.shape[1],
-                             dtype=torch.bfloat16, device=x.device)
-        row_slot = sched_mod.slot_of_rows(sched, top_k)
+    # x quantized once per token straight into its K padded rows, exponents too (quantizing a
+    # token equals quantizing each of its copies); padding rows keep whatever the buffers held
+    # (no GEMM output row depends on another row, and none of theirs is read)
+    xq, ex = quantize.quantize_scatter_rows(pad_cols(x, weights.gate.shape[2]), row_of_slot,
+                                            sched.row_token.shape[0])
+    preact, row_slot = (expert_path.preact_by_slot(sched, num_tokens, top_k,
+                                                   weights.gate.shape[1], x.device)
+                        if save else (None, None))
     h = gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, weights.gate, weights.e_gate, weights.up,
                                          weights.e_up, sched.tile_expert, sched.num_tiles,
                                          preact_out=preact, preact_slot=row_slot)
@@ -223,18 +224,17 @@ def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
     return d_preact, hw, partials, dx_rows
 
 
-def _scatter_quantized(x: torch.Tensor, sched, row_of_slot: torch.Tensor):
-    """x quantized once per token (1 x 128) straight into its K padded rows in expert order,
-    exponents too (``quantize.quantize_scatter_rows``: one pass; quantizing a token equals
-    quantizing each of its copies). Padding rows: whatever the buffers held (no GEMM output
-    row depends on another row, and none of theirs is read)."""
-    from mok_cute.kernels import quantize
-
-    return quantize.quantize_scatter_rows(x, row_of_slot, sched.row_token.shape[0])
-
-
 def _dequantized_rows(v: torch.Tensor) -> torch.Tensor:
     return fp8.dequantize_rows(*fp8.quantize_rows(v)).double()
+
+
+def _expert_slots(topk_idx: torch.Tensor, num_experts: int):
+    """(expert, tokens, ks) of each expert that some slot routes to, in expert order."""
+    ids = topk_idx.long()
+    for e in range(num_experts):
+        token, k = (ids == e).nonzero(as_tuple=True)
+        if token.numel():
+            yield e, token, k
 
 
 def reference_hidden(x, topk_idx, weights: Fp8Weights) -> torch.Tensor:
@@ -245,11 +245,7 @@ def reference_hidden(x, topk_idx, weights: Fp8Weights) -> torch.Tensor:
     E, I, H = weights.gate.shape  # padded to whole 128 blocks
     x_dq = _dequantized_rows(pad_cols(x, H))  # a token's row quantized = each of its copies
     h = torch.zeros(T, K, I, dtype=torch.bfloat16, device=x.device)
-    ids = topk_idx.long()
-    for e in range(E):
-        token, k = (ids == e).nonzero(as_tuple=True)
-        if token.numel() == 0:
-            continue
+    for e, token, k in _expert_slots(topk_idx, E):
         wg = fp8.dequantize_blocks(weights.gate[e], weights.e_gate[e]).double()
         wu = fp8.dequantize_blocks(weights.up[e], weights.e_up[e]).double()
         g = (x_dq[token] @ wg.t()).to(torch.bfloat16).float()
@@ -270,16 +266,11 @@ def reference_output(hidden, x, topk_idx, topk_weights, weights: Fp8Weights,
     E = weights.down.shape[0]
     H = x.shape[1]
     y = torch.zeros(T, K, H, dtype=torch.bfloat16, device=x.device)
-    ids = topk_idx.long()
-    for e in range(E):
-        token, k = (ids == e).nonzero(as_tuple=True)
-        if token.numel() == 0:
-            continue
+    for e, token, k in _expert_slots(topk_idx, E):
         wd = fp8.dequantize_blocks(weights.down[e], weights.e_down[e]).double()
         y[token, k] = (_dequantized_rows(hidden[token, k]) @ wd[:H].t()).to(torch.bfloat16)
-    w = torch.where((ids >= 0) & (ids < E), topk_weights.float(), 0.0)
-    shared_rows = None if shared is None else reference.expert_mlp(x, *shared)
-    return reference.weighted_k_sum(y, w, shared_rows)
+    w = reference._zero_unrouted_weights(topk_weights.float(), topk_idx, E)
+    return reference.weighted_k_sum(y, w, reference._shared_rows(x, shared))
 
 
 def reference_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None) -> torch.Tensor:

@@ -102,17 +102,18 @@ def profile_fp8(rows, x, topk_idx, topk_w, wg, wu, wd, sched, ros, reps):
     q = expert_path_fp8.quantized_weights(wg, wu, wd)
     x_in = expert_path_fp8.pad_cols(x, q.gate.shape[2])
     rows["fp8 quantize x"] = gpu_ms(lambda: quantize.quantize_rows(x_in), reps)
+    capacity = sched.row_token.shape[0]
     rows["fp8 quantize x into expert order (fused)"] = gpu_ms(
-        lambda: expert_path_fp8._scatter_quantized(x_in, sched, ros), reps)
+        lambda: quantize.quantize_scatter_rows(x_in, ros, capacity), reps)
 
     def unfused():  # the path before the fusion: quantize, scatter e4m3 rows, gather exponents
         xq, ex = quantize.quantize_rows(x_in)
-        xq_rows = torch.empty(sched.row_token.shape[0], x_in.shape[1], dtype=torch.float8_e4m3fn,
+        xq_rows = torch.empty(capacity, x_in.shape[1], dtype=torch.float8_e4m3fn,
                               device=x.device)
         token_ops.scatter_rows(xq.view(torch.bfloat16), ros, xq_rows.view(torch.bfloat16))
         return xq_rows, ex[sched.row_token.long().clamp_min(0)]
     rows["fp8 quantize + scatter + gather exponents (unfused)"] = gpu_ms(unfused, reps)
-    xq, ex = expert_path_fp8._scatter_quantized(x_in, sched, ros)
+    xq, ex = quantize.quantize_scatter_rows(x_in, ros, capacity)
     fc1 = lambda: gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, q.gate, q.e_gate, q.up, q.e_up,  # noqa: E731
                                                    sched.tile_expert, sched.num_tiles)
     rows["fp8 fc1"] = gpu_ms(fc1, reps)
