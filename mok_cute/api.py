@@ -269,7 +269,7 @@ def moe_forward(
 def _fp8_refusal(config: MoKConfig, where: str) -> None:
     if config.precision == "fp8":
         raise ValueError(f"config.precision='fp8': {where} has no FP8 path yet (so far the "
-                         f"one-GPU expert path's inference forward); use precision='bf16'")
+                         f"one-GPU expert path, forward and backward); use precision='bf16'")
 
 
 def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config, dims,

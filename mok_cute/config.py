@@ -238,9 +238,9 @@ class MoKConfig:
     precision         "bf16"; or "fp8": the routed experts' GEMMs in E4M3 with 1 x 128 /
                       128 x 128 power-of-two scales and promoted accumulation
                       (``mok_cute.expert_path_fp8``; the shared expert and the combine stay
-                      bf16). So far: the one-GPU inference forward (no gradients, no group,
-                      no megakernel: ValueError), H and I multiples of 128; without a GPU its
-                      torch emulation runs.
+                      bf16). So far the one-GPU expert path, forward and backward (no group,
+                      no megakernel, no virtual ranks: ValueError), H and I multiples of 64;
+                      without a GPU its torch emulation runs the forward (training: ValueError).
     expert_path       ExpertPathOptions: how the one-GPU expert path runs its GEMMs.
     megakernel        MegakernelOptions: how the megakernel runs.
     """
