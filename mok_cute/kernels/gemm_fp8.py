@@ -551,29 +551,24 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                                                   Int32(0), Int32(0))
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
-            # N-half 0 (the wgmma issue written out, as in promoting_mainloop: the DSL loses
-            # the accumulate field set in a helper called from this run-time loop)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
-                          tCrB[(None, None, kb, read.index)], partial)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
-            self.promote_half(acc, partial, 0, ea0, ea1, eb0)
-            # N-half 1
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
-                          tCrB_up[(None, None, kb, read.index)], partial)
-            cute.nvgpu.warpgroup.commit_group()
-            nxt = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
-                                       cutlass.min(k + 1, k_tiles - 1), Int32(0))
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(read)
-            read.advance()
-            self.promote_half(acc, partial, 1, ea0, ea1, eb1)
+            for half in cutlass.range_constexpr(2):
+                # the wgmma issue written out, as in promoting_mainloop: the DSL loses the
+                # accumulate field set in a helper called from this run-time loop
+                cute.nvgpu.warpgroup.fence()
+                tCrB_half = (tCrB, tCrB_up)[half]
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
+                              tCrB_half[(None, None, kb, read.index)], partial)
+                cute.nvgpu.warpgroup.commit_group()
+                if const_expr(half == 1):  # the next group's exponents, under the wgmmas
+                    nxt = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
+                                               cutlass.min(k + 1, k_tiles - 1), Int32(0))
+                cute.nvgpu.warpgroup.wait_group(0)
+                if const_expr(half == 1):
+                    ab_pipeline.consumer_release(read)
+                    read.advance()
+                self.promote_half(acc, partial, half, ea0, ea1, (eb0, eb1)[half])
             ea0, ea1, eb0, eb1 = nxt
         half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read
