@@ -44,7 +44,8 @@ import torch
 from mok_cute.api import MoKConfig, moe_forward
 from mok_cute.bench.common import apply_config_overrides, error_text, free_memory, parse_config_overrides, parse_contenders
 from mok_cute.bench.gpu_clock import ClockSampler
-from mok_cute.bench.harness import Timer, bench_cublas, command_line, sonicmoe_gate_up, sonicmoe_runner
+from mok_cute.bench.harness import (Timer, bench_cublas, command_line, paired_ratio, sonicmoe_gate_up,
+                                    sonicmoe_runner)
 from mok_cute.bench.problems import Problem, make_problem
 from mok_cute.bench.results import gpu_name, save_results
 from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe
@@ -258,19 +259,19 @@ def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Time
                 ms = float(statistics.median(times[(name, p)]))
                 row.update(ms=ms, ms_rounds=times[(name, p)],
                            tflops=PASSES[p] * problem.flops / (ms * 1e-3) / 1e12, gpu_clock=sampler.stats(f"{name}/{p}"))
-    # paired ratios per pass: the other's time over this contender's, round by round
+    # paired ratios per pass, round by round: the other's time over this contender's (vs), or
+    # this contender's over mok_cute's (over)
     for (name, p), mine in rows.items():
-        theirs, sonic = rows.get(("torch_grouped_mm", p)), rows.get(("sonicmoe", p))
-        if mine.get("ms_rounds") and theirs and theirs.get("ms_rounds"):
-            mine["paired_vs_torch"] = float(statistics.median(
-                b / a for a, b in zip(mine["ms_rounds"], theirs["ms_rounds"])))
-        base = rows.get(("mok_cute", p))
-        if name != "mok_cute" and mine.get("ms_rounds") and base and base.get("ms_rounds"):
-            mine["paired_ms_over_mok_cute"] = float(statistics.median(
-                a / b for a, b in zip(mine["ms_rounds"], base["ms_rounds"])))
-        if mine.get("ms_rounds") and sonic and sonic.get("ms_rounds"):
-            mine["paired_vs_sonicmoe"] = float(statistics.median(
-                b / a for a, b in zip(mine["ms_rounds"], sonic["ms_rounds"])))
+        for key, other in (("paired_vs_torch", "torch_grouped_mm"), ("paired_vs_sonicmoe", "sonicmoe"),
+                           ("paired_ms_over_mok_cute", "mok_cute")):
+            theirs = rows.get((other, p), {}).get("ms_rounds")
+            over = key == "paired_ms_over_mok_cute"
+            if over and name == other:
+                continue
+            ratio = paired_ratio(mine.get("ms_rounds"), theirs) if over else \
+                paired_ratio(theirs, mine.get("ms_rounds"))
+            if ratio is not None:
+                mine[key] = ratio
     runners.clear()
     del problem, small
     free_memory(device)
