@@ -175,7 +175,7 @@ def test_kernels_match_the_emulation_stage_by_stage_per_token(name):
         again = mok.moe_forward(x, idx, w, wg, wu, wd, shared=shared, config=cfg)
     assert torch.equal(out, again), "not bitwise reproducible"
     weights = expert_path_fp8.quantized_weights(wg, wu, wd)
-    h_rows, _, row_of_slot = expert_path_fp8.fc1_rows(x, idx, weights)
+    h_rows, _, row_of_slot, _, _ = expert_path_fp8.fc1_rows(x, idx, weights)
     h = h_rows[row_of_slot.long()].view(T, K, I)
     want_h = expert_path_fp8.reference_hidden(x, idx, weights)
     # the kernels' h vs float64: 5e-3 at worst measured (FP8 wgmma's group accumulation);

@@ -597,7 +597,10 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     n = cute.sym_int32(divisibility=GROUP)
     a = common.fake_kmajor_tensor(Int8, (m, k, 1))
     b = common.fake_kmajor_tensor(Int8, (n, k, num_experts))
-    c = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, 1))
+    # store: C may have fewer columns than W has rows (W zero-padded to whole 128-row blocks;
+    # the N-tiles come from W and TMA clips the store)
+    c_cols = cute.sym_int32(divisibility=8) if epilogue == "store" else n
+    c = common.fake_kmajor_tensor(cutlass.BFloat16, (m, c_cols, 1))
     e_a = common.fake_strided_tensor(Int8, (m, cute.sym_int32()), align_bytes=1)
 
     def fake_e_b():
