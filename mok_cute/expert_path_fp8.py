@@ -162,12 +162,13 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
     if why:
         raise ValueError(why)
     weights = quantized_weights(w_gate, w_up, w_down, training=save)
-    h, sched, row_of_slot, preact, row_slot = fc1_rows(x, topk_idx, weights, save=save)
-    hq, eh = quantize.quantize_rows(h)
+    h, sched, row_of_slot, preact, row_slot = fc1_rows(x, topk_idx, weights, save=save,
+                                                       quantize_h=not save)
+    hq, eh = h if not save else quantize.quantize_rows(h)
     # y keeps H columns: W_down's padding rows (H up to 128) are computed and not stored
-    y = torch.empty(h.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(hq.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
     gemm_fp8.grouped_gemm_fp8(hq, eh, weights.down, weights.e_down, sched.tile_expert,
-                              sched.num_tiles, out=y)
+                              sched.num_tiles, out=y, tile_n=FP8_TILE_N)
     shared_rows, shared_preact = expert_path.shared_forward(x, shared, config.expert_path,
                                                             save=save)
     out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
@@ -178,7 +179,13 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
                                              sched.expert_offsets)
 
 
-def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save: bool = False):
+# TEMPORARY A/B (branch ab-fp8-256): both FP8 GEMMs on 256-wide tiles (one N-half promoted
+# at a time), the inference forward's h quantized in FC1's epilogue
+FP8_TILE_N = 256
+
+
+def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save: bool = False,
+             quantize_h: bool = False):
     """The FP8 path's first stage -> (h [capacity, I'] bf16 in expert order, the schedule,
     each slot's padded row [T * K] int32 (-1: routed nowhere), and with ``save`` g | u
     [T * K, 2I'] bf16 by slot and each padded row's slot (else None, None)); I' = I rounded up
@@ -198,7 +205,8 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
                         if save else (None, None))
     h = gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, weights.gate, weights.e_gate, weights.up,
                                          weights.e_up, sched.tile_expert, sched.num_tiles,
-                                         preact_out=preact, preact_slot=row_slot)
+                                         preact_out=preact, preact_slot=row_slot,
+                                         tile_n=FP8_TILE_N, quantize_h=quantize_h)
     return h, sched, row_of_slot, preact, row_slot
 
 
