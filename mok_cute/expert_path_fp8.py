@@ -179,8 +179,8 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
                                              sched.expert_offsets)
 
 
-# TEMPORARY A/B (branch ab-fp8-256): both FP8 GEMMs on 256-wide tiles (one N-half promoted
-# at a time), the inference forward's h quantized in FC1's epilogue
+# Both FP8 GEMMs on 128 x 256 tiles (one N-half promoted at a time): 2-14 % faster forwards than
+# 128 x 128 (docs/measurements.md, 2026-12-02 ab-fp8-256)
 FP8_TILE_N = 256
 
 
@@ -188,7 +188,9 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
              quantize_h: bool = False):
     """The FP8 path's first stage -> (h [capacity, I'] bf16 in expert order, the schedule,
     each slot's padded row [T * K] int32 (-1: routed nowhere), and with ``save`` g | u
-    [T * K, 2I'] bf16 by slot and each padded row's slot (else None, None)); I' = I rounded up
+    [T * K, 2I'] bf16 by slot and each padded row's slot (else None, None)); ``quantize_h``:
+    h comes quantized by FC1's epilogue, (e4m3 [capacity, I'], exponents), the bits of
+    ``quantize.quantize_rows`` of the bf16 h; I' = I rounded up
     to 128 (h and g, u are zero there), x zero-padded to the weights' H'. No host sync."""
     from mok_cute import expert_path
     from mok_cute.kernels import gemm_fp8, quantize
