@@ -21,7 +21,7 @@ import torch
 from mok_cute.constants import TILE_M
 from mok_cute.schedule import schedule_capacity
 
-_SAVED = 8  # tensors of expert_path.SavedForBackward
+_SAVED = 7  # tensors of expert_path.SavedForBackward
 
 
 @torch.library.custom_op("mok_cute::moe_forward_train", mutates_args=())
@@ -62,8 +62,7 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, 
                      else x.new_empty(num_tokens, 2 * ws_gate.shape[0]))
     return [x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens * top_k, 2 * inter),
             shared_preact,
-            torch.empty(rows, **i32), torch.empty(rows, **i32),
-            torch.empty(num_tokens * top_k, **i32), torch.empty(rows // TILE_M, **i32),
+            torch.empty(rows, **i32), torch.empty(num_tokens * top_k, **i32), torch.empty(rows // TILE_M, **i32),
             torch.empty(1, **i32), torch.empty(experts + 1, **i32)]
 
 

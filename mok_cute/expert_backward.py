@@ -150,8 +150,9 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     if precision == "fp8":  # the FP8 dgrad's K: H zero-padded to whole 128 groups
         from mok_cute.expert_path_fp8 import pad_cols, padded
         d_src = pad_cols(d_out, padded(d_out.shape[1]))
-    d_rows = token_ops.gather_rows(d_src, saved.row_token)  # zeros on padding rows
-    x_rows = token_ops.gather_rows(x, saved.row_token) if needs.w_gate_up else None
+    row_token = saved.row_token(top_k)
+    d_rows = token_ops.gather_rows(d_src, row_token)  # zeros on padding rows
+    x_rows = token_ops.gather_rows(x, row_token) if needs.w_gate_up else None
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
         saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,

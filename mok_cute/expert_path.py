@@ -182,16 +182,20 @@ def expert_schedule(topk_idx: torch.Tensor, num_experts: int):
 class SavedForBackward(NamedTuple):
     """What a training forward keeps for the backward (4 K I bytes per token, the
     pre-activations of its K slots, plus the schedule; h is recomputed in the backward's
-    epilogue)."""
+    epilogue, each row's token from its slot)."""
 
     preact: torch.Tensor  # [T * K, 2I] bf16: g then u of each (token, k) slot, by slot
     shared_preact: torch.Tensor  # [T, 2Is] bf16, or [0, 0] without a shared expert
-    row_token: torch.Tensor  # [capacity] int32 (the schedule), -1 on padding rows
     row_slot: torch.Tensor  # [capacity] int32: the row's slot t * K + k, -1 on padding rows
     row_of_slot: torch.Tensor  # [T * K] int32: the padded row of each slot, -1 if routed nowhere
     tile_expert: torch.Tensor  # [capacity / 128] int32
     num_tiles: torch.Tensor  # [1] int32
     expert_offsets: torch.Tensor  # [E + 1] int32: each expert's first padded row
+
+    def row_token(self, top_k: int) -> torch.Tensor:
+        """Each padded row's token, -1 on padding rows (the schedule's ``row_token``): its
+        slot // K, recomputed rather than saved (4 bytes a row less)."""
+        return torch.div(self.row_slot, top_k, rounding_mode="floor")
 
 
 def preact_by_slot(sched, num_tokens: int, top_k: int, inter: int, device):
@@ -270,5 +274,5 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
         set_last(recorder)
     if not save:
         return out
-    return out, SavedForBackward(preact, shared_preact, sched.row_token, row_slot, row_of_slot,
-                                 sched.tile_expert, sched.num_tiles, sched.expert_offsets)
+    return out, SavedForBackward(preact, shared_preact, row_slot, row_of_slot, sched.tile_expert,
+                                 sched.num_tiles, sched.expert_offsets)

@@ -174,7 +174,7 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
     out = token_ops.weighted_ksum(y, topk_weights, shared_rows, row_index=row_of_slot)
     if not save:
         return out
-    return out, expert_path.SavedForBackward(preact, shared_preact, sched.row_token, row_slot,
+    return out, expert_path.SavedForBackward(preact, shared_preact, row_slot,
                                              row_of_slot, sched.tile_expert, sched.num_tiles,
                                              sched.expert_offsets)
 

@@ -77,8 +77,7 @@ def test_fake_implementations_give_the_real_shapes():
                                                     8192, 8, 8, "bf16")
         cap = mok.schedule.schedule_capacity(1, T, K, E, 128)
         assert [tuple(o.shape) for o in outs] == [
-            (T, H), (T * K, 2 * I), (T, 2 * Is), (cap,), (cap,), (T * K,), (cap // 128,), (1,),
-            (E + 1,)]
+            (T, H), (T * K, 2 * I), (T, 2 * Is), (cap,), (T * K,), (cap // 128,), (1,), (E + 1,)]
         grads = torch.ops.mok_cute.moe_backward(x, x, idx, w, wg, wg, wd, sg, sg, sd,
                                                 list(outs[1:]), [True] * 6, 8192, 8, 8,
                                                 "bf16")
@@ -198,7 +197,7 @@ def test_fc2_dgrad_pingpong_and_cooperative_give_the_same_bits(H, I):
     config = mok.MoKConfig(backend="kernel")
     _, saved = expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, None, config, save=True)
     d_out = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-    d_rows = token_ops.gather_rows(d_out, saved.row_token)
+    d_rows = token_ops.gather_rows(d_out, saved.row_token(K))
     weights = w.float().contiguous().view(-1)
     got = {}
     for pingpong in (False, True):
