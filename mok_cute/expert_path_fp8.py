@@ -93,18 +93,17 @@ _CACHE: dict[int, tuple] = {}
 
 
 def _quantize_now(w: torch.Tensor, transposed: bool, both: bool) -> dict:
-    """{transposed: (q, e)} of w zero-padded to whole 128 x 128 blocks (GPU kernel on CUDA,
-    ``mok_cute.fp8`` on the CPU: the same bits); ``both``: the two copies in one pass."""
-    src = w
-    if w.shape[-1] % GROUP or w.shape[-2] % GROUP:
-        src = F.pad(w, (0, padded(w.shape[-1]) - w.shape[-1], 0, padded(w.shape[-2]) - w.shape[-2]))
+    """{transposed: (q, e)} of w zero-padded to whole 128 x 128 blocks (GPU kernel on CUDA, which
+    reads w in place; ``mok_cute.fp8`` on the CPU: the same bits); ``both``: the two copies in
+    one pass."""
     if not w.is_cuda:
+        src = F.pad(w, (0, padded(w.shape[-1]) - w.shape[-1], 0, padded(w.shape[-2]) - w.shape[-2]))
         return {transposed: fp8.quantize_blocks(src, transposed=transposed)}
     from mok_cute.kernels import quantize
     if both:
-        q, e, qt, et = quantize.quantize_blocks(src, both=True)
+        q, e, qt, et = quantize.quantize_blocks(w, both=True)
         return {False: (q, e), True: (qt, et)}
-    return {transposed: quantize.quantize_blocks(src, transposed=transposed)}
+    return {transposed: quantize.quantize_blocks(w, transposed=transposed)}
 
 
 def _quantize_blocks(w: torch.Tensor, transposed: bool = False,

@@ -434,8 +434,8 @@ def test_kernel_entry_points_check_arguments_before_the_device():
         quantize.quantize_cols(x)
     with pytest.raises(ValueError, match="x: expected a unit stride"):
         quantize.quantize_cols(torch.zeros(256, 128, dtype=bf16).t())
-    with pytest.raises(ValueError, match=r"w: expected N \(dim 1\) a multiple of 128"):
-        quantize.quantize_blocks(torch.zeros(2, 100, 128, dtype=bf16))
+    with pytest.raises(ValueError, match=r"w: expected K \(dim 2\) a multiple of 8"):
+        quantize.quantize_blocks(torch.zeros(2, 128, 100, dtype=bf16))
     with pytest.raises(ValueError, match="w: expected a 2-D or 3-D tensor"):
         quantize.quantize_blocks(torch.zeros(128, dtype=bf16))
     assert quantize.quantize_rows_ref is fp8.quantize_rows
@@ -533,16 +533,21 @@ def test_quantize_cols_kernel_is_bitwise_the_reference(gen, m, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(128, 128), (384, 256), (3, 256, 640), (2048, 7168)])
+@pytest.mark.parametrize("shape", [(128, 128), (384, 256), (3, 256, 640), (2048, 7168),
+                                   (3, 200, 328), (2, 320, 2880), (64, 8)])
 @pytest.mark.parametrize("mode", ["q", "qt", "both"])
 def test_quantize_blocks_kernel_is_bitwise_the_reference(gen, shape, mode):
+    """Bitwise the reference, both copies; N or K not a multiple of 128 (gptoss's 2880): the
+    reference on w zero-padded to whole blocks, the kernel reading w in place."""
     from mok_cute.kernels import quantize
 
     w = _wide_bf16(gen, math.prod(shape[:-1]), shape[-1]).reshape(shape)
     w.view(-1, shape[-1])[:128, -128:] = 0  # an all-zero block
     if mode == "both":
         w.view(-1, shape[-1])[-1, 5] = float("nan")  # the last block row: a NaN block
-    want = fp8.quantize_blocks(w) + fp8.quantize_blocks(w, transposed=True)
+    n, k = shape[-2:]
+    padded = torch.nn.functional.pad(w, (0, -k % 128, 0, -n % 128))
+    want = fp8.quantize_blocks(padded) + fp8.quantize_blocks(padded, transposed=True)
     names = {"q": (0, 1), "qt": (2, 3), "both": (0, 1, 2, 3)}[mode]
     wd = w.cuda()
     runs = []

@@ -15,10 +15,13 @@ the PyTorch reference ``mok_cute.fp8`` (the numerics, the scale rule and its pro
     e4m3 bytes per column (one 128-bit store; the 8 lanes of a tc write a full 128-byte row
     of qt).
 ``QuantizeBlocks``
-    Weights in 128 x 128 blocks, once per weight update: ``w [E, N, K]`` -> ``q [E, N, K]``
-    and / or the exact transposed copy ``qt [E, K, N]`` (the same bytes, the same scale per
-    block), ``e [E, N/128, K/128]`` / ``et [E, K/128, N/128]``. A CTA of 4 warps per block,
-    each warp the column kernel's 128 x 32 tile; the block's amax crosses the warps in smem.
+    Weights in 128 x 128 blocks, once per weight update: ``w [E, N, K]`` -> ``q [E, N', K']``
+    and / or the exact transposed copy ``qt [E, K', N']`` (the same bytes, the same scale per
+    block), ``e [E, N'/128, K'/128]`` / ``et [E, K'/128, N'/128]``, where N', K' are N, K
+    rounded up to whole blocks: w is read in place and its missing rows and columns count as
+    zeros (bitwise the reference on ``w`` zero-padded, without the padded copy). A CTA of 4
+    warps per block, each warp the column kernel's 128 x 32 tile; the block's amax crosses the
+    warps in smem.
 
 Numerics (``mok_cute.fp8``): amax is the integer max of the bf16 bit patterns with the sign
 cleared (a NaN's pattern is above inf's); ``e = max(B - 135 + (m > 0x600000), -127)`` from the
@@ -30,7 +33,7 @@ a non-finite group's data is written as NaN (0x7F). The kernels read and write r
 x as int32 pairs of bf16, q as int32 quads of e4m3 (the torch entry points pass ``.view``s).
 
 Constraints: bf16 in, row-major with 16-byte aligned rows; rows: ``K % 128 == 0``; cols:
-``M % 128 == 0``, ``K % 8 == 0``; blocks: ``N % 128 == 0``, ``K % 128 == 0``.
+``M % 128 == 0``, ``K % 8 == 0``; blocks: ``K % 8 == 0`` (any N; both padded to 128).
 
 Each kernel has a tensor-free compile function on fake tensors with run-time extents and
 strides (``compile_quantize_rows`` / ``_cols`` / ``_blocks``, registered in
@@ -338,11 +341,12 @@ class QuantizeBlocks:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: Optional[cute.Tensor], mE: Optional[cute.Tensor],
                  mQt: Optional[cute.Tensor], mEt: Optional[cute.Tensor], stream):
-        """mX (E, N, K/2) int32 (bf16 pairs); mQ (E, N, K/4) int32, mE (E, N/128, K/128) int8;
-        mQt (E, K, N/4) int32, mEt (E, K/128, N/128) int8 (None where not written)."""
+        """mX (E, N, K/2) int32 (bf16 pairs); mQ (E, N', K'/4) int32, mE (E, N'/128, K'/128)
+        int8; mQt (E, K', N'/4) int32, mEt (E, K'/128, N'/128) int8 (None where not written);
+        N', K' = N, K rounded up to 128."""
         self._setup_attributes()
-        n_blocks = mX.shape[1] // GROUP
-        k_blocks = mX.shape[2] // (GROUP // 2)
+        n_blocks = (mX.shape[1] + GROUP - 1) // GROUP
+        k_blocks = (mX.shape[2] + GROUP // 2 - 1) // (GROUP // 2)
         self.kernel(mX, mQ, mE, mQt, mEt).launch(
             grid=[k_blocks, n_blocks, mX.shape[0]], block=[self.num_threads, 1, 1], stream=stream)
 
@@ -358,8 +362,11 @@ class QuantizeBlocks:
         row0 = nb * GROUP + tr * _ColumnTile.ROWS_PER_LANE
         gX = cute.flat_divide(mX, (1, 1, 4))  # (1, 1, 4, E, N, K/8)
         words = cute.make_rmem_tensor((4, _ColumnTile.ROWS_PER_LANE), Int32)
+        words.fill(0)  # rows and columns past w's: the zero padding
+        in_cols = kv * 4 < mX.shape[2]
         for i in cutlass.range_constexpr(_ColumnTile.ROWS_PER_LANE):
-            cute.copy(_copy_atom(Int32, 128), gX[0, 0, None, b, row0 + i, kv], words[None, i])
+            if in_cols and row0 + i < mX.shape[1]:
+                cute.copy(_copy_atom(Int32, 128), gX[0, 0, None, b, row0 + i, kv], words[None, i])
         amax = Int32(0)
         for j in cutlass.range_constexpr(4):
             for i in cutlass.range_constexpr(_ColumnTile.ROWS_PER_LANE):
@@ -426,9 +433,10 @@ def compile_quantize_cols(arch: str = "sm_90a", *, options: str = "", num_warps:
 
 def compile_quantize_blocks(arch: str = "sm_90a", *, options: str = "", write_q: bool = True,
                             write_qt: bool = True):
-    """Compile ``QuantizeBlocks`` on fake tensors: E, N and K (multiples of 128) at run time."""
+    """Compile ``QuantizeBlocks`` on fake tensors: E, N and K (of 8) at run time, the outputs'
+    N' and K' (multiples of 128)."""
     batch = cute.sym_int32()
-    n, k = cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP)
+    n_out, k_out = cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP)
 
     def words(rows, cols_div):
         return common.fake_strided_tensor(Int32, (batch, rows, cute.sym_int32(divisibility=cols_div)))
@@ -436,9 +444,9 @@ def compile_quantize_blocks(arch: str = "sm_90a", *, options: str = "", write_q:
     def exponents():
         return common.fake_strided_tensor(Int8, (batch, cute.sym_int32(), cute.sym_int32()), align_bytes=1)
 
-    args = (words(n, GROUP // 2),
-            words(n, GROUP // 4) if write_q else None, exponents() if write_q else None,
-            words(k, GROUP // 4) if write_qt else None, exponents() if write_qt else None)
+    args = (words(cute.sym_int32(), 4),
+            words(n_out, GROUP // 4) if write_q else None, exponents() if write_q else None,
+            words(k_out, GROUP // 4) if write_qt else None, exponents() if write_qt else None)
     return _compile(QuantizeBlocks(write_q=write_q, write_qt=write_qt), args, arch, options)
 
 
@@ -550,20 +558,22 @@ def quantize_cols(x: torch.Tensor, out: torch.Tensor | None = None,
 
 def quantize_blocks(w: torch.Tensor, transposed: bool = False, both: bool = False, *,
                     out: tuple[torch.Tensor | None, ...] | None = None) -> tuple[torch.Tensor, ...]:
-    """``fp8.quantize_blocks`` on the GPU: ``w [N, K]`` or ``[E, N, K]`` bf16 (N, K % 128 == 0)
+    """``fp8.quantize_blocks`` on the GPU: ``w [N, K]`` or ``[E, N, K]`` bf16 (K % 8 == 0)
     -> ``(q, e)``, or with ``transposed=True`` the exact transposed copy ``(qt, et)``, bitwise
     the reference; ``both=True`` writes both in one pass and returns ``(q, e, qt, et)``.
-    ``out``: the tensors to write, in the order returned."""
+    N or K not a multiple of 128: the outputs are those of w zero-padded to whole blocks
+    (``q [N', K']`` etc., N', K' rounded up to 128), w read in place. ``out``: the tensors to
+    write, in the order returned."""
     if not isinstance(w, torch.Tensor) or w.dim() not in (2, 3):
         raise ValueError(f"w: expected a 2-D or 3-D tensor, got {describe(w)}")
     if not isinstance(transposed, bool) or not isinstance(both, bool):
         raise TypeError(f"transposed, both: expected bools, got {describe(transposed)}, {describe(both)}")
     w3 = w if w.dim() == 3 else w.unsqueeze(0)
     _check_bf16("w", w3, 3)
-    _multiple("w", w, -2, "N", GROUP)
-    _multiple("w", w, -1, "K", GROUP)
+    _multiple("w", w, -1, "K", 8)
     _check_device("w", w3)
     b, n, k = w3.shape
+    n, k = -(-n // GROUP) * GROUP, -(-k // GROUP) * GROUP  # the outputs' whole blocks
     write_q, write_qt = both or not transposed, both or transposed
     lead = tuple(w.shape[:-2])
     shapes = {"q": lead + (n, k), "e": lead + (n // GROUP, k // GROUP),
