@@ -468,6 +468,28 @@ def test_training_bench_checks_the_torch_pipelines_gradients_on_cpu():
     assert training.check(layer, ref_out, swapped, d_out)["d_w_gate"] > 0.1
 
 
+@pytest.mark.skipif(not GROUPED_MM_ON_CPU, reason="torch._grouped_mm does not run on the CPU here; see the gpu test")
+@pytest.mark.parametrize("spec", ["custom:80,128,64,8,4,1", "custom:33,64,32,4,4"])
+def test_training_bench_torch_fp8_baseline_gradients_on_cpu(spec, monkeypatch):
+    """The torch FP8 training baseline (its scaled GEMMs emulated): every gradient within the
+    FP8 bound of autograd on the reference and clearly FP8 where FP8 runs (d_x through both
+    FP8 dgrads), the weight gradients' routing right (gate and up swapped fails)."""
+    from mok_cute.bench import training
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_emulated, raising=False)
+    p = problems.make_problem(shapes.resolve_shape(spec), device="cpu", seed=5)
+    d_out = torch.randn(p.inputs.x.shape, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    ref_out, ref_grads = training.reference_grads(p, d_out)
+    layer = training.Layer("torch_scaled_grouped_mm", p, MoKConfig())
+    errors = training.check(layer, ref_out, ref_grads, d_out)
+    routed = {"out", "d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down"}
+    assert routed <= set(errors)
+    assert max(errors.values()) <= training.CONTENDER_TOL["torch_scaled_grouped_mm"], errors
+    assert errors["d_x"] > 5e-3, errors
+    swapped = dict(ref_grads, w_gate=ref_grads["w_up"], w_up=ref_grads["w_gate"])
+    assert training.check(layer, ref_out, swapped, d_out)["d_w_gate"] > 0.1
+
+
 def test_training_bench_rejects_bad_arguments_naming_them(capsys):
     from mok_cute.bench import training
 
@@ -494,6 +516,26 @@ def test_training_bench_on_the_gpu(tmp_path):
         assert max(r["rel_l1"].values()) <= 1e-2 and r["saved_bytes_per_token"] > 0
     assert rows[("mok_cute", "train")]["paired_vs_torch"] > 0
     assert "--train" in doc["command"]
+
+
+@pytest.mark.gpu
+def test_training_bench_fp8_contenders_on_the_gpu(tmp_path):
+    """mok_cute_fp8 and the torch FP8 baseline (torch._scaled_grouped_mm) in training: both
+    checked within the FP8 bound and timed in every pass, paired against each other."""
+    argv = ["--train", "--shapes", "custom:384,512,256,8,4", "--iters", "3", "--warmup", "1",
+            "--rounds", "2", "--out", str(tmp_path), "--tag", "gpu-fp8", "--mok-config", "check_ids=False",
+            "--contenders", "mok_cute_fp8,torch_scaled_grouped_mm"]
+    from mok_cute import cli
+
+    assert cli.main(["bench", *argv]) == 0
+    doc = json.loads(next(tmp_path.glob("*_gpu-fp8.json")).read_text())
+    rows = {(r["contender"], r["pass"]): r for r in doc["results"] if r["contender"] != "cublas_8192"}
+    assert set(rows) == {(c, p) for c in ("mok_cute_fp8", "torch_scaled_grouped_mm")
+                         for p in ("fwd", "bwd", "train")}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["ms"] > 0, r
+        assert 1e-3 < max(r["rel_l1"].values()) <= 0.1, r["rel_l1"]
+    assert rows[("mok_cute_fp8", "train")]["paired_vs_torch_fp8"] > 0
 
 
 def test_sonicmoe_runner_passes_its_layout(monkeypatch):

@@ -23,6 +23,8 @@
 #                   test_fp8_training.py, test_fp8_quant.py), then the forward bench of mok_cute,
 #                   mok_cute_fp8 and the torch pipelines (bf16, and FP8 on torch._scaled_grouped_mm)
 #                   on the five shapes
+#   fp8train [TAG]  the training bench of mok_cute, mok_cute_fp8 and the torch pipelines (bf16, and
+#                   FP8 on torch._scaled_grouped_mm) on the five shapes, $ROUNDS (2) rounds
 #   fp8probe        tools/layer_profile.py --fp8, fp8_gemm_probe.py and backward_profile.py --fp8
 #                   (~4 min): the FP8 forward's stages, the FP8 GEMMs per tile width, the FP8 dgrads
 #                   and weight gradients beside bf16, JSON under $OUT
@@ -145,6 +147,13 @@ run_fp8() {
     --tag "$1" && bench_rows_ok "$out/fp8_${1}.log"
 }
 
+run_fp8_train() {
+  step "fp8train_${1}" "${BENCH_SECS:-420}" python3 -m mok_cute.cli bench --train --shapes "$SHAPES5" \
+    --contenders mok_cute,mok_cute_fp8,torch_grouped_mm,torch_scaled_grouped_mm \
+    --mok-config check_ids=False --iters 10 --warmup 3 --rounds "${ROUNDS:-2}" --out "$out" \
+    --tag "fp8train_$1" && bench_rows_ok "$out/fp8train_${1}.log"
+}
+
 run_fp8_probes() {
   # where the FP8 time goes: forward stages (fused / unfused x, FC1 128 vs 256 + quantize_h),
   # the FP8 GEMMs at every tile width, the FP8 dgrads and weight gradients beside bf16
@@ -203,10 +212,11 @@ case "$mode" in
   sonic) run_sonic "${2:-vs_sonicmoe}" ;;
   train) run_train "${2:-train}" ;;
   fp8) run_fp8 "${2:-fp8}" ;;
+  fp8train) run_fp8_train "${2:-fp8}" ;;
   fp8probe) run_fp8_probes ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, fp8, fp8probe, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, fp8, fp8train, fp8probe, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]

@@ -22,6 +22,9 @@ Contenders:
   cublas_8192       (a row of its own) bf16 8192^3 torch.matmul: the ceiling
   torch_grouped_mm  the torch pipeline of mok_cute.bench.torch_moe under autograd, gate and up
                     one packed [E, 2I, H] parameter (the layout it runs fastest on)
+  torch_scaled_grouped_mm  the FP8 baseline: the same pipeline with its two GEMMs on
+                    torch._scaled_grouped_mm (rowwise scales; FP8 forward and d_x, bf16 weight
+                    gradients: mok_cute_fp8's recipe), weights quantized in every call
   sonicmoe          SonicMoE 0.1.2.post1 in training mode (gate/up interleaved [E, 2I, H]
                     parameter); ``--sonic-tuning fixed`` (default) gives each QuACK autotuner one
                     config (128x192 tiles, 2x1 cluster, ping-pong where valid, else its first
@@ -48,11 +51,12 @@ from mok_cute.bench.harness import (Timer, bench_cublas, command_line, paired_ra
                                     sonicmoe_runner)
 from mok_cute.bench.problems import Problem, make_problem
 from mok_cute.bench.results import gpu_name, save_results
-from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe
+from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe, torch_scaled_grouped_mm_train
 from mok_cute.shapes import resolve_shapes
 
-CONTENDERS = ("mok_cute", "mok_cute_fp8", "torch_grouped_mm", "sonicmoe")
-CONTENDER_TOL = {"mok_cute_fp8": 0.1}  # the issue's FP8 gradient bound, cosine >= 0.996
+CONTENDERS = ("mok_cute", "mok_cute_fp8", "torch_grouped_mm", "torch_scaled_grouped_mm", "sonicmoe")
+# the issue's FP8 gradient bound, cosine >= 0.996
+CONTENDER_TOL = {"mok_cute_fp8": 0.1, "torch_scaled_grouped_mm": 0.1}
 DEFAULT_CONTENDERS = ("mok_cute", "torch_grouped_mm")
 PASSES = {"fwd": 1.0, "bwd": 2.0, "train": 3.0}  # FLOPs over the forward's
 # the reference's leaves, in moe_forward's argument order
@@ -86,8 +90,11 @@ class Layer:
             fused = fuse_shared(problem.shared)
             params = [gate_up, down] + ([t.detach().clone().requires_grad_() for t in fused] if fused else [])
             shared = tuple(params[2:]) or None
-            self.forward = lambda: torch_grouped_mm_moe(x, idx, w, gate_up.transpose(1, 2), down.transpose(1, 2),
-                                                        shared=shared)
+            if name == "torch_scaled_grouped_mm":
+                self.forward = lambda: torch_scaled_grouped_mm_train(x, idx, w, gate_up, down, shared)
+            else:
+                self.forward = lambda: torch_grouped_mm_moe(x, idx, w, gate_up.transpose(1, 2),
+                                                            down.transpose(1, 2), shared=shared)
         self.leaves = [x, w, *params]
         self.intermediate = problem.shape.intermediate
 
@@ -263,6 +270,7 @@ def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Time
     # this contender's over mok_cute's (over)
     for (name, p), mine in rows.items():
         for key, other in (("paired_vs_torch", "torch_grouped_mm"), ("paired_vs_sonicmoe", "sonicmoe"),
+                           ("paired_vs_torch_fp8", "torch_scaled_grouped_mm"),
                            ("paired_ms_over_mok_cute", "mok_cute")):
             theirs = rows.get((other, p), {}).get("ms_rounds")
             over = key == "paired_ms_over_mok_cute"
