@@ -59,8 +59,8 @@ exponent tensor. The store epilogue, 128-wide tiles.
 
 FC2's dgrad (``epilogue="dgated"``, ``grouped_gemm_fp8_dgated``): d_out rows (e4m3, 1 x 128)
 times W_down's exact transposed copy [E, I, H], the promoted accumulator then through the bf16
-kernel's dgated epilogue unchanged (``GroupedGemmSm90.row_visit_args`` / ``_visit_dgated``: g, u
-by slot two subtiles ahead; dG, dU, w*h by TMA; the row partials of d_topk_weights); 128-wide
+kernel's dgated epilogue unchanged (``row_epilogue.RowEpilogueMixin``: g, u by slot two
+subtiles ahead; dG, dU, w*h by TMA; the row partials of d_topk_weights); 128-wide
 tiles.
 
 Roles and order as ``gemm_sm90.GroupedGemmSm90`` (cooperative only: the two consumer
