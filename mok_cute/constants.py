@@ -73,6 +73,9 @@ class MegakernelSpec:
     tickets         "static", "dynamic" or "strided" (``MegakernelOptions.tickets``)
     defer_signals   one rank, no comm task, the ticket ring: a GEMM task's publish waits until
                     the CTA's next task needs it out of the way
+    save_preact     a training forward: FC1 (and the shared expert's FC1) also stores each
+                    routed row's bf16 g | u into the row the host's row map names
+                    (``row_epilogue``), the same bits as the one-GPU training forward
     """
 
     num_ranks: int = 1
@@ -85,6 +88,7 @@ class MegakernelSpec:
     rows_in_place: bool = True
     tickets: str = "strided"
     defer_signals: bool = False
+    save_preact: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_comm_ctas < self.num_ctas:

@@ -5,6 +5,11 @@
     moe_forward (group=..., one process/GPU)   -> Plan(_IpcSide)      this rank's launch; peers'
                                                   buffers mapped through comm.ipc
 
+A training forward (``save=True``, issue 32) runs its own plan whose kernel's FC1 tasks also
+store the bf16 g | u of every routed row (``SavedPreact``): at one rank by (token, k) slot, the
+one-GPU path's layout and bits; with several ranks by receive row, where the expert rank's
+backward will read them.
+
 A plan is built once per (shapes, config, device) and reused: the symmetric peer buffers,
 the ring buffers, the encoded task list and the compiled kernel. A call then copies x into
 the symmetric buffers, builds the receive schedules on the device (no host sync), bumps the
@@ -29,6 +34,7 @@ import dataclasses
 import functools
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +44,14 @@ from mok_cute.constants import ERROR_SLOTS, KSUM_ROWS, TASK_TILE_N, TICKETS, TIL
 
 DEFAULT_COMM_CTAS = 12
 LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows
+
+
+class SavedPreact(NamedTuple):
+    """What a training forward through the megakernel keeps of FC1, per rank of the launch."""
+
+    preact: torch.Tensor  # [R, rows, 2I] bf16, g then u: rows T * K by slot at one rank, else by receive row
+    row_slot: torch.Tensor  # [R, capacity] int32: each schedule row's preact row, -1 on padding
+    shared_preact: torch.Tensor | None  # [R, T, 2Is] bf16 by token, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,14 +279,19 @@ class Plan:
         self.kernel = jit.compile_kernel("megakernel", jit.device_arch(dev),
                                          **dataclasses.asdict(k.spec))
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
+        # save_preact: the shared expert's rows are its tokens; several ranks keep g | u by
+        # receive row (at one rank by slot: the one-GPU layout)
+        self._token_rows = torch.arange(k.tokens, dtype=torch.int32, device=dev)
+        self._receive_rows = torch.arange(self.capacity, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ one call
     def run(self, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, timeout_ms: float,
-            out: torch.Tensor | None = None, silent_rank: int = -1) -> torch.Tensor:
+            out: torch.Tensor | None = None, silent_rank: int = -1):
         """xs (R, T, H) bf16, topk_idx (R, T, K) global ids, topk_weights (R, T, K),
         w_* (R, E_loc, ., .), shared: None or (gate, up, down) with a leading R (R = the ranks
-        of this launch: all virtual ranks, or 1 for this process's rank of a group).
+        of this launch: all virtual ranks, or 1 for this process's rank of a group) -> out
+        (R, T, H), and with a saving plan (``spec.save_preact``) (out, ``SavedPreact``).
         ``silent_rank`` (tests only): that rank never announces its start, so every wait on
         it times out, as if its process had died."""
         k = self.key
@@ -320,6 +339,12 @@ class Plan:
         if shared is not None:
             s_args = [kmajor(x_own), kmajor(shared[0]), kmajor(shared[1]), kmajor(shared[2]),
                       kmajor(self.shared_h), kmajor(self.shared_y)]
+        saved, saved_args = None, (None,) * 4
+        if k.spec.save_preact:
+            saved = self._saved_preact(scheds, shared is not None)
+            saved_args = (kmajor(saved.preact), saved.row_slot,
+                          None if shared is None else kmajor(saved.shared_preact),
+                          None if shared is None else self._token_rows)
         d = self.device_tasks
         self.kernel(
             d.tasks, d.queues, d.queue_len, d.queue_live_len, d.queue_blocks,
@@ -327,7 +352,8 @@ class Plan:
             scheds.row_peer, scheds.row_token, scheds.row_k, self.peer_bases,
             kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
             kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)), *s_args,
-            topk_weights.to(torch.float32), ids, slot_rows, out, self.timeline_buf, self.scalars)
+            topk_weights.to(torch.float32), ids, slot_rows, out, self.timeline_buf, self.scalars,
+            *saved_args)
         if self.timeline_buf is not None:
             from mok_cute.timeline import set_last
             set_last(self.timeline)  # what `mok-cute timeline` decodes after the call
@@ -337,7 +363,23 @@ class Plan:
         event = torch.cuda.Event()
         event.record()
         self._pending_errors.append((event, word, self.calls))
-        return out
+        return out if saved is None else (out, saved)
+
+    def _saved_preact(self, scheds, has_shared: bool) -> SavedPreact:
+        """The buffers a saving launch's FC1 tasks write and each schedule row's place in
+        them (on the device, no host sync)."""
+        k, R = self.key, self.side.launch_ranks
+        dev = scheds.row_token.device
+        valid = scheds.row_token >= 0
+        if self.side.num_peers == 1:  # by (token, k) slot: the one-GPU path's layout
+            rows, index = k.tokens * k.top_k, scheds.row_token * k.top_k + scheds.row_k
+        else:  # by receive row
+            rows, index = self.capacity, self._receive_rows.expand(R, -1)
+        row_slot = torch.where(valid, index, torch.full_like(index, -1)).to(torch.int32)
+        shared_preact = (torch.empty(R, k.tokens, 2 * k.shared_intermediate, dtype=torch.bfloat16,
+                                     device=dev) if has_shared else None)
+        return SavedPreact(torch.empty(R, rows, 2 * k.intermediate, dtype=torch.bfloat16,
+                                       device=dev), row_slot.contiguous(), shared_preact)
 
     def raise_pending_errors(self) -> None:
         """Wait for every launch's error-word copy; raise PeerTimeoutError for the first
@@ -383,11 +425,12 @@ def release_plans() -> None:
 
 
 def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None,
-             handle_type: str = "posix_fd") -> Plan:
+             handle_type: str = "posix_fd", save: bool = False) -> Plan:
     """The cached plan for these shapes: R virtual ranks (``group=None``, xs [R, T, H]) or this
     process's rank of ``group`` (xs [1, T, H], peers over IPC). ``config``'s sizes that are
     None take the heuristics here; an EP group's caller resolves them with the simulator
-    first (``sim.tune.tuned_config``)."""
+    first (``sim.tune.tuned_config``). ``save``: a training forward's plan (its own kernel,
+    FC1 storing g | u)."""
     from mok_cute.schedule import schedule_capacity
 
     R, T, H = xs.shape
@@ -430,7 +473,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         num_ranks=R, num_ctas=num_sms, num_comm_ctas=num_comm, top_k=K, has_shared=bool(Is),
         scope="gpu" if group is None else "sys", timeline=config.timeline,
         rows_in_place=rows_in_place, tickets=tickets,
-        defer_signals=local_only and R == 1 and tickets != "static")
+        defer_signals=local_only and R == 1 and tickets != "static", save_preact=save)
     key = PlanKey(T, H, I, E_loc, Is, minibatch, ring, config.timeline_capacity, device,
                   None if group is None else (id(group), handle_type), fc1_lead,
                   x_in_place=local_only, local_only=local_only, spec=spec)
@@ -444,10 +487,11 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
 
 
 def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
-                        config: MoKConfig | None = None) -> torch.Tensor:
-    """The megakernel on R virtual ranks (inputs already validated by ``mok_cute.api``)."""
+                        config: MoKConfig | None = None, save: bool = False):
+    """The megakernel on R virtual ranks (inputs already validated by ``mok_cute.api``) ->
+    out [R, T, H]; ``save`` (a training forward): (out, ``SavedPreact``), the same out."""
     config = config or MoKConfig()
-    plan = plan_for(xs, w_gate, w_down, shared, topk_idx, config)
+    plan = plan_for(xs, w_gate, w_down, shared, topk_idx, config, save=save)
     with plan.lock:
         return plan.run(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                         config.timeout_ms)
@@ -455,20 +499,28 @@ def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared
 
 def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
                 config: MoKConfig | None = None, group=None,
-                handle_type: str = "posix_fd") -> torch.Tensor:
+                handle_type: str = "posix_fd", save: bool = False):
     """One GPU (``group=None``): the megakernel with one rank. With ``group``: this process's
     rank of an expert-parallel group, peers reached through IPC-mapped symmetric buffers
     (every rank of the group calls together, with the same T). The IPC launch has run on 2
-    H200s, not yet on 4 or 8."""
+    H200s, not yet on 4 or 8. ``save`` (a training forward): (out, this rank's
+    ``SavedPreact``)."""
     config = config or MoKConfig()
     sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
     args = (x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
             w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0))
     if group is None:
-        return moe_forward_virtual(*args, sh, config)[0]
-    plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type)
-    with plan.lock:
-        return plan.run(*args, sh, config.timeout_ms)[0]
+        result = moe_forward_virtual(*args, sh, config, save=save)
+    else:
+        plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
+                        save=save)
+        with plan.lock:
+            result = plan.run(*args, sh, config.timeout_ms)
+    if not save:
+        return result[0]
+    out, saved = result
+    return out[0], SavedPreact(saved.preact[0], saved.row_slot[0],
+                               None if saved.shared_preact is None else saved.shared_preact[0])
 
 
 def raise_pending_errors() -> None:

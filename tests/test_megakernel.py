@@ -87,6 +87,18 @@ def test_every_configuration_compiles_without_spills(name, timeline, tmp_path):
     assert 128 * dec + 256 * inc <= rep.registers * 384
 
 
+@pytest.mark.parametrize("name", ["one_rank", "virtual"])
+def test_training_forward_configuration_compiles_without_spills(name, tmp_path):
+    """save_preact (FC1 tasks also storing g | u by row, ``row_epilogue``): no spills, wgmmas
+    pipelined, the same register split."""
+    from mok_cute import jit
+
+    spec = dataclasses.replace(SPECS[name], save_preact=True)
+    rep = jit.inspect_kernel("megakernel", outdir=tmp_path, **dataclasses.asdict(spec))
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    _wgmma_pipelined(rep)
+
+
 @pytest.mark.parametrize("top_k,has_shared", [(1, False), (2, True), (10, True)])
 def test_ksum_lands_rows_in_smem_without_spills(top_k, has_shared, tmp_path):
     """The KSUM lanes copy their y vectors into the B stages with cp.async and sum them from
@@ -605,6 +617,75 @@ def test_one_gpu_megakernel_equals_the_expert_kernel_path_bitwise():
     experts = mok_cute.moe_forward(x, idx, w, wg, wu, wd, shared=shared,
                                    config=mok_cute.MoKConfig(backend="kernel"))
     assert torch.equal(mega, experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,Is,skew", [(4, 128, False), (8, 0, True)])
+def test_training_forward_at_one_rank_saves_the_one_gpu_bits(K, Is, skew):
+    """Issue 32, item 1, at one rank: a saving launch gives the inference launch's out, and
+    the one-GPU training forward's g | u by (token, k) slot and the shared expert's by token,
+    bit for bit (every slot written: the buffers come from a poisoned allocator)."""
+    from mok_cute import expert_path, megakernel
+
+    args = _problem(1, 300, 512, 320, 8, K, Is, seed=7, skew=skew)
+    x, idx, w, wg, wu, wd = (a[0] for a in args[:6])
+    shared = None if args[6] is None else tuple(t[0] for t in args[6])
+    config = mok_cute.MoKConfig(backend="megakernel", timeout_ms=5000.0)
+    inference = megakernel.moe_forward(x, idx, w, wg, wu, wd, shared, config)
+    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+    out, saved = megakernel.moe_forward(x, idx, w, wg, wu, wd, shared, config, save=True)
+    _, want = expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, shared,
+                                             mok_cute.MoKConfig(backend="kernel"), save=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, inference)
+    assert saved.preact.shape == want.preact.shape == (300 * K, 2 * 320)
+    assert torch.equal(saved.preact, want.preact)
+    if Is:
+        assert torch.equal(saved.shared_preact, want.shared_preact)
+    else:
+        assert saved.shared_preact is None
+    valid = saved.row_slot >= 0
+    assert int(valid.sum()) == 300 * K and torch.equal(torch.sort(saved.row_slot[valid]).values,
+                                                       torch.arange(300 * K, device="cuda",
+                                                                    dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,K,Is,kw", [(2, 4, 128, {"skew": True}), (3, 2, 0, {"empty_expert": 5}),
+                                       (4, 2, 64, {"silent_receiver": 2})])
+def test_training_forward_on_virtual_ranks_saves_by_receive_row(R, K, Is, kw):
+    """Issue 32, item 1, on virtual ranks: each expert rank keeps g | u by receive row, and
+    the row of (peer p, token t, k) holds the bits of the one-GPU training forward of p's
+    tokens at slot t * K + k; the launch's out is the inference launch's."""
+    from mok_cute import expert_path, megakernel
+    from mok_cute.schedule import build_receive_schedules
+
+    T, H, I, E_loc = 96, 256, 192, 4
+    xs, idx, w, wg, wu, wd, sh = _problem(R, T, H, I, E_loc, K, Is, seed=R, **kw)
+    config = mok_cute.MoKConfig(timeout_ms=5000.0)
+    inference = megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, sh, config)
+    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+    out, saved = megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, sh, config, save=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, inference)
+    flat = lambda t: t.reshape(R * E_loc, *t.shape[2:])  # noqa: E731  every rank's experts
+    wants = [expert_path.moe_forward_kernel(
+        xs[p], idx[p], w[p], flat(wg), flat(wu), flat(wd), None if sh is None else
+        tuple(t[p] for t in sh), mok_cute.MoKConfig(backend="kernel"), save=True)[1]
+        for p in range(R)]
+    scheds = build_receive_schedules(idx, E_loc, 128, validate=False)
+    for r in range(R):
+        rows = (scheds.row_token[r] >= 0).nonzero().flatten()
+        assert torch.equal(saved.row_slot[r][rows], rows.to(torch.int32))
+        assert bool((saved.row_slot[r][scheds.row_token[r] < 0] == -1).all())
+        peer, token, k = (t[r][rows].long() for t in (scheds.row_peer, scheds.row_token,
+                                                      scheds.row_k))
+        for p in range(R):
+            mine = peer == p
+            assert torch.equal(saved.preact[r][rows[mine]],
+                               wants[p].preact[token[mine] * K + k[mine]]), (r, p)
+        if sh is not None:
+            assert torch.equal(saved.shared_preact[r], wants[r].shared_preact), r
 
 
 @pytest.mark.gpu

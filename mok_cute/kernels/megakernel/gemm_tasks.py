@@ -132,6 +132,18 @@ class TmaStores(NamedTuple):
     t_sh_y: object
 
 
+class SavedRows(NamedTuple):
+    """save_preact: where FC1 tasks store g | u. ``preact (rows, 2I, R)`` bf16 and ``row_slot
+    (R, capacity)`` int32 (each schedule row's preact row, -1: padding) for the routed experts;
+    ``shared_preact (T, 2Is, R)`` and ``shared_rows (T,)`` int32 (0 .. T - 1) for the shared
+    expert's. None when not saving."""
+
+    preact: object
+    row_slot: object
+    shared_preact: object
+    shared_rows: object
+
+
 class DirectRows(NamedTuple):
     """What the producer threads need to gather FC1's A rows themselves (rows in place)."""
 
@@ -488,10 +500,14 @@ class GemmTasks:
     @cute.jit
     def consumer_loop(self, ctx, tt: TaskTables, routing: Routing, ring_y, out, shared_y,
                       timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC, stores: TmaStores, tidx,
-                      warp_idx, warpgroup_idx, compute_cta, ticket_q, ticket_bars, ksum_stage):
+                      warp_idx, warpgroup_idx, compute_cta, ticket_q, ticket_bars, ksum_stage,
+                      saved: SavedRows):
         consumer_tidx = tidx - 128
         tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
             tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * 128, consumer_tidx)
+        coords = None  # save_preact: this thread's subtile coordinates, for its rows' stores
+        if const_expr(self.spec.save_preact):
+            coords = self.epi_coords(epi, consumer_tidx)
         tma_store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
@@ -547,7 +563,8 @@ class GemmTasks:
 
                 subtiles, t_signal = self._store_task(epi, ttype, tt, ticket_q, taken, index,
                                                       rank, subtiles, barrier, tma_store_pipeline,
-                                                      is_store_warp, stores, not deferrable)
+                                                      is_store_warp, stores, saved, coords,
+                                                      consumer_tidx, not deferrable)
             elif run and not noop:
                 # a KSUM, or with no comm CTA the BARRIER (no rows: it only waits, and stores
                 # its flag when it publishes)
@@ -578,24 +595,38 @@ class GemmTasks:
     @cute.jit
     def _store_task(self, epi, ttype: Int32, tt: TaskTables, ticket_q, taken: Int32,
                     index: Int32, rank: Int32, subtiles: Int32, barrier, store_pipeline,
-                    is_store_warp, stores: TmaStores, wait_stores=True):
+                    is_store_warp, stores: TmaStores, saved: SavedRows, coords,
+                    consumer_tidx: Int32, wait_stores=True):
         """A GEMM task's epilogue: its output tile (h of FC1, y of FC2, the shared expert's
         h / y) stored by TMA, then the store warp waits for the stores to land and syncs its
-        lanes, so that lane 0 may publish without a barrier. Returns the epilogue subtiles
+        lanes, so that lane 0 may publish without a barrier. save_preact: an FC1 task's
+        epilogue also stores its rows' g | u (``row_epilogue``), the rows found through the
+        schedule tile ``m_tile`` (the ring tile only places h). Returns the epilogue subtiles
         used so far and, with the recorder, the time before the store warp's wait (the start
         of its SIGNAL phase). ``wait_stores`` False (a task whose publish is deferred): the
         store warp does not wait here (``_flush_signal`` does)."""
         m_tile, n_tile, ring_tile = self._task_tile(tt, ticket_q, taken, index)
         if ttype == int(TaskType.FC1):
+            visit_args = None
+            if const_expr(self.spec.save_preact):
+                _, visit_args = self.row_visit_args(
+                    epi, "swiglu", coords, m_tile, n_tile, saved.preact[(None, None, rank)],
+                    saved.row_slot[(rank, None)], None, consumer_tidx)
             self._store_tile(epi, stores.h, stores.t_h, ring_tile, n_tile, rank, True, subtiles,
-                             barrier, store_pipeline, is_store_warp)
+                             barrier, store_pipeline, is_store_warp, visit_args)
         elif ttype == int(TaskType.FC2):
             self._store_tile(epi, stores.y, stores.t_y, ring_tile, n_tile, rank, False, subtiles,
                              barrier, store_pipeline, is_store_warp)
         if const_expr(self.spec.has_shared):
             if ttype == int(TaskType.SHARED_FC1):
+                visit_args = None
+                if const_expr(self.spec.save_preact):
+                    _, visit_args = self.row_visit_args(
+                        epi, "swiglu", coords, m_tile, n_tile,
+                        saved.shared_preact[(None, None, rank)], saved.shared_rows, None,
+                        consumer_tidx)
                 self._store_tile(epi, stores.sh_h, stores.t_sh_h, m_tile, n_tile, rank, True,
-                                 subtiles, barrier, store_pipeline, is_store_warp)
+                                 subtiles, barrier, store_pipeline, is_store_warp, visit_args)
             elif ttype == int(TaskType.SHARED_FC2):
                 self._store_tile(epi, stores.sh_y, stores.t_sh_y, m_tile, n_tile, rank, False,
                                  subtiles, barrier, store_pipeline, is_store_warp)
@@ -679,15 +710,15 @@ class GemmTasks:
     @cute.jit
     def _store_tile(self, epi, tma_atom, t_out, m_tile: Int32, n_tile: Int32, rank: Int32,
                     swiglu: cutlass.Constexpr[bool], subtiles: Int32, barrier, store_pipeline,
-                    is_store_warp):
+                    is_store_warp, visit_args=None):
         """The task's output tile of ``t_out`` (rows, columns, rank) through the GEMM core's
-        epilogue."""
+        epilogue (``visit_args``: save_preact's rows, ``row_epilogue``)."""
         tile_m, tile_n, _ = self.tile_shape_mnk
         out_tile_n = tile_n // 2 if const_expr(swiglu) else tile_n
         g_out = cute.local_tile(t_out, (tile_m, out_tile_n), (None, None, None))
         self.tile_epilogue(epi, (tma_atom,), (g_out[(None, None, m_tile, n_tile, rank)],),
                            "swiglu" if const_expr(swiglu) else "store", 0, subtiles, barrier,
-                           store_pipeline, is_store_warp)
+                           store_pipeline, is_store_warp, visit_args)
 
     # ------------------------------------------------------------------ mainloop hooks
     @cute.jit

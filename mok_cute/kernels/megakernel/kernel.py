@@ -55,16 +55,18 @@ from mok_cute import jit
 from mok_cute.constants import SCALARS, TASK_TILE_N, TILE_K, TILE_M, MegakernelSpec
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
+from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.kernels.megakernel.comm_tasks import COMM_THREADS, CommTasks, Routing
 from mok_cute.kernels.megakernel.gemm_tasks import (PRODUCER_THREADS, DirectRows, GemmTasks,
-                                                   TmaOperands, TmaStores)
+                                                   SavedRows, TmaOperands, TmaStores)
 from mok_cute.kernels.megakernel.ksum_tasks import KsumTasks
 from mok_cute.kernels.megakernel.scheduler import (DECODED_WORDS, TICKET_SLOTS, Context,
                                                   SchedulerMixin, TaskTables, ticket_ring_init)
 from mok_cute.tasks import TASK_WORDS
 
 
-class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm90):
+class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogueMixin,
+                     GemmCoreSm90):
     """One persistent launch: dispatch, expert GEMMs, combine, barrier and k-sum.
 
     :param spec: the static configuration (``constants.MegakernelSpec``).
@@ -73,6 +75,7 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
     def __init__(self, spec: MegakernelSpec):
         GemmCoreSm90.__init__(self, TASK_TILE_N, pingpong=False)
         self.spec = spec
+        self.save_preact = spec.save_preact  # the FC1 tasks' epilogue (row_epilogue)
         self.num_ranks = spec.num_ranks
         self.num_compute_ctas = spec.num_ctas - spec.num_comm_ctas
         # setmaxnreg moves registers within the CTA's launch allocation (168 x 384 threads =
@@ -97,6 +100,8 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
                  shared_h: Optional[cute.Tensor], shared_y: Optional[cute.Tensor],
                  topk_weights: cute.Tensor, topk_idx: cute.Tensor, slot_rows: cute.Tensor,
                  out: cute.Tensor, timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor,
+                 preact: Optional[cute.Tensor], row_slot: Optional[cute.Tensor],
+                 shared_preact: Optional[cute.Tensor], shared_rows: Optional[cute.Tensor],
                  stream: cuda.CUstream):
         """Shapes (R ranks, P peers, E = R * E_loc experts, C ring rows, T tokens):
         tasks int32 (N, TASK_WORDS); queues int32 (2, Q); queue_len int32 (2,);
@@ -111,7 +116,10 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
         (R, T * K): the ring row of rank r's own slot (token, k) when its expert is r's, else
         -1 (read only with rows in place); out bf16 (R, T, H); scalars int64 (SCALARS,):
         ``constants.SCALAR_FIELDS`` (the silent rank is a test hook: that virtual rank never
-        announces its start, like a peer whose process died; -1 in normal use)."""
+        announces its start, like a peer whose process died; -1 in normal use). save_preact
+        (else None): preact bf16 (rows, 2I, R), row_slot int32 (R, capacity) (each schedule
+        row's preact row, -1: padding); shared: shared_preact bf16 (T, 2Is, R), shared_rows
+        int32 (T,) (0 .. T - 1)."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -155,7 +163,7 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
             tasks, queues, queue_len, queue_live_len, queue_blocks, counter_offsets,
             counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
             ring_x, ring_y, topk_weights, topk_idx, slot_rows, out, shared_y, timeline_buf,
-            scalars,
+            scalars, preact, row_slot, shared_preact, shared_rows,
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
             tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
             self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
@@ -174,6 +182,8 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
                topk_idx: cute.Tensor, slot_rows: cute.Tensor, out: cute.Tensor,
                shared_y: Optional[cute.Tensor],
                timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor,
+               preact: Optional[cute.Tensor], row_slot: Optional[cute.Tensor],
+               shared_preact: Optional[cute.Tensor], shared_rows: Optional[cute.Tensor],
                tma_a_x: cute.CopyAtom, t_a_x: cute.Tensor, tma_a_h: cute.CopyAtom, t_a_h: cute.Tensor,
                tma_wg: cute.CopyAtom, t_wg: cute.Tensor, tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
                tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
@@ -250,7 +260,8 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, GemmCoreSm
                 self.consumer_loop(ctx, tt, routing, ring_y, out, shared_y, timeline_buf,
                                    ab_pipeline, tiled_mma, sA, sB, sC, stores, tidx, warp_idx,
                                    warpgroup_idx, compute_cta, ticket_q, ticket_bars,
-                                   storage.sB.data_ptr())
+                                   storage.sB.data_ptr(),
+                                   SavedRows(preact, row_slot, shared_preact, shared_rows))
 
 
 # ---------------------------------------------------------------------- compile
@@ -292,5 +303,12 @@ def compile_megakernel(arch: str = "sm_90a", options: str = "", **spec_fields):
              f(Int32, (ranks, tokens, top_k), align_bytes=4), i32(ranks, sym()),
              f(bf16, (ranks, tokens, hidden), align_bytes=16),
              common.fake_vector(Int64, align_bytes=8) if spec.timeline else None,
-             common.fake_vector(Int64, SCALARS, align_bytes=8), common.fake_stream()]
+             common.fake_vector(Int64, SCALARS, align_bytes=8)]
+    if spec.save_preact:  # g | u rows (their count and I on the host), the row maps
+        args += [kmaj(bf16, (sym(), sym(divisibility=16), ranks)), i32(ranks, cap)]
+        args += ([kmaj(bf16, (tokens, sym(divisibility=16), ranks)), common.fake_vector(Int32)]
+                 if spec.has_shared else [None, None])
+    else:
+        args += [None] * 4
+    args.append(common.fake_stream())
     return cute.compile(mk, *args, options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
