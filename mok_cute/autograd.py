@@ -52,10 +52,7 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
       fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision):
     num_tokens, top_k = topk_idx.shape
-    experts, inter = w_gate.shape[0], w_gate.shape[1]
-    if precision == "fp8":  # g | u over I padded to whole 128 groups
-        from mok_cute.expert_path_fp8 import padded
-        inter = padded(inter)
+    experts, inter = w_gate.shape[0], w_gate.shape[1]  # g | u at I in both precisions
     rows = schedule_capacity(1, num_tokens, top_k, experts, TILE_M)
     i32 = dict(dtype=torch.int32, device=x.device)
     shared_preact = (x.new_empty(0, 0) if ws_gate is None

@@ -162,7 +162,7 @@ def moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None
         raise ValueError(why)
     weights = quantized_weights(w_gate, w_up, w_down, training=save)
     h, sched, row_of_slot, preact, row_slot = fc1_rows(x, topk_idx, weights, save=save,
-                                                       quantize_h=not save)
+                                                       quantize_h=not save, inter=w_gate.shape[1])
     hq, eh = h if not save else quantize.quantize_rows(h)
     # y keeps H columns: W_down's padding rows (H up to 128) are computed and not stored
     y = torch.empty(hq.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
@@ -184,10 +184,11 @@ FP8_TILE_N = 256
 
 
 def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save: bool = False,
-             quantize_h: bool = False):
+             quantize_h: bool = False, inter: int | None = None):
     """The FP8 path's first stage -> (h [capacity, I'] bf16 in expert order, the schedule,
     each slot's padded row [T * K] int32 (-1: routed nowhere), and with ``save`` g | u
-    [T * K, 2I'] bf16 by slot and each padded row's slot (else None, None)); ``quantize_h``:
+    [T * K, 2I] bf16 by slot at the layer's own ``inter`` (default I') and each padded row's
+    slot (else None, None)); ``quantize_h``:
     h comes quantized by FC1's epilogue, (e4m3 [capacity, I'], exponents), the bits of
     ``quantize.quantize_rows`` of the bf16 h; I' = I rounded up
     to 128 (h and g, u are zero there), x zero-padded to the weights' H'. No host sync."""
@@ -202,7 +203,7 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
     xq, ex = quantize.quantize_scatter_rows(pad_cols(x, weights.gate.shape[2]), row_of_slot,
                                             sched.row_token.shape[0])
     preact, row_slot = (expert_path.preact_by_slot(sched, num_tokens, top_k,
-                                                   weights.gate.shape[1], x.device)
+                                                   inter or weights.gate.shape[1], x.device)
                         if save else (None, None))
     h = gemm_fp8.grouped_gemm_fp8_swiglu(xq, ex, weights.gate, weights.e_gate, weights.up,
                                          weights.e_up, sched.tile_expert, sched.num_tiles,

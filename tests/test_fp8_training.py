@@ -85,3 +85,26 @@ def test_fp8_gradients_within_the_issue_bound_of_bf16(name):
     assert torch.equal(out, out2)
     for name_, a, b in zip(NAMES, got, again):
         assert torch.equal(a, b), f"{name_}: not bitwise reproducible"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,I,E,K", [(200, 576, 320, 16, 4), (64, 512, 256, 8, 2)])
+def test_fp8_training_forward_saves_g_u_at_the_layers_own_width(T, H, I, E, K):
+    """The saved g | u have the layer's I columns even where the FP8 GEMMs pad I to whole 128
+    groups (320 -> 384): every slot's row fully written (a poisoned allocator before), and
+    equal to the padded run's first I columns of g and of u (the padding columns are zeros
+    there, so neither is stored nor read)."""
+    from mok_cute import expert_path_fp8
+
+    leaves, idx = _problem(T, H, I, E, K, 0, seed=T, routing="uniform")
+    x, w, wg, wu, wd = (t.detach() for t in leaves)
+    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _, saved = expert_path_fp8.moe_forward_fp8(x, idx, w, wg, wu, wd, None, FP8, save=True)
+    assert saved.preact.shape == (T * K, 2 * I)
+    assert torch.isfinite(saved.preact.float()).all()
+    weights = expert_path_fp8.quantized_weights(wg, wu, wd, training=True)
+    _, _, _, padded, _ = expert_path_fp8.fc1_rows(x, idx, weights, save=True)
+    wide = padded.shape[1] // 2
+    assert torch.equal(saved.preact[:, :I], padded[:, :I])
+    assert torch.equal(saved.preact[:, I:], padded[:, wide:wide + I])
+    assert not padded[:, I:wide].any() and not padded[:, wide + I:].any()

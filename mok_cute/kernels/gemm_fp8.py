@@ -48,7 +48,9 @@ epi_visit_subtile``): h = bf16(silu(bf16(g)) * bf16(u)), silu in fp32, the bf16 
 code and rounding points; h is stored in bf16 (its e4m3 quantization is a later step).
 
 FC1 in a training forward (``save_preact``): also g and u of each routed row at its slot, from
-registers, as the bf16 kernel (``GroupedGemmSm90._store_preact``), for the backward.
+registers, as the bf16 kernel (``row_epilogue``), for the backward. The saved rows may be
+narrower than the padded I (g | u at the layer's own I: the padding columns are zeros, neither
+stored nor read).
 
 FC1's dgrad (``b_split_k``, ``grouped_gemm_fp8_split_k``): ``dx rows = [dG | dU] .
 [W_gate^T; W_up^T]``, K = 2I from two weight tensors, the exact transposed e4m3 copies
@@ -789,8 +791,7 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
     out = _kernel_operands((("a", a), ("w_gate", w_gate), ("w_up", w_up)), out, m, n)
     extra = (None,) * 6
     if preact_out is not None:
-        from mok_cute.expert_path import check_preact
-        check_preact(preact_out, n, preact_slot, m, "preact_slot")
+        _check_padded_preact(preact_out, n, preact_slot, m, "preact_slot")
         extra = (None, None, preact_out, preact_slot, None, None)
     compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m,
                          save_preact=preact_out is not None)
@@ -870,6 +871,18 @@ def grouped_gemm_fp8_split_k_ref(a: torch.Tensor, e_a: torch.Tensor, w1: torch.T
                                 num_m_tiles)
 
 
+def _check_padded_preact(preact, n: int, slot, m: int, slot_name: str) -> None:
+    """The saved g | u as the FP8 kernels take them: [slots, 2I] with I the padded N or the
+    layer's own I below it (n - 128 < I <= n; the kernels store and read only I columns)."""
+    from mok_cute.expert_path import check_preact
+
+    inter = preact.shape[1] // 2 if isinstance(preact, torch.Tensor) and preact.dim() == 2 else n
+    if not n - GROUP < inter <= n:
+        raise ValueError(f"preact: expected [slots, 2I] with {n - GROUP} < I <= {n}, got "
+                         f"{describe(preact)}")
+    check_preact(preact, inter, slot, m, slot_name)
+
+
 # ---------------------------------------------------------------------- FC2's dgrad: dgated
 def grouped_gemm_fp8_dgated(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor,
                             e_w: torch.Tensor, preact: torch.Tensor, row_slot: torch.Tensor,
@@ -879,13 +892,12 @@ def grouped_gemm_fp8_dgated(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor,
     on the promoted accumulator): ``a [M, H]`` e4m3 d_out rows with ``e_a [M, H/128]``
     (``fp8.quantize_rows``), ``w [E, I, H]`` e4m3, W_down's exact transposed copy
     (``fp8.quantize_blocks(w_down, transposed=True)``) with ``e_w [E, I/128, H/128]``,
-    ``preact [slots, 2I]`` bf16 g | u by slot, ``row_slot [M]`` int32 (-1: padding),
-    ``weights`` fp32 [slots]. Returns (dG | dU [M, 2I], w * h [M, I], row partials [M, I/128]
-    fp32), as ``expert_backward.fc2_dgrad``. No host sync."""
-    from mok_cute.expert_path import check_preact
-
+    ``preact [slots, 2I]`` bf16 g | u by slot (or at the unpadded I: the columns past it read
+    as zeros), ``row_slot [M]`` int32 (-1: padding), ``weights`` fp32 [slots]. Returns (dG | dU
+    [M, 2I], w * h [M, I], row partials [M, I/128] fp32), as ``expert_backward.fc2_dgrad``. No
+    host sync."""
     m, n, _ = _check_args(a, e_a, w, e_w, tile_expert, num_m_tiles)
-    check_preact(preact, n, row_slot, m)
+    _check_padded_preact(preact, n, row_slot, m, "row_slot")
     if weights.dtype != torch.float32 or weights.dim() != 1:
         raise ValueError(f"weights: expected a 1-D float32 tensor, got {describe(weights)}")
     d_preact = _kernel_operands((("a", a), ("w", w)), None, m, 2 * n)
