@@ -26,9 +26,10 @@ requantization turns a few of those into a whole e4m3 step (or a group's scale i
 neighbour): tokens then differ by 3e-3 typically, up to 3e-2 (H200, 2026-12-02).
 
 Sizes: H and I multiples of 64 (ValueError otherwise); the FP8 kernels' K and N are H and I
-rounded up to whole 128-wide groups (H', I'): the weights are zero-padded once per version
-before their quantization, x rows to H', and h, g, u carry I' columns (zero past I), which is
-the quantization of a partial last group. One GPU (no group, no megakernel).
+rounded up to whole 128-wide groups (H', I'): the weights' quantizer reads them in place as if
+zero-padded (once per version), x rows are zero-padded to H', and h carries I' columns (zero
+past I), which is the quantization of a partial last group; a training forward keeps g | u at
+the layer's own I. One GPU (no group, no megakernel).
 """
 
 from __future__ import annotations
@@ -188,10 +189,9 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
     """The FP8 path's first stage -> (h [capacity, I'] bf16 in expert order, the schedule,
     each slot's padded row [T * K] int32 (-1: routed nowhere), and with ``save`` g | u
     [T * K, 2I] bf16 by slot at the layer's own ``inter`` (default I') and each padded row's
-    slot (else None, None)); ``quantize_h``:
-    h comes quantized by FC1's epilogue, (e4m3 [capacity, I'], exponents), the bits of
-    ``quantize.quantize_rows`` of the bf16 h; I' = I rounded up
-    to 128 (h and g, u are zero there), x zero-padded to the weights' H'. No host sync."""
+    slot (else None, None)); ``quantize_h``: h comes quantized by FC1's epilogue, (e4m3
+    [capacity, I'], exponents), the bits of ``quantize.quantize_rows`` of the bf16 h. I' = I
+    rounded up to 128 (h is zero there), x zero-padded to the weights' H'. No host sync."""
     from mok_cute import expert_path
     from mok_cute.kernels import gemm_fp8, quantize
 

@@ -173,7 +173,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     :param group_m: M-tiles per rasterisation group (L2 reuse of W).
     :param num_sms: persistent grid size (132 on H100/H200).
     :param save_preact: swiglu: also store the bf16 g and u of each routed row by slot, as the
-        bf16 kernel's training forward (``GroupedGemmSm90``: from registers, padding never).
+        bf16 kernel's training forward (``row_epilogue``: from registers, padding never).
     :param b_split_k: store only, tile_n 128: W's first K groups from ``mB``, the rest from
         ``mB_up``, each with its own block exponents (FC1's dgrad: ``[dG | dU] . [W_gate^T;
         W_up^T]``, K = 2I, on the weights' exact transposed e4m3 copies).
@@ -769,7 +769,7 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
     (``fp8.quantize_rows``); ``w_gate``, ``w_up [E, I, H]`` float8_e4m3fn with ``e_gate``,
     ``e_up [E, I/128, H/128]`` int8 (``fp8.quantize_blocks``); ``tile_expert`` and
     ``num_m_tiles [1]`` int32 on the device. Rows of M-tiles past ``num_m_tiles`` are
-    untouched. No host sync. h is bf16 (its quantization in the epilogue is a later step).
+    untouched. No host sync.
     A training forward passes ``preact_out`` ([slots, 2I] bf16: g then u) and ``preact_slot``
     ([M] int32, -1: padding): each routed row's g and u are stored at its slot.
     ``quantize_h`` (tile_n 256, no ``out``): returns h as ``(hq [M, I] float8_e4m3fn, e
