@@ -17,7 +17,7 @@ import torch
 
 import mok_cute as mok
 from per_token import assert_tokens_close, token_errors
-from test_backward import NAMES, _grads, _problem
+from test_backward import NAMES, _assert_repeats_bitwise, _grads, _problem
 
 FP8 = mok.MoKConfig(precision="fp8", backend="kernel", check_ids=False)
 # d_x per token against the bf16 reference: FP8's noise on both dgrads (d_out rows, dG | dU
@@ -80,11 +80,7 @@ def test_fp8_gradients_within_the_issue_bound_of_bf16(name):
     print(f"{name}: cosines {report}; d_x per token worst {errs.max().item():.3g}, "
           f"median {errs.median().item():.3g}")
     assert_tokens_close(got[0], want[0], tol=FP8_DX_TOKEN_TOL, what=f"{name}: d_x")
-    torch.full((1 << 28,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out2, again = _grads("kernel", leaves, idx, d_out, FP8)
-    assert torch.equal(out, out2)
-    for name_, a, b in zip(NAMES, got, again):
-        assert torch.equal(a, b), f"{name_}: not bitwise reproducible"
+    _assert_repeats_bitwise(leaves, idx, d_out, out, got, FP8)
 
 
 @pytest.mark.gpu
