@@ -279,10 +279,11 @@ class Plan:
         self.kernel = jit.compile_kernel("megakernel", jit.device_arch(dev),
                                          **dataclasses.asdict(k.spec))
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
-        # save_preact: the shared expert's rows are its tokens; several ranks keep g | u by
-        # receive row (at one rank by slot: the one-GPU layout)
-        self._token_rows = torch.arange(k.tokens, dtype=torch.int32, device=dev)
-        self._receive_rows = torch.arange(self.capacity, dtype=torch.int32, device=dev)
+        if k.spec.save_preact:
+            # the shared expert's rows are its tokens; several ranks keep g | u by receive row
+            # (at one rank by slot: the one-GPU layout)
+            self._token_rows = torch.arange(k.tokens, dtype=torch.int32, device=dev)
+            self._receive_rows = torch.arange(self.capacity, dtype=torch.int32, device=dev)
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ one call
