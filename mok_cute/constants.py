@@ -11,6 +11,7 @@ MAX_TOP_K = 16  # the k-sums unroll K at compile time
 
 # Megakernel
 TASK_TILE_N = 256  # output columns of an FC1 (half gate, half up) or FC2 task
+BACKWARD_TILE_N = 256  # the backward megakernel's N-tile: FC2_DGRAD over I, FC1_DGRAD over H
 TICKETS = 2  # int32 words after rank 0's counters: the comm and compute ticket counters
 KSUM_ROWS = 8  # local tokens per KSUM task (must divide TILE_M)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest

@@ -104,10 +104,11 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int):
 def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
-                     fp8: bool = False):
+                     fp8: bool = False, dgrads: str = "kernels"):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
-    on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients bf16."""
+    on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients bf16.
+    ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``)."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     dx_rows = dwg = dwu = dwd = partials = None
     if not (want_dx or want_gate_up or want_down or want_partials):
@@ -117,6 +118,10 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
         d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
             d_rows, preact, row_slot, weights, tile_expert, num_tiles,
             expert_path_fp8.transposed_weights(w_gate, w_up, w_down), want_dx, w_down.shape[1])
+    elif dgrads == "megakernel":
+        from mok_cute import megakernel_backward
+        d_preact, hw, partials, dx_rows = megakernel_backward.expert_dgrads(
+            d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert, num_tiles)
     else:
         d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights,
                                            tile_expert, num_tiles, options)
@@ -135,12 +140,19 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
 
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
-                 options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16"):
+                 options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16",
+                 dgrads: str = "kernels"):
     """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` (or of
     ``expert_path_fp8.moe_forward_fp8(..., save=True)`` with ``precision="fp8"``: the routed
     experts' dgrads in FP8, everything else bf16) given d_out [T, H]:
     (d_x, d_topk_weights fp32, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down),
-    None where ``needs`` says no (and for the shared expert's three without one)."""
+    None where ``needs`` says no (and for the shared expert's three without one).
+    ``dgrads``: the routed experts' bf16 dgrads as two grouped-GEMM launches ("kernels") or
+    one backward-megakernel launch ("megakernel"; the same bits)."""
+    if dgrads not in ("kernels", "megakernel"):
+        raise ValueError(f"dgrads: expected 'kernels' or 'megakernel', got {dgrads!r}")
+    if dgrads == "megakernel" and precision != "bf16":
+        raise ValueError(f"dgrads='megakernel' runs bf16 dgrads, got precision={precision!r}")
     from mok_cute.kernels import token_ops
 
     num_tokens, top_k = topk_idx.shape
@@ -156,7 +168,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
         saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
-        needs.w_down, needs.topk_weights, options, fp8=precision == "fp8")
+        needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads)
 
     d_shared = (None, None, None)
     shared_dx = None

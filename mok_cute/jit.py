@@ -123,6 +123,10 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.megakernel", "compile_megakernel", {"num_ranks": 1, "top_k": 8},
         "the MoE layer in one persistent launch: pull dispatch, FC1/FC2 GEMMs, push combine, "
         "k-sum (static fields: constants.MegakernelSpec)"),
+    "megakernel_backward": KernelSpec(
+        "mok_cute.kernels.megakernel.backward", "compile_backward_megakernel", {},
+        "the backward megakernel (first stage): a rank's FC2 and FC1 dgrads as tasks of one "
+        "persistent launch (tasks_backward)"),
 }
 
 

@@ -485,16 +485,26 @@ def decode_backward(rows) -> list[BackwardTask]:
     return out
 
 
-def queue_tables(tl: BackwardTaskList) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def queue_tables(tl: BackwardTaskList, kinds=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The ticket walk's tables, as the forward's (``tasks.encode_device``): per role the
     queue (list indices in order, -1 padded), and ``live_len[role, live]``, the queue prefix
     that holds every task of minibatches < ``live`` (the head of tasks without a minibatch
     included), and ``tail_begin[role]``, where the tasks after the last routed one begin
     (weight gradients, barrier, k-sum). A CTA's ticket q takes queue position q while
-    q < live_len and ``tail_begin + (q - live_len)`` after it."""
+    q < live_len and ``tail_begin + (q - live_len)`` after it. ``kinds``: only tasks of these
+    types enter the queues (a kernel that runs part of the list; what they wait on must be
+    among them, which is checked)."""
     p = tl.params
     nmb = -(-tl.counter_sizes[BackwardCounter.DGATED] // (p.minibatch_tokens // p.tile_m))
-    queues = [[t for t in tl if t.role == r] for r in (Role.COMM, Role.COMPUTE)]
+    kept = [t for t in tl if kinds is None or t.type in kinds]
+    if kinds is not None:
+        signalled = {t.signal[0] for t in kept}
+        for t in kept:
+            missing = [w[0].name for w in t.waits if w[0] not in signalled]
+            if missing:
+                raise ValueError(f"queue_tables: {t.type.name} waits on {missing}, which no "
+                                 f"task of kinds {sorted(k.name for k in kinds)} signals")
+    queues = [[t for t in kept if t.role == r] for r in (Role.COMM, Role.COMPUTE)]
     qtab = np.full((2, max(1, max(len(q) for q in queues))), -1, dtype=np.int64)
     live_len = np.zeros((2, nmb + 1), dtype=np.int64)
     tail_begin = np.zeros(2, dtype=np.int64)

@@ -53,10 +53,11 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
     torch.manual_seed(0)
     d_out = torch.randn_like(x)
     weights = w.to(torch.float32).contiguous().view(-1)
-    rows = saved.row_token.shape[0]
-    ms["gather d_out"] = gpu_ms(lambda: token_ops.gather_rows(d_out, saved.row_token), reps)
-    d_rows = token_ops.gather_rows(d_out, saved.row_token)
-    x_rows = token_ops.gather_rows(x, saved.row_token)
+    row_token = saved.row_token(K)
+    rows = row_token.shape[0]
+    ms["gather d_out"] = gpu_ms(lambda: token_ops.gather_rows(d_out, row_token), reps)
+    d_rows = token_ops.gather_rows(d_out, row_token)
+    x_rows = token_ops.gather_rows(x, row_token)
     fc2 = lambda: eb.fc2_dgrad(d_rows, p.w_down, saved.preact, saved.row_slot, weights,  # noqa: E731
                                saved.tile_expert, saved.num_tiles, options)
     for pingpong in (True, False):
@@ -70,6 +71,12 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
                                saved.num_tiles, options)
     ms["fc1 dgrad"] = gpu_ms(fc1, reps)
     dx_rows = fc1()
+    from mok_cute import megakernel_backward
+    ms["dgrads: fc2 + fc1 launches"] = gpu_ms(lambda: (fc2(), fc1()), reps)
+    ms["dgrads: backward megakernel"] = gpu_ms(
+        lambda: megakernel_backward.expert_dgrads(d_rows, p.w_gate, p.w_up, p.w_down,
+                                                  saved.preact, saved.row_slot, weights,
+                                                  saved.tile_expert, saved.num_tiles), reps)
     if fp8_dgrads and H % 128 == 0 and I % 128 == 0:
         from mok_cute.kernels import gemm_fp8, quantize
         wdt, e_wdt = quantize.quantize_blocks(p.w_down, transposed=True)  # once per weight update
@@ -126,6 +133,9 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
                                                              row_index=saved.row_of_slot), reps)
     ms["moe_backward"] = gpu_ms(lambda: eb.moe_backward(d_out, x, idx, w, p.w_gate, p.w_up,
                                                         p.w_down, None, saved), reps)
+    ms["moe_backward (megakernel dgrads)"] = gpu_ms(
+        lambda: eb.moe_backward(d_out, x, idx, w, p.w_gate, p.w_up, p.w_down, None, saved,
+                                dgrads="megakernel"), reps)
     # cuBLAS dense over the same rows (the capacity, padding included, as the kernels run)
     a = torch.randn(rows, H, dtype=torch.bfloat16, device=x.device)
     b_hi = torch.randn(H, I, dtype=torch.bfloat16, device=x.device)
@@ -143,7 +153,8 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
             flops[key] = gemm
         elif "fc1" in key or "gate+up" in key:
             flops[key] = 2 * gemm
-    flops["moe_backward"] = 12 * T * K * H * I
+    flops["moe_backward"] = flops["moe_backward (megakernel dgrads)"] = 12 * T * K * H * I
+    flops["dgrads: fc2 + fc1 launches"] = flops["dgrads: backward megakernel"] = 3 * gemm
     print(f"{name}: T={T} H={H} I={I} E={E} K={K} rows(capacity)={rows} (T*K={T * K})")
     for key, t in ms.items():
         rate = f"{flops[key] / t / 1e9:7.1f} TFLOP/s" if key in flops else ""

@@ -292,7 +292,7 @@ class GemmCoreSm90:
     @cute.jit
     def tile_epilogue(self, epi: "TileEpilogue", atoms, g_tiles, kind: cutlass.Constexpr[str],
                       buf_base, subtiles_done, barrier, store_pipeline, is_store_warp,
-                      visit_args=None):
+                      visit_args=None, n_out: cutlass.Constexpr[int] = 0):
         """One output tile: for each (tile rows / epi rows) x (output columns / EPI_N) subtile,
         ``epi_visit_subtile`` computes ``epi_outputs`` fp32 fragments from the accumulator
         (epilogue ``kind``), which go bf16 -> smem (stmatrix) -> global by TMA, output ``o``
@@ -301,8 +301,9 @@ class GemmCoreSm90:
         from ``buf_base``. A stage is written again only once the store warp has seen its last
         TMA stores read it: two barriers per subtile, the second one passing on the store
         warp's acquire (at most ``epi_stages - 1`` subtiles' stores unread) before anyone
-        writes the next stage."""
-        n_out = self.epi_outputs
+        writes the next stage. ``n_out``: store only the first ``n_out`` outputs (0: all
+        ``epi_outputs``; a kernel whose tasks store different numbers of outputs)."""
+        n_out = n_out or self.epi_outputs
         epi_tile = self.epi_tile
         out_tile_n = self.tile_shape_mnk[1] // 2 if const_expr(kind == "swiglu") else self.tile_shape_mnk[1]
         parts = []

@@ -1,0 +1,328 @@
+"""The backward megakernel for Hopper (sm_90a), first stage: one persistent launch runs a
+rank's routed dgrads as tasks of the backward task list (``mok_cute.tasks_backward``).
+
+    FC2_DGRAD (j, n)  dY rows of M-tile j @ W_down[e] (K = H), the dgated epilogue
+                      (``row_epilogue``): dG | dU, w * h and the rows' partials of N-tile n
+    FC1_DGRAD (j, n)  [dG | dU] rows of M-tile j @ [W_gate; W_up][e] (K = 2I: the gate
+                      weights' k-tiles, then the up weights'): dx rows, H N-tile n;
+                      waits until every FC2_DGRAD N-tile of M-tile j has published
+
+Both kinds are 128 x 256 x 64 cooperative tiles on one GEMM core configuration (A K-major,
+B MN-major: the weights as stored, read transposed), so one stage ring and one tiled MMA
+serve both; FC1_DGRAD's store epilogue uses the first of dgated's three output buffers.
+The tiles, their k order and their epilogues are those of ``expert_backward``'s two dgrad
+launches, so the outputs are bitwise the same; what the one launch adds is that an M-tile's
+FC1_DGRAD starts while later M-tiles' FC2_DGRAD tiles still run (no launch boundary).
+
+Walk: every CTA takes compute-queue positions ``b, b + grid, ...`` (static tickets: every
+warp resolves its own); positions past the live prefix (``queue_live_len`` of the live
+minibatch count) end the walk, a task whose M-tile is past ``num_tiles`` is skipped (nothing
+waits on it). Deadlock-free as the forward: every CTA is resident, takes its positions in
+increasing order, and every wait points to a lower position.
+
+Ordering: FC2_DGRAD's store warp waits for its TMA stores to land, fences the async proxy
+and publishes ``DGATED[j]`` with release; FC1_DGRAD's producer acquires it and fences the
+async proxy before its TMA loads read dG | dU. Waits are bounded (``timeout_ns``); the first
+that gives up writes the error word, which the host raises (``mok_cute.errors``).
+
+Not yet here (issue 32's build order, docs/architecture.md): the weight gradients and the
+k-sum as tasks, the shared expert, and the comm tasks (reverse combine / dispatch).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, Int64
+
+from mok_cute import jit
+from mok_cute.constants import BACKWARD_TILE_N, TILE_K, TILE_M
+from mok_cute.kernels import common
+from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state
+from mok_cute.kernels.row_epilogue import RowEpilogueMixin
+from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, BackwardTaskType, BackwardWord)
+
+# scalars int64: the wait bound, the minibatch size in M-tiles (the live prefix)
+BACKWARD_SCALARS = 2
+
+
+class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
+    """One launch of a rank's routed dgrads (module docstring).
+
+    :param num_ctas: persistent grid (one CTA per SM).
+    """
+
+    def __init__(self, num_ctas: int = 132):
+        GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
+                              epi_outputs=3)
+        self.save_preact = False  # row_epilogue: only the dgated visit runs here
+        self.num_ctas = num_ctas
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, tasks: cute.Tensor, queue: cute.Tensor, queue_live_len: cute.Tensor,
+                 counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
+                 num_tiles: cute.Tensor, tile_expert: cute.Tensor, d_rows: cute.Tensor,
+                 w_down: cute.Tensor, d_preact: cute.Tensor, w_gate: cute.Tensor,
+                 w_up: cute.Tensor, d_gate: cute.Tensor, d_up: cute.Tensor, hw: cute.Tensor,
+                 dx_rows: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
+                 weights: cute.Tensor, partials: cute.Tensor, scalars: cute.Tensor,
+                 stream: cuda.CUstream):
+        """Shapes (M schedule rows, E experts): tasks int32 (N, BACKWARD_TASK_WORDS); queue
+        int32 (Q,) the compute queue's list indices; queue_live_len int32 (MB + 1,);
+        counter_offsets int32 (groups + 1,); counters int32 (num_counters,), zero at launch;
+        error int64 (1,); num_tiles int32 (1,); tile_expert int32 (tiles,); d_rows (M, H, 1)
+        and d_preact (M, 2I, 1) K-major; w_down (I, H, E), w_gate / w_up (H, I, E) with
+        their first mode contiguous; outputs d_gate / d_up (the two halves of d_preact), hw
+        (M, I, 1), dx_rows (M, H, 1); preact (slots, 2I) the saved g | u by slot; row_slot
+        int32 (M,); weights fp32 (slots,); partials fp32 (M, ceil(I / 256)); scalars int64
+        (BACKWARD_SCALARS,)."""
+        self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
+        self._setup_attributes()
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        a_box = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
+        b_box = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
+        epi_box = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        mk = cute.nvgpu.cpasync.make_tiled_tma_atom
+        loads = (*mk(g2s, d_rows, a_box, (tile_m, tile_k)),
+                 *mk(g2s, w_down, b_box, (tile_n, tile_k)),
+                 *mk(g2s, d_preact, a_box, (tile_m, tile_k)),
+                 *mk(g2s, w_gate, b_box, (tile_n, tile_k)),
+                 *mk(g2s, w_up, b_box, (tile_n, tile_k)))
+        stores = (*mk(s2g, d_gate, epi_box, self.epi_tile), *mk(s2g, d_up, epi_box, self.epi_tile),
+                  *mk(s2g, hw, epi_box, self.epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
+        self.shared_storage = self.make_shared_storage()
+        self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
+                    tile_expert, preact, row_slot, weights, partials, scalars, *loads, *stores,
+                    self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
+                    self.epi_smem_layout_staged,
+                    ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
+                             min_blocks_per_mp=1, cooperative=True, stream=stream)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tasks: cute.Tensor, queue: cute.Tensor, queue_live_len: cute.Tensor,
+               counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
+               num_tiles: cute.Tensor, tile_expert: cute.Tensor, preact: cute.Tensor,
+               row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
+               scalars: cute.Tensor,
+               tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
+               tma_dp: cute.CopyAtom, t_dp: cute.Tensor, tma_wg: cute.CopyAtom, t_wg: cute.Tensor,
+               tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
+               tma_dg: cute.CopyAtom, t_dg: cute.Tensor, tma_du: cute.CopyAtom, t_du: cute.Tensor,
+               tma_hw: cute.CopyAtom, t_hw: cute.Tensor, tma_dx: cute.CopyAtom, t_dx: cute.Tensor,
+               tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
+               b_smem_layout_staged: cute.ComposedLayout,
+               epi_smem_layout_staged: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
+        if warp_idx == self.load_warp:
+            self.prefetch_descriptors(tma_dy, tma_wd, tma_dp, tma_wg, tma_wu)
+        _, ab_pipeline, sA, sB, sC = self.operand_smem(
+            a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
+        walk = (tasks, queue, self._live_len(queue_live_len, num_tiles, scalars), num_tiles)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        if warpgroup_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == self.load_warp:
+                self.producer_loop(walk, tile_expert, counter_offsets, counters, error,
+                                   Int64(scalars[0]), ab_pipeline, sA, sB,
+                                   (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg,
+                                    tma_wu, t_wu))
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.consumer_loop(walk, counter_offsets, counters, preact, row_slot, weights,
+                               partials, ab_pipeline, tiled_mma, sA, sB, sC,
+                               (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
+                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx)
+
+    @cute.jit
+    def _live_len(self, queue_live_len: cute.Tensor, num_tiles: cute.Tensor,
+                  scalars: cute.Tensor) -> Int32:
+        """The compute queue's live prefix: every task of the live minibatches."""
+        per_minibatch = Int32(scalars[1])
+        live = (num_tiles[0] + per_minibatch - 1) // per_minibatch
+        return queue_live_len[cutlass.min(live, cute.size(queue_live_len) - 1)]
+
+    @cute.jit
+    def _task(self, walk, pos: Int32):
+        """(run, type, M-tile, N-tile, list index) of queue position ``pos``."""
+        tasks, queue, _, num_tiles = walk
+        index = queue[pos]
+        tile = tasks[index, int(BackwardWord.TILE)]
+        return (tile < num_tiles[0], tasks[index, int(BackwardWord.TYPE)], tile,
+                tasks[index, int(BackwardWord.N_TILE)], index)
+
+    @cute.jit
+    def _k_tiles(self, ttype: Int32, t_dy: cute.Tensor, t_dp: cute.Tensor) -> Int32:
+        """K-tiles of a task: H / 64 for FC2_DGRAD, 2I / 64 for FC1_DGRAD."""
+        k_tiles = cute.size(t_dy, mode=[1]) // TILE_K
+        if ttype == int(BackwardTaskType.FC1_DGRAD):
+            k_tiles = cute.size(t_dp, mode=[1]) // TILE_K
+        return k_tiles
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def producer_loop(self, walk, tile_expert: cute.Tensor, counter_offsets: cute.Tensor,
+                      counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
+                      ab_pipeline, sA, sB, ops):
+        """The load warp: per task, its waits (each lane spins on its own copy), then its
+        k-tiles' A and B boxes by TMA."""
+        tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = ops
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        sA_g, sB_g = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
+        one = cute.make_layout(1)
+
+        def part(atom, tensor, s, box):
+            s_part, g_part = cute.nvgpu.cpasync.tma_partition(
+                atom, 0, one, s, cute.group_modes(cute.local_tile(tensor, box, (None, None, None)), 0, 2))
+            return g_part, s_part
+
+        g_dy, s_dy = part(tma_dy, t_dy, sA_g, (tile_m, tile_k))
+        g_dp, s_dp = part(tma_dp, t_dp, sA_g, (tile_m, tile_k))
+        g_wd, s_wd = part(tma_wd, t_wd, sB_g, (tile_n, tile_k))
+        g_wg, s_wg = part(tma_wg, t_wg, sB_g, (tile_n, tile_k))
+        g_wu, s_wu = part(tma_wu, t_wu, sB_g, (tile_n, tile_k))
+        k_split = cute.size(t_wg, mode=[1]) // TILE_K  # FC1_DGRAD: the gate weights' k-tiles
+        tasks, queue, live_len, _ = walk
+        loads = Int32(0)
+        pos = Int32(cute.arch.block_idx()[0])
+        while pos < live_len:
+            run, ttype, m_tile, n_tile, index = self._task(walk, pos)
+            if run:
+                self._wait_task(tasks, index, counter_offsets, counters, error, timeout_ns)
+                # dG | dU were written by other CTAs' TMA stores; TMA reads them next
+                cute.arch.fence_proxy("async.global")
+                expert = tile_expert[m_tile]
+                k_tiles = self._k_tiles(ttype, t_dy, t_dp)
+                state = pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages, loads)
+                for k in range(k_tiles):
+                    ab_pipeline.producer_acquire(state)
+                    bar = ab_pipeline.producer_get_barrier(state)
+                    stage = state.index
+                    if ttype == int(BackwardTaskType.FC2_DGRAD):
+                        cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, stage)], tma_bar_ptr=bar)
+                        cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, stage)], tma_bar_ptr=bar)
+                    else:
+                        cute.copy(tma_dp, g_dp[(None, m_tile, k, 0)], s_dp[(None, stage)], tma_bar_ptr=bar)
+                        if k < k_split:
+                            cute.copy(tma_wg, g_wg[(None, n_tile, k, expert)], s_wg[(None, stage)], tma_bar_ptr=bar)
+                        else:
+                            cute.copy(tma_wu, g_wu[(None, n_tile, k - k_split, expert)], s_wu[(None, stage)],
+                                      tma_bar_ptr=bar)
+                    ab_pipeline.producer_commit(state)
+                    state.advance()
+                loads += k_tiles
+            pos += self.num_ctas
+        ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
+                                                 self.ab_stages, loads))
+
+    @cute.jit
+    def _wait_task(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
+                   counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64):
+        """Spin until every wait of task ``index`` holds: counter[group][i] >= target for
+        i in [first, first + count) (a dgrad's waits name its own M-tile, which is live)."""
+        for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
+            word = int(BackwardWord.WAITS) + 4 * w
+            base = counter_offsets[tasks[index, word]]
+            first = tasks[index, word + 1]
+            target = tasks[index, word + 3]
+            for i in cutlass.range(first, first + tasks[index, word + 2], unroll=1):
+                common.wait_counter(counters, base + i, target, timeout_ns, error, index,
+                                    Int32(0), Int32(0))
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consumer_loop(self, walk, counter_offsets: cute.Tensor, counters: cute.Tensor,
+                      preact: cute.Tensor, row_slot: cute.Tensor, weights: cute.Tensor,
+                      partials: cute.Tensor, ab_pipeline, tiled_mma, sA, sB, sC, stores, t_dy,
+                      t_dp, tidx: Int32, warp_idx: Int32, warpgroup_idx: Int32):
+        """Both consumer warpgroups: per task the mainloop, the epilogue's TMA stores, and
+        once they have landed the task's counter, published by thread 0 of the store warp."""
+        tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
+        tile = (TILE_M, self.tile_shape_mnk[1])
+        views = [cute.local_tile(t, tile, (None, None, None)) for t in (t_dg, t_du, t_hw, t_dx)]
+        consumer_tidx = tidx - self.threads_per_warpgroup
+        tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
+            tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * self.threads_per_warpgroup,
+            consumer_tidx)
+        coords = self.epi_coords(epi, consumer_tidx)
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+        barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE),
+                                        num_threads=self.num_mma_threads)
+        is_store_warp = warp_idx == 4
+        subtiles_per_task = (TILE_M // self.epi_tile[0]) * (self.tile_shape_mnk[1] // self.epi_tile[1])
+        tasks, _, live_len, _ = walk
+        loads, subtiles = Int32(0), Int32(0)
+        pos = Int32(cute.arch.block_idx()[0])
+        while pos < live_len:
+            run, ttype, m_tile, n_tile, index = self._task(walk, pos)
+            if run:
+                k_tiles = self._k_tiles(ttype, t_dy, t_dp)
+                release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
+                                        num_k_blocks)
+                cute.nvgpu.warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release)
+                loads += k_tiles
+                if ttype == int(BackwardTaskType.FC2_DGRAD):
+                    rows, visit_args = self.row_visit_args(epi, "dgated", coords, m_tile, n_tile,
+                                                           preact, row_slot, weights,
+                                                           consumer_tidx)
+                    self.tile_epilogue(epi, (tma_dg, tma_du, tma_hw),
+                                       tuple(v[(None, None, m_tile, n_tile, 0)] for v in views[:3]),
+                                       "dgated", 0, subtiles, barrier, store_pipeline,
+                                       is_store_warp, visit_args)
+                    self._store_row_sums(rows, partials, m_tile, n_tile, consumer_tidx)
+                else:
+                    self.tile_epilogue(epi, (tma_dx,), (views[3][(None, None, m_tile, n_tile, 0)],),
+                                       "store", 0, subtiles, barrier, store_pipeline,
+                                       is_store_warp, None, 1)
+                subtiles += subtiles_per_task
+                if is_store_warp:
+                    common.tma_stores_landed()
+                    cute.arch.sync_warp()  # lane 0 publishes after the storing lane's wait
+                if consumer_tidx == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    group = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
+                    common.counter_publish(counters, counter_offsets[group]
+                                           + tasks[index, int(BackwardWord.SIGNAL_INDEX)], 1)
+            pos += self.num_ctas
+        store_pipeline.producer_tail()
+
+
+# ---------------------------------------------------------------------- compile
+def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132):
+    """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
+    takes torch tensors (TVM-FFI) in ``__call__``'s order."""
+    kernel = BackwardMegakernelSm90(num_ctas)
+    f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
+    i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
+    rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()
+    hidden, inter = sym(divisibility=TILE_K), sym(divisibility=TILE_K)
+    bf16 = BFloat16
+    # the weights as stored ([E, I, H], [E, H, I]) seen as (N, K, E): N contiguous
+    w_nk = lambda n, k: f(bf16, (n, k, experts), contiguous_mode=0)  # noqa: E731
+    args = [i32(sym(), BACKWARD_TASK_WORDS), common.fake_vector(Int32),
+            common.fake_vector(Int32), common.fake_vector(Int32), common.fake_vector(Int32),
+            common.fake_vector(Int64, 1, align_bytes=8), common.fake_vector(Int32, 1),
+            common.fake_vector(Int32),
+            kmaj(bf16, (rows, hidden, 1)), w_nk(inter, hidden),
+            kmaj(bf16, (rows, sym(divisibility=TILE_K), 1)), w_nk(hidden, inter),
+            w_nk(hidden, inter), *(kmaj(bf16, (rows, inter, 1)) for _ in range(3)),
+            kmaj(bf16, (rows, hidden, 1)),
+            kmaj(bf16, (slots, sym(divisibility=16))), common.fake_vector(Int32),
+            common.fake_vector(Float32), f(Float32, (rows, sym()), align_bytes=4),
+            common.fake_vector(Int64, BACKWARD_SCALARS, align_bytes=8), common.fake_stream()]
+    return cute.compile(kernel, *args,
+                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
+
+
+__all__ = ["BackwardMegakernelSm90", "compile_backward_megakernel", "BACKWARD_SCALARS"]

@@ -1,0 +1,169 @@
+"""The backward megakernel, first stage (mok_cute/megakernel_backward.py,
+kernels/megakernel/backward.py): a rank's routed dgrads as tasks of one launch.
+
+CI: the kernel compiles for sm_90a without spills, with MN-major B wgmma operands and no
+atomics but the counters' publish; the dgrad-only queue holds each dgrad task once, in list
+order, and its live prefixes cover whole minibatches. H200 (marked gpu): its four outputs
+bitwise equal to the two grouped-GEMM dgrad launches (``expert_backward.fc2_dgrad`` on the
+cooperative 128 x 256 GEMM, ``fc1_dgrad``) on every scheduled row, over odd shapes (T = 1, T
+not a multiple of the tile, a hot expert, empty experts, K = 10, I not a multiple of 256),
+bitwise repeats with poisoned memory; and ``moe_backward(dgrads="megakernel")`` gives every
+gradient of the default backward (d_topk_weights to fp32 rounding: other N-tile widths sum
+its partials in another order) and matches autograd on the reference.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+
+# ---------------------------------------------------------------------- CI
+def test_backward_megakernel_compiles_without_spills(tmp_path):
+    from mok_cute import jit
+
+    rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path)
+    assert rep.spill_bytes == 0 and rep.registers == 168
+    assert not [w for w in rep.warnings if "serialized" in w or "C7508" in w]
+    ptx = open(rep.ptx_path).read()
+    bits = set(re.findall(r"\}, %rd\d+, %rd\d+, p, 1,\s+1, (\d), (\d);", ptx))
+    assert bits == {("0", "1")}, bits  # A K-major, B MN-major: both dgrads
+    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
+
+
+@pytest.mark.parametrize("capacity_tiles,hidden,inter", [(40, 7168, 2048), (7, 576, 192),
+                                                         (1, 512, 2880)])
+def test_dgrad_queue_holds_each_dgrad_once_in_list_order(capacity_tiles, hidden, inter):
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+
+    per_mb = mb.tiles_per_minibatch(inter, 132)
+    params = tb.BackwardListParams(hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
+                                   dgated_tile_n=256, dx_tile_n=256,
+                                   minibatch_tokens=per_mb * 128, comm_tasks=False)
+    tl = tb.build_backward_static(capacity_tiles, 1, params)
+    tl.check()
+    kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
+    qtab, live_len, _ = tb.queue_tables(tl, kinds=kinds)
+    queue = qtab[int(tb.Role.COMPUTE)]
+    queue = queue[queue >= 0]
+    assert list(queue) == sorted(queue)
+    n_dgated, n_dx = -(-inter // 256), -(-hidden // 256)
+    types = [tl[int(i)].type for i in queue]
+    assert types.count(tb.BackwardTaskType.FC2_DGRAD) == capacity_tiles * n_dgated
+    assert types.count(tb.BackwardTaskType.FC1_DGRAD) == capacity_tiles * n_dx
+    # live prefix of m minibatches: exactly the dgrads of their tiles
+    row = live_len[int(tb.Role.COMPUTE)]
+    for live in range(len(row)):
+        tiles = {tl[int(i)].tile for i in queue[:row[live]]}
+        assert tiles == set(range(min(live * per_mb, capacity_tiles)))
+    with pytest.raises(ValueError, match="waits on"):
+        tb.queue_tables(tl, kinds=(tb.BackwardTaskType.FC1_DGRAD,))
+
+
+def test_expert_dgrads_rejects_sizes_it_cannot_take():
+    from mok_cute import expert_backward as eb
+    from mok_cute import megakernel_backward as mb
+
+    z = torch.zeros
+    with pytest.raises(ValueError, match="multiples of 64"):
+        mb.expert_dgrads(z(128, 96, dtype=torch.bfloat16), z(2, 64, 96), z(2, 64, 96),
+                         z(2, 96, 64), None, None, None, z(1, dtype=torch.int32), None)
+    with pytest.raises(ValueError, match="dgrads"):
+        eb.moe_backward(*(None,) * 8, saved=None, dgrads="fused")
+
+
+# ---------------------------------------------------------------------- H200
+CASES = {
+    # name: (T, H, I, E, K, routing)
+    "dsv3_reduced": (512, 7168, 2048, 32, 8, "uniform"),
+    "gptoss_reduced": (300, 2880, 2880, 32, 4, "uniform"),  # I % 256 != 0: a partial N-tile
+    "T1": (1, 512, 256, 8, 2, "uniform"),
+    "hot_expert": (600, 1024, 512, 16, 4, "hot"),
+    "empty_experts_T333": (333, 576, 448, 16, 4, "empty"),
+    "K10": (333, 576, 192, 16, 10, "uniform"),
+}
+
+
+def _saved_problem(name):
+    import mok_cute as mok
+    from mok_cute import expert_path
+    from test_backward import _problem
+
+    T, H, I, E, K, routing = CASES[name]
+    leaves, idx = _problem(T, H, I, E, K, seed=T + K, routing=routing, requires_grad=False)
+    x, w, wg, wu, wd = leaves
+    config = mok.MoKConfig(backend="kernel")
+    _, saved = expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, None, config, save=True)
+    return leaves, idx, saved, config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_megakernel_dgrads_equal_the_two_launches_bitwise(name):
+    from mok_cute import expert_backward as eb
+    from mok_cute import megakernel_backward as mb
+    from mok_cute.kernels import token_ops
+
+    (x, w, wg, wu, wd), idx, saved, config = _saved_problem(name)
+    K = idx.shape[1]
+    d_out = torch.randn_like(x)
+    d_rows = token_ops.gather_rows(d_out, saved.row_token(K))
+    weights = w.float().contiguous().view(-1)
+    d_preact, hw, partials = eb.fc2_dgrad(d_rows, wd, saved.preact, saved.row_slot, weights,
+                                          saved.tile_expert, saved.num_tiles,
+                                          config.expert_path, pingpong=False)
+    want = (d_preact, hw, partials,
+            eb.fc1_dgrad(d_preact, wg, wu, saved.tile_expert, saved.num_tiles,
+                         config.expert_path))
+    rows = int(saved.num_tiles.item()) * 128
+    runs = []
+    for _ in range(2):
+        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        runs.append(mb.expert_dgrads(d_rows, wg, wu, wd, saved.preact, saved.row_slot, weights,
+                                     saved.tile_expert, saved.num_tiles, check=True))
+    for got in runs:
+        for label, a, b in zip(("dG|dU", "w*h", "row partials", "dx rows"), got, want):
+            a, b = a[:rows], b[:rows]
+            assert torch.isfinite(a).all(), f"{name}: {label} not finite"
+            assert torch.equal(a, b), f"{name}: {label} differs from the two launches"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dsv3_reduced", "empty_experts_T333", "K10"])
+def test_backward_with_megakernel_dgrads_gives_the_default_gradients(name):
+    from mok_cute import expert_backward as eb
+    from test_backward import _close
+
+    (x, w, wg, wu, wd), idx, saved, _ = _saved_problem(name)
+    d_out = torch.randn_like(x)
+    default = eb.moe_backward(d_out, x, idx, w, wg, wu, wd, None, saved)
+    torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = eb.moe_backward(d_out, x, idx, w, wg, wu, wd, None, saved, dgrads="megakernel")
+    names = ("d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down")
+    for label, a, b in zip(names, got, default):
+        assert torch.isfinite(a).all(), label
+        if label == "d_topk_weights":  # partials of 256- vs 128-wide N-tiles (pingpong)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(a, b), f"{name}: {label}"
+    # and against autograd on the reference
+    from mok_cute import reference
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, wg, wu, wd)]
+    ref = reference.moe_forward(leaves[0], idx, *leaves[1:])
+    ref.backward(d_out)
+    for label, a, leaf in zip(names, got, leaves):
+        _close(a.float() if label == "d_topk_weights" else a,
+               leaf.grad.float() if label == "d_topk_weights" else leaf.grad, label)
+
+
+def test_tiles_per_minibatch_fills_the_grid():
+    from mok_cute.megakernel_backward import tiles_per_minibatch
+
+    for inter in (192, 768, 2048, 2880, 14336):
+        per_mb = tiles_per_minibatch(inter, 132)
+        assert per_mb * -(-inter // 256) >= 132 > (per_mb - 1) * -(-inter // 256)
+    assert np.all([tiles_per_minibatch(i, 1) == 1 for i in (256, 4096)])
