@@ -40,18 +40,22 @@ _TABLES: dict[tuple, DgradTables] = {}
 _LOCK = threading.Lock()
 
 
+RASTER_M = 8  # M-tiles per raster group of the dgrad tasks (tasks_backward: L2 reuse of weights)
+
+
 def tiles_per_minibatch(inter: int, num_ctas: int) -> int:
-    """M-tiles whose FC2 dgrads fill the grid once: the FC1 dgrads of a minibatch then come a
-    wave after the dgated tiles they wait on."""
+    """Whole raster groups of M-tiles whose FC2 dgrads fill the grid at least once (FC1's
+    dgrads of a minibatch are queued after the next minibatch's FC2 dgrads)."""
     n_dgated = -(-inter // BACKWARD_TILE_N)
-    return max(1, -(-num_ctas // n_dgated))
+    groups = -(-num_ctas // (n_dgated * RASTER_M))
+    return max(1, groups) * RASTER_M
 
 
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
                  timeout_ms: float, device) -> DgradTables:
     """The device tables of the dgrad task list (cached per size, wait bound and device; the
     counters are shared by the launches of one size: calls on one stream)."""
-    key = (capacity_tiles, hidden, inter, num_ctas, timeout_ms, str(device))
+    key = (capacity_tiles, hidden, inter, num_ctas, timeout_ms, RASTER_M, str(device))
     with _LOCK:
         tables = _TABLES.get(key)
         if tables is None:
@@ -67,7 +71,7 @@ def _build_tables(capacity_tiles, hidden, inter, num_ctas, timeout_ms, device) -
     params = tb.BackwardListParams(
         hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
         dgated_tile_n=BACKWARD_TILE_N, dx_tile_n=BACKWARD_TILE_N,
-        minibatch_tokens=per_mb * TILE_M, comm_tasks=False)
+        minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=False)
     # the weight gradients are not in this launch yet: a list of one expert keeps it short
     tl = tb.build_backward_static(capacity_tiles, 1, params)
     kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)

@@ -52,7 +52,9 @@ target is the number of tasks that signal that counter)::
     KSUM(s, c)             <- BARRIER_DONE, SHARED_DX[s]
 
 Order. Compute: the shared expert's dgrads first (they need no communication, so they hide the
-first pulls), then per minibatch its FC2_DGRAD tiles then its FC1_DGRAD tiles, then every weight
+first pulls), then the FC2_DGRAD tiles of minibatch 0, and per minibatch m those of m + 1 then
+the FC1_DGRAD tiles of m (which so find their dG | dU done), each block rasterised (groups of
+``raster_m`` M-tiles, N-tiles outer: concurrent tiles share weight N-tiles in L2), then every weight
 gradient expert by expert (so the last pushes and the group barrier run under them), the
 shared expert's weight gradients, and the KSUM tail. Comm: each tile's pulls at the start of the
 minibatch before its own (one minibatch of lookahead), its pushes once its FC1_DGRAD tiles
@@ -149,6 +151,7 @@ class BackwardListParams:
     dgated_tile_n: int = 128  # FC2_DGRAD N-tile over I
     dx_tile_n: int = 256  # FC1_DGRAD N-tile over H
     minibatch_tokens: int = 1024
+    raster_m: int = 8  # M-tiles per raster group of a minibatch's dgrad tiles (L2 reuse)
     comm_task_rows: int = 32
     ksum_rows: int = 32
     shared_intermediate: int = 0
@@ -161,7 +164,7 @@ class BackwardListParams:
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "top_k", "tile_m", "dgated_tile_n", "dx_tile_n",
-                     "minibatch_tokens", "comm_task_rows", "ksum_rows"):
+                     "minibatch_tokens", "raster_m", "comm_task_rows", "ksum_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -287,6 +290,15 @@ class _Builder:
         }
         self.records: list[dict] = []
 
+    def _raster(self, mb: int, n_tiles: int):
+        """(M-tile, N-tile) of minibatch ``mb``'s tiles in raster order: groups of
+        ``raster_m`` M-tiles, within a group N-tile by N-tile."""
+        end = min((mb + 1) * self.tpm, self.nt)
+        for g0 in range(mb * self.tpm, end, self.p.raster_m):
+            for n in range(n_tiles):
+                for j in range(g0, min(g0 + self.p.raster_m, end)):
+                    yield j, n
+
     # one record per task; "key" orders the comm queue, "flops" positions the compute queue
     def _add(self, queue: list, kind: BackwardTaskType, *, tile=-1, n_tile=0, m_block=-1,
              minibatch=-1, flops=0, signal, waits=(), key=0.0):
@@ -312,19 +324,29 @@ class _Builder:
                           flops=self._gemm_flops(p.dx_tile_n, 2 * p.shared_intermediate),
                           signal=(BC.SHARED_DX, s),
                           waits=[(BC.SHARED_DGATED, s, 1, self.ns_dgated)])
+        # per minibatch its FC2_DGRAD tiles, then (one minibatch later, so that they find their
+        # dG | dU done) its FC1_DGRAD tiles; each block rasterised: groups of raster_m M-tiles,
+        # N-tiles outer, so the CTAs running together share the weights' N-tiles in L2
+        fc2_blocks, fc1_blocks = [], []
         for mb in range(self.nmb):
-            tiles = range(mb * self.tpm, min((mb + 1) * self.tpm, self.nt))
-            for j in tiles:
-                for n in range(self.n_dgated):
-                    waits = [(BC.PULLED, j, 1, self.chunks)] if p.comm_tasks else []
-                    self._add(compute, BT.FC2_DGRAD, tile=j, n_tile=n, minibatch=mb,
-                              flops=self._gemm_flops(p.dgated_tile_n, p.hidden),
-                              signal=(BC.DGATED, j), waits=waits)
-            for j in tiles:
-                for n in range(self.n_dx):
-                    self._add(compute, BT.FC1_DGRAD, tile=j, n_tile=n, minibatch=mb,
-                              flops=self._gemm_flops(p.dx_tile_n, 2 * p.intermediate),
-                              signal=(BC.DX_DONE, j), waits=[(BC.DGATED, j, 1, self.n_dgated)])
+            fc2, fc1 = [], []
+            for j, n in self._raster(mb, self.n_dgated):
+                waits = [(BC.PULLED, j, 1, self.chunks)] if p.comm_tasks else []
+                self._add(fc2, BT.FC2_DGRAD, tile=j, n_tile=n, minibatch=mb,
+                          flops=self._gemm_flops(p.dgated_tile_n, p.hidden),
+                          signal=(BC.DGATED, j), waits=waits)
+            for j, n in self._raster(mb, self.n_dx):
+                self._add(fc1, BT.FC1_DGRAD, tile=j, n_tile=n, minibatch=mb,
+                          flops=self._gemm_flops(p.dx_tile_n, 2 * p.intermediate),
+                          signal=(BC.DX_DONE, j), waits=[(BC.DGATED, j, 1, self.n_dgated)])
+            fc2_blocks.append(fc2)
+            fc1_blocks.append(fc1)
+        for mb in range(self.nmb):
+            if mb == 0:
+                compute += fc2_blocks[0]
+            if mb + 1 < self.nmb:
+                compute += fc2_blocks[mb + 1]
+            compute += fc1_blocks[mb]
         for e in range(self.num_experts):
             if self.expert_tiles is None:  # static: the expert's tiles resolved at run time
                 first, count = EXPERT_TILES, EXPERT_TILES

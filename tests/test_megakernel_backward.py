@@ -51,15 +51,27 @@ def test_dgrad_queue_holds_each_dgrad_once_in_list_order(capacity_tiles, hidden,
     queue = qtab[int(tb.Role.COMPUTE)]
     queue = queue[queue >= 0]
     assert list(queue) == sorted(queue)
-    n_dgated, n_dx = -(-inter // 256), -(-hidden // 256)
+    # raster order inside a minibatch's block: groups of 8 M-tiles, N-tiles outer
+    fc2 = [(tl[int(i)].tile, tl[int(i)].n_tile) for i in queue
+           if tl[int(i)].type == tb.BackwardTaskType.FC2_DGRAD and tl[int(i)].minibatch == 0]
+    n_dgated = -(-inter // 256)
+    first = [(j, n) for n in range(n_dgated) for j in range(min(8, capacity_tiles))]
+    assert fc2[:len(first)] == first
+    n_dx = -(-hidden // 256)
     types = [tl[int(i)].type for i in queue]
     assert types.count(tb.BackwardTaskType.FC2_DGRAD) == capacity_tiles * n_dgated
     assert types.count(tb.BackwardTaskType.FC1_DGRAD) == capacity_tiles * n_dx
-    # live prefix of m minibatches: exactly the dgrads of their tiles
+    # live prefix of m minibatches: every dgrad of their tiles; past them only the next
+    # minibatch's FC2 dgrads (queued ahead of FC1's), which the kernel skips as dead
     row = live_len[int(tb.Role.COMPUTE)]
     for live in range(len(row)):
-        tiles = {tl[int(i)].tile for i in queue[:row[live]]}
-        assert tiles == set(range(min(live * per_mb, capacity_tiles)))
+        prefix = [tl[int(i)] for i in queue[:row[live]]]
+        live_tiles = set(range(min(live * per_mb, capacity_tiles)))
+        for kind in kinds:
+            assert {(t.tile, t.n_tile) for t in prefix if t.type == kind and t.tile in live_tiles} \
+                == {(t.tile, t.n_tile) for t in tl if t.type == kind and t.tile in live_tiles}
+        assert all(t.type == kinds[0] and t.minibatch == live for t in prefix
+                   if t.tile not in live_tiles)
     with pytest.raises(ValueError, match="waits on"):
         tb.queue_tables(tl, kinds=(tb.BackwardTaskType.FC1_DGRAD,))
 
@@ -165,5 +177,6 @@ def test_tiles_per_minibatch_fills_the_grid():
 
     for inter in (192, 768, 2048, 2880, 14336):
         per_mb = tiles_per_minibatch(inter, 132)
-        assert per_mb * -(-inter // 256) >= 132 > (per_mb - 1) * -(-inter // 256)
-    assert np.all([tiles_per_minibatch(i, 1) == 1 for i in (256, 4096)])
+        assert per_mb % 8 == 0  # whole raster groups
+        assert per_mb * -(-inter // 256) >= 132 > (per_mb - 8) * -(-inter // 256)
+    assert np.all([tiles_per_minibatch(i, 1) == 8 for i in (256, 4096)])

@@ -23,7 +23,8 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms, probe_shapes  # noqa: E402
 
 
-def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = False) -> dict:
+def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = False,
+            mk_raster: list[int] | None = None) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -73,10 +74,15 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
     dx_rows = fc1()
     from mok_cute import megakernel_backward
     ms["dgrads: fc2 + fc1 launches"] = gpu_ms(lambda: (fc2(), fc1()), reps)
-    ms["dgrads: backward megakernel"] = gpu_ms(
-        lambda: megakernel_backward.expert_dgrads(d_rows, p.w_gate, p.w_up, p.w_down,
-                                                  saved.preact, saved.row_slot, weights,
-                                                  saved.tile_expert, saved.num_tiles), reps)
+    default_raster = megakernel_backward.RASTER_M
+    for raster in mk_raster or [default_raster]:
+        megakernel_backward.RASTER_M = raster  # an A/B of the list's raster groups
+        suffix = "" if raster == default_raster else f" raster_m={raster}"
+        ms["dgrads: backward megakernel" + suffix] = gpu_ms(
+            lambda: megakernel_backward.expert_dgrads(d_rows, p.w_gate, p.w_up, p.w_down,
+                                                      saved.preact, saved.row_slot, weights,
+                                                      saved.tile_expert, saved.num_tiles), reps)
+    megakernel_backward.RASTER_M = default_raster
     if fp8_dgrads and H % 128 == 0 and I % 128 == 0:
         from mok_cute.kernels import gemm_fp8, quantize
         wdt, e_wdt = quantize.quantize_blocks(p.w_down, transposed=True)  # once per weight update
@@ -154,7 +160,9 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
         elif "fc1" in key or "gate+up" in key:
             flops[key] = 2 * gemm
     flops["moe_backward"] = flops["moe_backward (megakernel dgrads)"] = 12 * T * K * H * I
-    flops["dgrads: fc2 + fc1 launches"] = flops["dgrads: backward megakernel"] = 3 * gemm
+    for key in ms:
+        if key.startswith("dgrads"):
+            flops[key] = 3 * gemm
     print(f"{name}: T={T} H={H} I={I} E={E} K={K} rows(capacity)={rows} (T*K={T * K})")
     for key, t in ms.items():
         rate = f"{flops[key] / t / 1e9:7.1f} TFLOP/s" if key in flops else ""
@@ -171,10 +179,14 @@ def main(argv=None):
     p.add_argument("--wgrad-group-m", default="4", help="comma list; the first is the default")
     p.add_argument("--fp8", action="store_true",
                    help="also the FP8 dgrads (issue 33) where H and I are multiples of 128")
+    p.add_argument("--mk-raster", default="",
+                   help="comma list: time the backward megakernel's dgrads with these raster groups")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     gms = [int(v) for v in args.wgrad_group_m.split(",")]
-    probe_shapes(args.shapes, lambda n: profile(n, args.reps, gms, args.fp8), args.json, argv)
+    rasters = [int(v) for v in args.mk_raster.split(",") if v]
+    probe_shapes(args.shapes, lambda n: profile(n, args.reps, gms, args.fp8, rasters), args.json,
+                 argv)
 
 
 if __name__ == "__main__":
