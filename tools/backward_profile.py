@@ -23,8 +23,26 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms, probe_shapes  # noqa: E402
 
 
+def print_kernel_table(fn, reps: int = 3):
+    """GPU time per kernel of ``fn`` (torch.profiler, ``reps`` calls after a warm one)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            per_kernel.setdefault(e.name[:70], []).append(e.device_time_total / 1e3)
+    for name_, times in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1])):
+        print(f"    {sum(times) / reps:8.3f} ms  x{len(times) // reps:<3d} {name_}")
+
+
 def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = False,
-            mk_raster: list[int] | None = None) -> dict:
+            mk_raster: list[int] | None = None, kernel_table: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -142,6 +160,11 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
     ms["moe_backward (megakernel dgrads)"] = gpu_ms(
         lambda: eb.moe_backward(d_out, x, idx, w, p.w_gate, p.w_up, p.w_down, None, saved,
                                 dgrads="megakernel"), reps)
+    if kernel_table:
+        for dgrads in ("kernels", "megakernel"):
+            print(f"  kernels of one moe_backward (dgrads={dgrads!r}):")
+            print_kernel_table(lambda dgrads=dgrads: eb.moe_backward(
+                d_out, x, idx, w, p.w_gate, p.w_up, p.w_down, None, saved, dgrads=dgrads))
     # cuBLAS dense over the same rows (the capacity, padding included, as the kernels run)
     a = torch.randn(rows, H, dtype=torch.bfloat16, device=x.device)
     b_hi = torch.randn(H, I, dtype=torch.bfloat16, device=x.device)
@@ -181,11 +204,14 @@ def main(argv=None):
                    help="also the FP8 dgrads (issue 33) where H and I are multiples of 128")
     p.add_argument("--mk-raster", default="",
                    help="comma list: time the backward megakernel's dgrads with these raster groups")
+    p.add_argument("--kernel-table", action="store_true",
+                   help="per-kernel GPU times of one moe_backward, two launches vs megakernel dgrads")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     gms = [int(v) for v in args.wgrad_group_m.split(",")]
     rasters = [int(v) for v in args.mk_raster.split(",") if v]
-    probe_shapes(args.shapes, lambda n: profile(n, args.reps, gms, args.fp8, rasters), args.json,
+    probe_shapes(args.shapes, lambda n: profile(n, args.reps, gms, args.fp8, rasters,
+                                                          args.kernel_table), args.json,
                  argv)
 
 
