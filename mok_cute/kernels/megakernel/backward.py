@@ -22,7 +22,10 @@ increasing order, and every wait points to a lower position.
 
 Ordering: FC2_DGRAD's store warp waits for its TMA stores to land, fences the async proxy
 and publishes ``DGATED[j]`` with release; FC1_DGRAD's producer acquires it and fences the
-async proxy before its TMA loads read dG | dU. Waits are bounded (``timeout_ns``); the first
+async proxy before its TMA loads read dG | dU. The store warp is an MMA warp, so when the
+CTA's next task waits on nothing (its mainloop cannot block) the wait and the publish move
+to after that task's mainloop, where the stores have long landed; before a task with waits
+they go out at once (that task might wait on this very counter). Waits are bounded (``timeout_ns``); the first
 that gives up writes the error word, which the host raises (``mok_cute.errors``).
 
 Not yet here (issue 32's build order, docs/architecture.md): the weight gradients and the
@@ -260,8 +263,9 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                                         num_threads=self.num_mma_threads)
         is_store_warp = warp_idx == 4
         subtiles_per_task = (TILE_M // self.epi_tile[0]) * (self.tile_shape_mnk[1] // self.epi_tile[1])
-        tasks, _, live_len, _ = walk
+        tasks, queue, live_len, num_tiles = walk
         loads, subtiles = Int32(0), Int32(0)
+        held = Int32(-1)  # the counter whose publish waits for the next mainloop (-1: none)
         pos = Int32(cute.arch.block_idx()[0])
         while pos < live_len:
             run, ttype, m_tile, n_tile, index = self._task(walk, pos)
@@ -272,6 +276,9 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                 cute.nvgpu.warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release)
                 loads += k_tiles
+                if held >= 0:  # the previous task's stores landed during this mainloop
+                    self._publish(counters, held, is_store_warp, consumer_tidx)
+                    held = Int32(-1)
                 if ttype == int(BackwardTaskType.FC2_DGRAD):
                     rows, visit_args = self.row_visit_args(epi, "dgated", coords, m_tile, n_tile,
                                                            preact, row_slot, weights,
@@ -286,16 +293,38 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                                        "store", 0, subtiles, barrier, store_pipeline,
                                        is_store_warp, None, 1)
                 subtiles += subtiles_per_task
-                if is_store_warp:
-                    common.tma_stores_landed()
-                    cute.arch.sync_warp()  # lane 0 publishes after the storing lane's wait
-                if consumer_tidx == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    group = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
-                    common.counter_publish(counters, counter_offsets[group]
-                                           + tasks[index, int(BackwardWord.SIGNAL_INDEX)], 1)
+                slot = (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
+                        + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
+                # The store warp is an MMA warp: waiting here for the stores to land would
+                # hold the next mainloop. When this CTA's next task runs and waits on nothing,
+                # its mainloop cannot block, so the publish goes out after it; otherwise (a
+                # wait that might need this very counter) now.
+                nxt = pos + self.num_ctas
+                defer = False
+                if nxt < live_len:
+                    nxt_index = queue[nxt]
+                    defer = (tasks[nxt_index, int(BackwardWord.TILE)] < num_tiles[0]
+                             and tasks[nxt_index, int(BackwardWord.NUM_WAITS)] == 0)
+                if defer:
+                    held = slot
+                else:
+                    self._publish(counters, slot, is_store_warp, consumer_tidx)
             pos += self.num_ctas
+        if held >= 0:
+            self._publish(counters, held, is_store_warp, consumer_tidx)
         store_pipeline.producer_tail()
+
+
+    @cute.jit
+    def _publish(self, counters: cute.Tensor, slot: Int32, is_store_warp, consumer_tidx: Int32):
+        """Release-publish counter ``slot`` once the store warp has seen this CTA's TMA stores
+        land (lane 0 of the store warp, after its lanes sync)."""
+        if is_store_warp:
+            common.tma_stores_landed()
+            cute.arch.sync_warp()
+        if consumer_tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            common.counter_publish(counters, slot, 1)
 
 
 # ---------------------------------------------------------------------- compile
