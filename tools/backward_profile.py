@@ -80,8 +80,8 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
     fc2 = lambda: eb.fc2_dgrad(d_rows, p.w_down, saved.preact, saved.row_slot, weights,  # noqa: E731
                                saved.tile_expert, saved.num_tiles, options)
     for pingpong in (True, False):
-        name = "pingpong 128" if pingpong else "cooperative 256"
-        ms[f"fc2 dgrad (dgated, {name})"] = gpu_ms(
+        variant = "pingpong 128" if pingpong else "cooperative 256"
+        ms[f"fc2 dgrad (dgated, {variant})"] = gpu_ms(
             lambda pingpong=pingpong: eb.fc2_dgrad(d_rows, p.w_down, saved.preact, saved.row_slot,
                                                    weights, saved.tile_expert, saved.num_tiles,
                                                    options, pingpong=pingpong), reps)

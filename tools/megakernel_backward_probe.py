@@ -1,0 +1,90 @@
+"""The backward megakernel's dgrads (one launch) against the two grouped-GEMM dgrad launches,
+alone and inside the whole one-GPU backward, in interleaved rounds (the H200 heats up under
+its 700 W cap, so back-to-back stages favour whichever runs first).
+
+    python tools/megakernel_backward_probe.py --shapes qwen3_30b,dsv3_ep8_rank,gptoss_120b \
+        [--rounds 3] [--json out.json]
+
+A probe for the megakernel's development (issue 32), not the benchmark of record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from tools.layer_profile import gpu_ms  # noqa: E402
+
+
+def probe(name: str, rounds: int, reps: int) -> dict:
+    import mok_cute
+    from mok_cute import expert_backward as eb
+    from mok_cute import expert_path
+    from mok_cute import megakernel_backward as mb
+    from mok_cute.bench.problems import make_problem
+    from mok_cute.kernels import token_ops
+    from mok_cute.shapes import resolve_shape
+
+    p = make_problem(resolve_shape(name), device="cuda", seed=1)
+    x, idx, w = p.inputs.x, p.inputs.topk_idx, p.inputs.topk_weights
+    cfg = mok_cute.MoKConfig(backend="kernel", check_ids=False)
+    with torch.no_grad():
+        _, s = expert_path.moe_forward_kernel(x, idx, w, p.w_gate, p.w_up, p.w_down, None, cfg,
+                                              save=True)
+    d_out = torch.randn_like(x)
+    weights = w.float().contiguous().view(-1)
+    d_rows = token_ops.gather_rows(d_out, s.row_token(idx.shape[1]))
+
+    def megakernel():
+        return mb.expert_dgrads(d_rows, p.w_gate, p.w_up, p.w_down, s.preact, s.row_slot,
+                                weights, s.tile_expert, s.num_tiles)
+
+    def two_launches():
+        d_preact, _, _ = eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot, weights,
+                                      s.tile_expert, s.num_tiles, cfg.expert_path)
+        return eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles,
+                            cfg.expert_path)
+
+    def backward(dgrads):
+        return lambda: eb.moe_backward(d_out, x, idx, w, p.w_gate, p.w_up, p.w_down, None, s,
+                                       dgrads=dgrads)
+
+    variants = {"dgrads: two launches": two_launches, "dgrads: megakernel": megakernel,
+                "moe_backward": backward("kernels"),
+                "moe_backward (megakernel dgrads)": backward("megakernel")}
+    ms = {label: [] for label in variants}
+    for _ in range(rounds):
+        for label, fn in variants.items():
+            ms[label].append(gpu_ms(fn, reps))
+    median = {label: sorted(v)[len(v) // 2] for label, v in ms.items()}
+    for label, v in ms.items():
+        print(f"{name} {label:34s} " + " ".join(f"{t:7.3f}" for t in v)
+              + f"  median {median[label]:7.3f} ms", flush=True)
+    ratios = {"dgrads": median["dgrads: two launches"] / median["dgrads: megakernel"],
+              "backward": median["moe_backward"] / median["moe_backward (megakernel dgrads)"]}
+    print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, whole backward "
+          f"{ratios['backward']:.3f}", flush=True)
+    return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="qwen3_30b,dsv3_ep8_rank,gptoss_120b")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    rows = [probe(n, args.rounds, args.reps) for n in args.shapes.split(",")]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python tools/megakernel_backward_probe.py "
+                       + " ".join(sys.argv[1:] if argv is None else argv),
+                       "gpu": torch.cuda.get_device_name(), "shapes": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
