@@ -111,12 +111,17 @@ def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_
                          f"tile_expert {tuple(tile_expert.shape)}")
     check_preact(preact, inter, row_slot, rows)
     device = d_rows.device
+    partial_cols = -(-inter // BACKWARD_TILE_N)
+    if rows == 0:  # no schedule row: nothing to launch
+        return (d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
+                torch.empty(0, partial_cols, dtype=torch.float32, device=device),
+                d_rows.new_empty(0, hidden))
     num_ctas = _num_sms(device.index or 0)
     t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device)
     t.counters.zero_()
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
-    partials = torch.empty(rows, -(-inter // BACKWARD_TILE_N), dtype=torch.float32, device=device)
+    partials = torch.empty(rows, partial_cols, dtype=torch.float32, device=device)
     dx_rows = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
