@@ -9,9 +9,11 @@ Path selection (`forward_path()` prints the outcome for a device):
 - `moe_forward` with `config.backend == "megakernel"`   -> `mok_cute.megakernel` with R = 1
 - inputs not on a CUDA device, `mok_cute.expert_path` not importable,
   `mok_cute.expert_path.kernel_path_status(device)` says no, or inputs that require grad
-  on the megakernel (no backward yet)                   -> reference ("auto") / error
+  on virtual ranks (no backward there yet)              -> reference ("auto") / error
 - inputs that require grad                              -> `mok_cute.autograd.moe_forward`
-                                                           (the training forward + backward kernels)
+                                                           (the training forward + backward kernels;
+                                                           backend "megakernel": its forward at R = 1
+                                                           and the backward megakernel's dgrads)
 - otherwise                                             -> `mok_cute.expert_path.moe_forward_kernel`
 
 Argument checks follow DESIGN §2 "Bad input": a TypeError or ValueError naming the argument,
@@ -91,9 +93,9 @@ def choose_path(
     """Which path a call takes on `device` (default: the current CUDA device, else CPU).
 
     needs_grad: some input requires grad with grad mode on. The one-GPU expert path then
-    trains on its backward kernels (``mok_cute.autograd``); the megakernel (virtual ranks,
-    ``backend="megakernel"``) has no backward yet, so such calls run on the (differentiable)
-    reference.
+    trains on its backward kernels (``mok_cute.autograd``), and so does ``backend="megakernel"``
+    on one GPU (its forward, the backward megakernel's dgrads); virtual ranks have no backward
+    yet, so such calls run on the (differentiable) reference.
     Raises RuntimeError / ValueError when `config.backend == "kernel"` and no kernel can run.
     """
     config = resolve_config(config)
@@ -113,9 +115,10 @@ def choose_path(
                 f"with group= ({_EP_REASON}), got 'kernel'")
         return PathChoice("reference", f"moe_forward with group= runs on the reference: {_EP_REASON}")
     ok, why = _kernel_status(device)
-    if ok and needs_grad and (virtual or config.backend == "megakernel"):
-        ok, why = False, (f"inputs require grad and the megakernel has no backward yet ({why}); "
-                          "one GPU's expert path trains on kernels (backend 'auto' or 'kernel')")
+    if ok and needs_grad and virtual:
+        ok, why = False, (f"inputs require grad and the megakernel has no backward on virtual "
+                          f"ranks yet ({why}); one GPU trains on kernels (any backend but "
+                          "'reference')")
     if ok:
         if virtual or config.backend == "megakernel":
             return PathChoice("megakernel", why)
@@ -230,6 +233,11 @@ def moe_forward(
         choice = PathChoice("reference", "sizes the megakernel cannot take")
     # torch.compile traces the custom op, never the host code (its JIT cache, its locks):
     # a compiled call takes it even without grad (it saves g and u then, freed unused)
+    if choice.path == "megakernel" and needs_grad:  # one GPU: the megakernel trains too
+        from . import autograd
+
+        return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                    config)
     if choice.path == "kernel" and (needs_grad or torch.compiler.is_compiling()):
         from .expert_path import unsupported_shape_reason
 

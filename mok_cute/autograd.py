@@ -1,9 +1,12 @@
 """The one-GPU training path as PyTorch custom ops: autograd, torch.compile, CUDA graphs.
 
-    mok_cute::moe_forward_train   the forward (``expert_path.moe_forward_kernel(save=True)``, or
-                                  ``expert_path_fp8.moe_forward_fp8`` for precision "fp8"):
+    mok_cute::moe_forward_train   the forward (``expert_path.moe_forward_kernel(save=True)``,
+                                  ``expert_path_fp8.moe_forward_fp8`` for precision "fp8", or
+                                  ``megakernel.training_forward`` for backend "megakernel"):
                                   out and the tensors the backward needs
-    mok_cute::moe_backward        every gradient (``expert_backward.moe_backward``)
+    mok_cute::moe_backward        every gradient (``expert_backward.moe_backward``; backend
+                                  "megakernel": its routed dgrads in one backward-megakernel
+                                  launch, ``megakernel_backward``)
 
 Both have exact fake (meta) implementations, so ``torch.compile(fullgraph=True)`` traces a
 model through them without a graph break; ``register_autograd`` ties them together, honouring
@@ -29,9 +32,11 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                       ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                       ws_down: Optional[torch.Tensor], check_ids: bool, fc2_pingpong_max_k: int,
-                      fc1_group_m: int, fc2_group_m: int, precision: str) -> list[torch.Tensor]:
+                      fc1_group_m: int, fc2_group_m: int, precision: str,
+                      backend: str) -> list[torch.Tensor]:
     """[out, *SavedForBackward]: the training forward on the kernels (inputs checked by
-    ``mok_cute.api``), bf16 or FP8 (``expert_path_fp8``) by ``precision``."""
+    ``mok_cute.api``), bf16 or FP8 (``expert_path_fp8``) by ``precision``; ``backend``
+    "megakernel": bf16 through the megakernel at one rank (default megakernel options)."""
     from mok_cute.config import ExpertPathOptions, MoKConfig, PendingIdCheck
     from mok_cute.expert_path import moe_forward_kernel
     from mok_cute.expert_path_fp8 import moe_forward_fp8
@@ -40,6 +45,16 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     config = MoKConfig(backend="kernel", precision=precision, expert_path=ExpertPathOptions(
         fc2_pingpong_max_k, fc1_group_m, fc2_group_m))
     pending = PendingIdCheck(topk_idx, w_gate.shape[0]) if check_ids else None
+    if backend == "megakernel":
+        from mok_cute import megakernel
+
+        out, saved = megakernel.training_forward(
+            x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+            MoKConfig(backend="megakernel", check_ids=False))
+        if pending is not None:
+            pending.finish()
+            megakernel.raise_pending_errors()  # the same sync point: no extra wait
+        return [out, *saved]
     forward = moe_forward_fp8 if precision == "fp8" else moe_forward_kernel
     out, saved = forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
                          save=True)
@@ -50,8 +65,8 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
 @moe_forward_train.register_fake
 def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
-      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision):
-    num_tokens, top_k = topk_idx.shape
+      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend):
+    num_tokens, top_k = topk_idx.shape  # the megakernel at one rank: the same schedule
     experts, inter = w_gate.shape[0], w_gate.shape[1]  # g | u at I in both precisions
     rows = schedule_capacity(1, num_tokens, top_k, experts, TILE_M)
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -69,7 +84,8 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                  w_down: torch.Tensor, ws_gate: Optional[torch.Tensor],
                  ws_up: Optional[torch.Tensor], ws_down: Optional[torch.Tensor],
                  saved: list[torch.Tensor], needs: list[bool], fc2_pingpong_max_k: int,
-                 fc1_group_m: int, fc2_group_m: int, precision: str) -> list[torch.Tensor]:
+                 fc1_group_m: int, fc2_group_m: int, precision: str,
+                 backend: str) -> list[torch.Tensor]:
     """[d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down]; an
     empty tensor where ``needs`` (expert_backward.Needs order) says no."""
     from mok_cute.config import ExpertPathOptions
@@ -79,13 +95,14 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
     grads = backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                      SavedForBackward(*saved), Needs(*needs),
-                     ExpertPathOptions(fc2_pingpong_max_k, fc1_group_m, fc2_group_m), precision)
+                     ExpertPathOptions(fc2_pingpong_max_k, fc1_group_m, fc2_group_m), precision,
+                     dgrads="megakernel" if backend == "megakernel" else "kernels")
     return [x.new_empty(0) if g is None else g for g in grads]
 
 
 @moe_backward.register_fake
 def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved,
-      needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision):
+      needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend):
     want_x, want_w, want_gu, want_down, want_sgu, want_sdown = needs
     shared = ws_gate is not None
     like = lambda t, want: torch.empty_like(t) if want else x.new_empty(0)  # noqa: E731
@@ -98,8 +115,8 @@ def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, _check_ids,
-     fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision) = inputs
-    ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision)
+     fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend) = inputs
+    ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend)
     ctx.has_shared = ws_gate is not None
     shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
     ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared,
@@ -115,13 +132,14 @@ def _backward(ctx, grads):
     needs = [need[0], need[2], need[3] or need[4], need[5],
              ctx.has_shared and (need[6] or need[7]), ctx.has_shared and need[8]]
     if not any(needs) or d_out is None:
-        return (None,) * 14
+        return (None,) * 15
     grads = torch.ops.mok_cute.moe_backward(
         d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared, saved, needs,
         *ctx.options)
     wanted = (need[0], need[2], need[3], need[4], need[5], need[6], need[7], need[8])
     d_x, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd = (g if w else None for g, w in zip(grads, wanted))
-    return (d_x, None, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd, None, None, None, None, None)
+    return (d_x, None, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd, None, None, None, None, None,
+            None)
 
 
 moe_forward_train.register_autograd(_backward, setup_context=_setup_context)
@@ -129,10 +147,12 @@ moe_forward_train.register_autograd(_backward, setup_context=_setup_context)
 
 def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config):
     """The differentiable one-GPU forward on the kernels -> out [T, H] (``api.moe_forward``
-    takes this path when an input requires grad)."""
+    takes this path when an input requires grad): the expert path, or with
+    ``config.backend == "megakernel"`` the megakernel at one rank."""
     ws = tuple(shared) if shared is not None else (None, None, None)
     options = config.expert_path
     outs = torch.ops.mok_cute.moe_forward_train(
         x, topk_idx, topk_weights, w_gate, w_up, w_down, *ws, config.check_ids,
-        options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m, config.precision)
+        options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m, config.precision,
+        "megakernel" if config.backend == "megakernel" else "kernel")
     return outs[0]

@@ -52,6 +52,7 @@ class SavedPreact(NamedTuple):
     preact: torch.Tensor  # [R, rows, 2I] bf16, g then u: rows T * K by slot at one rank, else by receive row
     row_slot: torch.Tensor  # [R, capacity] int32: each schedule row's preact row, -1 on padding
     shared_preact: torch.Tensor | None  # [R, T, 2Is] bf16 by token, or None
+    schedules: object = None  # the launch's ReceiveSchedules (built for this call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +343,7 @@ class Plan:
                       kmajor(self.shared_h), kmajor(self.shared_y)]
         saved, saved_args = None, (None,) * 4
         if k.spec.save_preact:
-            saved = self._saved_preact(scheds, shared is not None)
+            saved = self._saved_preact(scheds, shared is not None)._replace(schedules=scheds)
             saved_args = (kmajor(saved.preact), saved.row_slot,
                           None if shared is None else kmajor(saved.shared_preact),
                           None if shared is None else self._token_rows)
@@ -521,7 +522,27 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
         return result[0]
     out, saved = result
     return out[0], SavedPreact(saved.preact[0], saved.row_slot[0],
-                               None if saved.shared_preact is None else saved.shared_preact[0])
+                               None if saved.shared_preact is None else saved.shared_preact[0],
+                               saved.schedules)
+
+
+def training_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
+                     config: MoKConfig | None = None):
+    """One GPU's training forward through the megakernel (one rank, inputs validated by
+    ``mok_cute.api``) -> (out, ``expert_path.SavedForBackward``): at one rank the megakernel
+    saves g | u by (token, k) slot over the same receive schedule as the expert path, so the
+    one-GPU backward (``expert_backward.moe_backward``) takes it as it is."""
+    from mok_cute.expert_path import SavedForBackward
+    from mok_cute.schedule import row_of_slot
+
+    out, saved = moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
+                             save=True)
+    sched = saved.schedules[0]
+    num_tokens, top_k = topk_idx.shape
+    return out, SavedForBackward(
+        saved.preact, x.new_empty(0, 0) if saved.shared_preact is None else saved.shared_preact,
+        saved.row_slot, row_of_slot(sched, num_tokens, top_k), sched.tile_expert,
+        sched.num_tiles, sched.expert_offsets)
 
 
 def raise_pending_errors() -> None:

@@ -74,13 +74,13 @@ def test_fake_implementations_give_the_real_shapes():
         sg = torch.empty(Is, H, dtype=torch.bfloat16, device="cuda")
         sd = torch.empty(H, Is, dtype=torch.bfloat16, device="cuda")
         outs = torch.ops.mok_cute.moe_forward_train(x, idx, w, wg, wg, wd, sg, sg, sd, True,
-                                                    8192, 8, 8, "bf16")
+                                                    8192, 8, 8, "bf16", "kernel")
         cap = mok.schedule.schedule_capacity(1, T, K, E, 128)
         assert [tuple(o.shape) for o in outs] == [
             (T, H), (T * K, 2 * I), (T, 2 * Is), (cap,), (T * K,), (cap // 128,), (1,), (E + 1,)]
         grads = torch.ops.mok_cute.moe_backward(x, x, idx, w, wg, wg, wd, sg, sg, sd,
                                                 list(outs[1:]), [True] * 6, 8192, 8, 8,
-                                                "bf16")
+                                                "bf16", "kernel")
         assert [tuple(g.shape) for g in grads] == [(T, H), (T, K), (E, I, H), (E, I, H),
                                                     (E, H, I), (Is, H), (Is, H), (H, Is)]
 
@@ -282,20 +282,22 @@ def test_frozen_inputs_get_no_gradient(precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_opcheck(precision):
+@pytest.mark.parametrize("precision,backend", [(p, "kernel") for p in PRECISIONS]
+                         + [("bf16", "megakernel")])
+def test_opcheck(precision, backend):
     import mok_cute.autograd  # noqa: F401
 
     leaves, idx = _problem(200, 512, 256, 8, 2, 64, seed=7, requires_grad=False)
     x, w, wg, wu, wd, sg, su, sd = leaves
-    args = (x, idx, w, wg, wu, wd, sg, su, sd, False, 8192, 8, 8, precision)
+    args = (x, idx, w, wg, wu, wd, sg, su, sd, False, 8192, 8, 8, precision, backend)
     torch.library.opcheck(torch.ops.mok_cute.moe_forward_train, args,
                           test_utils=("test_schema", "test_faketensor"))
     outs = torch.ops.mok_cute.moe_forward_train(*args)
     d_out = torch.randn_like(x)
     torch.library.opcheck(torch.ops.mok_cute.moe_backward,
                           (d_out, x, idx, w, wg, wu, wd, sg, su, sd, list(outs[1:]), [True] * 6,
-                           8192, 8, 8, precision), test_utils=("test_schema", "test_faketensor"))
+                           8192, 8, 8, precision, backend),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu
