@@ -28,6 +28,9 @@
 #   fp8probe        tools/layer_profile.py --fp8, fp8_gemm_probe.py and backward_profile.py --fp8
 #                   (~4 min): the FP8 forward's stages, the FP8 GEMMs per tile width, the FP8 dgrads
 #                   and weight gradients beside bf16, JSON under $OUT
+#   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
+#                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
+#                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
 #                   R = 2 and 4, a shared expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
@@ -165,6 +168,13 @@ run_fp8_probes() {
     --json "$out/fp8_backward_profile.json" && grep -E "fp8|wgrad|dgrad" "$out/fp8_backward_profile.log"
 }
 
+run_mkbwd() {
+  step mkbwd_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_megakernel_backward.py
+  step mkbwd_probe 300 python3 tools/megakernel_backward_probe.py \
+    --shapes "${1:-qwen3_30b,dsv3_ep8_rank,gptoss_120b,sonic_120b,mixtral}" --rounds 3 \
+    --json "$out/megakernel_backward_probe.json" && grep -E "speed" "$out/mkbwd_probe.log"
+}
+
 run_train() {
   step "train_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench --train --shapes single \
     --mok-config check_ids=False --iters 10 --warmup 3 --rounds "${ROUNDS:-3}" --out "$out" \
@@ -214,6 +224,7 @@ case "$mode" in
   fp8) run_fp8 "${2:-fp8}" ;;
   fp8train) run_fp8_train "${2:-fp8}" ;;
   fp8probe) run_fp8_probes ;;
+  mkbwd) run_mkbwd "${2:-}" ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
   *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, fp8, fp8train, fp8probe, sanitize, ep)" >&2; exit 2 ;;
