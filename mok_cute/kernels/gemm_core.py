@@ -216,6 +216,23 @@ class GemmCoreSm90:
                            cute.shape(thr_copy_r2s.partition_S(sC))[:3], sC)
         return tCrA, tCrB, acc, cute.size(tCrA, mode=[2]), epi
 
+    def epilogue_sync(self, warp_idx, warpgroup_idx):
+        """A consumer thread's epilogue synchronisation, traced inline: the TMA store pipeline
+        of the threads that share a tile (``threads_per_tile``), their named barrier
+        (``NamedBarriers.EPILOGUE``; pingpong: one per warpgroup) and whether this thread's warp
+        issues the tile's TMA stores (the first warp of the tile's threads)."""
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads_per_tile))
+        if self.pingpong:
+            barrier = pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.EPILOGUE) + warpgroup_idx - 1,
+                num_threads=self.threads_per_tile)
+            return store_pipeline, barrier, warp_idx == 4 * warpgroup_idx
+        barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE),
+                                        num_threads=self.threads_per_tile)
+        return store_pipeline, barrier, warp_idx == 4
+
     @cute.jit
     def mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
         """Issue the wgmmas of one K-tile (``num_k_blocks`` k16 blocks) from smem ``stage``

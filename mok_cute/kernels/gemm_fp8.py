@@ -346,13 +346,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             my_rows = self._my_rows(tile_tidx)
             epi_m = tile_m // self.epi_tile[0]
             out_n = self.out_tile_n // self.epi_tile[1]
-            tma_store_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.threads_per_tile))
-            epilogue_barrier = pipeline.NamedBarrier(
-                barrier_id=int(common.NamedBarriers.EPILOGUE), num_threads=self.threads_per_tile)
-            is_store_warp = warp_idx == 4
+            tma_store_pipeline, epilogue_barrier, is_store_warp = self.epilogue_sync(
+                warp_idx, warpgroup_idx)
             outputs = None
             if const_expr(not self.quantize_h):
                 outputs = self.output_views(((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),

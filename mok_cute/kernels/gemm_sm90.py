@@ -240,14 +240,8 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
             coords = None
             if const_expr(self.epilogue == "dgated" or self.save_preact):
                 coords = self.epi_coords(epi, tile_tidx)
-            tma_store_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.threads_per_tile))
-            epilogue_barrier = pipeline.NamedBarrier(
-                barrier_id=int(common.NamedBarriers.EPILOGUE) + (consumer if const_expr(self.pingpong) else 0),
-                num_threads=self.threads_per_tile)
-            is_store_warp = warp_idx == 4 * warpgroup_idx if const_expr(self.pingpong) else warp_idx == 4
+            tma_store_pipeline, epilogue_barrier, is_store_warp = self.epilogue_sync(
+                warp_idx, warpgroup_idx)
             # pingpong: each warpgroup's own epi_stages x epi_outputs buffers
             epi_base = consumer * self.epi_stages * self.epi_outputs if const_expr(self.pingpong) else 0
 

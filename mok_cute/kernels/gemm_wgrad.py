@@ -199,13 +199,7 @@ class WgradGemmSm90(GemmCoreSm90):
                 a_smem_layout_staged.outer)
             tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
                 tiled_mma, sA_mine, sB, sC, 0, wg_tidx)
-            store_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.threads_per_warpgroup))
-            barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE) + wg,
-                                            num_threads=self.threads_per_warpgroup)
-            is_store_warp = warp_idx == 4 * warpgroup_idx
+            store_pipeline, barrier, is_store_warp = self.epilogue_sync(warp_idx, warpgroup_idx)
             gC = cute.local_tile(mC, (self.wg_rows, tile_n), (None, None, None))
             gC2 = None
             if const_expr(self.gated):

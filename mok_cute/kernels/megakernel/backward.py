@@ -256,12 +256,7 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
             tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * self.threads_per_warpgroup,
             consumer_tidx)
         coords = self.epi_coords(epi, consumer_tidx)
-        store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
-        barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE),
-                                        num_threads=self.num_mma_threads)
-        is_store_warp = warp_idx == 4
+        store_pipeline, barrier, is_store_warp = self.epilogue_sync(warp_idx, warpgroup_idx)
         subtiles_per_task = (TILE_M // self.epi_tile[0]) * (self.tile_shape_mnk[1] // self.epi_tile[1])
         tasks, queue, live_len, num_tiles = walk
         loads, subtiles = Int32(0), Int32(0)

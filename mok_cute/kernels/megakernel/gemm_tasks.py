@@ -508,12 +508,7 @@ class GemmTasks:
         coords = None  # save_preact: this thread's subtile coordinates, for its rows' stores
         if const_expr(self.spec.save_preact):
             coords = self.epi_coords(epi, consumer_tidx)
-        tma_store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
-        barrier = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.EPILOGUE),
-                                        num_threads=self.num_mma_threads)
-        is_store_warp = warp_idx == 4
+        tma_store_pipeline, barrier, is_store_warp = self.epilogue_sync(warp_idx, warpgroup_idx)
 
         loads = Int32(0)
         subtiles = Int32(0)
