@@ -66,21 +66,21 @@ def _virtual(R: int, shared: bool, seed: int, **sizes):
     return case
 
 
-def _backward(shared: bool, seed: int):
+def _backward(shared: bool, seed: int, backend: str = "kernel"):
     def case() -> bool:
         xs, idx, w, wg, wu, wd, sh = _inputs(1, shared, seed)
         leaves = [t[0].detach().clone().requires_grad_() for t in (xs, w, wg, wu, wd)]
         sh_leaves = None if sh is None else [t[0].detach().clone().requires_grad_() for t in sh]
         x, ww, g, u, d = leaves
         out = mok_cute.moe_forward(x, idx[0], ww, g, u, d, shared=sh_leaves,
-                                   config=mok_cute.MoKConfig(backend="kernel"))
+                                   config=mok_cute.MoKConfig(backend=backend))
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, leaves + (sh_leaves or []), grad_out)
         ref_leaves = [t.detach().clone().requires_grad_() for t in leaves + (sh_leaves or [])]
         rx, rw, rg, ru, rd, *rsh = ref_leaves
         ref = reference.moe_forward(rx, idx[0], rw, rg, ru, rd, shared=tuple(rsh) if rsh else None)
         ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out)
-        ok = _check(f"training fwd shared={shared}", out, ref)
+        ok = _check(f"{backend} training fwd shared={shared}", out, ref)
         for name, a, b in zip(("d_x", "d_w", "d_gate", "d_up", "d_down", "d_sgate", "d_sup", "d_sdown"),
                               grads, ref_grads):
             rel_l1 = ((a.float() - b.float()).abs().sum() / b.float().abs().sum()).item()
@@ -101,6 +101,8 @@ CASES = {
     "virtual_r2_wrapping_ring": _virtual(2, False, 6, ring_tokens=256, minibatch_tokens=128),
     "backward": _backward(False, 7),
     "backward_shared": _backward(True, 8),
+    # the megakernel's training forward at one rank and the backward megakernel
+    "backward_megakernel_shared": _backward(True, 9, "megakernel"),
 }
 
 
