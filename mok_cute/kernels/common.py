@@ -105,6 +105,23 @@ def counter_publish(counter: cute.Tensor, index, value, scope: cutlass.Constexpr
 
 
 @cute.jit
+def publish_stored(counter: cute.Tensor, index, is_store_warp, leader,
+                   scope: cutlass.Constexpr[str] = "gpu"):
+    """A task whose outputs went out by TMA publishes counter[index] += 1 for readers in
+    other CTAs: the store warp waits for its stores to land (its lanes synced after), then
+    ``leader`` (a lane of that warp) fences and release-publishes."""
+    if is_store_warp:
+        tma_stores_landed()
+        cute.arch.sync_warp()  # the leader signals after the storing lane's wait
+    if leader:
+        if const_expr(scope == "sys"):
+            cute.arch.fence_acq_rel_sys()
+        else:
+            cute.arch.fence_acq_rel_gpu()
+        counter_publish(counter, index, 1, scope)
+
+
+@cute.jit
 def counter_load(counter: cute.Tensor, index, scope: cutlass.Constexpr[str] = "gpu") -> Int32:
     """Acquire load of counter[index]: later reads see what was published before it."""
     return cute.arch.load((counter.iterator + index).llvm_ptr, Int32, sem="acquire", scope=scope)

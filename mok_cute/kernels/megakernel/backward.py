@@ -272,7 +272,7 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                 ab_pipeline.consumer_release(release)
                 loads += k_tiles
                 if held >= 0:  # the previous task's stores landed during this mainloop
-                    self._publish(counters, held, is_store_warp, consumer_tidx)
+                    common.publish_stored(counters, held, is_store_warp, consumer_tidx == 0)
                     held = Int32(-1)
                 if ttype == int(BackwardTaskType.FC2_DGRAD):
                     rows, visit_args = self.row_visit_args(epi, "dgated", coords, m_tile, n_tile,
@@ -303,23 +303,11 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                 if defer:
                     held = slot
                 else:
-                    self._publish(counters, slot, is_store_warp, consumer_tidx)
+                    common.publish_stored(counters, slot, is_store_warp, consumer_tidx == 0)
             pos += self.num_ctas
         if held >= 0:
-            self._publish(counters, held, is_store_warp, consumer_tidx)
+            common.publish_stored(counters, held, is_store_warp, consumer_tidx == 0)
         store_pipeline.producer_tail()
-
-
-    @cute.jit
-    def _publish(self, counters: cute.Tensor, slot: Int32, is_store_warp, consumer_tidx: Int32):
-        """Release-publish counter ``slot`` once the store warp has seen this CTA's TMA stores
-        land (lane 0 of the store warp, after its lanes sync)."""
-        if is_store_warp:
-            common.tma_stores_landed()
-            cute.arch.sync_warp()
-        if consumer_tidx == 0:
-            cute.arch.fence_acq_rel_gpu()
-            common.counter_publish(counters, slot, 1)
 
 
 # ---------------------------------------------------------------------- compile

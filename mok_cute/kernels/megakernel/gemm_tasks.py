@@ -641,11 +641,8 @@ class GemmTasks:
     def _flush_signal(self, counters, signal: Int32, is_store_warp, consumer_tidx: Int32):
         """defer_signals: publish the held-back task's counter ``signal`` (one rank) once the
         store warp has seen its stores land."""
-        if is_store_warp:
-            self._stores_landed()
-        if consumer_tidx == 0:
-            self._fence()
-            common.counter_publish(counters[0, None], signal, 1, self.spec.scope)
+        common.publish_stored(counters[0, None], signal, is_store_warp, consumer_tidx == 0,
+                              self.spec.scope)
 
     @cute.jit
     def _publish_compute_task(self, ctx, tt: TaskTables, peer_bases, ticket_q, taken: Int32,
