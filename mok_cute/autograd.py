@@ -51,15 +51,14 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
         out, saved = megakernel.training_forward(
             x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
             MoKConfig(backend="megakernel", check_ids=False))
-        if pending is not None:
-            pending.finish()
-            megakernel.raise_pending_errors()  # the same sync point: no extra wait
-        return [out, *saved]
-    forward = moe_forward_fp8 if precision == "fp8" else moe_forward_kernel
-    out, saved = forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
-                         save=True)
+    else:
+        forward = moe_forward_fp8 if precision == "fp8" else moe_forward_kernel
+        out, saved = forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
+                             save=True)
     if pending is not None:
         pending.finish()
+        if backend == "megakernel":
+            megakernel.raise_pending_errors()  # the same sync point: no extra wait
     return [out, *saved]
 
 
@@ -74,8 +73,9 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, 
                      else x.new_empty(num_tokens, 2 * ws_gate.shape[0]))
     return [x.new_empty(num_tokens, x.shape[1]), x.new_empty(num_tokens * top_k, 2 * inter),
             shared_preact,
-            torch.empty(rows, **i32), torch.empty(num_tokens * top_k, **i32), torch.empty(rows // TILE_M, **i32),
-            torch.empty(1, **i32), torch.empty(experts + 1, **i32)]
+            torch.empty(rows, **i32), torch.empty(num_tokens * top_k, **i32),
+            torch.empty(rows // TILE_M, **i32), torch.empty(1, **i32),
+            torch.empty(experts + 1, **i32)]
 
 
 @torch.library.custom_op("mok_cute::moe_backward", mutates_args=())

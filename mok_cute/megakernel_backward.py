@@ -3,8 +3,8 @@ rank's routed dgrads (FC2's with the SwiGLU backward, then FC1's) in one persist
 
 The task list is ``tasks_backward.build_backward_static`` for the schedule's capacity (every
 M-tile present; the live count is read on the device, so routing never recompiles nor syncs),
-with only the two dgrad kinds queued; it is built once per (capacity, experts, H, I, grid) and
-kept on the device. The outputs are bitwise those of ``expert_backward.fc2_dgrad`` and
+with only the two dgrad kinds queued; it is built once per (capacity, H, I, grid, wait bound,
+raster) and kept on the device. The outputs are bitwise those of ``expert_backward.fc2_dgrad`` and
 ``fc1_dgrad`` (the same tiles, k order and epilogues).
 
 Not yet: the weight gradients, k-sum and shared expert as tasks of the launch, and the comm
