@@ -108,7 +108,8 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients bf16.
-    ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``)."""
+    ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
+    weight gradients in it too when both kinds are wanted."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     dx_rows = dwg = dwu = dwd = partials = None
     if not (want_dx or want_gate_up or want_down or want_partials):
@@ -118,6 +119,13 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
         d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
             d_rows, preact, row_slot, weights, tile_expert, num_tiles,
             expert_path_fp8.transposed_weights(w_gate, w_up, w_down), want_dx, w_down.shape[1])
+    elif dgrads == "megakernel" and want_gate_up and want_down:
+        # every GEMM of the backward in one launch
+        from mok_cute import megakernel_backward
+        _, _, partials, dx_rows, dwg, dwu, dwd = megakernel_backward.expert_grads(
+            d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+            num_tiles, offsets)
+        return dx_rows, dwg, dwu, dwd, partials
     elif dgrads == "megakernel":
         from mok_cute import megakernel_backward
         d_preact, hw, partials, dx_rows = megakernel_backward.expert_dgrads(
@@ -148,7 +156,8 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     (d_x, d_topk_weights fp32, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down),
     None where ``needs`` says no (and for the shared expert's three without one).
     ``dgrads``: the routed experts' bf16 dgrads as two grouped-GEMM launches ("kernels") or
-    one backward-megakernel launch ("megakernel"; the same bits)."""
+    one backward-megakernel launch ("megakernel"; the same bits), which also runs their
+    weight gradients when all three are wanted."""
     if dgrads not in ("kernels", "megakernel"):
         raise ValueError(f"dgrads: expected 'kernels' or 'megakernel', got {dgrads!r}")
     if dgrads == "megakernel" and precision != "bf16":

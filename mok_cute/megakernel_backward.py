@@ -1,14 +1,17 @@
-"""Host side of the backward megakernel (``kernels/megakernel/backward.py``), first stage: a
-rank's routed dgrads (FC2's with the SwiGLU backward, then FC1's) in one persistent launch.
+"""Host side of the backward megakernel (``kernels/megakernel/backward.py``): a rank's routed
+dgrads (FC2's with the SwiGLU backward, then FC1's) and, when wanted, its weight gradients in
+one persistent launch.
 
 The task list is ``tasks_backward.build_backward_static`` for the schedule's capacity (every
-M-tile present; the live count is read on the device, so routing never recompiles nor syncs),
-with only the two dgrad kinds queued; it is built once per (capacity, H, I, grid, wait bound,
-raster) and kept on the device. The outputs are bitwise those of ``expert_backward.fc2_dgrad`` and
-``fc1_dgrad`` (the same tiles, k order and epilogues).
+M-tile present; the live count is read on the device, so routing never recompiles nor syncs)
+and every expert's weight-gradient tiles (their waits resolved on the device from the expert
+offsets), with only the kinds the launch runs queued; it is built once per (capacity, E, H, I,
+grid, wait bound, raster, kinds) and kept on the device. The outputs are bitwise those of
+``expert_backward.fc2_dgrad``, ``fc1_dgrad`` and ``wgrad`` (the same tiles, k order and
+epilogues).
 
-Not yet: the weight gradients, k-sum and shared expert as tasks of the launch, and the comm
-tasks across ranks (issue 32; docs/architecture.md has the build order).
+Not yet: the k-sum and the shared expert as tasks of the launch, and the comm tasks across
+ranks (issue 32; docs/architecture.md has the build order).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class DgradTables(NamedTuple):
     counter_offsets: torch.Tensor
     counters: torch.Tensor
     error: torch.Tensor
-    scalars: torch.Tensor  # int64: [timeout_ns, tiles per minibatch]
+    scalars: torch.Tensor  # int64: [timeout_ns, tiles per minibatch, tail begin, queue length]
 
 
 _TABLES: dict[tuple, DgradTables] = {}
@@ -52,19 +55,24 @@ def tiles_per_minibatch(inter: int, num_ctas: int) -> int:
 
 
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
-                 timeout_ms: float, device) -> DgradTables:
-    """The device tables of the dgrad task list (cached per size, wait bound and device; the
-    counters are shared by the launches of one size: calls on one stream)."""
-    key = (capacity_tiles, hidden, inter, num_ctas, timeout_ms, RASTER_M, str(device))
+                 timeout_ms: float, device, num_experts: int = 0) -> DgradTables:
+    """The device tables of the backward task list (cached per size, wait bound and device;
+    the counters are shared by the launches of one size: calls on one stream). ``num_experts``
+    > 0: the weight gradients of that many experts are queued after the dgrads; 0: the
+    dgrads alone."""
+    key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M, str(device))
     with _LOCK:
         tables = _TABLES.get(key)
         if tables is None:
-            tables = _build_tables(capacity_tiles, hidden, inter, num_ctas, timeout_ms, device)
+            tables = _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas,
+                                   timeout_ms, device)
             _TABLES[key] = tables
     return tables
 
 
-def _build_tables(capacity_tiles, hidden, inter, num_ctas, timeout_ms, device) -> DgradTables:
+def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int, num_ctas: int):
+    """The static backward list the launch walks, and the kinds it queues (weight gradients
+    of ``num_experts`` experts after the dgrads; none when 0)."""
     from mok_cute import tasks_backward as tb
 
     per_mb = tiles_per_minibatch(inter, num_ctas)
@@ -72,10 +80,20 @@ def _build_tables(capacity_tiles, hidden, inter, num_ctas, timeout_ms, device) -
         hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
         dgated_tile_n=BACKWARD_TILE_N, dx_tile_n=BACKWARD_TILE_N,
         minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=False)
-    # the weight gradients are not in this launch yet: a list of one expert keeps it short
-    tl = tb.build_backward_static(capacity_tiles, 1, params)
     kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
-    qtab, live_len, _ = tb.queue_tables(tl, kinds=kinds)
+    if num_experts:
+        kinds += (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
+    # without weight gradients a list of one expert keeps it short
+    return tb.build_backward_static(capacity_tiles, max(num_experts, 1), params), kinds
+
+
+def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
+                  device) -> DgradTables:
+    from mok_cute import tasks_backward as tb
+
+    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, num_ctas)
+    per_mb = tiles_per_minibatch(inter, num_ctas)
+    qtab, live_len, tail_begin = tb.queue_tables(tl, kinds=kinds)
     queue = qtab[int(tb.Role.COMPUTE)]
     queue = queue[queue >= 0]
     sizes = [tl.counter_sizes[g] for g in tb.BackwardCounter]
@@ -88,7 +106,9 @@ def _build_tables(capacity_tiles, hidden, inter, num_ctas, timeout_ms, device) -
         counter_offsets=as_i32(offsets),
         counters=torch.zeros(max(int(offsets[-1]), 1), dtype=torch.int32, device=device),
         error=torch.zeros(1, dtype=torch.int64, device=device),
-        scalars=torch.tensor([int(timeout_ms * 1e6), per_mb], dtype=torch.int64, device=device))
+        scalars=torch.tensor([int(timeout_ms * 1e6), per_mb,
+                              int(tail_begin[int(tb.Role.COMPUTE)]), queue.size],
+                             dtype=torch.int64, device=device))
 
 
 def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
@@ -98,10 +118,33 @@ def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_
     ``expert_backward.fc2_dgrad`` (d_rows [M, H] with M = the schedule's capacity; w_gate,
     w_up [E, I, H], w_down [E, H, I]). ``check``: synchronise and raise if a wait of the
     launch gave up (a kernel bug: at one rank every wait is on this launch's own tasks)."""
+    return _launch(d_rows, None, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+                   num_tiles, None, timeout_ms, check)
+
+
+def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+                 num_tiles, expert_offsets, timeout_ms: float = 10_000.0, check: bool = False):
+    """Every GEMM of the routed experts' backward in one launch: ``expert_dgrads``' four
+    outputs, then dW_gate, dW_up [E, I, H] and dW_down [E, H, I] (``expert_backward.wgrad``'s
+    bits). x_rows [M, H]: the x row of each schedule row (zeros on padding rows, as d_rows);
+    expert_offsets int32 [E + 1]: each expert's first schedule row."""
+    if x_rows is None or x_rows.shape != d_rows.shape:
+        raise ValueError(f"x_rows: expected the schedule's rows {tuple(d_rows.shape)}, got "
+                         f"{None if x_rows is None else tuple(x_rows.shape)}")
+    if expert_offsets.shape != (w_gate.shape[0] + 1,):
+        raise ValueError(f"expert_offsets: expected ({w_gate.shape[0] + 1},) for "
+                         f"{w_gate.shape[0]} experts, got {tuple(expert_offsets.shape)}")
+    return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+                   num_tiles, expert_offsets, timeout_ms, check)
+
+
+def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+            num_tiles, expert_offsets, timeout_ms, check):
+    """One backward-megakernel launch; the weight gradients when ``x_rows`` is given."""
     from mok_cute.expert_path import _num_sms, check_preact
 
     rows, hidden = d_rows.shape
-    inter = w_gate.shape[1]
+    num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     if hidden % TILE_K or inter % TILE_K:
         raise ValueError(f"the backward megakernel needs H and I multiples of {TILE_K}, got "
                          f"H={hidden}, I={inter}")
@@ -111,28 +154,42 @@ def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_
                          f"tile_expert {tuple(tile_expert.shape)}")
     check_preact(preact, inter, row_slot, rows)
     device = d_rows.device
+    wgrads = x_rows is not None
     partial_cols = -(-inter // BACKWARD_TILE_N)
-    if rows == 0:  # no schedule row: nothing to launch
+    dw = ((torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down))
+          if wgrads else ())
+    if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
         return (d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
                 torch.empty(0, partial_cols, dtype=torch.float32, device=device),
-                d_rows.new_empty(0, hidden))
+                d_rows.new_empty(0, hidden), *dw)
     num_ctas = _num_sms(device.index or 0)
-    t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device)
+    t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device,
+                     num_experts if wgrads else 0)
     t.counters.zero_()
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
     partials = torch.empty(rows, partial_cols, dtype=torch.float32, device=device)
     dx_rows = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+    if wgrads:
+        dw = tuple(torch.empty_like(w) for w in (w_gate, w_up, w_down))
+        w_args = (expert_offsets, d_preact[:, :inter].t().unsqueeze(2),
+                  d_preact[:, inter:].t().unsqueeze(2), x_rows.t().unsqueeze(2),
+                  d_rows.t().unsqueeze(2), hw.t().unsqueeze(2), *(w.permute(1, 2, 0) for w in dw))
+    else:  # no weight-gradient task runs: views of the dgrads' tensors stand in
+        stand_in = (w_gate.permute(1, 2, 0), w_up.permute(1, 2, 0), w_down.permute(1, 2, 0))
+        w_args = (tile_expert, d_preact[:, :inter].t().unsqueeze(2),
+                  d_preact[:, inter:].t().unsqueeze(2), d_rows.t().unsqueeze(2),
+                  d_rows.t().unsqueeze(2), hw.t().unsqueeze(2), *stand_in)
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), dx_rows.unsqueeze(2), preact,
-           row_slot, weights, partials, t.scalars)
+           row_slot, weights, partials, t.scalars, *w_args)
     if check:
         from mok_cute.errors import raise_on_wait_error
 
         word = int(t.error.item())
         t.error.zero_()
         raise_on_wait_error(word)
-    return d_preact, hw, partials, dx_rows
+    return (d_preact, hw, partials, dx_rows, *dw)

@@ -1,13 +1,16 @@
-"""The backward megakernel, first stage (mok_cute/megakernel_backward.py,
-kernels/megakernel/backward.py): a rank's routed dgrads as tasks of one launch.
+"""The backward megakernel (mok_cute/megakernel_backward.py, kernels/megakernel/backward.py,
+backward_wgrad.py): a rank's routed dgrads and weight gradients as tasks of one launch.
 
-CI: the kernel compiles for sm_90a without spills, with MN-major B wgmma operands and no
-atomics but the counters' publish; the dgrad-only queue holds each dgrad task once, in list
-order, and its live prefixes cover whole minibatches. H200 (marked gpu): its four outputs
-bitwise equal to the two grouped-GEMM dgrad launches (``expert_backward.fc2_dgrad`` on the
-cooperative 128 x 256 GEMM, ``fc1_dgrad``) on every scheduled row, over odd shapes (T = 1, T
-not a multiple of the tile, a hot expert, empty experts, K = 10, I not a multiple of 256),
-bitwise repeats with poisoned memory; and ``moe_backward(dgrads="megakernel")`` gives every
+CI: the kernel compiles for sm_90a without spills, with both wgmma operand forms (dgrads: A
+K-major, B MN-major; weight gradients: both MN-major) and no atomics but the counters'
+publish; the dgrad-only queue holds each dgrad task once, in list order, and its live prefixes
+cover whole minibatches; with weight gradients the tail after them holds each expert's
+weight-gradient tiles once. H200 (marked gpu): the four dgrad outputs bitwise equal to the
+two grouped-GEMM dgrad launches (``expert_backward.fc2_dgrad`` on the cooperative 128 x 256
+GEMM, ``fc1_dgrad``) on every scheduled row, and the three weight gradients bitwise equal to
+``expert_backward.wgrad``'s, over odd shapes (T = 1, T not a multiple of the tile, a hot
+expert, empty experts, K = 10, I not a multiple of 256), bitwise repeats with poisoned
+memory; and ``moe_backward(dgrads="megakernel")`` (one launch for every GEMM) gives every
 gradient of the default backward (d_topk_weights to fp32 rounding: other N-tile widths sum
 its partials in another order) and matches autograd on the reference.
 """
@@ -30,7 +33,8 @@ def test_backward_megakernel_compiles_without_spills(tmp_path):
     assert not [w for w in rep.warnings if "serialized" in w or "C7508" in w]
     ptx = open(rep.ptx_path).read()
     bits = set(re.findall(r"\}, %rd\d+, %rd\d+, p, 1,\s+1, (\d), (\d);", ptx))
-    assert bits == {("0", "1")}, bits  # A K-major, B MN-major: both dgrads
+    # A K-major, B MN-major: both dgrads; both MN-major: the weight gradients
+    assert bits == {("0", "1"), ("1", "1")}, bits
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
 
 
@@ -76,6 +80,36 @@ def test_dgrad_queue_holds_each_dgrad_once_in_list_order(capacity_tiles, hidden,
         tb.queue_tables(tl, kinds=(tb.BackwardTaskType.FC1_DGRAD,))
 
 
+@pytest.mark.parametrize("capacity_tiles,experts,hidden,inter", [(40, 8, 7168, 2048),
+                                                                 (7, 3, 576, 192),
+                                                                 (2, 1, 2880, 2880)])
+def test_weight_gradient_tail_holds_each_expert_tile_once(capacity_tiles, experts, hidden, inter):
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+
+    tl, kinds = mb.task_list(capacity_tiles, experts, hidden, inter, 132)
+    tl.check()
+    qtab, live_len, tail_begin = tb.queue_tables(tl, kinds=kinds)
+    queue = qtab[int(tb.Role.COMPUTE)]
+    queue = queue[queue >= 0]
+    tail = [tl[int(i)] for i in queue[tail_begin[int(tb.Role.COMPUTE)]:]]
+    head = [tl[int(i)] for i in queue[:tail_begin[int(tb.Role.COMPUTE)]]]
+    wgrad_kinds = (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
+    assert all(t.type not in wgrad_kinds for t in head)
+    # the whole live prefix is dgrads: a CTA runs its dgrads, then its weight gradients
+    assert live_len[int(tb.Role.COMPUTE)][-1] == len(head)
+    want = {(tb.BackwardTaskType.WGRAD_DOWN, e, m, n) for e in range(experts)
+            for m in range(-(-hidden // 256)) for n in range(-(-inter // 128))}
+    want |= {(tb.BackwardTaskType.WGRAD_GATE_UP, e, m, n) for e in range(experts)
+             for m in range(-(-inter // 128)) for n in range(-(-hidden // 128))}
+    got = [(t.type, t.tile, t.m_block, t.n_tile) for t in tail]
+    assert len(got) == len(set(got)) and set(got) == want
+    assert [t.tile for t in tail] == sorted(t.tile for t in tail)  # expert by expert
+    for t in tail:  # each waits on its expert's dgrads, resolved on the device
+        assert t.waits == ((tb.BackwardCounter.DGATED, tb.EXPERT_TILES, tb.EXPERT_TILES,
+                            -(-inter // 256)),)
+
+
 def test_expert_dgrads_rejects_sizes_it_cannot_take():
     from mok_cute import expert_backward as eb
     from mok_cute import megakernel_backward as mb
@@ -86,6 +120,14 @@ def test_expert_dgrads_rejects_sizes_it_cannot_take():
                          z(2, 96, 64), None, None, None, z(1, dtype=torch.int32), None)
     with pytest.raises(ValueError, match="dgrads"):
         eb.moe_backward(*(None,) * 8, saved=None, dgrads="fused")
+    with pytest.raises(ValueError, match="x_rows"):
+        mb.expert_grads(z(128, 64, dtype=torch.bfloat16), z(64, 64, dtype=torch.bfloat16),
+                        z(2, 64, 64), z(2, 64, 64), z(2, 64, 64), None, None, None,
+                        z(1, dtype=torch.int32), None, z(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="expert_offsets"):
+        mb.expert_grads(z(128, 64, dtype=torch.bfloat16), z(128, 64, dtype=torch.bfloat16),
+                        z(2, 64, 64), z(2, 64, 64), z(2, 64, 64), None, None, None,
+                        z(1, dtype=torch.int32), None, z(2, dtype=torch.int32))
 
 
 # ---------------------------------------------------------------------- H200
@@ -142,6 +184,45 @@ def test_megakernel_dgrads_equal_the_two_launches_bitwise(name):
             a, b = a[:rows], b[:rows]
             assert torch.isfinite(a).all(), f"{name}: {label} not finite"
             assert torch.equal(a, b), f"{name}: {label} differs from the two launches"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_megakernel_weight_gradients_equal_gemm_wgrad_bitwise(name):
+    from mok_cute import expert_backward as eb
+    from mok_cute import megakernel_backward as mb
+    from mok_cute.kernels import token_ops
+
+    (x, w, wg, wu, wd), idx, saved, _ = _saved_problem(name)
+    K, E, inter = idx.shape[1], wg.shape[0], wg.shape[1]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    d_out = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    d_rows = token_ops.gather_rows(d_out, saved.row_token(K))
+    x_rows = token_ops.gather_rows(x, saved.row_token(K))
+    weights = w.float().contiguous().view(-1)
+    dgrads = mb.expert_dgrads(d_rows, wg, wu, wd, saved.preact, saved.row_slot, weights,
+                              saved.tile_expert, saved.num_tiles)
+    d_preact, hw = dgrads[0], dgrads[1]
+    want = (*eb.wgrad(d_preact[:, :inter], d_preact[:, inter:], x_rows, saved.expert_offsets,
+                      E, inter),
+            eb.wgrad(d_rows, None, hw, saved.expert_offsets, E, wd.shape[1]))
+    rows = int(saved.num_tiles.item()) * 128
+    runs = []
+    for _ in range(2):
+        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        runs.append(mb.expert_grads(d_rows, x_rows, wg, wu, wd, saved.preact, saved.row_slot,
+                                    weights, saved.tile_expert, saved.num_tiles,
+                                    saved.expert_offsets, check=True))
+    for got in runs:
+        for label, a, b in zip(("dG|dU", "w*h", "row partials", "dx rows"), got, dgrads):
+            assert torch.equal(a[:rows], b[:rows]), f"{name}: {label} differs from the dgrads' launch"
+        for label, a, b in zip(("dW_gate", "dW_up", "dW_down"), got[4:], want):
+            assert torch.isfinite(a).all(), f"{name}: {label} not finite"
+            assert torch.equal(a, b), f"{name}: {label} differs from gemm_wgrad"
+    # an expert with no rows gets zeros (the empty-expert case has some)
+    counts = (saved.expert_offsets[1:] - saved.expert_offsets[:-1]).cpu()
+    for e in torch.nonzero(counts == 0).flatten().tolist():
+        assert not runs[0][4][e].any() and not runs[0][6][e].any()
 
 
 @pytest.mark.gpu

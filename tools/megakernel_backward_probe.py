@@ -1,6 +1,7 @@
-"""The backward megakernel's dgrads (one launch) against the two grouped-GEMM dgrad launches,
-alone and inside the whole one-GPU backward, in interleaved rounds (the H200 heats up under
-its 700 W cap, so back-to-back stages favour whichever runs first).
+"""The backward megakernel (one launch: the dgrads, then the weight gradients) against the
+grouped-GEMM launches (two dgrads, two weight gradients), its dgrads alone, and inside the
+whole one-GPU backward, in interleaved rounds (the H200 heats up under its 700 W cap, so
+back-to-back stages favour whichever runs first).
 
     python tools/megakernel_backward_probe.py --shapes qwen3_30b,dsv3_ep8_rank,gptoss_120b \
         [--rounds 3] [--json out.json]
@@ -38,24 +39,44 @@ def probe(name: str, rounds: int, reps: int) -> dict:
     d_out = torch.randn_like(x)
     weights = w.float().contiguous().view(-1)
     d_rows = token_ops.gather_rows(d_out, s.row_token(idx.shape[1]))
+    x_rows = token_ops.gather_rows(x, s.row_token(idx.shape[1]))
+    num_experts = p.w_gate.shape[0]
+
+    def wgrads(d_preact, hw):
+        inter = p.w_gate.shape[1]
+        eb.wgrad(d_preact[:, :inter], d_preact[:, inter:], x_rows, s.expert_offsets,
+                 num_experts, inter)
+        eb.wgrad(d_rows, None, hw, s.expert_offsets, num_experts, p.w_down.shape[1])
 
     def megakernel():
         return mb.expert_dgrads(d_rows, p.w_gate, p.w_up, p.w_down, s.preact, s.row_slot,
                                 weights, s.tile_expert, s.num_tiles)
 
-    def two_launches():
-        d_preact, _, _ = eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot, weights,
-                                      s.tile_expert, s.num_tiles, cfg.expert_path)
-        return eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles,
-                            cfg.expert_path)
+    def two_launches(with_wgrads=False):
+        d_preact, hw, _ = eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot, weights,
+                                       s.tile_expert, s.num_tiles, cfg.expert_path)
+        eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles, cfg.expert_path)
+        if with_wgrads:
+            wgrads(d_preact, hw)
+
+    def megakernel_then_wgrads():
+        d_preact, hw, _, _ = megakernel()
+        wgrads(d_preact, hw)
+
+    def one_launch():
+        return mb.expert_grads(d_rows, x_rows, p.w_gate, p.w_up, p.w_down, s.preact,
+                               s.row_slot, weights, s.tile_expert, s.num_tiles, s.expert_offsets)
 
     def backward(dgrads):
         return lambda: eb.moe_backward(d_out, x, idx, w, p.w_gate, p.w_up, p.w_down, None, s,
                                        dgrads=dgrads)
 
     variants = {"dgrads: two launches": two_launches, "dgrads: megakernel": megakernel,
+                "GEMMs: four launches": lambda: two_launches(True),
+                "GEMMs: megakernel dgrads + wgrads": megakernel_then_wgrads,
+                "GEMMs: megakernel, one launch": one_launch,
                 "moe_backward": backward("kernels"),
-                "moe_backward (megakernel dgrads)": backward("megakernel")}
+                "moe_backward (megakernel)": backward("megakernel")}
     ms = {label: [] for label in variants}
     for _ in range(rounds):
         for label, fn in variants.items():
@@ -64,10 +85,14 @@ def probe(name: str, rounds: int, reps: int) -> dict:
     for label, v in ms.items():
         print(f"{name} {label:34s} " + " ".join(f"{t:7.3f}" for t in v)
               + f"  median {median[label]:7.3f} ms", flush=True)
+    one = median["GEMMs: megakernel, one launch"]
     ratios = {"dgrads": median["dgrads: two launches"] / median["dgrads: megakernel"],
-              "backward": median["moe_backward"] / median["moe_backward (megakernel dgrads)"]}
-    print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, whole backward "
-          f"{ratios['backward']:.3f}", flush=True)
+              "gemms": median["GEMMs: four launches"] / one,
+              "wgrads_in_launch": median["GEMMs: megakernel dgrads + wgrads"] / one,
+              "backward": median["moe_backward"] / median["moe_backward (megakernel)"]}
+    print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
+          f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
+          f"whole backward {ratios['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 

@@ -35,6 +35,7 @@ class NamedBarriers(enum.IntEnum):
     COMM = 3  # the comm workers of a megakernel comm CTA
     PRODUCER = 4  # the producer warpgroup of a megakernel compute CTA (local_direct)
     MMA_ORDER = 5  # pingpong GEMM: warpgroup w waits on MMA_ORDER + w for its mainloop turn (5, 6)
+    FORM_SWITCH = 7  # backward megakernel: consumer warpgroups between tasks of two tile forms
 
 
 @cute.jit

@@ -1,5 +1,5 @@
-"""The backward megakernel for Hopper (sm_90a), first stage: one persistent launch runs a
-rank's routed dgrads as tasks of the backward task list (``mok_cute.tasks_backward``).
+"""The backward megakernel for Hopper (sm_90a): one persistent launch runs a rank's routed
+dgrads and weight gradients as tasks of the backward task list (``mok_cute.tasks_backward``).
 
     FC2_DGRAD (j, n)  dY rows of M-tile j @ W_down[e] (K = H), the dgated epilogue
                       (``row_epilogue``): dG | dU, w * h and the rows' partials of N-tile n
@@ -10,14 +10,17 @@ rank's routed dgrads as tasks of the backward task list (``mok_cute.tasks_backwa
 Both kinds are 128 x 256 x 64 cooperative tiles on one GEMM core configuration (A K-major,
 B MN-major: the weights as stored, read transposed), so one stage ring and one tiled MMA
 serve both; FC1_DGRAD's store epilogue uses the first of dgated's three output buffers.
+The weight gradients (WGRAD_DOWN, WGRAD_GATE_UP: ``backward_wgrad``) run ``gemm_wgrad``'s
+tiles on the same stages, after the dgrads in the list; each waits until every FC2_DGRAD of
+its expert's M-tiles has published (the range read from the schedule's expert offsets).
 The tiles, their k order and their epilogues are those of ``expert_backward``'s two dgrad
 launches, so the outputs are bitwise the same; what the one launch adds is that an M-tile's
 FC1_DGRAD starts while later M-tiles' FC2_DGRAD tiles still run (no launch boundary).
 
 Walk: every CTA takes compute-queue positions ``b, b + grid, ...`` (static tickets: every
-warp resolves its own); positions past the live prefix (``queue_live_len`` of the live
-minibatch count) end the walk, a task whose M-tile is past ``num_tiles`` is skipped (nothing
-waits on it). Deadlock-free as the forward: every CTA is resident, takes its positions in
+warp resolves its own); the live prefix (``queue_live_len`` of the live minibatch count) is
+followed by the tail (the weight gradients, from ``tail_begin``), the minibatches past the
+live ones skipped; a dgrad whose M-tile is past ``num_tiles`` is skipped (nothing waits on it). Deadlock-free as the forward: every CTA is resident, takes its positions in
 increasing order, and every wait points to a lower position.
 
 Ordering: FC2_DGRAD's store warp waits for its TMA stores to land, fences the async proxy
@@ -28,8 +31,8 @@ to after that task's mainloop, where the stores have long landed; before a task 
 they go out at once (that task might wait on this very counter). Waits are bounded (``timeout_ns``); the first
 that gives up writes the error word, which the host raises (``mok_cute.errors``).
 
-Not yet here (issue 32's build order, docs/architecture.md): the weight gradients and the
-k-sum as tasks, the shared expert, and the comm tasks (reverse combine / dispatch).
+Not yet here (issue 32's build order, docs/architecture.md): the k-sum as tasks, the shared
+expert, and the comm tasks (reverse combine / dispatch).
 """
 
 from __future__ import annotations
@@ -45,15 +48,19 @@ from mok_cute import jit
 from mok_cute.constants import BACKWARD_TILE_N, TILE_K, TILE_M
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state
+from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
-from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, BackwardTaskType, BackwardWord)
+from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, BackwardTaskType,
+                                     BackwardWord)
 
-# scalars int64: the wait bound, the minibatch size in M-tiles (the live prefix)
-BACKWARD_SCALARS = 2
+# scalars int64: the wait bound, the minibatch size in M-tiles (the live prefix), the queue
+# position where the tail (weight gradients) begins, the queue's length
+BACKWARD_SCALARS = 4
+_WGRAD_GATE_UP = int(BackwardTaskType.WGRAD_GATE_UP)
 
 
-class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
-    """One launch of a rank's routed dgrads (module docstring).
+class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
+    """One launch of a rank's routed dgrads and weight gradients (module docstring).
 
     :param num_ctas: persistent grid (one CTA per SM).
     """
@@ -63,6 +70,9 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
+        # the load warp walks both tile forms' TMA partitions: at 40 / 232 it spilled (ptxas,
+        # swept offline: 48-64 spill too, 72 / 208 and up compile clean; the consumers fit 208)
+        self.producer_regs, self.consumer_regs = 80, 208
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -73,6 +83,9 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                  w_up: cute.Tensor, d_gate: cute.Tensor, d_up: cute.Tensor, hw: cute.Tensor,
                  dx_rows: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                  weights: cute.Tensor, partials: cute.Tensor, scalars: cute.Tensor,
+                 expert_offsets: cute.Tensor, dg_rows_t: cute.Tensor, du_rows_t: cute.Tensor,
+                 x_rows_t: cute.Tensor, dy_rows_t: cute.Tensor, hw_rows_t: cute.Tensor,
+                 dw_gate: cute.Tensor, dw_up: cute.Tensor, dw_down: cute.Tensor,
                  stream: cuda.CUstream):
         """Shapes (M schedule rows, E experts): tasks int32 (N, BACKWARD_TASK_WORDS); queue
         int32 (Q,) the compute queue's list indices; queue_live_len int32 (MB + 1,);
@@ -82,7 +95,10 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
         their first mode contiguous; outputs d_gate / d_up (the two halves of d_preact), hw
         (M, I, 1), dx_rows (M, H, 1); preact (slots, 2I) the saved g | u by slot; row_slot
         int32 (M,); weights fp32 (slots,); partials fp32 (M, ceil(I / 256)); scalars int64
-        (BACKWARD_SCALARS,)."""
+        (BACKWARD_SCALARS,). The weight gradients': expert_offsets int32 (E + 1,) each
+        expert's first schedule row; the operands (cols, M, 1) with cols contiguous (dG, dU,
+        hw: I; x and dY rows: H); dw_gate / dw_up (I, H, E) and dw_down (H, I, E), N
+        contiguous."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -99,11 +115,20 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                  *mk(g2s, w_up, b_box, (tile_n, tile_k)))
         stores = (*mk(s2g, d_gate, epi_box, self.epi_tile), *mk(s2g, d_up, epi_box, self.epi_tile),
                   *mk(s2g, hw, epi_box, self.epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
+        self.wgrad = WgradForm(self.ab_stages)
+        w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
+        w_loads = []
+        for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):
+            w_loads.extend(mk(g2s, t, w_box, (self.wgrad.tile_shape_mnk[1], tile_k)))
+        w_stores = []
+        for t in (dw_gate, dw_up, dw_down):
+            w_stores.extend(mk(s2g, t, w_epi, self.wgrad.epi_tile))
         self.shared_storage = self.make_shared_storage()
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
-                    tile_expert, preact, row_slot, weights, partials, scalars, *loads, *stores,
+                    tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
+                    *loads, *stores, *w_loads, *w_stores,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
-                    self.epi_smem_layout_staged,
+                    self.epi_smem_layout_staged, *self.wgrad_kernel_args(),
                     ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
                              min_blocks_per_mp=1, cooperative=True, stream=stream)
 
@@ -113,36 +138,48 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, preact: cute.Tensor,
                row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
-               scalars: cute.Tensor,
+               scalars: cute.Tensor, expert_offsets: cute.Tensor,
                tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
                tma_dp: cute.CopyAtom, t_dp: cute.Tensor, tma_wg: cute.CopyAtom, t_wg: cute.Tensor,
                tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
                tma_dg: cute.CopyAtom, t_dg: cute.Tensor, tma_du: cute.CopyAtom, t_du: cute.Tensor,
                tma_hw: cute.CopyAtom, t_hw: cute.Tensor, tma_dx: cute.CopyAtom, t_dx: cute.Tensor,
+               tma_wdg: cute.CopyAtom, t_wdg: cute.Tensor, tma_wdu: cute.CopyAtom,
+               t_wdu: cute.Tensor, tma_wx: cute.CopyAtom, t_wx: cute.Tensor,
+               tma_wdy: cute.CopyAtom, t_wdy: cute.Tensor, tma_whw: cute.CopyAtom,
+               t_whw: cute.Tensor, tma_cg: cute.CopyAtom, t_cg: cute.Tensor,
+               tma_cu: cute.CopyAtom, t_cu: cute.Tensor, tma_cd: cute.CopyAtom, t_cd: cute.Tensor,
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout):
+               epi_smem_layout_staged: cute.ComposedLayout, w_tiled_mma: cute.TiledMma,
+               w_box_staged: cute.ComposedLayout, w_epi_staged: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
         if warp_idx == self.load_warp:
-            self.prefetch_descriptors(tma_dy, tma_wd, tma_dp, tma_wg, tma_wu)
+            self.prefetch_descriptors(tma_dy, tma_wd, tma_dp, tma_wg, tma_wu, tma_wdg, tma_wdu,
+                                      tma_wx, tma_wdy, tma_whw)
         _, ab_pipeline, sA, sB, sC = self.operand_smem(
             a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
-        walk = (tasks, queue, self._live_len(queue_live_len, num_tiles, scalars), num_tiles)
+        w_layouts = (w_tiled_mma, w_box_staged, w_epi_staged)
+        walk = (tasks, queue, self._live_len(queue_live_len, num_tiles, scalars), num_tiles,
+                Int32(scalars[2]), Int32(scalars[3]))
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.load_warp:
-                self.producer_loop(walk, tile_expert, counter_offsets, counters, error,
-                                   Int64(scalars[0]), ab_pipeline, sA, sB,
+                self.producer_loop(walk, tile_expert, expert_offsets, counter_offsets, counters,
+                                   error, Int64(scalars[0]), ab_pipeline, sA, sB,
                                    (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg,
-                                    tma_wu, t_wu))
+                                    tma_wu, t_wu),
+                                   (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy,
+                                    tma_whw, t_whw), w_layouts)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consumer_loop(walk, counter_offsets, counters, preact, row_slot, weights,
-                               partials, ab_pipeline, tiled_mma, sA, sB, sC,
+            self.consumer_loop(walk, expert_offsets, counter_offsets, counters, preact,
+                               row_slot, weights, partials, ab_pipeline, tiled_mma, sA, sB, sC,
                                (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
+                               (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), w_layouts,
                                t_dy, t_dp, tidx, warp_idx, warpgroup_idx)
 
     @cute.jit
@@ -154,13 +191,29 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
         return queue_live_len[cutlass.min(live, cute.size(queue_live_len) - 1)]
 
     @cute.jit
+    def _walk_len(self, walk) -> Int32:
+        """Positions a CTA walks: the live prefix, then the tail."""
+        _, _, live_len, _, tail_begin, queue_len = walk
+        return live_len + queue_len - tail_begin
+
+    @cute.jit
+    def _index(self, walk, pos: Int32) -> Int32:
+        """The list index at walk position ``pos`` (the live prefix, then the tail)."""
+        _, queue, live_len, _, tail_begin, _ = walk
+        at = pos
+        if pos >= live_len:
+            at = tail_begin + pos - live_len
+        return queue[at]
+
+    @cute.jit
     def _task(self, walk, pos: Int32):
-        """(run, type, M-tile, N-tile, list index) of queue position ``pos``."""
-        tasks, queue, _, num_tiles = walk
-        index = queue[pos]
+        """(run, type, M-tile or expert, N-tile, list index) of walk position ``pos``; a
+        dgrad past the live M-tiles does not run (a weight gradient's ``run`` is unused)."""
+        tasks, _, _, num_tiles, _, _ = walk
+        index = self._index(walk, pos)
+        ttype = tasks[index, int(BackwardWord.TYPE)]
         tile = tasks[index, int(BackwardWord.TILE)]
-        return (tile < num_tiles[0], tasks[index, int(BackwardWord.TYPE)], tile,
-                tasks[index, int(BackwardWord.N_TILE)], index)
+        return tile < num_tiles[0], ttype, tile, tasks[index, int(BackwardWord.N_TILE)], index
 
     @cute.jit
     def _k_tiles(self, ttype: Int32, t_dy: cute.Tensor, t_dp: cute.Tensor) -> Int32:
@@ -172,10 +225,11 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def producer_loop(self, walk, tile_expert: cute.Tensor, counter_offsets: cute.Tensor,
-                      counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
-                      ab_pipeline, sA, sB, ops):
-        """The load warp: per task, its waits (each lane spins on its own copy), then its
+    def producer_loop(self, walk, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
+                      counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
+                      timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts):
+        """The load warp: per task, its waits (each lane spins on its own copy; a weight
+        gradient's wait on its expert's dgrads once per run of that expert's tasks), then its
         k-tiles' A and B boxes by TMA."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = ops
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -193,13 +247,14 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
         g_wg, s_wg = part(tma_wg, t_wg, sB_g, (tile_n, tile_k))
         g_wu, s_wu = part(tma_wu, t_wu, sB_g, (tile_n, tile_k))
         k_split = cute.size(t_wg, mode=[1]) // TILE_K  # FC1_DGRAD: the gate weights' k-tiles
-        tasks, queue, live_len, _ = walk
+        tasks, _, live_len, _, _, _ = walk
         loads = Int32(0)
         pos = Int32(cute.arch.block_idx()[0])
-        while pos < live_len:
+        while pos < live_len:  # the dgrads
             run, ttype, m_tile, n_tile, index = self._task(walk, pos)
             if run:
-                self._wait_task(tasks, index, counter_offsets, counters, error, timeout_ns)
+                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
+                                timeout_ns)
                 # dG | dU were written by other CTAs' TMA stores; TMA reads them next
                 cute.arch.fence_proxy("async.global")
                 expert = tile_expert[m_tile]
@@ -223,31 +278,57 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                     state.advance()
                 loads += k_tiles
             pos += self.num_ctas
+        # the weight gradients (the tail); an expert's dgrads waited on once per run of its tasks
+        w_parts = self.wgrad_load_parts(sA, sB, wgrad_ops, w_layouts)
+        walk_len = self._walk_len(walk)
+        waited_expert = Int32(-1)
+        while pos < walk_len:
+            _, ttype, expert, n_tile, index = self._task(walk, pos)
+            k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            if expert != waited_expert:
+                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
+                                timeout_ns)
+                cute.arch.fence_proxy("async.global")
+                waited_expert = expert
+            self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP,
+                            tasks[index, int(BackwardWord.M_BLOCK)], n_tile, k0, k_tiles,
+                            wgrad_ops, w_parts)
+            loads += k_tiles
+            pos += self.num_ctas
         ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.ab_stages, loads))
 
     @cute.jit
-    def _wait_task(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
-                   counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64):
+    def _wait_task(self, tasks: cute.Tensor, index: Int32, expert_offsets: cute.Tensor,
+                   counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
+                   timeout_ns: Int64):
         """Spin until every wait of task ``index`` holds: counter[group][i] >= target for
-        i in [first, first + count) (a dgrad's waits name its own M-tile, which is live)."""
+        i in [first, first + count) (a dgrad's waits name its own M-tile, which is live; an
+        ``EXPERT_TILES`` wait the M-tiles of the task's expert, from its schedule rows)."""
         for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
             word = int(BackwardWord.WAITS) + 4 * w
             base = counter_offsets[tasks[index, word]]
             first = tasks[index, word + 1]
+            count = tasks[index, word + 2]
             target = tasks[index, word + 3]
-            for i in cutlass.range(first, first + tasks[index, word + 2], unroll=1):
+            if first == EXPERT_TILES:
+                expert = tasks[index, int(BackwardWord.TILE)]
+                first = expert_offsets[expert] // TILE_M
+                count = expert_offsets[expert + 1] // TILE_M - first
+            for i in cutlass.range(first, first + count, unroll=1):
                 common.wait_counter(counters, base + i, target, timeout_ns, error, index,
                                     Int32(0), Int32(0))
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consumer_loop(self, walk, counter_offsets: cute.Tensor, counters: cute.Tensor,
-                      preact: cute.Tensor, row_slot: cute.Tensor, weights: cute.Tensor,
-                      partials: cute.Tensor, ab_pipeline, tiled_mma, sA, sB, sC, stores, t_dy,
-                      t_dp, tidx: Int32, warp_idx: Int32, warpgroup_idx: Int32):
+    def consumer_loop(self, walk, expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
+                      counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
+                      weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
+                      sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
+                      warpgroup_idx: Int32):
         """Both consumer warpgroups: per task the mainloop, the epilogue's TMA stores, and
-        once they have landed the task's counter, published by thread 0 of the store warp."""
+        for a dgrad, once they have landed, the task's counter, published by thread 0 of the
+        store warp (nothing waits on a weight gradient: the launch's end orders them)."""
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         tile = (TILE_M, self.tile_shape_mnk[1])
         views = [cute.local_tile(t, tile, (None, None, None)) for t in (t_dg, t_du, t_hw, t_dx)]
@@ -258,11 +339,11 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
         coords = self.epi_coords(epi, consumer_tidx)
         store_pipeline, barrier, is_store_warp = self.epilogue_sync(warp_idx, warpgroup_idx)
         subtiles_per_task = (TILE_M // self.epi_tile[0]) * (self.tile_shape_mnk[1] // self.epi_tile[1])
-        tasks, queue, live_len, num_tiles = walk
+        tasks, _, live_len, _, _, _ = walk
         loads, subtiles = Int32(0), Int32(0)
         held = Int32(-1)  # the counter whose publish waits for the next mainloop (-1: none)
         pos = Int32(cute.arch.block_idx()[0])
-        while pos < live_len:
+        while pos < live_len:  # the dgrads
             run, ttype, m_tile, n_tile, index = self._task(walk, pos)
             if run:
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp)
@@ -297,9 +378,8 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
                 nxt = pos + self.num_ctas
                 defer = False
                 if nxt < live_len:
-                    nxt_index = queue[nxt]
-                    defer = (tasks[nxt_index, int(BackwardWord.TILE)] < num_tiles[0]
-                             and tasks[nxt_index, int(BackwardWord.NUM_WAITS)] == 0)
+                    nxt_run, _, _, _, nxt_index = self._task(walk, nxt)
+                    defer = nxt_run and tasks[nxt_index, int(BackwardWord.NUM_WAITS)] == 0
                 if defer:
                     held = slot
                 else:
@@ -307,7 +387,25 @@ class BackwardMegakernelSm90(RowEpilogueMixin, GemmCoreSm90):
             pos += self.num_ctas
         if held >= 0:
             common.publish_stored(counters, held, is_store_warp, consumer_tidx == 0)
-        store_pipeline.producer_tail()
+        # the weight gradients (the tail), on the other tile form
+        walk_len = self._walk_len(walk)
+        if pos < walk_len:
+            self.switch_forms()
+        w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
+                                            warpgroup_idx)
+        w_subtiles = Int32(0)
+        while pos < walk_len:
+            _, ttype, expert, n_tile, index = self._task(walk, pos)
+            k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            self.wgrad_tile(ab_pipeline, w_layouts[0], w_parts, loads, k_tiles,
+                            ttype == _WGRAD_GATE_UP, expert,
+                            tasks[index, int(BackwardWord.M_BLOCK)], n_tile, w_subtiles,
+                            wgrad_stores, warpgroup_idx)
+            loads += k_tiles
+            w_subtiles += self.wgrad_subtiles()
+            pos += self.num_ctas
+        # the last TMA stores of either form have read their buffers before the CTA exits
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 # ---------------------------------------------------------------------- compile
@@ -332,7 +430,14 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
             kmaj(bf16, (rows, hidden, 1)),
             kmaj(bf16, (slots, sym(divisibility=16))), common.fake_vector(Int32),
             common.fake_vector(Float32), f(Float32, (rows, sym()), align_bytes=4),
-            common.fake_vector(Int64, BACKWARD_SCALARS, align_bytes=8), common.fake_stream()]
+            common.fake_vector(Int64, BACKWARD_SCALARS, align_bytes=8),
+            # the weight gradients: expert offsets, (cols, rows, 1) operands, (M, N, E) outputs
+            common.fake_vector(Int32),
+            *(f(bf16, (inter, rows, 1), contiguous_mode=0) for _ in range(2)),
+            *(f(bf16, (hidden, rows, 1), contiguous_mode=0) for _ in range(2)),
+            f(bf16, (inter, rows, 1), contiguous_mode=0),
+            *(kmaj(bf16, (inter, hidden, experts)) for _ in range(2)),
+            kmaj(bf16, (hidden, inter, experts)), common.fake_stream()]
     return cute.compile(kernel, *args,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

@@ -1,0 +1,198 @@
+"""The backward megakernel's weight-gradient tasks (``backward.py``): ``gemm_wgrad``'s tiles as
+tasks of the same launch, on the same operand stages and epilogue buffers.
+
+    WGRAD_DOWN    (e, m, n)  dW_down[e] rows 256 m .. of H, columns 128 n .. of I:
+                             warpgroup w multiplies dY rows' H block 2 m + w by w * h
+    WGRAD_GATE_UP (e, m, n)  dW_gate[e] and dW_up[e] rows 128 m .. of I, columns 128 n .. of H:
+                             warpgroup 0 dG, warpgroup 1 dU, both by the same x rows
+
+K runs over expert e's schedule rows ``[offsets[e], offsets[e + 1])`` in order (an expert
+without rows writes zeros), each output tile has one owner: the bits of ``gemm_wgrad``.
+
+How the two tile forms share the CTA's smem: a stage of the dgrads holds a 128 x 64 A box
+(16 KB) and a 256 x 64 B box (32 KB); a weight-gradient stage holds two 128 x 64 A boxes and
+one 128 x 64 B box, all MN-major: the same 48 KB and the same TMA byte count, so one stage
+ring (and its mbarriers) serves both. The weight gradients put their two A boxes in the dgrad
+B box's bytes (warpgroup w's at 16 KB x w) and their B box in the dgrad A box's bytes. Their
+epilogue (each warpgroup its own 128 x 128 tile in 64 x 32 subtiles, ``gemm_wgrad``'s) views
+the dgrads' epilogue buffers; a CTA whose next task is of the other form first drains its
+TMA stores (``switch_forms``), since the two forms' buffers overlap.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Int32
+
+from mok_cute.constants import TILE_K
+from mok_cute.kernels import common
+from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state
+
+WG_ROWS = 128  # output rows per consumer warpgroup
+WGRAD_TILE_N = 128
+
+
+class WgradForm(GemmCoreSm90):
+    """``gemm_wgrad``'s tile form (a warpgroup per 128 output rows, both operands MN-major) on
+    the stage ring of a host kernel (``stages``: the host's stage count)."""
+
+    def __init__(self, stages: int):
+        super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
+        self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
+        self._setup_attributes()
+        self.ab_stages = stages
+        # one 128 x 64 MN-major box per stage (8192 elements, the dgrads' A box size)
+        self.box_layout_staged = self.staged_layout(BFloat16, (WG_ROWS, TILE_K), stages,
+                                                    mn_major=True)
+
+
+class WgradTasksMixin:
+    """Weight-gradient tasks of ``BackwardMegakernelSm90`` (module docstring). The host class
+    sets ``self.wgrad = WgradForm(self.ab_stages)`` in ``__call__``."""
+
+    def wgrad_box(self):
+        """The TMA box of every weight-gradient operand (host side)."""
+        return cute.slice_(self.wgrad.box_layout_staged, (None, None, 0))
+
+    def wgrad_kernel_args(self):
+        """What the kernel takes of the weight-gradient form (host-built values enter the
+        kernel as arguments): its tiled MMA, the staged operand box and epilogue layouts."""
+        return (self.wgrad.tiled_mma, self.wgrad.box_layout_staged,
+                self.wgrad.epi_smem_layout_staged)
+
+    def wgrad_a_stages(self, sB, warpgroup, box):
+        """Warpgroup ``warpgroup``'s weight-gradient A boxes: in the dgrads' B region, box
+        ``warpgroup`` of each stage (stage stride two boxes); ``box`` the staged box layout.
+        Traced inline."""
+        box_elems = cute.cosize(cute.slice_(box, (None, None, 0)))
+        tile = cute.slice_(box.outer, (None, None, 0))
+        outer = cute.make_layout(cute.append(tile.shape, self.ab_stages),
+                                 stride=cute.append(tile.stride, 2 * box_elems))
+        return cute.make_tensor(cute.recast_ptr(sB.iterator + warpgroup * box_elems, box.inner),
+                                outer)
+
+    def wgrad_b_stages(self, sA, box):
+        """The weight-gradient B boxes: the dgrads' A region, one box a stage. Traced inline."""
+        return cute.make_tensor(cute.recast_ptr(sA.iterator, box.inner), box.outer)
+
+    def wgrad_epi_buffers(self, sC, epi):
+        """The weight gradients' epilogue buffers (64 x 32, per warpgroup) over the dgrads';
+        ``epi`` their staged layout. Traced inline."""
+        return cute.make_tensor(cute.recast_ptr(sC.iterator, epi.inner), epi.outer)
+
+    # ------------------------------------------------------------------ producer
+    def wgrad_load_parts(self, sA, sB, ops, layouts):
+        """The load warp's TMA partitions of the weight-gradient operands; traced inline.
+        ``ops``: (atom, tensor) pairs of dG, dU, x rows, dY rows, w * h, each (cols, rows, 1)
+        MN-major; ``layouts``: ``wgrad_kernel_args``."""
+        box = layouts[1]
+        s_a = [self.wgrad_a_stages(sB, w, box) for w in range(2)]
+        s_b = self.wgrad_b_stages(sA, box)
+        one = cute.make_layout(1)
+        parts = []
+        for i in range(5):
+            atom, tensor = ops[2 * i], ops[2 * i + 1]
+            g = cute.group_modes(cute.local_tile(tensor, (WG_ROWS, TILE_K), (None, None, None)), 0, 2)
+            if i in (2, 4):  # x rows, w * h: the B box
+                s_part, g_part = cute.nvgpu.cpasync.tma_partition(
+                    atom, 0, one, cute.group_modes(s_b, 0, 2), g)
+                parts.append((g_part, s_part, s_part))
+            else:
+                s0, g_part = cute.nvgpu.cpasync.tma_partition(
+                    atom, 0, one, cute.group_modes(s_a[0], 0, 2), g)
+                s1, _ = cute.nvgpu.cpasync.tma_partition(
+                    atom, 0, one, cute.group_modes(s_a[1], 0, 2), g)
+                parts.append((g_part, s0, s1))
+        return parts
+
+    @cute.jit
+    def wgrad_rows(self, offsets: cute.Tensor, expert: Int32):
+        """(first row k-tile, row k-tiles) of expert ``expert``'s schedule rows."""
+        first = offsets[expert]
+        return first // TILE_K, (offsets[expert + 1] - first) // TILE_K
+
+    @cute.jit
+    def wgrad_load(self, ab_pipeline, loads: Int32, gated, m_block: Int32, n_tile: Int32,
+                   k0: Int32, k_tiles: Int32, ops, parts):
+        """The TMA loads of one weight-gradient tile: per row k-tile both A boxes and B."""
+        atom_dg, _, atom_du, _, atom_x, _, atom_dy, _, atom_hw, _ = ops
+        (g_dg, s_dg0, _), (g_du, _, s_du1), (g_x, s_x, _), (g_dy, s_dy0, s_dy1), (g_hw, s_hw, _) = parts
+        state = pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages, loads)
+        for k in range(k_tiles):
+            ab_pipeline.producer_acquire(state)
+            bar = ab_pipeline.producer_get_barrier(state)
+            stage = state.index
+            if gated:
+                cute.copy(atom_dg, g_dg[(None, m_block, k0 + k, 0)], s_dg0[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom_du, g_du[(None, m_block, k0 + k, 0)], s_du1[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom_x, g_x[(None, n_tile, k0 + k, 0)], s_x[(None, stage)], tma_bar_ptr=bar)
+            else:
+                # past H's last 128-row block TMA fills zeros, and the store clips them
+                cute.copy(atom_dy, g_dy[(None, 2 * m_block, k0 + k, 0)], s_dy0[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom_dy, g_dy[(None, 2 * m_block + 1, k0 + k, 0)], s_dy1[(None, stage)],
+                          tma_bar_ptr=bar)
+                cute.copy(atom_hw, g_hw[(None, n_tile, k0 + k, 0)], s_hw[(None, stage)], tma_bar_ptr=bar)
+            ab_pipeline.producer_commit(state)
+            state.advance()
+
+    # ------------------------------------------------------------------ consumers
+    def wgrad_consumer_parts(self, sA, sB, sC, layouts, tidx, warp_idx, warpgroup_idx):
+        """A consumer thread's weight-gradient fragments, accumulator, epilogue partitions and
+        store synchronisation (``gemm_wgrad``'s, for its warpgroup), built once after the
+        dgrads. Traced inline."""
+        tiled_mma, box, epi_layout = layouts
+        wg = warpgroup_idx - 1
+        parts = self.wgrad.consumer_parts(
+            tiled_mma, self.wgrad_a_stages(sB, wg, box), self.wgrad_b_stages(sA, box),
+            self.wgrad_epi_buffers(sC, epi_layout), 0, tidx % self.threads_per_warpgroup)
+        return (*parts, *self.wgrad.epilogue_sync(warp_idx, warpgroup_idx))
+
+    @cute.jit
+    def wgrad_tile(self, ab_pipeline, tiled_mma, parts, loads: Int32, k_tiles: Int32, gated,
+                   expert: Int32, m_block: Int32, n_tile: Int32, subtiles: Int32, stores,
+                   warpgroup_idx: Int32):
+        """One weight-gradient tile on both consumer warpgroups: warpgroup w's 128 x 128
+        block over the expert's row k-tiles (zeros without rows), then its TMA stores.
+        ``parts``: ``wgrad_consumer_parts``; ``stores``: (atom, tensor) of dW_gate, dW_up,
+        dW_down, each (rows, cols, E)."""
+        tCrA, tCrB, acc, num_k_blocks, epi, store_pipeline, barrier, is_store_warp = parts
+        wg = warpgroup_idx - 1
+        if k_tiles > 0:
+            release = self.wgrad.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
+                                          k_tiles, num_k_blocks)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release)
+        else:
+            acc.fill(0.0)  # an expert with no rows
+        atom_g, t_g, atom_u, t_u, atom_d, t_d = stores
+        tile = (WG_ROWS, WGRAD_TILE_N)
+        base = wg * self.wgrad.epi_stages
+        if gated:
+            if wg == 0:
+                self.wgrad.tile_epilogue(epi, (atom_g,), (cute.local_tile(t_g, tile, (None, None, None))[
+                    (None, None, m_block, n_tile, expert)],), "store", base, subtiles, barrier,
+                    store_pipeline, is_store_warp)
+            else:
+                self.wgrad.tile_epilogue(epi, (atom_u,), (cute.local_tile(t_u, tile, (None, None, None))[
+                    (None, None, m_block, n_tile, expert)],), "store", base, subtiles, barrier,
+                    store_pipeline, is_store_warp)
+        else:
+            self.wgrad.tile_epilogue(epi, (atom_d,), (cute.local_tile(t_d, tile, (None, None, None))[
+                (None, None, 2 * m_block + wg, n_tile, expert)],), "store", base, subtiles,
+                barrier, store_pipeline, is_store_warp)
+
+    def wgrad_subtiles(self) -> int:
+        """Epilogue subtiles a warpgroup stores per weight-gradient tile."""
+        return (WG_ROWS // self.wgrad.epi_tile[0]) * (WGRAD_TILE_N // self.wgrad.epi_tile[1])
+
+    @cute.jit
+    def switch_forms(self):
+        """Before a task of the other tile form: every thread's TMA stores have read their
+        epilogue buffers (the forms' buffers overlap), then all consumer threads meet."""
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.FORM_SWITCH),
+                              num_threads=self.num_mma_threads).arrive_and_wait()
+
+
+__all__ = ["WgradForm", "WgradTasksMixin", "WG_ROWS", "WGRAD_TILE_N"]
