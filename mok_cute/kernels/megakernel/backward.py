@@ -70,9 +70,8 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
-        # the load warp walks both tile forms' TMA partitions: at 40 / 232 it spilled (ptxas,
-        # swept offline: 48-64 spill too, 72 / 208 and up compile clean; the consumers fit 208)
-        self.producer_regs, self.consumer_regs = 80, 208
+        # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
+        # (ptxas, swept offline)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -206,14 +205,19 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         return queue[at]
 
     @cute.jit
-    def _task(self, walk, pos: Int32):
-        """(run, type, M-tile or expert, N-tile, list index) of walk position ``pos``; a
+    def _task(self, walk, pos: Int32, counter_offsets: cute.Tensor):
+        """Task words of walk position ``pos`` (clamped to the walk: a CTA decodes the task
+        after the one it runs, so that their loads wait under its mainloop): (run, type,
+        M-tile or expert, N-tile, M-block, wait count, counter slot it signals, list index); a
         dgrad past the live M-tiles does not run (a weight gradient's ``run`` is unused)."""
         tasks, _, _, num_tiles, _, _ = walk
-        index = self._index(walk, pos)
-        ttype = tasks[index, int(BackwardWord.TYPE)]
+        index = self._index(walk, cutlass.max(cutlass.min(pos, self._walk_len(walk) - 1), 0))
         tile = tasks[index, int(BackwardWord.TILE)]
-        return tile < num_tiles[0], ttype, tile, tasks[index, int(BackwardWord.N_TILE)], index
+        signal = (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
+                  + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
+        return (tile < num_tiles[0], tasks[index, int(BackwardWord.TYPE)], tile,
+                tasks[index, int(BackwardWord.N_TILE)], tasks[index, int(BackwardWord.M_BLOCK)],
+                tasks[index, int(BackwardWord.NUM_WAITS)], signal, index)
 
     @cute.jit
     def _k_tiles(self, ttype: Int32, t_dy: cute.Tensor, t_dp: cute.Tensor) -> Int32:
@@ -250,8 +254,10 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         tasks, _, live_len, _, _, _ = walk
         loads = Int32(0)
         pos = Int32(cute.arch.block_idx()[0])
+        run, ttype, m_tile, n_tile, m_block, _, _, index = self._task(walk, pos, counter_offsets)
         while pos < live_len:  # the dgrads
-            run, ttype, m_tile, n_tile, index = self._task(walk, pos)
+            nxt = pos + self.num_ctas
+            n_run, n_type, n_m, n_n, n_mb, _, _, n_index = self._task(walk, nxt, counter_offsets)
             if run:
                 self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
                                 timeout_ns)
@@ -277,24 +283,28 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                     ab_pipeline.producer_commit(state)
                     state.advance()
                 loads += k_tiles
-            pos += self.num_ctas
+            run, ttype, m_tile, n_tile, m_block, index = n_run, n_type, n_m, n_n, n_mb, n_index
+            pos = nxt
         # the weight gradients (the tail); an expert's dgrads waited on once per run of its tasks
         w_parts = self.wgrad_load_parts(sA, sB, wgrad_ops, w_layouts)
         walk_len = self._walk_len(walk)
         waited_expert = Int32(-1)
+        k0, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
         while pos < walk_len:
-            _, ttype, expert, n_tile, index = self._task(walk, pos)
-            k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
-            if expert != waited_expert:
+            nxt = pos + self.num_ctas
+            _, n_type, n_e, n_n, n_mb, _, _, n_index = self._task(walk, nxt, counter_offsets)
+            n_k0, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
+            if m_tile != waited_expert:
                 self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
                                 timeout_ns)
                 cute.arch.fence_proxy("async.global")
-                waited_expert = expert
-            self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP,
-                            tasks[index, int(BackwardWord.M_BLOCK)], n_tile, k0, k_tiles,
-                            wgrad_ops, w_parts)
+                waited_expert = m_tile
+            self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block, n_tile, k0,
+                            k_tiles, wgrad_ops, w_parts)
             loads += k_tiles
-            pos += self.num_ctas
+            ttype, m_tile, n_tile, m_block, index = n_type, n_e, n_n, n_mb, n_index
+            k0, k_tiles = n_k0, n_k_tiles
+            pos = nxt
         ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.ab_stages, loads))
 
@@ -344,7 +354,7 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         held = Int32(-1)  # the counter whose publish waits for the next mainloop (-1: none)
         pos = Int32(cute.arch.block_idx()[0])
         while pos < live_len:  # the dgrads
-            run, ttype, m_tile, n_tile, index = self._task(walk, pos)
+            run, ttype, m_tile, n_tile, _, _, signal, _ = self._task(walk, pos, counter_offsets)
             if run:
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp)
                 release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
@@ -369,8 +379,6 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                                        "store", 0, subtiles, barrier, store_pipeline,
                                        is_store_warp, None, 1)
                 subtiles += subtiles_per_task
-                slot = (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
-                        + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
                 # The store warp is an MMA warp: waiting here for the stores to land would
                 # hold the next mainloop. When this CTA's next task runs and waits on nothing,
                 # its mainloop cannot block, so the publish goes out after it; otherwise (a
@@ -378,12 +386,12 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                 nxt = pos + self.num_ctas
                 defer = False
                 if nxt < live_len:
-                    nxt_run, _, _, _, nxt_index = self._task(walk, nxt)
-                    defer = nxt_run and tasks[nxt_index, int(BackwardWord.NUM_WAITS)] == 0
+                    n_run, _, _, _, _, n_waits, _, _ = self._task(walk, nxt, counter_offsets)
+                    defer = n_run and n_waits == 0
                 if defer:
-                    held = slot
+                    held = signal
                 else:
-                    common.publish_stored(counters, slot, is_store_warp, consumer_tidx == 0)
+                    common.publish_stored(counters, signal, is_store_warp, consumer_tidx == 0)
             pos += self.num_ctas
         if held >= 0:
             common.publish_stored(counters, held, is_store_warp, consumer_tidx == 0)
@@ -394,16 +402,19 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
                                             warpgroup_idx)
         w_subtiles = Int32(0)
+        _, ttype, m_tile, n_tile, m_block, _, _, _ = self._task(walk, pos, counter_offsets)
+        _, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
         while pos < walk_len:
-            _, ttype, expert, n_tile, index = self._task(walk, pos)
-            k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            nxt = pos + self.num_ctas
+            _, n_type, n_e, n_n, n_mb, _, _, _ = self._task(walk, nxt, counter_offsets)
+            _, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
             self.wgrad_tile(ab_pipeline, w_layouts[0], w_parts, loads, k_tiles,
-                            ttype == _WGRAD_GATE_UP, expert,
-                            tasks[index, int(BackwardWord.M_BLOCK)], n_tile, w_subtiles,
+                            ttype == _WGRAD_GATE_UP, m_tile, m_block, n_tile, w_subtiles,
                             wgrad_stores, warpgroup_idx)
             loads += k_tiles
             w_subtiles += self.wgrad_subtiles()
-            pos += self.num_ctas
+            ttype, m_tile, n_tile, m_block, k_tiles = n_type, n_e, n_n, n_mb, n_k_tiles
+            pos = nxt
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 

@@ -21,6 +21,7 @@ TMA stores (``switch_forms``), since the two forms' buffers overlap.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Int32
@@ -108,7 +109,9 @@ class WgradTasksMixin:
 
     @cute.jit
     def wgrad_rows(self, offsets: cute.Tensor, expert: Int32):
-        """(first row k-tile, row k-tiles) of expert ``expert``'s schedule rows."""
+        """(first row k-tile, row k-tiles) of expert ``expert``'s schedule rows (clamped to an
+        expert: the walk decodes one task ahead, past its weight gradients too)."""
+        expert = cutlass.max(cutlass.min(expert, cute.size(offsets) - 2), 0)
         first = offsets[expert]
         return first // TILE_K, (offsets[expert + 1] - first) // TILE_K
 
