@@ -5,11 +5,15 @@ Path selection (`forward_path()` prints the outcome for a device):
 - `moe_forward(..., group=...)`                         -> reference (the real
   all_to_all_single exchange); with `config.backend == "megakernel"` the megakernel's IPC
   launch (opt-in until it has run on GPUs)
-- `moe_forward_virtual` on a GPU that can run kernels   -> `mok_cute.megakernel` (one launch)
+- `moe_forward_virtual` on a GPU that can run kernels   -> `mok_cute.megakernel` (one launch);
+  inputs that require grad (or a torch.compile trace)   -> `mok_cute.autograd.moe_forward_virtual`
+                                                           (the saving launch, then
+                                                           `mok_cute.virtual_backward`: every
+                                                           rank's routed experts in one
+                                                           backward-megakernel launch)
 - `moe_forward` with `config.backend == "megakernel"`   -> `mok_cute.megakernel` with R = 1
-- inputs not on a CUDA device, `mok_cute.expert_path` not importable,
-  `mok_cute.expert_path.kernel_path_status(device)` says no, or inputs that require grad
-  on virtual ranks (no backward there yet)              -> reference ("auto") / error
+- inputs not on a CUDA device, `mok_cute.expert_path` not importable, or
+  `mok_cute.expert_path.kernel_path_status(device)` says no -> reference ("auto") / error
 - inputs that require grad                              -> `mok_cute.autograd.moe_forward`
                                                            (the training forward + backward kernels;
                                                            backend "megakernel": its forward at R = 1
@@ -94,8 +98,9 @@ def choose_path(
 
     needs_grad: some input requires grad with grad mode on. The one-GPU expert path then
     trains on its backward kernels (``mok_cute.autograd``), and so does ``backend="megakernel"``
-    on one GPU (its forward, the backward megakernel's dgrads); virtual ranks have no backward
-    yet, so such calls run on the (differentiable) reference.
+    on one GPU (its forward, the backward megakernel's dgrads), and so do virtual ranks (the
+    megakernel's saving launch, then ``mok_cute.virtual_backward``: one backward-megakernel
+    launch for every rank's routed experts).
     Raises RuntimeError / ValueError when `config.backend == "kernel"` and no kernel can run.
     """
     config = resolve_config(config)
@@ -115,10 +120,6 @@ def choose_path(
                 f"with group= ({_EP_REASON}), got 'kernel'")
         return PathChoice("reference", f"moe_forward with group= runs on the reference: {_EP_REASON}")
     ok, why = _kernel_status(device)
-    if ok and needs_grad and virtual:
-        ok, why = False, (f"inputs require grad and the megakernel has no backward on virtual "
-                          f"ranks yet ({why}); one GPU trains on kernels (any backend but "
-                          "'reference')")
     if ok:
         if virtual or config.backend == "megakernel":
             return PathChoice("megakernel", why)
@@ -159,6 +160,9 @@ def forward_path(device: torch.device | str | int | None = None, config: MoKConf
                  "torch.compile through mok_cute::moe_forward_train")
     try:
         virtual = choose_path(dev, config, virtual=True).path
+        if virtual == "megakernel":
+            virtual += (" (training: mok_cute::moe_forward_virtual_train, every rank's routed "
+                        "experts in one backward-megakernel launch)")
     except (RuntimeError, ValueError) as exc:
         virtual = f"error: {exc}"
     return (f"{head} [device {dev}; moe_forward_virtual: {virtual}; moe_forward(group=...): "
@@ -413,6 +417,9 @@ def moe_forward_virtual(
 
     Same tensors as `moe_forward` with a leading R on each (xs [R, T, H], topk_idx [R, T, K],
     w_gate [R, E_loc, I, H], ..., shared tensors [R, ...]); ids are global, in [0, R * E_loc).
+    Inputs that require grad train on the kernels (`mok_cute.autograd.moe_forward_virtual`:
+    the megakernel's saving launch, then `mok_cute.virtual_backward`), as does a call traced
+    by torch.compile (through the custom op, even without grad).
     """
     config = resolve_config(config)
     _fp8_refusal(config, "moe_forward_virtual")
@@ -426,6 +433,11 @@ def moe_forward_virtual(
     choice = choose_path(xs.device, config, virtual=True, needs_grad=needs_grad)
     if choice.path == "megakernel" and _megakernel_fallback(dims, config):
         choice = PathChoice("reference", "sizes the megakernel cannot take")
+    if choice.path == "megakernel" and (needs_grad or torch.compiler.is_compiling()):
+        from . import autograd
+
+        return autograd.moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down,
+                                            shared, config)
     if choice.path == "megakernel":
         from . import megakernel
 

@@ -146,6 +146,27 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     return dx_rows, dwg, dwu, dwd, partials
 
 
+def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),
+                    options: ExpertPathOptions = ExpertPathOptions()):
+    """The shared expert's backward, one expert over every token of ``x`` [T, H] (the one-GPU
+    layer, or one virtual rank's tokens): (its dx rows [T, H] or None, (d_ws_gate, d_ws_up,
+    d_ws_down) with None where ``needs`` says no). ``shared_preact`` [T, 2Is]: its g | u by
+    token, as the training forward saved them; ``d_out`` [T, H] contiguous."""
+    num_tokens = x.shape[0]
+    ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)
+    tiles, count = shared_tiles(num_tokens, x.device)
+    rows_all = torch.arange(num_tokens, dtype=torch.int32, device=x.device)
+    ones = torch.ones(num_tokens, dtype=torch.float32, device=x.device)
+    # one expert over every token: K runs over all rows (TMA zero-fills past T)
+    offsets = torch.full((2,), -(-num_tokens // TILE_K) * TILE_K, dtype=torch.int32,
+                         device=x.device)
+    offsets[0] = 0  # (a fill, not a host copy: CUDA-graph capture stays legal)
+    shared_dx, dsg, dsu, dsd, _ = _expert_backward(
+        d_out, x, ws_gate, ws_up, ws_down, shared_preact, rows_all, ones, tiles, count, offsets,
+        needs.x, needs.shared_gate_up, needs.shared_down, False, options)
+    return shared_dx, tuple(None if g is None else g[0] for g in (dsg, dsu, dsd))
+
+
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
                  options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16",
@@ -179,21 +200,10 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
         needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads)
 
-    d_shared = (None, None, None)
-    shared_dx = None
+    shared_dx, d_shared = None, (None, None, None)
     if shared is not None:
-        ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)
-        tiles, count = shared_tiles(num_tokens, x.device)
-        rows_all = torch.arange(num_tokens, dtype=torch.int32, device=x.device)
-        ones = torch.ones(num_tokens, dtype=torch.float32, device=x.device)
-        # one expert over every token: K runs over all rows (TMA zero-fills past T)
-        offsets = torch.full((2,), -(-num_tokens // TILE_K) * TILE_K, dtype=torch.int32,
-                             device=x.device)
-        offsets[0] = 0  # (a fill, not a host copy: CUDA-graph capture stays legal)
-        shared_dx, dsg, dsu, dsd, _ = _expert_backward(
-            d_out, x, ws_gate, ws_up, ws_down, saved.shared_preact, rows_all, ones, tiles,
-            count, offsets, needs.x, needs.shared_gate_up, needs.shared_down, False, options)
-        d_shared = tuple(None if g is None else g[0] for g in (dsg, dsu, dsd))
+        shared_dx, d_shared = shared_backward(d_out, x, shared, saved.shared_preact, needs,
+                                              options)
 
     d_x = None
     if needs.x:

@@ -308,11 +308,11 @@ def test_choose_path_uses_the_kernel_path_status(monkeypatch, cuda_visible):
     assert "moe_forward_virtual: megakernel" in mok.forward_path(dev)
     assert api.choose_path(torch.device("cpu")).path == "reference"  # CPU tensors never take the kernel
     # Training: the expert path's backward kernels, or the megakernel's at one rank; virtual
-    # ranks have no backward yet
+    # ranks train on the megakernel and the backward megakernel (mok_cute.virtual_backward)
     assert api.choose_path(dev, needs_grad=True).path == "kernel"
     assert "training (inputs that require grad): the backward kernels" in mok.forward_path(dev)
-    grad_virtual = api.choose_path(dev, virtual=True, needs_grad=True)
-    assert grad_virtual.path == "reference" and "no backward on virtual ranks" in grad_virtual.reason
+    assert api.choose_path(dev, virtual=True, needs_grad=True).path == "megakernel"
+    assert "moe_forward_virtual_train" in mok.forward_path(dev)
     assert api.choose_path(dev, MoKConfig(backend="megakernel"), needs_grad=True).path == "megakernel"
 
     monkeypatch.setitem(sys.modules, "mok_cute.expert_path", _fake_expert_path(False, "compute capability 8.0 < 9.0", calls))

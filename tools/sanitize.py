@@ -91,6 +91,31 @@ def _backward(shared: bool, seed: int, backend: str = "kernel"):
     return case
 
 
+def _backward_virtual(R: int, shared: bool, seed: int):
+    """Virtual ranks' training step: the saving launch, then every rank's routed experts in one
+    backward-megakernel launch (``mok_cute.virtual_backward``)."""
+    def case() -> bool:
+        xs, idx, w, wg, wu, wd, sh = _inputs(R, shared, seed)
+        leaves = [t.detach().clone().requires_grad_() for t in (xs, w, wg, wu, wd, *(sh or ()))]
+        out = mok_cute.moe_forward_virtual(leaves[0], idx, *leaves[1:5],
+                                           shared=tuple(leaves[5:]) or None)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+        ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        ref = reference.moe_forward_virtual(ref_leaves[0], idx, *ref_leaves[1:5],
+                                            shared=tuple(ref_leaves[5:]) or None)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out)
+        ok = _check(f"virtual R={R} training fwd shared={shared}", out, ref)
+        for name, a, b in zip(("d_xs", "d_w", "d_gate", "d_up", "d_down", "d_sgate", "d_sup",
+                               "d_sdown"), grads, ref_grads):
+            rel_l1 = ((a.float() - b.float()).abs().sum() / b.float().abs().sum()).item()
+            good = rel_l1 <= 1e-2 and not a.isnan().any()
+            print(f"  {name:8s} {'ok' if good else 'MISMATCH'}  rel-L1 {rel_l1:.2e}", flush=True)
+            ok &= good
+        return ok
+    return case
+
+
 CASES = {
     "expert_path": _one_gpu("kernel", False, 1),
     "expert_path_shared": _one_gpu("kernel", True, 2),
@@ -103,6 +128,8 @@ CASES = {
     "backward_shared": _backward(True, 8),
     # the megakernel's training forward at one rank and the backward megakernel
     "backward_megakernel_shared": _backward(True, 9, "megakernel"),
+    # virtual ranks: the saving launch, one backward-megakernel launch for all ranks
+    "backward_virtual_r2_shared": _backward_virtual(2, True, 10),
 }
 
 
