@@ -158,9 +158,8 @@ def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),
     rows_all = torch.arange(num_tokens, dtype=torch.int32, device=x.device)
     ones = torch.ones(num_tokens, dtype=torch.float32, device=x.device)
     # one expert over every token: K runs over all rows (TMA zero-fills past T)
-    offsets = torch.full((2,), -(-num_tokens // TILE_K) * TILE_K, dtype=torch.int32,
-                         device=x.device)
-    offsets[0] = 0  # (a fill, not a host copy: CUDA-graph capture stays legal)
+    # [0, T rounded up] by a kernel: no host copy (no sync, CUDA-graph capture stays legal)
+    offsets = torch.arange(2, dtype=torch.int32, device=x.device) * (-(-num_tokens // TILE_K) * TILE_K)
     shared_dx, dsg, dsu, dsd, _ = _expert_backward(
         d_out, x, ws_gate, ws_up, ws_down, shared_preact, rows_all, ones, tiles, count, offsets,
         needs.x, needs.shared_gate_up, needs.shared_down, False, options)

@@ -16,6 +16,11 @@ the backward (``memory_allocated`` after the forward, minus before, minus the ou
 
 Contenders:
   mok_cute          mok_cute.moe_forward, backend="kernel" (the custom ops of mok_cute.autograd)
+  mok_megakernel    mok_cute.moe_forward, backend="megakernel": the megakernel's forward at one
+                    rank, the backward megakernel (every routed GEMM of the backward in one launch)
+  mok_virtual       mok_cute.moe_forward_virtual over VIRTUAL_RANKS (8) ranks emulated on one GPU,
+                    the same total tokens and experts (each rank T / 8 tokens, E / 8 experts and a
+                    replica of the shared expert, whose gradients are summed over the replicas)
   mok_cute_fp8      the same with precision="fp8" (FP8 forward, FP8 dgrads, bf16 weight
                     gradients; checked at relative L1 <= 0.1); its train pass quantizes the
                     weights as after an optimizer step, fwd and bwd reuse the cached copies
@@ -44,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mok_cute.api import MoKConfig, moe_forward
+from mok_cute.api import MoKConfig, moe_forward, moe_forward_virtual
 from mok_cute.bench.common import apply_config_overrides, error_text, free_memory, parse_config_overrides, parse_contenders
 from mok_cute.bench.gpu_clock import ClockSampler
 from mok_cute.bench.harness import (Timer, bench_cublas, command_line, paired_ratio, sonicmoe_gate_up,
@@ -54,7 +59,10 @@ from mok_cute.bench.results import gpu_name, save_results
 from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe, torch_scaled_grouped_mm_train
 from mok_cute.shapes import resolve_shapes
 
-CONTENDERS = ("mok_cute", "mok_cute_fp8", "torch_grouped_mm", "torch_scaled_grouped_mm", "sonicmoe")
+CONTENDERS = ("mok_cute", "mok_cute_fp8", "mok_megakernel", "mok_virtual", "torch_grouped_mm",
+              "torch_scaled_grouped_mm", "sonicmoe")
+MOK = ("mok_cute", "mok_cute_fp8", "mok_megakernel", "mok_virtual")
+VIRTUAL_RANKS = 8
 # the issue's FP8 gradient bound, cosine >= 0.996
 CONTENDER_TOL = {"mok_cute_fp8": 0.1, "torch_scaled_grouped_mm": 0.1}
 DEFAULT_CONTENDERS = ("mok_cute", "torch_grouped_mm")
@@ -73,9 +81,13 @@ class Layer:
         x = i.x.detach().clone().requires_grad_()
         w = i.topk_weights.detach().clone().requires_grad_()
         idx = i.topk_idx
-        if name in ("mok_cute", "mok_cute_fp8"):
+        if name == "mok_virtual":
+            params, self.forward = _virtual_forward(problem, x, idx, w, config)
+        elif name in MOK:
             if name == "mok_cute_fp8":
                 config = dataclasses.replace(config, precision="fp8")
+            if name == "mok_megakernel":
+                config = dataclasses.replace(config, backend="megakernel")
             params = [problem.w_gate, problem.w_up, problem.w_down, *(problem.shared or ())]
             params = [p.detach().clone().requires_grad_() for p in params]
             shared = tuple(params[3:]) or None
@@ -104,7 +116,9 @@ class Layer:
 
     def grads(self) -> dict[str, torch.Tensor]:
         g = [t.grad for t in self.leaves]
-        if self.name in ("mok_cute", "mok_cute_fp8"):
+        if self.name == "mok_virtual":  # the shared expert's replicas' gradients, summed
+            g = g[:5] + [None if t is None else t.sum(0) for t in g[5:]]
+        if self.name in MOK:
             return dict(zip(GRAD_NAMES, g))
         i = self.intermediate
         if self.name == "sonicmoe":  # gate and up rows interleaved
@@ -114,6 +128,28 @@ class Layer:
         if len(g) > 4:
             out.update(ws_gate=g[4][:i], ws_up=g[4][i:], ws_down=g[5])
         return out
+
+
+def _virtual_forward(problem: Problem, x, idx, w, config: MoKConfig):
+    """(parameters, forward) of ``mok_virtual``: the layer's tokens and experts over
+    ``VIRTUAL_RANKS`` emulated ranks (views of one x / weight leaf each; the shared expert one
+    leaf per rank)."""
+    r = VIRTUAL_RANKS
+    t, e = x.shape[0], problem.w_gate.shape[0]
+    if t % r or e % r:
+        raise ValueError(f"mok_virtual splits T={t} tokens and E={e} experts over {r} ranks")
+    experts = [p.detach().clone().requires_grad_() for p in (problem.w_gate, problem.w_up, problem.w_down)]
+    shared = [p.detach().unsqueeze(0).repeat(r, *(1,) * p.dim()).requires_grad_()
+              for p in (problem.shared or ())]
+
+    def forward() -> torch.Tensor:
+        per_rank = lambda a: a.view(r, a.shape[0] // r, *a.shape[1:])  # noqa: E731
+        out = moe_forward_virtual(per_rank(x), per_rank(idx), per_rank(w),
+                                  *(per_rank(p) for p in experts), shared=tuple(shared) or None,
+                                  config=config)
+        return out.reshape(t, -1)
+
+    return experts + shared, forward
 
 
 def _sonicmoe_forward(problem: Problem, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor):
