@@ -182,6 +182,14 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         raise ValueError(f"dgrads: expected 'kernels' or 'megakernel', got {dgrads!r}")
     if dgrads == "megakernel" and precision != "bf16":
         raise ValueError(f"dgrads='megakernel' runs bf16 dgrads, got precision={precision!r}")
+    if not isinstance(saved, SavedForBackward):
+        raise TypeError(f"saved: expected the SavedForBackward of a training forward "
+                        f"(save=True), got {type(saved).__name__}")
+    if not isinstance(d_out, torch.Tensor) or d_out.shape != x.shape:
+        raise ValueError(f"d_out: expected shape {list(x.shape)} (the output's), got "
+                         f"{list(d_out.shape) if isinstance(d_out, torch.Tensor) else type(d_out).__name__}")
+    if d_out.dtype != torch.bfloat16 or d_out.device != x.device:
+        raise ValueError(f"d_out: expected bfloat16 on {x.device}, got {d_out.dtype} on {d_out.device}")
     from mok_cute.kernels import token_ops
 
     num_tokens, top_k = topk_idx.shape

@@ -130,6 +130,22 @@ def test_expert_dgrads_rejects_sizes_it_cannot_take():
                         z(1, dtype=torch.int32), None, z(2, dtype=torch.int32))
 
 
+def test_moe_backward_refuses_a_bad_d_out_or_no_saved_forward():
+    from mok_cute import expert_backward as eb
+    from mok_cute.expert_path import SavedForBackward
+
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    idx = torch.zeros(8, 2, dtype=torch.int32)
+    saved = SavedForBackward(*[torch.zeros(1)] * 7)
+    args = (x, idx, torch.ones(8, 2), None, None, None, None)
+    with pytest.raises(TypeError, match="saved: expected the SavedForBackward"):
+        eb.moe_backward(x, *args, saved=None)
+    with pytest.raises(ValueError, match=r"d_out: expected shape \[8, 64\]"):
+        eb.moe_backward(x[:4], *args, saved=saved)
+    with pytest.raises(ValueError, match="d_out: expected bfloat16"):
+        eb.moe_backward(x.float(), *args, saved=saved)
+
+
 # ---------------------------------------------------------------------- H200
 CASES = {
     # name: (T, H, I, E, K, routing)
