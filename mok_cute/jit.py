@@ -125,8 +125,8 @@ KERNELS: dict[str, KernelSpec] = {
         "k-sum (static fields: constants.MegakernelSpec)"),
     "megakernel_backward": KernelSpec(
         "mok_cute.kernels.megakernel.backward", "compile_backward_megakernel", {},
-        "the backward megakernel (first stage): a rank's FC2 and FC1 dgrads as tasks of one "
-        "persistent launch (tasks_backward)"),
+        "the backward megakernel: a rank's FC2 and FC1 dgrads, then its weight gradients, as "
+        "tasks of one persistent launch (tasks_backward)"),
 }
 
 
