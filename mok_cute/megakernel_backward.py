@@ -44,10 +44,6 @@ _LOCK = threading.Lock()
 
 
 RASTER_M = 8  # M-tiles per raster group of the dgrad tasks (tasks_backward: L2 reuse of weights)
-# TEMPORARY experiment (2026-12-02): the weight gradients on a 4-stage ring of their own (4)
-# instead of the dgrads' 3 stages (0). Compiled at 0 spills, not yet run on the GPU: the next
-# session A/Bs it (tools/megakernel_backward_probe.py) and deletes the loser.
-WGRAD_STAGES = 0
 
 
 def tiles_per_minibatch(inter: int, num_ctas: int) -> int:
@@ -184,8 +180,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         w_args = (tile_expert, d_preact[:, :inter].t().unsqueeze(2),
                   d_preact[:, inter:].t().unsqueeze(2), d_rows.t().unsqueeze(2),
                   d_rows.t().unsqueeze(2), hw.t().unsqueeze(2), *stand_in)
-    kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                wgrad_stages=WGRAD_STAGES if wgrads else 0)
+    kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
