@@ -28,6 +28,8 @@
 #   fp8probe        tools/layer_profile.py --fp8, fp8_gemm_probe.py and backward_profile.py --fp8
 #                   (~4 min): the FP8 forward's stages, the FP8 GEMMs per tile width, the FP8 dgrads
 #                   and weight gradients beside bf16, JSON under $OUT
+#   vtrain [TAG]    training on 8 virtual ranks against one rank with the same work (mok-cute bench
+#                   --train, contenders mok_megakernel and mok_virtual) on MoK's four shapes, T = 2048
 #   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
 #                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
@@ -175,6 +177,13 @@ run_mkbwd() {
     --json "$out/megakernel_backward_probe.json" && grep -E "speed" "$out/mkbwd_probe.log"
 }
 
+run_vtrain() {
+  step "vtrain_${1}" "${BENCH_SECS:-540}" python3 -m mok_cute.cli bench --train \
+    --shapes "${VTRAIN_SHAPES:-qwen3.5_397b,glm_5.2,kimi_k2.7,dsv4_pro}" \
+    --contenders mok_megakernel,mok_virtual --mok-config check_ids=False --iters 5 --warmup 2 \
+    --rounds "${ROUNDS:-2}" --out "$out" --tag "vtrain_$1" && bench_rows_ok "$out/vtrain_${1}.log"
+}
+
 run_train() {
   step "train_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench --train --shapes single \
     --mok-config check_ids=False --iters 10 --warmup 3 --rounds "${ROUNDS:-3}" --out "$out" \
@@ -221,13 +230,14 @@ case "$mode" in
   bench) run_bench "${2:-single}" ;;
   sonic) run_sonic "${2:-vs_sonicmoe}" ;;
   train) run_train "${2:-train}" ;;
+  vtrain) run_vtrain "${2:-r8}" ;;
   fp8) run_fp8 "${2:-fp8}" ;;
   fp8train) run_fp8_train "${2:-fp8}" ;;
   fp8probe) run_fp8_probes ;;
   mkbwd) run_mkbwd "${2:-}" ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, fp8, fp8train, fp8probe, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]
