@@ -53,12 +53,66 @@ def raise_on_wait_error(word: int, call: int | None = None, rank_base: int = 0) 
         raise PeerTimeoutError(task_id, peer, code, rank + rank_base, call)
 
 
+class PendingErrors:
+    """The error word of a kernel's launches, read without a host sync: after each launch it is
+    copied into one of ``slots`` pinned words (``record``); a later call reads the copies whose
+    launch has finished (``check``), waiting only for the oldest when every word is in use."""
+
+    def __init__(self, device_word, slots: int | None = None):
+        import collections
+
+        import torch
+
+        from mok_cute.constants import ERROR_SLOTS
+
+        self.device_word = device_word  # int64 (1,) on the device, written by the kernel
+        self._words = [torch.zeros(1, dtype=torch.int64, pin_memory=True)
+                       for _ in range(slots or ERROR_SLOTS)]
+        self._next = 0
+        self._pending = collections.deque()  # (event, pinned word, call) per launch
+
+    def record(self, call: int) -> None:
+        """After launch ``call`` on the current stream: its word's copy and an event."""
+        import torch
+
+        word = self._words[self._next]
+        self._next = (self._next + 1) % len(self._words)
+        word.copy_(self.device_word, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, word, call))
+
+    def check(self, block: bool, last_call: int, rank_base: int = 0) -> None:
+        """Raise PeerTimeoutError for the first finished launch whose word is set (all of them
+        with ``block``; otherwise only those done, and the oldest when every word is in use).
+        A word reported from the last launch is cleared on the device (not reported twice)."""
+        pending = self._pending
+        while pending:
+            event, word, call = pending[0]
+            if not (block or len(pending) >= len(self._words) or event.query()):
+                break
+            event.synchronize()
+            pending.popleft()
+            if word[0] != 0 and call == last_call:
+                self.device_word.zero_()
+            raise_on_wait_error(int(word[0]), call, rank_base)
+
+    def check_device(self, call: int, rank_base: int = 0) -> None:
+        """Read the device word now (synchronises; covers CUDA-graph replays, which record
+        nothing on the host); a set word is cleared and raised as launch ``call``'s."""
+        word = int(self.device_word.item())
+        if word:
+            self.device_word.zero_()
+            raise_on_wait_error(word, call, rank_base)
+
+
 def check_errors() -> None:
     """Raise ``PeerTimeoutError`` for the first megakernel call that could not complete and
     has not been reported yet (its rows that could not complete hold NaN). Calls with
     ``MoKConfig(check_ids=False)`` and CUDA-graph replays never synchronise, so they report a
     failure only at a later call of the same plan or here. Synchronises with the device; does
     nothing when no megakernel has run in this process."""
-    megakernel = sys.modules.get("mok_cute.megakernel")
-    if megakernel is not None:
-        megakernel.check_errors()
+    for name in ("mok_cute.megakernel", "mok_cute.megakernel_backward"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.check_errors()

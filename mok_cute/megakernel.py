@@ -29,7 +29,6 @@ docs/measurements.md).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -40,7 +39,8 @@ import torch
 
 from mok_cute import jit, tasks as tasks_mod
 from mok_cute.config import MoKConfig, ids_for_int32
-from mok_cute.constants import ERROR_SLOTS, KSUM_ROWS, TASK_TILE_N, TICKETS, TILE_M, MegakernelSpec
+from mok_cute.errors import PendingErrors
+from mok_cute.constants import KSUM_ROWS, TASK_TILE_N, TICKETS, TILE_M, MegakernelSpec
 
 DEFAULT_COMM_CTAS = 12
 LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows
@@ -260,11 +260,8 @@ class Plan:
         self.counters = torch.zeros(R, self.device_tasks.num_counters + TICKETS, dtype=torch.int32,
                                     device=dev)
         self.error = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._error_words = [torch.zeros(1, dtype=torch.int64, pin_memory=True)
-                             for _ in range(ERROR_SLOTS)]
-        self._pending_errors = collections.deque()  # (event, pinned word, call) per launch
+        self.errors = PendingErrors(self.error)  # each launch's word, read without a sync
         self.calls = 0  # launches so far: the call number an error names
-        self._next_error_word = 0
         self.timeline_buf = None
         if k.spec.timeline:
             from mok_cute.timeline import TimelineBuffer
@@ -297,7 +294,7 @@ class Plan:
         ``silent_rank`` (tests only): that rank never announces its start, so every wait on
         it times out, as if its process had died."""
         k = self.key
-        self._check_errors(block=False)
+        self.errors.check(block=False, last_call=self.calls)
         R = self.side.launch_ranks
         # With no peer to read it, the caller's x is read in place (FC1's local rows, the
         # shared expert) instead of being copied into the symmetric buffer first.
@@ -359,12 +356,7 @@ class Plan:
         if self.timeline_buf is not None:
             from mok_cute.timeline import set_last
             set_last(self.timeline)  # what `mok-cute timeline` decodes after the call
-        word = self._error_words[self._next_error_word]
-        self._next_error_word = (self._next_error_word + 1) % ERROR_SLOTS
-        word.copy_(self.error, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending_errors.append((event, word, self.calls))
+        self.errors.record(self.calls)
         return out if saved is None else (out, saved)
 
     def _saved_preact(self, scheds, has_shared: bool) -> SavedPreact:
@@ -386,33 +378,12 @@ class Plan:
     def raise_pending_errors(self) -> None:
         """Wait for every launch's error-word copy; raise PeerTimeoutError for the first
         launch that could not complete."""
-        self._check_errors(block=True)
-
-    def _check_errors(self, block: bool) -> None:
-        """Check the finished launches (all of them with ``block``; otherwise only those done,
-        and the oldest also when every pinned word is in use)."""
-        from mok_cute.errors import raise_on_wait_error
-
-        pending = self._pending_errors
-        while pending:
-            event, word, call = pending[0]
-            if not (block or len(pending) >= ERROR_SLOTS or event.query()):
-                break
-            event.synchronize()
-            pending.popleft()
-            if word[0] != 0 and call == self.calls:
-                self.error.zero_()  # reported here: check_device_error must not repeat it
-            raise_on_wait_error(int(word[0]), call)
+        self.errors.check(block=True, last_call=self.calls)
 
     def check_device_error(self) -> None:
         """Read the error word of the plan's last launch on the device (synchronises): it also
         covers CUDA-graph replays, which leave no host-side record."""
-        from mok_cute.errors import raise_on_wait_error
-
-        word = int(self.error.item())
-        if word:
-            self.error.zero_()
-            raise_on_wait_error(word, self.calls)
+        self.errors.check_device(self.calls)
 
 
 _PLANS: dict[PlanKey, Plan] = {}

@@ -16,19 +16,22 @@ ranks (issue 32; docs/architecture.md has the build order).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from mok_cute import jit
 from mok_cute.constants import BACKWARD_TILE_N, TILE_K, TILE_M
+from mok_cute.errors import PendingErrors
 
 
-class DgradTables(NamedTuple):
+@dataclasses.dataclass
+class DgradTables:
     """One task list on the device: the encoded tasks, the compute queue and its live
-    prefixes, the counters (zeroed before every launch), the error word, the scalars."""
+    prefixes, the counters (zeroed before every launch), the error word and its launches'
+    pinned copies (read without a sync, as the forward's), the scalars."""
 
     tasks: torch.Tensor
     queue: torch.Tensor
@@ -37,6 +40,11 @@ class DgradTables(NamedTuple):
     counters: torch.Tensor
     error: torch.Tensor
     scalars: torch.Tensor  # int64: [timeout_ns, tiles per minibatch, tail begin, queue length]
+    errors: PendingErrors = None
+    calls: int = 0  # launches so far: the call number an error names
+
+    def __post_init__(self):
+        self.errors = PendingErrors(self.error)
 
 
 _TABLES: dict[tuple, DgradTables] = {}
@@ -165,6 +173,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     num_ctas = _num_sms(device.index or 0)
     t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device,
                      num_experts if wgrads else 0)
+    # an earlier launch whose wait gave up raises here (its gradients were wrong)
+    t.errors.check(block=False, last_call=t.calls)
     t.counters.zero_()
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
@@ -186,10 +196,18 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), dx_rows.unsqueeze(2), preact,
            row_slot, weights, partials, t.scalars, *w_args)
+    t.calls += 1
+    t.errors.record(t.calls)
     if check:
-        from mok_cute.errors import raise_on_wait_error
-
-        word = int(t.error.item())
-        t.error.zero_()
-        raise_on_wait_error(word)
+        t.errors.check(block=True, last_call=t.calls)
     return (d_preact, hw, partials, dx_rows, *dw)
+
+
+def check_errors() -> None:
+    """``mok_cute.check_errors``' part for the backward megakernel: every launch's error word
+    (synchronises), then each table's word on the device (CUDA-graph replays)."""
+    with _LOCK:
+        tables = list(_TABLES.values())
+    for t in tables:
+        t.errors.check(block=True, last_call=t.calls)
+        t.errors.check_device(t.calls)

@@ -311,3 +311,29 @@ def test_megakernel_backend_trains_like_the_kernel_backend(name):
             _close(a.float() if label == "d_topk_weights" else a,
                    b.float() if label == "d_topk_weights" else b, label)
     _assert_repeats_bitwise(leaves, idx, d_out, out, got, config)
+
+
+@pytest.mark.gpu
+def test_a_failed_backward_launch_is_raised_not_silent():
+    """A launch whose wait gave up (its error word set, as ``wait_counter`` sets it) is raised
+    as PeerTimeoutError by ``mok.check_errors()`` (or the next call), once."""
+    import mok_cute as mok
+    from mok_cute import megakernel_backward as mb
+    from mok_cute.constants import WAIT_TIMEOUT
+    from mok_cute.errors import error_word
+    from mok_cute.kernels import token_ops
+
+    (x, w, wg, wu, wd), idx, saved, _ = _saved_problem("K10")
+    d_rows = token_ops.gather_rows(torch.randn_like(x), saved.row_token(idx.shape[1]))
+    args = (d_rows, wg, wu, wd, saved.preact, saved.row_slot, w.float().contiguous().view(-1),
+            saved.tile_expert, saved.num_tiles)
+    mb._TABLES.clear()  # this test's launches alone use the one table made below
+    mb.expert_dgrads(*args)
+    mok.check_errors()  # nothing failed
+    (tables,) = mb._TABLES.values()
+    tables.error.fill_(error_word(5, 0, 0, WAIT_TIMEOUT))  # a wait of the next launch gave up
+    mb.expert_dgrads(*args)
+    with pytest.raises(mok.PeerTimeoutError, match="task 5"):
+        mok.check_errors()
+    mok.check_errors()  # reported once
+    mb.expert_dgrads(*args, check=True)  # and the tables work again
