@@ -110,6 +110,12 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
 @moe_backward.register_fake
 def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved,
       needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend):
+    return _fake_grads(needs, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+
+
+def _fake_grads(needs, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+    """A backward op's fake outputs: each gradient like its input where ``needs`` (the
+    ``expert_backward.Needs`` order) wants it, else an empty tensor."""
     want_x, want_w, want_gu, want_down, want_sgu, want_sdown = needs
     shared = ws_gate is not None
     like = lambda t, want: torch.empty_like(t) if want else x.new_empty(0)  # noqa: E731
@@ -118,6 +124,21 @@ def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws
             like(ws_gate, shared and want_sgu) if shared else x.new_empty(0),
             like(ws_up, shared and want_sgu) if shared else x.new_empty(0),
             like(ws_down, shared and want_sdown) if shared else x.new_empty(0)]
+
+
+def _needs(ctx) -> list[bool]:
+    """``expert_backward.Needs`` from a forward op's needs_input_grad (its inputs: x, ids,
+    topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, ...)."""
+    need = ctx.needs_input_grad
+    return [need[0], need[2], need[3] or need[4], need[5],
+            ctx.has_shared and (need[6] or need[7]), ctx.has_shared and need[8]]
+
+
+def _wanted(ctx, grads) -> list:
+    """The backward op's eight gradients, None where autograd asked for none."""
+    need = ctx.needs_input_grad
+    wanted = (need[0], need[2], need[3], need[4], need[5], need[6], need[7], need[8])
+    return [g if w else None for g, w in zip(grads, wanted)]
 
 
 def _setup_context(ctx, inputs, output):
@@ -135,18 +156,14 @@ def _backward(ctx, grads):
     x, topk_idx, topk_weights, w_gate, w_up, w_down, *rest = ctx.saved_tensors
     shared = tuple(rest[:3]) if ctx.has_shared else (None, None, None)
     saved = list(rest[3:] if ctx.has_shared else rest)
-    need = ctx.needs_input_grad
-    needs = [need[0], need[2], need[3] or need[4], need[5],
-             ctx.has_shared and (need[6] or need[7]), ctx.has_shared and need[8]]
+    needs = _needs(ctx)
     if not any(needs) or d_out is None:
         return (None,) * 15
     grads = torch.ops.mok_cute.moe_backward(
         d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared, saved, needs,
         *ctx.options)
-    wanted = (need[0], need[2], need[3], need[4], need[5], need[6], need[7], need[8])
-    d_x, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd = (g if w else None for g, w in zip(grads, wanted))
-    return (d_x, None, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd, None, None, None, None, None,
-            None)
+    d_x, d_w, *d_weights = _wanted(ctx, grads)
+    return (d_x, None, d_w, *d_weights, None, None, None, None, None, None)
 
 
 moe_forward_train.register_autograd(_backward, setup_context=_setup_context)
@@ -258,14 +275,7 @@ def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: to
 @moe_backward_virtual.register_fake
 def _(d_out, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved, needs,
       expert_path):
-    want_x, want_w, want_gu, want_down, want_sgu, want_sdown = needs
-    shared = ws_gate is not None
-    like = lambda t, want: torch.empty_like(t) if want else xs.new_empty(0)  # noqa: E731
-    return [like(xs, want_x), like(topk_weights, want_w), like(w_gate, want_gu),
-            like(w_up, want_gu), like(w_down, want_down),
-            like(ws_gate, shared and want_sgu) if shared else xs.new_empty(0),
-            like(ws_up, shared and want_sgu) if shared else xs.new_empty(0),
-            like(ws_down, shared and want_sdown) if shared else xs.new_empty(0)]
+    return _fake_grads(needs, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 
 def _setup_context_virtual(ctx, inputs, output):
@@ -283,16 +293,13 @@ def _backward_virtual(ctx, grads):
     xs, topk_weights, w_gate, w_up, w_down, *rest = ctx.saved_tensors
     shared = tuple(rest[:3]) if ctx.has_shared else (None, None, None)
     saved = list(rest[3:] if ctx.has_shared else rest)
-    need = ctx.needs_input_grad
-    needs = [need[0], need[2], need[3] or need[4], need[5],
-             ctx.has_shared and (need[6] or need[7]), ctx.has_shared and need[8]]
+    needs = _needs(ctx)
     if not any(needs) or d_out is None:
         return (None,) * 13
     grads = torch.ops.mok_cute.moe_backward_virtual(
         d_out, xs, topk_weights, w_gate, w_up, w_down, *shared, saved, needs, ctx.expert_path)
-    wanted = (need[0], need[2], need[3], need[4], need[5], need[6], need[7], need[8])
-    d_x, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd = (g if w else None for g, w in zip(grads, wanted))
-    return (d_x, None, d_w, d_wg, d_wu, d_wd, d_sg, d_su, d_sd, None, None, None, None)
+    d_x, d_w, *d_weights = _wanted(ctx, grads)
+    return (d_x, None, d_w, *d_weights, None, None, None, None)
 
 
 moe_forward_virtual_train.register_autograd(_backward_virtual,

@@ -312,6 +312,12 @@ def test_compiled_layer_call_equals_eager_bitwise(precision):
     def step(x, w, *params):
         return _forward("kernel", [x, w, *params], idx, config)
 
+    _assert_compiled_equals_eager(step, leaves, d_out)
+
+
+def _assert_compiled_equals_eager(step, leaves, d_out):
+    """``step(*leaves)``'s output and every leaf's gradient, eager against
+    torch.compile(fullgraph=True), bit for bit."""
     def run(fn):
         for t in leaves:
             t.grad = None

@@ -532,18 +532,8 @@ def test_compiled_call_equals_eager_bitwise():
     def step(*ts):
         return _forward("kernel", list(ts), idx, config)
 
-    def run(fn):
-        for t in leaves:
-            t.grad = None
-        out = fn(*leaves)
-        out.backward(d_out)
-        return out.detach(), [t.grad.clone() for t in leaves]
-
-    eager = run(step)
-    compiled = run(torch.compile(step, fullgraph=True))
-    assert torch.equal(eager[0], compiled[0])
-    for name, a, b in zip(NAMES, eager[1], compiled[1]):
-        assert torch.equal(a, b), name
+    from test_backward import _assert_compiled_equals_eager
+    _assert_compiled_equals_eager(step, leaves, d_out)
 
 
 @pytest.mark.gpu

@@ -81,13 +81,7 @@ def _backward(shared: bool, seed: int, backend: str = "kernel"):
         ref = reference.moe_forward(rx, idx[0], rw, rg, ru, rd, shared=tuple(rsh) if rsh else None)
         ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out)
         ok = _check(f"{backend} training fwd shared={shared}", out, ref)
-        for name, a, b in zip(("d_x", "d_w", "d_gate", "d_up", "d_down", "d_sgate", "d_sup", "d_sdown"),
-                              grads, ref_grads):
-            rel_l1 = ((a.float() - b.float()).abs().sum() / b.float().abs().sum()).item()
-            good = rel_l1 <= 1e-2 and not a.isnan().any()
-            print(f"  {name:8s} {'ok' if good else 'MISMATCH'}  rel-L1 {rel_l1:.2e}", flush=True)
-            ok &= good
-        return ok
+        return _check_grads(grads, ref_grads, "d_x") and ok
     return case
 
 
@@ -106,14 +100,20 @@ def _backward_virtual(R: int, shared: bool, seed: int):
                                             shared=tuple(ref_leaves[5:]) or None)
         ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out)
         ok = _check(f"virtual R={R} training fwd shared={shared}", out, ref)
-        for name, a, b in zip(("d_xs", "d_w", "d_gate", "d_up", "d_down", "d_sgate", "d_sup",
-                               "d_sdown"), grads, ref_grads):
-            rel_l1 = ((a.float() - b.float()).abs().sum() / b.float().abs().sum()).item()
-            good = rel_l1 <= 1e-2 and not a.isnan().any()
-            print(f"  {name:8s} {'ok' if good else 'MISMATCH'}  rel-L1 {rel_l1:.2e}", flush=True)
-            ok &= good
-        return ok
+        return _check_grads(grads, ref_grads, "d_xs") and ok
     return case
+
+
+def _check_grads(grads, ref_grads, x_name: str) -> bool:
+    """Each gradient against the reference's (relative L1 <= 1e-2, no NaN), one line each."""
+    ok = True
+    for name, a, b in zip((x_name, "d_w", "d_gate", "d_up", "d_down", "d_sgate", "d_sup",
+                           "d_sdown"), grads, ref_grads):
+        rel_l1 = ((a.float() - b.float()).abs().sum() / b.float().abs().sum()).item()
+        good = rel_l1 <= 1e-2 and not a.isnan().any()
+        print(f"  {name:8s} {'ok' if good else 'MISMATCH'}  rel-L1 {rel_l1:.2e}", flush=True)
+        ok &= good
+    return ok
 
 
 CASES = {
