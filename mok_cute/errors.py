@@ -15,9 +15,10 @@ class PeerTimeoutError(RuntimeError):
     incomplete rows are NaN."""
 
     def __init__(self, task_id: int, peer: int, code: int, rank: int | None = None,
-                 call: int | None = None):
+                 call: int | None = None, kernel: str = "megakernel"):
         self.task_id, self.peer, self.code, self.rank, self.call = task_id, peer, code, rank, call
-        where = "" if call is None else f"megakernel call {call}: "
+        self.kernel = kernel
+        where = "" if call is None else f"{kernel} call {call}: "
         who = "" if rank is None else f"rank {rank}: "
         if code == PEER_FAILED:
             text = (f"task {task_id}: peer {peer} reported that its own launch of this call "
@@ -26,7 +27,9 @@ class PeerTimeoutError(RuntimeError):
             why = ("that peer never announced its start (its process died or never launched)"
                    if code == PEER_NEVER_STARTED else "that peer stopped publishing its counters")
             text = f"task {task_id} timed out waiting for peer {peer} (error code {code}): {why}"
-        super().__init__(f"{where}{who}{text}; the rows it could not complete are NaN")
+        outcome = ("the rows it could not complete are NaN" if kernel == "megakernel" else
+                   "the gradients of that call are incomplete: discard them")
+        super().__init__(f"{where}{who}{text}; {outcome}")
 
 
 def error_word(task_id: int, peer: int, rank: int, code: int) -> int:
@@ -44,13 +47,14 @@ def decode_wait_error(word: int) -> tuple[int, int, int, int] | None:
             (word >> ERROR_RANK_SHIFT) & ERROR_RANK_MASK, word >> ERROR_CODE_SHIFT)
 
 
-def raise_on_wait_error(word: int, call: int | None = None, rank_base: int = 0) -> None:
+def raise_on_wait_error(word: int, call: int | None = None, rank_base: int = 0,
+                        kernel: str = "megakernel") -> None:
     """Turn a non-zero error word into a PeerTimeoutError (host side, after the launch).
     ``rank_base``: the group rank of the launch's rank 0 (an IPC process's rank)."""
     decoded = decode_wait_error(word)
     if decoded is not None:
         task_id, peer, rank, code = decoded
-        raise PeerTimeoutError(task_id, peer, code, rank + rank_base, call)
+        raise PeerTimeoutError(task_id, peer, code, rank + rank_base, call, kernel)
 
 
 class PendingErrors:
@@ -58,7 +62,7 @@ class PendingErrors:
     copied into one of ``slots`` pinned words (``record``); a later call reads the copies whose
     launch has finished (``check``), waiting only for the oldest when every word is in use."""
 
-    def __init__(self, device_word, slots: int | None = None):
+    def __init__(self, device_word, slots: int | None = None, kernel: str = "megakernel"):
         import collections
 
         import torch
@@ -66,6 +70,7 @@ class PendingErrors:
         from mok_cute.constants import ERROR_SLOTS
 
         self.device_word = device_word  # int64 (1,) on the device, written by the kernel
+        self.kernel = kernel  # what an error names
         self._words = [torch.zeros(1, dtype=torch.int64, pin_memory=True)
                        for _ in range(slots or ERROR_SLOTS)]
         self._next = 0
@@ -95,7 +100,7 @@ class PendingErrors:
             pending.popleft()
             if word[0] != 0 and call == last_call:
                 self.device_word.zero_()
-            raise_on_wait_error(int(word[0]), call, rank_base)
+            raise_on_wait_error(int(word[0]), call, rank_base, self.kernel)
 
     def check_device(self, call: int, rank_base: int = 0) -> None:
         """Read the device word now (synchronises; covers CUDA-graph replays, which record
@@ -103,7 +108,7 @@ class PendingErrors:
         word = int(self.device_word.item())
         if word:
             self.device_word.zero_()
-            raise_on_wait_error(word, call, rank_base)
+            raise_on_wait_error(word, call, rank_base, self.kernel)
 
 
 def check_errors() -> None:

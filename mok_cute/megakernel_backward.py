@@ -44,7 +44,7 @@ class DgradTables:
     calls: int = 0  # launches so far: the call number an error names
 
     def __post_init__(self):
-        self.errors = PendingErrors(self.error)
+        self.errors = PendingErrors(self.error, kernel="backward megakernel")
 
 
 _TABLES: dict[tuple, DgradTables] = {}

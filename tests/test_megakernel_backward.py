@@ -334,7 +334,8 @@ def test_a_failed_backward_launch_is_raised_not_silent():
     tables.error.fill_(error_word(5, 0, 0, WAIT_TIMEOUT))  # a wait of the next launch gave up
     mb.expert_dgrads(*args)
     # (the launch's own waits that miss then give up at once and may name a later task)
-    with pytest.raises(mok.PeerTimeoutError, match="timed out waiting for peer 0"):
+    with pytest.raises(mok.PeerTimeoutError, match="backward megakernel call 2: .* timed out "
+                       "waiting for peer 0.*gradients of that call are incomplete"):
         mok.check_errors()
     mok.check_errors()  # reported once
     mb.expert_dgrads(*args, check=True)  # and the tables work again
