@@ -110,6 +110,49 @@ def test_weight_gradient_tail_holds_each_expert_tile_once(capacity_tiles, expert
                             -(-inter // 256)),)
 
 
+@pytest.mark.parametrize("capacity_tiles,experts,num_ctas", [(40, 8, 132), (7, 3, 5), (13, 2, 4)])
+def test_the_kernels_walk_runs_each_live_task_once_dgrads_first(capacity_tiles, experts, num_ctas):
+    """The kernel's walk (``BackwardMegakernelSm90._index``: the live prefix, then the tail from
+    ``tail_begin``) over the host's tables, for every live tile count: each dgrad of a live
+    M-tile and every weight-gradient tile run once, nothing of a dead minibatch runs, a CTA's
+    dgrads come before its weight gradients, and every wait's signallers sit at lower
+    positions (the deadlock-freedom premise: CTAs take their positions in increasing order)."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+
+    hidden, inter = 576, 320
+    tl, kinds = mb.task_list(capacity_tiles, experts, hidden, inter, num_ctas)
+    qtab, live_len, tail_begin = tb.queue_tables(tl, kinds=kinds)
+    queue = qtab[int(tb.Role.COMPUTE)]
+    queue = list(queue[queue >= 0])
+    per_mb = mb.tiles_per_minibatch(inter, num_ctas)
+    tail = int(tail_begin[int(tb.Role.COMPUTE)])
+    wgrad = (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
+    for num_tiles in range(capacity_tiles + 1):
+        live = -(-num_tiles // per_mb)
+        prefix = int(live_len[int(tb.Role.COMPUTE)][min(live, live_len.shape[1] - 1)])
+        walk = [queue[p] if p < prefix else queue[tail + p - prefix]
+                for p in range(prefix + len(queue) - tail)]
+        run = [i for i in walk if tl[int(i)].type in wgrad or tl[int(i)].tile < num_tiles]
+        want = [t.index for t in tl if t.type in kinds
+                and (t.type in wgrad or t.tile < num_tiles)]
+        assert sorted(run) == sorted(want) and len(set(run)) == len(run), num_tiles
+        for b in range(num_ctas):
+            mine = [tl[int(i)].type in wgrad for i in walk[b::num_ctas]]
+            assert mine == sorted(mine)  # dgrads, then weight gradients
+        position = {int(i): p for p, i in enumerate(walk)}
+        for i in run:
+            for group, first, count, _ in tl[int(i)].waits:
+                if first == tb.EXPERT_TILES:  # all dgrads: the prefix precedes the tail
+                    assert all(position[int(j)] < position[int(i)] for j in run
+                               if tl[int(j)].type == tb.BackwardTaskType.FC2_DGRAD)
+                    continue
+                for j in run:
+                    t = tl[int(j)]
+                    if t.signal[0] == group and first <= t.signal[1] < first + count:
+                        assert position[int(j)] < position[int(i)]
+
+
 def test_expert_dgrads_rejects_sizes_it_cannot_take():
     from mok_cute import expert_backward as eb
     from mok_cute import megakernel_backward as mb
