@@ -164,9 +164,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     device = d_rows.device
     wgrads = x_rows is not None
     partial_cols = -(-inter // BACKWARD_TILE_N)
-    dw = ((torch.zeros_like(w_gate), torch.zeros_like(w_up), torch.zeros_like(w_down))
-          if wgrads else ())
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
+        dw = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down)) if wgrads else ()
         return (d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
                 torch.empty(0, partial_cols, dtype=torch.float32, device=device),
                 d_rows.new_empty(0, hidden), *dw)
@@ -180,16 +179,17 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
     partials = torch.empty(rows, partial_cols, dtype=torch.float32, device=device)
     dx_rows = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
-    if wgrads:
+    # the weight gradients' operands, (cols, rows, 1) with cols contiguous
+    dg_t, du_t, dy_t, hw_t = (a.t().unsqueeze(2) for a in
+                              (d_preact[:, :inter], d_preact[:, inter:], d_rows, hw))
+    dw = ()
+    if wgrads:  # every tile of every expert is stored (zeros for an expert without rows)
         dw = tuple(torch.empty_like(w) for w in (w_gate, w_up, w_down))
-        w_args = (expert_offsets, d_preact[:, :inter].t().unsqueeze(2),
-                  d_preact[:, inter:].t().unsqueeze(2), x_rows.t().unsqueeze(2),
-                  d_rows.t().unsqueeze(2), hw.t().unsqueeze(2), *(w.permute(1, 2, 0) for w in dw))
-    else:  # no weight-gradient task runs: views of the dgrads' tensors stand in
-        stand_in = (w_gate.permute(1, 2, 0), w_up.permute(1, 2, 0), w_down.permute(1, 2, 0))
-        w_args = (tile_expert, d_preact[:, :inter].t().unsqueeze(2),
-                  d_preact[:, inter:].t().unsqueeze(2), d_rows.t().unsqueeze(2),
-                  d_rows.t().unsqueeze(2), hw.t().unsqueeze(2), *stand_in)
+        w_args = (expert_offsets, dg_t, du_t, x_rows.t().unsqueeze(2), dy_t, hw_t,
+                  *(w.permute(1, 2, 0) for w in dw))
+    else:  # no weight-gradient task runs: the dgrads' own tensors stand in
+        w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
+                  *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
