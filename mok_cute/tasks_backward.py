@@ -263,6 +263,15 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _grouped(m_begin: int, m_end: int, n_tiles: int, group: int):
+    """(M, N) tiles of M in [m_begin, m_end) in raster order: groups of ``group`` M-tiles,
+    within a group N-tile by N-tile (the CTAs running together share N-tiles in L2)."""
+    for g0 in range(m_begin, m_end, group):
+        for n in range(n_tiles):
+            for m in range(g0, min(g0 + group, m_end)):
+                yield m, n
+
+
 class _Builder:
     def __init__(self, num_tiles: int, tile_expert: np.ndarray | None, num_local_experts: int,
                  p: BackwardListParams):
@@ -292,22 +301,16 @@ class _Builder:
         self.records: list[dict] = []
 
     def _raster(self, mb: int, n_tiles: int):
-        """(M-tile, N-tile) of minibatch ``mb``'s tiles in raster order: groups of
-        ``raster_m`` M-tiles, within a group N-tile by N-tile."""
-        end = min((mb + 1) * self.tpm, self.nt)
-        for g0 in range(mb * self.tpm, end, self.p.raster_m):
-            for n in range(n_tiles):
-                for j in range(g0, min(g0 + self.p.raster_m, end)):
-                    yield j, n
+        """(M-tile, N-tile) of minibatch ``mb``'s tiles in raster order (``_grouped``, groups of
+        ``raster_m`` M-tiles)."""
+        return _grouped(mb * self.tpm, min((mb + 1) * self.tpm, self.nt), n_tiles, self.p.raster_m)
 
-    def _wgrad_raster(self, m_blocks: int, n_tiles: int):
-        """(M-block, N-tile) of an expert's weight-gradient tiles in ``gemm_wgrad``'s raster:
-        groups of ``WGRAD_RASTER_M`` M-blocks, within a group N-tile by N-tile (measured: an
-        M-block's N-tiles in a row were 0-6 % slower in gemm_wgrad)."""
-        for g0 in range(0, m_blocks, WGRAD_RASTER_M):
-            for n in range(n_tiles):
-                for m in range(g0, min(g0 + WGRAD_RASTER_M, m_blocks)):
-                    yield m, n
+    @staticmethod
+    def _wgrad_raster(m_blocks: int, n_tiles: int):
+        """(M-block, N-tile) of an expert's weight-gradient tiles in ``gemm_wgrad``'s raster
+        (groups of ``WGRAD_RASTER_M`` M-blocks; measured: an M-block's N-tiles in a row were
+        0-6 % slower in gemm_wgrad)."""
+        return _grouped(0, m_blocks, n_tiles, WGRAD_RASTER_M)
 
     # one record per task; "key" orders the comm queue, "flops" positions the compute queue
     def _add(self, queue: list, kind: BackwardTaskType, *, tile=-1, n_tile=0, m_block=-1,

@@ -20,8 +20,9 @@ FC1_DGRAD starts while later M-tiles' FC2_DGRAD tiles still run (no launch bound
 Walk: every CTA takes compute-queue positions ``b, b + grid, ...`` (static tickets: every
 warp resolves its own); the live prefix (``queue_live_len`` of the live minibatch count) is
 followed by the tail (the weight gradients, from ``tail_begin``), the minibatches past the
-live ones skipped; a dgrad whose M-tile is past ``num_tiles`` is skipped (nothing waits on it). Deadlock-free as the forward: every CTA is resident, takes its positions in
-increasing order, and every wait points to a lower position.
+live ones skipped; a dgrad whose M-tile is past ``num_tiles`` is skipped (nothing waits on
+it). Deadlock-free as the forward: every CTA is resident, takes its positions in increasing
+order, and every wait points to a lower position.
 
 Ordering: FC2_DGRAD's store warp waits for its TMA stores to land, fences the async proxy
 and publishes ``DGATED[j]`` with release; FC1_DGRAD's producer acquires it and fences the
