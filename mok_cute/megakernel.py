@@ -39,8 +39,8 @@ import torch
 
 from mok_cute import jit, tasks as tasks_mod
 from mok_cute.config import MoKConfig, ids_for_int32
-from mok_cute.errors import PendingErrors
 from mok_cute.constants import KSUM_ROWS, TASK_TILE_N, TICKETS, TILE_M, MegakernelSpec
+from mok_cute.errors import PendingErrors
 
 DEFAULT_COMM_CTAS = 12
 LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows

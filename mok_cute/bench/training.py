@@ -13,7 +13,8 @@ passes:
 every gradient against autograd on ``mok_cute.reference`` (relative L1 <= ``--tol``; the routed
 weight gradients on ``CHECKED_EXPERTS`` experts spread over E); a failed check is recorded and not
 timed. Memory: every layer's weights are the problem's own tensors (no copies), and only one
-contender's weight gradients are alive at a time, so the MoK shapes fit (kimi's weights are 34 GB). ``saved_bytes_per_token`` is the memory the forward keeps for
+contender's weight gradients are alive at a time, so the MoK shapes fit (kimi's weights are
+34 GB). ``saved_bytes_per_token`` is the memory the forward keeps for
 the backward (``memory_allocated`` after the forward, minus before, minus the output) over T.
 
 Contenders:
