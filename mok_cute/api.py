@@ -110,10 +110,13 @@ def choose_path(
     if distributed:
         if config.backend == "megakernel":  # opt-in until EP determinism and 8 GPUs are checked
             ok, why = _kernel_status(device)
-            if ok and not needs_grad:
-                return PathChoice("megakernel", f"{why}; peers over IPC (opt-in: checked on 2 GPUs only)")
+            if ok:
+                train = ("; training: the saving launch, then mok_cute.group_backward"
+                         if needs_grad else "")
+                return PathChoice("megakernel", f"{why}; peers over IPC (opt-in: checked on 2 "
+                                                f"GPUs only){train}")
             raise RuntimeError(f"config.backend is 'megakernel' but it cannot run on {device}: "
-                               f"{why if not ok else 'inputs require grad'}")
+                               f"{why}")
         if config.backend == "kernel":
             raise ValueError(
                 f"config.backend: expected 'auto', 'megakernel' or 'reference' for moe_forward "
@@ -358,7 +361,7 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
     if choice.path == "reference":
         return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
     return _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group,
-                             config, dims, max(tokens))
+                             config, dims, max(tokens), needs_grad)
 
 
 def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
@@ -370,11 +373,13 @@ def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
 
 
 def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
-                      dims, max_tokens: int) -> torch.Tensor:
+                      dims, max_tokens: int, needs_grad: bool = False) -> torch.Tensor:
     """This rank's IPC megakernel launch, sized by the group's largest T rounded up to a plan
     size (`megakernel.plan_tokens`): every rank pads x with zero rows, its ids with -1 (no
-    expert) and its weights with 0, and returns its first T rows. With ``check_ids`` the id check is read after the launch and its
-    verdict exchanged (`agree_on_launch`), so a bad id anywhere raises on every rank."""
+    expert) and its weights with 0, and returns its first T rows. With ``check_ids`` the id
+    check is read after the launch and its verdict exchanged (`agree_on_launch`), so a bad id
+    anywhere raises on every rank. ``needs_grad``: the saving launch under autograd
+    (`mok_cute.autograd.moe_forward_group`); every rank must then run the backward too."""
     from . import megakernel
     from .comm.agreement import agree_on_launch
     from .sim.tune import tuned_config
@@ -389,9 +394,14 @@ def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, g
     pending = PendingIdCheck(topk_idx, E) if config.check_ids else None
     ids = _pad_rows(ids_for_int32(topk_idx, E), launch_tokens, -1)
     try:
-        out = megakernel.moe_forward(_pad_rows(x, launch_tokens, 0.0), ids,
-                                     _pad_rows(topk_weights, launch_tokens, 0.0), w_gate, w_up,
-                                     w_down, shared, config, group=group)[:T]
+        args = (_pad_rows(x, launch_tokens, 0.0), ids,
+                _pad_rows(topk_weights, launch_tokens, 0.0), w_gate, w_up, w_down, shared, config)
+        if needs_grad:
+            from . import autograd
+
+            out = autograd.moe_forward_group(*args, group)[:T]
+        else:
+            out = megakernel.moe_forward(*args, group=group)[:T]
         outcome = pending.span() if pending is not None else None
     except Exception as exc:
         if pending is None:

@@ -14,7 +14,11 @@ Virtual ranks (``moe_forward_virtual``, R ranks on one GPU), custom ops too:
     mok_cute::moe_backward_virtual        every gradient (``virtual_backward``: every rank's
                                   routed experts in one backward-megakernel launch)
 
-Both have exact fake (meta) implementations, so ``torch.compile(fullgraph=True)`` traces a
+Over a process group (``moe_forward(group=...)``, one process per GPU): a
+``torch.autograd.Function`` (a process group cannot cross a custom op; torch.compile breaks the
+graph there): ``megakernel.moe_forward(save=True)``, then ``group_backward``.
+
+The custom ops have exact fake (meta) implementations, so ``torch.compile(fullgraph=True)`` traces a
 model through them without a graph break; ``register_autograd`` ties them together, honouring
 ``needs_input_grad`` (frozen experts skip their weight gradients, a frozen input skips d_x).
 Neither synchronises with the host except the id range check (``check_ids``), which a
@@ -318,3 +322,49 @@ def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared
         _launch_fields(config), float(config.timeout_ms),
         [options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m])
     return outs[0]
+
+
+# ------------------------------------------------------------------------- a process group
+class _GroupTrain(torch.autograd.Function):
+    """This rank's saving megakernel launch over ``group``; its backward is
+    ``group_backward.moe_backward_group`` (a collective: every rank runs it)."""
+
+    @staticmethod
+    def forward(ctx, x, ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                config, group):
+        from mok_cute import megakernel
+
+        shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
+        out, saved = megakernel.moe_forward(x, ids, topk_weights, w_gate, w_up, w_down, shared,
+                                            config, group=group, save=True)
+        ctx.has_shared = shared is not None
+        ctx.options = config.expert_path
+        ctx.saved = saved  # SavedPreact: its tensors, this call's schedules and the plan
+        ctx.save_for_backward(x, ids, topk_weights, w_gate, w_up, w_down, *(shared or ()))
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        from mok_cute.group_backward import moe_backward_group
+        from mok_cute.expert_backward import Needs
+
+        x, ids, topk_weights, w_gate, w_up, w_down, *shared = ctx.saved_tensors
+        saved = ctx.saved
+        one = lambda t: None if t is None else t.unsqueeze(0)  # noqa: E731  the launch's rank
+        stacked = saved._replace(preact=one(saved.preact), row_slot=one(saved.row_slot),
+                                 shared_preact=one(saved.shared_preact))
+        needs = Needs(*_needs(ctx))
+        grads = moe_backward_group(
+            one(d_out.contiguous()), one(x), one(ids), one(topk_weights), one(w_gate),
+            one(w_up), one(w_down), tuple(one(w) for w in shared) if shared else None, stacked,
+            needs, ctx.options)
+        ctx.saved = None
+        d_x, d_w, *d_weights = _wanted(ctx, [None if t is None else t[0] for t in grads])
+        return (d_x, None, d_w, *d_weights, None, None)
+
+
+def moe_forward_group(x, ids, topk_weights, w_gate, w_up, w_down, shared, config, group):
+    """The differentiable forward of this rank of ``group`` on the IPC megakernel -> out
+    [T, H] (inputs padded to the plan's T by ``api``; ids int32)."""
+    ws = tuple(shared) if shared is not None else (None, None, None)
+    return _GroupTrain.apply(x, ids, topk_weights, w_gate, w_up, w_down, *ws, config, group)

@@ -127,6 +127,13 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.megakernel.backward", "compile_backward_megakernel", {},
         "the backward megakernel: a rank's FC2 and FC1 dgrads, then its weight gradients, as "
         "tasks of one persistent launch (tasks_backward)"),
+    "copy_rows_by_address": KernelSpec(
+        "mok_cute.kernels.peer_rows", "compile_copy_rows_by_address", {},
+        "rows to and from peers' symmetric buffers by address (0: zero row / skip), 16-byte "
+        "vectors: the backward over a group's pulls and pushes"),
+    "peer_barrier": KernelSpec(
+        "mok_cute.kernels.peer_rows", "compile_peer_barrier", {"scope": "sys"},
+        "the unicast group barrier over a plan's flags (release stores, bounded acquire waits)"),
 }
 
 

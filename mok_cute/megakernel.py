@@ -53,6 +53,7 @@ class SavedPreact(NamedTuple):
     row_slot: torch.Tensor  # [R, capacity] int32: each schedule row's preact row, -1 on padding
     shared_preact: torch.Tensor | None  # [R, T, 2Is] bf16 by token, or None
     schedules: object = None  # the launch's ReceiveSchedules (built for this call)
+    plan: object = None  # the Plan that ran it: its peers, flags and epoch serve the backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +163,8 @@ class _VirtualSide:
     def __init__(self, k: PlanKey, dev: torch.device):
         from mok_cute.comm import VirtualPeers, moe_symmetric_layout
 
-        self.peers = VirtualPeers(k.num_ranks, moe_symmetric_layout(k.tokens, k.hidden, k.top_k,
-                                                                    k.num_ranks), device=dev)
+        self.peers = VirtualPeers(k.num_ranks, moe_symmetric_layout(
+            k.tokens, k.hidden, k.top_k, k.num_ranks, training=k.spec.save_preact), device=dev)
         self.layout = self.peers.layout
         self.launch_ranks = self.num_peers = k.num_ranks
         self.rank_base = 0
@@ -174,6 +175,10 @@ class _VirtualSide:
         self.x = bf16.as_strided((k.num_ranks, k.tokens, k.hidden),
                                  (self.peers.nbytes // 2, k.hidden, 1), self.layout.offset("x") // 2)
         self.local_experts = k.local_experts
+
+    def fields(self, name: str) -> list[torch.Tensor]:
+        """Field ``name`` of each rank of the launch's own buffer."""
+        return [self.peers.view(r, name) for r in range(self.launch_ranks)]
 
     def schedules(self, ids: torch.Tensor):
         """Every virtual rank's receive schedule, stacked (the GPU build: one pair of launches
@@ -197,7 +202,8 @@ class _IpcSide:
         self.group = group
         self.num_peers = dist.get_world_size(group)
         self.peers = IpcPeers(group, moe_symmetric_layout(k.tokens, k.hidden, k.top_k,
-                                                          self.num_peers),
+                                                          self.num_peers,
+                                                          training=k.spec.save_preact),
                               handle_type, device=dev)
         self.layout = self.peers.layout
         self.launch_ranks = 1
@@ -206,6 +212,10 @@ class _IpcSide:
         self.own_base = self.peers.table.addresses[self.rank_base]
         self.x = self.peers.view("x").unsqueeze(0)
         self.local_experts = k.local_experts
+
+    def fields(self, name: str) -> list[torch.Tensor]:
+        """Field ``name`` of this rank's own buffer (one rank in the launch)."""
+        return [self.peers.view(name)]
 
     def schedules(self, ids: torch.Tensor):
         """All-gather the routing (an NCCL collective on the stream: no host sync), then this
@@ -262,6 +272,11 @@ class Plan:
         self.error = torch.zeros(1, dtype=torch.int64, device=dev)
         self.errors = PendingErrors(self.error)  # each launch's word, read without a sync
         self.calls = 0  # launches so far: the call number an error names
+        # the backward over the group's barriers (group_backward): their own word
+        self.backward_error = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.backward_errors = PendingErrors(self.backward_error,
+                                             kernel="backward over the group")
+        self.backward_calls = 0
         self.timeline_buf = None
         if k.spec.timeline:
             from mok_cute.timeline import TimelineBuffer
@@ -340,7 +355,8 @@ class Plan:
                       kmajor(self.shared_h), kmajor(self.shared_y)]
         saved, saved_args = None, (None,) * 4
         if k.spec.save_preact:
-            saved = self._saved_preact(scheds, shared is not None)._replace(schedules=scheds)
+            saved = self._saved_preact(scheds, shared is not None)._replace(schedules=scheds,
+                                                                             plan=self)
             saved_args = (kmajor(saved.preact), saved.row_slot,
                           None if shared is None else kmajor(saved.shared_preact),
                           None if shared is None else self._token_rows)
@@ -379,11 +395,14 @@ class Plan:
         """Wait for every launch's error-word copy; raise PeerTimeoutError for the first
         launch that could not complete."""
         self.errors.check(block=True, last_call=self.calls)
+        self.backward_errors.check(block=True, last_call=self.backward_calls,
+                                   rank_base=self.side.rank_base)
 
     def check_device_error(self) -> None:
         """Read the error word of the plan's last launch on the device (synchronises): it also
         covers CUDA-graph replays, which leave no host-side record."""
         self.errors.check_device(self.calls)
+        self.backward_errors.check_device(self.backward_calls, rank_base=self.side.rank_base)
 
 
 _PLANS: dict[PlanKey, Plan] = {}
@@ -494,7 +513,7 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     out, saved = result
     return out[0], SavedPreact(saved.preact[0], saved.row_slot[0],
                                None if saved.shared_preact is None else saved.shared_preact[0],
-                               saved.schedules)
+                               saved.schedules, saved.plan)
 
 
 def training_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,

@@ -181,9 +181,14 @@ def moe_symmetric_layout(
     *,
     extra_fields: Iterable[tuple[str, Sequence[int], torch.dtype]] = (),
     align: int = 128,
+    training: bool = False,
 ) -> SymmetricLayout:
     """The MoE layer's symmetric buffer (module docstring): ``x``, ``combine`` and
-    ``barrier_flags``, then ``extra_fields`` (e.g. counters the kernel publishes to peers)."""
+    ``barrier_flags``, then ``extra_fields`` (e.g. counters the kernel publishes to peers).
+    ``training`` adds what the backward over the group (``mok_cute.group_backward``) reads of
+    the source ranks and pushes back to them: ``d_out`` [T, H] bf16, ``router_weights`` and
+    ``d_topk_partials`` [T * K, 4] fp32 (one value per slot, padded to a 16-byte row); its dx
+    rows land in ``combine``."""
     for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k), ("num_ranks", num_ranks)):
         if not _is_int(value):
             raise TypeError(f"{name}: expected an int, got {describe(value)}")
@@ -194,6 +199,10 @@ def moe_symmetric_layout(
         ("combine", (max_tokens * top_k, hidden), torch.bfloat16),
         (BARRIER_FIELD, (num_ranks,), torch.int32),
     ]
+    if training:
+        fields += [("d_out", (max_tokens, hidden), torch.bfloat16),
+                   ("router_weights", (max_tokens * top_k, 4), torch.float32),
+                   ("d_topk_partials", (max_tokens * top_k, 4), torch.float32)]
     fields.extend(extra_fields)
     return SymmetricLayout.build(fields, align=align)
 

@@ -1,0 +1,199 @@
+"""The backward of the megakernel's training forward over a group of ranks: each rank's
+gradients from its d_out and what its forward saved (``megakernel.SavedPreact``: g | u of its
+experts' receive rows, its receive schedule and the plan that ran it), the comm through the
+plan's symmetric buffers (``comm.ipc`` between processes, ``comm.virtual`` for ranks on one GPU).
+
+Per call, on every rank of the group (each must run it, as a collective):
+
+    own fields <- x, d_out, router weights           (the source side, for the peers to pull)
+    barrier 0                                        (flag "started" of a new epoch)
+    pull: d_out rows, x rows, router weights of this rank's receive rows from their sources
+    the expert backward of this rank's experts       (``expert_backward._expert_backward``, the
+                                                      backward megakernel: both dgrads and the
+                                                      weight gradients in one launch)
+    push: dx rows and d_topk partials into the source's (token, k) slot (``combine``,
+          ``d_topk_partials`` fields)
+    barrier 1                                        (flag "done": every push has landed)
+    d_x = fixed-order k-sum of the pushed dx rows (+ the shared expert's dx), d_topk_weights
+          from the pushed partials; the shared expert's backward is local
+
+The copies are ``kernels.peer_rows`` launches from address tables built on the device from the
+receive schedule (no host sync). Rows are pulled again rather than kept from the forward (the
+forward's ring belongs to the plan, whose next call may be another layer's). Every expert rank
+computes dx and the partials of every row routed to it whatever its own ``needs`` say: they
+are its peers' gradients.
+
+Numerics: a row's dgrads depend on that row alone, the k-sum runs in ascending k in fp32 and
+rounds once, the weight gradients sum an expert's rows in schedule order: d_x and
+d_topk_weights are bitwise those of the same tokens on one rank, and of the virtual ranks'
+backward (``virtual_backward``); every gradient is bitwise the same run to run.
+
+Failures: a barrier wait that gives up (a dead or silent peer) records the plan's backward
+error word; ``PeerTimeoutError`` (naming the waiting rank and the peer) is raised at the plan's
+next call or by ``mok_cute.check_errors()``, and that call's gradients are incomplete.
+
+Not yet the design's one launch (issue 32): the pulls, the expert backward and the pushes are
+separate launches here, so nothing overlaps the comm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok_cute.config import ExpertPathOptions
+from mok_cute.expert_backward import Needs, _expert_backward, shared_backward
+
+__all__ = ["moe_backward_group"]
+
+_BF16 = 2
+_SLOT_ROW = 16  # bytes of one slot's fp32 value padded to a 16-byte row
+
+
+def _row_addresses(base: torch.Tensor, offset: int, index: torch.Tensor, row_bytes: int,
+                   valid: torch.Tensor) -> torch.Tensor:
+    """int64 addresses ``base + offset + index * row_bytes`` where ``valid``, else 0."""
+    return torch.where(valid, base + offset + index * row_bytes, torch.zeros_like(base))
+
+
+def _rows_of(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """int64 address of each row of contiguous ``t`` [..., rows, cols] (flattened)."""
+    rows = t.numel() * t.element_size() // row_bytes
+    return t.data_ptr() + torch.arange(rows, dtype=torch.int64, device=t.device) * row_bytes
+
+
+def _check(name: str, t, shape: tuple, dtype=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name}: expected {dtype}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+
+
+def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, saved,
+                       needs: Needs = Needs(),
+                       options: ExpertPathOptions = ExpertPathOptions(), silent_rank: int = -1):
+    """Every gradient of a saving megakernel launch (``megakernel.moe_forward(..., group=...,
+    save=True)``, or ``moe_forward_virtual(save=True)``) for the L ranks of that launch (L = 1
+    for a process of a group): d_out, xs [L, T, H] with the plan's T (padded rows included),
+    topk_idx [L, T, K] int32 global ids, topk_weights [L, T, K], w_* [L, E_loc, ., .],
+    shared None or three [L, ...] tensors, ``saved`` the launch's ``SavedPreact`` (``plan``
+    set). Returns (d_xs, d_topk_weights [L, T, K] in topk_weights' dtype, d_w_gate, d_w_up,
+    d_w_down, d_ws_gate, d_ws_up, d_ws_down), None where ``needs`` says no. ``silent_rank``
+    (tests only): that rank stores no barrier flag, as if its process had died."""
+    from mok_cute.kernels.peer_rows import copy_rows_by_address, peer_barrier
+
+    plan = getattr(saved, "plan", None)
+    if plan is None or not plan.key.spec.save_preact:
+        raise ValueError("saved: expected the SavedPreact of a saving megakernel launch "
+                         "(moe_forward(..., save=True)), which names its plan")
+    side, k = plan.side, plan.key
+    L, P = side.launch_ranks, side.num_peers
+    T, H, K, I = k.tokens, k.hidden, k.top_k, k.intermediate
+    E_loc = k.local_experts
+    dev = plan.peer_bases.device
+    _check("d_out", d_out, (L, T, H), torch.bfloat16, dev)
+    _check("xs", xs, (L, T, H), torch.bfloat16, dev)
+    _check("topk_idx", topk_idx, (L, T, K), None, dev)
+    _check("topk_weights", topk_weights, (L, T, K), None, dev)
+    _check("w_gate", w_gate, (L, E_loc, I, H), torch.bfloat16, dev)
+    sched = saved.schedules
+    layout = side.layout
+
+    plan.backward_errors.check(block=False, last_call=plan.backward_calls,
+                               rank_base=side.rank_base)  # an earlier call's, without a sync
+    # 1. this rank's fields for the peers to pull, then barrier 0 of a new epoch
+    for fields, src in ((side.fields("x"), xs), (side.fields("d_out"), d_out)):
+        for r in range(L):
+            fields[r].copy_(src[r])
+    weights32 = topk_weights.to(torch.float32).reshape(L, T * K)
+    for r, field in enumerate(side.fields("router_weights")):
+        field[:, 0].copy_(weights32[r])
+    plan.scalars[0].add_(1)  # the epoch: flags only grow, forward and backward calls alike
+    plan.backward_calls += 1
+    plan.backward_error.zero_()
+    if silent_rank != -1:
+        plan.scalars[9].fill_(silent_rank)
+    peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
+
+    # 2. pull this rank's receive rows: d_out, x (for dW_gate / dW_up), router weights
+    cap = sched.row_peer.shape[1]
+    peer = sched.row_peer.to(torch.int64)
+    valid = peer >= 0
+    base = torch.gather(plan.peer_bases, 1, peer.clamp(min=0))  # [L, cap]
+    token = sched.row_token.to(torch.int64).clamp(min=0)
+    slot = token * K + sched.row_k.to(torch.int64).clamp(min=0)
+    d_rows = torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
+    x_rows = torch.empty_like(d_rows) if needs.w_gate_up else None
+    w_rows = torch.empty(L, cap, 4, dtype=torch.float32, device=dev)
+    pulls = [(d_rows, "d_out", token, H * _BF16), (w_rows, "router_weights", slot, _SLOT_ROW)]
+    if x_rows is not None:
+        pulls.append((x_rows, "x", token, H * _BF16))
+    for dst, field, index, row_bytes in pulls:
+        src = _row_addresses(base, layout.offset(field), index, row_bytes, valid)
+        copy_rows_by_address(src.reshape(-1), _rows_of(dst, row_bytes), row_bytes)
+
+    # the router weight of each saved g | u row (the dgated epilogue reads both by row_slot)
+    rows = saved.preact.shape[1]
+    row_slot = saved.row_slot.to(torch.int64)
+    weights = torch.zeros(L, rows + 1, dtype=torch.float32, device=dev)
+    weights.scatter_(1, torch.where(row_slot >= 0, row_slot, rows),
+                     torch.where(row_slot >= 0, w_rows[..., 0], 0.0))  # column `rows`: a sink
+    weights = weights[:, :rows].contiguous()
+
+    # 3. the expert backward, rank by rank of the launch; 4. push dx rows and partials home
+    dwg, dwu, dwd = [], [], []
+    push_src, push_dst, part_src, part_dst, keep = [], [], [], [], []
+    combine, partial_field = layout.offset("combine"), layout.offset("d_topk_partials")
+    for r in range(L):
+        dx_rows, gate, up, down, partials = _expert_backward(
+            d_rows[r], None if x_rows is None else x_rows[r], w_gate[r], w_up[r], w_down[r],
+            saved.preact[r], saved.row_slot[r], weights[r], sched.tile_expert[r],
+            sched.num_tiles[r:r + 1], sched.expert_offsets[r], True, needs.w_gate_up,
+            needs.w_down, True, options, dgrads="megakernel")
+        dwg.append(gate)
+        dwu.append(up)
+        dwd.append(down)
+        part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
+        part[:, 0] = partials.sum(dim=1)
+        keep += [dx_rows, part]  # alive until the pushes below are enqueued
+        push_src.append(_rows_of(dx_rows, H * _BF16))
+        push_dst.append(_row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]))
+        part_src.append(_rows_of(part, _SLOT_ROW))
+        part_dst.append(_row_addresses(base[r], partial_field, slot[r], _SLOT_ROW, valid[r]))
+    copy_rows_by_address(torch.cat(push_src), torch.cat(push_dst), H * _BF16)
+    copy_rows_by_address(torch.cat(part_src), torch.cat(part_dst), _SLOT_ROW)
+    peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
+    plan.backward_errors.record(plan.backward_calls)
+    if silent_rank != -1:
+        plan.scalars[9].fill_(plan._waits[1])  # the forward's value back
+    del keep
+
+    # 5. the shared expert (local), then the k-sums of what the peers pushed
+    shared_dx, d_shared = [None] * L, (None, None, None)
+    if shared is not None and (needs.x or needs.shared_gate_up or needs.shared_down):
+        per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared),
+                                    saved.shared_preact[r], needs, options) for r in range(L)]
+        shared_dx = [dx for dx, _ in per_rank]
+        d_shared = tuple(None if per_rank[0][1][i] is None
+                         else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
+    num_experts = P * E_loc
+    routed = (topk_idx >= 0) & (topk_idx < num_experts)  # [L, T, K]: the slots given a row
+    d_xs = d_topk = None
+    if needs.x:
+        from mok_cute.kernels import token_ops
+
+        ones = torch.ones(T, K, dtype=torch.float32, device=dev)
+        slots = torch.arange(T * K, dtype=torch.int32, device=dev)
+        pushed = side.fields("combine")
+        d_xs = torch.stack([token_ops.weighted_ksum(
+            pushed[r], ones, shared_dx[r],
+            row_index=torch.where(routed[r].reshape(-1), slots, -1)) for r in range(L)])
+    if needs.topk_weights:
+        pushed = side.fields("d_topk_partials")
+        d_topk = torch.stack([torch.where(routed[r], pushed[r][:, 0].view(T, K), 0.0)
+                              for r in range(L)]).to(topk_weights.dtype)
+    stack = lambda gs: None if gs[0] is None else torch.stack(gs)  # noqa: E731
+    return (d_xs, d_topk, stack(dwg), stack(dwu), stack(dwd), *d_shared)

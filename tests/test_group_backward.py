@@ -1,0 +1,204 @@
+"""The backward over a group (mok_cute/group_backward.py): the comm of the backward through the
+plan's symmetric buffers (kernels/peer_rows.py: row copies by address, the unicast barrier).
+
+CPU: bad input is refused naming the argument; both kernels compile for sm_90a (the
+compile-only checks of test_jit cover every registered kernel).
+
+H200 (marked gpu):
+- on virtual ranks' buffers (one process; the same comm as IPC at gpu scope): every gradient
+  bitwise equal to the virtual backward (``virtual_backward``: no comm, one launch), which is
+  itself checked against autograd on the reference; with the fields, the combine buffer and the
+  partials poisoned (NaN) before the call, twice (bitwise repeats); skew, an
+  empty expert, a rank that receives nothing, the shared expert, K = 10 (R = 2, 3, 4: each R
+  compiles its own forward);
+- a silent rank in the backward raises PeerTimeoutError naming the backward, the waiting rank
+  and the peer; the next call is whole again;
+- two processes on one GPU over IPC (legacy handles): each rank's gradients bitwise equal to the
+  virtual backward's for that rank.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import types
+
+import pytest
+import torch
+
+import mok_cute as mok
+from mok_cute.expert_backward import Needs
+
+from test_virtual_training import _problem
+
+NAMES = ("d_xs", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down", "d_ws_gate", "d_ws_up",
+         "d_ws_down")
+
+
+# ---------------------------------------------------------------------- bad input (CPU)
+def test_a_backward_without_a_saving_launch_is_refused():
+    from mok_cute.group_backward import moe_backward_group
+    from mok_cute.megakernel import SavedPreact
+
+    t = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="saved: expected the SavedPreact of a saving"):
+        moe_backward_group(t, t, t, t, t, t, t, None, SavedPreact(t, t, None))
+
+
+def test_row_copies_refuse_host_tensors_and_odd_rows():
+    from mok_cute.kernels.peer_rows import copy_rows_by_address, peer_barrier
+
+    a = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(TypeError, match="src_addr: expected an int64 CUDA tensor"):
+        copy_rows_by_address(a, a, 16)
+    with pytest.raises(TypeError, match="src_addr: expected an int64 CUDA tensor"):
+        copy_rows_by_address(a.int(), a, 16)
+    with pytest.raises(TypeError, match="peer_bases: expected an int64 CUDA tensor"):
+        peer_barrier(a.view(2, 2), a, a[:1], 0, "sys")
+
+
+# ---------------------------------------------------------------------- GPU
+def _forward_saved(leaves, idx, config):
+    from mok_cute import megakernel
+
+    xs, w, wg, wu, wd, *sh = (t.detach() for t in leaves)
+    with torch.no_grad():
+        return megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, tuple(sh) or None,
+                                              config, save=True)
+
+
+def _virtual_grads(leaves, idx, saved, d_out):
+    from mok_cute.virtual_backward import VirtualSaved, moe_backward_virtual
+
+    xs, w, wg, wu, wd, *sh = (t.detach() for t in leaves)
+    return moe_backward_virtual(d_out, xs, w, wg, wu, wd, tuple(sh) or None,
+                                VirtualSaved.from_forward(saved))
+
+
+def _group_grads(leaves, idx, saved, d_out, **kw):
+    from mok_cute.group_backward import moe_backward_group
+
+    xs, w, wg, wu, wd, *sh = (t.detach() for t in leaves)
+    return moe_backward_group(d_out, xs, idx, w, wg, wu, wd, tuple(sh) or None, saved, **kw)
+
+
+def _poison(plan):
+    for name in ("x", "d_out", "router_weights", "combine", "d_topk_partials"):
+        for field in plan.side.fields(name):
+            field.fill_(float("nan"))
+
+
+def _assert_bitwise(got, want, what):
+    for name, g, w in zip(NAMES, got, want):
+        assert (g is None) == (w is None), f"{what}: {name}"
+        if g is not None:
+            assert g.shape == w.shape and g.dtype == w.dtype, f"{what}: {name}"
+            assert torch.equal(g.view(torch.int16) if g.dtype == torch.bfloat16 else g,
+                               w.view(torch.int16) if w.dtype == torch.bfloat16 else w), \
+                f"{what}: {name} differs"
+
+
+CASES = {
+    # name: (R, T, H, I, E_loc, K, Is, routing)
+    "R2_shared_skew": (2, 160, 256, 128, 4, 4, 128, "skew"),
+    "R3_empty_expert_K10": (3, 100, 320, 192, 4, 10, 0, "empty_expert"),
+    "R4_silent_receiver_shared": (4, 96, 256, 128, 4, 2, 64, "silent_rank"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_backward_over_peers_is_the_virtual_backward_bitwise(name):
+    R, T, H, I, E_loc, K, Is, routing = CASES[name]
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=3, routing=routing)
+    config = mok.MoKConfig(timeout_ms=5000.0)
+    _, saved = _forward_saved(leaves, idx, config)
+    d_out = torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+    want = _virtual_grads(leaves, idx, saved, d_out)
+    first = None
+    for repeat in range(2):
+        _poison(saved.plan)
+        got = _group_grads(leaves, idx, saved, d_out)
+        torch.cuda.synchronize()
+        mok.check_errors()
+        _assert_bitwise(got, want, f"{name} (call {repeat})")
+        if first is not None:
+            _assert_bitwise(got, first, f"{name}: repeat")
+        first = got
+
+
+@pytest.mark.gpu
+def test_frozen_experts_and_inputs_skip_their_gradients_but_still_push():
+    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=4, routing=routing)
+    _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=5000.0))
+    d_out = torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+    want = _virtual_grads(leaves, idx, saved, d_out)
+    needs = Needs(x=False, topk_weights=True, w_gate_up=False, w_down=True,
+                  shared_gate_up=False, shared_down=False)
+    got = _group_grads(leaves, idx, saved, d_out, needs=needs)
+    assert got[0] is None and got[2] is None and got[3] is None and got[5:] == (None,) * 3
+    _assert_bitwise([None, got[1], None, None, got[4]], [None, want[1], None, None, want[4]],
+                    "frozen")
+
+
+@pytest.mark.gpu
+def test_a_silent_rank_in_the_backward_raises_peer_timeout_naming_it():
+    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=5, routing=routing)
+    _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=200.0))
+    d_out = torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+    _group_grads(leaves, idx, saved, d_out, silent_rank=1)
+    with pytest.raises(mok.PeerTimeoutError, match=r"backward over the group call \d+: rank "
+                                                   r"\d: .*peer 1"):
+        mok.check_errors()
+    want = _virtual_grads(leaves, idx, saved, d_out)
+    _assert_bitwise(_group_grads(leaves, idx, saved, d_out), want, "after the silent call")
+    torch.cuda.synchronize()
+    mok.check_errors()
+
+
+def _ipc_rank(rank, world, seed, out_dir):
+    """One process of the IPC test: the virtual forward of all ranks (the same bits in both
+    processes) gives this rank's saved g | u and schedule; the backward runs over the IPC
+    plan's buffers against the other process."""
+    from mok_cute import megakernel
+    from mok_cute.group_backward import moe_backward_group
+
+    torch.cuda.set_device(0)  # both ranks on one GPU
+    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
+    config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel")
+    _, saved = _forward_saved(leaves, idx, config)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    d_out = torch.randn(R, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    want = _virtual_grads(leaves, idx, saved, d_out)
+    xs, w, wg, wu, wd, *sh = (t.detach()[rank:rank + 1] for t in leaves)
+    group = torch.distributed.group.WORLD
+    plan = megakernel.plan_for(xs, wg, wd, tuple(sh), idx[rank:rank + 1], config, group,
+                               "legacy", save=True)
+    plan.scalars[6].fill_(int(60e9))  # the wait bound: the other process shares the GPU
+    s = saved.schedules
+    mine = types.SimpleNamespace(**{f: getattr(s, f)[rank:rank + 1] for f in (
+        "row_peer", "row_token", "row_k", "tile_expert", "num_tiles", "expert_offsets")})
+    one = saved._replace(preact=saved.preact[rank:rank + 1],
+                         row_slot=saved.row_slot[rank:rank + 1],
+                         shared_preact=saved.shared_preact[rank:rank + 1], schedules=mine,
+                         plan=plan)
+    for _ in range(2):
+        got = moe_backward_group(d_out[rank:rank + 1], xs, idx[rank:rank + 1], w, wg, wu, wd,
+                                 tuple(sh), one)
+        torch.cuda.synchronize()
+        plan.check_device_error()
+        _assert_bitwise(got, [None if t is None else t[rank:rank + 1] for t in want],
+                        f"rank {rank} over IPC")
+    open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+
+
+@pytest.mark.gpu
+def test_two_processes_on_one_gpu_over_ipc_give_the_virtual_bits():
+    import gloo_group
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gloo_group.spawn(_ipc_rank, 2, tmp, 11, tmp)
+        assert sorted(os.listdir(tmp)).count("ok0") == 1 and "ok1" in os.listdir(tmp)
