@@ -202,3 +202,44 @@ def test_two_processes_on_one_gpu_over_ipc_give_the_virtual_bits():
     with tempfile.TemporaryDirectory() as tmp:
         gloo_group.spawn(_ipc_rank, 2, tmp, 11, tmp)
         assert sorted(os.listdir(tmp)).count("ok0") == 1 and "ok1" in os.listdir(tmp)
+
+
+def _ipc_train_rank(rank, world, seed, out_dir):
+    """One process: ``mok.moe_forward(group=...)`` trains through the IPC megakernel (two
+    processes time-share one GPU, so the waits are long): out and every gradient of this rank
+    bitwise those of the virtual ranks' training on the same problem."""
+    torch.cuda.set_device(0)
+    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    d_out = torch.randn(R, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    xs, w, wg, wu, wd, *sh = leaves
+    config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel", check_ids=False)
+    want_out = mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, tuple(sh), config)
+    want_out.backward(d_out)
+    want = [t.grad[rank].clone() for t in leaves]
+    mine = [t.detach()[rank].clone().requires_grad_(True) for t in leaves]
+    out = mok.moe_forward(mine[0], idx[rank], *mine[1:5], shared=tuple(mine[5:]),
+                          config=config, group=torch.distributed.group.WORLD)
+    fns, names = [out.grad_fn], []
+    while fns and len(names) < 8:  # the api's slice of the padded rows, then the kernels' op
+        fn = fns.pop()
+        names.append(fn.name())
+        fns += [f for f, _ in fn.next_functions if f is not None]
+    assert any("GroupTrain" in n for n in names), names
+    out.backward(d_out[rank])
+    torch.cuda.synchronize()
+    mok.check_errors()
+    assert torch.equal(out.detach(), want_out.detach()[rank]), "out"
+    for name, t, wt in zip(NAMES, mine, want):
+        assert torch.equal(t.grad, wt), f"rank {rank}: {name} differs"
+    open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+
+
+@pytest.mark.gpu
+def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits():
+    import gloo_group
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gloo_group.spawn(_ipc_train_rank, 2, tmp, 12, tmp)
+        assert {"ok0", "ok1"} <= set(os.listdir(tmp))
