@@ -353,7 +353,9 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
             choice = PathChoice("reference", "sizes the megakernel cannot take")
         # the reference reads the ids before its collectives; the megakernel after its launch
         span = id_span(topk_idx) if config.check_ids and choice.path == "reference" else None
-        header = call_header(dims, x, topk_idx, topk_weights, w_gate, choice.path, config, span)
+        # a rank that trains runs a backward its peers must join (and another megakernel plan)
+        path = f"{choice.path} (training)" if needs_grad else choice.path
+        header = call_header(dims, x, topk_idx, topk_weights, w_gate, path, config, span)
     except Exception as exc:
         agree_on_call(group, exc, timeout_s)  # raises exc, after telling the peers
         raise

@@ -125,6 +125,10 @@ MISMATCHES = [
      ValueError, "the ranks disagree on MoKConfig.check_ids: rank 1 has one value; ranks 0, 2 another"),
     (dict(config=lambda c: mok.MoKConfig(backend="reference")),
      ValueError, "the ranks disagree on MoKConfig.backend"),
+    (dict(x=lambda x: x.clone().requires_grad_(True)),
+     ValueError, "the ranks disagree on the path (each rank picks it from its own device and "
+                 "install, and trains when an input requires grad: mok_cute.forward_path()): rank 1 "
+                 "has reference (training); ranks 0, 2 have reference"),
     (dict(topk_idx=_bad_id(6)),
      ValueError, "topk_idx: expected global expert ids in [0, 6), got id 6 on rank 1 (its ids span [0, 6])"),
     (dict(topk_idx=_bad_id(-1)),

@@ -239,7 +239,7 @@ def agreement_for(group: Any) -> GroupAgreement:
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64)
 _DEVICE_TYPES = ("cpu", "cuda")
-_PATHS = ("reference", "kernel", "megakernel")
+_PATHS = ("reference", "kernel", "megakernel", "reference (training)", "megakernel (training)")
 OK, REJECTED = 0, 1
 IDS_UNREAD, IDS_READ = 0, 1
 
@@ -295,7 +295,8 @@ _AGREED = (
     ("routing_dtype", "topk_weights.dtype"),
     ("id_dtype", "topk_idx.dtype"),
     ("device_type", "the device type"),
-    ("path", "the path (each rank picks it from its own device and install: mok_cute.forward_path())"),
+    ("path", "the path (each rank picks it from its own device and install, and trains when an "
+             "input requires grad: mok_cute.forward_path())"),
 )
 
 
