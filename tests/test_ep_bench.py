@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import mok_cute as mok
 from mok_cute import cli, shapes
-from mok_cute.bench import ep, harness, results
+from mok_cute.bench import ep, ep_training, harness, results
 
 import gloo_group
 from per_token import assert_tokens_close
@@ -122,8 +122,42 @@ def _cli_hook_end_to_end(d: ep.Dist, out_dir: Path) -> None:
     assert cli.main(argv) == 0
 
 
+def _training_passes_checked_and_timed(d: ep.Dist, out_dir: Path) -> None:
+    """--train: bwd and train rows of both layer contenders, their eight gradients checked
+    against autograd on the reference (the baseline's packed gate | up split back), timed with
+    2x / 3x the forward's FLOPs; a baseline with a wrong gradient is recorded, not timed."""
+    shape = _shape(d.world)
+    opts = ep.EpOptions(iters=2, warmup=1, check_tokens=8, seed=2, train=True)
+    rows = ep.bench_ep_shape(shape, T, d, opts, contenders=ep.LAYER_CONTENDERS, log=lambda m: None)
+    train_rows = [r for r in rows if r.get("pass") != "fwd"]
+    assert sorted((r["contender"], r["pass"]) for r in train_rows) == sorted(
+        (c, p) for c in ep.LAYER_CONTENDERS for p in ("bwd", "train"))
+    for r in train_rows:
+        assert r["status"] == "ok", r
+        assert set(r["rel_err_grads"]) == {f"d_{n}" for n in ep_training.GRAD_NAMES}, r
+        assert max(r["rel_err_grads"].values()) <= 1e-2, r
+        factor = ep_training.PASSES[r["pass"]]
+        assert r["tflops"] == pytest.approx(factor * 6 * (T * K + T) * H * I / (r["ms"] * 1e-3) / 1e12)
+    # a wrong gradient fails the check: the baseline's down projection scaled in backward only
+    original = ep_training.nccl_torch_train_forward
+
+    def wrong(x, idx, w, gate_up, down, shared, group, grouped_mm):
+        scaled = down + (down * 0.5 - (down * 0.5).detach())  # forward unchanged, gradient x 1.5
+        return original(x, idx, w, gate_up, scaled, shared, group, grouped_mm)
+
+    ep_training.nccl_torch_train_forward = wrong
+    try:
+        rows = ep.bench_ep_shape(shape, T, d, opts, contenders=["nccl_torch"], log=lambda m: None)
+    finally:
+        ep_training.nccl_torch_train_forward = original
+    bad = [r for r in rows if r.get("pass") != "fwd"]
+    assert all(r["status"] == "check_failed" and r["ms"] is None for r in bad), bad
+    assert all(r["rel_err_grads"]["d_w_down"] > 0.1 for r in bad), bad
+
+
 SCENARIOS = {
     "baseline": _baseline_equals_reference_and_group_path,
+    "train": _training_passes_checked_and_timed,
     "bytes": _exact_bytes_and_max_timing,
     "failed_check": _failed_check_is_recorded_not_timed,
     "cli": _cli_hook_end_to_end,

@@ -37,7 +37,8 @@
 #                   R = 2 and 4 and its training step, a shared expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
 #   ep [N]          on a machine of N >= 2 GPUs (default: all): tools/ep_check.py, the example
-#                   under torchrun and `mok-cute bench --ep`, with the IPC megakernel
+#                   under torchrun and `mok-cute bench --ep` (forward, then --train), with the IPC
+#                   megakernel
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -222,6 +223,11 @@ run_ep() {
   step "ep_example_$n" 240 "${run[@]}" examples/ep_torchrun.py --shape kimi --tokens 2048 --backend megakernel
   step "ep_bench_$n" 300 "${run[@]}" -m mok_cute.cli bench --ep --shapes ep --tokens 2048 \
     --mok-config backend=megakernel --out "$out" --tag "ep$n" && bench_rows_ok "$out/ep_bench_$n.log"
+  # training over the group: the IPC megakernel's saving launch + group_backward against
+  # all_to_all + torch._grouped_mm under autograd (gradients checked first)
+  step "ep_train_$n" 400 "${run[@]}" -m mok_cute.cli bench --ep --train --contenders mok_cute,nccl_torch \
+    --shapes ep --tokens 2048 --iters 10 --warmup 2 --mok-config backend=megakernel --out "$out" \
+    --tag "ep${n}_train" && bench_rows_ok "$out/ep_train_$n.log"
 }
 
 case "$mode" in

@@ -423,6 +423,7 @@ class EpOptions:
     hot_expert: int = 0
     mok_config: MoKConfig = MoKConfig()
     grouped_mm: bool | None = None  # None: on CUDA only
+    train: bool = False  # also the bwd and train passes (mok_cute.bench.ep_training)
 
 
 def _agree_error(d: Dist, error: str | None) -> str | None:
@@ -574,7 +575,15 @@ def bench_ep_shape(
     runners.clear()
     free_memory(d.device)
 
-    # 4. The two exchanges alone, with the splits of the timed routing.
+    # 4. The training passes (bwd, train) of the layer contenders.
+    train_rows: list[dict[str, Any]] = []
+    if opts.train:
+        from mok_cute.bench.ep_training import bench_ep_train
+
+        train_rows = bench_ep_train(base, d, opts, [c for c in contenders if c in LAYER_CONTENDERS],
+                                    weights, inputs, check, grouped_mm, log)
+
+    # 5. The two exchanges alone, with the splits of the timed routing.
     comm = [c for c in contenders if c in COMM_CONTENDERS]
     if comm:
         _bench_exchanges(shape, tokens, d, opts, inputs, weights, routing, {c: rows[c] for c in comm})
@@ -588,7 +597,10 @@ def bench_ep_shape(
             + (f" {r['tflops']:.1f} TFLOP/s" if r.get("tflops") else "")
             + (f" link {r['link_gbps']:.1f} GB/s, DeepEP {r['deepep_gbps']:.1f} GB/s" if r.get("link_gbps") is not None else "")
         )
-    return results
+    for r in train_rows:
+        r.setdefault("path", rows[r["contender"]].get("path", ""))
+        r.setdefault("megakernel", rows[r["contender"]].get("megakernel", False))
+    return results + train_rows
 
 
 def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: Inputs, weights: RankWeights, routing, rows: dict[str, dict[str, Any]]) -> None:
@@ -647,11 +659,12 @@ def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: Inputs, we
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """``ratio_vs_torch``: TFLOP/s over the nccl_torch baseline's on the same shape and T."""
-    base = {(r["shape"], r["T"]): r["tflops"] for r in results if r["contender"] == BASELINE and r.get("tflops")}
+    """``ratio_vs_torch``: TFLOP/s over the nccl_torch baseline's on the same shape, T and pass."""
+    key = lambda r: (r["shape"], r["T"], r.get("pass", "fwd"))  # noqa: E731
+    base = {key(r): r["tflops"] for r in results if r["contender"] == BASELINE and r.get("tflops")}
     for r in results:
-        if r.get("tflops") and (r["shape"], r["T"]) in base:
-            r["ratio_vs_torch"] = r["tflops"] / base[(r["shape"], r["T"])]
+        if r.get("tflops") and key(r) in base:
+            r["ratio_vs_torch"] = r["tflops"] / base[key(r)]
 
 
 def chart_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -664,6 +677,8 @@ def chart_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         name = r["contender"]
         if name == "mok_cute" and not r.get("megakernel", False):
             name = "mok_cute [reference path]"
+        if r.get("pass", "fwd") != "fwd":
+            name = f"{name} {r['pass']}"
         out.append({**r, "shape": f"{r['shape']}@{r['T']}", "contender": name})
     return out
 
@@ -684,7 +699,7 @@ def write_results(results: list[dict[str, Any]], out_dir: Path, tag: str, d: Dis
     gpu = gpu_name(d.device)
     return save_results(
         results, out_dir, tag, gpu, command_line(argv, d), argv, config, extra,
-        lambda date: f"EP MoE forward, {d.world} x {gpu}, {date} ({tag}); TFLOP/s per GPU",
+        lambda date: f"EP MoE layer, {d.world} x {gpu}, {date} ({tag}); TFLOP/s per GPU",
         chart=chart_rows(results))
 
 
@@ -692,7 +707,7 @@ def print_results(results: list[dict[str, Any]], console: Any, title: str) -> No
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("shape", "T/rank", "contender", "status", "rel err", "ms (max)", "TFLOP/s/GPU", "x nccl_torch", "link GB/s", "DeepEP GB/s", "path / error"):
+    for col in ("shape", "T/rank", "contender", "pass", "status", "rel err", "ms (max)", "TFLOP/s/GPU", "x nccl_torch", "link GB/s", "DeepEP GB/s", "path / error"):
         table.add_column(col)
 
     def num(v: Any, fmt: str) -> str:
@@ -701,7 +716,7 @@ def print_results(results: list[dict[str, Any]], console: Any, title: str) -> No
     for r in results:
         note = r.get("path", "") if r.get("status") == "ok" else r.get("error", "")
         table.add_row(
-            r["shape"], str(r["T"]), r["contender"], r.get("status", ""), num(r.get("rel_err"), ".2e"), num(r.get("ms"), ".3f"),
+            r["shape"], str(r["T"]), r["contender"], r.get("pass", "fwd"), r.get("status", ""), num(r.get("rel_err"), ".2e"), num(r.get("ms"), ".3f"),
             num(r.get("tflops"), ".1f"), num(r.get("ratio_vs_torch"), ".2f"), num(r.get("link_gbps"), ".1f"),
             num(r.get("deepep_gbps"), ".1f"), (note or "")[:60],
             style={"ok": "", "skipped": "dim"}.get(r.get("status", ""), "red"),
@@ -726,6 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contenders", default=",".join(ALL_CONTENDERS), help=f"comma list of {ALL_CONTENDERS}")
     p.add_argument("--skew", type=float, default=None, help="fraction of each rank's tokens sent to --hot-expert (no other token goes there)")
     p.add_argument("--hot-expert", type=int, default=0)
+    p.add_argument("--train", action="store_true", help="also the training passes (bwd, train) of the layer contenders, "
+                   "their gradients checked against autograd on the reference first")
     p.add_argument("--iters", type=int, default=30, help="timed iterations per rank (median)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--check-tokens", type=int, default=256, help="tokens per rank of the check against the reference")
@@ -770,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         opts = EpOptions(
             iters=args.iters, warmup=args.warmup, check_tokens=args.check_tokens, tol=args.tol, seed=args.seed,
-            skew=args.skew, hot_expert=args.hot_expert, mok_config=mok_config,
+            skew=args.skew, hot_expert=args.hot_expert, mok_config=mok_config, train=args.train,
         )
         log(f"{d.world} ranks, backend {d.backend}, device {gpu_name(d.device)}; NVLS off: {NVLS_OFF}")
         results: list[dict[str, Any]] = []
@@ -794,7 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "one row per routed (token, k), bf16 [H]; GB/s = mean bytes over ranks / max-over-ranks time",
             }
             json_path, png_path = write_results(results, Path(args.out), args.tag or f"ep{d.world}", d, argv, mok_config, extra)
-            print_results(results, console, f"EP MoE forward, {d.world} ranks, {gpu_name(d.device)}")
+            print_results(results, console, f"EP MoE layer, {d.world} ranks, {gpu_name(d.device)}")
             console.print(f"json {json_path}\npng  {png_path}")
         dist.barrier(group=d.group)
         return 0

@@ -1,0 +1,238 @@
+"""The expert-parallel training passes (``mok-cute bench --ep --train``, issue 32): rows
+``"pass": "bwd"`` and ``"train"`` beside the forward's, for the two layer contenders of
+``mok_cute.bench.ep``:
+
+  mok_cute      ``mok_cute.moe_forward(..., group=pg)`` under autograd: with
+                ``--mok-config backend=megakernel`` the IPC megakernel's saving launch and
+                ``mok_cute.group_backward`` (pulls, the backward megakernel, pushes, two device
+                barriers); under the default backend the reference (all_to_all under autograd).
+  nccl_torch    the forward baseline under autograd: ``torch.distributed.nn``'s differentiable
+                ``all_to_all_single`` both ways and the ``torch._grouped_mm`` pipeline on the
+                local experts (gate and up one packed [E_loc, 2I, H] parameter, the layout it runs
+                fastest on), whose backward torch derives.
+
+Correctness first: on the check inputs each contender's eight gradients (d_x, d_topk_weights,
+this rank's expert weights, the shared expert's: summed over the ranks, as a data-parallel
+all-reduce would) are gathered to rank 0 and compared with autograd on
+``reference.moe_forward_virtual`` (relative Frobenius error <= ``--tol`` each); a contender that
+fails is not timed. Timing as the forward's (ranks aligned, CUDA events, median per rank, max
+over ranks): ``bwd`` = the backward alone over one forward's graph (kept with
+``retain_graph``), ``train`` = forward + backward. TFLOP/s per GPU counts 2x (bwd) and 3x
+(train) the forward's FLOPs. Every rank runs every backward: the group backward is a
+collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mok_cute.bench.common import error_text, free_memory, rel_err, sync
+
+GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+PASSES = {"bwd": 2.0, "train": 3.0}  # FLOPs over the forward's
+
+
+def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    """``all_to_all_single`` that autograd differentiates (the reverse exchange in backward)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    return all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+
+
+def nccl_torch_train_forward(x, topk_idx, topk_weights, gate_up, down, shared, group,
+                             grouped_mm: bool) -> torch.Tensor:
+    """The nccl_torch baseline's forward, differentiable in x, the router weights, ``gate_up``
+    [E_loc, 2I, H], ``down`` [E_loc, H, I] and ``shared`` (ws_gate_up [2Is, H], ws_down)."""
+    from mok_cute.bench.ep import plan_exchange
+    from mok_cute.bench.torch_moe import shared_expert, swiglu_bf16, weighted_scatter_sum
+
+    tokens, top_k = topk_idx.shape
+    plan = plan_exchange(topk_idx, gate_up.shape[0], group)
+    x_recv = _exchange(x.index_select(0, plan.order // top_k), plan.recv_splits, plan.send_splits,
+                       group)
+    _, perm = torch.sort(plan.local_ids, stable=True)
+    xs = x_recv.index_select(0, perm)
+    inter = gate_up.shape[1] // 2
+    if grouped_mm:
+        offs = torch.cumsum(plan.local_counts, 0).to(torch.int32)
+        gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+        y_sorted = torch._grouped_mm(swiglu_bf16(gu[:, :inter], gu[:, inter:]),
+                                     down.transpose(1, 2), offs=offs)
+    else:
+        pieces = [xs[:0].new_zeros(0, down.shape[1])]
+        for e, xe in enumerate(torch.split(xs, plan.local_counts.tolist())):
+            if xe.shape[0]:
+                gu = F.linear(xe, gate_up[e])
+                pieces.append(F.linear(swiglu_bf16(gu[:, :inter], gu[:, inter:]), down[e]))
+        y_sorted = torch.cat(pieces)
+    y = torch.zeros_like(y_sorted).index_copy(0, perm, y_sorted)  # out of place: autograd
+    y_back = _exchange(y, plan.send_splits, plan.recv_splits, group)
+    base = shared_expert(x, *shared) if shared is not None else None
+    return weighted_scatter_sum(y_back, plan.order, top_k, topk_weights, tokens, base)
+
+
+class EpLayer:
+    """One contender's differentiable call on this rank's inputs: its leaves (requires_grad)
+    and ``forward()``; ``grads()`` in ``GRAD_NAMES`` order (packed parameters split)."""
+
+    def __init__(self, name: str, weights, inp, d, config, grouped_mm: bool):
+        import mok_cute
+
+        leaf = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
+        self.name = name
+        x, w = leaf(inp.x), leaf(inp.topk_weights)
+        idx = inp.topk_idx
+        shared = weights.shared
+        self.inter = weights.w_gate.shape[1]
+        if name == "mok_cute":
+            params = [leaf(t) for t in (weights.w_gate, weights.w_up, weights.w_down, *(shared or ()))]
+            self.forward = lambda: mok_cute.moe_forward(
+                x, idx, w, *params[:3], shared=tuple(params[3:]) or None, group=d.group,
+                config=config)
+        else:
+            params = [leaf(torch.cat([weights.w_gate, weights.w_up], 1)), leaf(weights.w_down)]
+            if shared is not None:
+                params += [leaf(torch.cat([shared[0], shared[1]], 0)), leaf(shared[2])]
+            sh = tuple(params[2:]) or None
+            self.forward = lambda: nccl_torch_train_forward(x, idx, w, params[0], params[1], sh,
+                                                            d.group, grouped_mm)
+        self.leaves = [x, w, *params]
+
+    def reset(self) -> None:
+        for t in self.leaves:
+            t.grad = None
+
+    def grads(self) -> list[torch.Tensor | None]:
+        g = [t.grad for t in self.leaves]
+        if self.name == "mok_cute":
+            return g + [None] * (len(GRAD_NAMES) - len(g))
+        split = lambda t, dim, n: (None, None) if t is None else (t.narrow(dim, 0, n), t.narrow(dim, n, n))  # noqa: E731
+        out = [g[0], g[1], *split(g[2], 1, self.inter), g[3]]
+        if len(g) > 4:
+            out += [*split(g[4], 0, g[4].shape[0] // 2 if g[4] is not None else 0), g[5]]
+        return out + [None] * (len(GRAD_NAMES) - len(out))
+
+
+def reference_grads_on_rank0(d, weights, inp, d_out) -> dict[str, torch.Tensor] | None:
+    """Autograd on ``reference.moe_forward_virtual`` over every rank's gathered inputs and
+    weights; the shared expert's gradients summed over the ranks (one replicated parameter)."""
+    from mok_cute import reference
+    from mok_cute.bench.ep import gather_stacked
+
+    xs, idx, wts, d_outs = (gather_stacked(d, t) for t in (inp.x, inp.topk_idx, inp.topk_weights, d_out))
+    wg, wu, wd = (gather_stacked(d, t) for t in (weights.w_gate, weights.w_up, weights.w_down))
+    if d.rank != 0:
+        return None
+    leaves = [t.detach().requires_grad_() for t in (xs, wts, wg, wu, wd)]
+    shared = None
+    if weights.shared is not None:  # replicated: rank 0's copy stands for every rank's
+        sh = [t.detach().clone().requires_grad_() for t in weights.shared]
+        leaves += sh
+        shared = tuple(s.unsqueeze(0).expand(d.world, *s.shape) for s in sh)
+    out = reference.moe_forward_virtual(leaves[0], idx, leaves[1], *leaves[2:5], shared=shared)
+    out.backward(d_outs)
+    return {n: t.grad for n, t in zip(GRAD_NAMES, leaves)}
+
+
+def _gathered(d, grads: list) -> dict[str, torch.Tensor | None]:
+    """This rank's gradients stacked over the ranks on rank 0 (the shared expert's summed)."""
+    from mok_cute.bench.ep import gather_stacked
+
+    out = {}
+    for name, g in zip(GRAD_NAMES, grads):
+        if g is None:
+            continue
+        stacked = gather_stacked(d, g.contiguous())
+        out[name] = None if stacked is None else (stacked.sum(0) if name.startswith("ws_") else stacked)
+    return out
+
+
+def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], weights, inputs, check,
+                   grouped_mm: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The bwd and train rows of one shape at one T (every rank calls it together)."""
+    from mok_cute.bench.ep import _agree_error, broadcast_float, timed_over_ranks
+
+    rows = {(c, p): {**base, "contender": c, "pass": p, "flops": base["flops"] * k}
+            for c in contenders for p, k in PASSES.items()}
+    gen = torch.Generator(device=d.device).manual_seed(opts.seed * 7 + d.rank)
+    d_check = torch.randn(check.x.shape, device=d.device, generator=gen).to(torch.bfloat16)
+    d_out = torch.randn(inputs.x.shape, device=d.device, generator=gen).to(torch.bfloat16)
+    error, ref = None, None
+    try:
+        ref = reference_grads_on_rank0(d, weights, check, d_check)
+    except Exception as exc:
+        error = error_text(exc)
+    error = _agree_error(d, error)
+    passed = []
+    for name in contenders:
+        failure = error and f"reference check: {error}"
+        errors: dict[str, float] = {}
+        if not failure:
+            try:
+                layer = EpLayer(name, weights, check, d, opts.mok_config, grouped_mm)
+                layer.forward().backward(d_check)
+                sync(d.device)
+                got = _gathered(d, layer.grads())
+                del layer
+                for n in GRAD_NAMES:
+                    if n in got or (ref is not None and ref.get(n) is not None):
+                        value = (rel_err(got[n], ref[n]) if n in got else float("inf")) if d.rank == 0 else 0.0
+                        errors[f"d_{n}"] = broadcast_float(d, value)
+            except Exception as exc:
+                failure = error_text(exc)
+            failure = _agree_error(d, failure)
+        worst = max(errors.values(), default=0.0, key=lambda v: float("inf") if v != v else v)
+        for p in PASSES:
+            rows[(name, p)]["rel_err_grads"] = errors
+            if failure:
+                rows[(name, p)].update(status="error", error=failure)
+            elif not worst <= opts.tol:
+                rows[(name, p)].update(status="check_failed", error=(
+                    f"worst gradient rel err {worst:.3g} > {opts.tol} vs autograd on "
+                    f"mok_cute.reference.moe_forward_virtual"))
+        if not failure and worst <= opts.tol:
+            passed.append(name)
+    del ref
+    free_memory(d.device)
+
+    for name in passed:
+        for p, fn in _pass_runners(EpLayer(name, weights, inputs, d, opts.mok_config,
+                                           grouped_mm), d_out).items():
+            error = None
+            try:
+                ms, per_rank = timed_over_ranks(d, fn, opts.iters, opts.warmup)
+            except Exception as exc:
+                error = error_text(exc)
+            error = _agree_error(d, error)
+            row = rows[(name, p)]
+            if error:
+                row.update(status="error", error=error)
+            else:
+                row.update(ms=ms, ms_per_rank=per_rank, status="ok",
+                           tflops=row["flops"] / (ms * 1e-3) / 1e12)
+            log(f"{base['shape']} T={base['T']} {name} {p}: {row.get('status')}"
+                + (f" {ms:.3f} ms" if not error else f" ({error[:200]})"))
+        free_memory(d.device)
+    return list(rows.values())
+
+
+def _pass_runners(layer: EpLayer, d_out: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """bwd: the backward over one forward's graph (built on first use, then kept); train:
+    forward and backward."""
+    graph: dict[str, torch.Tensor] = {}
+
+    def bwd() -> None:
+        layer.reset()
+        if "out" not in graph:
+            graph["out"] = layer.forward()
+        graph["out"].backward(d_out, retain_graph=True)
+
+    def train() -> None:
+        layer.reset()
+        layer.forward().backward(d_out)
+
+    return {"bwd": bwd, "train": train}
