@@ -37,13 +37,13 @@ import torch.distributed as dist  # noqa: E402
 
 import mok_cute  # noqa: E402
 from mok_cute import reference  # noqa: E402
-from mok_cute.bench import ep  # noqa: E402
+from mok_cute.bench import ep, ep_dist  # noqa: E402
 from mok_cute.bench.common import rel_err  # noqa: E402
 from mok_cute.bench.results import gpu_name  # noqa: E402
 from mok_cute.shapes import EP_SHAPES, Shape, moe_flops  # noqa: E402
 
 
-def build_layer(shape: Shape, d: ep.Dist, seed: int, backend: str = "auto") -> mok_cute.MoELayer:
+def build_layer(shape: Shape, d: ep_dist.Dist, seed: int, backend: str = "auto") -> mok_cute.MoELayer:
     torch.manual_seed(seed)  # router and shared expert: identical on every rank
     layer = mok_cute.MoELayer(
         shape.hidden, shape.intermediate, shape.experts, shape.top_k,
@@ -61,14 +61,14 @@ def build_layer(shape: Shape, d: ep.Dist, seed: int, backend: str = "auto") -> m
     return layer.eval()
 
 
-def check_against_reference(layer: mok_cute.MoELayer, d: ep.Dist, tokens: int, seed: int) -> tuple[float, bool]:
+def check_against_reference(layer: mok_cute.MoELayer, d: ep_dist.Dist, tokens: int, seed: int) -> tuple[float, bool]:
     """(relative error, bitwise equal) of the gathered outputs against moe_forward_virtual."""
     gen = torch.Generator(device=d.device).manual_seed(seed * 7919 + d.rank)
     x = torch.randn(tokens, layer.hidden, device=d.device, generator=gen).to(torch.bfloat16)
     with torch.no_grad():
         topk_idx, topk_weights = layer.route(x)  # what layer(x) routes by (deterministic)
         out = layer(x)
-    stacked = [ep.gather_stacked(d, t.detach()) for t in (x, topk_idx, topk_weights, out, layer.w_gate, layer.w_up, layer.w_down)]
+    stacked = [ep_dist.gather_stacked(d, t.detach()) for t in (x, topk_idx, topk_weights, out, layer.w_gate, layer.w_up, layer.w_down)]
     rel, same = 0.0, 0.0
     if d.rank == 0:
         xs, idx, wts, outs, wg, wu, wd = stacked
@@ -78,7 +78,7 @@ def check_against_reference(layer: mok_cute.MoELayer, d: ep.Dist, tokens: int, s
         with torch.no_grad():
             ref = reference.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared)
         rel, same = rel_err(outs, ref), float(torch.equal(outs, ref))
-    return ep.broadcast_float(d, rel), bool(ep.broadcast_float(d, same))
+    return ep_dist.broadcast_float(d, rel), bool(ep_dist.broadcast_float(d, same))
 
 
 def main() -> int:
@@ -95,7 +95,7 @@ def main() -> int:
                         help="MoKConfig.backend: megakernel = the IPC megakernel (one launch per rank)")
     args = parser.parse_args()
 
-    with ep.session(args.device) as d:
+    with ep_dist.session(args.device) as d:
         shape = ep.resolve_split_shape(args.shape, d.world)
         tokens = args.tokens or shape.tokens
         layer = build_layer(shape, d, args.seed, args.backend)
@@ -122,7 +122,7 @@ def main() -> int:
             with torch.no_grad():
                 return layer(x)
 
-        per_rank = ep.all_values(d, ep.time_per_rank(d, forward, args.iters, args.warmup))
+        per_rank = ep_dist.all_values(d, ep_dist.time_per_rank(d, forward, args.iters, args.warmup))
         if d.rank == 0:
             flops = moe_flops(tokens, shape.hidden, shape.intermediate, shape.top_k, shape.shared)
             for r, ms in enumerate(per_rank):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import mok_cute as mok
 from mok_cute import cli, shapes
-from mok_cute.bench import ep, ep_training, harness, results
+from mok_cute.bench import ep, ep_dist, ep_training, harness, results
 
 import gloo_group
 from per_token import assert_tokens_close
@@ -42,7 +42,7 @@ def _shape(world: int) -> shapes.Shape:
 # --------------------------------------------------------------------------------------------
 
 
-def _baseline_equals_reference_and_group_path(d: ep.Dist, out_dir: Path) -> None:
+def _baseline_equals_reference_and_group_path(d: ep_dist.Dist, out_dir: Path) -> None:
     """nccl_torch == reference.moe_forward_virtual (gathered) ~= moe_forward(group=...)."""
     shape = _shape(d.world)
     weights = ep.make_rank_weights(shape, d.world, d.rank, d.device, seed=5)
@@ -54,7 +54,7 @@ def _baseline_equals_reference_and_group_path(d: ep.Dist, out_dir: Path) -> None
     assert base.shape == group_out.shape == (T, H) and base.dtype == torch.bfloat16
     assert_tokens_close(base, group_out, what=f"rank {d.rank}: nccl_torch against the group path")
     ref = ep._reference_on_rank0(d, weights, inp)
-    gathered_base, gathered_group = ep.gather_stacked(d, base), ep.gather_stacked(d, group_out)
+    gathered_base, gathered_group = ep_dist.gather_stacked(d, base), ep_dist.gather_stacked(d, group_out)
     if d.rank == 0:
         assert ref.shape == (d.world, T, H)
         assert_tokens_close(gathered_base, ref, what="nccl_torch against the reference")
@@ -62,7 +62,7 @@ def _baseline_equals_reference_and_group_path(d: ep.Dist, out_dir: Path) -> None
         assert torch.equal(gathered_group, ref)
 
 
-def _exact_bytes_and_max_timing(d: ep.Dist, out_dir: Path) -> None:
+def _exact_bytes_and_max_timing(d: ep_dist.Dist, out_dir: Path) -> None:
     """Every token of every rank goes to rank 0's experts: exact byte counts per rank."""
     shape = _shape(d.world)
     R = d.world
@@ -98,11 +98,11 @@ def _exact_bytes_and_max_timing(d: ep.Dist, out_dir: Path) -> None:
 
     # The max over ranks is the slowest rank's median: the last rank sleeps 30 ms per call.
     sleep_s = 0.03 if d.rank == R - 1 else 0.0
-    ms, per_rank = ep.timed_over_ranks(d, lambda: time.sleep(sleep_s), iters=3, warmup=0)
+    ms, per_rank = ep_dist.timed_over_ranks(d, lambda: time.sleep(sleep_s), iters=3, warmup=0)
     assert ms == max(per_rank) == per_rank[-1] and ms >= 30.0 and per_rank[0] < 30.0
 
 
-def _failed_check_is_recorded_not_timed(d: ep.Dist, out_dir: Path) -> None:
+def _failed_check_is_recorded_not_timed(d: ep_dist.Dist, out_dir: Path) -> None:
     shape = _shape(d.world)
     original = ep.NcclTorchMoE.experts
     ep.NcclTorchMoE.experts = lambda self, rows, plan: torch.zeros_like(original(self, rows, plan))
@@ -114,7 +114,7 @@ def _failed_check_is_recorded_not_timed(d: ep.Dist, out_dir: Path) -> None:
     assert row["status"] == "check_failed" and row["ms"] is None and row["rel_err"] > 1e-2, row
 
 
-def _cli_hook_end_to_end(d: ep.Dist, out_dir: Path) -> None:
+def _cli_hook_end_to_end(d: ep_dist.Dist, out_dir: Path) -> None:
     """`mok-cute bench --ep` runs the EP harness across the ranks."""
     argv = ["bench", "--ep", "--shapes", f"custom:{T},{H},{I},{E_LOC * d.world},{K},1", "--iters", "2", "--warmup", "1",
             "--check-tokens", "8", "--skew", "0.5", "--out", str(out_dir / "results"), "--tag", "test",
@@ -122,7 +122,7 @@ def _cli_hook_end_to_end(d: ep.Dist, out_dir: Path) -> None:
     assert cli.main(argv) == 0
 
 
-def _training_passes_checked_and_timed(d: ep.Dist, out_dir: Path) -> None:
+def _training_passes_checked_and_timed(d: ep_dist.Dist, out_dir: Path) -> None:
     """--train: bwd and train rows of both layer contenders, their eight gradients checked
     against autograd on the reference (the baseline's packed gate | up split back), timed with
     2x / 3x the forward's FLOPs; a baseline with a wrong gradient is recorded, not timed."""
@@ -165,7 +165,7 @@ SCENARIOS = {
 
 
 def _run_scenarios(rank: int, world: int, out_dir: str, scenarios: list[str]) -> None:
-    d = ep.init_distributed("cpu")
+    d = ep_dist.init_distributed("cpu")
     assert not d.owns_group and (d.rank, d.world, d.backend) == (rank, world, "gloo")
     for name in scenarios:
         SCENARIOS[name](d, Path(out_dir))
@@ -282,7 +282,7 @@ def test_example_script_under_torchrun_on_cpu():
     """examples/ep_torchrun.py: 2 gloo ranks, MoELayer(group=...), the check passes, times printed."""
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(ep.free_port()), str(root / "examples" / "ep_torchrun.py"), "--device", "cpu",
+           "--master-port", str(ep_dist.free_port()), str(root / "examples" / "ep_torchrun.py"), "--device", "cpu",
            "--shape", f"custom:{T},{H},{I},{2 * E_LOC},{K},1", "--iters", "2", "--warmup", "1", "--check-tokens", "16"]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
@@ -293,7 +293,7 @@ def test_example_script_under_torchrun_on_cpu():
 def _torchrun_ep_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(ep.free_port()), str(root / "tools" / "ep_check.py"), *args]
+           "127.0.0.1", "--master-port", str(ep_dist.free_port()), str(root / "tools" / "ep_check.py"), *args]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
 

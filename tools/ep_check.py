@@ -35,7 +35,7 @@ sys.path.insert(0, __file__.rsplit("/tools/", 1)[0])  # run from a checkout
 sys.path.insert(0, __file__.rsplit("/tools/", 1)[0] + "/tests")  # the tests' per-token check
 import mok_cute  # noqa: E402
 from mok_cute import reference  # noqa: E402
-from mok_cute.bench import ep  # noqa: E402
+from mok_cute.bench import ep, ep_dist  # noqa: E402
 from mok_cute.bench.results import gpu_name  # noqa: E402
 from mok_cute.shapes import Shape  # noqa: E402
 from per_token import TOKEN_TOL, worst_token_error  # noqa: E402
@@ -43,7 +43,7 @@ from per_token import TOKEN_TOL, worst_token_error  # noqa: E402
 ROUTINGS = {"uniform": None, "skew": 0.5}  # skew: the fraction of tokens on the hot expert
 
 
-def run_routing(d: ep.Dist, shape: Shape, tokens: int, skew: float | None, config: mok_cute.MoKConfig,
+def run_routing(d: ep_dist.Dist, shape: Shape, tokens: int, skew: float | None, config: mok_cute.MoKConfig,
                 comm: list[int], tol: float, seed: int) -> dict[str, tuple[bool, str]]:
     """The four checks for one routing; rank 0's verdicts, broadcast to every rank."""
     routing = ep.make_routing(d.world, tokens, shape.experts, shape.top_k, seed, skew=skew)
@@ -60,8 +60,8 @@ def run_routing(d: ep.Dist, shape: Shape, tokens: int, skew: float | None, confi
     same_repeat = torch.equal(forward(config), first)
     same_comm = {n: torch.equal(forward(dataclasses.replace(config, num_comm_sms=n)), first) for n in comm}
 
-    xs, idx, wts, outs = (ep.gather_stacked(d, t) for t in (inp.x, inp.topk_idx, inp.topk_weights, first))
-    wg, wu, wd = (ep.gather_stacked(d, t) for t in (weights.w_gate, weights.w_up, weights.w_down))
+    xs, idx, wts, outs = (ep_dist.gather_stacked(d, t) for t in (inp.x, inp.topk_idx, inp.topk_weights, first))
+    wg, wu, wd = (ep_dist.gather_stacked(d, t) for t in (weights.w_gate, weights.w_up, weights.w_down))
     verdict = [0.0, 0.0]  # worst token's relative error, emulated bitwise equal
     if d.rank == 0:
         shared = None
@@ -71,10 +71,10 @@ def run_routing(d: ep.Dist, shape: Shape, tokens: int, skew: float | None, confi
             ref = reference.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared)
             emulated = mok_cute.moe_forward_virtual(xs, idx, wts, wg, wu, wd, shared=shared, config=config)
         verdict = [worst_token_error(outs, ref), float(torch.equal(emulated, outs))]
-    rel = ep.broadcast_float(d, verdict[0])
-    emulated_equal = bool(ep.broadcast_float(d, verdict[1]))
-    repeat_all = ep.all_max(d, float(not same_repeat)) == 0.0
-    comm_all = {n: ep.all_max(d, float(not ok)) == 0.0 for n, ok in same_comm.items()}
+    rel = ep_dist.broadcast_float(d, verdict[0])
+    emulated_equal = bool(ep_dist.broadcast_float(d, verdict[1]))
+    repeat_all = ep_dist.all_max(d, float(not same_repeat)) == 0.0
+    comm_all = {n: ep_dist.all_max(d, float(not ok)) == 0.0 for n, ok in same_comm.items()}
     return {
         "reference": (rel <= tol, f"worst token's relative error {rel:.3e} (tol {tol})"),
         "repeat": (repeat_all, "bitwise equal on every rank"),
@@ -97,7 +97,7 @@ def main() -> int:
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (gloo)")
     args = parser.parse_args()
 
-    with ep.session(args.device) as d:
+    with ep_dist.session(args.device) as d:
         shape = ep.resolve_split_shape(args.shape, d.world)
         tokens = args.tokens or shape.tokens
         config = mok_cute.MoKConfig(backend=args.backend, timeout_ms=10_000.0)

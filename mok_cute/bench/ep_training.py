@@ -47,7 +47,7 @@ def nccl_torch_train_forward(x, topk_idx, topk_weights, gate_up, down, shared, g
                              grouped_mm: bool) -> torch.Tensor:
     """The nccl_torch baseline's forward, differentiable in x, the router weights, ``gate_up``
     [E_loc, 2I, H], ``down`` [E_loc, H, I] and ``shared`` (ws_gate_up [2Is, H], ws_down)."""
-    from mok_cute.bench.ep import plan_exchange
+    from mok_cute.bench.ep_dist import plan_exchange
     from mok_cute.bench.torch_moe import shared_expert, swiglu_bf16, weighted_scatter_sum
 
     tokens, top_k = topk_idx.shape
@@ -121,7 +121,7 @@ def reference_grads_on_rank0(d, weights, inp, d_out) -> dict[str, torch.Tensor] 
     """Autograd on ``reference.moe_forward_virtual`` over every rank's gathered inputs and
     weights; the shared expert's gradients summed over the ranks (one replicated parameter)."""
     from mok_cute import reference
-    from mok_cute.bench.ep import gather_stacked
+    from mok_cute.bench.ep_dist import gather_stacked
 
     xs, idx, wts, d_outs = (gather_stacked(d, t) for t in (inp.x, inp.topk_idx, inp.topk_weights, d_out))
     wg, wu, wd = (gather_stacked(d, t) for t in (weights.w_gate, weights.w_up, weights.w_down))
@@ -140,7 +140,7 @@ def reference_grads_on_rank0(d, weights, inp, d_out) -> dict[str, torch.Tensor] 
 
 def _gathered(d, grads: list) -> dict[str, torch.Tensor | None]:
     """This rank's gradients stacked over the ranks on rank 0 (the shared expert's summed)."""
-    from mok_cute.bench.ep import gather_stacked
+    from mok_cute.bench.ep_dist import gather_stacked
 
     out = {}
     for name, g in zip(GRAD_NAMES, grads):
@@ -154,7 +154,7 @@ def _gathered(d, grads: list) -> dict[str, torch.Tensor | None]:
 def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], weights, inputs, check,
                    grouped_mm: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The bwd and train rows of one shape at one T (every rank calls it together)."""
-    from mok_cute.bench.ep import _agree_error, broadcast_float, timed_over_ranks
+    from mok_cute.bench.ep_dist import _agree_error, broadcast_float, timed_over_ranks
 
     rows = {(c, p): {**base, "contender": c, "pass": p, "flops": base["flops"] * k}
             for c in contenders for p, k in PASSES.items()}
