@@ -485,6 +485,23 @@ def test_d_xs_and_d_topk_equal_one_rank_with_the_same_tokens_bitwise(R, Is):
 
 
 @pytest.mark.gpu
+def test_gradients_are_bitwise_across_comm_split_minibatch_and_ring():
+    """Training through forwards of other comm splits, minibatches and a ring smaller than the
+    routed rows (it wraps): every gradient bit for bit the same."""
+    R, T, H, I, E_loc, K = 4, 256, 256, 128, 4, 4
+    leaves, idx = _problem(R, T, H, I, E_loc, K, 64, seed=9, routing="skew")
+    d_out = torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+    base = mok.MoKConfig(timeout_ms=5000.0)
+    out, want = _grads("kernel", leaves, idx, d_out, base)
+    other = mok.MoKConfig(timeout_ms=5000.0, num_comm_sms=6, minibatch_tokens=256,
+                          ring_tokens=512)
+    out2, got = _grads("kernel", leaves, idx, d_out, other)
+    assert torch.equal(out, out2)
+    for name_, a, b in zip(NAMES, got, want):
+        assert torch.equal(a, b), f"{name_} differs across comm split / minibatch / ring"
+
+
+@pytest.mark.gpu
 def test_frozen_inputs_get_no_gradient():
     """needs_input_grad: frozen experts skip their weight gradients, a frozen input skips
     d_xs; the gradients that are computed equal those of a call where everything trains."""
