@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from mok_cute.constants import TILE_M
-from mok_cute.schedule import schedule_capacity
+from mok_cute.schedule import saved_preact_rows, schedule_capacity
 
 _SAVED = 7  # tensors of expert_path.SavedForBackward
 _VIRTUAL_SAVED = 9  # tensors of virtual_backward.VirtualSaved
@@ -247,11 +247,11 @@ def _(xs, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
     R, T, K = topk_idx.shape
     experts, inter = w_gate.shape[1], w_gate.shape[2]
     cap = schedule_capacity(R, T, K, experts, TILE_M)
-    rows = T * K if R == 1 else cap  # g | u by slot at one rank, by receive row on several
+    rows = saved_preact_rows(R, R, T, K, experts, TILE_M)  # one pool for the R ranks
     i32 = dict(dtype=torch.int32, device=xs.device)
     shared_preact = (xs.new_empty(0) if ws_gate is None
                      else xs.new_empty(R, T, 2 * ws_gate.shape[1]))
-    return [xs.new_empty(R, T, xs.shape[2]), xs.new_empty(R, rows, 2 * inter), shared_preact,
+    return [xs.new_empty(R, T, xs.shape[2]), xs.new_empty(rows, 2 * inter), shared_preact,
             *(torch.empty(R, cap, **i32) for _ in range(4)),
             torch.empty(R, cap // TILE_M, **i32), torch.empty(R, **i32),
             torch.empty(R, experts + 1, **i32)]
@@ -351,7 +351,7 @@ class _GroupTrain(torch.autograd.Function):
         x, ids, topk_weights, w_gate, w_up, w_down, *shared = ctx.saved_tensors
         saved = ctx.saved
         one = lambda t: None if t is None else t.unsqueeze(0)  # noqa: E731  the launch's rank
-        stacked = saved._replace(preact=one(saved.preact), row_slot=one(saved.row_slot),
+        stacked = saved._replace(row_slot=one(saved.row_slot),
                                  shared_preact=one(saved.shared_preact))
         needs = Needs(*_needs(ctx))
         grads = moe_backward_group(

@@ -135,13 +135,14 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         src = _row_addresses(base, layout.offset(field), index, row_bytes, valid)
         copy_rows_by_address(src.reshape(-1), _rows_of(dst, row_bytes), row_bytes)
 
-    # the router weight of each saved g | u row (the dgated epilogue reads both by row_slot)
-    rows = saved.preact.shape[1]
-    row_slot = saved.row_slot.to(torch.int64)
-    weights = torch.zeros(L, rows + 1, dtype=torch.float32, device=dev)
-    weights.scatter_(1, torch.where(row_slot >= 0, row_slot, rows),
-                     torch.where(row_slot >= 0, w_rows[..., 0], 0.0))  # column `rows`: a sink
-    weights = weights[:, :rows].contiguous()
+    # the router weight of each saved g | u row (the dgated epilogue reads both by row_slot;
+    # the launch's ranks share one pool, each row saved once)
+    rows = saved.preact.shape[0]
+    row_slot = saved.row_slot.to(torch.int64).reshape(-1)
+    weights = torch.zeros(rows + 1, dtype=torch.float32, device=dev)
+    weights.scatter_(0, torch.where(row_slot >= 0, row_slot, rows),
+                     torch.where(row_slot >= 0, w_rows[..., 0].reshape(-1), 0.0))  # [rows]: a sink
+    weights = weights[:rows].contiguous()
 
     # 3. the expert backward, rank by rank of the launch; 4. push dx rows and partials home
     dwg, dwu, dwd = [], [], []
@@ -150,7 +151,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     for r in range(L):
         dx_rows, gate, up, down, partials = _expert_backward(
             d_rows[r], None if x_rows is None else x_rows[r], w_gate[r], w_up[r], w_down[r],
-            saved.preact[r], saved.row_slot[r], weights[r], sched.tile_expert[r],
+            saved.preact, saved.row_slot[r], weights, sched.tile_expert[r],
             sched.num_tiles[r:r + 1], sched.expert_offsets[r], True, needs.w_gate_up,
             needs.w_down, True, options, dgrads="megakernel")
         dwg.append(gate)

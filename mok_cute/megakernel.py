@@ -49,7 +49,8 @@ LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their r
 class SavedPreact(NamedTuple):
     """What a training forward through the megakernel keeps of FC1, per rank of the launch."""
 
-    preact: torch.Tensor  # [R, rows, 2I] bf16, g then u: rows T * K by slot at one rank, else by receive row
+    preact: torch.Tensor  # [rows, 2I] bf16, g then u: T * K by slot at one rank, else by receive
+    # row (several ranks of a launch: one pool, rank r's rows after r - 1's: schedule.saved_preact_rows)
     row_slot: torch.Tensor  # [R, capacity] int32: each schedule row's preact row, -1 on padding
     shared_preact: torch.Tensor | None  # [R, T, 2Is] bf16 by token, or None
     schedules: object = None  # the launch's ReceiveSchedules (built for this call)
@@ -357,7 +358,8 @@ class Plan:
         if k.spec.save_preact:
             saved = self._saved_preact(scheds, shared is not None)._replace(schedules=scheds,
                                                                              plan=self)
-            saved_args = (kmajor(saved.preact), saved.row_slot,
+            # every rank of the launch writes into the one pool (rank stride 0)
+            saved_args = (kmajor(saved.preact.unsqueeze(0).expand(R, -1, -1)), saved.row_slot,
                           None if shared is None else kmajor(saved.shared_preact),
                           None if shared is None else self._token_rows)
         d = self.device_tasks
@@ -378,17 +380,23 @@ class Plan:
     def _saved_preact(self, scheds, has_shared: bool) -> SavedPreact:
         """The buffers a saving launch's FC1 tasks write and each schedule row's place in
         them (on the device, no host sync)."""
+        from mok_cute.schedule import saved_preact_rows
+
         k, R = self.key, self.side.launch_ranks
         dev = scheds.row_token.device
         valid = scheds.row_token >= 0
+        rows = saved_preact_rows(R, self.side.num_peers, k.tokens, k.top_k, k.local_experts,
+                                 TILE_M)
         if self.side.num_peers == 1:  # by (token, k) slot: the one-GPU path's layout
-            rows, index = k.tokens * k.top_k, scheds.row_token * k.top_k + scheds.row_k
-        else:  # by receive row
-            rows, index = self.capacity, self._receive_rows.expand(R, -1)
+            index = scheds.row_token * k.top_k + scheds.row_k
+        else:  # by receive row, rank r's after the live rows of ranks 0 .. r - 1
+            live = scheds.num_tiles.to(torch.int64) * TILE_M
+            start = torch.cumsum(live, 0) - live
+            index = start.unsqueeze(1) + self._receive_rows.expand(R, -1)
         row_slot = torch.where(valid, index, torch.full_like(index, -1)).to(torch.int32)
         shared_preact = (torch.empty(R, k.tokens, 2 * k.shared_intermediate, dtype=torch.bfloat16,
                                      device=dev) if has_shared else None)
-        return SavedPreact(torch.empty(R, rows, 2 * k.intermediate, dtype=torch.bfloat16,
+        return SavedPreact(torch.empty(rows, 2 * k.intermediate, dtype=torch.bfloat16,
                                        device=dev), row_slot.contiguous(), shared_preact)
 
     def raise_pending_errors(self) -> None:
@@ -511,7 +519,7 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     if not save:
         return result[0]
     out, saved = result
-    return out[0], SavedPreact(saved.preact[0], saved.row_slot[0],
+    return out[0], SavedPreact(saved.preact, saved.row_slot[0],
                                None if saved.shared_preact is None else saved.shared_preact[0],
                                saved.schedules, saved.plan)
 

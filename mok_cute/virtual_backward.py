@@ -44,12 +44,13 @@ __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_pre
 
 
 class VirtualSaved(NamedTuple):
-    """What the virtual backward reads of a training forward (R ranks, P saved rows a rank:
-    T * K by slot at one rank, the schedule's capacity by receive row on several)."""
+    """What the virtual backward reads of a training forward (R ranks; P saved rows in one
+    pool: T * K by slot at one rank, every rank's receive rows on several,
+    ``schedule.saved_preact_rows``)."""
 
-    preact: torch.Tensor  # [R, P, 2I] bf16: g | u of every routed row
+    preact: torch.Tensor  # [P, 2I] bf16: g | u of every routed row
     shared_preact: torch.Tensor  # [R, T, 2Is] bf16 by token, or an empty tensor
-    row_slot: torch.Tensor  # [R, capacity] int32: each schedule row's saved row, -1 on padding
+    row_slot: torch.Tensor  # [R, capacity] int32: each schedule row's row in preact, -1 on padding
     row_peer: torch.Tensor  # [R, capacity] int32: the schedules' source of each row (-1: pad)
     row_token: torch.Tensor  # [R, capacity] int32
     row_k: torch.Tensor  # [R, capacity] int32
@@ -73,7 +74,7 @@ class ConcatSchedule(NamedTuple):
 
     token_row: torch.Tensor  # [M] each row's token in the flat [R * T] rows: peer * T + token
     slot: torch.Tensor  # [M] its (peer, token, k) as (peer * T + token) * K + k
-    preact_row: torch.Tensor  # [M] its saved g | u row in the flat [R * P] rows: r * P + row_slot
+    preact_row: torch.Tensor  # [M] its saved g | u row (its rank's row_slot: one pool for all)
     row_of_slot: torch.Tensor  # [R * T * K] the row of each (peer, token, k)
     tile_expert: torch.Tensor  # [M // tile_m] expert r * E_loc + e of each tile (-1: past the live)
     num_tiles: torch.Tensor  # [1] live tiles of all ranks
@@ -108,13 +109,13 @@ def _inverse(keys: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def concat_schedules(row_peer, row_token, row_k, row_slot, tile_expert, num_tiles,
-                     expert_offsets, *, num_tokens: int, top_k: int, preact_rows: int,
+                     expert_offsets, *, num_tokens: int, top_k: int,
                      tile_m: int = TILE_M) -> ConcatSchedule:
     """Lay R ranks' receive schedules ([R, capacity] tables, as ``VirtualSaved`` holds them)
     end to end: rank r's live tiles after those of ranks 0 .. r - 1, its experts renumbered
-    r * E_loc + e, each row keeping its source (peer, token, k) and its saved row (rank r's
-    ``row_slot`` shifted by r * ``preact_rows``). Torch ops on the tables' device, no host
-    sync, on CPU tensors too."""
+    r * E_loc + e, each row keeping its source (peer, token, k) and its saved row (``row_slot``:
+    a row of the launch's one pool). Torch ops on the tables' device, no host sync, on CPU
+    tensors too."""
     if not isinstance(row_token, torch.Tensor) or row_token.dim() != 2:
         raise ValueError(f"row_token: expected an int32 [R, capacity] tensor, got "
                          f"{getattr(row_token, 'shape', type(row_token).__name__)}")
@@ -136,8 +137,7 @@ def concat_schedules(row_peer, row_token, row_k, row_slot, tile_expert, num_tile
                            ("num_tiles", num_tiles, (R,)),
                            ("expert_offsets", expert_offsets, (R, E_loc + 1))):
         _check_table(name, t, shape, device)
-    for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1),
-                               ("preact_rows", preact_rows, 0)):
+    for name, value, least in (("num_tokens", num_tokens, 0), ("top_k", top_k, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
 
@@ -161,14 +161,13 @@ def concat_schedules(row_peer, row_token, row_k, row_slot, tile_expert, num_tile
 
     # rows: each concatenated row's row in its rank's schedule
     src_row = (src_tile.unsqueeze(1) * tile_m + torch.arange(tile_m, **i64)).reshape(-1)
-    row_rank = rank.repeat_interleave(tile_m)
     take = lambda t: t.reshape(-1)[src_row].to(torch.int64)  # noqa: E731
     token, peer, k, saved_row = take(row_token), take(row_peer), take(row_k), take(row_slot)
     valid = live.repeat_interleave(tile_m) & (token >= 0)
     minus1 = torch.full_like(token, -1)
     token_row = torch.where(valid, peer * T + token, minus1)
     slot = torch.where(valid, token_row * K + k, minus1)
-    preact_row = torch.where(valid & (saved_row >= 0), row_rank * preact_rows + saved_row, minus1)
+    preact_row = torch.where(valid & (saved_row >= 0), saved_row, minus1)
 
     starts = expert_offsets[:, :E_loc].to(torch.int64) + (tile_start * tile_m).unsqueeze(1)
     offsets = torch.cat([starts.reshape(-1), tile_end[-1:] * tile_m])
@@ -206,24 +205,24 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                          f"{getattr(d_out, 'shape', type(d_out).__name__)}")
     if d_out.dtype != torch.bfloat16:
         raise ValueError(f"d_out: expected bfloat16, got {d_out.dtype}")
-    if saved.preact.dim() != 3 or saved.preact.shape[0] != R:
-        raise ValueError(f"saved.preact: expected [R={R}, rows, {2 * I}], got "
+    if saved.preact.dim() != 2 or saved.preact.shape[1] != 2 * I:
+        raise ValueError(f"saved.preact: expected [rows, {2 * I}], got "
                          f"{list(saved.preact.shape)}")
     from mok_cute.kernels import token_ops
 
     d_out = d_out.contiguous()
-    rows = saved.preact.shape[1]
+    rows = saved.preact.shape[0]
     concat = concat_schedules(saved.row_peer, saved.row_token, saved.row_k, saved.row_slot,
                               saved.tile_expert, saved.num_tiles, saved.expert_offsets,
-                              num_tokens=T, top_k=K, preact_rows=rows)
+                              num_tokens=T, top_k=K)
     d_rows = token_ops.gather_rows(d_out.view(R * T, H), concat.token_row)  # zeros on padding
     x_rows = (token_ops.gather_rows(xs.reshape(R * T, H), concat.token_row)
               if needs.w_gate_up else None)
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),
-        saved.preact.reshape(R * rows, 2 * I), concat.preact_row,
-        weights_by_preact_row(concat, topk_weights, R * rows), concat.tile_expert,
+        saved.preact, concat.preact_row,
+        weights_by_preact_row(concat, topk_weights, rows), concat.tile_expert,
         concat.num_tiles, concat.expert_offsets, needs.x, needs.w_gate_up, needs.w_down,
         needs.topk_weights, options, dgrads="megakernel")
 

@@ -181,8 +181,7 @@ def _ipc_rank(rank, world, seed, out_dir):
     s = saved.schedules
     mine = types.SimpleNamespace(**{f: getattr(s, f)[rank:rank + 1] for f in (
         "row_peer", "row_token", "row_k", "tile_expert", "num_tiles", "expert_offsets")})
-    one = saved._replace(preact=saved.preact[rank:rank + 1],
-                         row_slot=saved.row_slot[rank:rank + 1],
+    one = saved._replace(row_slot=saved.row_slot[rank:rank + 1],  # into the virtual pool
                          shared_preact=saved.shared_preact[rank:rank + 1], schedules=mine,
                          plan=plan)
     for _ in range(2):

@@ -29,7 +29,7 @@ import torch
 
 import mok_cute as mok
 from mok_cute import reference
-from mok_cute.schedule import build_receive_schedules, schedule_capacity
+from mok_cute.schedule import build_receive_schedules, saved_preact_rows, schedule_capacity
 from mok_cute.virtual_backward import concat_schedules, weights_by_preact_row
 from per_token import DX_TOKEN_TOL, assert_tokens_close
 from test_backward import NAMES, _close
@@ -46,10 +46,13 @@ def _tables(idx: torch.Tensor, E_loc: int):
     R, T, K = idx.shape
     s = build_receive_schedules(idx, E_loc, TILE, validate=False, gpu_build=False)
     valid = s.row_token >= 0
+    rows = saved_preact_rows(R, R, T, K, E_loc, TILE)
     if R == 1:
-        rows, index = T * K, s.row_token * K + s.row_k
-    else:
-        rows, index = s.capacity, torch.arange(s.capacity, device=idx.device).expand(R, -1)
+        index = s.row_token * K + s.row_k
+    else:  # one pool: rank r's receive rows after the live rows of ranks 0 .. r - 1
+        live = s.num_tiles.long() * TILE
+        start = torch.cumsum(live, 0) - live
+        index = start.unsqueeze(1) + torch.arange(s.capacity, device=idx.device).expand(R, -1)
     row_slot = torch.where(valid, index, torch.full_like(index, -1)).to(torch.int32)
     return dict(row_peer=s.row_peer, row_token=s.row_token, row_k=s.row_k, row_slot=row_slot,
                 tile_expert=s.tile_expert, num_tiles=s.num_tiles,
@@ -103,7 +106,7 @@ def _check_concat(t, P, concat, R, T, K, E_loc):
                 peer, k = int(t["row_peer"][r, i]), int(t["row_k"][r, i])
                 assert token_row[m] == peer * T + token, (r, i)
                 assert slot[m] == (peer * T + token) * K + k, (r, i)
-                assert preact_row[m] == r * P + int(t["row_slot"][r, i]), (r, i)
+                assert preact_row[m] == int(t["row_slot"][r, i]) < P, (r, i)
     assert received == len(row_of)
     want = torch.full((R * T * K,), -1, dtype=torch.int32)
     for s, m in row_of.items():
@@ -118,7 +121,7 @@ def _check_concat(t, P, concat, R, T, K, E_loc):
 def test_concatenation_places_every_receive_row_once(R, T, K, E_loc, routing, gen):
     idx = _routing(R, T, K, E_loc, routing, gen)
     t, P = _tables(idx, E_loc)
-    concat = concat_schedules(**t, num_tokens=T, top_k=K, preact_rows=P)
+    concat = concat_schedules(**t, num_tokens=T, top_k=K)
     _check_concat(t, P, concat, R, T, K, E_loc)
     # every routed slot has a row (all ids valid here)
     assert bool((concat.row_of_slot >= 0).all())
@@ -126,12 +129,12 @@ def test_concatenation_places_every_receive_row_once(R, T, K, E_loc, routing, ge
         assert int(t["num_tiles"][-1]) == 0
     # the dgated epilogue reads each row's weight through its saved row
     weights = torch.rand(R, T, K, generator=gen)
-    by_row = weights_by_preact_row(concat, weights, R * P)
-    assert by_row.dtype == torch.float32 and by_row.shape == (R * P,)
+    by_row = weights_by_preact_row(concat, weights, P)
+    assert by_row.dtype == torch.float32 and by_row.shape == (P,)
     hit = concat.preact_row >= 0
     assert torch.equal(by_row[concat.preact_row[hit].long()],
                        weights.reshape(-1)[concat.slot[hit].long()])
-    unsaved = torch.ones(R * P, dtype=torch.bool)
+    unsaved = torch.ones(P, dtype=torch.bool)
     unsaved[concat.preact_row[hit].long()] = False
     assert bool((by_row[unsaved] == 0).all())
 
@@ -142,7 +145,7 @@ def test_concatenation_fits_the_worst_padding_exactly():
     R, T, K, E_loc = 4, 2, 2, 4
     idx = torch.arange(R * T * K, dtype=torch.int32).view(R, T, K)  # a distinct expert each
     t, P = _tables(idx, E_loc)
-    concat = concat_schedules(**t, num_tokens=T, top_k=K, preact_rows=P)
+    concat = concat_schedules(**t, num_tokens=T, top_k=K)
     _check_concat(t, P, concat, R, T, K, E_loc)
     assert int(concat.num_tiles) * TILE == concat.capacity == R * E_loc * TILE
 
@@ -154,7 +157,7 @@ def test_out_of_range_ids_get_no_row(gen):
     idx = _routing(R, T, K, E_loc, "uniform", gen)
     idx[0, 3, 1], idx[2, 7, 0] = 1000, -5
     t, P = _tables(idx, E_loc)
-    concat = concat_schedules(**t, num_tokens=T, top_k=K, preact_rows=P)
+    concat = concat_schedules(**t, num_tokens=T, top_k=K)
     _check_concat(t, P, concat, R, T, K, E_loc)
     missing = (concat.row_of_slot < 0).nonzero().flatten().tolist()
     assert missing == [(0 * T + 3) * K + 1, (2 * T + 7) * K + 0]
@@ -172,10 +175,10 @@ def test_bad_tables_are_refused_naming_the_argument(field, change, match, gen):
     t, P = _tables(idx, 2)
     t[field] = change(t[field])
     with pytest.raises(ValueError, match=match):
-        concat_schedules(**t, num_tokens=30, top_k=2, preact_rows=P)
+        concat_schedules(**t, num_tokens=30, top_k=2)
     t, P = _tables(idx, 2)
     with pytest.raises(ValueError, match="top_k"):
-        concat_schedules(**t, num_tokens=30, top_k=0, preact_rows=P)
+        concat_schedules(**t, num_tokens=30, top_k=0)
 
 
 def test_backward_refuses_a_d_out_of_another_shape():
@@ -238,14 +241,14 @@ def _emulated_saved(leaves, idx, E_loc):
     R, T, K = idx.shape
     inter = wg.shape[2]
     t, P = _tables(idx, E_loc)
-    preact = torch.full((R, P, 2 * inter), float("nan"), dtype=torch.bfloat16)
+    preact = torch.full((P, 2 * inter), float("nan"), dtype=torch.bfloat16)
     gate_up = torch.cat([wg, wu], dim=2).reshape(R * E_loc, 2 * inter, -1).float()
     for r in range(R):
         rows = (t["row_token"][r] >= 0).nonzero().flatten()
         peer, token, k = (t[f][r][rows].long() for f in ("row_peer", "row_token", "row_k"))
         x_rows = xs[peer, token].float()
         experts = idx[peer, token, k].long()
-        preact[r, t["row_slot"][r][rows].long()] = torch.einsum(
+        preact[t["row_slot"][r][rows].long()] = torch.einsum(
             "mh,mih->mi", x_rows, gate_up[experts]).to(torch.bfloat16)
     shared_preact = torch.empty(0, dtype=torch.bfloat16)
     if sh:
@@ -316,7 +319,7 @@ def test_fake_implementations_give_the_real_shapes(R, Is):
 
     T, H, I, E_loc, K = 77, 256, 192, 4, 3
     cap = schedule_capacity(R, T, K, E_loc, TILE)
-    rows = T * K if R == 1 else cap
+    rows = saved_preact_rows(R, R, T, K, E_loc, TILE)
     with FakeTensorMode():
         xs = torch.empty(R, T, H, dtype=torch.bfloat16, device="cuda")
         idx = torch.empty(R, T, K, dtype=torch.int32, device="cuda")
@@ -330,7 +333,7 @@ def test_fake_implementations_give_the_real_shapes(R, Is):
             xs, idx, w, wg, wg, wd, *sh, True, [128, -1, -1, -1, 0, 1 << 16, 1, -1, -1],
             5000.0, [8192, 8, 8])
         assert [tuple(o.shape) for o in outs] == [
-            (R, T, H), (R, rows, 2 * I), (R, T, 2 * Is) if Is else (0,), (R, cap), (R, cap),
+            (R, T, H), (rows, 2 * I), (R, T, 2 * Is) if Is else (0,), (R, cap), (R, cap),
             (R, cap), (R, cap), (R, cap // TILE), (R,), (R, E_loc + 1)]
         grads = torch.ops.mok_cute.moe_backward_virtual(xs, xs, w, wg, wg, wd, *sh,
                                                         list(outs[1:]), [True] * 6,
