@@ -155,6 +155,7 @@ def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], wei
                    grouped_mm: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The bwd and train rows of one shape at one T (every rank calls it together)."""
     from mok_cute.bench.ep_dist import _agree_error, broadcast_float, timed_over_ranks
+    from mok_cute.bench.training import pass_runners
 
     rows = {(c, p): {**base, "contender": c, "pass": p, "flops": base["flops"] * k}
             for c in contenders for p, k in PASSES.items()}
@@ -200,8 +201,10 @@ def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], wei
     free_memory(d.device)
 
     for name in passed:
-        for p, fn in _pass_runners(EpLayer(name, weights, inputs, d, opts.mok_config,
-                                           grouped_mm), d_out).items():
+        runners = pass_runners(EpLayer(name, weights, inputs, d, opts.mok_config, grouped_mm),
+                               d_out)  # bwd over one forward's kept graph; train: both
+        for p in PASSES:
+            fn = runners[p]
             error = None
             try:
                 ms, per_rank = timed_over_ranks(d, fn, opts.iters, opts.warmup)
@@ -218,21 +221,3 @@ def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], wei
                 + (f" {ms:.3f} ms" if not error else f" ({error[:200]})"))
         free_memory(d.device)
     return list(rows.values())
-
-
-def _pass_runners(layer: EpLayer, d_out: torch.Tensor) -> dict[str, Callable[[], None]]:
-    """bwd: the backward over one forward's graph (built on first use, then kept); train:
-    forward and backward."""
-    graph: dict[str, torch.Tensor] = {}
-
-    def bwd() -> None:
-        layer.reset()
-        if "out" not in graph:
-            graph["out"] = layer.forward()
-        graph["out"].backward(d_out, retain_graph=True)
-
-    def train() -> None:
-        layer.reset()
-        layer.forward().backward(d_out)
-
-    return {"bwd": bwd, "train": train}
