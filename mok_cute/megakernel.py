@@ -7,8 +7,8 @@
 
 A training forward (``save=True``, issue 32) runs its own plan whose kernel's FC1 tasks also
 store the bf16 g | u of every routed row (``SavedPreact``): at one rank by (token, k) slot, the
-one-GPU path's layout and bits; with several ranks by receive row, where the expert rank's
-backward will read them.
+one-GPU path's layout and bits; one rank of a group by receive row, where its backward reads
+them; virtual ranks in one pool by global slot (peer, token, k), R * T * K rows.
 
 A plan is built once per (shapes, config, device) and reused: the symmetric peer buffers,
 the ring buffers, the encoded task list and the compiled kernel. A call then copies x into
@@ -49,8 +49,8 @@ LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their r
 class SavedPreact(NamedTuple):
     """What a training forward through the megakernel keeps of FC1, per rank of the launch."""
 
-    preact: torch.Tensor  # [rows, 2I] bf16, g then u: T * K by slot at one rank, else by receive
-    # row (several ranks of a launch: one pool, rank r's rows after r - 1's: schedule.saved_preact_rows)
+    preact: torch.Tensor  # [rows, 2I] bf16, g then u: T * K by slot at one rank, by receive row
+    # on one rank of a group, by global slot on virtual ranks (one pool: schedule.saved_preact_rows)
     row_slot: torch.Tensor  # [R, capacity] int32: each schedule row's preact row, -1 on padding
     shared_preact: torch.Tensor | None  # [R, T, 2Is] bf16 by token, or None
     schedules: object = None  # the launch's ReceiveSchedules (built for this call)
@@ -389,10 +389,10 @@ class Plan:
                                  TILE_M)
         if self.side.num_peers == 1:  # by (token, k) slot: the one-GPU path's layout
             index = scheds.row_token * k.top_k + scheds.row_k
-        else:  # by receive row, rank r's after the live rows of ranks 0 .. r - 1
-            live = scheds.num_tiles.to(torch.int64) * TILE_M
-            start = torch.cumsum(live, 0) - live
-            index = start.unsqueeze(1) + self._receive_rows.expand(R, -1)
+        elif R == 1:  # one rank of a group: by receive row
+            index = self._receive_rows.expand(R, -1)
+        else:  # virtual ranks: by global slot (peer, token, k), each saved once
+            index = (scheds.row_peer * k.tokens + scheds.row_token) * k.top_k + scheds.row_k
         row_slot = torch.where(valid, index, torch.full_like(index, -1)).to(torch.int32)
         shared_preact = (torch.empty(R, k.tokens, 2 * k.shared_intermediate, dtype=torch.bfloat16,
                                      device=dev) if has_shared else None)

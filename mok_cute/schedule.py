@@ -124,16 +124,13 @@ def saved_preact_rows(launch_ranks: int, num_peers: int, tokens: int, top_k: int
                       num_local_experts: int, tile_m: int) -> int:
     """Rows of the g | u a training launch of the megakernel saves for its ranks: one rank
     alone keeps them by (token, k) slot (T * K); one rank of a group by receive row (its
-    schedule's capacity); several virtual ranks in one pool, rank r's receive rows after those
-    of ranks 0 .. r - 1: every (peer, token, k) lands on one rank and each expert pads fewer
-    than tile_m rows, so ``schedule_capacity(1, R * T, K, R * E_loc)`` rows hold them all."""
+    schedule's capacity); several virtual ranks in one pool by global slot (peer * T + token)
+    * K + k: every (peer, token, k) lands on exactly one rank, so R * T * K rows, no padding."""
     if num_peers == 1:
         return tokens * top_k
-    capacity = schedule_capacity(num_peers, tokens, top_k, num_local_experts, tile_m)
     if launch_ranks == 1:
-        return capacity
-    return min(launch_ranks * capacity, schedule_capacity(1, launch_ranks * tokens, top_k,
-                                                          launch_ranks * num_local_experts, tile_m))
+        return schedule_capacity(num_peers, tokens, top_k, num_local_experts, tile_m)
+    return launch_ranks * tokens * top_k
 
 
 def _check_routing(topk_idx_all: torch.Tensor, num_local_experts: int, tile_m: int) -> tuple[int, int, int]:

@@ -653,9 +653,9 @@ def test_training_forward_at_one_rank_saves_the_one_gpu_bits(K, Is, skew):
 @pytest.mark.gpu
 @pytest.mark.parametrize("R,K,Is,kw", [(2, 4, 128, {"skew": True}), (3, 2, 0, {"empty_expert": 5}),
                                        (4, 2, 64, {"silent_receiver": 2})])
-def test_training_forward_on_virtual_ranks_saves_by_receive_row(R, K, Is, kw):
-    """Issue 32, item 1, on virtual ranks: each expert rank keeps g | u by receive row (one
-    pool for the launch, rank r's rows after those of the ranks before it), and
+def test_training_forward_on_virtual_ranks_saves_by_global_slot(R, K, Is, kw):
+    """Issue 32, item 1, on virtual ranks: the launch keeps g | u in one pool by global slot
+    (peer, token, k), and
     the row of (peer p, token t, k) holds the bits of the one-GPU training forward of p's
     tokens at slot t * K + k; the launch's out is the inference launch's."""
     from mok_cute import expert_path, megakernel
@@ -675,17 +675,17 @@ def test_training_forward_on_virtual_ranks_saves_by_receive_row(R, K, Is, kw):
         tuple(t[p] for t in sh), mok_cute.MoKConfig(backend="kernel"), save=True)[1]
         for p in range(R)]
     scheds = build_receive_schedules(idx, E_loc, 128, validate=False)
-    start = 0  # one pool: rank r's receive rows after the live rows of the ranks before it
+    assert saved.preact.shape == (R * T * K, 2 * I)
     for r in range(R):
         rows = (scheds.row_token[r] >= 0).nonzero().flatten()
-        assert torch.equal(saved.row_slot[r][rows], (start + rows).to(torch.int32))
-        assert bool((saved.row_slot[r][scheds.row_token[r] < 0] == -1).all())
-        start += int(scheds.num_tiles[r]) * 128
         peer, token, k = (t[r][rows].long() for t in (scheds.row_peer, scheds.row_token,
                                                       scheds.row_k))
+        slot = (peer * T + token) * K + k  # one pool by global slot
+        assert torch.equal(saved.row_slot[r][rows].long(), slot)
+        assert bool((saved.row_slot[r][scheds.row_token[r] < 0] == -1).all())
         for p in range(R):
             mine = peer == p
-            assert torch.equal(saved.preact[start - int(scheds.num_tiles[r]) * 128 + rows[mine]],
+            assert torch.equal(saved.preact[slot[mine]],
                                wants[p].preact[token[mine] * K + k[mine]]), (r, p)
         if sh is not None:
             assert torch.equal(saved.shared_preact[r], wants[r].shared_preact), r

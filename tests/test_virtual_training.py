@@ -49,10 +49,8 @@ def _tables(idx: torch.Tensor, E_loc: int):
     rows = saved_preact_rows(R, R, T, K, E_loc, TILE)
     if R == 1:
         index = s.row_token * K + s.row_k
-    else:  # one pool: rank r's receive rows after the live rows of ranks 0 .. r - 1
-        live = s.num_tiles.long() * TILE
-        start = torch.cumsum(live, 0) - live
-        index = start.unsqueeze(1) + torch.arange(s.capacity, device=idx.device).expand(R, -1)
+    else:  # one pool by global slot (peer, token, k)
+        index = (s.row_peer * T + s.row_token) * K + s.row_k
     row_slot = torch.where(valid, index, torch.full_like(index, -1)).to(torch.int32)
     return dict(row_peer=s.row_peer, row_token=s.row_token, row_k=s.row_k, row_slot=row_slot,
                 tile_expert=s.tile_expert, num_tiles=s.num_tiles,
