@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape dsv4_pro --tokens 8192 --iters 20
     torchrun --nproc-per-node 2 examples/ep_torchrun.py --shape custom:512,1024,512,16,4,1
     torchrun --nproc-per-node 2 examples/ep_torchrun.py --device cpu --shape custom:16,64,32,8,2,1  # gloo
+    torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape kimi_k2 --backend megakernel --train 20
 
 Shapes are MoK's EP models (`mok_cute.shapes.EP_SHAPES`, a unique prefix is enough) with the
 routed experts split evenly over the ranks and one shared expert of size I, or
@@ -16,7 +17,12 @@ Every rank
 3. checks the layer against `mok_cute.reference.moe_forward_virtual` on `--check-tokens` tokens
    per rank: inputs, routing, expert weights and outputs are gathered to rank 0;
 4. times the forward pass (median of `--iters` after `--warmup`, the ranks started together
-   each iteration) and rank 0 prints every rank's time and the max.
+   each iteration) and rank 0 prints every rank's time and the max;
+5. with `--train N`: N SGD steps on a regression loss (each rank its own tokens and target);
+   the replicated parameters' gradients (router, shared expert) are averaged over the ranks
+   as data parallelism would, the experts' stay on their rank. Rank 0 prints the mean loss of
+   the first and last step and the median step time. Under `--backend megakernel` the
+   backward runs on the kernels too (`mok_cute.group_backward`).
 
 It prints which path `moe_forward(group=...)` takes: under `--backend auto` the PyTorch
 reference with a real all_to_all_single exchange; `--backend megakernel` runs the
@@ -93,6 +99,8 @@ def main() -> int:
     parser.add_argument("--device", default=None, help="cuda (default when available; nccl) or cpu (gloo)")
     parser.add_argument("--backend", default="auto", choices=["auto", "megakernel", "reference"],
                         help="MoKConfig.backend: megakernel = the IPC megakernel (one launch per rank)")
+    parser.add_argument("--train", type=int, default=0, metavar="STEPS", help="then train STEPS SGD steps")
+    parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()
 
     with ep_dist.session(args.device) as d:
@@ -130,8 +138,43 @@ def main() -> int:
             worst = max(per_rank)
             print(f"max over ranks: {worst:.3f} ms, {flops / (worst * 1e-3) / 1e12:.1f} TFLOP/s per GPU "
                   f"(6 (T K + T) H I / t, path {choice.path})")
+        if args.train:
+            ok = train(layer, d, x, args) and ok
         dist.barrier(group=d.group)
         return 0 if ok else 1
+
+
+def train(layer: mok_cute.MoELayer, d: ep_dist.Dist, x: torch.Tensor, args) -> bool:
+    """``args.train`` SGD steps; True when the mean loss went down."""
+    import statistics
+    import time
+
+    layer.train()
+    opt = torch.optim.SGD(layer.parameters(), lr=args.lr)
+    replicated = [p for name, p in layer.named_parameters() if name.startswith(("router", "ws_"))]
+    gen = torch.Generator(device=d.device).manual_seed(args.seed * 31 + d.rank)
+    target = torch.randn(x.shape, device=d.device, generator=gen).to(torch.bfloat16)
+    losses, times = [], []
+    for _ in range(args.train):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = (layer(x).float() - target.float()).square().mean()
+        loss.backward()
+        for p in replicated:  # data parallel over the group for what every rank holds
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=d.group)
+                p.grad /= d.world
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=d.group)
+        losses.append(float(mean) / d.world)  # the host read also ends the step
+        times.append((time.perf_counter() - t0) * 1e3)
+    went_down = losses[-1] < losses[0]
+    if d.rank == 0:
+        print(f"train: {args.train} steps, mean loss {losses[0]:.5f} -> {losses[-1]:.5f} "
+              f"({'down' if went_down else 'NOT down'}), median step {statistics.median(times):.1f} ms "
+              f"(host clock)")
+    return went_down
 
 
 if __name__ == "__main__":
