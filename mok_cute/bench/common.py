@@ -8,7 +8,7 @@ import ast
 import dataclasses
 import gc
 import traceback
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -128,3 +128,28 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     o, r = out.detach().float(), ref.detach().float()
     err = float(torch.linalg.vector_norm(o - r) / torch.linalg.vector_norm(r).clamp_min(1e-30))
     return err if torch.isfinite(o).all() else float("nan")
+
+
+def pass_runners(layer: Any, d_out: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """The training benches' three passes over a layer (``forward()``, ``reset()``, ``name``):
+    fwd; bwd, the backward over one forward's graph (built on first use, then kept); train,
+    forward and backward (FP8: the weights quantized again, as after an optimizer step)."""
+    graph: dict[str, torch.Tensor] = {}
+
+    def fwd() -> None:
+        layer.forward()
+
+    def bwd() -> None:
+        layer.reset()
+        if "out" not in graph:
+            graph["out"] = layer.forward()
+        graph["out"].backward(d_out, retain_graph=True)
+
+    def train() -> None:
+        layer.reset()
+        if layer.name == "mok_cute_fp8":  # new weights each step: quantized again
+            from mok_cute import expert_path_fp8
+            expert_path_fp8.forget_quantized_weights()
+        layer.forward().backward(d_out)
+
+    return {"fwd": fwd, "bwd": bwd, "train": train}

@@ -155,7 +155,7 @@ def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], wei
                    grouped_mm: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The bwd and train rows of one shape at one T (every rank calls it together)."""
     from mok_cute.bench.ep_dist import _agree_error, broadcast_float, timed_over_ranks
-    from mok_cute.bench.training import pass_runners
+    from mok_cute.bench.common import pass_runners
 
     rows = {(c, p): {**base, "contender": c, "pass": p, "flops": base["flops"] * k}
             for c in contenders for p, k in PASSES.items()}

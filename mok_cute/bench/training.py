@@ -53,7 +53,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mok_cute.api import MoKConfig, moe_forward, moe_forward_virtual
-from mok_cute.bench.common import apply_config_overrides, error_text, free_memory, parse_config_overrides, parse_contenders
+from mok_cute.bench.common import (apply_config_overrides, error_text, free_memory, parse_config_overrides,
+                                   parse_contenders, pass_runners)
 from mok_cute.bench.gpu_clock import ClockSampler
 from mok_cute.bench.harness import (Timer, bench_cublas, command_line, paired_ratio, sonicmoe_gate_up,
                                     sonicmoe_runner)
@@ -244,28 +245,6 @@ def saved_bytes(layer: Layer) -> int:
     kept = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
     del out
     return int(kept)
-
-
-def pass_runners(layer: Layer, d_out: torch.Tensor) -> dict[str, Callable[[], Any]]:
-    graph: dict[str, torch.Tensor] = {}
-
-    def fwd() -> None:
-        layer.forward()
-
-    def bwd() -> None:
-        layer.reset()
-        if "out" not in graph:
-            graph["out"] = layer.forward()
-        graph["out"].backward(d_out, retain_graph=True)
-
-    def train() -> None:
-        layer.reset()
-        if layer.name == "mok_cute_fp8":  # new weights each step: quantized again
-            from mok_cute import expert_path_fp8
-            expert_path_fp8.forget_quantized_weights()
-        layer.forward().backward(d_out)
-
-    return {"fwd": fwd, "bwd": bwd, "train": train}
 
 
 def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Timer, args, log) -> list[dict[str, Any]]:
