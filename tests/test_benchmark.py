@@ -450,6 +450,28 @@ def test_full_protocol_on_the_gpu(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+def test_reference_gradients_of_the_checked_experts_equal_full_autograd():
+    """The bench's reference keeps no weight-sized gradient: the checked experts' weight
+    gradients from a run through their slots alone equal full autograd's bit for bit, and the
+    other gradients are full autograd's."""
+    from mok_cute import reference
+    from mok_cute.bench import training
+
+    p = problems.make_problem(shapes.resolve_shape("custom:70,64,32,24,4,1"), device="cpu", seed=3)
+    d_out = torch.randn(p.inputs.x.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ref_out, got = training.reference_grads(p, d_out)
+    i = p.inputs
+    leaves = [t.detach().clone().requires_grad_() for t in
+              (i.x, i.topk_weights, p.w_gate, p.w_up, p.w_down, *p.shared)]
+    out = reference.moe_forward(leaves[0], i.topk_idx, leaves[1], *leaves[2:5], shared=tuple(leaves[5:]))
+    out.backward(d_out)
+    assert torch.equal(out, ref_out)
+    assert set(got) == set(training.GRAD_NAMES)
+    for name, t in zip(training.GRAD_NAMES, leaves):
+        want = training.checked(name, t.grad)
+        assert got[name].shape == want.shape and torch.equal(got[name], want), name
+
+
 @pytest.mark.skipif(not GROUPED_MM_ON_CPU, reason="torch._grouped_mm does not run on the CPU here; see the gpu test")
 def test_training_bench_checks_the_torch_pipelines_gradients_on_cpu():
     """The torch contender's gradients, mapped back from its packed gate+up parameter, against

@@ -204,14 +204,31 @@ def checked(name: str, grad: torch.Tensor) -> torch.Tensor:
 
 
 def reference_grads(problem: Problem, d_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Autograd on the reference: out, d_x, d_topk_weights and the shared expert's gradients
+    with every expert; the routed weight gradients of the checked experts (``checked``) from a
+    second run through their slots alone (an expert's weight gradient depends on its own rows
+    only), so no weight-sized gradient is ever held (51 GB at dsv4_pro's size)."""
     from mok_cute import reference
+    from mok_cute.config import MoKConfig
 
     i = problem.inputs
     leaves = [t.detach().requires_grad_() for t in  # the problem's storage: nothing copied
-              (i.x, i.topk_weights, problem.w_gate, problem.w_up, problem.w_down, *(problem.shared or ()))]
-    out = reference.moe_forward(leaves[0], i.topk_idx, leaves[1], *leaves[2:5], shared=tuple(leaves[5:]) or None)
+              (i.x, i.topk_weights, *(problem.shared or ()))]
+    out = reference.moe_forward(leaves[0], i.topk_idx, leaves[1], problem.w_gate, problem.w_up,
+                                problem.w_down, shared=tuple(leaves[2:]) or None)
     out.backward(d_out)
-    return out.detach(), {n: checked(n, t.grad).clone() for n, t in zip(GRAD_NAMES, leaves)}
+    names = ("x", "topk_weights", "ws_gate", "ws_up", "ws_down")
+    grads = {n: t.grad for n, t in zip(names, leaves)}
+    experts = problem.w_gate.shape[0]
+    picked = torch.arange(experts, device=i.topk_idx.device)[::max(1, experts // CHECKED_EXPERTS)][:CHECKED_EXPERTS]
+    renumber = torch.full((experts + 1,), -1, dtype=torch.int64, device=picked.device)
+    renumber[picked] = torch.arange(len(picked), device=picked.device)
+    ids = renumber[torch.where((i.topk_idx >= 0) & (i.topk_idx < experts), i.topk_idx.long(), experts)]
+    weights = [w.detach()[picked].clone().requires_grad_() for w in (problem.w_gate, problem.w_up, problem.w_down)]
+    reference.moe_forward(i.x, ids, i.topk_weights, *weights,
+                          config=MoKConfig(check_ids=False)).backward(d_out)
+    grads.update({n: w.grad for n, w in zip(("w_gate", "w_up", "w_down"), weights)})
+    return out.detach(), {n: grads[n] for n in GRAD_NAMES if n in grads}
 
 
 def rel_l1(got: torch.Tensor, want: torch.Tensor) -> float:
