@@ -102,99 +102,100 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     sched = saved.schedules
     layout = side.layout
 
-    plan.backward_errors.check(block=False, last_call=plan.backward_calls,
-                               rank_base=side.rank_base)  # an earlier call's, without a sync
-    # 1. this rank's fields for the peers to pull, then barrier 0 of a new epoch
-    for fields, src in ((side.fields("x"), xs), (side.fields("d_out"), d_out)):
+    with plan.lock:  # the plan's epoch, scalars and buffers: one call at a time
+        plan.backward_errors.check(block=False, last_call=plan.backward_calls,
+                                   rank_base=side.rank_base)  # an earlier call's, without a sync
+        # 1. this rank's fields for the peers to pull, then barrier 0 of a new epoch
+        for fields, src in ((side.fields("x"), xs), (side.fields("d_out"), d_out)):
+            for r in range(L):
+                fields[r].copy_(src[r])
+        weights32 = topk_weights.to(torch.float32).reshape(L, T * K)
+        for r, field in enumerate(side.fields("router_weights")):
+            field[:, 0].copy_(weights32[r])
+        plan.scalars[0].add_(1)  # the epoch: flags only grow, forward and backward calls alike
+        plan.backward_calls += 1
+        plan.backward_error.zero_()
+        if silent_rank != -1:
+            plan.scalars[9].fill_(silent_rank)
+        peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
+
+        # 2. pull this rank's receive rows: d_out, x (for dW_gate / dW_up), router weights
+        cap = sched.row_peer.shape[1]
+        peer = sched.row_peer.to(torch.int64)
+        valid = peer >= 0
+        base = torch.gather(plan.peer_bases, 1, peer.clamp(min=0))  # [L, cap]
+        token = sched.row_token.to(torch.int64).clamp(min=0)
+        slot = token * K + sched.row_k.to(torch.int64).clamp(min=0)
+        d_rows = torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
+        x_rows = torch.empty_like(d_rows) if needs.w_gate_up else None
+        w_rows = torch.empty(L, cap, 4, dtype=torch.float32, device=dev)
+        pulls = [(d_rows, "d_out", token, H * _BF16), (w_rows, "router_weights", slot, _SLOT_ROW)]
+        if x_rows is not None:
+            pulls.append((x_rows, "x", token, H * _BF16))
+        for dst, field, index, row_bytes in pulls:
+            src = _row_addresses(base, layout.offset(field), index, row_bytes, valid)
+            copy_rows_by_address(src.reshape(-1), _rows_of(dst, row_bytes), row_bytes)
+
+        # the router weight of each saved g | u row (the dgated epilogue reads both by row_slot;
+        # the launch's ranks share one pool, each row saved once)
+        rows = saved.preact.shape[0]
+        row_slot = saved.row_slot.to(torch.int64).reshape(-1)
+        weights = torch.zeros(rows + 1, dtype=torch.float32, device=dev)  # [rows]: a sink
+        weights.scatter_(0, torch.where(row_slot >= 0, row_slot, rows),
+                         torch.where(row_slot >= 0, w_rows[..., 0].reshape(-1), 0.0))
+        weights = weights[:rows].contiguous()
+
+        # 3. the expert backward, rank by rank of the launch; 4. push dx rows and partials home
+        dwg, dwu, dwd = [], [], []
+        push_src, push_dst, part_src, part_dst, keep = [], [], [], [], []
+        combine, partial_field = layout.offset("combine"), layout.offset("d_topk_partials")
         for r in range(L):
-            fields[r].copy_(src[r])
-    weights32 = topk_weights.to(torch.float32).reshape(L, T * K)
-    for r, field in enumerate(side.fields("router_weights")):
-        field[:, 0].copy_(weights32[r])
-    plan.scalars[0].add_(1)  # the epoch: flags only grow, forward and backward calls alike
-    plan.backward_calls += 1
-    plan.backward_error.zero_()
-    if silent_rank != -1:
-        plan.scalars[9].fill_(silent_rank)
-    peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
+            dx_rows, gate, up, down, partials = _expert_backward(
+                d_rows[r], None if x_rows is None else x_rows[r], w_gate[r], w_up[r], w_down[r],
+                saved.preact, saved.row_slot[r], weights, sched.tile_expert[r],
+                sched.num_tiles[r:r + 1], sched.expert_offsets[r], True, needs.w_gate_up,
+                needs.w_down, True, options, dgrads="megakernel")
+            dwg.append(gate)
+            dwu.append(up)
+            dwd.append(down)
+            part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
+            part[:, 0] = partials.sum(dim=1)
+            keep += [dx_rows, part]  # alive until the pushes below are enqueued
+            push_src.append(_rows_of(dx_rows, H * _BF16))
+            push_dst.append(_row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]))
+            part_src.append(_rows_of(part, _SLOT_ROW))
+            part_dst.append(_row_addresses(base[r], partial_field, slot[r], _SLOT_ROW, valid[r]))
+        copy_rows_by_address(torch.cat(push_src), torch.cat(push_dst), H * _BF16)
+        copy_rows_by_address(torch.cat(part_src), torch.cat(part_dst), _SLOT_ROW)
+        peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
+        plan.backward_errors.record(plan.backward_calls)
+        if silent_rank != -1:
+            plan.scalars[9].fill_(plan._waits[1])  # the forward's value back
+        del keep
 
-    # 2. pull this rank's receive rows: d_out, x (for dW_gate / dW_up), router weights
-    cap = sched.row_peer.shape[1]
-    peer = sched.row_peer.to(torch.int64)
-    valid = peer >= 0
-    base = torch.gather(plan.peer_bases, 1, peer.clamp(min=0))  # [L, cap]
-    token = sched.row_token.to(torch.int64).clamp(min=0)
-    slot = token * K + sched.row_k.to(torch.int64).clamp(min=0)
-    d_rows = torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
-    x_rows = torch.empty_like(d_rows) if needs.w_gate_up else None
-    w_rows = torch.empty(L, cap, 4, dtype=torch.float32, device=dev)
-    pulls = [(d_rows, "d_out", token, H * _BF16), (w_rows, "router_weights", slot, _SLOT_ROW)]
-    if x_rows is not None:
-        pulls.append((x_rows, "x", token, H * _BF16))
-    for dst, field, index, row_bytes in pulls:
-        src = _row_addresses(base, layout.offset(field), index, row_bytes, valid)
-        copy_rows_by_address(src.reshape(-1), _rows_of(dst, row_bytes), row_bytes)
+        # 5. the shared expert (local), then the k-sums of what the peers pushed
+        shared_dx, d_shared = [None] * L, (None, None, None)
+        if shared is not None and (needs.x or needs.shared_gate_up or needs.shared_down):
+            per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared),
+                                        saved.shared_preact[r], needs, options) for r in range(L)]
+            shared_dx = [dx for dx, _ in per_rank]
+            d_shared = tuple(None if per_rank[0][1][i] is None
+                             else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
+        num_experts = P * E_loc
+        routed = (topk_idx >= 0) & (topk_idx < num_experts)  # [L, T, K]: the slots given a row
+        d_xs = d_topk = None
+        if needs.x:
+            from mok_cute.kernels import token_ops
 
-    # the router weight of each saved g | u row (the dgated epilogue reads both by row_slot;
-    # the launch's ranks share one pool, each row saved once)
-    rows = saved.preact.shape[0]
-    row_slot = saved.row_slot.to(torch.int64).reshape(-1)
-    weights = torch.zeros(rows + 1, dtype=torch.float32, device=dev)
-    weights.scatter_(0, torch.where(row_slot >= 0, row_slot, rows),
-                     torch.where(row_slot >= 0, w_rows[..., 0].reshape(-1), 0.0))  # [rows]: a sink
-    weights = weights[:rows].contiguous()
-
-    # 3. the expert backward, rank by rank of the launch; 4. push dx rows and partials home
-    dwg, dwu, dwd = [], [], []
-    push_src, push_dst, part_src, part_dst, keep = [], [], [], [], []
-    combine, partial_field = layout.offset("combine"), layout.offset("d_topk_partials")
-    for r in range(L):
-        dx_rows, gate, up, down, partials = _expert_backward(
-            d_rows[r], None if x_rows is None else x_rows[r], w_gate[r], w_up[r], w_down[r],
-            saved.preact, saved.row_slot[r], weights, sched.tile_expert[r],
-            sched.num_tiles[r:r + 1], sched.expert_offsets[r], True, needs.w_gate_up,
-            needs.w_down, True, options, dgrads="megakernel")
-        dwg.append(gate)
-        dwu.append(up)
-        dwd.append(down)
-        part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
-        part[:, 0] = partials.sum(dim=1)
-        keep += [dx_rows, part]  # alive until the pushes below are enqueued
-        push_src.append(_rows_of(dx_rows, H * _BF16))
-        push_dst.append(_row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]))
-        part_src.append(_rows_of(part, _SLOT_ROW))
-        part_dst.append(_row_addresses(base[r], partial_field, slot[r], _SLOT_ROW, valid[r]))
-    copy_rows_by_address(torch.cat(push_src), torch.cat(push_dst), H * _BF16)
-    copy_rows_by_address(torch.cat(part_src), torch.cat(part_dst), _SLOT_ROW)
-    peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
-    plan.backward_errors.record(plan.backward_calls)
-    if silent_rank != -1:
-        plan.scalars[9].fill_(plan._waits[1])  # the forward's value back
-    del keep
-
-    # 5. the shared expert (local), then the k-sums of what the peers pushed
-    shared_dx, d_shared = [None] * L, (None, None, None)
-    if shared is not None and (needs.x or needs.shared_gate_up or needs.shared_down):
-        per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared),
-                                    saved.shared_preact[r], needs, options) for r in range(L)]
-        shared_dx = [dx for dx, _ in per_rank]
-        d_shared = tuple(None if per_rank[0][1][i] is None
-                         else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
-    num_experts = P * E_loc
-    routed = (topk_idx >= 0) & (topk_idx < num_experts)  # [L, T, K]: the slots given a row
-    d_xs = d_topk = None
-    if needs.x:
-        from mok_cute.kernels import token_ops
-
-        ones = torch.ones(T, K, dtype=torch.float32, device=dev)
-        slots = torch.arange(T * K, dtype=torch.int32, device=dev)
-        pushed = side.fields("combine")
-        d_xs = torch.stack([token_ops.weighted_ksum(
-            pushed[r], ones, shared_dx[r],
-            row_index=torch.where(routed[r].reshape(-1), slots, -1)) for r in range(L)])
-    if needs.topk_weights:
-        pushed = side.fields("d_topk_partials")
-        d_topk = torch.stack([torch.where(routed[r], pushed[r][:, 0].view(T, K), 0.0)
-                              for r in range(L)]).to(topk_weights.dtype)
-    stack = lambda gs: None if gs[0] is None else torch.stack(gs)  # noqa: E731
-    return (d_xs, d_topk, stack(dwg), stack(dwu), stack(dwd), *d_shared)
+            ones = torch.ones(T, K, dtype=torch.float32, device=dev)
+            slots = torch.arange(T * K, dtype=torch.int32, device=dev)
+            pushed = side.fields("combine")
+            d_xs = torch.stack([token_ops.weighted_ksum(
+                pushed[r], ones, shared_dx[r],
+                row_index=torch.where(routed[r].reshape(-1), slots, -1)) for r in range(L)])
+        if needs.topk_weights:
+            pushed = side.fields("d_topk_partials")
+            d_topk = torch.stack([torch.where(routed[r], pushed[r][:, 0].view(T, K), 0.0)
+                                  for r in range(L)]).to(topk_weights.dtype)
+        stack = lambda gs: None if gs[0] is None else torch.stack(gs)  # noqa: E731
+        return (d_xs, d_topk, stack(dwg), stack(dwu), stack(dwd), *d_shared)
