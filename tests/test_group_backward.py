@@ -57,6 +57,91 @@ def test_row_copies_refuse_host_tensors_and_odd_rows():
         peer_barrier(a.view(2, 2), a, a[:1], 0, "sys")
 
 
+# ---------------------------------------------------------------------- the plumbing (CPU)
+def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
+    """``peer_rows.copy_rows_by_address`` on host memory: a memmove per row (source 0: a zero
+    row, destination 0: skipped)."""
+    import ctypes
+
+    for src, dst in zip(src_addr.tolist(), dst_addr.tolist()):
+        if dst:
+            if src:
+                ctypes.memmove(dst, src, row_bytes)
+            else:
+                ctypes.memset(dst, 0, row_bytes)
+
+
+def _cpu_plan(R, T, H, I, E_loc, K):
+    """What ``moe_backward_group`` reads of a plan, over ``VirtualPeers`` in host memory."""
+    import threading
+
+    from mok_cute.comm import VirtualPeers, moe_symmetric_layout
+
+    peers = VirtualPeers(R, moe_symmetric_layout(T, H, K, R, training=True), device="cpu")
+    for name in ("x", "d_out", "router_weights", "combine", "d_topk_partials"):
+        for r in range(R):
+            peers.view(r, name).fill_(float("nan"))  # a row read from the wrong place shows
+    side = types.SimpleNamespace(launch_ranks=R, num_peers=R, rank_base=0, scope="gpu",
+                                 layout=peers.layout, peers=peers,
+                                 fields=lambda name: [peers.view(r, name) for r in range(R)])
+    key = types.SimpleNamespace(spec=types.SimpleNamespace(save_preact=True), tokens=T, hidden=H,
+                                top_k=K, intermediate=I, local_experts=E_loc)
+    return types.SimpleNamespace(
+        side=side, key=key, peer_bases=peers.bases_matrix(), lock=threading.Lock(),
+        scalars=torch.zeros(10, dtype=torch.int64), _waits=(0, -1), backward_calls=0,
+        backward_error=torch.zeros(1, dtype=torch.int64),
+        backward_errors=types.SimpleNamespace(check=lambda **kw: None, record=lambda call: None))
+
+
+@pytest.mark.parametrize("R,T,K,E_loc,Is,routing", [
+    (2, 24, 3, 2, 64, "skew"), (3, 30, 3, 2, 64, "silent_rank"), (4, 16, 10, 4, 0, "uniform"),
+    (5, 9, 2, 1, 64, "empty_expert")])
+def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc, Is,
+                                                                        routing, monkeypatch):
+    """``moe_backward_group`` end to end on the CPU over virtual ranks' buffers in host memory
+    (poisoned with NaN), its copies by address as memmoves, its barriers no-ops (one process
+    runs every rank's phase before the next), its kernels emulated in torch and the forward's
+    saved g | u computed in torch: every gradient matches autograd on the reference, so every
+    row is pulled from its source's field and each dx row and partial reaches its (peer, token,
+    k) slot."""
+    from mok_cute import expert_backward, group_backward, reference
+    from mok_cute.kernels import peer_rows, token_ops
+    from mok_cute.megakernel import SavedPreact
+    from per_token import DX_TOKEN_TOL, assert_tokens_close
+    from test_backward import _close
+    from test_virtual_training import _cpu_problem, _emulated_expert_backward, _emulated_saved
+
+    monkeypatch.setattr(expert_backward, "_expert_backward", _emulated_expert_backward)
+    monkeypatch.setattr(group_backward, "_expert_backward", _emulated_expert_backward)
+    monkeypatch.setattr(peer_rows, "copy_rows_by_address", _cpu_copy_rows)
+    monkeypatch.setattr(peer_rows, "peer_barrier", lambda *args: None)
+
+    def weighted_ksum(y, w, shared=None, out=None, row_index=None):
+        return token_ops.weighted_ksum_ref(token_ops.gather_rows_ref(y, row_index), w, shared)
+
+    monkeypatch.setattr(token_ops, "weighted_ksum", weighted_ksum)
+    H, I = 64, 64
+    gen = torch.Generator().manual_seed(R * 100 + K)
+    leaves, idx = _cpu_problem(R, T, H, I, E_loc, K, Is, routing, gen)
+    d_out = torch.randn(R, T, H, generator=gen).to(torch.bfloat16)
+    xs, w, wg, wu, wd, *sh = leaves
+    v = _emulated_saved(leaves, idx, E_loc)
+    schedules = types.SimpleNamespace(row_peer=v.row_peer, row_token=v.row_token, row_k=v.row_k,
+                                      tile_expert=v.tile_expert, num_tiles=v.num_tiles,
+                                      expert_offsets=v.expert_offsets)
+    saved = SavedPreact(v.preact, v.row_slot, v.shared_preact if Is else None, schedules,
+                        _cpu_plan(R, T, H, I, E_loc, K))
+    got = group_backward.moe_backward_group(d_out, xs, idx, w, wg, wu, wd, tuple(sh) or None,
+                                            saved)
+    for t in leaves:
+        t.requires_grad_(True)
+    reference.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared=tuple(sh) or None).backward(d_out)
+    for name, g, t in zip(NAMES, got, leaves):
+        assert g is not None and g.shape == t.shape and g.dtype == t.dtype, name
+        _close(g.float(), t.grad.float(), name)
+    assert_tokens_close(got[0], xs.grad, tol=DX_TOKEN_TOL, what="d_xs")
+
+
 # ---------------------------------------------------------------------- GPU
 def _forward_saved(leaves, idx, config):
     from mok_cute import megakernel
