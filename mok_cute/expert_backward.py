@@ -110,22 +110,34 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients bf16.
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
     weight gradients in it too when both kinds are wanted."""
-    num_experts, inter = w_gate.shape[0], w_gate.shape[1]
-    dx_rows = dwg = dwu = dwd = partials = None
     if not (want_dx or want_gate_up or want_down or want_partials):
-        return dx_rows, dwg, dwu, dwd, partials
-    if fp8:
-        from mok_cute import expert_path_fp8
-        d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
-            d_rows, preact, row_slot, weights, tile_expert, num_tiles,
-            expert_path_fp8.transposed_weights(w_gate, w_up, w_down), want_dx, w_down.shape[1])
-    elif dgrads == "megakernel" and want_gate_up and want_down:
+        return None, None, None, None, None
+    if dgrads == "megakernel" and want_gate_up and want_down and not fp8:
         # every GEMM of the backward in one launch
         from mok_cute import megakernel_backward
         _, _, partials, dx_rows, dwg, dwu, dwd = megakernel_backward.expert_grads(
             d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
             num_tiles, offsets)
         return dx_rows, dwg, dwu, dwd, partials
+    d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
+                                              weights, tile_expert, num_tiles, want_dx,
+                                              options, fp8, dgrads)
+    dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
+                                  want_gate_up, want_down)
+    return dx_rows, dwg, dwu, dwd, partials
+
+
+def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert, num_tiles,
+            want_dx: bool, options: ExpertPathOptions, fp8: bool = False,
+            dgrads: str = "kernels"):
+    """FC2's dgrad (its dgated epilogue) and FC1's: (d_preact = dG | dU, hw = w * h, row
+    partials, dx rows or None). ``fp8``, ``dgrads`` as ``_expert_backward``."""
+    dx_rows = None
+    if fp8:
+        from mok_cute import expert_path_fp8
+        d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
+            d_rows, preact, row_slot, weights, tile_expert, num_tiles,
+            expert_path_fp8.transposed_weights(w_gate, w_up, w_down), want_dx, w_down.shape[1])
     elif dgrads == "megakernel":
         from mok_cute import megakernel_backward
         d_preact, hw, partials, dx_rows = megakernel_backward.expert_dgrads(
@@ -135,15 +147,23 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                                            tile_expert, num_tiles, options)
         if want_dx:
             dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options)
-    # FP8 pads I and H to whole 128 groups: the weight gradients take the real columns
+    return d_preact, hw, partials, dx_rows
+
+
+def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,
+                  want_down: bool):
+    """The grouped weight gradients from the dgrads' outputs: (dW_gate, dW_up, dW_down), None
+    where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns."""
+    num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     half = d_preact.shape[1] // 2
+    dwg = dwu = dwd = None
     if want_gate_up:
         dwg, dwu = wgrad(d_preact[:, :inter], d_preact[:, half:half + inter], x_rows, offsets,
                          num_experts, inter)
     if want_down:
         dwd = wgrad(d_rows[:, :w_down.shape[1]], None, hw[:, :inter], offsets, num_experts,
                     w_down.shape[1])
-    return dx_rows, dwg, dwu, dwd, partials
+    return dwg, dwu, dwd
 
 
 def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),

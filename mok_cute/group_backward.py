@@ -8,11 +8,12 @@ Per call, on every rank of the group (each must run it, as a collective):
     own fields <- x, d_out, router weights           (the source side, for the peers to pull)
     barrier 0                                        (flag "started" of a new epoch)
     pull: d_out rows, x rows, router weights of this rank's receive rows from their sources
-    the expert backward of this rank's experts       (``expert_backward._expert_backward``, the
-                                                      backward megakernel: both dgrads and the
-                                                      weight gradients in one launch)
+    the dgrads of this rank's experts                (the one-GPU backward's two launches:
+                                                      faster than the backward megakernel's at
+                                                      R = 1, docs/measurements.md)
     push: dx rows and d_topk partials into the source's (token, k) slot (``combine``,
           ``d_topk_partials`` fields)
+    the weight gradients (``gemm_wgrad``)            (a slow peer's pushes land under them)
     barrier 1                                        (flag "done": every push has landed)
     d_x = fixed-order k-sum of the pushed dx rows (+ the shared expert's dx), d_topk_weights
           from the pushed partials; the shared expert's backward is local
@@ -25,15 +26,16 @@ are its peers' gradients.
 
 Numerics: a row's dgrads depend on that row alone, the k-sum runs in ascending k in fp32 and
 rounds once, the weight gradients sum an expert's rows in schedule order: d_x and
-d_topk_weights are bitwise those of the same tokens on one rank, and of the virtual ranks'
-backward (``virtual_backward``); every gradient is bitwise the same run to run.
+d_topk_weights are bitwise those of the same tokens on one rank, and every gradient those of
+the virtual ranks' backward (``virtual_backward``: the same tiles in one backward-megakernel
+launch, bitwise the launches here, tests/test_megakernel_backward.py); bitwise run to run.
 
 Failures: a barrier wait that gives up (a dead or silent peer) records the plan's backward
 error word; ``PeerTimeoutError`` (naming the waiting rank and the peer) is raised at the plan's
 next call or by ``mok_cute.check_errors()``, and that call's gradients are incomplete.
 
-Not yet the design's one launch (issue 32): the pulls, the expert backward and the pushes are
-separate launches here, so nothing overlaps the comm.
+Not yet the design's one launch (issue 32): the copies run between the GEMM launches on one
+stream, so only barrier 1's wait overlaps work (this rank's weight gradients).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from mok_cute.config import ExpertPathOptions
-from mok_cute.expert_backward import Needs, _expert_backward, shared_backward
+from mok_cute.expert_backward import Needs, _dgrads, _weight_grads, shared_backward
 
 __all__ = ["moe_backward_group"]
 
@@ -145,33 +147,33 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                          torch.where(row_slot >= 0, w_rows[..., 0].reshape(-1), 0.0))
         weights = weights[:rows].contiguous()
 
-        # 3. the expert backward, rank by rank of the launch; 4. push dx rows and partials home
+        # 3. per rank of the launch: the dgrads, the pushes of dx rows and partials home, then
+        # the weight gradients, under which the peers' pushes land before barrier 1
         dwg, dwu, dwd = [], [], []
-        push_src, push_dst, part_src, part_dst, keep = [], [], [], [], []
         combine, partial_field = layout.offset("combine"), layout.offset("d_topk_partials")
         for r in range(L):
-            dx_rows, gate, up, down, partials = _expert_backward(
-                d_rows[r], None if x_rows is None else x_rows[r], w_gate[r], w_up[r], w_down[r],
-                saved.preact, saved.row_slot[r], weights, sched.tile_expert[r],
-                sched.num_tiles[r:r + 1], sched.expert_offsets[r], True, needs.w_gate_up,
-                needs.w_down, True, options, dgrads="megakernel")
+            d_preact, hw, partials, dx_rows = _dgrads(
+                d_rows[r], w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r],
+                weights, sched.tile_expert[r], sched.num_tiles[r:r + 1], True, options)
+            part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
+            part[:, 0] = partials.sum(dim=1)
+            copy_rows_by_address(_rows_of(dx_rows, H * _BF16),
+                                 _row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]),
+                                 H * _BF16)
+            copy_rows_by_address(_rows_of(part, _SLOT_ROW),
+                                 _row_addresses(base[r], partial_field, slot[r], _SLOT_ROW,
+                                                valid[r]), _SLOT_ROW)
+            gate, up, down = _weight_grads(d_preact, hw, d_rows[r],
+                                           None if x_rows is None else x_rows[r], w_gate[r],
+                                           w_down[r], sched.expert_offsets[r], needs.w_gate_up,
+                                           needs.w_down)
             dwg.append(gate)
             dwu.append(up)
             dwd.append(down)
-            part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
-            part[:, 0] = partials.sum(dim=1)
-            keep += [dx_rows, part]  # alive until the pushes below are enqueued
-            push_src.append(_rows_of(dx_rows, H * _BF16))
-            push_dst.append(_row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]))
-            part_src.append(_rows_of(part, _SLOT_ROW))
-            part_dst.append(_row_addresses(base[r], partial_field, slot[r], _SLOT_ROW, valid[r]))
-        copy_rows_by_address(torch.cat(push_src), torch.cat(push_dst), H * _BF16)
-        copy_rows_by_address(torch.cat(part_src), torch.cat(part_dst), _SLOT_ROW)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
         plan.backward_errors.record(plan.backward_calls)
         if silent_rank != -1:
             plan.scalars[9].fill_(plan._waits[1])  # the forward's value back
-        del keep
 
         # 5. the shared expert (local), then the k-sums of what the peers pushed
         shared_dx, d_shared = [None] * L, (None, None, None)

@@ -95,7 +95,7 @@ def _cpu_plan(R, T, H, I, E_loc, K):
 
 @pytest.mark.parametrize("R,T,K,E_loc,Is,routing", [
     (2, 24, 3, 2, 64, "skew"), (3, 30, 3, 2, 64, "silent_rank"), (4, 16, 10, 4, 0, "uniform"),
-    (5, 9, 2, 1, 64, "empty_expert")])
+    (5, 9, 2, 1, 64, "empty_expert"), (2, 300, 2, 3, 0, "skew")])  # the last: experts of 1-3 tiles
 def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc, Is,
                                                                         routing, monkeypatch):
     """``moe_backward_group`` end to end on the CPU over virtual ranks' buffers in host memory
@@ -109,10 +109,12 @@ def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K,
     from mok_cute.megakernel import SavedPreact
     from per_token import DX_TOKEN_TOL, assert_tokens_close
     from test_backward import _close
-    from test_virtual_training import _cpu_problem, _emulated_expert_backward, _emulated_saved
+    from test_virtual_training import (_cpu_problem, _emulated_dgrads, _emulated_expert_backward,
+                                       _emulated_saved, _emulated_weight_grads)
 
     monkeypatch.setattr(expert_backward, "_expert_backward", _emulated_expert_backward)
-    monkeypatch.setattr(group_backward, "_expert_backward", _emulated_expert_backward)
+    monkeypatch.setattr(group_backward, "_dgrads", _emulated_dgrads)
+    monkeypatch.setattr(group_backward, "_weight_grads", _emulated_weight_grads)
     monkeypatch.setattr(peer_rows, "copy_rows_by_address", _cpu_copy_rows)
     monkeypatch.setattr(peer_rows, "peer_barrier", lambda *args: None)
 

@@ -195,12 +195,10 @@ def test_backward_refuses_a_d_out_of_another_shape():
 
 
 # ---------------------------------------------------------------------- the plumbing (CPU)
-def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
-                              tile_expert, num_tiles, offsets, want_dx, want_gate_up,
-                              want_down, want_partials, options, fp8=False, dgrads="kernels"):
-    """``expert_backward._expert_backward`` in fp32 torch: each live row's expert from its
-    tile, its g | u and weight through ``row_slot``; each expert's weight gradients over its
-    rows [offsets[e], offsets[e + 1])."""
+def _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+                     num_tiles, want_dx, options, fp8=False, dgrads="kernels"):
+    """``expert_backward._dgrads`` in fp32 torch: each live row's expert from its tile, its
+    g | u and weight through ``row_slot``: (d_preact, hw, partials [rows, 1], dx rows)."""
     rows, inter = d_rows.shape[0], w_gate.shape[1]
     live = torch.arange(rows) < min(rows, int(num_tiles[0]) * TILE)
     expert = tile_expert.long().repeat_interleave(TILE)[:rows]
@@ -220,14 +218,36 @@ def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_
     dx = (torch.einsum("mi,mih->mh", d_pre[:, :inter].float(), w_gate.float()[e])
           + torch.einsum("mi,mih->mh", d_pre[:, inter:].float(), w_up.float()[e]))
     dx = torch.where(ok, dx, 0.0).to(torch.bfloat16)
-    dwg, dwu, dwd = (torch.zeros_like(t) for t in (w_gate, w_up, w_down))
+    return d_pre, hw, partials, dx if want_dx else None
+
+
+def _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up,
+                           want_down):
+    """``expert_backward._weight_grads`` in fp32 torch: each expert's over its rows
+    [offsets[e], offsets[e + 1])."""
+    rows, inter = d_rows.shape[0], w_gate.shape[1]
+    dwg, dwu = torch.zeros_like(w_gate), torch.zeros_like(w_gate)
+    dwd = torch.zeros_like(w_down)
     for ex in range(w_gate.shape[0]):
         seg = slice(int(offsets[ex]), min(int(offsets[ex + 1]), rows))
-        dwg[ex] = (d_pre[seg, :inter].float().t() @ x_rows[seg].float()).to(torch.bfloat16)
-        dwu[ex] = (d_pre[seg, inter:].float().t() @ x_rows[seg].float()).to(torch.bfloat16)
-        dwd[ex] = (d_rows[seg].float().t() @ hw[seg].float()).to(torch.bfloat16)
-    return (dx if want_dx else None, dwg if want_gate_up else None,
-            dwu if want_gate_up else None, dwd if want_down else None, partials)
+        if want_gate_up:
+            dwg[ex] = (d_pre[seg, :inter].float().t() @ x_rows[seg].float()).to(torch.bfloat16)
+            dwu[ex] = (d_pre[seg, inter:].float().t() @ x_rows[seg].float()).to(torch.bfloat16)
+        if want_down:
+            dwd[ex] = (d_rows[seg].float().t() @ hw[seg].float()).to(torch.bfloat16)
+    return (dwg if want_gate_up else None, dwu if want_gate_up else None,
+            dwd if want_down else None)
+
+
+def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
+                              tile_expert, num_tiles, offsets, want_dx, want_gate_up,
+                              want_down, want_partials, options, fp8=False, dgrads="kernels"):
+    """``expert_backward._expert_backward`` in fp32 torch: the two emulations above."""
+    d_pre, hw, partials, dx = _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
+                                               weights, tile_expert, num_tiles, want_dx, options)
+    dwg, dwu, dwd = _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets,
+                                           want_gate_up, want_down)
+    return dx, dwg, dwu, dwd, partials
 
 
 def _emulated_saved(leaves, idx, E_loc):
