@@ -29,6 +29,8 @@ from mok_cute import jit
 from mok_cute.constants import FLAG_STEPS, SCALARS, VEC_ELEMS
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.comm_tasks import bf16_row, copy_row
+# token_ops' pointer and stream helpers: one place for how a kernel entry takes torch tensors
+from mok_cute.kernels.token_ops import _placeholder_ptr, _ptr, _stream
 
 COPY_UNROLL = 4  # 16-byte vectors in flight per lane (the peer read's latency)
 BARRIER_THREADS = 128
@@ -134,34 +136,23 @@ class PeerBarrier:
 
 
 # ---------------------------------------------------------------------- compile helpers
-def _ptr(dtype, align: int) -> cute.Pointer:
-    return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
-
-
 def compile_copy_rows_by_address(arch: str = "sm_90a", *, options: str = "",
                                  num_warps: int = 4):
     """Compile ``CopyRowsByAddress`` for ``arch`` without a GPU or tensors."""
-    return cute.compile(CopyRowsByAddress(num_warps), _ptr(Int64, 8), _ptr(Int64, 8), Int32(1),
+    return cute.compile(CopyRowsByAddress(num_warps), _placeholder_ptr(Int64, 8),
+                        _placeholder_ptr(Int64, 8), Int32(1),
                         Int32(1), cute.runtime.make_fake_stream(),
                         options=jit.compile_options(arch, options))
 
 
 def compile_peer_barrier(arch: str = "sm_90a", *, options: str = "", scope: str = "sys"):
     """Compile ``PeerBarrier`` for ``arch`` without a GPU or tensors."""
-    return cute.compile(PeerBarrier(scope), _ptr(Int64, 8), _ptr(Int64, 8), _ptr(Int64, 8),
+    return cute.compile(PeerBarrier(scope), *(_placeholder_ptr(Int64, 8) for _ in range(3)),
                         Int32(1), Int32(1), Int32(0), cute.runtime.make_fake_stream(),
                         options=jit.compile_options(arch, options))
 
 
 # ---------------------------------------------------------------------- host side
-def _ptr_of(t: torch.Tensor, dtype, align: int) -> cute.Pointer:
-    return cute.runtime.make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
-def _stream(device: torch.device):
-    return cuda_driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
-
-
 def _check_addresses(name: str, t, numel: int | None = None) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or not t.is_cuda:
         raise TypeError(f"{name}: expected an int64 CUDA tensor, got "
@@ -182,7 +173,7 @@ def copy_rows_by_address(src_addr: torch.Tensor, dst_addr: torch.Tensor, row_byt
     if src_addr.numel() == 0:
         return
     kernel = jit.compile_kernel("copy_rows_by_address", jit.device_arch(src_addr.device))
-    kernel(_ptr_of(src_addr, Int64, 8), _ptr_of(dst_addr, Int64, 8), Int32(src_addr.numel()),
+    kernel(_ptr(src_addr, Int64, 8), _ptr(dst_addr, Int64, 8), Int32(src_addr.numel()),
            Int32(row_bytes // 16), _stream(src_addr.device))
 
 
@@ -198,6 +189,6 @@ def peer_barrier(peer_bases: torch.Tensor, scalars: torch.Tensor, error: torch.T
     if step not in (0, 1):
         raise ValueError(f"step: expected 0 or 1, got {step!r}")
     kernel = jit.compile_kernel("peer_barrier", jit.device_arch(peer_bases.device), scope=scope)
-    kernel(_ptr_of(peer_bases, Int64, 8), _ptr_of(scalars, Int64, 8), _ptr_of(error, Int64, 8),
+    kernel(_ptr(peer_bases, Int64, 8), _ptr(scalars, Int64, 8), _ptr(error, Int64, 8),
            Int32(peer_bases.shape[0]), Int32(peer_bases.shape[1]), Int32(step),
            _stream(peer_bases.device))
