@@ -339,7 +339,9 @@ class _GroupTrain(torch.autograd.Function):
                                             config, group=group, save=True)
         ctx.has_shared = shared is not None
         ctx.options = config.expert_path
-        ctx.saved = saved  # SavedPreact: its tensors, this call's schedules and the plan
+        # SavedPreact: its tensors, this call's schedules and the plan; kept for every backward
+        # of the graph (retain_graph runs it again) and freed with it
+        ctx.saved = saved
         ctx.save_for_backward(x, ids, topk_weights, w_gate, w_up, w_down, *(shared or ()))
         return out
 
@@ -358,7 +360,6 @@ class _GroupTrain(torch.autograd.Function):
             one(d_out.contiguous()), one(x), one(ids), one(topk_weights), one(w_gate),
             one(w_up), one(w_down), tuple(one(w) for w in shared) if shared else None, stacked,
             needs, ctx.options)
-        ctx.saved = None
         d_x, d_w, *d_weights = _wanted(ctx, [None if t is None else t[0] for t in grads])
         return (d_x, None, d_w, *d_weights, None, None)
 
