@@ -293,7 +293,8 @@ def test_two_processes_on_one_gpu_over_ipc_give_the_virtual_bits():
 def _ipc_train_rank(rank, world, seed, out_dir):
     """One process: ``mok.moe_forward(group=...)`` trains through the IPC megakernel (two
     processes time-share one GPU, so the waits are long): out and every gradient of this rank
-    bitwise those of the virtual ranks' training on the same problem."""
+    bitwise those of the virtual ranks' training on the same problem, again in a second
+    backward over the retained graph."""
     torch.cuda.set_device(0)
     R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
@@ -313,12 +314,18 @@ def _ipc_train_rank(rank, world, seed, out_dir):
         names.append(fn.name())
         fns += [f for f, _ in fn.next_functions if f is not None]
     assert any("GroupTrain" in n for n in names), names
-    out.backward(d_out[rank])
+    out.backward(d_out[rank], retain_graph=True)
     torch.cuda.synchronize()
     mok.check_errors()
     assert torch.equal(out.detach(), want_out.detach()[rank]), "out"
     for name, t, wt in zip(NAMES, mine, want):
         assert torch.equal(t.grad, wt), f"rank {rank}: {name} differs"
+    for t in mine:  # a second backward over the retained graph: the same bits
+        t.grad = None
+    out.backward(d_out[rank])
+    torch.cuda.synchronize()
+    for name, t, wt in zip(NAMES, mine, want):
+        assert torch.equal(t.grad, wt), f"rank {rank}: {name} differs in the second backward"
     open(os.path.join(out_dir, f"ok{rank}"), "w").close()
 
 
