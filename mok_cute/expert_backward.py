@@ -186,6 +186,22 @@ def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),
     return shared_dx, tuple(None if g is None else g[0] for g in (dsg, dsu, dsd))
 
 
+def shared_backward_ranks(d_out, xs, shared, shared_preact, needs: Needs = Needs(),
+                          options: ExpertPathOptions = ExpertPathOptions()):
+    """The shared expert's backward on each of R ranks' tokens, rank by rank
+    (``shared_backward``; d_out, xs [R, T, H], shared and shared_preact with a leading R):
+    (each rank's dx rows, None where not wanted; (d_ws_gate, d_ws_up, d_ws_down) [R, ...],
+    None where not wanted)."""
+    R = xs.shape[0]
+    if shared is None or not (needs.x or needs.shared_gate_up or needs.shared_down):
+        return [None] * R, (None, None, None)
+    per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared), shared_preact[r],
+                                needs, options) for r in range(R)]
+    grads = tuple(None if per_rank[0][1][i] is None
+                  else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
+    return [dx for dx, _ in per_rank], grads
+
+
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
                  options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16",

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from mok_cute.config import ExpertPathOptions
-from mok_cute.expert_backward import Needs, _dgrads, _weight_grads, shared_backward
+from mok_cute.expert_backward import Needs, _dgrads, _weight_grads, shared_backward_ranks
 
 __all__ = ["moe_backward_group"]
 
@@ -175,14 +175,9 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         if silent_rank != -1:
             plan.scalars[9].fill_(plan._waits[1])  # the forward's value back
 
-        # 5. the shared expert (local), then the k-sums of what the peers pushed
-        shared_dx, d_shared = [None] * L, (None, None, None)
-        if shared is not None and (needs.x or needs.shared_gate_up or needs.shared_down):
-            per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared),
-                                        saved.shared_preact[r], needs, options) for r in range(L)]
-            shared_dx = [dx for dx, _ in per_rank]
-            d_shared = tuple(None if per_rank[0][1][i] is None
-                             else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
+        # 4. the shared expert (local), then the k-sums of what the peers pushed
+        shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
+                                                    needs, options)
         num_experts = P * E_loc
         routed = (topk_idx >= 0) & (topk_idx < num_experts)  # [L, T, K]: the slots given a row
         d_xs = d_topk = None

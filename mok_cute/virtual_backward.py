@@ -36,7 +36,7 @@ import torch
 
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
-from mok_cute.expert_backward import Needs, _expert_backward, shared_backward
+from mok_cute.expert_backward import Needs, _expert_backward, shared_backward_ranks
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -45,7 +45,7 @@ __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_pre
 
 class VirtualSaved(NamedTuple):
     """What the virtual backward reads of a training forward (R ranks; P saved rows in one
-    pool: T * K by slot at one rank, every rank's receive rows on several,
+    pool: T * K by slot at one rank, R * T * K by global slot (peer, token, k) on several,
     ``schedule.saved_preact_rows``)."""
 
     preact: torch.Tensor  # [P, 2I] bf16: g | u of every routed row
@@ -226,14 +226,9 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         concat.num_tiles, concat.expert_offsets, needs.x, needs.w_gate_up, needs.w_down,
         needs.topk_weights, options, dgrads="megakernel")
 
-    shared_dx, d_shared = None, (None, None, None)
-    if shared is not None and (needs.x or needs.shared_gate_up or needs.shared_down):
-        per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared),
-                                    saved.shared_preact[r], needs, options) for r in range(R)]
-        if needs.x:
-            shared_dx = torch.cat([dx for dx, _ in per_rank])  # [R * T, H]
-        d_shared = tuple(None if per_rank[0][1][i] is None
-                         else torch.stack([grads[i] for _, grads in per_rank]) for i in range(3))
+    shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
+                                                options)
+    shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]
 
     d_xs = d_topk = None
     if needs.x:
