@@ -87,7 +87,6 @@ class EpLayer:
         x, w = leaf(inp.x), leaf(inp.topk_weights)
         idx = inp.topk_idx
         shared = weights.shared
-        self.inter = weights.w_gate.shape[1]
         if name == "mok_cute":
             params = [leaf(t) for t in (weights.w_gate, weights.w_up, weights.w_down, *(shared or ()))]
             self.forward = lambda: mok_cute.moe_forward(
@@ -110,10 +109,10 @@ class EpLayer:
         g = [t.grad for t in self.leaves]
         if self.name == "mok_cute":
             return g + [None] * (len(GRAD_NAMES) - len(g))
-        split = lambda t, dim, n: (None, None) if t is None else (t.narrow(dim, 0, n), t.narrow(dim, n, n))  # noqa: E731
-        out = [g[0], g[1], *split(g[2], 1, self.inter), g[3]]
+        halves = lambda t, dim: (None, None) if t is None else t.chunk(2, dim)  # noqa: E731  gate | up
+        out = [g[0], g[1], *halves(g[2], 1), g[3]]
         if len(g) > 4:
-            out += [*split(g[4], 0, g[4].shape[0] // 2 if g[4] is not None else 0), g[5]]
+            out += [*halves(g[4], 0), g[5]]
         return out + [None] * (len(GRAD_NAMES) - len(out))
 
 
