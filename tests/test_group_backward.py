@@ -193,14 +193,18 @@ CASES = {
 }
 
 
+def _saved_problem(name, seed, timeout_ms=5000.0):
+    """A case's problem, its saving virtual forward and a d_out: (leaves, idx, saved, d_out)."""
+    R, T, H, I, E_loc, K, Is, routing = CASES[name]
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
+    _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=timeout_ms))
+    return leaves, idx, saved, torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_backward_over_peers_is_the_virtual_backward_bitwise(name):
-    R, T, H, I, E_loc, K, Is, routing = CASES[name]
-    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=3, routing=routing)
-    config = mok.MoKConfig(timeout_ms=5000.0)
-    _, saved = _forward_saved(leaves, idx, config)
-    d_out = torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+    leaves, idx, saved, d_out = _saved_problem(name, seed=3)
     want = _virtual_grads(leaves, idx, saved, d_out)
     first = None
     for repeat in range(2):
@@ -216,10 +220,7 @@ def test_backward_over_peers_is_the_virtual_backward_bitwise(name):
 
 @pytest.mark.gpu
 def test_frozen_experts_and_inputs_skip_their_gradients_but_still_push():
-    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
-    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=4, routing=routing)
-    _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=5000.0))
-    d_out = torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+    leaves, idx, saved, d_out = _saved_problem("R2_shared_skew", seed=4)
     want = _virtual_grads(leaves, idx, saved, d_out)
     needs = Needs(x=False, topk_weights=True, w_gate_up=False, w_down=True,
                   shared_gate_up=False, shared_down=False)
@@ -231,10 +232,7 @@ def test_frozen_experts_and_inputs_skip_their_gradients_but_still_push():
 
 @pytest.mark.gpu
 def test_a_silent_rank_in_the_backward_raises_peer_timeout_naming_it():
-    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
-    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=5, routing=routing)
-    _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=200.0))
-    d_out = torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+    leaves, idx, saved, d_out = _saved_problem("R2_shared_skew", seed=5, timeout_ms=200.0)
     _group_grads(leaves, idx, saved, d_out, silent_rank=1)
     with pytest.raises(mok.PeerTimeoutError, match=r"backward over the group call \d+: rank "
                                                    r"\d: .*peer 1"):
