@@ -76,6 +76,21 @@ def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
     return d_preact, hw, partials
 
 
+def row_partial_sums(partials):
+    """Each row's sum of its dgated row partials [M, N-tiles] (fp32), in one fixed order
+    whatever M: halving adds of the columns (padded with zeros to a power of two). torch's
+    own row reduction may order a row's terms by the tensor's shape, and the virtual ranks'
+    one launch and a group's rank (its own rows) must give d_topk_weights the same bits."""
+    cols = partials.shape[1]
+    width = 1 << max(cols - 1, 0).bit_length()
+    if width != cols:
+        partials = torch.nn.functional.pad(partials, (0, width - cols))
+    while width > 1:
+        width //= 2
+        partials = partials[:, :width] + partials[:, width:]
+    return partials[:, 0]
+
+
 def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPathOptions):
     """dX rows [M, H] = dG @ W_gate + dU @ W_up in one accumulator (K = 2I)."""
     rows, hidden = d_preact.shape[0], w_gate.shape[2]
@@ -254,7 +269,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         d_x = token_ops.weighted_ksum(dx_rows, ones, shared_dx, row_index=saved.row_of_slot)
     d_topk = None
     if needs.topk_weights:
-        per_row = torch.cat([partials.sum(dim=1), partials.new_zeros(1)])  # [-1] -> 0
+        per_row = torch.cat([row_partial_sums(partials), partials.new_zeros(1)])  # [-1] -> 0
         d_topk = per_row[saved.row_of_slot.long()].view(num_tokens, top_k)
         d_topk = d_topk.to(topk_weights.dtype)
     return (d_x, d_topk, dwg if needs.w_gate_up else None, dwu if needs.w_gate_up else None,

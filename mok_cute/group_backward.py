@@ -8,9 +8,10 @@ Per call, on every rank of the group (each must run it, as a collective):
     own fields <- x, d_out, router weights           (the source side, for the peers to pull)
     barrier 0                                        (flag "started" of a new epoch)
     pull: d_out rows, x rows, router weights of this rank's receive rows from their sources
-    the dgrads of this rank's experts                (the one-GPU backward's two launches:
-                                                      faster than the backward megakernel's at
-                                                      R = 1, docs/measurements.md)
+    the dgrads of this rank's experts                (the backward megakernel's dgrad tasks,
+                                                      as the virtual ranks' backward: the
+                                                      launches' 128-wide FC2 dgrad tiles would
+                                                      sum d_topk's row partials in another order)
     push: dx rows and d_topk partials into the source's (token, k) slot (``combine``,
           ``d_topk_partials`` fields)
     the weight gradients (``gemm_wgrad``)            (a slow peer's pushes land under them)
@@ -28,7 +29,8 @@ Numerics: a row's dgrads depend on that row alone, the k-sum runs in ascending k
 rounds once, the weight gradients sum an expert's rows in schedule order: d_x and
 d_topk_weights are bitwise those of the same tokens on one rank, and every gradient those of
 the virtual ranks' backward (``virtual_backward``: the same tiles in one backward-megakernel
-launch, bitwise the launches here, tests/test_megakernel_backward.py); bitwise run to run.
+launch; its dgrads alone are bitwise the launch with the weight gradients,
+tests/test_megakernel_backward.py); bitwise run to run.
 
 Failures: a barrier wait that gives up (a dead or silent peer) records the plan's backward
 error word; ``PeerTimeoutError`` (naming the waiting rank and the peer) is raised at the plan's
@@ -43,7 +45,8 @@ from __future__ import annotations
 import torch
 
 from mok_cute.config import ExpertPathOptions
-from mok_cute.expert_backward import Needs, _dgrads, _weight_grads, shared_backward_ranks
+from mok_cute.expert_backward import (Needs, _dgrads, _weight_grads, row_partial_sums,
+                                      shared_backward_ranks)
 
 __all__ = ["moe_backward_group"]
 
@@ -154,9 +157,10 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         for r in range(L):
             d_preact, hw, partials, dx_rows = _dgrads(
                 d_rows[r], w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r],
-                weights, sched.tile_expert[r], sched.num_tiles[r:r + 1], True, options)
+                weights, sched.tile_expert[r], sched.num_tiles[r:r + 1], True, options,
+                dgrads="megakernel")
             part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
-            part[:, 0] = partials.sum(dim=1)
+            part[:, 0] = row_partial_sums(partials)
             copy_rows_by_address(_rows_of(dx_rows, H * _BF16),
                                  _row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]),
                                  H * _BF16)

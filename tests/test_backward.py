@@ -438,3 +438,17 @@ def test_cuda_graph_captures_a_training_step(precision):
         torch.cuda.synchronize()
         for name_, t, want in zip(NAMES, leaves, eager):
             assert torch.equal(t.grad, want), (step, name_)
+
+
+def test_row_partial_sums_add_each_row_in_one_order_whatever_the_rows():
+    """d_topk_weights' row sums: a row's bits depend on that row alone (the virtual ranks'
+    one launch and a group rank's own rows sum the same partials), and they are its sum."""
+    from mok_cute.expert_backward import row_partial_sums
+
+    gen = torch.Generator().manual_seed(3)
+    for cols in (1, 2, 3, 8, 23):
+        p = torch.randn(1000, cols, generator=gen) * torch.logspace(-3, 3, cols)
+        sums = row_partial_sums(p)
+        for lo, hi in ((0, 1), (17, 18), (5, 900), (999, 1000)):
+            assert torch.equal(row_partial_sums(p[lo:hi]), sums[lo:hi]), (cols, lo)
+        torch.testing.assert_close(sums, p.double().sum(1).float(), rtol=1e-5, atol=1e-3)
