@@ -450,14 +450,16 @@ def test_full_protocol_on_the_gpu(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def test_reference_gradients_of_the_checked_experts_equal_full_autograd():
+@pytest.mark.parametrize("spec", ["custom:70,64,32,24,4,1",
+                                  "custom:40,256,256,12,10,1"])  # K > the checked experts
+def test_reference_gradients_of_the_checked_experts_equal_full_autograd(spec):
     """The bench's reference keeps no weight-sized gradient: the checked experts' weight
     gradients from a run through their slots alone equal full autograd's bit for bit, and the
-    other gradients are full autograd's."""
+    other gradients are full autograd's (its saved fp32 upcasts kept as bf16: lossless)."""
     from mok_cute import reference
     from mok_cute.bench import training
 
-    p = problems.make_problem(shapes.resolve_shape("custom:70,64,32,24,4,1"), device="cpu", seed=3)
+    p = problems.make_problem(shapes.resolve_shape(spec), device="cpu", seed=3)
     d_out = torch.randn(p.inputs.x.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     ref_out, got = training.reference_grads(p, d_out)
     i = p.inputs

@@ -203,6 +203,21 @@ def checked(name: str, grad: torch.Tensor) -> torch.Tensor:
     return grad[::step][:CHECKED_EXPERTS]
 
 
+def _pack_bf16_exact(t: torch.Tensor):
+    """Saved-tensor hook: a large fp32 tensor whose values are all bf16 values (an upcast
+    weight, the reference's rounded g and u) kept as bf16; lossless, so the reference's
+    gradients keep their bits."""
+    if t.dtype == torch.float32 and t.numel() >= 1 << 16:
+        half = t.to(torch.bfloat16)
+        if torch.equal(half.float(), t):
+            return ("bf16", half)
+    return t
+
+
+def _unpack_bf16_exact(packed):
+    return packed[1].float() if isinstance(packed, tuple) else packed
+
+
 def reference_grads(problem: Problem, d_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Autograd on the reference: out, d_x, d_topk_weights and the shared expert's gradients
     with every expert; the routed weight gradients of the checked experts (``checked``) from a
@@ -214,8 +229,12 @@ def reference_grads(problem: Problem, d_out: torch.Tensor) -> tuple[torch.Tensor
     i = problem.inputs
     leaves = [t.detach().requires_grad_() for t in  # the problem's storage: nothing copied
               (i.x, i.topk_weights, *(problem.shared or ()))]
-    out = reference.moe_forward(leaves[0], i.topk_idx, leaves[1], problem.w_gate, problem.w_up,
-                                problem.w_down, shared=tuple(leaves[2:]) or None)
+    # autograd keeps the reference's fp32 upcast of every expert's weights (102 GB at
+    # dsv4_pro's size): what is saved exactly representable in bf16 is kept as bf16
+    with torch.autograd.graph.saved_tensors_hooks(_pack_bf16_exact, _unpack_bf16_exact):
+        out = reference.moe_forward(leaves[0], i.topk_idx, leaves[1], problem.w_gate,
+                                    problem.w_up, problem.w_down,
+                                    shared=tuple(leaves[2:]) or None)
     out.backward(d_out)
     names = ("x", "topk_weights", "ws_gate", "ws_up", "ws_down")
     grads = {n: t.grad for n, t in zip(names, leaves)}
@@ -224,10 +243,13 @@ def reference_grads(problem: Problem, d_out: torch.Tensor) -> tuple[torch.Tensor
     renumber = torch.full((experts + 1,), -1, dtype=torch.int64, device=picked.device)
     renumber[picked] = torch.arange(len(picked), device=picked.device)
     ids = renumber[torch.where((i.topk_idx >= 0) & (i.topk_idx < experts), i.topk_idx.long(), experts)]
-    weights = [w.detach()[picked].clone().requires_grad_() for w in (problem.w_gate, problem.w_up, problem.w_down)]
+    # at least K experts (the layer's contract); those past the checked ones get no row
+    extra = max(0, i.topk_idx.shape[1] - len(picked))
+    weights = [torch.cat([w.detach()[picked], w.new_zeros(extra, *w.shape[1:])]).requires_grad_()
+               for w in (problem.w_gate, problem.w_up, problem.w_down)]
     reference.moe_forward(i.x, ids, i.topk_weights, *weights,
                           config=MoKConfig(check_ids=False)).backward(d_out)
-    grads.update({n: w.grad for n, w in zip(("w_gate", "w_up", "w_down"), weights)})
+    grads.update({n: w.grad[:len(picked)] for n, w in zip(("w_gate", "w_up", "w_down"), weights)})
     return out.detach(), {n: grads[n] for n in GRAD_NAMES if n in grads}
 
 
