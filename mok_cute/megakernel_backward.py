@@ -95,27 +95,38 @@ def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int, nu
     return tb.build_backward_static(capacity_tiles, max(num_experts, 1), params), kinds
 
 
+def compute_queue(tl, kinds):
+    """The compute queue as the kernel reads it: (queue entries, live prefixes, tail begin,
+    queue length). One entry past the queue: an empty walk (no live M-tile and no tail: a
+    rank that received nothing) still decodes position ``tail begin``, a task it does not
+    run (the kernel's registers are too tight for a clamp)."""
+    from mok_cute import tasks_backward as tb
+
+    qtab, live_len, tail_begin = tb.queue_tables(tl, kinds=kinds)
+    queue = qtab[int(tb.Role.COMPUTE)]
+    queue = queue[queue >= 0]
+    entries = np.append(queue, queue[-1:]) if queue.size else np.array([-1])
+    return entries, live_len[int(tb.Role.COMPUTE)], int(tail_begin[int(tb.Role.COMPUTE)]), queue.size
+
+
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
                   device) -> DgradTables:
     from mok_cute import tasks_backward as tb
 
     tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, num_ctas)
     per_mb = tiles_per_minibatch(inter, num_ctas)
-    qtab, live_len, tail_begin = tb.queue_tables(tl, kinds=kinds)
-    queue = qtab[int(tb.Role.COMPUTE)]
-    queue = queue[queue >= 0]
+    queue, live_len, tail_begin, queue_len = compute_queue(tl, kinds)
     sizes = [tl.counter_sizes[g] for g in tb.BackwardCounter]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     as_i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=device)  # noqa: E731
     return DgradTables(
         tasks=tb.encode_backward(tl).to(device),
-        queue=as_i32(queue if queue.size else [-1]),
-        live_len=as_i32(live_len[int(tb.Role.COMPUTE)]),
+        queue=as_i32(queue),
+        live_len=as_i32(live_len),
         counter_offsets=as_i32(offsets),
         counters=torch.zeros(max(int(offsets[-1]), 1), dtype=torch.int32, device=device),
         error=torch.zeros(1, dtype=torch.int64, device=device),
-        scalars=torch.tensor([int(timeout_ms * 1e6), per_mb,
-                              int(tail_begin[int(tb.Role.COMPUTE)]), queue.size],
+        scalars=torch.tensor([int(timeout_ms * 1e6), per_mb, tail_begin, queue_len],
                              dtype=torch.int64, device=device))
 
 

@@ -153,6 +153,24 @@ def test_the_kernels_walk_runs_each_live_task_once_dgrads_first(capacity_tiles, 
                         assert position[int(j)] < position[int(i)]
 
 
+@pytest.mark.parametrize("experts", [0, 3])
+def test_an_empty_walk_decodes_a_task_inside_the_tables(experts):
+    """A rank that received nothing (num_tiles = 0) walks nothing, but each CTA still decodes
+    the task at its first position (``_task`` clamps it into the walk): that read stays inside
+    the queue tensor and names a real task (it ran off the queue on the H200: an illegal
+    address in the group backward of such a rank)."""
+    from mok_cute import megakernel_backward as mb
+
+    queue, live_len, tail, queue_len = mb.compute_queue(*mb.task_list(7, experts, 576, 320, 5))
+    tasks = len(mb.task_list(7, experts, 576, 320, 5)[0])
+    prefix = int(live_len[0])
+    walk_len = prefix + queue_len - tail
+    pos = max(min(0, walk_len - 1), 0)
+    at = pos if pos < prefix else tail + pos - prefix
+    assert (walk_len == 0) == (experts == 0)
+    assert at < len(queue) and 0 <= int(queue[at]) < tasks
+
+
 def test_expert_dgrads_rejects_sizes_it_cannot_take():
     from mok_cute import expert_backward as eb
     from mok_cute import megakernel_backward as mb
