@@ -281,24 +281,31 @@ def test_grouped_mm_baseline_matches_the_reference_on_one_gpu(tmp_path, monkeypa
 def test_example_script_under_torchrun_on_cpu():
     """examples/ep_torchrun.py: 2 gloo ranks, MoELayer(group=...), the check passes, times printed,
     then 4 training steps lower the loss."""
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(ep_dist.free_port()), str(root / "examples" / "ep_torchrun.py"), "--device", "cpu",
-           "--shape", f"custom:{T},{H},{I},{2 * E_LOC},{K},1", "--iters", "2", "--warmup", "1", "--check-tokens", "16",
-           "--train", "4", "--lr", "0.5"]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    proc = _torchrun(2, "examples/ep_torchrun.py", "--device", "cpu",
+                     "--shape", f"custom:{T},{H},{I},{2 * E_LOC},{K},1", "--iters", "2", "--warmup", "1",
+                     "--check-tokens", "16", "--train", "4", "--lr", "0.5", timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "-> PASS" in proc.stdout and "rank 1: forward" in proc.stdout and "max over ranks" in proc.stdout
     assert "train: 4 steps" in proc.stdout and "(down)" in proc.stdout, proc.stdout[-2000:]
 
 
-def _torchrun_ep_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``script`` (relative to the checkout) under torchrun on 127.0.0.1. The port comes from
+    ``free_port``, which another process may take before torchrun binds it (tests run beside
+    each other): a run that failed on a port already in use runs again on a new one."""
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(ep_dist.free_port()), str(root / "tools" / "ep_check.py"), *args]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    for _ in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(ep_dist.free_port()), str(root / script), *args]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or "address already in use" not in (proc.stdout + proc.stderr).lower():
+            break
+    return proc
+
+
+def _torchrun_ep_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    return _torchrun(nproc, "tools/ep_check.py", *args, timeout=600)
 
 
 def test_ep_checks_run_under_torchrun_on_cpu():
