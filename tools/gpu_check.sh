@@ -34,7 +34,8 @@
 #                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
-#                   R = 2 and 4 and its training step, a shared expert, a wrapping ring; T = 300, H = 512) under
+#                   R = 2 and 4 and its training step, a group's backward on virtual buffers, a shared
+#                   expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
 #   ep [N]          on a machine of N >= 2 GPUs (default: all): tools/ep_check.py, the example
 #                   under torchrun and `mok-cute bench --ep` (forward, then --train), with the IPC

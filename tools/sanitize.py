@@ -104,6 +104,30 @@ def _backward_virtual(R: int, shared: bool, seed: int):
     return case
 
 
+def _backward_group(R: int, seed: int):
+    """The backward over a group's buffers (``mok_cute.group_backward``) on virtual ranks'
+    buffers after the saving virtual launch, the last rank receiving nothing (its dgrad launch
+    walks nothing: it read past its queue once)."""
+    def case() -> bool:
+        from mok_cute import megakernel
+        from mok_cute.group_backward import moe_backward_group
+
+        xs, _, w, wg, wu, wd, sh = _inputs(R, True, seed)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        idx = torch.rand(R, T, (R - 1) * E_LOC, device="cuda", generator=g).topk(K, dim=2).indices
+        with torch.no_grad():
+            _, saved = megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, sh,
+                                                      mok_cute.MoKConfig(), save=True)
+        d_out = torch.randn_like(xs)
+        grads = moe_backward_group(d_out, xs, idx, w, wg, wu, wd, sh, saved)
+        leaves = [t.detach().clone().requires_grad_() for t in (xs, w, wg, wu, wd, *sh)]
+        ref = reference.moe_forward_virtual(leaves[0], idx, *leaves[1:5], shared=tuple(leaves[5:]))
+        ref_grads = torch.autograd.grad(ref, leaves, d_out)
+        print(f"group backward R={R}, rank {R - 1} receiving nothing", flush=True)
+        return _check_grads(grads, ref_grads, "d_xs")
+    return case
+
+
 def _check_grads(grads, ref_grads, x_name: str) -> bool:
     """Each gradient against the reference's (relative L1 <= 1e-2, no NaN), one line each."""
     ok = True
@@ -130,6 +154,8 @@ CASES = {
     "backward_megakernel_shared": _backward(True, 9, "megakernel"),
     # virtual ranks: the saving launch, one backward-megakernel launch for all ranks
     "backward_virtual_r2_shared": _backward_virtual(2, True, 10),
+    # a group's backward on virtual buffers: row copies by address, barriers, per-rank launches
+    "backward_group_r3_receiver_of_nothing": _backward_group(3, 11),
 }
 
 
