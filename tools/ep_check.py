@@ -117,10 +117,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Every rank has passed main's last barrier and torn its group down: leave without the
-    # interpreter's C++ teardown, where one gloo rank once aborted (SIGABRT) after all its
-    # checks had passed (CI, 2026-12-02; not reproduced in 18 runs since)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    ep_dist.leave(main())  # every rank has passed main's last barrier and torn its group down
