@@ -20,6 +20,7 @@ ERROR_SLOTS = 8  # launches whose error word may be in flight before a call wait
 SCALAR_FIELDS = ("epoch", "rank_base", "tiles_per_minibatch", "x_offset", "combine_offset",
                  "flags_offset", "timeout_ns", "local_experts", "static_tiles", "silent_rank")
 SCALARS = len(SCALAR_FIELDS)
+SCALAR_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}  # host-side writes and kernels' reads
 
 # Error word of a bounded wait (int64, kept positive): 0 = no error, else
 # (task_id + 1) | peer << 32 | rank << 44 | code << 56, with ``rank`` the (virtual) rank that

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from mok_cute.config import ExpertPathOptions
+from mok_cute.config import ExpertPathOptions, check_tensor
 from mok_cute.expert_backward import (Needs, _dgrads, _weight_grads, row_partial_sums,
                                       shared_backward_ranks)
 
@@ -64,17 +64,6 @@ def _rows_of(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """int64 address of each row of contiguous ``t`` [..., rows, cols] (flattened)."""
     rows = t.numel() * t.element_size() // row_bytes
     return t.data_ptr() + torch.arange(rows, dtype=torch.int64, device=t.device) * row_bytes
-
-
-def _check(name: str, t, shape: tuple, dtype=None, device=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name}: expected {dtype}, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
 
 
 def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, saved,
@@ -99,11 +88,12 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     T, H, K, I = k.tokens, k.hidden, k.top_k, k.intermediate
     E_loc = k.local_experts
     dev = plan.peer_bases.device
-    _check("d_out", d_out, (L, T, H), torch.bfloat16, dev)
-    _check("xs", xs, (L, T, H), torch.bfloat16, dev)
-    _check("topk_idx", topk_idx, (L, T, K), None, dev)
-    _check("topk_weights", topk_weights, (L, T, K), None, dev)
-    _check("w_gate", w_gate, (L, E_loc, I, H), torch.bfloat16, dev)
+    for name, t, shape, dtype in (("d_out", d_out, (L, T, H), torch.bfloat16),
+                                  ("xs", xs, (L, T, H), torch.bfloat16),
+                                  ("topk_idx", topk_idx, (L, T, K), None),
+                                  ("topk_weights", topk_weights, (L, T, K), None),
+                                  ("w_gate", w_gate, (L, E_loc, I, H), torch.bfloat16)):
+        check_tensor(name, t, shape=shape, dtype=dtype, device=dev, contiguous=False)
     sched = saved.schedules
     layout = side.layout
 
@@ -117,11 +107,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         weights32 = topk_weights.to(torch.float32).reshape(L, T * K)
         for r, field in enumerate(side.fields("router_weights")):
             field[:, 0].copy_(weights32[r])
-        plan.scalars[0].add_(1)  # the epoch: flags only grow, forward and backward calls alike
-        plan.backward_calls += 1
-        plan.backward_error.zero_()
-        if silent_rank != -1:
-            plan.scalars[9].fill_(silent_rank)
+        plan.begin_backward(silent_rank)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
 
         # 2. pull this rank's receive rows: d_out, x (for dW_gate / dW_up), router weights
@@ -176,8 +162,6 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             dwd.append(down)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
         plan.backward_errors.record(plan.backward_calls)
-        if silent_rank != -1:
-            plan.scalars[9].fill_(plan._waits[1])  # the forward's value back
 
         # 4. the shared expert (local), then the k-sums of what the peers pushed
         shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,

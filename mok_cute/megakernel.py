@@ -39,7 +39,8 @@ import torch
 
 from mok_cute import jit, tasks as tasks_mod
 from mok_cute.config import MoKConfig, ids_for_int32
-from mok_cute.constants import KSUM_ROWS, TASK_TILE_N, TICKETS, TILE_M, MegakernelSpec
+from mok_cute.constants import (KSUM_ROWS, SCALAR_INDEX, TASK_TILE_N, TICKETS, TILE_M,
+                                MegakernelSpec)
 from mok_cute.errors import PendingErrors
 
 DEFAULT_COMM_CTAS = 12
@@ -245,7 +246,7 @@ class Plan:
         layout = side.layout
         self.x_all = side.x
         self.own_base, self.x_offset = side.own_base, layout.offset("x")
-        self._x_offset = self.x_offset  # as held in scalars[3]
+        self._x_offset = self.x_offset  # as held in the scalar x_offset
         self.task_list = tasks_mod.build_static(
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
             top_k=k.top_k, minibatch_tokens=k.minibatch_tokens, ring_tokens=k.ring_tokens,
@@ -289,7 +290,7 @@ class Plan:
             [0, side.rank_base, k.minibatch_tokens // TILE_M, layout.offset("x"),
              layout.offset("combine"), layout.offset("barrier_flags"), 0, k.local_experts,
              self.capacity // TILE_M, -1], dtype=torch.int64, device=dev)
-        self._waits = (0, -1)  # (timeout ns, silent rank) as held in scalars[6] and [9]
+        self._waits = (0, -1)  # (timeout ns, silent rank) as held in the scalars
         self.kernel = jit.compile_kernel("megakernel", jit.device_arch(dev),
                                          **dataclasses.asdict(k.spec))
         self._no_slot_rows = torch.full((R, 1), -1, dtype=torch.int32, device=dev)
@@ -322,7 +323,7 @@ class Plan:
         x_offset = xs.data_ptr() - self.own_base if in_place else self.x_offset
         if x_offset != self._x_offset:  # rewritten only when it changes
             self._x_offset = x_offset
-            self.scalars[3].fill_(x_offset)
+            self.scalars[SCALAR_INDEX["x_offset"]].fill_(x_offset)
         ids = ids_for_int32(topk_idx, self.side.num_peers * k.local_experts)  # never truncated
         scheds = self.side.schedules(ids)  # stacked: [R, ...] per field, no copies
         slot_rows = self._no_slot_rows
@@ -334,13 +335,9 @@ class Plan:
                 slot_rows = torch.stack([row_of_slot(scheds[r], k.tokens, k.top_k, scheds.first_rank + r)
                                          for r in range(len(scheds))])
         num_tiles = scheds.num_tiles
-        self.scalars[0].add_(1)
+        self.scalars[SCALAR_INDEX["epoch"]].add_(1)
         self.calls += 1
-        waits = (int(timeout_ms * 1e6), silent_rank)
-        if waits != self._waits:  # rewritten only when they change: no launches per call
-            self._waits = waits
-            self.scalars[6].fill_(waits[0])
-            self.scalars[9].fill_(waits[1])
+        self._set_waits((int(timeout_ms * 1e6), silent_rank))
         self.counters.zero_()
         self.error.zero_()
         if self.timeline_buf is not None:
@@ -376,6 +373,23 @@ class Plan:
             set_last(self.timeline)  # what `mok-cute timeline` decodes after the call
         self.errors.record(self.calls)
         return out if saved is None else (out, saved)
+
+    def _set_waits(self, waits: tuple[int, int]) -> None:
+        """The wait bound (ns) and the silent rank (test hook) the kernels read: rewritten
+        only when they change, so a call launches nothing for them."""
+        if waits != self._waits:
+            self._waits = waits
+            self.scalars[SCALAR_INDEX["timeout_ns"]].fill_(waits[0])
+            self.scalars[SCALAR_INDEX["silent_rank"]].fill_(waits[1])
+
+    def begin_backward(self, silent_rank: int = -1) -> None:
+        """A backward over the group (``group_backward``) starts: a new epoch for its barriers
+        (the forward's flags: they only grow), its call number and error word, and the silent
+        rank (test hook: that rank stores no flag) under the last forward's wait bound."""
+        self.scalars[SCALAR_INDEX["epoch"]].add_(1)
+        self.backward_calls += 1
+        self.backward_error.zero_()
+        self._set_waits((self._waits[0], silent_rank))
 
     def _saved_preact(self, scheds, has_shared: bool) -> SavedPreact:
         """The buffers a saving launch's FC1 tasks write and each schedule row's place in

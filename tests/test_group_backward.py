@@ -88,7 +88,8 @@ def _cpu_plan(R, T, H, I, E_loc, K):
                                 top_k=K, intermediate=I, local_experts=E_loc)
     return types.SimpleNamespace(
         side=side, key=key, peer_bases=peers.bases_matrix(), lock=threading.Lock(),
-        scalars=torch.zeros(10, dtype=torch.int64), _waits=(0, -1), backward_calls=0,
+        scalars=torch.zeros(10, dtype=torch.int64), begin_backward=lambda silent_rank: None,
+        backward_calls=0,
         backward_error=torch.zeros(1, dtype=torch.int64),
         backward_errors=types.SimpleNamespace(check=lambda **kw: None, record=lambda call: None))
 

@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from mok_cute import jit
-from mok_cute.constants import FLAG_STEPS, SCALARS, VEC_ELEMS
+from mok_cute.constants import FLAG_STEPS, SCALAR_INDEX, SCALARS, VEC_ELEMS
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.comm_tasks import bf16_row, copy_row
 # token_ops' pointer and stream helpers: one place for how a kernel entry takes torch tensors
@@ -34,8 +34,10 @@ from mok_cute.kernels.token_ops import _placeholder_ptr, _ptr, _stream
 
 COPY_UNROLL = 4  # 16-byte vectors in flight per lane (the peer read's latency)
 BARRIER_THREADS = 128
-# the scalars read here (their indices in ``constants.SCALAR_FIELDS``)
-_EPOCH, _RANK_BASE, _FLAGS_OFFSET, _TIMEOUT_NS, _SILENT_RANK = 0, 1, 5, 6, 9
+# the scalars read here
+_EPOCH, _RANK_BASE, _FLAGS_OFFSET, _TIMEOUT_NS, _SILENT_RANK = (
+    SCALAR_INDEX[name] for name in ("epoch", "rank_base", "flags_offset", "timeout_ns",
+                                    "silent_rank"))
 
 
 class CopyRowsByAddress:
