@@ -91,6 +91,13 @@ def row_partial_sums(partials):
     return partials[:, 0]
 
 
+def slot_sums(partials, row_of_slot):
+    """d_topk_weights in fp32, flat: each (token, k) slot's row sum (``row_partial_sums``)
+    through ``row_of_slot`` (-1, a slot with no row: 0)."""
+    per_row = torch.cat([row_partial_sums(partials), partials.new_zeros(1)])  # [-1] -> 0
+    return per_row[row_of_slot.long()]
+
+
 def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPathOptions):
     """dX rows [M, H] = dG @ W_gate + dU @ W_up in one accumulator (K = 2I)."""
     rows, hidden = d_preact.shape[0], w_gate.shape[2]
@@ -269,8 +276,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         d_x = token_ops.weighted_ksum(dx_rows, ones, shared_dx, row_index=saved.row_of_slot)
     d_topk = None
     if needs.topk_weights:
-        per_row = torch.cat([row_partial_sums(partials), partials.new_zeros(1)])  # [-1] -> 0
-        d_topk = per_row[saved.row_of_slot.long()].view(num_tokens, top_k)
+        d_topk = slot_sums(partials, saved.row_of_slot).view(num_tokens, top_k)
         d_topk = d_topk.to(topk_weights.dtype)
     return (d_x, d_topk, dwg if needs.w_gate_up else None, dwu if needs.w_gate_up else None,
             dwd, *d_shared)

@@ -36,8 +36,7 @@ import torch
 
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
-from mok_cute.expert_backward import (Needs, _expert_backward, row_partial_sums,
-                                      shared_backward_ranks)
+from mok_cute.expert_backward import Needs, _expert_backward, shared_backward_ranks, slot_sums
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -237,7 +236,6 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         d_xs = token_ops.weighted_ksum(dx_rows, ones, shared_dx,
                                        row_index=concat.row_of_slot).view(R, T, H)
     if needs.topk_weights:
-        per_row = torch.cat([row_partial_sums(partials), partials.new_zeros(1)])  # [-1] -> 0
-        d_topk = per_row[concat.row_of_slot.long()].view(R, T, K).to(topk_weights.dtype)
+        d_topk = slot_sums(partials, concat.row_of_slot).view(R, T, K).to(topk_weights.dtype)
     unflat = lambda g: None if g is None else g.view(R, E_loc, *g.shape[1:])  # noqa: E731
     return (d_xs, d_topk, unflat(dwg), unflat(dwu), unflat(dwd), *d_shared)
