@@ -130,6 +130,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return err if torch.isfinite(o).all() else float("nan")
 
 
+# the training benches' gradients (the reference's leaves, in moe_forward's argument order) and
+# passes (FLOPs over the forward's)
+GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+TRAIN_PASSES = {"fwd": 1.0, "bwd": 2.0, "train": 3.0}
+
+
 def pass_runners(layer: Any, d_out: torch.Tensor) -> dict[str, Callable[[], Any]]:
     """The training benches' three passes over a layer (``forward()``, ``reset()``, ``name``):
     fwd; bwd, the backward over one forward's graph (built on first use, then kept); train,

@@ -29,10 +29,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from mok_cute.bench.common import error_text, free_memory, rel_err, sync
+from mok_cute.bench.common import GRAD_NAMES, TRAIN_PASSES, error_text, free_memory, rel_err, sync
 
-GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
-PASSES = {"bwd": 2.0, "train": 3.0}  # FLOPs over the forward's
+PASSES = {p: k for p, k in TRAIN_PASSES.items() if p != "fwd"}  # the forward's rows are ep.py's
 
 
 def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:

@@ -53,8 +53,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mok_cute.api import MoKConfig, moe_forward, moe_forward_virtual
-from mok_cute.bench.common import (apply_config_overrides, error_text, free_memory, parse_config_overrides,
-                                   parse_contenders, pass_runners)
+from mok_cute.bench.common import (GRAD_NAMES, TRAIN_PASSES, apply_config_overrides, error_text, free_memory,
+                                   parse_config_overrides, parse_contenders, pass_runners)
 from mok_cute.bench.gpu_clock import ClockSampler
 from mok_cute.bench.harness import (Timer, bench_cublas, command_line, paired_ratio, sonicmoe_gate_up,
                                     sonicmoe_runner)
@@ -70,9 +70,7 @@ VIRTUAL_RANKS = 8
 # the FP8 gradient bound, cosine >= 0.996
 CONTENDER_TOL = {"mok_cute_fp8": 0.1, "torch_scaled_grouped_mm": 0.1}
 DEFAULT_CONTENDERS = ("mok_cute", "torch_grouped_mm")
-PASSES = {"fwd": 1.0, "bwd": 2.0, "train": 3.0}  # FLOPs over the forward's
-# the reference's leaves, in moe_forward's argument order
-GRAD_NAMES = ("x", "topk_weights", "w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+PASSES = TRAIN_PASSES
 
 
 class Layer:
