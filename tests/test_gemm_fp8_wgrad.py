@@ -33,8 +33,9 @@ def test_wgrad_fp8_compiles_with_one_promotion_per_element(report):
     # 64 accumulator elements a thread: the column scale (FMUL), the row scale (FFMA)
     assert len(re.findall(r"fma\.rn\.f32", ptx)) == 64
     assert len(re.findall(r"\bmul(\.rn)?\.f32", ptx)) == 64
-    # the column exponents as 16 int16 pairs a group (twice: the first group, then ahead)
-    assert len(re.findall(r"ld\.global(\.nc)?\.(s16|u16|b16)", ptx)) == 32
+    # the column scales as 16 fp32 pairs a group, 64-bit loads (twice: the first group, then
+    # one ahead); no scale built from exponent bits in the kernel
+    assert len(re.findall(r"ld\.global(\.nc)?\.v2\.(b32|f32)", ptx)) == 32
     assert "atom.global.add" not in ptx and "red.global.add" not in ptx
     assert report.spill_bytes == 0 and report.mix["ld.local/st.local"] == 0
     assert not [w for w in report.warnings if "C7508" in w]

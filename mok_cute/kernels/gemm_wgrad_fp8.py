@@ -6,14 +6,16 @@
 - A ``(M, rows)`` and B ``(N, rows)`` e4m3 are the column-quantized transposed copies of the
   backward's expert-sorted row buffers (``fp8.quantize_cols``: 128 rows of one column share a
   power-of-two scale), so both are K-major (rows contiguous), the only FP8 wgmma layout. Their
-  exponents come group-major, ``e_a (rows/128, M)`` and ``e_b (rows/128, N)`` int8 (the
-  transposes of ``quantize_cols``'s): a thread's columns of one group are adjacent bytes.
+  int8 exponents become group-major fp32 scales ``(rows/128, M)`` / ``(rows/128, N)`` on the
+  host side (``scales_of``, a pass over rows/128 x (M + N) bytes): a thread's two adjacent
+  columns of one group are one 64-bit load, and no scale is built from bits in the mainloop.
 - Both operands are scaled per (column, group), so the promotion's scale varies along M *and*
   N: ``acc += (partial * 2^e_b[n]) * 2^e_a[m]``, one FMUL and one FFMA per accumulator element
   (both exact products by powers of two, the FFMA rounds once), against one FFMA with a
-  per-block scale in ``gemm_fp8``. Each thread's 32 columns' exponents arrive as 16 int16 pairs
-  and its two rows' as two bytes, loaded one group ahead under the wgmmas.
-- Scales are built from their exponents' bits, clamped at 2^-126: -127 is the exponent of an
+  per-block scale in ``gemm_fp8``. Each thread's 32 columns' scales arrive as 16 fp32 pairs
+  and its two rows' as two words, loaded one group ahead under the wgmmas (loading the current
+  group's under its own wgmmas measured slower: their L2 latency outlasts one group's wgmmas).
+- Scales are ``2^max(e, -126)``: -127 is the exponent of an
   all-zero group (whose products are zero whatever the scale); a non-zero group with an
   exponent of -127 (amax below 448 * 2^-127, values under 1e-35) is scaled as 2^-126.
 - Tiles: each consumer warpgroup owns 64 rows of M and a 64 x 128 fp32 accumulator beside a
@@ -34,7 +36,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import torch
-from cutlass import Int8, Int16, Int32, const_expr
+from cutlass import Int8, Int32, const_expr
 
 from mok_cute import fp8, jit
 from mok_cute.config import describe
@@ -48,9 +50,11 @@ WG_ROWS = 64  # M rows per consumer warpgroup
 MIN_NORMAL_EXP = -126
 
 
-def scale_from_exponent(e: Int32):
-    """``2^max(e, -126)`` as fp32 from its bits (module docstring). Traced inline."""
-    return common.f32_from_bits((cutlass.max(e, Int32(MIN_NORMAL_EXP)) + 127) << 23)
+def scales_of(e: torch.Tensor) -> torch.Tensor:
+    """int8 exponents ``[C, groups]`` -> the group-major fp32 scales ``[groups, C]`` the kernel
+    reads: ``2^max(e, -126)`` (module docstring), built once per operand on the host side."""
+    bits = (e.t().to(torch.int32).clamp(min=MIN_NORMAL_EXP) + 127) << 23
+    return bits.contiguous().view(torch.float32)
 
 
 class WgradGemmFp8Sm90(WgradGemmSm90):
@@ -76,49 +80,51 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
                 cute.recast_tensor(mB, e4m3))
 
     # ------------------------------------------------------------------ promoting products
-    def load_exponents(self, dst: cute.Tensor, mEA: cute.Tensor, mEA2, mEB: cute.Tensor,
-                       wg: Int32, row0: Int32, pair0: Int32, group: Int32):
-        """This thread's exponents of K group ``group`` into ``dst``: its two rows' (dst[0],
-        dst[1]; gated: warpgroup 1's from ``mEA2``) and its 16 column pairs' (dst[2 + j]: the
-        int16 of columns 8 j + 2 (lane % 4) + {0, 1}, sign-extended). Traced inline."""
+    def load_scales(self, dst: cute.Tensor, mSA: cute.Tensor, mSA2, mSB: cute.Tensor,
+                    wg: Int32, row0: Int32, pair0: Int32, group: Int32):
+        """This thread's scales of K group ``group`` into ``dst (2, 17)``: its two
+        rows' (dst[r, 0]; gated: warpgroup 1's from ``mSA2``) and its 16 column pairs'
+        (dst[:, 1 + j]: columns 2 pair + {0, 1} of pair ``pair0 + 4 j``), 64-bit loads.
+        Traced inline."""
         for r in range(2):
-            ea = Int32(mEA[group, row0 + 8 * r])
+            s = mSA[group, row0 + 8 * r]
             if const_expr(self.gated):
-                ea = cutlass.select_(wg == 0, ea, Int32(mEA2[group, row0 + 8 * r]))
-            dst[r] = ea
+                s = cutlass.select_(wg == 0, s, mSA2[group, row0 + 8 * r])
+            dst[r, 0] = s
+        pairs = cute.flat_divide(mSB, (1, 2))  # (1, 2, groups, N / 2)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
+                                   num_bits_per_copy=64)
         for j in range(16):
-            dst[2 + j] = Int32(mEB[group, pair0 + 4 * j])
+            cute.copy(atom, pairs[0, None, group, pair0 + 4 * j], dst[None, 1 + j])
 
-    def promote(self, acc: cute.Tensor, partial: cute.Tensor, ex: cute.Tensor):
-        """acc += (partial * 2^e_b[column]) * 2^e_a[row]. Element v of the accumulator
-        ((2, 2, 16) values) sits at column 8 (v // 4) + 2 (lane % 4) + v % 2 and row
-        (v // 2) % 2 * 8 + this thread's first row. Traced inline."""
-        row_scale = [scale_from_exponent(ex[0]), scale_from_exponent(ex[1])]
+    def promote(self, acc: cute.Tensor, partial: cute.Tensor, sc: cute.Tensor):
+        """acc += (partial * 2^e_b[column]) * 2^e_a[row], the scales of ``load_scales``.
+        Element v of the accumulator ((2, 2, 16) values) sits at column 8 (v // 4) +
+        2 (lane % 4) + v % 2 and row (v // 2) % 2 * 8 + this thread's first row. Traced
+        inline."""
         accv = cute.flatten(acc)
         partv = cute.flatten(partial)
         for j in range(16):
-            pair = ex[2 + j]
-            col_scale = [scale_from_exponent((pair << 24) >> 24), scale_from_exponent(pair >> 8)]
             for i in range(4):
                 v = 4 * j + i
-                accv[v] = ffma(partv[v] * col_scale[i % 2], row_scale[(i // 2) % 2], accv[v])
+                accv[v] = ffma(partv[v] * sc[i % 2, 1 + j], sc[(i // 2) % 2, 0], accv[v])
 
     @cute.jit
     def tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
                  num_k_blocks: cutlass.Constexpr[int], scale_args):
         """One output tile over its expert's ``k_tiles`` 128-row groups (>= 1): per group the
-        wgmmas into the partial (the first overwrites it), the next group's exponents loaded
+        wgmmas into the partial (the first overwrites it), the next group's scales loaded
         under them, wait, release the stage, promote."""
         mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx = scale_args
         lane = wg_tidx % 32
         row0 = block * WG_ROWS + (wg_tidx // 32) * 16 + lane // 4
         pair0 = n_tile * (self.tile_shape_mnk[1] // 2) + lane % 4
         partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-        ex = cute.make_rmem_tensor((18,), Int32)
-        ex_next = cute.make_rmem_tensor((18,), Int32)
+        sc = cute.make_rmem_tensor((2, 17), cutlass.Float32)
+        sc_next = cute.make_rmem_tensor((2, 17), cutlass.Float32)
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
-        self.load_exponents(ex, mEA, mEA2, mEB, wg, row0, pair0, k0)
+        self.load_scales(sc, mEA, mEA2, mEB, wg, row0, pair0, k0)
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
             # gemm_fp8's group issue, written out: the DSL's tracer loses a tiled MMA's
@@ -129,25 +135,25 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
                 cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
                           tCrB[(None, None, kb, read.index)], partial)
             cute.nvgpu.warpgroup.commit_group()
-            # the next group's exponents, under the wgmmas (the last group re-reads its own)
-            self.load_exponents(ex_next, mEA, mEA2, mEB, wg, row0, pair0,
-                                k0 + cutlass.min(k + 1, k_tiles - 1))
+            # the next group's scales, under the wgmmas (the last re-reads its own)
+            self.load_scales(sc_next, mEA, mEA2, mEB, wg, row0, pair0,
+                             k0 + cutlass.min(k + 1, k_tiles - 1))
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read)
             read.advance()
-            self.promote(acc, partial, ex)
-            for i in cutlass.range_constexpr(18):
-                ex[i] = ex_next[i]
+            self.promote(acc, partial, sc)
+            for i in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(17):
+                    sc[i, j] = sc_next[i, j]
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
                            arch: str = "sm_90a", options: str = ""):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
-    (gated) or None bf16 (N contiguous), the int32 expert row offsets, then ``e_a (rows/128,
-    M)``, ``e_a2`` (gated) or None int8 and ``e_b (rows/128, N/2)`` int16 (the int8
-    exponents' pairs); it runs on torch's current stream."""
+    (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
+    ``s_a (rows/128, M)``, ``s_a2`` (gated) or None and ``s_b (rows/128, N)`` (``scales_of``);
+    it runs on torch's current stream."""
     gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
@@ -158,9 +164,11 @@ def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 
     b = common.fake_kmajor_tensor(Int8, (n, rows, 1))
     c = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, experts))
     c2 = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, experts)) if gated else None
-    e_a = common.fake_strided_tensor(Int8, (groups, m), align_bytes=1)
-    e_a2 = common.fake_strided_tensor(Int8, (groups, m), align_bytes=1) if gated else None
-    e_b = common.fake_strided_tensor(Int16, (groups, cute.sym_int32()), align_bytes=2)
+    # the fp32 scales (groups, M) / (groups, N), rows 8-byte aligned (N even)
+    f32 = cutlass.Float32
+    e_a = common.fake_strided_tensor(f32, (groups, m), align_bytes=4)
+    e_a2 = common.fake_strided_tensor(f32, (groups, m), align_bytes=4) if gated else None
+    e_b = common.fake_strided_tensor(f32, (groups, n), align_bytes=8)
     return cute.compile(gemm, a, a2, b, c, c2, common.fake_vector(Int32), common.fake_stream(),
                         e_a, e_a2, e_b,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
@@ -204,11 +212,10 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
                                 group_m=group_m,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
-    group_major = lambda e: e.t().contiguous()  # noqa: E731  (rows/128 x M bytes: small)
+    scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), scales_of(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
            b_t.view(torch.int8).unsqueeze(2), c.permute(1, 2, 0),
-           None if c2 is None else c2.permute(1, 2, 0), offsets, group_major(e_a),
-           None if e_a2 is None else group_major(e_a2), group_major(e_b).view(torch.int16))
+           None if c2 is None else c2.permute(1, 2, 0), offsets, *scales)
     return (c, c2) if gated else c
 
 
