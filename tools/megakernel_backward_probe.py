@@ -21,7 +21,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int) -> dict:
+def probe(name: str, rounds: int, reps: int, epi_stages_ab: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -77,6 +77,25 @@ def probe(name: str, rounds: int, reps: int) -> dict:
                 "GEMMs: megakernel, one launch": one_launch,
                 "moe_backward": backward("kernels"),
                 "moe_backward (megakernel)": backward("megakernel")}
+    bitwise = None
+    if epi_stages_ab:  # TEMPORARY (mb.EPI_STAGES): the megakernel with one epilogue stage
+
+        def epi1(fn):
+            def run():
+                mb.EPI_STAGES = 1
+                try:
+                    return fn()
+                finally:
+                    mb.EPI_STAGES = 2
+            return run
+
+        base = [t.clone() for t in one_launch() if isinstance(t, torch.Tensor)]
+        other = [t for t in epi1(one_launch)() if isinstance(t, torch.Tensor)]
+        bitwise = len(base) == len(other) and all(torch.equal(a, b) for a, b in zip(base, other))
+        print(f"{name} one launch, 1 epilogue stage bitwise the default: {bitwise}", flush=True)
+        for label in ("dgrads: megakernel", "GEMMs: megakernel, one launch",
+                      "moe_backward (megakernel)"):
+            variants[label + " [1 epi stage]"] = epi1(variants[label])
     ms = {label: [] for label in variants}
     for _ in range(rounds):
         for label, fn in variants.items():
@@ -93,7 +112,15 @@ def probe(name: str, rounds: int, reps: int) -> dict:
     print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
           f"whole backward {ratios['backward']:.3f}", flush=True)
-    return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
+    if epi_stages_ab:
+        for label in ("dgrads: megakernel", "GEMMs: megakernel, one launch",
+                      "moe_backward (megakernel)"):
+            ratios[label + " 1 / 2 epi stages speed"] = (
+                median[label] / median[label + " [1 epi stage]"])
+        print(f"{name} 1 epilogue stage, speed against 2: " + ", ".join(
+            f"{k.split(' 1 / 2')[0]} {v:.3f}" for k, v in ratios.items() if "epi" in k), flush=True)
+    return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios,
+            "epi1_bitwise": bitwise}
 
 
 def main(argv=None):
@@ -102,8 +129,10 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--epi-stages-ab", action="store_true",
+                   help="TEMPORARY: also the megakernel with 1 epilogue stage (4 operand stages)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps) for n in args.shapes.split(",")]
+    rows = [probe(n, args.rounds, args.reps, args.epi_stages_ab) for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python tools/megakernel_backward_probe.py "
