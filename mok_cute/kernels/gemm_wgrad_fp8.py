@@ -50,6 +50,46 @@ WG_ROWS = 64  # M rows per consumer warpgroup
 MIN_NORMAL_EXP = -126
 
 
+# TEMPORARY A/B (issue 33): the consumer warpgroups take turns at each group's wgmma issue
+# (``issue_turns``), paired over the CTA's whole sequence of groups
+STAGGER = False
+
+
+def issue_turns(wg: Int32):
+    """The named barriers of the issue turns: (this warpgroup's, the other's)."""
+    return (pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.MMA_ORDER) + wg,
+                                  num_threads=2 * 128),
+            pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - wg,
+                                  num_threads=2 * 128))
+
+
+@cute.jit
+def wait_issue_turn(turns, wg: Int32, issued: Int32):
+    """Before a warpgroup's next group (``issued``: its groups issued so far in this CTA, the
+    same count for both): warpgroup 1 waits until warpgroup 0 issued this one, warpgroup 0
+    (from its second on) until warpgroup 1 issued the one before. The tensor cores then run
+    the two warpgroups' groups one after the other, not interleaved, and each promotes while
+    the other's wgmmas run. Paired over the CTA's whole sequence (not per tile: warpgroup 0
+    may reach the next tile before warpgroup 1 waited for this one's last group, and a
+    barrier phase would complete on one warpgroup's arrivals); ``settle_issue_turns`` takes
+    warpgroup 1's last arrival."""
+    if wg == 1 or issued > 0:
+        turns[0].arrive_and_wait()
+
+
+@cute.jit
+def pass_issue_turn(turns):
+    """After a group's wgmmas were issued (``wait_issue_turn``)."""
+    turns[1].arrive()
+
+
+@cute.jit
+def settle_issue_turns(turns, wg: Int32, issued: Int32):
+    """After warpgroup 0's last group: the wait that pairs warpgroup 1's last arrival."""
+    if wg == 0 and issued > 0:
+        turns[0].arrive_and_wait()
+
+
 def scales_of(e: torch.Tensor) -> torch.Tensor:
     """int8 exponents ``[C, groups]`` -> the group-major fp32 scales ``[groups, C]`` the kernel
     reads: ``2^max(e, -126)`` (module docstring), built once per operand on the host side."""
@@ -66,8 +106,9 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     :param num_sms: persistent grid size.
     """
 
-    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132, stagger: bool = False):
         super().__init__(gated=gated, group_m=group_m, num_sms=num_sms)
+        self.stagger = stagger
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -125,8 +166,11 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         self.load_scales(sc, mEA, mEA2, mEB, wg, row0, pair0, k0)
+        turns = issue_turns(wg)
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
+            if const_expr(self.stagger):
+                wait_issue_turn(turns, wg, loads + k)  # loads: the CTA's groups before this tile
             # gemm_fp8's group issue, written out: the DSL's tracer loses a tiled MMA's
             # accumulate field set inside a helper called from a run-time loop
             cute.nvgpu.warpgroup.fence()
@@ -135,6 +179,8 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
                 cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
                           tCrB[(None, None, kb, read.index)], partial)
             cute.nvgpu.warpgroup.commit_group()
+            if const_expr(self.stagger):
+                pass_issue_turn(turns)
             # the next group's scales, under the wgmmas (the last re-reads its own)
             self.load_scales(sc_next, mEA, mEA2, mEB, wg, row0, pair0,
                              k0 + cutlass.min(k + 1, k_tiles - 1))
@@ -147,14 +193,20 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
                     sc[i, j] = sc_next[i, j]
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
+    @cute.jit
+    def consumers_done(self, loads: Int32, wg: Int32):
+        if const_expr(self.stagger):
+            settle_issue_turns(issue_turns(wg), wg, loads)
+
+
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = ""):
+                           arch: str = "sm_90a", options: str = "", stagger: bool = False):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None and ``s_b (rows/128, N)`` (``scales_of``);
     it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, stagger=stagger)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())
@@ -210,7 +262,7 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     c = torch.empty(num_experts, m, n, dtype=torch.bfloat16, device=a_t.device)
     c2 = torch.empty_like(c) if gated else None
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
-                                group_m=group_m,
+                                group_m=group_m, stagger=STAGGER,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
     scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), scales_of(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
