@@ -52,10 +52,6 @@ _LOCK = threading.Lock()
 
 
 RASTER_M = 8  # M-tiles per raster group of the dgrad tasks (tasks_backward: L2 reuse of weights)
-# TEMPORARY A/B (issue 32): the kernel's epilogue stages; 1 gives it 4 operand stages instead of
-# 3 (the launches' FC1 dgrad and gemm_wgrad run on 4), each dgated subtile then waits for the
-# previous one's stores to leave smem. tools/megakernel_backward_probe.py --epi-stages-ab
-EPI_STAGES = 2
 
 
 def tiles_per_minibatch(inter: int, num_ctas: int) -> int:
@@ -205,8 +201,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     else:  # no weight-gradient task runs: the dgrads' own tensors stand in
         w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
-    kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                epi_stages=EPI_STAGES)
+    kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),

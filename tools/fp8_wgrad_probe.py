@@ -12,7 +12,6 @@ import torch
 import triton.testing as tt
 
 from mok_cute.expert_backward import wgrad
-from mok_cute.kernels import gemm_wgrad_fp8 as wf
 from mok_cute.kernels.gemm_wgrad_fp8 import grouped_wgrad_fp8
 from mok_cute.kernels.quantize import quantize_cols
 from mok_cute.shapes import resolve_shape
@@ -21,19 +20,8 @@ p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--shapes", default="dsv3_ep8_rank,qwen3_30b,sonic_120b")
 p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--json", default=None)
-p.add_argument("--stagger-ab", action="store_true",
-               help="TEMPORARY: also gemm_wgrad_fp8.STAGGER (bitwise check, then timed)")
 args = p.parse_args()
 
-
-def staggered(f):
-    def run():
-        wf.STAGGER = True
-        try:
-            return f()
-        finally:
-            wf.STAGGER = False
-    return run
 
 torch.manual_seed(0)
 out = {}
@@ -56,16 +44,6 @@ for name in args.shapes.split(","):
         "fp8 wgrad down": (lambda: grouped_wgrad_fp8(q["dy"][0], q["dy"][1], q["hw"][0],
                                                      q["hw"][1], offsets, E), gate_flops // 2),
     }
-    if args.stagger_ab:
-        for k in ("fp8 wgrad gate+up", "fp8 wgrad down"):
-            f, work = runs[k]
-            base = f()
-            base = [t.clone() for t in (base if isinstance(base, tuple) else (base,))]
-            other = staggered(f)()
-            other = other if isinstance(other, tuple) else (other,)
-            same = all(torch.equal(a, b) for a, b in zip(base, other))
-            print(f"{name:14s} {k} staggered bitwise the default: {same}", flush=True)
-            runs[k + " [stagger]"] = (staggered(f), work)
     for k, v in dict(dg=dg, x=x).items():  # dU, dy and hw are the same shapes as dG, x
         # bytes: bf16 in, e4m3 out, the exponents
         runs[f"quantize_cols {k} [{v.shape[0]}, {v.shape[1]}]"] = (

@@ -172,7 +172,7 @@ run_fp8_probes() {
   step fp8_backward_profile 200 python3 tools/backward_profile.py --fp8 --shapes dsv3_ep8_rank \
     --json "$out/fp8_backward_profile.json" && grep -E "fp8|wgrad|dgrad" "$out/fp8_backward_profile.log"
   step fp8_wgrad_tests 150 "${PYTEST[@]}" -q -rfEs -m gpu tests/test_gemm_fp8_wgrad.py
-  step fp8_wgrad_probe 300 python3 tools/fp8_wgrad_probe.py --stagger-ab --json "$out/fp8_wgrad_probe.json" \
+  step fp8_wgrad_probe 300 python3 tools/fp8_wgrad_probe.py --json "$out/fp8_wgrad_probe.json" \
     && grep -E "wgrad|quantize" "$out/fp8_wgrad_probe.log"
 }
 

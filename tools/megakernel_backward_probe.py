@@ -21,7 +21,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, epi_stages_ab: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -77,25 +77,17 @@ def probe(name: str, rounds: int, reps: int, epi_stages_ab: bool = False) -> dic
                 "GEMMs: megakernel, one launch": one_launch,
                 "moe_backward": backward("kernels"),
                 "moe_backward (megakernel)": backward("megakernel")}
-    bitwise = None
-    if epi_stages_ab:  # TEMPORARY (mb.EPI_STAGES): the megakernel with one epilogue stage
-
-        def epi1(fn):
-            def run():
-                mb.EPI_STAGES = 1
-                try:
-                    return fn()
-                finally:
-                    mb.EPI_STAGES = 2
-            return run
-
-        base = [t.clone() for t in one_launch() if isinstance(t, torch.Tensor)]
-        other = [t for t in epi1(one_launch)() if isinstance(t, torch.Tensor)]
-        bitwise = len(base) == len(other) and all(torch.equal(a, b) for a, b in zip(base, other))
-        print(f"{name} one launch, 1 epilogue stage bitwise the default: {bitwise}", flush=True)
-        for label in ("dgrads: megakernel", "GEMMs: megakernel, one launch",
-                      "moe_backward (megakernel)"):
-            variants[label + " [1 epi stage]"] = epi1(variants[label])
+    if sweep:  # where the dgrad phase's time goes: its minibatch, FC2_DGRAD's tasks alone
+        base_mb = mb.tiles_per_minibatch(p.w_gate.shape[1], expert_path._num_sms(0))
+        print(f"{name} tiles per minibatch: {base_mb}", flush=True)
+        for label, per_mb, kinds in (("minibatch x2", 2 * base_mb, None),
+                                     ("minibatch x4", 4 * base_mb, None),
+                                     ("one minibatch", 1 << 20, None),
+                                     ("FC2_DGRAD tasks only", None, "fc2")):
+            variants[f"dgrads: megakernel [{label}]"] = patched(megakernel, per_mb, kinds)
+        variants["dgrads: FC2 dgrad launch"] = lambda: eb.fc2_dgrad(
+            d_rows, p.w_down, s.preact, s.row_slot, weights, s.tile_expert, s.num_tiles,
+            cfg.expert_path)
     ms = {label: [] for label in variants}
     for _ in range(rounds):
         for label, fn in variants.items():
@@ -112,15 +104,30 @@ def probe(name: str, rounds: int, reps: int, epi_stages_ab: bool = False) -> dic
     print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
           f"whole backward {ratios['backward']:.3f}", flush=True)
-    if epi_stages_ab:
-        for label in ("dgrads: megakernel", "GEMMs: megakernel, one launch",
-                      "moe_backward (megakernel)"):
-            ratios[label + " 1 / 2 epi stages speed"] = (
-                median[label] / median[label + " [1 epi stage]"])
-        print(f"{name} 1 epilogue stage, speed against 2: " + ", ".join(
-            f"{k.split(' 1 / 2')[0]} {v:.3f}" for k, v in ratios.items() if "epi" in k), flush=True)
-    return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios,
-            "epi1_bitwise": bitwise}
+    return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
+
+
+def patched(fn, per_mb, kinds):
+    """``fn`` with the backward megakernel's task list changed (its own table cache): ``per_mb``
+    M-tiles per minibatch, ``kinds == "fc2"``: the FC2_DGRAD tasks alone queued."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+
+    tables = {}
+
+    def run():
+        saved = mb._TABLES, mb.tiles_per_minibatch, mb.task_list
+        orig_list = mb.task_list
+        mb._TABLES = tables
+        if per_mb is not None:
+            mb.tiles_per_minibatch = lambda inter, num_ctas: per_mb
+        if kinds == "fc2":
+            mb.task_list = lambda *a: (orig_list(*a)[0], (tb.BackwardTaskType.FC2_DGRAD,))
+        try:
+            return fn()
+        finally:
+            mb._TABLES, mb.tiles_per_minibatch, mb.task_list = saved
+    return run
 
 
 def main(argv=None):
@@ -129,10 +136,11 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
-    p.add_argument("--epi-stages-ab", action="store_true",
-                   help="TEMPORARY: also the megakernel with 1 epilogue stage (4 operand stages)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also the dgrads with 2x, 4x and one minibatch, FC2_DGRAD's tasks alone "
+                        "and the FC2 dgrad launch")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.epi_stages_ab) for n in args.shapes.split(",")]
+    rows = [probe(n, args.rounds, args.reps, args.sweep) for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python tools/megakernel_backward_probe.py "

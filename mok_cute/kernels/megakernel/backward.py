@@ -66,13 +66,9 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
     :param num_ctas: persistent grid (one CTA per SM).
     """
 
-    def __init__(self, num_ctas: int = 132, epi_stages: int = 2):
+    def __init__(self, num_ctas: int = 132):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
-        # TEMPORARY A/B (issue 32, megakernel_backward.EPI_STAGES): one epilogue stage of
-        # dgated's three buffers (24 KB) leaves smem for 4 operand stages instead of 3
-        self.epi_stages = epi_stages
-        self.epi_buffers = epi_stages * 3
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
@@ -119,8 +115,7 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                  *mk(g2s, w_up, b_box, (tile_n, tile_k)))
         stores = (*mk(s2g, d_gate, epi_box, self.epi_tile), *mk(s2g, d_up, epi_box, self.epi_tile),
                   *mk(s2g, hw, epi_box, self.epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
-        self.wgrad = WgradForm(self.ab_stages, epi_bytes=cute.cosize(self.epi_smem_layout_staged)
-                               * self.c_dtype.width // 8)
+        self.wgrad = WgradForm(self.ab_stages)
         w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
         w_loads = []
         for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):
@@ -426,11 +421,10 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
 
 
 # ---------------------------------------------------------------------- compile
-def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                epi_stages: int = 2):
+def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, epi_stages)
+    kernel = BackwardMegakernelSm90(num_ctas)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()

@@ -38,17 +38,9 @@ class WgradForm(GemmCoreSm90):
     """``gemm_wgrad``'s tile form (a warpgroup per 128 output rows, both operands MN-major) on
     the stage ring of a host kernel (``stages``: the host's stage count)."""
 
-    def __init__(self, stages: int, epi_bytes: int | None = None):
+    def __init__(self, stages: int):
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
-        if epi_bytes is not None:
-            # its epilogue buffers (two per stage: one per warpgroup) live in the host's
-            # ``epi_bytes``: the most stages that fit, a power of two (the stage index is a
-            # modulo), at most the core's
-            stage_bytes = 2 * self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
-            while self.epi_stages * stage_bytes > epi_bytes:
-                self.epi_stages //= 2
-            self.epi_buffers = 2 * self.epi_stages
         self._setup_attributes()
         self.ab_stages = stages
         # one 128 x 64 MN-major box per stage (8192 elements, the dgrads' A box size)
