@@ -77,20 +77,28 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
                 "GEMMs: megakernel, one launch": one_launch,
                 "moe_backward": backward("kernels"),
                 "moe_backward (megakernel)": backward("megakernel")}
-    if sweep:  # where the dgrad phase's time goes: its minibatch, FC2_DGRAD's tasks alone
+    if sweep:  # where the dgrad phase's time goes: its minibatch, the publish deferral
         base_mb = mb.tiles_per_minibatch(p.w_gate.shape[1], expert_path._num_sms(0))
         print(f"{name} tiles per minibatch: {base_mb}", flush=True)
-        for label, per_mb, kinds in (("minibatch x2", 2 * base_mb, None),
-                                     ("minibatch x4", 4 * base_mb, None),
-                                     ("one minibatch", 1 << 20, None),
-                                     ("FC2_DGRAD tasks only", None, "fc2")):
-            variants[f"dgrads: megakernel [{label}]"] = patched(megakernel, per_mb, kinds)
-        variants["dgrads: FC2 dgrad launch"] = lambda: eb.fc2_dgrad(
-            d_rows, p.w_down, s.preact, s.row_slot, weights, s.tile_expert, s.num_tiles,
-            cfg.expert_path)
+        for label, per_mb, defer in (("minibatch x4", 4 * base_mb, False),
+                                     ("one minibatch", 1 << 20, False),
+                                     ("defer when ready", None, True),
+                                     ("defer when ready, minibatch x4", 4 * base_mb, True),
+                                     ("defer when ready, one minibatch", 1 << 20, True)):
+            variants[f"dgrads: megakernel [{label}]"] = patched(megakernel, per_mb, defer)
+        for label, per_mb, defer in (("one minibatch", 1 << 20, False),
+                                     ("defer when ready, one minibatch", 1 << 20, True)):
+            variants[f"moe_backward (megakernel) [{label}]"] = patched(
+                backward("megakernel"), per_mb, defer)
+        base = [t.clone() for t in megakernel()]
+        for label, per_mb, defer in (("one minibatch", 1 << 20, False),
+                                     ("defer when ready", None, True)):
+            other = patched(megakernel, per_mb, defer)()
+            same = all(torch.equal(a, b) for a, b in zip(base, other))
+            print(f"{name} dgrads [{label}] bitwise the default: {same}", flush=True)
     ms = {label: [] for label in variants}
-    for _ in range(rounds):
-        for label, fn in variants.items():
+    for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
+        for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
             ms[label].append(gpu_ms(fn, reps))
     median = {label: sorted(v)[len(v) // 2] for label, v in ms.items()}
     for label, v in ms.items():
@@ -107,26 +115,22 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb, kinds):
+def patched(fn, per_mb, defer):
     """``fn`` with the backward megakernel's task list changed (its own table cache): ``per_mb``
-    M-tiles per minibatch, ``kinds == "fc2"``: the FC2_DGRAD tasks alone queued."""
+    M-tiles per minibatch (None: the default); ``defer``: TEMPORARY DEFER_WHEN_READY."""
     from mok_cute import megakernel_backward as mb
-    from mok_cute import tasks_backward as tb
 
     tables = {}
 
     def run():
-        saved = mb._TABLES, mb.tiles_per_minibatch, mb.task_list
-        orig_list = mb.task_list
-        mb._TABLES = tables
+        saved = mb._TABLES, mb.tiles_per_minibatch, mb.DEFER_WHEN_READY
+        mb._TABLES, mb.DEFER_WHEN_READY = tables, defer
         if per_mb is not None:
             mb.tiles_per_minibatch = lambda inter, num_ctas: per_mb
-        if kinds == "fc2":
-            mb.task_list = lambda *a: (orig_list(*a)[0], (tb.BackwardTaskType.FC2_DGRAD,))
         try:
             return fn()
         finally:
-            mb._TABLES, mb.tiles_per_minibatch, mb.task_list = saved
+            mb._TABLES, mb.tiles_per_minibatch, mb.DEFER_WHEN_READY = saved
     return run
 
 
@@ -137,8 +141,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--sweep", action="store_true",
-                   help="also the dgrads with 2x, 4x and one minibatch, FC2_DGRAD's tasks alone "
-                        "and the FC2 dgrad launch")
+                   help="also the dgrads with 4x and one minibatch, and with the publish deferred "
+                        "before tasks whose waits hold (TEMPORARY DEFER_WHEN_READY)")
     args = p.parse_args(argv)
     rows = [probe(n, args.rounds, args.reps, args.sweep) for n in args.shapes.split(",")]
     if args.json:
