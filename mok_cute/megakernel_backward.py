@@ -52,16 +52,15 @@ _LOCK = threading.Lock()
 
 
 RASTER_M = 8  # M-tiles per raster group of the dgrad tasks (tasks_backward: L2 reuse of weights)
-# TEMPORARY A/B (issue 32): defer a dgrad's publish also before a task whose waits already hold
-DEFER_WHEN_READY = False
 
 
-def tiles_per_minibatch(inter: int, num_ctas: int) -> int:
-    """Whole raster groups of M-tiles whose FC2 dgrads fill the grid at least once (FC1's
-    dgrads of a minibatch are queued after the next minibatch's FC2 dgrads)."""
-    n_dgated = -(-inter // BACKWARD_TILE_N)
-    groups = -(-num_ctas // (n_dgated * RASTER_M))
-    return max(1, groups) * RASTER_M
+def tiles_per_minibatch(capacity_tiles: int) -> int:
+    """One minibatch: every FC2 dgrad of the launch is queued before any FC1 dgrad. No comm
+    task waits in this launch, so minibatches of the grid's size only interleaved a
+    minibatch's FC1 dgrads with the next one's FC2 dgrads, twice the weights in flight at
+    once; one minibatch measured 1.00-1.24 x their dgrads' speed (qwen3_30b most; H200,
+    docs/measurements.md). The comm tasks of issue 32 will need minibatches again."""
+    return max(1, capacity_tiles)
 
 
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
@@ -80,12 +79,12 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
     return tables
 
 
-def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int, num_ctas: int):
+def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
     of ``num_experts`` experts after the dgrads; none when 0)."""
     from mok_cute import tasks_backward as tb
 
-    per_mb = tiles_per_minibatch(inter, num_ctas)
+    per_mb = tiles_per_minibatch(capacity_tiles)
     params = tb.BackwardListParams(
         hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
         dgated_tile_n=BACKWARD_TILE_N, dx_tile_n=BACKWARD_TILE_N,
@@ -115,8 +114,8 @@ def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_
                   device) -> DgradTables:
     from mok_cute import tasks_backward as tb
 
-    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, num_ctas)
-    per_mb = tiles_per_minibatch(inter, num_ctas)
+    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter)
+    per_mb = tiles_per_minibatch(capacity_tiles)
     queue, live_len, tail_begin, queue_len = compute_queue(tl, kinds)
     sizes = [tl.counter_sizes[g] for g in tb.BackwardCounter]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
@@ -203,8 +202,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     else:  # no weight-gradient task runs: the dgrads' own tensors stand in
         w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
-    kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                defer_when_ready=DEFER_WHEN_READY)
+    kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),

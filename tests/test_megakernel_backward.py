@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pytest
 import torch
 
@@ -41,10 +40,9 @@ def test_backward_megakernel_compiles_without_spills(tmp_path):
 @pytest.mark.parametrize("capacity_tiles,hidden,inter", [(40, 7168, 2048), (7, 576, 192),
                                                          (1, 512, 2880)])
 def test_dgrad_queue_holds_each_dgrad_once_in_list_order(capacity_tiles, hidden, inter):
-    from mok_cute import megakernel_backward as mb
     from mok_cute import tasks_backward as tb
 
-    per_mb = mb.tiles_per_minibatch(inter, 132)
+    per_mb = 8  # the list's minibatches (the launch itself queues one: test below)
     params = tb.BackwardListParams(hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
                                    dgated_tile_n=256, dx_tile_n=256,
                                    minibatch_tokens=per_mb * 128, comm_tasks=False)
@@ -87,7 +85,7 @@ def test_weight_gradient_tail_holds_each_expert_tile_once(capacity_tiles, expert
     from mok_cute import megakernel_backward as mb
     from mok_cute import tasks_backward as tb
 
-    tl, kinds = mb.task_list(capacity_tiles, experts, hidden, inter, 132)
+    tl, kinds = mb.task_list(capacity_tiles, experts, hidden, inter)
     tl.check()
     qtab, live_len, tail_begin = tb.queue_tables(tl, kinds=kinds)
     queue = qtab[int(tb.Role.COMPUTE)]
@@ -121,11 +119,11 @@ def test_the_kernels_walk_runs_each_live_task_once_dgrads_first(capacity_tiles, 
     from mok_cute import tasks_backward as tb
 
     hidden, inter = 576, 320
-    tl, kinds = mb.task_list(capacity_tiles, experts, hidden, inter, num_ctas)
+    tl, kinds = mb.task_list(capacity_tiles, experts, hidden, inter)
     qtab, live_len, tail_begin = tb.queue_tables(tl, kinds=kinds)
     queue = qtab[int(tb.Role.COMPUTE)]
     queue = list(queue[queue >= 0])
-    per_mb = mb.tiles_per_minibatch(inter, num_ctas)
+    per_mb = mb.tiles_per_minibatch(capacity_tiles)
     tail = int(tail_begin[int(tb.Role.COMPUTE)])
     wgrad = (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
     for num_tiles in range(capacity_tiles + 1):
@@ -161,8 +159,8 @@ def test_an_empty_walk_decodes_a_task_inside_the_tables(experts):
     address in the group backward of such a rank)."""
     from mok_cute import megakernel_backward as mb
 
-    queue, live_len, tail, queue_len = mb.compute_queue(*mb.task_list(7, experts, 576, 320, 5))
-    tasks = len(mb.task_list(7, experts, 576, 320, 5)[0])
+    queue, live_len, tail, queue_len = mb.compute_queue(*mb.task_list(7, experts, 576, 320))
+    tasks = len(mb.task_list(7, experts, 576, 320)[0])
     prefix = int(live_len[0])
     walk_len = prefix + queue_len - tail
     pos = max(min(0, walk_len - 1), 0)
@@ -330,14 +328,20 @@ def test_backward_with_megakernel_dgrads_gives_the_default_gradients(name):
                leaf.grad.float() if label == "d_topk_weights" else leaf.grad, label)
 
 
-def test_tiles_per_minibatch_fills_the_grid():
-    from mok_cute.megakernel_backward import tiles_per_minibatch
+def test_the_launch_queues_every_fc2_dgrad_before_any_fc1_dgrad():
+    """One minibatch (``tiles_per_minibatch``): the FC1 dgrads never share the grid with
+    FC2 dgrads of later M-tiles, whatever the capacity."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
 
-    for inter in (192, 768, 2048, 2880, 14336):
-        per_mb = tiles_per_minibatch(inter, 132)
-        assert per_mb % 8 == 0  # whole raster groups
-        assert per_mb * -(-inter // 256) >= 132 > (per_mb - 8) * -(-inter // 256)
-    assert np.all([tiles_per_minibatch(i, 1) == 8 for i in (256, 4096)])
+    for capacity_tiles, experts in ((40, 0), (1100, 0), (7, 3)):
+        tl, kinds = mb.task_list(capacity_tiles, experts, 2048, 768)
+        queue, live_len, tail, queue_len = mb.compute_queue(tl, kinds)
+        types = [tl[int(i)].type for i in queue[:tail]]
+        fc1 = types.index(tb.BackwardTaskType.FC1_DGRAD)
+        assert set(types[:fc1]) == {tb.BackwardTaskType.FC2_DGRAD}
+        assert set(types[fc1:]) == {tb.BackwardTaskType.FC1_DGRAD}
+        assert list(live_len) == [0, tail]  # no live tile, or every dgrad
 
 
 @pytest.mark.gpu

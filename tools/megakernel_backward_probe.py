@@ -77,25 +77,20 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
                 "GEMMs: megakernel, one launch": one_launch,
                 "moe_backward": backward("kernels"),
                 "moe_backward (megakernel)": backward("megakernel")}
-    if sweep:  # where the dgrad phase's time goes: its minibatch, the publish deferral
-        base_mb = mb.tiles_per_minibatch(p.w_gate.shape[1], expert_path._num_sms(0))
-        print(f"{name} tiles per minibatch: {base_mb}", flush=True)
-        for label, per_mb, defer in (("minibatch x4", 4 * base_mb, False),
-                                     ("one minibatch", 1 << 20, False),
-                                     ("defer when ready", None, True),
-                                     ("defer when ready, minibatch x4", 4 * base_mb, True),
-                                     ("defer when ready, one minibatch", 1 << 20, True)):
-            variants[f"dgrads: megakernel [{label}]"] = patched(megakernel, per_mb, defer)
-        for label, per_mb, defer in (("one minibatch", 1 << 20, False),
-                                     ("defer when ready, one minibatch", 1 << 20, True)):
-            variants[f"moe_backward (megakernel) [{label}]"] = patched(
-                backward("megakernel"), per_mb, defer)
-        base = [t.clone() for t in megakernel()]
-        for label, per_mb, defer in (("one minibatch", 1 << 20, False),
-                                     ("defer when ready", None, True)):
-            other = patched(megakernel, per_mb, defer)()
-            same = all(torch.equal(a, b) for a, b in zip(base, other))
-            print(f"{name} dgrads [{label}] bitwise the default: {same}", flush=True)
+    if sweep:  # the dgrads' list in minibatches of the grid's size (the form before one minibatch)
+        n_dgated = -(-p.w_gate.shape[1] // 256)
+        grid_mb = -(-expert_path._num_sms(0) // (n_dgated * mb.RASTER_M)) * mb.RASTER_M
+        print(f"{name} grid-sized minibatch: {grid_mb} M-tiles", flush=True)
+        live_rows = int(s.num_tiles.item()) * 128
+        base = [t[:live_rows].clone() for t in megakernel()]
+        for label, per_mb in (("grid-sized minibatches", grid_mb),
+                              ("minibatches of 4 x the grid", 4 * grid_mb)):
+            run = patched(megakernel, per_mb)
+            same = all(torch.equal(a, b[:live_rows]) for a, b in zip(base, run()))
+            print(f"{name} dgrads [{label}] bitwise one minibatch's (live rows): {same}", flush=True)
+            variants[f"dgrads: megakernel [{label}]"] = run
+        variants["moe_backward (megakernel) [grid-sized minibatches]"] = patched(
+            backward("megakernel"), grid_mb)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -115,22 +110,20 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb, defer):
-    """``fn`` with the backward megakernel's task list changed (its own table cache): ``per_mb``
-    M-tiles per minibatch (None: the default); ``defer``: TEMPORARY DEFER_WHEN_READY."""
+def patched(fn, per_mb):
+    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles (its
+    own table cache)."""
     from mok_cute import megakernel_backward as mb
 
     tables = {}
 
     def run():
-        saved = mb._TABLES, mb.tiles_per_minibatch, mb.DEFER_WHEN_READY
-        mb._TABLES, mb.DEFER_WHEN_READY = tables, defer
-        if per_mb is not None:
-            mb.tiles_per_minibatch = lambda inter, num_ctas: per_mb
+        saved = mb._TABLES, mb.tiles_per_minibatch
+        mb._TABLES, mb.tiles_per_minibatch = tables, lambda capacity_tiles: per_mb
         try:
             return fn()
         finally:
-            mb._TABLES, mb.tiles_per_minibatch, mb.DEFER_WHEN_READY = saved
+            mb._TABLES, mb.tiles_per_minibatch = saved
     return run
 
 
@@ -141,8 +134,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--sweep", action="store_true",
-                   help="also the dgrads with 4x and one minibatch, and with the publish deferred "
-                        "before tasks whose waits hold (TEMPORARY DEFER_WHEN_READY)")
+                   help="also the dgrads' list in minibatches of the grid's size and of 4 x that "
+                        "(bitwise check on the live rows)")
     args = p.parse_args(argv)
     rows = [probe(n, args.rounds, args.reps, args.sweep) for n in args.shapes.split(",")]
     if args.json:

@@ -43,7 +43,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from mok_cute import jit
 from mok_cute.constants import BACKWARD_TILE_N, TILE_K, TILE_M
@@ -66,12 +66,9 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
     :param num_ctas: persistent grid (one CTA per SM).
     """
 
-    def __init__(self, num_ctas: int = 132, defer_when_ready: bool = False):
+    def __init__(self, num_ctas: int = 132):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
-        # TEMPORARY A/B (issue 32, megakernel_backward.DEFER_WHEN_READY): defer a publish also
-        # before a task whose waits already hold (polled), not only before one without waits
-        self.defer_when_ready = defer_when_ready
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
@@ -333,21 +330,6 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                 common.wait_counter(counters, base + i, target, timeout_ns, error, index,
                                     Int32(0), Int32(0))
 
-    @cute.jit
-    def _waits_hold(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
-                    counters: cute.Tensor) -> Int32:
-        """1 when every wait of dgrad ``index`` (static ranges) already holds: a poll, no spin."""
-        hold = Int32(1)
-        for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
-            word = int(BackwardWord.WAITS) + 4 * w
-            base = counter_offsets[tasks[index, word]]
-            first = tasks[index, word + 1]
-            target = tasks[index, word + 3]
-            for i in cutlass.range(first, first + tasks[index, word + 2], unroll=1):
-                if common.counter_load(counters, base + i) < target:
-                    hold = Int32(0)
-        return hold
-
     # ------------------------------------------------------------------ consumers
     @cute.jit
     def consumer_loop(self, walk, expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
@@ -405,17 +387,8 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                 nxt = pos + self.num_ctas
                 defer = False
                 if nxt < live_len:
-                    n_run, _, _, _, _, n_waits, _, n_index = self._task(walk, nxt, counter_offsets)
-                    if const_expr(self.defer_when_ready):
-                        # waits that already hold cannot block the next mainloop either; one
-                        # lane's poll for the whole warp (the store warp's lanes must agree)
-                        ready = Int32(1)
-                        if n_waits > 0:
-                            ready = cute.arch.shuffle_sync(
-                                self._waits_hold(tasks, n_index, counter_offsets, counters), 0)
-                        defer = n_run and ready != 0
-                    else:
-                        defer = n_run and n_waits == 0
+                    n_run, _, _, _, _, n_waits, _, _ = self._task(walk, nxt, counter_offsets)
+                    defer = n_run and n_waits == 0
                 if defer:
                     held = signal
                 else:
@@ -448,11 +421,10 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
 
 
 # ---------------------------------------------------------------------- compile
-def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                defer_when_ready: bool = False):
+def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, defer_when_ready)
+    kernel = BackwardMegakernelSm90(num_ctas)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()
