@@ -14,8 +14,10 @@ The weight gradients (WGRAD_DOWN, WGRAD_GATE_UP: ``backward_wgrad``) run ``gemm_
 tiles on the same stages, after the dgrads in the list; each waits until every FC2_DGRAD of
 its expert's M-tiles has published (the range read from the schedule's expert offsets).
 The tiles, their k order and their epilogues are those of ``expert_backward``'s two dgrad
-launches, so the outputs are bitwise the same; what the one launch adds is that an M-tile's
-FC1_DGRAD starts while later M-tiles' FC2_DGRAD tiles still run (no launch boundary).
+launches, so the outputs are bitwise the same. The host queues one minibatch (every FC2_DGRAD
+before any FC1_DGRAD: interleaving them put twice the weights in flight and measured slower),
+so what the one launch adds is that the first FC1_DGRAD tiles start while the last FC2_DGRAD
+tiles still run (no launch boundary).
 
 Walk: every CTA takes compute-queue positions ``b, b + grid, ...`` (static tickets: every
 warp resolves its own); the live prefix (``queue_live_len`` of the live minibatch count) is
