@@ -63,27 +63,9 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
         d_preact, hw, _, _ = megakernel()
         wgrads(d_preact, hw)
 
-    def one_launch(wgrad_stages=0):
-        saved, mb.WGRAD_STAGES = mb.WGRAD_STAGES, wgrad_stages
-        try:
-            return mb.expert_grads(d_rows, x_rows, p.w_gate, p.w_up, p.w_down, s.preact,
-                                   s.row_slot, weights, s.tile_expert, s.num_tiles,
-                                   s.expert_offsets)
-        finally:
-            mb.WGRAD_STAGES = saved
-
-    # the temporary experiment: the weight gradients on a 4-stage ring of their own, bitwise
-    for got, want in zip(one_launch(4)[4:], one_launch(0)[4:]):
-        assert torch.equal(got, want), "wgrad_stages=4 changed a weight gradient"
-
-    def with_wgrad_ring(fn):  # TEMPORARY (mb.WGRAD_STAGES)
-        def run():
-            saved, mb.WGRAD_STAGES = mb.WGRAD_STAGES, 4
-            try:
-                return fn()
-            finally:
-                mb.WGRAD_STAGES = saved
-        return run
+    def one_launch():
+        return mb.expert_grads(d_rows, x_rows, p.w_gate, p.w_up, p.w_down, s.preact,
+                               s.row_slot, weights, s.tile_expert, s.num_tiles, s.expert_offsets)
 
     def backward(dgrads):
         return lambda: eb.moe_backward(d_out, x, idx, w, p.w_gate, p.w_up, p.w_down, None, s,
@@ -93,11 +75,8 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
                 "GEMMs: four launches": lambda: two_launches(True),
                 "GEMMs: megakernel dgrads + wgrads": megakernel_then_wgrads,
                 "GEMMs: megakernel, one launch": one_launch,
-                "GEMMs: one launch, own 4-stage wgrad ring": lambda: one_launch(4),
                 "moe_backward": backward("kernels"),
-                "moe_backward (megakernel)": backward("megakernel"),
-                "moe_backward (megakernel) [own 4-stage wgrad ring]": with_wgrad_ring(
-                    backward("megakernel"))}
+                "moe_backward (megakernel)": backward("megakernel")}
     if sweep:  # the dgrads' list in minibatches of the grid's size (the form before one minibatch)
         n_dgated = -(-p.w_gate.shape[1] // 256)
         grid_mb = -(-expert_path._num_sms(0) // (n_dgated * mb.RASTER_M)) * mb.RASTER_M
@@ -124,13 +103,10 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
     ratios = {"dgrads": median["dgrads: two launches"] / median["dgrads: megakernel"],
               "gemms": median["GEMMs: four launches"] / one,
               "wgrads_in_launch": median["GEMMs: megakernel dgrads + wgrads"] / one,
-              "backward": median["moe_backward"] / median["moe_backward (megakernel)"],
-              "own_wgrad_ring": one / median["GEMMs: one launch, own 4-stage wgrad ring"]}
+              "backward": median["moe_backward"] / median["moe_backward (megakernel)"]}
     print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
-          f"whole backward {ratios['backward']:.3f}; own 4-stage wgrad ring / shared ring "
-          f"{ratios['own_wgrad_ring']:.3f}, whole backward "
-          f"{median['moe_backward (megakernel)'] / median['moe_backward (megakernel) [own 4-stage wgrad ring]']:.3f}", flush=True)
+          f"whole backward {ratios['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 

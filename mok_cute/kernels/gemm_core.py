@@ -121,12 +121,11 @@ class GemmCoreSm90:
 
     def make_ab_pipeline(self, storage, a_smem_layout_staged, b_smem_layout_staged,
                          a_tiles_per_stage: int = 1, producer_threads: int = 1,
-                         consumer_warps: int | None = None, barriers=None):
+                         consumer_warps: int | None = None):
         """The operand stages' pipeline, traced inside a kernel (the layouts: the kernel's
         arguments): each stage's full barrier expects the TMA bytes of ``a_tiles_per_stage`` A
         boxes and one B box and ``producer_threads`` arrivals; its empty barrier one arrive
-        per consumer warp that reads it (``threads_per_tile // 32`` unless given).
-        ``barriers``: the struct field of its mbarriers (default ``ab_full_empty``)."""
+        per consumer warp that reads it (``threads_per_tile // 32`` unless given)."""
         a_box = cute.slice_(a_smem_layout_staged, (None, None, 0))
         b_box = cute.slice_(b_smem_layout_staged, (None, None, 0))
         tma_bytes = (a_tiles_per_stage * cute.size_in_bytes(self.a_dtype, a_box)
@@ -134,31 +133,27 @@ class GemmCoreSm90:
         if consumer_warps is None:
             consumer_warps = self.threads_per_tile // 32
         return pipeline.PipelineTmaAsync.create(
-            barrier_storage=(storage.ab_full_empty if barriers is None else barriers).data_ptr(),
-            num_stages=self.ab_stages,
+            barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
 
     def operand_smem(self, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
-                     more_pipelines=None, **pipeline_kwargs):
+                     **pipeline_kwargs):
         """Traced inline at the top of a kernel: the CTA's smem struct (``shared_storage``),
         the operand stages' pipeline (``make_ab_pipeline`` with ``pipeline_kwargs``) with its
         init arrive issued (the kernel issues ``pipeline_init_wait`` once its partitions are
         built), and the staged A, B and epilogue tensors: (storage, ab_pipeline, sA, sB, sC).
-        A kernel with two A tiles a stage (the gated wgrad) splits ``storage.sA`` itself.
-        ``more_pipelines(storage)``: a kernel's further pipelines, created before the init
-        arrive, returned after sC."""
+        A kernel with two A tiles a stage (the gated wgrad) splits ``storage.sA`` itself."""
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         ab_pipeline = self.make_ab_pipeline(storage, a_smem_layout_staged, b_smem_layout_staged,
                                             **pipeline_kwargs)
-        extra = () if more_pipelines is None else tuple(more_pipelines(storage))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sC = storage.sC.get_tensor(epi_smem_layout_staged.outer,
                                    swizzle=epi_smem_layout_staged.inner)
-        return (storage, ab_pipeline, sA, sB, sC) + extra
+        return storage, ab_pipeline, sA, sB, sC
 
     @staticmethod
     def prefetch_descriptors(*atoms) -> None:
@@ -168,12 +163,11 @@ class GemmCoreSm90:
             if atom is not None:
                 cute.nvgpu.cpasync.prefetch_descriptor(atom)
 
-    def make_shared_storage(self, a_tiles_per_stage: int = 1, extra_fields=None,
-                            tail_fields=None):
+    def make_shared_storage(self, a_tiles_per_stage: int = 1, extra_fields=None):
         """The CTA's smem struct: the operand stages' full/empty mbarriers, ``extra_fields``
         (name -> struct member type, in order: the megakernel's comm and ticket words), the A
-        stages (``a_tiles_per_stage`` tiles each: the gated wgrad keeps two), the B stages,
-        the epilogue buffers and ``tail_fields`` after them."""
+        stages (``a_tiles_per_stage`` tiles each: the gated wgrad keeps two), the B stages and
+        the epilogue buffers."""
 
         def aligned(dtype, elements):
             return cute.struct.Align[cute.struct.MemRange[dtype, elements], self.buffer_align_bytes]
@@ -186,7 +180,6 @@ class GemmCoreSm90:
             "sA": aligned(self.a_dtype, a_tiles_per_stage * cute.cosize(self.a_smem_layout_staged)),
             "sB": aligned(self.b_dtype, cute.cosize(self.b_smem_layout_staged)),
             "sC": aligned(self.c_dtype, cute.cosize(self.epi_smem_layout_staged)),
-            **(tail_fields or {}),
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 

@@ -45,7 +45,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from mok_cute import jit
 from mok_cute.constants import BACKWARD_TILE_N, TILE_K, TILE_M
@@ -68,15 +68,11 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
     :param num_ctas: persistent grid (one CTA per SM).
     """
 
-    def __init__(self, num_ctas: int = 132, wgrad_stages: int = 0):
+    def __init__(self, num_ctas: int = 132):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
-        # 0: the weight gradients on the dgrads' stage ring (3 stages); N: a ring of their own
-        # of N stages over the whole smem, set up once a CTA's dgrads are done (a measured
-        # experiment: docs/measurements.md)
-        self.wgrad_stages = wgrad_stages
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -121,7 +117,7 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                  *mk(g2s, w_up, b_box, (tile_n, tile_k)))
         stores = (*mk(s2g, d_gate, epi_box, self.epi_tile), *mk(s2g, d_up, epi_box, self.epi_tile),
                   *mk(s2g, hw, epi_box, self.epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
-        self.wgrad = WgradForm(self.wgrad_stages or self.ab_stages)
+        self.wgrad = WgradForm(self.ab_stages)
         w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
         w_loads = []
         for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):
@@ -129,8 +125,7 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         w_stores = []
         for t in (dw_gate, dw_up, dw_down):
             w_stores.extend(mk(s2g, t, w_epi, self.wgrad.epi_tile))
-        extra, tail = self.wgrad_storage_fields()
-        self.shared_storage = self.make_shared_storage(extra_fields=extra, tail_fields=tail)
+        self.shared_storage = self.make_shared_storage()
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
                     *loads, *stores, *w_loads, *w_stores,
@@ -166,11 +161,8 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         if warp_idx == self.load_warp:
             self.prefetch_descriptors(tma_dy, tma_wd, tma_dp, tma_wg, tma_wu, tma_wdg, tma_wdu,
                                       tma_wx, tma_wdy, tma_whw)
-        smem = self.operand_smem(
-            a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
-            more_pipelines=self.wgrad_pipeline(w_box_staged) if self.wgrad_stages else None)
-        _, ab_pipeline, sA, sB, sC = smem[:5]
-        w_pipeline = smem[5] if self.wgrad_stages else ab_pipeline
+        _, ab_pipeline, sA, sB, sC = self.operand_smem(
+            a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
         w_layouts = (w_tiled_mma, w_box_staged, w_epi_staged)
         walk = (tasks, queue, self._live_len(queue_live_len, num_tiles, scalars), num_tiles,
                 Int32(scalars[2]), Int32(scalars[3]))
@@ -183,14 +175,14 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                                    (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg,
                                     tma_wu, t_wu),
                                    (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy,
-                                    tma_whw, t_whw), w_layouts, w_pipeline)
+                                    tma_whw, t_whw), w_layouts)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consumer_loop(walk, expert_offsets, counter_offsets, counters, preact,
                                row_slot, weights, partials, ab_pipeline, tiled_mma, sA, sB, sC,
                                (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                                (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), w_layouts,
-                               w_pipeline, t_dy, t_dp, tidx, warp_idx, warpgroup_idx)
+                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx)
 
     @cute.jit
     def _live_len(self, queue_live_len: cute.Tensor, num_tiles: cute.Tensor,
@@ -242,8 +234,7 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
     @cute.jit
     def producer_loop(self, walk, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
-                      timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts,
-                      w_pipeline):
+                      timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts):
         """The load warp: per task, its waits (each lane spins on its own copy; a weight
         gradient's wait on its expert's dgrads once per run of that expert's tasks), then its
         k-tiles' A and B boxes by TMA."""
@@ -300,15 +291,6 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         # the weight gradients (the tail); an expert's dgrads waited on once per run of its tasks
         w_parts = self.wgrad_load_parts(sA, sB, wgrad_ops, w_layouts)
         walk_len = self._walk_len(walk)
-        w_loads = loads
-        if const_expr(self.wgrad_stages):
-            # their own ring overwrites the dgrads' stages and buffers: every stage released,
-            # and the consumers past their dgrads' stores, first
-            ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
-                                                     self.ab_stages, loads))
-            if pos < walk_len:
-                self.form_switch_barrier().arrive_and_wait()
-            w_loads = Int32(0)
         waited_expert = Int32(-1)
         k0, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
         while pos < walk_len:
@@ -320,14 +302,14 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                                 timeout_ns)
                 cute.arch.fence_proxy("async.global")
                 waited_expert = m_tile
-            self.wgrad_load(w_pipeline, w_loads, ttype == _WGRAD_GATE_UP, m_block, n_tile, k0,
+            self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block, n_tile, k0,
                             k_tiles, wgrad_ops, w_parts)
-            w_loads += k_tiles
+            loads += k_tiles
             ttype, m_tile, n_tile, m_block, index = n_type, n_e, n_n, n_mb, n_index
             k0, k_tiles = n_k0, n_k_tiles
             pos = nxt
-        w_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
-                                                self.wgrad.ab_stages, w_loads))
+        ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
+                                                 self.ab_stages, loads))
 
     @cute.jit
     def _wait_task(self, tasks: cute.Tensor, index: Int32, expert_offsets: cute.Tensor,
@@ -355,7 +337,7 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
     def consumer_loop(self, walk, expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
-                      sB, sC, stores, wgrad_stores, w_layouts, w_pipeline, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
+                      sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
                       warpgroup_idx: Int32):
         """Both consumer warpgroups: per task the mainloop, the epilogue's TMA stores, and
         for a dgrad, once they have landed, the task's counter, published by thread 0 of the
@@ -423,19 +405,16 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
                                             warpgroup_idx)
         w_subtiles = Int32(0)
-        w_loads = loads
-        if const_expr(self.wgrad_stages):
-            w_loads = Int32(0)
         _, ttype, m_tile, n_tile, m_block, _, _, _ = self._task(walk, pos, counter_offsets)
         _, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
         while pos < walk_len:
             nxt = pos + self.num_ctas
             _, n_type, n_e, n_n, n_mb, _, _, _ = self._task(walk, nxt, counter_offsets)
             _, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
-            self.wgrad_tile(w_pipeline, w_layouts[0], w_parts, w_loads, k_tiles,
+            self.wgrad_tile(ab_pipeline, w_layouts[0], w_parts, loads, k_tiles,
                             ttype == _WGRAD_GATE_UP, m_tile, m_block, n_tile, w_subtiles,
                             wgrad_stores, warpgroup_idx)
-            w_loads += k_tiles
+            loads += k_tiles
             w_subtiles += self.wgrad_subtiles()
             ttype, m_tile, n_tile, m_block, k_tiles = n_type, n_e, n_n, n_mb, n_k_tiles
             pos = nxt
@@ -444,11 +423,10 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
 
 
 # ---------------------------------------------------------------------- compile
-def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                wgrad_stages: int = 0):
+def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, wgrad_stages)
+    kernel = BackwardMegakernelSm90(num_ctas)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()

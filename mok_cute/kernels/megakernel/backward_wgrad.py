@@ -32,7 +32,6 @@ from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state
 
 WG_ROWS = 128  # output rows per consumer warpgroup
 WGRAD_TILE_N = 128
-BOX_ELEMS = WG_ROWS * TILE_K  # one 128 x 64 operand box
 
 
 class WgradForm(GemmCoreSm90):
@@ -63,55 +62,25 @@ class WgradTasksMixin:
         return (self.wgrad.tiled_mma, self.wgrad.box_layout_staged,
                 self.wgrad.epi_smem_layout_staged)
 
-    def _boxes(self, ptr, stride_boxes: int, box):
-        """Staged 128 x 64 boxes from ``ptr``, one every ``stride_boxes`` boxes. Traced inline."""
+    def wgrad_a_stages(self, sB, warpgroup, box):
+        """Warpgroup ``warpgroup``'s weight-gradient A boxes: in the dgrads' B region, box
+        ``warpgroup`` of each stage (stage stride two boxes); ``box`` the staged box layout.
+        Traced inline."""
+        box_elems = cute.cosize(cute.slice_(box, (None, None, 0)))
         tile = cute.slice_(box.outer, (None, None, 0))
-        outer = cute.make_layout(cute.append(tile.shape, self.wgrad.ab_stages),
-                                 stride=cute.append(tile.stride, stride_boxes * BOX_ELEMS))
-        return cute.make_tensor(cute.recast_ptr(ptr, box.inner), outer)
-
-    def wgrad_a_stages(self, sA, sB, warpgroup, box):
-        """Warpgroup ``warpgroup``'s A boxes: on the shared ring, box ``warpgroup`` of the
-        dgrads' B box bytes of each stage; on its own ring, of each 3-box stage. Traced
-        inline."""
-        if self.wgrad_stages:
-            return self._boxes(sA.iterator + warpgroup * BOX_ELEMS, 3, box)
-        return self._boxes(sB.iterator + warpgroup * BOX_ELEMS, 2, box)
+        outer = cute.make_layout(cute.append(tile.shape, self.ab_stages),
+                                 stride=cute.append(tile.stride, 2 * box_elems))
+        return cute.make_tensor(cute.recast_ptr(sB.iterator + warpgroup * box_elems, box.inner),
+                                outer)
 
     def wgrad_b_stages(self, sA, box):
-        """The B boxes: the dgrads' A box bytes (shared ring), or box 2 of each stage."""
-        if self.wgrad_stages:
-            return self._boxes(sA.iterator + 2 * BOX_ELEMS, 3, box)
-        return self._boxes(sA.iterator, 1, box)
+        """The weight-gradient B boxes: the dgrads' A region, one box a stage. Traced inline."""
+        return cute.make_tensor(cute.recast_ptr(sA.iterator, box.inner), box.outer)
 
-    def wgrad_epi_buffers(self, sA, sC, epi):
-        """The epilogue buffers (64 x 32, per warpgroup): over the dgrads' (shared ring), or
-        after the own ring's stages. Traced inline."""
-        ptr = sC.iterator
-        if self.wgrad_stages:
-            ptr = sA.iterator + 3 * BOX_ELEMS * self.wgrad_stages
-        return cute.make_tensor(cute.recast_ptr(ptr, epi.inner), epi.outer)
-
-    def wgrad_storage_fields(self):
-        """(extra, tail) smem struct fields of the own ring: its mbarriers, and what its stages
-        and epilogue buffers need past the dgrads' stages and buffers (host side)."""
-        if not self.wgrad_stages:
-            return None, None
-        dgrad_bytes = (cute.cosize(self.a_smem_layout_staged) + cute.cosize(self.b_smem_layout_staged)
-                       + cute.cosize(self.epi_smem_layout_staged)) * 2
-        own_bytes = (3 * BOX_ELEMS * self.wgrad_stages
-                     + cute.cosize(self.wgrad.epi_smem_layout_staged)) * 2
-        extra = {"wgrad_full_empty": cute.struct.MemRange[cutlass.Int64, 2 * self.wgrad_stages]}
-        tail = {"wgrad_tail": cute.struct.Align[
-            cute.struct.MemRange[BFloat16, max(own_bytes - dgrad_bytes, 2) // 2], 1024]}
-        return extra, tail
-
-    def wgrad_pipeline(self, box):
-        """The own ring's pipeline (a ``more_pipelines`` hook of ``operand_smem``): two A
-        boxes and a B box a stage, both consumer warpgroups release each."""
-        return lambda storage: (self.wgrad.make_ab_pipeline(
-            storage, box, box, a_tiles_per_stage=2, consumer_warps=self.num_mma_threads // 32,
-            barriers=storage.wgrad_full_empty),)
+    def wgrad_epi_buffers(self, sC, epi):
+        """The weight gradients' epilogue buffers (64 x 32, per warpgroup) over the dgrads';
+        ``epi`` their staged layout. Traced inline."""
+        return cute.make_tensor(cute.recast_ptr(sC.iterator, epi.inner), epi.outer)
 
     # ------------------------------------------------------------------ producer
     def wgrad_load_parts(self, sA, sB, ops, layouts):
@@ -119,7 +88,7 @@ class WgradTasksMixin:
         ``ops``: (atom, tensor) pairs of dG, dU, x rows, dY rows, w * h, each (cols, rows, 1)
         MN-major; ``layouts``: ``wgrad_kernel_args``."""
         box = layouts[1]
-        s_a = [self.wgrad_a_stages(sA, sB, w, box) for w in range(2)]
+        s_a = [self.wgrad_a_stages(sB, w, box) for w in range(2)]
         s_b = self.wgrad_b_stages(sA, box)
         one = cute.make_layout(1)
         parts = []
@@ -152,7 +121,7 @@ class WgradTasksMixin:
         """The TMA loads of one weight-gradient tile: per row k-tile both A boxes and B."""
         atom_dg, _, atom_du, _, atom_x, _, atom_dy, _, atom_hw, _ = ops
         (g_dg, s_dg0, _), (g_du, _, s_du1), (g_x, s_x, _), (g_dy, s_dy0, s_dy1), (g_hw, s_hw, _) = parts
-        state = pipeline_state(pipeline.PipelineUserType.Producer, self.wgrad.ab_stages, loads)
+        state = pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages, loads)
         for k in range(k_tiles):
             ab_pipeline.producer_acquire(state)
             bar = ab_pipeline.producer_get_barrier(state)
@@ -178,8 +147,8 @@ class WgradTasksMixin:
         tiled_mma, box, epi_layout = layouts
         wg = warpgroup_idx - 1
         parts = self.wgrad.consumer_parts(
-            tiled_mma, self.wgrad_a_stages(sA, sB, wg, box), self.wgrad_b_stages(sA, box),
-            self.wgrad_epi_buffers(sA, sC, epi_layout), 0, tidx % self.threads_per_warpgroup)
+            tiled_mma, self.wgrad_a_stages(sB, wg, box), self.wgrad_b_stages(sA, box),
+            self.wgrad_epi_buffers(sC, epi_layout), 0, tidx % self.threads_per_warpgroup)
         return (*parts, *self.wgrad.epilogue_sync(warp_idx, warpgroup_idx))
 
     @cute.jit
@@ -220,19 +189,13 @@ class WgradTasksMixin:
         """Epilogue subtiles a warpgroup stores per weight-gradient tile."""
         return (WG_ROWS // self.wgrad.epi_tile[0]) * (WGRAD_TILE_N // self.wgrad.epi_tile[1])
 
-    def form_switch_barrier(self):
-        """The consumers between the two forms, and on the own ring the load warp too (its
-        stages overwrite the dgrads' bytes)."""
-        return pipeline.NamedBarrier(
-            barrier_id=int(common.NamedBarriers.FORM_SWITCH),
-            num_threads=self.num_mma_threads + (32 if self.wgrad_stages else 0))
-
     @cute.jit
     def switch_forms(self):
         """Before a task of the other tile form: every thread's TMA stores have read their
         epilogue buffers (the forms' buffers overlap), then all consumer threads meet."""
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-        self.form_switch_barrier().arrive_and_wait()
+        pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.FORM_SWITCH),
+                              num_threads=self.num_mma_threads).arrive_and_wait()
 
 
 __all__ = ["WgradForm", "WgradTasksMixin", "WG_ROWS", "WGRAD_TILE_N"]
