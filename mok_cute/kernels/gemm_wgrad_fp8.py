@@ -104,11 +104,8 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     :param num_sms: persistent grid size.
     """
 
-    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132, b_block: bool = False):
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
         super().__init__(gated=gated, group_m=group_m, num_sms=num_sms)
-        # TEMPORARY experiment (issue 33, gemm_wgrad_fp8.B_BLOCK): B scaled per 128 x 128 block
-        # (one scale per group and 128 columns), so the promotion is one FFMA an element
-        self.b_block = b_block
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -122,7 +119,7 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
 
     # ------------------------------------------------------------------ promoting products
     def load_scales(self, dst: cute.Tensor, mSA: cute.Tensor, mSA2, mSB: cute.Tensor,
-                    wg: Int32, row0: Int32, pair0: Int32, group: Int32, n_tile: Int32):
+                    wg: Int32, row0: Int32, pair0: Int32, group: Int32):
         """This thread's scales of K group ``group`` into ``dst (2, 17)``: its two
         rows' (dst[r, 0]; gated: warpgroup 1's from ``mSA2``) and its 16 column pairs'
         (dst[:, 1 + j]: columns 2 pair + {0, 1} of pair ``pair0 + 4 j``), 64-bit loads.
@@ -132,16 +129,11 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
             if const_expr(self.gated):
                 s = cutlass.select_(wg == 0, s, mSA2[group, row0 + 8 * r])
             dst[r, 0] = s
-        if const_expr(self.b_block):  # the rows' scales times the tile's one B scale
-            s_b = mSB[group, n_tile]
-            for r in range(2):
-                dst[r, 0] = dst[r, 0] * s_b
-        else:
-            pairs = cute.flat_divide(mSB, (1, 2))  # (1, 2, groups, N / 2)
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                       num_bits_per_copy=64)
-            for j in range(16):
-                cute.copy(atom, pairs[0, None, group, pair0 + 4 * j], dst[None, 1 + j])
+        pairs = cute.flat_divide(mSB, (1, 2))  # (1, 2, groups, N / 2)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
+                                   num_bits_per_copy=64)
+        for j in range(16):
+            cute.copy(atom, pairs[0, None, group, pair0 + 4 * j], dst[None, 1 + j])
 
     def promote(self, acc: cute.Tensor, partial: cute.Tensor, sc: cute.Tensor):
         """acc += (partial * 2^e_b[column]) * 2^e_a[row], the scales of ``load_scales``.
@@ -153,10 +145,7 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
         for j in range(16):
             for i in range(4):
                 v = 4 * j + i
-                if const_expr(self.b_block):
-                    accv[v] = ffma(partv[v], sc[(i // 2) % 2, 0], accv[v])
-                else:
-                    accv[v] = ffma(partv[v] * sc[i % 2, 1 + j], sc[(i // 2) % 2, 0], accv[v])
+                accv[v] = ffma(partv[v] * sc[i % 2, 1 + j], sc[(i // 2) % 2, 0], accv[v])
 
     @cute.jit
     def tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
@@ -173,7 +162,7 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
         sc_next = cute.make_rmem_tensor((2, 17), cutlass.Float32)
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
-        self.load_scales(sc, mEA, mEA2, mEB, wg, row0, pair0, k0, n_tile)
+        self.load_scales(sc, mEA, mEA2, mEB, wg, row0, pair0, k0)
         turns = issue_turns(wg)
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
@@ -189,7 +178,7 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
             pass_issue_turn(turns)
             # the next group's scales, under the wgmmas (the last re-reads its own)
             self.load_scales(sc_next, mEA, mEA2, mEB, wg, row0, pair0,
-                             k0 + cutlass.min(k + 1, k_tiles - 1), n_tile)
+                             k0 + cutlass.min(k + 1, k_tiles - 1))
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read)
             read.advance()
@@ -205,13 +194,13 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
 
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = "", b_block: bool = False):
+                           arch: str = "sm_90a", options: str = ""):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None and ``s_b (rows/128, N)`` (``scales_of``);
     it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, b_block=b_block)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())
@@ -225,26 +214,23 @@ def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 
     f32 = cutlass.Float32
     e_a = common.fake_strided_tensor(f32, (groups, m), align_bytes=4)
     e_a2 = common.fake_strided_tensor(f32, (groups, m), align_bytes=4) if gated else None
-    e_b = common.fake_strided_tensor(f32, (groups, cute.sym_int32() if b_block else n),
-                                     align_bytes=4 if b_block else 8)
+    e_b = common.fake_strided_tensor(f32, (groups, n), align_bytes=8)
     return cute.compile(gemm, a, a2, b, c, c2, common.fake_vector(Int32), common.fake_stream(),
                         e_a, e_a2, e_b,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
 
 # ---------------------------------------------------------------------- torch entry + reference
-def _check_operand(name: str, q: object, e: object, rows: int | None = None,
-                   blocks: bool = False):
+def _check_operand(name: str, q: object, e: object, rows: int | None = None):
     if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn or q.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor [M, rows], got {describe(q)}")
     m, r = q.shape
     if m % GROUP or r % GROUP or (rows is not None and r != rows):
         raise ValueError(f"{name}: expected M and rows multiples of {GROUP}"
                          f"{'' if rows is None else f' and {rows} rows'}, got {tuple(q.shape)}")
-    want = (m // GROUP if blocks else m, r // GROUP)
-    if not isinstance(e, torch.Tensor) or e.dtype != torch.int8 or tuple(e.shape) != want:
-        raise ValueError(f"exponents of {name}: expected int8 [{want[0]}, {want[1]}] "
-                         f"(fp8.{'quantize_blocks' if blocks else 'quantize_cols'}), got {describe(e)}")
+    if not isinstance(e, torch.Tensor) or e.dtype != torch.int8 or tuple(e.shape) != (m, r // GROUP):
+        raise ValueError(f"exponents of {name}: expected int8 [{m}, {r // GROUP}] "
+                         f"(fp8.quantize_cols), got {describe(e)}")
     if not q.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (rows contiguous)")
     return m, r
@@ -252,17 +238,15 @@ def _check_operand(name: str, q: object, e: object, rows: int | None = None,
 
 def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e_b: torch.Tensor,
                       offsets: torch.Tensor, num_experts: int, a2_t: torch.Tensor | None = None,
-                      e_a2: torch.Tensor | None = None, group_m: int = 4, b_blocks: bool = False):
+                      e_a2: torch.Tensor | None = None, group_m: int = 4):
     """Per-expert weight gradients on FP8: ``C[e] = A[:, rows of e] . B[:, rows of e]^T``
     -> ``[E, M, N]`` bf16, and with ``a2_t`` (gate and up sharing B) the pair (C, C2).
     ``a_t [M, rows]``, ``b_t [N, rows]`` e4m3 with ``e_a [M, rows/128]``, ``e_b [N, rows/128]``
     int8: ``fp8.quantize_cols`` of the row buffers ``[rows, M]`` / ``[rows, N]`` (on the GPU:
     ``kernels.quantize.quantize_cols``); ``offsets [E + 1]`` int32 on the device, each expert's
-    first row (multiples of 128); an expert with no rows gets zeros. No host sync.
-    ``b_blocks`` (TEMPORARY experiment): ``e_b [N/128, rows/128]``, B quantized in 128 x 128
-    blocks (``fp8.quantize_blocks(b_rows.t())``)."""
+    first row (multiples of 128); an expert with no rows gets zeros. No host sync."""
     m, rows = _check_operand("a_t", a_t, e_a)
-    n, _ = _check_operand("b_t", b_t, e_b, rows, b_blocks)
+    n, _ = _check_operand("b_t", b_t, e_b, rows)
     if a2_t is not None:
         if _check_operand("a2_t", a2_t, e_a2, rows)[0] != m:
             raise ValueError(f"a2_t: expected a_t's shape {tuple(a_t.shape)}, got {tuple(a2_t.shape)}")
@@ -272,7 +256,7 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     c = torch.empty(num_experts, m, n, dtype=torch.bfloat16, device=a_t.device)
     c2 = torch.empty_like(c) if gated else None
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
-                                group_m=group_m, b_block=b_blocks,
+                                group_m=group_m,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
     scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), scales_of(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
@@ -286,8 +270,6 @@ def grouped_wgrad_fp8_ref(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tenso
     """The oracle: the dequantized operands (exact) in float64, each expert's row segment,
     rounded once to bf16 -> ``[E, M, N]``."""
     a = fp8.dequantize_rows(a_t, e_a).double()
-    if e_b.shape[0] * GROUP == b_t.shape[0] and e_b.shape[0] != b_t.shape[0]:  # 128 x 128 blocks
-        e_b = e_b.repeat_interleave(GROUP, dim=0)
     b = fp8.dequantize_rows(b_t, e_b).double()
     bounds = offsets.tolist()
     out = torch.zeros(len(bounds) - 1, a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
