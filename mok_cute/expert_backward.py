@@ -123,13 +123,18 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int):
     return (c, c2) if gated else c
 
 
+# TEMPORARY A/B (issue 33): the FP8 layer's weight gradients on gemm_wgrad_fp8 (True) or bf16
+FP8_WGRADS = True
+
+
 def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
                      fp8: bool = False, dgrads: str = "kernels"):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
-    on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients bf16.
+    on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too
+    (``_weight_grads``).
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
     weight gradients in it too when both kinds are wanted."""
     if not (want_dx or want_gate_up or want_down or want_partials):
@@ -145,7 +150,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads)
     dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
-                                  want_gate_up, want_down)
+                                  want_gate_up, want_down, fp8 and FP8_WGRADS)
     return dx_rows, dwg, dwu, dwd, partials
 
 
@@ -173,10 +178,16 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
 
 
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,
-                  want_down: bool):
+                  want_down: bool, fp8: bool = False):
     """The grouped weight gradients from the dgrads' outputs: (dW_gate, dW_up, dW_down), None
-    where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns."""
+    where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns.
+    ``fp8``: on ``gemm_wgrad_fp8`` where H and I are whole 128 groups (no padded copy of x
+    or of the gradients' [E, I, H] outputs), bf16 otherwise."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
+    hidden = w_down.shape[1]
+    if fp8 and inter % 128 == 0 and hidden % 128 == 0:
+        return _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts, inter,
+                                 want_gate_up, want_down)
     half = d_preact.shape[1] // 2
     dwg = dwu = dwd = None
     if want_gate_up:
@@ -185,6 +196,26 @@ def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_ga
     if want_down:
         dwd = wgrad(d_rows[:, :w_down.shape[1]], None, hw[:, :inter], offsets, num_experts,
                     w_down.shape[1])
+    return dwg, dwu, dwd
+
+
+def _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts: int, inter: int,
+                      want_gate_up: bool, want_down: bool):
+    """The weight gradients on FP8 (``kernels.gemm_wgrad_fp8``): the gradients (dG | dU,
+    d_out rows) column-quantized per 128 rows, the activations (x rows, w * h) per column
+    and expert (``quantize.quantize_cols_per_expert``); H and I whole 128 groups."""
+    from mok_cute.kernels import gemm_wgrad_fp8, quantize
+
+    dwg = dwu = dwd = None
+    if want_gate_up:
+        gq, eg = quantize.quantize_cols(d_preact)  # [2I, rows]: dG^T, then dU^T
+        xq, ex = quantize.quantize_cols_per_expert(x_rows, offsets, num_experts)
+        dwg, dwu = gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:inter], eg[:inter], xq, ex, offsets,
+                                                    num_experts, gq[inter:], eg[inter:])
+    if want_down:
+        hq, eh = quantize.quantize_cols_per_expert(hw, offsets, num_experts)
+        dwd = gemm_wgrad_fp8.grouped_wgrad_fp8(*quantize.quantize_cols(d_rows), hq, eh, offsets,
+                                               num_experts)
     return dwg, dwu, dwd
 
 
@@ -230,7 +261,8 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  dgrads: str = "kernels"):
     """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` (or of
     ``expert_path_fp8.moe_forward_fp8(..., save=True)`` with ``precision="fp8"``: the routed
-    experts' dgrads in FP8, everything else bf16) given d_out [T, H]:
+    experts' dgrads in FP8 and, where H and I are whole 128 groups, their weight gradients,
+    everything else bf16) given d_out [T, H]:
     (d_x, d_topk_weights fp32, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down),
     None where ``needs`` says no (and for the shared expert's three without one).
     ``dgrads``: the routed experts' bf16 dgrads as two grouped-GEMM launches ("kernels") or

@@ -214,7 +214,7 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
 
 def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
                   wt: Fp8Weights, want_dx: bool, hidden: int):
-    """The routed experts' two dgrads in FP8 (the weight gradients stay bf16): d_out rows
+    """The routed experts' two dgrads in FP8 (the weight gradients: ``expert_backward``): d_out rows
     ([M, H'], zero-padded to the weights' H') and then dG | dU quantized 1 x 128, FC2's dgrad
     with the dgated epilogue on W_down's transposed copy, FC1's dgrad with K split over
     W_gate's and W_up's. Returns (dG | dU [M, 2I'], w * h [M, I'], row partials, dx rows

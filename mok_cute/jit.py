@@ -97,6 +97,10 @@ KERNELS: dict[str, KernelSpec] = {
     "quantize_cols": KernelSpec(
         "mok_cute.kernels.quantize", "compile_quantize_cols", {},
         "bf16 -> e4m3 transposed copy, groups of 128 along M (fp8.quantize_cols, bitwise)"),
+    "quantize_cols_per_expert": KernelSpec(
+        "mok_cute.kernels.quantize", "compile_quantize_cols_per_expert", {},
+        "bf16 -> e4m3 transposed copy, one scale per column and expert (fp8.quantize_cols_per_expert, "
+        "bitwise): a weight gradient's B operand"),
     "quantize_blocks": KernelSpec(
         "mok_cute.kernels.quantize", "compile_quantize_blocks", {"write_q": True, "write_qt": True},
         "weights -> e4m3 in 128x128 blocks and the exact transposed copy (fp8.quantize_blocks)"),

@@ -379,6 +379,8 @@ def reports(tmp_path_factory):
 @pytest.mark.parametrize("name,loads,stores", [
     ("quantize_rows", {"ld.global.128b": 1}, {"st.global.64b": 1, "st.global.8b": 1}),
     ("quantize_cols", {"ld.global.128b": 16}, {"st.global.128b": 8, "st.global.8b": 8}),
+    # the expert's groups read twice (amax, then quantize); 8 exponents a lane's vector
+    ("quantize_cols_per_expert", {"ld.global.128b": 32}, {"st.global.128b": 8, "st.global.8b": 8}),
     ("quantize_blocks", {"ld.global.128b": 16}, {"st.global.64b": 16, "st.global.128b": 8, "st.global.8b": 2}),
 ])
 def test_kernel_compiles_with_exact_conversions_and_no_spills(reports, name, loads, stores):
@@ -528,6 +530,58 @@ def test_quantize_cols_kernel_is_bitwise_the_reference(gen, m, k):
         torch.cuda.synchronize()
         _assert_same(q, want_q, f"qt m={m} k={k}")
         _assert_same(e, want_e, f"e m={m} k={k}")
+        runs.append((_bytes(q).clone(), e.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_quantize_cols_per_expert_reference_scales_each_expert_segment(gen):
+    """One scale per column over each expert's rows: the exponents are those of the segment's
+    column amax, an expert without rows gets -127 and no data, rows past the last expert stay
+    zero, and the dequantized copy is within e4m3's rounding of x."""
+    x = _wide_bf16(gen, 640, 72, zero_groups=False)
+    offsets = torch.tensor([0, 256, 256, 512], dtype=torch.int32)
+    qt, e = fp8.quantize_cols_per_expert(x, offsets)
+    assert qt.shape == (72, 640) and e.shape == (3, 72) and (e[1] == -127).all()
+    for i, (lo, hi) in enumerate(((0, 256), (256, 256), (256, 512))):
+        if hi > lo:
+            seg = x[lo:hi].float().abs().amax(0)
+            want = fp8.scale_exponent_from_bits(seg.view(torch.int32) & 0x7FFFFFFF)
+            assert torch.equal(e[i].long(), want.long())
+    assert (qt[:, 512:].view(torch.uint8) == 0).all()
+    # e4m3's rounding (1/16 relative), or half a subnormal step of the segment's column
+    # (< amax * 2^-17.8) for elements that far below it
+    y = (torch.randn(512, 72, generator=gen) * torch.exp(3 * torch.randn(72, generator=gen))).to(bf16)
+    d = fp8.dequantize_cols_per_expert(*fp8.quantize_cols_per_expert(y, offsets), offsets).T
+    yf = y.float()
+    col_max = torch.cat([yf[:256].abs().amax(0, keepdim=True).expand(256, 72),
+                         yf[256:].abs().amax(0, keepdim=True).expand(256, 72)])
+    assert ((d - yf).abs() <= yf.abs() / 16 + col_max * 2.0 ** -17.8).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,k", [([128, 0, 384], 72), ([1024, 128, 0, 256], 2048),
+                                      ([0, 128], 8), ([128] * 9, 1032)])
+def test_quantize_cols_per_expert_kernel_is_bitwise_the_reference(gen, counts, k):
+    """Empty experts, one hot expert, K not a multiple of the 32-column strip; an all-zero
+    column segment and edge columns; rows past the last expert untouched (the poison stays)."""
+    from mok_cute.kernels import quantize
+
+    m = sum(counts) + 128  # one group past the last expert
+    x = _wide_bf16(gen, m, k, zero_groups=False)
+    x = _edge_rows(x.t().contiguous()).t().contiguous() if k >= 6 else x
+    x[:128, k // 2] = 0
+    offsets = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+    want_q, want_e = fp8.quantize_cols_per_expert(x, offsets)
+    xd, od = x.cuda(), offsets.cuda()
+    live = int(offsets[-1])
+    runs = []
+    for _ in range(2):
+        q, e = _poison((k, m), e4m3), _poison((len(counts), k), torch.int8)
+        quantize.quantize_cols_per_expert(xd, od, len(counts), out=q, scale_out=e)
+        torch.cuda.synchronize()
+        _assert_same(q[:, :live].contiguous(), want_q[:, :live].contiguous(), f"qt {counts} k={k}")
+        _assert_same(e, want_e, f"e {counts} k={k}")
+        assert (_bytes(q[:, live:].contiguous()) == _bytes(_poison((k, m - live), e4m3))).all()
         runs.append((_bytes(q).clone(), e.clone()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 

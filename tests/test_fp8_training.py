@@ -1,7 +1,8 @@
 """FP8 training on one GPU (issue 33, first training slice): ``MoKConfig(precision="fp8")``
 with inputs that require grad runs ``mok_cute::moe_forward_train`` on the FP8 forward (FC1
 saving g | u by slot) and ``mok_cute::moe_backward`` with the routed experts' two dgrads in FP8
-(``expert_path_fp8.expert_dgrads``); the weight gradients and the shared expert stay bf16.
+(``expert_path_fp8.expert_dgrads``) and, where H and I are whole 128 groups, its weight
+gradients in FP8 (``gemm_wgrad_fp8``); the shared expert stays bf16.
 
 CPU: the refusal without a GPU. H200 (marked gpu): the training forward bitwise equal to the
 FP8 inference forward; every gradient against autograd on the bf16 reference within the issue's

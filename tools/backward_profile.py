@@ -120,17 +120,20 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
         ms["fp8 fc1 dgrad (quantize dG|dU + split K)"] = gpu_ms(fp8_fc1, reps)
         from mok_cute.kernels import gemm_wgrad_fp8
 
+        # A (dG | dU, d_out rows) per (column, 128 rows), B (x rows, w * h) per (column, expert)
+        offsets = saved.expert_offsets
+        xq_ex = quantize.quantize_cols_per_expert(x_rows, offsets, E)
+
         def fp8_wgrad_gate_up(quantize_x=True):
             gq, eg = quantize.quantize_cols(d_preact)  # [2I, rows]: dG^T then dU^T
-            xq, ex = xq_ex if not quantize_x else quantize.quantize_cols(x_rows)
-            return gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:I], eg[:I], xq, ex, saved.expert_offsets,
-                                                    E, gq[I:], eg[I:])
+            xq, ex = quantize.quantize_cols_per_expert(x_rows, offsets, E) if quantize_x else xq_ex
+            return gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:I], eg[:I], xq, ex, offsets, E, gq[I:],
+                                                    eg[I:])
 
         def fp8_wgrad_down():
             return gemm_wgrad_fp8.grouped_wgrad_fp8(*quantize.quantize_cols(d_rows),
-                                                    *quantize.quantize_cols(hw),
-                                                    saved.expert_offsets, E)
-        xq_ex = quantize.quantize_cols(x_rows)  # a training forward could keep it (x is its input)
+                                                    *quantize.quantize_cols_per_expert(hw, offsets, E),
+                                                    offsets, E)
         ms["fp8 wgrad gate+up (quantize dG|dU and x cols)"] = gpu_ms(fp8_wgrad_gate_up, reps)
         ms["fp8 wgrad gate+up (x cols kept)"] = gpu_ms(lambda: fp8_wgrad_gate_up(False), reps)
         ms["fp8 wgrad down (quantize d_out and h' cols)"] = gpu_ms(fp8_wgrad_down, reps)

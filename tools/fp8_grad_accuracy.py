@@ -2,7 +2,8 @@
 the FP8 layer's gradients emulated in torch (the quantizers of ``mok_cute.fp8``, float64 GEMMs
 of the dequantized operands) against autograd on the bf16 reference, as cosine per gradient,
 for the backward as the kernels run it today (FP8 dgrads, bf16 weight gradients) and with the
-weight gradients in FP8 too (``kernels/gemm_wgrad_fp8.py``: per-(column, 128-row) scales).
+weight gradients in FP8 too (``kernels/gemm_wgrad_fp8.py``: A = dG, dU, d_out per (column,
+128-row group), B = x, w * h per (column, expert)).
 
     python tools/fp8_grad_accuracy.py [--tokens 512 --hidden 1024 --inter 512 --experts 8 --top-k 4]
 
@@ -39,6 +40,13 @@ def deq_cols(rows):
     return fp8.dequantize_cols(*fp8.quantize_cols(padded)).double()[:rows.shape[0]]
 
 
+def deq_cols_expert(rows):
+    """B's copy: one scale per column over the expert's rows, dequantized back to [R, C]."""
+    r = rows.bfloat16()
+    offsets = torch.tensor([0, r.shape[0]], dtype=torch.int32)
+    return fp8.dequantize_cols_per_expert(*fp8.quantize_cols_per_expert(r, offsets), offsets).double().T
+
+
 def bf16(t):
     return t.to(torch.bfloat16).double()
 
@@ -72,9 +80,9 @@ def emulated_grads(x, idx, w, wg, wu, wd, d_out, fp8_wgrad: bool):
                        + d_pre[:, dg.shape[1]:] @ deq_blocks(wu[e]))
         x_rows = x[token].double()
         if fp8_wgrad:
-            grads_w[0][e] = deq_cols(dg).T @ deq_cols(x_rows)
-            grads_w[1][e] = deq_cols(du).T @ deq_cols(x_rows)
-            grads_w[2][e] = deq_cols(dy).T @ deq_cols(hw)
+            grads_w[0][e] = deq_cols(dg).T @ deq_cols_expert(x_rows)
+            grads_w[1][e] = deq_cols(du).T @ deq_cols_expert(x_rows)
+            grads_w[2][e] = deq_cols(dy).T @ deq_cols_expert(hw)
         else:
             grads_w[0][e] = dg.T @ x_rows
             grads_w[1][e] = du.T @ x_rows

@@ -1,7 +1,9 @@
 """One-off timing probe (CUDA events, interleaved rounds): the expert weight gradients in bf16
-(``expert_backward.wgrad``) against FP8 (``gemm_wgrad_fp8`` on ``quantize_cols`` copies), each
-column-quantization pass timed on its own, with its bytes against the HBM ceiling. Shapes:
-uniform routing of a bench shape (E experts of T * K / E rows each); H and I multiples of 128.
+(``expert_backward.wgrad``) against FP8 (``gemm_wgrad_fp8``: A = dG, dU, d_out by
+``quantize_cols``, B = x, w * h by ``fp8.quantize_cols_per_expert``, untimed), each
+column-quantization pass timed on its own, with its bytes against the HBM ceiling; the FP8
+kernel checked against its float64 oracle on two experts first. Shapes: uniform routing of a
+bench shape (E experts of T * K / E rows each); H and I multiples of 128.
 
     python tools/fp8_wgrad_probe.py [--shapes dsv3_ep8_rank,qwen3_30b] [--json out.json]
 """
@@ -12,7 +14,9 @@ import torch
 import triton.testing as tt
 
 from mok_cute.expert_backward import wgrad
-from mok_cute.kernels.gemm_wgrad_fp8 import grouped_wgrad_fp8
+from mok_cute import fp8
+from mok_cute.kernels import gemm_wgrad_fp8 as wf
+from mok_cute.kernels.gemm_wgrad_fp8 import grouped_wgrad_fp8, grouped_wgrad_fp8_ref
 from mok_cute.kernels.quantize import quantize_cols
 from mok_cute.shapes import resolve_shape
 
@@ -20,7 +24,48 @@ p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--shapes", default="dsv3_ep8_rank,qwen3_30b,sonic_120b")
 p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--json", default=None)
+p.add_argument("--layer", action="store_true",
+               help="also the whole FP8 backward (moe_backward, precision fp8) with FP8 against "
+                    "bf16 weight gradients (TEMPORARY expert_backward.FP8_WGRADS), beside bf16's")
+p.add_argument("--stagger-ab", action="store_true",
+               help="TEMPORARY: also gemm_wgrad_fp8.STAGGER = False (bitwise check, then timed)")
 args = p.parse_args()
+
+
+def layer_runs(name):
+    """The FP8 layer's backward with FP8 / bf16 weight gradients and the bf16 layer's, on one
+    saved forward each (the bench problem of the shape)."""
+    import mok_cute
+    from mok_cute import expert_backward as eb
+    from mok_cute import expert_path, expert_path_fp8
+    from mok_cute.bench.problems import make_problem
+
+    pb = make_problem(resolve_shape(name), device="cuda", seed=1)
+    x, idx, w = pb.inputs.x, pb.inputs.topk_idx, pb.inputs.topk_weights
+    ws = (pb.w_gate, pb.w_up, pb.w_down)
+    cfg = mok_cute.MoKConfig(backend="kernel", check_ids=False)
+    with torch.no_grad():
+        _, s16 = expert_path.moe_forward_kernel(x, idx, w, *ws, None, cfg, save=True)
+        _, s8 = expert_path_fp8.moe_forward_fp8(x, idx, w, *ws, None, cfg, save=True)
+    d_out = torch.randn_like(x)
+
+    def fp8_bwd(fp8_wgrads):
+        def run():
+            eb.FP8_WGRADS = fp8_wgrads
+            try:
+                return eb.moe_backward(d_out, x, idx, w, *ws, None, s8, precision="fp8")
+            finally:
+                eb.FP8_WGRADS = True
+        return run
+    bf16 = eb.moe_backward(d_out, x, idx, w, *ws, None, s16)
+    for label, got in (("fp8 wgrads", fp8_bwd(True)()), ("bf16 wgrads", fp8_bwd(False)())):
+        cos = [torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(),
+                                                     dim=0).item() for a, b in zip(got[2:5], bf16[2:5])]
+        print(f"{name:14s} FP8 layer, {label}: cosine of dW_gate, dW_up, dW_down against the bf16 "
+              f"layer's " + " ".join(f"{c:.5f}" for c in cos), flush=True)
+    return {"layer bwd bf16": (lambda: eb.moe_backward(d_out, x, idx, w, *ws, None, s16), 0),
+            "layer bwd fp8, fp8 wgrads": (fp8_bwd(True), 0),
+            "layer bwd fp8, bf16 wgrads": (fp8_bwd(False), 0)}
 
 
 torch.manual_seed(0)
@@ -33,7 +78,15 @@ for name in args.shapes.split(","):
     offsets = torch.arange(E + 1, device="cuda", dtype=torch.int32) * per
     bf = lambda *shape: torch.randn(*shape, device="cuda").to(torch.bfloat16)  # noqa: E731
     dg, du, x, dy, hw = bf(rows, I), bf(rows, I), bf(rows, H), bf(rows, H), bf(rows, I)
-    q = {k: quantize_cols(v) for k, v in dict(dg=dg, du=du, x=x, dy=dy, hw=hw).items()}
+    q = {k: quantize_cols(v) for k, v in dict(dg=dg, du=du, dy=dy).items()}
+    q.update({k: fp8.quantize_cols_per_expert(v, offsets) for k, v in dict(x=x, hw=hw).items()})
+    sub, per2 = offsets[:3].clone(), 2 * per
+    qd, qh = quantize_cols(dy[:per2]), fp8.quantize_cols_per_expert(hw[:per2], sub)
+    got = grouped_wgrad_fp8(qd[0], qd[1], qh[0], qh[1], sub, 2)
+    want = grouped_wgrad_fp8_ref(qd[0], qd[1], qh[0], qh[1], sub).double()
+    err = ((got.double() - want).abs().sum() / want.abs().sum()).item()
+    print(f"{name:14s} fp8 wgrad down on 2 experts against its float64 oracle: rel-L1 {err:.2e}",
+          flush=True)
     gate_flops = 2 * 2 * rows * I * H
     runs = {
         "bf16 wgrad gate+up": (lambda: wgrad(dg, du, x, offsets, E, I), gate_flops),
@@ -44,6 +97,26 @@ for name in args.shapes.split(","):
         "fp8 wgrad down": (lambda: grouped_wgrad_fp8(q["dy"][0], q["dy"][1], q["hw"][0],
                                                      q["hw"][1], offsets, E), gate_flops // 2),
     }
+    if args.stagger_ab:
+        def unstaggered(f):
+            def run():
+                wf.STAGGER = False
+                try:
+                    return f()
+                finally:
+                    wf.STAGGER = True
+            return run
+        for k in ("fp8 wgrad gate+up", "fp8 wgrad down"):
+            f, work = runs[k]
+            base = f()
+            base = [t.clone() for t in (base if isinstance(base, tuple) else (base,))]
+            other = unstaggered(f)()
+            other = other if isinstance(other, tuple) else (other,)
+            same = all(torch.equal(a, b) for a, b in zip(base, other))
+            print(f"{name:14s} {k} unstaggered bitwise the default: {same}", flush=True)
+            runs[k + " [no stagger]"] = (unstaggered(f), work)
+    if args.layer:
+        runs.update(layer_runs(name))
     for k, v in dict(dg=dg, x=x).items():  # dU, dy and hw are the same shapes as dG, x
         # bytes: bf16 in, e4m3 out, the exponents
         runs[f"quantize_cols {k} [{v.shape[0]}, {v.shape[1]}]"] = (
@@ -63,6 +136,8 @@ for name in args.shapes.split(","):
         if work > 0:
             row["tflops"] = work / ms / 1e9
             print(f"{name:14s} {k:36s} {ms:.3f} ms  {row['tflops']:.0f} TFLOP/s")
+        elif work == 0:
+            print(f"{name:14s} {k:36s} {ms:.3f} ms")
         else:
             row["gb_per_s"] = -work / ms / 1e6
             print(f"{name:14s} {k:36s} {ms:.3f} ms  {row['gb_per_s']:.0f} GB/s")
@@ -70,5 +145,6 @@ for name in args.shapes.split(","):
     out[name] = shape_out
 if args.json:
     with open(args.json, "w") as f:
-        json.dump({"command": "python tools/fp8_wgrad_probe.py --shapes " + args.shapes,
+        json.dump({"command": "python tools/fp8_wgrad_probe.py --shapes " + args.shapes
+                   + (" --stagger-ab" if args.stagger_ab else "") + (" --layer" if args.layer else ""),
                    "gpu": torch.cuda.get_device_name(), "results": out}, f, indent=1)

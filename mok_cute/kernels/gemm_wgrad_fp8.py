@@ -51,6 +51,9 @@ from mok_cute.kernels.gemm_wgrad import WgradGemmSm90
 GROUP = fp8.GROUP  # 128 rows: one scale group, one k-tile
 WG_ROWS = 64  # M rows per consumer warpgroup
 MIN_NORMAL_EXP = -126
+# TEMPORARY A/B (issue 33): the consumer warpgroups' issue turns, kept for the per-column
+# promotion (two ops an element); with one FFMA an element they may not pay
+STAGGER = True
 
 
 def issue_turns(wg: Int32):
@@ -88,11 +91,16 @@ def settle_issue_turns(turns, wg: Int32, issued: Int32):
         turns[0].arrive_and_wait()
 
 
-def scales_of(e: torch.Tensor) -> torch.Tensor:
-    """int8 exponents ``[C, groups]`` -> the group-major fp32 scales ``[groups, C]`` the kernel
-    reads: ``2^max(e, -126)`` (module docstring), built once per operand on the host side."""
-    bits = (e.t().to(torch.int32).clamp(min=MIN_NORMAL_EXP) + 127) << 23
+def pow2_scales(e: torch.Tensor) -> torch.Tensor:
+    """int8 exponents -> fp32 ``2^max(e, -126)`` (module docstring), same shape."""
+    bits = (e.to(torch.int32).clamp(min=MIN_NORMAL_EXP) + 127) << 23
     return bits.contiguous().view(torch.float32)
+
+
+def scales_of(e: torch.Tensor) -> torch.Tensor:
+    """A's int8 exponents ``[M, groups]`` -> the group-major fp32 scales ``[groups, M]`` the
+    kernel reads, built once per operand on the host side."""
+    return pow2_scales(e.t())
 
 
 class WgradGemmFp8Sm90(WgradGemmSm90):
@@ -104,8 +112,10 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     :param num_sms: persistent grid size.
     """
 
-    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132, stagger: bool = True):
         super().__init__(gated=gated, group_m=group_m, num_sms=num_sms)
+        # TEMPORARY A/B (issue 33, STAGGER): the issue turns with one FFMA an element
+        self.stagger = stagger
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -118,55 +128,59 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
                 cute.recast_tensor(mB, e4m3))
 
     # ------------------------------------------------------------------ promoting products
-    def load_scales(self, dst: cute.Tensor, mSA: cute.Tensor, mSA2, mSB: cute.Tensor,
-                    wg: Int32, row0: Int32, pair0: Int32, group: Int32):
-        """This thread's scales of K group ``group`` into ``dst (2, 17)``: its two
-        rows' (dst[r, 0]; gated: warpgroup 1's from ``mSA2``) and its 16 column pairs'
-        (dst[:, 1 + j]: columns 2 pair + {0, 1} of pair ``pair0 + 4 j``), 64-bit loads.
-        Traced inline."""
+    def load_row_scales(self, dst: cute.Tensor, mSA: cute.Tensor, mSA2, wg: Int32,
+                        row0: Int32, group: Int32):
+        """This thread's two rows' scales of K group ``group`` into ``dst (2,)`` (gated:
+        warpgroup 1's from ``mSA2``). Traced inline."""
         for r in range(2):
             s = mSA[group, row0 + 8 * r]
             if const_expr(self.gated):
                 s = cutlass.select_(wg == 0, s, mSA2[group, row0 + 8 * r])
-            dst[r, 0] = s
-        pairs = cute.flat_divide(mSB, (1, 2))  # (1, 2, groups, N / 2)
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
-                                   num_bits_per_copy=64)
-        for j in range(16):
-            cute.copy(atom, pairs[0, None, group, pair0 + 4 * j], dst[None, 1 + j])
+            dst[r] = s
 
     def promote(self, acc: cute.Tensor, partial: cute.Tensor, sc: cute.Tensor):
-        """acc += (partial * 2^e_b[column]) * 2^e_a[row], the scales of ``load_scales``.
-        Element v of the accumulator ((2, 2, 16) values) sits at column 8 (v // 4) +
-        2 (lane % 4) + v % 2 and row (v // 2) % 2 * 8 + this thread's first row. Traced
-        inline."""
+        """acc += partial * 2^e_a[row], the row scales of ``load_row_scales``. Element v of
+        the accumulator ((2, 2, 16) values) sits at column 8 (v // 4) + 2 (lane % 4) + v % 2
+        and row (v // 2) % 2 * 8 + this thread's first row. Traced inline."""
         accv = cute.flatten(acc)
         partv = cute.flatten(partial)
+        for v in range(cute.size(accv)):
+            accv[v] = ffma(partv[v], sc[(v // 2) % 2], accv[v])
+
+    def scale_columns(self, acc: cute.Tensor, mSB: cute.Tensor, expert: Int32, pair0: Int32):
+        """acc *= 2^e_b[expert, column] once per tile: its 16 column pairs (columns 2 pair +
+        {0, 1} of pair ``pair0 + 4 j``), one 64-bit load each. Traced inline."""
+        pairs = cute.flat_divide(mSB, (1, 2))  # (1, 2, E, N / 2)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32,
+                                   num_bits_per_copy=64)
+        sb = cute.make_rmem_tensor((2, 16), cutlass.Float32)
         for j in range(16):
-            for i in range(4):
-                v = 4 * j + i
-                accv[v] = ffma(partv[v] * sc[i % 2, 1 + j], sc[(i // 2) % 2, 0], accv[v])
+            cute.copy(atom, pairs[0, None, expert, pair0 + 4 * j], sb[None, j])
+        accv = cute.flatten(acc)
+        for v in range(cute.size(accv)):
+            accv[v] = accv[v] * sb[v % 2, v // 4]
 
     @cute.jit
     def tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
                  num_k_blocks: cutlass.Constexpr[int], scale_args):
         """One output tile over its expert's ``k_tiles`` 128-row groups (>= 1): per group the
-        wgmmas into the partial (the first overwrites it), the next group's scales loaded
-        under them, wait, release the stage, promote."""
-        mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx = scale_args
+        wgmmas into the partial (the first overwrites it), the next group's row scales loaded
+        under them, wait, release the stage, promote; then the expert's column scales."""
+        mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx, expert = scale_args
         lane = wg_tidx % 32
         row0 = block * WG_ROWS + (wg_tidx // 32) * 16 + lane // 4
         pair0 = n_tile * (self.tile_shape_mnk[1] // 2) + lane % 4
         partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-        sc = cute.make_rmem_tensor((2, 17), cutlass.Float32)
-        sc_next = cute.make_rmem_tensor((2, 17), cutlass.Float32)
+        sc = cute.make_rmem_tensor((2,), cutlass.Float32)
+        sc_next = cute.make_rmem_tensor((2,), cutlass.Float32)
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
-        self.load_scales(sc, mEA, mEA2, mEB, wg, row0, pair0, k0)
+        self.load_row_scales(sc, mEA, mEA2, wg, row0, k0)
         turns = issue_turns(wg)
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
-            wait_issue_turn(turns, wg, loads + k)  # loads: the CTA's groups before this tile
+            if const_expr(self.stagger):
+                wait_issue_turn(turns, wg, loads + k)  # loads: the CTA's groups before this tile
             # gemm_fp8's group issue, written out: the DSL's tracer loses a tiled MMA's
             # accumulate field set inside a helper called from a run-time loop
             cute.nvgpu.warpgroup.fence()
@@ -175,32 +189,34 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
                 cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
                           tCrB[(None, None, kb, read.index)], partial)
             cute.nvgpu.warpgroup.commit_group()
-            pass_issue_turn(turns)
-            # the next group's scales, under the wgmmas (the last re-reads its own)
-            self.load_scales(sc_next, mEA, mEA2, mEB, wg, row0, pair0,
-                             k0 + cutlass.min(k + 1, k_tiles - 1))
+            if const_expr(self.stagger):
+                pass_issue_turn(turns)
+            # the next group's row scales, under the wgmmas (the last re-reads its own)
+            self.load_row_scales(sc_next, mEA, mEA2, wg, row0,
+                                 k0 + cutlass.min(k + 1, k_tiles - 1))
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read)
             read.advance()
             self.promote(acc, partial, sc)
-            for i in cutlass.range_constexpr(2):
-                for j in cutlass.range_constexpr(17):
-                    sc[i, j] = sc_next[i, j]
+            for r in cutlass.range_constexpr(2):
+                sc[r] = sc_next[r]
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        self.scale_columns(acc, mEB, expert, pair0)
 
     @cute.jit
     def consumers_done(self, loads: Int32, wg: Int32):
-        settle_issue_turns(issue_turns(wg), wg, loads)
+        if const_expr(self.stagger):
+            settle_issue_turns(issue_turns(wg), wg, loads)
 
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = ""):
+                           arch: str = "sm_90a", options: str = "", stagger: bool = True):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None and ``s_b (rows/128, N)`` (``scales_of``);
     it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, stagger=stagger)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())
@@ -214,23 +230,28 @@ def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 
     f32 = cutlass.Float32
     e_a = common.fake_strided_tensor(f32, (groups, m), align_bytes=4)
     e_a2 = common.fake_strided_tensor(f32, (groups, m), align_bytes=4) if gated else None
-    e_b = common.fake_strided_tensor(f32, (groups, n), align_bytes=8)
+    e_b = common.fake_strided_tensor(f32, (experts, n), align_bytes=8)
     return cute.compile(gemm, a, a2, b, c, c2, common.fake_vector(Int32), common.fake_stream(),
                         e_a, e_a2, e_b,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
 
 # ---------------------------------------------------------------------- torch entry + reference
-def _check_operand(name: str, q: object, e: object, rows: int | None = None):
+def _check_operand(name: str, q: object, e: object, rows: int | None = None,
+                   num_experts: int | None = None):
+    """(M, rows) of an operand; its exponents ``[M, rows/128]``, or with ``num_experts``
+    (B) ``[E, M]``."""
     if not isinstance(q, torch.Tensor) or q.dtype != torch.float8_e4m3fn or q.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor [M, rows], got {describe(q)}")
     m, r = q.shape
     if m % GROUP or r % GROUP or (rows is not None and r != rows):
         raise ValueError(f"{name}: expected M and rows multiples of {GROUP}"
                          f"{'' if rows is None else f' and {rows} rows'}, got {tuple(q.shape)}")
-    if not isinstance(e, torch.Tensor) or e.dtype != torch.int8 or tuple(e.shape) != (m, r // GROUP):
-        raise ValueError(f"exponents of {name}: expected int8 [{m}, {r // GROUP}] "
-                         f"(fp8.quantize_cols), got {describe(e)}")
+    want = (m, r // GROUP) if num_experts is None else (num_experts, m)
+    if not isinstance(e, torch.Tensor) or e.dtype != torch.int8 or tuple(e.shape) != want:
+        raise ValueError(f"exponents of {name}: expected int8 [{want[0]}, {want[1]}] ("
+                         f"{'fp8.quantize_cols' if num_experts is None else 'fp8.quantize_cols_per_expert'}"
+                         f"), got {describe(e)}")
     if not q.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor (rows contiguous)")
     return m, r
@@ -241,12 +262,15 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
                       e_a2: torch.Tensor | None = None, group_m: int = 4):
     """Per-expert weight gradients on FP8: ``C[e] = A[:, rows of e] . B[:, rows of e]^T``
     -> ``[E, M, N]`` bf16, and with ``a2_t`` (gate and up sharing B) the pair (C, C2).
-    ``a_t [M, rows]``, ``b_t [N, rows]`` e4m3 with ``e_a [M, rows/128]``, ``e_b [N, rows/128]``
-    int8: ``fp8.quantize_cols`` of the row buffers ``[rows, M]`` / ``[rows, N]`` (on the GPU:
-    ``kernels.quantize.quantize_cols``); ``offsets [E + 1]`` int32 on the device, each expert's
+    ``a_t [M, rows]`` e4m3 with ``e_a [M, rows/128]`` int8: ``fp8.quantize_cols`` of the row
+    buffer ``[rows, M]`` (on the GPU: ``kernels.quantize.quantize_cols``); ``b_t [N, rows]``
+    e4m3 with ``e_b [E, N]`` int8: ``fp8.quantize_cols_per_expert`` of ``[rows, N]`` (one
+    scale per column and expert); ``offsets [E + 1]`` int32 on the device, each expert's
     first row (multiples of 128); an expert with no rows gets zeros. No host sync."""
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: expected a positive int, got {describe(num_experts)}")
     m, rows = _check_operand("a_t", a_t, e_a)
-    n, _ = _check_operand("b_t", b_t, e_b, rows)
+    n, _ = _check_operand("b_t", b_t, e_b, rows, num_experts)
     if a2_t is not None:
         if _check_operand("a2_t", a2_t, e_a2, rows)[0] != m:
             raise ValueError(f"a2_t: expected a_t's shape {tuple(a_t.shape)}, got {tuple(a2_t.shape)}")
@@ -256,9 +280,9 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     c = torch.empty(num_experts, m, n, dtype=torch.bfloat16, device=a_t.device)
     c2 = torch.empty_like(c) if gated else None
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
-                                group_m=group_m,
+                                group_m=group_m, stagger=STAGGER,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
-    scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), scales_of(e_b))
+    scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), pow2_scales(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
            b_t.view(torch.int8).unsqueeze(2), c.permute(1, 2, 0),
            None if c2 is None else c2.permute(1, 2, 0), offsets, *scales)
@@ -270,7 +294,7 @@ def grouped_wgrad_fp8_ref(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tenso
     """The oracle: the dequantized operands (exact) in float64, each expert's row segment,
     rounded once to bf16 -> ``[E, M, N]``."""
     a = fp8.dequantize_rows(a_t, e_a).double()
-    b = fp8.dequantize_rows(b_t, e_b).double()
+    b = fp8.dequantize_cols_per_expert(b_t, e_b, offsets).double()
     bounds = offsets.tolist()
     out = torch.zeros(len(bounds) - 1, a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
     for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):

@@ -62,7 +62,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from mok_cute import fp8, jit
-from mok_cute.config import describe
+from mok_cute.config import check_int, describe
 from mok_cute.kernels import common
 
 GROUP = fp8.GROUP
@@ -72,6 +72,7 @@ _HI_HALF = -65536  # 0xFFFF0000: the upper bf16 of a word, in place, is its fp32
 
 quantize_rows_ref = fp8.quantize_rows
 quantize_cols_ref = fp8.quantize_cols
+quantize_cols_per_expert_ref = fp8.quantize_cols_per_expert
 quantize_blocks_ref = fp8.quantize_blocks
 
 
@@ -322,6 +323,82 @@ class QuantizeCols:
                     mE[col, mg] = Int8(e)
 
 
+class QuantizeColsPerExpert:
+    """One scale per column and expert, written transposed: a warp per (expert, 32-column
+    strip) walks the expert's 128-row groups twice, first for the columns' amax, then to
+    quantize, with ``QuantizeCols``' 128 x 32 tiles; rows outside every expert are not
+    written."""
+
+    TILE_K = QuantizeCols.TILE_K
+
+    def __init__(self, num_warps: int = 4):
+        self.num_warps = num_warps
+        self.num_threads = None
+
+    def _setup_attributes(self):
+        self.num_threads = 32 * self.num_warps
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
+                 mOffsets: cute.Tensor, stream):
+        """mX (M, K/2) int32 (bf16 pairs), mQ (K, M/4) int32 (e4m3 quads), mE (E, K) int8,
+        mOffsets (E + 1,) int32 the experts' first rows (multiples of 128)."""
+        self._setup_attributes()
+        k_vecs = mQ.shape[0] // 8
+        k_tiles = (mQ.shape[0] + self.TILE_K - 1) // self.TILE_K
+        units = mE.shape[0] * k_tiles
+        grid_x = (units + self.num_warps - 1) // self.num_warps
+        self.kernel(mX, mQ, mE, mOffsets, units, k_tiles, k_vecs).launch(
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor, mOffsets: cute.Tensor,
+               units: Int32, k_tiles: Int32, k_vecs: Int32):
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tr, tc = _ColumnTile.lane_coords()
+        unit = bidx * self.num_warps + warp
+        expert = unit // k_tiles
+        kt = unit - expert * k_tiles
+        kv = kt * (self.TILE_K // 8) + tc  # this lane's vector of 8 columns
+        valid = unit < units and kv < k_vecs
+        g0, g1 = Int32(0), Int32(0)
+        if unit < units:
+            g0 = mOffsets[expert] // GROUP
+            g1 = mOffsets[expert + 1] // GROUP
+        gX = cute.flat_divide(mX, (1, 4))  # (1, 4, M, K/8)
+        gQ = cute.flat_divide(mQ, (1, 4))  # (1, 4, K, M/16)
+        words = cute.make_rmem_tensor((4, _ColumnTile.ROWS_PER_LANE), Int32)
+        amax = cute.make_rmem_tensor((8,), Int32)
+        amax.fill(0)
+        for g in cutlass.range(g0, g1, unroll=1):  # the columns' amax over the expert's rows
+            self._load(gX, g, tr, kv, valid, words)
+            for c in cutlass.range_constexpr(8):
+                amax[c] = cutlass.max(amax[c], _ColumnTile.column_amax(words, c))
+        mult = cute.make_rmem_tensor((8,), Int32)
+        nonfinite = cute.make_rmem_tensor((8,), cutlass.Boolean)
+        for c in cutlass.range_constexpr(8):
+            e, mult[c], nonfinite[c] = scale_exponent(_warp_max(amax[c], (4, 8, 16)))
+            if valid and tr == 0:
+                mE[expert, kv * 8 + c] = Int8(e)
+        out = cute.make_rmem_tensor((4,), Int32)
+        for g in cutlass.range(g0, g1, unroll=1):  # quantize with the expert's column scales
+            self._load(gX, g, tr, kv, valid, words)
+            for c in cutlass.range_constexpr(8):
+                _ColumnTile.column_quads(words, c, mult[c], nonfinite[c], out)
+                if valid:
+                    cute.copy(_copy_atom(Int32, 128), out, gQ[0, None, kv * 8 + c, g * 8 + tr])
+
+    @cute.jit
+    def _load(self, gX: cute.Tensor, g: Int32, tr: Int32, kv: Int32, valid, words: cute.Tensor):
+        """This lane's 16 rows of group ``g`` (zeros where not ``valid``)."""
+        words.fill(0)
+        if valid:
+            for i in cutlass.range_constexpr(_ColumnTile.ROWS_PER_LANE):
+                row = g * GROUP + tr * _ColumnTile.ROWS_PER_LANE + i
+                cute.copy(_copy_atom(Int32, 128), gX[0, None, row, kv], words[None, i])
+
+
 class QuantizeBlocks:
     """128 x 128 weight blocks: a CTA of 4 warps per block, each warp a 128 x 32 column tile;
     writes ``q`` (row-major like w) and / or ``qt`` (the exact transposed copy)."""
@@ -429,6 +506,16 @@ def compile_quantize_cols(arch: str = "sm_90a", *, options: str = "", num_warps:
     m, k = cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=8)
     args = (_fake_words(m, 4), _fake_words(k, GROUP // 4), _fake_exponents(k, cute.sym_int32()))
     return _compile(QuantizeCols(num_warps=num_warps), args, arch, options)
+
+
+def compile_quantize_cols_per_expert(arch: str = "sm_90a", *, options: str = "",
+                                     num_warps: int = 4):
+    """Compile ``QuantizeColsPerExpert`` on fake tensors: M (a multiple of 128), K (of 8) and
+    the expert count at run time."""
+    m, k = cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=8)
+    args = (_fake_words(m, 4), _fake_words(k, GROUP // 4),
+            _fake_exponents(cute.sym_int32(), k), common.fake_vector(Int32))
+    return _compile(QuantizeColsPerExpert(num_warps=num_warps), args, arch, options)
 
 
 def compile_quantize_blocks(arch: str = "sm_90a", *, options: str = "", write_q: bool = True,
@@ -553,6 +640,32 @@ def quantize_cols(x: torch.Tensor, out: torch.Tensor | None = None,
     if m and k:
         compiled = jit.compile_kernel("quantize_cols", jit.device_arch(x.device))
         compiled(_words(x), _bytes(q), e)
+    return q, e
+
+
+def quantize_cols_per_expert(x: torch.Tensor, offsets: torch.Tensor, num_experts: int,
+                             out: torch.Tensor | None = None,
+                             scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8.quantize_cols_per_expert`` on the GPU: ``x [M, K]`` bf16 (M % 128 == 0,
+    K % 8 == 0), ``offsets [E + 1]`` int32 on x's device (the experts' first rows, multiples
+    of 128, at most M: not checked, no host sync) -> ``(qt [K, M] float8_e4m3fn, e [E, K]
+    int8)``, bitwise the reference inside the experts' rows (rows outside them are not
+    written)."""
+    _check_bf16("x", x, 2)
+    _multiple("x", x, 0, "M", GROUP)
+    _multiple("x", x, 1, "K", 8)
+    _check_device("x", x)
+    check_int("num_experts", num_experts, min_value=1)
+    if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32
+            or tuple(offsets.shape) != (num_experts + 1,) or offsets.device != x.device):
+        raise ValueError(f"offsets: expected int32 [{num_experts + 1}] on {x.device}, got "
+                         f"{describe(offsets)}")
+    m, k = x.shape
+    q = _out("out", out, (k, m), torch.float8_e4m3fn, x.device)
+    e = _out("scale_out", scale_out, (num_experts, k), torch.int8, x.device)
+    if m and k:
+        compiled = jit.compile_kernel("quantize_cols_per_expert", jit.device_arch(x.device))
+        compiled(_words(x), _bytes(q), e, offsets)
     return q, e
 
 
