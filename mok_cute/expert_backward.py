@@ -123,8 +123,11 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int):
     return (c, c2) if gated else c
 
 
-# TEMPORARY A/B (issue 33): the FP8 layer's weight gradients on gemm_wgrad_fp8 (True) or bf16
-FP8_WGRADS = True
+# The FP8 layer's weight gradients run in FP8 from this intermediate size on: below it their
+# four column-quantization passes cost more than the FP8 GEMMs save (H200, same run: qwen3_30b,
+# I = 768, backward 5.84 ms with them against 5.14 without; dsv3_ep8_rank, I = 2048, 8.96
+# against 9.26; sonic_120b, I = 2048, 20.34 against 20.61; docs/measurements.md)
+FP8_WGRAD_MIN_INTER = 1024
 
 
 def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
@@ -150,7 +153,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads)
     dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
-                                  want_gate_up, want_down, fp8 and FP8_WGRADS)
+                                  want_gate_up, want_down, fp8)
     return dx_rows, dwg, dwu, dwd, partials
 
 
@@ -182,10 +185,10 @@ def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_ga
     """The grouped weight gradients from the dgrads' outputs: (dW_gate, dW_up, dW_down), None
     where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns.
     ``fp8``: on ``gemm_wgrad_fp8`` where H and I are whole 128 groups (no padded copy of x
-    or of the gradients' [E, I, H] outputs), bf16 otherwise."""
+    or of the gradients' [E, I, H] outputs) and I >= ``FP8_WGRAD_MIN_INTER``, bf16 otherwise."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     hidden = w_down.shape[1]
-    if fp8 and inter % 128 == 0 and hidden % 128 == 0:
+    if fp8 and inter % 128 == 0 and hidden % 128 == 0 and inter >= FP8_WGRAD_MIN_INTER:
         return _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts, inter,
                                  want_gate_up, want_down)
     half = d_preact.shape[1] // 2
@@ -261,8 +264,8 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  dgrads: str = "kernels"):
     """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` (or of
     ``expert_path_fp8.moe_forward_fp8(..., save=True)`` with ``precision="fp8"``: the routed
-    experts' dgrads in FP8 and, where H and I are whole 128 groups, their weight gradients,
-    everything else bf16) given d_out [T, H]:
+    experts' dgrads in FP8 and, where H and I are whole 128 groups and I >= 1024, their weight
+    gradients, everything else bf16) given d_out [T, H]:
     (d_x, d_topk_weights fp32, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down),
     None where ``needs`` says no (and for the shared expert's three without one).
     ``dgrads``: the routed experts' bf16 dgrads as two grouped-GEMM launches ("kernels") or

@@ -1,8 +1,9 @@
 """FP8 training on one GPU (issue 33, first training slice): ``MoKConfig(precision="fp8")``
 with inputs that require grad runs ``mok_cute::moe_forward_train`` on the FP8 forward (FC1
 saving g | u by slot) and ``mok_cute::moe_backward`` with the routed experts' two dgrads in FP8
-(``expert_path_fp8.expert_dgrads``) and, where H and I are whole 128 groups, its weight
-gradients in FP8 (``gemm_wgrad_fp8``); the shared expert stays bf16.
+(``expert_path_fp8.expert_dgrads``) and, where H and I are whole 128 groups and I >= 1024
+(``expert_backward.FP8_WGRAD_MIN_INTER``), its weight gradients in FP8 (``gemm_wgrad_fp8``;
+the tests' small I take that path with the threshold lowered); the shared expert stays bf16.
 
 CPU: the refusal without a GPU. H200 (marked gpu): the training forward bitwise equal to the
 FP8 inference forward; every gradient against autograd on the bf16 reference within the issue's
@@ -119,3 +120,15 @@ def test_fp8_training_forward_saves_g_u_at_the_layers_own_width(T, H, I, E, K):
     assert torch.equal(saved.preact[:, :I], padded[:, :I])
     assert torch.equal(saved.preact[:, I:], padded[:, wide:wide + I])
     assert not padded[:, I:wide].any() and not padded[:, wide + I:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_reduced", "T1", "T77_shared", "hot_expert",
+                                  "empty_experts", "K10_zero_weights"])
+def test_fp8_weight_gradients_hold_the_bound_below_the_size_threshold_too(name, monkeypatch):
+    """The FP8 weight gradients (``gemm_wgrad_fp8``) on the cases whose I is below
+    ``FP8_WGRAD_MIN_INTER`` (they take bf16 weight gradients by default): the same bounds."""
+    from mok_cute import expert_backward
+
+    monkeypatch.setattr(expert_backward, "FP8_WGRAD_MIN_INTER", 0)
+    test_fp8_gradients_within_the_issue_bound_of_bf16(name)

@@ -15,7 +15,6 @@ import triton.testing as tt
 
 from mok_cute.expert_backward import wgrad
 from mok_cute import fp8
-from mok_cute.kernels import gemm_wgrad_fp8 as wf
 from mok_cute.kernels.gemm_wgrad_fp8 import grouped_wgrad_fp8, grouped_wgrad_fp8_ref
 from mok_cute.kernels.quantize import quantize_cols
 from mok_cute.shapes import resolve_shape
@@ -26,9 +25,7 @@ p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--json", default=None)
 p.add_argument("--layer", action="store_true",
                help="also the whole FP8 backward (moe_backward, precision fp8) with FP8 against "
-                    "bf16 weight gradients (TEMPORARY expert_backward.FP8_WGRADS), beside bf16's")
-p.add_argument("--stagger-ab", action="store_true",
-               help="TEMPORARY: also gemm_wgrad_fp8.STAGGER = False (bitwise check, then timed)")
+                    "bf16 weight gradients (expert_backward.FP8_WGRAD_MIN_INTER), beside bf16's")
 args = p.parse_args()
 
 
@@ -51,11 +48,11 @@ def layer_runs(name):
 
     def fp8_bwd(fp8_wgrads):
         def run():
-            eb.FP8_WGRADS = fp8_wgrads
+            saved, eb.FP8_WGRAD_MIN_INTER = eb.FP8_WGRAD_MIN_INTER, 0 if fp8_wgrads else 1 << 30
             try:
                 return eb.moe_backward(d_out, x, idx, w, *ws, None, s8, precision="fp8")
             finally:
-                eb.FP8_WGRADS = True
+                eb.FP8_WGRAD_MIN_INTER = saved
         return run
     bf16 = eb.moe_backward(d_out, x, idx, w, *ws, None, s16)
     for label, got in (("fp8 wgrads", fp8_bwd(True)()), ("bf16 wgrads", fp8_bwd(False)())):
@@ -97,24 +94,6 @@ for name in args.shapes.split(","):
         "fp8 wgrad down": (lambda: grouped_wgrad_fp8(q["dy"][0], q["dy"][1], q["hw"][0],
                                                      q["hw"][1], offsets, E), gate_flops // 2),
     }
-    if args.stagger_ab:
-        def unstaggered(f):
-            def run():
-                wf.STAGGER = False
-                try:
-                    return f()
-                finally:
-                    wf.STAGGER = True
-            return run
-        for k in ("fp8 wgrad gate+up", "fp8 wgrad down"):
-            f, work = runs[k]
-            base = f()
-            base = [t.clone() for t in (base if isinstance(base, tuple) else (base,))]
-            other = unstaggered(f)()
-            other = other if isinstance(other, tuple) else (other,)
-            same = all(torch.equal(a, b) for a, b in zip(base, other))
-            print(f"{name:14s} {k} unstaggered bitwise the default: {same}", flush=True)
-            runs[k + " [no stagger]"] = (unstaggered(f), work)
     if args.layer:
         runs.update(layer_runs(name))
     for k, v in dict(dg=dg, x=x).items():  # dU, dy and hw are the same shapes as dG, x
@@ -146,5 +125,5 @@ for name in args.shapes.split(","):
 if args.json:
     with open(args.json, "w") as f:
         json.dump({"command": "python tools/fp8_wgrad_probe.py --shapes " + args.shapes
-                   + (" --stagger-ab" if args.stagger_ab else "") + (" --layer" if args.layer else ""),
+                   + (" --layer" if args.layer else ""),
                    "gpu": torch.cuda.get_device_name(), "results": out}, f, indent=1)

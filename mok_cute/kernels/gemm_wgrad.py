@@ -233,7 +233,6 @@ class WgradGemmSm90(GemmCoreSm90):
                                        store_pipeline, is_store_warp)
                 subtiles += (self.wg_rows // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
                 tile_idx += cute.arch.grid_dim()[0]
-            self.consumers_done(loads, wg)
             store_pipeline.producer_tail()
 
     def operands(self, mA, mA2, mB):
@@ -250,10 +249,6 @@ class WgradGemmSm90(GemmCoreSm90):
                                 num_k_blocks)
         cute.nvgpu.warpgroup.wait_group(0)
         ab_pipeline.consumer_release(release)
-
-    def consumers_done(self, loads: Int32, wg: Int32):
-        """After a consumer warpgroup's last tile (``loads``: the stages it consumed). The FP8
-        subclass settles its issue turns here; nothing otherwise. Traced inline."""
 
     @cute.jit
     def _tile(self, tile_idx: Int32, num_m_tiles: Int32, num_n_tiles: Int32):

@@ -1,19 +1,21 @@
 """The expert weight gradients in FP8 on Hopper (sm_90a), issue 33: ``gemm_wgrad`` on e4m3.
 
-    C[e][m, n] = bf16( sum over the 128-row groups g of expert e's rows
-                       2^(e_a[g, m] + e_b[g, n]) * (A_q[m, rows of g] . B_q[n, rows of g]) )
+    C[e][m, n] = bf16( 2^e_b[e, n] * sum over the 128-row groups g of expert e's rows
+                       2^e_a[g, m] * (A_q[m, rows of g] . B_q[n, rows of g]) )
 
-- A ``(M, rows)`` and B ``(N, rows)`` e4m3 are the column-quantized transposed copies of the
-  backward's expert-sorted row buffers (``fp8.quantize_cols``: 128 rows of one column share a
-  power-of-two scale), so both are K-major (rows contiguous), the only FP8 wgmma layout. Their
-  int8 exponents become group-major fp32 scales ``(rows/128, M)`` / ``(rows/128, N)`` on the
-  host side (``scales_of``, a pass over rows/128 x (M + N) bytes): a thread's two adjacent
-  columns of one group are one 64-bit load, and no scale is built from bits in the mainloop.
-- Both operands are scaled per (column, group), so the promotion's scale varies along M *and*
-  N: ``acc += (partial * 2^e_b[n]) * 2^e_a[m]``, one FMUL and one FFMA per accumulator element
-  (both exact products by powers of two, the FFMA rounds once), against one FFMA with a
-  per-block scale in ``gemm_fp8``. Each thread's 32 columns' scales arrive as 16 fp32 pairs
-  and its two rows' as two words, loaded one group ahead under the wgmmas (loading the current
+- A ``(M, rows)`` (the gradients: dG, dU, d_out rows) is column-quantized per 128 rows
+  (``fp8.quantize_cols``, the issue's 1 x 128 along K); B ``(N, rows)`` (the activations: x
+  rows, w * h) one scale per column and expert (``fp8.quantize_cols_per_expert``). Both are
+  K-major (rows contiguous), the only FP8 wgmma layout. A's exponents become group-major fp32
+  scales ``(rows/128, M)`` (``scales_of``), B's fp32 ``(E, N)`` (``pow2_scales``).
+- The promotion every 128-row group is one FFMA an accumulator element with the row's scale,
+  ``acc += partial * 2^e_a[g, m]`` (as ``gemm_fp8``'s); the column scale multiplies the tile
+  once, after its last group (16 fp32 pairs, 64-bit loads). With B per (column, group) too the
+  promotion was an FMUL and an FFMA an element and the kernel instruction-bound (0.72-1.02 x
+  bf16, ncu; docs/measurements.md); B per column and expert keeps each column's precision
+  (e4m3's range covers a column's spread over the rows: the product's per-column error equals
+  the 1 x 128 form's, tests/test_gemm_fp8_wgrad.py) and runs 1.1-1.4 x bf16.
+- A thread's two rows' scales are loaded one group ahead under the wgmmas (loading the current
   group's under its own wgmmas measured slower: their L2 latency outlasts one group's wgmmas).
 - Scales are ``2^max(e, -126)``: -127 is the exponent of an
   all-zero group (whose products are zero whatever the scale); a non-zero group with an
@@ -24,9 +26,6 @@
   every loaded x tile (B); otherwise two consecutive 64-row blocks of A. K groups are 128 rows
   (one 128-byte swizzle atom); an expert's row segment is a multiple of 128 (the receive
   schedule pads it), so no group spans two experts.
-- The two consumer warpgroups take turns at each group's wgmma issue (``issue_turns``), so
-  one promotes while the other's wgmmas run (H200: gate+up 1.07-1.13 x, down 0.96-1.00 x the
-  interleaved issue, net faster on every shape measured; docs/measurements.md).
 - Deterministic as ``gemm_wgrad``: one owner per output tile, its expert's groups in order.
 
 Roles, schedule, epilogue and the expert with no rows: ``gemm_wgrad.WgradGemmSm90``, unchanged;
@@ -51,44 +50,6 @@ from mok_cute.kernels.gemm_wgrad import WgradGemmSm90
 GROUP = fp8.GROUP  # 128 rows: one scale group, one k-tile
 WG_ROWS = 64  # M rows per consumer warpgroup
 MIN_NORMAL_EXP = -126
-# TEMPORARY A/B (issue 33): the consumer warpgroups' issue turns, kept for the per-column
-# promotion (two ops an element); with one FFMA an element they may not pay
-STAGGER = True
-
-
-def issue_turns(wg: Int32):
-    """The named barriers of the issue turns: (this warpgroup's, the other's)."""
-    return (pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.MMA_ORDER) + wg,
-                                  num_threads=2 * 128),
-            pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - wg,
-                                  num_threads=2 * 128))
-
-
-@cute.jit
-def wait_issue_turn(turns, wg: Int32, issued: Int32):
-    """Before a warpgroup's next group (``issued``: its groups issued so far in this CTA, the
-    same count for both): warpgroup 1 waits until warpgroup 0 issued this one, warpgroup 0
-    (from its second on) until warpgroup 1 issued the one before. The tensor cores then run
-    the two warpgroups' groups one after the other, not interleaved, and each promotes while
-    the other's wgmmas run. Paired over the CTA's whole sequence (not per tile: warpgroup 0
-    may reach the next tile before warpgroup 1 waited for this one's last group, and a
-    barrier phase would complete on one warpgroup's arrivals); ``settle_issue_turns`` takes
-    warpgroup 1's last arrival."""
-    if wg == 1 or issued > 0:
-        turns[0].arrive_and_wait()
-
-
-@cute.jit
-def pass_issue_turn(turns):
-    """After a group's wgmmas were issued (``wait_issue_turn``)."""
-    turns[1].arrive()
-
-
-@cute.jit
-def settle_issue_turns(turns, wg: Int32, issued: Int32):
-    """After warpgroup 0's last group: the wait that pairs warpgroup 1's last arrival."""
-    if wg == 0 and issued > 0:
-        turns[0].arrive_and_wait()
 
 
 def pow2_scales(e: torch.Tensor) -> torch.Tensor:
@@ -112,10 +73,8 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     :param num_sms: persistent grid size.
     """
 
-    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132, stagger: bool = True):
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
         super().__init__(gated=gated, group_m=group_m, num_sms=num_sms)
-        # TEMPORARY A/B (issue 33, STAGGER): the issue turns with one FFMA an element
-        self.stagger = stagger
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -176,11 +135,8 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         self.load_row_scales(sc, mEA, mEA2, wg, row0, k0)
-        turns = issue_turns(wg)
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
-            if const_expr(self.stagger):
-                wait_issue_turn(turns, wg, loads + k)  # loads: the CTA's groups before this tile
             # gemm_fp8's group issue, written out: the DSL's tracer loses a tiled MMA's
             # accumulate field set inside a helper called from a run-time loop
             cute.nvgpu.warpgroup.fence()
@@ -189,8 +145,6 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
                 cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
                           tCrB[(None, None, kb, read.index)], partial)
             cute.nvgpu.warpgroup.commit_group()
-            if const_expr(self.stagger):
-                pass_issue_turn(turns)
             # the next group's row scales, under the wgmmas (the last re-reads its own)
             self.load_row_scales(sc_next, mEA, mEA2, wg, row0,
                                  k0 + cutlass.min(k + 1, k_tiles - 1))
@@ -203,20 +157,15 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         self.scale_columns(acc, mEB, expert, pair0)
 
-    @cute.jit
-    def consumers_done(self, loads: Int32, wg: Int32):
-        if const_expr(self.stagger):
-            settle_issue_turns(issue_turns(wg), wg, loads)
-
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = "", stagger: bool = True):
+                           arch: str = "sm_90a", options: str = ""):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None and ``s_b (rows/128, N)`` (``scales_of``);
     it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, stagger=stagger)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())
@@ -280,7 +229,7 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     c = torch.empty(num_experts, m, n, dtype=torch.bfloat16, device=a_t.device)
     c2 = torch.empty_like(c) if gated else None
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
-                                group_m=group_m, stagger=STAGGER,
+                                group_m=group_m,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
     scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), pow2_scales(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
