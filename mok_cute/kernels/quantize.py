@@ -169,6 +169,14 @@ class _ColumnTile:
         return lane // _ColumnTile.LANE_COLS, lane % _ColumnTile.LANE_COLS
 
     @staticmethod
+    def load(gX: cute.Tensor, first_row: Int32, tr: Int32, kv: Int32, words: cute.Tensor):
+        """This lane's 16 rows (from ``first_row + 16 tr``) of its vector ``kv`` of 8 columns
+        into ``words``; ``gX`` is x as (1, 4, M, K/8) int32."""
+        for i in range(_ColumnTile.ROWS_PER_LANE):
+            row = first_row + tr * _ColumnTile.ROWS_PER_LANE + i
+            cute.copy(_copy_atom(Int32, 128), gX[0, None, row, kv], words[None, i])
+
+    @staticmethod
     def column_amax(words: cute.Tensor, c: int) -> Int32:
         """This lane's amax (bf16 pattern) of column c over its 16 rows."""
         a = Int32(0)
@@ -307,9 +315,7 @@ class QuantizeCols:
         words = cute.make_rmem_tensor((4, _ColumnTile.ROWS_PER_LANE), Int32)
         words.fill(0)
         if valid:
-            for i in cutlass.range_constexpr(_ColumnTile.ROWS_PER_LANE):
-                row = mg * GROUP + tr * _ColumnTile.ROWS_PER_LANE + i
-                cute.copy(_copy_atom(Int32, 128), gX[0, None, row, kv], words[None, i])
+            _ColumnTile.load(gX, mg * GROUP, tr, kv, words)
         out = cute.make_rmem_tensor((4,), Int32)
         for c in cutlass.range_constexpr(8):
             # the 8 lanes of a tc are lanes tc + 4 tr: xor 4, 8, 16
@@ -323,20 +329,11 @@ class QuantizeCols:
                     mE[col, mg] = Int8(e)
 
 
-class QuantizeColsPerExpert:
+class QuantizeColsPerExpert(QuantizeCols):
     """One scale per column and expert, written transposed: a warp per (expert, 32-column
     strip) walks the expert's 128-row groups twice, first for the columns' amax, then to
     quantize, with ``QuantizeCols``' 128 x 32 tiles; rows outside every expert are not
     written."""
-
-    TILE_K = QuantizeCols.TILE_K
-
-    def __init__(self, num_warps: int = 4):
-        self.num_warps = num_warps
-        self.num_threads = None
-
-    def _setup_attributes(self):
-        self.num_threads = 32 * self.num_warps
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
@@ -394,9 +391,7 @@ class QuantizeColsPerExpert:
         """This lane's 16 rows of group ``g`` (zeros where not ``valid``)."""
         words.fill(0)
         if valid:
-            for i in cutlass.range_constexpr(_ColumnTile.ROWS_PER_LANE):
-                row = g * GROUP + tr * _ColumnTile.ROWS_PER_LANE + i
-                cute.copy(_copy_atom(Int32, 128), gX[0, None, row, kv], words[None, i])
+            _ColumnTile.load(gX, g * GROUP, tr, kv, words)
 
 
 class QuantizeBlocks:
