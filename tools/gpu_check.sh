@@ -26,9 +26,11 @@
 #   fp8train [TAG]  the training bench of mok_cute, mok_cute_fp8 and the torch pipelines (bf16, and
 #                   FP8 on torch._scaled_grouped_mm) on the five shapes, $ROUNDS (2) rounds
 #   fp8probe        tools/layer_profile.py --fp8, fp8_gemm_probe.py, backward_profile.py --fp8, the
-#                   FP8 weight gradients' GPU tests and fp8_wgrad_probe.py (~7 min): the FP8 forward's
-#                   stages, the FP8 GEMMs per tile width, the FP8 dgrads and weight gradients beside
-#                   bf16, the column quantizer's bandwidth, JSON under $OUT
+#                   FP8 weight gradients' GPU tests (kernel, quantizer, layer with the size threshold
+#                   lowered) and fp8_wgrad_probe.py --layer (~8 min): the FP8 forward's stages, the
+#                   FP8 GEMMs per tile width, the FP8 dgrads and weight gradients beside bf16, the
+#                   column quantizers' bandwidth, the FP8 backward with FP8 / bf16 weight
+#                   gradients, JSON under $OUT
 #   vtrain [TAG]    training on 8 virtual ranks against one rank with the same work (mok-cute bench
 #                   --train, contenders mok_megakernel and mok_virtual) on MoK's four shapes, T = 2048
 #   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
@@ -171,9 +173,11 @@ run_fp8_probes() {
     && cat "$out/fp8_gemm_probe.log"
   step fp8_backward_profile 200 python3 tools/backward_profile.py --fp8 --shapes dsv3_ep8_rank \
     --json "$out/fp8_backward_profile.json" && grep -E "fp8|wgrad|dgrad" "$out/fp8_backward_profile.log"
-  step fp8_wgrad_tests 150 "${PYTEST[@]}" -q -rfEs -m gpu tests/test_gemm_fp8_wgrad.py
-  step fp8_wgrad_probe 300 python3 tools/fp8_wgrad_probe.py --json "$out/fp8_wgrad_probe.json" \
-    && grep -E "wgrad|quantize" "$out/fp8_wgrad_probe.log"
+  step fp8_wgrad_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu tests/test_gemm_fp8_wgrad.py \
+    tests/test_fp8_quant.py::test_quantize_cols_per_expert_kernel_is_bitwise_the_reference \
+    tests/test_fp8_training.py -k "wgrad or per_expert or size_threshold"
+  step fp8_wgrad_probe 300 python3 tools/fp8_wgrad_probe.py --layer --json "$out/fp8_wgrad_probe.json" \
+    && grep -E "wgrad|quantize|layer" "$out/fp8_wgrad_probe.log"
 }
 
 run_mkbwd() {
