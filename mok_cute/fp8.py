@@ -198,6 +198,17 @@ def quantize_cols(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     return quantize_rows(x.t(), group)
 
 
+def _expert_segments(offsets: object, rows: int) -> list[tuple[int, int]]:
+    """Each expert's rows [lo, hi) from its first rows ``offsets [E + 1]`` (checked: 1-D,
+    non-decreasing, within [0, rows])."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 2:
+        raise ValueError(f"offsets: expected a 1-D tensor [E + 1], got {describe(offsets)}")
+    bounds = [int(b) for b in offsets.tolist()]
+    if bounds[0] < 0 or bounds[-1] > rows or any(b > c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"offsets: expected non-decreasing rows within [0, {rows}], got {bounds}")
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def quantize_cols_per_expert(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The transposed copy of a weight gradient's B operand (x rows, w * h rows) with one scale
     per column and expert: ``x [rows, N]`` and the experts' first rows ``offsets [E + 1]`` ->
@@ -206,15 +217,11 @@ def quantize_cols_per_expert(x: torch.Tensor, offsets: torch.Tensor) -> tuple[to
     128-row groups so that the weight gradient's promotion needs only A's row scales; e4m3's
     range (2^17.8) keeps the rows' spread within a column (docs/measurements.md)."""
     _check_input("x", x, (2,))
-    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() < 2:
-        raise ValueError(f"offsets: expected a 1-D tensor [E + 1], got {describe(offsets)}")
     rows, n = x.shape
-    bounds = [int(b) for b in offsets.tolist()]
-    if bounds[0] < 0 or bounds[-1] > rows or any(b > c for b, c in zip(bounds, bounds[1:])):
-        raise ValueError(f"offsets: expected non-decreasing rows within [0, {rows}], got {bounds}")
+    segments = _expert_segments(offsets, rows)
     qt = torch.zeros(n, rows, dtype=torch.float8_e4m3fn, device=x.device)
-    e = torch.full((len(bounds) - 1, n), -127, dtype=SCALE_DTYPE, device=x.device)
-    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+    e = torch.full((len(segments), n), -127, dtype=SCALE_DTYPE, device=x.device)
+    for i, (lo, hi) in enumerate(segments):
         if hi > lo:
             q, ei = _quantize_groups(x[lo:hi].t().to(torch.float32).reshape(n, 1, hi - lo), (2,))
             qt[:, lo:hi] = q.reshape(n, hi - lo)
@@ -227,10 +234,10 @@ def dequantize_cols_per_expert(qt: torch.Tensor, e: torch.Tensor, offsets: torch
     outside every segment: zeros); exact."""
     _check_quantized("qt", qt, (2,))
     n, rows = qt.shape
-    bounds = [int(b) for b in offsets.tolist()]
-    _check_exponents("e", e, (len(bounds) - 1, n))
+    segments = _expert_segments(offsets, rows)
+    _check_exponents("e", e, (len(segments), n))
     out = torch.zeros(n, rows, dtype=torch.float32, device=qt.device)
-    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for i, (lo, hi) in enumerate(segments):
         if hi > lo:
             out[:, lo:hi] = qt[:, lo:hi].to(torch.float32) * pow2(e[i].to(torch.int32))[:, None]
     return out

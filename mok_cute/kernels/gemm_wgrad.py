@@ -214,7 +214,7 @@ class WgradGemmSm90(GemmCoreSm90):
                 if k_tiles > 0:
                     self.tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
                                   num_k_blocks, (mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx,
-                                                   expert))
+                                                  expert))
                 else:
                     acc.fill(0.0)  # an expert with no rows
                 loads += k_tiles

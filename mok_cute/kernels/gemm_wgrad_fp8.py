@@ -163,8 +163,8 @@ def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
-    ``s_a (rows/128, M)``, ``s_a2`` (gated) or None and ``s_b (rows/128, N)`` (``scales_of``);
-    it runs on torch's current stream."""
+    ``s_a (rows/128, M)``, ``s_a2`` (gated) or None (``scales_of``) and ``s_b (E, N)``
+    (``pow2_scales``); it runs on torch's current stream."""
     gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
@@ -175,7 +175,7 @@ def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 
     b = common.fake_kmajor_tensor(Int8, (n, rows, 1))
     c = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, experts))
     c2 = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, experts)) if gated else None
-    # the fp32 scales (groups, M) / (groups, N), rows 8-byte aligned (N even)
+    # the fp32 scales: A's (groups, M), B's (E, N) with rows 8-byte aligned (N even: pair loads)
     f32 = cutlass.Float32
     e_a = common.fake_strided_tensor(f32, (groups, m), align_bytes=4)
     e_a2 = common.fake_strided_tensor(f32, (groups, m), align_bytes=4) if gated else None
