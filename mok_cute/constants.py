@@ -12,6 +12,11 @@ MAX_TOP_K = 16  # the k-sums unroll K at compile time
 # Megakernel
 TASK_TILE_N = 256  # output columns of an FC1 (half gate, half up) or FC2 task
 BACKWARD_TILE_N = 256  # the backward megakernel's N-tile: FC2_DGRAD over I, FC1_DGRAD over H
+# FC2's dgrad (one-GPU launch and backward megakernel alike) runs as pingpong 128-wide tiles up to
+# this K (= H), as cooperative 128 x 256 ones above it: pingpong / cooperative measured gptoss 0.91,
+# mixtral 0.81, sonic 0.89, qwen3 1.01, dsv3 (K 7168) 1.03 (H200, docs/measurements.md, 2026-12-02)
+FC2_DGRAD_PINGPONG_MAX_K = 6144
+FC2_DGRAD_PINGPONG_TILE_N = 128
 TICKETS = 2  # int32 words after rank 0's counters: the comm and compute ticket counters
 KSUM_ROWS = 8  # local tokens per KSUM task (must divide TILE_M)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest

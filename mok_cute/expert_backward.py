@@ -25,7 +25,7 @@ import torch
 
 from mok_cute import jit
 from mok_cute.config import ExpertPathOptions
-from mok_cute.constants import TILE_K
+from mok_cute.constants import FC2_DGRAD_PINGPONG_MAX_K, FC2_DGRAD_PINGPONG_TILE_N, TILE_K
 from mok_cute.expert_path import SavedForBackward, _num_sms, check_preact, shared_tiles
 
 
@@ -45,25 +45,19 @@ def _compiled(name: str, device, **static):
                               **static)
 
 
-# FC2's dgrad runs on the pingpong GEMM (128-wide tiles, one consumer warpgroup's epilogue,
-# two loads and three stores per element, under the other's mainloop) up to this K (= H),
-# on the cooperative 128 x 256 GEMM above it: measured (docs/measurements.md, 2026-12-02)
-# pingpong / cooperative gptoss 0.91, mixtral 0.81, sonic 0.89, qwen3 1.01, dsv3 (K 7168) 1.03.
-FC2_DGRAD_PINGPONG_MAX_K = 6144
-
-
 def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
               options: ExpertPathOptions, pingpong: bool | None = None):
     """FC2's dgrad with the SwiGLU backward in its epilogue (``gemm_sm90``'s "dgated").
     d_rows [M, H]; w_down [E, H, I]; preact [slots, 2I] (g | u by slot); row_slot [M] int32
     (-1: padding); weights fp32 [slots].
     Returns (d_preact [M, 2I] = dG | dU, hw [M, I] = w * h, row partials [M, N-tiles] fp32).
-    ``pingpong``: the GEMM variant (same bits either way; None: by K, as above)."""
+    ``pingpong``: the GEMM variant (same bits either way; None: by K,
+    ``constants.FC2_DGRAD_PINGPONG_MAX_K``)."""
     rows, inter = d_rows.shape[0], w_down.shape[2]
     check_preact(preact, inter, row_slot, rows)
     if pingpong is None:
         pingpong = d_rows.shape[1] <= FC2_DGRAD_PINGPONG_MAX_K
-    tile_n = 128 if pingpong else 256
+    tile_n = FC2_DGRAD_PINGPONG_TILE_N if pingpong else 256
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=d_rows.device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=d_rows.device)
     partials = torch.empty(rows, -(-inter // tile_n), dtype=torch.float32, device=d_rows.device)

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from mok_cute import jit
-from mok_cute.constants import BACKWARD_TILE_N, TILE_K, TILE_M
+from mok_cute.constants import (BACKWARD_TILE_N, FC2_DGRAD_PINGPONG_MAX_K,
+                                FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M)
 from mok_cute.errors import PendingErrors
 
 
@@ -39,7 +40,8 @@ class DgradTables:
     counter_offsets: torch.Tensor
     counters: torch.Tensor
     error: torch.Tensor
-    scalars: torch.Tensor  # int64: [timeout_ns, tiles per minibatch, tail begin, queue length]
+    # int64: [timeout_ns, tiles per minibatch, tail begin, queue length, FC2_DGRAD count]
+    scalars: torch.Tensor
     errors: PendingErrors = None
     calls: int = 0  # launches so far: the call number an error names
 
@@ -79,6 +81,17 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
     return tables
 
 
+def fc2_pingpong(hidden: int) -> bool:
+    """Whether the launch runs FC2_DGRAD as pingpong 128 x 128 tiles (as
+    ``expert_backward.fc2_dgrad``'s launch does at this K), else cooperative 128 x 256."""
+    return hidden <= FC2_DGRAD_PINGPONG_MAX_K
+
+
+def fc2_tile_n(hidden: int) -> int:
+    """FC2_DGRAD's N-tile over I (the row partials' column width)."""
+    return FC2_DGRAD_PINGPONG_TILE_N if fc2_pingpong(hidden) else BACKWARD_TILE_N
+
+
 def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
     of ``num_experts`` experts after the dgrads; none when 0)."""
@@ -87,7 +100,7 @@ def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int):
     per_mb = tiles_per_minibatch(capacity_tiles)
     params = tb.BackwardListParams(
         hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
-        dgated_tile_n=BACKWARD_TILE_N, dx_tile_n=BACKWARD_TILE_N,
+        dgated_tile_n=fc2_tile_n(hidden), dx_tile_n=BACKWARD_TILE_N,
         minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=False)
     kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
     if num_experts:
@@ -110,6 +123,18 @@ def compute_queue(tl, kinds):
     return entries, live_len[int(tb.Role.COMPUTE)], int(tail_begin[int(tb.Role.COMPUTE)]), queue.size
 
 
+def fc2_head(tl, queue) -> int:
+    """How many FC2_DGRAD tasks lead the compute queue (the scalar that ends the kernel's
+    pingpong phase); no FC2_DGRAD may come after them (one minibatch)."""
+    from mok_cute import tasks_backward as tb
+
+    is_fc2 = [tl[int(i)].type == tb.BackwardTaskType.FC2_DGRAD for i in queue]
+    count = sum(is_fc2)
+    if not all(is_fc2[:count]):
+        raise AssertionError("FC2_DGRAD tasks must lead the backward megakernel's queue")
+    return count
+
+
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
                   device) -> DgradTables:
     from mok_cute import tasks_backward as tb
@@ -117,6 +142,7 @@ def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_
     tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter)
     per_mb = tiles_per_minibatch(capacity_tiles)
     queue, live_len, tail_begin, queue_len = compute_queue(tl, kinds)
+    fc2_count = fc2_head(tl, queue[:queue_len])
     sizes = [tl.counter_sizes[g] for g in tb.BackwardCounter]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     as_i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=device)  # noqa: E731
@@ -127,14 +153,14 @@ def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_
         counter_offsets=as_i32(offsets),
         counters=torch.zeros(max(int(offsets[-1]), 1), dtype=torch.int32, device=device),
         error=torch.zeros(1, dtype=torch.int64, device=device),
-        scalars=torch.tensor([int(timeout_ms * 1e6), per_mb, tail_begin, queue_len],
+        scalars=torch.tensor([int(timeout_ms * 1e6), per_mb, tail_begin, queue_len, fc2_count],
                              dtype=torch.int64, device=device))
 
 
 def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                   num_tiles, timeout_ms: float = 10_000.0, check: bool = False):
     """Both dgrads of the routed experts in one launch: (d_preact [M, 2I] = dG | dU, hw [M, I]
-    = w * h, row partials [M, ceil(I / 256)] fp32, dx rows [M, H]); the arguments as
+    = w * h, row partials [M, ceil(I / fc2_tile_n(H))] fp32, dx rows [M, H]); the arguments as
     ``expert_backward.fc2_dgrad`` (d_rows [M, H] with M = the schedule's capacity; w_gate,
     w_up [E, I, H], w_down [E, H, I]). ``check``: synchronise and raise if a wait of the
     launch gave up (a kernel bug: at one rank every wait is on this launch's own tasks)."""
@@ -175,7 +201,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     check_preact(preact, inter, row_slot, rows)
     device = d_rows.device
     wgrads = x_rows is not None
-    partial_cols = -(-inter // BACKWARD_TILE_N)
+    partial_cols = -(-inter // fc2_tile_n(hidden))
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
         dw = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down)) if wgrads else ()
         return (d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
@@ -202,7 +228,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     else:  # no weight-gradient task runs: the dgrads' own tensors stand in
         w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
-    kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas)
+    kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
+                                fc2_pingpong=fc2_pingpong(hidden))
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),

@@ -24,10 +24,11 @@ import torch
 
 
 # ---------------------------------------------------------------------- CI
-def test_backward_megakernel_compiles_without_spills(tmp_path):
+@pytest.mark.parametrize("fc2_pingpong", [False, True])
+def test_backward_megakernel_compiles_without_spills(tmp_path, fc2_pingpong):
     from mok_cute import jit
 
-    rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path)
+    rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path, fc2_pingpong=fc2_pingpong)
     assert rep.spill_bytes == 0 and rep.registers == 168
     assert not [w for w in rep.warnings if "serialized" in w or "C7508" in w]
     ptx = open(rep.ptx_path).read()
@@ -105,7 +106,7 @@ def test_weight_gradient_tail_holds_each_expert_tile_once(capacity_tiles, expert
     assert [t.tile for t in tail] == sorted(t.tile for t in tail)  # expert by expert
     for t in tail:  # each waits on its expert's dgrads, resolved on the device
         assert t.waits == ((tb.BackwardCounter.DGATED, tb.EXPERT_TILES, tb.EXPERT_TILES,
-                            -(-inter // 256)),)
+                            -(-inter // mb.fc2_tile_n(hidden))),)
 
 
 @pytest.mark.parametrize("capacity_tiles,experts,num_ctas", [(40, 8, 132), (7, 3, 5), (13, 2, 4)])
@@ -242,9 +243,12 @@ def test_megakernel_dgrads_equal_the_two_launches_bitwise(name):
     d_out = torch.randn_like(x)
     d_rows = token_ops.gather_rows(d_out, saved.row_token(K))
     weights = w.float().contiguous().view(-1)
+    # the launch's form at this H (pingpong 128 x 128 up to FC2_DGRAD_PINGPONG_MAX_K), as the
+    # megakernel's FC2_DGRAD tasks
     d_preact, hw, partials = eb.fc2_dgrad(d_rows, wd, saved.preact, saved.row_slot, weights,
                                           saved.tile_expert, saved.num_tiles,
-                                          config.expert_path, pingpong=False)
+                                          config.expert_path)
+    assert partials.shape[1] == -(-wd.shape[2] // mb.fc2_tile_n(x.shape[1]))
     want = (d_preact, hw, partials,
             eb.fc1_dgrad(d_preact, wg, wu, saved.tile_expert, saved.num_tiles,
                          config.expert_path))
@@ -342,6 +346,31 @@ def test_the_launch_queues_every_fc2_dgrad_before_any_fc1_dgrad():
         assert set(types[:fc1]) == {tb.BackwardTaskType.FC2_DGRAD}
         assert set(types[fc1:]) == {tb.BackwardTaskType.FC1_DGRAD}
         assert list(live_len) == [0, tail]  # no live tile, or every dgrad
+
+
+@pytest.mark.parametrize("hidden,pingpong", [(576, True), (6144, True), (7168, False)])
+def test_the_pingpong_phase_is_the_queues_fc2_dgrad_head(hidden, pingpong):
+    """Up to FC2_DGRAD_PINGPONG_MAX_K the launch runs FC2_DGRAD as 128-wide pingpong tiles
+    (the one-GPU launch's form there): its list has 128-wide FC2 N-tiles, FC1_DGRAD waits for
+    all of them, and the scalar that ends the pingpong phase counts the queue's FC2_DGRAD head."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+
+    inter, capacity_tiles, experts = 320, 7, 3
+    assert mb.fc2_pingpong(hidden) == pingpong
+    n_fc2 = -(-inter // (128 if pingpong else 256))
+    tl, kinds = mb.task_list(capacity_tiles, experts, hidden, inter)
+    fc2 = [t for t in tl if t.type == tb.BackwardTaskType.FC2_DGRAD]
+    assert len(fc2) == capacity_tiles * n_fc2
+    for t in tl:
+        if t.type == tb.BackwardTaskType.FC1_DGRAD:
+            assert t.waits == ((tb.BackwardCounter.DGATED, t.tile, 1, n_fc2),)
+    queue, _, _, queue_len = mb.compute_queue(tl, kinds)
+    count = mb.fc2_head(tl, queue[:queue_len])
+    assert count == len(fc2)
+    assert all(tl[int(i)].type == tb.BackwardTaskType.FC2_DGRAD for i in queue[:count])
+    with pytest.raises(AssertionError, match="must lead"):
+        mb.fc2_head(tl, queue[::-1])
 
 
 @pytest.mark.gpu

@@ -183,7 +183,7 @@ run_fp8_probes() {
 run_mkbwd() {
   step mkbwd_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_megakernel_backward.py
   step mkbwd_probe 300 python3 tools/megakernel_backward_probe.py \
-    --shapes "${1:-qwen3_30b,dsv3_ep8_rank,gptoss_120b,sonic_120b,mixtral}" --rounds 3 \
+    --shapes "${1:-qwen3_30b,dsv3_ep8_rank,gptoss_120b,sonic_120b,mixtral}" --rounds 3 ${MKBWD_FLAGS:-} \
     --json "$out/megakernel_backward_probe.json" && grep -E "speed" "$out/mkbwd_probe.log"
 }
 

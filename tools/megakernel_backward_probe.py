@@ -4,7 +4,7 @@ whole one-GPU backward, in interleaved rounds (the H200 heats up under its 700 W
 back-to-back stages favour whichever runs first).
 
     python tools/megakernel_backward_probe.py --shapes qwen3_30b,dsv3_ep8_rank,gptoss_120b \
-        [--rounds 3] [--json out.json]
+        [--rounds 3] [--fc2-forms] [--json out.json]
 
 A probe for the megakernel's development (issue 32), not the benchmark of record.
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -91,6 +91,19 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
             variants[f"dgrads: megakernel [{label}]"] = run
         variants["moe_backward (megakernel) [grid-sized minibatches]"] = patched(
             backward("megakernel"), grid_mb)
+    if fc2_forms:  # the other FC2_DGRAD form at this H, same bits (row partials summed)
+        other = not mb.fc2_pingpong(x.shape[1])
+        form = "pingpong" if other else "cooperative"
+        live_rows = int(s.num_tiles.item()) * 128
+        base = [t[:live_rows] for t in megakernel()]
+        run = patched(megakernel, fc2_pingpong=other)
+        got = [t[:live_rows] for t in run()]
+        same = all(torch.equal(got[i], base[i]) for i in (0, 1, 3)) and torch.equal(
+            eb.row_partial_sums(got[2]), eb.row_partial_sums(base[2]))
+        print(f"{name} dgrads [{form} FC2] bitwise the default form's (live rows): {same}", flush=True)
+        variants[f"dgrads: megakernel [{form} FC2]"] = run
+        variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
+                                                                      fc2_pingpong=other)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -110,20 +123,24 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False) -> dict:
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb):
-    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles (its
-    own table cache)."""
+def patched(fn, per_mb=None, fc2_pingpong=None):
+    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles and / or
+    its FC2_DGRAD form forced (its own table cache)."""
     from mok_cute import megakernel_backward as mb
 
     tables = {}
 
     def run():
-        saved = mb._TABLES, mb.tiles_per_minibatch
-        mb._TABLES, mb.tiles_per_minibatch = tables, lambda capacity_tiles: per_mb
+        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong
+        mb._TABLES = tables
+        if per_mb is not None:
+            mb.tiles_per_minibatch = lambda capacity_tiles: per_mb
+        if fc2_pingpong is not None:
+            mb.fc2_pingpong = lambda hidden: fc2_pingpong
         try:
             return fn()
         finally:
-            mb._TABLES, mb.tiles_per_minibatch = saved
+            mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong = saved
     return run
 
 
@@ -136,8 +153,12 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="also the dgrads' list in minibatches of the grid's size and of 4 x that "
                         "(bitwise check on the live rows)")
+    p.add_argument("--fc2-forms", action="store_true",
+                   help="also the megakernel with the other FC2_DGRAD form at each shape's H "
+                        "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep) for n in args.shapes.split(",")]
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
+            for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python tools/megakernel_backward_probe.py "

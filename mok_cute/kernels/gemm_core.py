@@ -121,11 +121,13 @@ class GemmCoreSm90:
 
     def make_ab_pipeline(self, storage, a_smem_layout_staged, b_smem_layout_staged,
                          a_tiles_per_stage: int = 1, producer_threads: int = 1,
-                         consumer_warps: int | None = None):
+                         consumer_warps: int | None = None, barriers=None):
         """The operand stages' pipeline, traced inside a kernel (the layouts: the kernel's
         arguments): each stage's full barrier expects the TMA bytes of ``a_tiles_per_stage`` A
         boxes and one B box and ``producer_threads`` arrivals; its empty barrier one arrive
-        per consumer warp that reads it (``threads_per_tile // 32`` unless given)."""
+        per consumer warp that reads it (``threads_per_tile // 32`` unless given). Its
+        mbarriers: ``barriers`` (a smem MemRange of 2 x stages Int64), else
+        ``storage.ab_full_empty``."""
         a_box = cute.slice_(a_smem_layout_staged, (None, None, 0))
         b_box = cute.slice_(b_smem_layout_staged, (None, None, 0))
         tma_bytes = (a_tiles_per_stage * cute.size_in_bytes(self.a_dtype, a_box)
@@ -133,7 +135,8 @@ class GemmCoreSm90:
         if consumer_warps is None:
             consumer_warps = self.threads_per_tile // 32
         return pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.ab_full_empty.data_ptr(), num_stages=self.ab_stages,
+            barrier_storage=(storage.ab_full_empty if barriers is None else barriers).data_ptr(),
+            num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_threads),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
             tx_count=tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
@@ -392,6 +395,28 @@ class GemmCoreSm90:
         (the register layout the stmatrix copy reads). Traced inline."""
         thr_copy = epi.tiled_copy.get_slice(tidx)
         return thr_copy.partition_S(cute.make_identity_tensor(self.epi_tile))
+
+
+def smem_overlay(base, staged, offset_elems: int = 0, stage_stride=None):
+    """``staged``'s swizzled boxes laid over ``base``'s smem from element ``offset_elems``: as
+    ``staged`` lays them out, or with its stage mode ``stage_stride`` elements apart (a second
+    tile form on a kernel's buffers). Traced inline."""
+    outer = staged.outer
+    if stage_stride is not None:
+        tile = cute.slice_(outer, (None, None, 0))
+        outer = cute.make_layout(cute.append(tile.shape, cute.size(outer, mode=[2])),
+                                 stride=cute.append(tile.stride, stage_stride))
+    ptr = base.iterator + offset_elems if offset_elems else base.iterator
+    return cute.make_tensor(cute.recast_ptr(ptr, staged.inner), outer)
+
+
+def tma_tiles(atom, tensor, smem, box):
+    """A TMA load's partitions: ``tensor``'s ``box`` tiles (box, tile coordinates...) and
+    ``smem``'s stages (box, stage). Traced inline."""
+    s_part, g_part = cute.nvgpu.cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+        cute.group_modes(cute.local_tile(tensor, box, (None, None, None)), 0, 2))
+    return g_part, s_part
 
 
 @cute.jit

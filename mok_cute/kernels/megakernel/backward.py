@@ -9,7 +9,10 @@ dgrads and weight gradients as tasks of the backward task list (``mok_cute.tasks
 
 Both kinds are 128 x 256 x 64 cooperative tiles on one GEMM core configuration (A K-major,
 B MN-major: the weights as stored, read transposed), so one stage ring and one tiled MMA
-serve both; FC1_DGRAD's store epilogue uses the first of dgated's three output buffers.
+serve both; FC1_DGRAD's store epilogue uses the first of dgated's three output buffers. Up to
+H = ``constants.FC2_DGRAD_PINGPONG_MAX_K`` (``fc2_pingpong``) FC2_DGRAD runs instead as the
+one-GPU launch does there, pingpong 128 x 128 tiles on a ring of its own (``backward_fc2``),
+a phase before the cooperative tasks.
 The weight gradients (WGRAD_DOWN, WGRAD_GATE_UP: ``backward_wgrad``) run ``gemm_wgrad``'s
 tiles on the same stages, after the dgrads in the list; each waits until every FC2_DGRAD of
 its expert's M-tiles has published (the range read from the schedule's expert offsets).
@@ -45,34 +48,41 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from mok_cute import jit
-from mok_cute.constants import BACKWARD_TILE_N, TILE_K, TILE_M
+from mok_cute.constants import BACKWARD_TILE_N, FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state
+from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
+from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
+                                                      Fc2PingpongTasksMixin)
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, BackwardTaskType,
                                      BackwardWord)
 
 # scalars int64: the wait bound, the minibatch size in M-tiles (the live prefix), the queue
-# position where the tail (weight gradients) begins, the queue's length
-BACKWARD_SCALARS = 4
+# position where the tail (weight gradients) begins, the queue's length, its FC2_DGRAD count
+# (the pingpong phase's end)
+BACKWARD_SCALARS = 5
 _WGRAD_GATE_UP = int(BackwardTaskType.WGRAD_GATE_UP)
 
 
-class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
+class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogueMixin,
+                             GemmCoreSm90):
     """One launch of a rank's routed dgrads and weight gradients (module docstring).
 
     :param num_ctas: persistent grid (one CTA per SM).
+    :param fc2_pingpong: FC2_DGRAD as pingpong 128 x 128 tiles (``backward_fc2``), else as
+        the cooperative 128 x 256 tiles of FC1_DGRAD.
     """
 
-    def __init__(self, num_ctas: int = 132):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
+        self.fc2_pingpong = fc2_pingpong
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -107,16 +117,25 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         a_box = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
         b_box = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
         epi_box = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
+        self.fc2 = Fc2PingpongForm()
+        self.fc2.check_fits(self.a_smem_layout_staged, self.b_smem_layout_staged)
+        # FC2_DGRAD's W_down box and dgated store boxes: the pingpong form's, or the cooperative
+        fc2_n, fc2_b_box, fc2_epi_box, fc2_epi_tile = tile_n, b_box, epi_box, self.epi_tile
+        if const_expr(self.fc2_pingpong):
+            fc2_n, fc2_epi_tile = FC2_DGRAD_PINGPONG_TILE_N, self.fc2.epi_tile
+            fc2_b_box = cute.slice_(self.fc2.b_smem_layout_staged, (None, None, 0))
+            fc2_epi_box = cute.slice_(self.fc2.epi_smem_layout_staged, (None, None, 0))
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
         mk = cute.nvgpu.cpasync.make_tiled_tma_atom
         loads = (*mk(g2s, d_rows, a_box, (tile_m, tile_k)),
-                 *mk(g2s, w_down, b_box, (tile_n, tile_k)),
+                 *mk(g2s, w_down, fc2_b_box, (fc2_n, tile_k)),
                  *mk(g2s, d_preact, a_box, (tile_m, tile_k)),
                  *mk(g2s, w_gate, b_box, (tile_n, tile_k)),
                  *mk(g2s, w_up, b_box, (tile_n, tile_k)))
-        stores = (*mk(s2g, d_gate, epi_box, self.epi_tile), *mk(s2g, d_up, epi_box, self.epi_tile),
-                  *mk(s2g, hw, epi_box, self.epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
+        stores = (*mk(s2g, d_gate, fc2_epi_box, fc2_epi_tile),
+                  *mk(s2g, d_up, fc2_epi_box, fc2_epi_tile),
+                  *mk(s2g, hw, fc2_epi_box, fc2_epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
         self.wgrad = WgradForm(self.ab_stages)
         w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
         w_loads = []
@@ -125,12 +144,16 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         w_stores = []
         for t in (dw_gate, dw_up, dw_down):
             w_stores.extend(mk(s2g, t, w_epi, self.wgrad.epi_tile))
-        self.shared_storage = self.make_shared_storage()
+        extra = {}
+        if const_expr(self.fc2_pingpong):  # the pingpong ring's full / empty mbarriers
+            extra = {"fc2_full_empty": cute.struct.MemRange[Int64, 2 * FC2_STAGES]}
+        self.shared_storage = self.make_shared_storage(extra_fields=extra)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
                     *loads, *stores, *w_loads, *w_stores,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, *self.wgrad_kernel_args(),
+                    *self.fc2.kernel_args(),
                     ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
                              min_blocks_per_mp=1, cooperative=True, stream=stream)
 
@@ -154,23 +177,37 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout, w_tiled_mma: cute.TiledMma,
-               w_box_staged: cute.ComposedLayout, w_epi_staged: cute.ComposedLayout):
+               w_box_staged: cute.ComposedLayout, w_epi_staged: cute.ComposedLayout,
+               f_tiled_mma: cute.TiledMma, f_a_staged: cute.ComposedLayout,
+               f_b_staged: cute.ComposedLayout, f_epi_staged: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
         if warp_idx == self.load_warp:
             self.prefetch_descriptors(tma_dy, tma_wd, tma_dp, tma_wg, tma_wu, tma_wdg, tma_wdu,
                                       tma_wx, tma_wdy, tma_whw)
-        _, ab_pipeline, sA, sB, sC = self.operand_smem(
+        storage, ab_pipeline, sA, sB, sC = self.operand_smem(
             a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
         w_layouts = (w_tiled_mma, w_box_staged, w_epi_staged)
+        f_layouts = (f_tiled_mma, f_a_staged, f_b_staged, f_epi_staged)
+        fc2_ring = None
+        if const_expr(self.fc2_pingpong):
+            fc2_ring = self.fc2_pipeline(storage, f_layouts)
         walk = (tasks, queue, self._live_len(queue_live_len, num_tiles, scalars), num_tiles,
                 Int32(scalars[2]), Int32(scalars[3]))
+        # the pingpong phase: the queue's FC2_DGRAD prefix, within the live prefix
+        fc2_end = cutlass.min(Int32(scalars[4]), walk[2])
+        first = Int32(cute.arch.block_idx()[0])
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.load_warp:
-                self.producer_loop(walk, tile_expert, expert_offsets, counter_offsets, counters,
+                if const_expr(self.fc2_pingpong):
+                    first = self.fc2_producer(walk, fc2_end, tile_expert, expert_offsets,
+                                              counter_offsets, counters, error,
+                                              Int64(scalars[0]), fc2_ring, sA, f_layouts,
+                                              (tma_dy, t_dy, tma_wd, t_wd))
+                self.producer_loop(walk, first, tile_expert, expert_offsets, counter_offsets, counters,
                                    error, Int64(scalars[0]), ab_pipeline, sA, sB,
                                    (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg,
                                     tma_wu, t_wu),
@@ -178,7 +215,13 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                                     tma_whw, t_whw), w_layouts)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consumer_loop(walk, expert_offsets, counter_offsets, counters, preact,
+            if const_expr(self.fc2_pingpong):
+                first = self.fc2_consumers(walk, fc2_end, counter_offsets, counters, preact,
+                                           row_slot, weights, partials, fc2_ring, sA, sC,
+                                           f_layouts, (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw),
+                                           t_dy, tidx, warp_idx, warpgroup_idx)
+                self.switch_forms()
+            self.consumer_loop(walk, first, expert_offsets, counter_offsets, counters, preact,
                                row_slot, weights, partials, ab_pipeline, tiled_mma, sA, sB, sC,
                                (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                                (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), w_layouts,
@@ -232,31 +275,26 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def producer_loop(self, walk, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
+    def producer_loop(self, walk, first: Int32, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                       timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts):
-        """The load warp: per task, its waits (each lane spins on its own copy; a weight
-        gradient's wait on its expert's dgrads once per run of that expert's tasks), then its
-        k-tiles' A and B boxes by TMA."""
+        """The load warp from walk position ``first``: per task, its waits (each lane spins
+        on its own copy; a weight gradient's wait on its expert's dgrads once per run of that
+        expert's tasks), then its k-tiles' A and B boxes by TMA."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = ops
         tile_m, tile_n, tile_k = self.tile_shape_mnk
-        sA_g, sB_g = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
-        one = cute.make_layout(1)
-
-        def part(atom, tensor, s, box):
-            s_part, g_part = cute.nvgpu.cpasync.tma_partition(
-                atom, 0, one, s, cute.group_modes(cute.local_tile(tensor, box, (None, None, None)), 0, 2))
-            return g_part, s_part
-
-        g_dy, s_dy = part(tma_dy, t_dy, sA_g, (tile_m, tile_k))
-        g_dp, s_dp = part(tma_dp, t_dp, sA_g, (tile_m, tile_k))
-        g_wd, s_wd = part(tma_wd, t_wd, sB_g, (tile_n, tile_k))
-        g_wg, s_wg = part(tma_wg, t_wg, sB_g, (tile_n, tile_k))
-        g_wu, s_wu = part(tma_wu, t_wu, sB_g, (tile_n, tile_k))
+        g_dy, s_dy = g_wd, s_wd = None, None
+        if const_expr(not self.fc2_pingpong):
+            g_dy, s_dy = tma_tiles(tma_dy, t_dy, sA, (tile_m, tile_k))
+            g_wd, s_wd = tma_tiles(tma_wd, t_wd, sB, (tile_n, tile_k))
+        g_dp, s_dp = tma_tiles(tma_dp, t_dp, sA, (tile_m, tile_k))
+        g_wg, s_wg = tma_tiles(tma_wg, t_wg, sB, (tile_n, tile_k))
+        g_wu, s_wu = tma_tiles(tma_wu, t_wu, sB, (tile_n, tile_k))
         k_split = cute.size(t_wg, mode=[1]) // TILE_K  # FC1_DGRAD: the gate weights' k-tiles
+        fc1_parts = (tma_dp, g_dp, s_dp, tma_wg, g_wg, s_wg, tma_wu, g_wu, s_wu)
         tasks, _, live_len, _, _, _ = walk
         loads = Int32(0)
-        pos = Int32(cute.arch.block_idx()[0])
+        pos = first
         run, ttype, m_tile, n_tile, m_block, _, _, index = self._task(walk, pos, counter_offsets)
         while pos < live_len:  # the dgrads
             nxt = pos + self.num_ctas
@@ -273,16 +311,15 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                     ab_pipeline.producer_acquire(state)
                     bar = ab_pipeline.producer_get_barrier(state)
                     stage = state.index
-                    if ttype == int(BackwardTaskType.FC2_DGRAD):
-                        cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, stage)], tma_bar_ptr=bar)
-                        cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, stage)], tma_bar_ptr=bar)
+                    if const_expr(self.fc2_pingpong):  # FC2_DGRAD ran in its own phase
+                        self._load_fc1_dgrad(k, k_split, m_tile, n_tile, expert, stage, bar, fc1_parts)
                     else:
-                        cute.copy(tma_dp, g_dp[(None, m_tile, k, 0)], s_dp[(None, stage)], tma_bar_ptr=bar)
-                        if k < k_split:
-                            cute.copy(tma_wg, g_wg[(None, n_tile, k, expert)], s_wg[(None, stage)], tma_bar_ptr=bar)
+                        if ttype == int(BackwardTaskType.FC2_DGRAD):
+                            cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, stage)], tma_bar_ptr=bar)
+                            cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, stage)], tma_bar_ptr=bar)
                         else:
-                            cute.copy(tma_wu, g_wu[(None, n_tile, k - k_split, expert)], s_wu[(None, stage)],
-                                      tma_bar_ptr=bar)
+                            self._load_fc1_dgrad(k, k_split, m_tile, n_tile, expert, stage, bar,
+                                                 fc1_parts)
                     ab_pipeline.producer_commit(state)
                     state.advance()
                 loads += k_tiles
@@ -312,6 +349,19 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                                                  self.ab_stages, loads))
 
     @cute.jit
+    def _load_fc1_dgrad(self, k: Int32, k_split: Int32, m_tile: Int32, n_tile: Int32,
+                        expert: Int32, stage: Int32, bar, parts):
+        """FC1_DGRAD's k-tile ``k`` into ``stage``: dG | dU rows, then the gate weights'
+        k-tiles, then the up weights'."""
+        tma_dp, g_dp, s_dp, tma_wg, g_wg, s_wg, tma_wu, g_wu, s_wu = parts
+        cute.copy(tma_dp, g_dp[(None, m_tile, k, 0)], s_dp[(None, stage)], tma_bar_ptr=bar)
+        if k < k_split:
+            cute.copy(tma_wg, g_wg[(None, n_tile, k, expert)], s_wg[(None, stage)], tma_bar_ptr=bar)
+        else:
+            cute.copy(tma_wu, g_wu[(None, n_tile, k - k_split, expert)], s_wu[(None, stage)],
+                      tma_bar_ptr=bar)
+
+    @cute.jit
     def _wait_task(self, tasks: cute.Tensor, index: Int32, expert_offsets: cute.Tensor,
                    counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                    timeout_ns: Int64):
@@ -334,14 +384,15 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consumer_loop(self, walk, expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
+    def consumer_loop(self, walk, first: Int32, expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
                       sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
                       warpgroup_idx: Int32):
-        """Both consumer warpgroups: per task the mainloop, the epilogue's TMA stores, and
-        for a dgrad, once they have landed, the task's counter, published by thread 0 of the
-        store warp (nothing waits on a weight gradient: the launch's end orders them)."""
+        """Both consumer warpgroups from walk position ``first``: per task the mainloop, the
+        epilogue's TMA stores, and for a dgrad, once they have landed, the task's counter,
+        published by thread 0 of the store warp (nothing waits on a weight gradient: the
+        launch's end orders them)."""
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         tile = (TILE_M, self.tile_shape_mnk[1])
         views = [cute.local_tile(t, tile, (None, None, None)) for t in (t_dg, t_du, t_hw, t_dx)]
@@ -355,7 +406,7 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         tasks, _, live_len, _, _, _ = walk
         loads, subtiles = Int32(0), Int32(0)
         held = Int32(-1)  # the counter whose publish waits for the next mainloop (-1: none)
-        pos = Int32(cute.arch.block_idx()[0])
+        pos = first
         while pos < live_len:  # the dgrads
             run, ttype, m_tile, n_tile, _, _, signal, _ = self._task(walk, pos, counter_offsets)
             if run:
@@ -368,19 +419,22 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
                 if held >= 0:  # the previous task's stores landed during this mainloop
                     common.publish_stored(counters, held, is_store_warp, consumer_tidx == 0)
                     held = Int32(-1)
-                if ttype == int(BackwardTaskType.FC2_DGRAD):
-                    rows, visit_args = self.row_visit_args(epi, "dgated", coords, m_tile, n_tile,
-                                                           preact, row_slot, weights,
-                                                           consumer_tidx)
-                    self.tile_epilogue(epi, (tma_dg, tma_du, tma_hw),
-                                       tuple(v[(None, None, m_tile, n_tile, 0)] for v in views[:3]),
-                                       "dgated", 0, subtiles, barrier, store_pipeline,
-                                       is_store_warp, visit_args)
-                    self._store_row_sums(rows, partials, m_tile, n_tile, consumer_tidx)
+                dx_store = (epi, tma_dx, views[3], m_tile, n_tile, subtiles, barrier,
+                            store_pipeline, is_store_warp)
+                if const_expr(self.fc2_pingpong):  # FC2_DGRAD ran in its own phase
+                    self._store_dx(dx_store)
                 else:
-                    self.tile_epilogue(epi, (tma_dx,), (views[3][(None, None, m_tile, n_tile, 0)],),
-                                       "store", 0, subtiles, barrier, store_pipeline,
-                                       is_store_warp, None, 1)
+                    if ttype == int(BackwardTaskType.FC2_DGRAD):
+                        rows, visit_args = self.row_visit_args(epi, "dgated", coords, m_tile,
+                                                               n_tile, preact, row_slot,
+                                                               weights, consumer_tidx)
+                        self.tile_epilogue(epi, (tma_dg, tma_du, tma_hw),
+                                           tuple(v[(None, None, m_tile, n_tile, 0)] for v in views[:3]),
+                                           "dgated", 0, subtiles, barrier, store_pipeline,
+                                           is_store_warp, visit_args)
+                        self._store_row_sums(rows, partials, m_tile, n_tile, consumer_tidx)
+                    else:
+                        self._store_dx(dx_store)
                 subtiles += subtiles_per_task
                 # The store warp is an MMA warp: waiting here for the stores to land would
                 # hold the next mainloop. When this CTA's next task runs and waits on nothing,
@@ -422,11 +476,20 @@ class BackwardMegakernelSm90(WgradTasksMixin, RowEpilogueMixin, GemmCoreSm90):
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
+    @cute.jit
+    def _store_dx(self, args):
+        """FC1_DGRAD's epilogue: the dx rows tile through the first output buffer."""
+        epi, tma_dx, view, m_tile, n_tile, subtiles, barrier, store_pipeline, is_store_warp = args
+        self.tile_epilogue(epi, (tma_dx,), (view[(None, None, m_tile, n_tile, 0)],), "store", 0,
+                           subtiles, barrier, store_pipeline, is_store_warp, None, 1)
+
+
 # ---------------------------------------------------------------------- compile
-def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132):
+def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
+                                fc2_pingpong: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()
