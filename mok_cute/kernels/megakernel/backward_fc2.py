@@ -23,7 +23,6 @@ ring has been released (``producer_tail``) and the consumers drain their stores
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Int32, Int64
