@@ -193,21 +193,23 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         fc2_ring = None
         if const_expr(self.fc2_pingpong):
             fc2_ring = self.fc2_pipeline(storage, f_layouts)
-        walk = (tasks, queue, self._live_len(queue_live_len, num_tiles, scalars), num_tiles,
-                Int32(scalars[2]), Int32(scalars[3]))
-        # the pingpong phase: the queue's FC2_DGRAD prefix, within the live prefix
-        fc2_end = cutlass.min(Int32(scalars[4]), walk[2])
+        walk_tables = (tasks, queue, queue_live_len, num_tiles, scalars)
+        # the pingpong phase: the queue's FC2_DGRAD prefix, within the live prefix (its tasks
+        # decoded from the queue alone: the walk's values are loaded after it, fewer registers
+        # live through its epilogues)
+        fc2_end = cutlass.min(Int32(scalars[4]), self._live_len(queue_live_len, num_tiles, scalars))
+        fc2_walk = (tasks, queue, num_tiles)
         first = Int32(cute.arch.block_idx()[0])
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.load_warp:
                 if const_expr(self.fc2_pingpong):
-                    first = self.fc2_producer(walk, fc2_end, tile_expert, expert_offsets,
+                    first = self.fc2_producer(fc2_walk, fc2_end, tile_expert, expert_offsets,
                                               counter_offsets, counters, error,
                                               Int64(scalars[0]), fc2_ring, sA, f_layouts,
                                               (tma_dy, t_dy, tma_wd, t_wd))
-                self.producer_loop(walk, first, tile_expert, expert_offsets, counter_offsets, counters,
+                self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets, counter_offsets, counters,
                                    error, Int64(scalars[0]), ab_pipeline, sA, sB,
                                    (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg,
                                     tma_wu, t_wu),
@@ -216,12 +218,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
-                first = self.fc2_consumers(walk, fc2_end, counter_offsets, counters, preact,
+                first = self.fc2_consumers(fc2_walk, fc2_end, counter_offsets, counters, preact,
                                            row_slot, weights, partials, fc2_ring, sA, sC,
                                            f_layouts, (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw),
                                            t_dy, tidx, warp_idx, warpgroup_idx)
                 self.switch_forms()
-            self.consumer_loop(walk, first, expert_offsets, counter_offsets, counters, preact,
+            self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counter_offsets, counters, preact,
                                row_slot, weights, partials, ab_pipeline, tiled_mma, sA, sB, sC,
                                (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                                (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), w_layouts,
@@ -234,6 +236,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         per_minibatch = Int32(scalars[1])
         live = (num_tiles[0] + per_minibatch - 1) // per_minibatch
         return queue_live_len[cutlass.min(live, cute.size(queue_live_len) - 1)]
+
+    @cute.jit
+    def _walk(self, tasks: cute.Tensor, queue: cute.Tensor, queue_live_len: cute.Tensor,
+              num_tiles: cute.Tensor, scalars: cute.Tensor):
+        """The walk: (tasks, queue, live prefix, num_tiles, tail begin, queue length)."""
+        return (tasks, queue, self._live_len(queue_live_len, num_tiles, scalars), num_tiles,
+                Int32(scalars[2]), Int32(scalars[3]))
 
     @cute.jit
     def _walk_len(self, walk) -> Int32:

@@ -65,16 +65,16 @@ class Fc2PingpongForm(RowEpilogueMixin, GemmCoreSm90):
     @cute.jit
     def mainloop_begin(self, hook_args):
         """Wait for this warpgroup's turn (not before the CTA's first FC2_DGRAD)."""
-        my_turn, _, waits, _ = hook_args
+        my_turn, _, waits, _, _, _, _ = hook_args
         if waits:
             my_turn.arrive_and_wait()
 
     @cute.jit
     def mainloop_end(self, k_tiles: Int32, hook_args):
-        """Every stage of this tile has been waited on: the other warpgroup's turn, if it
-        has a next FC2_DGRAD."""
-        _, their_turn, _, hands_over = hook_args
-        if hands_over:
+        """Every stage of this tile has been waited on: the other warpgroup's turn, if the CTA
+        has a next live FC2_DGRAD (looked up here, not held through the mainloop)."""
+        _, their_turn, _, host, walk, pos, fc2_end = hook_args
+        if host._next_live_fc2(walk, pos + host.num_ctas, fc2_end) < fc2_end:
             their_turn.arrive()
 
 
@@ -101,8 +101,9 @@ class Fc2PingpongTasksMixin:
 
     @cute.jit
     def _next_live_fc2(self, walk, pos: Int32, fc2_end: Int32) -> Int32:
-        """This CTA's first position from ``pos`` whose FC2_DGRAD runs (>= ``fc2_end``: none)."""
-        tasks, queue, _, num_tiles, _, _ = walk
+        """This CTA's first position from ``pos`` whose FC2_DGRAD runs (>= ``fc2_end``: none);
+        ``walk``: (tasks, queue, num_tiles), the phase's positions being queue positions."""
+        tasks, queue, num_tiles = walk
         at = pos
         searching = at < fc2_end
         while searching:
@@ -112,6 +113,16 @@ class Fc2PingpongTasksMixin:
                 at += self.num_ctas
                 searching = at < fc2_end
         return at
+
+    @cute.jit
+    def _fc2_task(self, walk, pos: Int32, counter_offsets: cute.Tensor):
+        """(M-tile, N-tile, counter slot it signals, list index) of the phase's position ``pos``."""
+        tasks, queue, _ = walk
+        index = queue[pos]
+        signal = (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
+                  + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
+        return (tasks[index, int(BackwardWord.TILE)], tasks[index, int(BackwardWord.N_TILE)],
+                signal, index)
 
     @cute.jit
     def _first_after(self, fc2_end: Int32) -> Int32:
@@ -139,7 +150,7 @@ class Fc2PingpongTasksMixin:
         loads = Int32(0)
         pos = self._next_live_fc2(walk, Int32(cute.arch.block_idx()[0]), fc2_end)
         while pos < fc2_end:
-            _, _, m_tile, n_tile, _, _, _, index = self._task(walk, pos, counter_offsets)
+            m_tile, n_tile, _, index = self._fc2_task(walk, pos, counter_offsets)
             self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
                             timeout_ns)
             cute.arch.fence_proxy("async.global")
@@ -190,12 +201,12 @@ class Fc2PingpongTasksMixin:
         live = Int32(0)  # live FC2_DGRAD tasks of this CTA before pos
         pos = self._next_live_fc2(walk, Int32(cute.arch.block_idx()[0]), fc2_end)
         while pos < fc2_end:
-            nxt = self._next_live_fc2(walk, pos + self.num_ctas, fc2_end)
             if live % 2 == wg:
-                _, _, m_tile, n_tile, _, _, signal, _ = self._task(walk, pos, counter_offsets)
+                m_tile, n_tile, _, _ = self._fc2_task(walk, pos, counter_offsets)
                 release = self.fc2.mainloop(ring, tiled_mma, acc, tCrA, tCrB, live * k_tiles,
-                                        k_tiles, num_k_blocks,
-                                        (my_turn, their_turn, live > 0, nxt < fc2_end))
+                                            k_tiles, num_k_blocks,
+                                            (my_turn, their_turn, live > 0, self, walk, pos,
+                                             fc2_end))
                 cute.nvgpu.warpgroup.wait_group(0)
                 ring.consumer_release(release)
                 rows, visit_args = self.fc2.row_visit_args(epi, "dgated", coords, m_tile, n_tile,
@@ -206,8 +217,9 @@ class Fc2PingpongTasksMixin:
                                    is_store_warp, visit_args)
                 self.fc2._store_row_sums(rows, partials, m_tile, n_tile, wg_tidx)
                 subtiles += subtiles_per_task
+                signal = self._fc2_task(walk, pos, counter_offsets)[2]  # decoded again: fewer live registers
                 common.publish_stored(counters, signal, is_store_warp, wg_tidx == 0)
-            pos = nxt
+            pos = self._next_live_fc2(walk, pos + self.num_ctas, fc2_end)
             live += 1
         return self._first_after(fc2_end)
 
