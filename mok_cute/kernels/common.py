@@ -171,21 +171,24 @@ def wait_counter(counter: cute.Tensor, index, target, timeout_ns: Int64, error: 
     """
     value = counter_load(counter, index, scope)
     reached = value >= target
+    done = reached  # leaves the spin: reached, or given up
     if not reached:
         deadline_ns = cute.arch.globaltimer() + timeout_ns  # read only by waits that miss
         sleep_ns = Int32(SPIN_SLEEP_MIN_NS)
-        while not reached:
+        while not done:
             nanosleep(sleep_ns)
             sleep_ns = cutlass.min(sleep_ns * 2, SPIN_SLEEP_MAX_NS)
             value = counter_load(counter, index, scope)
             reached = value >= target
+            done = reached
             if not reached:
                 if cute.arch.globaltimer() > deadline_ns or error_recorded(error):
                     code = cutlass.select_(value < started_at, Int32(PEER_NEVER_STARTED),
                                            Int32(WAIT_TIMEOUT))
                     record_error(error, task_id, peer, rank, code)
-                    reached = True  # leave the loop; the caller sees the error word
-    return counter_load(counter, index, scope) >= target
+                    done = True  # the caller sees the error word
+    # no load after the spin: an acquire round trip per wait that nobody needed
+    return reached
 
 
 # ---------------------------------------------------------------------- compile helpers

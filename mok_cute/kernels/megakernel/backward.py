@@ -77,12 +77,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         the cooperative 128 x 256 tiles of FC1_DGRAD.
     """
 
-    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, lane_waits: bool = True):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
+        self.lane_waits = lane_waits  # TEMPORARY A/B: lane-strided expert waits
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -376,7 +377,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                    timeout_ns: Int64):
         """Spin until every wait of task ``index`` holds: counter[group][i] >= target for
         i in [first, first + count) (a dgrad's waits name its own M-tile, which is live; an
-        ``EXPERT_TILES`` wait the M-tiles of the task's expert, from its schedule rows)."""
+        ``EXPERT_TILES`` wait the M-tiles of the task's expert, from its schedule rows). Run by
+        the whole load warp: lane l waits on counters first + l, first + l + 32, ... (one
+        round trip for an expert's tiles, not one per tile), then the warp syncs, which orders
+        every lane's acquire before the loads the warp issues next."""
         for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
             word = int(BackwardWord.WAITS) + 4 * w
             base = counter_offsets[tasks[index, word]]
@@ -387,9 +391,16 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                 expert = tasks[index, int(BackwardWord.TILE)]
                 first = expert_offsets[expert] // TILE_M
                 count = expert_offsets[expert + 1] // TILE_M - first
-            for i in cutlass.range(first, first + count, unroll=1):
-                common.wait_counter(counters, base + i, target, timeout_ns, error, index,
-                                    Int32(0), Int32(0))
+            if const_expr(self.lane_waits):
+                for i in cutlass.range(first + cute.arch.lane_idx(), first + count, 32, unroll=1):
+                    common.wait_counter(counters, base + i, target, timeout_ns, error, index,
+                                        Int32(0), Int32(0))
+            else:
+                for i in cutlass.range(first, first + count, unroll=1):
+                    common.wait_counter(counters, base + i, target, timeout_ns, error, index,
+                                        Int32(0), Int32(0))
+        if const_expr(self.lane_waits):
+            cute.arch.sync_warp()
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -495,10 +506,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                fc2_pingpong: bool = False):
+                                fc2_pingpong: bool = False, lane_waits: bool = True):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, lane_waits)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()
