@@ -153,7 +153,8 @@ def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_
         queue=as_i32(queue),
         live_len=as_i32(live_len),
         counter_offsets=as_i32(offsets),
-        counters=torch.zeros(max(int(offsets[-1]), 1), dtype=torch.int32, device=device),
+        # the task counters, then the weight gradients' ticket counter
+        counters=torch.zeros(int(offsets[-1]) + 1, dtype=torch.int32, device=device),
         error=torch.zeros(1, dtype=torch.int64, device=device),
         scalars=torch.tensor([int(timeout_ms * 1e6), per_mb, tail_begin, queue_len, fc2_count],
                              dtype=torch.int64, device=device))

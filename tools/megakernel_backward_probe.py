@@ -22,7 +22,7 @@ from tools.layer_profile import gpu_ms  # noqa: E402
 
 
 def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False,
-          lane_waits_ab: bool = False) -> dict:
+          tail_ab: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -105,10 +105,10 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
-    if lane_waits_ab:  # TEMPORARY: the expert waits one counter after another in every lane
-        variants["GEMMs: megakernel, one launch [serial waits]"] = static_ab(one_launch, lane_waits=False)
-        variants["moe_backward (megakernel) [serial waits]"] = static_ab(backward("megakernel"),
-                                                                          lane_waits=False)
+    if tail_ab:  # TEMPORARY: the weight gradients by the static walk instead of tickets
+        variants["GEMMs: megakernel, one launch [static tail]"] = static_ab(one_launch, tail_tickets=False)
+        variants["moe_backward (megakernel) [static tail]"] = static_ab(backward("megakernel"),
+                                                                         tail_tickets=False)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -174,9 +174,9 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
-    p.add_argument("--lane-waits-ab", action="store_true", help="TEMPORARY A/B")
+    p.add_argument("--tail-ab", action="store_true", help="TEMPORARY A/B")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.lane_waits_ab)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.tail_ab)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:

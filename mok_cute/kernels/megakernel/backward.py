@@ -57,6 +57,7 @@ from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
+from mok_cute.kernels.megakernel.scheduler import DECODED_WORDS, TICKET_SLOTS, ticket_ring_init
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, BackwardTaskType,
                                      BackwardWord)
@@ -77,13 +78,14 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         the cooperative 128 x 256 tiles of FC1_DGRAD.
     """
 
-    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, lane_waits: bool = True):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False,
+                 tail_tickets: bool = True):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
-        self.lane_waits = lane_waits  # TEMPORARY A/B: lane-strided expert waits
+        self.tail_tickets = tail_tickets  # TEMPORARY A/B: the weight gradients by tickets
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -147,7 +149,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
             w_stores.extend(mk(s2g, t, w_epi, self.wgrad.epi_tile))
         extra = {}
         if const_expr(self.fc2_pingpong):  # the pingpong ring's full / empty mbarriers
-            extra = {"fc2_full_empty": cute.struct.MemRange[Int64, 2 * FC2_STAGES]}
+            extra["fc2_full_empty"] = cute.struct.MemRange[Int64, 2 * FC2_STAGES]
+        if const_expr(self.tail_tickets):  # the tail's ticket ring: slots, full / empty mbarriers
+            extra["tail_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
+            extra["tail_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
@@ -194,6 +199,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         fc2_ring = None
         if const_expr(self.fc2_pingpong):
             fc2_ring = self.fc2_pipeline(storage, f_layouts)
+        tail_ring = None
+        if const_expr(self.tail_tickets):
+            tail_ring = (storage.tail_q.data_ptr(), storage.tail_full_empty.data_ptr())
+            if tidx == 0:  # readers: the eight consumer warps
+                ticket_ring_init(tail_ring[1], self.num_mma_threads // 32)
         walk_tables = (tasks, queue, queue_live_len, num_tiles, scalars)
         # the pingpong phase: the queue's FC2_DGRAD prefix, within the live prefix (its tasks
         # decoded from the queue alone: the walk's values are loaded after it, fewer registers
@@ -215,7 +225,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                                    (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg,
                                     tma_wu, t_wu),
                                    (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy,
-                                    tma_whw, t_whw), w_layouts)
+                                    tma_whw, t_whw), w_layouts, tail_ring)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
@@ -228,7 +238,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                                row_slot, weights, partials, ab_pipeline, tiled_mma, sA, sB, sC,
                                (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                                (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), w_layouts,
-                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx)
+                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring)
 
     @cute.jit
     def _live_len(self, queue_live_len: cute.Tensor, num_tiles: cute.Tensor,
@@ -287,7 +297,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
     @cute.jit
     def producer_loop(self, walk, first: Int32, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
-                      timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts):
+                      timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts,
+                      tail_ring):
         """The load warp from walk position ``first``: per task, its waits (each lane spins
         on its own copy; a weight gradient's wait on its expert's dgrads once per run of that
         expert's tasks), then its k-tiles' A and B boxes by TMA."""
@@ -337,24 +348,29 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
             pos = nxt
         # the weight gradients (the tail); an expert's dgrads waited on once per run of its tasks
         w_parts = self.wgrad_load_parts(sA, sB, wgrad_ops, w_layouts)
-        walk_len = self._walk_len(walk)
-        waited_expert = Int32(-1)
-        k0, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
-        while pos < walk_len:
-            nxt = pos + self.num_ctas
-            _, n_type, n_e, n_n, n_mb, _, _, n_index = self._task(walk, nxt, counter_offsets)
-            n_k0, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
-            if m_tile != waited_expert:
-                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
-                                timeout_ns)
-                cute.arch.fence_proxy("async.global")
-                waited_expert = m_tile
-            self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block, n_tile, k0,
-                            k_tiles, wgrad_ops, w_parts)
-            loads += k_tiles
-            ttype, m_tile, n_tile, m_block, index = n_type, n_e, n_n, n_mb, n_index
-            k0, k_tiles = n_k0, n_k_tiles
-            pos = nxt
+        if const_expr(self.tail_tickets):
+            loads = self.wgrad_producer_tickets(walk, tail_ring, expert_offsets, counter_offsets,
+                                                counters, error, timeout_ns, ab_pipeline, loads,
+                                                wgrad_ops, w_parts)
+        else:
+            walk_len = self._walk_len(walk)
+            waited_expert = Int32(-1)
+            k0, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
+            while pos < walk_len:
+                nxt = pos + self.num_ctas
+                _, n_type, n_e, n_n, n_mb, _, _, n_index = self._task(walk, nxt, counter_offsets)
+                n_k0, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
+                if m_tile != waited_expert:
+                    self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
+                                    timeout_ns)
+                    cute.arch.fence_proxy("async.global")
+                    waited_expert = m_tile
+                self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block, n_tile, k0,
+                                k_tiles, wgrad_ops, w_parts)
+                loads += k_tiles
+                ttype, m_tile, n_tile, m_block, index = n_type, n_e, n_n, n_mb, n_index
+                k0, k_tiles = n_k0, n_k_tiles
+                pos = nxt
         ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.ab_stages, loads))
 
@@ -377,10 +393,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                    timeout_ns: Int64):
         """Spin until every wait of task ``index`` holds: counter[group][i] >= target for
         i in [first, first + count) (a dgrad's waits name its own M-tile, which is live; an
-        ``EXPERT_TILES`` wait the M-tiles of the task's expert, from its schedule rows). Run by
-        the whole load warp: lane l waits on counters first + l, first + l + 32, ... (one
-        round trip for an expert's tiles, not one per tile), then the warp syncs, which orders
-        every lane's acquire before the loads the warp issues next."""
+        ``EXPERT_TILES`` wait the M-tiles of the task's expert, from its schedule rows)."""
         for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
             word = int(BackwardWord.WAITS) + 4 * w
             base = counter_offsets[tasks[index, word]]
@@ -391,16 +404,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                 expert = tasks[index, int(BackwardWord.TILE)]
                 first = expert_offsets[expert] // TILE_M
                 count = expert_offsets[expert + 1] // TILE_M - first
-            if const_expr(self.lane_waits):
-                for i in cutlass.range(first + cute.arch.lane_idx(), first + count, 32, unroll=1):
-                    common.wait_counter(counters, base + i, target, timeout_ns, error, index,
-                                        Int32(0), Int32(0))
-            else:
-                for i in cutlass.range(first, first + count, unroll=1):
-                    common.wait_counter(counters, base + i, target, timeout_ns, error, index,
-                                        Int32(0), Int32(0))
-        if const_expr(self.lane_waits):
-            cute.arch.sync_warp()
+            for i in cutlass.range(first, first + count, unroll=1):
+                common.wait_counter(counters, base + i, target, timeout_ns, error, index,
+                                    Int32(0), Int32(0))
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -408,7 +414,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
                       sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
-                      warpgroup_idx: Int32):
+                      warpgroup_idx: Int32, tail_ring):
         """Both consumer warpgroups from walk position ``first``: per task the mainloop, the
         epilogue's TMA stores, and for a dgrad, once they have landed, the task's counter,
         published by thread 0 of the store warp (nothing waits on a weight gradient: the
@@ -474,24 +480,32 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
             common.publish_stored(counters, held, is_store_warp, consumer_tidx == 0)
         # the weight gradients (the tail), on the other tile form
         walk_len = self._walk_len(walk)
-        if pos < walk_len:
-            self.switch_forms()
+        if const_expr(self.tail_tickets):
+            self.switch_forms()  # a CTA learns whether it runs any only from its tickets
+        else:
+            if pos < walk_len:
+                self.switch_forms()
         w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
                                             warpgroup_idx)
-        w_subtiles = Int32(0)
-        _, ttype, m_tile, n_tile, m_block, _, _, _ = self._task(walk, pos, counter_offsets)
-        _, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
-        while pos < walk_len:
-            nxt = pos + self.num_ctas
-            _, n_type, n_e, n_n, n_mb, _, _, _ = self._task(walk, nxt, counter_offsets)
-            _, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
-            self.wgrad_tile(ab_pipeline, w_layouts[0], w_parts, loads, k_tiles,
-                            ttype == _WGRAD_GATE_UP, m_tile, m_block, n_tile, w_subtiles,
-                            wgrad_stores, warpgroup_idx)
-            loads += k_tiles
-            w_subtiles += self.wgrad_subtiles()
-            ttype, m_tile, n_tile, m_block, k_tiles = n_type, n_e, n_n, n_mb, n_k_tiles
-            pos = nxt
+        if const_expr(self.tail_tickets):
+            self.wgrad_consumer_tickets(walk, tail_ring, expert_offsets, ab_pipeline,
+                                        w_layouts[0], w_parts, loads, wgrad_stores,
+                                        warpgroup_idx)
+        else:
+            w_subtiles = Int32(0)
+            _, ttype, m_tile, n_tile, m_block, _, _, _ = self._task(walk, pos, counter_offsets)
+            _, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
+            while pos < walk_len:
+                nxt = pos + self.num_ctas
+                _, n_type, n_e, n_n, n_mb, _, _, _ = self._task(walk, nxt, counter_offsets)
+                _, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
+                self.wgrad_tile(ab_pipeline, w_layouts[0], w_parts, loads, k_tiles,
+                                ttype == _WGRAD_GATE_UP, m_tile, m_block, n_tile, w_subtiles,
+                                wgrad_stores, warpgroup_idx)
+                loads += k_tiles
+                w_subtiles += self.wgrad_subtiles()
+                ttype, m_tile, n_tile, m_block, k_tiles = n_type, n_e, n_n, n_mb, n_k_tiles
+                pos = nxt
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -506,10 +520,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                fc2_pingpong: bool = False, lane_waits: bool = True):
+                                fc2_pingpong: bool = False, tail_tickets: bool = True):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, lane_waits)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, tail_tickets)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()

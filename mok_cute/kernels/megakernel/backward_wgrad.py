@@ -29,6 +29,9 @@ from cutlass import BFloat16, Int32
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state
+from mok_cute.kernels.megakernel.scheduler import (D_INDEX, TICKET_SLOTS, ring_next,
+                                                   ring_wait_empty, ring_words)
+from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
 
 WG_ROWS = 128  # output rows per consumer warpgroup
 WGRAD_TILE_N = 128
@@ -138,6 +141,79 @@ class WgradTasksMixin:
                 cute.copy(atom_hw, g_hw[(None, n_tile, k0 + k, 0)], s_hw[(None, stage)], tma_bar_ptr=bar)
             ab_pipeline.producer_commit(state)
             state.advance()
+
+    @cute.jit
+    def _tail_ticket(self, counters: cute.Tensor, slot: Int32, ring, k: Int32) -> Int32:
+        """Lane 0 of the load warp takes the next tail ticket (relaxed: the ring orders it) and
+        publishes it as ring use ``k`` for the consumer warps; every lane gets it."""
+        tail_q, bars = ring
+        t = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            ring_wait_empty(bars, k)
+            t = cute.arch.atomic_add((counters.iterator + slot).llvm_ptr, Int32(1),
+                                     sem="relaxed", scope="gpu")
+            ring_words(tail_q, k)[D_INDEX] = t
+            cute.arch.mbarrier_arrive(bars + k % TICKET_SLOTS)  # release: the word, then the phase
+        return cute.arch.shuffle_sync(t, 0)
+
+    @cute.jit
+    def wgrad_producer_tickets(self, walk, ring, expert_offsets: cute.Tensor,
+                               counter_offsets: cute.Tensor, counters: cute.Tensor,
+                               error: cute.Tensor, timeout_ns, ab_pipeline, loads: Int32, ops,
+                               parts) -> Int32:
+        """The load warp's tail by tickets: the launch's tail positions go out in order from
+        one counter (the slot after the task counters), so the tiles running at any time are
+        a window of consecutive positions, as in a ``gemm_wgrad`` launch, however far apart
+        the CTAs finished their dgrads. Per ticket: the expert's dgrads waited on (once per
+        run of its tasks), then the tile's loads. Returns the stage uses so far."""
+        tasks, queue, _, _, tail_begin, queue_len = walk
+        tail_len = queue_len - tail_begin
+        slot = counter_offsets[cute.size(counter_offsets) - 1]
+        waited_expert = Int32(-1)
+        k = Int32(0)
+        t = self._tail_ticket(counters, slot, ring, k)
+        while t < tail_len:
+            index = queue[tail_begin + t]
+            expert = tasks[index, int(BackwardWord.TILE)]
+            k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            if expert != waited_expert:
+                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
+                                timeout_ns)
+                cute.arch.fence_proxy("async.global")
+                waited_expert = expert
+            self.wgrad_load(ab_pipeline, loads,
+                            tasks[index, int(BackwardWord.TYPE)] == int(BackwardTaskType.WGRAD_GATE_UP),
+                            tasks[index, int(BackwardWord.M_BLOCK)],
+                            tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
+            loads += k_tiles
+            k += 1
+            t = self._tail_ticket(counters, slot, ring, k)
+        return loads
+
+    @cute.jit
+    def wgrad_consumer_tickets(self, walk, ring, expert_offsets: cute.Tensor, ab_pipeline,
+                               tiled_mma, parts, loads: Int32, stores, warpgroup_idx: Int32):
+        """Both consumer warpgroups' tail by tickets: each ring use names the tail position
+        the producer loaded next (past the tail: the end)."""
+        tasks, queue, _, _, tail_begin, queue_len = walk
+        tail_q, bars = ring
+        tail_len = queue_len - tail_begin
+        subtiles = Int32(0)
+        k = Int32(0)
+        t = ring_next(tail_q, bars, k)[0]
+        while t < tail_len:
+            index = queue[tail_begin + t]
+            expert = tasks[index, int(BackwardWord.TILE)]
+            _, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
+                            tasks[index, int(BackwardWord.TYPE)] == int(BackwardTaskType.WGRAD_GATE_UP),
+                            expert, tasks[index, int(BackwardWord.M_BLOCK)],
+                            tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
+                            warpgroup_idx)
+            loads += k_tiles
+            subtiles += self.wgrad_subtiles()
+            k += 1
+            t = ring_next(tail_q, bars, k)[0]
 
     # ------------------------------------------------------------------ consumers
     def wgrad_consumer_parts(self, sA, sB, sC, layouts, tidx, warp_idx, warpgroup_idx):
