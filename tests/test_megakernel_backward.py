@@ -113,11 +113,13 @@ def test_weight_gradient_tail_holds_each_expert_tile_once(capacity_tiles, expert
 
 @pytest.mark.parametrize("capacity_tiles,experts,num_ctas", [(40, 8, 132), (7, 3, 5), (13, 2, 4)])
 def test_the_kernels_walk_runs_each_live_task_once_dgrads_first(capacity_tiles, experts, num_ctas):
-    """The kernel's walk (``BackwardMegakernelSm90._index``: the live prefix, then the tail from
-    ``tail_begin``) over the host's tables, for every live tile count: each dgrad of a live
-    M-tile and every weight-gradient tile run once, nothing of a dead minibatch runs, a CTA's
-    dgrads come before its weight gradients, and every wait's signallers sit at lower
-    positions (the deadlock-freedom premise: CTAs take their positions in increasing order)."""
+    """The kernel's walk over the host's tables, for every live tile count: the dgrads by
+    static positions (``BackwardMegakernelSm90._index`` inside the live prefix), the weight
+    gradients by tickets (positions ``tail_begin + t``, t = 0, 1, ... from one counter). Each
+    dgrad of a live M-tile and every weight-gradient tile run once, nothing of a dead
+    minibatch runs, every dgrad wait's signallers sit at lower positions, and the weight
+    gradients wait on dgrads only (the deadlock-freedom premise: CTAs take their dgrad
+    positions in increasing order, and nothing a dgrad waits on is taken by ticket)."""
     from mok_cute import megakernel_backward as mb
     from mok_cute import tasks_backward as tb
 
@@ -129,29 +131,26 @@ def test_the_kernels_walk_runs_each_live_task_once_dgrads_first(capacity_tiles, 
     per_mb = mb.tiles_per_minibatch(capacity_tiles)
     tail = int(tail_begin[int(tb.Role.COMPUTE)])
     wgrad = (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
+    dgrad = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
+    assert all(tl[int(i)].type in wgrad for i in queue[tail:])
     for num_tiles in range(capacity_tiles + 1):
         live = -(-num_tiles // per_mb)
         prefix = int(live_len[int(tb.Role.COMPUTE)][min(live, live_len.shape[1] - 1)])
-        walk = [queue[p] if p < prefix else queue[tail + p - prefix]
-                for p in range(prefix + len(queue) - tail)]
-        run = [i for i in walk if tl[int(i)].type in wgrad or tl[int(i)].tile < num_tiles]
+        walk = queue[:prefix]
+        tickets = queue[tail:]
+        run = [i for i in walk if tl[int(i)].tile < num_tiles] + tickets
         want = [t.index for t in tl if t.type in kinds
                 and (t.type in wgrad or t.tile < num_tiles)]
         assert sorted(run) == sorted(want) and len(set(run)) == len(run), num_tiles
-        for b in range(num_ctas):
-            mine = [tl[int(i)].type in wgrad for i in walk[b::num_ctas]]
-            assert mine == sorted(mine)  # dgrads, then weight gradients
+        assert all(tl[int(i)].type in dgrad for i in walk)
         position = {int(i): p for p, i in enumerate(walk)}
         for i in run:
             for group, first, count, _ in tl[int(i)].waits:
-                if first == tb.EXPERT_TILES:  # all dgrads: the prefix precedes the tail
-                    assert all(position[int(j)] < position[int(i)] for j in run
-                               if tl[int(j)].type == tb.BackwardTaskType.FC2_DGRAD)
-                    continue
-                for j in run:
-                    t = tl[int(j)]
-                    if t.signal[0] == group and first <= t.signal[1] < first + count:
-                        assert position[int(j)] < position[int(i)]
+                signallers = [j for j in run if tl[int(j)].signal[0] == group and (
+                    first == tb.EXPERT_TILES or first <= tl[int(j)].signal[1] < first + count)]
+                assert all(tl[int(j)].type in dgrad for j in signallers)
+                if tl[int(i)].type in dgrad:
+                    assert all(position[int(j)] < position[int(i)] for j in signallers)
 
 
 @pytest.mark.parametrize("experts", [0, 3])

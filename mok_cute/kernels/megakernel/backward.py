@@ -14,20 +14,24 @@ H = ``constants.FC2_DGRAD_PINGPONG_MAX_K`` (``fc2_pingpong``) FC2_DGRAD runs ins
 one-GPU launch does there, pingpong 128 x 128 tiles on a ring of its own (``backward_fc2``),
 a phase before the cooperative tasks.
 The weight gradients (WGRAD_DOWN, WGRAD_GATE_UP: ``backward_wgrad``) run ``gemm_wgrad``'s
-tiles on the same stages, after the dgrads in the list; each waits until every FC2_DGRAD of
-its expert's M-tiles has published (the range read from the schedule's expert offsets).
+tiles on the same stages, after a CTA's dgrads; each waits until every FC2_DGRAD of its
+expert's M-tiles has published (the range read from the schedule's expert offsets).
 The tiles, their k order and their epilogues are those of ``expert_backward``'s two dgrad
 launches, so the outputs are bitwise the same. The host queues one minibatch (every FC2_DGRAD
 before any FC1_DGRAD: interleaving them put twice the weights in flight and measured slower),
 so what the one launch adds is that the first FC1_DGRAD tiles start while the last FC2_DGRAD
 tiles still run (no launch boundary).
 
-Walk: every CTA takes compute-queue positions ``b, b + grid, ...`` (static tickets: every
-warp resolves its own); the live prefix (``queue_live_len`` of the live minibatch count) is
-followed by the tail (the weight gradients, from ``tail_begin``), the minibatches past the
-live ones skipped; a dgrad whose M-tile is past ``num_tiles`` is skipped (nothing waits on
-it). Deadlock-free as the forward: every CTA is resident, takes its positions in increasing
-order, and every wait points to a lower position.
+Walk: every CTA takes the dgrads' compute-queue positions ``b, b + grid, ...`` inside the
+live prefix (``queue_live_len`` of the live minibatch count; static tickets: every warp
+resolves its own), a dgrad whose M-tile is past ``num_tiles`` skipped (nothing waits on it).
+Then the weight gradients by tickets from one counter (``backward_wgrad``: the load warp's
+lane 0 takes them and hands them to the consumer warps through a smem ring), so the tiles
+running at any time are consecutive positions of the tail, as in a ``gemm_wgrad`` launch,
+however far apart the CTAs finished their dgrads (measured 1.01-1.06 x the static walk's
+speed on four of the five shapes, 0.97 x on qwen3_30b; docs/measurements.md). Deadlock-free:
+every CTA is resident, takes its dgrad positions in increasing order, every dgrad wait points
+to a lower position, and the weight gradients wait on dgrads only.
 
 Ordering: FC2_DGRAD's store warp waits for its TMA stores to land, fences the async proxy
 and publishes ``DGATED[j]`` with release; FC1_DGRAD's producer acquires it and fences the
@@ -63,8 +67,8 @@ from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, Backward
                                      BackwardWord)
 
 # scalars int64: the wait bound, the minibatch size in M-tiles (the live prefix), the queue
-# position where the tail (weight gradients) begins, the queue's length, its FC2_DGRAD count
-# (the pingpong phase's end)
+# position where the tail (weight gradients, by ticket) begins, the queue's length, its
+# FC2_DGRAD count (the pingpong phase's end)
 BACKWARD_SCALARS = 5
 _WGRAD_GATE_UP = int(BackwardTaskType.WGRAD_GATE_UP)
 
@@ -78,14 +82,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         the cooperative 128 x 256 tiles of FC1_DGRAD.
     """
 
-    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False,
-                 tail_tickets: bool = True):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
-        self.tail_tickets = tail_tickets  # TEMPORARY A/B: the weight gradients by tickets
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -150,9 +152,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         extra = {}
         if const_expr(self.fc2_pingpong):  # the pingpong ring's full / empty mbarriers
             extra["fc2_full_empty"] = cute.struct.MemRange[Int64, 2 * FC2_STAGES]
-        if const_expr(self.tail_tickets):  # the tail's ticket ring: slots, full / empty mbarriers
-            extra["tail_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
-            extra["tail_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
+        # the tail's ticket ring: slots, full / empty mbarriers
+        extra["tail_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
+        extra["tail_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
@@ -199,11 +201,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         fc2_ring = None
         if const_expr(self.fc2_pingpong):
             fc2_ring = self.fc2_pipeline(storage, f_layouts)
-        tail_ring = None
-        if const_expr(self.tail_tickets):
-            tail_ring = (storage.tail_q.data_ptr(), storage.tail_full_empty.data_ptr())
-            if tidx == 0:  # readers: the eight consumer warps
-                ticket_ring_init(tail_ring[1], self.num_mma_threads // 32)
+        tail_ring = (storage.tail_q.data_ptr(), storage.tail_full_empty.data_ptr())
+        if tidx == 0:  # its readers: the eight consumer warps
+            ticket_ring_init(tail_ring[1], self.num_mma_threads // 32)
         walk_tables = (tasks, queue, queue_live_len, num_tiles, scalars)
         # the pingpong phase: the queue's FC2_DGRAD prefix, within the live prefix (its tasks
         # decoded from the queue alone: the walk's values are loaded after it, fewer registers
@@ -299,9 +299,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                       timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts,
                       tail_ring):
-        """The load warp from walk position ``first``: per task, its waits (each lane spins
-        on its own copy; a weight gradient's wait on its expert's dgrads once per run of that
-        expert's tasks), then its k-tiles' A and B boxes by TMA."""
+        """The load warp from walk position ``first``: per dgrad its waits (each lane spins on
+        its own copy), then its k-tiles' A and B boxes by TMA; then the weight gradients by
+        tickets (``wgrad_producer_tickets``)."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = ops
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         g_dy, s_dy = g_wd, s_wd = None, None
@@ -316,10 +316,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         tasks, _, live_len, _, _, _ = walk
         loads = Int32(0)
         pos = first
-        run, ttype, m_tile, n_tile, m_block, _, _, index = self._task(walk, pos, counter_offsets)
+        run, ttype, m_tile, n_tile, _, _, _, index = self._task(walk, pos, counter_offsets)
         while pos < live_len:  # the dgrads
             nxt = pos + self.num_ctas
-            n_run, n_type, n_m, n_n, n_mb, _, _, n_index = self._task(walk, nxt, counter_offsets)
+            n_run, n_type, n_m, n_n, _, _, _, n_index = self._task(walk, nxt, counter_offsets)
             if run:
                 self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
                                 timeout_ns)
@@ -344,33 +344,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                     ab_pipeline.producer_commit(state)
                     state.advance()
                 loads += k_tiles
-            run, ttype, m_tile, n_tile, m_block, index = n_run, n_type, n_m, n_n, n_mb, n_index
+            run, ttype, m_tile, n_tile, index = n_run, n_type, n_m, n_n, n_index
             pos = nxt
-        # the weight gradients (the tail); an expert's dgrads waited on once per run of its tasks
+        # the weight gradients (the tail), by tickets
         w_parts = self.wgrad_load_parts(sA, sB, wgrad_ops, w_layouts)
-        if const_expr(self.tail_tickets):
-            loads = self.wgrad_producer_tickets(walk, tail_ring, expert_offsets, counter_offsets,
-                                                counters, error, timeout_ns, ab_pipeline, loads,
-                                                wgrad_ops, w_parts)
-        else:
-            walk_len = self._walk_len(walk)
-            waited_expert = Int32(-1)
-            k0, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
-            while pos < walk_len:
-                nxt = pos + self.num_ctas
-                _, n_type, n_e, n_n, n_mb, _, _, n_index = self._task(walk, nxt, counter_offsets)
-                n_k0, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
-                if m_tile != waited_expert:
-                    self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
-                                    timeout_ns)
-                    cute.arch.fence_proxy("async.global")
-                    waited_expert = m_tile
-                self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block, n_tile, k0,
-                                k_tiles, wgrad_ops, w_parts)
-                loads += k_tiles
-                ttype, m_tile, n_tile, m_block, index = n_type, n_e, n_n, n_mb, n_index
-                k0, k_tiles = n_k0, n_k_tiles
-                pos = nxt
+        loads = self.wgrad_producer_tickets(walk, tail_ring, expert_offsets, counter_offsets,
+                                            counters, error, timeout_ns, ab_pipeline, loads,
+                                            wgrad_ops, w_parts)
         ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.ab_stages, loads))
 
@@ -479,33 +459,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         if held >= 0:
             common.publish_stored(counters, held, is_store_warp, consumer_tidx == 0)
         # the weight gradients (the tail), on the other tile form
-        walk_len = self._walk_len(walk)
-        if const_expr(self.tail_tickets):
-            self.switch_forms()  # a CTA learns whether it runs any only from its tickets
-        else:
-            if pos < walk_len:
-                self.switch_forms()
+        self.switch_forms()  # a CTA learns whether it runs any only from its tickets
         w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
                                             warpgroup_idx)
-        if const_expr(self.tail_tickets):
-            self.wgrad_consumer_tickets(walk, tail_ring, expert_offsets, ab_pipeline,
-                                        w_layouts[0], w_parts, loads, wgrad_stores,
-                                        warpgroup_idx)
-        else:
-            w_subtiles = Int32(0)
-            _, ttype, m_tile, n_tile, m_block, _, _, _ = self._task(walk, pos, counter_offsets)
-            _, k_tiles = self.wgrad_rows(expert_offsets, m_tile)
-            while pos < walk_len:
-                nxt = pos + self.num_ctas
-                _, n_type, n_e, n_n, n_mb, _, _, _ = self._task(walk, nxt, counter_offsets)
-                _, n_k_tiles = self.wgrad_rows(expert_offsets, n_e)
-                self.wgrad_tile(ab_pipeline, w_layouts[0], w_parts, loads, k_tiles,
-                                ttype == _WGRAD_GATE_UP, m_tile, m_block, n_tile, w_subtiles,
-                                wgrad_stores, warpgroup_idx)
-                loads += k_tiles
-                w_subtiles += self.wgrad_subtiles()
-                ttype, m_tile, n_tile, m_block, k_tiles = n_type, n_e, n_n, n_mb, n_k_tiles
-                pos = nxt
+        self.wgrad_consumer_tickets(walk, tail_ring, expert_offsets, ab_pipeline, w_layouts[0],
+                                    w_parts, loads, wgrad_stores, warpgroup_idx)
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -520,10 +478,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                fc2_pingpong: bool = False, tail_tickets: bool = True):
+                                fc2_pingpong: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, tail_tickets)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()

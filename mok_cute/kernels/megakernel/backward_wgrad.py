@@ -17,6 +17,13 @@ B box's bytes (warpgroup w's at 16 KB x w) and their B box in the dgrad A box's 
 epilogue (each warpgroup its own 128 x 128 tile in 64 x 32 subtiles, ``gemm_wgrad``'s) views
 the dgrads' epilogue buffers; a CTA whose next task is of the other form first drains its
 TMA stores (``switch_forms``), since the two forms' buffers overlap.
+
+The tiles go out by ticket: lane 0 of the load warp takes tail position t from one counter
+(the slot after the task counters, zeroed per launch), writes it into ring use k of a smem
+ticket ring (``scheduler``'s: ``TICKET_SLOTS`` slots, full / empty mbarriers) and loads the
+tile; the consumer warps read use k to learn which tile their stages hold; a position past the
+tail ends both. Each tile still has one owner running its expert's rows in order: the bits do
+not depend on which CTA runs it.
 """
 
 from __future__ import annotations
