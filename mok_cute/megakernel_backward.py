@@ -53,8 +53,6 @@ _TABLES: dict[tuple, DgradTables] = {}
 _LOCK = threading.Lock()
 
 
-_AB_STATIC: dict = {}  # TEMPORARY: static compile overrides of a probe's A/B variant
-
 RASTER_M = 8  # M-tiles per raster group of the dgrad tasks (tasks_backward: L2 reuse of weights)
 
 
@@ -232,7 +230,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                fc2_pingpong=fc2_pingpong(hidden), **_AB_STATIC)
+                                fc2_pingpong=fc2_pingpong(hidden))
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),

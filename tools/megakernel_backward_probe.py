@@ -21,8 +21,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False,
-          tail_ab: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -105,10 +104,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
-    if tail_ab:  # TEMPORARY: the weight gradients by the static walk instead of tickets
-        variants["GEMMs: megakernel, one launch [static tail]"] = static_ab(one_launch, tail_tickets=False)
-        variants["moe_backward (megakernel) [static tail]"] = static_ab(backward("megakernel"),
-                                                                         tail_tickets=False)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -126,19 +121,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
           f"whole backward {ratios['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
-
-
-def static_ab(fn, **static):
-    """TEMPORARY: ``fn`` with the backward megakernel compiled with ``static`` overrides."""
-    from mok_cute import megakernel_backward as mb
-
-    def run():
-        mb._AB_STATIC.update(static)
-        try:
-            return fn()
-        finally:
-            mb._AB_STATIC.clear()
-    return run
 
 
 def patched(fn, per_mb=None, fc2_pingpong=None):
@@ -174,9 +156,8 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
-    p.add_argument("--tail-ab", action="store_true", help="TEMPORARY A/B")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.tail_ab)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
