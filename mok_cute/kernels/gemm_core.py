@@ -406,7 +406,8 @@ def smem_overlay(base, staged, offset_elems: int = 0, stage_stride=None):
         tile = cute.slice_(outer, (None, None, 0))
         outer = cute.make_layout(cute.append(tile.shape, cute.size(outer, mode=[2])),
                                  stride=cute.append(tile.stride, stage_stride))
-    ptr = base.iterator + offset_elems if offset_elems else base.iterator
+    static_zero = isinstance(offset_elems, int) and offset_elems == 0
+    ptr = base.iterator if static_zero else base.iterator + offset_elems
     return cute.make_tensor(cute.recast_ptr(ptr, staged.inner), outer)
 
 

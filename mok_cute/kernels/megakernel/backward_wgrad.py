@@ -35,7 +35,7 @@ from cutlass import BFloat16, Int32
 
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state
+from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay
 from mok_cute.kernels.megakernel.scheduler import (D_INDEX, TICKET_SLOTS, ring_next,
                                                    ring_wait_empty, ring_words)
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
@@ -77,20 +77,16 @@ class WgradTasksMixin:
         ``warpgroup`` of each stage (stage stride two boxes); ``box`` the staged box layout.
         Traced inline."""
         box_elems = cute.cosize(cute.slice_(box, (None, None, 0)))
-        tile = cute.slice_(box.outer, (None, None, 0))
-        outer = cute.make_layout(cute.append(tile.shape, self.ab_stages),
-                                 stride=cute.append(tile.stride, 2 * box_elems))
-        return cute.make_tensor(cute.recast_ptr(sB.iterator + warpgroup * box_elems, box.inner),
-                                outer)
+        return smem_overlay(sB, box, warpgroup * box_elems, 2 * box_elems)
 
     def wgrad_b_stages(self, sA, box):
         """The weight-gradient B boxes: the dgrads' A region, one box a stage. Traced inline."""
-        return cute.make_tensor(cute.recast_ptr(sA.iterator, box.inner), box.outer)
+        return smem_overlay(sA, box)
 
     def wgrad_epi_buffers(self, sC, epi):
         """The weight gradients' epilogue buffers (64 x 32, per warpgroup) over the dgrads';
         ``epi`` their staged layout. Traced inline."""
-        return cute.make_tensor(cute.recast_ptr(sC.iterator, epi.inner), epi.outer)
+        return smem_overlay(sC, epi)
 
     # ------------------------------------------------------------------ producer
     def wgrad_load_parts(self, sA, sB, ops, layouts):
