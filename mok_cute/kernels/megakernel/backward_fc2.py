@@ -52,8 +52,7 @@ class Fc2PingpongForm(RowEpilogueMixin, GemmCoreSm90):
 
     def check_fits(self, a_staged, b_staged):
         """Host side: the ring fits in a host kernel's A and B stages (laid out back to back)."""
-        ring = FC2_STAGES * (cute.cosize(self.a_smem_layout_staged)
-                             + cute.cosize(self.b_smem_layout_staged)) // FC2_STAGES
+        ring = cute.cosize(self.a_smem_layout_staged) + cute.cosize(self.b_smem_layout_staged)
         assert ring <= cute.cosize(a_staged) + cute.cosize(b_staged), "the FC2 ring needs more smem"
 
     def kernel_args(self):
