@@ -17,6 +17,17 @@ BACKWARD_TILE_N = 256  # the backward megakernel's N-tile: FC2_DGRAD over I, FC1
 # mixtral 0.81, sonic 0.89, qwen3 1.01, dsv3 (K 7168) 1.03 (H200, docs/measurements.md, 2026-12-02)
 FC2_DGRAD_PINGPONG_MAX_K = 6144
 FC2_DGRAD_PINGPONG_TILE_N = 128
+
+
+def fc2_dgrad_pingpong(hidden: int) -> bool:
+    """Whether FC2's dgrad runs as pingpong 128-wide tiles at this H (= its K)."""
+    return hidden <= FC2_DGRAD_PINGPONG_MAX_K
+
+
+def fc2_dgrad_tile_n(pingpong: bool) -> int:
+    """FC2's dgrad N-tile over I in that form (the row partials' column width)."""
+    return FC2_DGRAD_PINGPONG_TILE_N if pingpong else BACKWARD_TILE_N
+
 TICKETS = 2  # int32 words after rank 0's counters: the comm and compute ticket counters
 KSUM_ROWS = 8  # local tokens per KSUM task (must divide TILE_M)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest

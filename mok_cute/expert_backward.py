@@ -25,7 +25,7 @@ import torch
 
 from mok_cute import jit
 from mok_cute.config import ExpertPathOptions
-from mok_cute.constants import FC2_DGRAD_PINGPONG_MAX_K, FC2_DGRAD_PINGPONG_TILE_N, TILE_K
+from mok_cute.constants import TILE_K, fc2_dgrad_pingpong, fc2_dgrad_tile_n
 from mok_cute.expert_path import SavedForBackward, _num_sms, check_preact, shared_tiles
 
 
@@ -51,13 +51,13 @@ def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
     d_rows [M, H]; w_down [E, H, I]; preact [slots, 2I] (g | u by slot); row_slot [M] int32
     (-1: padding); weights fp32 [slots].
     Returns (d_preact [M, 2I] = dG | dU, hw [M, I] = w * h, row partials [M, N-tiles] fp32).
-    ``pingpong``: the GEMM variant (same bits either way; None: by K,
-    ``constants.FC2_DGRAD_PINGPONG_MAX_K``)."""
+    ``pingpong``: the GEMM variant (None: by K, ``constants.fc2_dgrad_pingpong``; the row
+    partials' bits follow the tile width)."""
     rows, inter = d_rows.shape[0], w_down.shape[2]
     check_preact(preact, inter, row_slot, rows)
     if pingpong is None:
-        pingpong = d_rows.shape[1] <= FC2_DGRAD_PINGPONG_MAX_K
-    tile_n = FC2_DGRAD_PINGPONG_TILE_N if pingpong else 256
+        pingpong = fc2_dgrad_pingpong(d_rows.shape[1])
+    tile_n = fc2_dgrad_tile_n(pingpong)
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=d_rows.device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=d_rows.device)
     partials = torch.empty(rows, -(-inter // tile_n), dtype=torch.float32, device=d_rows.device)

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from mok_cute import jit
-from mok_cute.constants import (BACKWARD_TILE_N, FC2_DGRAD_PINGPONG_MAX_K,
-                                FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M)
+from mok_cute.constants import (BACKWARD_TILE_N, TILE_K, TILE_M, fc2_dgrad_pingpong,
+                                fc2_dgrad_tile_n)
 from mok_cute.errors import PendingErrors
 
 
@@ -81,15 +81,15 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
     return tables
 
 
-def fc2_pingpong(hidden: int) -> bool:
-    """Whether the launch runs FC2_DGRAD as pingpong 128 x 128 tiles (as
-    ``expert_backward.fc2_dgrad``'s launch does at this K), else cooperative 128 x 256."""
-    return hidden <= FC2_DGRAD_PINGPONG_MAX_K
+# Whether the launch runs FC2_DGRAD as pingpong 128 x 128 tiles at this H (as
+# ``expert_backward.fc2_dgrad``'s launch does), else cooperative 128 x 256 (a module attribute:
+# tools/megakernel_backward_probe.py swaps it to time the other form)
+fc2_pingpong = fc2_dgrad_pingpong
 
 
 def fc2_tile_n(hidden: int) -> int:
-    """FC2_DGRAD's N-tile over I (the row partials' column width)."""
-    return FC2_DGRAD_PINGPONG_TILE_N if fc2_pingpong(hidden) else BACKWARD_TILE_N
+    """FC2_DGRAD's N-tile over I at this H (the row partials' column width)."""
+    return fc2_dgrad_tile_n(fc2_pingpong(hidden))
 
 
 def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int):

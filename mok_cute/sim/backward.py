@@ -28,6 +28,7 @@ import dataclasses
 
 import numpy as np
 
+from ..constants import fc2_dgrad_pingpong, fc2_dgrad_tile_n
 from ..tasks import Role
 from ..tasks_backward import (BackwardCounter as BC, BackwardListParams,
                               BackwardTaskType as BT, build_backward_task_list,
@@ -68,6 +69,7 @@ class BackwardSimResult:
 def _params(shape: SimShape, cfg: BackwardSimConfig, R: int) -> BackwardListParams:
     return BackwardListParams(
         hidden=shape.hidden, intermediate=shape.intermediate, num_tokens=shape.tokens_per_rank,
+        dgated_tile_n=fc2_dgrad_tile_n(fc2_dgrad_pingpong(shape.hidden)),  # the kernel's form
         top_k=shape.top_k, tile_m=cfg.tile_m, minibatch_tokens=cfg.minibatch_tokens,
         comm_task_rows=cfg.comm_task_rows, shared_intermediate=shape.shared_intermediate,
         comm_tasks=R > 1, x_resident=cfg.x_resident or R == 1)
