@@ -91,7 +91,7 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
             variants[f"dgrads: megakernel [{label}]"] = run
         variants["moe_backward (megakernel) [grid-sized minibatches]"] = patched(
             backward("megakernel"), grid_mb)
-    if fc2_forms:  # the other FC2_DGRAD form at this H, same bits (row partials summed)
+    if fc2_forms:  # the other FC2_DGRAD form at this H; bits checked (row partials summed)
         other = not mb.fc2_pingpong(x.shape[1])
         form = "pingpong" if other else "cooperative"
         live_rows = int(s.num_tiles.item()) * 128

@@ -70,7 +70,6 @@ from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, Backward
 # position where the tail (weight gradients, by ticket) begins, the queue's length, its
 # FC2_DGRAD count (the pingpong phase's end)
 BACKWARD_SCALARS = 5
-_WGRAD_GATE_UP = int(BackwardTaskType.WGRAD_GATE_UP)
 
 
 class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogueMixin,
@@ -220,8 +219,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                                               counter_offsets, counters, error,
                                               Int64(scalars[0]), fc2_ring, sA, f_layouts,
                                               (tma_dy, t_dy, tma_wd, t_wd))
-                self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets, counter_offsets, counters,
-                                   error, Int64(scalars[0]), ab_pipeline, sA, sB,
+                self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets,
+                                   counter_offsets, counters, error, Int64(scalars[0]),
+                                   ab_pipeline, sA, sB,
                                    (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg,
                                     tma_wu, t_wu),
                                    (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy,
@@ -234,8 +234,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                                            f_layouts, (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw),
                                            t_dy, tidx, warp_idx, warpgroup_idx)
                 self.switch_forms()
-            self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counter_offsets, counters, preact,
-                               row_slot, weights, partials, ab_pipeline, tiled_mma, sA, sB, sC,
+            self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counter_offsets,
+                               counters, preact, row_slot, weights, partials, ab_pipeline,
+                               tiled_mma, sA, sB, sC,
                                (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                                (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), w_layouts,
                                t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring)

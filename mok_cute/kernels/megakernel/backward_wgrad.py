@@ -35,12 +35,13 @@ from cutlass import BFloat16, Int32
 
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay
+from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
 from mok_cute.kernels.megakernel.scheduler import (D_INDEX, TICKET_SLOTS, ring_next,
                                                    ring_wait_empty, ring_words)
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
 
 WG_ROWS = 128  # output rows per consumer warpgroup
+_WGRAD_GATE_UP = int(BackwardTaskType.WGRAD_GATE_UP)
 WGRAD_TILE_N = 128
 
 
@@ -96,20 +97,16 @@ class WgradTasksMixin:
         box = layouts[1]
         s_a = [self.wgrad_a_stages(sB, w, box) for w in range(2)]
         s_b = self.wgrad_b_stages(sA, box)
-        one = cute.make_layout(1)
         parts = []
+        box_mk = (WG_ROWS, TILE_K)
         for i in range(5):
             atom, tensor = ops[2 * i], ops[2 * i + 1]
-            g = cute.group_modes(cute.local_tile(tensor, (WG_ROWS, TILE_K), (None, None, None)), 0, 2)
             if i in (2, 4):  # x rows, w * h: the B box
-                s_part, g_part = cute.nvgpu.cpasync.tma_partition(
-                    atom, 0, one, cute.group_modes(s_b, 0, 2), g)
+                g_part, s_part = tma_tiles(atom, tensor, s_b, box_mk)
                 parts.append((g_part, s_part, s_part))
             else:
-                s0, g_part = cute.nvgpu.cpasync.tma_partition(
-                    atom, 0, one, cute.group_modes(s_a[0], 0, 2), g)
-                s1, _ = cute.nvgpu.cpasync.tma_partition(
-                    atom, 0, one, cute.group_modes(s_a[1], 0, 2), g)
+                g_part, s0 = tma_tiles(atom, tensor, s_a[0], box_mk)
+                _, s1 = tma_tiles(atom, tensor, s_a[1], box_mk)
                 parts.append((g_part, s0, s1))
         return parts
 
@@ -185,7 +182,7 @@ class WgradTasksMixin:
                 cute.arch.fence_proxy("async.global")
                 waited_expert = expert
             self.wgrad_load(ab_pipeline, loads,
-                            tasks[index, int(BackwardWord.TYPE)] == int(BackwardTaskType.WGRAD_GATE_UP),
+                            tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
                             tasks[index, int(BackwardWord.M_BLOCK)],
                             tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
             loads += k_tiles
@@ -209,7 +206,7 @@ class WgradTasksMixin:
             expert = tasks[index, int(BackwardWord.TILE)]
             _, k_tiles = self.wgrad_rows(expert_offsets, expert)
             self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
-                            tasks[index, int(BackwardWord.TYPE)] == int(BackwardTaskType.WGRAD_GATE_UP),
+                            tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
                             expert, tasks[index, int(BackwardWord.M_BLOCK)],
                             tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
                             warpgroup_idx)

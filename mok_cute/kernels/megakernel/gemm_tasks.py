@@ -34,7 +34,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute.constants import TILE_K, TILE_M
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import pipeline_state
+from mok_cute.kernels.gemm_core import pipeline_state, tma_tiles
 from mok_cute.kernels.megakernel.comm_tasks import Routing
 from mok_cute.kernels.megakernel.scheduler import (
     D_EXPERT, D_INDEX, D_MTILE, D_NTILE, D_NUM_WAITS, D_RANK, D_RING_TILE, D_ROW_BEGIN,
@@ -175,21 +175,16 @@ class GemmTasks:
         of a B stage (half_n x 64 each), W_down's whole B stage. Traced inline."""
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         half_n = tile_n // 2
-        one = cute.make_layout(1)
         sB_halves = cute.flat_divide(sB, (half_n, tile_k))
-        sB_gate = cute.group_modes(sB_halves[(None, None, 0, 0, None)], 0, 2)
-        sB_up = cute.group_modes(sB_halves[(None, None, 1, 0, None)], 0, 2)
-        sA_g = cute.group_modes(sA, 0, 2)
-        sB_g = cute.group_modes(sB, 0, 2)
+        sB_gate = sB_halves[(None, None, 0, 0, None)]
+        sB_up = sB_halves[(None, None, 1, 0, None)]
 
         def part(atom, tensor, s, box):
-            s_part, g_part = cute.nvgpu.cpasync.tma_partition(
-                atom, 0, one, s, cute.group_modes(cute.local_tile(tensor, box, (None, None, None)), 0, 2))
-            return atom, g_part, s_part
+            return (atom, *tma_tiles(atom, tensor, s, box))
 
         a_box, half_box, b_box = (tile_m, tile_k), (half_n, tile_k), (tile_n, tile_k)
-        smem_boxes = ((sA_g, a_box), (sA_g, a_box), (sB_gate, half_box), (sB_up, half_box),
-                      (sB_g, b_box))
+        smem_boxes = ((sA, a_box), (sA, a_box), (sB_gate, half_box), (sB_up, half_box),
+                      (sB, b_box))
         routed = [part(ops[2 * i], ops[2 * i + 1], s, box) for i, (s, box) in enumerate(smem_boxes)]
         shared = [(None, None, None)] * 5
         if const_expr(self.spec.has_shared):
