@@ -281,10 +281,11 @@ def moe_forward(
     return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, None)
 
 
-def _fp8_refusal(config: MoKConfig, where: str) -> None:
-    if config.precision == "fp8":
-        raise ValueError(f"config.precision='fp8': {where} has no FP8 path yet (so far the "
-                         f"one-GPU expert path, forward and backward); use precision='bf16'")
+def _fp8_training_refusal(config: MoKConfig, where: str, needs_grad: bool) -> None:
+    if config.precision == "fp8" and (needs_grad or torch.compiler.is_compiling()):
+        raise ValueError(f"config.precision='fp8': {where} runs FP8 forward-only calls so far "
+                         f"(FP8 trains on the one-GPU expert path, backend='kernel'); call it "
+                         f"under torch.no_grad(), or train in bf16")
 
 
 def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config, dims,
@@ -293,12 +294,23 @@ def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, co
     emulation without one (``mok_cute.expert_path_fp8``)."""
     from . import expert_path_fp8
 
-    if config.backend == "megakernel":
-        _fp8_refusal(config, "the megakernel (backend='megakernel')")
     why = expert_path_fp8.unsupported_reason(dims.hidden, dims.intermediate)
     if why:
         raise ValueError(why)
     choice = choose_path(x.device, config)
+    if choice.path == "megakernel":
+        _fp8_training_refusal(config, "the megakernel (backend='megakernel')", needs_grad)
+        if _megakernel_fallback(dims, config):
+            raise ValueError("config.precision='fp8': the megakernel cannot take these sizes")
+        from . import megakernel
+
+        pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
+        out = megakernel.moe_forward(x, ids_for_int32(topk_idx, dims.num_experts), topk_weights,
+                                     w_gate, w_up, w_down, shared, config)
+        if pending is not None:
+            pending.finish()
+            megakernel.raise_pending_errors()
+        return out
     if needs_grad or torch.compiler.is_compiling():
         if choice.path != "kernel":
             raise ValueError(f"config.precision='fp8': training runs on the FP8 kernels only "
@@ -327,6 +339,27 @@ def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, co
                                              shared)
 
 
+def _fp8_sizes(dims) -> None:
+    from .expert_path_fp8 import unsupported_reason
+
+    why = unsupported_reason(dims.hidden, dims.intermediate)
+    if why:
+        raise ValueError(why)
+
+
+def _fp8_reference_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared):
+    """``moe_forward_virtual`` in FP8 without a GPU: each rank's tokens through the torch
+    emulation of the FP8 layer (``expert_path_fp8.reference_forward``) over every rank's
+    experts, as the megakernel routes them."""
+    from .expert_path_fp8 import reference_forward
+
+    flat = lambda w: w.reshape(-1, *w.shape[2:])  # noqa: E731
+    outs = [reference_forward(xs[r], topk_idx[r], topk_weights[r], flat(w_gate), flat(w_up),
+                              flat(w_down), None if shared is None else tuple(t[r] for t in shared))
+            for r in range(xs.shape[0])]
+    return torch.stack(outs)
+
+
 def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
     return torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ())))
@@ -343,12 +376,17 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
     timeout_s = timeout_of(config)
     try:
         config = resolve_config(config)
-        _fp8_refusal(config, "moe_forward(group=...)")
         shared = _normalise_shared(shared)
         dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                 num_ranks=num_ranks)
         needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
         choice = choose_path(x.device, config, distributed=True, needs_grad=needs_grad)
+        if config.precision == "fp8":
+            _fp8_training_refusal(config, "moe_forward(group=...)", needs_grad)
+            if choice.path != "megakernel":
+                raise ValueError("config.precision='fp8': moe_forward(group=...) runs FP8 on the "
+                                 "IPC megakernel only (backend='megakernel')")
+            _fp8_sizes(dims)
         if choice.path == "megakernel" and _megakernel_fallback(dims, config):
             choice = PathChoice("reference", "sizes the megakernel cannot take")
         # the reference reads the ids before its collectives; the megakernel after its launch
@@ -434,7 +472,6 @@ def moe_forward_virtual(
     by torch.compile (through the custom op, even without grad).
     """
     config = resolve_config(config)
-    _fp8_refusal(config, "moe_forward_virtual")
     shared = _normalise_shared(shared)
     dims = check_moe_inputs(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, stacked=True, x_name="xs")
     if dims.tokens == 0:
@@ -443,6 +480,14 @@ def moe_forward_virtual(
         t.requires_grad for t in (xs, topk_weights, w_gate, w_up, w_down, *(shared or ()))
     )
     choice = choose_path(xs.device, config, virtual=True, needs_grad=needs_grad)
+    if config.precision == "fp8":
+        _fp8_training_refusal(config, "moe_forward_virtual", needs_grad)
+        _fp8_sizes(dims)
+        if choice.path != "megakernel":  # no GPU: the emulation, rank by rank
+            if config.check_ids:
+                check_expert_ids(topk_idx, dims.num_experts)
+            return _fp8_reference_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down,
+                                          shared)
     if choice.path == "megakernel" and _megakernel_fallback(dims, config):
         choice = PathChoice("reference", "sizes the megakernel cannot take")
     if choice.path == "megakernel" and (needs_grad or torch.compiler.is_compiling()):

@@ -96,11 +96,14 @@ _CACHE: dict[int, tuple] = {}
 def _quantize_now(w: torch.Tensor, transposed: bool, both: bool) -> dict:
     """{transposed: (q, e)} of w zero-padded to whole 128 x 128 blocks (GPU kernel on CUDA, which
     reads w in place; ``mok_cute.fp8`` on the CPU: the same bits); ``both``: the two copies in
-    one pass."""
+    one pass. On the GPU w may carry leading dims past the expert's (virtual ranks): the
+    copies then stack every expert, [E, N', K']."""
     if not w.is_cuda:
         src = F.pad(w, (0, padded(w.shape[-1]) - w.shape[-1], 0, padded(w.shape[-2]) - w.shape[-2]))
         return {transposed: fp8.quantize_blocks(src, transposed=transposed)}
     from mok_cute.kernels import quantize
+    if w.dim() > 3:  # virtual ranks' [R, E_loc, N, K]: the launch's experts stacked
+        w = w.reshape(-1, *w.shape[-2:])
     if both:
         q, e, qt, et = quantize.quantize_blocks(w, both=True)
         return {False: (q, e), True: (qt, et)}

@@ -66,7 +66,8 @@ from mok_cute.config import check_int, describe
 __all__ = [
     "E4M3_MAX", "GROUP", "MX_BLOCK", "EXP_MIN", "EXP_NONFINITE", "E8M0_BIAS",
     "scale_exponent", "scale_exponent_from_bits", "pow2",
-    "quantize_rows", "quantize_cols", "quantize_blocks",
+    "quantize_rows", "quantize_cols", "quantize_blocks", "packed_row_bytes", "pack_rows",
+    "unpack_rows",
     "dequantize_rows", "dequantize_cols", "dequantize_blocks",
     "to_mxfp8", "from_mxfp8",
 ]
@@ -185,6 +186,29 @@ def quantize_rows(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
     g = _check_multiple("x", x, 1, "K", group)
     q, e = _quantize_groups(x.to(torch.float32).reshape(m, g, group), (2,))
     return q.reshape(m, k), e.reshape(m, g).to(SCALE_DTYPE)
+
+
+def packed_row_bytes(k: int) -> int:
+    """Bytes of one packed row of ``k`` e4m3 values (``k % 128 == 0``): the data, then its
+    ``k / 128`` exponents padded to 16 bytes, so a row (what the megakernel's rings hold and
+    its comm copies) moves as whole 16-byte vectors and its data stays 16-byte aligned."""
+    return k + (k // GROUP + 15) // 16 * 16  # also on a kernel's Int32 (k >= 0)
+
+
+def pack_rows(q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``quantize_rows``' ``(q [M, K], e [M, K/128])`` as packed rows: ``[M,
+    packed_row_bytes(K)]`` uint8, the data bytes then the exponent bytes, zero padding."""
+    m, k = q.shape
+    out = torch.zeros(m, packed_row_bytes(k), dtype=torch.uint8, device=q.device)
+    out[:, :k] = q.view(torch.uint8)
+    out[:, k:k + k // GROUP] = e.view(torch.uint8)
+    return out
+
+
+def unpack_rows(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(q [M, K] float8_e4m3fn, e [M, K/128] int8)`` of packed rows (``pack_rows``)."""
+    return (packed[:, :k].view(torch.float8_e4m3fn),
+            packed[:, k:k + k // GROUP].view(SCALE_DTYPE))
 
 
 def quantize_cols(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from mok_cute import jit, tasks as tasks_mod
+from mok_cute import fp8, jit, tasks as tasks_mod
 from mok_cute.config import MoKConfig, ids_for_int32
 from mok_cute.constants import (KSUM_ROWS, SCALAR_INDEX, TASK_TILE_N, TICKETS, TILE_M,
                                 MegakernelSpec)
@@ -157,6 +157,21 @@ def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, i
     return min(minibatch, capacity), min(ring, capacity)
 
 
+X_FP8_FIELD = "x_fp8"  # fp8 plans: each rank's x as packed e4m3 rows, what DISPATCH pulls
+
+
+def fp8_padded(n: int) -> int:
+    """``n`` rounded up to whole 128-wide scale groups (fp8 plans' H' and I')."""
+    return -(-n // fp8.GROUP) * fp8.GROUP
+
+
+def _fp8_fields(k: PlanKey) -> list:
+    """The symmetric buffer's extra fields of a plan: fp8's packed x rows."""
+    if not k.spec.fp8:
+        return []
+    return [(X_FP8_FIELD, (k.tokens, fp8.packed_row_bytes(fp8_padded(k.hidden))), torch.uint8)]
+
+
 class _VirtualSide:
     """R virtual ranks in one launch (``comm.virtual``): one allocation, the [R, R] table."""
 
@@ -166,7 +181,8 @@ class _VirtualSide:
         from mok_cute.comm import VirtualPeers, moe_symmetric_layout
 
         self.peers = VirtualPeers(k.num_ranks, moe_symmetric_layout(
-            k.tokens, k.hidden, k.top_k, k.num_ranks, training=k.spec.save_preact), device=dev)
+            k.tokens, k.hidden, k.top_k, k.num_ranks, training=k.spec.save_preact,
+            extra_fields=_fp8_fields(k)), device=dev)
         self.layout = self.peers.layout
         self.launch_ranks = self.num_peers = k.num_ranks
         self.rank_base = 0
@@ -176,6 +192,12 @@ class _VirtualSide:
         # x of every rank as one (R, T, H) view of the symmetric buffer
         self.x = bf16.as_strided((k.num_ranks, k.tokens, k.hidden),
                                  (self.peers.nbytes // 2, k.hidden, 1), self.layout.offset("x") // 2)
+        self.x_fp8 = None  # fp8: every rank's packed x rows, (R, T, packed row bytes) uint8
+        if k.spec.fp8:
+            width = fp8.packed_row_bytes(fp8_padded(k.hidden))
+            self.x_fp8 = self.peers.buffer.view(torch.uint8).as_strided(
+                (k.num_ranks, k.tokens, width), (self.peers.nbytes, width, 1),
+                self.layout.offset(X_FP8_FIELD))
         self.local_experts = k.local_experts
 
     def fields(self, name: str) -> list[torch.Tensor]:
@@ -205,7 +227,8 @@ class _IpcSide:
         self.num_peers = dist.get_world_size(group)
         self.peers = IpcPeers(group, moe_symmetric_layout(k.tokens, k.hidden, k.top_k,
                                                           self.num_peers,
-                                                          training=k.spec.save_preact),
+                                                          training=k.spec.save_preact,
+                                                          extra_fields=_fp8_fields(k)),
                               handle_type, device=dev)
         self.layout = self.peers.layout
         self.launch_ranks = 1
@@ -213,6 +236,7 @@ class _IpcSide:
         self.peer_bases = self.peers.table.bases.unsqueeze(0).contiguous()
         self.own_base = self.peers.table.addresses[self.rank_base]
         self.x = self.peers.view("x").unsqueeze(0)
+        self.x_fp8 = self.peers.view(X_FP8_FIELD).unsqueeze(0) if k.spec.fp8 else None
         self.local_experts = k.local_experts
 
     def fields(self, name: str) -> list[torch.Tensor]:
@@ -245,7 +269,8 @@ class Plan:
         self.capacity = schedule_capacity(side.num_peers, k.tokens, k.top_k, k.local_experts, TILE_M)
         layout = side.layout
         self.x_all = side.x
-        self.own_base, self.x_offset = side.own_base, layout.offset("x")
+        self.own_base = side.own_base
+        self.x_offset = layout.offset(X_FP8_FIELD if k.spec.fp8 else "x")
         self._x_offset = self.x_offset  # as held in the scalar x_offset
         self.task_list = tasks_mod.build_static(
             self.capacity, hidden=k.hidden, intermediate=k.intermediate, num_tokens=k.tokens,
@@ -260,8 +285,18 @@ class Plan:
                                "after the first KSUM must be a KSUM")
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
         R, C = side.launch_ranks, k.ring_tokens
-        self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
-        self.ring_h = torch.empty(R, C, k.intermediate, dtype=torch.bfloat16, device=dev)
+        if k.spec.fp8:  # x and h rows packed: e4m3 data, then the row's exponents
+            self.hidden_p, self.inter_p = fp8_padded(k.hidden), fp8_padded(k.intermediate)
+            self.ring_x = torch.empty(R, C, fp8.packed_row_bytes(self.hidden_p), dtype=torch.uint8,
+                                      device=dev)
+            self.ring_h = torch.empty(R, C, fp8.packed_row_bytes(self.inter_p), dtype=torch.uint8,
+                                      device=dev)
+            # one rank reading its rows in place: its packed x rows, quantized each call
+            self.x_packed = torch.empty(k.tokens, self.ring_x.shape[2], dtype=torch.uint8,
+                                        device=dev) if k.x_in_place else None
+        else:
+            self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
+            self.ring_h = torch.empty(R, C, k.intermediate, dtype=torch.bfloat16, device=dev)
         self.ring_y = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
         self.shared_h = self.shared_y = None
         if k.shared_intermediate:
@@ -287,7 +322,7 @@ class Plan:
         # epoch (bumped on the device each call), first rank, tiles per minibatch, offsets,
         # timeout, local experts, static M-tiles, silent rank (test hook, see run())
         self.scalars = torch.tensor(
-            [0, side.rank_base, k.minibatch_tokens // TILE_M, layout.offset("x"),
+            [0, side.rank_base, k.minibatch_tokens // TILE_M, self.x_offset,
              layout.offset("combine"), layout.offset("barrier_flags"), 0, k.local_experts,
              self.capacity // TILE_M, -1], dtype=torch.int64, device=dev)
         self._waits = (0, -1)  # (timeout ns, silent rank) as held in the scalars
@@ -303,13 +338,15 @@ class Plan:
 
     # ------------------------------------------------------------------ one call
     def run(self, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, timeout_ms: float,
-            out: torch.Tensor | None = None, silent_rank: int = -1):
+            out: torch.Tensor | None = None, silent_rank: int = -1, fp8_weights=None):
         """xs (R, T, H) bf16, topk_idx (R, T, K) global ids, topk_weights (R, T, K),
         w_* (R, E_loc, ., .), shared: None or (gate, up, down) with a leading R (R = the ranks
         of this launch: all virtual ranks, or 1 for this process's rank of a group) -> out
         (R, T, H), and with a saving plan (``spec.save_preact``) (out, ``SavedPreact``).
         ``silent_rank`` (tests only): that rank never announces its start, so every wait on
-        it times out, as if its process had died."""
+        it times out, as if its process had died. An fp8 plan takes the routed experts' weights
+        as ``fp8_weights`` (``expert_path_fp8.Fp8Weights``, the launch's E experts stacked)
+        instead of w_*."""
         k = self.key
         self.errors.check(block=False, last_call=self.calls)
         R = self.side.launch_ranks
@@ -317,10 +354,12 @@ class Plan:
         # shared expert) instead of being copied into the symmetric buffer first.
         in_place = k.x_in_place and xs.is_contiguous() and xs.data_ptr() % 16 == 0  # TMA base
         x_own = xs if in_place else self.x_all
-        if not in_place:
+        if not in_place and (not k.spec.fp8 or shared is not None):  # fp8: the shared expert's
             self.x_all.copy_(xs)
         # the kernel finds this rank's x rows at peer_bases[rank][rank] + x_offset
         x_offset = xs.data_ptr() - self.own_base if in_place else self.x_offset
+        if k.spec.fp8:
+            x_offset = self._quantize_x(xs)
         if x_offset != self._x_offset:  # rewritten only when it changes
             self._x_offset = x_offset
             self.scalars[SCALAR_INDEX["x_offset"]].fill_(x_offset)
@@ -347,6 +386,18 @@ class Plan:
         E = R * k.local_experts
         kmajor = lambda t: t.permute(1, 2, 0)  # (L, rows, K) -> (rows, K, L)  # noqa: E731
         flat = lambda w: w.reshape(E, *w.shape[2:])  # noqa: E731
+        rings = (kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y))
+        weights = (kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)))
+        fp8_args = (None,) * 4
+        if k.spec.fp8:  # int8 views of the e4m3 data; the rings' rows packed
+            hp, ip = self.hidden_p, self.inter_p
+            i8 = lambda t: t.view(torch.int8)  # noqa: E731
+            rings = (kmajor(i8(self.ring_x[..., :hp])), kmajor(i8(self.ring_h[..., :ip])),
+                     rings[2])
+            fw = fp8_weights
+            weights = (kmajor(i8(fw.gate)), kmajor(i8(fw.up)), kmajor(i8(fw.down)))
+            fp8_args = (kmajor(i8(self.ring_h[..., ip:ip + ip // fp8.GROUP])), fw.e_gate,
+                        fw.e_up, fw.e_down)
         s_args = [None] * 6
         if shared is not None:
             s_args = [kmajor(x_own), kmajor(shared[0]), kmajor(shared[1]), kmajor(shared[2]),
@@ -363,16 +414,36 @@ class Plan:
         self.kernel(
             d.tasks, d.queues, d.queue_len, d.queue_live_len, d.queue_blocks,
             d.counter_offsets, self.counters, self.error, num_tiles, scheds.tile_expert,
-            scheds.row_peer, scheds.row_token, scheds.row_k, self.peer_bases,
-            kmajor(self.ring_x), kmajor(self.ring_h), kmajor(self.ring_y),
-            kmajor(flat(w_gate)), kmajor(flat(w_up)), kmajor(flat(w_down)), *s_args,
-            topk_weights.to(torch.float32), ids, slot_rows, out, self.timeline_buf, self.scalars,
-            *saved_args)
+            scheds.row_peer, scheds.row_token, scheds.row_k, self.peer_bases, *rings, *weights,
+            *s_args, topk_weights.to(torch.float32), ids, slot_rows, out, self.timeline_buf,
+            self.scalars, *saved_args, *fp8_args)
         if self.timeline_buf is not None:
             from mok_cute.timeline import set_last
             set_last(self.timeline)  # what `mok-cute timeline` decodes after the call
         self.errors.record(self.calls)
         return out if saved is None else (out, saved)
+
+    def _quantize_x(self, xs: torch.Tensor) -> int:
+        """fp8: every rank's x rows quantized 1 x 128 into packed rows (x zero-padded to H'),
+        where DISPATCH and rows in place read them -> the x offset the kernel adds to a
+        rank's symmetric base: the symmetric field, or with one rank reading its rows in
+        place the plan's own buffer."""
+        from mok_cute.expert_path_fp8 import pad_cols
+        from mok_cute.kernels import quantize
+
+        R, T, H = xs.shape
+        rows = pad_cols(xs.reshape(R * T, H), self.hidden_p)
+        if self.x_packed is not None:
+            quantize.quantize_packed_rows(rows, self.x_packed)
+            return self.x_packed.data_ptr() - self.own_base
+        if R == 1:
+            quantize.quantize_packed_rows(rows, self.side.x_fp8[0])
+        else:  # the ranks' fields are a buffer apart: one strided copy from a staging buffer
+            staging = quantize.quantize_packed_rows(
+                rows, torch.empty(R * T, self.ring_x.shape[2], dtype=torch.uint8,
+                                  device=xs.device))
+            self.side.x_fp8.copy_(staging.view(R, T, -1))
+        return self.x_offset
 
     def _set_waits(self, waits: tuple[int, int]) -> None:
         """The wait bound (ns) and the silent rank (test hook) the kernels read: rewritten
@@ -483,11 +554,17 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         fc1_lead = fc1_lead_minibatches(num_sms - num_comm, minibatch // TILE_M,
                                         -(-2 * I // TASK_TILE_N))
     tickets = options.ticket_mode(R, ipc=group is not None)
+    use_fp8 = config.precision == "fp8"
+    if use_fp8 and save:
+        raise ValueError("config.precision='fp8': the megakernel runs FP8 forward-only calls; "
+                         "train in FP8 on the one-GPU expert path (backend='kernel') or in bf16")
     spec = MegakernelSpec(
         num_ranks=R, num_ctas=num_sms, num_comm_ctas=num_comm, top_k=K, has_shared=bool(Is),
         scope="gpu" if group is None else "sys", timeline=config.timeline,
         rows_in_place=rows_in_place, tickets=tickets,
-        defer_signals=local_only and R == 1 and tickets != "static", save_preact=save)
+        # fp8's mainloop has no publish hook (its stages are released as it promotes)
+        defer_signals=local_only and R == 1 and tickets != "static" and not use_fp8,
+        save_preact=save, fp8=use_fp8)
     key = PlanKey(T, H, I, E_loc, Is, minibatch, ring, config.timeline_capacity, device,
                   None if group is None else (id(group), handle_type), fc1_lead,
                   x_in_place=local_only, local_only=local_only, spec=spec)
@@ -506,9 +583,21 @@ def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared
     out [R, T, H]; ``save`` (a training forward): (out, ``SavedPreact``), the same out."""
     config = config or MoKConfig()
     plan = plan_for(xs, w_gate, w_down, shared, topk_idx, config, save=save)
+    weights = fp8_weights_of(plan, w_gate, w_up, w_down)
     with plan.lock:
         return plan.run(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                        config.timeout_ms)
+                        config.timeout_ms, fp8_weights=weights)
+
+
+def fp8_weights_of(plan: Plan, w_gate, w_up, w_down):
+    """An fp8 plan's routed weights in e4m3 blocks (``expert_path_fp8.quantized_weights``:
+    cached per weight tensor and version; the caller's tensors, so the cache hits), the
+    experts of every rank of the launch stacked; None for a bf16 plan."""
+    if not plan.key.spec.fp8:
+        return None
+    from mok_cute.expert_path_fp8 import quantized_weights
+
+    return quantized_weights(w_gate, w_up, w_down)
 
 
 def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
@@ -523,13 +612,12 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
     args = (x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
             w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0))
-    if group is None:
-        result = moe_forward_virtual(*args, sh, config, save=save)
-    else:
-        plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
-                        save=save)
-        with plan.lock:
-            result = plan.run(*args, sh, config.timeout_ms)
+    # fp8: the caller's (E, I, H) weights are quantized (and cached) as they are
+    plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
+                    save=save)
+    weights = fp8_weights_of(plan, w_gate, w_up, w_down)
+    with plan.lock:
+        result = plan.run(*args, sh, config.timeout_ms, fp8_weights=weights)
     if not save:
         return result[0]
     out, saved = result

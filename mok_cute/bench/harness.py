@@ -21,6 +21,8 @@ Contenders:
   mok_megakernel     mok_cute.moe_forward with backend="megakernel": the megakernel at R = 1
   mok_cute_fp8       mok_cute.moe_forward with precision="fp8" (weights quantized once, cached;
                      checked at rel err <= 0.08 against the bf16 reference)
+  mok_megakernel_fp8, mok_cute_virtual_fp8  the megakernel at R = 1 / on --ep-ranks virtual
+                     ranks with precision="fp8" (forward-only; checked as mok_cute_fp8)
   torch_scaled_grouped_mm  the FP8 baseline: the same pipeline on torch._scaled_grouped_mm, x and
                      h quantized per row, weights per output channel once (checked at 0.08)
   torch_grouped_mm   argsort permute, torch._grouped_mm (gate+up), SwiGLU, torch._grouped_mm
@@ -153,25 +155,29 @@ def _prepare_mok_cute_fp8(problem: Problem, ctx: BenchContext) -> tuple[Runner, 
     return run, {"path": path, "config": config_record(cfg)}
 
 
-def _prepare_mok_megakernel(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
+def _prepare_mok_megakernel(problem: Problem, ctx: BenchContext,
+                            precision: str = "bf16") -> tuple[Runner, dict[str, Any]]:
     import mok_cute
     from mok_cute.api import choose_path
 
-    cfg = _mok_config(ctx, backend="megakernel")
+    cfg = _mok_config(ctx, backend="megakernel", precision=precision)
     choice = choose_path(problem.inputs.x.device, cfg)
     wg, wu, wd, sh = problem.w_gate, problem.w_up, problem.w_down, problem.shared
 
     def run(inp: Inputs) -> torch.Tensor:
-        return mok_cute.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, wg, wu, wd, shared=sh, config=cfg)
+        with torch.no_grad():
+            return mok_cute.moe_forward(inp.x, inp.topk_idx, inp.topk_weights, wg, wu, wd,
+                                        shared=sh, config=cfg)
 
     return run, {"path": f"{choice.path}: {choice.reason}", "config": config_record(cfg)}
 
 
-def _prepare_mok_cute_virtual(problem: Problem, ctx: BenchContext) -> tuple[Runner, dict[str, Any]]:
+def _prepare_mok_cute_virtual(problem: Problem, ctx: BenchContext,
+                              precision: str = "bf16") -> tuple[Runner, dict[str, Any]]:
     import mok_cute
 
     ranks = ctx.ep_ranks
-    cfg = _mok_config(ctx)
+    cfg = _mok_config(ctx, precision=precision)
     on_kernel, path = virtual_path_of(problem.inputs.x.device, cfg)
     if not on_kernel:
         raise SkipContender(f"moe_forward_virtual does not run the kernels ({path}), so not timed as mok_cute")
@@ -179,7 +185,11 @@ def _prepare_mok_cute_virtual(problem: Problem, ctx: BenchContext) -> tuple[Runn
 
     def run(inp: Inputs) -> torch.Tensor:
         v = VirtualInputs.split(problem, ranks, inp, shared_rep=template.shared)
-        out = mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=cfg)
+        # the template's weight views, made once: fp8's weight cache holds them
+        with torch.no_grad():
+            out = mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, template.w_gate,
+                                               template.w_up, template.w_down, shared=v.shared,
+                                               config=cfg)
         return out.reshape(-1, out.shape[-1])
 
     return run, {"path": path, "ranks": ranks, "config": config_record(cfg)}
@@ -291,6 +301,8 @@ CONTENDERS: dict[str, Callable[[Problem, BenchContext], tuple[Runner, dict[str, 
     "mok_cute_virtual": _prepare_mok_cute_virtual,
     "mok_cute_fp8": _prepare_mok_cute_fp8,
     "mok_megakernel": _prepare_mok_megakernel,
+    "mok_megakernel_fp8": lambda p, c: _prepare_mok_megakernel(p, c, precision="fp8"),
+    "mok_cute_virtual_fp8": lambda p, c: _prepare_mok_cute_virtual(p, c, precision="fp8"),
     "torch_grouped_mm": _prepare_torch_grouped_mm,
     "torch_scaled_grouped_mm": _prepare_torch_scaled_grouped_mm,
     "per_expert_loop": _prepare_per_expert_loop,
@@ -301,7 +313,8 @@ CEILINGS = ("cublas_8192", "cublas_fp8_8192")  # rows of their own, not layer co
 ALL_CONTENDERS = [*CONTENDERS, *CEILINGS]
 # a contender whose numerics differ from the bf16 reference by design: its check's bound
 # (issue 33: FP8 output rel-L1 <= 0.08 against the bf16 layer)
-CONTENDER_TOL = {"mok_cute_fp8": 0.08, "torch_scaled_grouped_mm": 0.08}
+CONTENDER_TOL = {"mok_cute_fp8": 0.08, "mok_megakernel_fp8": 0.08, "mok_cute_virtual_fp8": 0.08,
+                 "torch_scaled_grouped_mm": 0.08}
 DEFAULT_CONTENDERS = ["mok_cute", "torch_grouped_mm", "per_expert_loop", "sonicmoe", "cublas_8192"]
 BASELINE = "torch_grouped_mm"
 

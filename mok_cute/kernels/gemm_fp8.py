@@ -88,7 +88,7 @@ Run on a GPU host::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import torch
@@ -157,8 +157,160 @@ def scale_slot(v: int, tile_n: int, swiglu: bool = False) -> int:
     return 0 if chunk < 8 else (1 if chunk < 16 else 2)
 
 
+# ---------------------------------------------------------------------- the shared mainloop
+class GroupExponents(NamedTuple):
+    """What ``GroupedGemmFp8Sm90.group_exponents`` reads a K group's exponents from: A's and
+    W's exponent tensors (``mEB_up``: W_up's (swiglu) or the second K part's (b_split_k)),
+    this thread's two rows, the tile's expert and N-tile, and where b_split_k's second part
+    starts."""
+
+    mEA: cute.Tensor
+    mEB: cute.Tensor
+    mEB_up: object
+    row0: Int32
+    row1: Int32
+    expert: Int32
+    n_tile: Int32
+    k_split: Int32
+
+
+class PromotingMainloop:
+    """The 256-wide tiles' split-accumulation mainloop and FC1's e4m3 h epilogue, for every
+    kernel that runs FP8 tiles (``GroupedGemmFp8Sm90``, the megakernel's FP8 tasks). The class
+    supplies ``group_exponents(exps, group) -> (ea0, ea1, eb0, eb1)``: this thread's two
+    rows' A exponents and the tile's two W block exponents (one per N-half) of K group
+    ``group``, from what it passed as ``exps``."""
+
+    # ------------------------------------------------------------------ FC1's e4m3 h
+    def store_h_fp8(self, acc: cute.Tensor, mHq: cute.Tensor, mEh: cute.Tensor, row0: Int32,
+                    row1: Int32, n_tile: Int32, tidx: Int32):
+        """h of this 128 x 128 tile straight from the accumulator as e4m3 with one exponent per
+        row (the tile's 128 columns are one 1 x 128 group): h = bf16(silu(bf16(g)) * bf16(u))
+        as the swiglu epilogue computes it, then exactly ``quantize.quantize_rows`` of those
+        bf16 values (the row amax over the 4 lanes that hold the row, its scale exponent, the
+        same conversion). Thread's elements: v = c + 2 r + 4 j, column 8 j + 2 (lane % 4) + c
+        of row r, gate for j < 16 and up at j + 16; each chunk pair's 4 bytes leave as two
+        16-bit stores (columns 8 j and 8 (j + 1) + 2 (lane % 4)), and the row's exponent byte
+        (the same value from each of its 4 lanes). Traced inline."""
+        from mok_cute.kernels import quantize
+
+        accv = cute.flatten(acc)
+        half = cute.size(accv) // 2  # 64: the gate elements, then the up ones
+        gate = cute.make_rmem_tensor((half,), Float32)
+        up = cute.make_rmem_tensor((half,), Float32)
+        for v in range(half):
+            gate[v] = accv[v]
+            up[v] = accv[half + v]
+        gate.store(gate.load().to(cutlass.BFloat16).to(Float32))
+        up.store(up.load().to(cutlass.BFloat16).to(Float32))
+        h = cute.make_rmem_tensor((half,), Float32)
+        for v in range(half):
+            h[v] = common.silu(gate[v]) * up[v]
+        h.store(h.load().to(cutlass.BFloat16).to(Float32))
+        bits = [common.f32_bits(h[v]) for v in range(half)]
+        amax = [Int32(0), Int32(0)]
+        for v in range(half):
+            r = (v // 2) % 2
+            amax[r] = cutlass.max(amax[r], (bits[v] >> 16) & 0x7FFF)
+        lane = tidx % 32
+        rows = (row0, row1)
+        pairs = recast_u16(mHq)
+        for r in range(2):
+            for offset in (1, 2):  # the row's 4 lanes: lane / 4 equal
+                amax[r] = cutlass.max(amax[r], cute.arch.shuffle_sync_bfly(amax[r], offset))
+            e, mult, nonfinite = quantize.scale_exponent(amax[r])
+            for j in range(0, half // 4, 2):  # two chunks (j, j + 1): four bytes
+                v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
+                quad = quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1], bits[v1 + 1],
+                                              mult, nonfinite)
+                col2 = n_tile * (GROUP // 2) + 4 * j + lane % 4  # in 2-byte units
+                pairs[rows[r], col2] = Uint16(quad & 0xFFFF)
+                pairs[rows[r], col2 + 4] = Uint16((quad >> 16) & 0xFFFF)
+            mEh[rows[r], n_tile] = Int8(e)  # the row's 4 lanes store the same byte
+
+
+    def half_fragments(self, half_mma, sA, sB, mma_slice):
+        """One N-half's wgmma fragments for MMA thread slice ``mma_slice``: A as it is, B's
+        two row halves, and the half-wide fp32 partial -> (tCrA, tCrB, tCrB_up, partial).
+        Traced inline."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        thr_half = half_mma.get_slice(mma_slice)
+        sB_halves = cute.flat_divide(sB, (tile_n // 2, tile_k))
+        tCrA = half_mma.make_fragment_A(thr_half.partition_A(sA))
+        tCrB = half_mma.make_fragment_B(thr_half.partition_B(sB_halves[(None, None, 0, 0, None)]))
+        tCrB_up = half_mma.make_fragment_B(
+            thr_half.partition_B(sB_halves[(None, None, 1, 0, None)]))
+        partial = cute.make_rmem_tensor(thr_half.partition_shape_C((tile_m, tile_n // 2)),
+                                        self.acc_dtype)
+        return tCrA, tCrB, tCrB_up, partial
+
+    def make_half_mma(self):
+        """The wgmmas of one N-half of a 256-wide FP8 tile: the same rows, half the columns."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            cute.nvgpu.warpgroup.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_shape_mnk[1] // 2))
+
+    def promote_half(self, acc: cute.Tensor, partial: cute.Tensor, half: int, ea0: Int32,
+                     ea1: Int32, eb: Int32):
+        """acc[N-half ``half``] += 2^(e_a[row] + e_b) * partial: the half's accumulator
+        elements are the flattened accumulator's ``half``-th half (8-column chunks in order),
+        with one W block a half (store: the tile's two blocks; swiglu: W_gate's, then W_up's).
+        Traced inline."""
+        scales = (pow2_f32(ea0 + eb), pow2_f32(ea1 + eb))
+        accv = cute.flatten(acc)
+        partv = cute.flatten(partial)
+        base = half * cute.size(partv)
+        for v in range(cute.size(partv)):
+            accv[base + v] = ffma(partv[v], scales[(v // 2) % 2], accv[base + v])
+
+    @cute.jit
+    def half_promoting_mainloop(self, ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
+                                loads: Int32, k_tiles: Int32,
+                                num_k_blocks: cutlass.Constexpr[int], exps,
+                                exps_ahead: cutlass.Constexpr[bool] = True):
+        """One 256-wide tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
+        per group, N-half 0's wgmmas into the half-wide partial, wait, promote; then N-half 1's,
+        wait, release the stage, promote. The tensor cores wait for each half's promotion (the
+        partial is reused); the A tile is read from smem for 256 columns. ``exps_ahead``: the
+        next group's exponents load under half 1's wgmmas (group 0's before the first stage
+        wait: inputs written before the launch); else each group's load under its own half 0
+        wgmmas, after its stage's wait (inputs that other CTAs of the launch write)."""
+        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        acc.fill(0.0)
+        ea0, ea1, eb0, eb1 = Int32(0), Int32(0), Int32(0), Int32(0)
+        if const_expr(exps_ahead):
+            ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
+        for k in range(k_tiles):
+            ab_pipeline.consumer_wait(read)
+            self.stage_ready(None)
+            for half in cutlass.range_constexpr(2):
+                # the wgmma issue written out, as in promoting_mainloop: the DSL loses the
+                # accumulate field set in a helper called from this run-time loop
+                cute.nvgpu.warpgroup.fence()
+                tCrB_half = (tCrB, tCrB_up)[half]
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
+                              tCrB_half[(None, None, kb, read.index)], partial)
+                cute.nvgpu.warpgroup.commit_group()
+                if const_expr(half == 0 and not exps_ahead):  # this group's, under its wgmmas
+                    ea0, ea1, eb0, eb1 = self.group_exponents(exps, k)
+                if const_expr(half == 1 and exps_ahead):  # the next group's, under the wgmmas
+                    nxt = self.group_exponents(exps, cutlass.min(k + 1, k_tiles - 1))
+                cute.nvgpu.warpgroup.wait_group(0)
+                if const_expr(half == 1):
+                    ab_pipeline.consumer_release(read)
+                    read.advance()
+                self.promote_half(acc, partial, half, ea0, ea1, (eb0, eb1)[half])
+            if const_expr(exps_ahead):
+                ea0, ea1, eb0, eb1 = nxt
+        half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        return read
+
+
 # ---------------------------------------------------------------------- the kernel
-class GroupedGemmFp8Sm90(GroupedGemmSm90):
+class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
     """``GroupedGemmSm90`` on e4m3 operands with 1 x 128 / 128 x 128 power-of-two scales and a
     promoting mainloop (module docstring). Cooperative consumers.
 
@@ -211,11 +363,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
 
     def _setup_attributes(self):
         super()._setup_attributes()
-        if self.half_promote:  # the wgmmas of one N-half: the same rows, half the columns
-            self.half_mma = sm90_utils.make_trivial_tiled_mma(
-                self.a_dtype, self.b_dtype, cute.nvgpu.warpgroup.OperandMajorMode.K,
-                cute.nvgpu.warpgroup.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
-                tiler_mn=(64, self.tile_shape_mnk[1] // 2))
+        if self.half_promote:
+            self.half_mma = self.make_half_mma()
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -331,16 +480,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 tiled_mma, sA, sB, sC, consumer * self.threads_per_warpgroup, tile_tidx)
             tCrB_up = None
             if const_expr(self.half_promote):
-                # one N-half's fragments: A as it is, B's two row halves, a half-wide partial
-                thr_half = half_mma.get_slice(consumer * self.threads_per_warpgroup)
-                sB_halves = cute.flat_divide(sB, (tile_n // 2, tile_k))
-                tCrA = half_mma.make_fragment_A(thr_half.partition_A(sA))
-                tCrB = half_mma.make_fragment_B(
-                    thr_half.partition_B(sB_halves[(None, None, 0, 0, None)]))
-                tCrB_up = half_mma.make_fragment_B(
-                    thr_half.partition_B(sB_halves[(None, None, 1, 0, None)]))
-                partial = cute.make_rmem_tensor(
-                    thr_half.partition_shape_C((tile_m, tile_n // 2)), self.acc_dtype)
+                tCrA, tCrB, tCrB_up, partial = self.half_fragments(
+                    half_mma, sA, sB, consumer * self.threads_per_warpgroup)
             else:
                 partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
             my_rows = self._my_rows(tile_tidx)
@@ -362,22 +503,17 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 expert = mTileExpert[m_tile]
+                exps = GroupExponents(mEA, mEB, mEB_up, m_tile * tile_m + my_rows[0],
+                                      m_tile * tile_m + my_rows[1], expert, n_tile, k_split)
                 if const_expr(self.half_promote):
-                    self.half_promoting_mainloop(
-                        ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up, loads,
-                        k_tile_cnt, num_k_blocks, mEA, mEB, mEB_up,
-                        m_tile * tile_m + my_rows[0], m_tile * tile_m + my_rows[1], expert,
-                        n_tile)
+                    self.half_promoting_mainloop(ab_pipeline, half_mma, acc, partial, tCrA, tCrB,
+                                                 tCrB_up, loads, k_tile_cnt, num_k_blocks, exps)
                 else:
-                    self.promoting_mainloop(
-                        ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
-                        num_k_blocks, mEA, mEB, mEB_up, m_tile * tile_m + my_rows[0],
-                        m_tile * tile_m + my_rows[1], expert, n_tile, k_split)
+                    self.promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
+                                            loads, k_tile_cnt, num_k_blocks, exps)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
-                # kernel's code). Seam for FP8 h (issue 33, later step): an epilogue kind that
-                # also writes e4m3 h with 1 x 128 exponents goes here; note an h tile is 64
-                # wide, so one 128-column group of h spans two N-tiles (n_tile 2j, 2j + 1)
+                # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
                 if const_expr(self.quantize_h):
                     self.store_h_fp8(acc, mHq, mEh, m_tile * tile_m + my_rows[0],
                                      m_tile * tile_m + my_rows[1], n_tile, tile_tidx)
@@ -390,57 +526,8 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                 tile_idx += cute.arch.grid_dim()[0]
             tma_store_pipeline.producer_tail()
 
-    # ------------------------------------------------------------------ FC1's e4m3 h
-    def store_h_fp8(self, acc: cute.Tensor, mHq: cute.Tensor, mEh: cute.Tensor, row0: Int32,
-                    row1: Int32, n_tile: Int32, tidx: Int32):
-        """h of this 128 x 128 tile straight from the accumulator as e4m3 with one exponent per
-        row (the tile's 128 columns are one 1 x 128 group): h = bf16(silu(bf16(g)) * bf16(u))
-        as the swiglu epilogue computes it, then exactly ``quantize.quantize_rows`` of those
-        bf16 values (the row amax over the 4 lanes that hold the row, its scale exponent, the
-        same conversion). Thread's elements: v = c + 2 r + 4 j, column 8 j + 2 (lane % 4) + c
-        of row r, gate for j < 16 and up at j + 16; each chunk pair's 4 bytes leave as two
-        16-bit stores (columns 8 j and 8 (j + 1) + 2 (lane % 4)), and the row's exponent byte
-        (the same value from each of its 4 lanes). Traced inline."""
-        from mok_cute.kernels import quantize
-
-        accv = cute.flatten(acc)
-        half = cute.size(accv) // 2  # 64: the gate elements, then the up ones
-        gate = cute.make_rmem_tensor((half,), Float32)
-        up = cute.make_rmem_tensor((half,), Float32)
-        for v in range(half):
-            gate[v] = accv[v]
-            up[v] = accv[half + v]
-        gate.store(gate.load().to(cutlass.BFloat16).to(Float32))
-        up.store(up.load().to(cutlass.BFloat16).to(Float32))
-        h = cute.make_rmem_tensor((half,), Float32)
-        for v in range(half):
-            h[v] = common.silu(gate[v]) * up[v]
-        h.store(h.load().to(cutlass.BFloat16).to(Float32))
-        bits = [common.f32_bits(h[v]) for v in range(half)]
-        amax = [Int32(0), Int32(0)]
-        for v in range(half):
-            r = (v // 2) % 2
-            amax[r] = cutlass.max(amax[r], (bits[v] >> 16) & 0x7FFF)
-        lane = tidx % 32
-        rows = (row0, row1)
-        pairs = recast_u16(mHq)
-        for r in range(2):
-            for offset in (1, 2):  # the row's 4 lanes: lane / 4 equal
-                amax[r] = cutlass.max(amax[r], cute.arch.shuffle_sync_bfly(amax[r], offset))
-            e, mult, nonfinite = quantize.scale_exponent(amax[r])
-            for j in range(0, half // 4, 2):  # two chunks (j, j + 1): four bytes
-                v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
-                quad = quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1], bits[v1 + 1],
-                                              mult, nonfinite)
-                col2 = n_tile * (GROUP // 2) + 4 * j + lane % 4  # in 2-byte units
-                pairs[rows[r], col2] = Uint16(quad & 0xFFFF)
-                pairs[rows[r], col2 + 4] = Uint16((quad >> 16) & 0xFFFF)
-            mEh[rows[r], n_tile] = Int8(e)  # the row's 4 lanes store the same byte
-
     # ------------------------------------------------------------------ promoting mainloop
-    def group_exponents(self, mEA: cute.Tensor, mEB: cute.Tensor, mEB_up, row0: Int32,
-                        row1: Int32, expert: Int32, n_tile: Int32, group: Int32,
-                        k_split: Int32):
+    def group_exponents(self, exps: GroupExponents, group: Int32):
         """This thread's two rows' e_a and the tile's first and second W block exponents for
         K group ``group`` (a row past A's rows reads row M - 1: such rows are never stored;
         a block past N is clamped: its columns are clipped on store). swiglu: the W_gate
@@ -448,6 +535,7 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
         one block each). b_split_k: groups from ``k_split`` on are mB_up's (both read, from
         clamped indices, and one selected: no branch). Traced inline (a plain method: the
         values go back to the caller)."""
+        mEA, mEB, mEB_up, row0, row1, expert, n_tile, k_split = exps
         last_row = cute.size(mEA, mode=[0]) - 1
         ea0 = Int32(mEA[cutlass.min(row0, last_row), group])
         ea1 = Int32(mEA[cutlass.min(row1, last_row), group])
@@ -490,16 +578,14 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
     @cute.jit
     def promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
                            loads: Int32, k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int],
-                           mEA: cute.Tensor, mEB: cute.Tensor, mEB_up, row0: Int32,
-                           row1: Int32, expert: Int32, n_tile: Int32, k_split: Int32):
+                           exps: GroupExponents):
         """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
         stage, promote into ``acc`` with the group's scales (loaded one group ahead).
         Returns the state after the tile's last stage."""
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
-        ea0, ea1, eb0, eb1 = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
-                                                  Int32(0), k_split)
+        ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
@@ -509,67 +595,14 @@ class GroupedGemmFp8Sm90(GroupedGemmSm90):
                           tCrB[(None, None, kb, read.index)], partial)
             cute.nvgpu.warpgroup.commit_group()
             # the next group's exponents, under the wgmmas (the last tile re-reads its own)
-            nxt = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
-                                       cutlass.min(k + 1, k_tiles - 1), k_split)
+            nxt = self.group_exponents(exps, cutlass.min(k + 1, k_tiles - 1))
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(read)
             read.advance()
-            self.promote(acc, partial, ea0, ea1, eb0, eb1, n_tile)
+            self.promote(acc, partial, ea0, ea1, eb0, eb1, exps.n_tile)
             ea0, ea1, eb0, eb1 = nxt
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read
-
-    def promote_half(self, acc: cute.Tensor, partial: cute.Tensor, half: int, ea0: Int32,
-                     ea1: Int32, eb: Int32):
-        """acc[N-half ``half``] += 2^(e_a[row] + e_b) * partial: the half's accumulator
-        elements are the flattened accumulator's ``half``-th half (8-column chunks in order),
-        with one W block a half (store: the tile's two blocks; swiglu: W_gate's, then W_up's).
-        Traced inline."""
-        scales = (pow2_f32(ea0 + eb), pow2_f32(ea1 + eb))
-        accv = cute.flatten(acc)
-        partv = cute.flatten(partial)
-        base = half * cute.size(partv)
-        for v in range(cute.size(partv)):
-            accv[base + v] = ffma(partv[v], scales[(v // 2) % 2], accv[base + v])
-
-    @cute.jit
-    def half_promoting_mainloop(self, ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
-                                loads: Int32, k_tiles: Int32,
-                                num_k_blocks: cutlass.Constexpr[int], mEA: cute.Tensor,
-                                mEB: cute.Tensor, mEB_up, row0: Int32, row1: Int32,
-                                expert: Int32, n_tile: Int32):
-        """``promoting_mainloop`` for 256-wide tiles: per 128-K group, N-half 0's wgmmas into
-        the half-wide partial, wait, promote; then N-half 1's (the next group's exponents loaded
-        under them), wait, release the stage, promote. The tensor cores wait for each half's
-        promotion (the partial is reused); the A tile is read from smem for 256 columns."""
-        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
-        acc.fill(0.0)
-        ea0, ea1, eb0, eb1 = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
-                                                  Int32(0), Int32(0))
-        for k in range(k_tiles):
-            ab_pipeline.consumer_wait(read)
-            for half in cutlass.range_constexpr(2):
-                # the wgmma issue written out, as in promoting_mainloop: the DSL loses the
-                # accumulate field set in a helper called from this run-time loop
-                cute.nvgpu.warpgroup.fence()
-                tCrB_half = (tCrB, tCrB_up)[half]
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
-                              tCrB_half[(None, None, kb, read.index)], partial)
-                cute.nvgpu.warpgroup.commit_group()
-                if const_expr(half == 1):  # the next group's exponents, under the wgmmas
-                    nxt = self.group_exponents(mEA, mEB, mEB_up, row0, row1, expert, n_tile,
-                                               cutlass.min(k + 1, k_tiles - 1), Int32(0))
-                cute.nvgpu.warpgroup.wait_group(0)
-                if const_expr(half == 1):
-                    ab_pipeline.consumer_release(read)
-                    read.advance()
-                self.promote_half(acc, partial, half, ea0, ea1, (eb0, eb1)[half])
-            ea0, ea1, eb0, eb1 = nxt
-        half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        return read
-
 
 # ---------------------------------------------------------------------- compile (no GPU)
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,

@@ -594,6 +594,28 @@ def quantize_rows(x: torch.Tensor, out: torch.Tensor | None = None,
     return q, e
 
 
+def quantize_packed_rows(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``quantize_rows(x)`` written as packed rows (``fp8.pack_rows``, padding bytes not
+    written): ``x [M, K]`` bf16 (K % 128 == 0), ``out [M, fp8.packed_row_bytes(K)]`` uint8
+    with unit stride along a row and 16-byte aligned rows (a view into a larger buffer is
+    fine: the megakernel's symmetric x). Returns ``out``. No host sync."""
+    _check_bf16("x", x, 2)
+    _multiple("x", x, 1, "K", GROUP)
+    _check_device("x", x)
+    m, k = x.shape
+    width = fp8.packed_row_bytes(k)
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8
+            or tuple(out.shape) != (m, width) or out.device != x.device or out.stride(1) != 1
+            or out.stride(0) % 16 or out.data_ptr() % 16):
+        raise ValueError(f"out: expected uint8 [{m}, {width}] on {x.device}, unit stride along "
+                         f"a row and 16-byte aligned rows, got {describe(out)}")
+    if m and k:
+        compiled = jit.compile_kernel("quantize_rows", jit.device_arch(x.device))
+        q = out[:, :k].view(torch.int32)
+        compiled(_words(x), q, out[:, k:k + k // GROUP].view(torch.int8), None)
+    return out
+
+
 def quantize_scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int,
                           out: torch.Tensor | None = None,
                           scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Int32, Int64, const_expr
 
+from mok_cute import fp8
 from mok_cute.constants import TILE_M, VEC_ELEMS, flag_started
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.scheduler import TaskTables
@@ -64,13 +65,25 @@ def copy_row(src: cute.Tensor, dst: cute.Tensor, h_vecs: Int32, lane: Int32,
 class CommTasks:
     """The comm role (``MegakernelSm90`` mixes it in)."""
 
+    def x_row_bytes(self, ring_x):
+        """Bytes of one x row as the symmetric buffers and the ring hold it: bf16 H, or with
+        fp8 the packed row of the e4m3 view's H' (``fp8.packed_row_bytes``). Traced inline."""
+        if const_expr(self.spec.fp8):
+            return fp8.packed_row_bytes(cute.size(ring_x, mode=[1]))
+        return cute.size(ring_x, mode=[1]) * 2
+
     @cute.jit
     def comm_loop(self, ctx, tt: TaskTables, routing: Routing, ring_x, ring_y, timeline_buf,
                   storage, tidx):
         """Walk the comm queue: each task's waits (thread 0), its rows' addresses (a thread
         per row), the copy (every warp), then the release publish (thread 0)."""
+        # a DISPATCH moves x rows (bf16, or fp8's packed rows), a COMBINE bf16 y rows
         hidden = cute.size(ring_x, mode=[1])
-        row_bytes = hidden * 2
+        x_row_bytes = hidden * 2
+        y_row_bytes = x_row_bytes
+        if const_expr(self.spec.fp8):
+            x_row_bytes = self.x_row_bytes(ring_x)
+            y_row_bytes = cute.size(ring_y, mode=[1]) * 2
         peer_bases = routing.peer_bases
         num_peers = cute.size(peer_bases, mode=[1])
         row_src = storage.row_src.get_tensor(cute.make_layout(TILE_M))
@@ -104,15 +117,21 @@ class CommTasks:
                         peers_started = Int32(1)
                     words[1] = 0
                 sync.arrive_and_wait()
+                row_elems = hidden  # in bf16 elements: the copy moves 16-byte vectors
+                if const_expr(self.spec.fp8):
+                    row_elems = y_row_bytes // 2
+                    if ttype == int(TaskType.DISPATCH):
+                        row_elems = x_row_bytes // 2
                 if moves:
                     self._resolve_row(ctx, tt, routing, index, rank, ttype, ring_x, ring_y,
-                                      row_bytes, row_src, row_dst, words, tidx)
+                                      x_row_bytes, y_row_bytes, row_src, row_dst, words, tidx)
                 sync.arrive_and_wait()
                 if moves:
                     for r in cutlass.range(tidx // 32, words[1], COMM_THREADS // 32, unroll=1):
                         if row_src[r] != 0:  # 0: a local row left in place (rows_in_place)
-                            copy_row(bf16_row(row_src[r], hidden), bf16_row(row_dst[r], hidden),
-                                     hidden // VEC_ELEMS, cute.arch.lane_idx(), COPY_UNROLL)
+                            copy_row(bf16_row(row_src[r], row_elems),
+                                     bf16_row(row_dst[r], row_elems), row_elems // VEC_ELEMS,
+                                     cute.arch.lane_idx(), COPY_UNROLL)
                 sync.arrive_and_wait()
                 if tidx == 0:
                     self._fence()
@@ -137,7 +156,7 @@ class CommTasks:
 
     @cute.jit
     def _resolve_row(self, ctx, tt: TaskTables, routing: Routing, index, rank, ttype, ring_x,
-                     ring_y, row_bytes, row_src, row_dst, words, tidx):
+                     ring_y, x_row_bytes, y_row_bytes, row_src, row_dst, words, tidx):
         """Thread t: the addresses of the task's row t. DISPATCH: the owner's x row -> the
         ring x row. COMBINE: the ring y row -> slot ``token * K + k`` of the source rank's
         combine buffer. Padding rows (peer -1) are skipped: a GEMM row depends only on its
@@ -156,7 +175,7 @@ class CommTasks:
                 token = Int64(routing.row_token[rank, row])
                 base = routing.peer_bases[rank, peer]
                 if ttype == int(TaskType.DISPATCH):
-                    row_src[tidx] = base + ctx.x_offset + token * Int64(row_bytes)
+                    row_src[tidx] = base + ctx.x_offset + token * Int64(x_row_bytes)
                     row_dst[tidx] = ring_x[ring_row, None, rank].iterator.toint()
                     if const_expr(self.spec.rows_in_place):
                         if peer == ctx.rank_base + rank:
@@ -164,7 +183,7 @@ class CommTasks:
                 else:
                     slot = token * Int64(self.spec.top_k) + Int64(routing.row_k[rank, row])
                     row_src[tidx] = ring_y[ring_row, None, rank].iterator.toint()
-                    row_dst[tidx] = base + ctx.combine_offset + slot * Int64(row_bytes)
+                    row_dst[tidx] = base + ctx.combine_offset + slot * Int64(y_row_bytes)
                     if const_expr(self.spec.rows_in_place):
                         if peer == ctx.rank_base + rank:
                             row_src[tidx] = Int64(0)  # read from the ring by this rank's k-sum

@@ -29,9 +29,10 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int32, Int64, const_expr
+from cutlass import BFloat16, Int8, Int32, Int64, const_expr
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
+from mok_cute import fp8
 from mok_cute.constants import TILE_K, TILE_M
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import pipeline_state, tma_tiles
@@ -43,6 +44,8 @@ from mok_cute.kernels.megakernel.scheduler import (
 from mok_cute.tasks import Role, TaskType, TaskWord
 
 PRODUCER_THREADS = 128  # rows in place: the producer warpgroup, each thread one arrival per stage
+# every k-tile row is one 128-byte swizzle row: 64 bf16 or 128 e4m3 (fp8 plans)
+K_TILE_BYTES = TILE_K * 2
 DEFER_FLUSH_KTILES = 8  # k-tiles of the next mainloop before a deferred publish goes out
 # a GEMM task's wait for its first stage shorter than this is not recorded as a STAGE_WAIT span
 # (the recorder's clock ticks every 32 ns on the H200)
@@ -152,6 +155,29 @@ class DirectRows(NamedTuple):
     warp_idx: Int32
 
 
+class Fp8Operands(NamedTuple):
+    """fp8 plans (``spec.fp8``): the rings' e4m3 views (int8, packed rows: each row's
+    exponents follow its data, ``fp8.packed_row_bytes``), h's exponent view, the weights'
+    128 x 128 block exponents and the routed GEMMs' k-tiles (128 deep); None in bf16 plans."""
+
+    ring_x: cute.Tensor  # int8 (C, H', R)
+    ring_h: cute.Tensor  # int8 (C, I', R)
+    h_exps: cute.Tensor  # int8 (C, I' / 128, R)
+    e_gate: cute.Tensor  # int8 (E, I' / 128, H' / 128)
+    e_up: cute.Tensor
+    e_down: cute.Tensor  # int8 (E, H' / 128, I' / 128)
+
+
+class TaskExponents(NamedTuple):
+    """An FP8 task's exponent bytes of K group 0 for one consumer thread (the group's byte is
+    ``group`` further): its two A rows' and the tile's two W blocks' (one per N-half)."""
+
+    a0: Int64
+    a1: Int64
+    w0: Int64
+    w1: Int64
+
+
 class MainloopArgs(NamedTuple):
     """Run-time values of the megakernel's mainloop hooks."""
 
@@ -170,35 +196,38 @@ class GemmTasks:
     """The compute role's GEMM tasks (``MegakernelSm90`` mixes it in)."""
 
     # ------------------------------------------------------------------ producer
-    def _tma_loads(self, ops: TmaOperands, sA, sB) -> TmaLoads:
+    def _tma_loads(self, ops: TmaOperands, sA, sB, bf16_stages) -> TmaLoads:
         """The loads' (global, smem) partitions: A boxes of 128 x 64, the gate and up halves
-        of a B stage (half_n x 64 each), W_down's whole B stage. Traced inline."""
+        of a B stage (half_n x 64 each), W_down's whole B stage; fp8: the routed GEMMs' boxes
+        128 deep, the shared expert's bf16 ones on ``bf16_stages``. Traced inline."""
         tile_m, tile_n, tile_k = self.tile_shape_mnk
-        half_n = tile_n // 2
-        sB_halves = cute.flat_divide(sB, (half_n, tile_k))
-        sB_gate = sB_halves[(None, None, 0, 0, None)]
-        sB_up = sB_halves[(None, None, 1, 0, None)]
 
         def part(atom, tensor, s, box):
             return (atom, *tma_tiles(atom, tensor, s, box))
 
-        a_box, half_box, b_box = (tile_m, tile_k), (half_n, tile_k), (tile_n, tile_k)
-        smem_boxes = ((sA, a_box), (sA, a_box), (sB_gate, half_box), (sB_up, half_box),
-                      (sB, b_box))
-        routed = [part(ops[2 * i], ops[2 * i + 1], s, box) for i, (s, box) in enumerate(smem_boxes)]
+        def smem_boxes(stage_a, stage_b, depth):
+            half = (tile_n // 2, depth)
+            halves = cute.flat_divide(stage_b, half)
+            return ((stage_a, (tile_m, depth)), (stage_a, (tile_m, depth)),
+                    (halves[(None, None, 0, 0, None)], half),
+                    (halves[(None, None, 1, 0, None)], half), (stage_b, (tile_n, depth)))
+
+        routed = [part(ops[2 * i], ops[2 * i + 1], s, box)
+                  for i, (s, box) in enumerate(smem_boxes(sA, sB, tile_k))]
         shared = [(None, None, None)] * 5
         if const_expr(self.spec.has_shared):
             shared = [part(ops[10 + 2 * i], ops[11 + 2 * i], s, box)
-                      for i, (s, box) in enumerate(smem_boxes)]
+                      for i, (s, box) in enumerate(smem_boxes(*bf16_stages, TILE_K))]
         return TmaLoads(*(v for triple in routed + shared for v in triple))
 
     @cute.jit
     def producer_loop(self, ctx, tt: TaskTables, routing: Routing, ab_pipeline, ops: TmaOperands,
-                      sA, sB, ring_x, compute_cta, ticket_q, ticket_bars, timeline_buf, direct):
+                      sA, sB, ring_x, compute_cta, ticket_q, ticket_bars, timeline_buf, direct,
+                      bf16_stages):
         """Warp 0 (or, with rows in place, the whole producer warpgroup with ``direct``: a
         ``DirectRows``) walks the compute tickets, waits on each GEMM task's counters and
-        fills its stages."""
-        tma = self._tma_loads(ops, sA, sB)
+        fills its stages (``bf16_stages``: the shared expert's, ``_tma_loads``)."""
+        tma = self._tma_loads(ops, sA, sB, bf16_stages)
         loads = Int32(0)  # k-tiles issued so far: the pipeline state is derived from it
         live_prefix = self._live_prefix(ctx, tt, int(Role.COMPUTE))
         blk, q_base = Int32(0), Int32(0)  # ticket block cursor (rank_blocks)
@@ -212,7 +241,7 @@ class GemmTasks:
             taken += 1
         while index >= 0:
             run, noop, ttype = self._task_kind(ctx, tt, ticket_q, taken, index, rank)
-            k_tiles = self._k_tiles(ttype, ops.t_a_x, ops.t_a_h, ops.t_sh_a_h)
+            k_tiles = self._k_tiles(ttype, ops.t_a_x, ops.t_a_h, ops.t_sh_a_h, ops.t_sh_a_x)
             if run and not noop and self._is_gemm(ttype):
                 num_waits, row_begin = None, None  # loaded from the task's row where needed
                 if const_expr(self.spec.ticket_ring):
@@ -421,7 +450,7 @@ class GemmTasks:
         otherwise) and issues the TMA loads; each thread then either lands its share of FC1's
         A rows with cp.async (arrival when they land) or arrives at once."""
         tile_m, tile_n, tile_k = self.tile_shape_mnk
-        b_bytes = tile_n * tile_k * 2
+        b_bytes = tile_n * K_TILE_BYTES
         tidx, warp_idx = direct.tidx, direct.warp_idx
         rows = gathered_rows_of(tidx)
         srcs = [Int64(0) for _ in rows]
@@ -433,7 +462,7 @@ class GemmTasks:
             bar = ab_pipeline.producer_get_barrier(state)
             stage = state.index
             if warp_idx == self.load_warp:
-                tx = b_bytes + tile_m * tile_k * 2
+                tx = b_bytes + tile_m * K_TILE_BYTES
                 if ttype == int(TaskType.FC1):
                     tx = b_bytes
                 with cute.arch.elect_one():
@@ -442,7 +471,7 @@ class GemmTasks:
                 self._issue_tma_loads(tma, ttype, k, stage, bar, m_tile, n_tile, ring_tile,
                                       expert, rank, False)
             if ttype == int(TaskType.FC1):
-                cp_async_a_rows(direct.sA_base + stage * (tile_m * tile_k), srcs, rows, k, tidx)
+                cp_async_a_rows(direct.sA_base + stage * (tile_m * TILE_K), srcs, rows, k, tidx)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
             else:
                 cute.arch.mbarrier_arrive(bar)
@@ -454,7 +483,7 @@ class GemmTasks:
         row (never copied into the ring), the ring row otherwise. Traced inline (a plain
         method: a list of DSL values cannot leave a ``cute.jit`` function)."""
         tile_m = self.tile_shape_mnk[0]
-        row_bytes = Int64(cute.size(ring_x, mode=[1]) * 2)
+        row_bytes = Int64(self.x_row_bytes(ring_x))
         x_base = routing.peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
         first = tt.tasks[index, TaskWord.ROW_BEGIN] if row_begin is None else row_begin
         srcs = []
@@ -466,12 +495,23 @@ class GemmTasks:
         return srcs
 
     @cute.jit
-    def _k_tiles(self, ttype: Int32, t_a_x, t_a_h, s_t_a_h) -> Int32:
-        """K-tiles of a GEMM task: H / 64 for the gate/up GEMMs, I (or Is) / 64 for down."""
+    def _k_tiles(self, ttype: Int32, t_a_x, t_a_h, s_t_a_h, t_hidden, fp8_ops=None) -> Int32:
+        """K-tiles of a GEMM task: H / 64 for the gate/up GEMMs, I (or Is) / 64 for down.
+        fp8 (``fp8_ops``, or the producer's fp8 TMA tensors ``t_a_x`` / ``t_a_h``): the routed
+        GEMMs' H' / 128 and I' / 128, the shared expert's as in bf16 (``t_hidden``: H wide)."""
         k_tiles = cute.size(t_a_x, mode=[1]) // TILE_K
-        if ttype == int(TaskType.FC2):
+        if const_expr(self.spec.fp8):
+            if const_expr(fp8_ops is not None):
+                t_a_x, t_a_h = fp8_ops.ring_x, fp8_ops.ring_h
+            k_tiles = cute.size(t_a_x, mode=[1]) // fp8.GROUP
+            if ttype == int(TaskType.FC2):
+                k_tiles = cute.size(t_a_h, mode=[1]) // fp8.GROUP
+        elif ttype == int(TaskType.FC2):
             k_tiles = cute.size(t_a_h, mode=[1]) // TILE_K
         if const_expr(self.spec.has_shared):
+            if const_expr(self.spec.fp8):
+                if ttype == int(TaskType.SHARED_FC1):
+                    k_tiles = cute.size(t_hidden, mode=[1]) // TILE_K
             if ttype == int(TaskType.SHARED_FC2):
                 k_tiles = cute.size(s_t_a_h, mode=[1]) // TILE_K
         return k_tiles
@@ -496,10 +536,20 @@ class GemmTasks:
     def consumer_loop(self, ctx, tt: TaskTables, routing: Routing, ring_y, out, shared_y,
                       timeline_buf, ab_pipeline, tiled_mma, sA, sB, sC, stores: TmaStores, tidx,
                       warp_idx, warpgroup_idx, compute_cta, ticket_q, ticket_bars, ksum_stage,
-                      saved: SavedRows):
+                      saved: SavedRows, fp8_ops=None, half_mma=None, bf16_stages=None,
+                      bf16_mma=None):
         consumer_tidx = tidx - 128
+        mma_slice = (warpgroup_idx - 1) * 128
         tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
-            tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * 128, consumer_tidx)
+            tiled_mma, sA, sB, sC, mma_slice, consumer_tidx)
+        halves = None  # fp8: one N-half's fragments and the partial (PromotingMainloop)
+        bf16_parts = None  # fp8 with a shared expert: its bf16 wgmmas' fragments, the same acc
+        if const_expr(self.spec.fp8):
+            halves = self.half_fragments(half_mma, sA, sB, mma_slice)
+            if const_expr(self.spec.has_shared):
+                thr = bf16_mma.get_slice(mma_slice)
+                bf16_parts = (bf16_mma.make_fragment_A(thr.partition_A(bf16_stages[0])),
+                              bf16_mma.make_fragment_B(thr.partition_B(bf16_stages[1])))
         coords = None  # save_preact: this thread's subtile coordinates, for its rows' stores
         if const_expr(self.spec.save_preact):
             coords = self.epi_coords(epi, consumer_tidx)
@@ -523,7 +573,8 @@ class GemmTasks:
         held, held_type = Int32(-1), Int32(-1)
         while index >= 0:
             run, noop, ttype = self._task_kind(ctx, tt, ticket_q, taken, index, rank)
-            k_tiles = self._k_tiles(ttype, stores.t_y, stores.t_h, stores.t_sh_h)
+            k_tiles = self._k_tiles(ttype, stores.t_y, stores.t_h, stores.t_sh_h, stores.t_y,
+                                    fp8_ops)
             t_start = self._now_if_recording()
             # with the recorder, a GEMM task's EPILOGUE and SIGNAL phases (tasks.TaskType)
             t_epilogue, t_signal = t_start, t_start
@@ -537,24 +588,50 @@ class GemmTasks:
                     self._flush_signal(tt.counters, held, is_store_warp, consumer_tidx)
                     held = Int32(-1)
             if gemm_runs:
-                # defer_signals: the held publish goes out inside this mainloop, after its
-                # first DEFER_FLUSH_KTILES k-tiles (the tensor cores busy meanwhile), not after
-                # the whole mainloop: other CTAs' FC2 tasks wait on a held FC1 counter
-                release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
-                                        num_k_blocks,
-                                        MainloopArgs(ctx, timeline_buf, index, rank,
-                                                     consumer_tidx == 0, tt.counters, held,
-                                                     is_store_warp, consumer_tidx))
-                cute.nvgpu.warpgroup.wait_group(0)
-                t_epilogue = self._now_if_recording()
-                ab_pipeline.consumer_release(release)
-                if const_expr(self.spec.defer_signals):
-                    held = Int32(-1)  # published in the mainloop
+                if const_expr(self.spec.fp8):
+                    # the routed GEMMs promote every 128-deep group (PromotingMainloop, the
+                    # stages released inside); the shared expert's run the bf16 mainloop
+                    routed = True
+                    if const_expr(self.spec.has_shared):
+                        routed = ttype == int(TaskType.FC1) or ttype == int(TaskType.FC2)
+                    if routed:
+                        self._fp8_mainloop(ctx, tt, routing, ticket_q, taken, index, rank,
+                                           ttype, fp8_ops, ab_pipeline, half_mma, acc, halves,
+                                           loads, k_tiles, consumer_tidx)
+                    if const_expr(self.spec.has_shared):
+                        if not routed:
+                            release = self.mainloop(
+                                ab_pipeline, bf16_mma, acc, bf16_parts[0], bf16_parts[1],
+                                loads, k_tiles, cute.size(bf16_parts[0], mode=[2]),
+                                MainloopArgs(ctx, timeline_buf, index, rank, consumer_tidx == 0,
+                                             tt.counters, held, is_store_warp, consumer_tidx))
+                            cute.nvgpu.warpgroup.wait_group(0)
+                            ab_pipeline.consumer_release(release)
+                    t_epilogue = self._now_if_recording()
+                else:
+                    # defer_signals: the held publish goes out inside this mainloop, after its
+                    # first DEFER_FLUSH_KTILES k-tiles (the tensor cores busy meanwhile), not
+                    # after the whole mainloop: other CTAs' FC2 tasks wait on a held FC1 counter
+                    release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
+                                            k_tiles, num_k_blocks,
+                                            MainloopArgs(ctx, timeline_buf, index, rank,
+                                                         consumer_tidx == 0, tt.counters, held,
+                                                         is_store_warp, consumer_tidx))
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    t_epilogue = self._now_if_recording()
+                    ab_pipeline.consumer_release(release)
+                    if const_expr(self.spec.defer_signals):
+                        held = Int32(-1)  # published in the mainloop
 
                 subtiles, t_signal = self._store_task(epi, ttype, tt, ticket_q, taken, index,
                                                       rank, subtiles, barrier, tma_store_pipeline,
                                                       is_store_warp, stores, saved, coords,
                                                       consumer_tidx, not deferrable)
+                if const_expr(self.spec.fp8):
+                    if ttype == int(TaskType.FC1):  # h as e4m3 rows by generic stores
+                        self._store_h_fp8(tt, ticket_q, taken, index, rank, fp8_ops, acc,
+                                          consumer_tidx)
+                        t_signal = self._now_if_recording()
             elif run and not noop:
                 # a KSUM, or with no comm CTA the BARRIER (no rows: it only waits, and stores
                 # its flag when it publishes)
@@ -563,6 +640,9 @@ class GemmTasks:
             if run:
                 if not self._is_gemm(ttype):  # KSUM: every warp's rows are written first
                     barrier.arrive_and_wait()
+                if const_expr(self.spec.fp8):
+                    if ttype == int(TaskType.FC1):  # fp8's h: every thread stored its rows
+                        barrier.arrive_and_wait()
                 if deferrable:  # published by a later task's _flush_signal
                     held, held_type = ring_words(ticket_q, taken - 1)[D_SIGNAL], ttype
                 if consumer_tidx == 0:  # lane 0 of the store warp (warp 4)
@@ -597,13 +677,14 @@ class GemmTasks:
         store warp does not wait here (``_flush_signal`` does)."""
         m_tile, n_tile, ring_tile = self._task_tile(tt, ticket_q, taken, index)
         if ttype == int(TaskType.FC1):
-            visit_args = None
-            if const_expr(self.spec.save_preact):
-                _, visit_args = self.row_visit_args(
-                    epi, "swiglu", coords, m_tile, n_tile, saved.preact[(None, None, rank)],
-                    saved.row_slot[(rank, None)], None, consumer_tidx)
-            self._store_tile(epi, stores.h, stores.t_h, ring_tile, n_tile, rank, True, subtiles,
-                             barrier, store_pipeline, is_store_warp, visit_args)
+            if const_expr(not self.spec.fp8):  # fp8: _store_h_fp8
+                visit_args = None
+                if const_expr(self.spec.save_preact):
+                    _, visit_args = self.row_visit_args(
+                        epi, "swiglu", coords, m_tile, n_tile, saved.preact[(None, None, rank)],
+                        saved.row_slot[(rank, None)], None, consumer_tidx)
+                self._store_tile(epi, stores.h, stores.t_h, ring_tile, n_tile, rank, True,
+                                 subtiles, barrier, store_pipeline, is_store_warp, visit_args)
         elif ttype == int(TaskType.FC2):
             self._store_tile(epi, stores.y, stores.t_y, ring_tile, n_tile, rank, False, subtiles,
                              barrier, store_pipeline, is_store_warp)
@@ -692,6 +773,9 @@ class GemmTasks:
         n = Int32(acc_n)
         if ttype == int(TaskType.FC1) or ttype == int(TaskType.SHARED_FC1):
             n = Int32(acc_n // 2)
+        if const_expr(self.spec.fp8):
+            if ttype == int(TaskType.FC1):
+                n = Int32(0)  # h leaves by generic stores (_store_h_fp8)
         return n * (TILE_M // self.epi_tile[0])
 
     @cute.jit
@@ -706,6 +790,79 @@ class GemmTasks:
         self.tile_epilogue(epi, (tma_atom,), (g_out[(None, None, m_tile, n_tile, rank)],),
                            "swiglu" if const_expr(swiglu) else "store", 0, subtiles, barrier,
                            store_pipeline, is_store_warp, visit_args)
+
+    # ------------------------------------------------------------------ fp8 tasks
+    @cute.jit
+    def _fp8_mainloop(self, ctx, tt: TaskTables, routing: Routing, ticket_q, taken: Int32,
+                      index: Int32, rank: Int32, ttype: Int32, fp8_ops: Fp8Operands, ab_pipeline,
+                      half_mma, acc, halves, loads: Int32, k_tiles: Int32, consumer_tidx: Int32):
+        """An FC1 / FC2 task of an fp8 plan: the 256-wide tile one N-half at a time, each
+        128-deep group promoted (``PromotingMainloop.half_promoting_mainloop``), its exponents
+        read after the group's stage wait (rows that other CTAs of this launch write)."""
+        m_tile, n_tile, ring_tile = self._task_tile(tt, ticket_q, taken, index)
+        expert = Int32(0)
+        row_begin = Int32(0)
+        if const_expr(self.spec.ticket_ring):
+            slot = ring_words(ticket_q, taken - 1)
+            expert, row_begin = slot[D_EXPERT], slot[D_ROW_BEGIN]
+        else:
+            expert = self._expert_of(ctx, routing.tile_expert, rank, m_tile)
+            row_begin = tt.tasks[index, TaskWord.ROW_BEGIN]
+        exps = self._task_exponents(ctx, routing, fp8_ops, ttype, rank, ring_tile, n_tile,
+                                    expert, row_begin, consumer_tidx)
+        tCrA, tCrB, tCrB_up, shape_of = halves
+        # allocated per task: the partial is dead between tasks (the shared expert's bf16
+        # mainloop then has its registers)
+        partial = cute.make_rmem_tensor(shape_of.layout, self.acc_dtype)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        self.half_promoting_mainloop(ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
+                                     loads, k_tiles, num_k_blocks, exps, exps_ahead=False)
+
+    def _task_exponents(self, ctx, routing: Routing, fp8_ops: Fp8Operands, ttype: Int32,
+                        rank: Int32, ring_tile: Int32, n_tile: Int32, expert: Int32,
+                        row_begin: Int32, consumer_tidx: Int32) -> TaskExponents:
+        """Where this thread's exponent bytes of an FP8 task sit (K group 0): A's in its rows'
+        packed rows (FC1: the ring x row, or with rows in place a local row's own x row; FC2:
+        the ring h row), W's in the block rows of W_gate and W_up (FC1: the tile is 128 h
+        columns, one block of each) or of W_down (FC2: blocks 2 n and 2 n + 1, clamped; the
+        columns past H are clipped on store). Traced inline."""
+        is_fc1 = ttype == int(TaskType.FC1)
+        hidden_p = cute.size(fp8_ops.ring_x, mode=[1])
+        inter_p = cute.size(fp8_ops.ring_h, mode=[1])
+        rows = []
+        for r in self._my_rows(consumer_tidx):
+            ring_row = ring_tile * TILE_M + r
+            in_x = fp8_ops.ring_x[ring_row, None, rank].iterator.toint() + Int64(hidden_p)
+            if const_expr(self.spec.rows_in_place):
+                own = routing.peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
+                token = Int64(routing.row_token[rank, row_begin + r])
+                own_row = own + token * Int64(fp8.packed_row_bytes(hidden_p)) + Int64(hidden_p)
+                local = routing.row_peer[rank, row_begin + r] == ctx.rank_base + rank
+                in_x = Int64(cutlass.select_(local, own_row, in_x))
+            in_h = fp8_ops.ring_h[ring_row, None, rank].iterator.toint() + Int64(inter_p)
+            rows.append(Int64(cutlass.select_(is_fc1, in_x, in_h)))
+        last_block = cute.size(fp8_ops.e_down, mode=[1]) - 1
+        gate = fp8_ops.e_gate[expert, n_tile, None].iterator.toint()
+        up = fp8_ops.e_up[expert, n_tile, None].iterator.toint()
+        down0 = fp8_ops.e_down[expert, cutlass.min(2 * n_tile, last_block), None].iterator.toint()
+        down1 = fp8_ops.e_down[expert, cutlass.min(2 * n_tile + 1, last_block), None].iterator.toint()
+        return TaskExponents(rows[0], rows[1], Int64(cutlass.select_(is_fc1, gate, down0)),
+                             Int64(cutlass.select_(is_fc1, up, down1)))
+
+    def group_exponents(self, exps: TaskExponents, group: Int32):
+        """The exponents of K group ``group`` (``PromotingMainloop``): four byte loads."""
+        return tuple(Int32(byte_at(addr + Int64(group))) for addr in exps)
+
+    @cute.jit
+    def _store_h_fp8(self, tt: TaskTables, ticket_q, taken: Int32, index: Int32, rank: Int32,
+                     fp8_ops: Fp8Operands, acc, consumer_tidx: Int32):
+        """An fp8 FC1 task's h tile (128 columns: one 1 x 128 group) into the ring's packed h
+        rows, e4m3 with its exponent (``PromotingMainloop.store_h_fp8``)."""
+        _, n_tile, ring_tile = self._task_tile(tt, ticket_q, taken, index)
+        rows = self._my_rows(consumer_tidx)
+        self.store_h_fp8(acc, fp8_ops.ring_h[(None, None, rank)],
+                         fp8_ops.h_exps[(None, None, rank)], ring_tile * TILE_M + rows[0],
+                         ring_tile * TILE_M + rows[1], n_tile, consumer_tidx)
 
     # ------------------------------------------------------------------ mainloop hooks
     @cute.jit
@@ -743,6 +900,13 @@ class GemmTasks:
             if k_tiles < DEFER_FLUSH_KTILES and hook_args.held >= 0:
                 self._flush_signal(hook_args.counters, hook_args.held, hook_args.is_store_warp,
                                    hook_args.consumer_tidx)
+
+
+@cute.jit
+def byte_at(addr: Int64) -> Int8:
+    """The signed byte at a global address."""
+    return cute.make_tensor(cute.make_ptr(Int8, addr, cute.AddressSpace.gmem, assumed_align=1),
+                            cute.make_layout(1))[0]
 
 
 # ---------------------------------------------------------------------- gathered A rows

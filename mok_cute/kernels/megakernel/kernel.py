@@ -49,16 +49,18 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
-from mok_cute import jit
+from mok_cute import fp8, jit
 from mok_cute.constants import SCALARS, TASK_TILE_N, TILE_K, TILE_M, MegakernelSpec
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
+from mok_cute.kernels.gemm_fp8 import PromotingMainloop
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.kernels.megakernel.comm_tasks import COMM_THREADS, CommTasks, Routing
-from mok_cute.kernels.megakernel.gemm_tasks import (PRODUCER_THREADS, DirectRows, GemmTasks,
-                                                   SavedRows, TmaOperands, TmaStores)
+from mok_cute.kernels.megakernel.gemm_tasks import (PRODUCER_THREADS, DirectRows, Fp8Operands,
+                                                   GemmTasks, SavedRows, TmaOperands, TmaStores)
 from mok_cute.kernels.megakernel.ksum_tasks import KsumTasks
 from mok_cute.kernels.megakernel.scheduler import (DECODED_WORDS, TICKET_SLOTS, Context,
                                                   SchedulerMixin, TaskTables, ticket_ring_init)
@@ -66,7 +68,7 @@ from mok_cute.tasks import TASK_WORDS
 
 
 class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogueMixin,
-                     GemmCoreSm90):
+                     PromotingMainloop, GemmCoreSm90):
     """One persistent launch: dispatch, expert GEMMs, combine, barrier and k-sum.
 
     :param spec: the static configuration (``constants.MegakernelSpec``).
@@ -85,6 +87,31 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
         if spec.ticket_ring:
             self.producer_regs, self.consumer_regs = 48, 224
         assert self.producer_regs * 128 + self.consumer_regs * 256 <= 168 * 384
+        self.half_mma = None
+        if spec.fp8:  # e4m3 k-tiles: 128 deep, the same 128 bytes a row as bf16's 64
+            self.tile_shape_mnk = (TILE_M, TASK_TILE_N, fp8.GROUP)
+
+    def _setup_attributes(self):
+        super()._setup_attributes()
+        self.bf16_mma = None
+        if self.spec.fp8:
+            self.half_mma = self.make_half_mma()
+            if self.spec.has_shared:  # the shared expert's bf16 wgmmas
+                major = cute.nvgpu.warpgroup.OperandMajorMode.K
+                self.bf16_mma = sm90_utils.make_trivial_tiled_mma(
+                    BFloat16, BFloat16, major, major, self.acc_dtype, self.atom_layout_mnk,
+                    tiler_mn=(64, self.tile_shape_mnk[1]))
+
+    def bf16_stage_views(self, storage):
+        """fp8 with a shared expert: the A and B stages as bf16 (rows, 64) tiles, the same
+        bytes a stage as the e4m3 (rows, 128) tiles. Traced inline."""
+        tile_m, tile_n, _ = self.tile_shape_mnk
+        views = []
+        for field, rows in ((storage.sA, tile_m), (storage.sB, tile_n)):
+            staged = self.staged_layout(BFloat16, (rows, TILE_K), self.ab_stages)
+            ptr = cute.recast_ptr(field.data_ptr(), staged.inner, dtype=BFloat16)
+            views.append(cute.make_tensor(ptr, staged.outer))
+        return tuple(views)
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -102,6 +129,8 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
                  out: cute.Tensor, timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor,
                  preact: Optional[cute.Tensor], row_slot: Optional[cute.Tensor],
                  shared_preact: Optional[cute.Tensor], shared_rows: Optional[cute.Tensor],
+                 h_exps: Optional[cute.Tensor], e_gate: Optional[cute.Tensor],
+                 e_up: Optional[cute.Tensor], e_down: Optional[cute.Tensor],
                  stream: cuda.CUstream):
         """Shapes (R ranks, P peers, E = R * E_loc experts, C ring rows, T tokens):
         tasks int32 (N, TASK_WORDS); queues int32 (2, Q); queue_len int32 (2,);
@@ -119,13 +148,26 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
         announces its start, like a peer whose process died; -1 in normal use). save_preact
         (else None): preact bf16 (rows, 2I, R), row_slot int32 (R, capacity) (each schedule
         row's preact row, -1: padding); shared: shared_preact bf16 (T, 2Is, R), shared_rows
-        int32 (T,) (0 .. T - 1)."""
+        int32 (T,) (0 .. T - 1). fp8 (else None): ring_x, ring_h and the three weights are
+        int8 views of e4m3 data (H', I': H, I rounded up to 128), ring_x's and ring_h's rows
+        packed (``fp8.packed_row_bytes``: a row's exponents follow its data), h_exps int8
+        (C, I'/128, R) the view of ring_h's exponents, e_gate / e_up (E, I'/128, H'/128) and
+        e_down (E, H'/128, I'/128) the weights' block exponents."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
+        fp8_ring_x, fp8_ring_h = None, None  # fp8: the int8 views, for rows' addresses
+        if const_expr(self.spec.fp8):
+            fp8_ring_x, fp8_ring_h = ring_x, ring_h
+            self.a_dtype = self.b_dtype = cutlass.Float8E4M3FN
+            ring_x = cute.recast_tensor(ring_x, cutlass.Float8E4M3FN)
+            ring_h = cute.recast_tensor(ring_h, cutlass.Float8E4M3FN)
+            w_gate = cute.recast_tensor(w_gate, cutlass.Float8E4M3FN)
+            w_up = cute.recast_tensor(w_up, cutlass.Float8E4M3FN)
+            w_down = cute.recast_tensor(w_down, cutlass.Float8E4M3FN)
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         a_box = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
         half_box = (tile_n // 2, tile_k)
-        half_layout = cute.slice_(self.staged_layout(BFloat16, half_box, 1), (None, None, 0))
+        half_layout = cute.slice_(self.staged_layout(self.b_dtype, half_box, 1), (None, None, 0))
         full_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
         epi_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
@@ -137,15 +179,25 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
         tma_wg, t_wg = mk(g2s, w_gate, half_layout, half_box)
         tma_wu, t_wu = mk(g2s, w_up, half_layout, half_box)
         tma_wd, t_wd = mk(g2s, w_down, full_layout, (tile_n, tile_k))
-        tma_st_h, t_st_h = mk(s2g, ring_h, epi_layout, self.epi_tile)
+        tma_st_h, t_st_h = None, None  # fp8: h leaves as e4m3 by generic stores
+        if const_expr(not self.spec.fp8):
+            tma_st_h, t_st_h = mk(s2g, ring_h, epi_layout, self.epi_tile)
         tma_st_y, t_st_y = mk(s2g, ring_y, epi_layout, self.epi_tile)
         shared_atoms = (None,) * 14
         if const_expr(self.spec.has_shared):
-            s_a_x = mk(g2s, x_all, a_box, (tile_m, tile_k))
-            s_a_h = mk(g2s, shared_h, a_box, (tile_m, tile_k))
-            s_wg = mk(g2s, ws_gate, half_layout, half_box)
-            s_wu = mk(g2s, ws_up, half_layout, half_box)
-            s_wd = mk(g2s, ws_down, full_layout, (tile_n, tile_k))
+            # fp8: the shared expert stays bf16, its boxes over the same stage bytes
+            sh_a_box, sh_half_box, sh_half_layout, sh_full_layout = (a_box, half_box,
+                                                                     half_layout, full_layout)
+            if const_expr(self.spec.fp8):
+                sh_half_box = (tile_n // 2, TILE_K)
+                sh_a_box, sh_half_layout, sh_full_layout = (
+                    cute.slice_(self.staged_layout(BFloat16, box, 1), (None, None, 0))
+                    for box in ((tile_m, TILE_K), sh_half_box, (tile_n, TILE_K)))
+            s_a_x = mk(g2s, x_all, sh_a_box, (tile_m, TILE_K))
+            s_a_h = mk(g2s, shared_h, sh_a_box, (tile_m, TILE_K))
+            s_wg = mk(g2s, ws_gate, sh_half_layout, sh_half_box)
+            s_wu = mk(g2s, ws_up, sh_half_layout, sh_half_box)
+            s_wd = mk(g2s, ws_down, sh_full_layout, (tile_n, TILE_K))
             s_st_h = mk(s2g, shared_h, epi_layout, self.epi_tile)
             s_st_y = mk(s2g, shared_y, epi_layout, self.epi_tile)
             shared_atoms = (*s_a_x, *s_a_h, *s_wg, *s_wu, *s_wd, *s_st_h, *s_st_y)
@@ -164,10 +216,11 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
             counters, error, num_tiles, tile_expert, row_peer, row_token, row_k, peer_bases,
             ring_x, ring_y, topk_weights, topk_idx, slot_rows, out, shared_y, timeline_buf,
             scalars, preact, row_slot, shared_preact, shared_rows,
+            fp8_ring_x, fp8_ring_h, h_exps, e_gate, e_up, e_down,
             tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd, t_wd,
             tma_st_h, t_st_h, tma_st_y, t_st_y, *shared_atoms,
             self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
-            self.epi_smem_layout_staged,
+            self.epi_smem_layout_staged, self.half_mma, self.bf16_mma,
         ).launch(grid=[self.spec.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
                  min_blocks_per_mp=1, cooperative=True, stream=stream)
 
@@ -184,10 +237,14 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
                timeline_buf: Optional[cute.Tensor], scalars: cute.Tensor,
                preact: Optional[cute.Tensor], row_slot: Optional[cute.Tensor],
                shared_preact: Optional[cute.Tensor], shared_rows: Optional[cute.Tensor],
+               fp8_ring_x: Optional[cute.Tensor], fp8_ring_h: Optional[cute.Tensor],
+               h_exps: Optional[cute.Tensor],
+               e_gate: Optional[cute.Tensor], e_up: Optional[cute.Tensor],
+               e_down: Optional[cute.Tensor],
                tma_a_x: cute.CopyAtom, t_a_x: cute.Tensor, tma_a_h: cute.CopyAtom, t_a_h: cute.Tensor,
                tma_wg: cute.CopyAtom, t_wg: cute.Tensor, tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
                tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
-               tma_st_h: cute.CopyAtom, t_st_h: cute.Tensor, tma_st_y: cute.CopyAtom, t_st_y: cute.Tensor,
+               tma_st_h: Optional[cute.CopyAtom], t_st_h: Optional[cute.Tensor], tma_st_y: cute.CopyAtom, t_st_y: cute.Tensor,
                s_tma_a_x: Optional[cute.CopyAtom], s_t_a_x: Optional[cute.Tensor],
                s_tma_a_h: Optional[cute.CopyAtom], s_t_a_h: Optional[cute.Tensor],
                s_tma_wg: Optional[cute.CopyAtom], s_t_wg: Optional[cute.Tensor],
@@ -197,7 +254,8 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
                s_tma_st_y: Optional[cute.CopyAtom], s_t_st_y: Optional[cute.Tensor],
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
-               epi_smem_layout_staged: cute.ComposedLayout):
+               epi_smem_layout_staged: cute.ComposedLayout,
+               half_mma: Optional[cute.TiledMma], bf16_mma: Optional[cute.TiledMma]):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -228,14 +286,23 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
+        # x rows as the comm copies and the producer gathers them: bf16, or fp8's packed rows
+        x_rows = ring_x
+        fp8_ops = None
+        if const_expr(self.spec.fp8):
+            x_rows = fp8_ring_x
+            fp8_ops = Fp8Operands(fp8_ring_x, fp8_ring_h, h_exps, e_gate, e_up, e_down)
         if bidx < self.spec.num_comm_ctas:
             self._announce_start(ctx, peer_bases, tidx)
             if tidx < COMM_THREADS:
-                self.comm_loop(ctx, tt, routing, ring_x, ring_y, timeline_buf, storage, tidx)
+                self.comm_loop(ctx, tt, routing, x_rows, ring_y, timeline_buf, storage, tidx)
         else:
             sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
             sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
             sC = storage.sC.get_tensor(epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner)
+            bf16_stages = (sA, sB)  # the shared expert's bf16 stages (fp8: over the same bytes)
+            if const_expr(self.spec.fp8 and self.spec.has_shared):
+                bf16_stages = self.bf16_stage_views(storage)
             warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
             compute_cta = bidx - self.spec.num_comm_ctas
             ops = TmaOperands(tma_a_x, t_a_x, tma_a_h, t_a_h, tma_wg, t_wg, tma_wu, t_wu, tma_wd,
@@ -245,14 +312,19 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if const_expr(self.spec.rows_in_place):
                     # all four producer warps: they gather FC1's local A rows themselves
-                    self.producer_loop(ctx, tt, routing, ab_pipeline, ops, sA, sB, ring_x,
+                    # the A rows land as 16-byte chunks at bf16 offsets (fp8: the same bytes)
+                    sA_base = storage.sA.data_ptr()
+                    if const_expr(self.spec.fp8):
+                        sA_base = cute.recast_ptr(sA_base, dtype=BFloat16)
+                    self.producer_loop(ctx, tt, routing, ab_pipeline, ops, sA, sB, x_rows,
                                        compute_cta, ticket_q, ticket_bars, timeline_buf,
-                                       DirectRows(storage.sA.data_ptr(), tidx, warp_idx))
+                                       DirectRows(sA_base, tidx, warp_idx), bf16_stages)
                 elif warp_idx == self.load_warp:
                     for atom in (tma_a_x, tma_a_h, tma_wg, tma_wu, tma_wd):
                         cute.nvgpu.cpasync.prefetch_descriptor(atom)
-                    self.producer_loop(ctx, tt, routing, ab_pipeline, ops, sA, sB, ring_x,
-                                       compute_cta, ticket_q, ticket_bars, timeline_buf, None)
+                    self.producer_loop(ctx, tt, routing, ab_pipeline, ops, sA, sB, x_rows,
+                                       compute_cta, ticket_q, ticket_bars, timeline_buf, None,
+                                       bf16_stages)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 stores = TmaStores(tma_st_h, t_st_h, tma_st_y, t_st_y, s_tma_st_h, s_t_st_h,
@@ -261,7 +333,8 @@ class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogu
                                    ab_pipeline, tiled_mma, sA, sB, sC, stores, tidx, warp_idx,
                                    warpgroup_idx, compute_cta, ticket_q, ticket_bars,
                                    storage.sB.data_ptr(),
-                                   SavedRows(preact, row_slot, shared_preact, shared_rows))
+                                   SavedRows(preact, row_slot, shared_preact, shared_rows),
+                                   fp8_ops, half_mma, bf16_stages, bf16_mma)
 
 
 # ---------------------------------------------------------------------- compile
@@ -287,11 +360,23 @@ def compile_megakernel(arch: str = "sm_90a", options: str = "", **spec_fields):
         i32(ranks, sym()), common.fake_vector(Int64, 1, align_bytes=8),
         common.fake_vector(Int32), i32(ranks, tiles), i32(ranks, cap), i32(ranks, cap),
         i32(ranks, cap), f(Int64, (ranks, peers), align_bytes=8),
-        kmaj(bf16, (ring, hidden, ranks)), kmaj(bf16, (ring, inter, ranks)),
-        kmaj(bf16, (ring, hidden, ranks)),
-        kmaj(bf16, (inter, hidden, experts)), kmaj(bf16, (inter, hidden, experts)),
-        kmaj(bf16, (hidden, inter, experts)),
     ]
+    fp8_args = [None] * 4
+    if spec.fp8:  # e4m3 data as int8 views, H' and I' multiples of 128, packed ring rows
+        i8 = cutlass.Int8
+        hidden_p, inter_p = sym(divisibility=fp8.GROUP), sym(divisibility=fp8.GROUP)
+        args += [kmaj(i8, (ring, hidden_p, ranks)), kmaj(i8, (ring, inter_p, ranks)),
+                 kmaj(bf16, (ring, hidden, ranks)),
+                 kmaj(i8, (inter_p, hidden_p, experts)), kmaj(i8, (inter_p, hidden_p, experts)),
+                 kmaj(i8, (hidden_p, inter_p, experts))]
+        exps = lambda *shape: f(i8, shape, align_bytes=1)  # noqa: E731
+        fp8_args = [exps(ring, sym(), ranks), exps(experts, sym(), sym()),
+                    exps(experts, sym(), sym()), exps(experts, sym(), sym())]
+    else:
+        args += [kmaj(bf16, (ring, hidden, ranks)), kmaj(bf16, (ring, inter, ranks)),
+                 kmaj(bf16, (ring, hidden, ranks)),
+                 kmaj(bf16, (inter, hidden, experts)), kmaj(bf16, (inter, hidden, experts)),
+                 kmaj(bf16, (hidden, inter, experts))]
     if spec.has_shared:
         s_inter = sym(divisibility=TILE_K)
         args += [kmaj(bf16, (tokens, hidden, ranks)), kmaj(bf16, (s_inter, hidden, ranks)),
@@ -310,5 +395,6 @@ def compile_megakernel(arch: str = "sm_90a", options: str = "", **spec_fields):
                  if spec.has_shared else [None, None])
     else:
         args += [None] * 4
+    args += fp8_args
     args.append(common.fake_stream())
     return cute.compile(mk, *args, options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
