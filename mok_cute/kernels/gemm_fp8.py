@@ -268,18 +268,19 @@ class PromotingMainloop:
     def half_promoting_mainloop(self, ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
                                 loads: Int32, k_tiles: Int32,
                                 num_k_blocks: cutlass.Constexpr[int], exps,
-                                exps_ahead: cutlass.Constexpr[bool] = True):
+                                first_exps_after_wait: cutlass.Constexpr[bool] = False):
         """One 256-wide tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group, N-half 0's wgmmas into the half-wide partial, wait, promote; then N-half 1's,
         wait, release the stage, promote. The tensor cores wait for each half's promotion (the
-        partial is reused); the A tile is read from smem for 256 columns. ``exps_ahead``: the
-        next group's exponents load under half 1's wgmmas (group 0's before the first stage
-        wait: inputs written before the launch); else each group's load under its own half 0
-        wgmmas, after its stage's wait (inputs that other CTAs of the launch write)."""
+        partial is reused); the A tile is read from smem for 256 columns. The next group's
+        exponents load under half 1's wgmmas; group 0's before the first stage wait (inputs
+        written before the launch), or with ``first_exps_after_wait`` under the first group's
+        half 0 wgmmas, after its stage's wait (rows that other CTAs of the launch write: the
+        wait orders them)."""
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         ea0, ea1, eb0, eb1 = Int32(0), Int32(0), Int32(0), Int32(0)
-        if const_expr(exps_ahead):
+        if const_expr(not first_exps_after_wait):
             ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
@@ -294,17 +295,17 @@ class PromotingMainloop:
                     cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
                               tCrB_half[(None, None, kb, read.index)], partial)
                 cute.nvgpu.warpgroup.commit_group()
-                if const_expr(half == 0 and not exps_ahead):  # this group's, under its wgmmas
-                    ea0, ea1, eb0, eb1 = self.group_exponents(exps, k)
-                if const_expr(half == 1 and exps_ahead):  # the next group's, under the wgmmas
+                if const_expr(half == 0 and first_exps_after_wait):
+                    if k == 0:  # group 0's, under its own wgmmas
+                        ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
+                if const_expr(half == 1):  # the next group's, under the wgmmas
                     nxt = self.group_exponents(exps, cutlass.min(k + 1, k_tiles - 1))
                 cute.nvgpu.warpgroup.wait_group(0)
                 if const_expr(half == 1):
                     ab_pipeline.consumer_release(read)
                     read.advance()
                 self.promote_half(acc, partial, half, ea0, ea1, (eb0, eb1)[half])
-            if const_expr(exps_ahead):
-                ea0, ea1, eb0, eb1 = nxt
+            ea0, ea1, eb0, eb1 = nxt
         half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read
 

@@ -797,8 +797,9 @@ class GemmTasks:
                       index: Int32, rank: Int32, ttype: Int32, fp8_ops: Fp8Operands, ab_pipeline,
                       half_mma, acc, halves, loads: Int32, k_tiles: Int32, consumer_tidx: Int32):
         """An FC1 / FC2 task of an fp8 plan: the 256-wide tile one N-half at a time, each
-        128-deep group promoted (``PromotingMainloop.half_promoting_mainloop``), its exponents
-        read after the group's stage wait (rows that other CTAs of this launch write)."""
+        128-deep group promoted (``PromotingMainloop.half_promoting_mainloop``), the first
+        group's exponents read after its stage wait (rows that other CTAs of this launch
+        write: the producer's acquire precedes the stage)."""
         m_tile, n_tile, ring_tile = self._task_tile(tt, ticket_q, taken, index)
         expert = Int32(0)
         row_begin = Int32(0)
@@ -816,7 +817,8 @@ class GemmTasks:
         partial = cute.make_rmem_tensor(shape_of.layout, self.acc_dtype)
         num_k_blocks = cute.size(tCrA, mode=[2])
         self.half_promoting_mainloop(ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
-                                     loads, k_tiles, num_k_blocks, exps, exps_ahead=False)
+                                     loads, k_tiles, num_k_blocks, exps,
+                                     first_exps_after_wait=True)
 
     def _task_exponents(self, ctx, routing: Routing, fp8_ops: Fp8Operands, ttype: Int32,
                         rank: Int32, ring_tile: Int32, n_tile: Int32, expert: Int32,

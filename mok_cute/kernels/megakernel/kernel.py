@@ -369,8 +369,8 @@ def compile_megakernel(arch: str = "sm_90a", options: str = "", **spec_fields):
                  kmaj(bf16, (ring, hidden, ranks)),
                  kmaj(i8, (inter_p, hidden_p, experts)), kmaj(i8, (inter_p, hidden_p, experts)),
                  kmaj(i8, (hidden_p, inter_p, experts))]
-        exps = lambda *shape: f(i8, shape, align_bytes=1)  # noqa: E731
-        fp8_args = [exps(ring, sym(), ranks), exps(experts, sym(), sym()),
+        exps = lambda *shape, mode=-1: f(i8, shape, contiguous_mode=mode, align_bytes=1)  # noqa: E731
+        fp8_args = [exps(ring, sym(), ranks, mode=1), exps(experts, sym(), sym()),
                     exps(experts, sym(), sym()), exps(experts, sym(), sym())]
     else:
         args += [kmaj(bf16, (ring, hidden, ranks)), kmaj(bf16, (ring, inter, ranks)),
