@@ -284,8 +284,8 @@ def moe_forward(
 def _fp8_training_refusal(config: MoKConfig, where: str, needs_grad: bool) -> None:
     if config.precision == "fp8" and (needs_grad or torch.compiler.is_compiling()):
         raise ValueError(f"config.precision='fp8': {where} runs FP8 forward-only calls so far "
-                         f"(FP8 trains on the one-GPU expert path, backend='kernel'); call it "
-                         f"under torch.no_grad(), or train in bf16")
+                         f"(FP8 trains on one GPU and on virtual ranks); call it under "
+                         f"torch.no_grad(), or train in bf16")
 
 
 def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config, dims,
@@ -299,9 +299,13 @@ def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, co
         raise ValueError(why)
     choice = choose_path(x.device, config)
     if choice.path == "megakernel":
-        _fp8_training_refusal(config, "the megakernel (backend='megakernel')", needs_grad)
         if _megakernel_fallback(dims, config):
             raise ValueError("config.precision='fp8': the megakernel cannot take these sizes")
+        if needs_grad or torch.compiler.is_compiling():  # the saving launch, FP8 backward kernels
+            from . import autograd
+
+            return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                        config)
         from . import megakernel
 
         pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
@@ -481,9 +485,13 @@ def moe_forward_virtual(
     )
     choice = choose_path(xs.device, config, virtual=True, needs_grad=needs_grad)
     if config.precision == "fp8":
-        _fp8_training_refusal(config, "moe_forward_virtual", needs_grad)
         _fp8_sizes(dims)
         if choice.path != "megakernel":  # no GPU: the emulation, rank by rank
+            if needs_grad or torch.compiler.is_compiling():
+                raise ValueError(f"config.precision='fp8': training runs on the FP8 kernels only "
+                                 f"(this call would take the {choice.path} path: "
+                                 f"{choice.reason}); call under torch.no_grad() for the "
+                                 f"emulation, or train in bf16")
             if config.check_ids:
                 check_expert_ids(topk_idx, dims.num_experts)
             return _fp8_reference_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down,

@@ -47,7 +47,8 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
                       backend: str) -> list[torch.Tensor]:
     """[out, *SavedForBackward]: the training forward on the kernels (inputs checked by
     ``mok_cute.api``), bf16 or FP8 (``expert_path_fp8``) by ``precision``; ``backend``
-    "megakernel": bf16 through the megakernel at one rank (default megakernel options)."""
+    "megakernel": through the megakernel at one rank (default megakernel options; its
+    saved rows are the expert path's, bitwise)."""
     from mok_cute.config import ExpertPathOptions, MoKConfig, PendingIdCheck
     from mok_cute.expert_path import moe_forward_kernel
     from mok_cute.expert_path_fp8 import moe_forward_fp8
@@ -61,7 +62,7 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
         out, saved = megakernel.training_forward(
             x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-            MoKConfig(backend="megakernel", check_ids=False))
+            MoKConfig(backend="megakernel", check_ids=False, precision=precision))
     else:
         forward = moe_forward_fp8 if precision == "fp8" else moe_forward_kernel
         out, saved = forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
@@ -107,7 +108,9 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
     grads = backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                      SavedForBackward(*saved), Needs(*needs),
                      ExpertPathOptions(fc2_pingpong_max_k, fc1_group_m, fc2_group_m), precision,
-                     dgrads="megakernel" if backend == "megakernel" else "kernels")
+                     # FP8's dgrads run on the FP8 kernels (the backward megakernel is bf16)
+                     dgrads="megakernel" if backend == "megakernel" and precision == "bf16"
+                     else "kernels")
     return [x.new_empty(0) if g is None else g for g in grads]
 
 
@@ -190,7 +193,7 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config)
 def _launch_fields(config) -> list[int]:
     """The megakernel's sizes and options of ``config`` as the custom op's int list (-1:
     None): tile_m, num_comm_sms, minibatch_tokens, ring_tokens, timeline, timeline_capacity,
-    rows_in_place, tickets (index into TICKET_MODES), fc1_lead."""
+    rows_in_place, tickets (index into TICKET_MODES), fc1_lead, fp8 (precision)."""
     from mok_cute.config import TICKET_MODES
 
     none = lambda v: -1 if v is None else int(v)  # noqa: E731
@@ -198,18 +201,19 @@ def _launch_fields(config) -> list[int]:
     return [config.tile_m, none(config.num_comm_sms), none(config.minibatch_tokens),
             none(config.ring_tokens), int(config.timeline), config.timeline_capacity,
             int(m.rows_in_place), -1 if m.tickets is None else TICKET_MODES.index(m.tickets),
-            none(m.fc1_lead)]
+            none(m.fc1_lead), int(config.precision == "fp8")]
 
 
 def _launch_config(fields: list[int], timeout_ms: float):
     """The MoKConfig of ``_launch_fields`` (ids already checked by the op)."""
     from mok_cute.config import TICKET_MODES, MegakernelOptions, MoKConfig
 
-    (tile_m, comm, minibatch, ring, timeline, capacity, in_place, tickets, lead) = fields
+    (tile_m, comm, minibatch, ring, timeline, capacity, in_place, tickets, lead, fp8) = fields
     some = lambda v: None if v < 0 else v  # noqa: E731
     return MoKConfig(tile_m=tile_m, num_comm_sms=some(comm), minibatch_tokens=some(minibatch),
                      ring_tokens=some(ring), timeline=bool(timeline), timeline_capacity=capacity,
                      timeout_ms=timeout_ms, backend="megakernel", check_ids=False,
+                     precision="fp8" if fp8 else "bf16",
                      megakernel=MegakernelOptions(bool(in_place), None if tickets < 0
                                                   else TICKET_MODES[tickets], some(lead)))
 
@@ -262,7 +266,8 @@ def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: to
                          w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                          ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                          ws_down: Optional[torch.Tensor], saved: list[torch.Tensor],
-                         needs: list[bool], expert_path: list[int]) -> list[torch.Tensor]:
+                         needs: list[bool], expert_path: list[int],
+                         precision: str) -> list[torch.Tensor]:
     """[d_xs, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down] of
     R virtual ranks (``virtual_backward.moe_backward_virtual``); an empty tensor where
     ``needs`` (expert_backward.Needs order) says no."""
@@ -272,20 +277,22 @@ def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: to
 
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
     grads = backward(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
-                     VirtualSaved(*saved), Needs(*needs), ExpertPathOptions(*expert_path))
+                     VirtualSaved(*saved), Needs(*needs), ExpertPathOptions(*expert_path),
+                     precision)
     return [xs.new_empty(0) if g is None else g for g in grads]
 
 
 @moe_backward_virtual.register_fake
 def _(d_out, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved, needs,
-      expert_path):
+      expert_path, precision):
     return _fake_grads(needs, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
 
 
 def _setup_context_virtual(ctx, inputs, output):
     (xs, _topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, _check_ids,
-     _launch, _timeout_ms, expert_path) = inputs
+     launch, _timeout_ms, expert_path) = inputs
     ctx.expert_path = list(expert_path)
+    ctx.precision = "fp8" if launch[-1] else "bf16"  # _launch_fields' last
     ctx.has_shared = ws_gate is not None
     shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
     ctx.save_for_backward(xs, topk_weights, w_gate, w_up, w_down, *shared,
@@ -301,7 +308,8 @@ def _backward_virtual(ctx, grads):
     if not any(needs) or d_out is None:
         return (None,) * 13
     grads = torch.ops.mok_cute.moe_backward_virtual(
-        d_out, xs, topk_weights, w_gate, w_up, w_down, *shared, saved, needs, ctx.expert_path)
+        d_out, xs, topk_weights, w_gate, w_up, w_down, *shared, saved, needs, ctx.expert_path,
+        ctx.precision)
     d_x, d_w, *d_weights = _wanted(ctx, grads)
     return (d_x, None, d_w, *d_weights, None, None, None, None)
 

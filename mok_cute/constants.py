@@ -97,8 +97,8 @@ class MegakernelSpec:
     fp8             the routed experts' GEMMs in e4m3 with 1 x 128 / 128 x 128 power-of-two
                     scales (``precision="fp8"``): x and h rows travel and sit in the rings as
                     packed rows (``fp8.packed_row_bytes``: the e4m3 data, then the row's
-                    exponents), FC1 writes h quantized; the shared expert stays bf16. A
-                    forward-only plan: no save_preact, no deferred publishes
+                    exponents), FC1 writes h quantized (and with save_preact g | u in bf16);
+                    the shared expert stays bf16. No deferred publishes
     """
 
     num_ranks: int = 1
@@ -128,8 +128,8 @@ class MegakernelSpec:
             raise ValueError(f"tickets must be 'static', 'dynamic' or 'strided', got {self.tickets!r}")
         if self.defer_signals and not (self.num_ranks == 1 and self.ticket_ring):
             raise ValueError("defer_signals needs one rank and the ticket ring")
-        if self.fp8 and (self.save_preact or self.defer_signals):
-            raise ValueError("fp8 is a forward-only plan: no save_preact, no defer_signals")
+        if self.fp8 and self.defer_signals:
+            raise ValueError("fp8 plans publish without deferral: no defer_signals")
 
     @property
     def ticket_ring(self) -> bool:

@@ -127,13 +127,14 @@ FP8_WGRAD_MIN_INTER = 1024
 def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
-                     fp8: bool = False, dgrads: str = "kernels"):
+                     fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too
     (``_weight_grads``).
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
-    weight gradients in it too when both kinds are wanted."""
+    weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
+    dgrads' transposed weights when the caller has them (else quantized from the cache)."""
     if not (want_dx or want_gate_up or want_down or want_partials):
         return None, None, None, None, None
     if dgrads == "megakernel" and want_gate_up and want_down and not fp8:
@@ -145,7 +146,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
         return dx_rows, dwg, dwu, dwd, partials
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
-                                              options, fp8, dgrads)
+                                              options, fp8, dgrads, fp8_transposed)
     dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
                                   want_gate_up, want_down, fp8)
     return dx_rows, dwg, dwu, dwd, partials
@@ -153,15 +154,16 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
 
 def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert, num_tiles,
             want_dx: bool, options: ExpertPathOptions, fp8: bool = False,
-            dgrads: str = "kernels"):
+            dgrads: str = "kernels", fp8_transposed=None):
     """FC2's dgrad (its dgated epilogue) and FC1's: (d_preact = dG | dU, hw = w * h, row
     partials, dx rows or None). ``fp8``, ``dgrads`` as ``_expert_backward``."""
     dx_rows = None
     if fp8:
         from mok_cute import expert_path_fp8
+        wt = fp8_transposed or expert_path_fp8.transposed_weights(w_gate, w_up, w_down)
         d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
-            d_rows, preact, row_slot, weights, tile_expert, num_tiles,
-            expert_path_fp8.transposed_weights(w_gate, w_up, w_down), want_dx, w_down.shape[1])
+            d_rows, preact, row_slot, weights, tile_expert, num_tiles, wt, want_dx,
+            w_down.shape[1])
     elif dgrads == "megakernel":
         from mok_cute import megakernel_backward
         d_preact, hw, partials, dx_rows = megakernel_backward.expert_dgrads(

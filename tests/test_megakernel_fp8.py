@@ -26,10 +26,15 @@ FP8_SPECS = {
                                      tickets="dynamic", fp8=True),
     "ipc_ring": MegakernelSpec(num_comm_ctas=12, scope="sys", tickets="static",
                                rows_in_place=False, fp8=True),
+    "one_rank_save": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True,
+                                    save_preact=True),
+    "virtual_shared_save": MegakernelSpec(num_ranks=8, num_comm_ctas=12, has_shared=True,
+                                          tickets="dynamic", fp8=True, save_preact=True),
 }
 # the routed-only builds spill nothing; with the shared expert's bf16 mainloop beside the
 # promoting one the registers are tight (docs/measurements.md, FP8 in the megakernel)
-SPILL_BOUND = {"one_rank": 0, "ipc_ring": 0, "one_rank_shared": 320, "virtual_shared": 320}
+SPILL_BOUND = {"one_rank": 0, "ipc_ring": 0, "one_rank_save": 0, "one_rank_shared": 320,
+               "virtual_shared": 320, "virtual_shared_save": 512}
 
 
 @pytest.mark.parametrize("name", list(FP8_SPECS))
@@ -55,20 +60,21 @@ def test_packed_rows_round_trip():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"fp8": True, "save_preact": True}, "forward-only"),
-    ({"fp8": True, "defer_signals": True, "num_comm_ctas": 0}, "forward-only"),
+    ({"fp8": True, "defer_signals": True, "num_comm_ctas": 0}, "no defer_signals"),
 ])
 def test_fp8_specs_refused(fields, match):
     with pytest.raises(ValueError, match=match):
         MegakernelSpec(**fields)
 
 
-def test_fp8_megakernel_training_is_refused_by_name():
+def test_fp8_virtual_training_without_a_gpu_is_refused_by_name():
+    if torch.cuda.is_available():
+        pytest.skip("CPU path")
     x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(2, 128, 128, dtype=torch.bfloat16)
     idx = torch.zeros(4, 1, dtype=torch.int64)
     tw = torch.ones(4, 1)
-    with pytest.raises(ValueError, match="moe_forward_virtual runs FP8 forward-only"):
+    with pytest.raises(ValueError, match="training runs on the FP8 kernels only"):
         mok_cute.moe_forward_virtual(x[None], idx[None], tw[None], w[None], w[None], w[None],
                                      config=mok_cute.MoKConfig(precision="fp8"))
 
@@ -220,3 +226,70 @@ def test_packed_row_quantizer_is_bitwise_its_torch_form():
     want = fp8.pack_rows(*fp8.quantize_rows(x))
     assert torch.equal(out[:, :645], want[:, :645])  # data and exponents; padding untouched
     assert (buf[:, :16] == 0xAB).all() and (buf[:, 16 + fp8.packed_row_bytes(640):] == 0xAB).all()
+
+
+# ---------------------------------------------------------------------- training (H200)
+TRAIN_CASES = ["T77_shared", "gptoss_reduced", "K10_zero_weights", "dsv3_reduced", "empty_experts"]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("_own_plans")
+@pytest.mark.parametrize("name", TRAIN_CASES)
+def test_fp8_megakernel_trains_like_the_fp8_kernel_backend(name):
+    """``MoKConfig(backend="megakernel", precision="fp8")`` with inputs that require grad: the
+    FP8 megakernel's saving launch (g | u by slot from the promoted accumulator, h quantized)
+    and the FP8 backward kernels. The output and every gradient bitwise those of
+    ``backend="kernel"`` in FP8, and bitwise on a repeat."""
+    from test_backward import CASES, NAMES, _assert_repeats_bitwise, _grads, _problem
+
+    T, H, I, E, K, Is, routing, zero_w = CASES[name]
+    leaves, idx = _problem(T, H, I, E, K, Is, seed=T + K, routing=routing, zero_weights=zero_w)
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    d_out = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    config = mok_cute.MoKConfig(backend="megakernel", precision="fp8")
+    out, got = _grads("kernel", leaves, idx, d_out, config)
+    out_k, want = _grads("kernel", leaves, idx, d_out,
+                         mok_cute.MoKConfig(backend="kernel", precision="fp8"))
+    assert torch.equal(out, out_k), f"{name}: the FP8 megakernel's training forward differs"
+    for label, a, b in zip(NAMES, got, want):
+        if a is None and b is None:
+            continue
+        assert torch.equal(a, b), f"{name}: {label}"
+    _assert_repeats_bitwise(leaves, idx, d_out, out, got, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("_own_plans")
+@pytest.mark.parametrize("R,Is,routing", [(2, 0, "skew"), (3, 64, "empty_expert"),
+                                          (8, 128, "uniform")])
+def test_virtual_fp8_training_equals_one_gpu_with_the_same_tokens(R, Is, routing):
+    """R virtual ranks training in FP8 (the saving launch by global slot, the FP8 backward
+    kernels over the ranks' concatenated schedules) against the one-GPU FP8 expert path
+    holding all R * T tokens and R * E_loc experts (the same shared expert on every rank):
+    out, d_xs and d_topk_weights bit for bit, the weight gradients close; bitwise on a
+    repeat."""
+    from test_backward import NAMES, _close
+    from test_virtual_training import _grads, _problem
+
+    T, H, I, E_loc, K = 96, 256, 192, 4, 4
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=R, routing=routing, same_shared=True)
+    d_out = torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
+    config = mok_cute.MoKConfig(precision="fp8", timeout_ms=5000.0)
+    out, got = _grads("kernel", leaves, idx, d_out, config)
+
+    flat = lambda t: t.detach().reshape(-1, *t.shape[2:]).clone().requires_grad_(True)  # noqa: E731
+    x, w, wg, wu, wd = (flat(t) for t in leaves[:5])
+    sh = tuple(t.detach()[0].clone().requires_grad_(True) for t in leaves[5:]) or None
+    one = mok_cute.moe_forward(x, idx.reshape(R * T, K), w, wg, wu, wd, shared=sh,
+                               config=mok_cute.MoKConfig(backend="kernel", precision="fp8"))
+    one.backward(d_out.reshape(R * T, H))
+    assert torch.equal(out.reshape(R * T, H), one.detach())
+    assert torch.equal(got[0].reshape(R * T, H), x.grad), "d_xs"
+    assert torch.equal(got[1].reshape(R * T, K), w.grad), "d_topk_weights"
+    for label, a, b in zip(NAMES[2:5], got[2:5], (wg.grad, wu.grad, wd.grad)):
+        _close(a.reshape(b.shape), b, f"R={R}: {label}")
+    out2, again = _grads("kernel", leaves, idx, d_out, config)
+    assert torch.equal(out, out2)
+    for label, a, b in zip(NAMES, got, again):
+        if a is not None:
+            assert torch.equal(a, b), f"R={R}: {label} not bitwise reproducible"

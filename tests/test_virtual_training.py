@@ -241,8 +241,10 @@ def _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets, w
 
 def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                               tile_expert, num_tiles, offsets, want_dx, want_gate_up,
-                              want_down, want_partials, options, fp8=False, dgrads="kernels"):
-    """``expert_backward._expert_backward`` in fp32 torch: the two emulations above."""
+                              want_down, want_partials, options, fp8=False, dgrads="kernels",
+                              fp8_transposed=None):
+    """``expert_backward._expert_backward`` in fp32 torch: the two emulations above (bf16)."""
+    assert not fp8 and fp8_transposed is None
     d_pre, hw, partials, dx = _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                                weights, tile_expert, num_tiles, want_dx, options)
     dwg, dwu, dwd = _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets,
@@ -348,14 +350,14 @@ def test_fake_implementations_give_the_real_shapes(R, Is):
               + (torch.empty(R, H, Is, dtype=torch.bfloat16, device="cuda"),)
               if Is else (None,) * 3)
         outs = torch.ops.mok_cute.moe_forward_virtual_train(
-            xs, idx, w, wg, wg, wd, *sh, True, [128, -1, -1, -1, 0, 1 << 16, 1, -1, -1],
+            xs, idx, w, wg, wg, wd, *sh, True, [128, -1, -1, -1, 0, 1 << 16, 1, -1, -1, 0],
             5000.0, [8192, 8, 8])
         assert [tuple(o.shape) for o in outs] == [
             (R, T, H), (rows, 2 * I), (R, T, 2 * Is) if Is else (0,), (R, cap), (R, cap),
             (R, cap), (R, cap), (R, cap // TILE), (R,), (R, E_loc + 1)]
         grads = torch.ops.mok_cute.moe_backward_virtual(xs, xs, w, wg, wg, wd, *sh,
                                                         list(outs[1:]), [True] * 6,
-                                                        [8192, 8, 8])
+                                                        [8192, 8, 8], "bf16")
         want = [(R, T, H), (R, T, K), (R, E_loc, I, H), (R, E_loc, I, H), (R, E_loc, H, I)]
         want += [(R, Is, H), (R, Is, H), (R, H, Is)] if Is else [(0,)] * 3
         assert [tuple(g.shape) for g in grads] == want

@@ -153,7 +153,7 @@ def pass_runners(layer: Any, d_out: torch.Tensor) -> dict[str, Callable[[], Any]
 
     def train() -> None:
         layer.reset()
-        if layer.name == "mok_cute_fp8":  # new weights each step: quantized again
+        if layer.name in ("mok_cute_fp8", "mok_virtual_fp8"):  # new weights each step: quantized again
             from mok_cute import expert_path_fp8
             expert_path_fp8.forget_quantized_weights()
         layer.forward().backward(d_out)

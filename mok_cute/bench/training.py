@@ -27,6 +27,8 @@ Contenders:
   mok_cute_fp8      the same with precision="fp8" (FP8 forward, FP8 dgrads, bf16 weight
                     gradients; checked at relative L1 <= 0.1); its train pass quantizes the
                     weights as after an optimizer step, fwd and bwd reuse the cached copies
+  mok_virtual_fp8   mok_virtual with precision="fp8" (the FP8 megakernel's saving launch, the
+                    FP8 backward kernels over the ranks' concatenated schedules)
   cublas_8192       (a row of its own) bf16 8192^3 torch.matmul: the ceiling
   torch_grouped_mm  the torch pipeline of mok_cute.bench.torch_moe under autograd, gate and up
                     one packed [E, 2I, H] parameter (the layout it runs fastest on)
@@ -63,12 +65,13 @@ from mok_cute.bench.results import gpu_name, save_results
 from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe, torch_scaled_grouped_mm_train
 from mok_cute.shapes import resolve_shapes
 
-CONTENDERS = ("mok_cute", "mok_cute_fp8", "mok_megakernel", "mok_virtual", "torch_grouped_mm",
+CONTENDERS = ("mok_cute", "mok_cute_fp8", "mok_megakernel", "mok_virtual", "mok_virtual_fp8",
+              "torch_grouped_mm",
               "torch_scaled_grouped_mm", "sonicmoe")
-MOK = ("mok_cute", "mok_cute_fp8", "mok_megakernel", "mok_virtual")
+MOK = ("mok_cute", "mok_cute_fp8", "mok_megakernel", "mok_virtual", "mok_virtual_fp8")
 VIRTUAL_RANKS = 8
 # the issue's FP8 gradient bound, cosine >= 0.996
-CONTENDER_TOL = {"mok_cute_fp8": 0.1, "torch_scaled_grouped_mm": 0.1}
+CONTENDER_TOL = {"mok_cute_fp8": 0.1, "mok_virtual_fp8": 0.1, "torch_scaled_grouped_mm": 0.1}
 DEFAULT_CONTENDERS = ("mok_cute", "torch_grouped_mm")
 PASSES = TRAIN_PASSES
 
@@ -83,7 +86,9 @@ class Layer:
         x = i.x.detach().clone().requires_grad_()
         w = i.topk_weights.detach().clone().requires_grad_()
         idx = i.topk_idx
-        if name == "mok_virtual":
+        if name in ("mok_virtual", "mok_virtual_fp8"):
+            if name == "mok_virtual_fp8":
+                config = dataclasses.replace(config, precision="fp8")
             params, self.forward = _virtual_forward(problem, x, idx, w, config)
         elif name in MOK:
             if name == "mok_cute_fp8":
@@ -118,7 +123,8 @@ class Layer:
 
     def grads(self) -> dict[str, torch.Tensor]:
         g = [t.grad for t in self.leaves]
-        if self.name == "mok_virtual":  # the shared expert's replicas' gradients, summed
+        if self.name in ("mok_virtual", "mok_virtual_fp8"):  # the shared expert's replicas'
+            # gradients, summed
             g = g[:5] + [None if t is None else t.sum(0) for t in g[5:]]
         if self.name in MOK:
             return dict(zip(GRAD_NAMES, g))

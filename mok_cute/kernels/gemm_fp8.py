@@ -142,6 +142,12 @@ def pow2_f32(e: Int32) -> Float32:
     return common.f32_from_bits(bits)
 
 
+def bf16_pair(lo: Float32, hi: Float32) -> Int32:
+    """Two fp32 values that are bf16 values as one 32-bit bf16 pair, ``lo`` at the lower
+    address."""
+    return (common.f32_bits(hi) & Int32(-65536)) | ((common.f32_bits(lo) >> 16) & 0xFFFF)
+
+
 def scale_slot(v: int, tile_n: int, swiglu: bool = False) -> int:
     """Which of a row's three scales accumulator element ``v`` takes (trace time): 0 the
     tile's first W block, 2 its second, 1 the first for even N-tiles and the second for odd
@@ -228,6 +234,42 @@ class PromotingMainloop:
                 pairs[rows[r], col2 + 4] = Uint16((quad >> 16) & 0xFFFF)
             mEh[rows[r], n_tile] = Int8(e)  # the row's 4 lanes store the same byte
 
+
+    @cute.jit
+    def store_preact_pairs(self, acc: cute.Tensor, words: cute.Tensor, slot0: Int32,
+                           slot1: Int32, inter: Int32, n_tile: Int32, lane: Int32):
+        """A training forward's bf16 g | u of this thread's two rows of a 256-wide swiglu
+        tile, straight from the accumulator (``store_h_fp8``'s element order), into row
+        ``slot`` of ``words`` ([rows, I] int32, each a bf16 pair: g's columns, then u's at
+        I / 2 on); padding rows (slot -1) and columns past I are not stored (I % 64 == 0: a
+        tile's columns all, or its first 64). Each row's stores at constant offsets from one
+        address; each pair rounded as it is stored (no copy of the tile)."""
+        accv = cute.flatten(acc)
+        half = cute.size(accv) // 2
+        slots = (slot0, slot1)
+        full = n_tile * GROUP + GROUP <= inter
+        first = n_tile * (GROUP // 2) + lane % 4  # this lane's first pair of the tile
+        pair = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            if slots[r] >= 0:
+                row = words[slots[r], None].iterator
+                rows = (cute.make_tensor(row + first, cute.make_layout(GROUP // 2)),
+                        cute.make_tensor(row + (inter // 2 + first), cute.make_layout(GROUP // 2)))
+                for j in cutlass.range_constexpr(half // 8):  # the tile's first 64 columns
+                    self._store_pair(accv, pair, rows, half, j, r)
+                if full:
+                    for j in cutlass.range_constexpr(half // 8, half // 4):
+                        self._store_pair(accv, pair, rows, half, j, r)
+
+    @staticmethod
+    def _store_pair(accv, pair, rows, half: int, j: int, r: int):
+        """``store_preact_pairs``' stores of chunk ``j`` of row ``r``: g's pair, then u's.
+        Traced inline."""
+        for part in range(2):
+            v = part * half + 4 * j + 2 * r
+            pair[0], pair[1] = accv[v], accv[v + 1]
+            pair.store(pair.load().to(cutlass.BFloat16).to(Float32))
+            rows[part][4 * j] = bf16_pair(pair[0], pair[1])
 
     def half_fragments(self, half_mma, sA, sB, mma_slice):
         """One N-half's wgmma fragments for MMA thread slice ``mma_slice``: A as it is, B's

@@ -630,7 +630,7 @@ class GemmTasks:
                 if const_expr(self.spec.fp8):
                     if ttype == int(TaskType.FC1):  # h as e4m3 rows by generic stores
                         self._store_h_fp8(tt, ticket_q, taken, index, rank, fp8_ops, acc,
-                                          consumer_tidx)
+                                          consumer_tidx, saved)
                         t_signal = self._now_if_recording()
             elif run and not noop:
                 # a KSUM, or with no comm CTA the BARRIER (no rows: it only waits, and stores
@@ -857,11 +857,18 @@ class GemmTasks:
 
     @cute.jit
     def _store_h_fp8(self, tt: TaskTables, ticket_q, taken: Int32, index: Int32, rank: Int32,
-                     fp8_ops: Fp8Operands, acc, consumer_tidx: Int32):
+                     fp8_ops: Fp8Operands, acc, consumer_tidx: Int32, saved: SavedRows):
         """An fp8 FC1 task's h tile (128 columns: one 1 x 128 group) into the ring's packed h
-        rows, e4m3 with its exponent (``PromotingMainloop.store_h_fp8``)."""
-        _, n_tile, ring_tile = self._task_tile(tt, ticket_q, taken, index)
+        rows, e4m3 with its exponent (``PromotingMainloop.store_h_fp8``); save_preact: its
+        rows' bf16 g | u too, into the rows the schedule rows' row map names."""
+        m_tile, n_tile, ring_tile = self._task_tile(tt, ticket_q, taken, index)
         rows = self._my_rows(consumer_tidx)
+        if const_expr(self.spec.save_preact):
+            self.store_preact_pairs(acc, cute.recast_tensor(saved.preact[(None, None, rank)], Int32),
+                                    saved.row_slot[rank, m_tile * TILE_M + rows[0]],
+                                    saved.row_slot[rank, m_tile * TILE_M + rows[1]],
+                                    cute.size(saved.preact, mode=[1]) // 2, n_tile,
+                                    consumer_tidx % 32)
         self.store_h_fp8(acc, fp8_ops.ring_h[(None, None, rank)],
                          fp8_ops.h_exps[(None, None, rank)], ring_tile * TILE_M + rows[0],
                          ring_tile * TILE_M + rows[1], n_tile, consumer_tidx)
