@@ -87,23 +87,26 @@ def pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if n == width else F.pad(t, (0, width - n))
 
 
-# id(weight) -> (weakref to it, its version, {transposed: (q, e)}): quantized once per weight
-# version. Keyed by id, not by the tensor (a tensor's == is elementwise); the weakref's
-# callback drops the entry when the weight is freed, before its id can be reused.
-_CACHE: dict[int, tuple] = {}
+# (id of the weight's storage owner, its address, shape, strides) -> (weakref to the owner,
+# the weight's version, {transposed: (q, e)}): quantized once per weight version. The owner is
+# the tensor a view was taken of, so a view made anew each call (a model's per-rank
+# ``w.view(R, E_loc, ...)``) hits as the tensor itself does (a view shares its base's version
+# counter); keyed by id, not by the tensor (a tensor's == is elementwise); the weakref's
+# callback drops the entry when the owner is freed, before its id can be reused.
+_CACHE: dict[tuple, tuple] = {}
 
 
 def _quantize_now(w: torch.Tensor, transposed: bool, both: bool) -> dict:
     """{transposed: (q, e)} of w zero-padded to whole 128 x 128 blocks (GPU kernel on CUDA, which
     reads w in place; ``mok_cute.fp8`` on the CPU: the same bits); ``both``: the two copies in
-    one pass. On the GPU w may carry leading dims past the expert's (virtual ranks): the
-    copies then stack every expert, [E, N', K']."""
+    one pass. w may carry leading dims past the expert's (virtual ranks): the copies then
+    stack every expert, [E, N', K']."""
+    if w.dim() > 3:  # virtual ranks' [R, E_loc, N, K]: the launch's experts stacked
+        w = w.reshape(-1, *w.shape[-2:])
     if not w.is_cuda:
         src = F.pad(w, (0, padded(w.shape[-1]) - w.shape[-1], 0, padded(w.shape[-2]) - w.shape[-2]))
         return {transposed: fp8.quantize_blocks(src, transposed=transposed)}
     from mok_cute.kernels import quantize
-    if w.dim() > 3:  # virtual ranks' [R, E_loc, N, K]: the launch's experts stacked
-        w = w.reshape(-1, *w.shape[-2:])
     if both:
         q, e, qt, et = quantize.quantize_blocks(w, both=True)
         return {False: (q, e), True: (qt, et)}
@@ -120,10 +123,11 @@ def _quantize_blocks(w: torch.Tensor, transposed: bool = False,
     them in place, and a cached copy would go stale silently)."""
     if w.is_cuda and torch.cuda.is_current_stream_capturing():
         return _quantize_now(w, transposed, both=False)[transposed]
-    key = id(w)
+    owner = w if w._base is None else w._base
+    key = (id(owner), w.data_ptr(), tuple(w.shape), tuple(w.stride()))
     entry = _CACHE.get(key)
-    if entry is None or entry[0]() is not w or entry[1] != w._version:
-        entry = (weakref.ref(w, lambda _, key=key: _CACHE.pop(key, None)), w._version, {})
+    if entry is None or entry[0]() is not owner or entry[1] != w._version:
+        entry = (weakref.ref(owner, lambda _, key=key: _CACHE.pop(key, None)), w._version, {})
         _CACHE[key] = entry
     copies = entry[2]
     if transposed not in copies:

@@ -113,6 +113,24 @@ def test_weights_are_quantized_once_per_version():
     assert torch.equal(after.e_gate, first.e_gate + 1)
 
 
+def test_a_view_made_anew_each_call_hits_the_weight_cache():
+    """Virtual ranks' weights are often per-call views (``w.view(R, E_loc, ...)``): the cache
+    keys the view's storage owner and geometry, so a new view of unchanged weights hits, an
+    in-place update of the owner misses, and another view of it is its own entry."""
+    _, _, _, wg, wu, wd, _ = _problem(4, 256, 128, 2, 1)
+    view = lambda w: w.view(2, 1, *w.shape[1:])  # noqa: E731
+    first = expert_path_fp8.quantized_weights(view(wg), view(wu), view(wd))
+    again = expert_path_fp8.quantized_weights(view(wg), view(wu), view(wd))
+    assert all(a is b for a, b in zip(first, again))
+    with torch.no_grad():
+        wg.mul_(2)
+    after = expert_path_fp8.quantized_weights(view(wg), view(wu), view(wd))
+    assert after.gate is not first.gate and after.up is first.up
+    half = expert_path_fp8.quantized_weights(wg[:1], wu[:1], wd[:1])
+    assert half.up is not first.up and torch.equal(half.up.view(torch.int8),
+                                                   first.up[:1].view(torch.int8))
+
+
 def test_moe_forward_with_precision_fp8_on_the_cpu_runs_the_emulation():
     x, idx, w, wg, wu, wd, shared = _problem(50, 256, 128, 4, 2, 64, seed=2)
     cfg = mok.MoKConfig(precision="fp8")

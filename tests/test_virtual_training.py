@@ -557,7 +557,7 @@ def test_opcheck(R):
     d_out = torch.randn_like(xs)
     torch.library.opcheck(torch.ops.mok_cute.moe_backward_virtual,
                           (d_out, xs, w, wg, wu, wd, sg, su, sd, list(outs[1:]), [True] * 6,
-                           [8192, 8, 8]),
+                           [8192, 8, 8], "bf16"),
                           test_utils=("test_schema", "test_faketensor"))
 
 
