@@ -44,7 +44,7 @@ from mok_cute import fp8, jit
 from mok_cute.config import describe
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import pipeline_state
-from mok_cute.kernels.gemm_fp8 import ffma
+from mok_cute.kernels.fp8_mainloop import ffma
 from mok_cute.kernels.gemm_wgrad import WgradGemmSm90
 
 GROUP = fp8.GROUP  # 128 rows: one scale group, one k-tile

@@ -56,18 +56,19 @@ from mok_cute import fp8, jit
 from mok_cute.constants import SCALARS, TASK_TILE_N, TILE_K, TILE_M, MegakernelSpec
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
-from mok_cute.kernels.gemm_fp8 import PromotingMainloop
+from mok_cute.kernels.fp8_mainloop import PromotingMainloop
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.kernels.megakernel.comm_tasks import COMM_THREADS, CommTasks, Routing
-from mok_cute.kernels.megakernel.gemm_tasks import (PRODUCER_THREADS, DirectRows, Fp8Operands,
-                                                   GemmTasks, SavedRows, TmaOperands, TmaStores)
+from mok_cute.kernels.megakernel.fp8_tasks import Fp8Operands, Fp8Tasks
+from mok_cute.kernels.megakernel.gemm_tasks import (PRODUCER_THREADS, DirectRows, GemmTasks,
+                                                   SavedRows, TmaOperands, TmaStores)
 from mok_cute.kernels.megakernel.ksum_tasks import KsumTasks
 from mok_cute.kernels.megakernel.scheduler import (DECODED_WORDS, TICKET_SLOTS, Context,
                                                   SchedulerMixin, TaskTables, ticket_ring_init)
 from mok_cute.tasks import TASK_WORDS
 
 
-class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, KsumTasks, RowEpilogueMixin,
+class MegakernelSm90(SchedulerMixin, CommTasks, GemmTasks, Fp8Tasks, KsumTasks, RowEpilogueMixin,
                      PromotingMainloop, GemmCoreSm90):
     """One persistent launch: dispatch, expert GEMMs, combine, barrier and k-sum.
 

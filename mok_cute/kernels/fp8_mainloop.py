@@ -1,0 +1,228 @@
+"""The split-accumulation mainloop of 256-wide FP8 tiles and FC1's e4m3 h epilogue, a mixin
+for every kernel that runs FP8 tiles (``gemm_fp8.GroupedGemmFp8Sm90``, the megakernel's FP8
+tasks), with its device helpers.
+
+Per 128-deep K group (one stage: 128 e4m3 bytes a row), N-half 0's wgmmas run into a
+half-wide fp32 partial (the group's first wgmma with accumulate off), wait, and promote:
+``acc += 2^(e_a[row] + e_b[block]) * partial`` with one FFMA an element (``pow2_f32``: the
+scale built from its exponent bits, exact); then N-half 1's, whose wgmmas hide the next
+group's exponent loads. The class that mixes it in supplies ``group_exponents(exps, group)
+-> (ea0, ea1, eb0, eb1)``: this thread's two rows' A exponents and the tile's two W block
+exponents (one per N-half) of K group ``group``, from what it passed as ``exps``.
+``gemm_fp8``'s module docstring has the numerics and the measured costs.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int8, Int32, Uint16, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from mok_cute import fp8
+from mok_cute.kernels import common
+from mok_cute.kernels.gemm_core import pipeline_state
+
+GROUP = fp8.GROUP  # 128: the K depth of a scale group, one k-tile
+
+
+# ---------------------------------------------------------------------- device helpers
+@dsl_user_op
+def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """``a * b + c`` rounded once (``fma.rn.f32``: one FFMA, nothing flushed)."""
+    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)]
+    return Float32(llvm.inline_asm(T.f32(), args, "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def recast_u16(t: cute.Tensor) -> cute.Tensor:
+    """An int8 (rows, n) tensor as (rows, n / 2) 16-bit words. Traced inline."""
+    return cute.recast_tensor(t, Uint16)
+
+
+def pow2_f32(e: Int32) -> Float32:
+    """``2.0 ** e`` as fp32, exact for integer e in [-149, 127] (subnormals included), 0 below,
+    inf above: ``mok_cute.fp8.pow2`` in integers. Traced inline."""
+    normal = (cutlass.min(cutlass.max(e, Int32(-126)), Int32(128)) + 127) << 23
+    sub = Int32(1) << cutlass.min(cutlass.max(e + 149, Int32(0)), Int32(22))
+    bits = cutlass.select_(e >= -126, normal, cutlass.select_(e >= -149, sub, Int32(0)))
+    return common.f32_from_bits(bits)
+
+
+def bf16_pair(lo: Float32, hi: Float32) -> Int32:
+    """Two fp32 values that are bf16 values as one 32-bit bf16 pair, ``lo`` at the lower
+    address."""
+    return (common.f32_bits(hi) & Int32(-65536)) | ((common.f32_bits(lo) >> 16) & 0xFFFF)
+
+
+class PromotingMainloop:
+    """The mixin (module docstring): ``half_promoting_mainloop``, its fragments and MMA,
+    ``store_h_fp8`` and ``store_preact_pairs``."""
+
+    # ------------------------------------------------------------------ FC1's e4m3 h
+    def store_h_fp8(self, acc: cute.Tensor, mHq: cute.Tensor, mEh: cute.Tensor, row0: Int32,
+                    row1: Int32, n_tile: Int32, tidx: Int32):
+        """h of this 128 x 128 tile straight from the accumulator as e4m3 with one exponent per
+        row (the tile's 128 columns are one 1 x 128 group): h = bf16(silu(bf16(g)) * bf16(u))
+        as the swiglu epilogue computes it, then exactly ``quantize.quantize_rows`` of those
+        bf16 values (the row amax over the 4 lanes that hold the row, its scale exponent, the
+        same conversion). Thread's elements: v = c + 2 r + 4 j, column 8 j + 2 (lane % 4) + c
+        of row r, gate for j < 16 and up at j + 16; each chunk pair's 4 bytes leave as two
+        16-bit stores (columns 8 j and 8 (j + 1) + 2 (lane % 4)), and the row's exponent byte
+        (the same value from each of its 4 lanes). Traced inline."""
+        from mok_cute.kernels import quantize
+
+        accv = cute.flatten(acc)
+        half = cute.size(accv) // 2  # 64: the gate elements, then the up ones
+        gate = cute.make_rmem_tensor((half,), Float32)
+        up = cute.make_rmem_tensor((half,), Float32)
+        for v in range(half):
+            gate[v] = accv[v]
+            up[v] = accv[half + v]
+        gate.store(gate.load().to(cutlass.BFloat16).to(Float32))
+        up.store(up.load().to(cutlass.BFloat16).to(Float32))
+        h = cute.make_rmem_tensor((half,), Float32)
+        for v in range(half):
+            h[v] = common.silu(gate[v]) * up[v]
+        h.store(h.load().to(cutlass.BFloat16).to(Float32))
+        bits = [common.f32_bits(h[v]) for v in range(half)]
+        amax = [Int32(0), Int32(0)]
+        for v in range(half):
+            r = (v // 2) % 2
+            amax[r] = cutlass.max(amax[r], (bits[v] >> 16) & 0x7FFF)
+        lane = tidx % 32
+        rows = (row0, row1)
+        pairs = recast_u16(mHq)
+        for r in range(2):
+            for offset in (1, 2):  # the row's 4 lanes: lane / 4 equal
+                amax[r] = cutlass.max(amax[r], cute.arch.shuffle_sync_bfly(amax[r], offset))
+            e, mult, nonfinite = quantize.scale_exponent(amax[r])
+            for j in range(0, half // 4, 2):  # two chunks (j, j + 1): four bytes
+                v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
+                quad = quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1], bits[v1 + 1],
+                                              mult, nonfinite)
+                col2 = n_tile * (GROUP // 2) + 4 * j + lane % 4  # in 2-byte units
+                pairs[rows[r], col2] = Uint16(quad & 0xFFFF)
+                pairs[rows[r], col2 + 4] = Uint16((quad >> 16) & 0xFFFF)
+            mEh[rows[r], n_tile] = Int8(e)  # the row's 4 lanes store the same byte
+
+
+    @cute.jit
+    def store_preact_pairs(self, acc: cute.Tensor, words: cute.Tensor, slot0: Int32,
+                           slot1: Int32, inter: Int32, n_tile: Int32, lane: Int32):
+        """A training forward's bf16 g | u of this thread's two rows of a 256-wide swiglu
+        tile, straight from the accumulator (``store_h_fp8``'s element order), into row
+        ``slot`` of ``words`` ([rows, I] int32, each a bf16 pair: g's columns, then u's at
+        I / 2 on); padding rows (slot -1) and columns past I are not stored (I % 64 == 0: a
+        tile's columns all, or its first 64). Each row's stores at constant offsets from one
+        address; each pair rounded as it is stored (no copy of the tile)."""
+        accv = cute.flatten(acc)
+        half = cute.size(accv) // 2
+        slots = (slot0, slot1)
+        full = n_tile * GROUP + GROUP <= inter
+        first = n_tile * (GROUP // 2) + lane % 4  # this lane's first pair of the tile
+        pair = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            if slots[r] >= 0:
+                row = words[slots[r], None].iterator
+                rows = (cute.make_tensor(row + first, cute.make_layout(GROUP // 2)),
+                        cute.make_tensor(row + (inter // 2 + first), cute.make_layout(GROUP // 2)))
+                for j in cutlass.range_constexpr(half // 8):  # the tile's first 64 columns
+                    self._store_pair(accv, pair, rows, half, j, r)
+                if full:
+                    for j in cutlass.range_constexpr(half // 8, half // 4):
+                        self._store_pair(accv, pair, rows, half, j, r)
+
+    @staticmethod
+    def _store_pair(accv, pair, rows, half: int, j: int, r: int):
+        """``store_preact_pairs``' stores of chunk ``j`` of row ``r``: g's pair, then u's.
+        Traced inline."""
+        for part in range(2):
+            v = part * half + 4 * j + 2 * r
+            pair[0], pair[1] = accv[v], accv[v + 1]
+            pair.store(pair.load().to(cutlass.BFloat16).to(Float32))
+            rows[part][4 * j] = bf16_pair(pair[0], pair[1])
+
+    def half_fragments(self, half_mma, sA, sB, mma_slice):
+        """One N-half's wgmma fragments for MMA thread slice ``mma_slice``: A as it is, B's
+        two row halves, and the half-wide fp32 partial -> (tCrA, tCrB, tCrB_up, partial).
+        Traced inline."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        thr_half = half_mma.get_slice(mma_slice)
+        sB_halves = cute.flat_divide(sB, (tile_n // 2, tile_k))
+        tCrA = half_mma.make_fragment_A(thr_half.partition_A(sA))
+        tCrB = half_mma.make_fragment_B(thr_half.partition_B(sB_halves[(None, None, 0, 0, None)]))
+        tCrB_up = half_mma.make_fragment_B(
+            thr_half.partition_B(sB_halves[(None, None, 1, 0, None)]))
+        partial = cute.make_rmem_tensor(thr_half.partition_shape_C((tile_m, tile_n // 2)),
+                                        self.acc_dtype)
+        return tCrA, tCrB, tCrB_up, partial
+
+    def make_half_mma(self):
+        """The wgmmas of one N-half of a 256-wide FP8 tile: the same rows, half the columns."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, cute.nvgpu.warpgroup.OperandMajorMode.K,
+            cute.nvgpu.warpgroup.OperandMajorMode.K, self.acc_dtype, self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_shape_mnk[1] // 2))
+
+    def promote_half(self, acc: cute.Tensor, partial: cute.Tensor, half: int, ea0: Int32,
+                     ea1: Int32, eb: Int32):
+        """acc[N-half ``half``] += 2^(e_a[row] + e_b) * partial: the half's accumulator
+        elements are the flattened accumulator's ``half``-th half (8-column chunks in order),
+        with one W block a half (store: the tile's two blocks; swiglu: W_gate's, then W_up's).
+        Traced inline."""
+        scales = (pow2_f32(ea0 + eb), pow2_f32(ea1 + eb))
+        accv = cute.flatten(acc)
+        partv = cute.flatten(partial)
+        base = half * cute.size(partv)
+        for v in range(cute.size(partv)):
+            accv[base + v] = ffma(partv[v], scales[(v // 2) % 2], accv[base + v])
+
+    @cute.jit
+    def half_promoting_mainloop(self, ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
+                                loads: Int32, k_tiles: Int32,
+                                num_k_blocks: cutlass.Constexpr[int], exps,
+                                first_exps_after_wait: cutlass.Constexpr[bool] = False):
+        """One 256-wide tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
+        per group, N-half 0's wgmmas into the half-wide partial, wait, promote; then N-half 1's,
+        wait, release the stage, promote. The tensor cores wait for each half's promotion (the
+        partial is reused); the A tile is read from smem for 256 columns. The next group's
+        exponents load under half 1's wgmmas; group 0's before the first stage wait (inputs
+        written before the launch), or with ``first_exps_after_wait`` under the first group's
+        half 0 wgmmas, after its stage's wait (rows that other CTAs of the launch write: the
+        wait orders them)."""
+        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        acc.fill(0.0)
+        ea0, ea1, eb0, eb1 = Int32(0), Int32(0), Int32(0), Int32(0)
+        if const_expr(not first_exps_after_wait):
+            ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
+        for k in range(k_tiles):
+            ab_pipeline.consumer_wait(read)
+            self.stage_ready(None)
+            for half in cutlass.range_constexpr(2):
+                # the wgmma issue written out, as in promoting_mainloop: the DSL loses the
+                # accumulate field set in a helper called from this run-time loop
+                cute.nvgpu.warpgroup.fence()
+                tCrB_half = (tCrB, tCrB_up)[half]
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
+                              tCrB_half[(None, None, kb, read.index)], partial)
+                cute.nvgpu.warpgroup.commit_group()
+                if const_expr(half == 0 and first_exps_after_wait):
+                    if k == 0:  # group 0's, under its own wgmmas
+                        ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
+                if const_expr(half == 1):  # the next group's, under the wgmmas
+                    nxt = self.group_exponents(exps, cutlass.min(k + 1, k_tiles - 1))
+                cute.nvgpu.warpgroup.wait_group(0)
+                if const_expr(half == 1):
+                    ab_pipeline.consumer_release(read)
+                    read.advance()
+                self.promote_half(acc, partial, half, ea0, ea1, (eb0, eb1)[half])
+            ea0, ea1, eb0, eb1 = nxt
+        half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        return read
