@@ -17,6 +17,7 @@ import torch
 import mok_cute
 from mok_cute import fp8
 from mok_cute.constants import MegakernelSpec
+from test_megakernel import _problem  # the megakernel tests' random problems
 
 FP8_SPECS = {
     "one_rank": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True),
@@ -108,30 +109,6 @@ def _own_plans():
     megakernel.release_plans()
     yield
     megakernel.release_plans()
-
-
-def _problem(R, T, H, I, E_loc, K, Is=0, seed=0, skew=False, empty_expert=None):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(*s, scale=1.0):
-        return (torch.randn(*s, device="cuda", generator=g) * scale).to(torch.bfloat16)
-
-    E = R * E_loc
-    scores = torch.rand(R, T, E, device="cuda", generator=g)
-    if skew:  # expert 0 takes about half of all tokens
-        scores[..., 0] += 2.0 * (torch.rand(R, T, device="cuda", generator=g) < 0.5)
-    if empty_expert is not None:
-        scores[..., empty_expert] = -1.0
-    idx = scores.topk(K, dim=2).indices.to(torch.int32)
-    w = torch.softmax(torch.randn(R, T, K, device="cuda", generator=g), dim=2)
-    xs = rnd(R, T, H)
-    wg, wu = rnd(R, E_loc, I, H, scale=H ** -0.5), rnd(R, E_loc, I, H, scale=H ** -0.5)
-    wd = rnd(R, E_loc, H, I, scale=I ** -0.5)
-    sh = None
-    if Is:
-        sh = (rnd(R, Is, H, scale=H ** -0.5), rnd(R, Is, H, scale=H ** -0.5),
-              rnd(R, H, Is, scale=Is ** -0.5))
-    return xs, idx, w, wg, wu, wd, sh
 
 
 def _one_gpu_fp8(args, r):
