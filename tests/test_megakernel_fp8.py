@@ -29,13 +29,15 @@ FP8_SPECS = {
                                rows_in_place=False, fp8=True),
     "one_rank_save": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True,
                                     save_preact=True),
+    "one_rank_timeline": MegakernelSpec(num_comm_ctas=0, tickets="strided", top_k=4, fp8=True,
+                                        timeline=True),
     "virtual_shared_save": MegakernelSpec(num_ranks=8, num_comm_ctas=12, has_shared=True,
                                           tickets="dynamic", fp8=True, save_preact=True),
 }
 # the routed-only builds spill nothing; with the shared expert's bf16 mainloop beside the
 # promoting one the registers are tight (docs/measurements.md, FP8 in the megakernel)
 SPILL_BOUND = {"one_rank": 0, "ipc_ring": 0, "one_rank_save": 0, "one_rank_shared": 320,
-               "virtual_shared": 320, "virtual_shared_save": 512}
+               "virtual_shared": 320, "virtual_shared_save": 512, "one_rank_timeline": 32}
 
 
 @pytest.mark.parametrize("name", list(FP8_SPECS))
