@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from mok_cute import fp8, jit, tasks as tasks_mod
+from mok_cute.expert_path_fp8 import pad_cols, padded  # fp8 plans: H', I' whole 128 groups
 from mok_cute.config import MoKConfig, ids_for_int32
 from mok_cute.constants import (KSUM_ROWS, SCALAR_INDEX, TASK_TILE_N, TICKETS, TILE_M,
                                 MegakernelSpec)
@@ -160,16 +161,11 @@ def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, i
 X_FP8_FIELD = "x_fp8"  # fp8 plans: each rank's x as packed e4m3 rows, what DISPATCH pulls
 
 
-def fp8_padded(n: int) -> int:
-    """``n`` rounded up to whole 128-wide scale groups (fp8 plans' H' and I')."""
-    return -(-n // fp8.GROUP) * fp8.GROUP
-
-
 def _fp8_fields(k: PlanKey) -> list:
     """The symmetric buffer's extra fields of a plan: fp8's packed x rows."""
     if not k.spec.fp8:
         return []
-    return [(X_FP8_FIELD, (k.tokens, fp8.packed_row_bytes(fp8_padded(k.hidden))), torch.uint8)]
+    return [(X_FP8_FIELD, (k.tokens, fp8.packed_row_bytes(padded(k.hidden))), torch.uint8)]
 
 
 class _VirtualSide:
@@ -194,7 +190,7 @@ class _VirtualSide:
                                  (self.peers.nbytes // 2, k.hidden, 1), self.layout.offset("x") // 2)
         self.x_fp8 = None  # fp8: every rank's packed x rows, (R, T, packed row bytes) uint8
         if k.spec.fp8:
-            width = fp8.packed_row_bytes(fp8_padded(k.hidden))
+            width = fp8.packed_row_bytes(padded(k.hidden))
             self.x_fp8 = self.peers.buffer.view(torch.uint8).as_strided(
                 (k.num_ranks, k.tokens, width), (self.peers.nbytes, width, 1),
                 self.layout.offset(X_FP8_FIELD))
@@ -286,7 +282,7 @@ class Plan:
         self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
         R, C = side.launch_ranks, k.ring_tokens
         if k.spec.fp8:  # x and h rows packed: e4m3 data, then the row's exponents
-            self.hidden_p, self.inter_p = fp8_padded(k.hidden), fp8_padded(k.intermediate)
+            self.hidden_p, self.inter_p = padded(k.hidden), padded(k.intermediate)
             self.ring_x = torch.empty(R, C, fp8.packed_row_bytes(self.hidden_p), dtype=torch.uint8,
                                       device=dev)
             self.ring_h = torch.empty(R, C, fp8.packed_row_bytes(self.inter_p), dtype=torch.uint8,
@@ -428,7 +424,6 @@ class Plan:
         where DISPATCH and rows in place read them -> the x offset the kernel adds to a
         rank's symmetric base: the symmetric field, or with one rank reading its rows in
         place the plan's own buffer."""
-        from mok_cute.expert_path_fp8 import pad_cols
         from mok_cute.kernels import quantize
 
         R, T, H = xs.shape

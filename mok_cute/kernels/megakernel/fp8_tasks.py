@@ -13,7 +13,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int8, Int32, Int64, const_expr
 
-from mok_cute import fp8
 from mok_cute.constants import TILE_M
 from mok_cute.kernels.megakernel.comm_tasks import Routing
 from mok_cute.kernels.megakernel.gemm_tasks import SavedRows
@@ -84,19 +83,18 @@ class Fp8Tasks:
         columns, one block of each) or of W_down (FC2: blocks 2 n and 2 n + 1, clamped; the
         columns past H are clipped on store). Traced inline."""
         is_fc1 = ttype == int(TaskType.FC1)
-        hidden_p = cute.size(fp8_ops.ring_x, mode=[1])
-        inter_p = cute.size(fp8_ops.ring_h, mode=[1])
+        ring_x, ring_h = fp8_ops.ring_x, fp8_ops.ring_h
+        hidden_p = cute.size(ring_x, mode=[1])  # a packed row's exponents follow its data
+        inter_p = cute.size(ring_h, mode=[1])
         rows = []
         for r in self._my_rows(consumer_tidx):
             ring_row = ring_tile * TILE_M + r
-            in_x = fp8_ops.ring_x[ring_row, None, rank].iterator.toint() + Int64(hidden_p)
-            if const_expr(self.spec.rows_in_place):
-                own = routing.peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
-                token = Int64(routing.row_token[rank, row_begin + r])
-                own_row = own + token * Int64(fp8.packed_row_bytes(hidden_p)) + Int64(hidden_p)
-                local = routing.row_peer[rank, row_begin + r] == ctx.rank_base + rank
-                in_x = Int64(cutlass.select_(local, own_row, in_x))
-            in_h = fp8_ops.ring_h[ring_row, None, rank].iterator.toint() + Int64(inter_p)
+            if const_expr(self.spec.rows_in_place):  # a local row: this rank's own packed row
+                in_x = self.x_row_address(ctx, routing, ring_x, rank, ring_tile * TILE_M,
+                                          row_begin, r, offset=Int64(hidden_p))
+            else:
+                in_x = ring_x[ring_row, None, rank].iterator.toint() + Int64(hidden_p)
+            in_h = ring_h[ring_row, None, rank].iterator.toint() + Int64(inter_p)
             rows.append(Int64(cutlass.select_(is_fc1, in_x, in_h)))
         last_block = cute.size(fp8_ops.e_down, mode=[1]) - 1
         gate = fp8_ops.e_gate[expert, n_tile, None].iterator.toint()

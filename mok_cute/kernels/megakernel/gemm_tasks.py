@@ -463,13 +463,28 @@ class GemmTasks:
         row_bytes = Int64(self.x_row_bytes(ring_x))
         x_base = routing.peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
         first = tt.tasks[index, TaskWord.ROW_BEGIN] if row_begin is None else row_begin
-        srcs = []
-        for r in rows:
-            in_ring = ring_x[ring_tile * tile_m + r, None, rank].iterator.toint()
-            in_x = x_base + Int64(routing.row_token[rank, first + r]) * row_bytes
-            srcs.append(Int64(cutlass.select_(routing.row_peer[rank, first + r] == ctx.rank_base + rank,
-                                              in_x, in_ring)))
-        return srcs
+        return [self.x_row_address(ctx, routing, ring_x, rank, ring_tile * tile_m, first, r,
+                                   x_base, row_bytes) for r in rows]
+
+    def x_row_address(self, ctx, routing: Routing, ring_x, rank, ring_first, first, r,
+                      x_base=None, row_bytes=None, offset=None) -> Int64:
+        """Byte address (plus ``offset``) of row ``r`` of a tile's x rows as FC1 reads them
+        with rows in place: this rank's own x row for a local row (schedule row ``first +
+        r``), never copied into the ring, else ring row ``ring_first + r``. ``x_base`` and
+        ``row_bytes`` (this rank's x rows and their stride) are derived when not given (a
+        caller with several rows hoists them). Traced inline."""
+        in_ring = ring_x[ring_first + r, None, rank].iterator.toint()
+        if offset is not None:
+            in_ring = in_ring + offset
+        if x_base is None:
+            x_base = routing.peer_bases[rank, ctx.rank_base + rank] + ctx.x_offset
+        if row_bytes is None:
+            row_bytes = Int64(self.x_row_bytes(ring_x))
+        in_x = x_base + Int64(routing.row_token[rank, first + r]) * row_bytes
+        if offset is not None:
+            in_x = in_x + offset
+        return Int64(cutlass.select_(routing.row_peer[rank, first + r] == ctx.rank_base + rank,
+                                     in_x, in_ring))
 
     @cute.jit
     def _k_tiles(self, ttype: Int32, t_a_x, t_a_h, s_t_a_h, t_hidden, fp8_ops=None) -> Int32:
