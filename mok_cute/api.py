@@ -259,33 +259,50 @@ def moe_forward(
                                         config)
         warnings.warn(f"mok_cute: training on the PyTorch reference because {why}", stacklevel=2)
         choice = PathChoice("reference", why)
-    if choice.path in ("kernel", "megakernel"):
-        from . import expert_path, megakernel
+    if choice.path == "kernel":
+        from . import expert_path
 
-        # The kernels never fault on bad ids, so the check's device read is waited for
-        # after they are enqueued: the error is the same, the stream never drains idle.
-        pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
-        if choice.path == "kernel":
-            out = expert_path.moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down,
-                                                 shared, config)
-        else:
-            out = megakernel.moe_forward(x, ids_for_int32(topk_idx, dims.num_experts),
-                                         topk_weights, w_gate, w_up, w_down, shared, config)
-        if pending is not None:
-            pending.finish()
-            if choice.path == "megakernel":
-                megakernel.raise_pending_errors()  # the same sync point: no extra wait
-        return out
+        return _checked_launch(lambda: expert_path.moe_forward_kernel(
+            x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config), topk_idx, dims,
+            config)
+    if choice.path == "megakernel":
+        return _megakernel_one_gpu(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                   config, dims)
     if config.check_ids:
         check_expert_ids(topk_idx, dims.num_experts)
     return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, None)
 
 
-def _fp8_training_refusal(config: MoKConfig, where: str, needs_grad: bool) -> None:
-    if config.precision == "fp8" and (needs_grad or torch.compiler.is_compiling()):
-        raise ValueError(f"config.precision='fp8': {where} runs FP8 forward-only calls so far "
-                         f"(FP8 trains on one GPU and on virtual ranks); call it under "
-                         f"torch.no_grad(), or train in bf16")
+def _checked_launch(launch, topk_idx, dims, config: MoKConfig, megakernel: bool = False):
+    """``launch()`` (a kernel path's call) with the id check: the kernels never fault on bad
+    ids, so the check's device read is waited for after they are enqueued (the error is the
+    same, the stream never drains idle); a megakernel's error words are read at that same
+    sync point, no extra wait."""
+    pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
+    out = launch()
+    if pending is not None:
+        pending.finish()
+        if megakernel:
+            from . import megakernel as mk
+
+            mk.raise_pending_errors()
+    return out
+
+
+def _megakernel_one_gpu(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config, dims):
+    """``moe_forward`` without grad on the megakernel at one rank (bf16 or FP8)."""
+    from . import megakernel
+
+    return _checked_launch(lambda: megakernel.moe_forward(
+        x, ids_for_int32(topk_idx, dims.num_experts), topk_weights, w_gate, w_up, w_down,
+        shared, config), topk_idx, dims, config, megakernel=True)
+
+
+def _fp8_kernels_only(choice: PathChoice) -> ValueError:
+    """The refusal of an FP8 training call that would not run on the FP8 kernels."""
+    return ValueError(f"config.precision='fp8': training runs on the FP8 kernels only (this call "
+                      f"would take the {choice.path} path: {choice.reason}); call under "
+                      f"torch.no_grad() for the emulation, or train in bf16")
 
 
 def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config, dims,
@@ -294,32 +311,20 @@ def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, co
     emulation without one (``mok_cute.expert_path_fp8``)."""
     from . import expert_path_fp8
 
-    why = expert_path_fp8.unsupported_reason(dims.hidden, dims.intermediate)
-    if why:
-        raise ValueError(why)
+    _fp8_sizes(dims)
     choice = choose_path(x.device, config)
-    if choice.path == "megakernel":
-        if _megakernel_fallback(dims, config):
-            raise ValueError("config.precision='fp8': the megakernel cannot take these sizes")
+    if choice.path == "megakernel":  # backend="megakernel": sizes it cannot take raise here
+        _megakernel_fallback(dims, config)
         if needs_grad or torch.compiler.is_compiling():  # the saving launch, FP8 backward kernels
             from . import autograd
 
             return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                         config)
-        from . import megakernel
-
-        pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
-        out = megakernel.moe_forward(x, ids_for_int32(topk_idx, dims.num_experts), topk_weights,
-                                     w_gate, w_up, w_down, shared, config)
-        if pending is not None:
-            pending.finish()
-            megakernel.raise_pending_errors()
-        return out
+        return _megakernel_one_gpu(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                                   config, dims)
     if needs_grad or torch.compiler.is_compiling():
         if choice.path != "kernel":
-            raise ValueError(f"config.precision='fp8': training runs on the FP8 kernels only "
-                             f"(this call would take the {choice.path} path: {choice.reason}); "
-                             f"call under torch.no_grad() for the emulation, or train in bf16")
+            raise _fp8_kernels_only(choice)
         from .expert_path import unsupported_shape_reason
 
         why = unsupported_shape_reason(dims.hidden, dims.intermediate, dims.top_k,
@@ -331,12 +336,9 @@ def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, co
         return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                     config)
     if choice.path == "kernel":
-        pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
-        out = expert_path_fp8.moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down,
-                                              shared, config)
-        if pending is not None:
-            pending.finish()
-        return out
+        return _checked_launch(lambda: expert_path_fp8.moe_forward_fp8(
+            x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config), topk_idx, dims,
+            config)
     if config.check_ids:
         check_expert_ids(topk_idx, dims.num_experts)
     return expert_path_fp8.reference_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down,
@@ -386,7 +388,11 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
         needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
         choice = choose_path(x.device, config, distributed=True, needs_grad=needs_grad)
         if config.precision == "fp8":
-            _fp8_training_refusal(config, "moe_forward(group=...)", needs_grad)
+            if needs_grad or torch.compiler.is_compiling():
+                raise ValueError("config.precision='fp8': moe_forward(group=...) runs FP8 "
+                                 "forward-only calls so far (FP8 trains on one GPU and on "
+                                 "virtual ranks); call it under torch.no_grad(), or train in "
+                                 "bf16")
             if choice.path != "megakernel":
                 raise ValueError("config.precision='fp8': moe_forward(group=...) runs FP8 on the "
                                  "IPC megakernel only (backend='megakernel')")
@@ -488,10 +494,7 @@ def moe_forward_virtual(
         _fp8_sizes(dims)
         if choice.path != "megakernel":  # no GPU: the emulation, rank by rank
             if needs_grad or torch.compiler.is_compiling():
-                raise ValueError(f"config.precision='fp8': training runs on the FP8 kernels only "
-                                 f"(this call would take the {choice.path} path: "
-                                 f"{choice.reason}); call under torch.no_grad() for the "
-                                 f"emulation, or train in bf16")
+                raise _fp8_kernels_only(choice)
             if config.check_ids:
                 check_expert_ids(topk_idx, dims.num_experts)
             return _fp8_reference_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down,
@@ -506,13 +509,9 @@ def moe_forward_virtual(
     if choice.path == "megakernel":
         from . import megakernel
 
-        pending = PendingIdCheck(topk_idx, dims.num_experts) if config.check_ids else None
-        out = megakernel.moe_forward_virtual(xs, ids_for_int32(topk_idx, dims.num_experts),
-                                             topk_weights, w_gate, w_up, w_down, shared, config)
-        if pending is not None:
-            pending.finish()
-            megakernel.raise_pending_errors()
-        return out
+        return _checked_launch(lambda: megakernel.moe_forward_virtual(
+            xs, ids_for_int32(topk_idx, dims.num_experts), topk_weights, w_gate, w_up, w_down,
+            shared, config), topk_idx, dims, config, megakernel=True)
     if config.check_ids:
         check_expert_ids(topk_idx, dims.num_experts)
     return reference._forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
