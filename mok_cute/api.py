@@ -388,11 +388,6 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
         needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
         choice = choose_path(x.device, config, distributed=True, needs_grad=needs_grad)
         if config.precision == "fp8":
-            if needs_grad or torch.compiler.is_compiling():
-                raise ValueError("config.precision='fp8': moe_forward(group=...) runs FP8 "
-                                 "forward-only calls so far (FP8 trains on one GPU and on "
-                                 "virtual ranks); call it under torch.no_grad(), or train in "
-                                 "bf16")
             if choice.path != "megakernel":
                 raise ValueError("config.precision='fp8': moe_forward(group=...) runs FP8 on the "
                                  "IPC megakernel only (backend='megakernel')")

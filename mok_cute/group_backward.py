@@ -47,6 +47,7 @@ import torch
 from mok_cute.config import ExpertPathOptions, check_tensor
 from mok_cute.expert_backward import (Needs, _dgrads, _weight_grads, row_partial_sums,
                                       shared_backward_ranks)
+from mok_cute.expert_path_fp8 import padded
 
 __all__ = ["moe_backward_group"]
 
@@ -60,8 +61,9 @@ def _row_addresses(base: torch.Tensor, offset: int, index: torch.Tensor, row_byt
     return torch.where(valid, base + offset + index * row_bytes, torch.zeros_like(base))
 
 
-def _rows_of(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
     """int64 address of each row of contiguous ``t`` [..., rows, cols] (flattened)."""
+    row_bytes = t.shape[-1] * t.element_size()
     rows = t.numel() * t.element_size() // row_bytes
     return t.data_ptr() + torch.arange(rows, dtype=torch.int64, device=t.device) * row_bytes
 
@@ -84,6 +86,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         raise ValueError("saved: expected the SavedPreact of a saving megakernel launch "
                          "(moe_forward(..., save=True)), which names its plan")
     side, k = plan.side, plan.key
+    fp8 = k.spec.fp8  # an FP8 training forward: the FP8 dgrads (and weight gradients)
     L, P = side.launch_ranks, side.num_peers
     T, H, K, I = k.tokens, k.hidden, k.top_k, k.intermediate
     E_loc = k.local_experts
@@ -117,15 +120,19 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         base = torch.gather(plan.peer_bases, 1, peer.clamp(min=0))  # [L, cap]
         token = sched.row_token.to(torch.int64).clamp(min=0)
         slot = token * K + sched.row_k.to(torch.int64).clamp(min=0)
-        d_rows = torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
-        x_rows = torch.empty_like(d_rows) if needs.w_gate_up else None
+        # fp8: the FP8 dgrad's K is H zero-padded to whole 128 groups (the copies write H)
+        width = padded(H) if fp8 else H
+        d_rows = (torch.zeros if width != H else torch.empty)(L, cap, width,
+                                                              dtype=torch.bfloat16, device=dev)
+        x_rows = (torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
+                  if needs.w_gate_up else None)
         w_rows = torch.empty(L, cap, 4, dtype=torch.float32, device=dev)
         pulls = [(d_rows, "d_out", token, H * _BF16), (w_rows, "router_weights", slot, _SLOT_ROW)]
         if x_rows is not None:
             pulls.append((x_rows, "x", token, H * _BF16))
         for dst, field, index, row_bytes in pulls:
             src = _row_addresses(base, layout.offset(field), index, row_bytes, valid)
-            copy_rows_by_address(src.reshape(-1), _rows_of(dst, row_bytes), row_bytes)
+            copy_rows_by_address(src.reshape(-1), _rows_of(dst), row_bytes)
 
         # the router weight of each saved g | u row (the dgated epilogue reads both by row_slot;
         # the launch's ranks share one pool, each row saved once)
@@ -144,19 +151,19 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             d_preact, hw, partials, dx_rows = _dgrads(
                 d_rows[r], w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r],
                 weights, sched.tile_expert[r], sched.num_tiles[r:r + 1], True, options,
-                dgrads="megakernel")
+                fp8=fp8, dgrads="kernels" if fp8 else "megakernel")
             part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
             part[:, 0] = row_partial_sums(partials)
-            copy_rows_by_address(_rows_of(dx_rows, H * _BF16),
+            copy_rows_by_address(_rows_of(dx_rows),
                                  _row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]),
                                  H * _BF16)
-            copy_rows_by_address(_rows_of(part, _SLOT_ROW),
+            copy_rows_by_address(_rows_of(part),
                                  _row_addresses(base[r], partial_field, slot[r], _SLOT_ROW,
                                                 valid[r]), _SLOT_ROW)
             gate, up, down = _weight_grads(d_preact, hw, d_rows[r],
                                            None if x_rows is None else x_rows[r], w_gate[r],
                                            w_down[r], sched.expert_offsets[r], needs.w_gate_up,
-                                           needs.w_down)
+                                           needs.w_down, fp8=fp8)
             dwg.append(gate)
             dwu.append(up)
             dwd.append(down)

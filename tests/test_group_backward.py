@@ -84,7 +84,8 @@ def _cpu_plan(R, T, H, I, E_loc, K):
     side = types.SimpleNamespace(launch_ranks=R, num_peers=R, rank_base=0, scope="gpu",
                                  layout=peers.layout, peers=peers,
                                  fields=lambda name: [peers.view(r, name) for r in range(R)])
-    key = types.SimpleNamespace(spec=types.SimpleNamespace(save_preact=True), tokens=T, hidden=H,
+    key = types.SimpleNamespace(spec=types.SimpleNamespace(save_preact=True, fp8=False),
+                                tokens=T, hidden=H,
                                 top_k=K, intermediate=I, local_experts=E_loc)
     return types.SimpleNamespace(
         side=side, key=key, peer_bases=peers.bases_matrix(), lock=threading.Lock(),
@@ -159,8 +160,9 @@ def _virtual_grads(leaves, idx, saved, d_out):
     from mok_cute.virtual_backward import VirtualSaved, moe_backward_virtual
 
     xs, w, wg, wu, wd, *sh = (t.detach() for t in leaves)
+    precision = "fp8" if saved.plan.key.spec.fp8 else "bf16"
     return moe_backward_virtual(d_out, xs, w, wg, wu, wd, tuple(sh) or None,
-                                VirtualSaved.from_forward(saved))
+                                VirtualSaved.from_forward(saved), precision=precision)
 
 
 def _group_grads(leaves, idx, saved, d_out, **kw):
@@ -194,11 +196,12 @@ CASES = {
 }
 
 
-def _saved_problem(name, seed, timeout_ms=5000.0):
+def _saved_problem(name, seed, timeout_ms=5000.0, precision="bf16"):
     """A case's problem, its saving virtual forward and a d_out: (leaves, idx, saved, d_out)."""
     R, T, H, I, E_loc, K, Is, routing = CASES[name]
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
-    _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=timeout_ms))
+    _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=timeout_ms,
+                                                         precision=precision))
     return leaves, idx, saved, torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
 
 
@@ -217,6 +220,28 @@ def test_backward_over_peers_is_the_virtual_backward_bitwise(name):
         if first is not None:
             _assert_bitwise(got, first, f"{name}: repeat")
         first = got
+
+
+# FP8 (issue 33): the FP8 dgrads; I = 1024 takes the FP8 weight gradients, I = 192 (padded to
+# 256) and H = 320 (padded to 384) the bf16 ones
+FP8_CASES = {
+    "R2_fp8_wgrad_shared": (2, 160, 256, 1024, 2, 4, 128, "skew"),
+    "R3_fp8_padded_K10": (3, 100, 320, 192, 4, 10, 0, "empty_expert"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(FP8_CASES))
+def test_fp8_backward_over_peers_is_the_fp8_virtual_backward_bitwise(name, monkeypatch):
+    monkeypatch.setitem(CASES, name, FP8_CASES[name])
+    leaves, idx, saved, d_out = _saved_problem(name, seed=6, precision="fp8")
+    want = _virtual_grads(leaves, idx, saved, d_out)
+    for repeat in range(2):
+        _poison(saved.plan)
+        got = _group_grads(leaves, idx, saved, d_out)
+        torch.cuda.synchronize()
+        mok.check_errors()
+        _assert_bitwise(got, want, f"{name} (call {repeat})")
 
 
 @pytest.mark.gpu
@@ -289,18 +314,20 @@ def test_two_processes_on_one_gpu_over_ipc_give_the_virtual_bits():
         assert sorted(os.listdir(tmp)).count("ok0") == 1 and "ok1" in os.listdir(tmp)
 
 
-def _ipc_train_rank(rank, world, seed, out_dir):
+def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
     """One process: ``mok.moe_forward(group=...)`` trains through the IPC megakernel (two
     processes time-share one GPU, so the waits are long): out and every gradient of this rank
     bitwise those of the virtual ranks' training on the same problem, again in a second
     backward over the retained graph."""
     torch.cuda.set_device(0)
-    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
+    R, T, H, I, E_loc, K, Is, routing = (CASES["R2_shared_skew"] if precision == "bf16"
+                                         else FP8_CASES["R2_fp8_wgrad_shared"])
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     d_out = torch.randn(R, T, H, device="cuda", generator=g).to(torch.bfloat16)
     xs, w, wg, wu, wd, *sh = leaves
-    config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel", check_ids=False)
+    config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel", check_ids=False,
+                           precision=precision)
     want_out = mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, tuple(sh), config)
     want_out.backward(d_out)
     want = [t.grad[rank].clone() for t in leaves]
@@ -329,9 +356,10 @@ def _ipc_train_rank(rank, world, seed, out_dir):
 
 
 @pytest.mark.gpu
-def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits():
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits(precision):
     import gloo_group
 
     with tempfile.TemporaryDirectory() as tmp:
-        gloo_group.spawn(_ipc_train_rank, 2, tmp, 12, tmp)
+        gloo_group.spawn(_ipc_train_rank, 2, tmp, 12, tmp, precision)
         assert {"ok0", "ok1"} <= set(os.listdir(tmp))

@@ -222,7 +222,7 @@ def _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, ti
 
 
 def _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up,
-                           want_down):
+                           want_down, fp8=False):
     """``expert_backward._weight_grads`` in fp32 torch: each expert's over its rows
     [offsets[e], offsets[e + 1])."""
     rows, inter = d_rows.shape[0], w_gate.shape[1]
