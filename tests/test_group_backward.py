@@ -14,7 +14,10 @@ H200 (marked gpu):
 - a silent rank in the backward raises PeerTimeoutError naming the backward, the waiting rank
   and the peer; the next call is whole again;
 - two processes on one GPU over IPC (legacy handles): each rank's gradients bitwise equal to the
-  virtual backward's for that rank.
+  virtual backward's for that rank;
+- FP8 (a plan with ``precision="fp8"``): on virtual buffers bitwise the FP8 virtual backward
+  (FP8 weight gradients at I = 1024, bf16 ones with H, I padded), and training over IPC (two
+  processes on one GPU) bitwise the FP8 virtual ranks' training.
 """
 
 from __future__ import annotations
