@@ -10,7 +10,8 @@ Source tags used below:
 - ``datasheet``: the vendor's published figure, as quoted;
 - ``assumption``: no measurement yet; the study docs list what measurement would replace it;
 - ``measured``: fitted by ``mok_cute.bench.calibrate`` to records of our own kernels committed in
-  ``benchmarks/results/`` (the source names the file, the runs and the fit; a test refits it).
+  ``benchmarks/results/`` (the source names the file, the runs and the fit; a test refits it), or
+  a benchmark of our own kernels committed there (the source names the file and the command).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ RATE_FIELDS = (
     "num_gpus",
     "num_sms",
     "sm_tensor_flops",
+    "sm_fp8_tensor_flops",
     "hbm_bytes_per_s",
     "link_bytes_per_s",
     "link_peak_bytes_per_s",
@@ -46,6 +48,9 @@ class HardwareProfile:
     num_gpus: int  # GPUs in one NVLink domain
     num_sms: int  # SMs per GPU
     sm_tensor_flops: float  # achievable dense bf16 FLOP/s of one SM's tensor cores
+    # achievable e4m3 FLOP/s of one SM with 1 x 128 / 128 x 128 block scales (promotion included):
+    # the rate of MoKConfig(precision="fp8")'s routed FC1 / FC2 tasks
+    sm_fp8_tensor_flops: float
     hbm_bytes_per_s: float  # achievable HBM bandwidth per GPU
     link_bytes_per_s: float  # achievable NVLink bandwidth per GPU per direction (port capacity)
     link_peak_bytes_per_s: float  # datasheet NVLink bandwidth per GPU per direction
@@ -119,6 +124,8 @@ class HardwareProfile:
 _H200_DATASHEET_BF16 = 989e12  # anchors: "The datasheet dense bf16 figure is 989 TFLOP/s"
 _H200_CUBLAS_BF16 = 723e12  # anchors: "cuBLAS bf16 8192^3 | 723 TFLOP/s" (measured H200)
 _ACHIEVED_FRACTION = _H200_CUBLAS_BF16 / _H200_DATASHEET_BF16  # 0.731
+# benchmarks/results/2026-12-02_h200_fp8_gemm_probe.json: our FP8 grouped FC1, 128 x 256 tiles
+_H200_FP8_GROUPED_FC1 = 1079e12
 _H200_LINK_FRACTION = 395e9 / 450e9  # measured peer copy over datasheet NVLink4, 0.878
 _H200_HBM_FRACTION = 4.22e12 / 4.8e12  # measured device copy over datasheet HBM3e, 0.879
 
@@ -128,6 +135,7 @@ H200_HGX = HardwareProfile(
     num_gpus=8,
     num_sms=132,
     sm_tensor_flops=_H200_CUBLAS_BF16 / 132,
+    sm_fp8_tensor_flops=_H200_FP8_GROUPED_FC1 / 132,
     hbm_bytes_per_s=4.22e12,
     link_bytes_per_s=395e9,
     link_peak_bytes_per_s=450e9,
@@ -141,6 +149,14 @@ H200_HGX = HardwareProfile(
         "num_gpus": "datasheet: HGX H200 8-GPU board, one NVSwitch domain",
         "num_sms": "anchors: Physical limits, H200 SMs 132",
         "sm_tensor_flops": "anchors: cuBLAS bf16 8192^3 723 TFLOP/s measured on one H200, / 132 SMs",
+        "sm_fp8_tensor_flops": "measured: our FP8 grouped GEMM on dsv3_ep8_rank, 128 x 256 tiles, "
+                               "1 x 128 / 128 x 128 scales promoted every 128 K (python "
+                               "tools/fp8_gemm_probe.py, benchmarks/results/2026-12-02_h200_fp8_"
+                               "gemm_probe.json, 3 rounds): FC1 1079 TFLOP/s (FC2 1087; the first "
+                               "FC2 kernel 1020) where the bf16 expert-path GEMMs ran 711 / 702, "
+                               "so 1.49 x the bf16 rate above; / 132 SMs. The dense ceilings "
+                               "(torch._scaled_mm fp8 8192^3 1274, anchors.md FP8 anchors: cuBLAS "
+                               "blockwise 1335) are not reached by the promoting mainloop",
         "hbm_bytes_per_s": "anchors: device copy (read + write) 4.22 TB/s measured on one H200 "
                            "(datasheet HBM 4.8 TB/s)",
         "link_bytes_per_s": "anchors: copy-engine peer copy 395 GB/s each direction measured on "
@@ -179,6 +195,7 @@ GB300_NVL72 = HardwareProfile(
     num_gpus=72,
     num_sms=148,
     sm_tensor_flops=2.5e15 * _ACHIEVED_FRACTION / 148,
+    sm_fp8_tensor_flops=2 * 2.5e15 * _ACHIEVED_FRACTION / 148,
     hbm_bytes_per_s=8e12 * _H200_HBM_FRACTION,
     link_bytes_per_s=900e9 * _H200_LINK_FRACTION,
     link_peak_bytes_per_s=900e9,
@@ -193,6 +210,10 @@ GB300_NVL72 = HardwareProfile(
                    "Ultra die has 160 (NVIDIA, Hot Chips 2025); the GB300 count is unverified",
         "sm_tensor_flops": "anchors: GB300 dense BF16 2.5 PFLOP/s (datasheet) x 0.731, the "
                            "measured/datasheet ratio of the H200 (723/989), / 148 SMs",
+        "sm_fp8_tensor_flops": "datasheet-derived: anchors: GB300 dense BF16 / FP8 2.5 / 5 "
+                               "PFLOP/s (datasheet), so 2 x sm_tensor_flops above; "
+                               "unmeasured (on the H200 our block-scaled FP8 GEMMs reach 1.49 x "
+                               "bf16, its promotion in software; Blackwell scales in hardware)",
         "hbm_bytes_per_s": "datasheet: GB300 HBM3e 8 TB/s x 0.879, the H200 measured/datasheet "
                            "copy ratio (4.22/4.8)",
         "link_bytes_per_s": "anchors: NVLink 5 900 GB/s each way per GPU x 0.878, the H200 "

@@ -17,6 +17,13 @@ list (``mok_cute.tasks``, built from that rank's actual tile count) with its per
   ring holds every row of the rank: only the task overhead remains.
 - BARRIER: ``barrier_latency_s``; every rank's KSUM waits on every rank's BARRIER.
 
+``SimConfig.precision="fp8"`` (``MoKConfig(precision="fp8")``'s megakernel, forward): DISPATCH
+copies packed e4m3 x rows (``fp8.packed_row_bytes`` of H padded to whole 128 groups), COMBINE
+still bf16 y rows; the routed FC1 / FC2 tiles run at ``sm_fp8_tensor_flops`` over K padded to
+whole 128 groups, their operands 1 byte an element plus the rows' and blocks' exponents, FC1's
+h stored as e4m3. The shared expert and KSUM stay bf16. x's quantization (a pass before the
+launch) is not modelled.
+
 Push dispatch (``dispatch="push"``, for study (a)): the receivers' DISPATCH tasks are replaced
 by sender-side tasks, one per (sender, receiver, receiver minibatch) chunk of at most
 ``tile_m`` rows, in each sender's comm queue; a receiver's FC1 of a minibatch waits on every
@@ -32,6 +39,8 @@ import functools
 import numpy as np
 
 from .. import tasks as T
+from ..expert_path_fp8 import padded
+from ..fp8 import GROUP, packed_row_bytes
 from ..schedule import schedule_capacity
 from ..shapes import SHAPES, Shape
 from .hardware import HardwareProfile
@@ -46,9 +55,12 @@ __all__ = [
     "expert_owner",
     "receive_layouts",
     "build_graph",
+    "PRECISIONS",
+    "dispatch_row_bytes",
 ]
 
 _BF16 = 2
+PRECISIONS = ("bf16", "fp8")  # MoKConfig.precision's values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +147,23 @@ class SimConfig:
     dispatch_lookahead_tokens: int | None = None
     local_direct: bool = True  # as MegakernelOptions.rows_in_place: own rows never cross a comm CTA
     fc1_lead: int = 0  # tasks.build_task_list's: FC1 of minibatch m + 1 queued before FC2 of m
+    precision: str = "bf16"  # MoKConfig.precision: "fp8" packs dispatched rows, FP8 routed GEMMs
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"SimConfig.precision must be one of {PRECISIONS}, got "
+                             f"{self.precision!r}")
         if self.dispatch not in ("pull", "push", "push_hol"):
             raise ValueError(f"SimConfig.dispatch must be 'pull', 'push' or 'push_hol', got "
                              f"{self.dispatch!r}")
         if self.num_comm_sms < 1:
             raise ValueError(f"SimConfig.num_comm_sms must be >= 1, got {self.num_comm_sms}")
+
+
+def dispatch_row_bytes(hidden: int, precision: str = "bf16") -> int:
+    """Bytes DISPATCH copies per x row: bf16, or FP8's packed row (the megakernel's ring rows:
+    e4m3 data of H padded to whole 128 groups, then the row's exponents padded to 16 B)."""
+    return packed_row_bytes(padded(hidden)) if precision == "fp8" else hidden * _BF16
 
 
 def _distinct_uniform(rng, n, k, e_avail):
@@ -349,19 +371,30 @@ def _gemm_durations(tl: T.TaskList, lay: RankLayout, shape: SimShape, cfg: SimCo
          -(-2 * p.shared_intermediate // p.fc1_tile_n), p.fc1_tile_n // 2),
         (T.TaskType.SHARED_FC2, p.shared_intermediate, p.fc2_tile_n, n2, p.fc2_tile_n),
     ]
+    fp8 = cfg.precision == "fp8"
     for ttype, kdim, tn, ntiles, outc in specs:
         idx = np.flatnonzero(ty == ttype)
         if not idx.size:
             continue
         window = max(1, n_compute // max(ntiles, 1))
-        if ttype in (T.TaskType.FC1, T.TaskType.FC2):
+        routed = ttype in (T.TaskType.FC1, T.TaskType.FC2)
+        if routed:
             reuse = np.minimum(group_tiles[tile[idx]], window)
         else:
             reuse = np.full(idx.size, min(st, window))
-        a_bytes = tm * kdim * _BF16 / ntiles
-        b_bytes = tn * kdim * _BF16 / reuse
-        c_bytes = tm * outc * _BF16
-        t_mma = 2.0 * tm * tn * kdim / hw.sm_tensor_flops
+        if fp8 and routed:  # the shared expert stays bf16
+            kdim = padded(kdim)
+            a_bytes = tm * packed_row_bytes(kdim) / ntiles  # rows from the ring, packed
+            b_bytes = tn * kdim * (1 + 1 / GROUP**2) / reuse  # + one exponent per 128 x 128 block
+            # FC1's h leaves as e4m3 (one 1 x 128 group a tile, one exponent); FC2's y as bf16
+            c_bytes = tm * (outc + outc // GROUP) if ttype == T.TaskType.FC1 else tm * outc * _BF16
+            rate = hw.sm_fp8_tensor_flops
+        else:
+            a_bytes = tm * kdim * _BF16 / ntiles
+            b_bytes = tn * kdim * _BF16 / reuse
+            c_bytes = tm * outc * _BF16
+            rate = hw.sm_tensor_flops
+        t_mma = 2.0 * tm * tn * kdim / rate
         t_mem = (a_bytes + b_bytes + c_bytes) / hbm_per_sm
         dur[idx] = hw.gemm_task_overhead_s + np.maximum(t_mma, t_mem)
     k = np.flatnonzero(ty == T.TaskType.KSUM)
@@ -403,7 +436,8 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
     nports = 2 * R if not symmetric else 2
     b = _GraphBuilder(R, nports, symmetric)
     cs = cfg.tile_m // (cfg.comm_task_rows or cfg.tile_m)
-    row_bytes = shape.hidden * _BF16
+    row_bytes = {T.TaskType.DISPATCH: dispatch_row_bytes(shape.hidden, cfg.precision),
+                 T.TaskType.COMBINE: shape.hidden * _BF16}  # y rows stay bf16
 
     # the kernel's condition (megakernel.plan_for): the ring holds the static capacity
     local_direct = cfg.local_direct and not push and cfg.ring_tokens >= schedule_capacity(
@@ -442,7 +476,7 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
             if not idx.size:
                 continue
             chunk = tl.m_tile_begin[idx] * cs + tl.n_tile[idx]
-            per_peer = lay.chunk_peer_rows[chunk].astype(np.float64) * row_bytes  # [k, R]
+            per_peer = lay.chunk_peer_rows[chunk].astype(np.float64) * row_bytes[ttype]
             tot = per_peer.sum(axis=1)
             local = per_peer[:, r]
             comm_bytes[idx] = tot - local if local_direct else tot
@@ -470,7 +504,8 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
                                                          tl.m_tile_begin)[keep],
             signal=sig[keep], waits=(wlens, wflat),
             duration=dur[keep], comm_bytes=comm_bytes[keep], comm_class=cls[keep],
-            comm_row=coef_rows[keep], link_bytes=link[keep], flops=tl.flops[keep],
+            comm_row=coef_rows[keep], link_bytes=link[keep],
+            flops=_executed_flops(tl, shape, cfg)[keep],
             minibatch=tl.minibatch[keep],
             receiver=np.where(tl.type[keep] == T.TaskType.DISPATCH, r, -1))
         b.rank_lists.append((r, tl, keep, base))
@@ -488,13 +523,23 @@ def build_graph(shape: SimShape, num_ranks: int, routing: Routing, cfg: SimConfi
             b.extra_waits.append((np.repeat(gids, bc.size), np.tile(bc, gids.size)))
 
     if push:
-        _add_push_dispatch(b, shape, cfg, hw, layouts, lists, R, row_bytes,
+        _add_push_dispatch(b, shape, cfg, hw, layouts, lists, R, row_bytes[T.TaskType.DISPATCH],
                            hol=cfg.dispatch == "push_hol")
 
     g = b.finish(cfg.num_comm_sms, n_compute)
     g.meta.update(shape=shape, routing=routing, cfg=cfg, hw=hw, layouts=layouts,
                   dispatch_only=dispatch_only, lists=lists)
     return g
+
+
+def _executed_flops(tl: T.TaskList, shape: SimShape, cfg: SimConfig) -> np.ndarray:
+    """The list's MMA FLOPs per task; FP8's routed GEMMs run K padded to whole 128 groups."""
+    if cfg.precision != "fp8":
+        return tl.flops
+    flops = tl.flops.astype(np.float64)
+    for ttype, k in ((T.TaskType.FC1, shape.hidden), (T.TaskType.FC2, shape.intermediate)):
+        flops[tl.type == ttype] *= padded(k) / k
+    return flops
 
 
 _PLACEHOLDER_STRIDE = 1 << 24

@@ -126,8 +126,9 @@ class SimResult:
         out = dict(
             shape=self.shape.name, profile=self.hw.name, num_ranks=self.num_ranks,
             routing=self.routing.label, dispatch=self.config.dispatch,
-            num_comm_sms=n_comm, minibatch_tokens=self.config.minibatch_tokens,
-            ring_tokens=self.config.ring_tokens, symmetric=g.symmetric,
+            precision=self.config.precision, num_comm_sms=n_comm,
+            minibatch_tokens=self.config.minibatch_tokens, ring_tokens=self.config.ring_tokens,
+            symmetric=g.symmetric,
             layer_time_us=span * 1e6, tflops_per_gpu=self.tflops_per_gpu,
             rank_time_us_min=float(self.rank_times.min() * 1e6),
         )
@@ -236,7 +237,7 @@ class SimResult:
         meta = dict(source="mok_cute.sim (simulated, not measured)", shape=self.shape.name,
                     profile=self.hw.name, num_ranks=self.num_ranks,
                     routing=self.routing.label, dispatch=self.config.dispatch,
-                    num_comm_sms=self.config.num_comm_sms,
+                    precision=self.config.precision, num_comm_sms=self.config.num_comm_sms,
                     minibatch_tokens=self.config.minibatch_tokens,
                     ring_tokens=self.config.ring_tokens)
         return tlmod.Timeline(records=out, capacity=n, written=n, dropped=0, t0_ns=0, meta=meta)
@@ -252,7 +253,8 @@ class SimResult:
         if rank is None:
             rank = int(np.argmax(self.rank_times))
         s = self.summary()
-        title = title or (f"SIMULATED {self.shape.name} on {self.hw.name} R={self.num_ranks} "
+        fp8 = " fp8" if self.config.precision == "fp8" else ""
+        title = title or (f"SIMULATED {self.shape.name}{fp8} on {self.hw.name} R={self.num_ranks} "
                           f"{self.config.dispatch} {self.routing.label}, rank {rank}, "
                           f"{self.config.num_comm_sms} comm SMs, mb {self.config.minibatch_tokens}"
                           f": {s['tflops_per_gpu']:.0f} TFLOP/s")

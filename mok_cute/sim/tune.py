@@ -5,10 +5,13 @@ uniform routing and returns the fastest, then the smallest ring (from a few mult
 minibatch up to the expected routed rows) within 0.5% of the fastest ring's time. By default
 the simulation is *symmetric* (rank 0 only, its port use mirrored: every rank is assumed to do
 what rank 0 does, which is what uniform routing gives on average); ``full=True`` simulates
-every rank. Results are cached per process.
+every rank. ``precision="fp8"`` tunes ``MoKConfig(precision="fp8")``'s megakernel (packed e4m3
+dispatch rows, FP8 routed GEMMs: ``model.py``); the precision is part of the cache key. Results
+are cached per process.
 
 ``resolve_config(config, shape, num_ranks, profile)`` fills the ``None`` fields of a
-``MoKConfig`` (fields the caller set are kept, and held fixed while tuning the rest).
+``MoKConfig`` (fields the caller set are kept, and held fixed while tuning the rest) for the
+config's own precision.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 
 from ..shapes import resolve_shape
 from .hardware import HardwareProfile, get_profile
-from .model import Routing, SimConfig, SimShape
+from .model import PRECISIONS, Routing, SimConfig, SimShape
 from .run import simulate
 
 __all__ = ["tune", "tune_report", "resolve_config", "tuned_config", "main", "default_ring_tokens"]
@@ -63,7 +66,7 @@ def default_ring_tokens(shape: SimShape, num_ranks: int, minibatch_tokens: int,
 @functools.lru_cache(maxsize=256)
 def _tune_cached(shape: SimShape, num_ranks: int, hw: HardwareProfile, quick: bool, full: bool,
                  tile_m: int, fixed_comm: int | None, fixed_mb: int | None,
-                 fixed_ring: int | None, seed: int):
+                 fixed_ring: int | None, seed: int, precision: str):
     comm_grid = (fixed_comm,) if fixed_comm else (COMM_SMS_QUICK if quick else COMM_SMS_GRID)
     comm_grid = tuple(c for c in comm_grid if c < hw.num_sms)
     rows = expected_rows(shape, num_ranks, tile_m)
@@ -77,7 +80,8 @@ def _tune_cached(shape: SimShape, num_ranks: int, hw: HardwareProfile, quick: bo
     table = []
 
     def run(n, mb, ring):
-        cfg = SimConfig(num_comm_sms=n, minibatch_tokens=mb, ring_tokens=ring, tile_m=tile_m)
+        cfg = SimConfig(num_comm_sms=n, minibatch_tokens=mb, ring_tokens=ring, tile_m=tile_m,
+                        precision=precision)
         res = simulate(shape, num_ranks, cfg, hw, routing, symmetric=not full)
         return res.layer_time
 
@@ -110,17 +114,20 @@ def _tune_cached(shape: SimShape, num_ranks: int, hw: HardwareProfile, quick: bo
 def tune_report(shape, num_ranks: int, profile: HardwareProfile | str = "h200_hgx", *,
                 quick: bool = False, full: bool = False, tile_m: int = 128,
                 num_comm_sms: int | None = None, minibatch_tokens: int | None = None,
-                ring_tokens: int | None = None, seed: int = 0) -> dict:
-    """The best configuration with its predicted time, and every point simulated."""
+                ring_tokens: int | None = None, seed: int = 0, precision: str = "bf16") -> dict:
+    """The best configuration with its predicted time, and every point simulated, for the
+    megakernel in ``precision`` ("bf16" or "fp8")."""
     hw = get_profile(profile)
     shape = _shape(shape)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if not 1 <= num_ranks <= hw.num_gpus:
         raise ValueError(f"num_ranks must be in [1, {hw.num_gpus}] for {hw.name}, "
                          f"got {num_ranks}")
     best, table = _tune_cached(shape, int(num_ranks), hw, bool(quick), bool(full), int(tile_m),
-                               num_comm_sms, minibatch_tokens, ring_tokens, int(seed))
+                               num_comm_sms, minibatch_tokens, ring_tokens, int(seed), precision)
     return dict(best, shape=shape.name, num_ranks=num_ranks, profile=hw.name,
-                symmetric=not full, tflops_per_gpu=shape.layer_flops()
+                precision=precision, symmetric=not full, tflops_per_gpu=shape.layer_flops()
                 / (best["predicted_us"] * 1e-6) / 1e12,
                 table=[dict(r) for r in table])
 
@@ -135,8 +142,9 @@ def tune(shape, num_ranks: int, profile: HardwareProfile | str = "h200_hgx",
 def resolve_config(config, shape, num_ranks: int, profile: HardwareProfile | str = "h200_hgx",
                    **kwargs):
     """A copy of ``config`` (a ``MoKConfig``, or None for the defaults) whose ``None`` tuning
-    fields (num_comm_sms, minibatch_tokens, ring_tokens) are filled by ``tune``; fields the
-    caller set are kept and held fixed while the others are tuned."""
+    fields (num_comm_sms, minibatch_tokens, ring_tokens) are filled by ``tune`` for
+    ``config.precision``; fields the caller set are kept and held fixed while the others are
+    tuned."""
     from ..config import MoKConfig
 
     if config is None:
@@ -147,7 +155,7 @@ def resolve_config(config, shape, num_ranks: int, profile: HardwareProfile | str
     best = tune_report(shape, num_ranks, profile, tile_m=config.tile_m,
                        num_comm_sms=config.num_comm_sms,
                        minibatch_tokens=config.minibatch_tokens,
-                       ring_tokens=config.ring_tokens, **kwargs)
+                       ring_tokens=config.ring_tokens, precision=config.precision, **kwargs)
     return dataclasses.replace(config, **{n: best[n] for n in names if getattr(config, n) is None})
 
 
@@ -156,8 +164,10 @@ def tuned_config(config, num_peers: int, tokens: int, hidden: int, intermediate:
                  profile: str = "h200_hgx"):
     """``config`` with its ``None`` tuning fields (num_comm_sms, minibatch_tokens,
     ring_tokens) filled by the tuner for an EP group of ``num_peers`` GPUs over NVLink;
-    fields the caller set are kept and held fixed. Resolved before the megakernel's plan
-    (which never imports the simulator). Cached per shape (1-5 s for a new one)."""
+    fields the caller set are kept and held fixed. Tuned for ``config.precision`` (an FP8
+    plan moves about half the dispatch bytes and runs faster GEMMs, so its picks may differ).
+    Resolved before the megakernel's plan (which never imports the simulator). Cached per
+    shape and precision (1-5 s for a new one)."""
     shape = SimShape("plan", tokens, hidden, intermediate, num_experts, top_k, shared_intermediate)
     return resolve_config(config, shape, num_peers, profile)
 
@@ -180,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true",
                     help="simulate every rank instead of the symmetric one-rank model")
     ap.add_argument("--tile-m", type=int, default=128)
+    ap.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                    help="the megakernel's MoKConfig.precision: fp8 dispatches packed e4m3 "
+                         "rows and runs the routed GEMMs in FP8")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--table", action="store_true", help="also print every simulated point")
     ap.add_argument("--backward", action="store_true",
@@ -187,11 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(mok_cute.sim.backward: every rank simulated, ~10 s a point at R = 8)")
     args = ap.parse_args(argv)
     if args.backward:
+        if args.precision != "bf16":  # the backward model's rows and GEMMs are bf16
+            print("mok-cute tune: --backward models the bf16 backward megakernel only; "
+                  "--precision fp8 applies to the forward", file=sys.stderr)
+            return 2
         return _main_backward(args)
     try:
         shape = _parse_shape(args.shape)
         rep = tune_report(shape, args.ranks, args.profile, quick=args.quick, full=args.full,
-                          tile_m=args.tile_m)
+                          tile_m=args.tile_m, precision=args.precision)
     except ValueError as e:
         print(f"mok-cute tune: {e}", file=sys.stderr)
         return 2
@@ -203,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.table import Table
 
     con = Console()
-    con.print(f"[bold]{shape.name}[/bold] on {rep['profile']} x{args.ranks} "
+    con.print(f"[bold]{shape.name}[/bold] {rep['precision']} on {rep['profile']} x{args.ranks} "
               f"({'symmetric model' if rep['symmetric'] else 'every rank simulated'}): "
               f"num_comm_sms={rep['num_comm_sms']} minibatch_tokens={rep['minibatch_tokens']} "
               f"ring_tokens={rep['ring_tokens']} -> predicted {rep['predicted_us']:.0f} us, "
