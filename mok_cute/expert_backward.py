@@ -122,16 +122,32 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int):
 # I = 768, backward 5.84 ms with them against 5.14 without; dsv3_ep8_rank, I = 2048, 8.96
 # against 9.26; sonic_120b, I = 2048, 20.34 against 20.61; docs/measurements.md)
 FP8_WGRAD_MIN_INTER = 1024
+# ... and from this many rows per expert on (the weight gradient's K): with few rows the GEMM
+# writes its bf16 [E, I, H] outputs more than it computes, and FP8 saves nothing there (virtual
+# R = 8 at 256 tokens a rank, 64 rows an expert: FP8 weight gradients 9.6 ms where bf16's
+# whole backward megakernel took 12.7; docs/measurements.md)
+FP8_WGRAD_MIN_ROWS = 1024
+
+
+def fp8_weight_grads(hidden: int, inter: int, rows_per_expert: float) -> bool:
+    """Whether the FP8 layer's weight gradients run in FP8 (``gemm_wgrad_fp8``): H and I
+    whole 128 groups (no padded copies), I and the expected rows per expert large enough
+    that the FP8 GEMMs save more than the column quantizations cost. A shape's choice, so
+    the same on every path given the same sizes."""
+    return (hidden % 128 == 0 and inter % 128 == 0 and inter >= FP8_WGRAD_MIN_INTER
+            and rows_per_expert >= FP8_WGRAD_MIN_ROWS)
 
 
 def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
-                     fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None):
+                     fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None,
+                     rows_per_expert: float = 0.0):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
-    on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too
-    (``_weight_grads``).
+    on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
+    ``fp8_weight_grads`` says so for ``rows_per_expert`` (the routing's expected rows per
+    expert, T * K / E).
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
     weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
     dgrads' transposed weights when the caller has them (else quantized from the cache)."""
@@ -148,7 +164,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads, fp8_transposed)
     dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
-                                  want_gate_up, want_down, fp8)
+                                  want_gate_up, want_down, fp8, rows_per_expert)
     return dx_rows, dwg, dwu, dwd, partials
 
 
@@ -177,14 +193,14 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
 
 
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,
-                  want_down: bool, fp8: bool = False):
+                  want_down: bool, fp8: bool = False, rows_per_expert: float = 0.0):
     """The grouped weight gradients from the dgrads' outputs: (dW_gate, dW_up, dW_down), None
     where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns.
-    ``fp8``: on ``gemm_wgrad_fp8`` where H and I are whole 128 groups (no padded copy of x
-    or of the gradients' [E, I, H] outputs) and I >= ``FP8_WGRAD_MIN_INTER``, bf16 otherwise."""
+    ``fp8``: on ``gemm_wgrad_fp8`` where ``fp8_weight_grads(H, I, rows_per_expert)``, bf16
+    otherwise."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     hidden = w_down.shape[1]
-    if fp8 and inter % 128 == 0 and hidden % 128 == 0 and inter >= FP8_WGRAD_MIN_INTER:
+    if fp8 and fp8_weight_grads(hidden, inter, rows_per_expert):
         return _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts, inter,
                                  want_gate_up, want_down)
     half = d_preact.shape[1] // 2
@@ -260,8 +276,8 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  dgrads: str = "kernels"):
     """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` (or of
     ``expert_path_fp8.moe_forward_fp8(..., save=True)`` with ``precision="fp8"``: the routed
-    experts' dgrads in FP8 and, where H and I are whole 128 groups and I >= 1024, their weight
-    gradients, everything else bf16) given d_out [T, H]:
+    experts' dgrads in FP8 and, where ``fp8_weight_grads`` says so, their weight gradients,
+    everything else bf16) given d_out [T, H]:
     (d_x, d_topk_weights fp32, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down),
     None where ``needs`` says no (and for the shared expert's three without one).
     ``dgrads``: the routed experts' bf16 dgrads as two grouped-GEMM launches ("kernels") or
@@ -294,7 +310,8 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
         saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
-        needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads)
+        needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
+        rows_per_expert=num_tokens * top_k / w_gate.shape[0])
 
     shared_dx, d_shared = None, (None, None, None)
     if shared is not None:

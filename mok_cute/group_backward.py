@@ -163,7 +163,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             gate, up, down = _weight_grads(d_preact, hw, d_rows[r],
                                            None if x_rows is None else x_rows[r], w_gate[r],
                                            w_down[r], sched.expert_offsets[r], needs.w_gate_up,
-                                           needs.w_down, fp8=fp8)
+                                           needs.w_down, fp8=fp8,
+                                           rows_per_expert=T * K / E_loc)  # P * T * K over P * E_loc
             dwg.append(gate)
             dwu.append(up)
             dwd.append(down)

@@ -236,7 +236,8 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         concat.num_tiles, concat.expert_offsets, needs.x, needs.w_gate_up, needs.w_down,
         needs.topk_weights, options, fp8=fp8, dgrads="kernels" if fp8 else "megakernel",
         # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
-        fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None)
+        fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
+        rows_per_expert=T * K / E_loc)  # R * T * K rows over R * E_loc experts
 
     shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
                                                 options)

@@ -222,7 +222,7 @@ def _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, ti
 
 
 def _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up,
-                           want_down, fp8=False):
+                           want_down, fp8=False, rows_per_expert=0.0):
     """``expert_backward._weight_grads`` in fp32 torch: each expert's over its rows
     [offsets[e], offsets[e + 1])."""
     rows, inter = d_rows.shape[0], w_gate.shape[1]
@@ -242,7 +242,7 @@ def _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets, w
 def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                               tile_expert, num_tiles, offsets, want_dx, want_gate_up,
                               want_down, want_partials, options, fp8=False, dgrads="kernels",
-                              fp8_transposed=None):
+                              fp8_transposed=None, rows_per_expert=0.0):
     """``expert_backward._expert_backward`` in fp32 torch: the two emulations above (bf16)."""
     assert not fp8 and fp8_transposed is None
     d_pre, hw, partials, dx = _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,

@@ -25,7 +25,7 @@ p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--json", default=None)
 p.add_argument("--layer", action="store_true",
                help="also the whole FP8 backward (moe_backward, precision fp8) with FP8 against "
-                    "bf16 weight gradients (expert_backward.FP8_WGRAD_MIN_INTER), beside bf16's")
+                    "bf16 weight gradients (expert_backward.fp8_weight_grads' thresholds), beside bf16's")
 args = p.parse_args()
 
 
@@ -48,11 +48,12 @@ def layer_runs(name):
 
     def fp8_bwd(fp8_wgrads):
         def run():
-            saved, eb.FP8_WGRAD_MIN_INTER = eb.FP8_WGRAD_MIN_INTER, 0 if fp8_wgrads else 1 << 30
+            saved = eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS
+            eb.FP8_WGRAD_MIN_INTER = eb.FP8_WGRAD_MIN_ROWS = 0 if fp8_wgrads else 1 << 30
             try:
                 return eb.moe_backward(d_out, x, idx, w, *ws, None, s8, precision="fp8")
             finally:
-                eb.FP8_WGRAD_MIN_INTER = saved
+                eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS = saved
         return run
     bf16 = eb.moe_backward(d_out, x, idx, w, *ws, None, s16)
     for label, got in (("fp8 wgrads", fp8_bwd(True)()), ("bf16 wgrads", fp8_bwd(False)())):

@@ -6,7 +6,7 @@ the group form's copies, barriers and per-rank launches where no NVLink is cross
 ranks the copies cross NVLink and the ranks run side by side).
 
     python tools/group_backward_probe.py --shapes glm_5.2,qwen3.5_397b [--ranks 8]
-        [--tokens 2048] [--rounds 3] [--json out.json]
+        [--tokens 2048] [--rounds 3] [--precision bf16,fp8] [--kernel-table] [--json out.json]
 
 A probe for issue 32's development, not the benchmark of record.
 """
@@ -23,9 +23,10 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int) -> dict:
+def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
+          precisions=("bf16",), kernel_table: bool = False, with_group: bool = True) -> dict:
     import mok_cute
-    from mok_cute import megakernel
+    from mok_cute import expert_backward as eb, megakernel
     from mok_cute.bench.problems import make_problem
     from mok_cute.group_backward import moe_backward_group
     from mok_cute.shapes import resolve_shape
@@ -38,52 +39,98 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int) -> dict:
     wg, wu, wd = (per_rank(t) for t in (p.w_gate, p.w_up, p.w_down))
     shared = tuple(t.unsqueeze(0).expand(ranks, *t.shape).contiguous()
                    for t in p.shared) if p.shared else None
-    config = mok_cute.MoKConfig(check_ids=False)
-    with torch.no_grad():
-        _, saved = megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared, config,
-                                                  save=True)
     d_out = torch.randn_like(xs)
-    virtual_saved = VirtualSaved.from_forward(saved)
+    variants, same = {}, {}
+    saved_of = {}
+    for precision in precisions:
+        # "fp8_wgrad": the FP8 backward with its weight gradients in FP8 whatever the sizes
+        layer = precision.split("_")[0]
+        if layer not in saved_of:
+            with torch.no_grad():
+                saved_of[layer] = megakernel.moe_forward_virtual(
+                    xs, idx, w, wg, wu, wd, shared,
+                    mok_cute.MoKConfig(check_ids=False, precision=layer), save=True)[1]
+        saved = saved_of[layer]
+        virtual_saved = VirtualSaved.from_forward(saved)
 
-    def virtual():
-        return moe_backward_virtual(d_out, xs, w, wg, wu, wd, shared, virtual_saved)
+        def sized(fn, forced=precision == "fp8_wgrad"):
+            def run():
+                kept = eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS
+                if forced:
+                    eb.FP8_WGRAD_MIN_INTER = eb.FP8_WGRAD_MIN_ROWS = 0
+                try:
+                    return fn()
+                finally:
+                    eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS = kept
+            return run
 
-    def group():
-        return moe_backward_group(d_out, xs, idx, w, wg, wu, wd, shared, saved)
+        virtual = sized(lambda s=virtual_saved, layer=layer: moe_backward_virtual(
+            d_out, xs, w, wg, wu, wd, shared, s, precision=layer))
+        group = sized(lambda s=saved: moe_backward_group(d_out, xs, idx, w, wg, wu, wd, shared, s))
 
-    same = all((a is None and b is None) or torch.equal(a, b)
-               for a, b in zip(virtual(), group()))
-    torch.cuda.synchronize()
-    mok_cute.check_errors()
-    variants = {"virtual backward": virtual, "group backward": group}
+        if with_group:
+            same[precision] = all((a is None and b is None) or torch.equal(a, b)
+                                  for a, b in zip(virtual(), group()))
+            torch.cuda.synchronize()
+            mok_cute.check_errors()
+            variants[f"group {precision}"] = group
+        variants[f"virtual {precision}"] = virtual
+        if kernel_table:
+            from tools.backward_profile import print_kernel_table
+            print(f"--- {name} R={ranks} T={tokens}/rank: the virtual backward's kernels, {precision}")
+            print_kernel_table(virtual)
     ms = {label: [] for label in variants}
     for r in range(rounds):
         for label in (variants if r % 2 == 0 else list(variants)[::-1]):
             ms[label].append(gpu_ms(variants[label], reps))
     median = {label: sorted(v)[len(v) // 2] for label, v in ms.items()}
     for label, v in ms.items():
-        print(f"{name} R={ranks} {label:18s} " + " ".join(f"{t:8.3f}" for t in v)
+        print(f"{name} R={ranks} T={tokens}/rank {label:18s} " + " ".join(f"{t:8.3f}" for t in v)
               + f"  median {median[label]:8.3f} ms", flush=True)
-    ratio = median["group backward"] / median["virtual backward"]
-    print(f"{name} R={ranks}: group / virtual {ratio:.3f}, gradients bitwise equal: {same}",
-          flush=True)
+    ratios = {}
+    forms = ("virtual", "group") if with_group else ("virtual",)
+    for precision in precisions if with_group else ():
+        ratios[f"group / virtual {precision}"] = (median[f"group {precision}"]
+                                                  / median[f"virtual {precision}"])
+    if "bf16" in precisions:
+        for label in forms:
+            for other in precisions:
+                if other != "bf16" and f"{label} {other}" in median:
+                    ratios[f"{label} {other} / bf16"] = (median[f"{label} {other}"]
+                                                         / median[f"{label} bf16"])
+    print(f"{name} R={ranks} T={tokens}/rank: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+          + f"; gradients bitwise equal (group, virtual): {same}", flush=True)
     return {"shape": name, "ranks": ranks, "tokens_per_rank": tokens, "ms_rounds": ms,
-            "ms_median": median, "group_over_virtual": ratio, "bitwise_equal": same}
+            "ms_median": median, "ratios": ratios, "bitwise_equal": same}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="glm_5.2,qwen3.5_397b")
     p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    p.add_argument("--tokens", default="2048", help="tokens per rank (a comma list)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--precision", default="bf16",
+                   help="a comma list of bf16, fp8 and fp8_wgrad (FP8 weight gradients forced)")
+    p.add_argument("--virtual-only", action="store_true",
+                   help="time the virtual backward only (the group form holds R ranks' rows)")
+    p.add_argument("--kernel-table", action="store_true",
+                   help="also the virtual backward's GPU time per kernel")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    from mok_cute import megakernel
+    from mok_cute.expert_path_fp8 import forget_quantized_weights
+
     rows = []
     for n in args.shapes.split(","):
-        rows.append(probe(n, args.ranks, args.tokens, args.rounds, args.reps))
-        torch.cuda.empty_cache()
+        for tokens in map(int, str(args.tokens).split(",")):
+            rows.append(probe(n, args.ranks, tokens, args.rounds, args.reps,
+                              tuple(args.precision.split(",")), args.kernel_table,
+                              not args.virtual_only))
+            megakernel.release_plans()  # the shape's plans and e4m3 weight copies
+            forget_quantized_weights()
+            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python tools/group_backward_probe.py "
