@@ -1,4 +1,4 @@
-"""The megakernel in FP8 (``MoKConfig(precision="fp8")``, forward-only): e4m3 routed GEMMs
+"""The megakernel in FP8 (``MoKConfig(precision="fp8")``): e4m3 routed GEMMs
 with 1 x 128 / 128 x 128 power-of-two scales promoted every 128-deep group, x and h rows as
 packed rows (``fp8.packed_row_bytes``), the shared expert and the combine in bf16.
 
@@ -7,7 +7,9 @@ torch form, the refusals. H200 (marked gpu): one rank bitwise the one-GPU FP8 ex
 (odd T, H and I not multiples of 128, K = 10, a hot and an empty expert, T = 1, the shared
 expert); virtual ranks bitwise one GPU's FP8 layer on every rank's tokens (the rows a GEMM
 row sees do not depend on the rank layout); bitwise across runs, comm splits, minibatch and
-ring sizes; the packed-row quantizer bitwise its torch form."""
+ring sizes; the packed-row quantizer bitwise its torch form; two processes sharing one GPU over
+IPC bitwise the virtual ranks; training (the saving launch, then the one-GPU FP8 backward
+kernels) bitwise the FP8 kernel backend at one rank and the one-GPU FP8 path on virtual ranks."""
 
 import dataclasses
 
@@ -272,3 +274,39 @@ def test_virtual_fp8_training_equals_one_gpu_with_the_same_tokens(R, Is, routing
     for label, a, b in zip(NAMES, got, again):
         if a is not None:
             assert torch.equal(a, b), f"R={R}: {label} not bitwise reproducible"
+
+
+def _ipc_fp8_forward_rank(rank, world, seed, out_dir):
+    """One process of a group of two sharing one GPU: the forward-only FP8 IPC megakernel
+    (``moe_forward(group=...)`` under no_grad: packed e4m3 x rows pulled from the peer,
+    h rows in the ring) gives this rank's rows of the FP8 virtual ranks' output, bitwise, twice
+    (the second call reuses the plan and its epoch)."""
+    import os
+
+    torch.cuda.set_device(0)  # both ranks on one GPU
+    args = _problem(2, 150, 320, 192, 4, 10, 64, seed=seed, skew=True)  # H', I' padded
+    config = mok_cute.MoKConfig(precision="fp8", backend="megakernel", timeout_ms=60000.0)
+    with torch.no_grad():
+        want = mok_cute.moe_forward_virtual(*args[:6], shared=args[6], config=config)[rank]
+        xs, idx, w, wg, wu, wd, sh = args
+        for call in range(2):
+            out = mok_cute.moe_forward(xs[rank], idx[rank], w[rank], wg[rank], wu[rank], wd[rank],
+                                       shared=tuple(t[rank] for t in sh), config=config,
+                                       group=torch.distributed.group.WORLD)
+            torch.cuda.synchronize()
+            mok_cute.check_errors()
+            rows = (out != want).any(dim=1).nonzero().flatten().tolist()
+            assert not rows, f"rank {rank}, call {call}: {len(rows)} tokens differ, first {rows[:8]}"
+    open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+
+
+@pytest.mark.gpu
+def test_fp8_forward_over_ipc_on_one_gpu_gives_the_virtual_bits():
+    import os
+    import tempfile
+
+    import gloo_group
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gloo_group.spawn(_ipc_fp8_forward_rank, 2, tmp, 13, tmp)
+        assert {"ok0", "ok1"} <= set(os.listdir(tmp))
