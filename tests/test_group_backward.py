@@ -201,28 +201,11 @@ CASES = {
 
 def _saved_problem(name, seed, timeout_ms=5000.0, precision="bf16"):
     """A case's problem, its saving virtual forward and a d_out: (leaves, idx, saved, d_out)."""
-    R, T, H, I, E_loc, K, Is, routing = CASES[name]
+    R, T, H, I, E_loc, K, Is, routing = {**CASES, **FP8_CASES}[name]
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
     _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=timeout_ms,
                                                          precision=precision))
     return leaves, idx, saved, torch.randn(R, T, H, device="cuda").to(torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_backward_over_peers_is_the_virtual_backward_bitwise(name):
-    leaves, idx, saved, d_out = _saved_problem(name, seed=3)
-    want = _virtual_grads(leaves, idx, saved, d_out)
-    first = None
-    for repeat in range(2):
-        _poison(saved.plan)
-        got = _group_grads(leaves, idx, saved, d_out)
-        torch.cuda.synchronize()
-        mok.check_errors()
-        _assert_bitwise(got, want, f"{name} (call {repeat})")
-        if first is not None:
-            _assert_bitwise(got, first, f"{name}: repeat")
-        first = got
 
 
 # FP8 (issue 33): the FP8 dgrads; I = 1024 takes the FP8 weight gradients (the rows threshold
@@ -234,20 +217,24 @@ FP8_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(FP8_CASES))
-def test_fp8_backward_over_peers_is_the_fp8_virtual_backward_bitwise(name, monkeypatch):
+@pytest.mark.parametrize("name,precision", [(n, "bf16") for n in sorted(CASES)]
+                         + [(n, "fp8") for n in sorted(FP8_CASES)])
+def test_backward_over_peers_is_the_virtual_backward_bitwise(name, precision, monkeypatch):
     from mok_cute import expert_backward
 
-    monkeypatch.setitem(CASES, name, FP8_CASES[name])
     monkeypatch.setattr(expert_backward, "FP8_WGRAD_MIN_ROWS", 0)  # FP8 weight gradients at I >= 1024
-    leaves, idx, saved, d_out = _saved_problem(name, seed=6, precision="fp8")
+    leaves, idx, saved, d_out = _saved_problem(name, seed=3, precision=precision)
     want = _virtual_grads(leaves, idx, saved, d_out)
+    first = None
     for repeat in range(2):
         _poison(saved.plan)
         got = _group_grads(leaves, idx, saved, d_out)
         torch.cuda.synchronize()
         mok.check_errors()
         _assert_bitwise(got, want, f"{name} (call {repeat})")
+        if first is not None:
+            _assert_bitwise(got, first, f"{name}: repeat")
+        first = got
 
 
 @pytest.mark.gpu
