@@ -284,7 +284,7 @@ def _ipc_fp8_forward_rank(rank, world, seed, out_dir):
     import os
 
     torch.cuda.set_device(0)  # both ranks on one GPU
-    args = _problem(2, 150, 320, 192, 4, 10, 64, seed=seed, skew=True)  # H', I' padded
+    args = _problem(2, 150, 320, 192, 8, 10, 64, seed=seed, skew=True)  # H', I' padded; E = 16
     config = mok_cute.MoKConfig(precision="fp8", backend="megakernel", timeout_ms=60000.0)
     with torch.no_grad():
         want = mok_cute.moe_forward_virtual(*args[:6], shared=args[6], config=config)[rank]
