@@ -222,7 +222,7 @@ FP8_CASES = {
 def test_backward_over_peers_is_the_virtual_backward_bitwise(name, precision, monkeypatch):
     from mok_cute import expert_backward
 
-    monkeypatch.setattr(expert_backward, "FP8_WGRAD_MIN_ROWS", 0)  # FP8 weight gradients at I >= 1024
+    monkeypatch.setattr(expert_backward, "FP8_WGRAD_MIN_ROWS", 0)  # FP8 weight grads at I = 1024
     leaves, idx, saved, d_out = _saved_problem(name, seed=3, precision=precision)
     want = _virtual_grads(leaves, idx, saved, d_out)
     first = None
@@ -315,7 +315,7 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
     torch.cuda.set_device(0)
     from mok_cute import expert_backward
 
-    expert_backward.FP8_WGRAD_MIN_ROWS = 0  # this process's: FP8 weight gradients at I >= 1024
+    expert_backward.FP8_WGRAD_MIN_ROWS = 0  # this process's: FP8 weight gradients at I = 1024
     R, T, H, I, E_loc, K, Is, routing = (CASES["R2_shared_skew"] if precision == "bf16"
                                          else FP8_CASES["R2_fp8_wgrad_shared"])
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
