@@ -164,8 +164,10 @@ def forward_path(device: torch.device | str | int | None = None, config: MoKConf
     try:
         virtual = choose_path(dev, config, virtual=True).path
         if virtual == "megakernel":
-            virtual += (" (training: mok_cute::moe_forward_virtual_train, every rank's routed "
-                        "experts in one backward-megakernel launch)")
+            backward = ("the one-GPU FP8 backward kernels over every rank's routed rows"
+                        if config.precision == "fp8" else
+                        "every rank's routed experts in one backward-megakernel launch")
+            virtual += f" (training: mok_cute::moe_forward_virtual_train, {backward})"
     except (RuntimeError, ValueError) as exc:
         virtual = f"error: {exc}"
     return (f"{head} [device {dev}; moe_forward_virtual: {virtual}; moe_forward(group=...): "
