@@ -334,8 +334,9 @@ def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared
 
 # ------------------------------------------------------------------------- a process group
 class _GroupTrain(torch.autograd.Function):
-    """This rank's saving megakernel launch over ``group``; its backward is
-    ``group_backward.moe_backward_group`` (a collective: every rank runs it)."""
+    """This rank's saving megakernel launch over ``group`` (bf16 or FP8, by the config); its
+    backward is ``group_backward.moe_backward_group`` (a collective: every rank runs it; the
+    plan's precision picks its dgrads)."""
 
     @staticmethod
     def forward(ctx, x, ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,

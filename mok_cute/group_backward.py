@@ -25,6 +25,11 @@ forward's ring belongs to the plan, whose next call may be another layer's). Eve
 computes dx and the partials of every row routed to it whatever its own ``needs`` say: they
 are its peers' gradients.
 
+An FP8 plan (``MoKConfig(precision="fp8")``): the dgrads are the one-GPU FP8 kernels
+(``expert_path_fp8.expert_dgrads``) on the pulled d_out rows, zero-padded to H' = whole 128
+groups, and the weight gradients FP8 where ``expert_backward.fp8_weight_grads`` says so; the
+comm is bf16's.
+
 Numerics: a row's dgrads depend on that row alone, the k-sum runs in ascending k in fp32 and
 rounds once, the weight gradients sum an expert's rows in schedule order: d_x and
 d_topk_weights are bitwise those of the same tokens on one rank, and every gradient those of
