@@ -159,6 +159,12 @@ def _check_mismatches(rank, world):
     else:
         with pytest.raises(RuntimeError, match="rank 1 rejected the call .*cannot run on cpu"):
             _call(rank, world, config=lambda c: mok.MoKConfig(backend="megakernel"))()
+    # FP8 over a group runs on the IPC megakernel only: every rank raises the same refusal
+    xs, idx, wts, weights, _ = _problem(world, [4] * world, seed=5)
+    text = _same_error_everywhere(lambda: mok.moe_forward(
+        xs[rank], idx[rank], wts[rank], *(w[rank] for w in weights), group=dist.group.WORLD,
+        config=mok.MoKConfig(precision="fp8")), ValueError)
+    assert "config.precision='fp8'" in text and "IPC megakernel only" in text
     # still in step: a matching call passes, and the reference's own group form agrees too
     _call(rank, world)()
     xs, idx, wts, weights, _ = _problem(world, [4] * world, seed=4)
