@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 2 examples/ep_torchrun.py --shape custom:512,1024,512,16,4,1
     torchrun --nproc-per-node 2 examples/ep_torchrun.py --device cpu --shape custom:16,64,32,8,2,1  # gloo
     torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape kimi_k2 --backend megakernel --train 20
+    torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape glm --backend megakernel --precision fp8 --train 20
 
 Shapes are MoK's EP models (`mok_cute.shapes.EP_SHAPES`, a unique prefix is enough) with the
 routed experts split evenly over the ranks and one shared expert of size I, or
@@ -48,12 +49,13 @@ from mok_cute.bench.results import gpu_name  # noqa: E402
 from mok_cute.shapes import EP_SHAPES, Shape, moe_flops  # noqa: E402
 
 
-def build_layer(shape: Shape, d: ep_dist.Dist, seed: int, backend: str = "auto") -> mok_cute.MoELayer:
+def build_layer(shape: Shape, d: ep_dist.Dist, seed: int, backend: str = "auto",
+                precision: str = "bf16") -> mok_cute.MoELayer:
     torch.manual_seed(seed)  # router and shared expert: identical on every rank
     layer = mok_cute.MoELayer(
         shape.hidden, shape.intermediate, shape.experts, shape.top_k,
         shared_intermediate=shape.intermediate if shape.shared else 0, group=d.group, device=d.device,
-        config=mok_cute.MoKConfig(backend=backend),
+        config=mok_cute.MoKConfig(backend=backend, precision=precision),
     )
     # The experts of each rank are its own: redraw them (nn.Linear's bound) from a per-rank seed,
     # one expert at a time so no big temporary is made.
@@ -93,7 +95,10 @@ def main() -> int:
     parser.add_argument("--check-tokens", type=int, default=128, help="tokens per rank of the reference check")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--tol", type=float, default=1e-2)
+    parser.add_argument("--tol", type=float, default=None,
+                        help="bound on the check's relative L2 error against the bf16 reference (default 1e-2, FP8 0.1)")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                        help="MoKConfig.precision: fp8 runs on --backend megakernel only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cuda (default when available; nccl) or cpu (gloo)")
     parser.add_argument("--backend", default="auto", choices=["auto", "megakernel", "reference"],
@@ -101,11 +106,15 @@ def main() -> int:
     parser.add_argument("--train", type=int, default=0, metavar="STEPS", help="then train STEPS SGD steps")
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()
+    if args.precision == "fp8" and args.backend != "megakernel":
+        parser.error("--precision fp8 runs over a group on the IPC megakernel: add --backend megakernel")
+    if args.tol is None:
+        args.tol = 0.1 if args.precision == "fp8" else 1e-2
 
     with ep_dist.session(args.device) as d:
         shape = ep.resolve_split_shape(args.shape, d.world)
         tokens = args.tokens or shape.tokens
-        layer = build_layer(shape, d, args.seed, args.backend)
+        layer = build_layer(shape, d, args.seed, args.backend, args.precision)
         choice = mok_cute.api.choose_path(d.device, layer.config, distributed=True)
         if d.rank == 0:
             print(f"{d.world} ranks ({d.backend}, {gpu_name(d.device)}); {shape.name}: T={tokens}/rank H={shape.hidden} "
