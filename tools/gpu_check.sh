@@ -230,6 +230,9 @@ run_ep() {
   step "ep_check_$n" 240 "${run[@]}" tools/ep_check.py --backend megakernel
   step "ep_check_kimi_$n" 240 "${run[@]}" tools/ep_check.py --backend megakernel --shape kimi --tokens 1024
   step "ep_example_$n" 240 "${run[@]}" examples/ep_torchrun.py --shape kimi --tokens 2048 --backend megakernel
+  # FP8 over IPC: the forward checked against the bf16 reference, then training steps
+  step "ep_example_fp8_$n" 300 "${run[@]}" examples/ep_torchrun.py --shape glm --tokens 2048 \
+    --backend megakernel --precision fp8 --train 5
   step "ep_bench_$n" 300 "${run[@]}" -m mok_cute.cli bench --ep --shapes ep --tokens 2048 \
     --mok-config backend=megakernel --out "$out" --tag "ep$n" && bench_rows_ok "$out/ep_bench_$n.log"
   # training over the group: the IPC megakernel's saving launch + group_backward against
