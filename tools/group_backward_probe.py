@@ -14,13 +14,12 @@ A probe for issue 32's development, not the benchmark of record.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from tools.layer_profile import gpu_ms  # noqa: E402
+from tools.layer_profile import gpu_ms, save_probe_json  # noqa: E402
 
 
 def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
@@ -128,14 +127,10 @@ def main(argv=None):
             rows.append(probe(n, args.ranks, tokens, args.rounds, args.reps,
                               tuple(args.precision.split(",")), args.kernel_table,
                               not args.virtual_only))
+            save_probe_json(args.json, {"shapes": rows}, argv)  # kept if a later shape fails
             megakernel.release_plans()  # the shape's plans and e4m3 weight copies
             forget_quantized_weights()
             torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "python tools/group_backward_probe.py "
-                       + " ".join(sys.argv[1:] if argv is None else argv),
-                       "gpu": torch.cuda.get_device_name(), "shapes": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import functools
 import numpy as np
 
 from .. import tasks as T
+from ..config import PRECISIONS
 from ..expert_path_fp8 import padded
 from ..fp8 import GROUP, packed_row_bytes
 from ..schedule import schedule_capacity
@@ -55,12 +56,10 @@ __all__ = [
     "expert_owner",
     "receive_layouts",
     "build_graph",
-    "PRECISIONS",
     "dispatch_row_bytes",
 ]
 
 _BF16 = 2
-PRECISIONS = ("bf16", "fp8")  # MoKConfig.precision's values
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,9 +23,10 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ..config import PRECISIONS
 from ..shapes import resolve_shape
 from .hardware import HardwareProfile, get_profile
-from .model import PRECISIONS, Routing, SimConfig, SimShape
+from .model import Routing, SimConfig, SimShape
 from .run import simulate
 
 __all__ = ["tune", "tune_report", "resolve_config", "tuned_config", "main", "default_ring_tokens"]
@@ -119,8 +120,6 @@ def tune_report(shape, num_ranks: int, profile: HardwareProfile | str = "h200_hg
     megakernel in ``precision`` ("bf16" or "fp8")."""
     hw = get_profile(profile)
     shape = _shape(shape)
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if not 1 <= num_ranks <= hw.num_gpus:
         raise ValueError(f"num_ranks must be in [1, {hw.num_gpus}] for {hw.name}, "
                          f"got {num_ranks}")
