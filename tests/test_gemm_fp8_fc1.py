@@ -80,13 +80,16 @@ def test_fc1_bad_configuration_is_named():
 
 def test_fc1_quantize_h_writes_e4m3_h_and_exponents_from_registers(tmp_path):
     """quantize_h (tile_n 256): no bf16 h and no TMA store; per thread 32 conversions
-    (64 h values), the row amax over the row's 4 lanes (2 shuffles a row), 16-bit stores of
-    the e4m3 pairs and one exponent byte a row; no spills."""
+    (64 h values), the row amax over the row's 4 lanes (2 shuffles a row), the row's 16-bit
+    chunks transposed over its quad of lanes (2 shuffles, 3 byte permutes a 32-byte span, 4
+    spans a row), so each lane stores 8 contiguous bytes (4 stores a row), and one exponent
+    byte a row; no spills."""
     rep = jit.inspect_kernel("gemm_fp8_fc1", "sm_90a", tmp_path, tile_n=256, quantize_h=True)
     ptx = open(rep.ptx_path).read()
     assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 32
-    assert ptx.count("shfl.sync.bfly") == 4
-    assert len(re.findall(r"st\.global\.(u16|b16)", ptx)) == 32
+    assert ptx.count("shfl.sync.bfly") == 4 + 16
+    assert ptx.count("prmt.b32") == 24
+    assert ptx.count("st.global.v2.b32") == 8 and ptx.count("st.global.b8") == 2
     assert not re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
     assert rep.spill_bytes == 0 and rep.mix["ld.local/st.local"] == 0
     with pytest.raises(ValueError, match="quantize_h"):

@@ -39,6 +39,31 @@ def ffma(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
                                    asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def prmt(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Int32:
+    """``prmt.b32``: byte i of the result is byte ``selector``'s nibble i of (b:a), bytes 0-3
+    a's, 4-7 b's."""
+    args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, selector)]
+    return Int32(llvm.inline_asm(T.i32(), args, "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                 has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def transpose_quad(w0: Int32, w1: Int32, lane4: Int32):
+    """A row's 4 x 4 matrix of 16-bit chunks over its quad of lanes transposed: lane ``lane4``
+    holds chunks (c = 0, 1 in ``w0``, 2, 3 in ``w1``, low half first) and gets chunk ``lane4``
+    of lanes 0 .. 3 in order (8 contiguous bytes of the row). Two xor-shuffles: whole words
+    across lane pairs 2 apart, then halves across neighbours. Traced inline."""
+    upper = (lane4 & 2) != 0
+    recv = cute.arch.shuffle_sync_bfly(cutlass.select_(upper, w0, w1), offset=2)
+    w0, w1 = cutlass.select_(upper, recv, w0), cutlass.select_(upper, w1, recv)
+    odd = (lane4 & 1) != 0
+    recv = cute.arch.shuffle_sync_bfly(
+        prmt(w0, w1, cutlass.select_(odd, Int32(0x5410), Int32(0x7632))), offset=1)
+    return (prmt(w0, recv, cutlass.select_(odd, Int32(0x3254), Int32(0x5410))),
+            prmt(w1, recv, cutlass.select_(odd, Int32(0x3276), Int32(0x7610))))
+
+
 def recast_u16(t: cute.Tensor) -> cute.Tensor:
     """An int8 (rows, n) tensor as (rows, n / 2) 16-bit words. Traced inline."""
     return cute.recast_tensor(t, Uint16)
@@ -62,6 +87,8 @@ def bf16_pair(lo: Float32, hi: Float32) -> Int32:
 class PromotingMainloop:
     """The mixin (module docstring): ``half_promoting_mainloop``, its fragments and MMA,
     ``store_h_fp8`` and ``store_preact_pairs``."""
+
+    quad_h_stores = True  # TEMPORARY A/B switch: h's 8-byte stores after a quad transpose
 
     # ------------------------------------------------------------------ FC1's e4m3 h
     def store_h_fp8(self, acc: cute.Tensor, mHq: cute.Tensor, mEh: cute.Tensor, row0: Int32,
@@ -96,18 +123,37 @@ class PromotingMainloop:
             amax[r] = cutlass.max(amax[r], (bits[v] >> 16) & 0x7FFF)
         lane = tidx % 32
         rows = (row0, row1)
-        pairs = recast_u16(mHq)
+        if const_expr(self.quad_h_stores):
+            lane4 = lane % 4
+            store8 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=64)
+            out = cute.make_rmem_tensor((2,), Int32)
+        else:
+            pairs = recast_u16(mHq)
         for r in range(2):
             for offset in (1, 2):  # the row's 4 lanes: lane / 4 equal
                 amax[r] = cutlass.max(amax[r], cute.arch.shuffle_sync_bfly(amax[r], offset))
             e, mult, nonfinite = quantize.scale_exponent(amax[r])
-            for j in range(0, half // 4, 2):  # two chunks (j, j + 1): four bytes
-                v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
-                quad = quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1], bits[v1 + 1],
-                                              mult, nonfinite)
-                col2 = n_tile * (GROUP // 2) + 4 * j + lane % 4  # in 2-byte units
-                pairs[rows[r], col2] = Uint16(quad & 0xFFFF)
-                pairs[rows[r], col2 + 4] = Uint16((quad >> 16) & 0xFFFF)
+            if const_expr(self.quad_h_stores):
+                for g in range(half // 16):  # chunks 4 g .. 4 g + 3: 32 bytes of the row
+                    words = []
+                    for j in (4 * g, 4 * g + 2):  # chunks (j, j + 1): four bytes
+                        v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
+                        words.append(quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1],
+                                                            bits[v1 + 1], mult, nonfinite))
+                    out[0], out[1] = transpose_quad(words[0], words[1], lane4)
+                    col = n_tile * GROUP + 32 * g + 8 * lane4  # 8-byte aligned: every h row
+                    addr = (mHq[rows[r], None].iterator + col).toint()  # starts 16-byte aligned
+                    cute.copy(store8, out, cute.make_tensor(
+                        cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=8),
+                        cute.make_layout(2)))
+            else:
+                for j in range(0, half // 4, 2):  # two chunks (j, j + 1): four bytes
+                    v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
+                    quad = quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1], bits[v1 + 1],
+                                                  mult, nonfinite)
+                    col2 = n_tile * (GROUP // 2) + 4 * j + lane % 4  # in 2-byte units
+                    pairs[rows[r], col2] = Uint16(quad & 0xFFFF)
+                    pairs[rows[r], col2 + 4] = Uint16((quad >> 16) & 0xFFFF)
             mEh[rows[r], n_tile] = Int8(e)  # the row's 4 lanes store the same byte
 
 
