@@ -3,10 +3,9 @@
     python tools/fp8_forward_ab.py --shapes dsv3_ep8_rank,qwen3_30b --rounds 3 [--json F]
 
 Each variant is ``expert_path_fp8.moe_forward_fp8``'s sequence (x quantized into expert order,
-FC1, h in e4m3, FC2, the k-sum) with one choice changed: how h becomes e4m3 (``epi_quad``: FC1's
-epilogue, 8-byte stores after a quad transpose; ``epi_pairs``: FC1's epilogue, 2-byte stores;
-``separate``: FC1 stores bf16 h, ``quantize.quantize_rows`` after) and FC2's tile width (256 or
-128). Weights are quantized once (cached), as in a steady inference loop. Every variant's output
+FC1, h in e4m3, FC2, the k-sum) with its choices varied: how h becomes e4m3 (``epilogue``: in FC1's
+epilogue, the product's; ``separate``: FC1 stores bf16 h, ``quantize.quantize_rows`` after) and
+FC2's tile width (256, the product's, or 128). Weights are quantized once (cached), as in a steady inference loop. Every variant's output
 is compared bitwise with the first's. Rounds alternate the order; the SM clock is sampled per
 variant (``mok_cute.bench.gpu_clock``). A probe for choosing the product's forward, not the bench
 of record.
@@ -25,7 +24,7 @@ from mok_cute.bench.gpu_clock import ClockSampler  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
 from layer_profile import gpu_ms, layer_call, probe_shapes  # noqa: E402
 
-H_MODES = ("epi_quad", "epi_pairs", "separate")
+H_MODES = ("epilogue", "separate")
 FC2_WIDTHS = (256, 128)
 
 
@@ -43,8 +42,7 @@ def fp8_forward(p, h_mode: str, fc2_tile_n: int):
     if h_mode == "separate":
         hq, eh = quantize.quantize_rows(gemm_fp8.grouped_gemm_fp8_swiglu(*fc1, tile_n=256))
     else:
-        hq, eh = gemm_fp8.grouped_gemm_fp8_swiglu(*fc1, tile_n=256, quantize_h=True,
-                                                  quad_h_stores=h_mode == "epi_quad")
+        hq, eh = gemm_fp8.grouped_gemm_fp8_swiglu(*fc1, tile_n=256, quantize_h=True)
     y = torch.empty(hq.shape[0], i.x.shape[1], dtype=torch.bfloat16, device=i.x.device)
     gemm_fp8.grouped_gemm_fp8(hq, eh, w.down, w.e_down, sched.tile_expert, sched.num_tiles,
                               out=y, tile_n=fc2_tile_n)

@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int8, Int32, Uint16, const_expr
+from cutlass import Float32, Int8, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -64,11 +64,6 @@ def transpose_quad(w0: Int32, w1: Int32, lane4: Int32):
             prmt(w1, recv, cutlass.select_(odd, Int32(0x3276), Int32(0x7610))))
 
 
-def recast_u16(t: cute.Tensor) -> cute.Tensor:
-    """An int8 (rows, n) tensor as (rows, n / 2) 16-bit words. Traced inline."""
-    return cute.recast_tensor(t, Uint16)
-
-
 def pow2_f32(e: Int32) -> Float32:
     """``2.0 ** e`` as fp32, exact for integer e in [-149, 127] (subnormals included), 0 below,
     inf above: ``mok_cute.fp8.pow2`` in integers. Traced inline."""
@@ -88,8 +83,6 @@ class PromotingMainloop:
     """The mixin (module docstring): ``half_promoting_mainloop``, its fragments and MMA,
     ``store_h_fp8`` and ``store_preact_pairs``."""
 
-    quad_h_stores = True  # TEMPORARY A/B switch: h's 8-byte stores after a quad transpose
-
     # ------------------------------------------------------------------ FC1's e4m3 h
     def store_h_fp8(self, acc: cute.Tensor, mHq: cute.Tensor, mEh: cute.Tensor, row0: Int32,
                     row1: Int32, n_tile: Int32, tidx: Int32):
@@ -98,9 +91,12 @@ class PromotingMainloop:
         as the swiglu epilogue computes it, then exactly ``quantize.quantize_rows`` of those
         bf16 values (the row amax over the 4 lanes that hold the row, its scale exponent, the
         same conversion). Thread's elements: v = c + 2 r + 4 j, column 8 j + 2 (lane % 4) + c
-        of row r, gate for j < 16 and up at j + 16; each chunk pair's 4 bytes leave as two
-        16-bit stores (columns 8 j and 8 (j + 1) + 2 (lane % 4)), and the row's exponent byte
-        (the same value from each of its 4 lanes). Traced inline."""
+        of row r, gate for j < 16 and up at j + 16. A row's e4m3 chunks (2 bytes, chunk j of
+        lane l at column 8 j + 2 l) are transposed over its quad of lanes 4 chunks at a time
+        (``transpose_quad``), so lane l stores the 8 bytes from column 32 g + 8 l: 4 eight-byte
+        stores a row, whole 32-byte sectors (2-byte stores straight from the accumulator
+        layout: 16 a row, a quarter of each sector; the layer 4-6 % slower, 2026-12-03). The
+        row's exponent byte comes from each of its 4 lanes (the same value). Traced inline."""
         from mok_cute.kernels import quantize
 
         accv = cute.flatten(acc)
@@ -123,37 +119,25 @@ class PromotingMainloop:
             amax[r] = cutlass.max(amax[r], (bits[v] >> 16) & 0x7FFF)
         lane = tidx % 32
         rows = (row0, row1)
-        if const_expr(self.quad_h_stores):
-            lane4 = lane % 4
-            store8 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=64)
-            out = cute.make_rmem_tensor((2,), Int32)
-        else:
-            pairs = recast_u16(mHq)
+        lane4 = lane % 4
+        store8 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Int32, num_bits_per_copy=64)
+        out = cute.make_rmem_tensor((2,), Int32)
         for r in range(2):
             for offset in (1, 2):  # the row's 4 lanes: lane / 4 equal
                 amax[r] = cutlass.max(amax[r], cute.arch.shuffle_sync_bfly(amax[r], offset))
             e, mult, nonfinite = quantize.scale_exponent(amax[r])
-            if const_expr(self.quad_h_stores):
-                for g in range(half // 16):  # chunks 4 g .. 4 g + 3: 32 bytes of the row
-                    words = []
-                    for j in (4 * g, 4 * g + 2):  # chunks (j, j + 1): four bytes
-                        v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
-                        words.append(quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1],
-                                                            bits[v1 + 1], mult, nonfinite))
-                    out[0], out[1] = transpose_quad(words[0], words[1], lane4)
-                    col = n_tile * GROUP + 32 * g + 8 * lane4  # 8-byte aligned: every h row
-                    addr = (mHq[rows[r], None].iterator + col).toint()  # starts 16-byte aligned
-                    cute.copy(store8, out, cute.make_tensor(
-                        cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=8),
-                        cute.make_layout(2)))
-            else:
-                for j in range(0, half // 4, 2):  # two chunks (j, j + 1): four bytes
+            for g in range(half // 16):  # chunks 4 g .. 4 g + 3: 32 bytes of the row
+                words = []
+                for j in (4 * g, 4 * g + 2):  # chunks (j, j + 1): four bytes
                     v0, v1 = 4 * j + 2 * r, 4 * (j + 1) + 2 * r
-                    quad = quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1], bits[v1 + 1],
-                                                  mult, nonfinite)
-                    col2 = n_tile * (GROUP // 2) + 4 * j + lane % 4  # in 2-byte units
-                    pairs[rows[r], col2] = Uint16(quad & 0xFFFF)
-                    pairs[rows[r], col2 + 4] = Uint16((quad >> 16) & 0xFFFF)
+                    words.append(quantize.quantize_quad(bits[v0], bits[v0 + 1], bits[v1],
+                                                        bits[v1 + 1], mult, nonfinite))
+                out[0], out[1] = transpose_quad(words[0], words[1], lane4)
+                col = n_tile * GROUP + 32 * g + 8 * lane4  # 8-byte aligned: every h row
+                addr = (mHq[rows[r], None].iterator + col).toint()  # starts 16-byte aligned
+                cute.copy(store8, out, cute.make_tensor(
+                    cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=8),
+                    cute.make_layout(2)))
             mEh[rows[r], n_tile] = Int8(e)  # the row's 4 lanes store the same byte
 
 

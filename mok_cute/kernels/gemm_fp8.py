@@ -173,7 +173,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 
     def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False,
-                 quantize_h: bool = False, quad_h_stores: bool = True):
+                 quantize_h: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         widths = {"store": TILE_NS, "swiglu": SWIGLU_TILE_NS, "dgated": (128,)}[epilogue]
@@ -197,7 +197,6 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         self.half_mma = None
         # FC1 writes h as e4m3 with its 1 x 128 exponents (``store_h_fp8``), not bf16
         self.quantize_h = quantize_h
-        self.quad_h_stores = quad_h_stores
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
         self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
         self.b_rows_per_load = self.out_tile_n
@@ -449,7 +448,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
                              epilogue: str = "store", group_m: int = 8, num_sms: int = 132,
                              b_split_k: bool = False, save_preact: bool = False,
-                             quantize_h: bool = False, quad_h_stores: bool = True):
+                             quantize_h: bool = False):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
@@ -462,8 +461,7 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     and the last two arguments are h's e4m3 bytes ``(M, I)`` int8 and exponents ``(M, I/128)``
     int8."""
     gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h,
-                              quad_h_stores=quad_h_stores)
+                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -632,8 +630,7 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
                             tile_expert: torch.Tensor, num_m_tiles: torch.Tensor,
                             out: torch.Tensor | None = None, tile_n: int = 128,
                             group_m: int = 8, preact_out: torch.Tensor | None = None,
-                            preact_slot: torch.Tensor | None = None, quantize_h: bool = False,
-                            quad_h_stores: bool = True):
+                            preact_slot: torch.Tensor | None = None, quantize_h: bool = False):
     """FC1 on FP8: ``h [M, I] bf16 = bf16(silu(bf16(g)) * bf16(u))`` with ``g = A · W_gate[e]^T``
     and ``u = A · W_up[e]^T`` accumulated with promotion every 128 K (module docstring),
     e = the M-tile's expert. ``a [M, H]`` float8_e4m3fn with ``e_a [M, H/128]`` int8
@@ -653,8 +650,7 @@ def grouped_gemm_fp8_swiglu(a: torch.Tensor, e_a: torch.Tensor, w_gate: torch.Te
         _kernel_operands((("a", a), ("w_gate", w_gate), ("w_up", w_up)), None, 0, n)
         hq = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=a.device)
         eh = torch.empty(m, n // GROUP, dtype=torch.int8, device=a.device)
-        compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m, quantize_h=True,
-                             quad_h_stores=quad_h_stores)
+        compiled = _compiled("gemm_fp8_fc1", a.device, tile_n, group_m, quantize_h=True)
         compiled(a.view(torch.int8).unsqueeze(2), w_gate.view(torch.int8).permute(1, 2, 0),
                  w_up.view(torch.int8).permute(1, 2, 0), None, e_a.contiguous(),
                  e_gate.contiguous(), e_up.contiguous(), tile_expert, num_m_tiles,
