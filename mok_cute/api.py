@@ -408,7 +408,7 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
     if choice.path == "reference":
         return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
     return _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group,
-                             config, dims, max(tokens), needs_grad)
+                             config, dims, max(tokens), needs_grad, sum(tokens) / len(tokens))
 
 
 def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
@@ -420,13 +420,15 @@ def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
 
 
 def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
-                      dims, max_tokens: int, needs_grad: bool = False) -> torch.Tensor:
+                      dims, max_tokens: int, needs_grad: bool = False,
+                      mean_tokens: float | None = None) -> torch.Tensor:
     """This rank's IPC megakernel launch, sized by the group's largest T rounded up to a plan
     size (`megakernel.plan_tokens`): every rank pads x with zero rows, its ids with -1 (no
     expert) and its weights with 0, and returns its first T rows. With ``check_ids`` the id
     check is read after the launch and its verdict exchanged (`agree_on_launch`), so a bad id
     anywhere raises on every rank. ``needs_grad``: the saving launch under autograd
-    (`mok_cute.autograd.moe_forward_group`); every rank must then run the backward too."""
+    (`mok_cute.autograd.moe_forward_group`); every rank must then run the backward too, which
+    sizes its choices by ``mean_tokens`` (the ranks' mean T, before the padding)."""
     from . import megakernel
     from .comm.agreement import agree_on_launch
     from .sim.tune import tuned_config
@@ -446,7 +448,7 @@ def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, g
         if needs_grad:
             from . import autograd
 
-            out = autograd.moe_forward_group(*args, group)[:T]
+            out = autograd.moe_forward_group(*args, group, mean_tokens)[:T]
         else:
             out = megakernel.moe_forward(*args, group=group)[:T]
         outcome = pending.span() if pending is not None else None

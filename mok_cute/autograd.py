@@ -340,7 +340,7 @@ class _GroupTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                config, group):
+                config, group, mean_tokens):
         from mok_cute import megakernel
 
         shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
@@ -348,6 +348,7 @@ class _GroupTrain(torch.autograd.Function):
                                             config, group=group, save=True)
         ctx.has_shared = shared is not None
         ctx.options = config.expert_path
+        ctx.mean_tokens = mean_tokens
         # SavedPreact: its tensors, this call's schedules and the plan; kept for every backward
         # of the graph (retain_graph runs it again) and freed with it
         ctx.saved = saved
@@ -368,13 +369,16 @@ class _GroupTrain(torch.autograd.Function):
         grads = moe_backward_group(
             one(d_out.contiguous()), one(x), one(ids), one(topk_weights), one(w_gate),
             one(w_up), one(w_down), tuple(one(w) for w in shared) if shared else None, stacked,
-            needs, ctx.options)
+            needs, ctx.options, tokens_per_rank=ctx.mean_tokens)
         d_x, d_w, *d_weights = _wanted(ctx, [None if t is None else t[0] for t in grads])
-        return (d_x, None, d_w, *d_weights, None, None)
+        return (d_x, None, d_w, *d_weights, None, None, None)
 
 
-def moe_forward_group(x, ids, topk_weights, w_gate, w_up, w_down, shared, config, group):
+def moe_forward_group(x, ids, topk_weights, w_gate, w_up, w_down, shared, config, group,
+                      mean_tokens: float | None = None):
     """The differentiable forward of this rank of ``group`` on the IPC megakernel -> out
-    [T, H] (inputs padded to the plan's T by ``api``; ids int32)."""
+    [T, H] (inputs padded to the plan's T by ``api``; ids int32). ``mean_tokens``: the
+    ranks' mean T before that padding (the backward's ``tokens_per_rank``; None: the plan's)."""
     ws = tuple(shared) if shared is not None else (None, None, None)
-    return _GroupTrain.apply(x, ids, topk_weights, w_gate, w_up, w_down, *ws, config, group)
+    return _GroupTrain.apply(x, ids, topk_weights, w_gate, w_up, w_down, *ws, config, group,
+                             mean_tokens)

@@ -75,15 +75,19 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
 
 def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, saved,
                        needs: Needs = Needs(),
-                       options: ExpertPathOptions = ExpertPathOptions(), silent_rank: int = -1):
+                       options: ExpertPathOptions = ExpertPathOptions(), silent_rank: int = -1,
+                       tokens_per_rank: float | None = None):
     """Every gradient of a saving megakernel launch (``megakernel.moe_forward(..., group=...,
     save=True)``, or ``moe_forward_virtual(save=True)``) for the L ranks of that launch (L = 1
     for a process of a group): d_out, xs [L, T, H] with the plan's T (padded rows included),
     topk_idx [L, T, K] int32 global ids, topk_weights [L, T, K], w_* [L, E_loc, ., .],
     shared None or three [L, ...] tensors, ``saved`` the launch's ``SavedPreact`` (``plan``
     set). Returns (d_xs, d_topk_weights [L, T, K] in topk_weights' dtype, d_w_gate, d_w_up,
-    d_w_down, d_ws_gate, d_ws_up, d_ws_down), None where ``needs`` says no. ``silent_rank``
-    (tests only): that rank stores no barrier flag, as if its process had died."""
+    d_w_down, d_ws_gate, d_ws_up, d_ws_down), None where ``needs`` says no.
+    ``tokens_per_rank``: the group's mean T before the plan's padding (default: the plan's T),
+    what the FP8 weight gradients' rule counts rows by, as the virtual ranks' backward does
+    (padding rows route nowhere), so both pick the same kernels. ``silent_rank`` (tests
+    only): that rank stores no barrier flag, as if its process had died."""
     from mok_cute.kernels.peer_rows import copy_rows_by_address, peer_barrier
 
     plan = getattr(saved, "plan", None)
@@ -104,6 +108,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         check_tensor(name, t, shape=shape, dtype=dtype, device=dev, contiguous=False)
     sched = saved.schedules
     layout = side.layout
+    # the routed rows an expert expects: P * T * K over P * E_loc, T before the padding
+    routed_per_expert = (T if tokens_per_rank is None else tokens_per_rank) * K / E_loc
 
     with plan.lock:  # the plan's epoch, scalars and buffers: one call at a time
         plan.backward_errors.check(block=False, last_call=plan.backward_calls,
@@ -169,7 +175,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                                            None if x_rows is None else x_rows[r], w_gate[r],
                                            w_down[r], sched.expert_offsets[r], needs.w_gate_up,
                                            needs.w_down, fp8=fp8,
-                                           rows_per_expert=T * K / E_loc)  # P * T * K over P * E_loc
+                                           rows_per_expert=routed_per_expert)
             dwg.append(gate)
             dwu.append(up)
             dwd.append(down)

@@ -311,11 +311,15 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
     """One process: ``mok.moe_forward(group=...)`` trains through the IPC megakernel (two
     processes time-share one GPU, so the waits are long): out and every gradient of this rank
     bitwise those of the virtual ranks' training on the same problem, again in a second
-    backward over the retained graph."""
+    backward over the retained graph. ``fp8_rows_rule``: FP8 with the weight gradients' row
+    threshold between the real T's rows an expert (T = 160: 320) and the group plan's padded
+    T's (256: 512), so both backends must count the real tokens to pick the same kernels."""
     torch.cuda.set_device(0)
     from mok_cute import expert_backward
 
-    expert_backward.FP8_WGRAD_MIN_ROWS = 0  # this process's: FP8 weight gradients at I = 1024
+    # this process's: FP8 weight gradients at I = 1024 (fp8), or only from 400 rows an expert
+    expert_backward.FP8_WGRAD_MIN_ROWS = 400 if precision == "fp8_rows_rule" else 0
+    precision = precision.removesuffix("_rows_rule")
     R, T, H, I, E_loc, K, Is, routing = (CASES["R2_shared_skew"] if precision == "bf16"
                                          else FP8_CASES["R2_fp8_wgrad_shared"])
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
@@ -352,7 +356,7 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_rows_rule"])
 def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits(precision):
     import gloo_group
 
