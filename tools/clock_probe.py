@@ -12,7 +12,8 @@ clock-event reasons every 50 ms (``mok_cute.bench.gpu_clock``). Variants alterna
 reversed. The variants are the expert path and the megakernel at R = 1 (both with
 ``check_ids=False``), plus each ``--variant NAME:KEY=VALUE,...``: a ``MoKConfig`` with those
 fields set (``--mok-config`` syntax, dotted for the options objects). Every variant's output
-is compared bitwise with the expert path's first.
+is compared bitwise with the expert path's first. ``--base KEY=VALUE,...`` sets fields on every
+variant, the defaults included (``--base precision=fp8``: the FP8 expert path and megakernel).
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ BASE = MoKConfig(check_ids=False)  # no host read per call: a sustained loop kee
 DEFAULT_VARIANTS = {"expert_kernels": BASE, "megakernel": MoKConfig(check_ids=False, backend="megakernel")}
 
 
-def parse_variant(spec: str) -> tuple[str, MoKConfig]:
-    """``NAME:KEY=VALUE,...`` -> (NAME, ``BASE`` with those fields set)."""
+def parse_variant(spec: str, base: MoKConfig = BASE) -> tuple[str, MoKConfig]:
+    """``NAME:KEY=VALUE,...`` -> (NAME, ``base`` with those fields set)."""
     name, sep, fields = spec.partition(":")
     if not sep or not name:
         raise SystemExit(f"--variant: expected NAME:KEY=VALUE[,KEY=VALUE...], got {spec!r}")
     try:
-        return name, apply_config_overrides(BASE, parse_config_overrides([fields]))
+        return name, apply_config_overrides(base, parse_config_overrides([fields]))
     except ValueError as exc:
         raise SystemExit(f"--variant {name}: {exc}") from exc
 
@@ -62,10 +63,11 @@ def sampled_run(fn, seconds: float, sampler: ClockSampler, window: str) -> dict:
     return {"ms_per_call": start.elapsed_time(end) / calls, **(sampler.stats(window) or {})}
 
 
-def probe(name: str, seconds: float, rounds: int, variants: dict[str, MoKConfig]) -> dict:
+def probe(name: str, seconds: float, rounds: int, variants: dict[str, MoKConfig],
+          base: MoKConfig = BASE) -> dict:
     _, forward = layer_call(name)
     runs = {label: (lambda config=config: forward(config)) for label, config in variants.items()}
-    first = forward(BASE).clone()
+    first = forward(base).clone()
     rows = {k: [] for k in runs}
     for k, fn in runs.items():  # compile, and the bitwise check every probe makes
         out = fn()
@@ -95,12 +97,17 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="one more variant: MoKConfig(check_ids=False) with these fields set, e.g. "
                     "static:backend=megakernel,megakernel.tickets=static; repeatable")
+    ap.add_argument("--base", default="", metavar="KEY=VALUE,...",
+                    help="fields set on every variant and on the expert path compared against")
     ap.add_argument("--no-megakernel", action="store_true", help="leave the megakernel default out")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    variants = {k: v for k, v in DEFAULT_VARIANTS.items() if not (a.no_megakernel and k == "megakernel")}
-    variants.update(parse_variant(spec) for spec in a.variant)
-    probe_shapes(a.shapes, lambda s: probe(s, a.seconds, a.rounds, variants), a.json, argv)
+    base = parse_variant(f"base:{a.base}")[1] if a.base else BASE
+    defaults = {k: apply_config_overrides(v, parse_config_overrides([a.base])) if a.base else v
+                for k, v in DEFAULT_VARIANTS.items()}
+    variants = {k: v for k, v in defaults.items() if not (a.no_megakernel and k == "megakernel")}
+    variants.update(parse_variant(spec, base) for spec in a.variant)
+    probe_shapes(a.shapes, lambda s: probe(s, a.seconds, a.rounds, variants, base), a.json, argv)
     return 0
 
 
