@@ -128,6 +128,8 @@ class MegakernelSpec:
             raise ValueError(f"tickets must be 'static', 'dynamic' or 'strided', got {self.tickets!r}")
         if self.defer_signals and not (self.num_ranks == 1 and self.ticket_ring):
             raise ValueError("defer_signals needs one rank and the ticket ring")
+        if self.fp8 and self.defer_signals:
+            raise ValueError("fp8 plans publish without deferral: no defer_signals")
 
     @property
     def ticket_ring(self) -> bool:

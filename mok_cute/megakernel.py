@@ -554,9 +554,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         num_ranks=R, num_ctas=num_sms, num_comm_ctas=num_comm, top_k=K, has_shared=bool(Is),
         scope="gpu" if group is None else "sys", timeline=config.timeline,
         rows_in_place=rows_in_place, tickets=tickets,
-        # fp8 with the shared expert: its bf16 mainloop beside the promoting one spills 100 B
-        # more with the held publish's registers (364 against 264), so it publishes at once
-        defer_signals=local_only and R == 1 and tickets != "static" and not (use_fp8 and Is),
+        # fp8's mainloop has no publish hook (its stages are released as it promotes)
+        defer_signals=local_only and R == 1 and tickets != "static" and not use_fp8,
         save_preact=save, fp8=use_fp8)
     key = PlanKey(T, H, I, E_loc, Is, minibatch, ring, config.timeline_capacity, device,
                   None if group is None else (id(group), handle_type), fc1_lead,

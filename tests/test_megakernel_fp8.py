@@ -22,8 +22,7 @@ from mok_cute.constants import MegakernelSpec
 from test_megakernel import _problem  # the megakernel tests' random problems
 
 FP8_SPECS = {
-    "one_rank": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True,
-                               defer_signals=True),
+    "one_rank": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True),
     "one_rank_shared": MegakernelSpec(num_comm_ctas=0, tickets="strided", has_shared=True,
                                       fp8=True),
     "virtual_shared": MegakernelSpec(num_ranks=8, num_comm_ctas=12, has_shared=True,
@@ -31,18 +30,16 @@ FP8_SPECS = {
     "ipc_ring": MegakernelSpec(num_comm_ctas=12, scope="sys", tickets="static",
                                rows_in_place=False, fp8=True),
     "one_rank_save": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True,
-                                    save_preact=True, defer_signals=True),
+                                    save_preact=True),
     "one_rank_timeline": MegakernelSpec(num_comm_ctas=0, tickets="strided", top_k=4, fp8=True,
-                                        timeline=True, defer_signals=True),
+                                        timeline=True),
     "virtual_shared_save": MegakernelSpec(num_ranks=8, num_comm_ctas=12, has_shared=True,
                                           tickets="dynamic", fp8=True, save_preact=True),
 }
 # the routed-only builds spill nothing; with the shared expert's bf16 mainloop beside the
-# promoting one the registers are tight (docs/measurements.md, FP8 in the megakernel; a one-rank
-# plan with a shared expert does not defer its publishes: 364 bytes with them); the recorder
-# with the deferred publish spills 128
+# promoting one the registers are tight (docs/measurements.md, FP8 in the megakernel)
 SPILL_BOUND = {"one_rank": 0, "ipc_ring": 0, "one_rank_save": 0, "one_rank_shared": 320,
-               "virtual_shared": 320, "virtual_shared_save": 512, "one_rank_timeline": 128}
+               "virtual_shared": 320, "virtual_shared_save": 512, "one_rank_timeline": 32}
 
 
 @pytest.mark.parametrize("name", list(FP8_SPECS))
@@ -67,15 +64,12 @@ def test_packed_rows_round_trip():
     assert fp8.packed_row_bytes(128 * 17) == 128 * 17 + 32
 
 
-def test_fp8_deferred_publish_adds_its_flush_sites(tmp_path):
-    """defer_signals at one rank, as bf16's (test_megakernel): one release publish more per
-    flush site, the promoting mainloop's two among them (after DEFER_FLUSH_KTILES k-tiles, a
-    group being two, or at the end of a shorter mainloop)."""
-    from test_megakernel import _compile
-
-    on = _compile(FP8_SPECS["one_rank"], tmp_path)
-    off = _compile(FP8_SPECS["one_rank"], tmp_path, defer_signals=False)
-    assert on.count("red.release") == off.count("red.release") + 4
+@pytest.mark.parametrize("fields, match", [
+    ({"fp8": True, "defer_signals": True, "num_comm_ctas": 0}, "no defer_signals"),
+])
+def test_fp8_specs_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        MegakernelSpec(**fields)
 
 
 def test_fp8_virtual_training_without_a_gpu_is_refused_by_name():

@@ -216,8 +216,7 @@ class PromotingMainloop:
     def half_promoting_mainloop(self, ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
                                 loads: Int32, k_tiles: Int32,
                                 num_k_blocks: cutlass.Constexpr[int], exps,
-                                first_exps_after_wait: cutlass.Constexpr[bool] = False,
-                                hook_args=None):
+                                first_exps_after_wait: cutlass.Constexpr[bool] = False):
         """One 256-wide tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group, N-half 0's wgmmas into the half-wide partial, wait, promote; then N-half 1's,
         wait, release the stage, promote. The tensor cores wait for each half's promotion (the
@@ -225,9 +224,7 @@ class PromotingMainloop:
         exponents load under half 1's wgmmas; group 0's before the first stage wait (inputs
         written before the launch), or with ``first_exps_after_wait`` under the first group's
         half 0 wgmmas, after its stage's wait (rows that other CTAs of the launch write: the
-        wait orders them). ``hook_args`` (the megakernel's): the core's ``k_tile_issued``
-        after each group's wgmmas are issued and ``mainloop_end``, counted in 64-deep k-tiles
-        (a group is two), so a deferred publish goes out at the bf16 mainloop's K depth."""
+        wait orders them)."""
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         ea0, ea1, eb0, eb1 = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -251,15 +248,11 @@ class PromotingMainloop:
                         ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
                 if const_expr(half == 1):  # the next group's, under the wgmmas
                     nxt = self.group_exponents(exps, cutlass.min(k + 1, k_tiles - 1))
-                    if const_expr(hook_args is not None):
-                        self.k_tile_issued(2 * k + 1, hook_args)
                 cute.nvgpu.warpgroup.wait_group(0)
                 if const_expr(half == 1):
                     ab_pipeline.consumer_release(read)
                     read.advance()
                 self.promote_half(acc, partial, half, ea0, ea1, (eb0, eb1)[half])
             ea0, ea1, eb0, eb1 = nxt
-        if const_expr(hook_args is not None):
-            self.mainloop_end(2 * k_tiles, hook_args)
         half_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read

@@ -589,10 +589,7 @@ class GemmTasks:
                     if routed:
                         self._fp8_mainloop(ctx, tt, routing, ticket_q, taken, index, rank,
                                            ttype, fp8_ops, ab_pipeline, half_mma, acc, halves,
-                                           loads, k_tiles, consumer_tidx,
-                                           MainloopArgs(ctx, timeline_buf, index, rank,
-                                                        consumer_tidx == 0, tt.counters, held,
-                                                        is_store_warp, consumer_tidx))
+                                           loads, k_tiles, consumer_tidx)
                     if const_expr(self.spec.has_shared):
                         if not routed:
                             release = self.mainloop(
@@ -603,8 +600,6 @@ class GemmTasks:
                             cute.nvgpu.warpgroup.wait_group(0)
                             ab_pipeline.consumer_release(release)
                     t_epilogue = self._now_if_recording()
-                    if const_expr(self.spec.defer_signals):
-                        held = Int32(-1)  # published in the mainloop
                 else:
                     # defer_signals: the held publish goes out inside this mainloop, after its
                     # first DEFER_FLUSH_KTILES k-tiles (the tensor cores busy meanwhile), not
