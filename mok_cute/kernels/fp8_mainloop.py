@@ -216,7 +216,8 @@ class PromotingMainloop:
     def half_promoting_mainloop(self, ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
                                 loads: Int32, k_tiles: Int32,
                                 num_k_blocks: cutlass.Constexpr[int], exps,
-                                first_exps_after_wait: cutlass.Constexpr[bool] = False):
+                                first_exps_after_wait: cutlass.Constexpr[bool] = False,
+                                hook_args=None):
         """One 256-wide tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group, N-half 0's wgmmas into the half-wide partial, wait, promote; then N-half 1's,
         wait, release the stage, promote. The tensor cores wait for each half's promotion (the
@@ -224,14 +225,19 @@ class PromotingMainloop:
         exponents load under half 1's wgmmas; group 0's before the first stage wait (inputs
         written before the launch), or with ``first_exps_after_wait`` under the first group's
         half 0 wgmmas, after its stage's wait (rows that other CTAs of the launch write: the
-        wait orders them)."""
+        wait orders them). ``hook_args`` (the megakernel's recorder builds): the core's
+        ``first_stage_wait`` / ``first_stage_ready`` hooks around the first stage's wait."""
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         ea0, ea1, eb0, eb1 = Int32(0), Int32(0), Int32(0), Int32(0)
         if const_expr(not first_exps_after_wait):
             ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
+        t0 = self.first_stage_wait(hook_args) if const_expr(hook_args is not None) else None
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
+            if const_expr(hook_args is not None):
+                if k == 0:
+                    self.first_stage_ready(t0, hook_args)
             self.stage_ready(None)
             for half in cutlass.range_constexpr(2):
                 # the wgmma issue written out, as in promoting_mainloop: the DSL loses the

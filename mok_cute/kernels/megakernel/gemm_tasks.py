@@ -587,9 +587,14 @@ class GemmTasks:
                     if const_expr(self.spec.has_shared):
                         routed = ttype == int(TaskType.FC1) or ttype == int(TaskType.FC2)
                     if routed:
+                        recorder = None  # the recorder's STAGE_WAIT spans (timeline builds)
+                        if const_expr(self.spec.timeline):
+                            recorder = MainloopArgs(ctx, timeline_buf, index, rank,
+                                                    consumer_tidx == 0, tt.counters, held,
+                                                    is_store_warp, consumer_tidx)
                         self._fp8_mainloop(ctx, tt, routing, ticket_q, taken, index, rank,
                                            ttype, fp8_ops, ab_pipeline, half_mma, acc, halves,
-                                           loads, k_tiles, consumer_tidx)
+                                           loads, k_tiles, consumer_tidx, recorder)
                     if const_expr(self.spec.has_shared):
                         if not routed:
                             release = self.mainloop(
