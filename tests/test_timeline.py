@@ -89,6 +89,9 @@ def test_overflow_counts_dropped_records_and_reads_nothing_past_capacity():
     tail_guard = np.concatenate([buf, np.full(RECORD_WORDS, -1, dtype=np.int64)])
     assert len(tlm.decode(tail_guard[: buf.size])) == 4
     assert "3 records dropped" in tl.check()[0]
+    # mok-cute timeline records once more with room for all 7 (a power of two), not when none dropped
+    assert record_timeline.capacity_for(tl) == 8
+    assert record_timeline.capacity_for(tlm.decode(tlm.encode_records(rows[:4], capacity=4))) == 0
 
 
 def test_ticket_below_capacity_reads_only_written_slots():

@@ -1,7 +1,7 @@
 """``mok-cute timeline``: record one layer call with the in-kernel timeline on and export it.
 
     mok-cute timeline --shape dsv3_ep8_rank --out out/timeline [--mok-config backend=megakernel]
-    mok-cute timeline --shape kimi_k2.7 --ranks 8 --capacity 262144     (virtual ranks, one GPU)
+    mok-cute timeline --shape kimi_k2.7 --ranks 8                      (virtual ranks, one GPU)
     mok-cute timeline --from out/timeline/timeline_buffer.npy           (decode a saved buffer)
     mok-cute timeline --synthetic                                        (the views on made-up data)
 
@@ -13,6 +13,7 @@ a named shape (``mok_cute.bench.problems``), which is why this command lives in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,6 +25,15 @@ from mok_cute.bench.common import apply_config_overrides, forward_path_of, parse
 from mok_cute.bench.results import chart_dependency_missing
 from mok_cute.config import MoKConfig
 from mok_cute.shapes import resolve_shape
+
+
+DEFAULT_CAPACITY = 1 << 16
+
+
+def capacity_for(tl: timeline.Timeline) -> int:
+    """0 when ``tl`` kept every record, else a capacity that holds them all (what was written,
+    rounded up to a power of two)."""
+    return 0 if not tl.dropped else 1 << max(tl.written - 1, 1).bit_length()
 
 
 def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, str, dict[str, Any]]:
@@ -38,7 +48,8 @@ def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, s
 
     shape = resolve_shape(args.shape)
     problem = make_problem(shape, device="cuda", seed=args.seed, t_scale=args.t_scale, ranks=args.ranks)
-    config = apply_config_overrides(MoKConfig(timeline=True, timeline_capacity=args.capacity),
+    capacity = args.capacity or DEFAULT_CAPACITY
+    config = apply_config_overrides(MoKConfig(timeline=True, timeline_capacity=capacity),
                                     parse_config_overrides(args.mok_config))
     device = problem.inputs.x.device
     if args.ranks > 1:
@@ -48,18 +59,27 @@ def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, s
         path = forward_path_of(device, config)
     inp = problem.inputs
     virtual = problem.virtual(args.ranks) if args.ranks > 1 else None
-    timeline.set_last(None)
-    for _ in range(args.warmup + 1):
-        if virtual is not None:
-            v = virtual
-            mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=config)
-        else:
-            mok_cute.moe_forward(
-                inp.x, inp.topk_idx, inp.topk_weights, problem.w_gate, problem.w_up, problem.w_down,
-                shared=problem.shared, config=config,
-            )
-    torch.cuda.synchronize()
-    tb = timeline.last()
+
+
+    def record(config: MoKConfig, calls: int):
+        timeline.set_last(None)
+        for _ in range(calls):
+            if virtual is not None:
+                v = virtual
+                mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=config)
+            else:
+                mok_cute.moe_forward(
+                    inp.x, inp.topk_idx, inp.topk_weights, problem.w_gate, problem.w_up, problem.w_down,
+                    shared=problem.shared, config=config,
+                )
+        torch.cuda.synchronize()
+        return timeline.last()
+
+    tb = record(config, args.warmup + 1)
+    if tb is not None and args.capacity is None:
+        needed = capacity_for(tb.decode())
+        if needed:  # records were dropped: once more with room for all (the kernel is compiled)
+            tb = record(dataclasses.replace(config, timeline_capacity=needed), 1)
     sizes = {
         "flops": problem.flops,
         "dispatch_bytes": problem.routed_rows * shape.hidden * 2,
@@ -88,7 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shape", default="dsv3_ep8_rank", help="named shape of mok_cute.shapes (default dsv3_ep8_rank)")
     parser.add_argument("--t-scale", type=float, default=1.0, help="scale the shape's token count")
     parser.add_argument("--ranks", type=int, default=1, help="emulate R ranks on one GPU (moe_forward_virtual)")
-    parser.add_argument("--capacity", type=int, default=1 << 16, help="timeline capacity in records")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help=f"timeline capacity in records (default {DEFAULT_CAPACITY}, and a second "
+                        "recording with room for every record when that one dropped some)")
     parser.add_argument("--warmup", type=int, default=1, help="calls before the recorded one (compile, caches)")
     parser.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE",
                         help="a MoKConfig field, dotted for an options field (megakernel.tickets=static); repeatable")
