@@ -373,11 +373,25 @@ def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ())))
 
 
+def _eager_under_compile(fn):
+    """``fn`` run eagerly under torch.compile (a graph break), with the reason in the error
+    that ``fullgraph=True`` raises (torch versions without ``reason=``: without it)."""
+    reason = ("moe_forward(group=...) runs eagerly under torch.compile: its host-side agreement "
+              "and the process group cannot enter a graph (use fullgraph=False)")
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:
+        return torch.compiler.disable(fn)
+
+
+@_eager_under_compile
 def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group,
                        config) -> torch.Tensor:
     """`moe_forward` on one rank of ``group``: this rank's checks, the agreement, then the
     reference (all_to_all) or the IPC megakernel. A check that fails here is exchanged too, so
-    the peers raise instead of waiting in a collective."""
+    the peers raise instead of waiting in a collective. Under torch.compile it runs eagerly
+    (a graph break; ``fullgraph=True`` refuses it): the host-side agreement and the process
+    group cannot enter a graph, and Inductor compiling the reference's ops changed its bits."""
     from .comm.agreement import agree_on_call, call_header, timeout_of
 
     num_ranks = reference._group_size(group)  # no group: nothing to agree over

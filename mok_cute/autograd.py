@@ -15,8 +15,9 @@ Virtual ranks (``moe_forward_virtual``, R ranks on one GPU), custom ops too:
                                   routed experts in one backward-megakernel launch)
 
 Over a process group (``moe_forward(group=...)``, one process per GPU): a
-``torch.autograd.Function`` (a process group cannot cross a custom op; torch.compile breaks the
-graph there): ``megakernel.moe_forward(save=True)``, then ``group_backward``.
+``torch.autograd.Function`` (a process group cannot cross a custom op; the api runs the group
+call eagerly under torch.compile, a graph break): ``megakernel.moe_forward(save=True)``, then
+``group_backward``.
 
 The custom ops have exact fake (meta) implementations, so ``torch.compile(fullgraph=True)`` traces a
 model through them without a graph break; ``register_autograd`` ties them together, honouring

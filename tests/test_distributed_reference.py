@@ -115,3 +115,33 @@ def test_ep_forward_backward_equals_virtual(world, tmp_path):
 
 def test_ep_uneven_tokens_and_idle_ranks(tmp_path):
     gloo_group.spawn(_check_uneven_tokens, 4, tmp_path)
+
+
+def _check_compiled(rank, R):
+    """moe_forward(group=...) inside a torch.compile'd function runs eagerly (a graph break):
+    out and every gradient bitwise the eager call's (Inductor compiling the reference's ops
+    changed their bits before); fullgraph=True refuses it by name."""
+    T, H, I, E_loc, K, Is = 11, 32, 16, 2, 2, 8
+    xs, idx, wts, wg, wu, wd, shared = _problem(R, [T] * R, H, I, E_loc, K, Is, seed=3)
+    my_shared = tuple(s[rank] for s in shared)
+
+    def layer(x, w, g, u, d):
+        return mok.moe_forward(x, idx[rank], w, g, u, d, shared=my_shared,
+                               group=dist.group.WORLD) * 2
+
+    results = []
+    for fn in (layer, torch.compile(layer)):
+        leaves = [t.clone().requires_grad_() for t in (xs[rank], wts[rank], wg[rank], wu[rank], wd[rank])]
+        out = fn(*leaves)
+        out.float().sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, eager, compiled in zip(("out", "x", "topk_weights", "w_gate", "w_up", "w_down"),
+                                     *results):
+        assert torch.equal(eager, compiled), f"rank {rank}: {name} differs under torch.compile"
+    with pytest.raises(Exception, match="runs eagerly under torch.compile"):
+        torch.compile(layer, fullgraph=True)(*(t.clone() for t in (xs[rank], wts[rank], wg[rank],
+                                                                   wu[rank], wd[rank])))
+
+
+def test_ep_under_torch_compile_runs_eagerly(tmp_path):
+    gloo_group.spawn(_check_compiled, 2, tmp_path)
