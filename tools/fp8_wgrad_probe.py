@@ -18,6 +18,7 @@ from mok_cute import fp8
 from mok_cute.kernels.gemm_wgrad_fp8 import grouped_wgrad_fp8, grouped_wgrad_fp8_ref
 from mok_cute.kernels.quantize import quantize_cols
 from mok_cute.shapes import resolve_shape
+from layer_profile import fp8_weight_grads_forced  # tools/ is on sys.path as a script
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--shapes", default="dsv3_ep8_rank,qwen3_30b,sonic_120b")
@@ -48,12 +49,8 @@ def layer_runs(name):
 
     def fp8_bwd(fp8_wgrads):
         def run():
-            saved = eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS
-            eb.FP8_WGRAD_MIN_INTER = eb.FP8_WGRAD_MIN_ROWS = 0 if fp8_wgrads else 1 << 30
-            try:
+            with fp8_weight_grads_forced(fp8_wgrads):
                 return eb.moe_backward(d_out, x, idx, w, *ws, None, s8, precision="fp8")
-            finally:
-                eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS = saved
         return run
     bf16 = eb.moe_backward(d_out, x, idx, w, *ws, None, s16)
     for label, got in (("fp8 wgrads", fp8_bwd(True)()), ("bf16 wgrads", fp8_bwd(False)())):

@@ -19,13 +19,13 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from tools.layer_profile import gpu_ms, save_probe_json  # noqa: E402
+from tools.layer_profile import fp8_weight_grads_forced, gpu_ms, save_probe_json  # noqa: E402
 
 
 def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
           precisions=("bf16",), kernel_table: bool = False, with_group: bool = True) -> dict:
     import mok_cute
-    from mok_cute import expert_backward as eb, megakernel
+    from mok_cute import megakernel
     from mok_cute.bench.problems import make_problem
     from mok_cute.group_backward import moe_backward_group
     from mok_cute.shapes import resolve_shape
@@ -52,15 +52,10 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
         saved = saved_of[layer]
         virtual_saved = VirtualSaved.from_forward(saved)
 
-        def sized(fn, forced=precision == "fp8_wgrad"):
+        def sized(fn, forced=True if precision == "fp8_wgrad" else None):
             def run():
-                kept = eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS
-                if forced:
-                    eb.FP8_WGRAD_MIN_INTER = eb.FP8_WGRAD_MIN_ROWS = 0
-                try:
+                with fp8_weight_grads_forced(forced):
                     return fn()
-                finally:
-                    eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS = kept
             return run
 
         virtual = sized(lambda s=virtual_saved, layer=layer: moe_backward_virtual(

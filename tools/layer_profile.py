@@ -16,6 +16,7 @@ Also the helpers the other probes share (``layer_call``, ``gpu_ms``, ``probe_sha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -63,6 +64,21 @@ def layer_call(name: str, seed: int = 1):
         return mok_cute.moe_forward(i.x, i.topk_idx, i.topk_weights, p.w_gate, p.w_up,
                                     p.w_down, shared=p.shared, config=config)
     return p, forward
+
+
+@contextlib.contextmanager
+def fp8_weight_grads_forced(on: bool | None):
+    """Inside: ``expert_backward.fp8_weight_grads``' I and row thresholds set so that it says
+    ``on`` wherever H and I are whole 128 groups (None: its own rule); restored after."""
+    from mok_cute import expert_backward as eb
+
+    kept = eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS
+    if on is not None:
+        eb.FP8_WGRAD_MIN_INTER = eb.FP8_WGRAD_MIN_ROWS = 0 if on else 1 << 30
+    try:
+        yield
+    finally:
+        eb.FP8_WGRAD_MIN_INTER, eb.FP8_WGRAD_MIN_ROWS = kept
 
 
 def gpu_ms(fn, reps=10):

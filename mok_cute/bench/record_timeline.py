@@ -48,7 +48,7 @@ def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, s
 
     shape = resolve_shape(args.shape)
     problem = make_problem(shape, device="cuda", seed=args.seed, t_scale=args.t_scale, ranks=args.ranks)
-    capacity = args.capacity or DEFAULT_CAPACITY
+    capacity = DEFAULT_CAPACITY if args.capacity is None else args.capacity
     config = apply_config_overrides(MoKConfig(timeline=True, timeline_capacity=capacity),
                                     parse_config_overrides(args.mok_config))
     device = problem.inputs.x.device
@@ -59,7 +59,6 @@ def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, s
         path = forward_path_of(device, config)
     inp = problem.inputs
     virtual = problem.virtual(args.ranks) if args.ranks > 1 else None
-
 
     def record(config: MoKConfig, calls: int):
         timeline.set_last(None)
@@ -76,10 +75,11 @@ def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, s
         return timeline.last()
 
     tb = record(config, args.warmup + 1)
-    if tb is not None and args.capacity is None:
-        needed = capacity_for(tb.decode())
-        if needed:  # records were dropped: once more with room for all (the kernel is compiled)
-            tb = record(dataclasses.replace(config, timeline_capacity=needed), 1)
+    tl = None if tb is None else tb.decode()
+    if tl is not None and args.capacity is None and capacity_for(tl):
+        # records were dropped: once more with room for all (the kernel is compiled)
+        tb = record(dataclasses.replace(config, timeline_capacity=capacity_for(tl)), 1)
+        tl = tb.decode()
     sizes = {
         "flops": problem.flops,
         "dispatch_bytes": problem.routed_rows * shape.hidden * 2,
@@ -87,7 +87,6 @@ def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, s
     }
     if tb is None:
         return None, f"moe_forward ran on path {path!r} but published no timeline buffer (mok_cute.timeline.set_last)", sizes
-    tl = tb.decode()
     tl.meta.update({"shape": shape.name, "tokens": problem.tokens, "ranks": args.ranks, "path": path, "gpu": torch.cuda.get_device_name()})
     if args.out:
         tb.save(Path(args.out) / "timeline_buffer.npy")

@@ -586,22 +586,19 @@ class GemmTasks:
                     routed = True
                     if const_expr(self.spec.has_shared):
                         routed = ttype == int(TaskType.FC1) or ttype == int(TaskType.FC2)
+                    hook_args = MainloopArgs(ctx, timeline_buf, index, rank, consumer_tidx == 0,
+                                             tt.counters, held, is_store_warp, consumer_tidx)
                     if routed:
-                        recorder = None  # the recorder's STAGE_WAIT spans (timeline builds)
-                        if const_expr(self.spec.timeline):
-                            recorder = MainloopArgs(ctx, timeline_buf, index, rank,
-                                                    consumer_tidx == 0, tt.counters, held,
-                                                    is_store_warp, consumer_tidx)
+                        # the promoting mainloop takes hooks in recorder builds only (STAGE_WAIT)
                         self._fp8_mainloop(ctx, tt, routing, ticket_q, taken, index, rank,
                                            ttype, fp8_ops, ab_pipeline, half_mma, acc, halves,
-                                           loads, k_tiles, consumer_tidx, recorder)
+                                           loads, k_tiles, consumer_tidx,
+                                           hook_args if const_expr(self.spec.timeline) else None)
                     if const_expr(self.spec.has_shared):
                         if not routed:
                             release = self.mainloop(
                                 ab_pipeline, bf16_mma, acc, bf16_parts[0], bf16_parts[1],
-                                loads, k_tiles, cute.size(bf16_parts[0], mode=[2]),
-                                MainloopArgs(ctx, timeline_buf, index, rank, consumer_tidx == 0,
-                                             tt.counters, held, is_store_warp, consumer_tidx))
+                                loads, k_tiles, cute.size(bf16_parts[0], mode=[2]), hook_args)
                             cute.nvgpu.warpgroup.wait_group(0)
                             ab_pipeline.consumer_release(release)
                     t_epilogue = self._now_if_recording()
