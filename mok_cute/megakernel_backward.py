@@ -11,7 +11,7 @@ grid, wait bound, raster, kinds) and kept on the device. The outputs are bitwise
 epilogues).
 
 With the weight gradients, the launch also sums d_x when asked (``row_of_slot``): its tail
-ends in the list's KSUM tasks (``kernels/megakernel/backward_ksum.py``), bitwise
+ends in the list's BARRIER and KSUM tasks (``kernels/megakernel/backward_ksum.py``), bitwise
 ``token_ops.weighted_ksum`` with unit weights. Not yet: the shared expert as tasks of the
 launch, and the comm tasks across ranks (issue 32; docs/architecture.md has the build order).
 """
@@ -73,8 +73,8 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
     """The device tables of the backward task list (cached per size, wait bound and device;
     the counters are shared by the launches of one size: calls on one stream). ``num_experts``
     > 0: the weight gradients of that many experts are queued after the dgrads; 0: the
-    dgrads alone. ``ksum_tokens`` > 0 (with weight gradients): then the KSUM tasks of that
-    many tokens' d_x, ``top_k`` slots a token."""
+    dgrads alone. ``ksum_tokens`` > 0 (with weight gradients): then the BARRIER and the KSUM
+    tasks of that many tokens' d_x, ``top_k`` slots a token."""
     key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M,
            ksum_tokens, top_k, str(device))
     with _LOCK:
@@ -101,7 +101,7 @@ def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
               ksum_tokens: int = 0, top_k: int = 1):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
     of ``num_experts`` experts after the dgrads, none when 0; then, with ``ksum_tokens`` > 0,
-    the KSUM tasks of d_x)."""
+    the BARRIER and the KSUM tasks of d_x)."""
     from mok_cute import tasks_backward as tb
     from mok_cute.kernels.megakernel.backward_ksum import KSUM_ROWS
 
@@ -114,17 +114,10 @@ def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
     kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
     if num_experts:
         kinds += (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
+        if ksum_tokens:
+            kinds += (tb.BackwardTaskType.BARRIER, tb.BackwardTaskType.KSUM)
     # without weight gradients a list of one expert keeps it short
-    tl = tb.build_backward_static(capacity_tiles, max(num_experts, 1), params)
-    if num_experts and ksum_tokens:
-        # one rank: the BARRIER has no peer, so each KSUM waits on what it waits on (every
-        # M-tile's dx rows) and it is not queued (``backward_ksum``)
-        barrier = next(t for t in tl if t.type == tb.BackwardTaskType.BARRIER)
-        tl.tasks = [dataclasses.replace(t, waits=barrier.waits + tuple(
-                        w for w in t.waits if w[0] != tb.BackwardCounter.BARRIER_DONE))
-                    if t.type == tb.BackwardTaskType.KSUM else t for t in tl.tasks]
-        kinds += (tb.BackwardTaskType.KSUM,)
-    return tl, kinds
+    return tb.build_backward_static(capacity_tiles, max(num_experts, 1), params), kinds
 
 
 def compute_queue(tl, kinds):

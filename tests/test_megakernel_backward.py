@@ -113,10 +113,11 @@ def test_weight_gradient_tail_holds_each_expert_tile_once(capacity_tiles, expert
 
 
 @pytest.mark.parametrize("capacity_tiles,tokens,top_k", [(40, 4096, 8), (7, 77, 10), (1, 1, 2)])
-def test_the_tail_ends_in_ksums_covering_every_token_once(capacity_tiles, tokens, top_k):
-    """With d_x's k-sum in the launch the ticket tail is every weight-gradient tile, then KSUM
-    tasks whose token ranges (``backward_ksum``: tile * 128 + chunk * KSUM_ROWS ..) cover each
-    token once, each waiting on every M-tile's dx rows (one rank: no BARRIER is queued)."""
+def test_the_tail_ends_in_a_barrier_then_ksums_covering_every_token_once(capacity_tiles, tokens,
+                                                                       top_k):
+    """With d_x's k-sum in the launch the ticket tail is every weight-gradient tile, the
+    BARRIER (waiting for every M-tile's dx rows), then KSUM tasks whose token ranges
+    (``backward_ksum``: tile * 128 + chunk * KSUM_ROWS ..) cover each token once."""
     from mok_cute import megakernel_backward as mb
     from mok_cute import tasks_backward as tb
     from mok_cute.kernels.megakernel.backward_ksum import KSUM_ROWS
@@ -127,16 +128,19 @@ def test_the_tail_ends_in_ksums_covering_every_token_once(capacity_tiles, tokens
     queue, _, tail_begin, queue_len = mb.compute_queue(tl, kinds)
     tail = [tl[int(i)] for i in queue[tail_begin:queue_len]]
     types = [t.type for t in tail]
-    wgrads = types.index(tb.BackwardTaskType.KSUM)
+    wgrads = types.index(tb.BackwardTaskType.BARRIER)
     assert set(types[:wgrads]) == {tb.BackwardTaskType.WGRAD_DOWN,
                                    tb.BackwardTaskType.WGRAD_GATE_UP}
-    assert set(types[wgrads:]) == {tb.BackwardTaskType.KSUM}
-    covered = [t for k in tail[wgrads:]
+    assert set(types[wgrads + 1:]) == {tb.BackwardTaskType.KSUM}
+    barrier = tail[wgrads]
+    assert barrier.waits == ((tb.BackwardCounter.DX_DONE, 0, capacity_tiles,
+                              -(-hidden // 256)),)
+    covered = [t for k in tail[wgrads + 1:]
                for t in range(k.tile * 128 + k.n_tile * KSUM_ROWS,
                               min(k.tile * 128 + (k.n_tile + 1) * KSUM_ROWS, tokens))]
     assert sorted(covered) == list(range(tokens))
-    for k in tail[wgrads:]:
-        assert k.waits == ((tb.BackwardCounter.DX_DONE, 0, capacity_tiles, -(-hidden // 256)),)
+    for k in tail[wgrads + 1:]:
+        assert k.waits == ((tb.BackwardCounter.BARRIER_DONE, 0, 1, 1),)
 
 
 @pytest.mark.parametrize("capacity_tiles,experts", [(40, 8), (7, 3), (13, 2)])

@@ -67,19 +67,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         return mb.expert_grads(d_rows, x_rows, p.w_gate, p.w_up, p.w_down, s.preact,
                                s.row_slot, weights, s.tile_expert, s.num_tiles, s.expert_offsets)
 
-    ksum = eb.KsumRows(s.row_of_slot.view(idx.shape), None)
-
-    def one_launch_with_ksum():
-        return mb.expert_grads(d_rows, x_rows, p.w_gate, p.w_up, p.w_down, s.preact,
-                               s.row_slot, weights, s.tile_expert, s.num_tiles, s.expert_offsets,
-                               row_of_slot=ksum.row_of_slot)
-
-    def one_launch_then_ksum():
-        return eb.ksum_dx(one_launch()[3], ksum)
-
-    same = torch.equal(one_launch_with_ksum()[3], one_launch_then_ksum())
-    print(f"{name} d_x summed in the launch bitwise the k-sum kernel's: {same}", flush=True)
-
     def backward(dgrads):
         return lambda: eb.moe_backward(d_out, x, idx, w, p.w_gate, p.w_up, p.w_down, None, s,
                                        dgrads=dgrads)
@@ -88,8 +75,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
                 "GEMMs: four launches": lambda: two_launches(True),
                 "GEMMs: megakernel dgrads + wgrads": megakernel_then_wgrads,
                 "GEMMs: megakernel, one launch": one_launch,
-                "GEMMs + k-sum: one launch": one_launch_with_ksum,
-                "GEMMs: one launch, then the k-sum kernel": one_launch_then_ksum,
                 "moe_backward": backward("kernels"),
                 "moe_backward (megakernel)": backward("megakernel")}
     if sweep:  # the dgrads' list in minibatches of the grid's size (the form before one minibatch)
@@ -131,12 +116,9 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
     ratios = {"dgrads": median["dgrads: two launches"] / median["dgrads: megakernel"],
               "gemms": median["GEMMs: four launches"] / one,
               "wgrads_in_launch": median["GEMMs: megakernel dgrads + wgrads"] / one,
-              "ksum_in_launch": (median["GEMMs: one launch, then the k-sum kernel"]
-                                 / median["GEMMs + k-sum: one launch"]),
               "backward": median["moe_backward"] / median["moe_backward (megakernel)"]}
     print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
-          f"k-sum in the launch / after it {ratios['ksum_in_launch']:.3f}, "
           f"whole backward {ratios['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 

@@ -41,9 +41,9 @@ to after that task's mainloop, where the stores have long landed; before a task 
 they go out at once (that task might wait on this very counter). Waits are bounded (``timeout_ns``); the first
 that gives up writes the error word, which the host raises (``mok_cute.errors``).
 
-With ``ksum_top_k`` > 0 the tail ends in the list's KSUM tasks (``backward_ksum``: d_x summed
-over each token's slots, plus the shared expert's dx rows, once every M-tile's dx rows are
-stored), taken by the same tickets, so CTAs that run out of weight-gradient tiles sum d_x while
+With ``ksum_top_k`` > 0 the tail ends in the list's BARRIER (every M-tile's dx rows stored) and
+KSUM tasks (``backward_ksum``: d_x summed over each token's slots, plus the shared expert's dx
+rows), taken by the same tickets, so CTAs that run out of weight-gradient tiles sum d_x while
 the others finish theirs.
 
 Not yet here (issue 32's build order, docs/architecture.md): the shared expert's GEMMs and the
@@ -85,8 +85,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
     :param num_ctas: persistent grid (one CTA per SM).
     :param fc2_pingpong: FC2_DGRAD as pingpong 128 x 128 tiles (``backward_fc2``), else as
         the cooperative 128 x 256 tiles of FC1_DGRAD.
-    :param ksum_top_k: > 0: the tail ends in the KSUM tasks of d_x over this many slots a
-        token (``backward_ksum``); 0: dx rows are the launch's last output.
+    :param ksum_top_k: > 0: the tail ends in the BARRIER and the KSUM tasks of d_x over this
+        many slots a token (``backward_ksum``); 0: dx rows are the launch's last output.
     :param ksum_shared: the k-sum adds a shared expert's dx row to each token.
     """
 

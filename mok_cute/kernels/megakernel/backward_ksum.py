@@ -1,21 +1,18 @@
-"""The backward megakernel's KSUM tasks (``backward.py``), after the weight gradients in the
+"""The backward megakernel's last tasks (``backward.py``), after the weight gradients in the
 tail the CTAs take by ticket:
 
-    KSUM (s, c)  tokens ``s * 128 + c * KSUM_ROWS ..`` of d_x:
+    BARRIER      waits until every live M-tile's dx rows are stored (``DX_DONE``), then
+                 publishes ``BARRIER_DONE``; one rank has no peer to wait for, so this is the
+                 barrier's whole job here (across ranks it is the group barrier, issue 32)
+    KSUM (s, c)  tokens ``s * 128 + c * ksum_rows ..`` of d_x:
                  d_x[t] = bf16(fp32(shared_dx[t]) + sum_k fp32(dx_rows[row(t, k)])), k ascending
-
-One rank has no peer to wait for, so the list's BARRIER is not queued: each KSUM waits on what
-the BARRIER waits on (every live M-tile's dx rows, ``DX_DONE``; ``megakernel_backward.task_list``
-rewrites the waits), shared out over the consumer threads. A BARRIER ticket taken behind a
-CTA's queued weight-gradient tiles would hold every KSUM.
 
 The k-sum is the forward's (``ksum_tasks.ksum_token_staged``: the standalone k-sum kernel's
 arithmetic) with unit weights, each token's rows found through ``row_of_slot`` (-1: the slot
-has no row and adds zero, as in ``token_ops.weighted_ksum``). It runs on the consumer warps,
+has no row and adds zero, as in ``token_ops.weighted_ksum``). Both run on the consumer warps,
 which by then have consumed every stage they were loaded: the B stages are idle and stage the
-k-sum's cp.async copies. Taking the KSUMs by ticket behind the weight gradients lets the CTAs
-that finish their last weight-gradient tile early sum d_x while the others finish theirs; the
-load warp holds at most two of them (``backward_wgrad``), so none waits long behind a tile.
+k-sum's cp.async copies. Taking them by ticket behind the weight gradients lets the CTAs that
+finish their last weight-gradient tile early sum d_x while the others finish theirs.
 """
 
 from __future__ import annotations
@@ -29,47 +26,62 @@ from mok_cute.constants import TILE_M, VEC_ELEMS
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.ksum_tasks import (KSUM_WARPS, ksum_stage_vectors,
                                                     ksum_token_staged, nan_row)
-from mok_cute.tasks_backward import TILE_COUNTERS, BackwardWord
+from mok_cute.tasks_backward import TILE_COUNTERS, BackwardTaskType, BackwardWord
 
-KSUM_ROWS = 16  # tokens per KSUM task (the list's ``ksum_rows``): two a consumer warp
+KSUM_ROWS = 32  # tokens per KSUM task (the list's ``ksum_rows``)
+_KSUM = int(BackwardTaskType.KSUM)
 
 
 class BackwardKsumMixin:
-    """The KSUM tasks of ``BackwardMegakernelSm90``'s tail (module docstring). The host class
+    """BARRIER and KSUM of ``BackwardMegakernelSm90``'s tail (module docstring). The host class
     sets ``self.ksum_top_k`` (0: no k-sum in the launch) and ``self.ksum_shared``."""
 
     @cute.jit
     def tail_sum(self, tasks: cute.Tensor, index: Int32, args, consumer_tidx: Int32):
-        """A KSUM ticket on both consumer warpgroups. ``args``: (counter_offsets, counters,
-        error, timeout_ns, num_tiles, row_of_slot, dx_rows (M, H, 1), d_x (N, H), shared_dx
-        (N, H), the B stages' smem address)."""
+        """A BARRIER or KSUM ticket on both consumer warpgroups. ``args``: (counter_offsets,
+        counters, error, timeout_ns, num_tiles, row_of_slot, dx_rows (M, H, 1), d_x (N, H),
+        shared_dx (N, H), the B stages' smem address)."""
         (counter_offsets, counters, error, timeout_ns, num_tiles, row_of_slot, dx_rows, d_x,
          shared_dx, stage) = args
+        sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.BACKWARD_TAIL),
+                                     num_threads=self.num_mma_threads)
         self._wait_shared(tasks, index, counter_offsets, counters, error, timeout_ns,
                           num_tiles, consumer_tidx)
-        pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.BACKWARD_TAIL),
-                              num_threads=self.num_mma_threads).arrive_and_wait()
-        # a wait of this launch gave up: its rows would be built from garbage, so they become
-        # NaN, never a plausible wrong gradient
-        failed = common.error_recorded(error)
-        lane = cute.arch.lane_idx()
-        warp = consumer_tidx // 32
-        first = (tasks[index, int(BackwardWord.TILE)] * TILE_M
-                 + tasks[index, int(BackwardWord.N_TILE)] * KSUM_ROWS)
-        end = cutlass.min(first + KSUM_ROWS, cute.size(d_x, mode=[0]))
-        for t in cutlass.range(first + warp, end, KSUM_WARPS, unroll=1):
-            if failed:
-                nan_row(d_x[t, None], lane)
-            else:
-                self._ksum_dx_token(t, row_of_slot, dx_rows, d_x, shared_dx, lane, warp, stage)
+        sync.arrive_and_wait()
+        ttype = tasks[index, int(BackwardWord.TYPE)]
+        if ttype == _KSUM:
+            # a wait of this launch gave up: its rows would be built from garbage, so they
+            # become NaN, never a plausible wrong gradient
+            failed = common.error_recorded(error)
+            lane = cute.arch.lane_idx()
+            warp = consumer_tidx // 32
+            first = (tasks[index, int(BackwardWord.TILE)] * TILE_M
+                     + tasks[index, int(BackwardWord.N_TILE)] * KSUM_ROWS)
+            end = cutlass.min(first + KSUM_ROWS, cute.size(d_x, mode=[0]))
+            for t in cutlass.range(first + warp, end, KSUM_WARPS, unroll=1):
+                if failed:
+                    nan_row(d_x[t, None], lane)
+                else:
+                    self._ksum_dx_token(t, row_of_slot, dx_rows, d_x, shared_dx, lane, warp,
+                                        stage)
+        else:  # the BARRIER: every dx row waited on above; now the k-sums may start
+            if consumer_tidx == 0:
+                cute.arch.fence_acq_rel_gpu()
+                common.counter_publish(counters, self._signal_slot(tasks, index,
+                                                                   counter_offsets), 1)
+
+    @cute.jit
+    def _signal_slot(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor):
+        return (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
+                + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
 
     @cute.jit
     def _wait_shared(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
                      counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
                      num_tiles: cute.Tensor, consumer_tidx: Int32):
-        """Every wait of task ``index``, its counters shared out over the consumer threads (a
-        range over every M-tile: one thread reading them one after another took ~200 us on
-        qwen3 in the forward); per-tile ranges clipped to the live tiles."""
+        """Every wait of task ``index``, its counters shared out over the consumer threads (the
+        BARRIER's range spans every M-tile: one thread reading them one after another took
+        ~200 us on qwen3 in the forward); per-tile ranges clipped to the live tiles."""
         for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
             word = int(BackwardWord.WAITS) + 4 * w
             group = tasks[index, word]

@@ -176,16 +176,10 @@ class WgradTasksMixin:
         while t < tail_len:
             index = queue[tail_begin + t]
             if const_expr(self.ksum_top_k > 0):
-                if tasks[index, int(BackwardWord.TYPE)] < _BARRIER:
+                if tasks[index, int(BackwardWord.TYPE)] < _BARRIER:  # else: no loads
                     loads, waited_expert = self._produce_wgrad(
                         tasks, index, waited_expert, expert_offsets, counter_offsets, counters,
                         error, timeout_ns, ab_pipeline, loads, ops, parts)
-                elif cute.arch.lane_idx() == 0:
-                    # a k-sum loads nothing, so the ring would fill with them at once, each
-                    # then waiting behind this CTA's weight-gradient tiles (measured: the
-                    # launch's k-sum 3-4 x the k-sum kernel's time); the next ticket only
-                    # once the consumers have finished the one before this
-                    ring_wait_empty(ring[1], k + TICKET_SLOTS - 1)
             else:
                 loads, waited_expert = self._produce_wgrad(
                     tasks, index, waited_expert, expert_offsets, counter_offsets, counters, error,
