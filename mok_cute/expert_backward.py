@@ -40,24 +40,6 @@ class Needs(NamedTuple):
     shared_down: bool = True
 
 
-class KsumRows(NamedTuple):
-    """What d_x's k-sum reads besides the dx rows: the schedule row of each token's slot k
-    (int32 [N, K], -1: routed nowhere) and the shared expert's dx rows [N, H] (or None)."""
-
-    row_of_slot: torch.Tensor
-    shared_dx: torch.Tensor | None
-
-
-def ksum_dx(dx_rows, ksum: KsumRows):
-    """d_x [N, H] = bf16(fp32(shared_dx) + sum_k fp32(dx row of slot k)), k ascending (the
-    k-sum kernel with unit weights)."""
-    from mok_cute.kernels import token_ops
-
-    ones = torch.ones(ksum.row_of_slot.shape, dtype=torch.float32, device=dx_rows.device)
-    return token_ops.weighted_ksum(dx_rows, ones, ksum.shared_dx,
-                                   row_index=ksum.row_of_slot.reshape(-1))
-
-
 def _compiled(name: str, device, **static):
     return jit.compile_kernel(name, jit.device_arch(device), num_sms=_num_sms(device.index or 0),
                               **static)
@@ -160,37 +142,29 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
                      fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None,
-                     rows_per_expert: float = 0.0, ksum: KsumRows | None = None):
+                     rows_per_expert: float = 0.0):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
-    dW_gate, dW_up, dW_down, row partials), None where not wanted; with ``ksum`` (and dx
-    wanted) d_x [N, H] summed over each token's slots in place of the dx rows. ``fp8``: the two dgrads
+    dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
     ``fp8_weight_grads`` says so for ``rows_per_expert`` (the routing's expected rows per
     expert, T * K / E).
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
     weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
-    dgrads' transposed weights when the caller has them (else quantized from the cache).
-    The megakernel sums d_x in the same launch, after the weight gradients."""
+    dgrads' transposed weights when the caller has them (else quantized from the cache)."""
     if not (want_dx or want_gate_up or want_down or want_partials):
         return None, None, None, None, None
-    ksum = ksum if want_dx else None
     if dgrads == "megakernel" and want_gate_up and want_down and not fp8:
-        # every GEMM of the backward in one launch, and d_x's k-sum
+        # every GEMM of the backward in one launch
         from mok_cute import megakernel_backward
-        _, _, partials, dx, dwg, dwu, dwd = megakernel_backward.expert_grads(
+        _, _, partials, dx_rows, dwg, dwu, dwd = megakernel_backward.expert_grads(
             d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-            num_tiles, offsets, row_of_slot=None if ksum is None else ksum.row_of_slot,
-            shared_dx=None if ksum is None else ksum.shared_dx)
-        return dx if want_dx else None, dwg, dwu, dwd, partials
+            num_tiles, offsets)
+        return dx_rows, dwg, dwu, dwd, partials
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads, fp8_transposed)
     dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
                                   want_gate_up, want_down, fp8, rows_per_expert)
-    if not want_dx:
-        dx_rows = None
-    elif ksum is not None:
-        dx_rows = ksum_dx(dx_rows, ksum)
     return dx_rows, dwg, dwu, dwd, partials
 
 
@@ -330,20 +304,24 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     if precision == "fp8":  # the FP8 dgrad's K: H zero-padded to whole 128 groups
         from mok_cute.expert_path_fp8 import pad_cols, padded
         d_src = pad_cols(d_out, padded(d_out.shape[1]))
-    # the shared expert first: the routed experts' k-sum adds its dx rows
+    row_token = saved.row_token(top_k)
+    d_rows = token_ops.gather_rows(d_src, row_token)  # zeros on padding rows
+    x_rows = token_ops.gather_rows(x, row_token) if needs.w_gate_up else None
+    dx_rows, dwg, dwu, dwd, partials = _expert_backward(
+        d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
+        saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
+        needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
+        rows_per_expert=num_tokens * top_k / w_gate.shape[0])
+
     shared_dx, d_shared = None, (None, None, None)
     if shared is not None:
         shared_dx, d_shared = shared_backward(d_out, x, shared, saved.shared_preact, needs,
                                               options)
-    row_token = saved.row_token(top_k)
-    d_rows = token_ops.gather_rows(d_src, row_token)  # zeros on padding rows
-    x_rows = token_ops.gather_rows(x, row_token) if needs.w_gate_up else None
-    d_x, dwg, dwu, dwd, partials = _expert_backward(
-        d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
-        saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
-        needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
-        rows_per_expert=num_tokens * top_k / w_gate.shape[0],
-        ksum=KsumRows(saved.row_of_slot.view(num_tokens, top_k), shared_dx))
+
+    d_x = None
+    if needs.x:
+        ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
+        d_x = token_ops.weighted_ksum(dx_rows, ones, shared_dx, row_index=saved.row_of_slot)
     d_topk = None
     if needs.topk_weights:
         d_topk = slot_sums(partials, saved.row_of_slot).view(num_tokens, top_k)

@@ -10,10 +10,8 @@ grid, wait bound, raster, kinds) and kept on the device. The outputs are bitwise
 ``expert_backward.fc2_dgrad``, ``fc1_dgrad`` and ``wgrad`` (the same tiles, k order and
 epilogues).
 
-With the weight gradients, the launch also sums d_x when asked (``row_of_slot``): its tail
-ends in the list's BARRIER and KSUM tasks (``kernels/megakernel/backward_ksum.py``), bitwise
-``token_ops.weighted_ksum`` with unit weights. Not yet: the shared expert as tasks of the
-launch, and the comm tasks across ranks (issue 32; docs/architecture.md has the build order).
+Not yet: the k-sum and the shared expert as tasks of the launch, and the comm tasks across
+ranks (issue 32; docs/architecture.md has the build order).
 """
 
 from __future__ import annotations
@@ -68,20 +66,17 @@ def tiles_per_minibatch(capacity_tiles: int) -> int:
 
 
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
-                 timeout_ms: float, device, num_experts: int = 0, ksum_tokens: int = 0,
-                 top_k: int = 1) -> DgradTables:
+                 timeout_ms: float, device, num_experts: int = 0) -> DgradTables:
     """The device tables of the backward task list (cached per size, wait bound and device;
     the counters are shared by the launches of one size: calls on one stream). ``num_experts``
     > 0: the weight gradients of that many experts are queued after the dgrads; 0: the
-    dgrads alone. ``ksum_tokens`` > 0 (with weight gradients): then the BARRIER and the KSUM
-    tasks of that many tokens' d_x, ``top_k`` slots a token."""
-    key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M,
-           ksum_tokens, top_k, str(device))
+    dgrads alone."""
+    key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M, str(device))
     with _LOCK:
         tables = _TABLES.get(key)
         if tables is None:
             tables = _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas,
-                                   timeout_ms, device, ksum_tokens, top_k)
+                                   timeout_ms, device)
             _TABLES[key] = tables
     return tables
 
@@ -97,25 +92,19 @@ def fc2_tile_n(hidden: int) -> int:
     return fc2_dgrad_tile_n(fc2_pingpong(hidden))
 
 
-def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
-              ksum_tokens: int = 0, top_k: int = 1):
+def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
-    of ``num_experts`` experts after the dgrads, none when 0; then, with ``ksum_tokens`` > 0,
-    the BARRIER and the KSUM tasks of d_x)."""
+    of ``num_experts`` experts after the dgrads; none when 0)."""
     from mok_cute import tasks_backward as tb
-    from mok_cute.kernels.megakernel.backward_ksum import KSUM_ROWS
 
     per_mb = tiles_per_minibatch(capacity_tiles)
     params = tb.BackwardListParams(
-        hidden=hidden, intermediate=inter, num_tokens=ksum_tokens, top_k=top_k,
+        hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
         dgated_tile_n=fc2_tile_n(hidden), dx_tile_n=BACKWARD_TILE_N,
-        minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, ksum_rows=KSUM_ROWS,
-        comm_tasks=False)
+        minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=False)
     kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
     if num_experts:
         kinds += (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
-        if ksum_tokens:
-            kinds += (tb.BackwardTaskType.BARRIER, tb.BackwardTaskType.KSUM)
     # without weight gradients a list of one expert keeps it short
     return tb.build_backward_static(capacity_tiles, max(num_experts, 1), params), kinds
 
@@ -147,10 +136,10 @@ def fc2_head(tl, queue) -> int:
 
 
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
-                  device, ksum_tokens=0, top_k=1) -> DgradTables:
+                  device) -> DgradTables:
     from mok_cute import tasks_backward as tb
 
-    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, ksum_tokens, top_k)
+    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter)
     per_mb = tiles_per_minibatch(capacity_tiles)
     queue, live_len, tail_begin, queue_len = compute_queue(tl, kinds)
     fc2_count = fc2_head(tl, queue[:queue_len])
@@ -181,47 +170,24 @@ def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_
 
 
 def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-                 num_tiles, expert_offsets, timeout_ms: float = 10_000.0, check: bool = False,
-                 row_of_slot=None, shared_dx=None):
+                 num_tiles, expert_offsets, timeout_ms: float = 10_000.0, check: bool = False):
     """Every GEMM of the routed experts' backward in one launch: ``expert_dgrads``' four
     outputs, then dW_gate, dW_up [E, I, H] and dW_down [E, H, I] (``expert_backward.wgrad``'s
     bits). x_rows [M, H]: the x row of each schedule row (zeros on padding rows, as d_rows);
-    expert_offsets int32 [E + 1]: each expert's first schedule row.
-    ``row_of_slot`` int32 [N, K] (the schedule row of each token's slot k, -1: none): the
-    launch also sums d_x [N, H] = sum_k dx row (+ ``shared_dx`` [N, H], the shared expert's),
-    the bits of ``token_ops.weighted_ksum`` with unit weights, and returns it in place of the
-    dx rows."""
+    expert_offsets int32 [E + 1]: each expert's first schedule row."""
     if x_rows is None or x_rows.shape != d_rows.shape:
         raise ValueError(f"x_rows: expected the schedule's rows {tuple(d_rows.shape)}, got "
                          f"{None if x_rows is None else tuple(x_rows.shape)}")
     if expert_offsets.shape != (w_gate.shape[0] + 1,):
         raise ValueError(f"expert_offsets: expected ({w_gate.shape[0] + 1},) for "
                          f"{w_gate.shape[0]} experts, got {tuple(expert_offsets.shape)}")
-    if row_of_slot is not None:
-        _check_ksum(row_of_slot, shared_dx, d_rows)
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-                   num_tiles, expert_offsets, timeout_ms, check, row_of_slot, shared_dx)
-
-
-def _check_ksum(row_of_slot, shared_dx, d_rows) -> None:
-    if (not isinstance(row_of_slot, torch.Tensor) or row_of_slot.dtype != torch.int32
-            or row_of_slot.dim() != 2 or not row_of_slot.is_contiguous()
-            or row_of_slot.device != d_rows.device):
-        raise ValueError(f"row_of_slot: expected a contiguous int32 [tokens, K] tensor on "
-                         f"{d_rows.device}, got {getattr(row_of_slot, 'dtype', None)} "
-                         f"{list(getattr(row_of_slot, 'shape', []))}")
-    expected = (row_of_slot.shape[0], d_rows.shape[1])
-    if shared_dx is not None and (tuple(shared_dx.shape) != expected
-                                  or shared_dx.dtype != torch.bfloat16
-                                  or not shared_dx.is_contiguous()):
-        raise ValueError(f"shared_dx: expected contiguous bfloat16 {list(expected)}, got "
-                         f"{shared_dx.dtype} {list(shared_dx.shape)}")
+                   num_tiles, expert_offsets, timeout_ms, check)
 
 
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-            num_tiles, expert_offsets, timeout_ms, check, row_of_slot=None, shared_dx=None):
-    """One backward-megakernel launch; the weight gradients when ``x_rows`` is given, then
-    d_x when ``row_of_slot`` is."""
+            num_tiles, expert_offsets, timeout_ms, check):
+    """One backward-megakernel launch; the weight gradients when ``x_rows`` is given."""
     from mok_cute.expert_path import _num_sms, check_preact
 
     rows, hidden = d_rows.shape
@@ -237,17 +203,14 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     device = d_rows.device
     wgrads = x_rows is not None
     partial_cols = -(-inter // fc2_tile_n(hidden))
-    ksum_tokens, top_k = (0, 1) if row_of_slot is None else tuple(row_of_slot.shape)
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
         dw = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down)) if wgrads else ()
         return (d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
                 torch.empty(0, partial_cols, dtype=torch.float32, device=device),
-                d_rows.new_empty(0, hidden) if row_of_slot is None
-                else _sum_without_rows(shared_dx, ksum_tokens, hidden, d_rows), *dw)
-    ksum = wgrads and ksum_tokens > 0
+                d_rows.new_empty(0, hidden), *dw)
     num_ctas = _num_sms(device.index or 0)
     t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device,
-                     num_experts if wgrads else 0, ksum_tokens if ksum else 0, top_k)
+                     num_experts if wgrads else 0)
     # an earlier launch whose wait gave up raises here (its gradients were wrong)
     t.errors.check(block=False, last_call=t.calls)
     t.counters.zero_()
@@ -266,35 +229,18 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     else:  # no weight-gradient task runs: the dgrads' own tensors stand in
         w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
-    # the k-sum's operands (stand-ins the kernel never reads without it)
-    d_x = dx_rows
-    if ksum:
-        d_x = torch.empty(ksum_tokens, hidden, dtype=torch.bfloat16, device=device)
-    k_args = (row_of_slot.view(-1) if ksum else t.queue, d_x,
-              shared_dx if ksum and shared_dx is not None else d_x)
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                fc2_pingpong=fc2_pingpong(hidden), ksum_top_k=top_k if ksum else 0,
-                                ksum_shared=ksum and shared_dx is not None)
+                                fc2_pingpong=fc2_pingpong(hidden))
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), dx_rows.unsqueeze(2), preact,
-           row_slot, weights, partials, t.scalars, *w_args, *k_args)
+           row_slot, weights, partials, t.scalars, *w_args)
     t.calls += 1
     t.errors.record(t.calls)
     if check:
         t.errors.check(block=True, last_call=t.calls)
-    if row_of_slot is not None and not ksum:  # no token: nothing to sum
-        d_x = d_rows.new_empty(0, hidden)
-    return (d_preact, hw, partials, d_x, *dw)
-
-
-def _sum_without_rows(shared_dx, tokens: int, hidden: int, like):
-    """d_x when no slot has a row: each token's shared dx (-0 adds +0 to +0, as the
-    k-sum's unit-weight terms do), else zeros."""
-    if shared_dx is None:
-        return like.new_zeros(tokens, hidden)
-    return shared_dx + 0.0
+    return (d_preact, hw, partials, dx_rows, *dw)
 
 
 def check_errors() -> None:

@@ -36,8 +36,7 @@ import torch
 
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
-from mok_cute.expert_backward import (KsumRows, Needs, _expert_backward,
-                                      shared_backward_ranks, slot_sums)
+from mok_cute.expert_backward import Needs, _expert_backward, shared_backward_ranks, slot_sums
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -222,10 +221,6 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                               saved.tile_expert, saved.num_tiles, saved.expert_offsets,
                               num_tokens=T, top_k=K)
     fp8 = precision == "fp8"
-    # the shared expert first: the routed experts' k-sum adds its dx rows
-    shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
-                                                options)
-    shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]
     d_src = d_out.view(R * T, H)
     if fp8:  # the FP8 dgrad's K: H zero-padded to whole 128 groups
         from mok_cute.expert_path_fp8 import pad_cols, padded, transposed_weights
@@ -234,7 +229,7 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
     x_rows = (token_ops.gather_rows(xs.reshape(R * T, H), concat.token_row)
               if needs.w_gate_up else None)
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts
-    d_x, dwg, dwu, dwd, partials = _expert_backward(
+    dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),
         saved.preact, concat.preact_row,
         weights_by_preact_row(concat, topk_weights, rows), concat.tile_expert,
@@ -242,11 +237,17 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         needs.topk_weights, options, fp8=fp8, dgrads="kernels" if fp8 else "megakernel",
         # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
         fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
-        rows_per_expert=T * K / E_loc,  # R * T * K rows over R * E_loc experts
-        ksum=KsumRows(concat.row_of_slot.view(R * T, K), shared_dx))
+        rows_per_expert=T * K / E_loc)  # R * T * K rows over R * E_loc experts
 
-    d_xs = None if d_x is None else d_x.view(R, T, H)
-    d_topk = None
+    shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
+                                                options)
+    shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]
+
+    d_xs = d_topk = None
+    if needs.x:
+        ones = torch.ones(R * T, K, dtype=torch.float32, device=xs.device)
+        d_xs = token_ops.weighted_ksum(dx_rows, ones, shared_dx,
+                                       row_index=concat.row_of_slot).view(R, T, H)
     if needs.topk_weights:
         d_topk = slot_sums(partials, concat.row_of_slot).view(R, T, K).to(topk_weights.dtype)
     unflat = lambda g: None if g is None else g.view(R, E_loc, *g.shape[1:])  # noqa: E731

@@ -36,7 +36,6 @@ class NamedBarriers(enum.IntEnum):
     PRODUCER = 4  # the producer warpgroup of a megakernel compute CTA (local_direct)
     MMA_ORDER = 5  # pingpong GEMM: warpgroup w waits on MMA_ORDER + w for its mainloop turn (5, 6)
     FORM_SWITCH = 7  # backward megakernel: consumer warpgroups between tasks of two tile forms
-    BACKWARD_TAIL = 8  # backward megakernel: consumer warpgroups in a BARRIER or KSUM task
 
 
 @cute.jit

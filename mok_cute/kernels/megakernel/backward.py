@@ -41,13 +41,8 @@ to after that task's mainloop, where the stores have long landed; before a task 
 they go out at once (that task might wait on this very counter). Waits are bounded (``timeout_ns``); the first
 that gives up writes the error word, which the host raises (``mok_cute.errors``).
 
-With ``ksum_top_k`` > 0 the tail ends in the list's BARRIER (every M-tile's dx rows stored) and
-KSUM tasks (``backward_ksum``: d_x summed over each token's slots, plus the shared expert's dx
-rows), taken by the same tickets, so CTAs that run out of weight-gradient tiles sum d_x while
-the others finish theirs.
-
-Not yet here (issue 32's build order, docs/architecture.md): the shared expert's GEMMs and the
-comm tasks (reverse combine / dispatch).
+Not yet here (issue 32's build order, docs/architecture.md): the k-sum as tasks, the shared
+expert, and the comm tasks (reverse combine / dispatch).
 """
 
 from __future__ import annotations
@@ -63,7 +58,6 @@ from mok_cute import jit
 from mok_cute.constants import BACKWARD_TILE_N, FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
-from mok_cute.kernels.megakernel.backward_ksum import BackwardKsumMixin
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
@@ -78,27 +72,21 @@ from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, Backward
 BACKWARD_SCALARS = 5
 
 
-class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsumMixin,
-                             RowEpilogueMixin, GemmCoreSm90):
+class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogueMixin,
+                             GemmCoreSm90):
     """One launch of a rank's routed dgrads and weight gradients (module docstring).
 
     :param num_ctas: persistent grid (one CTA per SM).
     :param fc2_pingpong: FC2_DGRAD as pingpong 128 x 128 tiles (``backward_fc2``), else as
         the cooperative 128 x 256 tiles of FC1_DGRAD.
-    :param ksum_top_k: > 0: the tail ends in the BARRIER and the KSUM tasks of d_x over this
-        many slots a token (``backward_ksum``); 0: dx rows are the launch's last output.
-    :param ksum_shared: the k-sum adds a shared expert's dx row to each token.
     """
 
-    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, ksum_top_k: int = 0,
-                 ksum_shared: bool = False):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
-        self.ksum_top_k = ksum_top_k
-        self.ksum_shared = ksum_shared and ksum_top_k > 0
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -114,7 +102,6 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
                  expert_offsets: cute.Tensor, dg_rows_t: cute.Tensor, du_rows_t: cute.Tensor,
                  x_rows_t: cute.Tensor, dy_rows_t: cute.Tensor, hw_rows_t: cute.Tensor,
                  dw_gate: cute.Tensor, dw_up: cute.Tensor, dw_down: cute.Tensor,
-                 row_of_slot: cute.Tensor, d_x: cute.Tensor, shared_dx: cute.Tensor,
                  stream: cuda.CUstream):
         """Shapes (M schedule rows, E experts): tasks int32 (N, BACKWARD_TASK_WORDS); queue
         int32 (Q,) the compute queue's list indices; queue_live_len int32 (MB + 1,);
@@ -127,9 +114,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
         (BACKWARD_SCALARS,). The weight gradients': expert_offsets int32 (E + 1,) each
         expert's first schedule row; the operands (cols, M, 1) with cols contiguous (dG, dU,
         hw: I; x and dY rows: H); dw_gate / dw_up (I, H, E) and dw_down (H, I, E), N
-        contiguous. The k-sum's (read with ``ksum_top_k`` > 0): row_of_slot int32 (N * K,)
-        the schedule row of each (token, k) slot, -1 for none; d_x (N, H) its output;
-        shared_dx (N, H) the shared expert's dx rows (read with ``ksum_shared``)."""
+        contiguous."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -172,7 +157,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
-                    row_of_slot, dx_rows, d_x, shared_dx, *loads, *stores, *w_loads, *w_stores,
+                    *loads, *stores, *w_loads, *w_stores,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, *self.wgrad_kernel_args(),
                     *self.fc2.kernel_args(),
@@ -185,8 +170,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
                counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, preact: cute.Tensor,
                row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
-               scalars: cute.Tensor, expert_offsets: cute.Tensor, row_of_slot: cute.Tensor,
-               dx_rows: cute.Tensor, d_x: cute.Tensor, shared_dx: cute.Tensor,
+               scalars: cute.Tensor, expert_offsets: cute.Tensor,
                tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
                tma_dp: cute.CopyAtom, t_dp: cute.Tensor, tma_wg: cute.CopyAtom, t_wg: cute.Tensor,
                tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
@@ -244,10 +228,6 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
                                     tma_whw, t_whw), w_layouts, tail_ring)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            sums = None
-            if const_expr(self.ksum_top_k > 0):
-                sums = (counter_offsets, counters, error, Int64(scalars[0]), num_tiles,
-                        row_of_slot, dx_rows, d_x, shared_dx, storage.sB.data_ptr())
             if const_expr(self.fc2_pingpong):
                 first = self.fc2_consumers(fc2_walk, fc2_end, counter_offsets, counters, preact,
                                            row_slot, weights, partials, fc2_ring, sA, sC,
@@ -259,7 +239,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
                                tiled_mma, sA, sB, sC,
                                (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                                (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), w_layouts,
-                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring, sums)
+                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring)
 
     @cute.jit
     def _live_len(self, queue_live_len: cute.Tensor, num_tiles: cute.Tensor,
@@ -415,7 +395,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
                       sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
-                      warpgroup_idx: Int32, tail_ring, sums=None):
+                      warpgroup_idx: Int32, tail_ring):
         """Both consumer warpgroups from walk position ``first``: per task the mainloop, the
         epilogue's TMA stores, and for a dgrad, once they have landed, the task's counter,
         published by thread 0 of the store warp (nothing waits on a weight gradient: the
@@ -484,8 +464,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
         w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
                                             warpgroup_idx)
         self.wgrad_consumer_tickets(walk, tail_ring, expert_offsets, ab_pipeline, w_layouts[0],
-                                    w_parts, loads, wgrad_stores, warpgroup_idx, sums,
-                                    consumer_tidx)
+                                    w_parts, loads, wgrad_stores, warpgroup_idx)
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -500,14 +479,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardKsu
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                fc2_pingpong: bool = False, ksum_top_k: int = 0,
-                                ksum_shared: bool = False):
+                                fc2_pingpong: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, ksum_top_k, ksum_shared)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
-    rows, slots, experts, tokens = sym(divisibility=TILE_M), sym(), sym(), sym()
+    rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()
     hidden, inter = sym(divisibility=TILE_K), sym(divisibility=TILE_K)
     bf16 = BFloat16
     # the weights as stored ([E, I, H], [E, H, I]) seen as (N, K, E): N contiguous
@@ -529,10 +507,7 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
             *(f(bf16, (hidden, rows, 1), contiguous_mode=0) for _ in range(2)),
             f(bf16, (inter, rows, 1), contiguous_mode=0),
             *(kmaj(bf16, (inter, hidden, experts)) for _ in range(2)),
-            kmaj(bf16, (hidden, inter, experts)),
-            # the k-sum: row of each (token, k) slot, d_x and the shared expert's dx (N, H)
-            common.fake_vector(Int32), *(kmaj(bf16, (tokens, hidden)) for _ in range(2)),
-            common.fake_stream()]
+            kmaj(bf16, (hidden, inter, experts)), common.fake_stream()]
     return cute.compile(kernel, *args,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

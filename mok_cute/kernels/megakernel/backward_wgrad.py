@@ -31,7 +31,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int32, const_expr
+from cutlass import BFloat16, Int32
 
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
@@ -42,7 +42,6 @@ from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
 
 WG_ROWS = 128  # output rows per consumer warpgroup
 _WGRAD_GATE_UP = int(BackwardTaskType.WGRAD_GATE_UP)
-_BARRIER = int(BackwardTaskType.BARRIER)  # the tail's tasks from here on load nothing
 WGRAD_TILE_N = 128
 
 
@@ -175,46 +174,27 @@ class WgradTasksMixin:
         t = self._tail_ticket(counters, slot, ring, k)
         while t < tail_len:
             index = queue[tail_begin + t]
-            if const_expr(self.ksum_top_k > 0):
-                if tasks[index, int(BackwardWord.TYPE)] < _BARRIER:  # else: no loads
-                    loads, waited_expert = self._produce_wgrad(
-                        tasks, index, waited_expert, expert_offsets, counter_offsets, counters,
-                        error, timeout_ns, ab_pipeline, loads, ops, parts)
-            else:
-                loads, waited_expert = self._produce_wgrad(
-                    tasks, index, waited_expert, expert_offsets, counter_offsets, counters, error,
-                    timeout_ns, ab_pipeline, loads, ops, parts)
+            expert = tasks[index, int(BackwardWord.TILE)]
+            k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            if expert != waited_expert:
+                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
+                                timeout_ns)
+                cute.arch.fence_proxy("async.global")
+                waited_expert = expert
+            self.wgrad_load(ab_pipeline, loads,
+                            tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
+                            tasks[index, int(BackwardWord.M_BLOCK)],
+                            tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
+            loads += k_tiles
             k += 1
             t = self._tail_ticket(counters, slot, ring, k)
         return loads
 
     @cute.jit
-    def _produce_wgrad(self, tasks: cute.Tensor, index: Int32, waited_expert: Int32,
-                       expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
-                       counters: cute.Tensor, error: cute.Tensor, timeout_ns, ab_pipeline,
-                       loads: Int32, ops, parts):
-        """The load warp's weight-gradient ticket: its expert's dgrads waited on (once per
-        run of that expert's tasks), then the tile's loads. Returns (stage uses, the expert
-        waited on)."""
-        expert = tasks[index, int(BackwardWord.TILE)]
-        k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
-        if expert != waited_expert:
-            self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
-                            timeout_ns)
-            cute.arch.fence_proxy("async.global")
-            waited_expert = expert
-        self.wgrad_load(ab_pipeline, loads, tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
-                        tasks[index, int(BackwardWord.M_BLOCK)],
-                        tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
-        return loads + k_tiles, waited_expert
-
-    @cute.jit
     def wgrad_consumer_tickets(self, walk, ring, expert_offsets: cute.Tensor, ab_pipeline,
-                               tiled_mma, parts, loads: Int32, stores, warpgroup_idx: Int32,
-                               sums=None, consumer_tidx: Int32 = 0):
+                               tiled_mma, parts, loads: Int32, stores, warpgroup_idx: Int32):
         """Both consumer warpgroups' tail by tickets: each ring use names the tail position
-        the producer loaded next (past the tail: the end). With the k-sum in the launch the
-        tail ends in a BARRIER and KSUM tasks (``backward_ksum``; ``sums``: their arguments)."""
+        the producer loaded next (past the tail: the end)."""
         tasks, queue, _, _, tail_begin, queue_len = walk
         tail_q, bars = ring
         tail_len = queue_len - tail_begin
@@ -223,33 +203,17 @@ class WgradTasksMixin:
         t = ring_next(tail_q, bars, k)[0]
         while t < tail_len:
             index = queue[tail_begin + t]
-            if const_expr(self.ksum_top_k > 0):
-                if tasks[index, int(BackwardWord.TYPE)] < _BARRIER:
-                    loads, subtiles = self._consume_wgrad(
-                        tasks, index, expert_offsets, ab_pipeline, tiled_mma, parts, loads,
-                        subtiles, stores, warpgroup_idx)
-                else:
-                    self.tail_sum(tasks, index, sums, consumer_tidx)
-            else:
-                loads, subtiles = self._consume_wgrad(tasks, index, expert_offsets, ab_pipeline,
-                                                      tiled_mma, parts, loads, subtiles, stores,
-                                                      warpgroup_idx)
+            expert = tasks[index, int(BackwardWord.TILE)]
+            _, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
+                            tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
+                            expert, tasks[index, int(BackwardWord.M_BLOCK)],
+                            tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
+                            warpgroup_idx)
+            loads += k_tiles
+            subtiles += self.wgrad_subtiles()
             k += 1
             t = ring_next(tail_q, bars, k)[0]
-
-    @cute.jit
-    def _consume_wgrad(self, tasks: cute.Tensor, index: Int32, expert_offsets: cute.Tensor,
-                       ab_pipeline, tiled_mma, parts, loads: Int32, subtiles: Int32, stores,
-                       warpgroup_idx: Int32):
-        """A weight-gradient ticket on both consumer warpgroups; returns (stage uses,
-        epilogue subtiles) so far."""
-        expert = tasks[index, int(BackwardWord.TILE)]
-        _, k_tiles = self.wgrad_rows(expert_offsets, expert)
-        self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
-                        tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
-                        expert, tasks[index, int(BackwardWord.M_BLOCK)],
-                        tasks[index, int(BackwardWord.N_TILE)], subtiles, stores, warpgroup_idx)
-        return loads + k_tiles, subtiles + self.wgrad_subtiles()
 
     # ------------------------------------------------------------------ consumers
     def wgrad_consumer_parts(self, sA, sB, sC, layouts, tidx, warp_idx, warpgroup_idx):

@@ -32,7 +32,7 @@ class KsumTasks:
 
     def _ksum_stage_vectors(self) -> int:
         """16-B vectors per consumer lane that the B stages hold (eight consumer warps)."""
-        return ksum_stage_vectors(self.ab_stages, self.tile_shape_mnk[1])
+        return self.ab_stages * self.tile_shape_mnk[1] * TILE_K * 2 // (KSUM_WARPS * 32 * 16)
 
     @cute.jit
     def _ksum(self, ctx, tt: TaskTables, routing: Routing, ring_y, out, shared_y, timeline_buf,
@@ -64,7 +64,7 @@ class KsumTasks:
         for t in cutlass.range(tt.tasks[index, TaskWord.ROW_BEGIN] + warp,
                                tt.tasks[index, TaskWord.ROW_END], KSUM_WARPS, unroll=1):
             if failed:
-                nan_row(out[rank, t, None], lane)
+                _nan_row(out[rank, t, None], lane)
             else:
                 self._ksum_token(ctx, routing, rank, t, combine_base, ring_y, out, shared_y,
                                  lane, 0 + warp, ksum_stage)
@@ -111,8 +111,50 @@ class KsumTasks:
         shared_row = Int64(0)
         if const_expr(self.spec.has_shared):
             shared_row = shared_y[t, None, rank].iterator.toint()
-        ksum_token_staged(srcs, weights, shared_row, out_row, h_vecs, lane, warp, ksum_stage,
-                          self.spec.top_k, self.spec.has_shared, self._ksum_stage_vectors())
+        self._ksum_token_staged(srcs, weights, shared_row, out_row, h_vecs, lane, warp,
+                                ksum_stage)
+
+    @cute.jit
+    def _ksum_token_staged(self, srcs, weights, shared_row: Int64, out_row, h_vecs: Int32,
+                           lane: Int32, warp: Int32, ksum_stage):
+        """Each step a lane lands up to ``_ksum_stage_vectors()`` 16-B vectors (its K rows' and
+        the shared row's) in its own smem slots with cp.async, waits for its own copies, then
+        sums them (``k_sum_vector``: same order, same bits as the k-sum kernel)."""
+        top_k, has_shared = self.spec.top_k, self.spec.has_shared
+        stage_vectors = self._ksum_stage_vectors()
+        nk = top_k + (1 if const_expr(has_shared) else 0)
+        steps = stage_vectors // nk
+        vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        lane_base = (ksum_stage.toint() + warp * (stage_vectors * 32 * 16)
+                     + lane * 16)  # slot j of this lane: lane_base + j * 512 bytes
+
+        for v0 in cutlass.range(lane, h_vecs, 32 * steps, unroll=1):
+            for u in cutlass.range_constexpr(steps):
+                if v0 + 32 * u < h_vecs:
+                    for k in cutlass.range_constexpr(top_k):
+                        if srcs[k] != 0:
+                            nvvm.cp_async_shared_global(_smem_vec(lane_base, u * nk + k),
+                                                        _gmem_vec(srcs[k], v0 + 32 * u), 16, "cg")
+                    if const_expr(has_shared):
+                        nvvm.cp_async_shared_global(_smem_vec(lane_base, u * nk + top_k),
+                                                    _gmem_vec(shared_row, v0 + 32 * u), 16, "cg")
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)  # this lane's own copies: no other lane reads them
+            for u in cutlass.range_constexpr(steps):
+                if v0 + 32 * u < h_vecs:
+                    ys = cute.make_rmem_tensor((VEC_ELEMS, 1, top_k), BFloat16)
+                    base = cute.make_rmem_tensor((VEC_ELEMS, 1), BFloat16)
+                    for k in cutlass.range_constexpr(top_k):
+                        if srcs[k] != 0:
+                            cute.copy(vec, cute.make_tensor(_smem_vec(lane_base, u * nk + k),
+                                                            cute.make_layout(VEC_ELEMS)), ys[None, 0, k])
+                        else:
+                            ys[None, 0, k].fill(0.0)
+                    if const_expr(has_shared):
+                        cute.copy(vec, cute.make_tensor(_smem_vec(lane_base, u * nk + top_k),
+                                                        cute.make_layout(VEC_ELEMS)), base[None, 0])
+                    res = k_sum_vector(ys, base, weights, 0, top_k, has_shared)
+                    cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
 
     @cute.jit
     def _ksum_row(self, combine_base: Int64, slot_rows, ring_y, rank: Int32, t, k: int,
@@ -127,59 +169,8 @@ class KsumTasks:
         return addr
 
 
-def ksum_stage_vectors(stages: int, tile_n: int) -> int:
-    """16-B vectors per consumer lane that ``stages`` B stages of ``tile_n`` x ``TILE_K`` bf16
-    hold, shared by the eight consumer warps (the k-sum's cp.async staging)."""
-    return stages * tile_n * TILE_K * 2 // (KSUM_WARPS * 32 * 16)
-
-
 @cute.jit
-def ksum_token_staged(srcs, weights, shared_row: Int64, out_row, h_vecs: Int32, lane: Int32,
-                      warp: Int32, ksum_stage, top_k: cutlass.Constexpr[int],
-                      has_shared: cutlass.Constexpr[bool],
-                      stage_vectors: cutlass.Constexpr[int]):
-    """One warp's output row: each step a lane lands up to ``stage_vectors`` 16-B vectors (its
-    K rows' and the shared row's; a source address 0 reads as zeros) in its own smem slots of
-    ``ksum_stage`` with cp.async, waits for its own copies, then sums them (``k_sum_vector``:
-    same order, same bits as the k-sum kernel). Shared by the forward's and the backward's
-    KSUM tasks."""
-    nk = top_k + (1 if const_expr(has_shared) else 0)
-    steps = stage_vectors // nk
-    vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-    lane_base = (ksum_stage.toint() + warp * (stage_vectors * 32 * 16)
-                 + lane * 16)  # slot j of this lane: lane_base + j * 512 bytes
-
-    for v0 in cutlass.range(lane, h_vecs, 32 * steps, unroll=1):
-        for u in cutlass.range_constexpr(steps):
-            if v0 + 32 * u < h_vecs:
-                for k in cutlass.range_constexpr(top_k):
-                    if srcs[k] != 0:
-                        nvvm.cp_async_shared_global(_smem_vec(lane_base, u * nk + k),
-                                                    _gmem_vec(srcs[k], v0 + 32 * u), 16, "cg")
-                if const_expr(has_shared):
-                    nvvm.cp_async_shared_global(_smem_vec(lane_base, u * nk + top_k),
-                                                _gmem_vec(shared_row, v0 + 32 * u), 16, "cg")
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)  # this lane's own copies: no other lane reads them
-        for u in cutlass.range_constexpr(steps):
-            if v0 + 32 * u < h_vecs:
-                ys = cute.make_rmem_tensor((VEC_ELEMS, 1, top_k), BFloat16)
-                base = cute.make_rmem_tensor((VEC_ELEMS, 1), BFloat16)
-                for k in cutlass.range_constexpr(top_k):
-                    if srcs[k] != 0:
-                        cute.copy(vec, cute.make_tensor(_smem_vec(lane_base, u * nk + k),
-                                                        cute.make_layout(VEC_ELEMS)), ys[None, 0, k])
-                    else:
-                        ys[None, 0, k].fill(0.0)
-                if const_expr(has_shared):
-                    cute.copy(vec, cute.make_tensor(_smem_vec(lane_base, u * nk + top_k),
-                                                    cute.make_layout(VEC_ELEMS)), base[None, 0])
-                res = k_sum_vector(ys, base, weights, 0, top_k, has_shared)
-                cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
-
-
-@cute.jit
-def nan_row(out_row, lane: Int32):
+def _nan_row(out_row, lane: Int32):
     """One warp: every element of the bf16 row ``out_row`` becomes NaN."""
     vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
     nan = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
