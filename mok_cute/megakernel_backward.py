@@ -85,7 +85,6 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
 # ``expert_backward.fc2_dgrad``'s launch does), else cooperative 128 x 256 (a module attribute:
 # tools/megakernel_backward_probe.py swaps it to time the other form)
 fc2_pingpong = fc2_dgrad_pingpong
-TICKET_AHEAD = False  # TEMPORARY A/B (tools/megakernel_backward_probe.py --ticket-ahead)
 
 
 def fc2_tile_n(hidden: int) -> int:
@@ -231,7 +230,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                fc2_pingpong=fc2_pingpong(hidden), ticket_ahead=TICKET_AHEAD)
+                                fc2_pingpong=fc2_pingpong(hidden))
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),

@@ -21,8 +21,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False,
-          ticket_ahead: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -105,14 +104,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
-    if ticket_ahead:  # TEMPORARY A/B: the tail's ticket taken one tile ahead; bits checked
-        base = one_launch()
-        run = patched(one_launch, ticket_ahead=True)
-        same = all(torch.equal(a, b) for a, b in zip(run(), base))
-        print(f"{name} one launch [ticket ahead] bitwise the default's: {same}", flush=True)
-        variants["GEMMs: megakernel, one launch [ticket ahead]"] = run
-        variants["moe_backward (megakernel) [ticket ahead]"] = patched(backward("megakernel"),
-                                                                       ticket_ahead=True)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -132,7 +123,7 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb=None, fc2_pingpong=None, ticket_ahead=None):
+def patched(fn, per_mb=None, fc2_pingpong=None):
     """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles and / or
     its FC2_DGRAD form forced (its own table cache)."""
     from mok_cute import megakernel_backward as mb
@@ -140,10 +131,8 @@ def patched(fn, per_mb=None, fc2_pingpong=None, ticket_ahead=None):
     tables = {}
 
     def run():
-        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong, mb.TICKET_AHEAD
+        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong
         mb._TABLES = tables
-        if ticket_ahead is not None:
-            mb.TICKET_AHEAD = ticket_ahead
         if per_mb is not None:
             mb.tiles_per_minibatch = lambda capacity_tiles: per_mb
         if fc2_pingpong is not None:
@@ -151,7 +140,7 @@ def patched(fn, per_mb=None, fc2_pingpong=None, ticket_ahead=None):
         try:
             return fn()
         finally:
-            mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong, mb.TICKET_AHEAD = saved
+            mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong = saved
     return run
 
 
@@ -167,10 +156,8 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
-    p.add_argument("--ticket-ahead", action="store_true",
-                   help="TEMPORARY: also the launch with the tail's ticket one tile ahead")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.ticket_ahead)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:

@@ -81,14 +81,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         the cooperative 128 x 256 tiles of FC1_DGRAD.
     """
 
-    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False,
-                 ticket_ahead: bool = False):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
-        self.ticket_ahead = ticket_ahead  # TEMPORARY A/B: the tail's ticket one tile ahead
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -481,10 +479,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                fc2_pingpong: bool = False, ticket_ahead: bool = False):
+                                fc2_pingpong: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, ticket_ahead)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int32, const_expr
+from cutlass import BFloat16, Int32
 
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
@@ -172,55 +172,23 @@ class WgradTasksMixin:
         waited_expert = Int32(-1)
         k = Int32(0)
         t = self._tail_ticket(counters, slot, ring, k)
-        if const_expr(self.ticket_ahead):
-            index, expert, k0, k_tiles, gated, m_block, n_tile = self._tail_task(
-                tasks, queue, tail_begin, tail_len, expert_offsets, t)
-            while t < tail_len:
-                # the next ticket and its decode while this CTA's stages are still full of
-                # the tile before: its loads then follow this tile's without a round trip
-                t_next = self._tail_ticket(counters, slot, ring, k + 1)
-                nxt = self._tail_task(tasks, queue, tail_begin, tail_len, expert_offsets, t_next)
-                if expert != waited_expert:
-                    self._wait_task(tasks, index, expert_offsets, counter_offsets, counters,
-                                    error, timeout_ns)
-                    cute.arch.fence_proxy("async.global")
-                    waited_expert = expert
-                self.wgrad_load(ab_pipeline, loads, gated, m_block, n_tile, k0, k_tiles, ops,
-                                parts)
-                loads += k_tiles
-                k += 1
-                t = t_next
-                index, expert, k0, k_tiles, gated, m_block, n_tile = nxt
-        else:
-            while t < tail_len:
-                index = queue[tail_begin + t]
-                expert = tasks[index, int(BackwardWord.TILE)]
-                k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
-                if expert != waited_expert:
-                    self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
-                                    timeout_ns)
-                    cute.arch.fence_proxy("async.global")
-                    waited_expert = expert
-                self.wgrad_load(ab_pipeline, loads,
-                                tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
-                                tasks[index, int(BackwardWord.M_BLOCK)],
-                                tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
-                loads += k_tiles
-                k += 1
-                t = self._tail_ticket(counters, slot, ring, k)
+        while t < tail_len:
+            index = queue[tail_begin + t]
+            expert = tasks[index, int(BackwardWord.TILE)]
+            k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            if expert != waited_expert:
+                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
+                                timeout_ns)
+                cute.arch.fence_proxy("async.global")
+                waited_expert = expert
+            self.wgrad_load(ab_pipeline, loads,
+                            tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
+                            tasks[index, int(BackwardWord.M_BLOCK)],
+                            tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
+            loads += k_tiles
+            k += 1
+            t = self._tail_ticket(counters, slot, ring, k)
         return loads
-
-    @cute.jit
-    def _tail_task(self, tasks: cute.Tensor, queue: cute.Tensor, tail_begin: Int32,
-                   tail_len: Int32, expert_offsets: cute.Tensor, t: Int32):
-        """Tail position ``t``'s weight-gradient tile (clamped into the tail: a ticket past it
-        ends the walk, its decode unused): (list index, expert, first row k-tile, row
-        k-tiles, gated, M-block, N-tile)."""
-        index = queue[tail_begin + cutlass.max(cutlass.min(t, tail_len - 1), 0)]
-        expert = tasks[index, int(BackwardWord.TILE)]
-        k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
-        return (index, expert, k0, k_tiles, tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
-                tasks[index, int(BackwardWord.M_BLOCK)], tasks[index, int(BackwardWord.N_TILE)])
 
     @cute.jit
     def wgrad_consumer_tickets(self, walk, ring, expert_offsets: cute.Tensor, ab_pipeline,
