@@ -90,8 +90,7 @@ class MegakernelSpec:
                     every routed row)
     tickets         "static", "dynamic" or "strided" (``MegakernelOptions.tickets``)
     defer_signals   one rank, no comm task, the ticket ring: a GEMM task's publish waits until
-                    the CTA's next task needs it out of the way (fp8: FC2's only, until after
-                    the next GEMM's mainloop)
+                    the CTA's next task needs it out of the way
     save_preact     a training forward: FC1 (and the shared expert's FC1) also stores each
                     routed row's bf16 g | u into the row the host's row map names
                     (``row_epilogue``), the same bits as the one-GPU training forward
@@ -129,9 +128,8 @@ class MegakernelSpec:
             raise ValueError(f"tickets must be 'static', 'dynamic' or 'strided', got {self.tickets!r}")
         if self.defer_signals and not (self.num_ranks == 1 and self.ticket_ring):
             raise ValueError("defer_signals needs one rank and the ticket ring")
-        if self.fp8 and self.defer_signals and self.has_shared:
-            raise ValueError("fp8 plans with a shared expert publish without deferral: no "
-                             "defer_signals")
+        if self.fp8 and self.defer_signals:
+            raise ValueError("fp8 plans publish without deferral: no defer_signals")
 
     @property
     def ticket_ring(self) -> bool:

@@ -493,7 +493,6 @@ class Plan:
         self.backward_errors.check_device(self.backward_calls, rank_base=self.side.rank_base)
 
 
-FP8_DEFER_AB = True  # TEMPORARY A/B: fp8 plans hold FC2's publish (tools/fp8_defer_ab.py)
 _PLANS: dict[PlanKey, Plan] = {}
 _PLANS_LOCK = threading.Lock()
 
@@ -555,10 +554,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         num_ranks=R, num_ctas=num_sms, num_comm_ctas=num_comm, top_k=K, has_shared=bool(Is),
         scope="gpu" if group is None else "sys", timeline=config.timeline,
         rows_in_place=rows_in_place, tickets=tickets,
-        # fp8 holds FC2's publish only (gemm_tasks); not with a shared expert, whose bf16
-        # mainloop beside the promoting one spills already
-        defer_signals=(local_only and R == 1 and tickets != "static"
-                       and not (use_fp8 and (Is or not FP8_DEFER_AB))),
+        # fp8's mainloop has no publish hook (its stages are released as it promotes)
+        defer_signals=local_only and R == 1 and tickets != "static" and not use_fp8,
         save_preact=save, fp8=use_fp8)
     key = PlanKey(T, H, I, E_loc, Is, minibatch, ring, config.timeline_capacity, device,
                   None if group is None else (id(group), handle_type), fc1_lead,

@@ -22,8 +22,7 @@ from mok_cute.constants import MegakernelSpec
 from test_megakernel import _problem  # the megakernel tests' random problems
 
 FP8_SPECS = {
-    "one_rank": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True,
-                               defer_signals=True),
+    "one_rank": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True),
     "one_rank_shared": MegakernelSpec(num_comm_ctas=0, tickets="strided", has_shared=True,
                                       fp8=True),
     "virtual_shared": MegakernelSpec(num_ranks=8, num_comm_ctas=12, has_shared=True,
@@ -31,9 +30,9 @@ FP8_SPECS = {
     "ipc_ring": MegakernelSpec(num_comm_ctas=12, scope="sys", tickets="static",
                                rows_in_place=False, fp8=True),
     "one_rank_save": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True,
-                                    save_preact=True, defer_signals=True),
+                                    save_preact=True),
     "one_rank_timeline": MegakernelSpec(num_comm_ctas=0, tickets="strided", top_k=4, fp8=True,
-                                        timeline=True, defer_signals=True),
+                                        timeline=True),
     "virtual_shared_save": MegakernelSpec(num_ranks=8, num_comm_ctas=12, has_shared=True,
                                           tickets="dynamic", fp8=True, save_preact=True),
 }
@@ -66,8 +65,7 @@ def test_packed_rows_round_trip():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"fp8": True, "defer_signals": True, "num_comm_ctas": 0, "has_shared": True},
-     "no defer_signals"),
+    ({"fp8": True, "defer_signals": True, "num_comm_ctas": 0}, "no defer_signals"),
 ])
 def test_fp8_specs_refused(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -572,17 +572,7 @@ class GemmTasks:
             t_epilogue, t_signal = t_start, t_start
             gemm_runs = run and not noop and self._is_gemm(ttype)
             deferrable = False
-            if const_expr(self.spec.defer_signals and self.spec.fp8):
-                # FP8: only FC2's publish is held, as nothing but the k-sum's BARRIER waits on
-                # it at one rank (the ring holds every row: no FC1 waits on an FC2), and it goes
-                # out after the next GEMM's mainloop, its stores long landed (flushed inside
-                # the promoting mainloop the store warp's wait held up its warpgroup's
-                # promotion: no gain, docs/measurements.md)
-                deferrable = gemm_runs and ttype == int(TaskType.FC2)
-                if held >= 0 and not gemm_runs:
-                    self._flush_signal(tt.counters, held, is_store_warp, consumer_tidx)
-                    held = Int32(-1)
-            elif const_expr(self.spec.defer_signals):
+            if const_expr(self.spec.defer_signals):
                 deferrable = gemm_runs and (ttype == int(TaskType.FC1) or ttype == int(TaskType.FC2))
                 fc1_then_fc2 = held_type == int(TaskType.FC1) and ttype == int(TaskType.FC2)
                 if held >= 0 and (not deferrable or fc1_then_fc2):
@@ -611,10 +601,6 @@ class GemmTasks:
                                 loads, k_tiles, cute.size(bf16_parts[0], mode=[2]), hook_args)
                             cute.nvgpu.warpgroup.wait_group(0)
                             ab_pipeline.consumer_release(release)
-                    if const_expr(self.spec.defer_signals):
-                        if held >= 0:  # the FC2 held since the task before
-                            self._flush_signal(tt.counters, held, is_store_warp, consumer_tidx)
-                            held = Int32(-1)
                     t_epilogue = self._now_if_recording()
                 else:
                     # defer_signals: the held publish goes out inside this mainloop, after its
