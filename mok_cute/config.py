@@ -49,6 +49,9 @@ def describe(value: object) -> str:
             f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device}"
             f"{'' if value.is_contiguous() else ', non-contiguous'})"
         )
+    if isinstance(value, (tuple, list)):  # its items described, not a tensor's values printed
+        items = ", ".join(describe(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
+        return f"{type(value).__name__} of {len(value)} ({items})"
     text = repr(value)
     if len(text) > 80:
         text = text[:77] + "..."

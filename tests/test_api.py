@@ -165,7 +165,9 @@ BAD_CASES = [
     ("w_down non-contiguous", lambda a, s: (_replace(a, 5, a[5].transpose(1, 2).contiguous().transpose(1, 2)), s), ValueError, r"w_down: expected a contiguous tensor"),
     ("w_down fp16", lambda a, s: (_replace(a, 5, a[5].half()), s), TypeError, r"w_down: expected dtype torch.bfloat16, got torch.float16"),
     ("shared not a tuple", lambda a, s: (a, s[0]), TypeError, r"shared: expected None or a 3-tuple \(ws_gate, ws_up, ws_down\), got Tensor"),
-    ("shared 2 items", lambda a, s: (a, s[:2]), TypeError, r"shared: expected None or a 3-tuple"),
+    ("shared 2 items", lambda a, s: (a, s[:2]), TypeError,
+     r"shared: expected None or a 3-tuple \(ws_gate, ws_up, ws_down\), got tuple of 2 "
+     r"\(Tensor\(shape=\(8, 32\)"),
     ("shared gate wrong H", lambda a, s: (a, (s[0][:, :8].contiguous(), s[1], s[2])), ValueError, r"shared\[0\] \(ws_gate\): expected shape \[Is, 32\], got \[8, 8\]"),
     ("shared up wrong Is", lambda a, s: (a, (s[0], s[1][:4], s[2])), ValueError, r"shared\[1\] \(ws_up\): expected shape \[8, 32\], got \[4, 32\]"),
     ("shared down transposed", lambda a, s: (a, (s[0], s[1], s[2].t().contiguous())), ValueError, r"shared\[2\] \(ws_down\): expected shape \[32, 8\], got \[8, 32\]"),
