@@ -269,6 +269,11 @@ class MoKConfig:
             "MoKConfig.minibatch_tokens", self.minibatch_tokens, min_value=1, allow_none=True
         )
         check_int("MoKConfig.ring_tokens", self.ring_tokens, min_value=1, allow_none=True)
+        for name in ("minibatch_tokens", "ring_tokens"):  # whole M-tiles of the schedule
+            value = getattr(self, name)
+            if value is not None and value % self.tile_m:
+                raise ValueError(f"MoKConfig.{name}: expected a multiple of tile_m={self.tile_m}, "
+                                 f"got {value}")
         check_bool("MoKConfig.timeline", self.timeline)
         check_bool("MoKConfig.check_ids", self.check_ids)
         check_int("MoKConfig.timeline_capacity", self.timeline_capacity, min_value=1)

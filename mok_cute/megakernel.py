@@ -145,14 +145,12 @@ def plan_tokens(tokens: int) -> int:
 
 
 def resolve_sizes(config: MoKConfig, capacity: int, tokens: int) -> tuple[int, int]:
-    """(minibatch_tokens, ring_tokens): explicit values are checked, None picks defaults
-    (minibatch of 8 tiles; a ring that holds every row, so nothing wraps)."""
+    """(minibatch_tokens, ring_tokens): None picks defaults (minibatch of 8 tiles; a ring that
+    holds every row, so nothing wraps); explicit values are whole tiles (``MoKConfig``
+    checks) and the ring must hold a minibatch."""
     tile = config.tile_m
     minibatch = config.minibatch_tokens or min(capacity, 8 * tile)
     ring = config.ring_tokens or capacity
-    for name, value in (("minibatch_tokens", minibatch), ("ring_tokens", ring)):
-        if value % tile:
-            raise ValueError(f"MoKConfig.{name} must be a multiple of tile_m={tile}, got {value}")
     if ring < minibatch:
         raise ValueError(f"MoKConfig.ring_tokens must be >= minibatch_tokens={minibatch}, got {ring}")
     return min(minibatch, capacity), min(ring, capacity)

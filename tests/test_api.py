@@ -73,6 +73,8 @@ def test_config_defaults_and_frozen():
         ("num_comm_sms", "8", TypeError, r"MoKConfig.num_comm_sms: expected an int or None, got str"),
         ("minibatch_tokens", -4, ValueError, r"MoKConfig.minibatch_tokens: expected an int >= 1, got -4"),
         ("ring_tokens", 0, ValueError, r"MoKConfig.ring_tokens: expected an int >= 1, got 0"),
+        ("minibatch_tokens", 3, ValueError, r"MoKConfig.minibatch_tokens: expected a multiple of tile_m=128, got 3"),
+        ("ring_tokens", 200, ValueError, r"MoKConfig.ring_tokens: expected a multiple of tile_m=128, got 200"),
         ("timeline", 1, TypeError, r"MoKConfig.timeline: expected a bool, got int"),
         ("timeline_capacity", 0, ValueError, r"MoKConfig.timeline_capacity: expected an int >= 1, got 0"),
         ("timeout_ms", 0.0, ValueError, r"MoKConfig.timeout_ms: expected a finite number > 0, got 0.0"),
