@@ -177,6 +177,19 @@ class PromotingMainloop:
             pair.store(pair.load().to(cutlass.BFloat16).to(Float32))
             rows[part][4 * j] = bf16_pair(pair[0], pair[1])
 
+    @cute.jit
+    def wait_mma_turn(self, turns, first_batch):
+        """EXPERIMENT (mma_turns): the two consumer warpgroups issue their wgmma batches in
+        turns, so one's promotion runs under the other's wgmmas. ``turns`` = (mine, theirs,
+        first: Int32 1 for warpgroup 0 before its first tile): the very first batch
+        (``first_batch`` of that tile) does not wait."""
+        mine, _, first = turns
+        if const_expr(first_batch is False):
+            mine.arrive_and_wait()
+        else:
+            if first * cutlass.select_(first_batch, Int32(1), Int32(0)) == 0:
+                mine.arrive_and_wait()
+
     def half_fragments(self, half_mma, sA, sB, mma_slice):
         """One N-half's wgmma fragments for MMA thread slice ``mma_slice``: A as it is, B's
         two row halves, and the half-wide fp32 partial -> (tCrA, tCrB, tCrB_up, partial).
@@ -217,7 +230,7 @@ class PromotingMainloop:
                                 loads: Int32, k_tiles: Int32,
                                 num_k_blocks: cutlass.Constexpr[int], exps,
                                 first_exps_after_wait: cutlass.Constexpr[bool] = False,
-                                hook_args=None):
+                                hook_args=None, turns=None):
         """One 256-wide tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group, N-half 0's wgmmas into the half-wide partial, wait, promote; then N-half 1's,
         wait, release the stage, promote. The tensor cores wait for each half's promotion (the
@@ -240,6 +253,8 @@ class PromotingMainloop:
                     self.first_stage_ready(t0, hook_args)
             self.stage_ready(None)
             for half in cutlass.range_constexpr(2):
+                if const_expr(turns is not None):
+                    self.wait_mma_turn(turns, k == 0 if const_expr(half == 0) else False)
                 # the wgmma issue written out, as in promoting_mainloop: the DSL loses the
                 # accumulate field set in a helper called from this run-time loop
                 cute.nvgpu.warpgroup.fence()
@@ -249,6 +264,8 @@ class PromotingMainloop:
                     cute.gemm(half_mma, partial, tCrA[(None, None, kb, read.index)],
                               tCrB_half[(None, None, kb, read.index)], partial)
                 cute.nvgpu.warpgroup.commit_group()
+                if const_expr(turns is not None):
+                    turns[1].arrive()
                 if const_expr(half == 0 and first_exps_after_wait):
                     if k == 0:  # group 0's, under its own wgmmas
                         ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))

@@ -173,7 +173,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 
     def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False,
-                 quantize_h: bool = False):
+                 quantize_h: bool = False, mma_turns: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         widths = {"store": TILE_NS, "swiglu": SWIGLU_TILE_NS, "dgated": (128,)}[epilogue]
@@ -197,6 +197,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         self.half_mma = None
         # FC1 writes h as e4m3 with its 1 x 128 exponents (``store_h_fp8``), not bf16
         self.quantize_h = quantize_h
+        self.mma_turns = mma_turns  # EXPERIMENT: consumer warpgroups issue wgmmas in turns
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
         self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
         self.b_rows_per_load = self.out_tile_n
@@ -340,17 +341,31 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
             tile_idx = cute.arch.block_idx()[0]
             loads = Int32(0)
             subtiles_done = Int32(0)
+            turns = None
+            if const_expr(self.mma_turns):
+                turns = (pipeline.NamedBarrier(
+                    barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer,
+                    num_threads=self.num_mma_threads),
+                    pipeline.NamedBarrier(
+                    barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer,
+                    num_threads=self.num_mma_threads),
+                    cutlass.select_(consumer == 0, Int32(1), Int32(0)))
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 expert = mTileExpert[m_tile]
                 exps = GroupExponents(mEA, mEB, mEB_up, m_tile * tile_m + my_rows[0],
                                       m_tile * tile_m + my_rows[1], expert, n_tile, k_split)
                 if const_expr(self.half_promote):
-                    self.half_promoting_mainloop(ab_pipeline, half_mma, acc, partial, tCrA, tCrB,
-                                                 tCrB_up, loads, k_tile_cnt, num_k_blocks, exps)
+                    self.half_promoting_mainloop(
+                        ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up, loads,
+                        k_tile_cnt, num_k_blocks, exps,
+                        turns=None if const_expr(turns is None) else
+                        (turns[0], turns[1], turns[2] * cutlass.select_(loads == 0, Int32(1), Int32(0))))
                 else:
                     self.promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                                            loads, k_tile_cnt, num_k_blocks, exps)
+                                            loads, k_tile_cnt, num_k_blocks, exps,
+                                            None if const_expr(turns is None) else
+                                            (turns[0], turns[1], turns[2] * cutlass.select_(loads == 0, Int32(1), Int32(0))))
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
@@ -418,7 +433,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
     @cute.jit
     def promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
                            loads: Int32, k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int],
-                           exps: GroupExponents):
+                           exps: GroupExponents, turns=None):
         """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
         stage, promote into ``acc`` with the group's scales (loaded one group ahead).
@@ -428,12 +443,16 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
+            if const_expr(turns is not None):
+                self.wait_mma_turn(turns, k == 0)
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(num_k_blocks):
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
                 cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
                           tCrB[(None, None, kb, read.index)], partial)
             cute.nvgpu.warpgroup.commit_group()
+            if const_expr(turns is not None):
+                turns[1].arrive()
             # the next group's exponents, under the wgmmas (the last tile re-reads its own)
             nxt = self.group_exponents(exps, cutlass.min(k + 1, k_tiles - 1))
             cute.nvgpu.warpgroup.wait_group(0)
@@ -448,7 +467,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
                              epilogue: str = "store", group_m: int = 8, num_sms: int = 132,
                              b_split_k: bool = False, save_preact: bool = False,
-                             quantize_h: bool = False):
+                             quantize_h: bool = False, mma_turns: bool = False):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
@@ -461,7 +480,8 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     and the last two arguments are h's e4m3 bytes ``(M, I)`` int8 and exponents ``(M, I/128)``
     int8."""
     gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h)
+                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h,
+                              mma_turns=mma_turns)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -569,10 +589,13 @@ def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torc
     return out
 
 
+EXPERIMENT_STATIC: dict = {}  # EXPERIMENT: static options the A/B probes switch (mma_turns)
+
+
 def _compiled(name: str, device: torch.device, tile_n: int, group_m: int, **static):
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     return jit.compile_kernel(name, jit.device_arch(device), tile_n=tile_n, group_m=group_m,
-                              num_sms=num_sms, **static)
+                              num_sms=num_sms, **static, **EXPERIMENT_STATIC)
 
 
 def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,
