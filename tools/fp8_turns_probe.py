@@ -96,11 +96,13 @@ def gemms(rounds: int) -> dict:
     return out
 
 
-def layer(name: str, rounds: int, train: bool) -> dict:
+def layer(name: str, rounds: int, kind: str) -> dict:
     import mok_cute as mok
 
     p, forward = layer_call(name)
-    cfg = mok.MoKConfig(backend="kernel", precision="fp8", check_ids=False)
+    train = kind == "train"
+    cfg = mok.MoKConfig(backend="megakernel" if kind == "megakernel" else "kernel",
+                        precision="fp8", check_ids=False)
     grads = None
     if train:
         leaves = [p.inputs.x, p.w_gate, p.w_up, p.w_down]
@@ -124,7 +126,6 @@ def layer(name: str, rounds: int, train: bool) -> dict:
     bitwise = same(res["turns"], res["product"])
     del res, grads
     med, times, clocks = interleave(runs, rounds, 5 if train else 10)
-    kind = "train" if train else "fwd"
     print(f"{name} {kind}: bitwise {bitwise}  " + "  ".join(
         f"{k} {med[k]:.3f} ms @{clocks[k]}" for k in med) +
         f"  turns/product {med['turns'] / med['product']:.3f}", flush=True)
@@ -135,7 +136,8 @@ def layer(name: str, rounds: int, train: bool) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral,gptoss_120b")
-    ap.add_argument("--train-shapes", default="dsv3_ep8_rank,qwen3_30b")
+    ap.add_argument("--train-shapes", default="dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral,gptoss_120b")
+    ap.add_argument("--megakernel-shapes", default="dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral,gptoss_120b")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-gemms", action="store_true")
     ap.add_argument("--json", default=None)
@@ -144,9 +146,10 @@ def main(argv=None):
     if not args.skip_gemms:
         doc["gemms"] = gemms(args.rounds)
         save_probe_json(args.json, doc, argv)
-    for train, shapes in ((False, args.shapes), (True, args.train_shapes)):
+    for kind, shapes in (("fwd", args.shapes), ("train", args.train_shapes),
+                         ("megakernel", args.megakernel_shapes)):
         for name in filter(None, shapes.split(",")):
-            doc["layers"].append(layer(name, args.rounds, train))
+            doc["layers"].append(layer(name, args.rounds, kind))
             save_probe_json(args.json, doc, argv)
 
 
