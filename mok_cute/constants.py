@@ -113,7 +113,6 @@ class MegakernelSpec:
     defer_signals: bool = False
     save_preact: bool = False
     fp8: bool = False
-    mma_turns: bool = False  # EXPERIMENT: fp8 tasks' consumer warpgroups issue wgmmas in turns
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_comm_ctas < self.num_ctas:

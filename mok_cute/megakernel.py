@@ -554,8 +554,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
         rows_in_place=rows_in_place, tickets=tickets,
         # fp8's mainloop has no publish hook (its stages are released as it promotes)
         defer_signals=local_only and R == 1 and tickets != "static" and not use_fp8,
-        save_preact=save, fp8=use_fp8,
-        mma_turns=use_fp8 and bool(_experiment_static().get("mma_turns")))
+        save_preact=save, fp8=use_fp8)
     key = PlanKey(T, H, I, E_loc, Is, minibatch, ring, config.timeline_capacity, device,
                   None if group is None else (id(group), handle_type), fc1_lead,
                   x_in_place=local_only, local_only=local_only, spec=spec)
@@ -566,11 +565,6 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
             side = _VirtualSide(key, dev) if group is None else _IpcSide(key, dev, group, handle_type)
             plan = _PLANS[key] = Plan(key, side)
     return plan
-
-
-def _experiment_static():  # EXPERIMENT: the FP8 GEMMs' A/B switches
-    from mok_cute.kernels import gemm_fp8
-    return gemm_fp8.EXPERIMENT_STATIC
 
 
 def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,

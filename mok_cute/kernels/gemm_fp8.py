@@ -23,9 +23,11 @@ element, where ``s = 2^(e_a[row] + e_b[block])`` is exact: one integer add and t
 built from its exponent bits (``pow2_f32``: normal, subnormal down to 2^-149, 0 below, inf
 above 2^127). Both accumulators are full tiles: a 128 x 192 tile holds 96 + 96 fp32 per
 consumer thread (``../shared/notes/anchors.md``: 0 spills; 128 x 256 would spill). The tensor
-cores idle while a warpgroup promotes (both consumer warpgroups promote the same group at
-about the same time): the cost of this first version, about 100 FFMA-issue cycles per
-warp per 128-K group against about 750 cycles of wgmma at 128 x 192 x 128.
+cores idle while a warpgroup promotes when both consumer warpgroups promote the same group
+at about the same time (about 100 FFMA-issue cycles per warp per 128-K group against about
+750 cycles of wgmma at 128 x 192 x 128); the 256-wide FC1 has them issue their wgmma
+batches in turns instead (``PromotingMainloop.wait_mma_turn``), one warpgroup's promotion
+under the other's wgmmas.
 
 Scales. Each consumer thread owns two rows of the tile (the wgmma accumulator layout: warp w
 rows 16 w .. 16 w + 15, lane l rows l / 4 and l / 4 + 8) and reads their exponents from
@@ -173,7 +175,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 
     def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False,
-                 quantize_h: bool = False, mma_turns: bool = False):
+                 quantize_h: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         widths = {"store": TILE_NS, "swiglu": SWIGLU_TILE_NS, "dgated": (128,)}[epilogue]
@@ -197,7 +199,9 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         self.half_mma = None
         # FC1 writes h as e4m3 with its 1 x 128 exponents (``store_h_fp8``), not bf16
         self.quantize_h = quantize_h
-        self.mma_turns = mma_turns  # EXPERIMENT: consumer warpgroups issue wgmmas in turns
+        # 256-wide FC1: the consumer warpgroups issue their wgmma batches in turns
+        # (``PromotingMainloop.wait_mma_turn``; FC2 and the 128-wide tiles tied or lost)
+        self.mma_turns = self.swiglu and self.half_promote
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
         self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
         self.b_rows_per_load = self.out_tile_n
@@ -341,15 +345,14 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
             tile_idx = cute.arch.block_idx()[0]
             loads = Int32(0)
             subtiles_done = Int32(0)
-            turns = None
+            turns = None  # (mine, theirs): the warpgroups' turns at issuing wgmmas
             if const_expr(self.mma_turns):
                 turns = (pipeline.NamedBarrier(
                     barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer,
                     num_threads=self.num_mma_threads),
                     pipeline.NamedBarrier(
                     barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer,
-                    num_threads=self.num_mma_threads),
-                    cutlass.select_(consumer == 0, Int32(1), Int32(0)))
+                    num_threads=self.num_mma_threads))
             while tile_idx < num_tiles:
                 m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
                 expert = mTileExpert[m_tile]
@@ -360,12 +363,10 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
                         ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up, loads,
                         k_tile_cnt, num_k_blocks, exps,
                         turns=None if const_expr(turns is None) else
-                        (turns[0], turns[1], turns[2] * cutlass.select_(loads == 0, Int32(1), Int32(0))))
+                        (*turns, consumer + loads))
                 else:
                     self.promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                                            loads, k_tile_cnt, num_k_blocks, exps,
-                                            None if const_expr(turns is None) else
-                                            (turns[0], turns[1], turns[2] * cutlass.select_(loads == 0, Int32(1), Int32(0))))
+                                            loads, k_tile_cnt, num_k_blocks, exps)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
@@ -433,7 +434,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
     @cute.jit
     def promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
                            loads: Int32, k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int],
-                           exps: GroupExponents, turns=None):
+                           exps: GroupExponents):
         """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
         stage, promote into ``acc`` with the group's scales (loaded one group ahead).
@@ -443,16 +444,12 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
         for k in range(k_tiles):
             ab_pipeline.consumer_wait(read)
-            if const_expr(turns is not None):
-                self.wait_mma_turn(turns, k == 0)
             cute.nvgpu.warpgroup.fence()
             for kb in cutlass.range_constexpr(num_k_blocks):
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
                 cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
                           tCrB[(None, None, kb, read.index)], partial)
             cute.nvgpu.warpgroup.commit_group()
-            if const_expr(turns is not None):
-                turns[1].arrive()
             # the next group's exponents, under the wgmmas (the last tile re-reads its own)
             nxt = self.group_exponents(exps, cutlass.min(k + 1, k_tiles - 1))
             cute.nvgpu.warpgroup.wait_group(0)
@@ -467,7 +464,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
                              epilogue: str = "store", group_m: int = 8, num_sms: int = 132,
                              b_split_k: bool = False, save_preact: bool = False,
-                             quantize_h: bool = False, mma_turns: bool = False):
+                             quantize_h: bool = False):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
@@ -480,8 +477,7 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     and the last two arguments are h's e4m3 bytes ``(M, I)`` int8 and exponents ``(M, I/128)``
     int8."""
     gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h,
-                              mma_turns=mma_turns)
+                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -589,13 +585,10 @@ def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torc
     return out
 
 
-EXPERIMENT_STATIC: dict = {}  # EXPERIMENT: static options the A/B probes switch (mma_turns)
-
-
 def _compiled(name: str, device: torch.device, tile_n: int, group_m: int, **static):
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     return jit.compile_kernel(name, jit.device_arch(device), tile_n=tile_n, group_m=group_m,
-                              num_sms=num_sms, **static, **EXPERIMENT_STATIC)
+                              num_sms=num_sms, **static)
 
 
 def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,

@@ -563,16 +563,6 @@ class GemmTasks:
         # defer_signals: the counter of the FC1 / FC2 task whose publish is held back (-1:
         # none) and its type
         held, held_type = Int32(-1), Int32(-1)
-        # EXPERIMENT mma_turns: (mine, theirs); turn_first 1 until warpgroup 0's first batch
-        mma_turn_bars = None
-        turn_first = cutlass.select_(warpgroup_idx == 1, Int32(1), Int32(0))
-        if const_expr(self.spec.mma_turns):
-            mma_turn_bars = (pipeline.NamedBarrier(
-                barrier_id=int(common.NamedBarriers.MMA_ORDER) + warpgroup_idx - 1,
-                num_threads=self.num_mma_threads),
-                pipeline.NamedBarrier(
-                barrier_id=int(common.NamedBarriers.MMA_ORDER) + 2 - warpgroup_idx,
-                num_threads=self.num_mma_threads))
         while index >= 0:
             run, noop, ttype = self._task_kind(ctx, tt, ticket_q, taken, index, rank)
             k_tiles = self._k_tiles(ttype, stores.t_y, stores.t_h, stores.t_sh_h, stores.t_y,
@@ -603,10 +593,7 @@ class GemmTasks:
                         self._fp8_mainloop(ctx, tt, routing, ticket_q, taken, index, rank,
                                            ttype, fp8_ops, ab_pipeline, half_mma, acc, halves,
                                            loads, k_tiles, consumer_tidx,
-                                           hook_args if const_expr(self.spec.timeline) else None,
-                                           None if const_expr(mma_turn_bars is None) else
-                                           (*mma_turn_bars, turn_first))
-                        turn_first = Int32(0)
+                                           hook_args if const_expr(self.spec.timeline) else None)
                     if const_expr(self.spec.has_shared):
                         if not routed:
                             release = self.mainloop(
