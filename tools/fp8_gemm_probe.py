@@ -1,10 +1,12 @@
-"""One-off timing probe (CUDA events, interleaved): the FP8 grouped GEMMs (promoted) against
-the bf16 expert-path GEMMs on dsv3's FC2 (E = 32 x 1024 rows, N = 7168, K = 2048) and FC1
-(N = 2 x 2048 gate | up, K = 7168, SwiGLU), each FP8 kernel at its tile widths (128: one
-partial beside the accumulator; 192: two full accumulators, FC2 only; 256: one N-half
-promoted at a time). Prints TFLOP/s.
+"""Timing probe (CUDA events, interleaved rounds, SM clock sampled): the FP8 grouped GEMMs
+(promoted) against the bf16 expert-path GEMMs and cuBLAS's blockwise FP8 (``torch._scaled_mm``,
+1 x 128 / 128 x 128 scales, the same FLOPs as one dense GEMM) on dsv3's FC2 (E = 32 x 1024
+rows, N = 7168, K = 2048) and FC1 (N = 2 x 2048 gate | up, K = 7168, SwiGLU), each FP8 kernel
+at its tile widths (128: one partial beside the accumulator; 192: two full accumulators, FC2
+only; 256: one N-half promoted at a time). ``--rep-ms``: each measurement's length (short ones
+run near the top clock; long ones at the H200's power cap). Prints TFLOP/s.
 
-    python tools/fp8_gemm_probe.py [--json out.json]
+    python tools/fp8_gemm_probe.py [--rep-ms 40] [--json out.json]
 """
 import argparse
 import json
@@ -12,14 +14,20 @@ import json
 import torch
 import triton.testing as tt
 
-from mok_cute import fp8
-from mok_cute.expert_path import grouped_gemm
-from mok_cute.kernels.gemm_fp8 import grouped_gemm_fp8, grouped_gemm_fp8_swiglu
+import sys
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from mok_cute import fp8  # noqa: E402
+from mok_cute.bench.gpu_clock import ClockSampler  # noqa: E402
+from mok_cute.expert_path import grouped_gemm  # noqa: E402
+from mok_cute.kernels.gemm_fp8 import grouped_gemm_fp8, grouped_gemm_fp8_swiglu  # noqa: E402
 
 E, ROWS, H, I = 32, 1024, 7168, 2048
 M = E * ROWS
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--json", default=None)
+p.add_argument("--rep-ms", type=int, default=40)
+p.add_argument("--rounds", type=int, default=3)
 args = p.parse_args()
 torch.manual_seed(0)
 tile_expert = torch.arange(M // 128, device="cuda", dtype=torch.int32) // (ROWS // 128)
@@ -45,19 +53,41 @@ for tile_n in (128, 192, 256):
 for tile_n in (128, 256):
     runs[f"fc1 fp8 {tile_n}"] = (lambda t=tile_n: grouped_gemm_fp8_swiglu(
         qx, ex, qg, eg, qu, eu, tile_expert, tiles, tile_n=t))
+
+
+def cublas_blockwise(a_q, e_a, w_q, e_w):
+    """cuBLAS's blockwise FP8 on one dense GEMM of the grouped problem's FLOPs: A [M, K] with
+    its 1 x 128 scales (fp32, column-major, as cuBLAS takes them), W [N, K] with 128 x 128."""
+    sa = fp8.pow2(e_a.int()).float().t().contiguous().t()
+    sb = fp8.pow2(e_w.int()).float().t()  # [K/128, N/128]
+    return lambda: torch._scaled_mm(a_q, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
+# the dense problems of the same FLOPs: A = all M rows, W = expert 0's weights (FC1: gate | up)
+w1 = torch.cat([qg[0], qu[0]]), torch.cat([eg[0], eu[0]])
+runs["fc1 cublas blockwise"] = cublas_blockwise(qx, ex, *w1)
+runs["fc2 cublas blockwise"] = cublas_blockwise(qh, eh, qd[0], ed[0])
+# sanity: cuBLAS's scales read as meant (first 256 rows against the dequantized operands)
+ref = fp8.dequantize_rows(qh[:256], eh[:256]) @ fp8.dequantize_blocks(qd[0], ed[0]).t()
+got = runs["fc2 cublas blockwise"]()[:256].float()
+print(f"cublas blockwise fc2 rel-L1 {((got - ref).abs().sum() / ref.abs().sum()).item():.2e}")
 for f in runs.values():
     f()
 torch.cuda.synchronize()
 res = {k: [] for k in runs}
-for _ in range(3):
-    for k, f in runs.items():
-        res[k].append(tt.do_bench(f, warmup=5, rep=40))
+with ClockSampler() as clock:
+    for r in range(args.rounds):
+        for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            with clock.window(k):
+                res[k].append(tt.do_bench(runs[k], warmup=5, rep=args.rep_ms))
+    clocks = {k: (clock.stats(k) or {}).get("sm_mhz_median") for k in runs}
 out = {}
 for k, v in res.items():
-    ms = sorted(v)[1]
-    out[k] = {"ms": ms, "tflops": flops[k[:3]] / ms / 1e9, "rounds": v}
-    print(f"{k:12s} {ms:.3f} ms  {out[k]['tflops']:.0f} TFLOP/s  rounds {[round(x, 3) for x in v]}")
+    ms = sorted(v)[len(v) // 2]
+    out[k] = {"ms": ms, "tflops": flops[k[:3]] / ms / 1e9, "rounds": v, "sm_mhz": clocks[k]}
+    print(f"{k:22s} {ms:.3f} ms  {out[k]['tflops']:.0f} TFLOP/s  @{clocks[k]} MHz  "
+          f"rounds {[round(x, 3) for x in v]}")
 if args.json:
     with open(args.json, "w") as f:
-        json.dump({"command": "python tools/fp8_gemm_probe.py", "gpu": torch.cuda.get_device_name(),
-                   "results": out}, f, indent=1)
+        json.dump({"command": "python tools/fp8_gemm_probe.py " + " ".join(sys.argv[1:]),
+                   "gpu": torch.cuda.get_device_name(), "results": out}, f, indent=1)
