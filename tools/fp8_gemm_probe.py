@@ -6,8 +6,13 @@ at its tile widths (128: one partial beside the accumulator; 192: two full accum
 only; 256: one N-half promoted at a time). ``--rep-ms``: each measurement's length (short ones
 run near the top clock; long ones at the H200's power cap). Prints TFLOP/s.
 
-    python tools/fp8_gemm_probe.py [--rep-ms 40] [--json out.json]
+    python tools/fp8_gemm_probe.py [--rep-ms 40] [--only REGEX] [--json out.json]
+
+``--profile``: each selected variant runs once between ``cudaProfilerStart`` / ``Stop``, no
+timing, for ``ncu --profile-from-start off --clock-control none ...`` (our FC1 against
+cuBLAS's on the same FLOPs: ``--only "fc1 fp8 256|fc1 cublas" --profile``).
 """
+import re
 import argparse
 import json
 
@@ -28,6 +33,8 @@ p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--json", default=None)
 p.add_argument("--rep-ms", type=int, default=40)
 p.add_argument("--rounds", type=int, default=3)
+p.add_argument("--only", default=None, help="a regex: the variants to run")
+p.add_argument("--profile", action="store_true", help="each variant once, for ncu")
 args = p.parse_args()
 torch.manual_seed(0)
 tile_expert = torch.arange(M // 128, device="cuda", dtype=torch.int32) // (ROWS // 128)
@@ -71,9 +78,20 @@ runs["fc2 cublas blockwise"] = cublas_blockwise(qh, eh, qd[0], ed[0])
 ref = fp8.dequantize_rows(qh[:256], eh[:256]) @ fp8.dequantize_blocks(qd[0], ed[0]).t()
 got = runs["fc2 cublas blockwise"]()[:256].float()
 print(f"cublas blockwise fc2 rel-L1 {((got - ref).abs().sum() / ref.abs().sum()).item():.2e}")
+if args.only:
+    runs = {k: f for k, f in runs.items() if re.search(args.only, k)}
 for f in runs.values():
     f()
 torch.cuda.synchronize()
+if args.profile:
+    torch.cuda.cudart().cudaProfilerStart()
+    for k, f in runs.items():
+        torch.cuda.nvtx.range_push(k)
+        f()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    sys.exit(0)
 res = {k: [] for k in runs}
 with ClockSampler() as clock:
     for r in range(args.rounds):
