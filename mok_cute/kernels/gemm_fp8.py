@@ -175,7 +175,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 
     def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False,
-                 quantize_h: bool = False):
+                 quantize_h: bool = False, double_partial: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         widths = {"store": TILE_NS, "swiglu": SWIGLU_TILE_NS, "dgated": (128,)}[epilogue]
@@ -202,6 +202,8 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         # 256-wide FC1: the consumer warpgroups issue their wgmma batches in turns
         # (``PromotingMainloop.wait_mma_turn``; FC2 and the 128-wide tiles tied or lost)
         self.mma_turns = self.swiglu and self.half_promote
+        # EXPERIMENT: 128-wide tiles hold two partials; group k + 1's wgmmas run while k promotes
+        self.double_partial = double_partial and not self.half_promote
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
         self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
         self.b_rows_per_load = self.out_tile_n
@@ -365,8 +367,13 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
                         turns=None if const_expr(turns is None) else
                         (*turns, consumer + loads))
                 else:
-                    self.promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                                            loads, k_tile_cnt, num_k_blocks, exps)
+                    if const_expr(self.double_partial):
+                        self.double_promoting_mainloop(
+                            ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
+                            num_k_blocks, exps)
+                    else:
+                        self.promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
+                                                loads, k_tile_cnt, num_k_blocks, exps)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
@@ -460,11 +467,76 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read
 
+    @cute.jit
+    def double_promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
+                                  loads: Int32, k_tiles: Int32,
+                                  num_k_blocks: cutlass.Constexpr[int], exps: GroupExponents):
+        """EXPERIMENT: ``promoting_mainloop`` with two partials: group k's wgmmas are issued
+        into partial k % 2 before group k - 1's are waited for (``wait_group(1)``) and promoted
+        from the other. Group 0 peeled, then whole pairs (no guard inside the loop: every
+        path into the loop head has the same partial in flight), then the tail."""
+        parts = (partial, cute.make_rmem_tensor(partial.shape, self.acc_dtype))
+        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        done = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        acc.fill(0.0)
+        e_prev = self.group_exponents(exps, Int32(0))
+        ab_pipeline.consumer_wait(read)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(tiled_mma, parts[0], tCrA[(None, None, kb, read.index)],
+                      tCrB[(None, None, kb, read.index)], parts[0])
+        cute.nvgpu.warpgroup.commit_group()
+        read.advance()
+        for kk in range(1, k_tiles - 1, 2):
+            for j in cutlass.range_constexpr(2):  # group kk + j into partial 1 - j
+                e_next = self.group_exponents(exps, kk + j)
+                ab_pipeline.consumer_wait(read)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(tiled_mma, parts[1 - j], tCrA[(None, None, kb, read.index)],
+                              tCrB[(None, None, kb, read.index)], parts[1 - j])
+                cute.nvgpu.warpgroup.commit_group()
+                read.advance()
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipeline.consumer_release(done)
+                done.advance()
+                ea0, ea1, eb0, eb1 = e_prev
+                self.promote(acc, parts[j], ea0, ea1, eb0, eb1, exps.n_tile)
+                e_prev = e_next
+        if k_tiles % 2 == 0:  # the last group (k_tiles - 1, odd) into partial 1
+            e_next = self.group_exponents(exps, k_tiles - 1)
+            ab_pipeline.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(tiled_mma, parts[1], tCrA[(None, None, kb, read.index)],
+                          tCrB[(None, None, kb, read.index)], parts[1])
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(done)
+            done.advance()
+            ea0, ea1, eb0, eb1 = e_prev
+            self.promote(acc, parts[0], ea0, ea1, eb0, eb1, exps.n_tile)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(done)
+            ea0, ea1, eb0, eb1 = e_next
+            self.promote(acc, parts[1], ea0, ea1, eb0, eb1, exps.n_tile)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(done)
+            ea0, ea1, eb0, eb1 = e_prev
+            self.promote(acc, parts[0], ea0, ea1, eb0, eb1, exps.n_tile)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        return read
+
 # ---------------------------------------------------------------------- compile (no GPU)
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
                              epilogue: str = "store", group_m: int = 8, num_sms: int = 132,
                              b_split_k: bool = False, save_preact: bool = False,
-                             quantize_h: bool = False):
+                             quantize_h: bool = False, double_partial: bool = False):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
@@ -477,7 +549,8 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     and the last two arguments are h's e4m3 bytes ``(M, I)`` int8 and exponents ``(M, I/128)``
     int8."""
     gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h)
+                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h,
+                              double_partial=double_partial)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -585,10 +658,14 @@ def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torc
     return out
 
 
+EXPERIMENT_STATIC: dict = {}  # EXPERIMENT: static options an A/B probe switches (double_partial)
+
+
 def _compiled(name: str, device: torch.device, tile_n: int, group_m: int, **static):
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    extra = EXPERIMENT_STATIC if tile_n == 128 else {}
     return jit.compile_kernel(name, jit.device_arch(device), tile_n=tile_n, group_m=group_m,
-                              num_sms=num_sms, **static)
+                              num_sms=num_sms, **static, **extra)
 
 
 def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,
