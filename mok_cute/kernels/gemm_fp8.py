@@ -27,7 +27,8 @@ cores idle while a warpgroup promotes when both consumer warpgroups promote the 
 at about the same time (about 100 FFMA-issue cycles per warp per 128-K group against about
 750 cycles of wgmma at 128 x 192 x 128); the 256-wide FC1 has them issue their wgmma
 batches in turns instead (``PromotingMainloop.wait_mma_turn``), one warpgroup's promotion
-under the other's wgmmas.
+under the other's wgmmas, and a 128-wide tile keeps two partials, so each warpgroup issues the
+next group's wgmmas before it promotes (``pipelined_promoting_mainloop``).
 
 Scales. Each consumer thread owns two rows of the tile (the wgmma accumulator layout: warp w
 rows 16 w .. 16 w + 15, lane l rows l / 4 and l / 4 + 8) and reads their exponents from
@@ -156,9 +157,10 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
     """``GroupedGemmSm90`` on e4m3 operands with 1 x 128 / 128 x 128 power-of-two scales and a
     promoting mainloop (module docstring). Cooperative consumers.
 
-    :param tile_n: CTA tile width in N (the wgmma width). store: 128 (default: measured
-        faster on dsv3 FC2, 1019 vs 860 TFLOP/s) or 192 (two 128 x 192 fp32 accumulators).
-        swiglu: 128 = 64 gate + 64 up columns, h tiles 128 x 64.
+    :param tile_n: CTA tile width in N (the wgmma width). store: 128 (two partials,
+        pipelined), 192 (two 128 x 192 fp32 accumulators; slower on dsv3's FC2, 850-890
+        against ~1000 TFLOP/s) or 256 (one N-half promoted at a time; the layer's FC2).
+        swiglu: 128 = 64 gate + 64 up columns, h tiles 128 x 64; 256 (the layer's FC1).
     :param epilogue: ``"store"`` (FC2: out = bf16(acc)) or ``"swiglu"`` (FC1: gate and up
         from two weight tensors into the two halves of each B stage, as ``GroupedGemmSm90``;
         h = bf16(silu(bf16(g)) * bf16(u)) by the core's swiglu epilogue, the same code and
@@ -175,7 +177,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 
     def __init__(self, tile_n: int = 128, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, b_split_k: bool = False, save_preact: bool = False,
-                 quantize_h: bool = False, double_partial: bool = False):
+                 quantize_h: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         widths = {"store": TILE_NS, "swiglu": SWIGLU_TILE_NS, "dgated": (128,)}[epilogue]
@@ -202,8 +204,9 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         # 256-wide FC1: the consumer warpgroups issue their wgmma batches in turns
         # (``PromotingMainloop.wait_mma_turn``; FC2 and the 128-wide tiles tied or lost)
         self.mma_turns = self.swiglu and self.half_promote
-        # EXPERIMENT: 128-wide tiles hold two partials; group k + 1's wgmmas run while k promotes
-        self.double_partial = double_partial and not self.half_promote
+        # 128 wide: two partials beside the accumulator (64 + 64 + 64 fp32 a thread), group
+        # k + 1's wgmmas run while group k promotes (``pipelined_promoting_mainloop``)
+        self.two_partials = tile_n == GROUP
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
         self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
         self.b_rows_per_load = self.out_tile_n
@@ -367,8 +370,8 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
                         turns=None if const_expr(turns is None) else
                         (*turns, consumer + loads))
                 else:
-                    if const_expr(self.double_partial):
-                        self.double_promoting_mainloop(
+                    if const_expr(self.two_partials):
+                        self.pipelined_promoting_mainloop(
                             ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
                             num_k_blocks, exps)
                     else:
@@ -445,7 +448,8 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
         stage, promote into ``acc`` with the group's scales (loaded one group ahead).
-        Returns the state after the tile's last stage."""
+        Returns the state after the tile's last stage. The 192-wide tiles' (96 + 96 fp32 a
+        thread: no room for a second partial; 128-wide tiles pipeline theirs)."""
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
@@ -468,13 +472,17 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         return read
 
     @cute.jit
-    def double_promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                                  loads: Int32, k_tiles: Int32,
-                                  num_k_blocks: cutlass.Constexpr[int], exps: GroupExponents):
-        """EXPERIMENT: ``promoting_mainloop`` with two partials: group k's wgmmas are issued
-        into partial k % 2 before group k - 1's are waited for (``wait_group(1)``) and promoted
-        from the other. Group 0 peeled, then whole pairs (no guard inside the loop: every
-        path into the loop head has the same partial in flight), then the tail."""
+    def pipelined_promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
+                                     loads: Int32, k_tiles: Int32,
+                                     num_k_blocks: cutlass.Constexpr[int],
+                                     exps: GroupExponents):
+        """``promoting_mainloop`` for 128-wide tiles, with two partials: group k's wgmmas are
+        issued into partial k % 2 before group k - 1's are waited for (``wait_group(1)``),
+        released and promoted from the other, so a warpgroup's tensor work runs under its own
+        promotion (2026-12-04: FC1's dgrad 4-11 % faster, FC2 -2 to +7 %; bitwise the same).
+        Group 0 is peeled, the loop takes whole pairs and the last group follows it: no guard
+        inside the loop, so every path into its head has the same partial in flight (with a
+        guarded group inside, ptxas serialized every wgmma, C7514)."""
         parts = (partial, cute.make_rmem_tensor(partial.shape, self.acc_dtype))
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         done = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
@@ -536,7 +544,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,
                              epilogue: str = "store", group_m: int = 8, num_sms: int = 132,
                              b_split_k: bool = False, save_preact: bool = False,
-                             quantize_h: bool = False, double_partial: bool = False):
+                             quantize_h: bool = False):
     """Compile ``GroupedGemmFp8Sm90`` on fake tensors (no GPU needed): M, N (% 128), K (% 128)
     and the expert count at run time. The result takes torch tensors (TVM-FFI): ``A (M, K, 1)``
     and ``W (N, K, E)`` int8 views of the e4m3 data, ``W_up (N, K, E)`` (swiglu; else None),
@@ -549,8 +557,7 @@ def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n:
     and the last two arguments are h's e4m3 bytes ``(M, I)`` int8 and exponents ``(M, I/128)``
     int8."""
     gemm = GroupedGemmFp8Sm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
-                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h,
-                              double_partial=double_partial)
+                              b_split_k=b_split_k, save_preact=save_preact, quantize_h=quantize_h)
     m, num_experts = cute.sym_int32(), cute.sym_int32()
     k = cute.sym_int32(divisibility=GROUP)
     n = cute.sym_int32(divisibility=GROUP)
@@ -658,14 +665,10 @@ def _kernel_operands(operands, out: torch.Tensor | None, m: int, n: int) -> torc
     return out
 
 
-EXPERIMENT_STATIC: dict = {}  # EXPERIMENT: static options an A/B probe switches (double_partial)
-
-
 def _compiled(name: str, device: torch.device, tile_n: int, group_m: int, **static):
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    extra = EXPERIMENT_STATIC if tile_n == 128 else {}
     return jit.compile_kernel(name, jit.device_arch(device), tile_n=tile_n, group_m=group_m,
-                              num_sms=num_sms, **static, **extra)
+                              num_sms=num_sms, **static)
 
 
 def grouped_gemm_fp8(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_w: torch.Tensor,
