@@ -38,18 +38,40 @@ def reports(tmp_path_factory):
     return get
 
 
+# The 128-wide tiles' pipelined mainloop (``pipelined_promoting_mainloop``) has four copies of
+# a group's wgmma issue (group 0, the loop's pair, the last group) and five of its promotion
+# (the pair's two, the even tail's two, the odd tail's one); it waits with one group pending.
+PIPELINED_ISSUES, PIPELINED_PROMOTIONS = 4, 5
+
+
+def assert_pipelined_promotion(ptx: str, epilogue_ffmas: int = 0) -> None:
+    """A 128-wide FP8 tile's mainloop in PTX: m64n128k32 e4m3 wgmmas in batches of four per
+    128-deep group, each batch's first overwriting its partial, one fma.rn.f32 per
+    accumulator element per promotion (64 a thread), group k - 1 waited for with group k in
+    flight (``wait_group 1``)."""
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)
+    assert len(wgmmas) == 4 * PIPELINED_ISSUES, len(wgmmas)
+    assert wgmma_scale_d(ptx) == [0, 1, 1, 1] * PIPELINED_ISSUES
+    assert len(re.findall(r"fma\.rn\.f32", ptx)) == 64 * PIPELINED_PROMOTIONS + epilogue_ffmas
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)
+
+
 @pytest.mark.parametrize("tile_n", [192, 128])
 def test_compiles_with_e4m3_wgmma_and_one_ffma_per_element_per_group(tile_n, reports):
     rep = reports(tile_n)
     ptx = open(rep.ptx_path).read()
     assert re.search(r"^\.target sm_90a", ptx, re.M)
-    # one 128-deep K group = four k32 e4m3 wgmmas (the group loop is a run-time loop)
-    wgmmas = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k32\.f32\.e4m3\.e4m3", ptx)
-    assert len(wgmmas) == 4, len(wgmmas)
     assert "bf16.bf16" not in ptx
-    # promotion: one fma.rn.f32 per accumulator element (64 x tile_n per warpgroup / 128 threads)
-    assert len(re.findall(r"fma\.rn\.f32", ptx)) == 64 * tile_n // 128
-    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)
+    if tile_n == 128:
+        assert_pipelined_promotion(ptx)
+    else:
+        # one 128-deep K group = four k32 e4m3 wgmmas (the group loop is a run-time loop);
+        # promotion: one fma.rn.f32 per accumulator element (64 x 192 a warpgroup / 128 threads)
+        wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32\.f32\.e4m3\.e4m3", ptx)
+        assert len(wgmmas) == 4, len(wgmmas)
+        assert len(re.findall(r"fma\.rn\.f32", ptx)) == 96
+        assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global\.tile\.mbarrier", ptx)
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40", ptx)
@@ -59,8 +81,9 @@ def test_compiles_with_e4m3_wgmma_and_one_ffma_per_element_per_group(tile_n, rep
 @pytest.mark.parametrize("tile_n", [192, 128])
 def test_first_wgmma_of_a_group_overwrites_the_partial(tile_n, reports):
     """scale-d of the four wgmmas of a group: 0 for the first (the partial is overwritten, no
-    zeroing pass), 1 for the other three."""
-    assert wgmma_scale_d(open(reports(tile_n).ptx_path).read()) == [0, 1, 1, 1]
+    zeroing pass), 1 for the other three (128 wide: in each copy of the group's issue)."""
+    copies = PIPELINED_ISSUES if tile_n == 128 else 1
+    assert wgmma_scale_d(open(reports(tile_n).ptx_path).read()) == [0, 1, 1, 1] * copies
 
 
 def wgmma_scale_d(ptx: str) -> list[int]:

@@ -15,7 +15,7 @@ from mok_cute import fp8, jit
 from mok_cute.constants import TILE_M
 from mok_cute.kernels import gemm_fp8
 from test_gemm_fp8 import (REL_L1, ROW_REL_L1, _check, _promoted_model, _quantized, _segments,
-                           rel_l1, wgmma_scale_d)
+                           assert_pipelined_promotion, rel_l1)
 
 
 def _split_operands(m, n, k1, k2, experts, gen, device="cpu"):
@@ -34,10 +34,7 @@ def report(tmp_path_factory):
 
 def test_split_k_compiles_like_fc2_with_two_w_sources(report, tmp_path):
     ptx = open(report.ptx_path).read()
-    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)
-    assert len(wgmmas) == 4, len(wgmmas)
-    assert len(re.findall(r"fma\.rn\.f32", ptx)) == 64
-    assert wgmma_scale_d(ptx) == [0, 1, 1, 1]
+    assert_pipelined_promotion(ptx)
     # the producer's two W sources: twice the FC2 kernel's 3-D TMA loads of W [N, K, E]
     # (one copy of its issue code for each tensor: k < K1 from W1, else W2)
     fc2 = open(jit.inspect_kernel("gemm_fp8_fc2", "sm_90a", tmp_path).ptx_path).read()
@@ -140,8 +137,7 @@ def dgated_report(tmp_path_factory):
 
 def test_fp8_dgated_compiles_with_the_promotion_and_three_stored_outputs(dgated_report):
     ptx = open(dgated_report.ptx_path).read()
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)) == 4
-    assert wgmma_scale_d(ptx) == [0, 1, 1, 1]
+    assert_pipelined_promotion(ptx, epilogue_ffmas=128)  # the dgated epilogue's own 128
     # dG, dU, h' through smem by TMA: 3 outputs x 4 subtiles of a 128-wide tile
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == 3 * 4
     assert ptx.count("shfl.sync.bfly") == 4  # the row partials: two rows, two shuffles each
