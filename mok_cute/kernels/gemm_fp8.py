@@ -482,7 +482,10 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         promotion (2026-12-04: FC1's dgrad 4-11 % faster, FC2 -2 to +7 %; bitwise the same).
         Group 0 is peeled, the loop takes whole pairs and the last group follows it: no guard
         inside the loop, so every path into its head has the same partial in flight (with a
-        guarded group inside, ptxas serialized every wgmma, C7514)."""
+        guarded group inside, ptxas serialized every wgmma, C7514). A group's issue and
+        retirement are written out at each of their places: the accumulate field set in a
+        helper, and a pipeline state advanced in one, escape the loop's region (the DSL
+        refuses both), and this is the code that ran on the H200."""
         parts = (partial, cute.make_rmem_tensor(partial.shape, self.acc_dtype))
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         done = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
