@@ -7,9 +7,10 @@ half-wide fp32 partial (the group's first wgmma with accumulate off), wait, and 
 ``acc += 2^(e_a[row] + e_b[block]) * partial`` with one FFMA an element (``pow2_f32``: the
 scale built from its exponent bits, exact); then N-half 1's, whose wgmmas hide the next
 group's exponent loads. With ``turns`` the two consumer warpgroups issue their batches in
-turns, one's promotion under the other's wgmmas (``wait_mma_turn``). The class that mixes it in supplies ``group_exponents(exps, group)
--> (ea0, ea1, eb0, eb1)``: this thread's two rows' A exponents and the tile's two W block
-exponents (one per N-half) of K group ``group``, from what it passed as ``exps``.
+turns, one's promotion under the other's wgmmas (``wait_mma_turn``). The class that mixes it
+in supplies ``group_exponents(exps, group) -> (ea0, ea1, eb0, eb1)``: this thread's two rows'
+A exponents and the tile's two W block exponents (one per N-half) of K group ``group``, from
+what it passed as ``exps``.
 ``gemm_fp8``'s module docstring has the numerics and the measured costs.
 """
 

@@ -448,8 +448,9 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
         stage, promote into ``acc`` with the group's scales (loaded one group ahead).
-        Returns the state after the tile's last stage. The 192-wide tiles' (96 + 96 fp32 a
-        thread: no room for a second partial; 128-wide tiles pipeline theirs)."""
+        Returns the state after the tile's last stage. Used by the 192-wide tiles (96 + 96
+        fp32 a thread leave no room for a second partial; the 128-wide tiles pipeline theirs,
+        ``pipelined_promoting_mainloop``)."""
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
