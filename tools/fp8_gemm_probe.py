@@ -3,8 +3,9 @@
 1 x 128 / 128 x 128 scales, the same FLOPs as one dense GEMM) on dsv3's FC2 (E = 32 x 1024
 rows, N = 7168, K = 2048) and FC1 (N = 2 x 2048 gate | up, K = 7168, SwiGLU), each FP8 kernel
 at its tile widths (128: two partials beside the accumulator, pipelined; 192: two full
-accumulators, FC2 only; 256: one N-half promoted at a time). ``--rep-ms``: each measurement's length (short ones
-run near the top clock; long ones at the H200's power cap). Prints TFLOP/s.
+accumulators, FC2 only; 256: one N-half promoted at a time). ``--rep-ms``: each
+measurement's length (short ones run near the top clock; long ones at the H200's power cap).
+Prints TFLOP/s.
 
     python tools/fp8_gemm_probe.py [--rep-ms 40] [--only REGEX] [--json out.json]
 
