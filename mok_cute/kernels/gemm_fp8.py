@@ -369,14 +369,12 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
                         k_tile_cnt, num_k_blocks, exps,
                         turns=None if const_expr(turns is None) else
                         (*turns, consumer + loads))
+                elif const_expr(self.two_partials):
+                    self.pipelined_promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA,
+                                                      tCrB, loads, k_tile_cnt, num_k_blocks, exps)
                 else:
-                    if const_expr(self.two_partials):
-                        self.pipelined_promoting_mainloop(
-                            ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB, loads, k_tile_cnt,
-                            num_k_blocks, exps)
-                    else:
-                        self.promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                                                loads, k_tile_cnt, num_k_blocks, exps)
+                    self.promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
+                                            loads, k_tile_cnt, num_k_blocks, exps)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
