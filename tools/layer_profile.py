@@ -35,7 +35,7 @@ def save_probe_json(path, fields: dict, argv=None) -> None:
     doc = {"command": " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
            "gpu": torch.cuda.get_device_name(), **fields}
     with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+        json.dump(doc, f, separators=(",", ":"))  # compact, as mok_cute.bench.results
 
 
 def probe_shapes(shapes: str, probe, path, argv=None, doc: dict | None = None) -> dict:

@@ -169,7 +169,7 @@ def save_results(results: list[dict[str, Any]], out_dir: Path, tag: str, gpu: st
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = result_path(out_dir, gpu, tag, time.strftime("%Y-%m-%d", now))
     with open(json_path, "w") as f:
-        json.dump(doc, f, indent=1)
+        json.dump(doc, f, separators=(",", ":"))  # compact: the repo travels to the GPU host
     png_path = plot_results(results if chart is None else chart, json_path.with_suffix(".png"),
                             title=title(doc["date"][:10]))
     return json_path, png_path
