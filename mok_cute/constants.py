@@ -12,6 +12,12 @@ MAX_TOP_K = 16  # the k-sums unroll K at compile time
 # Megakernel
 TASK_TILE_N = 256  # output columns of an FC1 (half gate, half up) or FC2 task
 BACKWARD_TILE_N = 256  # the backward megakernel's N-tile: FC2_DGRAD over I, FC1_DGRAD over H
+# the backward megakernel's comm tasks (kernels/megakernel/backward_comm.py): rows per task, the
+# dgated partial columns a row's sum takes (I <= 32768 at N-tile 128), int64 scalars (the
+# symmetric fields' offsets, top_k)
+BACKWARD_COMM_ROWS = 32
+BACKWARD_MAX_PARTIAL_COLS = 256
+BACKWARD_COMM_SCALARS = 6
 # FC2's dgrad (one-GPU launch and backward megakernel alike) runs as pingpong 128-wide tiles up to
 # this K (= H), as cooperative 128 x 256 ones above it: pingpong / cooperative measured gptoss 0.91,
 # mixtral 0.81, sonic 0.89, qwen3 1.01, dsv3 (K 7168) 1.03 (H200, docs/measurements.md, 2026-12-02)

@@ -7,28 +7,26 @@ Per call, on every rank of the group (each must run it, as a collective):
 
     own fields <- x, d_out, router weights           (the source side, for the peers to pull)
     barrier 0                                        (flag "started" of a new epoch)
-    pull: d_out rows, x rows, router weights of this rank's receive rows from their sources
-    the dgrads of this rank's experts                (the backward megakernel's dgrad tasks,
-                                                      as the virtual ranks' backward: the
-                                                      launches' 128-wide FC2 dgrad tiles would
-                                                      sum d_topk's row partials in another order)
-    push: dx rows and d_topk partials into the source's (token, k) slot (``combine``,
-          ``d_topk_partials`` fields)
-    the weight gradients (``gemm_wgrad``)            (a slow peer's pushes land under them)
+    one backward-megakernel launch per local rank (``megakernel_backward.expert_grads_over_peers``):
+      comm CTAs pull the d_out rows, router weights and x rows of this rank's receive rows
+      from their sources while the compute CTAs run the dgrads as the rows arrive (the
+      virtual ranks' backward's tiles: the launches' 128-wide FC2 dgrad tiles would sum
+      d_topk's row partials in another order); the comm CTAs push each dx row and its
+      partials' sum into the source's (token, k) slot (``combine``, ``d_topk_partials``
+      fields) as its tile's FC1 dgrads finish, under the weight gradients
     barrier 1                                        (flag "done": every push has landed)
     d_x = fixed-order k-sum of the pushed dx rows (+ the shared expert's dx), d_topk_weights
           from the pushed partials; the shared expert's backward is local
 
-The copies are ``kernels.peer_rows`` launches from address tables built on the device from the
-receive schedule (no host sync). Rows are pulled again rather than kept from the forward (the
-forward's ring belongs to the plan, whose next call may be another layer's). Every expert rank
-computes dx and the partials of every row routed to it whatever its own ``needs`` say: they
-are its peers' gradients.
+No host sync: the comm tasks read the receive schedule on the device. Rows are pulled again
+rather than kept from the forward (the forward's ring belongs to the plan, whose next call may
+be another layer's). Every expert rank computes dx and the partials of every row routed to it
+whatever its own ``needs`` say: they are its peers' gradients.
 
-An FP8 plan (``MoKConfig(precision="fp8")``): the dgrads are the one-GPU FP8 kernels
+An FP8 plan (``MoKConfig(precision="fp8")``): the copies are ``kernels.peer_rows`` launches
+from address tables built on the device, around the one-GPU FP8 dgrads
 (``expert_path_fp8.expert_dgrads``) on the pulled d_out rows, zero-padded to H' = whole 128
-groups, and the weight gradients FP8 where ``expert_backward.fp8_weight_grads`` says so; the
-comm is bf16's.
+groups, and the weight gradients FP8 where ``expert_backward.fp8_weight_grads`` says so.
 
 Numerics: a row's dgrads depend on that row alone, the k-sum runs in ascending k in fp32 and
 rounds once, the weight gradients sum an expert's rows in schedule order: d_x and
@@ -41,8 +39,8 @@ Failures: a barrier wait that gives up (a dead or silent peer) records the plan'
 error word; ``PeerTimeoutError`` (naming the waiting rank and the peer) is raised at the plan's
 next call or by ``mok_cute.check_errors()``, and that call's gradients are incomplete.
 
-Not yet the design's one launch (issue 32): the copies run between the GEMM launches on one
-stream, so only barrier 1's wait overlaps work (this rank's weight gradients).
+Not yet the design's one launch (issue 32): the barriers, the k-sums and the shared expert
+are launches of their own.
 """
 
 from __future__ import annotations
@@ -57,6 +55,8 @@ from mok_cute.expert_path_fp8 import padded
 __all__ = ["moe_backward_group"]
 
 _BF16 = 2
+# TEMPORARY (A/B, tools/group_backward_probe.py): False runs bf16's comm as launches of their own
+ONE_LAUNCH = True
 _SLOT_ROW = 16  # bytes of one slot's fp32 value padded to a 16-byte row
 
 
@@ -114,7 +114,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     with plan.lock:  # the plan's epoch, scalars and buffers: one call at a time
         plan.backward_errors.check(block=False, last_call=plan.backward_calls,
                                    rank_base=side.rank_base)  # an earlier call's, without a sync
-        # 1. this rank's fields for the peers to pull, then barrier 0 of a new epoch
+        # this rank's fields for the peers to pull, then barrier 0 of a new epoch
         for fields, src in ((side.fields("x"), xs), (side.fields("d_out"), d_out)):
             for r in range(L):
                 fields[r].copy_(src[r])
@@ -123,66 +123,15 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             field[:, 0].copy_(weights32[r])
         plan.begin_backward(silent_rank)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
-
-        # 2. pull this rank's receive rows: d_out, x (for dW_gate / dW_up), router weights
-        cap = sched.row_peer.shape[1]
-        peer = sched.row_peer.to(torch.int64)
-        valid = peer >= 0
-        base = torch.gather(plan.peer_bases, 1, peer.clamp(min=0))  # [L, cap]
-        token = sched.row_token.to(torch.int64).clamp(min=0)
-        slot = token * K + sched.row_k.to(torch.int64).clamp(min=0)
-        # fp8: the FP8 dgrad's K is H zero-padded to whole 128 groups (the copies write H)
-        width = padded(H) if fp8 else H
-        d_rows = (torch.zeros if width != H else torch.empty)(L, cap, width,
-                                                              dtype=torch.bfloat16, device=dev)
-        x_rows = (torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
-                  if needs.w_gate_up else None)
-        w_rows = torch.empty(L, cap, 4, dtype=torch.float32, device=dev)
-        pulls = [(d_rows, "d_out", token, H * _BF16), (w_rows, "router_weights", slot, _SLOT_ROW)]
-        if x_rows is not None:
-            pulls.append((x_rows, "x", token, H * _BF16))
-        for dst, field, index, row_bytes in pulls:
-            src = _row_addresses(base, layout.offset(field), index, row_bytes, valid)
-            copy_rows_by_address(src.reshape(-1), _rows_of(dst), row_bytes)
-
-        # the router weight of each saved g | u row (the dgated epilogue reads both by row_slot;
-        # the launch's ranks share one pool, each row saved once)
-        rows = saved.preact.shape[0]
-        row_slot = saved.row_slot.to(torch.int64).reshape(-1)
-        weights = torch.zeros(rows + 1, dtype=torch.float32, device=dev)  # [rows]: a sink
-        weights.scatter_(0, torch.where(row_slot >= 0, row_slot, rows),
-                         torch.where(row_slot >= 0, w_rows[..., 0].reshape(-1), 0.0))
-        weights = weights[:rows].contiguous()
-
-        # 3. per rank of the launch: the dgrads, the pushes of dx rows and partials home, then
-        # the weight gradients, under which the peers' pushes land before barrier 1
-        dwg, dwu, dwd = [], [], []
-        combine, partial_field = layout.offset("combine"), layout.offset("d_topk_partials")
-        for r in range(L):
-            d_preact, hw, partials, dx_rows = _dgrads(
-                d_rows[r], w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r],
-                weights, sched.tile_expert[r], sched.num_tiles[r:r + 1], True, options,
-                fp8=fp8, dgrads="kernels" if fp8 else "megakernel")
-            part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
-            part[:, 0] = row_partial_sums(partials)
-            copy_rows_by_address(_rows_of(dx_rows),
-                                 _row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]),
-                                 H * _BF16)
-            copy_rows_by_address(_rows_of(part),
-                                 _row_addresses(base[r], partial_field, slot[r], _SLOT_ROW,
-                                                valid[r]), _SLOT_ROW)
-            gate, up, down = _weight_grads(d_preact, hw, d_rows[r],
-                                           None if x_rows is None else x_rows[r], w_gate[r],
-                                           w_down[r], sched.expert_offsets[r], needs.w_gate_up,
-                                           needs.w_down, fp8=fp8,
-                                           rows_per_expert=routed_per_expert)
-            dwg.append(gate)
-            dwu.append(up)
-            dwd.append(down)
+        if fp8 or not ONE_LAUNCH:
+            dwg, dwu, dwd = _routed_by_launches(plan, saved, w_gate, w_up, w_down, needs,
+                                                options, routed_per_expert, fp8)
+        else:
+            dwg, dwu, dwd = _routed(plan, saved, w_gate, w_up, w_down, needs)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
         plan.backward_errors.record(plan.backward_calls)
 
-        # 4. the shared expert (local), then the k-sums of what the peers pushed
+        # the shared expert (local), then the k-sums of what the peers pushed
         shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
                                                     needs, options)
         num_experts = P * E_loc
@@ -203,3 +152,102 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                                   for r in range(L)]).to(topk_weights.dtype)
         stack = lambda gs: None if gs[0] is None else torch.stack(gs)  # noqa: E731
         return (d_xs, d_topk, stack(dwg), stack(dwu), stack(dwd), *d_shared)
+
+
+def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs):
+    """Each local rank's routed backward in one launch with its comm (bf16): the weight
+    gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no). The launch's
+    own waits are on its own tasks (a peer's silence shows at barrier 1)."""
+    from mok_cute import megakernel_backward
+
+    side, k = plan.side, plan.key
+    sched = saved.schedules
+    dev = plan.peer_bases.device
+    scalars = megakernel_backward.comm_scalars(side.layout, k.top_k, dev)
+    # the router weight of each saved g | u row, pulled by the launches (the launch's ranks
+    # share one pool, each row saved once)
+    weights = torch.zeros(saved.preact.shape[0], dtype=torch.float32, device=dev)
+    wgrads = needs.w_gate_up or needs.w_down
+    dwg, dwu, dwd = [], [], []
+    for r in range(side.launch_ranks):
+        peers = megakernel_backward.PeerRows(plan.peer_bases[r], sched.row_peer[r],
+                                             sched.row_token[r], sched.row_k[r], scalars)
+        out = megakernel_backward.expert_grads_over_peers(
+            w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r], weights,
+            sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
+            wgrads)
+        gate, up, down = out[6:] if wgrads else (None, None, None)
+        dwg.append(gate if needs.w_gate_up else None)
+        dwu.append(up if needs.w_gate_up else None)
+        dwd.append(down if needs.w_down else None)
+    return dwg, dwu, dwd
+
+
+def _routed_by_launches(plan, saved, w_gate, w_up, w_down, needs: Needs,
+                        options: ExpertPathOptions, routed_per_expert: float, fp8: bool):
+    """Each local rank's routed backward as launches of their own: pulls, the dgrads (FP8's,
+    or the backward megakernel's), pushes and the weight gradients (per rank)."""
+    from mok_cute.kernels.peer_rows import copy_rows_by_address
+
+    side, k = plan.side, plan.key
+    L, H, K = side.launch_ranks, k.hidden, k.top_k
+    sched = saved.schedules
+    layout = side.layout
+    dev = plan.peer_bases.device
+    # pull this rank's receive rows: d_out, x (for dW_gate / dW_up), router weights
+    cap = sched.row_peer.shape[1]
+    peer = sched.row_peer.to(torch.int64)
+    valid = peer >= 0
+    base = torch.gather(plan.peer_bases, 1, peer.clamp(min=0))  # [L, cap]
+    token = sched.row_token.to(torch.int64).clamp(min=0)
+    slot = token * K + sched.row_k.to(torch.int64).clamp(min=0)
+    # fp8: the FP8 dgrad's K is H zero-padded to whole 128 groups (the copies write H)
+    width = padded(H) if fp8 else H
+    d_rows = (torch.zeros if width != H else torch.empty)(L, cap, width,
+                                                          dtype=torch.bfloat16, device=dev)
+    x_rows = (torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
+              if needs.w_gate_up else None)
+    w_rows = torch.empty(L, cap, 4, dtype=torch.float32, device=dev)
+    pulls = [(d_rows, "d_out", token, H * _BF16), (w_rows, "router_weights", slot, _SLOT_ROW)]
+    if x_rows is not None:
+        pulls.append((x_rows, "x", token, H * _BF16))
+    for dst, field, index, row_bytes in pulls:
+        src = _row_addresses(base, layout.offset(field), index, row_bytes, valid)
+        copy_rows_by_address(src.reshape(-1), _rows_of(dst), row_bytes)
+
+    # the router weight of each saved g | u row (the dgated epilogue reads both by row_slot;
+    # the launch's ranks share one pool, each row saved once)
+    rows = saved.preact.shape[0]
+    row_slot = saved.row_slot.to(torch.int64).reshape(-1)
+    weights = torch.zeros(rows + 1, dtype=torch.float32, device=dev)  # [rows]: a sink
+    weights.scatter_(0, torch.where(row_slot >= 0, row_slot, rows),
+                     torch.where(row_slot >= 0, w_rows[..., 0].reshape(-1), 0.0))
+    weights = weights[:rows].contiguous()
+
+    # per rank of the launch: the dgrads, the pushes of dx rows and partials home, then
+    # the weight gradients, under which the peers' pushes land before barrier 1
+    dwg, dwu, dwd = [], [], []
+    combine, partial_field = layout.offset("combine"), layout.offset("d_topk_partials")
+    for r in range(L):
+        d_preact, hw, partials, dx_rows = _dgrads(
+            d_rows[r], w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r],
+            weights, sched.tile_expert[r], sched.num_tiles[r:r + 1], True, options,
+            fp8=fp8, dgrads="kernels" if fp8 else "megakernel")
+        part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
+        part[:, 0] = row_partial_sums(partials)
+        copy_rows_by_address(_rows_of(dx_rows),
+                             _row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]),
+                             H * _BF16)
+        copy_rows_by_address(_rows_of(part),
+                             _row_addresses(base[r], partial_field, slot[r], _SLOT_ROW,
+                                            valid[r]), _SLOT_ROW)
+        gate, up, down = _weight_grads(d_preact, hw, d_rows[r],
+                                       None if x_rows is None else x_rows[r], w_gate[r],
+                                       w_down[r], sched.expert_offsets[r], needs.w_gate_up,
+                                       needs.w_down, fp8=fp8,
+                                       rows_per_expert=routed_per_expert)
+        dwg.append(gate)
+        dwu.append(up)
+        dwd.append(down)
+    return dwg, dwu, dwd
+

@@ -10,21 +10,29 @@ grid, wait bound, raster, kinds) and kept on the device. The outputs are bitwise
 ``expert_backward.fc2_dgrad``, ``fc1_dgrad`` and ``wgrad`` (the same tiles, k order and
 epilogues).
 
-Not yet: the k-sum and the shared expert as tasks of the launch, and the comm tasks across
-ranks (issue 32; docs/architecture.md has the build order).
+Over a group (``expert_grads_over_peers``, ``group_backward``'s bf16 path) the launch also
+runs the comm tasks on CTAs of their own (``kernels/megakernel/backward_comm.py``): the d_out
+rows, router weights and x rows pulled from their sources, each dx row and partial pushed into
+its source's (token, k) slot, so the pulls hide under the first dgrads and the pushes under
+the weight gradients.
+
+Not yet: the group barrier, the k-sum and the shared expert as tasks of the launch (issue 32;
+docs/architecture.md has the build order).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from mok_cute import jit
-from mok_cute.constants import (BACKWARD_TILE_N, TILE_K, TILE_M, fc2_dgrad_pingpong,
-                                fc2_dgrad_tile_n)
+from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
+                                BACKWARD_MAX_PARTIAL_COLS, BACKWARD_TILE_N, TILE_K, TILE_M,
+                                fc2_dgrad_pingpong, fc2_dgrad_tile_n)
 from mok_cute.errors import PendingErrors
 
 
@@ -42,6 +50,7 @@ class DgradTables:
     error: torch.Tensor
     # int64: [timeout_ns, tiles per minibatch, tail begin, queue length, FC2_DGRAD count]
     scalars: torch.Tensor
+    comm_queue: torch.Tensor  # int32: the comm tasks' list indices (a placeholder without)
     errors: PendingErrors = None
     calls: int = 0  # launches so far: the call number an error names
 
@@ -66,17 +75,19 @@ def tiles_per_minibatch(capacity_tiles: int) -> int:
 
 
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
-                 timeout_ms: float, device, num_experts: int = 0) -> DgradTables:
+                 timeout_ms: float, device, num_experts: int = 0,
+                 comm: bool = False) -> DgradTables:
     """The device tables of the backward task list (cached per size, wait bound and device;
     the counters are shared by the launches of one size: calls on one stream). ``num_experts``
     > 0: the weight gradients of that many experts are queued after the dgrads; 0: the
-    dgrads alone."""
-    key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M, str(device))
+    dgrads alone. ``comm``: the rows' pulls and pushes are tasks too."""
+    key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M, comm,
+           str(device))
     with _LOCK:
         tables = _TABLES.get(key)
         if tables is None:
             tables = _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas,
-                                   timeout_ms, device)
+                                   timeout_ms, device, comm)
             _TABLES[key] = tables
     return tables
 
@@ -92,17 +103,24 @@ def fc2_tile_n(hidden: int) -> int:
     return fc2_dgrad_tile_n(fc2_pingpong(hidden))
 
 
-def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int):
+def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
+              comm: bool = False):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
-    of ``num_experts`` experts after the dgrads; none when 0)."""
+    of ``num_experts`` experts after the dgrads; none when 0; with ``comm`` the rows' pulls,
+    x's when the weight gradients run, and the pushes)."""
     from mok_cute import tasks_backward as tb
 
     per_mb = tiles_per_minibatch(capacity_tiles)
     params = tb.BackwardListParams(
         hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
         dgated_tile_n=fc2_tile_n(hidden), dx_tile_n=BACKWARD_TILE_N,
-        minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=False)
+        minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=comm,
+        comm_task_rows=BACKWARD_COMM_ROWS, x_resident=not (comm and num_experts))
     kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
+    if comm:
+        kinds += (tb.BackwardTaskType.REVERSE_COMBINE, tb.BackwardTaskType.REVERSE_DISPATCH)
+        if num_experts:
+            kinds += (tb.BackwardTaskType.REPULL_X,)
     if num_experts:
         kinds += (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
     # without weight gradients a list of one expert keeps it short
@@ -136,16 +154,18 @@ def fc2_head(tl, queue) -> int:
 
 
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
-                  device) -> DgradTables:
+                  device, comm=False) -> DgradTables:
     from mok_cute import tasks_backward as tb
 
-    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter)
+    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, comm)
     per_mb = tiles_per_minibatch(capacity_tiles)
     queue, live_len, tail_begin, queue_len = compute_queue(tl, kinds)
     fc2_count = fc2_head(tl, queue[:queue_len])
     sizes = [tl.counter_sizes[g] for g in tb.BackwardCounter]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     as_i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=device)  # noqa: E731
+    comm_queue = tb.queue_tables(tl, kinds=kinds)[0][int(tb.Role.COMM)]
+    comm_queue = comm_queue[comm_queue >= 0]
     return DgradTables(
         tasks=tb.encode_backward(tl).to(device),
         queue=as_i32(queue),
@@ -155,7 +175,8 @@ def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_
         counters=torch.zeros(int(offsets[-1]) + 1, dtype=torch.int32, device=device),
         error=torch.zeros(1, dtype=torch.int64, device=device),
         scalars=torch.tensor([int(timeout_ms * 1e6), per_mb, tail_begin, queue_len, fc2_count],
-                             dtype=torch.int64, device=device))
+                             dtype=torch.int64, device=device),
+        comm_queue=as_i32(comm_queue if comm_queue.size else [-1]))
 
 
 def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
@@ -185,9 +206,59 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
                    num_tiles, expert_offsets, timeout_ms, check)
 
 
+# comm CTAs of a launch over a group (a module attribute: tools/group_backward_probe.py swaps
+# it); the compute CTAs are the SMs' rest
+comm_ctas = 16
+
+
+class PeerRows(NamedTuple):
+    """One rank's view of the group for the comm tasks: every peer's symmetric buffer, the
+    source (peer, token, k) of each of its receive-schedule rows, the fields' byte offsets."""
+
+    peer_bases: torch.Tensor  # int64 [P]
+    row_peer: torch.Tensor  # int32 [M]: -1 on padding rows
+    row_token: torch.Tensor  # int32 [M]
+    row_k: torch.Tensor  # int32 [M]
+    scalars: torch.Tensor  # int64 [BACKWARD_COMM_SCALARS]: d_out, x, router weights,
+    #                        combine, d_topk partials offsets, top_k
+
+
+def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
+    """``PeerRows.scalars`` of a symmetric layout (``comm.peers.SymmetricLayout``)."""
+    offsets = [layout.offset(f) for f in ("d_out", "x", "router_weights", "combine",
+                                          "d_topk_partials")]
+    return torch.tensor([*offsets, top_k], dtype=torch.int64, device=device)
+
+
+def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+                            num_tiles, expert_offsets, peers: PeerRows, wgrads: bool = True,
+                            timeout_ms: float = 10_000.0, check: bool = False):
+    """A rank's routed backward over a group in one launch, its comm included: pulls the
+    d_out rows, router weights (into ``weights`` fp32 [slots] at each row's ``row_slot``) and,
+    with ``wgrads``, x rows of its receive rows from their sources; the dgrads; pushes each
+    dx row into its source's ``combine`` slot and its partials' sum into ``d_topk_partials``;
+    then the weight gradients. The peers' fields must be in place (the group's barrier 0) and
+    the pushes are read after the group's barrier 1 (``group_backward``). Returns
+    ``expert_grads``' outputs (dW only with ``wgrads``), bitwise theirs on the same rows."""
+    rows = row_slot.shape[0]
+    hidden = w_gate.shape[2]
+    for name, t in (("row_peer", peers.row_peer), ("row_token", peers.row_token),
+                    ("row_k", peers.row_k)):
+        if t.shape != (rows,) or t.dtype != torch.int32:
+            raise ValueError(f"peers.{name}: expected int32 ({rows},), got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    device = w_gate.device
+    d_rows = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+    x_rows = torch.empty_like(d_rows) if wgrads else None
+    return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
+                   tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
+                   check, peers)
+
+
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-            num_tiles, expert_offsets, timeout_ms, check):
-    """One backward-megakernel launch; the weight gradients when ``x_rows`` is given."""
+            num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None):
+    """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
+    comm tasks with ``peers`` (which then fill d_rows and x_rows)."""
     from mok_cute.expert_path import _num_sms, check_preact
 
     rows, hidden = d_rows.shape
@@ -208,9 +279,14 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         return (d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
                 torch.empty(0, partial_cols, dtype=torch.float32, device=device),
                 d_rows.new_empty(0, hidden), *dw)
-    num_ctas = _num_sms(device.index or 0)
+    comm = peers is not None
+    if comm and -(-inter // fc2_tile_n(hidden)) > BACKWARD_MAX_PARTIAL_COLS:
+        raise ValueError(f"the backward over a group sums at most {BACKWARD_MAX_PARTIAL_COLS} "
+                         f"dgated partials a row, got I={inter}")
+    num_comm = comm_ctas if comm else 0
+    num_ctas = _num_sms(device.index or 0) - num_comm
     t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device,
-                     num_experts if wgrads else 0)
+                     num_experts if wgrads else 0, comm)
     # an earlier launch whose wait gave up raises here (its gradients were wrong)
     t.errors.check(block=False, last_call=t.calls)
     t.counters.zero_()
@@ -229,18 +305,37 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     else:  # no weight-gradient task runs: the dgrads' own tensors stand in
         w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
+    if comm:
+        c_args = (t.comm_queue, peers.row_peer, peers.row_token, peers.row_k, peers.peer_bases,
+                  peers.scalars, d_rows, d_rows if x_rows is None else x_rows, dx_rows)
+    else:  # no comm task runs: tensors of the right kinds stand in
+        c_args = (t.comm_queue, tile_expert, tile_expert, tile_expert, t.error, _placeholder(device),
+                  d_rows, d_rows, dx_rows)
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                fc2_pingpong=fc2_pingpong(hidden))
+                                fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), dx_rows.unsqueeze(2), preact,
-           row_slot, weights, partials, t.scalars, *w_args)
+           row_slot, weights, partials, t.scalars, *w_args, *c_args)
     t.calls += 1
     t.errors.record(t.calls)
     if check:
         t.errors.check(block=True, last_call=t.calls)
+    if comm:
+        return (d_rows, x_rows, d_preact, hw, partials, dx_rows, *dw)
     return (d_preact, hw, partials, dx_rows, *dw)
+
+
+_PLACEHOLDERS: dict[str, torch.Tensor] = {}
+
+
+def _placeholder(device) -> torch.Tensor:
+    """The comm scalars of a launch without comm tasks (never read)."""
+    key = str(device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(BACKWARD_COMM_SCALARS, dtype=torch.int64, device=device)
+    return _PLACEHOLDERS[key]
 
 
 def check_errors() -> None:

@@ -74,6 +74,48 @@ def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
                 ctypes.memset(dst, 0, row_bytes)
 
 
+def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+                          num_tiles, expert_offsets, peers, wgrads=True):
+    """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
+    and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
+    and weight gradients emulated in torch."""
+    import ctypes
+
+    from mok_cute.expert_backward import row_partial_sums
+    from test_virtual_training import _emulated_dgrads, _emulated_weight_grads
+
+    rows, H = row_slot.shape[0], w_gate.shape[2]
+    d_out_off, x_off, weight_off, combine_off, partial_off, K = peers.scalars.tolist()
+    d_rows = torch.zeros(rows, H, dtype=torch.bfloat16)
+    x_rows = torch.zeros(rows, H, dtype=torch.bfloat16)
+    live = range(min(rows, int(num_tiles[0]) * 128))
+    f32 = ctypes.c_float
+    for p in live:
+        peer = int(peers.row_peer[p])
+        if peer < 0:
+            continue
+        base = int(peers.peer_bases[peer])
+        token, slot = int(peers.row_token[p]), int(peers.row_token[p]) * K + int(peers.row_k[p])
+        ctypes.memmove(d_rows[p].data_ptr(), base + d_out_off + token * H * 2, H * 2)
+        ctypes.memmove(x_rows[p].data_ptr(), base + x_off + token * H * 2, H * 2)
+        weights[int(row_slot[p])] = f32.from_address(base + weight_off + slot * 16).value
+    d_pre, hw, partials, dx_rows = _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact,
+                                                    row_slot, weights, tile_expert, num_tiles,
+                                                    True, None)
+    sums = row_partial_sums(partials)
+    for p in live:
+        peer = int(peers.row_peer[p])
+        if peer < 0:
+            continue
+        base = int(peers.peer_bases[peer])
+        slot = int(peers.row_token[p]) * K + int(peers.row_k[p])
+        ctypes.memmove(base + combine_off + slot * H * 2, dx_rows[p].data_ptr(), H * 2)
+        f32.from_address(base + partial_off + slot * 16).value = float(sums[p])
+    dw = _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, expert_offsets,
+                                True, True) if wgrads else ()
+    return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw)
+
+
 def _cpu_plan(R, T, H, I, E_loc, K):
     """What ``moe_backward_group`` reads of a plan, over ``VirtualPeers`` in host memory."""
     import threading
@@ -105,11 +147,12 @@ def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K,
                                                                         routing, monkeypatch):
     """``moe_backward_group`` end to end on the CPU over virtual ranks' buffers in host memory
     (poisoned with NaN), its copies by address as memmoves, its barriers no-ops (one process
-    runs every rank's phase before the next), its kernels emulated in torch and the forward's
-    saved g | u computed in torch: every gradient matches autograd on the reference, so every
-    row is pulled from its source's field and each dx row and partial reaches its (peer, token,
-    k) slot."""
-    from mok_cute import expert_backward, group_backward, reference
+    runs every rank's phase before the next), its kernels emulated in torch (the backward
+    megakernel's comm tasks by address from the comm scalars) and the forward's saved g | u
+    computed in torch: every gradient matches autograd on the reference, so every row is
+    pulled from its source's field and each dx row and partial reaches its (peer, token, k)
+    slot."""
+    from mok_cute import expert_backward, group_backward, megakernel_backward, reference
     from mok_cute.kernels import peer_rows, token_ops
     from mok_cute.megakernel import SavedPreact
     from per_token import DX_TOKEN_TOL, assert_tokens_close
@@ -122,6 +165,7 @@ def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K,
     monkeypatch.setattr(group_backward, "_weight_grads", _emulated_weight_grads)
     monkeypatch.setattr(peer_rows, "copy_rows_by_address", _cpu_copy_rows)
     monkeypatch.setattr(peer_rows, "peer_barrier", lambda *args: None)
+    monkeypatch.setattr(megakernel_backward, "expert_grads_over_peers", _cpu_grads_over_peers)
 
     def weighted_ksum(y, w, shared=None, out=None, row_index=None):
         return token_ops.weighted_ksum_ref(token_ops.gather_rows_ref(y, row_index), w, shared)
@@ -199,9 +243,17 @@ CASES = {
 }
 
 
+# the backward megakernel's comm tasks: I = 4224 gives 33 dgated partial columns a row (the
+# partial sum's register halvings), H = 6208 the cooperative FC2 dgrad form
+COMM_CASES = {
+    "R2_wide_I": (2, 64, 256, 4224, 2, 2, 0, "skew"),
+    "R2_wide_H": (2, 64, 6208, 128, 2, 3, 0, "uniform"),
+}
+
+
 def _saved_problem(name, seed, timeout_ms=5000.0, precision="bf16"):
     """A case's problem, its saving virtual forward and a d_out: (leaves, idx, saved, d_out)."""
-    R, T, H, I, E_loc, K, Is, routing = {**CASES, **FP8_CASES}[name]
+    R, T, H, I, E_loc, K, Is, routing = {**CASES, **FP8_CASES, **COMM_CASES}[name]
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
     _, saved = _forward_saved(leaves, idx, mok.MoKConfig(timeout_ms=timeout_ms,
                                                          precision=precision))
@@ -235,6 +287,44 @@ def test_backward_over_peers_is_the_virtual_backward_bitwise(name, precision, mo
         if first is not None:
             _assert_bitwise(got, first, f"{name}: repeat")
         first = got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,comm_ctas", [("R3_empty_expert_K10", 3), ("R2_wide_I", 16),
+                                            ("R2_wide_H", 5)])
+def test_the_comm_in_the_backward_launch_keeps_the_bits_for_any_split(name, comm_ctas,
+                                                                      monkeypatch):
+    """The bf16 backward over peers runs its pulls and pushes as comm tasks of the backward
+    megakernel: bitwise the virtual backward with few comm CTAs (each walks many tasks), with
+    33 partial columns a row (the partial sums' register halvings) and with the cooperative
+    FC2 dgrad form (H > 6144); the fields poisoned before each call."""
+    from mok_cute import megakernel_backward
+
+    monkeypatch.setattr(megakernel_backward, "comm_ctas", comm_ctas)
+    leaves, idx, saved, d_out = _saved_problem(name, seed=6)
+    want = _virtual_grads(leaves, idx, saved, d_out)
+    for repeat in range(2):
+        _poison(saved.plan)
+        got = _group_grads(leaves, idx, saved, d_out)
+        torch.cuda.synchronize()
+        mok.check_errors()
+        _assert_bitwise(got, want, f"{name}, {comm_ctas} comm CTAs (call {repeat})")
+
+
+def test_the_comm_scalars_name_the_fields_where_the_kernel_reads_them():
+    from mok_cute.comm import moe_symmetric_layout
+    from mok_cute.kernels.megakernel import backward_comm as kernel
+    from mok_cute.megakernel_backward import comm_scalars
+
+    layout = moe_symmetric_layout(16, 64, 3, 2, training=True)
+    got = comm_scalars(layout, 3, "cpu").tolist()
+    assert len(got) == kernel.BACKWARD_COMM_SCALARS and got[kernel.TOP_K] == 3
+    for index, field in ((kernel.D_OUT_OFFSET, "d_out"), (kernel.X_OFFSET, "x"),
+                         (kernel.WEIGHTS_OFFSET, "router_weights"),
+                         (kernel.COMBINE_OFFSET, "combine"),
+                         (kernel.PARTIALS_OFFSET, "d_topk_partials")):
+        assert got[index] == layout.offset(field), field
+    assert layout.field("router_weights").shape[-1] * 4 == kernel.SLOT_ROW_BYTES
 
 
 @pytest.mark.gpu

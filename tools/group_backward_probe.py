@@ -7,6 +7,7 @@ ranks the copies cross NVLink and the ranks run side by side).
 
     python tools/group_backward_probe.py --shapes glm_5.2,qwen3.5_397b [--ranks 8]
         [--tokens 2048] [--rounds 3] [--precision bf16,fp8] [--kernel-table] [--json out.json]
+        [--comm-ctas 8,32] [--launches]   (bf16: the comm split; the comm as launches)
 
 A probe for issue 32's development, not the benchmark of record.
 """
@@ -22,10 +23,27 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import fp8_weight_grads_forced, gpu_ms, save_probe_json  # noqa: E402
 
 
+def _with(module, **values):
+    """A function's call with module attributes swapped for its duration."""
+    def wrap(fn):
+        def run():
+            old = {k: getattr(module, k) for k in values}
+            for k, v in values.items():
+                setattr(module, k, v)
+            try:
+                return fn()
+            finally:
+                for k, v in old.items():
+                    setattr(module, k, v)
+        return run
+    return wrap
+
+
 def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
-          precisions=("bf16",), kernel_table: bool = False, with_group: bool = True) -> dict:
+          precisions=("bf16",), kernel_table: bool = False, with_group: bool = True,
+          comm_splits=(), launches: bool = False) -> dict:
     import mok_cute
-    from mok_cute import megakernel
+    from mok_cute import group_backward, megakernel, megakernel_backward
     from mok_cute.bench.problems import make_problem
     from mok_cute.group_backward import moe_backward_group
     from mok_cute.shapes import resolve_shape
@@ -62,12 +80,18 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
             d_out, xs, w, wg, wu, wd, shared, s, precision=layer))
         group = sized(lambda s=saved: moe_backward_group(d_out, xs, idx, w, wg, wu, wd, shared, s))
 
-        if with_group:
-            same[precision] = all((a is None and b is None) or torch.equal(a, b)
-                                  for a, b in zip(virtual(), group()))
+        group_forms = {f"group {precision}": group}
+        if precision == "bf16":  # the comm in the launch on other splits; as launches
+            for c in comm_splits:
+                group_forms[f"group bf16 c{c}"] = _with(megakernel_backward, comm_ctas=c)(group)
+            if launches:
+                group_forms["group bf16 launches"] = _with(group_backward, ONE_LAUNCH=False)(group)
+        for label, fn in group_forms.items() if with_group else ():
+            same[label] = all((a is None and b is None) or torch.equal(a, b)
+                              for a, b in zip(virtual(), fn()))
             torch.cuda.synchronize()
             mok_cute.check_errors()
-            variants[f"group {precision}"] = group
+            variants[label] = fn
         variants[f"virtual {precision}"] = virtual
         if kernel_table:
             from tools.backward_profile import print_kernel_table
@@ -86,6 +110,9 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
     for precision in precisions if with_group else ():
         ratios[f"group / virtual {precision}"] = (median[f"group {precision}"]
                                                   / median[f"virtual {precision}"])
+    for label in median:  # the other comm forms against the default one
+        if label.startswith("group bf16 "):
+            ratios[f"{label} / group bf16"] = median[label] / median["group bf16"]
     if "bf16" in precisions:
         for label in forms:
             for other in precisions:
@@ -111,6 +138,10 @@ def main(argv=None):
                    help="time the virtual backward only (the group form holds R ranks' rows)")
     p.add_argument("--kernel-table", action="store_true",
                    help="also the virtual backward's GPU time per kernel")
+    p.add_argument("--comm-ctas", default="",
+                   help="bf16: also the group backward with these comm CTAs (a comma list)")
+    p.add_argument("--launches", action="store_true",
+                   help="bf16: also the group backward with its comm as launches of their own")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from mok_cute import megakernel
@@ -121,7 +152,9 @@ def main(argv=None):
         for tokens in map(int, str(args.tokens).split(",")):
             rows.append(probe(n, args.ranks, tokens, args.rounds, args.reps,
                               tuple(args.precision.split(",")), args.kernel_table,
-                              not args.virtual_only))
+                              not args.virtual_only,
+                              tuple(int(c) for c in args.comm_ctas.split(",") if c),
+                              args.launches))
             save_probe_json(args.json, {"shapes": rows}, argv)  # kept if a later shape fails
             megakernel.release_plans()  # the shape's plans and e4m3 weight copies
             forget_quantized_weights()

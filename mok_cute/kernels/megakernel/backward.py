@@ -55,9 +55,11 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from mok_cute import jit
-from mok_cute.constants import BACKWARD_TILE_N, FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M
+from mok_cute.constants import (BACKWARD_COMM_SCALARS, BACKWARD_TILE_N,
+                                FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M)
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
+from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
@@ -72,21 +74,25 @@ from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, Backward
 BACKWARD_SCALARS = 5
 
 
-class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogueMixin,
-                             GemmCoreSm90):
+class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCommMixin,
+                             RowEpilogueMixin, GemmCoreSm90):
     """One launch of a rank's routed dgrads and weight gradients (module docstring).
 
-    :param num_ctas: persistent grid (one CTA per SM).
+    :param num_ctas: compute CTAs (the walk's stride); with ``comm_ctas`` one per SM.
     :param fc2_pingpong: FC2_DGRAD as pingpong 128 x 128 tiles (``backward_fc2``), else as
         the cooperative 128 x 256 tiles of FC1_DGRAD.
+    :param comm_ctas: CTAs after the compute ones that run the comm tasks (``backward_comm``:
+        the rows pulled from and pushed to the group's symmetric buffers); 0: the rows are
+        in place before the launch, read after it.
     """
 
-    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
+        self.comm_ctas = comm_ctas
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -102,7 +108,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                  expert_offsets: cute.Tensor, dg_rows_t: cute.Tensor, du_rows_t: cute.Tensor,
                  x_rows_t: cute.Tensor, dy_rows_t: cute.Tensor, hw_rows_t: cute.Tensor,
                  dw_gate: cute.Tensor, dw_up: cute.Tensor, dw_down: cute.Tensor,
-                 stream: cuda.CUstream):
+                 comm_queue: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
+                 row_k: cute.Tensor, peer_bases: cute.Tensor, comm_scalars: cute.Tensor,
+                 d_rows_plain: cute.Tensor, x_rows_plain: cute.Tensor,
+                 dx_rows_plain: cute.Tensor, stream: cuda.CUstream):
         """Shapes (M schedule rows, E experts): tasks int32 (N, BACKWARD_TASK_WORDS); queue
         int32 (Q,) the compute queue's list indices; queue_live_len int32 (MB + 1,);
         counter_offsets int32 (groups + 1,); counters int32 (num_counters,), zero at launch;
@@ -114,7 +123,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         (BACKWARD_SCALARS,). The weight gradients': expert_offsets int32 (E + 1,) each
         expert's first schedule row; the operands (cols, M, 1) with cols contiguous (dG, dU,
         hw: I; x and dY rows: H); dw_gate / dw_up (I, H, E) and dw_down (H, I, E), N
-        contiguous."""
+        contiguous. The comm tasks' (``comm_ctas`` > 0; else placeholders): comm_queue int32
+        (Qc,), row_peer / row_token / row_k int32 (M,), peer_bases int64 (P,), comm_scalars
+        int64 (BACKWARD_COMM_SCALARS,), the dY, x and dx rows (M, H) as plain tensors."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -155,13 +166,16 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         extra["tail_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
         extra["tail_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
+        peer_rows = PeerRows(comm_queue, row_peer, row_token, row_k, peer_bases, comm_scalars,
+                             d_rows_plain, x_rows_plain, dx_rows_plain)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
-                    *loads, *stores, *w_loads, *w_stores,
+                    peer_rows, *loads, *stores, *w_loads, *w_stores,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, *self.wgrad_kernel_args(),
                     *self.fc2.kernel_args(),
-                    ).launch(grid=[self.num_ctas, 1, 1], block=[self.threads_per_cta, 1, 1],
+                    ).launch(grid=[self.num_ctas + self.comm_ctas, 1, 1],
+                             block=[self.threads_per_cta, 1, 1],
                              min_blocks_per_mp=1, cooperative=True, stream=stream)
 
     # ------------------------------------------------------------------ device side
@@ -170,7 +184,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, preact: cute.Tensor,
                row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
-               scalars: cute.Tensor, expert_offsets: cute.Tensor,
+               scalars: cute.Tensor, expert_offsets: cute.Tensor, peer_rows: PeerRows,
                tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
                tma_dp: cute.CopyAtom, t_dp: cute.Tensor, tma_wg: cute.CopyAtom, t_wg: cute.Tensor,
                tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
@@ -210,7 +224,36 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         fc2_end = cutlass.min(Int32(scalars[4]), self._live_len(queue_live_len, num_tiles, scalars))
         fc2_walk = (tasks, queue, num_tiles)
         first = Int32(cute.arch.block_idx()[0])
+        compute_args = (walk_tables, fc2_end, fc2_walk, first, tile_expert, expert_offsets,
+                        counter_offsets, counters, error, scalars, preact, row_slot, weights,
+                        partials, fc2_ring, ab_pipeline, tiled_mma, sA, sB, sC, f_layouts,
+                        w_layouts, tail_ring, tidx, warp_idx, warpgroup_idx,
+                        (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu),
+                        (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
+                        (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy, tma_whw,
+                         t_whw), (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd))
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        if const_expr(self.comm_ctas > 0):
+            if first >= self.num_ctas:
+                self.backward_comm_loop(tasks, counter_offsets, counters, error, num_tiles,
+                                        Int64(scalars[0]), expert_offsets, peer_rows, row_slot,
+                                        weights, partials, tidx)
+            else:
+                self.compute_roles(*compute_args)
+        else:
+            self.compute_roles(*compute_args)
+
+    @cute.jit
+    def compute_roles(self, walk_tables, fc2_end: Int32, fc2_walk, first: Int32,
+                      tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
+                      counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
+                      scalars: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
+                      weights: cute.Tensor, partials: cute.Tensor, fc2_ring, ab_pipeline,
+                      tiled_mma, sA, sB, sC, f_layouts, w_layouts, tail_ring, tidx: Int32,
+                      warp_idx: Int32, warpgroup_idx: Int32, loads, stores, w_loads, w_stores):
+        """A compute CTA: the load warp and the two consumer warpgroups."""
+        tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = loads
+        tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         if warpgroup_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == self.load_warp:
@@ -222,10 +265,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                 self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets,
                                    counter_offsets, counters, error, Int64(scalars[0]),
                                    ab_pipeline, sA, sB,
-                                   (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg,
-                                    tma_wu, t_wu),
-                                   (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy,
-                                    tma_whw, t_whw), w_layouts, tail_ring)
+                                   loads, w_loads, w_layouts, tail_ring)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
@@ -237,8 +277,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
             self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counter_offsets,
                                counters, preact, row_slot, weights, partials, ab_pipeline,
                                tiled_mma, sA, sB, sC,
-                               (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
-                               (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), w_layouts,
+                               stores, w_stores, w_layouts,
                                t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring)
 
     @cute.jit
@@ -415,7 +454,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
         held = Int32(-1)  # the counter whose publish waits for the next mainloop (-1: none)
         pos = first
         while pos < live_len:  # the dgrads
-            run, ttype, m_tile, n_tile, _, _, signal, _ = self._task(walk, pos, counter_offsets)
+            run, ttype, m_tile, n_tile, _, _, signal, index = self._task(walk, pos, counter_offsets)
             if run:
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp)
                 release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
@@ -440,6 +479,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                                            "dgated", 0, subtiles, barrier, store_pipeline,
                                            is_store_warp, visit_args)
                         self._store_row_sums(rows, partials, m_tile, n_tile, consumer_tidx)
+                        if const_expr(self.comm_ctas > 0):
+                            # every thread's partials before the leader's publish: a comm
+                            # CTA's REVERSE_DISPATCH reads them (the launches' readers come
+                            # after the launch)
+                            barrier.arrive_and_wait()
                     else:
                         self._store_dx(dx_store)
                 subtiles += subtiles_per_task
@@ -450,8 +494,14 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
                 nxt = pos + self.num_ctas
                 defer = False
                 if nxt < live_len:
-                    n_run, _, _, _, _, n_waits, _, _ = self._task(walk, nxt, counter_offsets)
+                    n_run, _, _, _, _, n_waits, _, n_index = self._task(walk, nxt, counter_offsets)
                     defer = n_run and n_waits == 0
+                    if const_expr(self.comm_ctas > 0):
+                        # every dgrad waits here (FC2_DGRAD on its pulled rows): the next
+                        # task cannot need this one's counter unless it waits on its group
+                        # (FC1_DGRAD after FC2_DGRAD)
+                        defer = n_run and (n_waits == 0 or tasks[n_index, int(BackwardWord.WAITS)]
+                                           != tasks[index, int(BackwardWord.SIGNAL_GROUP)])
                 if defer:
                     held = signal
                 else:
@@ -479,10 +529,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, RowEpilogue
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                fc2_pingpong: bool = False):
+                                fc2_pingpong: bool = False, comm_ctas: int = 0):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()
@@ -507,7 +557,12 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
             *(f(bf16, (hidden, rows, 1), contiguous_mode=0) for _ in range(2)),
             f(bf16, (inter, rows, 1), contiguous_mode=0),
             *(kmaj(bf16, (inter, hidden, experts)) for _ in range(2)),
-            kmaj(bf16, (hidden, inter, experts)), common.fake_stream()]
+            kmaj(bf16, (hidden, inter, experts)),
+            # the comm tasks': queue, row_peer / row_token / row_k, peer bases, scalars, rows
+            common.fake_vector(Int32), *(common.fake_vector(Int32) for _ in range(3)),
+            common.fake_vector(Int64, align_bytes=8),
+            common.fake_vector(Int64, BACKWARD_COMM_SCALARS, align_bytes=8),
+            *(kmaj(bf16, (rows, hidden)) for _ in range(3)), common.fake_stream()]
     return cute.compile(kernel, *args,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

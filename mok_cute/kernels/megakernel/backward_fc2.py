@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int32, Int64
+from cutlass import BFloat16, Int32, Int64, const_expr
 
 from mok_cute.constants import FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M
 from mok_cute.kernels import common
@@ -215,6 +215,8 @@ class Fc2PingpongTasksMixin:
                                    "dgated", buf_base, subtiles, barrier, store_pipeline,
                                    is_store_warp, visit_args)
                 self.fc2._store_row_sums(rows, partials, m_tile, n_tile, wg_tidx)
+                if const_expr(self.comm_ctas > 0):
+                    barrier.arrive_and_wait()  # the partials before the publish (comm reads them)
                 subtiles += subtiles_per_task
                 signal = self._fc2_task(walk, pos, counter_offsets)[2]  # decoded again: fewer live registers
                 common.publish_stored(counters, signal, is_store_warp, wg_tidx == 0)

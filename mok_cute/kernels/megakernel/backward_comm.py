@@ -1,0 +1,182 @@
+"""The backward megakernel's comm CTAs (``BackwardMegakernelSm90(comm_ctas > 0)``): the rows a
+rank's routed dgrads read and write move between the group's symmetric buffers inside the
+launch, as tasks of the backward list (``tasks_backward``).
+
+    REVERSE_COMBINE (j, c)  pull the d_out rows of M-tile j's chunk c from their source ranks
+                            into the dY rows, and each row's router weight into ``weights`` at
+                            the row's g | u slot (what the dgated epilogue reads)
+    REPULL_X        (j, c)  pull the x rows (the gate / up weight gradients' operand)
+    REVERSE_DISPATCH(j, c)  push each dx row into its source's (token, k) slot of ``combine``,
+                            and the row's sum of its dgated partials into ``d_topk_partials``
+
+A comm CTA walks the comm queue at positions ``b - num_ctas, + comm_ctas, ...`` (static: the
+queue is in list order and every wait points to a lower task, so the walk cannot deadlock);
+a task of an M-tile past ``num_tiles`` is skipped (nothing waits on it). Thread 0 waits
+(REVERSE_DISPATCH: every FC1_DGRAD N-tile of the tile), then each warp copies rows
+``warp, warp + 12, ...`` of the chunk as 16-byte vectors (``comm_tasks.copy_row``); padding
+rows (peer -1) are zero rows in dY and x, as ``peer_rows``' pulls write them. Once every warp
+is done, thread 0 fences and publishes with release; the compute side acquires and fences the
+async proxy before its TMA loads read the rows.
+
+A row's partial sum is ``expert_backward.row_partial_sums``' order exactly: the columns padded
+with zeros to a power of two, then halving adds (``partials[:w/2] + partials[w/2:]``). A lane
+holds columns ``lane + 32 m``; halvings above 32 columns add registers, the last five add
+``shuffle_down`` partners. So d_topk_weights is bitwise the launches' (virtual ranks, one GPU).
+
+The peers' fields were written before the group's barrier 0, this launch's pushes are
+fenced by barrier 1 (``group_backward``): both are launches of their own around this one.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
+                                BACKWARD_MAX_PARTIAL_COLS, TILE_M, VEC_ELEMS)
+from mok_cute.kernels import common
+from mok_cute.kernels.megakernel.comm_tasks import COPY_UNROLL, bf16_row, copy_row
+from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
+
+# the int64 comm scalars: byte offsets of the symmetric layout's fields, then top_k
+D_OUT_OFFSET, X_OFFSET, WEIGHTS_OFFSET, COMBINE_OFFSET, PARTIALS_OFFSET, TOP_K = range(
+    BACKWARD_COMM_SCALARS)
+SLOT_ROW_BYTES = 16  # a (token, k) slot of router_weights / d_topk_partials: fp32, padded
+
+_COMBINE = int(BackwardTaskType.REVERSE_COMBINE)
+_DISPATCH = int(BackwardTaskType.REVERSE_DISPATCH)
+
+
+class PeerRows(NamedTuple):
+    """What the comm tasks read of the receive schedule and the group (one rank's view)."""
+
+    comm_queue: cute.Tensor  # int32 (Qc,): list indices of the comm tasks, in order
+    row_peer: cute.Tensor  # int32 (M,): the source rank of each schedule row, -1 on padding
+    row_token: cute.Tensor  # int32 (M,)
+    row_k: cute.Tensor  # int32 (M,)
+    peer_bases: cute.Tensor  # int64 (P,): every peer's symmetric buffer
+    comm_scalars: cute.Tensor  # int64 (BACKWARD_COMM_SCALARS,)
+    d_rows: cute.Tensor  # bf16 (M, H): the pulled d_out rows (the FC2 dgrad's A)
+    x_rows: cute.Tensor  # bf16 (M, H): the pulled x rows
+    dx_rows: cute.Tensor  # bf16 (M, H): the FC1 dgrad's output, pushed home
+
+
+def f32_at(addr: Int64) -> cute.Tensor:
+    """One fp32 at a run-time (peer) address."""
+    return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.gmem, assumed_align=4),
+                            cute.make_layout(1))
+
+
+class BackwardCommMixin:
+    """The comm role of ``BackwardMegakernelSm90`` (module docstring)."""
+
+    @cute.jit
+    def backward_comm_loop(self, tasks: cute.Tensor, counter_offsets: cute.Tensor,
+                           counters: cute.Tensor, error: cute.Tensor, num_tiles: cute.Tensor,
+                           timeout_ns: Int64, expert_offsets: cute.Tensor, rows: PeerRows,
+                           row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
+                           tidx: Int32):
+        """Every thread of a comm CTA: its tasks of the comm queue, in order."""
+        warp, lane = tidx // 32, cute.arch.lane_idx()
+        num_warps = self.threads_per_cta // 32
+        sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
+                                     num_threads=self.threads_per_cta)
+        hidden = cute.size(rows.d_rows, mode=[1])
+        row_bytes = Int64(hidden * 2)
+        h_vecs = hidden // VEC_ELEMS
+        top_k = Int64(rows.comm_scalars[TOP_K])
+        queue_len = cute.size(rows.comm_queue)
+        pos = Int32(cute.arch.block_idx()[0]) - self.num_ctas
+        while pos < queue_len:
+            index = rows.comm_queue[pos]
+            tile = tasks[index, int(BackwardWord.TILE)]
+            if tile < num_tiles[0]:
+                ttype = tasks[index, int(BackwardWord.TYPE)]
+                if tidx == 0:
+                    self._wait_task(tasks, index, expert_offsets, counter_offsets, counters,
+                                    error, timeout_ns)
+                sync.arrive_and_wait()
+                row0 = tile * TILE_M + tasks[index, int(BackwardWord.N_TILE)] * BACKWARD_COMM_ROWS
+                for r in cutlass.range(warp, BACKWARD_COMM_ROWS, num_warps, unroll=1):
+                    row = row0 + r
+                    peer = rows.row_peer[row]
+                    token = Int64(cutlass.max(rows.row_token[row], 0))
+                    slot = token * top_k + Int64(cutlass.max(rows.row_k[row], 0))
+                    base = rows.peer_bases[cutlass.max(peer, 0)]
+                    if ttype == _DISPATCH:
+                        if peer >= 0:
+                            copy_row(bf16_row(rows.dx_rows[row, None].iterator.toint(), hidden),
+                                     bf16_row(base + rows.comm_scalars[COMBINE_OFFSET]
+                                              + slot * row_bytes, hidden),
+                                     h_vecs, lane, COPY_UNROLL)
+                            total = self._row_partial_sum(partials, row, lane)
+                            if lane == 0:
+                                f32_at(base + rows.comm_scalars[PARTIALS_OFFSET]
+                                       + slot * SLOT_ROW_BYTES)[0] = total
+                    else:
+                        dst = rows.x_rows[row, None].iterator.toint()
+                        field = rows.comm_scalars[X_OFFSET]
+                        if ttype == _COMBINE:
+                            dst = rows.d_rows[row, None].iterator.toint()
+                            field = rows.comm_scalars[D_OUT_OFFSET]
+                        out = bf16_row(dst, hidden)
+                        if peer >= 0:
+                            copy_row(bf16_row(base + field + token * row_bytes, hidden), out,
+                                     h_vecs, lane, COPY_UNROLL)
+                            if ttype == _COMBINE:
+                                if lane == 0:
+                                    weights[row_slot[row]] = f32_at(
+                                        base + rows.comm_scalars[WEIGHTS_OFFSET]
+                                        + slot * SLOT_ROW_BYTES)[0]
+                        else:
+                            self._zero_row(out, h_vecs, lane)
+                sync.arrive_and_wait()
+                if tidx == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    common.counter_publish(
+                        counters, counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
+                        + tasks[index, int(BackwardWord.SIGNAL_INDEX)], 1)
+            pos += self.comm_ctas
+
+    @cute.jit
+    def _zero_row(self, out: cute.Tensor, h_vecs: Int32, lane: Int32):
+        vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+        zeros.fill(0.0)
+        for v in cutlass.range(lane, h_vecs, 32, unroll=1):
+            cute.copy(vec, zeros, cute.local_tile(out, (VEC_ELEMS,), (v,)))
+
+    @cute.jit
+    def _row_partial_sum(self, partials: cute.Tensor, row: Int32, lane: Int32) -> Float32:
+        """Row ``row``'s sum of its dgated partials in ``row_partial_sums``' order (module
+        docstring); the whole warp calls it, lane 0 holds the sum."""
+        cols = cute.size(partials, mode=[1])
+        held = BACKWARD_MAX_PARTIAL_COLS // 32
+        v = cute.make_rmem_tensor((held,), Float32)
+        for m in cutlass.range_constexpr(held):
+            v[m] = Float32(0.0)
+            if lane + 32 * m < cols:
+                v[m] = partials[row, lane + 32 * m]
+        width = Int32(1)
+        while width < cols:
+            width *= 2
+        for level in cutlass.range_constexpr(3):  # widths 256, 128, 64: in registers
+            c = BACKWARD_MAX_PARTIAL_COLS >> level
+            if width == c:
+                for m in cutlass.range_constexpr(c // 64):
+                    v[m] = v[m] + v[m + c // 64]
+                width = Int32(c // 2)
+        total = v[0]
+        for level in cutlass.range_constexpr(5):  # widths 32 .. 2: shuffle partners
+            offset = 16 >> level
+            other = cute.arch.shuffle_sync_down(total, offset)
+            if offset < width:
+                total = total + other
+        return total
+
+
+__all__ = ["BackwardCommMixin", "PeerRows", "SLOT_ROW_BYTES"]
