@@ -349,6 +349,7 @@ class _GroupTrain(torch.autograd.Function):
                                             config, group=group, save=True)
         ctx.has_shared = shared is not None
         ctx.options = config.expert_path
+        ctx.comm_sms = config.megakernel.backward_comm_sms
         ctx.mean_tokens = mean_tokens
         # SavedPreact: its tensors, this call's schedules and the plan; kept for every backward
         # of the graph (retain_graph runs it again) and freed with it
@@ -370,7 +371,7 @@ class _GroupTrain(torch.autograd.Function):
         grads = moe_backward_group(
             one(d_out.contiguous()), one(x), one(ids), one(topk_weights), one(w_gate),
             one(w_up), one(w_down), tuple(one(w) for w in shared) if shared else None, stacked,
-            needs, ctx.options, tokens_per_rank=ctx.mean_tokens)
+            needs, ctx.options, tokens_per_rank=ctx.mean_tokens, comm_sms=ctx.comm_sms)
         d_x, d_w, *d_weights = _wanted(ctx, [None if t is None else t[0] for t in grads])
         return (d_x, None, d_w, *d_weights, None, None, None)
 

@@ -174,11 +174,16 @@ class MegakernelOptions:
                    None: one rank "strided", virtual ranks "dynamic", an IPC rank "static".
     fc1_lead       minibatches whose FC1 tiles are queued before the FC2 tiles of the first;
                    None: the fewest whose FC1 tiles fill every compute CTA.
+    backward_comm_sms  SMs of the training backward over a group (``group=``) that pull its
+                   rows and push its gradients home while the others run its GEMMs (16:
+                   the fastest of 8-32 with 8 ranks' buffers on one H200; ``mok-cute tune
+                   --backward`` simulates the split over NVLink).
     """
 
     rows_in_place: bool = True
     tickets: str | None = None
     fc1_lead: int | None = None
+    backward_comm_sms: int = 16
 
     def __post_init__(self) -> None:
         check_bool("MegakernelOptions.rows_in_place", self.rows_in_place)
@@ -186,6 +191,8 @@ class MegakernelOptions:
             raise ValueError(f"MegakernelOptions.tickets: expected None or one of {TICKET_MODES}, "
                              f"got {self.tickets!r}")
         check_int("MegakernelOptions.fc1_lead", self.fc1_lead, min_value=0, allow_none=True)
+        check_int("MegakernelOptions.backward_comm_sms", self.backward_comm_sms, min_value=1,
+                  max_value=64)
 
     def ticket_mode(self, num_ranks: int, ipc: bool) -> str:
         """The ticket mode of a launch with ``num_ranks`` ranks (virtual), or of one IPC rank."""

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from mok_cute.config import ExpertPathOptions, check_tensor
+from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
 from mok_cute.expert_backward import (Needs, _dgrads, _weight_grads, row_partial_sums,
                                       shared_backward_ranks)
 from mok_cute.expert_path_fp8 import padded
@@ -55,8 +55,6 @@ from mok_cute.expert_path_fp8 import padded
 __all__ = ["moe_backward_group"]
 
 _BF16 = 2
-# TEMPORARY (A/B, tools/group_backward_probe.py): False runs bf16's comm as launches of their own
-ONE_LAUNCH = True
 _SLOT_ROW = 16  # bytes of one slot's fp32 value padded to a 16-byte row
 
 
@@ -76,7 +74,8 @@ def _rows_of(t: torch.Tensor) -> torch.Tensor:
 def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, saved,
                        needs: Needs = Needs(),
                        options: ExpertPathOptions = ExpertPathOptions(), silent_rank: int = -1,
-                       tokens_per_rank: float | None = None):
+                       tokens_per_rank: float | None = None,
+                       comm_sms: int = MegakernelOptions().backward_comm_sms):
     """Every gradient of a saving megakernel launch (``megakernel.moe_forward(..., group=...,
     save=True)``, or ``moe_forward_virtual(save=True)``) for the L ranks of that launch (L = 1
     for a process of a group): d_out, xs [L, T, H] with the plan's T (padded rows included),
@@ -123,11 +122,11 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             field[:, 0].copy_(weights32[r])
         plan.begin_backward(silent_rank)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
-        if fp8 or not ONE_LAUNCH:
-            dwg, dwu, dwd = _routed_by_launches(plan, saved, w_gate, w_up, w_down, needs,
-                                                options, routed_per_expert, fp8)
+        if fp8:
+            dwg, dwu, dwd = _fp8_routed(plan, saved, w_gate, w_up, w_down, needs, options,
+                                        routed_per_expert)
         else:
-            dwg, dwu, dwd = _routed(plan, saved, w_gate, w_up, w_down, needs)
+            dwg, dwu, dwd = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
         plan.backward_errors.record(plan.backward_calls)
 
@@ -154,7 +153,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         return (d_xs, d_topk, stack(dwg), stack(dwu), stack(dwd), *d_shared)
 
 
-def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs):
+def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int):
     """Each local rank's routed backward in one launch with its comm (bf16): the weight
     gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no). The launch's
     own waits are on its own tasks (a peer's silence shows at barrier 1)."""
@@ -175,7 +174,7 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs):
         out = megakernel_backward.expert_grads_over_peers(
             w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r], weights,
             sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
-            wgrads)
+            wgrads, comm_sms)
         gate, up, down = out[6:] if wgrads else (None, None, None)
         dwg.append(gate if needs.w_gate_up else None)
         dwu.append(up if needs.w_gate_up else None)
@@ -183,10 +182,10 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs):
     return dwg, dwu, dwd
 
 
-def _routed_by_launches(plan, saved, w_gate, w_up, w_down, needs: Needs,
-                        options: ExpertPathOptions, routed_per_expert: float, fp8: bool):
-    """Each local rank's routed backward as launches of their own: pulls, the dgrads (FP8's,
-    or the backward megakernel's), pushes and the weight gradients (per rank)."""
+def _fp8_routed(plan, saved, w_gate, w_up, w_down, needs: Needs, options: ExpertPathOptions,
+                routed_per_expert: float):
+    """Each local rank's routed FP8 backward as launches of their own: pulls, the FP8 dgrads,
+    pushes and the weight gradients (per rank)."""
     from mok_cute.kernels.peer_rows import copy_rows_by_address
 
     side, k = plan.side, plan.key
@@ -201,8 +200,8 @@ def _routed_by_launches(plan, saved, w_gate, w_up, w_down, needs: Needs,
     base = torch.gather(plan.peer_bases, 1, peer.clamp(min=0))  # [L, cap]
     token = sched.row_token.to(torch.int64).clamp(min=0)
     slot = token * K + sched.row_k.to(torch.int64).clamp(min=0)
-    # fp8: the FP8 dgrad's K is H zero-padded to whole 128 groups (the copies write H)
-    width = padded(H) if fp8 else H
+    # the FP8 dgrad's K is H zero-padded to whole 128 groups (the copies write H)
+    width = padded(H)
     d_rows = (torch.zeros if width != H else torch.empty)(L, cap, width,
                                                           dtype=torch.bfloat16, device=dev)
     x_rows = (torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
@@ -232,7 +231,7 @@ def _routed_by_launches(plan, saved, w_gate, w_up, w_down, needs: Needs,
         d_preact, hw, partials, dx_rows = _dgrads(
             d_rows[r], w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r],
             weights, sched.tile_expert[r], sched.num_tiles[r:r + 1], True, options,
-            fp8=fp8, dgrads="kernels" if fp8 else "megakernel")
+            fp8=True, dgrads="kernels")
         part = torch.zeros(cap, 4, dtype=torch.float32, device=dev)
         part[:, 0] = row_partial_sums(partials)
         copy_rows_by_address(_rows_of(dx_rows),
@@ -244,7 +243,7 @@ def _routed_by_launches(plan, saved, w_gate, w_up, w_down, needs: Needs,
         gate, up, down = _weight_grads(d_preact, hw, d_rows[r],
                                        None if x_rows is None else x_rows[r], w_gate[r],
                                        w_down[r], sched.expert_offsets[r], needs.w_gate_up,
-                                       needs.w_down, fp8=fp8,
+                                       needs.w_down, fp8=True,
                                        rows_per_expert=routed_per_expert)
         dwg.append(gate)
         dwu.append(up)

@@ -206,11 +206,6 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
                    num_tiles, expert_offsets, timeout_ms, check)
 
 
-# comm CTAs of a launch over a group (a module attribute: tools/group_backward_probe.py swaps
-# it); the compute CTAs are the SMs' rest
-comm_ctas = 16
-
-
 class PeerRows(NamedTuple):
     """One rank's view of the group for the comm tasks: every peer's symmetric buffer, the
     source (peer, token, k) of each of its receive-schedule rows, the fields' byte offsets."""
@@ -232,13 +227,15 @@ def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
 
 def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                             num_tiles, expert_offsets, peers: PeerRows, wgrads: bool = True,
-                            timeout_ms: float = 10_000.0, check: bool = False):
+                            comm_ctas: int = 16, timeout_ms: float = 10_000.0,
+                            check: bool = False):
     """A rank's routed backward over a group in one launch, its comm included: pulls the
     d_out rows, router weights (into ``weights`` fp32 [slots] at each row's ``row_slot``) and,
     with ``wgrads``, x rows of its receive rows from their sources; the dgrads; pushes each
     dx row into its source's ``combine`` slot and its partials' sum into ``d_topk_partials``;
-    then the weight gradients. The peers' fields must be in place (the group's barrier 0) and
-    the pushes are read after the group's barrier 1 (``group_backward``). Returns
+    then the weight gradients; the comm on ``comm_ctas`` CTAs, the GEMMs on the SMs' rest.
+    The peers' fields must be in place (the group's barrier 0) and the pushes are read after
+    the group's barrier 1 (``group_backward``). Returns
     ``expert_grads``' outputs (dW only with ``wgrads``), bitwise theirs on the same rows."""
     rows = row_slot.shape[0]
     hidden = w_gate.shape[2]
@@ -252,11 +249,12 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     x_rows = torch.empty_like(d_rows) if wgrads else None
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                    tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
-                   check, peers)
+                   check, peers, comm_ctas)
 
 
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-            num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None):
+            num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None,
+            comm_ctas: int = 0):
     """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
     comm tasks with ``peers`` (which then fill d_rows and x_rows)."""
     from mok_cute.expert_path import _num_sms, check_preact
@@ -285,6 +283,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                          f"dgated partials a row, got I={inter}")
     num_comm = comm_ctas if comm else 0
     num_ctas = _num_sms(device.index or 0) - num_comm
+    if comm and not 1 <= num_comm < num_ctas:
+        raise ValueError(f"comm_ctas: expected 1 to half the SMs, got {comm_ctas}")
     t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device,
                      num_experts if wgrads else 0, comm)
     # an earlier launch whose wait gave up raises here (its gradients were wrong)

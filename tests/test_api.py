@@ -521,3 +521,6 @@ def test_options_objects_are_checked_and_part_of_the_config():
         MoKConfig(expert_path=None)
     with pytest.raises(TypeError, match="MegakernelOptions.rows_in_place"):
         MegakernelOptions(rows_in_place=1)
+    for bad in (0, 65, 2.0):
+        with pytest.raises((TypeError, ValueError), match="MegakernelOptions.backward_comm_sms"):
+            MegakernelOptions(backward_comm_sms=bad)

@@ -75,7 +75,7 @@ def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
 
 
 def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-                          num_tiles, expert_offsets, peers, wgrads=True):
+                          num_tiles, expert_offsets, peers, wgrads=True, comm_ctas=16):
     """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
     and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
     and weight gradients emulated in torch."""
@@ -292,20 +292,16 @@ def test_backward_over_peers_is_the_virtual_backward_bitwise(name, precision, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,comm_ctas", [("R3_empty_expert_K10", 3), ("R2_wide_I", 16),
                                             ("R2_wide_H", 5)])
-def test_the_comm_in_the_backward_launch_keeps_the_bits_for_any_split(name, comm_ctas,
-                                                                      monkeypatch):
+def test_the_comm_in_the_backward_launch_keeps_the_bits_for_any_split(name, comm_ctas):
     """The bf16 backward over peers runs its pulls and pushes as comm tasks of the backward
     megakernel: bitwise the virtual backward with few comm CTAs (each walks many tasks), with
     33 partial columns a row (the partial sums' register halvings) and with the cooperative
     FC2 dgrad form (H > 6144); the fields poisoned before each call."""
-    from mok_cute import megakernel_backward
-
-    monkeypatch.setattr(megakernel_backward, "comm_ctas", comm_ctas)
     leaves, idx, saved, d_out = _saved_problem(name, seed=6)
     want = _virtual_grads(leaves, idx, saved, d_out)
     for repeat in range(2):
         _poison(saved.plan)
-        got = _group_grads(leaves, idx, saved, d_out)
+        got = _group_grads(leaves, idx, saved, d_out, comm_sms=comm_ctas)
         torch.cuda.synchronize()
         mok.check_errors()
         _assert_bitwise(got, want, f"{name}, {comm_ctas} comm CTAs (call {repeat})")

@@ -7,7 +7,7 @@ ranks the copies cross NVLink and the ranks run side by side).
 
     python tools/group_backward_probe.py --shapes glm_5.2,qwen3.5_397b [--ranks 8]
         [--tokens 2048] [--rounds 3] [--precision bf16,fp8] [--kernel-table] [--json out.json]
-        [--comm-ctas 8,32] [--launches]   (bf16: the comm split; the comm as launches)
+        [--comm-ctas 8,32]   (bf16: the group backward on these comm splits too)
 
 A probe for issue 32's development, not the benchmark of record.
 """
@@ -23,27 +23,11 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import fp8_weight_grads_forced, gpu_ms, save_probe_json  # noqa: E402
 
 
-def _with(module, **values):
-    """A function's call with module attributes swapped for its duration."""
-    def wrap(fn):
-        def run():
-            old = {k: getattr(module, k) for k in values}
-            for k, v in values.items():
-                setattr(module, k, v)
-            try:
-                return fn()
-            finally:
-                for k, v in old.items():
-                    setattr(module, k, v)
-        return run
-    return wrap
-
-
 def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
           precisions=("bf16",), kernel_table: bool = False, with_group: bool = True,
-          comm_splits=(), launches: bool = False) -> dict:
+          comm_splits=()) -> dict:
     import mok_cute
-    from mok_cute import group_backward, megakernel, megakernel_backward
+    from mok_cute import megakernel
     from mok_cute.bench.problems import make_problem
     from mok_cute.group_backward import moe_backward_group
     from mok_cute.shapes import resolve_shape
@@ -83,9 +67,8 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
         group_forms = {f"group {precision}": group}
         if precision == "bf16":  # the comm in the launch on other splits; as launches
             for c in comm_splits:
-                group_forms[f"group bf16 c{c}"] = _with(megakernel_backward, comm_ctas=c)(group)
-            if launches:
-                group_forms["group bf16 launches"] = _with(group_backward, ONE_LAUNCH=False)(group)
+                group_forms[f"group bf16 c{c}"] = lambda s=saved, c=c: moe_backward_group(
+                    d_out, xs, idx, w, wg, wu, wd, shared, s, comm_sms=c)
         for label, fn in group_forms.items() if with_group else ():
             same[label] = all((a is None and b is None) or torch.equal(a, b)
                               for a, b in zip(virtual(), fn()))
@@ -140,8 +123,6 @@ def main(argv=None):
                    help="also the virtual backward's GPU time per kernel")
     p.add_argument("--comm-ctas", default="",
                    help="bf16: also the group backward with these comm CTAs (a comma list)")
-    p.add_argument("--launches", action="store_true",
-                   help="bf16: also the group backward with its comm as launches of their own")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from mok_cute import megakernel
@@ -153,8 +134,7 @@ def main(argv=None):
             rows.append(probe(n, args.ranks, tokens, args.rounds, args.reps,
                               tuple(args.precision.split(",")), args.kernel_table,
                               not args.virtual_only,
-                              tuple(int(c) for c in args.comm_ctas.split(",") if c),
-                              args.launches))
+                              tuple(int(c) for c in args.comm_ctas.split(",") if c)))
             save_probe_json(args.json, {"shapes": rows}, argv)  # kept if a later shape fails
             megakernel.release_plans()  # the shape's plans and e4m3 weight copies
             forget_quantized_weights()

@@ -41,8 +41,16 @@ to after that task's mainloop, where the stores have long landed; before a task 
 they go out at once (that task might wait on this very counter). Waits are bounded (``timeout_ns``); the first
 that gives up writes the error word, which the host raises (``mok_cute.errors``).
 
-Not yet here (issue 32's build order, docs/architecture.md): the k-sum as tasks, the shared
-expert, and the comm tasks (reverse combine / dispatch).
+Over a group (``comm_ctas`` > 0) CTAs after the compute ones run the comm tasks
+(``backward_comm``): REVERSE_COMBINE / REPULL_X pull the rows FC2_DGRAD and the gate / up
+weight gradients wait on, REVERSE_DISPATCH pushes a tile's dx rows and partial sums once its
+FC1_DGRAD tiles have published. Every dgrad then waits on something, so a store warp's
+publish is deferred past the next mainloop unless that task waits on the counter group this
+one signals (FC1_DGRAD after FC2_DGRAD); the dgated partials are fenced by a barrier of their
+threads before the publish (a comm CTA reads them).
+
+Not yet here (issue 32's build order, docs/architecture.md): the group barrier, the k-sum and
+the shared expert as tasks.
 """
 
 from __future__ import annotations
