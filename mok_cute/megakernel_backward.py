@@ -218,9 +218,6 @@ class PeerRows(NamedTuple):
     #                        combine, d_topk partials offsets, top_k
 
 
-DEFER_BY_GROUP = False  # TEMPORARY: tools/megakernel_backward_probe.py --defer-by-group
-
-
 def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
     """``PeerRows.scalars`` of a symmetric layout (``comm.peers.SymmetricLayout``)."""
     offsets = [layout.offset(f) for f in ("d_out", "x", "router_weights", "combine",
@@ -314,9 +311,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     else:  # no comm task runs: tensors of the right kinds stand in
         c_args = (t.comm_queue, tile_expert, tile_expert, tile_expert, t.error, _placeholder(device),
                   d_rows, d_rows, dx_rows)
-    extra = {"defer_by_group": True} if DEFER_BY_GROUP and not comm else {}  # TEMPORARY A/B
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm, **extra)
+                                fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),

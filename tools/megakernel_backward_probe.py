@@ -21,8 +21,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False,
-          defer_by_group: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -105,21 +104,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
-    if defer_by_group:  # TEMPORARY A/B: FC1_DGRAD's publish deferred too
-        def deferred(fn):
-            def run():
-                mb.DEFER_BY_GROUP = True
-                try:
-                    return fn()
-                finally:
-                    mb.DEFER_BY_GROUP = False
-            return run
-        base = one_launch()
-        got = deferred(one_launch)()
-        print(f"{name} [defer by group] bitwise: "
-              f"{all(torch.equal(a, b) for a, b in zip(base, got))}", flush=True)
-        variants["GEMMs: megakernel, one launch [defer]"] = deferred(one_launch)
-        variants["moe_backward (megakernel) [defer]"] = deferred(backward("megakernel"))
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -169,12 +153,11 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="also the dgrads' list in minibatches of the grid's size and of 4 x that "
                         "(bitwise check on the live rows)")
-    p.add_argument("--defer-by-group", action="store_true", help="TEMPORARY A/B")
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.defer_by_group)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:

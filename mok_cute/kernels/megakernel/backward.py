@@ -94,15 +94,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         in place before the launch, read after it.
     """
 
-    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
-                 defer_by_group: bool = False):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
         self.comm_ctas = comm_ctas
-        self.defer_by_group = defer_by_group or comm_ctas > 0  # TEMPORARY switch (A/B at one rank)
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -506,7 +504,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                 if nxt < live_len:
                     n_run, _, _, _, _, n_waits, _, n_index = self._task(walk, nxt, counter_offsets)
                     defer = n_run and n_waits == 0
-                    if const_expr(self.defer_by_group):
+                    if const_expr(self.comm_ctas > 0):
                         # every dgrad waits here (FC2_DGRAD on its pulled rows): the next
                         # task cannot need this one's counter unless it waits on its group
                         # (FC1_DGRAD after FC2_DGRAD)
@@ -539,11 +537,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                fc2_pingpong: bool = False, comm_ctas: int = 0,
-                                defer_by_group: bool = False):
+                                fc2_pingpong: bool = False, comm_ctas: int = 0):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, defer_by_group)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()
