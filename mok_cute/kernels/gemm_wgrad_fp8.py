@@ -47,6 +47,7 @@ from mok_cute.kernels.gemm_core import pipeline_state
 from mok_cute.kernels.fp8_mainloop import ffma
 from mok_cute.kernels.gemm_wgrad import WgradGemmSm90
 
+PIPELINED = False  # TEMPORARY A/B switch (tools/fp8_wgrad_probe.py --pipelined)
 GROUP = fp8.GROUP  # 128 rows: one scale group, one k-tile
 WG_ROWS = 64  # M rows per consumer warpgroup
 MIN_NORMAL_EXP = -126
@@ -73,8 +74,10 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     :param num_sms: persistent grid size.
     """
 
-    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
+                 pipelined: bool = False):
         super().__init__(gated=gated, group_m=group_m, num_sms=num_sms)
+        self.pipelined = pipelined  # TEMPORARY A/B switch: two partials
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -122,6 +125,85 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     @cute.jit
     def tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
                  num_k_blocks: cutlass.Constexpr[int], scale_args):
+        if const_expr(self.pipelined):
+            self.pipelined_tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
+                                    num_k_blocks, scale_args)
+        else:
+            self.serial_tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
+                                 num_k_blocks, scale_args)
+
+    @cute.jit
+    def pipelined_tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32,
+                           k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int], scale_args):
+        """``serial_tile_mma`` with two partials: group k's wgmmas go into partial k % 2
+        before group k - 1's are waited for (``wait_group(1)``), released and promoted from
+        the other, so the warpgroup's tensor work runs under its own promotion (as
+        ``gemm_fp8.pipelined_promoting_mainloop``: group 0 peeled, whole pairs in the loop,
+        the last group after it; each group's issue written out where it runs)."""
+        mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx, expert = scale_args
+        lane = wg_tidx % 32
+        row0 = block * WG_ROWS + (wg_tidx // 32) * 16 + lane // 4
+        pair0 = n_tile * (self.tile_shape_mnk[1] // 2) + lane % 4
+        parts = (cute.make_rmem_tensor(acc.shape, self.acc_dtype),
+                 cute.make_rmem_tensor(acc.shape, self.acc_dtype))
+        sc = cute.make_rmem_tensor((2,), cutlass.Float32)
+        sc_next = cute.make_rmem_tensor((2,), cutlass.Float32)
+        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        done = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
+        acc.fill(0.0)
+        self.load_row_scales(sc, mEA, mEA2, wg, row0, k0)
+        ab_pipeline.consumer_wait(read)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(tiled_mma, parts[0], tCrA[(None, None, kb, read.index)],
+                      tCrB[(None, None, kb, read.index)], parts[0])
+        cute.nvgpu.warpgroup.commit_group()
+        read.advance()
+        for kk in range(1, k_tiles - 1, 2):
+            for j in cutlass.range_constexpr(2):  # group kk + j into partial 1 - j
+                ab_pipeline.consumer_wait(read)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(tiled_mma, parts[1 - j], tCrA[(None, None, kb, read.index)],
+                              tCrB[(None, None, kb, read.index)], parts[1 - j])
+                cute.nvgpu.warpgroup.commit_group()
+                read.advance()
+                self.load_row_scales(sc_next, mEA, mEA2, wg, row0, k0 + kk + j)
+                cute.nvgpu.warpgroup.wait_group(1)
+                ab_pipeline.consumer_release(done)
+                done.advance()
+                self.promote(acc, parts[j], sc)
+                for r in cutlass.range_constexpr(2):
+                    sc[r] = sc_next[r]
+        if k_tiles % 2 == 0:  # the last group (k_tiles - 1, odd) into partial 1
+            ab_pipeline.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(tiled_mma, parts[1], tCrA[(None, None, kb, read.index)],
+                          tCrB[(None, None, kb, read.index)], parts[1])
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            self.load_row_scales(sc_next, mEA, mEA2, wg, row0, k0 + k_tiles - 1)
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(done)
+            done.advance()
+            self.promote(acc, parts[0], sc)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(done)
+            self.promote(acc, parts[1], sc_next)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(done)
+            self.promote(acc, parts[0], sc)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        self.scale_columns(acc, mEB, expert, pair0)
+
+    @cute.jit
+    def serial_tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32,
+                        k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int], scale_args):
         """One output tile over its expert's ``k_tiles`` 128-row groups (>= 1): per group the
         wgmmas into the partial (the first overwrites it), the next group's row scales loaded
         under them, wait, release the stage, promote; then the expert's column scales."""
@@ -159,13 +241,13 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
 
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = ""):
+                           arch: str = "sm_90a", options: str = "", pipelined: bool = False):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None (``scales_of``) and ``s_b (E, N)``
     (``pow2_scales``); it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, pipelined=pipelined)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())
@@ -229,7 +311,7 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     c = torch.empty(num_experts, m, n, dtype=torch.bfloat16, device=a_t.device)
     c2 = torch.empty_like(c) if gated else None
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
-                                group_m=group_m,
+                                group_m=group_m, pipelined=PIPELINED,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
     scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), pow2_scales(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
