@@ -17,7 +17,7 @@ import torch
 
 from mok_cute import fp8, jit
 from mok_cute.kernels import gemm_wgrad_fp8 as wg
-from test_gemm_fp8 import REL_L1, ROW_REL_L1, rel_l1, wgmma_scale_d
+from test_gemm_fp8 import REL_L1, ROW_REL_L1, assert_pipelined_promotion, rel_l1
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["gated", "down"])
@@ -28,12 +28,10 @@ def report(request, tmp_path_factory):
 
 def test_wgrad_fp8_compiles_with_one_promotion_per_element(report):
     ptx = open(report.ptx_path).read()
-    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)
-    assert len(wgmmas) == 4, len(wgmmas)  # one 128-row group: 4 x k32, K-major e4m3
-    assert wgmma_scale_d(ptx) == [0, 1, 1, 1]  # each group overwrites the partial
-    # 64 accumulator elements a thread: a group's promotion is one FFMA by the row scale, the
-    # expert's column scale one FMUL per tile
-    assert len(re.findall(r"fma\.rn\.f32", ptx)) == 64
+    # a 128-row group is 4 x k32 K-major e4m3 wgmmas, the first overwriting its partial; two
+    # partials, group k - 1 promoted (one FFMA an element by the row scale) while group k runs
+    assert_pipelined_promotion(ptx)
+    # the expert's column scale: one FMUL an element per tile
     assert len(re.findall(r"\bmul(\.rn)?\.f32", ptx)) == 64
     # the column scales as 16 fp32 pairs a tile, 64-bit loads; no scale built from exponent
     # bits in the kernel

@@ -24,8 +24,6 @@ p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 p.add_argument("--shapes", default="dsv3_ep8_rank,qwen3_30b,sonic_120b")
 p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--json", default=None)
-p.add_argument("--pipelined", action="store_true",
-               help="TEMPORARY A/B: also the FP8 kernel with two partials (bitwise checked)")
 p.add_argument("--layer", action="store_true",
                help="also the whole FP8 backward (moe_backward, precision fp8) with FP8 against "
                     "bf16 weight gradients (expert_backward.fp8_weight_grads' thresholds), beside bf16's")
@@ -70,6 +68,9 @@ out = {}
 for name in args.shapes.split(","):
     s = resolve_shape(name)
     E, H, I = s.experts, s.hidden, s.intermediate
+    if H % 128 or I % 128:
+        print(f"{name:14s} skipped: H = {H}, I = {I} not multiples of 128", flush=True)
+        continue
     rows = s.tokens * s.top_k
     per = rows // E
     offsets = torch.arange(E + 1, device="cuda", dtype=torch.int32) * per
@@ -94,30 +95,7 @@ for name in args.shapes.split(","):
         "fp8 wgrad down": (lambda: grouped_wgrad_fp8(q["dy"][0], q["dy"][1], q["hw"][0],
                                                      q["hw"][1], offsets, E), gate_flops // 2),
     }
-    if args.pipelined:  # TEMPORARY A/B
-        import mok_cute.kernels.gemm_wgrad_fp8 as wf8
-
-        def piped(fn):
-            def run():
-                wf8.PIPELINED = True
-                try:
-                    return fn()
-                finally:
-                    wf8.PIPELINED = False
-            return run
-        for k in ("fp8 wgrad gate+up", "fp8 wgrad down"):
-            f, flops = runs[k]
-            base, got = f(), piped(f)()
-            same = all(torch.equal(a, b) for a, b in zip(base if isinstance(base, tuple) else (base,),
-                                                         got if isinstance(got, tuple) else (got,)))
-            print(f"{name:14s} {k} [pipelined] bitwise the serial kernel: {same}", flush=True)
-            runs[k + " [pipelined]"] = (piped(f), flops)
-        if args.layer:
-            for k, (f, w) in layer_runs(name).items():
-                runs[k] = (f, w)
-                if "fp8 wgrads" in k:
-                    runs[k + " [pipelined]"] = (piped(f), w)
-    elif args.layer:
+    if args.layer:
         runs.update(layer_runs(name))
     for k, v in dict(dg=dg, x=x).items():  # dU, dy and hw are the same shapes as dG, x
         # bytes: bf16 in, e4m3 out, the exponents
@@ -148,5 +126,5 @@ for name in args.shapes.split(","):
 if args.json:
     with open(args.json, "w") as f:
         json.dump({"command": "python tools/fp8_wgrad_probe.py --shapes " + args.shapes
-                   + (" --layer" if args.layer else "") + (" --pipelined" if args.pipelined else ""),
+                   + (" --layer" if args.layer else ""),
                    "gpu": torch.cuda.get_device_name(), "results": out}, f, indent=1)

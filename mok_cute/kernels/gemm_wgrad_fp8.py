@@ -15,13 +15,14 @@
   bf16, ncu; docs/measurements.md); B per column and expert keeps each column's precision
   (e4m3's range covers a column's spread over the rows: the product's per-column error equals
   the 1 x 128 form's, tests/test_gemm_fp8_wgrad.py) and runs 1.1-1.4 x bf16.
-- A thread's two rows' scales are loaded one group ahead under the wgmmas (loading the current
-  group's under its own wgmmas measured slower: their L2 latency outlasts one group's wgmmas).
+- A thread's two rows' scales are loaded a group ahead of their promotion, under the next
+  group's wgmmas (their L2 latency outlasts one group's wgmmas).
 - Scales are ``2^max(e, -126)``: -127 is the exponent of an
   all-zero group (whose products are zero whatever the scale); a non-zero group with an
   exponent of -127 (amax below 448 * 2^-127, values under 1e-35) is scaled as 2^-126.
-- Tiles: each consumer warpgroup owns 64 rows of M and a 64 x 128 fp32 accumulator beside a
-  64 x 128 partial (128 registers: a 128-row warpgroup tile would need 256). ``gated``: the
+- Tiles: each consumer warpgroup owns 64 rows of M and a 64 x 128 fp32 accumulator beside two
+  64 x 128 partials (192 registers: a 128-row warpgroup tile would need 256 for one); the
+  promotion of group k runs while group k + 1's wgmmas do (``tile_mma``). ``gated``: the
   two warpgroups take the same 64 weight rows of gate (A = dG^T) and up (A2 = dU^T), sharing
   every loaded x tile (B); otherwise two consecutive 64-row blocks of A. K groups are 128 rows
   (one 128-byte swizzle atom); an expert's row segment is a multiple of 128 (the receive
@@ -47,7 +48,6 @@ from mok_cute.kernels.gemm_core import pipeline_state
 from mok_cute.kernels.fp8_mainloop import ffma
 from mok_cute.kernels.gemm_wgrad import WgradGemmSm90
 
-PIPELINED = False  # TEMPORARY A/B switch (tools/fp8_wgrad_probe.py --pipelined)
 GROUP = fp8.GROUP  # 128 rows: one scale group, one k-tile
 WG_ROWS = 64  # M rows per consumer warpgroup
 MIN_NORMAL_EXP = -126
@@ -74,10 +74,8 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     :param num_sms: persistent grid size.
     """
 
-    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
-                 pipelined: bool = False):
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
         super().__init__(gated=gated, group_m=group_m, num_sms=num_sms)
-        self.pipelined = pipelined  # TEMPORARY A/B switch: two partials
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -125,21 +123,17 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     @cute.jit
     def tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
                  num_k_blocks: cutlass.Constexpr[int], scale_args):
-        if const_expr(self.pipelined):
-            self.pipelined_tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
-                                    num_k_blocks, scale_args)
-        else:
-            self.serial_tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
-                                 num_k_blocks, scale_args)
-
-    @cute.jit
-    def pipelined_tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32,
-                           k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int], scale_args):
-        """``serial_tile_mma`` with two partials: group k's wgmmas go into partial k % 2
-        before group k - 1's are waited for (``wait_group(1)``), released and promoted from
-        the other, so the warpgroup's tensor work runs under its own promotion (as
-        ``gemm_fp8.pipelined_promoting_mainloop``: group 0 peeled, whole pairs in the loop,
-        the last group after it; each group's issue written out where it runs)."""
+        """One output tile over its expert's ``k_tiles`` 128-row groups (>= 1), with two
+        partials: group k's wgmmas go into partial k % 2 (the first of a group overwrites
+        it) before group k - 1's are waited for (``wait_group(1)``), released and promoted
+        from the other, so the warpgroup's tensor work runs under its own promotion; a
+        group's row scales are loaded while the next group's wgmmas run; then the expert's
+        column scales. As ``gemm_fp8.pipelined_promoting_mainloop``: group 0 peeled, whole
+        pairs in the loop, the last group after it, each group's issue written out where it
+        runs (the DSL's tracer loses a tiled MMA's accumulate field set inside a helper
+        called from a run-time loop). Against one partial (wait for each group, then
+        promote): bitwise the same, gate / up 8-17 % and down -2 to +4 % faster (H200,
+        2026-12-04, docs/measurements.md)."""
         mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx, expert = scale_args
         lane = wg_tidx % 32
         row0 = block * WG_ROWS + (wg_tidx // 32) * 16 + lane // 4
@@ -201,53 +195,15 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         self.scale_columns(acc, mEB, expert, pair0)
 
-    @cute.jit
-    def serial_tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32,
-                        k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int], scale_args):
-        """One output tile over its expert's ``k_tiles`` 128-row groups (>= 1): per group the
-        wgmmas into the partial (the first overwrites it), the next group's row scales loaded
-        under them, wait, release the stage, promote; then the expert's column scales."""
-        mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx, expert = scale_args
-        lane = wg_tidx % 32
-        row0 = block * WG_ROWS + (wg_tidx // 32) * 16 + lane // 4
-        pair0 = n_tile * (self.tile_shape_mnk[1] // 2) + lane % 4
-        partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-        sc = cute.make_rmem_tensor((2,), cutlass.Float32)
-        sc_next = cute.make_rmem_tensor((2,), cutlass.Float32)
-        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
-        acc.fill(0.0)
-        self.load_row_scales(sc, mEA, mEA2, wg, row0, k0)
-        for k in range(k_tiles):
-            ab_pipeline.consumer_wait(read)
-            # gemm_fp8's group issue, written out: the DSL's tracer loses a tiled MMA's
-            # accumulate field set inside a helper called from a run-time loop
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
-                          tCrB[(None, None, kb, read.index)], partial)
-            cute.nvgpu.warpgroup.commit_group()
-            # the next group's row scales, under the wgmmas (the last re-reads its own)
-            self.load_row_scales(sc_next, mEA, mEA2, wg, row0,
-                                 k0 + cutlass.min(k + 1, k_tiles - 1))
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(read)
-            read.advance()
-            self.promote(acc, partial, sc)
-            for r in cutlass.range_constexpr(2):
-                sc[r] = sc_next[r]
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        self.scale_columns(acc, mEB, expert, pair0)
-
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = "", pipelined: bool = False):
+                           arch: str = "sm_90a", options: str = ""):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None (``scales_of``) and ``s_b (E, N)``
     (``pow2_scales``); it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, pipelined=pipelined)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())
@@ -311,7 +267,7 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     c = torch.empty(num_experts, m, n, dtype=torch.bfloat16, device=a_t.device)
     c2 = torch.empty_like(c) if gated else None
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
-                                group_m=group_m, pipelined=PIPELINED,
+                                group_m=group_m,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
     scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), pow2_scales(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
