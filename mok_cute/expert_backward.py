@@ -129,6 +129,21 @@ FP8_WGRAD_MIN_INTER = 1024
 FP8_WGRAD_MIN_ROWS = 1024
 
 
+# The FP8 layer's FC2 dgrad runs in FP8 from this intermediate size on (its N): below it the
+# d_out rows' quantization and the dgated epilogue, which FP8 does not shrink, cost more than
+# the FP8 GEMM saves (H200, same run: qwen3_30b, I = 768, 1.140 ms against bf16's 0.931;
+# dsv3_ep8_rank, I = 2048, 1.398 against 1.507; docs/measurements.md). FC1's dgrad stays FP8.
+FP8_FC2_DGRAD_MIN_INTER = 1024
+
+
+def fp8_fc2_dgrad(hidden: int, inter: int) -> bool:
+    """Whether the FP8 layer's FC2 dgrad runs in FP8 (else the bf16 launch, whose dG | dU
+    FC1's FP8 dgrad then quantizes): always where H or I is padded to whole 128 groups (the
+    FP8 path's row widths), else from ``FP8_FC2_DGRAD_MIN_INTER`` on. A shape's choice, the
+    same on every path."""
+    return hidden % 128 != 0 or inter % 128 != 0 or inter >= FP8_FC2_DGRAD_MIN_INTER
+
+
 def fp8_weight_grads(hidden: int, inter: int, rows_per_expert: float) -> bool:
     """Whether the FP8 layer's weight gradients run in FP8 (``gemm_wgrad_fp8``): H and I
     whole 128 groups (no padded copies), I and the expected rows per expert large enough
@@ -177,9 +192,17 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
     if fp8:
         from mok_cute import expert_path_fp8
         wt = fp8_transposed or expert_path_fp8.transposed_weights(w_gate, w_up, w_down)
-        d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
-            d_rows, preact, row_slot, weights, tile_expert, num_tiles, wt, want_dx,
-            w_down.shape[1])
+        hidden = w_down.shape[1]
+        if fp8_fc2_dgrad(hidden, w_gate.shape[1]):
+            d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
+                d_rows, preact, row_slot, weights, tile_expert, num_tiles, wt, want_dx,
+                hidden)
+        else:  # FC2's dgrad in bf16 (d_rows are H wide: no padding), FC1's in FP8
+            d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights,
+                                               tile_expert, num_tiles, options)
+            if want_dx:
+                dx_rows = expert_path_fp8.fc1_dgrad(d_preact, tile_expert, num_tiles, wt,
+                                                    hidden)
     elif dgrads == "megakernel":
         from mok_cute import megakernel_backward
         d_preact, hw, partials, dx_rows = megakernel_backward.expert_dgrads(

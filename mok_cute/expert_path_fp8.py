@@ -47,7 +47,7 @@ GROUP = fp8.GROUP
 
 __all__ = ["Fp8Weights", "quantized_weights", "transposed_weights", "forget_quantized_weights",
            "unsupported_reason", "padded", "pad_cols", "moe_forward_fp8", "fc1_rows",
-           "expert_dgrads", "reference_hidden", "reference_output", "reference_forward"]
+           "expert_dgrads", "fc1_dgrad", "reference_hidden", "reference_output", "reference_forward"]
 
 
 class Fp8Weights(NamedTuple):
@@ -232,13 +232,21 @@ def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
     d_preact, hw, partials = gemm_fp8.grouped_gemm_fp8_dgated(
         *quantize.quantize_rows(d_rows), wt.down, wt.e_down, preact, row_slot, weights,
         tile_expert, num_tiles)
-    dx_rows = None
-    if want_dx:
-        dx_rows = torch.empty(d_rows.shape[0], hidden, dtype=torch.bfloat16, device=d_rows.device)
-        gemm_fp8.grouped_gemm_fp8_split_k(
-            *quantize.quantize_rows(d_preact), wt.gate, wt.e_gate, wt.up, wt.e_up, tile_expert,
-            num_tiles, out=dx_rows)
+    dx_rows = fc1_dgrad(d_preact, tile_expert, num_tiles, wt, hidden) if want_dx else None
     return d_preact, hw, partials, dx_rows
+
+
+def fc1_dgrad(d_preact, tile_expert, num_tiles, wt: Fp8Weights, hidden: int):
+    """FC1's dgrad in FP8: dG | dU ([M, 2I'], bf16) quantized 1 x 128, K split over W_gate's
+    and W_up's transposed copies -> dx rows [M, hidden] bf16."""
+    from mok_cute.kernels import gemm_fp8, quantize
+
+    dx_rows = torch.empty(d_preact.shape[0], hidden, dtype=torch.bfloat16,
+                          device=d_preact.device)
+    gemm_fp8.grouped_gemm_fp8_split_k(
+        *quantize.quantize_rows(d_preact), wt.gate, wt.e_gate, wt.up, wt.e_up, tile_expert,
+        num_tiles, out=dx_rows)
+    return dx_rows
 
 
 def _dequantized_rows(v: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """FP8 training on one GPU (issue 33, first training slice): ``MoKConfig(precision="fp8")``
 with inputs that require grad runs ``mok_cute::moe_forward_train`` on the FP8 forward (FC1
 saving g | u by slot) and ``mok_cute::moe_backward`` with the routed experts' two dgrads in FP8
-(``expert_path_fp8.expert_dgrads``) and, where H and I are whole 128 groups, I >= 1024 and
-an expert expects >= 1024 rows (``expert_backward.fp8_weight_grads``), its weight gradients in
-FP8 (``gemm_wgrad_fp8``; the tests' small sizes take that path with the thresholds lowered);
-the shared expert stays bf16.
+(``expert_path_fp8.expert_dgrads``; FC2's in bf16 where H and I are whole 128 groups and
+I < 1024, ``expert_backward.fp8_fc2_dgrad``) and, where H and I are whole 128 groups,
+I >= 1024 and an expert expects >= 1024 rows (``expert_backward.fp8_weight_grads``), its weight
+gradients in FP8 (``gemm_wgrad_fp8``); the tests' small sizes take every FP8 kernel with the
+thresholds lowered; the shared expert stays bf16.
 
 CPU: the refusal without a GPU. H200 (marked gpu): the training forward bitwise equal to the
 FP8 inference forward; every gradient against autograd on the bf16 reference within the issue's
@@ -128,11 +129,22 @@ def test_fp8_training_forward_saves_g_u_at_the_layers_own_width(T, H, I, E, K):
                                   "T77_shared", "hot_expert", "empty_experts",
                                   "K10_zero_weights"])
 def test_fp8_weight_gradients_hold_the_bound_below_the_size_thresholds_too(name, monkeypatch):
-    """The FP8 weight gradients (``gemm_wgrad_fp8``) on the cases whose I or rows per expert
-    are below ``FP8_WGRAD_MIN_INTER`` / ``FP8_WGRAD_MIN_ROWS`` (they take bf16 weight
-    gradients by default): the same bounds."""
+    """The FP8 weight gradients (``gemm_wgrad_fp8``) and FC2's FP8 dgrad on the cases whose I
+    or rows per expert are below ``FP8_WGRAD_MIN_INTER`` / ``FP8_WGRAD_MIN_ROWS`` /
+    ``FP8_FC2_DGRAD_MIN_INTER`` (they take bf16 weight gradients and FC2 dgrad by default):
+    the same bounds."""
     from mok_cute import expert_backward
 
     monkeypatch.setattr(expert_backward, "FP8_WGRAD_MIN_INTER", 0)
     monkeypatch.setattr(expert_backward, "FP8_WGRAD_MIN_ROWS", 0)
+    monkeypatch.setattr(expert_backward, "FP8_FC2_DGRAD_MIN_INTER", 0)
     test_fp8_gradients_within_the_issue_bound_of_bf16(name)
+
+
+def test_fc2s_dgrad_runs_in_fp8_where_it_pays_and_where_the_rows_are_padded():
+    from mok_cute.expert_backward import FP8_FC2_DGRAD_MIN_INTER, fp8_fc2_dgrad
+
+    assert FP8_FC2_DGRAD_MIN_INTER == 1024
+    assert not fp8_fc2_dgrad(2048, 768)  # qwen3_30b: bf16 (measured faster)
+    assert fp8_fc2_dgrad(7168, 2048) and fp8_fc2_dgrad(4096, 14336)
+    assert fp8_fc2_dgrad(2880, 2880) and fp8_fc2_dgrad(576, 320)  # padded rows: FP8's widths
