@@ -46,7 +46,7 @@ def test_split_k_compiles_like_fc2_with_two_w_sources(report, tmp_path):
 
 def test_split_k_needs_the_store_epilogue_and_128_wide_tiles():
     with pytest.raises(ValueError, match="b_split_k"):
-        gemm_fp8.GroupedGemmFp8Sm90(tile_n=192, b_split_k=True)
+        gemm_fp8.GroupedGemmFp8Sm90(tile_n=256, b_split_k=True)
     with pytest.raises(ValueError, match="b_split_k"):
         gemm_fp8.GroupedGemmFp8Sm90(epilogue="swiglu", b_split_k=True)
 

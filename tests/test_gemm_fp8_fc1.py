@@ -131,11 +131,11 @@ def test_fc1_256_wide_tiles_promote_halves_and_keep_h_tiles_128_wide(tmp_path):
 # ---------------------------------------------------------------------- CPU models
 def test_swiglu_scale_slot_gives_gate_columns_the_gate_block():
     """Accumulator element v of lane l sits at column 8 (v // 4) + 2 (l % 4) + v % 2 of the
-    [gate 64 | up 64] tile: slot 0 (W_gate's block) exactly for columns < 64, else 2."""
+    [gate 64 | up 64] tile: slot 0 (W_gate's block) exactly for columns < 64, else 1 (W_up's)."""
     for lane in range(4):
         for v in range(64):
             col = 8 * (v // 4) + 2 * lane + v % 2
-            assert gemm_fp8.scale_slot(v, 128, swiglu=True) == (0 if col < 64 else 2), (lane, v)
+            assert gemm_fp8.scale_slot(v, 128, swiglu=True) == (0 if col < 64 else 1), (lane, v)
 
 
 def test_fc1_promoted_model_meets_the_tolerance_on_cpu(gen):

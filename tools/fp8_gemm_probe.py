@@ -2,8 +2,8 @@
 (promoted) against the bf16 expert-path GEMMs and cuBLAS's blockwise FP8 (``torch._scaled_mm``,
 1 x 128 / 128 x 128 scales, the same FLOPs as one dense GEMM) on dsv3's FC2 (E = 32 x 1024
 rows, N = 7168, K = 2048) and FC1 (N = 2 x 2048 gate | up, K = 7168, SwiGLU), each FP8 kernel
-at its tile widths (128: two partials beside the accumulator, pipelined; 192: two full
-accumulators, FC2 only; 256: one N-half promoted at a time). ``--rep-ms``: each
+at its tile widths (128: two partials beside the accumulator, pipelined; 256: one N-half
+promoted at a time). ``--rep-ms``: each
 measurement's length (short ones run near the top clock; long ones at the H200's power cap).
 Prints TFLOP/s.
 
@@ -55,7 +55,7 @@ qu, eu = fp8.quantize_blocks(wu)
 flops = {"fc2": 2 * M * H * I, "fc1": 4 * M * H * I}
 runs = {"fc2 bf16": lambda: grouped_gemm(h, wd, tile_expert, tiles),
         "fc1 bf16": lambda: grouped_gemm(x, wg, tile_expert, tiles, "swiglu", w_up=wu)}
-for tile_n in (128, 192, 256):
+for tile_n in (128, 256):
     runs[f"fc2 fp8 {tile_n}"] = (lambda t=tile_n: grouped_gemm_fp8(qh, eh, qd, ed, tile_expert,
                                                                   tiles, tile_n=t))
 for tile_n in (128, 256):

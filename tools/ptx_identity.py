@@ -90,7 +90,6 @@ def cases() -> dict:
             "wgrad_gated": lambda: gemm_wgrad.compile_wgrad_gemm(gated=True, options=opt),
             "wgrad_down": lambda: gemm_wgrad.compile_wgrad_gemm(gated=False, options=opt),
             "fp8_fc2": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128),
-            "fp8_fc2_192": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=192),
             "fp8_fc1": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128,
                                                                  epilogue="swiglu"),
             "fp8_fc1_dgrad": lambda: gemm_fp8.compile_grouped_gemm_fp8(options=opt, tile_n=128,

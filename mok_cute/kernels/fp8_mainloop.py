@@ -264,8 +264,8 @@ class PromotingMainloop:
             for half in cutlass.range_constexpr(2):
                 if const_expr(turns is not None):
                     self.wait_mma_turn(turns, k if const_expr(half == 0) else None)
-                # the wgmma issue written out, as in promoting_mainloop: the DSL loses the
-                # accumulate field set in a helper called from this run-time loop
+                # the wgmma issue written out, as in gemm_fp8.pipelined_promoting_mainloop: the
+                # DSL loses the accumulate field set in a helper called from this run-time loop
                 cute.nvgpu.warpgroup.fence()
                 tCrB_half = (tCrB, tCrB_up)[half]
                 for kb in cutlass.range_constexpr(num_k_blocks):

@@ -21,24 +21,22 @@ overwrites the partial, no zeroing), waits for them (``wait_group(0)``), release
 stage, and promotes: ``acc += s * partial`` with one FFMA (``fma.rn.f32``) per accumulator
 element, where ``s = 2^(e_a[row] + e_b[block])`` is exact: one integer add and the fp32
 built from its exponent bits (``pow2_f32``: normal, subnormal down to 2^-149, 0 below, inf
-above 2^127). Both accumulators are full tiles: a 128 x 192 tile holds 96 + 96 fp32 per
-consumer thread (``../shared/notes/anchors.md``: 0 spills; 128 x 256 would spill). The tensor
-cores idle while a warpgroup promotes when both consumer warpgroups promote the same group
-at about the same time (about 100 FFMA-issue cycles per warp per 128-K group against about
-750 cycles of wgmma at 128 x 192 x 128); the 256-wide FC1 has them issue their wgmma
-batches in turns instead (``PromotingMainloop.wait_mma_turn``), one warpgroup's promotion
-under the other's wgmmas, and a 128-wide tile keeps two partials, so each warpgroup issues the
-next group's wgmmas before it promotes (``pipelined_promoting_mainloop``).
+above 2^127). The tensor cores idle while a warpgroup promotes, unless other wgmmas are in
+flight: a 128-wide tile keeps two partials beside its accumulator (64 + 64 + 64 fp32 a
+thread), so each warpgroup issues the next group's wgmmas before it promotes
+(``pipelined_promoting_mainloop``); a 256-wide tile (128 fp32 of accumulator a thread) promotes
+one N-half at a time from a half-wide partial (``PromotingMainloop``), and in FC1 the two
+warpgroups issue their wgmma batches in turns (``PromotingMainloop.wait_mma_turn``), one
+warpgroup's promotion under the other's wgmmas. (A 128 x 192 tile with two full accumulators,
+96 + 96 fp32, ran 850-890 TFLOP/s on dsv3's FC2 against about 1000 for 128 and 256: removed.)
 
 Scales. Each consumer thread owns two rows of the tile (the wgmma accumulator layout: warp w
 rows 16 w .. 16 w + 15, lane l rows l / 4 and l / 4 + 8) and reads their exponents from
 global memory with plain byte loads, one group ahead (issued before the wait for the
 current group's wgmmas, so their latency hides under the tensor work): 2 loads of e_a and
 1-2 warp-uniform loads of e_b per thread and group, all L1/L2 hits after the first touch
-(e_a is M * K / 128 bytes). A 192-wide N-tile spans two 128-row blocks of W: columns [0, 64)
-lie in the first, [128, 192) in the second, and [64, 128) in the first for even N-tiles and
-the second for odd ones (n0 = 192 n_tile = 128 * 1.5 n_tile): three scales per row, each
-accumulator element's choice fixed at trace time. A 128-wide tile uses one block.
+(e_a is M * K / 128 bytes). A 128-wide tile uses one W block (swiglu: W_gate's and W_up's),
+a 256-wide one two, one an N-half.
 
 FC1 (``epilogue="swiglu"``, ``grouped_gemm_fp8_swiglu``): W_gate and W_up ``[E, I, H]`` e4m3
 with their own 128 x 128 exponents. As in the bf16 kernel each B stage is two TMA boxes, 64
@@ -74,7 +72,7 @@ by TMA into an mbarrier ring; the consumers run the promoting mainloop above and
 tile epilogue (``GemmCoreSm90.tile_epilogue``, "store"). Fixed K order, no split-K: repeat
 runs agree bitwise.
 
-Constraints: K % 128 == 0 (K >= 128), N % 128 == 0 (the block scales), tile_n in {128, 192}
+Constraints: K % 128 == 0 (K >= 128), N % 128 == 0 (the block scales), tile_n in {128, 256}
 (a partial last N-tile is zero-filled on load and clipped on store by TMA), 16-byte aligned
 rows. The kernel takes the e4m3 data as int8 views (``q.view(torch.int8)``) and reinterprets
 them as e4m3 for TMA and wgmma.
@@ -110,7 +108,7 @@ from mok_cute.kernels.fp8_mainloop import PromotingMainloop, ffma, pow2_f32
 from mok_cute.kernels.gemm_sm90 import GroupedGemmSm90
 
 GROUP = fp8.GROUP  # 128: the K depth of a scale group, one k-tile
-TILE_NS = (128, 192, 256)
+TILE_NS = (128, 256)
 EPILOGUES = ("store", "swiglu", "dgated")
 # swiglu: the wgmma tile is [gate | up], tile_n / 2 columns of h. 128 (h 64 wide) keeps the
 # accumulator and the partial at 64 + 64 fp32 a thread; 256 (h 128 wide, one whole scale group
@@ -121,18 +119,11 @@ HALF_PROMOTE_TILE_N = 256  # wider tiles run the wgmmas and the promotion one N-
 
 # ---------------------------------------------------------------------- device helpers
 def scale_slot(v: int, tile_n: int, swiglu: bool = False) -> int:
-    """Which of a row's three scales accumulator element ``v`` takes (trace time): 0 the
-    tile's first W block, 2 its second, 1 the first for even N-tiles and the second for odd
-    ones. Element v covers columns 8 (v // 4) .. 8 (v // 4) + 7 of the tile (wgmma layout);
-    a 192-wide tile starts at 128 * 1.5 n_tile, so its block boundary is column 128 (even)
-    or 64 (odd). A 128-wide tile is one block. ``swiglu``: the tile's first half is W_gate's
-    block (0), its second half W_up's (2)."""
-    chunk = v // 4
-    if swiglu:
-        return 0 if chunk < tile_n // 16 else 2
-    if tile_n <= GROUP:
-        return 0
-    return 0 if chunk < 8 else (1 if chunk < 16 else 2)
+    """Which of a row's two scales accumulator element ``v`` of a 128-wide tile takes (trace
+    time): 0 the tile's W block; ``swiglu``: 0 (W_gate's block) in the tile's first half, 1
+    (W_up's) in its second. Element v covers columns 8 (v // 4) .. 8 (v // 4) + 7 of the tile
+    (wgmma layout)."""
+    return 1 if swiglu and v // 4 >= tile_n // 16 else 0
 
 
 # ---------------------------------------------------------------------- a tile's exponents
@@ -158,8 +149,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
     promoting mainloop (module docstring). Cooperative consumers.
 
     :param tile_n: CTA tile width in N (the wgmma width). store: 128 (two partials,
-        pipelined), 192 (two 128 x 192 fp32 accumulators; slower on dsv3's FC2, 850-890
-        against ~1000 TFLOP/s) or 256 (one N-half promoted at a time; the layer's FC2).
+        pipelined) or 256 (one N-half promoted at a time; the layer's FC2).
         swiglu: 128 = 64 gate + 64 up columns, h tiles 128 x 64; 256 (the layer's FC1).
     :param epilogue: ``"store"`` (FC2: out = bf16(acc)) or ``"swiglu"`` (FC1: gate and up
         from two weight tensors into the two halves of each B stage, as ``GroupedGemmSm90``;
@@ -204,9 +194,6 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         # 256-wide FC1: the consumer warpgroups issue their wgmma batches in turns
         # (``PromotingMainloop.wait_mma_turn``; FC2 and the 128-wide tiles tied or lost)
         self.mma_turns = self.swiglu and self.half_promote
-        # 128 wide: two partials beside the accumulator (64 + 64 + 64 fp32 a thread), group
-        # k + 1's wgmmas run while group k promotes (``pipelined_promoting_mainloop``)
-        self.two_partials = tile_n == GROUP
         # swiglu: h tiles are half as wide; each B stage is loaded as a gate and an up box
         self.out_tile_n = tile_n // 2 if self.swiglu else tile_n
         self.b_rows_per_load = self.out_tile_n
@@ -369,12 +356,9 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
                         k_tile_cnt, num_k_blocks, exps,
                         turns=None if const_expr(turns is None) else
                         (*turns, consumer + loads))
-                elif const_expr(self.two_partials):
+                else:
                     self.pipelined_promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA,
                                                       tCrB, loads, k_tile_cnt, num_k_blocks, exps)
-                else:
-                    self.promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                                            loads, k_tile_cnt, num_k_blocks, exps)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
@@ -419,20 +403,16 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         return ea0, ea1, eb0, eb1
 
     def promote(self, acc: cute.Tensor, partial: cute.Tensor, ea0: Int32, ea1: Int32,
-                eb0: Int32, eb1: Int32, n_tile: Int32):
-        """acc += 2^(e_a[row] + e_b[block]) * partial, one FFMA per element. Element v of the
-        wgmma accumulator ((2, 2, tile_n / 8) values) sits at column 8 (v // 4) + 2 (lane % 4)
-        + v % 2 and row (v // 2) % 2 * 8 + this thread's first row; its 8-column chunk
-        v // 4 decides the block (module docstring). Traced inline."""
+                eb0: Int32, eb1: Int32):
+        """A 128-wide tile's acc += 2^(e_a[row] + e_b[block]) * partial, one FFMA per element.
+        Element v of the wgmma accumulator ((2, 2, 16) values) sits at column 8 (v // 4) +
+        2 (lane % 4) + v % 2 and row (v // 2) % 2 * 8 + this thread's first row; swiglu's
+        second half takes W_up's block (``scale_slot``). Traced inline."""
         tile_n = self.tile_shape_mnk[1]
-        odd = (n_tile % 2) == 1
         scales = []
         for ea in (ea0, ea1):
-            lo = pow2_f32(ea + eb0)
-            hi = pow2_f32(ea + eb1) if const_expr(tile_n > GROUP or self.swiglu) else lo
-            # slot 1 (the parity block of a 192-wide tile) is never taken by swiglu
-            mid = lo if const_expr(self.swiglu) else cutlass.select_(odd, hi, lo)
-            scales.append((lo, mid, hi))
+            first = pow2_f32(ea + eb0)
+            scales.append((first, pow2_f32(ea + eb1) if const_expr(self.swiglu) else first))
         accv = cute.flatten(acc)
         partv = cute.flatten(partial)
         for v in range(cute.size(accv)):
@@ -440,45 +420,16 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
             accv[v] = ffma(partv[v], scales[(v // 2) % 2][slot], accv[v])
 
     @cute.jit
-    def promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                           loads: Int32, k_tiles: Int32, num_k_blocks: cutlass.Constexpr[int],
-                           exps: GroupExponents):
-        """One output tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
-        per group the wgmmas into ``partial`` (the first overwrites it), wait, release the
-        stage, promote into ``acc`` with the group's scales (loaded one group ahead).
-        Returns the state after the tile's last stage. Used by the 192-wide tiles (96 + 96
-        fp32 a thread leave no room for a second partial; the 128-wide tiles pipeline theirs,
-        ``pipelined_promoting_mainloop``)."""
-        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
-        acc.fill(0.0)
-        ea0, ea1, eb0, eb1 = self.group_exponents(exps, Int32(0))
-        for k in range(k_tiles):
-            ab_pipeline.consumer_wait(read)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(tiled_mma, partial, tCrA[(None, None, kb, read.index)],
-                          tCrB[(None, None, kb, read.index)], partial)
-            cute.nvgpu.warpgroup.commit_group()
-            # the next group's exponents, under the wgmmas (the last tile re-reads its own)
-            nxt = self.group_exponents(exps, cutlass.min(k + 1, k_tiles - 1))
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(read)
-            read.advance()
-            self.promote(acc, partial, ea0, ea1, eb0, eb1, exps.n_tile)
-            ea0, ea1, eb0, eb1 = nxt
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        return read
-
-    @cute.jit
     def pipelined_promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
                                      loads: Int32, k_tiles: Int32,
                                      num_k_blocks: cutlass.Constexpr[int],
                                      exps: GroupExponents):
-        """``promoting_mainloop`` for 128-wide tiles, with two partials: group k's wgmmas are
-        issued into partial k % 2 before group k - 1's are waited for (``wait_group(1)``),
-        released and promoted from the other, so a warpgroup's tensor work runs under its own
-        promotion (2026-12-04: FC1's dgrad 4-11 % faster, FC2 -2 to +7 %; bitwise the same).
+        """One 128-wide output tile over its ``k_tiles`` 128-deep groups, from stage use
+        ``loads`` on, with two partials: group k's wgmmas (the first overwriting the partial)
+        are issued into partial k % 2 before group k - 1's are waited for (``wait_group(1)``),
+        released and promoted from the other with the group's scales, so a warpgroup's tensor
+        work runs under its own promotion (2026-12-04, against one partial waited for and
+        promoted each group: FC1's dgrad 4-11 % faster, FC2 -2 to +7 %; bitwise the same).
         Group 0 is peeled, the loop takes whole pairs and the last group follows it: no guard
         inside the loop, so every path into its head has the same partial in flight (with a
         guarded group inside, ptxas serialized every wgmma, C7514). A group's issue and
@@ -513,7 +464,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
                 ab_pipeline.consumer_release(done)
                 done.advance()
                 ea0, ea1, eb0, eb1 = e_prev
-                self.promote(acc, parts[j], ea0, ea1, eb0, eb1, exps.n_tile)
+                self.promote(acc, parts[j], ea0, ea1, eb0, eb1)
                 e_prev = e_next
         if k_tiles % 2 == 0:  # the last group (k_tiles - 1, odd) into partial 1
             e_next = self.group_exponents(exps, k_tiles - 1)
@@ -529,16 +480,16 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
             ab_pipeline.consumer_release(done)
             done.advance()
             ea0, ea1, eb0, eb1 = e_prev
-            self.promote(acc, parts[0], ea0, ea1, eb0, eb1, exps.n_tile)
+            self.promote(acc, parts[0], ea0, ea1, eb0, eb1)
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(done)
             ea0, ea1, eb0, eb1 = e_next
-            self.promote(acc, parts[1], ea0, ea1, eb0, eb1, exps.n_tile)
+            self.promote(acc, parts[1], ea0, ea1, eb0, eb1)
         else:
             cute.nvgpu.warpgroup.wait_group(0)
             ab_pipeline.consumer_release(done)
             ea0, ea1, eb0, eb1 = e_prev
-            self.promote(acc, parts[0], ea0, ea1, eb0, eb1, exps.n_tile)
+            self.promote(acc, parts[0], ea0, ea1, eb0, eb1)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         return read
 
