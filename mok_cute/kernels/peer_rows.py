@@ -28,7 +28,7 @@ from cutlass import BFloat16, Int32, Int64
 from mok_cute import jit
 from mok_cute.constants import FLAG_STEPS, SCALAR_INDEX, SCALARS, VEC_ELEMS
 from mok_cute.kernels import common
-from mok_cute.kernels.megakernel.comm_tasks import bf16_row, copy_row
+from mok_cute.kernels.megakernel.comm_tasks import bf16_row, copy_row, zero_row
 # token_ops' pointer and stream helpers: one place for how a kernel entry takes torch tensors
 from mok_cute.kernels.token_ops import _placeholder_ptr, _ptr, _stream
 
@@ -69,12 +69,7 @@ class CopyRowsByAddress:
                 if frm != 0:
                     copy_row(bf16_row(frm, h_vecs * VEC_ELEMS), out, h_vecs, lane, COPY_UNROLL)
                 else:
-                    vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16,
-                                              num_bits_per_copy=128)
-                    zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                    zeros.fill(0.0)
-                    for v in cutlass.range(lane, h_vecs, 32, unroll=1):
-                        cute.copy(vec, zeros, cute.local_tile(out, (VEC_ELEMS,), (v,)))
+                    zero_row(out, h_vecs, lane)
 
 
 class PeerBarrier:

@@ -34,12 +34,12 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64
 
 from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
                                 BACKWARD_MAX_PARTIAL_COLS, TILE_M, VEC_ELEMS)
 from mok_cute.kernels import common
-from mok_cute.kernels.megakernel.comm_tasks import COPY_UNROLL, bf16_row, copy_row
+from mok_cute.kernels.megakernel.comm_tasks import COPY_UNROLL, bf16_row, copy_row, zero_row
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
 
 # the int64 comm scalars: byte offsets of the symmetric layout's fields, then top_k
@@ -133,7 +133,7 @@ class BackwardCommMixin:
                                         base + rows.comm_scalars[WEIGHTS_OFFSET]
                                         + slot * SLOT_ROW_BYTES)[0]
                         else:
-                            self._zero_row(out, h_vecs, lane)
+                            zero_row(out, h_vecs, lane)
                 sync.arrive_and_wait()
                 if tidx == 0:
                     cute.arch.fence_acq_rel_gpu()
@@ -141,14 +141,6 @@ class BackwardCommMixin:
                         counters, counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
                         + tasks[index, int(BackwardWord.SIGNAL_INDEX)], 1)
             pos += self.comm_ctas
-
-    @cute.jit
-    def _zero_row(self, out: cute.Tensor, h_vecs: Int32, lane: Int32):
-        vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-        zeros.fill(0.0)
-        for v in cutlass.range(lane, h_vecs, 32, unroll=1):
-            cute.copy(vec, zeros, cute.local_tile(out, (VEC_ELEMS,), (v,)))
 
     @cute.jit
     def _row_partial_sum(self, partials: cute.Tensor, row: Int32, lane: Int32) -> Float32:

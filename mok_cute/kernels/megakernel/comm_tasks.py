@@ -62,6 +62,16 @@ def copy_row(src: cute.Tensor, dst: cute.Tensor, h_vecs: Int32, lane: Int32,
                 cute.copy(vec, frag[None, u], cute.local_tile(dst, (VEC_ELEMS,), (v0 + 32 * u,)))
 
 
+@cute.jit
+def zero_row(dst: cute.Tensor, h_vecs: Int32, lane: Int32):
+    """One warp writes a zero row as 16-byte vectors (a padding row of a pulled buffer)."""
+    vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+    zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+    zeros.fill(0.0)
+    for v in cutlass.range(lane, h_vecs, 32, unroll=1):
+        cute.copy(vec, zeros, cute.local_tile(dst, (VEC_ELEMS,), (v,)))
+
+
 class CommTasks:
     """The comm role (``MegakernelSm90`` mixes it in)."""
 
