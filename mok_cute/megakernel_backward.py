@@ -271,14 +271,15 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     check_preact(preact, inter, row_slot, rows)
     device = d_rows.device
     wgrads = x_rows is not None
+    comm = peers is not None
     partial_cols = -(-inter // fc2_tile_n(hidden))
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
         dw = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down)) if wgrads else ()
-        return (d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
+        pulled = (d_rows, x_rows) if comm else ()
+        return (*pulled, d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
                 torch.empty(0, partial_cols, dtype=torch.float32, device=device),
                 d_rows.new_empty(0, hidden), *dw)
-    comm = peers is not None
-    if comm and -(-inter // fc2_tile_n(hidden)) > BACKWARD_MAX_PARTIAL_COLS:
+    if comm and partial_cols > BACKWARD_MAX_PARTIAL_COLS:
         raise ValueError(f"the backward over a group sums at most {BACKWARD_MAX_PARTIAL_COLS} "
                          f"dgated partials a row, got I={inter}")
     num_comm = comm_ctas if comm else 0

@@ -289,6 +289,28 @@ def test_backward_over_peers_is_the_virtual_backward_bitwise(name, precision, mo
         first = got
 
 
+def test_a_rank_with_no_schedule_row_gets_zero_weight_gradients_without_a_launch():
+    """expert_grads_over_peers on an empty receive schedule (no row, no tile): the outputs in
+    the launch's order (pulled d_out and x rows, dG | dU, w * h, partials, dx rows, dW_*),
+    the weight gradients zeros; no kernel runs (so this holds on the CPU too)."""
+    from mok_cute.megakernel_backward import PeerRows, expert_grads_over_peers
+
+    E, I, H = 2, 128, 256
+    wg, wu = torch.randn(E, I, H).bfloat16(), torch.randn(E, I, H).bfloat16()
+    wd = torch.randn(E, H, I).bfloat16()
+    none = torch.zeros(0, dtype=torch.int32)
+    peers = PeerRows(torch.zeros(2, dtype=torch.int64), none, none, none,
+                     torch.zeros(6, dtype=torch.int64))
+    out = expert_grads_over_peers(wg, wu, wd, torch.zeros(0, 2 * I, dtype=torch.bfloat16), none,
+                                  torch.zeros(0), none, torch.zeros(1, dtype=torch.int32),
+                                  torch.zeros(E + 1, dtype=torch.int32), peers)
+    assert len(out) == 9
+    assert [tuple(t.shape) for t in out[:6]] == [(0, H), (0, H), (0, 2 * I), (0, I), (0, 1),
+                                                  (0, H)]
+    for dw, w in zip(out[6:], (wg, wu, wd)):
+        assert dw.shape == w.shape and not dw.any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,comm_ctas", [("R3_empty_expert_K10", 3), ("R2_wide_I", 16),
                                             ("R2_wide_H", 5)])
