@@ -38,7 +38,7 @@ def reports(tmp_path_factory):
     return get
 
 
-# The 128-wide tiles' pipelined mainloop (``pipelined_promoting_mainloop``) has four copies of
+# The 128-wide tiles' mainloop (``fp8_mainloop.TwoPartialMainloop``) has four copies of
 # a group's wgmma issue (group 0, the loop's pair, the last group) and five of its promotion
 # (the pair's two, the even tail's two, the odd tail's one); it waits with one group pending.
 PIPELINED_ISSUES, PIPELINED_PROMOTIONS = 4, 5

@@ -24,7 +24,7 @@ built from its exponent bits (``pow2_f32``: normal, subnormal down to 2^-149, 0 
 above 2^127). The tensor cores idle while a warpgroup promotes, unless other wgmmas are in
 flight: a 128-wide tile keeps two partials beside its accumulator (64 + 64 + 64 fp32 a
 thread), so each warpgroup issues the next group's wgmmas before it promotes
-(``pipelined_promoting_mainloop``); a 256-wide tile (128 fp32 of accumulator a thread) promotes
+(``TwoPartialMainloop``); a 256-wide tile (128 fp32 of accumulator a thread) promotes
 one N-half at a time from a half-wide partial (``PromotingMainloop``), and in FC1 the two
 warpgroups issue their wgmma batches in turns (``PromotingMainloop.wait_mma_turn``), one
 warpgroup's promotion under the other's wgmmas. (A 128 x 192 tile with two full accumulators,
@@ -103,8 +103,7 @@ from mok_cute import fp8, jit
 from mok_cute.config import describe
 from mok_cute.constants import TILE_M
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import pipeline_state
-from mok_cute.kernels.fp8_mainloop import PromotingMainloop, ffma, pow2_f32
+from mok_cute.kernels.fp8_mainloop import PromotingMainloop, TwoPartialMainloop, ffma, pow2_f32
 from mok_cute.kernels.gemm_sm90 import GroupedGemmSm90
 
 GROUP = fp8.GROUP  # 128: the K depth of a scale group, one k-tile
@@ -144,7 +143,7 @@ class GroupExponents(NamedTuple):
 
 
 # ---------------------------------------------------------------------- the kernel
-class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
+class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90):
     """``GroupedGemmSm90`` on e4m3 operands with 1 x 128 / 128 x 128 power-of-two scales and a
     promoting mainloop (module docstring). Cooperative consumers.
 
@@ -357,8 +356,8 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
                         turns=None if const_expr(turns is None) else
                         (*turns, consumer + loads))
                 else:
-                    self.pipelined_promoting_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA,
-                                                      tCrB, loads, k_tile_cnt, num_k_blocks, exps)
+                    self.two_partial_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
+                                              loads, k_tile_cnt, num_k_blocks, exps)
                 loads += k_tile_cnt
                 # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
                 # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
@@ -402,12 +401,19 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
             eb1 = Int32(mEB[expert, cutlass.min(block0 + 1, last_block), group])
         return ea0, ea1, eb0, eb1
 
-    def promote(self, acc: cute.Tensor, partial: cute.Tensor, ea0: Int32, ea1: Int32,
-                eb0: Int32, eb1: Int32):
-        """A 128-wide tile's acc += 2^(e_a[row] + e_b[block]) * partial, one FFMA per element.
-        Element v of the wgmma accumulator ((2, 2, 16) values) sits at column 8 (v // 4) +
-        2 (lane % 4) + v % 2 and row (v // 2) % 2 * 8 + this thread's first row; swiglu's
-        second half takes W_up's block (``scale_slot``). Traced inline."""
+    # TwoPartialMainloop's hooks: a group's exponents, read before its stage's wait
+    scales_under_wgmma = False
+
+    def group_scales(self, exps: GroupExponents, group: Int32):
+        return self.group_exponents(exps, group)
+
+    def promote_group(self, acc: cute.Tensor, partial: cute.Tensor, exponents):
+        """A 128-wide tile's acc += 2^(e_a[row] + e_b[block]) * partial, one FFMA per element,
+        ``exponents`` = (ea0, ea1, eb0, eb1) of ``group_exponents``. Element v of the wgmma
+        accumulator ((2, 2, 16) values) sits at column 8 (v // 4) + 2 (lane % 4) + v % 2 and
+        row (v // 2) % 2 * 8 + this thread's first row; swiglu's second half takes W_up's
+        block (``scale_slot``). Traced inline."""
+        ea0, ea1, eb0, eb1 = exponents
         tile_n = self.tile_shape_mnk[1]
         scales = []
         for ea in (ea0, ea1):
@@ -418,80 +424,6 @@ class GroupedGemmFp8Sm90(PromotingMainloop, GroupedGemmSm90):
         for v in range(cute.size(accv)):
             slot = scale_slot(v, tile_n, self.swiglu)
             accv[v] = ffma(partv[v], scales[(v // 2) % 2][slot], accv[v])
-
-    @cute.jit
-    def pipelined_promoting_mainloop(self, ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                                     loads: Int32, k_tiles: Int32,
-                                     num_k_blocks: cutlass.Constexpr[int],
-                                     exps: GroupExponents):
-        """One 128-wide output tile over its ``k_tiles`` 128-deep groups, from stage use
-        ``loads`` on, with two partials: group k's wgmmas (the first overwriting the partial)
-        are issued into partial k % 2 before group k - 1's are waited for (``wait_group(1)``),
-        released and promoted from the other with the group's scales, so a warpgroup's tensor
-        work runs under its own promotion (2026-12-04, against one partial waited for and
-        promoted each group: FC1's dgrad 4-11 % faster, FC2 -2 to +7 %; bitwise the same).
-        Group 0 is peeled, the loop takes whole pairs and the last group follows it: no guard
-        inside the loop, so every path into its head has the same partial in flight (with a
-        guarded group inside, ptxas serialized every wgmma, C7514). A group's issue and
-        retirement are written out at each of their places: the accumulate field set in a
-        helper, and a pipeline state advanced in one, escape the loop's region (the DSL
-        refuses both), and this is the code that ran on the H200."""
-        parts = (partial, cute.make_rmem_tensor(partial.shape, self.acc_dtype))
-        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
-        done = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
-        acc.fill(0.0)
-        e_prev = self.group_exponents(exps, Int32(0))
-        ab_pipeline.consumer_wait(read)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(num_k_blocks):
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(tiled_mma, parts[0], tCrA[(None, None, kb, read.index)],
-                      tCrB[(None, None, kb, read.index)], parts[0])
-        cute.nvgpu.warpgroup.commit_group()
-        read.advance()
-        for kk in range(1, k_tiles - 1, 2):
-            for j in cutlass.range_constexpr(2):  # group kk + j into partial 1 - j
-                e_next = self.group_exponents(exps, kk + j)
-                ab_pipeline.consumer_wait(read)
-                cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma, parts[1 - j], tCrA[(None, None, kb, read.index)],
-                              tCrB[(None, None, kb, read.index)], parts[1 - j])
-                cute.nvgpu.warpgroup.commit_group()
-                read.advance()
-                cute.nvgpu.warpgroup.wait_group(1)
-                ab_pipeline.consumer_release(done)
-                done.advance()
-                ea0, ea1, eb0, eb1 = e_prev
-                self.promote(acc, parts[j], ea0, ea1, eb0, eb1)
-                e_prev = e_next
-        if k_tiles % 2 == 0:  # the last group (k_tiles - 1, odd) into partial 1
-            e_next = self.group_exponents(exps, k_tiles - 1)
-            ab_pipeline.consumer_wait(read)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(tiled_mma, parts[1], tCrA[(None, None, kb, read.index)],
-                          tCrB[(None, None, kb, read.index)], parts[1])
-            cute.nvgpu.warpgroup.commit_group()
-            read.advance()
-            cute.nvgpu.warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(done)
-            done.advance()
-            ea0, ea1, eb0, eb1 = e_prev
-            self.promote(acc, parts[0], ea0, ea1, eb0, eb1)
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(done)
-            ea0, ea1, eb0, eb1 = e_next
-            self.promote(acc, parts[1], ea0, ea1, eb0, eb1)
-        else:
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(done)
-            ea0, ea1, eb0, eb1 = e_prev
-            self.promote(acc, parts[0], ea0, ea1, eb0, eb1)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        return read
 
 # ---------------------------------------------------------------------- compile (no GPU)
 def compile_grouped_gemm_fp8(arch: str = "sm_90a", *, options: str = "", tile_n: int = 128,

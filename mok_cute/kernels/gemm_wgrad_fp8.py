@@ -22,7 +22,7 @@
   exponent of -127 (amax below 448 * 2^-127, values under 1e-35) is scaled as 2^-126.
 - Tiles: each consumer warpgroup owns 64 rows of M and a 64 x 128 fp32 accumulator beside two
   64 x 128 partials (192 registers: a 128-row warpgroup tile would need 256 for one); the
-  promotion of group k runs while group k + 1's wgmmas do (``tile_mma``). ``gated``: the
+  promotion of group k runs while group k + 1's wgmmas do (``TwoPartialMainloop``). ``gated``: the
   two warpgroups take the same 64 weight rows of gate (A = dG^T) and up (A2 = dU^T), sharing
   every loaded x tile (B); otherwise two consecutive 64-row blocks of A. K groups are 128 rows
   (one 128-byte swizzle atom); an expert's row segment is a multiple of 128 (the receive
@@ -37,15 +37,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import torch
 from cutlass import Int8, Int32, const_expr
 
 from mok_cute import fp8, jit
 from mok_cute.config import describe
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import pipeline_state
-from mok_cute.kernels.fp8_mainloop import ffma
+from mok_cute.kernels.fp8_mainloop import TwoPartialMainloop, ffma
 from mok_cute.kernels.gemm_wgrad import WgradGemmSm90
 
 GROUP = fp8.GROUP  # 128 rows: one scale group, one k-tile
@@ -65,7 +63,7 @@ def scales_of(e: torch.Tensor) -> torch.Tensor:
     return pow2_scales(e.t())
 
 
-class WgradGemmFp8Sm90(WgradGemmSm90):
+class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
     """Grouped weight-gradient GEMM on e4m3 with per-(column, 128-row group) scales on both
     operands and a promoting mainloop (module docstring).
 
@@ -88,24 +86,31 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
                 cute.recast_tensor(mB, e4m3))
 
     # ------------------------------------------------------------------ promoting products
-    def load_row_scales(self, dst: cute.Tensor, mSA: cute.Tensor, mSA2, wg: Int32,
-                        row0: Int32, group: Int32):
-        """This thread's two rows' scales of K group ``group`` into ``dst (2,)`` (gated:
-        warpgroup 1's from ``mSA2``). Traced inline."""
-        for r in range(2):
-            s = mSA[group, row0 + 8 * r]
-            if const_expr(self.gated):
-                s = cutlass.select_(wg == 0, s, mSA2[group, row0 + 8 * r])
-            dst[r] = s
+    # TwoPartialMainloop's hooks: a group's row scales, read under its wgmmas (their L2
+    # latency outlasts one group's wgmmas: they are promoted a group later)
+    scales_under_wgmma = True
 
-    def promote(self, acc: cute.Tensor, partial: cute.Tensor, sc: cute.Tensor):
-        """acc += partial * 2^e_a[row], the row scales of ``load_row_scales``. Element v of
-        the accumulator ((2, 2, 16) values) sits at column 8 (v // 4) + 2 (lane % 4) + v % 2
-        and row (v // 2) % 2 * 8 + this thread's first row. Traced inline."""
+    def group_scales(self, src, group: Int32):
+        """This thread's two rows' scales of the tile's K group ``group`` (gated: warpgroup
+        1's from ``mSA2``); ``src`` = (mSA, mSA2, warpgroup, first row, the expert's first
+        group). Traced inline."""
+        mSA, mSA2, wg, row0, k0 = src
+        scales = []
+        for r in range(2):
+            s = mSA[k0 + group, row0 + 8 * r]
+            if const_expr(self.gated):
+                s = cutlass.select_(wg == 0, s, mSA2[k0 + group, row0 + 8 * r])
+            scales.append(s)
+        return tuple(scales)
+
+    def promote_group(self, acc: cute.Tensor, partial: cute.Tensor, scales):
+        """acc += partial * 2^e_a[row], the row scales of ``group_scales``. Element v of the
+        accumulator ((2, 2, 16) values) sits at column 8 (v // 4) + 2 (lane % 4) + v % 2 and
+        row (v // 2) % 2 * 8 + this thread's first row. Traced inline."""
         accv = cute.flatten(acc)
         partv = cute.flatten(partial)
         for v in range(cute.size(accv)):
-            accv[v] = ffma(partv[v], sc[(v // 2) % 2], accv[v])
+            accv[v] = ffma(partv[v], scales[(v // 2) % 2], accv[v])
 
     def scale_columns(self, acc: cute.Tensor, mSB: cute.Tensor, expert: Int32, pair0: Int32):
         """acc *= 2^e_b[expert, column] once per tile: its 16 column pairs (columns 2 pair +
@@ -123,76 +128,17 @@ class WgradGemmFp8Sm90(WgradGemmSm90):
     @cute.jit
     def tile_mma(self, ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads: Int32, k_tiles: Int32,
                  num_k_blocks: cutlass.Constexpr[int], scale_args):
-        """One output tile over its expert's ``k_tiles`` 128-row groups (>= 1), with two
-        partials: group k's wgmmas go into partial k % 2 (the first of a group overwrites
-        it) before group k - 1's are waited for (``wait_group(1)``), released and promoted
-        from the other, so the warpgroup's tensor work runs under its own promotion; a
-        group's row scales are loaded while the next group's wgmmas run; then the expert's
-        column scales. As ``gemm_fp8.pipelined_promoting_mainloop``: group 0 peeled, whole
-        pairs in the loop, the last group after it, each group's issue written out where it
-        runs (the DSL's tracer loses a tiled MMA's accumulate field set inside a helper
-        called from a run-time loop). Against one partial (wait for each group, then
-        promote): bitwise the same, gate / up 8-17 % and down -2 to +4 % faster (H200,
-        2026-12-04, docs/measurements.md)."""
+        """One output tile over its expert's ``k_tiles`` 128-row groups (>= 1): the two-partial
+        mainloop (``fp8_mainloop.TwoPartialMainloop``: group k - 1 promoted by its row scales
+        while group k's wgmmas run; against one partial bitwise the same, gate / up 8-17 % and
+        down -2 to +4 % faster, H200, 2026-12-04), then the expert's column scales."""
         mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx, expert = scale_args
         lane = wg_tidx % 32
         row0 = block * WG_ROWS + (wg_tidx // 32) * 16 + lane // 4
         pair0 = n_tile * (self.tile_shape_mnk[1] // 2) + lane % 4
-        parts = (cute.make_rmem_tensor(acc.shape, self.acc_dtype),
-                 cute.make_rmem_tensor(acc.shape, self.acc_dtype))
-        sc = cute.make_rmem_tensor((2,), cutlass.Float32)
-        sc_next = cute.make_rmem_tensor((2,), cutlass.Float32)
-        read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
-        done = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
-        acc.fill(0.0)
-        self.load_row_scales(sc, mEA, mEA2, wg, row0, k0)
-        ab_pipeline.consumer_wait(read)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(num_k_blocks):
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(tiled_mma, parts[0], tCrA[(None, None, kb, read.index)],
-                      tCrB[(None, None, kb, read.index)], parts[0])
-        cute.nvgpu.warpgroup.commit_group()
-        read.advance()
-        for kk in range(1, k_tiles - 1, 2):
-            for j in cutlass.range_constexpr(2):  # group kk + j into partial 1 - j
-                ab_pipeline.consumer_wait(read)
-                cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma, parts[1 - j], tCrA[(None, None, kb, read.index)],
-                              tCrB[(None, None, kb, read.index)], parts[1 - j])
-                cute.nvgpu.warpgroup.commit_group()
-                read.advance()
-                self.load_row_scales(sc_next, mEA, mEA2, wg, row0, k0 + kk + j)
-                cute.nvgpu.warpgroup.wait_group(1)
-                ab_pipeline.consumer_release(done)
-                done.advance()
-                self.promote(acc, parts[j], sc)
-                for r in cutlass.range_constexpr(2):
-                    sc[r] = sc_next[r]
-        if k_tiles % 2 == 0:  # the last group (k_tiles - 1, odd) into partial 1
-            ab_pipeline.consumer_wait(read)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(num_k_blocks):
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(tiled_mma, parts[1], tCrA[(None, None, kb, read.index)],
-                          tCrB[(None, None, kb, read.index)], parts[1])
-            cute.nvgpu.warpgroup.commit_group()
-            read.advance()
-            self.load_row_scales(sc_next, mEA, mEA2, wg, row0, k0 + k_tiles - 1)
-            cute.nvgpu.warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(done)
-            done.advance()
-            self.promote(acc, parts[0], sc)
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(done)
-            self.promote(acc, parts[1], sc_next)
-        else:
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(done)
-            self.promote(acc, parts[0], sc)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        self.two_partial_mainloop(ab_pipeline, tiled_mma, acc,
+                                  cute.make_rmem_tensor(acc.shape, self.acc_dtype), tCrA, tCrB,
+                                  loads, k_tiles, num_k_blocks, (mEA, mEA2, wg, row0, k0))
         self.scale_columns(acc, mEB, expert, pair0)
 
 
