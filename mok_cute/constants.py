@@ -18,6 +18,9 @@ BACKWARD_TILE_N = 256  # the backward megakernel's N-tile: FC2_DGRAD over I, FC1
 BACKWARD_COMM_ROWS = 32
 BACKWARD_MAX_PARTIAL_COLS = 256
 BACKWARD_COMM_SCALARS = 6
+# a (token, k) slot of the training fields router_weights / d_topk_partials: one fp32 value
+# padded to a 16-byte row (comm.peers' layout)
+SLOT_ROW_BYTES = 16
 # FC2's dgrad (one-GPU launch and backward megakernel alike) runs as pingpong 128-wide tiles up to
 # this K (= H), as cooperative 128 x 256 ones above it: pingpong / cooperative measured gptoss 0.91,
 # mixtral 0.81, sonic 0.89, qwen3 1.01, dsv3 (K 7168) 1.03 (H200, docs/measurements.md, 2026-12-02)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
+from mok_cute.constants import SLOT_ROW_BYTES
 from mok_cute.expert_backward import (Needs, _dgrads, _weight_grads, row_partial_sums,
                                       shared_backward_ranks)
 from mok_cute.expert_path_fp8 import padded
@@ -55,7 +56,6 @@ from mok_cute.expert_path_fp8 import padded
 __all__ = ["moe_backward_group"]
 
 _BF16 = 2
-_SLOT_ROW = 16  # bytes of one slot's fp32 value padded to a 16-byte row
 
 
 def _row_addresses(base: torch.Tensor, offset: int, index: torch.Tensor, row_bytes: int,
@@ -87,7 +87,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     what the FP8 weight gradients' rule counts rows by, as the virtual ranks' backward does
     (padding rows route nowhere), so both pick the same kernels. ``silent_rank`` (tests
     only): that rank stores no barrier flag, as if its process had died."""
-    from mok_cute.kernels.peer_rows import copy_rows_by_address, peer_barrier
+    from mok_cute.kernels.peer_rows import peer_barrier
 
     plan = getattr(saved, "plan", None)
     if plan is None or not plan.key.spec.save_preact:
@@ -105,8 +105,6 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                                   ("topk_weights", topk_weights, (L, T, K), None),
                                   ("w_gate", w_gate, (L, E_loc, I, H), torch.bfloat16)):
         check_tensor(name, t, shape=shape, dtype=dtype, device=dev, contiguous=False)
-    sched = saved.schedules
-    layout = side.layout
     # the routed rows an expert expects: P * T * K over P * E_loc, T before the padding
     routed_per_expert = (T if tokens_per_rank is None else tokens_per_rank) * K / E_loc
 
@@ -207,7 +205,8 @@ def _fp8_routed(plan, saved, w_gate, w_up, w_down, needs: Needs, options: Expert
     x_rows = (torch.empty(L, cap, H, dtype=torch.bfloat16, device=dev)
               if needs.w_gate_up else None)
     w_rows = torch.empty(L, cap, 4, dtype=torch.float32, device=dev)
-    pulls = [(d_rows, "d_out", token, H * _BF16), (w_rows, "router_weights", slot, _SLOT_ROW)]
+    pulls = [(d_rows, "d_out", token, H * _BF16),
+             (w_rows, "router_weights", slot, SLOT_ROW_BYTES)]
     if x_rows is not None:
         pulls.append((x_rows, "x", token, H * _BF16))
     for dst, field, index, row_bytes in pulls:
@@ -238,8 +237,8 @@ def _fp8_routed(plan, saved, w_gate, w_up, w_down, needs: Needs, options: Expert
                              _row_addresses(base[r], combine, slot[r], H * _BF16, valid[r]),
                              H * _BF16)
         copy_rows_by_address(_rows_of(part),
-                             _row_addresses(base[r], partial_field, slot[r], _SLOT_ROW,
-                                            valid[r]), _SLOT_ROW)
+                             _row_addresses(base[r], partial_field, slot[r], SLOT_ROW_BYTES,
+                                            valid[r]), SLOT_ROW_BYTES)
         gate, up, down = _weight_grads(d_preact, hw, d_rows[r],
                                        None if x_rows is None else x_rows[r], w_gate[r],
                                        w_down[r], sched.expert_offsets[r], needs.w_gate_up,

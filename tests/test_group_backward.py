@@ -343,6 +343,7 @@ def test_the_comm_scalars_name_the_fields_where_the_kernel_reads_them():
                          (kernel.PARTIALS_OFFSET, "d_topk_partials")):
         assert got[index] == layout.offset(field), field
     assert layout.field("router_weights").shape[-1] * 4 == kernel.SLOT_ROW_BYTES
+    assert layout.field("d_topk_partials").shape[-1] * 4 == kernel.SLOT_ROW_BYTES
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..config import describe
+from ..constants import SLOT_ROW_BYTES
 
 __all__ = [
     "BARRIER_FIELD",
@@ -201,8 +202,8 @@ def moe_symmetric_layout(
     ]
     if training:
         fields += [("d_out", (max_tokens, hidden), torch.bfloat16),
-                   ("router_weights", (max_tokens * top_k, 4), torch.float32),
-                   ("d_topk_partials", (max_tokens * top_k, 4), torch.float32)]
+                   ("router_weights", (max_tokens * top_k, SLOT_ROW_BYTES // 4), torch.float32),
+                   ("d_topk_partials", (max_tokens * top_k, SLOT_ROW_BYTES // 4), torch.float32)]
     fields.extend(extra_fields)
     return SymmetricLayout.build(fields, align=align)
 

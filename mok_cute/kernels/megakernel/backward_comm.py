@@ -37,7 +37,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64
 
 from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
-                                BACKWARD_MAX_PARTIAL_COLS, TILE_M, VEC_ELEMS)
+                                BACKWARD_MAX_PARTIAL_COLS, SLOT_ROW_BYTES, TILE_M, VEC_ELEMS)
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.comm_tasks import COPY_UNROLL, bf16_row, copy_row, zero_row
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
@@ -45,7 +45,6 @@ from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
 # the int64 comm scalars: byte offsets of the symmetric layout's fields, then top_k
 D_OUT_OFFSET, X_OFFSET, WEIGHTS_OFFSET, COMBINE_OFFSET, PARTIALS_OFFSET, TOP_K = range(
     BACKWARD_COMM_SCALARS)
-SLOT_ROW_BYTES = 16  # a (token, k) slot of router_weights / d_topk_partials: fp32, padded
 
 _COMBINE = int(BackwardTaskType.REVERSE_COMBINE)
 _DISPATCH = int(BackwardTaskType.REVERSE_DISPATCH)
@@ -171,4 +170,4 @@ class BackwardCommMixin:
         return total
 
 
-__all__ = ["BackwardCommMixin", "PeerRows", "SLOT_ROW_BYTES"]
+__all__ = ["BackwardCommMixin", "PeerRows"]
