@@ -18,6 +18,7 @@ BACKWARD_TILE_N = 256  # the backward megakernel's N-tile: FC2_DGRAD over I, FC1
 BACKWARD_COMM_ROWS = 32
 BACKWARD_MAX_PARTIAL_COLS = 256
 BACKWARD_COMM_SCALARS = 6
+BACKWARD_KSUM_ROWS = 32  # local tokens per KSUM task of the backward's group tail
 # a (token, k) slot of the training fields router_weights / d_topk_partials: one fp32 value
 # padded to a 16-byte row (comm.peers' layout)
 SLOT_ROW_BYTES = 16

@@ -6,17 +6,24 @@ plan's symmetric buffers (``comm.ipc`` between processes, ``comm.virtual`` for r
 Per call, on every rank of the group (each must run it, as a collective):
 
     own fields <- x, d_out, router weights           (the source side, for the peers to pull)
-    barrier 0                                        (flag "started" of a new epoch)
-    one backward-megakernel launch per local rank (``megakernel_backward.expert_grads_over_peers``):
-      comm CTAs pull the d_out rows, router weights and x rows of this rank's receive rows
-      from their sources while the compute CTAs run the dgrads as the rows arrive (the
-      virtual ranks' backward's tiles: the launches' 128-wide FC2 dgrad tiles would sum
-      d_topk's row partials in another order); the comm CTAs push each dx row and its
-      partials' sum into the source's (token, k) slot (``combine``, ``d_topk_partials``
-      fields) as its tile's FC1 dgrads finish, under the weight gradients
-    barrier 1                                        (flag "done": every push has landed)
-    d_x = fixed-order k-sum of the pushed dx rows (+ the shared expert's dx), d_topk_weights
-          from the pushed partials; the shared expert's backward is local
+    one rank per process (IPC, L = 1; ``_one_launch``):
+      the shared expert's backward (local; its dx rows are the k-sums' base)
+      one backward-megakernel launch (``megakernel_backward.expert_grads_over_peers`` with
+      its ``GroupTail``): its comm CTAs announce the start and wait for every peer's
+      (barrier 0); pull the d_out rows, router weights and x rows of this rank's receive
+      rows while the compute CTAs run the dgrads as the rows arrive; push each dx row and
+      its partials' sum into the source's (token, k) slot (``combine``, ``d_topk_partials``)
+      as its tile's FC1 dgrads finish; store the done flag (barrier 1) and, once every
+      peer's is in, run the k-sums of d_x and d_topk_weights, all under the weight gradients
+    several ranks in one process (virtual, L > 1: their launches run one after another, so a
+    launch cannot wait for a later one's flags):
+      barrier 0 (flag "started" of a new epoch), one launch per local rank with the comm
+      tasks as above but no barrier or k-sum, barrier 1 (flag "done": every push has landed),
+      d_x = fixed-order k-sum of the pushed dx rows (+ the shared expert's dx),
+      d_topk_weights from the pushed partials; the shared expert's backward is local
+
+The launches' FC2 dgrads use the virtual ranks' backward's tiles (the one-GPU launches'
+128-wide FC2 dgrad tiles would sum d_topk's row partials in another order).
 
 No host sync: the comm tasks read the receive schedule on the device. Rows are pulled again
 rather than kept from the forward (the forward's ring belongs to the plan, whose next call may
@@ -37,10 +44,13 @@ tests/test_megakernel_backward.py); bitwise run to run.
 
 Failures: a barrier wait that gives up (a dead or silent peer) records the plan's backward
 error word; ``PeerTimeoutError`` (naming the waiting rank and the peer) is raised at the plan's
-next call or by ``mok_cute.check_errors()``, and that call's gradients are incomplete.
+next call or by ``mok_cute.check_errors()``, and that call's gradients are incomplete (with
+the launch's group tail its d_x and d_topk_weights are NaN: the k-sums of a failed launch, or
+with a failed peer, write NaN).
 
-Not yet the design's one launch (issue 32): the barriers, the k-sums and the shared expert
-are launches of their own.
+Not yet the design's one launch (issue 32): the shared expert's backward runs before the
+launch, not as its tasks; an FP8 plan's and the virtual ranks' barriers and k-sums are
+launches of their own.
 """
 
 from __future__ import annotations
@@ -118,6 +128,9 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         weights32 = topk_weights.to(torch.float32).reshape(L, T * K)
         for r, field in enumerate(side.fields("router_weights")):
             field[:, 0].copy_(weights32[r])
+        if L == 1 and not fp8:  # one process, one rank: the barriers and k-sums in the launch
+            return _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up,
+                               w_down, shared, needs, options, silent_rank, comm_sms)
         plan.begin_backward(silent_rank)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
         if fp8:
@@ -151,10 +164,37 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         return (d_xs, d_topk, stack(dwg), stack(dwu), stack(dwd), *d_shared)
 
 
-def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int):
+def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
+                needs: Needs, options: ExpertPathOptions, silent_rank: int, comm_sms: int):
+    """The bf16 backward of one rank in its own process: the shared expert's backward (its dx
+    rows are the k-sums' base), then one launch whose comm CTAs also pass the group's two
+    barriers and run the k-sums of d_x and d_topk_weights (``megakernel_backward.GroupTail``).
+    A wait of the launch that gives up records into the plan's backward error word."""
+    from mok_cute.megakernel_backward import GroupTail
+
+    k = plan.key
+    T, H, K = k.tokens, k.hidden, k.top_k
+    dev = plan.peer_bases.device
+    shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
+                                                options)
+    d_x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    d_topk = torch.empty(T, K, dtype=torch.float32, device=dev)
+    tail = GroupTail(plan.scalars, plan.backward_error, topk_idx[0].to(torch.int32).contiguous(),
+                     shared_dx[0], d_x, d_topk)
+    plan.begin_backward(silent_rank)
+    dwg, dwu, dwd = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail)
+    plan.backward_errors.record(plan.backward_calls)
+    stack = lambda gs: None if gs[0] is None else torch.stack(gs)  # noqa: E731
+    return (d_x[None] if needs.x else None,
+            d_topk[None].to(topk_weights.dtype) if needs.topk_weights else None,
+            stack(dwg), stack(dwu), stack(dwd), *d_shared)
+
+
+def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None):
     """Each local rank's routed backward in one launch with its comm (bf16): the weight
     gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no). The launch's
-    own waits are on its own tasks (a peer's silence shows at barrier 1)."""
+    own waits are on its own tasks (a peer's silence shows at barrier 1), or with ``tail``
+    (one rank) on the peers' flags too."""
     from mok_cute import megakernel_backward
 
     side, k = plan.side, plan.key
@@ -172,7 +212,7 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int):
         out = megakernel_backward.expert_grads_over_peers(
             w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r], weights,
             sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
-            wgrads, comm_sms)
+            wgrads, comm_sms, tail=tail)
         gate, up, down = out[6:] if wgrads else (None, None, None)
         dwg.append(gate if needs.w_gate_up else None)
         dwu.append(up if needs.w_gate_up else None)

@@ -14,10 +14,14 @@ Over a group (``expert_grads_over_peers``, ``group_backward``'s bf16 path) the l
 runs the comm tasks on CTAs of their own (``kernels/megakernel/backward_comm.py``): the d_out
 rows, router weights and x rows pulled from their sources, each dx row and partial pushed into
 its source's (token, k) slot, so the pulls hide under the first dgrads and the pushes under
-the weight gradients.
+the weight gradients. For one rank in its own process (``GroupTail``) the launch also runs
+the group's two barriers and the k-sums of d_x and d_topk_weights on the comm CTAs
+(``kernels/megakernel/backward_tail.py``), so a call is this one launch after the copies of
+its own fields.
 
-Not yet: the group barrier, the k-sum and the shared expert as tasks of the launch (issue 32;
-docs/architecture.md has the build order).
+Not yet: the shared expert as tasks of the launch (it runs before it, its dx rows read by the
+k-sums); ranks of one process (virtual) keep the barriers and k-sums as launches of their own
+(issue 32; docs/architecture.md has the build order).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ import torch
 
 from mok_cute import jit
 from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
-                                BACKWARD_MAX_PARTIAL_COLS, BACKWARD_TILE_N, TILE_K, TILE_M,
-                                fc2_dgrad_pingpong, fc2_dgrad_tile_n)
+                                BACKWARD_KSUM_ROWS, BACKWARD_MAX_PARTIAL_COLS, BACKWARD_TILE_N, SCALARS,
+                                TILE_K, TILE_M, fc2_dgrad_pingpong, fc2_dgrad_tile_n)
 from mok_cute.errors import PendingErrors
 
 
@@ -76,18 +80,20 @@ def tiles_per_minibatch(capacity_tiles: int) -> int:
 
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
                  timeout_ms: float, device, num_experts: int = 0,
-                 comm: bool = False) -> DgradTables:
+                 comm: bool = False, tail_tokens: int = 0, top_k: int = 1) -> DgradTables:
     """The device tables of the backward task list (cached per size, wait bound and device;
     the counters are shared by the launches of one size: calls on one stream). ``num_experts``
     > 0: the weight gradients of that many experts are queued after the dgrads; 0: the
-    dgrads alone. ``comm``: the rows' pulls and pushes are tasks too."""
+    dgrads alone. ``comm``: the rows' pulls and pushes are tasks too; ``tail_tokens`` > 0
+    (with ``comm``): the group barrier and the k-sums of that many tokens, ``top_k`` slots
+    each, too (the group tail)."""
     key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M, comm,
-           str(device))
+           tail_tokens, top_k, str(device))
     with _LOCK:
         tables = _TABLES.get(key)
         if tables is None:
             tables = _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas,
-                                   timeout_ms, device, comm)
+                                   timeout_ms, device, comm, tail_tokens, top_k)
             _TABLES[key] = tables
     return tables
 
@@ -104,23 +110,29 @@ def fc2_tile_n(hidden: int) -> int:
 
 
 def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
-              comm: bool = False):
+              comm: bool = False, tail_tokens: int = 0, top_k: int = 1):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
     of ``num_experts`` experts after the dgrads; none when 0; with ``comm`` the rows' pulls,
-    x's when the weight gradients run, and the pushes)."""
+    x's when the weight gradients run, and the pushes; with ``tail_tokens`` > 0 the BARRIER
+    and the KSUMs of that many tokens)."""
     from mok_cute import tasks_backward as tb
 
     per_mb = tiles_per_minibatch(capacity_tiles)
+    tail = comm and tail_tokens > 0
     params = tb.BackwardListParams(
-        hidden=hidden, intermediate=inter, num_tokens=0, top_k=1,
+        hidden=hidden, intermediate=inter, num_tokens=tail_tokens if tail else 0,
+        top_k=top_k if tail else 1,
         dgated_tile_n=fc2_tile_n(hidden), dx_tile_n=BACKWARD_TILE_N,
         minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=comm,
-        comm_task_rows=BACKWARD_COMM_ROWS, x_resident=not (comm and num_experts))
+        comm_task_rows=BACKWARD_COMM_ROWS, ksum_rows=BACKWARD_KSUM_ROWS,
+        x_resident=not (comm and num_experts))
     kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
     if comm:
         kinds += (tb.BackwardTaskType.REVERSE_COMBINE, tb.BackwardTaskType.REVERSE_DISPATCH)
         if num_experts:
             kinds += (tb.BackwardTaskType.REPULL_X,)
+        if tail:
+            kinds += (tb.BackwardTaskType.BARRIER, tb.BackwardTaskType.KSUM)
     if num_experts:
         kinds += (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
     # without weight gradients a list of one expert keeps it short
@@ -154,10 +166,10 @@ def fc2_head(tl, queue) -> int:
 
 
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
-                  device, comm=False) -> DgradTables:
+                  device, comm=False, tail_tokens=0, top_k=1) -> DgradTables:
     from mok_cute import tasks_backward as tb
 
-    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, comm)
+    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, comm, tail_tokens, top_k)
     per_mb = tiles_per_minibatch(capacity_tiles)
     queue, live_len, tail_begin, queue_len = compute_queue(tl, kinds)
     fc2_count = fc2_head(tl, queue[:queue_len])
@@ -218,6 +230,18 @@ class PeerRows(NamedTuple):
     #                        combine, d_topk partials offsets, top_k
 
 
+class GroupTail(NamedTuple):
+    """The group tail of one rank's launch (one process of a group, ``group_backward``): the
+    group's barriers and the k-sums in the launch (``kernels/megakernel/backward_tail.py``)."""
+
+    scalars: torch.Tensor  # int64 [SCALARS]: the plan's run-time words (epoch, flags, ...)
+    error: torch.Tensor  # int64 [1]: the plan's backward error word (the launch's waits too)
+    topk_idx: torch.Tensor  # int32 [T, K] global expert ids
+    shared_dx: torch.Tensor | None  # bf16 [T, H]: the shared expert's dx rows, or None
+    d_x: torch.Tensor  # bf16 [T, H], written
+    d_topk: torch.Tensor  # fp32 [T, K], written
+
+
 def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
     """``PeerRows.scalars`` of a symmetric layout (``comm.peers.SymmetricLayout``)."""
     offsets = [layout.offset(f) for f in ("d_out", "x", "router_weights", "combine",
@@ -228,15 +252,17 @@ def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
 def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                             num_tiles, expert_offsets, peers: PeerRows, wgrads: bool = True,
                             comm_ctas: int = 16, timeout_ms: float = 10_000.0,
-                            check: bool = False):
+                            check: bool = False, tail: GroupTail | None = None):
     """A rank's routed backward over a group in one launch, its comm included: pulls the
     d_out rows, router weights (into ``weights`` fp32 [slots] at each row's ``row_slot``) and,
     with ``wgrads``, x rows of its receive rows from their sources; the dgrads; pushes each
     dx row into its source's ``combine`` slot and its partials' sum into ``d_topk_partials``;
     then the weight gradients; the comm on ``comm_ctas`` CTAs, the GEMMs on the SMs' rest.
     The peers' fields must be in place (the group's barrier 0) and the pushes are read after
-    the group's barrier 1 (``group_backward``). Returns
-    ``expert_grads``' outputs (dW only with ``wgrads``), bitwise theirs on the same rows."""
+    the group's barrier 1 (``group_backward``), unless ``tail`` puts both barriers and the
+    k-sums of d_x and d_topk_weights into the launch (one rank per process; its waits then
+    record into ``tail.error``). Returns ``expert_grads``' outputs (dW only with ``wgrads``),
+    bitwise theirs on the same rows."""
     rows = row_slot.shape[0]
     hidden = w_gate.shape[2]
     for name, t in (("row_peer", peers.row_peer), ("row_token", peers.row_token),
@@ -247,16 +273,27 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     device = w_gate.device
     d_rows = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
     x_rows = torch.empty_like(d_rows) if wgrads else None
+    if tail is not None:
+        tokens, top_k = tail.topk_idx.shape
+        for name, t, shape, dtype in (
+                ("tail.topk_idx", tail.topk_idx, (tokens, top_k), torch.int32),
+                ("tail.d_x", tail.d_x, (tokens, hidden), torch.bfloat16),
+                ("tail.d_topk", tail.d_topk, (tokens, top_k), torch.float32),
+                ("tail.shared_dx", tail.shared_dx, (tokens, hidden), torch.bfloat16)):
+            if t is not None and (t.shape != shape or t.dtype != dtype or not t.is_contiguous()):
+                raise ValueError(f"{name}: expected contiguous {dtype} {shape}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                    tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
-                   check, peers, comm_ctas)
+                   check, peers, comm_ctas, tail)
 
 
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
             num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None,
-            comm_ctas: int = 0):
+            comm_ctas: int = 0, tail: GroupTail | None = None):
     """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
-    comm tasks with ``peers`` (which then fill d_rows and x_rows)."""
+    comm tasks with ``peers`` (which then fill d_rows and x_rows); the group tail with
+    ``tail``."""
     from mok_cute.expert_path import _num_sms, check_preact
 
     rows, hidden = d_rows.shape
@@ -273,6 +310,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     wgrads = x_rows is not None
     comm = peers is not None
     partial_cols = -(-inter // fc2_tile_n(hidden))
+    if rows == 0 and tail is not None:
+        raise ValueError("the group tail needs a launch: the schedule has no row (capacity 0)")
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
         dw = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down)) if wgrads else ()
         pulled = (d_rows, x_rows) if comm else ()
@@ -286,10 +325,12 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     num_ctas = _num_sms(device.index or 0) - num_comm
     if comm and not 1 <= num_comm < num_ctas:
         raise ValueError(f"comm_ctas: expected 1 to half the SMs, got {comm_ctas}")
+    tail_tokens, top_k = tail.topk_idx.shape if tail is not None else (0, 1)
     t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device,
-                     num_experts if wgrads else 0, comm)
-    # an earlier launch whose wait gave up raises here (its gradients were wrong)
-    t.errors.check(block=False, last_call=t.calls)
+                     num_experts if wgrads else 0, comm, tail_tokens, top_k)
+    error = t.error if tail is None else tail.error
+    if tail is None:  # an earlier launch whose wait gave up raises here (wrong gradients)
+        t.errors.check(block=False, last_call=t.calls)
     t.counters.zero_()
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
@@ -312,17 +353,26 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     else:  # no comm task runs: tensors of the right kinds stand in
         c_args = (t.comm_queue, tile_expert, tile_expert, tile_expert, t.error, _placeholder(device),
                   d_rows, d_rows, dx_rows)
+    if tail is not None:
+        shared = tail.shared_dx is not None
+        g_args = (tail.scalars, tail.topk_idx, tail.shared_dx if shared else tail.d_x,
+                  tail.d_x, tail.d_topk)
+    else:  # no group tail: tensors of the right kinds stand in
+        shared = False
+        g_args = _tail_placeholders(device, hidden)
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
-                                fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm)
-    kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, t.error, num_tiles,
+                                fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm,
+                                ksum_top_k=top_k if tail is not None else 0, ksum_shared=shared)
+    kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), dx_rows.unsqueeze(2), preact,
-           row_slot, weights, partials, t.scalars, *w_args, *c_args)
-    t.calls += 1
-    t.errors.record(t.calls)
-    if check:
-        t.errors.check(block=True, last_call=t.calls)
+           row_slot, weights, partials, t.scalars, *w_args, *c_args, *g_args)
+    if tail is None:  # with the tail the caller records the plan's word
+        t.calls += 1
+        t.errors.record(t.calls)
+        if check:
+            t.errors.check(block=True, last_call=t.calls)
     if comm:
         return (d_rows, x_rows, d_preact, hw, partials, dx_rows, *dw)
     return (d_preact, hw, partials, dx_rows, *dw)
@@ -337,6 +387,21 @@ def _placeholder(device) -> torch.Tensor:
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = torch.zeros(BACKWARD_COMM_SCALARS, dtype=torch.int64, device=device)
     return _PLACEHOLDERS[key]
+
+
+_TAIL_PLACEHOLDERS: dict[tuple, tuple] = {}
+
+
+def _tail_placeholders(device, hidden: int) -> tuple:
+    """The group tail's arguments of a launch without it (never read): scalars, topk_idx,
+    shared_dx, d_x, d_topk."""
+    key = (str(device), hidden)
+    if key not in _TAIL_PLACEHOLDERS:
+        row = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
+        _TAIL_PLACEHOLDERS[key] = (torch.zeros(SCALARS, dtype=torch.int64, device=device),
+                                   torch.zeros(1, 1, dtype=torch.int32, device=device), row, row,
+                                   torch.zeros(1, 1, dtype=torch.float32, device=device))
+    return _TAIL_PLACEHOLDERS[key]
 
 
 def check_errors() -> None:

@@ -35,8 +35,9 @@ Task types (values after ``tasks.TaskType``'s, so one timeline can hold both)::
     SHARED_WGRAD_DOWN (m, n)  compute  the shared expert (local tokens, weight 1)
     BARRIER                 comm     group barrier after this rank's last push (compute role
                                      when there are no comm tasks)
-    KSUM            (s, c)  compute  d_x = sum_k dx_slot (+ sdx) in fixed k order, and
-                                     d_topk_weights = part_slot, for local tokens
+    KSUM            (s, c)  comm     d_x = sum_k dx_slot (+ sdx) in fixed k order, and
+                                     d_topk_weights = part_slot, for local tokens (compute
+                                     role when there are no comm tasks)
 
 Dependencies (``waits``: spin until ``counter[group][i] >= target`` for i in a range; each
 target is the number of tasks that signal that counter)::
@@ -48,7 +49,8 @@ target is the number of tasks that signal that counter)::
     WGRAD_DOWN(e, ...)     <- DGATED[tiles of e]         (hw; dy came before DGATED)
     SHARED_FC1_DGRAD(s, n) <- SHARED_DGATED[s]
     SHARED_WGRAD_*         <- SHARED_DGATED[all s]
-    BARRIER                <- PUSHED[all tiles]          (then every peer's flag)
+    BARRIER                <- PUSHED[all tiles], X_PULLED[all tiles] when re-pulled
+                                                         (then every peer's flag)
     KSUM(s, c)             <- BARRIER_DONE, SHARED_DX[s]
 
 Order. Compute: the shared expert's dgrads first (they need no communication, so they hide the
@@ -56,9 +58,11 @@ first pulls), then the FC2_DGRAD tiles of minibatch 0, and per minibatch m those
 the FC1_DGRAD tiles of m (which so find their dG | dU done), each block rasterised (groups of
 ``raster_m`` M-tiles, N-tiles outer: concurrent tiles share weight N-tiles in L2), then every weight
 gradient expert by expert (so the last pushes and the group barrier run under them), the
-shared expert's weight gradients, and the KSUM tail. Comm: each tile's pulls at the start of the
+shared expert's weight gradients. Comm: each tile's pulls at the start of the
 minibatch before its own (one minibatch of lookahead), its pushes once its FC1_DGRAD tiles
-are done, re-pulls of x during the last minibatch's dgrads, the BARRIER before the first KSUM.
+are done, re-pulls of x during the last minibatch's dgrads, the BARRIER, then the KSUMs (the
+comm CTAs are free by then, so the k-sums run under the weight gradients; without comm tasks
+the BARRIER and the KSUMs close the compute queue).
 Both queues are merged by that estimated ready time, measured in cumulative compute FLOPs.
 
 Two forms. ``build_backward_task_list`` builds from the actual tile -> expert table (the
@@ -399,19 +403,30 @@ class _Builder:
                               flops=2 * self._gemm_flops(p.wgrad_gate_up_tile[1], rows,
                                                          p.wgrad_gate_up_tile[0]),
                               signal=(BC.WGRAD_DONE, 0), waits=[all_s])
-        barrier_waits = [(BC.PUSHED, 0, self.nt, self.chunks)] if p.comm_tasks and self.nt else []
+        barrier_waits = []
+        if p.comm_tasks and self.nt:
+            # every push, and every x re-pull (a peer may rewrite its x field once it is past
+            # the barrier)
+            barrier_waits = [(BC.PUSHED, 0, self.nt, self.chunks)]
+            if not p.x_resident:
+                barrier_waits.append((BC.X_PULLED, 0, self.nt, self.chunks))
         if not p.comm_tasks:
             # nothing to push: the barrier only orders this rank's dx rows before the k-sum
             barrier_waits = [(BC.DX_DONE, 0, self.nt, self.n_dx)] if self.nt else []
             self._add(compute, BT.BARRIER, signal=(BC.BARRIER_DONE, 0), waits=barrier_waits)
-        ksum_begin = len(compute)
+        # the k-sums: on the comm CTAs over a group (they are free once the pushes are done,
+        # so the k-sums run under the weight gradients), else the compute queue's tail
+        ksums = []
         for s in range(self.st):
             for c in range(p.tile_m // p.ksum_rows):
                 waits = [(BC.BARRIER_DONE, 0, 1, 1)]
                 if self.shared:
                     waits.append((BC.SHARED_DX, s, 1, self.n_dx))
-                self._add(compute, BT.KSUM, tile=s, n_tile=c, signal=(BC.KSUM_DONE, 0),
-                          waits=waits)
+                self._add(ksums, BT.KSUM, tile=s, n_tile=c, signal=(BC.KSUM_DONE, 0),
+                          waits=waits, key=float("inf"))
+        ksum_begin = len(compute)
+        if not p.comm_tasks:
+            compute += ksums
 
         # positions along the compute queue, in cumulative FLOPs
         ends = np.cumsum([r["flops"] for r in compute]) if compute else np.zeros(0)
@@ -447,6 +462,7 @@ class _Builder:
                               waits=[(BC.DX_DONE, j, 1, self.n_dx)], key=key)
             self._add(comm, BT.BARRIER, signal=(BC.BARRIER_DONE, 0), waits=barrier_waits,
                       key=ksum_start)
+            comm += ksums
         comm.sort(key=lambda r: r["key"])  # stable: queue order among equal keys
 
         # merge: before each compute task, every comm task that is ready by its start

@@ -75,11 +75,14 @@ def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
 
 
 def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-                          num_tiles, expert_offsets, peers, wgrads=True, comm_ctas=16):
+                          num_tiles, expert_offsets, peers, wgrads=True, comm_ctas=16,
+                          tail=None):
     """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
     and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
-    and weight gradients emulated in torch."""
+    and weight gradients emulated in torch (several ranks of one process: no group tail)."""
     import ctypes
+
+    assert tail is None
 
     from mok_cute.expert_backward import row_partial_sums
     from test_virtual_training import _emulated_dgrads, _emulated_weight_grads
@@ -371,15 +374,16 @@ def test_a_silent_rank_in_the_backward_raises_peer_timeout_naming_it():
     mok.check_errors()
 
 
-def _ipc_rank(rank, world, seed, out_dir):
-    """One process of the IPC test: the virtual forward of all ranks (the same bits in both
-    processes) gives this rank's saved g | u and schedule; the backward runs over the IPC
-    plan's buffers against the other process."""
+def _ipc_setup(rank, seed, wait_ns, case="R2_shared_skew"):
+    """One process of an IPC test: the virtual forward of all ranks (the same bits in both
+    processes) gives this rank's saved g | u and schedule, the IPC plan of the group its
+    buffers; (call(**kw): this rank's moe_backward_group, want: the virtual gradients of
+    this rank, plan)."""
     from mok_cute import megakernel
     from mok_cute.group_backward import moe_backward_group
 
     torch.cuda.set_device(0)  # both ranks on one GPU
-    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
+    R, T, H, I, E_loc, K, Is, routing = CASES[case]
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
     config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel")
     _, saved = _forward_saved(leaves, idx, config)
@@ -388,32 +392,72 @@ def _ipc_rank(rank, world, seed, out_dir):
     want = _virtual_grads(leaves, idx, saved, d_out)
     xs, w, wg, wu, wd, *sh = (t.detach()[rank:rank + 1] for t in leaves)
     group = torch.distributed.group.WORLD
-    plan = megakernel.plan_for(xs, wg, wd, tuple(sh), idx[rank:rank + 1], config, group,
-                               "legacy", save=True)
-    plan.scalars[6].fill_(int(60e9))  # the wait bound: the other process shares the GPU
+    plan = megakernel.plan_for(xs, wg, wd, tuple(sh) or None, idx[rank:rank + 1], config,
+                               group, "legacy", save=True)
+    plan.scalars[6].fill_(int(wait_ns))  # the wait bound: the other process shares the GPU
     s = saved.schedules
     mine = types.SimpleNamespace(**{f: getattr(s, f)[rank:rank + 1] for f in (
         "row_peer", "row_token", "row_k", "tile_expert", "num_tiles", "expert_offsets")})
     one = saved._replace(row_slot=saved.row_slot[rank:rank + 1],  # into the virtual pool
-                         shared_preact=saved.shared_preact[rank:rank + 1], schedules=mine,
-                         plan=plan)
+                         shared_preact=None if Is == 0 else saved.shared_preact[rank:rank + 1],
+                         schedules=mine, plan=plan)
+
+    def call(**kw):
+        return moe_backward_group(d_out[rank:rank + 1], xs, idx[rank:rank + 1], w, wg, wu, wd,
+                                  tuple(sh) or None, one, **kw)
+
+    return call, [None if t is None else t[rank:rank + 1] for t in want], plan
+
+
+def _ipc_rank(rank, world, seed, out_dir, case):
+    """The backward over IPC (one launch a rank: its barriers and k-sums inside) against the
+    other processes, twice: bitwise the virtual ranks' gradients."""
+    call, want, plan = _ipc_setup(rank, seed, 60e9, case)
     for _ in range(2):
-        got = moe_backward_group(d_out[rank:rank + 1], xs, idx[rank:rank + 1], w, wg, wu, wd,
-                                 tuple(sh), one)
+        got = call()
         torch.cuda.synchronize()
         plan.check_device_error()
-        _assert_bitwise(got, [None if t is None else t[rank:rank + 1] for t in want],
-                        f"rank {rank} over IPC")
+        _assert_bitwise(got, want, f"rank {rank} over IPC")
     open(os.path.join(out_dir, f"ok{rank}"), "w").close()
 
 
 @pytest.mark.gpu
-def test_two_processes_on_one_gpu_over_ipc_give_the_virtual_bits():
+@pytest.mark.parametrize("case", ["R2_shared_skew", "R3_empty_expert_K10"])
+def test_processes_on_one_gpu_over_ipc_give_the_virtual_bits(case):
+    """One process a rank (K = 4 with a shared expert; K = 10, an empty expert, three
+    processes): each rank's backward is one launch with its barriers and k-sums."""
+    import gloo_group
+
+    world = CASES[case][0]
+    with tempfile.TemporaryDirectory() as tmp:
+        gloo_group.spawn(_ipc_rank, world, tmp, 11, tmp, case)
+        assert {f"ok{r}" for r in range(world)} <= set(os.listdir(tmp))
+
+
+def _ipc_silent_rank(rank, world, seed, out_dir):
+    """Rank 1 stores no flag in the first call (its process as if dead; it waits for its own
+    start flag too): both launches give up waiting for rank 1 and name it, and both write NaN
+    d_x and d_topk_weights, never plausible gradients. The next call is whole."""
+    call, want, plan = _ipc_setup(rank, seed, 3e9)
+    got = call(silent_rank=1)
+    torch.cuda.synchronize()
+    with pytest.raises(mok.PeerTimeoutError, match=f"rank {rank}: .*peer 1"):
+        plan.check_device_error()
+    assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all(), f"rank {rank}"
+    got = call()
+    torch.cuda.synchronize()
+    plan.check_device_error()
+    _assert_bitwise(got, want, f"rank {rank} after the silent call")
+    open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+
+
+@pytest.mark.gpu
+def test_a_silent_process_in_the_backward_launch_raises_and_writes_nan():
     import gloo_group
 
     with tempfile.TemporaryDirectory() as tmp:
-        gloo_group.spawn(_ipc_rank, 2, tmp, 11, tmp)
-        assert sorted(os.listdir(tmp)).count("ok0") == 1 and "ok1" in os.listdir(tmp)
+        gloo_group.spawn(_ipc_silent_rank, 2, tmp, 13, tmp)
+        assert {"ok0", "ok1"} <= set(os.listdir(tmp))
 
 
 def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):

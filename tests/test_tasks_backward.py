@@ -54,8 +54,17 @@ def test_list_is_well_formed_and_ordered(kw):
     assert sum(k == BT.WGRAD_GATE_UP for k in kinds) == 4 * 3 * 4
     assert sum(k == BT.FC2_DGRAD for k in kinds) == 10 * 3
     comm = tl.queue(Role.COMM)
+    ksums = [t for t in tl if t.type == BT.KSUM]
+    assert len(ksums) == 3 * (128 // 32)  # 300 tokens: three token tiles of four chunks
     if kw.get("comm_tasks", True):
-        assert comm[-1].type == BT.BARRIER
+        # over a group the comm CTAs run the BARRIER, then the k-sums (under the weight
+        # gradients); the BARRIER waits on every push and every x re-pull
+        tail = [t.type for t in comm[-len(ksums) - 1:]]
+        assert tail == [BT.BARRIER] + [BT.KSUM] * len(ksums)
+        assert all(t.role == Role.COMM for t in ksums)
+        barrier = next(t for t in tl if t.type == BT.BARRIER)
+        pulled = [w for w in barrier.waits if w[0] == BC.X_PULLED]
+        assert pulled == ([] if kw.get("x_resident", True) else [(BC.X_PULLED, 0, 10, 4)])
         assert sum(t.type == BT.REVERSE_COMBINE for t in comm) == 10 * 4
         assert sum(t.type == BT.REPULL_X for t in comm) == (0 if kw.get("x_resident", True) else 40)
     else:

@@ -8,6 +8,7 @@ ranks the copies cross NVLink and the ranks run side by side).
     python tools/group_backward_probe.py --shapes glm_5.2,qwen3.5_397b [--ranks 8]
         [--tokens 2048] [--rounds 3] [--precision bf16,fp8] [--kernel-table] [--json out.json]
         [--comm-ctas 8,32]   (bf16: the group backward on these comm splits too)
+        [--one-rank]         (rank 0 alone: one launch with the group tail against launches)
 
 A probe for issue 32's development, not the benchmark of record.
 """
@@ -108,6 +109,106 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
             "ms_median": median, "ratios": ratios, "bitwise_equal": same}
 
 
+def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
+                   comm_ctas: int = 16) -> dict:
+    """Rank 0's bf16 backward alone over R virtual ranks' buffers, its peers' pushes and flags
+    already in place (a whole group call filled the pushes; each call sets the peers' flags
+    to its epoch's "done" by hand): one launch with the group tail (``GroupTail``: the
+    barriers and the k-sums on the comm CTAs, under the weight gradients) against the same
+    launch without it between the two barrier launches, then the k-sum and d_topk launches
+    (the path of several ranks in one process). The shared expert's dx rows are made once,
+    outside both."""
+    import mok_cute
+    from mok_cute import megakernel, megakernel_backward as mb
+    from mok_cute.bench.problems import make_problem
+    from mok_cute.constants import flag_done
+    from mok_cute.expert_backward import shared_backward_ranks
+    from mok_cute.group_backward import moe_backward_group
+    from mok_cute.kernels import token_ops
+    from mok_cute.kernels.peer_rows import peer_barrier
+    from mok_cute.shapes import resolve_shape
+
+    shape = resolve_shape(name)
+    p = make_problem(shape, device="cuda", seed=1, tokens=ranks * tokens)
+    per_rank = lambda a: a.view(ranks, a.shape[0] // ranks, *a.shape[1:])  # noqa: E731
+    xs, idx, w = (per_rank(t) for t in (p.inputs.x, p.inputs.topk_idx, p.inputs.topk_weights))
+    wg, wu, wd = (per_rank(t) for t in (p.w_gate, p.w_up, p.w_down))
+    shared = tuple(t.unsqueeze(0).expand(ranks, *t.shape).contiguous()
+                   for t in p.shared) if p.shared else None
+    d_out = torch.randn_like(xs)
+    with torch.no_grad():
+        saved = megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared,
+                                               mok_cute.MoKConfig(check_ids=False),
+                                               save=True)[1]
+    plan, sched = saved.plan, saved.schedules
+    whole = moe_backward_group(d_out, xs, idx, w, wg, wu, wd, shared, saved)  # the pushes
+    torch.cuda.synchronize()
+    T, K, H = xs.shape[1], idx.shape[2], xs.shape[2]
+    dev = xs.device
+    shared_dx = shared_backward_ranks(d_out, xs, shared, saved.shared_preact)[0][0]
+    peers = mb.PeerRows(plan.peer_bases[0], sched.row_peer[0], sched.row_token[0],
+                        sched.row_k[0], mb.comm_scalars(plan.side.layout, K, dev))
+    weights = torch.zeros(saved.preact.shape[0], dtype=torch.float32, device=dev)
+    flags = plan.side.fields("barrier_flags")[0]
+    epoch = [int(plan.scalars[0].item())]
+    idx0 = idx[0].to(torch.int32).contiguous()
+    routed = (idx0 >= 0) & (idx0 < ranks * wg.shape[1])
+    args = (wg[0], wu[0], wd[0], saved.preact, saved.row_slot[0], weights, sched.tile_expert[0],
+            sched.num_tiles[0:1], sched.expert_offsets[0], peers, True, comm_ctas)
+
+    def next_call():
+        plan.begin_backward()
+        epoch[0] += 1
+        flags[1:].fill_(flag_done(epoch[0]))  # the peers: started and done
+
+    def with_tail():
+        next_call()
+        d_x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        d_topk = torch.empty(T, K, dtype=torch.float32, device=dev)
+        out = mb.expert_grads_over_peers(*args, tail=mb.GroupTail(
+            plan.scalars, plan.backward_error, idx0, shared_dx, d_x, d_topk))
+        return (d_x, d_topk, *out[6:])
+
+    def as_launches():
+        next_call()
+        bases = plan.peer_bases[0:1]
+        peer_barrier(bases, plan.scalars, plan.backward_error, 0, plan.side.scope)
+        out = mb.expert_grads_over_peers(*args)
+        peer_barrier(bases, plan.scalars, plan.backward_error, 1, plan.side.scope)
+        slots = torch.arange(T * K, dtype=torch.int32, device=dev)
+        d_x = token_ops.weighted_ksum(plan.side.fields("combine")[0],
+                                      torch.ones(T, K, dtype=torch.float32, device=dev),
+                                      shared_dx, row_index=torch.where(routed.reshape(-1),
+                                                                       slots, -1))
+        d_topk = torch.where(routed, plan.side.fields("d_topk_partials")[0][:, 0].view(T, K),
+                             0.0)
+        return (d_x, d_topk, *out[6:])
+
+    variants = {"one launch (group tail)": with_tail, "launches": as_launches}
+    got = {label: fn() for label, fn in variants.items()}
+    torch.cuda.synchronize()
+    plan.check_device_error()
+    want = [whole[0][0], whole[1][0].float(), whole[2][0], whole[3][0], whole[4][0]]
+    same = {label: all(torch.equal(a, b) for a, b in zip(g, want)) for label, g in got.items()}
+    ms = {label: [] for label in variants}
+    for r in range(rounds):
+        for label in (variants if r % 2 == 0 else list(variants)[::-1]):
+            ms[label].append(gpu_ms(variants[label], reps))
+    torch.cuda.synchronize()
+    plan.check_device_error()
+    median = {label: sorted(v)[len(v) // 2] for label, v in ms.items()}
+    for label, v in ms.items():
+        print(f"{name} rank 0 of R={ranks} T={tokens}/rank {label:24s} "
+              + " ".join(f"{t:8.3f}" for t in v) + f"  median {median[label]:8.3f} ms",
+              flush=True)
+    ratio = median["one launch (group tail)"] / median["launches"]
+    print(f"{name}: one launch / launches {ratio:.3f}; bitwise the whole group call's rank 0: "
+          f"{same}", flush=True)
+    return {"shape": name, "ranks": ranks, "tokens_per_rank": tokens, "comm_ctas": comm_ctas,
+            "ms_rounds": ms, "ms_median": median, "one_launch_over_launches": ratio,
+            "bitwise_equal_to_group_call": same}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="glm_5.2,qwen3.5_397b")
@@ -123,6 +224,9 @@ def main(argv=None):
                    help="also the virtual backward's GPU time per kernel")
     p.add_argument("--comm-ctas", default="",
                    help="bf16: also the group backward with these comm CTAs (a comma list)")
+    p.add_argument("--one-rank", action="store_true",
+                   help="rank 0's backward alone, one launch with the group tail against the "
+                        "launch between barrier and k-sum launches (one_rank_probe)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from mok_cute import megakernel
@@ -131,6 +235,13 @@ def main(argv=None):
     rows = []
     for n in args.shapes.split(","):
         for tokens in map(int, str(args.tokens).split(",")):
+            if args.one_rank:
+                rows.append(one_rank_probe(n, args.ranks, tokens, args.rounds, args.reps,
+                                           int(args.comm_ctas or 16)))
+                save_probe_json(args.json, {"shapes": rows}, argv)
+                megakernel.release_plans()
+                torch.cuda.empty_cache()
+                continue
             rows.append(probe(n, args.ranks, tokens, args.rounds, args.reps,
                               tuple(args.precision.split(",")), args.kernel_table,
                               not args.virtual_only,

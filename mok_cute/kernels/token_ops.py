@@ -100,13 +100,20 @@ def k_sum_vector(ys: cute.Tensor, base: cute.Tensor, weights: cute.Tensor, u: in
     else:
         acc.fill(0.0)
     for k in range(K):
-        yk = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
-        yk.store(ys[None, u, k].load().to(Float32))
-        for e in range(VEC_ELEMS):
-            acc[e] = _mul_then_add_rn(acc[e], weights[k], yk[e])
+        k_sum_add(acc, weights[k], ys[None, u, k])
     res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
     res.store(acc.load().to(BFloat16))
     return res
+
+
+def k_sum_add(acc: cute.Tensor, w: Float32, y: cute.Tensor) -> None:
+    """One step of ``k_sum_vector``: ``acc += fp32(w) * fp32(y)`` for an 8-element fp32
+    ``acc`` and bf16 ``y``, product and sum rounded separately (for callers that add the
+    k terms one at a time)."""
+    yk = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+    yk.store(y.load().to(Float32))
+    for e in range(VEC_ELEMS):
+        acc[e] = _mul_then_add_rn(acc[e], w, yk[e])
 
 
 def _row_vectors(ptr: cute.Pointer, h_vecs: Int32, num_rows: Int32) -> cute.Tensor:

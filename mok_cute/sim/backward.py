@@ -14,7 +14,8 @@ Costs:
   receiver's ingress); REVERSE_DISPATCH: pushes, like its combine. Rows whose source is the
   receiver cost no flow (read and written in place). BARRIER: the group barrier's latency;
   every rank's KSUM waits on every rank's BARRIER. KSUM: K dx rows (and a shared row) read,
-  one d_x row written, over the per-SM HBM share.
+  one d_x row written, over the per-SM HBM share (over a group the KSUMs are comm tasks, on
+  the comm SMs' share).
 One rank (R = 1) runs without comm tasks and without comm SMs (the list's in-place form).
 The rates are the forward's. Against the H200 (2026-12-02, R = 1, the five single-GPU shapes):
 the simulated list runs at 0.91-1.01 x the time of the backward's four launches and 0.78-0.88 x
@@ -76,7 +77,7 @@ def _params(shape: SimShape, cfg: BackwardSimConfig, R: int) -> BackwardListPara
 
 
 def _durations(tl, lay, e_loc: int, p: BackwardListParams, hw: HardwareProfile,
-               n_compute: int):
+               n_compute: int, n_comm: int = 0):
     hbm = hw.hbm_bytes_per_s / max(n_compute, 1)
     tm, H, I = p.tile_m, p.hidden, p.intermediate
     tpm = p.minibatch_tokens // tm
@@ -87,7 +88,7 @@ def _durations(tl, lay, e_loc: int, p: BackwardListParams, hw: HardwareProfile,
     rows_of = np.diff(expert_tile_ranges(lay.tile_expert, e_loc)) * tm
     dur = np.zeros(len(tl))
     for i, t in enumerate(tl):
-        if t.role == Role.COMM:
+        if t.role == Role.COMM and t.type != BT.KSUM:
             dur[i] = hw.barrier_latency_s if t.type == BT.BARRIER else hw.comm_serial_s
             continue
         if t.type in (BT.FC2_DGRAD, BT.FC1_DGRAD):
@@ -123,6 +124,9 @@ def _durations(tl, lay, e_loc: int, p: BackwardListParams, hw: HardwareProfile,
             rows = min(p.ksum_rows, max(p.num_tokens - t.tile * tm - t.n_tile * p.ksum_rows, 0))
             reads = p.top_k + (1 if p.shared_intermediate else 0)
             mem = rows * H * _BF16 * (reads + 1)
+            if t.role == Role.COMM:  # over a group: on the comm SMs' HBM share
+                dur[i] = hw.gemm_task_overhead_s + mem / (hw.hbm_bytes_per_s / max(n_comm, 1))
+                continue
         else:  # the in-place BARRIER (compute role)
             dur[i] = hw.barrier_latency_s
             continue
@@ -192,7 +196,7 @@ def build_backward_graph(shape: SimShape, num_ranks: int, routing: Routing,
             type=np.array([int(t.type) for t in tl]), local_id=np.arange(n),
             tile=np.array([t.tile for t in tl]), signal=signal,
             waits=(np.array(lens, dtype=np.int64), np.array(flat, dtype=np.int64)),
-            duration=_durations(tl, lay, e_loc, p, hw, n_compute), comm_bytes=comm_bytes,
+            duration=_durations(tl, lay, e_loc, p, hw, n_compute, n_comm), comm_bytes=comm_bytes,
             comm_class=cls, comm_row=coef_rows, link_bytes=link,
             flops=np.array([t.flops for t in tl]), minibatch=np.array([t.minibatch for t in tl]),
             receiver=np.full(n, -1))

@@ -64,12 +64,13 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from mok_cute import jit
 from mok_cute.constants import (BACKWARD_COMM_SCALARS, BACKWARD_TILE_N,
-                                FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M)
+                                FC2_DGRAD_PINGPONG_TILE_N, SCALARS, TILE_K, TILE_M)
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
 from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
+from mok_cute.kernels.megakernel.backward_tail import BackwardTailMixin, GroupTail
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
 from mok_cute.kernels.megakernel.scheduler import DECODED_WORDS, TICKET_SLOTS, ticket_ring_init
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
@@ -83,7 +84,7 @@ BACKWARD_SCALARS = 5
 
 
 class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCommMixin,
-                             RowEpilogueMixin, GemmCoreSm90):
+                             BackwardTailMixin, RowEpilogueMixin, GemmCoreSm90):
     """One launch of a rank's routed dgrads and weight gradients (module docstring).
 
     :param num_ctas: compute CTAs (the walk's stride); with ``comm_ctas`` one per SM.
@@ -92,15 +93,22 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     :param comm_ctas: CTAs after the compute ones that run the comm tasks (``backward_comm``:
         the rows pulled from and pushed to the group's symmetric buffers); 0: the rows are
         in place before the launch, read after it.
+    :param ksum_top_k: > 0 (with ``comm_ctas``): the group tail (``backward_tail``: the
+        group's barriers and the k-sums of d_x and d_topk over this many slots a token, on
+        the comm CTAs); 0: the barriers and k-sums are the caller's.
+    :param ksum_shared: the k-sum adds a shared expert's dx row to each token.
     """
 
-    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0):
+    def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
+                 ksum_top_k: int = 0, ksum_shared: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
         self.comm_ctas = comm_ctas
+        self.ksum_top_k = ksum_top_k if comm_ctas > 0 else 0
+        self.ksum_shared = ksum_shared and self.ksum_top_k > 0
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -119,7 +127,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                  comm_queue: cute.Tensor, row_peer: cute.Tensor, row_token: cute.Tensor,
                  row_k: cute.Tensor, peer_bases: cute.Tensor, comm_scalars: cute.Tensor,
                  d_rows_plain: cute.Tensor, x_rows_plain: cute.Tensor,
-                 dx_rows_plain: cute.Tensor, stream: cuda.CUstream):
+                 dx_rows_plain: cute.Tensor, group_scalars: cute.Tensor,
+                 topk_idx: cute.Tensor, shared_dx: cute.Tensor, d_x: cute.Tensor,
+                 d_topk: cute.Tensor, stream: cuda.CUstream):
         """Shapes (M schedule rows, E experts): tasks int32 (N, BACKWARD_TASK_WORDS); queue
         int32 (Q,) the compute queue's list indices; queue_live_len int32 (MB + 1,);
         counter_offsets int32 (groups + 1,); counters int32 (num_counters,), zero at launch;
@@ -133,7 +143,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         hw: I; x and dY rows: H); dw_gate / dw_up (I, H, E) and dw_down (H, I, E), N
         contiguous. The comm tasks' (``comm_ctas`` > 0; else placeholders): comm_queue int32
         (Qc,), row_peer / row_token / row_k int32 (M,), peer_bases int64 (P,), comm_scalars
-        int64 (BACKWARD_COMM_SCALARS,), the dY, x and dx rows (M, H) as plain tensors."""
+        int64 (BACKWARD_COMM_SCALARS,), the dY, x and dx rows (M, H) as plain tensors. The
+        group tail's (``ksum_top_k`` > 0; else placeholders): the plan's int64 scalars
+        (``constants.SCALAR_FIELDS``), topk_idx int32 (T, K), shared_dx and the output d_x bf16
+        (T, H), the output d_topk fp32 (T, K)."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -176,9 +189,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
         peer_rows = PeerRows(comm_queue, row_peer, row_token, row_k, peer_bases, comm_scalars,
                              d_rows_plain, x_rows_plain, dx_rows_plain)
+        tail = GroupTail(group_scalars, topk_idx, shared_dx, d_x, d_topk)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
-                    peer_rows, *loads, *stores, *w_loads, *w_stores,
+                    peer_rows, tail, *loads, *stores, *w_loads, *w_stores,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, *self.wgrad_kernel_args(),
                     *self.fc2.kernel_args(),
@@ -193,7 +207,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, preact: cute.Tensor,
                row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
                scalars: cute.Tensor, expert_offsets: cute.Tensor, peer_rows: PeerRows,
-               tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
+               tail: GroupTail, tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
                tma_dp: cute.CopyAtom, t_dp: cute.Tensor, tma_wg: cute.CopyAtom, t_wg: cute.Tensor,
                tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
                tma_dg: cute.CopyAtom, t_dg: cute.Tensor, tma_du: cute.CopyAtom, t_du: cute.Tensor,
@@ -245,7 +259,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             if first >= self.num_ctas:
                 self.backward_comm_loop(tasks, counter_offsets, counters, error, num_tiles,
                                         Int64(scalars[0]), expert_offsets, peer_rows, row_slot,
-                                        weights, partials, tidx)
+                                        weights, partials, tail, tidx)
             else:
                 self.compute_roles(*compute_args)
         else:
@@ -537,13 +551,14 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
-                                fc2_pingpong: bool = False, comm_ctas: int = 0):
+                                fc2_pingpong: bool = False, comm_ctas: int = 0,
+                                ksum_top_k: int = 0, ksum_shared: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
-    rows, slots, experts = sym(divisibility=TILE_M), sym(), sym()
+    rows, slots, experts, tokens = sym(divisibility=TILE_M), sym(), sym(), sym()
     hidden, inter = sym(divisibility=TILE_K), sym(divisibility=TILE_K)
     bf16 = BFloat16
     # the weights as stored ([E, I, H], [E, H, I]) seen as (N, K, E): N contiguous
@@ -570,7 +585,11 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
             common.fake_vector(Int32), *(common.fake_vector(Int32) for _ in range(3)),
             common.fake_vector(Int64, align_bytes=8),
             common.fake_vector(Int64, BACKWARD_COMM_SCALARS, align_bytes=8),
-            *(kmaj(bf16, (rows, hidden)) for _ in range(3)), common.fake_stream()]
+            *(kmaj(bf16, (rows, hidden)) for _ in range(3)),
+            # the group tail's: the plan's scalars, topk_idx, shared_dx, d_x, d_topk
+            common.fake_vector(Int64, SCALARS, align_bytes=8), i32(tokens, sym()),
+            *(kmaj(bf16, (tokens, hidden)) for _ in range(2)),
+            f(Float32, (tokens, sym()), align_bytes=4), common.fake_stream()]
     return cute.compile(kernel, *args,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

@@ -23,8 +23,10 @@ with zeros to a power of two, then halving adds (``partials[:w/2] + partials[w/2
 holds columns ``lane + 32 m``; halvings above 32 columns add registers, the last five add
 ``shuffle_down`` partners. So d_topk_weights is bitwise the launches' (virtual ranks, one GPU).
 
-The peers' fields were written before the group's barrier 0, this launch's pushes are
-fenced by barrier 1 (``group_backward``): both are launches of their own around this one.
+Without the group tail the peers' fields were written before the group's barrier 0 and this
+launch's pushes are fenced by barrier 1 (``group_backward``), launches of their own around
+this one; with it (``backward_tail``, one rank per process) both barriers and the k-sums are
+tasks of this loop.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, const_expr
 
 from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
                                 BACKWARD_MAX_PARTIAL_COLS, SLOT_ROW_BYTES, TILE_M, VEC_ELEMS)
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.comm_tasks import COPY_UNROLL, bf16_row, copy_row, zero_row
+from mok_cute.kernels.megakernel.scheduler import Context
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
 
 # the int64 comm scalars: byte offsets of the symmetric layout's fields, then top_k
@@ -48,6 +51,8 @@ D_OUT_OFFSET, X_OFFSET, WEIGHTS_OFFSET, COMBINE_OFFSET, PARTIALS_OFFSET, TOP_K =
 
 _COMBINE = int(BackwardTaskType.REVERSE_COMBINE)
 _DISPATCH = int(BackwardTaskType.REVERSE_DISPATCH)
+_BARRIER = int(BackwardTaskType.BARRIER)
+_KSUM = int(BackwardTaskType.KSUM)
 
 
 class PeerRows(NamedTuple):
@@ -78,68 +83,98 @@ class BackwardCommMixin:
                            counters: cute.Tensor, error: cute.Tensor, num_tiles: cute.Tensor,
                            timeout_ns: Int64, expert_offsets: cute.Tensor, rows: PeerRows,
                            row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
-                           tidx: Int32):
-        """Every thread of a comm CTA: its tasks of the comm queue, in order."""
-        warp, lane = tidx // 32, cute.arch.lane_idx()
-        num_warps = self.threads_per_cta // 32
+                           tail, tidx: Int32):
+        """Every thread of a comm CTA: its tasks of the comm queue, in order (with the group
+        tail, ``backward_tail``: the peers' start awaited first, then BARRIER and KSUM tasks
+        too)."""
         sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
                                      num_threads=self.threads_per_cta)
+        queue_len = cute.size(rows.comm_queue)
+        pos = Int32(cute.arch.block_idx()[0]) - self.num_ctas
+        if const_expr(self.ksum_top_k > 0):
+            ctx = Context(tail.scalars)
+            self.tail_start(ctx, rows.peer_bases, error, rows.comm_queue[0], tidx, sync)
+            while pos < queue_len:
+                index = rows.comm_queue[pos]
+                ttype = tasks[index, int(BackwardWord.TYPE)]
+                if ttype == _BARRIER:
+                    self.tail_barrier(ctx, tasks, index, counter_offsets, counters, error,
+                                      num_tiles, timeout_ns, rows.peer_bases, tidx, sync)
+                elif ttype == _KSUM:
+                    self.tail_ksum(ctx, tasks, index, counter_offsets, counters, error,
+                                   timeout_ns, rows, tail, tidx, sync)
+                else:
+                    self._rows_task(tasks, index, counter_offsets, counters, error, num_tiles,
+                                    timeout_ns, expert_offsets, rows, row_slot, weights,
+                                    partials, tidx, sync)
+                pos += self.comm_ctas
+        else:
+            while pos < queue_len:
+                self._rows_task(tasks, rows.comm_queue[pos], counter_offsets, counters, error,
+                                num_tiles, timeout_ns, expert_offsets, rows, row_slot, weights,
+                                partials, tidx, sync)
+                pos += self.comm_ctas
+
+    @cute.jit
+    def _rows_task(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
+                   counters: cute.Tensor, error: cute.Tensor, num_tiles: cute.Tensor,
+                   timeout_ns: Int64, expert_offsets: cute.Tensor, rows: PeerRows,
+                   row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
+                   tidx: Int32, sync):
+        """One pull or push task (module docstring), skipped past the live M-tiles."""
+        warp, lane = tidx // 32, cute.arch.lane_idx()
+        num_warps = self.threads_per_cta // 32
         hidden = cute.size(rows.d_rows, mode=[1])
         row_bytes = Int64(hidden * 2)
         h_vecs = hidden // VEC_ELEMS
         top_k = Int64(rows.comm_scalars[TOP_K])
-        queue_len = cute.size(rows.comm_queue)
-        pos = Int32(cute.arch.block_idx()[0]) - self.num_ctas
-        while pos < queue_len:
-            index = rows.comm_queue[pos]
-            tile = tasks[index, int(BackwardWord.TILE)]
-            if tile < num_tiles[0]:
-                ttype = tasks[index, int(BackwardWord.TYPE)]
-                if tidx == 0:
-                    self._wait_task(tasks, index, expert_offsets, counter_offsets, counters,
-                                    error, timeout_ns)
-                sync.arrive_and_wait()
-                row0 = tile * TILE_M + tasks[index, int(BackwardWord.N_TILE)] * BACKWARD_COMM_ROWS
-                for r in cutlass.range(warp, BACKWARD_COMM_ROWS, num_warps, unroll=1):
-                    row = row0 + r
-                    peer = rows.row_peer[row]
-                    token = Int64(cutlass.max(rows.row_token[row], 0))
-                    slot = token * top_k + Int64(cutlass.max(rows.row_k[row], 0))
-                    base = rows.peer_bases[cutlass.max(peer, 0)]
-                    if ttype == _DISPATCH:
-                        if peer >= 0:
-                            copy_row(bf16_row(rows.dx_rows[row, None].iterator.toint(), hidden),
-                                     bf16_row(base + rows.comm_scalars[COMBINE_OFFSET]
-                                              + slot * row_bytes, hidden),
-                                     h_vecs, lane, COPY_UNROLL)
-                            total = self._row_partial_sum(partials, row, lane)
-                            if lane == 0:
-                                f32_at(base + rows.comm_scalars[PARTIALS_OFFSET]
-                                       + slot * SLOT_ROW_BYTES)[0] = total
-                    else:
-                        dst = rows.x_rows[row, None].iterator.toint()
-                        field = rows.comm_scalars[X_OFFSET]
+        tile = tasks[index, int(BackwardWord.TILE)]
+        if tile < num_tiles[0]:
+            ttype = tasks[index, int(BackwardWord.TYPE)]
+            if tidx == 0:
+                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters,
+                                error, timeout_ns)
+            sync.arrive_and_wait()
+            row0 = tile * TILE_M + tasks[index, int(BackwardWord.N_TILE)] * BACKWARD_COMM_ROWS
+            for r in cutlass.range(warp, BACKWARD_COMM_ROWS, num_warps, unroll=1):
+                row = row0 + r
+                peer = rows.row_peer[row]
+                token = Int64(cutlass.max(rows.row_token[row], 0))
+                slot = token * top_k + Int64(cutlass.max(rows.row_k[row], 0))
+                base = rows.peer_bases[cutlass.max(peer, 0)]
+                if ttype == _DISPATCH:
+                    if peer >= 0:
+                        copy_row(bf16_row(rows.dx_rows[row, None].iterator.toint(), hidden),
+                                 bf16_row(base + rows.comm_scalars[COMBINE_OFFSET]
+                                          + slot * row_bytes, hidden),
+                                 h_vecs, lane, COPY_UNROLL)
+                        total = self._row_partial_sum(partials, row, lane)
+                        if lane == 0:
+                            f32_at(base + rows.comm_scalars[PARTIALS_OFFSET]
+                                   + slot * SLOT_ROW_BYTES)[0] = total
+                else:
+                    dst = rows.x_rows[row, None].iterator.toint()
+                    field = rows.comm_scalars[X_OFFSET]
+                    if ttype == _COMBINE:
+                        dst = rows.d_rows[row, None].iterator.toint()
+                        field = rows.comm_scalars[D_OUT_OFFSET]
+                    out = bf16_row(dst, hidden)
+                    if peer >= 0:
+                        copy_row(bf16_row(base + field + token * row_bytes, hidden), out,
+                                 h_vecs, lane, COPY_UNROLL)
                         if ttype == _COMBINE:
-                            dst = rows.d_rows[row, None].iterator.toint()
-                            field = rows.comm_scalars[D_OUT_OFFSET]
-                        out = bf16_row(dst, hidden)
-                        if peer >= 0:
-                            copy_row(bf16_row(base + field + token * row_bytes, hidden), out,
-                                     h_vecs, lane, COPY_UNROLL)
-                            if ttype == _COMBINE:
-                                if lane == 0:
-                                    weights[row_slot[row]] = f32_at(
-                                        base + rows.comm_scalars[WEIGHTS_OFFSET]
-                                        + slot * SLOT_ROW_BYTES)[0]
-                        else:
-                            zero_row(out, h_vecs, lane)
-                sync.arrive_and_wait()
-                if tidx == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    common.counter_publish(
-                        counters, counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
-                        + tasks[index, int(BackwardWord.SIGNAL_INDEX)], 1)
-            pos += self.comm_ctas
+                            if lane == 0:
+                                weights[row_slot[row]] = f32_at(
+                                    base + rows.comm_scalars[WEIGHTS_OFFSET]
+                                    + slot * SLOT_ROW_BYTES)[0]
+                    else:
+                        zero_row(out, h_vecs, lane)
+            sync.arrive_and_wait()
+            if tidx == 0:
+                cute.arch.fence_acq_rel_gpu()
+                common.counter_publish(
+                    counters, counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
+                    + tasks[index, int(BackwardWord.SIGNAL_INDEX)], 1)
 
     @cute.jit
     def _row_partial_sum(self, partials: cute.Tensor, row: Int32, lane: Int32) -> Float32:

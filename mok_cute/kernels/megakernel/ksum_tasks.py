@@ -64,7 +64,7 @@ class KsumTasks:
         for t in cutlass.range(tt.tasks[index, TaskWord.ROW_BEGIN] + warp,
                                tt.tasks[index, TaskWord.ROW_END], KSUM_WARPS, unroll=1):
             if failed:
-                _nan_row(out[rank, t, None], lane)
+                nan_row(out[rank, t, None], lane)
             else:
                 self._ksum_token(ctx, routing, rank, t, combine_base, ring_y, out, shared_y,
                                  lane, 0 + warp, ksum_stage)
@@ -170,7 +170,7 @@ class KsumTasks:
 
 
 @cute.jit
-def _nan_row(out_row, lane: Int32):
+def nan_row(out_row, lane: Int32):
     """One warp: every element of the bf16 row ``out_row`` becomes NaN."""
     vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
     nan = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)

@@ -1,0 +1,199 @@
+"""The backward megakernel's group tail (``BackwardMegakernelSm90(ksum_top_k > 0)``): for one
+rank of a group in its own process, the group's two barriers and the k-sums run inside the
+launch, on its comm CTAs, so the k-sums hide under the weight gradients.
+
+    start        comm CTA 0 stores this call's start flag into every peer's buffer (its own
+                 fields were copied before the launch); every comm CTA waits for every peer's
+                 start flag before its first pull or push
+    BARRIER      after every push (REVERSE_DISPATCH) and x re-pull (REPULL_X) of this rank:
+                 its done flag into every peer's buffer ("failed" when a wait of this launch
+                 gave up)
+    KSUM (s, c)  tokens ``s * 128 + c * 32 ..``, once every peer's done flag is in:
+                 d_x[t] = bf16(fp32(shared_dx[t]) + sum_k fp32(combine[t * K + k])), k
+                 ascending, a slot routed nowhere adding zero (``token_ops.weighted_ksum``'s
+                 arithmetic, ``k_sum_add``, with unit weights); d_topk[t, k] = the partial
+                 sum the slot's expert rank pushed, 0 for a slot routed nowhere
+
+A peer that never starts or never finishes makes a wait give up (``common.wait_counter``:
+the first that does stops every other): this rank's KSUMs then write NaN and its done flag
+says "failed", so its peers' KSUMs write NaN too; the host raises ``PeerTimeoutError`` from
+the error word (``group_backward``). Flags are the forward's (``constants.flag_*``: one epoch
+per call, they only grow), read and written at system scope (the peers are other processes).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from mok_cute.constants import (BACKWARD_KSUM_ROWS, PEER_FAILED, SLOT_ROW_BYTES, TILE_M,
+                                VEC_ELEMS, flag_done, flag_failed, flag_started)
+from mok_cute.kernels import common
+from mok_cute.kernels.megakernel.backward_comm import COMBINE_OFFSET, PARTIALS_OFFSET, f32_at
+from mok_cute.kernels.megakernel.comm_tasks import bf16_row
+from mok_cute.kernels.megakernel.ksum_tasks import nan_row
+from mok_cute.kernels.token_ops import k_sum_add
+from mok_cute.tasks_backward import TILE_COUNTERS, BackwardWord
+
+_SCOPE = "sys"
+
+
+class GroupTail(NamedTuple):
+    """What the group tail reads and writes (placeholders without it)."""
+
+    scalars: cute.Tensor  # int64 (SCALARS,): the plan's run-time words (``scheduler.Context``)
+    topk_idx: cute.Tensor  # int32 (T, K): global expert ids, out of range = routed nowhere
+    shared_dx: cute.Tensor  # bf16 (T, H): the shared expert's dx rows (read with ksum_shared)
+    d_x: cute.Tensor  # bf16 (T, H)
+    d_topk: cute.Tensor  # fp32 (T, K)
+
+
+class BackwardTailMixin:
+    """The group tail of ``BackwardMegakernelSm90``'s comm CTAs (module docstring)."""
+
+    @cute.jit
+    def _flags_in(self, ctx, peer_bases: cute.Tensor, peer) -> cute.Tensor:
+        """The barrier flags inside ``peer``'s symmetric buffer (one int32 per rank)."""
+        return cute.make_tensor(
+            cute.make_ptr(Int32, peer_bases[peer] + ctx.flags_offset, cute.AddressSpace.gmem,
+                          assumed_align=4), cute.make_layout(cute.size(peer_bases)))
+
+    @cute.jit
+    def _announce(self, ctx, peer_bases: cute.Tensor, value: Int32, tidx: Int32):
+        """Threads of one CTA: this rank's flag ``value`` into every peer's buffer (none from
+        the silent rank, the tests' dead process), after this rank's writes so far."""
+        if ctx.rank_base != ctx.silent_rank:
+            cute.arch.fence_acq_rel_sys()
+            for p in cutlass.range(tidx, cute.size(peer_bases), self.threads_per_cta, unroll=1):
+                flags = self._flags_in(ctx, peer_bases, p)
+                cute.arch.store((flags.iterator + ctx.rank_base).llvm_ptr, value,
+                                sem="release", scope=_SCOPE)
+
+    @cute.jit
+    def tail_start(self, ctx, peer_bases: cute.Tensor, error: cute.Tensor, task: Int32,
+                   tidx: Int32, sync):
+        """Every comm CTA before its first task: CTA 0 announces the start; all wait for every
+        peer's (``task``: the list index an error names)."""
+        if Int32(cute.arch.block_idx()[0]) == self.num_ctas:
+            self._announce(ctx, peer_bases, flag_started(ctx.epoch), tidx)
+        own = self._flags_in(ctx, peer_bases, ctx.rank_base)
+        for p in cutlass.range(tidx, cute.size(peer_bases), self.threads_per_cta, unroll=1):
+            common.wait_counter(own, p, flag_started(ctx.epoch), ctx.timeout_ns, error, task,
+                                p, Int32(0), _SCOPE, flag_started(ctx.epoch))
+        sync.arrive_and_wait()
+
+    @cute.jit
+    def tail_barrier(self, ctx, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
+                     counters: cute.Tensor, error: cute.Tensor, num_tiles: cute.Tensor,
+                     timeout_ns: Int64, peer_bases: cute.Tensor, tidx: Int32, sync):
+        """The BARRIER task: every push and re-pull of the live tiles done (their counters
+        shared out over the CTA's threads), then this rank's done flag to every peer, then
+        ``BARRIER_DONE``."""
+        for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
+            word = int(BackwardWord.WAITS) + 4 * w
+            group = tasks[index, word]
+            first = tasks[index, word + 1]
+            end = first + tasks[index, word + 2]
+            for g in cutlass.range_constexpr(len(TILE_COUNTERS)):
+                if group == int(TILE_COUNTERS[g]):
+                    end = cutlass.min(end, num_tiles[0])
+            base = counter_offsets[group]
+            for i in cutlass.range(first + tidx, end, self.threads_per_cta, unroll=1):
+                common.wait_counter(counters, base + i, tasks[index, word + 3], timeout_ns,
+                                    error, index, Int32(0), Int32(0))
+        sync.arrive_and_wait()
+        value = cutlass.select_(common.error_recorded(error), flag_failed(ctx.epoch),
+                                flag_done(ctx.epoch))
+        self._announce(ctx, peer_bases, value, tidx)
+        sync.arrive_and_wait()
+        if tidx == 0:
+            common.counter_publish(counters, self._signal_slot(tasks, index, counter_offsets), 1)
+
+    @cute.jit
+    def tail_ksum(self, ctx, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
+                  counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
+                  rows, tail: GroupTail, tidx: Int32, sync):
+        """A KSUM task (module docstring): thread 0 waits for ``BARRIER_DONE`` and every
+        peer's done flag (a "failed" one is recorded as PEER_FAILED), then each warp sums
+        tokens ``warp, warp + warps, ..`` of the task's 32."""
+        peer_bases = rows.peer_bases
+        if tidx == 0:
+            base = counter_offsets[tasks[index, int(BackwardWord.WAITS)]]
+            common.wait_counter(counters, base, 1, timeout_ns, error, index, Int32(0), Int32(0))
+            own = self._flags_in(ctx, peer_bases, ctx.rank_base)
+            for p in cutlass.range(cute.size(peer_bases), unroll=1):
+                common.wait_counter(own, p, flag_done(ctx.epoch), ctx.timeout_ns, error, index,
+                                    p, Int32(0), _SCOPE, flag_started(ctx.epoch))
+                if common.counter_load(own, p, _SCOPE) == flag_failed(ctx.epoch):
+                    common.record_error(error, index, p, Int32(0), PEER_FAILED)
+        sync.arrive_and_wait()
+        # a wait of this launch gave up, or a peer's launch did: the pushed rows may be
+        # garbage, so the rows become NaN, never a plausible wrong gradient
+        failed = common.error_recorded(error)
+        warp, lane = tidx // 32, cute.arch.lane_idx()
+        num_warps = self.threads_per_cta // 32
+        tokens = cute.size(tail.d_x, mode=[0])
+        first = (tasks[index, int(BackwardWord.TILE)] * TILE_M
+                 + tasks[index, int(BackwardWord.N_TILE)] * BACKWARD_KSUM_ROWS)
+        end = cutlass.min(first + BACKWARD_KSUM_ROWS, tokens)
+        own_base = peer_bases[ctx.rank_base]
+        for t in cutlass.range(first + warp, end, num_warps, unroll=1):
+            if failed:
+                nan_row(tail.d_x[t, None], lane)
+                if lane < self.ksum_top_k:
+                    tail.d_topk[t, lane] = Float32(float("nan"))
+            else:
+                self._ksum_token(ctx, rows, tail, own_base, t, lane)
+
+    @cute.jit
+    def _ksum_token(self, ctx, rows, tail: GroupTail, own_base: Int64, t: Int32, lane: Int32):
+        """One token's d_x row and d_topk weights, by one warp: each 16-byte vector of d_x
+        adds the token's K slots one at a time (``k_sum_add``: ``k_sum_vector``'s arithmetic
+        with unit weights, a slot routed nowhere adding a zero vector), few registers live."""
+        top_k = self.ksum_top_k
+        hidden = cute.size(tail.d_x, mode=[1])
+        row_bytes = Int64(hidden) * 2
+        num_experts = cute.size(rows.peer_bases) * ctx.local_experts
+        first_slot = own_base + rows.comm_scalars[COMBINE_OFFSET] + Int64(t) * top_k * row_bytes
+        routed = Int32(0)  # bit k: slot k has an expert
+        for k in cutlass.range_constexpr(top_k):
+            expert = tail.topk_idx[t, k]
+            if expert >= 0 and expert < num_experts:
+                routed = routed | (1 << k)
+        vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        out_row = tail.d_x[t, None]
+        for v in cutlass.range(lane, hidden // VEC_ELEMS, 32, unroll=1):
+            acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+            if const_expr(self.ksum_shared):
+                base = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                cute.copy(vec, cute.local_tile(tail.shared_dx[t, None], (VEC_ELEMS,), (v,)), base)
+                acc.store(base.load().to(Float32))
+            else:
+                acc.fill(0.0)
+            for k in cutlass.range_constexpr(top_k):
+                y = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                y.fill(0.0)
+                if (routed >> k) & 1:
+                    cute.copy(vec, cute.local_tile(bf16_row(first_slot + k * row_bytes, hidden),
+                                                   (VEC_ELEMS,), (v,)), y)
+                k_sum_add(acc, Float32(1.0), y)
+            res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+            res.store(acc.load().to(BFloat16))
+            cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v,)))
+        if lane < top_k:
+            weight = Float32(0.0)
+            if (routed >> lane) & 1:
+                weight = f32_at(own_base + rows.comm_scalars[PARTIALS_OFFSET]
+                                + (Int64(t) * top_k + Int64(lane)) * SLOT_ROW_BYTES)[0]
+            tail.d_topk[t, lane] = weight
+
+    @cute.jit
+    def _signal_slot(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor):
+        return (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
+                + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
+
+
+__all__ = ["BackwardTailMixin", "GroupTail"]
