@@ -83,10 +83,10 @@ class BackwardCommMixin:
                            counters: cute.Tensor, error: cute.Tensor, num_tiles: cute.Tensor,
                            timeout_ns: Int64, expert_offsets: cute.Tensor, rows: PeerRows,
                            row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
-                           tail, tidx: Int32):
+                           tail, stage, tidx: Int32):
         """Every thread of a comm CTA: its tasks of the comm queue, in order (with the group
         tail, ``backward_tail``: the peers' start awaited first, then BARRIER and KSUM tasks
-        too)."""
+        too, the KSUMs staging through ``stage``, the CTA's idle B stages)."""
         sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
                                      num_threads=self.threads_per_cta)
         queue_len = cute.size(rows.comm_queue)
@@ -102,7 +102,7 @@ class BackwardCommMixin:
                                       num_tiles, timeout_ns, rows.peer_bases, tidx, sync)
                 elif ttype == _KSUM:
                     self.tail_ksum(ctx, tasks, index, counter_offsets, counters, error,
-                                   timeout_ns, rows, tail, tidx, sync)
+                                   timeout_ns, rows, tail, stage, tidx, sync)
                 else:
                     self._rows_task(tasks, index, counter_offsets, counters, error, num_tiles,
                                     timeout_ns, expert_offsets, rows, row_slot, weights,

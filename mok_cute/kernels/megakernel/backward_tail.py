@@ -28,13 +28,14 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
-from mok_cute.constants import (BACKWARD_KSUM_ROWS, PEER_FAILED, SLOT_ROW_BYTES, TILE_M,
-                                VEC_ELEMS, flag_done, flag_failed, flag_started)
+from mok_cute.constants import (BACKWARD_KSUM_ROWS, PEER_FAILED, SLOT_ROW_BYTES, TILE_K,
+                                TILE_M, VEC_ELEMS, flag_done, flag_failed, flag_started)
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.backward_comm import COMBINE_OFFSET, PARTIALS_OFFSET, f32_at
 from mok_cute.kernels.megakernel.comm_tasks import bf16_row
-from mok_cute.kernels.megakernel.ksum_tasks import nan_row
+from mok_cute.kernels.megakernel.ksum_tasks import gmem_vec, nan_row, smem_vec
 from mok_cute.kernels.token_ops import k_sum_add
 from mok_cute.tasks_backward import TILE_COUNTERS, BackwardWord
 
@@ -115,7 +116,7 @@ class BackwardTailMixin:
     @cute.jit
     def tail_ksum(self, ctx, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
                   counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
-                  rows, tail: GroupTail, tidx: Int32, sync):
+                  rows, tail: GroupTail, stage, tidx: Int32, sync):
         """A KSUM task (module docstring): thread 0 waits for ``BARRIER_DONE`` and every
         peer's done flag (a "failed" one is recorded as PEER_FAILED), then each warp sums
         tokens ``warp, warp + warps, ..`` of the task's 32."""
@@ -146,43 +147,70 @@ class BackwardTailMixin:
                 if lane < self.ksum_top_k:
                     tail.d_topk[t, lane] = Float32(float("nan"))
             else:
-                self._ksum_token(ctx, rows, tail, own_base, t, lane)
+                self._ksum_token(ctx, rows, tail, own_base, t, lane, warp, stage)
+
+    def _tail_stage_vectors(self) -> int:
+        """16-byte smem slots per comm thread: the B stages (idle in a comm CTA) shared out."""
+        return self.ab_stages * self.tile_shape_mnk[1] * TILE_K * 2 // (self.threads_per_cta * 16)
 
     @cute.jit
-    def _ksum_token(self, ctx, rows, tail: GroupTail, own_base: Int64, t: Int32, lane: Int32):
-        """One token's d_x row and d_topk weights, by one warp: each 16-byte vector of d_x
-        adds the token's K slots one at a time (``k_sum_add``: ``k_sum_vector``'s arithmetic
-        with unit weights, a slot routed nowhere adding a zero vector), few registers live."""
-        top_k = self.ksum_top_k
+    def _ksum_token(self, ctx, rows, tail: GroupTail, own_base: Int64, t: Int32, lane: Int32,
+                    warp: Int32, stage):
+        """One token's d_x row and d_topk weights, by one warp. Each step a lane lands up to
+        ``_tail_stage_vectors()`` 16-byte vectors (its K slots' and the shared row's) in its
+        own smem slots with cp.async (many in flight, few registers), waits for them, then
+        adds the K slots one at a time (``k_sum_add``: ``k_sum_vector``'s arithmetic with unit
+        weights; a slot routed nowhere adds a zero vector)."""
+        top_k, has_shared = self.ksum_top_k, self.ksum_shared
+        nk = top_k + (1 if const_expr(has_shared) else 0)
+        stage_vectors = self._tail_stage_vectors()
+        assert stage_vectors >= nk, "the B stages hold one vector of every slot a lane"
+        steps = stage_vectors // nk
         hidden = cute.size(tail.d_x, mode=[1])
+        h_vecs = hidden // VEC_ELEMS
         row_bytes = Int64(hidden) * 2
         num_experts = cute.size(rows.peer_bases) * ctx.local_experts
         first_slot = own_base + rows.comm_scalars[COMBINE_OFFSET] + Int64(t) * top_k * row_bytes
+        shared_row = tail.shared_dx[t, None].iterator.toint()
         routed = Int32(0)  # bit k: slot k has an expert
         for k in cutlass.range_constexpr(top_k):
             expert = tail.topk_idx[t, k]
             if expert >= 0 and expert < num_experts:
                 routed = routed | (1 << k)
         vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        lane_base = stage.toint() + warp * (stage_vectors * 32 * 16) + lane * 16
         out_row = tail.d_x[t, None]
-        for v in cutlass.range(lane, hidden // VEC_ELEMS, 32, unroll=1):
-            acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
-            if const_expr(self.ksum_shared):
-                base = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                cute.copy(vec, cute.local_tile(tail.shared_dx[t, None], (VEC_ELEMS,), (v,)), base)
-                acc.store(base.load().to(Float32))
-            else:
-                acc.fill(0.0)
-            for k in cutlass.range_constexpr(top_k):
-                y = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                y.fill(0.0)
-                if (routed >> k) & 1:
-                    cute.copy(vec, cute.local_tile(bf16_row(first_slot + k * row_bytes, hidden),
-                                                   (VEC_ELEMS,), (v,)), y)
-                k_sum_add(acc, Float32(1.0), y)
-            res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-            res.store(acc.load().to(BFloat16))
-            cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v,)))
+        for v0 in cutlass.range(lane, h_vecs, 32 * steps, unroll=1):
+            for u in cutlass.range_constexpr(steps):
+                if v0 + 32 * u < h_vecs:
+                    for k in cutlass.range_constexpr(top_k):
+                        if (routed >> k) & 1:
+                            nvvm.cp_async_shared_global(
+                                smem_vec(lane_base, u * nk + k),
+                                gmem_vec(first_slot + k * row_bytes, v0 + 32 * u), 16, "cg")
+                    if const_expr(has_shared):
+                        nvvm.cp_async_shared_global(smem_vec(lane_base, u * nk + top_k),
+                                                    gmem_vec(shared_row, v0 + 32 * u), 16, "cg")
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)  # this lane's own copies: no other lane reads them
+            for u in cutlass.range_constexpr(steps):
+                if v0 + 32 * u < h_vecs:
+                    acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
+                    if const_expr(has_shared):
+                        base = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                        cute.copy(vec, _slot(lane_base, u * nk + top_k), base)
+                        acc.store(base.load().to(Float32))
+                    else:
+                        acc.fill(0.0)
+                    for k in cutlass.range_constexpr(top_k):
+                        y = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                        y.fill(0.0)
+                        if (routed >> k) & 1:
+                            cute.copy(vec, _slot(lane_base, u * nk + k), y)
+                        k_sum_add(acc, Float32(1.0), y)
+                    res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+                    res.store(acc.load().to(BFloat16))
+                    cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
         if lane < top_k:
             weight = Float32(0.0)
             if (routed >> lane) & 1:
@@ -194,6 +222,11 @@ class BackwardTailMixin:
     def _signal_slot(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor):
         return (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
                 + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
+
+
+def _slot(lane_base, j: int) -> cute.Tensor:
+    """A lane's smem slot ``j`` as an 8-element bf16 vector."""
+    return cute.make_tensor(smem_vec(lane_base, j), cute.make_layout(VEC_ELEMS))
 
 
 __all__ = ["BackwardTailMixin", "GroupTail"]

@@ -133,11 +133,11 @@ class KsumTasks:
                 if v0 + 32 * u < h_vecs:
                     for k in cutlass.range_constexpr(top_k):
                         if srcs[k] != 0:
-                            nvvm.cp_async_shared_global(_smem_vec(lane_base, u * nk + k),
-                                                        _gmem_vec(srcs[k], v0 + 32 * u), 16, "cg")
+                            nvvm.cp_async_shared_global(smem_vec(lane_base, u * nk + k),
+                                                        gmem_vec(srcs[k], v0 + 32 * u), 16, "cg")
                     if const_expr(has_shared):
-                        nvvm.cp_async_shared_global(_smem_vec(lane_base, u * nk + top_k),
-                                                    _gmem_vec(shared_row, v0 + 32 * u), 16, "cg")
+                        nvvm.cp_async_shared_global(smem_vec(lane_base, u * nk + top_k),
+                                                    gmem_vec(shared_row, v0 + 32 * u), 16, "cg")
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)  # this lane's own copies: no other lane reads them
             for u in cutlass.range_constexpr(steps):
@@ -146,12 +146,12 @@ class KsumTasks:
                     base = cute.make_rmem_tensor((VEC_ELEMS, 1), BFloat16)
                     for k in cutlass.range_constexpr(top_k):
                         if srcs[k] != 0:
-                            cute.copy(vec, cute.make_tensor(_smem_vec(lane_base, u * nk + k),
+                            cute.copy(vec, cute.make_tensor(smem_vec(lane_base, u * nk + k),
                                                             cute.make_layout(VEC_ELEMS)), ys[None, 0, k])
                         else:
                             ys[None, 0, k].fill(0.0)
                     if const_expr(has_shared):
-                        cute.copy(vec, cute.make_tensor(_smem_vec(lane_base, u * nk + top_k),
+                        cute.copy(vec, cute.make_tensor(smem_vec(lane_base, u * nk + top_k),
                                                         cute.make_layout(VEC_ELEMS)), base[None, 0])
                     res = k_sum_vector(ys, base, weights, 0, top_k, has_shared)
                     cute.copy(vec, res, cute.local_tile(out_row, (VEC_ELEMS,), (v0 + 32 * u,)))
@@ -179,11 +179,11 @@ def nan_row(out_row, lane: Int32):
         cute.copy(vec, nan, cute.local_tile(out_row, (VEC_ELEMS,), (v,)))
 
 
-def _smem_vec(lane_base, j: int):
+def smem_vec(lane_base, j: int):
     """A lane's smem slot j (16 B; the 32 lanes' slots j are adjacent)."""
     return cute.make_ptr(BFloat16, lane_base + j * 512, cute.AddressSpace.smem, assumed_align=16)
 
 
-def _gmem_vec(addr: Int64, v):
+def gmem_vec(addr: Int64, v):
     """The 16-B vector v of the bf16 row at ``addr``."""
     return cute.make_ptr(BFloat16, addr + Int64(v) * 16, cute.AddressSpace.gmem, assumed_align=16)
