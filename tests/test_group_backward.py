@@ -394,7 +394,9 @@ def _ipc_setup(rank, seed, wait_ns, case="R2_shared_skew"):
     group = torch.distributed.group.WORLD
     plan = megakernel.plan_for(xs, wg, wd, tuple(sh) or None, idx[rank:rank + 1], config,
                                group, "legacy", save=True)
-    plan.scalars[6].fill_(int(wait_ns))  # the wait bound: the other process shares the GPU
+    # the wait bound (the plan's own, which a call's silent rank rewrites with it: no IPC
+    # forward ran to set it); the other processes share the GPU
+    plan._set_waits((int(wait_ns), -1))
     s = saved.schedules
     mine = types.SimpleNamespace(**{f: getattr(s, f)[rank:rank + 1] for f in (
         "row_peer", "row_token", "row_k", "tile_expert", "num_tiles", "expert_offsets")})
@@ -444,6 +446,7 @@ def _ipc_silent_rank(rank, world, seed, out_dir):
     with pytest.raises(mok.PeerTimeoutError, match=f"rank {rank}: .*peer 1"):
         mok.check_errors()
     assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all(), f"rank {rank}"
+    plan._set_waits((int(60e9), -1))  # the processes may be seconds apart after the failure
     got = call()
     torch.cuda.synchronize()
     plan.check_device_error()

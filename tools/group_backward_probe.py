@@ -110,14 +110,15 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
 
 
 def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
-                   comm_ctas: int = 16) -> dict:
+                   comm_splits=(16,)) -> dict:
     """Rank 0's bf16 backward alone over R virtual ranks' buffers, its peers' pushes and flags
     already in place (a whole group call filled the pushes; each call sets the peers' flags
     to its epoch's "done" by hand): one launch with the group tail (``GroupTail``: the
     barriers and the k-sums on the comm CTAs, under the weight gradients) against the same
     launch without it between the two barrier launches, then the k-sum and d_topk launches
     (the path of several ranks in one process). The shared expert's dx rows are made once,
-    outside both."""
+    outside both. Also the launch alone (no barrier, no k-sum) on the first split: what the
+    tail adds to it."""
     import mok_cute
     from mok_cute import megakernel, megakernel_backward as mb
     from mok_cute.bench.problems import make_problem
@@ -154,26 +155,26 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
     idx0 = idx[0].to(torch.int32).contiguous()
     routed = (idx0 >= 0) & (idx0 < ranks * wg.shape[1])
     args = (wg[0], wu[0], wd[0], saved.preact, saved.row_slot[0], weights, sched.tile_expert[0],
-            sched.num_tiles[0:1], sched.expert_offsets[0], peers, True, comm_ctas)
+            sched.num_tiles[0:1], sched.expert_offsets[0], peers, True)
 
     def next_call():
         plan.begin_backward()
         epoch[0] += 1
         flags[1:].fill_(flag_done(epoch[0]))  # the peers: started and done
 
-    def with_tail():
+    def with_tail(comm_ctas):
         next_call()
         d_x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
         d_topk = torch.empty(T, K, dtype=torch.float32, device=dev)
-        out = mb.expert_grads_over_peers(*args, tail=mb.GroupTail(
+        out = mb.expert_grads_over_peers(*args, comm_ctas, tail=mb.GroupTail(
             plan.scalars, plan.backward_error, idx0, shared_dx, d_x, d_topk))
         return (d_x, d_topk, *out[6:])
 
-    def as_launches():
+    def as_launches(comm_ctas):
         next_call()
         bases = plan.peer_bases[0:1]
         peer_barrier(bases, plan.scalars, plan.backward_error, 0, plan.side.scope)
-        out = mb.expert_grads_over_peers(*args)
+        out = mb.expert_grads_over_peers(*args, comm_ctas)
         peer_barrier(bases, plan.scalars, plan.backward_error, 1, plan.side.scope)
         slots = torch.arange(T * K, dtype=torch.int32, device=dev)
         d_x = token_ops.weighted_ksum(plan.side.fields("combine")[0],
@@ -184,8 +185,12 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
                              0.0)
         return (d_x, d_topk, *out[6:])
 
-    variants = {"one launch (group tail)": with_tail, "launches": as_launches}
-    got = {label: fn() for label, fn in variants.items()}
+    variants = {}
+    for c in comm_splits:
+        variants[f"one launch c{c}"] = lambda c=c: with_tail(c)
+        variants[f"launches c{c}"] = lambda c=c: as_launches(c)
+    variants["launch alone"] = lambda: mb.expert_grads_over_peers(*args, comm_splits[0])
+    got = {label: fn() for label, fn in variants.items() if label != "launch alone"}
     torch.cuda.synchronize()
     plan.check_device_error()
     want = [whole[0][0], whole[1][0].float(), whole[2][0], whole[3][0], whole[4][0]]
@@ -198,15 +203,15 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
     plan.check_device_error()
     median = {label: sorted(v)[len(v) // 2] for label, v in ms.items()}
     for label, v in ms.items():
-        print(f"{name} rank 0 of R={ranks} T={tokens}/rank {label:24s} "
+        print(f"{name} rank 0 of R={ranks} T={tokens}/rank {label:16s} "
               + " ".join(f"{t:8.3f}" for t in v) + f"  median {median[label]:8.3f} ms",
               flush=True)
-    ratio = median["one launch (group tail)"] / median["launches"]
-    print(f"{name}: one launch / launches {ratio:.3f}; bitwise the whole group call's rank 0: "
-          f"{same}", flush=True)
-    return {"shape": name, "ranks": ranks, "tokens_per_rank": tokens, "comm_ctas": comm_ctas,
-            "ms_rounds": ms, "ms_median": median, "one_launch_over_launches": ratio,
-            "bitwise_equal_to_group_call": same}
+    ratios = {f"one launch / launches c{c}": median[f"one launch c{c}"]
+              / median[f"launches c{c}"] for c in comm_splits}
+    print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
+          + f"; bitwise the whole group call's rank 0: {same}", flush=True)
+    return {"shape": name, "ranks": ranks, "tokens_per_rank": tokens, "ms_rounds": ms,
+            "ms_median": median, "ratios": ratios, "bitwise_equal_to_group_call": same}
 
 
 def main(argv=None):
@@ -237,7 +242,7 @@ def main(argv=None):
         for tokens in map(int, str(args.tokens).split(",")):
             if args.one_rank:
                 rows.append(one_rank_probe(n, args.ranks, tokens, args.rounds, args.reps,
-                                           int(args.comm_ctas or 16)))
+                                           tuple(int(c) for c in (args.comm_ctas or "16").split(","))))
                 save_probe_json(args.json, {"shapes": rows}, argv)
                 megakernel.release_plans()
                 torch.cuda.empty_cache()

@@ -259,7 +259,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             if first >= self.num_ctas:
                 self.backward_comm_loop(tasks, counter_offsets, counters, error, num_tiles,
                                         Int64(scalars[0]), expert_offsets, peer_rows, row_slot,
-                                        weights, partials, tail, storage.sB.data_ptr(), tidx)
+                                        weights, partials, tail,
+                                        (storage.sB.data_ptr(), storage.sA.data_ptr()), tidx)
             else:
                 self.compute_roles(*compute_args)
         else:

@@ -86,7 +86,7 @@ class BackwardCommMixin:
                            tail, stage, tidx: Int32):
         """Every thread of a comm CTA: its tasks of the comm queue, in order (with the group
         tail, ``backward_tail``: the peers' start awaited first, then BARRIER and KSUM tasks
-        too, the KSUMs staging through ``stage``, the CTA's idle B stages)."""
+        too, the KSUMs staging through ``stage``, the CTA's idle B and A stages)."""
         sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
                                      num_threads=self.threads_per_cta)
         queue_len = cute.size(rows.comm_queue)

@@ -149,23 +149,32 @@ class BackwardTailMixin:
             else:
                 self._ksum_token(ctx, rows, tail, own_base, t, lane, warp, stage)
 
-    def _tail_stage_vectors(self) -> int:
-        """16-byte smem slots per comm thread: the B stages (idle in a comm CTA) shared out."""
-        return self.ab_stages * self.tile_shape_mnk[1] * TILE_K * 2 // (self.threads_per_cta * 16)
+    def _tail_slots(self) -> tuple[int, int]:
+        """16-byte smem slots per comm thread in the B stages and in the A stages (both idle
+        in a comm CTA)."""
+        per_thread = self.threads_per_cta * 16
+        return (self.ab_stages * self.tile_shape_mnk[1] * TILE_K * 2 // per_thread,
+                self.ab_stages * self.tile_shape_mnk[0] * TILE_K * 2 // per_thread)
 
     @cute.jit
     def _ksum_token(self, ctx, rows, tail: GroupTail, own_base: Int64, t: Int32, lane: Int32,
                     warp: Int32, stage):
-        """One token's d_x row and d_topk weights, by one warp. Each step a lane lands up to
-        ``_tail_stage_vectors()`` 16-byte vectors (its K slots' and the shared row's) in its
-        own smem slots with cp.async (many in flight, few registers), waits for them, then
+        """One token's d_x row and d_topk weights, by one warp. Each step a lane lands as many
+        16-byte vectors (its K slots' and the shared row's) as its own smem slots of the A and
+        B stages hold (``stage``: their bases) with cp.async (many in flight, few registers),
+        waits for them, then
         adds the K slots one at a time (``k_sum_add``: ``k_sum_vector``'s arithmetic with unit
         weights; a slot routed nowhere adds a zero vector)."""
         top_k, has_shared = self.ksum_top_k, self.ksum_shared
         nk = top_k + (1 if const_expr(has_shared) else 0)
-        stage_vectors = self._tail_stage_vectors()
-        assert stage_vectors >= nk, "the B stages hold one vector of every slot a lane"
-        steps = stage_vectors // nk
+        slots_b, slots_a = self._tail_slots()
+        assert slots_b + slots_a >= nk, "the stages hold one vector of every slot a lane"
+        steps = (slots_b + slots_a) // nk
+        # slot j of this lane: in the B stages below slots_b, then in the A stages
+        bases = (stage[0].toint() + warp * (slots_b * 32 * 16) + lane * 16,
+                 stage[1].toint() + warp * (slots_a * 32 * 16) + lane * 16)
+        slot_ptr = lambda j: (smem_vec(bases[0], j) if j < slots_b  # noqa: E731
+                              else smem_vec(bases[1], j - slots_b))
         hidden = cute.size(tail.d_x, mode=[1])
         h_vecs = hidden // VEC_ELEMS
         row_bytes = Int64(hidden) * 2
@@ -178,7 +187,6 @@ class BackwardTailMixin:
             if expert >= 0 and expert < num_experts:
                 routed = routed | (1 << k)
         vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        lane_base = stage.toint() + warp * (stage_vectors * 32 * 16) + lane * 16
         out_row = tail.d_x[t, None]
         for v0 in cutlass.range(lane, h_vecs, 32 * steps, unroll=1):
             for u in cutlass.range_constexpr(steps):
@@ -186,10 +194,10 @@ class BackwardTailMixin:
                     for k in cutlass.range_constexpr(top_k):
                         if (routed >> k) & 1:
                             nvvm.cp_async_shared_global(
-                                smem_vec(lane_base, u * nk + k),
+                                slot_ptr(u * nk + k),
                                 gmem_vec(first_slot + k * row_bytes, v0 + 32 * u), 16, "cg")
                     if const_expr(has_shared):
-                        nvvm.cp_async_shared_global(smem_vec(lane_base, u * nk + top_k),
+                        nvvm.cp_async_shared_global(slot_ptr(u * nk + top_k),
                                                     gmem_vec(shared_row, v0 + 32 * u), 16, "cg")
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)  # this lane's own copies: no other lane reads them
@@ -198,7 +206,7 @@ class BackwardTailMixin:
                     acc = cute.make_rmem_tensor((VEC_ELEMS,), Float32)
                     if const_expr(has_shared):
                         base = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-                        cute.copy(vec, _slot(lane_base, u * nk + top_k), base)
+                        cute.copy(vec, _vector(slot_ptr(u * nk + top_k)), base)
                         acc.store(base.load().to(Float32))
                     else:
                         acc.fill(0.0)
@@ -206,7 +214,7 @@ class BackwardTailMixin:
                         y = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
                         y.fill(0.0)
                         if (routed >> k) & 1:
-                            cute.copy(vec, _slot(lane_base, u * nk + k), y)
+                            cute.copy(vec, _vector(slot_ptr(u * nk + k)), y)
                         k_sum_add(acc, Float32(1.0), y)
                     res = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
                     res.store(acc.load().to(BFloat16))
@@ -224,9 +232,9 @@ class BackwardTailMixin:
                 + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
 
 
-def _slot(lane_base, j: int) -> cute.Tensor:
-    """A lane's smem slot ``j`` as an 8-element bf16 vector."""
-    return cute.make_tensor(smem_vec(lane_base, j), cute.make_layout(VEC_ELEMS))
+def _vector(ptr) -> cute.Tensor:
+    """A 16-byte smem slot as an 8-element bf16 vector."""
+    return cute.make_tensor(ptr, cute.make_layout(VEC_ELEMS))
 
 
 __all__ = ["BackwardTailMixin", "GroupTail"]
