@@ -23,6 +23,7 @@ H200 (marked gpu):
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import types
 
@@ -374,6 +375,70 @@ def test_a_silent_rank_in_the_backward_raises_peer_timeout_naming_it():
     mok.check_errors()
 
 
+def _one_rank_tail(leaves, idx, saved, d_out, rank, silent_peer=-1):
+    """Rank ``rank``'s backward alone over a virtual group's buffers with the group tail, its
+    peers' pushes in place (a whole group call just made them) and their flags set by hand to
+    this call's "done" (all but ``silent_peer``'s): (d_x, d_topk, dW_gate, dW_up, dW_down)."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute.constants import SCALAR_INDEX, flag_done
+    from mok_cute.expert_backward import shared_backward_ranks
+
+    xs, w, wg, wu, wd, *sh = (t.detach() for t in leaves)
+    plan, sched = saved.plan, saved.schedules
+    T, K, H = xs.shape[1], idx.shape[2], xs.shape[2]
+    plan.begin_backward()
+    scalars = plan.scalars.clone()
+    scalars[SCALAR_INDEX["rank_base"]] = rank  # the launch's rank: rank of the group
+    epoch = int(scalars[SCALAR_INDEX["epoch"]].item())
+    flags = plan.side.fields("barrier_flags")[rank]
+    for p in range(flags.shape[0]):
+        if p not in (rank, silent_peer):
+            flags[p] = flag_done(epoch)
+    shared_dx = shared_backward_ranks(d_out, xs, tuple(sh) or None, saved.shared_preact)[0][rank]
+    peers = mb.PeerRows(plan.peer_bases[rank], sched.row_peer[rank], sched.row_token[rank],
+                        sched.row_k[rank], mb.comm_scalars(plan.side.layout, K, xs.device))
+    weights = torch.zeros(saved.preact.shape[0], dtype=torch.float32, device=xs.device)
+    d_x = torch.full((T, H), 7.0, dtype=torch.bfloat16, device=xs.device)  # poisoned
+    d_topk = torch.full((T, K), 7.0, dtype=torch.float32, device=xs.device)
+    out = mb.expert_grads_over_peers(
+        wg[rank], wu[rank], wd[rank], saved.preact, saved.row_slot[rank], weights,
+        sched.tile_expert[rank], sched.num_tiles[rank:rank + 1], sched.expert_offsets[rank],
+        peers, True, 5, tail=mb.GroupTail(scalars, plan.backward_error,
+                                          idx[rank].to(torch.int32).contiguous(), shared_dx,
+                                          d_x, d_topk))
+    return (d_x, d_topk, *out[6:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["R2_shared_skew", "R3_empty_expert_K10"])
+def test_one_ranks_launch_with_the_group_tail_gives_its_group_gradients(name):
+    """Each rank's launch with the group tail (its barriers and k-sums inside), run alone on
+    a virtual group's buffers after a whole group call: d_x, d_topk_weights and the weight
+    gradients bitwise that call's for the rank. With a peer that never flags, the launch
+    names it (code PEER_NEVER_STARTED) and writes NaN, never a plausible gradient."""
+    from mok_cute.constants import PEER_NEVER_STARTED
+    from mok_cute.errors import decode_wait_error
+
+    leaves, idx, saved, d_out = _saved_problem(name, seed=7, timeout_ms=300.0)
+    whole = _group_grads(leaves, idx, saved, d_out)
+    torch.cuda.synchronize()
+    mok.check_errors()
+    R = idx.shape[0]
+    for rank in range(R):
+        got = _one_rank_tail(leaves, idx, saved, d_out, rank)
+        torch.cuda.synchronize()
+        assert int(saved.plan.backward_error.item()) == 0, f"rank {rank}"
+        want = [whole[0][rank], whole[1][rank], *(g[rank] for g in whole[2:5])]
+        _assert_bitwise([got[0], got[1].to(want[1].dtype), *got[2:]], want,
+                        f"{name}: rank {rank} alone")
+    got = _one_rank_tail(leaves, idx, saved, d_out, 0, silent_peer=R - 1)
+    torch.cuda.synchronize()
+    _, peer, _, code = decode_wait_error(int(saved.plan.backward_error.item()))
+    assert (peer, code) == (R - 1, PEER_NEVER_STARTED)
+    assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all()
+    saved.plan.backward_error.zero_()
+
+
 def _ipc_setup(rank, seed, wait_ns, case="R2_shared_skew"):
     """One process of an IPC test: the virtual forward of all ranks (the same bits in both
     processes) gives this rank's saved g | u and schedule, the IPC plan of the group its
@@ -443,6 +508,9 @@ def _ipc_silent_rank(rank, world, seed, out_dir):
     call, want, plan = _ipc_setup(rank, seed, 3e9)
     got = call(silent_rank=1)
     torch.cuda.synchronize()
+    print(f"rank {rank}: error word {int(plan.backward_error.item()):#x}, own flags "
+          f"{plan.side.fields('barrier_flags')[0].tolist()}, scalars {plan.scalars.tolist()}",
+          file=sys.stderr, flush=True)
     with pytest.raises(mok.PeerTimeoutError, match=f"rank {rank}: .*peer 1"):
         mok.check_errors()
     assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all(), f"rank {rank}"
