@@ -514,7 +514,10 @@ def _ipc_silent_rank(rank, world, seed, out_dir):
     with pytest.raises(mok.PeerTimeoutError, match=f"rank {rank}: .*peer 1"):
         mok.check_errors()
     assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all(), f"rank {rank}"
-    plan._set_waits((int(60e9), -1))  # the processes may be seconds apart after the failure
+    # every process past the failed call before the next starts: flags only grow, so a
+    # peer's next start flag would satisfy a slower rank's waits of the failed call
+    torch.distributed.barrier()
+    plan._set_waits((int(60e9), -1))
     got = call()
     torch.cuda.synchronize()
     plan.check_device_error()
