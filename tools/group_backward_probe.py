@@ -24,24 +24,31 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import fp8_weight_grads_forced, gpu_ms, save_probe_json  # noqa: E402
 
 
-def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
-          precisions=("bf16",), kernel_table: bool = False, with_group: bool = True,
-          comm_splits=()) -> dict:
-    import mok_cute
-    from mok_cute import megakernel
+def _problem(name: str, ranks: int, tokens: int):
+    """A shape's problem split into ``ranks`` virtual ranks of ``tokens`` tokens: (xs, idx, w,
+    w_gate, w_up, w_down [R, ...], the shared expert's weights repeated per rank or None,
+    d_out)."""
     from mok_cute.bench.problems import make_problem
-    from mok_cute.group_backward import moe_backward_group
     from mok_cute.shapes import resolve_shape
-    from mok_cute.virtual_backward import VirtualSaved, moe_backward_virtual
 
-    shape = resolve_shape(name)
-    p = make_problem(shape, device="cuda", seed=1, tokens=ranks * tokens)
+    p = make_problem(resolve_shape(name), device="cuda", seed=1, tokens=ranks * tokens)
     per_rank = lambda a: a.view(ranks, a.shape[0] // ranks, *a.shape[1:])  # noqa: E731
     xs, idx, w = (per_rank(t) for t in (p.inputs.x, p.inputs.topk_idx, p.inputs.topk_weights))
     wg, wu, wd = (per_rank(t) for t in (p.w_gate, p.w_up, p.w_down))
     shared = tuple(t.unsqueeze(0).expand(ranks, *t.shape).contiguous()
                    for t in p.shared) if p.shared else None
-    d_out = torch.randn_like(xs)
+    return xs, idx, w, wg, wu, wd, shared, torch.randn_like(xs)
+
+
+def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
+          precisions=("bf16",), kernel_table: bool = False, with_group: bool = True,
+          comm_splits=()) -> dict:
+    import mok_cute
+    from mok_cute import megakernel
+    from mok_cute.group_backward import moe_backward_group
+    from mok_cute.virtual_backward import VirtualSaved, moe_backward_virtual
+
+    xs, idx, w, wg, wu, wd, shared, d_out = _problem(name, ranks, tokens)
     variants, same = {}, {}
     saved_of = {}
     for precision in precisions:
@@ -121,22 +128,13 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
     tail adds to it."""
     import mok_cute
     from mok_cute import megakernel, megakernel_backward as mb
-    from mok_cute.bench.problems import make_problem
     from mok_cute.constants import flag_done
     from mok_cute.expert_backward import shared_backward_ranks
     from mok_cute.group_backward import moe_backward_group
     from mok_cute.kernels import token_ops
     from mok_cute.kernels.peer_rows import peer_barrier
-    from mok_cute.shapes import resolve_shape
 
-    shape = resolve_shape(name)
-    p = make_problem(shape, device="cuda", seed=1, tokens=ranks * tokens)
-    per_rank = lambda a: a.view(ranks, a.shape[0] // ranks, *a.shape[1:])  # noqa: E731
-    xs, idx, w = (per_rank(t) for t in (p.inputs.x, p.inputs.topk_idx, p.inputs.topk_weights))
-    wg, wu, wd = (per_rank(t) for t in (p.w_gate, p.w_up, p.w_down))
-    shared = tuple(t.unsqueeze(0).expand(ranks, *t.shape).contiguous()
-                   for t in p.shared) if p.shared else None
-    d_out = torch.randn_like(xs)
+    xs, idx, w, wg, wu, wd, shared, d_out = _problem(name, ranks, tokens)
     with torch.no_grad():
         saved = megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared,
                                                mok_cute.MoKConfig(check_ids=False),
