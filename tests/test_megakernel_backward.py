@@ -40,6 +40,49 @@ def test_backward_megakernel_compiles_without_spills(tmp_path, fc2_pingpong):
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
 
 
+@pytest.mark.parametrize("fc2_pingpong", [False, True])
+def test_the_group_tail_build_keeps_the_registers_of_the_build_without_it(tmp_path, fc2_pingpong):
+    """Comm CTAs with the group tail (K = 10 and a shared expert: the largest k-sum): 168
+    registers, the spills of the comm build without the tail (pingpong: 20 B stored and
+    refilled, its dgated epilogue's; cooperative: one word stored and refilled outside the
+    mainloop; ``spill_bytes`` counts stores and loads), the k-sum's slots landed by cp.async
+    through the operand stages and the flags at system scope."""
+    from mok_cute import jit
+
+    rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path, fc2_pingpong=fc2_pingpong,
+                             num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True)
+    assert rep.registers == 168 and rep.spill_bytes <= (40 if fc2_pingpong else 8)
+    ptx = open(rep.ptx_path).read()
+    assert "cp.async.cg.shared.global" in ptx
+    assert re.search(r"st\.release\.sys", ptx) and re.search(r"ld\.acquire\.sys", ptx)
+
+
+def test_the_group_tails_list_queues_the_barrier_then_the_ksums_on_the_comm_ctas():
+    """With the group tail the launch's comm queue ends in the BARRIER (after every push and
+    every x re-pull) and one KSUM per 32 of the rank's tokens; the compute queue is the one
+    without it; without the tail neither kind is queued."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+
+    BT, BC = tb.BackwardTaskType, tb.BackwardCounter
+    tl, kinds = mb.task_list(6, 4, 256, 128, comm=True, tail_tokens=300, top_k=4)
+    tl.check()
+    assert BT.BARRIER in kinds and BT.KSUM in kinds
+    qtab = tb.queue_tables(tl, kinds=kinds)[0]
+    comm = [tl[int(i)] for i in qtab[int(tb.Role.COMM)] if i >= 0]
+    ksums = -(-300 // 128) * (128 // 32)
+    assert [t.type for t in comm[-ksums - 1:]] == [BT.BARRIER] + [BT.KSUM] * ksums
+    assert sorted((t.tile, t.n_tile) for t in comm if t.type == BT.KSUM) == [
+        (s, c) for s in range(3) for c in range(4)]
+    barrier = comm[-ksums - 1]
+    assert sorted(barrier.waits) == [(BC.X_PULLED, 0, 6, 4), (BC.PUSHED, 0, 6, 4)]
+    bare, bare_kinds = mb.task_list(6, 4, 256, 128, comm=True)
+    assert BT.BARRIER not in bare_kinds and BT.KSUM not in bare_kinds
+    compute = lambda t, k: [(x.type, x.tile, x.n_tile, x.m_block)  # noqa: E731
+                            for x in (t[int(i)] for i in tb.queue_tables(t, kinds=k)[0][1] if i >= 0)]
+    assert compute(tl, kinds) == compute(bare, bare_kinds)
+
+
 @pytest.mark.parametrize("capacity_tiles,hidden,inter", [(40, 7168, 2048), (7, 576, 192),
                                                          (1, 512, 2880)])
 def test_dgrad_queue_holds_each_dgrad_once_in_list_order(capacity_tiles, hidden, inter):
