@@ -175,7 +175,8 @@ class MegakernelOptions:
     fc1_lead       minibatches whose FC1 tiles are queued before the FC2 tiles of the first;
                    None: the fewest whose FC1 tiles fill every compute CTA.
     backward_comm_sms  SMs of the training backward over a group (``group=``) that pull its
-                   rows and push its gradients home while the others run its GEMMs (16:
+                   rows and push its gradients home while the others run its GEMMs, and with
+                   one rank per process then pass the group's barrier and run its k-sums (16:
                    the fastest of 8-32 with 8 ranks' buffers on one H200; ``mok-cute tune
                    --backward`` simulates the split over NVLink).
     """
