@@ -121,7 +121,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     with plan.lock:  # the plan's epoch, scalars and buffers: one call at a time
         plan.backward_errors.check(block=False, last_call=plan.backward_calls,
                                    rank_base=side.rank_base)  # an earlier call's, without a sync
-        # this rank's fields for the peers to pull, then barrier 0 of a new epoch
+        # this rank's fields for the peers to pull (then barrier 0 of a new epoch: in the
+        # launch with one rank, a launch of its own with several)
         for fields, src in ((side.fields("x"), xs), (side.fields("d_out"), d_out)):
             for r in range(L):
                 fields[r].copy_(src[r])
@@ -160,8 +161,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             pushed = side.fields("d_topk_partials")
             d_topk = torch.stack([torch.where(routed[r], pushed[r][:, 0].view(T, K), 0.0)
                                   for r in range(L)]).to(topk_weights.dtype)
-        stack = lambda gs: None if gs[0] is None else torch.stack(gs)  # noqa: E731
-        return (d_xs, d_topk, stack(dwg), stack(dwu), stack(dwd), *d_shared)
+        return (d_xs, d_topk, _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)
 
 
 def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
@@ -184,10 +184,14 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
     plan.begin_backward(silent_rank)
     dwg, dwu, dwd = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail)
     plan.backward_errors.record(plan.backward_calls)
-    stack = lambda gs: None if gs[0] is None else torch.stack(gs)  # noqa: E731
     return (d_x[None] if needs.x else None,
             d_topk[None].to(topk_weights.dtype) if needs.topk_weights else None,
-            stack(dwg), stack(dwu), stack(dwd), *d_shared)
+            _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)
+
+
+def _stacked(grads: list):
+    """Each local rank's weight gradient stacked [L, ...], or None where not wanted."""
+    return None if grads[0] is None else torch.stack(grads)
 
 
 def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None):
