@@ -15,6 +15,8 @@
 - Deterministic: no atomics; each weight-gradient tile has one owner running its expert's rows
   in order; d_x and d_topk_weights sum in a fixed order in fp32.
 - The shared expert is the same kernels with one expert over every token.
+- FP8 weight gradients (``fp8_weight_grads``): no x rows gathered; the column quantizer reads
+  each padded row's x through the row index (``quantize_cols_per_expert(row_index=...)``).
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
                      fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None,
-                     rows_per_expert: float = 0.0):
+                     rows_per_expert: float = 0.0, x_row_index=None):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
@@ -165,22 +167,36 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     expert, T * K / E).
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
     weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
-    dgrads' transposed weights when the caller has them (else quantized from the cache)."""
+    dgrads' transposed weights when the caller has them (else quantized from the cache).
+    ``x_row_index``: None (``x_rows`` are the padded rows' x), or int32 [rows] (-1: padding)
+    with ``x_rows`` the source x [T, H] that row r reads row ``x_row_index[r]`` of: the FP8
+    weight gradients quantize them straight from x (``_weight_grads``)."""
     if not (want_dx or want_gate_up or want_down or want_partials):
         return None, None, None, None, None
     if dgrads == "megakernel" and want_gate_up and want_down and not fp8:
         # every GEMM of the backward in one launch
         from mok_cute import megakernel_backward
         _, _, partials, dx_rows, dwg, dwu, dwd = megakernel_backward.expert_grads(
-            d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-            num_tiles, offsets)
+            d_rows, _gathered(x_rows, x_row_index), w_gate, w_up, w_down, preact, row_slot,
+            weights, tile_expert, num_tiles, offsets)
         return dx_rows, dwg, dwu, dwd, partials
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads, fp8_transposed)
     dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
-                                  want_gate_up, want_down, fp8, rows_per_expert)
+                                  want_gate_up, want_down, fp8, rows_per_expert,
+                                  x_row_index=x_row_index)
     return dx_rows, dwg, dwu, dwd, partials
+
+
+def _gathered(x_rows, x_row_index):
+    """The padded rows' x: ``x_rows`` itself, or with a row index its rows gathered
+    (``token_ops.gather_rows``: zeros on padding)."""
+    if x_rows is None or x_row_index is None:
+        return x_rows
+    from mok_cute.kernels import token_ops
+
+    return token_ops.gather_rows(x_rows, x_row_index)
 
 
 def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert, num_tiles,
@@ -216,16 +232,19 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
 
 
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,
-                  want_down: bool, fp8: bool = False, rows_per_expert: float = 0.0):
+                  want_down: bool, fp8: bool = False, rows_per_expert: float = 0.0,
+                  x_row_index=None):
     """The grouped weight gradients from the dgrads' outputs: (dW_gate, dW_up, dW_down), None
     where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns.
     ``fp8``: on ``gemm_wgrad_fp8`` where ``fp8_weight_grads(H, I, rows_per_expert)``, bf16
-    otherwise."""
+    otherwise. ``x_row_index``: as ``_expert_backward`` (the bf16 GEMMs read gathered rows)."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     hidden = w_down.shape[1]
     if fp8 and fp8_weight_grads(hidden, inter, rows_per_expert):
         return _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts, inter,
-                                 want_gate_up, want_down)
+                                 want_gate_up, want_down, x_row_index=x_row_index)
+    if want_gate_up:
+        x_rows = _gathered(x_rows, x_row_index)
     half = d_preact.shape[1] // 2
     dwg = dwu = dwd = None
     if want_gate_up:
@@ -238,16 +257,18 @@ def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_ga
 
 
 def _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts: int, inter: int,
-                      want_gate_up: bool, want_down: bool):
+                      want_gate_up: bool, want_down: bool, x_row_index=None):
     """The weight gradients on FP8 (``kernels.gemm_wgrad_fp8``): the gradients (dG | dU,
     d_out rows) column-quantized per 128 rows, the activations (x rows, w * h) per column
-    and expert (``quantize.quantize_cols_per_expert``); H and I whole 128 groups."""
+    and expert (``quantize.quantize_cols_per_expert``); H and I whole 128 groups.
+    ``x_row_index``: as ``_expert_backward``: x's rows quantized through it, read in place."""
     from mok_cute.kernels import gemm_wgrad_fp8, quantize
 
     dwg = dwu = dwd = None
     if want_gate_up:
         gq, eg = quantize.quantize_cols(d_preact)  # [2I, rows]: dG^T, then dU^T
-        xq, ex = quantize.quantize_cols_per_expert(x_rows, offsets, num_experts)
+        xq, ex = quantize.quantize_cols_per_expert(x_rows, offsets, num_experts,
+                                                   row_index=x_row_index)
         dwg, dwu = gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:inter], eg[:inter], xq, ex, offsets,
                                                     num_experts, gq[inter:], eg[inter:])
     if want_down:
@@ -329,12 +350,20 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         d_src = pad_cols(d_out, padded(d_out.shape[1]))
     row_token = saved.row_token(top_k)
     d_rows = token_ops.gather_rows(d_src, row_token)  # zeros on padding rows
-    x_rows = token_ops.gather_rows(x, row_token) if needs.w_gate_up else None
+    rows_per_expert = num_tokens * top_k / w_gate.shape[0]
+    x_rows = x_row_index = None
+    if needs.w_gate_up:
+        if precision == "fp8" and fp8_weight_grads(x.shape[1], w_gate.shape[1], rows_per_expert):
+            # the FP8 weight gradients quantize x's rows through row_token, read in place:
+            # no gathered bf16 copy written and read again
+            x_rows, x_row_index = x.contiguous(), row_token
+        else:
+            x_rows = token_ops.gather_rows(x, row_token)
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
         saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
         needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
-        rows_per_expert=num_tokens * top_k / w_gate.shape[0])
+        rows_per_expert=rows_per_expert, x_row_index=x_row_index)
 
     shared_dx, d_shared = None, (None, None, None)
     if shared is not None:

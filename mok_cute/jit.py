@@ -98,9 +98,10 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.quantize", "compile_quantize_cols", {},
         "bf16 -> e4m3 transposed copy, groups of 128 along M (fp8.quantize_cols, bitwise)"),
     "quantize_cols_per_expert": KernelSpec(
-        "mok_cute.kernels.quantize", "compile_quantize_cols_per_expert", {},
+        "mok_cute.kernels.quantize", "compile_quantize_cols_per_expert", {"gather": False},
         "bf16 -> e4m3 transposed copy, one scale per column and expert (fp8.quantize_cols_per_expert, "
-        "bitwise): a weight gradient's B operand"),
+        "bitwise): a weight gradient's B operand; gather=True reads x's rows through a row index "
+        "(no gathered copy)"),
     "quantize_blocks": KernelSpec(
         "mok_cute.kernels.quantize", "compile_quantize_blocks", {"write_q": True, "write_qt": True},
         "weights -> e4m3 in 128x128 blocks and the exact transposed copy (fp8.quantize_blocks)"),

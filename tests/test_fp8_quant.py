@@ -388,6 +388,24 @@ def test_kernel_compiles_with_exact_conversions_and_no_spills(reports, name, loa
     _check_exact_kernel(rep, loads, stores)
 
 
+def test_quantize_cols_per_expert_gather_reads_rows_through_the_index(reports):
+    """gather=True: each group's 16 row sources a lane in four 128-bit index loads per pass
+    (32 row loads + 8 index loads), the same stores, no spills, and no more registers than
+    the kernel without the index; the cache keys the variant apart."""
+    from mok_cute import jit
+
+    rep = reports("quantize_cols_per_expert", gather=True)
+    _check_exact_kernel(rep, {"ld.global.128b": 40}, {"st.global.128b": 8, "st.global.8b": 8})
+    plain = reports("quantize_cols_per_expert")
+    assert plain.mix["ld.global.128b"] == 32
+    assert rep.kernels[0].registers <= plain.kernels[0].registers, (rep.kernels, plain.kernels)
+    assert jit.KERNELS["quantize_cols_per_expert"].static == {"gather": False}
+    keys = {jit._cache_key("quantize_cols_per_expert", "sm_90a",
+                           jit._static_args(jit.get_spec("quantize_cols_per_expert"), kw))
+            for kw in ({}, {"gather": False}, {"gather": True})}
+    assert len(keys) == 2
+
+
 def test_quantize_scatter_rows_stores_each_token_k_times(reports):
     """scatter_k = 8: the row quantized once, its 8 bytes and exponent stored at each of the
     token's 8 destination rows (one 128-bit load, 8 + 8 stores), no spills."""
@@ -441,6 +459,84 @@ def test_kernel_entry_points_check_arguments_before_the_device():
     with pytest.raises(ValueError, match="w: expected a 2-D or 3-D tensor"):
         quantize.quantize_blocks(torch.zeros(128, dtype=bf16))
     assert quantize.quantize_rows_ref is fp8.quantize_rows
+
+
+def test_quantize_cols_per_expert_row_index_checked_before_the_device():
+    """row_index: int32 [M], M a multiple of 128 (the output's rows); x then any T rows."""
+    from mok_cute.kernels import quantize
+
+    x = torch.zeros(77, 64, dtype=bf16)  # T = 77: fine with a row index
+    offsets = torch.tensor([0, 128], dtype=torch.int32)
+    idx = torch.zeros(128, dtype=torch.int32)
+    bad = [(idx.long(), "int64"), (idx.float(), "float32"), (idx[:100], r"shape=\(100,\)"),
+           (idx.view(2, 64), r"shape=\(2, 64\)"), ([0] * 128, "list")]
+    for row_index, given in bad:
+        with pytest.raises(ValueError, match=f"row_index: expected a 1-D int32 tensor .*{given}"):
+            quantize.quantize_cols_per_expert(x, offsets, 1, row_index=row_index)
+    with pytest.raises(ValueError, match="row_index: expected a contiguous, 16-byte aligned"):
+        quantize.quantize_cols_per_expert(x, offsets, 1, row_index=torch.zeros(256, dtype=torch.int32)[::2])
+    with pytest.raises(ValueError, match=r"x: expected M \(dim 0\) a multiple of 128"):
+        quantize.quantize_cols_per_expert(x, offsets, 1)  # without the index: x's rows are M
+    with pytest.raises(ValueError, match=r"x: expected K \(dim 1\) a multiple of 8"):
+        quantize.quantize_cols_per_expert(torch.zeros(77, 60, dtype=bf16), offsets, 1, row_index=idx)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the shapes passed
+        quantize.quantize_cols_per_expert(x, offsets, 1, row_index=idx)
+
+
+def test_fp8_weight_grads_quantize_x_through_the_row_index(gen, monkeypatch):
+    """``expert_backward._weight_grads`` with ``x_row_index`` (x the source rows) gives the
+    bits of the gathered rows', on the FP8 weight gradients (the index handed to the column
+    quantizer, no gather) and on the bf16 ones (the rows gathered first); the kernels are
+    replaced by their references on the CPU."""
+    from mok_cute import expert_backward
+    from mok_cute.kernels import gemm_wgrad_fp8, quantize, token_ops
+
+    calls = []
+
+    def cols_per_expert(x, offsets, num_experts, out=None, scale_out=None, row_index=None):
+        calls.append((x, row_index))
+        rows = x if row_index is None else token_ops.gather_rows_ref(x, row_index)
+        return fp8.quantize_cols_per_expert(rows, offsets)
+
+    def wgrad_fp8(a_t, e_a, b_t, e_b, offsets, num_experts, a2_t=None, e_a2=None):
+        c = gemm_wgrad_fp8.grouped_wgrad_fp8_ref(a_t, e_a, b_t, e_b, offsets)
+        return c if a2_t is None else (c, gemm_wgrad_fp8.grouped_wgrad_fp8_ref(a2_t, e_a2, b_t, e_b, offsets))
+
+    def wgrad(a, a2, b, offsets, num_experts, out_rows):
+        calls.append((b, None))
+        ref = lambda m: torch.stack([(m[lo:hi].double().t() @ b[lo:hi].double()).to(bf16)  # noqa: E731
+                                     for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+        return ref(a) if a2 is None else (ref(a), ref(a2))
+
+    monkeypatch.setattr(quantize, "quantize_cols", lambda x: fp8.quantize_cols(x))
+    monkeypatch.setattr(quantize, "quantize_cols_per_expert", cols_per_expert)
+    monkeypatch.setattr(gemm_wgrad_fp8, "grouped_wgrad_fp8", wgrad_fp8)
+    monkeypatch.setattr(expert_backward, "wgrad", wgrad)
+    monkeypatch.setattr(token_ops, "gather_rows", token_ops.gather_rows_ref)
+    monkeypatch.setattr(expert_backward, "FP8_WGRAD_MIN_INTER", 0)
+    monkeypatch.setattr(expert_backward, "FP8_WGRAD_MIN_ROWS", 0)
+    T, H, I, E, rows = 77, 128, 128, 2, 384
+    x = _wide_bf16(gen, T, H, zero_groups=False)
+    idx = torch.randint(0, T, (rows,), generator=gen, dtype=torch.int32)
+    idx[::7] = -1
+    idx[5] = T  # past the end: a zero row
+    offsets = torch.tensor([0, 256, 384], dtype=torch.int32)
+    d_pre = _wide_bf16(gen, rows, 2 * I, zero_groups=False)
+    hw, d_rows = _wide_bf16(gen, rows, I), _wide_bf16(gen, rows, H)
+    w_gate, w_down = torch.zeros(E, I, H, dtype=bf16), torch.zeros(E, H, I, dtype=bf16)
+    x_rows = token_ops.gather_rows_ref(x, idx)
+    for use_fp8 in (True, False):
+        calls.clear()
+        args = (d_pre, hw, d_rows)
+        tail = (w_gate, w_down, offsets, True, True, use_fp8, 4096.0)
+        got = expert_backward._weight_grads(*args, x, *tail, x_row_index=idx)
+        if use_fp8:  # the source rows and the index reach the column quantizer
+            assert calls[0][0] is x and calls[0][1] is idx
+        else:  # the bf16 GEMM reads the gathered rows
+            assert torch.equal(calls[0][0], x_rows)
+        want = expert_backward._weight_grads(*args, x_rows, *tail)
+        for g, w in zip(got, want):
+            assert g.dtype == bf16 and torch.equal(g, w)
 
 
 # ------------------------------------------------------------------ kernels vs reference (GPU)
@@ -584,6 +680,96 @@ def test_quantize_cols_per_expert_kernel_is_bitwise_the_reference(gen, counts, k
         assert (_bytes(q[:, live:].contiguous()) == _bytes(_poison((k, m - live), e4m3))).all()
         runs.append((_bytes(q).clone(), e.clone()))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def _row_index(gen, rows: int, t: int) -> torch.Tensor:
+    """int32 [rows]: tokens of x [t, K] drawn with repeats (a token on several rows), every
+    7th row padding (-1) and a few indices outside [0, t): past the end, far past, negative."""
+    idx = torch.randint(0, max(t, 1), (rows,), generator=gen, dtype=torch.int32)
+    idx[::7] = -1
+    for r, v in zip((3, 130, rows - 2), (t, t + 1000, -5)):
+        if r < rows:
+            idx[r] = v
+    idx[1:rows:11] = 2 ** 31 - 1
+    return idx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,k,t", [([128, 0, 384], 72, 300), ([1024, 128, 0, 256], 2048, 77),
+                                        ([0, 128], 8, 1), ([128] * 9, 1032, 1000),
+                                        ([256, 128], 128, 0)])
+def test_quantize_cols_per_expert_gather_is_bitwise_the_reference_on_gathered_rows(gen, counts, k, t):
+    """row_index: the bits of ``fp8.quantize_cols_per_expert(gather_rows_ref(x, row_index))``
+    with x [T, K] read in place: T not a multiple of 128 (and 0: every row a zero row), padding
+    rows, indices past the end, tokens on several rows, an empty expert, a hot expert, K not
+    a multiple of the 32-column strip, a NaN column; rows past the last expert untouched (the
+    poison stays); a repeat gives the same bits."""
+    from mok_cute.kernels import quantize, token_ops
+
+    m = sum(counts) + 128  # one group past the last expert
+    x = _wide_bf16(gen, t, k, zero_groups=False)
+    if t >= 1 and k >= 6:
+        x = _edge_rows(x.t().contiguous()).t().contiguous()
+        x[t // 2, k - 1] = float("nan")
+    idx = _row_index(gen, m, t)
+    offsets = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+    want_q, want_e = fp8.quantize_cols_per_expert(token_ops.gather_rows_ref(x, idx), offsets)
+    xd, od, idd = x.cuda(), offsets.cuda(), idx.cuda()
+    live = int(offsets[-1])
+    runs = []
+    for _ in range(2):
+        q, e = _poison((k, m), e4m3), _poison((len(counts), k), torch.int8)
+        got = quantize.quantize_cols_per_expert(xd, od, len(counts), out=q, scale_out=e, row_index=idd)
+        torch.cuda.synchronize()
+        assert got[0] is q and got[1] is e
+        what = f"{counts} k={k} t={t}"
+        _assert_same(q[:, :live].contiguous(), want_q[:, :live].contiguous(), f"qt {what}")
+        _assert_same(e, want_e, f"e {what}")
+        assert (_bytes(q[:, live:].contiguous()) == _bytes(_poison((k, m - live), e4m3))).all()
+        runs.append((_bytes(q).clone(), e.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    if t:  # the path it replaces: the gathered bf16 copy, quantized
+        q2, e2 = quantize.quantize_cols_per_expert(token_ops.gather_rows(xd, idd), od, len(counts))
+        _assert_same(q2[:, :live].contiguous(), want_q[:, :live].contiguous(), "qt of gather_rows")
+        _assert_same(e2, want_e, "e of gather_rows")
+
+
+@pytest.mark.gpu
+def test_quantize_cols_per_expert_row_index_on_the_device():
+    from mok_cute.kernels import quantize
+
+    x = torch.zeros(77, 64, dtype=bf16, device="cuda")
+    offsets = torch.tensor([0, 128], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="row_index: expected a contiguous, 16-byte aligned tensor on cuda"):
+        quantize.quantize_cols_per_expert(x, offsets, 1, row_index=torch.zeros(128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="row_index: expected a contiguous, 16-byte aligned"):
+        quantize.quantize_cols_per_expert(
+            x, offsets, 1, row_index=torch.zeros(129, dtype=torch.int32, device="cuda")[1:])
+
+
+@pytest.mark.gpu
+def test_fp8_weight_grads_through_the_row_index_are_the_gathered_rows_bits(gen):
+    """``_weight_grads_fp8`` on the GPU kernels: x quantized through the row index gives the
+    bits of x's gathered rows (``moe_backward``'s FP8 weight gradients without the gather)."""
+    from mok_cute import expert_backward
+    from mok_cute.kernels import token_ops
+
+    T, H, I, rows = 300, 256, 128, 1024
+    counts = [512, 0, 384]  # an empty expert; 128 rows past the last
+    offsets = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32).cuda()
+    x = _wide_bf16(gen, T, H, zero_groups=False).cuda()
+    idx = _row_index(gen, rows, T).cuda()
+    d_pre = (torch.randn(rows, 2 * I, generator=gen) * 0.1).to(bf16).cuda()
+    hw, d_rows = (torch.randn(rows, I, generator=gen).to(bf16).cuda(),
+                  torch.randn(rows, H, generator=gen).to(bf16).cuda())
+    args = (d_pre, hw, d_rows)
+    want = expert_backward._weight_grads_fp8(*args, token_ops.gather_rows(x, idx), offsets,
+                                             len(counts), I, True, True)
+    for _ in range(2):
+        got = expert_backward._weight_grads_fp8(*args, x, offsets, len(counts), I, True, True,
+                                                x_row_index=idx)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
 
 
 @pytest.mark.gpu

@@ -333,24 +333,33 @@ class QuantizeColsPerExpert(QuantizeCols):
     """One scale per column and expert, written transposed: a warp per (expert, 32-column
     strip) walks the expert's 128-row groups twice, first for the columns' amax, then to
     quantize, with ``QuantizeCols``' 128 x 32 tiles; rows outside every expert are not
-    written."""
+    written.
+
+    :param gather: read row r of the tile from row ``row_index[r]`` of x (a zero row where
+        that is outside ``[0, T)``): the quantization of ``gather_rows(x, row_index)`` without
+        the gathered bf16 copy (the FP8 weight gradients' x rows)."""
+
+    def __init__(self, num_warps: int = 4, gather: bool = False):
+        super().__init__(num_warps=num_warps)
+        self.gather = bool(gather)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
-                 mOffsets: cute.Tensor, stream):
+                 mOffsets: cute.Tensor, mRowIndex: Optional[cute.Tensor], stream):
         """mX (M, K/2) int32 (bf16 pairs), mQ (K, M/4) int32 (e4m3 quads), mE (E, K) int8,
-        mOffsets (E + 1,) int32 the experts' first rows (multiples of 128)."""
+        mOffsets (E + 1,) int32 the experts' first rows (multiples of 128); with ``gather``
+        mRowIndex (M,) int32 (16-byte aligned) and mX (T, K/2) for any T, else None."""
         self._setup_attributes()
         k_vecs = mQ.shape[0] // 8
         k_tiles = (mQ.shape[0] + self.TILE_K - 1) // self.TILE_K
         units = mE.shape[0] * k_tiles
         grid_x = (units + self.num_warps - 1) // self.num_warps
-        self.kernel(mX, mQ, mE, mOffsets, units, k_tiles, k_vecs).launch(
+        self.kernel(mX, mQ, mE, mOffsets, mRowIndex, units, k_tiles, k_vecs).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor, mOffsets: cute.Tensor,
-               units: Int32, k_tiles: Int32, k_vecs: Int32):
+               mRowIndex: Optional[cute.Tensor], units: Int32, k_tiles: Int32, k_vecs: Int32):
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tr, tc = _ColumnTile.lane_coords()
@@ -365,11 +374,14 @@ class QuantizeColsPerExpert(QuantizeCols):
             g1 = mOffsets[expert + 1] // GROUP
         gX = cute.flat_divide(mX, (1, 4))  # (1, 4, M, K/8)
         gQ = cute.flat_divide(mQ, (1, 4))  # (1, 4, K, M/16)
+        gIndex = None
+        if const_expr(self.gather):
+            gIndex = cute.flat_divide(mRowIndex, (4,))  # (4, M/4): four rows' sources
         words = cute.make_rmem_tensor((4, _ColumnTile.ROWS_PER_LANE), Int32)
         amax = cute.make_rmem_tensor((8,), Int32)
         amax.fill(0)
         for g in cutlass.range(g0, g1, unroll=1):  # the columns' amax over the expert's rows
-            self._load(gX, g, tr, kv, valid, words)
+            self._load(gX, gIndex, g, tr, kv, valid, words)
             for c in cutlass.range_constexpr(8):
                 amax[c] = cutlass.max(amax[c], _ColumnTile.column_amax(words, c))
         mult = cute.make_rmem_tensor((8,), Int32)
@@ -380,18 +392,41 @@ class QuantizeColsPerExpert(QuantizeCols):
                 mE[expert, kv * 8 + c] = Int8(e)
         out = cute.make_rmem_tensor((4,), Int32)
         for g in cutlass.range(g0, g1, unroll=1):  # quantize with the expert's column scales
-            self._load(gX, g, tr, kv, valid, words)
+            self._load(gX, gIndex, g, tr, kv, valid, words)
             for c in cutlass.range_constexpr(8):
                 _ColumnTile.column_quads(words, c, mult[c], nonfinite[c], out)
                 if valid:
                     cute.copy(_copy_atom(Int32, 128), out, gQ[0, None, kv * 8 + c, g * 8 + tr])
 
     @cute.jit
-    def _load(self, gX: cute.Tensor, g: Int32, tr: Int32, kv: Int32, valid, words: cute.Tensor):
-        """This lane's 16 rows of group ``g`` (zeros where not ``valid``)."""
+    def _load(self, gX: cute.Tensor, gIndex: Optional[cute.Tensor], g: Int32, tr: Int32,
+              kv: Int32, valid, words: cute.Tensor):
+        """This lane's 16 rows of group ``g`` (zeros where not ``valid``); with ``gather``
+        through the row index ``gIndex``."""
         words.fill(0)
         if valid:
-            _ColumnTile.load(gX, g * GROUP, tr, kv, words)
+            if const_expr(self.gather):
+                self._load_indexed(gX, gIndex, g * GROUP, tr, kv, words)
+            else:
+                _ColumnTile.load(gX, g * GROUP, tr, kv, words)
+
+    @cute.jit
+    def _load_indexed(self, gX: cute.Tensor, gIndex: cute.Tensor, first_row: Int32, tr: Int32,
+                      kv: Int32, words: cute.Tensor):
+        """``_ColumnTile.load`` through the row index: this lane's 16 rows r (from
+        ``first_row + 16 tr``) read row ``index[r]`` of x, a zero row where that is outside
+        ``[0, T)`` (``words`` holds zeros). ``gIndex`` is the index as (4, M/4) int32: a row's
+        source is looked up once per group (a pass), four rows to a 128-bit load (the four
+        lanes of a tr read the same 64 bytes), then the 16 predicated row loads."""
+        num_src = gX.shape[2]
+        src = cute.make_rmem_tensor((4,), Int32)
+        quad0 = (first_row + tr * _ColumnTile.ROWS_PER_LANE) // 4
+        for j in cutlass.range_constexpr(_ColumnTile.ROWS_PER_LANE // 4):
+            cute.copy(_copy_atom(Int32, 128), gIndex[None, quad0 + j], src)
+            for r in cutlass.range_constexpr(4):
+                if src[r] >= 0 and src[r] < num_src:
+                    cute.copy(_copy_atom(Int32, 128), gX[0, None, src[r], kv],
+                              words[None, 4 * j + r])
 
 
 class QuantizeBlocks:
@@ -504,13 +539,15 @@ def compile_quantize_cols(arch: str = "sm_90a", *, options: str = "", num_warps:
 
 
 def compile_quantize_cols_per_expert(arch: str = "sm_90a", *, options: str = "",
-                                     num_warps: int = 4):
+                                     num_warps: int = 4, gather: bool = False):
     """Compile ``QuantizeColsPerExpert`` on fake tensors: M (a multiple of 128), K (of 8) and
-    the expert count at run time."""
+    the expert count at run time; ``gather``: x's row count T (any) too, and the int32 row
+    index [M] (16-byte aligned)."""
     m, k = cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=8)
-    args = (_fake_words(m, 4), _fake_words(k, GROUP // 4),
-            _fake_exponents(cute.sym_int32(), k), common.fake_vector(Int32))
-    return _compile(QuantizeColsPerExpert(num_warps=num_warps), args, arch, options)
+    args = (_fake_words(cute.sym_int32() if gather else m, 4), _fake_words(k, GROUP // 4),
+            _fake_exponents(cute.sym_int32(), k), common.fake_vector(Int32),
+            common.fake_vector(Int32, m, align_bytes=16) if gather else None)
+    return _compile(QuantizeColsPerExpert(num_warps=num_warps, gather=gather), args, arch, options)
 
 
 def compile_quantize_blocks(arch: str = "sm_90a", *, options: str = "", write_q: bool = True,
@@ -662,27 +699,47 @@ def quantize_cols(x: torch.Tensor, out: torch.Tensor | None = None,
 
 def quantize_cols_per_expert(x: torch.Tensor, offsets: torch.Tensor, num_experts: int,
                              out: torch.Tensor | None = None,
-                             scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             scale_out: torch.Tensor | None = None,
+                             row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8.quantize_cols_per_expert`` on the GPU: ``x [M, K]`` bf16 (M % 128 == 0,
     K % 8 == 0), ``offsets [E + 1]`` int32 on x's device (the experts' first rows, multiples
     of 128, at most M: not checked, no host sync) -> ``(qt [K, M] float8_e4m3fn, e [E, K]
     int8)``, bitwise the reference inside the experts' rows (rows outside them are not
-    written)."""
+    written).
+
+    ``row_index``: int32 ``[M]`` on x's device (M % 128 == 0, 16-byte aligned), x then
+    ``[T, K]`` for any T: the output is that of ``token_ops.gather_rows_ref(x, row_index)``
+    (a zero row where ``row_index[r]`` is outside ``[0, T)``), each row read from x in place
+    (no gathered bf16 copy)."""
     _check_bf16("x", x, 2)
-    _multiple("x", x, 0, "M", GROUP)
+    if row_index is None:
+        _multiple("x", x, 0, "M", GROUP)
     _multiple("x", x, 1, "K", 8)
+    if row_index is not None:
+        if (not isinstance(row_index, torch.Tensor) or row_index.dtype != torch.int32
+                or row_index.dim() != 1 or row_index.shape[0] % GROUP):
+            raise ValueError(f"row_index: expected a 1-D int32 tensor [M] with M a multiple of "
+                             f"{GROUP} (the output's rows), got {describe(row_index)}")
+        if (row_index.device != x.device or not row_index.is_contiguous()
+                or row_index.data_ptr() % 16):
+            raise ValueError(f"row_index: expected a contiguous, 16-byte aligned tensor on "
+                             f"{x.device} (x's device), got {describe(row_index)} at address "
+                             f"0x{row_index.data_ptr():x}")
     _check_device("x", x)
     check_int("num_experts", num_experts, min_value=1)
     if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32
             or tuple(offsets.shape) != (num_experts + 1,) or offsets.device != x.device):
         raise ValueError(f"offsets: expected int32 [{num_experts + 1}] on {x.device}, got "
                          f"{describe(offsets)}")
-    m, k = x.shape
+    k = x.shape[1]
+    m = x.shape[0] if row_index is None else row_index.shape[0]
     q = _out("out", out, (k, m), torch.float8_e4m3fn, x.device)
     e = _out("scale_out", scale_out, (num_experts, k), torch.int8, x.device)
     if m and k:
-        compiled = jit.compile_kernel("quantize_cols_per_expert", jit.device_arch(x.device))
-        compiled(_words(x), _bytes(q), e, offsets)
+        gather = row_index is not None
+        compiled = jit.compile_kernel("quantize_cols_per_expert", jit.device_arch(x.device),
+                                      gather=gather)
+        compiled(_words(x), _bytes(q), e, offsets, row_index)
     return q, e
 
 
