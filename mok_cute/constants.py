@@ -54,24 +54,24 @@ SCALAR_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}  # host-side wr
 # cause outranks the waits that gave up behind it.
 ERROR_PEER_SHIFT, ERROR_RANK_SHIFT, ERROR_CODE_SHIFT = 32, 44, 56
 ERROR_RANK_MASK = (1 << 12) - 1
-PEER_FAILED = 1  # the peer's BARRIER flag said its own launch had an error in this call
+PEER_FAILED = 1  # the peer's launch of this call (or of a later one) had an error
 WAIT_TIMEOUT = 2  # a wait passed its deadline (the peer had started this launch)
 PEER_NEVER_STARTED = 3  # ... and the peer never announced its start
 
-# Cross-rank flag values of call ``epoch`` (``FLAG_STEPS`` per call, so a flag only grows):
-# start, then "my combines into you are done" with or without an error in my launch.
-FLAG_STEPS = 3
+# Cross-rank flags: every rank's symmetric ``barrier_flags`` holds 2R int32 words, written only
+# by their rank s. Word s is s's progress in call ``epoch`` (``FLAG_STEPS`` values per call, so
+# it only grows): started, then "my pushes into you are done". Word R + s is the last epoch in
+# which s's launch failed. It is sticky: s's next call overwrites the progress word, and a
+# slower peer still in the failed call, whose waits that next call's flags satisfy, reads the
+# failure here (``kernels.common.store_flag`` / ``peer_failed``).
+FLAG_STEPS = 2
 
 
 def flag_started(epoch):
-    return FLAG_STEPS * epoch - 2
-
-
-def flag_done(epoch):
     return FLAG_STEPS * epoch - 1
 
 
-def flag_failed(epoch):
+def flag_done(epoch):
     return FLAG_STEPS * epoch
 
 

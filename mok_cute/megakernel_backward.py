@@ -165,6 +165,18 @@ def fc2_head(tl, queue) -> int:
     return count
 
 
+def ksum_head(tl, comm_queue) -> int:
+    """The comm queue position of its first KSUM (its length without any): from there the
+    KSUMs go by ticket (``backward_tail``), so none may come before a task of another kind."""
+    from mok_cute import tasks_backward as tb
+
+    is_ksum = [tl[int(i)].type == tb.BackwardTaskType.KSUM for i in comm_queue]
+    begin = len(is_ksum) - sum(is_ksum)
+    if any(is_ksum[:begin]):
+        raise AssertionError("KSUM tasks must close the backward megakernel's comm queue")
+    return begin
+
+
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
                   device, comm=False, tail_tokens=0, top_k=1) -> DgradTables:
     from mok_cute import tasks_backward as tb
@@ -178,16 +190,17 @@ def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_
     as_i32 = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int32), device=device)  # noqa: E731
     comm_queue = tb.queue_tables(tl, kinds=kinds)[0][int(tb.Role.COMM)]
     comm_queue = comm_queue[comm_queue >= 0]
+    ksum_begin = ksum_head(tl, comm_queue)
     return DgradTables(
         tasks=tb.encode_backward(tl).to(device),
         queue=as_i32(queue),
         live_len=as_i32(live_len),
         counter_offsets=as_i32(offsets),
-        # the task counters, then the weight gradients' ticket counter
-        counters=torch.zeros(int(offsets[-1]) + 1, dtype=torch.int32, device=device),
+        # the task counters, then the weight gradients' ticket counter, the KSUMs'
+        counters=torch.zeros(int(offsets[-1]) + 2, dtype=torch.int32, device=device),
         error=torch.zeros(1, dtype=torch.int64, device=device),
-        scalars=torch.tensor([int(timeout_ms * 1e6), per_mb, tail_begin, queue_len, fc2_count],
-                             dtype=torch.int64, device=device),
+        scalars=torch.tensor([int(timeout_ms * 1e6), per_mb, tail_begin, queue_len, fc2_count,
+                              ksum_begin], dtype=torch.int64, device=device),
         comm_queue=as_i32(comm_queue if comm_queue.size else [-1]))
 
 

@@ -60,9 +60,11 @@ the FC1_DGRAD tiles of m (which so find their dG | dU done), each block rasteris
 gradient expert by expert (so the last pushes and the group barrier run under them), the
 shared expert's weight gradients. Comm: each tile's pulls at the start of the
 minibatch before its own (one minibatch of lookahead), its pushes once its FC1_DGRAD tiles
-are done, re-pulls of x during the last minibatch's dgrads, the BARRIER, then the KSUMs (the
-comm CTAs are free by then, so the k-sums run under the weight gradients; without comm tasks
-the BARRIER and the KSUMs close the compute queue).
+are done, re-pulls of x during the last minibatch's dgrads, the BARRIER, then the KSUMs (they
+close the comm queue; the backward megakernel's group tail hands them out by one ticket to
+whichever CTA is free, comm CTAs past their static walk and compute CTAs past their weight
+gradients, while the simulator still costs them on the comm SMs; without comm tasks the
+BARRIER and the KSUMs close the compute queue).
 Both queues are merged by that estimated ready time, measured in cumulative compute FLOPs.
 
 Two forms. ``build_backward_task_list`` builds from the actual tile -> expert table (the

@@ -112,7 +112,7 @@ def test_moe_symmetric_layout():
     assert (x.shape, x.dtype, x.offset) == ((T, H), torch.bfloat16, 0)
     assert (combine.shape, combine.dtype) == ((T * K, H), torch.bfloat16)
     assert combine.offset == -(-T * H * 2 // 128) * 128
-    assert (flags.shape, flags.dtype) == ((R,), torch.int32)
+    assert (flags.shape, flags.dtype) == ((2 * R,), torch.int32)  # progress, sticky failed
     assert done.offset % 128 == 0 and done.offset >= flags.end
     with pytest.raises(ValueError, match="top_k"):
         moe_symmetric_layout(T, H, 0, R)
@@ -278,7 +278,7 @@ def test_barrier_flag_words():
             word = ctypes.c_int32(7 + s)
             ctypes.memmove(spec.flag_address(table, dst, s), ctypes.addressof(word), 4)
     for dst in range(R):
-        assert peers.view(dst, BARRIER_FIELD).tolist() == [7 + s for s in range(R)]
+        assert peers.view(dst, BARRIER_FIELD).tolist() == [7 + s for s in range(R)] + [0] * R
     with pytest.raises(ValueError, match="src_rank"):
         spec.word_offset(R)
     with pytest.raises(ValueError, match="dst_rank"):

@@ -374,12 +374,13 @@ def test_a_silent_rank_in_the_backward_raises_peer_timeout_naming_it():
     mok.check_errors()
 
 
-def _one_rank_tail(leaves, idx, saved, d_out, rank, silent_peer=-1):
+def _one_rank_tail(leaves, idx, saved, d_out, rank, silent_peer=-1, failed_peer=-1):
     """Rank ``rank``'s backward alone over a virtual group's buffers with the group tail, its
     peers' pushes in place (a whole group call just made them) and their flags set by hand to
-    this call's "done" (all but ``silent_peer``'s): (d_x, d_topk, dW_gate, dW_up, dW_down)."""
+    this call's "done" (all but ``silent_peer``'s). ``failed_peer``'s flag says instead that
+    it failed this call and has started its next one: (d_x, d_topk, dW_gate, dW_up, dW_down)."""
     from mok_cute import megakernel_backward as mb
-    from mok_cute.constants import SCALAR_INDEX, flag_done
+    from mok_cute.constants import SCALAR_INDEX, flag_done, flag_started
     from mok_cute.expert_backward import shared_backward_ranks
 
     xs, w, wg, wu, wd, *sh = (t.detach() for t in leaves)
@@ -390,9 +391,13 @@ def _one_rank_tail(leaves, idx, saved, d_out, rank, silent_peer=-1):
     scalars[SCALAR_INDEX["rank_base"]] = rank  # the launch's rank: rank of the group
     epoch = int(scalars[SCALAR_INDEX["epoch"]].item())
     flags = plan.side.fields("barrier_flags")[rank]
-    for p in range(flags.shape[0]):
+    R = flags.shape[0] // 2  # progress words, then the sticky failed epochs
+    for p in range(R):
         if p not in (rank, silent_peer):
             flags[p] = flag_done(epoch)
+    if failed_peer >= 0:
+        flags[failed_peer] = flag_started(epoch + 1)
+        flags[R + failed_peer] = epoch
     shared_dx = shared_backward_ranks(d_out, xs, tuple(sh) or None, saved.shared_preact)[0][rank]
     peers = mb.PeerRows(plan.peer_bases[rank], sched.row_peer[rank], sched.row_token[rank],
                         sched.row_k[rank], mb.comm_scalars(plan.side.layout, K, xs.device))
@@ -414,8 +419,9 @@ def test_one_ranks_launch_with_the_group_tail_gives_its_group_gradients(name):
     """Each rank's launch with the group tail (its barriers and k-sums inside), run alone on
     a virtual group's buffers after a whole group call: d_x, d_topk_weights and the weight
     gradients bitwise that call's for the rank. With a peer that never flags, the launch
-    names it (code PEER_NEVER_STARTED) and writes NaN, never a plausible gradient."""
-    from mok_cute.constants import PEER_NEVER_STARTED
+    names it (code PEER_NEVER_STARTED) and writes NaN, never a plausible gradient; so with a
+    peer that failed this call and has started its next (PEER_FAILED, its sticky word)."""
+    from mok_cute.constants import PEER_FAILED, PEER_NEVER_STARTED
     from mok_cute.errors import decode_wait_error
 
     leaves, idx, saved, d_out = _saved_problem(name, seed=7, timeout_ms=300.0)
@@ -436,6 +442,20 @@ def test_one_ranks_launch_with_the_group_tail_gives_its_group_gradients(name):
     assert (peer, code) == (R - 1, PEER_NEVER_STARTED)
     assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all()
     saved.plan.backward_error.zero_()
+    # a peer that failed this call and went on to its next: its progress word passes every
+    # wait, and only its sticky failed word tells; an older failure of it does not count
+    flags = saved.plan.side.fields("barrier_flags")[0]
+    got = _one_rank_tail(leaves, idx, saved, d_out, 0, failed_peer=R - 1)
+    torch.cuda.synchronize()
+    _, peer, _, code = decode_wait_error(int(saved.plan.backward_error.item()))
+    assert (peer, code) == (R - 1, PEER_FAILED)
+    assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all()
+    saved.plan.backward_error.zero_()
+    got = _one_rank_tail(leaves, idx, saved, d_out, 0)  # the sticky word holds an old epoch
+    torch.cuda.synchronize()
+    assert int(flags[R + R - 1].item()) > 0 and int(saved.plan.backward_error.item()) == 0
+    want = [whole[0][0], whole[1][0], *(g[0] for g in whole[2:5])]
+    _assert_bitwise([got[0], got[1].to(want[1].dtype), *got[2:]], want, f"{name}: after a failure")
 
 
 def _ipc_setup(rank, seed, wait_ns, case="R2_shared_skew"):

@@ -1,8 +1,9 @@
 """One-off timing probe (CUDA events, interleaved rounds): the expert weight gradients in bf16
 (``expert_backward.wgrad``) against FP8 (``gemm_wgrad_fp8``: A = dG, dU, d_out by
 ``quantize_cols``, B = x, w * h by ``fp8.quantize_cols_per_expert``, untimed), each
-column-quantization pass timed on its own, with its bytes against the HBM ceiling; the FP8
-kernel checked against its float64 oracle on two experts first. Shapes: uniform routing of a
+column-quantization pass timed on its own, with its bytes against the HBM ceiling, and x's
+pass as the backward runs it (through the row index, x read in place) against the bf16 row
+gather then the pass; the FP8 kernel checked against its float64 oracle on two experts first. Shapes: uniform routing of a
 bench shape (E experts of T * K / E rows each); H and I multiples of 128.
 
     python tools/fp8_wgrad_probe.py [--shapes dsv3_ep8_rank,qwen3_30b] [--json out.json]
@@ -16,7 +17,8 @@ import triton.testing as tt
 from mok_cute.expert_backward import wgrad
 from mok_cute import fp8
 from mok_cute.kernels.gemm_wgrad_fp8 import grouped_wgrad_fp8, grouped_wgrad_fp8_ref
-from mok_cute.kernels.quantize import quantize_cols
+from mok_cute.kernels import token_ops
+from mok_cute.kernels.quantize import quantize_cols, quantize_cols_per_expert
 from mok_cute.shapes import resolve_shape
 from layer_profile import fp8_weight_grads_forced  # tools/ is on sys.path as a script
 
@@ -95,6 +97,19 @@ for name in args.shapes.split(","):
         "fp8 wgrad down": (lambda: grouped_wgrad_fp8(q["dy"][0], q["dy"][1], q["hw"][0],
                                                      q["hw"][1], offsets, E), gate_flops // 2),
     }
+    # x's pass in the backward: each token's row on K schedule rows, in a random order
+    x_src = bf(s.tokens, H)
+    row_index = (torch.randperm(rows, device="cuda") // s.top_k).to(torch.int32)
+    gathered = quantize_cols_per_expert(token_ops.gather_rows(x_src, row_index), offsets, E)
+    direct = quantize_cols_per_expert(x_src, offsets, E, row_index=row_index)
+    assert all(torch.equal(a.view(torch.int8), b.view(torch.int8))
+               for a, b in zip(gathered, direct)), "x's pass through the row index"
+    x_bytes = rows * H * 2 + rows * H + E * H  # x rows read once, e4m3 and exponents written
+    runs["x cols: gather rows, then per expert"] = (
+        lambda: quantize_cols_per_expert(token_ops.gather_rows(x_src, row_index), offsets, E),
+        -x_bytes)
+    runs["x cols: per expert through the row index"] = (
+        lambda: quantize_cols_per_expert(x_src, offsets, E, row_index=row_index), -x_bytes)
     if args.layer:
         runs.update(layer_runs(name))
     for k, v in dict(dg=dg, x=x).items():  # dU, dy and hw are the same shapes as dG, x

@@ -158,7 +158,7 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
     def next_call():
         plan.begin_backward()
         epoch[0] += 1
-        flags[1:].fill_(flag_done(epoch[0]))  # the peers: started and done
+        flags[1:ranks].fill_(flag_done(epoch[0]))  # the peers: started and done
 
     def with_tail(comm_ctas):
         next_call()

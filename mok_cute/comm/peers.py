@@ -11,7 +11,7 @@ Default layout of the MoE layer (`moe_symmetric_layout`), per rank::
 
     x              [T_max, H]      bf16   this rank's tokens; peers pull (dispatch) from it
     combine        [T_max*K, H]    bf16   peers push expert output rows at slot token*K + k
-    barrier_flags  [R]             int32  unicast group barrier, see `BarrierSpec`
+    barrier_flags  [2R]            int32  unicast group barrier, see `BarrierSpec`
 
 Each field starts at a multiple of ``align`` (128 bytes: one L2 line, and 16-byte vector and
 TMA alignment are implied), and the buffer size is a multiple of ``align`` too, so buffers
@@ -198,7 +198,7 @@ def moe_symmetric_layout(
     fields = [
         ("x", (max_tokens, hidden), torch.bfloat16),
         ("combine", (max_tokens * top_k, hidden), torch.bfloat16),
-        (BARRIER_FIELD, (num_ranks,), torch.int32),
+        (BARRIER_FIELD, (2 * num_ranks,), torch.int32),
     ]
     if training:
         fields += [("d_out", (max_tokens, hidden), torch.bfloat16),
@@ -212,8 +212,9 @@ def moe_symmetric_layout(
 class BarrierSpec:
     """Host-side description of the unicast group barrier (no NVLink multicast).
 
-    Each rank's buffer holds ``num_ranks`` int32 flags at byte ``offset``; flag ``s`` of rank
-    ``p`` is written only by rank ``s``. Barrier number ``epoch`` (int32, >= 1, increasing by one
+    Each rank's buffer holds ``num_ranks`` int32 flags at byte ``offset`` (the MoE layout adds
+    ``num_ranks`` sticky failed epochs after them, ``constants``); flag ``s`` of rank ``p`` is
+    written only by rank ``s``. Barrier number ``epoch`` (int32, >= 1, increasing by one
     per barrier; the buffers start zeroed and are never reset, so no reset can race a fast peer's
     next write):
 

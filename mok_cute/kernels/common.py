@@ -36,6 +36,7 @@ class NamedBarriers(enum.IntEnum):
     PRODUCER = 4  # the producer warpgroup of a megakernel compute CTA (local_direct)
     MMA_ORDER = 5  # pingpong GEMM: warpgroup w waits on MMA_ORDER + w for its mainloop turn (5, 6)
     FORM_SWITCH = 7  # backward megakernel: consumer warpgroups between tasks of two tile forms
+    TAIL_KSUM = 8  # backward megakernel: a compute CTA's consumer warps on k-sum tickets
 
 
 @cute.jit
@@ -189,6 +190,35 @@ def wait_counter(counter: cute.Tensor, index, target, timeout_ns: Int64, error: 
                     done = True  # the caller sees the error word
     # no load after the spin: an acquire round trip per wait that nobody needed
     return reached
+
+
+# ---------------------------------------------------------------------- cross-rank flags
+@cute.jit
+def flags_at(address: Int64, num_ranks) -> cute.Tensor:
+    """The ``barrier_flags`` of one rank's symmetric buffer at ``address``: 2R int32 words
+    (``constants``: progress words, then the sticky failed epochs)."""
+    return cute.make_tensor(cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=4),
+                            cute.make_layout(2 * num_ranks))
+
+
+@cute.jit
+def store_flag(flags: cute.Tensor, rank, value, failed_epoch, scope: cutlass.Constexpr[str]):
+    """Rank ``rank``'s progress ``value`` into a peer's ``flags``; when ``failed_epoch`` > 0
+    (this launch failed) that epoch first into the rank's sticky word. The progress word's
+    release store publishes both: a peer that acquires it, or any later value, sees the
+    failure."""
+    if failed_epoch > 0:
+        cute.arch.store((flags.iterator + cute.size(flags) // 2 + rank).llvm_ptr,
+                        Int32(failed_epoch), sem="relaxed", scope=scope)
+    cute.arch.store((flags.iterator + rank).llvm_ptr, Int32(value), sem="release", scope=scope)
+
+
+@cute.jit
+def peer_failed(flags: cute.Tensor, peer, epoch, scope: cutlass.Constexpr[str]) -> cutlass.Boolean:
+    """After this rank acquired ``peer``'s progress word at call ``epoch``'s done value or
+    above: did ``peer``'s launch of this call fail (or of a later one, which only a broken
+    group reaches while this call runs)?"""
+    return counter_load(flags, cute.size(flags) // 2 + peer, scope) >= epoch
 
 
 # ---------------------------------------------------------------------- compile helpers

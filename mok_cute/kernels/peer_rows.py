@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from mok_cute import jit
-from mok_cute.constants import FLAG_STEPS, SCALAR_INDEX, SCALARS, VEC_ELEMS
+from mok_cute.constants import PEER_FAILED, SCALAR_INDEX, SCALARS, VEC_ELEMS, flag_started
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.comm_tasks import bf16_row, copy_row, zero_row
 # token_ops' pointer and stream helpers: one place for how a kernel entry takes torch tensors
@@ -73,10 +73,12 @@ class CopyRowsByAddress:
 
 
 class PeerBarrier:
-    """One CTA: flag value ``FLAG_STEPS * epoch - 2 + step`` (step 0: "started", 1: "done"
-    of ``constants.flag_started`` / ``flag_done``) from each of ``launch_ranks`` local ranks
-    to each of ``num_peers`` peers, then the waits; ``scope`` "sys" over IPC, "gpu" for
-    virtual ranks."""
+    """One CTA: flag value ``flag_started(epoch) + step`` (step 0: "started", 1: "done" of
+    ``constants.flag_started`` / ``flag_done``) from each of ``launch_ranks`` local ranks to
+    each of ``num_peers`` peers, then the waits; ``scope`` "sys" over IPC, "gpu" for virtual
+    ranks. Step 1 also carries failures both ways: a local rank whose call has an error in
+    ``error`` stores this epoch into its sticky failed word, and a peer whose sticky word
+    says so is recorded as PEER_FAILED (``common.store_flag`` / ``peer_failed``)."""
 
     def __init__(self, scope: str = "sys"):
         if scope not in ("sys", "gpu"):
@@ -103,8 +105,12 @@ class PeerBarrier:
         flags_offset = words[_FLAGS_OFFSET]
         timeout_ns = words[_TIMEOUT_NS]
         silent = Int32(words[_SILENT_RANK])
-        value = FLAG_STEPS * epoch - 2 + step
-        started = FLAG_STEPS * epoch - 2
+        started = flag_started(epoch)
+        value = started + step
+        failed_epoch = Int32(0)
+        if step == 1:
+            if common.error_recorded(error):
+                failed_epoch = epoch
         pairs = launch_ranks * num_peers
         # what this rank wrote before (the fields, earlier kernels of the stream) goes out first
         if cutlass.const_expr(self.scope == "sys"):
@@ -115,21 +121,21 @@ class PeerBarrier:
             rank = i // num_peers
             if rank_base + rank != silent:
                 flags = self._flags(bases, rank, i - rank * num_peers, flags_offset, num_peers)
-                cute.arch.store((flags.iterator + (rank_base + rank)).llvm_ptr, value,
-                                sem="release", scope=self.scope)
+                common.store_flag(flags, rank_base + rank, value, failed_epoch, self.scope)
         for i in cutlass.range(tidx, pairs, BARRIER_THREADS, unroll=1):
             rank = i // num_peers
             peer = i - rank * num_peers
             own = self._flags(bases, rank, rank_base + rank, flags_offset, num_peers)
             common.wait_counter(own, peer, value, timeout_ns, error, step, peer, rank,
                                 self.scope, started)
+            if step == 1:
+                if common.peer_failed(own, peer, epoch, self.scope):
+                    common.record_error(error, step, peer, rank, PEER_FAILED)
 
     @cute.jit
     def _flags(self, bases: cute.Tensor, rank, peer, flags_offset: Int64, num_peers: Int32):
         """The barrier flags inside ``peer``'s symmetric buffer, seen from local ``rank``."""
-        addr = bases[rank, peer] + flags_offset
-        return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem,
-                                              assumed_align=4), cute.make_layout(num_peers))
+        return common.flags_at(bases[rank, peer] + flags_offset, num_peers)
 
 
 # ---------------------------------------------------------------------- compile helpers

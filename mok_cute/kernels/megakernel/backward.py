@@ -49,8 +49,11 @@ publish is deferred past the next mainloop unless that task waits on the counter
 one signals (FC1_DGRAD after FC2_DGRAD); the dgated partials are fenced by a barrier of their
 threads before the publish (a comm CTA reads them).
 
-Not yet here (issue 32's build order, docs/architecture.md): the group barrier, the k-sum and
-the shared expert as tasks.
+With the group tail (``ksum_top_k``, one rank per process: ``backward_tail``) the comm CTAs also
+pass the group's barriers, and the k-sums go by ticket to whichever CTA is free, the compute
+CTAs' consumer warps once their weight-gradient tickets run out.
+
+Not yet here (issue 32's build order, docs/architecture.md): the shared expert as tasks.
 """
 
 from __future__ import annotations
@@ -72,15 +75,17 @@ from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongFor
                                                       Fc2PingpongTasksMixin)
 from mok_cute.kernels.megakernel.backward_tail import BackwardTailMixin, GroupTail
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
-from mok_cute.kernels.megakernel.scheduler import DECODED_WORDS, TICKET_SLOTS, ticket_ring_init
+from mok_cute.kernels.megakernel.scheduler import (DECODED_WORDS, TICKET_SLOTS, Context,
+                                                   ticket_ring_init)
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, BackwardTaskType,
                                      BackwardWord)
 
 # scalars int64: the wait bound, the minibatch size in M-tiles (the live prefix), the queue
 # position where the tail (weight gradients, by ticket) begins, the queue's length, its
-# FC2_DGRAD count (the pingpong phase's end)
-BACKWARD_SCALARS = 5
+# FC2_DGRAD count (the pingpong phase's end), the comm queue position where the KSUMs (by
+# ticket) begin
+BACKWARD_SCALARS = 6
 
 
 class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCommMixin,
@@ -186,6 +191,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         # the tail's ticket ring: slots, full / empty mbarriers
         extra["tail_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
         extra["tail_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
+        extra["ksum_ticket"] = cute.struct.MemRange[Int32, 1]  # the group tail's KSUM ticket
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
         peer_rows = PeerRows(comm_queue, row_peer, row_token, row_k, peer_bases, comm_scalars,
                              d_rows_plain, x_rows_plain, dx_rows_plain)
@@ -246,6 +252,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         fc2_end = cutlass.min(Int32(scalars[4]), self._live_len(queue_live_len, num_tiles, scalars))
         fc2_walk = (tasks, queue, num_tiles)
         first = Int32(cute.arch.block_idx()[0])
+        # the group tail's KSUMs by ticket: the idle B and A stages, the ticket's smem word
+        # (the comm queue position of the first KSUM is read where the tickets begin: nothing
+        # held through the mainloops)
+        ksum_args = ((storage.sB.data_ptr(), storage.sA.data_ptr()),
+                     cute.make_tensor(storage.ksum_ticket.data_ptr(), cute.make_layout(1)))
         compute_args = (walk_tables, fc2_end, fc2_walk, first, tile_expert, expert_offsets,
                         counter_offsets, counters, error, scalars, preact, row_slot, weights,
                         partials, fc2_ring, ab_pipeline, tiled_mma, sA, sB, sC, f_layouts,
@@ -253,14 +264,15 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                         (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu),
                         (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                         (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy, tma_whw,
-                         t_whw), (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd))
+                         t_whw), (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), peer_rows, tail,
+                        ksum_args)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         if const_expr(self.comm_ctas > 0):
             if first >= self.num_ctas:
                 self.backward_comm_loop(tasks, counter_offsets, counters, error, num_tiles,
                                         Int64(scalars[0]), expert_offsets, peer_rows, row_slot,
                                         weights, partials, tail,
-                                        (storage.sB.data_ptr(), storage.sA.data_ptr()), tidx)
+                                        (*ksum_args, Int32(scalars[5])), tidx)
             else:
                 self.compute_roles(*compute_args)
         else:
@@ -273,8 +285,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                       scalars: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, fc2_ring, ab_pipeline,
                       tiled_mma, sA, sB, sC, f_layouts, w_layouts, tail_ring, tidx: Int32,
-                      warp_idx: Int32, warpgroup_idx: Int32, loads, stores, w_loads, w_stores):
-        """A compute CTA: the load warp and the two consumer warpgroups."""
+                      warp_idx: Int32, warpgroup_idx: Int32, loads, stores, w_loads, w_stores,
+                      peer_rows: PeerRows, tail: GroupTail, ksum_args):
+        """A compute CTA: the load warp and the two consumer warpgroups (with the group
+        tail, the consumer warps then take KSUM tickets: ``backward_tail``)."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = loads
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         if warpgroup_idx == 0:
@@ -302,6 +316,15 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                tiled_mma, sA, sB, sC,
                                stores, w_stores, w_layouts,
                                t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring)
+            if const_expr(self.ksum_top_k > 0):
+                stage, ticket = ksum_args
+                sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.TAIL_KSUM),
+                                             num_threads=self.num_mma_threads)
+                self.tail_ksum_tickets(Context(tail.scalars), walk_tables[0], counter_offsets,
+                                       counters, error, Int64(scalars[0]), peer_rows, tail,
+                                       stage, ticket, Int32(scalars[5]),
+                                       tidx - self.threads_per_warpgroup, self.num_mma_threads,
+                                       sync)
 
     @cute.jit
     def _live_len(self, queue_live_len: cute.Tensor, num_tiles: cute.Tensor,

@@ -52,7 +52,6 @@ D_OUT_OFFSET, X_OFFSET, WEIGHTS_OFFSET, COMBINE_OFFSET, PARTIALS_OFFSET, TOP_K =
 _COMBINE = int(BackwardTaskType.REVERSE_COMBINE)
 _DISPATCH = int(BackwardTaskType.REVERSE_DISPATCH)
 _BARRIER = int(BackwardTaskType.BARRIER)
-_KSUM = int(BackwardTaskType.KSUM)
 
 
 class PeerRows(NamedTuple):
@@ -83,31 +82,40 @@ class BackwardCommMixin:
                            counters: cute.Tensor, error: cute.Tensor, num_tiles: cute.Tensor,
                            timeout_ns: Int64, expert_offsets: cute.Tensor, rows: PeerRows,
                            row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
-                           tail, stage, tidx: Int32):
-        """Every thread of a comm CTA: its tasks of the comm queue, in order (with the group
-        tail, ``backward_tail``: the peers' start awaited first, then BARRIER and KSUM tasks
-        too, the KSUMs staging through ``stage``, the CTA's idle B and A stages)."""
+                           tail, ksum_args, tidx: Int32):
+        """Every thread of a comm CTA: its tasks of the comm queue, in order. With the group
+        tail (``backward_tail``): the peers' start awaited first, BARRIER tasks too, and past
+        the static walk (which ends where the KSUMs begin) KSUMs by ticket, staged through
+        the CTA's idle B and A stages (``ksum_args``: the stages, the ticket's smem word, the
+        comm queue position of the first KSUM)."""
         sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
                                      num_threads=self.threads_per_cta)
         queue_len = cute.size(rows.comm_queue)
         pos = Int32(cute.arch.block_idx()[0]) - self.num_ctas
         if const_expr(self.ksum_top_k > 0):
+            stage, ticket, ksum_begin = ksum_args
             ctx = Context(tail.scalars)
             self.tail_start(ctx, rows.peer_bases, error, rows.comm_queue[0], tidx, sync)
+            # one loop for both walks (two loops made ptxas spill in the consumers' code)
             while pos < queue_len:
-                index = rows.comm_queue[pos]
-                ttype = tasks[index, int(BackwardWord.TYPE)]
-                if ttype == _BARRIER:
-                    self.tail_barrier(ctx, tasks, index, counter_offsets, counters, error,
-                                      num_tiles, timeout_ns, rows.peer_bases, tidx, sync)
-                elif ttype == _KSUM:
-                    self.tail_ksum(ctx, tasks, index, counter_offsets, counters, error,
-                                   timeout_ns, rows, tail, stage, tidx, sync)
+                if pos >= ksum_begin:  # the static walk is over: KSUMs by ticket
+                    pos = ksum_begin + self.ksum_ticket(counters, counter_offsets, ticket,
+                                                        tidx, sync)
+                    if pos < queue_len:
+                        self.tail_ksum(ctx, tasks, rows.comm_queue[pos], counter_offsets,
+                                       counters, error, timeout_ns, rows, tail, stage, tidx,
+                                       self.threads_per_cta, sync)
+                        pos = ksum_begin  # the next ticket
                 else:
-                    self._rows_task(tasks, index, counter_offsets, counters, error, num_tiles,
-                                    timeout_ns, expert_offsets, rows, row_slot, weights,
-                                    partials, tidx, sync)
-                pos += self.comm_ctas
+                    index = rows.comm_queue[pos]
+                    if tasks[index, int(BackwardWord.TYPE)] == _BARRIER:
+                        self.tail_barrier(ctx, tasks, index, counter_offsets, counters, error,
+                                          num_tiles, timeout_ns, rows.peer_bases, tidx, sync)
+                    else:
+                        self._rows_task(tasks, index, counter_offsets, counters, error,
+                                        num_tiles, timeout_ns, expert_offsets, rows, row_slot,
+                                        weights, partials, tidx, sync)
+                    pos += self.comm_ctas
         else:
             while pos < queue_len:
                 self._rows_task(tasks, rows.comm_queue[pos], counter_offsets, counters, error,

@@ -1,22 +1,25 @@
 """The backward megakernel's group tail (``BackwardMegakernelSm90(ksum_top_k > 0)``): for one
 rank of a group in its own process, the group's two barriers and the k-sums run inside the
-launch, on its comm CTAs, so the k-sums hide under the weight gradients.
+launch: the barriers on its comm CTAs, the k-sums on every CTA that is free.
 
     start        comm CTA 0 stores this call's start flag into every peer's buffer (its own
                  fields were copied before the launch); every comm CTA waits for every peer's
                  start flag before its first pull or push
     BARRIER      after every push (REVERSE_DISPATCH) and x re-pull (REPULL_X) of this rank:
-                 its done flag into every peer's buffer ("failed" when a wait of this launch
-                 gave up)
+                 its done flag into every peer's buffer (and this call's epoch into its
+                 sticky failed word when a wait of this launch gave up)
     KSUM (s, c)  tokens ``s * 128 + c * 32 ..``, once every peer's done flag is in:
                  d_x[t] = bf16(fp32(shared_dx[t]) + sum_k fp32(combine[t * K + k])), k
                  ascending, a slot routed nowhere adding zero (``token_ops.weighted_ksum``'s
                  arithmetic, ``k_sum_add``, with unit weights); d_topk[t, k] = the partial
-                 sum the slot's expert rank pushed, 0 for a slot routed nowhere
+                 sum the slot's expert rank pushed, 0 for a slot routed nowhere; by one
+                 ticket counter to whichever CTA is free (``tail_ksum_tickets``): the comm
+                 CTAs past their static walk, the compute CTAs past their weight gradients
 
 A peer that never starts or never finishes makes a wait give up (``common.wait_counter``:
-the first that does stops every other): this rank's KSUMs then write NaN and its done flag
-says "failed", so its peers' KSUMs write NaN too; the host raises ``PeerTimeoutError`` from
+the first that does stops every other): this rank's KSUMs then write NaN and its sticky word
+says "failed", so its peers' KSUMs write NaN too, even a slower peer whose waits this rank's
+next call's flags satisfy; the host raises ``PeerTimeoutError`` from
 the error word (``group_backward``). Flags are the forward's (``constants.flag_*``: one epoch
 per call, they only grow), read and written at system scope (the peers are other processes).
 """
@@ -31,7 +34,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute.constants import (BACKWARD_KSUM_ROWS, PEER_FAILED, SLOT_ROW_BYTES, TILE_K,
-                                TILE_M, VEC_ELEMS, flag_done, flag_failed, flag_started)
+                                TILE_M, VEC_ELEMS, flag_done, flag_started)
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.backward_comm import COMBINE_OFFSET, PARTIALS_OFFSET, f32_at
 from mok_cute.kernels.megakernel.comm_tasks import bf16_row
@@ -57,21 +60,20 @@ class BackwardTailMixin:
 
     @cute.jit
     def _flags_in(self, ctx, peer_bases: cute.Tensor, peer) -> cute.Tensor:
-        """The barrier flags inside ``peer``'s symmetric buffer (one int32 per rank)."""
-        return cute.make_tensor(
-            cute.make_ptr(Int32, peer_bases[peer] + ctx.flags_offset, cute.AddressSpace.gmem,
-                          assumed_align=4), cute.make_layout(cute.size(peer_bases)))
+        """The barrier flags inside ``peer``'s symmetric buffer (``common.flags_at``)."""
+        return common.flags_at(peer_bases[peer] + ctx.flags_offset, cute.size(peer_bases))
 
     @cute.jit
-    def _announce(self, ctx, peer_bases: cute.Tensor, value: Int32, tidx: Int32):
-        """Threads of one CTA: this rank's flag ``value`` into every peer's buffer (none from
-        the silent rank, the tests' dead process), after this rank's writes so far."""
+    def _announce(self, ctx, peer_bases: cute.Tensor, value: Int32, failed_epoch: Int32,
+                  tidx: Int32):
+        """Threads of one CTA: this rank's flag ``value`` (and ``failed_epoch`` when > 0)
+        into every peer's buffer (none from the silent rank, the tests' dead process), after
+        this rank's writes so far."""
         if ctx.rank_base != ctx.silent_rank:
             cute.arch.fence_acq_rel_sys()
             for p in cutlass.range(tidx, cute.size(peer_bases), self.threads_per_cta, unroll=1):
-                flags = self._flags_in(ctx, peer_bases, p)
-                cute.arch.store((flags.iterator + ctx.rank_base).llvm_ptr, value,
-                                sem="release", scope=_SCOPE)
+                common.store_flag(self._flags_in(ctx, peer_bases, p), ctx.rank_base, value,
+                                  failed_epoch, _SCOPE)
 
     @cute.jit
     def tail_start(self, ctx, peer_bases: cute.Tensor, error: cute.Tensor, task: Int32,
@@ -79,7 +81,7 @@ class BackwardTailMixin:
         """Every comm CTA before its first task: CTA 0 announces the start; all wait for every
         peer's (``task``: the list index an error names)."""
         if Int32(cute.arch.block_idx()[0]) == self.num_ctas:
-            self._announce(ctx, peer_bases, flag_started(ctx.epoch), tidx)
+            self._announce(ctx, peer_bases, flag_started(ctx.epoch), Int32(0), tidx)
         own = self._flags_in(ctx, peer_bases, ctx.rank_base)
         for p in cutlass.range(tidx, cute.size(peer_bases), self.threads_per_cta, unroll=1):
             common.wait_counter(own, p, flag_started(ctx.epoch), ctx.timeout_ns, error, task,
@@ -106,20 +108,52 @@ class BackwardTailMixin:
                 common.wait_counter(counters, base + i, tasks[index, word + 3], timeout_ns,
                                     error, index, Int32(0), Int32(0))
         sync.arrive_and_wait()
-        value = cutlass.select_(common.error_recorded(error), flag_failed(ctx.epoch),
-                                flag_done(ctx.epoch))
-        self._announce(ctx, peer_bases, value, tidx)
+        failed_epoch = cutlass.select_(common.error_recorded(error), ctx.epoch, Int32(0))
+        self._announce(ctx, peer_bases, flag_done(ctx.epoch), failed_epoch, tidx)
         sync.arrive_and_wait()
         if tidx == 0:
             common.counter_publish(counters, self._signal_slot(tasks, index, counter_offsets), 1)
 
     @cute.jit
+    def tail_ksum_tickets(self, ctx, tasks: cute.Tensor, counter_offsets: cute.Tensor,
+                          counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
+                          rows, tail: GroupTail, stage, ticket: cute.Tensor, ksum_begin: Int32,
+                          tidx: Int32, num_threads: cutlass.Constexpr[int], sync):
+        """A compute CTA's consumer warps past their weight-gradient tickets (``num_threads``
+        threads, ``tidx`` from 0): KSUMs by ticket (``ksum_ticket``: the comm queue's
+        positions from ``ksum_begin`` on), as the comm CTAs take them past their static walk
+        (``backward_comm_loop``). ``tail_ksum``'s barrier after its waits keeps the ticket's
+        smem word until every thread has read it."""
+        count = cute.size(rows.comm_queue) - ksum_begin
+        q = self.ksum_ticket(counters, counter_offsets, ticket, tidx, sync)
+        while q < count:
+            self.tail_ksum(ctx, tasks, rows.comm_queue[ksum_begin + q], counter_offsets,
+                           counters, error, timeout_ns, rows, tail, stage, tidx, num_threads,
+                           sync)
+            q = self.ksum_ticket(counters, counter_offsets, ticket, tidx, sync)
+
+    @cute.jit
+    def ksum_ticket(self, counters: cute.Tensor, counter_offsets: cute.Tensor,
+                    ticket: cute.Tensor, tidx: Int32, sync) -> Int32:
+        """The next KSUM ticket (0, 1, ...: the KSUMs' order in the comm queue), taken by
+        thread 0 from the counter after the weight gradients' and passed to every thread
+        of ``sync`` through the smem word ``ticket``."""
+        if tidx == 0:
+            slot = counter_offsets[cute.size(counter_offsets) - 1] + 1
+            ticket[0] = cute.arch.atomic_add((counters.iterator + slot).llvm_ptr, Int32(1),
+                                             sem="relaxed", scope="gpu")
+        sync.arrive_and_wait()
+        return ticket[0]
+
+    @cute.jit
     def tail_ksum(self, ctx, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor,
                   counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
-                  rows, tail: GroupTail, stage, tidx: Int32, sync):
+                  rows, tail: GroupTail, stage, tidx: Int32, num_threads: cutlass.Constexpr[int],
+                  sync):
         """A KSUM task (module docstring): thread 0 waits for ``BARRIER_DONE`` and every
-        peer's done flag (a "failed" one is recorded as PEER_FAILED), then each warp sums
-        tokens ``warp, warp + warps, ..`` of the task's 32."""
+        peer's done flag (a peer whose sticky word says "failed" is recorded as PEER_FAILED),
+        then each warp sums
+        tokens ``warp, warp + warps, ..`` of the task's 32 (``num_threads / 32`` warps)."""
         peer_bases = rows.peer_bases
         if tidx == 0:
             base = counter_offsets[tasks[index, int(BackwardWord.WAITS)]]
@@ -128,14 +162,14 @@ class BackwardTailMixin:
             for p in cutlass.range(cute.size(peer_bases), unroll=1):
                 common.wait_counter(own, p, flag_done(ctx.epoch), ctx.timeout_ns, error, index,
                                     p, Int32(0), _SCOPE, flag_started(ctx.epoch))
-                if common.counter_load(own, p, _SCOPE) == flag_failed(ctx.epoch):
+                if common.peer_failed(own, p, ctx.epoch, _SCOPE):
                     common.record_error(error, index, p, Int32(0), PEER_FAILED)
         sync.arrive_and_wait()
         # a wait of this launch gave up, or a peer's launch did: the pushed rows may be
         # garbage, so the rows become NaN, never a plausible wrong gradient
         failed = common.error_recorded(error)
         warp, lane = tidx // 32, cute.arch.lane_idx()
-        num_warps = self.threads_per_cta // 32
+        num_warps = num_threads // 32
         tokens = cute.size(tail.d_x, mode=[0])
         first = (tasks[index, int(BackwardWord.TILE)] * TILE_M
                  + tasks[index, int(BackwardWord.N_TILE)] * BACKWARD_KSUM_ROWS)
@@ -150,8 +184,9 @@ class BackwardTailMixin:
                 self._ksum_token(ctx, rows, tail, own_base, t, lane, warp, stage)
 
     def _tail_slots(self) -> tuple[int, int]:
-        """16-byte smem slots per comm thread in the B stages and in the A stages (both idle
-        in a comm CTA)."""
+        """16-byte smem slots per thread of the CTA in the B stages and in the A stages (idle
+        in a comm CTA, and in a compute CTA past its weight gradients, whose consumer warps
+        take the slots of the CTA's first eight warps)."""
         per_thread = self.threads_per_cta * 16
         return (self.ab_stages * self.tile_shape_mnk[1] * TILE_K * 2 // per_thread,
                 self.ab_stages * self.tile_shape_mnk[0] * TILE_K * 2 // per_thread)

@@ -28,16 +28,18 @@ Failures: every wait is bounded, from when it began (``MoKConfig.timeout_ms``). 
 wait that gives up writes (task, waiting rank, peer) into the error word and ends every other
 wait; the tasks still run (on whatever rows arrived) and publish, so the launch ends promptly.
 Nothing built from them reaches the output: a BARRIER whose launch has an error tells its
-peers so through its flag, and a KSUM whose launch has an error, or whose peer's flag says so,
+peers so through its sticky word, and a KSUM whose launch has an error, or whose peer's says so,
 writes NaN rows. The host raises ``PeerTimeoutError`` (``mok_cute.megakernel``).
 
-Cross-rank flags (the symmetric ``barrier_flags[R]`` of every rank; flag ``s`` is written
-only by rank ``s``, three values per call so that it only grows, ``constants.flag_*``): at
-launch start rank ``s`` stores ``flag_started`` into every peer's flag ``s`` ("my x is ready
-and my previous call is over"), and its BARRIER stores ``flag_done`` ("my combines into you
-are done"), or ``flag_failed`` (the same, but my launch had an error). DISPATCH from peer p
-and COMBINE into peer p wait for flag p >= flag_started; KSUM waits for every flag >=
-flag_done. No counter that a peer writes ever needs a reset, and no NVLink multicast is used.
+Cross-rank flags (the symmetric ``barrier_flags[2R]`` of every rank, ``constants``; flag ``s``
+is written only by rank ``s``, two values per call so that it only grows): at launch start
+rank ``s`` stores ``flag_started`` into every peer's flag ``s`` ("my x is ready and my previous
+call is over"), and its BARRIER stores ``flag_done`` ("my combines into you are done"), after
+this epoch into its sticky failed word ``R + s`` when its launch had an error. DISPATCH from
+peer p and COMBINE into peer p wait for flag p >= flag_started; KSUM waits for every flag >=
+flag_done, then reads the sticky words (a later call's flag satisfies the wait as well, and only
+the sticky word still says that the call failed). No counter that a peer writes ever needs a
+reset, and no NVLink multicast is used.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
-from mok_cute.constants import PEER_FAILED, TILE_K, VEC_ELEMS, flag_done, flag_failed
+from mok_cute.constants import PEER_FAILED, TILE_K, VEC_ELEMS, flag_done
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.comm_tasks import Routing
 from mok_cute.kernels.megakernel.scheduler import TaskTables
@@ -73,13 +73,12 @@ class KsumTasks:
     def _ksum_waits(self, ctx, tt: TaskTables, peer_bases, timeline_buf, index: Int32,
                     rank: Int32):
         """One thread: a KSUM's waits (BARRIER_DONE, the shared expert's tile), then every
-        peer's BARRIER flag for this epoch; a peer whose flag says its launch failed is
+        peer's BARRIER flag for this epoch; a peer whose sticky word says its launch failed is
         recorded as PEER_FAILED."""
         self._wait_task_recorded(ctx, tt, index, rank, timeline_buf, int(Role.COMPUTE), True)
         for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
-            flag = self._wait_flag(ctx, peer_bases, tt.error, rank, p, flag_done(ctx.epoch),
-                                   index)
-            if flag == flag_failed(ctx.epoch):
+            self._wait_flag(ctx, peer_bases, tt.error, rank, p, flag_done(ctx.epoch), index)
+            if self._peer_failed(ctx, peer_bases, rank, p):
                 common.record_error(tt.error, index, p, ctx.rank_base + rank, PEER_FAILED)
 
     @cute.jit

@@ -14,8 +14,9 @@ A task runs when its minibatch is live, is a no-op (signals without work) when i
 is past the live count, and is skipped otherwise. Before running, a task waits on its
 counters (acquire, each wait bounded by the timeout); when done it publishes its one counter
 (release). Cross-rank flags live in every rank's symmetric buffer: flag ``s`` is written only
-by rank ``s`` (``constants.flag_started`` at launch start, ``flag_done`` or ``flag_failed``
-after its last combine), so it only grows and never needs a reset.
+by rank ``s`` (``constants.flag_started`` at launch start, ``flag_done`` after its last
+combine, beside it the sticky epoch of its last failed launch), so it only grows and never
+needs a reset.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
 
-from mok_cute.constants import SCALARS, TICKETS, flag_done, flag_failed, flag_started
+from mok_cute.constants import SCALARS, TICKETS, flag_done, flag_started
 from mok_cute.kernels import common
 from mok_cute.tasks import CounterGroup, TaskType, TaskWord
 
@@ -244,28 +245,31 @@ class SchedulerMixin:
     # ------------------------------------------------------------------ cross-rank flags
     @cute.jit
     def _flag_tensor(self, ctx, peer_bases, rank: Int32, peer: Int32):
-        """The barrier_flags array inside peer ``peer``'s symmetric buffer (seen from rank)."""
-        addr = peer_bases[rank, peer] + ctx.flags_offset
-        return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.gmem, assumed_align=4),
-                                cute.make_layout(cute.size(peer_bases, mode=[1])))
+        """The barrier_flags inside peer ``peer``'s symmetric buffer (seen from rank)."""
+        return common.flags_at(peer_bases[rank, peer] + ctx.flags_offset,
+                               cute.size(peer_bases, mode=[1]))
 
     @cute.jit
-    def _store_flag(self, ctx, peer_bases, rank: Int32, peer: Int32, value: Int32):
-        flags = self._flag_tensor(ctx, peer_bases, rank, peer)
-        cute.arch.store((flags.iterator + (ctx.rank_base + rank)).llvm_ptr, value,
-                        sem="release", scope=self.spec.scope)
+    def _store_flag(self, ctx, peer_bases, rank: Int32, peer: Int32, value: Int32,
+                    failed_epoch=0):
+        common.store_flag(self._flag_tensor(ctx, peer_bases, rank, peer), ctx.rank_base + rank,
+                          value, failed_epoch, self.spec.scope)
 
     @cute.jit
     def _wait_flag(self, ctx, peer_bases, error, rank: Int32, peer: Int32, target: Int32,
-                   index: Int32) -> Int32:
+                   index: Int32):
         """Wait until ``peer`` has stored >= target into this rank's flag ``peer`` (a flag
-        still below this launch's start value names a peer that never started); the flag's
-        value then (it tells a failed peer from a finished one)."""
+        still below this launch's start value names a peer that never started)."""
         me = ctx.rank_base + rank
         own = self._flag_tensor(ctx, peer_bases, rank, me)
         common.wait_counter(own, peer, target, ctx.timeout_ns, error, index, peer, me,
                             self.spec.scope, flag_started(ctx.epoch))
-        return common.counter_load(own, peer, self.spec.scope)
+
+    @cute.jit
+    def _peer_failed(self, ctx, peer_bases, rank: Int32, peer: Int32) -> cutlass.Boolean:
+        """After ``_wait_flag`` for this call's done value: ``common.peer_failed``."""
+        own = self._flag_tensor(ctx, peer_bases, rank, ctx.rank_base + rank)
+        return common.peer_failed(own, peer, ctx.epoch, self.spec.scope)
 
     @cute.jit
     def _announce_start(self, ctx, peer_bases, tidx: Int32):
@@ -281,14 +285,13 @@ class SchedulerMixin:
     @cute.jit
     def _announce_done(self, ctx, peer_bases, error, rank: Int32):
         """The BARRIER's flag, after its waits: this rank's combines are all done, told to
-        every peer (unicast flags): ``flag_done``, or ``flag_failed`` when a wait of this
-        launch has given up (then the rows it pushed may be garbage, and every peer's k-sum
-        writes NaN instead of a plausible wrong output)."""
+        every peer (unicast flags): ``flag_done``, with this call's epoch in the sticky
+        failed word when a wait of this launch has given up (then the rows it pushed may be
+        garbage, and every peer's k-sum writes NaN instead of a plausible wrong output)."""
         self._fence()
-        value = cutlass.select_(common.error_recorded(error), flag_failed(ctx.epoch),
-                                flag_done(ctx.epoch))
+        failed_epoch = cutlass.select_(common.error_recorded(error), ctx.epoch, Int32(0))
         for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
-            self._store_flag(ctx, peer_bases, rank, p, value)
+            self._store_flag(ctx, peer_bases, rank, p, flag_done(ctx.epoch), failed_epoch)
 
 
 # ---------------------------------------------------------------------- ticket ring
