@@ -52,6 +52,31 @@ def test_ranks_pull_and_push_exactly_their_remote_rows(x_resident):
     assert np.isfinite(rec.end).all()
 
 
+def test_over_a_group_the_ksums_go_to_whichever_sm_is_free():
+    """The group tail's KSUM tickets: no KSUM in a comm queue, each taken once from the rank's
+    tail queue by an SM past its own queue, compute SMs among them (their weight gradients
+    end before the comm SMs' pushes), none before the group barrier."""
+    from mok_cute.sim.engine import run_graph
+
+    hw = get_profile("h200_hgx")
+    cfg = BackwardSimConfig(num_comm_sms=8, minibatch_tokens=256)
+    g, _ = build_backward_graph(SMALL, 2, Routing(seed=3), cfg, hw)
+    ksums = np.flatnonzero(g.type == int(BT.KSUM))
+    assert sorted(np.concatenate(g.tail_queues).tolist()) == ksums.tolist()
+    assert not any((g.type[q[int(Role.COMM)]] == int(BT.KSUM)).any() for q in g.queues)
+    rec = run_graph(g, hw)
+    assert np.isfinite(rec.end).all()
+    assert (rec.sm[ksums] >= g.num_comm_sms).any()
+    assert rec.start[ksums].min() >= rec.end[g.type == int(BT.BARRIER)].max()
+    for r, per_role in enumerate(g.queues):  # an SM takes a KSUM only past its own queue
+        mine = ksums[g.rank[ksums] == r]
+        for role in (Role.COMM, Role.COMPUTE):
+            own = per_role[int(role)]
+            on_role = mine[(rec.sm[mine] >= g.num_comm_sms) == (role == Role.COMPUTE)]
+            if on_role.size and own.size:
+                assert rec.take[on_role].min() >= rec.take[own].max()
+
+
 def test_tune_backward_returns_its_fastest_point():
     best, rows = tune_backward(SMALL, 2, comm_sms=(4, 16), minibatch_tokens=(256, 512))
     assert len(rows) == 4

@@ -14,8 +14,9 @@ Costs:
   receiver's ingress); REVERSE_DISPATCH: pushes, like its combine. Rows whose source is the
   receiver cost no flow (read and written in place). BARRIER: the group barrier's latency;
   every rank's KSUM waits on every rank's BARRIER. KSUM: K dx rows (and a shared row) read,
-  one d_x row written, over the per-SM HBM share (over a group the KSUMs are comm tasks, on
-  the comm SMs' share).
+  one d_x row written, over the per-SM HBM share (over a group, as the kernel's group tail
+  does, they go by ticket to whichever SM is past its own queue, ``Graph.tail_queues``, each
+  at one SM's share of HBM among all the SMs).
 One rank (R = 1) runs without comm tasks and without comm SMs (the list's in-place form).
 The rates are the forward's. Against the H200 (2026-12-02, R = 1, the five single-GPU shapes):
 the simulated list runs at 0.91-1.01 x the time of the backward's four launches and 0.78-0.88 x
@@ -124,8 +125,8 @@ def _durations(tl, lay, e_loc: int, p: BackwardListParams, hw: HardwareProfile,
             rows = min(p.ksum_rows, max(p.num_tokens - t.tile * tm - t.n_tile * p.ksum_rows, 0))
             reads = p.top_k + (1 if p.shared_intermediate else 0)
             mem = rows * H * _BF16 * (reads + 1)
-            if t.role == Role.COMM:  # over a group: on the comm SMs' HBM share
-                dur[i] = hw.gemm_task_overhead_s + mem / (hw.hbm_bytes_per_s / max(n_comm, 1))
+            if t.role == Role.COMM:  # over a group: by ticket on any free SM, all SMs' share
+                dur[i] = hw.gemm_task_overhead_s + mem / (hw.hbm_bytes_per_s / hw.num_sms)
                 continue
         else:  # the in-place BARRIER (compute role)
             dur[i] = hw.barrier_latency_s
@@ -208,6 +209,13 @@ def build_backward_graph(shape: SimShape, num_ranks: int, routing: Routing,
         owners = np.asarray(ksum_ids, dtype=np.int64)
         b.extra_waits.append((np.repeat(owners, bc.size), np.tile(bc, owners.size)))
     g = b.finish(n_comm, n_compute)
+    if n_comm:  # the KSUMs leave the comm queues: any SM past its own queue takes them
+        g.tail_queues = []
+        for per_role in g.queues:
+            comm = per_role[int(Role.COMM)]
+            is_ksum = g.type[comm] == int(BT.KSUM)
+            g.tail_queues.append(comm[is_ksum])
+            per_role[int(Role.COMM)] = comm[~is_ksum]
     g.meta.update(shape=shape, routing=routing, cfg=cfg, hw=hw, layouts=layouts, lists=lists)
     return g, lists
 

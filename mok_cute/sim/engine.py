@@ -4,7 +4,8 @@ Execution follows the megakernel protocol exactly:
 
 - each rank has ``num_comm_sms`` comm SMs and ``num_sms - num_comm_sms`` compute SMs;
 - an SM that becomes free takes the next ticket of its role's queue on its rank and holds the
-  task until it is done; if the task's counters are not complete yet, the SM spins (a WAIT span
+  task until it is done, and once that queue is exhausted the next ticket of the rank's tail
+  queue (``Graph.tail_queues``: tasks any free SM takes, the backward's k-sums); if the task's counters are not complete yet, the SM spins (a WAIT span
   in the records) and starts the task the moment the last counter completes;
 - a compute task runs for its modelled duration;
 - a comm task runs its serial overhead (``hw.comm_serial_s``), then a flow of its payload bytes
@@ -144,6 +145,8 @@ def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:
 
     queues = [[list(map(int, q)) for q in g.queues[r]] for r in range(R_sim)]
     ticket = [[0, 0] for _ in range(R_sim)]
+    tails = [list(map(int, g.tail_queues[r])) if g.tail_queues else [] for r in range(R_sim)]
+    tail_ticket = [0] * R_sim
     heap: list = []
     seq = 0
 
@@ -195,10 +198,14 @@ def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:
     def take_next(r, ro, sm, now):
         q = queues[r][ro]
         k = ticket[r][ro]
-        if k >= len(q):
+        if k < len(q):
+            ticket[r][ro] = k + 1
+            t = q[k]
+        elif tail_ticket[r] < len(tails[r]):  # the role's queue is done: the tail's tickets
+            t = tails[r][tail_ticket[r]]
+            tail_ticket[r] += 1
+        else:
             return
-        ticket[r][ro] = k + 1
-        t = q[k]
         take[t] = now
         smid[t] = sm
         try_start(t, now)
@@ -214,7 +221,8 @@ def run_graph(g: Graph, hw: HardwareProfile) -> SimRecords:
             for w in waiters.pop(c, ()):
                 try_start(w, now)
         r = rank[t] if not g.symmetric else 0
-        take_next(r, role[t], smid[t], now)
+        # the SM's role, not the task's (a tail task runs on either kind)
+        take_next(r, Role.COMM if smid[t] < n_comm else Role.COMPUTE, smid[t], now)
 
     def advance(now):
         dt = now - state["t_last"]

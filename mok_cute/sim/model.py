@@ -312,6 +312,9 @@ class Graph:
     num_classes: int = 0
     num_spread_classes: int = 0
     receiver: np.ndarray | None = None  # dispatch: rank whose ring it fills; else -1
+    # [rank] -> global task ids any SM of the rank takes, in order, once its own role's queue
+    # is exhausted (the backward's KSUM tickets); None: none
+    tail_queues: list | None = None
     meta: dict = dataclasses.field(default_factory=dict)
 
     def __len__(self):
