@@ -189,6 +189,18 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     return dx_rows, dwg, dwu, dwd, partials
 
 
+def x_operand(x, row_token, fp8_wgrads: bool):
+    """The gate / up weight gradients' x operand for ``_expert_backward``: ``(x_rows, None)``,
+    x's rows gathered in bf16 (zeros where ``row_token`` is -1), or with FP8 weight gradients
+    ``(x, row_token)``: their column quantizer reads x's rows through the index in place, no
+    gathered copy written and read again."""
+    if fp8_wgrads:
+        return x.contiguous(), row_token
+    from mok_cute.kernels import token_ops
+
+    return token_ops.gather_rows(x, row_token), None
+
+
 def _gathered(x_rows, x_row_index):
     """The padded rows' x: ``x_rows`` itself, or with a row index its rows gathered
     (``token_ops.gather_rows``: zeros on padding)."""
@@ -353,12 +365,8 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     rows_per_expert = num_tokens * top_k / w_gate.shape[0]
     x_rows = x_row_index = None
     if needs.w_gate_up:
-        if precision == "fp8" and fp8_weight_grads(x.shape[1], w_gate.shape[1], rows_per_expert):
-            # the FP8 weight gradients quantize x's rows through row_token, read in place:
-            # no gathered bf16 copy written and read again
-            x_rows, x_row_index = x.contiguous(), row_token
-        else:
-            x_rows = token_ops.gather_rows(x, row_token)
+        x_rows, x_row_index = x_operand(x, row_token, precision == "fp8" and fp8_weight_grads(
+            x.shape[1], w_gate.shape[1], rows_per_expert))
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
         saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,

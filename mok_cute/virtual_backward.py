@@ -36,7 +36,8 @@ import torch
 
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
-from mok_cute.expert_backward import Needs, _expert_backward, shared_backward_ranks, slot_sums
+from mok_cute.expert_backward import (Needs, _expert_backward, fp8_weight_grads,
+                                      shared_backward_ranks, slot_sums, x_operand)
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -226,8 +227,10 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         from mok_cute.expert_path_fp8 import pad_cols, padded, transposed_weights
         d_src = pad_cols(d_src, padded(H))
     d_rows = token_ops.gather_rows(d_src, concat.token_row)  # zeros on padding
-    x_rows = (token_ops.gather_rows(xs.reshape(R * T, H), concat.token_row)
-              if needs.w_gate_up else None)
+    x_rows = x_row_index = None
+    if needs.w_gate_up:  # gathered, or with FP8 weight gradients read through the index
+        x_rows, x_row_index = x_operand(xs.reshape(R * T, H), concat.token_row,
+                                        fp8 and fp8_weight_grads(H, I, T * K / E_loc))
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),
@@ -237,7 +240,8 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         needs.topk_weights, options, fp8=fp8, dgrads="kernels" if fp8 else "megakernel",
         # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
         fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
-        rows_per_expert=T * K / E_loc)  # R * T * K rows over R * E_loc experts
+        rows_per_expert=T * K / E_loc,  # R * T * K rows over R * E_loc experts
+        x_row_index=x_row_index)
 
     shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
                                                 options)
