@@ -15,8 +15,8 @@
 - Deterministic: no atomics; each weight-gradient tile has one owner running its expert's rows
   in order; d_x and d_topk_weights sum in a fixed order in fp32.
 - The shared expert is the same kernels with one expert over every token.
-- FP8 weight gradients (``fp8_weight_grads``): no x rows gathered; the column quantizer reads
-  each padded row's x through the row index (``quantize_cols_per_expert(row_index=...)``).
+- FP8: rows whose every reader is an FP8 quantizer are not gathered (``routed_rows``): the
+  quantizers read each padded row's x or d_out row through the row index (``row_index``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,31 @@ class Needs(NamedTuple):
     w_down: bool = True
     shared_gate_up: bool = True
     shared_down: bool = True
+
+
+class IndexedRows(NamedTuple):
+    """Rows ``source[index[r]]`` left in place (a zero row where ``index[r]`` is outside the
+    source: -1 on padding rows): a reader that takes a row index (the FP8 quantizers'
+    ``row_index``) reads them where they are; ``gather()`` writes the copy for the others."""
+
+    source: torch.Tensor  # [T, H]
+    index: torch.Tensor  # int32 [rows]
+
+    def gather(self) -> torch.Tensor:
+        from mok_cute.kernels import token_ops
+
+        return token_ops.gather_rows(self.source, self.index)
+
+
+def in_place(rows) -> tuple:
+    """``(source, row_index)`` for a reader that takes a row index: an ``IndexedRows``'s
+    fields, or rows already in order and None."""
+    return (rows.source, rows.index) if isinstance(rows, IndexedRows) else (rows, None)
+
+
+def materialized(rows):
+    """Rows in order: an ``IndexedRows`` gathered, anything else as it is."""
+    return rows.gather() if isinstance(rows, IndexedRows) else rows
 
 
 def _compiled(name: str, device, **static):
@@ -159,7 +184,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
                      fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None,
-                     rows_per_expert: float = 0.0, x_row_index=None):
+                     rows_per_expert: float = 0.0):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
@@ -168,47 +193,46 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
     weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
     dgrads' transposed weights when the caller has them (else quantized from the cache).
-    ``x_row_index``: None (``x_rows`` are the padded rows' x), or int32 [rows] (-1: padding)
-    with ``x_rows`` the source x [T, H] that row r reads row ``x_row_index[r]`` of: the FP8
-    weight gradients quantize them straight from x (``_weight_grads``)."""
+    ``d_rows``, ``x_rows``: the padded rows in order, or ``IndexedRows`` that the
+    FP8 quantizers read in place (``routed_rows``; gathered for any other reader)."""
     if not (want_dx or want_gate_up or want_down or want_partials):
         return None, None, None, None, None
     if dgrads == "megakernel" and want_gate_up and want_down and not fp8:
         # every GEMM of the backward in one launch
         from mok_cute import megakernel_backward
         _, _, partials, dx_rows, dwg, dwu, dwd = megakernel_backward.expert_grads(
-            d_rows, _gathered(x_rows, x_row_index), w_gate, w_up, w_down, preact, row_slot,
+            materialized(d_rows), materialized(x_rows), w_gate, w_up, w_down, preact, row_slot,
             weights, tile_expert, num_tiles, offsets)
         return dx_rows, dwg, dwu, dwd, partials
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads, fp8_transposed)
     dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
-                                  want_gate_up, want_down, fp8, rows_per_expert,
-                                  x_row_index=x_row_index)
+                                  want_gate_up, want_down, fp8, rows_per_expert)
     return dx_rows, dwg, dwu, dwd, partials
 
 
-def x_operand(x, row_token, fp8_wgrads: bool):
-    """The gate / up weight gradients' x operand for ``_expert_backward``: ``(x_rows, None)``,
-    x's rows gathered in bf16 (zeros where ``row_token`` is -1), or with FP8 weight gradients
-    ``(x, row_token)``: their column quantizer reads x's rows through the index in place, no
-    gathered copy written and read again."""
-    if fp8_wgrads:
-        return x.contiguous(), row_token
+def routed_rows(source, row_token, fp8_only: bool):
+    """A backward operand's padded rows (``source``'s rows by ``row_token``, zeros where it is
+    -1): gathered in bf16, or, when ``fp8_only`` (every reader of them is an FP8 quantizer),
+    ``IndexedRows`` that the quantizers read in place: no gathered copy written and read
+    again."""
+    if fp8_only:
+        return IndexedRows(source.contiguous(), row_token)
     from mok_cute.kernels import token_ops
 
-    return token_ops.gather_rows(x, row_token), None
+    return token_ops.gather_rows(source, row_token)
 
 
-def _gathered(x_rows, x_row_index):
-    """The padded rows' x: ``x_rows`` itself, or with a row index its rows gathered
-    (``token_ops.gather_rows``: zeros on padding)."""
-    if x_rows is None or x_row_index is None:
-        return x_rows
-    from mok_cute.kernels import token_ops
-
-    return token_ops.gather_rows(x_rows, x_row_index)
+def fp8_reads_only(precision: str, hidden: int, inter: int, rows_per_expert: float,
+                   needs: Needs) -> tuple[bool, bool]:
+    """Whether FP8 quantizers are the only readers of (the d_out rows, the x rows): d_out's
+    when FC2's dgrad and, if wanted, the down weight gradient run in FP8; x's when the gate
+    / up weight gradients do."""
+    if precision != "fp8":
+        return False, False
+    wgrads = fp8_weight_grads(hidden, inter, rows_per_expert)
+    return fp8_fc2_dgrad(hidden, inter) and (wgrads or not needs.w_down), wgrads
 
 
 def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert, num_tiles,
@@ -226,8 +250,8 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
                 d_rows, preact, row_slot, weights, tile_expert, num_tiles, wt, want_dx,
                 hidden)
         else:  # FC2's dgrad in bf16 (d_rows are H wide: no padding), FC1's in FP8
-            d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights,
-                                               tile_expert, num_tiles, options)
+            d_preact, hw, partials = fc2_dgrad(materialized(d_rows), w_down, preact, row_slot,
+                                               weights, tile_expert, num_tiles, options)
             if want_dx:
                 dx_rows = expert_path_fp8.fc1_dgrad(d_preact, tile_expert, num_tiles, wt,
                                                     hidden)
@@ -244,19 +268,19 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
 
 
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,
-                  want_down: bool, fp8: bool = False, rows_per_expert: float = 0.0,
-                  x_row_index=None):
+                  want_down: bool, fp8: bool = False, rows_per_expert: float = 0.0):
     """The grouped weight gradients from the dgrads' outputs: (dW_gate, dW_up, dW_down), None
     where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns.
     ``fp8``: on ``gemm_wgrad_fp8`` where ``fp8_weight_grads(H, I, rows_per_expert)``, bf16
-    otherwise. ``x_row_index``: as ``_expert_backward`` (the bf16 GEMMs read gathered rows)."""
+    otherwise. ``d_rows``, ``x_rows``: as ``_expert_backward`` (bf16 GEMMs read them
+    gathered)."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     hidden = w_down.shape[1]
     if fp8 and fp8_weight_grads(hidden, inter, rows_per_expert):
         return _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts, inter,
-                                 want_gate_up, want_down, x_row_index=x_row_index)
-    if want_gate_up:
-        x_rows = _gathered(x_rows, x_row_index)
+                                 want_gate_up, want_down)
+    d_rows = materialized(d_rows) if want_down else None
+    x_rows = materialized(x_rows) if want_gate_up else None
     half = d_preact.shape[1] // 2
     dwg = dwu = dwd = None
     if want_gate_up:
@@ -269,24 +293,26 @@ def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_ga
 
 
 def _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts: int, inter: int,
-                      want_gate_up: bool, want_down: bool, x_row_index=None):
+                      want_gate_up: bool, want_down: bool):
     """The weight gradients on FP8 (``kernels.gemm_wgrad_fp8``): the gradients (dG | dU,
     d_out rows) column-quantized per 128 rows, the activations (x rows, w * h) per column
-    and expert (``quantize.quantize_cols_per_expert``); H and I whole 128 groups.
-    ``x_row_index``: as ``_expert_backward``: x's rows quantized through it, read in place."""
+    and expert (``quantize.quantize_cols_per_expert``); H and I whole 128 groups. The d_out
+    and x rows may be ``IndexedRows``: quantized through their index, read in place."""
     from mok_cute.kernels import gemm_wgrad_fp8, quantize
 
     dwg = dwu = dwd = None
     if want_gate_up:
         gq, eg = quantize.quantize_cols(d_preact)  # [2I, rows]: dG^T, then dU^T
-        xq, ex = quantize.quantize_cols_per_expert(x_rows, offsets, num_experts,
-                                                   row_index=x_row_index)
+        x_src, x_index = in_place(x_rows)
+        xq, ex = quantize.quantize_cols_per_expert(x_src, offsets, num_experts,
+                                                   row_index=x_index)
         dwg, dwu = gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:inter], eg[:inter], xq, ex, offsets,
                                                     num_experts, gq[inter:], eg[inter:])
     if want_down:
         hq, eh = quantize.quantize_cols_per_expert(hw, offsets, num_experts)
-        dwd = gemm_wgrad_fp8.grouped_wgrad_fp8(*quantize.quantize_cols(d_rows), hq, eh, offsets,
-                                               num_experts)
+        d_src, d_index = in_place(d_rows)
+        dwd = gemm_wgrad_fp8.grouped_wgrad_fp8(*quantize.quantize_cols(d_src, row_index=d_index),
+                                               hq, eh, offsets, num_experts)
     return dwg, dwu, dwd
 
 
@@ -361,17 +387,16 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         from mok_cute.expert_path_fp8 import pad_cols, padded
         d_src = pad_cols(d_out, padded(d_out.shape[1]))
     row_token = saved.row_token(top_k)
-    d_rows = token_ops.gather_rows(d_src, row_token)  # zeros on padding rows
     rows_per_expert = num_tokens * top_k / w_gate.shape[0]
-    x_rows = x_row_index = None
-    if needs.w_gate_up:
-        x_rows, x_row_index = x_operand(x, row_token, precision == "fp8" and fp8_weight_grads(
-            x.shape[1], w_gate.shape[1], rows_per_expert))
+    d_fp8_only, x_fp8_only = fp8_reads_only(precision, x.shape[1], w_gate.shape[1],
+                                            rows_per_expert, needs)
+    d_rows = routed_rows(d_src, row_token, d_fp8_only)  # zeros on padding rows
+    x_rows = routed_rows(x, row_token, x_fp8_only) if needs.w_gate_up else None
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
         saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
         needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
-        rows_per_expert=rows_per_expert, x_row_index=x_row_index)
+        rows_per_expert=rows_per_expert)
 
     shared_dx, d_shared = None, (None, None, None)
     if shared is not None:

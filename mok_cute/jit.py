@@ -92,11 +92,13 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.gemm_wgrad", "compile_wgrad_gemm", {"gated": True},
         "expert weight gradients: K = each expert's rows, MN-major operands, gate and up sharing x"),
     "quantize_rows": KernelSpec(
-        "mok_cute.kernels.quantize", "compile_quantize_rows", {},
-        "bf16 -> e4m3, 1x128 groups along K, power-of-two scales (fp8.quantize_rows, bitwise)"),
+        "mok_cute.kernels.quantize", "compile_quantize_rows", {"gather": False},
+        "bf16 -> e4m3, 1x128 groups along K, power-of-two scales (fp8.quantize_rows, bitwise); "
+        "gather=True reads x's rows through a row index (no gathered copy)"),
     "quantize_cols": KernelSpec(
-        "mok_cute.kernels.quantize", "compile_quantize_cols", {},
-        "bf16 -> e4m3 transposed copy, groups of 128 along M (fp8.quantize_cols, bitwise)"),
+        "mok_cute.kernels.quantize", "compile_quantize_cols", {"gather": False},
+        "bf16 -> e4m3 transposed copy, groups of 128 along M (fp8.quantize_cols, bitwise); "
+        "gather=True reads x's rows through a row index (no gathered copy)"),
     "quantize_cols_per_expert": KernelSpec(
         "mok_cute.kernels.quantize", "compile_quantize_cols_per_expert", {"gather": False},
         "bf16 -> e4m3 transposed copy, one scale per column and expert (fp8.quantize_cols_per_expert, "

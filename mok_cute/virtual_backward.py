@@ -36,8 +36,8 @@ import torch
 
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
-from mok_cute.expert_backward import (Needs, _expert_backward, fp8_weight_grads,
-                                      shared_backward_ranks, slot_sums, x_operand)
+from mok_cute.expert_backward import (Needs, _expert_backward, fp8_reads_only, routed_rows,
+                                      shared_backward_ranks, slot_sums)
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -226,11 +226,11 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
     if fp8:  # the FP8 dgrad's K: H zero-padded to whole 128 groups
         from mok_cute.expert_path_fp8 import pad_cols, padded, transposed_weights
         d_src = pad_cols(d_src, padded(H))
-    d_rows = token_ops.gather_rows(d_src, concat.token_row)  # zeros on padding
-    x_rows = x_row_index = None
-    if needs.w_gate_up:  # gathered, or with FP8 weight gradients read through the index
-        x_rows, x_row_index = x_operand(xs.reshape(R * T, H), concat.token_row,
-                                        fp8 and fp8_weight_grads(H, I, T * K / E_loc))
+    # zeros on padding rows; read in place where FP8 quantizers are their only readers
+    d_fp8_only, x_fp8_only = fp8_reads_only(precision, H, I, T * K / E_loc, needs)
+    d_rows = routed_rows(d_src, concat.token_row, d_fp8_only)
+    x_rows = (routed_rows(xs.reshape(R * T, H), concat.token_row, x_fp8_only)
+              if needs.w_gate_up else None)
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),
@@ -240,8 +240,7 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         needs.topk_weights, options, fp8=fp8, dgrads="kernels" if fp8 else "megakernel",
         # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
         fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
-        rows_per_expert=T * K / E_loc,  # R * T * K rows over R * E_loc experts
-        x_row_index=x_row_index)
+        rows_per_expert=T * K / E_loc)  # R * T * K rows over R * E_loc experts
 
     shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
                                                 options)

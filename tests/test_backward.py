@@ -59,6 +59,41 @@ def test_dgated_epilogue_loads_the_preactivations_and_reduces_rows(pingpong, tmp
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
 
 
+def test_rows_stay_in_place_only_where_fp8_quantizers_are_their_only_readers():
+    """``fp8_reads_only``: d_out's rows when FC2's dgrad and (if wanted) the down weight
+    gradient are FP8, x's when the gate / up weight gradients are; ``routed_rows`` then
+    hands out ``IndexedRows`` (gathered for any other reader), else the gathered rows."""
+    from mok_cute import expert_backward as eb
+    from mok_cute.kernels import token_ops
+
+    big = eb.FP8_WGRAD_MIN_ROWS
+    cases = {  # (precision, H, I, rows per expert, needs) -> (d_out's, x's)
+        ("bf16", 7168, 2048, big, eb.Needs()): (False, False),
+        ("fp8", 7168, 2048, big, eb.Needs()): (True, True),
+        ("fp8", 7168, 2048, big / 2, eb.Needs()): (False, False),  # bf16 weight gradients
+        ("fp8", 7168, 2048, big / 2, eb.Needs(w_down=False)): (True, False),
+        ("fp8", 2048, 768, big, eb.Needs()): (False, False),  # FC2's dgrad in bf16 (I < 1024)
+        ("fp8", 2880, 2880, big, eb.Needs()): (False, False),  # padded: bf16 weight gradients
+        ("fp8", 2880, 2880, big, eb.Needs(w_down=False)): (True, False),
+    }
+    for (precision, h, i, rpe, needs), want in cases.items():
+        assert eb.fp8_reads_only(precision, h, i, rpe, needs) == want, (precision, h, i, rpe)
+    x = torch.randn(5, 8).to(torch.bfloat16)
+    index = torch.tensor([3, -1, 0, 4, 9, 1, -1, 2], dtype=torch.int32)
+    kept = eb.routed_rows(x, index, True)
+    assert isinstance(kept, eb.IndexedRows) and kept.source is x and kept.index is index
+    assert eb.in_place(kept) == (x, index) and eb.in_place(x) == (x, None)
+    gathered = token_ops.gather_rows_ref(x, index)
+    orig = token_ops.gather_rows
+    try:
+        token_ops.gather_rows = token_ops.gather_rows_ref  # no GPU here
+        assert torch.equal(eb.routed_rows(x, index, False), gathered)
+        assert torch.equal(eb.materialized(kept), gathered)
+    finally:
+        token_ops.gather_rows = orig
+    assert eb.materialized(gathered) is gathered
+
+
 def test_fake_implementations_give_the_real_shapes():
     """The custom ops' fake (meta) implementations: what torch.compile traces with."""
     import mok_cute.autograd  # noqa: F401  (registers the ops)

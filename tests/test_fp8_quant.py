@@ -406,6 +406,47 @@ def test_quantize_cols_per_expert_gather_reads_rows_through_the_index(reports):
     assert len(keys) == 2
 
 
+def test_quantize_rows_gather_reads_each_row_through_the_index(reports):
+    """gather=True: each lane reads its row's index once (one 32-bit load, the same word for
+    the 16 lanes of a group), then the plain kernel's one 128-bit load and stores; no spills,
+    at most a few registers more; the plain kernel loads no index; the cache keys the
+    variant apart; gather and scatter_k exclude each other."""
+    from mok_cute import jit
+    from mok_cute.kernels import quantize
+
+    rep = reports("quantize_rows", gather=True)
+    _check_exact_kernel(rep, {"ld.global.128b": 1, "ld.global.32b": 1},
+                        {"st.global.64b": 1, "st.global.8b": 1})
+    plain = reports("quantize_rows")
+    assert plain.mix["ld.global.32b"] == 0 and plain.mix["ld.global.128b"] == 1
+    assert rep.kernels[0].registers <= plain.kernels[0].registers + 4, (rep.kernels, plain.kernels)
+    assert jit.KERNELS["quantize_rows"].static == {"gather": False}
+    spec = jit.get_spec("quantize_rows")
+    keys = {jit._cache_key("quantize_rows", "sm_90a", jit._static_args(spec, kw))
+            for kw in ({}, {"gather": False}, {"gather": True}, {"scatter_k": 8})}
+    assert len(keys) == 3
+    with pytest.raises(ValueError, match="scatter_k, gather: expected at most one of them"):
+        quantize.QuantizeRows(scatter_k=8, gather=True)
+
+
+def test_quantize_cols_gather_reads_rows_through_the_index(reports):
+    """gather=True: a lane's 16 row sources in four 128-bit index loads (16 row loads + 4
+    index loads), the same stores, no spills, at most a few registers more than the plain
+    kernel; the cache keys the variant apart."""
+    from mok_cute import jit
+
+    rep = reports("quantize_cols", gather=True)
+    _check_exact_kernel(rep, {"ld.global.128b": 20}, {"st.global.128b": 8, "st.global.8b": 8})
+    plain = reports("quantize_cols")
+    assert plain.mix["ld.global.128b"] == 16
+    assert rep.kernels[0].registers <= plain.kernels[0].registers + 4, (rep.kernels, plain.kernels)
+    assert jit.KERNELS["quantize_cols"].static == {"gather": False}
+    keys = {jit._cache_key("quantize_cols", "sm_90a",
+                           jit._static_args(jit.get_spec("quantize_cols"), kw))
+            for kw in ({}, {"gather": False}, {"gather": True})}
+    assert len(keys) == 2
+
+
 def test_quantize_scatter_rows_stores_each_token_k_times(reports):
     """scatter_k = 8: the row quantized once, its 8 bytes and exponent stored at each of the
     token's 8 destination rows (one 128-bit load, 8 + 8 stores), no spills."""
@@ -483,10 +524,64 @@ def test_quantize_cols_per_expert_row_index_checked_before_the_device():
         quantize.quantize_cols_per_expert(x, offsets, 1, row_index=idx)
 
 
+def test_quantize_rows_row_index_checked_before_the_device():
+    """row_index: int32 [M] for any M (the output's rows), contiguous, 16-byte aligned, on
+    x's device; x then any T rows."""
+    from mok_cute.kernels import quantize
+
+    x = torch.zeros(77, 256, dtype=bf16)
+    idx = torch.zeros(100, dtype=torch.int32)  # M = 100: fine for rows
+    bad = [(idx.long(), "int64"), (idx.float(), "float32"), (idx.view(4, 25), r"shape=\(4, 25\)"),
+           (torch.zeros((), dtype=torch.int32), r"shape=\(\)"), ([0] * 100, "list")]
+    for row_index, given in bad:
+        with pytest.raises(ValueError, match=f"row_index: expected a 1-D int32 tensor \\[M\\] .*{given}"):
+            quantize.quantize_rows(x, row_index=row_index)
+    for row_index in (torch.zeros(200, dtype=torch.int32)[::2],  # not contiguous
+                      torch.zeros(101, dtype=torch.int32)[1:]):  # 4 bytes past 16-byte alignment
+        with pytest.raises(ValueError, match="row_index: expected a contiguous, 16-byte aligned "
+                                             "tensor on cpu"):
+            quantize.quantize_rows(x, row_index=row_index)
+    with pytest.raises(ValueError, match=r"x: expected K \(dim 1\) a multiple of 128"):
+        quantize.quantize_rows(torch.zeros(77, 200, dtype=bf16), row_index=idx)
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16"):
+        quantize.quantize_rows(x.float(), row_index=idx)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the shapes passed
+        quantize.quantize_rows(x, row_index=idx)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # M = 0, T = 0 too
+        quantize.quantize_rows(torch.zeros(0, 256, dtype=bf16), row_index=idx[:0])
+
+
+def test_quantize_cols_row_index_checked_before_the_device():
+    """row_index: int32 [M], M a multiple of 128 (the output's rows), contiguous, 16-byte
+    aligned, on x's device; x then any T rows (K a multiple of 8, as without the index)."""
+    from mok_cute.kernels import quantize
+
+    x = torch.zeros(77, 72, dtype=bf16)  # T = 77: fine with a row index
+    idx = torch.zeros(128, dtype=torch.int32)
+    bad = [(idx.long(), "int64"), (idx.float(), "float32"), (idx[:100], r"shape=\(100,\)"),
+           (idx.view(2, 64), r"shape=\(2, 64\)"), ([0] * 128, "list")]
+    for row_index, given in bad:
+        with pytest.raises(ValueError, match=f"row_index: expected a 1-D int32 tensor \\[M\\] with M a "
+                                             f"multiple of 128 .*{given}"):
+            quantize.quantize_cols(x, row_index=row_index)
+    for row_index in (torch.zeros(256, dtype=torch.int32)[::2], torch.zeros(129, dtype=torch.int32)[1:]):
+        with pytest.raises(ValueError, match="row_index: expected a contiguous, 16-byte aligned "
+                                             "tensor on cpu"):
+            quantize.quantize_cols(x, row_index=row_index)
+    with pytest.raises(ValueError, match=r"x: expected M \(dim 0\) a multiple of 128"):
+        quantize.quantize_cols(x)  # without the index: x's rows are M
+    with pytest.raises(ValueError, match=r"x: expected K \(dim 1\) a multiple of 8"):
+        quantize.quantize_cols(torch.zeros(77, 60, dtype=bf16), row_index=idx)
+    with pytest.raises(ValueError, match="x: expected a unit stride"):
+        quantize.quantize_cols(torch.zeros(72, 77, dtype=bf16).t(), row_index=idx)
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):  # the shapes passed
+        quantize.quantize_cols(x, row_index=idx)
+
+
 def test_fp8_weight_grads_quantize_x_through_the_row_index(gen, monkeypatch):
-    """``expert_backward._weight_grads`` with ``x_row_index`` (x the source rows) gives the
+    """``expert_backward._weight_grads`` with x and d_out rows as ``IndexedRows`` gives the
     bits of the gathered rows', on the FP8 weight gradients (the index handed to the column
-    quantizer, no gather) and on the bf16 ones (the rows gathered first); the kernels are
+    quantizers, no gather) and on the bf16 ones (the rows gathered first); the kernels are
     replaced by their references on the CPU."""
     from mok_cute import expert_backward
     from mok_cute.kernels import gemm_wgrad_fp8, quantize, token_ops
@@ -508,7 +603,11 @@ def test_fp8_weight_grads_quantize_x_through_the_row_index(gen, monkeypatch):
                                      for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
         return ref(a) if a2 is None else (ref(a), ref(a2))
 
-    monkeypatch.setattr(quantize, "quantize_cols", lambda x: fp8.quantize_cols(x))
+    def cols(x, out=None, scale_out=None, row_index=None):
+        calls.append((x, row_index))
+        return fp8.quantize_cols(x if row_index is None else token_ops.gather_rows_ref(x, row_index))
+
+    monkeypatch.setattr(quantize, "quantize_cols", cols)
     monkeypatch.setattr(quantize, "quantize_cols_per_expert", cols_per_expert)
     monkeypatch.setattr(gemm_wgrad_fp8, "grouped_wgrad_fp8", wgrad_fp8)
     monkeypatch.setattr(expert_backward, "wgrad", wgrad)
@@ -522,19 +621,20 @@ def test_fp8_weight_grads_quantize_x_through_the_row_index(gen, monkeypatch):
     idx[5] = T  # past the end: a zero row
     offsets = torch.tensor([0, 256, 384], dtype=torch.int32)
     d_pre = _wide_bf16(gen, rows, 2 * I, zero_groups=False)
-    hw, d_rows = _wide_bf16(gen, rows, I), _wide_bf16(gen, rows, H)
+    hw, dy = _wide_bf16(gen, rows, I), _wide_bf16(gen, T, H)
     w_gate, w_down = torch.zeros(E, I, H, dtype=bf16), torch.zeros(E, H, I, dtype=bf16)
-    x_rows = token_ops.gather_rows_ref(x, idx)
+    x_rows, d_rows = token_ops.gather_rows_ref(x, idx), token_ops.gather_rows_ref(dy, idx)
     for use_fp8 in (True, False):
         calls.clear()
-        args = (d_pre, hw, d_rows)
         tail = (w_gate, w_down, offsets, True, True, use_fp8, 4096.0)
-        got = expert_backward._weight_grads(*args, x, *tail, x_row_index=idx)
-        if use_fp8:  # the source rows and the index reach the column quantizer
-            assert calls[0][0] is x and calls[0][1] is idx
-        else:  # the bf16 GEMM reads the gathered rows
+        got = expert_backward._weight_grads(d_pre, hw, expert_backward.IndexedRows(dy, idx),
+                                            expert_backward.IndexedRows(x, idx), *tail)
+        if use_fp8:  # the source rows and the index reach the column quantizers
+            assert calls[1][0] is x and calls[1][1] is idx  # x's per-expert pass
+            assert calls[-1][0] is dy and calls[-1][1] is idx  # d_out's 128-row groups
+        else:  # the bf16 GEMMs read the gathered rows
             assert torch.equal(calls[0][0], x_rows)
-        want = expert_backward._weight_grads(*args, x_rows, *tail)
+        want = expert_backward._weight_grads(d_pre, hw, d_rows, x_rows, *tail)
         for g, w in zip(got, want):
             assert g.dtype == bf16 and torch.equal(g, w)
 
@@ -747,10 +847,135 @@ def test_quantize_cols_per_expert_row_index_on_the_device():
             x, offsets, 1, row_index=torch.zeros(129, dtype=torch.int32, device="cuda")[1:])
 
 
+def _gather_index(gen, rows: int, t: int) -> torch.Tensor:
+    """``_row_index`` for any row count (0 included)."""
+    return torch.zeros(0, dtype=torch.int32) if rows == 0 else _row_index(gen, rows, t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,m,k", [(300, 333, 128), (77, 200, 7168), (1000, 128, 1408),
+                                   (1, 50, 256), (0, 40, 128)])
+def test_quantize_rows_gather_is_bitwise_the_reference_on_gathered_rows(gen, t, m, k):
+    """row_index: the bits of ``fp8.quantize_rows(gather_rows_ref(x, row_index))`` with x
+    [T, K] read in place: T not a multiple of 128, T = 1 and T = 0 (every row a zero row),
+    M unrelated to T and not a multiple of anything, padding rows (-1), indices past the end,
+    far past it and negative (zero rows, exponents -127), tokens on several rows, edge rows, a
+    NaN and an inf group; every output byte written (poisoned before); a repeat gives the same
+    bits; the gathered bf16 copy through ``gather_rows`` and the plain kernel agrees."""
+    from mok_cute.kernels import quantize, token_ops
+
+    x = _wide_bf16(gen, t, k)
+    if t >= 6:
+        x = _edge_rows(x)
+    if t:
+        x[t // 2, k - 1] = float("nan")
+    if t >= 3:
+        x[t // 3, 5] = -float("inf")
+    idx = _gather_index(gen, m, t)
+    want_q, want_e = fp8.quantize_rows(token_ops.gather_rows_ref(x, idx))
+    outside = (idx < 0) | (idx >= t)
+    assert outside.any() and (t == 0 or not outside.all())
+    assert (want_e[outside] == fp8.EXP_MIN).all() and (_bytes(want_q[outside]) == 0).all()
+    xd, idd = x.cuda(), idx.cuda()
+    runs = []
+    for _ in range(2):
+        q, e = _poison((m, k), e4m3), _poison((m, k // 128), torch.int8)
+        got = quantize.quantize_rows(xd, out=q, scale_out=e, row_index=idd)
+        torch.cuda.synchronize()
+        assert got[0] is q and got[1] is e
+        _assert_same(q, want_q, f"q t={t} m={m} k={k}")
+        _assert_same(e, want_e, f"e t={t} m={m} k={k}")
+        runs.append((_bytes(q).clone(), e.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    q3, e3 = quantize.quantize_rows(xd, row_index=idd)  # outputs allocated by the call
+    _assert_same(q3, want_q, "q allocated")
+    _assert_same(e3, want_e, "e allocated")
+    if t:  # the path it replaces: the gathered bf16 copy, quantized
+        q2, e2 = quantize.quantize_rows(token_ops.gather_rows(xd, idd))
+        _assert_same(q2, want_q, "q of gather_rows")
+        _assert_same(e2, want_e, "e of gather_rows")
+
+
+@pytest.mark.gpu
+def test_quantize_rows_gather_strided_x(gen):
+    """x a column slice of a wider tensor (rows 2560 bytes apart, 256 bytes in), read
+    through the row index: the reference on the gathered slice."""
+    from mok_cute.kernels import quantize, token_ops
+
+    wide = _wide_bf16(gen, 50, 1024 + 256)
+    wide[7, 128 + 3] = float("inf")
+    wide[9, 128 + 1000] = float("nan")
+    idx = _row_index(gen, 97, 50)
+    idx[:3] = torch.tensor([7, 9, 49], dtype=torch.int32)
+    x = wide.cuda()[:, 128:128 + 1024]
+    q, e = quantize.quantize_rows(x, row_index=idx.cuda())
+    want_q, want_e = fp8.quantize_rows(token_ops.gather_rows_ref(wide[:, 128:128 + 1024], idx))
+    _assert_same(q, want_q, "q")
+    _assert_same(e, want_e, "e")
+    assert e[0, 0] == e[1, 7] == fp8.EXP_NONFINITE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,t", [(384, 72, 300), (128, 8, 1), (1024, 2048, 77),
+                                   (256, 1032, 1000), (256, 128, 0)])
+def test_quantize_cols_gather_is_bitwise_the_reference_on_gathered_rows(gen, m, k, t):
+    """row_index: the bits of ``fp8.quantize_cols(gather_rows_ref(x, row_index))`` with x
+    [T, K] read in place: T not a multiple of 128, T = 1 and T = 0 (every row a zero row),
+    padding rows, indices past the end, tokens on several rows, K not a multiple of the
+    32-column strip, edge columns, a NaN and an inf column group; every output byte written
+    (poisoned before); a repeat gives the same bits; ``gather_rows`` + the plain kernel agrees."""
+    from mok_cute.kernels import quantize, token_ops
+
+    x = _wide_bf16(gen, t, k, zero_groups=False)
+    if t >= 1 and k >= 6:
+        x = _edge_rows(x.t().contiguous()).t().contiguous()
+        x[t // 2, k - 1] = float("nan")
+    if t >= 3:
+        x[t // 3, k // 2] = float("inf")
+    idx = _row_index(gen, m, t)
+    want_q, want_e = fp8.quantize_cols(token_ops.gather_rows_ref(x, idx))
+    xd, idd = x.cuda(), idx.cuda()
+    runs = []
+    for _ in range(2):
+        q, e = _poison((k, m), e4m3), _poison((k, m // 128), torch.int8)
+        got = quantize.quantize_cols(xd, out=q, scale_out=e, row_index=idd)
+        torch.cuda.synchronize()
+        assert got[0] is q and got[1] is e
+        _assert_same(q, want_q, f"qt m={m} k={k} t={t}")
+        _assert_same(e, want_e, f"e m={m} k={k} t={t}")
+        runs.append((_bytes(q).clone(), e.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    if t:  # the path it replaces: the gathered bf16 copy, quantized
+        q2, e2 = quantize.quantize_cols(token_ops.gather_rows(xd, idd))
+        _assert_same(q2, want_q, "qt of gather_rows")
+        _assert_same(e2, want_e, "e of gather_rows")
+
+
+@pytest.mark.gpu
+def test_quantize_rows_and_cols_row_index_on_the_device():
+    """A row index on the CPU or misaligned on the GPU is refused; an empty one launches
+    nothing."""
+    from mok_cute.kernels import quantize
+
+    x = torch.zeros(77, 256, dtype=bf16, device="cuda")
+    for fn in (quantize.quantize_rows, quantize.quantize_cols):
+        with pytest.raises(ValueError, match="row_index: expected a contiguous, 16-byte aligned "
+                                             "tensor on cuda"):
+            fn(x, row_index=torch.zeros(128, dtype=torch.int32))
+        with pytest.raises(ValueError, match="row_index: expected a contiguous, 16-byte aligned"):
+            fn(x, row_index=torch.zeros(129, dtype=torch.int32, device="cuda")[1:])
+    empty = torch.zeros(0, dtype=torch.int32, device="cuda")
+    q, e = quantize.quantize_rows(x, row_index=empty)
+    assert q.shape == (0, 256) and e.shape == (0, 2)
+    qt, et = quantize.quantize_cols(x, row_index=empty)
+    assert qt.shape == (256, 0) and et.shape == (256, 0)
+
+
 @pytest.mark.gpu
 def test_fp8_weight_grads_through_the_row_index_are_the_gathered_rows_bits(gen):
-    """``_weight_grads_fp8`` on the GPU kernels: x quantized through the row index gives the
-    bits of x's gathered rows (``moe_backward``'s FP8 weight gradients without the gather)."""
+    """``_weight_grads_fp8`` on the GPU kernels: x and d_out quantized through the row index
+    (``IndexedRows``) give the bits of their gathered rows (``moe_backward``'s FP8 weight
+    gradients without the gathers)."""
     from mok_cute import expert_backward
     from mok_cute.kernels import token_ops
 
@@ -760,14 +985,15 @@ def test_fp8_weight_grads_through_the_row_index_are_the_gathered_rows_bits(gen):
     x = _wide_bf16(gen, T, H, zero_groups=False).cuda()
     idx = _row_index(gen, rows, T).cuda()
     d_pre = (torch.randn(rows, 2 * I, generator=gen) * 0.1).to(bf16).cuda()
-    hw, d_rows = (torch.randn(rows, I, generator=gen).to(bf16).cuda(),
-                  torch.randn(rows, H, generator=gen).to(bf16).cuda())
-    args = (d_pre, hw, d_rows)
-    want = expert_backward._weight_grads_fp8(*args, token_ops.gather_rows(x, idx), offsets,
+    hw, dy = (torch.randn(rows, I, generator=gen).to(bf16).cuda(),
+              torch.randn(T, H, generator=gen).to(bf16).cuda())
+    want = expert_backward._weight_grads_fp8(d_pre, hw, token_ops.gather_rows(dy, idx),
+                                             token_ops.gather_rows(x, idx), offsets,
                                              len(counts), I, True, True)
+    in_place = expert_backward.IndexedRows
     for _ in range(2):
-        got = expert_backward._weight_grads_fp8(*args, x, offsets, len(counts), I, True, True,
-                                                x_row_index=idx)
+        got = expert_backward._weight_grads_fp8(d_pre, hw, in_place(dy, idx), in_place(x, idx),
+                                                offsets, len(counts), I, True, True)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
 

@@ -141,6 +141,30 @@ def test_fp8_weight_gradients_hold_the_bound_below_the_size_thresholds_too(name,
     test_fp8_gradients_within_the_issue_bound_of_bf16(name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dsv3_reduced", "T77_shared", "empty_experts", "T1"])
+def test_rows_read_in_place_give_the_gathered_rows_bits(name, monkeypatch):
+    """Every FP8 kernel (thresholds lowered): the backward with the d_out and x rows read
+    through the row index by the FP8 quantizers (``expert_backward.routed_rows``) is bitwise
+    the backward that gathers them first (a shared expert, empty experts and T = 1 too)."""
+    from mok_cute import expert_backward
+
+    for attr in ("FP8_WGRAD_MIN_INTER", "FP8_WGRAD_MIN_ROWS", "FP8_FC2_DGRAD_MIN_INTER"):
+        monkeypatch.setattr(expert_backward, attr, 0)
+    T, H, I, E, K, Is, routing, zero_w = CASES[name]
+    leaves, idx = _problem(T, H, I, E, K, Is, seed=T + K, routing=routing, zero_weights=zero_w)
+    gen = torch.Generator(device="cuda").manual_seed(T + 1)
+    d_out = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    assert any(expert_backward.fp8_reads_only("fp8", H, I, T * K / E, expert_backward.Needs()))
+    out, got = _grads("kernel", leaves, idx, d_out, FP8)
+    monkeypatch.setattr(expert_backward, "fp8_reads_only", lambda *a, **k: (False, False))
+    torch.full((1 << 28,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out2, want = _grads("kernel", leaves, idx, d_out, FP8)
+    assert torch.equal(out, out2)
+    for name_, g, w in zip(NAMES, got, want):
+        assert (g is None) == (w is None) and (g is None or torch.equal(g, w)), name_
+
+
 def test_fc2s_dgrad_runs_in_fp8_where_it_pays_and_where_the_rows_are_padded():
     from mok_cute.expert_backward import FP8_FC2_DGRAD_MIN_INTER, fp8_fc2_dgrad
 

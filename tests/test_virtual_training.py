@@ -242,9 +242,10 @@ def _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets, w
 def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                               tile_expert, num_tiles, offsets, want_dx, want_gate_up,
                               want_down, want_partials, options, fp8=False, dgrads="kernels",
-                              fp8_transposed=None, rows_per_expert=0.0, x_row_index=None):
+                              fp8_transposed=None, rows_per_expert=0.0):
     """``expert_backward._expert_backward`` in fp32 torch: the two emulations above (bf16)."""
-    assert not fp8 and fp8_transposed is None and x_row_index is None  # bf16: x rows gathered
+    assert not fp8 and fp8_transposed is None
+    assert isinstance(d_rows, torch.Tensor) and (x_rows is None or isinstance(x_rows, torch.Tensor))
     d_pre, hw, partials, dx = _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                                weights, tile_expert, num_tiles, want_dx, options)
     dwg, dwu, dwd = _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets,

@@ -35,6 +35,12 @@ x as int32 pairs of bf16, q as int32 quads of e4m3 (the torch entry points pass 
 Constraints: bf16 in, row-major with 16-byte aligned rows; rows: ``K % 128 == 0``; cols:
 ``M % 128 == 0``, ``K % 8 == 0``; blocks: ``K % 8 == 0`` (any N; both padded to 128).
 
+Row index (``gather``; ``row_index=`` of ``quantize_rows`` / ``quantize_cols`` /
+``quantize_cols_per_expert``): output row r is read from row ``row_index[r]`` of x ``[T, K]``
+(any T; a zero row where the index is outside ``[0, T)``), bitwise the quantizer on
+``token_ops.gather_rows_ref(x, row_index)`` without the gathered bf16 copy. The index is int32
+``[M]``, contiguous and 16-byte aligned (cols: ``M % 128 == 0``).
+
 Each kernel has a tensor-free compile function on fake tensors with run-time extents and
 strides (``compile_quantize_rows`` / ``_cols`` / ``_blocks``, registered in
 ``mok_cute.jit.KERNELS``; TVM-FFI, no GPU needed), a torch entry point that launches the
@@ -207,13 +213,21 @@ class QuantizeRows:
     :param scatter_k: 0, or K: each row t of x is also the source of the K destination rows
         ``rows[t * K + k]`` (-1: none), which its quantized groups and exponents are written to
         instead of row t (the FP8 expert path's x, quantized once per token straight into
-        expert order: the scatter's pass over the e4m3 rows and the exponent gather gone)."""
+        expert order: the scatter's pass over the e4m3 rows and the exponent gather gone).
+    :param gather: the opposite direction: output row r is the quantization of row
+        ``row_index[r]`` of x (a zero row, exponents -127, where that is outside ``[0, T)``):
+        ``quantize_rows(gather_rows(x, row_index))`` without the gathered bf16 copy. Each lane
+        reads its row's index once (the 16 lanes of a group read the same word)."""
 
     LANES_PER_GROUP = 16
 
-    def __init__(self, num_warps: int = 4, scatter_k: int = 0):
+    def __init__(self, num_warps: int = 4, scatter_k: int = 0, gather: bool = False):
+        if scatter_k and gather:
+            raise ValueError(f"scatter_k, gather: expected at most one of them, got scatter_k = "
+                             f"{scatter_k} and gather = True")
         self.num_warps = num_warps
         self.scatter_k = scatter_k
+        self.gather = bool(gather)
         self.num_threads = None
 
     def _setup_attributes(self):
@@ -223,10 +237,13 @@ class QuantizeRows:
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
                  mRows: Optional[cute.Tensor], stream):
         """mX (M, K/2) int32 (bf16 pairs), mQ (M', K/4) int32 (e4m3 quads), mE (M', K/128) int8;
-        mRows int32 (M * scatter_k) with scatter_k (M' any), else None (M' = M)."""
+        mRows int32 (M * scatter_k) with scatter_k (M' any); with ``gather`` the row index
+        (M',) int32 (M any: x's rows are read through it); else None (M' = M)."""
         self._setup_attributes()
         groups = mE.shape[1]
         units = mX.shape[0] * groups
+        if const_expr(self.gather):
+            units = mQ.shape[0] * groups  # the output's rows
         warps = (units + 1) // 2
         grid_x = (warps + self.num_warps - 1) // self.num_warps
         self.kernel(mX, mQ, mE, mRows, units, groups).launch(
@@ -248,7 +265,13 @@ class QuantizeRows:
         gQ = cute.flat_divide(mQ, (1, 2))  # (1, 2, M, K/8): 8 bytes of e4m3
         words = cute.make_rmem_tensor((4,), Int32)
         words.fill(0)
-        if valid:
+        if const_expr(self.gather):
+            src = Int32(-1)
+            if valid:
+                src = mRows[row]
+            if src >= 0 and src < mX.shape[0]:  # else a zero row
+                cute.copy(_copy_atom(Int32, 128), gX[0, None, src, vec], words)
+        elif valid:
             cute.copy(_copy_atom(Int32, 128), gX[0, None, row, vec], words)
         amax = Int32(0)
         for j in cutlass.range_constexpr(4):
@@ -277,31 +300,39 @@ class QuantizeRows:
 
 
 class QuantizeCols:
-    """Groups of 128 rows per column, written transposed: a warp per 128 x 32 tile of x."""
+    """Groups of 128 rows per column, written transposed: a warp per 128 x 32 tile of x.
+
+    :param gather: read row r of the tile from row ``row_index[r]`` of x (a zero row where
+        that is outside ``[0, T)``): the quantization of ``gather_rows(x, row_index)`` without
+        the gathered bf16 copy (``_load_indexed``)."""
 
     TILE_K = 32
 
-    def __init__(self, num_warps: int = 4):
+    def __init__(self, num_warps: int = 4, gather: bool = False):
         self.num_warps = num_warps
+        self.gather = bool(gather)
         self.num_threads = None
 
     def _setup_attributes(self):
         self.num_threads = 32 * self.num_warps
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor, stream):
-        """mX (M, K/2) int32 (bf16 pairs), mQ (K, M/4) int32 (e4m3 quads), mE (K, M/128) int8."""
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
+                 mRowIndex: Optional[cute.Tensor], stream):
+        """mX (M, K/2) int32 (bf16 pairs), mQ (K, M/4) int32 (e4m3 quads), mE (K, M/128) int8;
+        with ``gather`` mRowIndex (M,) int32 (16-byte aligned) and mX (T, K/2) for any T, else
+        None."""
         self._setup_attributes()
         k_vecs = mQ.shape[0] // 8
         k_tiles = (mQ.shape[0] + self.TILE_K - 1) // self.TILE_K
         units = mE.shape[1] * k_tiles
         grid_x = (units + self.num_warps - 1) // self.num_warps
-        self.kernel(mX, mQ, mE, units, k_tiles, k_vecs).launch(
+        self.kernel(mX, mQ, mE, mRowIndex, units, k_tiles, k_vecs).launch(
             grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor, units: Int32,
-               k_tiles: Int32, k_vecs: Int32):
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
+               mRowIndex: Optional[cute.Tensor], units: Int32, k_tiles: Int32, k_vecs: Int32):
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tr, tc = _ColumnTile.lane_coords()
@@ -312,10 +343,16 @@ class QuantizeCols:
         valid = unit < units and kv < k_vecs
         gX = cute.flat_divide(mX, (1, 4))  # (1, 4, M, K/8)
         gQ = cute.flat_divide(mQ, (1, 4))  # (1, 4, K, M/16)
+        gIndex = None
+        if const_expr(self.gather):
+            gIndex = cute.flat_divide(mRowIndex, (4,))  # (4, M/4): four rows' sources
         words = cute.make_rmem_tensor((4, _ColumnTile.ROWS_PER_LANE), Int32)
         words.fill(0)
         if valid:
-            _ColumnTile.load(gX, mg * GROUP, tr, kv, words)
+            if const_expr(self.gather):
+                self._load_indexed(gX, gIndex, mg * GROUP, tr, kv, words)
+            else:
+                _ColumnTile.load(gX, mg * GROUP, tr, kv, words)
         out = cute.make_rmem_tensor((4,), Int32)
         for c in cutlass.range_constexpr(8):
             # the 8 lanes of a tc are lanes tc + 4 tr: xor 4, 8, 16
@@ -328,6 +365,24 @@ class QuantizeCols:
                 if tr == 0:
                     mE[col, mg] = Int8(e)
 
+    @cute.jit
+    def _load_indexed(self, gX: cute.Tensor, gIndex: cute.Tensor, first_row: Int32, tr: Int32,
+                      kv: Int32, words: cute.Tensor):
+        """``_ColumnTile.load`` through the row index: this lane's 16 rows r (from
+        ``first_row + 16 tr``) read row ``index[r]`` of x, a zero row where that is outside
+        ``[0, T)`` (``words`` holds zeros). ``gIndex`` is the index as (4, M/4) int32: a row's
+        source is looked up once per load of the group, four rows to a 128-bit load (the four
+        lanes of a tr read the same 64 bytes), then the 16 predicated row loads."""
+        num_src = gX.shape[2]
+        src = cute.make_rmem_tensor((4,), Int32)
+        quad0 = (first_row + tr * _ColumnTile.ROWS_PER_LANE) // 4
+        for j in cutlass.range_constexpr(_ColumnTile.ROWS_PER_LANE // 4):
+            cute.copy(_copy_atom(Int32, 128), gIndex[None, quad0 + j], src)
+            for r in cutlass.range_constexpr(4):
+                if src[r] >= 0 and src[r] < num_src:
+                    cute.copy(_copy_atom(Int32, 128), gX[0, None, src[r], kv],
+                              words[None, 4 * j + r])
+
 
 class QuantizeColsPerExpert(QuantizeCols):
     """One scale per column and expert, written transposed: a warp per (expert, 32-column
@@ -338,10 +393,6 @@ class QuantizeColsPerExpert(QuantizeCols):
     :param gather: read row r of the tile from row ``row_index[r]`` of x (a zero row where
         that is outside ``[0, T)``): the quantization of ``gather_rows(x, row_index)`` without
         the gathered bf16 copy (the FP8 weight gradients' x rows)."""
-
-    def __init__(self, num_warps: int = 4, gather: bool = False):
-        super().__init__(num_warps=num_warps)
-        self.gather = bool(gather)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
@@ -409,25 +460,6 @@ class QuantizeColsPerExpert(QuantizeCols):
                 self._load_indexed(gX, gIndex, g * GROUP, tr, kv, words)
             else:
                 _ColumnTile.load(gX, g * GROUP, tr, kv, words)
-
-    @cute.jit
-    def _load_indexed(self, gX: cute.Tensor, gIndex: cute.Tensor, first_row: Int32, tr: Int32,
-                      kv: Int32, words: cute.Tensor):
-        """``_ColumnTile.load`` through the row index: this lane's 16 rows r (from
-        ``first_row + 16 tr``) read row ``index[r]`` of x, a zero row where that is outside
-        ``[0, T)`` (``words`` holds zeros). ``gIndex`` is the index as (4, M/4) int32: a row's
-        source is looked up once per group (a pass), four rows to a 128-bit load (the four
-        lanes of a tr read the same 64 bytes), then the 16 predicated row loads."""
-        num_src = gX.shape[2]
-        src = cute.make_rmem_tensor((4,), Int32)
-        quad0 = (first_row + tr * _ColumnTile.ROWS_PER_LANE) // 4
-        for j in cutlass.range_constexpr(_ColumnTile.ROWS_PER_LANE // 4):
-            cute.copy(_copy_atom(Int32, 128), gIndex[None, quad0 + j], src)
-            for r in cutlass.range_constexpr(4):
-                if src[r] >= 0 and src[r] < num_src:
-                    cute.copy(_copy_atom(Int32, 128), gX[0, None, src[r], kv],
-                              words[None, 4 * j + r])
-
 
 class QuantizeBlocks:
     """128 x 128 weight blocks: a CTA of 4 warps per block, each warp a 128 x 32 column tile;
@@ -520,22 +552,30 @@ def _compile(op, args, arch: str, options: str):
 
 
 def compile_quantize_rows(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4,
-                          scatter_k: int = 0):
+                          scatter_k: int = 0, gather: bool = False):
     """Compile ``QuantizeRows`` on fake tensors: M and K (a multiple of 128) at run time;
-    ``scatter_k``: the destination rows' count M' too, and the int32 row map."""
+    ``scatter_k``: the destination rows' count M' too, and the int32 row map; ``gather``:
+    x's row count T (any) too, and the int32 row index [M] (16-byte aligned)."""
     m = cute.sym_int32()
     dest = cute.sym_int32() if scatter_k else m
-    args = (_fake_words(m, GROUP // 2), _fake_words(dest, GROUP // 4),
-            _fake_exponents(dest, cute.sym_int32()),
-            common.fake_vector(Int32) if scatter_k else None)
-    return _compile(QuantizeRows(num_warps=num_warps, scatter_k=scatter_k), args, arch, options)
+    rows = common.fake_vector(Int32) if scatter_k else None
+    if gather:
+        rows = common.fake_vector(Int32, m, align_bytes=16)
+    args = (_fake_words(cute.sym_int32() if gather else m, GROUP // 2),
+            _fake_words(dest, GROUP // 4), _fake_exponents(dest, cute.sym_int32()), rows)
+    return _compile(QuantizeRows(num_warps=num_warps, scatter_k=scatter_k, gather=gather), args,
+                    arch, options)
 
 
-def compile_quantize_cols(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4):
-    """Compile ``QuantizeCols`` on fake tensors: M (a multiple of 128) and K (of 8) at run time."""
+def compile_quantize_cols(arch: str = "sm_90a", *, options: str = "", num_warps: int = 4,
+                          gather: bool = False):
+    """Compile ``QuantizeCols`` on fake tensors: M (a multiple of 128) and K (of 8) at run time;
+    ``gather``: x's row count T (any) too, and the int32 row index [M] (16-byte aligned)."""
     m, k = cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=8)
-    args = (_fake_words(m, 4), _fake_words(k, GROUP // 4), _fake_exponents(k, cute.sym_int32()))
-    return _compile(QuantizeCols(num_warps=num_warps), args, arch, options)
+    args = (_fake_words(cute.sym_int32() if gather else m, 4), _fake_words(k, GROUP // 4),
+            _fake_exponents(k, cute.sym_int32()),
+            common.fake_vector(Int32, m, align_bytes=16) if gather else None)
+    return _compile(QuantizeCols(num_warps=num_warps, gather=gather), args, arch, options)
 
 
 def compile_quantize_cols_per_expert(arch: str = "sm_90a", *, options: str = "",
@@ -607,6 +647,21 @@ def _out(name: str, t, shape, dtype, device) -> torch.Tensor:
     return t
 
 
+def _check_row_index(row_index: object, x: torch.Tensor, of: int = 1) -> torch.Tensor:
+    """A row index: int32 ``[M]`` (M a multiple of ``of``), contiguous, 16-byte aligned, on
+    x's device. Checked before anything needs CUDA (x's device is checked after it)."""
+    if (not isinstance(row_index, torch.Tensor) or row_index.dtype != torch.int32
+            or row_index.dim() != 1 or row_index.shape[0] % of):
+        what = f" with M a multiple of {of}" if of > 1 else ""
+        raise ValueError(f"row_index: expected a 1-D int32 tensor [M]{what} (the output's rows), "
+                         f"got {describe(row_index)}")
+    if row_index.device != x.device or not row_index.is_contiguous() or row_index.data_ptr() % 16:
+        raise ValueError(f"row_index: expected a contiguous, 16-byte aligned tensor on "
+                         f"{x.device} (x's device), got {describe(row_index)} at address "
+                         f"0x{row_index.data_ptr():x}")
+    return row_index
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
@@ -616,18 +671,28 @@ def _bytes(q: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, out: torch.Tensor | None = None,
-                  scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale_out: torch.Tensor | None = None,
+                  row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8.quantize_rows`` on the GPU: ``x [M, K]`` bf16 (K % 128 == 0) -> ``(q [M, K]
-    float8_e4m3fn, e [M, K/128] int8)``, bitwise the reference. No host sync."""
+    float8_e4m3fn, e [M, K/128] int8)``, bitwise the reference. No host sync.
+
+    ``row_index``: int32 ``[M]`` on x's device (any M, contiguous, 16-byte aligned), x then
+    ``[T, K]`` for any T: the output is that of ``token_ops.gather_rows_ref(x, row_index)``
+    (a zero row, exponents -127, where ``row_index[r]`` is outside ``[0, T)``), each row read
+    from x in place (no gathered bf16 copy)."""
     _check_bf16("x", x, 2)
     _multiple("x", x, 1, "K", GROUP)
+    if row_index is not None:
+        _check_row_index(row_index, x)
     _check_device("x", x)
-    m, k = x.shape
+    k = x.shape[1]
+    m = x.shape[0] if row_index is None else row_index.shape[0]
     q = _out("out", out, (m, k), torch.float8_e4m3fn, x.device)
     e = _out("scale_out", scale_out, (m, k // GROUP), torch.int8, x.device)
     if m and k:
-        compiled = jit.compile_kernel("quantize_rows", jit.device_arch(x.device))
-        compiled(_words(x), _bytes(q), e, None)
+        compiled = jit.compile_kernel("quantize_rows", jit.device_arch(x.device),
+                                      gather=row_index is not None)
+        compiled(_words(x), _bytes(q), e, row_index)
     return q, e
 
 
@@ -681,19 +746,30 @@ def quantize_scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int,
 
 
 def quantize_cols(x: torch.Tensor, out: torch.Tensor | None = None,
-                  scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale_out: torch.Tensor | None = None,
+                  row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8.quantize_cols`` on the GPU: ``x [M, K]`` bf16 (M % 128 == 0, K % 8 == 0) ->
-    ``(qt [K, M] float8_e4m3fn, e [K, M/128] int8)``, bitwise the reference."""
+    ``(qt [K, M] float8_e4m3fn, e [K, M/128] int8)``, bitwise the reference.
+
+    ``row_index``: int32 ``[M]`` on x's device (M % 128 == 0, contiguous, 16-byte aligned),
+    x then ``[T, K]`` for any T: the output is that of ``token_ops.gather_rows_ref(x,
+    row_index)`` (a zero row where ``row_index[r]`` is outside ``[0, T)``), each row read from
+    x in place (no gathered bf16 copy)."""
     _check_bf16("x", x, 2)
-    _multiple("x", x, 0, "M", GROUP)
+    if row_index is None:
+        _multiple("x", x, 0, "M", GROUP)
     _multiple("x", x, 1, "K", 8)
+    if row_index is not None:
+        _check_row_index(row_index, x, GROUP)
     _check_device("x", x)
-    m, k = x.shape
+    k = x.shape[1]
+    m = x.shape[0] if row_index is None else row_index.shape[0]
     q = _out("out", out, (k, m), torch.float8_e4m3fn, x.device)
     e = _out("scale_out", scale_out, (k, m // GROUP), torch.int8, x.device)
     if m and k:
-        compiled = jit.compile_kernel("quantize_cols", jit.device_arch(x.device))
-        compiled(_words(x), _bytes(q), e)
+        compiled = jit.compile_kernel("quantize_cols", jit.device_arch(x.device),
+                                      gather=row_index is not None)
+        compiled(_words(x), _bytes(q), e, row_index)
     return q, e
 
 
@@ -716,15 +792,7 @@ def quantize_cols_per_expert(x: torch.Tensor, offsets: torch.Tensor, num_experts
         _multiple("x", x, 0, "M", GROUP)
     _multiple("x", x, 1, "K", 8)
     if row_index is not None:
-        if (not isinstance(row_index, torch.Tensor) or row_index.dtype != torch.int32
-                or row_index.dim() != 1 or row_index.shape[0] % GROUP):
-            raise ValueError(f"row_index: expected a 1-D int32 tensor [M] with M a multiple of "
-                             f"{GROUP} (the output's rows), got {describe(row_index)}")
-        if (row_index.device != x.device or not row_index.is_contiguous()
-                or row_index.data_ptr() % 16):
-            raise ValueError(f"row_index: expected a contiguous, 16-byte aligned tensor on "
-                             f"{x.device} (x's device), got {describe(row_index)} at address "
-                             f"0x{row_index.data_ptr():x}")
+        _check_row_index(row_index, x, GROUP)
     _check_device("x", x)
     check_int("num_experts", num_experts, min_value=1)
     if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32

@@ -289,9 +289,12 @@ class SchedulerMixin:
         failed word when a wait of this launch has given up (then the rows it pushed may be
         garbage, and every peer's k-sum writes NaN instead of a plausible wrong output)."""
         self._fence()
-        failed_epoch = cutlass.select_(common.error_recorded(error), ctx.epoch, Int32(0))
-        for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
-            self._store_flag(ctx, peer_bases, rank, p, flag_done(ctx.epoch), failed_epoch)
+        if common.error_recorded(error):
+            for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
+                self._store_flag(ctx, peer_bases, rank, p, flag_done(ctx.epoch), ctx.epoch)
+        else:
+            for p in cutlass.range(cute.size(peer_bases, mode=[1]), unroll=1):
+                self._store_flag(ctx, peer_bases, rank, p, flag_done(ctx.epoch))
 
 
 # ---------------------------------------------------------------------- ticket ring
