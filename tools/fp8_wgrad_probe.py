@@ -28,7 +28,9 @@ p.add_argument("--rounds", type=int, default=3)
 p.add_argument("--json", default=None)
 p.add_argument("--layer", action="store_true",
                help="also the whole FP8 backward (moe_backward, precision fp8) with FP8 against "
-                    "bf16 weight gradients (expert_backward.fp8_weight_grads' thresholds), beside bf16's")
+                    "bf16 weight gradients (expert_backward.fp8_weight_grads' thresholds), and "
+                    "with the d_out and x rows gathered first against read in place by the FP8 "
+                    "quantizers (expert_backward.routed_rows), beside bf16's")
 args = p.parse_args()
 
 
@@ -49,10 +51,16 @@ def layer_runs(name):
         _, s8 = expert_path_fp8.moe_forward_fp8(x, idx, w, *ws, None, cfg, save=True)
     d_out = torch.randn_like(x)
 
-    def fp8_bwd(fp8_wgrads):
+    def fp8_bwd(fp8_wgrads, in_place=True):
         def run():
-            with fp8_weight_grads_forced(fp8_wgrads):
-                return eb.moe_backward(d_out, x, idx, w, *ws, None, s8, precision="fp8")
+            kept = eb.fp8_reads_only
+            if not in_place:  # the d_out and x rows gathered in bf16 first, as before
+                eb.fp8_reads_only = lambda *a, **k: (False, False)
+            try:
+                with fp8_weight_grads_forced(fp8_wgrads):
+                    return eb.moe_backward(d_out, x, idx, w, *ws, None, s8, precision="fp8")
+            finally:
+                eb.fp8_reads_only = kept
         return run
     bf16 = eb.moe_backward(d_out, x, idx, w, *ws, None, s16)
     for label, got in (("fp8 wgrads", fp8_bwd(True)()), ("bf16 wgrads", fp8_bwd(False)())):
@@ -62,6 +70,7 @@ def layer_runs(name):
               f"layer's " + " ".join(f"{c:.5f}" for c in cos), flush=True)
     return {"layer bwd bf16": (lambda: eb.moe_backward(d_out, x, idx, w, *ws, None, s16), 0),
             "layer bwd fp8, fp8 wgrads": (fp8_bwd(True), 0),
+            "layer bwd fp8, fp8 wgrads, rows gathered": (fp8_bwd(True, in_place=False), 0),
             "layer bwd fp8, bf16 wgrads": (fp8_bwd(False), 0)}
 
 
