@@ -45,10 +45,14 @@ class Needs(NamedTuple):
 class IndexedRows(NamedTuple):
     """Rows ``source[index[r]]`` left in place (a zero row where ``index[r]`` is outside the
     source: -1 on padding rows): a reader that takes a row index (the FP8 quantizers'
-    ``row_index``) reads them where they are; ``gather()`` writes the copy for the others."""
+    ``row_index``) reads them where they are; ``gather()`` writes the copy for the others.
+    ``slots``: the inverse map when each source row has K rows (slot ``t * K + k``'s row, -1:
+    none), for a reader that may go source row by source row and leave padding rows
+    unwritten (``quantize.quantize_scatter_rows``)."""
 
     source: torch.Tensor  # [T, H]
     index: torch.Tensor  # int32 [rows]
+    slots: torch.Tensor | None = None  # int32 [T * K]
 
     def gather(self) -> torch.Tensor:
         from mok_cute.kernels import token_ops
@@ -58,7 +62,7 @@ class IndexedRows(NamedTuple):
 
 def in_place(rows) -> tuple:
     """``(source, row_index)`` for a reader that takes a row index: an ``IndexedRows``'s
-    fields, or rows already in order and None."""
+    source and index, or rows already in order and None."""
     return (rows.source, rows.index) if isinstance(rows, IndexedRows) else (rows, None)
 
 
@@ -212,13 +216,13 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     return dx_rows, dwg, dwu, dwd, partials
 
 
-def routed_rows(source, row_token, fp8_only: bool):
+def routed_rows(source, row_token, fp8_only: bool, row_of_slot=None):
     """A backward operand's padded rows (``source``'s rows by ``row_token``, zeros where it is
     -1): gathered in bf16, or, when ``fp8_only`` (every reader of them is an FP8 quantizer),
     ``IndexedRows`` that the quantizers read in place: no gathered copy written and read
-    again."""
+    again (``row_of_slot``: their ``slots``)."""
     if fp8_only:
-        return IndexedRows(source.contiguous(), row_token)
+        return IndexedRows(source.contiguous(), row_token, row_of_slot)
     from mok_cute.kernels import token_ops
 
     return token_ops.gather_rows(source, row_token)
@@ -390,7 +394,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     rows_per_expert = num_tokens * top_k / w_gate.shape[0]
     d_fp8_only, x_fp8_only = fp8_reads_only(precision, x.shape[1], w_gate.shape[1],
                                             rows_per_expert, needs)
-    d_rows = routed_rows(d_src, row_token, d_fp8_only)  # zeros on padding rows
+    d_rows = routed_rows(d_src, row_token, d_fp8_only, saved.row_of_slot)  # zeros on padding
     x_rows = routed_rows(x, row_token, x_fp8_only) if needs.w_gate_up else None
     dx_rows, dwg, dwu, dwd, partials = _expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,

@@ -226,16 +226,21 @@ def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
     with the dgated epilogue on W_down's transposed copy, FC1's dgrad with K split over
     W_gate's and W_up's. Returns (dG | dU [M, 2I'], w * h [M, I'], row partials, dx rows
     [M, hidden] or None), as the bf16 kernels of ``expert_backward`` (the I' - I padding
-    columns zero); padding rows are zero in and out. ``d_rows`` may be
-    ``expert_backward.IndexedRows``: quantized through their index, read in place. No host
+    columns zero); padding rows are zero out. ``d_rows`` may be ``expert_backward
+    .IndexedRows``: quantized in place, token by token into its K rows when it has ``slots``
+    (the forward's x rows alike: a padding row's A bytes are whatever the buffer held, and the
+    dgated epilogue selects zeros there, its own row only), else through the index. No host
     sync."""
-    from mok_cute.expert_backward import in_place
+    from mok_cute.expert_backward import IndexedRows, in_place
     from mok_cute.kernels import gemm_fp8, quantize
 
-    d_src, d_index = in_place(d_rows)
+    if isinstance(d_rows, IndexedRows) and d_rows.slots is not None and len(d_rows.source):
+        d_q = quantize.quantize_scatter_rows(d_rows.source, d_rows.slots, d_rows.index.shape[0])
+    else:
+        d_src, d_index = in_place(d_rows)
+        d_q = quantize.quantize_rows(d_src, row_index=d_index)
     d_preact, hw, partials = gemm_fp8.grouped_gemm_fp8_dgated(
-        *quantize.quantize_rows(d_src, row_index=d_index), wt.down, wt.e_down, preact,
-        row_slot, weights, tile_expert, num_tiles)
+        *d_q, wt.down, wt.e_down, preact, row_slot, weights, tile_expert, num_tiles)
     dx_rows = fc1_dgrad(d_preact, tile_expert, num_tiles, wt, hidden) if want_dx else None
     return d_preact, hw, partials, dx_rows
 

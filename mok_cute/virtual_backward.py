@@ -228,7 +228,7 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         d_src = pad_cols(d_src, padded(H))
     # zeros on padding rows; read in place where FP8 quantizers are their only readers
     d_fp8_only, x_fp8_only = fp8_reads_only(precision, H, I, T * K / E_loc, needs)
-    d_rows = routed_rows(d_src, concat.token_row, d_fp8_only)
+    d_rows = routed_rows(d_src, concat.token_row, d_fp8_only, concat.row_of_slot)
     x_rows = (routed_rows(xs.reshape(R * T, H), concat.token_row, x_fp8_only)
               if needs.w_gate_up else None)
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts

@@ -82,6 +82,7 @@ def test_rows_stay_in_place_only_where_fp8_quantizers_are_their_only_readers():
     index = torch.tensor([3, -1, 0, 4, 9, 1, -1, 2], dtype=torch.int32)
     kept = eb.routed_rows(x, index, True)
     assert isinstance(kept, eb.IndexedRows) and kept.source is x and kept.index is index
+    assert kept.slots is None and eb.routed_rows(x, index, True, index).slots is index
     assert eb.in_place(kept) == (x, index) and eb.in_place(x) == (x, None)
     gathered = token_ops.gather_rows_ref(x, index)
     orig = token_ops.gather_rows
