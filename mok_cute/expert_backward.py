@@ -251,8 +251,8 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
         hidden = w_down.shape[1]
         if fp8_fc2_dgrad(hidden, w_gate.shape[1]):
             d_preact, hw, partials, dx_rows = expert_path_fp8.expert_dgrads(
-                d_rows, preact, row_slot, weights, tile_expert, num_tiles, wt, want_dx,
-                hidden)
+                _quantized_rows(d_rows), preact, row_slot, weights, tile_expert, num_tiles, wt,
+                want_dx, hidden)
         else:  # FC2's dgrad in bf16 (d_rows are H wide: no padding), FC1's in FP8
             d_preact, hw, partials = fc2_dgrad(materialized(d_rows), w_down, preact, row_slot,
                                                weights, tile_expert, num_tiles, options)
@@ -269,6 +269,19 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
         if want_dx:
             dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options)
     return d_preact, hw, partials, dx_rows
+
+
+def _quantized_rows(rows):
+    """Rows quantized 1 x 128 for an FP8 GEMM's A: an ``IndexedRows`` in place, token by token
+    into its K rows when it has ``slots`` (``quantize_scatter_rows``, the forward's x path:
+    padding rows keep whatever the buffer held), else through its index; rows in order as they
+    are."""
+    from mok_cute.kernels import quantize
+
+    if isinstance(rows, IndexedRows) and rows.slots is not None and len(rows.source):
+        return quantize.quantize_scatter_rows(rows.source, rows.slots, rows.index.shape[0])
+    src, index = in_place(rows)
+    return quantize.quantize_rows(src, row_index=index)
 
 
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,

@@ -219,28 +219,19 @@ def fc1_rows(x: torch.Tensor, topk_idx: torch.Tensor, weights: Fp8Weights, save:
     return h, sched, row_of_slot, preact, row_slot
 
 
-def expert_dgrads(d_rows, preact, row_slot, weights, tile_expert, num_tiles,
+def expert_dgrads(d_rows_q, preact, row_slot, weights, tile_expert, num_tiles,
                   wt: Fp8Weights, want_dx: bool, hidden: int):
     """The routed experts' two dgrads in FP8 (the weight gradients: ``expert_backward``): d_out rows
-    ([M, H'], zero-padded to the weights' H') and then dG | dU quantized 1 x 128, FC2's dgrad
-    with the dgated epilogue on W_down's transposed copy, FC1's dgrad with K split over
-    W_gate's and W_up's. Returns (dG | dU [M, 2I'], w * h [M, I'], row partials, dx rows
-    [M, hidden] or None), as the bf16 kernels of ``expert_backward`` (the I' - I padding
-    columns zero); padding rows are zero out. ``d_rows`` may be ``expert_backward
-    .IndexedRows``: quantized in place, token by token into its K rows when it has ``slots``
-    (the forward's x rows alike: a padding row's A bytes are whatever the buffer held, and the
-    dgated epilogue selects zeros there, its own row only), else through the index. No host
-    sync."""
-    from mok_cute.expert_backward import IndexedRows, in_place
-    from mok_cute.kernels import gemm_fp8, quantize
+    quantized 1 x 128 (``d_rows_q``: (e4m3 [M, H'], exponents), H' the weights' padded H; a
+    padding row may hold anything: the dgated epilogue selects zeros there, row by row) and then
+    dG | dU, FC2's dgrad with the dgated epilogue on W_down's transposed copy, FC1's dgrad with
+    K split over W_gate's and W_up's. Returns (dG | dU [M, 2I'], w * h [M, I'], row partials, dx
+    rows [M, hidden] or None), as the bf16 kernels of ``expert_backward`` (the I' - I padding
+    columns zero); padding rows are zero out. No host sync."""
+    from mok_cute.kernels import gemm_fp8
 
-    if isinstance(d_rows, IndexedRows) and d_rows.slots is not None and len(d_rows.source):
-        d_q = quantize.quantize_scatter_rows(d_rows.source, d_rows.slots, d_rows.index.shape[0])
-    else:
-        d_src, d_index = in_place(d_rows)
-        d_q = quantize.quantize_rows(d_src, row_index=d_index)
     d_preact, hw, partials = gemm_fp8.grouped_gemm_fp8_dgated(
-        *d_q, wt.down, wt.e_down, preact, row_slot, weights, tile_expert, num_tiles)
+        *d_rows_q, wt.down, wt.e_down, preact, row_slot, weights, tile_expert, num_tiles)
     dx_rows = fc1_dgrad(d_preact, tile_expert, num_tiles, wt, hidden) if want_dx else None
     return d_preact, hw, partials, dx_rows
 
