@@ -30,7 +30,8 @@ p.add_argument("--layer", action="store_true",
                help="also the whole FP8 backward (moe_backward, precision fp8) with FP8 against "
                     "bf16 weight gradients (expert_backward.fp8_weight_grads' thresholds), and "
                     "with the d_out and x rows gathered first against read in place by the FP8 "
-                    "quantizers (expert_backward.routed_rows), beside bf16's")
+                    "quantizers (expert_backward.routed_rows), and with FC2's dgrad forced to FP8 "
+                    "too, beside bf16's")
 args = p.parse_args()
 
 
@@ -51,16 +52,19 @@ def layer_runs(name):
         _, s8 = expert_path_fp8.moe_forward_fp8(x, idx, w, *ws, None, cfg, save=True)
     d_out = torch.randn_like(x)
 
-    def fp8_bwd(fp8_wgrads, in_place=True):
+    def fp8_bwd(fp8_wgrads, in_place=True, fp8_fc2=None):
+        """``fp8_fc2``: FC2's dgrad forced to FP8 (True) or left to its rule (None)."""
         def run():
-            kept = eb.fp8_reads_only
+            kept = eb.fp8_reads_only, eb.FP8_FC2_DGRAD_MIN_INTER
             if not in_place:  # the d_out and x rows gathered in bf16 first, as before
                 eb.fp8_reads_only = lambda *a, **k: (False, False)
+            if fp8_fc2:
+                eb.FP8_FC2_DGRAD_MIN_INTER = 0
             try:
                 with fp8_weight_grads_forced(fp8_wgrads):
                     return eb.moe_backward(d_out, x, idx, w, *ws, None, s8, precision="fp8")
             finally:
-                eb.fp8_reads_only = kept
+                eb.fp8_reads_only, eb.FP8_FC2_DGRAD_MIN_INTER = kept
         return run
     bf16 = eb.moe_backward(d_out, x, idx, w, *ws, None, s16)
     for label, got in (("fp8 wgrads", fp8_bwd(True)()), ("bf16 wgrads", fp8_bwd(False)())):
@@ -71,7 +75,9 @@ def layer_runs(name):
     return {"layer bwd bf16": (lambda: eb.moe_backward(d_out, x, idx, w, *ws, None, s16), 0),
             "layer bwd fp8, fp8 wgrads": (fp8_bwd(True), 0),
             "layer bwd fp8, fp8 wgrads, rows gathered": (fp8_bwd(True, in_place=False), 0),
-            "layer bwd fp8, bf16 wgrads": (fp8_bwd(False), 0)}
+            "layer bwd fp8, bf16 wgrads": (fp8_bwd(False), 0),
+            # every GEMM in FP8 (what the size thresholds keep in bf16 below I = 1024)
+            "layer bwd fp8, all fp8": (fp8_bwd(True, fp8_fc2=True), 0)}
 
 
 torch.manual_seed(0)
