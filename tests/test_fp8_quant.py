@@ -653,6 +653,21 @@ def _assert_same(got, want, what):
                              f"got {g[tuple(bad[0])].item():#x}, want {w[tuple(bad[0])].item():#x}")
 
 
+def _twice_into_poison(run, q_shape, e_shape, want_q, want_e, what):
+    """``run(q, e)`` into poisoned outputs, twice: it returns them, every byte the reference's,
+    the same bits both times."""
+    runs = []
+    for _ in range(2):
+        q, e = _poison(q_shape, e4m3), _poison(e_shape, torch.int8)
+        got = run(q, e)
+        torch.cuda.synchronize()
+        assert got[0] is q and got[1] is e
+        _assert_same(q, want_q, f"q {what}")
+        _assert_same(e, want_e, f"e {what}")
+        runs.append((_bytes(q).clone(), e.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
 def _edge_rows(x: torch.Tensor) -> torch.Tensor:
     """Overwrite a few rows of x (bf16 [M, K], M >= 6) with the hard cases: bf16 subnormals,
     huge values, 448 * 2**k exactly, signed zeros, ties of the e4m3 rounding."""
@@ -877,16 +892,8 @@ def test_quantize_rows_gather_is_bitwise_the_reference_on_gathered_rows(gen, t, 
     assert outside.any() and (t == 0 or not outside.all())
     assert (want_e[outside] == fp8.EXP_MIN).all() and (_bytes(want_q[outside]) == 0).all()
     xd, idd = x.cuda(), idx.cuda()
-    runs = []
-    for _ in range(2):
-        q, e = _poison((m, k), e4m3), _poison((m, k // 128), torch.int8)
-        got = quantize.quantize_rows(xd, out=q, scale_out=e, row_index=idd)
-        torch.cuda.synchronize()
-        assert got[0] is q and got[1] is e
-        _assert_same(q, want_q, f"q t={t} m={m} k={k}")
-        _assert_same(e, want_e, f"e t={t} m={m} k={k}")
-        runs.append((_bytes(q).clone(), e.clone()))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    _twice_into_poison(lambda q, e: quantize.quantize_rows(xd, out=q, scale_out=e, row_index=idd),
+                       (m, k), (m, k // 128), want_q, want_e, f"t={t} m={m} k={k}")
     q3, e3 = quantize.quantize_rows(xd, row_index=idd)  # outputs allocated by the call
     _assert_same(q3, want_q, "q allocated")
     _assert_same(e3, want_e, "e allocated")
@@ -935,16 +942,8 @@ def test_quantize_cols_gather_is_bitwise_the_reference_on_gathered_rows(gen, m, 
     idx = _row_index(gen, m, t)
     want_q, want_e = fp8.quantize_cols(token_ops.gather_rows_ref(x, idx))
     xd, idd = x.cuda(), idx.cuda()
-    runs = []
-    for _ in range(2):
-        q, e = _poison((k, m), e4m3), _poison((k, m // 128), torch.int8)
-        got = quantize.quantize_cols(xd, out=q, scale_out=e, row_index=idd)
-        torch.cuda.synchronize()
-        assert got[0] is q and got[1] is e
-        _assert_same(q, want_q, f"qt m={m} k={k} t={t}")
-        _assert_same(e, want_e, f"e m={m} k={k} t={t}")
-        runs.append((_bytes(q).clone(), e.clone()))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    _twice_into_poison(lambda q, e: quantize.quantize_cols(xd, out=q, scale_out=e, row_index=idd),
+                       (k, m), (k, m // 128), want_q, want_e, f"m={m} k={k} t={t}")
     if t:  # the path it replaces: the gathered bf16 copy, quantized
         q2, e2 = quantize.quantize_cols(token_ops.gather_rows(xd, idd))
         _assert_same(q2, want_q, "qt of gather_rows")
