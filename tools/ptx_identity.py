@@ -30,7 +30,9 @@ def cases() -> dict:
 
     The megakernel cases carry the static configuration that ``mok_cute.megakernel.plan_for``
     resolves for: one rank on one GPU (K = 8 and K = 2, with a shared expert, with the
-    recorder), virtual ranks (R = 8, rows in place or every row copied), and one IPC rank."""
+    recorder), virtual ranks (R = 8, rows in place or every row copied), and one IPC rank;
+    the backward megakernel's and the quantizers' (added later: a BASE whose copy of this
+    script lacks them reports them as new, not as a difference)."""
     from mok_cute.kernels import gemm_sm90, megakernel, schedule_build, token_ops
     try:  # added later than the first snapshots: absent from their commits' case lists
         from mok_cute.kernels import gemm_fp8, gemm_wgrad
@@ -40,6 +42,8 @@ def cases() -> dict:
         from mok_cute.kernels import gemm_wgrad_fp8
     except ImportError:
         gemm_wgrad_fp8 = None
+    from mok_cute.kernels import quantize
+    from mok_cute.kernels.megakernel.backward import compile_backward_megakernel
 
     opt = "--keep-ptx"
 
@@ -114,6 +118,26 @@ def cases() -> dict:
             "fp8_wgrad_gated": lambda: gemm_wgrad_fp8.compile_wgrad_gemm_fp8(gated=True, options=opt),
             "fp8_wgrad_down": lambda: gemm_wgrad_fp8.compile_wgrad_gemm_fp8(gated=False, options=opt),
         }),
+        # the backward megakernel: one rank in place (both FC2 forms), over a group, with the
+        # group tail (K = 10, a shared expert's dx rows)
+        "mk_bwd_one_rank": lambda: compile_backward_megakernel(options=opt),
+        "mk_bwd_one_rank_fc2_pingpong": lambda: compile_backward_megakernel(
+            options=opt, fc2_pingpong=True),
+        "mk_bwd_comm": lambda: compile_backward_megakernel(options=opt, num_ctas=116,
+                                                           comm_ctas=16),
+        "mk_bwd_group_tail": lambda: compile_backward_megakernel(
+            options=opt, num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True),
+        # the FP8 quantizers, each variant
+        "quantize_rows": lambda: quantize.compile_quantize_rows(options=opt),
+        "quantize_rows_scatter8": lambda: quantize.compile_quantize_rows(options=opt,
+                                                                          scatter_k=8),
+        "quantize_rows_gather": lambda: quantize.compile_quantize_rows(options=opt, gather=True),
+        "quantize_cols": lambda: quantize.compile_quantize_cols(options=opt),
+        "quantize_cols_gather": lambda: quantize.compile_quantize_cols(options=opt, gather=True),
+        "quantize_cols_per_expert": lambda: quantize.compile_quantize_cols_per_expert(options=opt),
+        "quantize_cols_per_expert_gather": lambda: quantize.compile_quantize_cols_per_expert(
+            options=opt, gather=True),
+        "quantize_blocks_both": lambda: quantize.compile_quantize_blocks(options=opt),
     }
 
 
@@ -168,8 +192,10 @@ def compare(base: str, head: str | None, only: list[str] | None) -> int:
         failed = 0
         for name in sorted(set(sides["base"]) | set(sides["head"])):
             a, b = sides["base"].get(name), sides["head"].get(name)
-            if a is None or b is None:
-                print(f"MISSING  {name}: only in {'head' if a is None else 'base'}")
+            if a is None:  # a case added since BASE (its copy of this script lists fewer)
+                print(f"new      {name}: not in base's case list")
+            elif b is None:
+                print(f"MISSING  {name}: only in base")
                 failed += 1
             elif a == b:
                 print(f"same     {name} ({a.count(chr(10))} lines)")
