@@ -28,7 +28,7 @@ from cutlass import BFloat16, Int32, Int64
 from mok_cute import jit
 from mok_cute.constants import PEER_FAILED, SCALAR_INDEX, SCALARS, VEC_ELEMS, flag_started
 from mok_cute.kernels import common
-from mok_cute.kernels.megakernel.comm_tasks import bf16_row, copy_row, zero_row
+from mok_cute.kernels.megakernel.comm_tasks import bf16_row, copy_row, fill_row
 # token_ops' pointer and stream helpers: one place for how a kernel entry takes torch tensors
 from mok_cute.kernels.token_ops import _placeholder_ptr, _ptr, _stream
 
@@ -69,7 +69,7 @@ class CopyRowsByAddress:
                 if frm != 0:
                     copy_row(bf16_row(frm, h_vecs * VEC_ELEMS), out, h_vecs, lane, COPY_UNROLL)
                 else:
-                    zero_row(out, h_vecs, lane)
+                    fill_row(out, 0.0, h_vecs, lane)
 
 
 class PeerBarrier:

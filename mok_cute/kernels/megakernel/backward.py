@@ -70,7 +70,7 @@ from mok_cute.constants import (BACKWARD_COMM_SCALARS, BACKWARD_TILE_N,
                                 FC2_DGRAD_PINGPONG_TILE_N, SCALARS, TILE_K, TILE_M)
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
-from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows
+from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows, signal_slot
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
 from mok_cute.kernels.megakernel.backward_tail import BackwardTailMixin, GroupTail
@@ -365,8 +365,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         tasks, _, _, num_tiles, _, _ = walk
         index = self._index(walk, cutlass.max(cutlass.min(pos, self._walk_len(walk) - 1), 0))
         tile = tasks[index, int(BackwardWord.TILE)]
-        signal = (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
-                  + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
+        signal = signal_slot(tasks, index, counter_offsets)
         return (tile < num_tiles[0], tasks[index, int(BackwardWord.TYPE)], tile,
                 tasks[index, int(BackwardWord.N_TILE)], tasks[index, int(BackwardWord.M_BLOCK)],
                 tasks[index, int(BackwardWord.NUM_WAITS)], signal, index)

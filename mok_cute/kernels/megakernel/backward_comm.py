@@ -41,7 +41,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
                                 BACKWARD_MAX_PARTIAL_COLS, SLOT_ROW_BYTES, TILE_M, VEC_ELEMS)
 from mok_cute.kernels import common
-from mok_cute.kernels.megakernel.comm_tasks import COPY_UNROLL, bf16_row, copy_row, zero_row
+from mok_cute.kernels.megakernel.comm_tasks import COPY_UNROLL, bf16_row, copy_row, fill_row
 from mok_cute.kernels.megakernel.scheduler import Context
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
 
@@ -66,6 +66,14 @@ class PeerRows(NamedTuple):
     d_rows: cute.Tensor  # bf16 (M, H): the pulled d_out rows (the FC2 dgrad's A)
     x_rows: cute.Tensor  # bf16 (M, H): the pulled x rows
     dx_rows: cute.Tensor  # bf16 (M, H): the FC1 dgrad's output, pushed home
+
+
+@cute.jit
+def signal_slot(tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor) -> Int32:
+    """The counter slot backward task ``index`` signals: its group's first slot plus its
+    index in the group."""
+    return (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
+            + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
 
 
 def f32_at(addr: Int64) -> cute.Tensor:
@@ -176,13 +184,11 @@ class BackwardCommMixin:
                                     base + rows.comm_scalars[WEIGHTS_OFFSET]
                                     + slot * SLOT_ROW_BYTES)[0]
                     else:
-                        zero_row(out, h_vecs, lane)
+                        fill_row(out, 0.0, h_vecs, lane)
             sync.arrive_and_wait()
             if tidx == 0:
                 cute.arch.fence_acq_rel_gpu()
-                common.counter_publish(
-                    counters, counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
-                    + tasks[index, int(BackwardWord.SIGNAL_INDEX)], 1)
+                common.counter_publish(counters, signal_slot(tasks, index, counter_offsets), 1)
 
     @cute.jit
     def _row_partial_sum(self, partials: cute.Tensor, row: Int32, lane: Int32) -> Float32:

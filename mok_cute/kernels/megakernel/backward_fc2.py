@@ -30,6 +30,7 @@ from cutlass import BFloat16, Int32, Int64, const_expr
 from mok_cute.constants import FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
+from mok_cute.kernels.megakernel.backward_comm import signal_slot
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.tasks_backward import BackwardWord
 
@@ -118,8 +119,7 @@ class Fc2PingpongTasksMixin:
         """(M-tile, N-tile, counter slot it signals, list index) of the phase's position ``pos``."""
         tasks, queue, _ = walk
         index = queue[pos]
-        signal = (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
-                  + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
+        signal = signal_slot(tasks, index, counter_offsets)
         return (tasks[index, int(BackwardWord.TILE)], tasks[index, int(BackwardWord.N_TILE)],
                 signal, index)
 

@@ -36,9 +36,10 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 from mok_cute.constants import (BACKWARD_KSUM_ROWS, PEER_FAILED, SLOT_ROW_BYTES, TILE_K,
                                 TILE_M, VEC_ELEMS, flag_done, flag_started)
 from mok_cute.kernels import common
-from mok_cute.kernels.megakernel.backward_comm import COMBINE_OFFSET, PARTIALS_OFFSET, f32_at
-from mok_cute.kernels.megakernel.comm_tasks import bf16_row
-from mok_cute.kernels.megakernel.ksum_tasks import gmem_vec, nan_row, smem_vec
+from mok_cute.kernels.megakernel.backward_comm import (COMBINE_OFFSET, PARTIALS_OFFSET, f32_at,
+                                                       signal_slot)
+from mok_cute.kernels.megakernel.comm_tasks import bf16_row, fill_row
+from mok_cute.kernels.megakernel.ksum_tasks import gmem_vec, smem_vec
 from mok_cute.kernels.token_ops import k_sum_add
 from mok_cute.tasks_backward import TILE_COUNTERS, BackwardWord
 
@@ -112,7 +113,7 @@ class BackwardTailMixin:
         self._announce(ctx, peer_bases, flag_done(ctx.epoch), failed_epoch, tidx)
         sync.arrive_and_wait()
         if tidx == 0:
-            common.counter_publish(counters, self._signal_slot(tasks, index, counter_offsets), 1)
+            common.counter_publish(counters, signal_slot(tasks, index, counter_offsets), 1)
 
     @cute.jit
     def tail_ksum_tickets(self, ctx, tasks: cute.Tensor, counter_offsets: cute.Tensor,
@@ -177,7 +178,8 @@ class BackwardTailMixin:
         own_base = peer_bases[ctx.rank_base]
         for t in cutlass.range(first + warp, end, num_warps, unroll=1):
             if failed:
-                nan_row(tail.d_x[t, None], lane)
+                row = tail.d_x[t, None]
+                fill_row(row, float("nan"), cute.size(row) // VEC_ELEMS, lane)
                 if lane < self.ksum_top_k:
                     tail.d_topk[t, lane] = Float32(float("nan"))
             else:
@@ -260,11 +262,6 @@ class BackwardTailMixin:
                 weight = f32_at(own_base + rows.comm_scalars[PARTIALS_OFFSET]
                                 + (Int64(t) * top_k + Int64(lane)) * SLOT_ROW_BYTES)[0]
             tail.d_topk[t, lane] = weight
-
-    @cute.jit
-    def _signal_slot(self, tasks: cute.Tensor, index: Int32, counter_offsets: cute.Tensor):
-        return (counter_offsets[tasks[index, int(BackwardWord.SIGNAL_GROUP)]]
-                + tasks[index, int(BackwardWord.SIGNAL_INDEX)])
 
 
 def _vector(ptr) -> cute.Tensor:

@@ -63,13 +63,15 @@ def copy_row(src: cute.Tensor, dst: cute.Tensor, h_vecs: Int32, lane: Int32,
 
 
 @cute.jit
-def zero_row(dst: cute.Tensor, h_vecs: Int32, lane: Int32):
-    """One warp writes a zero row as 16-byte vectors (a padding row of a pulled buffer)."""
+def fill_row(dst: cute.Tensor, value: cutlass.Constexpr[float], h_vecs: Int32, lane: Int32):
+    """One warp writes ``value`` into the first ``h_vecs`` 16-byte vectors of the bf16 row
+    ``dst`` (zeros: a padding row of a pulled buffer; NaN: a row a failed launch could not
+    build)."""
     vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-    zeros = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-    zeros.fill(0.0)
+    fill = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
+    fill.fill(value)
     for v in cutlass.range(lane, h_vecs, 32, unroll=1):
-        cute.copy(vec, zeros, cute.local_tile(dst, (VEC_ELEMS,), (v,)))
+        cute.copy(vec, fill, cute.local_tile(dst, (VEC_ELEMS,), (v,)))
 
 
 class CommTasks:

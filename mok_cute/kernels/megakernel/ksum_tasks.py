@@ -19,7 +19,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 
 from mok_cute.constants import PEER_FAILED, TILE_K, VEC_ELEMS, flag_done
 from mok_cute.kernels import common
-from mok_cute.kernels.megakernel.comm_tasks import Routing
+from mok_cute.kernels.megakernel.comm_tasks import Routing, fill_row
 from mok_cute.kernels.megakernel.scheduler import TaskTables
 from mok_cute.kernels.token_ops import k_sum_vector
 from mok_cute.tasks import Role, TaskType, TaskWord
@@ -64,7 +64,8 @@ class KsumTasks:
         for t in cutlass.range(tt.tasks[index, TaskWord.ROW_BEGIN] + warp,
                                tt.tasks[index, TaskWord.ROW_END], KSUM_WARPS, unroll=1):
             if failed:
-                nan_row(out[rank, t, None], lane)
+                row = out[rank, t, None]
+                fill_row(row, float("nan"), cute.size(row) // VEC_ELEMS, lane)
             else:
                 self._ksum_token(ctx, routing, rank, t, combine_base, ring_y, out, shared_y,
                                  lane, 0 + warp, ksum_stage)
@@ -166,16 +167,6 @@ class KsumTasks:
             if row >= 0:
                 addr = ring_y[row, None, rank].iterator.toint()
         return addr
-
-
-@cute.jit
-def nan_row(out_row, lane: Int32):
-    """One warp: every element of the bf16 row ``out_row`` becomes NaN."""
-    vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-    nan = cute.make_rmem_tensor((VEC_ELEMS,), BFloat16)
-    nan.fill(float("nan"))
-    for v in cutlass.range(lane, cute.size(out_row) // VEC_ELEMS, 32, unroll=1):
-        cute.copy(vec, nan, cute.local_tile(out_row, (VEC_ELEMS,), (v,)))
 
 
 def smem_vec(lane_base, j: int):
