@@ -343,16 +343,9 @@ class QuantizeCols:
         valid = unit < units and kv < k_vecs
         gX = cute.flat_divide(mX, (1, 4))  # (1, 4, M, K/8)
         gQ = cute.flat_divide(mQ, (1, 4))  # (1, 4, K, M/16)
-        gIndex = None
-        if const_expr(self.gather):
-            gIndex = cute.flat_divide(mRowIndex, (4,))  # (4, M/4): four rows' sources
+        gIndex = self._row_sources(mRowIndex)
         words = cute.make_rmem_tensor((4, _ColumnTile.ROWS_PER_LANE), Int32)
-        words.fill(0)
-        if valid:
-            if const_expr(self.gather):
-                self._load_indexed(gX, gIndex, mg * GROUP, tr, kv, words)
-            else:
-                _ColumnTile.load(gX, mg * GROUP, tr, kv, words)
+        self._load(gX, gIndex, mg, tr, kv, valid, words)
         out = cute.make_rmem_tensor((4,), Int32)
         for c in cutlass.range_constexpr(8):
             # the 8 lanes of a tc are lanes tc + 4 tr: xor 4, 8, 16
@@ -364,6 +357,23 @@ class QuantizeCols:
                 cute.copy(_copy_atom(Int32, 128), out, gQ[0, None, col, mg * 8 + tr])
                 if tr == 0:
                     mE[col, mg] = Int8(e)
+
+    def _row_sources(self, mRowIndex: Optional[cute.Tensor]):
+        """With ``gather``, the row index as (4, M/4) int32: four rows' sources to a 128-bit
+        load; else None."""
+        return cute.flat_divide(mRowIndex, (4,)) if const_expr(self.gather) else None
+
+    @cute.jit
+    def _load(self, gX: cute.Tensor, gIndex: Optional[cute.Tensor], g: Int32, tr: Int32,
+              kv: Int32, valid, words: cute.Tensor):
+        """This lane's 16 rows of 128-row group ``g`` (zeros where not ``valid``); with
+        ``gather`` through the row index ``gIndex``."""
+        words.fill(0)
+        if valid:
+            if const_expr(self.gather):
+                self._load_indexed(gX, gIndex, g * GROUP, tr, kv, words)
+            else:
+                _ColumnTile.load(gX, g * GROUP, tr, kv, words)
 
     @cute.jit
     def _load_indexed(self, gX: cute.Tensor, gIndex: cute.Tensor, first_row: Int32, tr: Int32,
@@ -425,9 +435,7 @@ class QuantizeColsPerExpert(QuantizeCols):
             g1 = mOffsets[expert + 1] // GROUP
         gX = cute.flat_divide(mX, (1, 4))  # (1, 4, M, K/8)
         gQ = cute.flat_divide(mQ, (1, 4))  # (1, 4, K, M/16)
-        gIndex = None
-        if const_expr(self.gather):
-            gIndex = cute.flat_divide(mRowIndex, (4,))  # (4, M/4): four rows' sources
+        gIndex = self._row_sources(mRowIndex)
         words = cute.make_rmem_tensor((4, _ColumnTile.ROWS_PER_LANE), Int32)
         amax = cute.make_rmem_tensor((8,), Int32)
         amax.fill(0)
@@ -449,17 +457,6 @@ class QuantizeColsPerExpert(QuantizeCols):
                 if valid:
                     cute.copy(_copy_atom(Int32, 128), out, gQ[0, None, kv * 8 + c, g * 8 + tr])
 
-    @cute.jit
-    def _load(self, gX: cute.Tensor, gIndex: Optional[cute.Tensor], g: Int32, tr: Int32,
-              kv: Int32, valid, words: cute.Tensor):
-        """This lane's 16 rows of group ``g`` (zeros where not ``valid``); with ``gather``
-        through the row index ``gIndex``."""
-        words.fill(0)
-        if valid:
-            if const_expr(self.gather):
-                self._load_indexed(gX, gIndex, g * GROUP, tr, kv, words)
-            else:
-                _ColumnTile.load(gX, g * GROUP, tr, kv, words)
 
 class QuantizeBlocks:
     """128 x 128 weight blocks: a CTA of 4 warps per block, each warp a 128 x 32 column tile;
@@ -662,6 +659,19 @@ def _check_row_index(row_index: object, x: torch.Tensor, of: int = 1) -> torch.T
     return row_index
 
 
+def _cols_input(x: object, row_index: object) -> tuple[int, int]:
+    """Check a column quantizer's input: x bf16 ``[M, K]`` (M % 128 == 0), or with a row index
+    (``_check_row_index``, M % 128 == 0) ``[T, K]`` for any T; K % 8 == 0. Returns (M, K)."""
+    _check_bf16("x", x, 2)
+    if row_index is None:
+        _multiple("x", x, 0, "M", GROUP)
+    _multiple("x", x, 1, "K", 8)
+    if row_index is not None:
+        _check_row_index(row_index, x, GROUP)
+    _check_device("x", x)
+    return (x.shape[0] if row_index is None else row_index.shape[0]), x.shape[1]
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
@@ -755,15 +765,7 @@ def quantize_cols(x: torch.Tensor, out: torch.Tensor | None = None,
     x then ``[T, K]`` for any T: the output is that of ``token_ops.gather_rows_ref(x,
     row_index)`` (a zero row where ``row_index[r]`` is outside ``[0, T)``), each row read from
     x in place (no gathered bf16 copy)."""
-    _check_bf16("x", x, 2)
-    if row_index is None:
-        _multiple("x", x, 0, "M", GROUP)
-    _multiple("x", x, 1, "K", 8)
-    if row_index is not None:
-        _check_row_index(row_index, x, GROUP)
-    _check_device("x", x)
-    k = x.shape[1]
-    m = x.shape[0] if row_index is None else row_index.shape[0]
+    m, k = _cols_input(x, row_index)
     q = _out("out", out, (k, m), torch.float8_e4m3fn, x.device)
     e = _out("scale_out", scale_out, (k, m // GROUP), torch.int8, x.device)
     if m and k:
@@ -787,20 +789,12 @@ def quantize_cols_per_expert(x: torch.Tensor, offsets: torch.Tensor, num_experts
     ``[T, K]`` for any T: the output is that of ``token_ops.gather_rows_ref(x, row_index)``
     (a zero row where ``row_index[r]`` is outside ``[0, T)``), each row read from x in place
     (no gathered bf16 copy)."""
-    _check_bf16("x", x, 2)
-    if row_index is None:
-        _multiple("x", x, 0, "M", GROUP)
-    _multiple("x", x, 1, "K", 8)
-    if row_index is not None:
-        _check_row_index(row_index, x, GROUP)
-    _check_device("x", x)
+    m, k = _cols_input(x, row_index)
     check_int("num_experts", num_experts, min_value=1)
     if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32
             or tuple(offsets.shape) != (num_experts + 1,) or offsets.device != x.device):
         raise ValueError(f"offsets: expected int32 [{num_experts + 1}] on {x.device}, got "
                          f"{describe(offsets)}")
-    k = x.shape[1]
-    m = x.shape[0] if row_index is None else row_index.shape[0]
     q = _out("out", out, (k, m), torch.float8_e4m3fn, x.device)
     e = _out("scale_out", scale_out, (num_experts, k), torch.int8, x.device)
     if m and k:
