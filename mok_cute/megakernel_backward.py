@@ -34,9 +34,10 @@ import numpy as np
 import torch
 
 from mok_cute import jit
+from mok_cute.config import check_tensor
 from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
-                                BACKWARD_KSUM_ROWS, BACKWARD_MAX_PARTIAL_COLS, BACKWARD_TILE_N, SCALARS,
-                                TILE_K, TILE_M, fc2_dgrad_pingpong, fc2_dgrad_tile_n)
+                                BACKWARD_KSUM_ROWS, BACKWARD_MAX_PARTIAL_COLS, BACKWARD_TILE_N,
+                                SCALARS, TILE_K, TILE_M, fc2_dgrad_pingpong, fc2_dgrad_tile_n)
 from mok_cute.errors import PendingErrors
 
 
@@ -293,9 +294,8 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
                 ("tail.d_x", tail.d_x, (tokens, hidden), torch.bfloat16),
                 ("tail.d_topk", tail.d_topk, (tokens, top_k), torch.float32),
                 ("tail.shared_dx", tail.shared_dx, (tokens, hidden), torch.bfloat16)):
-            if t is not None and (t.shape != shape or t.dtype != dtype or not t.is_contiguous()):
-                raise ValueError(f"{name}: expected contiguous {dtype} {shape}, got {t.dtype} "
-                                 f"{tuple(t.shape)}")
+            if t is not None:
+                check_tensor(name, t, shape=shape, dtype=dtype, device=device)
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                    tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
                    check, peers, comm_ctas, tail)

@@ -63,8 +63,8 @@ minibatch before its own (one minibatch of lookahead), its pushes once its FC1_D
 are done, re-pulls of x during the last minibatch's dgrads, the BARRIER, then the KSUMs (they
 close the comm queue; the backward megakernel's group tail hands them out by one ticket to
 whichever CTA is free, comm CTAs past their static walk and compute CTAs past their weight
-gradients, while the simulator still costs them on the comm SMs; without comm tasks the
-BARRIER and the KSUMs close the compute queue).
+gradients, and so does the simulator; without comm tasks the BARRIER and the KSUMs close the
+compute queue).
 Both queues are merged by that estimated ready time, measured in cumulative compute FLOPs.
 
 Two forms. ``build_backward_task_list`` builds from the actual tile -> expert table (the
@@ -416,8 +416,8 @@ class _Builder:
             # nothing to push: the barrier only orders this rank's dx rows before the k-sum
             barrier_waits = [(BC.DX_DONE, 0, self.nt, self.n_dx)] if self.nt else []
             self._add(compute, BT.BARRIER, signal=(BC.BARRIER_DONE, 0), waits=barrier_waits)
-        # the k-sums: on the comm CTAs over a group (they are free once the pushes are done,
-        # so the k-sums run under the weight gradients), else the compute queue's tail
+        # the k-sums: closing the comm queue over a group (the kernel hands them out by ticket
+        # to whichever CTA is free), else the compute queue's tail
         ksums = []
         for s in range(self.st):
             for c in range(p.tile_m // p.ksum_rows):
