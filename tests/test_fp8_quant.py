@@ -392,18 +392,24 @@ def test_quantize_cols_per_expert_gather_reads_rows_through_the_index(reports):
     """gather=True: each group's 16 row sources a lane in four 128-bit index loads per pass
     (32 row loads + 8 index loads), the same stores, no spills, and no more registers than
     the kernel without the index; the cache keys the variant apart."""
-    from mok_cute import jit
-
     rep = reports("quantize_cols_per_expert", gather=True)
     _check_exact_kernel(rep, {"ld.global.128b": 40}, {"st.global.128b": 8, "st.global.8b": 8})
     plain = reports("quantize_cols_per_expert")
     assert plain.mix["ld.global.128b"] == 32
     assert rep.kernels[0].registers <= plain.kernels[0].registers, (rep.kernels, plain.kernels)
-    assert jit.KERNELS["quantize_cols_per_expert"].static == {"gather": False}
-    keys = {jit._cache_key("quantize_cols_per_expert", "sm_90a",
-                           jit._static_args(jit.get_spec("quantize_cols_per_expert"), kw))
-            for kw in ({}, {"gather": False}, {"gather": True})}
-    assert len(keys) == 2
+    _assert_gather_cached_apart("quantize_cols_per_expert")
+
+
+def _assert_gather_cached_apart(name: str, *others: dict):
+    """The registry builds ``name`` without the row index by default, and its compile cache
+    keys the gather variant (and each of ``others``) apart from the plain one."""
+    from mok_cute import jit
+
+    assert jit.KERNELS[name].static == {"gather": False}
+    spec = jit.get_spec(name)
+    keys = {jit._cache_key(name, "sm_90a", jit._static_args(spec, kw))
+            for kw in ({}, {"gather": False}, {"gather": True}, *others)}
+    assert len(keys) == 2 + len(others)
 
 
 def test_quantize_rows_gather_reads_each_row_through_the_index(reports):
@@ -411,7 +417,6 @@ def test_quantize_rows_gather_reads_each_row_through_the_index(reports):
     the 16 lanes of a group), then the plain kernel's one 128-bit load and stores; no spills,
     at most a few registers more; the plain kernel loads no index; the cache keys the
     variant apart; gather and scatter_k exclude each other."""
-    from mok_cute import jit
     from mok_cute.kernels import quantize
 
     rep = reports("quantize_rows", gather=True)
@@ -420,11 +425,7 @@ def test_quantize_rows_gather_reads_each_row_through_the_index(reports):
     plain = reports("quantize_rows")
     assert plain.mix["ld.global.32b"] == 0 and plain.mix["ld.global.128b"] == 1
     assert rep.kernels[0].registers <= plain.kernels[0].registers + 4, (rep.kernels, plain.kernels)
-    assert jit.KERNELS["quantize_rows"].static == {"gather": False}
-    spec = jit.get_spec("quantize_rows")
-    keys = {jit._cache_key("quantize_rows", "sm_90a", jit._static_args(spec, kw))
-            for kw in ({}, {"gather": False}, {"gather": True}, {"scatter_k": 8})}
-    assert len(keys) == 3
+    _assert_gather_cached_apart("quantize_rows", {"scatter_k": 8})
     with pytest.raises(ValueError, match="scatter_k, gather: expected at most one of them"):
         quantize.QuantizeRows(scatter_k=8, gather=True)
 
@@ -433,18 +434,12 @@ def test_quantize_cols_gather_reads_rows_through_the_index(reports):
     """gather=True: a lane's 16 row sources in four 128-bit index loads (16 row loads + 4
     index loads), the same stores, no spills, at most a few registers more than the plain
     kernel; the cache keys the variant apart."""
-    from mok_cute import jit
-
     rep = reports("quantize_cols", gather=True)
     _check_exact_kernel(rep, {"ld.global.128b": 20}, {"st.global.128b": 8, "st.global.8b": 8})
     plain = reports("quantize_cols")
     assert plain.mix["ld.global.128b"] == 16
     assert rep.kernels[0].registers <= plain.kernels[0].registers + 4, (rep.kernels, plain.kernels)
-    assert jit.KERNELS["quantize_cols"].static == {"gather": False}
-    keys = {jit._cache_key("quantize_cols", "sm_90a",
-                           jit._static_args(jit.get_spec("quantize_cols"), kw))
-            for kw in ({}, {"gather": False}, {"gather": True})}
-    assert len(keys) == 2
+    _assert_gather_cached_apart("quantize_cols")
 
 
 def test_quantize_scatter_rows_stores_each_token_k_times(reports):
