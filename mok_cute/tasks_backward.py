@@ -53,9 +53,10 @@ target is the number of tasks that signal that counter)::
                                                          (then every peer's flag)
     KSUM(s, c)             <- BARRIER_DONE, SHARED_DX[s]
 
-Order. Compute: the shared expert's dgrads first (they need no communication, so they hide the
-first pulls), then the FC2_DGRAD tiles of minibatch 0, and per minibatch m those of m + 1 then
-the FC1_DGRAD tiles of m (which so find their dG | dU done), each block rasterised (groups of
+Order. Compute: the FC2_DGRAD tiles of minibatch 0, and per minibatch m those of m + 1 then
+the FC1_DGRAD tiles of m (which so find their dG | dU done); the shared expert's dgrads lead
+minibatch 0's blocks (they need no communication, so they hide the first pulls; they are live
+whatever the routing: ``queue_tables``); each block rasterised (groups of
 ``raster_m`` M-tiles, N-tiles outer: concurrent tiles share weight N-tiles in L2), then every weight
 gradient expert by expert (so the last pushes and the group barrier run under them), the
 shared expert's weight gradients. Comm: each tile's pulls at the start of the
@@ -92,7 +93,7 @@ from mok_cute.tasks import Role
 __all__ = ["BackwardTaskType", "BackwardCounter", "BackwardTask", "BackwardListParams",
            "BackwardTaskList", "build_backward_task_list", "build_backward_static",
            "expert_tile_ranges", "EXPERT_TILES", "TILE_COUNTERS", "BackwardWord",
-           "encode_backward", "decode_backward", "queue_tables"]
+           "encode_backward", "decode_backward", "queue_tables", "SHARED_DGRADS"]
 
 # a wait's (first, count) that means "the M-tiles of this task's expert", resolved at run time
 EXPERT_TILES = -1
@@ -129,6 +130,7 @@ class BackwardCounter(enum.IntEnum):
 
 
 BT, BC = BackwardTaskType, BackwardCounter
+SHARED_DGRADS = (BT.SHARED_FC2_DGRAD, BT.SHARED_FC1_DGRAD)
 # per-M-tile counters: waits on them are clipped to the live tiles (static lists)
 TILE_COUNTERS = (BC.PULLED, BC.X_PULLED, BC.DGATED, BC.DX_DONE, BC.PUSHED)
 _COMM = (BT.REVERSE_COMBINE, BT.REPULL_X, BT.REVERSE_DISPATCH)
@@ -139,7 +141,7 @@ class BackwardTask:
     index: int
     type: BackwardTaskType
     role: Role
-    minibatch: int  # -1: shared expert, weight gradients, barrier, k-sum
+    minibatch: int  # -1: weight gradients, barrier, k-sum (the shared expert's dgrads: 0)
     tile: int  # M-tile j; expert e (WGRAD_*); local token tile s (SHARED_*DGRAD, KSUM); else -1
     n_tile: int  # GEMM N-tile, comm chunk or KSUM chunk
     m_block: int  # weight-gradient row block; else -1
@@ -331,24 +333,24 @@ class _Builder:
     def build(self) -> BackwardTaskList:
         p = self.p
         compute: list[dict] = []
-        # the shared expert's dgrads: no communication, so they run under the first pulls
-        for s in range(self.st if self.shared else 0):
-            for n in range(self.ns_dgated):
-                self._add(compute, BT.SHARED_FC2_DGRAD, tile=s, n_tile=n,
-                          flops=self._gemm_flops(p.dgated_tile_n, p.hidden),
-                          signal=(BC.SHARED_DGATED, s))
-        for s in range(self.st if self.shared else 0):
-            for n in range(self.n_dx):
-                self._add(compute, BT.SHARED_FC1_DGRAD, tile=s, n_tile=n,
-                          flops=self._gemm_flops(p.dx_tile_n, 2 * p.shared_intermediate),
-                          signal=(BC.SHARED_DX, s),
-                          waits=[(BC.SHARED_DGATED, s, 1, self.ns_dgated)])
         # per minibatch its FC2_DGRAD tiles, then (one minibatch later, so that they find their
         # dG | dU done) its FC1_DGRAD tiles; each block rasterised: groups of raster_m M-tiles,
-        # N-tiles outer, so the CTAs running together share the weights' N-tiles in L2
+        # N-tiles outer, so the CTAs running together share the weights' N-tiles in L2. The
+        # shared expert's dgrads lead minibatch 0's blocks (no communication: they run under
+        # the first pulls; its FC2 dgrads among the FC2 dgrads, a kernel's pingpong phase)
         fc2_blocks, fc1_blocks = [], []
-        for mb in range(self.nmb):
+        for mb in range(max(self.nmb, 1 if self.shared and self.st else 0)):
             fc2, fc1 = [], []
+            for s in range(self.st if self.shared and mb == 0 else 0):
+                for n in range(self.ns_dgated):
+                    self._add(fc2, BT.SHARED_FC2_DGRAD, tile=s, n_tile=n, minibatch=0,
+                              flops=self._gemm_flops(p.dgated_tile_n, p.hidden),
+                              signal=(BC.SHARED_DGATED, s))
+                for n in range(self.n_dx):
+                    self._add(fc1, BT.SHARED_FC1_DGRAD, tile=s, n_tile=n, minibatch=0,
+                              flops=self._gemm_flops(p.dx_tile_n, 2 * p.shared_intermediate),
+                              signal=(BC.SHARED_DX, s),
+                              waits=[(BC.SHARED_DGATED, s, 1, self.ns_dgated)])
             for j, n in self._raster(mb, self.n_dgated):
                 waits = [(BC.PULLED, j, 1, self.chunks)] if p.comm_tasks else []
                 self._add(fc2, BT.FC2_DGRAD, tile=j, n_tile=n, minibatch=mb,
@@ -360,10 +362,10 @@ class _Builder:
                           signal=(BC.DX_DONE, j), waits=[(BC.DGATED, j, 1, self.n_dgated)])
             fc2_blocks.append(fc2)
             fc1_blocks.append(fc1)
-        for mb in range(self.nmb):
+        for mb in range(len(fc2_blocks)):
             if mb == 0:
                 compute += fc2_blocks[0]
-            if mb + 1 < self.nmb:
+            if mb + 1 < len(fc2_blocks):
                 compute += fc2_blocks[mb + 1]
             compute += fc1_blocks[mb]
         for e in range(self.num_experts):
@@ -566,7 +568,9 @@ def queue_tables(tl: BackwardTaskList, kinds=None) -> tuple[np.ndarray, np.ndarr
         routed = [i for i, t in enumerate(q) if t.minibatch >= 0]
         head_len = routed[0] if routed else len(q)
         tail_begin[r] = routed[-1] + 1 if routed else len(q)
+        # the shared expert's dgrads (in minibatch 0) run whatever the routing: live always
+        shared = max((i for i in routed if q[i].type in SHARED_DGRADS), default=-1)
         for live in range(nmb + 1):
             last = max((i for i in routed if q[i].minibatch < live), default=-1)
-            live_len[r, live] = max(head_len, last + 1)
+            live_len[r, live] = max(head_len, last + 1, shared + 1)
     return qtab, live_len, tail_begin

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mok_cute import schedule as schedule_mod
-from mok_cute.tasks_backward import (EXPERT_TILES, TILE_COUNTERS, BackwardCounter as BC,
+from mok_cute.tasks_backward import (EXPERT_TILES, SHARED_DGRADS, TILE_COUNTERS, BackwardCounter as BC,
                                      BackwardListParams, BackwardTaskType as BT,
                                      build_backward_static, build_backward_task_list,
                                      expert_tile_ranges)
@@ -95,10 +95,12 @@ class _Rank:
         self.live_tile_end = min(self.live * tpm, tl.counter_sizes[BC.DGATED])
 
     def dead(self, t) -> bool:
-        return self.tl.static and t.minibatch >= self.live
+        # the shared expert's dgrads (minibatch 0) run whatever the routing
+        return self.tl.static and t.minibatch >= self.live and t.type not in SHARED_DGRADS
 
     def no_op(self, t) -> bool:
-        return self.tl.static and t.minibatch >= 0 and t.tile >= self.num_tiles
+        return (self.tl.static and t.minibatch >= 0 and t.tile >= self.num_tiles
+                and t.type not in SHARED_DGRADS)
 
     def ready(self, t) -> bool:
         for g, first, count, target in t.waits:

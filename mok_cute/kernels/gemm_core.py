@@ -312,7 +312,8 @@ class GemmCoreSm90:
     @cute.jit
     def tile_epilogue(self, epi: "TileEpilogue", atoms, g_tiles, kind: cutlass.Constexpr[str],
                       buf_base, subtiles_done, barrier, store_pipeline, is_store_warp,
-                      visit_args=None, n_out: cutlass.Constexpr[int] = 0):
+                      visit_args=None, n_out: cutlass.Constexpr[int] = 0, alt=None,
+                      use_alt=None):
         """One output tile: for each (tile rows / epi rows) x (output columns / EPI_N) subtile,
         ``epi_visit_subtile`` computes ``epi_outputs`` fp32 fragments from the accumulator
         (epilogue ``kind``), which go bf16 -> smem (stmatrix) -> global by TMA, output ``o``
@@ -322,7 +323,9 @@ class GemmCoreSm90:
         TMA stores read it: two barriers per subtile, the second one passing on the store
         warp's acquire (at most ``epi_stages - 1`` subtiles' stores unread) before anyone
         writes the next stage. ``n_out``: store only the first ``n_out`` outputs (0: all
-        ``epi_outputs``; a kernel whose tasks store different numbers of outputs)."""
+        ``epi_outputs``; a kernel whose tasks store different numbers of outputs). ``alt``:
+        other (atoms, g_tiles) of the same shapes, stored to instead where the run-time
+        ``use_alt`` holds (a TMA atom cannot be chosen at run time, only its copy)."""
         n_out = n_out or self.epi_outputs
         epi_tile = self.epi_tile
         out_tile_n = self.tile_shape_mnk[1] // 2 if const_expr(kind == "swiglu") else self.tile_shape_mnk[1]
@@ -331,6 +334,12 @@ class GemmCoreSm90:
             parts.append(cute.nvgpu.cpasync.tma_partition(
                 atoms[o], 0, cute.make_layout(1), cute.group_modes(epi.sC, 0, 2),
                 cute.zipped_divide(g_tiles[o], epi_tile)))
+        alt_parts = []
+        if const_expr(alt is not None):
+            for o in cutlass.range_constexpr(n_out):
+                alt_parts.append(cute.nvgpu.cpasync.tma_partition(
+                    alt[0][o], 0, cute.make_layout(1), cute.group_modes(epi.sC, 0, 2),
+                    cute.zipped_divide(alt[1][o], epi_tile)))
         outs = [cute.make_rmem_tensor(epi.frag_shape, Float32) for _ in range(n_out)]
         out_c = cute.make_rmem_tensor(epi.frag_shape, cutlass.BFloat16)
         epi_m = self.tile_shape_mnk[0] // epi_tile[0]  # rows of a warpgroup's (pingpong) or the CTA's tile
@@ -347,13 +356,26 @@ class GemmCoreSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 barrier.arrive_and_wait()
                 if is_store_warp:
-                    for o in cutlass.range_constexpr(n_out):
-                        bSG_sC, bSG_gC = parts[o]
-                        cute.copy(atoms[o], bSG_sC[(None, buf_base + stage * n_out + o)],
-                                  bSG_gC[(None, (sm, sn))])
+                    if const_expr(alt is not None):
+                        if use_alt:
+                            self._store_subtile(alt[0], alt_parts, buf_base + stage * n_out,
+                                                sm, sn, n_out)
+                        else:
+                            self._store_subtile(atoms, parts, buf_base + stage * n_out, sm,
+                                                sn, n_out)
+                    else:
+                        self._store_subtile(atoms, parts, buf_base + stage * n_out, sm, sn,
+                                            n_out)
                     store_pipeline.producer_commit()
                     store_pipeline.producer_acquire()
                 barrier.arrive_and_wait()
+
+    def _store_subtile(self, atoms, parts, buf: Int32, sm: int, sn: int, n_out: int):
+        """The store warp's TMA stores of subtile (sm, sn), output o from buffer ``buf + o``.
+        Traced inline."""
+        for o in range(n_out):
+            bSG_sC, bSG_gC = parts[o]
+            cute.copy(atoms[o], bSG_sC[(None, buf + o)], bSG_gC[(None, (sm, sn))])
 
     @cute.jit
     def epi_visit_subtile(self, epi: "TileEpilogue", kind: cutlass.Constexpr[str],

@@ -73,6 +73,8 @@ from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
 from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows, signal_slot
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
+from mok_cute.kernels.megakernel.backward_shared import (SHARED_FC1_DGRAD, SHARED_FC2_DGRAD,
+                                                         SharedOperands, SharedTasksMixin)
 from mok_cute.kernels.megakernel.backward_tail import BackwardTailMixin, GroupTail
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
 from mok_cute.kernels.megakernel.scheduler import (DECODED_WORDS, TICKET_SLOTS, Context,
@@ -89,7 +91,8 @@ BACKWARD_SCALARS = 6
 
 
 class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCommMixin,
-                             BackwardTailMixin, RowEpilogueMixin, GemmCoreSm90):
+                             BackwardTailMixin, SharedTasksMixin, RowEpilogueMixin,
+                             GemmCoreSm90):
     """One launch of a rank's routed dgrads and weight gradients (module docstring).
 
     :param num_ctas: compute CTAs (the walk's stride); with ``comm_ctas`` one per SM.
@@ -102,10 +105,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         group's barriers and the k-sums of d_x and d_topk over this many slots a token, on
         the comm CTAs); 0: the barriers and k-sums are the caller's.
     :param ksum_shared: the k-sum adds a shared expert's dx row to each token.
+    :param shared: the shared expert's backward as tasks of the launch
+        (``backward_shared``); with the group tail its k-sums wait for its dx rows.
     """
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
-                 ksum_top_k: int = 0, ksum_shared: bool = False):
+                 ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -114,6 +119,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.comm_ctas = comm_ctas
         self.ksum_top_k = ksum_top_k if comm_ctas > 0 else 0
         self.ksum_shared = ksum_shared and self.ksum_top_k > 0
+        self.shared = shared
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -134,7 +140,14 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                  d_rows_plain: cute.Tensor, x_rows_plain: cute.Tensor,
                  dx_rows_plain: cute.Tensor, group_scalars: cute.Tensor,
                  topk_idx: cute.Tensor, shared_dx: cute.Tensor, d_x: cute.Tensor,
-                 d_topk: cute.Tensor, stream: cuda.CUstream):
+                 d_topk: cute.Tensor, s_d_rows: cute.Tensor, s_w_down: cute.Tensor,
+                 s_d_preact: cute.Tensor, s_w_gate: cute.Tensor, s_w_up: cute.Tensor,
+                 s_d_gate: cute.Tensor, s_d_up: cute.Tensor, s_hw: cute.Tensor,
+                 s_dx_rows: cute.Tensor, s_dg_t: cute.Tensor, s_du_t: cute.Tensor,
+                 s_x_t: cute.Tensor, s_dy_t: cute.Tensor, s_hw_t: cute.Tensor,
+                 s_dw_gate: cute.Tensor, s_dw_up: cute.Tensor, s_dw_down: cute.Tensor,
+                 s_preact: cute.Tensor, s_rows: cute.Tensor, s_ones: cute.Tensor,
+                 stream: cuda.CUstream):
         """Shapes (M schedule rows, E experts): tasks int32 (N, BACKWARD_TASK_WORDS); queue
         int32 (Q,) the compute queue's list indices; queue_live_len int32 (MB + 1,);
         counter_offsets int32 (groups + 1,); counters int32 (num_counters,), zero at launch;
@@ -151,7 +164,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         int64 (BACKWARD_COMM_SCALARS,), the dY, x and dx rows (M, H) as plain tensors. The
         group tail's (``ksum_top_k`` > 0; else placeholders): the plan's int64 scalars
         (``constants.SCALAR_FIELDS``), topk_idx int32 (T, K), shared_dx and the output d_x bf16
-        (T, H), the output d_topk fp32 (T, K)."""
+        (T, H), the output d_topk fp32 (T, K). The shared expert's (``shared``; else
+        placeholders), each as its routed counterpart over T tokens and one expert: d_out
+        rows (T, H, 1), Ws_down (Is, H, 1), dG | dU (T, 2Is, 1), Ws_gate / Ws_up (H, Is, 1),
+        the outputs dG, dU, h (T, Is, 1) and dx rows (T, H, 1); the weight gradients'
+        (cols, T, 1) operands and (rows, cols, 1) outputs; its saved g | u (T, 2Is), rows
+        int32 (T,) = 0 .. T - 1 and ones fp32 (T,)."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -196,9 +214,20 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         peer_rows = PeerRows(comm_queue, row_peer, row_token, row_k, peer_bases, comm_scalars,
                              d_rows_plain, x_rows_plain, dx_rows_plain)
         tail = GroupTail(group_scalars, topk_idx, shared_dx, d_x, d_topk)
+        shared = None
+        if const_expr(self.shared):
+            a_tile, w_tile = (tile_m, tile_k), (self.wgrad.tile_shape_mnk[1], tile_k)
+            shared = self.shared_operands(
+                (s_d_rows, s_w_down, s_d_preact, s_w_gate, s_w_up, s_d_gate, s_d_up, s_hw,
+                 s_dx_rows, s_dg_t, s_du_t, s_x_t, s_dy_t, s_hw_t, s_dw_gate, s_dw_up,
+                 s_dw_down, s_preact, s_rows, s_ones),
+                ((a_box, a_tile), (fc2_b_box, (fc2_n, tile_k)), (a_box, a_tile),
+                 (b_box, (tile_n, tile_k)), (b_box, (tile_n, tile_k)),
+                 *(((fc2_epi_box, fc2_epi_tile),) * 3), (epi_box, self.epi_tile),
+                 *(((w_box, w_tile),) * 5), *(((w_epi, self.wgrad.epi_tile),) * 3)))
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
-                    peer_rows, tail, *loads, *stores, *w_loads, *w_stores,
+                    peer_rows, tail, shared, *loads, *stores, *w_loads, *w_stores,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, *self.wgrad_kernel_args(),
                     *self.fc2.kernel_args(),
@@ -213,7 +242,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, preact: cute.Tensor,
                row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
                scalars: cute.Tensor, expert_offsets: cute.Tensor, peer_rows: PeerRows,
-               tail: GroupTail, tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
+               tail: GroupTail, shared, tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
                tma_dp: cute.CopyAtom, t_dp: cute.Tensor, tma_wg: cute.CopyAtom, t_wg: cute.Tensor,
                tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
                tma_dg: cute.CopyAtom, t_dg: cute.Tensor, tma_du: cute.CopyAtom, t_du: cute.Tensor,
@@ -265,7 +294,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                         (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                         (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy, tma_whw,
                          t_whw), (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), peer_rows, tail,
-                        ksum_args)
+                        ksum_args, shared)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         if const_expr(self.comm_ctas > 0):
             if first >= self.num_ctas:
@@ -286,9 +315,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                       weights: cute.Tensor, partials: cute.Tensor, fc2_ring, ab_pipeline,
                       tiled_mma, sA, sB, sC, f_layouts, w_layouts, tail_ring, tidx: Int32,
                       warp_idx: Int32, warpgroup_idx: Int32, loads, stores, w_loads, w_stores,
-                      peer_rows: PeerRows, tail: GroupTail, ksum_args):
+                      peer_rows: PeerRows, tail: GroupTail, ksum_args, shared):
         """A compute CTA: the load warp and the two consumer warpgroups (with the group
-        tail, the consumer warps then take KSUM tickets: ``backward_tail``)."""
+        tail, the consumer warps then take KSUM tickets: ``backward_tail``); ``shared``:
+        the shared expert's ``SharedOperands`` (None: no shared task)."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = loads
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         if warpgroup_idx == 0:
@@ -298,24 +328,24 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                     first = self.fc2_producer(fc2_walk, fc2_end, tile_expert, expert_offsets,
                                               counter_offsets, counters, error,
                                               Int64(scalars[0]), fc2_ring, sA, f_layouts,
-                                              (tma_dy, t_dy, tma_wd, t_wd))
+                                              (tma_dy, t_dy, tma_wd, t_wd), shared)
                 self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets,
                                    counter_offsets, counters, error, Int64(scalars[0]),
                                    ab_pipeline, sA, sB,
-                                   loads, w_loads, w_layouts, tail_ring)
+                                   loads, w_loads, w_layouts, tail_ring, shared)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
                 first = self.fc2_consumers(fc2_walk, fc2_end, counter_offsets, counters, preact,
                                            row_slot, weights, partials, fc2_ring, sA, sC,
                                            f_layouts, (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw),
-                                           t_dy, tidx, warp_idx, warpgroup_idx)
+                                           t_dy, tidx, warp_idx, warpgroup_idx, shared)
                 self.switch_forms()
             self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counter_offsets,
                                counters, preact, row_slot, weights, partials, ab_pipeline,
                                tiled_mma, sA, sB, sC,
                                stores, w_stores, w_layouts,
-                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring)
+                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring, shared)
             if const_expr(self.ksum_top_k > 0):
                 stage, ticket = ksum_args
                 sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.TAIL_KSUM),
@@ -366,16 +396,25 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         index = self._index(walk, cutlass.max(cutlass.min(pos, self._walk_len(walk) - 1), 0))
         tile = tasks[index, int(BackwardWord.TILE)]
         signal = signal_slot(tasks, index, counter_offsets)
-        return (tile < num_tiles[0], tasks[index, int(BackwardWord.TYPE)], tile,
+        run = tile < num_tiles[0]
+        ttype = tasks[index, int(BackwardWord.TYPE)]
+        if const_expr(self.shared):  # its token tiles run whatever the routing
+            run = run or self.is_shared_task(ttype)
+        return (run, ttype, tile,
                 tasks[index, int(BackwardWord.N_TILE)], tasks[index, int(BackwardWord.M_BLOCK)],
                 tasks[index, int(BackwardWord.NUM_WAITS)], signal, index)
 
     @cute.jit
-    def _k_tiles(self, ttype: Int32, t_dy: cute.Tensor, t_dp: cute.Tensor) -> Int32:
-        """K-tiles of a task: H / 64 for FC2_DGRAD, 2I / 64 for FC1_DGRAD."""
+    def _k_tiles(self, ttype: Int32, t_dy: cute.Tensor, t_dp: cute.Tensor,
+                 shared: SharedOperands) -> Int32:
+        """K-tiles of a task: H / 64 for FC2_DGRAD, 2I / 64 for FC1_DGRAD (2Is / 64 for the
+        shared expert's)."""
         k_tiles = cute.size(t_dy, mode=[1]) // TILE_K
         if ttype == int(BackwardTaskType.FC1_DGRAD):
             k_tiles = cute.size(t_dp, mode=[1]) // TILE_K
+        if const_expr(self.shared):
+            if ttype == SHARED_FC1_DGRAD:
+                k_tiles = cute.size(shared.loads[5], mode=[1]) // TILE_K
         return k_tiles
 
     # ------------------------------------------------------------------ producer
@@ -383,21 +422,21 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     def producer_loop(self, walk, first: Int32, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                       timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts,
-                      tail_ring):
+                      tail_ring, shared: SharedOperands):
         """The load warp from walk position ``first``: per dgrad its waits (each lane spins on
         its own copy), then its k-tiles' A and B boxes by TMA; then the weight gradients by
         tickets (``wgrad_producer_tickets``)."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = ops
         tile_m, tile_n, tile_k = self.tile_shape_mnk
-        g_dy, s_dy = g_wd, s_wd = None, None
+        fc2_parts = None
         if const_expr(not self.fc2_pingpong):
-            g_dy, s_dy = tma_tiles(tma_dy, t_dy, sA, (tile_m, tile_k))
-            g_wd, s_wd = tma_tiles(tma_wd, t_wd, sB, (tile_n, tile_k))
-        g_dp, s_dp = tma_tiles(tma_dp, t_dp, sA, (tile_m, tile_k))
-        g_wg, s_wg = tma_tiles(tma_wg, t_wg, sB, (tile_n, tile_k))
-        g_wu, s_wu = tma_tiles(tma_wu, t_wu, sB, (tile_n, tile_k))
-        k_split = cute.size(t_wg, mode=[1]) // TILE_K  # FC1_DGRAD: the gate weights' k-tiles
-        fc1_parts = (tma_dp, g_dp, s_dp, tma_wg, g_wg, s_wg, tma_wu, g_wu, s_wu)
+            fc2_parts = self._fc2_load_parts(sA, sB, ops[:4])
+        fc1_parts = self._fc1_load_parts(sA, sB, ops[4:])
+        s_fc2_parts = s_fc1_parts = None
+        if const_expr(self.shared):
+            if const_expr(not self.fc2_pingpong):
+                s_fc2_parts = self._fc2_load_parts(sA, sB, shared.loads[:4])
+            s_fc1_parts = self._fc1_load_parts(sA, sB, shared.loads[4:])
         tasks, _, live_len, _, _, _ = walk
         loads = Int32(0)
         pos = first
@@ -410,22 +449,45 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                 timeout_ns)
                 # dG | dU were written by other CTAs' TMA stores; TMA reads them next
                 cute.arch.fence_proxy("async.global")
-                expert = tile_expert[m_tile]
-                k_tiles = self._k_tiles(ttype, t_dy, t_dp)
+                expert = Int32(0)  # the shared expert's tensors have one
+                if const_expr(self.shared):
+                    if not self.is_shared_task(ttype):
+                        expert = tile_expert[m_tile]
+                else:
+                    expert = tile_expert[m_tile]
+                k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
                 state = pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages, loads)
                 for k in range(k_tiles):
                     ab_pipeline.producer_acquire(state)
                     bar = ab_pipeline.producer_get_barrier(state)
                     stage = state.index
                     if const_expr(self.fc2_pingpong):  # FC2_DGRAD ran in its own phase
-                        self._load_fc1_dgrad(k, k_split, m_tile, n_tile, expert, stage, bar, fc1_parts)
+                        if const_expr(self.shared):
+                            if ttype == SHARED_FC1_DGRAD:
+                                self._load_fc1_dgrad(k, m_tile, n_tile, expert, stage, bar,
+                                                     s_fc1_parts)
+                            else:
+                                self._load_fc1_dgrad(k, m_tile, n_tile, expert, stage, bar,
+                                                     fc1_parts)
+                        else:
+                            self._load_fc1_dgrad(k, m_tile, n_tile, expert, stage, bar, fc1_parts)
                     else:
                         if ttype == int(BackwardTaskType.FC2_DGRAD):
-                            cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, stage)], tma_bar_ptr=bar)
-                            cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, stage)], tma_bar_ptr=bar)
+                            self._load_fc2_dgrad(k, m_tile, n_tile, expert, stage, bar, fc2_parts)
                         else:
-                            self._load_fc1_dgrad(k, k_split, m_tile, n_tile, expert, stage, bar,
-                                                 fc1_parts)
+                            if const_expr(self.shared):
+                                if ttype == SHARED_FC2_DGRAD:
+                                    self._load_fc2_dgrad(k, m_tile, n_tile, expert, stage, bar,
+                                                         s_fc2_parts)
+                                elif ttype == SHARED_FC1_DGRAD:
+                                    self._load_fc1_dgrad(k, m_tile, n_tile, expert, stage, bar,
+                                                         s_fc1_parts)
+                                else:
+                                    self._load_fc1_dgrad(k, m_tile, n_tile, expert, stage, bar,
+                                                         fc1_parts)
+                            else:
+                                self._load_fc1_dgrad(k, m_tile, n_tile, expert, stage, bar,
+                                                     fc1_parts)
                     ab_pipeline.producer_commit(state)
                     state.advance()
                 loads += k_tiles
@@ -433,18 +495,50 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             pos = nxt
         # the weight gradients (the tail), by tickets
         w_parts = self.wgrad_load_parts(sA, sB, wgrad_ops, w_layouts)
+        s_w_parts = None
+        if const_expr(self.shared):
+            s_w_parts = self.wgrad_load_parts(sA, sB, shared.w_loads, w_layouts)
         loads = self.wgrad_producer_tickets(walk, tail_ring, expert_offsets, counter_offsets,
                                             counters, error, timeout_ns, ab_pipeline, loads,
-                                            wgrad_ops, w_parts)
+                                            wgrad_ops, w_parts, shared, s_w_parts)
         ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.ab_stages, loads))
 
+    def _fc2_load_parts(self, sA, sB, ops):
+        """FC2_DGRAD's (cooperative) TMA partitions: (atom, global, smem) of the dY rows, then
+        of W_down; ``ops`` their (atom, tensor) pairs. Traced inline."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        tma_dy, t_dy, tma_wd, t_wd = ops
+        g_dy, s_dy = tma_tiles(tma_dy, t_dy, sA, (tile_m, tile_k))
+        g_wd, s_wd = tma_tiles(tma_wd, t_wd, sB, (tile_n, tile_k))
+        return (tma_dy, g_dy, s_dy, tma_wd, g_wd, s_wd)
+
+    def _fc1_load_parts(self, sA, sB, ops):
+        """FC1_DGRAD's TMA partitions: (atom, global, smem) of dG | dU, W_gate, W_up, and the
+        gate weights' k-tiles (where the up weights' begin); ``ops`` their (atom, tensor)
+        pairs. Traced inline."""
+        tile_m, tile_n, tile_k = self.tile_shape_mnk
+        tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = ops
+        g_dp, s_dp = tma_tiles(tma_dp, t_dp, sA, (tile_m, tile_k))
+        g_wg, s_wg = tma_tiles(tma_wg, t_wg, sB, (tile_n, tile_k))
+        g_wu, s_wu = tma_tiles(tma_wu, t_wu, sB, (tile_n, tile_k))
+        return (tma_dp, g_dp, s_dp, tma_wg, g_wg, s_wg, tma_wu, g_wu, s_wu,
+                cute.size(t_wg, mode=[1]) // TILE_K)
+
     @cute.jit
-    def _load_fc1_dgrad(self, k: Int32, k_split: Int32, m_tile: Int32, n_tile: Int32,
-                        expert: Int32, stage: Int32, bar, parts):
+    def _load_fc2_dgrad(self, k: Int32, m_tile: Int32, n_tile: Int32, expert: Int32,
+                        stage: Int32, bar, parts):
+        """FC2_DGRAD's k-tile ``k`` into ``stage``: the dY rows, then W_down."""
+        tma_dy, g_dy, s_dy, tma_wd, g_wd, s_wd = parts
+        cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, stage)], tma_bar_ptr=bar)
+        cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, stage)], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _load_fc1_dgrad(self, k: Int32, m_tile: Int32, n_tile: Int32, expert: Int32,
+                        stage: Int32, bar, parts):
         """FC1_DGRAD's k-tile ``k`` into ``stage``: dG | dU rows, then the gate weights'
         k-tiles, then the up weights'."""
-        tma_dp, g_dp, s_dp, tma_wg, g_wg, s_wg, tma_wu, g_wu, s_wu = parts
+        tma_dp, g_dp, s_dp, tma_wg, g_wg, s_wg, tma_wu, g_wu, s_wu, k_split = parts
         cute.copy(tma_dp, g_dp[(None, m_tile, k, 0)], s_dp[(None, stage)], tma_bar_ptr=bar)
         if k < k_split:
             cute.copy(tma_wg, g_wg[(None, n_tile, k, expert)], s_wg[(None, stage)], tma_bar_ptr=bar)
@@ -479,7 +573,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
                       sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
-                      warpgroup_idx: Int32, tail_ring):
+                      warpgroup_idx: Int32, tail_ring, shared: SharedOperands):
         """Both consumer warpgroups from walk position ``first``: per task the mainloop, the
         epilogue's TMA stores, and for a dgrad, once they have landed, the task's counter,
         published by thread 0 of the store warp (nothing waits on a weight gradient: the
@@ -487,6 +581,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         tile = (TILE_M, self.tile_shape_mnk[1])
         views = [cute.local_tile(t, tile, (None, None, None)) for t in (t_dg, t_du, t_hw, t_dx)]
+        s_views = None  # the shared expert's outputs: dG, dU, h, dx rows
+        if const_expr(self.shared):
+            s_views = [cute.local_tile(shared.stores[2 * o + 1], tile, (None, None, None))
+                       for o in range(4)]
         consumer_tidx = tidx - self.threads_per_warpgroup
         tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
             tiled_mma, sA, sB, sC, (warpgroup_idx - 1) * self.threads_per_warpgroup,
@@ -501,7 +599,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         while pos < live_len:  # the dgrads
             run, ttype, m_tile, n_tile, _, _, signal, index = self._task(walk, pos, counter_offsets)
             if run:
-                k_tiles = self._k_tiles(ttype, t_dy, t_dp)
+                k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
                 release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
                                         num_k_blocks)
                 cute.nvgpu.warpgroup.wait_group(0)
@@ -512,25 +610,42 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                     held = Int32(-1)
                 dx_store = (epi, tma_dx, views[3], m_tile, n_tile, subtiles, barrier,
                             store_pipeline, is_store_warp)
+                s_dx = None  # the shared expert's dx rows: where its FC1_DGRAD stores
+                if const_expr(self.shared):
+                    s_dx = (shared.stores[6], s_views[3], ttype == SHARED_FC1_DGRAD)
                 if const_expr(self.fc2_pingpong):  # FC2_DGRAD ran in its own phase
-                    self._store_dx(dx_store)
+                    self._store_dx(dx_store, s_dx)
                 else:
-                    if ttype == int(BackwardTaskType.FC2_DGRAD):
-                        rows, visit_args = self.row_visit_args(epi, "dgated", coords, m_tile,
-                                                               n_tile, preact, row_slot,
-                                                               weights, consumer_tidx)
+                    dgated = ttype == int(BackwardTaskType.FC2_DGRAD)
+                    if const_expr(self.shared):
+                        dgated = dgated or ttype == SHARED_FC2_DGRAD
+                    if dgated:
+                        rows, visit_args = self.row_visit_args(
+                            epi, "dgated", coords, m_tile, n_tile,
+                            *self.dgated_rows(ttype, preact, row_slot, weights, shared),
+                            consumer_tidx)
+                        alt, use_alt = None, None  # the shared expert's dG, dU, h
+                        if const_expr(self.shared):
+                            alt = ((shared.stores[0], shared.stores[2], shared.stores[4]),
+                                   tuple(v[(None, None, m_tile, n_tile, 0)] for v in s_views[:3]))
+                            use_alt = ttype == SHARED_FC2_DGRAD
                         self.tile_epilogue(epi, (tma_dg, tma_du, tma_hw),
                                            tuple(v[(None, None, m_tile, n_tile, 0)] for v in views[:3]),
                                            "dgated", 0, subtiles, barrier, store_pipeline,
-                                           is_store_warp, visit_args)
-                        self._store_row_sums(rows, partials, m_tile, n_tile, consumer_tidx)
+                                           is_store_warp, visit_args, alt=alt, use_alt=use_alt)
+                        if const_expr(self.shared):  # no router weight: no row partials
+                            if ttype == int(BackwardTaskType.FC2_DGRAD):
+                                self._store_row_sums(rows, partials, m_tile, n_tile,
+                                                     consumer_tidx)
+                        else:
+                            self._store_row_sums(rows, partials, m_tile, n_tile, consumer_tidx)
                         if const_expr(self.comm_ctas > 0):
                             # every thread's partials before the leader's publish: a comm
                             # CTA's REVERSE_DISPATCH reads them (the launches' readers come
                             # after the launch)
                             barrier.arrive_and_wait()
                     else:
-                        self._store_dx(dx_store)
+                        self._store_dx(dx_store, s_dx)
                 subtiles += subtiles_per_task
                 # The store warp is an MMA warp: waiting here for the stores to land would
                 # hold the next mainloop. When this CTA's next task runs and waits on nothing,
@@ -559,26 +674,37 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
                                             warpgroup_idx)
         self.wgrad_consumer_tickets(walk, tail_ring, expert_offsets, ab_pipeline, w_layouts[0],
-                                    w_parts, loads, wgrad_stores, warpgroup_idx)
+                                    w_parts, loads, wgrad_stores, warpgroup_idx, shared)
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
     @cute.jit
-    def _store_dx(self, args):
-        """FC1_DGRAD's epilogue: the dx rows tile through the first output buffer."""
+    def _store_dx(self, args, shared_dx):
+        """FC1_DGRAD's epilogue: the dx rows tile through the first output buffer; into the
+        shared expert's dx rows instead where ``shared_dx`` (atom, tiled view, run-time
+        flag) says so."""
         epi, tma_dx, view, m_tile, n_tile, subtiles, barrier, store_pipeline, is_store_warp = args
-        self.tile_epilogue(epi, (tma_dx,), (view[(None, None, m_tile, n_tile, 0)],), "store", 0,
-                           subtiles, barrier, store_pipeline, is_store_warp, None, 1)
+        if const_expr(shared_dx is not None):
+            s_atom, s_view, use_alt = shared_dx
+            self.tile_epilogue(epi, (tma_dx,), (view[(None, None, m_tile, n_tile, 0)],), "store",
+                               0, subtiles, barrier, store_pipeline, is_store_warp, None, 1,
+                               alt=((s_atom,), (s_view[(None, None, m_tile, n_tile, 0)],)),
+                               use_alt=use_alt)
+        else:
+            self.tile_epilogue(epi, (tma_dx,), (view[(None, None, m_tile, n_tile, 0)],), "store",
+                               0, subtiles, barrier, store_pipeline, is_store_warp, None, 1)
 
 
 # ---------------------------------------------------------------------- compile
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
-                                ksum_top_k: int = 0, ksum_shared: bool = False):
+                                ksum_top_k: int = 0, ksum_shared: bool = False,
+                                shared: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
-    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared)
+    kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
+                                    shared)
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts, tokens = sym(divisibility=TILE_M), sym(), sym(), sym()
@@ -612,9 +738,27 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
             # the group tail's: the plan's scalars, topk_idx, shared_dx, d_x, d_topk
             common.fake_vector(Int64, SCALARS, align_bytes=8), i32(tokens, sym()),
             *(kmaj(bf16, (tokens, hidden)) for _ in range(2)),
-            f(Float32, (tokens, sym()), align_bytes=4), common.fake_stream()]
+            f(Float32, (tokens, sym()), align_bytes=4),
+            *_shared_fakes(tokens, hidden, sym(divisibility=TILE_K)), common.fake_stream()]
     return cute.compile(kernel, *args,
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
+
+
+def _shared_fakes(tokens, hidden, inter) -> list:
+    """The shared expert's fake arguments (``__call__``'s ``s_*``): ``inter`` its Is; its
+    saved g | u, rows and ones of the routed ones' types (the dgated epilogue picks either
+    at run time)."""
+    f, kmaj, bf16 = common.fake_strided_tensor, common.fake_kmajor_tensor, BFloat16
+    return [kmaj(bf16, (tokens, hidden, 1)), f(bf16, (inter, hidden, 1), contiguous_mode=0),
+            kmaj(bf16, (tokens, cute.sym_int32(divisibility=TILE_K), 1)),
+            *(f(bf16, (hidden, inter, 1), contiguous_mode=0) for _ in range(2)),
+            *(kmaj(bf16, (tokens, inter, 1)) for _ in range(3)), kmaj(bf16, (tokens, hidden, 1)),
+            *(f(bf16, (inter, tokens, 1), contiguous_mode=0) for _ in range(2)),
+            *(f(bf16, (hidden, tokens, 1), contiguous_mode=0) for _ in range(2)),
+            f(bf16, (inter, tokens, 1), contiguous_mode=0),
+            *(kmaj(bf16, (inter, hidden, 1)) for _ in range(2)), kmaj(bf16, (hidden, inter, 1)),
+            kmaj(bf16, (cute.sym_int32(), cute.sym_int32(divisibility=16))),
+            common.fake_vector(Int32), common.fake_vector(Float32)]
 
 
 __all__ = ["BackwardMegakernelSm90", "compile_backward_megakernel", "BACKWARD_SCALARS"]

@@ -31,6 +31,7 @@ from mok_cute.constants import FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
 from mok_cute.kernels.megakernel.backward_comm import signal_slot
+from mok_cute.kernels.megakernel.backward_shared import SHARED_FC2_DGRAD, SharedOperands
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.tasks_backward import BackwardWord
 
@@ -107,7 +108,10 @@ class Fc2PingpongTasksMixin:
         at = pos
         searching = at < fc2_end
         while searching:
-            if tasks[queue[at], int(BackwardWord.TILE)] < num_tiles[0]:
+            live = tasks[queue[at], int(BackwardWord.TILE)] < num_tiles[0]
+            if const_expr(self.shared):  # its token tiles run whatever the routing
+                live = live or tasks[queue[at], int(BackwardWord.TYPE)] == SHARED_FC2_DGRAD
+            if live:
                 searching = False
             else:
                 at += self.num_ctas
@@ -136,14 +140,17 @@ class Fc2PingpongTasksMixin:
     def fc2_producer(self, walk, fc2_end: Int32, tile_expert: cute.Tensor,
                      expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
                      counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64, ring, sA,
-                     layouts, ops) -> Int32:
-        """The load warp's FC2_DGRAD phase: per live task its waits, then its k-tiles' A and
-        B boxes; at the end, every stage released (the cooperative stages reuse the bytes).
-        Returns the CTA's first position past the phase."""
+                     layouts, ops, shared: SharedOperands) -> Int32:
+        """The load warp's FC2_DGRAD phase (the shared expert's SHARED_FC2_DGRAD among them):
+        per live task its waits, then its k-tiles' A and B boxes; at the end, every stage
+        released (the cooperative stages reuse the bytes). Returns the CTA's first position
+        past the phase."""
         tma_dy, t_dy, tma_wd, t_wd = ops
         s_a, s_b = self.fc2_stages(sA, layouts)
-        g_dy, s_dy = tma_tiles(tma_dy, t_dy, s_a, (TILE_M, TILE_K))
-        g_wd, s_wd = tma_tiles(tma_wd, t_wd, s_b, (FC2_DGRAD_PINGPONG_TILE_N, TILE_K))
+        parts = self._fc2_ring_parts(s_a, s_b, ops)
+        s_parts = None
+        if const_expr(self.shared):
+            s_parts = self._fc2_ring_parts(s_a, s_b, shared.loads[:4])
         k_tiles = cute.size(t_dy, mode=[1]) // TILE_K
         tasks = walk[0]
         loads = Int32(0)
@@ -153,19 +160,41 @@ class Fc2PingpongTasksMixin:
             self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
                             timeout_ns)
             cute.arch.fence_proxy("async.global")
-            expert = tile_expert[m_tile]
             state = pipeline_state(pipeline.PipelineUserType.Producer, FC2_STAGES, loads)
-            for k in range(k_tiles):
-                ring.producer_acquire(state)
-                bar = ring.producer_get_barrier(state)
-                cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, state.index)], tma_bar_ptr=bar)
-                ring.producer_commit(state)
-                state.advance()
+            if const_expr(self.shared):
+                if tasks[index, int(BackwardWord.TYPE)] == SHARED_FC2_DGRAD:
+                    self._fc2_ring_loads(ring, state, k_tiles, m_tile, n_tile, Int32(0), s_parts)
+                else:
+                    self._fc2_ring_loads(ring, state, k_tiles, m_tile, n_tile,
+                                         tile_expert[m_tile], parts)
+            else:
+                self._fc2_ring_loads(ring, state, k_tiles, m_tile, n_tile, tile_expert[m_tile],
+                                     parts)
             loads += k_tiles
             pos = self._next_live_fc2(walk, pos + self.num_ctas, fc2_end)
         ring.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer, FC2_STAGES, loads))
         return self._first_after(fc2_end)
+
+    def _fc2_ring_parts(self, s_a, s_b, ops):
+        """The ring's TMA partitions of one expert's dY rows and W_down: (atom, global, smem)
+        each; ``ops`` their (atom, tensor) pairs. Traced inline."""
+        tma_dy, t_dy, tma_wd, t_wd = ops
+        g_dy, s_dy = tma_tiles(tma_dy, t_dy, s_a, (TILE_M, TILE_K))
+        g_wd, s_wd = tma_tiles(tma_wd, t_wd, s_b, (FC2_DGRAD_PINGPONG_TILE_N, TILE_K))
+        return (tma_dy, g_dy, s_dy, tma_wd, g_wd, s_wd)
+
+    @cute.jit
+    def _fc2_ring_loads(self, ring, state, k_tiles: Int32, m_tile: Int32, n_tile: Int32,
+                        expert: Int32, parts):
+        """One task's k-tiles into the ring (``state`` advanced past them)."""
+        tma_dy, g_dy, s_dy, tma_wd, g_wd, s_wd = parts
+        for k in range(k_tiles):
+            ring.producer_acquire(state)
+            bar = ring.producer_get_barrier(state)
+            cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, state.index)], tma_bar_ptr=bar)
+            ring.producer_commit(state)
+            state.advance()
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -173,7 +202,7 @@ class Fc2PingpongTasksMixin:
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ring, sA, sC, layouts,
                       stores, t_dy: cute.Tensor, tidx: Int32, warp_idx: Int32,
-                      warpgroup_idx: Int32) -> Int32:
+                      warpgroup_idx: Int32, shared: SharedOperands) -> Int32:
         """Both consumer warpgroups' FC2_DGRAD phase: the n-th live task of the CTA on
         warpgroup n % 2, mainloop in turns, the dgated epilogue, the task's counter published
         once its stores land (the warpgroup then waits for its turn anyway). Returns the CTA's
@@ -193,6 +222,10 @@ class Fc2PingpongTasksMixin:
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw = stores
         tile = (TILE_M, FC2_DGRAD_PINGPONG_TILE_N)
         views = [cute.local_tile(t, tile, (None, None, None)) for t in (t_dg, t_du, t_hw)]
+        s_views = None  # the shared expert's dG, dU, h
+        if const_expr(self.shared):
+            s_views = [cute.local_tile(shared.stores[2 * o + 1], tile, (None, None, None))
+                       for o in range(3)]
         buf_base = wg * self.fc2.epi_stages * self.fc2.epi_outputs
         subtiles_per_task = (TILE_M // self.fc2.epi_tile[0]) * (FC2_DGRAD_PINGPONG_TILE_N // self.fc2.epi_tile[1])
         k_tiles = cute.size(t_dy, mode=[1]) // TILE_K
@@ -201,20 +234,36 @@ class Fc2PingpongTasksMixin:
         pos = self._next_live_fc2(walk, Int32(cute.arch.block_idx()[0]), fc2_end)
         while pos < fc2_end:
             if live % 2 == wg:
-                m_tile, n_tile, _, _ = self._fc2_task(walk, pos, counter_offsets)
+                m_tile, n_tile, _, index = self._fc2_task(walk, pos, counter_offsets)
                 release = self.fc2.mainloop(ring, tiled_mma, acc, tCrA, tCrB, live * k_tiles,
                                             k_tiles, num_k_blocks,
                                             (my_turn, their_turn, live > 0, self, walk, pos,
                                              fc2_end))
                 cute.nvgpu.warpgroup.wait_group(0)
                 ring.consumer_release(release)
-                rows, visit_args = self.fc2.row_visit_args(epi, "dgated", coords, m_tile, n_tile,
-                                                       preact, row_slot, weights, wg_tidx)
-                self.fc2.tile_epilogue(epi, (tma_dg, tma_du, tma_hw),
-                                   tuple(v[(None, None, m_tile, n_tile, 0)] for v in views),
-                                   "dgated", buf_base, subtiles, barrier, store_pipeline,
-                                   is_store_warp, visit_args)
-                self.fc2._store_row_sums(rows, partials, m_tile, n_tile, wg_tidx)
+                if const_expr(self.shared):
+                    ttype = walk[0][index, int(BackwardWord.TYPE)]
+                    rows, visit_args = self.fc2.row_visit_args(
+                        epi, "dgated", coords, m_tile, n_tile,
+                        *self.dgated_rows(ttype, preact, row_slot, weights, shared), wg_tidx)
+                    self.fc2.tile_epilogue(
+                        epi, (tma_dg, tma_du, tma_hw),
+                        tuple(v[(None, None, m_tile, n_tile, 0)] for v in views), "dgated",
+                        buf_base, subtiles, barrier, store_pipeline, is_store_warp, visit_args,
+                        alt=((shared.stores[0], shared.stores[2], shared.stores[4]),
+                             tuple(v[(None, None, m_tile, n_tile, 0)] for v in s_views)),
+                        use_alt=ttype == SHARED_FC2_DGRAD)
+                    if ttype != SHARED_FC2_DGRAD:  # no router weight: no row partials
+                        self.fc2._store_row_sums(rows, partials, m_tile, n_tile, wg_tidx)
+                else:
+                    rows, visit_args = self.fc2.row_visit_args(epi, "dgated", coords, m_tile,
+                                                               n_tile, preact, row_slot,
+                                                               weights, wg_tidx)
+                    self.fc2.tile_epilogue(epi, (tma_dg, tma_du, tma_hw),
+                                           tuple(v[(None, None, m_tile, n_tile, 0)] for v in views),
+                                           "dgated", buf_base, subtiles, barrier, store_pipeline,
+                                           is_store_warp, visit_args)
+                    self.fc2._store_row_sums(rows, partials, m_tile, n_tile, wg_tidx)
                 if const_expr(self.comm_ctas > 0):
                     barrier.arrive_and_wait()  # the partials before the publish (comm reads them)
                 subtiles += subtiles_per_task

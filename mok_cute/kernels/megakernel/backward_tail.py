@@ -151,14 +151,19 @@ class BackwardTailMixin:
                   counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
                   rows, tail: GroupTail, stage, tidx: Int32, num_threads: cutlass.Constexpr[int],
                   sync):
-        """A KSUM task (module docstring): thread 0 waits for ``BARRIER_DONE`` and every
-        peer's done flag (a peer whose sticky word says "failed" is recorded as PEER_FAILED),
+        """A KSUM task (module docstring): thread 0 waits for ``BARRIER_DONE`` (and, with the
+        shared expert's tasks, its dx rows of the tile) and every peer's done flag (a peer whose sticky word says "failed" is recorded as PEER_FAILED),
         then each warp sums
         tokens ``warp, warp + warps, ..`` of the task's 32 (``num_threads / 32`` warps)."""
         peer_bases = rows.peer_bases
         if tidx == 0:
             base = counter_offsets[tasks[index, int(BackwardWord.WAITS)]]
             common.wait_counter(counters, base, 1, timeout_ns, error, index, Int32(0), Int32(0))
+            if const_expr(self.shared):  # the shared expert's dx rows, by this launch's tasks
+                word = int(BackwardWord.WAITS) + 4  # the second wait: SHARED_DX of the tile
+                common.wait_counter(counters, counter_offsets[tasks[index, word]]
+                                    + tasks[index, word + 1], tasks[index, word + 3],
+                                    timeout_ns, error, index, Int32(0), Int32(0))
             own = self._flags_in(ctx, peer_bases, ctx.rank_base)
             for p in cutlass.range(cute.size(peer_bases), unroll=1):
                 common.wait_counter(own, p, flag_done(ctx.epoch), ctx.timeout_ns, error, index,

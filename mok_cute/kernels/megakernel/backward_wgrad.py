@@ -31,11 +31,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int32
+from cutlass import BFloat16, Int32, const_expr
 
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
+from mok_cute.kernels.megakernel.backward_shared import SHARED_WGRAD_GATE_UP
 from mok_cute.kernels.megakernel.scheduler import (D_INDEX, TICKET_SLOTS, ring_next,
                                                    ring_wait_empty, ring_words)
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
@@ -160,31 +161,47 @@ class WgradTasksMixin:
     def wgrad_producer_tickets(self, walk, ring, expert_offsets: cute.Tensor,
                                counter_offsets: cute.Tensor, counters: cute.Tensor,
                                error: cute.Tensor, timeout_ns, ab_pipeline, loads: Int32, ops,
-                               parts) -> Int32:
+                               parts, shared=None, shared_parts=None) -> Int32:
         """The load warp's tail by tickets: the launch's tail positions go out in order from
         one counter (the slot after the task counters), so the tiles running at any time are
         a window of consecutive positions, as in a ``gemm_wgrad`` launch, however far apart
         the CTAs finished their dgrads. Per ticket: the expert's dgrads waited on (once per
-        run of its tasks), then the tile's loads. Returns the stage uses so far."""
+        run of its tasks), then the tile's loads. Returns the stage uses so far. ``shared``:
+        the shared expert's ``SharedOperands`` (its tiles, expert -1 in the list, run over
+        its T tokens), ``shared_parts`` their partitions."""
         tasks, queue, _, _, tail_begin, queue_len = walk
         tail_len = queue_len - tail_begin
         slot = counter_offsets[cute.size(counter_offsets) - 1]
-        waited_expert = Int32(-1)
+        waited_expert = Int32(-2 if self.shared else -1)  # -1: the shared expert's tiles
         k = Int32(0)
         t = self._tail_ticket(counters, slot, ring, k)
         while t < tail_len:
             index = queue[tail_begin + t]
             expert = tasks[index, int(BackwardWord.TILE)]
             k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            if const_expr(self.shared):
+                if expert < 0:
+                    k0, k_tiles = Int32(0), self.shared_k_tiles(shared)
             if expert != waited_expert:
                 self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
                                 timeout_ns)
                 cute.arch.fence_proxy("async.global")
                 waited_expert = expert
-            self.wgrad_load(ab_pipeline, loads,
-                            tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
-                            tasks[index, int(BackwardWord.M_BLOCK)],
-                            tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
+            if const_expr(self.shared):
+                ttype = tasks[index, int(BackwardWord.TYPE)]
+                m_block = tasks[index, int(BackwardWord.M_BLOCK)]
+                n_tile = tasks[index, int(BackwardWord.N_TILE)]
+                if expert < 0:
+                    self.wgrad_load(ab_pipeline, loads, ttype == SHARED_WGRAD_GATE_UP, m_block,
+                                    n_tile, k0, k_tiles, shared.w_loads, shared_parts)
+                else:
+                    self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block,
+                                    n_tile, k0, k_tiles, ops, parts)
+            else:
+                self.wgrad_load(ab_pipeline, loads,
+                                tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
+                                tasks[index, int(BackwardWord.M_BLOCK)],
+                                tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
             loads += k_tiles
             k += 1
             t = self._tail_ticket(counters, slot, ring, k)
@@ -192,7 +209,8 @@ class WgradTasksMixin:
 
     @cute.jit
     def wgrad_consumer_tickets(self, walk, ring, expert_offsets: cute.Tensor, ab_pipeline,
-                               tiled_mma, parts, loads: Int32, stores, warpgroup_idx: Int32):
+                               tiled_mma, parts, loads: Int32, stores, warpgroup_idx: Int32,
+                               shared=None):
         """Both consumer warpgroups' tail by tickets: each ring use names the tail position
         the producer loaded next (past the tail: the end)."""
         tasks, queue, _, _, tail_begin, queue_len = walk
@@ -205,11 +223,21 @@ class WgradTasksMixin:
             index = queue[tail_begin + t]
             expert = tasks[index, int(BackwardWord.TILE)]
             _, k_tiles = self.wgrad_rows(expert_offsets, expert)
-            self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
-                            tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
-                            expert, tasks[index, int(BackwardWord.M_BLOCK)],
-                            tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
-                            warpgroup_idx)
+            if const_expr(self.shared):  # its tiles (expert -1) over its T tokens
+                ttype = tasks[index, int(BackwardWord.TYPE)]
+                if expert < 0:
+                    k_tiles = self.shared_k_tiles(shared)
+                self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
+                                ttype == _WGRAD_GATE_UP or ttype == SHARED_WGRAD_GATE_UP,
+                                cutlass.max(expert, 0), tasks[index, int(BackwardWord.M_BLOCK)],
+                                tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
+                                warpgroup_idx, (shared.w_stores, expert < 0))
+            else:
+                self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
+                                tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
+                                expert, tasks[index, int(BackwardWord.M_BLOCK)],
+                                tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
+                                warpgroup_idx)
             loads += k_tiles
             subtiles += self.wgrad_subtiles()
             k += 1
@@ -230,11 +258,12 @@ class WgradTasksMixin:
     @cute.jit
     def wgrad_tile(self, ab_pipeline, tiled_mma, parts, loads: Int32, k_tiles: Int32, gated,
                    expert: Int32, m_block: Int32, n_tile: Int32, subtiles: Int32, stores,
-                   warpgroup_idx: Int32):
+                   warpgroup_idx: Int32, shared=None):
         """One weight-gradient tile on both consumer warpgroups: warpgroup w's 128 x 128
         block over the expert's row k-tiles (zeros without rows), then its TMA stores.
         ``parts``: ``wgrad_consumer_parts``; ``stores``: (atom, tensor) of dW_gate, dW_up,
-        dW_down, each (rows, cols, E)."""
+        dW_down, each (rows, cols, E); ``shared``: (the shared expert's such pairs, a
+        run-time flag: store there instead)."""
         tCrA, tCrB, acc, num_k_blocks, epi, store_pipeline, barrier, is_store_warp = parts
         wg = warpgroup_idx - 1
         if k_tiles > 0:
@@ -244,22 +273,32 @@ class WgradTasksMixin:
             ab_pipeline.consumer_release(release)
         else:
             acc.fill(0.0)  # an expert with no rows
-        atom_g, t_g, atom_u, t_u, atom_d, t_d = stores
-        tile = (WG_ROWS, WGRAD_TILE_N)
-        base = wg * self.wgrad.epi_stages
+        args = (epi, wg * self.wgrad.epi_stages, subtiles, barrier, store_pipeline,
+                is_store_warp, n_tile, expert)
         if gated:
             if wg == 0:
-                self.wgrad.tile_epilogue(epi, (atom_g,), (cute.local_tile(t_g, tile, (None, None, None))[
-                    (None, None, m_block, n_tile, expert)],), "store", base, subtiles, barrier,
-                    store_pipeline, is_store_warp)
+                self._wgrad_store(args, stores, shared, 0, m_block)
             else:
-                self.wgrad.tile_epilogue(epi, (atom_u,), (cute.local_tile(t_u, tile, (None, None, None))[
-                    (None, None, m_block, n_tile, expert)],), "store", base, subtiles, barrier,
-                    store_pipeline, is_store_warp)
+                self._wgrad_store(args, stores, shared, 1, m_block)
         else:
-            self.wgrad.tile_epilogue(epi, (atom_d,), (cute.local_tile(t_d, tile, (None, None, None))[
-                (None, None, 2 * m_block + wg, n_tile, expert)],), "store", base, subtiles,
-                barrier, store_pipeline, is_store_warp)
+            self._wgrad_store(args, stores, shared, 2, 2 * m_block + wg)
+
+    def _wgrad_store(self, args, stores, shared, o: int, m: Int32):
+        """A warpgroup's 128 x 128 block ``m`` of weight-gradient output ``o`` (0: dW_gate,
+        1: dW_up, 2: dW_down) by TMA; the shared expert's instead where ``shared`` (pairs,
+        flag) says so. Traced inline."""
+        epi, base, subtiles, barrier, store_pipeline, is_store_warp, n_tile, expert = args
+
+        def output(pairs):
+            view = cute.local_tile(pairs[2 * o + 1], (WG_ROWS, WGRAD_TILE_N), (None, None, None))
+            return (pairs[2 * o],), (view[(None, None, m, n_tile, expert)],)
+
+        atoms, g_tiles = output(stores)
+        alt, use_alt = None, None
+        if const_expr(shared is not None):
+            alt, use_alt = output(shared[0]), shared[1]
+        self.wgrad.tile_epilogue(epi, atoms, g_tiles, "store", base, subtiles, barrier,
+                                 store_pipeline, is_store_warp, alt=alt, use_alt=use_alt)
 
     def wgrad_subtiles(self) -> int:
         """Epilogue subtiles a warpgroup stores per weight-gradient tile."""

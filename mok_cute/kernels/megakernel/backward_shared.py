@@ -1,0 +1,90 @@
+"""The shared expert's backward as tasks of the backward megakernel (``backward.py`` built with
+``shared=True``): one expert over this rank's T tokens with weight 1, on the routed tasks' tile
+forms and stage rings, its operands through TMA atoms of their own.
+
+    SHARED_FC2_DGRAD (s, n)   d_out rows of token tile s @ Ws_down: the dgated epilogue (dG | dU,
+                              h) into the shared expert's buffers, from its g | u saved by
+                              token; no row partials (it has no router weight)
+    SHARED_FC1_DGRAD (s, n)   its dG | dU of token tile s @ [Ws_gate; Ws_up]: its dx rows
+    SHARED_WGRAD_GATE_UP / SHARED_WGRAD_DOWN (m, n)   dWs over the T tokens (K), TMA filling
+                              zeros past T
+
+The tasks are ``expert_backward.shared_backward``'s tiles (the routed kernels on one expert,
+identity rows, unit weights), so the bits are its. A TMA atom cannot be chosen at run time
+(the DSL rejects an atom assigned in a branch), so where a task may be either expert's the
+copies branch (``tile_epilogue``'s ``alt`` for the stores); the dgated epilogue's row tensors
+(saved g | u, row -> slot, weight) are chosen at run time: the shared expert's identity rows
+and ones have the routed tensors' types.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+from mok_cute.constants import TILE_K
+from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
+
+SHARED_FC2_DGRAD = int(BackwardTaskType.SHARED_FC2_DGRAD)
+SHARED_FC1_DGRAD = int(BackwardTaskType.SHARED_FC1_DGRAD)
+SHARED_WGRAD_GATE_UP = int(BackwardTaskType.SHARED_WGRAD_GATE_UP)
+SHARED_WGRAD_DOWN = int(BackwardTaskType.SHARED_WGRAD_DOWN)
+
+
+class SharedOperands(NamedTuple):
+    """The shared expert's (TMA atom, tensor) pairs, each tuple in the order of its routed
+    counterpart in ``backward.py``, and its dgated rows."""
+
+    loads: tuple  # d_out rows, Ws_down, dG | dU, Ws_gate, Ws_up
+    stores: tuple  # dG, dU, h, dx rows
+    w_loads: tuple  # dG, dU, x, d_out, h: (cols, T, 1) MN-major
+    w_stores: tuple  # dWs_gate, dWs_up, dWs_down
+    rows: tuple  # saved g | u (T, 2Is), rows 0 .. T - 1 (int32), ones (fp32)
+
+
+class SharedTasksMixin:
+    """What ``BackwardMegakernelSm90`` adds for the shared expert's tasks (module docstring);
+    ``self.shared`` says whether the build has them (without, every helper is a constant)."""
+
+    def shared_operands(self, tensors, boxes) -> SharedOperands:
+        """Host side: the shared expert's TMA atoms. ``tensors``: (d_out rows, Ws_down, dG | dU,
+        Ws_gate, Ws_up, dG, dU, h, dx rows, dG^T, dU^T, x^T, d_out^T, h^T, dWs_gate, dWs_up,
+        dWs_down, saved g | u, rows, ones); ``boxes``: for each of the first 17, (smem box,
+        tile) as its routed counterpart's."""
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        mk = cute.nvgpu.cpasync.make_tiled_tma_atom
+        pairs = [mk(s2g if i in (5, 6, 7, 8, 14, 15, 16) else g2s, t, box, tile)
+                 for i, (t, (box, tile)) in enumerate(zip(tensors[:17], boxes))]
+        flat = [v for pair in pairs for v in pair]
+        return SharedOperands(tuple(flat[0:10]), tuple(flat[10:18]), tuple(flat[18:28]),
+                              tuple(flat[28:34]), tuple(tensors[17:]))
+
+    @cute.jit
+    def is_shared_task(self, ttype: Int32):
+        """Whether a task of type ``ttype`` is the shared expert's (builds with its tasks)."""
+        return ttype >= SHARED_FC2_DGRAD and ttype <= SHARED_WGRAD_DOWN
+
+    @cute.jit
+    def dgated_rows(self, ttype: Int32, preact: cute.Tensor, row_slot: cute.Tensor,
+                    weights: cute.Tensor, shared: SharedOperands):
+        """The dgated epilogue's (saved g | u, row -> slot, weight) of a task: the routed
+        rows', or the shared expert's (tokens in order, weight 1)."""
+        rows = (preact, row_slot, weights)
+        if const_expr(self.shared):
+            if ttype == SHARED_FC2_DGRAD:
+                rows = shared.rows
+        return rows
+
+    @cute.jit
+    def shared_k_tiles(self, shared: SharedOperands) -> Int32:
+        """K-tiles of the shared expert's weight gradients: its T tokens, rounded up."""
+        tokens = cute.size(shared.w_loads[5], mode=[1])  # x^T: (H, T, 1)
+        return (tokens + TILE_K - 1) // TILE_K
+
+
+__all__ = ["SharedOperands", "SharedTasksMixin", "SHARED_FC2_DGRAD", "SHARED_FC1_DGRAD",
+           "SHARED_WGRAD_GATE_UP", "SHARED_WGRAD_DOWN"]
