@@ -369,6 +369,14 @@ def shared_backward_ranks(d_out, xs, shared, shared_preact, needs: Needs = Needs
     return [dx for dx, _ in per_rank], grads
 
 
+def shared_in_launch(shared, precision: str, needs: Needs) -> bool:
+    """Whether the backward megakernel's launch runs the shared expert's backward too: a bf16
+    launch with the routed weight gradients (the shared expert's run with them), Is a whole
+    number of 64-deep k-tiles (the launch's K split between its gate and up weights)."""
+    return (shared is not None and precision == "bf16" and needs.w_gate_up and needs.w_down
+            and shared[0].shape[0] % TILE_K == 0)
+
+
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
                  options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16",
@@ -381,7 +389,8 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     None where ``needs`` says no (and for the shared expert's three without one).
     ``dgrads``: the routed experts' bf16 dgrads as two grouped-GEMM launches ("kernels") or
     one backward-megakernel launch ("megakernel"; the same bits), which also runs their
-    weight gradients when all three are wanted."""
+    weight gradients when all three are wanted, and then the shared expert's backward too
+    (``shared_in_launch``)."""
     if dgrads not in ("kernels", "megakernel"):
         raise ValueError(f"dgrads: expected 'kernels' or 'megakernel', got {dgrads!r}")
     if dgrads == "megakernel" and precision != "bf16":
@@ -409,16 +418,28 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                             rows_per_expert, needs)
     d_rows = routed_rows(d_src, row_token, d_fp8_only, saved.row_of_slot)  # zeros on padding
     x_rows = routed_rows(x, row_token, x_fp8_only) if needs.w_gate_up else None
-    dx_rows, dwg, dwu, dwd, partials = _expert_backward(
-        d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
-        saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
-        needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
-        rows_per_expert=rows_per_expert)
-
     shared_dx, d_shared = None, (None, None, None)
-    if shared is not None:
-        shared_dx, d_shared = shared_backward(d_out, x, shared, saved.shared_preact, needs,
-                                              options)
+    if dgrads == "megakernel" and shared_in_launch(shared, precision, needs):
+        # every GEMM of the backward, the shared expert's too, in one launch
+        from mok_cute import megakernel_backward
+        *_, partials, dx_rows, dwg, dwu, dwd, s = megakernel_backward.expert_grads(
+            d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
+            saved.tile_expert, saved.num_tiles, saved.expert_offsets,
+            shared=megakernel_backward.SharedExpert(d_out, x.contiguous(), *shared,
+                                                    saved.shared_preact))
+        shared_dx = s.dx
+        d_shared = (s.w_gate if needs.shared_gate_up else None,
+                    s.w_up if needs.shared_gate_up else None,
+                    s.w_down if needs.shared_down else None)
+    else:
+        dx_rows, dwg, dwu, dwd, partials = _expert_backward(
+            d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
+            saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
+            needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
+            rows_per_expert=rows_per_expert)
+        if shared is not None:
+            shared_dx, d_shared = shared_backward(d_out, x, shared, saved.shared_preact, needs,
+                                                  options)
 
     d_x = None
     if needs.x:

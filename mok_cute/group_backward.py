@@ -7,14 +7,16 @@ Per call, on every rank of the group (each must run it, as a collective):
 
     own fields <- x, d_out, router weights           (the source side, for the peers to pull)
     one rank per process (IPC, L = 1; ``_one_launch``):
-      the shared expert's backward (local; its dx rows are the k-sums' base)
       one backward-megakernel launch (``megakernel_backward.expert_grads_over_peers`` with
       its ``GroupTail``): its comm CTAs announce the start and wait for every peer's
       (barrier 0); pull the d_out rows, router weights and x rows of this rank's receive
-      rows while the compute CTAs run the dgrads as the rows arrive; push each dx row and
+      rows while the compute CTAs run the shared expert's dgrads (local: its dx rows are
+      the k-sums' base), then the routed dgrads as the rows arrive; push each dx row and
       its partials' sum into the source's (token, k) slot (``combine``, ``d_topk_partials``)
       as its tile's FC1 dgrads finish; store the done flag (barrier 1) and, once every
       peer's is in, run the k-sums of d_x and d_topk_weights, all under the weight gradients
+      (the shared expert's last; when the routed ones are not wanted, or Is is not a whole
+      number of 64-deep k-tiles, the shared expert's backward runs before the launch)
     several ranks in one process (virtual, L > 1: their launches run one after another, so a
     launch cannot wait for a later one's flags):
       barrier 0 (flag "started" of a new epoch), one launch per local rank with the comm
@@ -48,9 +50,8 @@ next call or by ``mok_cute.check_errors()``, and that call's gradients are incom
 the launch's group tail its d_x and d_topk_weights are NaN: the k-sums of a failed launch, or
 with a failed peer, write NaN).
 
-Not yet the design's one launch (issue 32): the shared expert's backward runs before the
-launch, not as its tasks; an FP8 plan's and the virtual ranks' barriers and k-sums are
-launches of their own.
+Not yet the design's one launch (issue 32): an FP8 plan's and the virtual ranks' barriers,
+k-sums and shared expert are launches of their own.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             dwg, dwu, dwd = _fp8_routed(plan, saved, w_gate, w_up, w_down, needs, options,
                                         routed_per_expert)
         else:
-            dwg, dwu, dwd = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms)
+            dwg, dwu, dwd, _ = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
         plan.backward_errors.record(plan.backward_calls)
 
@@ -170,20 +171,32 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
     rows are the k-sums' base), then one launch whose comm CTAs also pass the group's two
     barriers and run the k-sums of d_x and d_topk_weights (``megakernel_backward.GroupTail``).
     A wait of the launch that gives up records into the plan's backward error word."""
-    from mok_cute.megakernel_backward import GroupTail
+    from mok_cute.expert_backward import shared_in_launch
+    from mok_cute.megakernel_backward import GroupTail, SharedExpert
 
     k = plan.key
     T, H, K = k.tokens, k.hidden, k.top_k
     dev = plan.peer_bases.device
-    shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
-                                                options)
+    in_launch = None  # the shared expert's backward as tasks of the launch, else before it
+    shared_dx, d_shared = [None], (None, None, None)
+    if shared_in_launch(shared, "bf16", needs):
+        in_launch = SharedExpert(d_out[0].contiguous(), xs[0].contiguous(),
+                                 *(w[0].contiguous() for w in shared), saved.shared_preact[0])
+    else:
+        shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
+                                                    needs, options)
     d_x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     d_topk = torch.empty(T, K, dtype=torch.float32, device=dev)
     tail = GroupTail(plan.scalars, plan.backward_error, topk_idx[0].to(torch.int32).contiguous(),
                      shared_dx[0], d_x, d_topk)
     plan.begin_backward(silent_rank)
-    dwg, dwu, dwd = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail)
+    dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail,
+                               in_launch)
     plan.backward_errors.record(plan.backward_calls)
+    if s is not None:
+        d_shared = (s.w_gate[None] if needs.shared_gate_up else None,
+                    s.w_up[None] if needs.shared_gate_up else None,
+                    s.w_down[None] if needs.shared_down else None)
     return (d_x[None] if needs.x else None,
             d_topk[None].to(topk_weights.dtype) if needs.topk_weights else None,
             _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)
@@ -194,11 +207,13 @@ def _stacked(grads: list):
     return None if grads[0] is None else torch.stack(grads)
 
 
-def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None):
+def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None,
+            shared=None):
     """Each local rank's routed backward in one launch with its comm (bf16): the weight
-    gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no). The launch's
-    own waits are on its own tasks (a peer's silence shows at barrier 1), or with ``tail``
-    (one rank) on the peers' flags too."""
+    gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no), and the
+    ``SharedGrads`` of ``shared`` (one rank: its shared expert's backward in the launch too)
+    or None. The launch's own waits are on its own tasks (a peer's silence shows at barrier
+    1), or with ``tail`` (one rank) on the peers' flags too."""
     from mok_cute import megakernel_backward
 
     side, k = plan.side, plan.key
@@ -216,12 +231,12 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail
         out = megakernel_backward.expert_grads_over_peers(
             w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r], weights,
             sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
-            wgrads, comm_sms, tail=tail)
-        gate, up, down = out[6:] if wgrads else (None, None, None)
+            wgrads, comm_sms, tail=tail, shared=shared)
+        gate, up, down = out[6:9] if wgrads else (None, None, None)
         dwg.append(gate if needs.w_gate_up else None)
         dwu.append(up if needs.w_gate_up else None)
         dwd.append(down if needs.w_down else None)
-    return dwg, dwu, dwd
+    return dwg, dwu, dwd, out[-1] if shared is not None else None
 
 
 def _fp8_routed(plan, saved, w_gate, w_up, w_down, needs: Needs, options: ExpertPathOptions,

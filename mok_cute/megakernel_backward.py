@@ -19,8 +19,12 @@ the group's two barriers and the k-sums of d_x and d_topk_weights on the comm CT
 (``kernels/megakernel/backward_tail.py``), so a call is this one launch after the copies of
 its own fields.
 
-Not yet: the shared expert as tasks of the launch (it runs before it, its dx rows read by the
-k-sums); ranks of one process (virtual) keep the barriers and k-sums as launches of their own
+With ``shared`` (a ``SharedExpert``) the launch also runs the shared expert's backward over
+this rank's tokens (``kernels/megakernel/backward_shared.py``): its dgrads lead the dgrads,
+its weight gradients close the weight-gradient tail, and the group tail's k-sums read its dx
+rows as the launch writes them; the bits are ``expert_backward.shared_backward``'s.
+
+Not yet: ranks of one process (virtual) keep the barriers and k-sums as launches of their own
 (issue 32; docs/architecture.md has the build order).
 """
 
@@ -81,20 +85,22 @@ def tiles_per_minibatch(capacity_tiles: int) -> int:
 
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
                  timeout_ms: float, device, num_experts: int = 0,
-                 comm: bool = False, tail_tokens: int = 0, top_k: int = 1) -> DgradTables:
+                 comm: bool = False, tail_tokens: int = 0, top_k: int = 1,
+                 shared: tuple[int, int] = (0, 0)) -> DgradTables:
     """The device tables of the backward task list (cached per size, wait bound and device;
     the counters are shared by the launches of one size: calls on one stream). ``num_experts``
     > 0: the weight gradients of that many experts are queued after the dgrads; 0: the
     dgrads alone. ``comm``: the rows' pulls and pushes are tasks too; ``tail_tokens`` > 0
     (with ``comm``): the group barrier and the k-sums of that many tokens, ``top_k`` slots
-    each, too (the group tail)."""
+    each, too (the group tail). ``shared``: (T, Is) of a shared expert whose backward the
+    launch runs too (its weight gradients with the routed ones'); (0, 0): none."""
     key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M, comm,
-           tail_tokens, top_k, str(device))
+           tail_tokens, top_k, tuple(shared), str(device))
     with _LOCK:
         tables = _TABLES.get(key)
         if tables is None:
             tables = _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas,
-                                   timeout_ms, device, comm, tail_tokens, top_k)
+                                   timeout_ms, device, comm, tail_tokens, top_k, shared)
             _TABLES[key] = tables
     return tables
 
@@ -111,18 +117,25 @@ def fc2_tile_n(hidden: int) -> int:
 
 
 def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
-              comm: bool = False, tail_tokens: int = 0, top_k: int = 1):
+              comm: bool = False, tail_tokens: int = 0, top_k: int = 1,
+              shared: tuple[int, int] = (0, 0)):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
     of ``num_experts`` experts after the dgrads; none when 0; with ``comm`` the rows' pulls,
     x's when the weight gradients run, and the pushes; with ``tail_tokens`` > 0 the BARRIER
-    and the KSUMs of that many tokens)."""
+    and the KSUMs of that many tokens; with ``shared`` = (T, Is) the shared expert's dgrads,
+    and its weight gradients when the routed ones run)."""
     from mok_cute import tasks_backward as tb
 
     per_mb = tiles_per_minibatch(capacity_tiles)
     tail = comm and tail_tokens > 0
+    shared_tokens, shared_inter = shared
+    if tail and shared_inter and shared_tokens != tail_tokens:
+        raise ValueError(f"the shared expert's {shared_tokens} tokens must be the group tail's "
+                         f"{tail_tokens}")
     params = tb.BackwardListParams(
-        hidden=hidden, intermediate=inter, num_tokens=tail_tokens if tail else 0,
-        top_k=top_k if tail else 1,
+        hidden=hidden, intermediate=inter,
+        num_tokens=tail_tokens if tail else shared_tokens if shared_inter else 0,
+        shared_intermediate=shared_inter, top_k=top_k if tail else 1,
         dgated_tile_n=fc2_tile_n(hidden), dx_tile_n=BACKWARD_TILE_N,
         minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=comm,
         comm_task_rows=BACKWARD_COMM_ROWS, ksum_rows=BACKWARD_KSUM_ROWS,
@@ -136,6 +149,11 @@ def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
             kinds += (tb.BackwardTaskType.BARRIER, tb.BackwardTaskType.KSUM)
     if num_experts:
         kinds += (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
+    if shared_inter:
+        kinds += tb.SHARED_DGRADS
+        if num_experts:
+            kinds += (tb.BackwardTaskType.SHARED_WGRAD_GATE_UP,
+                      tb.BackwardTaskType.SHARED_WGRAD_DOWN)
     # without weight gradients a list of one expert keeps it short
     return tb.build_backward_static(capacity_tiles, max(num_experts, 1), params), kinds
 
@@ -155,11 +173,12 @@ def compute_queue(tl, kinds):
 
 
 def fc2_head(tl, queue) -> int:
-    """How many FC2_DGRAD tasks lead the compute queue (the scalar that ends the kernel's
-    pingpong phase); no FC2_DGRAD may come after them (one minibatch)."""
+    """How many FC2_DGRAD tasks (the shared expert's among them) lead the compute queue (the
+    scalar that ends the kernel's pingpong phase); none may come after them (one minibatch)."""
     from mok_cute import tasks_backward as tb
 
-    is_fc2 = [tl[int(i)].type == tb.BackwardTaskType.FC2_DGRAD for i in queue]
+    fc2 = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.SHARED_FC2_DGRAD)
+    is_fc2 = [tl[int(i)].type in fc2 for i in queue]
     count = sum(is_fc2)
     if not all(is_fc2[:count]):
         raise AssertionError("FC2_DGRAD tasks must lead the backward megakernel's queue")
@@ -179,10 +198,11 @@ def ksum_head(tl, comm_queue) -> int:
 
 
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
-                  device, comm=False, tail_tokens=0, top_k=1) -> DgradTables:
+                  device, comm=False, tail_tokens=0, top_k=1, shared=(0, 0)) -> DgradTables:
     from mok_cute import tasks_backward as tb
 
-    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, comm, tail_tokens, top_k)
+    tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, comm, tail_tokens, top_k,
+                          shared)
     per_mb = tiles_per_minibatch(capacity_tiles)
     queue, live_len, tail_begin, queue_len = compute_queue(tl, kinds)
     fc2_count = fc2_head(tl, queue[:queue_len])
@@ -217,11 +237,14 @@ def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_
 
 
 def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-                 num_tiles, expert_offsets, timeout_ms: float = 10_000.0, check: bool = False):
+                 num_tiles, expert_offsets, timeout_ms: float = 10_000.0, check: bool = False,
+                 shared: SharedExpert | None = None):
     """Every GEMM of the routed experts' backward in one launch: ``expert_dgrads``' four
     outputs, then dW_gate, dW_up [E, I, H] and dW_down [E, H, I] (``expert_backward.wgrad``'s
     bits). x_rows [M, H]: the x row of each schedule row (zeros on padding rows, as d_rows);
-    expert_offsets int32 [E + 1]: each expert's first schedule row."""
+    expert_offsets int32 [E + 1]: each expert's first schedule row. ``shared``: the shared
+    expert's backward in the launch too, its ``SharedGrads`` appended
+    (``expert_backward.shared_backward``'s bits)."""
     if x_rows is None or x_rows.shape != d_rows.shape:
         raise ValueError(f"x_rows: expected the schedule's rows {tuple(d_rows.shape)}, got "
                          f"{None if x_rows is None else tuple(x_rows.shape)}")
@@ -229,7 +252,7 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
         raise ValueError(f"expert_offsets: expected ({w_gate.shape[0] + 1},) for "
                          f"{w_gate.shape[0]} experts, got {tuple(expert_offsets.shape)}")
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-                   num_tiles, expert_offsets, timeout_ms, check)
+                   num_tiles, expert_offsets, timeout_ms, check, shared=shared)
 
 
 class PeerRows(NamedTuple):
@@ -256,6 +279,45 @@ class GroupTail(NamedTuple):
     d_topk: torch.Tensor  # fp32 [T, K], written
 
 
+class SharedExpert(NamedTuple):
+    """The shared expert's backward as tasks of the launch: one expert over this rank's T
+    tokens (weight 1). The launch returns its dx rows and, with the routed weight
+    gradients, its own (``SharedGrads``)."""
+
+    d_out: torch.Tensor  # bf16 [T, H] contiguous: d_out of the rank's tokens
+    x: torch.Tensor  # bf16 [T, H] contiguous: its tokens (its gate / up weight gradients)
+    w_gate: torch.Tensor  # bf16 [Is, H] contiguous
+    w_up: torch.Tensor  # bf16 [Is, H] contiguous
+    w_down: torch.Tensor  # bf16 [H, Is] contiguous
+    preact: torch.Tensor  # bf16 [T, 2Is] contiguous: its g | u by token (the training forward's)
+
+
+class SharedGrads(NamedTuple):
+    """What the launch computes of a ``SharedExpert``: dx rows [T, H], and dWs_gate,
+    dWs_up [Is, H], dWs_down [H, Is] (None without the routed weight gradients)."""
+
+    dx: torch.Tensor
+    w_gate: torch.Tensor | None
+    w_up: torch.Tensor | None
+    w_down: torch.Tensor | None
+
+
+def check_shared(shared: SharedExpert, hidden: int, device) -> tuple[int, int]:
+    """A ``SharedExpert``'s shapes as the launch reads them: (T, Is)."""
+    if not isinstance(shared, SharedExpert):
+        raise TypeError(f"shared: expected a SharedExpert, got {type(shared).__name__}")
+    tokens, inter = shared.d_out.shape[0], shared.w_gate.shape[0]
+    if inter % TILE_K:
+        raise ValueError(f"shared.w_gate: the backward megakernel needs Is a multiple of "
+                         f"{TILE_K}, got Is={inter}")
+    for name, shape in (("d_out", (tokens, hidden)), ("x", (tokens, hidden)),
+                        ("w_gate", (inter, hidden)), ("w_up", (inter, hidden)),
+                        ("w_down", (hidden, inter)), ("preact", (tokens, 2 * inter))):
+        check_tensor(f"shared.{name}", getattr(shared, name), shape=shape,
+                     dtype=torch.bfloat16, device=device)
+    return tokens, inter
+
+
 def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
     """``PeerRows.scalars`` of a symmetric layout (``comm.peers.SymmetricLayout``)."""
     offsets = [layout.offset(f) for f in ("d_out", "x", "router_weights", "combine",
@@ -266,7 +328,8 @@ def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
 def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                             num_tiles, expert_offsets, peers: PeerRows, wgrads: bool = True,
                             comm_ctas: int = 16, timeout_ms: float = 10_000.0,
-                            check: bool = False, tail: GroupTail | None = None):
+                            check: bool = False, tail: GroupTail | None = None,
+                            shared: SharedExpert | None = None):
     """A rank's routed backward over a group in one launch, its comm included: pulls the
     d_out rows, router weights (into ``weights`` fp32 [slots] at each row's ``row_slot``) and,
     with ``wgrads``, x rows of its receive rows from their sources; the dgrads; pushes each
@@ -276,7 +339,8 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     the group's barrier 1 (``group_backward``), unless ``tail`` puts both barriers and the
     k-sums of d_x and d_topk_weights into the launch (one rank per process; its waits then
     record into ``tail.error``). Returns ``expert_grads``' outputs (dW only with ``wgrads``),
-    bitwise theirs on the same rows."""
+    bitwise theirs on the same rows; ``shared``: the shared expert's backward in the launch
+    too (its ``SharedGrads`` appended; with ``tail`` the k-sums add its dx rows)."""
     rows = row_slot.shape[0]
     hidden = w_gate.shape[2]
     for name, t in (("row_peer", peers.row_peer), ("row_token", peers.row_token),
@@ -298,15 +362,18 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
                 check_tensor(name, t, shape=shape, dtype=dtype, device=device)
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                    tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
-                   check, peers, comm_ctas, tail)
+                   check, peers, comm_ctas, tail, shared)
 
 
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
             num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None,
-            comm_ctas: int = 0, tail: GroupTail | None = None):
+            comm_ctas: int = 0, tail: GroupTail | None = None,
+            shared: SharedExpert | None = None):
     """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
     comm tasks with ``peers`` (which then fill d_rows and x_rows); the group tail with
-    ``tail``."""
+    ``tail``; the shared expert's backward with ``shared`` (its ``SharedGrads`` appended to
+    the outputs; with the tail, its dx rows are what the k-sums add, ``tail.shared_dx``
+    unused)."""
     from mok_cute.expert_path import _num_sms, check_preact
 
     rows, hidden = d_rows.shape
@@ -323,8 +390,10 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     wgrads = x_rows is not None
     comm = peers is not None
     partial_cols = -(-inter // fc2_tile_n(hidden))
-    if rows == 0 and tail is not None:
-        raise ValueError("the group tail needs a launch: the schedule has no row (capacity 0)")
+    if rows == 0 and (tail is not None or shared is not None):
+        raise ValueError("the group tail and the shared expert need a launch: the schedule "
+                         "has no row (capacity 0)")
+    shared_dims = (0, 0) if shared is None else check_shared(shared, hidden, device)
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
         dw = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down)) if wgrads else ()
         pulled = (d_rows, x_rows) if comm else ()
@@ -340,7 +409,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         raise ValueError(f"comm_ctas: expected 1 to half the SMs, got {comm_ctas}")
     tail_tokens, top_k = tail.topk_idx.shape if tail is not None else (0, 1)
     t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device,
-                     num_experts if wgrads else 0, comm, tail_tokens, top_k)
+                     num_experts if wgrads else 0, comm, tail_tokens, top_k, shared_dims)
     error = t.error if tail is None else tail.error
     if tail is None:  # an earlier launch whose wait gave up raises here (wrong gradients)
         t.errors.check(block=False, last_call=t.calls)
@@ -366,29 +435,83 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     else:  # no comm task runs: tensors of the right kinds stand in
         c_args = (t.comm_queue, tile_expert, tile_expert, tile_expert, t.error, _placeholder(device),
                   d_rows, d_rows, dx_rows)
+    s_args, s_grads = _shared_args(shared, shared_dims, wgrads, device)
+    if s_args is None:  # no shared task runs: the routed tensors of the same kinds stand in
+        s_args = (d_rows.unsqueeze(2), w_down[0].t().unsqueeze(2), d_preact.unsqueeze(2),
+                  *(w[0].t().unsqueeze(2) for w in (w_gate, w_up)),
+                  d_preact[:, :inter].unsqueeze(2), d_preact[:, inter:].unsqueeze(2),
+                  hw.unsqueeze(2), dx_rows.unsqueeze(2), *w_args[1:6],
+                  *(w[0].unsqueeze(2) for w in (w_gate, w_up, w_down)), preact, row_slot,
+                  weights)
     if tail is not None:
-        shared = tail.shared_dx is not None
-        g_args = (tail.scalars, tail.topk_idx, tail.shared_dx if shared else tail.d_x,
+        ksum_shared = shared is not None or tail.shared_dx is not None
+        shared_dx = s_grads.dx if shared is not None else tail.shared_dx
+        g_args = (tail.scalars, tail.topk_idx, shared_dx if ksum_shared else tail.d_x,
                   tail.d_x, tail.d_topk)
     else:  # no group tail: tensors of the right kinds stand in
-        shared = False
+        ksum_shared = False
         g_args = _tail_placeholders(device, hidden)
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
                                 fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm,
-                                ksum_top_k=top_k if tail is not None else 0, ksum_shared=shared)
+                                ksum_top_k=top_k if tail is not None else 0,
+                                ksum_shared=ksum_shared, shared=shared is not None)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), dx_rows.unsqueeze(2), preact,
-           row_slot, weights, partials, t.scalars, *w_args, *c_args, *g_args)
+           row_slot, weights, partials, t.scalars, *w_args, *c_args, *g_args, *s_args)
     if tail is None:  # with the tail the caller records the plan's word
         t.calls += 1
         t.errors.record(t.calls)
         if check:
             t.errors.check(block=True, last_call=t.calls)
+    s_out = () if shared is None else (s_grads,)
     if comm:
-        return (d_rows, x_rows, d_preact, hw, partials, dx_rows, *dw)
-    return (d_preact, hw, partials, dx_rows, *dw)
+        return (d_rows, x_rows, d_preact, hw, partials, dx_rows, *dw, *s_out)
+    return (d_preact, hw, partials, dx_rows, *dw, *s_out)
+
+
+def _shared_args(shared: SharedExpert | None, dims: tuple[int, int], wgrads: bool, device):
+    """The kernel's ``s_*`` arguments of a shared expert's tasks and the ``SharedGrads`` they
+    fill (their weight gradients with ``wgrads``), or (None, None) without one."""
+    if shared is None:
+        return None, None
+    tokens, inter = dims
+    hidden = shared.d_out.shape[1]
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    d_preact = torch.empty(tokens, 2 * inter, **bf16)
+    hw = torch.empty(tokens, inter, **bf16)
+    dx = torch.empty(tokens, hidden, **bf16)
+    dg, du = d_preact[:, :inter], d_preact[:, inter:]
+    if wgrads:
+        dw = tuple(torch.empty_like(w) for w in (shared.w_gate, shared.w_up, shared.w_down))
+        w_args = (dg.t().unsqueeze(2), du.t().unsqueeze(2), shared.x.t().unsqueeze(2),
+                  shared.d_out.t().unsqueeze(2), hw.t().unsqueeze(2),
+                  *(w.unsqueeze(2) for w in dw))
+    else:  # no weight-gradient task runs: the operands stand in for the outputs
+        dw = (None, None, None)
+        w_args = (dg.t().unsqueeze(2), du.t().unsqueeze(2), shared.x.t().unsqueeze(2),
+                  shared.d_out.t().unsqueeze(2), hw.t().unsqueeze(2),
+                  *(w.unsqueeze(2) for w in (shared.w_gate, shared.w_up, shared.w_down)))
+    rows, ones = _shared_rows(tokens, device)
+    args = (shared.d_out.unsqueeze(2), shared.w_down.t().unsqueeze(2), d_preact.unsqueeze(2),
+            shared.w_gate.t().unsqueeze(2), shared.w_up.t().unsqueeze(2), dg.unsqueeze(2),
+            du.unsqueeze(2), hw.unsqueeze(2), dx.unsqueeze(2), *w_args, shared.preact, rows,
+            ones)
+    return args, SharedGrads(dx, *dw)
+
+
+_SHARED_ROWS: dict[tuple, tuple] = {}
+
+
+def _shared_rows(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's rows 0 .. T - 1 (int32) and unit weights (fp32), what its dgated
+    epilogue reads in place of the routed rows' slots and router weights (cached per T)."""
+    key = (tokens, str(device))
+    if key not in _SHARED_ROWS:
+        _SHARED_ROWS[key] = (torch.arange(tokens, dtype=torch.int32, device=device),
+                             torch.ones(tokens, dtype=torch.float32, device=device))
+    return _SHARED_ROWS[key]
 
 
 _PLACEHOLDERS: dict[str, torch.Tensor] = {}

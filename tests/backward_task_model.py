@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from mok_cute import schedule as schedule_mod
-from mok_cute.tasks_backward import (EXPERT_TILES, SHARED_DGRADS, TILE_COUNTERS, BackwardCounter as BC,
+from mok_cute.tasks_backward import (EXPERT_TILES, SHARED_DGRADS, TILE_COUNTERS,
+                                     BackwardCounter as BC,
                                      BackwardListParams, BackwardTaskType as BT,
                                      build_backward_static, build_backward_task_list,
                                      expert_tile_ranges)

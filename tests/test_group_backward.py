@@ -76,13 +76,13 @@ def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
 
 def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                           num_tiles, expert_offsets, peers, wgrads=True, comm_ctas=16,
-                          tail=None):
+                          tail=None, shared=None):
     """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
     and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
     and weight gradients emulated in torch (several ranks of one process: no group tail)."""
     import ctypes
 
-    assert tail is None
+    assert tail is None and shared is None
 
     from mok_cute.expert_backward import row_partial_sums
     from test_virtual_training import _emulated_dgrads, _emulated_weight_grads
@@ -374,11 +374,14 @@ def test_a_silent_rank_in_the_backward_raises_peer_timeout_naming_it():
     mok.check_errors()
 
 
-def _one_rank_tail(leaves, idx, saved, d_out, rank, silent_peer=-1, failed_peer=-1):
+def _one_rank_tail(leaves, idx, saved, d_out, rank, silent_peer=-1, failed_peer=-1,
+                   shared_in_launch=False):
     """Rank ``rank``'s backward alone over a virtual group's buffers with the group tail, its
     peers' pushes in place (a whole group call just made them) and their flags set by hand to
     this call's "done" (all but ``silent_peer``'s). ``failed_peer``'s flag says instead that
-    it failed this call and has started its next one: (d_x, d_topk, dW_gate, dW_up, dW_down)."""
+    it failed this call and has started its next one: (d_x, d_topk, dW_gate, dW_up, dW_down),
+    then with ``shared_in_launch`` (the shared expert's backward as tasks of the launch, not
+    before it) its dWs_gate, dWs_up, dWs_down."""
     from mok_cute import megakernel_backward as mb
     from mok_cute.constants import SCALAR_INDEX, flag_done, flag_started
     from mok_cute.expert_backward import shared_backward_ranks
@@ -398,7 +401,13 @@ def _one_rank_tail(leaves, idx, saved, d_out, rank, silent_peer=-1, failed_peer=
     if failed_peer >= 0:
         flags[failed_peer] = flag_started(epoch + 1)
         flags[R + failed_peer] = epoch
-    shared_dx = shared_backward_ranks(d_out, xs, tuple(sh) or None, saved.shared_preact)[0][rank]
+    shared, shared_dx = None, None
+    if shared_in_launch:
+        shared = mb.SharedExpert(d_out[rank].contiguous(), xs[rank].contiguous(),
+                                 *(w[rank].contiguous() for w in sh), saved.shared_preact[rank])
+    else:
+        shared_dx = shared_backward_ranks(d_out, xs, tuple(sh) or None,
+                                          saved.shared_preact)[0][rank]
     peers = mb.PeerRows(plan.peer_bases[rank], sched.row_peer[rank], sched.row_token[rank],
                         sched.row_k[rank], mb.comm_scalars(plan.side.layout, K, xs.device))
     weights = torch.zeros(saved.preact.shape[0], dtype=torch.float32, device=xs.device)
@@ -409,16 +418,20 @@ def _one_rank_tail(leaves, idx, saved, d_out, rank, silent_peer=-1, failed_peer=
         sched.tile_expert[rank], sched.num_tiles[rank:rank + 1], sched.expert_offsets[rank],
         peers, True, 5, tail=mb.GroupTail(scalars, plan.backward_error,
                                           idx[rank].to(torch.int32).contiguous(), shared_dx,
-                                          d_x, d_topk))
+                                          d_x, d_topk), shared=shared)
+    if shared_in_launch:
+        return (d_x, d_topk, *out[6:9], *out[9][1:])
     return (d_x, d_topk, *out[6:])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["R2_shared_skew", "R3_empty_expert_K10"])
+@pytest.mark.parametrize("name", ["R2_shared_skew", "R3_empty_expert_K10",
+                                  "R4_silent_receiver_shared"])
 def test_one_ranks_launch_with_the_group_tail_gives_its_group_gradients(name):
     """Each rank's launch with the group tail (its barriers and k-sums inside), run alone on
     a virtual group's buffers after a whole group call: d_x, d_topk_weights and the weight
-    gradients bitwise that call's for the rank. With a peer that never flags, the launch
+    gradients bitwise that call's for the rank, so with the shared expert's backward as tasks
+    of the launch (a rank that receives nothing runs them too). With a peer that never flags, the launch
     names it (code PEER_NEVER_STARTED) and writes NaN, never a plausible gradient; so with a
     peer that failed this call and has started its next (PEER_FAILED, its sticky word)."""
     from mok_cute.constants import PEER_FAILED, PEER_NEVER_STARTED
@@ -436,6 +449,13 @@ def test_one_ranks_launch_with_the_group_tail_gives_its_group_gradients(name):
         want = [whole[0][rank], whole[1][rank], *(g[rank] for g in whole[2:5])]
         _assert_bitwise([got[0], got[1].to(want[1].dtype), *got[2:]], want,
                         f"{name}: rank {rank} alone")
+        if whole[5] is not None:  # the shared expert's backward inside the launch: same bits
+            got = _one_rank_tail(leaves, idx, saved, d_out, rank, shared_in_launch=True)
+            torch.cuda.synchronize()
+            assert int(saved.plan.backward_error.item()) == 0, f"rank {rank}, shared"
+            want += [g[rank] for g in whole[5:8]]
+            _assert_bitwise([got[0], got[1].to(want[1].dtype), *got[2:]], want,
+                            f"{name}: rank {rank} alone, the shared expert in the launch")
     got = _one_rank_tail(leaves, idx, saved, d_out, 0, silent_peer=R - 1)
     torch.cuda.synchronize()
     _, peer, _, code = decode_wait_error(int(saved.plan.backward_error.item()))

@@ -18,6 +18,7 @@ its partials in another order) and matches autograd on the reference.
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 import torch
@@ -25,12 +26,16 @@ import torch
 
 # ---------------------------------------------------------------------- CI
 @pytest.mark.parametrize("fc2_pingpong", [False, True])
-def test_backward_megakernel_compiles_without_spills(tmp_path, fc2_pingpong):
+@pytest.mark.parametrize("shared", [False, True])
+def test_backward_megakernel_compiles_without_spills(tmp_path, fc2_pingpong, shared):
+    """Both FC2_DGRAD forms, with and without the shared expert's tasks."""
     from mok_cute import jit
 
-    rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path, fc2_pingpong=fc2_pingpong)
+    rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path, fc2_pingpong=fc2_pingpong,
+                             shared=shared)
     # the pingpong build spills up to four words, stored and refilled once per FC2_DGRAD tile in its
-    # dgated epilogue (SASS: nowhere else, not in a mainloop)
+    # dgated epilogue (SASS: nowhere else, not in a mainloop); measured 16 B with and without
+    # the shared expert's tasks
     assert rep.spill_bytes <= (32 if fc2_pingpong else 0) and rep.registers == 168
     assert not [w for w in rep.warnings if "serialized" in w or "C7508" in w]
     ptx = open(rep.ptx_path).read()
@@ -41,18 +46,23 @@ def test_backward_megakernel_compiles_without_spills(tmp_path, fc2_pingpong):
 
 
 @pytest.mark.parametrize("fc2_pingpong", [False, True])
-def test_the_group_tail_build_keeps_the_registers_of_the_build_without_it(tmp_path, fc2_pingpong):
-    """Comm CTAs with the group tail (K = 10 and a shared expert: the largest k-sum): 168
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_group_tail_build_keeps_the_registers_of_the_build_without_it(tmp_path, fc2_pingpong,
+                                                                          shared):
+    """Comm CTAs with the group tail (K = 10 and a shared expert: the largest k-sum; its
+    backward before the launch, or as tasks of it): 168
     registers, no more spills than the comm build without the tail (pingpong: 20 B stored
     and refilled, its dgated epilogue's; ``spill_bytes`` counts stores and loads; measured 0
-    for both forms with the KSUM tickets), the k-sum's slots landed by cp.async through the
+    for both forms with the KSUM tickets, with the shared expert's tasks too), the k-sum's
+    slots landed by cp.async through the
     operand stages, the flags at system scope (the sticky failed word a relaxed store before
     the release of the progress word), and the compute CTAs' consumer warps on KSUM tickets
     (their named barrier, ``NamedBarriers.TAIL_KSUM``)."""
     from mok_cute import jit
 
     rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path, fc2_pingpong=fc2_pingpong,
-                             num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True)
+                             num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True,
+                             shared=shared)
     from mok_cute.kernels.common import NamedBarriers
 
     assert rep.registers == 168 and rep.spill_bytes <= (40 if fc2_pingpong else 0)
@@ -256,6 +266,110 @@ def test_moe_backward_refuses_a_bad_d_out_or_no_saved_forward():
         eb.moe_backward(x.float(), *args, saved=saved)
 
 
+def _call_names() -> list[str]:
+    """The names of the backward megakernel's ``__call__`` arguments, in order."""
+    import inspect
+
+    from mok_cute.kernels.megakernel.backward import BackwardMegakernelSm90
+
+    return list(inspect.signature(BackwardMegakernelSm90.__call__).parameters)[1:]
+
+
+def _assert_as_compiled(args, fakes):
+    """Each tensor argument of a launch as the compiled signature takes it (TVM-FFI checks
+    them at the call): its fake's rank and dtype, static extents equal, run-time extents and
+    strides of their divisibility, the stride-1 mode stride 1 (modes of extent 1 excepted)."""
+    import cutlass
+
+    dtypes = {cutlass.BFloat16: torch.bfloat16, cutlass.Float32: torch.float32,
+              cutlass.Int32: torch.int32, cutlass.Int64: torch.int64}
+    names = _call_names()
+    assert len(args) == len(fakes) - 1 == len(names) - 1  # the stream last
+    for name, a, f in zip(names, args, fakes):
+        assert isinstance(a, torch.Tensor), name
+        assert a.dim() == len(f.shape) and a.dtype == dtypes[f.element_type], (name, a.shape, f)
+        for mode, (n, st) in enumerate(zip(f.shape, f.stride)):
+            if isinstance(n, int):
+                assert a.shape[mode] == n, (name, mode)
+            else:
+                assert a.shape[mode] % n.divisibility == 0, (name, mode, a.shape)
+            if a.shape[mode] == 1:
+                continue
+            if isinstance(st, int):
+                assert a.stride(mode) == st, (name, mode, a.stride())
+            else:
+                assert a.stride(mode) % st.divisibility == 0, (name, mode, a.stride())
+
+
+@pytest.mark.parametrize("form", ["one_rank", "group_tail"])
+def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypatch, form):
+    """CPU, the launch's host side with a ``SharedExpert`` (one rank; one rank of a group with
+    the group tail): the kernel built with its tasks, every tensor of the call as the compiled
+    signature takes it (``backward.fake_arguments``), its outputs the ``SharedGrads``
+    returned, with the tail its dx rows what the k-sums add; its tasks queued (dgrads at the
+    head of the pingpong phase's FC2 dgrads and of the FC1 dgrads, weight gradients last)."""
+    from mok_cute import expert_path, jit
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+    from mok_cute.kernels.megakernel.backward import fake_arguments
+    from mok_cute.schedule import schedule_capacity
+
+    calls = []
+    monkeypatch.setattr(jit, "compile_kernel", lambda name, arch, **kw: (
+        lambda *args: calls.append((name, kw, args))))
+    monkeypatch.setattr(jit, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(expert_path, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(mb, "PendingErrors", lambda *a, **k: types.SimpleNamespace(
+        check=lambda **kw: None, record=lambda call: None))
+    monkeypatch.setattr(mb, "_TABLES", {})
+    T, H, I, Is, E, K = 100, 512, 192, 128, 4, 2
+    rows = schedule_capacity(1, T, K, E, 128)
+    bf16 = dict(dtype=torch.bfloat16)
+    i32 = dict(dtype=torch.int32)
+    w_gate, w_up, w_down = torch.randn(E, I, H, **bf16), torch.randn(E, I, H, **bf16), torch.randn(E, H, I, **bf16)
+    routed = (w_gate, w_up, w_down, torch.randn(T * K, 2 * I, **bf16),
+              torch.zeros(rows, **i32), torch.ones(T * K), torch.zeros(rows // 128, **i32),
+              torch.ones(1, **i32), torch.zeros(E + 1, **i32))
+    shared = mb.SharedExpert(torch.randn(T, H, **bf16), torch.randn(T, H, **bf16),
+                             torch.randn(Is, H, **bf16), torch.randn(Is, H, **bf16),
+                             torch.randn(H, Is, **bf16), torch.randn(T, 2 * Is, **bf16))
+    if form == "one_rank":
+        out = mb.expert_grads(torch.randn(rows, H, **bf16), torch.randn(rows, H, **bf16),
+                              *routed, shared=shared)
+    else:
+        from mok_cute.constants import BACKWARD_COMM_SCALARS, SCALARS
+        peers = mb.PeerRows(torch.zeros(8, dtype=torch.int64), *(torch.zeros(rows, **i32),) * 3,
+                            torch.zeros(BACKWARD_COMM_SCALARS, dtype=torch.int64))
+        tail = mb.GroupTail(torch.zeros(SCALARS, dtype=torch.int64),
+                            torch.zeros(1, dtype=torch.int64), torch.zeros(T, K, **i32), None,
+                            torch.empty(T, H, **bf16), torch.empty(T, K))
+        out = mb.expert_grads_over_peers(*routed, peers, comm_ctas=16, tail=tail, shared=shared)
+    (name, kw, args), = calls
+    assert name == "megakernel_backward" and kw["shared"]
+    assert kw["ksum_shared"] == (form == "group_tail")
+    _assert_as_compiled(args, fake_arguments())
+    grads = out[-1]
+    assert isinstance(grads, mb.SharedGrads)
+    arg = dict(zip(_call_names(), args))
+    assert grads.dx.data_ptr() == arg["s_dx_rows"].data_ptr() and grads.dx.shape == (T, H)
+    for got, name, like in ((grads.w_gate, "s_dw_gate", shared.w_gate),
+                            (grads.w_up, "s_dw_up", shared.w_up),
+                            (grads.w_down, "s_dw_down", shared.w_down)):
+        assert got.data_ptr() == arg[name].data_ptr() and got.shape == like.shape
+    if form == "group_tail":  # the k-sums add the rows the launch writes
+        assert arg["shared_dx"].data_ptr() == grads.dx.data_ptr()
+    tl, kinds = mb.task_list(rows // 128, E, H, I, form == "group_tail",
+                             T if form == "group_tail" else 0, K, (T, Is))
+    queue, _, tail_begin, queue_len = mb.compute_queue(tl, kinds)
+    types_ = [tl[int(i)].type for i in queue[:queue_len]]
+    fc2 = mb.fc2_head(tl, queue[:queue_len])
+    n_s2 = -(-T // 128) * -(-Is // mb.fc2_tile_n(H))
+    assert types_[:n_s2] == [tb.BackwardTaskType.SHARED_FC2_DGRAD] * n_s2
+    assert types_[fc2] == tb.BackwardTaskType.SHARED_FC1_DGRAD
+    assert types_[-1] in (tb.BackwardTaskType.SHARED_WGRAD_GATE_UP,
+                          tb.BackwardTaskType.SHARED_WGRAD_DOWN)
+
+
 # ---------------------------------------------------------------------- H200
 CASES = {
     # name: (T, H, I, E, K, routing)
@@ -352,6 +466,51 @@ def test_megakernel_weight_gradients_equal_gemm_wgrad_bitwise(name):
     counts = (saved.expert_offsets[1:] - saved.expert_offsets[:-1]).cpu()
     for e in torch.nonzero(counts == 0).flatten().tolist():
         assert not runs[0][4][e].any() and not runs[0][6][e].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["T77_shared", "empty_experts", "K10_zero_weights"])
+def test_the_shared_expert_in_the_launch_is_shared_backward_bitwise(name):
+    """``expert_grads(shared=...)``: the shared expert's dgrads and weight gradients as tasks
+    of the launch give ``expert_backward.shared_backward``'s bits (its launches on one expert
+    over the tokens), the routed outputs those of the launch without it, twice over poisoned
+    memory (T = 77 and Is = 192: a partial token tile and a partial FC2 N-tile)."""
+    import mok_cute as mok
+    from mok_cute import expert_backward as eb
+    from mok_cute import expert_path
+    from mok_cute import megakernel_backward as mb
+    from mok_cute.kernels import token_ops
+    from test_backward import CASES as ONE_GPU_CASES
+    from test_backward import _problem
+
+    T, H, I, E, K, Is, routing, zero_w = ONE_GPU_CASES[name]
+    leaves, idx = _problem(T, H, I, E, K, Is, seed=T + K, routing=routing, zero_weights=zero_w,
+                           requires_grad=False)
+    x, w, wg, wu, wd, *sh = leaves
+    _, saved = expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, tuple(sh),
+                                              mok.MoKConfig(backend="kernel"), save=True)
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    d_out = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    d_rows = token_ops.gather_rows(d_out, saved.row_token(K))
+    x_rows = token_ops.gather_rows(x, saved.row_token(K))
+    routed = (d_rows, x_rows, wg, wu, wd, saved.preact, saved.row_slot,
+              w.float().contiguous().view(-1), saved.tile_expert, saved.num_tiles,
+              saved.expert_offsets)
+    want_routed = mb.expert_grads(*routed, check=True)
+    want_dx, want_dw = eb.shared_backward(d_out, x, tuple(sh), saved.shared_preact)
+    shared = mb.SharedExpert(d_out, x, *sh, saved.shared_preact)
+    rows = int(saved.num_tiles.item()) * 128
+    for _ in range(2):
+        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        *got, s = mb.expert_grads(*routed, check=True, shared=shared)
+        for label, a, b in zip(("dG|dU", "w*h", "row partials", "dx rows"), got, want_routed):
+            assert torch.equal(a[:rows], b[:rows]), f"{name}: {label} differs without it"
+        for label, a, b in zip(("dW_gate", "dW_up", "dW_down"), got[4:], want_routed[4:]):
+            assert torch.equal(a, b), f"{name}: {label} differs without it"
+        for label, a, b in zip(("shared dx", "dWs_gate", "dWs_up", "dWs_down"), s,
+                               (want_dx, *want_dw)):
+            assert torch.isfinite(a).all(), f"{name}: {label} not finite"
+            assert torch.equal(a, b), f"{name}: {label} differs from shared_backward"
 
 
 @pytest.mark.gpu

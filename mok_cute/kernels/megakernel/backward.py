@@ -705,6 +705,13 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
                                     shared)
+    return cute.compile(kernel, *fake_arguments(),
+                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
+
+
+def fake_arguments() -> list:
+    """``__call__``'s arguments as fake tensors (every extent a run-time value, with the
+    divisibility and the stride-1 mode the launch's tensors must have), then the stream."""
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts, tokens = sym(divisibility=TILE_M), sym(), sym(), sym()
@@ -740,8 +747,7 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
             *(kmaj(bf16, (tokens, hidden)) for _ in range(2)),
             f(Float32, (tokens, sym()), align_bytes=4),
             *_shared_fakes(tokens, hidden, sym(divisibility=TILE_K)), common.fake_stream()]
-    return cute.compile(kernel, *args,
-                        options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
+    return args
 
 
 def _shared_fakes(tokens, hidden, inter) -> list:
@@ -761,4 +767,5 @@ def _shared_fakes(tokens, hidden, inter) -> list:
             common.fake_vector(Int32), common.fake_vector(Float32)]
 
 
-__all__ = ["BackwardMegakernelSm90", "compile_backward_megakernel", "BACKWARD_SCALARS"]
+__all__ = ["BackwardMegakernelSm90", "compile_backward_megakernel", "fake_arguments",
+           "BACKWARD_SCALARS"]
