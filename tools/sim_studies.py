@@ -7,6 +7,8 @@
     python tools/sim_studies.py calibrate [--results benchmarks/results]
                                              # GEMM fit, comm copy-rate fit from the
                                              # megakernel's records, R = 1 held-out check
+    python tools/sim_studies.py calibrate-backward   # the backward megakernel: per-kind speed
+                                             # fitted at R = 1, its other timings held out
     python tools/sim_studies.py swimlane     # one simulated timeline PNG
     python tools/sim_studies.py all
 
@@ -28,7 +30,8 @@ from mok_cute.bench import sim_studies as studies
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("study", choices=["a", "b", "c", "calibrate", "swimlane", "all"])
+    ap.add_argument("study", choices=["a", "b", "c", "calibrate", "calibrate-backward",
+                                      "swimlane", "all"])
     ap.add_argument("--out", default="benchmarks/sim", help="output folder")
     ap.add_argument("--results", default="benchmarks/results",
                     help="benchmark JSON folder for 'calibrate' (falls back to the anchors)")
@@ -38,7 +41,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "python tools/sim_studies.py " + " ".join(shlex.quote(a) for a in (
         argv if argv is not None else sys.argv[1:]))
-    todo = ["calibrate", "a", "b", "c", "swimlane"] if args.study == "all" else [args.study]
+    todo = ["calibrate", "calibrate-backward", "a", "b", "c", "swimlane"] \
+        if args.study == "all" else [args.study]
     for st in todo:
         t0 = time.perf_counter()
         if st == "a":
@@ -74,6 +78,18 @@ def main(argv=None) -> int:
             for t in mk["tuner"]:
                 print(f"  {t['call']} -> {t['picked']} in {t['wall_s']:.1f} s; within 5% of the "
                       f"measured best: {t['within_5pct']}")
+        elif st == "calibrate-backward":
+            data = studies.study_backward_calibration()
+            studies.write_json(data, out / "backward_calibration.json", command)
+            print(data["report"])
+            for name in ("uncalibrated", "calibrated"):
+                for p in data[name]["points"]:
+                    m = p["measured"][0]
+                    print(f"  {name:12s} {p['label']:48s} measured {m:7.3f} ms, simulated "
+                          f"{p['predicted']:7.3f} ({100 * (p['predicted'] / m - 1):+5.1f}%)")
+                for p in data[name]["splits"]:
+                    print(f"  {name:12s} {p['shape']} {p['comm_sms']} comm SMs over 16: measured "
+                          f"{p['measured_over_16']:.3f}, simulated {p['predicted_over_16']:.3f}")
         elif st == "swimlane":
             from mok_cute import sim
 

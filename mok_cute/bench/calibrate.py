@@ -9,6 +9,10 @@
   megakernel at R = 1 on one H200 (``MEGAKERNEL_COMM_RECORDS``), with the bytes of each task
   taken from the megakernel's own static task list; the H200 profile's copy rate and comm task
   overhead come from this fit.
+- ``fit_backward``: the backward megakernel's per-kind speed (``sim.backward.CALIBRATED``) from
+  its committed R = 1 probe runs, each shape also left out; ``backward_checks``: its other
+  committed timings (R = 1 bench, MoK's shapes, virtual ranks, a group rank's comm CTAs)
+  simulated, none of them fitted.
 
 The prediction a GEMM row is compared with (``predict_gemm_ms``) is the two grouped GEMMs of
 the expert-kernel path on one GPU: every FC1 tile of the padded schedule on all SMs, then every
@@ -32,7 +36,9 @@ from mok_cute.sim.model import Routing, SimShape, receive_layouts, route
 
 __all__ = ["predict_gemm_ms", "fit_gemm", "GemmFit", "fit_copy_rate", "fit_copy_rate_samples",
            "CopyFit", "fit_megakernel_comm", "CommCalibration", "megakernel_dispatch_samples",
-           "MEGAKERNEL_COMM_RECORDS", "load_results", "ANCHOR_TORCH_GROUPED_GEMM"]
+           "MEGAKERNEL_COMM_RECORDS", "load_results", "ANCHOR_TORCH_GROUPED_GEMM",
+           "BACKWARD_PROBES", "BACKWARD_FIT_SHAPES", "BackwardFit", "fit_backward",
+           "backward_rounds", "backward_sim_ms", "backward_check_points", "backward_checks"]
 
 _BF16 = 2
 
@@ -449,3 +455,214 @@ def fit_megakernel_comm(run: str = "run16_bulk", path: str | Path = MEGAKERNEL_C
             gap_us=float(np.median(s["gaps"]) * 1e6))
     return CommCalibration(run=run, path=str(path.relative_to(_REPO)) if path.is_relative_to(
         _REPO) else str(path), fit=fit, gap_s=gap, shapes=per)
+
+
+# ------------------------------------------------------------------------------------------
+# the backward megakernel (one H200): per-kind speed of its GEMM tasks, checked held out
+
+_RESULTS = _REPO / "benchmarks" / "results"
+# The R = 1 probe runs of the backward megakernel as kept since the tenth session (weight
+# gradients by tickets, pingpong FC2 dgrads, one minibatch), pooled: the variants without
+# "[static tail]" / "[ticket ahead]" of these two A/B runs are that code.
+BACKWARD_PROBES = ("2026-12-03_h200_bwd_megakernel_tail_tickets_ab.json",
+                   "2026-12-03_h200_megakernel_backward_probe_ticket_ahead.json")
+BACKWARD_FIT_SHAPES = ("qwen3_30b", "gptoss_120b", "mixtral", "dsv3_ep8_rank", "sonic_120b")
+_DGRADS_ALONE, _ONE_LAUNCH = "dgrads: megakernel", "GEMMs: megakernel, one launch"
+
+
+def backward_rounds(file: str, shape: str, variant: str, tokens: int | None = None) -> list:
+    """Measured ms of one variant of a committed backward result: a probe's ``ms_rounds``
+    (``shapes`` entries; ``tokens``: their ``tokens_per_rank``) or a bench's bwd rows
+    (``variant`` = the contender)."""
+    data = json.loads((_RESULTS / file).read_text())
+    if "shapes" in data:
+        rows = [s["ms_rounds"][variant] for s in data["shapes"] if s["shape"] == shape
+                and tokens in (None, s.get("tokens_per_rank"))]
+    else:
+        rows = [r["ms_rounds"] for r in data["results"] if r.get("shape") == shape
+                and r.get("contender") == variant and r.get("pass") == "bwd"]
+    if len(rows) != 1:
+        raise ValueError(f"{file}: expected one {variant!r} of {shape} (tokens {tokens}), "
+                         f"found {len(rows)}")
+    return [float(v) for v in rows[0]]
+
+
+def backward_sim_ms(shape: SimShape, ranks: int = 1, comm_sms: int = 0, efficiency=None,
+                    hw: HardwareProfile | str = "h200_hgx") -> dict:
+    """Simulated ms of the backward megakernel as the kernel runs it (one minibatch of the
+    schedule's capacity, ``megakernel_backward.tiles_per_minibatch``; over a group x pulled
+    again): ``dgrads`` (its last dgrad), ``launch`` (its last GEMM), ``total`` (the list,
+    KSUMs included: the k-sum launch at R = 1) and ``rank0``."""
+    from mok_cute.schedule import schedule_capacity
+    from mok_cute.sim.backward import BackwardSimConfig, simulate_backward
+    from mok_cute.tasks_backward import BackwardTaskType as BT
+
+    cap = schedule_capacity(ranks, shape.tokens_per_rank, shape.top_k,
+                            shape.num_experts // ranks, 128)
+    cfg = BackwardSimConfig(num_comm_sms=comm_sms, minibatch_tokens=cap, x_resident=ranks == 1)
+    res = simulate_backward(shape, ranks, cfg, hw, efficiency=efficiency)
+    g, end = res.graph, res.records.end
+    dg = np.isin(g.type, [int(BT.FC2_DGRAD), int(BT.FC1_DGRAD)])
+    gemm = g.flops > 0
+    return dict(dgrads=end[dg].max() * 1e3, launch=end[gemm].max() * 1e3,
+                total=res.time_s * 1e3, rank0=float(res.rank_time_s[0]) * 1e3)
+
+
+@dataclasses.dataclass
+class BackwardFit:
+    """``fit_backward``'s result: the fitted speed per kind, and per shape the measured
+    (median of the pooled rounds, and their range) and simulated dgrads-alone and one-launch
+    times, ms; ``held_out[shape]``: the fit on the other shapes and its prediction there."""
+    efficiency: object  # sim.backward.BackwardEfficiency
+    train: list
+    measured: dict  # shape -> {"dgrads": (median, lo, hi), "launch": (median, lo, hi)}
+    uncalibrated: dict  # shape -> backward_sim_ms(..., efficiency 1)
+    predicted: dict  # shape -> backward_sim_ms(..., the fit)
+    held_out: dict  # shape -> {"efficiency": (dgrad, wgrad), "dgrads": ms, "launch": ms}
+
+    def error(self, shape: str, what: str, table: dict | None = None) -> float:
+        return (table or self.predicted)[shape][what] / self.measured[shape][what][0] - 1.0
+
+    def as_dict(self) -> dict:
+        return dict(dgrad=self.efficiency.dgrad, wgrad=self.efficiency.wgrad, train=self.train,
+                    sources=list(BACKWARD_PROBES),
+                    shapes={s: dict(measured=self.measured[s], uncalibrated=self.uncalibrated[s],
+                                    predicted=self.predicted[s], held_out=self.held_out.get(s))
+                            for s in self.measured})
+
+    def report(self) -> str:
+        e = self.efficiency
+        lines = [f"backward megakernel speed against the model: dgrads {e.dgrad:.3f}, weight "
+                 f"gradients {e.wgrad:.3f} (fitted on {', '.join(self.train)})"]
+        for s in self.measured:
+            for w in ("dgrads", "launch"):
+                m, lo, hi = self.measured[s][w]
+                ho = self.held_out.get(s)
+                model = self.uncalibrated[s][w]
+                lines.append(
+                    f"  {s:14s} {w:7s} measured {m:7.3f} ms ({lo:.2f}-{hi:.2f})  model "
+                    f"{model:7.3f} ({100 * self.error(s, w, self.uncalibrated):+5.1f}%)"
+                    f"  fit {self.predicted[s][w]:7.3f} ({100 * self.error(s, w):+5.1f}%)"
+                    + (f"  held out {ho[w]:7.3f} ({100 * (ho[w] / m - 1):+5.1f}%)" if ho else ""))
+        return "\n".join(lines)
+
+
+def _fit_speeds(measured: dict, base: dict, shapes) -> tuple[float, float]:
+    """(dgrad, wgrad) speeds minimising the squared log errors of the dgrads-alone and the
+    one-launch times over ``shapes``. The dgrads run before any weight gradient, so their
+    time scales as 1 / dgrad exactly; the launch is taken as dgrads + the weight-gradient
+    phase / wgrad (the simulator then checks the fit: ``fit_backward``'s predictions)."""
+    d0 = np.array([base[s]["dgrads"] for s in shapes])
+    w0 = np.array([base[s]["launch"] for s in shapes]) - d0
+    dm = np.array([measured[s]["dgrads"][0] for s in shapes])
+    om = np.array([measured[s]["launch"][0] for s in shapes])
+    dgrad = float(np.exp(np.mean(np.log(d0 / dm))))
+    grid = np.exp(np.linspace(np.log(0.3), np.log(3.0), 4001))
+    loss = [np.sum(np.log((d0 / dgrad + w0 / w) / om) ** 2) for w in grid]
+    return dgrad, float(grid[int(np.argmin(loss))])
+
+
+def fit_backward(train: Sequence[str] | None = None,
+                 hw: HardwareProfile | str = "h200_hgx") -> BackwardFit:
+    """Fit the backward megakernel's per-kind speed (``sim.backward.BackwardEfficiency``) to
+    the dgrads-alone and one-launch times of ``BACKWARD_PROBES`` at R = 1 (default: all five
+    shapes), then leave each shape out in turn and predict it from the other four."""
+    from mok_cute.sim.backward import UNCALIBRATED, BackwardEfficiency
+
+    shapes = list(BACKWARD_FIT_SHAPES)
+    train = list(train) if train is not None else shapes
+    measured = {}
+    for s in shapes:
+        measured[s] = {}
+        for w, variant in (("dgrads", _DGRADS_ALONE), ("launch", _ONE_LAUNCH)):
+            v = [t for f in BACKWARD_PROBES for t in backward_rounds(f, s, variant)]
+            measured[s][w] = (float(np.median(v)), min(v), max(v))
+    base = {s: backward_sim_ms(_single_gpu_shape(s), efficiency=UNCALIBRATED, hw=hw)
+            for s in shapes}
+    eff = BackwardEfficiency(*_fit_speeds(measured, base, train))
+    predicted = {s: backward_sim_ms(_single_gpu_shape(s), efficiency=eff, hw=hw) for s in shapes}
+    held = {}
+    for s in train if len(train) > 1 else ():
+        fold = BackwardEfficiency(*_fit_speeds(measured, base, [t for t in train if t != s]))
+        sim = backward_sim_ms(_single_gpu_shape(s), efficiency=fold, hw=hw)
+        held[s] = dict(efficiency=(fold.dgrad, fold.wgrad), dgrads=sim["dgrads"],
+                       launch=sim["launch"])
+    return BackwardFit(eff, train, measured, base, predicted, held)
+
+
+def _named(name: str, **changes) -> SimShape:
+    return dataclasses.replace(SimShape.named(name), **changes)
+
+
+def backward_check_points() -> list[dict]:
+    """The backward megakernel's committed timings not fitted by ``fit_backward``, each with
+    what the simulator predicts for it: ``sim`` = (shape, ranks, comm SMs, which of
+    ``backward_sim_ms``'s times)."""
+    pts = []
+    # R = 1, the bench of record (L2 flushed): the whole backward, whose row gathers before
+    # the launch (d_out's and x's rows, 4 T K H bf16 bytes) are not in the list
+    for s in BACKWARD_FIT_SHAPES:
+        pts.append(dict(label=f"{s} R=1 whole backward", file="2026-12-03_h200_train_"
+                        "megakernel_r1.json", shape=s, variant="mok_megakernel",
+                        sim=(_single_gpu_shape(s), 1, 0, "total")))
+    # MoK's shapes, T = 2048: one rank (R = 1) and 8 virtual ranks in one launch (the same
+    # work on one GPU: simulated as R = 1), whole backward, the kernel of 2026-12-02 (before
+    # one minibatch, the pingpong FC2 dgrads and the tickets)
+    for s, f in (("glm_5.2", ""), ("kimi_k2.7", ""), ("qwen3.5_397b", "_qwen_dsv4"),
+                 ("dsv4_pro", "_qwen_dsv4")):
+        for variant, what in (("mok_megakernel", "R=1"), ("mok_virtual", "virtual R=8")):
+            pts.append(dict(label=f"{s} T=2048 {what} whole backward", variant=variant,
+                            file=f"2026-12-02_h200_train_virtual_r8_global_slot_pool{f}.json",
+                            shape=s, sim=(SimShape.named(s), 1, 0, "total")))
+    # 8 virtual ranks of T tokens in one launch (group_backward_probe's virtual backward)
+    for s, f in (("qwen3.5_397b", "qwen35"), ("glm_5.2", "glm")):
+        pts.append(dict(label=f"{s} virtual R=8 x 2048 tokens", variant="virtual bf16",
+                        file=f"2026-12-04_h200_group_backward_one_launch_{f}.json", shape=s,
+                        tokens=2048, sim=(_named(s, tokens_per_rank=8 * 2048), 1, 0, "total")))
+        pts.append(dict(label=f"{s} virtual R=8 x 256 tokens", variant="virtual bf16",
+                        file="2026-12-03_h200_fp8_virtual_backward_r8_kernels.json", shape=s,
+                        tokens=256, sim=(_named(s, tokens_per_rank=8 * 256), 1, 0, "total")))
+    # rank 0 of 8 over a group's buffers on one GPU (its peers' pushes in place): the launch
+    # with its comm CTAs and the group tail; the shared expert runs before it
+    for s, c, f in (("qwen3.5_397b", 16, "one_rank"), ("glm_5.2", 16, "one_rank"),
+                    ("qwen3.5_397b", 32, "one_rank_splits")):
+        pts.append(dict(label=f"{s} group rank 0 of 8, {c} comm CTAs", shape=s,
+                        file=f"2026-12-04_h200_group_tail_{f}.json", variant=f"one launch c{c}",
+                        tokens=2048, sim=(_named(s, shared_intermediate=0), 8, c, "rank0")))
+    return pts
+
+
+# the whole group backward of 8 ranks on one GPU (ranks one after another) on several comm
+# splits: only its ratio to the default split (16) is compared with the rank's simulated time
+BACKWARD_SPLITS = (("qwen3.5_397b", "qwen35", (8, 32)), ("glm_5.2", "glm", (12, 24)))
+
+
+def backward_checks(efficiency=None, hw: HardwareProfile | str = "h200_hgx") -> dict:
+    """Every ``backward_check_points`` point measured (median, range) and simulated, and the
+    group backward's comm splits (``BACKWARD_SPLITS``) measured and simulated against 16."""
+    cache = {}
+
+    def sim(shape, ranks, comm):
+        key = (shape, ranks, comm)
+        if key not in cache:
+            cache[key] = backward_sim_ms(shape, ranks, comm, efficiency, hw)
+        return cache[key]
+
+    points = []
+    for p in backward_check_points():
+        v = backward_rounds(p["file"], p["shape"], p["variant"], p.get("tokens"))
+        shape, ranks, comm, what = p["sim"]
+        points.append(dict(label=p["label"], file=p["file"], variant=p["variant"],
+                           measured=(float(np.median(v)), min(v), max(v)),
+                           predicted=sim(shape, ranks, comm)[what]))
+    splits = []
+    for s, f, others in BACKWARD_SPLITS:
+        file = f"2026-12-04_h200_group_backward_one_launch_{f}.json"
+        ref = float(np.median(backward_rounds(file, s, "group bf16", 2048)))
+        shape = _named(s, shared_intermediate=0)
+        ref_sim = sim(shape, 8, 16)["rank0"]
+        for c in others:
+            m = float(np.median(backward_rounds(file, s, f"group bf16 c{c}", 2048)))
+            splits.append(dict(shape=s, comm_sms=c, file=file, measured_over_16=m / ref,
+                               predicted_over_16=sim(shape, 8, c)["rank0"] / ref_sim))
+    return dict(points=points, splits=splits)

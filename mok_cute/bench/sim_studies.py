@@ -10,6 +10,9 @@
     torch grouped-GEMM numbers) with leave-one-out errors; fit the comm copy rate to the real
     megakernel's DISPATCH records (``calibrate.fit_megakernel_comm``) and check the simulated
     megakernel at R = 1 against its measured layer times (``study_megakernel_r1``).
+``backward_calibration``: fit the backward megakernel's per-kind speed to its R = 1 probe runs
+    (``calibrate.fit_backward``, leave-one-out), then every other committed timing of it
+    (``calibrate.backward_checks``) simulated with the model as is and with the fit.
 
 Every function returns plain dicts (written as JSON next to a PNG); nothing here is measured.
 """
@@ -35,7 +38,8 @@ from mok_cute.sim.tune import tune_report
 from mok_cute.tasks import TaskType
 
 __all__ = ["study_pull_push", "study_sweep", "study_mok", "study_calibration",
-           "study_megakernel_r1", "MOK_GB300", "MEGAKERNEL_R1_MEASURED"]
+           "study_megakernel_r1", "study_backward_calibration", "MOK_GB300",
+           "MEGAKERNEL_R1_MEASURED"]
 
 # anchors.md: "DSV4-Pro BF16 fwd: about 1029 TFLOP/s per GB300" (MoK, 2048 tokens per rank).
 MOK_GB300 = {"dsv4_pro": 1029.0}
@@ -241,6 +245,20 @@ def study_calibration(results_dir: str | Path | None = None, *, comm: bool = Tru
                              gemm_task_overhead_us=allfit.profile.gemm_task_overhead_s * 1e6,
                              errors=allfit.errors),
                 uncalibrated_errors=uncal)
+
+
+def study_backward_calibration() -> dict:
+    """``calibrate.fit_backward`` (the fit and its leave-one-out predictions) and
+    ``calibrate.backward_checks`` with the model as is and with the fit (minutes)."""
+    from mok_cute.sim.backward import CALIBRATED, UNCALIBRATED
+
+    fit = calibrate.fit_backward()
+    stored = CALIBRATED["h200_hgx"]
+    return dict(study="calibration of the backward megakernel's simulation (H200): per-kind "
+                      "speed of its GEMM tasks fitted at R = 1, every other timing held out",
+                fit=fit.as_dict(), stored=dict(dgrad=stored.dgrad, wgrad=stored.wgrad),
+                report=fit.report(), uncalibrated=calibrate.backward_checks(UNCALIBRATED),
+                calibrated=calibrate.backward_checks(stored))
 
 
 # ------------------------------------------------------------------------------------------

@@ -3,25 +3,39 @@
 (``model.py``), and the search over its comm split and minibatch (``tune_backward``).
 
 Costs:
-- GEMM tiles: ``overhead + max(tile FLOPs / per-SM tensor rate, HBM bytes / per-SM share)``.
+- GEMM tiles: ``overhead + max(tile FLOPs / per-SM tensor rate, HBM bytes / per-SM share)``,
+  over the kind's measured speed (``BackwardEfficiency``, below).
   FC2_DGRAD (tile_m x dgated_tile_n x H): its dy tile once per M-tile's N-tiles, its W_down
-  tile once per (minibatch, expert) group as in the forward, and per output element the saved
-  g, u read and dG, dU, w*h written (5 bf16). FC1_DGRAD (tile_m x dx_tile_n x 2I): the forward
-  FC2's. Weight gradients (block x block x an expert's rows): the expert's operands read
-  from HBM once for all its tiles (they run together), one (down) or two (gate, up) bf16
-  outputs written.
+  tile once per the M-tiles of its (minibatch, expert) group in flight on that N-tile (the
+  list's raster: raster_m of them, more when the N-tiles fill fewer than the compute SMs), and
+  per output element the saved g, u read and dG, dU, w*h written (5 bf16). FC1_DGRAD (tile_m x
+  dx_tile_n x 2I): the same over [W_gate; W_up]. Weight gradients (block x block x an expert's
+  rows): the expert's operands read from HBM once for all its tiles (they run together), one
+  (down) or two (gate, up) bf16 outputs written.
 - REVERSE_COMBINE and REPULL_X: pulls, like the forward's dispatch (the source's egress, the
   receiver's ingress); REVERSE_DISPATCH: pushes, like its combine. Rows whose source is the
-  receiver cost no flow (read and written in place). BARRIER: the group barrier's latency;
+  receiver cost no flow (read and written in place). A comm task's latency is the profile's
+  per row (fitted on the forward's 128-row tasks) over its ``comm_task_rows``
+  (``comm_rows_profile``). BARRIER: the group barrier's latency;
   every rank's KSUM waits on every rank's BARRIER. KSUM: K dx rows (and a shared row) read,
   one d_x row written, over the per-SM HBM share (over a group, as the kernel's group tail
   does, they go by ticket to whichever SM is past its own queue, ``Graph.tail_queues``, each
   at one SM's share of HBM among all the SMs).
-One rank (R = 1) runs without comm tasks and without comm SMs (the list's in-place form).
-The rates are the forward's. Against the H200 (2026-12-02, R = 1, the five single-GPU shapes):
-the simulated list runs at 0.91-1.01 x the time of the backward's four launches and 0.78-0.88 x
-that of the backward megakernel's one launch, so the kernel's loss against the launches is in
-its tasks' execution (docs/measurements.md), not in the list's order or its waits.
+One rank (R = 1) runs without comm tasks and without comm SMs (the list's in-place form),
+after the two launches that gather d_out's and x's rows into the schedule's order
+(``BackwardSimResult.gather_s``: their bytes over HBM, part of its time).
+
+The rates are the forward's. Against the H200 (``mok_cute.bench.calibrate.fit_backward``,
+``benchmarks/sim/backward_calibration.json``): at R = 1 on the five single-GPU shapes the model
+as is ran the backward megakernel's dgrads alone 13-22 % and its one launch 10-18 % faster than
+measured (2026-12-03 probe runs, 8 rounds); the fit puts the dgrad tasks at 0.845 and the
+weight gradients at 0.909 of the model's speed (``CALIBRATED``; residuals -8 to +3 %, each
+shape left out -10 to +4 %). Held out: the whole backward at R = 1 (bench of record) within
+-4 to +1 %; MoK's shapes at T = 2048 (an older kernel) -7 to +2 %; 8 virtual ranks in one
+launch -12 to +3 % (simulated as one rank of their work); rank 0 of 8 over a group's buffers on
+one GPU with 16 / 32 comm CTAs -11 to -1 %, where the comm CTAs move rows slower than the
+forward's fit says (qwen3.5 on 8 of them: 1.43 x its time on 16 measured, 1.17 simulated). No
+NVLink timing of the backward exists: the link side is the forward's model, unchecked.
 """
 
 from __future__ import annotations
@@ -35,15 +49,46 @@ from ..tasks import Role
 from ..tasks_backward import (BackwardCounter as BC, BackwardListParams,
                               BackwardTaskType as BT, build_backward_task_list,
                               expert_tile_ranges)
-from .engine import run_graph
+from .engine import SimRecords, run_graph
 from .hardware import HardwareProfile, get_profile
 from .model import Graph, Routing, SimShape, _GraphBuilder, receive_layouts, route
 
-__all__ = ["BackwardSimConfig", "BackwardSimResult", "build_backward_graph",
+__all__ = ["BackwardEfficiency", "BackwardSimConfig", "BackwardSimResult", "CALIBRATED",
+           "UNCALIBRATED", "build_backward_graph", "comm_rows_profile", "efficiency_for",
            "simulate_backward", "tune_backward"]
 
 _BF16 = 2
 _PULLS = (BT.REVERSE_COMBINE, BT.REPULL_X)
+_DGRADS = (BT.FC2_DGRAD, BT.FC1_DGRAD, BT.SHARED_FC2_DGRAD, BT.SHARED_FC1_DGRAD)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardEfficiency:
+    """Speed of the backward megakernel's tasks against this model at the profile's rates, per
+    kind (model time / measured time; each task of the kind runs ``1 / factor`` times its
+    modelled duration). 1: the model as is."""
+    dgrad: float = 1.0  # FC2_DGRAD, FC1_DGRAD and the shared expert's dgrads
+    wgrad: float = 1.0  # the weight gradients, routed and shared
+
+    def __post_init__(self):
+        for f in ("dgrad", "wgrad"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"BackwardEfficiency.{f} must be > 0, got {getattr(self, f)!r}")
+
+
+UNCALIBRATED = BackwardEfficiency()
+# fitted by mok_cute.bench.calibrate.fit_backward (0.8446 / 0.9091) to the backward
+# megakernel's dgrads alone and one launch at R = 1 on the five single-GPU shapes of one H200
+# (calibrate.BACKWARD_PROBES; module docstring); other profiles: unmeasured, the model as is
+CALIBRATED = {"h200_hgx": BackwardEfficiency(dgrad=0.845, wgrad=0.909)}
+# The rows of the DISPATCH tasks whose records the profile's comm latency was fitted on
+# (hardware.py: comm_task_overhead_s, per-row latency valid for 128-row tasks)
+_COMM_FIT_ROWS = 128
+
+
+def efficiency_for(hw: HardwareProfile) -> BackwardEfficiency:
+    """The profile's measured speeds (``CALIBRATED``), else the model as is."""
+    return CALIBRATED.get(hw.name, UNCALIBRATED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,16 +97,20 @@ class BackwardSimConfig:
     minibatch_tokens: int = 1024
     tile_m: int = 128
     comm_task_rows: int = 32
-    x_resident: bool = True
+    # the kernel's: over a group the backward megakernel pulls x's rows again for the weight
+    # gradients (megakernel_backward.task_list); one rank reads them in place
+    x_resident: bool = False
 
 
 @dataclasses.dataclass
 class BackwardSimResult:
     graph: Graph
-    time_s: float  # the slowest rank's last task
+    time_s: float  # the slowest rank's last task, after gather_s
     rank_time_s: np.ndarray  # [R]
     flops_per_rank: float  # 12 (T K H I + T H Is): MoK's backward formula
     compute_busy: float  # compute SMs' busy fraction of R * time * compute SMs
+    records: SimRecords | None = None  # every task's take, start and end, from the launch
+    gather_s: float = 0.0  # R = 1: the row gathers before the launch
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -78,14 +127,16 @@ def _params(shape: SimShape, cfg: BackwardSimConfig, R: int) -> BackwardListPara
 
 
 def _durations(tl, lay, e_loc: int, p: BackwardListParams, hw: HardwareProfile,
-               n_compute: int, n_comm: int = 0):
+               n_compute: int, eff: BackwardEfficiency = UNCALIBRATED):
     hbm = hw.hbm_bytes_per_s / max(n_compute, 1)
     tm, H, I = p.tile_m, p.hidden, p.intermediate
     tpm = p.minibatch_tokens // tm
     group_tiles = (np.bincount((np.arange(lay.num_tiles) // tpm) * e_loc + lay.tile_expert)
                    if lay.num_tiles else np.zeros(0, dtype=np.int64))
     n_dg, n_dx = -(-I // p.dgated_tile_n), -(-H // p.dx_tile_n)
-    window_dg, window_dx = max(1, n_compute // n_dg), max(1, n_compute // n_dx)
+    # M-tiles in flight on one weight N-tile: the list's raster runs raster_m M-tiles of an
+    # N-tile together (N-tiles outer), more when its N-tiles fill fewer than the SMs
+    window_dg, window_dx = (max(p.raster_m, n_compute // n) for n in (n_dg, n_dx))
     rows_of = np.diff(expert_tile_ranges(lay.tile_expert, e_loc)) * tm
     dur = np.zeros(len(tl))
     for i, t in enumerate(tl):
@@ -131,14 +182,29 @@ def _durations(tl, lay, e_loc: int, p: BackwardListParams, hw: HardwareProfile,
         else:  # the in-place BARRIER (compute role)
             dur[i] = hw.barrier_latency_s
             continue
-        dur[i] = hw.gemm_task_overhead_s + max(flops / hw.sm_tensor_flops, mem / hbm)
+        speed = 1.0 if not flops else eff.dgrad if t.type in _DGRADS else eff.wgrad  # KSUM: 1
+        dur[i] = (hw.gemm_task_overhead_s + max(flops / hw.sm_tensor_flops, mem / hbm)) / speed
     return dur
+
+
+def comm_rows_profile(hw: HardwareProfile, rows: int) -> HardwareProfile:
+    """``hw`` with its comm latency, per row and fitted on 128-row tasks, spent on ``rows``."""
+    if rows == _COMM_FIT_ROWS or hw.comm_latency_s == 0.0:
+        return hw
+    return hw.replace(comm_task_overhead_s=hw.comm_serial_s + hw.comm_latency_s * rows
+                      / _COMM_FIT_ROWS, source=f"{hw.sources.get('comm_task_overhead_s', '')}; "
+                      f"its latency scaled to {rows}-row tasks (sim.backward)")
 
 
 def build_backward_graph(shape: SimShape, num_ranks: int, routing: Routing,
                          cfg: BackwardSimConfig, hw: HardwareProfile,
-                         topk_idx: np.ndarray | None = None) -> tuple[Graph, list]:
-    """Every rank's backward list as one graph (module docstring); also the lists."""
+                         topk_idx: np.ndarray | None = None,
+                         efficiency: BackwardEfficiency | None = None) -> tuple[Graph, list]:
+    """Every rank's backward list as one graph (module docstring); also the lists. The
+    graph's ``meta["hw"]`` is the profile to run it on (comm latency over the task's rows);
+    ``efficiency``: None for the profile's calibration (``CALIBRATED``)."""
+    eff = efficiency_for(hw) if efficiency is None else efficiency
+    hw = comm_rows_profile(hw, cfg.comm_task_rows)
     R = num_ranks
     if R < 1 or R > hw.num_gpus:
         raise ValueError(f"num_ranks must be in [1, {hw.num_gpus}] for profile {hw.name}, got {R}")
@@ -197,7 +263,7 @@ def build_backward_graph(shape: SimShape, num_ranks: int, routing: Routing,
             type=np.array([int(t.type) for t in tl]), local_id=np.arange(n),
             tile=np.array([t.tile for t in tl]), signal=signal,
             waits=(np.array(lens, dtype=np.int64), np.array(flat, dtype=np.int64)),
-            duration=_durations(tl, lay, e_loc, p, hw, n_compute, n_comm), comm_bytes=comm_bytes,
+            duration=_durations(tl, lay, e_loc, p, hw, n_compute, eff), comm_bytes=comm_bytes,
             comm_class=cls, comm_row=coef_rows, link_bytes=link,
             flops=np.array([t.flops for t in tl]), minibatch=np.array([t.minibatch for t in tl]),
             receiver=np.full(n, -1))
@@ -216,27 +282,35 @@ def build_backward_graph(shape: SimShape, num_ranks: int, routing: Routing,
             is_ksum = g.type[comm] == int(BT.KSUM)
             g.tail_queues.append(comm[is_ksum])
             per_role[int(Role.COMM)] = comm[~is_ksum]
-    g.meta.update(shape=shape, routing=routing, cfg=cfg, hw=hw, layouts=layouts, lists=lists)
+    g.meta.update(shape=shape, routing=routing, cfg=cfg, hw=hw, layouts=layouts, lists=lists,
+                  efficiency=eff)
     return g, lists
 
 
 def simulate_backward(shape: SimShape | str, num_ranks: int, config: BackwardSimConfig,
                       profile: HardwareProfile | str = "h200_hgx",
                       routing: Routing = Routing(), *,
-                      topk_idx: np.ndarray | None = None) -> BackwardSimResult:
-    """Simulate one layer backward on every rank of an EP group of ``num_ranks`` GPUs."""
+                      topk_idx: np.ndarray | None = None,
+                      efficiency: BackwardEfficiency | None = None) -> BackwardSimResult:
+    """Simulate one layer backward on every rank of an EP group of ``num_ranks`` GPUs
+    (``efficiency``: None for the profile's calibration, ``UNCALIBRATED`` for the model as is)."""
     hw = get_profile(profile)
     if isinstance(shape, str):
         shape = SimShape.named(shape)
-    g, _ = build_backward_graph(shape, num_ranks, routing, config, hw, topk_idx)
-    rec = run_graph(g, hw)
+    g, _ = build_backward_graph(shape, num_ranks, routing, config, hw, topk_idx, efficiency)
+    rec = run_graph(g, g.meta["hw"])
     rank_time = np.array([rec.end[g.rank == r].max(initial=0.0) for r in range(num_ranks)])
-    time_s = float(rank_time.max())
+    span = float(rank_time.max())
+    # one rank: d_out's and x's rows gathered into the schedule's order by two launches
+    # before the list's (expert_backward.routed_rows): real rows read, padded rows written
+    rows = shape.tokens_per_rank * shape.top_k + g.meta["layouts"][0].num_tiles * config.tile_m
+    gather_s = 2 * rows * shape.hidden * _BF16 / hw.hbm_bytes_per_s if num_ranks == 1 else 0.0
     busy = float((rec.end - rec.start)[g.role == int(Role.COMPUTE)].sum())
     flops = 12.0 * shape.hidden * shape.tokens_per_rank * (
         shape.top_k * shape.intermediate + shape.shared_intermediate)
-    return BackwardSimResult(g, time_s, rank_time, flops,
-                             busy / max(time_s * g.num_compute_sms * num_ranks, 1e-30))
+    return BackwardSimResult(g, span + gather_s, rank_time + gather_s, flops,
+                             busy / max(span * g.num_compute_sms * num_ranks, 1e-30), rec,
+                             gather_s)
 
 
 def tune_backward(shape: SimShape | str, num_ranks: int,
