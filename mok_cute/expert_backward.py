@@ -374,7 +374,7 @@ def shared_in_launch(shared, precision: str, needs: Needs) -> bool:
     launch with the routed weight gradients (the shared expert's run with them), Is a whole
     number of 64-deep k-tiles (the launch's K split between its gate and up weights)."""
     return (shared is not None and precision == "bf16" and needs.w_gate_up and needs.w_down
-            and shared[0].shape[0] % TILE_K == 0)
+            and shared[0].shape[-2] % TILE_K == 0)  # ws_gate [(L,) Is, H]
 
 
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,

@@ -86,14 +86,15 @@ def tiles_per_minibatch(capacity_tiles: int) -> int:
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
                  timeout_ms: float, device, num_experts: int = 0,
                  comm: bool = False, tail_tokens: int = 0, top_k: int = 1,
-                 shared: tuple[int, int] = (0, 0)) -> DgradTables:
+                 shared: tuple[int, int, int] = (0, 0, 0)) -> DgradTables:
     """The device tables of the backward task list (cached per size, wait bound and device;
     the counters are shared by the launches of one size: calls on one stream). ``num_experts``
     > 0: the weight gradients of that many experts are queued after the dgrads; 0: the
     dgrads alone. ``comm``: the rows' pulls and pushes are tasks too; ``tail_tokens`` > 0
     (with ``comm``): the group barrier and the k-sums of that many tokens, ``top_k`` slots
-    each, too (the group tail). ``shared``: (T, Is) of a shared expert whose backward the
-    launch runs too (its weight gradients with the routed ones'); (0, 0): none."""
+    each, too (the group tail). ``shared``: (T, Is, L) of the shared expert(s) whose backward
+    the launch runs too (L ranks', or one's without a rank dimension: L = 0; their weight
+    gradients with the routed ones'); (0, 0, 0): none."""
     key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M, comm,
            tail_tokens, top_k, tuple(shared), str(device))
     with _LOCK:
@@ -118,24 +119,25 @@ def fc2_tile_n(hidden: int) -> int:
 
 def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
               comm: bool = False, tail_tokens: int = 0, top_k: int = 1,
-              shared: tuple[int, int] = (0, 0)):
+              shared: tuple[int, int, int] = (0, 0, 0)):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
     of ``num_experts`` experts after the dgrads; none when 0; with ``comm`` the rows' pulls,
     x's when the weight gradients run, and the pushes; with ``tail_tokens`` > 0 the BARRIER
-    and the KSUMs of that many tokens; with ``shared`` = (T, Is) the shared expert's dgrads,
-    and its weight gradients when the routed ones run)."""
+    and the KSUMs of that many tokens; with ``shared`` = (T, Is, L) the shared experts' dgrads,
+    and their weight gradients when the routed ones run)."""
     from mok_cute import tasks_backward as tb
 
     per_mb = tiles_per_minibatch(capacity_tiles)
     tail = comm and tail_tokens > 0
-    shared_tokens, shared_inter = shared
+    shared_tokens, shared_inter, shared_ranks = shared
     if tail and shared_inter and shared_tokens != tail_tokens:
         raise ValueError(f"the shared expert's {shared_tokens} tokens must be the group tail's "
                          f"{tail_tokens}")
     params = tb.BackwardListParams(
         hidden=hidden, intermediate=inter,
         num_tokens=tail_tokens if tail else shared_tokens if shared_inter else 0,
-        shared_intermediate=shared_inter, top_k=top_k if tail else 1,
+        shared_intermediate=shared_inter, shared_ranks=max(shared_ranks, 1),
+        top_k=top_k if tail else 1,
         dgated_tile_n=fc2_tile_n(hidden), dx_tile_n=BACKWARD_TILE_N,
         minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=comm,
         comm_task_rows=BACKWARD_COMM_ROWS, ksum_rows=BACKWARD_KSUM_ROWS,
@@ -198,7 +200,7 @@ def ksum_head(tl, comm_queue) -> int:
 
 
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
-                  device, comm=False, tail_tokens=0, top_k=1, shared=(0, 0)) -> DgradTables:
+                  device, comm=False, tail_tokens=0, top_k=1, shared=(0, 0, 0)) -> DgradTables:
     from mok_cute import tasks_backward as tb
 
     tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, comm, tail_tokens, top_k,
@@ -280,21 +282,23 @@ class GroupTail(NamedTuple):
 
 
 class SharedExpert(NamedTuple):
-    """The shared expert's backward as tasks of the launch: one expert over this rank's T
-    tokens (weight 1). The launch returns its dx rows and, with the routed weight
-    gradients, its own (``SharedGrads``)."""
+    """The shared expert's backward as tasks of the launch: one expert over a rank's T tokens
+    (weight 1), or L of them with a leading rank dimension on every tensor (a virtual ranks'
+    launch: rank r's expert over rank r's tokens). The launch returns their dx rows and, with
+    the routed weight gradients, their own (``SharedGrads``)."""
 
-    d_out: torch.Tensor  # bf16 [T, H] contiguous: d_out of the rank's tokens
-    x: torch.Tensor  # bf16 [T, H] contiguous: its tokens (its gate / up weight gradients)
-    w_gate: torch.Tensor  # bf16 [Is, H] contiguous
-    w_up: torch.Tensor  # bf16 [Is, H] contiguous
-    w_down: torch.Tensor  # bf16 [H, Is] contiguous
-    preact: torch.Tensor  # bf16 [T, 2Is] contiguous: its g | u by token (the training forward's)
+    d_out: torch.Tensor  # bf16 [(L,) T, H] contiguous: d_out of the rank's tokens
+    x: torch.Tensor  # bf16 [(L,) T, H] contiguous: its tokens (its gate / up weight gradients)
+    w_gate: torch.Tensor  # bf16 [(L,) Is, H] contiguous
+    w_up: torch.Tensor  # bf16 [(L,) Is, H] contiguous
+    w_down: torch.Tensor  # bf16 [(L,) H, Is] contiguous
+    preact: torch.Tensor  # bf16 [(L,) T, 2Is] contiguous: its g | u by token (the forward's)
 
 
 class SharedGrads(NamedTuple):
-    """What the launch computes of a ``SharedExpert``: dx rows [T, H], and dWs_gate,
-    dWs_up [Is, H], dWs_down [H, Is] (None without the routed weight gradients)."""
+    """What the launch computes of a ``SharedExpert`` (with its rank dimension if it had one):
+    dx rows [(L,) T, H], and dWs_gate, dWs_up [(L,) Is, H], dWs_down [(L,) H, Is] (None
+    without the routed weight gradients)."""
 
     dx: torch.Tensor
     w_gate: torch.Tensor | None
@@ -302,20 +306,23 @@ class SharedGrads(NamedTuple):
     w_down: torch.Tensor | None
 
 
-def check_shared(shared: SharedExpert, hidden: int, device) -> tuple[int, int]:
-    """A ``SharedExpert``'s shapes as the launch reads them: (T, Is)."""
+def check_shared(shared: SharedExpert, hidden: int, device) -> tuple[int, int, int]:
+    """A ``SharedExpert``'s shapes as the launch reads them: (T, Is, L), L = 0 without a rank
+    dimension."""
     if not isinstance(shared, SharedExpert):
         raise TypeError(f"shared: expected a SharedExpert, got {type(shared).__name__}")
-    tokens, inter = shared.d_out.shape[0], shared.w_gate.shape[0]
+    ranked = shared.d_out.dim() == 3
+    lead = tuple(shared.d_out.shape[:1]) if ranked else ()
+    tokens, inter = shared.d_out.shape[-2], shared.w_gate.shape[-2]
     if inter % TILE_K:
         raise ValueError(f"shared.w_gate: the backward megakernel needs Is a multiple of "
                          f"{TILE_K}, got Is={inter}")
     for name, shape in (("d_out", (tokens, hidden)), ("x", (tokens, hidden)),
                         ("w_gate", (inter, hidden)), ("w_up", (inter, hidden)),
                         ("w_down", (hidden, inter)), ("preact", (tokens, 2 * inter))):
-        check_tensor(f"shared.{name}", getattr(shared, name), shape=shape,
+        check_tensor(f"shared.{name}", getattr(shared, name), shape=lead + shape,
                      dtype=torch.bfloat16, device=device)
-    return tokens, inter
+    return tokens, inter, lead[0] if ranked else 0
 
 
 def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
@@ -393,7 +400,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     if rows == 0 and (tail is not None or shared is not None):
         raise ValueError("the group tail and the shared expert need a launch: the schedule "
                          "has no row (capacity 0)")
-    shared_dims = (0, 0) if shared is None else check_shared(shared, hidden, device)
+    shared_dims = (0, 0, 0) if shared is None else check_shared(shared, hidden, device)
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
         dw = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down)) if wgrads else ()
         pulled = (d_rows, x_rows) if comm else ()
@@ -471,46 +478,60 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     return (d_preact, hw, partials, dx_rows, *dw, *s_out)
 
 
-def _shared_args(shared: SharedExpert | None, dims: tuple[int, int], wgrads: bool, device):
+def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads: bool,
+                 device):
     """The kernel's ``s_*`` arguments of a shared expert's tasks and the ``SharedGrads`` they
-    fill (their weight gradients with ``wgrads``), or (None, None) without one."""
+    fill (their weight gradients with ``wgrads``), or (None, None) without one. The launch's
+    buffers pad each rank's rows to whole tiles (``kernels/megakernel/backward_shared.py``)."""
     if shared is None:
         return None, None
-    tokens, inter = dims
-    hidden = shared.d_out.shape[1]
+    tokens, inter, ranks = dims
+    ranked = ranks > 0
+    L = max(ranks, 1)
+    ops = [t if ranked else t.unsqueeze(0) for t in shared]  # [L, ...]
+    d_out, x, w_gate, w_up, w_down, preact = ops
+    hidden = d_out.shape[2]
+    padded = -(-tokens // TILE_M) * TILE_M
     bf16 = dict(dtype=torch.bfloat16, device=device)
-    d_preact = torch.empty(tokens, 2 * inter, **bf16)
-    hw = torch.empty(tokens, inter, **bf16)
-    dx = torch.empty(tokens, hidden, **bf16)
-    dg, du = d_preact[:, :inter], d_preact[:, inter:]
+    d_preact = torch.empty(L, padded, 2 * inter, **bf16)
+    hw = torch.empty(L, padded, inter, **bf16)
+    dx = torch.empty(L, padded, hidden, **bf16)
+    flat = lambda t: t.view(L * padded, t.shape[2]).unsqueeze(2)  # noqa: E731
+    dg, du = d_preact[..., :inter], d_preact[..., inter:]
+    # the weight gradients' operands (cols, T, L) and outputs (rows, cols, L)
+    by_rank = lambda t: t[:, :tokens].permute(2, 1, 0)  # noqa: E731
+    dw = (None, None, None)
+    outs = (w_gate, w_up, w_down)  # no weight-gradient task runs: stand-ins never written
     if wgrads:
-        dw = tuple(torch.empty_like(w) for w in (shared.w_gate, shared.w_up, shared.w_down))
-        w_args = (dg.t().unsqueeze(2), du.t().unsqueeze(2), shared.x.t().unsqueeze(2),
-                  shared.d_out.t().unsqueeze(2), hw.t().unsqueeze(2),
-                  *(w.unsqueeze(2) for w in dw))
-    else:  # no weight-gradient task runs: the operands stand in for the outputs
-        dw = (None, None, None)
-        w_args = (dg.t().unsqueeze(2), du.t().unsqueeze(2), shared.x.t().unsqueeze(2),
-                  shared.d_out.t().unsqueeze(2), hw.t().unsqueeze(2),
-                  *(w.unsqueeze(2) for w in (shared.w_gate, shared.w_up, shared.w_down)))
-    rows, ones = _shared_rows(tokens, device)
-    args = (shared.d_out.unsqueeze(2), shared.w_down.t().unsqueeze(2), d_preact.unsqueeze(2),
-            shared.w_gate.t().unsqueeze(2), shared.w_up.t().unsqueeze(2), dg.unsqueeze(2),
-            du.unsqueeze(2), hw.unsqueeze(2), dx.unsqueeze(2), *w_args, shared.preact, rows,
+        dw = tuple(torch.empty_like(w) for w in outs)
+        outs = dw
+    rows, ones = _shared_rows(tokens, L, device)
+    args = (d_out.permute(1, 2, 0), w_down.permute(2, 1, 0), flat(d_preact),
+            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0),
+            flat(d_preact)[:, :inter], flat(d_preact)[:, inter:], flat(hw), flat(dx),
+            by_rank(dg), by_rank(du), x.permute(2, 1, 0), d_out.permute(2, 1, 0), by_rank(hw),
+            *(w.permute(1, 2, 0) for w in outs), preact.reshape(L * tokens, 2 * inter), rows,
             ones)
-    return args, SharedGrads(dx, *dw)
+    grads = SharedGrads(dx[:, :tokens], *dw)
+    if not ranked:
+        grads = SharedGrads(*(None if g is None else g[0] for g in grads))
+    return args, grads
 
 
 _SHARED_ROWS: dict[tuple, tuple] = {}
 
 
-def _shared_rows(tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared expert's rows 0 .. T - 1 (int32) and unit weights (fp32), what its dgated
-    epilogue reads in place of the routed rows' slots and router weights (cached per T)."""
-    key = (tokens, str(device))
+def _shared_rows(tokens: int, ranks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared experts' padded row -> slot map (rank r's row r T_pad + t: slot r T + t,
+    -1 past T) and unit weights, what their dgated epilogue reads in place of the routed
+    rows' slots and router weights (cached per T and L)."""
+    key = (tokens, ranks, str(device))
     if key not in _SHARED_ROWS:
-        _SHARED_ROWS[key] = (torch.arange(tokens, dtype=torch.int32, device=device),
-                             torch.ones(tokens, dtype=torch.float32, device=device))
+        padded = -(-tokens // TILE_M) * TILE_M
+        t = torch.arange(padded, device=device)
+        slots = torch.arange(ranks, device=device)[:, None] * tokens + t
+        rows = torch.where(t < tokens, slots, -1).to(torch.int32).reshape(-1)
+        _SHARED_ROWS[key] = (rows, torch.ones(ranks * tokens, dtype=torch.float32, device=device))
     return _SHARED_ROWS[key]
 
 

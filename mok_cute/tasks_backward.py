@@ -142,7 +142,8 @@ class BackwardTask:
     type: BackwardTaskType
     role: Role
     minibatch: int  # -1: weight gradients, barrier, k-sum (the shared expert's dgrads: 0)
-    tile: int  # M-tile j; expert e (WGRAD_*); local token tile s (SHARED_*DGRAD, KSUM); else -1
+    tile: int  # M-tile j; expert e (WGRAD_*); local token tile s (SHARED_*DGRAD, KSUM); rank
+    #            (SHARED_WGRAD_*); else -1
     n_tile: int  # GEMM N-tile, comm chunk or KSUM chunk
     m_block: int  # weight-gradient row block; else -1
     flops: int
@@ -164,6 +165,10 @@ class BackwardListParams:
     comm_task_rows: int = 32
     ksum_rows: int = 32
     shared_intermediate: int = 0
+    # shared experts, one per local rank (a virtual ranks' launch), each over num_tokens
+    # tokens: token tile s of rank r is shared tile r * ceil(num_tokens / tile_m) + s, and a
+    # shared weight-gradient task's ``tile`` is its rank
+    shared_ranks: int = 1
     comm_tasks: bool = True  # False: one rank reading d_out in place and k-summing dx in place
     x_resident: bool = True  # the training forward kept every x row of the receive schedule
     # weight-gradient output tiles (gemm_wgrad's): gate/up (I rows of each, H columns), down
@@ -173,7 +178,8 @@ class BackwardListParams:
 
     def __post_init__(self):
         for name in ("hidden", "intermediate", "top_k", "tile_m", "dgated_tile_n", "dx_tile_n",
-                     "minibatch_tokens", "raster_m", "comm_task_rows", "ksum_rows"):
+                     "minibatch_tokens", "raster_m", "comm_task_rows", "ksum_rows",
+                     "shared_ranks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -188,6 +194,8 @@ class BackwardListParams:
                                  f"{of}={getattr(self, of)}")
         if not self.comm_tasks and not self.x_resident:
             raise ValueError("x_resident=False needs comm tasks (x rows are pulled again)")
+        if self.shared_ranks > 1 and self.comm_tasks:
+            raise ValueError("shared_ranks > 1 is a virtual ranks' launch: no comm tasks")
 
 
 @dataclasses.dataclass
@@ -295,6 +303,7 @@ class _Builder:
         self.n_dgated = _ceil(p.intermediate, p.dgated_tile_n)
         self.n_dx = _ceil(p.hidden, p.dx_tile_n)
         self.st = _ceil(p.num_tokens, p.tile_m)
+        self.sst = p.shared_ranks * self.st  # the shared experts' token tiles, rank by rank
         self.shared = p.shared_intermediate > 0
         self.ns_dgated = _ceil(p.shared_intermediate, p.dgated_tile_n) if self.shared else 0
         self.counter_sizes = {
@@ -302,8 +311,8 @@ class _Builder:
             BC.X_PULLED: self.nt if not p.x_resident else 0,
             BC.DGATED: self.nt, BC.DX_DONE: self.nt,
             BC.PUSHED: self.nt if p.comm_tasks else 0,
-            BC.SHARED_DGATED: self.st if self.shared else 0,
-            BC.SHARED_DX: self.st if self.shared else 0,
+            BC.SHARED_DGATED: self.sst if self.shared else 0,
+            BC.SHARED_DX: self.sst if self.shared else 0,
             BC.WGRAD_DONE: 1, BC.BARRIER_DONE: 1, BC.KSUM_DONE: 1,
         }
         self.records: list[dict] = []
@@ -341,7 +350,7 @@ class _Builder:
         fc2_blocks, fc1_blocks = [], []
         for mb in range(max(self.nmb, 1 if self.shared and self.st else 0)):
             fc2, fc1 = [], []
-            for s in range(self.st if self.shared and mb == 0 else 0):
+            for s in range(self.sst if self.shared and mb == 0 else 0):
                 for n in range(self.ns_dgated):
                     self._add(fc2, BT.SHARED_FC2_DGRAD, tile=s, n_tile=n, minibatch=0,
                               flops=self._gemm_flops(p.dgated_tile_n, p.hidden),
@@ -392,18 +401,18 @@ class _Builder:
                           flops=2 * self._gemm_flops(p.wgrad_gate_up_tile[1], rows,
                                                      p.wgrad_gate_up_tile[0]),
                           signal=(BC.WGRAD_DONE, 0), waits=[dgated, *x_waits])
-        if self.shared and self.st:
-            all_s = (BC.SHARED_DGATED, 0, self.st, self.ns_dgated)
+        for r in range(p.shared_ranks if self.shared and self.st else 0):
+            all_s = (BC.SHARED_DGATED, r * self.st, self.st, self.ns_dgated)
             rows = self.st * p.tile_m
             for m in range(_ceil(p.hidden, p.wgrad_down_tile[0])):
                 for n in range(_ceil(p.shared_intermediate, p.wgrad_down_tile[1])):
-                    self._add(compute, BT.SHARED_WGRAD_DOWN, n_tile=n, m_block=m,
+                    self._add(compute, BT.SHARED_WGRAD_DOWN, tile=r, n_tile=n, m_block=m,
                               flops=self._gemm_flops(p.wgrad_down_tile[1], rows,
                                                      p.wgrad_down_tile[0]),
                               signal=(BC.WGRAD_DONE, 0), waits=[all_s])
             for m in range(_ceil(p.shared_intermediate, p.wgrad_gate_up_tile[0])):
                 for n in range(_ceil(p.hidden, p.wgrad_gate_up_tile[1])):
-                    self._add(compute, BT.SHARED_WGRAD_GATE_UP, n_tile=n, m_block=m,
+                    self._add(compute, BT.SHARED_WGRAD_GATE_UP, tile=r, n_tile=n, m_block=m,
                               flops=2 * self._gemm_flops(p.wgrad_gate_up_tile[1], rows,
                                                          p.wgrad_gate_up_tile[0]),
                               signal=(BC.WGRAD_DONE, 0), waits=[all_s])
@@ -493,7 +502,8 @@ class BackwardWord(enum.IntEnum):
     TYPE = 0
     ROLE = 1
     MINIBATCH = 2
-    TILE = 3  # M-tile; expert (weight gradients); token tile (shared dgrads, KSUM); else -1
+    TILE = 3  # M-tile; expert (weight gradients); token tile (shared dgrads, KSUM); rank (shared
+    #          weight gradients); else -1
     N_TILE = 4
     M_BLOCK = 5
     SIGNAL_GROUP = 6

@@ -25,7 +25,10 @@ Numerics: a row's dgrads depend on that row alone and the k-sum runs in ascendin
 rounded once, so d_xs and d_topk_weights are bitwise those of the same tokens and experts on
 one rank (R = 1 with R * T tokens). The weight gradients sum an expert's rows in its schedule
 order (peers interleaved), one owner per tile: deterministic run to run. The shared expert is
-each rank's own one-expert backward (``expert_backward.shared_backward``), rank by rank.
+each rank's own one-expert backward: in the same launch, every rank's as tasks of it
+(``kernels/megakernel/backward_shared.py``), when its weight gradients come with the routed
+ones (``expert_backward.shared_in_launch``), else ``expert_backward.shared_backward`` rank by
+rank; the same bits either way.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
 from mok_cute.expert_backward import (Needs, _expert_backward, fp8_reads_only, routed_rows,
-                                      shared_backward_ranks, slot_sums)
+                                      shared_backward_ranks, shared_in_launch, slot_sums)
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -232,19 +235,32 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
     x_rows = (routed_rows(xs.reshape(R * T, H), concat.token_row, x_fp8_only)
               if needs.w_gate_up else None)
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts
-    dx_rows, dwg, dwu, dwd, partials = _expert_backward(
-        d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),
-        saved.preact, concat.preact_row,
-        weights_by_preact_row(concat, topk_weights, rows), concat.tile_expert,
-        concat.num_tiles, concat.expert_offsets, needs.x, needs.w_gate_up, needs.w_down,
-        needs.topk_weights, options, fp8=fp8, dgrads="kernels" if fp8 else "megakernel",
-        # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
-        fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
-        rows_per_expert=T * K / E_loc)  # R * T * K rows over R * E_loc experts
-
-    shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact, needs,
-                                                options)
-    shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]
+    weights = weights_by_preact_row(concat, topk_weights, rows)
+    if shared_in_launch(shared, precision, needs):
+        # every GEMM in one launch, every rank's shared expert too
+        from mok_cute import megakernel_backward
+        *_, partials, dx_rows, dwg, dwu, dwd, s = megakernel_backward.expert_grads(
+            d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down), saved.preact,
+            concat.preact_row, weights, concat.tile_expert, concat.num_tiles,
+            concat.expert_offsets, shared=megakernel_backward.SharedExpert(
+                d_out, xs.contiguous(), *(w.contiguous() for w in shared),
+                saved.shared_preact))
+        shared_dx = s.dx.reshape(R * T, H)
+        d_shared = (s.w_gate if needs.shared_gate_up else None,
+                    s.w_up if needs.shared_gate_up else None,
+                    s.w_down if needs.shared_down else None)
+    else:
+        dx_rows, dwg, dwu, dwd, partials = _expert_backward(
+            d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),
+            saved.preact, concat.preact_row, weights, concat.tile_expert,
+            concat.num_tiles, concat.expert_offsets, needs.x, needs.w_gate_up, needs.w_down,
+            needs.topk_weights, options, fp8=fp8, dgrads="kernels" if fp8 else "megakernel",
+            # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
+            fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
+            rows_per_expert=T * K / E_loc)  # R * T * K rows over R * E_loc experts
+        shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
+                                                    needs, options)
+        shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]
 
     d_xs = d_topk = None
     if needs.x:

@@ -278,13 +278,15 @@ def _call_names() -> list[str]:
 def _assert_as_compiled(args, fakes):
     """Each tensor argument of a launch as the compiled signature takes it (TVM-FFI checks
     them at the call): its fake's rank and dtype, static extents equal, run-time extents and
-    strides of their divisibility, the stride-1 mode stride 1 (modes of extent 1 excepted)."""
+    strides of their divisibility, the stride-1 mode stride 1 (modes of extent 1 excepted),
+    and one value for each run-time extent that several arguments share."""
     import cutlass
 
     dtypes = {cutlass.BFloat16: torch.bfloat16, cutlass.Float32: torch.float32,
               cutlass.Int32: torch.int32, cutlass.Int64: torch.int64}
     names = _call_names()
     assert len(args) == len(fakes) - 1 == len(names) - 1  # the stream last
+    extents = {}  # a shared run-time extent: its first value and who set it
     for name, a, f in zip(names, args, fakes):
         assert isinstance(a, torch.Tensor), name
         assert a.dim() == len(f.shape) and a.dtype == dtypes[f.element_type], (name, a.shape, f)
@@ -293,6 +295,8 @@ def _assert_as_compiled(args, fakes):
                 assert a.shape[mode] == n, (name, mode)
             else:
                 assert a.shape[mode] % n.divisibility == 0, (name, mode, a.shape)
+                first = extents.setdefault(id(n), (a.shape[mode], name))
+                assert first[0] == a.shape[mode], (name, mode, a.shape[mode], first)
             if a.shape[mode] == 1:
                 continue
             if isinstance(st, int):
@@ -301,13 +305,15 @@ def _assert_as_compiled(args, fakes):
                 assert a.stride(mode) % st.divisibility == 0, (name, mode, a.stride())
 
 
-@pytest.mark.parametrize("form", ["one_rank", "group_tail"])
+@pytest.mark.parametrize("form", ["no_shared", "one_rank", "group_tail", "virtual_ranks"])
 def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypatch, form):
     """CPU, the launch's host side with a ``SharedExpert`` (one rank; one rank of a group with
-    the group tail): the kernel built with its tasks, every tensor of the call as the compiled
-    signature takes it (``backward.fake_arguments``), its outputs the ``SharedGrads``
-    returned, with the tail its dx rows what the k-sums add; its tasks queued (dgrads at the
-    head of the pingpong phase's FC2 dgrads and of the FC1 dgrads, weight gradients last)."""
+    the group tail; three virtual ranks' shared experts) and without: the kernel built with
+    its tasks, every tensor of the call as the compiled signature takes it
+    (``backward.fake_arguments``: the placeholders of a launch without it too), its outputs
+    the ``SharedGrads`` returned, with the tail its dx rows what the k-sums add; its tasks
+    queued (dgrads at the head of the pingpong phase's FC2 dgrads and of the FC1 dgrads,
+    weight gradients last)."""
     from mok_cute import expert_path, jit
     from mok_cute import megakernel_backward as mb
     from mok_cute import tasks_backward as tb
@@ -330,10 +336,16 @@ def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypa
     routed = (w_gate, w_up, w_down, torch.randn(T * K, 2 * I, **bf16),
               torch.zeros(rows, **i32), torch.ones(T * K), torch.zeros(rows // 128, **i32),
               torch.ones(1, **i32), torch.zeros(E + 1, **i32))
-    shared = mb.SharedExpert(torch.randn(T, H, **bf16), torch.randn(T, H, **bf16),
-                             torch.randn(Is, H, **bf16), torch.randn(Is, H, **bf16),
-                             torch.randn(H, Is, **bf16), torch.randn(T, 2 * Is, **bf16))
-    if form == "one_rank":
+    lead = (3,) if form == "virtual_ranks" else ()
+    shared = mb.SharedExpert(*(torch.randn(*lead, *shape, **bf16) for shape in (
+        (T, H), (T, H), (Is, H), (Is, H), (H, Is), (T, 2 * Is))))
+    if form == "no_shared":
+        mb.expert_grads(torch.randn(rows, H, **bf16), torch.randn(rows, H, **bf16), *routed)
+        (name, kw, args), = calls
+        assert not kw["shared"]
+        _assert_as_compiled(args, fake_arguments())
+        return
+    if form in ("one_rank", "virtual_ranks"):
         out = mb.expert_grads(torch.randn(rows, H, **bf16), torch.randn(rows, H, **bf16),
                               *routed, shared=shared)
     else:
@@ -351,19 +363,29 @@ def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypa
     grads = out[-1]
     assert isinstance(grads, mb.SharedGrads)
     arg = dict(zip(_call_names(), args))
-    assert grads.dx.data_ptr() == arg["s_dx_rows"].data_ptr() and grads.dx.shape == (T, H)
+    L = lead[0] if lead else 1
+    # the dx rows: rank r's at r * T_pad of the launch's buffer
+    assert grads.dx.shape == (*lead, T, H)
+    padded = arg["s_dx_rows"].view(L, -1, H)
+    assert padded.shape[1] == -(-T // 128) * 128
+    assert grads.dx.data_ptr() == padded.data_ptr()
+    assert grads.dx.stride()[-2] == H and (not lead or grads.dx.stride(0) == padded.stride(0))
     for got, name, like in ((grads.w_gate, "s_dw_gate", shared.w_gate),
                             (grads.w_up, "s_dw_up", shared.w_up),
                             (grads.w_down, "s_dw_down", shared.w_down)):
         assert got.data_ptr() == arg[name].data_ptr() and got.shape == like.shape
+    # the padded rows' slots: rank r's row r * T_pad + t is slot r * T + t, -1 past T
+    slots = arg["s_rows"].view(L, -1)
+    assert torch.equal(slots[:, :T], torch.arange(L * T, dtype=torch.int32).view(L, T))
+    assert (slots[:, T:] == -1).all()
     if form == "group_tail":  # the k-sums add the rows the launch writes
         assert arg["shared_dx"].data_ptr() == grads.dx.data_ptr()
     tl, kinds = mb.task_list(rows // 128, E, H, I, form == "group_tail",
-                             T if form == "group_tail" else 0, K, (T, Is))
+                             T if form == "group_tail" else 0, K, (T, Is, lead[0] if lead else 0))
     queue, _, tail_begin, queue_len = mb.compute_queue(tl, kinds)
     types_ = [tl[int(i)].type for i in queue[:queue_len]]
     fc2 = mb.fc2_head(tl, queue[:queue_len])
-    n_s2 = -(-T // 128) * -(-Is // mb.fc2_tile_n(H))
+    n_s2 = L * -(-T // 128) * -(-Is // mb.fc2_tile_n(H))
     assert types_[:n_s2] == [tb.BackwardTaskType.SHARED_FC2_DGRAD] * n_s2
     assert types_[fc2] == tb.BackwardTaskType.SHARED_FC1_DGRAD
     assert types_[-1] in (tb.BackwardTaskType.SHARED_WGRAD_GATE_UP,

@@ -221,3 +221,28 @@ def test_device_encoding_round_trips_and_the_ticket_walk_reaches_every_live_task
             fetched = [i for i in walk if alive(tl[i])]  # the rest: dead, skipped
             wanted = [t.index for t in tl if t.role == role and alive(t)]
             assert fetched == wanted, (role, live)
+
+
+def test_a_virtual_launch_lists_every_ranks_shared_expert():
+    """``shared_ranks`` = L (a virtual ranks' launch, no comm tasks): L ranks' shared dgrads
+    (rank r's token tile s as tile r * ceil(T / tile_m) + s), each FC1 dgrad waiting on its
+    own tile's FC2 dgrads, and per rank its weight gradients (tile: the rank) waiting on that
+    rank's tiles alone; the list checks, and comm tasks with L > 1 are refused."""
+    T, tiles, L = 300, -(-300 // 128), 3
+    p = BackwardListParams(hidden=512, intermediate=256, num_tokens=T, top_k=2,
+                           shared_intermediate=384, shared_ranks=L, comm_tasks=False)
+    tl = build_backward_static(5, 4, p)
+    tl.check()
+    assert tl.counter_sizes[BC.SHARED_DGATED] == tl.counter_sizes[BC.SHARED_DX] == L * tiles
+    fc2 = [t for t in tl if t.type == BT.SHARED_FC2_DGRAD]
+    assert sorted({t.tile for t in fc2}) == list(range(L * tiles))
+    for t in tl:
+        if t.type == BT.SHARED_FC1_DGRAD:
+            assert t.waits == ((BC.SHARED_DGATED, t.tile, 1, -(-384 // p.dgated_tile_n)),)
+        if t.type in (BT.SHARED_WGRAD_GATE_UP, BT.SHARED_WGRAD_DOWN):
+            assert t.waits[0][:3] == (BC.SHARED_DGATED, t.tile * tiles, tiles)
+    wgrads = {t.tile for t in tl if t.type == BT.SHARED_WGRAD_DOWN}
+    assert wgrads == set(range(L))
+    with pytest.raises(ValueError, match="shared_ranks"):
+        BackwardListParams(hidden=512, intermediate=256, num_tokens=T, top_k=2,
+                           shared_intermediate=384, shared_ranks=L)

@@ -253,6 +253,24 @@ def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_
     return dx, dwg, dwu, dwd, partials
 
 
+def _emulated_expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
+                           tile_expert, num_tiles, offsets, shared=None):
+    """``megakernel_backward.expert_grads`` with every rank's shared expert (``shared``), in
+    fp32 torch: the routed experts' emulation above, the shared experts' through
+    ``shared_backward_ranks`` on it (d_preact and hw are not returned: None)."""
+    from mok_cute.config import ExpertPathOptions
+    from mok_cute.expert_backward import shared_backward_ranks
+    from mok_cute.megakernel_backward import SharedGrads
+
+    dx, dwg, dwu, dwd, partials = _emulated_expert_backward(
+        d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
+        num_tiles, offsets, True, True, True, True, ExpertPathOptions())
+    s_dx, s_dw = shared_backward_ranks(shared.d_out, shared.x,
+                                       (shared.w_gate, shared.w_up, shared.w_down),
+                                       shared.preact)
+    return None, None, partials, dx, dwg, dwu, dwd, SharedGrads(torch.stack(s_dx), *s_dw)
+
+
 def _emulated_saved(leaves, idx, E_loc):
     """What the megakernel's training forward saves, computed in torch (NaN where nothing is
     saved, so a row read through a wrong index shows)."""
@@ -307,8 +325,14 @@ def test_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc
     from mok_cute import expert_backward, virtual_backward
     from mok_cute.kernels import token_ops
 
+    from mok_cute import megakernel_backward
+
     monkeypatch.setattr(expert_backward, "_expert_backward", _emulated_expert_backward)
     monkeypatch.setattr(virtual_backward, "_expert_backward", _emulated_expert_backward)
+    # with a shared expert (Is = 64) every rank's runs in the launch: emulated with it
+    in_launch = []
+    monkeypatch.setattr(megakernel_backward, "expert_grads",
+                        lambda *a, **kw: in_launch.append(1) or _emulated_expert_grads(*a, **kw))
     monkeypatch.setattr(token_ops, "gather_rows", token_ops.gather_rows_ref)
     def weighted_ksum(y, w, shared=None, out=None, row_index=None):
         return token_ops.weighted_ksum_ref(token_ops.gather_rows_ref(y, row_index), w, shared)
@@ -327,6 +351,7 @@ def test_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc
         assert g.shape == t.shape and g.dtype == t.dtype, name
         _close(g.float(), t.grad.float(), name)
     assert_tokens_close(got[0], xs.grad, tol=DX_TOKEN_TOL, what="d_xs")
+    assert len(in_launch) == (1 if Is else 0)
     if not Is:
         assert got[5:] == (None, None, None)
 

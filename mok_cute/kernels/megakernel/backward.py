@@ -449,9 +449,17 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                 timeout_ns)
                 # dG | dU were written by other CTAs' TMA stores; TMA reads them next
                 cute.arch.fence_proxy("async.global")
-                expert = Int32(0)  # the shared expert's tensors have one
+                expert = Int32(0)
+                m_a, a_batch = m_tile, 0  # the A box's tile and batch
                 if const_expr(self.shared):
-                    if not self.is_shared_task(ttype):
+                    a_batch = Int32(0)
+                    if self.is_shared_task(ttype):
+                        # the rank's weights; d_out by (token tile, rank), dG | dU (rows
+                        # padded per rank) by the task's tile
+                        s_tile, expert = self.shared_tile(m_tile, shared)
+                        if ttype == SHARED_FC2_DGRAD:
+                            m_a, a_batch = s_tile, expert
+                    else:
                         expert = tile_expert[m_tile]
                 else:
                     expert = tile_expert[m_tile]
@@ -477,8 +485,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                         else:
                             if const_expr(self.shared):
                                 if ttype == SHARED_FC2_DGRAD:
-                                    self._load_fc2_dgrad(k, m_tile, n_tile, expert, stage, bar,
-                                                         s_fc2_parts)
+                                    self._load_fc2_dgrad(k, m_a, n_tile, expert, stage, bar,
+                                                         s_fc2_parts, a_batch)
                                 elif ttype == SHARED_FC1_DGRAD:
                                     self._load_fc1_dgrad(k, m_tile, n_tile, expert, stage, bar,
                                                          s_fc1_parts)
@@ -527,10 +535,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
     @cute.jit
     def _load_fc2_dgrad(self, k: Int32, m_tile: Int32, n_tile: Int32, expert: Int32,
-                        stage: Int32, bar, parts):
-        """FC2_DGRAD's k-tile ``k`` into ``stage``: the dY rows, then W_down."""
+                        stage: Int32, bar, parts, a_batch=0):
+        """FC2_DGRAD's k-tile ``k`` into ``stage``: the dY rows (of batch ``a_batch``: the
+        shared expert's rank), then W_down."""
         tma_dy, g_dy, s_dy, tma_wd, g_wd, s_wd = parts
-        cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, stage)], tma_bar_ptr=bar)
+        cute.copy(tma_dy, g_dy[(None, m_tile, k, a_batch)], s_dy[(None, stage)], tma_bar_ptr=bar)
         cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, stage)], tma_bar_ptr=bar)
 
     @cute.jit
@@ -612,7 +621,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                             store_pipeline, is_store_warp)
                 s_dx = None  # the shared expert's dx rows: where its FC1_DGRAD stores
                 if const_expr(self.shared):
-                    s_dx = (shared.stores[6], s_views[3], ttype == SHARED_FC1_DGRAD)
+                    s_dx = (shared.stores[6], s_views[3][(None, None, m_tile, n_tile, 0)],
+                            ttype == SHARED_FC1_DGRAD)
                 if const_expr(self.fc2_pingpong):  # FC2_DGRAD ran in its own phase
                     self._store_dx(dx_store, s_dx)
                 else:
@@ -682,15 +692,14 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     @cute.jit
     def _store_dx(self, args, shared_dx):
         """FC1_DGRAD's epilogue: the dx rows tile through the first output buffer; into the
-        shared expert's dx rows instead where ``shared_dx`` (atom, tiled view, run-time
-        flag) says so."""
+        shared expert's dx rows instead where ``shared_dx`` (atom, its tile, run-time flag)
+        says so."""
         epi, tma_dx, view, m_tile, n_tile, subtiles, barrier, store_pipeline, is_store_warp = args
         if const_expr(shared_dx is not None):
-            s_atom, s_view, use_alt = shared_dx
+            s_atom, s_tile, use_alt = shared_dx
             self.tile_epilogue(epi, (tma_dx,), (view[(None, None, m_tile, n_tile, 0)],), "store",
                                0, subtiles, barrier, store_pipeline, is_store_warp, None, 1,
-                               alt=((s_atom,), (s_view[(None, None, m_tile, n_tile, 0)],)),
-                               use_alt=use_alt)
+                               alt=((s_atom,), (s_tile,)), use_alt=use_alt)
         else:
             self.tile_epilogue(epi, (tma_dx,), (view[(None, None, m_tile, n_tile, 0)],), "store",
                                0, subtiles, barrier, store_pipeline, is_store_warp, None, 1)
@@ -746,25 +755,28 @@ def fake_arguments() -> list:
             common.fake_vector(Int64, SCALARS, align_bytes=8), i32(tokens, sym()),
             *(kmaj(bf16, (tokens, hidden)) for _ in range(2)),
             f(Float32, (tokens, sym()), align_bytes=4),
-            *_shared_fakes(tokens, hidden, sym(divisibility=TILE_K)), common.fake_stream()]
+            *_shared_fakes(hidden), common.fake_stream()]
     return args
 
 
-def _shared_fakes(tokens, hidden, inter) -> list:
-    """The shared expert's fake arguments (``__call__``'s ``s_*``): ``inter`` its Is; its
+def _shared_fakes(hidden) -> list:
+    """The shared expert's fake arguments (``__call__``'s ``s_*``), with extents of their own:
+    T tokens and L ranks (the caller's d_out and x, the weights, the weight gradients' views),
+    L T_pad rows (the launch's buffers, each rank's rows padded to whole tiles), Is; its
     saved g | u, rows and ones of the routed ones' types (the dgated epilogue picks either
     at run time)."""
-    f, kmaj, bf16 = common.fake_strided_tensor, common.fake_kmajor_tensor, BFloat16
-    return [kmaj(bf16, (tokens, hidden, 1)), f(bf16, (inter, hidden, 1), contiguous_mode=0),
-            kmaj(bf16, (tokens, cute.sym_int32(divisibility=TILE_K), 1)),
-            *(f(bf16, (hidden, inter, 1), contiguous_mode=0) for _ in range(2)),
-            *(kmaj(bf16, (tokens, inter, 1)) for _ in range(3)), kmaj(bf16, (tokens, hidden, 1)),
-            *(f(bf16, (inter, tokens, 1), contiguous_mode=0) for _ in range(2)),
-            *(f(bf16, (hidden, tokens, 1), contiguous_mode=0) for _ in range(2)),
-            f(bf16, (inter, tokens, 1), contiguous_mode=0),
-            *(kmaj(bf16, (inter, hidden, 1)) for _ in range(2)), kmaj(bf16, (hidden, inter, 1)),
-            kmaj(bf16, (cute.sym_int32(), cute.sym_int32(divisibility=16))),
-            common.fake_vector(Int32), common.fake_vector(Float32)]
+    f, kmaj, bf16, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, BFloat16, cute.sym_int32
+    tokens, ranks, padded, inter = sym(), sym(), sym(divisibility=TILE_M), sym(divisibility=TILE_K)
+    mn = lambda rows, cols: f(bf16, (rows, cols, ranks), contiguous_mode=0)  # noqa: E731
+    return [kmaj(bf16, (tokens, hidden, ranks)), mn(inter, hidden),
+            kmaj(bf16, (padded, sym(divisibility=TILE_K), 1)), mn(hidden, inter),
+            mn(hidden, inter), *(kmaj(bf16, (padded, inter, 1)) for _ in range(3)),
+            kmaj(bf16, (padded, hidden, 1)), mn(inter, tokens), mn(inter, tokens),
+            mn(hidden, tokens), mn(hidden, tokens), mn(inter, tokens),
+            *(kmaj(bf16, (inter, hidden, ranks)) for _ in range(2)),
+            kmaj(bf16, (hidden, inter, ranks)),
+            kmaj(bf16, (sym(), sym(divisibility=16))), common.fake_vector(Int32),
+            common.fake_vector(Float32)]
 
 
 __all__ = ["BackwardMegakernelSm90", "compile_backward_megakernel", "fake_arguments",

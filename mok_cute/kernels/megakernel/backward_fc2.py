@@ -163,7 +163,9 @@ class Fc2PingpongTasksMixin:
             state = pipeline_state(pipeline.PipelineUserType.Producer, FC2_STAGES, loads)
             if const_expr(self.shared):
                 if tasks[index, int(BackwardWord.TYPE)] == SHARED_FC2_DGRAD:
-                    self._fc2_ring_loads(ring, state, k_tiles, m_tile, n_tile, Int32(0), s_parts)
+                    s_tile, s_rank = self.shared_tile(m_tile, shared)  # the rank is the batch
+                    self._fc2_ring_loads(ring, state, k_tiles, s_tile, n_tile, s_rank, s_parts,
+                                         s_rank)
                 else:
                     self._fc2_ring_loads(ring, state, k_tiles, m_tile, n_tile,
                                          tile_expert[m_tile], parts)
@@ -185,13 +187,15 @@ class Fc2PingpongTasksMixin:
 
     @cute.jit
     def _fc2_ring_loads(self, ring, state, k_tiles: Int32, m_tile: Int32, n_tile: Int32,
-                        expert: Int32, parts):
-        """One task's k-tiles into the ring (``state`` advanced past them)."""
+                        expert: Int32, parts, a_batch=0):
+        """One task's k-tiles into the ring (``state`` advanced past them); the dY rows of
+        batch ``a_batch`` (the shared expert's rank)."""
         tma_dy, g_dy, s_dy, tma_wd, g_wd, s_wd = parts
         for k in range(k_tiles):
             ring.producer_acquire(state)
             bar = ring.producer_get_barrier(state)
-            cute.copy(tma_dy, g_dy[(None, m_tile, k, 0)], s_dy[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_dy, g_dy[(None, m_tile, k, a_batch)], s_dy[(None, state.index)],
+                      tma_bar_ptr=bar)
             cute.copy(tma_wd, g_wd[(None, n_tile, k, expert)], s_wd[(None, state.index)], tma_bar_ptr=bar)
             ring.producer_commit(state)
             state.advance()

@@ -121,8 +121,9 @@ class WgradTasksMixin:
 
     @cute.jit
     def wgrad_load(self, ab_pipeline, loads: Int32, gated, m_block: Int32, n_tile: Int32,
-                   k0: Int32, k_tiles: Int32, ops, parts):
-        """The TMA loads of one weight-gradient tile: per row k-tile both A boxes and B."""
+                   k0: Int32, k_tiles: Int32, ops, parts, batch=0):
+        """The TMA loads of one weight-gradient tile: per row k-tile both A boxes and B, of
+        the operands' batch ``batch`` (the shared experts' rank)."""
         atom_dg, _, atom_du, _, atom_x, _, atom_dy, _, atom_hw, _ = ops
         (g_dg, s_dg0, _), (g_du, _, s_du1), (g_x, s_x, _), (g_dy, s_dy0, s_dy1), (g_hw, s_hw, _) = parts
         state = pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages, loads)
@@ -131,15 +132,15 @@ class WgradTasksMixin:
             bar = ab_pipeline.producer_get_barrier(state)
             stage = state.index
             if gated:
-                cute.copy(atom_dg, g_dg[(None, m_block, k0 + k, 0)], s_dg0[(None, stage)], tma_bar_ptr=bar)
-                cute.copy(atom_du, g_du[(None, m_block, k0 + k, 0)], s_du1[(None, stage)], tma_bar_ptr=bar)
-                cute.copy(atom_x, g_x[(None, n_tile, k0 + k, 0)], s_x[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom_dg, g_dg[(None, m_block, k0 + k, batch)], s_dg0[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom_du, g_du[(None, m_block, k0 + k, batch)], s_du1[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom_x, g_x[(None, n_tile, k0 + k, batch)], s_x[(None, stage)], tma_bar_ptr=bar)
             else:
                 # past H's last 128-row block TMA fills zeros, and the store clips them
-                cute.copy(atom_dy, g_dy[(None, 2 * m_block, k0 + k, 0)], s_dy0[(None, stage)], tma_bar_ptr=bar)
-                cute.copy(atom_dy, g_dy[(None, 2 * m_block + 1, k0 + k, 0)], s_dy1[(None, stage)],
+                cute.copy(atom_dy, g_dy[(None, 2 * m_block, k0 + k, batch)], s_dy0[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom_dy, g_dy[(None, 2 * m_block + 1, k0 + k, batch)], s_dy1[(None, stage)],
                           tma_bar_ptr=bar)
-                cute.copy(atom_hw, g_hw[(None, n_tile, k0 + k, 0)], s_hw[(None, stage)], tma_bar_ptr=bar)
+                cute.copy(atom_hw, g_hw[(None, n_tile, k0 + k, batch)], s_hw[(None, stage)], tma_bar_ptr=bar)
             ab_pipeline.producer_commit(state)
             state.advance()
 
@@ -167,33 +168,35 @@ class WgradTasksMixin:
         a window of consecutive positions, as in a ``gemm_wgrad`` launch, however far apart
         the CTAs finished their dgrads. Per ticket: the expert's dgrads waited on (once per
         run of its tasks), then the tile's loads. Returns the stage uses so far. ``shared``:
-        the shared expert's ``SharedOperands`` (its tiles, expert -1 in the list, run over
-        its T tokens), ``shared_parts`` their partitions."""
+        the shared expert's ``SharedOperands`` (its tiles, their rank in the list's tile, run
+        over the rank's T tokens), ``shared_parts`` their partitions."""
         tasks, queue, _, _, tail_begin, queue_len = walk
         tail_len = queue_len - tail_begin
         slot = counter_offsets[cute.size(counter_offsets) - 1]
-        waited_expert = Int32(-2 if self.shared else -1)  # -1: the shared expert's tiles
+        waited_expert = Int32(-1)  # shared_wgrad_key: an expert, or -2 - a shared rank
         k = Int32(0)
         t = self._tail_ticket(counters, slot, ring, k)
         while t < tail_len:
             index = queue[tail_begin + t]
             expert = tasks[index, int(BackwardWord.TILE)]
             k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            key = expert
             if const_expr(self.shared):
-                if expert < 0:
+                key = self.shared_wgrad_key(tasks[index, int(BackwardWord.TYPE)], expert)
+                if key < -1:
                     k0, k_tiles = Int32(0), self.shared_k_tiles(shared)
-            if expert != waited_expert:
+            if key != waited_expert:
                 self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
                                 timeout_ns)
                 cute.arch.fence_proxy("async.global")
-                waited_expert = expert
+                waited_expert = key
             if const_expr(self.shared):
                 ttype = tasks[index, int(BackwardWord.TYPE)]
                 m_block = tasks[index, int(BackwardWord.M_BLOCK)]
                 n_tile = tasks[index, int(BackwardWord.N_TILE)]
-                if expert < 0:
+                if key < -1:  # the rank is the operands' batch
                     self.wgrad_load(ab_pipeline, loads, ttype == SHARED_WGRAD_GATE_UP, m_block,
-                                    n_tile, k0, k_tiles, shared.w_loads, shared_parts)
+                                    n_tile, k0, k_tiles, shared.w_loads, shared_parts, expert)
                 else:
                     self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block,
                                     n_tile, k0, k_tiles, ops, parts)
@@ -223,15 +226,16 @@ class WgradTasksMixin:
             index = queue[tail_begin + t]
             expert = tasks[index, int(BackwardWord.TILE)]
             _, k_tiles = self.wgrad_rows(expert_offsets, expert)
-            if const_expr(self.shared):  # its tiles (expert -1) over its T tokens
+            if const_expr(self.shared):  # its tiles (the list's tile: the rank) over T tokens
                 ttype = tasks[index, int(BackwardWord.TYPE)]
-                if expert < 0:
+                is_shared = self.shared_wgrad_key(ttype, expert) < -1
+                if is_shared:
                     k_tiles = self.shared_k_tiles(shared)
                 self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
                                 ttype == _WGRAD_GATE_UP or ttype == SHARED_WGRAD_GATE_UP,
-                                cutlass.max(expert, 0), tasks[index, int(BackwardWord.M_BLOCK)],
+                                expert, tasks[index, int(BackwardWord.M_BLOCK)],
                                 tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
-                                warpgroup_idx, (shared.w_stores, expert < 0))
+                                warpgroup_idx, (shared.w_stores, is_shared))
             else:
                 self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
                                 tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
