@@ -12,7 +12,10 @@ GEMM, ``fc1_dgrad``) on every scheduled row, and the three weight gradients bitw
 expert, empty experts, K = 10, I not a multiple of 256), bitwise repeats with poisoned
 memory; and ``moe_backward(dgrads="megakernel")`` (one launch for every GEMM) gives every
 gradient of the default backward (d_topk_weights to fp32 rounding: other N-tile widths sum
-its partials in another order) and matches autograd on the reference.
+its partials in another order) and matches autograd on the reference. The shared expert's
+tasks in the launch (``SharedExpert``): CI checks every tensor the host passes against the
+compiled signature (one rank, the group tail, virtual ranks, none); the H200 its bits against
+``expert_backward.shared_backward``'s launches.
 """
 
 from __future__ import annotations

@@ -10,12 +10,16 @@ ranks the copies cross NVLink and the ranks run side by side).
         [--comm-ctas 8,32]   (bf16: the group backward on these comm splits too)
         [--one-rank]         (rank 0 alone: one launch with the group tail against launches)
 
+With a shared expert, the bf16 backwards also run with its backward before the launch (its own
+launches, rank by rank: ``shared_before``) beside the default, its tasks inside the launch.
+
 A probe for issue 32's development, not the benchmark of record.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -38,6 +42,20 @@ def _problem(name: str, ranks: int, tokens: int):
     shared = tuple(t.unsqueeze(0).expand(ranks, *t.shape).contiguous()
                    for t in p.shared) if p.shared else None
     return xs, idx, w, wg, wu, wd, shared, torch.randn_like(xs)
+
+
+@contextlib.contextmanager
+def shared_before():
+    """The shared expert's backward as launches of its own before the backward megakernel's
+    (the form before its tasks joined the launch): ``shared_in_launch`` says no."""
+    from mok_cute import expert_backward, virtual_backward
+
+    saved = expert_backward.shared_in_launch, virtual_backward.shared_in_launch
+    expert_backward.shared_in_launch = virtual_backward.shared_in_launch = lambda *a: False
+    try:
+        yield
+    finally:
+        expert_backward.shared_in_launch, virtual_backward.shared_in_launch = saved
 
 
 def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
@@ -77,6 +95,14 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
             for c in comm_splits:
                 group_forms[f"group bf16 c{c}"] = lambda s=saved, c=c: moe_backward_group(
                     d_out, xs, idx, w, wg, wu, wd, shared, s, comm_sms=c)
+        if precision == "bf16" and shared is not None:  # its backward before the launch
+            def virtual_before():
+                with shared_before():
+                    return virtual()
+            same["virtual bf16 shared before"] = all(
+                (a is None and b is None) or torch.equal(a, b)
+                for a, b in zip(virtual(), virtual_before()))
+            variants["virtual bf16 shared before"] = virtual_before
         for label, fn in group_forms.items() if with_group else ():
             same[label] = all((a is None and b is None) or torch.equal(a, b)
                               for a, b in zip(virtual(), fn()))
@@ -104,6 +130,9 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
     for label in median:  # the other comm forms against the default one
         if label.startswith("group bf16 "):
             ratios[f"{label} / group bf16"] = median[label] / median["group bf16"]
+    if "virtual bf16 shared before" in median:
+        ratios["virtual bf16 / shared before"] = (median["virtual bf16"]
+                                                  / median["virtual bf16 shared before"])
     if "bf16" in precisions:
         for label in forms:
             for other in precisions:
@@ -183,10 +212,28 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
                              0.0)
         return (d_x, d_topk, *out[6:])
 
+    def shared_inside(comm_ctas):  # the shared expert's tasks in the launch
+        next_call()
+        d_x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        d_topk = torch.empty(T, K, dtype=torch.float32, device=dev)
+        one = mb.SharedExpert(d_out[0], xs[0], *(t[0] for t in shared), saved.shared_preact[0])
+        out = mb.expert_grads_over_peers(*args, comm_ctas, tail=mb.GroupTail(
+            plan.scalars, plan.backward_error, idx0, None, d_x, d_topk), shared=one)
+        return (d_x, d_topk, *out[6:9])
+
+    def shared_then_launch(comm_ctas):  # its launches, then the launch without it
+        nonlocal shared_dx
+        shared_dx = shared_backward_ranks(d_out[:1], xs[:1], tuple(t[:1] for t in shared),
+                                          saved.shared_preact[:1])[0][0]
+        return with_tail(comm_ctas)
+
     variants = {}
     for c in comm_splits:
         variants[f"one launch c{c}"] = lambda c=c: with_tail(c)
         variants[f"launches c{c}"] = lambda c=c: as_launches(c)
+        if shared is not None:
+            variants[f"shared inside c{c}"] = lambda c=c: shared_inside(c)
+            variants[f"shared then c{c}"] = lambda c=c: shared_then_launch(c)
     variants["launch alone"] = lambda: mb.expert_grads_over_peers(*args, comm_splits[0])
     got = {label: fn() for label, fn in variants.items() if label != "launch alone"}
     torch.cuda.synchronize()
@@ -206,6 +253,9 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
               flush=True)
     ratios = {f"one launch / launches c{c}": median[f"one launch c{c}"]
               / median[f"launches c{c}"] for c in comm_splits}
+    for c in comm_splits if shared is not None else ():
+        ratios[f"shared inside / shared then c{c}"] = (median[f"shared inside c{c}"]
+                                                       / median[f"shared then c{c}"])
     print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
           + f"; bitwise the whole group call's rank 0: {same}", flush=True)
     return {"shape": name, "ranks": ranks, "tokens_per_rank": tokens, "ms_rounds": ms,
