@@ -314,6 +314,9 @@ def check_shared(shared: SharedExpert, hidden: int, device) -> tuple[int, int, i
     ranked = shared.d_out.dim() == 3
     lead = tuple(shared.d_out.shape[:1]) if ranked else ()
     tokens, inter = shared.d_out.shape[-2], shared.w_gate.shape[-2]
+    if tokens == 0 or (ranked and lead[0] == 0):
+        raise ValueError("shared.d_out: the shared expert's tasks need at least one token and "
+                         "one rank (a TMA box over nothing)")
     if inter % TILE_K:
         raise ValueError(f"shared.w_gate: the backward megakernel needs Is a multiple of "
                          f"{TILE_K}, got Is={inter}")

@@ -253,6 +253,33 @@ def test_expert_dgrads_rejects_sizes_it_cannot_take():
                         z(1, dtype=torch.int32), None, z(2, dtype=torch.int32))
 
 
+def test_a_bad_shared_expert_is_refused_naming_the_tensor():
+    """``check_shared``: a wrong shape, a rank dimension on some tensors only, Is not a
+    multiple of 64, no token: a ValueError naming it; a wrong dtype or not a SharedExpert:
+    a TypeError."""
+    from mok_cute import megakernel_backward as mb
+
+    T, H, Is = 10, 128, 64
+    bf = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+    good = mb.SharedExpert(bf(T, H), bf(T, H), bf(Is, H), bf(Is, H), bf(H, Is), bf(T, 2 * Is))
+    assert mb.check_shared(good, H, "cpu") == (T, Is, 0)
+    ranked = mb.SharedExpert(*(t.expand(3, *t.shape).contiguous() for t in good))
+    assert mb.check_shared(ranked, H, "cpu") == (T, Is, 3)
+    cases = [(good._replace(w_down=bf(Is, H)), "shared.w_down"),
+             (good._replace(x=bf(3, T, H)), "shared.x"),
+             (ranked._replace(w_gate=bf(Is, H)), "shared.w_gate"),
+             (mb.SharedExpert(bf(T, H), bf(T, H), bf(96, H), bf(96, H), bf(H, 96),
+                              bf(T, 192)), "multiple of 64"),
+             (mb.SharedExpert(bf(0, H), bf(0, H), *good[2:5], bf(0, 2 * Is)), "one token")]
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            mb.check_shared(bad, H, "cpu")
+    with pytest.raises(TypeError, match="shared.preact"):
+        mb.check_shared(good._replace(preact=torch.zeros(T, 2 * Is)), H, "cpu")
+    with pytest.raises(TypeError, match="SharedExpert"):
+        mb.check_shared(tuple(good), H, "cpu")
+
+
 def test_moe_backward_refuses_a_bad_d_out_or_no_saved_forward():
     from mok_cute import expert_backward as eb
     from mok_cute.expert_path import SavedForBackward

@@ -164,12 +164,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         int64 (BACKWARD_COMM_SCALARS,), the dY, x and dx rows (M, H) as plain tensors. The
         group tail's (``ksum_top_k`` > 0; else placeholders): the plan's int64 scalars
         (``constants.SCALAR_FIELDS``), topk_idx int32 (T, K), shared_dx and the output d_x bf16
-        (T, H), the output d_topk fp32 (T, K). The shared expert's (``shared``; else
-        placeholders), each as its routed counterpart over T tokens and one expert: d_out
-        rows (T, H, 1), Ws_down (Is, H, 1), dG | dU (T, 2Is, 1), Ws_gate / Ws_up (H, Is, 1),
-        the outputs dG, dU, h (T, Is, 1) and dx rows (T, H, 1); the weight gradients'
-        (cols, T, 1) operands and (rows, cols, 1) outputs; its saved g | u (T, 2Is), rows
-        int32 (T,) = 0 .. T - 1 and ones fp32 (T,)."""
+        (T, H), the output d_topk fp32 (T, K). The shared experts' (``shared``; else
+        placeholders; L ranks, T tokens each, T_pad = T rounded up to whole tiles), each as
+        its routed counterpart: d_out rows (T, H, L), Ws_down (Is, H, L), dG | dU
+        (L T_pad, 2Is, 1), Ws_gate / Ws_up (H, Is, L), the outputs dG, dU, h
+        (L T_pad, Is, 1) and dx rows (L T_pad, H, 1); the weight gradients' (cols, T, L)
+        operands and (rows, cols, L) outputs; the saved g | u (L T, 2Is), each padded row's
+        slot int32 (L T_pad,) (-1 past T) and ones fp32 (L T,)."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
