@@ -20,9 +20,9 @@ Per call, on every rank of the group (each must run it, as a collective):
     several ranks in one process (virtual, L > 1: their launches run one after another, so a
     launch cannot wait for a later one's flags):
       barrier 0 (flag "started" of a new epoch), one launch per local rank with the comm
-      tasks as above but no barrier or k-sum, barrier 1 (flag "done": every push has landed),
-      d_x = fixed-order k-sum of the pushed dx rows (+ the shared expert's dx),
-      d_topk_weights from the pushed partials; the shared expert's backward is local
+      tasks (and its shared expert's tasks) as above but no barrier or k-sum, barrier 1
+      (flag "done": every push has landed), d_x = fixed-order k-sum of the pushed dx rows
+      (+ the shared expert's dx), d_topk_weights from the pushed partials
 
 The launches' FC2 dgrads use the virtual ranks' backward's tiles (the one-GPU launches'
 128-wide FC2 dgrad tiles would sum d_topk's row partials in another order).
@@ -50,8 +50,9 @@ next call or by ``mok_cute.check_errors()``, and that call's gradients are incom
 the launch's group tail its d_x and d_topk_weights are NaN: the k-sums of a failed launch, or
 with a failed peer, write NaN).
 
-Not yet the design's one launch (issue 32): an FP8 plan's and the virtual ranks' barriers,
-k-sums and shared expert are launches of their own.
+Not yet the design's one launch (issue 32): the barriers and k-sums of several ranks in one
+process, and an FP8 plan's copies, barriers, k-sums and shared expert, are launches of their
+own.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import torch
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
 from mok_cute.constants import SLOT_ROW_BYTES
 from mok_cute.expert_backward import (Needs, _dgrads, _weight_grads, row_partial_sums,
-                                      shared_backward_ranks)
+                                      shared_backward_ranks, shared_in_launch)
 from mok_cute.expert_path_fp8 import padded
 
 __all__ = ["moe_backward_group"]
@@ -99,6 +100,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     (padding rows route nowhere), so both pick the same kernels. ``silent_rank`` (tests
     only): that rank stores no barrier flag, as if its process had died."""
     from mok_cute.kernels.peer_rows import peer_barrier
+    from mok_cute.megakernel_backward import SharedExpert
 
     plan = getattr(saved, "plan", None)
     if plan is None or not plan.key.spec.save_preact:
@@ -135,17 +137,30 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                                w_down, shared, needs, options, silent_rank, comm_sms)
         plan.begin_backward(silent_rank)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
+        in_launch = None  # each rank's shared expert as tasks of its launch, else after
+        if not fp8 and shared_in_launch(shared, "bf16", needs):
+            in_launch = [SharedExpert(d_out[r].contiguous(), xs[r].contiguous(),
+                                      *(w[r].contiguous() for w in shared),
+                                      saved.shared_preact[r]) for r in range(L)]
         if fp8:
             dwg, dwu, dwd = _fp8_routed(plan, saved, w_gate, w_up, w_down, needs, options,
                                         routed_per_expert)
         else:
-            dwg, dwu, dwd, _ = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms)
+            dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms,
+                                       shared=in_launch)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
         plan.backward_errors.record(plan.backward_calls)
 
-        # the shared expert (local), then the k-sums of what the peers pushed
-        shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
-                                                    needs, options)
+        # the shared expert (local, unless the launches ran it), then the k-sums of what the
+        # peers pushed
+        if in_launch is not None:
+            shared_dx = [g.dx for g in s]
+            d_shared = (_stacked([g.w_gate for g in s]) if needs.shared_gate_up else None,
+                        _stacked([g.w_up for g in s]) if needs.shared_gate_up else None,
+                        _stacked([g.w_down for g in s]) if needs.shared_down else None)
+        else:
+            shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
+                                                        needs, options)
         num_experts = P * E_loc
         routed = (topk_idx >= 0) & (topk_idx < num_experts)  # [L, T, K]: the slots given a row
         d_xs = d_topk = None
@@ -171,7 +186,6 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
     rows are the k-sums' base), then one launch whose comm CTAs also pass the group's two
     barriers and run the k-sums of d_x and d_topk_weights (``megakernel_backward.GroupTail``).
     A wait of the launch that gives up records into the plan's backward error word."""
-    from mok_cute.expert_backward import shared_in_launch
     from mok_cute.megakernel_backward import GroupTail, SharedExpert
 
     k = plan.key
@@ -180,8 +194,8 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
     in_launch = None  # the shared expert's backward as tasks of the launch, else before it
     shared_dx, d_shared = [None], (None, None, None)
     if shared_in_launch(shared, "bf16", needs):
-        in_launch = SharedExpert(d_out[0].contiguous(), xs[0].contiguous(),
-                                 *(w[0].contiguous() for w in shared), saved.shared_preact[0])
+        in_launch = [SharedExpert(d_out[0].contiguous(), xs[0].contiguous(),
+                                  *(w[0].contiguous() for w in shared), saved.shared_preact[0])]
     else:
         shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
                                                     needs, options)
@@ -194,9 +208,9 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
                                in_launch)
     plan.backward_errors.record(plan.backward_calls)
     if s is not None:
-        d_shared = (s.w_gate[None] if needs.shared_gate_up else None,
-                    s.w_up[None] if needs.shared_gate_up else None,
-                    s.w_down[None] if needs.shared_down else None)
+        d_shared = (s[0].w_gate[None] if needs.shared_gate_up else None,
+                    s[0].w_up[None] if needs.shared_gate_up else None,
+                    s[0].w_down[None] if needs.shared_down else None)
     return (d_x[None] if needs.x else None,
             d_topk[None].to(topk_weights.dtype) if needs.topk_weights else None,
             _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)
@@ -210,10 +224,10 @@ def _stacked(grads: list):
 def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None,
             shared=None):
     """Each local rank's routed backward in one launch with its comm (bf16): the weight
-    gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no), and the
-    ``SharedGrads`` of ``shared`` (one rank: its shared expert's backward in the launch too)
-    or None. The launch's own waits are on its own tasks (a peer's silence shows at barrier
-    1), or with ``tail`` (one rank) on the peers' flags too."""
+    gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no), and with
+    ``shared`` (a ``SharedExpert`` per local rank: its backward in the rank's launch too)
+    their ``SharedGrads``, else None. The launch's own waits are on its own tasks (a peer's
+    silence shows at barrier 1), or with ``tail`` (one rank) on the peers' flags too."""
     from mok_cute import megakernel_backward
 
     side, k = plan.side, plan.key
@@ -224,19 +238,20 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail
     # share one pool, each row saved once)
     weights = torch.zeros(saved.preact.shape[0], dtype=torch.float32, device=dev)
     wgrads = needs.w_gate_up or needs.w_down
-    dwg, dwu, dwd = [], [], []
+    dwg, dwu, dwd, grads = [], [], [], []
     for r in range(side.launch_ranks):
         peers = megakernel_backward.PeerRows(plan.peer_bases[r], sched.row_peer[r],
                                              sched.row_token[r], sched.row_k[r], scalars)
         out = megakernel_backward.expert_grads_over_peers(
             w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r], weights,
             sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
-            wgrads, comm_sms, tail=tail, shared=shared)
+            wgrads, comm_sms, tail=tail, shared=None if shared is None else shared[r])
         gate, up, down = out[6:9] if wgrads else (None, None, None)
         dwg.append(gate if needs.w_gate_up else None)
         dwu.append(up if needs.w_gate_up else None)
         dwd.append(down if needs.w_down else None)
-    return dwg, dwu, dwd, out[-1] if shared is not None else None
+        grads.append(out[-1])
+    return dwg, dwu, dwd, grads if shared is not None else None
 
 
 def _fp8_routed(plan, saved, w_gate, w_up, w_down, needs: Needs, options: ExpertPathOptions,

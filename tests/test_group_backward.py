@@ -79,10 +79,12 @@ def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_
                           tail=None, shared=None):
     """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
     and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
-    and weight gradients emulated in torch (several ranks of one process: no group tail)."""
+    and weight gradients emulated in torch (several ranks of one process: no group tail);
+    the rank's shared expert (``shared``) through ``shared_backward_ranks`` on the
+    emulation."""
     import ctypes
 
-    assert tail is None and shared is None
+    assert tail is None
 
     from mok_cute.expert_backward import row_partial_sums
     from test_virtual_training import _emulated_dgrads, _emulated_weight_grads
@@ -116,7 +118,17 @@ def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_
         f32.from_address(base + partial_off + slot * 16).value = float(sums[p])
     dw = _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, expert_offsets,
                                 True, True) if wgrads else ()
-    return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw)
+    if shared is None:
+        return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw)
+    from mok_cute.expert_backward import shared_backward_ranks
+    from mok_cute.megakernel_backward import SharedGrads
+
+    one = lambda t: t.unsqueeze(0)  # noqa: E731  the rank as a group of one
+    s_dx, s_dw = shared_backward_ranks(one(shared.d_out), one(shared.x),
+                                       (one(shared.w_gate), one(shared.w_up),
+                                        one(shared.w_down)), one(shared.preact))
+    return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw,
+            SharedGrads(s_dx[0], *(g[0] for g in s_dw)))
 
 
 def _cpu_plan(R, T, H, I, E_loc, K):
