@@ -20,8 +20,9 @@ the group's two barriers and the k-sums of d_x and d_topk_weights on the comm CT
 its own fields.
 
 With ``shared`` (a ``SharedExpert``) the launch also runs the shared expert's backward over
-this rank's tokens (``kernels/megakernel/backward_shared.py``): its dgrads lead the dgrads,
-its weight gradients close the weight-gradient tail, and the group tail's k-sums read its dx
+this rank's tokens (``kernels/megakernel/backward_shared.py``): its FC2 dgrads lead the FC2
+dgrads, its FC1 dgrads follow the routed ones, its weight gradients close the weight-gradient
+tail, and the group tail's k-sums read its dx
 rows as the launch writes them; the bits are ``expert_backward.shared_backward``'s.
 
 Not yet: ranks of one process (virtual) keep the barriers and k-sums as launches of their own

@@ -54,9 +54,10 @@ target is the number of tasks that signal that counter)::
     KSUM(s, c)             <- BARRIER_DONE, SHARED_DX[s]
 
 Order. Compute: the FC2_DGRAD tiles of minibatch 0, and per minibatch m those of m + 1 then
-the FC1_DGRAD tiles of m (which so find their dG | dU done); the shared expert's dgrads lead
-minibatch 0's blocks (they need no communication, so they hide the first pulls; they are live
-whatever the routing: ``queue_tables``); each block rasterised (groups of
+the FC1_DGRAD tiles of m (which so find their dG | dU done); the shared expert's FC2 dgrads
+lead minibatch 0's (they need no communication, so they hide the first pulls) and its FC1
+dgrads close minibatch 0's FC1 block (after the routed dx rows the pushes wait for); they are
+live whatever the routing (``queue_tables``); each block rasterised (groups of
 ``raster_m`` M-tiles, N-tiles outer: concurrent tiles share weight N-tiles in L2), then every weight
 gradient expert by expert (so the last pushes and the group barrier run under them), the
 shared expert's weight gradients. Comm: each tile's pulls at the start of the
@@ -345,8 +346,9 @@ class _Builder:
         # per minibatch its FC2_DGRAD tiles, then (one minibatch later, so that they find their
         # dG | dU done) its FC1_DGRAD tiles; each block rasterised: groups of raster_m M-tiles,
         # N-tiles outer, so the CTAs running together share the weights' N-tiles in L2. The
-        # shared expert's dgrads lead minibatch 0's blocks (no communication: they run under
-        # the first pulls; its FC2 dgrads among the FC2 dgrads, a kernel's pingpong phase)
+        # shared expert's FC2 dgrads lead minibatch 0's (no communication: they run under the
+        # first pulls; among the FC2 dgrads, a kernel's pingpong phase), its FC1 dgrads close
+        # minibatch 0's (the routed dx rows, which the pushes wait for, first)
         fc2_blocks, fc1_blocks = [], []
         for mb in range(max(self.nmb, 1 if self.shared and self.st else 0)):
             fc2, fc1 = [], []
@@ -355,11 +357,6 @@ class _Builder:
                     self._add(fc2, BT.SHARED_FC2_DGRAD, tile=s, n_tile=n, minibatch=0,
                               flops=self._gemm_flops(p.dgated_tile_n, p.hidden),
                               signal=(BC.SHARED_DGATED, s))
-                for n in range(self.n_dx):
-                    self._add(fc1, BT.SHARED_FC1_DGRAD, tile=s, n_tile=n, minibatch=0,
-                              flops=self._gemm_flops(p.dx_tile_n, 2 * p.shared_intermediate),
-                              signal=(BC.SHARED_DX, s),
-                              waits=[(BC.SHARED_DGATED, s, 1, self.ns_dgated)])
             for j, n in self._raster(mb, self.n_dgated):
                 waits = [(BC.PULLED, j, 1, self.chunks)] if p.comm_tasks else []
                 self._add(fc2, BT.FC2_DGRAD, tile=j, n_tile=n, minibatch=mb,
@@ -369,6 +366,12 @@ class _Builder:
                 self._add(fc1, BT.FC1_DGRAD, tile=j, n_tile=n, minibatch=mb,
                           flops=self._gemm_flops(p.dx_tile_n, 2 * p.intermediate),
                           signal=(BC.DX_DONE, j), waits=[(BC.DGATED, j, 1, self.n_dgated)])
+            for s in range(self.sst if self.shared and mb == 0 else 0):
+                for n in range(self.n_dx):
+                    self._add(fc1, BT.SHARED_FC1_DGRAD, tile=s, n_tile=n, minibatch=0,
+                              flops=self._gemm_flops(p.dx_tile_n, 2 * p.shared_intermediate),
+                              signal=(BC.SHARED_DX, s),
+                              waits=[(BC.SHARED_DGATED, s, 1, self.ns_dgated)])
             fc2_blocks.append(fc2)
             fc1_blocks.append(fc1)
         for mb in range(len(fc2_blocks)):

@@ -342,8 +342,8 @@ def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypa
     its tasks, every tensor of the call as the compiled signature takes it
     (``backward.fake_arguments``: the placeholders of a launch without it too), its outputs
     the ``SharedGrads`` returned, with the tail its dx rows what the k-sums add; its tasks
-    queued (dgrads at the head of the pingpong phase's FC2 dgrads and of the FC1 dgrads,
-    weight gradients last)."""
+    queued (its FC2 dgrads at the head of the pingpong phase's, its FC1 dgrads after the
+    routed ones, its weight gradients last)."""
     from mok_cute import expert_path, jit
     from mok_cute import megakernel_backward as mb
     from mok_cute import tasks_backward as tb
@@ -417,7 +417,9 @@ def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypa
     fc2 = mb.fc2_head(tl, queue[:queue_len])
     n_s2 = L * -(-T // 128) * -(-Is // mb.fc2_tile_n(H))
     assert types_[:n_s2] == [tb.BackwardTaskType.SHARED_FC2_DGRAD] * n_s2
-    assert types_[fc2] == tb.BackwardTaskType.SHARED_FC1_DGRAD
+    n_s1 = L * -(-T // 128) * -(-H // 256)
+    assert types_[fc2] == tb.BackwardTaskType.FC1_DGRAD  # the routed dx rows first (pushes)
+    assert types_[tail_begin - n_s1:tail_begin] == [tb.BackwardTaskType.SHARED_FC1_DGRAD] * n_s1
     assert types_[-1] in (tb.BackwardTaskType.SHARED_WGRAD_GATE_UP,
                           tb.BackwardTaskType.SHARED_WGRAD_DOWN)
 
