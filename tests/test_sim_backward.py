@@ -180,6 +180,6 @@ def test_tune_cli_backward_prints_json(capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["pass"] == "bwd" and out["ranks"] == 2
-    assert out["num_comm_sms"] in (16, 28, 40) and out["minibatch_tokens"] == 2048
+    assert out["num_comm_sms"] in (16, 28, 40) and out["minibatch_tokens"] == "one"
     assert out["predicted_us"] == min(r["predicted_us"] for r in out["table"]) > 0
     assert len(out["table"]) == 3

@@ -91,10 +91,16 @@ def efficiency_for(hw: HardwareProfile) -> BackwardEfficiency:
     return CALIBRATED.get(hw.name, UNCALIBRATED)
 
 
+# ``BackwardSimConfig.minibatch_tokens``: one minibatch of every M-tile, what the backward
+# megakernel runs (``megakernel_backward.tiles_per_minibatch``: its pingpong FC2 phase needs
+# every FC2 dgrad ahead of the FC1 dgrads)
+ONE_MINIBATCH = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardSimConfig:
     num_comm_sms: int  # ignored (0) at R = 1
-    minibatch_tokens: int = 1024
+    minibatch_tokens: int = 1024  # ONE_MINIBATCH: the kernel's
     tile_m: int = 128
     comm_task_rows: int = 32
     # the kernel's: over a group the backward megakernel pulls x's rows again for the weight
@@ -118,10 +124,14 @@ class BackwardSimResult:
 
 
 def _params(shape: SimShape, cfg: BackwardSimConfig, R: int) -> BackwardListParams:
+    minibatch = cfg.minibatch_tokens
+    if minibatch == ONE_MINIBATCH:  # past any rank's rows: every (peer, token, k) and padding
+        rows = R * shape.tokens_per_rank * shape.top_k + shape.num_experts * cfg.tile_m
+        minibatch = -(-rows // cfg.tile_m) * cfg.tile_m
     return BackwardListParams(
         hidden=shape.hidden, intermediate=shape.intermediate, num_tokens=shape.tokens_per_rank,
         dgated_tile_n=fc2_dgrad_tile_n(fc2_dgrad_pingpong(shape.hidden)),  # the kernel's form
-        top_k=shape.top_k, tile_m=cfg.tile_m, minibatch_tokens=cfg.minibatch_tokens,
+        top_k=shape.top_k, tile_m=cfg.tile_m, minibatch_tokens=minibatch,
         comm_task_rows=cfg.comm_task_rows, shared_intermediate=shape.shared_intermediate,
         comm_tasks=R > 1, x_resident=cfg.x_resident or R == 1)
 
@@ -315,10 +325,12 @@ def simulate_backward(shape: SimShape | str, num_ranks: int, config: BackwardSim
 
 def tune_backward(shape: SimShape | str, num_ranks: int,
                   profile: HardwareProfile | str = "h200_hgx", routing: Routing = Routing(), *,
-                  comm_sms=(8, 16, 24, 32, 40), minibatch_tokens=(512, 1024, 2048, 4096),
+                  comm_sms=(8, 16, 24, 32, 40), minibatch_tokens=(ONE_MINIBATCH,),
                   comm_task_rows: int = 32) -> tuple[BackwardSimConfig, list]:
     """The (comm SMs, minibatch) of least simulated backward time, and every candidate's
-    (config, time_s), fastest first. One rank has no comm SMs: only the minibatch varies."""
+    (config, time_s), fastest first. One rank has no comm SMs: only the minibatch varies. The
+    default minibatch is the kernel's one (``ONE_MINIBATCH``); others are what-ifs of the
+    task list (the kernel takes none of them)."""
     if isinstance(shape, str):
         shape = SimShape.named(shape)
     topk_idx = route(shape, num_ranks, routing)

@@ -195,8 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     ap.add_argument("--table", action="store_true", help="also print every simulated point")
     ap.add_argument("--backward", action="store_true",
-                    help="tune the backward megakernel's comm split and minibatch instead "
-                         "(mok_cute.sim.backward: every rank simulated, ~10 s a point at R = 8)")
+                    help="tune the backward megakernel's comm split instead (mok_cute.sim"
+                         ".backward: every rank simulated, ~10 s a point at R = 8)")
+    ap.add_argument("--minibatches", default="",
+                    help="with --backward: also simulate these minibatch sizes (tokens, a "
+                         "comma list; what-ifs: the kernel runs one minibatch)")
     args = ap.parse_args(argv)
     if args.backward:
         if args.precision != "bf16":  # the backward model's rows and GEMMs are bf16
@@ -236,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main_backward(args) -> int:
     from .backward import CALIBRATED, tune_backward
 
-    grid = dict(comm_sms=(16, 28, 40), minibatch_tokens=(2048,)) if args.quick else {}
+    grid = dict(comm_sms=(16, 28, 40)) if args.quick else {}
+    if args.minibatches:  # what-ifs of the task list: the kernel runs one minibatch
+        grid["minibatch_tokens"] = tuple(int(v) for v in args.minibatches.split(","))
     try:
         shape = _parse_shape(args.shape)
         best, rows = tune_backward(shape, args.ranks, args.profile, **grid)
@@ -246,7 +251,8 @@ def _main_backward(args) -> int:
     flops = 12.0 * shape.hidden * shape.tokens_per_rank * (
         shape.top_k * shape.intermediate + shape.shared_intermediate)
     table = [dict(num_comm_sms=c.num_comm_sms if args.ranks > 1 else 0,
-                  minibatch_tokens=c.minibatch_tokens, predicted_us=t * 1e6) for c, t in rows]
+                  minibatch_tokens=c.minibatch_tokens or "one", predicted_us=t * 1e6)
+             for c, t in rows]
     calibrated = get_profile(args.profile).name in CALIBRATED
     out = {"shape": shape.name, "ranks": args.ranks, "profile": args.profile, "pass": "bwd",
            **table[0], "tflops_per_gpu": flops / (table[0]["predicted_us"] * 1e-6) / 1e12,
@@ -265,7 +271,7 @@ def _main_backward(args) -> int:
                  if calibrated else "(simulated, not measured: no backward timing on this "
                  "profile)"))
         for row in table[1:] if args.table else ():
-            print(f"  {row['num_comm_sms']:3d} comm SMs, minibatch {row['minibatch_tokens']:5d}: "
+            print(f"  {row['num_comm_sms']:3d} comm SMs, minibatch {row['minibatch_tokens']!s:>5}: "
                   f"{row['predicted_us']:.0f} us")
     return 0
 
