@@ -355,13 +355,24 @@ def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),
 
 def shared_backward_ranks(d_out, xs, shared, shared_preact, needs: Needs = Needs(),
                           options: ExpertPathOptions = ExpertPathOptions()):
-    """The shared expert's backward on each of R ranks' tokens, rank by rank
-    (``shared_backward``; d_out, xs [R, T, H], shared and shared_preact with a leading R):
-    (each rank's dx rows, None where not wanted; (d_ws_gate, d_ws_up, d_ws_down) [R, ...],
-    None where not wanted)."""
+    """The shared expert's backward on each of R ranks' tokens (d_out, xs [R, T, H], shared
+    and shared_preact with a leading R): (each rank's dx rows, None where not wanted;
+    (d_ws_gate, d_ws_up, d_ws_down) [R, ...], None where not wanted). Every rank's in one
+    backward-megakernel launch (``megakernel_backward.shared_expert_grads``) where Is is a
+    whole number of 64-deep k-tiles, else ``shared_backward`` rank by rank; the same bits."""
     R = xs.shape[0]
     if shared is None or not (needs.x or needs.shared_gate_up or needs.shared_down):
         return [None] * R, (None, None, None)
+    if shared[0].shape[-2] % TILE_K == 0 and xs.shape[1] > 0:
+        # every rank's in one backward-megakernel launch (the same tiles: the same bits)
+        from mok_cute import megakernel_backward as mb
+        s = mb.shared_expert_grads(mb.SharedExpert(
+            d_out.contiguous(), xs.contiguous(), *(w.contiguous() for w in shared),
+            shared_preact.contiguous()), wgrads=needs.shared_gate_up or needs.shared_down)
+        return (list(s.dx) if needs.x else [None] * R,
+                (s.w_gate if needs.shared_gate_up else None,
+                 s.w_up if needs.shared_gate_up else None,
+                 s.w_down if needs.shared_down else None))
     per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared), shared_preact[r],
                                 needs, options) for r in range(R)]
     grads = tuple(None if per_rank[0][1][i] is None

@@ -87,7 +87,7 @@ def tiles_per_minibatch(capacity_tiles: int) -> int:
 def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
                  timeout_ms: float, device, num_experts: int = 0,
                  comm: bool = False, tail_tokens: int = 0, top_k: int = 1,
-                 shared: tuple[int, int, int] = (0, 0, 0)) -> DgradTables:
+                 shared: tuple[int, int, int] = (0, 0, 0), routed: bool = True) -> DgradTables:
     """The device tables of the backward task list (cached per size, wait bound and device;
     the counters are shared by the launches of one size: calls on one stream). ``num_experts``
     > 0: the weight gradients of that many experts are queued after the dgrads; 0: the
@@ -95,14 +95,15 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
     (with ``comm``): the group barrier and the k-sums of that many tokens, ``top_k`` slots
     each, too (the group tail). ``shared``: (T, Is, L) of the shared expert(s) whose backward
     the launch runs too (L ranks', or one's without a rank dimension: L = 0; their weight
-    gradients with the routed ones'); (0, 0, 0): none."""
+    gradients with the routed ones'); (0, 0, 0): none. ``routed=False``: the shared expert's
+    tasks alone are queued (``shared_expert_grads``)."""
     key = (capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms, RASTER_M, comm,
-           tail_tokens, top_k, tuple(shared), str(device))
+           tail_tokens, top_k, tuple(shared), routed, str(device))
     with _LOCK:
         tables = _TABLES.get(key)
         if tables is None:
             tables = _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas,
-                                   timeout_ms, device, comm, tail_tokens, top_k, shared)
+                                   timeout_ms, device, comm, tail_tokens, top_k, shared, routed)
             _TABLES[key] = tables
     return tables
 
@@ -120,12 +121,13 @@ def fc2_tile_n(hidden: int) -> int:
 
 def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
               comm: bool = False, tail_tokens: int = 0, top_k: int = 1,
-              shared: tuple[int, int, int] = (0, 0, 0)):
+              shared: tuple[int, int, int] = (0, 0, 0), routed: bool = True):
     """The static backward list the launch walks, and the kinds it queues (weight gradients
     of ``num_experts`` experts after the dgrads; none when 0; with ``comm`` the rows' pulls,
     x's when the weight gradients run, and the pushes; with ``tail_tokens`` > 0 the BARRIER
     and the KSUMs of that many tokens; with ``shared`` = (T, Is, L) the shared experts' dgrads,
-    and their weight gradients when the routed ones run)."""
+    and their weight gradients when the routed ones run; ``routed=False``: the shared
+    experts' tasks alone, their weight gradients when ``num_experts`` > 0)."""
     from mok_cute import tasks_backward as tb
 
     per_mb = tiles_per_minibatch(capacity_tiles)
@@ -143,14 +145,16 @@ def task_list(capacity_tiles: int, num_experts: int, hidden: int, inter: int,
         minibatch_tokens=per_mb * TILE_M, raster_m=RASTER_M, comm_tasks=comm,
         comm_task_rows=BACKWARD_COMM_ROWS, ksum_rows=BACKWARD_KSUM_ROWS,
         x_resident=not (comm and num_experts))
-    kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD)
+    if not routed and not (shared_inter and not comm and not tail):
+        raise ValueError("a launch without routed tasks runs a shared expert's, alone")
+    kinds = (tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD) if routed else ()
     if comm:
         kinds += (tb.BackwardTaskType.REVERSE_COMBINE, tb.BackwardTaskType.REVERSE_DISPATCH)
         if num_experts:
             kinds += (tb.BackwardTaskType.REPULL_X,)
         if tail:
             kinds += (tb.BackwardTaskType.BARRIER, tb.BackwardTaskType.KSUM)
-    if num_experts:
+    if num_experts and routed:
         kinds += (tb.BackwardTaskType.WGRAD_DOWN, tb.BackwardTaskType.WGRAD_GATE_UP)
     if shared_inter:
         kinds += tb.SHARED_DGRADS
@@ -201,11 +205,12 @@ def ksum_head(tl, comm_queue) -> int:
 
 
 def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_ms,
-                  device, comm=False, tail_tokens=0, top_k=1, shared=(0, 0, 0)) -> DgradTables:
+                  device, comm=False, tail_tokens=0, top_k=1, shared=(0, 0, 0),
+                  routed=True) -> DgradTables:
     from mok_cute import tasks_backward as tb
 
     tl, kinds = task_list(capacity_tiles, num_experts, hidden, inter, comm, tail_tokens, top_k,
-                          shared)
+                          shared, routed)
     per_mb = tiles_per_minibatch(capacity_tiles)
     queue, live_len, tail_begin, queue_len = compute_queue(tl, kinds)
     fc2_count = fc2_head(tl, queue[:queue_len])
@@ -256,6 +261,37 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
                          f"{w_gate.shape[0]} experts, got {tuple(expert_offsets.shape)}")
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                    num_tiles, expert_offsets, timeout_ms, check, shared=shared)
+
+
+def shared_expert_grads(shared: SharedExpert, wgrads: bool = True,
+                        timeout_ms: float = 10_000.0, check: bool = False) -> SharedGrads:
+    """The shared expert's backward alone in one launch (every rank's, for a ``SharedExpert``
+    with a rank dimension): its ``SharedGrads``, the weight gradients with ``wgrads``; the
+    bits of ``expert_backward.shared_backward`` (its launches, rank by rank)."""
+    hidden = shared.d_out.shape[-1]
+    tokens, inter, ranks = check_shared(shared, hidden, shared.d_out.device)
+    ranked = [t if ranks else t.unsqueeze(0) for t in shared]
+    d_rows, row_slot, tile_expert, num_tiles, offsets = _no_routed_rows(hidden,
+                                                                       shared.d_out.device)
+    preact = ranked[5].reshape(-1, 2 * inter)
+    return _launch(d_rows, d_rows if wgrads else None, *ranked[2:5], preact, row_slot,
+                   _shared_rows(tokens, max(ranks, 1), shared.d_out.device)[1], tile_expert,
+                   num_tiles, offsets, timeout_ms, check, shared=shared, routed=False)
+
+
+_NO_ROUTED: dict[tuple, tuple] = {}
+
+
+def _no_routed_rows(hidden: int, device) -> tuple:
+    """A launch without routed tasks: a schedule of one padding tile and no live one (d_rows,
+    row_slot -1, tile_expert, num_tiles 0, expert offsets), never read (cached)."""
+    key = (hidden, str(device))
+    if key not in _NO_ROUTED:
+        i32 = dict(dtype=torch.int32, device=device)
+        _NO_ROUTED[key] = (torch.zeros(TILE_M, hidden, dtype=torch.bfloat16, device=device),
+                           torch.full((TILE_M,), -1, **i32), torch.zeros(1, **i32),
+                           torch.zeros(1, **i32), torch.zeros(2, **i32))
+    return _NO_ROUTED[key]
 
 
 class PeerRows(NamedTuple):
@@ -379,12 +415,13 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
             num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None,
             comm_ctas: int = 0, tail: GroupTail | None = None,
-            shared: SharedExpert | None = None):
+            shared: SharedExpert | None = None, routed: bool = True):
     """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
     comm tasks with ``peers`` (which then fill d_rows and x_rows); the group tail with
     ``tail``; the shared expert's backward with ``shared`` (its ``SharedGrads`` appended to
     the outputs; with the tail, its dx rows are what the k-sums add, ``tail.shared_dx``
-    unused)."""
+    unused). ``routed=False``: the shared expert's tasks alone (the routed tensors stand in
+    for the kernel's arguments, never read); returns its ``SharedGrads``."""
     from mok_cute.expert_path import _num_sms, check_preact
 
     rows, hidden = d_rows.shape
@@ -420,7 +457,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         raise ValueError(f"comm_ctas: expected 1 to half the SMs, got {comm_ctas}")
     tail_tokens, top_k = tail.topk_idx.shape if tail is not None else (0, 1)
     t = dgrad_tables(rows // TILE_M, hidden, inter, num_ctas, float(timeout_ms), device,
-                     num_experts if wgrads else 0, comm, tail_tokens, top_k, shared_dims)
+                     num_experts if wgrads else 0, comm, tail_tokens, top_k, shared_dims,
+                     routed)
     error = t.error if tail is None else tail.error
     if tail is None:  # an earlier launch whose wait gave up raises here (wrong gradients)
         t.errors.check(block=False, last_call=t.calls)
@@ -433,12 +471,12 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     dg_t, du_t, dy_t, hw_t = (a.t().unsqueeze(2) for a in
                               (d_preact[:, :inter], d_preact[:, inter:], d_rows, hw))
     dw = ()
-    if wgrads:  # every tile of every expert is stored (zeros for an expert without rows)
+    if wgrads and routed:  # every tile of every expert is stored (zeros for an expert without rows)
         dw = tuple(torch.empty_like(w) for w in (w_gate, w_up, w_down))
         w_args = (expert_offsets, dg_t, du_t, x_rows.t().unsqueeze(2), dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in dw))
-    else:  # no weight-gradient task runs: the dgrads' own tensors stand in
-        w_args = (tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
+    else:  # no routed weight-gradient task runs: the dgrads' own tensors stand in
+        w_args = (expert_offsets if wgrads else tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
     if comm:
         c_args = (t.comm_queue, peers.row_peer, peers.row_token, peers.row_k, peers.peer_bases,
@@ -476,6 +514,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         t.errors.record(t.calls)
         if check:
             t.errors.check(block=True, last_call=t.calls)
+    if not routed:
+        return s_grads
     s_out = () if shared is None else (s_grads,)
     if comm:
         return (d_rows, x_rows, d_preact, hw, partials, dx_rows, *dw, *s_out)

@@ -120,15 +120,12 @@ def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_
                                 True, True) if wgrads else ()
     if shared is None:
         return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw)
-    from mok_cute.expert_backward import shared_backward_ranks
+    from mok_cute.expert_backward import shared_backward
     from mok_cute.megakernel_backward import SharedGrads
 
-    one = lambda t: t.unsqueeze(0)  # noqa: E731  the rank as a group of one
-    s_dx, s_dw = shared_backward_ranks(one(shared.d_out), one(shared.x),
-                                       (one(shared.w_gate), one(shared.w_up),
-                                        one(shared.w_down)), one(shared.preact))
-    return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw,
-            SharedGrads(s_dx[0], *(g[0] for g in s_dw)))
+    s_dx, s_dw = shared_backward(shared.d_out, shared.x,
+                                 (shared.w_gate, shared.w_up, shared.w_down), shared.preact)
+    return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw, SharedGrads(s_dx, *s_dw))
 
 
 def _cpu_plan(R, T, H, I, E_loc, K):

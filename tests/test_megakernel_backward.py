@@ -335,12 +335,14 @@ def _assert_as_compiled(args, fakes):
                 assert a.stride(mode) % st.divisibility == 0, (name, mode, a.stride())
 
 
-@pytest.mark.parametrize("form", ["no_shared", "one_rank", "group_tail", "virtual_ranks"])
+@pytest.mark.parametrize("form", ["no_shared", "one_rank", "group_tail", "virtual_ranks",
+                                  "shared_only"])
 def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypatch, form):
     """CPU, the launch's host side with a ``SharedExpert`` (one rank; one rank of a group with
     the group tail; three virtual ranks' shared experts) and without: the kernel built with
     its tasks, every tensor of the call as the compiled signature takes it
-    (``backward.fake_arguments``: the placeholders of a launch without it too), its outputs
+    (``backward.fake_arguments``: the placeholders of a launch without it too, and of one
+    with its tasks alone, ``shared_expert_grads``), its outputs
     the ``SharedGrads`` returned, with the tail its dx rows what the k-sums add; its tasks
     queued (its FC2 dgrads at the head of the pingpong phase's, its FC1 dgrads after the
     routed ones, its weight gradients last)."""
@@ -366,7 +368,7 @@ def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypa
     routed = (w_gate, w_up, w_down, torch.randn(T * K, 2 * I, **bf16),
               torch.zeros(rows, **i32), torch.ones(T * K), torch.zeros(rows // 128, **i32),
               torch.ones(1, **i32), torch.zeros(E + 1, **i32))
-    lead = (3,) if form == "virtual_ranks" else ()
+    lead = (3,) if form in ("virtual_ranks", "shared_only") else ()
     shared = mb.SharedExpert(*(torch.randn(*lead, *shape, **bf16) for shape in (
         (T, H), (T, H), (Is, H), (Is, H), (H, Is), (T, 2 * Is))))
     if form == "no_shared":
@@ -375,7 +377,9 @@ def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypa
         assert not kw["shared"]
         _assert_as_compiled(args, fake_arguments())
         return
-    if form in ("one_rank", "virtual_ranks"):
+    if form == "shared_only":
+        out = (mb.shared_expert_grads(shared),)
+    elif form in ("one_rank", "virtual_ranks"):
         out = mb.expert_grads(torch.randn(rows, H, **bf16), torch.randn(rows, H, **bf16),
                               *routed, shared=shared)
     else:
@@ -410,6 +414,14 @@ def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypa
     assert (slots[:, T:] == -1).all()
     if form == "group_tail":  # the k-sums add the rows the launch writes
         assert arg["shared_dx"].data_ptr() == grads.dx.data_ptr()
+    if form == "shared_only":  # its tasks alone: no routed one queued
+        tl, kinds = mb.task_list(1, L, H, Is, shared=(T, Is, L), routed=False)
+        queue, _, _, queue_len = mb.compute_queue(tl, kinds)
+        assert {tl[int(i)].type for i in queue[:queue_len]} == {
+            tb.BackwardTaskType.SHARED_FC2_DGRAD, tb.BackwardTaskType.SHARED_FC1_DGRAD,
+            tb.BackwardTaskType.SHARED_WGRAD_GATE_UP, tb.BackwardTaskType.SHARED_WGRAD_DOWN}
+        assert mb.fc2_head(tl, queue[:queue_len]) == L * -(-T // 128) * -(-Is // mb.fc2_tile_n(H))
+        return
     tl, kinds = mb.task_list(rows // 128, E, H, I, form == "group_tail",
                              T if form == "group_tail" else 0, K, (T, Is, lead[0] if lead else 0))
     queue, _, tail_begin, queue_len = mb.compute_queue(tl, kinds)
@@ -528,7 +540,8 @@ def test_the_shared_expert_in_the_launch_is_shared_backward_bitwise(name):
     """``expert_grads(shared=...)``: the shared expert's dgrads and weight gradients as tasks
     of the launch give ``expert_backward.shared_backward``'s bits (its launches on one expert
     over the tokens), the routed outputs those of the launch without it, twice over poisoned
-    memory (T = 77 and Is = 192: a partial token tile and a partial FC2 N-tile)."""
+    memory (T = 77 and Is = 192: a partial token tile and a partial FC2 N-tile); so do its
+    tasks alone (``shared_expert_grads``), for one rank and for two ranks' experts at once."""
     import mok_cute as mok
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -565,6 +578,20 @@ def test_the_shared_expert_in_the_launch_is_shared_backward_bitwise(name):
                                (want_dx, *want_dw)):
             assert torch.isfinite(a).all(), f"{name}: {label} not finite"
             assert torch.equal(a, b), f"{name}: {label} differs from shared_backward"
+    # its tasks alone (shared_expert_grads), one rank and two (the second with its own d_out)
+    torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    for label, a, b in zip(("alone dx", "alone dWs_gate", "alone dWs_up", "alone dWs_down"),
+                           mb.shared_expert_grads(shared, check=True), (want_dx, *want_dw)):
+        assert torch.equal(a, b), f"{name}: {label} differs from shared_backward"
+    d_out2 = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    want2 = eb.shared_backward(d_out2, x, tuple(sh), saved.shared_preact)
+    two = mb.shared_expert_grads(mb.SharedExpert(
+        torch.stack([d_out, d_out2]), *(torch.stack([t, t]) for t in (x, *sh, saved.shared_preact))),
+        check=True)
+    for r, (dx_r, dw_r) in enumerate(((want_dx, want_dw), want2)):
+        for label, a, b in zip(("dx", "dWs_gate", "dWs_up", "dWs_down"), (g[r] for g in two),
+                               (dx_r, *dw_r)):
+            assert torch.equal(a, b), f"{name}: rank {r} of two, {label}"
 
 
 @pytest.mark.gpu
