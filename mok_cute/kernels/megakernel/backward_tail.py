@@ -152,8 +152,8 @@ class BackwardTailMixin:
                   rows, tail: GroupTail, stage, tidx: Int32, num_threads: cutlass.Constexpr[int],
                   sync):
         """A KSUM task (module docstring): thread 0 waits for ``BARRIER_DONE`` (and, with the
-        shared expert's tasks, its dx rows of the tile) and every peer's done flag (a peer whose sticky word says "failed" is recorded as PEER_FAILED),
-        then each warp sums
+        shared expert's tasks, its dx rows of the tile) and every peer's done flag (a peer
+        whose sticky word says "failed" is recorded as PEER_FAILED), then each warp sums
         tokens ``warp, warp + warps, ..`` of the task's 32 (``num_threads / 32`` warps)."""
         peer_bases = rows.peer_bases
         if tidx == 0:
