@@ -119,7 +119,7 @@ def cases() -> dict:
             "fp8_wgrad_down": lambda: gemm_wgrad_fp8.compile_wgrad_gemm_fp8(gated=False, options=opt),
         }),
         # the backward megakernel: one rank in place (both FC2 forms), over a group, with the
-        # group tail (K = 10, a shared expert's dx rows)
+        # group tail (K = 10, a shared expert's dx rows), with the shared expert's tasks
         "mk_bwd_one_rank": lambda: compile_backward_megakernel(options=opt),
         "mk_bwd_one_rank_fc2_pingpong": lambda: compile_backward_megakernel(
             options=opt, fc2_pingpong=True),
@@ -127,6 +127,12 @@ def cases() -> dict:
                                                            comm_ctas=16),
         "mk_bwd_group_tail": lambda: compile_backward_megakernel(
             options=opt, num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True),
+        # with the shared expert's tasks (one rank pingpong; the group tail, cooperative)
+        "mk_bwd_shared_fc2_pingpong": lambda: compile_backward_megakernel(
+            options=opt, fc2_pingpong=True, shared=True),
+        "mk_bwd_group_tail_shared": lambda: compile_backward_megakernel(
+            options=opt, num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True,
+            shared=True),
         # the FP8 quantizers, each variant
         "quantize_rows": lambda: quantize.compile_quantize_rows(options=opt),
         "quantize_rows_scatter8": lambda: quantize.compile_quantize_rows(options=opt,
