@@ -514,5 +514,7 @@ def write_json(data: dict, path: str | Path, command: str) -> Path:
             return int(o)
         return o
 
-    path.write_text(json.dumps(dict(command=command, simulated=True, **clean(data)), indent=1))
+    # compact, as mok_cute.bench.results: the repo travels to the GPU host
+    path.write_text(json.dumps(dict(command=command, simulated=True, **clean(data)),
+                               separators=(",", ":")))
     return path
