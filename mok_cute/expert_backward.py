@@ -369,15 +369,20 @@ def shared_backward_ranks(d_out, xs, shared, shared_preact, needs: Needs = Needs
         s = mb.shared_expert_grads(mb.SharedExpert(
             d_out.contiguous(), xs.contiguous(), *(w.contiguous() for w in shared),
             shared_preact.contiguous()), wgrads=needs.shared_gate_up or needs.shared_down)
-        return (list(s.dx) if needs.x else [None] * R,
-                (s.w_gate if needs.shared_gate_up else None,
-                 s.w_up if needs.shared_gate_up else None,
-                 s.w_down if needs.shared_down else None))
+        return list(s.dx) if needs.x else [None] * R, wanted_shared_grads(s, needs)
     per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared), shared_preact[r],
                                 needs, options) for r in range(R)]
     grads = tuple(None if per_rank[0][1][i] is None
                   else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
     return [dx for dx, _ in per_rank], grads
+
+
+def wanted_shared_grads(grads, needs: Needs) -> tuple:
+    """(dWs_gate, dWs_up, dWs_down) of a ``megakernel_backward.SharedGrads``, None where
+    ``needs`` says no."""
+    return (grads.w_gate if needs.shared_gate_up else None,
+            grads.w_up if needs.shared_gate_up else None,
+            grads.w_down if needs.shared_down else None)
 
 
 def shared_in_launch(shared, precision: str, needs: Needs) -> bool:
@@ -436,12 +441,9 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         *_, partials, dx_rows, dwg, dwu, dwd, s = megakernel_backward.expert_grads(
             d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
             saved.tile_expert, saved.num_tiles, saved.expert_offsets,
-            shared=megakernel_backward.SharedExpert(d_out, x.contiguous(), *shared,
-                                                    saved.shared_preact))
-        shared_dx = s.dx
-        d_shared = (s.w_gate if needs.shared_gate_up else None,
-                    s.w_up if needs.shared_gate_up else None,
-                    s.w_down if needs.shared_down else None)
+            shared=megakernel_backward.SharedExpert(
+                d_out, x.contiguous(), *(w.contiguous() for w in shared), saved.shared_preact))
+        shared_dx, d_shared = s.dx, wanted_shared_grads(s, needs)
     else:
         dx_rows, dwg, dwu, dwd, partials = _expert_backward(
             d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,

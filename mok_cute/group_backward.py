@@ -62,7 +62,8 @@ import torch
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
 from mok_cute.constants import SLOT_ROW_BYTES
 from mok_cute.expert_backward import (Needs, _dgrads, _weight_grads, row_partial_sums,
-                                      shared_backward_ranks, shared_in_launch)
+                                      shared_backward_ranks, shared_in_launch,
+                                      wanted_shared_grads)
 from mok_cute.expert_path_fp8 import padded
 
 __all__ = ["moe_backward_group"]
@@ -100,7 +101,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     (padding rows route nowhere), so both pick the same kernels. ``silent_rank`` (tests
     only): that rank stores no barrier flag, as if its process had died."""
     from mok_cute.kernels.peer_rows import peer_barrier
-    from mok_cute.megakernel_backward import SharedExpert
+    from mok_cute.megakernel_backward import SharedExpert, SharedGrads
 
     plan = getattr(saved, "plan", None)
     if plan is None or not plan.key.spec.save_preact:
@@ -155,9 +156,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         # peers pushed
         if in_launch is not None:
             shared_dx = [g.dx for g in s]
-            d_shared = (_stacked([g.w_gate for g in s]) if needs.shared_gate_up else None,
-                        _stacked([g.w_up for g in s]) if needs.shared_gate_up else None,
-                        _stacked([g.w_down for g in s]) if needs.shared_down else None)
+            d_shared = wanted_shared_grads(SharedGrads(None, *(
+                _stacked([g[i] for g in s]) for i in (1, 2, 3))), needs)
         else:
             shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
                                                         needs, options)
@@ -208,9 +208,8 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
                                in_launch)
     plan.backward_errors.record(plan.backward_calls)
     if s is not None:
-        d_shared = (s[0].w_gate[None] if needs.shared_gate_up else None,
-                    s[0].w_up[None] if needs.shared_gate_up else None,
-                    s[0].w_down[None] if needs.shared_down else None)
+        d_shared = tuple(None if g is None else g[None]
+                         for g in wanted_shared_grads(s[0], needs))
     return (d_x[None] if needs.x else None,
             d_topk[None].to(topk_weights.dtype) if needs.topk_weights else None,
             _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)

@@ -40,7 +40,8 @@ import torch
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
 from mok_cute.expert_backward import (Needs, _expert_backward, fp8_reads_only, routed_rows,
-                                      shared_backward_ranks, shared_in_launch, slot_sums)
+                                      shared_backward_ranks, shared_in_launch, slot_sums,
+                                      wanted_shared_grads)
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -245,10 +246,7 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
             concat.expert_offsets, shared=megakernel_backward.SharedExpert(
                 d_out, xs.contiguous(), *(w.contiguous() for w in shared),
                 saved.shared_preact))
-        shared_dx = s.dx.reshape(R * T, H)
-        d_shared = (s.w_gate if needs.shared_gate_up else None,
-                    s.w_up if needs.shared_gate_up else None,
-                    s.w_down if needs.shared_down else None)
+        shared_dx, d_shared = s.dx.reshape(R * T, H), wanted_shared_grads(s, needs)
     else:
         dx_rows, dwg, dwu, dwd, partials = _expert_backward(
             d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),
