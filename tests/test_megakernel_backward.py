@@ -585,8 +585,9 @@ def test_the_shared_expert_in_the_launch_is_shared_backward_bitwise(name):
         assert torch.equal(a, b), f"{name}: {label} differs from shared_backward"
     d_out2 = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
     want2 = eb.shared_backward(d_out2, x, tuple(sh), saved.shared_preact)
+    both = lambda t: torch.stack([t, t])  # noqa: E731  two ranks, the same tokens and weights
     two = mb.shared_expert_grads(mb.SharedExpert(
-        torch.stack([d_out, d_out2]), *(torch.stack([t, t]) for t in (x, *sh, saved.shared_preact))),
+        torch.stack([d_out, d_out2]), *(both(t) for t in (x, *sh, saved.shared_preact))),
         check=True)
     for r, (dx_r, dw_r) in enumerate(((want_dx, want_dw), want2)):
         for label, a, b in zip(("dx", "dWs_gate", "dWs_up", "dWs_down"), (g[r] for g in two),
