@@ -10,8 +10,9 @@ ranks the copies cross NVLink and the ranks run side by side).
         [--comm-ctas 8,32]   (bf16: the group backward on these comm splits too)
         [--one-rank]         (rank 0 alone: one launch with the group tail against launches)
 
-With a shared expert, the bf16 backwards also run with its backward before the launch (its own
-launches, rank by rank: ``shared_before``) beside the default, its tasks inside the launch.
+With a shared expert, the backwards also run with its backward before the launch (its tasks
+alone in a launch of their own: ``shared_before``; and, the form before both, its one-GPU
+launches rank by rank: ``shared_rank_by_rank``) beside the default, its tasks inside the launch.
 
 A probe for issue 32's development, not the benchmark of record.
 """
@@ -58,6 +59,28 @@ def shared_before():
         expert_backward.shared_in_launch, virtual_backward.shared_in_launch = saved
 
 
+@contextlib.contextmanager
+def shared_rank_by_rank():
+    """Every rank's shared expert on ``expert_backward.shared_backward``'s launches, rank by
+    rank, where ``shared_backward_ranks`` would run them as one launch of their own."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute.expert_backward import shared_backward
+
+    def rank_by_rank(shared, wgrads=True, timeout_ms=0.0, check=False):
+        one = [shared_backward(*(t[r] for t in (shared.d_out, shared.x)),
+                               tuple(t[r] for t in shared[2:5]), shared.preact[r])
+               for r in range(shared.d_out.shape[0])]
+        return mb.SharedGrads(torch.stack([dx for dx, _ in one]),
+                              *(torch.stack([g[i] for _, g in one]) for i in range(3)))
+
+    saved = mb.shared_expert_grads
+    mb.shared_expert_grads = rank_by_rank
+    try:
+        yield
+    finally:
+        mb.shared_expert_grads = saved
+
+
 def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
           precisions=("bf16",), kernel_table: bool = False, with_group: bool = True,
           comm_splits=()) -> dict:
@@ -95,14 +118,18 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
             for c in comm_splits:
                 group_forms[f"group bf16 c{c}"] = lambda s=saved, c=c: moe_backward_group(
                     d_out, xs, idx, w, wg, wu, wd, shared, s, comm_sms=c)
-        if precision == "bf16" and shared is not None:  # its backward before the launch
-            def virtual_before():
-                with shared_before():
+        if shared is not None:  # its backward before the launch: alone, or rank by rank
+            def virtual_before(rank_by_rank=False):
+                with shared_before(), (shared_rank_by_rank() if rank_by_rank
+                                       else contextlib.nullcontext()):
                     return virtual()
-            same["virtual bf16 shared before"] = all(
-                (a is None and b is None) or torch.equal(a, b)
-                for a, b in zip(virtual(), virtual_before()))
-            variants["virtual bf16 shared before"] = virtual_before
+            before = {f"virtual {precision} shared rank by rank": lambda: virtual_before(True)}
+            if precision == "bf16":  # (the FP8 backward's shared expert is never in its launch)
+                before["virtual bf16 shared before"] = virtual_before
+            for label, fn in before.items():
+                same[label] = all((a is None and b is None) or torch.equal(a, b)
+                                  for a, b in zip(virtual(), fn()))
+                variants[label] = fn
         for label, fn in group_forms.items() if with_group else ():
             same[label] = all((a is None and b is None) or torch.equal(a, b)
                               for a, b in zip(virtual(), fn()))
@@ -130,9 +157,11 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
     for label in median:  # the other comm forms against the default one
         if label.startswith("group bf16 "):
             ratios[f"{label} / group bf16"] = median[label] / median["group bf16"]
-    if "virtual bf16 shared before" in median:
-        ratios["virtual bf16 / shared before"] = (median["virtual bf16"]
-                                                  / median["virtual bf16 shared before"])
+    for precision in precisions:
+        for form in ("shared before", "shared rank by rank"):
+            if f"virtual {precision} {form}" in median:
+                ratios[f"virtual {precision} / {form}"] = (
+                    median[f"virtual {precision}"] / median[f"virtual {precision} {form}"])
     if "bf16" in precisions:
         for label in forms:
             for other in precisions:
