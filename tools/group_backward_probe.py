@@ -119,11 +119,12 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
                 group_forms[f"group bf16 c{c}"] = lambda s=saved, c=c: moe_backward_group(
                     d_out, xs, idx, w, wg, wu, wd, shared, s, comm_sms=c)
         if shared is not None:  # its backward before the launch: alone, or rank by rank
-            def virtual_before(rank_by_rank=False):
+            def virtual_before(rank_by_rank=False, virtual=virtual):  # this precision's
                 with shared_before(), (shared_rank_by_rank() if rank_by_rank
                                        else contextlib.nullcontext()):
                     return virtual()
-            before = {f"virtual {precision} shared rank by rank": lambda: virtual_before(True)}
+            before = {f"virtual {precision} shared rank by rank":
+                      lambda f=virtual_before: f(True)}
             if precision == "bf16":  # (the FP8 backward's shared expert is never in its launch)
                 before["virtual bf16 shared before"] = virtual_before
             for label, fn in before.items():
