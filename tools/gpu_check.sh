@@ -36,6 +36,10 @@
 #   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
 #                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
+#   shared [SHAPES] the shared expert's backward inside the backward megakernel: its GPU tests
+#                   (-k shared), then tools/group_backward_probe.py on 8 virtual ranks (inside the
+#                   launch / a launch of its own / rank by rank, bf16 and FP8) and rank 0 alone with
+#                   the group tail, JSON under $OUT (~9 min)
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
 #                   R = 2 and 4 and its training step, a group's backward on virtual buffers, a shared
 #                   expert, a wrapping ring; T = 300, H = 512) under
@@ -187,6 +191,19 @@ run_mkbwd() {
     --json "$out/megakernel_backward_probe.json" && grep -E "speed" "$out/mkbwd_probe.log"
 }
 
+run_shared() {
+  # the shared expert's backward inside the backward megakernel (nineteenth session): its GPU
+  # tests first, then its timings against its launches (group_backward_probe)
+  step shared_tests 420 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=200 -k "shared" \
+    tests/test_megakernel_backward.py tests/test_group_backward.py tests/test_virtual_training.py
+  step shared_virtual 300 python3 tools/group_backward_probe.py --virtual-only \
+    --shapes "${1:-qwen3.5_397b,glm_5.2}" --ranks 8 --tokens 2048 --rounds 3 --reps 3 \
+    --precision bf16,fp8 --json "$out/shared_virtual.json"
+  step shared_one_rank 300 python3 tools/group_backward_probe.py --one-rank \
+    --shapes "${1:-qwen3.5_397b,glm_5.2}" --ranks 8 --tokens 2048 --rounds 3 --reps 3 \
+    --comm-ctas 16 --json "$out/shared_one_rank.json"
+}
+
 run_vtrain() {
   step "vtrain_${1}" "${BENCH_SECS:-540}" python3 -m mok_cute.cli bench --train \
     --shapes "${VTRAIN_SHAPES:-qwen3.5_397b,glm_5.2,kimi_k2.7,dsv4_pro}" \
@@ -253,9 +270,10 @@ case "$mode" in
   fp8train) run_fp8_train "${2:-fp8}" ;;
   fp8probe) run_fp8_probes ;;
   mkbwd) run_mkbwd "${2:-}" ;;
+  shared) run_shared "${2:-}" ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, shared, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]
