@@ -370,8 +370,14 @@ def shared_backward_ranks(d_out, xs, shared, shared_preact, needs: Needs = Needs
             d_out.contiguous(), xs.contiguous(), *(w.contiguous() for w in shared),
             shared_preact.contiguous()), wgrads=needs.shared_gate_up or needs.shared_down)
         return list(s.dx) if needs.x else [None] * R, wanted_shared_grads(s, needs)
+    return shared_backward_rank_by_rank(d_out, xs, shared, shared_preact, needs, options)
+
+
+def shared_backward_rank_by_rank(d_out, xs, shared, shared_preact, needs: Needs = Needs(),
+                                 options: ExpertPathOptions = ExpertPathOptions()):
+    """``shared_backward_ranks``' result from ``shared_backward``'s launches, rank by rank."""
     per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared), shared_preact[r],
-                                needs, options) for r in range(R)]
+                                needs, options) for r in range(xs.shape[0])]
     grads = tuple(None if per_rank[0][1][i] is None
                   else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
     return [dx for dx, _ in per_rank], grads

@@ -259,18 +259,15 @@ def _emulated_expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slo
     fp32 torch: the routed experts' emulation above, the shared experts' through
     ``shared_backward_ranks`` on it (d_preact and hw are not returned: None)."""
     from mok_cute.config import ExpertPathOptions
-    from mok_cute.expert_backward import shared_backward
+    from mok_cute.expert_backward import shared_backward_rank_by_rank
     from mok_cute.megakernel_backward import SharedGrads
 
     dx, dwg, dwu, dwd, partials = _emulated_expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
         num_tiles, offsets, True, True, True, True, ExpertPathOptions())
-    ranks = [shared_backward(shared.d_out[r], shared.x[r],
-                             (shared.w_gate[r], shared.w_up[r], shared.w_down[r]),
-                             shared.preact[r]) for r in range(shared.d_out.shape[0])]
-    return (None, None, partials, dx, dwg, dwu, dwd,
-            SharedGrads(torch.stack([d for d, _ in ranks]),
-                        *(torch.stack([g[i] for _, g in ranks]) for i in range(3))))
+    s_dx, s_dw = shared_backward_rank_by_rank(shared.d_out, shared.x, shared[2:5],
+                                              shared.preact)
+    return None, None, partials, dx, dwg, dwu, dwd, SharedGrads(torch.stack(s_dx), *s_dw)
 
 
 def _emulated_saved(leaves, idx, E_loc):

@@ -64,14 +64,12 @@ def shared_rank_by_rank():
     """Every rank's shared expert on ``expert_backward.shared_backward``'s launches, rank by
     rank, where ``shared_backward_ranks`` would run them as one launch of their own."""
     from mok_cute import megakernel_backward as mb
-    from mok_cute.expert_backward import shared_backward
+    from mok_cute.expert_backward import shared_backward_rank_by_rank
 
     def rank_by_rank(shared, wgrads=True, timeout_ms=0.0, check=False):
-        one = [shared_backward(*(t[r] for t in (shared.d_out, shared.x)),
-                               tuple(t[r] for t in shared[2:5]), shared.preact[r])
-               for r in range(shared.d_out.shape[0])]
-        return mb.SharedGrads(torch.stack([dx for dx, _ in one]),
-                              *(torch.stack([g[i] for _, g in one]) for i in range(3)))
+        dx, dw = shared_backward_rank_by_rank(shared.d_out, shared.x, shared[2:5],
+                                              shared.preact)
+        return mb.SharedGrads(torch.stack(dx), *dw)
 
     saved = mb.shared_expert_grads
     mb.shared_expert_grads = rank_by_rank
