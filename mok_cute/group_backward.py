@@ -101,7 +101,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     (padding rows route nowhere), so both pick the same kernels. ``silent_rank`` (tests
     only): that rank stores no barrier flag, as if its process had died."""
     from mok_cute.kernels.peer_rows import peer_barrier
-    from mok_cute.megakernel_backward import SharedExpert, SharedGrads
+    from mok_cute.megakernel_backward import SharedGrads
 
     plan = getattr(saved, "plan", None)
     if plan is None or not plan.key.spec.save_preact:
@@ -140,9 +140,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
         in_launch = None  # each rank's shared expert as tasks of its launch, else after
         if not fp8 and shared_in_launch(shared, "bf16", needs):
-            in_launch = [SharedExpert(d_out[r].contiguous(), xs[r].contiguous(),
-                                      *(w[r].contiguous() for w in shared),
-                                      saved.shared_preact[r]) for r in range(L)]
+            in_launch = _shared_experts(d_out, xs, shared, saved)
         if fp8:
             dwg, dwu, dwd = _fp8_routed(plan, saved, w_gate, w_up, w_down, needs, options,
                                         routed_per_expert)
@@ -186,7 +184,7 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
     rows are the k-sums' base), then one launch whose comm CTAs also pass the group's two
     barriers and run the k-sums of d_x and d_topk_weights (``megakernel_backward.GroupTail``).
     A wait of the launch that gives up records into the plan's backward error word."""
-    from mok_cute.megakernel_backward import GroupTail, SharedExpert
+    from mok_cute.megakernel_backward import GroupTail
 
     k = plan.key
     T, H, K = k.tokens, k.hidden, k.top_k
@@ -194,8 +192,7 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
     in_launch = None  # the shared expert's backward as tasks of the launch, else before it
     shared_dx, d_shared = [None], (None, None, None)
     if shared_in_launch(shared, "bf16", needs):
-        in_launch = [SharedExpert(d_out[0].contiguous(), xs[0].contiguous(),
-                                  *(w[0].contiguous() for w in shared), saved.shared_preact[0])]
+        in_launch = _shared_experts(d_out, xs, shared, saved)
     else:
         shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
                                                     needs, options)
@@ -213,6 +210,15 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
     return (d_x[None] if needs.x else None,
             d_topk[None].to(topk_weights.dtype) if needs.topk_weights else None,
             _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)
+
+
+def _shared_experts(d_out, xs, shared, saved) -> list:
+    """Each local rank's ``SharedExpert``: its shared expert's backward as tasks of its launch."""
+    from mok_cute.megakernel_backward import SharedExpert
+
+    return [SharedExpert(d_out[r].contiguous(), xs[r].contiguous(),
+                         *(w[r].contiguous() for w in shared), saved.shared_preact[r])
+            for r in range(xs.shape[0])]
 
 
 def _stacked(grads: list):

@@ -550,9 +550,10 @@ def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads
         dw = tuple(torch.empty_like(w) for w in outs)
         outs = dw
     rows, ones = _shared_rows(tokens, L, device)
-    args = (d_out.permute(1, 2, 0), w_down.permute(2, 1, 0), flat(d_preact),
+    d_preact_rows = flat(d_preact)
+    args = (d_out.permute(1, 2, 0), w_down.permute(2, 1, 0), d_preact_rows,
             w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0),
-            flat(d_preact)[:, :inter], flat(d_preact)[:, inter:], flat(hw), flat(dx),
+            d_preact_rows[:, :inter], d_preact_rows[:, inter:], flat(hw), flat(dx),
             by_rank(dg), by_rank(du), x.permute(2, 1, 0), d_out.permute(2, 1, 0), by_rank(hw),
             *(w.permute(1, 2, 0) for w in outs), preact.reshape(L * tokens, 2 * inter), rows,
             ones)
