@@ -465,21 +465,19 @@ def test_one_ranks_launch_with_the_group_tail_gives_its_group_gradients(name):
             want += [g[rank] for g in whole[5:8]]
             _assert_bitwise([got[0], got[1].to(want[1].dtype), *got[2:]], want,
                             f"{name}: rank {rank} alone, the shared expert in the launch")
-    got = _one_rank_tail(leaves, idx, saved, d_out, 0, silent_peer=R - 1)
-    torch.cuda.synchronize()
-    _, peer, _, code = decode_wait_error(int(saved.plan.backward_error.item()))
-    assert (peer, code) == (R - 1, PEER_NEVER_STARTED)
-    assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all()
-    saved.plan.backward_error.zero_()
+    def assert_named_and_nan(code, **peer):  # rank 0's launch with a peer silent or failed
+        got = _one_rank_tail(leaves, idx, saved, d_out, 0, **peer)
+        torch.cuda.synchronize()
+        _, named, _, got_code = decode_wait_error(int(saved.plan.backward_error.item()))
+        assert (named, got_code) == (R - 1, code)
+        assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all()
+        saved.plan.backward_error.zero_()
+
+    assert_named_and_nan(PEER_NEVER_STARTED, silent_peer=R - 1)
     # a peer that failed this call and went on to its next: its progress word passes every
     # wait, and only its sticky failed word tells; an older failure of it does not count
     flags = saved.plan.side.fields("barrier_flags")[0]
-    got = _one_rank_tail(leaves, idx, saved, d_out, 0, failed_peer=R - 1)
-    torch.cuda.synchronize()
-    _, peer, _, code = decode_wait_error(int(saved.plan.backward_error.item()))
-    assert (peer, code) == (R - 1, PEER_FAILED)
-    assert torch.isnan(got[0].float()).all() and torch.isnan(got[1]).all()
-    saved.plan.backward_error.zero_()
+    assert_named_and_nan(PEER_FAILED, failed_peer=R - 1)
     got = _one_rank_tail(leaves, idx, saved, d_out, 0)  # the sticky word holds an old epoch
     torch.cuda.synchronize()
     assert int(flags[R + R - 1].item()) > 0 and int(saved.plan.backward_error.item()) == 0
