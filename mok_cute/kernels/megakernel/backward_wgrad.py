@@ -182,7 +182,8 @@ class WgradTasksMixin:
             k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
             key = expert
             if const_expr(self.shared):
-                key = self.shared_wgrad_key(tasks[index, int(BackwardWord.TYPE)], expert)
+                ttype = tasks[index, int(BackwardWord.TYPE)]
+                key = self.shared_wgrad_key(ttype, expert)
                 if key < -1:
                     k0, k_tiles = Int32(0), self.shared_k_tiles(shared)
             if key != waited_expert:
@@ -191,7 +192,6 @@ class WgradTasksMixin:
                 cute.arch.fence_proxy("async.global")
                 waited_expert = key
             if const_expr(self.shared):
-                ttype = tasks[index, int(BackwardWord.TYPE)]
                 m_block = tasks[index, int(BackwardWord.M_BLOCK)]
                 n_tile = tasks[index, int(BackwardWord.N_TILE)]
                 if key < -1:  # the rank is the operands' batch
