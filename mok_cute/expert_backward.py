@@ -42,6 +42,22 @@ class Needs(NamedTuple):
     shared_down: bool = True
 
 
+class MainGrads(NamedTuple):
+    """fp32 buffers that the weight gradients are added into (``MoKConfig(
+    fuse_wgrad_accumulation=True)``, Megatron's ``main_grad``), one per weight, each of its
+    weight's shape, contiguous; None: that weight's gradient is returned as usual. The
+    kernels add the unrounded fp32 accumulator of each weight-gradient tile into its buffer
+    (one TMA reduce-add an element, one owner a tile: deterministic); the backward then returns
+    None for that weight."""
+
+    w_gate: torch.Tensor | None = None
+    w_up: torch.Tensor | None = None
+    w_down: torch.Tensor | None = None
+    ws_gate: torch.Tensor | None = None
+    ws_up: torch.Tensor | None = None
+    ws_down: torch.Tensor | None = None
+
+
 class IndexedRows(NamedTuple):
     """Rows ``source[index[r]]`` left in place (a zero row where ``index[r]`` is outside the
     source: -1 on padding rows): a reader that takes a row index (the FP8 quantizers'
