@@ -208,11 +208,18 @@ class GemmCoreSm90:
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, tile_n)), self.acc_dtype)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
-        tiled_copy_r2s = cute.make_tiled_copy_S(
-            sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR,
-                                              elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype),
-            cute.make_tiled_copy_C_atom(stmatrix, tiled_mma))
+        # 16-bit outputs by stmatrix; fp32 ones (weight gradients added into main_grad) by
+        # 8-byte stores (a thread's accumulator holds column pairs)
+        if self.c_dtype.width == 16:
+            store_op = sm90_utils.sm90_get_smem_store_op(utils.LayoutEnum.ROW_MAJOR,
+                                                         elem_ty_d=self.c_dtype,
+                                                         elem_ty_acc=self.acc_dtype)
+            c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.c_dtype)
+        else:
+            store_op = c_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype,
+                                                    num_bits_per_copy=64)
+        tiled_copy_r2s = cute.make_tiled_copy_S(store_op,
+                                                cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
         thr_copy_r2s = tiled_copy_r2s.get_slice(copy_tidx)
         epi = TileEpilogue(tiled_copy_r2s, thr_copy_r2s.partition_D(sC),
                            tiled_copy_r2s.retile(acc),
@@ -341,7 +348,7 @@ class GemmCoreSm90:
                     alt[0][o], 0, cute.make_layout(1), cute.group_modes(epi.sC, 0, 2),
                     cute.zipped_divide(alt[1][o], epi_tile)))
         outs = [cute.make_rmem_tensor(epi.frag_shape, Float32) for _ in range(n_out)]
-        out_c = cute.make_rmem_tensor(epi.frag_shape, cutlass.BFloat16)
+        out_c = cute.make_rmem_tensor(epi.frag_shape, self.c_dtype)
         epi_m = self.tile_shape_mnk[0] // epi_tile[0]  # rows of a warpgroup's (pingpong) or the CTA's tile
         out_n = out_tile_n // epi_tile[1]
         for sm in cutlass.range_constexpr(epi_m):
@@ -349,7 +356,7 @@ class GemmCoreSm90:
                 self.epi_visit_subtile(epi, kind, sm, sn, outs, visit_args)
                 stage = (subtiles_done + sm * out_n + sn) % self.epi_stages
                 for o in cutlass.range_constexpr(n_out):
-                    out_c.store(outs[o].load().to(cutlass.BFloat16))
+                    out_c.store(outs[o].load().to(self.c_dtype))
                     cute.copy(epi.tiled_copy, out_c,
                               epi.tRS_sC[(None, None, None, buf_base + stage * n_out + o)])
                 # stmatrix writes are generic-proxy; TMA reads through the async proxy

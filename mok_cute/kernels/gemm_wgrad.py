@@ -15,6 +15,11 @@
   (dU) into C2 (dW_up), the same weight rows, so gate and up share every loaded x tile.
   Otherwise (dW_down) the two warpgroups take consecutive 128-row blocks of A and C.
 - Deterministic: each output tile has one owner, which runs its expert's rows in order.
+- ``accumulate`` (``MoKConfig(fuse_wgrad_accumulation=True)``): C is fp32 (a weight's
+  ``main_grad``) and each tile's unrounded fp32 accumulator is added into it by TMA
+  reduce-add stores (``cp.reduce.async.bulk.tensor .add.f32``); one owner and one add per
+  element per launch keep it deterministic. Its fp32 epilogue buffers run two stages per
+  warpgroup instead of four, so the operand stages stay as many as with bf16 C.
 
 Tiles are walked expert-major (an expert's tiles run together and share its rows in L2), each
 expert's tiles rasterised in groups of ``group_m`` M-tiles.
@@ -45,9 +50,11 @@ class WgradGemmSm90(GemmCoreSm90):
     :param gated: two A / C pairs (gate and up) sharing each B tile.
     :param group_m: M-tiles per rasterisation group inside an expert.
     :param num_sms: persistent grid size.
+    :param accumulate: add into fp32 C instead of storing bf16 C (module docstring).
     """
 
-    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
+                 accumulate: bool = False):
         # each warpgroup is a whole single-warpgroup MMA over its 128 rows (the pingpong
         # layout: 64 x 32 epilogue subtiles, buffers and barriers per warpgroup)
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
@@ -55,6 +62,10 @@ class WgradGemmSm90(GemmCoreSm90):
         self.gated = gated
         self.group_m = group_m
         self.num_sms = num_sms
+        self.accumulate = accumulate
+        if accumulate:  # fp32 buffers twice bf16's: two stages keep the operand stages' smem
+            self.epi_stages = 2
+            self.epi_buffers = self.epi_stages * 2
 
     def _setup_attributes(self):
         super()._setup_attributes()
@@ -75,7 +86,7 @@ class WgradGemmSm90(GemmCoreSm90):
                  stream: cuda.CUstream, mEA: Optional[cute.Tensor] = None,
                  mEA2: Optional[cute.Tensor] = None, mEB: Optional[cute.Tensor] = None):
         """mA, mA2 (M, rows, 1) and mB (N, rows, 1), M / N contiguous; mC, mC2 (M, N, E),
-        N contiguous; mOffsets int32 (E + 1,): each expert's first row (128-aligned).
+        N contiguous (fp32 with ``accumulate``, else bf16); mOffsets int32 (E + 1,): each expert's first row (128-aligned).
         mEA, mEA2, mEB: the FP8 subclass's exponents (None here)."""
         mA, mA2, mB = self.operands(mA, mA2, mB)
         self.a_dtype = mA.element_type
@@ -85,6 +96,8 @@ class WgradGemmSm90(GemmCoreSm90):
         tile_n, tile_k = self.tile_shape_mnk[1], self.tile_shape_mnk[2]
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
+        if const_expr(self.accumulate):
+            s2g = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
         a_layout = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
         b_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
         epi_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
@@ -268,11 +281,12 @@ class WgradGemmSm90(GemmCoreSm90):
 
 
 def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                       arch: str = "sm_90a", options: str = ""):
+                       arch: str = "sm_90a", options: str = "", accumulate: bool = False):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` (M / N contiguous), ``C (M, N, E)``, ``C2`` (gated) or None (N
-    contiguous), the int32 expert row offsets; it runs on torch's current stream."""
-    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms)
+    contiguous; fp32 with ``accumulate``), the int32 expert row offsets; it runs on torch's
+    current stream."""
+    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
     bf16 = cutlass.BFloat16
     rows = cute.sym_int32()  # the shared expert's K is every token: any count
     m, n, experts = (cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8),
@@ -282,7 +296,8 @@ def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
     a = mn_major(m)
     a2 = mn_major(m) if gated else None
     b = mn_major(n)
-    c = common.fake_kmajor_tensor(bf16, (m, n, experts))
-    c2 = common.fake_kmajor_tensor(bf16, (m, n, experts)) if gated else None
+    c_type = cutlass.Float32 if accumulate else bf16
+    c = common.fake_kmajor_tensor(c_type, (m, n, experts))
+    c2 = common.fake_kmajor_tensor(c_type, (m, n, experts)) if gated else None
     return cute.compile(gemm, a, a2, b, c, c2, common.fake_vector(Int32), common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))

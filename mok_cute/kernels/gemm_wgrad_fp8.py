@@ -70,10 +70,12 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
     :param gated: two A operands (gate and up) sharing each B tile.
     :param group_m: M-tiles per rasterisation group inside an expert.
     :param num_sms: persistent grid size.
+    :param accumulate: add into fp32 C (``gemm_wgrad``'s, after the column scales).
     """
 
-    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132):
-        super().__init__(gated=gated, group_m=group_m, num_sms=num_sms)
+    def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
+                 accumulate: bool = False):
+        super().__init__(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -143,13 +145,13 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
 
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = ""):
+                           arch: str = "sm_90a", options: str = "", accumulate: bool = False):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
-    (gated) or None bf16 (N contiguous), the int32 expert row offsets, then the fp32 scales
+    (gated) or None bf16 (fp32 with ``accumulate``; N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None (``scales_of``) and ``s_b (E, N)``
     (``pow2_scales``); it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())
@@ -157,8 +159,9 @@ def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 
     a = common.fake_kmajor_tensor(Int8, (m, rows, 1))
     a2 = common.fake_kmajor_tensor(Int8, (m, rows, 1)) if gated else None
     b = common.fake_kmajor_tensor(Int8, (n, rows, 1))
-    c = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, experts))
-    c2 = common.fake_kmajor_tensor(cutlass.BFloat16, (m, n, experts)) if gated else None
+    c_type = cutlass.Float32 if accumulate else cutlass.BFloat16
+    c = common.fake_kmajor_tensor(c_type, (m, n, experts))
+    c2 = common.fake_kmajor_tensor(c_type, (m, n, experts)) if gated else None
     # the fp32 scales: A's (groups, M), B's (E, N) with rows 8-byte aligned (N even: pair loads)
     f32 = cutlass.Float32
     e_a = common.fake_strided_tensor(f32, (groups, m), align_bytes=4)
