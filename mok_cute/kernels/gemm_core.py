@@ -426,10 +426,11 @@ class GemmCoreSm90:
         return thr_copy.partition_S(cute.make_identity_tensor(self.epi_tile))
 
 
-def smem_overlay(base, staged, offset_elems: int = 0, stage_stride=None):
+def smem_overlay(base, staged, offset_elems: int = 0, stage_stride=None, dtype=None):
     """``staged``'s swizzled boxes laid over ``base``'s smem from element ``offset_elems``: as
     ``staged`` lays them out, or with its stage mode ``stage_stride`` elements apart (a second
-    tile form on a kernel's buffers). Traced inline."""
+    tile form on a kernel's buffers); ``dtype``: its elements' type where it differs from
+    ``base``'s (fp32 weight-gradient subtiles over bf16 buffers). Traced inline."""
     outer = staged.outer
     if stage_stride is not None:
         tile = cute.slice_(outer, (None, None, 0))
@@ -437,7 +438,7 @@ def smem_overlay(base, staged, offset_elems: int = 0, stage_stride=None):
                                  stride=cute.append(tile.stride, stage_stride))
     static_zero = isinstance(offset_elems, int) and offset_elems == 0
     ptr = base.iterator if static_zero else base.iterator + offset_elems
-    return cute.make_tensor(cute.recast_ptr(ptr, staged.inner), outer)
+    return cute.make_tensor(cute.recast_ptr(ptr, staged.inner, dtype=dtype), outer)
 
 
 def tma_tiles(atom, tensor, smem, box):

@@ -107,10 +107,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     :param ksum_shared: the k-sum adds a shared expert's dx row to each token.
     :param shared: the shared expert's backward as tasks of the launch
         (``backward_shared``); with the group tail its k-sums wait for its dx rows.
+    :param accumulate_wgrads: the weight gradients (the shared expert's too) are added into
+        fp32 outputs (the weights' ``main_grad``) by TMA reduce-add instead of stored in bf16.
     """
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
-                 ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False):
+                 ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
+                 accumulate_wgrads: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -120,6 +123,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.ksum_top_k = ksum_top_k if comm_ctas > 0 else 0
         self.ksum_shared = ksum_shared and self.ksum_top_k > 0
         self.shared = shared
+        self.accumulate_wgrads = accumulate_wgrads
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -196,14 +200,17 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         stores = (*mk(s2g, d_gate, fc2_epi_box, fc2_epi_tile),
                   *mk(s2g, d_up, fc2_epi_box, fc2_epi_tile),
                   *mk(s2g, hw, fc2_epi_box, fc2_epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
-        self.wgrad = WgradForm(self.ab_stages)
+        self.wgrad = WgradForm(self.ab_stages, self.accumulate_wgrads)
         w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
         w_loads = []
         for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):
             w_loads.extend(mk(g2s, t, w_box, (self.wgrad.tile_shape_mnk[1], tile_k)))
+        w_s2g = s2g
+        if const_expr(self.accumulate_wgrads):
+            w_s2g = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
         w_stores = []
         for t in (dw_gate, dw_up, dw_down):
-            w_stores.extend(mk(s2g, t, w_epi, self.wgrad.epi_tile))
+            w_stores.extend(mk(w_s2g, t, w_epi, self.wgrad.epi_tile))
         extra = {}
         if const_expr(self.fc2_pingpong):  # the pingpong ring's full / empty mbarriers
             extra["fc2_full_empty"] = cute.struct.MemRange[Int64, 2 * FC2_STAGES]
@@ -225,7 +232,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                 ((a_box, a_tile), (fc2_b_box, (fc2_n, tile_k)), (a_box, a_tile),
                  (b_box, (tile_n, tile_k)), (b_box, (tile_n, tile_k)),
                  *(((fc2_epi_box, fc2_epi_tile),) * 3), (epi_box, self.epi_tile),
-                 *(((w_box, w_tile),) * 5), *(((w_epi, self.wgrad.epi_tile),) * 3)))
+                 *(((w_box, w_tile),) * 5), *(((w_epi, self.wgrad.epi_tile),) * 3)),
+                w_store_op=w_s2g)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
                     peer_rows, tail, shared, *loads, *stores, *w_loads, *w_stores,
@@ -710,23 +718,25 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
-                                shared: bool = False):
+                                shared: bool = False, accumulate_wgrads: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared)
-    return cute.compile(kernel, *fake_arguments(),
+                                    shared, accumulate_wgrads)
+    return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
 
-def fake_arguments() -> list:
+def fake_arguments(accumulate_wgrads: bool = False) -> list:
     """``__call__``'s arguments as fake tensors (every extent a run-time value, with the
-    divisibility and the stride-1 mode the launch's tensors must have), then the stream."""
+    divisibility and the stride-1 mode the launch's tensors must have), then the stream; the
+    weight gradients fp32 with ``accumulate_wgrads``."""
     f, kmaj, sym = common.fake_strided_tensor, common.fake_kmajor_tensor, cute.sym_int32
     i32 = lambda *s: f(Int32, s, align_bytes=4)  # noqa: E731
     rows, slots, experts, tokens = sym(divisibility=TILE_M), sym(), sym(), sym()
     hidden, inter = sym(divisibility=TILE_K), sym(divisibility=TILE_K)
     bf16 = BFloat16
+    dw = Float32 if accumulate_wgrads else bf16  # the weight gradients
     # the weights as stored ([E, I, H], [E, H, I]) seen as (N, K, E): N contiguous
     w_nk = lambda n, k: f(bf16, (n, k, experts), contiguous_mode=0)  # noqa: E731
     args = [i32(sym(), BACKWARD_TASK_WORDS), common.fake_vector(Int32),
@@ -745,8 +755,8 @@ def fake_arguments() -> list:
             *(f(bf16, (inter, rows, 1), contiguous_mode=0) for _ in range(2)),
             *(f(bf16, (hidden, rows, 1), contiguous_mode=0) for _ in range(2)),
             f(bf16, (inter, rows, 1), contiguous_mode=0),
-            *(kmaj(bf16, (inter, hidden, experts)) for _ in range(2)),
-            kmaj(bf16, (hidden, inter, experts)),
+            *(kmaj(dw, (inter, hidden, experts)) for _ in range(2)),
+            kmaj(dw, (hidden, inter, experts)),
             # the comm tasks': queue, row_peer / row_token / row_k, peer bases, scalars, rows
             common.fake_vector(Int32), *(common.fake_vector(Int32) for _ in range(3)),
             common.fake_vector(Int64, align_bytes=8),
@@ -756,11 +766,11 @@ def fake_arguments() -> list:
             common.fake_vector(Int64, SCALARS, align_bytes=8), i32(tokens, sym()),
             *(kmaj(bf16, (tokens, hidden)) for _ in range(2)),
             f(Float32, (tokens, sym()), align_bytes=4),
-            *_shared_fakes(hidden), common.fake_stream()]
+            *_shared_fakes(hidden, dw), common.fake_stream()]
     return args
 
 
-def _shared_fakes(hidden) -> list:
+def _shared_fakes(hidden, dw=BFloat16) -> list:
     """The shared expert's fake arguments (``__call__``'s ``s_*``), with extents of their own:
     T tokens and L ranks (the caller's d_out and x, the weights, the weight gradients' views),
     L T_pad rows (the launch's buffers, each rank's rows padded to whole tiles), Is; its
@@ -774,8 +784,8 @@ def _shared_fakes(hidden) -> list:
             mn(hidden, inter), *(kmaj(bf16, (padded, inter, 1)) for _ in range(3)),
             kmaj(bf16, (padded, hidden, 1)), mn(inter, tokens), mn(inter, tokens),
             mn(hidden, tokens), mn(hidden, tokens), mn(inter, tokens),
-            *(kmaj(bf16, (inter, hidden, ranks)) for _ in range(2)),
-            kmaj(bf16, (hidden, inter, ranks)),
+            *(kmaj(dw, (inter, hidden, ranks)) for _ in range(2)),
+            kmaj(dw, (hidden, inter, ranks)),
             kmaj(bf16, (sym(), sym(divisibility=16))), common.fake_vector(Int32),
             common.fake_vector(Float32)]
 

@@ -7,7 +7,9 @@ tasks of the same launch, on the same operand stages and epilogue buffers.
                              warpgroup 0 dG, warpgroup 1 dU, both by the same x rows
 
 K runs over expert e's schedule rows ``[offsets[e], offsets[e + 1])`` in order (an expert
-without rows writes zeros), each output tile has one owner: the bits of ``gemm_wgrad``.
+without rows writes zeros), each output tile has one owner: the bits of ``gemm_wgrad``. With ``accumulate_wgrads`` the
+outputs are fp32 (the weights' ``main_grad``) and each tile's accumulator is added into them by
+TMA reduce-add, as ``gemm_wgrad(accumulate=True)`` does.
 
 How the two tile forms share the CTA's smem: a stage of the dgrads holds a 128 x 64 A box
 (16 KB) and a 256 x 64 B box (32 KB); a weight-gradient stage holds two 128 x 64 A boxes and
@@ -31,7 +33,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
@@ -48,11 +50,18 @@ WGRAD_TILE_N = 128
 
 class WgradForm(GemmCoreSm90):
     """``gemm_wgrad``'s tile form (a warpgroup per 128 output rows, both operands MN-major) on
-    the stage ring of a host kernel (``stages``: the host's stage count)."""
+    the stage ring of a host kernel (``stages``: the host's stage count). ``accumulate``:
+    ``gemm_wgrad``'s, the fp32 outputs added into by TMA reduce-add (two epilogue stages a
+    warpgroup: 32 KB of fp32 subtiles, within the dgrads' 48 KB of epilogue buffers)."""
 
-    def __init__(self, stages: int):
+    def __init__(self, stages: int, accumulate: bool = False):
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
-        self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
+        self.a_dtype = self.b_dtype = BFloat16
+        self.c_dtype = Float32 if accumulate else BFloat16
+        self.accumulate = accumulate
+        if accumulate:
+            self.epi_stages = 2
+            self.epi_buffers = self.epi_stages * 2
         self._setup_attributes()
         self.ab_stages = stages
         # one 128 x 64 MN-major box per stage (8192 elements, the dgrads' A box size)
@@ -86,9 +95,9 @@ class WgradTasksMixin:
         return smem_overlay(sA, box)
 
     def wgrad_epi_buffers(self, sC, epi):
-        """The weight gradients' epilogue buffers (64 x 32, per warpgroup) over the dgrads';
-        ``epi`` their staged layout. Traced inline."""
-        return smem_overlay(sC, epi)
+        """The weight gradients' epilogue buffers (64 x 32, per warpgroup; fp32 with
+        ``accumulate``) over the dgrads'; ``epi`` their staged layout. Traced inline."""
+        return smem_overlay(sC, epi, dtype=self.wgrad.c_dtype)
 
     # ------------------------------------------------------------------ producer
     def wgrad_load_parts(self, sA, sB, ops, layouts):
