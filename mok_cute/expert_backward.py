@@ -150,18 +150,26 @@ def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPat
     return dx_rows
 
 
-def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int):
+def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int, main_grads=None):
     """Per expert e over its rows [offsets[e], offsets[e + 1]): C[e] = A_e^T B_e (and, with
     ``a2``, C2[e] = A2_e^T B_e from the same B tiles). a, a2 [rows, M]; b [rows, N] (strided
-    views are fine: only the last mode must be contiguous). Returns C (and C2) [E, M, N]."""
+    views are fine: only the last mode must be contiguous). Returns C (and C2) [E, M, N].
+    ``main_grads``: (C's, C2's) fp32 [E, M, N] buffers or None each: the launch adds C into
+    them instead (``gemm_wgrad(accumulate=True)``) and returns None for each buffer given
+    (``megakernel_backward.wgrad_outputs``: zeros stand in for a missing one)."""
+    from mok_cute.megakernel_backward import wgrad_outputs
+
     n = b.shape[1]
     gated = a2 is not None
-    c = torch.empty(num_experts, out_rows, n, dtype=torch.bfloat16, device=b.device)
-    c2 = torch.empty_like(c) if gated else None
-    kernel = _compiled("gemm_wgrad", b.device, gated=gated)
+    shape = (num_experts, out_rows, n)
+    outs, returned = wgrad_outputs((shape, shape)[:1 + gated], b.device,
+                                   None if main_grads is None else main_grads[:1 + gated],
+                                   "main_grads")
+    kernel = _compiled("gemm_wgrad", b.device, gated=gated, accumulate=main_grads is not None)
     kernel(a.t().unsqueeze(2), None if a2 is None else a2.t().unsqueeze(2), b.t().unsqueeze(2),
-           c.permute(1, 2, 0), None if c2 is None else c2.permute(1, 2, 0), offsets)
-    return (c, c2) if gated else c
+           outs[0].permute(1, 2, 0), outs[1].permute(1, 2, 0) if gated else None, offsets)
+    c = returned()
+    return c if gated else c[0]
 
 
 # The FP8 layer's weight gradients run in FP8 from this intermediate size on: below it their
@@ -204,7 +212,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
                      fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None,
-                     rows_per_expert: float = 0.0):
+                     rows_per_expert: float = 0.0, main=None):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
@@ -214,7 +222,9 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
     dgrads' transposed weights when the caller has them (else quantized from the cache).
     ``d_rows``, ``x_rows``: the padded rows in order, or ``IndexedRows`` that the
-    FP8 quantizers read in place (``routed_rows``; gathered for any other reader)."""
+    FP8 quantizers read in place (``routed_rows``; gathered for any other reader).
+    ``main``: (dW_gate's, dW_up's, dW_down's) main_grad buffers or None each (``_weight_grads``;
+    None returned for each given)."""
     if not (want_dx or want_gate_up or want_down or want_partials):
         return None, None, None, None, None
     if dgrads == "megakernel" and want_gate_up and want_down and not fp8:
@@ -222,13 +232,14 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
         from mok_cute import megakernel_backward
         _, _, partials, dx_rows, dwg, dwu, dwd = megakernel_backward.expert_grads(
             materialized(d_rows), materialized(x_rows), w_gate, w_up, w_down, preact, row_slot,
-            weights, tile_expert, num_tiles, offsets)
+            weights, tile_expert, num_tiles, offsets,
+            main_grads=None if _buffers(main, 0, 3) is None else MainGrads(*main))
         return dx_rows, dwg, dwu, dwd, partials
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads, fp8_transposed)
     dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
-                                  want_gate_up, want_down, fp8, rows_per_expert)
+                                  want_gate_up, want_down, fp8, rows_per_expert, main)
     return dx_rows, dwg, dwu, dwd, partials
 
 
@@ -301,32 +312,42 @@ def _quantized_rows(rows):
 
 
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,
-                  want_down: bool, fp8: bool = False, rows_per_expert: float = 0.0):
+                  want_down: bool, fp8: bool = False, rows_per_expert: float = 0.0,
+                  main=None):
     """The grouped weight gradients from the dgrads' outputs: (dW_gate, dW_up, dW_down), None
     where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns.
     ``fp8``: on ``gemm_wgrad_fp8`` where ``fp8_weight_grads(H, I, rows_per_expert)``, bf16
     otherwise. ``d_rows``, ``x_rows``: as ``_expert_backward`` (bf16 GEMMs read them
-    gathered)."""
+    gathered). ``main``: (dW_gate's, dW_up's, dW_down's) main_grad buffers or None each: the
+    gradients are added into them, None returned for each (``wgrad``)."""
     num_experts, inter = w_gate.shape[0], w_gate.shape[1]
     hidden = w_down.shape[1]
     if fp8 and fp8_weight_grads(hidden, inter, rows_per_expert):
         return _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts, inter,
-                                 want_gate_up, want_down)
+                                 want_gate_up, want_down, main)
     d_rows = materialized(d_rows) if want_down else None
     x_rows = materialized(x_rows) if want_gate_up else None
     half = d_preact.shape[1] // 2
     dwg = dwu = dwd = None
     if want_gate_up:
         dwg, dwu = wgrad(d_preact[:, :inter], d_preact[:, half:half + inter], x_rows, offsets,
-                         num_experts, inter)
+                         num_experts, inter, _buffers(main, 0, 2))
     if want_down:
         dwd = wgrad(d_rows[:, :w_down.shape[1]], None, hw[:, :inter], offsets, num_experts,
-                    w_down.shape[1])
+                    w_down.shape[1], _buffers(main, 2, 3))
     return dwg, dwu, dwd
 
 
+def _buffers(main, begin: int, end: int):
+    """``main[begin:end]``, the main_grad buffers of one launch's outputs, or None when it has
+    none of them (that launch stores bf16)."""
+    if main is None or all(b is None for b in main[begin:end]):
+        return None
+    return tuple(main[begin:end])
+
+
 def _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts: int, inter: int,
-                      want_gate_up: bool, want_down: bool):
+                      want_gate_up: bool, want_down: bool, main=None):
     """The weight gradients on FP8 (``kernels.gemm_wgrad_fp8``): the gradients (dG | dU,
     d_out rows) column-quantized per 128 rows, the activations (x rows, w * h) per column
     and expert (``quantize.quantize_cols_per_expert``); H and I whole 128 groups. The d_out
@@ -340,21 +361,24 @@ def _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts: int, i
         xq, ex = quantize.quantize_cols_per_expert(x_src, offsets, num_experts,
                                                    row_index=x_index)
         dwg, dwu = gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:inter], eg[:inter], xq, ex, offsets,
-                                                    num_experts, gq[inter:], eg[inter:])
+                                                    num_experts, gq[inter:], eg[inter:],
+                                                    main_grads=_buffers(main, 0, 2))
     if want_down:
         hq, eh = quantize.quantize_cols_per_expert(hw, offsets, num_experts)
         d_src, d_index = in_place(d_rows)
         dwd = gemm_wgrad_fp8.grouped_wgrad_fp8(*quantize.quantize_cols(d_src, row_index=d_index),
-                                               hq, eh, offsets, num_experts)
+                                               hq, eh, offsets, num_experts,
+                                               main_grads=_buffers(main, 2, 3))
     return dwg, dwu, dwd
 
 
 def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),
-                    options: ExpertPathOptions = ExpertPathOptions()):
+                    options: ExpertPathOptions = ExpertPathOptions(), main=None):
     """The shared expert's backward, one expert over every token of ``x`` [T, H] (the one-GPU
     layer, or one virtual rank's tokens): (its dx rows [T, H] or None, (d_ws_gate, d_ws_up,
     d_ws_down) with None where ``needs`` says no). ``shared_preact`` [T, 2Is]: its g | u by
-    token, as the training forward saved them; ``d_out`` [T, H] contiguous."""
+    token, as the training forward saved them; ``d_out`` [T, H] contiguous. ``main``: the
+    three weights' main_grad buffers or None each (added into, None returned)."""
     num_tokens = x.shape[0]
     ws_gate, ws_up, ws_down = (w.unsqueeze(0) for w in shared)
     tiles, count = shared_tiles(num_tokens, x.device)
@@ -363,19 +387,23 @@ def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),
     # one expert over every token: K runs over all rows (TMA zero-fills past T)
     # [0, T rounded up] by a kernel: no host copy (no sync, CUDA-graph capture stays legal)
     offsets = torch.arange(2, dtype=torch.int32, device=x.device) * (-(-num_tokens // TILE_K) * TILE_K)
+    if main is not None:  # one expert: the buffers with its expert dimension
+        main = tuple(None if b is None else b.unsqueeze(0) for b in main)
     shared_dx, dsg, dsu, dsd, _ = _expert_backward(
         d_out, x, ws_gate, ws_up, ws_down, shared_preact, rows_all, ones, tiles, count, offsets,
-        needs.x, needs.shared_gate_up, needs.shared_down, False, options)
+        needs.x, needs.shared_gate_up, needs.shared_down, False, options, main=main)
     return shared_dx, tuple(None if g is None else g[0] for g in (dsg, dsu, dsd))
 
 
 def shared_backward_ranks(d_out, xs, shared, shared_preact, needs: Needs = Needs(),
-                          options: ExpertPathOptions = ExpertPathOptions()):
+                          options: ExpertPathOptions = ExpertPathOptions(), main=None):
     """The shared expert's backward on each of R ranks' tokens (d_out, xs [R, T, H], shared
     and shared_preact with a leading R): (each rank's dx rows, None where not wanted;
     (d_ws_gate, d_ws_up, d_ws_down) [R, ...], None where not wanted). Every rank's in one
     backward-megakernel launch (``megakernel_backward.shared_expert_grads``) where Is is a
-    whole number of 64-deep k-tiles, else ``shared_backward`` rank by rank; the same bits."""
+    whole number of 64-deep k-tiles, else ``shared_backward`` rank by rank; the same bits.
+    ``main``: the three weights' [R, ...] main_grad buffers or None each (added into, None
+    returned)."""
     R = xs.shape[0]
     if shared is None or not (needs.x or needs.shared_gate_up or needs.shared_down):
         return [None] * R, (None, None, None)
@@ -384,16 +412,19 @@ def shared_backward_ranks(d_out, xs, shared, shared_preact, needs: Needs = Needs
         from mok_cute import megakernel_backward as mb
         s = mb.shared_expert_grads(mb.SharedExpert(
             d_out.contiguous(), xs.contiguous(), *(w.contiguous() for w in shared),
-            shared_preact.contiguous()), wgrads=needs.shared_gate_up or needs.shared_down)
+            shared_preact.contiguous()), wgrads=needs.shared_gate_up or needs.shared_down,
+            main_grads=None if _buffers(main, 0, 3) is None else MainGrads(None, None, None, *main))
         return list(s.dx) if needs.x else [None] * R, wanted_shared_grads(s, needs)
-    return shared_backward_rank_by_rank(d_out, xs, shared, shared_preact, needs, options)
+    return shared_backward_rank_by_rank(d_out, xs, shared, shared_preact, needs, options, main)
 
 
 def shared_backward_rank_by_rank(d_out, xs, shared, shared_preact, needs: Needs = Needs(),
-                                 options: ExpertPathOptions = ExpertPathOptions()):
+                                 options: ExpertPathOptions = ExpertPathOptions(), main=None):
     """``shared_backward_ranks``' result from ``shared_backward``'s launches, rank by rank."""
+    rank_main = lambda r: None if main is None else tuple(  # noqa: E731
+        None if b is None else b[r] for b in main)
     per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared), shared_preact[r],
-                                needs, options) for r in range(xs.shape[0])]
+                                needs, options, rank_main(r)) for r in range(xs.shape[0])]
     grads = tuple(None if per_rank[0][1][i] is None
                   else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
     return [dx for dx, _ in per_rank], grads
@@ -418,7 +449,7 @@ def shared_in_launch(shared, precision: str, needs: Needs) -> bool:
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
                  options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16",
-                 dgrads: str = "kernels"):
+                 dgrads: str = "kernels", main_grads: MainGrads | None = None):
     """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` (or of
     ``expert_path_fp8.moe_forward_fp8(..., save=True)`` with ``precision="fp8"``: the routed
     experts' dgrads in FP8 and, where ``fp8_weight_grads`` says so, their weight gradients,
@@ -428,7 +459,8 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     ``dgrads``: the routed experts' bf16 dgrads as two grouped-GEMM launches ("kernels") or
     one backward-megakernel launch ("megakernel"; the same bits), which also runs their
     weight gradients when all three are wanted, and then the shared expert's backward too
-    (``shared_in_launch``)."""
+    (``shared_in_launch``). ``main_grads``: the weights' fp32 main_grad buffers (``MainGrads``);
+    each weight gradient with one is added into it and returned as None."""
     if dgrads not in ("kernels", "megakernel"):
         raise ValueError(f"dgrads: expected 'kernels' or 'megakernel', got {dgrads!r}")
     if dgrads == "megakernel" and precision != "bf16":
@@ -464,17 +496,20 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
             d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
             saved.tile_expert, saved.num_tiles, saved.expert_offsets,
             shared=megakernel_backward.SharedExpert(
-                d_out, x.contiguous(), *(w.contiguous() for w in shared), saved.shared_preact))
+                d_out, x.contiguous(), *(w.contiguous() for w in shared), saved.shared_preact),
+            main_grads=main_grads)
         shared_dx, d_shared = s.dx, wanted_shared_grads(s, needs)
     else:
         dx_rows, dwg, dwu, dwd, partials = _expert_backward(
             d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
             saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
             needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
-            rows_per_expert=rows_per_expert)
+            rows_per_expert=rows_per_expert,
+            main=None if main_grads is None else main_grads[:3])
         if shared is not None:
             shared_dx, d_shared = shared_backward(d_out, x, shared, saved.shared_preact, needs,
-                                                  options)
+                                                  options,
+                                                  None if main_grads is None else main_grads[3:])
 
     d_x = None
     if needs.x:

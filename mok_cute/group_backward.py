@@ -61,7 +61,7 @@ import torch
 
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
 from mok_cute.constants import SLOT_ROW_BYTES
-from mok_cute.expert_backward import (Needs, _dgrads, _weight_grads, row_partial_sums,
+from mok_cute.expert_backward import (MainGrads, Needs, _dgrads, _weight_grads, row_partial_sums,
                                       shared_backward_ranks, shared_in_launch,
                                       wanted_shared_grads)
 from mok_cute.expert_path_fp8 import padded
@@ -88,7 +88,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                        needs: Needs = Needs(),
                        options: ExpertPathOptions = ExpertPathOptions(), silent_rank: int = -1,
                        tokens_per_rank: float | None = None,
-                       comm_sms: int = MegakernelOptions().backward_comm_sms):
+                       comm_sms: int = MegakernelOptions().backward_comm_sms,
+                       main_grads: MainGrads | None = None):
     """Every gradient of a saving megakernel launch (``megakernel.moe_forward(..., group=...,
     save=True)``, or ``moe_forward_virtual(save=True)``) for the L ranks of that launch (L = 1
     for a process of a group): d_out, xs [L, T, H] with the plan's T (padded rows included),
@@ -99,7 +100,9 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     ``tokens_per_rank``: the group's mean T before the plan's padding (default: the plan's T),
     what the FP8 weight gradients' rule counts rows by, as the virtual ranks' backward does
     (padding rows route nowhere), so both pick the same kernels. ``silent_rank`` (tests
-    only): that rank stores no barrier flag, as if its process had died."""
+    only): that rank stores no barrier flag, as if its process had died. ``main_grads``: a
+    ``MainGrads`` of fp32 buffers shaped as the weights ([L, ...]): each weight gradient with
+    one is added into it and returned as None."""
     from mok_cute.kernels.peer_rows import peer_barrier
     from mok_cute.megakernel_backward import SharedGrads
 
@@ -135,7 +138,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             field[:, 0].copy_(weights32[r])
         if L == 1 and not fp8:  # one process, one rank: the barriers and k-sums in the launch
             return _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up,
-                               w_down, shared, needs, options, silent_rank, comm_sms)
+                               w_down, shared, needs, options, silent_rank, comm_sms, main_grads)
         plan.begin_backward(silent_rank)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
         in_launch = None  # each rank's shared expert as tasks of its launch, else after
@@ -143,10 +146,10 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             in_launch = _shared_experts(d_out, xs, shared, saved)
         if fp8:
             dwg, dwu, dwd = _fp8_routed(plan, saved, w_gate, w_up, w_down, needs, options,
-                                        routed_per_expert)
+                                        routed_per_expert, main_grads)
         else:
             dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms,
-                                       shared=in_launch)
+                                       shared=in_launch, main_grads=main_grads)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
         plan.backward_errors.record(plan.backward_calls)
 
@@ -158,7 +161,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                 _stacked([g[i] for g in s]) for i in (1, 2, 3))), needs)
         else:
             shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
-                                                        needs, options)
+                                                        needs, options, _shared_main(main_grads))
         num_experts = P * E_loc
         routed = (topk_idx >= 0) & (topk_idx < num_experts)  # [L, T, K]: the slots given a row
         d_xs = d_topk = None
@@ -179,7 +182,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
 
 
 def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                needs: Needs, options: ExpertPathOptions, silent_rank: int, comm_sms: int):
+                needs: Needs, options: ExpertPathOptions, silent_rank: int, comm_sms: int,
+                main_grads: MainGrads | None = None):
     """The bf16 backward of one rank in its own process: the shared expert's backward (its dx
     rows are the k-sums' base), then one launch whose comm CTAs also pass the group's two
     barriers and run the k-sums of d_x and d_topk_weights (``megakernel_backward.GroupTail``).
@@ -195,14 +199,14 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
         in_launch = _shared_experts(d_out, xs, shared, saved)
     else:
         shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
-                                                    needs, options)
+                                                    needs, options, _shared_main(main_grads))
     d_x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     d_topk = torch.empty(T, K, dtype=torch.float32, device=dev)
     tail = GroupTail(plan.scalars, plan.backward_error, topk_idx[0].to(torch.int32).contiguous(),
                      shared_dx[0], d_x, d_topk)
     plan.begin_backward(silent_rank)
     dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail,
-                               in_launch)
+                               in_launch, main_grads)
     plan.backward_errors.record(plan.backward_calls)
     if s is not None:
         d_shared = tuple(None if g is None else g[None]
@@ -222,12 +226,26 @@ def _shared_experts(d_out, xs, shared, saved) -> list:
 
 
 def _stacked(grads: list):
-    """Each local rank's weight gradient stacked [L, ...], or None where not wanted."""
+    """Each local rank's weight gradient stacked [L, ...], or None where not wanted (or
+    added into its main_grad buffer)."""
     return None if grads[0] is None else torch.stack(grads)
 
 
+def _rank_main(main_grads: MainGrads | None, r: int) -> MainGrads | None:
+    """Local rank ``r``'s views of ``main_grads``' [L, ...] buffers."""
+    if main_grads is None:
+        return None
+    return MainGrads(*(None if b is None else b[r] for b in main_grads))
+
+
+def _shared_main(main_grads: MainGrads | None):
+    """The shared expert's three [L, ...] buffers of ``main_grads`` (``shared_backward_ranks``'
+    ``main``), or None."""
+    return None if main_grads is None else tuple(main_grads[3:])
+
+
 def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None,
-            shared=None):
+            shared=None, main_grads: MainGrads | None = None):
     """Each local rank's routed backward in one launch with its comm (bf16): the weight
     gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no), and with
     ``shared`` (a ``SharedExpert`` per local rank: its backward in the rank's launch too)
@@ -250,7 +268,8 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail
         out = megakernel_backward.expert_grads_over_peers(
             w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r], weights,
             sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
-            wgrads, comm_sms, tail=tail, shared=None if shared is None else shared[r])
+            wgrads, comm_sms, tail=tail, shared=None if shared is None else shared[r],
+            main_grads=_rank_main(main_grads, r))
         gate, up, down = out[6:9] if wgrads else (None, None, None)
         dwg.append(gate if needs.w_gate_up else None)
         dwu.append(up if needs.w_gate_up else None)
@@ -260,7 +279,7 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail
 
 
 def _fp8_routed(plan, saved, w_gate, w_up, w_down, needs: Needs, options: ExpertPathOptions,
-                routed_per_expert: float):
+                routed_per_expert: float, main_grads: MainGrads | None = None):
     """Each local rank's routed FP8 backward as launches of their own: pulls, the FP8 dgrads,
     pushes and the weight gradients (per rank)."""
     from mok_cute.kernels.peer_rows import copy_rows_by_address
@@ -322,7 +341,9 @@ def _fp8_routed(plan, saved, w_gate, w_up, w_down, needs: Needs, options: Expert
                                        None if x_rows is None else x_rows[r], w_gate[r],
                                        w_down[r], sched.expert_offsets[r], needs.w_gate_up,
                                        needs.w_down, fp8=True,
-                                       rows_per_expert=routed_per_expert)
+                                       rows_per_expert=routed_per_expert,
+                                       main=None if main_grads is None
+                                       else _rank_main(main_grads, r)[:3])
         dwg.append(gate)
         dwu.append(up)
         dwd.append(down)

@@ -246,13 +246,15 @@ def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_
 
 def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                  num_tiles, expert_offsets, timeout_ms: float = 10_000.0, check: bool = False,
-                 shared: SharedExpert | None = None):
+                 shared: SharedExpert | None = None, main_grads=None):
     """Every GEMM of the routed experts' backward in one launch: ``expert_dgrads``' four
     outputs, then dW_gate, dW_up [E, I, H] and dW_down [E, H, I] (``expert_backward.wgrad``'s
     bits). x_rows [M, H]: the x row of each schedule row (zeros on padding rows, as d_rows);
     expert_offsets int32 [E + 1]: each expert's first schedule row. ``shared``: the shared
     expert's backward in the launch too, its ``SharedGrads`` appended
-    (``expert_backward.shared_backward``'s bits)."""
+    (``expert_backward.shared_backward``'s bits). ``main_grads``: an
+    ``expert_backward.MainGrads`` (buffers of these weights' and the shared expert's shapes):
+    the weight gradients are added into its buffers, None returned for them (``_launch``)."""
     if x_rows is None or x_rows.shape != d_rows.shape:
         raise ValueError(f"x_rows: expected the schedule's rows {tuple(d_rows.shape)}, got "
                          f"{None if x_rows is None else tuple(x_rows.shape)}")
@@ -260,14 +262,17 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
         raise ValueError(f"expert_offsets: expected ({w_gate.shape[0] + 1},) for "
                          f"{w_gate.shape[0]} experts, got {tuple(expert_offsets.shape)}")
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-                   num_tiles, expert_offsets, timeout_ms, check, shared=shared)
+                   num_tiles, expert_offsets, timeout_ms, check, shared=shared,
+                   main_grads=main_grads)
 
 
 def shared_expert_grads(shared: SharedExpert, wgrads: bool = True,
-                        timeout_ms: float = 10_000.0, check: bool = False) -> SharedGrads:
+                        timeout_ms: float = 10_000.0, check: bool = False,
+                        main_grads=None) -> SharedGrads:
     """The shared expert's backward alone in one launch (every rank's, for a ``SharedExpert``
     with a rank dimension): its ``SharedGrads``, the weight gradients with ``wgrads``; the
-    bits of ``expert_backward.shared_backward`` (its launches, rank by rank)."""
+    bits of ``expert_backward.shared_backward`` (its launches, rank by rank). ``main_grads``:
+    a ``MainGrads`` whose shared entries take the weight gradients (``_launch``)."""
     hidden = shared.d_out.shape[-1]
     tokens, inter, ranks = check_shared(shared, hidden, shared.d_out.device)
     ranked = [t if ranks else t.unsqueeze(0) for t in shared]
@@ -276,7 +281,8 @@ def shared_expert_grads(shared: SharedExpert, wgrads: bool = True,
     preact = ranked[5].reshape(-1, 2 * inter)
     return _launch(d_rows, d_rows if wgrads else None, *ranked[2:5], preact, row_slot,
                    _shared_rows(tokens, max(ranks, 1), shared.d_out.device)[1], tile_expert,
-                   num_tiles, offsets, timeout_ms, check, shared=shared, routed=False)
+                   num_tiles, offsets, timeout_ms, check, shared=shared, routed=False,
+                   main_grads=main_grads)
 
 
 _NO_ROUTED: dict[tuple, tuple] = {}
@@ -376,7 +382,7 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
                             num_tiles, expert_offsets, peers: PeerRows, wgrads: bool = True,
                             comm_ctas: int = 16, timeout_ms: float = 10_000.0,
                             check: bool = False, tail: GroupTail | None = None,
-                            shared: SharedExpert | None = None):
+                            shared: SharedExpert | None = None, main_grads=None):
     """A rank's routed backward over a group in one launch, its comm included: pulls the
     d_out rows, router weights (into ``weights`` fp32 [slots] at each row's ``row_slot``) and,
     with ``wgrads``, x rows of its receive rows from their sources; the dgrads; pushes each
@@ -387,7 +393,8 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     k-sums of d_x and d_topk_weights into the launch (one rank per process; its waits then
     record into ``tail.error``). Returns ``expert_grads``' outputs (dW only with ``wgrads``),
     bitwise theirs on the same rows; ``shared``: the shared expert's backward in the launch
-    too (its ``SharedGrads`` appended; with ``tail`` the k-sums add its dx rows)."""
+    too (its ``SharedGrads`` appended; with ``tail`` the k-sums add its dx rows);
+    ``main_grads`` as ``expert_grads``'."""
     rows = row_slot.shape[0]
     hidden = w_gate.shape[2]
     for name, t in (("row_peer", peers.row_peer), ("row_token", peers.row_token),
@@ -409,19 +416,23 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
                 check_tensor(name, t, shape=shape, dtype=dtype, device=device)
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                    tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
-                   check, peers, comm_ctas, tail, shared)
+                   check, peers, comm_ctas, tail, shared, main_grads=main_grads)
 
 
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
             num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None,
             comm_ctas: int = 0, tail: GroupTail | None = None,
-            shared: SharedExpert | None = None, routed: bool = True):
+            shared: SharedExpert | None = None, routed: bool = True, main_grads=None):
     """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
     comm tasks with ``peers`` (which then fill d_rows and x_rows); the group tail with
     ``tail``; the shared expert's backward with ``shared`` (its ``SharedGrads`` appended to
     the outputs; with the tail, its dx rows are what the k-sums add, ``tail.shared_dx``
     unused). ``routed=False``: the shared expert's tasks alone (the routed tensors stand in
-    for the kernel's arguments, never read); returns its ``SharedGrads``."""
+    for the kernel's arguments, never read); returns its ``SharedGrads``. ``main_grads`` (an
+    ``expert_backward.MainGrads``, with the weight gradients): the build that adds every
+    weight gradient of the launch into fp32 (``accumulate_wgrads``), into the buffer given
+    for a weight (None returned for it), else into zeros returned in bf16 (the bits of the
+    bf16 build: both round the fp32 accumulator to nearest)."""
     from mok_cute.expert_path import _num_sms, check_preact
 
     rows, hidden = d_rows.shape
@@ -443,7 +454,10 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                          "has no row (capacity 0)")
     shared_dims = (0, 0, 0) if shared is None else check_shared(shared, hidden, device)
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
-        dw = tuple(torch.zeros_like(w) for w in (w_gate, w_up, w_down)) if wgrads else ()
+        # (a main_grad buffer gets nothing added: None returned for it)
+        buffers = tuple(main_grads[:3]) if main_grads is not None else (None,) * 3
+        dw = tuple(torch.zeros_like(w) if b is None else None
+                   for w, b in zip((w_gate, w_up, w_down), buffers)) if wgrads else ()
         pulled = (d_rows, x_rows) if comm else ()
         return (*pulled, d_rows.new_empty(0, 2 * inter), d_rows.new_empty(0, inter),
                 torch.empty(0, partial_cols, dtype=torch.float32, device=device),
@@ -470,27 +484,34 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     # the weight gradients' operands, (cols, rows, 1) with cols contiguous
     dg_t, du_t, dy_t, hw_t = (a.t().unsqueeze(2) for a in
                               (d_preact[:, :inter], d_preact[:, inter:], d_rows, hw))
-    dw = ()
+    accumulate = wgrads and main_grads is not None
+    routed_buffers = tuple(main_grads[:3]) if accumulate and routed else None
+    dw, dw_returned = (), lambda: ()
     if wgrads and routed:  # every tile of every expert is stored (zeros for an expert without rows)
-        dw = tuple(torch.empty_like(w) for w in (w_gate, w_up, w_down))
+        dw, dw_returned = wgrad_outputs([w.shape for w in (w_gate, w_up, w_down)], device,
+                                        routed_buffers, "main_grads")
         w_args = (expert_offsets, dg_t, du_t, x_rows.t().unsqueeze(2), dy_t, hw_t,
                   *(w.permute(1, 2, 0) for w in dw))
-    else:  # no routed weight-gradient task runs: the dgrads' own tensors stand in
+    else:  # no routed weight-gradient task runs: the dgrads' own tensors stand in (fp32 ones
+        # of the same shapes for the accumulating build)
+        stand_in = ((lambda w: torch.empty(w.shape, dtype=torch.float32, device=device))
+                    if accumulate else (lambda w: w))
         w_args = (expert_offsets if wgrads else tile_expert, dg_t, du_t, dy_t, dy_t, hw_t,
-                  *(w.permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
+                  *(stand_in(w).permute(1, 2, 0) for w in (w_gate, w_up, w_down)))
     if comm:
         c_args = (t.comm_queue, peers.row_peer, peers.row_token, peers.row_k, peers.peer_bases,
                   peers.scalars, d_rows, d_rows if x_rows is None else x_rows, dx_rows)
     else:  # no comm task runs: tensors of the right kinds stand in
         c_args = (t.comm_queue, tile_expert, tile_expert, tile_expert, t.error, _placeholder(device),
                   d_rows, d_rows, dx_rows)
-    s_args, s_grads = _shared_args(shared, shared_dims, wgrads, device)
+    s_args, s_grads, s_returned = _shared_args(shared, shared_dims, wgrads, device,
+                                               tuple(main_grads[3:]) if accumulate else None)
     if s_args is None:  # no shared task runs: the routed tensors of the same kinds stand in
         s_args = (d_rows.unsqueeze(2), w_down[0].t().unsqueeze(2), d_preact.unsqueeze(2),
                   *(w[0].t().unsqueeze(2) for w in (w_gate, w_up)),
                   d_preact[:, :inter].unsqueeze(2), d_preact[:, inter:].unsqueeze(2),
                   hw.unsqueeze(2), dx_rows.unsqueeze(2), *w_args[1:6],
-                  *(w[0].unsqueeze(2) for w in (w_gate, w_up, w_down)), preact, row_slot,
+                  *(w.permute(2, 0, 1)[0].unsqueeze(2) for w in w_args[6:9]), preact, row_slot,
                   weights)
     if tail is not None:
         ksum_shared = shared is not None or tail.shared_dx is not None
@@ -503,7 +524,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     kernel = jit.compile_kernel("megakernel_backward", jit.device_arch(device), num_ctas=num_ctas,
                                 fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm,
                                 ksum_top_k=top_k if tail is not None else 0,
-                                ksum_shared=ksum_shared, shared=shared is not None)
+                                ksum_shared=ksum_shared, shared=shared is not None,
+                                accumulate_wgrads=accumulate)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
@@ -514,6 +536,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         t.errors.record(t.calls)
         if check:
             t.errors.check(block=True, last_call=t.calls)
+    s_grads = s_returned()
+    dw = dw_returned()
     if not routed:
         return s_grads
     s_out = () if shared is None else (s_grads,)
@@ -523,12 +547,15 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
 
 
 def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads: bool,
-                 device):
-    """The kernel's ``s_*`` arguments of a shared expert's tasks and the ``SharedGrads`` they
-    fill (their weight gradients with ``wgrads``), or (None, None) without one. The launch's
-    buffers pad each rank's rows to whole tiles (``kernels/megakernel/backward_shared.py``)."""
+                 device, buffers=None):
+    """The kernel's ``s_*`` arguments of a shared expert's tasks, the ``SharedGrads`` they
+    fill (their weight gradients with ``wgrads``) and a function giving the ``SharedGrads`` to
+    return once the launch is queued, or (None, None, a function giving None) without one.
+    ``buffers``: (dWs_gate, dWs_up, dWs_down) main_grad buffers or None each, shaped as the
+    shared weights (the accumulating build: ``wgrad_outputs``). The launch's buffers pad each
+    rank's rows to whole tiles (``kernels/megakernel/backward_shared.py``)."""
     if shared is None:
-        return None, None
+        return None, None, lambda: None
     tokens, inter, ranks = dims
     ranked = ranks > 0
     L = max(ranks, 1)
@@ -544,10 +571,13 @@ def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads
     dg, du = d_preact[..., :inter], d_preact[..., inter:]
     # the weight gradients' operands (cols, T, L) and outputs (rows, cols, L)
     by_rank = lambda t: t[:, :tokens].permute(2, 1, 0)  # noqa: E731
-    dw = (None, None, None)
+    dw, dw_returned = (None, None, None), lambda: (None, None, None)
     outs = (w_gate, w_up, w_down)  # no weight-gradient task runs: stand-ins never written
     if wgrads:
-        dw = tuple(torch.empty_like(w) for w in outs)
+        if buffers is not None and not ranked:
+            buffers = tuple(None if b is None else b.unsqueeze(0) for b in buffers)
+        dw, dw_returned = wgrad_outputs([w.shape for w in outs], device, buffers,
+                                        "main_grads.ws")
         outs = dw
     rows, ones = _shared_rows(tokens, L, device)
     d_preact_rows = flat(d_preact)
@@ -557,10 +587,29 @@ def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads
             by_rank(dg), by_rank(du), x.permute(2, 1, 0), d_out.permute(2, 1, 0), by_rank(hw),
             *(w.permute(1, 2, 0) for w in outs), preact.reshape(L * tokens, 2 * inter), rows,
             ones)
-    grads = SharedGrads(dx[:, :tokens], *dw)
-    if not ranked:
-        grads = SharedGrads(*(None if g is None else g[0] for g in grads))
-    return args, grads
+    def unranked(grads):
+        return grads if ranked else SharedGrads(*(None if g is None else g[0] for g in grads))
+
+    return (args, unranked(SharedGrads(dx[:, :tokens], *dw)),
+            lambda: unranked(SharedGrads(dx[:, :tokens], *dw_returned())))
+
+
+def wgrad_outputs(shapes, device, buffers, name: str):
+    """The weight-gradient outputs of a launch (weights of ``shapes``) and what it returns for
+    them once queued: bf16 ones (``buffers`` None), or, for the build that adds into fp32,
+    each weight's main_grad buffer (None returned: the gradient went there) or fp32 zeros
+    where a weight has none (returned rounded to bf16: the bf16 build's bits)."""
+    if buffers is None:
+        outs = tuple(torch.empty(shape, dtype=torch.bfloat16, device=device) for shape in shapes)
+        return outs, lambda: outs
+    for i, (shape, b) in enumerate(zip(shapes, buffers)):
+        if b is not None:  # contiguous too
+            check_tensor(f"{name}[{i}]", b, shape=tuple(shape), dtype=torch.float32,
+                         device=device)
+    outs = tuple(torch.zeros(shape, dtype=torch.float32, device=device) if b is None else b
+                 for shape, b in zip(shapes, buffers))
+    return outs, lambda: tuple(None if b is not None else o.to(torch.bfloat16)
+                               for o, b in zip(outs, buffers))
 
 
 _SHARED_ROWS: dict[tuple, tuple] = {}

@@ -39,9 +39,9 @@ import torch
 
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
-from mok_cute.expert_backward import (Needs, _expert_backward, fp8_reads_only, routed_rows,
-                                      shared_backward_ranks, shared_in_launch, slot_sums,
-                                      wanted_shared_grads)
+from mok_cute.expert_backward import (MainGrads, Needs, _expert_backward, fp8_reads_only,
+                                      routed_rows, shared_backward_ranks, shared_in_launch,
+                                      slot_sums, wanted_shared_grads)
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -197,7 +197,7 @@ def weights_by_preact_row(concat: ConcatSchedule, topk_weights: torch.Tensor,
 def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                          saved: VirtualSaved, needs: Needs = Needs(),
                          options: ExpertPathOptions = ExpertPathOptions(),
-                         precision: str = "bf16"):
+                         precision: str = "bf16", main_grads=None):
     """Every gradient of ``megakernel.moe_forward_virtual(..., save=True)`` given d_out
     [R, T, H] (inputs as ``mok_cute.api.moe_forward_virtual`` checked them): (d_xs [R, T, H],
     d_topk_weights [R, T, K] in topk_weights' dtype, d_w_gate, d_w_up [R, E_loc, I, H],
@@ -206,7 +206,9 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
     ``precision="fp8"`` (an FP8 training forward): the routed experts' dgrads and weight
     gradients on the one-GPU FP8 kernels over the concatenated schedule
     (``expert_backward._expert_backward(fp8=True)``, several launches; the backward
-    megakernel is bf16), the shared expert in bf16."""
+    megakernel is bf16), the shared expert in bf16. ``main_grads``: an
+    ``expert_backward.MainGrads`` of fp32 buffers shaped as the weights ([R, E_loc, ...],
+    [R, Is, H], ...): each weight gradient with one is added into it, None returned."""
     R, T, H = xs.shape
     K = topk_weights.shape[-1]
     E_loc, I = w_gate.shape[1], w_gate.shape[2]
@@ -237,6 +239,12 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
               if needs.w_gate_up else None)
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts
     weights = weights_by_preact_row(concat, topk_weights, rows)
+    routed_main = shared_main = None  # every rank's experts as one expert list, as the weights
+    if main_grads is not None:
+        # views (a copy would take the gradients away from the caller's buffers)
+        routed_main = tuple(None if b is None else b.view(R * E_loc, *b.shape[2:])
+                            for b in main_grads[:3])
+        shared_main = tuple(main_grads[3:])
     if shared_in_launch(shared, precision, needs):
         # every GEMM in one launch, every rank's shared expert too
         from mok_cute import megakernel_backward
@@ -245,7 +253,8 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
             concat.preact_row, weights, concat.tile_expert, concat.num_tiles,
             concat.expert_offsets, shared=megakernel_backward.SharedExpert(
                 d_out, xs.contiguous(), *(w.contiguous() for w in shared),
-                saved.shared_preact))
+                saved.shared_preact),
+            main_grads=None if main_grads is None else MainGrads(*routed_main, *shared_main))
         shared_dx, d_shared = s.dx.reshape(R * T, H), wanted_shared_grads(s, needs)
     else:
         dx_rows, dwg, dwu, dwd, partials = _expert_backward(
@@ -255,9 +264,10 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
             needs.topk_weights, options, fp8=fp8, dgrads="kernels" if fp8 else "megakernel",
             # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
             fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
-            rows_per_expert=T * K / E_loc)  # R * T * K rows over R * E_loc experts
+            rows_per_expert=T * K / E_loc,  # R * T * K rows over R * E_loc experts
+            main=routed_main)
         shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
-                                                    needs, options)
+                                                    needs, options, shared_main)
         shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]
 
     d_xs = d_topk = None

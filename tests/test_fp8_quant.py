@@ -588,11 +588,11 @@ def test_fp8_weight_grads_quantize_x_through_the_row_index(gen, monkeypatch):
         rows = x if row_index is None else token_ops.gather_rows_ref(x, row_index)
         return fp8.quantize_cols_per_expert(rows, offsets)
 
-    def wgrad_fp8(a_t, e_a, b_t, e_b, offsets, num_experts, a2_t=None, e_a2=None):
+    def wgrad_fp8(a_t, e_a, b_t, e_b, offsets, num_experts, a2_t=None, e_a2=None, main_grads=None):
         c = gemm_wgrad_fp8.grouped_wgrad_fp8_ref(a_t, e_a, b_t, e_b, offsets)
         return c if a2_t is None else (c, gemm_wgrad_fp8.grouped_wgrad_fp8_ref(a2_t, e_a2, b_t, e_b, offsets))
 
-    def wgrad(a, a2, b, offsets, num_experts, out_rows):
+    def wgrad(a, a2, b, offsets, num_experts, out_rows, main_grads=None):
         calls.append((b, None))
         ref = lambda m: torch.stack([(m[lo:hi].double().t() @ b[lo:hi].double()).to(bf16)  # noqa: E731
                                      for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist())])

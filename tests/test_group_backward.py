@@ -76,7 +76,7 @@ def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
 
 def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                           num_tiles, expert_offsets, peers, wgrads=True, comm_ctas=16,
-                          tail=None, shared=None):
+                          tail=None, shared=None, main_grads=None):
     """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
     and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
     and weight gradients emulated in torch (several ranks of one process: no group tail);
@@ -116,15 +116,17 @@ def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_
         slot = int(peers.row_token[p]) * K + int(peers.row_k[p])
         ctypes.memmove(base + combine_off + slot * H * 2, dx_rows[p].data_ptr(), H * 2)
         f32.from_address(base + partial_off + slot * 16).value = float(sums[p])
+    main = main_grads or (None,) * 6
     dw = _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, expert_offsets,
-                                True, True) if wgrads else ()
+                                True, True, main=main[:3]) if wgrads else ()
     if shared is None:
         return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw)
     from mok_cute.expert_backward import shared_backward
     from mok_cute.megakernel_backward import SharedGrads
 
     s_dx, s_dw = shared_backward(shared.d_out, shared.x,
-                                 (shared.w_gate, shared.w_up, shared.w_down), shared.preact)
+                                 (shared.w_gate, shared.w_up, shared.w_down), shared.preact,
+                                 main=main[3:])
     return (d_rows, x_rows, d_pre, hw, partials, dx_rows, *dw, SharedGrads(s_dx, *s_dw))
 
 

@@ -222,39 +222,44 @@ def _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, ti
 
 
 def _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up,
-                           want_down, fp8=False, rows_per_expert=0.0):
+                           want_down, fp8=False, rows_per_expert=0.0, main=None):
     """``expert_backward._weight_grads`` in fp32 torch: each expert's over its rows
-    [offsets[e], offsets[e + 1])."""
+    [offsets[e], offsets[e + 1]); ``main``: buffers the fp32 products are added into (None
+    returned for each)."""
     rows, inter = d_rows.shape[0], w_gate.shape[1]
-    dwg, dwu = torch.zeros_like(w_gate), torch.zeros_like(w_gate)
-    dwd = torch.zeros_like(w_down)
+    main = main or (None, None, None)
+    dws = [torch.zeros(w.shape) for w in (w_gate, w_gate, w_down)]
     for ex in range(w_gate.shape[0]):
         seg = slice(int(offsets[ex]), min(int(offsets[ex + 1]), rows))
         if want_gate_up:
-            dwg[ex] = (d_pre[seg, :inter].float().t() @ x_rows[seg].float()).to(torch.bfloat16)
-            dwu[ex] = (d_pre[seg, inter:].float().t() @ x_rows[seg].float()).to(torch.bfloat16)
+            dws[0][ex] = d_pre[seg, :inter].float().t() @ x_rows[seg].float()
+            dws[1][ex] = d_pre[seg, inter:].float().t() @ x_rows[seg].float()
         if want_down:
-            dwd[ex] = (d_rows[seg].float().t() @ hw[seg].float()).to(torch.bfloat16)
-    return (dwg if want_gate_up else None, dwu if want_gate_up else None,
-            dwd if want_down else None)
+            dws[2][ex] = d_rows[seg].float().t() @ hw[seg].float()
+    out = []
+    for g, buf, want in zip(dws, main, (want_gate_up, want_gate_up, want_down)):
+        if want and buf is not None:
+            buf += g
+        out.append(g.to(torch.bfloat16) if want and buf is None else None)
+    return tuple(out)
 
 
 def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                               tile_expert, num_tiles, offsets, want_dx, want_gate_up,
                               want_down, want_partials, options, fp8=False, dgrads="kernels",
-                              fp8_transposed=None, rows_per_expert=0.0):
+                              fp8_transposed=None, rows_per_expert=0.0, main=None):
     """``expert_backward._expert_backward`` in fp32 torch: the two emulations above (bf16)."""
     assert not fp8 and fp8_transposed is None
     assert isinstance(d_rows, torch.Tensor) and (x_rows is None or isinstance(x_rows, torch.Tensor))
     d_pre, hw, partials, dx = _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                                weights, tile_expert, num_tiles, want_dx, options)
     dwg, dwu, dwd = _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets,
-                                           want_gate_up, want_down)
+                                           want_gate_up, want_down, main=main)
     return dx, dwg, dwu, dwd, partials
 
 
 def _emulated_expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
-                           tile_expert, num_tiles, offsets, shared=None):
+                           tile_expert, num_tiles, offsets, shared=None, main_grads=None):
     """``megakernel_backward.expert_grads`` with every rank's shared expert (``shared``), in
     fp32 torch: the routed experts' emulation above, the shared experts' through
     ``shared_backward_ranks`` on it (d_preact and hw are not returned: None)."""
@@ -262,11 +267,12 @@ def _emulated_expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slo
     from mok_cute.expert_backward import shared_backward_rank_by_rank
     from mok_cute.megakernel_backward import SharedGrads
 
+    main = main_grads or (None,) * 6
     dx, dwg, dwu, dwd, partials = _emulated_expert_backward(
         d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
-        num_tiles, offsets, True, True, True, True, ExpertPathOptions())
+        num_tiles, offsets, True, True, True, True, ExpertPathOptions(), main=main[:3])
     s_dx, s_dw = shared_backward_rank_by_rank(shared.d_out, shared.x, shared[2:5],
-                                              shared.preact)
+                                              shared.preact, main=main[3:])
     return None, None, partials, dx, dwg, dwu, dwd, SharedGrads(torch.stack(s_dx), *s_dw)
 
 
@@ -353,6 +359,50 @@ def test_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc
     assert len(in_launch) == (1 if Is else 0)
     if not Is:
         assert got[5:] == (None, None, None)
+
+
+@pytest.mark.parametrize("R,T,K,E_loc,Is,routing", [
+    (3, 30, 3, 2, 64, "empty_expert"), (2, 24, 10, 5, 0, "skew")])
+def test_backward_plumbing_adds_weight_gradients_into_main_grads(R, T, K, E_loc, Is, routing,
+                                                                 gen, monkeypatch):
+    """``moe_backward_virtual(main_grads=...)`` on the emulated kernels (as above): every
+    weight gradient is added into its fp32 buffer (random to start with: an accumulation,
+    not a store), None is returned for it, and the sum is autograd's gradient; a weight
+    without a buffer (up) still gets its gradient returned."""
+    from mok_cute import expert_backward, megakernel_backward, virtual_backward
+    from mok_cute.kernels import token_ops
+
+    monkeypatch.setattr(expert_backward, "_expert_backward", _emulated_expert_backward)
+    monkeypatch.setattr(virtual_backward, "_expert_backward", _emulated_expert_backward)
+    monkeypatch.setattr(megakernel_backward, "expert_grads", _emulated_expert_grads)
+    monkeypatch.setattr(token_ops, "gather_rows", token_ops.gather_rows_ref)
+    monkeypatch.setattr(token_ops, "weighted_ksum",
+                        lambda y, w, shared=None, out=None, row_index=None:
+                        token_ops.weighted_ksum_ref(token_ops.gather_rows_ref(y, row_index), w,
+                                                    shared))
+    H, I = 64, 64
+    leaves, idx = _cpu_problem(R, T, H, I, E_loc, K, Is, routing, gen)
+    d_out = torch.randn(R, T, H, generator=gen).to(torch.bfloat16)
+    xs, w, wg, wu, wd, *sh = leaves
+    weights = [wg, wu, wd, *sh] + [None] * (3 - len(sh))
+    starts = [None if t is None or i == 1 else torch.randn(t.shape, generator=gen) * 0.01
+              for i, t in enumerate(weights)]
+    buffers = [None if b is None else b.clone() for b in starts]
+    got = virtual_backward.moe_backward_virtual(
+        d_out, xs, w, wg, wu, wd, tuple(sh) or None, _emulated_saved(leaves, idx, E_loc),
+        main_grads=expert_backward.MainGrads(*buffers))
+    for t in leaves:
+        t.requires_grad_(True)
+    reference.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared=tuple(sh) or None).backward(d_out)
+    for i, (name, t) in enumerate(zip(NAMES[2:], weights)):
+        if t is None:
+            continue
+        if starts[i] is None:  # no buffer: returned as before
+            _close(got[2 + i].float(), t.grad.float(), name)
+        else:
+            assert got[2 + i] is None, name
+            _close(buffers[i] - starts[i], t.grad.float(), name)
+    _close(got[0].float(), xs.grad.float(), "d_xs")
 
 
 @pytest.mark.parametrize("R,Is", [(1, 64), (3, 0), (3, 128)])

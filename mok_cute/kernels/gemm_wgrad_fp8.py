@@ -195,14 +195,18 @@ def _check_operand(name: str, q: object, e: object, rows: int | None = None,
 
 def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e_b: torch.Tensor,
                       offsets: torch.Tensor, num_experts: int, a2_t: torch.Tensor | None = None,
-                      e_a2: torch.Tensor | None = None, group_m: int = 4):
+                      e_a2: torch.Tensor | None = None, group_m: int = 4, main_grads=None):
     """Per-expert weight gradients on FP8: ``C[e] = A[:, rows of e] . B[:, rows of e]^T``
     -> ``[E, M, N]`` bf16, and with ``a2_t`` (gate and up sharing B) the pair (C, C2).
     ``a_t [M, rows]`` e4m3 with ``e_a [M, rows/128]`` int8: ``fp8.quantize_cols`` of the row
     buffer ``[rows, M]`` (on the GPU: ``kernels.quantize.quantize_cols``); ``b_t [N, rows]``
     e4m3 with ``e_b [E, N]`` int8: ``fp8.quantize_cols_per_expert`` of ``[rows, N]`` (one
     scale per column and expert); ``offsets [E + 1]`` int32 on the device, each expert's
-    first row (multiples of 128); an expert with no rows gets zeros. No host sync."""
+    first row (multiples of 128); an expert with no rows gets zeros. No host sync.
+    ``main_grads``: (C's, C2's) fp32 buffers or None each, added into instead (None returned
+    for each given; ``expert_backward.wgrad``'s rule)."""
+    from mok_cute.megakernel_backward import wgrad_outputs
+
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected a positive int, got {describe(num_experts)}")
     m, rows = _check_operand("a_t", a_t, e_a)
@@ -213,16 +217,20 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     if offsets.dtype != torch.int32 or tuple(offsets.shape) != (num_experts + 1,):
         raise ValueError(f"offsets: expected int32 [{num_experts + 1}], got {describe(offsets)}")
     gated = a2_t is not None
-    c = torch.empty(num_experts, m, n, dtype=torch.bfloat16, device=a_t.device)
-    c2 = torch.empty_like(c) if gated else None
+    shape = (num_experts, m, n)
+    (c, *c2), returned = wgrad_outputs((shape, shape)[:1 + gated], a_t.device,
+                                       None if main_grads is None else main_grads[:1 + gated],
+                                       "main_grads")
+    c2 = c2[0] if gated else None
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
-                                group_m=group_m,
+                                group_m=group_m, accumulate=main_grads is not None,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
     scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), pow2_scales(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
            b_t.view(torch.int8).unsqueeze(2), c.permute(1, 2, 0),
            None if c2 is None else c2.permute(1, 2, 0), offsets, *scales)
-    return (c, c2) if gated else c
+    out = returned()
+    return out if gated else out[0]
 
 
 def grouped_wgrad_fp8_ref(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor,
