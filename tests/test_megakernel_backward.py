@@ -48,6 +48,35 @@ def test_backward_megakernel_compiles_without_spills(tmp_path, fc2_pingpong, sha
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
 
 
+@pytest.mark.parametrize("kernel,static", [
+    ("gemm_wgrad", dict(gated=True)), ("gemm_wgrad", dict(gated=False)),
+    ("gemm_wgrad_fp8", dict(gated=True)),
+    ("megakernel_backward", dict(fc2_pingpong=True, shared=True)),
+    ("megakernel_backward", dict(num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True,
+                                 shared=True))])
+def test_the_accumulating_builds_add_by_tma_reduce_without_new_spills(tmp_path, kernel, static):
+    """main_grad's builds: every weight-gradient subtile goes out as one fp32 TMA reduce-add
+    (``cp.reduce.async.bulk.tensor ... .add``) from 8-byte smem stores, no plain TMA store of
+    a weight gradient is left, no atomics, and the registers and spills of the bf16 builds
+    (16 B in the pingpong backward megakernel, 0 elsewhere; measured offline)."""
+    from mok_cute import jit
+
+    flag = "accumulate_wgrads" if kernel == "megakernel_backward" else "accumulate"
+    rep = jit.inspect_kernel(kernel, outdir=tmp_path, **static, **{flag: True})
+    ptx = open(rep.ptx_path).read()
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add", ptx)
+    # the 64 x 32 subtiles of a warpgroup's block (128 x 128; FP8 64 x 128) per output
+    # branch (gated: one per warpgroup); the megakernel's three outputs and the shared
+    # expert's alternatives
+    want = {"gemm_wgrad": 16 if static.get("gated") else 8,
+            "gemm_wgrad_fp8": 8, "megakernel_backward": 48}[kernel]
+    assert len(reduces) == want, len(reduces)
+    assert "st.shared.v2.b32" in ptx
+    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
+    assert rep.registers == 168
+    assert rep.spill_bytes <= (32 if static.get("fc2_pingpong") else 0)
+
+
 @pytest.mark.parametrize("fc2_pingpong", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_group_tail_build_keeps_the_registers_of_the_build_without_it(tmp_path, fc2_pingpong,
@@ -532,6 +561,59 @@ def test_megakernel_weight_gradients_equal_gemm_wgrad_bitwise(name):
     counts = (saved.expert_offsets[1:] - saved.expert_offsets[:-1]).cpu()
     for e in torch.nonzero(counts == 0).flatten().tolist():
         assert not runs[0][4][e].any() and not runs[0][6][e].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["T77_shared", "empty_experts", "K10_zero_weights"])
+def test_weight_gradients_added_into_main_grads_are_gemm_wgrads_bitwise(name):
+    """The accumulating builds (``gemm_wgrad(accumulate=True)``, the backward megakernel's
+    ``accumulate_wgrads``): from zero buffers the fp32 sums round to the bf16 kernels' bits;
+    from random buffers the launch and the launches add the same fp32 accumulators (bitwise,
+    twice, poisoned between), None is returned for each buffered weight and a weight without
+    a buffer gets its bf16 gradient."""
+    from mok_cute import expert_backward as eb
+    from mok_cute import megakernel_backward as mb
+    from mok_cute.kernels import token_ops
+
+    (x, w, wg, wu, wd), idx, saved, _ = _saved_problem(name)
+    K, E, inter = idx.shape[1], wg.shape[0], wg.shape[1]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    d_out = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    d_rows = token_ops.gather_rows(d_out, saved.row_token(K))
+    x_rows = token_ops.gather_rows(x, saved.row_token(K))
+    weights = w.float().contiguous().view(-1)
+    d_preact, hw = mb.expert_dgrads(d_rows, wg, wu, wd, saved.preact, saved.row_slot, weights,
+                                    saved.tile_expert, saved.num_tiles)[:2]
+    gate_up = (d_preact[:, :inter], d_preact[:, inter:], x_rows, saved.expert_offsets, E, inter)
+    down = (d_rows, None, hw, saved.expert_offsets, E, wd.shape[1])
+    want = (*eb.wgrad(*gate_up), eb.wgrad(*down))
+    zeros = [torch.zeros(t.shape, device="cuda") for t in want]
+    assert eb.wgrad(*gate_up, main_grads=zeros[:2]) == (None, None)
+    assert eb.wgrad(*down, main_grads=zeros[2:]) is None
+    for label, z, b in zip(("dW_gate", "dW_up", "dW_down"), zeros, want):
+        assert torch.equal(z.to(torch.bfloat16), b), f"{name}: {label} from zeros"
+    starts = [torch.randn(t.shape, device="cuda", generator=gen) for t in want]
+    launches = [s.clone() for s in starts]
+    eb.wgrad(*gate_up, main_grads=launches[:2])
+    eb.wgrad(*down, main_grads=launches[2:])
+    for _ in range(2):
+        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        bufs = [s.clone() for s in starts]
+        got = mb.expert_grads(d_rows, x_rows, wg, wu, wd, saved.preact, saved.row_slot,
+                              weights, saved.tile_expert, saved.num_tiles,
+                              saved.expert_offsets, check=True, main_grads=eb.MainGrads(*bufs))
+        assert got[4:7] == (None, None, None)
+        for label, a, b in zip(("dW_gate", "dW_up", "dW_down"), bufs, launches):
+            assert torch.equal(a, b), f"{name}: {label} differs from gemm_wgrad's sum"
+    for label, a, s, b in zip(("dW_gate", "dW_up", "dW_down"), launches, starts, want):
+        added, ref = a - s, b.float()  # the unrounded sum within bf16's rounding of it
+        assert ((added - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6 * (1 + s.abs())).all(), label
+    one = starts[0].clone()  # only dW_gate buffered: the others come back in bf16
+    got = mb.expert_grads(d_rows, x_rows, wg, wu, wd, saved.preact, saved.row_slot, weights,
+                          saved.tile_expert, saved.num_tiles, saved.expert_offsets,
+                          check=True, main_grads=eb.MainGrads(one))
+    assert got[4] is None and torch.equal(one, launches[0])
+    assert torch.equal(got[5], want[1]) and torch.equal(got[6], want[2])
 
 
 @pytest.mark.gpu
