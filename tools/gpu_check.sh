@@ -40,6 +40,9 @@
 #                   (-k shared), then tools/group_backward_probe.py on 8 virtual ranks (inside the
 #                   launch / a launch of its own / rank by rank, bf16 and FP8) and rank 0 alone with
 #                   the group tail, JSON under $OUT (~9 min)
+#   maingrad [SHAPES] the weight gradients added into fp32 main_grad: its GPU tests (-k main_grad),
+#                   then tools/main_grad_probe.py (fused against bf16 gradients + main_grad.add_,
+#                   interleaved rounds, the five shapes), JSON under $OUT
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
 #                   R = 2 and 4 and its training step, a group's backward on virtual buffers, a shared
 #                   expert, a wrapping ring; T = 300, H = 512) under
@@ -204,6 +207,16 @@ run_shared() {
     --comm-ctas 16 --json "$out/shared_one_rank.json"
 }
 
+run_maingrad() {
+  # the weight gradients added into fp32 main_grad (twentieth session): the GPU tests, then the
+  # fused backward against bf16 gradients + main_grad.add_ (tools/main_grad_probe.py)
+  step maingrad_tests 420 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=200 -k "main_grad" \
+    tests/test_main_grad.py tests/test_megakernel_backward.py
+  step maingrad_probe 420 python3 tools/main_grad_probe.py \
+    --shapes "${1:-dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral,gptoss_120b}" --rounds 3 \
+    --json "$out/main_grad_probe.json"
+}
+
 run_vtrain() {
   step "vtrain_${1}" "${BENCH_SECS:-540}" python3 -m mok_cute.cli bench --train \
     --shapes "${VTRAIN_SHAPES:-qwen3.5_397b,glm_5.2,kimi_k2.7,dsv4_pro}" \
@@ -271,9 +284,10 @@ case "$mode" in
   fp8probe) run_fp8_probes ;;
   mkbwd) run_mkbwd "${2:-}" ;;
   shared) run_shared "${2:-}" ;;
+  maingrad) run_maingrad "${2:-}" ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, shared, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]

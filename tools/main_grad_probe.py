@@ -1,0 +1,133 @@
+"""The backward with its weight gradients added into fp32 main_grad buffers (``MainGrads``,
+``MoKConfig(fuse_wgrad_accumulation=True)``) against what a trainer does without it: the bf16
+gradients, then ``main_grad += grad`` per weight (one torch add each). Interleaved rounds,
+CUDA events, SM clock and power sampled per variant; checked first: from zero buffers the
+fused sums round to the unfused bf16 gradients bitwise.
+
+    python tools/main_grad_probe.py [--shapes dsv3_ep8_rank,qwen3_30b] [--rounds 3] [--json out.json]
+
+Variants per shape (one saved bf16 training forward each; the megakernel backend's backward
+beside the kernels'; FP8 with ``--fp8``):
+    bwd                    moe_backward, bf16 weight gradients returned
+    bwd + add              the same, then main_grad.add_(grad) for the three expert weights
+    bwd fused              moe_backward(main_grads=...)
+    wgrad / wgrad fused    the weight-gradient launches alone (gemm_wgrad, accumulate=True)
+Bytes counted: the fused launch reads and writes each fp32 element once (8 B) where the bf16
+launch writes 2 B and the add reads 2 + 4 and writes 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+
+
+def gpu_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def variants(name: str, fp8: bool) -> dict:
+    import mok_cute
+    from mok_cute import expert_backward as eb
+    from mok_cute import expert_path, expert_path_fp8
+    from mok_cute.bench.problems import make_problem
+    from mok_cute.shapes import resolve_shape
+
+    pb = make_problem(resolve_shape(name), device="cuda", seed=1)
+    x, idx, w = pb.inputs.x, pb.inputs.topk_idx, pb.inputs.topk_weights
+    ws = (pb.w_gate, pb.w_up, pb.w_down)
+    config = mok_cute.MoKConfig(backend="kernel", check_ids=False)
+    forward = expert_path_fp8.moe_forward_fp8 if fp8 else expert_path.moe_forward_kernel
+    with torch.no_grad():
+        _, saved = forward(x, idx, w, *ws, None, config, save=True)
+    d_out = torch.randn_like(x)
+    precision = "fp8" if fp8 else "bf16"
+    bufs = [torch.zeros(t.shape, device="cuda") for t in ws]
+
+    def bwd(dgrads, main=None):
+        return eb.moe_backward(d_out, x, idx, w, *ws, None, saved, precision=precision,
+                               dgrads=dgrads, main_grads=main)
+
+    def add(dgrads):
+        def run():
+            grads = bwd(dgrads)
+            for b, g in zip(bufs, grads[2:5]):
+                b.add_(g)
+        return run
+
+    # checked first: fused from zeros == the unfused bf16 gradients, bitwise
+    backends = ("kernels",) if fp8 else ("kernels", "megakernel")
+    for dgrads in backends:
+        want = bwd(dgrads)[2:5]
+        for b in bufs:
+            b.zero_()
+        got = bwd(dgrads, eb.MainGrads(*bufs))
+        assert got[2:5] == (None, None, None)
+        for label, b, g in zip(("dW_gate", "dW_up", "dW_down"), bufs, want):
+            if not torch.equal(b.to(torch.bfloat16), g):
+                raise SystemExit(f"{name} {dgrads}: fused {label} from zeros is not the bf16 "
+                                 f"gradient bitwise")
+    E, inter = ws[0].shape[0], ws[0].shape[1]
+    K = idx.shape[1]
+    rows = eb.routed_rows(x, saved.row_token(K), False)
+    d_pre = torch.randn(rows.shape[0], 2 * inter, device="cuda").to(torch.bfloat16)
+    gate_up = (d_pre[:, :inter], d_pre[:, inter:], rows, saved.expert_offsets, E, inter)
+    out = {}
+    for dgrads in backends:
+        tag = "" if dgrads == "kernels" else " (megakernel)"
+        out[f"bwd{tag}"] = lambda d=dgrads: bwd(d)
+        out[f"bwd + add{tag}"] = add(dgrads)
+        out[f"bwd fused{tag}"] = lambda d=dgrads: bwd(d, eb.MainGrads(*bufs))
+    if not fp8:
+        out["wgrad gate+up"] = lambda: eb.wgrad(*gate_up)
+        out["wgrad gate+up fused"] = lambda: eb.wgrad(*gate_up, main_grads=bufs[:2])
+    return out, sum(t.numel() for t in ws)
+
+
+def main(argv=None):
+    from mok_cute.bench.gpu_clock import ClockSampler
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral,gptoss_120b")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--fp8", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    results = {}
+    for name in args.shapes.split(","):
+        runs, elements = variants(name, args.fp8)
+        times = {k: [] for k in runs}
+        with ClockSampler(torch.cuda.current_device()) as sampler:
+            for _ in range(args.rounds):
+                for k, fn in runs.items():
+                    with sampler.window(k):
+                        times[k].append(gpu_ms(fn, args.reps))
+        rows = {}
+        for k, ts in times.items():
+            ms = sorted(ts)[len(ts) // 2]
+            rows[k] = {"ms": ms, "rounds": ts, "clock": sampler.stats(k)}
+            print(f"{name:14s} {k:32s} {ms:8.3f} ms", flush=True)
+        rows["weight elements"] = elements
+        results[name] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python tools/main_grad_probe.py " + " ".join(argv or sys.argv[1:]),
+                       "gpu": torch.cuda.get_device_name(), "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()
