@@ -25,6 +25,11 @@ what was expected and what was given. Checking that expert ids are in range read
 back from the device (one `aminmax` reduction): the only host synchronisation of the checks.
 With `group=`, the ranks first agree on the call (`mok_cute.comm.agreement`, see
 `moe_forward`): every rank takes the same path with the same sizes, or every rank raises.
+
+`MoKConfig(fuse_wgrad_accumulation=True)`: a call that trains reads each trainable expert
+weight's fp32 `main_grad` (`_main_grad_targets`, ValueError naming a bad one) and hands the
+buffers to whichever path runs: the custom ops / `_GroupTrain` (the kernels add into them) or,
+on the PyTorch reference, `autograd.reference_weights` (autograd's fp32 gradient added there).
 """
 
 from __future__ import annotations
@@ -224,6 +229,16 @@ def moe_forward(
     few µs (measured in `mok_cute.comm.agreement`); with no group nothing is exchanged. The
     IPC megakernel with ``check_ids`` exchanges once more after its launch: its id check's
     verdict, read after the kernels are queued as on one GPU.
+
+    ``config.fuse_wgrad_accumulation`` (Megatron's ``main_grad``): a call that trains reads
+    ``main_grad`` of each expert weight that requires grad (w_gate, w_up, w_down and the
+    shared expert's): an fp32 tensor of the weight's shape on its device, contiguous, else
+    ValueError naming it. The backward adds the weight's fp32 gradient into it (the kernels
+    their unrounded accumulators, the reference autograd's fp32 gradient) and leaves the
+    weight's ``.grad`` alone; a weight with the attribute ``grad_added_to_main_grad``
+    (Megatron's DDP) gets it set True by this call (at forward time) and a dummy gradient
+    (uninitialised, zeros with ``zero_out_wgrad``), as Megatron's DDP hook expects
+    (``autograd.dummy_mode``). A call that does not train reads nothing.
     """
     if group is not None:
         return _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
@@ -234,9 +249,10 @@ def moe_forward(
     if dims.tokens == 0:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
     needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
+    main_grads = _main_grad_targets(config, needs_grad, w_gate, w_up, w_down, shared)
     if config.precision == "fp8":
         return _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
-                                dims, needs_grad)
+                                dims, needs_grad, main_grads)
     choice = choose_path(x.device, config, needs_grad=needs_grad)
     if choice.path == "megakernel" and _megakernel_fallback(dims, config):
         choice = PathChoice("reference", "sizes the megakernel cannot take")
@@ -246,7 +262,7 @@ def moe_forward(
         from . import autograd
 
         return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                                    config)
+                                    config, main_grads)
     if choice.path == "kernel" and (needs_grad or torch.compiler.is_compiling()):
         from .expert_path import unsupported_shape_reason
 
@@ -258,7 +274,7 @@ def moe_forward(
             from . import autograd
 
             return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                                        config)
+                                        config, main_grads)
         warnings.warn(f"mok_cute: training on the PyTorch reference because {why}", stacklevel=2)
         choice = PathChoice("reference", why)
     if choice.path == "kernel":
@@ -272,7 +288,8 @@ def moe_forward(
                                    config, dims)
     if config.check_ids:
         check_expert_ids(topk_idx, dims.num_experts)
-    return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, None)
+    return _reference_call(reference._forward, x, topk_idx, topk_weights, w_gate, w_up, w_down,
+                           shared, None, main_grads=main_grads)
 
 
 def _checked_launch(launch, topk_idx, dims, config: MoKConfig, megakernel: bool = False):
@@ -308,7 +325,7 @@ def _fp8_kernels_only(choice: PathChoice) -> ValueError:
 
 
 def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config, dims,
-                     needs_grad: bool) -> torch.Tensor:
+                     needs_grad: bool, main_grads=None) -> torch.Tensor:
     """``moe_forward`` with ``config.precision == "fp8"``: the FP8 kernels on a GPU, their torch
     emulation without one (``mok_cute.expert_path_fp8``)."""
     from . import expert_path_fp8
@@ -321,7 +338,7 @@ def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, co
             from . import autograd
 
             return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                                        config)
+                                        config, main_grads)
         return _megakernel_one_gpu(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                    config, dims)
     if needs_grad or torch.compiler.is_compiling():
@@ -336,7 +353,7 @@ def _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, co
         from . import autograd
 
         return autograd.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-                                    config)
+                                    config, main_grads)
     if choice.path == "kernel":
         return _checked_launch(lambda: expert_path_fp8.moe_forward_fp8(
             x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config), topk_idx, dims,
@@ -373,6 +390,60 @@ def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ())))
 
 
+# the expert weights in expert_backward.MainGrads order, named as check_moe_inputs names them
+_WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "shared[0] (ws_gate)", "shared[1] (ws_up)",
+                 "shared[2] (ws_down)")
+
+
+def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight.main_grad``, checked: an fp32 tensor of the weight's shape on its device,
+    contiguous (the kernels add into it by TMA); else ValueError naming it."""
+    main_grad = getattr(weight, "main_grad", None)
+    if (isinstance(main_grad, torch.Tensor) and main_grad.dtype == torch.float32
+            and main_grad.shape == weight.shape and main_grad.device == weight.device
+            and main_grad.is_contiguous()):
+        return main_grad
+    got = ("no main_grad attribute" if not hasattr(weight, "main_grad")
+           else describe(main_grad))
+    raise ValueError(f"{name}.main_grad: expected a contiguous float32 tensor of shape "
+                     f"{list(weight.shape)} on {weight.device} (MoKConfig("
+                     f"fuse_wgrad_accumulation=True) adds the weight's gradient into it), "
+                     f"got {got}")
+
+
+def _main_grad_targets(config: MoKConfig, needs_grad: bool, w_gate, w_up, w_down, shared):
+    """``autograd.MainGradTargets`` of a call with ``config.fuse_wgrad_accumulation`` that
+    trains: the ``main_grad`` of every expert weight that requires grad (a frozen weight's is
+    not read), checked; None when the flag is off, the call does not train or every expert
+    weight is frozen."""
+    if not (config.fuse_wgrad_accumulation and needs_grad):
+        return None
+    from .autograd import MainGradTargets, NO_DUMMY, dummy_mode
+
+    weights = (w_gate, w_up, w_down, *(shared if shared is not None else (None,) * 3))
+    buffers = tuple(_main_grad_of(name, w) if w is not None and w.requires_grad else None
+                    for name, w in zip(_WEIGHT_NAMES, weights))
+    if all(b is None for b in buffers):
+        return None
+    return MainGradTargets(buffers, tuple(NO_DUMMY if b is None else dummy_mode(w)
+                                          for w, b in zip(weights, buffers)))
+
+
+def _reference_call(forward, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, *rest,
+                    main_grads=None):
+    """``forward`` (``reference._forward`` or ``_forward_virtual``) with fused weight-gradient
+    accumulation: each weight with a main_grad enters as ``autograd.reference_weights``' fp32
+    copy, whose gradient goes into the main_grad (the same forward bits)."""
+    if main_grads is not None:
+        from .autograd import reference_weights
+
+        weights = reference_weights((w_gate, w_up, w_down, *(shared or (None,) * 3)),
+                                    main_grads)
+        w_gate, w_up, w_down = weights[:3]
+        shared = None if shared is None else weights[3:]
+    return forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, *rest)
+
+
 def _eager_under_compile(fn):
     """``fn`` run eagerly under torch.compile (a graph break), with the reason in the error
     that ``fullgraph=True`` raises (torch versions without ``reason=``: without it)."""
@@ -402,6 +473,7 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
         dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                 num_ranks=num_ranks)
         needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
+        main_grads = _main_grad_targets(config, needs_grad, w_gate, w_up, w_down, shared)
         choice = choose_path(x.device, config, distributed=True, needs_grad=needs_grad)
         if config.precision == "fp8":
             if choice.path != "megakernel":
@@ -420,9 +492,11 @@ def _moe_forward_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, 
         raise
     tokens = agree_on_call(group, header, timeout_s)
     if choice.path == "reference":
-        return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group)
+        return _reference_call(reference._forward, x, topk_idx, topk_weights, w_gate, w_up,
+                               w_down, shared, group, main_grads=main_grads)
     return _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group,
-                             config, dims, max(tokens), needs_grad, sum(tokens) / len(tokens))
+                             config, dims, max(tokens), needs_grad, sum(tokens) / len(tokens),
+                             main_grads)
 
 
 def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
@@ -435,14 +509,15 @@ def _pad_rows(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
 
 def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, group, config,
                       dims, max_tokens: int, needs_grad: bool = False,
-                      mean_tokens: float | None = None) -> torch.Tensor:
+                      mean_tokens: float | None = None, main_grads=None) -> torch.Tensor:
     """This rank's IPC megakernel launch, sized by the group's largest T rounded up to a plan
     size (`megakernel.plan_tokens`): every rank pads x with zero rows, its ids with -1 (no
     expert) and its weights with 0, and returns its first T rows. With ``check_ids`` the id
     check is read after the launch and its verdict exchanged (`agree_on_launch`), so a bad id
     anywhere raises on every rank. ``needs_grad``: the saving launch under autograd
     (`mok_cute.autograd.moe_forward_group`); every rank must then run the backward too, which
-    sizes its choices by ``mean_tokens`` (the ranks' mean T, before the padding)."""
+    sizes its choices by ``mean_tokens`` (the ranks' mean T, before the padding).
+    ``main_grads``: ``_main_grad_targets``, for the backward."""
     from . import megakernel
     from .comm.agreement import agree_on_launch
     from .sim.tune import tuned_config
@@ -462,7 +537,7 @@ def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, g
         if needs_grad:
             from . import autograd
 
-            out = autograd.moe_forward_group(*args, group, mean_tokens)[:T]
+            out = autograd.moe_forward_group(*args, group, mean_tokens, main_grads)[:T]
         else:
             out = megakernel.moe_forward(*args, group=group)[:T]
         outcome = pending.span() if pending is not None else None
@@ -492,16 +567,17 @@ def moe_forward_virtual(
     w_gate [R, E_loc, I, H], ..., shared tensors [R, ...]); ids are global, in [0, R * E_loc).
     Inputs that require grad train on the kernels (`mok_cute.autograd.moe_forward_virtual`:
     the megakernel's saving launch, then `mok_cute.virtual_backward`), as does a call traced
-    by torch.compile (through the custom op, even without grad).
+    by torch.compile (through the custom op, even without grad). With
+    ``config.fuse_wgrad_accumulation`` each trainable weight's ``main_grad`` is [R, ...] like
+    the weight (as `moe_forward`).
     """
     config = resolve_config(config)
     shared = _normalise_shared(shared)
     dims = check_moe_inputs(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, stacked=True, x_name="xs")
     if dims.tokens == 0:
         return torch.empty(dims.num_ranks, 0, dims.hidden, dtype=torch.bfloat16, device=xs.device)
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (xs, topk_weights, w_gate, w_up, w_down, *(shared or ()))
-    )
+    needs_grad = _needs_grad(xs, topk_weights, w_gate, w_up, w_down, shared)
+    main_grads = _main_grad_targets(config, needs_grad, w_gate, w_up, w_down, shared)
     choice = choose_path(xs.device, config, virtual=True, needs_grad=needs_grad)
     if config.precision == "fp8":
         _fp8_sizes(dims)
@@ -518,7 +594,7 @@ def moe_forward_virtual(
         from . import autograd
 
         return autograd.moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down,
-                                            shared, config)
+                                            shared, config, main_grads)
     if choice.path == "megakernel":
         from . import megakernel
 
@@ -527,7 +603,8 @@ def moe_forward_virtual(
             shared, config), topk_idx, dims, config, megakernel=True)
     if config.check_ids:
         check_expert_ids(topk_idx, dims.num_experts)
-    return reference._forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
+    return _reference_call(reference._forward_virtual, xs, topk_idx, topk_weights, w_gate, w_up,
+                           w_down, shared, main_grads=main_grads)
 
 
 class MoELayer(nn.Module):
@@ -554,6 +631,10 @@ class MoELayer(nn.Module):
     routed (token, k) slots on expert e, P_e its mean router probability; 1.0 when balanced),
     differentiable through P: scale it and add it to the training loss. Over a `group` it covers
     this rank's tokens.
+
+    With ``MoKConfig(fuse_wgrad_accumulation=True)`` each expert parameter needs an fp32
+    ``main_grad`` of its shape (Megatron's DDP wrapper adds one; see `moe_forward`); the
+    router's gradient is autograd's as usual.
     """
 
     def __init__(

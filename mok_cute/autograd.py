@@ -24,11 +24,27 @@ model through them without a graph break; ``register_autograd`` ties them togeth
 ``needs_input_grad`` (frozen experts skip their weight gradients, a frozen input skips d_x).
 Neither synchronises with the host except the id range check (``check_ids``), which a
 CUDA-graph capture must turn off.
+
+Fused weight-gradient accumulation (``MoKConfig(fuse_wgrad_accumulation=True)``, Megatron's
+``main_grad``): the forward ops take each weight's fp32 buffer (``MainGradTargets``, read and
+checked by ``mok_cute.api``) as an extra input they do not use; the backward ops take them again,
+add the weight gradients into them (``mutates_args``) and return an empty tensor for those
+weights, which then get None (or Megatron's dummy, ``dummy_mode``). The buffers are kept on the
+autograd context as attributes, not ``save_for_backward``: a buffer is added into by every
+backward, so a second call in flight (pipeline micro-batches, a layer called twice in one
+graph, ``retain_graph``) would trip autograd's version check on a saved one. Under
+torch.compile, AOT autograd saves the buffer with that check all the same: there one backward
+at a time may be pending per buffer: an earlier call's backward then raises torch's
+"modified by an inplace operation" error (its gradient is not added) rather than adding
+anything silently wrong. The backward ops return fixed 8-tuples: a
+custom op that mutates an ``Optional[Tensor]`` argument and returns ``list[Tensor]`` fails
+functionalization (torch 2.13). ``reference_weights``: the same accumulation on the PyTorch
+reference (no GPU).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -38,6 +54,118 @@ from mok_cute.schedule import saved_preact_rows, schedule_capacity
 _SAVED = 7  # tensors of expert_path.SavedForBackward
 _VIRTUAL_SAVED = 9  # tensors of virtual_backward.VirtualSaved
 
+# ------------------------------------------------------------------------- main_grad
+# the custom ops' main_grad arguments, in expert_backward.MainGrads order
+_MAIN_GRAD_ARGS = ("main_grad_w_gate", "main_grad_w_up", "main_grad_w_down", "main_grad_ws_gate",
+                   "main_grad_ws_up", "main_grad_ws_down")
+_NO_MAIN_GRADS = (None,) * 6
+# what a weight whose gradient went into its main_grad gets as its gradient (dummy_mode)
+NO_DUMMY, EMPTY_DUMMY, ZERO_DUMMY = 0, 1, 2
+Grads8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+               torch.Tensor, torch.Tensor]
+
+
+class MainGradTargets(NamedTuple):
+    """Where a training call's weight gradients go (``MoKConfig(fuse_wgrad_accumulation=True)``),
+    in ``expert_backward.MainGrads`` order (w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+    ``main_grads`` each weight's fp32 ``main_grad`` (None: a frozen weight, or no shared expert:
+    its gradient as usual); ``dummies`` what autograd then gets for that weight (``dummy_mode``)."""
+
+    main_grads: tuple
+    dummies: tuple
+
+
+def dummy_mode(weight: torch.Tensor) -> int:
+    """Megatron's convention: a weight with the attribute ``grad_added_to_main_grad`` (its DDP
+    sets it False before each step) expects the backward that added into ``main_grad`` to set
+    it True and return a dummy gradient (zeros with ``zero_out_wgrad``, else uninitialised):
+    its DDP's gradient-ready hook asserts ``param.grad is not None`` under
+    ``overlap_grad_reduce``, adds ``param.grad`` into ``main_grad`` only where the flag is
+    False (or ``zero_out_wgrad``), then drops it. Without the attribute: None, ``.grad`` stays
+    None."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return NO_DUMMY
+    return ZERO_DUMMY if getattr(weight, "zero_out_wgrad", False) else EMPTY_DUMMY
+
+
+def mark_added_to_main_grad(weights, targets: MainGradTargets | None) -> None:
+    """Set ``grad_added_to_main_grad`` on the weights that will get a dummy gradient. Done by
+    the training forward (eager host code, traceable by torch.compile) rather than in the
+    backward, whose custom-op code a compiled graph does not run as Python."""
+    if targets is None:
+        return
+    for weight, dummy in zip(weights, targets.dummies):
+        if dummy != NO_DUMMY:
+            weight.grad_added_to_main_grad = True
+
+
+def _dummy(weight: torch.Tensor, dummy: int) -> torch.Tensor | None:
+    if dummy == ZERO_DUMMY:
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight) if dummy == EMPTY_DUMMY else None
+
+
+def _dummy_of(like: tuple, dummy: int) -> torch.Tensor | None:
+    """``_dummy`` of a weight known by (shape, dtype, device)."""
+    if dummy == NO_DUMMY:
+        return None
+    shape, dtype, device = like
+    make = torch.zeros if dummy == ZERO_DUMMY else torch.empty
+    return make(shape, dtype=dtype, device=device)
+
+
+def _fused_grads(grads: list, weights, main_grads, dummies) -> list:
+    """The six weight gradients of a backward with main grads: None or a dummy where the
+    gradient went into the weight's main_grad."""
+    if dummies is None:
+        return grads
+    return [g if mg is None else _dummy(w, d)
+            for g, w, mg, d in zip(grads, weights, main_grads, dummies)]
+
+
+def _main_grads_of(targets: MainGradTargets | None):
+    """(the six main_grad arguments of a forward op, its dummy list or None)."""
+    if targets is None:
+        return _NO_MAIN_GRADS, None
+    return tuple(targets.main_grads), [int(d) for d in targets.dummies]
+
+
+def _main_grads_tuple(main_grads):
+    """``expert_backward.MainGrads`` of the six op arguments, None when none is given."""
+    if all(mg is None for mg in main_grads):
+        return None
+    from mok_cute.expert_backward import MainGrads
+
+    return MainGrads(*main_grads)
+
+
+class _IntoMainGrad(torch.autograd.Function):
+    """The PyTorch reference's weight with fused accumulation: its fp32 copy (the values the
+    reference computes with anyway: it upcasts every weight), whose fp32 gradient (unrounded) is
+    added into ``main_grad``; the weight itself gets None or Megatron's dummy."""
+
+    @staticmethod
+    def forward(ctx, weight, main_grad, dummy):  # type: ignore[override]
+        ctx.main_grad, ctx.dummy = main_grad, dummy  # not saved: see the module doc
+        ctx.like = (weight.shape, weight.dtype, weight.device)
+        return weight.float()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.main_grad.add_(grad)
+        return _dummy_of(ctx.like, ctx.dummy), None, None
+
+
+def reference_weights(weights, targets: MainGradTargets | None) -> tuple:
+    """``weights`` (w_gate, w_up, w_down, ws_gate, ws_up, ws_down; None where absent) for the
+    PyTorch reference: those with a main_grad replaced by ``_IntoMainGrad`` (same forward bits;
+    their gradient goes into the main_grad); marks the dummies (``mark_added_to_main_grad``)."""
+    if targets is None:
+        return tuple(weights)
+    mark_added_to_main_grad(weights, targets)
+    return tuple(w if mg is None else _IntoMainGrad.apply(w, mg, d)
+                 for w, mg, d in zip(weights, targets.main_grads, targets.dummies))
+
 
 @torch.library.custom_op("mok_cute::moe_forward_train", mutates_args=())
 def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -45,11 +173,18 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
                       ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                       ws_down: Optional[torch.Tensor], check_ids: bool, fc2_pingpong_max_k: int,
                       fc1_group_m: int, fc2_group_m: int, precision: str,
-                      backend: str) -> list[torch.Tensor]:
+                      backend: str, main_grad_w_gate: Optional[torch.Tensor] = None,
+                      main_grad_w_up: Optional[torch.Tensor] = None,
+                      main_grad_w_down: Optional[torch.Tensor] = None,
+                      main_grad_ws_gate: Optional[torch.Tensor] = None,
+                      main_grad_ws_up: Optional[torch.Tensor] = None,
+                      main_grad_ws_down: Optional[torch.Tensor] = None,
+                      dummy_grads: Optional[list[int]] = None) -> list[torch.Tensor]:
     """[out, *SavedForBackward]: the training forward on the kernels (inputs checked by
     ``mok_cute.api``), bf16 or FP8 (``expert_path_fp8``) by ``precision``; ``backend``
     "megakernel": through the megakernel at one rank (default megakernel options; its
-    saved rows are the expert path's, bitwise)."""
+    saved rows are the expert path's, bitwise). ``main_grad_*``, ``dummy_grads``: unused
+    here, for the backward (``MainGradTargets``)."""
     from mok_cute.config import ExpertPathOptions, MoKConfig, PendingIdCheck
     from mok_cute.expert_path import moe_forward_kernel
     from mok_cute.expert_path_fp8 import moe_forward_fp8
@@ -77,7 +212,9 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
 @moe_forward_train.register_fake
 def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
-      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend):
+      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend, main_grad_w_gate=None,
+      main_grad_w_up=None, main_grad_w_down=None, main_grad_ws_gate=None, main_grad_ws_up=None,
+      main_grad_ws_down=None, dummy_grads=None):
     num_tokens, top_k = topk_idx.shape  # the megakernel at one rank: the same schedule
     experts, inter = w_gate.shape[0], w_gate.shape[1]  # g | u at I in both precisions
     rows = schedule_capacity(1, num_tokens, top_k, experts, TILE_M)
@@ -91,47 +228,62 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, 
             torch.empty(experts + 1, **i32)]
 
 
-@torch.library.custom_op("mok_cute::moe_backward", mutates_args=())
+@torch.library.custom_op("mok_cute::moe_backward", mutates_args=_MAIN_GRAD_ARGS)
 def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                  w_down: torch.Tensor, ws_gate: Optional[torch.Tensor],
                  ws_up: Optional[torch.Tensor], ws_down: Optional[torch.Tensor],
                  saved: list[torch.Tensor], needs: list[bool], fc2_pingpong_max_k: int,
                  fc1_group_m: int, fc2_group_m: int, precision: str,
-                 backend: str) -> list[torch.Tensor]:
-    """[d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down]; an
-    empty tensor where ``needs`` (expert_backward.Needs order) says no."""
+                 backend: str, main_grad_w_gate: Optional[torch.Tensor] = None,
+                 main_grad_w_up: Optional[torch.Tensor] = None,
+                 main_grad_w_down: Optional[torch.Tensor] = None,
+                 main_grad_ws_gate: Optional[torch.Tensor] = None,
+                 main_grad_ws_up: Optional[torch.Tensor] = None,
+                 main_grad_ws_down: Optional[torch.Tensor] = None) -> Grads8:
+    """(d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down); an
+    empty tensor where ``needs`` (expert_backward.Needs order) says no, and for a weight whose
+    fp32 gradient was added into its ``main_grad_*`` (mutated)."""
     from mok_cute.config import ExpertPathOptions
     from mok_cute.expert_backward import Needs, moe_backward as backward
     from mok_cute.expert_path import SavedForBackward
 
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
+    main_grads = (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
+                  main_grad_ws_up, main_grad_ws_down)
     grads = backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                      SavedForBackward(*saved), Needs(*needs),
                      ExpertPathOptions(fc2_pingpong_max_k, fc1_group_m, fc2_group_m), precision,
                      # FP8's dgrads run on the FP8 kernels (the backward megakernel is bf16)
                      dgrads="megakernel" if backend == "megakernel" and precision == "bf16"
-                     else "kernels")
-    return [x.new_empty(0) if g is None else g for g in grads]
+                     else "kernels", main_grads=_main_grads_tuple(main_grads))
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 @moe_backward.register_fake
 def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved,
-      needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend):
-    return _fake_grads(needs, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+      needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend,
+      main_grad_w_gate=None, main_grad_w_up=None, main_grad_w_down=None, main_grad_ws_gate=None,
+      main_grad_ws_up=None, main_grad_ws_down=None):
+    return _fake_grads(needs, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                       (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
+                        main_grad_ws_up, main_grad_ws_down))
 
 
-def _fake_grads(needs, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+def _fake_grads(needs, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                main_grads=_NO_MAIN_GRADS):
     """A backward op's fake outputs: each gradient like its input where ``needs`` (the
-    ``expert_backward.Needs`` order) wants it, else an empty tensor."""
+    ``expert_backward.Needs`` order) wants it, else an empty tensor (also for a weight whose
+    gradient goes into its main_grad)."""
     want_x, want_w, want_gu, want_down, want_sgu, want_sdown = needs
     shared = ws_gate is not None
     like = lambda t, want: torch.empty_like(t) if want else x.new_empty(0)  # noqa: E731
-    return [like(x, want_x), like(topk_weights, want_w), like(w_gate, want_gu),
-            like(w_up, want_gu), like(w_down, want_down),
-            like(ws_gate, shared and want_sgu) if shared else x.new_empty(0),
-            like(ws_up, shared and want_sgu) if shared else x.new_empty(0),
-            like(ws_down, shared and want_sdown) if shared else x.new_empty(0)]
+    gate, up, down, s_gate, s_up, s_down = (mg is None for mg in main_grads)
+    return (like(x, want_x), like(topk_weights, want_w), like(w_gate, want_gu and gate),
+            like(w_up, want_gu and up), like(w_down, want_down and down),
+            like(ws_gate, shared and want_sgu and s_gate) if shared else x.new_empty(0),
+            like(ws_up, shared and want_sgu and s_up) if shared else x.new_empty(0),
+            like(ws_down, shared and want_sdown and s_down) if shared else x.new_empty(0))
 
 
 def _needs(ctx) -> list[bool]:
@@ -151,8 +303,9 @@ def _wanted(ctx, grads) -> list:
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, _check_ids,
-     fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend) = inputs
+     fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend, *fused) = inputs
     ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend)
+    _keep_main_grads(ctx, fused)
     ctx.has_shared = ws_gate is not None
     shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
     ctx.save_for_backward(x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared,
@@ -166,27 +319,49 @@ def _backward(ctx, grads):
     saved = list(rest[3:] if ctx.has_shared else rest)
     needs = _needs(ctx)
     if not any(needs) or d_out is None:
-        return (None,) * 15
+        return _as_passed(ctx, ())
     grads = torch.ops.mok_cute.moe_backward(
         d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, *shared, saved, needs,
-        *ctx.options)
+        *ctx.options, *ctx.main_grads)
     d_x, d_w, *d_weights = _wanted(ctx, grads)
-    return (d_x, None, d_w, *d_weights, None, None, None, None, None, None)
+    d_weights = _fused_grads(d_weights, (w_gate, w_up, w_down, *shared), ctx.main_grads,
+                             ctx.dummies)
+    return _as_passed(ctx, (d_x, None, d_w, *d_weights))
+
+
+def _as_passed(ctx, grads: tuple) -> tuple:
+    """A forward op's input gradients, None-padded to the arguments it was called with (the
+    dispatcher leaves trailing defaults out, e.g. the main_grad ones)."""
+    count = len(ctx.needs_input_grad)
+    return (*grads, *(None,) * (count - len(grads)))[:count]
+
+
+def _keep_main_grads(ctx, fused) -> None:
+    """A forward op's main_grad arguments (and dummy list) on the context, not saved (module
+    doc); none given: six Nones."""
+    ctx.main_grads = tuple(fused[:6]) if fused else _NO_MAIN_GRADS
+    ctx.dummies = fused[6] if len(fused) > 6 else None
+    if ctx.dummies is None and any(mg is not None for mg in ctx.main_grads):
+        ctx.dummies = [NO_DUMMY] * 6
 
 
 moe_forward_train.register_autograd(_backward, setup_context=_setup_context)
 
 
-def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config):
+def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
+                main_grads: MainGradTargets | None = None):
     """The differentiable one-GPU forward on the kernels -> out [T, H] (``api.moe_forward``
     takes this path when an input requires grad): the expert path, or with
-    ``config.backend == "megakernel"`` the megakernel at one rank."""
+    ``config.backend == "megakernel"`` the megakernel at one rank. ``main_grads``: the fp32
+    buffers its weight gradients go into (checked by ``api``), None: returned as usual."""
     ws = tuple(shared) if shared is not None else (None, None, None)
     options = config.expert_path
+    mark_added_to_main_grad((w_gate, w_up, w_down, *ws), main_grads)
+    buffers, dummies = _main_grads_of(main_grads)
     outs = torch.ops.mok_cute.moe_forward_train(
         x, topk_idx, topk_weights, w_gate, w_up, w_down, *ws, config.check_ids,
         options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m, config.precision,
-        "megakernel" if config.backend == "megakernel" else "kernel")
+        "megakernel" if config.backend == "megakernel" else "kernel", *buffers, dummies)
     return outs[0]
 
 
@@ -226,10 +401,18 @@ def moe_forward_virtual_train(xs: torch.Tensor, topk_idx: torch.Tensor,
                               ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                               ws_down: Optional[torch.Tensor], check_ids: bool,
                               launch: list[int], timeout_ms: float,
-                              expert_path: list[int]) -> list[torch.Tensor]:
+                              expert_path: list[int],
+                              main_grad_w_gate: Optional[torch.Tensor] = None,
+                              main_grad_w_up: Optional[torch.Tensor] = None,
+                              main_grad_w_down: Optional[torch.Tensor] = None,
+                              main_grad_ws_gate: Optional[torch.Tensor] = None,
+                              main_grad_ws_up: Optional[torch.Tensor] = None,
+                              main_grad_ws_down: Optional[torch.Tensor] = None,
+                              dummy_grads: Optional[list[int]] = None) -> list[torch.Tensor]:
     """[out, *VirtualSaved]: the training forward of R virtual ranks through the megakernel
     (inputs checked by ``mok_cute.api``; ``launch``: ``_launch_fields``; ``expert_path``: the
-    ExpertPathOptions the backward's shared expert runs with, unused here)."""
+    ExpertPathOptions the backward's shared expert runs with, unused here; ``main_grad_*``
+    ([R, ...] as their weights), ``dummy_grads``: for the backward, ``MainGradTargets``)."""
     from mok_cute import megakernel
     from mok_cute.config import PendingIdCheck
     from mok_cute.virtual_backward import VirtualSaved
@@ -248,7 +431,9 @@ def moe_forward_virtual_train(xs: torch.Tensor, topk_idx: torch.Tensor,
 
 @moe_forward_virtual_train.register_fake
 def _(xs, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
-      launch, timeout_ms, expert_path):
+      launch, timeout_ms, expert_path, main_grad_w_gate=None, main_grad_w_up=None,
+      main_grad_w_down=None, main_grad_ws_gate=None, main_grad_ws_up=None,
+      main_grad_ws_down=None, dummy_grads=None):
     R, T, K = topk_idx.shape
     experts, inter = w_gate.shape[1], w_gate.shape[2]
     cap = schedule_capacity(R, T, K, experts, TILE_M)
@@ -262,37 +447,49 @@ def _(xs, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
             torch.empty(R, experts + 1, **i32)]
 
 
-@torch.library.custom_op("mok_cute::moe_backward_virtual", mutates_args=())
+@torch.library.custom_op("mok_cute::moe_backward_virtual", mutates_args=_MAIN_GRAD_ARGS)
 def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: torch.Tensor,
                          w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                          ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                          ws_down: Optional[torch.Tensor], saved: list[torch.Tensor],
                          needs: list[bool], expert_path: list[int],
-                         precision: str) -> list[torch.Tensor]:
-    """[d_xs, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down] of
+                         precision: str, main_grad_w_gate: Optional[torch.Tensor] = None,
+                         main_grad_w_up: Optional[torch.Tensor] = None,
+                         main_grad_w_down: Optional[torch.Tensor] = None,
+                         main_grad_ws_gate: Optional[torch.Tensor] = None,
+                         main_grad_ws_up: Optional[torch.Tensor] = None,
+                         main_grad_ws_down: Optional[torch.Tensor] = None) -> Grads8:
+    """(d_xs, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down) of
     R virtual ranks (``virtual_backward.moe_backward_virtual``); an empty tensor where
-    ``needs`` (expert_backward.Needs order) says no."""
+    ``needs`` (expert_backward.Needs order) says no, and for a weight whose fp32 gradient was
+    added into its ``main_grad_*`` ([R, ...] as the weight; mutated)."""
     from mok_cute.config import ExpertPathOptions
     from mok_cute.expert_backward import Needs
     from mok_cute.virtual_backward import VirtualSaved, moe_backward_virtual as backward
 
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
+    main_grads = (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
+                  main_grad_ws_up, main_grad_ws_down)
     grads = backward(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                      VirtualSaved(*saved), Needs(*needs), ExpertPathOptions(*expert_path),
-                     precision)
-    return [xs.new_empty(0) if g is None else g for g in grads]
+                     precision, main_grads=_main_grads_tuple(main_grads))
+    return tuple(xs.new_empty(0) if g is None else g for g in grads)
 
 
 @moe_backward_virtual.register_fake
 def _(d_out, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved, needs,
-      expert_path, precision):
-    return _fake_grads(needs, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+      expert_path, precision, main_grad_w_gate=None, main_grad_w_up=None, main_grad_w_down=None,
+      main_grad_ws_gate=None, main_grad_ws_up=None, main_grad_ws_down=None):
+    return _fake_grads(needs, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                       (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
+                        main_grad_ws_up, main_grad_ws_down))
 
 
 def _setup_context_virtual(ctx, inputs, output):
     (xs, _topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, _check_ids,
-     launch, _timeout_ms, expert_path) = inputs
+     launch, _timeout_ms, expert_path, *fused) = inputs
     ctx.expert_path = list(expert_path)
+    _keep_main_grads(ctx, fused)
     ctx.precision = "fp8" if launch[-1] else "bf16"  # _launch_fields' last
     ctx.has_shared = ws_gate is not None
     shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
@@ -307,29 +504,36 @@ def _backward_virtual(ctx, grads):
     saved = list(rest[3:] if ctx.has_shared else rest)
     needs = _needs(ctx)
     if not any(needs) or d_out is None:
-        return (None,) * 13
+        return _as_passed(ctx, ())
     grads = torch.ops.mok_cute.moe_backward_virtual(
         d_out, xs, topk_weights, w_gate, w_up, w_down, *shared, saved, needs, ctx.expert_path,
-        ctx.precision)
+        ctx.precision, *ctx.main_grads)
     d_x, d_w, *d_weights = _wanted(ctx, grads)
-    return (d_x, None, d_w, *d_weights, None, None, None, None)
+    d_weights = _fused_grads(d_weights, (w_gate, w_up, w_down, *shared), ctx.main_grads,
+                             ctx.dummies)
+    return _as_passed(ctx, (d_x, None, d_w, *d_weights))
 
 
 moe_forward_virtual_train.register_autograd(_backward_virtual,
                                             setup_context=_setup_context_virtual)
 
 
-def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config):
+def moe_forward_virtual(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
+                        main_grads: MainGradTargets | None = None):
     """The differentiable forward of R virtual ranks on the megakernel -> out [R, T, H]
     (``api.moe_forward_virtual`` takes this path when an input requires grad): the saving
     launch, then ``virtual_backward`` (one backward-megakernel launch for all ranks' routed
-    experts). Custom ops, not a ``torch.autograd.Function``: torch.compile traces them whole."""
+    experts). Custom ops, not a ``torch.autograd.Function``: torch.compile traces them whole.
+    ``main_grads``: as ``moe_forward``'s, each [R, ...] like its weight."""
     ws = tuple(shared) if shared is not None else (None, None, None)
     options = config.expert_path
+    mark_added_to_main_grad((w_gate, w_up, w_down, *ws), main_grads)
+    buffers, dummies = _main_grads_of(main_grads)
     outs = torch.ops.mok_cute.moe_forward_virtual_train(
         xs, topk_idx, topk_weights, w_gate, w_up, w_down, *ws, config.check_ids,
         _launch_fields(config), float(config.timeout_ms),
-        [options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m])
+        [options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m], *buffers,
+        dummies)
     return outs[0]
 
 
@@ -341,7 +545,7 @@ class _GroupTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                config, group, mean_tokens):
+                config, group, mean_tokens, main_grads):
         from mok_cute import megakernel
 
         shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
@@ -351,6 +555,8 @@ class _GroupTrain(torch.autograd.Function):
         ctx.options = config.expert_path
         ctx.comm_sms = config.megakernel.backward_comm_sms
         ctx.mean_tokens = mean_tokens
+        # kept, not saved (the module doc): every backward adds into them
+        ctx.main_grads, ctx.dummies = _main_grads_of(main_grads)
         # SavedPreact: its tensors, this call's schedules and the plan; kept for every backward
         # of the graph (retain_graph runs it again) and freed with it
         ctx.saved = saved
@@ -368,19 +574,27 @@ class _GroupTrain(torch.autograd.Function):
         stacked = saved._replace(row_slot=one(saved.row_slot),
                                  shared_preact=one(saved.shared_preact))
         needs = Needs(*_needs(ctx))
+        main_grads = _main_grads_tuple(ctx.main_grads)  # [1, ...]: the launch's rank too
         grads = moe_backward_group(
             one(d_out.contiguous()), one(x), one(ids), one(topk_weights), one(w_gate),
             one(w_up), one(w_down), tuple(one(w) for w in shared) if shared else None, stacked,
-            needs, ctx.options, tokens_per_rank=ctx.mean_tokens, comm_sms=ctx.comm_sms)
+            needs, ctx.options, tokens_per_rank=ctx.mean_tokens, comm_sms=ctx.comm_sms,
+            main_grads=None if main_grads is None else main_grads._replace(
+                **{k: one(v) for k, v in main_grads._asdict().items()}))
         d_x, d_w, *d_weights = _wanted(ctx, [None if t is None else t[0] for t in grads])
-        return (d_x, None, d_w, *d_weights, None, None, None)
+        d_weights = _fused_grads(d_weights, (w_gate, w_up, w_down, *(shared or (None,) * 3)),
+                                 ctx.main_grads, ctx.dummies)
+        return (d_x, None, d_w, *d_weights, None, None, None, None)
 
 
 def moe_forward_group(x, ids, topk_weights, w_gate, w_up, w_down, shared, config, group,
-                      mean_tokens: float | None = None):
+                      mean_tokens: float | None = None,
+                      main_grads: MainGradTargets | None = None):
     """The differentiable forward of this rank of ``group`` on the IPC megakernel -> out
     [T, H] (inputs padded to the plan's T by ``api``; ids int32). ``mean_tokens``: the
-    ranks' mean T before that padding (the backward's ``tokens_per_rank``; None: the plan's)."""
+    ranks' mean T before that padding (the backward's ``tokens_per_rank``; None: the plan's).
+    ``main_grads``: as ``moe_forward``'s."""
     ws = tuple(shared) if shared is not None else (None, None, None)
+    mark_added_to_main_grad((w_gate, w_up, w_down, *ws), main_grads)
     return _GroupTrain.apply(x, ids, topk_weights, w_gate, w_up, w_down, *ws, config, group,
-                             mean_tokens)
+                             mean_tokens, main_grads)

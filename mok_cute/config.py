@@ -252,6 +252,16 @@ class MoKConfig:
                       bf16). So far the one-GPU expert path, forward and backward (no group,
                       no megakernel, no virtual ranks: ValueError), H and I multiples of 64;
                       without a GPU its torch emulation runs the forward (training: ValueError).
+    fuse_wgrad_accumulation  training: add each expert weight's fp32 gradient into that
+                      weight's ``main_grad`` (an fp32 tensor of the weight's shape, contiguous,
+                      on its device: Megatron's convention, set by its DDP wrapper) instead of
+                      returning a gradient in the weight's dtype; the weight's ``.grad`` then
+                      stays None, or gets Megatron's dummy where the weight has the attribute
+                      ``grad_added_to_main_grad`` (set True by the call; zeros with
+                      ``zero_out_wgrad``, ``autograd.dummy_mode``). Checked when a call
+                      trains (ValueError naming the weight); ignored otherwise. Every path
+                      honours it: the kernels add their unrounded fp32 accumulators, the
+                      PyTorch reference its fp32 gradient.
     expert_path       ExpertPathOptions: how the one-GPU expert path runs its GEMMs.
     megakernel        MegakernelOptions: how the megakernel runs.
     """
@@ -267,6 +277,7 @@ class MoKConfig:
     check_ids: bool = True
     group_timeout_s: float = 300.0
     precision: str = "bf16"
+    fuse_wgrad_accumulation: bool = False
     expert_path: ExpertPathOptions = ExpertPathOptions()
     megakernel: MegakernelOptions = MegakernelOptions()
 
@@ -284,6 +295,7 @@ class MoKConfig:
                                  f"got {value}")
         check_bool("MoKConfig.timeline", self.timeline)
         check_bool("MoKConfig.check_ids", self.check_ids)
+        check_bool("MoKConfig.fuse_wgrad_accumulation", self.fuse_wgrad_accumulation)
         check_int("MoKConfig.timeline_capacity", self.timeline_capacity, min_value=1)
         for name in ("timeout_ms", "group_timeout_s"):
             value = getattr(self, name)
