@@ -173,13 +173,13 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
                       ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                       ws_down: Optional[torch.Tensor], check_ids: bool, fc2_pingpong_max_k: int,
                       fc1_group_m: int, fc2_group_m: int, precision: str,
-                      backend: str, main_grad_w_gate: Optional[torch.Tensor] = None,
-                      main_grad_w_up: Optional[torch.Tensor] = None,
-                      main_grad_w_down: Optional[torch.Tensor] = None,
-                      main_grad_ws_gate: Optional[torch.Tensor] = None,
-                      main_grad_ws_up: Optional[torch.Tensor] = None,
-                      main_grad_ws_down: Optional[torch.Tensor] = None,
-                      dummy_grads: Optional[list[int]] = None) -> list[torch.Tensor]:
+                      backend: str, main_grad_w_gate: Optional[torch.Tensor],
+                      main_grad_w_up: Optional[torch.Tensor],
+                      main_grad_w_down: Optional[torch.Tensor],
+                      main_grad_ws_gate: Optional[torch.Tensor],
+                      main_grad_ws_up: Optional[torch.Tensor],
+                      main_grad_ws_down: Optional[torch.Tensor],
+                      dummy_grads: Optional[list[int]]) -> list[torch.Tensor]:
     """[out, *SavedForBackward]: the training forward on the kernels (inputs checked by
     ``mok_cute.api``), bf16 or FP8 (``expert_path_fp8``) by ``precision``; ``backend``
     "megakernel": through the megakernel at one rank (default megakernel options; its
@@ -212,9 +212,9 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
 @moe_forward_train.register_fake
 def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
-      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend, main_grad_w_gate=None,
-      main_grad_w_up=None, main_grad_w_down=None, main_grad_ws_gate=None, main_grad_ws_up=None,
-      main_grad_ws_down=None, dummy_grads=None):
+      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend, main_grad_w_gate,
+      main_grad_w_up, main_grad_w_down, main_grad_ws_gate, main_grad_ws_up,
+      main_grad_ws_down, dummy_grads):
     num_tokens, top_k = topk_idx.shape  # the megakernel at one rank: the same schedule
     experts, inter = w_gate.shape[0], w_gate.shape[1]  # g | u at I in both precisions
     rows = schedule_capacity(1, num_tokens, top_k, experts, TILE_M)
@@ -235,12 +235,12 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                  ws_up: Optional[torch.Tensor], ws_down: Optional[torch.Tensor],
                  saved: list[torch.Tensor], needs: list[bool], fc2_pingpong_max_k: int,
                  fc1_group_m: int, fc2_group_m: int, precision: str,
-                 backend: str, main_grad_w_gate: Optional[torch.Tensor] = None,
-                 main_grad_w_up: Optional[torch.Tensor] = None,
-                 main_grad_w_down: Optional[torch.Tensor] = None,
-                 main_grad_ws_gate: Optional[torch.Tensor] = None,
-                 main_grad_ws_up: Optional[torch.Tensor] = None,
-                 main_grad_ws_down: Optional[torch.Tensor] = None) -> Grads8:
+                 backend: str, main_grad_w_gate: Optional[torch.Tensor],
+                 main_grad_w_up: Optional[torch.Tensor],
+                 main_grad_w_down: Optional[torch.Tensor],
+                 main_grad_ws_gate: Optional[torch.Tensor],
+                 main_grad_ws_up: Optional[torch.Tensor],
+                 main_grad_ws_down: Optional[torch.Tensor]) -> Grads8:
     """(d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down); an
     empty tensor where ``needs`` (expert_backward.Needs order) says no, and for a weight whose
     fp32 gradient was added into its ``main_grad_*`` (mutated)."""
@@ -263,8 +263,8 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
 @moe_backward.register_fake
 def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved,
       needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend,
-      main_grad_w_gate=None, main_grad_w_up=None, main_grad_w_down=None, main_grad_ws_gate=None,
-      main_grad_ws_up=None, main_grad_ws_down=None):
+      main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
+      main_grad_ws_up, main_grad_ws_down):
     return _fake_grads(needs, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                        (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
                         main_grad_ws_up, main_grad_ws_down))
@@ -330,8 +330,10 @@ def _backward(ctx, grads):
 
 
 def _as_passed(ctx, grads: tuple) -> tuple:
-    """A forward op's input gradients, None-padded to the arguments it was called with (the
-    dispatcher leaves trailing defaults out, e.g. the main_grad ones)."""
+    """A forward op's input gradients, None-padded to its arguments (the main_grad ones and
+    the rest that take none). The ops have no defaulted arguments: torch versions differ in
+    whether the dispatcher hands autograd a trailing argument left at its default (2.11's
+    ADInplaceOrView kernel indexed past the end: every training call failed on the H200)."""
     count = len(ctx.needs_input_grad)
     return (*grads, *(None,) * (count - len(grads)))[:count]
 
@@ -402,13 +404,13 @@ def moe_forward_virtual_train(xs: torch.Tensor, topk_idx: torch.Tensor,
                               ws_down: Optional[torch.Tensor], check_ids: bool,
                               launch: list[int], timeout_ms: float,
                               expert_path: list[int],
-                              main_grad_w_gate: Optional[torch.Tensor] = None,
-                              main_grad_w_up: Optional[torch.Tensor] = None,
-                              main_grad_w_down: Optional[torch.Tensor] = None,
-                              main_grad_ws_gate: Optional[torch.Tensor] = None,
-                              main_grad_ws_up: Optional[torch.Tensor] = None,
-                              main_grad_ws_down: Optional[torch.Tensor] = None,
-                              dummy_grads: Optional[list[int]] = None) -> list[torch.Tensor]:
+                              main_grad_w_gate: Optional[torch.Tensor],
+                              main_grad_w_up: Optional[torch.Tensor],
+                              main_grad_w_down: Optional[torch.Tensor],
+                              main_grad_ws_gate: Optional[torch.Tensor],
+                              main_grad_ws_up: Optional[torch.Tensor],
+                              main_grad_ws_down: Optional[torch.Tensor],
+                              dummy_grads: Optional[list[int]]) -> list[torch.Tensor]:
     """[out, *VirtualSaved]: the training forward of R virtual ranks through the megakernel
     (inputs checked by ``mok_cute.api``; ``launch``: ``_launch_fields``; ``expert_path``: the
     ExpertPathOptions the backward's shared expert runs with, unused here; ``main_grad_*``
@@ -431,9 +433,9 @@ def moe_forward_virtual_train(xs: torch.Tensor, topk_idx: torch.Tensor,
 
 @moe_forward_virtual_train.register_fake
 def _(xs, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
-      launch, timeout_ms, expert_path, main_grad_w_gate=None, main_grad_w_up=None,
-      main_grad_w_down=None, main_grad_ws_gate=None, main_grad_ws_up=None,
-      main_grad_ws_down=None, dummy_grads=None):
+      launch, timeout_ms, expert_path, main_grad_w_gate, main_grad_w_up,
+      main_grad_w_down, main_grad_ws_gate, main_grad_ws_up,
+      main_grad_ws_down, dummy_grads):
     R, T, K = topk_idx.shape
     experts, inter = w_gate.shape[1], w_gate.shape[2]
     cap = schedule_capacity(R, T, K, experts, TILE_M)
@@ -453,12 +455,12 @@ def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: to
                          ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                          ws_down: Optional[torch.Tensor], saved: list[torch.Tensor],
                          needs: list[bool], expert_path: list[int],
-                         precision: str, main_grad_w_gate: Optional[torch.Tensor] = None,
-                         main_grad_w_up: Optional[torch.Tensor] = None,
-                         main_grad_w_down: Optional[torch.Tensor] = None,
-                         main_grad_ws_gate: Optional[torch.Tensor] = None,
-                         main_grad_ws_up: Optional[torch.Tensor] = None,
-                         main_grad_ws_down: Optional[torch.Tensor] = None) -> Grads8:
+                         precision: str, main_grad_w_gate: Optional[torch.Tensor],
+                         main_grad_w_up: Optional[torch.Tensor],
+                         main_grad_w_down: Optional[torch.Tensor],
+                         main_grad_ws_gate: Optional[torch.Tensor],
+                         main_grad_ws_up: Optional[torch.Tensor],
+                         main_grad_ws_down: Optional[torch.Tensor]) -> Grads8:
     """(d_xs, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down) of
     R virtual ranks (``virtual_backward.moe_backward_virtual``); an empty tensor where
     ``needs`` (expert_backward.Needs order) says no, and for a weight whose fp32 gradient was
@@ -478,8 +480,8 @@ def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: to
 
 @moe_backward_virtual.register_fake
 def _(d_out, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved, needs,
-      expert_path, precision, main_grad_w_gate=None, main_grad_w_up=None, main_grad_w_down=None,
-      main_grad_ws_gate=None, main_grad_ws_up=None, main_grad_ws_down=None):
+      expert_path, precision, main_grad_w_gate, main_grad_w_up, main_grad_w_down,
+      main_grad_ws_gate, main_grad_ws_up, main_grad_ws_down):
     return _fake_grads(needs, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                        (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
                         main_grad_ws_up, main_grad_ws_down))

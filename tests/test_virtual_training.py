@@ -32,7 +32,7 @@ from mok_cute import reference
 from mok_cute.schedule import build_receive_schedules, saved_preact_rows, schedule_capacity
 from mok_cute.virtual_backward import concat_schedules, weights_by_preact_row
 from per_token import DX_TOKEN_TOL, assert_tokens_close
-from test_backward import NAMES, _close
+from test_backward import NAMES, NO_MAIN, _close
 
 TILE = 128
 
@@ -426,13 +426,13 @@ def test_fake_implementations_give_the_real_shapes(R, Is):
               if Is else (None,) * 3)
         outs = torch.ops.mok_cute.moe_forward_virtual_train(
             xs, idx, w, wg, wg, wd, *sh, True, [128, -1, -1, -1, 0, 1 << 16, 1, -1, -1, 0],
-            5000.0, [8192, 8, 8])
+            5000.0, [8192, 8, 8], *NO_MAIN, None)
         assert [tuple(o.shape) for o in outs] == [
             (R, T, H), (rows, 2 * I), (R, T, 2 * Is) if Is else (0,), (R, cap), (R, cap),
             (R, cap), (R, cap), (R, cap // TILE), (R,), (R, E_loc + 1)]
         grads = torch.ops.mok_cute.moe_backward_virtual(xs, xs, w, wg, wg, wd, *sh,
                                                         list(outs[1:]), [True] * 6,
-                                                        [8192, 8, 8], "bf16")
+                                                        [8192, 8, 8], "bf16", *NO_MAIN)
         want = [(R, T, H), (R, T, K), (R, E_loc, I, H), (R, E_loc, I, H), (R, E_loc, H, I)]
         want += [(R, Is, H), (R, Is, H), (R, H, Is)] if Is else [(0,)] * 3
         assert [tuple(g.shape) for g in grads] == want
@@ -625,14 +625,14 @@ def test_opcheck(R):
     leaves, idx = _problem(R, 64, 256, 128, 2, 2, 64, seed=7)
     xs, w, wg, wu, wd, sg, su, sd = (t.detach() for t in leaves)
     args = (xs, idx, w, wg, wu, wd, sg, su, sd, False,
-            _launch_fields(mok.MoKConfig()), 5000.0, [8192, 8, 8])
+            _launch_fields(mok.MoKConfig()), 5000.0, [8192, 8, 8], *NO_MAIN, None)
     torch.library.opcheck(torch.ops.mok_cute.moe_forward_virtual_train, args,
                           test_utils=("test_schema", "test_faketensor"))
     outs = torch.ops.mok_cute.moe_forward_virtual_train(*args)
     d_out = torch.randn_like(xs)
     torch.library.opcheck(torch.ops.mok_cute.moe_backward_virtual,
                           (d_out, xs, w, wg, wu, wd, sg, su, sd, list(outs[1:]), [True] * 6,
-                           [8192, 8, 8], "bf16"),
+                           [8192, 8, 8], "bf16", *NO_MAIN),
                           test_utils=("test_schema", "test_faketensor"))
 
 
