@@ -524,20 +524,28 @@ def test_megakernel_dgrads_equal_the_two_launches_bitwise(name):
             assert torch.equal(a, b), f"{name}: {label} differs from the two launches"
 
 
+def _backward_rows(name: str, seed: int):
+    """A case's saved forward and what its backward launches read: ((w_gate, w_up, w_down),
+    saved, d_out's rows and x's rows in schedule order, the router weights flat, the
+    generator that drew d_out)."""
+    from mok_cute.kernels import token_ops
+
+    (x, w, wg, wu, wd), idx, saved, _ = _saved_problem(name)
+    K = idx.shape[1]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    d_out = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    return ((wg, wu, wd), saved, token_ops.gather_rows(d_out, saved.row_token(K)),
+            token_ops.gather_rows(x, saved.row_token(K)), w.float().contiguous().view(-1), gen)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CASES))
 def test_megakernel_weight_gradients_equal_gemm_wgrad_bitwise(name):
     from mok_cute import expert_backward as eb
     from mok_cute import megakernel_backward as mb
-    from mok_cute.kernels import token_ops
 
-    (x, w, wg, wu, wd), idx, saved, _ = _saved_problem(name)
-    K, E, inter = idx.shape[1], wg.shape[0], wg.shape[1]
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    d_out = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
-    d_rows = token_ops.gather_rows(d_out, saved.row_token(K))
-    x_rows = token_ops.gather_rows(x, saved.row_token(K))
-    weights = w.float().contiguous().view(-1)
+    (wg, wu, wd), saved, d_rows, x_rows, weights, _ = _backward_rows(name, seed=7)
+    E, inter = wg.shape[0], wg.shape[1]
     dgrads = mb.expert_dgrads(d_rows, wg, wu, wd, saved.preact, saved.row_slot, weights,
                               saved.tile_expert, saved.num_tiles)
     d_preact, hw = dgrads[0], dgrads[1]
@@ -573,15 +581,9 @@ def test_weight_gradients_added_into_main_grads_are_gemm_wgrads_bitwise(name):
     a buffer gets its bf16 gradient."""
     from mok_cute import expert_backward as eb
     from mok_cute import megakernel_backward as mb
-    from mok_cute.kernels import token_ops
 
-    (x, w, wg, wu, wd), idx, saved, _ = _saved_problem(name)
-    K, E, inter = idx.shape[1], wg.shape[0], wg.shape[1]
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    d_out = torch.randn(x.shape, device="cuda", generator=gen).to(torch.bfloat16)
-    d_rows = token_ops.gather_rows(d_out, saved.row_token(K))
-    x_rows = token_ops.gather_rows(x, saved.row_token(K))
-    weights = w.float().contiguous().view(-1)
+    (wg, wu, wd), saved, d_rows, x_rows, weights, gen = _backward_rows(name, seed=11)
+    E, inter = wg.shape[0], wg.shape[1]
     d_preact, hw = mb.expert_dgrads(d_rows, wg, wu, wd, saved.preact, saved.row_slot, weights,
                                     saved.tile_expert, saved.num_tiles)[:2]
     gate_up = (d_preact[:, :inter], d_preact[:, inter:], x_rows, saved.expert_offsets, E, inter)

@@ -25,18 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-
-
-def gpu_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from tools.layer_profile import gpu_ms  # noqa: E402
 
 
 def variants(name: str, fp8: bool) -> dict:
@@ -115,7 +104,7 @@ def main(argv=None):
             for _ in range(args.rounds):
                 for k, fn in runs.items():
                     with sampler.window(k):
-                        times[k].append(gpu_ms(fn, args.reps))
+                        times[k].append(gpu_ms(fn, reps=args.reps))
         rows = {}
         for k, ts in times.items():
             ms = sorted(ts)[len(ts) // 2]
