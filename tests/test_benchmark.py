@@ -543,6 +543,23 @@ def test_training_bench_on_the_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+def test_training_bench_main_grad_contender_on_the_gpu(tmp_path):
+    """mok_cute_main_grad beside mok_cute: checked on its main_grad sums (within the bf16
+    check), timed in every pass."""
+    argv = ["--train", "--shapes", "custom:384,512,256,8,4,1", "--iters", "3", "--warmup", "1",
+            "--rounds", "2", "--out", str(tmp_path), "--tag", "gpu-mg", "--mok-config",
+            "check_ids=False", "--contenders", "mok_cute,mok_cute_main_grad"]
+    from mok_cute import cli
+
+    assert cli.main(["bench", *argv]) == 0
+    doc = json.loads(next(tmp_path.glob("*_gpu-mg.json")).read_text())
+    rows = {(r["contender"], r["pass"]): r for r in doc["results"] if r["contender"] != "cublas_8192"}
+    for p in ("fwd", "bwd", "train"):
+        r = rows[("mok_cute_main_grad", p)]
+        assert r["status"] == "ok" and r["ms"] > 0 and max(r["rel_l1"].values()) <= 1e-2
+
+
+@pytest.mark.gpu
 def test_training_bench_fp8_contenders_on_the_gpu(tmp_path):
     """mok_cute_fp8 and the torch FP8 baseline (torch._scaled_grouped_mm) in training: both
     checked within the FP8 bound and timed in every pass, paired against each other."""

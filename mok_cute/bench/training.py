@@ -29,6 +29,10 @@ Contenders:
                     weights as after an optimizer step, fwd and bwd reuse the cached copies
   mok_virtual_fp8   mok_virtual with precision="fp8" (the FP8 megakernel's saving launch, the
                     FP8 backward kernels over the ranks' concatenated schedules)
+  mok_cute_main_grad  mok_cute with fuse_wgrad_accumulation=True: its weights carry fp32
+                    main_grad buffers (twice the expert weights' bytes) that the backward adds
+                    into (never zeroed between timed calls, as over micro-batches); checked on
+                    the main_grad sums
   cublas_8192       (a row of its own) bf16 8192^3 torch.matmul: the ceiling
   torch_grouped_mm  the torch pipeline of mok_cute.bench.torch_moe under autograd, gate and up
                     one packed [E, 2I, H] parameter (the layout it runs fastest on)
@@ -65,10 +69,10 @@ from mok_cute.bench.results import gpu_name, save_results
 from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe, torch_scaled_grouped_mm_train
 from mok_cute.shapes import resolve_shapes
 
-CONTENDERS = ("mok_cute", "mok_cute_fp8", "mok_megakernel", "mok_virtual", "mok_virtual_fp8",
-              "torch_grouped_mm",
-              "torch_scaled_grouped_mm", "sonicmoe")
-MOK = ("mok_cute", "mok_cute_fp8", "mok_megakernel", "mok_virtual", "mok_virtual_fp8")
+CONTENDERS = ("mok_cute", "mok_cute_fp8", "mok_cute_main_grad", "mok_megakernel", "mok_virtual",
+              "mok_virtual_fp8", "torch_grouped_mm", "torch_scaled_grouped_mm", "sonicmoe")
+MOK = ("mok_cute", "mok_cute_fp8", "mok_cute_main_grad", "mok_megakernel", "mok_virtual",
+       "mok_virtual_fp8")
 VIRTUAL_RANKS = 8
 # the issue's FP8 gradient bound, cosine >= 0.996
 CONTENDER_TOL = {"mok_cute_fp8": 0.1, "mok_virtual_fp8": 0.1, "torch_scaled_grouped_mm": 0.1}
@@ -86,6 +90,7 @@ class Layer:
         x = i.x.detach().clone().requires_grad_()
         w = i.topk_weights.detach().clone().requires_grad_()
         idx = i.topk_idx
+        self.main_grad_params = []  # mok_cute_main_grad: the weights whose main_grad it adds into
         if name in ("mok_virtual", "mok_virtual_fp8"):
             if name == "mok_virtual_fp8":
                 config = dataclasses.replace(config, precision="fp8")
@@ -97,6 +102,11 @@ class Layer:
                 config = dataclasses.replace(config, backend="megakernel")
             params = [problem.w_gate, problem.w_up, problem.w_down, *(problem.shared or ())]
             params = [p.detach().requires_grad_() for p in params]  # the problem's storage
+            if name == "mok_cute_main_grad":  # Megatron's fp32 main_grad, fused accumulation
+                config = dataclasses.replace(config, fuse_wgrad_accumulation=True)
+                for p in params:
+                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                self.main_grad_params = params
             shared = tuple(params[3:]) or None
             self.forward = lambda: moe_forward(x, idx, w, *params[:3], shared=shared, config=config)
         elif name == "sonicmoe":
@@ -118,11 +128,19 @@ class Layer:
         self.intermediate = problem.shape.intermediate
 
     def reset(self) -> None:
+        """Gradients dropped between timed calls (main_grad buffers keep accumulating, as over
+        a step's micro-batches: zeroing them is no part of a backward)."""
         for t in self.leaves:
             t.grad = None
 
+    def zero_main_grads(self) -> None:
+        for p in self.main_grad_params:
+            p.main_grad.zero_()
+
     def grads(self) -> dict[str, torch.Tensor]:
         g = [t.grad for t in self.leaves]
+        if self.main_grad_params:  # the weights' gradients are their main_grad sums
+            g = g[:2] + [p.main_grad for p in self.main_grad_params]
         if self.name in ("mok_virtual", "mok_virtual_fp8"):  # the shared expert's replicas'
             # gradients, summed
             g = g[:5] + [None if t is None else t.sum(0) for t in g[5:]]
@@ -265,6 +283,7 @@ def rel_l1(got: torch.Tensor, want: torch.Tensor) -> float:
 def check(layer: Layer, ref_out: torch.Tensor, ref_grads: dict[str, torch.Tensor], d_out: torch.Tensor) -> dict[str, float]:
     """The output's and every gradient's relative L1 error against the reference."""
     layer.reset()
+    layer.zero_main_grads()
     out = layer.forward()
     out.backward(d_out)
     errors = {"out": rel_l1(out.detach(), ref_out)}
