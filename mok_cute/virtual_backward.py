@@ -255,7 +255,9 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                 d_out, xs.contiguous(), *(w.contiguous() for w in shared),
                 saved.shared_preact),
             main_grads=None if main_grads is None else MainGrads(*routed_main, *shared_main))
-        shared_dx, d_shared = s.dx.reshape(R * T, H), wanted_shared_grads(s, needs)
+        # [R, T, H] of the launch's padded rows: one copy into the k-sum's contiguous rows (a
+        # view where T = 1 would keep the padded stride, which the k-sum refuses)
+        shared_dx, d_shared = s.dx.reshape(R * T, H).contiguous(), wanted_shared_grads(s, needs)
     else:
         dx_rows, dwg, dwu, dwd, partials = _expert_backward(
             d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),

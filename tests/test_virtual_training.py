@@ -273,7 +273,11 @@ def _emulated_expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slo
         num_tiles, offsets, True, True, True, True, ExpertPathOptions(), main=main[:3])
     s_dx, s_dw = shared_backward_rank_by_rank(shared.d_out, shared.x, shared[2:5],
                                               shared.preact, main=main[3:])
-    return None, None, partials, dx, dwg, dwu, dwd, SharedGrads(torch.stack(s_dx), *s_dw)
+    # the launch's dx rows: each rank's T rows of a buffer padded to whole tiles (a view)
+    T = s_dx[0].shape[0]
+    padded = torch.zeros(len(s_dx), -(-T // TILE) * TILE, s_dx[0].shape[1], dtype=s_dx[0].dtype)
+    padded[:, :T] = torch.stack(s_dx)
+    return None, None, partials, dx, dwg, dwu, dwd, SharedGrads(padded[:, :T], *s_dw)
 
 
 def _emulated_saved(leaves, idx, E_loc):
@@ -319,6 +323,7 @@ def _cpu_problem(R, T, H, I, E_loc, K, Is, routing, gen):
 
 @pytest.mark.parametrize("R,T,K,E_loc,Is,routing", [
     (1, 40, 4, 8, 64, "skew"), (3, 30, 3, 2, 64, "silent_rank"), (4, 16, 10, 4, 0, "uniform"),
+    (8, 1, 2, 2, 64, "uniform"),
     (5, 9, 2, 1, 64, "empty_expert")])
 def test_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc, Is, routing,
                                                                   gen, monkeypatch):
@@ -340,6 +345,7 @@ def test_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc
                         lambda *a, **kw: in_launch.append(1) or _emulated_expert_grads(*a, **kw))
     monkeypatch.setattr(token_ops, "gather_rows", token_ops.gather_rows_ref)
     def weighted_ksum(y, w, shared=None, out=None, row_index=None):
+        assert shared is None or shared.is_contiguous()  # the kernel's precondition
         return token_ops.weighted_ksum_ref(token_ops.gather_rows_ref(y, row_index), w, shared)
 
     monkeypatch.setattr(token_ops, "weighted_ksum", weighted_ksum)

@@ -66,7 +66,7 @@ def shared_rank_by_rank():
     from mok_cute import megakernel_backward as mb
     from mok_cute.expert_backward import shared_backward_rank_by_rank
 
-    def rank_by_rank(shared, wgrads=True, timeout_ms=0.0, check=False):
+    def rank_by_rank(shared, wgrads=True, timeout_ms=0.0, check=False, main_grads=None):
         dx, dw = shared_backward_rank_by_rank(shared.d_out, shared.x, shared[2:5],
                                               shared.preact)
         return mb.SharedGrads(torch.stack(dx), *dw)
