@@ -100,9 +100,7 @@ def mark_added_to_main_grad(weights, targets: MainGradTargets | None) -> None:
 
 
 def _dummy(weight: torch.Tensor, dummy: int) -> torch.Tensor | None:
-    if dummy == ZERO_DUMMY:
-        return torch.zeros_like(weight)
-    return torch.empty_like(weight) if dummy == EMPTY_DUMMY else None
+    return _dummy_of((weight.shape, weight.dtype, weight.device), dummy)
 
 
 def _dummy_of(like: tuple, dummy: int) -> torch.Tensor | None:
