@@ -625,7 +625,8 @@ def test_the_shared_expert_in_the_launch_is_shared_backward_bitwise(name):
     of the launch give ``expert_backward.shared_backward``'s bits (its launches on one expert
     over the tokens), the routed outputs those of the launch without it, twice over poisoned
     memory (T = 77 and Is = 192: a partial token tile and a partial FC2 N-tile); so do its
-    tasks alone (``shared_expert_grads``), for one rank and for two ranks' experts at once."""
+    tasks alone (``shared_expert_grads``), for one rank and for two ranks' experts at once;
+    and with main_grad buffers for some of its weights (the accumulating build)."""
     import mok_cute as mok
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -677,6 +678,23 @@ def test_the_shared_expert_in_the_launch_is_shared_backward_bitwise(name):
         for label, a, b in zip(("dx", "dWs_gate", "dWs_up", "dWs_down"), (g[r] for g in two),
                                (dx_r, *dw_r)):
             assert torch.equal(a, b), f"{name}: rank {r} of two, {label}"
+    # main_grad buffers (the accumulating build): with the routed experts, and alone over two
+    # ranks; from zeros the bf16 bits, dWs_up left without a buffer comes back in bf16
+    bufs = [torch.zeros(t.shape, device="cuda") for t in sh]
+    *got, s = mb.expert_grads(*routed, check=True, shared=shared,
+                              main_grads=eb.MainGrads(None, None, None, bufs[0], None, bufs[2]))
+    assert (s.w_gate, s.w_down) == (None, None) and torch.equal(s.w_up, want_dw[1])
+    for label, a, b in zip(("dW_gate", "dW_up", "dW_down"), got[4:], want_routed[4:]):
+        assert torch.equal(a, b), f"{name}: {label} with the shared main_grads"
+    for label, buf, b in (("dWs_gate", bufs[0], want_dw[0]), ("dWs_down", bufs[2], want_dw[2])):
+        assert torch.equal(buf.to(torch.bfloat16), b), f"{name}: {label} into main_grad"
+    bufs2 = [torch.zeros(2, *t.shape, device="cuda") for t in sh]
+    two_mg = mb.shared_expert_grads(mb.SharedExpert(
+        torch.stack([d_out, d_out2]), *(both(t) for t in (x, *sh, saved.shared_preact))),
+        check=True, main_grads=eb.MainGrads(None, None, None, *bufs2))
+    assert torch.equal(two_mg.dx, two.dx) and two_mg[1:] == (None, None, None)
+    for i, label in enumerate(("dWs_gate", "dWs_up", "dWs_down")):
+        assert torch.equal(bufs2[i].to(torch.bfloat16), two[1 + i]), f"{name}: two ranks, {label}"
 
 
 @pytest.mark.gpu
