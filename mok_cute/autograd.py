@@ -332,15 +332,13 @@ def _as_passed(ctx, grads: tuple) -> tuple:
     the rest that take none). The ops have no defaulted arguments: torch versions differ in
     whether the dispatcher hands autograd a trailing argument left at its default (2.11's
     ADInplaceOrView kernel indexed past the end: every training call failed on the H200)."""
-    count = len(ctx.needs_input_grad)
-    return (*grads, *(None,) * (count - len(grads)))[:count]
+    return (*grads, *(None,) * (len(ctx.needs_input_grad) - len(grads)))
 
 
 def _keep_main_grads(ctx, fused) -> None:
-    """A forward op's main_grad arguments (and dummy list) on the context, not saved (module
-    doc); none given: six Nones."""
-    ctx.main_grads = tuple(fused[:6]) if fused else _NO_MAIN_GRADS
-    ctx.dummies = fused[6] if len(fused) > 6 else None
+    """A forward op's six main_grad arguments and its dummy list on the context, not saved
+    (module doc); the op called with buffers but no dummy list: no dummies."""
+    ctx.main_grads, ctx.dummies = tuple(fused[:6]), fused[6]
     if ctx.dummies is None and any(mg is not None for mg in ctx.main_grads):
         ctx.dummies = [NO_DUMMY] * 6
 
