@@ -156,8 +156,8 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int, main_grads=None):
     views are fine: only the last mode must be contiguous). Returns C (and C2) [E, M, N].
     ``main_grads``: (C's, C2's) fp32 [E, M, N] buffers or None each: the launch adds C into
     them instead (``gemm_wgrad(accumulate=True)``) and returns None for each buffer given
-    (``megakernel_backward.wgrad_outputs``: zeros stand in for a missing one)."""
-    from mok_cute.megakernel_backward import wgrad_outputs
+    (``kernels.gemm_wgrad.wgrad_outputs``: zeros stand in for a missing one)."""
+    from mok_cute.kernels.gemm_wgrad import wgrad_outputs
 
     n = b.shape[1]
     gated = a2 is not None

@@ -484,6 +484,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     # the weight gradients' operands, (cols, rows, 1) with cols contiguous
     dg_t, du_t, dy_t, hw_t = (a.t().unsqueeze(2) for a in
                               (d_preact[:, :inter], d_preact[:, inter:], d_rows, hw))
+    from mok_cute.kernels.gemm_wgrad import wgrad_outputs
+
     accumulate = wgrads and main_grads is not None
     routed_buffers = tuple(main_grads[:3]) if accumulate and routed else None
     dw, dw_returned = (), lambda: ()
@@ -552,8 +554,8 @@ def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads
     fill (their weight gradients with ``wgrads``) and a function giving the ``SharedGrads`` to
     return once the launch is queued, or (None, None, a function giving None) without one.
     ``buffers``: (dWs_gate, dWs_up, dWs_down) main_grad buffers or None each, shaped as the
-    shared weights (the accumulating build: ``wgrad_outputs``). The launch's buffers pad each
-    rank's rows to whole tiles (``kernels/megakernel/backward_shared.py``)."""
+    shared weights (the accumulating build: ``gemm_wgrad.wgrad_outputs``). The launch's
+    buffers pad each rank's rows to whole tiles (``kernels/megakernel/backward_shared.py``)."""
     if shared is None:
         return None, None, lambda: None
     tokens, inter, ranks = dims
@@ -574,6 +576,8 @@ def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads
     dw, dw_returned = (None, None, None), lambda: (None, None, None)
     outs = (w_gate, w_up, w_down)  # no weight-gradient task runs: stand-ins never written
     if wgrads:
+        from mok_cute.kernels.gemm_wgrad import wgrad_outputs
+
         if buffers is not None and not ranked:
             buffers = tuple(None if b is None else b.unsqueeze(0) for b in buffers)
         dw, dw_returned = wgrad_outputs([w.shape for w in outs], device, buffers,
@@ -592,24 +596,6 @@ def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads
 
     return (args, unranked(SharedGrads(dx[:, :tokens], *dw)),
             lambda: unranked(SharedGrads(dx[:, :tokens], *dw_returned())))
-
-
-def wgrad_outputs(shapes, device, buffers, name: str):
-    """The weight-gradient outputs of a launch (weights of ``shapes``) and what it returns for
-    them once queued: bf16 ones (``buffers`` None), or, for the build that adds into fp32,
-    each weight's main_grad buffer (None returned: the gradient went there) or fp32 zeros
-    where a weight has none (returned rounded to bf16: the bf16 build's bits)."""
-    if buffers is None:
-        outs = tuple(torch.empty(shape, dtype=torch.bfloat16, device=device) for shape in shapes)
-        return outs, lambda: outs
-    for i, (shape, b) in enumerate(zip(shapes, buffers)):
-        if b is not None:  # contiguous too
-            check_tensor(f"{name}[{i}]", b, shape=tuple(shape), dtype=torch.float32,
-                         device=device)
-    outs = tuple(torch.zeros(shape, dtype=torch.float32, device=device) if b is None else b
-                 for shape, b in zip(shapes, buffers))
-    return outs, lambda: tuple(None if b is not None else o.to(torch.bfloat16)
-                               for o, b in zip(outs, buffers))
 
 
 _SHARED_ROWS: dict[tuple, tuple] = {}

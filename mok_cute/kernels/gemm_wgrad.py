@@ -34,9 +34,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+import torch
 from cutlass import Int32, const_expr
 
 from mok_cute import jit
+from mok_cute.config import check_tensor
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90
 
@@ -301,3 +303,22 @@ def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
     c2 = common.fake_kmajor_tensor(c_type, (m, n, experts)) if gated else None
     return cute.compile(gemm, a, a2, b, c, c2, common.fake_vector(Int32), common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
+
+
+# ---------------------------------------------------------------------- torch side
+def wgrad_outputs(shapes, device, buffers, name: str):
+    """The weight-gradient outputs of a launch (weights of ``shapes``) and what it returns for
+    them once queued: bf16 ones (``buffers`` None), or, for the build that adds into fp32,
+    each weight's main_grad buffer (None returned: the gradient went there) or fp32 zeros
+    where a weight has none (returned rounded to bf16: the bf16 build's bits)."""
+    if buffers is None:
+        outs = tuple(torch.empty(shape, dtype=torch.bfloat16, device=device) for shape in shapes)
+        return outs, lambda: outs
+    for i, (shape, b) in enumerate(zip(shapes, buffers)):
+        if b is not None:  # contiguous too
+            check_tensor(f"{name}[{i}]", b, shape=tuple(shape), dtype=torch.float32,
+                         device=device)
+    outs = tuple(torch.zeros(shape, dtype=torch.float32, device=device) if b is None else b
+                 for shape, b in zip(shapes, buffers))
+    return outs, lambda: tuple(None if b is not None else o.to(torch.bfloat16)
+                               for o, b in zip(outs, buffers))

@@ -44,7 +44,7 @@ from mok_cute import fp8, jit
 from mok_cute.config import describe
 from mok_cute.kernels import common
 from mok_cute.kernels.fp8_mainloop import TwoPartialMainloop, ffma
-from mok_cute.kernels.gemm_wgrad import WgradGemmSm90
+from mok_cute.kernels.gemm_wgrad import WgradGemmSm90, wgrad_outputs
 
 GROUP = fp8.GROUP  # 128 rows: one scale group, one k-tile
 WG_ROWS = 64  # M rows per consumer warpgroup
@@ -205,8 +205,6 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
     first row (multiples of 128); an expert with no rows gets zeros. No host sync.
     ``main_grads``: (C's, C2's) fp32 buffers or None each, added into instead (None returned
     for each given; ``expert_backward.wgrad``'s rule)."""
-    from mok_cute.megakernel_backward import wgrad_outputs
-
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected a positive int, got {describe(num_experts)}")
     m, rows = _check_operand("a_t", a_t, e_a)
