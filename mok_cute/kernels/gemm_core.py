@@ -93,6 +93,12 @@ class GemmCoreSm90:
         self.b_smem_layout_staged = None
         self.epi_smem_layout_staged = None
 
+    def fp32_epilogue(self) -> None:
+        """For fp32 outputs (weight gradients added into main_grad): half the epilogue stages,
+        so the epilogue buffers keep their bytes and the operand stages their count."""
+        self.epi_stages //= 2
+        self.epi_buffers //= 2
+
     # ------------------------------------------------------------------ derived attributes
     def _setup_attributes(self):
         """The tiled MMA, the stage count (what smem holds beside the epilogue buffers) and

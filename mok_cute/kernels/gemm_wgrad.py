@@ -65,9 +65,8 @@ class WgradGemmSm90(GemmCoreSm90):
         self.group_m = group_m
         self.num_sms = num_sms
         self.accumulate = accumulate
-        if accumulate:  # fp32 buffers twice bf16's: two stages keep the operand stages' smem
-            self.epi_stages = 2
-            self.epi_buffers = self.epi_stages * 2
+        if accumulate:
+            self.fp32_epilogue()
 
     def _setup_attributes(self):
         super()._setup_attributes()

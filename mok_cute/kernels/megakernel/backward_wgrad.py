@@ -60,8 +60,7 @@ class WgradForm(GemmCoreSm90):
         self.c_dtype = Float32 if accumulate else BFloat16
         self.accumulate = accumulate
         if accumulate:
-            self.epi_stages = 2
-            self.epi_buffers = self.epi_stages * 2
+            self.fp32_epilogue()
         self._setup_attributes()
         self.ab_stages = stages
         # one 128 x 64 MN-major box per stage (8192 elements, the dgrads' A box size)
