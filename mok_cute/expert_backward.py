@@ -338,6 +338,12 @@ def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_ga
     return dwg, dwu, dwd
 
 
+def rank_views(buffers, r: int):
+    """Rank ``r``'s views of main_grad buffers with a leading rank dimension (None each where
+    absent), or None without buffers."""
+    return None if buffers is None else tuple(None if b is None else b[r] for b in buffers)
+
+
 def _buffers(main, begin: int, end: int):
     """``main[begin:end]``, the main_grad buffers of one launch's outputs, or None when it has
     none of them (that launch stores bf16)."""
@@ -421,10 +427,8 @@ def shared_backward_ranks(d_out, xs, shared, shared_preact, needs: Needs = Needs
 def shared_backward_rank_by_rank(d_out, xs, shared, shared_preact, needs: Needs = Needs(),
                                  options: ExpertPathOptions = ExpertPathOptions(), main=None):
     """``shared_backward_ranks``' result from ``shared_backward``'s launches, rank by rank."""
-    rank_main = lambda r: None if main is None else tuple(  # noqa: E731
-        None if b is None else b[r] for b in main)
     per_rank = [shared_backward(d_out[r], xs[r], tuple(w[r] for w in shared), shared_preact[r],
-                                needs, options, rank_main(r)) for r in range(xs.shape[0])]
+                                needs, options, rank_views(main, r)) for r in range(xs.shape[0])]
     grads = tuple(None if per_rank[0][1][i] is None
                   else torch.stack([g[i] for _, g in per_rank]) for i in range(3))
     return [dx for dx, _ in per_rank], grads

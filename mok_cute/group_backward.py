@@ -61,8 +61,8 @@ import torch
 
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
 from mok_cute.constants import SLOT_ROW_BYTES
-from mok_cute.expert_backward import (MainGrads, Needs, _dgrads, _weight_grads, row_partial_sums,
-                                      shared_backward_ranks, shared_in_launch,
+from mok_cute.expert_backward import (MainGrads, Needs, _dgrads, _weight_grads, rank_views,
+                                      row_partial_sums, shared_backward_ranks, shared_in_launch,
                                       wanted_shared_grads)
 from mok_cute.expert_path_fp8 import padded
 
@@ -233,9 +233,7 @@ def _stacked(grads: list):
 
 def _rank_main(main_grads: MainGrads | None, r: int) -> MainGrads | None:
     """Local rank ``r``'s views of ``main_grads``' [L, ...] buffers."""
-    if main_grads is None:
-        return None
-    return MainGrads(*(None if b is None else b[r] for b in main_grads))
+    return None if main_grads is None else MainGrads(*rank_views(main_grads, r))
 
 
 def _shared_main(main_grads: MainGrads | None):
