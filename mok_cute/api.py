@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from . import reference
 from .config import (
+    WEIGHT_NAMES,
     MoKConfig,
     check_bool,
     PendingIdCheck,
@@ -391,8 +392,6 @@ def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
 
 
 # the expert weights in expert_backward.MainGrads order, named as check_moe_inputs names them
-_WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "shared[0] (ws_gate)", "shared[1] (ws_up)",
-                 "shared[2] (ws_down)")
 
 
 def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
@@ -422,7 +421,7 @@ def _main_grad_targets(config: MoKConfig, needs_grad: bool, w_gate, w_up, w_down
 
     weights = (w_gate, w_up, w_down, *(shared if shared is not None else (None,) * 3))
     buffers = tuple(_main_grad_of(name, w) if w is not None and w.requires_grad else None
-                    for name, w in zip(_WEIGHT_NAMES, weights))
+                    for name, w in zip(WEIGHT_NAMES, weights))
     if all(b is None for b in buffers):
         return None
     return MainGradTargets(buffers, tuple(NO_DUMMY if b is None else dummy_mode(w)

@@ -356,6 +356,12 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+# The expert weights' names in error messages, in the order the layer takes them (the shared
+# expert's as items of ``shared``)
+WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "shared[0] (ws_gate)", "shared[1] (ws_up)",
+                "shared[2] (ws_down)")
+
+
 def check_moe_inputs(
     x: object,
     topk_idx: object,
@@ -448,20 +454,20 @@ def check_moe_inputs(
                 f"got {describe(shared)}"
             )
         ws_gate, ws_up, ws_down = shared
-        ws_gate = check_tensor("shared[0] (ws_gate)", ws_gate, dtype=act_dtypes, device=device, contiguous=contiguous)
+        ws_gate = check_tensor(WEIGHT_NAMES[3], ws_gate, dtype=act_dtypes, device=device, contiguous=contiguous)
         if ws_gate.dim() != 2 + lead or (stacked and ws_gate.shape[0] != R) or ws_gate.shape[-1] != H:
             raise ValueError(
-                f"shared[0] (ws_gate): expected shape {_shape_text(pre_n + ('Is', H))}, "
+                f"{WEIGHT_NAMES[3]}: expected shape {_shape_text(pre_n + ('Is', H))}, "
                 f"got {_shape_text(tuple(ws_gate.shape))}"
             )
         Is = ws_gate.shape[lead]
         if Is < 1:
-            raise ValueError(f"shared[0] (ws_gate): expected Is >= 1 rows, got shape {_shape_text(tuple(ws_gate.shape))}")
+            raise ValueError(f"{WEIGHT_NAMES[3]}: expected Is >= 1 rows, got shape {_shape_text(tuple(ws_gate.shape))}")
         check_tensor(
-            "shared[1] (ws_up)", ws_up, shape=pre_n + (Is, H), dtype=act_dtypes, device=device, contiguous=contiguous
+            WEIGHT_NAMES[4], ws_up, shape=pre_n + (Is, H), dtype=act_dtypes, device=device, contiguous=contiguous
         )
         check_tensor(
-            "shared[2] (ws_down)", ws_down, shape=pre_n + (H, Is), dtype=act_dtypes, device=device, contiguous=contiguous
+            WEIGHT_NAMES[5], ws_down, shape=pre_n + (H, Is), dtype=act_dtypes, device=device, contiguous=contiguous
         )
 
     return MoEDims(R, T, H, K, E_loc, I, Is)
