@@ -56,7 +56,7 @@ class WgradGemmSm90(GemmCoreSm90):
     """
 
     def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
-                 accumulate: bool = False, prefetch_c: str = ""):
+                 accumulate: bool = False):
         # each warpgroup is a whole single-warpgroup MMA over its 128 rows (the pingpong
         # layout: 64 x 32 epilogue subtiles, buffers and barriers per warpgroup)
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
@@ -65,9 +65,6 @@ class WgradGemmSm90(GemmCoreSm90):
         self.group_m = group_m
         self.num_sms = num_sms
         self.accumulate = accumulate
-        # EXPERIMENT: the store warp prefetches its main_grad tile into L2 (TMA) as the
-        # tile's mainloop starts, so its reduce-adds hit L2
-        self.prefetch_c = prefetch_c if accumulate else ""  # "", "consumer" or "producer"
         if accumulate:
             self.fp32_epilogue()
 
@@ -114,18 +111,11 @@ class WgradGemmSm90(GemmCoreSm90):
             tma_c2, t_c2 = mk(s2g, mC2, epi_layout, self.epi_tile)
         tma_b, t_b = mk(g2s, mB, b_layout, (tile_n, tile_k))
         tma_c, t_c = mk(s2g, mC, epi_layout, self.epi_tile)
-        tma_pc, t_pc, tma_pc2, t_pc2 = None, None, None, None
-        if const_expr(self.prefetch_c != ""):
-            box = (self.wg_rows, tile_n)
-            box_layout = cute.make_layout(box, stride=(tile_n, 1))
-            tma_pc, t_pc = mk(g2s, mC, box_layout, box)
-            if const_expr(self.gated):
-                tma_pc2, t_pc2 = mk(g2s, mC2, box_layout, box)
 
         self.shared_storage = self.make_shared_storage(a_tiles_per_stage=2)
         self.kernel(tma_a, t_a, tma_a2, t_a2, tma_b, t_b, tma_c, t_c, tma_c2, t_c2, mOffsets,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
-                    self.epi_smem_layout_staged, mEA, mEA2, mEB, tma_pc, t_pc, tma_pc2, t_pc2
+                    self.epi_smem_layout_staged, mEA, mEA2, mEB
                     ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                              min_blocks_per_mp=1, stream=stream)
 
@@ -138,9 +128,7 @@ class WgradGemmSm90(GemmCoreSm90):
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout, mEA: Optional[cute.Tensor],
-               mEA2: Optional[cute.Tensor], mEB: Optional[cute.Tensor],
-               tma_pc: Optional[cute.CopyAtom] = None, mPC: Optional[cute.Tensor] = None,
-               tma_pc2: Optional[cute.CopyAtom] = None, mPC2: Optional[cute.Tensor] = None):
+               mEA2: Optional[cute.Tensor], mEB: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -176,19 +164,6 @@ class WgradGemmSm90(GemmCoreSm90):
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, 0, single, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
 
-        tPgP = None
-        tPgP2 = None
-        if const_expr(self.prefetch_c != ""):
-            box = (self.wg_rows, tile_n)
-            s_box = cute.make_tensor(storage.sC.data_ptr(),
-                                     cute.make_layout(box, stride=(tile_n, 1)))
-            _, tPgP = cute.nvgpu.cpasync.tma_partition(
-                tma_pc, 0, single, cute.group_modes(s_box, 0, 2),
-                cute.group_modes(cute.local_tile(mPC, box, (None, None, None)), 0, 2))
-            if const_expr(self.gated):
-                _, tPgP2 = cute.nvgpu.cpasync.tma_partition(
-                    tma_pc2, 0, single, cute.group_modes(s_box, 0, 2),
-                    cute.group_modes(cute.local_tile(mPC2, box, (None, None, None)), 0, 2))
         # M-tiles: gated, wg_rows weight rows of both gate and up; else two blocks of them
         m_blocks = cute.size(gA, mode=[2])
         num_m_tiles = m_blocks if const_expr(self.gated) else (m_blocks + 1) // 2
@@ -210,13 +185,6 @@ class WgradGemmSm90(GemmCoreSm90):
                     expert, m_tile, n_tile = self._tile(tile_idx, num_m_tiles, num_n_tiles)
                     k0, k_tiles = self._rows(mOffsets, expert)
                     m0 = m_tile if const_expr(self.gated) else 2 * m_tile
-                    if const_expr(self.prefetch_c == "producer"):
-                        with cute.arch.elect_one():
-                            cute.prefetch(tma_pc, tPgP[(None, m0, n_tile, expert)])
-                            if const_expr(self.gated):
-                                cute.prefetch(tma_pc2, tPgP2[(None, m_tile, n_tile, expert)])
-                            else:
-                                cute.prefetch(tma_pc, tPgP[(None, m0 + 1, n_tile, expert)])
                     for k in range(k_tiles):
                         ab_pipeline.producer_acquire(state)
                         bar = ab_pipeline.producer_get_barrier(state)
@@ -257,16 +225,6 @@ class WgradGemmSm90(GemmCoreSm90):
                 expert, m_tile, n_tile = self._tile(tile_idx, num_m_tiles, num_n_tiles)
                 k0, k_tiles = self._rows(mOffsets, expert)
                 block = m_tile if const_expr(self.gated) else 2 * m_tile + wg
-                if const_expr(self.prefetch_c == "consumer"):
-                    if is_store_warp:
-                        with cute.arch.elect_one():
-                            if const_expr(self.gated):
-                                if wg == 0:
-                                    cute.prefetch(tma_pc, tPgP[(None, block, n_tile, expert)])
-                                else:
-                                    cute.prefetch(tma_pc2, tPgP2[(None, block, n_tile, expert)])
-                            else:
-                                cute.prefetch(tma_pc, tPgP[(None, block, n_tile, expert)])
                 if k_tiles > 0:
                     self.tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
                                   num_k_blocks, (mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx,
@@ -324,14 +282,12 @@ class WgradGemmSm90(GemmCoreSm90):
 
 
 def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                       arch: str = "sm_90a", options: str = "", accumulate: bool = False,
-                       prefetch_c: str = ""):
+                       arch: str = "sm_90a", options: str = "", accumulate: bool = False):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` (M / N contiguous), ``C (M, N, E)``, ``C2`` (gated) or None (N
     contiguous; fp32 with ``accumulate``), the int32 expert row offsets; it runs on torch's
     current stream."""
-    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate,
-                         prefetch_c=prefetch_c)
+    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
     bf16 = cutlass.BFloat16
     rows = cute.sym_int32()  # the shared expert's K is every token: any count
     m, n, experts = (cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8),
