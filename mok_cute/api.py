@@ -391,9 +391,6 @@ def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
         t.requires_grad for t in (x, topk_weights, w_gate, w_up, w_down, *(shared or ())))
 
 
-# the expert weights in expert_backward.MainGrads order, named as check_moe_inputs names them
-
-
 def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
     """``weight.main_grad``, checked: an fp32 tensor of the weight's shape on its device,
     contiguous (the kernels add into it by TMA); else ValueError naming it."""

@@ -357,7 +357,7 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 # The expert weights' names in error messages, in the order the layer takes them (the shared
-# expert's as items of ``shared``)
+# expert's as items of ``shared``; expert_backward.MainGrads' order too)
 WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "shared[0] (ws_gate)", "shared[1] (ws_up)",
                 "shared[2] (ws_down)")
 
