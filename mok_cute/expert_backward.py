@@ -57,6 +57,16 @@ class MainGrads(NamedTuple):
     ws_up: torch.Tensor | None = None
     ws_down: torch.Tensor | None = None
 
+    @property
+    def routed(self) -> tuple:
+        """The routed experts' buffers: (w_gate's, w_up's, w_down's)."""
+        return tuple(self[:3])
+
+    @property
+    def shared(self) -> tuple:
+        """The shared expert's buffers: (ws_gate's, ws_up's, ws_down's)."""
+        return tuple(self[3:])
+
 
 class IndexedRows(NamedTuple):
     """Rows ``source[index[r]]`` left in place (a zero row where ``index[r]`` is outside the
@@ -509,11 +519,11 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
             saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
             needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
             rows_per_expert=rows_per_expert,
-            main=None if main_grads is None else main_grads[:3])
+            main=None if main_grads is None else main_grads.routed)
         if shared is not None:
             shared_dx, d_shared = shared_backward(d_out, x, shared, saved.shared_preact, needs,
                                                   options,
-                                                  None if main_grads is None else main_grads[3:])
+                                                  None if main_grads is None else main_grads.shared)
 
     d_x = None
     if needs.x:

@@ -161,7 +161,9 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                 _stacked([g[i] for g in s]) for i in (1, 2, 3))), needs)
         else:
             shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
-                                                        needs, options, _shared_main(main_grads))
+                                                        needs, options,
+                                                        None if main_grads is None
+                                                        else main_grads.shared)
         num_experts = P * E_loc
         routed = (topk_idx >= 0) & (topk_idx < num_experts)  # [L, T, K]: the slots given a row
         d_xs = d_topk = None
@@ -199,7 +201,9 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
         in_launch = _shared_experts(d_out, xs, shared, saved)
     else:
         shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
-                                                    needs, options, _shared_main(main_grads))
+                                                    needs, options,
+                                                    None if main_grads is None
+                                                    else main_grads.shared)
     d_x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     d_topk = torch.empty(T, K, dtype=torch.float32, device=dev)
     tail = GroupTail(plan.scalars, plan.backward_error, topk_idx[0].to(torch.int32).contiguous(),
@@ -234,12 +238,6 @@ def _stacked(grads: list):
 def _rank_main(main_grads: MainGrads | None, r: int) -> MainGrads | None:
     """Local rank ``r``'s views of ``main_grads``' [L, ...] buffers."""
     return None if main_grads is None else MainGrads(*rank_views(main_grads, r))
-
-
-def _shared_main(main_grads: MainGrads | None):
-    """The shared expert's three [L, ...] buffers of ``main_grads`` (``shared_backward_ranks``'
-    ``main``), or None."""
-    return None if main_grads is None else tuple(main_grads[3:])
 
 
 def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None,
@@ -341,7 +339,7 @@ def _fp8_routed(plan, saved, w_gate, w_up, w_down, needs: Needs, options: Expert
                                        needs.w_down, fp8=True,
                                        rows_per_expert=routed_per_expert,
                                        main=None if main_grads is None
-                                       else _rank_main(main_grads, r)[:3])
+                                       else _rank_main(main_grads, r).routed)
         dwg.append(gate)
         dwu.append(up)
         dwd.append(down)

@@ -455,7 +455,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     shared_dims = (0, 0, 0) if shared is None else check_shared(shared, hidden, device)
     if rows == 0:  # no schedule row: nothing to launch (no expert has rows: zero gradients)
         # (a main_grad buffer gets nothing added: None returned for it)
-        buffers = tuple(main_grads[:3]) if main_grads is not None else (None,) * 3
+        buffers = main_grads.routed if main_grads is not None else (None,) * 3
         dw = tuple(torch.zeros_like(w) if b is None else None
                    for w, b in zip((w_gate, w_up, w_down), buffers)) if wgrads else ()
         pulled = (d_rows, x_rows) if comm else ()
@@ -487,7 +487,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     from mok_cute.kernels.gemm_wgrad import wgrad_outputs
 
     accumulate = wgrads and main_grads is not None
-    routed_buffers = tuple(main_grads[:3]) if accumulate and routed else None
+    routed_buffers = main_grads.routed if accumulate and routed else None
     dw, dw_returned = (), lambda: ()
     if wgrads and routed:  # every tile of every expert is stored (zeros for an expert without rows)
         dw, dw_returned = wgrad_outputs([w.shape for w in (w_gate, w_up, w_down)], device,
@@ -507,7 +507,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
         c_args = (t.comm_queue, tile_expert, tile_expert, tile_expert, t.error, _placeholder(device),
                   d_rows, d_rows, dx_rows)
     s_args, s_grads, s_returned = _shared_args(shared, shared_dims, wgrads, device,
-                                               tuple(main_grads[3:]) if accumulate else None)
+                                               main_grads.shared if accumulate else None)
     if s_args is None:  # no shared task runs: the routed tensors of the same kinds stand in
         s_args = (d_rows.unsqueeze(2), w_down[0].t().unsqueeze(2), d_preact.unsqueeze(2),
                   *(w[0].t().unsqueeze(2) for w in (w_gate, w_up)),

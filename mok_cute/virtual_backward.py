@@ -243,8 +243,8 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
     if main_grads is not None:
         # views (a copy would take the gradients away from the caller's buffers)
         routed_main = tuple(None if b is None else b.view(R * E_loc, *b.shape[2:])
-                            for b in main_grads[:3])
-        shared_main = tuple(main_grads[3:])
+                            for b in main_grads.routed)
+        shared_main = main_grads.shared
     if shared_in_launch(shared, precision, needs):
         # every GEMM in one launch, every rank's shared expert too
         from mok_cute import megakernel_backward
