@@ -222,7 +222,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
                      fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None,
-                     rows_per_expert: float = 0.0, main=None):
+                     rows_per_expert: float = 0.0, main=None, timeline=None):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
@@ -234,7 +234,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     ``d_rows``, ``x_rows``: the padded rows in order, or ``IndexedRows`` that the
     FP8 quantizers read in place (``routed_rows``; gathered for any other reader).
     ``main``: (dW_gate's, dW_up's, dW_down's) main_grad buffers or None each (``_weight_grads``;
-    None returned for each given)."""
+    None returned for each given). ``timeline``: the megakernel launch's recorder buffer."""
     if not (want_dx or want_gate_up or want_down or want_partials):
         return None, None, None, None, None
     if dgrads == "megakernel" and want_gate_up and want_down and not fp8:
@@ -243,7 +243,8 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
         _, _, partials, dx_rows, dwg, dwu, dwd = megakernel_backward.expert_grads(
             materialized(d_rows), materialized(x_rows), w_gate, w_up, w_down, preact, row_slot,
             weights, tile_expert, num_tiles, offsets,
-            main_grads=None if _buffers(main, 0, 3) is None else MainGrads(*main))
+            main_grads=None if _buffers(main, 0, 3) is None else MainGrads(*main),
+            timeline=timeline)
         return dx_rows, dwg, dwu, dwd, partials
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
@@ -463,7 +464,7 @@ def shared_in_launch(shared, precision: str, needs: Needs) -> bool:
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
                  options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16",
-                 dgrads: str = "kernels", main_grads: MainGrads | None = None):
+                 dgrads: str = "kernels", main_grads: MainGrads | None = None, timeline=None):
     """Every gradient of ``expert_path.moe_forward_kernel(..., save=True)`` (or of
     ``expert_path_fp8.moe_forward_fp8(..., save=True)`` with ``precision="fp8"``: the routed
     experts' dgrads in FP8 and, where ``fp8_weight_grads`` says so, their weight gradients,
@@ -474,9 +475,15 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     one backward-megakernel launch ("megakernel"; the same bits), which also runs their
     weight gradients when all three are wanted, and then the shared expert's backward too
     (``shared_in_launch``). ``main_grads``: the weights' fp32 main_grad buffers (``MainGrads``);
-    each weight gradient with one is added into it and returned as None."""
+    each weight gradient with one is added into it and returned as None. ``timeline``: a
+    ``mok_cute.timeline.TimelineBuffer`` that the one backward-megakernel launch records into
+    (``dgrads="megakernel"`` with every weight gradient wanted)."""
     if dgrads not in ("kernels", "megakernel"):
         raise ValueError(f"dgrads: expected 'kernels' or 'megakernel', got {dgrads!r}")
+    if timeline is not None and not (dgrads == "megakernel" and needs.w_gate_up
+                                     and needs.w_down):
+        raise ValueError("timeline: only the one backward-megakernel launch records "
+                         "(dgrads='megakernel' with every weight gradient wanted)")
     if dgrads == "megakernel" and precision != "bf16":
         raise ValueError(f"dgrads='megakernel' runs bf16 dgrads, got precision={precision!r}")
     if not isinstance(saved, SavedForBackward):
@@ -511,7 +518,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
             saved.tile_expert, saved.num_tiles, saved.expert_offsets,
             shared=megakernel_backward.SharedExpert(
                 d_out, x.contiguous(), *(w.contiguous() for w in shared), saved.shared_preact),
-            main_grads=main_grads)
+            main_grads=main_grads, timeline=timeline)
         shared_dx, d_shared = s.dx, wanted_shared_grads(s, needs)
     else:
         dx_rows, dwg, dwu, dwd, partials = _expert_backward(
@@ -519,7 +526,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
             saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
             needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
             rows_per_expert=rows_per_expert,
-            main=None if main_grads is None else main_grads.routed)
+            main=None if main_grads is None else main_grads.routed, timeline=timeline)
         if shared is not None:
             shared_dx, d_shared = shared_backward(d_out, x, shared, saved.shared_preact, needs,
                                                   options,

@@ -246,7 +246,7 @@ def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_
 
 def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                  num_tiles, expert_offsets, timeout_ms: float = 10_000.0, check: bool = False,
-                 shared: SharedExpert | None = None, main_grads=None):
+                 shared: SharedExpert | None = None, main_grads=None, timeline=None):
     """Every GEMM of the routed experts' backward in one launch: ``expert_dgrads``' four
     outputs, then dW_gate, dW_up [E, I, H] and dW_down [E, H, I] (``expert_backward.wgrad``'s
     bits). x_rows [M, H]: the x row of each schedule row (zeros on padding rows, as d_rows);
@@ -254,7 +254,9 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
     expert's backward in the launch too, its ``SharedGrads`` appended
     (``expert_backward.shared_backward``'s bits). ``main_grads``: an
     ``expert_backward.MainGrads`` (buffers of these weights' and the shared expert's shapes):
-    the weight gradients are added into its buffers, None returned for them (``_launch``)."""
+    the weight gradients are added into its buffers, None returned for them (``_launch``).
+    ``timeline``: a ``mok_cute.timeline.TimelineBuffer`` that the recorder build fills with
+    every task's span (``kernels/megakernel/backward_recorder.py``)."""
     if x_rows is None or x_rows.shape != d_rows.shape:
         raise ValueError(f"x_rows: expected the schedule's rows {tuple(d_rows.shape)}, got "
                          f"{None if x_rows is None else tuple(x_rows.shape)}")
@@ -263,7 +265,7 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
                          f"{w_gate.shape[0]} experts, got {tuple(expert_offsets.shape)}")
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                    num_tiles, expert_offsets, timeout_ms, check, shared=shared,
-                   main_grads=main_grads)
+                   main_grads=main_grads, timeline=timeline)
 
 
 def shared_expert_grads(shared: SharedExpert, wgrads: bool = True,
@@ -382,7 +384,8 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
                             num_tiles, expert_offsets, peers: PeerRows, wgrads: bool = True,
                             comm_ctas: int = 16, timeout_ms: float = 10_000.0,
                             check: bool = False, tail: GroupTail | None = None,
-                            shared: SharedExpert | None = None, main_grads=None):
+                            shared: SharedExpert | None = None, main_grads=None,
+                            timeline=None):
     """A rank's routed backward over a group in one launch, its comm included: pulls the
     d_out rows, router weights (into ``weights`` fp32 [slots] at each row's ``row_slot``) and,
     with ``wgrads``, x rows of its receive rows from their sources; the dgrads; pushes each
@@ -394,7 +397,7 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     record into ``tail.error``). Returns ``expert_grads``' outputs (dW only with ``wgrads``),
     bitwise theirs on the same rows; ``shared``: the shared expert's backward in the launch
     too (its ``SharedGrads`` appended; with ``tail`` the k-sums add its dx rows);
-    ``main_grads`` as ``expert_grads``'."""
+    ``main_grads``, ``timeline`` as ``expert_grads``'."""
     rows = row_slot.shape[0]
     hidden = w_gate.shape[2]
     for name, t in (("row_peer", peers.row_peer), ("row_token", peers.row_token),
@@ -416,13 +419,15 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
                 check_tensor(name, t, shape=shape, dtype=dtype, device=device)
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                    tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
-                   check, peers, comm_ctas, tail, shared, main_grads=main_grads)
+                   check, peers, comm_ctas, tail, shared, main_grads=main_grads,
+                   timeline=timeline)
 
 
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
             num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None,
             comm_ctas: int = 0, tail: GroupTail | None = None,
-            shared: SharedExpert | None = None, routed: bool = True, main_grads=None):
+            shared: SharedExpert | None = None, routed: bool = True, main_grads=None,
+            timeline=None):
     """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
     comm tasks with ``peers`` (which then fill d_rows and x_rows); the group tail with
     ``tail``; the shared expert's backward with ``shared`` (its ``SharedGrads`` appended to
@@ -432,7 +437,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     ``expert_backward.MainGrads``, with the weight gradients): the build that adds every
     weight gradient of the launch into fp32 (``accumulate_wgrads``), into the buffer given
     for a weight (None returned for it), else into zeros returned in bf16 (the bits of the
-    bf16 build: both round the fp32 accumulator to nearest)."""
+    bf16 build: both round the fp32 accumulator to nearest). ``timeline``: a
+    ``TimelineBuffer`` on this device that the recorder build fills (``expert_grads``)."""
     from mok_cute.expert_path import _num_sms, check_preact
 
     rows, hidden = d_rows.shape
@@ -446,6 +452,14 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                          f"tile_expert {tuple(tile_expert.shape)}")
     check_preact(preact, inter, row_slot, rows)
     device = d_rows.device
+    if timeline is not None:
+        from mok_cute.timeline import TimelineBuffer
+
+        if not isinstance(timeline, TimelineBuffer) or timeline.device != device:
+            raise TypeError(f"timeline: expected a mok_cute.timeline.TimelineBuffer on {device}, "
+                            f"got {type(timeline).__name__}"
+                            + (f" on {timeline.device}" if isinstance(timeline, TimelineBuffer)
+                               else ""))
     wgrads = x_rows is not None
     comm = peers is not None
     partial_cols = -(-inter // fc2_tile_n(hidden))
@@ -527,12 +541,13 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                                 fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm,
                                 ksum_top_k=top_k if tail is not None else 0,
                                 ksum_shared=ksum_shared, shared=shared is not None,
-                                accumulate_wgrads=accumulate)
+                                accumulate_wgrads=accumulate, timeline=timeline is not None)
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), dx_rows.unsqueeze(2), preact,
-           row_slot, weights, partials, t.scalars, *w_args, *c_args, *g_args, *s_args)
+           row_slot, weights, partials, t.scalars, *w_args, *c_args, *g_args, *s_args,
+           t.error if timeline is None else timeline.tensor)  # the error word: never read
     if tail is None:  # with the tail the caller records the plan's word
         t.calls += 1
         t.errors.record(t.calls)

@@ -40,19 +40,30 @@ from mok_cute.constants import TIMELINE_HEADER_WORDS as HEADER_WORDS
 from mok_cute.figures import save_png
 from mok_cute.constants import TIMELINE_RECORD_WORDS as RECORD_WORDS
 from mok_cute.tasks import Role, TaskType
+from mok_cute.tasks_backward import BackwardTaskType as BT
 
 # Field widths of the packed word0 (shift, bits).
 _PACK = {"role": (0, 8), "task_type": (8, 8), "rank": (16, 16), "sm_id": (32, 16), "cta_id": (48, 16)}
 
 
+# The span types: the forward's (``TaskType``, its WAIT / STAGE_WAIT and phases included) and
+# the backward megakernel's (``tasks_backward.BackwardTaskType``), one number space.
+SPAN_TYPES = (*TaskType, *BT)
+assert len({int(t) for t in SPAN_TYPES}) == len(SPAN_TYPES)
 # Exposed-communication accounting: which task types move data between GPUs and which compute.
-# The waits are neither: time a CTA spent spinning, inside or between its tasks.
+# The waits are neither: time a CTA spent spinning, inside or between its tasks. The
+# backward's KSUM is neither role's alone (comm and compute CTAs take its tickets).
 WAIT_TASK_TYPES = frozenset({TaskType.WAIT, TaskType.STAGE_WAIT})
-COMM_TASK_TYPES = frozenset({TaskType.DISPATCH, TaskType.COMBINE, TaskType.BARRIER})
-COMPUTE_TASK_TYPES = frozenset(
-    {TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2, TaskType.KSUM}
-)
-GEMM_TASK_TYPES = frozenset({TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2})
+COMM_TASK_TYPES = frozenset({TaskType.DISPATCH, TaskType.COMBINE, TaskType.BARRIER,
+                             BT.REVERSE_COMBINE, BT.REPULL_X, BT.REVERSE_DISPATCH, BT.BARRIER})
+GEMM_TASK_TYPES = frozenset({TaskType.FC1, TaskType.FC2, TaskType.SHARED_FC1, TaskType.SHARED_FC2,
+                             BT.FC2_DGRAD, BT.FC1_DGRAD, BT.WGRAD_GATE_UP, BT.WGRAD_DOWN,
+                             BT.SHARED_FC2_DGRAD, BT.SHARED_FC1_DGRAD, BT.SHARED_WGRAD_GATE_UP,
+                             BT.SHARED_WGRAD_DOWN})
+COMPUTE_TASK_TYPES = GEMM_TASK_TYPES | {TaskType.KSUM}
+# the comm tasks that only a comm CTA runs (a BARRIER is a compute task at one rank)
+ROW_MOVING_TYPES = frozenset({TaskType.DISPATCH, TaskType.COMBINE, BT.REVERSE_COMBINE, BT.REPULL_X,
+                              BT.REVERSE_DISPATCH})
 # Phases split a task's span: they are neither work of their own nor waits.
 PHASE_TASK_TYPES = frozenset({TaskType.EPILOGUE, TaskType.SIGNAL})
 # The pingpong GEMM's two consumer warpgroups each run their own tile, so one CTA records up to
@@ -93,10 +104,10 @@ def role_name(role: int) -> str:
 
 
 def task_name(task_type: int) -> str:
-    try:
-        return TaskType(int(task_type)).name
-    except ValueError:
-        return f"TASK{int(task_type)}"
+    for t in SPAN_TYPES:
+        if int(t) == int(task_type):
+            return t.name
+    return f"TASK{int(task_type)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +180,7 @@ class Timeline:
         for i in bad[:10]:
             problems.append(f"record {int(i)} ({task_name(rec['task_type'][i])}) ends before it starts")
         comm_runs_compute = (rec["role"] == Role.COMM) & np.isin(rec["task_type"], [int(t) for t in COMPUTE_TASK_TYPES])
-        compute_runs_comm = (rec["role"] == Role.COMPUTE) & np.isin(rec["task_type"], [TaskType.DISPATCH, TaskType.COMBINE])
+        compute_runs_comm = (rec["role"] == Role.COMPUTE) & np.isin(rec["task_type"], [int(t) for t in ROW_MOVING_TYPES])
         for i in np.nonzero(comm_runs_compute | compute_runs_comm)[0][:10]:
             problems.append(
                 f"rank {int(rec['rank'][i])} {role_name(rec['role'][i])} CTA {int(rec['cta_id'][i])} "
@@ -635,8 +646,13 @@ _WAIT_STYLE = {"facecolor": "#d0d0d0", "edgecolor": "#606060", "hatch": "////", 
 def _task_colors() -> dict[int, Any]:
     import matplotlib
 
-    cmap = matplotlib.colormaps["tab10"]
-    return {int(t): cmap(i % 10) for i, t in enumerate(t for t in TaskType if t not in WAIT_TASK_TYPES)}
+    # a recording holds the forward's types or the backward's: each family its own colours
+    cmap = matplotlib.colormaps["tab20"]
+    colors = {}
+    for family in (TaskType, BT):
+        drawn = [t for t in family if t not in WAIT_TASK_TYPES]
+        colors.update({int(t): cmap((2 * i) % 20 + (2 * i) // 20) for i, t in enumerate(drawn)})
+    return colors
 
 
 def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = None) -> Path:
@@ -664,7 +680,7 @@ def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = No
     present = []
     # Tasks first, waits last so a wait nested inside a task is drawn over it; a task's phases
     # are left to the summary and the trace (they would hide the task's own colour).
-    tasks_drawn = [t for t in TaskType if t not in WAIT_TASK_TYPES | PHASE_TASK_TYPES]
+    tasks_drawn = [t for t in SPAN_TYPES if t not in WAIT_TASK_TYPES | PHASE_TASK_TYPES]
     for t in tasks_drawn + sorted(WAIT_TASK_TYPES):
         mask = rec["task_type"] == int(t)
         if not np.any(mask):
@@ -674,7 +690,7 @@ def plot_swimlanes(tl: Timeline, path: str | os.PathLike, title: str | None = No
         for y in np.unique(ys[mask]):
             sel = mask & (ys == y)
             ax.broken_barh(list(zip(start_us[sel], dur_us[sel])), (y - 0.42, 0.84), **style)
-    unknown = ~np.isin(rec["task_type"], [int(t) for t in TaskType])  # phases are known, undrawn
+    unknown = ~np.isin(rec["task_type"], [int(t) for t in SPAN_TYPES])  # phases are known, undrawn
     if np.any(unknown):
         present_unknown = True
         for y in np.unique(ys[unknown]):

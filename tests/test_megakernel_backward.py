@@ -46,6 +46,24 @@ def test_backward_megakernel_compiles_without_spills(tmp_path, fc2_pingpong, sha
     # A K-major, B MN-major: both dgrads; both MN-major: the weight gradients
     assert bits == {("0", "1"), ("1", "1")}, bits
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
+    # the recorder is a build of its own: no record slot taken here (the bounded waits read
+    # %globaltimer in every build)
+    assert "atom.global.add.u64" not in ptx
+
+
+@pytest.mark.parametrize("static, spill_bound", [
+    ({}, 96), ({"fc2_pingpong": True}, 32), ({"comm_ctas": 16, "ksum_top_k": 8}, 128)])
+def test_the_recorder_build_reads_the_timer_and_spills_little(tmp_path, static, spill_bound):
+    """``timeline=True`` (``backward_recorder``): the same registers; what it spills is a few
+    words of the cooperative dgated epilogue and the buffer's address (measured 68 B, 24 B
+    pingpong, 108 B with the group tail, against 0, 16 and 0 without), so the recorded times
+    are those of the kernel (the comm tasks' starts go through smem: held in registers
+    through the row copies they spilled 216 B)."""
+    from mok_cute import jit
+
+    rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path, timeline=True, **static)
+    assert rep.registers == 168 and rep.spill_bytes <= spill_bound
+    assert "atom.global.add.u64" in open(rep.ptx_path).read()  # record slots taken
 
 
 @pytest.mark.parametrize("kernel,static", [
@@ -569,6 +587,68 @@ def test_megakernel_weight_gradients_equal_gemm_wgrad_bitwise(name):
     counts = (saved.expert_offsets[1:] - saved.expert_offsets[:-1]).cpu()
     for e in torch.nonzero(counts == 0).flatten().tolist():
         assert not runs[0][4][e].any() and not runs[0][6][e].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gptoss_reduced", "dsv3_reduced", "empty_experts_T333"])
+def test_the_recorder_build_records_every_task_once_and_changes_no_bit(name):
+    """``expert_grads(timeline=...)`` (both FC2_DGRAD forms: pingpong at H = 2880 and 576,
+    cooperative at H = 7168): the outputs bitwise those of the launch without the recorder;
+    every live dgrad and every weight-gradient tile recorded once, on a compute CTA, with its
+    EPILOGUE phase inside its span ending with it; a CTA's cooperative tiles one after
+    another (only the pingpong FC2_DGRAD tiles of its two warpgroups overlap); the load
+    warp's WAIT spans name tasks of the launch."""
+    import numpy as np
+
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+    from mok_cute.tasks import Role, TaskType
+    from mok_cute.timeline import TimelineBuffer, is_phase, is_wait
+
+    (wg, wu, wd), saved, d_rows, x_rows, weights, _ = _backward_rows(name, seed=11)
+    args = (d_rows, x_rows, wg, wu, wd, saved.preact, saved.row_slot, weights, saved.tile_expert,
+            saved.num_tiles, saved.expert_offsets)
+    want = mb.expert_grads(*args, check=True)
+    rows = int(saved.num_tiles.item()) * 128
+    E, I, H = wg.shape
+    BT = tb.BackwardTaskType
+    tl_host, kinds = mb.task_list(d_rows.shape[0] // 128, E, H, I)
+    queue, _, _, queue_len = mb.compute_queue(tl_host, kinds)
+    live = rows // 128
+    expected = {(int(tl_host[int(i)].type), int(i)) for i in queue[:queue_len]
+                if tl_host[int(i)].type in (BT.WGRAD_GATE_UP, BT.WGRAD_DOWN)
+                or tl_host[int(i)].tile < live}
+    for _ in range(2):
+        buf = TimelineBuffer(1 << 16)
+        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        got = mb.expert_grads(*args, check=True, timeline=buf)
+        for label, a, b in zip(("dG|dU", "w*h", "row partials", "dx rows"), got, want):
+            assert torch.equal(a[:rows], b[:rows]), f"{name}: {label} differs with the recorder"
+        for label, a, b in zip(("dW_gate", "dW_up", "dW_down"), got[4:], want[4:]):
+            assert torch.equal(a, b), f"{name}: {label} differs with the recorder"
+        tl = buf.decode()
+        assert tl.check(expected_task_ids=expected) == [], name
+        rec = tl.records
+        assert (rec["role"] == int(Role.COMPUTE)).all() and (rec["start_ns"] >= 0).all()
+        work = rec[~is_wait(rec) & ~is_phase(rec)]
+        assert {(int(t), int(i)) for t, i in zip(work["task_type"], work["task_id"])} == expected
+        span = {int(i): (int(s), int(e), int(c)) for i, s, e, c in zip(
+            work["task_id"], work["start_ns"], work["end_ns"], work["cta_id"])}
+        phases = rec[rec["task_type"] == int(TaskType.EPILOGUE)]
+        assert len(phases) == len(work)
+        for i, s, e, c in zip(phases["task_id"], phases["start_ns"], phases["end_ns"],
+                              phases["cta_id"]):
+            start, end, cta = span[int(i)]
+            assert cta == c and start <= s <= e == end, f"{name}: task {i}'s EPILOGUE"
+        one_at_a_time = work[work["task_type"] != int(BT.FC2_DGRAD)]
+        if not mb.fc2_pingpong(H):
+            one_at_a_time = work
+        for cta in np.unique(one_at_a_time["cta_id"]):
+            mine = one_at_a_time[one_at_a_time["cta_id"] == cta]
+            mine = mine[np.argsort(mine["start_ns"], kind="stable")]
+            assert (mine["end_ns"][:-1] <= mine["start_ns"][1:]).all(), f"CTA {cta} overlaps"
+        waits = rec[rec["task_type"] == int(TaskType.WAIT)]
+        assert {int(i) for i in waits["task_id"]} <= {i for _, i in expected}
 
 
 @pytest.mark.gpu

@@ -416,6 +416,43 @@ def test_check_finds_role_violations_overlaps_and_duplicate_or_missing_tasks():
     assert tlm.decode(tlm.synthetic_buffer()).check() == []
 
 
+def test_the_backward_megakernels_spans_decode_summarize_check_and_draw(tmp_path):
+    """The backward megakernel's task types (``tasks_backward.BackwardTaskType``) share the
+    record format: named in the summary, its GEMMs counted as GEMM time (two pingpong tiles
+    at once allowed), a compute CTA running a row copy flagged, drawn without "unknown"."""
+    from mok_cute.tasks_backward import BackwardTaskType as BT
+
+    assert tlm.task_name(BT.FC2_DGRAD) == "FC2_DGRAD" and tlm.task_name(99) == "TASK99"
+    rows = [
+        rec(P, BT.FC2_DGRAD, 0, 0, 100, sm=1),
+        rec(P, BT.FC2_DGRAD, 1, 40, 140, sm=1),  # the other warpgroup's tile
+        rec(P, TaskType.EPILOGUE, 0, 80, 100, sm=1),
+        rec(P, TaskType.WAIT, 5, 0, 30, sm=2),
+        rec(P, BT.FC1_DGRAD, 5, 30, 130, sm=2),
+        rec(P, BT.WGRAD_GATE_UP, 9, 140, 300, sm=2),
+        rec(C, BT.REVERSE_COMBINE, 2, 0, 50, sm=0),
+        rec(C, BT.KSUM, 3, 300, 320, sm=0),
+    ]
+    tl = tlm.decode(tlm.encode_records(rows))
+    assert tl.check() == []
+    summary = tlm.summarize(tl, flops=2e6)
+    assert summary["task_counts"]["FC2_DGRAD"] == 2 and summary["task_counts"]["KSUM"] == 1
+    assert summary["gemm_tflops"] == 2e6 / 300 / 1e3  # the GEMM spans' union: [0, 300)
+    assert summary["exposed_comm_ns"] == 0  # the pull runs under FC2_DGRAD tiles
+    wrong = tlm.decode(tlm.encode_records([rec(P, BT.REVERSE_DISPATCH, 4, 0, 10, sm=3)]))
+    assert "ran REVERSE_DISPATCH task 4" in "\n".join(wrong.check())
+    path = tlm.plot_swimlanes(tl, tmp_path / "backward.png", title="backward")
+    assert _read_png(path).shape[0] > 100
+
+
+def test_main_backward_refuses_ranks_and_config_fields(tmp_path, capsys):
+    """``mok-cute timeline --backward`` records the one-rank backward megakernel as it is."""
+    assert record_timeline.main(["--backward", "--ranks", "8", "--out", str(tmp_path)]) == 2
+    assert "--backward records the one-rank backward megakernel" in capsys.readouterr().out
+    assert record_timeline.main(["--backward", "--mok-config", "num_comm_sms=4",
+                                 "--out", str(tmp_path)]) == 2
+
+
 # --------------------------------------------------------------------------------------------
 # command line (mok-cute timeline: mok_cute.bench.record_timeline)
 # --------------------------------------------------------------------------------------------

@@ -36,6 +36,10 @@
 #   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
 #                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
+#   bwdtimeline [SHAPES]  the backward megakernel's recorder: its GPU test (-k recorder), then
+#                   `mok-cute timeline --backward` per shape (qwen3_30b, dsv3_ep8_rank: trace, PNG,
+#                   summary under $OUT/timeline_bwd_SHAPE/), and rank 0 of 8 virtual ranks'
+#                   group with its comm CTAs and group tail (group_backward_probe --timeline)
 #   shared [SHAPES] the shared expert's backward inside the backward megakernel: its GPU tests
 #                   (-k shared), then tools/group_backward_probe.py on 8 virtual ranks (inside the
 #                   launch / a launch of its own / rank by rank, bf16 and FP8) and rank 0 alone with
@@ -194,6 +198,22 @@ run_mkbwd() {
     --json "$out/megakernel_backward_probe.json" && grep -E "speed" "$out/mkbwd_probe.log"
 }
 
+run_bwdtimeline() {
+  step bwdtimeline_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=200 -k "recorder" \
+    tests/test_megakernel_backward.py
+  local shape
+  for shape in $(echo "${1:-qwen3_30b,dsv3_ep8_rank}" | tr ',' ' '); do
+    step "bwdtimeline_$shape" 240 python3 -m mok_cute.cli timeline --backward --shape "$shape" \
+      --out "$out/timeline_bwd_$shape" && tail -25 "$out/bwdtimeline_$shape.log"
+  done
+  # one rank of 8 virtual ranks' group (peers' pushes and flags in place): the launch with its
+  # comm CTAs and the group tail
+  step bwdtimeline_group 300 python3 tools/group_backward_probe.py --one-rank \
+    --shapes qwen3.5_397b --ranks 8 --tokens 2048 --rounds 1 --reps 1 \
+    --timeline "$out/timeline_bwd_group" --json "$out/timeline_bwd_group.json" \
+    && grep -E "timeline:" "$out/bwdtimeline_group.log"
+}
+
 run_shared() {
   # the shared expert's backward inside the backward megakernel (nineteenth session): its GPU
   # tests first, then its timings against its launches (group_backward_probe)
@@ -284,10 +304,11 @@ case "$mode" in
   fp8probe) run_fp8_probes ;;
   mkbwd) run_mkbwd "${2:-}" ;;
   shared) run_shared "${2:-}" ;;
+  bwdtimeline) run_bwdtimeline "${2:-}" ;;
   maingrad) run_maingrad "${2:-}" ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, bwdtimeline, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]

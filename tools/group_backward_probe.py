@@ -187,7 +187,7 @@ def probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
 
 
 def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
-                   comm_splits=(16,)) -> dict:
+                   comm_splits=(16,), timeline_dir: str | None = None) -> dict:
     """Rank 0's bf16 backward alone over R virtual ranks' buffers, its peers' pushes and flags
     already in place (a whole group call filled the pushes; each call sets the peers' flags
     to its epoch's "done" by hand): one launch with the group tail (``GroupTail``: the
@@ -195,7 +195,8 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
     launch without it between the two barrier launches, then the k-sum and d_topk launches
     (the path of several ranks in one process). The shared expert's dx rows are made once,
     outside both. Also the launch alone (no barrier, no k-sum) on the first split: what the
-    tail adds to it."""
+    tail adds to it. ``timeline_dir``: then the one launch on the first split once more with
+    its recorder on (``backward_recorder``), its trace, PNG and summary written there."""
     import mok_cute
     from mok_cute import megakernel, megakernel_backward as mb
     from mok_cute.constants import flag_done
@@ -230,12 +231,12 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
         epoch[0] += 1
         flags[1:ranks].fill_(flag_done(epoch[0]))  # the peers: started and done
 
-    def with_tail(comm_ctas):
+    def with_tail(comm_ctas, timeline=None):
         next_call()
         d_x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
         d_topk = torch.empty(T, K, dtype=torch.float32, device=dev)
         out = mb.expert_grads_over_peers(*args, comm_ctas, tail=mb.GroupTail(
-            plan.scalars, plan.backward_error, idx0, shared_dx, d_x, d_topk))
+            plan.scalars, plan.backward_error, idx0, shared_dx, d_x, d_topk), timeline=timeline)
         return (d_x, d_topk, *out[6:])
 
     def as_launches(comm_ctas):
@@ -299,8 +300,37 @@ def one_rank_probe(name: str, ranks: int, tokens: int, rounds: int, reps: int,
                                                        / median[f"shared then c{c}"])
     print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items())
           + f"; bitwise the whole group call's rank 0: {same}", flush=True)
-    return {"shape": name, "ranks": ranks, "tokens_per_rank": tokens, "ms_rounds": ms,
-            "ms_median": median, "ratios": ratios, "bitwise_equal_to_group_call": same}
+    row = {"shape": name, "ranks": ranks, "tokens_per_rank": tokens, "ms_rounds": ms,
+           "ms_median": median, "ratios": ratios, "bitwise_equal_to_group_call": same}
+    if timeline_dir:
+        row["timeline"] = _record_one_launch(with_tail, comm_splits[0], want, dev,
+                                             f"{timeline_dir}/{name}_rank0_of_{ranks}_t{tokens}",
+                                             f"{name} rank 0 of {ranks} virtual, T={tokens}/rank, "
+                                             f"backward, {comm_splits[0]} comm CTAs")
+        plan.check_device_error()
+    return row
+
+
+def _record_one_launch(with_tail, comm_ctas: int, want, dev, outdir: str, title: str) -> dict:
+    """The one launch with its recorder on (compiled by a first call), checked bitwise
+    against the group call; its views written to ``outdir``."""
+    from mok_cute import timeline as tlm
+
+    tb = tlm.TimelineBuffer(1 << 17, device=dev)
+    for _ in range(2):
+        tb.reset()
+        got = with_tail(comm_ctas, timeline=tb)
+    torch.cuda.synchronize()
+    tl = tb.decode()
+    tl.meta.update({"pass": "bwd", "title": title, "gpu": torch.cuda.get_device_name()})
+    summary = tlm.print_summary(tl, title=title)
+    paths = tlm.write_views(tl, outdir, summary, title)
+    problems = tl.check()
+    print(f"timeline: {len(tl)} records, {paths}, check: {problems or 'clean'}", flush=True)
+    return {"dir": outdir, "records": len(tl), "check": problems,
+            "bitwise_equal_to_group_call": all(torch.equal(a, b) for a, b in zip(got, want)),
+            "summary": {k: summary[k] for k in ("span_ns", "roles", "exposed_comm_pct",
+                                               "task_counts", "task_us")}}
 
 
 def main(argv=None):
@@ -321,6 +351,9 @@ def main(argv=None):
     p.add_argument("--one-rank", action="store_true",
                    help="rank 0's backward alone, one launch with the group tail against the "
                         "launch between barrier and k-sum launches (one_rank_probe)")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="with --one-rank: record the one launch on the first split once more "
+                        "(its recorder on) and write its trace, PNG and summary under DIR")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from mok_cute import megakernel
@@ -331,7 +364,8 @@ def main(argv=None):
         for tokens in map(int, str(args.tokens).split(",")):
             if args.one_rank:
                 rows.append(one_rank_probe(n, args.ranks, tokens, args.rounds, args.reps,
-                                           tuple(int(c) for c in (args.comm_ctas or "16").split(","))))
+                                           tuple(int(c) for c in (args.comm_ctas or "16").split(",")),
+                                           args.timeline))
                 save_probe_json(args.json, {"shapes": rows}, argv)
                 megakernel.release_plans()
                 torch.cuda.empty_cache()

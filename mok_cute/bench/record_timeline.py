@@ -2,6 +2,7 @@
 
     mok-cute timeline --shape dsv3_ep8_rank --out out/timeline [--mok-config backend=megakernel]
     mok-cute timeline --shape kimi_k2.7 --ranks 8                      (virtual ranks, one GPU)
+    mok-cute timeline --shape qwen3_30b --backward                     (the backward megakernel)
     mok-cute timeline --from out/timeline/timeline_buffer.npy           (decode a saved buffer)
     mok-cute timeline --synthetic                                        (the views on made-up data)
 
@@ -93,6 +94,52 @@ def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, s
     return tl, "", sizes
 
 
+def record_backward_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, str, dict[str, Any]]:
+    """Run the one-GPU training backward with every GEMM in the backward megakernel's one
+    launch (``moe_backward(dgrads="megakernel")``, the shape's shared expert in it too), its
+    recorder on; returns as ``record_on_gpu``. The forward runs unrecorded."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "no CUDA GPU is visible, so no kernel ran and nothing was recorded", {}
+    from mok_cute.bench.problems import make_problem
+    from mok_cute.expert_backward import moe_backward
+    from mok_cute.expert_path import moe_forward_kernel
+
+    shape = resolve_shape(args.shape)
+    problem = make_problem(shape, device="cuda", seed=args.seed, t_scale=args.t_scale)
+    inp = problem.inputs
+    weights = (problem.w_gate, problem.w_up, problem.w_down)
+    with torch.no_grad():
+        _, saved = moe_forward_kernel(inp.x, inp.topk_idx, inp.topk_weights, *weights,
+                                      problem.shared, MoKConfig(backend="kernel", check_ids=False),
+                                      save=True)
+    d_out = torch.randn_like(inp.x)
+
+    def record(capacity: int, calls: int) -> timeline.TimelineBuffer:
+        tb = timeline.TimelineBuffer(capacity, device=inp.x.device)
+        for _ in range(calls):
+            tb.reset()
+            moe_backward(d_out, inp.x, inp.topk_idx, inp.topk_weights, *weights, problem.shared,
+                         saved, dgrads="megakernel", timeline=tb)
+        torch.cuda.synchronize()
+        return tb
+
+    capacity = DEFAULT_CAPACITY if args.capacity is None else args.capacity
+    tb = record(capacity, args.warmup + 1)
+    tl = tb.decode()
+    if args.capacity is None and capacity_for(tl):  # records were dropped: room for all
+        tb = record(capacity_for(tl), 1)
+        tl = tb.decode()
+    tl.meta.update({"shape": shape.name, "tokens": problem.tokens, "ranks": 1,
+                    "path": "backward megakernel (one launch)", "pass": "bwd",
+                    "gpu": torch.cuda.get_device_name()})
+    if args.out:
+        tb.save(Path(args.out) / "timeline_buffer.npy")
+    # the backward's GEMMs: two dgrads and two weight gradients a forward GEMM
+    return tl, "", {"flops": 2 * problem.flops, "dispatch_bytes": None, "combine_bytes": None}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``mok-cute timeline``: record one layer call and write the trace, PNG and summary."""
     parser = argparse.ArgumentParser(
@@ -107,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shape", default="dsv3_ep8_rank", help="named shape of mok_cute.shapes (default dsv3_ep8_rank)")
     parser.add_argument("--t-scale", type=float, default=1.0, help="scale the shape's token count")
     parser.add_argument("--ranks", type=int, default=1, help="emulate R ranks on one GPU (moe_forward_virtual)")
+    parser.add_argument("--backward", action="store_true",
+                        help="record the training backward's one backward-megakernel launch (one rank) "
+                        "instead of the forward")
     parser.add_argument("--capacity", type=int, default=None,
                         help=f"timeline capacity in records (default {DEFAULT_CAPACITY}, and a second "
                         "recording with room for every record when that one dropped some)")
@@ -140,11 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         try:
             parse_config_overrides(args.mok_config)  # a typo is a usage error, before any compile
+            if args.backward and (args.ranks != 1 or args.mok_config):
+                raise ValueError("--backward records the one-rank backward megakernel: no --ranks, "
+                                 "no --mok-config")
         except ValueError as exc:
             console.print(f"[red]{exc}[/red]")
             return 2
         try:
-            tl, reason, recorded_sizes = record_on_gpu(args)
+            tl, reason, recorded_sizes = (record_backward_on_gpu if args.backward else record_on_gpu)(args)
         except Exception as exc:  # a failed launch must say what failed, not dump a trace only
             tl, reason, recorded_sizes = None, f"the recorded run failed: {type(exc).__name__}: {exc}", {}
         if tl is None:
@@ -153,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         sizes = {k: (sizes[k] if sizes[k] is not None else v) for k, v in recorded_sizes.items()}
         title = f"{tl.meta.get('shape')} T={tl.meta.get('tokens')} on {tl.meta.get('gpu')}"
+        if args.backward:
+            title += ", backward"
     summary = timeline.print_summary(tl, console=console, title=title, **sizes)
     paths = timeline.write_views(tl, args.out, summary, title)
     for what, p in paths.items():

@@ -53,7 +53,8 @@ With the group tail (``ksum_top_k``, one rank per process: ``backward_tail``) th
 pass the group's barriers, and the k-sums go by ticket to whichever CTA is free, the compute
 CTAs' consumer warps once their weight-gradient tickets run out.
 
-Not yet here (issue 32's build order, docs/architecture.md): the shared expert as tasks.
+The shared expert's backward runs as tasks of the launch too (``shared``: ``backward_shared``),
+and the ``timeline`` build records every task's span (``backward_recorder``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
 from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows, signal_slot
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
+from mok_cute.kernels.megakernel.backward_recorder import (COMPUTE, EPILOGUE,
+                                                            MARKS_PER_WARPGROUP, START,
+                                                            BackwardRecorderMixin, Recorder)
 from mok_cute.kernels.megakernel.backward_shared import (SHARED_FC1_DGRAD, SHARED_FC2_DGRAD,
                                                          SharedOperands, SharedTasksMixin)
 from mok_cute.kernels.megakernel.backward_tail import BackwardTailMixin, GroupTail
@@ -91,8 +95,8 @@ BACKWARD_SCALARS = 6
 
 
 class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCommMixin,
-                             BackwardTailMixin, SharedTasksMixin, RowEpilogueMixin,
-                             GemmCoreSm90):
+                             BackwardTailMixin, SharedTasksMixin, BackwardRecorderMixin,
+                             RowEpilogueMixin, GemmCoreSm90):
     """One launch of a rank's routed dgrads and weight gradients (module docstring).
 
     :param num_ctas: compute CTAs (the walk's stride); with ``comm_ctas`` one per SM.
@@ -109,11 +113,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         (``backward_shared``); with the group tail its k-sums wait for its dx rows.
     :param accumulate_wgrads: the weight gradients (the shared expert's too) are added into
         fp32 outputs (the weights' ``main_grad``) by TMA reduce-add instead of stored in bf16.
+    :param timeline: the recorder build (``backward_recorder``): every task's span into the
+        ``timeline_buf`` argument.
     """
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
-                 accumulate_wgrads: bool = False):
+                 accumulate_wgrads: bool = False, timeline: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -124,6 +130,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.ksum_shared = ksum_shared and self.ksum_top_k > 0
         self.shared = shared
         self.accumulate_wgrads = accumulate_wgrads
+        self.timeline = timeline
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -151,7 +158,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                  s_x_t: cute.Tensor, s_dy_t: cute.Tensor, s_hw_t: cute.Tensor,
                  s_dw_gate: cute.Tensor, s_dw_up: cute.Tensor, s_dw_down: cute.Tensor,
                  s_preact: cute.Tensor, s_rows: cute.Tensor, s_ones: cute.Tensor,
-                 stream: cuda.CUstream):
+                 timeline_buf: cute.Tensor, stream: cuda.CUstream):
         """Shapes (M schedule rows, E experts): tasks int32 (N, BACKWARD_TASK_WORDS); queue
         int32 (Q,) the compute queue's list indices; queue_live_len int32 (MB + 1,);
         counter_offsets int32 (groups + 1,); counters int32 (num_counters,), zero at launch;
@@ -174,7 +181,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         (L T_pad, 2Is, 1), Ws_gate / Ws_up (H, Is, L), the outputs dG, dU, h
         (L T_pad, Is, 1) and dx rows (L T_pad, H, 1); the weight gradients' (cols, T, L)
         operands and (rows, cols, L) outputs; the saved g | u (L T, 2Is), each padded row's
-        slot int32 (L T_pad,) (-1 past T) and ones fp32 (L T,)."""
+        slot int32 (L T_pad,) (-1 past T) and ones fp32 (L T,). timeline_buf int64: the
+        recorder's buffer (``mok_cute.timeline.TimelineBuffer``; unread without ``timeline``)."""
         self.a_dtype = self.b_dtype = self.c_dtype = BFloat16
         self._setup_attributes()
         tile_m, tile_n, tile_k = self.tile_shape_mnk
@@ -218,6 +226,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         extra["tail_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
         extra["tail_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
         extra["ksum_ticket"] = cute.struct.MemRange[Int32, 1]  # the group tail's KSUM ticket
+        if const_expr(self.timeline):  # each consumer warpgroup's recording thread's marks
+            extra["rec_marks"] = cute.struct.MemRange[Int64, 2 * MARKS_PER_WARPGROUP]
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
         peer_rows = PeerRows(comm_queue, row_peer, row_token, row_k, peer_bases, comm_scalars,
                              d_rows_plain, x_rows_plain, dx_rows_plain)
@@ -236,7 +246,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                 w_store_op=w_s2g)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
-                    peer_rows, tail, shared, *loads, *stores, *w_loads, *w_stores,
+                    peer_rows, tail, shared, timeline_buf, *loads, *stores, *w_loads, *w_stores,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, *self.wgrad_kernel_args(),
                     *self.fc2.kernel_args(),
@@ -251,7 +261,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                num_tiles: cute.Tensor, tile_expert: cute.Tensor, preact: cute.Tensor,
                row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
                scalars: cute.Tensor, expert_offsets: cute.Tensor, peer_rows: PeerRows,
-               tail: GroupTail, shared, tma_dy: cute.CopyAtom, t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
+               tail: GroupTail, shared, timeline_buf: cute.Tensor, tma_dy: cute.CopyAtom,
+               t_dy: cute.Tensor, tma_wd: cute.CopyAtom, t_wd: cute.Tensor,
                tma_dp: cute.CopyAtom, t_dp: cute.Tensor, tma_wg: cute.CopyAtom, t_wg: cute.Tensor,
                tma_wu: cute.CopyAtom, t_wu: cute.Tensor,
                tma_dg: cute.CopyAtom, t_dg: cute.Tensor, tma_du: cute.CopyAtom, t_du: cute.Tensor,
@@ -270,6 +281,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
+        self.rec_start(timeline_buf, tidx)
         if warp_idx == self.load_warp:
             self.prefetch_descriptors(tma_dy, tma_wd, tma_dp, tma_wg, tma_wu, tma_wdg, tma_wdu,
                                       tma_wx, tma_wdy, tma_whw)
@@ -293,6 +305,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         # the group tail's KSUMs by ticket: the idle B and A stages, the ticket's smem word
         # (the comm queue position of the first KSUM is read where the tickets begin: nothing
         # held through the mainloops)
+        rec_marks = None
+        if const_expr(self.timeline):
+            rec_marks = storage.rec_marks.data_ptr()
         ksum_args = ((storage.sB.data_ptr(), storage.sA.data_ptr()),
                      cute.make_tensor(storage.ksum_ticket.data_ptr(), cute.make_layout(1)))
         compute_args = (walk_tables, fc2_end, fc2_walk, first, tile_expert, expert_offsets,
@@ -303,14 +318,15 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                         (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                         (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy, tma_whw,
                          t_whw), (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), peer_rows, tail,
-                        ksum_args, shared)
+                        ksum_args, shared, timeline_buf, rec_marks)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         if const_expr(self.comm_ctas > 0):
             if first >= self.num_ctas:
                 self.backward_comm_loop(tasks, counter_offsets, counters, error, num_tiles,
                                         Int64(scalars[0]), expert_offsets, peer_rows, row_slot,
                                         weights, partials, tail,
-                                        (*ksum_args, Int32(scalars[5])), tidx)
+                                        (*ksum_args, Int32(scalars[5])), tidx,
+                                        self._recorder(timeline_buf, rec_marks, 1, tidx == 0))
             else:
                 self.compute_roles(*compute_args)
         else:
@@ -324,10 +340,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                       weights: cute.Tensor, partials: cute.Tensor, fc2_ring, ab_pipeline,
                       tiled_mma, sA, sB, sC, f_layouts, w_layouts, tail_ring, tidx: Int32,
                       warp_idx: Int32, warpgroup_idx: Int32, loads, stores, w_loads, w_stores,
-                      peer_rows: PeerRows, tail: GroupTail, ksum_args, shared):
+                      peer_rows: PeerRows, tail: GroupTail, ksum_args, shared,
+                      timeline_buf: cute.Tensor, rec_marks):
         """A compute CTA: the load warp and the two consumer warpgroups (with the group
         tail, the consumer warps then take KSUM tickets: ``backward_tail``); ``shared``:
-        the shared expert's ``SharedOperands`` (None: no shared task)."""
+        the shared expert's ``SharedOperands`` (None: no shared task); ``rec_marks``: the
+        recorder's smem marks, ``MARKS_PER_WARPGROUP`` a consumer warpgroup (None: off)."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = loads
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         if warpgroup_idx == 0:
@@ -337,24 +355,29 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                     first = self.fc2_producer(fc2_walk, fc2_end, tile_expert, expert_offsets,
                                               counter_offsets, counters, error,
                                               Int64(scalars[0]), fc2_ring, sA, f_layouts,
-                                              (tma_dy, t_dy, tma_wd, t_wd), shared)
+                                              (tma_dy, t_dy, tma_wd, t_wd), shared, timeline_buf)
                 self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets,
                                    counter_offsets, counters, error, Int64(scalars[0]),
                                    ab_pipeline, sA, sB,
-                                   loads, w_loads, w_layouts, tail_ring, shared)
+                                   loads, w_loads, w_layouts, tail_ring, shared, timeline_buf)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
                 first = self.fc2_consumers(fc2_walk, fc2_end, counter_offsets, counters, preact,
                                            row_slot, weights, partials, fc2_ring, sA, sC,
                                            f_layouts, (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw),
-                                           t_dy, tidx, warp_idx, warpgroup_idx, shared)
+                                           t_dy, tidx, warp_idx, warpgroup_idx, shared,
+                                           self._recorder(
+                                               timeline_buf, rec_marks, warpgroup_idx,
+                                               tidx % self.threads_per_warpgroup == 0))
                 self.switch_forms()
             self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counter_offsets,
                                counters, preact, row_slot, weights, partials, ab_pipeline,
                                tiled_mma, sA, sB, sC,
                                stores, w_stores, w_layouts,
-                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring, shared)
+                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring, shared,
+                               self._recorder(timeline_buf, rec_marks, 1,
+                                              tidx == self.threads_per_warpgroup))
             if const_expr(self.ksum_top_k > 0):
                 stage, ticket = ksum_args
                 sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.TAIL_KSUM),
@@ -363,7 +386,18 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                        counters, error, Int64(scalars[0]), peer_rows, tail,
                                        stage, ticket, Int32(scalars[5]),
                                        tidx - self.threads_per_warpgroup, self.num_mma_threads,
-                                       sync)
+                                       sync, self._recorder(timeline_buf, rec_marks, 1,
+                                                            tidx == self.threads_per_warpgroup),
+                                       COMPUTE)
+
+    def _recorder(self, timeline_buf, rec_marks, warpgroup_idx, leader) -> Recorder:
+        """Consumer warpgroup ``warpgroup_idx``'s ``Recorder``, thread ``leader`` recording.
+        Traced inline."""
+        marks = None
+        if const_expr(self.timeline):
+            marks = cute.make_tensor(rec_marks + (warpgroup_idx - 1) * MARKS_PER_WARPGROUP,
+                                     cute.make_layout(MARKS_PER_WARPGROUP))
+        return Recorder(timeline_buf, marks, leader)
 
     @cute.jit
     def _live_len(self, queue_live_len: cute.Tensor, num_tiles: cute.Tensor,
@@ -431,7 +465,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     def producer_loop(self, walk, first: Int32, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                       timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts,
-                      tail_ring, shared: SharedOperands):
+                      tail_ring, shared: SharedOperands, timeline_buf: cute.Tensor):
         """The load warp from walk position ``first``: per dgrad its waits (each lane spins on
         its own copy), then its k-tiles' A and B boxes by TMA; then the weight gradients by
         tickets (``wgrad_producer_tickets``)."""
@@ -454,8 +488,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             nxt = pos + self.num_ctas
             n_run, n_type, n_m, n_n, _, _, _, n_index = self._task(walk, nxt, counter_offsets)
             if run:
-                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
-                                timeout_ns)
+                self.wait_task_recorded(tasks, index, expert_offsets, counter_offsets, counters,
+                                        error, timeout_ns, timeline_buf, COMPUTE,
+                                        cute.arch.lane_idx() == 0)
                 # dG | dU were written by other CTAs' TMA stores; TMA reads them next
                 cute.arch.fence_proxy("async.global")
                 expert = Int32(0)
@@ -517,7 +552,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             s_w_parts = self.wgrad_load_parts(sA, sB, shared.w_loads, w_layouts)
         loads = self.wgrad_producer_tickets(walk, tail_ring, expert_offsets, counter_offsets,
                                             counters, error, timeout_ns, ab_pipeline, loads,
-                                            wgrad_ops, w_parts, shared, s_w_parts)
+                                            wgrad_ops, w_parts, shared, s_w_parts, timeline_buf)
         ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.ab_stages, loads))
 
@@ -591,11 +626,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
                       sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
-                      warpgroup_idx: Int32, tail_ring, shared: SharedOperands):
+                      warpgroup_idx: Int32, tail_ring, shared: SharedOperands,
+                      recorder: Recorder):
         """Both consumer warpgroups from walk position ``first``: per task the mainloop, the
         epilogue's TMA stores, and for a dgrad, once they have landed, the task's counter,
         published by thread 0 of the store warp (nothing waits on a weight gradient: the
-        launch's end orders them)."""
+        launch's end orders them). ``recorder``: the first consumer warpgroup's, which
+        records the tasks."""
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         tile = (TILE_M, self.tile_shape_mnk[1])
         views = [cute.local_tile(t, tile, (None, None, None)) for t in (t_dg, t_du, t_hw, t_dx)]
@@ -618,9 +655,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             run, ttype, m_tile, n_tile, _, _, signal, index = self._task(walk, pos, counter_offsets)
             if run:
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
+                self.rec_stamp(recorder, START)
                 release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
                                         num_k_blocks)
                 cute.nvgpu.warpgroup.wait_group(0)
+                self.rec_stamp(recorder, EPILOGUE)
                 ab_pipeline.consumer_release(release)
                 loads += k_tiles
                 if held >= 0:  # the previous task's stores landed during this mainloop
@@ -665,6 +704,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                             barrier.arrive_and_wait()
                     else:
                         self._store_dx(dx_store, s_dx)
+                if const_expr(self.timeline):  # the type loaded again: one register less held
+                    self.rec_task(recorder, COMPUTE, tasks[index, int(BackwardWord.TYPE)], index)
                 subtiles += subtiles_per_task
                 # The store warp is an MMA warp: waiting here for the stores to land would
                 # hold the next mainloop. When this CTA's next task runs and waits on nothing,
@@ -693,7 +734,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
                                             warpgroup_idx)
         self.wgrad_consumer_tickets(walk, tail_ring, expert_offsets, ab_pipeline, w_layouts[0],
-                                    w_parts, loads, wgrad_stores, warpgroup_idx, shared)
+                                    w_parts, loads, wgrad_stores, warpgroup_idx, shared,
+                                    recorder)
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -718,11 +760,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_ctas: int = 132,
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
-                                shared: bool = False, accumulate_wgrads: bool = False):
+                                shared: bool = False, accumulate_wgrads: bool = False,
+                                timeline: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads)
+                                    shared, accumulate_wgrads, timeline)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
@@ -766,7 +809,8 @@ def fake_arguments(accumulate_wgrads: bool = False) -> list:
             common.fake_vector(Int64, SCALARS, align_bytes=8), i32(tokens, sym()),
             *(kmaj(bf16, (tokens, hidden)) for _ in range(2)),
             f(Float32, (tokens, sym()), align_bytes=4),
-            *_shared_fakes(hidden, dw), common.fake_stream()]
+            *_shared_fakes(hidden, dw), common.fake_vector(Int64, align_bytes=8),
+            common.fake_stream()]
     return args
 
 

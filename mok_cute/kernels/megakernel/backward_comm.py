@@ -41,6 +41,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
                                 BACKWARD_MAX_PARTIAL_COLS, SLOT_ROW_BYTES, TILE_M, VEC_ELEMS)
 from mok_cute.kernels import common
+from mok_cute.kernels.megakernel.backward_recorder import COMM, START, Recorder
 from mok_cute.kernels.megakernel.comm_tasks import COPY_UNROLL, bf16_row, copy_row, fill_row
 from mok_cute.kernels.megakernel.scheduler import Context
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
@@ -52,6 +53,7 @@ D_OUT_OFFSET, X_OFFSET, WEIGHTS_OFFSET, COMBINE_OFFSET, PARTIALS_OFFSET, TOP_K =
 _COMBINE = int(BackwardTaskType.REVERSE_COMBINE)
 _DISPATCH = int(BackwardTaskType.REVERSE_DISPATCH)
 _BARRIER = int(BackwardTaskType.BARRIER)
+_KSUM = int(BackwardTaskType.KSUM)
 
 
 class PeerRows(NamedTuple):
@@ -90,12 +92,14 @@ class BackwardCommMixin:
                            counters: cute.Tensor, error: cute.Tensor, num_tiles: cute.Tensor,
                            timeout_ns: Int64, expert_offsets: cute.Tensor, rows: PeerRows,
                            row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
-                           tail, ksum_args, tidx: Int32):
+                           tail, ksum_args, tidx: Int32, recorder: Recorder):
         """Every thread of a comm CTA: its tasks of the comm queue, in order. With the group
         tail (``backward_tail``): the peers' start awaited first, BARRIER tasks too, and past
         the static walk (which ends where the KSUMs begin) KSUMs by ticket, staged through
         the CTA's idle B and A stages (``ksum_args``: the stages, the ticket's smem word, the
-        comm queue position of the first KSUM)."""
+        comm queue position of the first KSUM). Each task's span is recorded with the
+        recorder on (``recorder``: thread 0's; a KSUM's and a BARRIER's here, the others' in
+        ``_rows_task``)."""
         sync = pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.COMM),
                                      num_threads=self.threads_per_cta)
         queue_len = cute.size(rows.comm_queue)
@@ -110,25 +114,29 @@ class BackwardCommMixin:
                     pos = ksum_begin + self.ksum_ticket(counters, counter_offsets, ticket,
                                                         tidx, sync)
                     if pos < queue_len:
+                        self.rec_stamp(recorder, START)
                         self.tail_ksum(ctx, tasks, rows.comm_queue[pos], counter_offsets,
                                        counters, error, timeout_ns, rows, tail, stage, tidx,
                                        self.threads_per_cta, sync)
+                        self.rec_marked(recorder, COMM, _KSUM, rows.comm_queue[pos])
                         pos = ksum_begin  # the next ticket
                 else:
                     index = rows.comm_queue[pos]
                     if tasks[index, int(BackwardWord.TYPE)] == _BARRIER:
+                        self.rec_stamp(recorder, START)
                         self.tail_barrier(ctx, tasks, index, counter_offsets, counters, error,
                                           num_tiles, timeout_ns, rows.peer_bases, tidx, sync)
+                        self.rec_marked(recorder, COMM, _BARRIER, index)
                     else:
                         self._rows_task(tasks, index, counter_offsets, counters, error,
                                         num_tiles, timeout_ns, expert_offsets, rows, row_slot,
-                                        weights, partials, tidx, sync)
+                                        weights, partials, tidx, sync, recorder)
                     pos += self.comm_ctas
         else:
             while pos < queue_len:
                 self._rows_task(tasks, rows.comm_queue[pos], counter_offsets, counters, error,
                                 num_tiles, timeout_ns, expert_offsets, rows, row_slot, weights,
-                                partials, tidx, sync)
+                                partials, tidx, sync, recorder)
                 pos += self.comm_ctas
 
     @cute.jit
@@ -136,8 +144,9 @@ class BackwardCommMixin:
                    counters: cute.Tensor, error: cute.Tensor, num_tiles: cute.Tensor,
                    timeout_ns: Int64, expert_offsets: cute.Tensor, rows: PeerRows,
                    row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
-                   tidx: Int32, sync):
-        """One pull or push task (module docstring), skipped past the live M-tiles."""
+                   tidx: Int32, sync, recorder: Recorder):
+        """One pull or push task (module docstring), skipped past the live M-tiles; its span
+        and its wait recorded with the recorder on."""
         warp, lane = tidx // 32, cute.arch.lane_idx()
         num_warps = self.threads_per_cta // 32
         hidden = cute.size(rows.d_rows, mode=[1])
@@ -146,10 +155,11 @@ class BackwardCommMixin:
         top_k = Int64(rows.comm_scalars[TOP_K])
         tile = tasks[index, int(BackwardWord.TILE)]
         if tile < num_tiles[0]:
+            self.rec_stamp(recorder, START)
             ttype = tasks[index, int(BackwardWord.TYPE)]
             if tidx == 0:
-                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters,
-                                error, timeout_ns)
+                self.wait_task_recorded(tasks, index, expert_offsets, counter_offsets, counters,
+                                        error, timeout_ns, recorder.buf, COMM, True)
             sync.arrive_and_wait()
             row0 = tile * TILE_M + tasks[index, int(BackwardWord.N_TILE)] * BACKWARD_COMM_ROWS
             for r in cutlass.range(warp, BACKWARD_COMM_ROWS, num_warps, unroll=1):
@@ -189,6 +199,7 @@ class BackwardCommMixin:
             if tidx == 0:
                 cute.arch.fence_acq_rel_gpu()
                 common.counter_publish(counters, signal_slot(tasks, index, counter_offsets), 1)
+            self.rec_marked(recorder, COMM, ttype, index)
 
     @cute.jit
     def _row_partial_sum(self, partials: cute.Tensor, row: Int32, lane: Int32) -> Float32:

@@ -31,6 +31,7 @@ from mok_cute.constants import FC2_DGRAD_PINGPONG_TILE_N, TILE_K, TILE_M
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
 from mok_cute.kernels.megakernel.backward_comm import signal_slot
+from mok_cute.kernels.megakernel.backward_recorder import COMPUTE, EPILOGUE, START, Recorder
 from mok_cute.kernels.megakernel.backward_shared import SHARED_FC2_DGRAD, SharedOperands
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.tasks_backward import BackwardWord
@@ -140,7 +141,7 @@ class Fc2PingpongTasksMixin:
     def fc2_producer(self, walk, fc2_end: Int32, tile_expert: cute.Tensor,
                      expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
                      counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64, ring, sA,
-                     layouts, ops, shared: SharedOperands) -> Int32:
+                     layouts, ops, shared: SharedOperands, timeline_buf: cute.Tensor) -> Int32:
         """The load warp's FC2_DGRAD phase (the shared expert's SHARED_FC2_DGRAD among them):
         per live task its waits, then its k-tiles' A and B boxes; at the end, every stage
         released (the cooperative stages reuse the bytes). Returns the CTA's first position
@@ -157,8 +158,8 @@ class Fc2PingpongTasksMixin:
         pos = self._next_live_fc2(walk, Int32(cute.arch.block_idx()[0]), fc2_end)
         while pos < fc2_end:
             m_tile, n_tile, _, index = self._fc2_task(walk, pos, counter_offsets)
-            self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
-                            timeout_ns)
+            self.wait_task_recorded(tasks, index, expert_offsets, counter_offsets, counters, error,
+                                    timeout_ns, timeline_buf, COMPUTE, cute.arch.lane_idx() == 0)
             cute.arch.fence_proxy("async.global")
             state = pipeline_state(pipeline.PipelineUserType.Producer, FC2_STAGES, loads)
             if const_expr(self.shared):
@@ -206,11 +207,13 @@ class Fc2PingpongTasksMixin:
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ring, sA, sC, layouts,
                       stores, t_dy: cute.Tensor, tidx: Int32, warp_idx: Int32,
-                      warpgroup_idx: Int32, shared: SharedOperands) -> Int32:
+                      warpgroup_idx: Int32, shared: SharedOperands,
+                      recorder: Recorder) -> Int32:
         """Both consumer warpgroups' FC2_DGRAD phase: the n-th live task of the CTA on
         warpgroup n % 2, mainloop in turns, the dgated epilogue, the task's counter published
         once its stores land (the warpgroup then waits for its turn anyway). Returns the CTA's
-        first position past the phase."""
+        first position past the phase. ``recorder``: this warpgroup's, which records its
+        tiles."""
         tiled_mma, _, _, epi_staged = layouts
         wg = warpgroup_idx - 1
         wg_tidx = tidx % self.threads_per_warpgroup
@@ -239,11 +242,18 @@ class Fc2PingpongTasksMixin:
         while pos < fc2_end:
             if live % 2 == wg:
                 m_tile, n_tile, _, index = self._fc2_task(walk, pos, counter_offsets)
+                wait_turn = live > 0  # in the mainloop's first hook
+                if const_expr(self.timeline):  # the span starts once the turn has come
+                    if wait_turn:
+                        my_turn.arrive_and_wait()
+                    wait_turn = live < 0
+                self.rec_stamp(recorder, START)
                 release = self.fc2.mainloop(ring, tiled_mma, acc, tCrA, tCrB, live * k_tiles,
                                             k_tiles, num_k_blocks,
-                                            (my_turn, their_turn, live > 0, self, walk, pos,
+                                            (my_turn, their_turn, wait_turn, self, walk, pos,
                                              fc2_end))
                 cute.nvgpu.warpgroup.wait_group(0)
+                self.rec_stamp(recorder, EPILOGUE)
                 ring.consumer_release(release)
                 if const_expr(self.shared):
                     ttype = walk[0][index, int(BackwardWord.TYPE)]
@@ -270,6 +280,9 @@ class Fc2PingpongTasksMixin:
                     self.fc2._store_row_sums(rows, partials, m_tile, n_tile, wg_tidx)
                 if const_expr(self.comm_ctas > 0):
                     barrier.arrive_and_wait()  # the partials before the publish (comm reads them)
+                if const_expr(self.timeline):
+                    self.rec_task(recorder, COMPUTE, walk[0][index, int(BackwardWord.TYPE)],
+                                  index)
                 subtiles += subtiles_per_task
                 signal = self._fc2_task(walk, pos, counter_offsets)[2]  # decoded again: fewer live registers
                 common.publish_stored(counters, signal, is_store_warp, wg_tidx == 0)

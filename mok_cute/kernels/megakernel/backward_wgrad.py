@@ -38,6 +38,7 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
+from mok_cute.kernels.megakernel.backward_recorder import COMPUTE, EPILOGUE, START
 from mok_cute.kernels.megakernel.backward_shared import SHARED_WGRAD_GATE_UP
 from mok_cute.kernels.megakernel.scheduler import (D_INDEX, TICKET_SLOTS, ring_next,
                                                    ring_wait_empty, ring_words)
@@ -170,14 +171,16 @@ class WgradTasksMixin:
     def wgrad_producer_tickets(self, walk, ring, expert_offsets: cute.Tensor,
                                counter_offsets: cute.Tensor, counters: cute.Tensor,
                                error: cute.Tensor, timeout_ns, ab_pipeline, loads: Int32, ops,
-                               parts, shared=None, shared_parts=None) -> Int32:
+                               parts, shared=None, shared_parts=None,
+                               timeline_buf=None) -> Int32:
         """The load warp's tail by tickets: the launch's tail positions go out in order from
         one counter (the slot after the task counters), so the tiles running at any time are
         a window of consecutive positions, as in a ``gemm_wgrad`` launch, however far apart
         the CTAs finished their dgrads. Per ticket: the expert's dgrads waited on (once per
         run of its tasks), then the tile's loads. Returns the stage uses so far. ``shared``:
         the shared expert's ``SharedOperands`` (its tiles, their rank in the list's tile, run
-        over the rank's T tokens), ``shared_parts`` their partitions."""
+        over the rank's T tokens), ``shared_parts`` their partitions; ``timeline_buf``: the
+        recorder's buffer (``backward_recorder``)."""
         tasks, queue, _, _, tail_begin, queue_len = walk
         tail_len = queue_len - tail_begin
         slot = counter_offsets[cute.size(counter_offsets) - 1]
@@ -195,8 +198,9 @@ class WgradTasksMixin:
                 if key < -1:
                     k0, k_tiles = Int32(0), self.shared_k_tiles(shared)
             if key != waited_expert:
-                self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
-                                timeout_ns)
+                self.wait_task_recorded(tasks, index, expert_offsets, counter_offsets, counters,
+                                        error, timeout_ns, timeline_buf, COMPUTE,
+                                        cute.arch.lane_idx() == 0)
                 cute.arch.fence_proxy("async.global")
                 waited_expert = key
             if const_expr(self.shared):
@@ -221,9 +225,10 @@ class WgradTasksMixin:
     @cute.jit
     def wgrad_consumer_tickets(self, walk, ring, expert_offsets: cute.Tensor, ab_pipeline,
                                tiled_mma, parts, loads: Int32, stores, warpgroup_idx: Int32,
-                               shared=None):
+                               shared=None, recorder=None):
         """Both consumer warpgroups' tail by tickets: each ring use names the tail position
-        the producer loaded next (past the tail: the end)."""
+        the producer loaded next (past the tail: the end). ``recorder``: the first consumer
+        warpgroup's ``backward_recorder.Recorder``, which records each tile."""
         tasks, queue, _, _, tail_begin, queue_len = walk
         tail_q, bars = ring
         tail_len = queue_len - tail_begin
@@ -234,6 +239,7 @@ class WgradTasksMixin:
             index = queue[tail_begin + t]
             expert = tasks[index, int(BackwardWord.TILE)]
             _, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            self.rec_stamp(recorder, START)
             if const_expr(self.shared):  # its tiles (the list's tile: the rank) over T tokens
                 ttype = tasks[index, int(BackwardWord.TYPE)]
                 is_shared = self.shared_wgrad_key(ttype, expert) < -1
@@ -243,13 +249,15 @@ class WgradTasksMixin:
                                 ttype == _WGRAD_GATE_UP or ttype == SHARED_WGRAD_GATE_UP,
                                 expert, tasks[index, int(BackwardWord.M_BLOCK)],
                                 tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
-                                warpgroup_idx, (shared.w_stores, is_shared))
+                                warpgroup_idx, recorder, (shared.w_stores, is_shared))
             else:
                 self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
                                 tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
                                 expert, tasks[index, int(BackwardWord.M_BLOCK)],
                                 tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
-                                warpgroup_idx)
+                                warpgroup_idx, recorder)
+            if const_expr(self.timeline):
+                self.rec_task(recorder, COMPUTE, tasks[index, int(BackwardWord.TYPE)], index)
             loads += k_tiles
             subtiles += self.wgrad_subtiles()
             k += 1
@@ -270,12 +278,13 @@ class WgradTasksMixin:
     @cute.jit
     def wgrad_tile(self, ab_pipeline, tiled_mma, parts, loads: Int32, k_tiles: Int32, gated,
                    expert: Int32, m_block: Int32, n_tile: Int32, subtiles: Int32, stores,
-                   warpgroup_idx: Int32, shared=None):
+                   warpgroup_idx: Int32, recorder, shared=None):
         """One weight-gradient tile on both consumer warpgroups: warpgroup w's 128 x 128
         block over the expert's row k-tiles (zeros without rows), then its TMA stores.
         ``parts``: ``wgrad_consumer_parts``; ``stores``: (atom, tensor) of dW_gate, dW_up,
         dW_down, each (rows, cols, E); ``shared``: (the shared expert's such pairs, a
-        run-time flag: store there instead)."""
+        run-time flag: store there instead); ``recorder``: the mainloop's end is its EPILOGUE
+        mark (``backward_recorder``)."""
         tCrA, tCrB, acc, num_k_blocks, epi, store_pipeline, barrier, is_store_warp = parts
         wg = warpgroup_idx - 1
         if k_tiles > 0:
@@ -285,6 +294,7 @@ class WgradTasksMixin:
             ab_pipeline.consumer_release(release)
         else:
             acc.fill(0.0)  # an expert with no rows
+        self.rec_stamp(recorder, EPILOGUE)
         args = (epi, wg * self.wgrad.epi_stages, subtiles, barrier, store_pipeline,
                 is_store_warp, n_tile, expert)
         if gated:
