@@ -287,7 +287,6 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
-        tile_m, tile_n, tile_k = self.tile_shape_mnk
 
         if warp_idx == self.load_warp:
             self.prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_b_up, tma_atom_c)
@@ -297,7 +296,6 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
         ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
-        num_tiles = num_m_tiles * num_n_tiles
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -310,68 +308,87 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
         else:
             # ---------------- consumer warpgroups: promoting wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            consumer = warpgroup_idx - 1
-            tile_tidx = tidx - self.threads_per_warpgroup
-            tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
-                tiled_mma, sA, sB, sC, consumer * self.threads_per_warpgroup, tile_tidx)
-            tCrB_up = None
-            if const_expr(self.half_promote):
-                tCrA, tCrB, tCrB_up, partial = self.half_fragments(
-                    half_mma, sA, sB, consumer * self.threads_per_warpgroup)
-            else:
-                partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-            my_rows = self._my_rows(tile_tidx)
-            epi_m = tile_m // self.epi_tile[0]
-            out_n = self.out_tile_n // self.epi_tile[1]
-            tma_store_pipeline, epilogue_barrier, is_store_warp = self.epilogue_sync(
-                warp_idx, warpgroup_idx)
-            outputs = None
-            if const_expr(not self.quantize_h):
-                outputs = self.output_views(((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
-                                             (tma_atom_c3, mC3_mnl)))
-            coords = None
-            if const_expr(self.epilogue == "dgated" or self.save_preact):
-                coords = self.epi_coords(epi, tile_tidx)
+            self.consumer_loop(ab_pipeline, tiled_mma, half_mma, sA, sB, sC, tidx, warp_idx,
+                               warpgroup_idx, k_tile_cnt, k_split, num_m_tiles, num_n_tiles,
+                               mTileExpert, (mEA, mEB, mEB_up),
+                               ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
+                                (tma_atom_c3, mC3_mnl)),
+                               (mPreact, mRowSlot, mWeights, mPartials), (mHq, mEh))
 
-            tile_idx = cute.arch.block_idx()[0]
-            loads = Int32(0)
-            subtiles_done = Int32(0)
-            turns = None  # (mine, theirs): the warpgroups' turns at issuing wgmmas
-            if const_expr(self.mma_turns):
-                turns = (pipeline.NamedBarrier(
-                    barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer,
-                    num_threads=self.num_mma_threads),
-                    pipeline.NamedBarrier(
-                    barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer,
-                    num_threads=self.num_mma_threads))
-            while tile_idx < num_tiles:
-                m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-                expert = mTileExpert[m_tile]
-                exps = GroupExponents(mEA, mEB, mEB_up, m_tile * tile_m + my_rows[0],
-                                      m_tile * tile_m + my_rows[1], expert, n_tile, k_split)
-                if const_expr(self.half_promote):
-                    self.half_promoting_mainloop(
-                        ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up, loads,
-                        k_tile_cnt, num_k_blocks, exps,
-                        turns=None if const_expr(turns is None) else
-                        (*turns, consumer + loads))
-                else:
-                    self.two_partial_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
-                                              loads, k_tile_cnt, num_k_blocks, exps)
-                loads += k_tile_cnt
-                # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
-                # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
-                if const_expr(self.quantize_h):
-                    self.store_h_fp8(acc, mHq, mEh, m_tile * tile_m + my_rows[0],
-                                     m_tile * tile_m + my_rows[1], n_tile, tile_tidx)
-                else:
-                    self.store_tile(epi, outputs, m_tile, n_tile, coords,
-                                    (mPreact, mRowSlot, mWeights, mPartials), 0, subtiles_done,
-                                    epilogue_barrier, tma_store_pipeline, is_store_warp,
-                                    tile_tidx)
-                subtiles_done += epi_m * out_n
-                tile_idx += cute.arch.grid_dim()[0]
-            tma_store_pipeline.producer_tail()
+    @cute.jit
+    def consumer_loop(self, ab_pipeline, tiled_mma: cute.TiledMma, half_mma, sA, sB, sC,
+                      tidx: Int32, warp_idx: Int32, warpgroup_idx: Int32, k_tile_cnt: Int32,
+                      k_split: Int32, num_m_tiles: Int32, num_n_tiles: Int32,
+                      mTileExpert: cute.Tensor, exponents, c_outputs, row_tensors, h_fp8):
+        """The consumer warpgroups' tiles: the promoting mainloop (half-promoting at 256 wide,
+        two partials at 128), then the epilogue. ``exponents``: the block-scale exponents of
+        A, B (and B_up); ``c_outputs``: (atom, tensor) of each output; ``row_tensors``: the
+        row-addressed epilogues' (saved g | u, row -> slot, weights, row partials);
+        ``h_fp8``: quantize_h's e4m3 h and its exponents."""
+        mEA, mEB, mEB_up = exponents
+        mHq, mEh = h_fp8
+        tile_m = self.tile_shape_mnk[0]
+        num_tiles = num_m_tiles * num_n_tiles
+        consumer = warpgroup_idx - 1
+        tile_tidx = tidx - self.threads_per_warpgroup
+        tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
+            tiled_mma, sA, sB, sC, consumer * self.threads_per_warpgroup, tile_tidx)
+        tCrB_up = None
+        if const_expr(self.half_promote):
+            tCrA, tCrB, tCrB_up, partial = self.half_fragments(
+                half_mma, sA, sB, consumer * self.threads_per_warpgroup)
+        else:
+            partial = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        my_rows = self._my_rows(tile_tidx)
+        epi_m = tile_m // self.epi_tile[0]
+        out_n = self.out_tile_n // self.epi_tile[1]
+        tma_store_pipeline, epilogue_barrier, is_store_warp = self.epilogue_sync(
+            warp_idx, warpgroup_idx)
+        outputs = None
+        if const_expr(not self.quantize_h):
+            outputs = self.output_views(c_outputs)
+        coords = None
+        if const_expr(self.epilogue == "dgated" or self.save_preact):
+            coords = self.epi_coords(epi, tile_tidx)
+
+        tile_idx = cute.arch.block_idx()[0]
+        loads = Int32(0)
+        subtiles_done = Int32(0)
+        turns = None  # (mine, theirs): the warpgroups' turns at issuing wgmmas
+        if const_expr(self.mma_turns):
+            turns = (pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer,
+                num_threads=self.num_mma_threads),
+                pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer,
+                num_threads=self.num_mma_threads))
+        while tile_idx < num_tiles:
+            m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+            expert = mTileExpert[m_tile]
+            exps = GroupExponents(mEA, mEB, mEB_up, m_tile * tile_m + my_rows[0],
+                                  m_tile * tile_m + my_rows[1], expert, n_tile, k_split)
+            if const_expr(self.half_promote):
+                self.half_promoting_mainloop(
+                    ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up, loads,
+                    k_tile_cnt, num_k_blocks, exps,
+                    turns=None if const_expr(turns is None) else
+                    (*turns, consumer + loads))
+            else:
+                self.two_partial_mainloop(ab_pipeline, tiled_mma, acc, partial, tCrA, tCrB,
+                                          loads, k_tile_cnt, num_k_blocks, exps)
+            loads += k_tile_cnt
+            # swiglu: h = bf16(silu(bf16(g)) * bf16(u)) in the core's epilogue (the bf16
+            # kernel's code); with quantize_h straight to e4m3 (a whole group a tile)
+            if const_expr(self.quantize_h):
+                self.store_h_fp8(acc, mHq, mEh, m_tile * tile_m + my_rows[0],
+                                 m_tile * tile_m + my_rows[1], n_tile, tile_tidx)
+            else:
+                self.store_tile(epi, outputs, m_tile, n_tile, coords, row_tensors, 0,
+                                subtiles_done, epilogue_barrier, tma_store_pipeline,
+                                is_store_warp, tile_tidx)
+            subtiles_done += epi_m * out_n
+            tile_idx += cute.arch.grid_dim()[0]
+        tma_store_pipeline.producer_tail()
 
     # ------------------------------------------------------------------ promoting mainloop
     def group_exponents(self, exps: GroupExponents, group: Int32):

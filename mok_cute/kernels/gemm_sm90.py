@@ -199,7 +199,6 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
-        tile_m, tile_n, tile_k = self.tile_shape_mnk
 
         if const_expr(self.timeline):
             if tidx == 0 and cute.arch.block_idx()[0] == 0:
@@ -212,7 +211,6 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
         ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
-        num_tiles = num_m_tiles * num_n_tiles
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -225,85 +223,100 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
         else:
             # ---------------- consumer warpgroups: wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            consumer = warpgroup_idx - 1  # 0 or 1
-            # pingpong: each warpgroup is a whole single-warpgroup MMA; cooperative: the two
-            # warpgroups are the two row halves of one MMA.
-            tile_tidx = tidx % self.threads_per_warpgroup if const_expr(self.pingpong) \
-                else tidx - self.threads_per_warpgroup
-            mma_slice = 0 if const_expr(self.pingpong) else consumer * self.threads_per_warpgroup
-            tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
-                tiled_mma, sA, sB, sC, mma_slice, tile_tidx)
-            epi_m = tile_m // self.epi_tile[0]
-            out_n = self.out_tile_n // self.epi_tile[1]
-            outputs = self.output_views(((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
-                                         (tma_atom_c3, mC3_mnl)))
-            coords = None
-            if const_expr(self.epilogue == "dgated" or self.save_preact):
-                coords = self.epi_coords(epi, tile_tidx)
-            tma_store_pipeline, epilogue_barrier, is_store_warp = self.epilogue_sync(
-                warp_idx, warpgroup_idx)
-            # pingpong: each warpgroup's own epi_stages x epi_outputs buffers
-            epi_base = consumer * self.epi_stages * self.epi_outputs if const_expr(self.pingpong) else 0
+            self.consumer_loop(ab_pipeline, tiled_mma, sA, sB, sC, tidx, warp_idx,
+                               warpgroup_idx, k_tile_cnt, num_m_tiles, num_n_tiles,
+                               ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
+                                (tma_atom_c3, mC3_mnl)),
+                               (mPreact, mRowSlot, mWeights, mPartials), mTimeline)
 
-            grid_size = cute.arch.grid_dim()[0]
-            tile_stride = grid_size
-            tile_idx = cute.arch.block_idx()[0]
-            loads = Int32(0)  # stage uses before this warpgroup's next tile
-            first_tile = tile_idx
-            my_turn, their_turn = None, None
-            if const_expr(self.pingpong):
-                # warpgroup 1 takes this CTA's odd tiles and skips the stages of the first
-                loads = consumer * k_tile_cnt
-                tile_idx += consumer * tile_stride
-                tile_stride = tile_stride * 2
-                # the warpgroups take turns at the mainloop: each waits on its own barrier
-                # and arrives on the other's (mainloop_begin / mainloop_end)
-                my_turn = pipeline.NamedBarrier(
-                    barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer,
-                    num_threads=self.num_mma_threads)
-                their_turn = pipeline.NamedBarrier(
-                    barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer,
-                    num_threads=self.num_mma_threads)
-            # the other warpgroup's tile owns the next k_tile_cnt stages (pingpong)
-            loads_per_tile = k_tile_cnt * (2 if const_expr(self.pingpong) else 1)
-            subtiles_done = Int32(0)
-            record_slot = Int64(0)
-            record_capacity = Int64(0)
+    @cute.jit
+    def consumer_loop(self, ab_pipeline, tiled_mma: cute.TiledMma, sA, sB, sC, tidx: Int32,
+                      warp_idx: Int32, warpgroup_idx: Int32, k_tile_cnt: Int32,
+                      num_m_tiles: Int32, num_n_tiles: Int32, c_outputs, row_tensors,
+                      mTimeline: Optional[cute.Tensor]):
+        """A consumer warpgroup's tiles: the mainloop, then the epilogue's subtiles through
+        smem, TMA-stored by one warp. ``c_outputs``: (atom, tensor) of each output;
+        ``row_tensors``: the row-addressed epilogues' (saved g | u, row -> slot, weights, row
+        partials); ``mTimeline``: the recorder's buffer (``timeline``)."""
+        tile_m = self.tile_shape_mnk[0]
+        num_tiles = num_m_tiles * num_n_tiles
+        consumer = warpgroup_idx - 1  # 0 or 1
+        # pingpong: each warpgroup is a whole single-warpgroup MMA; cooperative: the two
+        # warpgroups are the two row halves of one MMA.
+        tile_tidx = tidx % self.threads_per_warpgroup if const_expr(self.pingpong) \
+            else tidx - self.threads_per_warpgroup
+        mma_slice = 0 if const_expr(self.pingpong) else consumer * self.threads_per_warpgroup
+        tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(
+            tiled_mma, sA, sB, sC, mma_slice, tile_tidx)
+        epi_m = tile_m // self.epi_tile[0]
+        out_n = self.out_tile_n // self.epi_tile[1]
+        outputs = self.output_views(c_outputs)
+        coords = None
+        if const_expr(self.epilogue == "dgated" or self.save_preact):
+            coords = self.epi_coords(epi, tile_tidx)
+        tma_store_pipeline, epilogue_barrier, is_store_warp = self.epilogue_sync(
+            warp_idx, warpgroup_idx)
+        # pingpong: each warpgroup's own epi_stages x epi_outputs buffers
+        epi_base = consumer * self.epi_stages * self.epi_outputs if const_expr(self.pingpong) else 0
+
+        grid_size = cute.arch.grid_dim()[0]
+        tile_stride = grid_size
+        tile_idx = cute.arch.block_idx()[0]
+        loads = Int32(0)  # stage uses before this warpgroup's next tile
+        first_tile = tile_idx
+        my_turn, their_turn = None, None
+        if const_expr(self.pingpong):
+            # warpgroup 1 takes this CTA's odd tiles and skips the stages of the first
+            loads = consumer * k_tile_cnt
+            tile_idx += consumer * tile_stride
+            tile_stride = tile_stride * 2
+            # the warpgroups take turns at the mainloop: each waits on its own barrier
+            # and arrives on the other's (mainloop_begin / mainloop_end)
+            my_turn = pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.MMA_ORDER) + consumer,
+                num_threads=self.num_mma_threads)
+            their_turn = pipeline.NamedBarrier(
+                barrier_id=int(common.NamedBarriers.MMA_ORDER) + 1 - consumer,
+                num_threads=self.num_mma_threads)
+        # the other warpgroup's tile owns the next k_tile_cnt stages (pingpong)
+        loads_per_tile = k_tile_cnt * (2 if const_expr(self.pingpong) else 1)
+        subtiles_done = Int32(0)
+        record_slot = Int64(0)
+        record_capacity = Int64(0)
+        if const_expr(self.timeline):
+            # one ticket for all the tiles this tile owner will run (known up front), and
+            # the capacity read once: a record then costs no load on the store warp
+            if tile_tidx == 0:
+                my_tiles = cutlass.max(num_tiles - tile_idx + tile_stride - 1, 0) // tile_stride
+                record_slot = common.timeline_reserve(mTimeline, my_tiles)
+                record_capacity = common.timeline_capacity(mTimeline)
+        while tile_idx < num_tiles:
+            m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
+            t_start = Int64(0)
             if const_expr(self.timeline):
-                # one ticket for all the tiles this tile owner will run (known up front), and
-                # the capacity read once: a record then costs no load on the store warp
-                if tile_tidx == 0:
-                    my_tiles = cutlass.max(num_tiles - tile_idx + tile_stride - 1, 0) // tile_stride
-                    record_slot = common.timeline_reserve(mTimeline, my_tiles)
-                    record_capacity = common.timeline_capacity(mTimeline)
-            while tile_idx < num_tiles:
-                m_tile, n_tile = common.grouped_raster(tile_idx, num_m_tiles, num_n_tiles, self.group_m)
-                t_start = Int64(0)
-                if const_expr(self.timeline):
-                    if tile_tidx == 0:  # only the record's writer reads the timer
-                        t_start = common.timeline_now()
-                release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
-                                        k_tile_cnt, num_k_blocks,
-                                        (my_turn, their_turn, tile_idx, first_tile, grid_size,
-                                         num_tiles))
-                cute.nvgpu.warpgroup.wait_group(0)
-                ab_pipeline.consumer_release(release)
-                loads += loads_per_tile
+                if tile_tidx == 0:  # only the record's writer reads the timer
+                    t_start = common.timeline_now()
+            release = self.mainloop(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads,
+                                    k_tile_cnt, num_k_blocks,
+                                    (my_turn, their_turn, tile_idx, first_tile, grid_size,
+                                     num_tiles))
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release)
+            loads += loads_per_tile
 
-                # ---- epilogue: subtiles through smem, TMA-stored by one warp
-                self.store_tile(epi, outputs, m_tile, n_tile, coords,
-                                (mPreact, mRowSlot, mWeights, mPartials), epi_base,
-                                subtiles_done, epilogue_barrier, tma_store_pipeline,
-                                is_store_warp, tile_tidx)
-                subtiles_done += epi_m * out_n
-                if const_expr(self.timeline):
-                    if tile_tidx == 0:
-                        common.timeline_write(mTimeline, record_slot, 1, self.task_type,
-                                              tile_idx, 0, t_start, common.timeline_now(),
-                                              record_capacity)
-                    record_slot += 1
-                tile_idx += tile_stride
-            tma_store_pipeline.producer_tail()
+            # ---- epilogue: subtiles through smem, TMA-stored by one warp
+            self.store_tile(epi, outputs, m_tile, n_tile, coords, row_tensors, epi_base,
+                            subtiles_done, epilogue_barrier, tma_store_pipeline, is_store_warp,
+                            tile_tidx)
+            subtiles_done += epi_m * out_n
+            if const_expr(self.timeline):
+                if tile_tidx == 0:
+                    common.timeline_write(mTimeline, record_slot, 1, self.task_type,
+                                          tile_idx, 0, t_start, common.timeline_now(),
+                                          record_capacity)
+                record_slot += 1
+            tile_idx += tile_stride
+        tma_store_pipeline.producer_tail()
 
     # ------------------------------------------------------------------ mainloop hooks
     @cute.jit
