@@ -8,7 +8,9 @@
 script there, so each side compiles its cases with its own API; the case names are the
 contract between the two. Normalisation drops comments and renames the entry functions (their
 names carry the Python module and class path) to KERNEL0, KERNEL1, ... in order of
-appearance. Needs no GPU: every case is compiled for sm_90a on fake tensors.
+appearance. A case whose PTX differs only in the numbering of its virtual registers, labels
+or parameters (``renumbered``) passes as "same*". Needs no GPU: every case is compiled for
+sm_90a on fake tensors.
 """
 
 from __future__ import annotations
@@ -160,6 +162,31 @@ def normalise(ptx: str) -> str:
     return "\n".join(line.rstrip() for line in ptx.splitlines() if line.strip()) + "\n"
 
 
+_REG_DECL = re.compile(r"(\.reg\s+\.\w+\s+%\w+)<\d+>;")
+_PARAM_DECL = re.compile(r"^\s*\.param\s[^\n]*?(\w+_param_\d+)\b[^\n]*\n", re.M)
+_RENAMED = re.compile(r"%(?:rd|rs|r|p|fd|f|h|hh)\d+\b|\$L__\w+|_param_\d+\b")
+
+
+def renumbered(ptx: str) -> str:
+    """``ptx`` without the declarations of parameters it never reads, its virtual registers,
+    labels and parameters renamed in order of first appearance (and the register counts
+    dropped): two kernels equal under it run the same instructions on the same operands,
+    their numbering aside (a refactor that moves code into a method renumbers the values it
+    traces; a parameter only another build reads shifts the others' numbers)."""
+    names: dict[str, str] = {}
+
+    def rename(m):
+        kind = re.sub(r"\d+$", "", m.group(0)) if m.group(0).startswith("%") else m.group(0)[:3]
+        return names.setdefault(m.group(0), f"{kind}#{sum(1 for v in names.values() if v.startswith(kind + '#'))}")
+
+    # a parameter the kernel never reads (an argument of another build) is dropped first
+    unread = [m for m in _PARAM_DECL.finditer(ptx)
+              if len(re.findall(re.escape(m.group(1)) + r"\b", ptx)) == 1]
+    for m in reversed(unread):
+        ptx = ptx[:m.start()] + ptx[m.end():]
+    return _RENAMED.sub(rename, _REG_DECL.sub(r"\1<N>;", ptx))
+
+
 def snapshot(outdir: Path, only: list[str] | None) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     for name, build in cases().items():
@@ -195,7 +222,7 @@ def compare(base: str, head: str | None, only: list[str] | None) -> int:
                     subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force",
                                     str(root)], check=False, capture_output=True)
             sides[label] = {p.stem: p.read_text() for p in (tmp / label).glob("*.ptx")}
-        failed = 0
+        failed = renamed = 0
         for name in sorted(set(sides["base"]) | set(sides["head"])):
             a, b = sides["base"].get(name), sides["head"].get(name)
             if a is None:  # a case added since BASE (its copy of this script lists fewer)
@@ -205,13 +232,19 @@ def compare(base: str, head: str | None, only: list[str] | None) -> int:
                 failed += 1
             elif a == b:
                 print(f"same     {name} ({a.count(chr(10))} lines)")
+            elif renumbered(a) == renumbered(b):
+                print(f"same*    {name} ({a.count(chr(10))} lines; registers, labels or "
+                      "parameters renumbered)")
+                renamed += 1
             else:
                 diff = list(difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="",
                                                  n=0))
                 print(f"DIFFERS  {name}: {len(diff)} diff lines; first ones:")
                 print("\n".join("    " + d for d in diff[2:12]))
                 failed += 1
-        print("byte-identical" if not failed else f"{failed} case(s) differ")
+        print(f"{failed} case(s) differ" if failed else
+              f"instruction-identical ({renamed} case(s) renumbered)" if renamed else
+              "byte-identical")
         return 1 if failed else 0
 
 

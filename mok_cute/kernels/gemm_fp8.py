@@ -296,6 +296,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
         ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
+        num_tiles = num_m_tiles * num_n_tiles
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -310,7 +311,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consumer_loop(ab_pipeline, tiled_mma, half_mma, sA, sB, sC, tidx, warp_idx,
                                warpgroup_idx, k_tile_cnt, k_split, num_m_tiles, num_n_tiles,
-                               mTileExpert, (mEA, mEB, mEB_up),
+                               num_tiles, mTileExpert, (mEA, mEB, mEB_up),
                                ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
                                 (tma_atom_c3, mC3_mnl)),
                                (mPreact, mRowSlot, mWeights, mPartials), (mHq, mEh))
@@ -319,7 +320,8 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
     def consumer_loop(self, ab_pipeline, tiled_mma: cute.TiledMma, half_mma, sA, sB, sC,
                       tidx: Int32, warp_idx: Int32, warpgroup_idx: Int32, k_tile_cnt: Int32,
                       k_split: Int32, num_m_tiles: Int32, num_n_tiles: Int32,
-                      mTileExpert: cute.Tensor, exponents, c_outputs, row_tensors, h_fp8):
+                      num_tiles: Int32, mTileExpert: cute.Tensor, exponents, c_outputs,
+                      row_tensors, h_fp8):
         """The consumer warpgroups' tiles: the promoting mainloop (half-promoting at 256 wide,
         two partials at 128), then the epilogue. ``exponents``: the block-scale exponents of
         A, B (and B_up); ``c_outputs``: (atom, tensor) of each output; ``row_tensors``: the
@@ -328,7 +330,6 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
         mEA, mEB, mEB_up = exponents
         mHq, mEh = h_fp8
         tile_m = self.tile_shape_mnk[0]
-        num_tiles = num_m_tiles * num_n_tiles
         consumer = warpgroup_idx - 1
         tile_tidx = tidx - self.threads_per_warpgroup
         tCrA, tCrB, acc, num_k_blocks, epi = self.consumer_parts(

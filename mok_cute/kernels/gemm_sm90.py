@@ -211,6 +211,7 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
         ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
         num_m_tiles = mNumMTiles[0]
+        num_tiles = num_m_tiles * num_n_tiles
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -225,21 +226,20 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.consumer_loop(ab_pipeline, tiled_mma, sA, sB, sC, tidx, warp_idx,
                                warpgroup_idx, k_tile_cnt, num_m_tiles, num_n_tiles,
-                               ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
-                                (tma_atom_c3, mC3_mnl)),
+                               num_tiles, ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
+                                           (tma_atom_c3, mC3_mnl)),
                                (mPreact, mRowSlot, mWeights, mPartials), mTimeline)
 
     @cute.jit
     def consumer_loop(self, ab_pipeline, tiled_mma: cute.TiledMma, sA, sB, sC, tidx: Int32,
                       warp_idx: Int32, warpgroup_idx: Int32, k_tile_cnt: Int32,
-                      num_m_tiles: Int32, num_n_tiles: Int32, c_outputs, row_tensors,
-                      mTimeline: Optional[cute.Tensor]):
+                      num_m_tiles: Int32, num_n_tiles: Int32, num_tiles: Int32, c_outputs,
+                      row_tensors, mTimeline: Optional[cute.Tensor]):
         """A consumer warpgroup's tiles: the mainloop, then the epilogue's subtiles through
         smem, TMA-stored by one warp. ``c_outputs``: (atom, tensor) of each output;
         ``row_tensors``: the row-addressed epilogues' (saved g | u, row -> slot, weights, row
         partials); ``mTimeline``: the recorder's buffer (``timeline``)."""
         tile_m = self.tile_shape_mnk[0]
-        num_tiles = num_m_tiles * num_n_tiles
         consumer = warpgroup_idx - 1  # 0 or 1
         # pingpong: each warpgroup is a whole single-warpgroup MMA; cooperative: the two
         # warpgroups are the two row halves of one MMA.

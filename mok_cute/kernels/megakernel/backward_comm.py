@@ -118,7 +118,8 @@ class BackwardCommMixin:
                         self.tail_ksum(ctx, tasks, rows.comm_queue[pos], counter_offsets,
                                        counters, error, timeout_ns, rows, tail, stage, tidx,
                                        self.threads_per_cta, sync)
-                        self.rec_marked(recorder, COMM, _KSUM, rows.comm_queue[pos])
+                        self.rec_task(recorder, COMM, _KSUM, rows.comm_queue[pos],
+                                      epilogue=False)
                         pos = ksum_begin  # the next ticket
                 else:
                     index = rows.comm_queue[pos]
@@ -126,7 +127,7 @@ class BackwardCommMixin:
                         self.rec_stamp(recorder, START)
                         self.tail_barrier(ctx, tasks, index, counter_offsets, counters, error,
                                           num_tiles, timeout_ns, rows.peer_bases, tidx, sync)
-                        self.rec_marked(recorder, COMM, _BARRIER, index)
+                        self.rec_task(recorder, COMM, _BARRIER, index, epilogue=False)
                     else:
                         self._rows_task(tasks, index, counter_offsets, counters, error,
                                         num_tiles, timeout_ns, expert_offsets, rows, row_slot,
@@ -199,7 +200,7 @@ class BackwardCommMixin:
             if tidx == 0:
                 cute.arch.fence_acq_rel_gpu()
                 common.counter_publish(counters, signal_slot(tasks, index, counter_offsets), 1)
-            self.rec_marked(recorder, COMM, ttype, index)
+            self.rec_task(recorder, COMM, ttype, index, epilogue=False)
 
     @cute.jit
     def _row_partial_sum(self, partials: cute.Tensor, row: Int32, lane: Int32) -> Float32:

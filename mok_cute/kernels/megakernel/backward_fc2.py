@@ -242,16 +242,16 @@ class Fc2PingpongTasksMixin:
         while pos < fc2_end:
             if live % 2 == wg:
                 m_tile, n_tile, _, index = self._fc2_task(walk, pos, counter_offsets)
+                uses = live * k_tiles  # the ring's stage uses before this tile
                 wait_turn = live > 0  # in the mainloop's first hook
                 if const_expr(self.timeline):  # the span starts once the turn has come
                     if wait_turn:
                         my_turn.arrive_and_wait()
                     wait_turn = live < 0
                 self.rec_stamp(recorder, START)
-                release = self.fc2.mainloop(ring, tiled_mma, acc, tCrA, tCrB, live * k_tiles,
-                                            k_tiles, num_k_blocks,
-                                            (my_turn, their_turn, wait_turn, self, walk, pos,
-                                             fc2_end))
+                release = self.fc2.mainloop(ring, tiled_mma, acc, tCrA, tCrB, uses, k_tiles,
+                                            num_k_blocks, (my_turn, their_turn, wait_turn, self,
+                                                           walk, pos, fc2_end))
                 cute.nvgpu.warpgroup.wait_group(0)
                 self.rec_stamp(recorder, EPILOGUE)
                 ring.consumer_release(release)

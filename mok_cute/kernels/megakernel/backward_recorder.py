@@ -36,7 +36,7 @@ MARKS_PER_WARPGROUP = 2
 
 class Recorder(NamedTuple):
     """What a consumer warpgroup (or a comm CTA) records its tasks with (``rec_stamp``,
-    ``rec_task``, ``rec_marked``)."""
+    ``rec_task``)."""
 
     buf: cute.Tensor  # the timeline buffer
     marks: object  # int64 smem [MARKS_PER_WARPGROUP] of the recording thread (None: off)
@@ -54,25 +54,6 @@ class BackwardRecorderMixin:
                 common.timeline_mark_start(buf, common.timeline_now())
 
     @cute.jit
-    def rec_now(self) -> Int64:
-        """%globaltimer with the recorder on (0, and no instruction, with it off)."""
-        t = Int64(0)
-        if const_expr(self.timeline):
-            t = common.timeline_now()
-        return t
-
-    @cute.jit
-    def rec_span(self, buf: cute.Tensor, role: cutlass.Constexpr[int], ttype, index, t0: Int64,
-                 leader, min_ns: cutlass.Constexpr[int] = 0):
-        """A span of task ``index`` (type ``ttype``) from ``t0`` to now, written by ``leader``
-        when it lasted over ``min_ns``."""
-        if const_expr(self.timeline):
-            t1 = common.timeline_now()
-            if leader and t1 - t0 > min_ns:
-                slot = common.timeline_reserve(buf, 1)
-                common.timeline_write(buf, slot, role, ttype, index, Int32(0), t0, t1)
-
-    @cute.jit
     def rec_stamp(self, rec: "Recorder", which: int):
         """The recording thread stamps mark ``which`` (START or EPILOGUE) of its task in smem:
         held in registers through the dgated epilogue, the times made ptxas spill."""
@@ -81,28 +62,21 @@ class BackwardRecorderMixin:
                 rec.marks[which] = common.timeline_now()
 
     @cute.jit
-    def rec_marked(self, rec: "Recorder", role: cutlass.Constexpr[int], ttype, index):
-        """A span of task ``index`` from its START mark to now, written by the recording
-        thread (a comm task's: a time held through the row copies made ptxas spill)."""
+    def rec_task(self, rec: "Recorder", role: cutlass.Constexpr[int], ttype, index,
+                 epilogue: cutlass.Constexpr[bool] = True):
+        """Task ``index``'s span from its START mark to now, written by the recording thread;
+        a GEMM task's (``epilogue``) with its EPILOGUE phase from its EPILOGUE mark (the
+        mainloop's end) to now. A comm task's start goes through the mark too: a time held
+        through its row copies made ptxas spill."""
         if const_expr(self.timeline):
             t1 = common.timeline_now()
             if rec.leader:
-                slot = common.timeline_reserve(rec.buf, 1)
+                slot = common.timeline_reserve(rec.buf, 1 + int(epilogue))
                 common.timeline_write(rec.buf, slot, role, ttype, index, Int32(0),
                                       rec.marks[START], t1)
-
-    @cute.jit
-    def rec_task(self, rec: "Recorder", role: cutlass.Constexpr[int], ttype, index):
-        """A GEMM task's span from its START mark to now and its EPILOGUE phase from its
-        EPILOGUE mark (the mainloop's end) to now, written by the recording thread."""
-        if const_expr(self.timeline):
-            t1 = common.timeline_now()
-            if rec.leader:
-                slot = common.timeline_reserve(rec.buf, 2)
-                common.timeline_write(rec.buf, slot, role, ttype, index, Int32(0),
-                                      rec.marks[START], t1)
-                common.timeline_write(rec.buf, slot + 1, role, int(TaskType.EPILOGUE), index,
-                                      Int32(0), rec.marks[EPILOGUE], t1)
+                if const_expr(epilogue):
+                    common.timeline_write(rec.buf, slot + 1, role, int(TaskType.EPILOGUE),
+                                          index, Int32(0), rec.marks[EPILOGUE], t1)
 
     @cute.jit
     def wait_task_recorded(self, tasks: cute.Tensor, index: Int32, expert_offsets: cute.Tensor,
@@ -111,10 +85,17 @@ class BackwardRecorderMixin:
                            role: cutlass.Constexpr[int], leader):
         """``_wait_task``; with the recorder on, a wait longer than ``WAIT_RECORD_MIN_NS``
         also becomes a WAIT span written by ``leader``."""
-        t0 = self.rec_now()
+        t0 = Int64(0)
+        if const_expr(self.timeline):
+            t0 = common.timeline_now()
         self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
                         timeout_ns)
-        self.rec_span(buf, role, int(TaskType.WAIT), index, t0, leader, WAIT_RECORD_MIN_NS)
+        if const_expr(self.timeline):
+            t1 = common.timeline_now()
+            if leader and t1 - t0 > WAIT_RECORD_MIN_NS:
+                slot = common.timeline_reserve(buf, 1)
+                common.timeline_write(buf, slot, role, int(TaskType.WAIT), index, Int32(0),
+                                      t0, t1)
 
 
 __all__ = ["BackwardRecorderMixin", "COMM", "COMPUTE", "EPILOGUE", "MARKS_PER_WARPGROUP",

@@ -136,7 +136,8 @@ class BackwardTailMixin:
             self.tail_ksum(ctx, tasks, rows.comm_queue[ksum_begin + q], counter_offsets,
                            counters, error, timeout_ns, rows, tail, stage, tidx, num_threads,
                            sync)
-            self.rec_marked(recorder, role, _KSUM, rows.comm_queue[ksum_begin + q])
+            self.rec_task(recorder, role, _KSUM, rows.comm_queue[ksum_begin + q],
+                          epilogue=False)
             q = self.ksum_ticket(counters, counter_offsets, ticket, tidx, sync)
 
     @cute.jit
