@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 2 examples/ep_torchrun.py --device cpu --shape custom:16,64,32,8,2,1  # gloo
     torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape kimi_k2 --backend megakernel --train 20
     torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape glm --backend megakernel --precision fp8 --train 20
+    torchrun --nproc-per-node 8 examples/ep_torchrun.py --shape kimi_k2 --backend megakernel --train 2 --timeline out/tl
 
 Shapes are MoK's EP models (`mok_cute.shapes.EP_SHAPES`, a unique prefix is enough) with the
 routed experts split evenly over the ranks and one shared expert of size I, or
@@ -23,7 +24,9 @@ Every rank
    the replicated parameters' gradients (router, shared expert) are averaged over the ranks
    as data parallelism would, the experts' stay on their rank. Rank 0 prints the mean loss of
    the first and last step and the median step time. Under `--backend megakernel` the
-   backward runs on the kernels too (`mok_cute.group_backward`).
+   backward runs on the kernels too (`mok_cute.group_backward`). With `--timeline DIR` one more
+   step runs with `MoKConfig(timeline=True)` and rank 0 writes the per-SM timelines of its
+   forward and backward launches (trace, PNG, summary: `mok_cute.timeline`) under DIR.
 
 It prints which path `moe_forward(group=...)` takes: under `--backend auto` the PyTorch
 reference with a real all_to_all_single exchange; `--backend megakernel` runs the
@@ -36,6 +39,7 @@ import os
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 
 import torch  # noqa: E402
@@ -105,6 +109,8 @@ def main() -> int:
                         help="MoKConfig.backend: megakernel = the IPC megakernel (one launch per rank)")
     parser.add_argument("--train", type=int, default=0, metavar="STEPS", help="then train STEPS SGD steps")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--timeline", default=None, metavar="DIR",
+                        help="after --train: one step recorded (MoKConfig.timeline), rank 0's timelines under DIR")
     args = parser.parse_args()
     if args.precision == "fp8" and args.backend != "megakernel":
         parser.error("--precision fp8 runs over a group on the IPC megakernel: add --backend megakernel")
@@ -148,6 +154,8 @@ def main() -> int:
                   f"(6 (T K + T) H I / t, path {choice.path})")
         if args.train:
             ok = train(layer, d, x, args) and ok
+            if args.timeline:
+                record_step(layer, d, x, args.timeline)
         dist.barrier(group=d.group)
         return 0 if ok else 1
 
@@ -183,6 +191,31 @@ def train(layer: mok_cute.MoELayer, d: ep_dist.Dist, x: torch.Tensor, args) -> b
               f"({'down' if went_down else 'NOT down'}), median step {statistics.median(times):.1f} ms "
               f"(host clock)")
     return went_down
+
+
+def record_step(layer: mok_cute.MoELayer, d: ep_dist.Dist, x: torch.Tensor, outdir: str) -> None:
+    """One training step with the in-kernel recorder on; rank 0 writes its forward's and its
+    backward's timelines (each launch's own buffer: ``mok_cute.timeline.last()``)."""
+    from mok_cute import timeline
+
+    layer.config = dataclasses.replace(layer.config, timeline=True)
+    layer.zero_grad(set_to_none=True)
+    out = layer(x)
+    forward = timeline.last()
+    out.float().square().mean().backward()
+    backward = timeline.last()
+    if d.device.type == "cuda":
+        torch.cuda.synchronize(d.device)
+    dist.barrier(group=d.group)
+    if d.rank == 0:
+        for name, buf in (("forward", forward), ("backward", backward)):
+            if buf is None or (name == "backward" and buf is forward):
+                print(f"timeline: no {name} recording on this path")
+                continue
+            tl = buf.decode()
+            title = f"rank 0 of {d.world}, {name}"
+            paths = timeline.write_views(tl, f"{outdir}/{name}", timeline.summarize(tl), title)
+            print(f"timeline: {name}: {len(tl)} records -> {paths['png']}; check: {tl.check() or 'clean'}")
 
 
 if __name__ == "__main__":

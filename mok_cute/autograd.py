@@ -553,6 +553,8 @@ class _GroupTrain(torch.autograd.Function):
         ctx.options = config.expert_path
         ctx.comm_sms = config.megakernel.backward_comm_sms
         ctx.mean_tokens = mean_tokens
+        # MoKConfig.timeline: the backward's launch records too (mok_cute.timeline.last())
+        ctx.timeline_capacity = config.timeline_capacity if config.timeline else 0
         # kept, not saved (the module doc): every backward adds into them
         ctx.main_grads, ctx.dummies = _main_grads_of(main_grads)
         # SavedPreact: its tensors, this call's schedules and the plan; kept for every backward
@@ -573,12 +575,21 @@ class _GroupTrain(torch.autograd.Function):
                                  shared_preact=one(saved.shared_preact))
         needs = Needs(*_needs(ctx))
         main_grads = _main_grads_tuple(ctx.main_grads)  # [1, ...]: the launch's rank too
+        recorder = None
+        if ctx.timeline_capacity:
+            from mok_cute.timeline import TimelineBuffer
+
+            recorder = TimelineBuffer(ctx.timeline_capacity, device=d_out.device)
         grads = moe_backward_group(
             one(d_out.contiguous()), one(x), one(ids), one(topk_weights), one(w_gate),
             one(w_up), one(w_down), tuple(one(w) for w in shared) if shared else None, stacked,
             needs, ctx.options, tokens_per_rank=ctx.mean_tokens, comm_sms=ctx.comm_sms,
             main_grads=None if main_grads is None else main_grads._replace(
-                **{k: one(v) for k, v in main_grads._asdict().items()}))
+                **{k: one(v) for k, v in main_grads._asdict().items()}), timeline=recorder)
+        if recorder is not None and not saved.plan.key.spec.fp8:  # FP8's launches record nothing
+            from mok_cute.timeline import set_last
+
+            set_last(recorder)
         d_x, d_w, *d_weights = _wanted(ctx, [None if t is None else t[0] for t in grads])
         d_weights = _fused_grads(d_weights, (w_gate, w_up, w_down, *(shared or (None,) * 3)),
                                  ctx.main_grads, ctx.dummies)

@@ -89,7 +89,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                        options: ExpertPathOptions = ExpertPathOptions(), silent_rank: int = -1,
                        tokens_per_rank: float | None = None,
                        comm_sms: int = MegakernelOptions().backward_comm_sms,
-                       main_grads: MainGrads | None = None):
+                       main_grads: MainGrads | None = None, timeline=None):
     """Every gradient of a saving megakernel launch (``megakernel.moe_forward(..., group=...,
     save=True)``, or ``moe_forward_virtual(save=True)``) for the L ranks of that launch (L = 1
     for a process of a group): d_out, xs [L, T, H] with the plan's T (padded rows included),
@@ -102,7 +102,9 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     (padding rows route nowhere), so both pick the same kernels. ``silent_rank`` (tests
     only): that rank stores no barrier flag, as if its process had died. ``main_grads``: a
     ``MainGrads`` of fp32 buffers shaped as the weights ([L, ...]): each weight gradient with
-    one is added into it and returned as None."""
+    one is added into it and returned as None. ``timeline``: a ``mok_cute.timeline.TimelineBuffer``
+    that the bf16 backward-megakernel launch of local rank 0 records into (the FP8 backward's
+    launches record nothing)."""
     from mok_cute.kernels.peer_rows import peer_barrier
     from mok_cute.megakernel_backward import SharedGrads
 
@@ -138,7 +140,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             field[:, 0].copy_(weights32[r])
         if L == 1 and not fp8:  # one process, one rank: the barriers and k-sums in the launch
             return _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up,
-                               w_down, shared, needs, options, silent_rank, comm_sms, main_grads)
+                               w_down, shared, needs, options, silent_rank, comm_sms, main_grads,
+                               timeline)
         plan.begin_backward(silent_rank)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
         in_launch = None  # each rank's shared expert as tasks of its launch, else after
@@ -149,7 +152,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                                         routed_per_expert, main_grads)
         else:
             dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms,
-                                       shared=in_launch, main_grads=main_grads)
+                                       shared=in_launch, main_grads=main_grads,
+                                       timeline=timeline)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
         plan.backward_errors.record(plan.backward_calls)
 
@@ -185,7 +189,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
 
 def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                 needs: Needs, options: ExpertPathOptions, silent_rank: int, comm_sms: int,
-                main_grads: MainGrads | None = None):
+                main_grads: MainGrads | None = None, timeline=None):
     """The bf16 backward of one rank in its own process: the shared expert's backward (its dx
     rows are the k-sums' base), then one launch whose comm CTAs also pass the group's two
     barriers and run the k-sums of d_x and d_topk_weights (``megakernel_backward.GroupTail``).
@@ -210,7 +214,7 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
                      shared_dx[0], d_x, d_topk)
     plan.begin_backward(silent_rank)
     dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail,
-                               in_launch, main_grads)
+                               in_launch, main_grads, timeline)
     plan.backward_errors.record(plan.backward_calls)
     if s is not None:
         d_shared = tuple(None if g is None else g[None]
@@ -241,12 +245,13 @@ def _rank_main(main_grads: MainGrads | None, r: int) -> MainGrads | None:
 
 
 def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None,
-            shared=None, main_grads: MainGrads | None = None):
+            shared=None, main_grads: MainGrads | None = None, timeline=None):
     """Each local rank's routed backward in one launch with its comm (bf16): the weight
     gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no), and with
     ``shared`` (a ``SharedExpert`` per local rank: its backward in the rank's launch too)
     their ``SharedGrads``, else None. The launch's own waits are on its own tasks (a peer's
-    silence shows at barrier 1), or with ``tail`` (one rank) on the peers' flags too."""
+    silence shows at barrier 1), or with ``tail`` (one rank) on the peers' flags too.
+    ``timeline``: local rank 0's launch records into it."""
     from mok_cute import megakernel_backward
 
     side, k = plan.side, plan.key
@@ -265,7 +270,7 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail
             w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r], weights,
             sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
             wgrads, comm_sms, tail=tail, shared=None if shared is None else shared[r],
-            main_grads=_rank_main(main_grads, r))
+            main_grads=_rank_main(main_grads, r), timeline=timeline if r == 0 else None)
         gate, up, down = out[6:9] if wgrads else (None, None, None)
         dwg.append(gate if needs.w_gate_up else None)
         dwu.append(up if needs.w_gate_up else None)

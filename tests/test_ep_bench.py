@@ -278,15 +278,20 @@ def test_grouped_mm_baseline_matches_the_reference_on_one_gpu(tmp_path, monkeypa
     assert next(r for r in rows if r["contender"] == "nccl_torch")["path"].startswith("nccl all_to_all_single dispatch + torch._grouped_mm")
 
 
-def test_example_script_under_torchrun_on_cpu():
+def test_example_script_under_torchrun_on_cpu(tmp_path):
     """examples/ep_torchrun.py: 2 gloo ranks, MoELayer(group=...), the check passes, times printed,
-    then 4 training steps lower the loss."""
+    then 4 training steps lower the loss; the recorded step (--timeline) says that the reference
+    path records nothing, and writes nothing."""
     proc = _torchrun(2, "examples/ep_torchrun.py", "--device", "cpu",
                      "--shape", f"custom:{T},{H},{I},{2 * E_LOC},{K},1", "--iters", "2", "--warmup", "1",
-                     "--check-tokens", "16", "--train", "4", "--lr", "0.5", timeout=120)
+                     "--check-tokens", "16", "--train", "4", "--lr", "0.5",
+                     "--timeline", str(tmp_path / "tl"), timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "-> PASS" in proc.stdout and "rank 1: forward" in proc.stdout and "max over ranks" in proc.stdout
     assert "train: 4 steps" in proc.stdout and "(down)" in proc.stdout, proc.stdout[-2000:]
+    assert "timeline: no forward recording on this path" in proc.stdout
+    assert "timeline: no backward recording on this path" in proc.stdout
+    assert not (tmp_path / "tl").exists()
 
 
 def _torchrun(nproc: int, script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:

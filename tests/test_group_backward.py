@@ -76,15 +76,15 @@ def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
 
 def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                           num_tiles, expert_offsets, peers, wgrads=True, comm_ctas=16,
-                          tail=None, shared=None, main_grads=None):
+                          tail=None, shared=None, main_grads=None, timeline=None):
     """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
     and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
     and weight gradients emulated in torch (several ranks of one process: no group tail);
     the rank's shared expert (``shared``) through ``shared_backward_ranks`` on the
-    emulation."""
+    emulation; nothing recorded (``timeline``: the kernel's)."""
     import ctypes
 
-    assert tail is None
+    assert tail is None and timeline is None
 
     from mok_cute.expert_backward import row_partial_sums
     from test_virtual_training import _emulated_dgrads, _emulated_weight_grads

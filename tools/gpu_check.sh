@@ -279,7 +279,8 @@ run_ep() {
   local run=(torchrun --nproc-per-node "$n")
   step "ep_check_$n" 240 "${run[@]}" tools/ep_check.py --backend megakernel
   step "ep_check_kimi_$n" 240 "${run[@]}" tools/ep_check.py --backend megakernel --shape kimi --tokens 1024
-  step "ep_example_$n" 240 "${run[@]}" examples/ep_torchrun.py --shape kimi --tokens 2048 --backend megakernel
+  step "ep_example_$n" 240 "${run[@]}" examples/ep_torchrun.py --shape kimi --tokens 2048 --backend megakernel \
+    --train 2 --timeline "$out/timeline_ep$n" && grep -E "^timeline:" "$out/ep_example_$n.log"
   # FP8 over IPC: the forward checked against the bf16 reference, then training steps
   step "ep_example_fp8_$n" 300 "${run[@]}" examples/ep_torchrun.py --shape glm --tokens 2048 \
     --backend megakernel --precision fp8 --train 5
