@@ -341,6 +341,15 @@ def test_moe_backward_refuses_a_bad_d_out_or_no_saved_forward():
         eb.moe_backward(x[:4], *args, saved=saved)
     with pytest.raises(ValueError, match="d_out: expected bfloat16"):
         eb.moe_backward(x.float(), *args, saved=saved)
+    # only the one backward-megakernel launch records a timeline
+    from mok_cute.timeline import TimelineBuffer
+
+    buf = TimelineBuffer(4, device="cpu")
+    with pytest.raises(ValueError, match="timeline: only the one backward-megakernel launch"):
+        eb.moe_backward(x, *args, saved=saved, timeline=buf)
+    with pytest.raises(ValueError, match="timeline: only the one backward-megakernel launch"):
+        eb.moe_backward(x, *args, saved=saved, dgrads="megakernel", timeline=buf,
+                        needs=eb.Needs(w_down=False))
 
 
 def _call_names() -> list[str]:
