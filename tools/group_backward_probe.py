@@ -316,12 +316,17 @@ def _record_one_launch(with_tail, comm_ctas: int, want, dev, outdir: str, title:
     against the group call; its views written to ``outdir``."""
     from mok_cute import timeline as tlm
 
-    tb = tlm.TimelineBuffer(1 << 17, device=dev)
-    for _ in range(2):
-        tb.reset()
-        got = with_tail(comm_ctas, timeline=tb)
-    torch.cuda.synchronize()
-    tl = tb.decode()
+    capacity = 1 << 18
+    for _ in range(2):  # the second time with room for every record, if the first dropped some
+        tb = tlm.TimelineBuffer(capacity, device=dev)
+        for _ in range(2):  # the first call compiles
+            tb.reset()
+            got = with_tail(comm_ctas, timeline=tb)
+        torch.cuda.synchronize()
+        tl = tb.decode()
+        if not tl.dropped:
+            break
+        capacity = 1 << tl.written.bit_length()
     tl.meta.update({"pass": "bwd", "title": title, "gpu": torch.cuda.get_device_name()})
     summary = tlm.print_summary(tl, title=title)
     paths = tlm.write_views(tl, outdir, summary, title)
