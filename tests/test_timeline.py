@@ -453,6 +453,14 @@ def test_main_backward_refuses_ranks_and_config_fields(tmp_path, capsys):
                                  "--out", str(tmp_path)]) == 2
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_main_backward_without_a_gpu_says_so_and_fails(tmp_path, capsys):
+    assert record_timeline.main(["--backward", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "No timeline recorded" in out and "no CUDA GPU" in out
+    assert not (tmp_path / "timeline.png").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # command line (mok-cute timeline: mok_cute.bench.record_timeline)
 # --------------------------------------------------------------------------------------------
