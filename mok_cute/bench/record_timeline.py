@@ -160,8 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="record the training backward's one backward-megakernel launch (one rank) "
                         "instead of the forward")
     parser.add_argument("--capacity", type=int, default=None,
-                        help=f"timeline capacity in records (default {DEFAULT_CAPACITY}, and a second "
-                        "recording with room for every record when that one dropped some)")
+                        help=f"timeline capacity in records (default {DEFAULT_CAPACITY}, {BACKWARD_CAPACITY} "
+                        "with --backward, and a second recording with room for every record when that "
+                        "one dropped some)")
     parser.add_argument("--warmup", type=int, default=1, help="calls before the recorded one (compile, caches)")
     parser.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE",
                         help="a MoKConfig field, dotted for an options field (megakernel.tickets=static); repeatable")
