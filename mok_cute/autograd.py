@@ -553,8 +553,13 @@ class _GroupTrain(torch.autograd.Function):
         ctx.options = config.expert_path
         ctx.comm_sms = config.megakernel.backward_comm_sms
         ctx.mean_tokens = mean_tokens
-        # MoKConfig.timeline: the backward's launch records too (mok_cute.timeline.last())
-        ctx.timeline_capacity = config.timeline_capacity if config.timeline else 0
+        # MoKConfig.timeline: the backward's launch records too (mok_cute.timeline.last()),
+        # into a buffer sized for its many more tasks
+        ctx.timeline_capacity = 0
+        if config.timeline:
+            from mok_cute.timeline import BACKWARD_CAPACITY
+
+            ctx.timeline_capacity = max(config.timeline_capacity, BACKWARD_CAPACITY)
         # kept, not saved (the module doc): every backward adds into them
         ctx.main_grads, ctx.dummies = _main_grads_of(main_grads)
         # SavedPreact: its tensors, this call's schedules and the plan; kept for every backward

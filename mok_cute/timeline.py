@@ -76,6 +76,10 @@ def is_wait(rec: np.ndarray) -> np.ndarray:
     return np.isin(rec["task_type"], [int(t) for t in WAIT_TASK_TYPES])
 
 
+# A backward-megakernel launch's buffer at least: most of its tasks are weight-gradient tiles
+# (dsv3_ep8_rank 53k tasks, a kimi rank of 8 ~65k), two records each.
+BACKWARD_CAPACITY = 1 << 18
+
 _COLUMNS = ("role", "task_type", "task_id", "rank", "sm_id", "cta_id", "start_ns", "end_ns")
 RECORD_DTYPE = np.dtype(
     [

@@ -29,7 +29,7 @@ from mok_cute.shapes import resolve_shape
 
 
 DEFAULT_CAPACITY = 1 << 16
-BACKWARD_CAPACITY = 1 << 18
+BACKWARD_CAPACITY = timeline.BACKWARD_CAPACITY
 
 
 def capacity_for(tl: timeline.Timeline) -> int:
