@@ -38,8 +38,9 @@
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
 #   bwdtimeline [SHAPES]  the backward megakernel's recorder: its GPU test (-k recorder), then
 #                   `mok-cute timeline --backward` per shape (qwen3_30b, dsv3_ep8_rank: trace, PNG,
-#                   summary under $OUT/timeline_bwd_SHAPE/), and rank 0 of 8 virtual ranks'
-#                   group with its comm CTAs and group tail (group_backward_probe --timeline)
+#                   summary under $OUT/timeline_bwd_SHAPE/) (~8 min cold)
+#   bwdgroup [SHAPE] rank 0 of 8 virtual ranks' group backward (qwen3.5_397b) with its comm CTAs
+#                   and group tail, recorded (group_backward_probe --one-rank --timeline) (~6 min)
 #   shared [SHAPES] the shared expert's backward inside the backward megakernel: its GPU tests
 #                   (-k shared), then tools/group_backward_probe.py on 8 virtual ranks (inside the
 #                   launch / a launch of its own / rank by rank, bf16 and FP8) and rank 0 alone with
@@ -206,12 +207,15 @@ run_bwdtimeline() {
     step "bwdtimeline_$shape" 240 python3 -m mok_cute.cli timeline --backward --shape "$shape" \
       --out "$out/timeline_bwd_$shape" && tail -25 "$out/bwdtimeline_$shape.log"
   done
+}
+
+run_bwdgroup() {
   # one rank of 8 virtual ranks' group (peers' pushes and flags in place): the launch with its
   # comm CTAs and the group tail
-  step bwdtimeline_group 300 python3 tools/group_backward_probe.py --one-rank \
-    --shapes qwen3.5_397b --ranks 8 --tokens 2048 --rounds 1 --reps 1 \
+  step bwdgroup 540 python3 tools/group_backward_probe.py --one-rank \
+    --shapes "${1:-qwen3.5_397b}" --ranks 8 --tokens 2048 --rounds 1 --reps 1 \
     --timeline "$out/timeline_bwd_group" --json "$out/timeline_bwd_group.json" \
-    && grep -E "timeline:" "$out/bwdtimeline_group.log"
+    && grep -E "timeline:" "$out/bwdgroup.log"
 }
 
 run_shared() {
@@ -306,10 +310,11 @@ case "$mode" in
   mkbwd) run_mkbwd "${2:-}" ;;
   shared) run_shared "${2:-}" ;;
   bwdtimeline) run_bwdtimeline "${2:-}" ;;
+  bwdgroup) run_bwdgroup "${2:-}" ;;
   maingrad) run_maingrad "${2:-}" ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, bwdtimeline, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, bwdtimeline, bwdgroup, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]
