@@ -288,40 +288,21 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
 
-        if warp_idx == self.load_warp:
-            self.prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_b_up, tma_atom_c)
-        _, ab_pipeline, sA, sB, sC = self.operand_smem(
-            a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
-
-        ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
-            tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
-        num_m_tiles = mNumMTiles[0]
-        num_tiles = num_m_tiles * num_n_tiles
-
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-
-        if warpgroup_idx == 0:
-            cute.arch.setmaxregister_decrease(self.producer_regs)
-            # ---------------- producer warpgroup: warp 0 streams A and W k-tiles with TMA
-            if warp_idx == self.load_warp:
-                self.producer_loop(ab_pipeline, tma_atom_a, tma_atom_b, tma_atom_b_up, ab,
-                                   mTileExpert, num_m_tiles, num_n_tiles, k_tile_cnt, k_split)
-        else:
-            # ---------------- consumer warpgroups: promoting wgmma mainloop + epilogue
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consumer_loop(ab_pipeline, tiled_mma, half_mma, sA, sB, sC, tidx, warp_idx,
-                               warpgroup_idx, k_tile_cnt, k_split, num_m_tiles, num_n_tiles,
-                               num_tiles, mTileExpert, (mEA, mEB, mEB_up),
-                               ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
-                                (tma_atom_c3, mC3_mnl)),
-                               (mPreact, mRowSlot, mWeights, mPartials), (mHq, mEh))
+        # the roles of the bf16 GEMM's kernel (GroupedGemmSm90.warp_roles), this consumer_loop
+        self.warp_roles(tidx, warp_idx, warpgroup_idx,
+                        (tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl),
+                        tma_atom_c, mTileExpert, mNumMTiles,
+                        (a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged),
+                        (tiled_mma, half_mma, mTileExpert, (mEA, mEB, mEB_up),
+                         ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl), (tma_atom_c3, mC3_mnl)),
+                         (mPreact, mRowSlot, mWeights, mPartials), (mHq, mEh)))
 
     @cute.jit
-    def consumer_loop(self, ab_pipeline, tiled_mma: cute.TiledMma, half_mma, sA, sB, sC,
-                      tidx: Int32, warp_idx: Int32, warpgroup_idx: Int32, k_tile_cnt: Int32,
-                      k_split: Int32, num_m_tiles: Int32, num_n_tiles: Int32,
-                      num_tiles: Int32, mTileExpert: cute.Tensor, exponents, c_outputs,
-                      row_tensors, h_fp8):
+    def consumer_loop(self, ab_pipeline, sA, sB, sC, tidx: Int32, warp_idx: Int32,
+                      warpgroup_idx: Int32, k_tile_cnt: Int32, k_split: Int32,
+                      num_m_tiles: Int32, num_n_tiles: Int32, num_tiles: Int32,
+                      tiled_mma: cute.TiledMma, half_mma, mTileExpert: cute.Tensor, exponents,
+                      c_outputs, row_tensors, h_fp8):
         """The consumer warpgroups' tiles: the promoting mainloop (half-promoting at 256 wide,
         two partials at 128), then the epilogue. ``exponents``: the block-scale exponents of
         A, B (and B_up); ``c_outputs``: (atom, tensor) of each output; ``row_tensors``: the

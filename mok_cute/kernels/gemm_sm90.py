@@ -203,10 +203,27 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
         if const_expr(self.timeline):
             if tidx == 0 and cute.arch.block_idx()[0] == 0:
                 common.timeline_mark_start(mTimeline, common.timeline_now())
+        self.warp_roles(tidx, warp_idx, warpgroup_idx,
+                        (tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl),
+                        tma_atom_c, mTileExpert, mNumMTiles,
+                        (a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged),
+                        (tiled_mma, ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
+                                     (tma_atom_c3, mC3_mnl)),
+                         (mPreact, mRowSlot, mWeights, mPartials), mTimeline))
+
+    @cute.jit
+    def warp_roles(self, tidx: Int32, warp_idx: Int32, warpgroup_idx: Int32, ab_operands,
+                   tma_atom_c: cute.CopyAtom, mTileExpert: cute.Tensor, mNumMTiles: cute.Tensor,
+                   smem_layouts, consumer_args):
+        """The kernel's roles, after its own prologue (this class's and the FP8 GEMM's): smem,
+        the A / B partitions, then warpgroup 0's load warp streaming the tiles' k-tiles by TMA
+        and the two consumer warpgroups' ``consumer_loop(..., *consumer_args)``.
+        ``ab_operands``: (atom, tensor) of A, B and B_up; ``smem_layouts``: the staged A, B and
+        epilogue layouts."""
+        tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl = ab_operands
         if warp_idx == self.load_warp:
             self.prefetch_descriptors(tma_atom_a, tma_atom_b, tma_atom_b_up, tma_atom_c)
-        _, ab_pipeline, sA, sB, sC = self.operand_smem(
-            a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged)
+        _, ab_pipeline, sA, sB, sC = self.operand_smem(*smem_layouts)
 
         ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
@@ -224,17 +241,16 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
         else:
             # ---------------- consumer warpgroups: wgmma mainloop + epilogue
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self.consumer_loop(ab_pipeline, tiled_mma, sA, sB, sC, tidx, warp_idx,
-                               warpgroup_idx, k_tile_cnt, num_m_tiles, num_n_tiles,
-                               num_tiles, ((tma_atom_c, mC_mnl), (tma_atom_c2, mC2_mnl),
-                                           (tma_atom_c3, mC3_mnl)),
-                               (mPreact, mRowSlot, mWeights, mPartials), mTimeline)
+            self.consumer_loop(ab_pipeline, sA, sB, sC, tidx, warp_idx, warpgroup_idx,
+                               k_tile_cnt, k_split, num_m_tiles, num_n_tiles, num_tiles,
+                               *consumer_args)
 
     @cute.jit
-    def consumer_loop(self, ab_pipeline, tiled_mma: cute.TiledMma, sA, sB, sC, tidx: Int32,
-                      warp_idx: Int32, warpgroup_idx: Int32, k_tile_cnt: Int32,
-                      num_m_tiles: Int32, num_n_tiles: Int32, num_tiles: Int32, c_outputs,
-                      row_tensors, mTimeline: Optional[cute.Tensor]):
+    def consumer_loop(self, ab_pipeline, sA, sB, sC, tidx: Int32, warp_idx: Int32,
+                      warpgroup_idx: Int32, k_tile_cnt: Int32, k_split: Int32,
+                      num_m_tiles: Int32, num_n_tiles: Int32, num_tiles: Int32,
+                      tiled_mma: cute.TiledMma, c_outputs, row_tensors,
+                      mTimeline: Optional[cute.Tensor]):
         """A consumer warpgroup's tiles: the mainloop, then the epilogue's subtiles through
         smem, TMA-stored by one warp. ``c_outputs``: (atom, tensor) of each output;
         ``row_tensors``: the row-addressed epilogues' (saved g | u, row -> slot, weights, row
