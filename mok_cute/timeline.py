@@ -49,7 +49,8 @@ _PACK = {"role": (0, 8), "task_type": (8, 8), "rank": (16, 16), "sm_id": (32, 16
 # The span types: the forward's (``TaskType``, its WAIT / STAGE_WAIT and phases included) and
 # the backward megakernel's (``tasks_backward.BackwardTaskType``), one number space.
 SPAN_TYPES = (*TaskType, *BT)
-assert len({int(t) for t in SPAN_TYPES}) == len(SPAN_TYPES)
+_SPAN_NAMES = {int(t): t.name for t in SPAN_TYPES}
+assert len(_SPAN_NAMES) == len(SPAN_TYPES)
 # Exposed-communication accounting: which task types move data between GPUs and which compute.
 # The waits are neither: time a CTA spent spinning, inside or between its tasks. The
 # backward's KSUM is neither role's alone (comm and compute CTAs take its tickets).
@@ -108,10 +109,7 @@ def role_name(role: int) -> str:
 
 
 def task_name(task_type: int) -> str:
-    for t in SPAN_TYPES:
-        if int(t) == int(task_type):
-            return t.name
-    return f"TASK{int(task_type)}"
+    return _SPAN_NAMES.get(int(task_type), f"TASK{int(task_type)}")
 
 
 # --------------------------------------------------------------------------------------------

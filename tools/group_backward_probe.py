@@ -315,18 +315,17 @@ def _record_one_launch(with_tail, comm_ctas: int, want, dev, outdir: str, title:
     """The one launch with its recorder on (compiled by a first call), checked bitwise
     against the group call; its views written to ``outdir``."""
     from mok_cute import timeline as tlm
+    from mok_cute.bench.record_timeline import capacity_for
 
-    capacity = 1 << 18
-    for _ in range(2):  # the second time with room for every record, if the first dropped some
+    capacity = tlm.BACKWARD_CAPACITY
+    while capacity:  # once more with room for every record, if the first dropped some
         tb = tlm.TimelineBuffer(capacity, device=dev)
         for _ in range(2):  # the first call compiles
             tb.reset()
             got = with_tail(comm_ctas, timeline=tb)
         torch.cuda.synchronize()
         tl = tb.decode()
-        if not tl.dropped:
-            break
-        capacity = 1 << tl.written.bit_length()
+        capacity = capacity_for(tl)
     tl.meta.update({"pass": "bwd", "title": title, "gpu": torch.cuda.get_device_name()})
     summary = tlm.print_summary(tl, title=title)
     paths = tlm.write_views(tl, outdir, summary, title)

@@ -29,7 +29,6 @@ from mok_cute.shapes import resolve_shape
 
 
 DEFAULT_CAPACITY = 1 << 16
-BACKWARD_CAPACITY = timeline.BACKWARD_CAPACITY
 
 
 def capacity_for(tl: timeline.Timeline) -> int:
@@ -127,7 +126,7 @@ def record_backward_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline 
         return tb
 
     # a backward runs more tasks than a forward (dsv3_ep8_rank: 53k, most of them weight-gradient tiles)
-    capacity = BACKWARD_CAPACITY if args.capacity is None else args.capacity
+    capacity = timeline.BACKWARD_CAPACITY if args.capacity is None else args.capacity
     tb = record(capacity, args.warmup + 1)
     tl = tb.decode()
     if args.capacity is None and capacity_for(tl):  # records were dropped: room for all
@@ -160,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="record the training backward's one backward-megakernel launch (one rank) "
                         "instead of the forward")
     parser.add_argument("--capacity", type=int, default=None,
-                        help=f"timeline capacity in records (default {DEFAULT_CAPACITY}, {BACKWARD_CAPACITY} "
+                        help=f"timeline capacity in records (default {DEFAULT_CAPACITY}, {timeline.BACKWARD_CAPACITY} "
                         "with --backward, and a second recording with room for every record when that "
                         "one dropped some)")
     parser.add_argument("--warmup", type=int, default=1, help="calls before the recorded one (compile, caches)")
