@@ -387,8 +387,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                        stage, ticket, Int32(scalars[5]),
                                        tidx - self.threads_per_warpgroup, self.num_mma_threads,
                                        sync, self._recorder(timeline_buf, rec_marks, 1,
-                                                            tidx == self.threads_per_warpgroup),
-                                       COMPUTE)
+                                                            tidx == self.threads_per_warpgroup))
 
     def _recorder(self, timeline_buf, rec_marks, warpgroup_idx, leader) -> Recorder:
         """Consumer warpgroup ``warpgroup_idx``'s ``Recorder``, thread ``leader`` recording.

@@ -38,7 +38,7 @@ from mok_cute.constants import (BACKWARD_KSUM_ROWS, PEER_FAILED, SLOT_ROW_BYTES,
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.backward_comm import (COMBINE_OFFSET, PARTIALS_OFFSET, f32_at,
                                                        signal_slot)
-from mok_cute.kernels.megakernel.backward_recorder import START
+from mok_cute.kernels.megakernel.backward_recorder import COMPUTE, START
 from mok_cute.kernels.megakernel.comm_tasks import bf16_row, fill_row
 from mok_cute.kernels.megakernel.ksum_tasks import gmem_vec, smem_vec
 from mok_cute.kernels.token_ops import k_sum_add
@@ -121,14 +121,13 @@ class BackwardTailMixin:
     def tail_ksum_tickets(self, ctx, tasks: cute.Tensor, counter_offsets: cute.Tensor,
                           counters: cute.Tensor, error: cute.Tensor, timeout_ns: Int64,
                           rows, tail: GroupTail, stage, ticket: cute.Tensor, ksum_begin: Int32,
-                          tidx: Int32, num_threads: cutlass.Constexpr[int], sync,
-                          recorder, role: cutlass.Constexpr[int]):
+                          tidx: Int32, num_threads: cutlass.Constexpr[int], sync, recorder):
         """A compute CTA's consumer warps past their weight-gradient tickets (``num_threads``
         threads, ``tidx`` from 0): KSUMs by ticket (``ksum_ticket``: the comm queue's
         positions from ``ksum_begin`` on), as the comm CTAs take them past their static walk
         (``backward_comm_loop``). ``tail_ksum``'s barrier after its waits keeps the ticket's
-        smem word until every thread has read it. Each KSUM's span is recorded as ``role``'s
-        with the recorder on (``recorder``: thread 0's ``backward_recorder.Recorder``)."""
+        smem word until every thread has read it. Each KSUM's span is recorded with the
+        recorder on (``recorder``: thread 0's ``backward_recorder.Recorder``)."""
         count = cute.size(rows.comm_queue) - ksum_begin
         q = self.ksum_ticket(counters, counter_offsets, ticket, tidx, sync)
         while q < count:
@@ -136,7 +135,7 @@ class BackwardTailMixin:
             self.tail_ksum(ctx, tasks, rows.comm_queue[ksum_begin + q], counter_offsets,
                            counters, error, timeout_ns, rows, tail, stage, tidx, num_threads,
                            sync)
-            self.rec_task(recorder, role, _KSUM, rows.comm_queue[ksum_begin + q],
+            self.rec_task(recorder, COMPUTE, _KSUM, rows.comm_queue[ksum_begin + q],
                           epilogue=False)
             q = self.ksum_ticket(counters, counter_offsets, ticket, tidx, sync)
 
