@@ -40,6 +40,11 @@ anything silently wrong. The backward ops return fixed 8-tuples: a
 custom op that mutates an ``Optional[Tensor]`` argument and returns ``list[Tensor]`` fails
 functionalization (torch 2.13). ``reference_weights``: the same accumulation on the PyTorch
 reference (no GPU).
+
+``MoKConfig(timeline=True)``: the ops take the recorder's size (0: off) as a plain int; the
+backward's one backward-megakernel launch records into a buffer of at least
+``timeline.BACKWARD_CAPACITY`` records, which ``timeline.last()`` then holds (a backward of
+launches, FP8's or one with a frozen weight, records nothing).
 """
 
 from __future__ import annotations
@@ -171,7 +176,8 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
                       ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                       ws_down: Optional[torch.Tensor], check_ids: bool, fc2_pingpong_max_k: int,
                       fc1_group_m: int, fc2_group_m: int, precision: str,
-                      backend: str, main_grad_w_gate: Optional[torch.Tensor],
+                      backend: str, timeline_capacity: int,
+                      main_grad_w_gate: Optional[torch.Tensor],
                       main_grad_w_up: Optional[torch.Tensor],
                       main_grad_w_down: Optional[torch.Tensor],
                       main_grad_ws_gate: Optional[torch.Tensor],
@@ -181,8 +187,9 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     """[out, *SavedForBackward]: the training forward on the kernels (inputs checked by
     ``mok_cute.api``), bf16 or FP8 (``expert_path_fp8``) by ``precision``; ``backend``
     "megakernel": through the megakernel at one rank (default megakernel options; its
-    saved rows are the expert path's, bitwise). ``main_grad_*``, ``dummy_grads``: unused
-    here, for the backward (``MainGradTargets``)."""
+    saved rows are the expert path's, bitwise; ``timeline_capacity`` > 0: it records,
+    ``MoKConfig.timeline``). ``main_grad_*``, ``dummy_grads``: unused here, for the backward
+    (``MainGradTargets``)."""
     from mok_cute.config import ExpertPathOptions, MoKConfig, PendingIdCheck
     from mok_cute.expert_path import moe_forward_kernel
     from mok_cute.expert_path_fp8 import moe_forward_fp8
@@ -196,7 +203,9 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
         out, saved = megakernel.training_forward(
             x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-            MoKConfig(backend="megakernel", check_ids=False, precision=precision))
+            MoKConfig(backend="megakernel", check_ids=False, precision=precision,
+                      timeline=timeline_capacity > 0,
+                      timeline_capacity=max(timeline_capacity, 1)))
     else:
         forward = moe_forward_fp8 if precision == "fp8" else moe_forward_kernel
         out, saved = forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
@@ -210,8 +219,8 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
 @moe_forward_train.register_fake
 def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, check_ids,
-      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend, main_grad_w_gate,
-      main_grad_w_up, main_grad_w_down, main_grad_ws_gate, main_grad_ws_up,
+      fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend, timeline_capacity,
+      main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate, main_grad_ws_up,
       main_grad_ws_down, dummy_grads):
     num_tokens, top_k = topk_idx.shape  # the megakernel at one rank: the same schedule
     experts, inter = w_gate.shape[0], w_gate.shape[1]  # g | u at I in both precisions
@@ -233,7 +242,8 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                  ws_up: Optional[torch.Tensor], ws_down: Optional[torch.Tensor],
                  saved: list[torch.Tensor], needs: list[bool], fc2_pingpong_max_k: int,
                  fc1_group_m: int, fc2_group_m: int, precision: str,
-                 backend: str, main_grad_w_gate: Optional[torch.Tensor],
+                 backend: str, timeline_capacity: int,
+                 main_grad_w_gate: Optional[torch.Tensor],
                  main_grad_w_up: Optional[torch.Tensor],
                  main_grad_w_down: Optional[torch.Tensor],
                  main_grad_ws_gate: Optional[torch.Tensor],
@@ -241,27 +251,31 @@ def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                  main_grad_ws_down: Optional[torch.Tensor]) -> Grads8:
     """(d_x, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down); an
     empty tensor where ``needs`` (expert_backward.Needs order) says no, and for a weight whose
-    fp32 gradient was added into its ``main_grad_*`` (mutated)."""
+    fp32 gradient was added into its ``main_grad_*`` (mutated). ``timeline_capacity`` > 0:
+    the backward-megakernel launch records (``_recorder``)."""
     from mok_cute.config import ExpertPathOptions
-    from mok_cute.expert_backward import Needs, moe_backward as backward
+    from mok_cute.expert_backward import Needs, moe_backward as backward, records_backward
     from mok_cute.expert_path import SavedForBackward
 
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
     main_grads = (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
                   main_grad_ws_up, main_grad_ws_down)
+    # FP8's dgrads run on the FP8 kernels (the backward megakernel is bf16)
+    dgrads = "megakernel" if backend == "megakernel" and precision == "bf16" else "kernels"
+    recorder = _recorder(timeline_capacity, records_backward(precision, dgrads, Needs(*needs)),
+                         d_out.device)
     grads = backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                      SavedForBackward(*saved), Needs(*needs),
                      ExpertPathOptions(fc2_pingpong_max_k, fc1_group_m, fc2_group_m), precision,
-                     # FP8's dgrads run on the FP8 kernels (the backward megakernel is bf16)
-                     dgrads="megakernel" if backend == "megakernel" and precision == "bf16"
-                     else "kernels", main_grads=_main_grads_tuple(main_grads))
+                     dgrads=dgrads, main_grads=_main_grads_tuple(main_grads), timeline=recorder)
+    _publish(recorder)
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 @moe_backward.register_fake
 def _(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved,
       needs, fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend,
-      main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
+      timeline_capacity, main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
       main_grad_ws_up, main_grad_ws_down):
     return _fake_grads(needs, x, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                        (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
@@ -301,8 +315,10 @@ def _wanted(ctx, grads) -> list:
 
 def _setup_context(ctx, inputs, output):
     (x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, _check_ids,
-     fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend, *fused) = inputs
-    ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend)
+     fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend, timeline_capacity,
+     *fused) = inputs
+    ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend,
+                   _backward_capacity(timeline_capacity))
     _keep_main_grads(ctx, fused)
     ctx.has_shared = ws_gate is not None
     shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
@@ -359,8 +375,45 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
     outs = torch.ops.mok_cute.moe_forward_train(
         x, topk_idx, topk_weights, w_gate, w_up, w_down, *ws, config.check_ids,
         options.fc2_pingpong_max_k, options.fc1_group_m, options.fc2_group_m, config.precision,
-        "megakernel" if config.backend == "megakernel" else "kernel", *buffers, dummies)
+        "megakernel" if config.backend == "megakernel" else "kernel",
+        _forward_capacity(config), *buffers, dummies)
     return outs[0]
+
+
+# ------------------------------------------------------------------------- timeline
+def _forward_capacity(config) -> int:
+    """The forward ops' timeline argument: ``MoKConfig.timeline_capacity``, 0 with the
+    recorder off (the one-GPU op records on the megakernel backend only)."""
+    return config.timeline_capacity if config.timeline else 0
+
+
+def _backward_capacity(forward_capacity: int) -> int:
+    """The backward's recorder size for a forward recorded with ``forward_capacity`` records
+    (0: off): at least ``timeline.BACKWARD_CAPACITY``, a backward runs many more tasks."""
+    if not forward_capacity:
+        return 0
+    from mok_cute.timeline import BACKWARD_CAPACITY
+
+    return max(forward_capacity, BACKWARD_CAPACITY)
+
+
+def _recorder(capacity: int, records: bool, device):
+    """A ``TimelineBuffer`` for a backward whose launch ``records`` (``expert_backward
+    .records_backward``) when ``capacity`` > 0, else None: a backward of launches records
+    nothing and leaves ``timeline.last()`` as it was."""
+    if not (capacity and records):
+        return None
+    from mok_cute.timeline import TimelineBuffer
+
+    return TimelineBuffer(capacity, device=device)
+
+
+def _publish(recorder) -> None:
+    """``timeline.last()`` is the backward's recording, when it made one."""
+    if recorder is not None:
+        from mok_cute.timeline import set_last
+
+        set_last(recorder)
 
 
 # ------------------------------------------------------------------------- virtual ranks
@@ -451,7 +504,8 @@ def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: to
                          ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
                          ws_down: Optional[torch.Tensor], saved: list[torch.Tensor],
                          needs: list[bool], expert_path: list[int],
-                         precision: str, main_grad_w_gate: Optional[torch.Tensor],
+                         precision: str, timeline_capacity: int,
+                         main_grad_w_gate: Optional[torch.Tensor],
                          main_grad_w_up: Optional[torch.Tensor],
                          main_grad_w_down: Optional[torch.Tensor],
                          main_grad_ws_gate: Optional[torch.Tensor],
@@ -460,24 +514,28 @@ def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: to
     """(d_xs, d_topk_weights, d_w_gate, d_w_up, d_w_down, d_ws_gate, d_ws_up, d_ws_down) of
     R virtual ranks (``virtual_backward.moe_backward_virtual``); an empty tensor where
     ``needs`` (expert_backward.Needs order) says no, and for a weight whose fp32 gradient was
-    added into its ``main_grad_*`` ([R, ...] as the weight; mutated)."""
+    added into its ``main_grad_*`` ([R, ...] as the weight; mutated). ``timeline_capacity`` >
+    0: the backward-megakernel launch records (``_recorder``)."""
     from mok_cute.config import ExpertPathOptions
-    from mok_cute.expert_backward import Needs
+    from mok_cute.expert_backward import Needs, records_backward
     from mok_cute.virtual_backward import VirtualSaved, moe_backward_virtual as backward
 
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
     main_grads = (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
                   main_grad_ws_up, main_grad_ws_down)
+    recorder = _recorder(timeline_capacity,
+                         records_backward(precision, "megakernel", Needs(*needs)), d_out.device)
     grads = backward(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                      VirtualSaved(*saved), Needs(*needs), ExpertPathOptions(*expert_path),
-                     precision, main_grads=_main_grads_tuple(main_grads))
+                     precision, main_grads=_main_grads_tuple(main_grads), timeline=recorder)
+    _publish(recorder)
     return tuple(xs.new_empty(0) if g is None else g for g in grads)
 
 
 @moe_backward_virtual.register_fake
 def _(d_out, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, saved, needs,
-      expert_path, precision, main_grad_w_gate, main_grad_w_up, main_grad_w_down,
-      main_grad_ws_gate, main_grad_ws_up, main_grad_ws_down):
+      expert_path, precision, timeline_capacity, main_grad_w_gate, main_grad_w_up,
+      main_grad_w_down, main_grad_ws_gate, main_grad_ws_up, main_grad_ws_down):
     return _fake_grads(needs, xs, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                        (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
                         main_grad_ws_up, main_grad_ws_down))
@@ -489,6 +547,7 @@ def _setup_context_virtual(ctx, inputs, output):
     ctx.expert_path = list(expert_path)
     _keep_main_grads(ctx, fused)
     ctx.precision = "fp8" if launch[-1] else "bf16"  # _launch_fields' last
+    ctx.timeline_capacity = _backward_capacity(launch[5] if launch[4] else 0)
     ctx.has_shared = ws_gate is not None
     shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
     ctx.save_for_backward(xs, topk_weights, w_gate, w_up, w_down, *shared,
@@ -505,7 +564,7 @@ def _backward_virtual(ctx, grads):
         return _as_passed(ctx, ())
     grads = torch.ops.mok_cute.moe_backward_virtual(
         d_out, xs, topk_weights, w_gate, w_up, w_down, *shared, saved, needs, ctx.expert_path,
-        ctx.precision, *ctx.main_grads)
+        ctx.precision, ctx.timeline_capacity, *ctx.main_grads)
     d_x, d_w, *d_weights = _wanted(ctx, grads)
     d_weights = _fused_grads(d_weights, (w_gate, w_up, w_down, *shared), ctx.main_grads,
                              ctx.dummies)
@@ -553,13 +612,10 @@ class _GroupTrain(torch.autograd.Function):
         ctx.options = config.expert_path
         ctx.comm_sms = config.megakernel.backward_comm_sms
         ctx.mean_tokens = mean_tokens
-        # MoKConfig.timeline: the backward's launch records too (mok_cute.timeline.last()),
-        # into a buffer sized for its many more tasks
-        ctx.timeline_capacity = 0
-        if config.timeline:
-            from mok_cute.timeline import BACKWARD_CAPACITY
-
-            ctx.timeline_capacity = max(config.timeline_capacity, BACKWARD_CAPACITY)
+        # MoKConfig.timeline: the backward's launch records too (mok_cute.timeline.last());
+        # FP8's backward is launches, which record nothing
+        ctx.timeline_capacity = (_backward_capacity(_forward_capacity(config))
+                                 if config.precision == "bf16" else 0)
         # kept, not saved (the module doc): every backward adds into them
         ctx.main_grads, ctx.dummies = _main_grads_of(main_grads)
         # SavedPreact: its tensors, this call's schedules and the plan; kept for every backward
@@ -580,21 +636,14 @@ class _GroupTrain(torch.autograd.Function):
                                  shared_preact=one(saved.shared_preact))
         needs = Needs(*_needs(ctx))
         main_grads = _main_grads_tuple(ctx.main_grads)  # [1, ...]: the launch's rank too
-        recorder = None
-        if ctx.timeline_capacity:
-            from mok_cute.timeline import TimelineBuffer
-
-            recorder = TimelineBuffer(ctx.timeline_capacity, device=d_out.device)
+        recorder = _recorder(ctx.timeline_capacity, True, d_out.device)
         grads = moe_backward_group(
             one(d_out.contiguous()), one(x), one(ids), one(topk_weights), one(w_gate),
             one(w_up), one(w_down), tuple(one(w) for w in shared) if shared else None, stacked,
             needs, ctx.options, tokens_per_rank=ctx.mean_tokens, comm_sms=ctx.comm_sms,
             main_grads=None if main_grads is None else main_grads._replace(
                 **{k: one(v) for k, v in main_grads._asdict().items()}), timeline=recorder)
-        if recorder is not None and not saved.plan.key.spec.fp8:  # FP8's launches record nothing
-            from mok_cute.timeline import set_last
-
-            set_last(recorder)
+        _publish(recorder)
         d_x, d_w, *d_weights = _wanted(ctx, [None if t is None else t[0] for t in grads])
         d_weights = _fused_grads(d_weights, (w_gate, w_up, w_down, *(shared or (None,) * 3)),
                                  ctx.main_grads, ctx.dummies)

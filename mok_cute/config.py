@@ -220,9 +220,10 @@ class MoKConfig:
                       the compute CTAs then run the barrier too.
     minibatch_tokens  tokens per dispatch minibatch; None -> tuned or heuristic.
     ring_tokens       rows of the reusable ring buffers; None -> tuned or heuristic.
-    timeline          compile-time flag: the in-kernel timeline recorder is on (over a group
-                      under autograd, the bf16 backward's launch records too, into at least
-                      ``timeline.BACKWARD_CAPACITY`` records);
+    timeline          compile-time flag: the in-kernel timeline recorder is on (the
+                      megakernel's launches; under autograd the bf16 backward's one launch
+                      records too, at one GPU, on virtual ranks and over a group, into at
+                      least ``timeline.BACKWARD_CAPACITY`` records);
                       ``mok_cute.timeline.last()`` holds the last recorded call's buffer.
     timeline_capacity records in the timeline buffer.
     timeout_ms        spin-wait timeout in the megakernel, after which it raises.

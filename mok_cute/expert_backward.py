@@ -461,6 +461,14 @@ def shared_in_launch(shared, precision: str, needs: Needs) -> bool:
             and shared[0].shape[-2] % TILE_K == 0)  # ws_gate [(L,) Is, H]
 
 
+def records_backward(precision: str, dgrads: str, needs: Needs) -> bool:
+    """Whether a backward runs as the one backward-megakernel launch that a timeline records
+    (bf16, ``dgrads="megakernel"``, every routed weight gradient wanted: with one frozen,
+    the dgrads and the wanted weight gradient are launches of their own)."""
+    return (precision == "bf16" and dgrads == "megakernel" and needs.w_gate_up
+            and needs.w_down)
+
+
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
                  options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16",
@@ -480,12 +488,11 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     (``dgrads="megakernel"`` with every weight gradient wanted)."""
     if dgrads not in ("kernels", "megakernel"):
         raise ValueError(f"dgrads: expected 'kernels' or 'megakernel', got {dgrads!r}")
-    if timeline is not None and not (dgrads == "megakernel" and needs.w_gate_up
-                                     and needs.w_down):
-        raise ValueError("timeline: only the one backward-megakernel launch records "
-                         "(dgrads='megakernel' with every weight gradient wanted)")
     if dgrads == "megakernel" and precision != "bf16":
         raise ValueError(f"dgrads='megakernel' runs bf16 dgrads, got precision={precision!r}")
+    if timeline is not None and not records_backward(precision, dgrads, needs):
+        raise ValueError("timeline: only the one backward-megakernel launch records "
+                         "(dgrads='megakernel' with every weight gradient wanted)")
     if not isinstance(saved, SavedForBackward):
         raise TypeError(f"saved: expected the SavedForBackward of a training forward "
                         f"(save=True), got {type(saved).__name__}")

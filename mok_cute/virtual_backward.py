@@ -40,8 +40,8 @@ import torch
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
 from mok_cute.expert_backward import (MainGrads, Needs, _expert_backward, fp8_reads_only,
-                                      routed_rows, shared_backward_ranks, shared_in_launch,
-                                      slot_sums, wanted_shared_grads)
+                                      records_backward, routed_rows, shared_backward_ranks,
+                                      shared_in_launch, slot_sums, wanted_shared_grads)
 from mok_cute.schedule import schedule_capacity
 
 __all__ = ["VirtualSaved", "ConcatSchedule", "concat_schedules", "weights_by_preact_row",
@@ -197,7 +197,7 @@ def weights_by_preact_row(concat: ConcatSchedule, topk_weights: torch.Tensor,
 def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                          saved: VirtualSaved, needs: Needs = Needs(),
                          options: ExpertPathOptions = ExpertPathOptions(),
-                         precision: str = "bf16", main_grads=None):
+                         precision: str = "bf16", main_grads=None, timeline=None):
     """Every gradient of ``megakernel.moe_forward_virtual(..., save=True)`` given d_out
     [R, T, H] (inputs as ``mok_cute.api.moe_forward_virtual`` checked them): (d_xs [R, T, H],
     d_topk_weights [R, T, K] in topk_weights' dtype, d_w_gate, d_w_up [R, E_loc, I, H],
@@ -208,7 +208,12 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
     (``expert_backward._expert_backward(fp8=True)``, several launches; the backward
     megakernel is bf16), the shared expert in bf16. ``main_grads``: an
     ``expert_backward.MainGrads`` of fp32 buffers shaped as the weights ([R, E_loc, ...],
-    [R, Is, H], ...): each weight gradient with one is added into it, None returned."""
+    [R, Is, H], ...): each weight gradient with one is added into it, None returned.
+    ``timeline``: a ``mok_cute.timeline.TimelineBuffer`` that the one backward-megakernel launch
+    records into (bf16 with every routed weight gradient wanted, ``records_backward``)."""
+    if timeline is not None and not records_backward(precision, "megakernel", needs):
+        raise ValueError("timeline: only the one backward-megakernel launch records (bf16 "
+                         "with every weight gradient wanted)")
     R, T, H = xs.shape
     K = topk_weights.shape[-1]
     E_loc, I = w_gate.shape[1], w_gate.shape[2]
@@ -254,7 +259,8 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
             concat.expert_offsets, shared=megakernel_backward.SharedExpert(
                 d_out, xs.contiguous(), *(w.contiguous() for w in shared),
                 saved.shared_preact),
-            main_grads=None if main_grads is None else MainGrads(*routed_main, *shared_main))
+            main_grads=None if main_grads is None else MainGrads(*routed_main, *shared_main),
+            timeline=timeline)
         # [R, T, H] of the launch's padded rows: one copy into the k-sum's contiguous rows (a
         # view where T = 1 would keep the padded stride, which the k-sum refuses)
         shared_dx, d_shared = s.dx.reshape(R * T, H).contiguous(), wanted_shared_grads(s, needs)
@@ -267,7 +273,7 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
             # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
             fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
             rows_per_expert=T * K / E_loc,  # R * T * K rows over R * E_loc experts
-            main=routed_main)
+            main=routed_main, timeline=timeline)
         shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
                                                     needs, options, shared_main)
         shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]

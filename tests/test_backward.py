@@ -7,7 +7,8 @@ and each token's row of d_x also one by one, tests/per_token.py) over the named 
 reduced T and the edge cases; bitwise repeats with poisoned workspaces; the training
 forward bitwise equal to the inference forward; needs_input_grad honoured; opcheck;
 torch.compile(fullgraph=True) of a layer call bitwise equal to eager, of a model bitwise
-equal under aot_eager and close to it under inductor; a CUDA-graph captured training step.
+equal under aot_eager and close to it under inductor; a CUDA-graph captured training step;
+``MoKConfig(timeline=True)`` recording the megakernel's training step without changing a bit.
 """
 
 from __future__ import annotations
@@ -110,13 +111,13 @@ def test_fake_implementations_give_the_real_shapes():
         sg = torch.empty(Is, H, dtype=torch.bfloat16, device="cuda")
         sd = torch.empty(H, Is, dtype=torch.bfloat16, device="cuda")
         outs = torch.ops.mok_cute.moe_forward_train(x, idx, w, wg, wg, wd, sg, sg, sd, True,
-                                                    8192, 8, 8, "bf16", "kernel", *NO_MAIN, None)
+                                                    8192, 8, 8, "bf16", "kernel", 0, *NO_MAIN, None)
         cap = mok.schedule.schedule_capacity(1, T, K, E, 128)
         assert [tuple(o.shape) for o in outs] == [
             (T, H), (T * K, 2 * I), (T, 2 * Is), (cap,), (T * K,), (cap // 128,), (1,), (E + 1,)]
         grads = torch.ops.mok_cute.moe_backward(x, x, idx, w, wg, wg, wd, sg, sg, sd,
                                                 list(outs[1:]), [True] * 6, 8192, 8, 8,
-                                                "bf16", "kernel", *NO_MAIN)
+                                                "bf16", "kernel", 0, *NO_MAIN)
         assert [tuple(g.shape) for g in grads] == [(T, H), (T, K), (E, I, H), (E, I, H),
                                                     (E, H, I), (Is, H), (Is, H), (H, Is)]
 
@@ -327,15 +328,15 @@ def test_opcheck(precision, backend):
 
     leaves, idx = _problem(200, 512, 256, 8, 2, 64, seed=7, requires_grad=False)
     x, w, wg, wu, wd, sg, su, sd = leaves
-    args = (x, idx, w, wg, wu, wd, sg, su, sd, False, 8192, 8, 8, precision, backend, *NO_MAIN,
-            None)
+    args = (x, idx, w, wg, wu, wd, sg, su, sd, False, 8192, 8, 8, precision, backend, 0,
+            *NO_MAIN, None)
     torch.library.opcheck(torch.ops.mok_cute.moe_forward_train, args,
                           test_utils=("test_schema", "test_faketensor"))
     outs = torch.ops.mok_cute.moe_forward_train(*args)
     d_out = torch.randn_like(x)
     torch.library.opcheck(torch.ops.mok_cute.moe_backward,
                           (d_out, x, idx, w, wg, wu, wd, sg, su, sd, list(outs[1:]), [True] * 6,
-                           8192, 8, 8, precision, backend, *NO_MAIN),
+                           8192, 8, 8, precision, backend, 0, *NO_MAIN),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -369,6 +370,53 @@ def _assert_compiled_equals_eager(step, leaves, d_out):
     assert torch.equal(eager[0], compiled[0])
     for name, a, b in zip(NAMES, eager[1], compiled[1]):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Is", [0, 128])
+def test_config_timeline_records_the_megakernel_training_step(Is):
+    """``MoKConfig(backend="megakernel", timeline=True)`` under autograd: ``timeline.last()``
+    holds the forward's recording after the forward and the backward's one launch after the
+    backward; the output and every gradient bitwise those of the call without the recorder."""
+    leaves, idx = _problem(300, 1024, 512, 8, 4, Is, seed=9)
+    d_out = torch.randn(300, 1024, device="cuda").to(torch.bfloat16)
+    config = mok.MoKConfig(backend="megakernel", check_ids=False)
+    assert_records_the_training_step(lambda c: _forward("kernel", leaves, idx, c), leaves,
+                                     d_out, config)
+
+
+def assert_records_the_training_step(forward, leaves, d_out, config):
+    """``forward(config)`` and its backward with and without ``config.timeline``: the
+    forward's recording (FC1 and FC2 spans) is ``timeline.last()`` after the forward, the
+    backward's (every dgrad and weight-gradient type, nothing dropped) after the backward,
+    and the bits do not change (also run by tests/test_virtual_training.py)."""
+    import dataclasses
+
+    from mok_cute import timeline
+    from mok_cute.tasks import TaskType
+    from mok_cute.tasks_backward import BackwardTaskType as BT
+
+    def step(c):
+        for t in leaves:
+            t.grad = None
+        out = forward(c)
+        recorded = timeline.last()
+        out.backward(d_out)
+        return out.detach(), [t.grad.clone() for t in leaves], recorded, timeline.last()
+
+    out, want, _, _ = step(config)
+    out2, got, fwd, bwd = step(dataclasses.replace(config, timeline=True))
+    assert torch.equal(out, out2)
+    for name, a, b in zip(NAMES, want, got):
+        assert torch.equal(a, b), f"{name}: the recorder changed a bit"
+    assert fwd is not None and bwd is not None and bwd is not fwd
+    assert bwd.capacity >= timeline.BACKWARD_CAPACITY
+    for rec, types in ((fwd.decode(), (TaskType.FC1, TaskType.FC2)),
+                       (bwd.decode(), (BT.FC2_DGRAD, BT.FC1_DGRAD, BT.WGRAD_GATE_UP,
+                                       BT.WGRAD_DOWN))):
+        assert rec.dropped == 0
+        seen = set(rec.records["task_type"].tolist())
+        assert {int(t) for t in types} <= seen, (types, seen)
 
 
 def _two_layer_model():

@@ -366,7 +366,8 @@ def emulated_kernels(monkeypatch):
             torch.zeros(E + 1, **i32))
 
     def backward(d_out, x, idx, w, wg, wu, wd, shared, saved, needs, options, precision,
-                 dgrads="kernels", main_grads=None):
+                 dgrads="kernels", main_grads=None, timeline=None):
+        state["backward_timeline"] = timeline
         return _emulated_grads(state, d_out, x, w, [wg, wu, wd, *(shared or (None,) * 3)],
                                needs, main_grads)
 
@@ -382,7 +383,8 @@ def emulated_kernels(monkeypatch):
             torch.zeros(R, **i32), torch.zeros(R, E + 1, **i32))
 
     def backward_virtual(d_out, xs, w, wg, wu, wd, shared, saved, needs, options, precision,
-                         main_grads=None):
+                         main_grads=None, timeline=None):
+        state["backward_timeline"] = timeline
         return _emulated_grads(state, d_out, xs, w, [wg, wu, wd, *(shared or (None,) * 3)],
                                needs, main_grads)
 
@@ -539,12 +541,12 @@ def test_custom_op_schemas_fakes_and_opcheck(gen, emulated_kernels):
     x, w, wg, wu, wd, sg, su, sd = (t.detach() for t in leaves)
     mgs = [torch.zeros(t.shape) for t in (wg, wu, wd, sg, su, sd)]
     mgs[1] = None  # w_up returned as usual
-    args = (x, idx, w, wg, wu, wd, sg, su, sd, False, 8192, 8, 8, "bf16", "kernel")
+    args = (x, idx, w, wg, wu, wd, sg, su, sd, False, 8192, 8, 8, "bf16", "kernel", 0)
     outs = torch.ops.mok_cute.moe_forward_train(*args, *mgs, [0] * 6)
     d_out = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
     emulated_kernels.update(d_out=d_out, grads=_fp32_grads(leaves, idx, d_out))
     back = (d_out, x, idx, w, wg, wu, wd, sg, su, sd, list(outs[1:]), [True] * 6, 8192, 8, 8,
-            "bf16", "kernel", *mgs)
+            "bf16", "kernel", 0, *mgs)
     torch.library.opcheck(torch.ops.mok_cute.moe_forward_train, (*args, *mgs, [0] * 6),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.mok_cute.moe_backward, back,
@@ -555,6 +557,53 @@ def test_custom_op_schemas_fakes_and_opcheck(gen, emulated_kernels):
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = torch.ops.mok_cute.moe_backward(*back)
     assert [tuple(g.shape) for g in fake] == [tuple(g.shape) for g in grads]
+
+
+@pytest.mark.parametrize("virtual", [False, True])
+def test_config_timeline_records_the_training_launches_through_the_custom_ops(
+        virtual, gen, emulated_kernels, monkeypatch):
+    """``MoKConfig(timeline=True)`` under autograd, kernels emulated: the one-GPU megakernel
+    forward gets the recorder's config (virtual: the launch fields), the backward's launch a
+    ``TimelineBuffer`` of at least ``BACKWARD_CAPACITY`` records which ``timeline.last()``
+    then holds; with a weight frozen (the backward is launches) or the recorder off, no
+    buffer and ``last()`` unchanged."""
+    from mok_cute import expert_path, megakernel, timeline
+
+    R = 2 if virtual else None
+    leaves, idx = _cpu_problem(gen, R=R)
+    d_out = torch.randn(*leaves[0].shape, generator=gen).to(torch.bfloat16)
+    emulated_kernels.update(d_out=d_out, grads=_fp32_grads(leaves, idx, d_out, virtual))
+    forward_configs = []
+
+    def training_forward(x, idx, w, wg, wu, wd, shared, config):
+        forward_configs.append(config)
+        return expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, shared, config, save=True)
+
+    monkeypatch.setattr(megakernel, "training_forward", training_forward)
+    capacity = timeline.BACKWARD_CAPACITY + 3
+    config = MoKConfig(check_ids=False, backend="megakernel", timeline=True,
+                       timeline_capacity=capacity)
+    timeline.set_last(None)
+    _step(leaves, idx, d_out, config, virtual)
+    recorder = emulated_kernels["backward_timeline"]
+    assert isinstance(recorder, timeline.TimelineBuffer) and timeline.last() is recorder
+    assert recorder.capacity == capacity
+    if not virtual:
+        assert [(c.timeline, c.timeline_capacity) for c in forward_configs] == [(True, capacity)]
+
+    small = dataclasses.replace(config, timeline_capacity=5)  # the backward's floor
+    _step(leaves, idx, d_out, small, virtual)
+    assert emulated_kernels["backward_timeline"].capacity == timeline.BACKWARD_CAPACITY
+
+    recorded = timeline.last()
+    leaves[4].requires_grad_(False)  # w_down frozen: the dgrads and gate / up are launches
+    _step(leaves, idx, d_out, config, virtual)
+    assert emulated_kernels["backward_timeline"] is None and timeline.last() is recorded
+    leaves[4].requires_grad_(True)
+    _step(leaves, idx, d_out, dataclasses.replace(config, timeline=False), virtual)
+    assert emulated_kernels["backward_timeline"] is None and timeline.last() is recorded
+    if not virtual:
+        assert [c.timeline for c in forward_configs[-2:]] == [True, False]
 
 
 # ---------------------------------------------------------------------- numerics (GPU)

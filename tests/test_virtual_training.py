@@ -247,9 +247,11 @@ def _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets, w
 def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                               tile_expert, num_tiles, offsets, want_dx, want_gate_up,
                               want_down, want_partials, options, fp8=False, dgrads="kernels",
-                              fp8_transposed=None, rows_per_expert=0.0, main=None):
-    """``expert_backward._expert_backward`` in fp32 torch: the two emulations above (bf16)."""
-    assert not fp8 and fp8_transposed is None
+                              fp8_transposed=None, rows_per_expert=0.0, main=None,
+                              timeline=None):
+    """``expert_backward._expert_backward`` in fp32 torch: the two emulations above (bf16;
+    nothing recorded)."""
+    assert not fp8 and fp8_transposed is None and timeline is None
     assert isinstance(d_rows, torch.Tensor) and (x_rows is None or isinstance(x_rows, torch.Tensor))
     d_pre, hw, partials, dx = _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                                weights, tile_expert, num_tiles, want_dx, options)
@@ -259,10 +261,13 @@ def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_
 
 
 def _emulated_expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
-                           tile_expert, num_tiles, offsets, shared=None, main_grads=None):
+                           tile_expert, num_tiles, offsets, shared=None, main_grads=None,
+                           timeline=None):
     """``megakernel_backward.expert_grads`` with every rank's shared expert (``shared``), in
     fp32 torch: the routed experts' emulation above, the shared experts' through
-    ``shared_backward_ranks`` on it (d_preact and hw are not returned: None)."""
+    ``shared_backward_ranks`` on it (d_preact and hw are not returned: None; nothing
+    recorded: ``timeline`` None)."""
+    assert timeline is None
     from mok_cute.config import ExpertPathOptions
     from mok_cute.expert_backward import shared_backward_rank_by_rank
     from mok_cute.megakernel_backward import SharedGrads
@@ -438,7 +443,7 @@ def test_fake_implementations_give_the_real_shapes(R, Is):
             (R, cap), (R, cap), (R, cap // TILE), (R,), (R, E_loc + 1)]
         grads = torch.ops.mok_cute.moe_backward_virtual(xs, xs, w, wg, wg, wd, *sh,
                                                         list(outs[1:]), [True] * 6,
-                                                        [8192, 8, 8], "bf16", *NO_MAIN)
+                                                        [8192, 8, 8], "bf16", 0, *NO_MAIN)
         want = [(R, T, H), (R, T, K), (R, E_loc, I, H), (R, E_loc, I, H), (R, E_loc, H, I)]
         want += [(R, Is, H), (R, Is, H), (R, H, Is)] if Is else [(0,)] * 3
         assert [tuple(g.shape) for g in grads] == want
@@ -624,6 +629,19 @@ def test_frozen_inputs_get_no_gradient():
 
 
 @pytest.mark.gpu
+def test_config_timeline_records_the_training_step():
+    """``MoKConfig(timeline=True)`` under autograd, 3 virtual ranks with a shared expert: the
+    forward's and the backward's launches recorded in turn, the bits unchanged
+    (``test_backward.assert_records_the_training_step``)."""
+    from test_backward import assert_records_the_training_step
+
+    leaves, idx = _problem(3, 64, 256, 128, 2, 2, 64, seed=6)
+    d_out = torch.randn(3, 64, 256, device="cuda").to(torch.bfloat16)
+    assert_records_the_training_step(lambda c: _forward("kernel", leaves, idx, c), leaves,
+                                     d_out, mok.MoKConfig(timeout_ms=5000.0, check_ids=False))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 3])
 def test_opcheck(R):
     from mok_cute.autograd import _launch_fields
@@ -638,7 +656,7 @@ def test_opcheck(R):
     d_out = torch.randn_like(xs)
     torch.library.opcheck(torch.ops.mok_cute.moe_backward_virtual,
                           (d_out, xs, w, wg, wu, wd, sg, su, sd, list(outs[1:]), [True] * 6,
-                           [8192, 8, 8], "bf16", *NO_MAIN),
+                           [8192, 8, 8], "bf16", 0, *NO_MAIN),
                           test_utils=("test_schema", "test_faketensor"))
 
 
