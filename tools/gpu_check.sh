@@ -36,7 +36,8 @@
 #   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
 #                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
-#   bwdtimeline [SHAPES]  the backward megakernel's recorder: its GPU test (-k recorder), then
+#   bwdtimeline [SHAPES]  the backward megakernel's recorder: its GPU tests (-k "recorder or
+#                   config_timeline": the kernel, and MoKConfig(timeline=True) under autograd), then
 #                   `mok-cute timeline --backward` per shape (qwen3_30b, dsv3_ep8_rank: trace, PNG,
 #                   summary under $OUT/timeline_bwd_SHAPE/) (~8 min cold)
 #   bwdgroup [SHAPE] rank 0 of 8 virtual ranks' group backward (qwen3.5_397b) with its comm CTAs
@@ -200,8 +201,9 @@ run_mkbwd() {
 }
 
 run_bwdtimeline() {
-  step bwdtimeline_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=200 -k "recorder" \
-    tests/test_megakernel_backward.py
+  step bwdtimeline_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=200 \
+    -k "recorder or config_timeline" tests/test_megakernel_backward.py tests/test_backward.py \
+    tests/test_virtual_training.py
   local shape
   for shape in $(echo "${1:-qwen3_30b,dsv3_ep8_rank}" | tr ',' ' '); do
     step "bwdtimeline_$shape" 240 python3 -m mok_cute.cli timeline --backward --shape "$shape" \
