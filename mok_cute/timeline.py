@@ -434,6 +434,27 @@ def _add_task_rates(work: np.ndarray, union_ns: int, overlaps: list[float],
         periods.setdefault(task_name(t), []).append(float(np.median(gaps[sel])) / 1e3)
 
 
+def _add_task_gaps(work: np.ndarray, phases: np.ndarray, gaps: dict[str, list[int]],
+                   epilogues: dict[str, list[int]]) -> None:
+    """One compute CTA's non-WAIT tasks (``work``) and phases: append, per GEMM type, each
+    task's gap from its end to the next start of a task of this CTA that starts after it
+    (ns; a per-task cost outside every span: a ticket, a drain, a wait not recorded), and
+    each EPILOGUE phase's duration under its task's type (the phase lies inside the span of
+    the task with its id), for ``summarize``'s task_gap_us and task_epilogue_us."""
+    gemm_types = [int(t) for t in GEMM_TASK_TYPES]
+    starts = np.sort(work["start_ns"])
+    for r in work[np.isin(work["task_type"], gemm_types)]:
+        nxt = np.searchsorted(starts, r["end_ns"], side="left")
+        if nxt < starts.shape[0]:
+            gaps.setdefault(task_name(r["task_type"]), []).append(int(starts[nxt] - r["end_ns"]))
+    for ph in phases[phases["task_type"] == int(TaskType.EPILOGUE)]:
+        owner = work[(work["task_id"] == ph["task_id"]) & (work["start_ns"] <= ph["start_ns"])
+                     & (work["end_ns"] >= ph["end_ns"]) & np.isin(work["task_type"], gemm_types)]
+        if owner.shape[0]:
+            epilogues.setdefault(task_name(owner["task_type"][0]), []).append(
+                int(ph["end_ns"] - ph["start_ns"]))
+
+
 def summarize(
     tl: Timeline,
     flops: float | None = None,
@@ -456,6 +477,9 @@ def summarize(
     CTAs. ``task_period_us``: per GEMM type, the median over CTAs of one CTA's median gap
     between the ends of two of its GEMM tasks of that type with no other GEMM task ending
     between them: a CTA's rate of tiles, which a span cannot show once tasks overlap.
+    ``task_gap_us``: per GEMM type, the mean / p50 / p90 time (us) from a task's end to the
+    next task start on its CTA (the per-tile cost no span covers). ``task_epilogue_us``: per
+    GEMM type, the mean of its tasks' EPILOGUE phases (us).
     """
     rec = tl.records
     span_start, span_end = tl.span_ns
@@ -465,7 +489,7 @@ def summarize(
     phase = is_phase(rec)
 
     roles: dict[str, dict[str, Any]] = {}
-    overlaps, periods = [], {}
+    overlaps, periods, gaps, epilogues = [], {}, {}, {}
     lane_keys = sorted({(int(r), int(k), int(c)) for r, k, c in zip(rec["role"], rec["rank"], rec["cta_id"])})
     for role, rank, cta in lane_keys:
         mine = (rec["role"] == role) & (rec["rank"] == rank) & (rec["cta_id"] == cta)
@@ -480,6 +504,7 @@ def summarize(
         entry["idle_ns"] += span - busy_ns - wait_ns
         if role == Role.COMPUTE:
             _add_task_rates(rec[mine & ~waiting & ~phase], _measure(work), overlaps, periods)
+            _add_task_gaps(rec[mine & ~waiting & ~phase], rec[mine & phase], gaps, epilogues)
     for entry in roles.values():
         total = entry["lanes"] * span
         for what in ("busy", "wait", "idle"):
@@ -522,6 +547,12 @@ def summarize(
         "task_us": task_us,
         "task_overlap": float(np.mean(overlaps)) if overlaps else None,
         "task_period_us": {name: float(np.median(v)) for name, v in sorted(periods.items())},
+        "task_gap_us": {name: {"mean": float(np.mean(v)) / 1e3,
+                               "p50": float(np.percentile(v, 50)) / 1e3,
+                               "p90": float(np.percentile(v, 90)) / 1e3}
+                        for name, v in sorted(gaps.items())},
+        "task_epilogue_us": {name: float(np.mean(v)) / 1e3
+                             for name, v in sorted(epilogues.items())},
     }
 
 
@@ -567,12 +598,16 @@ def print_summary(
         metrics.add_row("[red]dropped records[/red]", f"[red]{summary['dropped']} (raise timeline_capacity)[/red]")
     console.print(metrics)
     if summary.get("task_us"):
-        per_task = Table(title="one task's time (us)")
-        for col in ("task", "count", "mean", "p50", "p90", "max"):
+        per_task = Table(title="one task's time (us); its epilogue phase, and the gap after it "
+                               "to its CTA's next task (means)")
+        for col in ("task", "count", "mean", "p50", "p90", "max", "epilogue", "gap after"):
             per_task.add_column(col, justify="left" if col == "task" else "right")
+        gaps, epilogues = summary.get("task_gap_us", {}), summary.get("task_epilogue_us", {})
         for name, t in summary["task_us"].items():
             per_task.add_row(name, str(summary["task_counts"].get(name, "")),
-                             *(f"{t[k]:.1f}" for k in ("mean", "p50", "p90", "max")))
+                             *(f"{t[k]:.1f}" for k in ("mean", "p50", "p90", "max")),
+                             f"{epilogues[name]:.2f}" if name in epilogues else "",
+                             f"{gaps[name]['mean']:.2f}" if name in gaps else "")
         console.print(per_task)
     return summary
 

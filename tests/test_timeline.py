@@ -248,10 +248,29 @@ def test_summary_task_overlap_and_period_of_two_warpgroups_tiles():
     assert s["task_period_us"] == pytest.approx({"FC1": 0.01, "FC2": 0.01})
 
 
+def test_summary_gap_after_each_gemm_task_and_its_epilogue_by_type():
+    """Per GEMM type: the time from a task's end to its CTA's next task start (a per-tile cost
+    no span covers: CTA 4's FC1 tiles leave 5 and 15 ns, the last none) and the mean of its
+    EPILOGUE phases, found by the task whose span holds the phase (the backward's weight
+    gradients: 4 and 6 ns; a WAIT between tasks is not a task start)."""
+    from mok_cute.tasks_backward import BackwardTaskType as BT
+
+    rows = [rec(P, TaskType.FC1, 0, 0, 10, sm=4), rec(P, TaskType.FC1, 1, 15, 25, sm=4),
+            rec(P, TaskType.FC1, 2, 40, 50, sm=4), rec(P, TaskType.WAIT, 9, 26, 39, sm=4)]
+    rows += [rec(P, BT.WGRAD_GATE_UP, 7, 0, 20, sm=5), rec(P, TaskType.EPILOGUE, 7, 16, 20, sm=5),
+             rec(P, BT.WGRAD_GATE_UP, 8, 22, 40, sm=5), rec(P, TaskType.EPILOGUE, 8, 34, 40, sm=5)]
+    s = tlm.summarize(tlm.decode(tlm.encode_records(rows)))
+    assert s["task_gap_us"]["FC1"] == pytest.approx({"mean": 0.01, "p50": 0.01, "p90": 0.014})
+    assert s["task_gap_us"]["WGRAD_GATE_UP"] == pytest.approx({"mean": 0.002, "p50": 0.002,
+                                                               "p90": 0.002})
+    assert s["task_epilogue_us"] == pytest.approx({"WGRAD_GATE_UP": 0.005})
+
+
 def test_summary_of_an_empty_recording():
     s = tlm.summarize(tlm.decode(tlm.TimelineBuffer(4, device="cpu").tensor), flops=1.0)
     assert s["span_ns"] == 0 and s["roles"] == {} and s["exposed_comm_pct"] == 0.0 and s["gemm_tflops"] is None
     assert s["task_overlap"] is None and s["task_period_us"] == {}
+    assert s["task_gap_us"] == {} and s["task_epilogue_us"] == {}
 
 
 def test_print_summary_prints_the_numbers():
