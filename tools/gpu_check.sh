@@ -53,9 +53,18 @@
 #                   R = 2 and 4 and its training step, a group's backward on virtual buffers, a shared
 #                   expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
-#   ep [N]          on a machine of N >= 2 GPUs (default: all): tools/ep_check.py, the example
-#                   under torchrun and `mok-cute bench --ep` (forward, then --train), with the IPC
-#                   megakernel
+#   ep [N] [PARTS]  on a machine of N >= 2 GPUs (default: all): PARTS (default all, comma-
+#                   separated) of check (tools/ep_check.py, bf16 and kimi), example (the example
+#                   under torchrun, trained, rank 0's timeline; FP8 too), bench (`mok-cute bench
+#                   --ep`), train (`bench --ep --train` against NCCL + torch autograd), with the IPC
+#                   megakernel. All four take up to 29 min cold: one call each for check,example
+#                   and bench,train
+#
+# Every mode stops starting steps when $DEADLINE_S (570) seconds of the call have passed and
+# cuts a step's limit to what is left, so the summary comes back before the device's 600 s
+# per-call limit ends the call (a step not run says SKIPPED). The call's clock starts at
+# $CALL_T0 (epoch seconds) when set, else when this script starts: begin a call with
+# `export CALL_T0=$(date +%s); source .gpu/prelude.sh && ...` so the prelude's unpacking counts.
 set -u
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -68,12 +77,22 @@ export QUACK_CACHE_DIR="$PWD/.quack_cache" QUACK_CACHE_AUTOTUNING=1
 PYTEST=(python3 -m pytest -p no:cacheprovider -W ignore --tb=short)
 SHAPES5=qwen3_30b,gptoss_120b,mixtral,dsv3_ep8_rank,sonic_120b
 failures=0
+deadline="${DEADLINE_S:-570}"
+call_t0="${CALL_T0:-$(date +%s)}"
 
 step() {
-  # step NAME SECONDS COMMAND...: COMMAND under a hard time limit, its output in $out/NAME.log;
-  # prints one line (and the log's failures) and counts a failure unless it exited 0
+  # step NAME SECONDS COMMAND...: COMMAND under a hard time limit (at most what is left of
+  # $deadline), its output in $out/NAME.log; prints one line (and the log's failures) and counts
+  # a failure unless it exited 0; with under 20 s left it is SKIPPED (a failure too)
   local name="$1" secs="$2" rc
   shift 2
+  local left=$((deadline - $(date +%s) + call_t0))
+  if [ "$left" -lt 20 ]; then
+    printf '%-34s SKIPPED: %s s of the call left\n' "$name" "$left"
+    failures=$((failures + 1))
+    return 124
+  fi
+  [ "$secs" -gt "$left" ] && secs=$left
   timeout -s KILL "$secs" "$@" > "$out/$name.log" 2>&1
   rc=$?
   local note
@@ -280,23 +299,31 @@ run_sanitize() {
 }
 
 run_ep() {
-  local n="${1:-$(nvidia-smi -L | wc -l)}"
+  local n="${1:-$(nvidia-smi -L | wc -l)}" parts=",${2:-check,example,bench,train},"
   if [ "$n" -lt 2 ]; then echo "ep: needs 2 or more GPUs, this machine has $n"; failures=$((failures + 1)); return; fi
   local run=(torchrun --nproc-per-node "$n")
-  step "ep_check_$n" 240 "${run[@]}" tools/ep_check.py --backend megakernel
-  step "ep_check_kimi_$n" 240 "${run[@]}" tools/ep_check.py --backend megakernel --shape kimi --tokens 1024
-  step "ep_example_$n" 240 "${run[@]}" examples/ep_torchrun.py --shape kimi --tokens 2048 --backend megakernel \
-    --train 2 --timeline "$out/timeline_ep$n" && grep -E "^timeline:" "$out/ep_example_$n.log"
-  # FP8 over IPC: the forward checked against the bf16 reference, then training steps
-  step "ep_example_fp8_$n" 300 "${run[@]}" examples/ep_torchrun.py --shape glm --tokens 2048 \
-    --backend megakernel --precision fp8 --train 5
-  step "ep_bench_$n" 300 "${run[@]}" -m mok_cute.cli bench --ep --shapes ep --tokens 2048 \
-    --mok-config backend=megakernel --out "$out" --tag "ep$n" && bench_rows_ok "$out/ep_bench_$n.log"
-  # training over the group: the IPC megakernel's saving launch + group_backward against
-  # all_to_all + torch._grouped_mm under autograd (gradients checked first)
-  step "ep_train_$n" 400 "${run[@]}" -m mok_cute.cli bench --ep --train --contenders mok_cute,nccl_torch \
-    --shapes ep --tokens 2048 --iters 10 --warmup 2 --mok-config backend=megakernel --out "$out" \
-    --tag "ep${n}_train" && bench_rows_ok "$out/ep_train_$n.log"
+  if [[ "$parts" == *,check,* ]]; then
+    step "ep_check_$n" 240 "${run[@]}" tools/ep_check.py --backend megakernel
+    step "ep_check_kimi_$n" 240 "${run[@]}" tools/ep_check.py --backend megakernel --shape kimi --tokens 1024
+  fi
+  if [[ "$parts" == *,example,* ]]; then
+    step "ep_example_$n" 240 "${run[@]}" examples/ep_torchrun.py --shape kimi --tokens 2048 --backend megakernel \
+      --train 2 --timeline "$out/timeline_ep$n" && grep -E "^timeline:" "$out/ep_example_$n.log"
+    # FP8 over IPC: the forward checked against the bf16 reference, then training steps
+    step "ep_example_fp8_$n" 300 "${run[@]}" examples/ep_torchrun.py --shape glm --tokens 2048 \
+      --backend megakernel --precision fp8 --train 5
+  fi
+  if [[ "$parts" == *,bench,* ]]; then
+    step "ep_bench_$n" 300 "${run[@]}" -m mok_cute.cli bench --ep --shapes ep --tokens 2048 \
+      --mok-config backend=megakernel --out "$out" --tag "ep$n" && bench_rows_ok "$out/ep_bench_$n.log"
+  fi
+  if [[ "$parts" == *,train,* ]]; then
+    # training over the group: the IPC megakernel's saving launch + group_backward against
+    # all_to_all + torch._grouped_mm under autograd (gradients checked first)
+    step "ep_train_$n" 400 "${run[@]}" -m mok_cute.cli bench --ep --train --contenders mok_cute,nccl_torch \
+      --shapes ep --tokens 2048 --iters 10 --warmup 2 --mok-config backend=megakernel --out "$out" \
+      --tag "ep${n}_train" && bench_rows_ok "$out/ep_train_$n.log"
+  fi
 }
 
 case "$mode" in
@@ -315,7 +342,7 @@ case "$mode" in
   bwdgroup) run_bwdgroup "${2:-}" ;;
   maingrad) run_maingrad "${2:-}" ;;
   sanitize) run_sanitize ;;
-  ep) run_ep "${2:-}" ;;
+  ep) run_ep "${2:-}" "${3:-}" ;;
   *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, bwdtimeline, bwdgroup, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
