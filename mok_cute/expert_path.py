@@ -100,6 +100,17 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     return out
 
 
+def check_preact_rows(rows: int, inter: int, name: str = "preact") -> None:
+    """Saved pre-activations of ``rows`` rows of [g | u] at I = ``inter`` fit the 32-bit row
+    offsets (in 32-byte units) that the epilogues saving and reading them compute: else a
+    ValueError naming ``name``, before anything is written (past 2**31 units, 64 GiB, a row's
+    offset would wrap)."""
+    if rows * (inter // 8) >= 2 ** 31:
+        raise ValueError(f"{name}: {rows} saved rows x I = {inter} exceed the kernels' 32-bit "
+                         f"row offsets (rows * I / 8 must stay below 2**31; rows = T * K, or "
+                         f"R * T * K over R ranks; fewer tokens a call)")
+
+
 def check_preact(preact: torch.Tensor, inter: int, row_slot: torch.Tensor, rows: int,
                  slot_name: str = "row_slot") -> None:
     """The saved pre-activations as the kernels address them: contiguous bf16 [slots, 2I] with
@@ -109,9 +120,7 @@ def check_preact(preact: torch.Tensor, inter: int, row_slot: torch.Tensor, rows:
             or inter % 8 or not preact.is_contiguous()):
         raise ValueError(f"preact: expected a contiguous bf16 [slots, {2 * inter}] tensor (I % 8 "
                          f"== 0), got {preact.dtype} {tuple(preact.shape)}")
-    if preact.shape[0] * (inter // 8) >= 2 ** 31:
-        raise ValueError(f"preact: {preact.shape[0]} slots x I = {inter} exceed the kernels' "
-                         f"32-bit row offsets (T * K * I / 8 must stay below 2**31)")
+    check_preact_rows(preact.shape[0], inter)
     if (not isinstance(row_slot, torch.Tensor) or row_slot.shape != (rows,)
             or row_slot.dtype != torch.int32):
         raise ValueError(f"{slot_name}: expected an int32 [{rows}] row -> slot map, got "

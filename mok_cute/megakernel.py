@@ -458,6 +458,7 @@ class Plan:
     def _saved_preact(self, scheds, has_shared: bool) -> SavedPreact:
         """The buffers a saving launch's FC1 tasks write and each schedule row's place in
         them (on the device, no host sync)."""
+        from mok_cute.expert_path import check_preact_rows
         from mok_cute.schedule import saved_preact_rows
 
         k, R = self.key, self.side.launch_ranks
@@ -465,6 +466,10 @@ class Plan:
         valid = scheds.row_token >= 0
         rows = saved_preact_rows(R, self.side.num_peers, k.tokens, k.top_k, k.local_experts,
                                  TILE_M)
+        # refused before the launch: its save epilogue would write past the buffer's start
+        check_preact_rows(rows, k.intermediate)
+        if has_shared:
+            check_preact_rows(R * k.tokens, k.shared_intermediate, "shared_preact")
         if self.side.num_peers == 1:  # by (token, k) slot: the one-GPU path's layout
             index = scheds.row_token * k.top_k + scheds.row_k
         elif R == 1:  # one rank of a group: by receive row

@@ -573,9 +573,12 @@ def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads
     buffers pad each rank's rows to whole tiles (``kernels/megakernel/backward_shared.py``)."""
     if shared is None:
         return None, None, lambda: None
+    from mok_cute.expert_path import check_preact_rows
+
     tokens, inter, ranks = dims
     ranked = ranks > 0
     L = max(ranks, 1)
+    check_preact_rows(L * tokens, inter, "shared.preact")  # read by rank r's slot r T + t
     ops = [t if ranked else t.unsqueeze(0) for t in shared]  # [L, ...]
     d_out, x, w_gate, w_up, w_down, preact = ops
     hidden = d_out.shape[2]

@@ -96,6 +96,39 @@ def test_rows_stay_in_place_only_where_fp8_quantizers_are_their_only_readers():
     assert eb.materialized(gathered) is gathered
 
 
+def test_saved_rows_past_the_32_bit_row_offsets_are_refused_before_anything_is_written():
+    """The epilogues that save and read g | u address a row in 32-byte units with a 32-bit
+    offset: rows * I / 8 >= 2**31 (64 GiB of rows) is a ValueError naming the buffer, from the
+    megakernel's saving call (routed and shared rows, before its launch and its allocation)
+    and from the backward megakernel's shared expert (its L * T rows), not a wrapped offset
+    writing before the buffer."""
+    import types
+
+    from mok_cute import megakernel, megakernel_backward
+    from mok_cute.expert_path import check_preact_rows
+
+    check_preact_rows(2 ** 23 - 1, 2048)  # 2**31 - 256 units: the last that fits
+    with pytest.raises(ValueError, match=r"preact: 8388608 saved rows x I = 2048 exceed"):
+        check_preact_rows(2 ** 23, 2048)
+    # T = 131072, K = 10, I = 14336 (75 GB of rows) through a saving megakernel call at one rank
+    plan = types.SimpleNamespace(
+        key=types.SimpleNamespace(tokens=131072, top_k=10, local_experts=8, intermediate=14336,
+                                  shared_intermediate=2048),
+        side=types.SimpleNamespace(launch_ranks=1, num_peers=1))
+    scheds = types.SimpleNamespace(row_token=torch.zeros(1, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^preact: .* exceed the kernels' 32-bit row offsets"):
+        megakernel.Plan._saved_preact(plan, scheds, has_shared=False)
+    plan.key.top_k, plan.key.intermediate = 1, 128  # the routed rows fit; 72 ranks' shared
+    plan.key.shared_intermediate = 4096              # rows do not
+    plan.side.launch_ranks = plan.side.num_peers = 72
+    with pytest.raises(ValueError, match=r"^shared_preact: 9437184 saved rows x I = 4096"):
+        megakernel.Plan._saved_preact(plan, scheds, has_shared=True)
+    t = torch.zeros(1, 1, 1, dtype=torch.bfloat16)
+    shared = megakernel_backward.SharedExpert(t, t, t, t, t, t)
+    with pytest.raises(ValueError, match=r"^shared\.preact: 9437184 saved rows x I = 4096"):
+        megakernel_backward._shared_args(shared, (131072, 4096, 72), True, "cpu")
+
+
 def test_fake_implementations_give_the_real_shapes():
     """The custom ops' fake (meta) implementations: what torch.compile traces with."""
     import mok_cute.autograd  # noqa: F401  (registers the ops)
