@@ -187,25 +187,25 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     """[out, *SavedForBackward]: the training forward on the kernels (inputs checked by
     ``mok_cute.api``), bf16 or FP8 (``expert_path_fp8``) by ``precision``; ``backend``
     "megakernel": through the megakernel at one rank (default megakernel options; its
-    saved rows are the expert path's, bitwise; ``timeline_capacity`` > 0: it records,
-    ``MoKConfig.timeline``). ``main_grad_*``, ``dummy_grads``: unused here, for the backward
+    saved rows are the expert path's, bitwise); ``timeline_capacity`` > 0: it records as an
+    inference call would (``MoKConfig.timeline``: the bf16 expert path's GEMMs, the
+    megakernel's launch). ``main_grad_*``, ``dummy_grads``: unused here, for the backward
     (``MainGradTargets``)."""
     from mok_cute.config import ExpertPathOptions, MoKConfig, PendingIdCheck
     from mok_cute.expert_path import moe_forward_kernel
     from mok_cute.expert_path_fp8 import moe_forward_fp8
 
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
+    recording = dict(timeline=timeline_capacity > 0, timeline_capacity=max(timeline_capacity, 1))
     config = MoKConfig(backend="kernel", precision=precision, expert_path=ExpertPathOptions(
-        fc2_pingpong_max_k, fc1_group_m, fc2_group_m))
+        fc2_pingpong_max_k, fc1_group_m, fc2_group_m), **recording)
     pending = PendingIdCheck(topk_idx, w_gate.shape[0]) if check_ids else None
     if backend == "megakernel":
         from mok_cute import megakernel
 
         out, saved = megakernel.training_forward(
             x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
-            MoKConfig(backend="megakernel", check_ids=False, precision=precision,
-                      timeline=timeline_capacity > 0,
-                      timeline_capacity=max(timeline_capacity, 1)))
+            MoKConfig(backend="megakernel", check_ids=False, precision=precision, **recording))
     else:
         forward = moe_forward_fp8 if precision == "fp8" else moe_forward_kernel
         out, saved = forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
@@ -383,7 +383,7 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
 # ------------------------------------------------------------------------- timeline
 def _forward_capacity(config) -> int:
     """The forward ops' timeline argument: ``MoKConfig.timeline_capacity``, 0 with the
-    recorder off (the one-GPU op records on the megakernel backend only)."""
+    recorder off."""
     return config.timeline_capacity if config.timeline else 0
 
 

@@ -406,23 +406,26 @@ def _assert_compiled_equals_eager(step, leaves, d_out):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("Is", [0, 128])
-def test_config_timeline_records_the_megakernel_training_step(Is):
-    """``MoKConfig(backend="megakernel", timeline=True)`` under autograd: ``timeline.last()``
-    holds the forward's recording after the forward and the backward's one launch after the
-    backward; the output and every gradient bitwise those of the call without the recorder."""
+@pytest.mark.parametrize("backend,Is", [("megakernel", 0), ("megakernel", 128), ("kernel", 128)])
+def test_config_timeline_records_the_training_step(backend, Is):
+    """``MoKConfig(timeline=True)`` under autograd: ``timeline.last()`` holds the forward's
+    recording after the forward (the megakernel's launch, or the expert path's GEMMs) and,
+    on the megakernel backend, the backward's one launch after the backward (the expert
+    path's backward is launches: nothing recorded); the output and every gradient bitwise
+    those of the call without the recorder."""
     leaves, idx = _problem(300, 1024, 512, 8, 4, Is, seed=9)
     d_out = torch.randn(300, 1024, device="cuda").to(torch.bfloat16)
-    config = mok.MoKConfig(backend="megakernel", check_ids=False)
+    config = mok.MoKConfig(backend=backend, check_ids=False)
     assert_records_the_training_step(lambda c: _forward("kernel", leaves, idx, c), leaves,
-                                     d_out, config)
+                                     d_out, config, backward_records=backend == "megakernel")
 
 
-def assert_records_the_training_step(forward, leaves, d_out, config):
+def assert_records_the_training_step(forward, leaves, d_out, config, backward_records=True):
     """``forward(config)`` and its backward with and without ``config.timeline``: the
     forward's recording (FC1 and FC2 spans) is ``timeline.last()`` after the forward, the
-    backward's (every dgrad and weight-gradient type, nothing dropped) after the backward,
-    and the bits do not change (also run by tests/test_virtual_training.py)."""
+    backward's (every dgrad and weight-gradient type, nothing dropped) after the backward
+    (without ``backward_records`` still the forward's), and the bits do not change (also run
+    by tests/test_virtual_training.py)."""
     import dataclasses
 
     from mok_cute import timeline
@@ -442,11 +445,15 @@ def assert_records_the_training_step(forward, leaves, d_out, config):
     assert torch.equal(out, out2)
     for name, a, b in zip(NAMES, want, got):
         assert torch.equal(a, b), f"{name}: the recorder changed a bit"
-    assert fwd is not None and bwd is not None and bwd is not fwd
-    assert bwd.capacity >= timeline.BACKWARD_CAPACITY
-    for rec, types in ((fwd.decode(), (TaskType.FC1, TaskType.FC2)),
-                       (bwd.decode(), (BT.FC2_DGRAD, BT.FC1_DGRAD, BT.WGRAD_GATE_UP,
-                                       BT.WGRAD_DOWN))):
+    assert fwd is not None and bwd is not None
+    checks = [(fwd.decode(), (TaskType.FC1, TaskType.FC2))]
+    if not backward_records:
+        assert bwd is fwd
+    else:
+        assert bwd is not fwd and bwd.capacity >= timeline.BACKWARD_CAPACITY
+        checks.append((bwd.decode(), (BT.FC2_DGRAD, BT.FC1_DGRAD, BT.WGRAD_GATE_UP,
+                                      BT.WGRAD_DOWN)))
+    for rec, types in checks:
         assert rec.dropped == 0
         seen = set(rec.records["task_type"].tolist())
         assert {int(t) for t in types} <= seen, (types, seen)

@@ -562,8 +562,9 @@ def test_custom_op_schemas_fakes_and_opcheck(gen, emulated_kernels):
 @pytest.mark.parametrize("virtual", [False, True])
 def test_config_timeline_records_the_training_launches_through_the_custom_ops(
         virtual, gen, emulated_kernels, monkeypatch):
-    """``MoKConfig(timeline=True)`` under autograd, kernels emulated: the one-GPU megakernel
-    forward gets the recorder's config (virtual: the launch fields), the backward's launch a
+    """``MoKConfig(timeline=True)`` under autograd, kernels emulated: the one-GPU forward gets
+    the recorder's config (megakernel and expert path; virtual: the launch fields), the
+    backward megakernel's launch a
     ``TimelineBuffer`` of at least ``BACKWARD_CAPACITY`` records which ``timeline.last()``
     then holds; with a weight frozen (the backward is launches) or the recorder off, no
     buffer and ``last()`` unchanged."""
@@ -574,11 +575,16 @@ def test_config_timeline_records_the_training_launches_through_the_custom_ops(
     d_out = torch.randn(*leaves[0].shape, generator=gen).to(torch.bfloat16)
     emulated_kernels.update(d_out=d_out, grads=_fp32_grads(leaves, idx, d_out, virtual))
     forward_configs = []
+    emulated_forward = expert_path.moe_forward_kernel
+
+    def forward_kernel(x, idx, w, wg, wu, wd, shared, config, save=False):
+        forward_configs.append(config)
+        return emulated_forward(x, idx, w, wg, wu, wd, shared, config, save=save)
 
     def training_forward(x, idx, w, wg, wu, wd, shared, config):
-        forward_configs.append(config)
-        return expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, shared, config, save=True)
+        return forward_kernel(x, idx, w, wg, wu, wd, shared, config, save=True)
 
+    monkeypatch.setattr(expert_path, "moe_forward_kernel", forward_kernel)
     monkeypatch.setattr(megakernel, "training_forward", training_forward)
     capacity = timeline.BACKWARD_CAPACITY + 3
     config = MoKConfig(check_ids=False, backend="megakernel", timeline=True,
@@ -604,6 +610,11 @@ def test_config_timeline_records_the_training_launches_through_the_custom_ops(
     assert emulated_kernels["backward_timeline"] is None and timeline.last() is recorded
     if not virtual:
         assert [c.timeline for c in forward_configs[-2:]] == [True, False]
+        # the expert path: its training forward records as an inference call does, its
+        # backward is launches (nothing recorded)
+        _step(leaves, idx, d_out, dataclasses.replace(config, backend="kernel"), virtual)
+        assert (forward_configs[-1].backend, forward_configs[-1].timeline) == ("kernel", True)
+        assert emulated_kernels["backward_timeline"] is None and timeline.last() is recorded
 
 
 # ---------------------------------------------------------------------- numerics (GPU)
