@@ -48,6 +48,7 @@ from .config import (
     WEIGHT_NAMES,
     MoKConfig,
     check_bool,
+    check_device,
     PendingIdCheck,
     check_expert_ids,
     check_int,
@@ -141,14 +142,10 @@ def choose_path(
 def _resolve_device(device: torch.device | str | int | None) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    if isinstance(device, (str, torch.device)):
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return dev
-    raise TypeError(f"device: expected a torch.device, str, int or None, got {describe(device)}")
+    dev = check_device("device", device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def forward_path(device: torch.device | str | int | None = None, config: MoKConfig | None = None) -> str:
@@ -247,10 +244,11 @@ def moe_forward(
     config = resolve_config(config)
     shared = _normalise_shared(shared)
     dims = check_moe_inputs(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
-    if dims.tokens == 0:
-        return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
     needs_grad = _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared)
     main_grads = _main_grad_targets(config, needs_grad, w_gate, w_up, w_down, shared)
+    if dims.tokens == 0:
+        return _no_tokens(x, topk_weights, (w_gate, w_up, w_down, *(shared or (None,) * 3)),
+                          config, dims, needs_grad, main_grads)
     if config.precision == "fp8":
         return _moe_forward_fp8(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, config,
                                 dims, needs_grad, main_grads)
@@ -316,6 +314,30 @@ def _megakernel_one_gpu(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     return _checked_launch(lambda: megakernel.moe_forward(
         x, ids_for_int32(topk_idx, dims.num_experts), topk_weights, w_gate, w_up, w_down,
         shared, config), topk_idx, dims, config, megakernel=True)
+
+
+def _no_tokens(x, topk_weights, weights: tuple, config: MoKConfig, dims, needs_grad: bool,
+               main_grads, virtual: bool = False) -> torch.Tensor:
+    """A call with no token (T = 0): the empty output, refused where a call with tokens would
+    be (a backend that cannot run here, an FP8 training call off the FP8 kernels). When it
+    trains, the output is part of the graph as a kernel call's is: every input that requires
+    grad gets a zero gradient (``weights``: the six expert weights, None where absent; those
+    with a main_grad add zeros into it), so an empty batch's backward runs on every rank
+    (a data-parallel reducer waits for each parameter's gradient)."""
+    choice = choose_path(x.device, config, virtual=virtual, needs_grad=needs_grad)
+    if config.precision == "fp8":
+        _fp8_sizes(dims)
+        if needs_grad and choice.path not in ("kernel", "megakernel"):
+            raise _fp8_kernels_only(choice)
+    lead = (dims.num_ranks,) if virtual else ()
+    out = torch.empty(*lead, 0, dims.hidden, dtype=torch.bfloat16, device=x.device)
+    if not needs_grad:
+        return out
+    from .autograd import reference_weights
+
+    trained = [t for t in (x, topk_weights, *reference_weights(weights, main_grads))
+               if t is not None and t.requires_grad]
+    return out + sum(t.sum() * 0 for t in trained).to(torch.bfloat16)
 
 
 def _fp8_kernels_only(choice: PathChoice) -> ValueError:
@@ -570,10 +592,11 @@ def moe_forward_virtual(
     config = resolve_config(config)
     shared = _normalise_shared(shared)
     dims = check_moe_inputs(xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, stacked=True, x_name="xs")
-    if dims.tokens == 0:
-        return torch.empty(dims.num_ranks, 0, dims.hidden, dtype=torch.bfloat16, device=xs.device)
     needs_grad = _needs_grad(xs, topk_weights, w_gate, w_up, w_down, shared)
     main_grads = _main_grad_targets(config, needs_grad, w_gate, w_up, w_down, shared)
+    if dims.tokens == 0:
+        return _no_tokens(xs, topk_weights, (w_gate, w_up, w_down, *(shared or (None,) * 3)),
+                          config, dims, needs_grad, main_grads, virtual=True)
     choice = choose_path(xs.device, config, virtual=True, needs_grad=needs_grad)
     if config.precision == "fp8":
         _fp8_sizes(dims)
@@ -654,6 +677,8 @@ class MoELayer(nn.Module):
         check_int("top_k", top_k, min_value=1, max_value=num_experts)
         check_int("shared_intermediate", shared_intermediate, min_value=0)
         check_bool("renormalize", renormalize)
+        if device is not None:
+            check_device("device", device)
         if dtype is not None and dtype != torch.bfloat16:
             raise ValueError(f"dtype: expected torch.bfloat16 (the expert kernels' dtype) or None, got {dtype}")
         self.config = resolve_config(config)
@@ -721,6 +746,7 @@ class MoELayer(nn.Module):
         return self.num_experts * (fraction * mean_probs).sum()
 
     def forward(self, x: torch.Tensor, return_aux_loss: bool = False):
+        check_bool("return_aux_loss", return_aux_loss)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x: expected a torch.Tensor [..., {self.hidden}], got {describe(x)}")
         if x.dim() < 1 or x.shape[-1] != self.hidden:

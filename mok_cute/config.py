@@ -83,6 +83,22 @@ def check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name}: expected a bool, got {describe(value)}")
 
 
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` (a torch.device, a str such as "cuda:1", or a CUDA index) as a
+    ``torch.device``; TypeError / ValueError naming ``name`` for anything else (torch's own
+    parse errors name no argument)."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"{name}: expected a torch.device, str, int or None, got {describe(device)}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"{name}: expected a CUDA device index >= 0, got {device}")
+        return torch.device("cuda", device)
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"{name}: not a device: {device!r} ({exc})") from None
+
+
 def _shape_text(shape: Sequence[object]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
@@ -400,6 +416,9 @@ def check_moe_inputs(
         want = "[R, T, H]" if stacked else "[T, H]"
         raise ValueError(f"{x_name}: expected a {2 + lead}-D tensor {want}, got shape {_shape_text(tuple(x.shape))}")
     device = x.device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{x_name}: expected a CUDA or CPU tensor (kernels or the reference), "
+                         f"got one on {device}")
     R = x.shape[0] if stacked else num_ranks
     if stacked and R < 1:
         raise ValueError(f"{x_name}: expected R >= 1 ranks on dim 0, got shape {_shape_text(tuple(x.shape))}")

@@ -135,6 +135,34 @@ def test_zero_tokens_returns_empty_bf16():
     assert outs.shape == (2, 0, 32) and outs.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("virtual", [False, True])
+def test_zero_tokens_train_like_any_call(virtual):
+    """T = 0 with inputs that require grad: the empty output is part of the graph, so a
+    training step over an empty batch runs its backward (zero weight gradients, empty d_x)
+    and adds zeros into main_grad; its main_grads are checked and an FP8 training call is
+    refused as one with tokens is (no FP8 kernels here)."""
+    args, shared = make_inputs(3, T=0, Is=8, R=2 if virtual else None)
+    leaves = [t.requires_grad_() for t in [*args[:1], *args[2:], *shared]]
+    call = mok.moe_forward_virtual if virtual else mok.moe_forward
+    out = call(*args, shared=shared)
+    assert out.requires_grad and out.shape[-2:] == (0, 32)
+    out.float().sum().backward()
+    assert args[0].grad.shape == args[0].shape
+    for t in leaves[2:]:
+        assert t.grad is not None and not t.grad.any()
+    fused = MoKConfig(fuse_wgrad_accumulation=True)
+    with pytest.raises(ValueError, match=r"w_gate\.main_grad: .*got no main_grad attribute"):
+        call(*args, shared=shared, config=fused)
+    for t in leaves[2:]:
+        t.main_grad = torch.ones(t.shape)
+    call(*args, shared=shared, config=fused).float().sum().backward()
+    assert all(torch.equal(t.main_grad, torch.ones(t.shape)) for t in leaves[2:])
+    fp8_args, _ = make_inputs(3, T=0, H=64, I=64, R=2 if virtual else None)  # FP8's sizes
+    fp8_args[0].requires_grad_()
+    with pytest.raises(ValueError, match=r"config.precision='fp8': training runs on the FP8 kernels"):
+        call(*fp8_args, config=MoKConfig(precision="fp8"))
+
+
 def _replace(args, i, value):
     args = list(args)
     args[i] = value
@@ -272,6 +300,10 @@ def test_forward_path_on_this_machine():
     assert mok.forward_path("cpu", MoKConfig(backend="kernel")).startswith("error: config.backend is 'kernel'")
     with pytest.raises(TypeError, match="device: expected a torch.device, str, int or None, got float"):
         mok.forward_path(1.5)
+    with pytest.raises(ValueError, match=r"device: not a device: 'foo'"):
+        mok.forward_path("foo")
+    with pytest.raises(ValueError, match=r"device: expected a CUDA device index >= 0, got -1"):
+        mok.forward_path(-1)
 
 
 def _fake_expert_path(ok, why, calls):
@@ -377,6 +409,20 @@ def test_layer_backward_reaches_every_parameter():
     for name, p in layer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad.float()).all(), name
         assert (p.grad != 0).any(), name
+
+
+def test_bad_devices_and_flags_are_refused_by_name():
+    """A device torch cannot parse, or one that neither the kernels nor the reference run on
+    (meta), and a non-bool ``return_aux_loss``, are errors naming the argument, not torch's
+    unnamed parse error or a failure deep inside."""
+    with pytest.raises(ValueError, match=r"^device: not a device: 'foo'"):
+        mok.MoELayer(16, 8, 4, 2, device="foo")
+    args, _ = make_inputs(4)
+    with pytest.raises(ValueError, match=r"^x: expected a CUDA or CPU tensor .*got one on meta"):
+        mok.moe_forward(*(t.to("meta") for t in args))
+    layer = mok.MoELayer(16, 8, 4, 2)
+    with pytest.raises(TypeError, match=r"^return_aux_loss: expected a bool, got str"):
+        layer(torch.zeros(3, 16).bfloat16(), return_aux_loss="no")
 
 
 def test_layer_without_shared_expert_and_repr():
