@@ -8,7 +8,8 @@ reduced T and the edge cases; bitwise repeats with poisoned workspaces; the trai
 forward bitwise equal to the inference forward; needs_input_grad honoured; opcheck;
 torch.compile(fullgraph=True) of a layer call bitwise equal to eager, of a model bitwise
 equal under aot_eager and close to it under inductor; a CUDA-graph captured training step;
-``MoKConfig(timeline=True)`` recording the megakernel's training step without changing a bit.
+``MoKConfig(timeline=True)`` recording the megakernel's training step without changing a bit;
+activation checkpointing (both forms) bitwise the plain call.
 """
 
 from __future__ import annotations
@@ -457,6 +458,30 @@ def assert_records_the_training_step(forward, leaves, d_out, config, backward_re
         assert rec.dropped == 0
         seen = set(rec.records["task_type"].tolist())
         assert {int(t) for t in types} <= seen, (types, seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("backend,precision", [("kernel", "bf16"), ("megakernel", "bf16"),
+                                               ("kernel", "fp8")])
+def test_activation_checkpointing_gives_the_same_bits(backend, precision, reentrant):
+    """``torch.utils.checkpoint`` around the layer call (activations as arguments, weights as a
+    module's): the forward runs again in the backward (bitwise the same saved rows: a
+    deterministic forward), so the output and every gradient equal the plain call's bits."""
+    from torch.utils.checkpoint import checkpoint
+
+    leaves, idx = _problem(200, 512, 320, 8, 4, 128, seed=5)
+    d_out = torch.randn(200, 512, device="cuda").to(torch.bfloat16)
+    config = mok.MoKConfig(backend=backend, precision=precision, check_ids=False)
+    out, want = _grads("kernel", leaves, idx, d_out, config)
+    for t in leaves:
+        t.grad = None
+    again = checkpoint(lambda x, w: _forward("kernel", [x, w, *leaves[2:]], idx, config),
+                       *leaves[:2], use_reentrant=reentrant)
+    again.backward(d_out)
+    assert torch.equal(out, again.detach())
+    for name, t, w in zip(NAMES, leaves, want):
+        assert torch.equal(t.grad, w), name
 
 
 def _two_layer_model():

@@ -358,6 +358,8 @@ def emulated_kernels(monkeypatch):
         out = reference._forward(x, idx, w, wg, wu, wd, shared, None)
         (T, K), (E, I) = idx.shape, wg.shape[:2]
         cap = schedule_capacity(1, T, K, E, 128)
+        if not save:  # an inference call (torch.no_grad: reentrant checkpointing's first run)
+            return out
         sp = (torch.zeros(T, 2 * shared[0].shape[0], dtype=torch.bfloat16) if shared
               else torch.zeros(0, 0, dtype=torch.bfloat16))
         return out, expert_path.SavedForBackward(
@@ -375,6 +377,8 @@ def emulated_kernels(monkeypatch):
         out = reference._forward_virtual(xs, idx, w, wg, wu, wd, shared)
         (R, T, K), (E, I) = idx.shape, wg.shape[1:3]
         cap = schedule_capacity(R, T, K, E, 128)
+        if not save:
+            return out
         sp = (torch.zeros(R, T, 2 * shared[0].shape[1], dtype=torch.bfloat16) if shared
               else torch.zeros(0, dtype=torch.bfloat16))
         return out, VirtualSaved(
@@ -557,6 +561,39 @@ def test_custom_op_schemas_fakes_and_opcheck(gen, emulated_kernels):
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = torch.ops.mok_cute.moe_backward(*back)
     assert [tuple(g.shape) for g in fake] == [tuple(g.shape) for g in grads]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("virtual", [False, True])
+def test_activation_checkpointing_recomputes_through_the_custom_ops(virtual, reentrant, gen,
+                                                                    emulated_kernels):
+    """``torch.utils.checkpoint`` (both forms) around the layer call (the activations as its
+    arguments, the weights as a module's), kernels emulated: the forward runs again in the
+    backward (reentrant: first under no_grad, the inference path) and the gradients, the
+    fused main_grads' sums included, are those of the plain call, each added once."""
+    from torch.utils.checkpoint import checkpoint
+
+    R = 2 if virtual else None
+    leaves, idx = _cpu_problem(gen, R=R)
+    d_out = torch.randn(*leaves[0].shape, generator=gen).to(torch.bfloat16)
+    emulated_kernels.update(d_out=d_out, grads=_fp32_grads(leaves, idx, d_out, virtual))
+    for config in (MoKConfig(check_ids=False), dataclasses.replace(FUSED, check_ids=False)):
+        fused = config.fuse_wgrad_accumulation
+        runs = []
+        for wrap in (False, True):
+            _give_main_grads(leaves)
+            for t in leaves:
+                t.grad = None
+            if wrap:  # the activations as arguments, the weights as a module holds them
+                out = checkpoint(lambda x, w: _call([x, w, *leaves[2:]], idx, config, virtual),
+                                 *leaves[:2], use_reentrant=reentrant)
+            else:
+                out = _call(leaves, idx, config, virtual)
+            out.backward(d_out)
+            runs.append([t.main_grad.clone() if fused and i >= 2 else t.grad
+                         for i, t in enumerate(leaves)])
+        for name, a, b in zip(["x", "topk_weights", *NAMES], *runs):
+            assert a is not None and torch.equal(a, b), (name, fused)
 
 
 @pytest.mark.parametrize("virtual", [False, True])
