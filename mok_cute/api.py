@@ -34,6 +34,7 @@ on the PyTorch reference, `autograd.reference_weights` (autograd's fp32 gradient
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -626,6 +627,23 @@ def moe_forward_virtual(
                            w_down, shared, main_grads=main_grads)
 
 
+def _autocast_to_bf16(device_type: str) -> bool:
+    """Whether the call runs in a bf16 autocast region of ``device_type``: ``MoELayer`` then
+    takes activations of any float dtype in bf16, as an autocast linear layer does."""
+    try:
+        return (torch.is_autocast_enabled(device_type)
+                and torch.get_autocast_dtype(device_type) == torch.bfloat16)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return False
+
+
+def _no_autocast(device_type: str):
+    """Autocast off for ``device_type`` (a no-op context for types autocast does not know)."""
+    if device_type in ("cuda", "cpu"):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class MoELayer(nn.Module):
     """A MoE layer: softmax top-k router + `num_experts` SwiGLU experts (+ optional shared expert).
 
@@ -645,7 +663,8 @@ class MoELayer(nn.Module):
     experts must be bf16 (the kernels'), and the router is computed in fp32 whatever its storage,
     so `layer.to(torch.bfloat16)` keeps working.
 
-    forward(x [..., hidden] bf16) -> [..., hidden] bf16; with `return_aux_loss=True` also the
+    forward(x [..., hidden] bf16; any float dtype inside a bf16 autocast region, taken as
+    bf16) -> [..., hidden] bf16; with `return_aux_loss=True` also the
     load-balancing loss E * sum_e f_e * P_e (Switch Transformer; f_e the fraction of this call's
     routed (token, k) slots on expert e, P_e its mean router probability; 1.0 when balanced),
     differentiable through P: scale it and add it to the training loss. Over a `group` it covers
@@ -751,14 +770,19 @@ class MoELayer(nn.Module):
             raise TypeError(f"x: expected a torch.Tensor [..., {self.hidden}], got {describe(x)}")
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             raise ValueError(f"x: expected shape [..., {self.hidden}], got {list(x.shape)}")
-        x2d = x.reshape(-1, self.hidden).contiguous()
-        topk_idx, topk_weights, probs = self._route(x2d)
-        out = moe_forward(
-            x2d, topk_idx, topk_weights, self.w_gate, self.w_up, self.w_down,
-            shared=self.shared, group=self.group, config=self.config,
-        ).reshape(x.shape)
-        if return_aux_loss:
-            return out, self.load_balancing_loss(topk_idx, probs)
+        if x.dtype != torch.bfloat16 and _autocast_to_bf16(x.device.type):
+            x = x.to(torch.bfloat16)  # as an autocast linear casts its input (differentiable)
+        # the layer's own numerics (the fp32 router, the reference's fp32 sums) whatever
+        # autocast region the call is in: the kernels' custom ops ignore autocast anyway
+        with _no_autocast(x.device.type):
+            x2d = x.reshape(-1, self.hidden).contiguous()
+            topk_idx, topk_weights, probs = self._route(x2d)
+            out = moe_forward(
+                x2d, topk_idx, topk_weights, self.w_gate, self.w_up, self.w_down,
+                shared=self.shared, group=self.group, config=self.config,
+            ).reshape(x.shape)
+            if return_aux_loss:
+                return out, self.load_balancing_loss(topk_idx, probs)
         return out
 
     def extra_repr(self) -> str:

@@ -411,6 +411,32 @@ def test_layer_backward_reaches_every_parameter():
         assert (p.grad != 0).any(), name
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_layer_in_a_bf16_autocast_region_takes_fp32_activations(device):
+    """Inside ``torch.autocast(dtype=torch.bfloat16)`` the layer takes an fp32 x as bf16 (its
+    gradient flows back in fp32) and computes as outside the region (the fp32 router, the
+    reference's fp32 sums, the kernels): the output and the gradients are those of the call on
+    x.bfloat16() outside it; outside autocast an fp32 x is refused by name as before."""
+    torch.manual_seed(0)
+    layer = mok.MoELayer(256, 128, 8, 2, shared_intermediate=128, device=device,
+                         config=MoKConfig(check_ids=False))
+    x = torch.randn(2, 5, 256, device=device).requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = layer(x, return_aux_loss=True)
+    (out[0].float().sum() + out[1]).backward()
+    got = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+    layer.zero_grad()
+    xb = x.detach().bfloat16().requires_grad_()
+    want_out = layer(xb, return_aux_loss=True)
+    (want_out[0].float().sum() + want_out[1]).backward()
+    assert torch.equal(out[0], want_out[0]) and torch.equal(out[1], want_out[1])
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], xb.grad.float())
+    for g, p in zip(got[1:], layer.parameters()):
+        assert torch.equal(g, p.grad)
+    with pytest.raises(TypeError, match=r"x: expected dtype torch.bfloat16, got torch.float32"):
+        layer(x)
+
+
 def test_bad_devices_and_flags_are_refused_by_name():
     """A device torch cannot parse, or one that neither the kernels nor the reference run on
     (meta), and a non-bool ``return_aux_loss``, are errors naming the argument, not torch's
