@@ -379,7 +379,9 @@ def cmd_ptx(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- delegates
 def _delegate(command: str, argv: list[str]) -> int:
     module_name, _ = _DELEGATES[command]
-    if command == "bench" and "--train" in argv:  # the training bench: forward and backward
+    # the one-GPU training bench; `bench --ep [--train]` goes to the harness, which hands
+    # both to the expert-parallel bench
+    if command == "bench" and "--train" in argv and "--ep" not in argv:
         module_name = "mok_cute.bench.training"
     _prepare_arch_env(None)
     try:

@@ -120,6 +120,13 @@ def test_delegates_reach_the_bench_the_recorder_and_the_tuner(capsys, tmp_path):
     assert rc == 0 and (tmp_path / "timeline.png").is_file()
     rc, out = run(capsys, "bench", "--list")
     assert rc == 0 and "mok_megakernel" in out and "kimi_k2.7" in out
+    # `bench --ep --train` is the expert-parallel bench's training mode (it went to the one-GPU
+    # training bench, whose parser refused --ep), `bench --train` the one-GPU training bench
+    for argv, prog in ((["bench", "--ep", "--train", "--help"], "--ep"),
+                       (["bench", "--train", "--help"], "mok-cute bench --train")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 0 and prog in capsys.readouterr().out, argv
 
 
 def test_no_command_prints_help(capsys):
