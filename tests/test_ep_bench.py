@@ -155,7 +155,31 @@ def _training_passes_checked_and_timed(d: ep_dist.Dist, out_dir: Path) -> None:
     assert all(r["rel_err_grads"]["d_w_down"] > 0.1 for r in bad), bad
 
 
+def _rank0_out_of_memory_is_an_error_on_every_rank(d, out_dir: Path) -> None:
+    """Rank 0 failing to allocate a gathered reference tensor (the weights of every rank: out
+    of memory on large shapes) fails the gather on every rank, so the ranks' next collective
+    is the same one (an error agreed on), not a hang; the gather works again afterwards."""
+    t = torch.full((3, 4), float(d.rank))
+    original = torch.empty
+    if d.rank == 0:
+        def empty(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        torch.empty = empty
+    try:
+        with pytest.raises((torch.OutOfMemoryError, RuntimeError),
+                           match="out of memory|rank 0 could not allocate"):
+            ep_dist.gather_stacked(d, t)
+    finally:
+        torch.empty = original
+    error = ep_dist._agree_error(d, "gather failed")
+    assert error.startswith("rank 0: gather failed")
+    got = ep_dist.gather_stacked(d, t)
+    if d.rank == 0:
+        assert [float(g[0, 0]) for g in got] == list(map(float, range(d.world)))
+
+
 SCENARIOS = {
+    "gather_oom": _rank0_out_of_memory_is_an_error_on_every_rank,
     "baseline": _baseline_equals_reference_and_group_path,
     "train": _training_passes_checked_and_timed,
     "bytes": _exact_bytes_and_max_timing,

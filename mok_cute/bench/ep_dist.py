@@ -116,13 +116,29 @@ def all_values(d: Dist, value: float) -> list[float]:
 
 
 def gather_stacked(d: Dist, t: torch.Tensor) -> torch.Tensor | None:
-    """[R, *t.shape] on rank 0 (None elsewhere); every rank's ``t`` has the same shape."""
+    """[R, *t.shape] on rank 0 (None elsewhere); every rank's ``t`` has the same shape. The
+    ranks first agree that rank 0 could allocate the result: if it could not (out of memory:
+    the reference checks gather every rank's weights), every rank raises here, so the ranks'
+    collectives stay in step (rank 0 skipping the gather for its error handling's collective
+    left the others in the gather: a hang until the group's timeout)."""
     t = t.contiguous()
     if d.world == 1:
         return t.unsqueeze(0)
     dst = dist.get_global_rank(d.group, 0)
+    out, failure = None, None
     if d.rank == 0:
-        out = torch.empty((d.world, *t.shape), dtype=t.dtype, device=t.device)
+        try:
+            out = torch.empty((d.world, *t.shape), dtype=t.dtype, device=t.device)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            failure = exc
+    ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int32, device=d.device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=d.group)
+    if failure is not None:
+        raise failure
+    if not int(ok.item()):
+        raise RuntimeError(f"rank 0 could not allocate the gathered {[d.world, *t.shape]} "
+                           f"{t.dtype} tensor")
+    if d.rank == 0:
         dist.gather(t, gather_list=list(out.unbind(0)), dst=dst, group=d.group)
         return out
     dist.gather(t, gather_list=None, dst=dst, group=d.group)

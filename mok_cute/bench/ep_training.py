@@ -13,9 +13,11 @@
 
 Correctness first: on the check inputs each contender's eight gradients (d_x, d_topk_weights,
 this rank's expert weights, the shared expert's: summed over the ranks, as a data-parallel
-all-reduce would) are gathered to rank 0 and compared with autograd on
-``reference.moe_forward_virtual`` (relative Frobenius error <= ``--tol`` each); a contender that
-fails is not timed. Timing as the forward's (ranks aligned, CUDA events, median per rank, max
+all-reduce would) are compared with autograd on ``reference.moe_forward_virtual`` (relative
+Frobenius error <= ``--tol`` each, its sums over the ranks); a contender that fails is not timed.
+Rank 0 runs the reference on every rank's gathered inputs and weights and hands each rank its
+own slice of each gradient, so no rank ever holds a contender's gradients of every rank (with
+the reference's, dsv4_pro's would need ~165 GiB on rank 0). Timing as the forward's (ranks aligned, CUDA events, median per rank, max
 over ranks): ``bwd`` = the backward alone over one forward's graph (kept with
 ``retain_graph``), ``train`` = forward + backward. TFLOP/s per GPU counts 2x (bwd) and 3x
 (train) the forward's FLOPs. Every rank runs every backward: the group backward is a
@@ -29,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from mok_cute.bench.common import GRAD_NAMES, TRAIN_PASSES, error_text, free_memory, rel_err, sync
+from mok_cute.bench.common import GRAD_NAMES, TRAIN_PASSES, error_text, free_memory, sync
 
 PASSES = {p: k for p, k in TRAIN_PASSES.items() if p != "fwd"}  # the forward's rows are ep.py's
 
@@ -136,23 +138,65 @@ def reference_grads_on_rank0(d, weights, inp, d_out) -> dict[str, torch.Tensor] 
     return {n: t.grad for n, t in zip(GRAD_NAMES, leaves)}
 
 
-def _gathered(d, grads: list) -> dict[str, torch.Tensor | None]:
-    """This rank's gradients stacked over the ranks on rank 0 (the shared expert's summed)."""
-    from mok_cute.bench.ep_dist import gather_stacked
+def reference_grads_by_rank(d, weights, inp, d_out) -> dict[str, torch.Tensor]:
+    """``reference_grads_on_rank0``'s gradients, this rank's slice of each on every rank (x,
+    the router weights, its experts' weights; the shared expert's summed ones whole): rank 0
+    scatters them and keeps only its own."""
+    import torch.distributed as dist
 
+    full = reference_grads_on_rank0(d, weights, inp, d_out)
+    src = dist.get_global_rank(d.group, 0)
+    mine = {"x": inp.x, "topk_weights": inp.topk_weights, "w_gate": weights.w_gate,
+            "w_up": weights.w_up, "w_down": weights.w_down}
+    if weights.shared is not None:
+        mine.update(zip(("ws_gate", "ws_up", "ws_down"), weights.shared))
     out = {}
-    for name, g in zip(GRAD_NAMES, grads):
-        if g is None:
-            continue
-        stacked = gather_stacked(d, g.contiguous())
-        out[name] = None if stacked is None else (stacked.sum(0) if name.startswith("ws_") else stacked)
+    for name, like in mine.items():
+        t = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        if name.startswith("ws_"):  # replicated: the sum over the ranks, on every rank
+            if d.rank == 0:
+                t.copy_(full[name])
+            dist.broadcast(t, src=src, group=d.group)
+        else:
+            parts = list(full[name].to(like.dtype).unbind(0)) if d.rank == 0 else None
+            dist.scatter(t, scatter_list=parts, src=src, group=d.group)
+        out[name] = t
+        if d.rank == 0:
+            del full[name]
     return out
+
+
+def grad_error_over_ranks(d, got: torch.Tensor | None, ref: torch.Tensor,
+                          replicated: bool = False) -> float:
+    """``common.rel_err`` of the gradient whose slices the ranks hold (``got`` against ``ref``,
+    this rank's): its squared sums added over the ranks; ``replicated`` (the shared expert's):
+    each rank's ``got`` is its share, summed over the ranks first, as a data-parallel all-reduce
+    would. inf where a rank has none, NaN where anything is not finite or a shape differs."""
+    import torch.distributed as dist
+
+    sums = torch.zeros(4, dtype=torch.float64, device=ref.device)  # diff^2, ref^2, missing, bad
+    usable = got is not None and tuple(got.shape) == tuple(ref.shape)
+    sums[2 if got is None else 3] = float(not usable)
+    g = (got.detach().to(torch.float32, copy=True) if usable
+         else torch.zeros(ref.shape, device=ref.device))
+    if replicated:  # every rank takes part, whatever it holds
+        dist.all_reduce(g, group=d.group)
+    if not replicated or d.rank == 0:  # a replicated sum is whole on every rank: counted once
+        r = ref.float()
+        sums[0], sums[1] = (g - r).square().sum(), r.square().sum()
+    sums[3] += float(not bool(torch.isfinite(g).all()))
+    dist.all_reduce(sums, group=d.group)
+    if sums[3] > 0:
+        return float("nan")
+    if sums[2] > 0:
+        return float("inf")
+    return float(sums[0].sqrt() / sums[1].sqrt().clamp_min(1e-30))
 
 
 def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], weights, inputs, check,
                    grouped_mm: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The bwd and train rows of one shape at one T (every rank calls it together)."""
-    from mok_cute.bench.ep_dist import _agree_error, broadcast_float, timed_over_ranks
+    from mok_cute.bench.ep_dist import _agree_error, timed_over_ranks
     from mok_cute.bench.common import pass_runners
 
     rows = {(c, p): {**base, "contender": c, "pass": p, "flops": base["flops"] * k}
@@ -162,7 +206,7 @@ def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], wei
     d_out = torch.randn(inputs.x.shape, device=d.device, generator=gen).to(torch.bfloat16)
     error, ref = None, None
     try:
-        ref = reference_grads_on_rank0(d, weights, check, d_check)
+        ref = reference_grads_by_rank(d, weights, check, d_check)
     except Exception as exc:
         error = error_text(exc)
     error = _agree_error(d, error)
@@ -175,12 +219,12 @@ def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], wei
                 layer = EpLayer(name, weights, check, d, opts.mok_config, grouped_mm)
                 layer.forward().backward(d_check)
                 sync(d.device)
-                got = _gathered(d, layer.grads())
+                got = dict(zip(GRAD_NAMES, layer.grads()))
                 del layer
                 for n in GRAD_NAMES:
-                    if n in got or (ref is not None and ref.get(n) is not None):
-                        value = (rel_err(got[n], ref[n]) if n in got else float("inf")) if d.rank == 0 else 0.0
-                        errors[f"d_{n}"] = broadcast_float(d, value)
+                    if n in ref:
+                        errors[f"d_{n}"] = grad_error_over_ranks(
+                            d, got.get(n), ref[n], replicated=n.startswith("ws_"))
             except Exception as exc:
                 failure = error_text(exc)
             failure = _agree_error(d, failure)
