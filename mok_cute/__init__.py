@@ -1,12 +1,12 @@
 """mok_cute: an expert-parallel Mixture-of-Experts layer as CuTe DSL GPU kernels.
 
 Public API (DESIGN §2): `MoKConfig` (with its `ExpertPathOptions`, `MegakernelOptions`), `moe_forward`, `moe_forward_virtual`, `MoELayer`,
-`forward_path`, `check_errors` / `PeerTimeoutError` (megakernel failures), and the modules `reference` (PyTorch oracle) and `schedule` (receive schedule).
+`forward_path`, `check_errors` / `PeerTimeoutError` (megakernel failures), `forget_quantized_weights` (FP8's weight cache), and the modules `reference` (PyTorch oracle) and `schedule` (receive schedule).
 Importing the package does not import the CuTe DSL; the kernel path loads it on first use.
 """
 
 from . import reference, schedule
-from .api import MoELayer, forward_path, moe_forward, moe_forward_virtual
+from .api import MoELayer, forget_quantized_weights, forward_path, moe_forward, moe_forward_virtual
 from .config import ExpertPathOptions, MegakernelOptions, MoKConfig
 from .errors import PeerTimeoutError, check_errors
 
@@ -19,6 +19,7 @@ __all__ = [
     "MoELayer",
     "PeerTimeoutError",
     "check_errors",
+    "forget_quantized_weights",
     "forward_path",
     "moe_forward",
     "moe_forward_virtual",

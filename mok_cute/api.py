@@ -627,6 +627,16 @@ def moe_forward_virtual(
                            w_down, shared, main_grads=main_grads)
 
 
+def forget_quantized_weights() -> None:
+    """Drop every cached e4m3 copy of the expert weights (``MoKConfig(precision="fp8")``).
+    The FP8 path quantizes a weight once per version: an optimizer step (an in-place update)
+    is seen, a write through ``w.data`` (or by a kernel of your own) is not; call this after
+    one, before the next FP8 call."""
+    from .expert_path_fp8 import forget_quantized_weights as forget
+
+    forget()
+
+
 def _autocast_to_bf16(device_type: str) -> bool:
     """Whether the call runs in a bf16 autocast region of ``device_type``: ``MoELayer`` then
     takes activations of any float dtype in bf16, as an autocast linear layer does."""

@@ -519,7 +519,7 @@ class PendingIdCheck:
         self._host = torch.empty(2, dtype=torch.int64, pin_memory=True)
         self._host.copy_(lo_hi, non_blocking=True)
         self._done = torch.cuda.Event()
-        self._done.record()
+        self._done.record(torch.cuda.current_stream(lo_hi.device))  # the copy's stream
 
     def span(self) -> tuple[int, int] | None:
         """(min, max) of the ids, None when there are none (waits for the copy)."""

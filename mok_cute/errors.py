@@ -77,20 +77,32 @@ class PendingErrors:
         self._pending = collections.deque()  # (event, pinned word, call) per launch
 
     def record(self, call: int) -> None:
-        """After launch ``call`` on the current stream: its word's copy and an event."""
+        """After launch ``call`` on the current stream of the word's device: its word's copy
+        and an event there. Nothing while a CUDA graph is captured (a replay records nothing on
+        the host: ``check_device`` reads its word; a copy or event captured here would be
+        queried outside the graph)."""
         import torch
 
+        from mok_cute.shared_state import capturing
+
+        if capturing():
+            return
         word = self._words[self._next]
         self._next = (self._next + 1) % len(self._words)
         word.copy_(self.device_word, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device_word.device))
         self._pending.append((event, word, call))
 
     def check(self, block: bool, last_call: int, rank_base: int = 0) -> None:
         """Raise PeerTimeoutError for the first finished launch whose word is set (all of them
         with ``block``; otherwise only those done, and the oldest when every word is in use).
-        A word reported from the last launch is cleared on the device (not reported twice)."""
+        A word reported from the last launch is cleared on the device (not reported twice).
+        Nothing while a CUDA graph is captured: querying an event there breaks the capture."""
+        from mok_cute.shared_state import capturing
+
+        if capturing():
+            return
         pending = self._pending
         while pending:
             event, word, call = pending[0]

@@ -87,13 +87,37 @@ def pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if n == width else F.pad(t, (0, width - n))
 
 
-# (id of the weight's storage owner, its address, shape, strides) -> (weakref to the owner,
-# the weight's version, {transposed: (q, e)}): quantized once per weight version. The owner is
-# the tensor a view was taken of, so a view made anew each call (a model's per-rank
-# ``w.view(R, E_loc, ...)``) hits as the tensor itself does (a view shares its base's version
-# counter); keyed by id, not by the tensor (a tensor's == is elementwise); the weakref's
-# callback drops the entry when the owner is freed, before its id can be reused.
-_CACHE: dict[tuple, tuple] = {}
+# (id of the weight's storage owner, its offset, shape, strides) -> _Copies: quantized once
+# per weight version and address. The owner is the tensor a view was taken of, so a view made
+# anew each call (a model's per-rank ``w.view(R, E_loc, ...)``) hits as the tensor itself does
+# (a view shares its base's version counter); keyed by id, not by the tensor (a tensor's == is
+# elementwise); the weakref's callback drops the entry when the owner is freed, before its id
+# can be reused. A new address (a parameter's ``.data`` replaced, as sharded-data-parallel
+# wrappers do each step) replaces the entry instead of adding one. A write that bumps no
+# version (through ``.data``) is not seen: ``mok_cute.forget_quantized_weights()`` after it.
+_CACHE: dict[tuple, "_Copies"] = {}
+
+
+class _Copies(NamedTuple):
+    owner: weakref.ref
+    address: int  # the weight's data_ptr when quantized
+    version: int
+    copies: dict  # {transposed: (q, e)}
+    made: object  # CUDA: (stream, event) after the quantization, for a hit on another stream
+
+
+def _hand_over(entry: "_Copies") -> None:
+    """Cached copies used on another stream than the one that made them: that stream waits for
+    the quantization, and the copies' memory is not reused before that stream's work ends."""
+    if entry.made is None:
+        return
+    stream, event = entry.made
+    here = torch.cuda.current_stream(stream.device)
+    if here != stream:
+        here.wait_event(event)
+        for pair in entry.copies.values():
+            for t in pair:
+                t.record_stream(here)
 
 
 def _quantize_now(w: torch.Tensor, transposed: bool, both: bool) -> dict:
@@ -124,19 +148,27 @@ def _quantize_blocks(w: torch.Tensor, transposed: bool = False,
     if w.is_cuda and torch.cuda.is_current_stream_capturing():
         return _quantize_now(w, transposed, both=False)[transposed]
     owner = w if w._base is None else w._base
-    key = (id(owner), w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    key = (id(owner), w.storage_offset(), tuple(w.shape), tuple(w.stride()))
     entry = _CACHE.get(key)
-    if entry is None or entry[0]() is not owner or entry[1] != w._version:
-        entry = (weakref.ref(owner, lambda _, key=key: _CACHE.pop(key, None)), w._version, {})
+    if (entry is None or entry.owner() is not owner or entry.address != w.data_ptr()
+            or entry.version != w._version):
+        entry = _Copies(weakref.ref(owner, lambda _, key=key: _CACHE.pop(key, None)),
+                        w.data_ptr(), w._version, {}, None)
         _CACHE[key] = entry
-    copies = entry[2]
-    if transposed not in copies:
-        copies.update(_quantize_now(w, transposed, both and not copies))
-    return copies[transposed]
+    _hand_over(entry)
+    if transposed not in entry.copies:
+        entry.copies.update(_quantize_now(w, transposed, both and not entry.copies))
+        if w.is_cuda:  # this stream's event now covers every copy of the entry
+            stream = torch.cuda.current_stream(w.device)
+            event = torch.cuda.Event()
+            event.record(stream)
+            entry = _CACHE[key] = entry._replace(made=(stream, event))
+    return entry.copies[transposed]
 
 
 def forget_quantized_weights() -> None:
-    """Drop every cached copy (a benchmark's stand-in for an optimizer step)."""
+    """Drop every cached e4m3 copy of the expert weights (``mok_cute.forget_quantized_weights``:
+    after a weight write that bumps no version; a benchmark's stand-in for an optimizer step)."""
     _CACHE.clear()
 
 

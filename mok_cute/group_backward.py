@@ -127,7 +127,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     # the routed rows an expert expects: P * T * K over P * E_loc, T before the padding
     routed_per_expert = (T if tokens_per_rank is None else tokens_per_rank) * K / E_loc
 
-    with plan.lock:  # the plan's epoch, scalars and buffers: one call at a time
+    # the plan's epoch, scalars and buffers: one call at a time, one stream's launches at a time
+    with plan.lock, plan.order.around(dev):
         plan.backward_errors.check(block=False, last_call=plan.backward_calls,
                                    rank_base=side.rank_base)  # an earlier call's, without a sync
         # this rank's fields for the peers to pull (then barrier 0 of a new epoch: in the

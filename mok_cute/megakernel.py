@@ -43,6 +43,7 @@ from mok_cute.config import MoKConfig, ids_for_int32
 from mok_cute.constants import (KSUM_ROWS, SCALAR_INDEX, TASK_TILE_N, TICKETS, TILE_M,
                                 MegakernelSpec)
 from mok_cute.errors import PendingErrors
+from mok_cute.shared_state import BoundedCache, StreamOrder, capturing
 
 DEFAULT_COMM_CTAS = 12
 LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows
@@ -259,6 +260,7 @@ class Plan:
 
         self.key = k = key
         self.side = side
+        self.order = StreamOrder()  # the plan's buffers: one launch at a time across streams
         dev = torch.device("cuda", k.device)
         self.capacity = schedule_capacity(side.num_peers, k.tokens, k.top_k, k.local_experts, TILE_M)
         layout = side.layout
@@ -343,6 +345,7 @@ class Plan:
         instead of w_*."""
         k = self.key
         self.errors.check(block=False, last_call=self.calls)
+        self.order.enter(xs.device)  # a launch of this plan on another stream finishes first
         R = self.side.launch_ranks
         # With no peer to read it, the caller's x is read in place (FC1's local rows, the
         # shared expert) instead of being copied into the symmetric buffer first.
@@ -354,7 +357,9 @@ class Plan:
         x_offset = xs.data_ptr() - self.own_base if in_place else self.x_offset
         if k.spec.fp8:
             x_offset = self._quantize_x(xs)
-        if x_offset != self._x_offset:  # rewritten only when it changes
+        # rewritten only when it changes (and in every captured call: a replay must not read
+        # what a later eager call wrote)
+        if x_offset != self._x_offset or capturing():
             self._x_offset = x_offset
             self.scalars[SCALAR_INDEX["x_offset"]].fill_(x_offset)
         ids = ids_for_int32(topk_idx, self.side.num_peers * k.local_experts)  # never truncated
@@ -414,6 +419,7 @@ class Plan:
         if self.timeline_buf is not None:
             from mok_cute.timeline import set_last
             set_last(self.timeline)  # what `mok-cute timeline` decodes after the call
+        self.order.leave(xs.device)
         self.errors.record(self.calls)
         return out if saved is None else (out, saved)
 
@@ -440,8 +446,9 @@ class Plan:
 
     def _set_waits(self, waits: tuple[int, int]) -> None:
         """The wait bound (ns) and the silent rank (test hook) the kernels read: rewritten
-        only when they change, so a call launches nothing for them."""
-        if waits != self._waits:
+        only when they change, so a call launches nothing for them (and in every captured
+        call)."""
+        if waits != self._waits or capturing():
             self._waits = waits
             self.scalars[SCALAR_INDEX["timeout_ns"]].fill_(waits[0])
             self.scalars[SCALAR_INDEX["silent_rank"]].fill_(waits[1])
@@ -496,8 +503,32 @@ class Plan:
         self.backward_errors.check_device(self.backward_calls, rank_base=self.side.rank_base)
 
 
+def _retire(plan: Plan) -> None:
+    """An evicted plan: its launches waited for (its buffers are freed after) and its pending
+    errors raised (a failure of its last calls still surfaces)."""
+    with plan.lock:
+        plan.order.wait()
+        plan.raise_pending_errors()
+
+
+# A group's plans (IPC-mapped buffers, built by a collective) are few: their T is rounded
+# (``plan_tokens``). One process's own plans (one GPU, virtual ranks) are keyed by the exact T,
+# and each holds GBs of rings: the last MAX_LOCAL_PLANS are kept, a run with variable batch
+# sizes builds the others again (a new plan: its buffers and task list, no compile).
+MAX_LOCAL_PLANS = 4
 _PLANS: dict[PlanKey, Plan] = {}
+_LOCAL_PLANS = BoundedCache(MAX_LOCAL_PLANS, on_evict=_retire)
 _PLANS_LOCK = threading.Lock()
+
+
+def cached_plans() -> dict[PlanKey, Plan]:
+    """Every cached plan by its key (a group's and this process's own)."""
+    with _PLANS_LOCK:
+        return {**_PLANS, **dict(_LOCAL_PLANS.items())}
+
+
+def _all_plans() -> list[Plan]:
+    return list(cached_plans().values())
 
 
 def release_plans() -> None:
@@ -505,6 +536,7 @@ def release_plans() -> None:
     call holds them): benchmarks call it between shapes."""
     with _PLANS_LOCK:
         _PLANS.clear()
+        _LOCAL_PLANS.clear()
 
 
 def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None,
@@ -563,12 +595,17 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
     key = PlanKey(T, H, I, E_loc, Is, minibatch, ring, config.timeline_capacity, device,
                   None if group is None else (id(group), handle_type), fc1_lead,
                   x_in_place=local_only, local_only=local_only, spec=spec)
+    plans = _PLANS if group is not None else _LOCAL_PLANS
     with _PLANS_LOCK:
-        plan = _PLANS.get(key)
+        plan = plans.get(key)
         if plan is None:
             dev = torch.device("cuda", device)
             side = _VirtualSide(key, dev) if group is None else _IpcSide(key, dev, group, handle_type)
-            plan = _PLANS[key] = Plan(key, side)
+            plan = Plan(key, side)
+            if group is not None:
+                _PLANS[key] = plan
+            else:  # may evict (and retire) the least recently used one
+                _LOCAL_PLANS.put(key, plan)
     return plan
 
 
@@ -644,18 +681,14 @@ def training_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=Non
 def raise_pending_errors() -> None:
     """Wait for every plan's launches in flight; raise PeerTimeoutError for the first that
     could not complete."""
-    with _PLANS_LOCK:
-        plans = list(_PLANS.values())
-    for plan in plans:
+    for plan in _all_plans():
         plan.raise_pending_errors()
 
 
 def check_errors() -> None:
     """``mok_cute.check_errors``: every plan's launches in flight, then the error word of its
     last launch on the device (CUDA-graph replays included); synchronises."""
-    with _PLANS_LOCK:
-        plans = list(_PLANS.values())
-    for plan in plans:
+    for plan in _all_plans():
         with plan.lock:
             plan.raise_pending_errors()
             plan.check_device_error()

@@ -44,6 +44,7 @@ from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
                                 BACKWARD_KSUM_ROWS, BACKWARD_MAX_PARTIAL_COLS, BACKWARD_TILE_N,
                                 SCALARS, TILE_K, TILE_M, fc2_dgrad_pingpong, fc2_dgrad_tile_n)
 from mok_cute.errors import PendingErrors
+from mok_cute.shared_state import BoundedCache, StreamOrder
 
 
 @dataclasses.dataclass
@@ -63,12 +64,23 @@ class DgradTables:
     comm_queue: torch.Tensor  # int32: the comm tasks' list indices (a placeholder without)
     errors: PendingErrors = None
     calls: int = 0  # launches so far: the call number an error names
+    order: StreamOrder = None  # its launches' counters: one launch at a time across streams
 
     def __post_init__(self):
         self.errors = PendingErrors(self.error, kernel="backward megakernel")
+        self.order = StreamOrder()
 
 
-_TABLES: dict[tuple, DgradTables] = {}
+def _retire(tables: DgradTables) -> None:
+    """An evicted task list: its last launch waited for (its counters are freed after) and its
+    pending errors raised."""
+    tables.order.wait()
+    tables.errors.check(block=True, last_call=tables.calls)
+
+
+# task lists by size: each new capacity (the rows' tiles, which follow T) builds one (~0.5 s
+# on the host, a few MiB on the device); a run with many batch sizes keeps the last 32
+_TABLES = BoundedCache(32, on_evict=_retire)
 _LOCK = threading.Lock()
 
 
@@ -104,7 +116,7 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
         if tables is None:
             tables = _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas,
                                    timeout_ms, device, comm, tail_tokens, top_k, shared, routed)
-            _TABLES[key] = tables
+            _TABLES.put(key, tables)
     return tables
 
 
@@ -490,6 +502,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     error = t.error if tail is None else tail.error
     if tail is None:  # an earlier launch whose wait gave up raises here (wrong gradients)
         t.errors.check(block=False, last_call=t.calls)
+    t.order.enter(device)  # a launch of these tables on another stream finishes first
     t.counters.zero_()
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
@@ -548,6 +561,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), dx_rows.unsqueeze(2), preact,
            row_slot, weights, partials, t.scalars, *w_args, *c_args, *g_args, *s_args,
            t.error if timeline is None else timeline.tensor)  # the error word: never read
+    t.order.leave(device)
     if tail is None:  # with the tail the caller records the plan's word
         t.calls += 1
         t.errors.record(t.calls)
@@ -616,7 +630,7 @@ def _shared_args(shared: SharedExpert | None, dims: tuple[int, int, int], wgrads
             lambda: unranked(SharedGrads(dx[:, :tokens], *dw_returned())))
 
 
-_SHARED_ROWS: dict[tuple, tuple] = {}
+_SHARED_ROWS = BoundedCache(32)  # by (T, ranks, device): a few bytes a token each
 
 
 def _shared_rows(tokens: int, ranks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -624,13 +638,15 @@ def _shared_rows(tokens: int, ranks: int, device) -> tuple[torch.Tensor, torch.T
     -1 past T) and unit weights, what their dgated epilogue reads in place of the routed
     rows' slots and router weights (cached per T and L)."""
     key = (tokens, ranks, str(device))
-    if key not in _SHARED_ROWS:
+    cached = _SHARED_ROWS.get(key)
+    if cached is None:
         padded = -(-tokens // TILE_M) * TILE_M
         t = torch.arange(padded, device=device)
         slots = torch.arange(ranks, device=device)[:, None] * tokens + t
         rows = torch.where(t < tokens, slots, -1).to(torch.int32).reshape(-1)
-        _SHARED_ROWS[key] = (rows, torch.ones(ranks * tokens, dtype=torch.float32, device=device))
-    return _SHARED_ROWS[key]
+        cached = _SHARED_ROWS.put(key, (rows, torch.ones(ranks * tokens, dtype=torch.float32,
+                                                         device=device)))
+    return cached
 
 
 _PLACEHOLDERS: dict[str, torch.Tensor] = {}

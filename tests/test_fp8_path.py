@@ -131,6 +131,27 @@ def test_a_view_made_anew_each_call_hits_the_weight_cache():
                                                    first.up[:1].view(torch.int8))
 
 
+def test_replaced_data_replaces_the_cached_copies_and_a_silent_write_needs_forgetting():
+    """A parameter whose ``.data`` is replaced each step (sharded data-parallel wrappers) keeps
+    one cache entry, its copies those of the new data (they were one entry per address, kept
+    while the parameter lived); a write through ``.data`` bumps no version, so the copies stay
+    until ``mok_cute.forget_quantized_weights()``."""
+    _, _, _, wg, wu, wd, _ = _problem(4, 256, 128, 2, 1)
+    wg = torch.nn.Parameter(wg)
+    expert_path_fp8.forget_quantized_weights()
+    first = expert_path_fp8.quantized_weights(wg, wu, wd)
+    for step in range(3):
+        wg.data = wg.data * 2  # new storage, new address
+        now = expert_path_fp8.quantized_weights(wg, wu, wd)
+        assert torch.equal(now.e_gate, first.e_gate + step + 1)
+    assert len(expert_path_fp8._CACHE) == 3
+    wg.data.mul_(2)  # no version bump: not seen
+    assert expert_path_fp8.quantized_weights(wg, wu, wd).gate is now.gate
+    mok.forget_quantized_weights()
+    fresh = expert_path_fp8.quantized_weights(wg, wu, wd)
+    assert torch.equal(fresh.e_gate, first.e_gate + 4)
+
+
 def test_moe_forward_with_precision_fp8_on_the_cpu_runs_the_emulation():
     x, idx, w, wg, wu, wd, shared = _problem(50, 256, 128, 4, 2, 64, seed=2)
     cfg = mok.MoKConfig(precision="fp8")

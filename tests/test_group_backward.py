@@ -31,6 +31,7 @@ import torch
 
 import mok_cute as mok
 from mok_cute.expert_backward import Needs
+from mok_cute.shared_state import StreamOrder
 
 from test_virtual_training import _problem
 
@@ -148,6 +149,7 @@ def _cpu_plan(R, T, H, I, E_loc, K):
                                 top_k=K, intermediate=I, local_experts=E_loc)
     return types.SimpleNamespace(
         side=side, key=key, peer_bases=peers.bases_matrix(), lock=threading.Lock(),
+        order=StreamOrder(),
         scalars=torch.zeros(10, dtype=torch.int64), begin_backward=lambda silent_rank: None,
         backward_calls=0,
         backward_error=torch.zeros(1, dtype=torch.int64),

@@ -395,11 +395,15 @@ def test_virtual_ranks_wait_only_on_lower_tickets(fc1_lead):
 @pytest.fixture(autouse=True)
 def _own_plans():
     """Every test starts with no cached megakernel plan, so what it asserts about
-    ``megakernel._PLANS`` (an option taken, the recorder's plan) is about its own calls."""
+    ``megakernel.cached_plans()`` (an option taken, the recorder's plan) is about its own
+    calls; it keeps every plan it makes (no eviction within a test)."""
     from mok_cute import megakernel
 
     megakernel.release_plans()
+    bound = megakernel._LOCAL_PLANS.max_entries
+    megakernel._LOCAL_PLANS.max_entries = 64
     yield
+    megakernel._LOCAL_PLANS.max_entries = bound
     megakernel.release_plans()
 
 
@@ -527,8 +531,8 @@ def test_rows_copied_or_in_place_give_the_same_bits(R, shared):
 
     args = _problem(R, 200, 512, 256, 4, 4, shared, seed=17, skew=True)
     _options_keep_the_bits(args, R, None, [MegakernelOptions(rows_in_place=False)])
-    assert any(k.spec.rows_in_place for k in megakernel._PLANS)
-    assert any(not k.spec.rows_in_place for k in megakernel._PLANS)
+    assert any(k.spec.rows_in_place for k in megakernel.cached_plans())
+    assert any(not k.spec.rows_in_place for k in megakernel.cached_plans())
 
 
 @pytest.mark.gpu
@@ -543,7 +547,7 @@ def test_fc1_lead_gives_the_same_bits(R):
     for lead in (2, None):
         out = _run(args, minibatch_tokens=128, megakernel=MegakernelOptions(fc1_lead=lead))
         assert torch.equal(out, base)
-    assert {k.fc1_lead for k in megakernel._PLANS} >= {0, 2}
+    assert {k.fc1_lead for k in megakernel.cached_plans()} >= {0, 2}
 
 
 @pytest.mark.gpu
@@ -556,7 +560,7 @@ def test_deferred_publish_is_recorded_in_order(K, shared, I):
 
     args = _problem(1, 300, 512, I, max(4, K), K, shared, seed=107, skew=True)
     _options_keep_the_bits(args, 1, None, [MegakernelOptions(tickets="static")])
-    plan = next(p for k, p in megakernel._PLANS.items()
+    plan = next(p for k, p in megakernel.cached_plans().items()
                 if k.spec.timeline and k.spec.defer_signals)
     assert plan.timeline.decode().check() == []
 
@@ -571,7 +575,7 @@ def test_x_read_in_place_gives_the_same_bits(shared_inter):
     args = _problem(1, 300, 512, 256, 4, 4, shared_inter, seed=31)
     copied = _run(args, megakernel=MegakernelOptions(rows_in_place=False))  # x copied
     assert torch.equal(_run(args), copied)
-    assert any(k.x_in_place for k in megakernel._PLANS)
+    assert any(k.x_in_place for k in megakernel.cached_plans())
     other = list(args)
     other[0] = args[0].flip(1).contiguous()  # new x at a new address: the offset is rewritten
     want = _run(tuple(other), megakernel=MegakernelOptions(rows_in_place=False))
@@ -591,9 +595,9 @@ def test_zero_comm_ctas_give_the_same_bits(T, shared, monkeypatch):
     args = _problem(1, T, 512, 256, 8, 4, shared, seed=19, skew=True)
     base = _run(args, num_comm_sms=1)
     outs = [_run(args, num_comm_sms=0), _run(args, num_comm_sms=0)]
-    assert any(k.spec.num_comm_ctas == 0 and k.local_only for k in megakernel._PLANS)
+    assert any(k.spec.num_comm_ctas == 0 and k.local_only for k in megakernel.cached_plans())
     recorded = _run(args, num_comm_sms=0, timeline=True)
-    plan = next(p for k, p in megakernel._PLANS.items() if k.spec.timeline and k.spec.num_comm_ctas == 0)
+    plan = next(p for k, p in megakernel.cached_plans().items() if k.spec.timeline and k.spec.num_comm_ctas == 0)
     rec = plan.timeline.decode().records
     barrier = rec[rec["task_type"] == int(TaskType.BARRIER)]
     assert len(barrier) == 1 and int(barrier["role"][0]) == int(Role.COMPUTE)
@@ -742,7 +746,7 @@ def test_recorded_megakernel_timeline_is_sane():
     config = mok_cute.MoKConfig(timeline=True, num_comm_sms=4)
     mok_cute.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared=sh, config=config)
     torch.cuda.synchronize()
-    plan = next(p for k, p in megakernel._PLANS.items() if k.spec.timeline)
+    plan = next(p for k, p in megakernel.cached_plans().items() if k.spec.timeline)
     tl = plan.timeline.decode()
     assert tl.dropped == 0
     rec = tl.records

@@ -415,7 +415,7 @@ def test_the_shared_experts_tensors_reach_the_kernel_as_it_was_compiled(monkeypa
     monkeypatch.setattr(expert_path, "_num_sms", lambda index: 132)
     monkeypatch.setattr(mb, "PendingErrors", lambda *a, **k: types.SimpleNamespace(
         check=lambda **kw: None, record=lambda call: None))
-    monkeypatch.setattr(mb, "_TABLES", {})
+    monkeypatch.setattr(mb, "_TABLES", mb.BoundedCache(32))
     T, H, I, Is, E, K = 100, 512, 192, 128, 4, 2
     rows = schedule_capacity(1, T, K, E, 128)
     bf16 = dict(dtype=torch.bfloat16)

@@ -194,6 +194,67 @@ def test_cuda_graph_capture_replays_bitwise(timeline):
         assert torch.equal(captured, fresh)
 
 
+def test_megakernel_cuda_graph_capture_replays_bitwise():
+    """The megakernel at one rank captured (check_ids=False): nothing of its error bookkeeping
+    runs while capturing (an event query there breaks the capture), and its x-offset scalar is
+    written in the captured call, so a replay after an eager call of the same plan at another
+    x address still reads the captured x."""
+    x, idx, w, wg, wu, wd, shared = _problem(300, 1024, 512, 8, 4, shared_i=256, seed=9)
+    cfg = mok.MoKConfig(backend="megakernel", check_ids=False)
+    with torch.no_grad():
+        eager = mok.moe_forward(x, idx, w, wg, wu, wd, shared=shared, config=cfg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = mok.moe_forward(x, idx, w, wg, wu, wd, shared=shared, config=cfg)
+        other = torch.randn_like(x)
+        other_out = mok.moe_forward(other, idx, w, wg, wu, wd, shared=shared, config=cfg)
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        assert not torch.equal(other_out, eager)
+    mok.check_errors()
+
+
+def test_megakernel_calls_on_two_streams_take_turns():
+    """Two calls of one shape (one plan: its counters and rings) queued on two streams without
+    a host sync between them: the second waits for the first (an event), both bitwise the
+    calls on one stream."""
+    a = _problem(300, 1024, 512, 8, 4, seed=10)
+    b = _problem(300, 1024, 512, 8, 4, seed=11)
+    cfg = mok.MoKConfig(backend="megakernel", check_ids=False)
+    with torch.no_grad():
+        want = [mok.moe_forward(*p[:6], config=cfg) for p in (a, b)]
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        for p in (a, b):
+            for t in p[:6]:
+                t.record_stream(s1)
+                t.record_stream(s2)
+        with torch.cuda.stream(s1):
+            out_a = mok.moe_forward(*a[:6], config=cfg)
+        with torch.cuda.stream(s2):
+            out_b = mok.moe_forward(*b[:6], config=cfg)
+        torch.cuda.synchronize()
+    assert torch.equal(out_a, want[0]) and torch.equal(out_b, want[1])
+
+
+def test_megakernel_plans_of_many_batch_sizes_stay_bounded():
+    """One GPU's megakernel plans are keyed by T: a run with varying T keeps the last
+    MAX_LOCAL_PLANS (an evicted plan's launches waited for), each call still right."""
+    from mok_cute import megakernel
+
+    megakernel.release_plans()
+    cfg = mok.MoKConfig(backend="megakernel", check_ids=False)
+    with torch.no_grad():
+        for T in (64, 96, 128, 160, 192, 64):
+            x, idx, w, wg, wu, wd, _ = _problem(T, 512, 256, 8, 2, seed=T)
+            out = mok.moe_forward(x, idx, w, wg, wu, wd, config=cfg)
+            want = reference.moe_forward(x, idx, w, wg, wu, wd)
+            assert_tokens_close(out, want, what=f"T={T}")
+            assert len(megakernel._LOCAL_PLANS) <= megakernel.MAX_LOCAL_PLANS
+    megakernel.release_plans()
+
+
 EDGE_CASES = [  # T, H, I, E, K, routing, shared expert's I
     (512, 7168, 2048, 32, 8, "uniform", 0),      # dsv3_ep8_rank at reduced T
     (1024, 4096, 2048, 64, 4, "uniform", 0),     # sonic_120b at reduced T

@@ -128,7 +128,7 @@ def patched(fn, per_mb=None, fc2_pingpong=None):
     its FC2_DGRAD form forced (its own table cache)."""
     from mok_cute import megakernel_backward as mb
 
-    tables = {}
+    tables = mb.BoundedCache(32)
 
     def run():
         saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong
