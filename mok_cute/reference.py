@@ -123,6 +123,16 @@ def weighted_k_sum(
     return _round(acc)
 
 
+def _slot_rows(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """x's row of each slot in ``order`` (slot s = token s // K): gathered from x repeated per
+    slot, so each source row is read by one slot. ``x.index_select(0, order // K)`` reads each
+    token K times, and its backward adds those K gradient rows by atomics in bf16, in an order
+    that changes run to run (d_x not bitwise reproducible); here the K rows are summed by the
+    repeat's backward, in a fixed order."""
+    per_slot = x.unsqueeze(1).expand(-1, top_k, -1).reshape(-1, x.shape[1])
+    return per_slot.index_select(0, order)
+
+
 def _inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
@@ -149,7 +159,7 @@ def routed_expert_outputs(
     flat = _no_expert_last(topk_idx, E)
     order = torch.argsort(flat, stable=True)  # rows grouped by expert, (token, k) ascending
     counts = torch.bincount(flat, minlength=E + 1).tolist()  # [E]: ids matching no expert
-    rows = x.index_select(0, order[: T * K - counts[E]] // K)
+    rows = _slot_rows(x, order[: T * K - counts[E]], K)
     segments = []
     for e, segment in enumerate(torch.split(rows, counts[:E])):
         if counts[e]:
@@ -387,7 +397,7 @@ def _routed_expert_outputs_ep(
     recv_splits = [sum(row) for row in recv_per_expert]
     unrouted = T * K - sum(send_splits)
 
-    x_send = x.index_select(0, order[: T * K - unrouted] // K)
+    x_send = _slot_rows(x, order[: T * K - unrouted], K)
     x_recv = _AllToAllRows.apply(x_send, recv_splits, send_splits, group)
 
     segments = []

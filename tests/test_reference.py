@@ -230,6 +230,32 @@ def test_backward_runs_with_finite_grads_of_right_shape():
         assert (grad[used].flatten(1) != 0).any(dim=1).all()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_slot_rows_gather_each_token_once_and_the_backward_repeats_bitwise(device):
+    """The reference gathers each slot's x row from x repeated per slot (``_slot_rows``): the
+    rows of ``x.index_select(0, order // K)``, whose backward added each token's K gradient
+    rows by CUDA atomics in bf16 (d_x changed bits run to run on the group= reference path);
+    the layer's d_x now repeats bitwise."""
+    g = torch.Generator(device=device).manual_seed(4)
+    T, K, H = 300, 8, 64
+    x = torch.randn(T, H, device=device, generator=g).bfloat16().requires_grad_()
+    order = torch.randperm(T * K, device=device, generator=g)[: T * K - 17]
+    rows = ref._slot_rows(x, order, K)
+    assert torch.equal(rows, x.index_select(0, order // K))
+    d_rows = torch.randn(rows.shape, device=device, generator=g).bfloat16()
+    first, = torch.autograd.grad(rows, x, d_rows)
+    want = torch.zeros(T * K, H, device=device).index_copy(0, order, d_rows.float())
+    assert torch.allclose(first.float(), want.view(T, K, H).sum(1), rtol=1e-2, atol=1e-2)
+    idx = torch.rand(T, 16, device=device, generator=g).topk(K, dim=1).indices
+    w = torch.rand(T, K, device=device, generator=g)
+    wg, wu = (torch.randn(16, 32, H, device=device, generator=g).bfloat16() * 0.1 for _ in range(2))
+    wd = torch.randn(16, H, 32, device=device, generator=g).bfloat16() * 0.1
+    d_out = torch.randn(T, H, device=device, generator=g).bfloat16()
+    grads = [torch.autograd.grad(ref.moe_forward(x, idx, w, wg, wu, wd), x, d_out)[0]
+             for _ in range(3)]
+    assert all(torch.equal(grads[0], other) for other in grads[1:])
+
+
 def test_gradcheck_exact_float64():
     """With the bf16 roundings disabled, gradients equal finite differences (float64)."""
     x, idx, w, wg, wu, wd, shared = make_inputs(11, 5, 6, 4, 3, 2, Is=3, dtype=torch.float64)
