@@ -35,6 +35,7 @@ on the PyTorch reference, `autograd.reference_weights` (autograd's fp32 gradient
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from .config import (
     MoKConfig,
     check_bool,
     check_device,
+    on_device,
     PendingIdCheck,
     check_expert_ids,
     check_int,
@@ -197,6 +199,20 @@ def _normalise_shared(shared: object) -> object:
     return tuple(shared) if isinstance(shared, list) else shared
 
 
+def _on_input_device(fn):
+    """``fn(x, ...)`` run with x's CUDA device current (``config.on_device``), so that every
+    launch, stream and event of the call is on x's device whatever device is current; under
+    torch.compile the custom ops do it at run time instead."""
+    @functools.wraps(fn)
+    def call(x, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(x, *args, **kwargs)
+        with on_device(x):
+            return fn(x, *args, **kwargs)
+    return call
+
+
+@_on_input_device
 def moe_forward(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -570,6 +586,7 @@ def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, g
     return out
 
 
+@_on_input_device
 def moe_forward_virtual(
     xs: torch.Tensor,
     topk_idx: torch.Tensor,

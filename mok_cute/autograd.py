@@ -49,6 +49,7 @@ launches, FP8's or one with a frozen weight, records nothing).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -58,6 +59,18 @@ from mok_cute.schedule import saved_preact_rows, schedule_capacity
 
 _SAVED = 7  # tensors of expert_path.SavedForBackward
 _VIRTUAL_SAVED = 9  # tensors of virtual_backward.VirtualSaved
+
+def _on_first_device(fn):
+    """A custom op's implementation run with its first tensor's CUDA device current
+    (``config.on_device``): torch.compile calls the ops directly, not through ``mok_cute.api``."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        from mok_cute.config import on_device
+
+        with on_device(args[0]):
+            return fn(*args, **kwargs)
+    return call
+
 
 # ------------------------------------------------------------------------- main_grad
 # the custom ops' main_grad arguments, in expert_backward.MainGrads order
@@ -171,6 +184,7 @@ def reference_weights(weights, targets: MainGradTargets | None) -> tuple:
 
 
 @torch.library.custom_op("mok_cute::moe_forward_train", mutates_args=())
+@_on_first_device
 def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                       w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                       ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],
@@ -236,6 +250,7 @@ def _(x, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, 
 
 
 @torch.library.custom_op("mok_cute::moe_backward", mutates_args=_MAIN_GRAD_ARGS)
+@_on_first_device
 def moe_backward(d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                  topk_weights: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                  w_down: torch.Tensor, ws_gate: Optional[torch.Tensor],
@@ -446,6 +461,7 @@ def _launch_config(fields: list[int], timeout_ms: float):
 
 
 @torch.library.custom_op("mok_cute::moe_forward_virtual_train", mutates_args=())
+@_on_first_device
 def moe_forward_virtual_train(xs: torch.Tensor, topk_idx: torch.Tensor,
                               topk_weights: torch.Tensor, w_gate: torch.Tensor,
                               w_up: torch.Tensor, w_down: torch.Tensor,
@@ -499,6 +515,7 @@ def _(xs, topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
 
 
 @torch.library.custom_op("mok_cute::moe_backward_virtual", mutates_args=_MAIN_GRAD_ARGS)
+@_on_first_device
 def moe_backward_virtual(d_out: torch.Tensor, xs: torch.Tensor, topk_weights: torch.Tensor,
                          w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                          ws_gate: Optional[torch.Tensor], ws_up: Optional[torch.Tensor],

@@ -83,6 +83,18 @@ def check_bool(name: str, value: object) -> None:
         raise TypeError(f"{name}: expected a bool, got {describe(value)}")
 
 
+def on_device(t: object):
+    """A context that makes ``t``'s CUDA device the current one when it is not (kernels launch
+    on the current device's stream: tensors on cuda:1 while cuda:0 is current would be read
+    from the wrong device), else a no-op."""
+    import contextlib
+
+    if (isinstance(t, torch.Tensor) and t.is_cuda
+            and t.device.index != torch.cuda.current_device()):
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def check_device(name: str, device: object) -> torch.device:
     """``device`` (a torch.device, a str such as "cuda:1", or a CUDA index) as a
     ``torch.device``; TypeError / ValueError naming ``name`` for anything else (torch's own

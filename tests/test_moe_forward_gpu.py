@@ -216,6 +216,34 @@ def test_megakernel_cuda_graph_capture_replays_bitwise():
     mok.check_errors()
 
 
+@pytest.mark.parametrize("backend", ["kernel", "megakernel"])
+def test_tensors_on_another_device_than_the_current_one(backend):
+    """Tensors on cuda:1 while cuda:0 is current: the call (forward and backward, through the
+    api and the custom ops) runs on cuda:1's stream, bitwise the call made with cuda:1 current
+    (it launched on the current device's stream: reads from the wrong device)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    with torch.cuda.device(1):
+        x, idx, w, wg, wu, wd, shared = _problem(200, 512, 256, 8, 4, shared_i=128, seed=12)
+    cfg = mok.MoKConfig(backend=backend, check_ids=False)
+    leaves = [t.requires_grad_() for t in (x, w, wg, wu, wd, *shared)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = mok.moe_forward(x, idx, w, wg, wu, wd, shared=shared, config=cfg)
+        out.float().square().sum().backward()
+        return [out.detach(), *(t.grad.clone() for t in leaves)]
+
+    with torch.cuda.device(1):
+        want = step()
+    with torch.cuda.device(0):
+        got = step()
+    torch.cuda.synchronize(1)
+    for a, b in zip(got, want):
+        assert a.device.index == 1 and torch.equal(a, b)
+
+
 def test_megakernel_calls_on_two_streams_take_turns():
     """Two calls of one shape (one plan: its counters and rings) queued on two streams without
     a host sync between them: the second waits for the first (an event), both bitwise the
