@@ -261,6 +261,7 @@ class Plan:
         self.key = k = key
         self.side = side
         self.order = StreamOrder()  # the plan's buffers: one launch at a time across streams
+        self.captured = False  # a CUDA graph captured a launch: its replays read the buffers
         dev = torch.device("cuda", k.device)
         self.capacity = schedule_capacity(side.num_peers, k.tokens, k.top_k, k.local_experts, TILE_M)
         layout = side.layout
@@ -346,6 +347,7 @@ class Plan:
         k = self.key
         self.errors.check(block=False, last_call=self.calls)
         self.order.enter(xs.device)  # a launch of this plan on another stream finishes first
+        self.captured = self.captured or capturing()  # never evicted then
         R = self.side.launch_ranks
         # With no peer to read it, the caller's x is read in place (FC1's local rows, the
         # shared expert) instead of being copied into the symmetric buffer first.
@@ -514,10 +516,12 @@ def _retire(plan: Plan) -> None:
 # A group's plans (IPC-mapped buffers, built by a collective) are few: their T is rounded
 # (``plan_tokens``). One process's own plans (one GPU, virtual ranks) are keyed by the exact T,
 # and each holds GBs of rings: the last MAX_LOCAL_PLANS are kept, a run with variable batch
-# sizes builds the others again (a new plan: its buffers and task list, no compile).
+# sizes builds the others again (a new plan: its buffers and task list, no compile). A plan
+# that a CUDA graph captured is kept whatever the bound.
 MAX_LOCAL_PLANS = 4
 _PLANS: dict[PlanKey, Plan] = {}
-_LOCAL_PLANS = BoundedCache(MAX_LOCAL_PLANS, on_evict=_retire)
+_LOCAL_PLANS = BoundedCache(MAX_LOCAL_PLANS, on_evict=_retire,
+                            pinned=lambda plan: plan.captured)
 _PLANS_LOCK = threading.Lock()
 
 

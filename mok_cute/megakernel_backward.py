@@ -44,7 +44,7 @@ from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
                                 BACKWARD_KSUM_ROWS, BACKWARD_MAX_PARTIAL_COLS, BACKWARD_TILE_N,
                                 SCALARS, TILE_K, TILE_M, fc2_dgrad_pingpong, fc2_dgrad_tile_n)
 from mok_cute.errors import PendingErrors
-from mok_cute.shared_state import BoundedCache, StreamOrder
+from mok_cute.shared_state import BoundedCache, StreamOrder, capturing
 
 
 @dataclasses.dataclass
@@ -65,6 +65,7 @@ class DgradTables:
     errors: PendingErrors = None
     calls: int = 0  # launches so far: the call number an error names
     order: StreamOrder = None  # its launches' counters: one launch at a time across streams
+    captured: bool = False  # a CUDA graph captured a launch: never evicted
 
     def __post_init__(self):
         self.errors = PendingErrors(self.error, kernel="backward megakernel")
@@ -80,7 +81,7 @@ def _retire(tables: DgradTables) -> None:
 
 # task lists by size: each new capacity (the rows' tiles, which follow T) builds one (~0.5 s
 # on the host, a few MiB on the device); a run with many batch sizes keeps the last 32
-_TABLES = BoundedCache(32, on_evict=_retire)
+_TABLES = BoundedCache(32, on_evict=_retire, pinned=lambda tables: tables.captured)
 _LOCK = threading.Lock()
 
 
@@ -503,6 +504,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     if tail is None:  # an earlier launch whose wait gave up raises here (wrong gradients)
         t.errors.check(block=False, last_call=t.calls)
     t.order.enter(device)  # a launch of these tables on another stream finishes first
+    t.captured = t.captured or capturing()
     t.counters.zero_()
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)
@@ -639,13 +641,14 @@ def _shared_rows(tokens: int, ranks: int, device) -> tuple[torch.Tensor, torch.T
     rows' slots and router weights (cached per T and L)."""
     key = (tokens, ranks, str(device))
     cached = _SHARED_ROWS.get(key)
-    if cached is None:
+    if cached is None or capturing():  # a graph's own copy (the cache may free this one)
         padded = -(-tokens // TILE_M) * TILE_M
         t = torch.arange(padded, device=device)
         slots = torch.arange(ranks, device=device)[:, None] * tokens + t
         rows = torch.where(t < tokens, slots, -1).to(torch.int32).reshape(-1)
-        cached = _SHARED_ROWS.put(key, (rows, torch.ones(ranks * tokens, dtype=torch.float32,
-                                                         device=device)))
+        cached = (rows, torch.ones(ranks * tokens, dtype=torch.float32, device=device))
+        if not capturing():
+            _SHARED_ROWS.put(key, cached)
     return cached
 
 

@@ -12,6 +12,7 @@ replays is the caller's, as for any captured work).
 ``BoundedCache``: an LRU dict whose evicted values go to a callback (which finishes their
 work: a plan's pending errors are raised, its launches waited for), for state keyed by the
 number of tokens, which a run with variable batch sizes would otherwise grow without end.
+State that a CUDA graph captured stays (its replays read it).
 """
 
 from __future__ import annotations
@@ -70,13 +71,18 @@ class StreamOrder:
 
 class BoundedCache:
     """At most ``max_entries`` values, least recently used evicted first (``on_evict(value)``
-    runs for each, after it left the cache). Not thread-safe: the caller holds its lock."""
+    runs for each, after it left the cache), except values ``pinned(value)`` says to keep
+    (state a captured CUDA graph's replays read: freeing it would have them read freed
+    memory), which may take the cache past its bound. Not thread-safe: the caller holds its
+    lock."""
 
-    def __init__(self, max_entries: int, on_evict: Callable[[Any], None] | None = None):
+    def __init__(self, max_entries: int, on_evict: Callable[[Any], None] | None = None,
+                 pinned: Callable[[Any], bool] | None = None):
         if max_entries < 1:
             raise ValueError(f"max_entries: expected >= 1, got {max_entries}")
         self.max_entries = max_entries
         self._on_evict = on_evict
+        self._pinned = pinned or (lambda value: False)
         self._items: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
 
     def get(self, key: Hashable) -> Any:
@@ -90,8 +96,9 @@ class BoundedCache:
         """Store ``value`` (the most recently used), evicting the oldest beyond the bound."""
         self._items[key] = value
         self._items.move_to_end(key)
-        while len(self._items) > self.max_entries:
-            _, old = self._items.popitem(last=False)
+        evictable = [k for k, v in self._items.items() if k != key and not self._pinned(v)]
+        while len(self._items) > self.max_entries and evictable:
+            old = self._items.pop(evictable.pop(0))
             if self._on_evict is not None:
                 self._on_evict(old)
         return value

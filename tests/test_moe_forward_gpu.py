@@ -268,18 +268,29 @@ def test_megakernel_calls_on_two_streams_take_turns():
 
 def test_megakernel_plans_of_many_batch_sizes_stay_bounded():
     """One GPU's megakernel plans are keyed by T: a run with varying T keeps the last
-    MAX_LOCAL_PLANS (an evicted plan's launches waited for), each call still right."""
+    MAX_LOCAL_PLANS (an evicted plan's launches waited for), each call still right; a plan a
+    CUDA graph captured is kept past the bound, so the graph still replays right."""
     from mok_cute import megakernel
 
     megakernel.release_plans()
     cfg = mok.MoKConfig(backend="megakernel", check_ids=False)
     with torch.no_grad():
+        g = _problem(48, 512, 256, 8, 2, seed=1)
+        eager = mok.moe_forward(*g[:6], config=cfg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = mok.moe_forward(*g[:6], config=cfg)
         for T in (64, 96, 128, 160, 192, 64):
             x, idx, w, wg, wu, wd, _ = _problem(T, 512, 256, 8, 2, seed=T)
             out = mok.moe_forward(x, idx, w, wg, wu, wd, config=cfg)
             want = reference.moe_forward(x, idx, w, wg, wu, wd)
             assert_tokens_close(out, want, what=f"T={T}")
-            assert len(megakernel._LOCAL_PLANS) <= megakernel.MAX_LOCAL_PLANS
+            assert len(megakernel._LOCAL_PLANS) <= megakernel.MAX_LOCAL_PLANS + 1
+        assert any(p.captured for p in megakernel.cached_plans().values())
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
     megakernel.release_plans()
 
 

@@ -28,6 +28,23 @@ def test_bounded_cache_evicts_the_least_recently_used_into_its_callback():
         BoundedCache(0)
 
 
+def test_bounded_cache_keeps_pinned_values_past_its_bound():
+    """Values a CUDA graph captured (``pinned``) are never evicted: the next least recently
+    used unpinned one goes, and with none left the cache grows past its bound."""
+    evicted = []
+    cache = BoundedCache(2, on_evict=evicted.append, pinned=lambda v: v.startswith("graph"))
+    cache.put(1, "graph a")
+    cache.put(2, "b")
+    cache.put(3, "c")
+    assert evicted == ["b"] and cache.values() == ["graph a", "c"]
+    cache.put(4, "graph d")
+    assert evicted == ["b", "c"] and cache.values() == ["graph a", "graph d"]
+    cache.put(5, "e")  # nothing evictable but itself: kept, past the bound
+    assert evicted == ["b", "c"] and len(cache) == 3
+    cache.put(6, "f")
+    assert evicted == ["b", "c", "e"] and cache.values() == ["graph a", "graph d", "f"]
+
+
 def test_stream_order_does_nothing_off_cuda():
     order = StreamOrder()
     with order.around("cpu"):
