@@ -640,7 +640,8 @@ def _shared_rows(tokens: int, ranks: int, device) -> tuple[torch.Tensor, torch.T
     -1 past T) and unit weights, what their dgated epilogue reads in place of the routed
     rows' slots and router weights (cached per T and L)."""
     key = (tokens, ranks, str(device))
-    cached = _SHARED_ROWS.get(key)
+    with _LOCK:  # calls from several threads
+        cached = _SHARED_ROWS.get(key)
     if cached is None or capturing():  # a graph's own copy (the cache may free this one)
         padded = -(-tokens // TILE_M) * TILE_M
         t = torch.arange(padded, device=device)
@@ -648,7 +649,8 @@ def _shared_rows(tokens: int, ranks: int, device) -> tuple[torch.Tensor, torch.T
         rows = torch.where(t < tokens, slots, -1).to(torch.int32).reshape(-1)
         cached = (rows, torch.ones(ranks * tokens, dtype=torch.float32, device=device))
         if not capturing():
-            _SHARED_ROWS.put(key, cached)
+            with _LOCK:
+                _SHARED_ROWS.put(key, cached)
     return cached
 
 
