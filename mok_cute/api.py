@@ -201,8 +201,10 @@ def _normalise_shared(shared: object) -> object:
 
 def _on_input_device(fn):
     """``fn(x, ...)`` run with x's CUDA device current (``config.on_device``), so that every
-    launch, stream and event of the call is on x's device whatever device is current; under
-    torch.compile the custom ops do it at run time instead."""
+    launch, stream and event of the call is on x's device whatever device is current. Under
+    torch.compile this is decided at trace time: there the custom ops (the training calls and
+    the expert path's compiled calls) do it at run time, and the group call, run eagerly,
+    does it itself; the megakernel's inference call is not traced as such."""
     @functools.wraps(fn)
     def call(x, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -335,12 +337,13 @@ def _megakernel_one_gpu(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
 
 def _no_tokens(x, topk_weights, weights: tuple, config: MoKConfig, dims, needs_grad: bool,
                main_grads, virtual: bool = False) -> torch.Tensor:
-    """A call with no token (T = 0): the empty output, refused where a call with tokens would
-    be (a backend that cannot run here, an FP8 training call off the FP8 kernels). When it
-    trains, the output is part of the graph as a kernel call's is: every input that requires
-    grad gets a zero gradient (``weights``: the six expert weights, None where absent; those
-    with a main_grad add zeros into it), so an empty batch's backward runs on every rank
-    (a data-parallel reducer waits for each parameter's gradient)."""
+    """A call with no token (T = 0): the empty output, refused where a call with tokens
+    would be for a backend that cannot run here or an FP8 training call without the FP8
+    kernels (size checks of kernels that will not run are not made). When it trains, the
+    output is part of the graph as a kernel call's is: every input that requires grad gets a
+    zero gradient (``weights``: the six expert weights, None where absent; one with a
+    main_grad gets None or Megatron's dummy, nothing added), so an empty batch's backward
+    runs on every rank (a data-parallel reducer waits for each parameter's gradient)."""
     choice = choose_path(x.device, config, virtual=virtual, needs_grad=needs_grad)
     if config.precision == "fp8":
         _fp8_sizes(dims)
@@ -350,11 +353,9 @@ def _no_tokens(x, topk_weights, weights: tuple, config: MoKConfig, dims, needs_g
     out = torch.empty(*lead, 0, dims.hidden, dtype=torch.bfloat16, device=x.device)
     if not needs_grad:
         return out
-    from .autograd import reference_weights
+    from .autograd import no_tokens_anchor
 
-    trained = [t for t in (x, topk_weights, *reference_weights(weights, main_grads))
-               if t is not None and t.requires_grad]
-    return out + sum(t.sum() * 0 for t in trained).to(torch.bfloat16)
+    return out + no_tokens_anchor(x, topk_weights, weights, main_grads).to(torch.bfloat16)
 
 
 def _fp8_kernels_only(choice: PathChoice) -> ValueError:
@@ -484,10 +485,16 @@ def _eager_under_compile(fn):
     that ``fullgraph=True`` raises (torch versions without ``reason=``: without it)."""
     reason = ("moe_forward(group=...) runs eagerly under torch.compile: its host-side agreement "
               "and the process group cannot enter a graph (use fullgraph=False)")
+
+    @functools.wraps(fn)
+    def on_its_device(x, *args, **kwargs):  # eager: the device guard the trace skipped
+        with on_device(x):
+            return fn(x, *args, **kwargs)
+
     try:
-        return torch.compiler.disable(fn, reason=reason)
+        return torch.compiler.disable(on_its_device, reason=reason)
     except TypeError:
-        return torch.compiler.disable(fn)
+        return torch.compiler.disable(on_its_device)
 
 
 @_eager_under_compile

@@ -172,6 +172,39 @@ class _IntoMainGrad(torch.autograd.Function):
         return _dummy_of(ctx.like, ctx.dummy), None, None
 
 
+class _NoTokens(torch.autograd.Function):
+    """A call with no token: a zero scalar that depends on one trained input, so its backward
+    gives that input a zero gradient (allocated only then), or, for a weight whose gradient
+    goes into its main_grad (adding zeros changes nothing), None or Megatron's dummy."""
+
+    @staticmethod
+    def forward(ctx, t, fused: bool, dummy):  # type: ignore[override]
+        ctx.like, ctx.fused, ctx.dummy = (t.shape, t.dtype, t.device), fused, dummy
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if ctx.fused:
+            return _dummy_of(ctx.like, ctx.dummy), None, None
+        shape, dtype, device = ctx.like
+        return torch.zeros(shape, dtype=dtype, device=device), None, None
+
+
+def no_tokens_anchor(x, topk_weights, weights, targets: MainGradTargets | None) -> torch.Tensor:
+    """A zero scalar on which every trained input of a call with no token depends (``api``'s
+    T = 0 calls): ``weights`` the six expert weights (None where absent), ``targets`` their
+    main_grads (marked as the training forward marks them)."""
+    mark_added_to_main_grad(weights, targets)
+    main_grads = targets.main_grads if targets is not None else (None,) * 6
+    dummies = targets.dummies if targets is not None else (NO_DUMMY,) * 6
+    anchor = torch.zeros((), dtype=torch.float32, device=x.device)
+    for t, mg, d in zip((x, topk_weights, *weights), (None, None, *main_grads),
+                        (NO_DUMMY, NO_DUMMY, *dummies)):
+        if t is not None and t.requires_grad:
+            anchor = anchor + _NoTokens.apply(t, mg is not None, d)
+    return anchor
+
+
 def reference_weights(weights, targets: MainGradTargets | None) -> tuple:
     """``weights`` (w_gate, w_up, w_down, ws_gate, ws_up, ws_down; None where absent) for the
     PyTorch reference: those with a main_grad replaced by ``_IntoMainGrad`` (same forward bits;

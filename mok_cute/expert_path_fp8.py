@@ -92,9 +92,10 @@ def pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
 # anew each call (a model's per-rank ``w.view(R, E_loc, ...)``) hits as the tensor itself does
 # (a view shares its base's version counter); keyed by id, not by the tensor (a tensor's == is
 # elementwise); the weakref's callback drops the entry when the owner is freed, before its id
-# can be reused. A new address (a parameter's ``.data`` replaced, as sharded-data-parallel
-# wrappers do each step) replaces the entry instead of adding one. A write that bumps no
-# version (through ``.data``) is not seen: ``mok_cute.forget_quantized_weights()`` after it.
+# can be reused. A new address (a parameter's ``.data`` replaced) replaces the entry instead
+# of adding one. A write that bumps no version is not seen, at a new address or the same one
+# (through ``.data``, a collective writing into a parameter's buffer, as sharded data-parallel
+# wrappers do each step): ``mok_cute.forget_quantized_weights()`` after it.
 _CACHE: dict[tuple, "_Copies"] = {}
 
 

@@ -359,9 +359,9 @@ class Plan:
         x_offset = xs.data_ptr() - self.own_base if in_place else self.x_offset
         if k.spec.fp8:
             x_offset = self._quantize_x(xs)
-        # rewritten only when it changes (and in every captured call: a replay must not read
-        # what a later eager call wrote)
-        if x_offset != self._x_offset or capturing():
+        # rewritten only when it changes; once a graph captured the plan, in every call (a
+        # replay must not read what a later eager call wrote, nor that call what a replay did)
+        if x_offset != self._x_offset or self.captured:
             self._x_offset = x_offset
             self.scalars[SCALAR_INDEX["x_offset"]].fill_(x_offset)
         ids = ids_for_int32(topk_idx, self.side.num_peers * k.local_experts)  # never truncated
@@ -448,9 +448,9 @@ class Plan:
 
     def _set_waits(self, waits: tuple[int, int]) -> None:
         """The wait bound (ns) and the silent rank (test hook) the kernels read: rewritten
-        only when they change, so a call launches nothing for them (and in every captured
-        call)."""
-        if waits != self._waits or capturing():
+        only when they change, so a call launches nothing for them (in every call once a
+        graph captured the plan)."""
+        if waits != self._waits or self.captured:
             self._waits = waits
             self.scalars[SCALAR_INDEX["timeout_ns"]].fill_(waits[0])
             self.scalars[SCALAR_INDEX["silent_rank"]].fill_(waits[1])
@@ -520,8 +520,7 @@ def _retire(plan: Plan) -> None:
 # that a CUDA graph captured is kept whatever the bound.
 MAX_LOCAL_PLANS = 4
 _PLANS: dict[PlanKey, Plan] = {}
-_LOCAL_PLANS = BoundedCache(MAX_LOCAL_PLANS, on_evict=_retire,
-                            pinned=lambda plan: plan.captured)
+_LOCAL_PLANS = BoundedCache(MAX_LOCAL_PLANS, pinned=lambda plan: plan.captured)
 _PLANS_LOCK = threading.Lock()
 
 
@@ -600,6 +599,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                   None if group is None else (id(group), handle_type), fc1_lead,
                   x_in_place=local_only, local_only=local_only, spec=spec)
     plans = _PLANS if group is not None else _LOCAL_PLANS
+    evicted = []
     with _PLANS_LOCK:
         plan = plans.get(key)
         if plan is None:
@@ -608,8 +608,10 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
             plan = Plan(key, side)
             if group is not None:
                 _PLANS[key] = plan
-            else:  # may evict (and retire) the least recently used one
-                _LOCAL_PLANS.put(key, plan)
+            else:  # may evict the least recently used one: retired outside the lock
+                evicted = _LOCAL_PLANS.put(key, plan)
+    for old in evicted:
+        _retire(old)
     return plan
 
 

@@ -81,7 +81,7 @@ def _retire(tables: DgradTables) -> None:
 
 # task lists by size: each new capacity (the rows' tiles, which follow T) builds one (~0.5 s
 # on the host, a few MiB on the device); a run with many batch sizes keeps the last 32
-_TABLES = BoundedCache(32, on_evict=_retire, pinned=lambda tables: tables.captured)
+_TABLES = BoundedCache(32, pinned=lambda tables: tables.captured)
 _LOCK = threading.Lock()
 
 
@@ -117,7 +117,11 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
         if tables is None:
             tables = _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas,
                                    timeout_ms, device, comm, tail_tokens, top_k, shared, routed)
-            _TABLES.put(key, tables)
+            evicted = _TABLES.put(key, tables)
+        else:
+            evicted = []
+    for old in evicted:  # outside the lock: retiring waits on the device
+        _retire(old)
     return tables
 
 

@@ -9,8 +9,8 @@ One stream: nothing is waited for. While a CUDA graph is captured nothing is rec
 waited for (an event from outside the capture cannot be waited on inside it; ordering the
 replays is the caller's, as for any captured work).
 
-``BoundedCache``: an LRU dict whose evicted values go to a callback (which finishes their
-work: a plan's pending errors are raised, its launches waited for), for state keyed by the
+``BoundedCache``: an LRU dict whose evicted values its caller retires (a plan's launches
+waited for, its pending errors raised), for state keyed by the
 number of tokens, which a run with variable batch sizes would otherwise grow without end.
 State that a CUDA graph captured stays (its replays read it).
 """
@@ -70,18 +70,17 @@ class StreamOrder:
 
 
 class BoundedCache:
-    """At most ``max_entries`` values, least recently used evicted first (``on_evict(value)``
-    runs for each, after it left the cache), except values ``pinned(value)`` says to keep
-    (state a captured CUDA graph's replays read: freeing it would have them read freed
-    memory), which may take the cache past its bound. Not thread-safe: the caller holds its
-    lock."""
+    """At most ``max_entries`` values, least recently used evicted first (``put`` returns them,
+    for the caller to retire after releasing its lock), except values ``pinned(value)`` says
+    to keep (state a captured CUDA graph's replays read: freeing it would have them read freed
+    memory), which may take the cache past its bound; nothing is evicted while a graph is
+    captured (retiring waits on the device, which breaks a capture). Not thread-safe: the
+    caller holds its lock."""
 
-    def __init__(self, max_entries: int, on_evict: Callable[[Any], None] | None = None,
-                 pinned: Callable[[Any], bool] | None = None):
+    def __init__(self, max_entries: int, pinned: Callable[[Any], bool] | None = None):
         if max_entries < 1:
             raise ValueError(f"max_entries: expected >= 1, got {max_entries}")
         self.max_entries = max_entries
-        self._on_evict = on_evict
         self._pinned = pinned or (lambda value: False)
         self._items: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
 
@@ -92,16 +91,18 @@ class BoundedCache:
             self._items.move_to_end(key)
         return value
 
-    def put(self, key: Hashable, value: Any) -> Any:
-        """Store ``value`` (the most recently used), evicting the oldest beyond the bound."""
+    def put(self, key: Hashable, value: Any) -> list:
+        """Store ``value`` (the most recently used); returns the values evicted beyond the
+        bound, oldest first."""
         self._items[key] = value
         self._items.move_to_end(key)
+        if capturing():
+            return []
         evictable = [k for k, v in self._items.items() if k != key and not self._pinned(v)]
+        evicted = []
         while len(self._items) > self.max_entries and evictable:
-            old = self._items.pop(evictable.pop(0))
-            if self._on_evict is not None:
-                self._on_evict(old)
-        return value
+            evicted.append(self._items.pop(evictable.pop(0)))
+        return evicted
 
     def values(self) -> list:
         return list(self._items.values())

@@ -438,7 +438,7 @@ def _add_task_gaps(work: np.ndarray, phases: np.ndarray, gaps: dict[str, list[in
                    epilogues: dict[str, list[int]]) -> None:
     """One compute CTA's non-WAIT tasks (``work``) and phases: append, per GEMM type, each
     task's gap from its end to the next start of a task of this CTA that starts after it
-    (ns; a per-task cost outside every span: a ticket, a drain, a wait not recorded), and
+    (ns; a per-task cost outside the tasks' spans: a ticket, a drain, waits), and
     each EPILOGUE phase's duration under its task's type (the phase lies inside the span of
     the task with its id), for ``summarize``'s task_gap_us and task_epilogue_us."""
     gemm_types = [int(t) for t in GEMM_TASK_TYPES]
@@ -478,7 +478,9 @@ def summarize(
     between the ends of two of its GEMM tasks of that type with no other GEMM task ending
     between them: a CTA's rate of tiles, which a span cannot show once tasks overlap.
     ``task_gap_us``: per GEMM type, the mean / p50 / p90 time (us) from a task's end to the
-    next task start on its CTA (the per-tile cost no span covers). ``task_epilogue_us``: per
+    next task start on its CTA that comes after it (what a tile costs outside the spans of the
+    tasks: a ticket, a drain, and recorded waits between the two tasks too; where two
+    warpgroups' tiles overlap, the other's next start). ``task_epilogue_us``: per
     GEMM type, the mean of its tasks' EPILOGUE phases (us).
     """
     rec = tl.records

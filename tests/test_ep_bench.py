@@ -178,8 +178,36 @@ def _rank0_out_of_memory_is_an_error_on_every_rank(d, out_dir: Path) -> None:
         assert [float(g[0, 0]) for g in got] == list(map(float, range(d.world)))
 
 
+def _rank0_reference_failure_is_an_error_on_every_rank(d, out_dir: Path) -> None:
+    """Rank 0's reference gradients failing after the gathers (out of memory in its autograd)
+    fail ``reference_grads_by_rank`` on every rank before the scatters, so the ranks agree on
+    the error instead of the others waiting in a scatter that rank 0 never joins."""
+    shape = _shape(d.world)
+    weights = ep.make_rank_weights(shape, d.world, d.rank, d.device, 3)
+    routing = ep.make_routing(d.world, 8, shape.experts, shape.top_k, 4)
+    inp = ep.make_rank_inputs(routing, shape.hidden, d.rank, d.device, 5)
+    d_out = torch.randn(inp.x.shape).to(torch.bfloat16)
+    original = ep_training.reference_grads_on_rank0
+
+    def failing(*args):
+        full = original(*args)
+        if d.rank == 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return full
+
+    ep_training.reference_grads_on_rank0 = failing
+    try:
+        with pytest.raises((torch.OutOfMemoryError, RuntimeError),
+                           match="out of memory|rank 0 could not compute"):
+            ep_training.reference_grads_by_rank(d, weights, inp, d_out)
+    finally:
+        ep_training.reference_grads_on_rank0 = original
+    assert ep_dist._agree_error(d, "reference failed").startswith("rank 0: reference failed")
+
+
 SCENARIOS = {
     "gather_oom": _rank0_out_of_memory_is_an_error_on_every_rank,
+    "reference_oom": _rank0_reference_failure_is_an_error_on_every_rank,
     "baseline": _baseline_equals_reference_and_group_path,
     "train": _training_passes_checked_and_timed,
     "bytes": _exact_bytes_and_max_timing,

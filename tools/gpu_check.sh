@@ -299,7 +299,15 @@ run_sanitize() {
 }
 
 run_ep() {
-  local n="${1:-$(nvidia-smi -L | wc -l)}" parts=",${2:-check,example,bench,train},"
+  local n="${1:-$(nvidia-smi -L | wc -l)}" parts=",${2:-check,example,bench,train}," part
+  if ! [[ "$n" =~ ^[0-9]+$ ]]; then
+    echo "ep: N (the GPU count) comes first, got '$n': ep [N] [PARTS]"; failures=$((failures + 1)); return
+  fi
+  for part in $(echo "$parts" | tr ',' ' '); do
+    case "$part" in check|example|bench|train) ;;
+      *) echo "ep: unknown part '$part' (check, example, bench, train)"; failures=$((failures + 1)); return ;;
+    esac
+  done
   if [ "$n" -lt 2 ]; then echo "ep: needs 2 or more GPUs, this machine has $n"; failures=$((failures + 1)); return; fi
   local run=(torchrun --nproc-per-node "$n")
   if [[ "$parts" == *,check,* ]]; then

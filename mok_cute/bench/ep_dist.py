@@ -115,6 +115,14 @@ def all_values(d: Dist, value: float) -> list[float]:
     return [float(v.item()) for v in out]
 
 
+def all_ok(d: Dist, ok: bool) -> bool:
+    """Whether every rank's ``ok`` holds (a collective: a rank that failed alone tells the
+    others before their next collective, which it would not reach)."""
+    t = torch.tensor([int(ok)], dtype=torch.int32, device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=d.group)
+    return bool(t.item())
+
+
 def gather_stacked(d: Dist, t: torch.Tensor) -> torch.Tensor | None:
     """[R, *t.shape] on rank 0 (None elsewhere); every rank's ``t`` has the same shape. The
     ranks first agree that rank 0 could allocate the result: if it could not (out of memory:
@@ -131,11 +139,10 @@ def gather_stacked(d: Dist, t: torch.Tensor) -> torch.Tensor | None:
             out = torch.empty((d.world, *t.shape), dtype=t.dtype, device=t.device)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             failure = exc
-    ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int32, device=d.device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=d.group)
+    ok = all_ok(d, failure is None)
     if failure is not None:
         raise failure
-    if not int(ok.item()):
+    if not ok:
         raise RuntimeError(f"rank 0 could not allocate the gathered {[d.world, *t.shape]} "
                            f"{t.dtype} tensor")
     if d.rank == 0:

@@ -144,12 +144,25 @@ def reference_grads_by_rank(d, weights, inp, d_out) -> dict[str, torch.Tensor]:
     scatters them and keeps only its own."""
     import torch.distributed as dist
 
-    full = reference_grads_on_rank0(d, weights, inp, d_out)
-    src = dist.get_global_rank(d.group, 0)
+    from mok_cute.bench.ep_dist import all_ok
+
     mine = {"x": inp.x, "topk_weights": inp.topk_weights, "w_gate": weights.w_gate,
             "w_up": weights.w_up, "w_down": weights.w_down}
     if weights.shared is not None:
         mine.update(zip(("ws_gate", "ws_up", "ws_down"), weights.shared))
+    full, failure = None, None
+    try:  # the gathers fail on every rank together, rank 0's autograd (out of memory) alone
+        full = reference_grads_on_rank0(d, weights, inp, d_out)
+        if full is not None:
+            full = {n: g.to(mine[n].dtype) for n, g in full.items()}
+    except Exception as exc:
+        failure = exc
+    ok = all_ok(d, failure is None)  # before the scatters, which a failed rank 0 skips
+    if failure is not None:
+        raise failure
+    if not ok:
+        raise RuntimeError("rank 0 could not compute the reference gradients")
+    src = dist.get_global_rank(d.group, 0)
     out = {}
     for name, like in mine.items():
         t = torch.empty(like.shape, dtype=like.dtype, device=like.device)
@@ -158,7 +171,7 @@ def reference_grads_by_rank(d, weights, inp, d_out) -> dict[str, torch.Tensor]:
                 t.copy_(full[name])
             dist.broadcast(t, src=src, group=d.group)
         else:
-            parts = list(full[name].to(like.dtype).unbind(0)) if d.rank == 0 else None
+            parts = list(full[name].unbind(0)) if d.rank == 0 else None
             dist.scatter(t, scatter_list=parts, src=src, group=d.group)
         out[name] = t
         if d.rank == 0:
