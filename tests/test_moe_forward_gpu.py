@@ -196,9 +196,9 @@ def test_cuda_graph_capture_replays_bitwise(timeline):
 
 def test_megakernel_cuda_graph_capture_replays_bitwise():
     """The megakernel at one rank captured (check_ids=False): nothing of its error bookkeeping
-    runs while capturing (an event query there breaks the capture), and its x-offset scalar is
-    written in the captured call, so a replay after an eager call of the same plan at another
-    x address still reads the captured x."""
+    runs while capturing (an event query there breaks the capture), and once captured its
+    x-offset scalar is written in every call, so a replay after an eager call of the same plan
+    at another x address reads the captured x, and the next eager call its own."""
     x, idx, w, wg, wu, wd, shared = _problem(300, 1024, 512, 8, 4, shared_i=256, seed=9)
     cfg = mok.MoKConfig(backend="megakernel", check_ids=False)
     with torch.no_grad():
@@ -213,6 +213,9 @@ def test_megakernel_cuda_graph_capture_replays_bitwise():
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
         assert not torch.equal(other_out, eager)
+        # and an eager call after the replay, at the address it saw before, reads its own x
+        assert torch.equal(mok.moe_forward(other, idx, w, wg, wu, wd, shared=shared, config=cfg),
+                           other_out)
     mok.check_errors()
 
 
