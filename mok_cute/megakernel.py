@@ -43,7 +43,7 @@ from mok_cute.config import MoKConfig, ids_for_int32
 from mok_cute.constants import (KSUM_ROWS, SCALAR_INDEX, TASK_TILE_N, TICKETS, TILE_M,
                                 MegakernelSpec)
 from mok_cute.errors import PendingErrors
-from mok_cute.shared_state import BoundedCache, StreamOrder, capturing
+from mok_cute.shared_state import BoundedCache, StreamOrder, capturing, retire_all
 
 DEFAULT_COMM_CTAS = 12
 LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows
@@ -610,8 +610,7 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
                 _PLANS[key] = plan
             else:  # may evict the least recently used one: retired outside the lock
                 evicted = _LOCAL_PLANS.put(key, plan)
-    for old in evicted:
-        _retire(old)
+    retire_all(evicted, _retire)
     return plan
 
 

@@ -44,7 +44,7 @@ from mok_cute.constants import (BACKWARD_COMM_ROWS, BACKWARD_COMM_SCALARS,
                                 BACKWARD_KSUM_ROWS, BACKWARD_MAX_PARTIAL_COLS, BACKWARD_TILE_N,
                                 SCALARS, TILE_K, TILE_M, fc2_dgrad_pingpong, fc2_dgrad_tile_n)
 from mok_cute.errors import PendingErrors
-from mok_cute.shared_state import BoundedCache, StreamOrder, capturing
+from mok_cute.shared_state import BoundedCache, StreamOrder, capturing, retire_all
 
 
 @dataclasses.dataclass
@@ -120,8 +120,7 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
             evicted = _TABLES.put(key, tables)
         else:
             evicted = []
-    for old in evicted:  # outside the lock: retiring waits on the device
-        _retire(old)
+    retire_all(evicted, _retire)  # outside the lock: retiring waits on the device
     return tables
 
 

@@ -69,6 +69,19 @@ class StreamOrder:
             self._event.synchronize()
 
 
+def retire_all(evicted: list, retire: Callable[[Any], None]) -> None:
+    """``retire`` every evicted value, even when one raises (its pending error): the first
+    exception is raised after the others were retired too."""
+    first = None
+    for value in evicted:
+        try:
+            retire(value)
+        except Exception as exc:  # noqa: BLE001  re-raised below
+            first = first or exc
+    if first is not None:
+        raise first
+
+
 class BoundedCache:
     """At most ``max_entries`` values, least recently used evicted first (``put`` returns them,
     for the caller to retire after releasing its lock), except values ``pinned(value)`` says

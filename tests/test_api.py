@@ -138,8 +138,8 @@ def test_zero_tokens_returns_empty_bf16():
 @pytest.mark.parametrize("virtual", [False, True])
 def test_zero_tokens_train_like_any_call(virtual):
     """T = 0 with inputs that require grad: the empty output is part of the graph, so a
-    training step over an empty batch runs its backward (zero weight gradients, empty d_x)
-    and adds zeros into main_grad; its main_grads are checked and an FP8 training call is
+    training step over an empty batch runs its backward (zero weight gradients, empty d_x),
+    main_grad untouched (nothing to add); its main_grads are checked and an FP8 training call is
     refused as one with tokens is (no FP8 kernels here)."""
     args, shared = make_inputs(3, T=0, Is=8, R=2 if virtual else None)
     leaves = [t.requires_grad_() for t in [*args[:1], *args[2:], *shared]]

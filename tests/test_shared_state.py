@@ -36,6 +36,22 @@ def test_bounded_cache_keeps_pinned_values_past_its_bound():
     assert cache.put(6, "f") == ["e"] and cache.values() == ["graph a", "graph d", "f"]
 
 
+def test_retire_all_retires_every_value_and_raises_the_first_error():
+    from mok_cute.shared_state import retire_all
+
+    done = []
+
+    def retire(v):
+        done.append(v)
+        if v in ("b", "c"):
+            raise RuntimeError(f"pending error of {v}")
+
+    with pytest.raises(RuntimeError, match="pending error of b"):
+        retire_all(["a", "b", "c", "d"], retire)
+    assert done == ["a", "b", "c", "d"]
+    retire_all([], retire)
+
+
 def test_stream_order_does_nothing_off_cuda():
     order = StreamOrder()
     with order.around("cpu"):
