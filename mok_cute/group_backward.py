@@ -139,12 +139,17 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         weights32 = topk_weights.to(torch.float32).reshape(L, T * K)
         for r, field in enumerate(side.fields("router_weights")):
             field[:, 0].copy_(weights32[r])
+        # this build's first call on the plan: the ranks line up after compiling its kernels
+        build = (fp8, needs.w_gate_up or needs.w_down, shared is not None,
+                 main_grads is not None, timeline is not None)
+        align = _first_build_alignment(plan, build)
         if L == 1 and not fp8:  # one process, one rank: the barriers and k-sums in the launch
             return _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up,
                                w_down, shared, needs, options, silent_rank, comm_sms, main_grads,
-                               timeline)
+                               timeline, align)
         plan.begin_backward(silent_rank)
-        peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope)
+        peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope,
+                     before_launch=align)
         in_launch = None  # each rank's shared expert as tasks of its launch, else after
         if not fp8 and shared_in_launch(shared, "bf16", needs):
             in_launch = _shared_experts(d_out, xs, shared, saved)
@@ -155,7 +160,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms,
                                        shared=in_launch, main_grads=main_grads,
                                        timeline=timeline)
-        peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope)
+        peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope,
+                     before_launch=align)
         plan.backward_errors.record(plan.backward_calls)
 
         # the shared expert (local, unless the launches ran it), then the k-sums of what the
@@ -188,9 +194,29 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         return (d_xs, d_topk, _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)
 
 
+def _first_build_alignment(plan, build: tuple):
+    """What lines a group's ranks up before the first launch of a backward build on ``plan``
+    (None after it, and on one process's virtual ranks): a stream-ordered all_reduce over the
+    group. The first call compiles the build's kernels, one to two minutes a process; the
+    launches' waits on peers give up after ``timeout_ms``, so a rank still compiling would
+    fail its peers' first step. Every rank runs the same builds in the same order, so all of
+    them take part."""
+    group = getattr(plan.side, "group", None)
+    seen = getattr(plan, "aligned_builds", None)
+    if group is None or seen is None or build in seen:
+        return None
+    seen.add(build)
+
+    def align():
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.zeros(1, device=plan.peer_bases.device), group=group)
+    return align
+
+
 def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                 needs: Needs, options: ExpertPathOptions, silent_rank: int, comm_sms: int,
-                main_grads: MainGrads | None = None, timeline=None):
+                main_grads: MainGrads | None = None, timeline=None, before_launch=None):
     """The bf16 backward of one rank in its own process: the shared expert's backward (its dx
     rows are the k-sums' base), then one launch whose comm CTAs also pass the group's two
     barriers and run the k-sums of d_x and d_topk_weights (``megakernel_backward.GroupTail``).
@@ -215,7 +241,7 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
                      shared_dx[0], d_x, d_topk)
     plan.begin_backward(silent_rank)
     dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail,
-                               in_launch, main_grads, timeline)
+                               in_launch, main_grads, timeline, before_launch)
     plan.backward_errors.record(plan.backward_calls)
     if s is not None:
         d_shared = tuple(None if g is None else g[None]
@@ -246,7 +272,8 @@ def _rank_main(main_grads: MainGrads | None, r: int) -> MainGrads | None:
 
 
 def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None,
-            shared=None, main_grads: MainGrads | None = None, timeline=None):
+            shared=None, main_grads: MainGrads | None = None, timeline=None,
+            before_launch=None):
     """Each local rank's routed backward in one launch with its comm (bf16): the weight
     gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no), and with
     ``shared`` (a ``SharedExpert`` per local rank: its backward in the rank's launch too)
@@ -271,7 +298,8 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail
             w_gate[r], w_up[r], w_down[r], saved.preact, saved.row_slot[r], weights,
             sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
             wgrads, comm_sms, tail=tail, shared=None if shared is None else shared[r],
-            main_grads=_rank_main(main_grads, r), timeline=timeline if r == 0 else None)
+            main_grads=_rank_main(main_grads, r), timeline=timeline if r == 0 else None,
+            before_launch=before_launch if tail is not None else None)
         gate, up, down = out[6:9] if wgrads else (None, None, None)
         dwg.append(gate if needs.w_gate_up else None)
         dwu.append(up if needs.w_gate_up else None)

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import math
 import threading
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -225,6 +226,12 @@ class _IpcSide:
                                                           training=k.spec.save_preact,
                                                           extra_fields=_fp8_fields(k)),
                               handle_type, device=dev)
+        if handle_type != "legacy":
+            # unmapped and released once the plan is gone (released from the cache and no
+            # saved forward holds it): an imported VMM handle keeps each peer's memory alive
+            # for that peer, so this needs no collective; a legacy cudaIpc buffer must outlive
+            # its importers, so it stays until the process ends
+            weakref.finalize(self, self.peers.close)
         self.layout = self.peers.layout
         self.launch_ranks = 1
         self.rank_base = self.peers.rank
@@ -262,6 +269,7 @@ class Plan:
         self.side = side
         self.order = StreamOrder()  # the plan's buffers: one launch at a time across streams
         self.captured = False  # a CUDA graph captured a launch: its replays read the buffers
+        self.aligned_builds: set = set()  # group_backward: the backward builds run so far
         dev = torch.device("cuda", k.device)
         self.capacity = schedule_capacity(side.num_peers, k.tokens, k.top_k, k.local_experts, TILE_M)
         layout = side.layout

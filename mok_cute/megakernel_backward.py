@@ -401,7 +401,7 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
                             comm_ctas: int = 16, timeout_ms: float = 10_000.0,
                             check: bool = False, tail: GroupTail | None = None,
                             shared: SharedExpert | None = None, main_grads=None,
-                            timeline=None):
+                            timeline=None, before_launch=None):
     """A rank's routed backward over a group in one launch, its comm included: pulls the
     d_out rows, router weights (into ``weights`` fp32 [slots] at each row's ``row_slot``) and,
     with ``wgrads``, x rows of its receive rows from their sources; the dgrads; pushes each
@@ -413,7 +413,8 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     record into ``tail.error``). Returns ``expert_grads``' outputs (dW only with ``wgrads``),
     bitwise theirs on the same rows; ``shared``: the shared expert's backward in the launch
     too (its ``SharedGrads`` appended; with ``tail`` the k-sums add its dx rows);
-    ``main_grads``, ``timeline`` as ``expert_grads``'."""
+    ``main_grads``, ``timeline`` as ``expert_grads``'; ``before_launch``: called between
+    the kernel's compile and its launch (``group_backward`` lines the ranks up there)."""
     rows = row_slot.shape[0]
     hidden = w_gate.shape[2]
     for name, t in (("row_peer", peers.row_peer), ("row_token", peers.row_token),
@@ -436,14 +437,14 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                    tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
                    check, peers, comm_ctas, tail, shared, main_grads=main_grads,
-                   timeline=timeline)
+                   timeline=timeline, before_launch=before_launch)
 
 
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
             num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None,
             comm_ctas: int = 0, tail: GroupTail | None = None,
             shared: SharedExpert | None = None, routed: bool = True, main_grads=None,
-            timeline=None):
+            timeline=None, before_launch=None):
     """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
     comm tasks with ``peers`` (which then fill d_rows and x_rows); the group tail with
     ``tail``; the shared expert's backward with ``shared`` (its ``SharedGrads`` appended to
@@ -560,6 +561,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                                 ksum_top_k=top_k if tail is not None else 0,
                                 ksum_shared=ksum_shared, shared=shared is not None,
                                 accumulate_wgrads=accumulate, timeline=timeline is not None)
+    if before_launch is not None:
+        before_launch()
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,
            tile_expert, d_rows.unsqueeze(2), w_down.permute(2, 1, 0), d_preact.unsqueeze(2),
            w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0), d_preact[:, :inter].unsqueeze(2),

@@ -77,7 +77,8 @@ def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
 
 def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                           num_tiles, expert_offsets, peers, wgrads=True, comm_ctas=16,
-                          tail=None, shared=None, main_grads=None, timeline=None):
+                          tail=None, shared=None, main_grads=None, timeline=None,
+                          before_launch=None):
     """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
     and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
     and weight gradients emulated in torch (several ranks of one process: no group tail);
@@ -85,7 +86,7 @@ def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_
     emulation; nothing recorded (``timeline``: the kernel's)."""
     import ctypes
 
-    assert tail is None and timeline is None
+    assert tail is None and timeline is None and before_launch is None  # no group: no line-up
 
     from mok_cute.expert_backward import row_partial_sums
     from test_virtual_training import _emulated_dgrads, _emulated_weight_grads
@@ -180,7 +181,7 @@ def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K,
     monkeypatch.setattr(group_backward, "_dgrads", _emulated_dgrads)
     monkeypatch.setattr(group_backward, "_weight_grads", _emulated_weight_grads)
     monkeypatch.setattr(peer_rows, "copy_rows_by_address", _cpu_copy_rows)
-    monkeypatch.setattr(peer_rows, "peer_barrier", lambda *args: None)
+    monkeypatch.setattr(peer_rows, "peer_barrier", lambda *args, **kwargs: None)
     monkeypatch.setattr(megakernel_backward, "expert_grads_over_peers", _cpu_grads_over_peers)
 
     def weighted_ksum(y, w, shared=None, out=None, row_index=None):
@@ -637,3 +638,29 @@ def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits(precision):
     with tempfile.TemporaryDirectory() as tmp:
         gloo_group.spawn(_ipc_train_rank, 2, tmp, 12, tmp, precision)
         assert {"ok0", "ok1"} <= set(os.listdir(tmp))
+
+
+def test_the_first_call_of_a_build_lines_the_group_up_after_its_compile(monkeypatch):
+    """Over a process group, a backward build's first call on a plan gets one stream-ordered
+    all_reduce to run between its kernels' compile and their launch (a rank still compiling,
+    a minute or two, would make its peers' waits give up); later calls of that build, and
+    one process's virtual ranks, get none."""
+    import torch.distributed as dist
+
+    from mok_cute import group_backward
+
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(group))
+    group = object()
+    plan = types.SimpleNamespace(side=types.SimpleNamespace(group=group), aligned_builds=set(),
+                                 peer_bases=torch.zeros(1))
+    build = (False, True, False, False, False)
+    align = group_backward._first_build_alignment(plan, build)
+    assert callable(align) and calls == []
+    align()
+    assert calls == [group]
+    assert group_backward._first_build_alignment(plan, build) is None
+    assert callable(group_backward._first_build_alignment(plan, (True, *build[1:])))
+    virtual = types.SimpleNamespace(side=types.SimpleNamespace(), aligned_builds=set(),
+                                    peer_bases=torch.zeros(1))
+    assert group_backward._first_build_alignment(virtual, build) is None

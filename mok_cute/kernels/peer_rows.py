@@ -181,17 +181,20 @@ def copy_rows_by_address(src_addr: torch.Tensor, dst_addr: torch.Tensor, row_byt
 
 
 def peer_barrier(peer_bases: torch.Tensor, scalars: torch.Tensor, error: torch.Tensor,
-                 step: int, scope: str) -> None:
+                 step: int, scope: str, before_launch=None) -> None:
     """One group barrier (``PeerBarrier``) of the call whose epoch ``scalars[0]`` holds:
     ``peer_bases`` int64 [launch ranks, peers] (row r: every peer's buffer seen from local rank
     r), ``scalars`` the plan's int64 run-time words, ``error`` its int64 error word; ``step``
-    0 or 1. On the current stream; a wait that gives up records into ``error``."""
+    0 or 1. On the current stream; a wait that gives up records into ``error``.
+    ``before_launch``: called between the kernel's compile and its launch."""
     _check_addresses("peer_bases", peer_bases)
     _check_addresses("scalars", scalars, SCALARS)
     _check_addresses("error", error, 1)
     if step not in (0, 1):
         raise ValueError(f"step: expected 0 or 1, got {step!r}")
     kernel = jit.compile_kernel("peer_barrier", jit.device_arch(peer_bases.device), scope=scope)
+    if before_launch is not None:
+        before_launch()
     kernel(_ptr(peer_bases, Int64, 8), _ptr(scalars, Int64, 8), _ptr(error, Int64, 8),
            Int32(peer_bases.shape[0]), Int32(peer_bases.shape[1]), Int32(step),
            _stream(peer_bases.device))
