@@ -115,12 +115,16 @@ def all_values(d: Dist, value: float) -> list[float]:
     return [float(v.item()) for v in out]
 
 
-def all_ok(d: Dist, ok: bool) -> bool:
-    """Whether every rank's ``ok`` holds (a collective: a rank that failed alone tells the
-    others before their next collective, which it would not reach)."""
-    t = torch.tensor([int(ok)], dtype=torch.int32, device=d.device)
+def raise_unless_all_ok(d: Dist, failure: BaseException | None, what: str) -> None:
+    """Every rank learns whether rank 0's step ``what`` failed (``failure``: this rank's
+    exception, None if it went through) before the next collective, which a failed rank
+    would not reach: the failed rank raises its own exception, the others a RuntimeError."""
+    t = torch.tensor([int(failure is None)], dtype=torch.int32, device=d.device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=d.group)
-    return bool(t.item())
+    if failure is not None:
+        raise failure
+    if not bool(t.item()):
+        raise RuntimeError(f"rank 0 could not {what}")
 
 
 def gather_stacked(d: Dist, t: torch.Tensor) -> torch.Tensor | None:
@@ -139,12 +143,8 @@ def gather_stacked(d: Dist, t: torch.Tensor) -> torch.Tensor | None:
             out = torch.empty((d.world, *t.shape), dtype=t.dtype, device=t.device)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             failure = exc
-    ok = all_ok(d, failure is None)
-    if failure is not None:
-        raise failure
-    if not ok:
-        raise RuntimeError(f"rank 0 could not allocate the gathered {[d.world, *t.shape]} "
-                           f"{t.dtype} tensor")
+    raise_unless_all_ok(d, failure, f"allocate the gathered {[d.world, *t.shape]} {t.dtype} "
+                                    f"tensor")
     if d.rank == 0:
         dist.gather(t, gather_list=list(out.unbind(0)), dst=dst, group=d.group)
         return out

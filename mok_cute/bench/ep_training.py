@@ -144,7 +144,7 @@ def reference_grads_by_rank(d, weights, inp, d_out) -> dict[str, torch.Tensor]:
     scatters them and keeps only its own."""
     import torch.distributed as dist
 
-    from mok_cute.bench.ep_dist import all_ok
+    from mok_cute.bench.ep_dist import raise_unless_all_ok
 
     mine = {"x": inp.x, "topk_weights": inp.topk_weights, "w_gate": weights.w_gate,
             "w_up": weights.w_up, "w_down": weights.w_down}
@@ -157,11 +157,8 @@ def reference_grads_by_rank(d, weights, inp, d_out) -> dict[str, torch.Tensor]:
             full = {n: g.to(mine[n].dtype) for n, g in full.items()}
     except Exception as exc:
         failure = exc
-    ok = all_ok(d, failure is None)  # before the scatters, which a failed rank 0 skips
-    if failure is not None:
-        raise failure
-    if not ok:
-        raise RuntimeError("rank 0 could not compute the reference gradients")
+    # before the scatters, which a failed rank 0 skips
+    raise_unless_all_ok(d, failure, "compute the reference gradients")
     src = dist.get_global_rank(d.group, 0)
     out = {}
     for name, like in mine.items():
