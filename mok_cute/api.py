@@ -51,7 +51,7 @@ from .config import (
     MoKConfig,
     check_bool,
     check_device,
-    on_device,
+    on_first_arg_device,
     PendingIdCheck,
     check_expert_ids,
     check_int,
@@ -205,12 +205,11 @@ def _on_input_device(fn):
     torch.compile this is decided at trace time: there the custom ops (the training calls and
     the expert path's compiled calls) do it at run time, and the group call, run eagerly,
     does it itself; the megakernel's inference call is not traced as such."""
+    guarded = on_first_arg_device(fn)
+
     @functools.wraps(fn)
-    def call(x, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return fn(x, *args, **kwargs)
-        with on_device(x):
-            return fn(x, *args, **kwargs)
+    def call(*args, **kwargs):
+        return (fn if torch.compiler.is_compiling() else guarded)(*args, **kwargs)
     return call
 
 
@@ -485,12 +484,7 @@ def _eager_under_compile(fn):
     that ``fullgraph=True`` raises (torch versions without ``reason=``: without it)."""
     reason = ("moe_forward(group=...) runs eagerly under torch.compile: its host-side agreement "
               "and the process group cannot enter a graph (use fullgraph=False)")
-
-    @functools.wraps(fn)
-    def on_its_device(x, *args, **kwargs):  # eager: the device guard the trace skipped
-        with on_device(x):
-            return fn(x, *args, **kwargs)
-
+    on_its_device = on_first_arg_device(fn)  # eager: the device guard the trace skipped
     try:
         return torch.compiler.disable(on_its_device, reason=reason)
     except TypeError:

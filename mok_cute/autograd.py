@@ -61,8 +61,9 @@ _SAVED = 7  # tensors of expert_path.SavedForBackward
 _VIRTUAL_SAVED = 9  # tensors of virtual_backward.VirtualSaved
 
 def _on_first_device(fn):
-    """A custom op's implementation run with its first tensor's CUDA device current
-    (``config.on_device``): torch.compile calls the ops directly, not through ``mok_cute.api``."""
+    """``config.on_first_arg_device`` for a custom op's implementation (torch.compile calls
+    the ops directly, not through ``mok_cute.api``), written here: torch.library infers the
+    op's schema from the annotations evaluated in the wrapper's module, this one."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         from mok_cute.config import on_device

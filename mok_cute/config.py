@@ -95,6 +95,17 @@ def on_device(t: object):
     return contextlib.nullcontext()
 
 
+def on_first_arg_device(fn):
+    """``fn`` run with its first argument's CUDA device current (``on_device``)."""
+    import functools
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with on_device(args[0]):
+            return fn(*args, **kwargs)
+    return call
+
+
 def check_device(name: str, device: object) -> torch.device:
     """``device`` (a torch.device, a str such as "cuda:1", or a CUDA index) as a
     ``torch.device``; TypeError / ValueError naming ``name`` for anything else (torch's own
