@@ -469,6 +469,13 @@ def records_backward(precision: str, dgrads: str, needs: Needs) -> bool:
             and needs.w_down)
 
 
+def check_timeline(timeline, precision: str, dgrads: str, needs: Needs) -> None:
+    """A ``timeline`` given to a backward that does not run as that one launch: ValueError."""
+    if timeline is not None and not records_backward(precision, dgrads, needs):
+        raise ValueError("timeline: only the one backward-megakernel launch records (bf16, "
+                         "dgrads='megakernel', every weight gradient wanted)")
+
+
 def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                  saved: SavedForBackward, needs: Needs = Needs(),
                  options: ExpertPathOptions = ExpertPathOptions(), precision: str = "bf16",
@@ -490,9 +497,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
         raise ValueError(f"dgrads: expected 'kernels' or 'megakernel', got {dgrads!r}")
     if dgrads == "megakernel" and precision != "bf16":
         raise ValueError(f"dgrads='megakernel' runs bf16 dgrads, got precision={precision!r}")
-    if timeline is not None and not records_backward(precision, dgrads, needs):
-        raise ValueError("timeline: only the one backward-megakernel launch records "
-                         "(dgrads='megakernel' with every weight gradient wanted)")
+    check_timeline(timeline, precision, dgrads, needs)
     if not isinstance(saved, SavedForBackward):
         raise TypeError(f"saved: expected the SavedForBackward of a training forward "
                         f"(save=True), got {type(saved).__name__}")

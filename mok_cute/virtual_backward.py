@@ -39,8 +39,8 @@ import torch
 
 from mok_cute.config import ExpertPathOptions
 from mok_cute.constants import TILE_M
-from mok_cute.expert_backward import (MainGrads, Needs, _expert_backward, fp8_reads_only,
-                                      records_backward, routed_rows, shared_backward_ranks,
+from mok_cute.expert_backward import (MainGrads, Needs, _expert_backward, check_timeline,
+                                      fp8_reads_only, routed_rows, shared_backward_ranks,
                                       shared_in_launch, slot_sums, wanted_shared_grads)
 from mok_cute.schedule import schedule_capacity
 
@@ -211,9 +211,7 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
     [R, Is, H], ...): each weight gradient with one is added into it, None returned.
     ``timeline``: a ``mok_cute.timeline.TimelineBuffer`` that the one backward-megakernel launch
     records into (bf16 with every routed weight gradient wanted, ``records_backward``)."""
-    if timeline is not None and not records_backward(precision, "megakernel", needs):
-        raise ValueError("timeline: only the one backward-megakernel launch records (bf16 "
-                         "with every weight gradient wanted)")
+    check_timeline(timeline, precision, "megakernel", needs)
     R, T, H = xs.shape
     K = topk_weights.shape[-1]
     E_loc, I = w_gate.shape[1], w_gate.shape[2]
