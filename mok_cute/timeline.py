@@ -441,15 +441,15 @@ def _add_task_gaps(work: np.ndarray, phases: np.ndarray, gaps: dict[str, list[in
     (ns; a per-task cost outside the tasks' spans: a ticket, a drain, waits), and
     each EPILOGUE phase's duration under its task's type (the phase lies inside the span of
     the task with its id), for ``summarize``'s task_gap_us and task_epilogue_us."""
-    gemm_types = [int(t) for t in GEMM_TASK_TYPES]
+    gemm = work[np.isin(work["task_type"], [int(t) for t in GEMM_TASK_TYPES])]
     starts = np.sort(work["start_ns"])
-    for r in work[np.isin(work["task_type"], gemm_types)]:
+    for r in gemm:
         nxt = np.searchsorted(starts, r["end_ns"], side="left")
         if nxt < starts.shape[0]:
             gaps.setdefault(task_name(r["task_type"]), []).append(int(starts[nxt] - r["end_ns"]))
     for ph in phases[phases["task_type"] == int(TaskType.EPILOGUE)]:
-        owner = work[(work["task_id"] == ph["task_id"]) & (work["start_ns"] <= ph["start_ns"])
-                     & (work["end_ns"] >= ph["end_ns"]) & np.isin(work["task_type"], gemm_types)]
+        owner = gemm[(gemm["task_id"] == ph["task_id"]) & (gemm["start_ns"] <= ph["start_ns"])
+                     & (gemm["end_ns"] >= ph["end_ns"])]
         if owner.shape[0]:
             epilogues.setdefault(task_name(owner["task_type"][0]), []).append(
                 int(ph["end_ns"] - ph["start_ns"]))
@@ -505,8 +505,9 @@ def summarize(
         entry["wait_ns"] += wait_ns
         entry["idle_ns"] += span - busy_ns - wait_ns
         if role == Role.COMPUTE:
-            _add_task_rates(rec[mine & ~waiting & ~phase], _measure(work), overlaps, periods)
-            _add_task_gaps(rec[mine & ~waiting & ~phase], rec[mine & phase], gaps, epilogues)
+            tasks = rec[mine & ~waiting & ~phase]
+            _add_task_rates(tasks, _measure(work), overlaps, periods)
+            _add_task_gaps(tasks, rec[mine & phase], gaps, epilogues)
     for entry in roles.values():
         total = entry["lanes"] * span
         for what in ("busy", "wait", "idle"):
