@@ -315,17 +315,20 @@ def _record_one_launch(with_tail, comm_ctas: int, want, dev, outdir: str, title:
     """The one launch with its recorder on (compiled by a first call), checked bitwise
     against the group call; its views written to ``outdir``."""
     from mok_cute import timeline as tlm
-    from mok_cute.bench.record_timeline import capacity_for
+    from mok_cute.bench.record_timeline import recorded_with_room
 
-    capacity = tlm.BACKWARD_CAPACITY
-    while capacity:  # once more with room for every record, if the first dropped some
+    got = []
+
+    def record(capacity: int, calls: int):
         tb = tlm.TimelineBuffer(capacity, device=dev)
-        for _ in range(2):  # the first call compiles
+        for _ in range(calls):
             tb.reset()
-            got = with_tail(comm_ctas, timeline=tb)
+            got[:] = with_tail(comm_ctas, timeline=tb)
         torch.cuda.synchronize()
-        tl = tb.decode()
-        capacity = capacity_for(tl)
+        return tb
+
+    # the first call compiles; once more with room for every record, if it dropped some
+    _, tl = recorded_with_room(record, tlm.BACKWARD_CAPACITY, warmup=1)
     tl.meta.update({"pass": "bwd", "title": title, "gpu": torch.cuda.get_device_name()})
     summary = tlm.print_summary(tl, title=title)
     paths = tlm.write_views(tl, outdir, summary, title)

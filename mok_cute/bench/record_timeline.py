@@ -37,6 +37,18 @@ def capacity_for(tl: timeline.Timeline) -> int:
     return 0 if not tl.dropped else 1 << max(tl.written - 1, 1).bit_length()
 
 
+def recorded_with_room(record, capacity: int, warmup: int, fixed: bool = False):
+    """(buffer, decoded timeline) of ``record(capacity, calls)`` run ``warmup`` + 1 times,
+    and once more with room for every record when that dropped some (unless the capacity is
+    ``fixed``; the kernel is compiled by then); (None, None) when nothing was published."""
+    tb = record(capacity, warmup + 1)
+    tl = None if tb is None else tb.decode()
+    if tl is not None and not fixed and capacity_for(tl):
+        tb = record(capacity_for(tl), 1)
+        tl = tb.decode()
+    return tb, tl
+
+
 def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, str, dict[str, Any]]:
     """Run a layer with recording on; returns (timeline or None, reason if None, summary sizes)."""
     import torch
@@ -61,26 +73,22 @@ def record_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline | None, s
     inp = problem.inputs
     virtual = problem.virtual(args.ranks) if args.ranks > 1 else None
 
-    def record(config: MoKConfig, calls: int):
+    def record(capacity: int, calls: int):
         timeline.set_last(None)
+        config_now = dataclasses.replace(config, timeline_capacity=capacity)
         for _ in range(calls):
             if virtual is not None:
                 v = virtual
-                mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=config)
+                mok_cute.moe_forward_virtual(v.x, v.topk_idx, v.topk_weights, v.w_gate, v.w_up, v.w_down, shared=v.shared, config=config_now)
             else:
                 mok_cute.moe_forward(
                     inp.x, inp.topk_idx, inp.topk_weights, problem.w_gate, problem.w_up, problem.w_down,
-                    shared=problem.shared, config=config,
+                    shared=problem.shared, config=config_now,
                 )
         torch.cuda.synchronize()
         return timeline.last()
 
-    tb = record(config, args.warmup + 1)
-    tl = None if tb is None else tb.decode()
-    if tl is not None and args.capacity is None and capacity_for(tl):
-        # records were dropped: once more with room for all (the kernel is compiled)
-        tb = record(dataclasses.replace(config, timeline_capacity=capacity_for(tl)), 1)
-        tl = tb.decode()
+    tb, tl = recorded_with_room(record, capacity, args.warmup, args.capacity is not None)
     sizes = {
         "flops": problem.flops,
         "dispatch_bytes": problem.routed_rows * shape.hidden * 2,
@@ -127,11 +135,7 @@ def record_backward_on_gpu(args: argparse.Namespace) -> tuple[timeline.Timeline 
 
     # a backward runs more tasks than a forward (dsv3_ep8_rank: 53k, most of them weight-gradient tiles)
     capacity = timeline.BACKWARD_CAPACITY if args.capacity is None else args.capacity
-    tb = record(capacity, args.warmup + 1)
-    tl = tb.decode()
-    if args.capacity is None and capacity_for(tl):  # records were dropped: room for all
-        tb = record(capacity_for(tl), 1)
-        tl = tb.decode()
+    tb, tl = recorded_with_room(record, capacity, args.warmup, args.capacity is not None)
     tl.meta.update({"shape": shape.name, "tokens": problem.tokens, "ranks": 1,
                     "path": "backward megakernel (one launch)", "pass": "bwd",
                     "gpu": torch.cuda.get_device_name()})
