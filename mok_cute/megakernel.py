@@ -44,7 +44,7 @@ from mok_cute.config import MoKConfig, ids_for_int32
 from mok_cute.constants import (KSUM_ROWS, SCALAR_INDEX, TASK_TILE_N, TICKETS, TILE_M,
                                 MegakernelSpec)
 from mok_cute.errors import PendingErrors
-from mok_cute.shared_state import BoundedCache, StreamOrder, capturing, retire_all
+from mok_cute.shared_state import BoundedCache, StreamOrder, retire_all
 
 DEFAULT_COMM_CTAS = 12
 LOCAL_DIRECT_COMM_CTAS = 10  # the floor with several ranks copying only their remote rows
@@ -268,7 +268,6 @@ class Plan:
         self.key = k = key
         self.side = side
         self.order = StreamOrder()  # the plan's buffers: one launch at a time across streams
-        self.captured = False  # a CUDA graph captured a launch: its replays read the buffers
         self.aligned_builds: set = set()  # group_backward: the backward builds run so far
         dev = torch.device("cuda", k.device)
         self.capacity = schedule_capacity(side.num_peers, k.tokens, k.top_k, k.local_experts, TILE_M)
@@ -355,7 +354,6 @@ class Plan:
         k = self.key
         self.errors.check(block=False, last_call=self.calls)
         self.order.enter(xs.device)  # a launch of this plan on another stream finishes first
-        self.captured = self.captured or capturing()  # never evicted then
         R = self.side.launch_ranks
         # With no peer to read it, the caller's x is read in place (FC1's local rows, the
         # shared expert) instead of being copied into the symmetric buffer first.
@@ -369,7 +367,7 @@ class Plan:
             x_offset = self._quantize_x(xs)
         # rewritten only when it changes; once a graph captured the plan, in every call (a
         # replay must not read what a later eager call wrote, nor that call what a replay did)
-        if x_offset != self._x_offset or self.captured:
+        if x_offset != self._x_offset or self.order.captured:
             self._x_offset = x_offset
             self.scalars[SCALAR_INDEX["x_offset"]].fill_(x_offset)
         ids = ids_for_int32(topk_idx, self.side.num_peers * k.local_experts)  # never truncated
@@ -458,7 +456,7 @@ class Plan:
         """The wait bound (ns) and the silent rank (test hook) the kernels read: rewritten
         only when they change, so a call launches nothing for them (in every call once a
         graph captured the plan)."""
-        if waits != self._waits or self.captured:
+        if waits != self._waits or self.order.captured:
             self._waits = waits
             self.scalars[SCALAR_INDEX["timeout_ns"]].fill_(waits[0])
             self.scalars[SCALAR_INDEX["silent_rank"]].fill_(waits[1])
@@ -528,7 +526,7 @@ def _retire(plan: Plan) -> None:
 # that a CUDA graph captured is kept whatever the bound.
 MAX_LOCAL_PLANS = 4
 _PLANS: dict[PlanKey, Plan] = {}
-_LOCAL_PLANS = BoundedCache(MAX_LOCAL_PLANS, pinned=lambda plan: plan.captured)
+_LOCAL_PLANS = BoundedCache(MAX_LOCAL_PLANS, pinned=lambda plan: plan.order.captured)
 _PLANS_LOCK = threading.Lock()
 
 

@@ -65,7 +65,6 @@ class DgradTables:
     errors: PendingErrors = None
     calls: int = 0  # launches so far: the call number an error names
     order: StreamOrder = None  # its launches' counters: one launch at a time across streams
-    captured: bool = False  # a CUDA graph captured a launch: never evicted
 
     def __post_init__(self):
         self.errors = PendingErrors(self.error, kernel="backward megakernel")
@@ -81,7 +80,7 @@ def _retire(tables: DgradTables) -> None:
 
 # task lists by size: each new capacity (the rows' tiles, which follow T) builds one (~0.5 s
 # on the host, a few MiB on the device); a run with many batch sizes keeps the last 32
-_TABLES = BoundedCache(32, pinned=lambda tables: tables.captured)
+_TABLES = BoundedCache(32, pinned=lambda tables: tables.order.captured)
 _LOCK = threading.Lock()
 
 
@@ -508,7 +507,6 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
     if tail is None:  # an earlier launch whose wait gave up raises here (wrong gradients)
         t.errors.check(block=False, last_call=t.calls)
     t.order.enter(device)  # a launch of these tables on another stream finishes first
-    t.captured = t.captured or capturing()
     t.counters.zero_()
     d_preact = torch.empty(rows, 2 * inter, dtype=torch.bfloat16, device=device)
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=device)

@@ -30,16 +30,22 @@ def capturing() -> bool:
 
 
 class StreamOrder:
-    """The stream and event of the last launch on some shared state (module docstring)."""
+    """The stream and event of the last launch on some shared state (module docstring), and
+    ``captured``: whether a CUDA graph captured a launch on it (its replays read the state,
+    so it must stay as it is)."""
 
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None
         self._event: torch.cuda.Event | None = None
+        self.captured = False
 
     def enter(self, device: torch.device | str) -> None:
         """Before a launch on ``device``'s current stream: wait for the previous launch when
         it ran on another stream (nothing for a CPU device: tests' stand-ins)."""
-        if torch.device(device).type != "cuda" or capturing():
+        if torch.device(device).type != "cuda":
+            return
+        if capturing():
+            self.captured = True
             return
         stream = torch.cuda.current_stream(device)
         if self._event is not None and self._stream != stream:
