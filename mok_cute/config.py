@@ -96,12 +96,16 @@ def on_device(t: object):
 
 
 def on_first_arg_device(fn):
-    """``fn`` run with its first argument's CUDA device current (``on_device``)."""
+    """``fn`` run with its first argument's CUDA device current (``on_device``), the argument
+    given by position or by name."""
     import functools
+    import inspect
+
+    first = next(iter(inspect.signature(fn).parameters))
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        with on_device(args[0]):
+        with on_device(args[0] if args else kwargs.get(first)):
             return fn(*args, **kwargs)
     return call
 

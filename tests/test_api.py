@@ -126,6 +126,17 @@ def test_moe_forward_on_the_cpu_against_a_per_token_loop(Is):
     assert torch.equal(mok.moe_forward(*args, shared=shared, config=MoKConfig(backend="reference")), out)
 
 
+def test_every_argument_may_be_given_by_name():
+    """The entry points' device guard finds x (xs) whether given by position or by name."""
+    args, shared = make_inputs(5, Is=8)
+    names = ("x", "topk_idx", "topk_weights", "w_gate", "w_up", "w_down")
+    want = mok.moe_forward(*args, shared=shared)
+    assert torch.equal(mok.moe_forward(**dict(zip(names, args)), shared=shared), want)
+    xs_args, _ = make_inputs(5, R=2)
+    want = mok.moe_forward_virtual(*xs_args)
+    assert torch.equal(mok.moe_forward_virtual(**dict(zip(("xs", *names[1:]), xs_args))), want)
+
+
 def test_zero_tokens_returns_empty_bf16():
     args, shared = make_inputs(2, T=0, Is=8)
     out = mok.moe_forward(*args, shared=shared)
