@@ -555,33 +555,37 @@ def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, g
     sizes its choices by ``mean_tokens`` (the ranks' mean T, before the padding).
     ``main_grads``: ``_main_grad_targets``, for the backward."""
     from . import megakernel
-    from .comm.agreement import agree_on_launch
+    from .comm.agreement import agree_on_launch, timeout_of, until_collective
     from .sim.tune import tuned_config
 
     T, E = dims.tokens, dims.num_experts
     if max_tokens == 0:
         return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
     launch_tokens = megakernel.plan_tokens(max_tokens)  # a bounded set of plans
-    if dims.num_ranks > 1:  # GPUs over NVLink: the simulator's picks, the same on every rank
-        config = tuned_config(config, dims.num_ranks, launch_tokens, dims.hidden,
-                              dims.intermediate, E, dims.top_k, dims.shared_intermediate)
-    pending = PendingIdCheck(topk_idx, E) if config.check_ids else None
-    ids = _pad_rows(ids_for_int32(topk_idx, E), launch_tokens, -1)
+    check_ids, pending = config.check_ids, None  # the same on every rank (agreed)
     try:
-        args = (_pad_rows(x, launch_tokens, 0.0), ids,
-                _pad_rows(topk_weights, launch_tokens, 0.0), w_gate, w_up, w_down, shared, config)
-        if needs_grad:
-            from . import autograd
+        # a rank failing from here to the launch's first collective makes every rank raise
+        with until_collective(group, timeout_of(config)):
+            pending = PendingIdCheck(topk_idx, E) if check_ids else None
+            if dims.num_ranks > 1:  # GPUs over NVLink: the simulator's picks, on every rank
+                config = tuned_config(config, dims.num_ranks, launch_tokens, dims.hidden,
+                                      dims.intermediate, E, dims.top_k, dims.shared_intermediate)
+            ids = _pad_rows(ids_for_int32(topk_idx, E), launch_tokens, -1)
+            args = (_pad_rows(x, launch_tokens, 0.0), ids,
+                    _pad_rows(topk_weights, launch_tokens, 0.0), w_gate, w_up, w_down, shared,
+                    config)
+            if needs_grad:
+                from . import autograd
 
-            out = autograd.moe_forward_group(*args, group, mean_tokens, main_grads)[:T]
-        else:
-            out = megakernel.moe_forward(*args, group=group)[:T]
+                out = autograd.moe_forward_group(*args, group, mean_tokens, main_grads)[:T]
+            else:
+                out = megakernel.moe_forward(*args, group=group)[:T]
         outcome = pending.span() if pending is not None else None
     except Exception as exc:
-        if pending is None:
+        if not check_ids:
             raise
         outcome = exc
-    if pending is not None:
+    if check_ids:
         agree_on_launch(group, outcome, E, config.group_timeout_s)
         megakernel.raise_pending_errors()  # the same sync point: no extra wait
     return out

@@ -57,6 +57,8 @@ own.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
@@ -118,17 +120,23 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     T, H, K, I = k.tokens, k.hidden, k.top_k, k.intermediate
     E_loc = k.local_experts
     dev = plan.peer_bases.device
-    for name, t, shape, dtype in (("d_out", d_out, (L, T, H), torch.bfloat16),
-                                  ("xs", xs, (L, T, H), torch.bfloat16),
-                                  ("topk_idx", topk_idx, (L, T, K), None),
-                                  ("topk_weights", topk_weights, (L, T, K), None),
-                                  ("w_gate", w_gate, (L, E_loc, I, H), torch.bfloat16)):
-        check_tensor(name, t, shape=shape, dtype=dtype, device=dev, contiguous=False)
     # the routed rows an expert expects: P * T * K over P * E_loc, T before the padding
     routed_per_expert = (T if tokens_per_rank is None else tokens_per_rank) * K / E_loc
+    # this build's first call on the plan: the ranks line up after compiling its kernels (a
+    # rank failing before that makes every rank raise); the bf16 backward at one rank a
+    # process has one launch, the FP8 one two barrier launches
+    build = (fp8, needs.w_gate_up or needs.w_down, shared is not None,
+             main_grads is not None, timeline is not None)
+    align = _first_build_alignment(plan, build, launches=1 if L == 1 and not fp8 else 2)
 
     # the plan's epoch, scalars and buffers: one call at a time, one stream's launches at a time
-    with plan.lock, plan.order.around(dev):
+    with _until_aligned(plan, align), plan.lock, plan.order.around(dev):
+        for name, t, shape, dtype in (("d_out", d_out, (L, T, H), torch.bfloat16),
+                                      ("xs", xs, (L, T, H), torch.bfloat16),
+                                      ("topk_idx", topk_idx, (L, T, K), None),
+                                      ("topk_weights", topk_weights, (L, T, K), None),
+                                      ("w_gate", w_gate, (L, E_loc, I, H), torch.bfloat16)):
+            check_tensor(name, t, shape=shape, dtype=dtype, device=dev, contiguous=False)
         plan.backward_errors.check(block=False, last_call=plan.backward_calls,
                                    rank_base=side.rank_base)  # an earlier call's, without a sync
         # this rank's fields for the peers to pull (then barrier 0 of a new epoch: in the
@@ -139,10 +147,6 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         weights32 = topk_weights.to(torch.float32).reshape(L, T * K)
         for r, field in enumerate(side.fields("router_weights")):
             field[:, 0].copy_(weights32[r])
-        # this build's first call on the plan: the ranks line up after compiling its kernels
-        build = (fp8, needs.w_gate_up or needs.w_down, shared is not None,
-                 main_grads is not None, timeline is not None)
-        align = _first_build_alignment(plan, build)
         if L == 1 and not fp8:  # one process, one rank: the barriers and k-sums in the launch
             return _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up,
                                w_down, shared, needs, options, silent_rank, comm_sms, main_grads,
@@ -194,24 +198,39 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         return (d_xs, d_topk, _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)
 
 
-def _first_build_alignment(plan, build: tuple):
-    """What lines a group's ranks up before the first launch of a backward build on ``plan``
-    (None after it, and on one process's virtual ranks): a stream-ordered all_reduce over the
-    group. The first call compiles the build's kernels, one to two minutes a process; the
-    launches' waits on peers give up after ``timeout_ms``, so a rank still compiling would
-    fail its peers' first step. Every rank runs the same builds in the same order, so all of
-    them take part."""
+def _first_build_alignment(plan, build: tuple, launches: int):
+    """What lines a group's ranks up before each of the ``launches`` launches of a backward
+    build's first call on ``plan`` (None after it, and on one process's virtual ranks): a
+    stream-ordered all_reduce over the group, behind the gate of `_until_aligned`. The first
+    call compiles the build's kernels, one to two minutes a process; the launches' waits on
+    peers give up after ``timeout_ms``, so a rank still compiling would fail its peers' first
+    step. Every rank runs the same builds in the same order, so all of them take part."""
+    from mok_cute.comm.agreement import ready_for_collective
+
     group = getattr(plan.side, "group", None)
     seen = getattr(plan, "aligned_builds", None)
     if group is None or seen is None or build in seen:
         return None
     seen.add(build)
+    done = []
 
     def align():
         import torch.distributed as dist
 
+        done.append(None)
+        ready_for_collective(group, last=len(done) == launches)
         dist.all_reduce(torch.zeros(1, device=plan.peer_bases.device), group=group)
     return align
+
+
+def _until_aligned(plan, align):
+    """Around a first call with ``align``: `comm.agreement.until_collective` (a rank failing
+    before one of its all_reduces makes every rank raise, instead of leaving them in it)."""
+    if align is None:
+        return contextlib.nullcontext()
+    from mok_cute.comm.agreement import timeout_of, until_collective
+
+    return until_collective(plan.side.group, timeout_of(None))
 
 
 def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,

@@ -29,6 +29,7 @@ docs/measurements.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -218,7 +219,9 @@ class _IpcSide:
         import torch.distributed as dist
 
         from mok_cute.comm import IpcPeers, moe_symmetric_layout
+        from mok_cute.comm.agreement import ready_for_collective
 
+        ready_for_collective(group)  # the buffers' setup is a collective of the group
         self.group = group
         self.num_peers = dist.get_world_size(group)
         self.peers = IpcPeers(group, moe_symmetric_layout(k.tokens, k.hidden, k.top_k,
@@ -250,8 +253,10 @@ class _IpcSide:
         rank's receive schedule (stacked, one rank)."""
         import torch.distributed as dist
 
+        from mok_cute.comm.agreement import ready_for_collective
         from mok_cute.schedule import build_receive_schedules
 
+        ready_for_collective(self.group, last=True)  # a rank that failed before: all raise
         gathered = [torch.empty_like(ids[0]) for _ in range(self.num_peers)]
         dist.all_gather(gathered, ids[0].contiguous(), group=self.group)
         return build_receive_schedules(torch.stack(gathered), self.local_experts, TILE_M,
@@ -656,18 +661,29 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
     args = (x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
             w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0))
-    # fp8: the caller's (E, I, H) weights are quantized (and cached) as they are
-    plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
-                    save=save)
-    weights = fp8_weights_of(plan, w_gate, w_up, w_down, training=save)
-    with plan.lock:
-        result = plan.run(*args, sh, config.timeout_ms, fp8_weights=weights)
+    with _until_collective(group, config):
+        # fp8: the caller's (E, I, H) weights are quantized (and cached) as they are
+        plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
+                        save=save)
+        weights = fp8_weights_of(plan, w_gate, w_up, w_down, training=save)
+        with plan.lock:
+            result = plan.run(*args, sh, config.timeout_ms, fp8_weights=weights)
     if not save:
         return result[0]
     out, saved = result
     return out[0], SavedPreact(saved.preact, saved.row_slot[0],
                                None if saved.shared_preact is None else saved.shared_preact[0],
                                saved.schedules, saved.plan)
+
+
+def _until_collective(group, config: MoKConfig):
+    """With a group: `comm.agreement.until_collective` (a rank failing before the routing's
+    all_gather makes every rank raise, instead of leaving them in it)."""
+    if group is None:
+        return contextlib.nullcontext()
+    from mok_cute.comm.agreement import timeout_of, until_collective
+
+    return until_collective(group, timeout_of(config))
 
 
 def training_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,

@@ -10,6 +10,7 @@ kernel, the all_gather transport, and the exchange's cost.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -260,6 +261,117 @@ def _check_megakernel_flow(rank, world):
 
 def test_megakernel_flow_pads_to_the_group_tokens_and_agrees_on_ids(tmp_path):
     gloo_group.spawn(_check_megakernel_flow, 2, tmp_path)
+
+
+# ------------------------------------------------------------------------------ before a collective
+
+
+def _check_failure_before_collective(rank, world):
+    """A rank that raises between a call's agreement and the collective after it makes every
+    rank raise (its own error there, a RuntimeError naming it on the peers) instead of leaving
+    the peers in the collective until gloo's timeout; the exchanges stay in step after it,
+    nested stretches tell once, and a failure after the last gate exchanges nothing."""
+    group = dist.group.WORLD
+
+    def call(fail_rank, nested=False):
+        with agreement.until_collective(group, 20.0):
+            with (agreement.until_collective(group, 20.0) if nested else contextlib.nullcontext()):
+                if rank == fail_rank:
+                    raise ValueError(f"no room on rank {rank} (stand-in)")
+            agreement.ready_for_collective(group, last=True)
+            dist.all_gather_object([None] * world, rank, group=group)
+
+    for fail_rank, nested in ((1, False), (0, True), (1, True)):
+        with pytest.raises((ValueError, RuntimeError)) as info:
+            call(fail_rank, nested)
+        if rank == fail_rank:
+            assert info.type is ValueError
+        else:
+            assert info.type is RuntimeError
+            assert f"rank {fail_rank} failed before a collective (rank {fail_rank}: ValueError: " \
+                   f"no room on rank {fail_rank} (stand-in))" in str(info.value)
+        call(-1)  # the next call meets as usual: the exchanges are in step
+    # past the last gate a failure is the launch's business: nothing exchanged
+    with pytest.raises(KeyError) if rank == 1 else contextlib.nullcontext():
+        with agreement.until_collective(group, 20.0):
+            agreement.ready_for_collective(group, last=True)
+            dist.barrier()
+            if rank == 1:
+                raise KeyError("after")
+    call(-1)
+
+
+def test_a_rank_failing_before_a_collective_makes_every_rank_raise(tmp_path):
+    gloo_group.spawn(_check_failure_before_collective, 3, tmp_path)
+
+
+def _check_ipc_launch_failure(rank, world):
+    """The IPC megakernel's host flow: one rank's plan fails (out of memory, say) while the
+    peer's goes on to the routing's all_gather (the real `_IpcSide.schedules` on gloo): every
+    rank raises, with and without the id check, and later calls go on in step. The group
+    backward's first-build alignment likewise: a rank failing between its two barrier
+    launches' all_reduces."""
+    import threading
+    import types
+
+    from mok_cute import api, group_backward, megakernel
+    from mok_cute.sim import tune
+
+    group = dist.group.WORLD
+    side = megakernel._IpcSide.__new__(megakernel._IpcSide)
+    side.group, side.num_peers, side.local_experts, side.rank_base = group, world, 2, rank
+    plan = types.SimpleNamespace(key=types.SimpleNamespace(spec=types.SimpleNamespace(fp8=False)),
+                                 lock=threading.Lock(), side=side)
+
+    def run(xs, ids, wts, wg, wu, wd, shared, timeout_ms, fp8_weights=None):
+        side.schedules(ids)  # the gate, then the all_gather
+        return ref._forward(xs[0], ids[0], wts[0], wg[0], wu[0], wd[0], None, group)[None]
+
+    fail = {"rank": -1}
+
+    def plan_for(*args, **kwargs):
+        if rank == fail["rank"]:
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return plan
+
+    plan.run = run
+    api._kernel_status = lambda device: (True, "a stand-in")
+    api._megakernel_fallback = lambda dims, config: False
+    tune.tuned_config = lambda config, *shape: config
+    megakernel.plan_for = plan_for
+    xs, idx, wts, weights, _ = _problem(world, [5] * world, seed=30)
+    mine = tuple(w[rank] for w in weights)
+    want = ref.moe_forward(xs[rank], idx[rank], wts[rank], *_global(weights))
+    for check_ids in (True, False):
+        config = mok.MoKConfig(backend="megakernel", check_ids=check_ids)
+
+        def call():
+            return mok.moe_forward(xs[rank], idx[rank], wts[rank], *mine, group=group,
+                                   config=config)
+
+        fail["rank"] = 1
+        with pytest.raises((torch.OutOfMemoryError, RuntimeError)) as info:
+            call()
+        assert (info.type is torch.OutOfMemoryError) == (rank == 1)
+        assert "CUDA out of memory (stand-in)" in str(info.value)
+        fail["rank"] = -1
+        assert torch.equal(call(), want)
+
+    bwd_plan = types.SimpleNamespace(side=side, aligned_builds=set(),
+                                     peer_bases=torch.zeros(1, world, dtype=torch.int64))
+    align = group_backward._first_build_alignment(bwd_plan, ("bf16",), launches=2)
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        with group_backward._until_aligned(bwd_plan, align):
+            align()
+            if rank == 0:
+                raise ValueError("an FP8 dgrad failed to compile (stand-in)")
+            align()
+    assert (info.type is ValueError) == (rank == 0)
+    assert group_backward._first_build_alignment(bwd_plan, ("bf16",), launches=2) is None
+
+
+def test_a_rank_failing_before_the_ipc_launch_makes_every_rank_raise(tmp_path):
+    gloo_group.spawn(_check_ipc_launch_failure, 2, tmp_path)
 
 
 # ------------------------------------------------------------------------------ transports, cost

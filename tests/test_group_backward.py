@@ -655,12 +655,12 @@ def test_the_first_call_of_a_build_lines_the_group_up_after_its_compile(monkeypa
     plan = types.SimpleNamespace(side=types.SimpleNamespace(group=group), aligned_builds=set(),
                                  peer_bases=torch.zeros(1))
     build = (False, True, False, False, False)
-    align = group_backward._first_build_alignment(plan, build)
+    align = group_backward._first_build_alignment(plan, build, launches=1)
     assert callable(align) and calls == []
-    align()
+    align()  # outside a stretch (`_until_aligned`): no gate, the all_reduce alone
     assert calls == [group]
-    assert group_backward._first_build_alignment(plan, build) is None
-    assert callable(group_backward._first_build_alignment(plan, (True, *build[1:])))
+    assert group_backward._first_build_alignment(plan, build, launches=1) is None
+    assert callable(group_backward._first_build_alignment(plan, (True, *build[1:]), launches=2))
     virtual = types.SimpleNamespace(side=types.SimpleNamespace(), aligned_builds=set(),
                                     peer_bases=torch.zeros(1))
-    assert group_backward._first_build_alignment(virtual, build) is None
+    assert group_backward._first_build_alignment(virtual, build, launches=1) is None

@@ -43,6 +43,7 @@ arrives first waits for the others, as it would in any collective. With no group
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -57,7 +58,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AgreementTimeout", "CallHeader", "GroupAgreement", "agreement_for", "agree_on_call",
-           "agree_on_launch", "call_header", "timeout_of"]
+           "agree_on_launch", "call_header", "ready_for_collective", "timeout_of",
+           "until_collective"]
 
 WHO = "moe_forward(group=...)"
 
@@ -92,6 +94,7 @@ class GroupAgreement:
         self.exchanges = 0
         self._lock = threading.Lock()
         self._mm: mmap.mmap | None = None
+        self.stretch = _Stretch()  # `until_collective`'s state
         if self.world > 1:
             self._mm = self._map_shared(shared_memory)
         self.transport = "shared memory" if self._mm is not None else "all_gather"
@@ -452,3 +455,64 @@ def agree_on_launch(group: Any, outcome: tuple[int, int] | None | BaseException,
     rows = [_Row(raw) for raw in agreement_for(group).exchange(payload, timeout_s)]
     _raise_rejections(rows, own_error, "failed to launch this call")
     _ids_error(rows, num_experts)
+
+
+# ------------------------------------------------------------------------------ before a collective
+
+@dataclasses.dataclass
+class _Stretch:
+    depth: int = 0  # nested `until_collective` blocks of this group
+    open: bool = False  # a failure must still be told: the peers have not passed the last gate
+    timeout_s: float = 0.0
+
+
+@contextlib.contextmanager
+def until_collective(group: Any, timeout_s: float):
+    """The stretch of a call between its agreement and the last collective that follows (the
+    IPC megakernel's buffer setup and all_gather of the routing, the group backward's first-
+    build all_reduces). A rank that raised there used to leave its peers in that collective
+    until NCCL's watchdog; here the exception is exchanged instead, so every rank raises (this
+    one its own error, the peers a RuntimeError naming it). `ready_for_collective` is the gate
+    before each collective. Nested stretches of one group are one (the outermost tells)."""
+    agreement = agreement_for(group)
+    stretch = agreement.stretch
+    if agreement.world == 1:
+        yield
+        return
+    outermost = stretch.depth == 0
+    if outermost:
+        stretch.open, stretch.timeout_s = True, timeout_s
+    stretch.depth += 1
+    try:
+        yield
+    except BaseException as exc:
+        if outermost and stretch.open:
+            stretch.open = False
+            rows = [_Row(raw) for raw in agreement.exchange(
+                _payload(REJECTED, message=_error_text(exc)), timeout_s)]
+            _raise_rejections(rows, exc, "failed before a collective")
+        raise
+    finally:
+        stretch.depth -= 1
+        if outermost:
+            stretch.open = False
+
+
+def ready_for_collective(group: Any, last: bool = False) -> None:
+    """The gate before a collective inside `until_collective`: every rank says it got here, or
+    raises the error of a rank that failed on the way (RuntimeError naming it, on every
+    rank), or `AgreementTimeout` naming a rank that never came. ``last``: the stretch's last
+    collective (a failure after it reaches the peers through the launch's own waits). Outside
+    a stretch nothing is exchanged: every rank of a group calls through the same entry points,
+    so all of them exchange or none does."""
+    agreement = _AGREEMENTS.get(group)  # none yet: no stretch either
+    if agreement is None or not agreement.stretch.open:
+        return
+    stretch = agreement.stretch
+    stretch.open = not last
+    try:
+        rows = [_Row(raw) for raw in agreement.exchange(_payload(OK), stretch.timeout_s)]
+        _raise_rejections(rows, None, "failed before a collective")
+    except BaseException:
+        stretch.open = False  # told: the peers raise too
+        raise
