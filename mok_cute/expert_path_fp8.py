@@ -283,7 +283,7 @@ def fc1_dgrad(d_preact, tile_expert, num_tiles, wt: Fp8Weights, hidden: int):
 
 
 def _dequantized_rows(v: torch.Tensor) -> torch.Tensor:
-    return fp8.dequantize_rows(*fp8.quantize_rows(v)).double()
+    return fp8.dequantize_rows(*fp8.quantize_rows(v), dtype=torch.float64)
 
 
 def _expert_slots(topk_idx: torch.Tensor, num_experts: int):
@@ -304,8 +304,8 @@ def reference_hidden(x, topk_idx, weights: Fp8Weights) -> torch.Tensor:
     x_dq = _dequantized_rows(pad_cols(x, H))  # a token's row quantized = each of its copies
     h = torch.zeros(T, K, I, dtype=torch.bfloat16, device=x.device)
     for e, token, k in _expert_slots(topk_idx, E):
-        wg = fp8.dequantize_blocks(weights.gate[e], weights.e_gate[e]).double()
-        wu = fp8.dequantize_blocks(weights.up[e], weights.e_up[e]).double()
+        wg = fp8.dequantize_blocks(weights.gate[e], weights.e_gate[e], dtype=torch.float64)
+        wu = fp8.dequantize_blocks(weights.up[e], weights.e_up[e], dtype=torch.float64)
         g = (x_dq[token] @ wg.t()).to(torch.bfloat16).float()
         u = (x_dq[token] @ wu.t()).to(torch.bfloat16).float()
         h[token, k] = (F.silu(g) * u).to(torch.bfloat16)
@@ -325,7 +325,7 @@ def reference_output(hidden, x, topk_idx, topk_weights, weights: Fp8Weights,
     H = x.shape[1]
     y = torch.zeros(T, K, H, dtype=torch.bfloat16, device=x.device)
     for e, token, k in _expert_slots(topk_idx, E):
-        wd = fp8.dequantize_blocks(weights.down[e], weights.e_down[e]).double()
+        wd = fp8.dequantize_blocks(weights.down[e], weights.e_down[e], dtype=torch.float64)
         y[token, k] = (_dequantized_rows(hidden[token, k]) @ wd[:H].t()).to(torch.bfloat16)
     w = reference._zero_unrouted_weights(topk_weights.float(), topk_idx, E)
     return reference.weighted_k_sum(y, w, reference._shared_rows(x, shared))

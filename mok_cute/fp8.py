@@ -175,6 +175,14 @@ def _check_exponents(name: str, e: object, shape: tuple[int, ...]) -> torch.Tens
     return e
 
 
+DEQUANTIZED_DTYPES = (torch.float32, torch.float64)
+
+
+def _check_dequantized_dtype(dtype: object) -> None:
+    if dtype not in DEQUANTIZED_DTYPES:
+        raise TypeError(f"dtype: expected torch.float32 or torch.float64, got {describe(dtype)}")
+
+
 # ------------------------------------------------------------------------ rows / cols
 def quantize_rows(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` (bf16, fp16 or fp32) in 1 x ``group`` groups along K ->
@@ -253,35 +261,42 @@ def quantize_cols_per_expert(x: torch.Tensor, offsets: torch.Tensor) -> tuple[to
     return qt, e
 
 
-def dequantize_cols_per_expert(qt: torch.Tensor, e: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[N, rows]``: ``qt * 2**e[expert, column]`` of ``quantize_cols_per_expert`` (rows
-    outside every segment: zeros); exact."""
+def dequantize_cols_per_expert(qt: torch.Tensor, e: torch.Tensor, offsets: torch.Tensor,
+                               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[N, rows]`` in ``dtype``: ``qt * 2**e[expert, column]`` of ``quantize_cols_per_expert``
+    (rows outside every segment: zeros); exact in float64 (``DEQUANTIZED_DTYPES``)."""
+    _check_dequantized_dtype(dtype)
     _check_quantized("qt", qt, (2,))
     n, rows = qt.shape
     segments = _expert_segments(offsets, rows)
     _check_exponents("e", e, (len(segments), n))
-    out = torch.zeros(n, rows, dtype=torch.float32, device=qt.device)
+    out = torch.zeros(n, rows, dtype=dtype, device=qt.device)
     for i, (lo, hi) in enumerate(segments):
         if hi > lo:
-            out[:, lo:hi] = qt[:, lo:hi].to(torch.float32) * pow2(e[i].to(torch.int32))[:, None]
+            out[:, lo:hi] = qt[:, lo:hi].to(dtype) * pow2(e[i].to(torch.int32)).to(dtype)[:, None]
     return out
 
 
-def dequantize_rows(q: torch.Tensor, e: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """fp32 ``q * 2**e`` per 1 x ``group`` group (``q [M, K]``, ``e [M, K/group]``); exact."""
+def dequantize_rows(q: torch.Tensor, e: torch.Tensor, group: int = GROUP,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * 2**e`` in ``dtype`` per 1 x ``group`` group (``q [M, K]``, ``e [M, K/group]``);
+    exact in float64, and in fp32 except where a group near bf16's maximum (e = 120) holds
+    values above fp32's (they become inf there: the oracles take float64)."""
     _check_quantized("q", q, (2,))
+    _check_dequantized_dtype(dtype)
     group = _check_group("group", group)
     m, k = q.shape
     g = _check_multiple("q", q, 1, "K", group)
     _check_exponents("e", e, (m, g))
-    scale = pow2(e.to(torch.int32)).reshape(m, g, 1)
-    return (q.to(torch.float32).reshape(m, g, group) * scale).reshape(m, k)
+    scale = pow2(e.to(torch.int32)).to(dtype).reshape(m, g, 1)
+    return (q.to(dtype).reshape(m, g, group) * scale).reshape(m, k)
 
 
-def dequantize_cols(qt: torch.Tensor, e: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """fp32 ``[M, K]`` from a column-quantized transposed copy ``qt [K, M]``: the transpose of
-    ``dequantize_rows(qt, e)``."""
-    return dequantize_rows(qt, e, group).t()
+def dequantize_cols(qt: torch.Tensor, e: torch.Tensor, group: int = GROUP,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[M, K]`` in ``dtype`` from a column-quantized transposed copy ``qt [K, M]``: the
+    transpose of ``dequantize_rows(qt, e)``."""
+    return dequantize_rows(qt, e, group, dtype).t()
 
 
 # ------------------------------------------------------------------------ weight blocks
@@ -310,18 +325,21 @@ def quantize_blocks(w: torch.Tensor, block: int = GROUP,
     return q, e
 
 
-def dequantize_blocks(q: torch.Tensor, e: torch.Tensor, block: int = GROUP) -> torch.Tensor:
-    """fp32 ``q * 2**e`` per ``block x block`` block (``q [..., R, C]``, ``e [..., R/block,
-    C/block]``; either orientation of ``quantize_blocks``); exact."""
+def dequantize_blocks(q: torch.Tensor, e: torch.Tensor, block: int = GROUP,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * 2**e`` in ``dtype`` per ``block x block`` block (``q [..., R, C]``, ``e [...,
+    R/block, C/block]``; either orientation of ``quantize_blocks``); exact as
+    ``dequantize_rows``."""
     _check_quantized("q", q, (2, 3))
+    _check_dequantized_dtype(dtype)
     block = _check_group("block", block)
     q3 = q if q.dim() == 3 else q.unsqueeze(0)
     b, r, c = q3.shape
     rb = _check_multiple("q", q, -2, "rows", block)
     cb = _check_multiple("q", q, -1, "columns", block)
     _check_exponents("e", e, tuple(q.shape[:-2]) + (rb, cb))
-    scale = pow2(e.to(torch.int32)).reshape(b, rb, 1, cb, 1)
-    out = (q3.to(torch.float32).reshape(b, rb, block, cb, block) * scale).reshape(b, r, c)
+    scale = pow2(e.to(torch.int32)).to(dtype).reshape(b, rb, 1, cb, 1)
+    out = (q3.to(dtype).reshape(b, rb, block, cb, block) * scale).reshape(b, r, c)
     return out if q.dim() == 3 else out[0]
 
 
@@ -361,9 +379,11 @@ def to_mxfp8(q: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def from_mxfp8(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 ``q [M, K]`` e4m3 with E8M0 scales ``s [M, K/32]`` (uint8 or float8_e8m0fnu) ->
     this module's 1 x ``group`` format ``(q', e [M, K/group] int8)``, requantized once:
-    ``e = max`` of the group's sub-block exponents, each sub-block's data
-    ``e4m3(q * 2**(e_i - e))`` (exact when representable, else round-to-nearest-even).
-    A NaN scale (0xFF) or NaN data: the group becomes non-finite (all NaN, ``e = 127``)."""
+    ``e = max`` of the exponents of the group's sub-blocks that hold a non-zero value (a
+    sub-block of zeros adds nothing, whatever its scale byte says; all zeros: ``EXP_MIN``),
+    each sub-block's data ``e4m3(q * 2**(e_i - e))`` (exact when representable, else
+    round-to-nearest-even). ``from_mxfp8(*to_mxfp8(q, e)) == (q, e)``, bitwise. A NaN scale (0xFF) or NaN data:
+    the group becomes non-finite (all NaN, ``e = 127``)."""
     _check_quantized("q", q, (2,))
     group = _check_group("group", group)
     if group % MX_BLOCK:
@@ -379,10 +399,13 @@ def from_mxfp8(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> tuple[to
         raise ValueError(f"s: expected shape {(m, k // MX_BLOCK)}, got {tuple(s.shape)}")
     sb = s.view(torch.uint8).to(torch.int32).reshape(m, g, sub)
     ei = sb - E8M0_BIAS
-    e = ei.amax(dim=2, keepdim=True)
-    shift = pow2(ei - e).unsqueeze(-1)  # 2**-d, d in [0, 254]: exact or 0 (then e4m3 gives 0)
     data = q.to(torch.float32).reshape(m, g, sub, MX_BLOCK)
-    y = (data * shift).clamp(-E4M3_MAX, E4M3_MAX)  # |y| <= |q| <= 448: never binds
+    # a zero sub-block's scale byte (127, say, from a producer's default) must not push the
+    # group's exponent up and flush its other sub-blocks' data
+    nonzero = (q.view(torch.uint8).reshape(m, g, sub, MX_BLOCK) & 0x7F).amax(dim=3) > 0
+    e = torch.where(nonzero, ei, EXP_MIN).amax(dim=2, keepdim=True)
+    shift = pow2(ei - e).unsqueeze(-1)  # 2**-d for a non-zero sub-block, d in [0, 254]: exact or 0
+    y = (data * shift).clamp(-E4M3_MAX, E4M3_MAX)  # |y| <= |q| <= 448 there: never binds
     out = y.to(torch.float8_e4m3fn).view(torch.uint8)
     bad = (sb == E8M0_NAN).any(dim=2) | ((q.view(torch.uint8) & 0x7F) == E4M3_NAN_BITS).reshape(
         m, g, group).any(dim=2)

@@ -284,7 +284,9 @@ def test_from_mxfp8_requantizes_to_the_largest_sub_block_exponent(gen):
     s[1] = torch.tensor([0, 0, 0, 254])  # extremes of E8M0
     s = s.to(torch.uint8)
     q2, e = fp8.from_mxfp8(q, s)
-    assert torch.equal(e.to(torch.int32)[:, 0], s.to(torch.int32).amax(dim=1) - 127)
+    nonzero = (codes & 0x7F).reshape(m, 4, 32).amax(dim=2) > 0  # zero sub-blocks add nothing
+    want_e = torch.where(nonzero, s.to(torch.int32) - 127, -127).amax(dim=1)
+    assert torch.equal(e.to(torch.int32)[:, 0], want_e)
     # independent model: RNE of the MX value at the new exponent, in fp64
     value = _mx_dequant(q, s, torch.float64)
     want = _rne_e4m3(value / torch.pow(2.0, e.to(torch.float64)))
@@ -299,6 +301,38 @@ def test_from_mxfp8_requantizes_to_the_largest_sub_block_exponent(gen):
     q4, e4 = fp8.from_mxfp8(qs, ss)
     assert e4.item() == 4 and torch.equal(fp8.dequantize_rows(q4, e4), _mx_dequant(qs, ss))
     assert d.shape == (m, 128)
+
+
+def test_from_mxfp8_ignores_the_scale_of_a_zero_sub_block():
+    """A producer that writes byte 127 (2**0) for an all-zero sub-block: the group's exponent
+    comes from the other sub-blocks, whose values survive exactly (the largest sub-block
+    scale would have flushed them to zero)."""
+    q = torch.zeros(1, 128).to(e4m3)
+    q[0, 32:] = 1.0
+    s = torch.tensor([[127, 107, 107, 107]], dtype=torch.uint8)  # 2**0 on zeros, 2**-20
+    q2, e = fp8.from_mxfp8(q, s)
+    assert e.item() == -20
+    assert torch.equal(fp8.dequantize_rows(q2, e), _mx_dequant(q, s))
+    assert (fp8.dequantize_rows(q2, e)[0, 32:] == 2.0 ** -20).all()
+
+
+def test_dequantize_in_float64_keeps_groups_near_the_bf16_maximum():
+    """A group at e = 120 holds values above fp32's maximum (448 * 2**120): float64, what the
+    oracles take, keeps them; fp32 gives inf there."""
+    x = torch.zeros(1, 128, dtype=bf16)
+    x[0, 0], x[0, 1] = 3.3e38, -1.0e38
+    q, e = fp8.quantize_rows(x)
+    assert e.item() == 120
+    d = fp8.dequantize_rows(q, e, dtype=torch.float64)
+    assert d.dtype == torch.float64 and d.isfinite().all()
+    assert abs(d[0, 0].item() / 3.3e38 - 1) < 0.07 and abs(d[0, 1].item() / -1.0e38 - 1) < 0.07
+    assert fp8.dequantize_rows(q, e).isinf()[0, 0]  # fp32: the documented limit
+    w = torch.zeros(128, 128, dtype=bf16)
+    w[5, 7] = 3.3e38
+    d = fp8.dequantize_blocks(*fp8.quantize_blocks(w), dtype=torch.float64)
+    assert d.isfinite().all() and d[5, 7] > 3e38
+    with pytest.raises(TypeError, match="dtype"):
+        fp8.dequantize_rows(q, e, dtype=torch.bfloat16)
 
 
 def test_from_mxfp8_nan_scale_or_data_poisons_the_group():

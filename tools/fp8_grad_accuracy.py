@@ -25,11 +25,11 @@ GROUP = fp8.GROUP
 
 
 def deq_rows(t):
-    return fp8.dequantize_rows(*fp8.quantize_rows(t.bfloat16())).double()
+    return fp8.dequantize_rows(*fp8.quantize_rows(t.bfloat16()), dtype=torch.float64)
 
 
 def deq_blocks(w):
-    return fp8.dequantize_blocks(*fp8.quantize_blocks(w)).double()
+    return fp8.dequantize_blocks(*fp8.quantize_blocks(w), dtype=torch.float64)
 
 
 def deq_cols(rows):
@@ -37,14 +37,14 @@ def deq_cols(rows):
     receive schedule pads each expert), dequantized back to [R, C]."""
     pad = (-rows.shape[0]) % GROUP
     padded = torch.cat([rows.bfloat16(), rows.new_zeros(pad, rows.shape[1]).bfloat16()])
-    return fp8.dequantize_cols(*fp8.quantize_cols(padded)).double()[:rows.shape[0]]
+    return fp8.dequantize_cols(*fp8.quantize_cols(padded), dtype=torch.float64)[:rows.shape[0]]
 
 
 def deq_cols_expert(rows):
     """B's copy: one scale per column over the expert's rows, dequantized back to [R, C]."""
     r = rows.bfloat16()
     offsets = torch.tensor([0, r.shape[0]], dtype=torch.int32)
-    return fp8.dequantize_cols_per_expert(*fp8.quantize_cols_per_expert(r, offsets), offsets).double().T
+    return fp8.dequantize_cols_per_expert(*fp8.quantize_cols_per_expert(r, offsets), offsets, dtype=torch.float64).T
 
 
 def bf16(t):

@@ -584,13 +584,13 @@ def grouped_gemm_fp8_ref(a: torch.Tensor, e_a: torch.Tensor, w: torch.Tensor, e_
     tiles = int(num_m_tiles.reshape(-1)[0]) if isinstance(num_m_tiles, torch.Tensor) else int(num_m_tiles)
     if tiles * TILE_M > m:
         raise ValueError(f"num_m_tiles: {tiles} tiles need {tiles * TILE_M} rows, a has {m}")
-    x = fp8.dequantize_rows(a, e_a).double()
+    x = fp8.dequantize_rows(a, e_a, dtype=torch.float64)
     experts = tile_expert[:tiles].tolist()
     out = torch.empty(tiles * TILE_M, n, dtype=torch.float64, device=a.device)
     cache = {}
     for t, e in enumerate(experts):
         if e not in cache:
-            cache[e] = fp8.dequantize_blocks(w[e], e_w[e]).double()
+            cache[e] = fp8.dequantize_blocks(w[e], e_w[e], dtype=torch.float64)
         out[t * TILE_M:(t + 1) * TILE_M] = x[t * TILE_M:(t + 1) * TILE_M] @ cache[e].T
     return out.to(torch.bfloat16)
 

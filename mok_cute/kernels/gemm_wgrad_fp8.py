@@ -235,8 +235,8 @@ def grouped_wgrad_fp8_ref(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tenso
                           e_b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The oracle: the dequantized operands (exact) in float64, each expert's row segment,
     rounded once to bf16 -> ``[E, M, N]``."""
-    a = fp8.dequantize_rows(a_t, e_a).double()
-    b = fp8.dequantize_cols_per_expert(b_t, e_b, offsets).double()
+    a = fp8.dequantize_rows(a_t, e_a, dtype=torch.float64)
+    b = fp8.dequantize_cols_per_expert(b_t, e_b, offsets, dtype=torch.float64)
     bounds = offsets.tolist()
     out = torch.zeros(len(bounds) - 1, a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
     for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
