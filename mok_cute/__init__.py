@@ -7,6 +7,7 @@ Importing the package does not import the CuTe DSL; the kernel path loads it on 
 
 from . import reference, schedule
 from .api import MoELayer, forget_quantized_weights, forward_path, moe_forward, moe_forward_virtual
+from . import autograd as _autograd  # noqa: F401  registers torch.ops.mok_cute.* (an exported graph's ops)
 from .config import ExpertPathOptions, MegakernelOptions, MoKConfig
 from .errors import PeerTimeoutError, check_errors
 

@@ -34,6 +34,7 @@ on the PyTorch reference, `autograd.reference_weights` (autograd's fp32 gradient
 
 from __future__ import annotations
 
+import copy
 import contextlib
 import functools
 import math
@@ -303,10 +304,9 @@ def moe_forward(
     if choice.path == "megakernel":
         return _megakernel_one_gpu(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                                    config, dims)
-    if config.check_ids:
-        check_expert_ids(topk_idx, dims.num_experts)
     return _reference_call(reference._forward, x, topk_idx, topk_weights, w_gate, w_up, w_down,
-                           shared, None, main_grads=main_grads)
+                           shared, None, main_grads=main_grads,
+                           check_experts=dims.num_experts if config.check_ids else None)
 
 
 def _checked_launch(launch, topk_idx, dims, config: MoKConfig, megakernel: bool = False):
@@ -464,11 +464,24 @@ def _main_grad_targets(config: MoKConfig, needs_grad: bool, w_gate, w_up, w_down
                                           for w, b in zip(weights, buffers)))
 
 
+def _eager(fn, reason: str):
+    """``fn`` run eagerly under torch.compile (a graph break), with ``reason`` in the error
+    that ``fullgraph=True`` raises (torch versions without ``reason=``: without it)."""
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:
+        return torch.compiler.disable(fn)
+
+
 def _reference_call(forward, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, *rest,
-                    main_grads=None):
+                    main_grads=None, check_experts: int | None = None):
     """``forward`` (``reference._forward`` or ``_forward_virtual``) with fused weight-gradient
     accumulation: each weight with a main_grad enters as ``autograd.reference_weights``' fp32
-    copy, whose gradient goes into the main_grad (the same forward bits)."""
+    copy, whose gradient goes into the main_grad (the same forward bits). ``check_experts``:
+    the id check first, against that many experts. Autocast off (bf16 in, bf16 out: the
+    reference rounds where the kernels do)."""
+    if check_experts is not None:
+        check_expert_ids(topk_idx, check_experts)
     if main_grads is not None:
         from .autograd import reference_weights
 
@@ -476,19 +489,23 @@ def _reference_call(forward, x, topk_idx, topk_weights, w_gate, w_up, w_down, sh
                                     main_grads)
         w_gate, w_up, w_down = weights[:3]
         shared = None if shared is None else weights[3:]
-    return forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, *rest)
+    with _no_autocast(x.device.type):
+        return forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, *rest)
+
+
+# its routing is data-dependent, and Inductor fusing its ops changed its bits
+_reference_call = _eager(_reference_call, (
+    "the PyTorch reference (no kernel for this device or these sizes) runs eagerly under "
+    "torch.compile: its routing is data-dependent and compiling it changes its rounding "
+    "(use fullgraph=False)"))
 
 
 def _eager_under_compile(fn):
-    """``fn`` run eagerly under torch.compile (a graph break), with the reason in the error
-    that ``fullgraph=True`` raises (torch versions without ``reason=``: without it)."""
-    reason = ("moe_forward(group=...) runs eagerly under torch.compile: its host-side agreement "
-              "and the process group cannot enter a graph (use fullgraph=False)")
-    on_its_device = on_first_arg_device(fn)  # eager: the device guard the trace skipped
-    try:
-        return torch.compiler.disable(on_its_device, reason=reason)
-    except TypeError:
-        return torch.compiler.disable(on_its_device)
+    """``fn`` run eagerly under torch.compile, its device guard included (the trace skips
+    it)."""
+    return _eager(on_first_arg_device(fn), (
+        "moe_forward(group=...) runs eagerly under torch.compile: its host-side agreement and "
+        "the process group cannot enter a graph (use fullgraph=False)"))
 
 
 @_eager_under_compile
@@ -559,8 +576,14 @@ def _megakernel_group(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, g
     from .sim.tune import tuned_config
 
     T, E = dims.tokens, dims.num_experts
-    if max_tokens == 0:
-        return torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
+    if max_tokens == 0:  # no rank has a token: no launch, and no backward to join
+        out = torch.empty(0, dims.hidden, dtype=torch.bfloat16, device=x.device)
+        if not needs_grad:
+            return out
+        from .autograd import no_tokens_anchor
+
+        weights = (w_gate, w_up, w_down, *(shared or (None,) * 3))
+        return out + no_tokens_anchor(x, topk_weights, weights, main_grads).to(torch.bfloat16)
     launch_tokens = megakernel.plan_tokens(max_tokens)  # a bounded set of plans
     check_ids, pending = config.check_ids, None  # the same on every rank (agreed)
     try:
@@ -643,10 +666,9 @@ def moe_forward_virtual(
         return _checked_launch(lambda: megakernel.moe_forward_virtual(
             xs, ids_for_int32(topk_idx, dims.num_experts), topk_weights, w_gate, w_up, w_down,
             shared, config), topk_idx, dims, config, megakernel=True)
-    if config.check_ids:
-        check_expert_ids(topk_idx, dims.num_experts)
     return _reference_call(reference._forward_virtual, xs, topk_idx, topk_weights, w_gate, w_up,
-                           w_down, shared, main_grads=main_grads)
+                           w_down, shared, main_grads=main_grads,
+                           check_experts=dims.num_experts if config.check_ids else None)
 
 
 def forget_quantized_weights() -> None:
@@ -759,6 +781,17 @@ class MoELayer(nn.Module):
         else:
             self.ws_gate = self.ws_up = self.ws_down = None
         self.reset_parameters()
+
+    def __deepcopy__(self, memo):
+        """A deep copy (an EMA or reference model) that shares the process group: a group
+        cannot be copied (nor pickled), and the copy's calls belong to the same ranks."""
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        copy_ = type(self).__new__(type(self))
+        memo[id(self)] = copy_
+        for name, value in self.__dict__.items():
+            copy_.__dict__[name] = copy.deepcopy(value, memo)
+        return copy_
 
     def reset_parameters(self) -> None:
         """nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for every projection."""

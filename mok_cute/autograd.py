@@ -169,7 +169,7 @@ class _IntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        ctx.main_grad.add_(grad)
+        ctx.main_grad.add_(grad.detach())  # create_graph: the buffer stays out of the graph
         return _dummy_of(ctx.like, ctx.dummy), None, None
 
 
@@ -368,6 +368,7 @@ def _setup_context(ctx, inputs, output):
      *fused) = inputs
     ctx.options = (fc2_pingpong_max_k, fc1_group_m, fc2_group_m, precision, backend,
                    _backward_capacity(timeline_capacity))
+    ctx.set_materialize_grads(False)  # no zero gradients for the saved outputs ([T*K, 2I] ...)
     _keep_main_grads(ctx, fused)
     ctx.has_shared = ws_gate is not None
     shared = (ws_gate, ws_up, ws_down) if ctx.has_shared else ()
@@ -596,6 +597,7 @@ def _setup_context_virtual(ctx, inputs, output):
     (xs, _topk_idx, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, _check_ids,
      launch, _timeout_ms, expert_path, *fused) = inputs
     ctx.expert_path = list(expert_path)
+    ctx.set_materialize_grads(False)  # no zero gradients for the saved outputs
     _keep_main_grads(ctx, fused)
     ctx.precision = "fp8" if launch[-1] else "bf16"  # _launch_fields' last
     ctx.timeline_capacity = _backward_capacity(launch[5] if launch[4] else 0)
@@ -676,6 +678,7 @@ class _GroupTrain(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # kernels: no graph of the gradients
     def backward(ctx, d_out):
         from mok_cute.group_backward import moe_backward_group
         from mok_cute.expert_backward import Needs

@@ -607,3 +607,102 @@ def test_options_objects_are_checked_and_part_of_the_config():
     for bad in (0, 65, 2.0):
         with pytest.raises((TypeError, ValueError), match="MegakernelOptions.backward_comm_sms"):
             MegakernelOptions(backward_comm_sms=bad)
+
+
+def _trainable(seed=3, T=24, H=32, I=16, E=4, K=2, Is=16):
+    args, shared = make_inputs(seed, T=T, H=H, I=I, E=E, K=K, Is=Is)
+    leaves = [args[0], args[2], *args[3:], *(shared or ())]
+    return [t.detach().clone().requires_grad_(True) for t in leaves], args[1]
+
+
+def _reference_step(fn, leaves, idx, d_out, config=None):
+    for t in leaves:
+        t.grad = None
+    out = fn(leaves[0], idx, leaves[1], *leaves[2:5], shared=tuple(leaves[5:]) or None,
+             config=config)
+    out.backward(d_out)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def test_compiled_call_on_the_reference_keeps_its_bits_and_names_its_break():
+    """No kernel here: under torch.compile the reference runs eagerly (Inductor fusing its ops
+    changed its bf16 rounding), so output and gradients are eager's bitwise; fullgraph=True
+    refuses the graph break with the reason."""
+    leaves, idx = _trainable()
+    d_out = torch.randn(24, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+    want = _reference_step(mok.moe_forward, leaves, idx, d_out)
+    torch._dynamo.reset()
+    got = _reference_step(torch.compile(mok.moe_forward), leaves, idx, d_out)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="PyTorch reference"):
+        _reference_step(torch.compile(mok.moe_forward, fullgraph=True), leaves, idx, d_out)
+
+
+def test_a_direct_call_in_an_autocast_region_keeps_the_reference_bits():
+    """``moe_forward`` itself (not only MoELayer) turns autocast off: its bf16 contract, the
+    same output and gradients as outside the region."""
+    leaves, idx = _trainable(seed=5)
+    d_out = torch.randn(24, 32, generator=torch.Generator().manual_seed(6)).bfloat16()
+    want = _reference_step(mok.moe_forward, leaves, idx, d_out)
+
+    def in_autocast(*args, **kwargs):  # the forward in the region, the backward after it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mok.moe_forward(*args, **kwargs)
+    got = _reference_step(in_autocast, leaves, idx, d_out)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+
+
+def test_main_grad_stays_out_of_a_create_graph_backward():
+    """Fused accumulation on the reference under ``backward(create_graph=True)``: main_grad
+    gets the gradient's value, not a node of the graph (it lives across steps)."""
+    leaves, idx = _trainable(seed=7, Is=0)
+    for w in leaves[2:]:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    out = mok.moe_forward(leaves[0], idx, leaves[1], *leaves[2:5],
+                          config=MoKConfig(fuse_wgrad_accumulation=True))
+    out.float().square().sum().backward(create_graph=True)
+    for w in leaves[2:]:
+        assert not w.main_grad.requires_grad and w.main_grad.grad_fn is None
+        assert (w.main_grad != 0).any()
+
+
+def test_layer_deep_copy_shares_its_group():
+    """copy.deepcopy of a layer with a process group (an EMA or reference model): the copy
+    shares the group (a group cannot be copied) and computes the same output."""
+    import copy
+    import datetime
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            layer = mok.MoELayer(32, 16, 4, 2, group=dist.group.WORLD)
+            twin = copy.deepcopy(layer)
+            assert twin.group is layer.group and twin.w_gate is not layer.w_gate
+            x = torch.randn(6, 32).bfloat16()
+            assert torch.equal(twin(x), layer(x))
+        finally:
+            dist.destroy_process_group()
+
+
+def test_importing_the_package_registers_its_ops():
+    """A fresh process that imports mok_cute finds torch.ops.mok_cute.* (an exported or
+    AOT-compiled graph calls them by name)."""
+    import subprocess
+
+    code = ("import torch, mok_cute; "
+            "print(all(hasattr(torch.ops.mok_cute, n) for n in "
+            "('moe_forward_train', 'moe_backward', 'moe_forward_virtual_train')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.strip() == "True", done.stderr
