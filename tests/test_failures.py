@@ -76,12 +76,13 @@ def silence(monkeypatch):
 
 
 def _assert_rows_nan_or_correct(out, ref):
-    """Every token row is all NaN or matches the reference; at least one is NaN."""
+    """Every token row is all NaN or bitwise the clean call's (a row missing one slot's share
+    is not complete); at least one is NaN."""
     nan_rows = out.isnan().all(dim=-1)
     assert (out.isnan().any(dim=-1) == nan_rows).all(), "a row is partly NaN"
     assert nan_rows.any(), "a failed call returned no NaN row"
     good = ~nan_rows
-    assert_tokens_close(out[good], ref[good], tol=2e-2, what="completed rows", floor=0.0)
+    assert torch.equal(out[good], ref[good]), "a completed row differs from the clean call's"
 
 
 def _clean_outputs(args, config):

@@ -17,6 +17,7 @@ import torch
 import mok_cute as mok
 from mok_cute import expert_path_fp8, fp8, reference
 from per_token import TOKEN_TOL, assert_tokens_close, token_errors
+from poison import poison_free_memory
 
 
 def _problem(T, H, I, E, K, Is=0, seed=0, device="cpu", routing="uniform"):
@@ -208,10 +209,10 @@ def test_kernels_match_the_emulation_stage_by_stage_per_token(name):
     x, idx, w, wg, wu, wd, shared = _problem(T, H, I, E, K, Is, seed=T + K, device="cuda",
                                              routing=routing)
     cfg = mok.MoKConfig(precision="fp8", backend="kernel")
-    torch.full((1 << 28,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    poison_free_memory()
     with torch.no_grad():
         out = mok.moe_forward(x, idx, w, wg, wu, wd, shared=shared, config=cfg)
-        torch.full((1 << 28,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        poison_free_memory()
         again = mok.moe_forward(x, idx, w, wg, wu, wd, shared=shared, config=cfg)
     assert torch.equal(out, again), "not bitwise reproducible"
     weights = expert_path_fp8.quantized_weights(wg, wu, wd)

@@ -22,6 +22,7 @@ import torch
 import mok_cute as mok
 from per_token import assert_tokens_close, token_errors
 from test_backward import NAMES, _assert_repeats_bitwise, _grads, _problem
+from poison import poison_free_memory
 
 FP8 = mok.MoKConfig(precision="fp8", backend="kernel", check_ids=False)
 # d_x per token against the bf16 reference: FP8's noise on both dgrads (d_out rows, dG | dU
@@ -74,7 +75,7 @@ def test_fp8_gradients_within_the_issue_bound_of_bf16(name):
     # its own generator: the same d_out whatever ran before in the process
     gen = torch.Generator(device="cuda").manual_seed(T + 1)
     d_out = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
-    torch.full((1 << 28,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    poison_free_memory()
     out, got = _grads("kernel", leaves, idx, d_out, FP8)
     x, w, wg, wu, wd, *sh = (t.detach() for t in leaves)
     with torch.no_grad():
@@ -112,7 +113,7 @@ def test_fp8_training_forward_saves_g_u_at_the_layers_own_width(T, H, I, E, K):
 
     leaves, idx = _problem(T, H, I, E, K, 0, seed=T, routing="uniform")
     x, w, wg, wu, wd = (t.detach() for t in leaves)
-    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    poison_free_memory()
     _, saved = expert_path_fp8.moe_forward_fp8(x, idx, w, wg, wu, wd, None, FP8, save=True)
     assert saved.preact.shape == (T * K, 2 * I)
     assert torch.isfinite(saved.preact.float()).all()
@@ -158,7 +159,7 @@ def test_rows_read_in_place_give_the_gathered_rows_bits(name, monkeypatch):
     assert any(expert_backward.fp8_reads_only("fp8", H, I, T * K / E, expert_backward.Needs()))
     out, got = _grads("kernel", leaves, idx, d_out, FP8)
     monkeypatch.setattr(expert_backward, "fp8_reads_only", lambda *a, **k: (False, False))
-    torch.full((1 << 28,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    poison_free_memory()
     out2, want = _grads("kernel", leaves, idx, d_out, FP8)
     assert torch.equal(out, out2)
     for name_, g, w in zip(NAMES, got, want):

@@ -23,6 +23,7 @@ from mok_cute.constants import TILE_M
 from mok_cute.kernels import gemm_fp8
 from test_gemm_fp8 import (PIPELINED_ISSUES, REL_L1, ROW_REL_L1, _promoted_model, _quantized,
                            _segments, assert_pipelined_promotion, rel_l1, wgmma_scale_d)
+from poison import poison_free_memory
 
 H_REL_L1 = 2 * REL_L1          # 1e-3 over all checked rows
 H_ROW_REL_L1 = 2 * ROW_REL_L1  # 6e-3 a row
@@ -105,7 +106,7 @@ def test_fp8_fc1_quantize_h_is_the_row_quantizer_of_its_bf16_h(counts, i, k, gen
     a, e_a, wg, eg, wu, eu = _fc1_operands(m, i, k, len(counts), gen, dev)
     h = gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, tile_expert, num_tiles,
                                          tile_n=256)
-    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device=dev)  # poison the pool
+    poison_free_memory()
     hq, eh = gemm_fp8.grouped_gemm_fp8_swiglu(a, e_a, wg, eg, wu, eu, tile_expert, num_tiles,
                                               tile_n=256, quantize_h=True)
     want_q, want_e = quantize.quantize_rows(h)

@@ -20,6 +20,7 @@ from mok_cute.config import MegakernelOptions
 from mok_cute.constants import MegakernelSpec
 from mok_cute.errors import PeerTimeoutError
 from per_token import assert_tokens_close
+from poison import poison_free_memory, poison_megakernel_plans
 
 # The configurations plans resolve to (mok_cute.megakernel.plan_for), with the shared expert
 # and K = 8: one GPU (no comm CTA, rows in place, the stride through the ticket ring, the
@@ -435,9 +436,11 @@ def _problem(R, T, H, I, E_loc, K, Is=0, seed=0, skew=False, empty_expert=None,
 
 
 def _run(args, **cfg):
-    """Poison the allocator's next blocks, then run on the megakernel."""
-    xs = args[0]
-    torch.full((2, *xs.shape), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+    """Poison the allocator's free blocks and the cached plans' buffers, then run on the
+    megakernel."""
+    poison_free_memory()
+    poison_megakernel_plans()
+    cfg.setdefault("backend", "megakernel")  # never the reference in its place
     config = mok_cute.MoKConfig(timeout_ms=5000.0, **cfg)
     out = mok_cute.moe_forward_virtual(*args[:6], shared=args[6], config=config)
     torch.cuda.synchronize()
@@ -636,7 +639,7 @@ def test_training_forward_at_one_rank_saves_the_one_gpu_bits(K, Is, skew):
     shared = None if args[6] is None else tuple(t[0] for t in args[6])
     config = mok_cute.MoKConfig(backend="megakernel", timeout_ms=5000.0)
     inference = megakernel.moe_forward(x, idx, w, wg, wu, wd, shared, config)
-    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+    poison_free_memory()
     out, saved = megakernel.moe_forward(x, idx, w, wg, wu, wd, shared, config, save=True)
     _, want = expert_path.moe_forward_kernel(x, idx, w, wg, wu, wd, shared,
                                              mok_cute.MoKConfig(backend="kernel"), save=True)
@@ -669,7 +672,7 @@ def test_training_forward_on_virtual_ranks_saves_by_global_slot(R, K, Is, kw):
     xs, idx, w, wg, wu, wd, sh = _problem(R, T, H, I, E_loc, K, Is, seed=R, **kw)
     config = mok_cute.MoKConfig(timeout_ms=5000.0)
     inference = megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, sh, config)
-    torch.full((1 << 26,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+    poison_free_memory()
     out, saved = megakernel.moe_forward_virtual(xs, idx, w, wg, wu, wd, sh, config, save=True)
     torch.cuda.synchronize()
     assert torch.equal(out, inference)

@@ -25,6 +25,7 @@ import types
 
 import pytest
 import torch
+from poison import poison_free_memory
 
 
 # ---------------------------------------------------------------------- CI
@@ -541,7 +542,7 @@ def test_megakernel_dgrads_equal_the_two_launches_bitwise(name):
     rows = int(saved.num_tiles.item()) * 128
     runs = []
     for _ in range(2):
-        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        poison_free_memory()
         runs.append(mb.expert_dgrads(d_rows, wg, wu, wd, saved.preact, saved.row_slot, weights,
                                      saved.tile_expert, saved.num_tiles, check=True))
     for got in runs:
@@ -582,7 +583,7 @@ def test_megakernel_weight_gradients_equal_gemm_wgrad_bitwise(name):
     rows = int(saved.num_tiles.item()) * 128
     runs = []
     for _ in range(2):
-        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        poison_free_memory()
         runs.append(mb.expert_grads(d_rows, x_rows, wg, wu, wd, saved.preact, saved.row_slot,
                                     weights, saved.tile_expert, saved.num_tiles,
                                     saved.expert_offsets, check=True))
@@ -629,7 +630,7 @@ def test_the_recorder_build_records_every_task_once_and_changes_no_bit(name):
                 or tl_host[int(i)].tile < live}
     for _ in range(2):
         buf = TimelineBuffer(1 << 18)  # dsv3_reduced: ~45k tasks, two records each
-        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        poison_free_memory()
         got = mb.expert_grads(*args, check=True, timeline=buf)
         for label, a, b in zip(("dG|dU", "w*h", "row partials", "dx rows"), got, want):
             assert torch.equal(a[:rows], b[:rows]), f"{name}: {label} differs with the recorder"
@@ -688,7 +689,7 @@ def test_weight_gradients_added_into_main_grads_are_gemm_wgrads_bitwise(name):
     eb.wgrad(*gate_up, main_grads=launches[:2])
     eb.wgrad(*down, main_grads=launches[2:])
     for _ in range(2):
-        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        poison_free_memory()
         bufs = [s.clone() for s in starts]
         got = mb.expert_grads(d_rows, x_rows, wg, wu, wd, saved.preact, saved.row_slot,
                               weights, saved.tile_expert, saved.num_tiles,
@@ -742,7 +743,7 @@ def test_the_shared_expert_in_the_launch_is_shared_backward_bitwise(name):
     shared = mb.SharedExpert(d_out, x, *sh, saved.shared_preact)
     rows = int(saved.num_tiles.item()) * 128
     for _ in range(2):
-        torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+        poison_free_memory()
         *got, s = mb.expert_grads(*routed, check=True, shared=shared)
         for label, a, b in zip(("dG|dU", "w*h", "row partials", "dx rows"), got, want_routed):
             assert torch.equal(a[:rows], b[:rows]), f"{name}: {label} differs without it"
@@ -753,7 +754,7 @@ def test_the_shared_expert_in_the_launch_is_shared_backward_bitwise(name):
             assert torch.isfinite(a).all(), f"{name}: {label} not finite"
             assert torch.equal(a, b), f"{name}: {label} differs from shared_backward"
     # its tasks alone (shared_expert_grads), one rank and two (the second with its own d_out)
-    torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    poison_free_memory()
     for label, a, b in zip(("alone dx", "alone dWs_gate", "alone dWs_up", "alone dWs_down"),
                            mb.shared_expert_grads(shared, check=True), (want_dx, *want_dw)):
         assert torch.equal(a, b), f"{name}: {label} differs from shared_backward"
@@ -795,7 +796,7 @@ def test_backward_with_megakernel_dgrads_gives_the_default_gradients(name):
     (x, w, wg, wu, wd), idx, saved, _ = _saved_problem(name)
     d_out = torch.randn_like(x)
     default = eb.moe_backward(d_out, x, idx, w, wg, wu, wd, None, saved)
-    torch.full((1 << 27,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    poison_free_memory()
     got = eb.moe_backward(d_out, x, idx, w, wg, wu, wd, None, saved, dgrads="megakernel")
     names = ("d_x", "d_topk_weights", "d_w_gate", "d_w_up", "d_w_down")
     for label, a, b in zip(names, got, default):  # FC2_DGRAD in the launch's form at this H

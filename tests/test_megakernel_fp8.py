@@ -20,6 +20,7 @@ import mok_cute
 from mok_cute import fp8
 from mok_cute.constants import MegakernelSpec
 from test_megakernel import _problem  # the megakernel tests' random problems
+from poison import poison_free_memory
 
 FP8_SPECS = {
     "one_rank": MegakernelSpec(num_comm_ctas=0, tickets="strided", fp8=True),
@@ -125,7 +126,8 @@ def _one_gpu_fp8(args, r):
 
 
 def _run_virtual(args, **cfg):
-    torch.full((2, *args[0].shape), float("nan"), dtype=torch.bfloat16, device="cuda")  # poison
+    poison_free_memory()
+    cfg.setdefault("backend", "megakernel")  # never the emulation in its place
     config = mok_cute.MoKConfig(precision="fp8", timeout_ms=5000.0, **cfg)
     out = mok_cute.moe_forward_virtual(*args[:6], shared=args[6], config=config)
     torch.cuda.synchronize()
@@ -268,7 +270,8 @@ def test_virtual_fp8_training_equals_one_gpu_with_the_same_tokens(R, Is, routing
     assert torch.equal(got[0].reshape(R * T, H), x.grad), "d_xs"
     assert torch.equal(got[1].reshape(R * T, K), w.grad), "d_topk_weights"
     for label, a, b in zip(NAMES[2:5], got[2:5], (wg.grad, wu.grad, wd.grad)):
-        _close(a.reshape(b.shape), b, f"R={R}: {label}")
+        # FP8 against FP8 (other column groups): whole-tensor only, per-row bounds unmeasured
+        _close(a.reshape(b.shape), b, f"R={R}: {label}", rows=False)
     out2, again = _grads("kernel", leaves, idx, d_out, config)
     assert torch.equal(out, out2)
     for label, a, b in zip(NAMES, got, again):

@@ -12,14 +12,14 @@ import torch
 import mok_cute as mok
 from mok_cute import reference
 from per_token import assert_tokens_close
+from poison import poison_free_memory
 
 pytestmark = pytest.mark.gpu
 
 
 def _poison_allocator(nbytes: int = 1 << 30):
-    """Fill a large block with NaN and free it: later torch.empty calls reuse that memory."""
-    junk = torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    del junk
+    """NaN in every free block the next torch.empty calls can reuse (``poison.py``)."""
+    poison_free_memory(nbytes)
 
 
 def _problem(T, H, I, E, K, shared_i=0, routing="uniform", seed=0):
@@ -330,3 +330,18 @@ def test_edge_shapes_write_every_element_and_repeat_bitwise(case):
         assert not out.isnan().any(), "unwritten (NaN) output elements"
     assert torch.equal(runs[0], runs[1]), "not bitwise reproducible"
     assert_tokens_close(runs[0], ref, what=f"kernel path {case}")
+
+
+@pytest.mark.gpu
+def test_poisoning_reaches_the_small_pool_and_a_repeat_runs_freed_blocks():
+    """``poison.poison_free_memory``: a small buffer (the small pool) and a block just freed by
+    a "first run" read as NaN when allocated again, where one big NaN tensor reached neither."""
+    first = torch.randn(300, 512, device="cuda").to(torch.bfloat16)  # 300 KiB: small pool
+    del first
+    poison_free_memory()
+    again = torch.empty(300, 512, dtype=torch.bfloat16, device="cuda")
+    assert again.isnan().all()
+    big = torch.randn(1 << 22, device="cuda")
+    del big
+    poison_free_memory()
+    assert torch.empty(1 << 22, device="cuda").isnan().all()

@@ -28,6 +28,7 @@ import torch
 
 from mok_cute import reference, schedule
 from per_token import TOKEN_TOL, assert_tokens_close, frobenius_error, naive_expert, token_errors
+from poison import poison_free_memory
 
 T_TOTAL, H, I, E, K = 1024, 256, 128, 8, 4  # 1024 tokens over the ranks; 8 experts in all
 MUTATIONS = ["drop", "expert", "weight", "swap"]
@@ -179,7 +180,7 @@ def test_cpu_mutations_change_the_schedule():
 
 # ------------------------------------------------------------------------------ GPU
 def _poison_allocator(nbytes: int = 1 << 28):
-    torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    poison_free_memory(nbytes)
 
 
 @pytest.fixture
