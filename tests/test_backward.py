@@ -241,7 +241,7 @@ CASES = {
     "sonic_reduced": (512, 4096, 2048, 64, 4, 0, "uniform", False),
     "mixtral_reduced": (256, 4096, 14336, 8, 2, 0, "uniform", False),
     "gptoss_reduced": (512, 2880, 2880, 128, 4, 0, "uniform", False),
-    "T1": (1, 512, 256, 8, 2, 0, "uniform", False),
+    "T1": (1, 512, 256, 8, 2, 128, "uniform", False),  # with the shared expert
     "T77_shared": (77, 512, 320, 8, 4, 192, "uniform", False),
     "hot_expert": (600, 1024, 512, 16, 4, 0, "hot", False),
     "empty_experts": (300, 512, 448, 16, 4, 128, "empty", False),
