@@ -259,6 +259,17 @@ def _check_megakernel_flow(rank, world):
     assert torch.equal(out, ref.moe_forward(xs[rank], idx[rank], zeroed, *_global(weights)))
 
 
+    # no token on any rank, training: no launch, but the output stays in the graph, so every
+    # trained input gets its (zero) gradient, as a data-parallel reducer waits for
+    xs, idx, wts, weights, _ = _problem(world, [0] * world, seed=21)
+    trained = [w[rank].clone().requires_grad_(True) for w in weights]
+    out = mok.moe_forward(xs[rank], idx[rank], wts[rank], *trained, group=dist.group.WORLD,
+                          config=mok.MoKConfig(backend="megakernel"))
+    assert out.shape == (0, 32) and out.requires_grad
+    out.float().sum().backward()
+    assert all(w.grad is not None and not w.grad.any() for w in trained)
+
+
 def test_megakernel_flow_pads_to_the_group_tokens_and_agrees_on_ids(tmp_path):
     gloo_group.spawn(_check_megakernel_flow, 2, tmp_path)
 
