@@ -279,20 +279,21 @@ def test_virtual_fp8_training_equals_one_gpu_with_the_same_tokens(R, Is, routing
             assert torch.equal(a, b), f"R={R}: {label} not bitwise reproducible"
 
 
-def _ipc_fp8_forward_rank(rank, world, seed, out_dir):
-    """One process of a group of two sharing one GPU: the forward-only FP8 IPC megakernel
-    (``moe_forward(group=...)`` under no_grad: packed e4m3 x rows pulled from the peer,
-    h rows in the ring) gives this rank's rows of the FP8 virtual ranks' output, bitwise, twice
-    (the second call reuses the plan and its epoch)."""
+def _ipc_forward_rank(rank, world, seed, out_dir, precision):
+    """One process of a group of two sharing one GPU: the forward-only IPC megakernel
+    (``moe_forward(group=...)`` under no_grad; FP8: packed e4m3 x rows pulled from the peer,
+    h rows in the ring) gives this rank's rows of the virtual ranks' output, bitwise, twice
+    (the second call reuses the plan and its epoch). T = 150, K = 10, skewed routing."""
     import os
 
     torch.cuda.set_device(0)  # both ranks on one GPU
     args = _problem(2, 150, 320, 192, 8, 10, 64, seed=seed, skew=True)  # H', I' padded; E = 16
-    config = mok_cute.MoKConfig(precision="fp8", backend="megakernel", timeout_ms=60000.0)
+    config = mok_cute.MoKConfig(precision=precision, backend="megakernel", timeout_ms=60000.0)
     with torch.no_grad():
         want = mok_cute.moe_forward_virtual(*args[:6], shared=args[6], config=config)[rank]
         xs, idx, w, wg, wu, wd, sh = args
         for call in range(2):
+            poison_free_memory()
             out = mok_cute.moe_forward(xs[rank], idx[rank], w[rank], wg[rank], wu[rank], wd[rank],
                                        shared=tuple(t[rank] for t in sh), config=config,
                                        group=torch.distributed.group.WORLD)
@@ -304,12 +305,13 @@ def _ipc_fp8_forward_rank(rank, world, seed, out_dir):
 
 
 @pytest.mark.gpu
-def test_fp8_forward_over_ipc_on_one_gpu_gives_the_virtual_bits():
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_forward_over_ipc_on_one_gpu_gives_the_virtual_bits(precision):
     import os
     import tempfile
 
     import gloo_group
 
     with tempfile.TemporaryDirectory() as tmp:
-        gloo_group.spawn(_ipc_fp8_forward_rank, 2, tmp, 13, tmp)
+        gloo_group.spawn(_ipc_forward_rank, 2, tmp, 13, tmp, precision)
         assert {"ok0", "ok1"} <= set(os.listdir(tmp))
