@@ -655,6 +655,12 @@ def _shared_rows(tokens: int, ranks: int, device) -> tuple[torch.Tensor, torch.T
         if not capturing():
             with _LOCK:
                 _SHARED_ROWS.put(key, cached)
+    elif torch.device(device).type == "cuda":
+        # an eviction frees them while this call's launch may still read them on another
+        # stream than the one they were made on: the allocator waits for this stream first
+        stream = torch.cuda.current_stream(device)
+        for t in cached:
+            t.record_stream(stream)
     return cached
 
 
