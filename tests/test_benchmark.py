@@ -604,3 +604,42 @@ def test_sonicmoe_runner_passes_its_layout(monkeypatch):
     assert c["token_idx"].tolist() == [t for t in range(6) for _ in range(2)]
     assert torch.equal(c["expert_idx"], i.topk_idx.reshape(-1)) and torch.equal(c["scores"], i.topk_weights.reshape(-1))
     assert torch.equal(out, torch_moe.shared_expert(i.x, *shared).float().to(torch.bfloat16))
+
+
+def test_torch_fp8_baseline_quantizes_each_weight_once_per_version():
+    """The training bench's torch FP8 baseline keeps its e4m3 weights as mok_cute keeps its
+    own: one quantization per weight version and orientation; ``clear()`` (a new step's
+    weights) and an in-place update make the next call quantize again."""
+    from mok_cute.bench import torch_moe
+
+    calls = []
+    quantize = torch_moe.quantize_rowwise
+
+    def counted(t):
+        calls.append(tuple(t.shape))
+        return quantize(t)
+
+    torch_moe.quantize_rowwise = counted
+    try:
+        cache = torch_moe.QuantizedWeights()
+        w = torch.randn(2, 8, 4)
+        first = cache.get(w, transposed=False)
+        assert cache.get(w, transposed=False) is first and calls == [(2, 8, 4)]
+        cache.get(w, transposed=True)
+        assert calls == [(2, 8, 4), (2, 4, 8)]
+        with torch.no_grad():
+            w.add_(1.0)  # an optimizer step: a new version
+        cache.get(w, transposed=False)
+        cache.clear()
+        cache.get(w, transposed=False)
+        assert len(calls) == 4
+    finally:
+        torch_moe.quantize_rowwise = quantize
+
+
+def test_result_files_say_which_code_ran():
+    from mok_cute.bench.results import source_record
+
+    record = source_record()
+    assert len(record["package_sha256"]) == 16
+    assert record == source_record()  # a hash of the sources, not of the time

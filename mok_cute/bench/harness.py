@@ -35,7 +35,7 @@ Contenders:
                      blockwise 1x128 / 128x128 (cuBLAS's split accumulation): the FP8 ceilings
 
 ``--mok-config KEY=VALUE`` sets a ``MoKConfig`` field of the mok_cute contenders (default
-``backend="kernel"``), dotted for a field of its options objects: ``--mok-config
+``backend="kernel", check_ids=False``: ``common.BENCH_CONFIG``), dotted for a field of its options objects: ``--mok-config
 megakernel.tickets=static expert_path.fc2_pingpong_max_k=0 check_ids=False``. The JSON records
 the resulting config (``mok_config``) and each mok_cute row the one it ran (``config``).
 
@@ -71,8 +71,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mok_cute.bench.common import (apply_config_overrides, error_text, forward_path_of, free_memory,
-                                   parse_config_overrides, parse_contenders, rel_err, sync)
+from mok_cute.bench.common import (BENCH_CONFIG, apply_config_overrides, burn_in, error_text,
+                                   forward_path_of,
+                                   free_memory, parse_config_overrides, parse_contenders, rel_err,
+                                   sync)
 from mok_cute.bench.gpu_clock import ClockSampler
 from mok_cute.bench.problems import Inputs, Problem, VirtualInputs, make_problem
 from mok_cute.bench.results import chart_dependency_missing, config_record, gpu_name, save_results
@@ -551,6 +553,8 @@ def bench_shape(
         # the SM clock and power while each contender ran: at the H200's power cap a
         # contender's clock is part of its result (mok_cute.bench.gpu_clock)
         sampler = ClockSampler(ctx.device) if ctx.device.type == "cuda" else None
+        burn_in([functools.partial(run, problem.inputs) for run, entry in runners.values()
+                 if "error" not in entry], ctx.device)
         with sampler or contextlib.nullcontext():
             for r in range(rounds):
                 for name in (order if r % 2 == 0 else order[::-1]):
@@ -695,16 +699,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--t-scale", type=float, default=1.0, help="scale every shape's token count (e.g. 0.25)")
     parser.add_argument("--iters", type=int, default=100, help="timed iterations (median)")
     parser.add_argument("--warmup", type=int, default=25, help="warm-up iterations")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=int, default=3,
                         help="time all contenders of a shape this many times in alternating order "
-                        "and report medians (clock drift; keeps every contender alive at once)")
+                        "after a burn-in and report medians (clock drift; keeps every contender "
+                        "alive at once; 1: each in turn, no clock record)")
     parser.add_argument("--out", default="benchmarks/results", help="output directory for JSON and PNG")
     parser.add_argument("--tag", default="fwd", help="file name tag")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens of the correctness check against mok_cute.reference")
     parser.add_argument("--tol", type=float, default=1e-2, help="relative error bound of the check")
     parser.add_argument("--ep-ranks", type=int, default=1, help="ranks R of the EP shapes (R*2048 tokens); R>1 adds mok_cute_virtual")
     parser.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE",
-                        help="a MoKConfig field of the mok_cute contenders (default backend=kernel), dotted for an "
+                        help="a MoKConfig field of the mok_cute contenders (default backend=kernel check_ids=False), dotted for an "
                         "options field (megakernel.tickets=static, expert_path.fc2_pingpong_max_k=0); repeatable")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (smoke runs: host clock)")
     parser.add_argument("--seed", type=int, default=0)
@@ -732,7 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
         if not 0 < args.t_scale <= 1e6:
             raise ValueError(f"--t-scale: expected a positive factor, got {args.t_scale}")
-        mok_config = apply_config_overrides(MoKConfig(backend="kernel"), parse_config_overrides(args.mok_config))
+        mok_config = apply_config_overrides(BENCH_CONFIG, parse_config_overrides(args.mok_config))
         missing = chart_dependency_missing()  # before minutes of timing, not after
         if missing:
             raise ValueError(f"mok-cute bench: {missing}")

@@ -31,6 +31,31 @@ def versions() -> dict[str, Any]:
     return out
 
 
+def source_record() -> dict[str, Any]:
+    """Which code ran: a SHA-256 over the package's Python sources (works where no .git
+    travelled, as on the GPU host), ``MOK_GIT_REV`` when the caller sets it, and the git
+    revision where a checkout is at hand."""
+    import hashlib
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    record: dict[str, Any] = {"package_sha256": digest.hexdigest()[:16]}
+    rev = os.environ.get("MOK_GIT_REV")
+    if not rev:
+        try:
+            rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            rev = ""
+    if rev:
+        record["git_rev"] = rev
+    return record
+
+
 def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
 
@@ -63,6 +88,7 @@ RESULT_SCHEMA: dict[str, Any] = {
         "date": {"type": "string"},
         "command": {"type": "string"},
         "versions": {"type": "object"},
+        "source": {"type": "object"},
         "mok_config": {"type": "object"},
         "results": {
             "type": "array",
@@ -72,7 +98,7 @@ RESULT_SCHEMA: dict[str, Any] = {
                 "properties": {
                     "shape": {"type": "string"},
                     "contender": {"type": "string"},
-                    "pass": {"enum": ["fwd", "bwd"]},
+                    "pass": {"enum": ["fwd", "bwd", "train"]},
                     "ms": {"type": ["number", "null"], "exclusiveMinimum": 0},
                     "tflops": {"type": ["number", "null"], "exclusiveMinimum": 0},
                     "status": {"enum": ["ok", "check_failed", "skipped", "error"]},
@@ -162,6 +188,7 @@ def save_results(results: list[dict[str, Any]], out_dir: Path, tag: str, gpu: st
         "command": command,
         "argv": list(argv),
         "versions": versions(),
+        "source": source_record(),
         "mok_config": config_record(config),
         **extra,
         "results": results,

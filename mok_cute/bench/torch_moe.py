@@ -155,18 +155,40 @@ def torch_scaled_grouped_mm_moe(x, topk_idx, topk_weights, w_gu_q, s_gu, w_d_q, 
     return weighted_scatter_sum(y.index_select(0, dest), order, top_k, topk_weights, tokens, base)
 
 
+class QuantizedWeights:
+    """The torch FP8 baseline's weights in e4m3, per output channel (the forward's) and per
+    input channel (dgrad's), quantized once per weight version, as mok_cute's FP8 path caches
+    its own (an optimizer step, or ``clear()``, makes the next call quantize again): a training
+    step pays for one quantization of each weight on both sides."""
+
+    def __init__(self) -> None:
+        self._entries: dict = {}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(self, w: torch.Tensor, transposed: bool):
+        key = (w.data_ptr(), tuple(w.shape), w._version, transposed)
+        if key not in self._entries:
+            self._entries[key] = quantize_rowwise(w.transpose(1, 2).contiguous() if transposed
+                                                  else w)
+        return self._entries[key]
+
+
 class ScaledGroupedLinear(torch.autograd.Function):
     """``out [M, N] = a [M, K] · w[e]ᵀ`` per group of rows (``offs``, 16-aligned), bf16 in and
     out, on torch's rowwise FP8 recipe: a quantized per row, w per output channel, on
     ``torch._scaled_grouped_mm``. Backward: d_a in FP8 the same way (the gradient per row, w
     per input channel over N), d_w in bf16 (``torch._grouped_mm`` with the group's rows as K):
-    the recipe of mok_cute's FP8 backward, so the two train the same GEMMs in FP8. The weights
-    are quantized in every call (training: they change every step)."""
+    the recipe of mok_cute's FP8 backward, so the two train the same GEMMs in FP8. The
+    weights' e4m3 copies come from ``weights`` (`QuantizedWeights`)."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
+                weights: QuantizedWeights) -> torch.Tensor:
         aq, sa = quantize_rowwise(a)
-        wq, sw = quantize_rowwise(w)
+        wq, sw = weights.get(w, transposed=False)
+        ctx.weights = weights
         ctx.save_for_backward(a, w, offs)
         return torch._scaled_grouped_mm(aq, wq.transpose(1, 2), sa, sw, offs=offs,
                                         out_dtype=torch.bfloat16)
@@ -178,27 +200,30 @@ class ScaledGroupedLinear(torch.autograd.Function):
         d_a = d_w = None
         if ctx.needs_input_grad[0]:
             gq, sg = quantize_rowwise(grad)
-            wtq, swt = quantize_rowwise(w.transpose(1, 2).contiguous())  # [E, K, N], per K
+            wtq, swt = ctx.weights.get(w, transposed=True)  # [E, K, N], per K
             d_a = torch._scaled_grouped_mm(gq, wtq.transpose(1, 2), sg, swt, offs=offs,
                                            out_dtype=torch.bfloat16)
         if ctx.needs_input_grad[1]:
             d_w = torch._grouped_mm(grad.t(), a, offs=offs)  # [E, N, K]
-        return d_a, d_w, None
+        return d_a, d_w, None, None
 
 
 def torch_scaled_grouped_mm_train(x, topk_idx, topk_weights, w_gate_up, w_down,
-                                  shared: tuple[torch.Tensor, torch.Tensor] | None = None):
+                                  shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                  weights: QuantizedWeights | None = None):
     """The torch FP8 training pipeline (the training bench's FP8 baseline): the inference
     pipeline's permutation into 16-aligned groups and combine, differentiable, its two GEMMs
     :class:`ScaledGroupedLinear`; ``w_gate_up [E, 2I, H]`` and ``w_down [E, H, I]`` bf16
-    parameters, the shared expert bf16."""
+    parameters, the shared expert bf16. ``weights``: their e4m3 copies, kept across calls
+    (None: quantized in this call)."""
+    weights = QuantizedWeights() if weights is None else weights
     tokens, top_k = topk_idx.shape
     experts, two_i, _ = w_gate_up.shape
     sorted_ids, order = torch.sort(topk_idx.reshape(-1), stable=True)
     dest, offs, capacity = aligned_group_rows(sorted_ids, experts)
     xs = x.new_zeros(capacity, x.shape[1]).index_copy(0, dest, x.index_select(0, order // top_k))
-    gu = ScaledGroupedLinear.apply(xs, w_gate_up, offs)
+    gu = ScaledGroupedLinear.apply(xs, w_gate_up, offs, weights)
     h = swiglu_bf16(gu[:, : two_i // 2], gu[:, two_i // 2:])
-    y = ScaledGroupedLinear.apply(h, w_down, offs)
+    y = ScaledGroupedLinear.apply(h, w_down, offs, weights)
     base = shared_expert(x, *shared) if shared is not None else None
     return weighted_scatter_sum(y.index_select(0, dest), order, top_k, topk_weights, tokens, base)

@@ -59,14 +59,16 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mok_cute.api import MoKConfig, moe_forward, moe_forward_virtual
-from mok_cute.bench.common import (GRAD_NAMES, TRAIN_PASSES, apply_config_overrides, error_text, free_memory,
-                                   parse_config_overrides, parse_contenders, pass_runners)
+from mok_cute.bench.common import (BENCH_CONFIG, GRAD_NAMES, TRAIN_PASSES, apply_config_overrides, burn_in,
+                                   error_text, free_memory, parse_config_overrides,
+                                   parse_contenders, pass_runners)
 from mok_cute.bench.gpu_clock import ClockSampler
 from mok_cute.bench.harness import (Timer, bench_cublas, command_line, paired_ratio, sonicmoe_gate_up,
                                     sonicmoe_runner)
 from mok_cute.bench.problems import Problem, make_problem
 from mok_cute.bench.results import gpu_name, save_results
-from mok_cute.bench.torch_moe import fuse_shared, torch_grouped_mm_moe, torch_scaled_grouped_mm_train
+from mok_cute.bench.torch_moe import (QuantizedWeights, fuse_shared, torch_grouped_mm_moe,
+                                      torch_scaled_grouped_mm_train)
 from mok_cute.shapes import resolve_shapes
 
 CONTENDERS = ("mok_cute", "mok_cute_fp8", "mok_cute_main_grad", "mok_megakernel", "mok_virtual",
@@ -86,6 +88,7 @@ class Layer:
 
     def __init__(self, name: str, problem: Problem, config: MoKConfig):
         self.name = name
+        self.new_weights = None  # FP8 contenders: what an optimizer step's new weights redo
         i = problem.inputs
         x = i.x.detach().clone().requires_grad_()
         w = i.topk_weights.detach().clone().requires_grad_()
@@ -94,10 +97,12 @@ class Layer:
         if name in ("mok_virtual", "mok_virtual_fp8"):
             if name == "mok_virtual_fp8":
                 config = dataclasses.replace(config, precision="fp8")
+                self.new_weights = _forget_quantized_weights
             params, self.forward = _virtual_forward(problem, x, idx, w, config)
         elif name in MOK:
             if name == "mok_cute_fp8":
                 config = dataclasses.replace(config, precision="fp8")
+                self.new_weights = _forget_quantized_weights
             if name == "mok_megakernel":
                 config = dataclasses.replace(config, backend="megakernel")
             params = [problem.w_gate, problem.w_up, problem.w_down, *(problem.shared or ())]
@@ -119,8 +124,11 @@ class Layer:
             fused = fuse_shared(problem.shared)
             params = [gate_up, down] + ([t.detach().clone().requires_grad_() for t in fused] if fused else [])
             shared = tuple(params[2:]) or None
-            if name == "torch_scaled_grouped_mm":
-                self.forward = lambda: torch_scaled_grouped_mm_train(x, idx, w, gate_up, down, shared)
+            if name == "torch_scaled_grouped_mm":  # e4m3 weights cached as mok_cute's
+                cache = QuantizedWeights()
+                self.new_weights = cache.clear
+                self.forward = lambda: torch_scaled_grouped_mm_train(x, idx, w, gate_up, down,
+                                                                     shared, cache)
             else:
                 self.forward = lambda: torch_grouped_mm_moe(x, idx, w, gate_up.transpose(1, 2),
                                                             down.transpose(1, 2), shared=shared)
@@ -154,6 +162,12 @@ class Layer:
         if len(g) > 4:
             out.update(ws_gate=g[4][:i], ws_up=g[4][i:], ws_down=g[5])
         return out
+
+
+def _forget_quantized_weights() -> None:
+    from mok_cute import expert_path_fp8
+
+    expert_path_fp8.forget_quantized_weights()
 
 
 def _virtual_forward(problem: Problem, x, idx, w, config: MoKConfig):
@@ -347,6 +361,14 @@ def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Time
         log(f"{shape.name} {name}: {extra['status']} {extra.get('error', '')[:200]}")
     times: dict[tuple[str, str], list[float]] = {key: [] for key in rows}
     order = list(runners)
+    def all_passes(name: str) -> Callable[[], None]:
+        def run() -> None:
+            for fn in runners[name].values():
+                fn()
+            layers[name].reset()  # one contender's weight gradients alive at a time
+        return run
+
+    burn_in([all_passes(name) for name in order], device)
     with ClockSampler(device) as sampler:
         for r in range(args.rounds):
             for name in order if r % 2 == 0 else order[::-1]:
@@ -425,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         shapes = resolve_shapes(args.shapes)
         contenders = parse_contenders(args.contenders, CONTENDERS)
-        config = apply_config_overrides(MoKConfig(backend="kernel"), parse_config_overrides(args.mok_config))
+        config = apply_config_overrides(BENCH_CONFIG, parse_config_overrides(args.mok_config))
         if args.rounds < 1:
             raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
     except ValueError as exc:
