@@ -524,13 +524,17 @@ def _retire(plan: Plan) -> None:
         plan.raise_pending_errors()
 
 
-# A group's plans (IPC-mapped buffers, built by a collective) are few: their T is rounded
-# (``plan_tokens``). One process's own plans (one GPU, virtual ranks) are keyed by the exact T,
-# and each holds GBs of rings: the last MAX_LOCAL_PLANS are kept, a run with variable batch
-# sizes builds the others again (a new plan: its buffers and task list, no compile). A plan
-# that a CUDA graph captured is kept whatever the bound.
+# One process's own plans (one GPU, virtual ranks) are keyed by the exact T, and each holds GBs
+# of rings: the last MAX_LOCAL_PLANS are kept, a run with variable batch sizes builds the others
+# again (a new plan: its buffers and task list, no compile). A group's plans (IPC-mapped
+# buffers, built by a collective) are keyed by T rounded (``plan_tokens``: 8 a doubling) and
+# cost a collective to build: the last MAX_GROUP_PLANS. Every rank of a group makes the same
+# calls with the same agreed keys, so all evict the same plan at the same call (a peer's
+# mapping of an evicted VMM buffer keeps its memory until the peer unmaps it). A plan that a
+# CUDA graph captured is kept whatever the bound.
 MAX_LOCAL_PLANS = 4
-_PLANS: dict[PlanKey, Plan] = {}
+MAX_GROUP_PLANS = 8
+_PLANS = BoundedCache(MAX_GROUP_PLANS, pinned=lambda plan: plan.order.captured)
 _LOCAL_PLANS = BoundedCache(MAX_LOCAL_PLANS, pinned=lambda plan: plan.order.captured)
 _PLANS_LOCK = threading.Lock()
 
@@ -538,7 +542,7 @@ _PLANS_LOCK = threading.Lock()
 def cached_plans() -> dict[PlanKey, Plan]:
     """Every cached plan by its key (a group's and this process's own)."""
     with _PLANS_LOCK:
-        return {**_PLANS, **dict(_LOCAL_PLANS.items())}
+        return {**dict(_PLANS.items()), **dict(_LOCAL_PLANS.items())}
 
 
 def _all_plans() -> list[Plan]:
@@ -617,10 +621,8 @@ def plan_for(xs, w_gate, w_down, shared, topk_idx, config: MoKConfig, group=None
             dev = torch.device("cuda", device)
             side = _VirtualSide(key, dev) if group is None else _IpcSide(key, dev, group, handle_type)
             plan = Plan(key, side)
-            if group is not None:
-                _PLANS[key] = plan
-            else:  # may evict the least recently used one: retired outside the lock
-                evicted = _LOCAL_PLANS.put(key, plan)
+            evicted = plans.put(key, plan)  # may evict the least recently used: retired
+            # outside the lock
     retire_all(evicted, _retire)
     return plan
 
