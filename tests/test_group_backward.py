@@ -582,6 +582,11 @@ def test_a_silent_process_in_the_backward_launch_raises_and_writes_nan():
         assert {"ok0", "ok1"} <= set(os.listdir(tmp))
 
 
+IPC_TRAIN_CASES = {  # besides R2_shared_skew: odd T, K = 10, an empty expert, 2 processes
+    "R2_T77_K10_empty_expert": (2, 77, 320, 192, 8, 10, 0, "empty_expert"),
+}
+
+
 def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
     """One process: ``mok.moe_forward(group=...)`` trains through the IPC megakernel (two
     processes time-share one GPU, so the waits are long): out and every gradient of this rank
@@ -595,19 +600,23 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
     # this process's: FP8 weight gradients at I = 1024 (fp8), or only from 400 rows an expert
     expert_backward.FP8_WGRAD_MIN_ROWS = 400 if precision == "fp8_rows_rule" else 0
     precision = precision.removesuffix("_rows_rule")
-    R, T, H, I, E_loc, K, Is, routing = (CASES["R2_shared_skew"] if precision == "bf16"
-                                         else FP8_CASES["R2_fp8_wgrad_shared"])
+    if precision in IPC_TRAIN_CASES:
+        R, T, H, I, E_loc, K, Is, routing = IPC_TRAIN_CASES[precision]
+        precision = "bf16"
+    else:
+        R, T, H, I, E_loc, K, Is, routing = (CASES["R2_shared_skew"] if precision == "bf16"
+                                             else FP8_CASES["R2_fp8_wgrad_shared"])
     leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     d_out = torch.randn(R, T, H, device="cuda", generator=g).to(torch.bfloat16)
     xs, w, wg, wu, wd, *sh = leaves
     config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel", check_ids=False,
                            precision=precision)
-    want_out = mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, tuple(sh), config)
+    want_out = mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, tuple(sh) or None, config)
     want_out.backward(d_out)
     want = [t.grad[rank].clone() for t in leaves]
     mine = [t.detach()[rank].clone().requires_grad_(True) for t in leaves]
-    out = mok.moe_forward(mine[0], idx[rank], *mine[1:5], shared=tuple(mine[5:]),
+    out = mok.moe_forward(mine[0], idx[rank], *mine[1:5], shared=tuple(mine[5:]) or None,
                           config=config, group=torch.distributed.group.WORLD)
     fns, names = [out.grad_fn], []
     while fns and len(names) < 8:  # the api's slice of the padded rows, then the kernels' op
@@ -631,7 +640,7 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_rows_rule"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_rows_rule", *IPC_TRAIN_CASES])
 def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits(precision):
     import gloo_group
 
