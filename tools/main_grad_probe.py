@@ -118,6 +118,7 @@ def _wgrad_with_stages(gate_up, bufs, stages: int):
 
 
 def main(argv=None):
+    from mok_cute.bench.common import burn_in
     from mok_cute.bench.gpu_clock import ClockSampler
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -135,11 +136,13 @@ def main(argv=None):
         runs, elements = variants(name, args.fp8,
                                   tuple(int(s) for s in args.fp32_epi_stages.split(",") if s))
         times = {k: [] for k in runs}
+        order = list(runs)
+        burn_in(list(runs.values()), torch.device("cuda"))  # the first round at the sustained clock
         with ClockSampler(torch.cuda.current_device()) as sampler:
-            for _ in range(args.rounds):
-                for k, fn in runs.items():
+            for r in range(args.rounds):  # alternating order: no variant always first
+                for k in order if r % 2 == 0 else order[::-1]:
                     with sampler.window(k):
-                        times[k].append(gpu_ms(fn, reps=args.reps))
+                        times[k].append(gpu_ms(runs[k], reps=args.reps))
         rows = {}
         for k, ts in times.items():
             ms = sorted(ts)[len(ts) // 2]
@@ -149,8 +152,11 @@ def main(argv=None):
         results[name] = rows
     if args.json:
         with open(args.json, "w") as f:
+            from mok_cute.bench.results import source_record, versions
+
             json.dump({"command": "python tools/main_grad_probe.py " + " ".join(argv or sys.argv[1:]),
-                       "gpu": torch.cuda.get_device_name(), "results": results}, f)
+                       "gpu": torch.cuda.get_device_name(), "versions": versions(),
+                       "source": source_record(), "results": results}, f)
 
 
 if __name__ == "__main__":
