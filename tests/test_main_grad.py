@@ -747,6 +747,34 @@ def test_main_grad_from_a_random_start_adds_the_gradient(backend, precision):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["kernel", "megakernel"])
+@pytest.mark.parametrize("name", ["T1", "T77_shared", "empty_experts", "K10_zero_weights"])
+def test_main_grad_on_odd_shapes(backend, name):
+    """The public call with fused accumulation on the backward tests' odd shapes (T = 1, T not
+    a multiple of the tile with a shared expert, empty experts, K = 10 with zero weights):
+    from zeros, bitwise the unfused gradients; from a random start, an expert no token chose
+    keeps its start exactly and the others add their gradient."""
+    from test_backward import CASES, _problem
+
+    T, H, I, E, K, Is, routing, zero_w = CASES[name]
+    leaves, idx = _problem(T, H, I, E, K, Is, seed=T + 3, routing=routing, zero_weights=zero_w)
+    d_out = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    _, want = _gpu_step(leaves, idx, d_out, _gpu_config(backend, "bf16", False))
+    fused = _gpu_config(backend, "bf16", True)
+    _gpu_main_grads(leaves, "zeros")
+    _gpu_step(leaves, idx, d_out, fused)
+    for label, t, g in zip(NAMES, leaves[2:], want[2:], strict=True):
+        assert torch.equal(t.main_grad.to(torch.bfloat16), g), f"{name} {backend}: {label}"
+    starts = _gpu_main_grads(leaves, "random")
+    _gpu_step(leaves, idx, d_out, fused)
+    chosen = torch.zeros(E, dtype=torch.bool, device="cuda")
+    chosen[idx.reshape(-1).long()] = True
+    for label, s, t, g in zip(NAMES[:3], starts[:3], leaves[2:5], want[2:5], strict=True):
+        assert torch.equal(t.main_grad[~chosen], s[~chosen]), f"{label}: an unchosen expert moved"
+        _assert_added(label, t.main_grad, s, g)
+
+
+@pytest.mark.gpu
 def test_fp8_weight_gradients_accumulate_on_the_fp8_wgrad_kernel():
     """Sizes where the FP8 layer's weight gradients run on gemm_wgrad_fp8 (H, I multiples of
     128, I >= 1024, T * K / E >= 1024 rows an expert): from zeros, bitwise the unfused."""
