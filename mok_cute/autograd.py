@@ -665,6 +665,7 @@ class _GroupTrain(torch.autograd.Function):
         ctx.options = config.expert_path
         ctx.comm_sms = config.megakernel.backward_comm_sms
         ctx.mean_tokens = mean_tokens
+        ctx.group_timeout_s = config.group_timeout_s  # the first backward's wait for its peers
         # MoKConfig.timeline: the backward's launch records too (mok_cute.timeline.last());
         # FP8's backward is launches, which record nothing
         ctx.timeline_capacity = (_backward_capacity(_forward_capacity(config))
@@ -696,7 +697,8 @@ class _GroupTrain(torch.autograd.Function):
             one(w_up), one(w_down), tuple(one(w) for w in shared) if shared else None, stacked,
             needs, ctx.options, tokens_per_rank=ctx.mean_tokens, comm_sms=ctx.comm_sms,
             main_grads=None if main_grads is None else main_grads._replace(
-                **{k: one(v) for k, v in main_grads._asdict().items()}), timeline=recorder)
+                **{k: one(v) for k, v in main_grads._asdict().items()}), timeline=recorder,
+            group_timeout_s=ctx.group_timeout_s)
         _publish(recorder)
         d_x, d_w, *d_weights = _wanted(ctx, [None if t is None else t[0] for t in grads])
         d_weights = _fused_grads(d_weights, (w_gate, w_up, w_down, *(shared or (None,) * 3)),

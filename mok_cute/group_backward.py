@@ -57,8 +57,6 @@ own.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
@@ -91,7 +89,8 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                        options: ExpertPathOptions = ExpertPathOptions(), silent_rank: int = -1,
                        tokens_per_rank: float | None = None,
                        comm_sms: int = MegakernelOptions().backward_comm_sms,
-                       main_grads: MainGrads | None = None, timeline=None):
+                       main_grads: MainGrads | None = None, timeline=None,
+                       group_timeout_s: float | None = None):
     """Every gradient of a saving megakernel launch (``megakernel.moe_forward(..., group=...,
     save=True)``, or ``moe_forward_virtual(save=True)``) for the L ranks of that launch (L = 1
     for a process of a group): d_out, xs [L, T, H] with the plan's T (padded rows included),
@@ -106,7 +105,9 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     ``MainGrads`` of fp32 buffers shaped as the weights ([L, ...]): each weight gradient with
     one is added into it and returned as None. ``timeline``: a ``mok_cute.timeline.TimelineBuffer``
     that the bf16 backward-megakernel launch of local rank 0 records into (the FP8 backward's
-    launches record nothing)."""
+    launches record nothing). ``group_timeout_s``: how long a first build's ranks wait for each
+    other to arrive from their compiles (``MoKConfig.group_timeout_s``; None: its default)."""
+    from mok_cute.comm.agreement import timeout_of, until_collective
     from mok_cute.kernels.peer_rows import peer_barrier
     from mok_cute.megakernel_backward import SharedGrads
 
@@ -128,9 +129,11 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
     build = (fp8, needs.w_gate_up or needs.w_down, shared is not None,
              main_grads is not None, timeline is not None)
     align = _first_build_alignment(plan, build, launches=1 if L == 1 and not fp8 else 2)
+    gate = until_collective(side.group if align is not None else None,
+                            timeout_of(None) if group_timeout_s is None else group_timeout_s)
 
     # the plan's epoch, scalars and buffers: one call at a time, one stream's launches at a time
-    with _until_aligned(plan, align), plan.lock, plan.order.around(dev):
+    with gate, plan.lock, plan.order.around(dev):
         for name, t, shape, dtype in (("d_out", d_out, (L, T, H), torch.bfloat16),
                                       ("xs", xs, (L, T, H), torch.bfloat16),
                                       ("topk_idx", topk_idx, (L, T, K), None),
@@ -201,7 +204,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
 def _first_build_alignment(plan, build: tuple, launches: int):
     """What lines a group's ranks up before each of the ``launches`` launches of a backward
     build's first call on ``plan`` (None after it, and on one process's virtual ranks): a
-    stream-ordered all_reduce over the group, behind the gate of `_until_aligned`. The first
+    stream-ordered all_reduce over the group, behind `until_collective`'s gate. The first
     call compiles the build's kernels, one to two minutes a process; the launches' waits on
     peers give up after ``timeout_ms``, so a rank still compiling would fail its peers' first
     step. Every rank runs the same builds in the same order, so all of them take part."""
@@ -211,7 +214,6 @@ def _first_build_alignment(plan, build: tuple, launches: int):
     seen = getattr(plan, "aligned_builds", None)
     if group is None or seen is None or build in seen:
         return None
-    seen.add(build)
     done = []
 
     def align():
@@ -220,17 +222,9 @@ def _first_build_alignment(plan, build: tuple, launches: int):
         done.append(None)
         ready_for_collective(group, last=len(done) == launches)
         dist.all_reduce(torch.zeros(1, device=plan.peer_bases.device), group=group)
+        if len(done) == launches:  # a first call that failed before this aligns the next
+            seen.add(build)
     return align
-
-
-def _until_aligned(plan, align):
-    """Around a first call with ``align``: `comm.agreement.until_collective` (a rank failing
-    before one of its all_reduces makes every rank raise, instead of leaving them in it)."""
-    if align is None:
-        return contextlib.nullcontext()
-    from mok_cute.comm.agreement import timeout_of, until_collective
-
-    return until_collective(plan.side.group, timeout_of(None))
 
 
 def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,

@@ -29,7 +29,6 @@ docs/measurements.md).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -663,13 +662,21 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
     args = (x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
             w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0))
-    with _until_collective(group, config):
-        # fp8: the caller's (E, I, H) weights are quantized (and cached) as they are
-        plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
-                        save=save)
-        weights = fp8_weights_of(plan, w_gate, w_up, w_down, training=save)
-        with plan.lock:
-            result = plan.run(*args, sh, config.timeout_ms, fp8_weights=weights)
+    plan = None
+    try:
+        with _until_collective(group, config):
+            # fp8: the caller's (E, I, H) weights are quantized (and cached) as they are
+            plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
+                            save=save)
+            weights = fp8_weights_of(plan, w_gate, w_up, w_down, training=save)
+            with plan.lock:
+                result = plan.run(*args, sh, config.timeout_ms, fp8_weights=weights)
+    except Exception:
+        if group is not None and plan is not None and plan.calls == 0:
+            # built by this call, which raised on every rank: a rank whose build failed has
+            # none, so none keeps it (the next call builds it on every rank, collectively)
+            _drop_plan(plan)
+        raise
     if not save:
         return result[0]
     out, saved = result
@@ -679,13 +686,17 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
 
 
 def _until_collective(group, config: MoKConfig):
-    """With a group: `comm.agreement.until_collective` (a rank failing before the routing's
+    """`comm.agreement.until_collective` (with a group: a rank failing before the routing's
     all_gather makes every rank raise, instead of leaving them in it)."""
-    if group is None:
-        return contextlib.nullcontext()
     from mok_cute.comm.agreement import timeout_of, until_collective
 
     return until_collective(group, timeout_of(config))
+
+
+def _drop_plan(plan: Plan) -> None:
+    with _PLANS_LOCK:
+        if _PLANS.get(plan.key) is plan:
+            _PLANS.pop(plan.key)
 
 
 def training_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,

@@ -129,6 +129,10 @@ class BoundedCache:
     def items(self) -> list:
         return list(self._items.items())
 
+    def pop(self, key: Hashable) -> Any:
+        """Remove ``key``'s value and return it (None if absent); the caller retires it."""
+        return self._items.pop(key, None)
+
     def clear(self) -> None:
         self._items.clear()
 

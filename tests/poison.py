@@ -7,10 +7,12 @@ not enough: allocations up to 1 MiB come from the allocator's small pool (2 MiB 
 never carved out of a large block), and a repeat run's same-sized buffers land first in the
 blocks the previous run just freed, still holding its correct values.
 
-`poison_free_memory` reads the allocator's snapshot, allocates every free block of every
-cached segment (best fit: a request of a free block's exact size takes that block or one as
-large), fills it with 0xFF bytes (NaN in bf16, fp32 and e4m3; -1 in an int) and frees it, then
-adds one fresh large NaN block for allocations the cache cannot serve yet.
+`poison_free_memory` reads the allocator's snapshot after a device-wide synchronize and writes
+0xFF bytes (NaN in bf16, fp32 and e4m3; -1 in an int) over every block of every cached segment
+that no tensor holds, by address (``cuMemsetD8``): allocating a free block's size to fill it
+would not reach it (the pool follows the requested size, not the block's, and a request splits
+other blocks or maps a new segment). Then one fresh large NaN block, freed, for allocations the
+cache cannot serve yet.
 """
 
 from __future__ import annotations
@@ -19,20 +21,26 @@ import torch
 
 
 def poison_free_memory(fresh_bytes: int = 1 << 28, device: int | None = None) -> int:
-    """NaN-fill the allocator's free blocks on ``device`` (default: the current one) and a fresh
-    block of ``fresh_bytes``; returns the bytes poisoned."""
+    """NaN-fill every free byte the allocator has cached on ``device`` (default: the current
+    one) and a fresh block of ``fresh_bytes``; returns the bytes poisoned."""
+    from mok_cute.comm.ipc import _driver, check_cuda
+
+    driver = _driver()
     device = torch.cuda.current_device() if device is None else device
+    fresh = torch.full((fresh_bytes,), 0xFF, dtype=torch.uint8, device=device)
+    del fresh
+    torch.cuda.synchronize(device)  # every stream idle: no free block is still being read
+    poisoned = 0
+    for segment in torch.cuda.memory_snapshot():
+        if segment["device"] != device:
+            continue
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                check_cuda(driver.cuMemsetD8(address, 0xFF, block["size"]), "cuMemsetD8")
+                poisoned += block["size"]
+            address += block["size"]
     torch.cuda.synchronize(device)
-    sizes = [block["size"] for segment in torch.cuda.memory_snapshot()
-             if segment["device"] == device
-             for block in segment["blocks"] if block["state"] == "inactive"]
-    held = []
-    for size in sorted(sizes):
-        held.append(torch.empty(size, dtype=torch.uint8, device=device))
-        held[-1].fill_(0xFF)
-    held.append(torch.full((fresh_bytes,), 0xFF, dtype=torch.uint8, device=device))
-    poisoned = sum(t.numel() for t in held)
-    del held
     return poisoned
 
 

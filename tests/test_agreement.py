@@ -331,8 +331,10 @@ def _check_ipc_launch_failure(rank, world):
     group = dist.group.WORLD
     side = megakernel._IpcSide.__new__(megakernel._IpcSide)
     side.group, side.num_peers, side.local_experts, side.rank_base = group, world, 2, rank
-    plan = types.SimpleNamespace(key=types.SimpleNamespace(spec=types.SimpleNamespace(fp8=False)),
-                                 lock=threading.Lock(), side=side)
+    class Key:  # hashable, as a PlanKey
+        spec = types.SimpleNamespace(fp8=False)
+
+    plan = types.SimpleNamespace(key=Key(), lock=threading.Lock(), side=side, calls=0)
 
     def run(xs, ids, wts, wg, wu, wd, shared, timeout_ms, fp8_weights=None):
         side.schedules(ids)  # the gate, then the all_gather
@@ -372,13 +374,17 @@ def _check_ipc_launch_failure(rank, world):
                                      peer_bases=torch.zeros(1, world, dtype=torch.int64))
     align = group_backward._first_build_alignment(bwd_plan, ("bf16",), launches=2)
     with pytest.raises((ValueError, RuntimeError)) as info:
-        with group_backward._until_aligned(bwd_plan, align):
+        with agreement.until_collective(group, 20.0):
             align()
             if rank == 0:
                 raise ValueError("an FP8 dgrad failed to compile (stand-in)")
             align()
     assert (info.type is ValueError) == (rank == 0)
-    assert group_backward._first_build_alignment(bwd_plan, ("bf16",), launches=2) is None
+    # that first call failed before its last alignment: the next call aligns, on every rank
+    again = group_backward._first_build_alignment(bwd_plan, ("bf16",), launches=1)
+    with agreement.until_collective(group, 20.0):
+        again()
+    assert group_backward._first_build_alignment(bwd_plan, ("bf16",), launches=1) is None
 
 
 def test_a_rank_failing_before_the_ipc_launch_makes_every_rank_raise(tmp_path):
@@ -459,3 +465,41 @@ def test_plan_tokens_bounds_the_plans_of_variable_length_batches():
     assert len(sizes) == 8 and min(sizes) == 4608 and max(sizes) == 8192
     for t in range(1024, 40000, 37):
         assert t <= plan_tokens(t) <= t * 1.125
+
+
+def test_a_group_plan_that_a_failed_call_built_is_dropped(monkeypatch):
+    """``megakernel.moe_forward(group=...)``: a call that raised after building its plan (on
+    every rank: one rank's build failed, so it has none) drops it, so no rank keeps a plan its
+    peers lack (the next call's setup collective would meet a peer's routing all_gather)."""
+    import types
+
+    from mok_cute import megakernel
+
+    group = object()
+    plan = types.SimpleNamespace(key="k", calls=0, lock=contextlib.nullcontext(),
+                                 side=None)
+
+    def plan_for(*args, **kwargs):
+        megakernel._PLANS.put("k", plan)
+        return plan
+
+    def run(*args, **kwargs):
+        raise RuntimeError("rank 1 failed before a collective (stand-in)")
+
+    plan.run = run
+    monkeypatch.setattr(megakernel, "plan_for", plan_for)
+    monkeypatch.setattr(megakernel, "fp8_weights_of", lambda *args, **kwargs: None)
+    monkeypatch.setattr(megakernel, "_until_collective", lambda g, c: contextlib.nullcontext())
+    x = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        megakernel.moe_forward(x, torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2),
+                               x.new_zeros(2, 8, 8), x.new_zeros(2, 8, 8), x.new_zeros(2, 8, 8),
+                               group=group)
+    assert "k" not in megakernel._PLANS
+    plan.calls = 1  # a plan that ran before stays
+    with pytest.raises(RuntimeError, match="stand-in"):
+        megakernel.moe_forward(x, torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2),
+                               x.new_zeros(2, 8, 8), x.new_zeros(2, 8, 8), x.new_zeros(2, 8, 8),
+                               group=group)
+    assert megakernel._PLANS.get("k") is plan
+    megakernel._PLANS.pop("k")

@@ -666,7 +666,7 @@ def test_the_first_call_of_a_build_lines_the_group_up_after_its_compile(monkeypa
     build = (False, True, False, False, False)
     align = group_backward._first_build_alignment(plan, build, launches=1)
     assert callable(align) and calls == []
-    align()  # outside a stretch (`_until_aligned`): no gate, the all_reduce alone
+    align()  # outside a stretch (`until_collective`): no gate, the all_reduce alone
     assert calls == [group]
     assert group_backward._first_build_alignment(plan, build, launches=1) is None
     assert callable(group_backward._first_build_alignment(plan, (True, *build[1:]), launches=2))

@@ -168,11 +168,12 @@ class QuantizedWeights:
         self._entries.clear()
 
     def get(self, w: torch.Tensor, transposed: bool):
-        key = (w.data_ptr(), tuple(w.shape), w._version, transposed)
-        if key not in self._entries:
-            self._entries[key] = quantize_rowwise(w.transpose(1, 2).contiguous() if transposed
-                                                  else w)
-        return self._entries[key]
+        entry = self._entries.get((id(w), transposed))
+        if entry is None or entry[0] is not w or entry[1] != w._version:  # the tensor itself
+            entry = (w, w._version, quantize_rowwise(w.transpose(1, 2).contiguous()
+                                                     if transposed else w))
+            self._entries[(id(w), transposed)] = entry
+        return entry[2]
 
 
 class ScaledGroupedLinear(torch.autograd.Function):

@@ -468,12 +468,15 @@ class _Stretch:
 
 @contextlib.contextmanager
 def until_collective(group: Any, timeout_s: float):
-    """The stretch of a call between its agreement and the last collective that follows (the
+    """(``group`` None: nothing.) The stretch of a call between its agreement and the last collective that follows (the
     IPC megakernel's buffer setup and all_gather of the routing, the group backward's first-
     build all_reduces). A rank that raised there used to leave its peers in that collective
     until NCCL's watchdog; here the exception is exchanged instead, so every rank raises (this
     one its own error, the peers a RuntimeError naming it). `ready_for_collective` is the gate
     before each collective. Nested stretches of one group are one (the outermost tells)."""
+    if group is None:  # one GPU or virtual ranks: no peer to tell
+        yield
+        return
     agreement = agreement_for(group)
     stretch = agreement.stretch
     if agreement.world == 1:
@@ -485,7 +488,7 @@ def until_collective(group: Any, timeout_s: float):
     stretch.depth += 1
     try:
         yield
-    except BaseException as exc:
+    except Exception as exc:  # not KeyboardInterrupt: no wait on peers then
         if outermost and stretch.open:
             stretch.open = False
             rows = [_Row(raw) for raw in agreement.exchange(
