@@ -488,8 +488,10 @@ def test_group_function_hands_the_backward_main_grads_with_the_rank_dim(gen, mon
             torch.zeros(4, dtype=torch.int32), None)
 
     def backward_group(d_out1, x1, ids1, w1, wg1, wu1, wd1, shared1, saved, needs, options,
-                       tokens_per_rank=None, comm_sms=None, main_grads=None, timeline=None):
+                       tokens_per_rank=None, comm_sms=None, main_grads=None, timeline=None,
+                       group_timeout_s=None):
         assert timeline is None  # MoKConfig.timeline is off
+        assert group_timeout_s == MoKConfig().group_timeout_s  # the config's, handed on
         seen["main_grads"] = main_grads
         weights = [wg1, wu1, wd1, *shared1]
         out = [grads32[0].to(torch.bfloat16)[None], grads32[1][None]]
