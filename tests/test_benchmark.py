@@ -261,8 +261,11 @@ def test_rounds_time_every_contender_in_alternating_order_and_report_medians(tmp
         r = by[name]
         assert r["status"] == "ok" and len(r["ms_rounds"]) == 3
         assert r["ms"] == pytest.approx(sorted(r["ms_rounds"])[1])
-    assert calls[:2] == ["a", "b"]  # the checks, before any timing
-    timed = calls[2:]  # rounds a b | b a | a b: consecutive runs of one label merge at the turns
+    # the checks before any timing: each at the check's T, then once at the timed T (a sample
+    # of its tokens against the reference)
+    assert calls[:4] == ["a", "a", "b", "b"]
+    assert by["a"]["timed_size_rel_err"] < 1e-2
+    timed = calls[4:]  # rounds a b | b a | a b: consecutive runs of one label merge at the turns
     runs = [c for i, c in enumerate(timed) if i == 0 or c != timed[i - 1]]
     assert runs == ["a", "b", "a", "b"]
 
@@ -643,3 +646,26 @@ def test_result_files_say_which_code_ran():
     record = source_record()
     assert len(record["package_sha256"]) == 16
     assert record == source_record()  # a hash of the sources, not of the time
+
+
+def test_a_contender_wrong_only_at_the_timed_size_is_not_timed(tmp_path, monkeypatch):
+    """Right at the check's T, wrong at the timed T (one token's row, as a ring that wraps
+    might): the sample of the timed T's tokens catches it and the contender is not timed."""
+    def wrong_when_large(problem, ctx):
+        good, _ = harness._prepare_per_expert_loop(problem, ctx)
+
+        def run(inp):
+            out = good(inp)
+            if inp.x.shape[0] > 32:
+                out = out.clone()
+                out[:] = 0.0
+            return out
+        return run, {}
+
+    monkeypatch.setitem(harness.CONTENDERS, "large_wrong", wrong_when_large)
+    shape = shapes.resolve_shape("custom:64,64,32,8,2")
+    timer = harness.Timer(torch.device("cpu"), iters=1, warmup=0)
+    (row,) = harness.bench_shape(shape, ["large_wrong"], _ctx(tmp_path), timer, check_tokens=32,
+                                 log=lambda m: None, rounds=2)
+    assert row["rel_err"] < 1e-2 and row["status"] == "check_failed"
+    assert "of the timed T=64" in row["error"] and row["ms"] is None
