@@ -382,8 +382,8 @@ def from_mxfp8(q: torch.Tensor, s: torch.Tensor, group: int = GROUP) -> tuple[to
     ``e = max`` of the exponents of the group's sub-blocks that hold a non-zero value (a
     sub-block of zeros adds nothing, whatever its scale byte says; all zeros: ``EXP_MIN``),
     each sub-block's data ``e4m3(q * 2**(e_i - e))`` (exact when representable, else
-    round-to-nearest-even). ``from_mxfp8(*to_mxfp8(q, e)) == (q, e)``, bitwise. A NaN scale (0xFF) or NaN data:
-    the group becomes non-finite (all NaN, ``e = 127``)."""
+    round-to-nearest-even); ``from_mxfp8(*to_mxfp8(q, e)) == (q, e)``, bitwise. A NaN scale
+    (0xFF) or NaN data: the group becomes non-finite (all NaN, ``e = 127``)."""
     _check_quantized("q", q, (2,))
     group = _check_group("group", group)
     if group % MX_BLOCK:

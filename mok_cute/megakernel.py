@@ -662,9 +662,11 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     sh = None if shared is None else tuple(w.unsqueeze(0) for w in shared)
     args = (x.unsqueeze(0), topk_idx.unsqueeze(0), topk_weights.unsqueeze(0),
             w_gate.unsqueeze(0), w_up.unsqueeze(0), w_down.unsqueeze(0))
+    from mok_cute.comm.agreement import timeout_of, until_collective
+
     plan = None
-    try:
-        with _until_collective(group, config):
+    try:  # with a group: a rank failing before the routing's all_gather makes every rank raise
+        with until_collective(group, timeout_of(config)):
             # fp8: the caller's (E, I, H) weights are quantized (and cached) as they are
             plan = plan_for(args[0], args[3], args[5], sh, args[1], config, group, handle_type,
                             save=save)
@@ -683,14 +685,6 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
     return out[0], SavedPreact(saved.preact, saved.row_slot[0],
                                None if saved.shared_preact is None else saved.shared_preact[0],
                                saved.schedules, saved.plan)
-
-
-def _until_collective(group, config: MoKConfig):
-    """`comm.agreement.until_collective` (with a group: a rank failing before the routing's
-    all_gather makes every rank raise, instead of leaving them in it)."""
-    from mok_cute.comm.agreement import timeout_of, until_collective
-
-    return until_collective(group, timeout_of(config))
 
 
 def _drop_plan(plan: Plan) -> None:

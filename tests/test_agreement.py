@@ -489,7 +489,7 @@ def test_a_group_plan_that_a_failed_call_built_is_dropped(monkeypatch):
     plan.run = run
     monkeypatch.setattr(megakernel, "plan_for", plan_for)
     monkeypatch.setattr(megakernel, "fp8_weights_of", lambda *args, **kwargs: None)
-    monkeypatch.setattr(megakernel, "_until_collective", lambda g, c: contextlib.nullcontext())
+    monkeypatch.setattr(agreement, "until_collective", lambda g, t: contextlib.nullcontext())
     x = torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="stand-in"):
         megakernel.moe_forward(x, torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2),

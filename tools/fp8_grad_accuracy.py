@@ -44,7 +44,8 @@ def deq_cols_expert(rows):
     """B's copy: one scale per column over the expert's rows, dequantized back to [R, C]."""
     r = rows.bfloat16()
     offsets = torch.tensor([0, r.shape[0]], dtype=torch.int32)
-    return fp8.dequantize_cols_per_expert(*fp8.quantize_cols_per_expert(r, offsets), offsets, dtype=torch.float64).T
+    return fp8.dequantize_cols_per_expert(*fp8.quantize_cols_per_expert(r, offsets), offsets,
+                                          dtype=torch.float64).T
 
 
 def bf16(t):

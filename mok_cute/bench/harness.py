@@ -35,8 +35,9 @@ Contenders:
                      blockwise 1x128 / 128x128 (cuBLAS's split accumulation): the FP8 ceilings
 
 ``--mok-config KEY=VALUE`` sets a ``MoKConfig`` field of the mok_cute contenders (default
-``backend="kernel", check_ids=False``: ``common.BENCH_CONFIG``), dotted for a field of its options objects: ``--mok-config
-megakernel.tickets=static expert_path.fc2_pingpong_max_k=0 check_ids=False``. The JSON records
+``backend="kernel", check_ids=False``: ``common.BENCH_CONFIG``), dotted for a field of its
+options objects: ``--mok-config megakernel.tickets=static expert_path.fc2_pingpong_max_k=0
+check_ids=True``. The JSON records
 the resulting config (``mok_config``) and each mok_cute row the one it ran (``config``).
 
 Shapes (``mok_cute.shapes``): DESIGN §5's single-GPU table (E = local experts, T = tokens) and MoK's four EP shapes

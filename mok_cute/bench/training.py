@@ -355,6 +355,7 @@ def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Time
         log(f"{shape.name} {name}: {extra['status']} {extra.get('error', '')[:200]}")
     times: dict[tuple[str, str], list[float]] = {key: [] for key in rows}
     order = list(runners)
+
     def all_passes(name: str) -> Callable[[], None]:
         def run() -> None:
             for fn in runners[name].values():

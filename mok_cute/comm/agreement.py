@@ -468,12 +468,13 @@ class _Stretch:
 
 @contextlib.contextmanager
 def until_collective(group: Any, timeout_s: float):
-    """(``group`` None: nothing.) The stretch of a call between its agreement and the last collective that follows (the
+    """The stretch of a call between its agreement and the last collective that follows (the
     IPC megakernel's buffer setup and all_gather of the routing, the group backward's first-
     build all_reduces). A rank that raised there used to leave its peers in that collective
     until NCCL's watchdog; here the exception is exchanged instead, so every rank raises (this
     one its own error, the peers a RuntimeError naming it). `ready_for_collective` is the gate
-    before each collective. Nested stretches of one group are one (the outermost tells)."""
+    before each collective. Nested stretches of one group are one (the outermost tells);
+    ``group`` None (one GPU, virtual ranks): nothing."""
     if group is None:  # one GPU or virtual ranks: no peer to tell
         yield
         return
