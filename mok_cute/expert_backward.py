@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -222,7 +223,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
                      tile_expert, num_tiles, offsets, want_dx: bool, want_gate_up: bool,
                      want_down: bool, want_partials: bool, options: ExpertPathOptions,
                      fp8: bool = False, dgrads: str = "kernels", fp8_transposed=None,
-                     rows_per_expert: float = 0.0, main=None, timeline=None):
+                     rows_per_expert: float = 0.0, main=None, timeline=None, reduce_dx=None):
     """One group of experts' backward (the routed experts, or the shared one): (dx rows,
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
@@ -232,26 +233,44 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
     dgrads' transposed weights when the caller has them (else quantized from the cache).
     ``d_rows``, ``x_rows``: the padded rows in order, or ``IndexedRows`` that the
-    FP8 quantizers read in place (``routed_rows``; gathered for any other reader).
+    FP8 quantizers read in place (``routed_rows``; gathered for any other reader); either may
+    be a function that makes them, called when they are first read: the backward then holds
+    the only reference and drops them after their last reader (``_owned``).
     ``main``: (dW_gate's, dW_up's, dW_down's) main_grad buffers or None each (``_weight_grads``;
-    None returned for each given). ``timeline``: the megakernel launch's recorder buffer."""
+    None returned for each given). ``timeline``: the megakernel launch's recorder buffer.
+    ``reduce_dx``: applied to the dx rows as soon as they exist (the caller's k-sum), its
+    result returned in their place.
+    Memory: each workspace is dropped after its last reader, in the order dgrads, reduce_dx
+    (the dx rows), dW_down (the d_out rows and w * h), dW_gate | dW_up (x rows gathered only
+    now, dG | dU): ~1 GB less at the peak on dsv3_ep8_rank than holding them all."""
     if not (want_dx or want_gate_up or want_down or want_partials):
         return None, None, None, None, None
+    reduce_dx = reduce_dx or (lambda rows: rows)
     if dgrads == "megakernel" and want_gate_up and want_down and not fp8:
         # every GEMM of the backward in one launch
         from mok_cute import megakernel_backward
         _, _, partials, dx_rows, dwg, dwu, dwd = megakernel_backward.expert_grads(
-            materialized(d_rows), materialized(x_rows), w_gate, w_up, w_down, preact, row_slot,
-            weights, tile_expert, num_tiles, offsets,
+            materialized(_owned(d_rows)), materialized(_owned(x_rows)), w_gate, w_up, w_down,
+            preact, row_slot, weights, tile_expert, num_tiles, offsets,
             main_grads=None if _buffers(main, 0, 3) is None else MainGrads(*main),
             timeline=timeline)
-        return dx_rows, dwg, dwu, dwd, partials
+        return reduce_dx(dx_rows) if want_dx else None, dwg, dwu, dwd, partials
+    d_rows = _owned(d_rows)
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads, fp8_transposed)
-    dwg, dwu, dwd = _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets,
-                                  want_gate_up, want_down, fp8, rows_per_expert, main)
-    return dx_rows, dwg, dwu, dwd, partials
+    dx = reduce_dx(dx_rows) if dx_rows is not None else None
+    del dx_rows
+    wgrads = _WeightGrads(w_gate, w_down, offsets, fp8, rows_per_expert, main)
+    dwd = wgrads.down(hw, d_rows) if want_down else None
+    del hw, d_rows
+    dwg, dwu = wgrads.gate_up(d_preact, _owned(x_rows)) if want_gate_up else (None, None)
+    return dx, dwg, dwu, dwd, partials
+
+
+def _owned(rows):
+    """``rows``, made first where it is the function that makes them (``_expert_backward``)."""
+    return rows() if callable(rows) else rows
 
 
 def routed_rows(source, row_token, fp8_only: bool, row_of_slot=None):
@@ -322,30 +341,53 @@ def _quantized_rows(rows):
     return quantize.quantize_rows(src, row_index=index)
 
 
+class _WeightGrads(NamedTuple):
+    """The grouped weight gradients from the dgrads' outputs, each on what it alone reads (so
+    that a caller can drop the rest between them). FP8 pads I and H to whole 128 groups: they
+    take the real columns. ``fp8``: on ``gemm_wgrad_fp8`` where ``fp8_weight_grads(H, I,
+    rows_per_expert)``, bf16 otherwise. ``main``: (dW_gate's, dW_up's, dW_down's) main_grad
+    buffers or None each: the gradients are added into them, None returned for each
+    (``wgrad``)."""
+
+    w_gate: torch.Tensor
+    w_down: torch.Tensor
+    offsets: torch.Tensor
+    fp8: bool = False
+    rows_per_expert: float = 0.0
+    main: tuple | None = None
+
+    @property
+    def _on_fp8(self) -> bool:
+        return self.fp8 and fp8_weight_grads(self.w_down.shape[1], self.w_gate.shape[1],
+                                             self.rows_per_expert)
+
+    def gate_up(self, d_preact, x_rows):
+        """(dW_gate, dW_up) from dG | dU and the x rows (as ``_expert_backward``'s)."""
+        num_experts, inter = self.w_gate.shape[0], self.w_gate.shape[1]
+        main = _buffers(self.main, 0, 2)
+        if self._on_fp8:
+            return _gate_up_grads_fp8(d_preact, x_rows, self.offsets, num_experts, inter, main)
+        half = d_preact.shape[1] // 2
+        return wgrad(d_preact[:, :inter], d_preact[:, half:half + inter], materialized(x_rows),
+                     self.offsets, num_experts, inter, main)
+
+    def down(self, hw, d_rows):
+        """dW_down from w * h and the d_out rows (as ``_expert_backward``'s)."""
+        num_experts, inter, hidden = self.w_gate.shape[0], self.w_gate.shape[1], self.w_down.shape[1]
+        main = _buffers(self.main, 2, 3)
+        if self._on_fp8:
+            return _down_grad_fp8(hw, d_rows, self.offsets, num_experts, main)
+        return wgrad(materialized(d_rows)[:, :hidden], None, hw[:, :inter], self.offsets,
+                     num_experts, hidden, main)
+
+
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,
                   want_down: bool, fp8: bool = False, rows_per_expert: float = 0.0,
                   main=None):
-    """The grouped weight gradients from the dgrads' outputs: (dW_gate, dW_up, dW_down), None
-    where not wanted. FP8 pads I and H to whole 128 groups: they take the real columns.
-    ``fp8``: on ``gemm_wgrad_fp8`` where ``fp8_weight_grads(H, I, rows_per_expert)``, bf16
-    otherwise. ``d_rows``, ``x_rows``: as ``_expert_backward`` (bf16 GEMMs read them
-    gathered). ``main``: (dW_gate's, dW_up's, dW_down's) main_grad buffers or None each: the
-    gradients are added into them, None returned for each (``wgrad``)."""
-    num_experts, inter = w_gate.shape[0], w_gate.shape[1]
-    hidden = w_down.shape[1]
-    if fp8 and fp8_weight_grads(hidden, inter, rows_per_expert):
-        return _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts, inter,
-                                 want_gate_up, want_down, main)
-    d_rows = materialized(d_rows) if want_down else None
-    x_rows = materialized(x_rows) if want_gate_up else None
-    half = d_preact.shape[1] // 2
-    dwg = dwu = dwd = None
-    if want_gate_up:
-        dwg, dwu = wgrad(d_preact[:, :inter], d_preact[:, half:half + inter], x_rows, offsets,
-                         num_experts, inter, _buffers(main, 0, 2))
-    if want_down:
-        dwd = wgrad(d_rows[:, :w_down.shape[1]], None, hw[:, :inter], offsets, num_experts,
-                    w_down.shape[1], _buffers(main, 2, 3))
+    """(dW_gate, dW_up, dW_down) of ``_WeightGrads``, None where not wanted."""
+    wgrads = _WeightGrads(w_gate, w_down, offsets, fp8, rows_per_expert, main)
+    dwd = wgrads.down(hw, d_rows) if want_down else None
+    dwg, dwu = wgrads.gate_up(d_preact, x_rows) if want_gate_up else (None, None)
     return dwg, dwu, dwd
 
 
@@ -363,30 +405,29 @@ def _buffers(main, begin: int, end: int):
     return tuple(main[begin:end])
 
 
-def _weight_grads_fp8(d_preact, hw, d_rows, x_rows, offsets, num_experts: int, inter: int,
-                      want_gate_up: bool, want_down: bool, main=None):
-    """The weight gradients on FP8 (``kernels.gemm_wgrad_fp8``): the gradients (dG | dU,
-    d_out rows) column-quantized per 128 rows, the activations (x rows, w * h) per column
-    and expert (``quantize.quantize_cols_per_expert``); H and I whole 128 groups. The d_out
-    and x rows may be ``IndexedRows``: quantized through their index, read in place."""
+def _gate_up_grads_fp8(d_preact, x_rows, offsets, num_experts: int, inter: int, main=None):
+    """(dW_gate, dW_up) on FP8 (``kernels.gemm_wgrad_fp8``): dG | dU column-quantized per 128
+    rows, the x rows per column and expert (``quantize.quantize_cols_per_expert``; an
+    ``IndexedRows`` quantized through its index, read in place); H and I whole 128 groups."""
     from mok_cute.kernels import gemm_wgrad_fp8, quantize
 
-    dwg = dwu = dwd = None
-    if want_gate_up:
-        gq, eg = quantize.quantize_cols(d_preact)  # [2I, rows]: dG^T, then dU^T
-        x_src, x_index = in_place(x_rows)
-        xq, ex = quantize.quantize_cols_per_expert(x_src, offsets, num_experts,
-                                                   row_index=x_index)
-        dwg, dwu = gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:inter], eg[:inter], xq, ex, offsets,
-                                                    num_experts, gq[inter:], eg[inter:],
-                                                    main_grads=_buffers(main, 0, 2))
-    if want_down:
-        hq, eh = quantize.quantize_cols_per_expert(hw, offsets, num_experts)
-        d_src, d_index = in_place(d_rows)
-        dwd = gemm_wgrad_fp8.grouped_wgrad_fp8(*quantize.quantize_cols(d_src, row_index=d_index),
-                                               hq, eh, offsets, num_experts,
-                                               main_grads=_buffers(main, 2, 3))
-    return dwg, dwu, dwd
+    gq, eg = quantize.quantize_cols(d_preact)  # [2I, rows]: dG^T, then dU^T
+    x_src, x_index = in_place(x_rows)
+    xq, ex = quantize.quantize_cols_per_expert(x_src, offsets, num_experts, row_index=x_index)
+    return gemm_wgrad_fp8.grouped_wgrad_fp8(gq[:inter], eg[:inter], xq, ex, offsets,
+                                            num_experts, gq[inter:], eg[inter:],
+                                            main_grads=main)
+
+
+def _down_grad_fp8(hw, d_rows, offsets, num_experts: int, main=None):
+    """dW_down on FP8: the d_out rows column-quantized per 128 rows (an ``IndexedRows`` through
+    its index), w * h per column and expert."""
+    from mok_cute.kernels import gemm_wgrad_fp8, quantize
+
+    hq, eh = quantize.quantize_cols_per_expert(hw, offsets, num_experts)
+    d_src, d_index = in_place(d_rows)
+    return gemm_wgrad_fp8.grouped_wgrad_fp8(*quantize.quantize_cols(d_src, row_index=d_index),
+                                            hq, eh, offsets, num_experts, main_grads=main)
 
 
 def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),
@@ -519,35 +560,37 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     rows_per_expert = num_tokens * top_k / w_gate.shape[0]
     d_fp8_only, x_fp8_only = fp8_reads_only(precision, x.shape[1], w_gate.shape[1],
                                             rows_per_expert, needs)
-    d_rows = routed_rows(d_src, row_token, d_fp8_only, saved.row_of_slot)  # zeros on padding
-    x_rows = routed_rows(x, row_token, x_fp8_only) if needs.w_gate_up else None
-    shared_dx, d_shared = None, (None, None, None)
+    # made when first read, held by the backward alone (dropped after their last reader)
+    d_rows = partial(routed_rows, d_src, row_token, d_fp8_only, saved.row_of_slot)  # zeros on padding
+    x_rows = partial(routed_rows, x, row_token, x_fp8_only) if needs.w_gate_up else None
+    ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
     if dgrads == "megakernel" and shared_in_launch(shared, precision, needs):
         # every GEMM of the backward, the shared expert's too, in one launch
         from mok_cute import megakernel_backward
         *_, partials, dx_rows, dwg, dwu, dwd, s = megakernel_backward.expert_grads(
-            d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
+            d_rows(), x_rows(), w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
             saved.tile_expert, saved.num_tiles, saved.expert_offsets,
             shared=megakernel_backward.SharedExpert(
                 d_out, x.contiguous(), *(w.contiguous() for w in shared), saved.shared_preact),
             main_grads=main_grads, timeline=timeline)
-        shared_dx, d_shared = s.dx, wanted_shared_grads(s, needs)
+        d_shared = wanted_shared_grads(s, needs)
+        d_x = (token_ops.weighted_ksum(dx_rows, ones, s.dx, row_index=saved.row_of_slot)
+               if needs.x else None)
     else:
-        dx_rows, dwg, dwu, dwd, partials = _expert_backward(
-            d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
-            saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
-            needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
-            rows_per_expert=rows_per_expert,
-            main=None if main_grads is None else main_grads.routed, timeline=timeline)
+        # the shared expert's first: the k-sum then runs as soon as the routed dx rows exist
+        shared_dx, d_shared = None, (None, None, None)
         if shared is not None:
             shared_dx, d_shared = shared_backward(d_out, x, shared, saved.shared_preact, needs,
                                                   options,
                                                   None if main_grads is None else main_grads.shared)
-
-    d_x = None
-    if needs.x:
-        ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
-        d_x = token_ops.weighted_ksum(dx_rows, ones, shared_dx, row_index=saved.row_of_slot)
+        d_x, dwg, dwu, dwd, partials = _expert_backward(
+            d_rows, x_rows, w_gate, w_up, w_down, saved.preact, saved.row_slot, weights,
+            saved.tile_expert, saved.num_tiles, saved.expert_offsets, needs.x, needs.w_gate_up,
+            needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
+            rows_per_expert=rows_per_expert,
+            main=None if main_grads is None else main_grads.routed, timeline=timeline,
+            reduce_dx=partial(token_ops.weighted_ksum, w=ones, shared=shared_dx,
+                              row_index=saved.row_of_slot))
     d_topk = None
     if needs.topk_weights:
         d_topk = slot_sums(partials, saved.row_of_slot).view(num_tokens, top_k)

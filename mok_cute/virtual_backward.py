@@ -33,6 +33,7 @@ rank; the same bits either way.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -237,9 +238,12 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         d_src = pad_cols(d_src, padded(H))
     # zeros on padding rows; read in place where FP8 quantizers are their only readers
     d_fp8_only, x_fp8_only = fp8_reads_only(precision, H, I, T * K / E_loc, needs)
-    d_rows = routed_rows(d_src, concat.token_row, d_fp8_only, concat.row_of_slot)
-    x_rows = (routed_rows(xs.reshape(R * T, H), concat.token_row, x_fp8_only)
+    # made when first read, held by the backward alone (dropped after their last reader)
+    d_rows = partial(routed_rows, d_src, concat.token_row, d_fp8_only, concat.row_of_slot)
+    x_rows = (partial(routed_rows, xs.reshape(R * T, H), concat.token_row, x_fp8_only)
               if needs.w_gate_up else None)
+    ones = torch.ones(R * T, K, dtype=torch.float32, device=xs.device)
+    k_sum = partial(token_ops.weighted_ksum, w=ones, row_index=concat.row_of_slot)
     flat = lambda w: w.reshape(R * E_loc, *w.shape[2:])  # noqa: E731  every rank's experts
     weights = weights_by_preact_row(concat, topk_weights, rows)
     routed_main = shared_main = None  # every rank's experts as one expert list, as the weights
@@ -252,18 +256,23 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
         # every GEMM in one launch, every rank's shared expert too
         from mok_cute import megakernel_backward
         *_, partials, dx_rows, dwg, dwu, dwd, s = megakernel_backward.expert_grads(
-            d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down), saved.preact,
+            d_rows(), x_rows(), flat(w_gate), flat(w_up), flat(w_down), saved.preact,
             concat.preact_row, weights, concat.tile_expert, concat.num_tiles,
             concat.expert_offsets, shared=megakernel_backward.SharedExpert(
                 d_out, xs.contiguous(), *(w.contiguous() for w in shared),
                 saved.shared_preact),
             main_grads=None if main_grads is None else MainGrads(*routed_main, *shared_main),
             timeline=timeline)
+        d_shared = wanted_shared_grads(s, needs)
         # [R, T, H] of the launch's padded rows: one copy into the k-sum's contiguous rows (a
         # view where T = 1 would keep the padded stride, which the k-sum refuses)
-        shared_dx, d_shared = s.dx.reshape(R * T, H).contiguous(), wanted_shared_grads(s, needs)
+        d_xs = k_sum(dx_rows, shared=s.dx.reshape(R * T, H).contiguous()) if needs.x else None
     else:
-        dx_rows, dwg, dwu, dwd, partials = _expert_backward(
+        # the shared expert's first: the k-sum then runs as soon as the routed dx rows exist
+        shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
+                                                    needs, options, shared_main)
+        shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]
+        d_xs, dwg, dwu, dwd, partials = _expert_backward(
             d_rows, x_rows, flat(w_gate), flat(w_up), flat(w_down),
             saved.preact, concat.preact_row, weights, concat.tile_expert,
             concat.num_tiles, concat.expert_offsets, needs.x, needs.w_gate_up, needs.w_down,
@@ -271,16 +280,10 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
             # the caller's [R, E_loc, ...] tensors: the copies its forward made (cache hits)
             fp8_transposed=transposed_weights(w_gate, w_up, w_down) if fp8 else None,
             rows_per_expert=T * K / E_loc,  # R * T * K rows over R * E_loc experts
-            main=routed_main, timeline=timeline)
-        shared_dx, d_shared = shared_backward_ranks(d_out, xs, shared, saved.shared_preact,
-                                                    needs, options, shared_main)
-        shared_dx = None if shared_dx[0] is None else torch.cat(shared_dx)  # [R * T, H]
+            main=routed_main, timeline=timeline, reduce_dx=partial(k_sum, shared=shared_dx))
 
-    d_xs = d_topk = None
-    if needs.x:
-        ones = torch.ones(R * T, K, dtype=torch.float32, device=xs.device)
-        d_xs = token_ops.weighted_ksum(dx_rows, ones, shared_dx,
-                                       row_index=concat.row_of_slot).view(R, T, H)
+    d_xs = None if d_xs is None else d_xs.view(R, T, H)
+    d_topk = None
     if needs.topk_weights:
         d_topk = slot_sums(partials, concat.row_of_slot).view(R, T, K).to(topk_weights.dtype)
     unflat = lambda g: None if g is None else g.view(R, E_loc, *g.shape[1:])  # noqa: E731

@@ -157,6 +157,77 @@ def test_fake_implementations_give_the_real_shapes():
                                                     (E, H, I), (Is, H), (Is, H), (H, Is)]
 
 
+@pytest.mark.parametrize("T,K,E,Is,routing", [
+    (40, 4, 8, 64, "skew"), (9, 2, 3, 0, "empty_expert"), (1, 10, 12, 64, "uniform")])
+def test_backward_drops_each_workspace_after_its_last_reader(T, K, E, Is, routing, monkeypatch):
+    """``expert_backward.moe_backward`` (dgrads as launches) on the CPU, its kernels emulated
+    in torch (tests/test_virtual_training.py's) and the saved g | u computed in torch: every
+    gradient matches autograd on the reference, and the routed experts' workspaces are gone
+    when the next one is made: the dx rows (k-summed at once) before dW_down, the d_out rows
+    and w * h before dW_gate | dW_up, whose x rows are gathered only after the dgrads."""
+    import weakref
+
+    from mok_cute import expert_backward
+    from mok_cute.expert_path import SavedForBackward
+    from mok_cute.kernels import token_ops
+    from mok_cute.schedule import build_receive_schedule, row_of_slot
+    from test_virtual_training import _cpu_problem, _emulated_dgrads, _emulated_saved
+
+    events, routed = [], {}  # what ran, in order; weak references to the routed workspaces
+
+    def dgrads(d_rows, w_gate, *args):
+        out = _emulated_dgrads(d_rows, w_gate, *args[:9])
+        if w_gate.shape[0] == E:  # the routed experts' (the shared expert's: one)
+            routed.update(d_rows=weakref.ref(d_rows), hw=weakref.ref(out[1]),
+                          dx_rows=weakref.ref(out[3]))
+        events.append("dgrads")
+        return out
+
+    def wgrad(a, a2, b, offsets, num_experts, out_rows, main_grads=None):
+        kind = "gate_up" if a2 is not None else "down"
+        if num_experts == E:
+            events.append((kind, sorted(n for n, ref in routed.items() if ref() is not None)))
+        one = lambda m: torch.stack([  # noqa: E731
+            (m[lo:hi].double().t() @ b[lo:hi].double()).to(torch.bfloat16)
+            for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist())])
+        return one(a) if a2 is None else (one(a), one(a2))
+
+    def gather_rows(source, index):
+        events.append(("gather", "x" if source is x else "d_out"))
+        return token_ops.gather_rows_ref(source, index)
+
+    monkeypatch.setattr(expert_backward, "_dgrads", dgrads)
+    monkeypatch.setattr(expert_backward, "wgrad", wgrad)
+    monkeypatch.setattr(token_ops, "gather_rows", gather_rows)
+    monkeypatch.setattr(token_ops, "weighted_ksum",
+                        lambda y, w, shared=None, out=None, row_index=None:
+                        token_ops.weighted_ksum_ref(token_ops.gather_rows_ref(y, row_index), w,
+                                                    shared))
+    gen = torch.Generator().manual_seed(T * 100 + K)
+    leaves, idx = _cpu_problem(1, T, 64, 64, E, K, Is, routing, gen)
+    v = _emulated_saved(leaves, idx, E)  # one rank: g | u by (token, k) slot, as the kernels
+    leaves = [t[0] for t in leaves]
+    x, w, wg, wu, wd, *sh = leaves
+    saved = SavedForBackward(
+        v.preact, v.shared_preact[0] if Is else torch.empty(0, 0, dtype=torch.bfloat16),
+        v.row_slot[0], row_of_slot(build_receive_schedule(idx, 0, E, 128, gpu_build=False), T, K),
+        v.tile_expert[0], v.num_tiles[0:1].reshape(1), v.expert_offsets[0])
+    d_out = torch.randn(T, 64, generator=gen).to(torch.bfloat16)
+    got = expert_backward.moe_backward(d_out, x, idx[0], w, wg, wu, wd, tuple(sh) or None, saved)
+    for t in leaves:
+        t.requires_grad_(True)
+    reference.moe_forward(x, idx[0], w, wg, wu, wd, shared=tuple(sh) or None).backward(d_out)
+    for name, g, t in zip(NAMES, got, leaves):
+        assert g.shape == t.shape and g.dtype == t.dtype, name
+        _close(g.float(), t.grad.float(), name)
+    assert_tokens_close(got[0], x.grad, tol=DX_TOKEN_TOL, what="d_x")
+    if not Is:
+        assert got[5:] == (None, None, None)
+    routed_events = events[events.index("dgrads", 1 if Is else 0):]
+    assert routed_events == ["dgrads", ("down", ["d_rows", "hw"]), ("gather", "x"),
+                             ("gate_up", [])], routed_events
+
+
 # ---------------------------------------------------------------------- numerics (GPU)
 def _problem(T, H, I, E, K, Is=0, seed=0, routing="uniform", zero_weights=False,
              requires_grad=True):

@@ -658,11 +658,12 @@ def test_fp8_weight_grads_quantize_x_through_the_row_index(gen, monkeypatch):
         tail = (w_gate, w_down, offsets, True, True, use_fp8, 4096.0)
         got = expert_backward._weight_grads(d_pre, hw, expert_backward.IndexedRows(dy, idx),
                                             expert_backward.IndexedRows(x, idx), *tail)
+        # dW_down first (its operands can then be dropped), then dW_gate | dW_up
         if use_fp8:  # the source rows and the index reach the column quantizers
-            assert calls[1][0] is x and calls[1][1] is idx  # x's per-expert pass
-            assert calls[-1][0] is dy and calls[-1][1] is idx  # d_out's 128-row groups
+            assert calls[1][0] is dy and calls[1][1] is idx  # d_out's 128-row groups
+            assert calls[-1][0] is x and calls[-1][1] is idx  # x's per-expert pass
         else:  # the bf16 GEMMs read the gathered rows
-            assert torch.equal(calls[0][0], x_rows)
+            assert torch.equal(calls[-1][0], x_rows)
         want = expert_backward._weight_grads(d_pre, hw, d_rows, x_rows, *tail)
         for g, w in zip(got, want):
             assert g.dtype == bf16 and torch.equal(g, w)

@@ -249,15 +249,20 @@ def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_
                               tile_expert, num_tiles, offsets, want_dx, want_gate_up,
                               want_down, want_partials, options, fp8=False, dgrads="kernels",
                               fp8_transposed=None, rows_per_expert=0.0, main=None,
-                              timeline=None):
+                              timeline=None, reduce_dx=None):
     """``expert_backward._expert_backward`` in fp32 torch: the two emulations above (bf16;
     nothing recorded)."""
+    from mok_cute.expert_backward import _owned
+
     assert not fp8 and fp8_transposed is None and timeline is None
+    d_rows, x_rows = _owned(d_rows), _owned(x_rows)
     assert isinstance(d_rows, torch.Tensor) and (x_rows is None or isinstance(x_rows, torch.Tensor))
     d_pre, hw, partials, dx = _emulated_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                                weights, tile_expert, num_tiles, want_dx, options)
     dwg, dwu, dwd = _emulated_weight_grads(d_pre, hw, d_rows, x_rows, w_gate, w_down, offsets,
                                            want_gate_up, want_down, main=main)
+    if reduce_dx is not None and dx is not None:
+        dx = reduce_dx(dx)
     return dx, dwg, dwu, dwd, partials
 
 

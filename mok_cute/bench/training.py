@@ -15,7 +15,9 @@ weight gradients on ``CHECKED_EXPERTS`` experts spread over E); a failed check i
 timed. Memory: every layer's weights are the problem's own tensors (no copies), and only one
 contender's weight gradients are alive at a time, so the MoK shapes fit (kimi's weights are
 34 GB). ``saved_bytes_per_token`` is the memory the forward keeps for
-the backward (``memory_allocated`` after the forward, minus before, minus the output) over T.
+the backward (``memory_allocated`` after the forward, minus before, minus the output) over T;
+``step_peak_bytes`` one training step's peak above what was alive before it (saved activations,
+the backward's workspaces and the gradients it returns).
 
 Contenders:
   mok_cute          mok_cute.moe_forward, backend="kernel" (the custom ops of mok_cute.autograd)
@@ -317,6 +319,24 @@ def saved_bytes(layer: Layer) -> int:
     return int(kept)
 
 
+def step_peak_bytes(layer: Layer, d_out: torch.Tensor) -> int:
+    """One training step's peak memory above what was alive before it (the weights, inputs,
+    d_out, main_grad buffers): the saved activations, the backward's workspaces and the
+    gradients it returns; after a warm step, so per-model state (FP8 weight copies, plans) is
+    not counted."""
+    step = pass_runners(layer, d_out)["train"]
+    step()
+    layer.reset()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    layer.reset()
+    return int(peak)
+
+
 def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Timer, args, log) -> list[dict[str, Any]]:
     device = torch.device("cuda")
     problem = make_problem(shape, device, seed=args.seed, t_scale=args.t_scale)
@@ -344,6 +364,7 @@ def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Time
                 extra["gradients_not_computed"] = missing
             if layer is not None:
                 extra["saved_bytes_per_token"] = saved_bytes(layer) / problem.tokens
+                extra["step_peak_bytes"] = step_peak_bytes(layer, d_out)
                 runners[name] = pass_runners(layer, d_out)
                 layers[name] = layer
             else:
@@ -404,7 +425,8 @@ def print_table(results: list[dict[str, Any]], console) -> None:
     from rich.table import Table
 
     table = Table(title="MoE layer training (one GPU)")
-    for col in ("shape", "contender", "pass", "ms", "TFLOP/s", "x torch", "x sonic", "saved B/token", "MHz", "status"):
+    for col in ("shape", "contender", "pass", "ms", "TFLOP/s", "x torch", "x sonic", "saved B/token", "step peak GB",
+                "MHz", "status"):
         table.add_column(col)
     for r in results:
         clock = (r.get("gpu_clock") or {}).get("sm_mhz_median")
@@ -413,6 +435,7 @@ def print_table(results: list[dict[str, Any]], console) -> None:
                       f"{r['paired_vs_torch']:.2f}" if r.get("paired_vs_torch") else "-",
                       f"{r['paired_vs_sonicmoe']:.2f}" if r.get("paired_vs_sonicmoe") else "-",
                       f"{r['saved_bytes_per_token']:.0f}" if r.get("saved_bytes_per_token") is not None else "-",
+                      f"{r['step_peak_bytes'] / 1e9:.2f}" if r.get("step_peak_bytes") is not None else "-",
                       f"{clock:.0f}" if clock else "-", r.get("status", "?"))
     console.print(table)
 
