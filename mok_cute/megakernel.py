@@ -176,8 +176,11 @@ class _VirtualSide:
     def __init__(self, k: PlanKey, dev: torch.device):
         from mok_cute.comm import VirtualPeers, moe_symmetric_layout
 
+        # the training fields are what a group's backward pulls and pushes (group_backward,
+        # over IPC or virtual ranks' buffers): one GPU's backward reads none of them
         self.peers = VirtualPeers(k.num_ranks, moe_symmetric_layout(
-            k.tokens, k.hidden, k.top_k, k.num_ranks, training=k.spec.save_preact,
+            k.tokens, k.hidden, k.top_k, k.num_ranks,
+            training=k.spec.save_preact and not k.local_only,
             extra_fields=_fp8_fields(k)), device=dev)
         self.layout = self.peers.layout
         self.launch_ranks = self.num_peers = k.num_ranks
@@ -299,9 +302,6 @@ class Plan:
                                       device=dev)
             self.ring_h = torch.empty(R, C, fp8.packed_row_bytes(self.inter_p), dtype=torch.uint8,
                                       device=dev)
-            # one rank reading its rows in place: its packed x rows, quantized each call
-            self.x_packed = torch.empty(k.tokens, self.ring_x.shape[2], dtype=torch.uint8,
-                                        device=dev) if k.x_in_place else None
         else:
             self.ring_x = torch.empty(R, C, k.hidden, dtype=torch.bfloat16, device=dev)
             self.ring_h = torch.empty(R, C, k.intermediate, dtype=torch.bfloat16, device=dev)
@@ -436,17 +436,13 @@ class Plan:
         return out if saved is None else (out, saved)
 
     def _quantize_x(self, xs: torch.Tensor) -> int:
-        """fp8: every rank's x rows quantized 1 x 128 into packed rows (x zero-padded to H'),
-        where DISPATCH and rows in place read them -> the x offset the kernel adds to a
-        rank's symmetric base: the symmetric field, or with one rank reading its rows in
-        place the plan's own buffer."""
+        """fp8: every rank's x rows quantized 1 x 128 into packed rows (x zero-padded to H')
+        in the symmetric field, where DISPATCH and rows in place read them -> the x offset the
+        kernel adds to a rank's symmetric base."""
         from mok_cute.kernels import quantize
 
         R, T, H = xs.shape
         rows = pad_cols(xs.reshape(R * T, H), self.hidden_p)
-        if self.x_packed is not None:
-            quantize.quantize_packed_rows(rows, self.x_packed)
-            return self.x_packed.data_ptr() - self.own_base
         if R == 1:
             quantize.quantize_packed_rows(rows, self.side.x_fp8[0])
         else:  # the ranks' fields are a buffer apart: one strided copy from a staging buffer
