@@ -1002,9 +1002,9 @@ def test_quantize_rows_and_cols_row_index_on_the_device():
 
 @pytest.mark.gpu
 def test_fp8_weight_grads_through_the_row_index_are_the_gathered_rows_bits(gen):
-    """``_weight_grads_fp8`` on the GPU kernels: x and d_out quantized through the row index
-    (``IndexedRows``) give the bits of their gathered rows (``moe_backward``'s FP8 weight
-    gradients without the gathers)."""
+    """The FP8 weight gradients (``_gate_up_grads_fp8``, ``_down_grad_fp8``) on the GPU
+    kernels: x and d_out quantized through the row index (``IndexedRows``) give the bits of
+    their gathered rows (``moe_backward``'s FP8 weight gradients without the gathers)."""
     from mok_cute import expert_backward
     from mok_cute.kernels import token_ops
 
@@ -1016,13 +1016,15 @@ def test_fp8_weight_grads_through_the_row_index_are_the_gathered_rows_bits(gen):
     d_pre = (torch.randn(rows, 2 * I, generator=gen) * 0.1).to(bf16).cuda()
     hw, dy = (torch.randn(rows, I, generator=gen).to(bf16).cuda(),
               torch.randn(T, H, generator=gen).to(bf16).cuda())
-    want = expert_backward._weight_grads_fp8(d_pre, hw, token_ops.gather_rows(dy, idx),
-                                             token_ops.gather_rows(x, idx), offsets,
-                                             len(counts), I, True, True)
+
+    def grads(d_rows, x_rows):
+        return (*expert_backward._gate_up_grads_fp8(d_pre, x_rows, offsets, len(counts), I),
+                expert_backward._down_grad_fp8(hw, d_rows, offsets, len(counts)))
+
+    want = grads(token_ops.gather_rows(dy, idx), token_ops.gather_rows(x, idx))
     in_place = expert_backward.IndexedRows
     for _ in range(2):
-        got = expert_backward._weight_grads_fp8(d_pre, hw, in_place(dy, idx), in_place(x, idx),
-                                                offsets, len(counts), I, True, True)
+        got = grads(in_place(dy, idx), in_place(x, idx))
         for g, w in zip(got, want):
             assert torch.equal(g, w)
 

@@ -5,7 +5,6 @@ CUDA events, SM clock and power sampled per variant; checked first: from zero bu
 fused sums round to the unfused bf16 gradients bitwise.
 
     python tools/main_grad_probe.py [--shapes dsv3_ep8_rank,qwen3_30b] [--rounds 3] [--json out.json]
-        [--fp32-epi-stages 4,8]
 
 Variants per shape (one saved bf16 training forward each; the megakernel backend's backward
 beside the kernels'; FP8 with ``--fp8``):
@@ -13,8 +12,6 @@ beside the kernels'; FP8 with ``--fp8``):
     bwd + add              the same, then main_grad.add_(grad) for the three expert weights
     bwd fused              moe_backward(main_grads=...)
     wgrad / wgrad fused    the weight-gradient launches alone (gemm_wgrad, accumulate=True)
-    wgrad fused eN         the same with N fp32 epilogue stages a warpgroup (lead 11's A/B,
-                           ``--fp32-epi-stages``; the default build has 2), checked bitwise
 Bytes counted: the fused launch reads and writes each fp32 element once (8 B) where the bf16
 launch writes 2 B and the add reads 2 + 4 and writes 4.
 """
@@ -31,7 +28,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def variants(name: str, fp8: bool, epi_stages=()) -> dict:
+def variants(name: str, fp8: bool) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path, expert_path_fp8
@@ -86,35 +83,7 @@ def variants(name: str, fp8: bool, epi_stages=()) -> dict:
     if not fp8:
         out["wgrad gate+up"] = lambda: eb.wgrad(*gate_up)
         out["wgrad gate+up fused"] = lambda: eb.wgrad(*gate_up, main_grads=bufs[:2])
-        for stages in epi_stages:
-            out[f"wgrad gate+up fused e{stages}"] = _wgrad_with_stages(gate_up, bufs[:2], stages)
     return out, sum(t.numel() for t in ws)
-
-
-def _wgrad_with_stages(gate_up, bufs, stages: int):
-    """``expert_backward.wgrad(*gate_up, main_grads=bufs)`` on the build with ``stages`` fp32
-    epilogue stages a warpgroup; its sums checked against the default build's first."""
-    from mok_cute import expert_backward as eb
-    from mok_cute import jit
-
-    a, a2, b, offsets, _, _ = gate_up
-    kernel = jit.compile_kernel("gemm_wgrad", jit.device_arch(b.device), gated=True,
-                                accumulate=True, fp32_epi_stages=stages)
-
-    def run():
-        kernel(a.t().unsqueeze(2), a2.t().unsqueeze(2), b.t().unsqueeze(2),
-               bufs[0].permute(1, 2, 0), bufs[1].permute(1, 2, 0), offsets)
-
-    for buf in bufs:
-        buf.zero_()
-    eb.wgrad(*gate_up, main_grads=bufs)
-    want = [buf.clone() for buf in bufs]
-    for buf in bufs:
-        buf.zero_()
-    run()
-    if not all(torch.equal(buf, w) for buf, w in zip(bufs, want)):
-        raise SystemExit(f"wgrad with {stages} fp32 epilogue stages differs from the default build")
-    return run
 
 
 def main(argv=None):
@@ -126,15 +95,11 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--fp8", action="store_true")
-    p.add_argument("--fp32-epi-stages", default="",
-                   help="bf16: also the fused gate+up weight gradients with these fp32 epilogue "
-                        "stages a warpgroup (a comma list; lead 11's A/B)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     results = {}
     for name in args.shapes.split(","):
-        runs, elements = variants(name, args.fp8,
-                                  tuple(int(s) for s in args.fp32_epi_stages.split(",") if s))
+        runs, elements = variants(name, args.fp8)
         times = {k: [] for k in runs}
         order = list(runs)
         burn_in(list(runs.values()), torch.device("cuda"))  # the first round at the sustained clock

@@ -93,11 +93,11 @@ class GemmCoreSm90:
         self.b_smem_layout_staged = None
         self.epi_smem_layout_staged = None
 
-    def fp32_epilogue(self, stages: int | None = None) -> None:
+    def fp32_epilogue(self) -> None:
         """For fp32 outputs (weight gradients added into main_grad): half the epilogue stages,
-        so the epilogue buffers keep their bytes and the operand stages their count; or
-        ``stages`` (more buffers, fewer operand stages)."""
-        new = self.epi_stages // 2 if stages is None else stages
+        so the epilogue buffers keep their bytes and the operand stages their count (more
+        fp32 stages with fewer operand stages lost, docs/measurements.md)."""
+        new = self.epi_stages // 2
         self.epi_buffers = self.epi_buffers // self.epi_stages * new
         self.epi_stages = new
 

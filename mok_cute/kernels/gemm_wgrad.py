@@ -53,14 +53,10 @@ class WgradGemmSm90(GemmCoreSm90):
     :param group_m: M-tiles per rasterisation group inside an expert.
     :param num_sms: persistent grid size.
     :param accumulate: add into fp32 C instead of storing bf16 C (module docstring).
-    :param fp32_epi_stages: with ``accumulate``, a warpgroup's fp32 epilogue stages. TEMPORARY
-        (docs/measurements.md, lead 11): 2 is the measured default; 4 (3 operand stages) and 8
-        (a warpgroup's whole 128 x 128 block in smem, 2 operand stages) wait for their A/B
-        (``tools/main_grad_probe.py --fp32-epi-stages``); the loser goes.
     """
 
     def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
-                 accumulate: bool = False, fp32_epi_stages: int = 2):
+                 accumulate: bool = False):
         # each warpgroup is a whole single-warpgroup MMA over its 128 rows (the pingpong
         # layout: 64 x 32 epilogue subtiles, buffers and barriers per warpgroup)
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
@@ -70,7 +66,7 @@ class WgradGemmSm90(GemmCoreSm90):
         self.num_sms = num_sms
         self.accumulate = accumulate
         if accumulate:
-            self.fp32_epilogue(fp32_epi_stages)
+            self.fp32_epilogue()
 
     def _setup_attributes(self):
         super()._setup_attributes()
@@ -286,14 +282,12 @@ class WgradGemmSm90(GemmCoreSm90):
 
 
 def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                       arch: str = "sm_90a", options: str = "", accumulate: bool = False,
-                       fp32_epi_stages: int = 2):
+                       arch: str = "sm_90a", options: str = "", accumulate: bool = False):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` (M / N contiguous), ``C (M, N, E)``, ``C2`` (gated) or None (N
     contiguous; fp32 with ``accumulate``), the int32 expert row offsets; it runs on torch's
     current stream."""
-    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate,
-                         fp32_epi_stages=fp32_epi_stages)
+    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
     bf16 = cutlass.BFloat16
     rows = cute.sym_int32()  # the shared expert's K is every token: any count
     m, n, experts = (cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8),
