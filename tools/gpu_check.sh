@@ -7,7 +7,7 @@
 #   source .gpu/prelude.sh && bash tools/gpu_check.sh MODE [ARGS]
 #
 #   tests           the GPU tests file by file, 300 s a file, 120 s a test (pytest-timeout)
-#   alltests [K]    every GPU test (K: a -k expression) in $SHARDS (12) pytest processes at once,
+#   alltests [K]    every GPU test (K: a -k expression) in $SHARDS (12; 8 under 120 GB) pytest processes at once,
 #                   $TEST_SECS (540) in all: the DSL compiles, one core each, run in parallel
 #   bench [TAG]     the five one-GPU shapes: the expert path (mok_cute), the megakernel at R = 1
 #                   (mok_megakernel), the torch._grouped_mm pipeline and cuBLAS, $ROUNDS (5)
@@ -138,7 +138,11 @@ run_tests() {
 }
 
 run_alltests() {
-  local expr="${1:-}" shards="${SHARDS:-12}" i n
+  # 12 shards fit an H200's 141 GB; on an 80 GB H100 some of the large-shape tests then ran
+  # out of memory together (2026-12-05): 8 shards there
+  local expr="${1:-}" shards i n mib
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  shards="${SHARDS:-$([ "${mib:-0}" -ge 120000 ] && echo 12 || echo 8)}"
   "${PYTEST[@]}" --collect-only -q -m gpu tests/ ${expr:+-k "$expr"} 2>/dev/null | grep "::" > "$out/ids.txt"
   n=$(wc -l < "$out/ids.txt")
   echo "$n GPU tests in $shards shards"
