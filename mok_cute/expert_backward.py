@@ -236,7 +236,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     FP8 quantizers read in place (``routed_rows``; gathered for any other reader); either may
     be a function that makes them, called when they are first read: the backward then holds
     the only reference and drops them after their last reader (``_owned``).
-    ``main``: (dW_gate's, dW_up's, dW_down's) main_grad buffers or None each (``_weight_grads``;
+    ``main``: (dW_gate's, dW_up's, dW_down's) main_grad buffers or None each (``_WeightGrads``;
     None returned for each given). ``timeline``: the megakernel launch's recorder buffer.
     ``reduce_dx``: applied to the dx rows as soon as they exist (the caller's k-sum), its
     result returned in their place.
@@ -259,7 +259,8 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads, fp8_transposed)
-    dx = reduce_dx(dx_rows) if dx_rows is not None else None
+    # the backward megakernel's dgrads make dx rows whether or not they are wanted
+    dx = reduce_dx(dx_rows) if want_dx and dx_rows is not None else None
     del dx_rows
     wgrads = _WeightGrads(w_gate, w_down, offsets, fp8, rows_per_expert, main)
     dwd = wgrads.down(hw, d_rows) if want_down else None

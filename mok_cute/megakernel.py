@@ -176,11 +176,8 @@ class _VirtualSide:
     def __init__(self, k: PlanKey, dev: torch.device):
         from mok_cute.comm import VirtualPeers, moe_symmetric_layout
 
-        # the training fields are what a group's backward pulls and pushes (group_backward,
-        # over IPC or virtual ranks' buffers): one GPU's backward reads none of them
         self.peers = VirtualPeers(k.num_ranks, moe_symmetric_layout(
-            k.tokens, k.hidden, k.top_k, k.num_ranks,
-            training=k.spec.save_preact and not k.local_only,
+            k.tokens, k.hidden, k.top_k, k.num_ranks, training=k.spec.save_preact,
             extra_fields=_fp8_fields(k)), device=dev)
         self.layout = self.peers.layout
         self.launch_ranks = self.num_peers = k.num_ranks

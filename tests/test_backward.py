@@ -228,6 +228,33 @@ def test_backward_drops_each_workspace_after_its_last_reader(T, K, E, Is, routin
                              ("gate_up", [])], routed_events
 
 
+@pytest.mark.parametrize("dgrads", ["kernels", "megakernel"])
+def test_unwanted_dx_rows_are_not_reduced(dgrads, monkeypatch):
+    """``_expert_backward(want_dx=False)`` returns no dx and never runs ``reduce_dx`` (the
+    caller's k-sum), though the backward megakernel's dgrads make dx rows either way: else
+    d_x would be a tensor where the custom op's fake gives an empty one."""
+    from mok_cute import expert_backward, megakernel_backward
+    from mok_cute.config import ExpertPathOptions
+
+    M, H, I, E = 8, 4, 4, 2
+    dgrads_out = lambda *a, **k: (torch.zeros(M, 2 * I), torch.zeros(M, I),  # noqa: E731
+                                  torch.zeros(M, 1), torch.ones(M, H))
+    monkeypatch.setattr(megakernel_backward, "expert_dgrads", dgrads_out)
+    if dgrads == "kernels":  # (the megakernel's goes through expert_dgrads)
+        monkeypatch.setattr(expert_backward, "_dgrads", dgrads_out)
+    monkeypatch.setattr(expert_backward, "wgrad",
+                        lambda a, a2, b, offsets, n, rows, main=None: torch.zeros(n, rows, b.shape[1]))
+    reduced = []
+    w = torch.zeros(E, I, H)
+    out = expert_backward._expert_backward(
+        torch.zeros(M, H), None, w, w, torch.zeros(E, H, I), None, None, None, None, None,
+        torch.tensor([0, 4, 8]), want_dx=False, want_gate_up=False, want_down=True,
+        want_partials=True, options=ExpertPathOptions(), dgrads=dgrads,
+        reduce_dx=lambda rows: reduced.append(rows) or rows)
+    assert out[0] is None and not reduced
+    assert out[1] is None and out[2] is None and out[3].shape == (E, H, I)
+
+
 # ---------------------------------------------------------------------- numerics (GPU)
 def _problem(T, H, I, E, K, Is=0, seed=0, routing="uniform", zero_weights=False,
              requires_grad=True):
