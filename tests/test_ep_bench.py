@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -68,14 +69,20 @@ def _exact_bytes_and_max_timing(d: ep_dist.Dist, out_dir: Path) -> None:
     R = d.world
     idx = (torch.arange(T)[:, None] + torch.arange(K)[None, :]) % E_LOC  # K distinct experts of rank 0
     routing = (idx.expand(R, T, K).contiguous(), torch.full((R, T, K), 1.0 / K))
-    opts = ep.EpOptions(iters=3, warmup=1, check_tokens=8, seed=1)
+    opts = ep.EpOptions(iters=3, warmup=1, rounds=2, check_tokens=8, seed=1)
     rows = ep.bench_ep_shape(shape, T, d, opts, routing=routing, log=lambda m: None)
     by = {r["contender"]: r for r in rows}
     assert list(by) == ep.ALL_CONTENDERS
     for r in rows:
         assert r["status"] == "ok", r
         assert r["ranks"] == R and "link_gbps" in r and "deepep_gbps" in r and isinstance(r["path"], str)
-        assert r["ms"] == max(r["ms_per_rank"]) and len(r["ms_per_rank"]) == R
+        assert len(r["ms_per_rank"]) == R
+        if r["contender"] in ep.LAYER_CONTENDERS:  # interleaved rounds: max over ranks per round
+            assert len(r["ms_rounds"]) == 2 and r["ms"] == statistics.median(r["ms_rounds"]), r
+            assert max(r["ms_per_rank"]) <= r["ms"] * (1 + 1e-12), r  # per-rank medians over rounds
+            assert r["gpu_clock"] is None and "gpu_clock_per_rank" not in r  # no SM clock on a CPU
+        else:  # the exchanges: one round
+            assert r["ms"] == max(r["ms_per_rank"]) and "ms_rounds" not in r
     row_bytes = H * 2
     all_rows = R * T * K * row_bytes
     disp, comb = by["nccl_dispatch"], by["nccl_combine"]
@@ -117,7 +124,7 @@ def _failed_check_is_recorded_not_timed(d: ep_dist.Dist, out_dir: Path) -> None:
 def _cli_hook_end_to_end(d: ep_dist.Dist, out_dir: Path) -> None:
     """`mok-cute bench --ep` runs the EP harness across the ranks."""
     argv = ["bench", "--ep", "--shapes", f"custom:{T},{H},{I},{E_LOC * d.world},{K},1", "--iters", "2", "--warmup", "1",
-            "--check-tokens", "8", "--skew", "0.5", "--out", str(out_dir / "results"), "--tag", "test",
+            "--check-tokens", "8", "--skew", "0.5", "--rounds", "2", "--out", str(out_dir / "results"), "--tag", "test",
             "--mok-config", "megakernel.tickets=static"]
     assert cli.main(argv) == 0
 
@@ -127,8 +134,19 @@ def _training_passes_checked_and_timed(d: ep_dist.Dist, out_dir: Path) -> None:
     against autograd on the reference (the baseline's packed gate | up split back), timed with
     2x / 3x the forward's FLOPs; a baseline with a wrong gradient is recorded, not timed."""
     shape = _shape(d.world)
-    opts = ep.EpOptions(iters=2, warmup=1, check_tokens=8, seed=2, train=True)
+    opts = ep.EpOptions(iters=2, warmup=1, rounds=2, check_tokens=8, seed=2, train=True)
     rows = ep.bench_ep_shape(shape, T, d, opts, contenders=ep.LAYER_CONTENDERS, log=lambda m: None)
+    ep.add_ratios(rows)
+    for r in rows:  # every pass of both contenders timed in two interleaved rounds
+        assert r["status"] == "ok" and len(r["ms_rounds"]) == 2, r
+        assert r["ms"] == statistics.median(r["ms_rounds"]) and len(r["ms_per_rank"]) == d.world, r
+        assert r["gpu_clock"] is None, r  # no SM clock on a CPU
+        # paired with the baseline's rounds of the same pass: theirs over mine, round by round
+        theirs = next(b["ms_rounds"] for b in rows if b["contender"] == ep.BASELINE and b["pass"] == r["pass"])
+        assert r["paired_vs_torch"] == pytest.approx(statistics.median(t / m for t, m in zip(theirs, r["ms_rounds"])))
+        if r["contender"] == ep.BASELINE:
+            assert r["paired_vs_torch"] == pytest.approx(1.0) and r["ratio_vs_torch"] == pytest.approx(1.0)
+    assert {r["pass"] for r in rows if r["contender"] == "mok_cute" and "paired_vs_torch" in r} == {"fwd", "bwd", "train"}
     train_rows = [r for r in rows if r.get("pass") != "fwd"]
     assert sorted((r["contender"], r["pass"]) for r in train_rows) == sorted(
         (c, p) for c in ep.LAYER_CONTENDERS for p in ("bwd", "train"))
@@ -153,6 +171,39 @@ def _training_passes_checked_and_timed(d: ep_dist.Dist, out_dir: Path) -> None:
     bad = [r for r in rows if r.get("pass") != "fwd"]
     assert all(r["status"] == "check_failed" and r["ms"] is None for r in bad), bad
     assert all(r["rel_err_grads"]["d_w_down"] > 0.1 for r in bad), bad
+
+
+def _round_failure_drops_the_contender(d: ep_dist.Dist, out_dir: Path) -> None:
+    """A contender failing in round 2 (on every rank at the same call: a rank failing alone
+    would leave the others in its collective) is recorded as an error agreed across ranks and
+    never called again; the other contender keeps all its rounds."""
+    shape = _shape(d.world)
+    original = ep.NcclTorchMoE.__call__
+    calls = [0]
+    # the check (1 call), the burn-in (warmup: 1), round 1 (warmup 1 + iters 2): round 2's first is the 6th
+    failing_call = 6
+
+    def counted(self, inp):
+        calls[0] += 1
+        if calls[0] >= failing_call:
+            raise RuntimeError(f"injected failure on rank {d.rank}")
+        return original(self, inp)
+
+    ep.NcclTorchMoE.__call__ = counted
+    try:
+        rows = ep.bench_ep_shape(shape, T, d, ep.EpOptions(iters=2, warmup=1, rounds=3, check_tokens=8),
+                                 contenders=ep.LAYER_CONTENDERS, log=lambda m: None)
+    finally:
+        ep.NcclTorchMoE.__call__ = original
+    by = {r["contender"]: r for r in rows}
+    assert calls[0] == failing_call  # dropped from round 3
+    bad = by[ep.BASELINE]
+    assert bad["status"] == "error" and bad["ms"] is None and "ms_rounds" not in bad, bad
+    assert bad["error"].startswith("round 2 of 3: rank 0: RuntimeError: injected failure on rank 0"), bad["error"]
+    good = by["mok_cute"]
+    assert good["status"] == "ok" and len(good["ms_rounds"]) == 3 and good["ms"] == statistics.median(good["ms_rounds"])
+    ep.add_ratios(rows)
+    assert "paired_vs_torch" not in good and "ratio_vs_torch" not in good
 
 
 def _rank0_out_of_memory_is_an_error_on_every_rank(d, out_dir: Path) -> None:
@@ -212,6 +263,7 @@ SCENARIOS = {
     "train": _training_passes_checked_and_timed,
     "bytes": _exact_bytes_and_max_timing,
     "failed_check": _failed_check_is_recorded_not_timed,
+    "round_failure": _round_failure_drops_the_contender,
     "cli": _cli_hook_end_to_end,
 }
 
@@ -244,6 +296,10 @@ def test_two_ranks_baseline_bytes_timing_failed_check_and_cli(tmp_path):
     assert doc["mok_config"]["megakernel"]["tickets"] == "static" and "switches" not in doc
     assert [r["contender"] for r in doc["results"]] == ep.ALL_CONTENDERS
     assert all(r["status"] == "ok" for r in doc["results"]), doc["results"]
+    assert doc["rounds"] == 2 and doc["iters"] == 2 and doc["warmup"] == 1
+    layer = [r for r in doc["results"] if r["contender"] in ep.LAYER_CONTENDERS]
+    assert all(len(r["ms_rounds"]) == 2 and r["ms"] == statistics.median(r["ms_rounds"]) for r in layer), layer
+    assert all(r["paired_vs_torch"] > 0 for r in layer), layer
     assert json_path.with_suffix(".png").stat().st_size > 0
 
 
@@ -281,6 +337,14 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="ranks"):
         ep.make_rank_weights(_shape(1), 3, 0, torch.device("cpu"), seed=0)
     assert ep.main(["--contenders", "nope"]) == 2
+
+
+@pytest.mark.parametrize("rounds", ["0", "-1"])
+def test_rounds_below_one_are_refused_naming_the_option(rounds, capsys):
+    assert ep.main(["--rounds", rounds, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--rounds" in err and f"got {rounds}" in err, err
+    assert not dist.is_initialized()  # refused before any process group
 
 
 def test_named_shapes_and_prefixes():

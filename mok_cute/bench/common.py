@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import gc
+import statistics
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -189,3 +190,10 @@ def burn_in(calls: Sequence[Callable[[], Any]], device: torch.device,
                 calls.remove(call)
         torch.cuda.synchronize(device)
 
+
+def paired_ratio(num: list[float] | None, den: list[float] | None) -> float | None:
+    """The median over rounds of ``num[r] / den[r]``: two contenders timed in the same
+    interleaved rounds (None unless both have the same number of rounds)."""
+    if not num or not den or len(num) != len(den):
+        return None
+    return float(statistics.median(a / b for a, b in zip(num, den)))

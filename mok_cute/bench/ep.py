@@ -35,10 +35,20 @@ per rank; the shared expert is the same on every rank.
 Correctness first: before timing, each layer contender runs on fresh inputs of
 ``--check-tokens`` tokens per rank; inputs, weights and outputs are gathered to rank 0 and
 compared with ``mok_cute.reference.moe_forward_virtual`` (relative Frobenius error <= ``--tol``).
-A failed check is recorded and not timed. Timing: a warm-up, then per iteration the ranks are
-aligned (a one-element all_reduce and a device sync) and the call is timed with CUDA events (host
-clock on the CPU); the median per rank, then the max over ranks (all_reduce MAX) is ``ms``.
-TFLOP/s per GPU = 6 * (T*K + T) * H * I / ms with T the tokens per rank.
+A failed check is recorded and not timed. Timing (``ep_dist.timed_rounds``): every layer
+contender that passed is built first and burnt in (``--warmup`` untimed calls each: a fixed
+count, so every rank calls the collectives equally often), then timed in ``--rounds``
+interleaved rounds, the order reversed on odd rounds (the GPU clock drifts between contenders
+timed one after another: two one-round runs of one command differed by 23 %). One round of a
+contender: a warm-up, then per iteration the ranks are aligned (a one-element all_reduce and a
+device sync) and the call is timed with CUDA events (host clock on the CPU); the median per
+rank, then the max over ranks (all_reduce MAX) is that round's time, kept in ``ms_rounds``;
+``ms`` is the median over rounds, ``ms_per_rank`` each rank's median over rounds of its
+per-round medians. ``gpu_clock`` is rank 0's SM clock while the contender ran
+(``mok_cute.bench.gpu_clock.ClockSampler``; ``gpu_clock_per_rank`` every rank's; None on the
+CPU), ``paired_vs_torch`` the median over rounds of nccl_torch's time over the contender's in
+the same round. TFLOP/s per GPU = 6 * (T*K + T) * H * I / ms with T the tokens per rank. The
+two exchange rows are timed once each, after the layers.
 
 Rank 0 writes ``<out>/<date>_<gpu>_<tag>.json`` (DESIGN §5 schema plus ``ranks``, ``link_gbps``,
 ``deepep_gbps``, ``path``, ``status`` and per-rank details) and a PNG bar chart of the layer rows.
@@ -66,9 +76,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from mok_cute.bench.common import (apply_config_overrides, error_text, forward_path_of, free_memory,  # noqa: E402
-                                   parse_config_overrides, parse_contenders, rel_err, sync)
+                                   paired_ratio, parse_config_overrides, parse_contenders, rel_err, sync)
 from mok_cute.bench.ep_dist import (Dist, ExchangePlan, _agree_error, all_values, broadcast_float,  # noqa: E402
-                                    exchange, gather_stacked, plan_exchange, session, timed_over_ranks)
+                                    exchange, gather_stacked, plan_exchange, session, timed_over_ranks,
+                                    timed_rounds)
 from mok_cute.bench.problems import Inputs, randn_weight  # noqa: E402
 from mok_cute.bench.results import chart_dependency_missing, config_record, gpu_name, save_results  # noqa: E402
 from mok_cute.bench.torch_moe import pack_grouped_mm_weights, shared_expert, swiglu_bf16, weighted_scatter_sum  # noqa: E402
@@ -238,6 +249,7 @@ class NcclTorchMoE:
 class EpOptions:
     iters: int = 30
     warmup: int = 5
+    rounds: int = 3  # interleaved timing rounds of the layer contenders (ep_dist.timed_rounds)
     check_tokens: int = 256
     tol: float = 1e-2
     seed: int = 0
@@ -374,18 +386,15 @@ def bench_ep_shape(
         del ref, outs
         free_memory(d.device)
 
-    # 3. Time the layer contenders that passed.
-    for name, run in runners.items():
-        error = None
-        try:
-            ms, per_rank = timed_over_ranks(d, lambda: run(inputs), opts.iters, opts.warmup)
-        except Exception as exc:
-            error = error_text(exc)
-        error = _agree_error(d, error)
-        if error:
-            rows[name].update(status="error", error=error)
+    # 3. Time the layer contenders that passed: all built (above), a burn-in, then interleaved
+    # rounds (ep_dist.timed_rounds; a contender failing in any round is dropped on every rank).
+    calls = {name: (lambda run=run: run(inputs)) for name, run in runners.items()}
+    for name, timed in timed_rounds(d, calls, opts.rounds, opts.iters, opts.warmup).items():
+        if "error" in timed:
+            rows[name].update(status="error", error=timed["error"])
         else:
-            rows[name].update(ms=ms, ms_per_rank=per_rank, tflops=base["flops"] / (ms * 1e-3) / 1e12, status="ok")
+            rows[name].update(**timed, tflops=base["flops"] / (timed["ms"] * 1e-3) / 1e12, status="ok")
+    calls.clear()
     runners.clear()
     free_memory(d.device)
 
@@ -473,12 +482,21 @@ def _bench_exchanges(shape, tokens, d: Dist, opts: EpOptions, inputs: Inputs, we
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """``ratio_vs_torch``: TFLOP/s over the nccl_torch baseline's on the same shape, T and pass."""
+    """``ratio_vs_torch``: TFLOP/s over the nccl_torch baseline's on the same shape, T and pass
+    (a ratio of two medians over rounds). ``paired_vs_torch``, for rows timed in rounds
+    (``ms_rounds``): the median over rounds of the baseline's time over this row's in the same
+    round (``paired_ratio``): the two ran back to back within a round, while the clock
+    drifts between rounds."""
     key = lambda r: (r["shape"], r["T"], r.get("pass", "fwd"))  # noqa: E731
     base = {key(r): r["tflops"] for r in results if r["contender"] == BASELINE and r.get("tflops")}
+    base_rounds = {key(r): r["ms_rounds"] for r in results if r["contender"] == BASELINE and r.get("ms_rounds")}
     for r in results:
         if r.get("tflops") and key(r) in base:
             r["ratio_vs_torch"] = r["tflops"] / base[key(r)]
+        if r.get("ms_rounds") and key(r) in base_rounds:
+            paired = paired_ratio(base_rounds[key(r)], r["ms_rounds"])
+            if paired is not None:
+                r["paired_vs_torch"] = paired
 
 
 def chart_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -521,7 +539,7 @@ def print_results(results: list[dict[str, Any]], console: Any, title: str) -> No
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("shape", "T/rank", "contender", "pass", "status", "rel err", "ms (max)", "TFLOP/s/GPU", "x nccl_torch", "link GB/s", "DeepEP GB/s", "path / error"):
+    for col in ("shape", "T/rank", "contender", "pass", "status", "rel err", "ms (max)", "TFLOP/s/GPU", "x nccl_torch", "paired x", "link GB/s", "DeepEP GB/s", "path / error"):
         table.add_column(col)
 
     def num(v: Any, fmt: str) -> str:
@@ -531,7 +549,7 @@ def print_results(results: list[dict[str, Any]], console: Any, title: str) -> No
         note = r.get("path", "") if r.get("status") == "ok" else r.get("error", "")
         table.add_row(
             r["shape"], str(r["T"]), r["contender"], r.get("pass", "fwd"), r.get("status", ""), num(r.get("rel_err"), ".2e"), num(r.get("ms"), ".3f"),
-            num(r.get("tflops"), ".1f"), num(r.get("ratio_vs_torch"), ".2f"), num(r.get("link_gbps"), ".1f"),
+            num(r.get("tflops"), ".1f"), num(r.get("ratio_vs_torch"), ".2f"), num(r.get("paired_vs_torch"), ".2f"), num(r.get("link_gbps"), ".1f"),
             num(r.get("deepep_gbps"), ".1f"), (note or "")[:60],
             style={"ok": "", "skipped": "dim"}.get(r.get("status", ""), "red"),
         )
@@ -558,7 +576,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true", help="also the training passes (bwd, train) of the layer contenders, "
                    "their gradients checked against autograd on the reference first")
     p.add_argument("--iters", type=int, default=30, help="timed iterations per rank (median)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before each timed round, and the burn-in's "
+                   "calls per contender before the first")
+    p.add_argument("--rounds", type=int, default=3, help="time the layer contenders this many times in alternating "
+                   "order (reversed on odd rounds) after a burn-in; ms = the median over rounds (clock drift; keeps "
+                   "every contender alive at once)")
     p.add_argument("--check-tokens", type=int, default=256, help="tokens per rank of the check against the reference")
     p.add_argument("--tol", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
@@ -584,6 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         contenders = parse_contenders(args.contenders, ALL_CONTENDERS)
         if args.check_tokens < 1:
             raise ValueError(f"--check-tokens: expected >= 1, got {args.check_tokens}")
+        if args.rounds < 1:
+            raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
         mok_config = apply_config_overrides(MoKConfig(), parse_config_overrides(args.mok_config))
         missing = chart_dependency_missing()  # before minutes of timing, not after
         if missing:
@@ -600,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"mok-cute bench --ep: --shapes: the routed experts of {bad} do not split over {d.world} ranks", file=sys.stderr)
             return 2
         opts = EpOptions(
-            iters=args.iters, warmup=args.warmup, check_tokens=args.check_tokens, tol=args.tol, seed=args.seed,
+            iters=args.iters, warmup=args.warmup, rounds=args.rounds, check_tokens=args.check_tokens, tol=args.tol, seed=args.seed,
             skew=args.skew, hot_expert=args.hot_expert, mok_config=mok_config, train=args.train,
         )
         log(f"{d.world} ranks, backend {d.backend}, device {gpu_name(d.device)}; NVLS off: {NVLS_OFF}")
@@ -619,8 +643,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if d.rank == 0:
             extra = {
                 "ranks": d.world, "backend": d.backend, "nvls_env": dict(NVLS_OFF),
-                "timing": "per iteration: ranks aligned, CUDA events (host clock on CPU); median per rank, max over ranks",
-                "iters": args.iters, "warmup": args.warmup, "skew": args.skew, "hot_expert": args.hot_expert,
+                "timing": "layer rows: a burn-in of --warmup calls per contender, then --rounds interleaved rounds (order "
+                "reversed on odd rounds); per round and iteration: ranks aligned, CUDA events (host clock on CPU); median per "
+                "rank, max over ranks = the round's ms (ms_rounds); ms = median over rounds. Exchange rows: one round",
+                "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds, "skew": args.skew, "hot_expert": args.hot_expert,
                 "bytes": "link = rows sent to other ranks; deepep = dispatch: rows received incl. local, combine: rows sent back incl. local; "
                 "one row per routed (token, k), bf16 [H]; GB/s = mean bytes over ranks / max-over-ranks time",
             }

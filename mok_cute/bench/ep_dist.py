@@ -1,7 +1,8 @@
 """The process-group side of the expert-parallel benchmarks (``mok_cute.bench.ep`` and its
 training passes, ``mok_cute.bench.ep_training``): the group (torchrun's, or one process),
 gathers and broadcasts to rank 0, the all_to_all exchange plan of the NCCL baseline, and the
-timing over ranks (ranks aligned per iteration, median per rank, max over ranks)."""
+timing over ranks (ranks aligned per iteration, median per rank, max over ranks; several
+contenders in interleaved rounds, ``timed_rounds``)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mok_cute.bench.common import sync
+from mok_cute.bench.common import error_text, sync
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,6 +239,107 @@ def timed_over_ranks(d: Dist, fn: Callable[[], Any], iters: int, warmup: int) ->
     """(max over ranks of the per-rank median via all_reduce MAX, every rank's median)."""
     mine = time_per_rank(d, fn, iters, warmup)
     return all_max(d, mine), all_values(d, mine)
+
+
+def clock_sampler(device: torch.device) -> Any:
+    """A ``mok_cute.bench.gpu_clock.ClockSampler`` of this rank's GPU on CUDA; None elsewhere
+    (a CPU rank has no SM clock, and nvidia-smi would sample a GPU that is not its device)."""
+    if device.type != "cuda":
+        return None
+    from mok_cute.bench.gpu_clock import ClockSampler
+
+    return ClockSampler(device)
+
+
+def timed_rounds(
+    d: Dist,
+    calls: dict[str, Callable[[], Any]],
+    rounds: int,
+    iters: int,
+    warmup: int,
+    burn: int | None = None,
+    after: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Time every call of ``calls`` (label -> call) in ``rounds`` interleaved rounds, the order
+    of ``calls`` reversed on odd rounds; every rank calls this together with the same labels.
+
+    First a burn-in: ``burn`` (default ``warmup``) untimed calls of each, in order. A fixed
+    count, not ``common.burn_in``'s fixed time: a time-based loop could call a collective a
+    different number of times on each rank. Then per round and call ``timed_over_ranks``
+    (``warmup`` untimed calls, then ``iters`` aligned, timed ones), inside a
+    ``ClockSampler`` window of its label on CUDA. ``after(label)`` runs after each burn-in and
+    each timed call, untimed (the training passes drop their weight gradients there).
+
+    Every failure is agreed across ranks (``_agree_error``) right after the call that failed; a
+    call that fails in the burn-in or in any round is dropped from the later rounds on every
+    rank. Returns per label either ``{"error": text}`` or
+
+      ms_rounds           per round, the max over ranks of the per-rank medians
+      ms                  the median of ``ms_rounds``
+      ms_per_rank         per rank, the median over rounds of its per-round medians (max of
+                          these <= ``ms``: not always equal to it with several rounds)
+      gpu_clock           rank 0's SM clock stats in the label's windows (None off CUDA or
+                          without nvidia-smi: ``ClockSampler.stats``)
+      gpu_clock_per_rank  every rank's, where any rank recorded samples
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds: expected >= 1, got {rounds}")
+    burn = warmup if burn is None else burn
+    out: dict[str, dict[str, Any]] = {label: {} for label in calls}
+    order = list(calls)
+    active = set(order)
+
+    def fail(label: str, error: str | None, when: str) -> None:
+        error = _agree_error(d, error)
+        if error:
+            out[label]["error"] = f"{when}: {error}"
+            active.discard(label)
+
+    for label in order:
+        error = None
+        try:
+            for _ in range(burn):
+                calls[label]()
+            if after is not None:
+                after(label)
+            sync(d.device)
+        except Exception as exc:
+            error = error_text(exc)
+        fail(label, error, f"burn-in ({burn} calls)")
+    ms_rounds: dict[str, list[float]] = {label: [] for label in order}
+    per_rank_rounds: dict[str, list[list[float]]] = {label: [] for label in order}
+    sampler = clock_sampler(d.device)
+    with sampler if sampler is not None else contextlib.nullcontext():
+        for r in range(rounds):
+            for label in order if r % 2 == 0 else order[::-1]:
+                if label not in active:
+                    continue
+                error = None
+                try:
+                    with sampler.window(label) if sampler is not None else contextlib.nullcontext():
+                        ms, per_rank = timed_over_ranks(d, calls[label], iters, warmup)
+                    ms_rounds[label].append(ms)
+                    per_rank_rounds[label].append(per_rank)
+                    if after is not None:
+                        after(label)
+                except Exception as exc:
+                    error = error_text(exc)
+                fail(label, error, f"round {r + 1} of {rounds}")
+    timed = [label for label in order if label in active]
+    clocks = {label: sampler.stats(label) if sampler is not None else None for label in timed}
+    every: list[Any] = [None] * d.world  # every rank's clock stats, one collective for all labels
+    dist.all_gather_object(every, clocks, group=d.group)
+    for label in timed:
+        per_rank_clock = [rank_clocks.get(label) for rank_clocks in every]
+        out[label] = {
+            "ms": float(statistics.median(ms_rounds[label])),
+            "ms_rounds": ms_rounds[label],
+            "ms_per_rank": [float(statistics.median(col)) for col in zip(*per_rank_rounds[label])],
+            "gpu_clock": per_rank_clock[0],
+        }
+        if any(c is not None for c in per_rank_clock):
+            out[label]["gpu_clock_per_rank"] = per_rank_clock
+    return out
 
 
 

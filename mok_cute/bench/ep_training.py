@@ -17,11 +17,16 @@ all-reduce would) are compared with autograd on ``reference.moe_forward_virtual`
 Frobenius error <= ``--tol`` each, its sums over the ranks); a contender that fails is not timed.
 Rank 0 runs the reference on every rank's gathered inputs and weights and hands each rank its
 own slice of each gradient, so no rank ever holds a contender's gradients of every rank (with
-the reference's, dsv4_pro's would need ~165 GiB on rank 0). Timing as the forward's (ranks aligned, CUDA events, median per rank, max
-over ranks): ``bwd`` = the backward alone over one forward's graph (kept with
-``retain_graph``), ``train`` = forward + backward. TFLOP/s per GPU counts 2x (bwd) and 3x
-(train) the forward's FLOPs. Every rank runs every backward: the group backward is a
-collective.
+the reference's, dsv4_pro's would need ~165 GiB on rank 0). Timing as the forward's
+(``ep_dist.timed_rounds``): every contender that passed is built first (its layer, and for
+``bwd`` one forward's graph kept with ``retain_graph``: one graph per contender alive at once),
+burnt in (``--warmup`` untimed calls of each pass), then timed in ``--rounds`` interleaved rounds
+(the order of the (contender, pass) pairs reversed on odd rounds; ranks aligned, CUDA events,
+median per rank, max over ranks = the round's ``ms_rounds`` entry; ``ms`` = the median over
+rounds; ``gpu_clock`` per pair). The weight gradients are dropped (``EpLayer.reset``) after each
+timed pass, so one contender's are alive at a time. ``bwd`` = the backward alone over the kept
+graph, ``train`` = forward + backward. TFLOP/s per GPU counts 2x (bwd) and 3x (train) the
+forward's FLOPs. Every rank runs every backward: the group backward is a collective.
 """
 
 from __future__ import annotations
@@ -206,7 +211,7 @@ def grad_error_over_ranks(d, got: torch.Tensor | None, ref: torch.Tensor,
 def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], weights, inputs, check,
                    grouped_mm: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The bwd and train rows of one shape at one T (every rank calls it together)."""
-    from mok_cute.bench.ep_dist import _agree_error, timed_over_ranks
+    from mok_cute.bench.ep_dist import _agree_error, timed_rounds
     from mok_cute.bench.common import pass_runners
 
     rows = {(c, p): {**base, "contender": c, "pass": p, "flops": base["flops"] * k}
@@ -252,24 +257,41 @@ def bench_ep_train(base: dict[str, Any], d, opts, contenders: Sequence[str], wei
     del ref
     free_memory(d.device)
 
+    # Every contender that passed built first (layers, and the bwd pass's kept graph on its first
+    # call), then all timed in interleaved rounds (ep_dist.timed_rounds).
+    layers: dict[str, EpLayer] = {}
+    calls: dict[str, Callable[[], Any]] = {}
+    pair_of: dict[str, tuple[str, str]] = {}
     for name in passed:
-        runners = pass_runners(EpLayer(name, weights, inputs, d, opts.mok_config, grouped_mm),
-                               d_out)  # bwd over one forward's kept graph; train: both
-        for p in PASSES:
-            fn = runners[p]
-            error = None
-            try:
-                ms, per_rank = timed_over_ranks(d, fn, opts.iters, opts.warmup)
-            except Exception as exc:
-                error = error_text(exc)
-            error = _agree_error(d, error)
-            row = rows[(name, p)]
-            if error:
-                row.update(status="error", error=error)
-            else:
-                row.update(ms=ms, ms_per_rank=per_rank, status="ok",
-                           tflops=row["flops"] / (ms * 1e-3) / 1e12)
-            log(f"{base['shape']} T={base['T']} {name} {p}: {row.get('status')}"
-                + (f" {ms:.3f} ms" if not error else f" ({error[:200]})"))
-        free_memory(d.device)
+        error = None
+        try:
+            layer = EpLayer(name, weights, inputs, d, opts.mok_config, grouped_mm)
+            runners = pass_runners(layer, d_out)  # bwd over one forward's kept graph; train: both
+            layers[name] = layer
+            for p in PASSES:
+                calls[f"{name}/{p}"], pair_of[f"{name}/{p}"] = runners[p], (name, p)
+        except Exception as exc:
+            error = error_text(exc)
+        error = _agree_error(d, error)
+        if error:
+            for p in PASSES:
+                rows[(name, p)].update(status="error", error=error)
+                calls.pop(f"{name}/{p}", None)
+            layers.pop(name, None)
+
+    def reset(label: str) -> None:  # one contender's weight gradients alive at a time
+        layers[pair_of[label][0]].reset()
+
+    for label, timed in timed_rounds(d, calls, opts.rounds, opts.iters, opts.warmup, after=reset).items():
+        name, p = pair_of[label]
+        row = rows[(name, p)]
+        if "error" in timed:
+            row.update(status="error", error=timed["error"])
+        else:
+            row.update(**timed, status="ok", tflops=row["flops"] / (timed["ms"] * 1e-3) / 1e12)
+        log(f"{base['shape']} T={base['T']} {name} {p}: {row.get('status')}"
+            + (f" {row['ms']:.3f} ms" if row.get("ms") else f" ({(row.get('error') or '')[:200]})"))
+    calls.clear()
+    layers.clear()
+    free_memory(d.device)
     return list(rows.values())

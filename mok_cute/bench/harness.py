@@ -72,7 +72,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mok_cute.bench.common import (BENCH_CONFIG, apply_config_overrides, burn_in, error_text,
+from mok_cute.bench.common import (BENCH_CONFIG, apply_config_overrides, burn_in, error_text, paired_ratio,
                                    forward_path_of,
                                    free_memory, parse_config_overrides, parse_contenders, rel_err,
                                    sync)
@@ -612,14 +612,6 @@ def bench_shape(
     del problem, check, ref
     free_memory(ctx.device)
     return results
-
-
-def paired_ratio(num: list[float] | None, den: list[float] | None) -> float | None:
-    """The median over rounds of ``num[r] / den[r]``: two contenders timed in the same
-    interleaved rounds (None unless both have the same number of rounds)."""
-    if not num or not den or len(num) != len(den):
-        return None
-    return float(statistics.median(a / b for a, b in zip(num, den)))
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:

@@ -62,10 +62,10 @@ import torch
 
 from mok_cute.api import MoKConfig, forget_quantized_weights, moe_forward, moe_forward_virtual
 from mok_cute.bench.common import (BENCH_CONFIG, GRAD_NAMES, TRAIN_PASSES, apply_config_overrides, burn_in,
-                                   error_text, free_memory, parse_config_overrides,
+                                   error_text, free_memory, paired_ratio, parse_config_overrides,
                                    parse_contenders, pass_runners)
 from mok_cute.bench.gpu_clock import ClockSampler
-from mok_cute.bench.harness import (Timer, bench_cublas, command_line, paired_ratio, sonicmoe_gate_up,
+from mok_cute.bench.harness import (Timer, bench_cublas, command_line, sonicmoe_gate_up,
                                     sonicmoe_runner)
 from mok_cute.bench.problems import Problem, make_problem
 from mok_cute.bench.results import gpu_name, save_results
