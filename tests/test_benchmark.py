@@ -4,6 +4,7 @@ result JSON schema (with the MoKConfig timed) and bar chart (CPU); the full prot
 
 import dataclasses
 import json
+import types
 
 import pytest
 import torch
@@ -173,6 +174,43 @@ def test_torch_scaled_grouped_mm_pipeline_plumbing_on_cpu(spec, monkeypatch):
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     assert 5e-3 < err <= 0.08, err
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_training_check_at_the_timed_size_catches_a_swapped_token(shared):
+    """``training.timed_size_errors``: a layer that is the reference passes at ~0; the same
+    layer with two tokens' rows swapped in the output and in d_x (what a misrouted row at a
+    large T would do) fails by far, row by row (the sample of 256 of T = 300 holds at least
+    one of them)."""
+    from mok_cute import reference
+    from mok_cute.bench import training
+
+    problem = problems.make_problem(shapes.Shape("t", 300, 64, 32, 6, 3, shared), "cpu", seed=3)
+    i = problem.inputs
+    d_out = torch.randn(i.x.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+
+    def layer(swap: bool):
+        x = i.x.detach().clone().requires_grad_()
+        w = i.topk_weights.detach().clone().requires_grad_()
+        perm = torch.arange(300)
+        if swap:
+            perm[[7, 211]] = perm[[211, 7]]
+
+        def forward():
+            return reference.moe_forward(x, i.topk_idx, w, problem.w_gate, problem.w_up,
+                                         problem.w_down, shared=problem.shared)[perm]
+
+        def reset():
+            x.grad = w.grad = None
+
+        return types.SimpleNamespace(
+            forward=forward, reset=reset, zero_main_grads=lambda: None,
+            grads=lambda: {"x": None if x.grad is None else x.grad[perm], "topk_weights": w.grad})
+
+    ok = training.timed_size_errors(layer(False), problem, d_out)
+    assert set(ok) == {"out", "d_x", "d_topk_weights"} and max(ok.values()) < 1e-6, ok
+    bad = training.timed_size_errors(layer(True), problem, d_out)
+    assert bad["out"] > 0.3 and bad["d_x"] > 0.3, bad  # bf16's bound: 3 x 1e-2
 
 
 def test_per_expert_loop_matches_the_reference_on_cpu():
@@ -542,6 +580,8 @@ def test_training_bench_on_the_gpu(tmp_path):
     for r in rows.values():
         assert r["status"] == "ok" and r["ms"] > 0 and len(r["ms_rounds"]) == 2
         assert max(r["rel_l1"].values()) <= 1e-2 and r["saved_bytes_per_token"] > 0
+        assert set(r["timed_size_rel_l1"]) == {"out", "d_x", "d_topk_weights"}
+        assert max(r["timed_size_rel_l1"].values()) <= 3e-2  # the worst of 256 rows
         # a step holds its saved activations and more (workspaces, the gradients)
         assert r["step_peak_bytes"] > r["saved_bytes_per_token"] * 384
     assert rows[("mok_cute", "train")]["paired_vs_torch"] > 0

@@ -11,8 +11,10 @@ passes:
 
 (TK -> TK + T with the shared expert.) The check: on ``--check-tokens`` tokens, the output and
 every gradient against autograd on ``mok_cute.reference`` (relative L1 <= ``--tol``; the routed
-weight gradients on ``CHECKED_EXPERTS`` experts spread over E); a failed check is recorded and not
-timed. Memory: every layer's weights are the problem's own tensors (no copies), and only one
+weight gradients on ``CHECKED_EXPERTS`` experts spread over E); then one step at the timed T, its
+output, d_x and d_topk_weights rows of 256 random tokens against the reference on those tokens,
+each row within ``ROW_TOL_FACTOR`` x that tolerance (``timed_size_errors``); a failed check is
+recorded and not timed. Memory: every layer's weights are the problem's own tensors (no copies), and only one
 contender's weight gradients are alive at a time, so the MoK shapes fit (kimi's weights are
 34 GB). ``saved_bytes_per_token`` is the memory the forward keeps for
 the backward (``memory_allocated`` after the forward, minus before, minus the output) over T;
@@ -304,6 +306,50 @@ def check(layer: Layer, ref_out: torch.Tensor, ref_grads: dict[str, torch.Tensor
     return errors
 
 
+def timed_size_errors(layer: Layer, problem: Problem, d_out: torch.Tensor, sample: int = 256,
+                      seed: int = 0) -> dict[str, float]:
+    """One training step at the timed T: the output's, d_x's and d_topk_weights' rows of
+    ``sample`` random tokens against autograd on the reference on those tokens alone (each of
+    these rows depends on its own token's x, ids, weights and d_out only), as the worst row's
+    relative L1 error (``worst_row_error``; nan for a gradient the contender does not compute):
+    what the check at a small T cannot see (several minibatches, a wrapping ring, large-M
+    schedules), row by row, so that one misrouted token shows."""
+    from mok_cute import reference
+
+    layer.reset()
+    layer.zero_main_grads()
+    out = layer.forward()
+    out.backward(d_out)
+    got = layer.grads()
+    i = problem.inputs
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rows = torch.randperm(problem.tokens, generator=gen)[:sample].to(i.x.device)
+    x = i.x[rows].detach().requires_grad_()
+    w = i.topk_weights[rows].detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(_pack_bf16_exact, _unpack_bf16_exact):
+        want = reference.moe_forward(x, i.topk_idx[rows], w, problem.w_gate, problem.w_up,
+                                     problem.w_down, shared=problem.shared)
+    want.backward(d_out[rows])
+    errors = {"out": worst_row_error(out.detach()[rows], want.detach())}
+    for name, ref in (("x", x.grad), ("topk_weights", w.grad)):
+        g = got.get(name)
+        errors[f"d_{name}"] = float("nan") if g is None else worst_row_error(g[rows], ref)
+    layer.reset()
+    return errors
+
+
+ROW_TOL_FACTOR = 3.0  # a row's error bound over the contender's whole-tensor tolerance
+
+
+def worst_row_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest over rows of a row's L1 error over the larger of its own L1 norm and the
+    rows' mean (a row whose terms cancel is held to the rows' scale, not its own)."""
+    got, want = got.double().flatten(1), want.double().flatten(1)
+    norms = want.abs().sum(1)
+    scale = torch.maximum(norms, norms.mean().clamp_min(1e-30))
+    return float(((got - want).abs().sum(1) / scale).max())
+
+
 def saved_bytes(layer: Layer) -> int:
     """What the forward keeps alive for the backward (the output excluded); measured after
     one forward, so that per-model state (the FP8 weight copies, cached per weight version)
@@ -362,12 +408,22 @@ def bench_shape(shape, contenders: Sequence[str], config: MoKConfig, timer: Time
             extra = {"rel_l1": {n: v for n, v in errors.items() if v == v}, "status": status}
             if missing:
                 extra["gradients_not_computed"] = missing
+            if layer is not None:  # and at the timed T, on a sample of its tokens
+                timed = timed_size_errors(layer, problem, d_out, seed=args.seed)
+                extra["timed_size_rel_l1"] = {n: v for n, v in timed.items() if v == v}
+                worst_timed = max((v for v in timed.values() if v == v), default=0.0)
+                if not worst_timed <= ROW_TOL_FACTOR * tol:
+                    extra["status"] = "check_failed"
+                    extra["error"] = (f"worst row's relative L1 {worst_timed:.3g} > "
+                                      f"{ROW_TOL_FACTOR * tol:.3g} vs autograd on mok_cute.reference "
+                                      f"on 256 of the timed T={problem.tokens} tokens")
+                    layer = None
             if layer is not None:
                 extra["saved_bytes_per_token"] = saved_bytes(layer) / problem.tokens
                 extra["step_peak_bytes"] = step_peak_bytes(layer, d_out)
                 runners[name] = pass_runners(layer, d_out)
                 layers[name] = layer
-            else:
+            elif "error" not in extra:
                 extra["error"] = f"worst relative L1 {worst:.3g} > {tol} vs autograd on mok_cute.reference"
         except Exception as exc:
             extra = {"status": "error", "error": error_text(exc)}
