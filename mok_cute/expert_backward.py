@@ -565,6 +565,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
     d_rows = partial(routed_rows, d_src, row_token, d_fp8_only, saved.row_of_slot)  # zeros on padding
     x_rows = partial(routed_rows, x, row_token, x_fp8_only) if needs.w_gate_up else None
     ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    k_sum = partial(token_ops.weighted_ksum, w=ones, row_index=saved.row_of_slot)
     if dgrads == "megakernel" and shared_in_launch(shared, precision, needs):
         # every GEMM of the backward, the shared expert's too, in one launch
         from mok_cute import megakernel_backward
@@ -575,8 +576,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                 d_out, x.contiguous(), *(w.contiguous() for w in shared), saved.shared_preact),
             main_grads=main_grads, timeline=timeline)
         d_shared = wanted_shared_grads(s, needs)
-        d_x = (token_ops.weighted_ksum(dx_rows, ones, s.dx, row_index=saved.row_of_slot)
-               if needs.x else None)
+        d_x = k_sum(dx_rows, shared=s.dx) if needs.x else None
     else:
         # the shared expert's first: the k-sum then runs as soon as the routed dx rows exist
         shared_dx, d_shared = None, (None, None, None)
@@ -590,8 +590,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
             needs.w_down, needs.topk_weights, options, fp8=precision == "fp8", dgrads=dgrads,
             rows_per_expert=rows_per_expert,
             main=None if main_grads is None else main_grads.routed, timeline=timeline,
-            reduce_dx=partial(token_ops.weighted_ksum, w=ones, shared=shared_dx,
-                              row_index=saved.row_of_slot))
+            reduce_dx=partial(k_sum, shared=shared_dx))
     d_topk = None
     if needs.topk_weights:
         d_topk = slot_sums(partials, saved.row_of_slot).view(num_tokens, top_k)

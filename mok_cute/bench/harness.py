@@ -392,6 +392,13 @@ def reference_output(problem: Problem) -> torch.Tensor:
     return reference.moe_forward(i.x, i.topk_idx, i.topk_weights, problem.w_gate, problem.w_up, problem.w_down, shared=problem.shared)
 
 
+def sampled_tokens(problem: Problem, sample: int, seed: int) -> torch.Tensor:
+    """``sample`` distinct random token indices of ``problem`` (all of them when it has fewer),
+    on its device: the rows the checks at the timed T compare."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randperm(problem.tokens, generator=gen)[:sample].to(problem.inputs.x.device)
+
+
 def timed_size_error(run: Runner, problem: Problem, sample: int = 256, seed: int = 0) -> float:
     """The relative error of ``run``'s output at the timed T, on ``sample`` random tokens'
     rows against the reference on those tokens alone (a token's row depends on its own x,
@@ -401,8 +408,7 @@ def timed_size_error(run: Runner, problem: Problem, sample: int = 256, seed: int
 
     out = run(problem.inputs)
     i = problem.inputs
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    rows = torch.randperm(problem.tokens, generator=gen)[:sample].to(i.x.device)
+    rows = sampled_tokens(problem, sample, seed)
     want = reference.moe_forward(i.x[rows], i.topk_idx[rows], i.topk_weights[rows], problem.w_gate,
                                  problem.w_up, problem.w_down, shared=problem.shared)
     return rel_err(out[rows], want)

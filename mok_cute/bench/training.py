@@ -67,8 +67,8 @@ from mok_cute.bench.common import (BENCH_CONFIG, GRAD_NAMES, TRAIN_PASSES, apply
                                    error_text, free_memory, paired_ratio, parse_config_overrides,
                                    parse_contenders, pass_runners)
 from mok_cute.bench.gpu_clock import ClockSampler
-from mok_cute.bench.harness import (Timer, bench_cublas, command_line, sonicmoe_gate_up,
-                                    sonicmoe_runner)
+from mok_cute.bench.harness import (Timer, bench_cublas, command_line, sampled_tokens,
+                                    sonicmoe_gate_up, sonicmoe_runner)
 from mok_cute.bench.problems import Problem, make_problem
 from mok_cute.bench.results import gpu_name, save_results
 from mok_cute.bench.torch_moe import (QuantizedWeights, fuse_shared, torch_grouped_mm_moe,
@@ -322,8 +322,7 @@ def timed_size_errors(layer: Layer, problem: Problem, d_out: torch.Tensor, sampl
     out.backward(d_out)
     got = layer.grads()
     i = problem.inputs
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    rows = torch.randperm(problem.tokens, generator=gen)[:sample].to(i.x.device)
+    rows = sampled_tokens(problem, sample, seed)
     x = i.x[rows].detach().requires_grad_()
     w = i.topk_weights[rows].detach().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(_pack_bf16_exact, _unpack_bf16_exact):
