@@ -81,8 +81,11 @@ from mok_cute.kernels.megakernel.backward_shared import (SHARED_FC1_DGRAD, SHARE
                                                          SharedOperands, SharedTasksMixin)
 from mok_cute.kernels.megakernel.backward_tail import BackwardTailMixin, GroupTail
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
-from mok_cute.kernels.megakernel.scheduler import (DECODED_WORDS, TICKET_SLOTS, Context,
-                                                   ticket_ring_init)
+from mok_cute.kernels.megakernel.scheduler import (D_INDEX, D_MTILE, D_NTILE, D_NUM_WAITS,
+                                                   D_RANK, D_RING_TILE, D_SIGNAL, D_TYPE,
+                                                   DECODED_WORDS, RUN_FLAG, TICKET_SLOTS,
+                                                   Context, ring_next, ring_wait_empty,
+                                                   ring_wait_full, ring_words, ticket_ring_init)
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
 from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, BackwardTaskType,
                                      BackwardWord)
@@ -92,6 +95,10 @@ from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, Backward
 # FC2_DGRAD count (the pingpong phase's end), the comm queue position where the KSUMs (by
 # ticket) begin
 BACKWARD_SCALARS = 6
+# TEMPORARY (consumer_words_from_smem): the dgrad ring's slots are the forward's (``scheduler``'s
+# D_* words); two the backward has no use for hold the counter groups of the comm build's
+# defer rule: the task's signal group and its first wait's group
+D_SIGNAL_GROUP, D_WAIT_GROUP = D_RANK, D_RING_TILE
 
 
 class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCommMixin,
@@ -115,11 +122,17 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         fp32 outputs (the weights' ``main_grad``) by TMA reduce-add instead of stored in bf16.
     :param timeline: the recorder build (``backward_recorder``): every task's span into the
         ``timeline_buf`` argument.
+    :param consumer_words_from_smem: TEMPORARY (an A/B): the load warp, which decodes each
+        dgrad one task ahead, hands its words to the consumer warps through a smem ring (the
+        forward's ticket ring, ``scheduler``), instead of every consumer thread decoding it
+        again from global memory (queue, task row, counter offsets) after the previous
+        task's epilogue.
     """
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
-                 accumulate_wgrads: bool = False, timeline: bool = False):
+                 accumulate_wgrads: bool = False, timeline: bool = False,
+                 consumer_words_from_smem: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -131,6 +144,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.shared = shared
         self.accumulate_wgrads = accumulate_wgrads
         self.timeline = timeline
+        self.consumer_words_from_smem = consumer_words_from_smem
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -226,6 +240,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         extra["tail_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
         extra["tail_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
         extra["ksum_ticket"] = cute.struct.MemRange[Int32, 1]  # the group tail's KSUM ticket
+        if const_expr(self.consumer_words_from_smem):  # the dgrads' ring of decoded tasks
+            extra["dgrad_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
+            extra["dgrad_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
         if const_expr(self.timeline):  # each consumer warpgroup's recording thread's marks
             extra["rec_marks"] = cute.struct.MemRange[Int64, 2 * MARKS_PER_WARPGROUP]
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
@@ -295,6 +312,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         tail_ring = (storage.tail_q.data_ptr(), storage.tail_full_empty.data_ptr())
         if tidx == 0:  # its readers: the eight consumer warps
             ticket_ring_init(tail_ring[1], self.num_mma_threads // 32)
+        task_ring = None
+        if const_expr(self.consumer_words_from_smem):
+            task_ring = (storage.dgrad_q.data_ptr(), storage.dgrad_full_empty.data_ptr())
+            if tidx == 0:
+                ticket_ring_init(task_ring[1], self.num_mma_threads // 32)
         walk_tables = (tasks, queue, queue_live_len, num_tiles, scalars)
         # the pingpong phase: the queue's FC2_DGRAD prefix, within the live prefix (its tasks
         # decoded from the queue alone: the walk's values are loaded after it, fewer registers
@@ -313,7 +335,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         compute_args = (walk_tables, fc2_end, fc2_walk, first, tile_expert, expert_offsets,
                         counter_offsets, counters, error, scalars, preact, row_slot, weights,
                         partials, fc2_ring, ab_pipeline, tiled_mma, sA, sB, sC, f_layouts,
-                        w_layouts, tail_ring, tidx, warp_idx, warpgroup_idx,
+                        w_layouts, tail_ring, task_ring, tidx, warp_idx, warpgroup_idx,
                         (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu),
                         (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                         (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy, tma_whw,
@@ -338,14 +360,17 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                       scalars: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, fc2_ring, ab_pipeline,
-                      tiled_mma, sA, sB, sC, f_layouts, w_layouts, tail_ring, tidx: Int32,
-                      warp_idx: Int32, warpgroup_idx: Int32, loads, stores, w_loads, w_stores,
+                      tiled_mma, sA, sB, sC, f_layouts, w_layouts, tail_ring, task_ring,
+                      tidx: Int32, warp_idx: Int32, warpgroup_idx: Int32, loads, stores,
+                      w_loads, w_stores,
                       peer_rows: PeerRows, tail: GroupTail, ksum_args, shared,
                       timeline_buf: cute.Tensor, rec_marks):
         """A compute CTA: the load warp and the two consumer warpgroups (with the group
         tail, the consumer warps then take KSUM tickets: ``backward_tail``); ``shared``:
         the shared expert's ``SharedOperands`` (None: no shared task); ``rec_marks``: the
-        recorder's smem marks, ``MARKS_PER_WARPGROUP`` a consumer warpgroup (None: off)."""
+        recorder's smem marks, ``MARKS_PER_WARPGROUP`` a consumer warpgroup (None: off);
+        ``task_ring``: the dgrads' ring of decoded tasks (``consumer_words_from_smem``; else
+        None)."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = loads
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         if warpgroup_idx == 0:
@@ -359,7 +384,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                 self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets,
                                    counter_offsets, counters, error, Int64(scalars[0]),
                                    ab_pipeline, sA, sB,
-                                   loads, w_loads, w_layouts, tail_ring, shared, timeline_buf)
+                                   loads, w_loads, w_layouts, tail_ring, task_ring, shared,
+                                   timeline_buf)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
@@ -375,7 +401,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                counters, preact, row_slot, weights, partials, ab_pipeline,
                                tiled_mma, sA, sB, sC,
                                stores, w_stores, w_layouts,
-                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring, shared,
+                               t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring,
+                               task_ring, shared,
                                self._recorder(timeline_buf, rec_marks, 1,
                                               tidx == self.threads_per_warpgroup))
             if const_expr(self.ksum_top_k > 0):
@@ -464,10 +491,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     def producer_loop(self, walk, first: Int32, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                       timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts,
-                      tail_ring, shared: SharedOperands, timeline_buf: cute.Tensor):
+                      tail_ring, task_ring, shared: SharedOperands, timeline_buf: cute.Tensor):
         """The load warp from walk position ``first``: per dgrad its waits (each lane spins on
         its own copy), then its k-tiles' A and B boxes by TMA; then the weight gradients by
-        tickets (``wgrad_producer_tickets``)."""
+        tickets (``wgrad_producer_tickets``). With ``task_ring`` its lane 0 also publishes each
+        position's decoded words as ring use k (its k-th position), the next one's once this
+        one's loads are out."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = ops
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         fc2_parts = None
@@ -483,6 +512,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         loads = Int32(0)
         pos = first
         run, ttype, m_tile, n_tile, _, _, _, index = self._task(walk, pos, counter_offsets)
+        base = self._ring_base(first)
+        if const_expr(task_ring is not None):
+            self._publish_dgrad(task_ring, self._ring_use(pos, base), tasks, counter_offsets, run,
+                                ttype, m_tile, n_tile, index)
         while pos < live_len:  # the dgrads
             nxt = pos + self.num_ctas
             n_run, n_type, n_m, n_n, _, _, _, n_index = self._task(walk, nxt, counter_offsets)
@@ -542,6 +575,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                     ab_pipeline.producer_commit(state)
                     state.advance()
                 loads += k_tiles
+            if const_expr(task_ring is not None):
+                # the next task's words once this one's loads are out (its decode's loads
+                # waited under them); its consumers read them after this task's epilogue.
+                # Deadlock-free: use k waits for the consumers to give back use k - 4, which
+                # they do when they take use k - 3, whose loads went out before
+                self._publish_dgrad(task_ring, self._ring_use(nxt, base), tasks, counter_offsets,
+                                    n_run, n_type, n_m, n_n, n_index)
             run, ttype, m_tile, n_tile, index = n_run, n_type, n_m, n_n, n_index
             pos = nxt
         # the weight gradients (the tail), by tickets
@@ -554,6 +594,45 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                             wgrad_ops, w_parts, shared, s_w_parts, timeline_buf)
         ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.ab_stages, loads))
+
+    @cute.jit
+    def _ring_base(self, first: Int32) -> Int32:
+        """TEMPORARY (``consumer_words_from_smem``): the dgrad ring's use of walk position p is
+        p // num_ctas - this, the CTA's first position's (its block index without the pingpong
+        phase: 0, nothing held; a counter carried through the loops spilled there)."""
+        base = Int32(0)
+        if const_expr(self.fc2_pingpong):
+            base = first // self.num_ctas
+        return base
+
+    @cute.jit
+    def _ring_use(self, pos: Int32, base: Int32) -> Int32:
+        """The dgrad ring's use of walk position ``pos`` (``_ring_base``)."""
+        return pos // self.num_ctas - base
+
+    @cute.jit
+    def _publish_dgrad(self, ring, k: Int32, tasks: cute.Tensor, counter_offsets: cute.Tensor,
+                       run, ttype: Int32, m_tile: Int32, n_tile: Int32, index: Int32):
+        """TEMPORARY (``consumer_words_from_smem``): lane 0 of the load warp writes the
+        decoded words of a dgrad walk position (``_task``'s; its counter slot and wait count
+        read again here, from lines the decode brought into L1: held through the loads they
+        spilled) as ring use ``k`` (the type with ``RUN_FLAG``; with comm CTAs also the
+        counter groups of the defer rule), once the consumers have given back use k -
+        ``TICKET_SLOTS``."""
+        ring_q, bars = ring
+        if cute.arch.lane_idx() == 0:
+            ring_wait_empty(bars, k)
+            words = ring_words(ring_q, k)
+            words[D_INDEX] = index
+            words[D_TYPE] = ttype + cutlass.select_(run, Int32(RUN_FLAG), Int32(0))
+            words[D_MTILE] = m_tile
+            words[D_NTILE] = n_tile
+            words[D_SIGNAL] = signal_slot(tasks, index, counter_offsets)
+            words[D_NUM_WAITS] = tasks[index, int(BackwardWord.NUM_WAITS)]
+            if const_expr(self.comm_ctas > 0):
+                words[D_SIGNAL_GROUP] = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
+                words[D_WAIT_GROUP] = tasks[index, int(BackwardWord.WAITS)]
+            cute.arch.mbarrier_arrive(bars + k % TICKET_SLOTS)  # release: the words, then the phase
 
     def _fc2_load_parts(self, sA, sB, ops):
         """FC2_DGRAD's (cooperative) TMA partitions: (atom, global, smem) of the dY rows, then
@@ -625,13 +704,14 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
                       sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
-                      warpgroup_idx: Int32, tail_ring, shared: SharedOperands,
+                      warpgroup_idx: Int32, tail_ring, task_ring, shared: SharedOperands,
                       recorder: Recorder):
         """Both consumer warpgroups from walk position ``first``: per task the mainloop, the
         epilogue's TMA stores, and for a dgrad, once they have landed, the task's counter,
         published by thread 0 of the store warp (nothing waits on a weight gradient: the
         launch's end orders them). ``recorder``: the first consumer warpgroup's, which
-        records the tasks."""
+        records the tasks. ``task_ring``: each dgrad's words read from the load warp's ring
+        (``_dgrad_words``), else decoded here."""
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         tile = (TILE_M, self.tile_shape_mnk[1])
         views = [cute.local_tile(t, tile, (None, None, None)) for t in (t_dg, t_du, t_hw, t_dx)]
@@ -650,8 +730,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         loads, subtiles = Int32(0), Int32(0)
         held = Int32(-1)  # the counter whose publish waits for the next mainloop (-1: none)
         pos = first
+        base = self._ring_base(first)
         while pos < live_len:  # the dgrads
-            run, ttype, m_tile, n_tile, _, _, signal, index = self._task(walk, pos, counter_offsets)
+            run, ttype, m_tile, n_tile, signal, index = self._dgrad_words(
+                walk, pos, counter_offsets, task_ring, self._ring_use(pos, base))
             if run:
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
                 self.rec_stamp(recorder, START)
@@ -713,14 +795,17 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                 nxt = pos + self.num_ctas
                 defer = False
                 if nxt < live_len:
-                    n_run, _, _, _, _, n_waits, _, n_index = self._task(walk, nxt, counter_offsets)
+                    n_run, n_waits, n_group, group = self._next_dgrad_words(
+                        walk, nxt, counter_offsets, index, task_ring,
+                        self._ring_use(nxt, base))
                     defer = n_run and n_waits == 0
                     if const_expr(self.comm_ctas > 0):
                         # every dgrad waits here (FC2_DGRAD on its pulled rows): the next
                         # task cannot need this one's counter unless it waits on its group
                         # (FC1_DGRAD after FC2_DGRAD)
-                        defer = n_run and (n_waits == 0 or tasks[n_index, int(BackwardWord.WAITS)]
-                                           != tasks[index, int(BackwardWord.SIGNAL_GROUP)])
+                        defer = n_run and (n_waits == 0 or n_group != group)
+                if const_expr(task_ring is not None):  # read again: not held through the epilogue
+                    signal = ring_words(task_ring[0], self._ring_use(pos, base))[D_SIGNAL]
                 if defer:
                     held = signal
                 else:
@@ -738,6 +823,52 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+
+    @cute.jit
+    def _dgrad_words(self, walk, pos: Int32, counter_offsets: cute.Tensor, task_ring,
+                     k: Int32):
+        """A consumer thread's (run, type, M-tile, N-tile, counter slot, list index) of walk
+        position ``pos``: decoded from the task row (``_task``), or with ``task_ring`` read
+        from ring use ``k`` (use k - 1 given back; ``_publish_dgrad``)."""
+        if const_expr(task_ring is not None):
+            ring_q, bars = task_ring
+            ring_next(ring_q, bars, k)
+            words = ring_words(ring_q, k)
+            tword = words[D_TYPE]
+            run, ttype = (tword & RUN_FLAG) != 0, tword & (RUN_FLAG - 1)
+            m_tile, n_tile = words[D_MTILE], words[D_NTILE]
+            signal, index = words[D_SIGNAL], words[D_INDEX]
+        else:
+            run, ttype, m_tile, n_tile, _, _, signal, index = self._task(walk, pos,
+                                                                         counter_offsets)
+        return run, ttype, m_tile, n_tile, signal, index
+
+    @cute.jit
+    def _next_dgrad_words(self, walk, nxt: Int32, counter_offsets: cute.Tensor, index: Int32,
+                          task_ring, k: Int32):
+        """What the publish of the task before (list index ``index``) asks of the CTA's next
+        position ``nxt``: (run, wait count, its first wait's counter group, the task before's
+        signal group; the groups with comm CTAs only), decoded from the task rows or with
+        ``task_ring`` read from ring use ``k``, nxt's (published once the task before's loads
+        were out: no wait in practice; kept until the consumers take k + 1), and k - 1.
+        ``k`` from ``nxt``, not from the task before's use: that one, shared, stayed in a
+        register through the dgated epilogue and spilled."""
+        tasks = walk[0]
+        n_group, group = Int32(0), Int32(0)
+        if const_expr(task_ring is not None):
+            ring_q, bars = task_ring
+            ring_wait_full(bars, k)
+            words = ring_words(ring_q, k)
+            n_run, n_waits = (words[D_TYPE] & RUN_FLAG) != 0, words[D_NUM_WAITS]
+            if const_expr(self.comm_ctas > 0):
+                n_group = words[D_WAIT_GROUP]
+                group = ring_words(ring_q, k - 1)[D_SIGNAL_GROUP]
+        else:
+            n_run, _, _, _, _, n_waits, _, n_index = self._task(walk, nxt, counter_offsets)
+            if const_expr(self.comm_ctas > 0):
+                n_group = tasks[n_index, int(BackwardWord.WAITS)]
+                group = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
+        return n_run, n_waits, n_group, group
 
     @cute.jit
     def _store_dx(self, args, shared_dx):
@@ -760,11 +891,11 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False):
+                                timeline: bool = False, consumer_words_from_smem: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline)
+                                    shared, accumulate_wgrads, timeline, consumer_words_from_smem)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
