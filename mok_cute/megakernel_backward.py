@@ -133,6 +133,9 @@ fc2_pingpong = fc2_dgrad_pingpong
 # their decoding it again from global memory (``BackwardMegakernelSm90``'s
 # ``consumer_words_from_smem``)
 consumer_words_from_smem = False
+# TEMPORARY (an A/B; the probe's --consumer-words also times it): the comm build's defer rule
+# in every build (``BackwardMegakernelSm90``'s ``defer_by_group``)
+defer_by_group = False
 
 
 def fc2_tile_n(hidden: int) -> int:
@@ -565,7 +568,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                                 ksum_top_k=top_k if tail is not None else 0,
                                 ksum_shared=ksum_shared, shared=shared is not None,
                                 accumulate_wgrads=accumulate, timeline=timeline is not None,
-                                consumer_words_from_smem=consumer_words_from_smem)
+                                consumer_words_from_smem=consumer_words_from_smem,
+                                defer_by_group=defer_by_group)
     if before_launch is not None:
         before_launch()
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,

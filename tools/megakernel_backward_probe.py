@@ -120,6 +120,15 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants["GEMMs: megakernel, one launch [consumer words from smem]"] = run
         variants["moe_backward (megakernel) [consumer words from smem]"] = patched(
             backward("megakernel"), consumer_words=True)
+        for tag, kw in ((" [defer by group]", dict(defer_by_group=True)),
+                        (" [smem words + defer by group]",
+                         dict(consumer_words=True, defer_by_group=True))):
+            run = patched(one_launch, **kw)
+            same = all(torch.equal(a, b) for a, b in zip(live(one_launch()), live(run())))
+            print(f"{name} one launch{tag} bitwise the default's (live rows): {same}", flush=True)
+            variants["dgrads: megakernel" + tag] = patched(megakernel, **kw)
+            variants["GEMMs: megakernel, one launch" + tag] = run
+            variants["moe_backward (megakernel)" + tag] = patched(backward("megakernel"), **kw)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -143,13 +152,21 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
             "one_launch": one / median["GEMMs: megakernel, one launch" + tag],
             "backward": (median["moe_backward (megakernel)"]
                          / median["moe_backward (megakernel)" + tag])}
-        cw = ratios["consumer_words"]
-        print(f"{name} consumer words from smem, speed / default: dgrads {cw['dgrads']:.3f}, one "
-              f"launch {cw['one_launch']:.3f}, whole backward {cw['backward']:.3f}", flush=True)
+        for key, tag in (("defer_by_group", " [defer by group]"),
+                         ("both", " [smem words + defer by group]")):
+            ratios[key] = {
+                "dgrads": median["dgrads: megakernel"] / median["dgrads: megakernel" + tag],
+                "one_launch": one / median["GEMMs: megakernel, one launch" + tag],
+                "backward": (median["moe_backward (megakernel)"]
+                             / median["moe_backward (megakernel)" + tag])}
+        for key in ("consumer_words", "defer_by_group", "both"):
+            cw = ratios[key]
+            print(f"{name} {key}, speed / default: dgrads {cw['dgrads']:.3f}, one "
+                  f"launch {cw['one_launch']:.3f}, whole backward {cw['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb=None, fc2_pingpong=None, consumer_words=None):
+def patched(fn, per_mb=None, fc2_pingpong=None, consumer_words=None, defer_by_group=None):
     """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles and / or
     its FC2_DGRAD form forced (its own table cache) and / or its consumers' task words from
     the load warp's smem ring (``consumer_words``, TEMPORARY)."""
@@ -158,7 +175,8 @@ def patched(fn, per_mb=None, fc2_pingpong=None, consumer_words=None):
     tables = mb.BoundedCache(32)
 
     def run():
-        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong, mb.consumer_words_from_smem
+        saved = (mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong, mb.consumer_words_from_smem,
+                 mb.defer_by_group)
         mb._TABLES = tables
         if per_mb is not None:
             mb.tiles_per_minibatch = lambda capacity_tiles: per_mb
@@ -166,11 +184,13 @@ def patched(fn, per_mb=None, fc2_pingpong=None, consumer_words=None):
             mb.fc2_pingpong = lambda hidden: fc2_pingpong
         if consumer_words is not None:
             mb.consumer_words_from_smem = consumer_words
+        if defer_by_group is not None:
+            mb.defer_by_group = defer_by_group
         try:
             return fn()
         finally:
             (mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong,
-             mb.consumer_words_from_smem) = saved
+             mb.consumer_words_from_smem, mb.defer_by_group) = saved
     return run
 
 

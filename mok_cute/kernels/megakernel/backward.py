@@ -122,6 +122,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         fp32 outputs (the weights' ``main_grad``) by TMA reduce-add instead of stored in bf16.
     :param timeline: the recorder build (``backward_recorder``): every task's span into the
         ``timeline_buf`` argument.
+    :param defer_by_group: TEMPORARY (an A/B): the comm build's defer rule in every build.
     :param consumer_words_from_smem: TEMPORARY (an A/B): the load warp, which decodes each
         dgrad one task ahead, hands its words to the consumer warps through a smem ring (the
         forward's ticket ring, ``scheduler``), instead of every consumer thread decoding it
@@ -132,7 +133,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
                  accumulate_wgrads: bool = False, timeline: bool = False,
-                 consumer_words_from_smem: bool = False):
+                 consumer_words_from_smem: bool = False, defer_by_group: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -145,6 +146,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.accumulate_wgrads = accumulate_wgrads
         self.timeline = timeline
         self.consumer_words_from_smem = consumer_words_from_smem
+        # TEMPORARY (an A/B): the comm build's defer rule in every build (a dgrad's publish
+        # waits for the next task's mainloop unless that task waits on this one's group: at
+        # one rank FC1_DGRAD's publish, and its wait for the stores to land, then leave the
+        # path between tasks)
+        self.group_rule = comm_ctas > 0 or defer_by_group
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -629,7 +635,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             words[D_NTILE] = n_tile
             words[D_SIGNAL] = signal_slot(tasks, index, counter_offsets)
             words[D_NUM_WAITS] = tasks[index, int(BackwardWord.NUM_WAITS)]
-            if const_expr(self.comm_ctas > 0):
+            if const_expr(self.group_rule):
                 words[D_SIGNAL_GROUP] = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
                 words[D_WAIT_GROUP] = tasks[index, int(BackwardWord.WAITS)]
             cute.arch.mbarrier_arrive(bars + k % TICKET_SLOTS)  # release: the words, then the phase
@@ -799,7 +805,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                         walk, nxt, counter_offsets, index, task_ring,
                         self._ring_use(nxt, base))
                     defer = n_run and n_waits == 0
-                    if const_expr(self.comm_ctas > 0):
+                    if const_expr(self.group_rule):
                         # every dgrad waits here (FC2_DGRAD on its pulled rows): the next
                         # task cannot need this one's counter unless it waits on its group
                         # (FC1_DGRAD after FC2_DGRAD)
@@ -860,12 +866,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             ring_wait_full(bars, k)
             words = ring_words(ring_q, k)
             n_run, n_waits = (words[D_TYPE] & RUN_FLAG) != 0, words[D_NUM_WAITS]
-            if const_expr(self.comm_ctas > 0):
+            if const_expr(self.group_rule):
                 n_group = words[D_WAIT_GROUP]
                 group = ring_words(ring_q, k - 1)[D_SIGNAL_GROUP]
         else:
             n_run, _, _, _, _, n_waits, _, n_index = self._task(walk, nxt, counter_offsets)
-            if const_expr(self.comm_ctas > 0):
+            if const_expr(self.group_rule):
                 n_group = tasks[n_index, int(BackwardWord.WAITS)]
                 group = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
         return n_run, n_waits, n_group, group
@@ -891,11 +897,13 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False, consumer_words_from_smem: bool = False):
+                                timeline: bool = False, consumer_words_from_smem: bool = False,
+                                defer_by_group: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline, consumer_words_from_smem)
+                                    shared, accumulate_wgrads, timeline, consumer_words_from_smem,
+                                    defer_by_group)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
