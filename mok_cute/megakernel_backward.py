@@ -128,15 +128,6 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
 # tools/megakernel_backward_probe.py swaps it to time the other form)
 fc2_pingpong = fc2_dgrad_pingpong
 
-# TEMPORARY (an A/B; tools/megakernel_backward_probe.py --consumer-words swaps it): the load
-# warp hands each dgrad's decoded words to the consumer warps through a smem ring instead of
-# their decoding it again from global memory (``BackwardMegakernelSm90``'s
-# ``consumer_words_from_smem``)
-consumer_words_from_smem = False
-# TEMPORARY (an A/B; the probe's --consumer-words also times it): the comm build's defer rule
-# in every build (``BackwardMegakernelSm90``'s ``defer_by_group``)
-defer_by_group = False
-
 
 def fc2_tile_n(hidden: int) -> int:
     """FC2_DGRAD's N-tile over I at this H (the row partials' column width)."""
@@ -567,9 +558,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                                 fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm,
                                 ksum_top_k=top_k if tail is not None else 0,
                                 ksum_shared=ksum_shared, shared=shared is not None,
-                                accumulate_wgrads=accumulate, timeline=timeline is not None,
-                                consumer_words_from_smem=consumer_words_from_smem,
-                                defer_by_group=defer_by_group)
+                                accumulate_wgrads=accumulate, timeline=timeline is not None)
     if before_launch is not None:
         before_launch()
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,

@@ -4,7 +4,7 @@ whole one-GPU backward, in interleaved rounds (the H200 heats up under its 700 W
 back-to-back stages favour whichever runs first).
 
     python tools/megakernel_backward_probe.py --shapes qwen3_30b,dsv3_ep8_rank,gptoss_120b \
-        [--rounds 3] [--fc2-forms] [--consumer-words] [--json out.json]
+        [--rounds 3] [--fc2-forms] [--json out.json]
 
 A probe for the megakernel's development (issue 32), not the benchmark of record.
 """
@@ -21,8 +21,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False,
-          consumer_words: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
@@ -105,30 +104,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
-    if consumer_words:  # TEMPORARY A/B: the dgrads' words from the load warp's smem ring
-        live_rows = int(s.num_tiles.item()) * 128
-
-        def live(out):  # the rows' outputs on the live rows, the weight gradients whole
-            return [t[:live_rows] for t in out[:4]] + list(out[4:])
-
-        run = patched(one_launch, consumer_words=True)
-        same = all(torch.equal(a, b) for a, b in zip(live(one_launch()), live(run())))
-        print(f"{name} one launch [consumer words from smem] bitwise the default's (live rows): "
-              f"{same}", flush=True)
-        variants["dgrads: megakernel [consumer words from smem]"] = patched(megakernel,
-                                                                            consumer_words=True)
-        variants["GEMMs: megakernel, one launch [consumer words from smem]"] = run
-        variants["moe_backward (megakernel) [consumer words from smem]"] = patched(
-            backward("megakernel"), consumer_words=True)
-        for tag, kw in ((" [defer by group]", dict(defer_by_group=True)),
-                        (" [smem words + defer by group]",
-                         dict(consumer_words=True, defer_by_group=True))):
-            run = patched(one_launch, **kw)
-            same = all(torch.equal(a, b) for a, b in zip(live(one_launch()), live(run())))
-            print(f"{name} one launch{tag} bitwise the default's (live rows): {same}", flush=True)
-            variants["dgrads: megakernel" + tag] = patched(megakernel, **kw)
-            variants["GEMMs: megakernel, one launch" + tag] = run
-            variants["moe_backward (megakernel)" + tag] = patched(backward("megakernel"), **kw)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -145,52 +120,27 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
     print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
           f"whole backward {ratios['backward']:.3f}", flush=True)
-    if consumer_words:
-        tag = " [consumer words from smem]"
-        ratios["consumer_words"] = {
-            "dgrads": median["dgrads: megakernel"] / median["dgrads: megakernel" + tag],
-            "one_launch": one / median["GEMMs: megakernel, one launch" + tag],
-            "backward": (median["moe_backward (megakernel)"]
-                         / median["moe_backward (megakernel)" + tag])}
-        for key, tag in (("defer_by_group", " [defer by group]"),
-                         ("both", " [smem words + defer by group]")):
-            ratios[key] = {
-                "dgrads": median["dgrads: megakernel"] / median["dgrads: megakernel" + tag],
-                "one_launch": one / median["GEMMs: megakernel, one launch" + tag],
-                "backward": (median["moe_backward (megakernel)"]
-                             / median["moe_backward (megakernel)" + tag])}
-        for key in ("consumer_words", "defer_by_group", "both"):
-            cw = ratios[key]
-            print(f"{name} {key}, speed / default: dgrads {cw['dgrads']:.3f}, one "
-                  f"launch {cw['one_launch']:.3f}, whole backward {cw['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb=None, fc2_pingpong=None, consumer_words=None, defer_by_group=None):
+def patched(fn, per_mb=None, fc2_pingpong=None):
     """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles and / or
-    its FC2_DGRAD form forced (its own table cache) and / or its consumers' task words from
-    the load warp's smem ring (``consumer_words``, TEMPORARY)."""
+    its FC2_DGRAD form forced (its own table cache)."""
     from mok_cute import megakernel_backward as mb
 
     tables = mb.BoundedCache(32)
 
     def run():
-        saved = (mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong, mb.consumer_words_from_smem,
-                 mb.defer_by_group)
+        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong
         mb._TABLES = tables
         if per_mb is not None:
             mb.tiles_per_minibatch = lambda capacity_tiles: per_mb
         if fc2_pingpong is not None:
             mb.fc2_pingpong = lambda hidden: fc2_pingpong
-        if consumer_words is not None:
-            mb.consumer_words_from_smem = consumer_words
-        if defer_by_group is not None:
-            mb.defer_by_group = defer_by_group
         try:
             return fn()
         finally:
-            (mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong,
-             mb.consumer_words_from_smem, mb.defer_by_group) = saved
+            mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong = saved
     return run
 
 
@@ -206,11 +156,8 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
-    p.add_argument("--consumer-words", action="store_true",
-                   help="TEMPORARY A/B: also the megakernel whose consumer warps read each dgrad's "
-                        "decoded words from the load warp's smem ring (bitwise check)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.consumer_words)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:

@@ -36,18 +36,20 @@ to a lower position, and the weight gradients wait on dgrads only.
 Ordering: FC2_DGRAD's store warp waits for its TMA stores to land, fences the async proxy
 and publishes ``DGATED[j]`` with release; FC1_DGRAD's producer acquires it and fences the
 async proxy before its TMA loads read dG | dU. The store warp is an MMA warp, so when the
-CTA's next task waits on nothing (its mainloop cannot block) the wait and the publish move
-to after that task's mainloop, where the stores have long landed; before a task with waits
-they go out at once (that task might wait on this very counter). Waits are bounded (``timeout_ns``); the first
-that gives up writes the error word, which the host raises (``mok_cute.errors``).
+CTA's next task cannot need this counter (it waits on nothing, or not on the counter group
+this task signals: FC1_DGRAD after FC1_DGRAD) the wait and the publish move to after that
+task's mainloop, where the stores have long landed; before a task that waits on this group
+they go out at once. The consumers take each dgrad's decoded words from the load warp, which
+decodes one task ahead, through a smem ring (``_publish_dgrad``), not from global memory
+between tasks. Waits are bounded (``timeout_ns``); the first that gives up writes the error
+word, which the host raises (``mok_cute.errors``).
 
 Over a group (``comm_ctas`` > 0) CTAs after the compute ones run the comm tasks
 (``backward_comm``): REVERSE_COMBINE / REPULL_X pull the rows FC2_DGRAD and the gate / up
 weight gradients wait on, REVERSE_DISPATCH pushes a tile's dx rows and partial sums once its
-FC1_DGRAD tiles have published. Every dgrad then waits on something, so a store warp's
-publish is deferred past the next mainloop unless that task waits on the counter group this
-one signals (FC1_DGRAD after FC2_DGRAD); the dgated partials are fenced by a barrier of their
-threads before the publish (a comm CTA reads them).
+FC1_DGRAD tiles have published (every dgrad then waits on something: the group rule above
+decides alone); the dgated partials are fenced by a barrier of their threads before the
+publish (a comm CTA reads them).
 
 With the group tail (``ksum_top_k``, one rank per process: ``backward_tail``) the comm CTAs also
 pass the group's barriers, and the k-sums go by ticket to whichever CTA is free, the compute
@@ -95,9 +97,9 @@ from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, Backward
 # FC2_DGRAD count (the pingpong phase's end), the comm queue position where the KSUMs (by
 # ticket) begin
 BACKWARD_SCALARS = 6
-# TEMPORARY (consumer_words_from_smem): the dgrad ring's slots are the forward's (``scheduler``'s
-# D_* words); two the backward has no use for hold the counter groups of the comm build's
-# defer rule: the task's signal group and its first wait's group
+# the dgrads' ring of decoded tasks has the forward's slots (``scheduler``'s D_* words); two the
+# backward has no use for hold the counter groups of the defer rule: the task's signal group
+# and its first wait's group
 D_SIGNAL_GROUP, D_WAIT_GROUP = D_RANK, D_RING_TILE
 
 
@@ -122,18 +124,16 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         fp32 outputs (the weights' ``main_grad``) by TMA reduce-add instead of stored in bf16.
     :param timeline: the recorder build (``backward_recorder``): every task's span into the
         ``timeline_buf`` argument.
-    :param defer_by_group: TEMPORARY (an A/B): the comm build's defer rule in every build.
-    :param consumer_words_from_smem: TEMPORARY (an A/B): the load warp, which decodes each
-        dgrad one task ahead, hands its words to the consumer warps through a smem ring (the
-        forward's ticket ring, ``scheduler``), instead of every consumer thread decoding it
-        again from global memory (queue, task row, counter offsets) after the previous
-        task's epilogue.
+
+    The load warp, which decodes each dgrad one task ahead, hands its words to the consumer
+    warps through a smem ring (the forward's ticket ring, ``scheduler``): the consumers do not
+    decode it again from global memory (queue, task row, counter offsets: dependent loads)
+    between two tasks.
     """
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
-                 accumulate_wgrads: bool = False, timeline: bool = False,
-                 consumer_words_from_smem: bool = False, defer_by_group: bool = False):
+                 accumulate_wgrads: bool = False, timeline: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -145,12 +145,6 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.shared = shared
         self.accumulate_wgrads = accumulate_wgrads
         self.timeline = timeline
-        self.consumer_words_from_smem = consumer_words_from_smem
-        # TEMPORARY (an A/B): the comm build's defer rule in every build (a dgrad's publish
-        # waits for the next task's mainloop unless that task waits on this one's group: at
-        # one rank FC1_DGRAD's publish, and its wait for the stores to land, then leave the
-        # path between tasks)
-        self.group_rule = comm_ctas > 0 or defer_by_group
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -246,9 +240,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         extra["tail_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
         extra["tail_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
         extra["ksum_ticket"] = cute.struct.MemRange[Int32, 1]  # the group tail's KSUM ticket
-        if const_expr(self.consumer_words_from_smem):  # the dgrads' ring of decoded tasks
-            extra["dgrad_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
-            extra["dgrad_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
+        # the dgrads' ring of decoded tasks (the load warp's to the consumers)
+        extra["dgrad_q"] = cute.struct.MemRange[Int32, TICKET_SLOTS * DECODED_WORDS]
+        extra["dgrad_full_empty"] = cute.struct.MemRange[Int64, 2 * TICKET_SLOTS]
         if const_expr(self.timeline):  # each consumer warpgroup's recording thread's marks
             extra["rec_marks"] = cute.struct.MemRange[Int64, 2 * MARKS_PER_WARPGROUP]
         self.shared_storage = self.make_shared_storage(extra_fields=extra)
@@ -318,11 +312,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         tail_ring = (storage.tail_q.data_ptr(), storage.tail_full_empty.data_ptr())
         if tidx == 0:  # its readers: the eight consumer warps
             ticket_ring_init(tail_ring[1], self.num_mma_threads // 32)
-        task_ring = None
-        if const_expr(self.consumer_words_from_smem):
-            task_ring = (storage.dgrad_q.data_ptr(), storage.dgrad_full_empty.data_ptr())
-            if tidx == 0:
-                ticket_ring_init(task_ring[1], self.num_mma_threads // 32)
+        task_ring = (storage.dgrad_q.data_ptr(), storage.dgrad_full_empty.data_ptr())
+        if tidx == 0:  # its readers: the eight consumer warps
+            ticket_ring_init(task_ring[1], self.num_mma_threads // 32)
         walk_tables = (tasks, queue, queue_live_len, num_tiles, scalars)
         # the pingpong phase: the queue's FC2_DGRAD prefix, within the live prefix (its tasks
         # decoded from the queue alone: the walk's values are loaded after it, fewer registers
@@ -375,8 +367,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         tail, the consumer warps then take KSUM tickets: ``backward_tail``); ``shared``:
         the shared expert's ``SharedOperands`` (None: no shared task); ``rec_marks``: the
         recorder's smem marks, ``MARKS_PER_WARPGROUP`` a consumer warpgroup (None: off);
-        ``task_ring``: the dgrads' ring of decoded tasks (``consumer_words_from_smem``; else
-        None)."""
+        ``task_ring``: the dgrads' ring of decoded tasks."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = loads
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         if warpgroup_idx == 0:
@@ -500,9 +491,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                       tail_ring, task_ring, shared: SharedOperands, timeline_buf: cute.Tensor):
         """The load warp from walk position ``first``: per dgrad its waits (each lane spins on
         its own copy), then its k-tiles' A and B boxes by TMA; then the weight gradients by
-        tickets (``wgrad_producer_tickets``). With ``task_ring`` its lane 0 also publishes each
-        position's decoded words as ring use k (its k-th position), the next one's once this
-        one's loads are out."""
+        tickets (``wgrad_producer_tickets``). Its lane 0 also publishes each position's
+        decoded words into ``task_ring`` as use k (its k-th position), the next one's once
+        this one's loads are out."""
         tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu = ops
         tile_m, tile_n, tile_k = self.tile_shape_mnk
         fc2_parts = None
@@ -519,9 +510,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         pos = first
         run, ttype, m_tile, n_tile, _, _, _, index = self._task(walk, pos, counter_offsets)
         base = self._ring_base(first)
-        if const_expr(task_ring is not None):
-            self._publish_dgrad(task_ring, self._ring_use(pos, base), tasks, counter_offsets, run,
-                                ttype, m_tile, n_tile, index)
+        self._publish_dgrad(task_ring, self._ring_use(pos, base), tasks, counter_offsets, run,
+                            ttype, m_tile, n_tile, index)
         while pos < live_len:  # the dgrads
             nxt = pos + self.num_ctas
             n_run, n_type, n_m, n_n, _, _, _, n_index = self._task(walk, nxt, counter_offsets)
@@ -581,13 +571,12 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                     ab_pipeline.producer_commit(state)
                     state.advance()
                 loads += k_tiles
-            if const_expr(task_ring is not None):
-                # the next task's words once this one's loads are out (its decode's loads
-                # waited under them); its consumers read them after this task's epilogue.
-                # Deadlock-free: use k waits for the consumers to give back use k - 4, which
-                # they do when they take use k - 3, whose loads went out before
-                self._publish_dgrad(task_ring, self._ring_use(nxt, base), tasks, counter_offsets,
-                                    n_run, n_type, n_m, n_n, n_index)
+            # the next task's words once this one's loads are out (its decode's loads waited
+            # under them); its consumers read them after this task's epilogue. Deadlock-free:
+            # use k waits for the consumers to give back use k - 4, which they do when they
+            # take use k - 3, whose loads went out before
+            self._publish_dgrad(task_ring, self._ring_use(nxt, base), tasks, counter_offsets,
+                                n_run, n_type, n_m, n_n, n_index)
             run, ttype, m_tile, n_tile, index = n_run, n_type, n_m, n_n, n_index
             pos = nxt
         # the weight gradients (the tail), by tickets
@@ -603,7 +592,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
     @cute.jit
     def _ring_base(self, first: Int32) -> Int32:
-        """TEMPORARY (``consumer_words_from_smem``): the dgrad ring's use of walk position p is
+        """The dgrads' ring's use of walk position p is
         p // num_ctas - this, the CTA's first position's (its block index without the pingpong
         phase: 0, nothing held; a counter carried through the loops spilled there)."""
         base = Int32(0)
@@ -619,12 +608,11 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     @cute.jit
     def _publish_dgrad(self, ring, k: Int32, tasks: cute.Tensor, counter_offsets: cute.Tensor,
                        run, ttype: Int32, m_tile: Int32, n_tile: Int32, index: Int32):
-        """TEMPORARY (``consumer_words_from_smem``): lane 0 of the load warp writes the
-        decoded words of a dgrad walk position (``_task``'s; its counter slot and wait count
-        read again here, from lines the decode brought into L1: held through the loads they
-        spilled) as ring use ``k`` (the type with ``RUN_FLAG``; with comm CTAs also the
-        counter groups of the defer rule), once the consumers have given back use k -
-        ``TICKET_SLOTS``."""
+        """Lane 0 of the load warp writes the decoded words of a dgrad walk position
+        (``_task``'s; its counter slot, wait count and groups read again here, from lines the
+        decode brought into L1: held through the loads they spilled) as ring use ``k`` (the
+        type with ``RUN_FLAG``, the counter groups of the defer rule), once the consumers
+        have given back use k - ``TICKET_SLOTS``."""
         ring_q, bars = ring
         if cute.arch.lane_idx() == 0:
             ring_wait_empty(bars, k)
@@ -635,9 +623,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
             words[D_NTILE] = n_tile
             words[D_SIGNAL] = signal_slot(tasks, index, counter_offsets)
             words[D_NUM_WAITS] = tasks[index, int(BackwardWord.NUM_WAITS)]
-            if const_expr(self.group_rule):
-                words[D_SIGNAL_GROUP] = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
-                words[D_WAIT_GROUP] = tasks[index, int(BackwardWord.WAITS)]
+            words[D_SIGNAL_GROUP] = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
+            words[D_WAIT_GROUP] = tasks[index, int(BackwardWord.WAITS)]
             cute.arch.mbarrier_arrive(bars + k % TICKET_SLOTS)  # release: the words, then the phase
 
     def _fc2_load_parts(self, sA, sB, ops):
@@ -716,8 +703,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         epilogue's TMA stores, and for a dgrad, once they have landed, the task's counter,
         published by thread 0 of the store warp (nothing waits on a weight gradient: the
         launch's end orders them). ``recorder``: the first consumer warpgroup's, which
-        records the tasks. ``task_ring``: each dgrad's words read from the load warp's ring
-        (``_dgrad_words``), else decoded here."""
+        records the tasks. ``task_ring``: each dgrad's words, read from the load warp's ring
+        (``_dgrad_words``)."""
         tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx = stores
         tile = (TILE_M, self.tile_shape_mnk[1])
         views = [cute.local_tile(t, tile, (None, None, None)) for t in (t_dg, t_du, t_hw, t_dx)]
@@ -739,7 +726,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         base = self._ring_base(first)
         while pos < live_len:  # the dgrads
             run, ttype, m_tile, n_tile, signal, index = self._dgrad_words(
-                walk, pos, counter_offsets, task_ring, self._ring_use(pos, base))
+                task_ring, self._ring_use(pos, base))
             if run:
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
                 self.rec_stamp(recorder, START)
@@ -795,23 +782,19 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                     self.rec_task(recorder, COMPUTE, tasks[index, int(BackwardWord.TYPE)], index)
                 subtiles += subtiles_per_task
                 # The store warp is an MMA warp: waiting here for the stores to land would
-                # hold the next mainloop. When this CTA's next task runs and waits on nothing,
-                # its mainloop cannot block, so the publish goes out after it; otherwise (a
-                # wait that might need this very counter) now.
+                # hold the next mainloop. When this CTA's next task runs and cannot need this
+                # task's counter (it waits on nothing, or not on this task's group: FC1_DGRAD
+                # after FC1_DGRAD, any dgrad after FC2_DGRAD at one rank), the publish goes
+                # out after that mainloop; otherwise now. At one rank this takes FC1_DGRAD's
+                # wait for its stores off the path between tasks.
                 nxt = pos + self.num_ctas
                 defer = False
                 if nxt < live_len:
                     n_run, n_waits, n_group, group = self._next_dgrad_words(
-                        walk, nxt, counter_offsets, index, task_ring,
-                        self._ring_use(nxt, base))
-                    defer = n_run and n_waits == 0
-                    if const_expr(self.group_rule):
-                        # every dgrad waits here (FC2_DGRAD on its pulled rows): the next
-                        # task cannot need this one's counter unless it waits on its group
-                        # (FC1_DGRAD after FC2_DGRAD)
-                        defer = n_run and (n_waits == 0 or n_group != group)
-                if const_expr(task_ring is not None):  # read again: not held through the epilogue
-                    signal = ring_words(task_ring[0], self._ring_use(pos, base))[D_SIGNAL]
+                        task_ring, self._ring_use(nxt, base))
+                    defer = n_run and (n_waits == 0 or n_group != group)
+                # read again: held through the epilogue it spilled
+                signal = ring_words(task_ring[0], self._ring_use(pos, base))[D_SIGNAL]
                 if defer:
                     held = signal
                 else:
@@ -831,50 +814,28 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
 
     @cute.jit
-    def _dgrad_words(self, walk, pos: Int32, counter_offsets: cute.Tensor, task_ring,
-                     k: Int32):
-        """A consumer thread's (run, type, M-tile, N-tile, counter slot, list index) of walk
-        position ``pos``: decoded from the task row (``_task``), or with ``task_ring`` read
-        from ring use ``k`` (use k - 1 given back; ``_publish_dgrad``)."""
-        if const_expr(task_ring is not None):
-            ring_q, bars = task_ring
-            ring_next(ring_q, bars, k)
-            words = ring_words(ring_q, k)
-            tword = words[D_TYPE]
-            run, ttype = (tword & RUN_FLAG) != 0, tword & (RUN_FLAG - 1)
-            m_tile, n_tile = words[D_MTILE], words[D_NTILE]
-            signal, index = words[D_SIGNAL], words[D_INDEX]
-        else:
-            run, ttype, m_tile, n_tile, _, _, signal, index = self._task(walk, pos,
-                                                                         counter_offsets)
-        return run, ttype, m_tile, n_tile, signal, index
+    def _dgrad_words(self, task_ring, k: Int32):
+        """A consumer thread's (run, type, M-tile, N-tile, counter slot, list index) of its
+        dgrad walk position whose ring use is ``k`` (use k - 1 given back; ``_publish_dgrad``)."""
+        ring_q, bars = task_ring
+        ring_next(ring_q, bars, k)
+        words = ring_words(ring_q, k)
+        tword = words[D_TYPE]
+        run, ttype = (tword & RUN_FLAG) != 0, tword & (RUN_FLAG - 1)
+        return run, ttype, words[D_MTILE], words[D_NTILE], words[D_SIGNAL], words[D_INDEX]
 
     @cute.jit
-    def _next_dgrad_words(self, walk, nxt: Int32, counter_offsets: cute.Tensor, index: Int32,
-                          task_ring, k: Int32):
-        """What the publish of the task before (list index ``index``) asks of the CTA's next
-        position ``nxt``: (run, wait count, its first wait's counter group, the task before's
-        signal group; the groups with comm CTAs only), decoded from the task rows or with
-        ``task_ring`` read from ring use ``k``, nxt's (published once the task before's loads
-        were out: no wait in practice; kept until the consumers take k + 1), and k - 1.
-        ``k`` from ``nxt``, not from the task before's use: that one, shared, stayed in a
-        register through the dgated epilogue and spilled."""
-        tasks = walk[0]
-        n_group, group = Int32(0), Int32(0)
-        if const_expr(task_ring is not None):
-            ring_q, bars = task_ring
-            ring_wait_full(bars, k)
-            words = ring_words(ring_q, k)
-            n_run, n_waits = (words[D_TYPE] & RUN_FLAG) != 0, words[D_NUM_WAITS]
-            if const_expr(self.group_rule):
-                n_group = words[D_WAIT_GROUP]
-                group = ring_words(ring_q, k - 1)[D_SIGNAL_GROUP]
-        else:
-            n_run, _, _, _, _, n_waits, _, n_index = self._task(walk, nxt, counter_offsets)
-            if const_expr(self.group_rule):
-                n_group = tasks[n_index, int(BackwardWord.WAITS)]
-                group = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
-        return n_run, n_waits, n_group, group
+    def _next_dgrad_words(self, task_ring, k: Int32):
+        """What the publish of the CTA's task at ring use k - 1 asks of the next one (use
+        ``k``, published once the task before's loads were out: no wait in practice; held until
+        the consumers take k + 1): (its run flag, wait count and first wait's counter group,
+        the task before's signal group). ``k`` from the next position, not from the task
+        before's use: that one, held through the dgated epilogue, spilled."""
+        ring_q, bars = task_ring
+        ring_wait_full(bars, k)
+        words = ring_words(ring_q, k)
+        return ((words[D_TYPE] & RUN_FLAG) != 0, words[D_NUM_WAITS], words[D_WAIT_GROUP],
+                ring_words(ring_q, k - 1)[D_SIGNAL_GROUP])
 
     @cute.jit
     def _store_dx(self, args, shared_dx):
@@ -897,13 +858,11 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False, consumer_words_from_smem: bool = False,
-                                defer_by_group: bool = False):
+                                timeline: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline, consumer_words_from_smem,
-                                    defer_by_group)
+                                    shared, accumulate_wgrads, timeline)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 
