@@ -263,6 +263,23 @@ def test_the_kernels_walk_runs_each_live_task_once_dgrads_first(capacity_tiles, 
                     assert all(position[int(j)] < position[int(i)] for j in signallers)
 
 
+@pytest.mark.parametrize("form", [{}, {"comm": True}, {"comm": True, "tail_tokens": 256, "top_k": 4},
+                                  {"shared": (256, 576, 128)}])
+def test_a_dgrad_waits_on_one_counter_group_at_most(form):
+    """The consumers' defer rule (a dgrad's publish waits past the CTA's next mainloop unless
+    the next task waits on this one's counter group) reads the next task's first wait only:
+    safe while no dgrad has a second wait, in every list form the kernel takes."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+
+    dgrads = {tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD,
+              tb.BackwardTaskType.SHARED_FC2_DGRAD, tb.BackwardTaskType.SHARED_FC1_DGRAD}
+    tl, _ = mb.task_list(40, 8, 576, 320, **form)
+    seen = {t.type for t in tl if t.type in dgrads}
+    assert {tb.BackwardTaskType.FC1_DGRAD} <= seen
+    assert all(len(t.waits) <= 1 for t in tl if t.type in dgrads)
+
+
 @pytest.mark.parametrize("experts", [0, 3])
 def test_an_empty_walk_decodes_a_task_inside_the_tables(experts):
     """A rank that received nothing (num_tiles = 0) walks nothing, but each CTA still decodes
