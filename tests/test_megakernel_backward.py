@@ -265,19 +265,27 @@ def test_the_kernels_walk_runs_each_live_task_once_dgrads_first(capacity_tiles, 
 
 @pytest.mark.parametrize("form", [{}, {"comm": True}, {"comm": True, "tail_tokens": 256, "top_k": 4},
                                   {"shared": (256, 576, 128)}])
-def test_a_dgrad_waits_on_one_counter_group_at_most(form):
-    """The consumers' defer rule (a dgrad's publish waits past the CTA's next mainloop unless
-    the next task waits on this one's counter group) reads the next task's first wait only:
-    safe while no dgrad has a second wait, in every list form the kernel takes."""
+def test_the_defer_rules_premises_hold_in_every_list_form(form):
+    """The consumers' defer rule (kernels/megakernel/backward.py's docstring: a dgrad's publish
+    waits past the CTA's next mainloop when the next task waits on nothing or on PULLED, or the
+    counter is FC1_DGRAD's) reads the next task's first wait only, and counts on pulls that wait
+    on nothing and come before every push in the comm queue (a comm CTA's walk is a strided
+    subset of it): no dgrad has a second wait, no pull a wait, no push precedes a pull."""
     from mok_cute import megakernel_backward as mb
     from mok_cute import tasks_backward as tb
 
-    dgrads = {tb.BackwardTaskType.FC2_DGRAD, tb.BackwardTaskType.FC1_DGRAD,
-              tb.BackwardTaskType.SHARED_FC2_DGRAD, tb.BackwardTaskType.SHARED_FC1_DGRAD}
-    tl, _ = mb.task_list(40, 8, 576, 320, **form)
-    seen = {t.type for t in tl if t.type in dgrads}
-    assert {tb.BackwardTaskType.FC1_DGRAD} <= seen
+    BT = tb.BackwardTaskType
+    dgrads = {BT.FC2_DGRAD, BT.FC1_DGRAD, BT.SHARED_FC2_DGRAD, BT.SHARED_FC1_DGRAD}
+    tl, kinds = mb.task_list(40, 8, 576, 320, **form)
+    assert BT.FC1_DGRAD in {t.type for t in tl}
     assert all(len(t.waits) <= 1 for t in tl if t.type in dgrads)
+    assert all(not t.waits for t in tl if t.type == BT.REVERSE_COMBINE)
+    comm = tb.queue_tables(tl, kinds=kinds)[0][int(tb.Role.COMM)]
+    types = [tl[int(i)].type for i in comm if i >= 0]
+    pulls = [p for p, t in enumerate(types) if t == BT.REVERSE_COMBINE]
+    pushes = [p for p, t in enumerate(types) if t == BT.REVERSE_DISPATCH]
+    assert bool(pulls) == bool(pushes) == bool(form.get("comm"))
+    assert not pushes or max(pulls) < min(pushes)
 
 
 @pytest.mark.parametrize("experts", [0, 3])

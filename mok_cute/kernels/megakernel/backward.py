@@ -35,21 +35,27 @@ to a lower position, and the weight gradients wait on dgrads only.
 
 Ordering: FC2_DGRAD's store warp waits for its TMA stores to land, fences the async proxy
 and publishes ``DGATED[j]`` with release; FC1_DGRAD's producer acquires it and fences the
-async proxy before its TMA loads read dG | dU. The store warp is an MMA warp, so when the
-CTA's next task cannot need this counter (it waits on nothing, or not on the counter group
-this task signals: FC1_DGRAD after FC1_DGRAD) the wait and the publish move to after that
-task's mainloop, where the stores have long landed; before a task that waits on this group
-they go out at once. The consumers take each dgrad's decoded words from the load warp, which
-decodes one task ahead, through a smem ring (``_publish_dgrad``), not from global memory
-between tasks. Waits are bounded (``timeout_ns``); the first that gives up writes the error
-word, which the host raises (``mok_cute.errors``).
+async proxy before its TMA loads read dG | dU. The store warp is an MMA warp, so the wait and
+the publish move to after the CTA's next mainloop (where the stores have long landed) when no
+held publish can be what that mainloop waits for, directly or through another CTA (the defer
+rule): the next task waits on nothing or on the comm CTAs' pulls (PULLED: a pull waits on
+nothing, and each comm CTA's walk has every pull before every push), or this task's counter
+is one that no dgrad waits on (DX_DONE, SHARED_DX: FC1_DGRAD's, read by the pushes and the
+k-sums). A held DGATED is thus released after a mainloop that cannot block, and a held DX_DONE
+after one whose DGATED waits are all released in turn. The wider rule "unless the next task
+waits on this task's group" deadlocked with the shared expert (FC2_DGRAD holding DGATED before
+a SHARED_FC1_DGRAD while another CTA's SHARED_FC2_DGRAD held SHARED_DGATED before an
+FC1_DGRAD: found by a simulation of the static walk). The consumers take each dgrad's decoded
+words from the load warp, which decodes one task ahead, through a smem ring
+(``_publish_dgrad``), not from global memory between tasks. Waits are bounded
+(``timeout_ns``); the first that gives up writes the error word, which the host raises
+(``mok_cute.errors``).
 
 Over a group (``comm_ctas`` > 0) CTAs after the compute ones run the comm tasks
 (``backward_comm``): REVERSE_COMBINE / REPULL_X pull the rows FC2_DGRAD and the gate / up
 weight gradients wait on, REVERSE_DISPATCH pushes a tile's dx rows and partial sums once its
-FC1_DGRAD tiles have published (every dgrad then waits on something: the group rule above
-decides alone); the dgated partials are fenced by a barrier of their threads before the
-publish (a comm CTA reads them).
+FC1_DGRAD tiles have published; the dgated partials are fenced by a barrier of their threads
+before the publish (a comm CTA reads them).
 
 With the group tail (``ksum_top_k``, one rank per process: ``backward_tail``) the comm CTAs also
 pass the group's barriers, and the k-sums go by ticket to whichever CTA is free, the compute
@@ -89,8 +95,8 @@ from mok_cute.kernels.megakernel.scheduler import (D_INDEX, D_MTILE, D_NTILE, D_
                                                    Context, ring_next, ring_wait_empty,
                                                    ring_wait_full, ring_words, ticket_ring_init)
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
-from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, BackwardTaskType,
-                                     BackwardWord)
+from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, BackwardCounter,
+                                     BackwardTaskType, BackwardWord)
 
 # scalars int64: the wait bound, the minibatch size in M-tiles (the live prefix), the queue
 # position where the tail (weight gradients, by ticket) begins, the queue's length, its
@@ -725,7 +731,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         pos = first
         base = self._ring_base(first)
         while pos < live_len:  # the dgrads
-            run, ttype, m_tile, n_tile, signal, index = self._dgrad_words(
+            run, ttype, m_tile, n_tile, index = self._dgrad_words(
                 task_ring, self._ring_use(pos, base))
             if run:
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
@@ -782,18 +788,18 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                     self.rec_task(recorder, COMPUTE, tasks[index, int(BackwardWord.TYPE)], index)
                 subtiles += subtiles_per_task
                 # The store warp is an MMA warp: waiting here for the stores to land would
-                # hold the next mainloop. When this CTA's next task runs and cannot need this
-                # task's counter (it waits on nothing, or not on this task's group: FC1_DGRAD
-                # after FC1_DGRAD, any dgrad after FC2_DGRAD at one rank), the publish goes
-                # out after that mainloop; otherwise now. At one rank this takes FC1_DGRAD's
-                # wait for its stores off the path between tasks.
+                # hold the next mainloop, so the publish goes out after that mainloop when no
+                # held publish can be what that mainloop waits for, directly or through another
+                # CTA (docstring: the defer rule); otherwise now. At one rank this takes
+                # FC1_DGRAD's wait for its stores off the path between tasks.
                 nxt = pos + self.num_ctas
                 defer = False
                 if nxt < live_len:
                     n_run, n_waits, n_group, group = self._next_dgrad_words(
                         task_ring, self._ring_use(nxt, base))
-                    defer = n_run and (n_waits == 0 or n_group != group)
-                # read again: held through the epilogue it spilled
+                    defer = n_run and (n_waits == 0 or n_group == int(BackwardCounter.PULLED)
+                                       or group == int(BackwardCounter.DX_DONE)
+                                       or group == int(BackwardCounter.SHARED_DX))
                 signal = ring_words(task_ring[0], self._ring_use(pos, base))[D_SIGNAL]
                 if defer:
                     held = signal
@@ -815,14 +821,15 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
     @cute.jit
     def _dgrad_words(self, task_ring, k: Int32):
-        """A consumer thread's (run, type, M-tile, N-tile, counter slot, list index) of its
-        dgrad walk position whose ring use is ``k`` (use k - 1 given back; ``_publish_dgrad``)."""
+        """A consumer thread's (run, type, M-tile, N-tile, list index) of its dgrad walk
+        position whose ring use is ``k`` (use k - 1 given back; ``_publish_dgrad``; the
+        counter slot is read after the epilogue: held through it, it spilled)."""
         ring_q, bars = task_ring
         ring_next(ring_q, bars, k)
         words = ring_words(ring_q, k)
         tword = words[D_TYPE]
         run, ttype = (tword & RUN_FLAG) != 0, tword & (RUN_FLAG - 1)
-        return run, ttype, words[D_MTILE], words[D_NTILE], words[D_SIGNAL], words[D_INDEX]
+        return run, ttype, words[D_MTILE], words[D_NTILE], words[D_INDEX]
 
     @cute.jit
     def _next_dgrad_words(self, task_ring, k: Int32):
