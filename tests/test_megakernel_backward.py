@@ -288,6 +288,78 @@ def test_the_defer_rules_premises_hold_in_every_list_form(form):
     assert not pushes or max(pulls) < min(pushes)
 
 
+def _stuck_ctas(cap, experts, hidden, inter, shared, num_ctas, defer_rule):
+    """The compute CTAs' static dgrad walk at one rank played on the host: each CTA takes its
+    positions in order, a task runs once its waits hold, and its publish goes out at once or,
+    where ``defer_rule(task, next_task)`` says so, after its next task's waits held (its
+    mainloop). Returns the CTAs left waiting (a deadlock) once nothing can move."""
+    from mok_cute import megakernel_backward as mb
+    from mok_cute import tasks_backward as tb
+
+    tl, kinds = mb.task_list(cap, experts, hidden, inter, shared=shared)
+    queue, live, _, qlen = mb.compute_queue(tl, kinds)
+    live_len = int(live[-1])
+    count = {g: [0] * tl.counter_sizes.get(g, 1) for g in tb.BackwardCounter}
+    task = lambda q: tl[int(queue[q])]  # noqa: E731
+    ready = lambda t: all(count[g][i] >= n for g, f, c, n in t.waits  # noqa: E731
+                          for i in range(f, f + c))
+
+    def publish(t):
+        count[t.signal[0]][t.signal[1]] += 1
+
+    start = 0
+    if mb.fc2_pingpong(hidden):  # the pingpong phase publishes as it goes (no waits)
+        start = min(mb.fc2_head(tl, queue[:qlen]), live_len)
+        for q in range(start):
+            publish(task(q))
+    pos = [c + max(0, -(-(start - c) // num_ctas)) * num_ctas for c in range(num_ctas)]
+    held = [None] * num_ctas
+    moved = True
+    while moved:
+        moved = False
+        for c in range(num_ctas):
+            while pos[c] < live_len and ready(task(pos[c])):
+                if held[c] is not None:
+                    publish(held[c])
+                    held[c] = None
+                nxt = pos[c] + num_ctas
+                if nxt < live_len and defer_rule(task(pos[c]), task(nxt)):
+                    held[c] = task(pos[c])
+                else:
+                    publish(task(pos[c]))
+                pos[c], moved = nxt, True
+            if pos[c] >= live_len and held[c] is not None:
+                publish(held[c])
+                held[c], moved = None, True
+    return [c for c in range(num_ctas) if pos[c] < live_len]
+
+
+def test_the_defer_rule_cannot_deadlock_the_walk_and_the_wider_one_did():
+    """The kernel's defer rule (backward.py's docstring) on the host walk over shapes with and
+    without the shared expert, both FC2_DGRAD forms and grids smaller than the list: no CTA
+    stuck. The wider rule it replaced ("unless the next task waits on this task's group")
+    leaves CTAs stuck on a dsv3-sized shape with the shared expert (found by a review's
+    simulation; no GPU test reaches it: their shared-expert shapes have H <= 576)."""
+    from mok_cute.schedule import schedule_capacity
+    from mok_cute.tasks_backward import BackwardCounter as BC
+
+    def rule(t, nxt):  # the kernel's, at one rank (no PULLED waits)
+        return not nxt.waits or nxt.waits[0][0] == BC.PULLED or t.signal[0] in (BC.DX_DONE,
+                                                                                  BC.SHARED_DX)
+
+    def wider(t, nxt):
+        return not nxt.waits or nxt.waits[0][0] != t.signal[0]
+
+    for hidden, inter, shared_inter in [(7168, 2048, 2048), (2048, 768, 768), (576, 320, 192)]:
+        for experts, tokens, top_k in [(4, 1, 1), (4, 256, 2), (8, 384, 4), (2, 128, 1)]:
+            cap = schedule_capacity(1, tokens, top_k, experts, 128) // 128
+            for shared in [(0, 0, 0), (tokens, shared_inter, 0)]:
+                for num_ctas in [132, 100, 16]:
+                    assert not _stuck_ctas(cap, experts, hidden, inter, shared, num_ctas, rule), (
+                        hidden, experts, tokens, top_k, shared, num_ctas)
+    assert _stuck_ctas(4, 4, 7168, 2048, (1, 2048, 0), 132, wider)
+
+
 @pytest.mark.parametrize("experts", [0, 3])
 def test_an_empty_walk_decodes_a_task_inside_the_tables(experts):
     """A rank that received nothing (num_tiles = 0) walks nothing, but each CTA still decodes
