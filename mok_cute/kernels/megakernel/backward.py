@@ -598,9 +598,10 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
     @cute.jit
     def _ring_base(self, first: Int32) -> Int32:
-        """The dgrads' ring's use of walk position p is
-        p // num_ctas - this, the CTA's first position's (its block index without the pingpong
-        phase: 0, nothing held; a counter carried through the loops spilled there)."""
+        """The dgrads' ring's use of walk position p is p // num_ctas minus this: the CTA's
+        first position's p // num_ctas (0 without the pingpong phase, whose positions the
+        walk skips here). Computed from positions on both sides: a use counter carried
+        through the loops spilled."""
         base = Int32(0)
         if const_expr(self.fc2_pingpong):
             base = first // self.num_ctas
