@@ -400,8 +400,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                                timeline_buf, rec_marks, warpgroup_idx,
                                                tidx % self.threads_per_warpgroup == 0))
                 self.switch_forms()
-            self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counter_offsets,
-                               counters, preact, row_slot, weights, partials, ab_pipeline,
+            self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counters,
+                               preact, row_slot, weights, partials, ab_pipeline,
                                tiled_mma, sA, sB, sC,
                                stores, w_stores, w_layouts,
                                t_dy, t_dp, tidx, warp_idx, warpgroup_idx, tail_ring,
@@ -700,7 +700,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consumer_loop(self, walk, first: Int32, expert_offsets: cute.Tensor, counter_offsets: cute.Tensor,
+    def consumer_loop(self, walk, first: Int32, expert_offsets: cute.Tensor,
                       counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
                       sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
