@@ -7,9 +7,11 @@
 #   source .gpu/prelude.sh && bash tools/gpu_check.sh MODE [ARGS]
 #
 #   tests           the GPU tests file by file, 300 s a file, 120 s a test (pytest-timeout)
-#   alltests [K]    every GPU test (K: a -k expression) in $SHARDS (12; 8 under 120 GB) pytest processes at once
-#                   (a shard that ran out of memory: its failed tests once more, alone, after them),
-#                   $TEST_SECS (540) in all: the DSL compiles, one core each, run in parallel
+#   alltests [K]    every GPU test (K: a -k expression; IDS=FILE: the tests FILE lists) in $SHARDS
+#                   (12; 8 under 120 GB) pytest processes at once (a shard that ran out of memory:
+#                   its failed tests once more, alone, after them; a shard killed at its limit: its
+#                   tests that did not pass listed in unfinished.txt), $TEST_SECS (540) in all: the
+#                   DSL compiles, one core each, run in parallel
 #   bench [TAG]     the five one-GPU shapes: the expert path (mok_cute), the megakernel at R = 1
 #                   (mok_megakernel), the torch._grouped_mm pipeline and cuBLAS, $ROUNDS (5)
 #                   alternating rounds (~4 min on a warm machine)
@@ -144,7 +146,9 @@ run_alltests() {
   local expr="${1:-}" shards i n mib
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   shards="${SHARDS:-$([ "${mib:-0}" -ge 120000 ] && echo 12 || echo 8)}"
-  "${PYTEST[@]}" --collect-only -q -m gpu tests/ ${expr:+-k "$expr"} 2>/dev/null | grep "::" > "$out/ids.txt"
+  if [ -n "${IDS:-}" ]; then grep "::" "$IDS" > "$out/ids.txt"  # e.g. the last call's unfinished.txt
+  else "${PYTEST[@]}" --collect-only -q -m gpu tests/ ${expr:+-k "$expr"} 2>/dev/null | grep "::" > "$out/ids.txt"
+  fi
   n=$(wc -l < "$out/ids.txt")
   echo "$n GPU tests in $shards shards"
   if [ "$n" -eq 0 ]; then echo "no GPU test collected"; failures=$((failures + 1)); return; fi
@@ -162,7 +166,24 @@ run_alltests() {
   echo "alltests: $(cat "$out"/shard_*.log | grep -cE " PASSED") passed, $(cat "$out"/shard_*.log \
     | grep -cE " (FAILED|ERROR)") failed, $(cat "$out"/shard_*.log | grep -cE " SKIPPED") skipped of $n"
   rerun_out_of_memory
+  list_unfinished
   rm -f "$out"/ids_*.txt "$out"/shard_*.line
+}
+
+list_unfinished() {
+  # A shard killed at $TEST_SECS leaves tests that never ran (and, without its summary, failures
+  # the OOM rerun cannot see): every test of a killed shard that did not pass or skip goes to
+  # $out/unfinished.txt, for the next call: IDS=unfinished.txt gpu_check.sh alltests
+  local shard
+  : > "$out/unfinished.txt"
+  for shard in $(grep -l "rc=137 " "$out"/shard_*.line 2>/dev/null); do
+    shard="${shard%.line}"
+    grep -oE "^tests/[^ ]+ (PASSED|SKIPPED)" "$shard.log" | cut -d" " -f1 | sort -u > "$shard.done"
+    grep -vxFf "$shard.done" "${shard/shard_/ids_}.txt" >> "$out/unfinished.txt"
+    rm -f "$shard.done"
+  done
+  [ -s "$out/unfinished.txt" ] || { rm -f "$out/unfinished.txt"; return 0; }
+  echo "unfinished in killed shards: $(wc -l < "$out/unfinished.txt") tests, listed in unfinished.txt"
 }
 
 rerun_out_of_memory() {
