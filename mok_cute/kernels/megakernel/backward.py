@@ -139,7 +139,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
-                 accumulate_wgrads: bool = False, timeline: bool = False):
+                 accumulate_wgrads: bool = False, timeline: bool = False,
+                 lane_waits: bool = True, tail_words: bool = True):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -151,6 +152,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.shared = shared
         self.accumulate_wgrads = accumulate_wgrads
         self.timeline = timeline
+        self.lane_waits = lane_waits  # TEMPORARY A/B: the tail's expert waits lane-strided
+        self.tail_words = tail_words  # TEMPORARY A/B: the tail's consumers read decoded words
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -680,10 +683,13 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
     @cute.jit
     def _wait_task(self, tasks: cute.Tensor, index: Int32, expert_offsets: cute.Tensor,
                    counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
-                   timeout_ns: Int64):
+                   timeout_ns: Int64, lane_strided: cutlass.Constexpr[bool] = False):
         """Spin until every wait of task ``index`` holds: counter[group][i] >= target for
         i in [first, first + count) (a dgrad's waits name its own M-tile, which is live; an
-        ``EXPERT_TILES`` wait the M-tiles of the task's expert, from its schedule rows)."""
+        ``EXPERT_TILES`` wait the M-tiles of the task's expert, from its schedule rows).
+        Every lane of the calling warp spins on each counter, or with ``lane_strided`` lane l
+        on counters first + l, first + l + 32, ... (one round trip for an expert's M-tiles),
+        then the warp syncs (ordering every lane's acquire before what the warp issues next)."""
         for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
             word = int(BackwardWord.WAITS) + 4 * w
             base = counter_offsets[tasks[index, word]]
@@ -694,9 +700,14 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                 expert = tasks[index, int(BackwardWord.TILE)]
                 first = expert_offsets[expert] // TILE_M
                 count = expert_offsets[expert + 1] // TILE_M - first
-            for i in cutlass.range(first, first + count, unroll=1):
+            end, step = first + count, 1
+            if const_expr(lane_strided):
+                first, step = first + cute.arch.lane_idx(), 32
+            for i in cutlass.range(first, end, step, unroll=1):
                 common.wait_counter(counters, base + i, target, timeout_ns, error, index,
                                     Int32(0), Int32(0))
+        if const_expr(lane_strided):
+            cute.arch.sync_warp()
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -866,11 +877,12 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False):
+                                timeline: bool = False, lane_waits: bool = True,
+                                tail_words: bool = True):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline)
+                                    shared, accumulate_wgrads, timeline, lane_waits, tail_words)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

@@ -82,14 +82,15 @@ class BackwardRecorderMixin:
     def wait_task_recorded(self, tasks: cute.Tensor, index: Int32, expert_offsets: cute.Tensor,
                            counter_offsets: cute.Tensor, counters: cute.Tensor,
                            error: cute.Tensor, timeout_ns: Int64, buf: cute.Tensor,
-                           role: cutlass.Constexpr[int], leader):
+                           role: cutlass.Constexpr[int], leader,
+                           lane_strided: cutlass.Constexpr[bool] = False):
         """``_wait_task``; with the recorder on, a wait longer than ``WAIT_RECORD_MIN_NS``
         also becomes a WAIT span written by ``leader``."""
         t0 = Int64(0)
         if const_expr(self.timeline):
             t0 = common.timeline_now()
         self._wait_task(tasks, index, expert_offsets, counter_offsets, counters, error,
-                        timeout_ns)
+                        timeout_ns, lane_strided)
         if const_expr(self.timeline):
             t1 = common.timeline_now()
             if leader and t1 - t0 > WAIT_RECORD_MIN_NS:

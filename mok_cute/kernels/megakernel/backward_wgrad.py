@@ -23,8 +23,8 @@ TMA stores (``switch_forms``), since the two forms' buffers overlap.
 The tiles go out by ticket: lane 0 of the load warp takes tail position t from one counter
 (the slot after the task counters, zeroed per launch), writes it into ring use k of a smem
 ticket ring (``scheduler``'s: ``TICKET_SLOTS`` slots, full / empty mbarriers) and loads the
-tile; the consumer warps read use k to learn which tile their stages hold; a position past the
-tail ends both. Each tile still has one owner running its expert's rows in order: the bits do
+tile; the consumer warps read use k to learn which tile their stages hold (its words decoded by
+the load warp); a position past the tail ends both. Each tile still has one owner running its expert's rows in order: the bits do
 not depend on which CTA runs it.
 """
 
@@ -40,13 +40,17 @@ from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
 from mok_cute.kernels.megakernel.backward_recorder import COMPUTE, EPILOGUE, START
 from mok_cute.kernels.megakernel.backward_shared import SHARED_WGRAD_GATE_UP
-from mok_cute.kernels.megakernel.scheduler import (D_INDEX, TICKET_SLOTS, ring_next,
+from mok_cute.kernels.megakernel.scheduler import (D_EXPERT, D_INDEX, D_MTILE, D_NTILE, D_RANK,
+                                                   D_ROW_BEGIN, D_TYPE, TICKET_SLOTS, ring_next,
                                                    ring_wait_empty, ring_words)
 from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
 
 WG_ROWS = 128  # output rows per consumer warpgroup
 _WGRAD_GATE_UP = int(BackwardTaskType.WGRAD_GATE_UP)
 WGRAD_TILE_N = 128
+# a tail ticket's words in its ring slot (the dgrads' decoded-word slots, reused)
+T_POS, T_INDEX, T_TYPE, T_MBLOCK, T_NTILE, T_EXPERT, T_KTILES = (
+    D_INDEX, D_RANK, D_TYPE, D_MTILE, D_NTILE, D_EXPERT, D_ROW_BEGIN)
 
 
 class WgradForm(GemmCoreSm90):
@@ -154,18 +158,31 @@ class WgradTasksMixin:
             state.advance()
 
     @cute.jit
-    def _tail_ticket(self, counters: cute.Tensor, slot: Int32, ring, k: Int32) -> Int32:
-        """Lane 0 of the load warp takes the next tail ticket (relaxed: the ring orders it) and
-        publishes it as ring use ``k`` for the consumer warps; every lane gets it."""
-        tail_q, bars = ring
+    def _take_ticket(self, counters: cute.Tensor, slot: Int32, ring, k: Int32) -> Int32:
+        """Lane 0 of the load warp takes the next tail ticket (relaxed: the ring orders it)
+        once ring use ``k``'s slot is free; every lane gets it."""
+        _, bars = ring
         t = Int32(0)
         if cute.arch.lane_idx() == 0:
             ring_wait_empty(bars, k)
             t = cute.arch.atomic_add((counters.iterator + slot).llvm_ptr, Int32(1),
                                      sem="relaxed", scope="gpu")
-            ring_words(tail_q, k)[D_INDEX] = t
-            cute.arch.mbarrier_arrive(bars + k % TICKET_SLOTS)  # release: the word, then the phase
         return cute.arch.shuffle_sync(t, 0)
+
+    @cute.jit
+    def _publish_ticket(self, ring, k: Int32, t: Int32, index: Int32, ttype: Int32,
+                        expert: Int32, m_block: Int32, n_tile: Int32, k_tiles: Int32):
+        """Lane 0 publishes ring use ``k``: tail position ``t`` and the tile's words, decoded
+        once here for the loads (the consumers read them from smem, not through the chain of
+        global loads position -> list index -> task -> expert rows; past the tail only ``t``
+        is read)."""
+        tail_q, bars = ring
+        if cute.arch.lane_idx() == 0:
+            words = ring_words(tail_q, k)
+            words[T_POS], words[T_INDEX], words[T_TYPE] = t, index, ttype
+            words[T_EXPERT], words[T_MBLOCK], words[T_NTILE] = expert, m_block, n_tile
+            words[T_KTILES] = k_tiles
+            cute.arch.mbarrier_arrive(bars + k % TICKET_SLOTS)  # release: the words, then the phase
 
     @cute.jit
     def wgrad_producer_tickets(self, walk, ring, expert_offsets: cute.Tensor,
@@ -176,36 +193,39 @@ class WgradTasksMixin:
         """The load warp's tail by tickets: the launch's tail positions go out in order from
         one counter (the slot after the task counters), so the tiles running at any time are
         a window of consecutive positions, as in a ``gemm_wgrad`` launch, however far apart
-        the CTAs finished their dgrads. Per ticket: the expert's dgrads waited on (once per
-        run of its tasks), then the tile's loads. Returns the stage uses so far. ``shared``:
-        the shared expert's ``SharedOperands`` (its tiles, their rank in the list's tile, run
-        over the rank's T tokens), ``shared_parts`` their partitions; ``timeline_buf``: the
-        recorder's buffer (``backward_recorder``)."""
+        the CTAs finished their dgrads. Per ticket: the tile's words published to the
+        consumers, the expert's dgrads waited on (once per run of its tasks; the expert's
+        M-tile counters spread over the warp's lanes: one round trip, not one per M-tile),
+        then the tile's loads. Returns the stage uses so far. ``shared``: the shared expert's
+        ``SharedOperands`` (its tiles, their rank in the list's tile, run over the rank's T
+        tokens), ``shared_parts`` their partitions; ``timeline_buf``: the recorder's buffer
+        (``backward_recorder``)."""
         tasks, queue, _, _, tail_begin, queue_len = walk
         tail_len = queue_len - tail_begin
         slot = counter_offsets[cute.size(counter_offsets) - 1]
         waited_expert = Int32(-1)  # shared_wgrad_key: an expert, or -2 - a shared rank
         k = Int32(0)
-        t = self._tail_ticket(counters, slot, ring, k)
+        t = self._take_ticket(counters, slot, ring, k)
         while t < tail_len:
             index = queue[tail_begin + t]
+            ttype = tasks[index, int(BackwardWord.TYPE)]
             expert = tasks[index, int(BackwardWord.TILE)]
+            m_block = tasks[index, int(BackwardWord.M_BLOCK)]
+            n_tile = tasks[index, int(BackwardWord.N_TILE)]
             k0, k_tiles = self.wgrad_rows(expert_offsets, expert)
             key = expert
             if const_expr(self.shared):
-                ttype = tasks[index, int(BackwardWord.TYPE)]
                 key = self.shared_wgrad_key(ttype, expert)
                 if key < -1:
                     k0, k_tiles = Int32(0), self.shared_k_tiles(shared)
+            self._publish_ticket(ring, k, t, index, ttype, expert, m_block, n_tile, k_tiles)
             if key != waited_expert:
                 self.wait_task_recorded(tasks, index, expert_offsets, counter_offsets, counters,
                                         error, timeout_ns, timeline_buf, COMPUTE,
-                                        cute.arch.lane_idx() == 0)
+                                        cute.arch.lane_idx() == 0, lane_strided=self.lane_waits)
                 cute.arch.fence_proxy("async.global")
                 waited_expert = key
             if const_expr(self.shared):
-                m_block = tasks[index, int(BackwardWord.M_BLOCK)]
-                n_tile = tasks[index, int(BackwardWord.N_TILE)]
                 if key < -1:  # the rank is the operands' batch
                     self.wgrad_load(ab_pipeline, loads, ttype == SHARED_WGRAD_GATE_UP, m_block,
                                     n_tile, k0, k_tiles, shared.w_loads, shared_parts, expert)
@@ -213,13 +233,13 @@ class WgradTasksMixin:
                     self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block,
                                     n_tile, k0, k_tiles, ops, parts)
             else:
-                self.wgrad_load(ab_pipeline, loads,
-                                tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
-                                tasks[index, int(BackwardWord.M_BLOCK)],
-                                tasks[index, int(BackwardWord.N_TILE)], k0, k_tiles, ops, parts)
+                self.wgrad_load(ab_pipeline, loads, ttype == _WGRAD_GATE_UP, m_block, n_tile,
+                                k0, k_tiles, ops, parts)
             loads += k_tiles
             k += 1
-            t = self._tail_ticket(counters, slot, ring, k)
+            t = self._take_ticket(counters, slot, ring, k)
+        zero = Int32(0)
+        self._publish_ticket(ring, k, t, zero, zero, zero, zero, zero, zero)  # the end
         return loads
 
     @cute.jit
@@ -227,8 +247,9 @@ class WgradTasksMixin:
                                tiled_mma, parts, loads: Int32, stores, warpgroup_idx: Int32,
                                shared=None, recorder=None):
         """Both consumer warpgroups' tail by tickets: each ring use names the tail position
-        the producer loaded next (past the tail: the end). ``recorder``: the first consumer
-        warpgroup's ``backward_recorder.Recorder``, which records each tile."""
+        the producer loaded next (past the tail: the end) and its tile's words. ``recorder``:
+        the first consumer warpgroup's ``backward_recorder.Recorder``, which records each
+        tile."""
         tasks, queue, _, _, tail_begin, queue_len = walk
         tail_q, bars = ring
         tail_len = queue_len - tail_begin
@@ -236,28 +257,32 @@ class WgradTasksMixin:
         k = Int32(0)
         t = ring_next(tail_q, bars, k)[0]
         while t < tail_len:
-            index = queue[tail_begin + t]
-            expert = tasks[index, int(BackwardWord.TILE)]
-            _, k_tiles = self.wgrad_rows(expert_offsets, expert)
+            words = ring_words(tail_q, k)
+            index, ttype, expert = words[T_INDEX], words[T_TYPE], words[T_EXPERT]
+            m_block, n_tile, k_tiles = words[T_MBLOCK], words[T_NTILE], words[T_KTILES]
+            if const_expr(not self.tail_words):  # TEMPORARY A/B: decode through global memory
+                index = queue[tail_begin + t]
+                ttype = tasks[index, int(BackwardWord.TYPE)]
+                expert = tasks[index, int(BackwardWord.TILE)]
+                m_block = tasks[index, int(BackwardWord.M_BLOCK)]
+                n_tile = tasks[index, int(BackwardWord.N_TILE)]
+                k_tiles = self.wgrad_rows(expert_offsets, expert)[1]
+                if const_expr(self.shared):
+                    if self.shared_wgrad_key(ttype, expert) < -1:
+                        k_tiles = self.shared_k_tiles(shared)
             self.rec_stamp(recorder, START)
             if const_expr(self.shared):  # its tiles (the list's tile: the rank) over T tokens
-                ttype = tasks[index, int(BackwardWord.TYPE)]
                 is_shared = self.shared_wgrad_key(ttype, expert) < -1
-                if is_shared:
-                    k_tiles = self.shared_k_tiles(shared)
                 self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
                                 ttype == _WGRAD_GATE_UP or ttype == SHARED_WGRAD_GATE_UP,
-                                expert, tasks[index, int(BackwardWord.M_BLOCK)],
-                                tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
-                                warpgroup_idx, recorder, (shared.w_stores, is_shared))
+                                expert, m_block, n_tile, subtiles, stores, warpgroup_idx,
+                                recorder, (shared.w_stores, is_shared))
             else:
                 self.wgrad_tile(ab_pipeline, tiled_mma, parts, loads, k_tiles,
-                                tasks[index, int(BackwardWord.TYPE)] == _WGRAD_GATE_UP,
-                                expert, tasks[index, int(BackwardWord.M_BLOCK)],
-                                tasks[index, int(BackwardWord.N_TILE)], subtiles, stores,
-                                warpgroup_idx, recorder)
+                                ttype == _WGRAD_GATE_UP, expert, m_block, n_tile, subtiles,
+                                stores, warpgroup_idx, recorder)
             if const_expr(self.timeline):
-                self.rec_task(recorder, COMPUTE, tasks[index, int(BackwardWord.TYPE)], index)
+                self.rec_task(recorder, COMPUTE, ttype, index)
             loads += k_tiles
             subtiles += self.wgrad_subtiles()
             k += 1
