@@ -21,9 +21,9 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False,
-          tail_ab: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False) -> dict:
     import mok_cute
+    from mok_cute.bench.common import paired_ratio
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path
     from mok_cute import megakernel_backward as mb
@@ -105,19 +105,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
-    if tail_ab:  # TEMPORARY: the tail's lane-strided waits and decoded words, each off
-        base = [t for t in one_launch() if t is not None]
-        live_rows = int(s.num_tiles.item()) * 128
-        for label, flags in (("no lane waits", (False, True)), ("no words", (True, False)),
-                             ("neither", (False, False))):
-            run = tail_flags(one_launch, *flags)
-            got = [t for t in run() if t is not None]
-            same = all(torch.equal(a[:live_rows], b[:live_rows]) if a.shape[0] == len(s.row_slot)
-                       else torch.equal(a, b) for a, b in zip(base, got))
-            print(f"{name} one launch [tail: {label}] bitwise the default's: {same}", flush=True)
-            variants[f"GEMMs: megakernel, one launch [tail: {label}]"] = run
-        variants["moe_backward (megakernel) [tail: neither]"] = tail_flags(
-            backward("megakernel"), False, False)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -126,29 +113,17 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
     for label, v in ms.items():
         print(f"{name} {label:34s} " + " ".join(f"{t:7.3f}" for t in v)
               + f"  median {median[label]:7.3f} ms", flush=True)
-    one = median["GEMMs: megakernel, one launch"]
-    ratios = {"dgrads": median["dgrads: two launches"] / median["dgrads: megakernel"],
-              "gemms": median["GEMMs: four launches"] / one,
-              "wgrads_in_launch": median["GEMMs: megakernel dgrads + wgrads"] / one,
-              "backward": median["moe_backward"] / median["moe_backward (megakernel)"]}
+    # speed ratios paired per round (the bench's): the clock under the power cap drifts
+    # between rounds more than the differences measured here
+    one = ms["GEMMs: megakernel, one launch"]
+    ratios = {"dgrads": paired_ratio(ms["dgrads: two launches"], ms["dgrads: megakernel"]),
+              "gemms": paired_ratio(ms["GEMMs: four launches"], one),
+              "wgrads_in_launch": paired_ratio(ms["GEMMs: megakernel dgrads + wgrads"], one),
+              "backward": paired_ratio(ms["moe_backward"], ms["moe_backward (megakernel)"])}
     print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
           f"whole backward {ratios['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
-
-
-def tail_flags(fn, lane_waits: bool, tail_words: bool):
-    """``fn`` with the backward megakernel's TEMPORARY tail switches set."""
-    from mok_cute import megakernel_backward as mb
-
-    def run():
-        saved = mb.TEMPORARY_LANE_WAITS, mb.TEMPORARY_TAIL_WORDS
-        mb.TEMPORARY_LANE_WAITS, mb.TEMPORARY_TAIL_WORDS = lane_waits, tail_words
-        try:
-            return fn()
-        finally:
-            mb.TEMPORARY_LANE_WAITS, mb.TEMPORARY_TAIL_WORDS = saved
-    return run
 
 
 def patched(fn, per_mb=None, fc2_pingpong=None):
@@ -184,11 +159,8 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
-    p.add_argument("--tail-ab", action="store_true",
-                   help="TEMPORARY: also one launch with the tail's lane-strided waits and / or "
-                        "decoded words off (bitwise check)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.tail_ab)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:

@@ -222,7 +222,7 @@ class WgradTasksMixin:
             if key != waited_expert:
                 self.wait_task_recorded(tasks, index, expert_offsets, counter_offsets, counters,
                                         error, timeout_ns, timeline_buf, COMPUTE,
-                                        cute.arch.lane_idx() == 0, lane_strided=self.lane_waits)
+                                        cute.arch.lane_idx() == 0, lane_strided=True)
                 cute.arch.fence_proxy("async.global")
                 waited_expert = key
             if const_expr(self.shared):
@@ -260,16 +260,6 @@ class WgradTasksMixin:
             words = ring_words(tail_q, k)
             index, ttype, expert = words[T_INDEX], words[T_TYPE], words[T_EXPERT]
             m_block, n_tile, k_tiles = words[T_MBLOCK], words[T_NTILE], words[T_KTILES]
-            if const_expr(not self.tail_words):  # TEMPORARY A/B: decode through global memory
-                index = queue[tail_begin + t]
-                ttype = tasks[index, int(BackwardWord.TYPE)]
-                expert = tasks[index, int(BackwardWord.TILE)]
-                m_block = tasks[index, int(BackwardWord.M_BLOCK)]
-                n_tile = tasks[index, int(BackwardWord.N_TILE)]
-                k_tiles = self.wgrad_rows(expert_offsets, expert)[1]
-                if const_expr(self.shared):
-                    if self.shared_wgrad_key(ttype, expert) < -1:
-                        k_tiles = self.shared_k_tiles(shared)
             self.rec_stamp(recorder, START)
             if const_expr(self.shared):  # its tiles (the list's tile: the rank) over T tokens
                 is_shared = self.shared_wgrad_key(ttype, expert) < -1
