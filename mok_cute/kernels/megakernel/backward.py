@@ -400,7 +400,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                                timeline_buf, rec_marks, warpgroup_idx,
                                                tidx % self.threads_per_warpgroup == 0))
                 self.switch_forms()
-            self.consumer_loop(self._walk(*walk_tables), first, expert_offsets, counters,
+            self.consumer_loop(self._walk(*walk_tables), first, counters,
                                preact, row_slot, weights, partials, ab_pipeline,
                                tiled_mma, sA, sB, sC,
                                stores, w_stores, w_layouts,
@@ -708,8 +708,7 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consumer_loop(self, walk, first: Int32, expert_offsets: cute.Tensor,
-                      counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
+    def consumer_loop(self, walk, first: Int32, counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
                       weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
                       sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
                       warpgroup_idx: Int32, tail_ring, task_ring, shared: SharedOperands,
@@ -821,9 +820,8 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         self.switch_forms()  # a CTA learns whether it runs any only from its tickets
         w_parts = self.wgrad_consumer_parts(sA, sB, sC, w_layouts, tidx, warp_idx,
                                             warpgroup_idx)
-        self.wgrad_consumer_tickets(walk, tail_ring, expert_offsets, ab_pipeline, w_layouts[0],
-                                    w_parts, loads, wgrad_stores, warpgroup_idx, shared,
-                                    recorder)
+        self.wgrad_consumer_tickets(walk, tail_ring, ab_pipeline, w_layouts[0], w_parts, loads,
+                                    wgrad_stores, warpgroup_idx, shared, recorder)
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 

@@ -21,11 +21,11 @@ the dgrads' epilogue buffers; a CTA whose next task is of the other form first d
 TMA stores (``switch_forms``), since the two forms' buffers overlap.
 
 The tiles go out by ticket: lane 0 of the load warp takes tail position t from one counter
-(the slot after the task counters, zeroed per launch), writes it into ring use k of a smem
-ticket ring (``scheduler``'s: ``TICKET_SLOTS`` slots, full / empty mbarriers) and loads the
-tile; the consumer warps read use k to learn which tile their stages hold (its words decoded by
-the load warp); a position past the tail ends both. Each tile still has one owner running its expert's rows in order: the bits do
-not depend on which CTA runs it.
+(the slot after the task counters, zeroed per launch), writes it and the tile's decoded words
+into ring use k of a smem ticket ring (``scheduler``'s: ``TICKET_SLOTS`` slots, full / empty
+mbarriers) and loads the tile; the consumer warps read use k to learn which tile their stages
+hold; a position past the tail ends both. Each tile still has one owner running its expert's
+rows in order: the bits do not depend on which CTA runs it.
 """
 
 from __future__ import annotations
@@ -243,14 +243,13 @@ class WgradTasksMixin:
         return loads
 
     @cute.jit
-    def wgrad_consumer_tickets(self, walk, ring, expert_offsets: cute.Tensor, ab_pipeline,
-                               tiled_mma, parts, loads: Int32, stores, warpgroup_idx: Int32,
-                               shared=None, recorder=None):
+    def wgrad_consumer_tickets(self, walk, ring, ab_pipeline, tiled_mma, parts, loads: Int32,
+                               stores, warpgroup_idx: Int32, shared=None, recorder=None):
         """Both consumer warpgroups' tail by tickets: each ring use names the tail position
         the producer loaded next (past the tail: the end) and its tile's words. ``recorder``:
         the first consumer warpgroup's ``backward_recorder.Recorder``, which records each
         tile."""
-        tasks, queue, _, _, tail_begin, queue_len = walk
+        _, _, _, _, tail_begin, queue_len = walk
         tail_q, bars = ring
         tail_len = queue_len - tail_begin
         subtiles = Int32(0)
