@@ -22,9 +22,10 @@ before any FC1_DGRAD: interleaving them put twice the weights in flight and meas
 so what the one launch adds is that the first FC1_DGRAD tiles start while the last FC2_DGRAD
 tiles still run (no launch boundary).
 
-Walk: every CTA takes the dgrads' compute-queue positions ``b, b + grid, ...`` inside the
-live prefix (``queue_live_len`` of the live minibatch count; static tickets: every warp
-resolves its own), a dgrad whose M-tile is past ``num_tiles`` skipped (nothing waits on it).
+Walk (``backward_walk``): every CTA takes the dgrads' compute-queue positions
+``b, b + grid, ...`` inside the live prefix (``queue_live_len`` of the live minibatch count;
+static tickets: every warp resolves its own), a dgrad whose M-tile is past ``num_tiles``
+skipped (nothing waits on it).
 Then the weight gradients by tickets from one counter (``backward_wgrad``: the load warp's
 lane 0 takes them and hands them to the consumer warps through a smem ring), so the tiles
 running at any time are consecutive positions of the tail, as in a ``gemm_wgrad`` launch,
@@ -47,9 +48,9 @@ waits on this task's group" deadlocked with the shared expert (FC2_DGRAD holding
 a SHARED_FC1_DGRAD while another CTA's SHARED_FC2_DGRAD held SHARED_DGATED before an
 FC1_DGRAD: found by a simulation of the static walk). The consumers take each dgrad's decoded
 words from the load warp, which decodes one task ahead, through a smem ring
-(``_publish_dgrad``), not from global memory between tasks. Waits are bounded
-(``timeout_ns``); the first that gives up writes the error word, which the host raises
-(``mok_cute.errors``).
+(``backward_walk``'s ``_publish_dgrad``), not from global memory between tasks. Waits are
+bounded (``timeout_ns``); the first that gives up writes the error word, which the host
+raises (``mok_cute.errors``).
 
 Over a group (``comm_ctas`` > 0) CTAs after the compute ones run the comm tasks
 (``backward_comm``): REVERSE_COMBINE / REPULL_X pull the rows FC2_DGRAD and the gate / up
@@ -79,7 +80,7 @@ from mok_cute.constants import (BACKWARD_COMM_SCALARS, BACKWARD_TILE_N,
                                 FC2_DGRAD_PINGPONG_TILE_N, SCALARS, TILE_K, TILE_M)
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
-from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows, signal_slot
+from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
 from mok_cute.kernels.megakernel.backward_recorder import (COMPUTE, EPILOGUE,
@@ -88,30 +89,24 @@ from mok_cute.kernels.megakernel.backward_recorder import (COMPUTE, EPILOGUE,
 from mok_cute.kernels.megakernel.backward_shared import (SHARED_FC1_DGRAD, SHARED_FC2_DGRAD,
                                                          SharedOperands, SharedTasksMixin)
 from mok_cute.kernels.megakernel.backward_tail import BackwardTailMixin, GroupTail
+from mok_cute.kernels.megakernel.backward_walk import BackwardWalkMixin
 from mok_cute.kernels.megakernel.backward_wgrad import WgradForm, WgradTasksMixin
-from mok_cute.kernels.megakernel.scheduler import (D_INDEX, D_MTILE, D_NTILE, D_NUM_WAITS,
-                                                   D_RANK, D_RING_TILE, D_SIGNAL, D_TYPE,
-                                                   DECODED_WORDS, RUN_FLAG, TICKET_SLOTS,
-                                                   Context, ring_next, ring_wait_empty,
-                                                   ring_wait_full, ring_words, ticket_ring_init)
+from mok_cute.kernels.megakernel.scheduler import (D_SIGNAL, DECODED_WORDS, TICKET_SLOTS,
+                                                   Context, ring_words, ticket_ring_init)
 from mok_cute.kernels.row_epilogue import RowEpilogueMixin
-from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, EXPERT_TILES, BackwardCounter,
-                                     BackwardTaskType, BackwardWord)
+from mok_cute.tasks_backward import (BACKWARD_TASK_WORDS, BackwardCounter, BackwardTaskType,
+                                     BackwardWord)
 
 # scalars int64: the wait bound, the minibatch size in M-tiles (the live prefix), the queue
 # position where the tail (weight gradients, by ticket) begins, the queue's length, its
 # FC2_DGRAD count (the pingpong phase's end), the comm queue position where the KSUMs (by
 # ticket) begin
 BACKWARD_SCALARS = 6
-# the dgrads' ring of decoded tasks has the forward's slots (``scheduler``'s D_* words); two the
-# backward has no use for hold the counter groups of the defer rule: the task's signal group
-# and its first wait's group
-D_SIGNAL_GROUP, D_WAIT_GROUP = D_RANK, D_RING_TILE
 
 
-class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCommMixin,
-                             BackwardTailMixin, SharedTasksMixin, BackwardRecorderMixin,
-                             RowEpilogueMixin, GemmCoreSm90):
+class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTasksMixin,
+                             BackwardCommMixin, BackwardTailMixin, SharedTasksMixin,
+                             BackwardRecorderMixin, RowEpilogueMixin, GemmCoreSm90):
     """One launch of a rank's routed dgrads and weight gradients (module docstring).
 
     :param num_ctas: compute CTAs (the walk's stride); with ``comm_ctas`` one per SM.
@@ -132,9 +127,9 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         ``timeline_buf`` argument.
 
     The load warp, which decodes each dgrad one task ahead, hands its words to the consumer
-    warps through a smem ring (the forward's ticket ring, ``scheduler``): the consumers do not
-    decode it again from global memory (queue, task row, counter offsets: dependent loads)
-    between two tasks.
+    warps through a smem ring (the forward's ticket ring, ``scheduler``; ``backward_walk``):
+    the consumers do not decode it again from global memory (queue, task row, counter
+    offsets: dependent loads) between two tasks.
     """
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
@@ -429,54 +424,6 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         return Recorder(timeline_buf, marks, leader)
 
     @cute.jit
-    def _live_len(self, queue_live_len: cute.Tensor, num_tiles: cute.Tensor,
-                  scalars: cute.Tensor) -> Int32:
-        """The compute queue's live prefix: every task of the live minibatches."""
-        per_minibatch = Int32(scalars[1])
-        live = (num_tiles[0] + per_minibatch - 1) // per_minibatch
-        return queue_live_len[cutlass.min(live, cute.size(queue_live_len) - 1)]
-
-    @cute.jit
-    def _walk(self, tasks: cute.Tensor, queue: cute.Tensor, queue_live_len: cute.Tensor,
-              num_tiles: cute.Tensor, scalars: cute.Tensor):
-        """The walk: (tasks, queue, live prefix, num_tiles, tail begin, queue length)."""
-        return (tasks, queue, self._live_len(queue_live_len, num_tiles, scalars), num_tiles,
-                Int32(scalars[2]), Int32(scalars[3]))
-
-    @cute.jit
-    def _walk_len(self, walk) -> Int32:
-        """Positions a CTA walks: the live prefix, then the tail."""
-        _, _, live_len, _, tail_begin, queue_len = walk
-        return live_len + queue_len - tail_begin
-
-    @cute.jit
-    def _index(self, walk, pos: Int32) -> Int32:
-        """The list index at walk position ``pos`` (the live prefix, then the tail)."""
-        _, queue, live_len, _, tail_begin, _ = walk
-        at = pos
-        if pos >= live_len:
-            at = tail_begin + pos - live_len
-        return queue[at]
-
-    @cute.jit
-    def _task(self, walk, pos: Int32, counter_offsets: cute.Tensor):
-        """Task words of walk position ``pos`` (clamped to the walk: a CTA decodes the task
-        after the one it runs, so that their loads wait under its mainloop): (run, type,
-        M-tile or expert, N-tile, M-block, wait count, counter slot it signals, list index); a
-        dgrad past the live M-tiles does not run (a weight gradient's ``run`` is unused)."""
-        tasks, _, _, num_tiles, _, _ = walk
-        index = self._index(walk, cutlass.max(cutlass.min(pos, self._walk_len(walk) - 1), 0))
-        tile = tasks[index, int(BackwardWord.TILE)]
-        signal = signal_slot(tasks, index, counter_offsets)
-        run = tile < num_tiles[0]
-        ttype = tasks[index, int(BackwardWord.TYPE)]
-        if const_expr(self.shared):  # its token tiles run whatever the routing
-            run = run or self.is_shared_task(ttype)
-        return (run, ttype, tile,
-                tasks[index, int(BackwardWord.N_TILE)], tasks[index, int(BackwardWord.M_BLOCK)],
-                tasks[index, int(BackwardWord.NUM_WAITS)], signal, index)
-
-    @cute.jit
     def _k_tiles(self, ttype: Int32, t_dy: cute.Tensor, t_dp: cute.Tensor,
                  shared: SharedOperands) -> Int32:
         """K-tiles of a task: H / 64 for FC2_DGRAD, 2I / 64 for FC1_DGRAD (2Is / 64 for the
@@ -596,44 +543,6 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         ab_pipeline.producer_tail(pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.ab_stages, loads))
 
-    @cute.jit
-    def _ring_base(self, first: Int32) -> Int32:
-        """The dgrads' ring's use of walk position p is p // num_ctas minus this: the CTA's
-        first position's p // num_ctas (0 without the pingpong phase, whose positions the
-        walk skips here). Computed from positions on both sides: a use counter carried
-        through the loops spilled."""
-        base = Int32(0)
-        if const_expr(self.fc2_pingpong):
-            base = first // self.num_ctas
-        return base
-
-    @cute.jit
-    def _ring_use(self, pos: Int32, base: Int32) -> Int32:
-        """The dgrad ring's use of walk position ``pos`` (``_ring_base``)."""
-        return pos // self.num_ctas - base
-
-    @cute.jit
-    def _publish_dgrad(self, ring, k: Int32, tasks: cute.Tensor, counter_offsets: cute.Tensor,
-                       run, ttype: Int32, m_tile: Int32, n_tile: Int32, index: Int32):
-        """Lane 0 of the load warp writes the decoded words of a dgrad walk position
-        (``_task``'s; its counter slot, wait count and groups read again here, from lines the
-        decode brought into L1: held through the loads they spilled) as ring use ``k`` (the
-        type with ``RUN_FLAG``, the counter groups of the defer rule), once the consumers
-        have given back use k - ``TICKET_SLOTS``."""
-        ring_q, bars = ring
-        if cute.arch.lane_idx() == 0:
-            ring_wait_empty(bars, k)
-            words = ring_words(ring_q, k)
-            words[D_INDEX] = index
-            words[D_TYPE] = ttype + cutlass.select_(run, Int32(RUN_FLAG), Int32(0))
-            words[D_MTILE] = m_tile
-            words[D_NTILE] = n_tile
-            words[D_SIGNAL] = signal_slot(tasks, index, counter_offsets)
-            words[D_NUM_WAITS] = tasks[index, int(BackwardWord.NUM_WAITS)]
-            words[D_SIGNAL_GROUP] = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
-            words[D_WAIT_GROUP] = tasks[index, int(BackwardWord.WAITS)]
-            cute.arch.mbarrier_arrive(bars + k % TICKET_SLOTS)  # release: the words, then the phase
-
     def _fc2_load_parts(self, sA, sB, ops):
         """FC2_DGRAD's (cooperative) TMA partitions: (atom, global, smem) of the dY rows, then
         of W_down; ``ops`` their (atom, tensor) pairs. Traced inline."""
@@ -676,35 +585,6 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
         else:
             cute.copy(tma_wu, g_wu[(None, n_tile, k - k_split, expert)], s_wu[(None, stage)],
                       tma_bar_ptr=bar)
-
-    @cute.jit
-    def _wait_task(self, tasks: cute.Tensor, index: Int32, expert_offsets: cute.Tensor,
-                   counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
-                   timeout_ns: Int64, lane_strided: cutlass.Constexpr[bool] = False):
-        """Spin until every wait of task ``index`` holds: counter[group][i] >= target for
-        i in [first, first + count) (a dgrad's waits name its own M-tile, which is live; an
-        ``EXPERT_TILES`` wait the M-tiles of the task's expert, from its schedule rows).
-        Every lane of the calling warp spins on each counter, or with ``lane_strided`` lane l
-        on counters first + l, first + l + 32, ... (one round trip for an expert's M-tiles),
-        then the warp syncs (ordering every lane's acquire before what the warp issues next)."""
-        for w in cutlass.range(tasks[index, int(BackwardWord.NUM_WAITS)], unroll=1):
-            word = int(BackwardWord.WAITS) + 4 * w
-            base = counter_offsets[tasks[index, word]]
-            first = tasks[index, word + 1]
-            count = tasks[index, word + 2]
-            target = tasks[index, word + 3]
-            if first == EXPERT_TILES:
-                expert = tasks[index, int(BackwardWord.TILE)]
-                first = expert_offsets[expert] // TILE_M
-                count = expert_offsets[expert + 1] // TILE_M - first
-            end, step = first + count, 1
-            if const_expr(lane_strided):
-                first, step = first + cute.arch.lane_idx(), 32
-            for i in cutlass.range(first, end, step, unroll=1):
-                common.wait_counter(counters, base + i, target, timeout_ns, error, index,
-                                    Int32(0), Int32(0))
-        if const_expr(lane_strided):
-            cute.arch.sync_warp()
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -824,32 +704,6 @@ class BackwardMegakernelSm90(Fc2PingpongTasksMixin, WgradTasksMixin, BackwardCom
                                     wgrad_stores, warpgroup_idx, shared, recorder)
         # the last TMA stores of either form have read their buffers before the CTA exits
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-    @cute.jit
-    def _dgrad_words(self, task_ring, k: Int32):
-        """A consumer thread's (run, type, M-tile, N-tile, list index) of its dgrad walk
-        position whose ring use is ``k`` (use k - 1 given back; ``_publish_dgrad``; the
-        counter slot is read after the epilogue: held through it, it spilled)."""
-        ring_q, bars = task_ring
-        ring_next(ring_q, bars, k)
-        words = ring_words(ring_q, k)
-        tword = words[D_TYPE]
-        run, ttype = (tword & RUN_FLAG) != 0, tword & (RUN_FLAG - 1)
-        return run, ttype, words[D_MTILE], words[D_NTILE], words[D_INDEX]
-
-    @cute.jit
-    def _next_dgrad_words(self, task_ring, k: Int32):
-        """What the publish of the CTA's task at ring use k - 1 asks of the next one (use
-        ``k``, published once the task before's loads were out: no wait in practice; held until
-        the consumers take k + 1): (its run flag, wait count and first wait's counter group,
-        the task before's signal group). ``k`` from the next position, not from the task
-        before's use: that one, held through the dgated epilogue, spilled."""
-        ring_q, bars = task_ring
-        ring_wait_full(bars, k)
-        words = ring_words(ring_q, k)
-        return ((words[D_TYPE] & RUN_FLAG) != 0, words[D_NUM_WAITS], words[D_WAIT_GROUP],
-                ring_words(ring_q, k - 1)[D_SIGNAL_GROUP])
 
     @cute.jit
     def _store_dx(self, args, shared_dx):
