@@ -588,11 +588,11 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consumer_loop(self, walk, first: Int32, counters: cute.Tensor, preact: cute.Tensor, row_slot: cute.Tensor,
-                      weights: cute.Tensor, partials: cute.Tensor, ab_pipeline, tiled_mma, sA,
-                      sB, sC, stores, wgrad_stores, w_layouts, t_dy, t_dp, tidx: Int32, warp_idx: Int32,
-                      warpgroup_idx: Int32, tail_ring, task_ring, shared: SharedOperands,
-                      recorder: Recorder):
+    def consumer_loop(self, walk, first: Int32, counters: cute.Tensor, preact: cute.Tensor,
+                      row_slot: cute.Tensor, weights: cute.Tensor, partials: cute.Tensor,
+                      ab_pipeline, tiled_mma, sA, sB, sC, stores, wgrad_stores, w_layouts, t_dy,
+                      t_dp, tidx: Int32, warp_idx: Int32, warpgroup_idx: Int32, tail_ring,
+                      task_ring, shared: SharedOperands, recorder: Recorder):
         """Both consumer warpgroups from walk position ``first``: per task the mainloop, the
         epilogue's TMA stores, and for a dgrad, once they have landed, the task's counter,
         published by thread 0 of the store warp (nothing waits on a weight gradient: the

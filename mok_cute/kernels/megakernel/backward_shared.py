@@ -28,12 +28,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from mok_cute.constants import TILE_K, TILE_M
-from mok_cute.tasks_backward import BackwardTaskType, BackwardWord
+from mok_cute.tasks_backward import BackwardTaskType
 
 SHARED_FC2_DGRAD = int(BackwardTaskType.SHARED_FC2_DGRAD)
 SHARED_FC1_DGRAD = int(BackwardTaskType.SHARED_FC1_DGRAD)

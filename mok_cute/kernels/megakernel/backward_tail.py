@@ -39,7 +39,7 @@ from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.backward_comm import (COMBINE_OFFSET, PARTIALS_OFFSET, f32_at,
                                                        signal_slot)
 from mok_cute.kernels.megakernel.backward_recorder import COMPUTE, START
-from mok_cute.kernels.megakernel.comm_tasks import bf16_row, fill_row
+from mok_cute.kernels.megakernel.comm_tasks import fill_row
 from mok_cute.kernels.megakernel.ksum_tasks import gmem_vec, smem_vec
 from mok_cute.kernels.token_ops import k_sum_add
 from mok_cute.tasks_backward import TILE_COUNTERS, BackwardTaskType, BackwardWord
