@@ -113,8 +113,8 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
     for label, v in ms.items():
         print(f"{name} {label:34s} " + " ".join(f"{t:7.3f}" for t in v)
               + f"  median {median[label]:7.3f} ms", flush=True)
-    # speed ratios paired per round (the bench's): the clock under the power cap drifts
-    # between rounds more than the differences measured here
+    # speed ratios paired per round, as the bench's: what the clock under the power cap does
+    # to a whole round cancels (it still moves within one: use more reps for small effects)
     one = ms["GEMMs: megakernel, one launch"]
     ratios = {"dgrads": paired_ratio(ms["dgrads: two launches"], ms["dgrads: megakernel"]),
               "gemms": paired_ratio(ms["GEMMs: four launches"], one),
