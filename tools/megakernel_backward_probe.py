@@ -21,7 +21,8 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False,
+          ticket_ahead_ab: bool = False) -> dict:
     import mok_cute
     from mok_cute.bench.common import paired_ratio
     from mok_cute import expert_backward as eb
@@ -105,6 +106,16 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
+    if ticket_ahead_ab:  # TEMPORARY: the tail's ticket one tile ahead (mb.TEMPORARY_TICKET_AHEAD)
+        base = [t for t in one_launch() if t is not None]
+        run = ticket_ahead(one_launch)
+        live_rows = int(s.num_tiles.item()) * 128
+        same = all(torch.equal(a[:live_rows], b[:live_rows]) for a, b in
+                   zip(base, [t for t in run() if t is not None]))
+        print(f"{name} one launch [ticket ahead] bitwise the default's (live rows): {same}",
+              flush=True)
+        variants["GEMMs: megakernel, one launch [ticket ahead]"] = run
+        variants["moe_backward (megakernel) [ticket ahead]"] = ticket_ahead(backward("megakernel"))
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -124,6 +135,19 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
           f"whole backward {ratios['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
+
+
+def ticket_ahead(fn):
+    """``fn`` with the backward megakernel's TEMPORARY_TICKET_AHEAD switch on."""
+    from mok_cute import megakernel_backward as mb
+
+    def run():
+        mb.TEMPORARY_TICKET_AHEAD = True
+        try:
+            return fn()
+        finally:
+            mb.TEMPORARY_TICKET_AHEAD = False
+    return run
 
 
 def patched(fn, per_mb=None, fc2_pingpong=None):
@@ -159,8 +183,11 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
+    p.add_argument("--ticket-ahead-ab", action="store_true",
+                   help="TEMPORARY: also one launch and the whole backward with the tail's "
+                        "ticket taken one tile ahead (bitwise check)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.ticket_ahead_ab)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:

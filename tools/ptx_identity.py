@@ -189,7 +189,12 @@ def renumbered(ptx: str) -> str:
 
 def snapshot(outdir: Path, only: list[str] | None) -> None:
     outdir.mkdir(parents=True, exist_ok=True)
-    for name, build in cases().items():
+    known = cases()
+    unknown = sorted(set(only or ()) - set(known))
+    if unknown:  # a comma-separated list or a misspelt name compared nothing and passed
+        sys.exit(f"--cases: no such case {', '.join(unknown)} (names, space-separated: "
+                 f"{' '.join(known)})")
+    for name, build in known.items():
         if only and name not in only:
             continue
         (outdir / f"{name}.ptx").write_text(normalise(build().__ptx__))
@@ -242,6 +247,9 @@ def compare(base: str, head: str | None, only: list[str] | None) -> int:
                 print(f"DIFFERS  {name}: {len(diff)} diff lines; first ones:")
                 print("\n".join("    " + d for d in diff[2:12]))
                 failed += 1
+        if not sides["base"] and not sides["head"]:
+            print("no case compiled on either side: nothing compared")
+            return 1
         print(f"{failed} case(s) differ" if failed else
               f"instruction-identical ({renamed} case(s) renumbered)" if renamed else
               "byte-identical")
