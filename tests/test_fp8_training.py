@@ -49,10 +49,10 @@ def test_fp8_training_without_a_gpu_is_refused_by_name():
 
 def _cosine(a, b):
     # in fp64, a chunk at a time: whole fp64 copies of gptoss's weight gradients need 8 GB each
-    a, b = a.flatten(), b.flatten()
+    a, b, chunk = a.flatten(), b.flatten(), 1 << 26
     ab = aa = bb = 0.0
-    for i in range(0, a.numel(), 1 << 26):
-        x, y = a[i:i + (1 << 26)].double(), b[i:i + (1 << 26)].double()
+    for i in range(0, a.numel(), chunk):
+        x, y = a[i:i + chunk].double(), b[i:i + chunk].double()
         ab, aa, bb = ab + (x * y).sum().item(), aa + (x * x).sum().item(), bb + (y * y).sum().item()
     return ab / max((aa * bb) ** 0.5, 1e-300)
 

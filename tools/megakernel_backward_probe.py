@@ -108,14 +108,15 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
                                                                       fc2_pingpong=other)
     if ticket_ahead_ab:  # TEMPORARY: the tail's ticket one tile ahead (mb.TEMPORARY_TICKET_AHEAD)
         base = [t for t in one_launch() if t is not None]
-        run = ticket_ahead(one_launch)
+        run = patched(one_launch, ticket_ahead=True)
         live_rows = int(s.num_tiles.item()) * 128
         same = all(torch.equal(a[:live_rows], b[:live_rows]) for a, b in
                    zip(base, [t for t in run() if t is not None]))
         print(f"{name} one launch [ticket ahead] bitwise the default's (live rows): {same}",
               flush=True)
         variants["GEMMs: megakernel, one launch [ticket ahead]"] = run
-        variants["moe_backward (megakernel) [ticket ahead]"] = ticket_ahead(backward("megakernel"))
+        variants["moe_backward (megakernel) [ticket ahead]"] = patched(backward("megakernel"),
+                                                                       ticket_ahead=True)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -137,37 +138,28 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def ticket_ahead(fn):
-    """``fn`` with the backward megakernel's TEMPORARY_TICKET_AHEAD switch on."""
-    from mok_cute import megakernel_backward as mb
-
-    def run():
-        mb.TEMPORARY_TICKET_AHEAD = True
-        try:
-            return fn()
-        finally:
-            mb.TEMPORARY_TICKET_AHEAD = False
-    return run
-
-
-def patched(fn, per_mb=None, fc2_pingpong=None):
-    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles and / or
-    its FC2_DGRAD form forced (its own table cache)."""
+def patched(fn, per_mb=None, fc2_pingpong=None, ticket_ahead=None):
+    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles, its
+    FC2_DGRAD form forced and / or its TEMPORARY_TICKET_AHEAD switch set (its own table
+    cache)."""
     from mok_cute import megakernel_backward as mb
 
     tables = mb.BoundedCache(32)
 
     def run():
-        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong
+        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong, mb.TEMPORARY_TICKET_AHEAD
         mb._TABLES = tables
         if per_mb is not None:
             mb.tiles_per_minibatch = lambda capacity_tiles: per_mb
         if fc2_pingpong is not None:
             mb.fc2_pingpong = lambda hidden: fc2_pingpong
+        if ticket_ahead is not None:
+            mb.TEMPORARY_TICKET_AHEAD = ticket_ahead
         try:
             return fn()
         finally:
-            mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong = saved
+            (mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong,
+             mb.TEMPORARY_TICKET_AHEAD) = saved
     return run
 
 
