@@ -21,8 +21,8 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: bool = False,
-          ticket_ahead_ab: bool = False) -> dict:
+def probe(name: str, rounds: int, reps: int, sweep: bool = False,
+          fc2_forms: bool = False) -> dict:
     import mok_cute
     from mok_cute.bench.common import paired_ratio
     from mok_cute import expert_backward as eb
@@ -106,17 +106,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
-    if ticket_ahead_ab:  # TEMPORARY: the tail's ticket one tile ahead (mb.TEMPORARY_TICKET_AHEAD)
-        base = [t for t in one_launch() if t is not None]
-        run = patched(one_launch, ticket_ahead=True)
-        live_rows = int(s.num_tiles.item()) * 128
-        same = all(torch.equal(a[:live_rows], b[:live_rows]) for a, b in
-                   zip(base, [t for t in run() if t is not None]))
-        print(f"{name} one launch [ticket ahead] bitwise the default's (live rows): {same}",
-              flush=True)
-        variants["GEMMs: megakernel, one launch [ticket ahead]"] = run
-        variants["moe_backward (megakernel) [ticket ahead]"] = patched(backward("megakernel"),
-                                                                       ticket_ahead=True)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -138,28 +127,24 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False, fc2_forms: boo
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb=None, fc2_pingpong=None, ticket_ahead=None):
-    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles, its
-    FC2_DGRAD form forced and / or its TEMPORARY_TICKET_AHEAD switch set (its own table
-    cache)."""
+def patched(fn, per_mb=None, fc2_pingpong=None):
+    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles and / or
+    its FC2_DGRAD form forced (its own table cache)."""
     from mok_cute import megakernel_backward as mb
 
     tables = mb.BoundedCache(32)
 
     def run():
-        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong, mb.TEMPORARY_TICKET_AHEAD
+        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong
         mb._TABLES = tables
         if per_mb is not None:
             mb.tiles_per_minibatch = lambda capacity_tiles: per_mb
         if fc2_pingpong is not None:
             mb.fc2_pingpong = lambda hidden: fc2_pingpong
-        if ticket_ahead is not None:
-            mb.TEMPORARY_TICKET_AHEAD = ticket_ahead
         try:
             return fn()
         finally:
-            (mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong,
-             mb.TEMPORARY_TICKET_AHEAD) = saved
+            mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong = saved
     return run
 
 
@@ -175,11 +160,8 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
-    p.add_argument("--ticket-ahead-ab", action="store_true",
-                   help="TEMPORARY: also one launch and the whole backward with the tail's "
-                        "ticket taken one tile ahead (bitwise check)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.ticket_ahead_ab)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:

@@ -470,11 +470,14 @@ BACKWARD_FIT_SHAPES = ("qwen3_30b", "gptoss_120b", "mixtral", "dsv3_ep8_rank", "
 _DGRADS_ALONE, _ONE_LAUNCH = "dgrads: megakernel", "GEMMs: megakernel, one launch"
 
 
-def backward_rounds(file: str, shape: str, variant: str, tokens: int | None = None) -> list:
+def backward_rounds(file: str, shape: str, variant: str, tokens: int | None = None,
+                    key: str | None = None) -> list:
     """Measured ms of one variant of a committed backward result: a probe's ``ms_rounds``
     (``shapes`` entries; ``tokens``: their ``tokens_per_rank``) or a bench's bwd rows
-    (``variant`` = the contender)."""
+    (``variant`` = the contender); ``key``: the run's key in a file of several runs."""
     data = json.loads((_RESULTS / file).read_text())
+    if key is not None:
+        data = data[key]
     if "shapes" in data:
         rows = [s["ms_rounds"][variant] for s in data["shapes"] if s["shape"] == shape
                 and tokens in (None, s.get("tokens_per_rank"))]
@@ -624,10 +627,10 @@ def backward_check_points() -> list[dict]:
                         tokens=256, sim=(_named(s, tokens_per_rank=8 * 256), 1, 0, "total")))
     # rank 0 of 8 over a group's buffers on one GPU (its peers' pushes in place): the launch
     # with its comm CTAs and the group tail; the shared expert runs before it
-    for s, c, f in (("qwen3.5_397b", 16, "one_rank"), ("glm_5.2", 16, "one_rank"),
-                    ("qwen3.5_397b", 32, "one_rank_splits")):
-        pts.append(dict(label=f"{s} group rank 0 of 8, {c} comm CTAs", shape=s,
-                        file=f"2026-12-04_h200_group_tail_{f}.json", variant=f"one launch c{c}",
+    for s, c, run in (("qwen3.5_397b", 16, "final"), ("glm_5.2", 16, "final"),
+                      ("qwen3.5_397b", 32, "splits")):
+        pts.append(dict(label=f"{s} group rank 0 of 8, {c} comm CTAs", shape=s, key=run,
+                        file="2026-12-04_h200_group_tail_one_rank.json", variant=f"one launch c{c}",
                         tokens=2048, sim=(_named(s, shared_intermediate=0), 8, c, "rank0")))
     return pts
 
@@ -650,7 +653,7 @@ def backward_checks(efficiency=None, hw: HardwareProfile | str = "h200_hgx") -> 
 
     points = []
     for p in backward_check_points():
-        v = backward_rounds(p["file"], p["shape"], p["variant"], p.get("tokens"))
+        v = backward_rounds(p["file"], p["shape"], p["variant"], p.get("tokens"), p.get("key"))
         shape, ranks, comm, what = p["sim"]
         points.append(dict(label=p["label"], file=p["file"], variant=p["variant"],
                            measured=(float(np.median(v)), min(v), max(v)),

@@ -134,8 +134,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
-                 accumulate_wgrads: bool = False, timeline: bool = False,
-                 ticket_ahead: bool = False):
+                 accumulate_wgrads: bool = False, timeline: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -147,7 +146,6 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         self.shared = shared
         self.accumulate_wgrads = accumulate_wgrads
         self.timeline = timeline
-        self.ticket_ahead = ticket_ahead  # TEMPORARY A/B: the tail's ticket one tile ahead
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -728,11 +726,11 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False, ticket_ahead: bool = False):
+                                timeline: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline, ticket_ahead)
+                                    shared, accumulate_wgrads, timeline)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

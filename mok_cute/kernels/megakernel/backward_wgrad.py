@@ -219,8 +219,6 @@ class WgradTasksMixin:
                 if key < -1:
                     k0, k_tiles = Int32(0), self.shared_k_tiles(shared)
             self._publish_ticket(ring, k, t, index, ttype, expert, m_block, n_tile, k_tiles)
-            if const_expr(self.ticket_ahead):  # TEMPORARY A/B: the next ticket under this tile's loads
-                t_next = self._take_ticket(counters, slot, ring, k + 1)
             if key != waited_expert:
                 self.wait_task_recorded(tasks, index, expert_offsets, counter_offsets, counters,
                                         error, timeout_ns, timeline_buf, COMPUTE,
@@ -239,10 +237,7 @@ class WgradTasksMixin:
                                 k0, k_tiles, ops, parts)
             loads += k_tiles
             k += 1
-            if const_expr(self.ticket_ahead):
-                t = t_next
-            else:
-                t = self._take_ticket(counters, slot, ring, k)
+            t = self._take_ticket(counters, slot, ring, k)
         zero = Int32(0)
         self._publish_ticket(ring, k, t, zero, zero, zero, zero, zero, zero)  # the end
         return loads
