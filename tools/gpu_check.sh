@@ -8,7 +8,8 @@
 #
 #   tests           the GPU tests file by file, 300 s a file, 120 s a test (pytest-timeout)
 #   alltests [K]    every GPU test (K: a -k expression; IDS=FILE: the tests FILE lists) in $SHARDS
-#                   (12; 8 under 120 GB) pytest processes at once (a shard that ran out of memory:
+#                   (12; 8 under 120 GB) pytest processes at once, and one more running the tests
+#                   marked bigmem one at a time (a shard that ran out of memory:
 #                   its failed tests once more, alone, after them; a shard killed at its limit: its
 #                   tests that did not pass listed in unfinished.txt), $TEST_SECS (540) in all: the
 #                   DSL compiles, one core each, run in parallel
@@ -150,10 +151,17 @@ run_alltests() {
   else "${PYTEST[@]}" --collect-only -q -m gpu tests/ ${expr:+-k "$expr"} 2>/dev/null | grep "::" > "$out/ids.txt"
   fi
   n=$(wc -l < "$out/ids.txt")
-  echo "$n GPU tests in $shards shards"
+  # the tests marked bigmem (tests/conftest.py: 10-50 GB each) run one at a time in a shard of
+  # their own beside the others: two of them at once ran an 80 GB card out of memory
+  "${PYTEST[@]}" --collect-only -q -m "gpu and bigmem" tests/ 2>/dev/null | grep "::" \
+    | grep -xFf - "$out/ids.txt" > "$out/ids_big.txt"
+  grep -vxFf "$out/ids_big.txt" "$out/ids.txt" > "$out/ids_rest.txt"
+  echo "$n GPU tests in $shards shards and one of $(wc -l < "$out/ids_big.txt") bigmem tests"
   if [ "$n" -eq 0 ]; then echo "no GPU test collected"; failures=$((failures + 1)); return; fi
-  for i in $(seq 0 $((shards - 1))); do
-    awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/ids.txt" > "$out/ids_$i.txt"
+  for i in $(seq 0 $((shards - 1))) big; do
+    if [ "$i" != big ]; then
+      awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/ids_rest.txt" > "$out/ids_$i.txt"
+    fi
     [ -s "$out/ids_$i.txt" ] || continue
     # shellcheck disable=SC2046
     step "shard_$i" "${TEST_SECS:-540}" "${PYTEST[@]}" -v -rfEs -m gpu -o timeout=150 \
