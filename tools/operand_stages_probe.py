@@ -1,0 +1,155 @@
+"""The one-GPU backward's FC1 dgrad and weight-gradient launches on fewer operand stages than
+fit (the backward megakernel's ring has 3 where these launches have 4), and the FC1 dgrad's
+raster group, in interleaved rounds with a bitwise check of every variant against the first.
+
+    python tools/operand_stages_probe.py --shapes dsv3_ep8_rank,gptoss_120b \
+        [--variants fit:8,3:8,3:2] [--rounds 6] [--reps 10] [--json out.json]
+
+A variant is STAGES:GROUP_M (STAGES "fit": as many as smem holds; GROUP_M: the FC1 dgrad's
+M-tiles per raster group, ``ExpertPathOptions.fc2_group_m``, which that launch takes). The
+stage cap is patched into the GEMM classes' ``_setup_attributes`` for this process: a probe
+for issue 32 (docs/measurements.md), not the benchmark of record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from tools.layer_profile import gpu_ms  # noqa: E402
+
+KERNELS = ("fc1 dgrad", "wgrad gate+up", "wgrad down")
+_STAGE_CAP = [None]  # the cap of the kernels compiled next (None: as many as fit)
+
+
+def _patch_stage_cap() -> None:
+    """Cap ``ab_stages`` at ``_STAGE_CAP[0]`` in both GEMM classes (staged layouts rebuilt)."""
+    from mok_cute.kernels import gemm_core, gemm_wgrad
+
+    def capped(setup):
+        def run(self):
+            setup(self)
+            cap = _STAGE_CAP[0]
+            if cap is not None and self.ab_stages > cap:
+                tile_m, tile_n, tile_k = self.tile_shape_mnk
+                a_rows = getattr(self, "wg_rows", tile_m)  # the wgrad: one box a warpgroup
+                self.ab_stages = cap
+                self.a_smem_layout_staged = self.staged_layout(
+                    self.a_dtype, (a_rows, tile_k), cap, self.a_mn_major)
+                self.b_smem_layout_staged = self.staged_layout(
+                    self.b_dtype, (tile_n, tile_k), cap, self.b_mn_major)
+        return run
+
+    gemm_core.GemmCoreSm90._setup_attributes = capped(gemm_core.GemmCoreSm90._setup_attributes)
+    gemm_wgrad.WgradGemmSm90._setup_attributes = capped(
+        gemm_wgrad.WgradGemmSm90._setup_attributes)
+
+
+def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: int) -> dict:
+    import mok_cute
+    from mok_cute import expert_backward as eb
+    from mok_cute import expert_path, jit
+    from mok_cute.bench.common import paired_ratio
+    from mok_cute.bench.problems import make_problem
+    from mok_cute.kernels import token_ops
+    from mok_cute.shapes import resolve_shape
+
+    p = make_problem(resolve_shape(name), device="cuda", seed=1)
+    x, idx, w = p.inputs.x, p.inputs.topk_idx, p.inputs.topk_weights
+    E, I, H = p.w_gate.shape[0], p.w_gate.shape[1], x.shape[1]
+    cfg = mok_cute.MoKConfig(backend="kernel", check_ids=False)
+    with torch.no_grad():
+        _, s = expert_path.moe_forward_kernel(x, idx, w, p.w_gate, p.w_up, p.w_down, None, cfg,
+                                              save=True)
+    torch.manual_seed(0)
+    row_token = s.row_token(idx.shape[1])
+    d_rows = token_ops.gather_rows(torch.randn_like(x), row_token)
+    x_rows = token_ops.gather_rows(x, row_token)
+    d_preact, hw, _ = eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot,
+                                   w.float().contiguous().view(-1), s.tile_expert, s.num_tiles,
+                                   cfg.expert_path)
+    dw_gate = torch.empty(E, I, H, dtype=torch.bfloat16, device="cuda")
+    dw_up, dw_down = torch.empty_like(dw_gate), torch.empty(E, H, I, dtype=torch.bfloat16,
+                                                            device="cuda")
+    runs = {}
+    for stages, group_m in variants:
+        _STAGE_CAP[0] = stages
+        cache = jit._CACHE = {}  # this variant's kernels, compiled under its cap
+        options = dataclasses.replace(cfg.expert_path, fc2_group_m=group_m)
+        gate_up = eb._compiled("gemm_wgrad", x.device, gated=True, group_m=8)
+        down = eb._compiled("gemm_wgrad", x.device, gated=False, group_m=8)
+
+        def fc1(cache=cache, options=options):
+            jit._CACHE = cache
+            return eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles, options)
+
+        fc1()  # compiled under this variant's cap
+        runs[(stages, group_m)] = {
+            "fc1 dgrad": fc1,
+            "wgrad gate+up": lambda k=gate_up: k(
+                d_preact[:, :I].t().unsqueeze(2), d_preact[:, I:].t().unsqueeze(2),
+                x_rows.t().unsqueeze(2), dw_gate.permute(1, 2, 0), dw_up.permute(1, 2, 0),
+                s.expert_offsets),
+            "wgrad down": lambda k=down: k(d_rows.t().unsqueeze(2), None, hw.t().unsqueeze(2),
+                                           dw_down.permute(1, 2, 0), None, s.expert_offsets)}
+    live = int(s.num_tiles.item()) * 128
+    outs = {}
+    for v, fns in runs.items():
+        dx = fns["fc1 dgrad"]()[:live].clone()
+        fns["wgrad gate+up"]()
+        fns["wgrad down"]()
+        outs[v] = (dx, dw_gate.clone(), dw_up.clone(), dw_down.clone())
+    first = variants[0]
+    label = {v: f"stages {v[0] or 'fit'}, fc1 group_m {v[1]}" for v in variants}
+    bitwise = {label[v]: all(torch.equal(a, b) for a, b in zip(outs[v], outs[first]))
+               for v in variants}
+    print(f"{name} bitwise the first variant's: {bitwise}", flush=True)
+    ms = {(v, k): [] for v in variants for k in KERNELS}
+    for r in range(rounds):  # every other round in reverse (the clock under the power cap)
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            for k in KERNELS:
+                ms[(v, k)].append(gpu_ms(runs[v][k], reps))
+    rows = []
+    for v in variants:
+        for k in KERNELS:
+            ratio = paired_ratio(ms[(v, k)], ms[(first, k)])
+            rows.append(dict(variant=label[v], kernel=k, ms_rounds=ms[(v, k)],
+                             time_over_first=ratio))
+            print(f"{name} {k:14s} {label[v]:28s} median {statistics.median(ms[(v, k)]):7.3f} ms,"
+                  f" paired time / first {ratio:.3f}", flush=True)
+    return dict(shape=name, bitwise=bitwise, rows=rows)
+
+
+def _variant(text: str) -> tuple[int | None, int]:
+    stages, group_m = text.split(":")
+    return (None if stages == "fit" else int(stages)), int(group_m)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="dsv3_ep8_rank,qwen3_30b,gptoss_120b")
+    p.add_argument("--variants", default="fit:8,3:8",
+                   help="comma-separated STAGES:GROUP_M, the first the baseline")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    variants = [_variant(v) for v in args.variants.split(",")]
+    _patch_stage_cap()
+    out = [probe(n, variants, args.rounds, args.reps) for n in args.shapes.split(",")]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(command="python tools/operand_stages_probe.py "
+                           + " ".join(sys.argv[1:] if argv is None else argv),
+                           gpu=torch.cuda.get_device_name(), shapes=out), f,
+                      separators=(",", ":"))
+
+
+if __name__ == "__main__":
+    main()
