@@ -192,7 +192,10 @@ class GemmCoreSm90:
             "sB": aligned(self.b_dtype, cute.cosize(self.b_smem_layout_staged)),
             "sC": aligned(self.c_dtype, cute.cosize(self.epi_smem_layout_staged)),
         }
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        assert storage.size_in_bytes() <= self.smem_capacity, (
+            f"{storage.size_in_bytes()} B of smem, {self.smem_capacity} B on the SM")
+        return storage
 
     @staticmethod
     def staged_layout(dtype, tile_mk, stages, mn_major: bool = False):

@@ -79,7 +79,7 @@ from mok_cute import jit
 from mok_cute.constants import (BACKWARD_COMM_SCALARS, BACKWARD_TILE_N,
                                 FC2_DGRAD_PINGPONG_TILE_N, SCALARS, TILE_K, TILE_M)
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
+from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
 from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
@@ -134,9 +134,17 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
-                 accumulate_wgrads: bool = False, timeline: bool = False):
+                 accumulate_wgrads: bool = False, timeline: bool = False,
+                 four_stages: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
+        # TEMPORARY A/B (pingpong builds only): the cooperative ring on 4 stages. Its tasks
+        # (FC1_DGRAD, the weight gradients) store through 32 KB of epilogue buffers, not
+        # dgated's 48; FC2's pingpong phase keeps its epilogue in the B stages its ring leaves
+        # free, and the ring's first loads wait for that phase's last stores (RING_SWITCH)
+        self.four_stages = four_stages and fc2_pingpong
+        if self.four_stages:
+            self.epi_buffers = 4
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
@@ -206,6 +214,10 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         epi_box = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
         self.fc2 = Fc2PingpongForm()
         self.fc2.check_fits(self.a_smem_layout_staged, self.b_smem_layout_staged)
+        if const_expr(self.four_stages):
+            assert self.ab_stages == 4, f"four_stages: {self.ab_stages} stages fit"
+            self.fc2_epi_offset = self.fc2.epilogue_offset(self.a_smem_layout_staged,
+                                                           self.b_smem_layout_staged)
         # FC2_DGRAD's W_down box and dgated store boxes: the pingpong form's, or the cooperative
         fc2_n, fc2_b_box, fc2_epi_box, fc2_epi_tile = tile_n, b_box, epi_box, self.epi_tile
         if const_expr(self.fc2_pingpong):
@@ -379,6 +391,8 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                                               counter_offsets, counters, error,
                                               Int64(scalars[0]), fc2_ring, sA, f_layouts,
                                               (tma_dy, t_dy, tma_wd, t_wd), shared, timeline_buf)
+                    if const_expr(self.four_stages):  # FC2's epilogue buffers were B stages
+                        self.ring_switch().arrive_and_wait()
                 self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets,
                                    counter_offsets, counters, error, Int64(scalars[0]),
                                    ab_pipeline, sA, sB,
@@ -387,14 +401,19 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
+                fc2_epi = sC
+                if const_expr(self.four_stages):  # in the B stages FC2's ring leaves free
+                    fc2_epi = smem_overlay(sB, f_layouts[3], self.fc2_epi_offset)
                 first = self.fc2_consumers(fc2_walk, fc2_end, counter_offsets, counters, preact,
-                                           row_slot, weights, partials, fc2_ring, sA, sC,
+                                           row_slot, weights, partials, fc2_ring, sA, fc2_epi,
                                            f_layouts, (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw),
                                            t_dy, tidx, warp_idx, warpgroup_idx, shared,
                                            self._recorder(
                                                timeline_buf, rec_marks, warpgroup_idx,
                                                tidx % self.threads_per_warpgroup == 0))
                 self.switch_forms()
+                if const_expr(self.four_stages):  # its stores have read those B stages
+                    self.ring_switch().arrive()
             self.consumer_loop(self._walk(*walk_tables), first, counters,
                                preact, row_slot, weights, partials, ab_pipeline,
                                tiled_mma, sA, sB, sC,
@@ -413,6 +432,12 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                                        tidx - self.threads_per_warpgroup, self.num_mma_threads,
                                        sync, self._recorder(timeline_buf, rec_marks, 1,
                                                             tidx == self.threads_per_warpgroup))
+
+    def ring_switch(self):
+        """TEMPORARY (four_stages): the load warp and both consumer warpgroups between FC2's
+        pingpong phase and the cooperative ring's first loads."""
+        return pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.RING_SWITCH),
+                                     num_threads=self.num_mma_threads + 32)
 
     def _recorder(self, timeline_buf, rec_marks, warpgroup_idx, leader) -> Recorder:
         """Consumer warpgroup ``warpgroup_idx``'s ``Recorder``, thread ``leader`` recording.
@@ -726,11 +751,11 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False):
+                                timeline: bool = False, four_stages: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline)
+                                    shared, accumulate_wgrads, timeline, four_stages)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

@@ -58,6 +58,16 @@ class Fc2PingpongForm(RowEpilogueMixin, GemmCoreSm90):
         ring = cute.cosize(self.a_smem_layout_staged) + cute.cosize(self.b_smem_layout_staged)
         assert ring <= cute.cosize(a_staged) + cute.cosize(b_staged), "the FC2 ring needs more smem"
 
+    def epilogue_offset(self, a_staged, b_staged) -> int:
+        """Host side (TEMPORARY four_stages): the element offset into the host kernel's B
+        stages past this ring (laid from its A stages' start), where the epilogue buffers then
+        live; asserts they fit there."""
+        past = (cute.cosize(self.a_smem_layout_staged) + cute.cosize(self.b_smem_layout_staged)
+                - cute.cosize(a_staged))
+        assert past >= 0 and past + cute.cosize(self.epi_smem_layout_staged) <= cute.cosize(
+            b_staged), "the FC2 epilogue does not fit past its ring"
+        return past
+
     def kernel_args(self):
         """What the kernel takes of this form: its tiled MMA, staged A and B box layouts and
         staged epilogue layout."""
