@@ -9,7 +9,8 @@ dgrads and weight gradients as tasks of the backward task list (``mok_cute.tasks
 
 Both kinds are 128 x 256 x 64 cooperative tiles on one GEMM core configuration (A K-major,
 B MN-major: the weights as stored, read transposed), so one stage ring and one tiled MMA
-serve both; FC1_DGRAD's store epilogue uses the first of dgated's three output buffers. Up to
+serve both; FC1_DGRAD's store epilogue uses the first of dgated's three output buffers (the
+TEMPORARY four_stages builds: 32 KB of buffers, a fourth stage). Up to
 H = ``constants.FC2_DGRAD_PINGPONG_MAX_K`` (``fc2_pingpong``) FC2_DGRAD runs instead as the
 one-GPU launch does there, pingpong 128 x 128 tiles on a ring of its own (``backward_fc2``),
 a phase before the cooperative tasks.
@@ -236,6 +237,9 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                   *mk(s2g, d_up, fc2_epi_box, fc2_epi_tile),
                   *mk(s2g, hw, fc2_epi_box, fc2_epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
         self.wgrad = WgradForm(self.ab_stages, self.accumulate_wgrads)
+        assert (cute.cosize(self.wgrad.epi_smem_layout_staged) * self.wgrad.c_dtype.width
+                <= cute.cosize(self.epi_smem_layout_staged) * self.c_dtype.width), \
+            "the weight gradients' epilogue buffers exceed sC"
         w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
         w_loads = []
         for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):
@@ -391,8 +395,6 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                                               counter_offsets, counters, error,
                                               Int64(scalars[0]), fc2_ring, sA, f_layouts,
                                               (tma_dy, t_dy, tma_wd, t_wd), shared, timeline_buf)
-                    if const_expr(self.four_stages):  # FC2's epilogue buffers were B stages
-                        self.ring_switch().arrive_and_wait()
                 self.producer_loop(self._walk(*walk_tables), first, tile_expert, expert_offsets,
                                    counter_offsets, counters, error, Int64(scalars[0]),
                                    ab_pipeline, sA, sB,
@@ -434,8 +436,9 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                                                             tidx == self.threads_per_warpgroup))
 
     def ring_switch(self):
-        """TEMPORARY (four_stages): the load warp and both consumer warpgroups between FC2's
-        pingpong phase and the cooperative ring's first loads."""
+        """TEMPORARY (four_stages): the consumer warpgroups once FC2's pingpong phase has
+        stored, and the load warp before the cooperative ring's first loads into stage 2 or 3
+        (where that phase's epilogue buffers were)."""
         return pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.RING_SWITCH),
                                      num_threads=self.num_mma_threads + 32)
 
@@ -516,6 +519,9 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
                 state = pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages, loads)
                 for k in range(k_tiles):
+                    if const_expr(self.four_stages):
+                        if loads + k == 2:  # the first load into stage 2 or 3, where FC2's
+                            self.ring_switch().arrive_and_wait()  # epilogue buffers were
                     ab_pipeline.producer_acquire(state)
                     bar = ab_pipeline.producer_get_barrier(state)
                     stage = state.index
@@ -557,6 +563,9 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                                 n_run, n_type, n_m, n_n, n_index)
             run, ttype, m_tile, n_tile, index = n_run, n_type, n_m, n_n, n_index
             pos = nxt
+        if const_expr(self.four_stages):
+            if loads < 3:  # the dgrads never loaded into stage 2: the switch before the tail
+                self.ring_switch().arrive_and_wait()
         # the weight gradients (the tail), by tickets
         w_parts = self.wgrad_load_parts(sA, sB, wgrad_ops, w_layouts)
         s_w_parts = None

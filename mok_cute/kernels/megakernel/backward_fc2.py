@@ -16,7 +16,9 @@ FC1_DGRAD (one minibatch), so the form holds for a prefix of the walk: the phase
 Smem: its own ring of ``FC2_STAGES`` stages of 32 KB (a 128 x 64 A box, then a 128 x 64
 MN-major B box) with its own mbarriers, over the bytes of the cooperative form's A and B stages
 (3 x 48 KB); its epilogue buffers (per warpgroup two stages of three 64 x 32 outputs) over the
-cooperative ones. Before the cooperative tasks, the producer waits until every stage of this
+cooperative ones (the TEMPORARY four_stages builds: over the B stages past this ring, 4 x 48 KB
+of cooperative stages; the cooperative producer's first load into stage 2 or 3 waits on
+RING_SWITCH for this phase's stores). Before the cooperative tasks, the producer waits until every stage of this
 ring has been released (``producer_tail``) and the consumers drain their stores
 (``switch_forms``).
 """
