@@ -57,6 +57,7 @@ from .config import (
     check_expert_ids,
     check_int,
     check_moe_inputs,
+    check_tensor,
     describe,
     id_span,
     ids_for_int32,
@@ -810,8 +811,18 @@ class MoELayer(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_idx [T, top_k] int64, topk_weights [T, top_k] fp32)."""
+        self._check_input(x)
         idx, weights, _ = self._route(x)
         return idx, weights
+
+    def _check_input(self, x: object) -> None:
+        """x of ``forward`` / ``route``: a dense tensor [..., hidden] (its dtype is checked
+        where it matters: ``moe_forward`` for the experts; the router takes any float)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor [..., {self.hidden}], got {describe(x)}")
+        check_tensor("x", x, contiguous=False)
+        if x.dim() < 1 or x.shape[-1] != self.hidden:
+            raise ValueError(f"x: expected shape [..., {self.hidden}], got {list(x.shape)}")
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # fp32 whatever the router's storage dtype (a bf16 router after .to(torch.bfloat16))
@@ -822,7 +833,13 @@ class MoELayer(nn.Module):
         return idx, weights, probs
 
     def load_balancing_loss(self, topk_idx: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """E * sum_e f_e * P_e of one call's routing (see the class doc); no host sync."""
+        """E * sum_e f_e * P_e of one call's routing (see the class doc); no host sync, so
+        the ids are not range-checked (``route`` gives ids in [0, num_experts))."""
+        check_tensor("probs", probs, shape=("T", self.num_experts),
+                     dtype=(torch.float32, torch.bfloat16, torch.float16, torch.float64),
+                     contiguous=False)
+        check_tensor("topk_idx", topk_idx, shape=(probs.shape[0], "K"),
+                     dtype=(torch.int32, torch.int64), device=probs.device, contiguous=False)
         slots = torch.zeros(self.num_experts, dtype=torch.float32, device=probs.device)
         slots.scatter_add_(0, topk_idx.reshape(-1), torch.ones(topk_idx.numel(), device=probs.device))
         fraction = slots / max(1, topk_idx.numel())
@@ -831,10 +848,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, return_aux_loss: bool = False):
         check_bool("return_aux_loss", return_aux_loss)
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x: expected a torch.Tensor [..., {self.hidden}], got {describe(x)}")
-        if x.dim() < 1 or x.shape[-1] != self.hidden:
-            raise ValueError(f"x: expected shape [..., {self.hidden}], got {list(x.shape)}")
+        self._check_input(x)
         if x.dtype != torch.bfloat16 and _autocast_to_bf16(x.device.type):
             x = x.to(torch.bfloat16)  # as an autocast linear casts its input (differentiable)
         # the layer's own numerics (the fp32 router, the reference's fp32 sums) whatever

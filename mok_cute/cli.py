@@ -132,6 +132,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _demo_inputs(T: int, H: int, I: int, E: int, K: int, shared: bool, seed: int, device: str):
     import torch
 
+    for flag, value, least in (("--tokens", T, 0), ("--hidden", H, 1), ("--intermediate", I, 1),
+                               ("--experts", E, 1), ("--topk", K, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
     if K > E:
         raise ValueError(f"--topk must be <= --experts, got K={K} > E={E}")
     g = torch.Generator().manual_seed(seed)
@@ -182,6 +186,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch
     from rich.table import Table
 
+    from mok_cute import jit
+
+    arch = jit.normalize_arch(args.arch)  # a usage error, not one failed compile per kernel
     _prepare_arch_env(None)
     import mok_cute as mok
 
@@ -224,7 +231,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ok_all = all(ok for _, ok, _ in checks)
 
     if not on_gpu or args.ptx:
-        ok_all &= _demo_compile(con, args.arch, args.out)
+        ok_all &= _demo_compile(con, arch, args.out)
     con.print("[bold green]demo passed[/]" if ok_all else "[bold red]demo FAILED[/]")
     return 0 if ok_all else 1
 

@@ -148,6 +148,9 @@ def check_tensor(
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {describe(t)}")
+    if t.layout != torch.strided:  # sparse / mkldnn: torch's errors later name no argument
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout} "
+                         f"(call .to_dense())")
     if shape is not None:
         ok = t.dim() == len(shape) and all(
             not isinstance(want, int) or isinstance(want, bool) or got == want

@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import check_expert_ids, check_moe_inputs, id_span, resolve_config
+from .config import check_expert_ids, check_moe_inputs, check_tensor, id_span, resolve_config
 
 __all__ = [
     "moe_forward",
@@ -87,6 +87,13 @@ def swiglu_hidden(v: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> 
     """FC1 + SwiGLU of one expert: `bf16(silu(g) * u)` with the bf16 pre-activations
     `g = bf16(v @ w_gate^T)`, `u = bf16(v @ w_up^T)`, [N, I]: one numerics for inference and
     training (the training forward saves exactly these g and u)."""
+    check_tensor("v", v, shape=("N", "H"), contiguous=False)
+    check_tensor("w_gate", w_gate, shape=("I", v.shape[1]), contiguous=False)
+    check_tensor("w_up", w_up, shape=w_gate.shape, contiguous=False)
+    return _swiglu_hidden(v, w_gate, w_up)
+
+
+def _swiglu_hidden(v, w_gate, w_up):
     v32 = _acc(v)
     g = _acc(_round(v32 @ _acc(w_gate).t()))
     u = _acc(_round(v32 @ _acc(w_up).t()))
@@ -100,8 +107,15 @@ def expert_mlp(
 
     w_gate, w_up: [I, H]; w_down: [H, I] (nn.Linear layout).
     """
-    h = swiglu_hidden(v, w_gate, w_up)
+    h = swiglu_hidden(v, w_gate, w_up)  # checks v, w_gate, w_up
+    check_tensor("w_down", w_down, shape=(v.shape[1], w_gate.shape[0]), contiguous=False)
     return _round(_acc(h) @ _acc(w_down).t())
+
+
+def _expert_mlp(v, w_gate, w_up, w_down):
+    """``expert_mlp`` on operands its caller has checked (the per-expert loops: the checks
+    cost ~3 us each)."""
+    return _round(_acc(_swiglu_hidden(v, w_gate, w_up)) @ _acc(w_down).t())
 
 
 def weighted_k_sum(
@@ -112,8 +126,11 @@ def weighted_k_sum(
     y_slots: [T, K, H] bf16 expert outputs per (token, k); weights: [T, K];
     shared_rows: [T, H] bf16 or None. Returns [T, H] bf16.
     """
+    check_tensor("y_slots", y_slots, shape=("T", "K", "H"), contiguous=False)
     T, K, H = y_slots.shape
+    check_tensor("weights", weights, shape=(T, K), contiguous=False)
     if shared_rows is not None:
+        check_tensor("shared_rows", shared_rows, shape=(T, H), contiguous=False)
         acc = _acc(shared_rows)
     else:
         acc = torch.zeros(T, H, dtype=_acc_dtype(), device=y_slots.device)
@@ -152,6 +169,13 @@ def routed_expert_outputs(
     this call); an id outside it matches no expert and gets a zero row. Each expert runs once
     on its rows in ascending (token, k) order.
     """
+    check_tensor("x", x, shape=("T", "H"), contiguous=False)
+    check_tensor("topk_idx", topk_idx, shape=(x.shape[0], "K"), dtype=(torch.int32, torch.int64),
+                 contiguous=False)
+    check_tensor("w_gate", w_gate, shape=("E", "I", x.shape[1]), contiguous=False)
+    _, I, H = w_gate.shape
+    check_tensor("w_up", w_up, shape=(w_gate.shape[0], I, H), contiguous=False)
+    check_tensor("w_down", w_down, shape=(w_gate.shape[0], H, I), contiguous=False)
     T, K = topk_idx.shape
     H, E = x.shape[1], w_gate.shape[0]
     if T * K == 0:
@@ -163,7 +187,7 @@ def routed_expert_outputs(
     segments = []
     for e, segment in enumerate(torch.split(rows, counts[:E])):
         if counts[e]:
-            segments.append(expert_mlp(segment, w_gate[e], w_up[e], w_down[e]))
+            segments.append(_expert_mlp(segment, w_gate[e], w_up[e], w_down[e]))
     y_sorted = _with_zero_rows(segments, counts[E], H, x)
     return y_sorted.index_select(0, _inverse_permutation(order)).view(T, K, H)
 
@@ -406,7 +430,7 @@ def _routed_expert_outputs_ep(
         for e in range(E_loc):
             n = recv_per_expert[peer][e]
             if n:
-                segments.append(expert_mlp(x_recv[offset : offset + n], w_gate[e], w_up[e], w_down[e]))
+                segments.append(_expert_mlp(x_recv[offset : offset + n], w_gate[e], w_up[e], w_down[e]))
                 offset += n
     if segments:
         y_recv = torch.cat(segments)

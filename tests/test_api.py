@@ -103,6 +103,8 @@ def test_check_tensor_helper():
     assert check_tensor("a", t.t(), contiguous=False) is not None
     with pytest.raises(TypeError, match=r"a: expected a torch.Tensor, got list"):
         check_tensor("a", [1, 2])
+    with pytest.raises(ValueError, match=r"a: expected a dense \(strided\) tensor, got layout torch.sparse_coo"):
+        check_tensor("a", t.to_sparse(), contiguous=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,6 +188,8 @@ BAD_CASES = [
     ("x fp32", lambda a, s: (_replace(a, 0, a[0].float()), s), TypeError, r"x: expected dtype torch.bfloat16, got torch.float32"),
     ("x not a tensor", lambda a, s: (_replace(a, 0, a[0].tolist()), s), TypeError, r"x: expected a torch.Tensor, got list"),
     ("x non-contiguous", lambda a, s: (_replace(a, 0, a[0].t().contiguous().t()), s), ValueError, r"x: expected a contiguous tensor"),
+    ("x sparse", lambda a, s: (_replace(a, 0, a[0].to_sparse()), s), ValueError, r"x: expected a dense \(strided\) tensor, got layout torch.sparse_coo"),
+    ("topk_weights sparse csr", lambda a, s: (_replace(a, 2, a[2].to_sparse_csr()), s), ValueError, r"topk_weights: expected a dense \(strided\) tensor, got layout torch.sparse_csr"),
     ("topk_idx float", lambda a, s: (_replace(a, 1, a[1].float()), s), TypeError, r"topk_idx: expected dtype torch.int32 or torch.int64, got torch.float32"),
     ("topk_idx wrong T", lambda a, s: (_replace(a, 1, a[1][:5]), s), ValueError, r"topk_idx: expected shape \[12, K\]"),
     ("topk_idx on meta", lambda a, s: (_replace(a, 1, a[1].to("meta")), s), ValueError, r"topk_idx: expected a tensor on device cpu, got one on meta"),
@@ -536,6 +540,20 @@ def test_layer_bad_input():
         layer(torch.randn(3, 16))
     with pytest.raises(TypeError, match=r"x: expected a torch.Tensor"):
         layer([[0.0] * 16])
+    with pytest.raises(ValueError, match=r"x: expected a dense \(strided\) tensor"):
+        layer(torch.randn(3, 16).bfloat16().to_sparse())
+    # route and load_balancing_loss are public too
+    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., 16\], got \[3, 17\]"):
+        layer.route(torch.randn(3, 17))
+    with pytest.raises(TypeError, match=r"x: expected a torch.Tensor"):
+        layer.route([[0.0] * 16])
+    probs = torch.full((2, 4), 0.25)
+    with pytest.raises(TypeError, match=r"topk_idx: expected dtype torch.int32 or torch.int64, got torch.float32"):
+        layer.load_balancing_loss(torch.tensor([[0.0, 1.0], [2.0, 3.0]]), probs)
+    with pytest.raises(ValueError, match=r"topk_idx: expected shape \[2, K\], got \[3, 2\]"):
+        layer.load_balancing_loss(torch.tensor([[0, 1], [2, 3], [1, 2]]), probs)
+    with pytest.raises(ValueError, match=r"probs: expected shape \[T, 4\], got \[2, 5\]"):
+        layer.load_balancing_loss(torch.tensor([[0, 1], [2, 3]]), torch.full((2, 5), 0.2))
 
 
 def test_group_without_init_process_group():

@@ -421,6 +421,15 @@ def test_main_rejects_unknown_contenders_shapes_and_config_fields(tmp_path):
     assert not list(tmp_path.glob("*.json"))
 
 
+@pytest.mark.parametrize("argv,message", [(["--iters", "0"], "iters/warmup: expected iters >= 1"),
+                                          (["--warmup", "-1"], "iters/warmup: expected iters >= 1"),
+                                          (["--device", "gpu0"], "--device: not a device: 'gpu0'")])
+def test_main_refuses_bad_timing_and_device_options(tmp_path, capsys, argv, message):
+    assert harness.main([*argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_bar_chart_from_a_synthetic_result_list(tmp_path):
     import matplotlib.image
 
@@ -560,6 +569,8 @@ def test_training_bench_rejects_bad_arguments_naming_them(capsys):
 
     assert training.main(["--train", "--rounds", "0"]) == 2
     assert "--rounds" in capsys.readouterr().out
+    assert training.main(["--train", "--iters", "0"]) == 2  # before the GPU check
+    assert "iters/warmup: expected iters >= 1" in capsys.readouterr().out
     assert training.main(["--train", "--contenders", "nope"]) == 2
 
 

@@ -93,6 +93,20 @@ def test_demo_rejects_topk_above_experts(capsys):
     assert rc == 2 and "--topk must be <= --experts" in out
 
 
+@pytest.mark.parametrize("flag,value,least", [("--tokens", "-1", 0), ("--hidden", "0", 1),
+                                              ("--intermediate", "-3", 1), ("--experts", "0", 1),
+                                              ("--topk", "-2", 1)])
+def test_demo_rejects_sizes_below_one_naming_the_flag(capsys, flag, value, least):
+    rc, out = run(capsys, "demo", "--cpu", flag, value)
+    assert rc == 2 and f"mok-cute demo: error: {flag} must be >= {least}, got {value}" in out
+
+
+def test_demo_rejects_a_bad_arch_before_compiling(capsys):
+    rc, out = run(capsys, "demo", "--cpu", "-T", "4", "--hidden", "64", "--intermediate", "64",
+                  "--arch", "hopper")
+    assert rc == 2 and "arch must look like" in out and "path:" not in out
+
+
 def test_delegates_forward_argv_and_report_missing_modules(capsys, monkeypatch):
     seen = {}
 

@@ -347,6 +347,15 @@ def test_rounds_below_one_are_refused_naming_the_option(rounds, capsys):
     assert not dist.is_initialized()  # refused before any process group
 
 
+@pytest.mark.parametrize("argv,message", [(["--iters", "0"], "--iters / --warmup"),
+                                          (["--warmup", "-1"], "--iters / --warmup"),
+                                          (["--tokens", "64,abc"], "--tokens: expected positive integers")])
+def test_timing_and_token_options_are_refused_before_the_session(argv, message, capsys):
+    assert ep.main([*argv, "--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
 def test_named_shapes_and_prefixes():
     assert ep.resolve_ep_shape("kimi_k2").name == "kimi_k2.7"
     assert [s.name for s in ep.resolve_ep_shapes("ep")] == list(shapes.EP_SHAPES)

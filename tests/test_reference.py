@@ -171,6 +171,34 @@ def test_reference_checks_arguments():
         ref.moe_forward(x, idx, w, wg, wu, wd.transpose(1, 2))
     with pytest.raises(TypeError, match="config: expected a mok_cute.MoKConfig"):
         ref.moe_forward(x, idx, w, wg, wu, wd, config={"tile_m": 64})
+    # the oracle takes strided tensors of any contiguity, never sparse ones
+    with pytest.raises(ValueError, match=r"x: expected a dense \(strided\) tensor, got layout torch.sparse_coo"):
+        ref.moe_forward(x.to_sparse(), idx, w, wg, wu, wd)
+    with pytest.raises(ValueError, match=r"w_gate: expected a dense \(strided\) tensor"):
+        ref.moe_forward(x, idx, w, wg.to_sparse(), wu, wd)
+
+
+def test_stages_check_their_arguments():
+    """The stage functions are public (the kernels are tested against them): a mismatched
+    argument is named, never a matmul error, never a silently dropped slot."""
+    x, idx, w, wg, wu, wd, _ = make_inputs(8, 5, 32, 16, 4, 2)
+    y = ref.routed_expert_outputs(x, idx, wg, wu, wd)
+    with pytest.raises(ValueError, match=r"weights: expected shape \[5, 2\], got \[5, 3\]"):
+        ref.weighted_k_sum(y, torch.rand(5, 3))  # a third weight was dropped silently
+    with pytest.raises(ValueError, match=r"y_slots: expected shape \[T, K, H\], got \[5, 32\]"):
+        ref.weighted_k_sum(y[:, 0], w)
+    with pytest.raises(ValueError, match=r"shared_rows: expected shape \[5, 32\], got \[4, 32\]"):
+        ref.weighted_k_sum(y, w, x[:4])
+    with pytest.raises(ValueError, match=r"w_gate: expected shape \[I, 32\], got \[16, 8\]"):
+        ref.expert_mlp(x, wg[0, :, :8], wu[0], wd[0])
+    with pytest.raises(ValueError, match=r"w_up: expected shape \[16, 32\], got \[8, 32\]"):
+        ref.swiglu_hidden(x, wg[0], wu[0, :8])
+    with pytest.raises(ValueError, match=r"w_down: expected shape \[32, 16\], got \[16, 32\]"):
+        ref.expert_mlp(x, wg[0], wu[0], wd[0].t())
+    with pytest.raises(ValueError, match=r"w_up: expected shape \[4, 16, 32\], got \[3, 16, 32\]"):
+        ref.routed_expert_outputs(x, idx, wg, wu[:3], wd)
+    with pytest.raises(TypeError, match=r"topk_idx: expected dtype torch.int32 or torch.int64"):
+        ref.routed_expert_outputs(x, idx.float(), wg, wu, wd)
 
 
 # ------------------------------------------------------------------------------------------------

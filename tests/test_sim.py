@@ -603,3 +603,10 @@ def test_tune_cli_takes_a_precision(capsys):
     assert out["precision"] == "fp8" and out["predicted_us"] > 0
     assert tune.main(["--backward", "--precision", "fp8"]) == 2  # the backward model is bf16
     assert "bf16 backward" in capsys.readouterr().err
+
+
+def test_tune_cli_refuses_bad_values_naming_them(capsys):
+    assert tune.main(["--quick", "--tile-m", "0"]) == 2
+    assert "tile_m must be >= 1, got 0" in capsys.readouterr().err
+    assert tune.main(["--backward", "--minibatches", "512,abc"]) == 2
+    assert "--minibatches: expected a comma list of token counts" in capsys.readouterr().err

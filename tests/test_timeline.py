@@ -515,6 +515,22 @@ def test_main_refuses_a_config_field_that_does_not_exist(tmp_path, capsys):
     assert "not a field of MegakernelOptions" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--ranks", "0"], "--ranks: expected >= 1, got 0"),
+    (["--warmup", "-1"], "--warmup: expected >= 0, got -1"),
+    (["--capacity", "0"], "--capacity: expected >= 1, got 0"),
+    (["--t-scale", "-1"], "--t-scale: expected a positive factor"),
+    (["--shape", "nope"], "shape: expected one of"),
+    (["--mok-config", "tile_m=abc"], "MoKConfig.tile_m: expected an int, got str"),
+    (["--mok-config", "timeout_ms=0"], "MoKConfig.timeout_ms: expected a finite number > 0"),
+    (["--synthetic", "--seed", "-1"], "--seed: expected >= 0 with --synthetic, got -1"),
+])
+def test_main_refuses_bad_values_before_recording(tmp_path, capsys, argv, message):
+    """A usage error (rc 2) naming the option, before any GPU work, not a failed run."""
+    assert record_timeline.main([*argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------------------------
 # GPU: a real recording
 # --------------------------------------------------------------------------------------------

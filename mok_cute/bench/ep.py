@@ -600,14 +600,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         shapes = resolve_ep_shapes(args.shapes)
-        tokens_list = [int(t) for t in args.tokens.split(",")] if args.tokens else None
-        if tokens_list is not None and min(tokens_list) < 1:
-            raise ValueError(f"--tokens: expected positive integers, got {args.tokens!r}")
+        tokens_list = None
+        if args.tokens:
+            tokens_list = [int(t) if t.strip().isdigit() else 0 for t in args.tokens.split(",")]
+            if min(tokens_list) < 1:
+                raise ValueError(f"--tokens: expected positive integers, got {args.tokens!r}")
         contenders = parse_contenders(args.contenders, ALL_CONTENDERS)
         if args.check_tokens < 1:
             raise ValueError(f"--check-tokens: expected >= 1, got {args.check_tokens}")
         if args.rounds < 1:
             raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
+        if args.iters < 1 or args.warmup < 0:  # time_per_rank's check, before the session
+            raise ValueError(f"--iters / --warmup: expected >= 1 / >= 0, got {args.iters} / {args.warmup}")
         mok_config = apply_config_overrides(MoKConfig(), parse_config_overrides(args.mok_config))
         missing = chart_dependency_missing()  # before minutes of timing, not after
         if missing:

@@ -82,7 +82,7 @@ from mok_cute.bench.results import chart_dependency_missing, config_record, gpu_
 from mok_cute.bench.torch_moe import (fuse_shared, pack_grouped_mm_weights, pack_scaled_grouped_mm_weights,
                                       per_expert_loop_moe, shared_expert, torch_grouped_mm_moe,
                                       torch_scaled_grouped_mm_moe)
-from mok_cute.config import MoKConfig
+from mok_cute.config import MoKConfig, check_device
 from mok_cute.shapes import SHAPES, Shape, resolve_shapes
 
 
@@ -773,10 +773,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         missing = chart_dependency_missing()  # before minutes of timing, not after
         if missing:
             raise ValueError(f"mok-cute bench: {missing}")
+        device = check_device("--device", args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        timer = Timer(device, iters=args.iters, warmup=args.warmup)  # checks --iters, --warmup
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_dir = Path(args.out)
     ctx = BenchContext(
         device=device,
@@ -785,7 +786,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         mok_config=mok_config,
         quack_cache=Path(args.quack_cache) if args.quack_cache else out_dir / "quack_cache",
     )
-    timer = Timer(device, iters=args.iters, warmup=args.warmup)
     console.print(f"device {gpu_name(device)}; timing: {timer.method}; {args.warmup} warm-up + {args.iters} iterations")
     log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
 

@@ -190,15 +190,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         title = f"recording from {args.from_file}"
     elif args.synthetic:
+        if args.seed < 0:  # numpy's generator takes no negative seed
+            console.print(f"[red]--seed: expected >= 0 with --synthetic, got {args.seed}[/red]")
+            return 2
         tl = timeline.decode(timeline.synthetic_buffer(seed=args.seed))
         tl.meta["synthetic"] = True
         title = "SYNTHETIC timeline (made-up durations, not a measurement)"
     else:
         try:
-            parse_config_overrides(args.mok_config)  # a typo is a usage error, before any compile
+            overrides = parse_config_overrides(args.mok_config)  # a typo is a usage error, before any compile
             if args.backward and (args.ranks != 1 or args.mok_config):
                 raise ValueError("--backward records the one-rank backward megakernel: no --ranks, "
                                  "no --mok-config")
+            for flag, value, least in (("--ranks", args.ranks, 1), ("--warmup", args.warmup, 0),
+                                       ("--capacity", args.capacity, 1)):
+                if value is not None and value < least:
+                    raise ValueError(f"{flag}: expected >= {least}, got {value}")
+            if not 0 < args.t_scale <= 1e6:
+                raise ValueError(f"--t-scale: expected a positive factor, got {args.t_scale}")
+            resolve_shape(args.shape)
+            capacity = DEFAULT_CAPACITY if args.capacity is None else args.capacity
+            # the values too, on record_on_gpu's config
+            apply_config_overrides(MoKConfig(timeline=True, timeline_capacity=capacity), overrides)
         except ValueError as exc:
             console.print(f"[red]{exc}[/red]")
             return 2

@@ -523,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = apply_config_overrides(BENCH_CONFIG, parse_config_overrides(args.mok_config))
         if args.rounds < 1:
             raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
+        timer = Timer(torch.device("cuda"), iters=args.iters, warmup=args.warmup)  # checks them
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
@@ -533,7 +534,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
         if args.sonic_tuning == "fixed":
             fix_sonicmoe_tuning(Path(args.out) / "quack_cache")
-    timer = Timer(torch.device("cuda"), iters=args.iters, warmup=args.warmup)
     log = lambda msg: console.print(msg, markup=False, highlight=False)  # noqa: E731
     results: list[dict[str, Any]] = []
     for shape in shapes:

@@ -123,6 +123,8 @@ def tune_report(shape, num_ranks: int, profile: HardwareProfile | str = "h200_hg
     if not 1 <= num_ranks <= hw.num_gpus:
         raise ValueError(f"num_ranks must be in [1, {hw.num_gpus}] for {hw.name}, "
                          f"got {num_ranks}")
+    if tile_m < 1:
+        raise ValueError(f"tile_m must be >= 1, got {tile_m}")
     best, table = _tune_cached(shape, int(num_ranks), hw, bool(quick), bool(full), int(tile_m),
                                num_comm_sms, minibatch_tokens, ring_tokens, int(seed), precision)
     return dict(best, shape=shape.name, num_ranks=num_ranks, profile=hw.name,
@@ -240,9 +242,13 @@ def _main_backward(args) -> int:
     from .backward import CALIBRATED, tune_backward
 
     grid = dict(comm_sms=(16, 28, 40)) if args.quick else {}
-    if args.minibatches:  # what-ifs of the task list: the kernel runs one minibatch
-        grid["minibatch_tokens"] = tuple(int(v) for v in args.minibatches.split(","))
     try:
+        if args.minibatches:  # what-ifs of the task list: the kernel runs one minibatch
+            sizes = [v.strip() for v in args.minibatches.split(",")]
+            if not all(v.isdigit() for v in sizes):
+                raise ValueError(f"--minibatches: expected a comma list of token counts (0: one "
+                                 f"minibatch), got {args.minibatches!r}")
+            grid["minibatch_tokens"] = tuple(int(v) for v in sizes)
         shape = _parse_shape(args.shape)
         best, rows = tune_backward(shape, args.ranks, args.profile, **grid)
     except ValueError as e:
