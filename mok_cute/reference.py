@@ -87,10 +87,18 @@ def swiglu_hidden(v: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> 
     """FC1 + SwiGLU of one expert: `bf16(silu(g) * u)` with the bf16 pre-activations
     `g = bf16(v @ w_gate^T)`, `u = bf16(v @ w_up^T)`, [N, I]: one numerics for inference and
     training (the training forward saves exactly these g and u)."""
+    _check_expert(v, w_gate, w_up)
+    return _swiglu_hidden(v, w_gate, w_up)
+
+
+def _check_expert(v, w_gate, w_up, w_down=None) -> None:
+    """One expert's operands (``swiglu_hidden``, ``expert_mlp``): v [N, H], w_gate and w_up
+    [I, H], w_down [H, I]."""
     check_tensor("v", v, shape=("N", "H"), contiguous=False)
     check_tensor("w_gate", w_gate, shape=("I", v.shape[1]), contiguous=False)
     check_tensor("w_up", w_up, shape=w_gate.shape, contiguous=False)
-    return _swiglu_hidden(v, w_gate, w_up)
+    if w_down is not None:
+        check_tensor("w_down", w_down, shape=(v.shape[1], w_gate.shape[0]), contiguous=False)
 
 
 def _swiglu_hidden(v, w_gate, w_up):
@@ -107,9 +115,8 @@ def expert_mlp(
 
     w_gate, w_up: [I, H]; w_down: [H, I] (nn.Linear layout).
     """
-    h = swiglu_hidden(v, w_gate, w_up)  # checks v, w_gate, w_up
-    check_tensor("w_down", w_down, shape=(v.shape[1], w_gate.shape[0]), contiguous=False)
-    return _round(_acc(h) @ _acc(w_down).t())
+    _check_expert(v, w_gate, w_up, w_down)
+    return _expert_mlp(v, w_gate, w_up, w_down)
 
 
 def _expert_mlp(v, w_gate, w_up, w_down):

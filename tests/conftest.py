@@ -18,8 +18,8 @@ if not HAS_CUDA:
 
 
 # the gradient checks against autograd on the fp32 reference at the reduced named shapes hold
-# 10-50 GB each (gptoss_reduced ~50): `gpu_check.sh alltests` runs them one at a time after its
-# shards, where two at once beside the shards ran an 80 GB card out of memory (2026-12-06)
+# 10-50 GB each (gptoss_reduced ~50): `gpu_check.sh alltests` runs them one at a time in a shard
+# of their own beside the others; two at once ran an 80 GB card out of memory (2026-12-06)
 BIGMEM_TESTS = ("test_gradients_match_autograd_on_the_reference",
                 "test_fp8_gradients_within_the_issue_bound_of_bf16",
                 "test_fp8_weight_gradients_hold_the_bound_below_the_size_thresholds_too")

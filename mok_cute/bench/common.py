@@ -101,6 +101,13 @@ def forward_path_of(device: Any = None, config: MoKConfig | None = None) -> str:
         return f"unknown: forward_path() raised {type(exc).__name__}: {exc}"
 
 
+def check_iters(iters: int, warmup: int, name: str = "iters/warmup") -> None:
+    """The timing loops' counts (``harness.Timer``, ``ep_dist.time_per_rank``, and the CLIs
+    before any work): iters >= 1, warmup >= 0; ``name``: how the message names them."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"{name}: expected iters >= 1 and warmup >= 0, got {iters}/{warmup}")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -75,8 +75,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from mok_cute.bench.common import (apply_config_overrides, error_text, forward_path_of, free_memory,  # noqa: E402
-                                   paired_ratio, parse_config_overrides, parse_contenders, rel_err, sync)
+from mok_cute.bench.common import (apply_config_overrides, check_iters, error_text, forward_path_of,  # noqa: E402
+                                   free_memory, paired_ratio, parse_config_overrides, parse_contenders,
+                                   rel_err, sync)
 from mok_cute.bench.ep_dist import (Dist, ExchangePlan, _agree_error, all_values, broadcast_float,  # noqa: E402
                                     exchange, gather_stacked, plan_exchange, session, timed_over_ranks,
                                     timed_rounds)
@@ -610,8 +611,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--check-tokens: expected >= 1, got {args.check_tokens}")
         if args.rounds < 1:
             raise ValueError(f"--rounds: expected >= 1, got {args.rounds}")
-        if args.iters < 1 or args.warmup < 0:  # time_per_rank's check, before the session
-            raise ValueError(f"--iters / --warmup: expected >= 1 / >= 0, got {args.iters} / {args.warmup}")
+        check_iters(args.iters, args.warmup, "--iters / --warmup")  # before the session
         mok_config = apply_config_overrides(MoKConfig(), parse_config_overrides(args.mok_config))
         missing = chart_dependency_missing()  # before minutes of timing, not after
         if missing:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mok_cute.bench.common import error_text, sync
+from mok_cute.bench.common import check_iters, error_text, sync
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,8 +208,7 @@ def exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 def time_per_rank(d: Dist, fn: Callable[[], Any], iters: int, warmup: int) -> float:
     """Median ms of ``fn`` on this rank. Every rank runs the same number of iterations (a
     collective inside ``fn`` must match), each started together with the others."""
-    if iters < 1 or warmup < 0:
-        raise ValueError(f"iters/warmup: expected iters >= 1 and warmup >= 0, got {iters}/{warmup}")
+    check_iters(iters, warmup)
     for _ in range(warmup):
         fn()
     times: list[float] = []

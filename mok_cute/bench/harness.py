@@ -72,8 +72,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from mok_cute.bench.common import (BENCH_CONFIG, apply_config_overrides, burn_in, error_text, paired_ratio,
-                                   forward_path_of,
+from mok_cute.bench.common import (BENCH_CONFIG, apply_config_overrides, burn_in, check_iters, error_text,
+                                   paired_ratio, forward_path_of,
                                    free_memory, parse_config_overrides, parse_contenders, rel_err,
                                    sync)
 from mok_cute.bench.gpu_clock import ClockSampler
@@ -332,8 +332,7 @@ class Timer:
     on a GPU, the host clock on the CPU."""
 
     def __init__(self, device: torch.device, iters: int = 100, warmup: int = 25):
-        if iters < 1 or warmup < 0:
-            raise ValueError(f"iters/warmup: expected iters >= 1 and warmup >= 0, got {iters}/{warmup}")
+        check_iters(iters, warmup)
         self.device, self.iters, self.warmup = device, iters, warmup
         self.method = "host clock (CPU)"
         self._do_bench = None
