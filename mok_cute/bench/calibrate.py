@@ -597,6 +597,10 @@ def _named(name: str, **changes) -> SimShape:
     return dataclasses.replace(SimShape.named(name), **changes)
 
 
+# the group backward probe's runs of 2026-12-04, one a shape (keys: BACKWARD_SPLITS' names)
+GROUP_ONE_LAUNCH = "2026-12-04_h200_group_backward_one_launch.json"
+
+
 def backward_check_points() -> list[dict]:
     """The backward megakernel's committed timings not fitted by ``fit_backward``, each with
     what the simulator predicts for it: ``sim`` = (shape, ranks, comm SMs, which of
@@ -620,10 +624,11 @@ def backward_check_points() -> list[dict]:
     # 8 virtual ranks of T tokens in one launch (group_backward_probe's virtual backward)
     for s, f in (("qwen3.5_397b", "qwen35"), ("glm_5.2", "glm")):
         pts.append(dict(label=f"{s} virtual R=8 x 2048 tokens", variant="virtual bf16",
-                        file=f"2026-12-04_h200_group_backward_one_launch_{f}.json", shape=s,
+                        file=GROUP_ONE_LAUNCH, key=f, shape=s,
                         tokens=2048, sim=(_named(s, tokens_per_rank=8 * 2048), 1, 0, "total")))
         pts.append(dict(label=f"{s} virtual R=8 x 256 tokens", variant="virtual bf16",
-                        file="2026-12-03_h200_fp8_virtual_backward_r8_kernels.json", shape=s,
+                        file="2026-12-01_05_probes.json",
+                        key="2026-12-03_h200_fp8_virtual_backward_r8_kernels", shape=s,
                         tokens=256, sim=(_named(s, tokens_per_rank=8 * 256), 1, 0, "total")))
     # rank 0 of 8 over a group's buffers on one GPU (its peers' pushes in place): the launch
     # with its comm CTAs and the group tail; the shared expert runs before it
@@ -660,12 +665,12 @@ def backward_checks(efficiency=None, hw: HardwareProfile | str = "h200_hgx") -> 
                            predicted=sim(shape, ranks, comm)[what]))
     splits = []
     for s, f, others in BACKWARD_SPLITS:
-        file = f"2026-12-04_h200_group_backward_one_launch_{f}.json"
-        ref = float(np.median(backward_rounds(file, s, "group bf16", 2048)))
+        file = GROUP_ONE_LAUNCH
+        ref = float(np.median(backward_rounds(file, s, "group bf16", 2048, f)))
         shape = _named(s, shared_intermediate=0)
         ref_sim = sim(shape, 8, 16)["rank0"]
         for c in others:
-            m = float(np.median(backward_rounds(file, s, f"group bf16 c{c}", 2048)))
+            m = float(np.median(backward_rounds(file, s, f"group bf16 c{c}", 2048, f)))
             splits.append(dict(shape=s, comm_sms=c, file=file, measured_over_16=m / ref,
                                predicted_over_16=sim(shape, 8, c)["rank0"] / ref_sim))
     return dict(points=points, splits=splits)

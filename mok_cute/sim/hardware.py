@@ -124,7 +124,7 @@ class HardwareProfile:
 _H200_DATASHEET_BF16 = 989e12  # anchors: "The datasheet dense bf16 figure is 989 TFLOP/s"
 _H200_CUBLAS_BF16 = 723e12  # anchors: "cuBLAS bf16 8192^3 | 723 TFLOP/s" (measured H200)
 _ACHIEVED_FRACTION = _H200_CUBLAS_BF16 / _H200_DATASHEET_BF16  # 0.731
-# benchmarks/results/2026-12-02_h200_fp8_gemm_probe.json: our FP8 grouped FC1, 128 x 256 tiles
+# benchmarks/results/2026-12-01_05_probes.json [2026-12-02_h200_fp8_gemm_probe]: our FP8 grouped FC1, 128 x 256 tiles
 _H200_FP8_GROUPED_FC1 = 1079e12
 _H200_LINK_FRACTION = 395e9 / 450e9  # measured peer copy over datasheet NVLink4, 0.878
 _H200_HBM_FRACTION = 4.22e12 / 4.8e12  # measured device copy over datasheet HBM3e, 0.879
