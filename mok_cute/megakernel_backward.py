@@ -127,10 +127,6 @@ def dgrad_tables(capacity_tiles: int, hidden: int, inter: int, num_ctas: int,
 # ``expert_backward.fc2_dgrad``'s launch does), else cooperative 128 x 256 (a module attribute:
 # tools/megakernel_backward_probe.py swaps it to time the other form)
 fc2_pingpong = fc2_dgrad_pingpong
-# TEMPORARY A/B switch, off (tools/megakernel_backward_probe.py --four-stages-ab): in the
-# pingpong-FC2 builds (H <= 6144) the cooperative ring (FC1_DGRAD, the weight gradients) on 4
-# operand stages instead of 3, as their one-GPU launches run
-TEMPORARY_FOUR_STAGES = False
 
 
 def fc2_tile_n(hidden: int) -> int:
@@ -562,8 +558,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                                 fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm,
                                 ksum_top_k=top_k if tail is not None else 0,
                                 ksum_shared=ksum_shared, shared=shared is not None,
-                                accumulate_wgrads=accumulate, timeline=timeline is not None,
-                                four_stages=TEMPORARY_FOUR_STAGES)
+                                accumulate_wgrads=accumulate, timeline=timeline is not None)
     if before_launch is not None:
         before_launch()
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,

@@ -22,7 +22,7 @@ from tools.layer_profile import gpu_ms  # noqa: E402
 
 
 def probe(name: str, rounds: int, reps: int, sweep: bool = False,
-          fc2_forms: bool = False, four_stages_ab: bool = False) -> dict:
+          fc2_forms: bool = False) -> dict:
     import mok_cute
     from mok_cute.bench.common import paired_ratio
     from mok_cute import expert_backward as eb
@@ -106,17 +106,6 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False,
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
-    if four_stages_ab:  # TEMPORARY: the cooperative ring on 4 stages (mb.TEMPORARY_FOUR_STAGES)
-        base = [t for t in one_launch() if t is not None]
-        run = patched(one_launch, four_stages=True)
-        live_rows = int(s.num_tiles.item()) * 128
-        same = all(torch.equal(a[:live_rows], b[:live_rows]) for a, b in
-                   zip(base, [t for t in run() if t is not None]))
-        print(f"{name} one launch [four stages] bitwise the default's (live rows): {same}",
-              flush=True)
-        variants["GEMMs: megakernel, one launch [four stages]"] = run
-        variants["moe_backward (megakernel) [four stages]"] = patched(backward("megakernel"),
-                                                                      four_stages=True)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -132,41 +121,30 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False,
               "gemms": paired_ratio(ms["GEMMs: four launches"], one),
               "wgrads_in_launch": paired_ratio(ms["GEMMs: megakernel dgrads + wgrads"], one),
               "backward": paired_ratio(ms["moe_backward"], ms["moe_backward (megakernel)"])}
-    if four_stages_ab:  # speed of 4 stages over 3 (> 1: faster)
-        ratios["four_stages_one_launch"] = paired_ratio(
-            one, ms["GEMMs: megakernel, one launch [four stages]"])
-        ratios["four_stages_backward"] = paired_ratio(
-            ms["moe_backward (megakernel)"], ms["moe_backward (megakernel) [four stages]"])
-        print(f"{name} four stages speed / three: one launch {ratios['four_stages_one_launch']:.3f}"
-              f", whole backward {ratios['four_stages_backward']:.3f}", flush=True)
     print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
           f"whole backward {ratios['backward']:.3f}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb=None, fc2_pingpong=None, four_stages=None):
-    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles, its
-    FC2_DGRAD form forced and / or its TEMPORARY_FOUR_STAGES switch set (its own table
-    cache)."""
+def patched(fn, per_mb=None, fc2_pingpong=None):
+    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles and / or
+    its FC2_DGRAD form forced (its own table cache)."""
     from mok_cute import megakernel_backward as mb
 
     tables = mb.BoundedCache(32)
 
     def run():
-        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong, mb.TEMPORARY_FOUR_STAGES
+        saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong
         mb._TABLES = tables
         if per_mb is not None:
             mb.tiles_per_minibatch = lambda capacity_tiles: per_mb
         if fc2_pingpong is not None:
             mb.fc2_pingpong = lambda hidden: fc2_pingpong
-        if four_stages is not None:
-            mb.TEMPORARY_FOUR_STAGES = four_stages
         try:
             return fn()
         finally:
-            (mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong,
-             mb.TEMPORARY_FOUR_STAGES) = saved
+            mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong = saved
     return run
 
 
@@ -182,11 +160,8 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
-    p.add_argument("--four-stages-ab", action="store_true",
-                   help="TEMPORARY: also one launch and the whole backward with the cooperative "
-                        "ring on 4 stages (pingpong-FC2 shapes; bitwise check)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.four_stages_ab)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:

@@ -37,7 +37,6 @@ class NamedBarriers(enum.IntEnum):
     MMA_ORDER = 5  # pingpong GEMM: warpgroup w waits on MMA_ORDER + w for its mainloop turn (5, 6)
     FORM_SWITCH = 7  # backward megakernel: consumer warpgroups between tasks of two tile forms
     TAIL_KSUM = 8  # backward megakernel: a compute CTA's consumer warps on k-sum tickets
-    RING_SWITCH = 9  # backward megakernel (TEMPORARY four_stages): load warp + consumers
 
 
 @cute.jit

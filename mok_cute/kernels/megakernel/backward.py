@@ -9,8 +9,7 @@ dgrads and weight gradients as tasks of the backward task list (``mok_cute.tasks
 
 Both kinds are 128 x 256 x 64 cooperative tiles on one GEMM core configuration (A K-major,
 B MN-major: the weights as stored, read transposed), so one stage ring and one tiled MMA
-serve both; FC1_DGRAD's store epilogue uses the first of dgated's three output buffers (the
-TEMPORARY four_stages builds: 32 KB of buffers, a fourth stage). Up to
+serve both; FC1_DGRAD's store epilogue uses the first of dgated's three output buffers. Up to
 H = ``constants.FC2_DGRAD_PINGPONG_MAX_K`` (``fc2_pingpong``) FC2_DGRAD runs instead as the
 one-GPU launch does there, pingpong 128 x 128 tiles on a ring of its own (``backward_fc2``),
 a phase before the cooperative tasks.
@@ -80,7 +79,7 @@ from mok_cute import jit
 from mok_cute.constants import (BACKWARD_COMM_SCALARS, BACKWARD_TILE_N,
                                 FC2_DGRAD_PINGPONG_TILE_N, SCALARS, TILE_K, TILE_M)
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
+from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
 from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
@@ -135,17 +134,9 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
-                 accumulate_wgrads: bool = False, timeline: bool = False,
-                 four_stages: bool = False):
+                 accumulate_wgrads: bool = False, timeline: bool = False):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
-        # TEMPORARY A/B (pingpong builds only): the cooperative ring on 4 stages. Its tasks
-        # (FC1_DGRAD, the weight gradients) store through 32 KB of epilogue buffers, not
-        # dgated's 48; FC2's pingpong phase keeps its epilogue in the B stages its ring leaves
-        # free, and the ring's first loads wait for that phase's last stores (RING_SWITCH)
-        self.four_stages = four_stages and fc2_pingpong
-        if self.four_stages:
-            self.epi_buffers = 4
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
         self.num_ctas = num_ctas
         self.fc2_pingpong = fc2_pingpong
@@ -215,10 +206,6 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         epi_box = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
         self.fc2 = Fc2PingpongForm()
         self.fc2.check_fits(self.a_smem_layout_staged, self.b_smem_layout_staged)
-        if const_expr(self.four_stages):
-            assert self.ab_stages == 4, f"four_stages: {self.ab_stages} stages fit"
-            self.fc2_epi_offset = self.fc2.epilogue_offset(self.a_smem_layout_staged,
-                                                           self.b_smem_layout_staged)
         # FC2_DGRAD's W_down box and dgated store boxes: the pingpong form's, or the cooperative
         fc2_n, fc2_b_box, fc2_epi_box, fc2_epi_tile = tile_n, b_box, epi_box, self.epi_tile
         if const_expr(self.fc2_pingpong):
@@ -237,9 +224,6 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                   *mk(s2g, d_up, fc2_epi_box, fc2_epi_tile),
                   *mk(s2g, hw, fc2_epi_box, fc2_epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
         self.wgrad = WgradForm(self.ab_stages, self.accumulate_wgrads)
-        assert (cute.cosize(self.wgrad.epi_smem_layout_staged) * self.wgrad.c_dtype.width
-                <= cute.cosize(self.epi_smem_layout_staged) * self.c_dtype.width), \
-            "the weight gradients' epilogue buffers exceed sC"
         w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
         w_loads = []
         for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):
@@ -403,19 +387,14 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
-                fc2_epi = sC
-                if const_expr(self.four_stages):  # in the B stages FC2's ring leaves free
-                    fc2_epi = smem_overlay(sB, f_layouts[3], self.fc2_epi_offset)
                 first = self.fc2_consumers(fc2_walk, fc2_end, counter_offsets, counters, preact,
-                                           row_slot, weights, partials, fc2_ring, sA, fc2_epi,
+                                           row_slot, weights, partials, fc2_ring, sA, sC,
                                            f_layouts, (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw),
                                            t_dy, tidx, warp_idx, warpgroup_idx, shared,
                                            self._recorder(
                                                timeline_buf, rec_marks, warpgroup_idx,
                                                tidx % self.threads_per_warpgroup == 0))
                 self.switch_forms()
-                if const_expr(self.four_stages):  # its stores have read those B stages
-                    self.ring_switch().arrive()
             self.consumer_loop(self._walk(*walk_tables), first, counters,
                                preact, row_slot, weights, partials, ab_pipeline,
                                tiled_mma, sA, sB, sC,
@@ -434,13 +413,6 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                                        tidx - self.threads_per_warpgroup, self.num_mma_threads,
                                        sync, self._recorder(timeline_buf, rec_marks, 1,
                                                             tidx == self.threads_per_warpgroup))
-
-    def ring_switch(self):
-        """TEMPORARY (four_stages): the consumer warpgroups once FC2's pingpong phase has
-        stored, and the load warp before the cooperative ring's first loads into stage 2 or 3
-        (where that phase's epilogue buffers were)."""
-        return pipeline.NamedBarrier(barrier_id=int(common.NamedBarriers.RING_SWITCH),
-                                     num_threads=self.num_mma_threads + 32)
 
     def _recorder(self, timeline_buf, rec_marks, warpgroup_idx, leader) -> Recorder:
         """Consumer warpgroup ``warpgroup_idx``'s ``Recorder``, thread ``leader`` recording.
@@ -519,9 +491,6 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
                 state = pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages, loads)
                 for k in range(k_tiles):
-                    if const_expr(self.four_stages):
-                        if loads + k == 2:  # the first load into stage 2 or 3, where FC2's
-                            self.ring_switch().arrive_and_wait()  # epilogue buffers were
                     ab_pipeline.producer_acquire(state)
                     bar = ab_pipeline.producer_get_barrier(state)
                     stage = state.index
@@ -563,9 +532,6 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                                 n_run, n_type, n_m, n_n, n_index)
             run, ttype, m_tile, n_tile, index = n_run, n_type, n_m, n_n, n_index
             pos = nxt
-        if const_expr(self.four_stages):
-            if loads < 3:  # the dgrads never loaded into stage 2: the switch before the tail
-                self.ring_switch().arrive_and_wait()
         # the weight gradients (the tail), by tickets
         w_parts = self.wgrad_load_parts(sA, sB, wgrad_ops, w_layouts)
         s_w_parts = None
@@ -760,11 +726,11 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False, four_stages: bool = False):
+                                timeline: bool = False):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline, four_stages)
+                                    shared, accumulate_wgrads, timeline)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

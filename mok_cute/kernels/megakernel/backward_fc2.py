@@ -16,9 +16,7 @@ FC1_DGRAD (one minibatch), so the form holds for a prefix of the walk: the phase
 Smem: its own ring of ``FC2_STAGES`` stages of 32 KB (a 128 x 64 A box, then a 128 x 64
 MN-major B box) with its own mbarriers, over the bytes of the cooperative form's A and B stages
 (3 x 48 KB); its epilogue buffers (per warpgroup two stages of three 64 x 32 outputs) over the
-cooperative ones (the TEMPORARY four_stages builds: over the B stages past this ring, 4 x 48 KB
-of cooperative stages; the cooperative producer's first load into stage 2 or 3 waits on
-RING_SWITCH for this phase's stores). Before the cooperative tasks, the producer waits until every stage of this
+cooperative ones. Before the cooperative tasks, the producer waits until every stage of this
 ring has been released (``producer_tail``) and the consumers drain their stores
 (``switch_forms``).
 """
@@ -59,16 +57,6 @@ class Fc2PingpongForm(RowEpilogueMixin, GemmCoreSm90):
         """Host side: the ring fits in a host kernel's A and B stages (laid out back to back)."""
         ring = cute.cosize(self.a_smem_layout_staged) + cute.cosize(self.b_smem_layout_staged)
         assert ring <= cute.cosize(a_staged) + cute.cosize(b_staged), "the FC2 ring needs more smem"
-
-    def epilogue_offset(self, a_staged, b_staged) -> int:
-        """Host side (TEMPORARY four_stages): the element offset into the host kernel's B
-        stages past this ring (laid from its A stages' start), where the epilogue buffers then
-        live; asserts they fit there."""
-        past = (cute.cosize(self.a_smem_layout_staged) + cute.cosize(self.b_smem_layout_staged)
-                - cute.cosize(a_staged))
-        assert past >= 0 and past + cute.cosize(self.epi_smem_layout_staged) <= cute.cosize(
-            b_staged), "the FC2 epilogue does not fit past its ring"
-        return past
 
     def kernel_args(self):
         """What the kernel takes of this form: its tiled MMA, staged A and B box layouts and

@@ -57,8 +57,7 @@ class WgradForm(GemmCoreSm90):
     """``gemm_wgrad``'s tile form (a warpgroup per 128 output rows, both operands MN-major) on
     the stage ring of a host kernel (``stages``: the host's stage count). ``accumulate``:
     ``gemm_wgrad``'s, the fp32 outputs added into by TMA reduce-add (two epilogue stages a
-    warpgroup: 32 KB of fp32 subtiles, within the dgrads' 48 KB of epilogue buffers, or the
-    32 KB of the TEMPORARY four_stages builds)."""
+    warpgroup: 32 KB of fp32 subtiles, within the dgrads' 48 KB of epilogue buffers)."""
 
     def __init__(self, stages: int, accumulate: bool = False):
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
