@@ -1,6 +1,7 @@
-"""The one-GPU backward's FC1 dgrad and weight-gradient launches on fewer operand stages than
-fit (the backward megakernel's ring has 3 where these launches have 4), and the FC1 dgrad's
-raster group, in interleaved rounds with a bitwise check of every variant against the first.
+"""The one-GPU path's GEMM launches (forward FC1 and FC2, FC2 and FC1 dgrads, weight
+gradients) on fewer operand stages than fit (the megakernels' rings have 3 where these launches
+have 4), and the FC1 dgrad's raster group, in interleaved rounds with a bitwise check of every
+variant against the first.
 
     python tools/operand_stages_probe.py --shapes dsv3_ep8_rank,gptoss_120b \
         [--variants fit:8,3:8,3:2] [--rounds 6] [--reps 10] [--json out.json]
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
-KERNELS = ("fc1 dgrad", "wgrad gate+up", "wgrad down")
+KERNELS = ("fwd fc1", "fwd fc2", "fc2 dgrad", "fc1 dgrad", "wgrad gate+up", "wgrad down")
 _STAGE_CAP = [None]  # the cap of the kernels compiled next (None: as many as fit)
 
 
@@ -74,6 +75,9 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
     d_preact, hw, _ = eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot,
                                    w.float().contiguous().view(-1), s.tile_expert, s.num_tiles,
                                    cfg.expert_path)
+    h_rows = torch.empty(x_rows.shape[0], I, dtype=torch.bfloat16, device="cuda")
+    preact = torch.empty_like(s.preact)
+    topk_w = w.float().contiguous().view(-1)
     dw_gate = torch.empty(E, I, H, dtype=torch.bfloat16, device="cuda")
     dw_up, dw_down = torch.empty_like(dw_gate), torch.empty(E, H, I, dtype=torch.bfloat16,
                                                             device="cuda")
@@ -89,8 +93,30 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
             jit._CACHE = cache
             return eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles, options)
 
-        fc1()  # compiled under this variant's cap
+        def fwd_fc1(cache=cache, options=options):
+            jit._CACHE = cache
+            return expert_path.grouped_gemm(
+                x_rows, p.w_gate, s.tile_expert, s.num_tiles, "swiglu", w_up=p.w_up,
+                group_m=options.fc1_group_m, out=h_rows, preact_out=preact,
+                preact_slot=s.row_slot)
+
+        def fwd_fc2(cache=cache, options=options):
+            jit._CACHE = cache
+            pingpong = options.fc2_pingpong(I)
+            return expert_path.grouped_gemm(
+                h_rows, p.w_down, s.tile_expert, s.num_tiles, "store",
+                group_m=options.fc2_group_m, pingpong=pingpong,
+                tile_n=128 if pingpong else None)
+
+        def fc2(cache=cache, options=options):
+            jit._CACHE = cache
+            return eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot, topk_w, s.tile_expert,
+                                s.num_tiles, options)[0]
+
+        for f in (fwd_fc1, fwd_fc2, fc2, fc1):
+            f()  # compiled under this variant's cap
         runs[(stages, group_m)] = {
+            "fwd fc1": fwd_fc1, "fwd fc2": fwd_fc2, "fc2 dgrad": fc2,
             "fc1 dgrad": fc1,
             "wgrad gate+up": lambda k=gate_up: k(
                 d_preact[:, :I].t().unsqueeze(2), d_preact[:, I:].t().unsqueeze(2),
@@ -98,13 +124,15 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
                 s.expert_offsets),
             "wgrad down": lambda k=down: k(d_rows.t().unsqueeze(2), None, hw.t().unsqueeze(2),
                                            dw_down.permute(1, 2, 0), None, s.expert_offsets)}
-    live = int(s.num_tiles.item()) * 128
+    live = s.row_slot >= 0  # the routed rows (padding rows' outputs are not compared)
     outs = {}
     for v, fns in runs.items():
-        dx = fns["fc1 dgrad"]()[:live].clone()
+        dx = fns["fc1 dgrad"]()[live].clone()
         fns["wgrad gate+up"]()
         fns["wgrad down"]()
-        outs[v] = (dx, dw_gate.clone(), dw_up.clone(), dw_down.clone())
+        fwd = (fns["fwd fc1"]()[live].clone(), fns["fwd fc2"]()[live].clone())
+        outs[v] = (dx, dw_gate.clone(), dw_up.clone(), dw_down.clone(), *fwd,
+                   fns["fc2 dgrad"]()[live].clone())
     first = variants[0]
     label = {v: f"stages {v[0] or 'fit'}, fc1 group_m {v[1]}" for v in variants}
     bitwise = {label[v]: all(torch.equal(a, b) for a, b in zip(outs[v], outs[first]))
@@ -142,13 +170,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     variants = [_variant(v) for v in args.variants.split(",")]
     _patch_stage_cap()
-    out = [probe(n, variants, args.rounds, args.reps) for n in args.shapes.split(",")]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(command="python tools/operand_stages_probe.py "
-                           + " ".join(sys.argv[1:] if argv is None else argv),
-                           gpu=torch.cuda.get_device_name(), shapes=out), f,
-                      separators=(",", ":"))
+    from mok_cute.shapes import resolve_shapes
+
+    out = []
+    for shape in resolve_shapes(args.shapes):
+        out.append(probe(shape.name, variants, args.rounds, args.reps))
+        if args.json:  # after each shape: a run cut off at its limit keeps the shapes it did
+            with open(args.json, "w") as f:
+                json.dump(dict(command="python tools/operand_stages_probe.py "
+                               + " ".join(sys.argv[1:] if argv is None else argv),
+                               gpu=torch.cuda.get_device_name(), shapes=out), f,
+                          separators=(",", ":"))
 
 
 if __name__ == "__main__":
