@@ -38,6 +38,22 @@ def fc2_dgrad_tile_n(pingpong: bool) -> int:
     """FC2's dgrad N-tile over I in that form (the row partials' column width)."""
     return FC2_DGRAD_PINGPONG_TILE_N if pingpong else BACKWARD_TILE_N
 
+
+# FC1's dgrad launch runs on 3 operand stages, not the 4 that fit, where experts average at most
+# this many routed rows (T * K / E): gptoss_120b (256 rows an expert) 2.25 against 3.44 ms,
+# bitwise, while 3 stages cost 1-8 % at 1024 rows and more (dsv3, qwen3, mixtral; H100,
+# docs/measurements.md, 2026-12-06). Why is not known: one weight-bound shape shows it.
+FC1_DGRAD_FEW_STAGES_MAX_ROWS = 256
+FC1_DGRAD_FEW_STAGES = 3
+
+
+def fc1_dgrad_max_stages(rows_per_expert: float | None) -> int | None:
+    """The operand-stage cap of FC1's dgrad launch (None: as many as fit) for experts of
+    ``rows_per_expert`` routed rows on average (None: unknown, as many as fit)."""
+    if rows_per_expert is not None and rows_per_expert <= FC1_DGRAD_FEW_STAGES_MAX_ROWS:
+        return FC1_DGRAD_FEW_STAGES
+    return None
+
 TICKETS = 2  # int32 words after rank 0's counters: the comm and compute ticket counters
 KSUM_ROWS = 8  # local tokens per KSUM task (must divide TILE_M)
 ERROR_SLOTS = 8  # launches whose error word may be in flight before a call waits for the oldest

@@ -28,7 +28,7 @@ import torch
 
 from mok_cute import jit
 from mok_cute.config import ExpertPathOptions
-from mok_cute.constants import TILE_K, fc2_dgrad_pingpong, fc2_dgrad_tile_n
+from mok_cute.constants import TILE_K, fc1_dgrad_max_stages, fc2_dgrad_pingpong, fc2_dgrad_tile_n
 from mok_cute.expert_path import SavedForBackward, _num_sms, check_preact, shared_tiles
 
 
@@ -150,12 +150,16 @@ def slot_sums(partials, row_of_slot):
     return per_row[row_of_slot.long()]
 
 
-def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPathOptions):
-    """dX rows [M, H] = dG @ W_gate + dU @ W_up in one accumulator (K = 2I)."""
+def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPathOptions,
+              rows_per_expert: float | None = None):
+    """dX rows [M, H] = dG @ W_gate + dU @ W_up in one accumulator (K = 2I).
+    ``rows_per_expert``: the routing's expected rows per expert (T * K / E), which picks the
+    operand stages (``constants.fc1_dgrad_max_stages``; None: as many as fit)."""
     rows, hidden = d_preact.shape[0], w_gate.shape[2]
     dx_rows = torch.empty(rows, hidden, dtype=torch.bfloat16, device=d_preact.device)
     kernel = _compiled("gemm_fc1_dgrad", d_preact.device, tile_n=256,
-                       group_m=options.fc2_group_m)
+                       group_m=options.fc2_group_m,
+                       max_ab_stages=fc1_dgrad_max_stages(rows_per_expert))
     kernel(d_preact.unsqueeze(2), w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0),
            dx_rows.unsqueeze(2), tile_expert, num_tiles, None, *(None,) * 6)
     return dx_rows
@@ -228,7 +232,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
     ``fp8_weight_grads`` says so for ``rows_per_expert`` (the routing's expected rows per
-    expert, T * K / E).
+    expert, T * K / E, which also picks FC1's dgrad stages: ``fc1_dgrad``).
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
     weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
     dgrads' transposed weights when the caller has them (else quantized from the cache).
@@ -258,7 +262,8 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     d_rows = _owned(d_rows)
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
-                                              options, fp8, dgrads, fp8_transposed)
+                                              options, fp8, dgrads, fp8_transposed,
+                                              rows_per_expert)
     # the backward megakernel's dgrads make dx rows whether or not they are wanted
     dx = reduce_dx(dx_rows) if want_dx and dx_rows is not None else None
     del dx_rows
@@ -299,9 +304,10 @@ def fp8_reads_only(precision: str, hidden: int, inter: int, rows_per_expert: flo
 
 def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert, num_tiles,
             want_dx: bool, options: ExpertPathOptions, fp8: bool = False,
-            dgrads: str = "kernels", fp8_transposed=None):
+            dgrads: str = "kernels", fp8_transposed=None, rows_per_expert: float | None = None):
     """FC2's dgrad (its dgated epilogue) and FC1's: (d_preact = dG | dU, hw = w * h, row
-    partials, dx rows or None). ``fp8``, ``dgrads`` as ``_expert_backward``."""
+    partials, dx rows or None). ``fp8``, ``dgrads`` as ``_expert_backward``;
+    ``rows_per_expert`` as ``fc1_dgrad``."""
     dx_rows = None
     if fp8:
         from mok_cute import expert_path_fp8
@@ -325,7 +331,8 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
         d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights,
                                            tile_expert, num_tiles, options)
         if want_dx:
-            dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options)
+            dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options,
+                                rows_per_expert)
     return d_preact, hw, partials, dx_rows
 
 
@@ -450,7 +457,8 @@ def shared_backward(d_out, x, shared, shared_preact, needs: Needs = Needs(),
         main = tuple(None if b is None else b.unsqueeze(0) for b in main)
     shared_dx, dsg, dsu, dsd, _ = _expert_backward(
         d_out, x, ws_gate, ws_up, ws_down, shared_preact, rows_all, ones, tiles, count, offsets,
-        needs.x, needs.shared_gate_up, needs.shared_down, False, options, main=main)
+        needs.x, needs.shared_gate_up, needs.shared_down, False, options,
+        rows_per_expert=float(num_tokens), main=main)
     return shared_dx, tuple(None if g is None else g[0] for g in (dsg, dsu, dsd))
 
 

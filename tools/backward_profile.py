@@ -87,7 +87,7 @@ def profile(name: str, reps: int, wgrad_group_m: list[int], fp8_dgrads: bool = F
                                                    options, pingpong=pingpong), reps)
     d_preact, hw, _ = fc2()
     fc1 = lambda: eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, saved.tile_expert,  # noqa: E731
-                               saved.num_tiles, options)
+                               saved.num_tiles, options, idx.numel() / p.w_gate.shape[0])
     ms["fc1 dgrad"] = gpu_ms(fc1, reps)
     dx_rows = fc1()
     from mok_cute import megakernel_backward

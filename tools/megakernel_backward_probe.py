@@ -57,7 +57,8 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False,
     def two_launches(with_wgrads=False):
         d_preact, hw, _ = eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot, weights,
                                        s.tile_expert, s.num_tiles, cfg.expert_path)
-        eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles, cfg.expert_path)
+        eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles, cfg.expert_path,
+                     idx.numel() / num_experts)  # the stages the one-GPU backward picks
         if with_wgrads:
             wgrads(d_preact, hw)
 

@@ -7,7 +7,8 @@ variant against the first.
         [--variants fit:8,3:8,3:2] [--rounds 6] [--reps 10] [--json out.json]
 
 A variant is STAGES:GROUP_M (STAGES "fit": as many as smem holds; GROUP_M: the FC1 dgrad's
-M-tiles per raster group, ``ExpertPathOptions.fc2_group_m``, which that launch takes). The
+M-tiles per raster group, ``ExpertPathOptions.fc2_group_m``, which that launch takes; "fit"
+is the 4-stage launch even where the one-GPU backward picks 3 for FC1's dgrad). The
 stage cap is patched into the GEMM classes' ``_setup_attributes`` for this process: a probe
 for issue 32 (docs/measurements.md), not the benchmark of record.
 """

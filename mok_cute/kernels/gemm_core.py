@@ -54,16 +54,20 @@ class GemmCoreSm90:
         wgmma descriptors follow.
     :param epi_outputs: output tiles the epilogue stores per subtile (each through its own
         smem buffer and TMA atom).
+    :param max_ab_stages: at most this many operand stages (None: as many as smem holds).
     """
 
     def __init__(self, tile_n: int = 256, pingpong: bool = False, a_mn_major: bool = False,
-                 b_mn_major: bool = False, epi_outputs: int = 1):
+                 b_mn_major: bool = False, epi_outputs: int = 1, max_ab_stages: int | None = None):
         if tile_n not in (64, 128, 256):
             raise ValueError(f"tile_n must be 64, 128 or 256, got {tile_n}")
         if pingpong and tile_n > 128:
             raise ValueError(f"pingpong keeps a whole 128 x tile_n accumulator per warpgroup: "
                              f"tile_n must be <= 128, got {tile_n}")
+        if max_ab_stages is not None and max_ab_stages < 2:
+            raise ValueError(f"max_ab_stages must be >= 2 or None, got {max_ab_stages}")
         self.tile_shape_mnk = (TILE_M, tile_n, TILE_K)
+        self.max_ab_stages = max_ab_stages
         self.pingpong = pingpong
         self.a_mn_major, self.b_mn_major = a_mn_major, b_mn_major
         self.epi_outputs = epi_outputs
@@ -116,6 +120,8 @@ class GemmCoreSm90:
         epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_buffers
         reserved = 1024  # mbarriers and alignment slack
         self.ab_stages = (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage
+        if self.max_ab_stages is not None:
+            self.ab_stages = min(self.ab_stages, self.max_ab_stages)
         self.a_smem_layout_staged = self.staged_layout(
             self.a_dtype, (tile_m, tile_k), self.ab_stages, self.a_mn_major)
         self.b_smem_layout_staged = self.staged_layout(

@@ -96,12 +96,13 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
     :param save_preact: swiglu: also store the bf16 pre-activations g and u.
     :param b_mn_major: B's N mode is contiguous.
     :param b_split_k: B's k-tiles from two tensors (``mB`` then ``mB2``).
+    :param max_ab_stages: at most this many operand stages (None: as many as smem holds).
     """
 
     def __init__(self, tile_n: int = 256, epilogue: str = "store", group_m: int = 8,
                  num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                  pingpong: bool = False, save_preact: bool = False, b_mn_major: bool = False,
-                 b_split_k: bool = False):
+                 b_split_k: bool = False, max_ab_stages: int | None = None):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if save_preact and epilogue != "swiglu":
@@ -109,7 +110,8 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
         if b_split_k and epilogue == "swiglu":
             raise ValueError("b_split_k: swiglu already takes two B tensors (N halves)")
         outputs = 3 if epilogue == "dgated" else 1
-        super().__init__(tile_n, pingpong, b_mn_major=b_mn_major, epi_outputs=outputs)
+        super().__init__(tile_n, pingpong, b_mn_major=b_mn_major, epi_outputs=outputs,
+                         max_ab_stages=max_ab_stages)
         if epilogue == "swiglu" and tile_n < 128:
             raise ValueError(f"the swiglu epilogue needs tile_n >= 128, got {tile_n}")
         if group_m < 1:
@@ -519,7 +521,8 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
                          num_sms: int = 132, timeline: bool = False, task_type: int | None = None,
                          pingpong: bool = False, save_preact: bool = False,
                          b_mn_major: bool = False, b_split_k: bool = False,
-                         arch: str = "sm_90a", options: str = ""):
+                         max_ab_stages: int | None = None, arch: str = "sm_90a",
+                         options: str = ""):
     """Compile one static configuration on fake tensors (no GPU needed).
 
     M, N, K and the expert count are run-time extents: one compile serves every shape
@@ -532,7 +535,8 @@ def compile_grouped_gemm(epilogue: str = "store", tile_n: int = 256, group_m: in
     """
     gemm = GroupedGemmSm90(tile_n=tile_n, epilogue=epilogue, group_m=group_m, num_sms=num_sms,
                            timeline=timeline, task_type=task_type, pingpong=pingpong,
-                           save_preact=save_preact, b_mn_major=b_mn_major, b_split_k=b_split_k)
+                           save_preact=save_preact, b_mn_major=b_mn_major, b_split_k=b_split_k,
+                           max_ab_stages=max_ab_stages)
     args = _fake_operands(gemm, timeline)
     return cute.compile(gemm, *args, common.fake_stream(),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
