@@ -40,6 +40,11 @@
 #   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
 #                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
+#   stages [SHAPES] operand stage caps: the one-GPU backward's GPU tests (its FC1 dgrad on 3 stages
+#                   for few rows an expert: test_backward.py, and the 3-stage launch bitwise the
+#                   4-stage one), then tools/operand_stages_probe.py (every one-GPU GEMM launch at
+#                   stages fit / 3 / 2; default shapes: gptoss, qwen3 and gptoss at other rows an
+#                   expert, dsv3), JSON under $OUT (~8 min cold)
 #   bwdtimeline [SHAPES]  the backward megakernel's recorder: its GPU tests (-k "recorder or
 #                   config_timeline": the kernel, and MoKConfig(timeline=True) under autograd), then
 #                   `mok-cute timeline --backward` per shape (qwen3_30b, dsv3_ep8_rank: trace, PNG,
@@ -275,6 +280,15 @@ run_mkbwd() {
     --json "$out/megakernel_backward_probe.json" && grep -E "speed" "$out/mkbwd_probe.log"
 }
 
+run_stages() {
+  step stages_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_backward.py \
+    tests/test_megakernel_backward.py::test_megakernel_dgrads_equal_the_two_launches_bitwise
+  step stages_probe 330 python3 tools/operand_stages_probe.py \
+    --shapes "${1:-gptoss_120b,custom:4096,2048,768,128,8,custom:32768,2880,2880,128,4,dsv3_ep8_rank}" \
+    --variants fit:8,3:8,2:8 --rounds 4 --json "$out/operand_stages.json" \
+    && grep -E "median|bitwise" "$out/stages_probe.log"
+}
+
 run_bwdtimeline() {
   step bwdtimeline_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=200 \
     -k "recorder or config_timeline" tests/test_megakernel_backward.py tests/test_backward.py \
@@ -401,13 +415,14 @@ case "$mode" in
   fp8train) run_fp8_train "${2:-fp8}" ;;
   fp8probe) run_fp8_probes ;;
   mkbwd) run_mkbwd "${2:-}" ;;
+  stages) run_stages "${2:-}" ;;
   shared) run_shared "${2:-}" ;;
   bwdtimeline) run_bwdtimeline "${2:-}" ;;
   bwdgroup) run_bwdgroup "${2:-}" ;;
   maingrad) run_maingrad "${2:-}" ;;
   sanitize) run_sanitize ;;
   ep) run_ep "${2:-}" "${3:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, bwdtimeline, bwdgroup, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, stages, bwdtimeline, bwdgroup, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]
