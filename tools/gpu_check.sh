@@ -42,9 +42,10 @@
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
 #   stages [SHAPES] operand stage caps: the one-GPU backward's GPU tests (its FC1 dgrad on 3 stages
 #                   for few rows an expert: test_backward.py, and the 3-stage launch bitwise the
-#                   4-stage one), then tools/operand_stages_probe.py (every one-GPU GEMM launch at
-#                   stages fit / 3 / 2; default shapes: gptoss, qwen3 and gptoss at other rows an
-#                   expert, dsv3), JSON under $OUT (~8 min cold)
+#                   4-stage one; STAGES_TESTS=0: skip), then tools/operand_stages_probe.py (every
+#                   one-GPU bf16 GEMM launch at stages fit / 3 / 2, $STAGES_FLAGS added, e.g.
+#                   --fp8 for the FP8 launches too; default shapes: gptoss, qwen3 and gptoss at
+#                   other rows an expert, dsv3), JSON under $OUT (~9 min cold)
 #   bwdtimeline [SHAPES]  the backward megakernel's recorder: its GPU tests (-k "recorder or
 #                   config_timeline": the kernel, and MoKConfig(timeline=True) under autograd), then
 #                   `mok-cute timeline --backward` per shape (qwen3_30b, dsv3_ep8_rank: trace, PNG,
@@ -281,11 +282,13 @@ run_mkbwd() {
 }
 
 run_stages() {
-  step stages_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_backward.py \
-    tests/test_megakernel_backward.py::test_megakernel_dgrads_equal_the_two_launches_bitwise
-  step stages_probe 330 python3 tools/operand_stages_probe.py \
+  if [ "${STAGES_TESTS:-1}" != 0 ]; then
+    step stages_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_backward.py \
+      tests/test_megakernel_backward.py::test_megakernel_dgrads_equal_the_two_launches_bitwise
+  fi
+  step stages_probe 560 python3 tools/operand_stages_probe.py \
     --shapes "${1:-gptoss_120b,custom:4096,2048,768,128,8,custom:32768,2880,2880,128,4,dsv3_ep8_rank}" \
-    --variants fit:8,3:8,2:8 --rounds 4 --json "$out/operand_stages.json" \
+    --variants fit:8,3:8,2:8 --rounds 4 ${STAGES_FLAGS:-} --json "$out/operand_stages.json" \
     && grep -E "median|bitwise" "$out/stages_probe.log"
 }
 

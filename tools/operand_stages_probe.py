@@ -4,7 +4,7 @@ have 4), and the FC1 dgrad's raster group, in interleaved rounds with a bitwise 
 variant against the first.
 
     python tools/operand_stages_probe.py --shapes dsv3_ep8_rank,gptoss_120b \
-        [--variants fit:8,3:8,3:2] [--rounds 6] [--reps 10] [--json out.json]
+        [--variants fit:8,3:8,3:2] [--rounds 6] [--reps 10] [--fp8] [--json out.json]
 
 A variant is STAGES:GROUP_M (STAGES "fit": as many as smem holds; GROUP_M: the FC1 dgrad's
 M-tiles per raster group, ``ExpertPathOptions.fc2_group_m``, which that launch takes; "fit"
@@ -53,7 +53,46 @@ def _patch_stage_cap() -> None:
         gemm_wgrad.WgradGemmSm90._setup_attributes)
 
 
-def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: int) -> dict:
+FP8_KERNELS = ("fp8 fwd fc1", "fp8 fwd fc2", "fp8 fc2 dgrad", "fp8 fc1 dgrad")
+
+
+def fp8_kernels(p, x, s, d_rows, weights) -> dict:
+    """The FP8 path's four GEMM launches on this problem (their operands quantized once, outside
+    the timed calls), each a zero-argument call returning its output; compiled on first call."""
+    from mok_cute import expert_path_fp8 as ep8
+    from mok_cute.kernels import gemm_fp8, quantize
+
+    fw = ep8.quantized_weights(p.w_gate, p.w_up, p.w_down, training=True)
+    wt = ep8.transposed_weights(p.w_gate, p.w_up, p.w_down)
+    rows, h_pad = d_rows.shape[0], fw.gate.shape[2]
+    xq = quantize.quantize_scatter_rows(ep8.pad_cols(x, h_pad), s.row_of_slot, rows)
+    preact = torch.empty_like(s.preact)
+
+    def fwd_fc1():
+        return gemm_fp8.grouped_gemm_fp8_swiglu(
+            *xq, fw.gate, fw.e_gate, fw.up, fw.e_up, s.tile_expert, s.num_tiles,
+            tile_n=ep8.FP8_TILE_N, preact_out=preact, preact_slot=s.row_slot)
+
+    hq = quantize.quantize_rows(fwd_fc1())
+    y = torch.empty(rows, x.shape[1], dtype=torch.bfloat16, device=x.device)
+    dq = quantize.quantize_rows(ep8.pad_cols(d_rows, h_pad))
+
+    def fc2_dgrad():
+        return gemm_fp8.grouped_gemm_fp8_dgated(*dq, wt.down, wt.e_down, s.preact, s.row_slot,
+                                                weights, s.tile_expert, s.num_tiles)[0]
+
+    d_preact_q = quantize.quantize_rows(fc2_dgrad())
+    return {
+        "fp8 fwd fc1": fwd_fc1,
+        "fp8 fwd fc2": lambda: gemm_fp8.grouped_gemm_fp8(
+            *hq, fw.down, fw.e_down, s.tile_expert, s.num_tiles, out=y, tile_n=ep8.FP8_TILE_N),
+        "fp8 fc2 dgrad": fc2_dgrad,
+        "fp8 fc1 dgrad": lambda: gemm_fp8.grouped_gemm_fp8_split_k(
+            *d_preact_q, wt.gate, wt.e_gate, wt.up, wt.e_up, s.tile_expert, s.num_tiles)}
+
+
+def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: int,
+          fp8: bool = False) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path, jit
@@ -65,6 +104,9 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
     p = make_problem(resolve_shape(name), device="cuda", seed=1)
     x, idx, w = p.inputs.x, p.inputs.topk_idx, p.inputs.topk_weights
     E, I, H = p.w_gate.shape[0], p.w_gate.shape[1], x.shape[1]
+    if fp8:
+        from mok_cute.expert_path_fp8 import unsupported_reason
+        fp8 = not unsupported_reason(H, I)  # else this shape runs without the FP8 launches
     cfg = mok_cute.MoKConfig(backend="kernel", check_ids=False)
     with torch.no_grad():
         _, s = expert_path.moe_forward_kernel(x, idx, w, p.w_gate, p.w_up, p.w_down, None, cfg,
@@ -116,7 +158,13 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
 
         for f in (fwd_fc1, fwd_fc2, fc2, fc1):
             f()  # compiled under this variant's cap
-        runs[(stages, group_m)] = {
+        extra = {}
+        if fp8:
+            jit._CACHE = cache
+            extra = fp8_kernels(p, x, s, d_rows, topk_w)  # compiled here, under the cap
+            extra = {k: (lambda f=f, cache=cache: (setattr(jit, "_CACHE", cache), f())[1])
+                     for k, f in extra.items()}
+        runs[(stages, group_m)] = {**extra,
             "fwd fc1": fwd_fc1, "fwd fc2": fwd_fc2, "fc2 dgrad": fc2,
             "fc1 dgrad": fc1,
             "wgrad gate+up": lambda k=gate_up: k(
@@ -133,20 +181,22 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
         fns["wgrad down"]()
         fwd = (fns["fwd fc1"]()[live].clone(), fns["fwd fc2"]()[live].clone())
         outs[v] = (dx, dw_gate.clone(), dw_up.clone(), dw_down.clone(), *fwd,
-                   fns["fc2 dgrad"]()[live].clone())
+                   fns["fc2 dgrad"]()[live].clone(),
+                   *(fns[k]()[live].clone() for k in FP8_KERNELS if k in fns))
     first = variants[0]
     label = {v: f"stages {v[0] or 'fit'}, fc1 group_m {v[1]}" for v in variants}
     bitwise = {label[v]: all(torch.equal(a, b) for a, b in zip(outs[v], outs[first]))
                for v in variants}
     print(f"{name} bitwise the first variant's: {bitwise}", flush=True)
-    ms = {(v, k): [] for v in variants for k in KERNELS}
+    kernels = KERNELS + (FP8_KERNELS if fp8 else ())
+    ms = {(v, k): [] for v in variants for k in kernels}
     for r in range(rounds):  # every other round in reverse (the clock under the power cap)
         for v in (variants if r % 2 == 0 else variants[::-1]):
-            for k in KERNELS:
+            for k in kernels:
                 ms[(v, k)].append(gpu_ms(runs[v][k], reps))
     rows = []
     for v in variants:
-        for k in KERNELS:
+        for k in kernels:
             ratio = paired_ratio(ms[(v, k)], ms[(first, k)])
             rows.append(dict(variant=label[v], kernel=k, ms_rounds=ms[(v, k)],
                              time_over_first=ratio))
@@ -168,6 +218,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--fp8", action="store_true",
+                   help="also the FP8 path's forward FC1 / FC2 and dgrad launches")
     args = p.parse_args(argv)
     variants = [_variant(v) for v in args.variants.split(",")]
     _patch_stage_cap()
@@ -175,7 +227,7 @@ def main(argv=None):
 
     out = []
     for shape in resolve_shapes(args.shapes):
-        out.append(probe(shape.name, variants, args.rounds, args.reps))
+        out.append(probe(shape.name, variants, args.rounds, args.reps, args.fp8))
         if args.json:  # after each shape: a run cut off at its limit keeps the shapes it did
             with open(args.json, "w") as f:
                 json.dump(dict(command="python tools/operand_stages_probe.py "
