@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from mok_cute import fp8, jit, tasks as tasks_mod
+from mok_cute import fp8, jit, task_encoding, tasks as tasks_mod
 from mok_cute.expert_path_fp8 import pad_cols, padded  # fp8 plans: H', I' whole 128 groups
 from mok_cute.config import MoKConfig, ids_for_int32
 from mok_cute.constants import (KSUM_ROWS, SCALAR_INDEX, TASK_TILE_N, TICKETS, TILE_M,
@@ -291,7 +291,7 @@ class Plan:
             # every rank's list has this one's structure, so one check covers the launch
             raise RuntimeError("the k-sum reuses the GEMM stage buffers: every compute task "
                                "after the first KSUM must be a KSUM")
-        self.device_tasks = tasks_mod.encode_device(self.task_list, device=dev)
+        self.device_tasks = task_encoding.encode_device(self.task_list, device=dev)
         R, C = side.launch_ranks, k.ring_tokens
         if k.spec.fp8:  # x and h rows packed: e4m3 data, then the row's exponents
             self.hidden_p, self.inter_p = padded(k.hidden), padded(k.intermediate)

@@ -554,7 +554,7 @@ def decode_backward(rows) -> list[BackwardTask]:
 
 
 def queue_tables(tl: BackwardTaskList, kinds=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The ticket walk's tables, as the forward's (``tasks.encode_device``): per role the
+    """The ticket walk's tables, as the forward's (``task_encoding.encode_device``): per role the
     queue (list indices in order, -1 padded), and ``live_len[role, live]``, the queue prefix
     that holds every task of minibatches < ``live`` (the head of tasks without a minibatch
     included), and ``tail_begin[role]``, where the tasks after the last routed one begin

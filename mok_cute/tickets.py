@@ -5,7 +5,7 @@ kernel runs it, makes it a no-op or skips it. The device code is
 
 from __future__ import annotations
 
-from mok_cute import tasks as tasks_mod
+from mok_cute import task_encoding
 from mok_cute.tasks import Role, TaskWord
 
 __all__ = ["ticket_position", "walk_tickets", "simulate_live_run"]
@@ -20,7 +20,7 @@ def ticket_position(device_tasks, role: int, R: int, live_prefix: int, rank_bloc
     Alternating (``rank_blocks`` False): position q // R of rank q % R, positions past the
     live prefix jumping to the tail. Blocks: ``queue_blocks`` cut each queue into one block
     per minibatch (clipped to the live prefix) and the tail; R * size tickets per block, every
-    rank's share in turn (``tasks.ticket_blocks``)."""
+    rank's share in turn (``task_encoding.ticket_blocks``)."""
     qlen = int(device_tasks.queue_len[role])
     blocks = device_tasks.queue_blocks[role].tolist()
     tail = blocks[-1]
@@ -84,8 +84,8 @@ def simulate_live_run(task_list, num_tiles: int) -> dict:
     """What one rank's CTAs do with a static list and ``num_tiles`` real tiles (the walk of
     ``walk_tickets`` with one rank): per role, the list indices fetched, run, made no-ops and
     skipped."""
-    dev = tasks_mod.encode_device(task_list)
-    live = tasks_mod.live_minibatches(num_tiles, task_list.tiles_per_minibatch)
+    dev = task_encoding.encode_device(task_list)
+    live = task_encoding.live_minibatches(num_tiles, task_list.tiles_per_minibatch)
     if live > task_list.num_minibatches:
         raise ValueError(f"num_tiles must be <= {task_list.num_m_tiles} (static tiles), "
                          f"got {num_tiles}")

@@ -188,7 +188,7 @@ def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_le
     visited exactly once, in list order, and nothing dead runs."""
     import numpy as np
 
-    from mok_cute import tasks, tickets
+    from mok_cute import task_encoding, tasks, tickets
     from mok_cute.tasks import Role
 
     rng = np.random.default_rng(num_tiles_seed)
@@ -197,7 +197,7 @@ def test_virtual_ticket_walk_runs_every_live_task_once(R, num_tiles_seed, fc1_le
                             minibatch_tokens=512, ring_tokens=512 * (fc1_lead + 1),
                             shared_intermediate=128, num_ranks=R, fc1_lead=fc1_lead)
     assert tl.params.fc1_lead == fc1_lead
-    dev = tasks.encode_device(tl)
+    dev = task_encoding.encode_device(tl)
     num_tiles = [int(t) for t in rng.integers(0, 25, size=R)]
     for role in (Role.COMM, Role.COMPUTE):
         walk = tickets.walk_tickets(dev, num_tiles, int(role), rank_blocks)
@@ -222,14 +222,14 @@ def _run_ctas(tl, num_tiles, ctas_per_role, rank_blocks, seed, dynamic=False, de
     Returns the tasks left when nothing can move."""
     import numpy as np
 
-    from mok_cute import tasks, tickets
+    from mok_cute import task_encoding, tickets
     from mok_cute.tasks import Role, TaskType
 
     R = len(num_tiles)
-    dev = tasks.encode_device(tl)
+    dev = task_encoding.encode_device(tl)
     rng = np.random.default_rng(seed)
     tpm = tl.tiles_per_minibatch
-    live_of = [tasks.live_minibatches(t, tpm) for t in num_tiles]
+    live_of = [task_encoding.live_minibatches(t, tpm) for t in num_tiles]
     live_len = dev.queue_live_len.numpy()
     barrier_of = [int(i) for i in range(len(tl)) if tl.type[i] == int(TaskType.BARRIER)]
     done = set()

@@ -7,6 +7,7 @@ import heapq
 import numpy as np
 import pytest
 
+from mok_cute import task_encoding as TE
 from mok_cute import tasks as T
 from mok_cute import tickets
 from mok_cute.tasks import Role, TaskType
@@ -230,10 +231,10 @@ def test_bad_types_and_rows():
 
 def test_encode_is_int32_and_round_trips():
     tl = _build(COUNTS[0], comm_task_rows=32)
-    enc = T.encode(tl)
+    enc = TE.encode(tl)
     assert enc.dtype.is_floating_point is False and str(enc.dtype) == "torch.int32"
     assert tuple(enc.shape) == (len(tl), T.TASK_WORDS)
-    rows = T.decode(enc)
+    rows = TE.decode(enc)
     for t, r in zip(tl, rows):
         assert r["type"] == t.type and r["role"] == t.role and r["minibatch"] == t.minibatch
         assert (r["m_tile_begin"], r["m_tile_end"], r["n_tile"]) == (
@@ -251,12 +252,12 @@ def test_encode_is_int32_and_round_trips():
 
 
 def test_build_is_deterministic():
-    a = T.encode(_build(COUNTS[0]))
-    b = T.encode(_build(list(COUNTS[0])))
+    a = TE.encode(_build(COUNTS[0]))
+    b = TE.encode(_build(list(COUNTS[0])))
     assert bool((a == b).all())
-    s1 = T.encode_device(T.build_static(1024, **dict(SMALL, minibatch_tokens=128,
+    s1 = TE.encode_device(T.build_static(1024, **dict(SMALL, minibatch_tokens=128,
                                                            ring_tokens=256)))
-    s2 = T.encode_device(T.build_static(1024, **dict(SMALL, minibatch_tokens=128,
+    s2 = TE.encode_device(T.build_static(1024, **dict(SMALL, minibatch_tokens=128,
                                                            ring_tokens=256)))
     for x, y in zip(s1, s2):
         if hasattr(x, "shape"):
@@ -275,11 +276,11 @@ def _execute(tl, n_comm, n_comp, seed, num_tiles=None):
     random time and signal. Returns {index: (start, end)} of the tasks that ran (no-ops
     included). Fails on a deadlock."""
     rng = np.random.default_rng(seed)
-    dev = T.encode_device(tl)
+    dev = TE.encode_device(tl)
     nt_static = tl.num_m_tiles
     if num_tiles is None:
         num_tiles = nt_static
-    live = T.live_minibatches(num_tiles, tl.tiles_per_minibatch)
+    live = TE.live_minibatches(num_tiles, tl.tiles_per_minibatch)
     live_tile_end = min(live * tl.tiles_per_minibatch, nt_static)
     off = tl.counter_offsets
     counters = np.zeros(int(off[-1]), dtype=np.int64)
@@ -435,7 +436,7 @@ def test_static_list_with_fewer_live_tiles_runs_exactly_the_live_work(num_tiles)
 
     ran = run[Role.COMM]["ran"] + run[Role.COMPUTE]["ran"]
     assert sorted(key(static, i) for i in ran) == sorted(key(actual, i) for i in range(len(actual)))
-    live = T.live_minibatches(num_tiles, static.tiles_per_minibatch)
+    live = TE.live_minibatches(num_tiles, static.tiles_per_minibatch)
     for r in Role:
         f = run[r]["fetched"]
         assert len(set(f)) == len(f)  # a task is fetched at most once
@@ -460,7 +461,7 @@ def test_static_list_size_for_a_realistic_capacity_builds_quickly():
                         minibatch_tokens=4096, ring_tokens=32768, shared_intermediate=2048)
     assert len(tl) > 40_000
     assert time.perf_counter() - t0 < 10.0
-    enc = T.encode(tl)
+    enc = TE.encode(tl)
     assert enc.shape[0] == len(tl)
 
 

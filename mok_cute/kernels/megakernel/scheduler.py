@@ -43,7 +43,7 @@ WAIT_RECORD_MIN_NS = 1000  # shorter dependency waits are not recorded as WAIT s
 
 
 class TaskTables(NamedTuple):
-    """The encoded task list (``tasks.encode_device``) and its counters."""
+    """The encoded task list (``task_encoding.encode_device``) and its counters."""
 
     tasks: cute.Tensor  # int32 (N, TASK_WORDS)
     queues: cute.Tensor  # int32 (2, Q): list indices per role, in walk order
