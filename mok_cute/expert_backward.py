@@ -263,7 +263,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
                                               weights, tile_expert, num_tiles, want_dx,
                                               options, fp8, dgrads, fp8_transposed,
-                                              rows_per_expert)
+                                              rows_per_expert or None)
     # the backward megakernel's dgrads make dx rows whether or not they are wanted
     dx = reduce_dx(dx_rows) if want_dx and dx_rows is not None else None
     del dx_rows

@@ -86,7 +86,8 @@ KERNELS: dict[str, KernelSpec] = {
         "FC2's dgrad with the SwiGLU backward in its epilogue: dG, dU, w*h, d_topk_weights partials"),
     "gemm_fc1_dgrad": KernelSpec(
         "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm",
-        {"epilogue": "store", "tile_n": 256, "b_mn_major": True, "b_split_k": True},
+        {"epilogue": "store", "tile_n": 256, "b_mn_major": True, "b_split_k": True,
+         "max_ab_stages": None},
         "FC1's dgrad: [dG | dU] @ [W_gate; W_up] in one accumulator (K = 2I)"),
     "gemm_wgrad": KernelSpec(
         "mok_cute.kernels.gemm_wgrad", "compile_wgrad_gemm", {"gated": True, "accumulate": False},

@@ -40,12 +40,12 @@
 #   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
 #                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
-#   stages [SHAPES] operand stage caps: the one-GPU backward's GPU tests (its FC1 dgrad on 3 stages
-#                   for few rows an expert: test_backward.py, and the 3-stage launch bitwise the
-#                   4-stage one; STAGES_TESTS=0: skip), then tools/operand_stages_probe.py (every
-#                   one-GPU bf16 GEMM launch at stages fit / 3 / 2, $STAGES_FLAGS added, e.g.
-#                   --fp8 for the FP8 launches too; default shapes: gptoss, qwen3 and gptoss at
-#                   other rows an expert, dsv3), JSON under $OUT (~9 min cold)
+#   stages [SHAPES] operand stage caps: tools/operand_stages_probe.py (every one-GPU bf16 GEMM
+#                   launch at stages fit / 3 / 2, $STAGES_FLAGS added, e.g. --fp8 for the FP8
+#                   launches too; default shapes: gptoss, qwen3 and gptoss at other rows an
+#                   expert, dsv3), JSON under $OUT after each shape (~9 min cold); STAGES_TESTS=1
+#                   first runs the GPU tests of FC1's dgrad on 3 stages (the 3-stage launch
+#                   bitwise the 4-stage one, then test_backward.py; alltests has them too)
 #   bwdtimeline [SHAPES]  the backward megakernel's recorder: its GPU tests (-k "recorder or
 #                   config_timeline": the kernel, and MoKConfig(timeline=True) under autograd), then
 #                   `mok-cute timeline --backward` per shape (qwen3_30b, dsv3_ep8_rank: trace, PNG,
@@ -282,9 +282,10 @@ run_mkbwd() {
 }
 
 run_stages() {
-  if [ "${STAGES_TESTS:-1}" != 0 ]; then
-    step stages_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_backward.py \
-      tests/test_megakernel_backward.py::test_megakernel_dgrads_equal_the_two_launches_bitwise
+  if [ "${STAGES_TESTS:-0}" = 1 ]; then
+    step stages_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 \
+      tests/test_megakernel_backward.py::test_megakernel_dgrads_equal_the_two_launches_bitwise \
+      tests/test_backward.py
   fi
   step stages_probe 560 python3 tools/operand_stages_probe.py \
     --shapes "${1:-gptoss_120b,custom:4096,2048,768,128,8,custom:32768,2880,2880,128,4,dsv3_ep8_rank}" \
