@@ -11,7 +11,7 @@ M-tiles per raster group, ``ExpertPathOptions.fc2_group_m``, which that launch t
 is as many stages as smem holds, even where the one-GPU backward picks 3 for FC1's dgrad: 4 for
 the bf16 FC1 dgrad, weight gradients and forward FC1, 5-6 for the pingpong ones and the FP8
 dgrads, 3 for the cooperative FC2 dgrad). The
-stage cap is patched into the GEMM classes' ``_setup_attributes`` for this process: a probe
+stage cap is patched into ``GemmCoreSm90.operand_stages`` for this process: a probe
 for issue 32 (docs/measurements.md), not the benchmark of record.
 """
 
@@ -33,26 +33,17 @@ _STAGE_CAP = [None]  # the cap of the kernels compiled next (None: as many as fi
 
 
 def _patch_stage_cap() -> None:
-    """Cap ``ab_stages`` at ``_STAGE_CAP[0]`` in both GEMM classes (staged layouts rebuilt)."""
-    from mok_cute.kernels import gemm_core, gemm_wgrad
+    """Cap every GEMM class's operand stages (``GemmCoreSm90.operand_stages``) at
+    ``_STAGE_CAP[0]`` as well, for the kernels this process compiles next."""
+    from mok_cute.kernels.gemm_core import GemmCoreSm90
 
-    def capped(setup):
-        def run(self):
-            setup(self)
-            cap = _STAGE_CAP[0]
-            if cap is not None and self.ab_stages > cap:
-                tile_m, tile_n, tile_k = self.tile_shape_mnk
-                a_rows = getattr(self, "wg_rows", tile_m)  # the wgrad: one box a warpgroup
-                self.ab_stages = cap
-                self.a_smem_layout_staged = self.staged_layout(
-                    self.a_dtype, (a_rows, tile_k), cap, self.a_mn_major)
-                self.b_smem_layout_staged = self.staged_layout(
-                    self.b_dtype, (tile_n, tile_k), cap, self.b_mn_major)
-        return run
+    own = GemmCoreSm90.operand_stages
 
-    gemm_core.GemmCoreSm90._setup_attributes = capped(gemm_core.GemmCoreSm90._setup_attributes)
-    gemm_wgrad.WgradGemmSm90._setup_attributes = capped(
-        gemm_wgrad.WgradGemmSm90._setup_attributes)
+    def capped(self, fit: int) -> int:
+        stages, cap = own(self, fit), _STAGE_CAP[0]
+        return stages if cap is None else min(stages, cap)
+
+    GemmCoreSm90.operand_stages = capped
 
 
 FP8_KERNELS = ("fp8 fwd fc1", "fp8 fwd fc2", "fp8 fc2 dgrad", "fp8 fc1 dgrad")

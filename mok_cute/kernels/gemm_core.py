@@ -119,9 +119,8 @@ class GemmCoreSm90:
         ab_bytes_per_stage = (tile_m + tile_n) * tile_k * self.a_dtype.width // 8
         epi_bytes = math.prod(self.epi_tile) * self.c_dtype.width // 8 * self.epi_buffers
         reserved = 1024  # mbarriers and alignment slack
-        self.ab_stages = (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage
-        if self.max_ab_stages is not None:
-            self.ab_stages = min(self.ab_stages, self.max_ab_stages)
+        self.ab_stages = self.operand_stages(
+            (self.smem_capacity - reserved - epi_bytes) // ab_bytes_per_stage)
         self.a_smem_layout_staged = self.staged_layout(
             self.a_dtype, (tile_m, tile_k), self.ab_stages, self.a_mn_major)
         self.b_smem_layout_staged = self.staged_layout(
@@ -202,6 +201,11 @@ class GemmCoreSm90:
         assert storage.size_in_bytes() <= self.smem_capacity, (
             f"{storage.size_in_bytes()} B of smem, {self.smem_capacity} B on the SM")
         return storage
+
+    def operand_stages(self, fit: int) -> int:
+        """The operand stages of a configuration whose smem holds ``fit``: ``max_ab_stages``
+        caps them."""
+        return fit if self.max_ab_stages is None else min(fit, self.max_ab_stages)
 
     @staticmethod
     def staged_layout(dtype, tile_mk, stages, mn_major: bool = False):

@@ -74,7 +74,8 @@ class WgradGemmSm90(GemmCoreSm90):
         # a stage holds two warpgroups' A boxes and one B box
         ab_bytes_per_stage = (2 * self.wg_rows + tile_n) * tile_k * self.a_dtype.width // 8
         epi_bytes = 64 * 32 * self.c_dtype.width // 8 * self.epi_buffers
-        self.ab_stages = (self.smem_capacity - 1024 - epi_bytes) // ab_bytes_per_stage
+        self.ab_stages = self.operand_stages(
+            (self.smem_capacity - 1024 - epi_bytes) // ab_bytes_per_stage)
         self.a_smem_layout_staged = self.staged_layout(self.a_dtype, (self.wg_rows, tile_k),
                                                        self.ab_stages, mn_major=self.a_mn_major)
         self.b_smem_layout_staged = self.staged_layout(self.b_dtype, (tile_n, tile_k),
