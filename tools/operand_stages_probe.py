@@ -108,12 +108,11 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
     row_token = s.row_token(idx.shape[1])
     d_rows = token_ops.gather_rows(torch.randn_like(x), row_token)
     x_rows = token_ops.gather_rows(x, row_token)
-    d_preact, hw, _ = eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot,
-                                   w.float().contiguous().view(-1), s.tile_expert, s.num_tiles,
-                                   cfg.expert_path)
+    topk_w = w.float().contiguous().view(-1)
+    d_preact, hw, _ = eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot, topk_w,
+                                   s.tile_expert, s.num_tiles, cfg.expert_path)
     h_rows = torch.empty(x_rows.shape[0], I, dtype=torch.bfloat16, device="cuda")
     preact = torch.empty_like(s.preact)
-    topk_w = w.float().contiguous().view(-1)
     dw_gate = torch.empty(E, I, H, dtype=torch.bfloat16, device="cuda")
     dw_up, dw_down = torch.empty_like(dw_gate), torch.empty(E, H, I, dtype=torch.bfloat16,
                                                             device="cuda")
@@ -128,46 +127,34 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
         options = dataclasses.replace(cfg.expert_path, fc2_group_m=group_m)
         gate_up = eb._compiled("gemm_wgrad", x.device, gated=True, group_m=8)
         down = eb._compiled("gemm_wgrad", x.device, gated=False, group_m=8)
-
-        def fc1(cache=cache, options=options):
-            jit._CACHE = cache
-            return eb.fc1_dgrad(d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles, options)
-
-        def fwd_fc1(cache=cache, options=options):
-            jit._CACHE = cache
-            return expert_path.grouped_gemm(
+        pingpong = options.fc2_pingpong(I)
+        launches = {
+            **fp8_calls,
+            "fwd fc1": lambda options=options: expert_path.grouped_gemm(
                 x_rows, p.w_gate, s.tile_expert, s.num_tiles, "swiglu", w_up=p.w_up,
                 group_m=options.fc1_group_m, out=h_rows, preact_out=preact,
-                preact_slot=s.row_slot)
-
-        def fwd_fc2(cache=cache, options=options):
-            jit._CACHE = cache
-            pingpong = options.fc2_pingpong(I)
-            return expert_path.grouped_gemm(
+                preact_slot=s.row_slot),
+            "fwd fc2": lambda options=options, pingpong=pingpong: expert_path.grouped_gemm(
                 h_rows, p.w_down, s.tile_expert, s.num_tiles, "store",
                 group_m=options.fc2_group_m, pingpong=pingpong,
-                tile_n=128 if pingpong else None)
-
-        def fc2(cache=cache, options=options):
-            jit._CACHE = cache
-            return eb.fc2_dgrad(d_rows, p.w_down, s.preact, s.row_slot, topk_w, s.tile_expert,
-                                s.num_tiles, options)[0]
-
-        for f in (fwd_fc1, fwd_fc2, fc2, fc1):
-            f()  # compiled under this variant's cap
-        extra = {}
-        for k, f in fp8_calls.items():  # each compiled now, under this variant's cap
-            extra[k] = lambda f=f, cache=cache: (setattr(jit, "_CACHE", cache), f())[1]
-            extra[k]()
-        runs[(stages, group_m)] = {**extra,
-            "fwd fc1": fwd_fc1, "fwd fc2": fwd_fc2, "fc2 dgrad": fc2,
-            "fc1 dgrad": fc1,
+                tile_n=128 if pingpong else None),
+            "fc2 dgrad": lambda options=options: eb.fc2_dgrad(
+                d_rows, p.w_down, s.preact, s.row_slot, topk_w, s.tile_expert, s.num_tiles,
+                options)[0],
+            "fc1 dgrad": lambda options=options: eb.fc1_dgrad(
+                d_preact, p.w_gate, p.w_up, s.tile_expert, s.num_tiles, options),
             "wgrad gate+up": lambda k=gate_up: k(
                 d_preact[:, :I].t().unsqueeze(2), d_preact[:, I:].t().unsqueeze(2),
                 x_rows.t().unsqueeze(2), dw_gate.permute(1, 2, 0), dw_up.permute(1, 2, 0),
                 s.expert_offsets),
             "wgrad down": lambda k=down: k(d_rows.t().unsqueeze(2), None, hw.t().unsqueeze(2),
                                            dw_down.permute(1, 2, 0), None, s.expert_offsets)}
+        # each launch runs with this variant's kernels, compiled now under its cap
+        runs[(stages, group_m)] = {
+            k: (lambda f=f, cache=cache: (setattr(jit, "_CACHE", cache), f())[1])
+            for k, f in launches.items()}
+        for f in runs[(stages, group_m)].values():
+            f()
     _STAGE_CAP[0], jit._CACHE = None, product_cache  # what runs next is the product's
     live = s.row_slot >= 0  # the routed rows (padding rows' outputs are not compared)
 
