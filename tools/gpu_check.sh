@@ -24,7 +24,7 @@
 #                   under autograd, fwd/bwd/train passes, $ROUNDS (3) rounds) on the five shapes,
 #                   then the training tests (compile, bench) beside examples/train_tiny_moe.py
 #   fp8 [TAG]       (FP8_TESTS=0: skip the tests) the FP8 path's GPU tests (test_fp8_path.py, test_gemm_fp8*.py,
-#                   test_fp8_training.py, test_fp8_quant.py), then the forward bench of mok_cute,
+#                   test_fp8_training.py, test_quantize_kernels.py), then the forward bench of mok_cute,
 #                   mok_cute_fp8 and the torch pipelines (bf16, and FP8 on torch._scaled_grouped_mm)
 #                   on the five shapes
 #   fp8train [TAG]  the training bench of mok_cute, mok_cute_fp8 and the torch pipelines (bf16, and
@@ -244,7 +244,7 @@ run_fp8() {
   # FP8_TESTS=0: the bench alone (alltests already ran the FP8 tests, sharded)
   [ "${FP8_TESTS:-1}" = 0 ] || step fp8_tests 300 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_fp8_path.py \
     tests/test_gemm_fp8.py tests/test_gemm_fp8_fc1.py tests/test_gemm_fp8_dgrad.py tests/test_gemm_fp8_wgrad.py tests/test_fp8_training.py \
-    tests/test_fp8_quant.py
+    tests/test_quantize_kernels.py
   step "fp8_${1}" "${BENCH_SECS:-330}" python3 -m mok_cute.cli bench \
     --shapes "$SHAPES5" --contenders mok_cute,mok_cute_fp8,torch_grouped_mm,torch_scaled_grouped_mm,cublas_fp8_8192 \
     --mok-config check_ids=False --iters 20 --warmup 5 --rounds "${ROUNDS:-3}" --out "$out" \
@@ -268,7 +268,7 @@ run_fp8_probes() {
   step fp8_backward_profile 200 python3 tools/backward_profile.py --fp8 --shapes dsv3_ep8_rank \
     --json "$out/fp8_backward_profile.json" && grep -E "fp8|wgrad|dgrad" "$out/fp8_backward_profile.log"
   step fp8_wgrad_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu tests/test_gemm_fp8_wgrad.py \
-    tests/test_fp8_quant.py::test_quantize_cols_per_expert_kernel_is_bitwise_the_reference \
+    tests/test_quantize_kernels.py::test_quantize_cols_per_expert_kernel_is_bitwise_the_reference \
     tests/test_fp8_training.py -k "wgrad or per_expert or size_threshold"
   step fp8_wgrad_probe 300 python3 tools/fp8_wgrad_probe.py --layer --json "$out/fp8_wgrad_probe.json" \
     && grep -E "wgrad|quantize|layer" "$out/fp8_wgrad_probe.log"
