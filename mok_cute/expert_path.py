@@ -258,8 +258,8 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
             raise ValueError(f"config.backend='kernel': {unsupported}")
         warnings.warn(f"mok_cute: running the PyTorch reference because {unsupported}",
                       stacklevel=3)
-        from mok_cute import reference
-        return reference.moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared)
+        from mok_cute import reference  # unchecked: api.py checked the inputs and ids
+        return reference._forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared, None)
     recorder = None
     if config.timeline:
         from mok_cute.timeline import TimelineBuffer

@@ -609,6 +609,20 @@ def test_megakernel_sizes_it_cannot_take_fall_back_or_raise():
         api._megakernel_fallback(ok._replace(shared_intermediate=100), MoKConfig(backend="megakernel"))
 
 
+def test_the_kernel_paths_fallback_is_the_unchecked_reference(monkeypatch):
+    """A size the expert path cannot take (H = 32, not a multiple of 64) without grad: a
+    warning, then the reference's bits, without a second pass of the input checks (api.py
+    checked them and waits for its id check)."""
+    from mok_cute import expert_path
+
+    args, shared = make_inputs(3, Is=16)
+    want = ref.moe_forward(*args, shared=shared)
+    monkeypatch.setattr(ref, "check_moe_inputs", lambda *a, **k: pytest.fail("checked twice"))
+    with pytest.warns(UserWarning, match="running the PyTorch reference because x: hidden size"):
+        got = expert_path.moe_forward_kernel(*args, shared, MoKConfig(backend="auto"))
+    assert torch.equal(got, want)
+
+
 def test_options_objects_are_checked_and_part_of_the_config():
     from mok_cute.config import ExpertPathOptions, MegakernelOptions
 
