@@ -299,9 +299,10 @@ class MoKConfig:
     precision         "bf16"; or "fp8": the routed experts' GEMMs in E4M3 with 1 x 128 /
                       128 x 128 power-of-two scales and promoted accumulation
                       (``mok_cute.expert_path_fp8``; the shared expert and the combine stay
-                      bf16). So far the one-GPU expert path, forward and backward (no group,
-                      no megakernel, no virtual ranks: ValueError), H and I multiples of 64;
-                      without a GPU its torch emulation runs the forward (training: ValueError).
+                      bf16), forward and backward: the one-GPU expert path, the megakernel
+                      at one rank, on virtual ranks and over a group (``group=``: the IPC
+                      megakernel only, ValueError otherwise); H and I multiples of 64. Without
+                      a GPU its torch emulation runs the forward (training: ValueError).
     fuse_wgrad_accumulation  training: add each expert weight's fp32 gradient into that
                       weight's ``main_grad`` (an fp32 tensor of the weight's shape, contiguous,
                       on its device: Megatron's convention, set by its DDP wrapper) instead of
