@@ -313,6 +313,18 @@ class MoKConfig:
                       trains (ValueError naming the weight); ignored otherwise. Every path
                       honours it: the kernels add their unrounded fp32 accumulators, the
                       PyTorch reference its fp32 gradient.
+    saved_rows_factor training over a group (``moe_forward(group=...)``): the g | u rows a
+                      rank keeps from its forward for its backward, as a multiple of the
+                      average routing's T * K rows a rank (so 1.0 holds exactly a uniform
+                      routing's). None keeps the worst case: every peer's T * K rows (R x the
+                      average), since a rank cannot know before its launch how many it will
+                      receive. A call that routes more rows to a rank than it keeps never drops
+                      them silently: with ``check_ids`` every rank raises after the forward's
+                      launch (``mok_cute.SavedRowsError`` on that rank, RuntimeError naming it on
+                      the others); without, the backward completes and that rank's
+                      ``mok_cute.check_errors()`` (or its next backward) raises SavedRowsError:
+                      discard that step's gradients. One GPU and virtual ranks keep exactly
+                      their routed rows and ignore it.
     expert_path       ExpertPathOptions: how the one-GPU expert path runs its GEMMs.
     megakernel        MegakernelOptions: how the megakernel runs.
     """
@@ -329,6 +341,7 @@ class MoKConfig:
     group_timeout_s: float = 300.0
     precision: str = "bf16"
     fuse_wgrad_accumulation: bool = False
+    saved_rows_factor: float | None = None
     expert_path: ExpertPathOptions = ExpertPathOptions()
     megakernel: MegakernelOptions = MegakernelOptions()
 
@@ -355,6 +368,14 @@ class MoKConfig:
                 raise TypeError(f"MoKConfig.{name}: expected a float ({unit}), got {describe(value)}")
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"MoKConfig.{name}: expected a finite number > 0, got {value}")
+        if self.saved_rows_factor is not None:
+            value = self.saved_rows_factor
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"MoKConfig.saved_rows_factor: expected None or a float, got "
+                                f"{describe(value)}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"MoKConfig.saved_rows_factor: expected a finite number > 0, "
+                                 f"got {value}")
         if not isinstance(self.backend, str):
             raise TypeError(
                 f"MoKConfig.backend: expected one of {BACKENDS}, got {describe(self.backend)}"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from mok_cute.constants import (ERROR_CODE_SHIFT, ERROR_PEER_SHIFT, ERROR_RANK_MASK,
-                                ERROR_RANK_SHIFT, PEER_FAILED, PEER_NEVER_STARTED)
+                                ERROR_RANK_SHIFT, PEER_FAILED, PEER_NEVER_STARTED,
+                                SAVED_ROWS_SHORT)
 
 
 class PeerTimeoutError(RuntimeError):
@@ -32,6 +33,33 @@ class PeerTimeoutError(RuntimeError):
         super().__init__(f"{where}{who}{text}; {outcome}")
 
 
+class SavedRowsError(RuntimeError):
+    """A training call over a group routed more rows to a rank than its forward kept g | u for
+    (``MoKConfig.saved_rows_factor``): that rank's backward cannot have every gradient. Names
+    the call, the rank, how many rows it received and how many it kept. Nothing was dropped
+    silently: discard the step (the gradients of that backward miss those rows) and raise the
+    factor, or leave it None (the worst case)."""
+
+    def __init__(self, missing: int, kept: int | None = None, rank: int | None = None,
+                 call: int | None = None, kernel: str = "megakernel"):
+        self.missing, self.kept, self.rank, self.call = missing, kept, rank, call
+        where = "" if call is None else f"{kernel} call {call}: "
+        who = "a rank" if rank is None else f"rank {rank}"
+        rows = "1 routed row" if missing == 1 else f"{missing} routed rows"
+        kept_text = "the rows" if kept is None else f"the {kept} rows"
+        super().__init__(
+            f"{where}{who} received {rows} more than {kept_text} whose g | u its forward "
+            f"keeps for the backward (MoKConfig.saved_rows_factor): the gradients of this "
+            f"call's backward miss them, discard them; raise saved_rows_factor, or leave it "
+            f"None (every peer's T * K rows)")
+
+
+def short_save_word(missing: int) -> int:
+    """The error word of a rank that kept ``missing`` rows too few (host-written, rank 0 of
+    its launch: ``raise_on_wait_error`` adds the process's rank)."""
+    return missing | (SAVED_ROWS_SHORT << ERROR_CODE_SHIFT)
+
+
 def error_word(task_id: int, peer: int, rank: int, code: int) -> int:
     """The error word ``kernels.common.wait_counter`` writes (layout: ``mok_cute.constants``)."""
     return ((task_id + 1) | (peer << ERROR_PEER_SHIFT) | (rank << ERROR_RANK_SHIFT)
@@ -54,6 +82,8 @@ def raise_on_wait_error(word: int, call: int | None = None, rank_base: int = 0,
     decoded = decode_wait_error(word)
     if decoded is not None:
         task_id, peer, rank, code = decoded
+        if code == SAVED_ROWS_SHORT:
+            raise SavedRowsError(task_id + 1, rank=rank + rank_base, call=call, kernel=kernel)
         raise PeerTimeoutError(task_id, peer, code, rank + rank_base, call, kernel)
 
 

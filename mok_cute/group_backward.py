@@ -61,6 +61,7 @@ import torch
 
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
 from mok_cute.constants import SLOT_ROW_BYTES
+from mok_cute.errors import short_save_word
 from mok_cute.expert_backward import (MainGrads, Needs, _dgrads, _weight_grads, rank_views,
                                       row_partial_sums, shared_backward_ranks, shared_in_launch,
                                       wanted_shared_grads)
@@ -169,6 +170,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
                                        timeline=timeline)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope,
                      before_launch=align)
+        _report_short_save(plan, saved)
         plan.backward_errors.record(plan.backward_calls)
 
         # the shared expert (local, unless the launches ran it), then the k-sums of what the
@@ -199,6 +201,19 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
             d_topk = torch.stack([torch.where(routed[r], pushed[r][:, 0].view(T, K), 0.0)
                                   for r in range(L)]).to(topk_weights.dtype)
         return (d_xs, d_topk, _stacked(dwg), _stacked(dwu), _stacked(dwd), *d_shared)
+
+
+def _report_short_save(plan, saved) -> None:
+    """A forward that kept too few g | u rows (``MoKConfig.saved_rows_factor``): how many, in
+    the backward's error word after its launches (where no wait's error is), so that the
+    backward's error check raises ``SavedRowsError`` (no host sync here). The backward itself
+    ran whole on every rank: the group's collective stays intact."""
+    missing = getattr(saved, "missing", None)
+    if missing is None:
+        return
+    word = plan.backward_error
+    told = torch.bitwise_or(missing, short_save_word(0))
+    word.copy_(torch.where((word == 0) & (missing > 0), told, word))
 
 
 def _first_build_alignment(plan, build: tuple, launches: int):
@@ -255,6 +270,7 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
     plan.begin_backward(silent_rank)
     dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail,
                                in_launch, main_grads, timeline, before_launch)
+    _report_short_save(plan, saved)
     plan.backward_errors.record(plan.backward_calls)
     if s is not None:
         d_shared = tuple(None if g is None else g[None]

@@ -82,6 +82,10 @@ def test_config_defaults_and_frozen():
         ("timeout_ms", "10", TypeError, r"MoKConfig.timeout_ms: expected a float"),
         ("backend", "cuda", ValueError, r"MoKConfig.backend: expected one of \('auto', 'kernel', 'megakernel', 'reference'\), got 'cuda'"),
         ("backend", None, TypeError, r"MoKConfig.backend: expected one of"),
+        ("saved_rows_factor", 0.0, ValueError, r"MoKConfig.saved_rows_factor: expected a finite number > 0, got 0.0"),
+        ("saved_rows_factor", float("nan"), ValueError, r"MoKConfig.saved_rows_factor: expected a finite number > 0, got nan"),
+        ("saved_rows_factor", True, TypeError, r"MoKConfig.saved_rows_factor: expected None or a float, got bool"),
+        ("saved_rows_factor", "2", TypeError, r"MoKConfig.saved_rows_factor: expected None or a float, got str"),
     ],
 )
 def test_config_rejects_bad_fields(field, value, exc, pattern):

@@ -157,23 +157,16 @@ def _cpu_plan(R, T, H, I, E_loc, K):
         backward_errors=types.SimpleNamespace(check=lambda **kw: None, record=lambda call: None))
 
 
-@pytest.mark.parametrize("R,T,K,E_loc,Is,routing", [
-    (2, 24, 3, 2, 64, "skew"), (3, 30, 3, 2, 64, "silent_rank"), (4, 16, 10, 4, 0, "uniform"),
-    (5, 9, 2, 1, 64, "empty_expert"), (2, 300, 2, 3, 0, "skew")])  # the last: experts of 1-3 tiles
-def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc, Is,
-                                                                        routing, monkeypatch):
+def _emulated_group_backward(R, T, K, E_loc, Is, routing, monkeypatch, relayout=None):
     """``moe_backward_group`` end to end on the CPU over virtual ranks' buffers in host memory
     (poisoned with NaN), its copies by address as memmoves, its barriers no-ops (one process
     runs every rank's phase before the next), its kernels emulated in torch (the backward
     megakernel's comm tasks by address from the comm scalars) and the forward's saved g | u
-    computed in torch: every gradient matches autograd on the reference, so every row is
-    pulled from its source's field and each dx row and partial reaches its (peer, token, k)
-    slot."""
+    computed in torch. ``relayout(saved) -> saved``: another layout of the saved rows.
+    Returns (the gradients, the leaves with autograd's gradients on the reference, the plan)."""
     from mok_cute import expert_backward, group_backward, megakernel_backward, reference
     from mok_cute.kernels import peer_rows, token_ops
     from mok_cute.megakernel import SavedPreact
-    from per_token import DX_TOKEN_TOL, assert_tokens_close
-    from test_backward import _close
     from test_virtual_training import (_cpu_problem, _emulated_dgrads, _emulated_expert_backward,
                                        _emulated_saved, _emulated_weight_grads)
 
@@ -197,17 +190,82 @@ def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K,
     schedules = types.SimpleNamespace(row_peer=v.row_peer, row_token=v.row_token, row_k=v.row_k,
                                       tile_expert=v.tile_expert, num_tiles=v.num_tiles,
                                       expert_offsets=v.expert_offsets)
-    saved = SavedPreact(v.preact, v.row_slot, v.shared_preact if Is else None, schedules,
-                        _cpu_plan(R, T, H, I, E_loc, K))
+    plan = _cpu_plan(R, T, H, I, E_loc, K)
+    saved = SavedPreact(v.preact, v.row_slot, v.shared_preact if Is else None, schedules, plan)
+    if relayout is not None:
+        saved = relayout(saved)
     got = group_backward.moe_backward_group(d_out, xs, idx, w, wg, wu, wd, tuple(sh) or None,
                                             saved)
     for t in leaves:
         t.requires_grad_(True)
     reference.moe_forward_virtual(xs, idx, w, wg, wu, wd, shared=tuple(sh) or None).backward(d_out)
+    return got, leaves, plan
+
+
+def _assert_reference_grads(got, leaves):
+    from per_token import DX_TOKEN_TOL, assert_tokens_close
+    from test_backward import _close
+
     for name, g, t in zip(NAMES, got, leaves):
         assert g is not None and g.shape == t.shape and g.dtype == t.dtype, name
         _close(g.float(), t.grad.float(), name)
-    assert_tokens_close(got[0], xs.grad, tol=DX_TOKEN_TOL, what="d_xs")
+    assert_tokens_close(got[0], leaves[0].grad, tol=DX_TOKEN_TOL, what="d_xs")
+
+
+@pytest.mark.parametrize("R,T,K,E_loc,Is,routing", [
+    (2, 24, 3, 2, 64, "skew"), (3, 30, 3, 2, 64, "silent_rank"), (4, 16, 10, 4, 0, "uniform"),
+    (5, 9, 2, 1, 64, "empty_expert"), (2, 300, 2, 3, 0, "skew")])  # the last: experts of 1-3 tiles
+def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K, E_loc, Is,
+                                                                        routing, monkeypatch):
+    """Every gradient of the emulated group backward (``_emulated_group_backward``) matches
+    autograd on the reference, so every row is pulled from its source's field and each dx row
+    and partial reaches its (peer, token, k) slot."""
+    got, leaves, _ = _emulated_group_backward(R, T, K, E_loc, Is, routing, monkeypatch)
+    _assert_reference_grads(got, leaves)
+
+
+def _packed(spare: int):
+    """A relayout of the saved g | u as ranks of a group keep them with a row budget
+    (``MoKConfig.saved_rows_factor``): each rank's routed rows packed in schedule order
+    (``schedule.packed_saved_slots``) into ``kept`` = the most any rank received + ``spare``
+    rows (negative: that many too few for the fullest rank), the ranks' budgets side by side
+    in one pool; the count of rows that found no place as the forward leaves it."""
+    from mok_cute.schedule import packed_saved_slots
+
+    def relayout(saved):
+        valid = saved.row_slot >= 0
+        kept = int(valid.sum(dim=1).max()) + spare
+        pool = torch.full((valid.shape[0] * kept, saved.preact.shape[1]), float("nan"),
+                          dtype=saved.preact.dtype)
+        slots, missing = [], torch.zeros((), dtype=torch.int64)
+        for r in range(valid.shape[0]):
+            packed, short = packed_saved_slots(valid[r], kept)
+            on = packed >= 0
+            pool[packed[on].long() + r * kept] = saved.preact[saved.row_slot[r][on].long()]
+            slots.append(torch.where(on, packed + r * kept, packed))
+            missing = torch.maximum(missing, short)
+        return saved._replace(preact=pool, row_slot=torch.stack(slots), kept=kept,
+                              missing=missing)
+    return relayout
+
+
+def test_a_budget_of_saved_rows_keeps_the_gradients_and_a_short_one_is_reported(monkeypatch):
+    """Saved rows packed under a budget (``MoKConfig.saved_rows_factor``) that fits: the same
+    gradients as autograd, nothing reported. A budget one row short for the fullest rank: the
+    backward still runs (every rank joins the collective), and its error word decodes to
+    SavedRowsError counting the missing row."""
+    from mok_cute.errors import SavedRowsError, raise_on_wait_error
+
+    got, leaves, plan = _emulated_group_backward(2, 40, 3, 2, 64, "skew", monkeypatch,
+                                                 relayout=_packed(0))
+    _assert_reference_grads(got, leaves)
+    assert int(plan.backward_error) == 0
+    _, _, plan = _emulated_group_backward(2, 40, 3, 2, 64, "skew", monkeypatch,
+                                          relayout=_packed(-1))
+    with pytest.raises(SavedRowsError, match=r"call 7: rank 3 received 1 routed row more than "
+                                             r"the rows whose g \| u its forward keeps") as err:
+        raise_on_wait_error(int(plan.backward_error), call=7, rank_base=3)
+    assert (err.value.missing, err.value.rank) == (1, 3)
 
 
 # ---------------------------------------------------------------------- GPU
@@ -599,7 +657,8 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
 
     # this process's: FP8 weight gradients at I = 1024 (fp8), or only from 400 rows an expert
     expert_backward.FP8_WGRAD_MIN_ROWS = 400 if precision == "fp8_rows_rule" else 0
-    precision = precision.removesuffix("_rows_rule")
+    saved_rows = precision == "bf16_saved_rows"  # a budget that holds the fullest rank exactly
+    precision = precision.removesuffix("_rows_rule").removesuffix("_saved_rows")
     if precision in IPC_TRAIN_CASES:
         R, T, H, I, E_loc, K, Is, routing = IPC_TRAIN_CASES[precision]
         precision = "bf16"
@@ -610,8 +669,10 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
     g = torch.Generator(device="cuda").manual_seed(seed + 1)
     d_out = torch.randn(R, T, H, device="cuda", generator=g).to(torch.bfloat16)
     xs, w, wg, wu, wd, *sh = leaves
-    config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel", check_ids=False,
-                           precision=precision)
+    factor = _saved_rows_factor(idx, E_loc, T, K)[0] if saved_rows else None
+    # with a budget the forward reads its count where check_ids synchronises: that path too
+    config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel", check_ids=saved_rows,
+                           precision=precision, saved_rows_factor=factor)
     want_out = mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, tuple(sh) or None, config)
     want_out.backward(d_out)
     want = [t.grad[rank].clone() for t in leaves]
@@ -640,12 +701,80 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_rows_rule", *IPC_TRAIN_CASES])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_rows_rule", "bf16_saved_rows",
+                                       *IPC_TRAIN_CASES])
 def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits(precision):
     import gloo_group
 
     with tempfile.TemporaryDirectory() as tmp:
         gloo_group.spawn(_ipc_train_rank, 2, tmp, 12, tmp, precision)
+        assert {"ok0", "ok1"} <= set(os.listdir(tmp))
+
+
+def _saved_rows_factor(idx, E_loc, T, K, short: bool = False):
+    """A ``MoKConfig.saved_rows_factor`` whose budget (``schedule.kept_saved_rows``, over the
+    plan's padded T) holds exactly the rows the fullest rank of ``idx`` [R, T, K] receives, or
+    (``short``) one row fewer -> (factor, the rows it keeps, each rank's received rows)."""
+    from mok_cute.megakernel import plan_tokens
+    from mok_cute.schedule import kept_saved_rows
+
+    R = idx.shape[0]
+    received = [int(((idx >= r * E_loc) & (idx < (r + 1) * E_loc)).sum()) for r in range(R)]
+    need = max(received)
+    factor = (need - (1.5 if short else 0.5)) / (plan_tokens(T) * K)  # ceil: need (- 1)
+    kept = kept_saved_rows(R, plan_tokens(T), K, factor)
+    assert kept == need - short < R * plan_tokens(T) * K, (kept, need)  # below the worst case
+    return factor, kept, received
+
+
+def _ipc_short_save_rank(rank, world, seed, out_dir):
+    """A budget of saved rows one short of what the fullest rank receives. Without check_ids
+    the backward completes on every rank, and a short rank's ``check_errors`` raises
+    SavedRowsError counting its missing rows (the others' pass); with check_ids the forward
+    raises on every rank: SavedRowsError on a short rank, RuntimeError naming it on the
+    others."""
+    torch.cuda.set_device(0)
+    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
+    factor, kept, received = _saved_rows_factor(idx, E_loc, T, K, short=True)
+    short = [r for r in range(R) if received[r] > kept]
+    missing = received[rank] - kept
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    d_out = torch.randn(R, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    mine = [t.detach()[rank].clone().requires_grad_(True) for t in leaves]
+    rows = "1 routed row" if missing == 1 else f"{missing} routed rows"
+    for check_ids in (False, True):
+        config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel", check_ids=check_ids,
+                               saved_rows_factor=factor)
+
+        def call():
+            return mok.moe_forward(mine[0], idx[rank], *mine[1:5],
+                                   shared=tuple(mine[5:]) or None, config=config,
+                                   group=torch.distributed.group.WORLD)
+        if not check_ids:
+            call().backward(d_out[rank])
+            torch.cuda.synchronize()
+            if rank in short:
+                with pytest.raises(mok.SavedRowsError, match=f"rank {rank} received {rows} more"):
+                    mok.check_errors()
+            else:
+                mok.check_errors()
+        elif rank in short:
+            with pytest.raises(mok.SavedRowsError,
+                               match=f"rank {rank} received {rows} more than the {kept} rows"):
+                call()
+        else:
+            with pytest.raises(RuntimeError, match=f"rank {short[0]}"):
+                call()
+    open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+
+
+@pytest.mark.gpu
+def test_a_rank_short_of_saved_rows_raises_on_the_group_never_drops():
+    import gloo_group
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gloo_group.spawn(_ipc_short_save_rank, 2, tmp, 12, tmp)
         assert {"ok0", "ok1"} <= set(os.listdir(tmp))
 
 

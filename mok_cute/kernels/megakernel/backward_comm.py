@@ -190,8 +190,11 @@ class BackwardCommMixin:
                         copy_row(bf16_row(base + field + token * row_bytes, hidden), out,
                                  h_vecs, lane, COPY_UNROLL)
                         if ttype == _COMBINE:
-                            if lane == 0:
-                                weights[row_slot[row]] = f32_at(
+                            # a row whose g | u the forward could not keep (slot -1, with
+                            # MoKConfig.saved_rows_factor): no weight, the dgrads skip it
+                            saved_row = row_slot[row]
+                            if lane == 0 and saved_row >= 0:
+                                weights[saved_row] = f32_at(
                                     base + rows.comm_scalars[WEIGHTS_OFFSET]
                                     + slot * SLOT_ROW_BYTES)[0]
                     else:
