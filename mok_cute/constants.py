@@ -39,19 +39,22 @@ def fc2_dgrad_tile_n(pingpong: bool) -> int:
     return FC2_DGRAD_PINGPONG_TILE_N if pingpong else BACKWARD_TILE_N
 
 
-# FC1's dgrad launch runs on 3 operand stages, not the 4 that fit, where experts average at most
-# this many routed rows (T * K / E): gptoss_120b (256 rows an expert) 2.25 against 3.44 ms,
-# bitwise, while 3 stages cost 1-8 % at 1024 rows and more (dsv3, qwen3, mixtral; H100,
-# docs/measurements.md, 2026-12-06). Why is not known: one weight-bound shape shows it.
-FC1_DGRAD_FEW_STAGES_MAX_ROWS = 256
-FC1_DGRAD_FEW_STAGES = 3
+# FC1's launch (forward) and both dgrad launches run on 3 operand stages, not the 4 that fit,
+# where experts average at most this many routed rows (T * K / E). H100, bitwise, 3 / 4 stages
+# time (docs/measurements.md, 2026-12-06): gptoss_120b (256 rows an expert) FC1 0.785, FC2's
+# dgrad 0.846, FC1's 0.703; qwen3's sizes at 256 rows 0.815 / 0.843 / 0.913; at 1024 rows and
+# more 3 stages cost FC1 2-15 % (the five shapes) and the dgrads up to 18 % (mixtral's FC2
+# dgrad). The weight gradients (K = each expert's rows) want their 4 everywhere, FC2's forward
+# launch is mixed (0.98-1.08). Why is not known.
+FEW_ROWS_MAX = 256
+FEW_ROWS_STAGES = 3
 
 
-def fc1_dgrad_max_stages(rows_per_expert: float | None) -> int | None:
-    """The operand-stage cap of FC1's dgrad launch (None: as many as fit) for experts of
-    ``rows_per_expert`` routed rows on average (None: unknown, as many as fit)."""
-    if rows_per_expert is not None and rows_per_expert <= FC1_DGRAD_FEW_STAGES_MAX_ROWS:
-        return FC1_DGRAD_FEW_STAGES
+def few_rows_stage_cap(rows_per_expert: float | None) -> int | None:
+    """The operand-stage cap (None: as many as fit) of FC1's launch and the dgrad launches for
+    experts of ``rows_per_expert`` routed rows on average (None: unknown, as many as fit)."""
+    if rows_per_expert is not None and rows_per_expert <= FEW_ROWS_MAX:
+        return FEW_ROWS_STAGES
     return None
 
 TICKETS = 2  # int32 words after rank 0's counters: the comm and compute ticket counters

@@ -28,7 +28,7 @@ import torch
 
 from mok_cute import jit
 from mok_cute.config import ExpertPathOptions
-from mok_cute.constants import TILE_K, fc1_dgrad_max_stages, fc2_dgrad_pingpong, fc2_dgrad_tile_n
+from mok_cute.constants import TILE_K, fc2_dgrad_pingpong, fc2_dgrad_tile_n, few_rows_stage_cap
 from mok_cute.expert_path import SavedForBackward, _num_sms, check_preact, shared_tiles
 
 
@@ -104,13 +104,16 @@ def _compiled(name: str, device, **static):
 
 
 def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
-              options: ExpertPathOptions, pingpong: bool | None = None):
+              options: ExpertPathOptions, pingpong: bool | None = None,
+              rows_per_expert: float | None = None):
     """FC2's dgrad with the SwiGLU backward in its epilogue (``gemm_sm90``'s "dgated").
     d_rows [M, H]; w_down [E, H, I]; preact [slots, 2I] (g | u by slot); row_slot [M] int32
     (-1: padding); weights fp32 [slots].
     Returns (d_preact [M, 2I] = dG | dU, hw [M, I] = w * h, row partials [M, N-tiles] fp32).
     ``pingpong``: the GEMM variant (None: by K, ``constants.fc2_dgrad_pingpong``; the row
-    partials' bits follow the tile width)."""
+    partials' bits follow the tile width). ``rows_per_expert``: the routing's expected rows per
+    expert (T * K / E), which picks the operand stages (``constants.few_rows_stage_cap``; None:
+    as many as fit; the same bits)."""
     rows, inter = d_rows.shape[0], w_down.shape[2]
     check_preact(preact, inter, row_slot, rows)
     if pingpong is None:
@@ -120,7 +123,8 @@ def fc2_dgrad(d_rows, w_down, preact, row_slot, weights, tile_expert, num_tiles,
     hw = torch.empty(rows, inter, dtype=torch.bfloat16, device=d_rows.device)
     partials = torch.empty(rows, -(-inter // tile_n), dtype=torch.float32, device=d_rows.device)
     kernel = _compiled("gemm_fc2_dgrad", d_rows.device, tile_n=tile_n, pingpong=pingpong,
-                       group_m=options.fc1_group_m)
+                       group_m=options.fc1_group_m,
+                       max_ab_stages=few_rows_stage_cap(rows_per_expert))
     kernel(d_rows.unsqueeze(2), w_down.permute(2, 1, 0), None,
            d_preact[:, :inter].unsqueeze(2), tile_expert, num_tiles, None,
            d_preact[:, inter:].unsqueeze(2), hw.unsqueeze(2), preact, row_slot, weights,
@@ -153,13 +157,12 @@ def slot_sums(partials, row_of_slot):
 def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPathOptions,
               rows_per_expert: float | None = None):
     """dX rows [M, H] = dG @ W_gate + dU @ W_up in one accumulator (K = 2I).
-    ``rows_per_expert``: the routing's expected rows per expert (T * K / E), which picks the
-    operand stages (``constants.fc1_dgrad_max_stages``; None: as many as fit)."""
+    ``rows_per_expert``: as ``fc2_dgrad``'s."""
     rows, hidden = d_preact.shape[0], w_gate.shape[2]
     dx_rows = torch.empty(rows, hidden, dtype=torch.bfloat16, device=d_preact.device)
     kernel = _compiled("gemm_fc1_dgrad", d_preact.device, tile_n=256,
                        group_m=options.fc2_group_m,
-                       max_ab_stages=fc1_dgrad_max_stages(rows_per_expert))
+                       max_ab_stages=few_rows_stage_cap(rows_per_expert))
     kernel(d_preact.unsqueeze(2), w_gate.permute(2, 1, 0), w_up.permute(2, 1, 0),
            dx_rows.unsqueeze(2), tile_expert, num_tiles, None, *(None,) * 6)
     return dx_rows
@@ -232,7 +235,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
     dW_gate, dW_up, dW_down, row partials), None where not wanted. ``fp8``: the two dgrads
     on the FP8 kernels (``expert_path_fp8.expert_dgrads``), the weight gradients too where
     ``fp8_weight_grads`` says so for ``rows_per_expert`` (the routing's expected rows per
-    expert, T * K / E, which also picks FC1's dgrad stages: ``fc1_dgrad``).
+    expert, T * K / E, which also picks the dgrads' stages: ``fc2_dgrad``).
     ``dgrads="megakernel"``: the two dgrads in one launch (``megakernel_backward``), and the
     weight gradients in it too when both kinds are wanted. ``fp8_transposed``: the FP8
     dgrads' transposed weights when the caller has them (else quantized from the cache).
@@ -307,7 +310,7 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
             dgrads: str = "kernels", fp8_transposed=None, rows_per_expert: float | None = None):
     """FC2's dgrad (its dgated epilogue) and FC1's: (d_preact = dG | dU, hw = w * h, row
     partials, dx rows or None). ``fp8``, ``dgrads`` as ``_expert_backward``;
-    ``rows_per_expert`` as ``fc1_dgrad``."""
+    ``rows_per_expert`` as ``fc2_dgrad``."""
     dx_rows = None
     if fp8:
         from mok_cute import expert_path_fp8
@@ -319,7 +322,8 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
                 want_dx, hidden)
         else:  # FC2's dgrad in bf16 (d_rows are H wide: no padding), FC1's in FP8
             d_preact, hw, partials = fc2_dgrad(materialized(d_rows), w_down, preact, row_slot,
-                                               weights, tile_expert, num_tiles, options)
+                                               weights, tile_expert, num_tiles, options,
+                                               rows_per_expert=rows_per_expert)
             if want_dx:
                 dx_rows = expert_path_fp8.fc1_dgrad(d_preact, tile_expert, num_tiles, wt,
                                                     hidden)
@@ -329,7 +333,8 @@ def _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert
             d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert, num_tiles)
     else:
         d_preact, hw, partials = fc2_dgrad(d_rows, w_down, preact, row_slot, weights,
-                                           tile_expert, num_tiles, options)
+                                           tile_expert, num_tiles, options,
+                                           rows_per_expert=rows_per_expert)
         if want_dx:
             dx_rows = fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options,
                                 rows_per_expert)

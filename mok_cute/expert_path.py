@@ -20,7 +20,7 @@ import torch
 
 from mok_cute import jit
 from mok_cute.config import ExpertPathOptions, MoKConfig, describe
-from mok_cute.constants import MAX_TOP_K, TILE_M
+from mok_cute.constants import MAX_TOP_K, TILE_M, few_rows_stage_cap
 
 
 # ---------------------------------------------------------------------- availability
@@ -60,7 +60,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
                  timeline: torch.Tensor | None = None, task_type: int | None = None,
                  w_up: torch.Tensor | None = None, pingpong: bool = False,
                  preact_out: torch.Tensor | None = None,
-                 preact_slot: torch.Tensor | None = None) -> torch.Tensor:
+                 preact_slot: torch.Tensor | None = None,
+                 max_ab_stages: int | None = None) -> torch.Tensor:
     """C = epilogue(A @ W[expert(m)]^T) over 128-row M-tiles; see kernels/gemm_sm90.py.
 
     a: [M, K] bf16; w: [E, N, K] bf16; tile_expert: [>= ceil(M/128)] int32;
@@ -71,6 +72,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
     Rows past num_m_tiles*128 are untouched.
     timeline: int64 recorder buffer (``mok_cute.timeline.TimelineBuffer.tensor``) to record
     one span per tile with ``task_type``; None compiles the variant without the recorder.
+    max_ab_stages: at most this many operand stages (None: as many as fit; the same bits).
     """
     from mok_cute.kernels import gemm_sm90
     m, k = a.shape
@@ -89,7 +91,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor,
         "gemm_fc1" if epilogue == "swiglu" else "gemm_fc2", jit.device_arch(a.device),
         tile_n=tile_n, group_m=group_m, num_sms=_num_sms(a.device.index or 0),
         timeline=timeline is not None, task_type=task_type if timeline is not None else None,
-        pingpong=pingpong, save_preact=preact_out is not None)
+        pingpong=pingpong, save_preact=preact_out is not None, max_ab_stages=max_ab_stages)
     extra = (None,) * 6
     if preact_out is not None:
         check_preact(preact_out, n, preact_slot, m, "preact_slot")
@@ -130,14 +132,17 @@ def check_preact(preact: torch.Tensor, inter: int, row_slot: torch.Tensor, rows:
 def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_tiles,
                options: ExpertPathOptions, timeline: torch.Tensor | None = None,
                shared: bool = False, preact_out: torch.Tensor | None = None,
-               preact_slot: torch.Tensor | None = None):
+               preact_slot: torch.Tensor | None = None, rows_per_expert: float | None = None):
     """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert (a training
-    forward passes ``preact_out`` and ``preact_slot`` to keep the pre-activations)."""
+    forward passes ``preact_out`` and ``preact_slot`` to keep the pre-activations).
+    ``rows_per_expert`` (T * K / E) picks FC1's operand stages
+    (``constants.few_rows_stage_cap``; None: as many as fit)."""
     from mok_cute.tasks import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
                      group_m=options.fc1_group_m, timeline=timeline, task_type=int(fc1),
-                     preact_out=preact_out, preact_slot=preact_slot)
+                     preact_out=preact_out, preact_slot=preact_slot,
+                     max_ab_stages=few_rows_stage_cap(rows_per_expert))
     pingpong = options.fc2_pingpong(w_down.shape[2])
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
                         group_m=options.fc2_group_m, timeline=timeline, task_type=int(fc2),
@@ -272,7 +277,8 @@ def moe_forward_kernel(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=N
     preact, row_slot = preact_by_slot(sched, num_tokens, top_k, inter, x.device) if save \
         else (None, None)
     y = expert_mlp(x_rows, w_gate, w_up, w_down, sched.tile_expert, sched.num_tiles, options,
-                   timeline, preact_out=preact, preact_slot=row_slot)
+                   timeline, preact_out=preact, preact_slot=row_slot,
+                   rows_per_expert=num_tokens * top_k / w_gate.shape[0])
 
     shared_rows, shared_preact = shared_forward(x, shared, options, timeline, save)
 

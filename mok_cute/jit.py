@@ -75,14 +75,16 @@ KERNELS: dict[str, KernelSpec] = {
         "mok_cute.kernels.schedule_build", "compile_schedule_build", {"num_experts": 32},
         "one-rank receive schedule: stable counting sort of the routed slots by expert, two launches"),
     "gemm_fc1": KernelSpec(
-        "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm", {"epilogue": "swiglu", "tile_n": 256},
+        "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm",
+        {"epilogue": "swiglu", "tile_n": 256, "max_ab_stages": None},
         "grouped GEMM FC1: gate+up, SwiGLU epilogue (TMA + wgmma, persistent)"),
     "gemm_fc2": KernelSpec(
-        "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm", {"epilogue": "store", "tile_n": 256},
+        "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm",
+        {"epilogue": "store", "tile_n": 256, "max_ab_stages": None},
         "grouped GEMM FC2: down projection (TMA + wgmma, persistent)"),
     "gemm_fc2_dgrad": KernelSpec(
         "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm",
-        {"epilogue": "dgated", "tile_n": 256, "b_mn_major": True},
+        {"epilogue": "dgated", "tile_n": 256, "b_mn_major": True, "max_ab_stages": None},
         "FC2's dgrad with the SwiGLU backward in its epilogue: dG, dU, w*h, d_topk_weights partials"),
     "gemm_fc1_dgrad": KernelSpec(
         "mok_cute.kernels.gemm_sm90", "compile_grouped_gemm",

@@ -63,19 +63,37 @@ def test_dgated_epilogue_loads_the_preactivations_and_reduces_rows(pingpong, tmp
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
 
 
-def test_fc1_dgrad_takes_three_stages_only_for_few_rows_an_expert(monkeypatch):
-    """FC1's dgrad launch compiles with a 3-stage cap where experts average <= 256 rows
-    (gptoss_120b's 256: 2.25 against 3.44 ms on 4) and with as many as fit elsewhere or when
-    the caller does not say (constants.fc1_dgrad_max_stages)."""
-    from mok_cute import expert_backward as eb
+def test_few_rows_an_expert_take_three_operand_stages_in_fc1_and_the_dgrads(monkeypatch):
+    """FC1's launch and both dgrad launches compile with a 3-stage cap where experts average
+    <= 256 rows (gptoss_120b's 256: 0.70-0.85 x the time on 4, bitwise) and with as many as
+    fit elsewhere or when the caller does not say (``constants.few_rows_stage_cap``); FC2's
+    forward launch always with as many as fit."""
+    from mok_cute import expert_backward as eb, expert_path, jit
 
     caps = []
-    monkeypatch.setattr(eb, "_compiled", lambda name, device, **static: (
-        caps.append((name, static.get("max_ab_stages"))), lambda *args: None)[1])
+    record = lambda name, static: (caps.append((name, static.get("max_ab_stages"))),  # noqa: E731
+                                   lambda *args: None)[1]
+    monkeypatch.setattr(eb, "_compiled", lambda name, device, **static: record(name, static))
+    monkeypatch.setattr(jit, "compile_kernel", lambda name, arch, **static: record(name, static))
+    monkeypatch.setattr(jit, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(expert_path, "_num_sms", lambda index: 132)
+    options = mok.MoKConfig().expert_path
     d_preact, w = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(2, 64, 192)
-    for rows in (8192 * 4 / 128, 257.0, 16384 * 8 / 128, None):
-        eb.fc1_dgrad(d_preact, w, w, None, None, mok.MoKConfig().expert_path, rows)
-    assert caps == [("gemm_fc1_dgrad", 3)] + [("gemm_fc1_dgrad", None)] * 3
+    rows = torch.zeros(256, 192, dtype=torch.bfloat16)
+    preact, slot = torch.zeros(256, 128, dtype=torch.bfloat16), torch.zeros(256, dtype=torch.int32)
+    picks = (8192 * 4 / 128, 257.0, 16384 * 8 / 128, None)
+    for rpe in picks:
+        eb.fc1_dgrad(d_preact, w, w, None, None, options, rpe)
+        eb.fc2_dgrad(rows, torch.zeros(2, 192, 64, dtype=torch.bfloat16), preact, slot, None,
+                     None, None, options, rows_per_expert=rpe)
+        expert_path.expert_mlp(rows, w.bfloat16(), w.bfloat16(),
+                               torch.zeros(2, 192, 64, dtype=torch.bfloat16), None, None,
+                               options, rows_per_expert=rpe)
+    want = []
+    for cap in (3, None, None, None):
+        want += [("gemm_fc1_dgrad", cap), ("gemm_fc2_dgrad", cap), ("gemm_fc1", cap),
+                 ("gemm_fc2", None)]
+    assert caps == want
 
 
 def test_rows_stay_in_place_only_where_fp8_quantizers_are_their_only_readers():
