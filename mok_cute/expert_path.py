@@ -135,14 +135,16 @@ def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_ti
                preact_slot: torch.Tensor | None = None, rows_per_expert: float | None = None):
     """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert (a training
     forward passes ``preact_out`` and ``preact_slot`` to keep the pre-activations).
-    ``rows_per_expert`` (T * K / E) picks FC1's operand stages
-    (``constants.few_rows_stage_cap``; None: as many as fit)."""
+    ``rows_per_expert`` (T * K / E) picks the training FC1's operand stages
+    (``constants.few_rows_stage_cap``; None: as many as fit): measured there; the inference
+    FC1 keeps as many as fit until it is."""
     from mok_cute.tasks import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,
                      group_m=options.fc1_group_m, timeline=timeline, task_type=int(fc1),
                      preact_out=preact_out, preact_slot=preact_slot,
-                     max_ab_stages=few_rows_stage_cap(rows_per_expert))
+                     max_ab_stages=few_rows_stage_cap(rows_per_expert)
+                     if preact_out is not None else None)
     pingpong = options.fc2_pingpong(w_down.shape[2])
     return grouped_gemm(h, w_down, tile_expert, num_m_tiles, "store",
                         group_m=options.fc2_group_m, timeline=timeline, task_type=int(fc2),

@@ -29,9 +29,10 @@ from poison import poison_free_memory
 @pytest.mark.parametrize("name,static", [
     ("gemm_fc2_dgrad", {}), ("gemm_fc2_dgrad", {"tile_n": 128}),
     ("gemm_fc2_dgrad", {"tile_n": 128, "pingpong": True}), ("gemm_fc1_dgrad", {}),
-    ("gemm_fc1_dgrad", {"max_ab_stages": 3}),
+    ("gemm_fc1_dgrad", {"max_ab_stages": 3}), ("gemm_fc2_dgrad", {"max_ab_stages": 3}),
+    ("gemm_fc2_dgrad", {"tile_n": 128, "pingpong": True, "max_ab_stages": 3}),
     ("gemm_wgrad", {"gated": True}), ("gemm_wgrad", {"gated": False}),
-    ("gemm_fc1", {"save_preact": True})])
+    ("gemm_fc1", {"save_preact": True}), ("gemm_fc1", {"save_preact": True, "max_ab_stages": 3})])
 def test_backward_kernels_compile_without_spills(name, static, tmp_path):
     from mok_cute import jit
 
@@ -64,10 +65,11 @@ def test_dgated_epilogue_loads_the_preactivations_and_reduces_rows(pingpong, tmp
 
 
 def test_few_rows_an_expert_take_three_operand_stages_in_fc1_and_the_dgrads(monkeypatch):
-    """FC1's launch and both dgrad launches compile with a 3-stage cap where experts average
-    <= 256 rows (gptoss_120b's 256: 0.70-0.85 x the time on 4, bitwise) and with as many as
-    fit elsewhere or when the caller does not say (``constants.few_rows_stage_cap``); FC2's
-    forward launch always with as many as fit."""
+    """The training FC1 launch and both dgrad launches compile with a 3-stage cap where
+    experts average <= 256 rows (gptoss_120b's 256: 0.70-0.85 x the time on 4, bitwise) and
+    with as many as fit elsewhere or when the caller does not say
+    (``constants.few_rows_stage_cap``); FC2's forward launch and the inference FC1 (not
+    measured at 3) always with as many as fit."""
     from mok_cute import expert_backward as eb, expert_path, jit
 
     caps = []
@@ -86,13 +88,15 @@ def test_few_rows_an_expert_take_three_operand_stages_in_fc1_and_the_dgrads(monk
         eb.fc1_dgrad(d_preact, w, w, None, None, options, rpe)
         eb.fc2_dgrad(rows, torch.zeros(2, 192, 64, dtype=torch.bfloat16), preact, slot, None,
                      None, None, options, rows_per_expert=rpe)
-        expert_path.expert_mlp(rows, w.bfloat16(), w.bfloat16(),
-                               torch.zeros(2, 192, 64, dtype=torch.bfloat16), None, None,
-                               options, rows_per_expert=rpe)
+        for save in (True, False):  # the training FC1 (saving g | u), the inference one
+            expert_path.expert_mlp(rows, w.bfloat16(), w.bfloat16(),
+                                   torch.zeros(2, 192, 64, dtype=torch.bfloat16), None, None,
+                                   options, preact_out=preact if save else None,
+                                   preact_slot=slot if save else None, rows_per_expert=rpe)
     want = []
     for cap in (3, None, None, None):
         want += [("gemm_fc1_dgrad", cap), ("gemm_fc2_dgrad", cap), ("gemm_fc1", cap),
-                 ("gemm_fc2", None)]
+                 ("gemm_fc2", None), ("gemm_fc1", None), ("gemm_fc2", None)]
     assert caps == want
 
 
