@@ -548,6 +548,16 @@ def test_one_ranks_launch_with_the_group_tail_gives_its_group_gradients(name):
     _assert_bitwise([got[0], got[1].to(want[1].dtype), *got[2:]], want, f"{name}: after a failure")
 
 
+def _on_processes(fn, world: int, seed: int, *args):
+    """``fn(rank, world, seed, out_dir, *args)`` in ``world`` processes of a gloo group on one
+    GPU; each rank writes ``ok<rank>`` into out_dir once its checks passed."""
+    import gloo_group
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gloo_group.spawn(fn, world, tmp, seed, tmp, *args)
+        assert {f"ok{r}" for r in range(world)} <= set(os.listdir(tmp))
+
+
 def _ipc_setup(rank, seed, wait_ns, case="R2_shared_skew"):
     """One process of an IPC test: the virtual forward of all ranks (the same bits in both
     processes) gives this rank's saved g | u and schedule, the IPC plan of the group its
@@ -602,12 +612,7 @@ def _ipc_rank(rank, world, seed, out_dir, case):
 def test_processes_on_one_gpu_over_ipc_give_the_virtual_bits(case):
     """One process a rank (K = 4 with a shared expert; K = 10, an empty expert, three
     processes): each rank's backward is one launch with its barriers and k-sums."""
-    import gloo_group
-
-    world = CASES[case][0]
-    with tempfile.TemporaryDirectory() as tmp:
-        gloo_group.spawn(_ipc_rank, world, tmp, 11, tmp, case)
-        assert {f"ok{r}" for r in range(world)} <= set(os.listdir(tmp))
+    _on_processes(_ipc_rank, CASES[case][0], 11, case)
 
 
 def _ipc_silent_rank(rank, world, seed, out_dir):
@@ -633,11 +638,7 @@ def _ipc_silent_rank(rank, world, seed, out_dir):
 
 @pytest.mark.gpu
 def test_a_silent_process_in_the_backward_launch_raises_and_writes_nan():
-    import gloo_group
-
-    with tempfile.TemporaryDirectory() as tmp:
-        gloo_group.spawn(_ipc_silent_rank, 2, tmp, 13, tmp)
-        assert {"ok0", "ok1"} <= set(os.listdir(tmp))
+    _on_processes(_ipc_silent_rank, 2, 13)
 
 
 IPC_TRAIN_CASES = {  # besides R2_shared_skew: odd T, K = 10, an empty expert, 2 processes
@@ -704,11 +705,7 @@ def _ipc_train_rank(rank, world, seed, out_dir, precision="bf16"):
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_rows_rule", "bf16_saved_rows",
                                        *IPC_TRAIN_CASES])
 def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits(precision):
-    import gloo_group
-
-    with tempfile.TemporaryDirectory() as tmp:
-        gloo_group.spawn(_ipc_train_rank, 2, tmp, 12, tmp, precision)
-        assert {"ok0", "ok1"} <= set(os.listdir(tmp))
+    _on_processes(_ipc_train_rank, 2, 12, precision)
 
 
 def _saved_rows_factor(idx, E_loc, T, K, short: bool = False):
@@ -771,11 +768,7 @@ def _ipc_short_save_rank(rank, world, seed, out_dir):
 
 @pytest.mark.gpu
 def test_a_rank_short_of_saved_rows_raises_on_the_group_never_drops():
-    import gloo_group
-
-    with tempfile.TemporaryDirectory() as tmp:
-        gloo_group.spawn(_ipc_short_save_rank, 2, tmp, 12, tmp)
-        assert {"ok0", "ok1"} <= set(os.listdir(tmp))
+    _on_processes(_ipc_short_save_rank, 2, 12)
 
 
 def test_the_first_call_of_a_build_lines_the_group_up_after_its_compile(monkeypatch):

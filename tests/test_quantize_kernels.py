@@ -350,15 +350,8 @@ def test_quantize_rows_kernel_is_bitwise_the_reference(gen, m, k):
         x = _edge_rows(x)
     want_q, want_e = fp8.quantize_rows(x)
     xd = x.cuda()
-    runs = []
-    for _ in range(2):
-        q, e = _poison((m, k), e4m3), _poison((m, k // 128), torch.int8)
-        quantize.quantize_rows(xd, out=q, scale_out=e)
-        torch.cuda.synchronize()
-        _assert_same(q, want_q, f"q m={m} k={k}")
-        _assert_same(e, want_e, f"e m={m} k={k}")
-        runs.append((as_bytes(q).clone(), e.clone()))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    _twice_into_poison(lambda q, e: quantize.quantize_rows(xd, out=q, scale_out=e),
+                       (m, k), (m, k // 128), want_q, want_e, f"m={m} k={k}")
 
 
 @pytest.mark.gpu
@@ -388,15 +381,8 @@ def test_quantize_cols_kernel_is_bitwise_the_reference(gen, m, k):
     x[:128, k // 2] = 0  # an all-zero column group
     want_q, want_e = fp8.quantize_cols(x)
     xd = x.cuda()
-    runs = []
-    for _ in range(2):
-        q, e = _poison((k, m), e4m3), _poison((k, m // 128), torch.int8)
-        quantize.quantize_cols(xd, out=q, scale_out=e)
-        torch.cuda.synchronize()
-        _assert_same(q, want_q, f"qt m={m} k={k}")
-        _assert_same(e, want_e, f"e m={m} k={k}")
-        runs.append((as_bytes(q).clone(), e.clone()))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    _twice_into_poison(lambda q, e: quantize.quantize_cols(xd, out=q, scale_out=e),
+                       (k, m), (k, m // 128), want_q, want_e, f"(transposed) m={m} k={k}")
 
 
 def test_quantize_cols_per_expert_reference_scales_each_expert_segment(gen):
