@@ -39,19 +39,19 @@ def fc2_dgrad_tile_n(pingpong: bool) -> int:
     return FC2_DGRAD_PINGPONG_TILE_N if pingpong else BACKWARD_TILE_N
 
 
-# FC1's launch (forward) and both dgrad launches run on 3 operand stages, not the 4 that fit,
-# where experts average at most this many routed rows (T * K / E). H100, bitwise, 3 / 4 stages
+# The training FC1 launch (saving g | u) and both dgrad launches run on 3 operand stages, not the
+# 4 that fit, where experts average at most this many routed rows (T * K / E). H100, bitwise, 3 / 4 stages
 # time (docs/measurements.md, 2026-12-06): gptoss_120b (256 rows an expert) FC1 0.785, FC2's
 # dgrad 0.846, FC1's 0.703; qwen3's sizes at 256 rows 0.815 / 0.843 / 0.913; at 1024 rows and
 # more 3 stages cost FC1 2-15 % (the five shapes) and the dgrads up to 18 % (mixtral's FC2
 # dgrad). The weight gradients (K = each expert's rows) want their 4 everywhere, FC2's forward
-# launch is mixed (0.98-1.08). Why is not known.
+# launch is mixed (0.98-1.08); the inference FC1 is not timed at 3 yet. Why is not known.
 FEW_ROWS_MAX = 256
 FEW_ROWS_STAGES = 3
 
 
 def few_rows_stage_cap(rows_per_expert: float | None) -> int | None:
-    """The operand-stage cap (None: as many as fit) of FC1's launch and the dgrad launches for
+    """The operand-stage cap (None: as many as fit) of the training FC1 and the dgrad launches for
     experts of ``rows_per_expert`` routed rows on average (None: unknown, as many as fit)."""
     if rows_per_expert is not None and rows_per_expert <= FEW_ROWS_MAX:
         return FEW_ROWS_STAGES
