@@ -316,9 +316,10 @@ class MoKConfig:
     saved_rows_factor training over a group (``moe_forward(group=...)``): the g | u rows a
                       rank keeps from its forward for its backward, as a multiple of the
                       average routing's T * K rows a rank (so 1.0 holds exactly a uniform
-                      routing's). None keeps the worst case: every peer's T * K rows (R x the
-                      average), since a rank cannot know before its launch how many it will
-                      receive. A call that routes more rows to a rank than it keeps never drops
+                      routing's; T as the group's plan pads it: the largest rank's T, rounded
+                      up to one of eight steps a doubling). None keeps the worst case: every
+                      peer's T * K rows (R x the average), since a rank cannot know before its
+                      launch how many it will receive. A call that routes more rows to a rank than it keeps never drops
                       them silently: with ``check_ids`` every rank raises after the forward's
                       launch (``mok_cute.SavedRowsError`` on that rank, RuntimeError naming it on
                       the others); without, the backward completes and that rank's
