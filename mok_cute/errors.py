@@ -54,12 +54,6 @@ class SavedRowsError(RuntimeError):
             f"None (every peer's T * K rows)")
 
 
-def short_save_word(missing: int) -> int:
-    """The error word of a rank that kept ``missing`` rows too few (host-written, rank 0 of
-    its launch: ``raise_on_wait_error`` adds the process's rank)."""
-    return missing | (SAVED_ROWS_SHORT << ERROR_CODE_SHIFT)
-
-
 def error_word(task_id: int, peer: int, rank: int, code: int) -> int:
     """The error word ``kernels.common.wait_counter`` writes (layout: ``mok_cute.constants``)."""
     return ((task_id + 1) | (peer << ERROR_PEER_SHIFT) | (rank << ERROR_RANK_SHIFT)
@@ -82,7 +76,7 @@ def raise_on_wait_error(word: int, call: int | None = None, rank_base: int = 0,
     decoded = decode_wait_error(word)
     if decoded is not None:
         task_id, peer, rank, code = decoded
-        if code == SAVED_ROWS_SHORT:
+        if code == SAVED_ROWS_SHORT:  # the task field holds the count (``error_word``)
             raise SavedRowsError(task_id + 1, rank=rank + rank_base, call=call, kernel=kernel)
         raise PeerTimeoutError(task_id, peer, code, rank + rank_base, call, kernel)
 

@@ -60,8 +60,8 @@ from __future__ import annotations
 import torch
 
 from mok_cute.config import ExpertPathOptions, MegakernelOptions, check_tensor
-from mok_cute.constants import SLOT_ROW_BYTES
-from mok_cute.errors import short_save_word
+from mok_cute.constants import SAVED_ROWS_SHORT, SLOT_ROW_BYTES
+from mok_cute.errors import error_word
 from mok_cute.expert_backward import (MainGrads, Needs, _dgrads, _weight_grads, rank_views,
                                       row_partial_sums, shared_backward_ranks, shared_in_launch,
                                       wanted_shared_grads)
@@ -208,11 +208,12 @@ def _report_short_save(plan, saved) -> None:
     the backward's error word after its launches (where no wait's error is), so that the
     backward's error check raises ``SavedRowsError`` (no host sync here). The backward itself
     ran whole on every rank: the group's collective stays intact."""
-    missing = getattr(saved, "missing", None)
+    missing = saved.missing
     if missing is None:
         return
     word = plan.backward_error
-    told = torch.bitwise_or(missing, short_save_word(0))
+    # the count in the task field, at rank 0 of the launch (the check adds the process's rank)
+    told = error_word(missing - 1, 0, 0, SAVED_ROWS_SHORT)
     word.copy_(torch.where((word == 0) & (missing > 0), told, word))
 
 

@@ -59,9 +59,8 @@ class SavedPreact(NamedTuple):
     shared_preact: torch.Tensor | None  # [R, T, 2Is] bf16 by token, or None
     schedules: object = None  # the launch's ReceiveSchedules (built for this call)
     plan: object = None  # the Plan that ran it: its peers, flags and epoch serve the backward
-    # one rank of a group with MoKConfig.saved_rows_factor: the rows it keeps (packed in
-    # schedule order) and how many routed rows found no place (int64 0-d on the device)
-    kept: int | None = None
+    # one rank of a group with MoKConfig.saved_rows_factor (preact's rows its budget, packed in
+    # schedule order): how many routed rows found no place (int64 0-d on the device)
     missing: torch.Tensor | None = None
 
 
@@ -507,7 +506,7 @@ class Plan:
                                      device=dev) if has_shared else None)
         return SavedPreact(torch.empty(rows, 2 * k.intermediate, dtype=torch.bfloat16,
                                        device=dev), row_slot.contiguous(), shared_preact,
-                           kept=kept, missing=missing)
+                           missing=missing)
 
     def raise_pending_errors(self) -> None:
         """Wait for every launch's error-word copy; raise PeerTimeoutError for the first
@@ -707,7 +706,8 @@ def _raise_short_save(saved: SavedPreact, plan: Plan) -> None:
         if missing:
             from mok_cute.errors import SavedRowsError
 
-            raise SavedRowsError(missing, saved.kept, rank=plan.side.rank_base, call=plan.calls)
+            raise SavedRowsError(missing, saved.preact.shape[0], rank=plan.side.rank_base,
+                                 call=plan.calls)
 
 
 def _drop_plan(plan: Plan) -> None:

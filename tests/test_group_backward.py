@@ -244,8 +244,7 @@ def _packed(spare: int):
             pool[packed[on].long() + r * kept] = saved.preact[saved.row_slot[r][on].long()]
             slots.append(torch.where(on, packed + r * kept, packed))
             missing = torch.maximum(missing, short)
-        return saved._replace(preact=pool, row_slot=torch.stack(slots), kept=kept,
-                              missing=missing)
+        return saved._replace(preact=pool, row_slot=torch.stack(slots), missing=missing)
     return relayout
 
 
