@@ -45,7 +45,8 @@ def fc2_dgrad_tile_n(pingpong: bool) -> int:
 # dgrad 0.846, FC1's 0.703; qwen3's sizes at 256 rows 0.815 / 0.843 / 0.913; at 1024 rows and
 # more 3 stages cost FC1 2-15 % (the five shapes) and the dgrads up to 18 % (mixtral's FC2
 # dgrad). The weight gradients (K = each expert's rows) want their 4 everywhere, FC2's forward
-# launch is mixed (0.98-1.08); the inference FC1 is not timed at 3 yet. Why is not known.
+# launch is mixed (0.98-1.08), and the inference FC1 is 3-6 % slower on 3 (gptoss 1.063, qwen3's sizes
+# at 256 rows 1.030, 2026-12-06 thirty-first session), as are the FP8 launches (up to 1.29). Why is not known.
 FEW_ROWS_MAX = 256
 FEW_ROWS_STAGES = 3
 

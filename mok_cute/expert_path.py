@@ -136,8 +136,8 @@ def expert_mlp(x_rows: torch.Tensor, w_gate, w_up, w_down, tile_expert, num_m_ti
     """FC1 (gate+up, SwiGLU) then FC2 over tile-padded rows grouped by expert (a training
     forward passes ``preact_out`` and ``preact_slot`` to keep the pre-activations).
     ``rows_per_expert`` (T * K / E) picks the training FC1's operand stages
-    (``constants.few_rows_stage_cap``; None: as many as fit): measured there; the inference
-    FC1 keeps as many as fit until it is."""
+    (``constants.few_rows_stage_cap``; None: as many as fit); the inference FC1 keeps as many
+    as fit (3-6 % slower on 3 where the training FC1 gains 15-20 %, docs/measurements.md)."""
     from mok_cute.tasks import TaskType
     fc1, fc2 = (TaskType.SHARED_FC1, TaskType.SHARED_FC2) if shared else (TaskType.FC1, TaskType.FC2)
     h = grouped_gemm(x_rows, w_gate, tile_expert, num_m_tiles, "swiglu", w_up=w_up,

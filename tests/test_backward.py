@@ -68,8 +68,8 @@ def test_few_rows_an_expert_take_three_operand_stages_in_fc1_and_the_dgrads(monk
     """The training FC1 launch and both dgrad launches compile with a 3-stage cap where
     experts average <= 256 rows (gptoss_120b's 256: 0.70-0.85 x the time on 4, bitwise) and
     with as many as fit elsewhere or when the caller does not say
-    (``constants.few_rows_stage_cap``); FC2's forward launch and the inference FC1 (not
-    measured at 3) always with as many as fit."""
+    (``constants.few_rows_stage_cap``); FC2's forward launch and the inference FC1 (slower on
+    3) always with as many as fit."""
     from mok_cute import expert_backward as eb, expert_path, jit
 
     caps = []
