@@ -4,7 +4,7 @@ whole one-GPU backward, in interleaved rounds (the H200 heats up under its 700 W
 back-to-back stages favour whichever runs first).
 
     python tools/megakernel_backward_probe.py --shapes qwen3_30b,dsv3_ep8_rank,gptoss_120b \
-        [--rounds 3] [--fc2-forms] [--json out.json]
+        [--rounds 3] [--fc2-forms] [--fc2-stages 3] [--json out.json]
 
 A probe for the megakernel's development (issue 32), not the benchmark of record.
 """
@@ -22,7 +22,7 @@ from tools.layer_profile import gpu_ms  # noqa: E402
 
 
 def probe(name: str, rounds: int, reps: int, sweep: bool = False,
-          fc2_forms: bool = False) -> dict:
+          fc2_forms: bool = False, fc2_stages: int | None = None) -> dict:
     import mok_cute
     from mok_cute.bench.common import paired_ratio
     from mok_cute import expert_backward as eb
@@ -107,6 +107,20 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False,
         variants[f"dgrads: megakernel [{form} FC2]"] = run
         variants[f"moe_backward (megakernel) [{form} FC2]"] = patched(backward("megakernel"),
                                                                       fc2_pingpong=other)
+    if fc2_stages is not None:  # the pingpong FC2_DGRAD ring on other than its 4 stages
+        live_rows = int(s.num_tiles.item()) * 128
+        base = [t[:live_rows].clone() for t in megakernel()]
+        run = patched(megakernel, fc2_stages=fc2_stages)
+        same = all(torch.equal(a[:live_rows], b) for a, b in zip(run(), base))
+        label = f"FC2 ring {fc2_stages} stages"
+        print(f"{name} dgrads [{label}] bitwise the default's (live rows): {same}"
+              + ("" if mb.fc2_pingpong(x.shape[1]) else " (cooperative FC2 here: no change)"),
+              flush=True)
+        variants[f"dgrads: megakernel [{label}]"] = run
+        variants[f"GEMMs: megakernel, one launch [{label}]"] = patched(one_launch,
+                                                                        fc2_stages=fc2_stages)
+        variants[f"moe_backward (megakernel) [{label}]"] = patched(backward("megakernel"),
+                                                                   fc2_stages=fc2_stages)
     ms = {label: [] for label in variants}
     for r in range(rounds):  # every other round in reverse: the heat of a round's end spreads
         for label, fn in (variants.items() if r % 2 == 0 else reversed(variants.items())):
@@ -125,27 +139,43 @@ def probe(name: str, rounds: int, reps: int, sweep: bool = False,
     print(f"{name} megakernel speed / launches: dgrads {ratios['dgrads']:.3f}, all GEMMs "
           f"{ratios['gemms']:.3f} (vs its dgrads + wgrad launches {ratios['wgrads_in_launch']:.3f}), "
           f"whole backward {ratios['backward']:.3f}", flush=True)
+    if fc2_stages is not None:
+        label = f"FC2 ring {fc2_stages} stages"
+        ratios["fc2_stages"] = {  # default time / variant time: > 1, the variant is faster
+            part: paired_ratio(ms[default], ms[f"{default} [{label}]"])
+            for part, default in (("dgrads", "dgrads: megakernel"),
+                                  ("one_launch", "GEMMs: megakernel, one launch"),
+                                  ("backward", "moe_backward (megakernel)"))}
+        print(f"{name} speed of the {label} over the default 4: {ratios['fc2_stages']}", flush=True)
     return {"shape": name, "ms_rounds": ms, "ms_median": median, "speed_ratio": ratios}
 
 
-def patched(fn, per_mb=None, fc2_pingpong=None):
-    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles and / or
-    its FC2_DGRAD form forced (its own table cache)."""
-    from mok_cute import megakernel_backward as mb
+def patched(fn, per_mb=None, fc2_pingpong=None, fc2_stages=None):
+    """``fn`` with the backward megakernel's list in minibatches of ``per_mb`` M-tiles, its
+    FC2_DGRAD form forced and / or its pingpong FC2 ring on ``fc2_stages`` stages (its own
+    table cache; with ``fc2_stages`` its own compiled kernels too)."""
+    from mok_cute import jit, megakernel_backward as mb
+    from mok_cute.kernels.megakernel import backward as mk_backward, backward_fc2
 
-    tables = mb.BoundedCache(32)
+    tables, kernels = mb.BoundedCache(32), {}
 
     def run():
         saved = mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong
+        saved_stages, saved_kernels = backward_fc2.FC2_STAGES, jit._CACHE
         mb._TABLES = tables
         if per_mb is not None:
             mb.tiles_per_minibatch = lambda capacity_tiles: per_mb
         if fc2_pingpong is not None:
             mb.fc2_pingpong = lambda hidden: fc2_pingpong
+        if fc2_stages is not None:  # read when the kernel is traced: a cache of its own
+            backward_fc2.FC2_STAGES = mk_backward.FC2_STAGES = fc2_stages
+            jit._CACHE = kernels
         try:
             return fn()
         finally:
             mb._TABLES, mb.tiles_per_minibatch, mb.fc2_pingpong = saved
+            backward_fc2.FC2_STAGES = mk_backward.FC2_STAGES = saved_stages
+            jit._CACHE = saved_kernels
     return run
 
 
@@ -161,8 +191,11 @@ def main(argv=None):
     p.add_argument("--fc2-forms", action="store_true",
                    help="also the megakernel with the other FC2_DGRAD form at each shape's H "
                         "(pingpong 128 x 128 or cooperative 128 x 256; bitwise check)")
+    p.add_argument("--fc2-stages", type=int, default=None,
+                   help="also the megakernel with its pingpong FC2_DGRAD ring on this many "
+                        "32 KB stages (2-4; the default 4; bitwise check)")
     args = p.parse_args(argv)
-    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms)
+    rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.fc2_stages)
             for n in args.shapes.split(",")]
     if args.json:
         with open(args.json, "w") as f:
