@@ -672,10 +672,12 @@ class _GroupTrain(torch.autograd.Function):
                                  if config.precision == "bf16" else 0)
         # kept, not saved (the module doc): every backward adds into them
         ctx.main_grads, ctx.dummies = _main_grads_of(main_grads)
-        # SavedPreact: its tensors, this call's schedules and the plan; kept for every backward
-        # of the graph (retain_graph runs it again) and freed with it
-        ctx.saved = saved
-        ctx.save_for_backward(x, ids, topk_weights, w_gate, w_up, w_down, *(shared or ()))
+        # SavedPreact: its g | u rows (the bulk: up to every peer's T * K rows of 2I) saved as
+        # tensors, which autograd frees once the backward has run (unless retain_graph), where
+        # the context lives on with the graph; this call's schedules and plan on the context
+        ctx.saved = saved._replace(preact=None, row_slot=None, shared_preact=None)
+        ctx.save_for_backward(x, ids, topk_weights, w_gate, w_up, w_down, *(shared or ()),
+                              saved.preact, saved.row_slot, saved.shared_preact)
         return out
 
     @staticmethod
@@ -684,8 +686,9 @@ class _GroupTrain(torch.autograd.Function):
         from mok_cute.group_backward import moe_backward_group
         from mok_cute.expert_backward import Needs
 
-        x, ids, topk_weights, w_gate, w_up, w_down, *shared = ctx.saved_tensors
-        saved = ctx.saved
+        x, ids, topk_weights, w_gate, w_up, w_down, *shared, preact, row_slot, shared_preact = (
+            ctx.saved_tensors)
+        saved = ctx.saved._replace(preact=preact, row_slot=row_slot, shared_preact=shared_preact)
         one = lambda t: None if t is None else t.unsqueeze(0)  # noqa: E731  the launch's rank
         stacked = saved._replace(row_slot=one(saved.row_slot),
                                  shared_preact=one(saved.shared_preact))

@@ -248,6 +248,62 @@ def _packed(spare: int):
     return relayout
 
 
+def test_training_over_a_group_frees_its_saved_rows_once_the_backward_ran(monkeypatch):
+    """``autograd.moe_forward_group`` (its launches emulated): the forward's g | u rows (up to
+    every peer's T * K rows of 2I a layer) are saved tensors, so autograd frees them once the
+    backward has run while the graph lives on (as the one-GPU and virtual paths' are), not
+    with the graph; under ``retain_graph`` a second backward gets them again."""
+    import gc
+    import weakref
+
+    from mok_cute import autograd as ag, group_backward, megakernel
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, I, E, K = 8, 32, 16, 2, 2
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = [torch.randn(E, I, H, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    wd = torch.randn(E, H, I, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
+    topk_w = torch.rand(T, K, generator=gen)
+    alive, seen = [], []
+
+    def forward(x, ids, topk_weights, wg, wu, wd, shared, config, group=None, save=False):
+        preact = torch.randn(T * K, 2 * I, generator=gen).to(torch.bfloat16)
+        alive.append(weakref.ref(preact))
+        row_slot = torch.arange(T * K, dtype=torch.int32)
+        return x * 2, megakernel.SavedPreact(preact, row_slot, None, schedules="schedules",
+                                             plan="plan")
+
+    def backward_group(d_out1, x1, ids1, w1, wg1, wu1, wd1, shared1, saved, needs, options,
+                       **kwargs):
+        assert saved.schedules == "schedules" and saved.plan == "plan"
+        assert saved.preact.shape == (T * K, 2 * I)
+        assert saved.row_slot.shape == (1, T * K)  # the launch's rank dim
+        seen.append(saved.preact.float().sum())
+        return (2 * d_out1, None, None, None, None, None, None, None)
+
+    monkeypatch.setattr(megakernel, "moe_forward", forward)
+    monkeypatch.setattr(group_backward, "moe_backward_group", backward_group)
+    config = mok.MoKConfig()
+    out = ag.moe_forward_group(x, idx, topk_w, *w, wd, None, config, object())
+    gc.collect()
+    assert alive[0]() is not None  # held for the backward
+    out.backward(torch.ones_like(out))
+    gc.collect()
+    assert alive[0]() is None, "the saved g | u rows outlived the backward"
+    assert out.grad_fn is not None  # while the graph itself lives on
+    assert torch.equal(x.grad, torch.full_like(x, 2))
+
+    out = ag.moe_forward_group(x, idx, topk_w, *w, wd, None, config, object())
+    out.backward(torch.ones_like(out), retain_graph=True)
+    gc.collect()
+    assert alive[1]() is not None  # retain_graph: kept for the next backward
+    out.backward(torch.ones_like(out))
+    assert torch.equal(seen[1], seen[2])  # the same rows, twice
+    gc.collect()
+    assert alive[1]() is None
+
+
 def test_a_budget_of_saved_rows_keeps_the_gradients_and_a_short_one_is_reported(monkeypatch):
     """Saved rows packed under a budget (``MoKConfig.saved_rows_factor``) that fits: the same
     gradients as autograd, nothing reported. A budget one row short for the fullest rank: the

@@ -470,13 +470,7 @@ def test_group_function_hands_the_backward_main_grads_with_the_rank_dim(gen, mon
     """``autograd.moe_forward_group`` (a torch.autograd.Function; its launches emulated): the
     group backward gets each main_grad as a [1, ...] view of the buffer (its weights are
     [1, ...] too), whatever it adds lands in the buffer, the weights get None or the dummy."""
-    from typing import NamedTuple
-
     from mok_cute import autograd as ag, group_backward, megakernel
-
-    class Saved(NamedTuple):
-        row_slot: torch.Tensor
-        shared_preact: torch.Tensor | None
 
     leaves, idx = _cpu_problem(gen)
     d_out = torch.randn(24, 32, generator=gen).to(torch.bfloat16)
@@ -484,8 +478,8 @@ def test_group_function_hands_the_backward_main_grads_with_the_rank_dim(gen, mon
     seen = {}
 
     def forward(x, ids, w, wg, wu, wd, shared, config, group=None, save=False):
-        return reference._forward(x, ids, w, wg, wu, wd, shared, None), Saved(
-            torch.zeros(4, dtype=torch.int32), None)
+        return reference._forward(x, ids, w, wg, wu, wd, shared, None), megakernel.SavedPreact(
+            torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32), None)
 
     def backward_group(d_out1, x1, ids1, w1, wg1, wu1, wd1, shared1, saved, needs, options,
                        tokens_per_rank=None, comm_sms=None, main_grads=None, timeline=None,
