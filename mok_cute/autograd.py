@@ -672,12 +672,13 @@ class _GroupTrain(torch.autograd.Function):
                                  if config.precision == "bf16" else 0)
         # kept, not saved (the module doc): every backward adds into them
         ctx.main_grads, ctx.dummies = _main_grads_of(main_grads)
-        # SavedPreact: its g | u rows (the bulk: up to every peer's T * K rows of 2I) saved as
-        # tensors, which autograd frees once the backward has run (unless retain_graph), where
-        # the context lives on with the graph; this call's schedules and plan on the context
-        ctx.saved = saved._replace(preact=None, row_slot=None, shared_preact=None)
+        # SavedPreact: its g | u rows (the bulk: up to every peer's T * K rows of 2I) and a
+        # SavedRowsPool's lease on them saved as tensors, which autograd frees once the
+        # backward has run (unless retain_graph), where the context lives on with the graph;
+        # this call's schedules and plan on the context
+        ctx.saved = saved._replace(preact=None, row_slot=None, shared_preact=None, lease=None)
         ctx.save_for_backward(x, ids, topk_weights, w_gate, w_up, w_down, *(shared or ()),
-                              saved.preact, saved.row_slot, saved.shared_preact)
+                              saved.preact, saved.row_slot, saved.shared_preact, saved.lease)
         return out
 
     @staticmethod
@@ -686,9 +687,10 @@ class _GroupTrain(torch.autograd.Function):
         from mok_cute.group_backward import moe_backward_group
         from mok_cute.expert_backward import Needs
 
-        x, ids, topk_weights, w_gate, w_up, w_down, *shared, preact, row_slot, shared_preact = (
-            ctx.saved_tensors)
-        saved = ctx.saved._replace(preact=preact, row_slot=row_slot, shared_preact=shared_preact)
+        (x, ids, topk_weights, w_gate, w_up, w_down, *shared, preact, row_slot, shared_preact,
+         lease) = ctx.saved_tensors
+        saved = ctx.saved._replace(preact=preact, row_slot=row_slot, shared_preact=shared_preact,
+                                   lease=lease)
         one = lambda t: None if t is None else t.unsqueeze(0)  # noqa: E731  the launch's rank
         stacked = saved._replace(row_slot=one(saved.row_slot),
                                  shared_preact=one(saved.shared_preact))

@@ -326,6 +326,14 @@ class MoKConfig:
                       ``mok_cute.check_errors()`` (or its next backward) raises SavedRowsError:
                       discard that step's gradients. One GPU and virtual ranks keep exactly
                       their routed rows and ignore it.
+    saved_rows_pool   training over a group: a ``mok_cute.SavedRowsPool`` (device memory of
+                      this rank, the same size on every rank) that keeps the g | u rows of
+                      every call naming it (a model's layers), each call's packed after what
+                      the calls before it took, until its backward has run; the pool empties
+                      when a call finds no earlier call's rows held. Sized for what a step
+                      routes to the rank, not each layer's worst case. A call that finds too
+                      few rows left raises as ``saved_rows_factor`` says. Not with
+                      ``saved_rows_factor``; one GPU and virtual ranks ignore it.
     expert_path       ExpertPathOptions: how the one-GPU expert path runs its GEMMs.
     megakernel        MegakernelOptions: how the megakernel runs.
     """
@@ -343,6 +351,7 @@ class MoKConfig:
     precision: str = "bf16"
     fuse_wgrad_accumulation: bool = False
     saved_rows_factor: float | None = None
+    saved_rows_pool: object = None
     expert_path: ExpertPathOptions = ExpertPathOptions()
     megakernel: MegakernelOptions = MegakernelOptions()
 
@@ -377,6 +386,15 @@ class MoKConfig:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"MoKConfig.saved_rows_factor: expected a finite number > 0, "
                                  f"got {value}")
+        if self.saved_rows_pool is not None:
+            from mok_cute.saved_rows import SavedRowsPool
+
+            if not isinstance(self.saved_rows_pool, SavedRowsPool):
+                raise TypeError(f"MoKConfig.saved_rows_pool: expected None or a "
+                                f"mok_cute.SavedRowsPool, got {describe(self.saved_rows_pool)}")
+            if self.saved_rows_factor is not None:
+                raise ValueError("MoKConfig.saved_rows_pool: a pool or saved_rows_factor, not "
+                                 "both (each says where a call keeps its g | u rows)")
         if not isinstance(self.backend, str):
             raise TypeError(
                 f"MoKConfig.backend: expected one of {BACKENDS}, got {describe(self.backend)}"

@@ -35,23 +35,33 @@ class PeerTimeoutError(RuntimeError):
 
 class SavedRowsError(RuntimeError):
     """A training call over a group routed more rows to a rank than its forward kept g | u for
-    (``MoKConfig.saved_rows_factor``): that rank's backward cannot have every gradient. Names
-    the call, the rank, how many rows it received and how many it kept. Nothing was dropped
-    silently: discard the step (the gradients of that backward miss those rows) and raise the
-    factor, or leave it None (the worst case)."""
+    (``MoKConfig.saved_rows_factor``, or what its ``saved_rows_pool`` had left): that rank's
+    backward cannot have every gradient. Names the call, the rank, how many rows it received
+    and how many it kept (or the pool's size). Nothing was dropped silently: discard the step
+    (the gradients of that backward miss those rows) and raise the factor or the pool, or leave
+    both None (the worst case)."""
 
     def __init__(self, missing: int, kept: int | None = None, rank: int | None = None,
-                 call: int | None = None, kernel: str = "megakernel"):
+                 call: int | None = None, kernel: str = "megakernel",
+                 pool_bytes: int | None = None):
         self.missing, self.kept, self.rank, self.call = missing, kept, rank, call
         where = "" if call is None else f"{kernel} call {call}: "
         who = "a rank" if rank is None else f"rank {rank}"
         rows = "1 routed row" if missing == 1 else f"{missing} routed rows"
-        kept_text = "the rows" if kept is None else f"the {kept} rows"
+        if pool_bytes is not None:
+            keeps = (f"the rows its SavedRowsPool of {pool_bytes} bytes had left for the g | u "
+                     f"of its forward (MoKConfig.saved_rows_pool; the rows of earlier calls whose "
+                     f"backward has not run are held)")
+            fix = "a larger pool"
+        else:
+            keeps = (f"{'the rows' if kept is None else f'the {kept} rows'} whose g | u its "
+                     f"forward keeps for the backward (MoKConfig.saved_rows_factor or "
+                     f"saved_rows_pool)")
+            fix = "raise saved_rows_factor or the pool"
         super().__init__(
-            f"{where}{who} received {rows} more than {kept_text} whose g | u its forward "
-            f"keeps for the backward (MoKConfig.saved_rows_factor): the gradients of this "
-            f"call's backward miss them, discard them; raise saved_rows_factor, or leave it "
-            f"None (every peer's T * K rows)")
+            f"{where}{who} received {rows} more than {keeps}: the gradients of this call's "
+            f"backward miss them, discard them; {fix}, or leave both None (every peer's T * K "
+            f"rows)")
 
 
 def error_word(task_id: int, peer: int, rank: int, code: int) -> int:

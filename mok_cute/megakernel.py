@@ -60,8 +60,11 @@ class SavedPreact(NamedTuple):
     schedules: object = None  # the launch's ReceiveSchedules (built for this call)
     plan: object = None  # the Plan that ran it: its peers, flags and epoch serve the backward
     # one rank of a group with MoKConfig.saved_rows_factor (preact's rows its budget, packed in
-    # schedule order): how many routed rows found no place (int64 0-d on the device)
+    # schedule order) or saved_rows_pool (preact the pool, this call's rows packed after the
+    # earlier calls'): how many routed rows found no place (int64 0-d on the device)
     missing: torch.Tensor | None = None
+    # with saved_rows_pool: the pool holds this call's rows while this empty tensor lives
+    lease: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +350,7 @@ class Plan:
     # ------------------------------------------------------------------ one call
     def run(self, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared, timeout_ms: float,
             out: torch.Tensor | None = None, silent_rank: int = -1, fp8_weights=None,
-            saved_rows_factor: float | None = None):
+            saved_rows_factor: float | None = None, saved_rows_pool=None):
         """xs (R, T, H) bf16, topk_idx (R, T, K) global ids, topk_weights (R, T, K),
         w_* (R, E_loc, ., .), shared: None or (gate, up, down) with a leading R (R = the ranks
         of this launch: all virtual ranks, or 1 for this process's rank of a group) -> out
@@ -355,7 +358,7 @@ class Plan:
         ``silent_rank`` (tests only): that rank never announces its start, so every wait on
         it times out, as if its process had died. An fp8 plan takes the routed experts' weights
         as ``fp8_weights`` (``expert_path_fp8.Fp8Weights``, the launch's E experts stacked)
-        instead of w_*. ``saved_rows_factor``: ``MoKConfig.saved_rows_factor`` (a saving
+        instead of w_*. ``saved_rows_factor``, ``saved_rows_pool``: ``MoKConfig``'s (a saving
         plan of one rank of a group)."""
         k = self.key
         self.errors.check(block=False, last_call=self.calls)
@@ -417,8 +420,8 @@ class Plan:
                       kmajor(self.shared_h), kmajor(self.shared_y)]
         saved, saved_args = None, (None,) * 4
         if k.spec.save_preact:
-            saved = self._saved_preact(scheds, shared is not None,
-                                       saved_rows_factor)._replace(schedules=scheds, plan=self)
+            saved = self._saved_preact(scheds, shared is not None, saved_rows_factor,
+                                       saved_rows_pool)._replace(schedules=scheds, plan=self)
             # every rank of the launch writes into the one pool (rank stride 0)
             saved_args = (kmajor(saved.preact.unsqueeze(0).expand(R, -1, -1)), saved.row_slot,
                           None if shared is None else kmajor(saved.shared_preact),
@@ -472,10 +475,11 @@ class Plan:
         self.backward_error.zero_()
         self._set_waits((self._waits[0], silent_rank))
 
-    def _saved_preact(self, scheds, has_shared: bool,
-                      saved_rows_factor: float | None = None) -> SavedPreact:
+    def _saved_preact(self, scheds, has_shared: bool, saved_rows_factor: float | None = None,
+                      saved_rows_pool=None) -> SavedPreact:
         """The buffers a saving launch's FC1 tasks write and each schedule row's place in
-        them (on the device, no host sync)."""
+        them (on the device, no host sync). One rank of a group keeps its rows in
+        ``saved_rows_pool`` (a ``SavedRowsPool``) or packed under its budget, if given."""
         from mok_cute.expert_path import check_preact_rows
         from mok_cute.schedule import kept_saved_rows, packed_saved_slots, saved_preact_rows
 
@@ -483,16 +487,20 @@ class Plan:
         dev = scheds.row_token.device
         valid = scheds.row_token >= 0
         group_rank = self.side.num_peers > 1 and R == 1
+        pool = saved_rows_pool if group_rank else None
         kept = (kept_saved_rows(self.side.num_peers, k.tokens, k.top_k, saved_rows_factor)
                 if group_rank else None)
-        rows = kept or saved_preact_rows(R, self.side.num_peers, k.tokens, k.top_k,
-                                         k.local_experts, TILE_M)
+        rows = (pool.nbytes // (4 * k.intermediate) if pool is not None else
+                kept or saved_preact_rows(R, self.side.num_peers, k.tokens, k.top_k,
+                                          k.local_experts, TILE_M))
         # refused before the launch: its save epilogue would write past the buffer's start
         check_preact_rows(rows, k.intermediate)
         if has_shared:
             check_preact_rows(R * k.tokens, k.shared_intermediate, "shared_preact")
-        missing = None
-        if kept is not None:  # one rank of a group keeping a row budget: packed, overflow told
+        missing, preact, lease = None, None, None
+        if pool is not None:  # packed after the pool's earlier calls' rows, overflow told
+            preact, row_slot, missing, lease = pool.take(valid, k.intermediate)
+        elif kept is not None:  # one rank of a group keeping a row budget: packed, overflow told
             row_slot, missing = packed_saved_slots(valid, kept)
         else:
             if self.side.num_peers == 1:  # by (token, k) slot: the one-GPU path's layout
@@ -504,9 +512,10 @@ class Plan:
             row_slot = torch.where(valid, index, torch.full_like(index, -1)).to(torch.int32)
         shared_preact = (torch.empty(R, k.tokens, 2 * k.shared_intermediate, dtype=torch.bfloat16,
                                      device=dev) if has_shared else None)
-        return SavedPreact(torch.empty(rows, 2 * k.intermediate, dtype=torch.bfloat16,
-                                       device=dev), row_slot.contiguous(), shared_preact,
-                           missing=missing)
+        if preact is None:
+            preact = torch.empty(rows, 2 * k.intermediate, dtype=torch.bfloat16, device=dev)
+        return SavedPreact(preact, row_slot.contiguous(), shared_preact, missing=missing,
+                           lease=lease)
 
     def raise_pending_errors(self) -> None:
         """Wait for every launch's error-word copy; raise PeerTimeoutError for the first
@@ -680,9 +689,10 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
             weights = fp8_weights_of(plan, w_gate, w_up, w_down, training=save)
             with plan.lock:
                 result = plan.run(*args, sh, config.timeout_ms, fp8_weights=weights,
-                                  saved_rows_factor=config.saved_rows_factor)
+                                  saved_rows_factor=config.saved_rows_factor,
+                                  saved_rows_pool=config.saved_rows_pool)
             if save and config.check_ids:
-                _raise_short_save(result[1], plan)
+                _raise_short_save(result[1], plan, config.saved_rows_pool)
     except Exception:
         if group is not None and plan is not None and plan.calls == 0:
             # built by this call, which raised on every rank: a rank whose build failed has
@@ -696,18 +706,19 @@ def moe_forward(x, topk_idx, topk_weights, w_gate, w_up, w_down, shared=None,
                                   if saved.shared_preact is None else saved.shared_preact[0])
 
 
-def _raise_short_save(saved: SavedPreact, plan: Plan) -> None:
+def _raise_short_save(saved: SavedPreact, plan: Plan, pool=None) -> None:
     """SavedRowsError when this rank received more rows than its forward kept g | u for
-    (``MoKConfig.saved_rows_factor``). Reads the count: only where the call synchronises
-    anyway (``check_ids``: api reads the id check right after the launch, and exchanges this
-    error so that every rank raises)."""
+    (``MoKConfig.saved_rows_factor``, or what its ``saved_rows_pool`` had left). Reads the
+    count: only where the call synchronises anyway (``check_ids``: api reads the id check
+    right after the launch, and exchanges this error so that every rank raises)."""
     if saved.missing is not None:
         missing = int(saved.missing)
         if missing:
             from mok_cute.errors import SavedRowsError
 
-            raise SavedRowsError(missing, saved.preact.shape[0], rank=plan.side.rank_base,
-                                 call=plan.calls)
+            raise SavedRowsError(missing, None if pool is not None else saved.preact.shape[0],
+                                 rank=plan.side.rank_base, call=plan.calls,
+                                 pool_bytes=None if pool is None else pool.nbytes)
 
 
 def _drop_plan(plan: Plan) -> None:

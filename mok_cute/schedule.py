@@ -144,13 +144,14 @@ def kept_saved_rows(num_peers: int, tokens: int, top_k: int, factor: float | Non
     return max(1, min(num_peers * tokens * top_k, math.ceil(factor * tokens * top_k)))
 
 
-def packed_saved_slots(valid: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each schedule row's g | u row when a rank keeps ``kept`` rows: the routed rows packed in
-    schedule order (padding rows skipped), -1 on padding and on a row past ``kept``, which
-    the forward then does not save. Returns (row_slot int32 shaped as ``valid``, how many
-    routed rows found no place: an int64 0-d tensor on the device, no host sync)."""
+def packed_saved_slots(valid: torch.Tensor, kept, first=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each schedule row's g | u row when a rank keeps ``kept`` rows from row ``first`` on (a
+    ``SavedRowsPool``'s: int64 0-d device tensors): the routed rows packed in schedule order
+    (padding rows skipped), -1 on padding and on a row past ``kept``, which the forward then
+    does not save. Returns (row_slot int32 shaped as ``valid``, how many routed rows found no
+    place: an int64 0-d tensor on the device, no host sync)."""
     order = torch.cumsum(valid.to(torch.int32), dim=-1, dtype=torch.int32) - 1
-    row_slot = torch.where(valid & (order < kept), order, torch.full_like(order, -1))
+    row_slot = torch.where(valid & (order < kept), order + first, torch.full_like(order, -1))
     missing = (valid.sum(dtype=torch.int64) - kept).clamp(min=0)
     return row_slot.to(torch.int32), missing
 

@@ -337,7 +337,7 @@ def _check_ipc_launch_failure(rank, world):
     plan = types.SimpleNamespace(key=Key(), lock=threading.Lock(), side=side, calls=0)
 
     def run(xs, ids, wts, wg, wu, wd, shared, timeout_ms, fp8_weights=None,
-            saved_rows_factor=None):
+            saved_rows_factor=None, saved_rows_pool=None):
         side.schedules(ids)  # the gate, then the all_gather
         return ref._forward(xs[0], ids[0], wts[0], wg[0], wu[0], wd[0], None, group)[None]
 

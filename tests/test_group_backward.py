@@ -250,9 +250,10 @@ def _packed(spare: int):
 
 def test_training_over_a_group_frees_its_saved_rows_once_the_backward_ran(monkeypatch):
     """``autograd.moe_forward_group`` (its launches emulated): the forward's g | u rows (up to
-    every peer's T * K rows of 2I a layer) are saved tensors, so autograd frees them once the
-    backward has run while the graph lives on (as the one-GPU and virtual paths' are), not
-    with the graph; under ``retain_graph`` a second backward gets them again."""
+    every peer's T * K rows of 2I a layer) and a ``SavedRowsPool``'s lease on them are saved
+    tensors, so autograd frees them once the backward has run while the graph lives on (as the
+    one-GPU and virtual paths' are), not with the graph: the pool is free for the next step;
+    under ``retain_graph`` a second backward gets them again."""
     import gc
     import weakref
 
@@ -266,13 +267,14 @@ def test_training_over_a_group_frees_its_saved_rows_once_the_backward_ran(monkey
     idx = torch.randint(0, E, (T, K), generator=gen, dtype=torch.int32)
     topk_w = torch.rand(T, K, generator=gen)
     alive, seen = [], []
+    pool = mok.SavedRowsPool(T * K * 4 * I, device="cpu")  # one call's rows
 
     def forward(x, ids, topk_weights, wg, wu, wd, shared, config, group=None, save=False):
-        preact = torch.randn(T * K, 2 * I, generator=gen).to(torch.bfloat16)
+        preact, row_slot, missing, lease = pool.take(torch.ones(1, T * K, dtype=torch.bool), I)
+        preact.copy_(torch.randn(T * K, 2 * I, generator=gen))
         alive.append(weakref.ref(preact))
-        row_slot = torch.arange(T * K, dtype=torch.int32)
-        return x * 2, megakernel.SavedPreact(preact, row_slot, None, schedules="schedules",
-                                             plan="plan")
+        return x * 2, megakernel.SavedPreact(preact, row_slot[0], None, schedules="schedules",
+                                             plan="plan", missing=missing, lease=lease)
 
     def backward_group(d_out1, x1, ids1, w1, wg1, wu1, wd1, shared1, saved, needs, options,
                        **kwargs):
@@ -287,21 +289,22 @@ def test_training_over_a_group_frees_its_saved_rows_once_the_backward_ran(monkey
     config = mok.MoKConfig()
     out = ag.moe_forward_group(x, idx, topk_w, *w, wd, None, config, object())
     gc.collect()
-    assert alive[0]() is not None  # held for the backward
+    assert alive[0]() is not None and pool.held_calls == 1  # held for the backward
     out.backward(torch.ones_like(out))
     gc.collect()
     assert alive[0]() is None, "the saved g | u rows outlived the backward"
+    assert pool.held_calls == 0, "the pool's rows stayed held after the backward"
     assert out.grad_fn is not None  # while the graph itself lives on
     assert torch.equal(x.grad, torch.full_like(x, 2))
 
     out = ag.moe_forward_group(x, idx, topk_w, *w, wd, None, config, object())
     out.backward(torch.ones_like(out), retain_graph=True)
     gc.collect()
-    assert alive[1]() is not None  # retain_graph: kept for the next backward
+    assert alive[1]() is not None and pool.held_calls == 1  # retain_graph: kept for the next
     out.backward(torch.ones_like(out))
     assert torch.equal(seen[1], seen[2])  # the same rows, twice
     gc.collect()
-    assert alive[1]() is None
+    assert alive[1]() is None and pool.held_calls == 0
 
 
 def test_a_budget_of_saved_rows_keeps_the_gradients_and_a_short_one_is_reported(monkeypatch):
@@ -819,6 +822,56 @@ def _ipc_short_save_rank(rank, world, seed, out_dir):
             with pytest.raises(RuntimeError, match=f"rank {short[0]}"):
                 call()
     open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+
+
+def _ipc_pool_rank(rank, world, seed, out_dir):
+    """Two training calls of one graph over IPC (two "layers": x, then x / 2) keep their g | u
+    in one ``SavedRowsPool`` sized for exactly the fullest rank's rows of both, the second's
+    packed after the first's: every gradient bitwise that of the same two calls on virtual
+    ranks (the second call's rows overwrote none of the first's); the pool holds both calls
+    until the backward has run, then none, and the next step's call starts from row 0."""
+    import gc
+
+    torch.cuda.set_device(0)
+    R, T, H, I, E_loc, K, Is, routing = CASES["R2_shared_skew"]
+    leaves, idx = _problem(R, T, H, I, E_loc, K, Is, seed=seed, routing=routing)
+    received = [int(((idx >= r * E_loc) & (idx < (r + 1) * E_loc)).sum()) for r in range(R)]
+    pool = mok.SavedRowsPool(2 * max(received) * 4 * I)  # the same size on every rank
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    d_out = torch.randn(R, T, H, device="cuda", generator=g).to(torch.bfloat16)
+    config = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel", check_ids=True,
+                           saved_rows_pool=pool)
+    virtual = mok.MoKConfig(timeout_ms=60000.0, backend="megakernel")
+    xs, w, wg, wu, wd, *sh = leaves
+    want_out = (mok.moe_forward_virtual(xs, idx, w, wg, wu, wd, tuple(sh) or None, virtual)
+                + mok.moe_forward_virtual(xs / 2, idx, w, wg, wu, wd, tuple(sh) or None, virtual))
+    want_out.backward(d_out)
+    want = [t.grad[rank].clone() for t in leaves]
+    mine = [t.detach()[rank].clone().requires_grad_(True) for t in leaves]
+
+    def call(x):
+        return mok.moe_forward(x, idx[rank], *mine[1:5], shared=tuple(mine[5:]) or None,
+                               config=config, group=torch.distributed.group.WORLD)
+    out = call(mine[0]) + call(mine[0] / 2)
+    assert pool.held_calls == 2
+    assert int(pool.used) == 2 * received[rank] * 4 * I  # the second call after the first
+    out.backward(d_out[rank])
+    torch.cuda.synchronize()
+    mok.check_errors()
+    assert torch.equal(out.detach(), want_out.detach()[rank]), "out"
+    for name, t, wt in zip(NAMES, mine, want):
+        assert torch.equal(t.grad, wt), f"rank {rank}: {name} differs"
+    gc.collect()
+    assert pool.held_calls == 0  # freed by the backward while the graph (out) lives on
+    call(mine[0]).sum().backward()  # the next step: from row 0 again
+    torch.cuda.synchronize()
+    assert int(pool.used) == received[rank] * 4 * I
+    open(os.path.join(out_dir, f"ok{rank}"), "w").close()
+
+
+@pytest.mark.gpu
+def test_calls_sharing_a_saved_rows_pool_over_ipc_give_the_virtual_bits():
+    _on_processes(_ipc_pool_rank, 2, 12)
 
 
 @pytest.mark.gpu

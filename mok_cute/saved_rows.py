@@ -1,0 +1,93 @@
+"""``SavedRowsPool``: one device buffer for the g | u rows that the training calls of one rank of
+a group keep from their forwards for their backwards, shared by every call that names it
+(``MoKConfig(saved_rows_pool=pool)``: the layers of a model).
+
+A rank cannot know before its launch how many rows it will receive, so without a pool each
+call keeps room for the worst case (every peer's T * K rows, R x the average routing) or for a
+per-call budget (``MoKConfig.saved_rows_factor``), which must cover that layer's own peak. A
+pool is sized for what all the calls of a step route to the rank together, hot layers taking
+what cold ones leave.
+
+Each call takes its rows on the device, no host sync: from the first whole row past what the
+pool's earlier calls took (``used``, bytes), packed in schedule order
+(``schedule.packed_saved_slots``); a row that finds no place is counted, never dropped
+silently (``SavedRowsError``, as for a budget). The pool empties when a call takes rows while
+no earlier call's rows are held: each call's rows are held as long as its lease lives (an empty
+tensor that the training call saves for its backward beside its rows; autograd frees it once
+that backward has run, ``retain_graph`` keeps it), so in a training loop every forward of a
+step finds the pool emptied by the previous step's backward.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from mok_cute.config import check_int, describe
+from mok_cute.schedule import packed_saved_slots
+
+
+class SavedRowsPool:
+    """``nbytes`` of device memory (``device``: default the current CUDA device) for the saved
+    g | u rows (2I bf16 a row) of the training calls over a group that name it. Every rank of
+    the group gives its calls a pool of the same size (the calls' configurations are agreed)."""
+
+    def __init__(self, nbytes: int, device: torch.device | str | int | None = None):
+        check_int("SavedRowsPool: nbytes", nbytes, min_value=1)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.nbytes = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.device = self.buffer.device
+        self.used = torch.zeros((), dtype=torch.int64, device=self.device)  # bytes taken
+        self._held = 0  # calls whose rows are held (their saved tensor alive)
+        self._lock = threading.RLock()  # a release may run from the garbage collector
+
+    def __repr__(self) -> str:  # the same in every process: MoKConfig's agreement digests it
+        return f"SavedRowsPool(nbytes={self.nbytes})"
+
+    @property
+    def held_calls(self) -> int:
+        """How many calls' rows the pool holds now (their backward has not freed them)."""
+        with self._lock:
+            return self._held
+
+    def take(self, valid: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor, torch.Tensor]:
+        """One call's rows: ``valid`` (bool, one entry a schedule row: routed, not padding) at
+        I = ``inter`` -> (the pool as [rows, 2I] bf16; each schedule row's row in it, -1 on
+        padding and where none was left; how many routed rows found no place, an int64 0-d
+        device tensor; the lease: an empty tensor that holds this call's rows until it is
+        freed, which the call keeps as long as its rows are needed). No host sync."""
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
+            raise TypeError(f"valid: expected a bool tensor, got {describe(valid)}")
+        if valid.device != self.device:
+            raise ValueError(f"MoKConfig.saved_rows_pool: on {self.device}, the call's rows are "
+                             f"on {valid.device}")
+        row_bytes = 2 * inter * 2
+        rows = self.nbytes // row_bytes
+        if rows == 0:
+            raise ValueError(f"MoKConfig.saved_rows_pool: {self.nbytes} bytes hold no g | u row "
+                             f"of 2I = {2 * inter} bf16 ({row_bytes} bytes)")
+        with self._lock:
+            if self._held == 0:  # every earlier call's backward has run: its rows are free
+                self.used.zero_()
+            self._held += 1
+        first = (self.used + row_bytes - 1) // row_bytes  # whole rows of this width
+        left = (rows - first).clamp(min=0)
+        row_slot, missing = packed_saved_slots(valid, left, first)
+        self.used.copy_((first + valid.sum(dtype=torch.int64) - missing) * row_bytes)
+        preact = self.buffer[:rows * row_bytes].view(torch.bfloat16).view(rows, 2 * inter)
+        # a tensor of its own (views of the rows do not keep one another's Python object)
+        lease = torch.empty(0)
+        weakref.finalize(lease, self._release)
+        return preact, row_slot, missing, lease
+
+    def _release(self) -> None:
+        with self._lock:
+            self._held -= 1
+
+
+__all__ = ["SavedRowsPool"]
