@@ -481,7 +481,8 @@ class Plan:
         them (on the device, no host sync). One rank of a group keeps its rows in
         ``saved_rows_pool`` (a ``SavedRowsPool``) or packed under its budget, if given."""
         from mok_cute.expert_path import check_preact_rows
-        from mok_cute.schedule import kept_saved_rows, packed_saved_slots, saved_preact_rows
+        from mok_cute.saved_rows import kept_saved_rows, packed_saved_slots
+        from mok_cute.schedule import saved_preact_rows
 
         k, R = self.key, self.side.launch_ranks
         dev = scheds.row_token.device

@@ -1,32 +1,51 @@
-"""``SavedRowsPool``: one device buffer for the g | u rows that the training calls of one rank of
-a group keep from their forwards for their backwards, shared by every call that names it
-(``MoKConfig(saved_rows_pool=pool)``: the layers of a model).
+"""Where one rank of a group keeps the saved g | u rows of its training calls short of the worst
+case (every peer's T * K rows, R x the average routing, since a rank cannot know before its launch
+how many it will receive): a per-call budget (``MoKConfig.saved_rows_factor``: ``kept_saved_rows``
+rows, ``packed_saved_slots``), which must cover that layer's own peak, or a ``SavedRowsPool``
+(``MoKConfig(saved_rows_pool=pool)``): one device buffer shared by every call that names it (a
+model's layers), sized for what all the calls of a step route to the rank together, hot layers
+taking what cold ones leave.
 
-A rank cannot know before its launch how many rows it will receive, so without a pool each
-call keeps room for the worst case (every peer's T * K rows, R x the average routing) or for a
-per-call budget (``MoKConfig.saved_rows_factor``), which must cover that layer's own peak. A
-pool is sized for what all the calls of a step route to the rank together, hot layers taking
-what cold ones leave.
-
-Each call takes its rows on the device, no host sync: from the first whole row past what the
-pool's earlier calls took (``used``, bytes), packed in schedule order
-(``schedule.packed_saved_slots``); a row that finds no place is counted, never dropped
-silently (``SavedRowsError``, as for a budget). The pool empties when a call takes rows while
-no earlier call's rows are held: each call's rows are held as long as its lease lives (an empty
-tensor that the training call saves for its backward beside its rows; autograd frees it once
-that backward has run, ``retain_graph`` keeps it), so in a training loop every forward of a
-step finds the pool emptied by the previous step's backward.
+A pool's call takes its rows on the device, no host sync: from the first whole row past what the
+pool's earlier calls took (``used``, bytes), packed in schedule order (``packed_saved_slots``); a
+row that finds no place is counted, never dropped silently (``SavedRowsError``, as for a budget).
+The pool empties when a call takes rows while no earlier call's rows are held: each call's rows
+are held as long as its lease lives (an empty tensor that the training call saves for its
+backward beside its rows; autograd frees it once that backward has run, ``retain_graph`` keeps
+it), so in a training loop every forward of a step finds the pool emptied by the previous step's
+backward.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 
 import torch
 
-from mok_cute.config import check_int, describe
-from mok_cute.schedule import packed_saved_slots
+# (no mok_cute imports: config checks MoKConfig.saved_rows_pool against this module's class)
+
+
+def kept_saved_rows(num_peers: int, tokens: int, top_k: int, factor: float | None) -> int | None:
+    """The g | u rows one rank of a group keeps with ``MoKConfig.saved_rows_factor`` =
+    ``factor`` (a multiple of the average routing's T * K rows a rank, at most every peer's
+    T * K); None without a factor (the schedule's capacity, by receive row)."""
+    if factor is None:
+        return None
+    return max(1, min(num_peers * tokens * top_k, math.ceil(factor * tokens * top_k)))
+
+
+def packed_saved_slots(valid: torch.Tensor, kept, first=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each schedule row's g | u row when a rank keeps ``kept`` rows from row ``first`` on (a
+    ``SavedRowsPool``'s: int64 0-d device tensors): the routed rows packed in schedule order
+    (padding rows skipped), -1 on padding and on a row past ``kept``, which the forward then
+    does not save. Returns (row_slot int32 shaped as ``valid``, how many routed rows found no
+    place: an int64 0-d tensor on the device, no host sync)."""
+    order = torch.cumsum(valid.to(torch.int32), dim=-1, dtype=torch.int32) - 1
+    row_slot = torch.where(valid & (order < kept), order + first, torch.full_like(order, -1))
+    missing = (valid.sum(dtype=torch.int64) - kept).clamp(min=0)
+    return row_slot.to(torch.int32), missing
 
 
 class SavedRowsPool:
@@ -35,7 +54,8 @@ class SavedRowsPool:
     the group gives its calls a pool of the same size (the calls' configurations are agreed)."""
 
     def __init__(self, nbytes: int, device: torch.device | str | int | None = None):
-        check_int("SavedRowsPool: nbytes", nbytes, min_value=1)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"SavedRowsPool: nbytes: expected an int >= 1, got {nbytes!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.nbytes = nbytes
@@ -62,7 +82,7 @@ class SavedRowsPool:
         device tensor; the lease: an empty tensor that holds this call's rows until it is
         freed, which the call keeps as long as its rows are needed). No host sync."""
         if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
-            raise TypeError(f"valid: expected a bool tensor, got {describe(valid)}")
+            raise TypeError(f"valid: expected a bool tensor, got {type(valid).__name__}")
         if valid.device != self.device:
             raise ValueError(f"MoKConfig.saved_rows_pool: on {self.device}, the call's rows are "
                              f"on {valid.device}")
@@ -90,4 +110,4 @@ class SavedRowsPool:
             self._held -= 1
 
 
-__all__ = ["SavedRowsPool"]
+__all__ = ["SavedRowsPool", "kept_saved_rows", "packed_saved_slots"]

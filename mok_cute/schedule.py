@@ -20,8 +20,6 @@ deterministic and identical on CPU and CUDA.
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass
 
 import torch
@@ -133,27 +131,6 @@ def saved_preact_rows(launch_ranks: int, num_peers: int, tokens: int, top_k: int
     if launch_ranks == 1:
         return schedule_capacity(num_peers, tokens, top_k, num_local_experts, tile_m)
     return launch_ranks * tokens * top_k
-
-
-def kept_saved_rows(num_peers: int, tokens: int, top_k: int, factor: float | None) -> int | None:
-    """The g | u rows one rank of a group keeps with ``MoKConfig.saved_rows_factor`` =
-    ``factor`` (a multiple of the average routing's T * K rows a rank, at most every peer's
-    T * K); None without a factor (the schedule's capacity, by receive row)."""
-    if factor is None:
-        return None
-    return max(1, min(num_peers * tokens * top_k, math.ceil(factor * tokens * top_k)))
-
-
-def packed_saved_slots(valid: torch.Tensor, kept, first=0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each schedule row's g | u row when a rank keeps ``kept`` rows from row ``first`` on (a
-    ``SavedRowsPool``'s: int64 0-d device tensors): the routed rows packed in schedule order
-    (padding rows skipped), -1 on padding and on a row past ``kept``, which the forward then
-    does not save. Returns (row_slot int32 shaped as ``valid``, how many routed rows found no
-    place: an int64 0-d tensor on the device, no host sync)."""
-    order = torch.cumsum(valid.to(torch.int32), dim=-1, dtype=torch.int32) - 1
-    row_slot = torch.where(valid & (order < kept), order + first, torch.full_like(order, -1))
-    missing = (valid.sum(dtype=torch.int64) - kept).clamp(min=0)
-    return row_slot.to(torch.int32), missing
 
 
 def _check_routing(topk_idx_all: torch.Tensor, num_local_experts: int, tile_m: int) -> tuple[int, int, int]:

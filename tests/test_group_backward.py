@@ -227,10 +227,10 @@ def test_group_backward_plumbing_matches_autograd_with_emulated_kernels(R, T, K,
 def _packed(spare: int):
     """A relayout of the saved g | u as ranks of a group keep them with a row budget
     (``MoKConfig.saved_rows_factor``): each rank's routed rows packed in schedule order
-    (``schedule.packed_saved_slots``) into ``kept`` = the most any rank received + ``spare``
+    (``saved_rows.packed_saved_slots``) into ``kept`` = the most any rank received + ``spare``
     rows (negative: that many too few for the fullest rank), the ranks' budgets side by side
     in one pool; the count of rows that found no place as the forward leaves it."""
-    from mok_cute.schedule import packed_saved_slots
+    from mok_cute.saved_rows import packed_saved_slots
 
     def relayout(saved):
         valid = saved.row_slot >= 0
@@ -767,11 +767,11 @@ def test_training_over_ipc_on_one_gpu_gives_the_virtual_bits(precision):
 
 
 def _saved_rows_factor(idx, E_loc, T, K, short: bool = False):
-    """A ``MoKConfig.saved_rows_factor`` whose budget (``schedule.kept_saved_rows``, over the
+    """A ``MoKConfig.saved_rows_factor`` whose budget (``saved_rows.kept_saved_rows``, over the
     plan's padded T) holds exactly the rows the fullest rank of ``idx`` [R, T, K] receives, or
     (``short``) one row fewer -> (factor, the rows it keeps, each rank's received rows)."""
     from mok_cute.megakernel import plan_tokens
-    from mok_cute.schedule import kept_saved_rows
+    from mok_cute.saved_rows import kept_saved_rows
 
     R = idx.shape[0]
     received = [int(((idx >= r * E_loc) & (idx < (r + 1) * E_loc)).sum()) for r in range(R)]

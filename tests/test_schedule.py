@@ -8,8 +8,6 @@ import torch
 from mok_cute.schedule import (
     ReceiveSchedule,
     build_receive_schedule,
-    kept_saved_rows,
-    packed_saved_slots,
     row_of_slot,
     schedule_capacity,
     slot_of_rows,
@@ -288,24 +286,3 @@ def test_cuda_build_has_no_host_sync():
         build_receive_schedule(idx, 3, 8, 128, validate=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
-
-def test_a_row_budget_packs_the_routed_rows_and_counts_the_rest():
-    """``MoKConfig.saved_rows_factor`` for one rank of a group: the budget is the factor times
-    T * K rows, rounded up, at most every peer's T * K (and None without a factor); the routed
-    rows of a schedule are packed in order, padding and rows past the budget get -1, and the
-    count of those past it is returned on the tensors' device."""
-    assert kept_saved_rows(8, 2048, 8, None) is None
-    assert kept_saved_rows(8, 2048, 8, 2.0) == 2 * 2048 * 8
-    assert kept_saved_rows(8, 100, 3, 1.001) == 301  # rounded up
-    assert kept_saved_rows(2, 100, 3, 5.0) == 2 * 100 * 3  # never past the worst case
-    assert kept_saved_rows(2, 1, 1, 1e-9) == 1
-    # a rank's schedule: two experts' segments padded to 4 rows (-1 where row_token < 0)
-    row_token = torch.tensor([[5, 0, 7, -1, 2, 2, 9, 3, 1, -1, -1, -1]])
-    valid = row_token >= 0
-    slots, missing = packed_saved_slots(valid, 8)
-    assert slots.dtype == torch.int32 and slots.shape == valid.shape
-    assert slots.tolist() == [[0, 1, 2, -1, 3, 4, 5, 6, 7, -1, -1, -1]]
-    assert missing.dtype == torch.int64 and missing.dim() == 0 and int(missing) == 0
-    slots, missing = packed_saved_slots(valid, 6)
-    assert slots.tolist() == [[0, 1, 2, -1, 3, 4, 5, -1, -1, -1, -1, -1]] and int(missing) == 2
