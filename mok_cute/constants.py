@@ -78,7 +78,7 @@ PEER_FAILED = 1  # the peer's launch of this call (or of a later one) had an err
 WAIT_TIMEOUT = 2  # a wait passed its deadline (the peer had started this launch)
 PEER_NEVER_STARTED = 3  # ... and the peer never announced its start
 SAVED_ROWS_SHORT = 4  # host-written: a rank received more rows than its forward kept g | u
-# for (MoKConfig.saved_rows_factor); the word's low 32 bits hold how many more
+# for (MoKConfig.saved_rows_factor or saved_rows_pool); the word's low 32 bits hold how many more
 
 # Cross-rank flags: every rank's symmetric ``barrier_flags`` holds 2R int32 words, written only
 # by their rank s. Word s is s's progress in call ``epoch`` (``FLAG_STEPS`` values per call, so

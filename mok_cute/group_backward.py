@@ -204,10 +204,11 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
 
 
 def _report_short_save(plan, saved) -> None:
-    """A forward that kept too few g | u rows (``MoKConfig.saved_rows_factor``): how many, in
-    the backward's error word after its launches (where no wait's error is), so that the
-    backward's error check raises ``SavedRowsError`` (no host sync here). The backward itself
-    ran whole on every rank: the group's collective stays intact."""
+    """A forward that kept too few g | u rows (``MoKConfig.saved_rows_factor``, or what its
+    ``saved_rows_pool`` had left): how many, in the backward's error word after its launches
+    (where no wait's error is), so that the backward's error check raises ``SavedRowsError``
+    (no host sync here). The backward itself ran whole on every rank: the group's collective
+    stays intact."""
     missing = saved.missing
     if missing is None:
         return

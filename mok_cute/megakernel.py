@@ -491,7 +491,7 @@ class Plan:
         pool = saved_rows_pool if group_rank else None
         kept = (kept_saved_rows(self.side.num_peers, k.tokens, k.top_k, saved_rows_factor)
                 if group_rank else None)
-        rows = (pool.nbytes // (4 * k.intermediate) if pool is not None else
+        rows = (pool.rows(k.intermediate) if pool is not None else
                 kept or saved_preact_rows(R, self.side.num_peers, k.tokens, k.top_k,
                                           k.local_experts, TILE_M))
         # refused before the launch: its save epilogue would write past the buffer's start

@@ -62,7 +62,7 @@ class SavedRowsPool:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.device = self.buffer.device
         self.used = torch.zeros((), dtype=torch.int64, device=self.device)  # bytes taken
-        self._held = 0  # calls whose rows are held (their saved tensor alive)
+        self._held = 0  # calls whose rows are held (their lease alive)
         self._lock = threading.RLock()  # a release may run from the garbage collector
 
     def __repr__(self) -> str:  # the same in every process: MoKConfig's agreement digests it
@@ -73,6 +73,10 @@ class SavedRowsPool:
         """How many calls' rows the pool holds now (their backward has not freed them)."""
         with self._lock:
             return self._held
+
+    def rows(self, inter: int) -> int:
+        """How many g | u rows of I = ``inter`` (4I bytes) the pool holds."""
+        return self.nbytes // (4 * inter)
 
     def take(self, valid: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor,
                                                              torch.Tensor, torch.Tensor]:
@@ -86,8 +90,7 @@ class SavedRowsPool:
         if valid.device != self.device:
             raise ValueError(f"MoKConfig.saved_rows_pool: on {self.device}, the call's rows are "
                              f"on {valid.device}")
-        row_bytes = 2 * inter * 2
-        rows = self.nbytes // row_bytes
+        row_bytes, rows = 4 * inter, self.rows(inter)
         if rows == 0:
             raise ValueError(f"MoKConfig.saved_rows_pool: {self.nbytes} bytes hold no g | u row "
                              f"of 2I = {2 * inter} bf16 ({row_bytes} bytes)")

@@ -191,7 +191,7 @@ class BackwardCommMixin:
                                  h_vecs, lane, COPY_UNROLL)
                         if ttype == _COMBINE:
                             # a row whose g | u the forward could not keep (slot -1, with
-                            # MoKConfig.saved_rows_factor): no weight, the dgrads skip it
+                            # saved_rows_factor or saved_rows_pool): no weight, the dgrads skip it
                             saved_row = row_slot[row]
                             if lane == 0 and saved_row >= 0:
                                 weights[saved_row] = f32_at(
