@@ -23,7 +23,7 @@ import torch
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Int32, Int64
+from cutlass import Int32, Int64
 
 from mok_cute import jit
 from mok_cute.constants import PEER_FAILED, SCALAR_INDEX, SCALARS, VEC_ELEMS, flag_started
