@@ -6,7 +6,12 @@ variant against the first.
     python tools/operand_stages_probe.py --shapes dsv3_ep8_rank,gptoss_120b \
         [--variants fit:8,3:8,3:2] [--rounds 6] [--reps 10] [--fp8] [--json out.json]
 
-A variant is STAGES:GROUP_M (STAGES "fit": as many as smem holds; GROUP_M: the FC1 dgrad's
+    python tools/operand_stages_probe.py --shapes gptoss_120b --variants fit:8,3:8,3p:8 \
+        --kernels "fc2 dgrad,fc1 dgrad"
+
+A variant is STAGES:GROUP_M (STAGES "fit": as many as smem holds; "3p": 3 stages with the smem
+of as many as fit, a pad in the struct, so that a gain of "3" that is the smaller smem request
+(the larger L1 carve-out it leaves) and not the stage count shows as "3p" losing it; GROUP_M: the FC1 dgrad's
 M-tiles per raster group, ``ExpertPathOptions.fc2_group_m``, which that launch takes; "fit"
 is as many stages as smem holds, even where the one-GPU backward picks 3 for FC1's dgrad: 4 for
 the bf16 FC1 dgrad, weight gradients and forward FC1, 5-6 for the pingpong ones and the FP8
@@ -29,21 +34,38 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 KERNELS = ("fwd fc1", "fwd fc2", "fc2 dgrad", "fc1 dgrad", "wgrad gate+up", "wgrad down")
-_STAGE_CAP = [None]  # the cap of the kernels compiled next (None: as many as fit)
+_STAGE_CAP = [None]  # the cap of the kernels compiled next (None: as many as fit; "3p": padded)
 
 
 def _patch_stage_cap() -> None:
     """Cap every GEMM class's operand stages (``GemmCoreSm90.operand_stages``) at
-    ``_STAGE_CAP[0]`` as well, for the kernels this process compiles next."""
+    ``_STAGE_CAP[0]`` as well, for the kernels this process compiles next; a cap "Np" also pads
+    the smem struct (``make_shared_storage``) to the bytes of the stages that fit."""
+    import cutlass
+    import cutlass.cute as cute
     from mok_cute.kernels.gemm_core import GemmCoreSm90
 
-    own = GemmCoreSm90.operand_stages
+    own_stages, own_storage = GemmCoreSm90.operand_stages, GemmCoreSm90.make_shared_storage
 
     def capped(self, fit: int) -> int:
-        stages, cap = own(self, fit), _STAGE_CAP[0]
-        return stages if cap is None else min(stages, cap)
+        stages, cap = own_stages(self, fit), _STAGE_CAP[0]
+        self._probe_fit_stages = stages
+        return stages if cap is None else min(stages, int(str(cap).rstrip("p")))
+
+    def padded(self, a_tiles_per_stage: int = 1, extra_fields=None):
+        cap = _STAGE_CAP[0]
+        if isinstance(cap, str):
+            tile_m, tile_n, tile_k = self.tile_shape_mnk
+            per_stage = (a_tiles_per_stage * tile_m + tile_n) * tile_k * self.a_dtype.width // 8
+            # less 1 KB: the pad's own alignment stays within the capacity
+            pad = (self._probe_fit_stages - self.ab_stages) * per_stage - 1024
+            if pad > 0:
+                extra_fields = {**(extra_fields or {}), "probe_pad": cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Int8, pad], 1024]}
+        return own_storage(self, a_tiles_per_stage, extra_fields)
 
     GemmCoreSm90.operand_stages = capped
+    GemmCoreSm90.make_shared_storage = padded
 
 
 FP8_KERNELS = ("fp8 fwd fc1", "fp8 fwd fc2", "fp8 fc2 dgrad", "fp8 fc1 dgrad")
@@ -84,8 +106,8 @@ def fp8_kernels(p, x, s, d_rows, weights) -> dict:
             *d_preact_q, wt.gate, wt.e_gate, wt.up, wt.e_up, s.tile_expert, s.num_tiles)}
 
 
-def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: int,
-          fp8: bool = False) -> dict:
+def probe(name: str, variants: list[tuple[int | str | None, int]], rounds: int, reps: int,
+          fp8: bool = False, only: tuple[str, ...] | None = None) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path, jit
@@ -94,6 +116,7 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
     from mok_cute.kernels import token_ops
     from mok_cute.shapes import resolve_shape
 
+    kernels = tuple(k for k in KERNELS + (FP8_KERNELS if fp8 else ()) if only is None or k in only)
     p = make_problem(resolve_shape(name), device="cuda", seed=1)
     x, idx, w = p.inputs.x, p.inputs.topk_idx, p.inputs.topk_weights
     E, I, H = p.w_gate.shape[0], p.w_gate.shape[1], x.shape[1]
@@ -125,8 +148,11 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
         _STAGE_CAP[0] = stages
         cache = jit._CACHE = {}  # this variant's kernels, compiled under its cap
         options = dataclasses.replace(cfg.expert_path, fc2_group_m=group_m)
-        gate_up = eb._compiled("gemm_wgrad", x.device, gated=True, group_m=8)
-        down = eb._compiled("gemm_wgrad", x.device, gated=False, group_m=8)
+        gate_up = down = None  # compiled only where their kernels are probed
+        if "wgrad gate+up" in kernels:
+            gate_up = eb._compiled("gemm_wgrad", x.device, gated=True, group_m=8)
+        if "wgrad down" in kernels:
+            down = eb._compiled("gemm_wgrad", x.device, gated=False, group_m=8)
         pingpong = options.fc2_pingpong(I)
         launches = {
             **fp8_calls,
@@ -149,6 +175,7 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
                 s.expert_offsets),
             "wgrad down": lambda k=down: k(d_rows.t().unsqueeze(2), None, hw.t().unsqueeze(2),
                                            dw_down.permute(1, 2, 0), None, s.expert_offsets)}
+        launches = {k: f for k, f in launches.items() if k in kernels}
         # each launch runs with this variant's kernels, compiled now under its cap
         runs[(stages, group_m)] = {
             k: (lambda f=f, cache=cache: (setattr(jit, "_CACHE", cache), f())[1])
@@ -174,7 +201,6 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
                for v in variants}
     del want
     print(f"{name} bitwise the first variant's: {bitwise}", flush=True)
-    kernels = KERNELS + (FP8_KERNELS if fp8 else ())
     ms = {(v, k): [] for v in variants for k in kernels}
     for r in range(rounds):  # every other round in reverse (the clock under the power cap)
         for v in (variants if r % 2 == 0 else variants[::-1]):
@@ -192,9 +218,12 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
     return dict(shape=name, bitwise=bitwise, rows=rows)
 
 
-def _variant(text: str) -> tuple[int | None, int]:
+def _variant(text: str) -> tuple[int | str | None, int]:
     stages, group_m = text.split(":")
-    return (None if stages == "fit" else int(stages)), int(group_m)
+    if stages != "fit" and not stages.rstrip("p").isdigit():
+        raise ValueError(f"--variants: STAGES is fit, N or Np, got {stages!r}")
+    return (None if stages == "fit" else stages if stages.endswith("p") else int(stages)), \
+        int(group_m)
 
 
 def main(argv=None):
@@ -207,14 +236,20 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--fp8", action="store_true",
                    help="also the FP8 path's forward FC1 / FC2 and dgrad launches")
+    p.add_argument("--kernels", default=None,
+                   help=f"comma-separated subset of {', '.join(KERNELS + FP8_KERNELS)} (default: "
+                        "all; fewer compile faster)")
     args = p.parse_args(argv)
     variants = [_variant(v) for v in args.variants.split(",")]
+    only = None if args.kernels is None else tuple(k.strip() for k in args.kernels.split(","))
+    if only is not None and not set(only) <= set(KERNELS + FP8_KERNELS):
+        p.error(f"--kernels: unknown {sorted(set(only) - set(KERNELS + FP8_KERNELS))}")
     _patch_stage_cap()
     from mok_cute.shapes import resolve_shapes
 
     out = []
     for shape in resolve_shapes(args.shapes):
-        out.append(probe(shape.name, variants, args.rounds, args.reps, args.fp8))
+        out.append(probe(shape.name, variants, args.rounds, args.reps, args.fp8, only))
         if args.json:  # after each shape: a run cut off at its limit keeps the shapes it did
             with open(args.json, "w") as f:
                 json.dump(dict(command="python tools/operand_stages_probe.py "
