@@ -433,7 +433,14 @@ def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
 
 def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
     """``weight.main_grad``, checked: an fp32 tensor of the weight's shape on its device,
-    contiguous (the kernels add into it by TMA); else ValueError naming it."""
+    contiguous (the kernels add into it by TMA); else ValueError naming it. A Megatron-FSDP
+    parameter (``__fsdp_param__``) is refused: its buffer comes from ``get_main_grad()`` in the
+    backward, which a ``main_grad`` read in the forward would miss."""
+    if hasattr(weight, "__fsdp_param__"):
+        raise ValueError(f"{name}: a Megatron-FSDP parameter (__fsdp_param__) gets its main_grad "
+                         f"from get_main_grad() in the backward, which MoKConfig("
+                         f"fuse_wgrad_accumulation=True) does not support: leave it False for "
+                         f"such weights (their gradients then arrive as .grad)")
     main_grad = getattr(weight, "main_grad", None)
     if (isinstance(main_grad, torch.Tensor) and main_grad.dtype == torch.float32
             and main_grad.shape == weight.shape and main_grad.device == weight.device

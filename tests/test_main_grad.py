@@ -139,6 +139,23 @@ def test_bad_main_grad_is_refused_naming_the_weight(case, gen):
         _call(leaves, idx, FUSED)
 
 
+def test_megatron_fsdp_parameters_are_refused_naming_the_weight(gen):
+    """A Megatron-FSDP parameter fetches its main_grad in the backward (``get_main_grad``): a
+    fused call refuses it by name rather than add into a buffer read in the forward."""
+    leaves, idx = _cpu_problem(gen)
+    _give_main_grads(leaves)
+    leaves[3].__fsdp_param__ = True
+    leaves[3].get_main_grad = lambda: torch.zeros(leaves[3].shape)
+    with pytest.raises(ValueError, match=r"w_up: a Megatron-FSDP parameter \(__fsdp_param__\)"):
+        _call(leaves, idx, FUSED)
+    # without the flag: its gradient arrives as .grad, main_grad untouched
+    before = leaves[3].main_grad.clone()
+    _, grads = _step(leaves, idx, torch.randn(24, 32, generator=gen).to(torch.bfloat16),
+                     MoKConfig())
+    assert grads[3] is not None and grads[3].abs().sum() > 0
+    assert torch.equal(leaves[3].main_grad, before)
+
+
 def test_virtual_main_grad_has_the_stacked_shape(gen):
     leaves, idx = _cpu_problem(gen, R=2)
     _give_main_grads(leaves)
