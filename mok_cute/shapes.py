@@ -92,12 +92,18 @@ def _split(spec: str) -> list[str]:
     return [p.strip() for p in re.split(r",(?![0-9])", spec) if p.strip()]
 
 
-def resolve_shapes(spec: str) -> list[Shape]:
-    """A comma list of shape names, groups (single, ep, all) and custom shapes."""
+def shape_names(spec: str) -> list[str]:
+    """A comma list of shape names, groups (single, ep, all) and custom shapes -> the names,
+    groups expanded (a custom shape keeps its commas)."""
     names: list[str] = []
     for part in _split(spec):
         names.extend(SHAPE_GROUPS.get(part, [part]))
-    return [resolve_shape(n) for n in names]
+    return names
+
+
+def resolve_shapes(spec: str) -> list[Shape]:
+    """A comma list of shape names, groups (single, ep, all) and custom shapes."""
+    return [resolve_shape(n) for n in shape_names(spec)]
 
 
 def resolve_ep_shape(spec: str) -> Shape:

@@ -67,6 +67,9 @@ def test_shape_specs_resolve_and_bad_ones_name_the_argument():
     assert [s.name for s in shapes.resolve_shapes("ep")] == list(shapes.EP_SHAPES)
     resolved = shapes.resolve_shapes("mixtral,custom:64,32,16,4,2,1,qwen3_30b")
     assert [s.name for s in resolved] == ["mixtral", "custom:64,32,16,4,2,1", "qwen3_30b"]
+    # the probes in tools/ take the names (a custom shape keeps its commas, groups expand)
+    assert shapes.shape_names("custom:32768,2880,2880,128,4,ep") == [
+        "custom:32768,2880,2880,128,4", *shapes.EP_SHAPES]
     custom = resolved[1]
     assert (custom.tokens, custom.hidden, custom.intermediate, custom.experts, custom.top_k, custom.shared) == (64, 32, 16, 4, 2, True)
     for bad in ("nope", "custom:1,2,3", "custom:8,8,8,2,3", "custom:a,b,c,d,e"):

@@ -19,7 +19,7 @@ from mok_cute import fp8
 from mok_cute.kernels.gemm_wgrad_fp8 import grouped_wgrad_fp8, grouped_wgrad_fp8_ref
 from mok_cute.kernels import token_ops
 from mok_cute.kernels.quantize import quantize_cols, quantize_cols_per_expert
-from mok_cute.shapes import resolve_shape
+from mok_cute.shapes import resolve_shape, shape_names
 from layer_profile import fp8_weight_grads_forced  # tools/ is on sys.path as a script
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -82,7 +82,7 @@ def layer_runs(name):
 
 torch.manual_seed(0)
 out = {}
-for name in args.shapes.split(","):
+for name in shape_names(args.shapes):
     s = resolve_shape(name)
     E, H, I = s.experts, s.hidden, s.intermediate
     if H % 128 or I % 128:

@@ -17,6 +17,7 @@ import argparse
 import torch
 
 from layer_profile import save_probe_json  # tools/ is on sys.path when run as a script (it adds the checkout)
+from mok_cute.shapes import shape_names  # after layer_profile, which puts the checkout on sys.path
 
 
 def bench_ms(fn, iters=20, warmup=5):
@@ -72,7 +73,7 @@ def main(argv=None):
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
     dev = "cuda"
     rows = []
-    for name in args.shapes.split(","):
+    for name in shape_names(args.shapes):
         s = SINGLE_GPU_SHAPES[name]
         T, H, I, E, K = s.tokens, s.hidden, s.intermediate, s.experts, s.top_k
         per_expert = T * K // E

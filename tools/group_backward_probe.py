@@ -26,6 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from mok_cute.shapes import shape_names  # noqa: E402
 from tools.layer_profile import fp8_weight_grads_forced, gpu_ms, save_probe_json  # noqa: E402
 
 
@@ -367,7 +368,7 @@ def main(argv=None):
     from mok_cute.expert_path_fp8 import forget_quantized_weights
 
     rows = []
-    for n in args.shapes.split(","):
+    for n in shape_names(args.shapes):
         for tokens in map(int, str(args.tokens).split(",")):
             if args.one_rank:
                 rows.append(one_rank_probe(n, args.ranks, tokens, args.rounds, args.reps,

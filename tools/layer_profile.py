@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
-from mok_cute.shapes import SINGLE_GPU_SHAPES  # noqa: E402
+from mok_cute.shapes import SINGLE_GPU_SHAPES, shape_names  # noqa: E402
 
 
 def save_probe_json(path, fields: dict, argv=None) -> None:
@@ -43,7 +43,7 @@ def probe_shapes(shapes: str, probe, path, argv=None, doc: dict | None = None) -
     ``doc["shapes"]``; the JSON (``save_probe_json``) is saved after every shape, so a probe
     killed at its time limit keeps the shapes it finished."""
     doc = {"shapes": []} if doc is None else doc
-    for name in shapes.split(","):
+    for name in shape_names(shapes):
         if name:
             doc["shapes"].append(probe(name))
             save_probe_json(path, doc, argv)
@@ -219,7 +219,7 @@ def main(argv=None):
     p.add_argument("--fp8", action="store_true", help="also the FP8 forward's stages")
     args = p.parse_args(argv)
     out = []
-    for name in args.shapes.split(","):
+    for name in shape_names(args.shapes):
         s = SINGLE_GPU_SHAPES[name]
         out.append(profile_shape(name, s.tokens, s.hidden, s.intermediate, s.experts, s.top_k,
                                  reps=args.reps, fp8=args.fp8))

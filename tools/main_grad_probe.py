@@ -25,6 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from mok_cute.shapes import shape_names  # noqa: E402
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
@@ -98,7 +99,7 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     results = {}
-    for name in args.shapes.split(","):
+    for name in shape_names(args.shapes):
         runs, elements = variants(name, args.fp8)
         times = {k: [] for k in runs}
         order = list(runs)

@@ -18,6 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from mok_cute.shapes import shape_names  # noqa: E402
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
@@ -196,7 +197,7 @@ def main(argv=None):
                         "32 KB stages (2-4; the default 4; bitwise check)")
     args = p.parse_args(argv)
     rows = [probe(n, args.rounds, args.reps, args.sweep, args.fc2_forms, args.fc2_stages)
-            for n in args.shapes.split(",")]
+            for n in shape_names(args.shapes)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python tools/megakernel_backward_probe.py "

@@ -26,6 +26,7 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from mok_cute import megakernel  # noqa: E402
 from mok_cute.bench.common import apply_config_overrides, parse_config_overrides  # noqa: E402
 from mok_cute.config import MoKConfig  # noqa: E402
+from mok_cute.shapes import shape_names  # noqa: E402
 from layer_profile import layer_call  # noqa: E402  (tools/ is on sys.path when run as a script)
 
 
@@ -44,7 +45,7 @@ def main() -> None:
                                                       overrides)}
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    for name in a.shapes.split(","):
+    for name in shape_names(a.shapes):
         _, forward = layer_call(name)
         outs = {}
         for path, config in paths.items():

@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
+from mok_cute.shapes import shape_names  # noqa: E402
 
 HELD: list = []
 
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     results = {}
-    for name in args.shapes.split(","):
+    for name in shape_names(args.shapes):
         problem = make_problem(SHAPES[name], torch.device("cuda"), seed=0)
         d_out = torch.randn_like(problem.inputs.x)
         dropped = step_peak(problem, d_out)
