@@ -6,12 +6,10 @@ variant against the first.
     python tools/operand_stages_probe.py --shapes dsv3_ep8_rank,gptoss_120b \
         [--variants fit:8,3:8,3:2] [--rounds 6] [--reps 10] [--fp8] [--json out.json]
 
-    python tools/operand_stages_probe.py --shapes gptoss_120b --variants fit:8,3:8,3p:8 \
+    python tools/operand_stages_probe.py --shapes gptoss_120b --variants fit:8,3:8 \
         --kernels "fc2 dgrad,fc1 dgrad"
 
-A variant is STAGES:GROUP_M (STAGES "fit": as many as smem holds; "3p": 3 stages with the smem
-of as many as fit, a pad in the struct, so that a gain of "3" that is the smaller smem request
-(the larger L1 carve-out it leaves) and not the stage count shows as "3p" losing it; GROUP_M: the FC1 dgrad's
+A variant is STAGES:GROUP_M (STAGES "fit": as many as smem holds; GROUP_M: the FC1 dgrad's
 M-tiles per raster group, ``ExpertPathOptions.fc2_group_m``, which that launch takes; "fit"
 is as many stages as smem holds, even where the one-GPU backward picks 3 for FC1's dgrad: 4 for
 the bf16 FC1 dgrad, weight gradients and forward FC1, 5-6 for the pingpong ones and the FP8
@@ -34,38 +32,21 @@ sys.path.insert(0, __file__.rsplit('/tools/', 1)[0])  # run from a checkout
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 KERNELS = ("fwd fc1", "fwd fc2", "fc2 dgrad", "fc1 dgrad", "wgrad gate+up", "wgrad down")
-_STAGE_CAP = [None]  # the cap of the kernels compiled next (None: as many as fit; "3p": padded)
+_STAGE_CAP = [None]  # the cap of the kernels compiled next (None: as many as fit)
 
 
 def _patch_stage_cap() -> None:
     """Cap every GEMM class's operand stages (``GemmCoreSm90.operand_stages``) at
-    ``_STAGE_CAP[0]`` as well, for the kernels this process compiles next; a cap "Np" also pads
-    the smem struct (``make_shared_storage``) to the bytes of the stages that fit."""
-    import cutlass
-    import cutlass.cute as cute
+    ``_STAGE_CAP[0]`` as well, for the kernels this process compiles next."""
     from mok_cute.kernels.gemm_core import GemmCoreSm90
 
-    own_stages, own_storage = GemmCoreSm90.operand_stages, GemmCoreSm90.make_shared_storage
+    own = GemmCoreSm90.operand_stages
 
     def capped(self, fit: int) -> int:
-        stages, cap = own_stages(self, fit), _STAGE_CAP[0]
-        self._probe_fit_stages = stages
-        return stages if cap is None else min(stages, int(str(cap).rstrip("p")))
-
-    def padded(self, a_tiles_per_stage: int = 1, extra_fields=None):
-        cap = _STAGE_CAP[0]
-        if isinstance(cap, str):
-            tile_m, tile_n, tile_k = self.tile_shape_mnk
-            per_stage = (a_tiles_per_stage * tile_m + tile_n) * tile_k * self.a_dtype.width // 8
-            # less 1 KB: the pad's own alignment stays within the capacity
-            pad = (self._probe_fit_stages - self.ab_stages) * per_stage - 1024
-            if pad > 0:
-                extra_fields = {**(extra_fields or {}), "probe_pad": cute.struct.Align[
-                    cute.struct.MemRange[cutlass.Int8, pad], 1024]}
-        return own_storage(self, a_tiles_per_stage, extra_fields)
+        stages, cap = own(self, fit), _STAGE_CAP[0]
+        return stages if cap is None else min(stages, cap)
 
     GemmCoreSm90.operand_stages = capped
-    GemmCoreSm90.make_shared_storage = padded
 
 
 FP8_KERNELS = ("fp8 fwd fc1", "fp8 fwd fc2", "fp8 fc2 dgrad", "fp8 fc1 dgrad")
@@ -106,7 +87,7 @@ def fp8_kernels(p, x, s, d_rows, weights) -> dict:
             *d_preact_q, wt.gate, wt.e_gate, wt.up, wt.e_up, s.tile_expert, s.num_tiles)}
 
 
-def probe(name: str, variants: list[tuple[int | str | None, int]], rounds: int, reps: int,
+def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: int,
           fp8: bool = False, only: tuple[str, ...] | None = None) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
@@ -222,12 +203,9 @@ def probe(name: str, variants: list[tuple[int | str | None, int]], rounds: int, 
     return dict(shape=name, bitwise=bitwise, rows=rows)
 
 
-def _variant(text: str) -> tuple[int | str | None, int]:
+def _variant(text: str) -> tuple[int | None, int]:
     stages, group_m = text.split(":")
-    if stages != "fit" and not stages.rstrip("p").isdigit():
-        raise ValueError(f"--variants: STAGES is fit, N or Np, got {stages!r}")
-    return (None if stages == "fit" else stages if stages.endswith("p") else int(stages)), \
-        int(group_m)
+    return (None if stages == "fit" else int(stages)), int(group_m)
 
 
 def main(argv=None):
