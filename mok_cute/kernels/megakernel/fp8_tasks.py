@@ -50,7 +50,7 @@ class Fp8Tasks:
     def _fp8_mainloop(self, ctx, tt: TaskTables, routing: Routing, ticket_q, taken: Int32,
                       index: Int32, rank: Int32, ttype: Int32, fp8_ops: Fp8Operands, ab_pipeline,
                       half_mma, acc, halves, loads: Int32, k_tiles: Int32, consumer_tidx: Int32,
-                      hook_args=None):
+                      hook_args=None, stage_args=None):
         """An FC1 / FC2 task of an fp8 plan: the 256-wide tile one N-half at a time, each
         128-deep group promoted (``PromotingMainloop.half_promoting_mainloop``), the first
         group's exponents read after its stage wait (rows that other CTAs of this launch
@@ -74,7 +74,8 @@ class Fp8Tasks:
         num_k_blocks = cute.size(tCrA, mode=[2])
         self.half_promoting_mainloop(ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
                                      loads, k_tiles, num_k_blocks, exps,
-                                     first_exps_after_wait=True, hook_args=hook_args)
+                                     first_exps_after_wait=True, hook_args=hook_args,
+                                     stage_args=stage_args)
 
     def _task_exponents(self, ctx, routing: Routing, fp8_ops: Fp8Operands, ttype: Int32,
                         rank: Int32, ring_tile: Int32, n_tile: Int32, expert: Int32,
