@@ -148,38 +148,3 @@ def test_the_deadline_counts_from_when_the_wait_began():
         compiled(counters, error, out, 20 * ms, publish_after, wait_after)
         torch.cuda.synchronize()
         assert (out.item() == 1) == served and (error.item() == 0) == served, (publish_after, wait_after)
-
-
-_GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red)\.(global|volatile\.global|relaxed|acquire|release)"
-                            r"|cp\.async\.bulk|\bld\.global|\bst\.global")
-
-
-@pytest.mark.parametrize("kernel", ["scatter_rows", "weighted_ksum", "schedule_build", "fc1"])
-def test_pdl_builds_wait_for_the_previous_grid_before_any_global_access(kernel, monkeypatch,
-                                                                         tmp_path):
-    """EXPERIMENT (``common.EXPERIMENT_PDL``, lead 6): a kernel launched with programmatic
-    stream serialization may start under the previous launch's tail, so each entry of the
-    one-GPU path's kernels must reach ``griddepcontrol.wait`` before its first global load,
-    store, atomic or TMA copy; without the switch the PTX has no griddepcontrol at all."""
-    from mok_cute.kernels import gemm_sm90, schedule_build, token_ops
-
-    opt = f"--keep-ptx --dump-dir {tmp_path}"
-    build = {
-        "scatter_rows": lambda: token_ops.compile_scatter_rows(K=8, options=opt),
-        "weighted_ksum": lambda: token_ops.compile_weighted_ksum(K=8, has_shared=True,
-                                                                 options=opt),
-        "schedule_build": lambda: schedule_build.compile_schedule_build(num_experts=32,
-                                                                        options=opt),
-        "fc1": lambda: gemm_sm90.compile_grouped_gemm(epilogue="swiglu", tile_n=256,
-                                                      options=opt),
-    }[kernel]
-    monkeypatch.setitem(common.EXPERIMENT_PDL, "on", False)
-    assert "griddepcontrol" not in build().__ptx__
-    monkeypatch.setitem(common.EXPERIMENT_PDL, "on", True)
-    entries = build().__ptx__.split(".entry")[1:]
-    assert entries
-    for body in entries:
-        wait = body.find("griddepcontrol.wait")
-        first = _GLOBAL_ACCESS.search(body)
-        assert wait >= 0 and first is not None and wait < first.start(), (kernel, first)
-        assert "griddepcontrol.launch_dependents" in body[wait:]

@@ -37,10 +37,6 @@
 #                   gradients, JSON under $OUT
 #   vtrain [TAG]    training on 8 virtual ranks against one rank with the same work (mok-cute bench
 #                   --train, contenders mok_megakernel and mok_virtual) on MoK's four shapes, T = 2048
-#   pdl [SHAPES]    EXPERIMENT (lead 6): the one-GPU path's GPU tests (~125, sharded as alltests,
-#                   $TEST_SECS 200) with programmatic dependent launch (MOK_EXPERIMENT_PDL=1), then
-#                   tools/pdl_probe.py (bf16 and FP8 forward and training step, PDL against plain
-#                   launches, bitwise; the launch-bound shapes first, its JSON saved after each)
 #   mkbwd [SHAPES]  the backward megakernel: its GPU tests (test_megakernel_backward.py), then
 #                   tools/megakernel_backward_probe.py (its dgrads and the whole backward against
 #                   the two-launch dgrads, interleaved rounds), JSON under $OUT (~3 min)
@@ -278,16 +274,6 @@ run_fp8_probes() {
     && grep -E "wgrad|quantize|layer" "$out/fp8_wgrad_probe.log"
 }
 
-run_pdl() {
-  # EXPERIMENT (lead 6): the one-GPU path's kernels with programmatic dependent launch, their
-  # GPU tests with the switch on (sharded as alltests), then the A/B probe (bitwise, rounds)
-  MOK_EXPERIMENT_PDL=1 TEST_SECS="${TEST_SECS:-200}" \
-    run_alltests "token_ops or gemm_sm90 or fp8_path or (test_backward and not megakernel)"
-  step pdl_probe 420 python3 tools/pdl_probe.py \
-    --shapes "${1:-qwen3_30b,gptoss_120b,dsv3_ep8_rank,sonic_120b,mixtral}" --rounds "${ROUNDS:-4}" \
-    --json "$out/pdl_probe.json" && grep -E "pdl/plain" "$out/pdl_probe.log"
-}
-
 run_mkbwd() {
   step mkbwd_tests 240 "${PYTEST[@]}" -q -rfEs -m gpu -o timeout=150 tests/test_megakernel_backward.py
   step mkbwd_probe 300 python3 tools/megakernel_backward_probe.py \
@@ -433,7 +419,6 @@ case "$mode" in
   fp8train) run_fp8_train "${2:-fp8}" ;;
   fp8probe) run_fp8_probes ;;
   mkbwd) run_mkbwd "${2:-}" ;;
-  pdl) run_pdl "${2:-}" ;;
   stages) run_stages "${2:-}" ;;
   shared) run_shared "${2:-}" ;;
   bwdtimeline) run_bwdtimeline "${2:-}" ;;

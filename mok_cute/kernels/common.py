@@ -15,7 +15,6 @@ One place per concept:
 from __future__ import annotations
 
 import enum
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -28,31 +27,6 @@ from mok_cute.constants import (ERROR_CODE_SHIFT, ERROR_PEER_SHIFT, ERROR_RANK_S
                                 WAIT_TIMEOUT)
 
 LOG2_E = 1.4426950408889634
-
-
-# EXPERIMENT (lead 6, docs/measurements.md): programmatic dependent launch between the
-# one-GPU path's launches (MOK_EXPERIMENT_PDL=1 turns it on for a whole process, e.g. its GPU
-# tests). Read when a kernel is traced, not part of jit's cache key: tools/pdl_probe.py swaps
-# ``mok_cute.jit``'s cache between variants.
-EXPERIMENT_PDL = {"on": os.environ.get("MOK_EXPERIMENT_PDL") == "1"}
-
-
-def pdl() -> bool:
-    """EXPERIMENT: whether the kernels traced now launch with programmatic stream
-    serialization (``.launch(use_pdl=...)``) and wait in ``wait_for_previous_grid``."""
-    return EXPERIMENT_PDL["on"]
-
-
-@cute.jit
-def wait_for_previous_grid():
-    """PDL builds (``pdl()``): what a kernel runs before this (smem carve-up, barrier init,
-    descriptor prefetch, never a global access) may overlap the previous launch's tail; here
-    every thread waits until that launch has completed and its writes are visible, then lets
-    the next launch's CTAs start (they wait likewise, so the order of every access is
-    stream order). Other builds: nothing."""
-    if const_expr(pdl()):
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
 
 
 class NamedBarriers(enum.IntEnum):

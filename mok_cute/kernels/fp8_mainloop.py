@@ -323,7 +323,7 @@ class PromotingMainloop:
                                 loads: Int32, k_tiles: Int32,
                                 num_k_blocks: cutlass.Constexpr[int], exps,
                                 first_exps_after_wait: cutlass.Constexpr[bool] = False,
-                                hook_args=None, turns=None, stage_args=None):
+                                hook_args=None, turns=None):
         """One 256-wide tile over its ``k_tiles`` 128-deep groups, from stage use ``loads`` on:
         per group, N-half 0's wgmmas into the half-wide partial, wait, promote; then N-half 1's,
         wait, release the stage, promote. The tensor cores wait for each half's promotion (the
@@ -334,9 +334,7 @@ class PromotingMainloop:
         wait orders them). ``hook_args`` (the megakernel's recorder builds): the core's
         ``first_stage_wait`` / ``first_stage_ready`` hooks around the first stage's wait.
         ``turns`` (the expert path's FC1): each half's batch is issued in this warpgroup's
-        turn (``wait_mma_turn``), so the other warpgroup's wgmmas run while it promotes.
-        ``stage_args``: the argument of the core's ``stage_ready`` hook after each stage's wait.
-        """
+        turn (``wait_mma_turn``), so the other warpgroup's wgmmas run while it promotes."""
         read = pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages, loads)
         acc.fill(0.0)
         ea0, ea1, eb0, eb1 = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -348,7 +346,7 @@ class PromotingMainloop:
             if const_expr(hook_args is not None):
                 if k == 0:
                     self.first_stage_ready(t0, hook_args)
-            self.stage_ready(stage_args)
+            self.stage_ready(None)
             for half in cutlass.range_constexpr(2):
                 if const_expr(turns is not None):
                     self.wait_mma_turn(turns, k if const_expr(half == 0) else None)

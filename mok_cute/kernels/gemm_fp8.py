@@ -265,7 +265,7 @@ class GroupedGemmFp8Sm90(PromotingMainloop, TwoPartialMainloop, GroupedGemmSm90)
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
             *extra_c, mPreact, mRowSlot, mWeights, mPartials, self.half_mma, mHq, mEh,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
-                 min_blocks_per_mp=1, stream=stream, use_pdl=common.pdl())
+                 min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel

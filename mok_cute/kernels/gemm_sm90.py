@@ -180,7 +180,7 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
             *extra_c, mPreact, mRowSlot, mWeights, mPartials,
         ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
-                 min_blocks_per_mp=1, stream=stream, use_pdl=common.pdl())
+                 min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -203,7 +203,6 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
 
         if const_expr(self.timeline):
-            common.wait_for_previous_grid()
             if tidx == 0 and cute.arch.block_idx()[0] == 0:
                 common.timeline_mark_start(mTimeline, common.timeline_now())
         self.warp_roles(tidx, warp_idx, warpgroup_idx,
@@ -230,7 +229,6 @@ class GroupedGemmSm90(RowEpilogueMixin, GemmCoreSm90):
 
         ab, k_tile_cnt, num_n_tiles, k_split = self.partition_ab(
             tma_atom_a, mA_mkl, tma_atom_b, mB_nkl, tma_atom_b_up, mBup_nkl, sA, sB)
-        common.wait_for_previous_grid()
         num_m_tiles = mNumMTiles[0]
         num_tiles = num_m_tiles * num_n_tiles
 

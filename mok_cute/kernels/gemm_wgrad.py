@@ -118,7 +118,7 @@ class WgradGemmSm90(GemmCoreSm90):
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, mEA, mEA2, mEB
                     ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
-                             min_blocks_per_mp=1, stream=stream, use_pdl=common.pdl())
+                             min_blocks_per_mp=1, stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -173,7 +173,6 @@ class WgradGemmSm90(GemmCoreSm90):
         tiles_per_expert = num_m_tiles * num_n_tiles
         num_tiles = num_experts * tiles_per_expert
 
-        common.wait_for_previous_grid()
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warpgroup_idx == 0:

@@ -247,13 +247,11 @@ class QuantizeRows:
         warps = (units + 1) // 2
         grid_x = (warps + self.num_warps - 1) // self.num_warps
         self.kernel(mX, mQ, mE, mRows, units, groups).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-            use_pdl=common.pdl())
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
                mRows: Optional[cute.Tensor], units: Int32, groups: Int32):
-        common.wait_for_previous_grid()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -330,13 +328,11 @@ class QuantizeCols:
         units = mE.shape[1] * k_tiles
         grid_x = (units + self.num_warps - 1) // self.num_warps
         self.kernel(mX, mQ, mE, mRowIndex, units, k_tiles, k_vecs).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-            use_pdl=common.pdl())
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor,
                mRowIndex: Optional[cute.Tensor], units: Int32, k_tiles: Int32, k_vecs: Int32):
-        common.wait_for_previous_grid()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tr, tc = _ColumnTile.lane_coords()
@@ -420,13 +416,11 @@ class QuantizeColsPerExpert(QuantizeCols):
         units = mE.shape[0] * k_tiles
         grid_x = (units + self.num_warps - 1) // self.num_warps
         self.kernel(mX, mQ, mE, mOffsets, mRowIndex, units, k_tiles, k_vecs).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-            use_pdl=common.pdl())
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mE: cute.Tensor, mOffsets: cute.Tensor,
                mRowIndex: Optional[cute.Tensor], units: Int32, k_tiles: Int32, k_vecs: Int32):
-        common.wait_for_previous_grid()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tr, tc = _ColumnTile.lane_coords()
@@ -490,13 +484,11 @@ class QuantizeBlocks:
         n_blocks = (mX.shape[1] + GROUP - 1) // GROUP
         k_blocks = (mX.shape[2] + GROUP // 2 - 1) // (GROUP // 2)
         self.kernel(mX, mQ, mE, mQt, mEt).launch(
-            grid=[k_blocks, n_blocks, mX.shape[0]], block=[self.num_threads, 1, 1], stream=stream,
-            use_pdl=common.pdl())
+            grid=[k_blocks, n_blocks, mX.shape[0]], block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: Optional[cute.Tensor], mE: Optional[cute.Tensor],
                mQt: Optional[cute.Tensor], mEt: Optional[cute.Tensor]):
-        common.wait_for_previous_grid()
         kb, nb, b = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tr, tc = _ColumnTile.lane_coords()

@@ -40,7 +40,6 @@ import torch
 from cutlass import Int32, Int64, const_expr
 
 from mok_cute import jit
-from mok_cute.kernels import common
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -105,13 +104,11 @@ class ScheduleBuild:
         mTileExpert = cute.make_tensor(tile_expert, cute.make_layout(capacity // self.tile_m))
         mNumTiles = cute.make_tensor(num_tiles, cute.make_layout(1))
         self.count_kernel(mIds, mRank, mChunkCounts, first_rank, num_slots).launch(
-            grid=[chunks, num_peers, num_built], block=[THREADS, 1, 1], stream=stream,
-            use_pdl=common.pdl())
+            grid=[chunks, num_peers, num_built], block=[THREADS, 1, 1], stream=stream)
         self.place_kernel(mIds, mRank, mChunkCounts, mRowToken, mRowK, mRowPeer, mSlotRows,
                           mCounts, mOffsets, mTileExpert, mNumTiles, first_rank, num_slots, top_k,
                           capacity).launch(grid=[chunks, num_peers, num_built],
-                                           block=[THREADS, 1, 1], stream=stream,
-                                           use_pdl=common.pdl())
+                                           block=[THREADS, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device helpers
     @cute.jit
@@ -148,7 +145,6 @@ class ScheduleBuild:
     @cute.kernel
     def count_kernel(self, mIds: cute.Tensor, mRank: cute.Tensor, mChunkCounts: cute.Tensor,
                      first_rank: Int32, num_slots: Int32):
-        common.wait_for_previous_grid()
         E = self.num_experts
         tidx, _, _ = cute.arch.thread_idx()
         chunk, peer, rank, (mRank, mChunkCounts) = self._this_block(first_rank, mRank, mChunkCounts)
@@ -199,7 +195,6 @@ class ScheduleBuild:
                      mSlotRows: cute.Tensor, mCounts: cute.Tensor, mOffsets: cute.Tensor,
                      mTileExpert: cute.Tensor, mNumTiles: cute.Tensor, first_rank: Int32,
                      num_slots: Int32, top_k: Int32, capacity: Int32):
-        common.wait_for_previous_grid()
         E = self.num_experts
         tile_m = self.tile_m
         tidx, _, _ = cute.arch.thread_idx()

@@ -56,7 +56,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from mok_cute import jit
 from mok_cute.constants import MAX_TOP_K as MAX_K
 from mok_cute.constants import VEC_ELEMS
-from mok_cute.kernels import common
 
 VEC_BITS = 128  # 16 bytes of bf16: the widest global load/store a thread can issue
 
@@ -182,7 +181,7 @@ class GatherRows:
         mIdx = cute.make_tensor(index, cute.make_layout(num_rows))
         grid_x = (num_rows + self.rows_per_cta - 1) // self.rows_per_cta
         self.kernel(mSrc, mIdx, mDst, src_rows, num_rows, h_vecs).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=common.pdl()
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -195,7 +194,6 @@ class GatherRows:
         num_rows: Int32,
         h_vecs: Int32,
     ):
-        common.wait_for_previous_grid()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -251,7 +249,7 @@ class ScatterRows:
         mRows = cute.make_tensor(rows, cute.make_layout(num_tokens * self.K))
         grid_x = (num_tokens + self.num_warps - 1) // self.num_warps
         self.kernel(mSrc, mRows, mDst, num_tokens, dst_rows, h_vecs).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=common.pdl()
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -264,7 +262,6 @@ class ScatterRows:
         dst_rows: Int32,
         h_vecs: Int32,
     ):
-        common.wait_for_previous_grid()
         token, lane = _token_of_warp(self.num_warps)
         atom = _vector_copy_atom()
         if token < num_tokens:
@@ -325,7 +322,7 @@ class WeightedKSum:
         mW = cute.make_tensor(w, cute.make_layout((self.K, num_tokens), stride=(1, self.K)))
         grid_x = (num_tokens + self.num_warps - 1) // self.num_warps
         self.kernel(mY, mW, mShared, mOut, mIdx, num_tokens, h_vecs).launch(
-            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream, use_pdl=common.pdl()
+            grid=[grid_x, 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
@@ -339,7 +336,6 @@ class WeightedKSum:
         num_tokens: Int32,
         h_vecs: Int32,
     ):
-        common.wait_for_previous_grid()
         token, lane = _token_of_warp(self.num_warps)
         atom = _vector_copy_atom()
         if token < num_tokens:

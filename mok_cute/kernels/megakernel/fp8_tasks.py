@@ -15,7 +15,7 @@ from cutlass import Int8, Int32, Int64, const_expr
 
 from mok_cute.constants import TILE_M
 from mok_cute.kernels.megakernel.comm_tasks import Routing
-from mok_cute.kernels.megakernel.gemm_tasks import EXPERIMENT_FC1_FENCE, SavedRows
+from mok_cute.kernels.megakernel.gemm_tasks import SavedRows
 from mok_cute.kernels.megakernel.scheduler import D_EXPERT, D_ROW_BEGIN, TaskTables, ring_words
 from mok_cute.tasks import TaskType, TaskWord
 
@@ -50,7 +50,7 @@ class Fp8Tasks:
     def _fp8_mainloop(self, ctx, tt: TaskTables, routing: Routing, ticket_q, taken: Int32,
                       index: Int32, rank: Int32, ttype: Int32, fp8_ops: Fp8Operands, ab_pipeline,
                       half_mma, acc, halves, loads: Int32, k_tiles: Int32, consumer_tidx: Int32,
-                      hook_args=None, stage_args=None):
+                      hook_args=None):
         """An FC1 / FC2 task of an fp8 plan: the 256-wide tile one N-half at a time, each
         128-deep group promoted (``PromotingMainloop.half_promoting_mainloop``), the first
         group's exponents read after its stage wait (rows that other CTAs of this launch
@@ -74,8 +74,7 @@ class Fp8Tasks:
         num_k_blocks = cute.size(tCrA, mode=[2])
         self.half_promoting_mainloop(ab_pipeline, half_mma, acc, partial, tCrA, tCrB, tCrB_up,
                                      loads, k_tiles, num_k_blocks, exps,
-                                     first_exps_after_wait=True, hook_args=hook_args,
-                                     stage_args=stage_args)
+                                     first_exps_after_wait=True, hook_args=hook_args)
 
     def _task_exponents(self, ctx, routing: Routing, fp8_ops: Fp8Operands, ttype: Int32,
                         rank: Int32, ring_tile: Int32, n_tile: Int32, expert: Int32,
@@ -92,18 +91,13 @@ class Fp8Tasks:
         rows = []
         for r in self._my_rows(consumer_tidx):
             ring_row = ring_tile * TILE_M + r
-            in_h = ring_h[ring_row, None, rank].iterator.toint() + Int64(inter_p)
-            if const_expr(self.spec.rows_in_place and EXPERIMENT_FC1_FENCE["on"]):
-                # the routing's loads of a local row only in FC1 tasks
-                rows.append(self._fc1_row_or(is_fc1, in_h, ctx, routing, ring_x, rank,
-                                             ring_tile * TILE_M, row_begin, r, Int64(hidden_p)))
+            if const_expr(self.spec.rows_in_place):  # a local row: this rank's own packed row
+                in_x = self.x_row_address(ctx, routing, ring_x, rank, ring_tile * TILE_M,
+                                          row_begin, r, offset=Int64(hidden_p))
             else:
-                if const_expr(self.spec.rows_in_place):  # a local row: this rank's own packed row
-                    in_x = self.x_row_address(ctx, routing, ring_x, rank, ring_tile * TILE_M,
-                                              row_begin, r, offset=Int64(hidden_p))
-                else:
-                    in_x = ring_x[ring_row, None, rank].iterator.toint() + Int64(hidden_p)
-                rows.append(Int64(cutlass.select_(is_fc1, in_x, in_h)))
+                in_x = ring_x[ring_row, None, rank].iterator.toint() + Int64(hidden_p)
+            in_h = ring_h[ring_row, None, rank].iterator.toint() + Int64(inter_p)
+            rows.append(Int64(cutlass.select_(is_fc1, in_x, in_h)))
         last_block = cute.size(fp8_ops.e_down, mode=[1]) - 1
         gate = fp8_ops.e_gate[expert, n_tile, None].iterator.toint()
         up = fp8_ops.e_up[expert, n_tile, None].iterator.toint()
@@ -111,18 +105,6 @@ class Fp8Tasks:
         down1 = fp8_ops.e_down[expert, cutlass.min(2 * n_tile + 1, last_block), None].iterator.toint()
         return TaskExponents(rows[0], rows[1], Int64(cutlass.select_(is_fc1, gate, down0)),
                              Int64(cutlass.select_(is_fc1, up, down1)))
-
-    @cute.jit
-    def _fc1_row_or(self, is_fc1, other: Int64, ctx, routing: Routing, ring_x, rank: Int32,
-                    ring_first: Int32, row_begin: Int32, r: cutlass.Constexpr[int],
-                    offset: Int64) -> Int64:
-        """An FC1 task's x row address (``x_row_address``: a local row's loads) where
-        ``is_fc1``, else ``other``."""
-        row = Int64(other)
-        if is_fc1:
-            row = self.x_row_address(ctx, routing, ring_x, rank, ring_first, row_begin, r,
-                                     offset=offset)
-        return row
 
     def group_exponents(self, exps: TaskExponents, group: Int32):
         """The exponents of K group ``group`` (``PromotingMainloop``): four byte loads."""

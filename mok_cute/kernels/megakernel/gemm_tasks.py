@@ -24,7 +24,6 @@ A KSUM (or, with no comm CTA, the BARRIER) runs on all eight consumer warps.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import cutlass
@@ -51,10 +50,6 @@ DEFER_FLUSH_KTILES = 8  # k-tiles of the next mainloop before a deferred publish
 # a GEMM task's wait for its first stage shorter than this is not recorded as a STAGE_WAIT span
 # (the recorder's clock ticks every 32 ns on the H200)
 STAGE_WAIT_RECORD_MIN_NS = 64
-# EXPERIMENT (thirty-fourth session): with rows in place, the consumers' proxy fence after a
-# stage's wait only in FC1 tasks, whose A rows land by cp.async (every other task's stages
-# are TMA only); read when the kernel is traced
-EXPERIMENT_FC1_FENCE = {"on": os.environ.get("MOK_EXPERIMENT_FC1_FENCE") == "1"}
 # cp.async A-row gather: thread t of the producer warpgroup lands chunk t % 8 (16 B) of rows
 # t // 8 + 16 i, so a warp's cp.async covers four whole 128-B row segments (4 L1 wavefronts;
 # one row per thread would take 32)
@@ -172,7 +167,6 @@ class MainloopArgs(NamedTuple):
     held: Int32
     is_store_warp: object
     consumer_tidx: Int32
-    a_by_copy: object  # rows in place: an FC1 task, whose A rows land by cp.async
 
 
 class GemmTasks:
@@ -593,15 +587,13 @@ class GemmTasks:
                     if const_expr(self.spec.has_shared):
                         routed = ttype == int(TaskType.FC1) or ttype == int(TaskType.FC2)
                     hook_args = MainloopArgs(ctx, timeline_buf, index, rank, consumer_tidx == 0,
-                                             tt.counters, held, is_store_warp, consumer_tidx,
-                                             ttype == int(TaskType.FC1))
+                                             tt.counters, held, is_store_warp, consumer_tidx)
                     if routed:
                         # the promoting mainloop takes hooks in recorder builds only (STAGE_WAIT)
                         self._fp8_mainloop(ctx, tt, routing, ticket_q, taken, index, rank,
                                            ttype, fp8_ops, ab_pipeline, half_mma, acc, halves,
                                            loads, k_tiles, consumer_tidx,
-                                           hook_args if const_expr(self.spec.timeline) else None,
-                                           hook_args)
+                                           hook_args if const_expr(self.spec.timeline) else None)
                     if const_expr(self.spec.has_shared):
                         if not routed:
                             release = self.mainloop(
@@ -618,8 +610,7 @@ class GemmTasks:
                                             k_tiles, num_k_blocks,
                                             MainloopArgs(ctx, timeline_buf, index, rank,
                                                          consumer_tidx == 0, tt.counters, held,
-                                                         is_store_warp, consumer_tidx,
-                                                         ttype == int(TaskType.FC1)))
+                                                         is_store_warp, consumer_tidx))
                     cute.nvgpu.warpgroup.wait_group(0)
                     t_epilogue = self._now_if_recording()
                     ab_pipeline.consumer_release(release)
@@ -813,11 +804,7 @@ class GemmTasks:
         through the async proxy, so every consumer fences the proxies after a stage's wait
         (CUTLASS's cp.async mainloops rely on the mbarrier alone; not measured without)."""
         if const_expr(self.spec.rows_in_place):
-            if const_expr(EXPERIMENT_FC1_FENCE["on"]):
-                if hook_args.a_by_copy:
-                    cute.arch.fence_proxy("async.shared", space="cta")
-            else:
-                cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def k_tile_issued(self, k: Int32, hook_args):
