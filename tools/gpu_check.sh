@@ -63,6 +63,12 @@
 #                   R = 2 and 4 and its training step, a group's backward on virtual buffers, a shared
 #                   expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
+#   ncu [SHAPES]    Nsight Compute on one layer call of each path (tools/ncu_layer.py; $NCU_CONFIG,
+#                   default precision=fp8, as --mok-config): per shape (default qwen3_30b,gptoss_120b)
+#                   the SourceCounters / SpeedOfLight sections of the GEMM launches and the megakernel
+#                   (tools/ncu_source_summary.py: stall PCs, every mbarrier wait's retry-loop share;
+#                   durations, SM / L2 / DRAM throughput), then their DRAM, L2 sector and request
+#                   counters (tools/ncu_summary.py); CSVs gzipped under $OUT (~1 min a shape)
 #   ep [N] [PARTS]  on a machine of N >= 2 GPUs (default: all): PARTS (default all, comma-
 #                   separated) of check (tools/ep_check.py, bf16 and kimi), example (the example
 #                   under torchrun, trained, rank 0's timeline; FP8 too), bench (`mok-cute bench
@@ -357,6 +363,45 @@ run_train() {
   grep -q "^train_tests *rc=0 " "$out/train_tests.line" || failures=$((failures + 1))
 }
 
+run_ncu() {
+  # where a path's time goes (thirty-fourth session: the FP8 megakernel against its launches)
+  local ncu shape metrics="" m
+  ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
+  [ -n "$ncu" ] || { echo "no ncu on this machine"; failures=$((failures + 1)); return; }
+  "$ncu" --query-metrics --chip gh100 > "$out/ncu_metrics.txt" 2>&1
+  for m in dram__bytes_read.sum dram__bytes_write.sum lts__t_bytes.sum lts__t_sector_hit_rate.pct \
+      lts__t_sectors_srcunit_tex_op_read.sum lts__t_sectors_srcunit_tex_op_write.sum \
+      lts__t_requests_srcunit_tex.sum smsp__inst_executed.sum gpu__time_duration.sum \
+      sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed; do
+    if grep -qE "^\s*${m%%.*}\b" "$out/ncu_metrics.txt"; then metrics="$metrics,$m"; else echo "ncu lacks $m"; fi
+  done
+  rm -f "$out/ncu_metrics.txt"
+  for shape in ${1//,/ }; do
+    step "ncu_source_$shape" 200 "$ncu" --profile-from-start off --clock-control none \
+      --kernel-name "regex:Megakernel|Gemm" --section SourceCounters --section SpeedOfLight \
+      -f -o "$out/src_$shape" python3 tools/ncu_layer.py --shapes "$shape" \
+      --mok-config "${NCU_CONFIG:-precision=fp8}"
+    if [ -f "$out/src_$shape.ncu-rep" ]; then
+      "$ncu" -i "$out/src_$shape.ncu-rep" --page source --print-source sass --csv \
+        > "$out/ncu_source_$shape.csv" 2>/dev/null
+      "$ncu" -i "$out/src_$shape.ncu-rep" --page details --csv > "$out/ncu_details_$shape.csv" 2>/dev/null
+      rm -f "$out/src_$shape.ncu-rep"
+      python3 tools/ncu_source_summary.py "$out/ncu_source_$shape.csv" --top 8 | cut -c1-200
+      python3 -c 'import csv, sys
+for r in csv.DictReader(open(sys.argv[1])):
+    if r["Metric Name"] in ("Duration", "SM Frequency", "Compute (SM) Throughput",
+                            "L2 Cache Throughput", "DRAM Throughput"):
+        print(r["Kernel Name"][40:80], r["Metric Name"], r["Metric Value"], r["Metric Unit"])' \
+        "$out/ncu_details_$shape.csv"
+    fi
+    step "ncu_counters_$shape" 200 "$ncu" --profile-from-start off --clock-control none --csv \
+      --metrics "${metrics#,}" --log-file "$out/ncu_counters_$shape.csv" \
+      python3 tools/ncu_layer.py --shapes "$shape" --mok-config "${NCU_CONFIG:-precision=fp8}" \
+      && python3 tools/ncu_summary.py "$out/ncu_counters_$shape.csv" | grep -F "[" | cut -c1-400
+    gzip -f "$out"/ncu_*_"$shape".csv 2>/dev/null
+  done
+}
+
 run_sanitize() {
   # torch probes driver symbols at start-up: harmless API errors, not reported (--report-api-errors no)
   local tool
@@ -425,8 +470,9 @@ case "$mode" in
   bwdgroup) run_bwdgroup "${2:-}" ;;
   maingrad) run_maingrad "${2:-}" ;;
   sanitize) run_sanitize ;;
+  ncu) run_ncu "${2:-qwen3_30b,gptoss_120b}" ;;
   ep) run_ep "${2:-}" "${3:-}" ;;
-  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, stages, bwdtimeline, bwdgroup, shared, maingrad, sanitize, ep)" >&2; exit 2 ;;
+  *) echo "gpu_check.sh: unknown mode '$mode' (tests, alltests, bench, sonic, train, vtrain, fp8, fp8train, fp8probe, mkbwd, stages, bwdtimeline, bwdgroup, shared, maingrad, sanitize, ncu, ep)" >&2; exit 2 ;;
 esac
 echo "$mode: $failures failed step(s)"
 [ "$failures" -eq 0 ]

@@ -10,9 +10,9 @@ so ``ncu --profile-from-start off`` collects exactly those launches (the expert 
 the megakernel's one). Why: both paths run these layers at the H200's 700 W cap (fifteenth
 session), where what a path costs is energy, i.e. the bytes it moves (DRAM, L2) and the
 instructions it issues; ncu counts those, and the recorder and the clock probe cannot.
-Run it under ``ncu --profile-from-start off --nvtx`` on the GPU host (the ``ncu`` mode that
-did so left ``gpu_check.sh`` in the redesign; git history has its command line) and sum the
-counters per shape and path with ``tools/ncu_summary.py``.
+Run it under ``ncu --profile-from-start off`` on the GPU host (``gpu_check.sh ncu`` does, with
+the counters summed per shape and path by ``tools/ncu_summary.py`` and the per-SASS counters read
+by ``tools/ncu_source_summary.py``).
 """
 
 from __future__ import annotations

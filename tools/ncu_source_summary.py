@@ -10,8 +10,8 @@ mbarrier wait (``SYNCS.PHASECHK.TRANS64.TRYWAIT``) on the kernel's main path wit
 waits it made and how many of them went to ptxas's retry loop (TRYWAIT; NANOSLEEP.SYNCS;
 PHASECHK; BRA) and how many times that loop ran. In the sixteenth session this showed the
 megakernel's consumers falling to the retry loop in 82-85 % of k-tiles where the expert path's
-GEMM did in 1.4 % (``docs/measurements.md``). The CSVs come from ``ncu --set source`` exports on the GPU host (the ``ncusource`` mode that
-wrote them left ``gpu_check.sh`` in the redesign; git history has its command line).
+GEMM did in 1.4 % (``docs/measurements.md``). The CSVs come from ``ncu --section SourceCounters`` reports exported with ``--page source
+--print-source sass --csv`` on the GPU host (``gpu_check.sh ncu``).
 """
 
 from __future__ import annotations
