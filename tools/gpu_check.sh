@@ -393,6 +393,7 @@ for r in csv.DictReader(open(sys.argv[1])):
                             "L2 Cache Throughput", "DRAM Throughput"):
         print(r["Kernel Name"][40:80], r["Metric Name"], r["Metric Value"], r["Metric Unit"])' \
         "$out/ncu_details_$shape.csv"
+      rm -f "$out/ncu_details_$shape.csv"  # printed above; a call brings back at most 8 files
     fi
     step "ncu_counters_$shape" 200 "$ncu" --profile-from-start off --clock-control none --csv \
       --metrics "${metrics#,}" --log-file "$out/ncu_counters_$shape.csv" \
