@@ -43,10 +43,9 @@ def probe_shapes(shapes: str, probe, path, argv=None, doc: dict | None = None) -
     ``doc["shapes"]``; the JSON (``save_probe_json``) is saved after every shape, so a probe
     killed at its time limit keeps the shapes it finished."""
     doc = {"shapes": []} if doc is None else doc
-    for name in shape_names(shapes):
-        if name:
-            doc["shapes"].append(probe(name))
-            save_probe_json(path, doc, argv)
+    for name in shape_names(shapes):  # no empty names: shape_names drops them
+        doc["shapes"].append(probe(name))
+        save_probe_json(path, doc, argv)
     return doc
 
 

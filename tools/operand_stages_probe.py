@@ -205,6 +205,8 @@ def probe(name: str, variants: list[tuple[int | None, int]], rounds: int, reps: 
 
 def _variant(text: str) -> tuple[int | None, int]:
     stages, group_m = text.split(":")
+    if stages != "fit" and not stages.isdigit():
+        raise ValueError(f"--variants: STAGES is fit or N, got {stages!r}")
     return (None if stages == "fit" else int(stages)), int(group_m)
 
 
