@@ -9,13 +9,12 @@ variant against the first.
     python tools/operand_stages_probe.py --shapes gptoss_120b --variants fit:8,3:8 \
         --kernels "fc2 dgrad,fc1 dgrad"
 
-A variant is STAGES:GROUP_M (STAGES "fit": as many as smem holds; GROUP_M: the FC1 dgrad's
-M-tiles per raster group, ``ExpertPathOptions.fc2_group_m``, which that launch takes; "fit"
-is as many stages as smem holds, even where the one-GPU backward picks 3 for FC1's dgrad: 4 for
-the bf16 FC1 dgrad, weight gradients and forward FC1, 5-6 for the pingpong ones and the FP8
-dgrads, 3 for the cooperative FC2 dgrad). The
-stage cap is patched into ``GemmCoreSm90.operand_stages`` for this process: a probe
-for issue 32 (docs/measurements.md), not the benchmark of record.
+A variant is STAGES:GROUP_M. STAGES "fit" is as many stages as smem holds, even where the
+one-GPU backward picks 3 for FC1's dgrad (4 for the bf16 FC1 dgrad, weight gradients and
+forward FC1, 5-6 for the pingpong ones and the FP8 dgrads, 3 for the cooperative FC2 dgrad);
+GROUP_M is the FC1 dgrad's M-tiles per raster group (``ExpertPathOptions.fc2_group_m``). The
+stage cap is patched into ``GemmCoreSm90.operand_stages`` for this process: a probe for issue
+32 (docs/measurements.md), not the benchmark of record.
 """
 
 from __future__ import annotations
