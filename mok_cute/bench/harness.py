@@ -1,4 +1,5 @@
-"""The one-GPU benchmark of the MoE layer forward (``mok-cute bench``, ``tools/bench.py``).
+"""The one-GPU benchmark of the MoE layer forward (``mok-cute bench``; from a checkout
+``python -m mok_cute.cli bench``).
 
 Protocol (DESIGN §5): every contender runs in one process and one run, on fresh random normal
 data (never zeros). Before it is timed, each contender is checked against
