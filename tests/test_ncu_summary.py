@@ -57,12 +57,27 @@ def test_sums_counters_and_averages_rates_per_kernel_name(ncu_summary, tmp_path)
     assert paths["megakernel"] == {"launches": 1, "dram__bytes_read.sum": 2_000_000}
 
 
+def test_short_names_tell_cute_kernels_of_one_class_apart(ncu_summary):
+    fc1 = "kernel_cutlass_kernel_mok_cutekernelsgemm_fp8GroupedGemmFp8Sm90_object_at__CopyAtom_a"
+    fc2 = "kernel_cutlass_kernel_mok_cutekernelsgemm_fp8GroupedGemmFp8Sm90_object_at__CopyAtom_b"
+    mega = "kernel_cutlass_kernel_mok_cutekernelsmegakernelkernelMegakernelSm90_object_at__t"
+    torch_kernel = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>"
+    assert ncu_summary.short_names([fc1, mega, fc2, torch_kernel]) == {
+        fc1: "GroupedGemmFp8Sm90#1", mega: "MegakernelSm90", fc2: "GroupedGemmFp8Sm90#2",
+        torch_kernel: "at::native::vectorized_elementwise_kernel"}
+
+
 def test_main_prints_and_writes_json(ncu_summary, tmp_path, capsys, monkeypatch):
     path = _log(tmp_path, [_row(0, "kernel_MegakernelSm90", "smsp__inst_executed.sum", "42")])
     out = tmp_path / "summary.json"
     monkeypatch.setattr("sys.argv", ["ncu_summary.py", path, "--json", str(out)])
     ncu_summary.main()
-    assert "[megakernel] launches=1, smsp__inst_executed.sum=42" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "  kernel_MegakernelSm90: launches=1, smsp__inst_executed.sum=42" in printed
+    assert "[megakernel] launches=1, smsp__inst_executed.sum=42" in printed
+    monkeypatch.setattr("sys.argv", ["ncu_summary.py", path, "--per-launch"])
+    ncu_summary.main()
+    assert "  #0 kernel_MegakernelSm90: smsp__inst_executed.sum=42" in capsys.readouterr().out
     assert json.loads(out.read_text())[path]["paths"]["megakernel"]["smsp__inst_executed.sum"] == 42
 
 

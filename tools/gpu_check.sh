@@ -398,7 +398,8 @@ for r in csv.DictReader(open(sys.argv[1])):
     step "ncu_counters_$shape" 200 "$ncu" --profile-from-start off --clock-control none --csv \
       --metrics "${metrics#,}" --log-file "$out/ncu_counters_$shape.csv" \
       python3 tools/ncu_layer.py --shapes "$shape" --mok-config "${NCU_CONFIG:-precision=fp8}" \
-      && python3 tools/ncu_summary.py "$out/ncu_counters_$shape.csv" | grep -F "[" | cut -c1-400
+      && python3 tools/ncu_summary.py --per-launch "$out/ncu_counters_$shape.csv" \
+        | grep -E "^  (\[|#[0-9]+ [A-Z])" | cut -c1-400
     gzip -f "$out"/ncu_*_"$shape".csv 2>/dev/null
   done
 }

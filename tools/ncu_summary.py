@@ -5,7 +5,10 @@
 Each file is one shape's run of ``tools/ncu_layer.py`` (one call of the expert path, one of
 the megakernel). Prints, per kernel name, the launches and each metric summed over them
 (byte, instruction and time counters) or averaged (rates and percentages), then the total of
-the expert path's kernels (every kernel but the megakernel) against the megakernel's.
+the expert path's kernels (every kernel but the megakernel) against the megakernel's. Printed
+per launch instead, in launch order (``--per-launch``: a call's FC1 and FC2 GEMMs may share one
+kernel name), each by a short label (``short_names``: the CuTe kernel class); the JSON keeps
+full names.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import re
 from collections import defaultdict
 
 MEGAKERNEL = re.compile(r"megakernel", re.IGNORECASE)
+CUTE_CLASS = re.compile(r"([A-Z][A-Za-z0-9]*)_object_at_")  # CuTe DSL: <module><Class>_object_at_...
 
 
 def read_rows(path: str) -> list[dict]:
@@ -33,16 +37,22 @@ def _number(text: str) -> float | None:
         return None
 
 
-def summarize(rows: list[dict]) -> dict:
-    """{kernel name: {"launches": n, metric: value}}: ``.sum`` metrics and durations summed
-    over the launches, the others (rates, percentages) averaged."""
+def launches(rows: list[dict]) -> dict[tuple, dict]:
+    """{(launch ID, kernel name): {metric: value}} in launch order (values that are not
+    numbers left out)."""
     per_launch: dict[tuple, dict] = defaultdict(dict)
     for r in rows:
         value = _number(r.get("Metric Value", ""))
         if value is not None:
             per_launch[(r["ID"], r["Kernel Name"])][r["Metric Name"]] = value
+    return dict(per_launch)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """{kernel name: {"launches": n, metric: value}}: ``.sum`` metrics and durations summed
+    over the launches, the others (rates, percentages) averaged."""
     out: dict[str, dict] = {}
-    for (_, name), metrics in per_launch.items():
+    for (_, name), metrics in launches(rows).items():
         k = out.setdefault(name, {"launches": 0})
         k["launches"] += 1
         for m, v in metrics.items():
@@ -52,6 +62,27 @@ def summarize(rows: list[dict]) -> dict:
             if isinstance(vs, list):
                 summed = m.endswith(".sum") or m.startswith("gpu__time_duration")
                 k[m] = sum(vs) if summed else sum(vs) / len(vs)
+    return out
+
+
+def short_names(names) -> dict[str, str]:
+    """{full kernel name: label}: a CuTe kernel's class name (its mangled names differ only past
+    the first ~70 characters), else the name up to its first template argument, cut to 48
+    characters; labels that two names share get #1, #2, ... in the order given."""
+    base = {}
+    for name in names:
+        m = CUTE_CLASS.search(name)
+        base[name] = m.group(1) if m else name.removeprefix("void ").split("<")[0][:48]
+    counts: dict[str, int] = defaultdict(int)
+    for label in base.values():
+        counts[label] += 1
+    seen: dict[str, int] = defaultdict(int)
+    out = {}
+    for name, label in base.items():
+        if counts[label] > 1:
+            seen[label] += 1
+            label = f"{label}#{seen[label]}"
+        out[name] = label
     return out
 
 
@@ -70,14 +101,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--per-launch", action="store_true", help="one line a launch, not a kernel name")
     a = ap.parse_args()
     report = {}
     for path in a.files:
-        kernels = summarize(read_rows(path))
+        rows = read_rows(path)
+        kernels = summarize(rows)
         report[path] = {"kernels": kernels, "paths": by_path(kernels)}
         print(f"== {path}")
-        for name, k in kernels.items():
-            print(f"  {name[:70]}: " + ", ".join(f"{m}={v:.4g}" for m, v in k.items()))
+        labels = short_names(kernels)
+        if a.per_launch:
+            for (launch, name), k in launches(rows).items():
+                print(f"  #{launch} {labels[name]}: " + ", ".join(f"{m}={v:.4g}" for m, v in k.items()))
+        else:
+            for name, k in kernels.items():
+                print(f"  {labels[name]}: " + ", ".join(f"{m}={v:.4g}" for m, v in k.items()))
         for p, sums in report[path]["paths"].items():
             print(f"  [{p}] " + ", ".join(f"{m}={v:.4g}" for m, v in sums.items()))
     if a.json:
