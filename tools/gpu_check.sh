@@ -64,11 +64,12 @@
 #                   expert, a wrapping ring; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
 #   ncu [SHAPES]    Nsight Compute on one layer call of each path (tools/ncu_layer.py; $NCU_CONFIG,
-#                   default precision=fp8, as --mok-config): per shape (default qwen3_30b,gptoss_120b)
+#                   default precision=fp8, KEY=VALUE fields apart by spaces, each a --mok-config,
+#                   e.g. "precision=fp8 megakernel.tickets=dynamic"): per shape (default qwen3_30b,gptoss_120b)
 #                   the SourceCounters / SpeedOfLight sections of the GEMM launches and the megakernel
 #                   (tools/ncu_source_summary.py: stall PCs, every mbarrier wait's retry-loop share;
 #                   durations, SM / L2 / DRAM throughput), then their DRAM, L2 sector and request
-#                   counters (tools/ncu_summary.py); CSVs gzipped under $OUT (~1 min a shape)
+#                   counters of each launch (tools/ncu_summary.py --per-launch); CSVs gzipped under $OUT (~1 min a shape)
 #   ep [N] [PARTS]  on a machine of N >= 2 GPUs (default: all): PARTS (default all, comma-
 #                   separated) of check (tools/ep_check.py, bf16 and kimi), example (the example
 #                   under torchrun, trained, rank 0's timeline; FP8 too), bench (`mok-cute bench
@@ -365,7 +366,8 @@ run_train() {
 
 run_ncu() {
   # where a path's time goes (thirty-fourth session: the FP8 megakernel against its launches)
-  local ncu shape metrics="" m
+  local ncu shape metrics="" m field config=()
+  for field in ${NCU_CONFIG:-precision=fp8}; do config+=(--mok-config "$field"); done
   ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "no ncu on this machine"; failures=$((failures + 1)); return; }
   "$ncu" --query-metrics --chip gh100 > "$out/ncu_metrics.txt" 2>&1
@@ -380,7 +382,7 @@ run_ncu() {
     step "ncu_source_$shape" 200 "$ncu" --profile-from-start off --clock-control none \
       --kernel-name "regex:Megakernel|Gemm" --section SourceCounters --section SpeedOfLight \
       -f -o "$out/src_$shape" python3 tools/ncu_layer.py --shapes "$shape" \
-      --mok-config "${NCU_CONFIG:-precision=fp8}"
+      "${config[@]}"
     if [ -f "$out/src_$shape.ncu-rep" ]; then
       "$ncu" -i "$out/src_$shape.ncu-rep" --page source --print-source sass --csv \
         > "$out/ncu_source_$shape.csv" 2>/dev/null
@@ -397,7 +399,7 @@ for r in csv.DictReader(open(sys.argv[1])):
     fi
     step "ncu_counters_$shape" 200 "$ncu" --profile-from-start off --clock-control none --csv \
       --metrics "${metrics#,}" --log-file "$out/ncu_counters_$shape.csv" \
-      python3 tools/ncu_layer.py --shapes "$shape" --mok-config "${NCU_CONFIG:-precision=fp8}" \
+      python3 tools/ncu_layer.py --shapes "$shape" "${config[@]}" \
       && python3 tools/ncu_summary.py --per-launch "$out/ncu_counters_$shape.csv" \
         | grep -E "^  (\[|#[0-9]+ [A-Z])" | cut -c1-400
     gzip -f "$out"/ncu_*_"$shape".csv 2>/dev/null
