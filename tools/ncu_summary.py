@@ -110,12 +110,10 @@ def main() -> None:
         report[path] = {"kernels": kernels, "paths": by_path(kernels)}
         print(f"== {path}")
         labels = short_names(kernels)
-        if a.per_launch:
-            for (launch, name), k in launches(rows).items():
-                print(f"  #{launch} {labels[name]}: " + ", ".join(f"{m}={v:.4g}" for m, v in k.items()))
-        else:
-            for name, k in kernels.items():
-                print(f"  {labels[name]}: " + ", ".join(f"{m}={v:.4g}" for m, v in k.items()))
+        lines = ([(f"#{launch} {labels[name]}", k) for (launch, name), k in launches(rows).items()]
+                 if a.per_launch else [(labels[name], k) for name, k in kernels.items()])
+        for label, k in lines:
+            print(f"  {label}: " + ", ".join(f"{m}={v:.4g}" for m, v in k.items()))
         for p, sums in report[path]["paths"].items():
             print(f"  [{p}] " + ", ".join(f"{m}={v:.4g}" for m, v in sums.items()))
     if a.json:
