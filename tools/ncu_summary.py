@@ -17,7 +17,7 @@ import argparse
 import csv
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 MEGAKERNEL = re.compile(r"megakernel", re.IGNORECASE)
 CUTE_CLASS = re.compile(r"([A-Z][A-Za-z0-9]*)_object_at_")  # CuTe DSL: <module><Class>_object_at_...
@@ -73,10 +73,8 @@ def short_names(names) -> dict[str, str]:
     for name in names:
         m = CUTE_CLASS.search(name)
         base[name] = m.group(1) if m else name.removeprefix("void ").split("<")[0][:48]
-    counts: dict[str, int] = defaultdict(int)
-    for label in base.values():
-        counts[label] += 1
-    seen: dict[str, int] = defaultdict(int)
+    counts = Counter(base.values())
+    seen: Counter = Counter()
     out = {}
     for name, label in base.items():
         if counts[label] > 1:
