@@ -5,10 +5,9 @@
 Each file is one shape's run of ``tools/ncu_layer.py`` (one call of the expert path, one of
 the megakernel). Prints, per kernel name, the launches and each metric summed over them
 (byte, instruction and time counters) or averaged (rates and percentages), then the total of
-the expert path's kernels (every kernel but the megakernel) against the megakernel's. Printed
-per launch instead, in launch order (``--per-launch``: a call's FC1 and FC2 GEMMs may share one
-kernel name), each by a short label (``short_names``: the CuTe kernel class); the JSON keeps
-full names.
+the expert path's kernels (every kernel but the megakernel) against the megakernel's.
+``--per-launch``: a line per launch instead (FC1 and FC2 may share a kernel name). Kernels print
+by ``short_names``; the JSON keeps full names.
 """
 
 from __future__ import annotations
@@ -30,6 +29,11 @@ def read_rows(path: str) -> list[dict]:
     return list(csv.DictReader(lines))
 
 
+def _summed(metric: str) -> bool:
+    """Byte, instruction and time counters add up over launches; rates and percentages do not."""
+    return metric.endswith(".sum") or metric.startswith("gpu__time_duration")
+
+
 def _number(text: str) -> float | None:
     try:
         return float(text.replace(",", ""))
@@ -38,8 +42,7 @@ def _number(text: str) -> float | None:
 
 
 def launches(rows: list[dict]) -> dict[tuple, dict]:
-    """{(launch ID, kernel name): {metric: value}} in launch order (values that are not
-    numbers left out)."""
+    """{(launch ID, kernel name): {metric: value}}, numbers only, in launch order."""
     per_launch: dict[tuple, dict] = defaultdict(dict)
     for r in rows:
         value = _number(r.get("Metric Value", ""))
@@ -60,15 +63,14 @@ def summarize(rows: list[dict]) -> dict:
     for k in out.values():
         for m, vs in list(k.items()):
             if isinstance(vs, list):
-                summed = m.endswith(".sum") or m.startswith("gpu__time_duration")
-                k[m] = sum(vs) if summed else sum(vs) / len(vs)
+                k[m] = sum(vs) if _summed(m) else sum(vs) / len(vs)
     return out
 
 
 def short_names(names) -> dict[str, str]:
-    """{full kernel name: label}: a CuTe kernel's class name (its mangled names differ only past
-    the first ~70 characters), else the name up to its first template argument, cut to 48
-    characters; labels that two names share get #1, #2, ... in the order given."""
+    """{name: label}: a CuTe kernel's class (its mangled names differ only past ~70 characters),
+    else the name up to its first template argument, at most 48 characters; a label two names
+    share gets #1, #2, ... in order."""
     base = {}
     for name in names:
         m = CUTE_CLASS.search(name)
@@ -90,7 +92,7 @@ def by_path(kernels: dict) -> dict:
     for name, k in kernels.items():
         path = paths["megakernel" if MEGAKERNEL.search(name) else "expert_kernels"]
         for m, v in k.items():
-            if m == "launches" or m.endswith(".sum") or m.startswith("gpu__time_duration"):
+            if m == "launches" or _summed(m):
                 path[m] += v
     return {p: dict(v) for p, v in paths.items()}
 
