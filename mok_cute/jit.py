@@ -92,7 +92,7 @@ KERNELS: dict[str, KernelSpec] = {
          "max_ab_stages": None},
         "FC1's dgrad: [dG | dU] @ [W_gate; W_up] in one accumulator (K = 2I)"),
     "gemm_wgrad": KernelSpec(
-        "mok_cute.kernels.gemm_wgrad", "compile_wgrad_gemm", {"gated": True, "accumulate": False},
+        "mok_cute.kernels.gemm_wgrad", "compile_wgrad_gemm", {"gated": True, "accumulate": False, "main_grad_add": None},
         "expert weight gradients: K = each expert's rows, MN-major operands, gate and up sharing x; "
         "accumulate=True adds them into fp32 (main_grad) by TMA reduce-add"),
     "quantize_rows": KernelSpec(
@@ -127,7 +127,7 @@ KERNELS: dict[str, KernelSpec] = {
         "FP8 grouped GEMM FC1 dgrad: [dG | dU] . [W_gate^T; W_up^T] (K = 2I, two B tensors), "
         "promoted every 128 K"),
     "gemm_wgrad_fp8": KernelSpec(
-        "mok_cute.kernels.gemm_wgrad_fp8", "compile_wgrad_gemm_fp8", {"gated": True, "accumulate": False},
+        "mok_cute.kernels.gemm_wgrad_fp8", "compile_wgrad_gemm_fp8", {"gated": True, "accumulate": False, "main_grad_add": None},
         "FP8 expert weight gradients: e4m3 column-quantized copies (K = each expert's rows), "
         "per-(column, 128-row) scales on both operands, promoted every group"),
     "megakernel": KernelSpec(

@@ -419,6 +419,11 @@ class GemmCoreSm90:
             gate, up = self.swiglu_preact(epi, sm, sn)
             for v in cutlass.range_constexpr(frag_size):
                 outs[0][v] = common.silu(gate[v]) * up[v]
+        elif const_expr(kind == "add"):  # the accumulator plus an fp32 tile (AddendTile)
+            first = (sm * acc_n + sn) * frag_size
+            addend = visit_args.subtile(sm * acc_n + sn)
+            for v in cutlass.range_constexpr(frag_size):
+                outs[0][v] = epi.acc[first + v] + addend[v]
         else:
             first = (sm * acc_n + sn) * frag_size
             for v in cutlass.range_constexpr(frag_size):
@@ -439,6 +444,17 @@ class GemmCoreSm90:
         gate.store(gate.load().to(cutlass.BFloat16).to(Float32))
         up.store(up.load().to(cutlass.BFloat16).to(Float32))
         return gate, up
+
+    @cute.jit
+    def load_addend(self, frag: cute.Tensor, g_part: cute.Tensor, c_part: cute.Tensor, bounds):
+        """``frag`` (an epilogue fragment) from its global subtile ``g_part``, one 8-byte load
+        per column pair; pairs whose coordinate (``c_part``) lies outside ``bounds`` read 0."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        frag.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(frag, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(frag, mode=[2])):
+                if cute.elem_less(c_part[(0, i, j)], bounds):
+                    cute.copy(atom, g_part[(None, i, j)], frag[(None, i, j)])
 
     def epi_coords(self, epi: "TileEpilogue", tidx):
         """(row, column) of each of this thread's epilogue fragment elements inside a subtile
@@ -490,3 +506,34 @@ class TileEpilogue:
     def __init__(self, tiled_copy, tRS_sC, acc, frag_shape, sC):
         self.tiled_copy, self.tRS_sC, self.acc, self.frag_shape, self.sC = (
             tiled_copy, tRS_sC, acc, frag_shape, sC)
+
+
+class AddendTile:
+    """The fp32 tile an epilogue ``"add"``s its accumulator to (a weight's main_grad), read
+    from global memory in the epilogue's fragment order ``depth`` subtiles ahead of the
+    subtile being stored, so each load's latency hides under the stores before it. The sums
+    go out by plain TMA stores: one read and one write per element, no L2 reduction. Built
+    per output tile from its (tile rows, tile columns) views of the tensor (``g_tile``) and
+    of its coordinates (``c_tile``); ``bounds`` the tensor's shape. Traced inline."""
+
+    def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, g_tile, c_tile, bounds,
+                 copy_tidx, depth: int = 2):
+        self.gemm, self.epi, self.bounds, self.depth = gemm, epi, bounds, depth
+        self.thr_copy = epi.tiled_copy.get_slice(copy_tidx)
+        self.g_subtiles = cute.flat_divide(g_tile, gemm.epi_tile)  # (64, 32, M subtiles, N ...)
+        self.c_subtiles = cute.flat_divide(c_tile, gemm.epi_tile)
+        self.per_row = gemm.tile_shape_mnk[1] // gemm.epi_tile[1]
+        self.count = gemm.tile_shape_mnk[0] // gemm.epi_tile[0] * self.per_row
+        self.frags = []
+
+    def subtile(self, idx: int) -> cute.Tensor:
+        """Subtile ``idx``'s fragment (row-major subtile order), its loads and those of the
+        next ``depth`` subtiles issued."""
+        while len(self.frags) < min(idx + 1 + self.depth, self.count):
+            k = len(self.frags)
+            where = (None, None, k // self.per_row, k % self.per_row)
+            frag = cute.make_rmem_tensor(self.epi.frag_shape, Float32)
+            self.gemm.load_addend(frag, self.thr_copy.partition_D(self.g_subtiles[where]),
+                                  self.thr_copy.partition_D(self.c_subtiles[where]), self.bounds)
+            self.frags.append(frag)
+        return self.frags[idx]

@@ -40,10 +40,13 @@ from cutlass import Int32, const_expr
 from mok_cute import jit
 from mok_cute.config import check_tensor
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import GemmCoreSm90
+from mok_cute.kernels.gemm_core import AddendTile, GemmCoreSm90
 
 WG_ROWS = 128  # M rows per consumer warpgroup
 WGRAD_TILE_N = 128
+# TEMPORARY A/B (main_grad's fused weight gradients): "load" reads main_grad into registers and
+# stores the sums by plain TMA stores (gemm_core.AddendTile); "reduce" adds by TMA reduce-add
+MAIN_GRAD_ADD = "load"
 
 
 class WgradGemmSm90(GemmCoreSm90):
@@ -56,7 +59,7 @@ class WgradGemmSm90(GemmCoreSm90):
     """
 
     def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
-                 accumulate: bool = False):
+                 accumulate: bool = False, main_grad_add: str | None = None):
         # each warpgroup is a whole single-warpgroup MMA over its 128 rows (the pingpong
         # layout: 64 x 32 epilogue subtiles, buffers and barriers per warpgroup)
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
@@ -65,6 +68,7 @@ class WgradGemmSm90(GemmCoreSm90):
         self.group_m = group_m
         self.num_sms = num_sms
         self.accumulate = accumulate
+        self.adds_by_load = accumulate and (main_grad_add or MAIN_GRAD_ADD) == "load"
         if accumulate:
             self.fp32_epilogue()
 
@@ -98,7 +102,7 @@ class WgradGemmSm90(GemmCoreSm90):
         tile_n, tile_k = self.tile_shape_mnk[1], self.tile_shape_mnk[2]
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
-        if const_expr(self.accumulate):
+        if const_expr(self.accumulate and not self.adds_by_load):
             s2g = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
         a_layout = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
         b_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
@@ -116,7 +120,9 @@ class WgradGemmSm90(GemmCoreSm90):
         self.shared_storage = self.make_shared_storage(a_tiles_per_stage=2)
         self.kernel(tma_a, t_a, tma_a2, t_a2, tma_b, t_b, tma_c, t_c, tma_c2, t_c2, mOffsets,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
-                    self.epi_smem_layout_staged, mEA, mEA2, mEB
+                    self.epi_smem_layout_staged, mEA, mEA2, mEB,
+                    mC if const_expr(self.adds_by_load) else None,
+                    mC2 if const_expr(self.adds_by_load) else None
                     ).launch(grid=[self.num_sms, 1, 1], block=[self.threads_per_cta, 1, 1],
                              min_blocks_per_mp=1, stream=stream)
 
@@ -129,7 +135,8 @@ class WgradGemmSm90(GemmCoreSm90):
                a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout, mEA: Optional[cute.Tensor],
-               mEA2: Optional[cute.Tensor], mEB: Optional[cute.Tensor]):
+               mEA2: Optional[cute.Tensor], mEB: Optional[cute.Tensor],
+               mCm: Optional[cute.Tensor], mC2m: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warpgroup)
@@ -219,6 +226,15 @@ class WgradGemmSm90(GemmCoreSm90):
             gC2 = None
             if const_expr(self.gated):
                 gC2 = cute.local_tile(mC2, (self.wg_rows, tile_n), (None, None, None))
+            kind = "store"
+            gCm, gC2m, cC = None, None, None
+            if const_expr(self.adds_by_load):  # main_grad read into registers (AddendTile)
+                kind = "add"
+                gCm = cute.local_tile(mCm, (self.wg_rows, tile_n), (None, None, None))
+                if const_expr(self.gated):
+                    gC2m = cute.local_tile(mC2m, (self.wg_rows, tile_n), (None, None, None))
+                cC = cute.local_tile(cute.make_identity_tensor(mCm.shape), (self.wg_rows, tile_n),
+                                     (None, None, None))
             loads = Int32(0)
             subtiles = Int32(0)
             tile_idx = cute.arch.block_idx()[0]
@@ -233,22 +249,31 @@ class WgradGemmSm90(GemmCoreSm90):
                 else:
                     acc.fill(0.0)  # an expert with no rows
                 loads += k_tiles
+                where = (None, None, block, n_tile, expert)
                 if const_expr(self.gated):
                     if wg == 0:
-                        self.tile_epilogue(epi, (tma_c,), (gC[(None, None, block, n_tile, expert)],),
-                                           "store", wg * self.epi_stages, subtiles, barrier,
-                                           store_pipeline, is_store_warp)
+                        self.tile_epilogue(epi, (tma_c,), (gC[where],), kind, wg * self.epi_stages,
+                                           subtiles, barrier, store_pipeline, is_store_warp,
+                                           self.addend(epi, gCm, cC, mCm, where, wg_tidx))
                     else:
-                        self.tile_epilogue(epi, (tma_c2,), (gC2[(None, None, block, n_tile, expert)],),
-                                           "store", wg * self.epi_stages, subtiles, barrier,
-                                           store_pipeline, is_store_warp)
+                        self.tile_epilogue(epi, (tma_c2,), (gC2[where],), kind,
+                                           wg * self.epi_stages, subtiles, barrier,
+                                           store_pipeline, is_store_warp,
+                                           self.addend(epi, gC2m, cC, mCm, where, wg_tidx))
                 else:
-                    self.tile_epilogue(epi, (tma_c,), (gC[(None, None, block, n_tile, expert)],),
-                                       "store", wg * self.epi_stages, subtiles, barrier,
-                                       store_pipeline, is_store_warp)
+                    self.tile_epilogue(epi, (tma_c,), (gC[where],), kind, wg * self.epi_stages,
+                                       subtiles, barrier, store_pipeline, is_store_warp,
+                                       self.addend(epi, gCm, cC, mCm, where, wg_tidx))
                 subtiles += (self.wg_rows // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
                 tile_idx += cute.arch.grid_dim()[0]
             store_pipeline.producer_tail()
+
+    def addend(self, epi, g_main, c_main, mCm, where, wg_tidx):
+        """The ``"add"`` epilogue's main_grad tile at ``where`` (None when it reduce-adds).
+        Traced inline."""
+        if const_expr(not self.adds_by_load):
+            return None
+        return AddendTile(self, epi, g_main[where], c_main[where], mCm.shape, wg_tidx)
 
     def operands(self, mA, mA2, mB):
         """The operands as the kernel reads them (the FP8 subclass reinterprets int8 views).
@@ -283,12 +308,14 @@ class WgradGemmSm90(GemmCoreSm90):
 
 
 def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                       arch: str = "sm_90a", options: str = "", accumulate: bool = False):
+                       arch: str = "sm_90a", options: str = "", accumulate: bool = False,
+                       main_grad_add: str | None = None):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` (M / N contiguous), ``C (M, N, E)``, ``C2`` (gated) or None (N
     contiguous; fp32 with ``accumulate``), the int32 expert row offsets; it runs on torch's
     current stream."""
-    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
+    gemm = WgradGemmSm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate,
+                         main_grad_add=main_grad_add)
     bf16 = cutlass.BFloat16
     rows = cute.sym_int32()  # the shared expert's K is every token: any count
     m, n, experts = (cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8),
