@@ -446,15 +446,24 @@ class GemmCoreSm90:
         return gate, up
 
     @cute.jit
-    def load_addend(self, frag: cute.Tensor, g_part: cute.Tensor, c_part: cute.Tensor, bounds):
-        """``frag`` (an epilogue fragment) from its global subtile ``g_part``, one 8-byte load
-        per column pair; pairs whose coordinate (``c_part``) lies outside ``bounds`` read 0."""
+    def load_addend(self, frag: cute.Tensor, main, alt, use_alt):
+        """``frag`` (an epilogue fragment) from global memory, one 8-byte load per column
+        pair: ``main`` = (the subtile's partition, its coordinates', the tensor's shape), or
+        ``alt``'s where the run-time ``use_alt`` holds; pairs past the shape read 0."""
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
         frag.fill(0.0)
         for i in cutlass.range_constexpr(cute.size(frag, mode=[1])):
             for j in cutlass.range_constexpr(cute.size(frag, mode=[2])):
-                if cute.elem_less(c_part[(0, i, j)], bounds):
-                    cute.copy(atom, g_part[(None, i, j)], frag[(None, i, j)])
+                if const_expr(alt is None):
+                    if cute.elem_less(main[1][(0, i, j)], main[2]):
+                        cute.copy(atom, main[0][(None, i, j)], frag[(None, i, j)])
+                else:
+                    if use_alt:
+                        if cute.elem_less(alt[1][(0, i, j)], alt[2]):
+                            cute.copy(atom, alt[0][(None, i, j)], frag[(None, i, j)])
+                    else:
+                        if cute.elem_less(main[1][(0, i, j)], main[2]):
+                            cute.copy(atom, main[0][(None, i, j)], frag[(None, i, j)])
 
     def epi_coords(self, epi: "TileEpilogue", tidx):
         """(row, column) of each of this thread's epilogue fragment elements inside a subtile
@@ -513,15 +522,18 @@ class AddendTile:
     from global memory in the epilogue's fragment order ``depth`` subtiles ahead of the
     subtile being stored, so each load's latency hides under the stores before it. The sums
     go out by plain TMA stores: one read and one write per element, no L2 reduction. Built
-    per output tile from its (tile rows, tile columns) views of the tensor (``g_tile``) and
-    of its coordinates (``c_tile``); ``bounds`` the tensor's shape. Traced inline."""
+    per output tile from ``main`` = (the tile's (rows, columns) view of the tensor, the same
+    view of its coordinates, the tensor's shape); elements past the shape read 0. ``alt``:
+    another such triple, read instead where the run-time ``use_alt`` holds (the backward
+    megakernel's shared expert). Traced inline."""
 
-    def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, g_tile, c_tile, bounds,
-                 copy_tidx, depth: int = 2):
-        self.gemm, self.epi, self.bounds, self.depth = gemm, epi, bounds, depth
+    def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, main, copy_tidx, alt=None,
+                 use_alt=None, depth: int = 2):
+        self.gemm, self.epi, self.depth, self.use_alt = gemm, epi, depth, use_alt
         self.thr_copy = epi.tiled_copy.get_slice(copy_tidx)
-        self.g_subtiles = cute.flat_divide(g_tile, gemm.epi_tile)  # (64, 32, M subtiles, N ...)
-        self.c_subtiles = cute.flat_divide(c_tile, gemm.epi_tile)
+        # (64, 32, M subtiles, N subtiles) views of the tile and its coordinates
+        self.sources = [(cute.flat_divide(g, gemm.epi_tile), cute.flat_divide(c, gemm.epi_tile),
+                         bounds) for g, c, bounds in ([main] if alt is None else [main, alt])]
         self.per_row = gemm.tile_shape_mnk[1] // gemm.epi_tile[1]
         self.count = gemm.tile_shape_mnk[0] // gemm.epi_tile[0] * self.per_row
         self.frags = []
@@ -532,8 +544,10 @@ class AddendTile:
         while len(self.frags) < min(idx + 1 + self.depth, self.count):
             k = len(self.frags)
             where = (None, None, k // self.per_row, k % self.per_row)
+            parts = [(self.thr_copy.partition_D(g[where]), self.thr_copy.partition_D(c[where]),
+                      bounds) for g, c, bounds in self.sources]
             frag = cute.make_rmem_tensor(self.epi.frag_shape, Float32)
-            self.gemm.load_addend(frag, self.thr_copy.partition_D(self.g_subtiles[where]),
-                                  self.thr_copy.partition_D(self.c_subtiles[where]), self.bounds)
+            self.gemm.load_addend(frag, parts[0], parts[1] if len(parts) > 1 else None,
+                                  self.use_alt)
             self.frags.append(frag)
         return self.frags[idx]

@@ -273,7 +273,7 @@ class WgradGemmSm90(GemmCoreSm90):
         Traced inline."""
         if const_expr(not self.adds_by_load):
             return None
-        return AddendTile(self, epi, g_main[where], c_main[where], mCm.shape, wg_tidx)
+        return AddendTile(self, epi, (g_main[where], c_main[where], mCm.shape), wg_tidx)
 
     def operands(self, mA, mA2, mB):
         """The operands as the kernel reads them (the FP8 subclass reinterprets int8 views).
