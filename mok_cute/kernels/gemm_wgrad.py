@@ -68,7 +68,9 @@ class WgradGemmSm90(GemmCoreSm90):
         self.group_m = group_m
         self.num_sms = num_sms
         self.accumulate = accumulate
-        self.adds_by_load = accumulate and (main_grad_add or MAIN_GRAD_ADD) == "load"
+        mode = main_grad_add or MAIN_GRAD_ADD
+        self.adds_by_load = accumulate and mode.startswith("load")
+        self.addend_depth = int(mode[4:] or 2) if self.adds_by_load else 0
         if accumulate:
             self.fp32_epilogue()
 
@@ -273,7 +275,8 @@ class WgradGemmSm90(GemmCoreSm90):
         Traced inline."""
         if const_expr(not self.adds_by_load):
             return None
-        return AddendTile(self, epi, (g_main[where], c_main[where], mCm.shape), wg_tidx)
+        return AddendTile(self, epi, (g_main[where], c_main[where], mCm.shape), wg_tidx,
+                          depth=self.addend_depth)
 
     def operands(self, mA, mA2, mB):
         """The operands as the kernel reads them (the FP8 subclass reinterprets int8 views).
