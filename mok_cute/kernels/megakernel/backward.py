@@ -257,8 +257,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                 ((a_box, a_tile), (fc2_b_box, (fc2_n, tile_k)), (a_box, a_tile),
                  (b_box, (tile_n, tile_k)), (b_box, (tile_n, tile_k)),
                  *(((fc2_epi_box, fc2_epi_tile),) * 3), (epi_box, self.epi_tile),
-                 *(((w_box, w_tile),) * 5), *(((w_epi, self.wgrad.epi_tile),) * 3)),
-                w_store_op=s2g)
+                 *(((w_box, w_tile),) * 5), *(((w_epi, self.wgrad.epi_tile),) * 3)))
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
                     peer_rows, tail, shared, timeline_buf, *loads, *stores, *w_loads, *w_stores,

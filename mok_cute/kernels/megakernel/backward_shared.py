@@ -55,17 +55,15 @@ class SharedTasksMixin:
     """What ``BackwardMegakernelSm90`` adds for the shared expert's tasks (module docstring);
     ``self.shared`` says whether the build has them (without, every helper is a constant)."""
 
-    def shared_operands(self, tensors, boxes, w_store_op) -> SharedOperands:
+    def shared_operands(self, tensors, boxes) -> SharedOperands:
         """Host side: the shared expert's TMA atoms. ``tensors``: (d_out rows, Ws_down, dG | dU,
         Ws_gate, Ws_up, dG, dU, h, dx rows, dG^T, dU^T, x^T, d_out^T, h^T, dWs_gate, dWs_up,
         dWs_down, saved g | u, rows, ones); ``boxes``: for each of the first 17, (smem box,
-        tile) as its routed counterpart's; ``w_store_op``: the routed weight gradients' TMA
-        store op."""
+        tile) as its routed counterpart's."""
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
         mk = cute.nvgpu.cpasync.make_tiled_tma_atom
-        ops = [w_store_op if i in (14, 15, 16) else s2g if i in (5, 6, 7, 8) else g2s
-               for i in range(17)]
+        ops = [s2g if i in (5, 6, 7, 8, 14, 15, 16) else g2s for i in range(17)]
         pairs = [mk(op, t, box, tile)
                  for op, t, (box, tile) in zip(ops, tensors[:17], boxes)]
         flat = [v for pair in pairs for v in pair]
