@@ -541,7 +541,12 @@ class AddendTile:
     def subtile(self, idx: int) -> cute.Tensor:
         """Subtile ``idx``'s fragment (row-major subtile order), its loads and those of the
         next ``depth`` subtiles issued."""
-        while len(self.frags) < min(idx + 1 + self.depth, self.count):
+        self.issue(idx + 1 + self.depth)
+        return self.frags[idx]
+
+    def issue(self, count: int):
+        """The loads of the first ``count`` subtiles issued (those not yet)."""
+        while len(self.frags) < min(count, self.count):
             k = len(self.frags)
             where = (None, None, k // self.per_row, k % self.per_row)
             parts = [(self.thr_copy.partition_D(g[where]), self.thr_copy.partition_D(c[where]),
@@ -550,4 +555,3 @@ class AddendTile:
             self.gemm.load_addend(frag, parts[0], parts[1] if len(parts) > 1 else None,
                                   self.use_alt)
             self.frags.append(frag)
-        return self.frags[idx]

@@ -50,6 +50,8 @@ MAIN_GRAD_ADD = "load"
 
 
 class WgradGemmSm90(GemmCoreSm90):
+    main_grad_ahead = 2  # main_grad subtiles loaded before the mainloop (gated builds)
+
     """Grouped weight-gradient GEMM with a variable K per expert.
 
     :param gated: two A / C pairs (gate and up) sharing each B tile.
@@ -70,7 +72,10 @@ class WgradGemmSm90(GemmCoreSm90):
         self.accumulate = accumulate
         mode = main_grad_add or MAIN_GRAD_ADD
         self.adds_by_load = accumulate and mode.startswith("load")
-        self.addend_depth = int(mode[4:] or 2) if self.adds_by_load else 0
+        # subtiles of main_grad loaded ahead: before the mainloop (where that spills nothing:
+        # the bf16 gated build), and in the epilogue
+        self.addend_ahead = self.main_grad_ahead if gated and mode == "load" else 0
+        self.addend_depth = 4
         if accumulate:
             self.fp32_epilogue()
 
@@ -244,6 +249,9 @@ class WgradGemmSm90(GemmCoreSm90):
                 expert, m_tile, n_tile = self._tile(tile_idx, num_m_tiles, num_n_tiles)
                 k0, k_tiles = self._rows(mOffsets, expert)
                 block = m_tile if const_expr(self.gated) else 2 * m_tile + wg
+                where = (None, None, block, n_tile, expert)
+                # main_grad's first subtiles loaded under the mainloop
+                addend = self.addend(gCm, gC2m, cC, mCm, where, wg, epi, wg_tidx)
                 if k_tiles > 0:
                     self.tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
                                   num_k_blocks, (mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx,
@@ -251,32 +259,31 @@ class WgradGemmSm90(GemmCoreSm90):
                 else:
                     acc.fill(0.0)  # an expert with no rows
                 loads += k_tiles
-                where = (None, None, block, n_tile, expert)
-                if const_expr(self.gated):
-                    if wg == 0:
-                        self.tile_epilogue(epi, (tma_c,), (gC[where],), kind, wg * self.epi_stages,
-                                           subtiles, barrier, store_pipeline, is_store_warp,
-                                           self.addend(epi, gCm, cC, mCm, where, wg_tidx))
-                    else:
-                        self.tile_epilogue(epi, (tma_c2,), (gC2[where],), kind,
-                                           wg * self.epi_stages, subtiles, barrier,
-                                           store_pipeline, is_store_warp,
-                                           self.addend(epi, gC2m, cC, mCm, where, wg_tidx))
+                if const_expr(self.gated):  # warpgroup 1 stores dW_up
+                    self.tile_epilogue(epi, (tma_c,), (gC[where],), kind, wg * self.epi_stages,
+                                       subtiles, barrier, store_pipeline, is_store_warp, addend,
+                                       alt=((tma_c2,), (gC2[where],)), use_alt=wg == 1)
                 else:
                     self.tile_epilogue(epi, (tma_c,), (gC[where],), kind, wg * self.epi_stages,
-                                       subtiles, barrier, store_pipeline, is_store_warp,
-                                       self.addend(epi, gCm, cC, mCm, where, wg_tidx))
+                                       subtiles, barrier, store_pipeline, is_store_warp, addend)
                 subtiles += (self.wg_rows // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
                 tile_idx += cute.arch.grid_dim()[0]
             store_pipeline.producer_tail()
 
-    def addend(self, epi, g_main, c_main, mCm, where, wg_tidx):
-        """The ``"add"`` epilogue's main_grad tile at ``where`` (None when it reduce-adds).
+    def addend(self, gCm, gC2m, cC, mCm, where, wg, epi, wg_tidx):
+        """The ``"add"`` epilogue's main_grad tile at ``where`` (gated: warpgroup 1's from
+        dW_up's), its first ``addend_ahead`` subtiles' loads issued; None when it reduce-adds.
         Traced inline."""
         if const_expr(not self.adds_by_load):
             return None
-        return AddendTile(self, epi, (g_main[where], c_main[where], mCm.shape), wg_tidx,
+        alt = None
+        if const_expr(self.gated):
+            alt = (gC2m[where], cC[where], mCm.shape)
+        tile = AddendTile(self, epi, (gCm[where], cC[where], mCm.shape), wg_tidx, alt=alt,
+                          use_alt=wg == 1 if const_expr(self.gated) else None,
                           depth=self.addend_depth)
+        tile.issue(self.addend_ahead)
+        return tile
 
     def operands(self, mA, mA2, mB):
         """The operands as the kernel reads them (the FP8 subclass reinterprets int8 views).

@@ -92,6 +92,7 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
     # TwoPartialMainloop's hooks: a group's row scales, read under its wgmmas (their L2
     # latency outlasts one group's wgmmas: they are promoted a group later)
     scales_under_wgmma = True
+    main_grad_ahead = 0  # its two partials leave no registers to hold main_grad under them
 
     def group_scales(self, src, group: Int32):
         """This thread's two rows' scales of the tile's K group ``group`` (gated: warpgroup
