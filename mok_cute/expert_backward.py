@@ -48,8 +48,8 @@ class MainGrads(NamedTuple):
     fuse_wgrad_accumulation=True)``, Megatron's ``main_grad``), one per weight, each of its
     weight's shape, contiguous; None: that weight's gradient is returned as usual. The
     kernels add the unrounded fp32 accumulator of each weight-gradient tile into its buffer
-    (one TMA reduce-add an element, one owner a tile: deterministic); the backward then returns
-    None for that weight."""
+    (one add an element, one owner a tile: deterministic; ``kernels.gemm_wgrad``); the
+    backward then returns None for that weight."""
 
     w_gate: torch.Tensor | None = None
     w_up: torch.Tensor | None = None
@@ -183,7 +183,12 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int, main_grads=None):
     outs, returned = wgrad_outputs((shape, shape)[:1 + gated], b.device,
                                    None if main_grads is None else main_grads[:1 + gated],
                                    "main_grads")
-    kernel = _compiled("gemm_wgrad", b.device, gated=gated, accumulate=main_grads is not None)
+    from mok_cute.kernels.gemm_wgrad import main_grad_add
+
+    accumulate = main_grads is not None
+    kernel = _compiled("gemm_wgrad", b.device, gated=gated, accumulate=accumulate,
+                       main_grad_add=main_grad_add(b.shape[0], num_experts) if accumulate
+                       else "reduce")
     kernel(a.t().unsqueeze(2), None if a2 is None else a2.t().unsqueeze(2), b.t().unsqueeze(2),
            outs[0].permute(1, 2, 0), outs[1].permute(1, 2, 0) if gated else None, offsets)
     c = returned()

@@ -92,9 +92,11 @@ KERNELS: dict[str, KernelSpec] = {
          "max_ab_stages": None},
         "FC1's dgrad: [dG | dU] @ [W_gate; W_up] in one accumulator (K = 2I)"),
     "gemm_wgrad": KernelSpec(
-        "mok_cute.kernels.gemm_wgrad", "compile_wgrad_gemm", {"gated": True, "accumulate": False, "main_grad_add": None},
+        "mok_cute.kernels.gemm_wgrad", "compile_wgrad_gemm",
+        {"gated": True, "accumulate": False, "main_grad_add": "reduce"},
         "expert weight gradients: K = each expert's rows, MN-major operands, gate and up sharing x; "
-        "accumulate=True adds them into fp32 (main_grad) by TMA reduce-add"),
+        "accumulate=True adds them into fp32 (main_grad): main_grad_add='reduce' by TMA reduce-add, "
+        "'load' through registers and plain stores"),
     "quantize_rows": KernelSpec(
         "mok_cute.kernels.quantize", "compile_quantize_rows", {"gather": False},
         "bf16 -> e4m3, 1x128 groups along K, power-of-two scales (fp8.quantize_rows, bitwise); "
@@ -127,7 +129,7 @@ KERNELS: dict[str, KernelSpec] = {
         "FP8 grouped GEMM FC1 dgrad: [dG | dU] . [W_gate^T; W_up^T] (K = 2I, two B tensors), "
         "promoted every 128 K"),
     "gemm_wgrad_fp8": KernelSpec(
-        "mok_cute.kernels.gemm_wgrad_fp8", "compile_wgrad_gemm_fp8", {"gated": True, "accumulate": False, "main_grad_add": None},
+        "mok_cute.kernels.gemm_wgrad_fp8", "compile_wgrad_gemm_fp8", {"gated": True, "accumulate": False},
         "FP8 expert weight gradients: e4m3 column-quantized copies (K = each expert's rows), "
         "per-(column, 128-row) scales on both operands, promoted every group"),
     "megakernel": KernelSpec(

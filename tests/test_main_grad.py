@@ -760,6 +760,26 @@ def test_main_grad_from_a_random_start_adds_the_gradient(backend, precision):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_main_grad_by_load_and_by_reduce_add_give_the_same_bits(precision, monkeypatch):
+    """The bf16 weight-gradient launch's two ways of adding into main_grad (``gemm_wgrad``'s
+    ``main_grad_add``, picked by rows an expert) leave the same bits from a random start."""
+    from mok_cute.kernels import gemm_wgrad
+
+    leaves, idx = _gpu_leaves(seed=9)
+    d_out = torch.randn(256, 512, device="cuda").to(torch.bfloat16)
+    got = {}
+    for mode, max_rows in (("reduce", 0), ("load", 1 << 30)):
+        monkeypatch.setattr(gemm_wgrad, "MAIN_GRAD_LOAD_MAX_ROWS", max_rows)
+        starts = _gpu_main_grads(leaves, "random")  # the same start: a fixed seed
+        _gpu_step(leaves, idx, d_out, _gpu_config("kernel", precision, True))
+        got[mode] = [t.main_grad.clone() for t in leaves[2:]]
+        assert not all(torch.equal(g, s) for g, s in zip(got[mode], starts))  # it added
+    for name, a, b in zip(NAMES, got["reduce"], got["load"]):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["kernel", "megakernel"])
 @pytest.mark.parametrize("name", ["T1", "T77_shared", "empty_experts", "K10_zero_weights"])
 def test_main_grad_on_odd_shapes(backend, name):

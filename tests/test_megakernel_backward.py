@@ -71,31 +71,63 @@ def test_the_recorder_build_reads_the_timer_and_spills_little(tmp_path, static, 
     ("megakernel_backward", dict(fc2_pingpong=True, shared=True)),
     ("megakernel_backward", dict(num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True,
                                  shared=True))])
-def test_the_accumulating_builds_read_main_grad_and_store_without_new_spills(tmp_path, kernel,
-                                                                            static):
-    """main_grad's builds: every weight-gradient subtile's main_grad comes in by 8-byte loads
-    (``gemm_core.AddendTile``) and the sums go out by plain TMA stores from 8-byte smem
-    stores: no TMA reduce-add, no atomics, and the registers and spills of the bf16 builds
+def test_the_accumulating_builds_add_by_tma_reduce_without_new_spills(tmp_path, kernel, static):
+    """main_grad's builds: every weight-gradient subtile goes out as one fp32 TMA reduce-add
+    (``cp.reduce.async.bulk.tensor ... .add``) from 8-byte smem stores, no plain TMA store of
+    a weight gradient is left, no atomics, and the registers and spills of the bf16 builds
     (16 B in the pingpong backward megakernel, 0 elsewhere; measured offline)."""
     from mok_cute import jit
 
     flag = "accumulate_wgrads" if kernel == "megakernel_backward" else "accumulate"
     rep = jit.inspect_kernel(kernel, outdir=tmp_path, **static, **{flag: True})
     ptx = open(rep.ptx_path).read()
-    assert "cp.reduce.async.bulk" not in ptx
-    stores = re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx)
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.3d\.global\.shared::cta\.add", ptx)
     # the 64 x 32 subtiles of a warpgroup's block (128 x 128; FP8 64 x 128) per output
-    # branch (gated: one per warpgroup; FP8's two branches are merged); the megakernel's
-    # stores of every tile form
-    want = {"gemm_wgrad": 16 if static.get("gated") else 8, "gemm_wgrad_fp8": 8}.get(kernel)
-    if want is not None:
-        assert len(stores) == want, len(stores)
-        # each subtile's main_grad: 8 pairs a thread (FP8's 64-row blocks: the same count)
-        assert len(re.findall(r"ld\.global\.v2\.(?:b32|f32)", ptx)) >= 8 * want
+    # branch (gated: one per warpgroup); the megakernel's three outputs and the shared
+    # expert's alternatives
+    want = {"gemm_wgrad": 16 if static.get("gated") else 8,
+            "gemm_wgrad_fp8": 8, "megakernel_backward": 48}[kernel]
+    assert len(reduces) == want, len(reduces)
     assert "st.shared.v2.b32" in ptx
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
     assert rep.registers == 168
     assert rep.spill_bytes <= (32 if static.get("fc2_pingpong") else 0)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_loading_main_grad_build_reads_it_and_stores_plainly(tmp_path, gated):
+    """``gemm_wgrad(accumulate=True, main_grad_add="load")`` (few rows an expert): every
+    subtile's main_grad comes in by 8-byte loads (``gemm_core.AddendTile``; gated, each pair
+    from dW_gate or dW_up by warpgroup), the sums go out by plain TMA stores from 8-byte smem
+    stores, no reduce-add, no atomics, the registers of the bf16 build and no spills."""
+    from mok_cute import jit
+
+    rep = jit.inspect_kernel("gemm_wgrad", outdir=tmp_path, gated=gated, accumulate=True,
+                             main_grad_add="load")
+    ptx = open(rep.ptx_path).read()
+    assert "cp.reduce.async.bulk" not in ptx
+    stores = re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", ptx)
+    assert len(stores) == (16 if gated else 8), len(stores)  # one atom per output (gated: 2)
+    # 8 subtiles a 128 x 128 block, 8 column pairs a thread each (gated: either tensor's)
+    loads = re.findall(r"ld\.global\.v2\.(?:b32|f32)", ptx)
+    assert len(loads) == 8 * 8 * (2 if gated else 1), len(loads)
+    assert "st.shared.v2.b32" in ptx
+    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
+    assert rep.registers == 168 and rep.spill_bytes == 0
+
+
+def test_main_grad_add_by_rows_an_expert():
+    """The rule that picks how a launch adds into main_grad: by load at few rows an expert
+    (short K: gptoss_120b's 256), by reduce-add at more (dsv3 / qwen3's 1024, sonic /
+    mixtral's 2048)."""
+    from mok_cute.kernels.gemm_wgrad import MAIN_GRAD_LOAD_MAX_ROWS, WgradGemmSm90, main_grad_add
+
+    assert main_grad_add(256 * 128, 128) == "load"
+    assert main_grad_add(MAIN_GRAD_LOAD_MAX_ROWS * 8, 8) == "load"
+    assert main_grad_add(MAIN_GRAD_LOAD_MAX_ROWS * 8 + 128, 8) == "reduce"
+    assert main_grad_add(1024 * 32, 32) == "reduce"
+    with pytest.raises(ValueError, match="main_grad_add"):
+        WgradGemmSm90(gated=True, accumulate=True, main_grad_add="atomic")
 
 
 @pytest.mark.parametrize("fc2_pingpong", [False, True])

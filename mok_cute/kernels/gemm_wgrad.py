@@ -16,10 +16,15 @@
   Otherwise (dW_down) the two warpgroups take consecutive 128-row blocks of A and C.
 - Deterministic: each output tile has one owner, which runs its expert's rows in order.
 - ``accumulate`` (``MoKConfig(fuse_wgrad_accumulation=True)``): C is fp32 (a weight's
-  ``main_grad``) and each tile's unrounded fp32 accumulator is added into it by TMA
-  reduce-add stores (``cp.reduce.async.bulk.tensor .add.f32``); one owner and one add per
-  element per launch keep it deterministic. Its fp32 epilogue buffers run two stages per
-  warpgroup instead of four, so the operand stages stay as many as with bf16 C.
+  ``main_grad``) and each tile's unrounded fp32 accumulator is added into it, one owner and
+  one add per element per launch (deterministic), in one of two ways of the same bits
+  (``main_grad_add``): "reduce", TMA reduce-add stores (``cp.reduce.async.bulk.tensor
+  .add.f32``); "load", main_grad read into registers four epilogue subtiles ahead
+  (``gemm_core.AddendTile``), added there and stored by plain TMA stores. "load" is 11-12 %
+  faster where experts have few rows (short K: the epilogue is most of a tile) and 3-14 %
+  slower where they have many (``main_grad_add``'s rule; docs/measurements.md). Its fp32
+  epilogue buffers run two stages per warpgroup instead of four, so the operand stages stay
+  as many as with bf16 C.
 
 Tiles are walked expert-major (an expert's tiles run together and share its rows in L2), each
 expert's tiles rasterised in groups of ``group_m`` M-tiles.
@@ -44,24 +49,31 @@ from mok_cute.kernels.gemm_core import AddendTile, GemmCoreSm90
 
 WG_ROWS = 128  # M rows per consumer warpgroup
 WGRAD_TILE_N = 128
-# TEMPORARY A/B (main_grad's fused weight gradients): "load" reads main_grad into registers and
-# stores the sums by plain TMA stores (gemm_core.AddendTile); "reduce" adds by TMA reduce-add
-MAIN_GRAD_ADD = "load"
+# Experts with at most this many rows on average (the launch's rows over its experts, padding
+# included) add into main_grad by "load", more by "reduce" (module docstring). H100, backward
+# with main_grad, "load" / "reduce": 256 rows (gptoss_120b) 0.88-0.91; 1024 (dsv3_ep8_rank,
+# qwen3_30b) 0.97-1.03; 2048 (sonic_120b, mixtral) 1.03-1.14 (docs/measurements.md)
+MAIN_GRAD_LOAD_MAX_ROWS = 512
+
+
+def main_grad_add(rows: int, experts: int) -> str:
+    """How a weight-gradient launch over ``rows`` schedule rows of ``experts`` experts adds
+    into main_grad: "load" or "reduce" (``MAIN_GRAD_LOAD_MAX_ROWS``)."""
+    return "load" if rows <= MAIN_GRAD_LOAD_MAX_ROWS * experts else "reduce"
 
 
 class WgradGemmSm90(GemmCoreSm90):
-    main_grad_ahead = 2  # main_grad subtiles loaded before the mainloop (gated builds)
-
     """Grouped weight-gradient GEMM with a variable K per expert.
 
     :param gated: two A / C pairs (gate and up) sharing each B tile.
     :param group_m: M-tiles per rasterisation group inside an expert.
     :param num_sms: persistent grid size.
     :param accumulate: add into fp32 C instead of storing bf16 C (module docstring).
+    :param main_grad_add: how ``accumulate`` adds: "reduce" or "load" (module docstring).
     """
 
     def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
-                 accumulate: bool = False, main_grad_add: str | None = None):
+                 accumulate: bool = False, main_grad_add: str = "reduce"):
         # each warpgroup is a whole single-warpgroup MMA over its 128 rows (the pingpong
         # layout: 64 x 32 epilogue subtiles, buffers and barriers per warpgroup)
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
@@ -70,12 +82,9 @@ class WgradGemmSm90(GemmCoreSm90):
         self.group_m = group_m
         self.num_sms = num_sms
         self.accumulate = accumulate
-        mode = main_grad_add or MAIN_GRAD_ADD
-        self.adds_by_load = accumulate and mode.startswith("load")
-        # subtiles of main_grad loaded ahead: before the mainloop (where that spills nothing:
-        # the bf16 gated build), and in the epilogue
-        self.addend_ahead = self.main_grad_ahead if gated and mode == "load" else 0
-        self.addend_depth = 4
+        if main_grad_add not in ("reduce", "load"):
+            raise ValueError(f"main_grad_add must be 'reduce' or 'load', got {main_grad_add!r}")
+        self.adds_by_load = accumulate and main_grad_add == "load"
         if accumulate:
             self.fp32_epilogue()
 
@@ -250,7 +259,6 @@ class WgradGemmSm90(GemmCoreSm90):
                 k0, k_tiles = self._rows(mOffsets, expert)
                 block = m_tile if const_expr(self.gated) else 2 * m_tile + wg
                 where = (None, None, block, n_tile, expert)
-                # main_grad's first subtiles loaded under the mainloop
                 addend = self.addend(gCm, gC2m, cC, mCm, where, wg, epi, wg_tidx)
                 if k_tiles > 0:
                     self.tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
@@ -272,18 +280,14 @@ class WgradGemmSm90(GemmCoreSm90):
 
     def addend(self, gCm, gC2m, cC, mCm, where, wg, epi, wg_tidx):
         """The ``"add"`` epilogue's main_grad tile at ``where`` (gated: warpgroup 1's from
-        dW_up's), its first ``addend_ahead`` subtiles' loads issued; None when it reduce-adds.
-        Traced inline."""
+        dW_up's); None when it reduce-adds. Traced inline."""
         if const_expr(not self.adds_by_load):
             return None
         alt = None
         if const_expr(self.gated):
             alt = (gC2m[where], cC[where], mCm.shape)
-        tile = AddendTile(self, epi, (gCm[where], cC[where], mCm.shape), wg_tidx, alt=alt,
-                          use_alt=wg == 1 if const_expr(self.gated) else None,
-                          depth=self.addend_depth)
-        tile.issue(self.addend_ahead)
-        return tile
+        return AddendTile(self, epi, (gCm[where], cC[where], mCm.shape), wg_tidx, alt=alt,
+                          use_alt=wg == 1 if const_expr(self.gated) else None)
 
     def operands(self, mA, mA2, mB):
         """The operands as the kernel reads them (the FP8 subclass reinterprets int8 views).
@@ -319,7 +323,7 @@ class WgradGemmSm90(GemmCoreSm90):
 
 def compile_wgrad_gemm(gated: bool = True, group_m: int = 4, num_sms: int = 132,
                        arch: str = "sm_90a", options: str = "", accumulate: bool = False,
-                       main_grad_add: str | None = None):
+                       main_grad_add: str = "reduce"):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` (M / N contiguous), ``C (M, N, E)``, ``C2`` (gated) or None (N
     contiguous; fp32 with ``accumulate``), the int32 expert row offsets; it runs on torch's

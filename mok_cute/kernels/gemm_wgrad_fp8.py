@@ -74,9 +74,8 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
     """
 
     def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
-                 accumulate: bool = False, main_grad_add: str | None = None):
-        super().__init__(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate,
-                         main_grad_add=main_grad_add)
+                 accumulate: bool = False):
+        super().__init__(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -92,7 +91,6 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
     # TwoPartialMainloop's hooks: a group's row scales, read under its wgmmas (their L2
     # latency outlasts one group's wgmmas: they are promoted a group later)
     scales_under_wgmma = True
-    main_grad_ahead = 0  # its two partials leave no registers to hold main_grad under them
 
     def group_scales(self, src, group: Int32):
         """This thread's two rows' scales of the tile's K group ``group`` (gated: warpgroup
@@ -147,15 +145,13 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
 
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = "", accumulate: bool = False,
-                           main_grad_add: str | None = None):
+                           arch: str = "sm_90a", options: str = "", accumulate: bool = False):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (fp32 with ``accumulate``; N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None (``scales_of``) and ``s_b (E, N)``
     (``pow2_scales``); it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate,
-                            main_grad_add=main_grad_add)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())

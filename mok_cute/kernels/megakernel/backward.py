@@ -228,9 +228,12 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         w_loads = []
         for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):
             w_loads.extend(mk(g2s, t, w_box, (self.wgrad.tile_shape_mnk[1], tile_k)))
-        w_stores = []  # (atom, TMA tensor, the tensor: main_grad's addend) per weight
+        w_s2g = s2g
+        if const_expr(self.accumulate_wgrads):
+            w_s2g = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
+        w_stores = []
         for t in (dw_gate, dw_up, dw_down):
-            w_stores.extend((*mk(s2g, t, w_epi, self.wgrad.epi_tile), t))
+            w_stores.extend(mk(w_s2g, t, w_epi, self.wgrad.epi_tile))
         extra = {}
         if const_expr(self.fc2_pingpong):  # the pingpong ring's full / empty mbarriers
             extra["fc2_full_empty"] = cute.struct.MemRange[Int64, 2 * FC2_STAGES]
@@ -257,7 +260,8 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                 ((a_box, a_tile), (fc2_b_box, (fc2_n, tile_k)), (a_box, a_tile),
                  (b_box, (tile_n, tile_k)), (b_box, (tile_n, tile_k)),
                  *(((fc2_epi_box, fc2_epi_tile),) * 3), (epi_box, self.epi_tile),
-                 *(((w_box, w_tile),) * 5), *(((w_epi, self.wgrad.epi_tile),) * 3)))
+                 *(((w_box, w_tile),) * 5), *(((w_epi, self.wgrad.epi_tile),) * 3)),
+                w_store_op=w_s2g)
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
                     peer_rows, tail, shared, timeline_buf, *loads, *stores, *w_loads, *w_stores,
@@ -284,9 +288,8 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                tma_wdg: cute.CopyAtom, t_wdg: cute.Tensor, tma_wdu: cute.CopyAtom,
                t_wdu: cute.Tensor, tma_wx: cute.CopyAtom, t_wx: cute.Tensor,
                tma_wdy: cute.CopyAtom, t_wdy: cute.Tensor, tma_whw: cute.CopyAtom,
-               t_whw: cute.Tensor, tma_cg: cute.CopyAtom, t_cg: cute.Tensor, m_cg: cute.Tensor,
-               tma_cu: cute.CopyAtom, t_cu: cute.Tensor, m_cu: cute.Tensor,
-               tma_cd: cute.CopyAtom, t_cd: cute.Tensor, m_cd: cute.Tensor,
+               t_whw: cute.Tensor, tma_cg: cute.CopyAtom, t_cg: cute.Tensor,
+               tma_cu: cute.CopyAtom, t_cu: cute.Tensor, tma_cd: cute.CopyAtom, t_cd: cute.Tensor,
                tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout, w_tiled_mma: cute.TiledMma,
@@ -335,7 +338,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                         (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu),
                         (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                         (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy, tma_whw,
-                         t_whw), (tma_cg, t_cg, m_cg, tma_cu, t_cu, m_cu, tma_cd, t_cd, m_cd), peer_rows, tail,
+                         t_whw), (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), peer_rows, tail,
                         ksum_args, shared, timeline_buf, rec_marks)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         if const_expr(self.comm_ctas > 0):

@@ -47,7 +47,7 @@ class SharedOperands(NamedTuple):
     loads: tuple  # d_out rows (T, H, L), Ws_down, dG | dU (L T_pad, 2Is, 1), Ws_gate, Ws_up
     stores: tuple  # dG, dU, h, dx rows
     w_loads: tuple  # dG, dU, x, d_out, h: (cols, T, 1) MN-major
-    w_stores: tuple  # dWs_gate, dWs_up, dWs_down: (atom, TMA tensor, tensor) each
+    w_stores: tuple  # dWs_gate, dWs_up, dWs_down
     rows: tuple  # saved g | u (L T, 2Is), padded row -> slot (int32, -1 past T), ones (fp32)
 
 
@@ -55,21 +55,22 @@ class SharedTasksMixin:
     """What ``BackwardMegakernelSm90`` adds for the shared expert's tasks (module docstring);
     ``self.shared`` says whether the build has them (without, every helper is a constant)."""
 
-    def shared_operands(self, tensors, boxes) -> SharedOperands:
+    def shared_operands(self, tensors, boxes, w_store_op) -> SharedOperands:
         """Host side: the shared expert's TMA atoms. ``tensors``: (d_out rows, Ws_down, dG | dU,
         Ws_gate, Ws_up, dG, dU, h, dx rows, dG^T, dU^T, x^T, d_out^T, h^T, dWs_gate, dWs_up,
         dWs_down, saved g | u, rows, ones); ``boxes``: for each of the first 17, (smem box,
-        tile) as its routed counterpart's."""
+        tile) as its routed counterpart's; ``w_store_op``: the routed weight gradients' TMA
+        store op (a reduce-add where they are added into main_grad)."""
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
         mk = cute.nvgpu.cpasync.make_tiled_tma_atom
-        ops = [s2g if i in (5, 6, 7, 8, 14, 15, 16) else g2s for i in range(17)]
+        ops = [w_store_op if i in (14, 15, 16) else s2g if i in (5, 6, 7, 8) else g2s
+               for i in range(17)]
         pairs = [mk(op, t, box, tile)
                  for op, t, (box, tile) in zip(ops, tensors[:17], boxes)]
         flat = [v for pair in pairs for v in pair]
-        w_stores = tuple(v for o in range(3) for v in (*pairs[14 + o], tensors[14 + o]))
         return SharedOperands(tuple(flat[0:10]), tuple(flat[10:18]), tuple(flat[18:28]),
-                              w_stores, tuple(tensors[17:]))
+                              tuple(flat[28:34]), tuple(tensors[17:]))
 
     @cute.jit
     def is_shared_task(self, ttype: Int32):

@@ -37,8 +37,7 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import (AddendTile, GemmCoreSm90, pipeline_state, smem_overlay,
-                                        tma_tiles)
+from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
 from mok_cute.kernels.megakernel.backward_recorder import COMPUTE, EPILOGUE, START
 from mok_cute.kernels.megakernel.backward_shared import SHARED_WGRAD_GATE_UP
 from mok_cute.kernels.megakernel.scheduler import (D_EXPERT, D_INDEX, D_MTILE, D_NTILE, D_RANK,
@@ -326,32 +325,16 @@ class WgradTasksMixin:
         flag) says so. Traced inline."""
         epi, base, subtiles, barrier, store_pipeline, is_store_warp, n_tile, expert = args
 
-        tile = (WG_ROWS, WGRAD_TILE_N)
-        where = (None, None, m, n_tile, expert)
-
-        def output(triples):
-            view = cute.local_tile(triples[3 * o + 1], tile, (None, None, None))
-            return (triples[3 * o],), (view[where],)
-
-        def addend(triples):  # main_grad's tile, its coordinates, its bounds
-            t = triples[3 * o + 2]
-            return (cute.local_tile(t, tile, (None, None, None))[where],
-                    cute.local_tile(cute.make_identity_tensor(t.shape), tile,
-                                    (None, None, None))[where], t.shape)
+        def output(pairs):
+            view = cute.local_tile(pairs[2 * o + 1], (WG_ROWS, WGRAD_TILE_N), (None, None, None))
+            return (pairs[2 * o],), (view[(None, None, m, n_tile, expert)],)
 
         atoms, g_tiles = output(stores)
         alt, use_alt = None, None
         if const_expr(shared is not None):
             alt, use_alt = output(shared[0]), shared[1]
-        kind, visit = "store", None
-        if const_expr(self.wgrad.accumulate):
-            kind = "add"
-            tidx = cute.arch.thread_idx()[0] % self.threads_per_warpgroup
-            visit = AddendTile(self.wgrad, epi, addend(stores), tidx,
-                               None if const_expr(shared is None) else addend(shared[0]),
-                               use_alt)
-        self.wgrad.tile_epilogue(epi, atoms, g_tiles, kind, base, subtiles, barrier,
-                                 store_pipeline, is_store_warp, visit, alt=alt, use_alt=use_alt)
+        self.wgrad.tile_epilogue(epi, atoms, g_tiles, "store", base, subtiles, barrier,
+                                 store_pipeline, is_store_warp, alt=alt, use_alt=use_alt)
 
     def wgrad_subtiles(self) -> int:
         """Epilogue subtiles a warpgroup stores per weight-gradient tile."""
