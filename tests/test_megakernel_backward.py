@@ -20,7 +20,9 @@ compiled signature (one rank, the group tail, virtual ranks, none); the H200 its
 from __future__ import annotations
 
 import re
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +130,14 @@ def test_main_grad_add_by_rows_an_expert():
     assert main_grad_add(1024 * 32, 32) == "reduce"
     with pytest.raises(ValueError, match="main_grad_add"):
         WgradGemmSm90(gated=True, accumulate=True, main_grad_add="atomic")
+    # tools/main_grad_probe.py --modes forces either way for a call, then restores the rule
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tools.main_grad_probe import forced
+    from mok_cute.kernels import gemm_wgrad
+
+    assert forced("load", lambda: gemm_wgrad.main_grad_add(1 << 30, 1))() == "load"
+    assert forced("reduce", lambda: gemm_wgrad.main_grad_add(128, 1))() == "reduce"
+    assert gemm_wgrad.MAIN_GRAD_LOAD_MAX_ROWS == MAIN_GRAD_LOAD_MAX_ROWS
 
 
 @pytest.mark.parametrize("fc2_pingpong", [False, True])

@@ -5,6 +5,7 @@ CUDA events, SM clock and power sampled per variant; checked first: from zero bu
 fused sums round to the unfused bf16 gradients bitwise.
 
     python tools/main_grad_probe.py [--shapes dsv3_ep8_rank,qwen3_30b] [--rounds 3] [--json out.json]
+                                    [--modes reduce,load]
 
 Variants per shape (one saved bf16 training forward each; the megakernel backend's backward
 beside the kernels'; FP8 with ``--fp8``):
@@ -12,6 +13,11 @@ beside the kernels'; FP8 with ``--fp8``):
     bwd + add              the same, then main_grad.add_(grad) for the three expert weights
     bwd fused              moe_backward(main_grads=...)
     wgrad / wgrad fused    the weight-gradient launches alone (gemm_wgrad, accumulate=True)
+With ``--modes``: "bwd fused MODE" and "wgrad gate+up fused MODE" for each of the bf16
+launch's ways of adding into main_grad (``gemm_wgrad.main_grad_add``: reduce, load) instead of
+the product's rule by rows an expert (the rule's threshold: ``MAIN_GRAD_LOAD_MAX_ROWS``; shapes
+at other rows an expert: ``custom:T,H,I,E,K``), each first checked bitwise against the others
+from random buffers.
 Bytes counted: the fused launch reads and writes each fp32 element once (8 B) where the bf16
 launch writes 2 B and the add reads 2 + 4 and writes 4.
 """
@@ -29,7 +35,38 @@ from mok_cute.shapes import shape_names  # noqa: E402
 from tools.layer_profile import gpu_ms  # noqa: E402
 
 
-def variants(name: str, fp8: bool) -> dict:
+def forced(mode: str, fn):
+    """``fn`` with every bf16 weight-gradient launch adding into main_grad by ``mode``."""
+    from mok_cute.kernels import gemm_wgrad
+
+    def run():
+        keep = gemm_wgrad.MAIN_GRAD_LOAD_MAX_ROWS
+        gemm_wgrad.MAIN_GRAD_LOAD_MAX_ROWS = 1 << 40 if mode == "load" else -1
+        try:
+            return fn()
+        finally:
+            gemm_wgrad.MAIN_GRAD_LOAD_MAX_ROWS = keep
+    return run
+
+
+def check_modes(name: str, modes, fused, bufs) -> None:
+    """The modes' sums (``fused()`` adding into ``bufs``) from the same random buffers,
+    bitwise equal."""
+    start = [torch.randn(b.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+             for i, b in enumerate(bufs)]
+    first = None
+    for mode in modes:
+        for b, s0 in zip(bufs, start):
+            b.copy_(s0)
+        forced(mode, fused)()
+        if first is None:
+            first = [b.clone() for b in bufs]
+        elif not all(torch.equal(a, b) for a, b in zip(first, bufs)):
+            raise SystemExit(f"{name}: main_grad by {mode} is not {modes[0]}'s bitwise")
+    del first, start
+
+
+def variants(name: str, fp8: bool, modes=()) -> dict:
     import mok_cute
     from mok_cute import expert_backward as eb
     from mok_cute import expert_path, expert_path_fp8
@@ -59,7 +96,7 @@ def variants(name: str, fp8: bool) -> dict:
         return run
 
     # checked first: fused from zeros == the unfused bf16 gradients, bitwise
-    backends = ("kernels",) if fp8 else ("kernels", "megakernel")
+    backends = ("kernels",) if fp8 or modes else ("kernels", "megakernel")
     for dgrads in backends:
         want = bwd(dgrads)[2:5]
         for b in bufs:
@@ -76,6 +113,16 @@ def variants(name: str, fp8: bool) -> dict:
     d_pre = torch.randn(rows.shape[0], 2 * inter, device="cuda").to(torch.bfloat16)
     gate_up = (d_pre[:, :inter], d_pre[:, inter:], rows, saved.expert_offsets, E, inter)
     out = {}
+    if modes:  # the bf16 launch's ways of adding, the kernels' dgrads
+        fused = lambda: bwd("kernels", eb.MainGrads(*bufs))  # noqa: E731
+        check_modes(name, modes, fused, bufs)
+        out["bwd"] = lambda: bwd("kernels")
+        for mode in modes:
+            out[f"bwd fused {mode}"] = forced(mode, fused)
+            if not fp8:
+                out[f"wgrad gate+up fused {mode}"] = forced(
+                    mode, lambda: eb.wgrad(*gate_up, main_grads=bufs[:2]))
+        return out, sum(t.numel() for t in ws)
     for dgrads in backends:
         tag = "" if dgrads == "kernels" else " (megakernel)"
         out[f"bwd{tag}"] = lambda d=dgrads: bwd(d)
@@ -97,10 +144,11 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--modes", default="", help="e.g. reduce,load: time the ways of adding apart")
     args = p.parse_args(argv)
     results = {}
     for name in shape_names(args.shapes):
-        runs, elements = variants(name, args.fp8)
+        runs, elements = variants(name, args.fp8, tuple(m for m in args.modes.split(",") if m))
         times = {k: [] for k in runs}
         order = list(runs)
         burn_in(list(runs.values()), torch.device("cuda"))  # the first round at the sustained clock
