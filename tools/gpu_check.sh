@@ -58,7 +58,8 @@
 #                   the group tail, JSON under $OUT (~9 min)
 #   maingrad [SHAPES] the weight gradients added into fp32 main_grad: its GPU tests (-k main_grad),
 #                   then tools/main_grad_probe.py (fused against bf16 gradients + main_grad.add_,
-#                   interleaved rounds, the five shapes), JSON under $OUT
+#                   interleaved rounds, the five shapes; MAINGRAD_MODES=reduce,load: the bf16
+#                   launch's two ways of adding timed apart instead), JSON under $OUT
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
 #                   R = 2 and 4 and its training step, a group's backward on virtual buffers, a shared
 #                   expert, a wrapping ring; T = 300, H = 512) under
@@ -340,7 +341,7 @@ run_maingrad() {
     tests/test_main_grad.py tests/test_megakernel_backward.py
   step maingrad_probe 420 python3 tools/main_grad_probe.py \
     --shapes "${1:-dsv3_ep8_rank,qwen3_30b,sonic_120b,mixtral,gptoss_120b}" --rounds 3 \
-    --json "$out/main_grad_probe.json"
+    --json "$out/main_grad_probe.json" ${MAINGRAD_MODES:+--modes "$MAINGRAD_MODES"}
 }
 
 run_vtrain() {
