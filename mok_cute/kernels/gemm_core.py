@@ -446,24 +446,15 @@ class GemmCoreSm90:
         return gate, up
 
     @cute.jit
-    def load_addend(self, frag: cute.Tensor, main, alt, use_alt):
-        """``frag`` (an epilogue fragment) from global memory, one 8-byte load per column
-        pair: ``main`` = (the subtile's partition, its coordinates', the tensor's shape), or
-        ``alt``'s where the run-time ``use_alt`` holds; pairs past the shape read 0."""
+    def load_addend(self, frag: cute.Tensor, g_part: cute.Tensor, c_part: cute.Tensor, bounds):
+        """``frag`` (an epilogue fragment) from its global subtile ``g_part``, one 8-byte load
+        per column pair; pairs whose coordinate (``c_part``) lies outside ``bounds`` read 0."""
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
         frag.fill(0.0)
         for i in cutlass.range_constexpr(cute.size(frag, mode=[1])):
             for j in cutlass.range_constexpr(cute.size(frag, mode=[2])):
-                if const_expr(alt is None):
-                    if cute.elem_less(main[1][(0, i, j)], main[2]):
-                        cute.copy(atom, main[0][(None, i, j)], frag[(None, i, j)])
-                else:
-                    if use_alt:
-                        if cute.elem_less(alt[1][(0, i, j)], alt[2]):
-                            cute.copy(atom, alt[0][(None, i, j)], frag[(None, i, j)])
-                    else:
-                        if cute.elem_less(main[1][(0, i, j)], main[2]):
-                            cute.copy(atom, main[0][(None, i, j)], frag[(None, i, j)])
+                if cute.elem_less(c_part[(0, i, j)], bounds):
+                    cute.copy(atom, g_part[(None, i, j)], frag[(None, i, j)])
 
     def epi_coords(self, epi: "TileEpilogue", tidx):
         """(row, column) of each of this thread's epilogue fragment elements inside a subtile
@@ -521,20 +512,19 @@ class AddendTile:
     """The fp32 tile an epilogue ``"add"``s its accumulator to (a weight's main_grad), read
     from global memory in the epilogue's fragment order ``depth`` subtiles ahead of the
     subtile being stored, so each load's latency hides under the stores before it (4 ahead
-    against 2: level to 2 % faster where it is used, docs/measurements.md). The sums
-    go out by plain TMA stores: one read and one write per element, no L2 reduction. Built
-    per output tile from ``main`` = (the tile's (rows, columns) view of the tensor, the same
-    view of its coordinates, the tensor's shape); elements past the shape read 0. ``alt``:
-    another such triple, read instead where the run-time ``use_alt`` holds (the gated
-    weight gradients' warpgroup 1: dW_up). Traced inline."""
+    against 2: level to 2 % slower at 256 rows an expert, 2-3 % faster at 1024,
+    docs/measurements.md). The sums go out by
+    plain TMA stores: one read and one write per element, no L2 reduction. Built per output
+    tile from ``main`` = (the tile's (rows, columns) view of the tensor, the same view of its
+    coordinates, the tensor's shape); elements past the shape read 0. Traced inline."""
 
-    def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, main, copy_tidx, alt=None,
-                 use_alt=None, depth: int = 4):
-        self.gemm, self.epi, self.depth, self.use_alt = gemm, epi, depth, use_alt
+    def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, main, copy_tidx, depth: int = 4):
+        g_tile, c_tile, self.bounds = main
+        self.gemm, self.epi, self.depth = gemm, epi, depth
         self.thr_copy = epi.tiled_copy.get_slice(copy_tidx)
-        # (64, 32, M subtiles, N subtiles) views of the tile and its coordinates
-        self.sources = [(cute.flat_divide(g, gemm.epi_tile), cute.flat_divide(c, gemm.epi_tile),
-                         bounds) for g, c, bounds in ([main] if alt is None else [main, alt])]
+        # (64, 32, M subtiles, N subtiles) views of the tile and of its coordinates
+        self.g_subtiles = cute.flat_divide(g_tile, gemm.epi_tile)
+        self.c_subtiles = cute.flat_divide(c_tile, gemm.epi_tile)
         self.per_row = gemm.tile_shape_mnk[1] // gemm.epi_tile[1]
         self.count = gemm.tile_shape_mnk[0] // gemm.epi_tile[0] * self.per_row
         self.frags = []
@@ -542,17 +532,11 @@ class AddendTile:
     def subtile(self, idx: int) -> cute.Tensor:
         """Subtile ``idx``'s fragment (row-major subtile order), its loads and those of the
         next ``depth`` subtiles issued."""
-        self.issue(idx + 1 + self.depth)
-        return self.frags[idx]
-
-    def issue(self, count: int):
-        """The loads of the first ``count`` subtiles issued (those not yet)."""
-        while len(self.frags) < min(count, self.count):
+        while len(self.frags) < min(idx + 1 + self.depth, self.count):
             k = len(self.frags)
             where = (None, None, k // self.per_row, k % self.per_row)
-            parts = [(self.thr_copy.partition_D(g[where]), self.thr_copy.partition_D(c[where]),
-                      bounds) for g, c, bounds in self.sources]
             frag = cute.make_rmem_tensor(self.epi.frag_shape, Float32)
-            self.gemm.load_addend(frag, parts[0], parts[1] if len(parts) > 1 else None,
-                                  self.use_alt)
+            self.gemm.load_addend(frag, self.thr_copy.partition_D(self.g_subtiles[where]),
+                                  self.thr_copy.partition_D(self.c_subtiles[where]), self.bounds)
             self.frags.append(frag)
+        return self.frags[idx]

@@ -20,9 +20,9 @@
   one add per element per launch (deterministic), in one of two ways of the same bits
   (``main_grad_add``): "reduce", TMA reduce-add stores (``cp.reduce.async.bulk.tensor
   .add.f32``); "load", main_grad read into registers four epilogue subtiles ahead
-  (``gemm_core.AddendTile``), added there and stored by plain TMA stores. "load" is 11-12 %
-  faster where experts have few rows (short K: the epilogue is most of a tile) and 3-14 %
-  slower where they have many (``main_grad_add``'s rule; docs/measurements.md). Its fp32
+  (``gemm_core.AddendTile``), added there and stored by plain TMA stores. "load" makes the
+  backward 9-10 % faster where experts have few rows (short K: the epilogue is most of a
+  tile) and 8 % slower where they have many (``main_grad_add``'s rule; docs/measurements.md). Its fp32
   epilogue buffers run two stages per warpgroup instead of four, so the operand stages stay
   as many as with bf16 C.
 
@@ -51,8 +51,8 @@ WG_ROWS = 128  # M rows per consumer warpgroup
 WGRAD_TILE_N = 128
 # Experts with at most this many rows on average (the launch's rows over its experts, padding
 # included) add into main_grad by "load", more by "reduce" (module docstring). H100, backward
-# with main_grad, "load" / "reduce": 256 rows (gptoss_120b) 0.88-0.91; 1024 (dsv3_ep8_rank,
-# qwen3_30b) 0.97-1.03; 2048 (sonic_120b, mixtral) 1.03-1.14 (docs/measurements.md)
+# with main_grad, "load" / "reduce": 256 rows (gptoss_120b) 0.90-0.91; 1024 (dsv3_ep8_rank,
+# qwen3_30b) 0.98-1.01; 2048 (sonic_120b, mixtral) 1.08 (docs/measurements.md)
 MAIN_GRAD_LOAD_MAX_ROWS = 512
 
 
@@ -258,8 +258,6 @@ class WgradGemmSm90(GemmCoreSm90):
                 expert, m_tile, n_tile = self._tile(tile_idx, num_m_tiles, num_n_tiles)
                 k0, k_tiles = self._rows(mOffsets, expert)
                 block = m_tile if const_expr(self.gated) else 2 * m_tile + wg
-                where = (None, None, block, n_tile, expert)
-                addend = self.addend(gCm, gC2m, cC, mCm, where, wg, epi, wg_tidx)
                 if k_tiles > 0:
                     self.tile_mma(ab_pipeline, tiled_mma, acc, tCrA, tCrB, loads, k_tiles,
                                   num_k_blocks, (mEA, mEA2, mEB, wg, block, n_tile, k0, wg_tidx,
@@ -267,27 +265,31 @@ class WgradGemmSm90(GemmCoreSm90):
                 else:
                     acc.fill(0.0)  # an expert with no rows
                 loads += k_tiles
-                if const_expr(self.gated):  # warpgroup 1 stores dW_up
-                    self.tile_epilogue(epi, (tma_c,), (gC[where],), kind, wg * self.epi_stages,
-                                       subtiles, barrier, store_pipeline, is_store_warp, addend,
-                                       alt=((tma_c2,), (gC2[where],)), use_alt=wg == 1)
+                where = (None, None, block, n_tile, expert)
+                if const_expr(self.gated):
+                    if wg == 0:
+                        self.tile_epilogue(epi, (tma_c,), (gC[where],), kind, wg * self.epi_stages,
+                                           subtiles, barrier, store_pipeline, is_store_warp,
+                                           self.addend(epi, gCm, cC, mCm, where, wg_tidx))
+                    else:
+                        self.tile_epilogue(epi, (tma_c2,), (gC2[where],), kind,
+                                           wg * self.epi_stages, subtiles, barrier,
+                                           store_pipeline, is_store_warp,
+                                           self.addend(epi, gC2m, cC, mCm, where, wg_tidx))
                 else:
                     self.tile_epilogue(epi, (tma_c,), (gC[where],), kind, wg * self.epi_stages,
-                                       subtiles, barrier, store_pipeline, is_store_warp, addend)
+                                       subtiles, barrier, store_pipeline, is_store_warp,
+                                       self.addend(epi, gCm, cC, mCm, where, wg_tidx))
                 subtiles += (self.wg_rows // self.epi_tile[0]) * (tile_n // self.epi_tile[1])
                 tile_idx += cute.arch.grid_dim()[0]
             store_pipeline.producer_tail()
 
-    def addend(self, gCm, gC2m, cC, mCm, where, wg, epi, wg_tidx):
-        """The ``"add"`` epilogue's main_grad tile at ``where`` (gated: warpgroup 1's from
-        dW_up's); None when it reduce-adds. Traced inline."""
+    def addend(self, epi, g_main, c_main, mCm, where, wg_tidx):
+        """The ``"add"`` epilogue's main_grad tile at ``where`` (None when it reduce-adds).
+        Traced inline."""
         if const_expr(not self.adds_by_load):
             return None
-        alt = None
-        if const_expr(self.gated):
-            alt = (gC2m[where], cC[where], mCm.shape)
-        return AddendTile(self, epi, (gCm[where], cC[where], mCm.shape), wg_tidx, alt=alt,
-                          use_alt=wg == 1 if const_expr(self.gated) else None)
+        return AddendTile(self, epi, (g_main[where], c_main[where], mCm.shape), wg_tidx)
 
     def operands(self, mA, mA2, mB):
         """The operands as the kernel reads them (the FP8 subclass reinterprets int8 views).
