@@ -513,9 +513,8 @@ class AddendTile:
     from global memory in the epilogue's fragment order ``depth`` subtiles ahead of the
     subtile being stored, so each load's latency hides under the stores before it (4 ahead
     against 2: level to 2 % slower at 256 rows an expert, 2-3 % faster at 1024,
-    docs/measurements.md). The sums go out by
-    plain TMA stores: one read and one write per element, no L2 reduction. Built per output
-    tile from ``main`` = (the tile's (rows, columns) view of the tensor, the same view of its
+    docs/measurements.md). The sums go out by plain TMA stores: one read and one write per
+    element, no L2 reduction. Built per output tile from ``main`` = (the tile's (rows, columns) view of the tensor, the same view of its
     coordinates, the tensor's shape); elements past the shape read 0. Traced inline."""
 
     def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, main, copy_tidx, depth: int = 4):

@@ -17,8 +17,9 @@
 - Deterministic: each output tile has one owner, which runs its expert's rows in order.
 - ``accumulate`` (``MoKConfig(fuse_wgrad_accumulation=True)``): C is fp32 (a weight's
   ``main_grad``) and each tile's unrounded fp32 accumulator is added into it, one owner and
-  one add per element per launch (deterministic), in one of two ways of the same bits
-  (``main_grad_add``): "reduce", TMA reduce-add stores (``cp.reduce.async.bulk.tensor
+  one add per element per launch (deterministic), in one of two ways of the same bits (but
+  for subnormal fp32 values, which the reduce-add may flush to zero as PTX's f32 reductions
+  do; the register add keeps them) (``main_grad_add``): "reduce", TMA reduce-add stores (``cp.reduce.async.bulk.tensor
   .add.f32``); "load", main_grad read into registers four epilogue subtiles ahead
   (``gemm_core.AddendTile``), added there and stored by plain TMA stores. "load" makes the
   backward 9-10 % faster where experts have few rows (short K: the epilogue is most of a
