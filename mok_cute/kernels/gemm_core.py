@@ -445,17 +445,6 @@ class GemmCoreSm90:
         up.store(up.load().to(cutlass.BFloat16).to(Float32))
         return gate, up
 
-    @cute.jit
-    def load_addend(self, frag: cute.Tensor, g_part: cute.Tensor, c_part: cute.Tensor, bounds):
-        """``frag`` (an epilogue fragment) from its global subtile ``g_part``, one 8-byte load
-        per column pair; pairs whose coordinate (``c_part``) lies outside ``bounds`` read 0."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-        frag.fill(0.0)
-        for i in cutlass.range_constexpr(cute.size(frag, mode=[1])):
-            for j in cutlass.range_constexpr(cute.size(frag, mode=[2])):
-                if cute.elem_less(c_part[(0, i, j)], bounds):
-                    cute.copy(atom, g_part[(None, i, j)], frag[(None, i, j)])
-
     def epi_coords(self, epi: "TileEpilogue", tidx):
         """(row, column) of each of this thread's epilogue fragment elements inside a subtile
         (the register layout the stmatrix copy reads). Traced inline."""
@@ -514,12 +503,13 @@ class AddendTile:
     subtile being stored, so each load's latency hides under the stores before it (4 ahead
     against 2: level to 2 % slower at 256 rows an expert, 2-3 % faster at 1024,
     docs/measurements.md). The sums go out by plain TMA stores: one read and one write per
-    element, no L2 reduction. Built per output tile from ``main`` = (the tile's (rows, columns) view of the tensor, the same view of its
-    coordinates, the tensor's shape); elements past the shape read 0. Traced inline."""
+    element, no L2 reduction. Built per output tile from ``main`` = (the tile's (rows,
+    columns) view of the tensor, the same view of its coordinates, the tensor's shape);
+    elements past the shape read 0. Traced inline."""
 
     def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, main, copy_tidx, depth: int = 4):
         g_tile, c_tile, self.bounds = main
-        self.gemm, self.epi, self.depth = gemm, epi, depth
+        self.epi, self.depth = epi, depth
         self.thr_copy = epi.tiled_copy.get_slice(copy_tidx)
         # (64, 32, M subtiles, N subtiles) views of the tile and of its coordinates
         self.g_subtiles = cute.flat_divide(g_tile, gemm.epi_tile)
@@ -535,7 +525,18 @@ class AddendTile:
             k = len(self.frags)
             where = (None, None, k // self.per_row, k % self.per_row)
             frag = cute.make_rmem_tensor(self.epi.frag_shape, Float32)
-            self.gemm.load_addend(frag, self.thr_copy.partition_D(self.g_subtiles[where]),
-                                  self.thr_copy.partition_D(self.c_subtiles[where]), self.bounds)
+            self.load(frag, self.thr_copy.partition_D(self.g_subtiles[where]),
+                      self.thr_copy.partition_D(self.c_subtiles[where]), self.bounds)
             self.frags.append(frag)
         return self.frags[idx]
+
+    @cute.jit
+    def load(self, frag: cute.Tensor, g_part: cute.Tensor, c_part: cute.Tensor, bounds):
+        """``frag`` (an epilogue fragment) from its global subtile ``g_part``, one 8-byte load
+        per column pair; pairs whose coordinate (``c_part``) lies outside ``bounds`` read 0."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        frag.fill(0.0)
+        for i in cutlass.range_constexpr(cute.size(frag, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(frag, mode=[2])):
+                if cute.elem_less(c_part[(0, i, j)], bounds):
+                    cute.copy(atom, g_part[(None, i, j)], frag[(None, i, j)])

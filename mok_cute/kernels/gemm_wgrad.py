@@ -17,15 +17,15 @@
 - Deterministic: each output tile has one owner, which runs its expert's rows in order.
 - ``accumulate`` (``MoKConfig(fuse_wgrad_accumulation=True)``): C is fp32 (a weight's
   ``main_grad``) and each tile's unrounded fp32 accumulator is added into it, one owner and
-  one add per element per launch (deterministic), in one of two ways of the same bits (but
-  for subnormal fp32 values, which the reduce-add may flush to zero as PTX's f32 reductions
-  do; the register add keeps them) (``main_grad_add``): "reduce", TMA reduce-add stores (``cp.reduce.async.bulk.tensor
+  one add per element per launch (deterministic), in one of two ways (``main_grad_add``) of
+  the same bits but for subnormal fp32 values, which the reduce-add may flush to zero as
+  PTX's f32 reductions do: "reduce", TMA reduce-add stores (``cp.reduce.async.bulk.tensor
   .add.f32``); "load", main_grad read into registers four epilogue subtiles ahead
   (``gemm_core.AddendTile``), added there and stored by plain TMA stores. "load" makes the
   backward 9-10 % faster where experts have few rows (short K: the epilogue is most of a
-  tile) and 8 % slower where they have many (``main_grad_add``'s rule; docs/measurements.md). Its fp32
-  epilogue buffers run two stages per warpgroup instead of four, so the operand stages stay
-  as many as with bf16 C.
+  tile) and 8 % slower where they have many (``main_grad_add``'s rule;
+  docs/measurements.md). Its fp32 epilogue buffers run two stages per warpgroup instead of
+  four, so the operand stages stay as many as with bf16 C.
 
 Tiles are walked expert-major (an expert's tiles run together and share its rows in L2), each
 expert's tiles rasterised in groups of ``group_m`` M-tiles.
