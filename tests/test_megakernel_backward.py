@@ -19,8 +19,8 @@ compiled signature (one rank, the group tail, virtual ranks, none); the H200 its
 
 from __future__ import annotations
 
+import importlib.util
 import re
-import sys
 import types
 from pathlib import Path
 
@@ -122,22 +122,23 @@ def test_main_grad_add_by_rows_an_expert():
     """The rule that picks how a launch adds into main_grad: by load at few rows an expert
     (short K: gptoss_120b's 256), by reduce-add at more (dsv3 / qwen3's 1024, sonic /
     mixtral's 2048)."""
-    from mok_cute.kernels.gemm_wgrad import MAIN_GRAD_LOAD_MAX_ROWS, WgradGemmSm90, main_grad_add
-
-    assert main_grad_add(256 * 128, 128) == "load"
-    assert main_grad_add(MAIN_GRAD_LOAD_MAX_ROWS * 8, 8) == "load"
-    assert main_grad_add(MAIN_GRAD_LOAD_MAX_ROWS * 8 + 128, 8) == "reduce"
-    assert main_grad_add(1024 * 32, 32) == "reduce"
-    with pytest.raises(ValueError, match="main_grad_add"):
-        WgradGemmSm90(gated=True, accumulate=True, main_grad_add="atomic")
-    # tools/main_grad_probe.py --modes forces either way for a call, then restores the rule
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tools.main_grad_probe import forced
     from mok_cute.kernels import gemm_wgrad
 
-    assert forced("load", lambda: gemm_wgrad.main_grad_add(1 << 30, 1))() == "load"
-    assert forced("reduce", lambda: gemm_wgrad.main_grad_add(128, 1))() == "reduce"
-    assert gemm_wgrad.MAIN_GRAD_LOAD_MAX_ROWS == MAIN_GRAD_LOAD_MAX_ROWS
+    rule, max_rows = gemm_wgrad.main_grad_add, gemm_wgrad.MAIN_GRAD_LOAD_MAX_ROWS
+    assert rule(256 * 128, 128) == "load"
+    assert rule(max_rows * 8, 8) == "load"
+    assert rule(max_rows * 8 + 128, 8) == "reduce"
+    assert rule(1024 * 32, 32) == "reduce"
+    with pytest.raises(ValueError, match="main_grad_add"):
+        gemm_wgrad.WgradGemmSm90(gated=True, accumulate=True, main_grad_add="atomic")
+    # tools/main_grad_probe.py --modes forces either way for a call, then restores the rule
+    path = Path(__file__).resolve().parents[1] / "tools" / "main_grad_probe.py"
+    spec = importlib.util.spec_from_file_location("main_grad_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.forced("load", lambda: rule(1 << 30, 1))() == "load"
+    assert probe.forced("reduce", lambda: rule(128, 1))() == "reduce"
+    assert gemm_wgrad.MAIN_GRAD_LOAD_MAX_ROWS == max_rows
 
 
 @pytest.mark.parametrize("fc2_pingpong", [False, True])

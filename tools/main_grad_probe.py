@@ -63,7 +63,6 @@ def check_modes(name: str, modes, fused, bufs) -> None:
             first = [b.clone() for b in bufs]
         elif not all(torch.equal(a, b) for a, b in zip(first, bufs)):
             raise SystemExit(f"{name}: main_grad by {mode} is not {modes[0]}'s bitwise")
-    del first, start
 
 
 def variants(name: str, fp8: bool, modes=()) -> dict:
