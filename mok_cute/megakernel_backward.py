@@ -388,6 +388,14 @@ def check_shared(shared: SharedExpert, hidden: int, device) -> tuple[int, int, i
     return tokens, inter, lead[0] if ranked else 0
 
 
+def _main_grad_add(rows: int, num_experts: int, shared_dims: tuple, routed: bool) -> str:
+    """How the launch adds its weight gradients into main_grad, by ``gemm_wgrad``'s rule on
+    the routed experts' rows (the shared expert's T tokens where only its tasks run)."""
+    from mok_cute.kernels.gemm_wgrad import main_grad_add
+
+    return main_grad_add(rows, num_experts) if routed else main_grad_add(shared_dims[0], 1)
+
+
 def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
     """``PeerRows.scalars`` of a symmetric layout (``comm.peers.SymmetricLayout``)."""
     offsets = [layout.offset(f) for f in ("d_out", "x", "router_weights", "combine",
@@ -558,7 +566,9 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                                 fc2_pingpong=fc2_pingpong(hidden), comm_ctas=num_comm,
                                 ksum_top_k=top_k if tail is not None else 0,
                                 ksum_shared=ksum_shared, shared=shared is not None,
-                                accumulate_wgrads=accumulate, timeline=timeline is not None)
+                                accumulate_wgrads=accumulate, timeline=timeline is not None,
+                                main_grad_add=_main_grad_add(rows, num_experts, shared_dims,
+                                                             routed) if accumulate else "reduce")
     if before_launch is not None:
         before_launch()
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,

@@ -760,10 +760,12 @@ def test_main_grad_from_a_random_start_adds_the_gradient(backend, precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_main_grad_by_load_and_by_reduce_add_give_the_same_bits(precision, monkeypatch):
-    """The bf16 weight-gradient launch's two ways of adding into main_grad (``gemm_wgrad``'s
-    ``main_grad_add``, picked by rows an expert) leave the same bits from a random start."""
+@pytest.mark.parametrize("backend,precision",
+                         [("kernel", "bf16"), ("kernel", "fp8"), ("megakernel", "bf16")])
+def test_main_grad_by_load_and_by_reduce_add_give_the_same_bits(backend, precision, monkeypatch):
+    """The bf16 weight gradients' two ways of adding into main_grad (``gemm_wgrad``'s
+    ``main_grad_add``, picked by rows an expert; in the backward megakernel the shared
+    expert's tiles too) leave the same bits from a random start."""
     from mok_cute.kernels import gemm_wgrad
 
     leaves, idx = _gpu_leaves(seed=9)
@@ -772,7 +774,7 @@ def test_main_grad_by_load_and_by_reduce_add_give_the_same_bits(precision, monke
     for mode, max_rows in (("reduce", 0), ("load", 1 << 30)):
         monkeypatch.setattr(gemm_wgrad, "MAIN_GRAD_LOAD_MAX_ROWS", max_rows)
         starts = _gpu_main_grads(leaves, "random")  # the same start: a fixed seed
-        _gpu_step(leaves, idx, d_out, _gpu_config("kernel", precision, True))
+        _gpu_step(leaves, idx, d_out, _gpu_config(backend, precision, True))
         got[mode] = [t.main_grad.clone() for t in leaves[2:]]
         assert not all(torch.equal(g, s) for g, s in zip(got[mode], starts))  # it added
     for name, a, b in zip(NAMES, got["reduce"], got["load"]):

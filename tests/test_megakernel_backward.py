@@ -118,6 +118,28 @@ def test_the_loading_main_grad_build_reads_it_and_stores_plainly(tmp_path, gated
     assert rep.registers == 168 and rep.spill_bytes == 0
 
 
+@pytest.mark.parametrize("static", [
+    dict(fc2_pingpong=True, shared=True), dict(fc2_pingpong=False),
+    dict(num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True, shared=True)])
+def test_the_backward_megakernel_reads_main_grad_and_stores_plainly(tmp_path, static):
+    """The backward megakernel's ``main_grad_add="load"`` builds: each weight-gradient
+    subtile's main_grad comes in by 8-byte loads (the routed output's or, at run time, the
+    shared expert's), no reduce-add is left, no atomics, the registers of the bf16 builds and
+    no spills (``AddendTile`` three subtiles ahead: four spill 360 B with the shared expert)."""
+    from mok_cute import jit
+
+    rep = jit.inspect_kernel("megakernel_backward", outdir=tmp_path, accumulate_wgrads=True,
+                             main_grad_add="load", **static)
+    ptx = open(rep.ptx_path).read()
+    assert "cp.reduce.async.bulk" not in ptx
+    # three outputs' 128 x 128 blocks, 8 subtiles of 8 column pairs a thread (each pair from
+    # the routed or the shared expert's tensor where the build has both)
+    loads = re.findall(r"ld\.global\.v2\.(?:b32|f32)", ptx)
+    assert len(loads) >= 3 * 8 * 8 * (2 if static.get("shared") else 1), len(loads)
+    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
+    assert rep.registers == 168 and rep.spill_bytes == 0
+
+
 def test_main_grad_add_by_rows_an_expert():
     """The rule that picks how a launch adds into main_grad: by load at few rows an expert
     (short K: gptoss_120b's 256), by reduce-add at more (dsv3 / qwen3's 1024, sonic /

@@ -13,8 +13,9 @@ beside the kernels'; FP8 with ``--fp8``):
     bwd + add              the same, then main_grad.add_(grad) for the three expert weights
     bwd fused              moe_backward(main_grads=...)
     wgrad / wgrad fused    the weight-gradient launches alone (gemm_wgrad, accumulate=True)
-With ``--modes``: "bwd fused MODE" and "wgrad gate+up fused MODE" for each of the bf16
-launch's ways of adding into main_grad (``gemm_wgrad.main_grad_add``: reduce, load) instead of
+With ``--modes``: "bwd fused MODE" (launches and, in bf16, the backward megakernel) and "wgrad
+gate+up fused MODE" for each of the bf16 weight gradients' ways of adding into main_grad
+(``gemm_wgrad.main_grad_add``: reduce, load) instead of
 the product's rule by rows an expert (the rule's threshold: ``MAIN_GRAD_LOAD_MAX_ROWS``; shapes
 at other rows an expert: ``custom:T,H,I,E,K``), each first checked bitwise against the others
 from random buffers.
@@ -95,7 +96,7 @@ def variants(name: str, fp8: bool, modes=()) -> dict:
         return run
 
     # checked first: fused from zeros == the unfused bf16 gradients, bitwise
-    backends = ("kernels",) if fp8 or modes else ("kernels", "megakernel")
+    backends = ("kernels",) if fp8 else ("kernels", "megakernel")
     for dgrads in backends:
         want = bwd(dgrads)[2:5]
         for b in bufs:
@@ -112,15 +113,17 @@ def variants(name: str, fp8: bool, modes=()) -> dict:
     d_pre = torch.randn(rows.shape[0], 2 * inter, device="cuda").to(torch.bfloat16)
     gate_up = (d_pre[:, :inter], d_pre[:, inter:], rows, saved.expert_offsets, E, inter)
     out = {}
-    if modes:  # the bf16 launch's ways of adding, the kernels' dgrads
-        fused = lambda: bwd("kernels", eb.MainGrads(*bufs))  # noqa: E731
-        check_modes(name, modes, fused, bufs)
-        out["bwd"] = lambda: bwd("kernels")
-        for mode in modes:
-            out[f"bwd fused {mode}"] = forced(mode, fused)
-            if not fp8:
-                out[f"wgrad gate+up fused {mode}"] = forced(
-                    mode, lambda: eb.wgrad(*gate_up, main_grads=bufs[:2]))
+    if modes:  # the bf16 weight gradients' ways of adding, launches and backward megakernel
+        for dgrads in backends:
+            tag = "" if dgrads == "kernels" else " (megakernel)"
+            fused = lambda d=dgrads: bwd(d, eb.MainGrads(*bufs))  # noqa: E731
+            check_modes(name + tag, modes, fused, bufs)
+            out[f"bwd{tag}"] = lambda d=dgrads: bwd(d)
+            for mode in modes:
+                out[f"bwd fused {mode}{tag}"] = forced(mode, fused)
+        for mode in modes if not fp8 else ():
+            out[f"wgrad gate+up fused {mode}"] = forced(
+                mode, lambda: eb.wgrad(*gate_up, main_grads=bufs[:2]))
         return out, sum(t.numel() for t in ws)
     for dgrads in backends:
         tag = "" if dgrads == "kernels" else " (megakernel)"

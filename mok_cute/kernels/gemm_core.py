@@ -505,15 +505,17 @@ class AddendTile:
     docs/measurements.md). The sums go out by plain TMA stores: one read and one write per
     element, no L2 reduction. Built per output tile from ``main`` = (the tile's (rows,
     columns) view of the tensor, the same view of its coordinates, the tensor's shape);
-    elements past the shape read 0. Traced inline."""
+    elements past the shape read 0. ``alt``: another such triple, read instead where the
+    run-time ``use_alt`` holds (the backward megakernel's shared-expert tiles, whose stores
+    take ``tile_epilogue``'s ``alt``). Traced inline."""
 
-    def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, main, copy_tidx, depth: int = 4):
-        g_tile, c_tile, self.bounds = main
-        self.epi, self.depth = epi, depth
+    def __init__(self, gemm: GemmCoreSm90, epi: TileEpilogue, main, copy_tidx, depth: int = 4,
+                 alt=None, use_alt=None):
+        self.epi, self.depth, self.use_alt = epi, depth, use_alt
         self.thr_copy = epi.tiled_copy.get_slice(copy_tidx)
-        # (64, 32, M subtiles, N subtiles) views of the tile and of its coordinates
-        self.g_subtiles = cute.flat_divide(g_tile, gemm.epi_tile)
-        self.c_subtiles = cute.flat_divide(c_tile, gemm.epi_tile)
+        # (64, 32, M subtiles, N subtiles) views of each source's tile and of its coordinates
+        self.sources = [(cute.flat_divide(g, gemm.epi_tile), cute.flat_divide(c, gemm.epi_tile),
+                         bounds) for g, c, bounds in ([main] if alt is None else [main, alt])]
         self.per_row = gemm.tile_shape_mnk[1] // gemm.epi_tile[1]
         self.count = gemm.tile_shape_mnk[0] // gemm.epi_tile[0] * self.per_row
         self.frags = []
@@ -524,11 +526,24 @@ class AddendTile:
         while len(self.frags) < min(idx + 1 + self.depth, self.count):
             k = len(self.frags)
             where = (None, None, k // self.per_row, k % self.per_row)
+            parts = [(self.thr_copy.partition_D(g[where]), self.thr_copy.partition_D(c[where]),
+                      bounds) for g, c, bounds in self.sources]
             frag = cute.make_rmem_tensor(self.epi.frag_shape, Float32)
-            self.load(frag, self.thr_copy.partition_D(self.g_subtiles[where]),
-                      self.thr_copy.partition_D(self.c_subtiles[where]), self.bounds)
+            if const_expr(len(parts) == 1):
+                self.load(frag, *parts[0])
+            else:
+                self.load_either(frag, parts[0], parts[1], self.use_alt)
             self.frags.append(frag)
         return self.frags[idx]
+
+    @cute.jit
+    def load_either(self, frag: cute.Tensor, main, alt, use_alt):
+        """``load`` from ``alt``'s (partition, coordinates, bounds) where ``use_alt``, else
+        from ``main``'s."""
+        if use_alt:
+            self.load(frag, *alt)
+        else:
+            self.load(frag, *main)
 
     @cute.jit
     def load(self, frag: cute.Tensor, g_part: cute.Tensor, c_part: cute.Tensor, bounds):

@@ -122,7 +122,9 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
     :param shared: the shared expert's backward as tasks of the launch
         (``backward_shared``); with the group tail its k-sums wait for its dx rows.
     :param accumulate_wgrads: the weight gradients (the shared expert's too) are added into
-        fp32 outputs (the weights' ``main_grad``) by TMA reduce-add instead of stored in bf16.
+        fp32 outputs (the weights' ``main_grad``) instead of stored in bf16.
+    :param main_grad_add: how ``accumulate_wgrads`` adds: "reduce" (TMA reduce-add) or "load"
+        (main_grad read into registers, plain TMA stores), as ``gemm_wgrad``'s.
     :param timeline: the recorder build (``backward_recorder``): every task's span into the
         ``timeline_buf`` argument.
 
@@ -134,7 +136,8 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
 
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
-                 accumulate_wgrads: bool = False, timeline: bool = False):
+                 accumulate_wgrads: bool = False, timeline: bool = False,
+                 main_grad_add: str = "reduce"):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -145,6 +148,9 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         self.ksum_shared = ksum_shared and self.ksum_top_k > 0
         self.shared = shared
         self.accumulate_wgrads = accumulate_wgrads
+        if main_grad_add not in ("reduce", "load"):
+            raise ValueError(f"main_grad_add must be 'reduce' or 'load', got {main_grad_add!r}")
+        self.main_grad_add = main_grad_add
         self.timeline = timeline
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
@@ -223,17 +229,19 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         stores = (*mk(s2g, d_gate, fc2_epi_box, fc2_epi_tile),
                   *mk(s2g, d_up, fc2_epi_box, fc2_epi_tile),
                   *mk(s2g, hw, fc2_epi_box, fc2_epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
-        self.wgrad = WgradForm(self.ab_stages, self.accumulate_wgrads)
+        self.wgrad = WgradForm(self.ab_stages, self.accumulate_wgrads, self.main_grad_add)
         w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
         w_loads = []
         for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):
             w_loads.extend(mk(g2s, t, w_box, (self.wgrad.tile_shape_mnk[1], tile_k)))
         w_s2g = s2g
-        if const_expr(self.accumulate_wgrads):
+        if const_expr(self.accumulate_wgrads and not self.wgrad.adds_by_load):
             w_s2g = cute.nvgpu.cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD)
         w_stores = []
         for t in (dw_gate, dw_up, dw_down):
             w_stores.extend(mk(w_s2g, t, w_epi, self.wgrad.epi_tile))
+        # main_grad as the kernel reads it into registers ("load")
+        main_grads = (dw_gate, dw_up, dw_down) if const_expr(self.wgrad.adds_by_load) else None
         extra = {}
         if const_expr(self.fc2_pingpong):  # the pingpong ring's full / empty mbarriers
             extra["fc2_full_empty"] = cute.struct.MemRange[Int64, 2 * FC2_STAGES]
@@ -265,6 +273,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         self.kernel(tasks, queue, queue_live_len, counter_offsets, counters, error, num_tiles,
                     tile_expert, preact, row_slot, weights, partials, scalars, expert_offsets,
                     peer_rows, tail, shared, timeline_buf, *loads, *stores, *w_loads, *w_stores,
+                    main_grads,
                     self.tiled_mma, self.a_smem_layout_staged, self.b_smem_layout_staged,
                     self.epi_smem_layout_staged, *self.wgrad_kernel_args(),
                     *self.fc2.kernel_args(),
@@ -290,7 +299,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                tma_wdy: cute.CopyAtom, t_wdy: cute.Tensor, tma_whw: cute.CopyAtom,
                t_whw: cute.Tensor, tma_cg: cute.CopyAtom, t_cg: cute.Tensor,
                tma_cu: cute.CopyAtom, t_cu: cute.Tensor, tma_cd: cute.CopyAtom, t_cd: cute.Tensor,
-               tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
+               main_grads, tiled_mma: cute.TiledMma, a_smem_layout_staged: cute.ComposedLayout,
                b_smem_layout_staged: cute.ComposedLayout,
                epi_smem_layout_staged: cute.ComposedLayout, w_tiled_mma: cute.TiledMma,
                w_box_staged: cute.ComposedLayout, w_epi_staged: cute.ComposedLayout,
@@ -338,7 +347,10 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                         (tma_dy, t_dy, tma_wd, t_wd, tma_dp, t_dp, tma_wg, t_wg, tma_wu, t_wu),
                         (tma_dg, t_dg, tma_du, t_du, tma_hw, t_hw, tma_dx, t_dx),
                         (tma_wdg, t_wdg, tma_wdu, t_wdu, tma_wx, t_wx, tma_wdy, t_wdy, tma_whw,
-                         t_whw), (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd), peer_rows, tail,
+                         t_whw),
+                        (tma_cg, t_cg, tma_cu, t_cu, tma_cd, t_cd,
+                         *(main_grads if const_expr(main_grads is not None) else ())),
+                        peer_rows, tail,
                         ksum_args, shared, timeline_buf, rec_marks)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         if const_expr(self.comm_ctas > 0):
@@ -726,11 +738,11 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False):
+                                timeline: bool = False, main_grad_add: str = "reduce"):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline)
+                                    shared, accumulate_wgrads, timeline, main_grad_add)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

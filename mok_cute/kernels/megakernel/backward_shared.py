@@ -47,7 +47,7 @@ class SharedOperands(NamedTuple):
     loads: tuple  # d_out rows (T, H, L), Ws_down, dG | dU (L T_pad, 2Is, 1), Ws_gate, Ws_up
     stores: tuple  # dG, dU, h, dx rows
     w_loads: tuple  # dG, dU, x, d_out, h: (cols, T, 1) MN-major
-    w_stores: tuple  # dWs_gate, dWs_up, dWs_down
+    w_stores: tuple  # dWs_gate, dWs_up, dWs_down; then their tensors where main_grad is loaded
     rows: tuple  # saved g | u (L T, 2Is), padded row -> slot (int32, -1 past T), ones (fp32)
 
 
@@ -60,7 +60,8 @@ class SharedTasksMixin:
         Ws_gate, Ws_up, dG, dU, h, dx rows, dG^T, dU^T, x^T, d_out^T, h^T, dWs_gate, dWs_up,
         dWs_down, saved g | u, rows, ones); ``boxes``: for each of the first 17, (smem box,
         tile) as its routed counterpart's; ``w_store_op``: the routed weight gradients' TMA
-        store op (a reduce-add where they are added into main_grad)."""
+        store op (a reduce-add where they are added into main_grad by it; where main_grad is
+        read into registers, ``w_stores`` ends with the three weight gradients' tensors)."""
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         s2g = cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp()
         mk = cute.nvgpu.cpasync.make_tiled_tma_atom
@@ -69,8 +70,11 @@ class SharedTasksMixin:
         pairs = [mk(op, t, box, tile)
                  for op, t, (box, tile) in zip(ops, tensors[:17], boxes)]
         flat = [v for pair in pairs for v in pair]
+        w_stores = tuple(flat[28:34])
+        if const_expr(self.wgrad.adds_by_load):
+            w_stores += tuple(tensors[14:17])
         return SharedOperands(tuple(flat[0:10]), tuple(flat[10:18]), tuple(flat[18:28]),
-                              tuple(flat[28:34]), tuple(tensors[17:]))
+                              w_stores, tuple(tensors[17:]))
 
     @cute.jit
     def is_shared_task(self, ttype: Int32):

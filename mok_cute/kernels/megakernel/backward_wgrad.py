@@ -8,8 +8,10 @@ tasks of the same launch, on the same operand stages and epilogue buffers.
 
 K runs over expert e's schedule rows ``[offsets[e], offsets[e + 1])`` in order (an expert
 without rows writes zeros), each output tile has one owner: the bits of ``gemm_wgrad``. With ``accumulate_wgrads`` the
-outputs are fp32 (the weights' ``main_grad``) and each tile's accumulator is added into them by
-TMA reduce-add, as ``gemm_wgrad(accumulate=True)`` does.
+outputs are fp32 (the weights' ``main_grad``) and each tile's accumulator is added into them in
+one of ``gemm_wgrad``'s two ways (``main_grad_add``): by TMA reduce-add, or main_grad read into
+registers (``gemm_core.AddendTile``, the shared expert's tile as its run-time alternative) and
+the sums stored by plain TMA stores.
 
 How the two tile forms share the CTA's smem: a stage of the dgrads holds a 128 x 64 A box
 (16 KB) and a 256 x 64 B box (32 KB); a weight-gradient stage holds two 128 x 64 A boxes and
@@ -37,7 +39,8 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 
 from mok_cute.constants import TILE_K
 from mok_cute.kernels import common
-from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, smem_overlay, tma_tiles
+from mok_cute.kernels.gemm_core import (AddendTile, GemmCoreSm90, pipeline_state, smem_overlay,
+                                        tma_tiles)
 from mok_cute.kernels.megakernel.backward_recorder import COMPUTE, EPILOGUE, START
 from mok_cute.kernels.megakernel.backward_shared import SHARED_WGRAD_GATE_UP
 from mok_cute.kernels.megakernel.scheduler import (D_EXPERT, D_INDEX, D_MTILE, D_NTILE, D_RANK,
@@ -55,15 +58,17 @@ T_POS, T_INDEX, T_TYPE, T_MBLOCK, T_NTILE, T_EXPERT, T_KTILES = (
 
 class WgradForm(GemmCoreSm90):
     """``gemm_wgrad``'s tile form (a warpgroup per 128 output rows, both operands MN-major) on
-    the stage ring of a host kernel (``stages``: the host's stage count). ``accumulate``:
-    ``gemm_wgrad``'s, the fp32 outputs added into by TMA reduce-add (two epilogue stages a
-    warpgroup: 32 KB of fp32 subtiles, within the dgrads' 48 KB of epilogue buffers)."""
+    the stage ring of a host kernel (``stages``: the host's stage count). ``accumulate``,
+    ``main_grad_add``: ``gemm_wgrad``'s, the fp32 outputs added into by TMA reduce-add or by
+    loads and plain stores (two epilogue stages a warpgroup: 32 KB of fp32 subtiles, within
+    the dgrads' 48 KB of epilogue buffers)."""
 
-    def __init__(self, stages: int, accumulate: bool = False):
+    def __init__(self, stages: int, accumulate: bool = False, main_grad_add: str = "reduce"):
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
         self.a_dtype = self.b_dtype = BFloat16
         self.c_dtype = Float32 if accumulate else BFloat16
         self.accumulate = accumulate
+        self.adds_by_load = accumulate and main_grad_add == "load"
         if accumulate:
             self.fp32_epilogue()
         self._setup_attributes()
@@ -321,20 +326,36 @@ class WgradTasksMixin:
 
     def _wgrad_store(self, args, stores, shared, o: int, m: Int32):
         """A warpgroup's 128 x 128 block ``m`` of weight-gradient output ``o`` (0: dW_gate,
-        1: dW_up, 2: dW_down) by TMA; the shared expert's instead where ``shared`` (pairs,
-        flag) says so. Traced inline."""
+        1: dW_up, 2: dW_down) by TMA; the shared expert's instead where ``shared`` (stores,
+        flag) says so. ``stores``: (atom, TMA tensor) of each output, then, where main_grad
+        is read into registers, the three outputs' tensors. Traced inline."""
         epi, base, subtiles, barrier, store_pipeline, is_store_warp, n_tile, expert = args
+        tile, where = (WG_ROWS, WGRAD_TILE_N), (None, None, m, n_tile, expert)
 
-        def output(pairs):
-            view = cute.local_tile(pairs[2 * o + 1], (WG_ROWS, WGRAD_TILE_N), (None, None, None))
-            return (pairs[2 * o],), (view[(None, None, m, n_tile, expert)],)
+        def output(outs):
+            view = cute.local_tile(outs[2 * o + 1], tile, (None, None, None))
+            return (outs[2 * o],), (view[where],)
+
+        def addend(outs):  # main_grad's tile, its coordinates, its bounds
+            t = outs[6 + o]
+            coords = cute.make_identity_tensor(t.shape)
+            return (cute.local_tile(t, tile, (None, None, None))[where],
+                    cute.local_tile(coords, tile, (None, None, None))[where], t.shape)
 
         atoms, g_tiles = output(stores)
         alt, use_alt = None, None
         if const_expr(shared is not None):
             alt, use_alt = output(shared[0]), shared[1]
-        self.wgrad.tile_epilogue(epi, atoms, g_tiles, "store", base, subtiles, barrier,
-                                 store_pipeline, is_store_warp, alt=alt, use_alt=use_alt)
+        kind, visit = "store", None
+        if const_expr(self.wgrad.adds_by_load):
+            kind = "add"
+            tidx = cute.arch.thread_idx()[0] % self.threads_per_warpgroup
+            # three subtiles ahead: four spill 360 B beside the shared expert's tiles, two 16 B
+            visit = AddendTile(self.wgrad, epi, addend(stores), tidx, depth=3,
+                               alt=None if const_expr(shared is None) else addend(shared[0]),
+                               use_alt=use_alt)
+        self.wgrad.tile_epilogue(epi, atoms, g_tiles, kind, base, subtiles, barrier,
+                                 store_pipeline, is_store_warp, visit, alt=alt, use_alt=use_alt)
 
     def wgrad_subtiles(self) -> int:
         """Epilogue subtiles a warpgroup stores per weight-gradient tile."""
