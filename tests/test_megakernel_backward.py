@@ -141,18 +141,30 @@ def test_the_backward_megakernel_reads_main_grad_and_stores_plainly(tmp_path, st
 
 
 def test_main_grad_add_by_rows_an_expert():
-    """The rule that picks how a launch adds into main_grad: by load at few rows an expert
-    (short K: gptoss_120b's 256), by reduce-add at more (dsv3 / qwen3's 1024, sonic /
-    mixtral's 2048)."""
+    """The rule that picks how a launch adds into main_grad, by its schedule's capacity rows
+    (T K + E 127 rounded to tiles): by load up to 1024 routed rows an expert (gptoss_120b's
+    256, dsv3 / qwen3's 1024), by reduce-add at more (sonic / mixtral's 2048); the backward
+    megakernel by the same rule (the shared expert's T tokens where only its tasks run)."""
+    from mok_cute import megakernel_backward as mb
     from mok_cute.kernels import gemm_wgrad
+    from mok_cute.kernels.megakernel.backward import BackwardMegakernelSm90
+    from mok_cute.schedule import schedule_capacity
 
     rule, max_rows = gemm_wgrad.main_grad_add, gemm_wgrad.MAIN_GRAD_LOAD_MAX_ROWS
-    assert rule(256 * 128, 128) == "load"
+    for tokens, top_k, experts, want in ((8192, 4, 128, "load"), (4096, 8, 32, "load"),
+                                         (16384, 8, 128, "load"), (8192, 2, 8, "reduce"),
+                                         (32768, 4, 64, "reduce")):
+        rows = schedule_capacity(1, tokens, top_k, experts, 128)
+        assert rule(rows, experts) == want, (tokens, top_k, experts)
+        assert mb._main_grad_add(rows, experts, (0, 0, 0), True) == want
     assert rule(max_rows * 8, 8) == "load"
     assert rule(max_rows * 8 + 128, 8) == "reduce"
-    assert rule(1024 * 32, 32) == "reduce"
+    assert mb._main_grad_add(128, 1, (4096, 128, 0), False) == "reduce"  # the shared expert's T
+    assert mb._main_grad_add(1 << 20, 1, (512, 128, 0), False) == "load"
     with pytest.raises(ValueError, match="main_grad_add"):
         gemm_wgrad.WgradGemmSm90(gated=True, accumulate=True, main_grad_add="atomic")
+    with pytest.raises(ValueError, match="main_grad_add"):
+        BackwardMegakernelSm90(accumulate_wgrads=True, main_grad_add="atomic")
     # tools/main_grad_probe.py --modes forces either way for a call, then restores the rule
     path = Path(__file__).resolve().parents[1] / "tools" / "main_grad_probe.py"
     spec = importlib.util.spec_from_file_location("main_grad_probe", path)

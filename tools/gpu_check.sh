@@ -62,7 +62,7 @@
 #                   launch's two ways of adding timed apart instead), JSON under $OUT
 #   sanitize        tools/sanitize.py (expert path, training backward, megakernel R = 1, virtual
 #                   R = 2 and 4 and its training step, a group's backward on virtual buffers, a shared
-#                   expert, a wrapping ring; T = 300, H = 512) under
+#                   expert, a wrapping ring, main_grad added into; T = 300, H = 512) under
 #                   compute-sanitizer memcheck, racecheck and synccheck at once; fails on any finding
 #   ncu [SHAPES]    Nsight Compute on one layer call of each path (tools/ncu_layer.py; $NCU_CONFIG,
 #                   default precision=fp8, KEY=VALUE fields apart by spaces, each a --mok-config,

@@ -128,6 +128,33 @@ def _backward_group(R: int, seed: int):
     return case
 
 
+def _backward_main_grad(backend: str, seed: int):
+    """The training step with ``fuse_wgrad_accumulation``: every weight gradient added into a
+    random fp32 ``main_grad`` (at these few rows an expert main_grad is read into registers:
+    ``gemm_wgrad.main_grad_add``), the shared expert's too."""
+    def case() -> bool:
+        xs, idx, w, wg, wu, wd, sh = _inputs(1, True, seed)
+        leaves = [t[0].detach().clone().requires_grad_() for t in (xs, w, wg, wu, wd, *sh)]
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        starts = [torch.randn(t.shape, device="cuda", generator=g) for t in leaves[2:]]
+        for t, s0 in zip(leaves[2:], starts):
+            t.main_grad = s0.clone()
+        cfg = mok_cute.MoKConfig(backend=backend, fuse_wgrad_accumulation=True)
+        out = mok_cute.moe_forward(leaves[0], idx[0], *leaves[1:5], shared=tuple(leaves[5:]),
+                                   config=cfg)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+        ref = reference.moe_forward(ref_leaves[0], idx[0], *ref_leaves[1:5],
+                                    shared=tuple(ref_leaves[5:]))
+        ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out)
+        grads = [leaves[0].grad, leaves[1].grad,
+                 *(t.main_grad - s0 for t, s0 in zip(leaves[2:], starts))]
+        print(f"{backend} training step, main_grad added into", flush=True)
+        return _check_grads(grads, ref_grads, "d_x")
+    return case
+
+
 def _check_grads(grads, ref_grads, x_name: str) -> bool:
     """Each gradient against the reference's (relative L1 <= 1e-2, no NaN), one line each."""
     ok = True
@@ -154,6 +181,9 @@ CASES = {
     "backward_megakernel_shared": _backward(True, 9, "megakernel"),
     # virtual ranks: the saving launch, one backward-megakernel launch for all ranks
     "backward_virtual_r2_shared": _backward_virtual(2, True, 10),
+    # main_grad read and written by the weight-gradient launches and the backward megakernel
+    "backward_main_grad": _backward_main_grad("kernel", 12),
+    "backward_megakernel_main_grad": _backward_main_grad("megakernel", 13),
     # a group's backward on virtual buffers: row copies by address, barriers, per-rank launches
     "backward_group_r3_receiver_of_nothing": _backward_group(3, 11),
 }

@@ -22,8 +22,8 @@
   PTX's f32 reductions do: "reduce", TMA reduce-add stores (``cp.reduce.async.bulk.tensor
   .add.f32``); "load", main_grad read into registers four epilogue subtiles ahead
   (``gemm_core.AddendTile``), added there and stored by plain TMA stores. "load" makes the
-  backward 9-10 % faster where experts have few rows (short K: the epilogue is most of a
-  tile) and 8 % slower where they have many (``main_grad_add``'s rule;
+  backward 1-10 % faster where experts have up to ~1024 rows (short K: the epilogue is a
+  large part of a tile) and up to 8 % slower at 2048 (``main_grad_add``'s rule;
   docs/measurements.md). Its fp32 epilogue buffers run two stages per warpgroup instead of
   four, so the operand stages stay as many as with bf16 C.
 
@@ -50,11 +50,14 @@ from mok_cute.kernels.gemm_core import AddendTile, GemmCoreSm90
 
 WG_ROWS = 128  # M rows per consumer warpgroup
 WGRAD_TILE_N = 128
-# Experts with at most this many rows on average (the launch's rows over its experts, padding
-# included) add into main_grad by "load", more by "reduce" (module docstring). H100, backward
-# with main_grad, "load" / "reduce": 256 rows (gptoss_120b) 0.90-0.91; 1024 (dsv3_ep8_rank,
-# qwen3_30b) 0.98-1.01; 2048 (sonic_120b, mixtral) 1.08 (docs/measurements.md)
-MAIN_GRAD_LOAD_MAX_ROWS = 512
+# Experts with at most this many rows on average (the launch's rows over its experts, the
+# schedule's < 128 padding rows each included: 1024 routed rows plus a tile) add into main_grad
+# by "load", more by "reduce" (module docstring); the backward megakernel takes the same rule.
+# H100, backward with main_grad, "load" / "reduce", launches (megakernel): 256 rows (gptoss_120b)
+# 0.90 (0.90); 512-1024 rows at gptoss's H and I 0.88-0.95 (0.98-1.00); dsv3_ep8_rank and
+# qwen3_30b (1024) 0.97-0.99 (0.99-1.01); 2048 (sonic_120b, mixtral) 1.00-1.08 (1.06), the
+# gate | up launch alone 1.15 (docs/measurements.md)
+MAIN_GRAD_LOAD_MAX_ROWS = 1152
 
 
 def main_grad_add(rows: int, experts: int) -> str:
