@@ -42,10 +42,17 @@ def packed_saved_slots(valid: torch.Tensor, kept, first=0) -> tuple[torch.Tensor
     (padding rows skipped), -1 on padding and on a row past ``kept``, which the forward then
     does not save. Returns (row_slot int32 shaped as ``valid``, how many routed rows found no
     place: an int64 0-d tensor on the device, no host sync)."""
+    row_slot, missing, _ = _packed(valid, kept, first)
+    return row_slot, missing
+
+
+def _packed(valid: torch.Tensor, kept, first=0):
+    """``packed_saved_slots``, and how many rows it placed (an int64 0-d device tensor)."""
     order = torch.cumsum(valid.to(torch.int32), dim=-1, dtype=torch.int32) - 1
     row_slot = torch.where(valid & (order < kept), order + first, torch.full_like(order, -1))
-    missing = (valid.sum(dtype=torch.int64) - kept).clamp(min=0)
-    return row_slot.to(torch.int32), missing
+    total = valid.sum(dtype=torch.int64)
+    missing = (total - kept).clamp(min=0)
+    return row_slot.to(torch.int32), missing, total - missing
 
 
 class SavedRowsPool:
@@ -100,8 +107,8 @@ class SavedRowsPool:
             self._held += 1
         first = (self.used + row_bytes - 1) // row_bytes  # whole rows of this width
         left = (rows - first).clamp(min=0)
-        row_slot, missing = packed_saved_slots(valid, left, first)
-        self.used.copy_((first + valid.sum(dtype=torch.int64) - missing) * row_bytes)
+        row_slot, missing, placed = _packed(valid, left, first)
+        self.used.copy_((first + placed) * row_bytes)
         preact = self.buffer[:rows * row_bytes].view(torch.bfloat16).view(rows, 2 * inter)
         # a tensor of its own (views of the rows do not keep one another's Python object)
         lease = torch.empty(0)
