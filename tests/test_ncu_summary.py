@@ -50,11 +50,29 @@ def test_sums_counters_and_averages_rates_per_kernel_name(ncu_summary, tmp_path)
     assert kernels[gemm] == {"launches": 2, "dram__bytes_read.sum": 1_000_500,
                              "lts__t_sector_hit_rate.pct": 70, "gpu__time_duration.sum": 8000}
     assert kernels[mega] == {"launches": 1, "dram__bytes_read.sum": 2_000_000}
-    paths = ncu_summary.by_path(kernels)
-    # every kernel but the megakernel is the expert path's; rates are not summed across kernels
+    paths = ncu_summary.by_path(ncu_summary.read_rows(path))
+    # no marker launch: every kernel but the megakernel is the expert path's; rates are not
+    # summed across kernels
     assert paths["expert_kernels"] == {"launches": 3, "dram__bytes_read.sum": 1_000_600,
                                        "gpu__time_duration.sum": 8000}
     assert paths["megakernel"] == {"launches": 1, "dram__bytes_read.sum": 2_000_000}
+
+
+def test_marker_launches_give_each_path_its_own_prep_launches(ncu_summary, tmp_path):
+    """ncu_layer.py launches a marker (torch.cuda._sleep) before each path's call: a launch
+    counts for the path of the last marker before it, so the megakernel path's prep kernels,
+    named as the expert path's, are not summed into the expert path (the markers left out)."""
+    spin, prep = "at::cuda::(anonymous namespace)::spin_kernel(long)", "void at::index_kernel<1>"
+    gemm, mega = "kernel_cutlass_kernel_GroupedGemmSm90_x", "kernel_cutlass_kernel_MegakernelSm90_y"
+    order = [spin, prep, gemm, gemm, spin, prep, mega, spin, prep, gemm, spin, mega]
+    path = _log(tmp_path, [_row(i, k, "dram__bytes_read.sum", str(10 ** i))
+                           for i, k in enumerate(order)])
+    paths = ncu_summary.by_path(ncu_summary.read_rows(path))
+    # launches 1-3 and 8-9 (two shapes' expert paths), 5-6 and 11 (their megakernel paths)
+    assert paths["expert_kernels"] == {"launches": 5, "dram__bytes_read.sum": sum(
+        10 ** i for i in (1, 2, 3, 8, 9))}
+    assert paths["megakernel"] == {"launches": 3, "dram__bytes_read.sum": sum(
+        10 ** i for i in (5, 6, 11))}
 
 
 def test_short_names_tell_cute_kernels_of_one_class_apart(ncu_summary):

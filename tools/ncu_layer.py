@@ -7,7 +7,9 @@ Each shape's expert path and megakernel are compiled and warmed up outside the p
 (and checked bitwise against each other), then one call of each runs between
 ``cudaProfilerStart`` and ``cudaProfilerStop``, inside NVTX ranges named ``<shape>/<path>``,
 so ``ncu --profile-from-start off`` collects exactly those launches (the expert path's six,
-the megakernel's one). Why: both paths run these layers at the H200's 700 W cap (fifteenth
+the megakernel path's prep launches and its megakernel), each path's after a marker launch
+(``torch.cuda._sleep``: ``ncu_summary.by_path`` tells the paths apart by it; the paths in
+``ncu_summary.PATHS``'s order). Why: both paths run these layers at the H200's 700 W cap (fifteenth
 session), where what a path costs is energy, i.e. the bytes it moves (DRAM, L2) and the
 instructions it issues; ncu counts those, and the recorder and the clock probe cannot.
 Run it under ``ncu --profile-from-start off`` on the GPU host (``gpu_check.sh ncu`` does, with
@@ -58,6 +60,9 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
             torch.cuda.nvtx.range_push(f"{name}/{path}")
+            # a marker launch (spin_kernel) before each path's call: ncu_summary.by_path counts
+            # the launches after it as this path's, its prep launches included
+            torch.cuda._sleep(1)
             forward(config)
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_pop()

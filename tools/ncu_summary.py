@@ -4,8 +4,9 @@
 
 Each file is one shape's run of ``tools/ncu_layer.py`` (one call of the expert path, one of
 the megakernel). Prints, per kernel name, the launches and each metric summed over them
-(byte, instruction and time counters) or averaged (rates and percentages), then the total of
-the expert path's kernels (every kernel but the megakernel) against the megakernel's.
+(byte, instruction and time counters) or averaged (rates and percentages), then each path's
+total (``by_path``: the launches of each path's call, told apart by ``ncu_layer.py``'s marker
+launch before each call; in a log without markers, every kernel but the megakernel against it).
 ``--per-launch``: a line per launch instead (FC1 and FC2 may share a kernel name). Kernels print
 by ``short_names``; the JSON keeps full names.
 """
@@ -19,6 +20,9 @@ import re
 from collections import Counter, defaultdict
 
 MEGAKERNEL = re.compile(r"megakernel", re.IGNORECASE)
+# ncu_layer.py's torch.cuda._sleep before each path's call, the paths in its order
+MARKER = re.compile(r"spin_kernel")
+PATHS = ("expert_kernels", "megakernel")
 CUTE_CLASS = re.compile(r"([A-Z][A-Za-z0-9]*)_object_at_")  # CuTe DSL: <module><Class>_object_at_...
 
 
@@ -86,13 +90,24 @@ def short_names(names) -> dict[str, str]:
     return out
 
 
-def by_path(kernels: dict) -> dict:
-    """The expert path's kernels summed, against the megakernel's (sums only)."""
-    paths: dict[str, dict] = {"expert_kernels": defaultdict(float), "megakernel": defaultdict(float)}
-    for name, k in kernels.items():
-        path = paths["megakernel" if MEGAKERNEL.search(name) else "expert_kernels"]
-        for m, v in k.items():
-            if m == "launches" or _summed(m):
+def by_path(rows: list[dict]) -> dict:
+    """Each path's launches summed (sums only; the markers left out): a launch belongs to the
+    path whose marker came last before it (``PATHS`` in turn), so the megakernel path's own
+    prep launches count as its, though the expert path runs kernels of the same names. Before
+    any marker (a log without them), by name: the megakernel against every other kernel."""
+    paths: dict[str, dict] = {p: defaultdict(float) for p in PATHS}
+    markers = 0
+    for (_, name), metrics in sorted(launches(rows).items(), key=lambda kv: int(kv[0][0])):
+        if MARKER.search(name):
+            markers += 1
+            continue
+        if markers:
+            path = paths[PATHS[(markers - 1) % len(PATHS)]]
+        else:
+            path = paths["megakernel" if MEGAKERNEL.search(name) else "expert_kernels"]
+        path["launches"] += 1
+        for m, v in metrics.items():
+            if _summed(m):
                 path[m] += v
     return {p: dict(v) for p, v in paths.items()}
 
@@ -107,7 +122,7 @@ def main() -> None:
     for path in a.files:
         rows = read_rows(path)
         kernels = summarize(rows)
-        report[path] = {"kernels": kernels, "paths": by_path(kernels)}
+        report[path] = {"kernels": kernels, "paths": by_path(rows)}
         print(f"== {path}")
         labels = short_names(kernels)
         lines = ([(f"#{launch} {labels[name]}", k) for (launch, name), k in launches(rows).items()]
