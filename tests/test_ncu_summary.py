@@ -62,7 +62,7 @@ def test_marker_launches_give_each_path_its_own_prep_launches(ncu_summary, tmp_p
     """ncu_layer.py launches a marker (torch.cuda._sleep) before each path's call: a launch
     counts for the path of the last marker before it, so the megakernel path's prep kernels,
     named as the expert path's, are not summed into the expert path (the markers left out)."""
-    spin, prep = "at::cuda::(anonymous namespace)::spin_kernel(long)", "void at::index_kernel<1>"
+    spin, prep = "cuda::<unnamed>::spin_kernel(long)", "void at::index_kernel<1>"  # as ncu names it
     gemm, mega = "kernel_cutlass_kernel_GroupedGemmSm90_x", "kernel_cutlass_kernel_MegakernelSm90_y"
     order = [spin, prep, gemm, gemm, spin, prep, mega, spin, prep, gemm, spin, mega]
     path = _log(tmp_path, [_row(i, k, "dram__bytes_read.sum", str(10 ** i))
@@ -73,6 +73,7 @@ def test_marker_launches_give_each_path_its_own_prep_launches(ncu_summary, tmp_p
         10 ** i for i in (1, 2, 3, 8, 9))}
     assert paths["megakernel"] == {"launches": 3, "dram__bytes_read.sum": sum(
         10 ** i for i in (5, 6, 11))}
+    assert ncu_summary.short_names([spin, prep])[spin] == "marker"
 
 
 def test_short_names_tell_cute_kernels_of_one_class_apart(ncu_summary):

@@ -73,12 +73,13 @@ def summarize(rows: list[dict]) -> dict:
 
 def short_names(names) -> dict[str, str]:
     """{name: label}: a CuTe kernel's class (its mangled names differ only past ~70 characters),
-    else the name up to its first template argument, at most 48 characters; a label two names
-    share gets #1, #2, ... in order."""
+    "marker" for ncu_layer.py's marker launch, else the name up to its first template argument,
+    at most 48 characters; a label two names share gets #1, #2, ... in order."""
     base = {}
     for name in names:
         m = CUTE_CLASS.search(name)
-        base[name] = m.group(1) if m else name.removeprefix("void ").split("<")[0][:48]
+        base[name] = (m.group(1) if m else "marker" if MARKER.search(name)
+                      else name.removeprefix("void ").split("<")[0][:48])
     counts = Counter(base.values())
     seen: Counter = Counter()
     out = {}
