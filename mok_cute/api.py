@@ -50,6 +50,7 @@ from . import reference
 from .config import (
     WEIGHT_NAMES,
     MoKConfig,
+    check_aligned,
     check_bool,
     check_device,
     on_first_arg_device,
@@ -232,7 +233,8 @@ def moe_forward(
     x [T, H] bf16; topk_idx [T, K] int32/int64 global expert ids in [0, R * E_loc);
     topk_weights [T, K] fp32 or bf16; w_gate, w_up [E_loc, I, H] bf16; w_down [E_loc, H, I]
     bf16; shared None or (ws_gate [Is, H], ws_up [Is, H], ws_down [H, Is]) bf16. All on one
-    device and contiguous. Numerics: see `mok_cute.reference`.
+    device and contiguous; on CUDA, x and the weights 16-byte aligned (a view at an offset may
+    not be: ValueError naming it). Numerics: see `mok_cute.reference`.
 
     With `group`, every rank of the group calls together, T == 0 included, and the ranks
     agree on the call before any of them launches (`mok_cute.comm.agreement`): H, I, E_loc,
@@ -433,7 +435,8 @@ def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
 
 def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
     """``weight.main_grad``, checked: an fp32 tensor of the weight's shape on its device,
-    contiguous (the kernels add into it by TMA); else ValueError naming it. A Megatron-FSDP
+    contiguous and, on CUDA, 16-byte aligned (the kernels add into it by TMA; a buffer refused
+    only in the backward would leave the others added into); else ValueError naming it. A Megatron-FSDP
     parameter (``__fsdp_param__``) is refused: its buffer comes from ``get_main_grad()`` in the
     backward, which a ``main_grad`` read in the forward would miss."""
     if hasattr(weight, "__fsdp_param__"):
@@ -445,7 +448,7 @@ def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
     if (isinstance(main_grad, torch.Tensor) and main_grad.dtype == torch.float32
             and main_grad.shape == weight.shape and main_grad.device == weight.device
             and main_grad.is_contiguous()):
-        return main_grad
+        return check_aligned(f"{name}.main_grad", main_grad) if main_grad.is_cuda else main_grad
     got = ("no main_grad attribute" if not hasattr(weight, "main_grad")
            else describe(main_grad))
     raise ValueError(f"{name}.main_grad: expected a contiguous float32 tensor of shape "

@@ -20,6 +20,7 @@ __all__ = [
     "check_bool",
     "check_int",
     "check_tensor",
+    "check_aligned",
     "check_moe_inputs",
     "check_expert_ids",
     "id_span",
@@ -40,6 +41,10 @@ TICKET_MODES = ("static", "dynamic", "strided")
 # ---------------------------------------------------------------------------------------------
 # Generic helpers
 # ---------------------------------------------------------------------------------------------
+
+# The kernels read activations, weights and main_grad by TMA and 16-byte vectors: their base
+# addresses must be 16-byte aligned (a contiguous view at an offset may not be)
+KERNEL_ALIGN_BYTES = 16
 
 
 def describe(value: object) -> str:
@@ -172,6 +177,18 @@ def check_tensor(
             f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())} "
             f"for shape {tuple(t.shape)} (call .contiguous())"
         )
+    return t
+
+
+def check_aligned(name: str, t: torch.Tensor, align: int = KERNEL_ALIGN_BYTES) -> torch.Tensor:
+    """``t`` unless its data starts past an ``align``-byte boundary (an empty tensor passes):
+    then ValueError naming it. The CUDA caller's check, before any kernel is queued: the
+    kernels' own entry would refuse it by argument position, mid-call."""
+    if t.numel() and t.data_ptr() % align:
+        raise ValueError(f"{name}: expected its data {align}-byte aligned on {t.device} (the "
+                         f"kernels read it by TMA and {align}-byte vectors), got address "
+                         f"0x{t.data_ptr():x}, {t.data_ptr() % align} bytes past a boundary "
+                         f"(a view at an offset: pass a copy, e.g. .clone())")
     return t
 
 
@@ -475,7 +492,8 @@ def check_moe_inputs(
     stacked=True: the `moe_forward_virtual` shapes, every tensor with a leading R
     (R is read from `x`; `num_ranks` is ignored).
     strict_dtypes=True: the contract dtypes (bf16 activations and weights; int32/int64 ids;
-    fp32 or bf16 routing weights). False (the reference oracle): any floating dtype.
+    fp32 or bf16 routing weights) and, on CUDA, activations and weights 16-byte aligned
+    (``check_aligned``). False (the reference oracle): any floating dtype, any address.
     Expert ids are not range-checked here (that needs a device read): see `check_expert_ids`.
     """
     act_dtypes = (torch.bfloat16,) if strict_dtypes else _FLOAT_DTYPES
@@ -563,6 +581,12 @@ def check_moe_inputs(
         check_tensor(
             WEIGHT_NAMES[5], ws_down, shape=pre_n + (H, Is), dtype=act_dtypes, device=device, contiguous=contiguous
         )
+    if strict_dtypes and device.type == "cuda":
+        named = [(x_name, x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
+        if shared is not None:
+            named += list(zip(WEIGHT_NAMES[3:], shared))
+        for name, t in named:
+            check_aligned(name, t)
 
     return MoEDims(R, T, H, K, E_loc, I, Is)
 

@@ -597,6 +597,58 @@ def test_cuda_bad_device_mix():
         mok.moe_forward(*_replace(cuda_args, 3, args[3]))
 
 
+def _at_offset(t: torch.Tensor, elems: int) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose data starts ``elems`` elements into its storage."""
+    flat = torch.empty(t.numel() + elems, dtype=t.dtype, device=t.device)
+    view = flat[elems:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_alignment_is_checked_by_name_and_only_for_the_kernels():
+    """``check_aligned``: a view 8 bytes past a 16-byte boundary is refused naming it, an
+    aligned or empty tensor passes. On the CPU (the reference, no TMA) the call takes it and
+    gives the aligned call's bits."""
+    from mok_cute.config import check_aligned
+
+    w = torch.randn(4, 16).to(torch.bfloat16)
+    assert check_aligned("w", w) is w
+    assert check_aligned("empty", torch.empty(0)).numel() == 0
+    with pytest.raises(ValueError, match=r"w_down: expected its data 16-byte aligned on cpu .* "
+                                         r"8 bytes past a boundary .*\.clone\(\)"):
+        check_aligned("w_down", _at_offset(w, 4))
+    args, shared = make_inputs(5, Is=16)
+    moved = [*args[:5], _at_offset(args[5], 4)]
+    assert torch.equal(mok.moe_forward(*moved, shared=shared), mok.moe_forward(*args, shared=shared))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_views_off_a_16_byte_boundary_are_refused_by_name():
+    """On CUDA, x, a weight, a shared weight or a main_grad whose data is not 16-byte aligned
+    (the kernels' TMA and vector reads) is refused by name before anything runs: a main_grad
+    at forward time, so no other main_grad has been added into."""
+    args, shared = make_inputs(13, T=40, H=128, I=128, E=4, K=2, Is=128)
+    args = [a.cuda() for a in args]
+    shared = tuple(s.cuda() for s in shared)
+    for i, name in ((0, "x"), (3, "w_gate"), (5, "w_down")):
+        moved = list(args)
+        moved[i] = _at_offset(args[i], 4)
+        with pytest.raises(ValueError, match=f"{name}: expected its data 16-byte aligned"):
+            mok.moe_forward(*moved, shared=shared)
+    with pytest.raises(ValueError, match=r"shared\[1\] \(ws_up\): expected its data 16-byte"):
+        mok.moe_forward(*args, shared=(shared[0], _at_offset(shared[1], 4), shared[2]))
+    leaves = [t.detach().clone().requires_grad_() for t in args[3:]]
+    starts = []
+    for t, elems in zip(leaves, (0, 0, 2)):  # w_down's main_grad 8 bytes off
+        t.main_grad = _at_offset(torch.randn(t.shape, device="cuda"), elems)
+        starts.append(t.main_grad.clone())
+    with pytest.raises(ValueError, match=r"w_down\.main_grad: expected its data 16-byte aligned"):
+        mok.moe_forward(*args[:3], *leaves, config=MoKConfig(fuse_wgrad_accumulation=True))
+    for t, s0 in zip(leaves, starts):
+        assert torch.equal(t.main_grad, s0)
+
+
 def test_megakernel_sizes_it_cannot_take_fall_back_or_raise():
     from mok_cute.config import MoEDims
 
