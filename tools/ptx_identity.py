@@ -135,6 +135,23 @@ def cases() -> dict:
         "mk_bwd_group_tail_shared": lambda: compile_backward_megakernel(
             options=opt, num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True,
             shared=True),
+        # the weight gradients added into main_grad: by TMA reduce-add and by registers
+        "wgrad_gated_main_grad_reduce": lambda: gemm_wgrad.compile_wgrad_gemm(
+            gated=True, accumulate=True, main_grad_add="reduce", options=opt),
+        "wgrad_gated_main_grad_load": lambda: gemm_wgrad.compile_wgrad_gemm(
+            gated=True, accumulate=True, main_grad_add="load", options=opt),
+        "wgrad_down_main_grad_load": lambda: gemm_wgrad.compile_wgrad_gemm(
+            gated=False, accumulate=True, main_grad_add="load", options=opt),
+        "fp8_wgrad_gated_main_grad": lambda: gemm_wgrad_fp8.compile_wgrad_gemm_fp8(
+            gated=True, accumulate=True, options=opt),
+        "mk_bwd_shared_fc2_pingpong_main_grad_reduce": lambda: compile_backward_megakernel(
+            options=opt, fc2_pingpong=True, shared=True, accumulate_wgrads=True),
+        "mk_bwd_shared_fc2_pingpong_main_grad_load": lambda: compile_backward_megakernel(
+            options=opt, fc2_pingpong=True, shared=True, accumulate_wgrads=True,
+            main_grad_add="load"),
+        "mk_bwd_group_tail_shared_main_grad_load": lambda: compile_backward_megakernel(
+            options=opt, num_ctas=116, comm_ctas=16, ksum_top_k=10, ksum_shared=True,
+            shared=True, accumulate_wgrads=True, main_grad_add="load"),
         # the FP8 quantizers, each variant
         "quantize_rows": lambda: quantize.compile_quantize_rows(options=opt),
         "quantize_rows_scatter8": lambda: quantize.compile_quantize_rows(options=opt,
