@@ -436,9 +436,9 @@ def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
 def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
     """``weight.main_grad``, checked: an fp32 tensor of the weight's shape on its device,
     contiguous and, on CUDA, 16-byte aligned (the kernels add into it by TMA; a buffer refused
-    only in the backward would leave the others added into); else ValueError naming it. A Megatron-FSDP
-    parameter (``__fsdp_param__``) is refused: its buffer comes from ``get_main_grad()`` in the
-    backward, which a ``main_grad`` read in the forward would miss."""
+    only in the backward would leave the others added into); else ValueError naming it. A
+    Megatron-FSDP parameter (``__fsdp_param__``) is refused: its buffer comes from
+    ``get_main_grad()`` in the backward, which a ``main_grad`` read in the forward would miss."""
     if hasattr(weight, "__fsdp_param__"):
         raise ValueError(f"{name}: a Megatron-FSDP parameter (__fsdp_param__) gets its main_grad "
                          f"from get_main_grad() in the backward, which MoKConfig("
