@@ -168,13 +168,16 @@ def fc1_dgrad(d_preact, w_gate, w_up, tile_expert, num_tiles, options: ExpertPat
     return dx_rows
 
 
-def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int, main_grads=None):
+def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int, main_grads=None,
+          rows_per_expert: float | None = None):
     """Per expert e over its rows [offsets[e], offsets[e + 1]): C[e] = A_e^T B_e (and, with
     ``a2``, C2[e] = A2_e^T B_e from the same B tiles). a, a2 [rows, M]; b [rows, N] (strided
     views are fine: only the last mode must be contiguous). Returns C (and C2) [E, M, N].
     ``main_grads``: (C's, C2's) fp32 [E, M, N] buffers or None each: the launch adds C into
     them instead (``gemm_wgrad(accumulate=True)``) and returns None for each buffer given
-    (``kernels.gemm_wgrad.wgrad_outputs``: zeros stand in for a missing one)."""
+    (``kernels.gemm_wgrad.wgrad_outputs``: zeros stand in for a missing one), in the way
+    ``gemm_wgrad.main_grad_add`` picks for ``rows_per_expert`` (the routing's expected rows
+    an expert; None: the rows' own count)."""
     from mok_cute.kernels.gemm_wgrad import wgrad_outputs
 
     n = b.shape[1]
@@ -187,8 +190,8 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int, main_grads=None):
 
     accumulate = main_grads is not None
     kernel = _compiled("gemm_wgrad", b.device, gated=gated, accumulate=accumulate,
-                       main_grad_add=main_grad_add(b.shape[0], num_experts) if accumulate
-                       else "reduce")
+                       main_grad_add=main_grad_add(b.shape[0], num_experts, rows_per_expert)
+                       if accumulate else "reduce")
     kernel(a.t().unsqueeze(2), None if a2 is None else a2.t().unsqueeze(2), b.t().unsqueeze(2),
            outs[0].permute(1, 2, 0), outs[1].permute(1, 2, 0) if gated else None, offsets)
     c = returned()
@@ -265,7 +268,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
             materialized(_owned(d_rows)), materialized(_owned(x_rows)), w_gate, w_up, w_down,
             preact, row_slot, weights, tile_expert, num_tiles, offsets,
             main_grads=None if _buffers(main, 0, 3) is None else MainGrads(*main),
-            timeline=timeline)
+            timeline=timeline, rows_per_expert=rows_per_expert or None)
         return reduce_dx(dx_rows) if want_dx else None, dwg, dwu, dwd, partials
     d_rows = _owned(d_rows)
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
@@ -387,7 +390,8 @@ class _WeightGrads(NamedTuple):
             return _gate_up_grads_fp8(d_preact, x_rows, self.offsets, num_experts, inter, main)
         half = d_preact.shape[1] // 2
         return wgrad(d_preact[:, :inter], d_preact[:, half:half + inter], materialized(x_rows),
-                     self.offsets, num_experts, inter, main)
+                     self.offsets, num_experts, inter, main,
+                     rows_per_expert=self.rows_per_expert or None)
 
     def down(self, hw, d_rows):
         """dW_down from w * h and the d_out rows (as ``_expert_backward``'s)."""
@@ -396,7 +400,7 @@ class _WeightGrads(NamedTuple):
         if self._on_fp8:
             return _down_grad_fp8(hw, d_rows, self.offsets, num_experts, main)
         return wgrad(materialized(d_rows)[:, :hidden], None, hw[:, :inter], self.offsets,
-                     num_experts, hidden, main)
+                     num_experts, hidden, main, rows_per_expert=self.rows_per_expert or None)
 
 
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,
@@ -592,7 +596,7 @@ def moe_backward(d_out, x, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
             saved.tile_expert, saved.num_tiles, saved.expert_offsets,
             shared=megakernel_backward.SharedExpert(
                 d_out, x.contiguous(), *(w.contiguous() for w in shared), saved.shared_preact),
-            main_grads=main_grads, timeline=timeline)
+            main_grads=main_grads, timeline=timeline, rows_per_expert=rows_per_expert)
         d_shared = wanted_shared_grads(s, needs)
         d_x = k_sum(dx_rows, shared=s.dx) if needs.x else None
     else:

@@ -154,7 +154,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         if L == 1 and not fp8:  # one process, one rank: the barriers and k-sums in the launch
             return _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up,
                                w_down, shared, needs, options, silent_rank, comm_sms, main_grads,
-                               timeline, align)
+                               timeline, align, routed_per_expert)
         plan.begin_backward(silent_rank)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 0, side.scope,
                      before_launch=align)
@@ -167,7 +167,7 @@ def moe_backward_group(d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, 
         else:
             dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms,
                                        shared=in_launch, main_grads=main_grads,
-                                       timeline=timeline)
+                                       timeline=timeline, rows_per_expert=routed_per_expert)
         peer_barrier(plan.peer_bases, plan.scalars, plan.backward_error, 1, side.scope,
                      before_launch=align)
         _report_short_save(plan, saved)
@@ -246,7 +246,8 @@ def _first_build_alignment(plan, build: tuple, launches: int):
 
 def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_down, shared,
                 needs: Needs, options: ExpertPathOptions, silent_rank: int, comm_sms: int,
-                main_grads: MainGrads | None = None, timeline=None, before_launch=None):
+                main_grads: MainGrads | None = None, timeline=None, before_launch=None,
+                rows_per_expert: float | None = None):
     """The bf16 backward of one rank in its own process: the shared expert's backward (its dx
     rows are the k-sums' base), then one launch whose comm CTAs also pass the group's two
     barriers and run the k-sums of d_x and d_topk_weights (``megakernel_backward.GroupTail``).
@@ -271,7 +272,7 @@ def _one_launch(plan, saved, d_out, xs, topk_idx, topk_weights, w_gate, w_up, w_
                      shared_dx[0], d_x, d_topk)
     plan.begin_backward(silent_rank)
     dwg, dwu, dwd, s = _routed(plan, saved, w_gate, w_up, w_down, needs, comm_sms, tail,
-                               in_launch, main_grads, timeline, before_launch)
+                               in_launch, main_grads, timeline, before_launch, rows_per_expert)
     _report_short_save(plan, saved)
     plan.backward_errors.record(plan.backward_calls)
     if s is not None:
@@ -304,7 +305,7 @@ def _rank_main(main_grads: MainGrads | None, r: int) -> MainGrads | None:
 
 def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail=None,
             shared=None, main_grads: MainGrads | None = None, timeline=None,
-            before_launch=None):
+            before_launch=None, rows_per_expert: float | None = None):
     """Each local rank's routed backward in one launch with its comm (bf16): the weight
     gradients (dW_gate, dW_up, dW_down per rank, None where ``needs`` says no), and with
     ``shared`` (a ``SharedExpert`` per local rank: its backward in the rank's launch too)
@@ -330,7 +331,8 @@ def _routed(plan, saved, w_gate, w_up, w_down, needs: Needs, comm_sms: int, tail
             sched.tile_expert[r], sched.num_tiles[r:r + 1], sched.expert_offsets[r], peers,
             wgrads, comm_sms, tail=tail, shared=None if shared is None else shared[r],
             main_grads=_rank_main(main_grads, r), timeline=timeline if r == 0 else None,
-            before_launch=before_launch if tail is not None else None)
+            before_launch=before_launch if tail is not None else None,
+            rows_per_expert=rows_per_expert)
         gate, up, down = out[6:9] if wgrads else (None, None, None)
         dwg.append(gate if needs.w_gate_up else None)
         dwu.append(up if needs.w_gate_up else None)

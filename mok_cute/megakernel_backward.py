@@ -261,7 +261,8 @@ def expert_dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_
 
 def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                  num_tiles, expert_offsets, timeout_ms: float = 10_000.0, check: bool = False,
-                 shared: SharedExpert | None = None, main_grads=None, timeline=None):
+                 shared: SharedExpert | None = None, main_grads=None, timeline=None,
+                 rows_per_expert: float | None = None):
     """Every GEMM of the routed experts' backward in one launch: ``expert_dgrads``' four
     outputs, then dW_gate, dW_up [E, I, H] and dW_down [E, H, I] (``expert_backward.wgrad``'s
     bits). x_rows [M, H]: the x row of each schedule row (zeros on padding rows, as d_rows);
@@ -269,7 +270,9 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
     expert's backward in the launch too, its ``SharedGrads`` appended
     (``expert_backward.shared_backward``'s bits). ``main_grads``: an
     ``expert_backward.MainGrads`` (buffers of these weights' and the shared expert's shapes):
-    the weight gradients are added into its buffers, None returned for them (``_launch``).
+    the weight gradients are added into its buffers, None returned for them (``_launch``), in
+    the way ``gemm_wgrad.main_grad_add`` picks for ``rows_per_expert`` (the routing's expected
+    rows an expert; None: the schedule's capacity over the experts).
     ``timeline``: a ``mok_cute.timeline.TimelineBuffer`` that the recorder build fills with
     every task's span (``kernels/megakernel/backward_recorder.py``)."""
     if x_rows is None or x_rows.shape != d_rows.shape:
@@ -280,7 +283,7 @@ def expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights
                          f"{w_gate.shape[0]} experts, got {tuple(expert_offsets.shape)}")
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                    num_tiles, expert_offsets, timeout_ms, check, shared=shared,
-                   main_grads=main_grads, timeline=timeline)
+                   main_grads=main_grads, timeline=timeline, rows_per_expert=rows_per_expert)
 
 
 def shared_expert_grads(shared: SharedExpert, wgrads: bool = True,
@@ -388,12 +391,16 @@ def check_shared(shared: SharedExpert, hidden: int, device) -> tuple[int, int, i
     return tokens, inter, lead[0] if ranked else 0
 
 
-def _main_grad_add(rows: int, num_experts: int, shared_dims: tuple, routed: bool) -> str:
+def _main_grad_add(rows: int, num_experts: int, shared_dims: tuple, routed: bool,
+                   rows_per_expert: float | None = None) -> str:
     """How the launch adds its weight gradients into main_grad, by ``gemm_wgrad``'s rule on
-    the routed experts' rows (the shared expert's T tokens where only its tasks run)."""
+    the routed experts' rows (``rows_per_expert`` where the caller knows the routing's; the
+    shared expert's T tokens where only its tasks run)."""
     from mok_cute.kernels.gemm_wgrad import main_grad_add
 
-    return main_grad_add(rows, num_experts) if routed else main_grad_add(shared_dims[0], 1)
+    if not routed:
+        return main_grad_add(shared_dims[0], 1)
+    return main_grad_add(rows, num_experts, rows_per_expert)
 
 
 def comm_scalars(layout, top_k: int, device) -> torch.Tensor:
@@ -408,7 +415,8 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
                             comm_ctas: int = 16, timeout_ms: float = 10_000.0,
                             check: bool = False, tail: GroupTail | None = None,
                             shared: SharedExpert | None = None, main_grads=None,
-                            timeline=None, before_launch=None):
+                            timeline=None, before_launch=None,
+                            rows_per_expert: float | None = None):
     """A rank's routed backward over a group in one launch, its comm included: pulls the
     d_out rows, router weights (into ``weights`` fp32 [slots] at each row's ``row_slot``) and,
     with ``wgrads``, x rows of its receive rows from their sources; the dgrads; pushes each
@@ -420,8 +428,9 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     record into ``tail.error``). Returns ``expert_grads``' outputs (dW only with ``wgrads``),
     bitwise theirs on the same rows; ``shared``: the shared expert's backward in the launch
     too (its ``SharedGrads`` appended; with ``tail`` the k-sums add its dx rows);
-    ``main_grads``, ``timeline`` as ``expert_grads``'; ``before_launch``: called between
-    the kernel's compile and its launch (``group_backward`` lines the ranks up there)."""
+    ``main_grads``, ``timeline``, ``rows_per_expert`` as ``expert_grads``'; ``before_launch``:
+    called between the kernel's compile and its launch (``group_backward`` lines the ranks up
+    there)."""
     rows = row_slot.shape[0]
     hidden = w_gate.shape[2]
     for name, t in (("row_peer", peers.row_peer), ("row_token", peers.row_token),
@@ -444,14 +453,15 @@ def expert_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, til
     return _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                    tile_expert, num_tiles, expert_offsets if wgrads else None, timeout_ms,
                    check, peers, comm_ctas, tail, shared, main_grads=main_grads,
-                   timeline=timeline, before_launch=before_launch)
+                   timeline=timeline, before_launch=before_launch,
+                   rows_per_expert=rows_per_expert)
 
 
 def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
             num_tiles, expert_offsets, timeout_ms, check, peers: PeerRows | None = None,
             comm_ctas: int = 0, tail: GroupTail | None = None,
             shared: SharedExpert | None = None, routed: bool = True, main_grads=None,
-            timeline=None, before_launch=None):
+            timeline=None, before_launch=None, rows_per_expert: float | None = None):
     """One backward-megakernel launch; the weight gradients when ``x_rows`` is given; the
     comm tasks with ``peers`` (which then fill d_rows and x_rows); the group tail with
     ``tail``; the shared expert's backward with ``shared`` (its ``SharedGrads`` appended to
@@ -568,7 +578,8 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                                 ksum_shared=ksum_shared, shared=shared is not None,
                                 accumulate_wgrads=accumulate, timeline=timeline is not None,
                                 main_grad_add=_main_grad_add(rows, num_experts, shared_dims,
-                                                             routed) if accumulate else "reduce")
+                                                             routed, rows_per_expert)
+                                if accumulate else "reduce")
     if before_launch is not None:
         before_launch()
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,

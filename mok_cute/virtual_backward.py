@@ -262,7 +262,7 @@ def moe_backward_virtual(d_out, xs, topk_weights, w_gate, w_up, w_down, shared,
                 d_out, xs.contiguous(), *(w.contiguous() for w in shared),
                 saved.shared_preact),
             main_grads=None if main_grads is None else MainGrads(*routed_main, *shared_main),
-            timeline=timeline)
+            timeline=timeline, rows_per_expert=T * K / E_loc)
         d_shared = wanted_shared_grads(s, needs)
         # [R, T, H] of the launch's padded rows: one copy into the k-sum's contiguous rows (a
         # view where T = 1 would keep the padded stride, which the k-sum refuses)

@@ -221,7 +221,7 @@ def test_backward_drops_each_workspace_after_its_last_reader(T, K, E, Is, routin
         events.append("dgrads")
         return out
 
-    def wgrad(a, a2, b, offsets, num_experts, out_rows, main_grads=None):
+    def wgrad(a, a2, b, offsets, num_experts, out_rows, main_grads=None, rows_per_expert=None):
         kind = "gate_up" if a2 is not None else "down"
         if num_experts == E:
             events.append((kind, sorted(n for n, ref in routed.items() if ref() is not None)))
@@ -281,7 +281,8 @@ def test_unwanted_dx_rows_are_not_reduced(dgrads, monkeypatch):
     if dgrads == "kernels":  # (the megakernel's goes through expert_dgrads)
         monkeypatch.setattr(expert_backward, "_dgrads", dgrads_out)
     monkeypatch.setattr(expert_backward, "wgrad",
-                        lambda a, a2, b, offsets, n, rows, main=None: torch.zeros(n, rows, b.shape[1]))
+                        lambda a, a2, b, offsets, n, rows, main=None, rows_per_expert=None:
+                        torch.zeros(n, rows, b.shape[1]))
     reduced = []
     w = torch.zeros(E, I, H)
     out = expert_backward._expert_backward(

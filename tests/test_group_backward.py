@@ -78,7 +78,7 @@ def _cpu_copy_rows(src_addr, dst_addr, row_bytes):
 def _cpu_grads_over_peers(w_gate, w_up, w_down, preact, row_slot, weights, tile_expert,
                           num_tiles, expert_offsets, peers, wgrads=True, comm_ctas=16,
                           tail=None, shared=None, main_grads=None, timeline=None,
-                          before_launch=None):
+                          before_launch=None, rows_per_expert=None):
     """``megakernel_backward.expert_grads_over_peers`` on host memory: its comm tasks' reads
     and writes by address (``peers.scalars``: the fields' offsets, top_k) around the dgrads
     and weight gradients emulated in torch (several ranks of one process: no group tail);

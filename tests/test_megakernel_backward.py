@@ -141,10 +141,11 @@ def test_the_backward_megakernel_reads_main_grad_and_stores_plainly(tmp_path, st
 
 
 def test_main_grad_add_by_rows_an_expert():
-    """The rule that picks how a launch adds into main_grad, by its schedule's capacity rows
-    (T K + E 127 rounded to tiles): by load up to 1024 routed rows an expert (gptoss_120b's
-    256, dsv3 / qwen3's 1024), by reduce-add at more (sonic / mixtral's 2048); the backward
-    megakernel by the same rule (the shared expert's T tokens where only its tasks run)."""
+    """The rule that picks how a launch adds into main_grad, by the routing's expected rows an
+    expert where the caller gives them, else by its schedule's capacity rows (T K + E 127
+    rounded to tiles): by load up to 1024 routed rows an expert (gptoss_120b's 256, dsv3 /
+    qwen3's 1024), by reduce-add at more (sonic / mixtral's 2048); the backward megakernel by
+    the same rule (the shared expert's T tokens where only its tasks run)."""
     from mok_cute import megakernel_backward as mb
     from mok_cute.kernels import gemm_wgrad
     from mok_cute.kernels.megakernel.backward import BackwardMegakernelSm90
@@ -159,6 +160,11 @@ def test_main_grad_add_by_rows_an_expert():
         assert mb._main_grad_add(rows, experts, (0, 0, 0), True) == want
     assert rule(max_rows * 8, 8) == "load"
     assert rule(max_rows * 8 + 128, 8) == "reduce"
+    # over a group the capacity holds every rank's tokens: the routing's expected rows decide
+    capacity = schedule_capacity(8, 2048, 8, 16, 128)  # 8 ranks, 1024 routed rows an expert
+    assert rule(capacity, 16) == "reduce" and rule(capacity, 16, 1024.0) == "load"
+    assert mb._main_grad_add(capacity, 16, (0, 0, 0), True, 1024.0) == "load"
+    assert rule(128 * 8, 8, 2048.0) == "reduce"
     assert mb._main_grad_add(128, 1, (4096, 128, 0), False) == "reduce"  # the shared expert's T
     assert mb._main_grad_add(1 << 20, 1, (512, 128, 0), False) == "load"
     with pytest.raises(ValueError, match="main_grad_add"):

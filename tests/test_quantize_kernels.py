@@ -250,7 +250,7 @@ def test_fp8_weight_grads_quantize_x_through_the_row_index(gen, monkeypatch):
         c = gemm_wgrad_fp8.grouped_wgrad_fp8_ref(a_t, e_a, b_t, e_b, offsets)
         return c if a2_t is None else (c, gemm_wgrad_fp8.grouped_wgrad_fp8_ref(a2_t, e_a2, b_t, e_b, offsets))
 
-    def wgrad(a, a2, b, offsets, num_experts, out_rows, main_grads=None):
+    def wgrad(a, a2, b, offsets, num_experts, out_rows, main_grads=None, rows_per_expert=None):
         calls.append((b, None))
         ref = lambda m: torch.stack([(m[lo:hi].double().t() @ b[lo:hi].double()).to(bf16)  # noqa: E731
                                      for lo, hi in zip(offsets[:-1].tolist(), offsets[1:].tolist())])

@@ -268,7 +268,7 @@ def _emulated_expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_
 
 def _emulated_expert_grads(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights,
                            tile_expert, num_tiles, offsets, shared=None, main_grads=None,
-                           timeline=None):
+                           timeline=None, rows_per_expert=None):
     """``megakernel_backward.expert_grads`` with every rank's shared expert (``shared``), in
     fp32 torch: the routed experts' emulation above, the shared experts' through
     ``shared_backward_ranks`` on it (d_preact and hw are not returned: None; nothing

@@ -60,10 +60,14 @@ WGRAD_TILE_N = 128
 MAIN_GRAD_LOAD_MAX_ROWS = 1152
 
 
-def main_grad_add(rows: int, experts: int) -> str:
+def main_grad_add(rows: int, experts: int, rows_per_expert: float | None = None) -> str:
     """How a weight-gradient launch over ``rows`` schedule rows of ``experts`` experts adds
-    into main_grad: "load" or "reduce" (``MAIN_GRAD_LOAD_MAX_ROWS``)."""
-    return "load" if rows <= MAIN_GRAD_LOAD_MAX_ROWS * experts else "reduce"
+    into main_grad: "load" or "reduce" (``MAIN_GRAD_LOAD_MAX_ROWS``), by ``rows_per_expert``,
+    the routing's expected rows an expert, where the caller knows it (a schedule's capacity
+    holds every rank's tokens: over a group of R ranks it overstates them R-fold), else by
+    ``rows / experts``."""
+    per_expert = rows_per_expert if rows_per_expert else rows / max(experts, 1)
+    return "load" if per_expert <= MAIN_GRAD_LOAD_MAX_ROWS else "reduce"
 
 
 class WgradGemmSm90(GemmCoreSm90):
