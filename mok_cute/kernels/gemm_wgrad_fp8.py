@@ -71,13 +71,11 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
     :param group_m: M-tiles per rasterisation group inside an expert.
     :param num_sms: persistent grid size.
     :param accumulate: add into fp32 C (``gemm_wgrad``'s, after the column scales).
-    :param main_grad_add: how ``accumulate`` adds (``gemm_wgrad``'s).
     """
 
     def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
-                 accumulate: bool = False, main_grad_add: str = "reduce"):
-        super().__init__(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate,
-                         main_grad_add=main_grad_add)
+                 accumulate: bool = False):
+        super().__init__(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
         self.a_mn_major = self.b_mn_major = False  # e4m3 wgmma: K-major operands only
         self.wg_rows = WG_ROWS
         self.tile_shape_mnk = (WG_ROWS, self.tile_shape_mnk[1], GROUP)
@@ -147,15 +145,13 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
 
 
 def compile_wgrad_gemm_fp8(gated: bool = True, group_m: int = 4, num_sms: int = 132,
-                           arch: str = "sm_90a", options: str = "", accumulate: bool = False,
-                           main_grad_add: str = "reduce"):
+                           arch: str = "sm_90a", options: str = "", accumulate: bool = False):
     """Compile on fake tensors (no GPU needed): ``A (M, rows, 1)``, ``A2`` (gated) or None,
     ``B (N, rows, 1)`` int8 views of the e4m3 data (rows contiguous), ``C (M, N, E)``, ``C2``
     (gated) or None bf16 (fp32 with ``accumulate``; N contiguous), the int32 expert row offsets, then the fp32 scales
     ``s_a (rows/128, M)``, ``s_a2`` (gated) or None (``scales_of``) and ``s_b (E, N)``
     (``pow2_scales``); it runs on torch's current stream."""
-    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate,
-                            main_grad_add=main_grad_add)
+    gemm = WgradGemmFp8Sm90(gated=gated, group_m=group_m, num_sms=num_sms, accumulate=accumulate)
     rows = cute.sym_int32(divisibility=GROUP)
     m, n, experts = (cute.sym_int32(divisibility=GROUP), cute.sym_int32(divisibility=GROUP),
                      cute.sym_int32())
@@ -224,13 +220,8 @@ def grouped_wgrad_fp8(a_t: torch.Tensor, e_a: torch.Tensor, b_t: torch.Tensor, e
                                        None if main_grads is None else main_grads[:1 + gated],
                                        "main_grads")
     c2 = c2[0] if gated else None
-    from mok_cute.kernels.gemm_wgrad import main_grad_add
-
-    accumulate = main_grads is not None
     kernel = jit.compile_kernel("gemm_wgrad_fp8", jit.device_arch(a_t.device), gated=gated,
-                                group_m=group_m, accumulate=accumulate,
-                                main_grad_add=main_grad_add(rows, num_experts) if accumulate
-                                else "reduce",
+                                group_m=group_m, accumulate=main_grads is not None,
                                 num_sms=torch.cuda.get_device_properties(a_t.device).multi_processor_count)
     scales = (scales_of(e_a), None if e_a2 is None else scales_of(e_a2), pow2_scales(e_b))
     kernel(a_t.view(torch.int8).unsqueeze(2), None if a2_t is None else a2_t.view(torch.int8).unsqueeze(2),
