@@ -461,7 +461,8 @@ def _main_grad_targets(config: MoKConfig, needs_grad: bool, w_gate, w_up, w_down
     """``autograd.MainGradTargets`` of a call with ``config.fuse_wgrad_accumulation`` that
     trains: the ``main_grad`` of every expert weight that requires grad (a frozen weight's is
     not read), checked; None when the flag is off, the call does not train or every expert
-    weight is frozen."""
+    weight is frozen. Two buffers that share memory (one weight passed twice, or views that
+    overlap) are refused: the kernels' adds into them would race."""
     if not (config.fuse_wgrad_accumulation and needs_grad):
         return None
     from .autograd import MainGradTargets, NO_DUMMY, dummy_mode
@@ -471,6 +472,13 @@ def _main_grad_targets(config: MoKConfig, needs_grad: bool, w_gate, w_up, w_down
                     for name, w in zip(WEIGHT_NAMES, weights))
     if all(b is None for b in buffers):
         return None
+    named = [(n, b) for n, b in zip(WEIGHT_NAMES, buffers) if b is not None and b.numel()]
+    for i, (name, b) in enumerate(named):
+        for other, o in named[:i]:
+            lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+            if lo < o.data_ptr() + o.numel() * o.element_size() and o.data_ptr() < hi:
+                raise ValueError(f"{name}.main_grad: shares memory with {other}.main_grad (each "
+                                 f"weight adds its gradient into a buffer of its own)")
     return MainGradTargets(buffers, tuple(NO_DUMMY if b is None else dummy_mode(w)
                                           for w, b in zip(weights, buffers)))
 

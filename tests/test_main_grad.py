@@ -139,6 +139,36 @@ def test_bad_main_grad_is_refused_naming_the_weight(case, gen):
         _call(leaves, idx, FUSED)
 
 
+def test_main_grads_sharing_memory_are_refused_and_views_of_one_buffer_taken(gen):
+    """Two weights' main_grads in the same memory (one tensor given twice, or overlapping
+    views) are refused by name: the adds into them would race. Disjoint views of one flat
+    buffer (Megatron's grad buffer) are taken and get the same sums as separate buffers."""
+    leaves, idx = _cpu_problem(gen)
+    _give_main_grads(leaves)
+    leaves[3].main_grad = leaves[2].main_grad
+    with pytest.raises(ValueError, match=r"w_up\.main_grad: shares memory with w_gate\.main_grad"):
+        _call(leaves, idx, FUSED)
+    sizes = [t.numel() for t in leaves[2:]]
+    flat = torch.zeros(sum(sizes) + 1)
+    views, at = [], 0
+    for t, n in zip(leaves[2:], sizes):
+        views.append(flat[at:at + n].view(t.shape))
+        at += n
+    overlapping = flat[1:1 + sizes[2]].view(leaves[4].shape)  # w_down's view, one element in
+    for t, v in zip(leaves[2:], views):
+        t.main_grad = v
+    leaves[4].main_grad = overlapping
+    with pytest.raises(ValueError, match=r"w_down\.main_grad: shares memory with w_gate"):
+        _call(leaves, idx, FUSED)
+    leaves[4].main_grad = views[2]
+    _call(leaves, idx, FUSED)
+    got = [t.main_grad.clone() for t in leaves[2:]]
+    _give_main_grads(leaves)
+    _call(leaves, idx, FUSED)
+    for name, a, t in zip(NAMES, got, leaves[2:]):
+        assert torch.equal(a, t.main_grad), name
+
+
 def test_megatron_fsdp_parameters_are_refused_naming_the_weight(gen):
     """A Megatron-FSDP parameter fetches its main_grad in the backward (``get_main_grad``): a
     fused call refuses it by name rather than add into a buffer read in the forward."""
