@@ -50,13 +50,13 @@ from . import reference
 from .config import (
     WEIGHT_NAMES,
     MoKConfig,
-    check_aligned,
     check_bool,
     check_device,
     on_first_arg_device,
     PendingIdCheck,
     check_expert_ids,
     check_int,
+    check_kernel_memory,
     check_moe_inputs,
     check_tensor,
     describe,
@@ -435,8 +435,7 @@ def _needs_grad(x, topk_weights, w_gate, w_up, w_down, shared) -> bool:
 
 def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
     """``weight.main_grad``, checked: an fp32 tensor of the weight's shape on its device,
-    contiguous and, on CUDA, 16-byte aligned (the kernels add into it by TMA; a buffer refused
-    only in the backward would leave the others added into); else ValueError naming it. A
+    contiguous; else ValueError naming it (its address: ``_main_grad_targets``). A
     Megatron-FSDP parameter (``__fsdp_param__``) is refused: its buffer comes from
     ``get_main_grad()`` in the backward, which a ``main_grad`` read in the forward would miss."""
     if hasattr(weight, "__fsdp_param__"):
@@ -448,7 +447,7 @@ def _main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
     if (isinstance(main_grad, torch.Tensor) and main_grad.dtype == torch.float32
             and main_grad.shape == weight.shape and main_grad.device == weight.device
             and main_grad.is_contiguous()):
-        return check_aligned(f"{name}.main_grad", main_grad) if main_grad.is_cuda else main_grad
+        return main_grad
     got = ("no main_grad attribute" if not hasattr(weight, "main_grad")
            else describe(main_grad))
     raise ValueError(f"{name}.main_grad: expected a contiguous float32 tensor of shape "
@@ -461,8 +460,10 @@ def _main_grad_targets(config: MoKConfig, needs_grad: bool, w_gate, w_up, w_down
     """``autograd.MainGradTargets`` of a call with ``config.fuse_wgrad_accumulation`` that
     trains: the ``main_grad`` of every expert weight that requires grad (a frozen weight's is
     not read), checked; None when the flag is off, the call does not train or every expert
-    weight is frozen. Two buffers that share memory (one weight passed twice, or views that
-    overlap) are refused: the kernels' adds into them would race."""
+    weight is frozen. On CUDA each 16-byte aligned, and no two sharing memory (one weight
+    passed twice, or views that overlap: the kernels' adds into them would race), checked
+    here, before anything runs: a buffer refused only in its backward launch would leave the
+    others added into (``config.check_kernel_memory``)."""
     if not (config.fuse_wgrad_accumulation and needs_grad):
         return None
     from .autograd import MainGradTargets, NO_DUMMY, dummy_mode
@@ -472,13 +473,8 @@ def _main_grad_targets(config: MoKConfig, needs_grad: bool, w_gate, w_up, w_down
                     for name, w in zip(WEIGHT_NAMES, weights))
     if all(b is None for b in buffers):
         return None
-    named = [(n, b) for n, b in zip(WEIGHT_NAMES, buffers) if b is not None and b.numel()]
-    for i, (name, b) in enumerate(named):
-        for other, o in named[:i]:
-            lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
-            if lo < o.data_ptr() + o.numel() * o.element_size() and o.data_ptr() < hi:
-                raise ValueError(f"{name}.main_grad: shares memory with {other}.main_grad (each "
-                                 f"weight adds its gradient into a buffer of its own)")
+    if not torch.compiler.is_compiling():
+        check_kernel_memory((), zip(WEIGHT_NAMES, buffers))
     return MainGradTargets(buffers, tuple(NO_DUMMY if b is None else dummy_mode(w)
                                           for w, b in zip(weights, buffers)))
 

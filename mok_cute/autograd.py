@@ -217,6 +217,14 @@ def reference_weights(weights, targets: MainGradTargets | None) -> tuple:
                  for w, mg, d in zip(weights, targets.main_grads, targets.dummies))
 
 
+def _check_memory(x_name: str, tensors, main_grads) -> None:
+    """``config.check_kernel_memory`` of a training op's x and weights (``x_name`` first, then
+    ``WEIGHT_NAMES``' order) and main_grads, on the op's real tensors."""
+    from mok_cute.config import WEIGHT_NAMES, check_kernel_memory
+
+    check_kernel_memory(zip((x_name, *WEIGHT_NAMES), tensors), zip(WEIGHT_NAMES, main_grads))
+
+
 @torch.library.custom_op("mok_cute::moe_forward_train", mutates_args=())
 @_on_first_device
 def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -237,12 +245,16 @@ def moe_forward_train(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     "megakernel": through the megakernel at one rank (default megakernel options; its
     saved rows are the expert path's, bitwise); ``timeline_capacity`` > 0: it records as an
     inference call would (``MoKConfig.timeline``: the bf16 expert path's GEMMs, the
-    megakernel's launch). ``main_grad_*``, ``dummy_grads``: unused here, for the backward
-    (``MainGradTargets``)."""
+    megakernel's launch). ``main_grad_*``, ``dummy_grads``: for the backward
+    (``MainGradTargets``), their memory checked here (``check_kernel_memory``: under
+    torch.compile the API could not)."""
     from mok_cute.config import ExpertPathOptions, MoKConfig, PendingIdCheck
     from mok_cute.expert_path import moe_forward_kernel
     from mok_cute.expert_path_fp8 import moe_forward_fp8
 
+    _check_memory("x", (x, w_gate, w_up, w_down, ws_gate, ws_up, ws_down),
+                  (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
+                   main_grad_ws_up, main_grad_ws_down))
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
     recording = dict(timeline=timeline_capacity > 0, timeline_capacity=max(timeline_capacity, 1))
     config = MoKConfig(backend="kernel", precision=precision, expert_path=ExpertPathOptions(
@@ -514,11 +526,15 @@ def moe_forward_virtual_train(xs: torch.Tensor, topk_idx: torch.Tensor,
     """[out, *VirtualSaved]: the training forward of R virtual ranks through the megakernel
     (inputs checked by ``mok_cute.api``; ``launch``: ``_launch_fields``; ``expert_path``: the
     ExpertPathOptions the backward's shared expert runs with, unused here; ``main_grad_*``
-    ([R, ...] as their weights), ``dummy_grads``: for the backward, ``MainGradTargets``)."""
+    ([R, ...] as their weights), ``dummy_grads``: for the backward, ``MainGradTargets``; the
+    memory checked as ``moe_forward_train``'s)."""
     from mok_cute import megakernel
     from mok_cute.config import PendingIdCheck
     from mok_cute.virtual_backward import VirtualSaved
 
+    _check_memory("xs", (xs, w_gate, w_up, w_down, ws_gate, ws_up, ws_down),
+                  (main_grad_w_gate, main_grad_w_up, main_grad_w_down, main_grad_ws_gate,
+                   main_grad_ws_up, main_grad_ws_down))
     shared = None if ws_gate is None else (ws_gate, ws_up, ws_down)
     num_experts = w_gate.shape[0] * w_gate.shape[1]
     pending = PendingIdCheck(topk_idx, num_experts) if check_ids else None

@@ -21,6 +21,7 @@ __all__ = [
     "check_int",
     "check_tensor",
     "check_aligned",
+    "check_kernel_memory",
     "check_moe_inputs",
     "check_expert_ids",
     "id_span",
@@ -190,6 +191,27 @@ def check_aligned(name: str, t: torch.Tensor, align: int = KERNEL_ALIGN_BYTES) -
                          f"0x{t.data_ptr():x}, {t.data_ptr() % align} bytes past a boundary "
                          f"(a view at an offset: pass a copy, e.g. .clone())")
     return t
+
+
+def check_kernel_memory(tensors, main_grads=()) -> None:
+    """The memory the kernels read and add into, checked before any is queued: each of
+    ``tensors`` ((name, tensor or None) pairs) 16-byte aligned where on CUDA
+    (``check_aligned``); ``main_grads`` ((weight name, its main_grad or None) pairs) aligned
+    too and disjoint: two weights adding into shared memory would race. ValueError naming the
+    tensor. It reads data pointers, which torch.compile does not trace: ``mok_cute.api``
+    skips it while compiling and the custom ops (``autograd``) check their real tensors."""
+    for name, t in tensors:
+        if t is not None and t.is_cuda:
+            check_aligned(name, t)
+    named = [(f"{n}.main_grad", b) for n, b in main_grads if b is not None and b.numel()]
+    for i, (name, b) in enumerate(named):
+        if b.is_cuda:
+            check_aligned(name, b)
+        lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+        for other, o in named[:i]:
+            if lo < o.data_ptr() + o.numel() * o.element_size() and o.data_ptr() < hi:
+                raise ValueError(f"{name}: shares memory with {other} (each weight adds its "
+                                 f"gradient into a buffer of its own)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,12 +603,9 @@ def check_moe_inputs(
         check_tensor(
             WEIGHT_NAMES[5], ws_down, shape=pre_n + (H, Is), dtype=act_dtypes, device=device, contiguous=contiguous
         )
-    if strict_dtypes and device.type == "cuda":
-        named = [(x_name, x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)]
-        if shared is not None:
-            named += list(zip(WEIGHT_NAMES[3:], shared))
-        for name, t in named:
-            check_aligned(name, t)
+    if strict_dtypes and device.type == "cuda" and not torch.compiler.is_compiling():
+        check_kernel_memory(zip((x_name, *WEIGHT_NAMES), (x, w_gate, w_up, w_down,
+                                                          *(shared or ()))))
 
     return MoEDims(R, T, H, K, E_loc, I, Is)
 
