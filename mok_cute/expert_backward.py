@@ -177,7 +177,7 @@ def wgrad(a, a2, b, offsets, num_experts: int, out_rows: int, main_grads=None,
     them instead (``gemm_wgrad(accumulate=True)``) and returns None for each buffer given
     (``kernels.gemm_wgrad.wgrad_outputs``: zeros stand in for a missing one), in the way
     ``gemm_wgrad.main_grad_add`` picks for ``rows_per_expert`` (the routing's expected rows
-    an expert; None: the rows' own count)."""
+    an expert; 0 or None: the rows' own count)."""
     from mok_cute.kernels.gemm_wgrad import wgrad_outputs
 
     n = b.shape[1]
@@ -268,7 +268,7 @@ def _expert_backward(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, wei
             materialized(_owned(d_rows)), materialized(_owned(x_rows)), w_gate, w_up, w_down,
             preact, row_slot, weights, tile_expert, num_tiles, offsets,
             main_grads=None if _buffers(main, 0, 3) is None else MainGrads(*main),
-            timeline=timeline, rows_per_expert=rows_per_expert or None)
+            timeline=timeline, rows_per_expert=rows_per_expert)
         return reduce_dx(dx_rows) if want_dx else None, dwg, dwu, dwd, partials
     d_rows = _owned(d_rows)
     d_preact, hw, partials, dx_rows = _dgrads(d_rows, w_gate, w_up, w_down, preact, row_slot,
@@ -390,8 +390,7 @@ class _WeightGrads(NamedTuple):
             return _gate_up_grads_fp8(d_preact, x_rows, self.offsets, num_experts, inter, main)
         half = d_preact.shape[1] // 2
         return wgrad(d_preact[:, :inter], d_preact[:, half:half + inter], materialized(x_rows),
-                     self.offsets, num_experts, inter, main,
-                     rows_per_expert=self.rows_per_expert or None)
+                     self.offsets, num_experts, inter, main, self.rows_per_expert)
 
     def down(self, hw, d_rows):
         """dW_down from w * h and the d_out rows (as ``_expert_backward``'s)."""
@@ -400,7 +399,7 @@ class _WeightGrads(NamedTuple):
         if self._on_fp8:
             return _down_grad_fp8(hw, d_rows, self.offsets, num_experts, main)
         return wgrad(materialized(d_rows)[:, :hidden], None, hw[:, :inter], self.offsets,
-                     num_experts, hidden, main, rows_per_expert=self.rows_per_expert or None)
+                     num_experts, hidden, main, self.rows_per_expert)
 
 
 def _weight_grads(d_preact, hw, d_rows, x_rows, w_gate, w_down, offsets, want_gate_up: bool,

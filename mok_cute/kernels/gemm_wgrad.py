@@ -60,12 +60,20 @@ WGRAD_TILE_N = 128
 MAIN_GRAD_LOAD_MAX_ROWS = 1152
 
 
+def adds_by_load(accumulate: bool, main_grad_add: str) -> bool:
+    """Whether an ``accumulate`` build adds into main_grad through registers ("load") rather
+    than by TMA reduce-add ("reduce"); ValueError for any other ``main_grad_add``."""
+    if main_grad_add not in ("reduce", "load"):
+        raise ValueError(f"main_grad_add must be 'reduce' or 'load', got {main_grad_add!r}")
+    return accumulate and main_grad_add == "load"
+
+
 def main_grad_add(rows: int, experts: int, rows_per_expert: float | None = None) -> str:
     """How a weight-gradient launch over ``rows`` schedule rows of ``experts`` experts adds
     into main_grad: "load" or "reduce" (``MAIN_GRAD_LOAD_MAX_ROWS``), by ``rows_per_expert``,
     the routing's expected rows an expert, where the caller knows it (a schedule's capacity
-    holds every rank's tokens: over a group of R ranks it overstates them R-fold), else by
-    ``rows / experts``."""
+    holds every rank's tokens: over a group of R ranks it overstates them R-fold), else (0 or
+    None) by ``rows / experts``."""
     per_expert = rows_per_expert if rows_per_expert else rows / max(experts, 1)
     return "load" if per_expert <= MAIN_GRAD_LOAD_MAX_ROWS else "reduce"
 
@@ -90,9 +98,7 @@ class WgradGemmSm90(GemmCoreSm90):
         self.group_m = group_m
         self.num_sms = num_sms
         self.accumulate = accumulate
-        if main_grad_add not in ("reduce", "load"):
-            raise ValueError(f"main_grad_add must be 'reduce' or 'load', got {main_grad_add!r}")
-        self.adds_by_load = accumulate and main_grad_add == "load"
+        self.adds_by_load = adds_by_load(accumulate, main_grad_add)
         if accumulate:
             self.fp32_epilogue()
 

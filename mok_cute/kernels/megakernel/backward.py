@@ -80,6 +80,7 @@ from mok_cute.constants import (BACKWARD_COMM_SCALARS, BACKWARD_TILE_N,
                                 FC2_DGRAD_PINGPONG_TILE_N, SCALARS, TILE_K, TILE_M)
 from mok_cute.kernels import common
 from mok_cute.kernels.gemm_core import GemmCoreSm90, pipeline_state, tma_tiles
+from mok_cute.kernels.gemm_wgrad import adds_by_load
 from mok_cute.kernels.megakernel.backward_comm import BackwardCommMixin, PeerRows
 from mok_cute.kernels.megakernel.backward_fc2 import (FC2_STAGES, Fc2PingpongForm,
                                                       Fc2PingpongTasksMixin)
@@ -148,9 +149,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         self.ksum_shared = ksum_shared and self.ksum_top_k > 0
         self.shared = shared
         self.accumulate_wgrads = accumulate_wgrads
-        if main_grad_add not in ("reduce", "load"):
-            raise ValueError(f"main_grad_add must be 'reduce' or 'load', got {main_grad_add!r}")
-        self.main_grad_add = main_grad_add
+        self.wgrad_adds_by_load = adds_by_load(accumulate_wgrads, main_grad_add)
         self.timeline = timeline
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
@@ -229,7 +228,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         stores = (*mk(s2g, d_gate, fc2_epi_box, fc2_epi_tile),
                   *mk(s2g, d_up, fc2_epi_box, fc2_epi_tile),
                   *mk(s2g, hw, fc2_epi_box, fc2_epi_tile), *mk(s2g, dx_rows, epi_box, self.epi_tile))
-        self.wgrad = WgradForm(self.ab_stages, self.accumulate_wgrads, self.main_grad_add)
+        self.wgrad = WgradForm(self.ab_stages, self.accumulate_wgrads, self.wgrad_adds_by_load)
         w_box, w_epi = self.wgrad_box(), cute.slice_(self.wgrad.epi_smem_layout_staged, (None, None, 0))
         w_loads = []
         for t in (dg_rows_t, du_rows_t, x_rows_t, dy_rows_t, hw_rows_t):

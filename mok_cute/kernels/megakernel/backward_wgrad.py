@@ -59,16 +59,16 @@ T_POS, T_INDEX, T_TYPE, T_MBLOCK, T_NTILE, T_EXPERT, T_KTILES = (
 class WgradForm(GemmCoreSm90):
     """``gemm_wgrad``'s tile form (a warpgroup per 128 output rows, both operands MN-major) on
     the stage ring of a host kernel (``stages``: the host's stage count). ``accumulate``,
-    ``main_grad_add``: ``gemm_wgrad``'s, the fp32 outputs added into by TMA reduce-add or by
+    ``adds_by_load``: ``gemm_wgrad``'s, the fp32 outputs added into by TMA reduce-add or by
     loads and plain stores (two epilogue stages a warpgroup: 32 KB of fp32 subtiles, within
     the dgrads' 48 KB of epilogue buffers)."""
 
-    def __init__(self, stages: int, accumulate: bool = False, main_grad_add: str = "reduce"):
+    def __init__(self, stages: int, accumulate: bool = False, adds_by_load: bool = False):
         super().__init__(WGRAD_TILE_N, pingpong=True, a_mn_major=True, b_mn_major=True)
         self.a_dtype = self.b_dtype = BFloat16
         self.c_dtype = Float32 if accumulate else BFloat16
         self.accumulate = accumulate
-        self.adds_by_load = accumulate and main_grad_add == "load"
+        self.adds_by_load = accumulate and adds_by_load
         if accumulate:
             self.fp32_epilogue()
         self._setup_attributes()
