@@ -13,6 +13,10 @@ beside the kernels'; FP8 with ``--fp8``):
     bwd + add              the same, then main_grad.add_(grad) for the three expert weights
     bwd fused              moe_backward(main_grads=...)
     wgrad / wgrad fused    the weight-gradient launches alone (gemm_wgrad, accumulate=True)
+With ``--virtual R`` (MoK's shapes, e.g. qwen3.5_397b): R virtual ranks trained through
+``moe_forward_virtual`` (backend "megakernel") under autograd, whole steps timed: "step" (bf16
+gradients), "step + add" (then main_grad.add_ per weight), "step fused MODE" for each of
+``--modes`` (default reduce,load), each mode first checked bitwise against the others.
 With ``--modes``: "bwd fused MODE" (launches and, in bf16, the backward megakernel) and "wgrad
 gate+up fused MODE" for each of the bf16 weight gradients' ways of adding into main_grad
 (``gemm_wgrad.main_grad_add``: reduce, load) instead of
@@ -136,6 +140,53 @@ def variants(name: str, fp8: bool, modes=()) -> dict:
     return out, sum(t.numel() for t in ws)
 
 
+def virtual_variants(name: str, ranks: int, modes) -> tuple[dict, int]:
+    """Whole training steps on ``ranks`` virtual ranks (module docstring)."""
+    import dataclasses
+
+    import mok_cute as mok
+    from mok_cute.bench.problems import VirtualInputs, make_problem
+    from mok_cute.shapes import resolve_shape
+
+    shape = resolve_shape(name)
+    vi = VirtualInputs.split(make_problem(shape, device="cuda", seed=1, ranks=ranks), ranks)
+    x = vi.x.detach().requires_grad_()
+    w = vi.topk_weights.detach().requires_grad_()
+    params = [torch.nn.Parameter(t.detach()) for t in (vi.w_gate, vi.w_up, vi.w_down,
+                                                       *(vi.shared or ()))]
+    for t in params:
+        t.main_grad = torch.zeros(t.shape, device="cuda")
+    bufs = [t.main_grad for t in params]
+    d_out = torch.randn_like(vi.x)
+    plain = mok.MoKConfig(backend="megakernel", check_ids=False)
+    fused = dataclasses.replace(plain, fuse_wgrad_accumulation=True)
+    ws, shared = params[:3], tuple(params[3:]) or None
+
+    def step(config):
+        for t in (x, w, *params):
+            t.grad = None
+        mok.moe_forward_virtual(x, vi.topk_idx, w, *ws, shared=shared, config=config).backward(d_out)
+
+    def add():
+        step(plain)
+        for t in params:
+            t.main_grad.add_(t.grad)
+
+    for b in bufs:  # checked first: fused from zeros == the bf16 gradients, bitwise
+        b.zero_()
+    step(plain)
+    want = [t.grad.clone() for t in params]
+    step(fused)
+    for i, (b, g) in enumerate(zip(bufs, want)):
+        if not torch.equal(b.to(torch.bfloat16), g):
+            raise SystemExit(f"{name} R={ranks}: fused weight {i} from zeros is not its bf16 gradient")
+    check_modes(f"{name} R={ranks}", modes, lambda: step(fused), bufs)
+    out = {"step": lambda: step(plain), "step + add": add}
+    for mode in modes:
+        out[f"step fused {mode}"] = forced(mode, lambda: step(fused))
+    return out, sum(t.numel() for t in params)
+
+
 def main(argv=None):
     from mok_cute.bench.common import burn_in
     from mok_cute.bench.gpu_clock import ClockSampler
@@ -147,10 +198,15 @@ def main(argv=None):
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--modes", default="", help="e.g. reduce,load: time the ways of adding apart")
+    p.add_argument("--virtual", type=int, default=0, help="R: whole steps on R virtual ranks")
     args = p.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
     results = {}
     for name in shape_names(args.shapes):
-        runs, elements = variants(name, args.fp8, tuple(m for m in args.modes.split(",") if m))
+        if args.virtual:
+            runs, elements = virtual_variants(name, args.virtual, modes or ("reduce", "load"))
+        else:
+            runs, elements = variants(name, args.fp8, modes)
         times = {k: [] for k in runs}
         order = list(runs)
         burn_in(list(runs.values()), torch.device("cuda"))  # the first round at the sustained clock
