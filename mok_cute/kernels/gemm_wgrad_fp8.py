@@ -70,7 +70,9 @@ class WgradGemmFp8Sm90(TwoPartialMainloop, WgradGemmSm90):
     :param gated: two A operands (gate and up) sharing each B tile.
     :param group_m: M-tiles per rasterisation group inside an expert.
     :param num_sms: persistent grid size.
-    :param accumulate: add into fp32 C (``gemm_wgrad``'s, after the column scales).
+    :param accumulate: add into fp32 C (``gemm_wgrad``'s, after the column scales), always by
+        TMA reduce-add: ``gemm_wgrad``'s "load" form tied here (FP8 weight gradients run from
+        1024 rows an expert, where it stops gaining; docs/measurements.md, Tried and dropped).
     """
 
     def __init__(self, gated: bool, group_m: int = 4, num_sms: int = 132,
