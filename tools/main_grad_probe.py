@@ -13,8 +13,8 @@ beside the kernels'; FP8 with ``--fp8``):
     bwd + add              the same, then main_grad.add_(grad) for the three expert weights
     bwd fused              moe_backward(main_grads=...)
     wgrad / wgrad fused    the weight-gradient launches alone (gemm_wgrad, accumulate=True)
-With ``--virtual R`` (T the total tokens; qwen3.5_397b's fp32 main_grads do not fit an H100 beside
-it, custom shapes do): R virtual ranks trained through
+With ``--virtual R`` (a custom shape's T is the total over the ranks, MoK's shapes' T a rank's;
+qwen3.5_397b's fp32 main_grads do not fit an H100 beside it): R virtual ranks trained through
 ``moe_forward_virtual`` (backend "megakernel") under autograd, whole steps timed: "step" (bf16
 gradients), "step + add" (then main_grad.add_ per weight), "step fused MODE" for each of
 ``--modes`` (default reduce,load), each mode first checked bitwise against the others.
