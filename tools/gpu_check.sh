@@ -71,6 +71,8 @@
 #                   (tools/ncu_source_summary.py: stall PCs, every mbarrier wait's retry-loop share;
 #                   durations, SM / L2 / DRAM throughput), then their DRAM, L2 sector and request
 #                   counters of each launch (tools/ncu_summary.py --per-launch); CSVs gzipped under $OUT (~1 min a shape)
+#                   NCU_BACKWARD=1: one bf16 backward of each shape instead (its four GEMM
+#                   launches against the backward megakernel; tools/ncu_layer.py --backward)
 #   ep [N] [PARTS]  on a machine of N >= 2 GPUs (default: all): PARTS (default all, comma-
 #                   separated) of check (tools/ep_check.py, bf16 and kimi), example (the example
 #                   under torchrun, trained, rank 0's timeline; FP8 too), bench (`mok-cute bench
@@ -369,6 +371,7 @@ run_ncu() {
   # where a path's time goes (thirty-fourth session: the FP8 megakernel against its launches)
   local ncu shape metrics="" m field config=()
   for field in ${NCU_CONFIG:-precision=fp8}; do config+=(--mok-config "$field"); done
+  [ "${NCU_BACKWARD:-0}" = 1 ] && config=(--backward)
   ncu="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)"
   [ -n "$ncu" ] || { echo "no ncu on this machine"; failures=$((failures + 1)); return; }
   "$ncu" --query-metrics --chip gh100 > "$out/ncu_metrics.txt" 2>&1

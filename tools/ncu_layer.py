@@ -15,6 +15,9 @@ instructions it issues; ncu counts those, and the recorder and the clock probe c
 Run it under ``ncu --profile-from-start off`` on the GPU host (``gpu_check.sh ncu`` does, with
 the counters summed per shape and path by ``tools/ncu_summary.py`` and the per-SASS counters read
 by ``tools/ncu_source_summary.py``).
+``--backward``: one bf16 ``expert_backward.moe_backward`` of each shape instead (routed experts,
+no shared expert), its dgrads and weight gradients as four grouped-GEMM launches (path
+"expert_kernels") and as one backward-megakernel launch (path "megakernel"), checked bitwise.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def main() -> None:
     ap.add_argument("--mok-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a MoKConfig field of both paths, dotted for an options field, e.g. "
                     "megakernel.rows_in_place=False; repeatable")
+    ap.add_argument("--backward", action="store_true",
+                    help="one bf16 backward of each path instead of a forward call")
     a = ap.parse_args()
     try:
         overrides = parse_config_overrides(a.mok_config)
@@ -48,14 +53,16 @@ def main() -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     for name in shape_names(a.shapes):
-        _, forward = layer_call(name)
+        forward = backward_call(name) if a.backward else layer_call(name)[1]
         outs = {}
         for path, config in paths.items():
             for _ in range(a.warmup):
                 outs[path] = forward(config)
             torch.cuda.synchronize()
             megakernel.raise_pending_errors()
-        assert torch.equal(outs["megakernel"], outs["expert_kernels"]), f"{name}: paths differ"
+        assert all(torch.equal(m, k) for m, k in zip(_tensors(outs["megakernel"]),
+                                                     _tensors(outs["expert_kernels"]))), \
+            f"{name}: paths differ"
         for path, config in paths.items():
             torch.cuda.synchronize()
             torch.cuda.profiler.start()
@@ -68,6 +75,33 @@ def main() -> None:
             torch.cuda.nvtx.range_pop()
             torch.cuda.profiler.stop()
         print(f"{name}: profiled one call of each path", flush=True)
+
+
+def _tensors(out):
+    return [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
+
+
+def backward_call(name: str, seed: int = 1):
+    """A shape's saved bf16 training forward (routed experts) and ``backward(config)``: its
+    ``moe_backward`` with the dgrads by ``config.backend`` ("megakernel": the one launch)."""
+    import mok_cute
+    from mok_cute import expert_backward, expert_path
+    from mok_cute.bench.problems import make_problem
+    from mok_cute.shapes import resolve_shape
+
+    p = make_problem(resolve_shape(name), device="cuda", seed=seed)
+    i = p.inputs
+    cfg = mok_cute.MoKConfig(backend="kernel", check_ids=False)
+    with torch.no_grad():
+        _, saved = expert_path.moe_forward_kernel(i.x, i.topk_idx, i.topk_weights, p.w_gate,
+                                                  p.w_up, p.w_down, None, cfg, save=True)
+    d_out = torch.randn_like(i.x)
+
+    def backward(config):
+        dgrads = "megakernel" if config.backend == "megakernel" else "kernels"
+        return expert_backward.moe_backward(d_out, i.x, i.topk_idx, i.topk_weights, p.w_gate,
+                                            p.w_up, p.w_down, None, saved, dgrads=dgrads)
+    return backward
 
 
 if __name__ == "__main__":
