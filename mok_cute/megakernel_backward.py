@@ -84,9 +84,6 @@ _TABLES = BoundedCache(32, pinned=lambda tables: tables.order.captured)
 _LOCK = threading.Lock()
 
 
-# TEMPORARY (thirty-ninth session's A/B, to be removed): the dgrads by dynamic tickets (a CTA
-# takes its next dgrad position from one counter) instead of the static stride
-TEMPORARY_DGRAD_TICKETS = False
 RASTER_M = 8  # M-tiles per raster group of the dgrad tasks (tasks_backward: L2 reuse of weights)
 
 
@@ -243,9 +240,8 @@ def _build_tables(capacity_tiles, num_experts, hidden, inter, num_ctas, timeout_
         queue=as_i32(queue),
         live_len=as_i32(live_len),
         counter_offsets=as_i32(offsets),
-        # the task counters, then the weight gradients' ticket counter, the KSUMs', the
-        # dgrads' (TEMPORARY_DGRAD_TICKETS)
-        counters=torch.zeros(int(offsets[-1]) + 3, dtype=torch.int32, device=device),
+        # the task counters, then the weight gradients' ticket counter, the KSUMs'
+        counters=torch.zeros(int(offsets[-1]) + 2, dtype=torch.int32, device=device),
         error=torch.zeros(1, dtype=torch.int64, device=device),
         scalars=torch.tensor([int(timeout_ms * 1e6), per_mb, tail_begin, queue_len, fc2_count,
                               ksum_begin], dtype=torch.int64, device=device),
@@ -583,8 +579,7 @@ def _launch(d_rows, x_rows, w_gate, w_up, w_down, preact, row_slot, weights, til
                                 accumulate_wgrads=accumulate, timeline=timeline is not None,
                                 main_grad_add=_main_grad_add(rows, num_experts, shared_dims,
                                                              routed, rows_per_expert)
-                                if accumulate else "reduce",
-                                dgrad_tickets=TEMPORARY_DGRAD_TICKETS)
+                                if accumulate else "reduce")
     if before_launch is not None:
         before_launch()
     kernel(t.tasks, t.queue, t.live_len, t.counter_offsets, t.counters, error, num_tiles,

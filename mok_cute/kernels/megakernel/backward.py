@@ -138,7 +138,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
     def __init__(self, num_ctas: int = 132, fc2_pingpong: bool = False, comm_ctas: int = 0,
                  ksum_top_k: int = 0, ksum_shared: bool = False, shared: bool = False,
                  accumulate_wgrads: bool = False, timeline: bool = False,
-                 main_grad_add: str = "reduce", dgrad_tickets: bool = False):
+                 main_grad_add: str = "reduce"):
         GemmCoreSm90.__init__(self, BACKWARD_TILE_N, pingpong=False, b_mn_major=True,
                               epi_outputs=3)
         self.save_preact = False  # row_epilogue: only the dgated visit runs here
@@ -151,7 +151,6 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         self.accumulate_wgrads = accumulate_wgrads
         self.wgrad_adds_by_load = adds_by_load(accumulate_wgrads, main_grad_add)
         self.timeline = timeline
-        self.dgrad_tickets = dgrad_tickets  # TEMPORARY: megakernel_backward.TEMPORARY_DGRAD_TICKETS
         # the register split stays 40 / 232: the dgated epilogue spills at 216 and below
         # (ptxas, swept offline)
 
@@ -395,7 +394,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                                    counter_offsets, counters, error, Int64(scalars[0]),
                                    ab_pipeline, sA, sB,
                                    loads, w_loads, w_layouts, tail_ring, task_ring, shared,
-                                   timeline_buf, fc2_end)
+                                   timeline_buf)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             if const_expr(self.fc2_pingpong):
@@ -453,8 +452,7 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
     def producer_loop(self, walk, first: Int32, tile_expert: cute.Tensor, expert_offsets: cute.Tensor,
                       counter_offsets: cute.Tensor, counters: cute.Tensor, error: cute.Tensor,
                       timeout_ns: Int64, ab_pipeline, sA, sB, ops, wgrad_ops, w_layouts,
-                      tail_ring, task_ring, shared: SharedOperands, timeline_buf: cute.Tensor,
-                      fc2_end: Int32):
+                      tail_ring, task_ring, shared: SharedOperands, timeline_buf: cute.Tensor):
         """The load warp from walk position ``first``: per dgrad its waits (each lane spins on
         its own copy), then its k-tiles' A and B boxes by TMA; then the weight gradients by
         tickets (``wgrad_producer_tickets``). Its lane 0 also publishes each position's
@@ -474,24 +472,12 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         tasks, _, live_len, _, _, _ = walk
         loads = Int32(0)
         pos = first
-        start = Int32(0)  # TEMPORARY (dgrad_tickets): the walk's first dgrad position
-        if const_expr(self.dgrad_tickets):
-            if const_expr(self.fc2_pingpong):
-                start = fc2_end
-            pos = start + self._take_dgrad_ticket(counters, counter_offsets)
         run, ttype, m_tile, n_tile, _, _, _, index = self._task(walk, pos, counter_offsets)
         base = self._ring_base(first)
-        if const_expr(self.dgrad_tickets):
-            use = Int32(0)
-            self._publish_dgrad(task_ring, use, tasks, counter_offsets, run, ttype, m_tile,
-                                n_tile, index, pos)
-        else:
-            self._publish_dgrad(task_ring, self._ring_use(pos, base), tasks, counter_offsets,
-                                run, ttype, m_tile, n_tile, index)
+        self._publish_dgrad(task_ring, self._ring_use(pos, base), tasks, counter_offsets, run,
+                            ttype, m_tile, n_tile, index)
         while pos < live_len:  # the dgrads
             nxt = pos + self.num_ctas
-            if const_expr(self.dgrad_tickets):
-                nxt = start + self._take_dgrad_ticket(counters, counter_offsets)
             n_run, n_type, n_m, n_n, _, _, _, n_index = self._task(walk, nxt, counter_offsets)
             if run:
                 self.wait_task_recorded(tasks, index, expert_offsets, counter_offsets, counters,
@@ -553,13 +539,8 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
             # under them); its consumers read them after this task's epilogue. Deadlock-free:
             # use k waits for the consumers to give back use k - 4, which they do when they
             # take use k - 3, whose loads went out before
-            if const_expr(self.dgrad_tickets):
-                use += 1
-                self._publish_dgrad(task_ring, use, tasks, counter_offsets, n_run, n_type, n_m,
-                                    n_n, n_index, nxt)
-            else:
-                self._publish_dgrad(task_ring, self._ring_use(nxt, base), tasks,
-                                    counter_offsets, n_run, n_type, n_m, n_n, n_index)
+            self._publish_dgrad(task_ring, self._ring_use(nxt, base), tasks, counter_offsets,
+                                n_run, n_type, n_m, n_n, n_index)
             run, ttype, m_tile, n_tile, index = n_run, n_type, n_m, n_n, n_index
             pos = nxt
         # the weight gradients (the tail), by tickets
@@ -648,13 +629,9 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
         held = Int32(-1)  # the counter whose publish waits for the next mainloop (-1: none)
         pos = first
         base = self._ring_base(first)
-        use = Int32(0)  # TEMPORARY (dgrad_tickets): the ring use of ``pos``
-        if const_expr(self.dgrad_tickets):
-            pos = self._dgrad_pos(task_ring, use)
         while pos < live_len:  # the dgrads
-            if const_expr(not self.dgrad_tickets):
-                use = self._ring_use(pos, base)
-            run, ttype, m_tile, n_tile, index = self._dgrad_words(task_ring, use)
+            run, ttype, m_tile, n_tile, index = self._dgrad_words(
+                task_ring, self._ring_use(pos, base))
             if run:
                 k_tiles = self._k_tiles(ttype, t_dy, t_dp, shared)
                 self.rec_stamp(recorder, START)
@@ -715,27 +692,19 @@ class BackwardMegakernelSm90(BackwardWalkMixin, Fc2PingpongTasksMixin, WgradTask
                 # CTA (docstring: the defer rule); otherwise now. At one rank this takes
                 # FC1_DGRAD's wait for its stores off the path between tasks.
                 nxt = pos + self.num_ctas
-                if const_expr(self.dgrad_tickets):
-                    nxt = self._dgrad_pos(task_ring, use + 1)
                 defer = False
                 if nxt < live_len:
-                    n_use = use + 1
-                    if const_expr(not self.dgrad_tickets):
-                        n_use = self._ring_use(nxt, base)
-                    n_run, n_waits, n_group, group = self._next_dgrad_words(task_ring, n_use)
+                    n_run, n_waits, n_group, group = self._next_dgrad_words(
+                        task_ring, self._ring_use(nxt, base))
                     defer = n_run and (n_waits == 0 or n_group == int(BackwardCounter.PULLED)
                                        or group == int(BackwardCounter.DX_DONE)
                                        or group == int(BackwardCounter.SHARED_DX))
-                signal = ring_words(task_ring[0], use)[D_SIGNAL]
+                signal = ring_words(task_ring[0], self._ring_use(pos, base))[D_SIGNAL]
                 if defer:
                     held = signal
                 else:
                     common.publish_stored(counters, signal, is_store_warp, consumer_tidx == 0)
-            if const_expr(self.dgrad_tickets):
-                pos = self._dgrad_pos(task_ring, use + 1)
-                use += 1
-            else:
-                pos += self.num_ctas
+            pos += self.num_ctas
         if held >= 0:
             common.publish_stored(counters, held, is_store_warp, consumer_tidx == 0)
         # the weight gradients (the tail), on the other tile form
@@ -768,13 +737,11 @@ def compile_backward_megakernel(arch: str = "sm_90a", options: str = "", num_cta
                                 fc2_pingpong: bool = False, comm_ctas: int = 0,
                                 ksum_top_k: int = 0, ksum_shared: bool = False,
                                 shared: bool = False, accumulate_wgrads: bool = False,
-                                timeline: bool = False, main_grad_add: str = "reduce",
-                                dgrad_tickets: bool = False):
+                                timeline: bool = False, main_grad_add: str = "reduce"):
     """Compile on fake tensors (no GPU needed); every extent is a run-time value. The result
     takes torch tensors (TVM-FFI) in ``__call__``'s order."""
     kernel = BackwardMegakernelSm90(num_ctas, fc2_pingpong, comm_ctas, ksum_top_k, ksum_shared,
-                                    shared, accumulate_wgrads, timeline, main_grad_add,
-                                    dgrad_tickets)
+                                    shared, accumulate_wgrads, timeline, main_grad_add)
     return cute.compile(kernel, *fake_arguments(accumulate_wgrads),
                         options=jit.compile_options(arch, f"--enable-tvm-ffi {options}"))
 

@@ -22,7 +22,7 @@ from cutlass import Int32, Int64, const_expr
 from mok_cute.constants import TILE_M
 from mok_cute.kernels import common
 from mok_cute.kernels.megakernel.backward_comm import signal_slot
-from mok_cute.kernels.megakernel.scheduler import (D_EXPERT, D_INDEX, D_MTILE, D_NTILE, D_NUM_WAITS,
+from mok_cute.kernels.megakernel.scheduler import (D_INDEX, D_MTILE, D_NTILE, D_NUM_WAITS,
                                                    D_RANK, D_RING_TILE, D_SIGNAL, D_TYPE,
                                                    RUN_FLAG, TICKET_SLOTS, ring_next,
                                                    ring_wait_empty, ring_wait_full, ring_words)
@@ -32,8 +32,6 @@ from mok_cute.tasks_backward import EXPERT_TILES, BackwardWord
 # backward has no use for hold the counter groups of the defer rule: the task's signal group
 # and its first wait's group
 D_SIGNAL_GROUP, D_WAIT_GROUP = D_RANK, D_RING_TILE
-# TEMPORARY (dgrad_tickets): the walk position of a ring use, in a slot the backward leaves free
-D_POS = D_EXPERT
 
 
 class BackwardWalkMixin:
@@ -105,29 +103,8 @@ class BackwardWalkMixin:
         return pos // self.num_ctas - base
 
     @cute.jit
-    def _take_dgrad_ticket(self, counters: cute.Tensor, counter_offsets: cute.Tensor) -> Int32:
-        """TEMPORARY (dgrad_tickets): lane 0 of the load warp takes the next dgrad ticket from
-        the counter after the tail's and the KSUMs' (relaxed: the ring orders what follows);
-        every lane gets it."""
-        slot = counter_offsets[cute.size(counter_offsets) - 1] + 2
-        t = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            t = cute.arch.atomic_add((counters.iterator + slot).llvm_ptr, Int32(1),
-                                     sem="relaxed", scope="gpu")
-        return cute.arch.shuffle_sync(t, 0)
-
-    @cute.jit
-    def _dgrad_pos(self, task_ring, k: Int32) -> Int32:
-        """TEMPORARY (dgrad_tickets): a consumer thread's walk position of ring use ``k``
-        (waits for its publish)."""
-        ring_q, bars = task_ring
-        ring_wait_full(bars, k)
-        return ring_words(ring_q, k)[D_POS]
-
-    @cute.jit
     def _publish_dgrad(self, ring, k: Int32, tasks: cute.Tensor, counter_offsets: cute.Tensor,
-                       run, ttype: Int32, m_tile: Int32, n_tile: Int32, index: Int32,
-                       pos: Int32 = None):
+                       run, ttype: Int32, m_tile: Int32, n_tile: Int32, index: Int32):
         """Lane 0 of the load warp writes the decoded words of a dgrad walk position
         (``_task``'s; its counter slot, wait count and groups read again here, from lines the
         decode brought into L1: held through the loads they spilled) as ring use ``k`` (the
@@ -145,8 +122,6 @@ class BackwardWalkMixin:
             words[D_NUM_WAITS] = tasks[index, int(BackwardWord.NUM_WAITS)]
             words[D_SIGNAL_GROUP] = tasks[index, int(BackwardWord.SIGNAL_GROUP)]
             words[D_WAIT_GROUP] = tasks[index, int(BackwardWord.WAITS)]
-            if const_expr(pos is not None):
-                words[D_POS] = pos
             cute.arch.mbarrier_arrive(bars + k % TICKET_SLOTS)  # release: the words, then the phase
 
     @cute.jit
