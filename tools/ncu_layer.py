@@ -53,11 +53,11 @@ def main() -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     for name in shape_names(a.shapes):
-        forward = backward_call(name) if a.backward else layer_call(name)[1]
+        call = backward_call(name) if a.backward else layer_call(name)[1]
         outs = {}
         for path, config in paths.items():
             for _ in range(a.warmup):
-                outs[path] = forward(config)
+                outs[path] = call(config)
             torch.cuda.synchronize()
             megakernel.raise_pending_errors()
         assert all(torch.equal(m, k) for m, k in zip(_tensors(outs["megakernel"]),
@@ -70,7 +70,7 @@ def main() -> None:
             # a marker launch (spin_kernel) before each path's call: ncu_summary.by_path counts
             # the launches after it as this path's, its prep launches included
             torch.cuda._sleep(1)
-            forward(config)
+            call(config)
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_pop()
             torch.cuda.profiler.stop()
