@@ -71,7 +71,7 @@
 #                   (tools/ncu_source_summary.py: stall PCs, every mbarrier wait's retry-loop share;
 #                   durations, SM / L2 / DRAM throughput), then their DRAM, L2 sector and request
 #                   counters of each launch (tools/ncu_summary.py --per-launch); CSVs gzipped under $OUT (~1 min a shape)
-#                   NCU_BACKWARD=1: one bf16 backward of each shape instead (its four GEMM
+#                   NCU_BACKWARD=1: one bf16 backward of each shape instead (NCU_CONFIG unused; its four GEMM
 #                   launches against the backward megakernel; tools/ncu_layer.py --backward)
 #   ep [N] [PARTS]  on a machine of N >= 2 GPUs (default: all): PARTS (default all, comma-
 #                   separated) of check (tools/ep_check.py, bf16 and kimi), example (the example

@@ -17,7 +17,8 @@ the counters summed per shape and path by ``tools/ncu_summary.py`` and the per-S
 by ``tools/ncu_source_summary.py``).
 ``--backward``: one bf16 ``expert_backward.moe_backward`` of each shape instead (routed experts,
 no shared expert), its dgrads and weight gradients as four grouped-GEMM launches (path
-"expert_kernels") and as one backward-megakernel launch (path "megakernel"), checked bitwise.
+"expert_kernels") and as one backward-megakernel launch (path "megakernel"), checked bitwise;
+no ``--mok-config`` with it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true",
                     help="one bf16 backward of each path instead of a forward call")
     a = ap.parse_args()
+    if a.backward and a.mok_config:  # backward_call runs bf16 on its own options: say so
+        raise SystemExit("--mok-config: --backward profiles the bf16 backward with the default "
+                         "options and takes no config field")
     try:
         overrides = parse_config_overrides(a.mok_config)
         paths = {"expert_kernels": apply_config_overrides(MoKConfig(check_ids=False), overrides),
